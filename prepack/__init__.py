@@ -1,0 +1,54 @@
+"""prepack: pack tokenized documents into fixed-length rows once, offline, and train on them with
+exact per-document attention.
+
+    import prepack
+    manifest = prepack.build("corpus.parquet", "packed/", max_len=8192)
+    dataset = prepack.PackedDataset("packed/")              # torch; imported on first use
+    collate = prepack.PackedCollator(max_len=8192)
+    model = prepack.enable_packing(model)
+
+`import prepack` does not import torch or transformers: the loader and the attention integration
+are loaded when their names are first used.
+"""
+
+from importlib import import_module
+from importlib.metadata import version
+
+from prepack.build import build
+from prepack.errors import FormatError, InputError, IsolationError, OutputError, PrepackError
+from prepack.format import FORMAT_VERSION, Manifest, read_manifest
+
+__version__ = version("prepack")
+
+# Public names that need torch, and the module that defines each.
+_LAZY = {
+    "PackedDataset": "prepack.load",
+    "PackedSampler": "prepack.load",
+    "PackedCollator": "prepack.collate",
+    "enable_packing": "prepack.attention",
+}
+
+__all__ = sorted(
+    [
+        "FORMAT_VERSION",
+        "FormatError",
+        "InputError",
+        "IsolationError",
+        "Manifest",
+        "OutputError",
+        "PrepackError",
+        "build",
+        "read_manifest",
+        *_LAZY,
+    ]
+)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'prepack' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,182 @@
+"""`build`: corpus in, shard directory out — read → plan → write, with progress and a manifest.
+
+Memory stays bounded by the shard size, not the corpus: the first pass copies every document's
+tokens once into a flat scratch file beside the output and keeps only their lengths in memory; the
+plan is computed from the lengths; the second pass gathers each shard's tokens from the scratch file
+through a memory map that lives only as long as that shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from prepack.errors import InputError
+from prepack.format import BuildOptions, InputFile, Manifest, Totals, write_manifest
+from prepack.plan_layout import PackingPlan, plan_packs
+from prepack.read import Corpus, find_corpus, read_documents
+from prepack.write import shard_bounds, staged_directory, write_shard
+
+__all__ = ["DEFAULT_SHARD_SIZE", "build"]
+
+DEFAULT_SHARD_SIZE = 256 * 2**20  # bytes; a few thousand 8k-token packs, quick to map and to hash
+
+
+@dataclass(frozen=True)
+class _StoredCorpus:
+    """What the first pass keeps: document lengths, per-file row counts and the fingerprint."""
+
+    lengths: np.ndarray  # int64, one per corpus row
+    rows_per_file: list[int]
+    fingerprint: str
+    has_labels: bool
+
+
+def _store_documents(
+    corpus: Corpus, column: str, labels_column: str | None, scratch: Path, progress: Progress
+) -> _StoredCorpus:
+    used_labels, batches = read_documents(corpus, column, labels_column)
+    rows_per_file = {path: 0 for path in corpus.files}
+    lengths = []
+    # Separate hashes per stream make the fingerprint independent of how files split into batches.
+    digests = {"lengths": hashlib.sha256(), "ids": hashlib.sha256(), "labels": hashlib.sha256()}
+    task = progress.add_task("read", total=len(corpus.files), unit="files")
+    done_files: set[Path] = set()
+    with open(scratch / "ids.bin", "wb") as ids_file, open(scratch / "labels.bin", "wb") as labels_file:
+        for batch in batches:
+            batch_lengths = np.diff(batch.offsets)
+            lengths.append(batch_lengths)
+            rows_per_file[batch.file] += len(batch_lengths)
+            digests["lengths"].update(batch_lengths.astype("<i8").tobytes())
+            digests["ids"].update(batch.ids.astype("<i4", copy=False).data)
+            ids_file.write(batch.ids.data)
+            if batch.labels is not None:
+                digests["labels"].update(batch.labels.astype("<i4", copy=False).data)
+                labels_file.write(batch.labels.data)
+            done_files.add(batch.file)
+            progress.update(task, completed=len(done_files) - 1, description=f"read {batch.file.name}")
+    progress.update(task, completed=len(corpus.files), description="read")
+    fingerprint = hashlib.sha256(b"".join(d.digest() for d in digests.values())).hexdigest()
+    return _StoredCorpus(
+        lengths=np.concatenate(lengths) if lengths else np.empty(0, np.int64),
+        rows_per_file=[rows_per_file[path] for path in corpus.files],
+        fingerprint=fingerprint,
+        has_labels=used_labels is not None,
+    )
+
+
+def _locate_row(corpus: Corpus, rows_per_file: list[int], row: int) -> tuple[Path, int]:
+    """Global row number → (file, row within the file)."""
+    ends = np.cumsum(rows_per_file)
+    index = int(np.searchsorted(ends, row, "right"))
+    return corpus.files[index], row - int(ends[index] - rows_per_file[index])
+
+
+def _write_shards(
+    plan: PackingPlan,
+    staging: Path,
+    scratch: Path,
+    has_labels: bool,
+    shard_size: int,
+    progress: Progress,
+):
+    token_counts = np.add.reduceat(plan.lengths, plan.pack_offsets[:-1]) if plan.packs else np.empty(0)
+    docs_per_pack = np.diff(plan.pack_offsets)
+    # Estimated bytes per pack: token columns, per-document columns, per-pack offsets and max_seqlen.
+    pack_bytes = token_counts * 4 * (3 if has_labels else 2) + docs_per_pack * 20 + 36
+    bounds = shard_bounds(pack_bytes, shard_size)
+    task = progress.add_task("write", total=plan.packs, unit="packs")
+    shards = []
+    for index, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        # A map per shard, dropped afterwards, keeps resident memory at one shard's worth.
+        tokens = np.memmap(scratch / "ids.bin", dtype=np.int32, mode="r")
+        labels = np.memmap(scratch / "labels.bin", dtype=np.int32, mode="r") if has_labels else None
+        shards.append(write_shard(staging, index, plan.slice(first, end), tokens, labels))
+        del tokens, labels
+        progress.update(task, completed=int(end))
+    return shards
+
+
+def build(
+    corpus: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    max_len: int,
+    column: str = "input_ids",
+    labels_column: str = "labels",
+    algorithm: str = "ffd",
+    overflow: str = "split",
+    seed: int = 0,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    overwrite: bool = False,
+    progress: bool = False,
+    console: Console | None = None,
+) -> Manifest:
+    """Pack a tokenized corpus into shards under `out` and return the manifest written there.
+
+    >>> manifest = build("corpus.parquet", "packed/", max_len=8192)   # doctest: +SKIP
+    >>> manifest.totals.packs, manifest.totals.padding_tokens           # doctest: +SKIP
+
+    `labels_column` is carried into the shards when every corpus file has it. Raises `InputError`
+    for bad input and `OutputError` when `out` exists (unless `overwrite`); in both cases nothing
+    is written.
+    """
+    try:
+        options = BuildOptions(
+            max_len=max_len,
+            algorithm=algorithm,
+            overflow=overflow,
+            seed=seed,
+            shard_size=shard_size,
+            column=column,
+            labels_column=labels_column,
+        )
+    except ValueError as exc:
+        raise InputError(f"invalid build options:\n{exc}") from None
+    found = find_corpus(corpus)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with (
+        Progress(SpinnerColumn(), *columns, console=console, disable=not progress) as bar,
+        staged_directory(Path(out), overwrite) as staging,
+    ):
+        scratch = staging / ".scratch"
+        scratch.mkdir()
+        stored = _store_documents(found, column, labels_column, scratch, bar)
+        if len(stored.lengths) == 0:
+            raise InputError(f"{corpus}: the corpus has no documents.")
+        if not stored.lengths.any():
+            raise InputError(f"{corpus}: all {len(stored.lengths)} documents are empty.")
+        if overflow == "error" and (stored.lengths > max_len).any():
+            row = int(np.flatnonzero(stored.lengths > max_len)[0])
+            path, file_row = _locate_row(found, stored.rows_per_file, row)
+            raise InputError(
+                f"{path}, row {file_row}, column {column!r}: {stored.lengths[row]} tokens, longer "
+                f"than --max-len {max_len} (choose --overflow split, truncate or drop)."
+            )
+        planning = bar.add_task("plan", total=None)
+        plan = plan_packs(stored.lengths, max_len, algorithm=algorithm, overflow=overflow, seed=seed)
+        bar.update(planning, total=1, completed=1)
+        shards = _write_shards(plan, staging, scratch, stored.has_labels, shard_size, bar)
+        shutil.rmtree(scratch)
+        manifest = Manifest(
+            prepack_version=version("prepack"),
+            options=options.model_copy(update={"labels_column": labels_column if stored.has_labels else None}),
+            has_labels=stored.has_labels,
+            fingerprint=stored.fingerprint,
+            inputs=[
+                InputFile(path=found.name(path), rows=rows)
+                for path, rows in zip(found.files, stored.rows_per_file)
+            ],
+            totals=Totals(**plan.totals(), documents=len(stored.lengths)),
+            shards=shards,
+        )
+        write_manifest(staging, manifest)
+    return manifest

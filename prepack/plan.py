@@ -1,0 +1,214 @@
+"""The packing planner: which pack every document goes into.
+
+Both algorithms see the documents in the same order: a stable sort by length, longest first, so
+equal lengths keep their input order. That makes the plan a pure function of the length column,
+reproducible across runs and machines.
+
+first-fit-decreasing ("ffd")
+    Each document goes into the lowest-numbered pack with room for it (remaining capacity >=
+    length), else into a new pack. A max segment tree over pack slots finds that pack in
+    O(log packs); slots not opened yet hold a full capacity, so "the next pack to open" is simply
+    the leftmost such slot and needs no special case.
+
+best-fit-decreasing ("bfd")
+    Each document goes into the pack with the least remaining capacity that still fits it, ties
+    to the lowest-numbered pack, else into a new pack. Open packs are bucketed by remaining
+    capacity: a min segment tree over capacities 0..max_len finds the smallest non-empty bucket
+    >= length, and each bucket is a pairing heap of pack numbers whose root is the lowest one.
+
+Packs are numbered 0, 1, ... in the order they are opened. The whole plan is O(n log n) time
+(O(n + max_len) for the sort) and O(n + max_len) memory; max_len is a context length, so small.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numba
+import numpy as np
+
+__all__ = ["assign_packs"]
+
+_ALGORITHMS = ("ffd", "bfd")
+
+
+def assign_packs(lengths: np.ndarray, max_len: int, algorithm: str = "ffd") -> np.ndarray:
+    """Pack number (int32, 0-based, in the order packs are opened) of every document.
+
+    `lengths` is a 1-D integer array with every value in [1, max_len]; the caller has already
+    split, truncated or dropped the documents that do not fit, so anything else is a bug and
+    raises ValueError.
+    """
+    if algorithm not in _ALGORITHMS:
+        raise ValueError(f"unknown packing algorithm {algorithm!r}; expected one of {_ALGORITHMS}")
+    max_len = operator.index(max_len)
+    if not 1 <= max_len < 2**31:  # capacities are kept in int32
+        raise ValueError(f"max_len must be in [1, 2**31), got {max_len}")
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"lengths must be a 1-D integer array, got {lengths.ndim}-D {lengths.dtype}")
+    if len(lengths) == 0:
+        return np.empty(0, np.int32)
+    if lengths.min() < 1 or lengths.max() > max_len:
+        raise ValueError(f"every length must be in [1, {max_len}], got [{lengths.min()}, {lengths.max()}]")
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)  # one compiled specialisation
+    # Any-fit algorithms leave no two packs that together fit in one (the later one's first
+    # document did not fit in the earlier), so at most 2*ceil(total/max_len) - 1 packs open.
+    max_packs = min(len(lengths), 2 * -(-int(lengths.sum()) // max_len) + 1)
+    kernel = _ffd if algorithm == "ffd" else _bfd
+    return kernel(lengths, max_len, max_packs)
+
+
+@numba.njit(cache=True)
+def _order_longest_first(lengths, max_len):
+    """Stable counting sort: document indices by length descending, ties by index ascending."""
+    # Slot max_len - x holds length x, so slots ascend as lengths descend.
+    start = np.zeros(max_len + 1, np.int64)
+    for x in lengths:
+        start[max_len - x + 1] += 1
+    for slot in range(1, max_len + 1):  # prefix sum: start[slot] = documents in earlier slots
+        start[slot] += start[slot - 1]
+    order = np.empty(len(lengths), np.int64)
+    for i in range(len(lengths)):
+        slot = max_len - lengths[i]
+        order[start[slot]] = i
+        start[slot] += 1
+    return order
+
+
+@numba.njit(cache=True)
+def _ffd(lengths, max_len, max_packs):
+    size = 1
+    while size < max_packs:
+        size *= 2
+    # Implicit binary tree: leaves size..2*size-1 are pack slots holding remaining capacity,
+    # each inner node the max of its children. The bound on max_packs guarantees a free slot.
+    tree = np.full(2 * size, max_len, np.int32)
+    out = np.empty(len(lengths), np.int32)
+    prev_need, node = 0, 1
+    for i in _order_longest_first(lengths, max_len):
+        need = lengths[i]
+        if need == prev_need:
+            # Packs left of the previous equal-length document's pack had no room for it and only
+            # fill up, so search rightwards from there: O(log distance), usually the same pack.
+            while tree[node] < need:
+                while node & 1:  # climb until there is a right sibling ...
+                    node //= 2
+                node += 1  # ... and move onto it
+            # (the climb cannot pass the root: a fitting slot exists right of the previous one)
+        else:
+            prev_need, node = need, 1
+        while node < size:  # descend towards the leftmost leaf with room
+            node *= 2
+            if tree[node] < need:
+                node += 1
+        out[i] = node - size
+        tree[node] -= need
+        node //= 2
+        while node >= 1:  # stop as soon as an ancestor's max is unaffected
+            m = max(tree[2 * node], tree[2 * node + 1])
+            if tree[node] == m:
+                break
+            tree[node] = m
+            node //= 2
+    return out
+
+
+@numba.njit(cache=True)
+def _set_leaf(tree, size, leaf, value):
+    node = size + leaf
+    tree[node] = value
+    node //= 2
+    while node >= 1:
+        m = min(tree[2 * node], tree[2 * node + 1])
+        if tree[node] == m:
+            break
+        tree[node] = m
+        node //= 2
+
+
+@numba.njit(cache=True)
+def _min_from(tree, size, leaf):
+    """Minimum over leaves leaf..size-1 (the classic bottom-up range query with an open end)."""
+    best = tree[0]  # tree[0] is unused by the tree and holds the "empty" value
+    lo, hi = leaf + size, 2 * size
+    while lo < hi:
+        if lo & 1:
+            best = min(best, tree[lo])
+            lo += 1
+        lo //= 2
+        hi //= 2
+    return best
+
+
+@numba.njit(cache=True)
+def _link(a, b, child, sibling):
+    """Merge two pairing-heap roots; the lower pack number stays on top."""
+    if b < a:
+        a, b = b, a
+    sibling[b] = child[a]
+    child[a] = b
+    return a
+
+
+@numba.njit(cache=True)
+def _pop(root, child, sibling, stack):
+    """Remove `root` from its pairing heap and return the new root (-1 if now empty)."""
+    # Two-pass pairing (link neighbours left to right, then fold right to left) is what gives the
+    # amortised O(log n) bound; linking the children one by one would degrade to O(n).
+    count = 0
+    a = child[root]
+    while a >= 0:
+        b = sibling[a]
+        if b < 0:
+            stack[count] = a
+            count += 1
+            break
+        after = sibling[b]
+        stack[count] = _link(a, b, child, sibling)
+        count += 1
+        a = after
+    if count == 0:
+        return -1
+    top = stack[count - 1]
+    for j in range(count - 2, -1, -1):
+        top = _link(stack[j], top, child, sibling)
+    return top
+
+
+@numba.njit(cache=True)
+def _bfd(lengths, max_len, max_packs):
+    size = 1
+    while size <= max_len:
+        size *= 2
+    none = max_len + 1
+    # Leaf c of the min tree is c while some open pack has exactly c tokens left, else `none`.
+    tree = np.full(2 * size, none, np.int32)
+    heap = np.full(max_len + 1, -1, np.int32)  # root (lowest pack number) of bucket c's heap
+    child = np.full(max_packs, -1, np.int32)
+    sibling = np.full(max_packs, -1, np.int32)
+    stack = np.empty(max_packs, np.int32)
+    out = np.empty(len(lengths), np.int32)
+    packs = 0
+    for i in _order_longest_first(lengths, max_len):
+        need = lengths[i]
+        left = _min_from(tree, size, need)
+        if left == none:
+            pack = packs
+            packs += 1
+            left = max_len
+        else:
+            pack = heap[left]
+            heap[left] = _pop(pack, child, sibling, stack)
+            if heap[left] < 0:
+                _set_leaf(tree, size, left, none)
+        out[i] = pack
+        left -= need
+        if left > 0:  # a full pack can never be chosen again, so it leaves the structure
+            child[pack] = -1
+            if heap[left] < 0:
+                heap[left] = pack
+                _set_leaf(tree, size, left, left)
+            else:
+                heap[left] = _link(heap[left], pack, child, sibling)
+    return out
