@@ -24,6 +24,8 @@ __all__ = [
     "InputFile",
     "Manifest",
     "ShardInfo",
+    "TokenizeOptions",
+    "TokenizerInfo",
     "Totals",
     "check_shard",
     "open_shard",
@@ -63,6 +65,22 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TokenizerInfo(_Model):
+    name: str = Field(description="The tokenizer directory's or file's name.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 over its files, by sorted name.")
+
+
+class TokenizeOptions(_Model):
+    """How text or chat documents became tokens, when `prepack build` tokenized them."""
+
+    tokenizer: TokenizerInfo
+    mode: Literal["text", "chat"]
+    column: str = Field(description="The text column, or the messages column in chat mode.")
+    chat_template_sha256: str | None = Field(description="sha256 of the chat template used (chat mode).")
+    train_on: Literal["assistant", "all"] = Field(description="Chat mode: which tokens keep their labels.")
+    eos: bool = Field(description="Whether EOS was appended to every text document.")
+
+
 class BuildOptions(_Model):
     """Every option that changes the bytes of the output."""
 
@@ -75,6 +93,9 @@ class BuildOptions(_Model):
     shard_size: int = Field(ge=1, description="Target shard size in bytes.")
     column: str = Field(description="Token column read from the corpus.")
     labels_column: str | None = Field(description="Labels column carried through, if the corpus had one.")
+    tokenize: TokenizeOptions | None = Field(
+        default=None, description="Set when the corpus was text or chat, tokenized by the build."
+    )
 
 
 class InputFile(_Model):
