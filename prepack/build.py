@@ -142,6 +142,9 @@ def build(
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
     found = find_corpus(corpus)
+    inside = [f for f in found.files if f.resolve().is_relative_to(Path(out).resolve())]
+    if inside:
+        raise InputError(f"{inside[0]}: the corpus includes files inside --out {out}; choose another --out.")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with (
         Progress(SpinnerColumn(), *columns, console=console, disable=not progress) as bar,

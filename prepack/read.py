@@ -220,8 +220,8 @@ def _row_of_token(offsets: np.ndarray, token: int) -> int:
 
 
 def _check_ids(path: Path, row0: int, column: str, offsets: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    bad = (ids < 0) | (ids > _INT32_MAX)
-    if bad.any():
+    if len(ids) and (ids.min() < 0 or ids.max() > _INT32_MAX):  # two reductions, no mask on the fast path
+        bad = (ids < 0) | (ids > _INT32_MAX)
         token = int(np.flatnonzero(bad)[0])
         raise InputError(
             f"{path}, row {row0 + _row_of_token(offsets, token)}, column {column!r}: token id "

@@ -197,3 +197,12 @@ def test_a_failure_while_writing_leaves_the_old_build_intact(tmp_path, monkeypat
         build(corpus, out, max_len=4, overwrite=True, seed=1)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_output_inside_the_corpus_directory_is_refused(tmp_path):
+    corpus = tmp_path / "data"
+    corpus.mkdir()
+    write_corpus(corpus / "c.parquet", corpus_table([[1, 2], [3]]))
+    build(corpus, corpus / "packed", max_len=4)  # the first time, nothing of the output is in the corpus
+    with pytest.raises(InputError, match="inside --out"):
+        build(corpus, corpus / "packed", max_len=4, overwrite=True)
