@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from prepack.errors import InputError
 from prepack.format import BuildOptions, InputFile, Manifest, Totals, write_manifest
-from prepack.plan_layout import PackingPlan, plan_packs
+from prepack.plan import PackingPlan, plan_packs
 from prepack.read import Corpus, find_corpus, read_documents
 from prepack.write import shard_bounds, staged_directory, write_shard
 

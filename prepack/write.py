@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from prepack.errors import OutputError
 from prepack.format import MANIFEST_NAME, ShardInfo, shard_name, shard_schema
-from prepack.plan_layout import PackingPlan
+from prepack.plan import PackingPlan
 
 __all__ = ["shard_bounds", "staged_directory", "write_shard"]
 

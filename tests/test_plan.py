@@ -1,0 +1,120 @@
+"""prepack.plan.assign_packs against a plain-Python FFD/BFD, plus the invariants of any plan."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prepack.plan import assign_packs
+
+ALGORITHMS = ["ffd", "bfd"]
+
+
+def reference(lengths, max_len, algorithm):
+    """O(n * packs) textbook first/best-fit-decreasing with the documented tie rules."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # sorted() is stable
+    remaining, out = [], [None] * len(lengths)
+    for i in order:
+        fits = [p for p, r in enumerate(remaining) if r >= lengths[i]]
+        if not fits:
+            remaining.append(max_len)
+            fits = [len(remaining) - 1]
+        pack = fits[0] if algorithm == "ffd" else min(fits, key=lambda p: (remaining[p], p))
+        remaining[pack] -= lengths[i]
+        out[i] = pack
+    return out
+
+
+@st.composite
+def corpora(draw):
+    max_len = draw(st.sampled_from([1, 2, 3, 7, 16, 100, 4096]) | st.integers(1, 300))
+    # A few distinct values make many ties; max_len itself is always a candidate.
+    values = draw(st.lists(st.integers(1, max_len), min_size=1, max_size=6)) + [max_len]
+    lengths = draw(st.lists(st.sampled_from(values) | st.integers(1, max_len), max_size=300))
+    return np.array(lengths, dtype=np.int64), max_len
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@settings(max_examples=300, deadline=None)
+@given(corpora())
+def test_matches_reference(algorithm, corpus):
+    lengths, max_len = corpus
+    got = assign_packs(lengths, max_len, algorithm)
+    assert got.dtype == np.int32 and got.shape == lengths.shape
+    assert got.tolist() == reference(lengths.tolist(), max_len, algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 512).flatmap(lambda m: st.tuples(st.just(m), st.lists(st.integers(1, m), max_size=3000))))
+def test_invariants(algorithm, case):
+    max_len, values = case
+    lengths = np.array(values, dtype=np.int64)
+    packs = assign_packs(lengths, max_len, algorithm)
+    if len(lengths) == 0:
+        assert packs.shape == (0,)
+        return
+    loads = np.bincount(packs, weights=lengths).astype(np.int64)
+    assert loads.max() <= max_len
+    assert (loads > 0).all()  # ids are 0..P-1 with no gaps
+    # Opening order: along the processing order, each pack id first appears right after the last.
+    order = np.argsort(-lengths, kind="stable")
+    _, first_seen = np.unique(packs[order], return_index=True)
+    assert np.array_equal(np.sort(first_seen), first_seen)
+    # Any-fit: no two packs fit together in one, so at most one is at most half full ...
+    assert np.count_nonzero(2 * loads <= max_len) <= 1
+    # ... which bounds the count from above; the total bounds it from below.
+    lower = math.ceil(lengths.sum() / max_len)
+    assert lower <= len(loads) <= 2 * lower - 1
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_matches_reference_on_realistic_lengths(algorithm):
+    # Long-tailed lengths with many ties: deeper trees and heaps than hypothesis reaches.
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(5, 1.2, 3000).astype(np.int64), 1, 4096)
+    assert assign_packs(lengths, 4096, algorithm).tolist() == reference(lengths.tolist(), 4096, algorithm)
+
+
+def test_where_ffd_and_bfd_differ():
+    # Processing order 8, 6, 3, 1 -> packs 0, 1, 1 leave 2 and 1 tokens; the 1 then goes to the
+    # first pack with room (FFD: pack 0) or the tightest (BFD: pack 1).
+    lengths = np.array([1, 3, 6, 8])
+    assert assign_packs(lengths, 10, "ffd").tolist() == [0, 1, 1, 0]
+    assert assign_packs(lengths, 10, "bfd").tolist() == [1, 1, 1, 0]
+
+
+def test_identical_lengths_keep_input_order():
+    assert assign_packs(np.full(1000, 2048), 2048, "ffd").tolist() == list(range(1000))
+    assert assign_packs(np.full(1000, 1024), 2048, "bfd").tolist() == [i // 2 for i in range(1000)]
+
+
+def test_empty_and_dtypes():
+    assert assign_packs(np.array([], dtype=np.int64), 8).shape == (0,)
+    for dtype in (np.int8, np.uint16, np.int32, np.uint64):
+        assert assign_packs(np.array([4, 4, 1], dtype=dtype), 8).tolist() == [0, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "lengths, max_len, algorithm",
+    [
+        (np.array([3, 0, 2]), 8, "ffd"),
+        (np.array([3, -1]), 8, "bfd"),
+        (np.array([3, 9, 2]), 8, "ffd"),
+        (np.array([3, 9, 2]), 8, "bfd"),
+        (np.array([[1, 2], [3, 4]]), 8, "ffd"),
+        (np.array(3), 8, "ffd"),
+        (np.array([1.0, 2.0]), 8, "ffd"),
+        (np.array([True, True]), 8, "ffd"),
+        (np.array([1]), 0, "ffd"),
+        (np.array([1]), -5, "bfd"),
+        (np.array([1]), 2**31, "ffd"),
+        (np.array([1, 2]), 8, "wfd"),
+        (np.array([1, 2]), 8, "FFD"),
+    ],
+)
+def test_bad_input(lengths, max_len, algorithm):
+    with pytest.raises(ValueError):
+        assign_packs(lengths, max_len, algorithm)
