@@ -220,7 +220,7 @@ def check_shard(batch: pa.RecordBatch, max_len: int, where: str) -> None:
         raise FormatError(f"{where}: row {row}, column {column!r}: {what}")
 
     try:
-        ids_off, _ = _list_parts(batch, "input_ids")
+        ids_off, ids = _list_parts(batch, "input_ids")
         seg_off, seg = _list_parts(batch, "segment_ids")
         cu_off, cu = _list_parts(batch, "cu_seqlens")
         src_off, _ = _list_parts(batch, "source_rows")
@@ -257,11 +257,20 @@ def check_shard(batch: pa.RecordBatch, max_len: int, where: str) -> None:
         if (bad := np.diff(off) != docs).any():
             r = first(bad)
             fail(r, column, f"{np.diff(off)[r]} values for {docs[r]} documents")
+    ids = ids[ids_off[0] : ids_off[-1]]
+    if len(ids) and ids.min() < 0:  # an embedding lookup with a negative id reads out of bounds
+        token = first(ids < 0)
+        fail(int(np.searchsorted(ids_off[1:] - ids_off[0], token, "right")), "input_ids", "negative token id")
     if "labels" in batch.schema.names:
-        lab_off, _ = _list_parts(batch, "labels")
+        lab_off, labels = _list_parts(batch, "labels")
         if (bad := np.diff(lab_off) != n).any():
             r = first(bad)
             fail(r, "labels", f"length {np.diff(lab_off)[r]}, but input_ids has {n[r]}")
+        labels = labels[lab_off[0] : lab_off[-1]]
+        if (bad := (labels < 0) & (labels != IGNORE_INDEX)).any():
+            token = first(bad)
+            row = int(np.searchsorted(lab_off[1:] - lab_off[0], token, "right"))
+            fail(row, "labels", f"{labels[token]} is neither a token id nor {IGNORE_INDEX}")
     if (pieces < 0).any():
         fail(int(np.searchsorted(piece_off[1:] - piece_off[0], first(pieces < 0), "right")),
              "source_pieces", "negative piece number")

@@ -93,6 +93,7 @@ def _tampered(batch: pa.RecordBatch, column: str, edit) -> pa.RecordBatch:
         ("cu_seqlens", lambda v: v.__setitem__(-1, 10**6), "ends at"),
         ("segment_ids", lambda v: v.__setitem__(0, 2), "segment_ids"),
         ("max_seqlen", lambda v: v.__setitem__(0, v[0] + 1), "max_seqlen"),
+        ("input_ids", lambda v: v.__setitem__(3, -7), "negative token id"),
     ],
 )
 def test_check_shard_catches_tampered_columns(built, column, edit, message):
