@@ -1,0 +1,556 @@
+"""Keep packed documents apart inside a transformers 5.x model, and prove that they are.
+
+`enable_packing(model)` installs one forward pre-hook on the model's decoder (`model.base_model`). For
+every call it looks at the batch and, where transformers would let documents attend to each other,
+either converts the batch to the form transformers isolates natively or raises `IsolationError`:
+
+- a legacy indexed `attention_mask` (`[1, 1, 2, 2, 2, 0]`, LlamaFactory/NeMo style) becomes
+  `position_ids` (+ `cu_seq_lens_*`/`max_length_*` on flash attention) and is dropped: transformers
+  would read it as a binary mask;
+- on flash attention, restarting `position_ids` without `cu_seq_lens_*` get offsets derived from them:
+  with more than one row, transformers would otherwise run dense attention over each row;
+- a 2-D binary mask together with packed rows is refused (any 2-D mask turns packing detection off);
+- a single 4-D mask on a sliding-window model is refused (it would be applied to the sliding layers too);
+- `cu_seq_lens_*`/`max_length_*` are checked before they reach a kernel, where a bad offset is an
+  out-of-bounds read: int32, 1-D, on the tokens' device, q equal to k, from 0 to B·L, never
+  decreasing (an empty segment is harmless, and lets a collator keep the tensor's length fixed),
+  starting a segment exactly where `position_ids` restart, and `max_length_*` Python ints equal to the
+  longest segment;
+- a cache is refused for packed rows: sdpa and eager only build the per-document mask when no cache
+  exists, so an explicit `use_cache=True` there raises, in train and eval mode alike, and `use_cache`
+  left unset (the config default is usually True) is set to False. `past_key_values` with packed rows
+  raises on every backend.
+
+Value checks cost one device sync per forward. Under `torch.compile` they are skipped, since they would
+break the graph: a batch in `PackedCollator`'s default layout traces without a graph break. A batch
+with a 2-D mask or with restarting position_ids and no offsets must be read to be classified, which
+costs one break at the top of the forward.
+
+`check_isolation` loads a local model, runs a packed batch of random documents and each document alone,
+and reports the largest difference (`measure_isolation` does the comparison; the tests use it too).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from prepack.collate import PackedCollator, segment_fields
+from prepack.errors import InputError, IsolationError
+from prepack.format import IGNORE_INDEX
+
+__all__ = [
+    "SUPPORTED_ATTENTION",
+    "IsolationResult",
+    "check_isolation",
+    "disable_packing",
+    "enable_packing",
+    "measure_isolation",
+    "random_packs",
+]
+
+SUPPORTED_ATTENTION = ("flash_attention_2", "flash_attention_3", "sdpa", "eager")
+_FLASH = ("flash_attention_2", "flash_attention_3")
+_OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_HOOK_ATTRIBUTE = "_prepack_packing_hook"
+
+
+def enable_packing(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """Make `model` safe for packed batches on flash_attention_2/3, sdpa and eager; returns the model.
+
+        from torch.utils.data import DataLoader
+        from transformers import AutoModelForCausalLM
+        from prepack import PackedCollator, PackedDataset, enable_packing
+
+        dataset = PackedDataset("packed/")
+        loader = DataLoader(dataset, batch_size=8, collate_fn=PackedCollator(max_len=4096))
+        model = AutoModelForCausalLM.from_pretrained("my-model", attn_implementation="sdpa")
+        model = enable_packing(model).train()
+        for batch in loader:
+            model(**batch).loss.backward()  # use_cache=False is set for you
+
+    Raises `IsolationError` for a transformers older than 5.0 or an attention implementation other than
+    `SUPPORTED_ATTENTION`, and, at each forward, for a batch that would leak (see the module docstring).
+    Calling it again replaces the hook; `disable_packing` removes it.
+    """
+    major = int(transformers.__version__.split(".")[0])
+    if major < 5:
+        raise IsolationError(
+            f"prepack.enable_packing needs transformers 5.0 or newer; this is {transformers.__version__}, whose "
+            "attention code handles packed batches differently. Upgrade: pip install 'transformers>=5,<6'."
+        )
+    _require_supported_attention(model.config.get_text_config()._attn_implementation)
+    disable_packing(model)
+    decoder = model.base_model
+    guard = _PackedBatchGuard(_positional_parameters(decoder))
+    setattr(model, _HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(guard, with_kwargs=True))
+    return model
+
+
+def disable_packing(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """Remove what `enable_packing` installed (nothing happens if it was not)."""
+    handle = model.__dict__.pop(_HOOK_ATTRIBUTE, None)
+    if handle is not None:
+        handle.remove()
+    return model
+
+
+def _require_supported_attention(attn: str | None) -> None:
+    if attn not in SUPPORTED_ATTENTION:
+        raise IsolationError(
+            f"The model's attention implementation is {attn!r}; prepack keeps packed documents apart only on "
+            f"{', '.join(SUPPORTED_ATTENTION)}. Load the model with attn_implementation='sdpa' (or a flash one), "
+            "or call model.set_attn_implementation('sdpa')."
+        )
+
+
+def _positional_parameters(module: torch.nn.Module) -> tuple[str, ...]:
+    parameters = inspect.signature(module.forward).parameters.values()
+    return tuple(p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+class _PackedBatchGuard:
+    """The forward pre-hook: returns the call's keyword arguments converted, or raises IsolationError."""
+
+    def __init__(self, positional_parameters: tuple[str, ...]):
+        self.positional_parameters = positional_parameters
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
+        if len(args) > len(self.positional_parameters):
+            return None  # not a call the forward accepts: let it raise its own error
+        kwargs = {**dict(zip(self.positional_parameters, args)), **kwargs}
+        tokens = kwargs.get("input_ids")
+        tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+        if tokens is None:
+            return None
+        config = module.config.get_text_config()
+        attn = config._attn_implementation
+        _require_supported_attention(attn)
+        flash = attn in _FLASH
+        kwargs = _resolve_attention_mask(kwargs, config, flash, tokens.shape[:2])
+        # A mask still there describes no packed rows (or is the caller's own 4-D mask): transformers applies it.
+        if kwargs.get("attention_mask") is not None or not _is_packed(kwargs, tokens.shape[:2]):
+            return (), kwargs
+        if flash and all(kwargs.get(key) is None for key in _OFFSET_KEYS):
+            starts = _segment_starts(kwargs["position_ids"], tokens.shape[:2])
+            kwargs |= _offsets_kwargs(segment_fields(starts.cumsum(1).cpu().numpy()), tokens.device)
+        _check_packed_fields(kwargs, tokens)
+        return (), _without_cache(kwargs, flash)
+
+
+def _resolve_attention_mask(kwargs: dict[str, Any], config, flash: bool, shape: torch.Size) -> dict[str, Any]:
+    """Convert an indexed 2-D mask; refuse a mask that would let packed documents see each other."""
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor):
+        return kwargs  # None, or per-layer-type masks already prepared (generate does that)
+    if mask.ndim == 4 and _has_sliding_window(config):
+        raise IsolationError(
+            "A single 4-D attention_mask on a model with sliding-window layers: transformers applies it to "
+            "every layer, so the sliding layers lose their window. Pass position_ids instead of the mask "
+            "(PackedCollator's default batch), and transformers builds each layer's mask from them."
+        )
+    if mask.ndim != 2:
+        return kwargs
+    if bool((mask > 1).any()):
+        return _from_indexed_mask(kwargs, mask, flash, shape)
+    packed_fields = [key for key in _OFFSET_KEYS if kwargs.get(key) is not None]
+    position_ids = kwargs.get("position_ids")
+    starts = None if position_ids is None or mask.shape != shape else _segment_starts(position_ids, shape)
+    # Left padding restarts positions too (generate does that); only a restart between two attended tokens packs.
+    attended_pairs = mask[:, 1:].bool() & mask[:, :-1].bool()
+    restarts_inside_mask = starts is not None and bool((starts[:, 1:] & attended_pairs).any())
+    if packed_fields or restarts_inside_mask:
+        cause = ", ".join(packed_fields) if packed_fields else "position_ids that restart inside a row"
+        raise IsolationError(
+            f"A 2-D binary attention_mask together with packed rows ({cause}): transformers then unpads or "
+            "masks with the binary mask only, and the documents of a row attend to each other. Drop "
+            "attention_mask; PackedCollator's default batch has none (padding is a segment of its own)."
+        )
+    return kwargs
+
+
+def _from_indexed_mask(kwargs: dict[str, Any], mask: torch.Tensor, flash: bool, shape: torch.Size) -> dict[str, Any]:
+    """An indexed mask (documents numbered from 1, 0 = padding) as position_ids (+ offsets), mask dropped.
+
+    The mask is authoritative: position_ids given with it are replaced by ones rebuilt from it.
+    """
+    if mask.shape != shape:
+        raise IsolationError(
+            f"An indexed attention_mask of shape {tuple(mask.shape)} for tokens of shape {tuple(shape)}."
+        )
+    given = [key for key in _OFFSET_KEYS if kwargs.get(key) is not None]
+    if given:
+        raise IsolationError(
+            f"Both an indexed attention_mask and {', '.join(given)}: pass one description of the documents."
+        )
+    fields = segment_fields(mask.cpu().numpy())
+    position_ids = torch.from_numpy(fields.position_ids).to(mask.device)
+    converted = {**kwargs, "attention_mask": None, "position_ids": position_ids}
+    if flash:
+        converted |= _offsets_kwargs(fields, mask.device)
+    return converted
+
+
+def _offsets_kwargs(fields, device: torch.device) -> dict[str, Any]:
+    cu_seq_lens = torch.from_numpy(fields.cu_seq_lens).to(device)
+    return {
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": fields.max_length,
+        "max_length_k": fields.max_length,
+    }
+
+
+def _has_sliding_window(config) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return "sliding_attention" in layer_types
+    return getattr(config, "sliding_window", None) is not None
+
+
+def _segment_starts(position_ids: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    """[B, L] bool: where a segment starts, as transformers sees it (position not one more than the last).
+
+    None for position ids of another shape (decoding steps, multimodal 3-D positions): not packed rows.
+    """
+    if position_ids.ndim != 2 or position_ids.shape[1] != shape[1] or position_ids.shape[0] not in (1, shape[0]):
+        return None
+    positions = position_ids.expand(shape)
+    starts = torch.ones(shape, dtype=torch.bool, device=positions.device)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    return starts
+
+
+def _is_packed(kwargs: dict[str, Any], shape: torch.Size) -> bool:
+    if any(kwargs.get(key) is not None for key in _OFFSET_KEYS):
+        return True
+    position_ids = kwargs.get("position_ids")
+    starts = None if position_ids is None else _segment_starts(position_ids, shape)
+    return starts is not None and bool(starts[:, 1:].any())
+
+
+def _check_packed_fields(kwargs: dict[str, Any], tokens: torch.Tensor) -> None:
+    """Everything a packed batch carries must describe the same segments, in the form kernels expect."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None or _segment_starts(position_ids, tokens.shape[:2]) is None:
+        shape = None if position_ids is None else tuple(position_ids.shape)
+        raise IsolationError(
+            f"A packed batch (cu_seq_lens_*) needs position_ids of shape [B, L] restarting at every document; "
+            f"got {shape} for tokens of shape {tuple(tokens.shape[:2])}. Without them RoPE positions run on across "
+            "documents, and sdpa/eager do not see the documents at all. PackedCollator emits both."
+        )
+    missing = [key for key in _OFFSET_KEYS if kwargs.get(key) is None]
+    if len(missing) == len(_OFFSET_KEYS):
+        return  # restarting position_ids alone: sdpa and eager build the per-document mask from them
+    if missing:
+        raise IsolationError(
+            f"A packed batch without {', '.join(missing)}: transformers uses the offsets only when all four of "
+            f"{', '.join(_OFFSET_KEYS)} are given, and runs dense attention over each row otherwise."
+        )
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        _check_offsets_tensor(key, kwargs[key], tokens.device)
+    for key in ("max_length_q", "max_length_k"):
+        if type(kwargs[key]) is not int:
+            raise IsolationError(
+                f"{key} is a {type(kwargs[key]).__name__}, not a Python int: a tensor costs a device sync in every "
+                "layer and breaks torch.compile. A default collate turns ints into tensors; use PackedCollator."
+            )
+    same_shape = kwargs["cu_seq_lens_q"].shape == kwargs["cu_seq_lens_k"].shape
+    if kwargs["max_length_q"] != kwargs["max_length_k"] or not same_shape:
+        raise IsolationError(
+            "Packed self-attention needs cu_seq_lens_q equal to cu_seq_lens_k and max_length_q to max_length_k."
+        )
+    if torch.compiler.is_compiling():
+        return  # reading values would break the graph
+    problem = _offsets_problem(kwargs, tokens.shape[:2])
+    if problem:
+        raise IsolationError(
+            f"cu_seq_lens_q/cu_seq_lens_k must {problem}; got {kwargs['cu_seq_lens_q'].tolist()[:20]} "
+            f"(first 20 values) for tokens of shape {tuple(tokens.shape[:2])}. A wrong offset is an out-of-bounds "
+            "read in a flash-attention kernel, or documents that see each other."
+        )
+
+
+def _check_offsets_tensor(key: str, offsets: Any, device: torch.device) -> None:
+    if not isinstance(offsets, torch.Tensor):
+        raise IsolationError(f"{key} must be a torch tensor, not {type(offsets).__name__}.")
+    if offsets.dtype != torch.int32 or offsets.ndim != 1 or len(offsets) < 2 or offsets.device != device:
+        raise IsolationError(
+            f"{key} must be a 1-D int32 tensor of at least 2 offsets on the tokens' device ({device}); got "
+            f"{offsets.dtype} of shape {tuple(offsets.shape)} on {offsets.device}. flash-attn reads it as int32."
+        )
+
+
+def _offsets_problem(kwargs: dict[str, Any], shape: torch.Size) -> str | None:
+    """The first rule the offsets break, or None; all rules are evaluated on the device with one sync."""
+    cu_q, cu_k, max_length = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], kwargs["max_length_q"]
+    total = shape[0] * shape[1]
+    lengths = cu_q.diff()
+    # Segment starts marked at the offsets (clamped: an offset out of range must fail the rules, not crash).
+    starts = cu_q[:-1].long().clamp(0, max(total - 1, 0))
+    starts_from_offsets = torch.zeros(total, dtype=torch.int32, device=cu_q.device)
+    starts_from_offsets.scatter_reduce_(0, starts, (lengths > 0).int(), "amax")
+    starts_agree = starts_from_offsets.bool() == _segment_starts(kwargs["position_ids"], shape).flatten()
+    rules = {
+        "start at 0": cu_q[0] == 0,
+        f"end at the batch's {total} tokens": cu_q[-1] == total,
+        "never decrease": (lengths >= 0).all(),
+        "be equal": cu_q is cu_k or (cu_q == cu_k).all(),
+        f"have a longest segment equal to max_length_q/_k ({max_length})": lengths.max() == max_length,
+        "start a segment exactly where position_ids restart": starts_agree.all(),
+    }
+    kept = torch.stack([torch.as_tensor(rule, device=cu_q.device) for rule in rules.values()]).tolist()
+    return next((rule for rule, ok in zip(rules, kept) if not ok), None)
+
+
+def _without_cache(kwargs: dict[str, Any], flash: bool) -> dict[str, Any]:
+    if kwargs.get("past_key_values") is not None:
+        raise IsolationError(
+            "A packed batch with past_key_values: keys from the cache would join every document's attention. "
+            "Packed rows are for training and scoring, not for continuing a cache."
+        )
+    if kwargs.get("use_cache") and not flash:
+        raise IsolationError(
+            "A packed batch with use_cache=True on sdpa/eager: transformers builds the per-document mask only "
+            "when there is no cache, so the documents would attend to each other. Pass use_cache=False."
+        )
+    if kwargs.get("use_cache") is None:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+# --- proof ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IsolationResult:
+    """How far a packed batch's outputs are from the same documents run one at a time.
+
+    Logits are compared token by token over every document. The loss and gradients are compared with
+    `loss_tolerance`, because transformers computes the loss from logits cast to float32.
+    """
+
+    attn_implementation: str
+    dtype: str
+    documents: int
+    max_logit_diff: float  # largest |packed - alone| over the logits of every real token
+    loss_diff: float  # |packed loss - token-weighted mean of the documents' losses alone|
+    max_grad_diff: float | None  # largest difference in a parameter gradient; None when not measured
+    tolerance: float
+    loss_tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        grad_ok = self.max_grad_diff is None or self.max_grad_diff <= self.loss_tolerance
+        return self.max_logit_diff <= self.tolerance and self.loss_diff <= self.loss_tolerance and grad_ok
+
+
+# Default tolerances (logits, loss and gradients) per dtype, for check_isolation.
+_TOLERANCES = {
+    torch.float64: (1e-9, 1e-5),
+    torch.float32: (1e-4, 1e-4),
+    torch.bfloat16: (5e-2, 5e-2),
+    torch.float16: (1e-2, 1e-2),
+}
+
+
+def measure_isolation(
+    model: transformers.PreTrainedModel,
+    packs: Sequence[Mapping[str, Any]],
+    batch: Mapping[str, Any],
+    *,
+    tolerance: float,
+    loss_tolerance: float | None = None,
+    gradients: bool = True,
+) -> IsolationResult:
+    """Run `batch` (collated from `packs`, one pack per row or all in one row) and each document alone.
+
+    The model runs in eval mode (no dropout) and is put back in its mode afterwards; gradients are
+    taken with `torch.autograd.grad`, so the parameters' `.grad` are left alone. `batch` is passed as
+    it is: apply `enable_packing` first to measure the protected model.
+    """
+    parameters = [p for p in model.parameters() if p.requires_grad] if gradients else []
+    was_training = model.training
+    model.eval()
+    try:
+        packed = _run(model, _on_device(batch, model.device), parameters)
+        alone = [_run(model, _alone_batch(document, model.device), parameters) for document in _documents(packs)]
+    finally:
+        model.train(was_training)
+    targets = sum(run.targets for run in alone)
+    loss_diff = 0.0  # no token is trained on: there is no loss to compare
+    if targets:
+        alone_loss = sum(run.loss * run.targets for run in alone if run.targets) / targets
+        loss_diff = abs(float(packed.loss) - float(alone_loss))
+    return IsolationResult(
+        attn_implementation=model.config.get_text_config()._attn_implementation,
+        dtype=str(model.dtype).removeprefix("torch."),
+        documents=len(alone),
+        max_logit_diff=_largest_logit_diff(packed.logits, [run.logits for run in alone], packs),
+        loss_diff=loss_diff,
+        max_grad_diff=_largest_grad_diff(packed, alone, targets) if parameters and targets else None,
+        tolerance=tolerance,
+        loss_tolerance=max(tolerance, 1e-5) if loss_tolerance is None else loss_tolerance,
+    )
+
+
+@dataclass
+class _Run:
+    logits: torch.Tensor  # [rows, width, vocab], detached
+    loss: torch.Tensor | None
+    targets: int  # tokens the loss is averaged over
+    grads: list[torch.Tensor | None]
+
+
+def _run(model, batch: Mapping[str, Any], parameters: list[torch.nn.Parameter]) -> _Run:
+    labels = batch.get("labels")
+    targets = int((labels[:, 1:] != IGNORE_INDEX).sum()) if labels is not None else 0
+    if not targets:
+        batch = {key: value for key, value in batch.items() if key != "labels"}
+    with torch.set_grad_enabled(bool(parameters and targets)):
+        output = model(**batch)
+    grads = []
+    if parameters and targets:
+        grads = list(torch.autograd.grad(output.loss, parameters, allow_unused=True))
+    loss = output.loss.detach() if targets else None
+    return _Run(output.logits.detach(), loss, targets, grads)
+
+
+def _documents(packs: Sequence[Mapping[str, Any]]):
+    """Each document of each pack as (input_ids, labels) numpy arrays."""
+    for pack in packs:
+        input_ids = np.asarray(pack["input_ids"])
+        labels = np.asarray(pack["labels"]) if pack.get("labels") is not None else input_ids
+        cu_seqlens = np.asarray(pack["cu_seqlens"])
+        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            yield input_ids[start:end], labels[start:end]
+
+
+def _alone_batch(document: tuple[np.ndarray, np.ndarray], device: torch.device) -> dict[str, Any]:
+    input_ids, labels = (torch.as_tensor(array, dtype=torch.long, device=device)[None] for array in document)
+    return {"input_ids": input_ids, "labels": labels, "use_cache": False}
+
+
+def _on_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+
+
+def _largest_logit_diff(packed: torch.Tensor, alone: list[torch.Tensor], packs: Sequence[Mapping[str, Any]]) -> float:
+    """Pack i is row i's first tokens, or (one row holding every pack) the i-th stretch of row 0."""
+    one_row = packed.shape[0] == 1
+    documents = iter(alone)
+    differences, start = [], 0
+    for row, pack in enumerate(packs):
+        count = len(pack["cu_seqlens"]) - 1
+        expected = torch.cat([next(documents)[0] for _ in range(count)])
+        got = packed[0, start : start + len(expected)] if one_row else packed[row, : len(expected)]
+        differences.append(got - expected)
+        start += len(expected)
+    return _largest(differences)
+
+
+def _largest_grad_diff(packed: _Run, alone: list[_Run], targets: int) -> float:
+    """Packed gradients against the gradients of the token-weighted sum of the documents' losses."""
+    differences = []
+    for index, packed_grad in enumerate(packed.grads):
+        weighted = [
+            run.grads[index] * (run.targets / targets) for run in alone if run.grads and run.grads[index] is not None
+        ]
+        if packed_grad is None and not weighted:
+            continue  # a parameter the text path does not use (a vision tower)
+        expected = sum(weighted) if weighted else torch.zeros_like(packed_grad)
+        differences.append(expected if packed_grad is None else packed_grad - expected)
+    return _largest(differences)
+
+
+def _largest(differences: list[torch.Tensor]) -> float:
+    """The largest absolute value; NaN if any is NaN (Python's max would drop it)."""
+    return float(torch.stack([difference.abs().max() for difference in differences]).max()) if differences else 0.0
+
+
+def random_packs(
+    count: int, max_len: int, vocab_size: int, *, seed: int = 0, labels: bool = False
+) -> list[dict[str, np.ndarray]]:
+    """`count` packs of random documents, each pack 1-4 documents filling half to all but one of `max_len`.
+
+    Every pack leaves padding in its row (so the padding path is exercised); with `labels`, about a
+    fifth of the labels are -100, as prompts would be.
+    """
+    rng = np.random.default_rng(seed)
+    packs = []
+    for _ in range(count):
+        tokens = int(rng.integers(max(1, max_len // 2), max_len)) if max_len > 1 else 1
+        cuts = rng.choice(np.arange(1, tokens), size=min(int(rng.integers(0, 4)), tokens - 1), replace=False)
+        pack = {
+            "input_ids": rng.integers(0, vocab_size, size=tokens, dtype=np.int32),
+            "cu_seqlens": np.array([0, *sorted(cuts), tokens], dtype=np.int32),
+        }
+        if labels:
+            pack["labels"] = np.where(rng.random(tokens) < 0.2, IGNORE_INDEX, pack["input_ids"]).astype(np.int32)
+        packs.append(pack)
+    return packs
+
+
+def check_isolation(
+    model: str | os.PathLike,
+    attn: str = "sdpa",
+    *,
+    dtype: str = "float32",
+    device: str | None = None,
+    packs: int = 2,
+    max_len: int = 256,
+    seed: int = 0,
+    tolerance: float | None = None,
+    gradients: bool = True,
+) -> IsolationResult:
+    """Check that packed batches are isolated on a local model with `enable_packing`.
+
+    `model` is a local model directory (loaded with `local_files_only=True`) or a `config.json` (random
+    weights, seeded). Runs `packs` random packs padded to `max_len` in one batch, then each document
+    alone, and compares logits, loss and (with `gradients`) parameter gradients. `tolerance` defaults
+    per dtype; `device` defaults to CUDA when available. flash_attention_2/3 need CUDA, the flash-attn
+    package and dtype "bfloat16" or "float16". Raises InputError for a missing path or an unknown
+    `attn` or `dtype`.
+    """
+    dtypes = {str(known).removeprefix("torch."): known for known in _TOLERANCES}
+    if attn not in SUPPORTED_ATTENTION or dtype not in dtypes:
+        raise InputError(
+            f"attn must be one of {', '.join(SUPPORTED_ATTENTION)} (got {attn!r}) and dtype one of "
+            f"{', '.join(dtypes)} (got {dtype!r})."
+        )
+    loaded = _load_local_model(Path(model), attn, dtypes[dtype], device, seed)
+    enable_packing(loaded)
+    vocab_size = loaded.config.get_text_config().vocab_size
+    sample = random_packs(packs, max_len, vocab_size, seed=seed)
+    loss_tolerance = None  # measure_isolation's default for a given tolerance
+    if tolerance is None:
+        tolerance, loss_tolerance = _TOLERANCES.get(loaded.dtype, (1e-4, 1e-4))
+    return measure_isolation(
+        loaded,
+        sample,
+        PackedCollator(max_len)(sample),
+        tolerance=tolerance,
+        loss_tolerance=loss_tolerance,
+        gradients=gradients,
+    )
+
+
+def _load_local_model(path: Path, attn: str, dtype: torch.dtype, device: str | None, seed: int):
+    options = {"attn_implementation": attn, "dtype": dtype}
+    if path.is_file():
+        torch.manual_seed(seed)
+        loaded = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True), **options)
+    elif path.is_dir():
+        loaded = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **options)
+    else:
+        raise InputError(f"{path}: no such model directory or config.json.")
+    return loaded.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
