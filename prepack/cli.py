@@ -106,3 +106,54 @@ def build_command(
         _fail(exc)
     if not quiet:
         Console().print(_summary(manifest, out))
+
+
+@app.command("inspect")
+def inspect_command(
+    path: Annotated[Path, typer.Argument(help="A build directory (holding manifest.json).")],
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Batch size of the pad-to-longest baseline.")] = 8,
+    seed: Annotated[int, typer.Option(help="Seed of the baseline's random batches.")] = 0,
+    shards: Annotated[bool, typer.Option("--shards", help="Add a per-shard table.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON instead.")] = False,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="Also draw the distributions and costs, e.g. report.png (needs prepack[plot]).")] = None,
+) -> None:
+    """Report fill, padding, distributions and the cost of not packing, from the manifest and the
+    per-pack columns (no token is read)."""
+    import json
+
+    from prepack.report import inspect_build, plot, render
+
+    try:
+        report = inspect_build(path, batch_size=batch_size, seed=seed)
+        if plot_path is not None:
+            plot(report, plot_path)
+    except PrepackError as exc:
+        _fail(exc)
+    except ImportError as exc:  # matplotlib, an optional extra
+        _fail(PrepackError(str(exc)))
+    if as_json:
+        typer.echo(json.dumps(report.model_dump(mode="json"), indent=2))
+    else:
+        Console().print(render(report, shards=shards))
+
+
+@app.command("verify")
+def verify_command(
+    path: Annotated[Path, typer.Argument(help="A build directory (holding manifest.json).")],
+    source: Annotated[str | None, typer.Option("--source", help="The corpus it was built from: check every token.")] = None,
+    all_problems: Annotated[bool, typer.Option("--all", help="Report every problem, not only the first.")] = False,
+) -> None:
+    """Check shards against the manifest and the format (and every token against --source).
+    Exit 0: sound; 1: problems found (printed); 2: not a build, or an unreadable --source."""
+    from prepack.verify import verify_build
+
+    try:
+        problems = verify_build(path, source, all_problems=all_problems)
+    except PrepackError as exc:
+        _fail(exc)
+    for problem in problems:
+        typer.echo(f"problem: {problem}")
+    if problems:
+        raise typer.Exit(1)
+    checked = "shards, manifest and every token of the source" if source else "shards and manifest"
+    typer.echo(f"{path}: no problems ({checked} checked).")

@@ -1,0 +1,431 @@
+"""`inspect`: what a build holds and what packing saved, from the manifest and the per-pack columns.
+
+Only `cu_seqlens`, `max_seqlen`, `source_rows` and `source_pieces` are read, from memory-mapped
+shards: the pages of `input_ids`, `segment_ids` and `labels` (nearly all of a shard's bytes) are never
+touched, so a report on a billion-token build costs about as much as one on its document count.
+
+    report = inspect_build("packed/", batch_size=8, seed=0)
+    report.fill, report.cost.pad_to_max_len.ratio
+    rich.print(render(report))            # what `prepack inspect` prints
+    plot(report, "report.png")            # needs matplotlib (`pip install 'prepack[plot]'`)
+
+"Documents" in the distributions are the segments the shards hold, i.e. corpus documents after
+`--overflow` split, truncated or dropped them; the manifest's counts say how many were.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from prepack.errors import FormatError, InputError
+from prepack.format import Manifest, open_shard, read_manifest
+
+__all__ = [
+    "Cost",
+    "Costs",
+    "Distribution",
+    "InspectReport",
+    "ShardSummary",
+    "inspect_build",
+    "plot",
+    "render",
+]
+
+_BINS = 32  # histogram bins: enough shape for one terminal line or one plot panel
+_FILL_BINS = 20  # pack fill in steps of 5%
+COST_NOTE = (
+    "compute = token positions a fixed-length batch pays for. packed: packs x max_len. pad to max_len: "
+    "documents x max_len. pad to longest: documents in corpus order, shuffled with --seed, cut into "
+    "batches of --batch-size (last one partial), each costing its size x its longest document. "
+    "Documents are the segments in the packs, as one longer than max_len cannot be padded to it. "
+    "Attention's quadratic term is not counted (with per-document attention it favours packing more)."
+)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Distribution(_Model):
+    """Summary and histogram of one per-pack or per-document quantity.
+
+    Percentiles are nearest-rank: the smallest value with at least p% of the values at or below it, so
+    they are always values that occur. Bin i counts values in [edges[i], edges[i+1]), the last bin also
+    its right edge.
+    """
+
+    count: int
+    min: float
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    edges: list[float]
+    counts: list[int]
+
+
+class Cost(_Model):
+    """Token positions of compute for one way of batching the corpus."""
+
+    tokens: int
+    padding_tokens: int  # tokens - the real tokens
+    ratio: float  # tokens / the packed cost
+
+
+class Costs(_Model):
+    packed: Cost
+    pad_to_max_len: Cost
+    pad_to_longest_in_batch: Cost
+
+
+class ShardSummary(_Model):
+    name: str
+    packs: int
+    documents: int
+    tokens: int
+    bytes: int
+    fill: float
+
+
+class InspectReport(_Model):
+    """Everything `prepack inspect` shows; `model_dump()` is what `--json` prints."""
+
+    path: str
+    max_len: int
+    overflow: str
+    has_labels: bool
+    documents: int  # corpus rows read
+    input_tokens: int  # tokens read from the corpus
+    segments: int  # documents and document pieces in the packs
+    tokens: int  # tokens in the packs
+    packs: int
+    shards: int
+    fill: float  # tokens / (packs * max_len)
+    padding_tokens: int  # packs * max_len - tokens
+    lower_bound: int  # ceil(tokens / max_len)
+    over_lower_bound: int  # packs - lower_bound
+    over_lower_bound_percent: float  # 100 * over_lower_bound / lower_bound
+    empty: int
+    split: int
+    split_pieces: int
+    truncated: int
+    truncated_tokens: int
+    dropped: int
+    dropped_tokens: int
+    documents_per_pack: Distribution
+    document_length: Distribution  # segment lengths: np.diff of cu_seqlens
+    pack_fill: Distribution
+    batch_size: int
+    seed: int
+    cost: Costs
+    per_shard: list[ShardSummary]
+
+
+def _distribution(values: np.ndarray, edges: np.ndarray) -> Distribution:
+    counts, _ = np.histogram(values, bins=edges)
+    p50, p90, p99 = np.percentile(values, [50, 90, 99], method="inverted_cdf")
+    return Distribution(
+        count=len(values),
+        min=float(values.min()),
+        mean=float(values.mean()),
+        p50=float(p50),
+        p90=float(p90),
+        p99=float(p99),
+        max=float(values.max()),
+        edges=[float(e) for e in edges],
+        counts=[int(c) for c in counts],
+    )
+
+
+def _integer_edges(values: np.ndarray) -> np.ndarray:
+    """At most _BINS bins of equal integer width covering [min, max]."""
+    low, high = int(values.min()), int(values.max())
+    width = -(-(high - low + 1) // _BINS)
+    bins = -(-(high - low + 1) // width)
+    return low + width * np.arange(bins + 1, dtype=np.float64)
+
+
+def _shard_columns(batch, where: str, max_len: int) -> tuple[np.ndarray, ...]:
+    """(tokens per pack, documents per pack, segment lengths, source rows, source pieces), read from the
+    small columns only, with the sanity checks that cost nothing extra (verify does the rest)."""
+    cu_array = batch.column("cu_seqlens")
+    cu_off = cu_array.offsets.to_numpy()
+    cu = cu_array.values.to_numpy()[cu_off[0] : cu_off[-1]].astype(np.int64)
+    docs = np.diff(cu_off).astype(np.int64) - 1
+    if (docs < 1).any():
+        raise FormatError(f"{where}: a pack has no documents in cu_seqlens; run `prepack verify`.")
+    ends = np.cumsum(docs + 1) - 1  # index of each pack's last cu_seqlens value
+    tokens = cu[ends]
+    steps = np.diff(cu)
+    inner = np.ones(len(steps), dtype=bool)
+    inner[ends[:-1]] = False  # the step from one pack's last value to the next pack's leading 0
+    lengths = steps[inner]
+    if len(lengths) and (lengths.min() < 1 or tokens.max() > max_len):
+        raise FormatError(f"{where}: cu_seqlens is not valid for max_len {max_len}; run `prepack verify`.")
+
+    def flat(name: str) -> np.ndarray:
+        array = batch.column(name)
+        offsets = array.offsets.to_numpy()
+        return array.values.to_numpy()[offsets[0] : offsets[-1]]
+
+    rows, pieces = flat("source_rows"), flat("source_pieces")
+    if len(rows) != len(lengths) or len(pieces) != len(lengths):
+        raise FormatError(
+            f"{where}: source_rows or source_pieces disagree with cu_seqlens; run `prepack verify`."
+        )
+    return tokens, docs, lengths, rows, pieces
+
+
+def _read_columns(path: Path, manifest: Manifest) -> tuple[list[ShardSummary], dict[str, np.ndarray]]:
+    max_len = manifest.options.max_len
+    summaries, parts = [], {"tokens": [], "docs": [], "lengths": [], "rows": [], "pieces": []}
+    for info in manifest.shards:
+        batch = open_shard(path / info.name, manifest.has_labels)
+        if batch.num_rows != info.rows:
+            raise FormatError(
+                f"{path / info.name}: {batch.num_rows} packs, but the manifest says {info.rows}."
+            )
+        columns = _shard_columns(batch, str(path / info.name), max_len)
+        for key, values in zip(parts, columns):
+            parts[key].append(values)
+        tokens = int(columns[0].sum())
+        summaries.append(
+            ShardSummary(
+                name=info.name,
+                packs=info.rows,
+                documents=len(columns[2]),
+                tokens=tokens,
+                bytes=info.bytes,
+                fill=tokens / (info.rows * max_len) if info.rows else 0.0,
+            )
+        )
+    dtypes = {"tokens": np.int64, "docs": np.int64, "lengths": np.int64, "rows": np.int64, "pieces": np.int32}
+    flat = {k: np.concatenate(v) if v else np.empty(0, dtypes[k]) for k, v in parts.items()}
+    return summaries, flat
+
+
+def _random_batch_cost(lengths: np.ndarray, batch_size: int, seed: int) -> int:
+    """Padding to the longest document of each batch, batches drawn as a seeded shuffle."""
+    shuffled = lengths[np.random.default_rng(seed).permutation(len(lengths))]
+    starts = np.arange(0, len(shuffled), batch_size)
+    sizes = np.diff(np.append(starts, len(shuffled)))
+    return int((np.maximum.reduceat(shuffled, starts) * sizes).sum())
+
+
+def inspect_build(path: str | os.PathLike, *, batch_size: int = 8, seed: int = 0) -> InspectReport:
+    """Report on the build at `path`, reading the manifest and the per-pack columns only.
+
+    Costs, in token positions of compute (see `COST_NOTE`):
+    - packed: packs * max_len;
+    - pad_to_max_len: every document padded to max_len, documents * max_len;
+    - pad_to_longest_in_batch: the documents in corpus order (source_rows, source_pieces), permuted by
+      `numpy.random.default_rng(seed)`, cut into consecutive batches of `batch_size` (the last one
+      partial), each costing its size times its longest document.
+    "Documents" are the segments the packs hold: corpus documents after split/truncate/drop.
+
+    Raises FormatError when the build cannot be read or its columns disagree with its manifest
+    (`verify_build` checks everything), InputError for a batch_size below 1.
+    """
+    if batch_size < 1:
+        raise InputError(f"batch_size must be at least 1, got {batch_size}.")
+    path = Path(path)
+    manifest = read_manifest(path)
+    summaries, columns = _read_columns(path, manifest)
+    t, max_len = manifest.totals, manifest.options.max_len
+    lengths = columns["lengths"]
+    tokens, packs, segments = int(lengths.sum()), len(columns["tokens"]), len(lengths)
+    claimed = {"packs": (t.packs, packs), "tokens": (t.tokens, tokens), "segments": (t.segments, segments)}
+    for name, (said, found) in claimed.items():
+        if said != found:
+            raise FormatError(
+                f"{path}: the manifest says {said} {name}, the shards hold {found}; run `prepack verify`."
+            )
+    if packs == 0:
+        raise FormatError(f"{path}: the build holds no packs.")
+
+    # The random-batch baseline starts from corpus order, so it does not depend on the pack shuffle.
+    order = np.lexsort((columns["pieces"], columns["rows"]))
+    packed = packs * max_len
+
+    def cost(total: int) -> Cost:
+        return Cost(tokens=total, padding_tokens=total - tokens, ratio=total / packed)
+
+    lower = -(-tokens // max_len)
+    return InspectReport(
+        path=str(path),
+        max_len=max_len,
+        overflow=manifest.options.overflow,
+        has_labels=manifest.has_labels,
+        documents=t.documents,
+        input_tokens=t.input_tokens,
+        segments=segments,
+        tokens=tokens,
+        packs=packs,
+        shards=len(manifest.shards),
+        fill=tokens / packed,
+        padding_tokens=packed - tokens,
+        lower_bound=lower,
+        over_lower_bound=packs - lower,
+        over_lower_bound_percent=100 * (packs - lower) / lower,
+        empty=t.empty,
+        split=t.split,
+        split_pieces=t.split_pieces,
+        truncated=t.truncated,
+        truncated_tokens=t.truncated_tokens,
+        dropped=t.dropped,
+        dropped_tokens=t.dropped_tokens,
+        documents_per_pack=_distribution(columns["docs"], _integer_edges(columns["docs"])),
+        document_length=_distribution(lengths, _integer_edges(lengths)),
+        pack_fill=_distribution(columns["tokens"] / max_len, np.linspace(0.0, 1.0, _FILL_BINS + 1)),
+        batch_size=batch_size,
+        seed=seed,
+        cost=Costs(
+            packed=cost(packed),
+            pad_to_max_len=cost(segments * max_len),
+            pad_to_longest_in_batch=cost(_random_batch_cost(lengths[order], batch_size, seed)),
+        ),
+        per_shard=summaries,
+    )
+
+
+_BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+def _sparkline(counts: list[int]) -> str:
+    top = max(counts) or 1
+    # Any non-empty bin gets at least the lowest block, so rare values stay visible.
+    return "".join(_BLOCKS[math.ceil(c / top * (len(_BLOCKS) - 1))] for c in counts)
+
+
+def _number(value: float, integer: bool) -> str:
+    return f"{value:,.0f}" if integer else f"{value:.1%}"
+
+
+def render(report: InspectReport, *, shards: bool = False) -> Group:
+    """The report as rich tables (one screen); the per-shard table only when `shards`."""
+    r = report
+    summary = Table(title=f"prepack build {r.path}", show_header=False, title_justify="left", box=None)
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row(
+        "documents",
+        f"{r.documents:,} in the corpus, {r.segments:,} in the packs (after --overflow {r.overflow})",
+    )
+    summary.add_row(
+        "tokens",
+        f"{r.tokens:,} packed of {r.input_tokens:,} read" + (", with labels" if r.has_labels else ""),
+    )
+    summary.add_row(
+        "packs", f"{r.packs:,} of {r.max_len:,} tokens in {r.shards:,} shard{'s' * (r.shards != 1)}"
+    )
+    summary.add_row(
+        "over the lower bound",
+        f"{r.over_lower_bound:,} packs ({r.over_lower_bound_percent:.3f}% over "
+        f"ceil(tokens / max_len) = {r.lower_bound:,})",
+    )
+    summary.add_row("fill", f"{r.fill:.3%} ({r.padding_tokens:,} padding tokens)")
+    summary.add_row(
+        "overflow",
+        f"split {r.split:,} (into {r.split_pieces:,} pieces), truncated {r.truncated:,} "
+        f"({r.truncated_tokens:,} tokens cut), dropped {r.dropped:,} ({r.dropped_tokens:,} tokens), "
+        f"empty {r.empty:,}",
+    )
+
+    distributions = Table(title="distributions", title_justify="left", box=box.SIMPLE_HEAD)
+    distributions.add_column("")
+    for name in ("min", "p50", "p90", "p99", "max", "mean"):
+        distributions.add_column(name, justify="right")
+    histograms = Table(title="histograms", title_justify="left", box=box.SIMPLE_HEAD)
+    histograms.add_column("")
+    histograms.add_column("from", justify="right")
+    histograms.add_column("", no_wrap=True)
+    histograms.add_column("to")
+    for name, dist, integer in (
+        ("documents per pack", r.documents_per_pack, True),
+        ("document length¹", r.document_length, True),
+        ("pack fill", r.pack_fill, False),
+    ):
+        values = [_number(getattr(dist, k), integer) for k in ("min", "p50", "p90", "p99", "max")]
+        mean = f"{dist.mean:,.1f}" if integer else f"{dist.mean:.1%}"
+        distributions.add_row(name, *values, mean)
+        low, high = dist.edges[0], dist.edges[-1] - (1 if integer else 0)
+        histograms.add_row(name, _number(low, integer), _sparkline(dist.counts), _number(high, integer))
+
+    costs = Table(title="compute without packing²", title_justify="left", box=box.SIMPLE_HEAD)
+    for name, justify in (("", "left"), ("tokens", "right"), ("padding", "right"), ("× packed", "right")):
+        costs.add_column(name, justify=justify)
+    for name, c in (
+        ("packed", r.cost.packed),
+        ("pad every document to max_len", r.cost.pad_to_max_len),
+        (f"pad to longest, random batches of {r.batch_size}", r.cost.pad_to_longest_in_batch),
+    ):
+        costs.add_row(name, f"{c.tokens:,}", f"{c.padding_tokens:,}", f"{c.ratio:.2f}")
+
+    notes = Text(
+        "¹ documents are the segments in the packs (np.diff of cu_seqlens): corpus documents after split, "
+        f"truncate or drop.\n² {COST_NOTE}",
+        style="dim",
+    )
+    parts = [summary, distributions, histograms, costs]
+    if shards:
+        table = Table(title="shards", title_justify="left", box=box.SIMPLE_HEAD)
+        for name in ("name", "packs", "documents", "tokens", "bytes", "fill"):
+            table.add_column(name, justify="left" if name == "name" else "right")
+        for s in r.per_shard:
+            table.add_row(
+                s.name, f"{s.packs:,}", f"{s.documents:,}", f"{s.tokens:,}", f"{s.bytes:,}", f"{s.fill:.2%}"
+            )
+        parts.append(table)
+    return Group(*parts, notes)
+
+
+def plot(report: InspectReport, path: str | os.PathLike) -> Path:
+    """Draw the three distributions and the cost comparison into one image at `path` (format from the
+    suffix, e.g. .png or .svg). Raises ImportError naming the `plot` extra when matplotlib is missing."""
+    try:
+        from matplotlib.figure import Figure  # the object API: no pyplot, no global backend switch
+    except ImportError:
+        raise ImportError(
+            "plotting needs matplotlib, an optional dependency: pip install 'prepack[plot]'"
+        ) from None
+    figure = Figure(figsize=(12, 8), layout="constrained")
+    axes = figure.subplots(2, 2)
+    panels = (
+        (axes[0, 0], report.documents_per_pack, "documents per pack", True),
+        (axes[0, 1], report.document_length, "document length (segments, tokens)", True),
+        (axes[1, 0], report.pack_fill, "pack fill", False),
+    )
+    for ax, dist, title, integer in panels:
+        edges = np.asarray(dist.edges)
+        ax.bar(edges[:-1], dist.counts, width=np.diff(edges), align="edge", edgecolor="white")
+        stats = ", ".join(f"{k} {_number(getattr(dist, k), integer)}" for k in ("p50", "p90", "p99", "max"))
+        ax.set_title(f"{title}: {stats}", fontsize=10)
+        ax.set_ylabel("count")
+    ax = axes[1, 1]
+    names = ["packed", "pad to max_len", f"pad to longest,\nbatches of {report.batch_size}"]
+    costs = [report.cost.packed, report.cost.pad_to_max_len, report.cost.pad_to_longest_in_batch]
+    bars = ax.barh(names, [c.tokens for c in costs], color=["tab:green", "tab:red", "tab:orange"])
+    ax.bar_label(bars, labels=[f"{c.ratio:.2f}×" for c in costs], padding=3)
+    ax.axvline(report.tokens, color="black", linestyle="--", linewidth=1, label="real tokens")
+    ax.invert_yaxis()
+    ax.margins(x=0.12)
+    ax.set_xlabel("token positions of compute")
+    ax.set_title("compute without packing", fontsize=10)
+    ax.legend(loc="lower right")
+    figure.suptitle(
+        f"{report.path}: {report.packs:,} packs of {report.max_len:,}, fill {report.fill:.2%}, "
+        f"{report.segments:,} documents"
+    )
+    path = Path(path)
+    figure.savefig(path, dpi=100)
+    return path

@@ -1,0 +1,688 @@
+"""`verify`: check a build against its manifest, the shard format and, with a source, the corpus.
+
+What is checked, in this order (each problem names the file, row and column it was found in):
+
+1. the manifest's own arithmetic: totals against each other, against the shard entries and inputs;
+2. the directory: shards named `shard-00000.arrow`, … in manifest order, none missing, none extra;
+3. every shard: byte size and sha256 against the manifest; an Arrow stream with the format's schema
+   and one record batch; its row and token counts against the manifest; every row as `check_shard`
+   checks it (lengths ≤ max_len, `segment_ids` ↔ `cu_seqlens`, `max_seqlen`, provenance lengths),
+   plus non-negative token ids, labels that are ids or -100, provenance rows inside the corpus, and
+   documents in (row, piece) order inside each pack;
+4. across shards: every (corpus row, piece) in one pack only, pieces numbered 0, 1, … without gaps,
+   every piece but a document's last holding max_len tokens, and the counts of documents, splits and
+   segments against the manifest;
+5. with `source`: the corpus is streamed with `read_documents` (memory bounded by its batches) and
+   every document must come out of the packs exactly as the manifest's max_len and overflow say: its
+   pieces all present, same lengths, same tokens and labels; rows and tokens the build left out must
+   be the manifest's empty, truncated and dropped counts, and the corpus files its `inputs`.
+
+A shard that cannot be read or has malformed rows is left out of steps 4 and 5, and so are the checks
+there that need every pack (a document missing from the packs might be in that shard): one problem says
+so, instead of a cascade of follow-on reports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict
+
+from prepack.errors import FormatError, InputError
+from prepack.format import (
+    IGNORE_INDEX,
+    MANIFEST_NAME,
+    Manifest,
+    check_shard,
+    open_shard,
+    read_manifest,
+    shard_name,
+)
+from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
+
+__all__ = ["Problem", "verify_build"]
+
+_COMPARE_TOKENS = 2**22  # tokens compared per step against the source
+_RESUME_BLOCK = 1024  # rows checked per call after a failing row, so --all stays linear in the rows
+_CHECK_SHARD = re.compile(r"row (\d+), column '([^']+)': (.*)", re.S)
+
+
+class Problem(BaseModel):
+    """One thing wrong with a build. `file` is a shard's name or `manifest.json` (None for the build as
+    a whole), `row` the pack's row inside that shard, `column` the shard column (or the manifest field);
+    `source_file`/`source_row` locate the corpus document concerned, when there is one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    file: str | None = None
+    row: int | None = None
+    column: str | None = None
+    source_file: str | None = None
+    source_row: int | None = None
+    message: str
+
+    def __str__(self) -> str:
+        where = []
+        if self.source_file is not None:
+            where.append(
+                f"source {self.source_file}"
+                + (f", row {self.source_row}" if self.source_row is not None else "")
+            )
+        if self.file is not None:
+            where.append(self.file)
+        if self.row is not None:
+            where.append(f"row {self.row}")
+        if self.column is not None:
+            where.append(self.column if self.file == MANIFEST_NAME else f"column {self.column!r}")
+        return f"{', '.join(where)}: {self.message}" if where else self.message
+
+
+def verify_build(
+    path: str | os.PathLike, source: str | os.PathLike | None = None, *, all_problems: bool = False
+) -> list[Problem]:
+    """Check the build at `path` (and, with `source`, every token of the corpus it was built from).
+
+    Returns the problems found: none for a sound build, the first one only unless `all_problems`.
+    Raises FormatError when `path` is not a build at all (no manifest.json) and InputError when the
+    source cannot be read or does not fit the build's options; those are not findings about the build.
+    """
+    path = Path(path)
+    if not (path / MANIFEST_NAME).is_file():
+        read_manifest(path)  # raises the format's "not a finished build" error
+    try:
+        manifest = read_manifest(path)
+    except FormatError as exc:
+        return [Problem(file=MANIFEST_NAME, message=str(exc))]
+    corpus = None
+    if source is not None:
+        if manifest.options.tokenize is not None:
+            raise InputError(
+                f"{path} was tokenized by `prepack build` from text; --source needs a corpus of token "
+                "ids, which verify cannot re-create from text."
+            )
+        corpus = find_corpus(source)
+    problems = _problems(path, manifest, corpus)
+    return list(problems) if all_problems else list(islice(problems, 1))
+
+
+@dataclass
+class _Segments:
+    """The documents of the packs that passed the format checks, one entry per segment."""
+
+    rows: np.ndarray  # int64 corpus row
+    pieces: np.ndarray  # int64 piece number
+    lengths: np.ndarray  # int64 tokens
+    starts: np.ndarray  # int64 first token in its shard's input_ids values
+    offset: np.ndarray  # int64 first token inside its pack (its cu_seqlens value)
+    shard: np.ndarray  # int32 the shard's index in the manifest
+    pack: np.ndarray  # int64 row inside the shard
+    number: np.ndarray  # int64 1-based document number inside the pack (its segment id)
+
+
+@dataclass
+class _Shard:
+    name: str
+    ids: np.ndarray | None  # the input_ids values, memory-mapped (kept only for the source check)
+    labels: np.ndarray | None  # aligned with ids
+    segments: _Segments
+
+
+def _problems(path: Path, manifest: Manifest, corpus: Corpus | None) -> Iterator[Problem]:
+    yield from _manifest_problems(manifest)
+    yield from _directory_problems(path, manifest)
+    shards: dict[int, _Shard] = {}
+    for index in range(len(manifest.shards)):
+        shard = yield from _shard_problems(path, index, manifest)
+        if shard is not None:
+            if corpus is None:  # only the source check reads tokens again: unmap the shard now
+                shard.ids = shard.labels = None
+            shards[index] = shard
+    complete = len(shards) == len(manifest.shards)
+    if not complete:
+        yield Problem(
+            message=f"{len(manifest.shards) - len(shards)} shard(s) could not be read or have malformed "
+            "rows (above); the checks that need every pack (documents missing from the packs, piece "
+            "numbering, document counts) were skipped."
+        )
+    segments = _concatenate([s.segments for s in shards.values()])
+    yield from _provenance_problems(segments, shards, manifest, complete)
+    if corpus is not None:
+        yield from _source_problems(corpus, segments, shards, manifest, complete)
+
+
+# 1. The manifest's arithmetic ---------------------------------------------------------------------
+
+
+def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
+    t, o = manifest.totals, manifest.options
+    expected = {
+        "documents": sum(f.rows for f in manifest.inputs),
+        "packs": sum(s.rows for s in manifest.shards),
+        "tokens": sum(s.tokens for s in manifest.shards),
+        "padding_tokens": t.packs * o.max_len - t.tokens,
+        "lower_bound": -(-t.tokens // o.max_len),
+        "segments": t.documents - t.empty - t.split - t.dropped + t.split_pieces,
+        "input_tokens": t.tokens + t.truncated_tokens + t.dropped_tokens,
+    }
+    why = {
+        "documents": "the sum of inputs[].rows",
+        "packs": "the sum of shards[].rows",
+        "tokens": "the sum of shards[].tokens",
+        "padding_tokens": "packs * max_len - tokens",
+        "lower_bound": "ceil(tokens / max_len)",
+        "segments": "documents - empty - split - dropped + split_pieces",
+        "input_tokens": "tokens + truncated_tokens + dropped_tokens",
+    }
+    for name, value in expected.items():
+        said = getattr(t, name)
+        if said != value:
+            yield Problem(
+                file=MANIFEST_NAME, column=f"totals.{name}", message=f"is {said}, but {why[name]} is {value}."
+            )
+    allowed = {"split": ("split", "error"), "truncated": ("truncate",), "dropped": ("drop",)}
+    for name, policies in allowed.items():
+        if getattr(t, name) and o.overflow not in policies:
+            yield Problem(
+                file=MANIFEST_NAME,
+                column=f"totals.{name}",
+                message=f"is {getattr(t, name)}, but overflow {o.overflow!r} never does that.",
+            )
+    if t.split_pieces < 2 * t.split or (t.split == 0) != (t.split_pieces == 0):
+        yield Problem(
+            file=MANIFEST_NAME,
+            column="totals.split_pieces",
+            message=f"is {t.split_pieces} for {t.split} split documents; each split gives at least 2 pieces.",
+        )
+    if manifest.has_labels != (o.labels_column is not None):
+        yield Problem(
+            file=MANIFEST_NAME,
+            column="has_labels",
+            message=f"is {manifest.has_labels}, but options.labels_column is {o.labels_column!r}.",
+        )
+
+
+# 2. The directory ---------------------------------------------------------------------------------
+
+
+def _directory_problems(path: Path, manifest: Manifest) -> Iterator[Problem]:
+    for index, info in enumerate(manifest.shards):
+        if info.name != shard_name(index):
+            yield Problem(
+                file=MANIFEST_NAME,
+                column=f"shards[{index}].name",
+                message=f"is {info.name!r}, expected {shard_name(index)!r}; the shard is not checked.",
+            )
+    listed = {info.name for info in manifest.shards}
+    for extra in sorted(p.name for p in path.glob("shard-*.arrow") if p.name not in listed):
+        yield Problem(file=extra, message="a shard file the manifest does not list.")
+
+
+# 3. Each shard ------------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(2**22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _strip(message: str, prefix: str) -> str:
+    return message[len(prefix) + 2 :] if message.startswith(prefix + ": ") else message
+
+
+def _shard_problems(path: Path, index: int, manifest: Manifest):
+    """Yield the shard's problems; return its segments when its rows can be trusted, else None."""
+    info = manifest.shards[index]
+    name = info.name
+    if name != shard_name(index):
+        return None
+    file = path / name
+    try:
+        size = file.stat().st_size
+    except FileNotFoundError:
+        yield Problem(
+            file=name, message=f"missing; the manifest lists it with {info.rows} packs, {info.bytes} bytes."
+        )
+        return None
+    if size != info.bytes:
+        yield Problem(
+            file=name, message=f"{size} bytes, but the manifest says {info.bytes} (truncated or replaced?)."
+        )
+    elif (digest := _sha256(file)) != info.sha256:
+        yield Problem(
+            file=name,
+            message=f"sha256 is {digest}, but the manifest says {info.sha256}: the file changed after "
+            "the build.",
+        )
+    try:
+        batch = open_shard(file, manifest.has_labels)
+        batch.validate(full=True)
+    except FormatError as exc:
+        yield Problem(file=name, message=_strip(str(exc), str(file)))
+        return None
+    except pa.ArrowException as exc:
+        yield Problem(file=name, message=f"not valid Arrow data ({exc}).")
+        return None
+    if batch.num_rows != info.rows:
+        yield Problem(file=name, message=f"{batch.num_rows} packs, but the manifest says {info.rows}.")
+    tokens = len(batch.column("input_ids").flatten())
+    if tokens != info.tokens:
+        yield Problem(
+            file=name, column="input_ids", message=f"{tokens} tokens, but the manifest says {info.tokens}."
+        )
+    sound = True
+    for problem in _row_problems(batch, manifest.options.max_len, name):
+        sound = False
+        yield problem
+    if not sound:
+        return None
+    shard = _read_segments(batch, name, index)
+    yield from _value_problems(batch, shard, manifest)
+    return shard
+
+
+def _row_problems(batch: pa.RecordBatch, max_len: int, name: str) -> Iterator[Problem]:
+    """`check_shard`'s findings: its first one, then, while the caller asks for more, the first one
+    after that row, and so on (in blocks, so many bad rows do not make this quadratic)."""
+    start, length = 0, batch.num_rows
+    while start < batch.num_rows:
+        try:
+            check_shard(batch.slice(start, length), max_len, name)
+        except FormatError as exc:
+            found = _CHECK_SHARD.match(_strip(str(exc), name))
+            if found is None:
+                yield Problem(file=name, message=_strip(str(exc), name))
+                return
+            row = start + int(found[1])
+            yield Problem(file=name, row=row, column=found[2], message=found[3])
+            start = row + 1
+        else:
+            start += length
+        length = _RESUME_BLOCK
+
+
+def _list_values(batch: pa.RecordBatch, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, values) of a list column: values[offsets[r]:offsets[r+1]] is row r."""
+    array = batch.column(column)
+    return array.offsets.to_numpy().astype(np.int64), array.values.to_numpy()
+
+
+def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
+    ids_off, ids = _list_values(batch, "input_ids")
+    cu_off, cu = _list_values(batch, "cu_seqlens")
+    src_off, rows = _list_values(batch, "source_rows")
+    piece_off, pieces = _list_values(batch, "source_pieces")
+    docs = np.diff(cu_off)
+    is_start = np.ones(int(cu_off[-1] - cu_off[0]), dtype=bool)
+    is_start[cu_off[1:] - cu_off[0] - 1] = False  # a pack's last value ends its last document
+    firsts = cu[cu_off[0] : cu_off[-1]][is_start].astype(np.int64)
+    lengths = np.diff(cu[cu_off[0] : cu_off[-1]].astype(np.int64))[is_start[:-1]]
+    pack = np.repeat(np.arange(batch.num_rows, dtype=np.int64), docs - 1)
+    number = np.arange(len(pack)) - np.repeat(np.cumsum(docs - 1) - (docs - 1), docs - 1) + 1
+    labels = None
+    if "labels" in batch.schema.names:
+        # Aligned with input_ids, so one index serves both (a copy only when the offsets differ).
+        lab_off, labels = _list_values(batch, "labels")
+        if not np.array_equal(lab_off, ids_off):
+            aligned = np.zeros(len(ids), dtype=labels.dtype)
+            n = np.diff(ids_off)
+            aligned[_ranges(ids_off[:-1], n)] = labels[_ranges(lab_off[:-1], n)]
+            labels = aligned
+    return _Shard(
+        name=name,
+        ids=ids,
+        labels=labels,
+        segments=_Segments(
+            rows=rows[src_off[0] : src_off[-1]].astype(np.int64),
+            pieces=pieces[piece_off[0] : piece_off[-1]].astype(np.int64),
+            lengths=lengths,
+            starts=ids_off[:-1][pack] + firsts,
+            offset=firsts,
+            shard=np.full(len(pack), index, dtype=np.int32),
+            pack=pack,
+            number=number,
+        ),
+    )
+
+
+def _first_per_row(offsets: np.ndarray, bad: np.ndarray) -> Iterator[tuple[int, int]]:
+    """(row, position inside the row) of the first flagged value of every row that has one."""
+    flagged = np.flatnonzero(bad) + offsets[0]
+    rows = np.searchsorted(offsets, flagged, "right") - 1
+    rows, first = np.unique(rows, return_index=True)
+    for row, at in zip(rows, flagged[first]):
+        yield int(row), int(at - offsets[row])
+
+
+def _value_problems(batch: pa.RecordBatch, shard: _Shard, manifest: Manifest) -> Iterator[Problem]:
+    name, seg = shard.name, shard.segments
+    ids_off, _ = _list_values(batch, "input_ids")
+    for column, values, bad_when, what in (
+        ("input_ids", shard.ids, lambda v: v < 0, "token ids are non-negative"),
+        (
+            "labels",
+            shard.labels,
+            lambda v: (v < 0) & (v != IGNORE_INDEX),
+            f"labels are token ids or {IGNORE_INDEX}",
+        ),
+    ):
+        if values is None:
+            continue
+        window = values[ids_off[0] : ids_off[-1]]
+        for row, at in _first_per_row(ids_off, bad_when(window)):
+            yield Problem(
+                file=name,
+                row=row,
+                column=column,
+                message=f"token {at} is {values[ids_off[row] + at]}; {what}.",
+            )
+    documents = manifest.totals.documents
+    for i in np.flatnonzero((seg.rows < 0) | (seg.rows >= documents)):
+        yield Problem(
+            file=name,
+            row=int(seg.pack[i]),
+            column="source_rows",
+            message=f"document {seg.number[i]} comes from corpus row {seg.rows[i]}; the corpus has "
+            f"{documents} rows.",
+        )
+    same_pack = seg.pack[1:] == seg.pack[:-1]
+    ordered = (seg.rows[1:] > seg.rows[:-1]) | (
+        (seg.rows[1:] == seg.rows[:-1]) & (seg.pieces[1:] > seg.pieces[:-1])
+    )
+    for i in np.flatnonzero(same_pack & ~ordered) + 1:
+        yield Problem(
+            file=name,
+            row=int(seg.pack[i]),
+            column="source_rows",
+            message=f"document {seg.number[i]} (corpus row {seg.rows[i]}, piece {seg.pieces[i]}) follows "
+            f"(row {seg.rows[i - 1]}, piece {seg.pieces[i - 1]}); documents in a pack are in (row, piece) "
+            "order.",
+        )
+
+
+# 4. Across shards ---------------------------------------------------------------------------------
+
+
+def _concatenate(parts: list[_Segments]) -> _Segments:
+    fields = _Segments.__dataclass_fields__
+    if not parts:
+        return _Segments(**{f: np.empty(0, np.int64) for f in fields})
+    joined = {f: np.concatenate([getattr(p, f) for p in parts]) for f in fields}
+    order = np.lexsort((joined["pieces"], joined["rows"]))  # corpus order
+    return _Segments(**{f: v[order] for f, v in joined.items()})
+
+
+def _where(seg: _Segments, shards: dict[int, _Shard], i: int) -> dict:
+    return {"file": shards[int(seg.shard[i])].name, "row": int(seg.pack[i])}
+
+
+def _provenance_problems(
+    seg: _Segments, shards: dict[int, _Shard], manifest: Manifest, complete: bool
+) -> Iterator[Problem]:
+    """Cross-shard provenance; with shards missing (`complete` False), only what those cannot change."""
+    t, max_len = manifest.totals, manifest.options.max_len
+    same_row = seg.rows[1:] == seg.rows[:-1]
+    duplicate = same_row & (seg.pieces[1:] == seg.pieces[:-1])
+    for i in np.flatnonzero(duplicate) + 1:
+        first = _where(seg, shards, i - 1)
+        yield Problem(
+            **_where(seg, shards, i),
+            column="source_rows",
+            message=f"corpus row {seg.rows[i]}, piece {seg.pieces[i]} is also in {first['file']} row "
+            f"{first['row']}; every document is in exactly one pack.",
+        )
+    expected_piece = np.zeros(len(seg.rows), dtype=np.int64)
+    expected_piece[1:] = np.where(same_row, seg.pieces[:-1] + 1, 0)
+    gap = (seg.pieces != expected_piece) & complete  # the piece before may be in a missing shard
+    gap[1:] &= ~duplicate
+    for i in np.flatnonzero(gap):
+        yield Problem(
+            **_where(seg, shards, i),
+            column="source_pieces",
+            message=f"corpus row {seg.rows[i]} has piece {seg.pieces[i]} where piece {expected_piece[i]} "
+            "should be; the pieces of a split document are numbered 0, 1, … without gaps.",
+        )
+    if manifest.options.overflow in ("truncate", "drop"):
+        for i in np.flatnonzero(seg.pieces > 0):
+            yield Problem(
+                **_where(seg, shards, i),
+                column="source_pieces",
+                message=f"piece {seg.pieces[i]} of corpus row {seg.rows[i]}, but overflow "
+                f"{manifest.options.overflow!r} never splits.",
+            )
+    not_last = np.append(same_row & ~duplicate, False)
+    for i in np.flatnonzero(not_last & (seg.lengths != max_len)):
+        yield Problem(
+            **_where(seg, shards, i),
+            column="cu_seqlens",
+            message=f"piece {seg.pieces[i]} of corpus row {seg.rows[i]} has {seg.lengths[i]} tokens; every "
+            f"piece but a split document's last holds max_len = {max_len}.",
+        )
+    if not complete:
+        return
+    row_starts = np.flatnonzero(np.append(True, ~same_row))
+    pieces_per_row = np.diff(np.append(row_starts, len(seg.rows)))
+    found = {
+        "segments": len(seg.rows),
+        "documents - empty - dropped": len(row_starts),
+        "split": int((pieces_per_row > 1).sum()),
+        "split_pieces": int(pieces_per_row[pieces_per_row > 1].sum()),
+    }
+    said = {
+        "segments": t.segments,
+        "documents - empty - dropped": t.documents - t.empty - t.dropped,
+        "split": t.split,
+        "split_pieces": t.split_pieces,
+    }
+    for name, value in found.items():
+        if value != said[name]:
+            yield Problem(
+                file=MANIFEST_NAME,
+                column=f"totals.{name}" if " " not in name else "totals",
+                message=f"{name} is {said[name]}, but the packs hold {value}.",
+            )
+
+
+# 5. Against the source ----------------------------------------------------------------------------
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated [start, start + length) index ranges."""
+    before = np.cumsum(lengths) - lengths
+    return np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _expected_segments(batch: DocumentBatch, max_len: int, overflow: str) -> tuple[np.ndarray, ...]:
+    """(row in batch, piece, start in batch.ids, length) of every segment the build must have made."""
+    lengths = np.diff(batch.offsets)
+    if overflow in ("split", "error"):
+        pieces_per_doc = -(-lengths // max_len)
+    elif overflow == "truncate":
+        pieces_per_doc = (lengths > 0).astype(np.int64)
+    else:  # drop
+        pieces_per_doc = ((lengths > 0) & (lengths <= max_len)).astype(np.int64)
+    rows = np.repeat(np.arange(len(lengths), dtype=np.int64), pieces_per_doc)
+    pieces = np.arange(len(rows), dtype=np.int64) - np.repeat(
+        np.cumsum(pieces_per_doc) - pieces_per_doc, pieces_per_doc
+    )
+    starts = batch.offsets[rows] + pieces * max_len
+    seg_lengths = np.minimum(lengths[rows] - pieces * max_len, max_len)
+    return rows, pieces, starts, seg_lengths
+
+
+def _overflow_counts(lengths: np.ndarray, max_len: int, overflow: str) -> dict[str, int]:
+    long = lengths > max_len
+    pieces = -(-lengths[long] // max_len)
+    return {
+        "documents": len(lengths),
+        "input_tokens": int(lengths.sum()),
+        "empty": int((lengths == 0).sum()),
+        "split": int(long.sum()) if overflow in ("split", "error") else 0,
+        "split_pieces": int(pieces.sum()) if overflow in ("split", "error") else 0,
+        "truncated": int(long.sum()) if overflow == "truncate" else 0,
+        "truncated_tokens": int((lengths[long] - max_len).sum()) if overflow == "truncate" else 0,
+        "dropped": int(long.sum()) if overflow == "drop" else 0,
+        "dropped_tokens": int(lengths[long].sum()) if overflow == "drop" else 0,
+    }
+
+
+def _source_problems(
+    corpus: Corpus, seg: _Segments, shards: dict[int, _Shard], manifest: Manifest, complete: bool
+) -> Iterator[Problem]:
+    o = manifest.options
+    used_labels, batches = read_documents(corpus, o.column, o.labels_column if manifest.has_labels else None)
+    if manifest.has_labels and used_labels is None:
+        yield Problem(
+            source_file=corpus.name(corpus.files[0]),
+            column=o.labels_column,
+            message=f"the build carries labels from column {o.labels_column!r}, the source has none; "
+            "labels are not compared.",
+        )
+    counts = dict.fromkeys(_overflow_counts(np.empty(0, np.int64), o.max_len, o.overflow), 0)
+    rows_per_file = {path: 0 for path in corpus.files}
+    row0 = 0
+    for batch in batches:
+        m = len(batch.offsets) - 1
+        for key, value in _overflow_counts(np.diff(batch.offsets), o.max_len, o.overflow).items():
+            counts[key] += value
+        yield from _batch_problems(corpus, batch, row0, seg, shards, manifest, complete)
+        rows_per_file[batch.file] += m
+        row0 += m
+    for i in np.flatnonzero(seg.rows >= row0):
+        yield Problem(
+            **_where(seg, shards, i),
+            column="source_rows",
+            message=f"holds corpus row {seg.rows[i]}, but the source has {row0} rows.",
+        )
+    inputs = [(corpus.name(path), rows) for path, rows in rows_per_file.items()]
+    listed = [(f.path, f.rows) for f in manifest.inputs]
+    if inputs != listed:
+        yield Problem(
+            file=MANIFEST_NAME,
+            column="inputs",
+            message=f"lists (file, rows) {listed}, the source has {inputs}.",
+        )
+    for key, value in counts.items():
+        said = getattr(manifest.totals, key)
+        if said != value:
+            yield Problem(
+                file=MANIFEST_NAME,
+                column=f"totals.{key}",
+                message=f"is {said}, but the source with max_len {o.max_len} and overflow {o.overflow!r} "
+                f"gives {value}.",
+            )
+
+
+def _batch_problems(
+    corpus: Corpus,
+    batch: DocumentBatch,
+    row0: int,
+    seg: _Segments,
+    shards: dict[int, _Shard],
+    manifest: Manifest,
+    complete: bool,
+) -> Iterator[Problem]:
+    """Compare one batch of corpus documents (global rows row0, row0+1, …) with the packs."""
+    o = manifest.options
+    m = len(batch.offsets) - 1
+    lengths = np.diff(batch.offsets)
+    e_rows, e_pieces, e_starts, e_lengths = _expected_segments(batch, o.max_len, o.overflow)
+    lo, hi = np.searchsorted(seg.rows, [row0, row0 + m], "left")
+    a_rows, a_pieces = seg.rows[lo:hi] - row0, seg.pieces[lo:hi]
+    width = int(max(e_pieces.max(initial=0), a_pieces.max(initial=0))) + 1
+    e_keys, a_keys = e_rows * width + e_pieces, a_rows * width + a_pieces  # both sorted
+    source_file = corpus.name(batch.file)
+
+    def at_source(row: int) -> dict:
+        return {"source_file": source_file, "source_row": batch.first_row + int(row)}
+
+    found = np.isin(e_keys, a_keys)
+    for i in np.flatnonzero(~found & complete):  # with shards missing, it may be in one of those
+        r = int(e_rows[i])
+        what = (
+            f"piece {e_pieces[i]} ({e_lengths[i]} tokens)"
+            if lengths[r] > o.max_len and o.overflow != "truncate"
+            else f"the document ({lengths[r]} tokens)"
+        )
+        yield Problem(
+            **at_source(r), column=o.column, message=f"{what} is in no pack (corpus row {row0 + r})."
+        )
+    for i in np.flatnonzero(~np.isin(a_keys, e_keys)) + lo:
+        r = int(seg.rows[i] - row0)
+        yield Problem(
+            **_where(seg, shards, i),
+            column="source_rows",
+            message=f"document {seg.number[i]} is corpus row {seg.rows[i]} piece {seg.pieces[i]}, which the "
+            f"source ({source_file} row {batch.first_row + r}: {lengths[r]} tokens) does not give with "
+            f"max_len {o.max_len} and overflow {o.overflow!r}.",
+        )
+    matched = np.flatnonzero(found)
+    actual = lo + np.searchsorted(a_keys, e_keys[matched])
+    same_length = seg.lengths[actual] == e_lengths[matched]
+    for e, a in zip(matched[~same_length], actual[~same_length]):
+        yield Problem(
+            **_where(seg, shards, a),
+            column="cu_seqlens",
+            message=f"document {seg.number[a]} (corpus row {seg.rows[a]}, piece {seg.pieces[a]}) has "
+            f"{seg.lengths[a]} tokens; the source gives {e_lengths[e]}.",
+        )
+    e_sel, a_sel = matched[same_length], actual[same_length]
+    columns = [("input_ids", batch.ids, lambda s: s.ids)]
+    if batch.labels is not None and manifest.has_labels:
+        columns.append(("labels", batch.labels, lambda s: s.labels))
+    # Compare in chunks of about _COMPARE_TOKENS tokens: the index arrays cost 8 bytes per token.
+    chunk_of = np.cumsum(e_lengths[e_sel]) // _COMPARE_TOKENS
+    bounds = np.flatnonzero(np.diff(chunk_of, prepend=-1, append=chunk_of[-1] + 1 if len(chunk_of) else 0))
+    for first, end in zip(bounds[:-1], bounds[1:]):
+        part = slice(first, end)
+        for column, source_values, shard_values in columns:
+            yield from _token_problems(
+                column, source_values, shard_values, e_starts[e_sel[part]], seg, a_sel[part], shards
+            )
+
+
+def _token_problems(
+    column: str,
+    source_values: np.ndarray,
+    shard_values,
+    source_starts: np.ndarray,
+    seg: _Segments,
+    actual: np.ndarray,
+    shards: dict[int, _Shard],
+) -> Iterator[Problem]:
+    """Compare the tokens (or labels) of matched segments, same lengths already checked."""
+    seg_lengths = seg.lengths[actual]
+    expected = source_values[_ranges(source_starts, seg_lengths)]
+    packed = np.empty_like(expected)
+    out_starts = np.cumsum(seg_lengths) - seg_lengths
+    for index in np.unique(seg.shard[actual]):
+        mine = seg.shard[actual] == index
+        values = shard_values(shards[int(index)])
+        packed[_ranges(out_starts[mine], seg_lengths[mine])] = values[
+            _ranges(seg.starts[actual[mine]], seg_lengths[mine])
+        ]
+    bad = np.flatnonzero(expected != packed)
+    if not len(bad):
+        return
+    which = np.searchsorted(out_starts, bad, "right") - 1
+    which, first = np.unique(which, return_index=True)
+    for k, token in zip(which, bad[first]):
+        a = actual[k]
+        within = int(token - out_starts[k])
+        yield Problem(
+            **_where(seg, shards, a),
+            column=column,
+            message=f"token {seg.offset[a] + within} of the pack (token {within} of document "
+            f"{seg.number[a]}, corpus row {seg.rows[a]} piece {seg.pieces[a]}) is {packed[token]}; the "
+            f"source has {expected[token]}.",
+        )

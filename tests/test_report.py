@@ -1,0 +1,230 @@
+"""`prepack inspect`: every number against an independent computation from the corpus we generated
+(and the packs as plain pyarrow reads them); the rendering, the plot and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from prepack import build
+from prepack.errors import FormatError, InputError
+from prepack.report import InspectReport, inspect_build, plot, render
+from tests.corpus import corpus_table, read_build, write_corpus
+
+PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
+MAX_LEN = 64
+
+
+def corpus_lengths() -> list[int]:
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(1, 60, size=400).tolist()
+    lengths[::37] = [0] * len(lengths[::37])  # empty documents
+    lengths[5::53] = [150, 64, 65, 200, 129, 300, 70, 64][: len(lengths[5::53])]  # long and exactly max_len
+    return lengths
+
+
+def expected_segments(lengths: list[int], overflow: str) -> list[int]:
+    """Segment lengths in corpus (row, piece) order, as the overflow policy defines them."""
+    segments = []
+    for n in lengths:
+        if n == 0 or (n > MAX_LEN and overflow == "drop"):
+            continue
+        if n > MAX_LEN and overflow == "truncate":
+            n = MAX_LEN
+        segments += [min(MAX_LEN, n - start) for start in range(0, n, MAX_LEN)]
+    return segments
+
+
+def nearest_rank(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(p / 100 * len(ordered))) - 1]
+
+
+def random_batch_cost(segments: list[int], batch_size: int, seed: int) -> int:
+    order = np.random.default_rng(seed).permutation(len(segments))
+    shuffled = [segments[i] for i in order]
+    batches = [shuffled[i : i + batch_size] for i in range(0, len(shuffled), batch_size)]
+    return sum(len(batch) * max(batch) for batch in batches)
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("report")
+    rng = np.random.default_rng(8)
+    documents = [rng.integers(0, 1000, size=n).tolist() for n in corpus_lengths()]
+    corpus = write_corpus(tmp / "c.parquet", corpus_table(documents))
+    outs = {}
+    for overflow in ("split", "truncate", "drop"):
+        outs[overflow] = tmp / overflow
+        build(corpus, outs[overflow], max_len=MAX_LEN, overflow=overflow, shard_size=3000, seed=1)
+    return outs
+
+
+def check_distribution(dist, values: list[float]) -> None:
+    assert dist.count == len(values)
+    assert dist.min == min(values) and dist.max == max(values)
+    assert dist.mean == pytest.approx(sum(values) / len(values))
+    for p in (50, 90, 99):
+        assert getattr(dist, f"p{p}") == pytest.approx(nearest_rank(values, p))
+    assert sum(dist.counts) == len(values)
+    assert len(dist.edges) == len(dist.counts) + 1
+    assert dist.edges[0] <= min(values) and max(values) <= dist.edges[-1]
+    # Every bin holds exactly the values in [edges[i], edges[i+1]) (the last bin closed).
+    edges = dist.edges
+    for i, count in enumerate(dist.counts):
+        last = i == len(dist.counts) - 1
+        assert count == sum(edges[i] <= v < edges[i + 1] or (last and v == edges[-1]) for v in values)
+
+
+@pytest.mark.parametrize("overflow", ["split", "truncate", "drop"])
+def test_numbers_match_an_independent_computation(builds, overflow):
+    lengths = corpus_lengths()
+    segments = expected_segments(lengths, overflow)
+    _, packs = read_build(builds[overflow])
+    report = inspect_build(builds[overflow], batch_size=8, seed=3)
+
+    tokens = sum(segments)
+    long = [n for n in lengths if n > MAX_LEN]
+    assert report.documents == len(lengths)
+    assert report.input_tokens == sum(lengths)
+    assert report.segments == len(segments)
+    assert report.tokens == tokens
+    assert report.packs == len(packs)
+    assert report.max_len == MAX_LEN
+    assert report.fill == pytest.approx(tokens / (len(packs) * MAX_LEN))
+    assert report.padding_tokens == len(packs) * MAX_LEN - tokens
+    assert report.lower_bound == -(-tokens // MAX_LEN)
+    assert report.over_lower_bound == len(packs) - report.lower_bound
+    assert report.over_lower_bound_percent == pytest.approx(
+        100 * report.over_lower_bound / report.lower_bound
+    )
+    assert report.empty == lengths.count(0)
+    assert report.split == (len(long) if overflow == "split" else 0)
+    assert report.split_pieces == (sum(-(-n // MAX_LEN) for n in long) if overflow == "split" else 0)
+    assert report.truncated == (len(long) if overflow == "truncate" else 0)
+    assert report.truncated_tokens == (sum(n - MAX_LEN for n in long) if overflow == "truncate" else 0)
+    assert report.dropped == (len(long) if overflow == "drop" else 0)
+    assert report.dropped_tokens == (sum(long) if overflow == "drop" else 0)
+
+    check_distribution(report.documents_per_pack, [len(p["source_rows"]) for p in packs])
+    check_distribution(report.document_length, segments)
+    check_distribution(report.pack_fill, [len(p["input_ids"]) / MAX_LEN for p in packs])
+
+    packed = len(packs) * MAX_LEN
+    assert report.cost.packed.tokens == packed and report.cost.packed.ratio == 1
+    assert report.cost.pad_to_max_len.tokens == len(segments) * MAX_LEN
+    assert report.cost.pad_to_max_len.padding_tokens == len(segments) * MAX_LEN - tokens
+    assert report.cost.pad_to_max_len.ratio == pytest.approx(len(segments) * MAX_LEN / packed)
+    random = random_batch_cost(segments, 8, seed=3)
+    assert report.cost.pad_to_longest_in_batch.tokens == random
+    assert report.cost.pad_to_longest_in_batch.ratio == pytest.approx(random / packed)
+
+    assert report.shards == len(report.per_shard) > 3
+    assert sum(s.packs for s in report.per_shard) == len(packs)
+    assert sum(s.tokens for s in report.per_shard) == tokens
+    assert sum(s.documents for s in report.per_shard) == len(segments)
+
+
+def test_batch_baseline_limits_need_no_shuffle(builds):
+    """Batches of 1 pad nothing; one batch of everything pads every document to the longest."""
+    segments = expected_segments(corpus_lengths(), "split")
+    one = inspect_build(builds["split"], batch_size=1)
+    assert one.cost.pad_to_longest_in_batch.tokens == sum(segments)
+    assert one.cost.pad_to_longest_in_batch.padding_tokens == 0
+    everything = inspect_build(builds["split"], batch_size=10**6, seed=5)
+    assert everything.cost.pad_to_longest_in_batch.tokens == len(segments) * max(segments)
+
+
+def test_json_dump_is_the_report(builds):
+    report = inspect_build(builds["split"])
+    dumped = json.loads(json.dumps(report.model_dump(mode="json")))
+    assert InspectReport.model_validate(dumped) == report
+    for key in ("documents", "tokens", "packs", "max_len", "fill", "padding_tokens", "lower_bound"):
+        assert key in dumped
+
+
+def test_render_shows_the_numbers(builds):
+    report = inspect_build(builds["split"])
+    console = Console(record=True, width=130)
+    console.print(render(report, shards=True))
+    text = console.export_text()
+    for number in (report.documents, report.tokens, report.packs, report.padding_tokens, report.lower_bound):
+        assert f"{number:,}" in text
+    assert f"{report.fill:.3%}" in text
+    assert f"{report.cost.pad_to_max_len.ratio:.2f}" in text
+    assert "shard-00000.arrow" in text
+    assert "segments in the packs" in text  # the footnote on what "document length" means
+    console = Console(record=True, width=130)
+    console.print(render(report))
+    assert "shard-00000.arrow" not in console.export_text()
+
+
+def test_plot_writes_a_png_with_content(builds, tmp_path):
+    from matplotlib.image import imread
+
+    path = plot(inspect_build(builds["split"]), tmp_path / "report.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 20_000
+    pixels = imread(path)
+    assert pixels.shape[0] > 400 and pixels.shape[1] > 600
+    assert (pixels[..., :3] < 0.5).mean() > 0.01  # bars and text, not a blank canvas
+
+
+def test_plot_without_matplotlib_names_the_extra(builds, tmp_path, monkeypatch):
+    report = inspect_build(builds["split"])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match=r"prepack\[plot\]"):
+        plot(report, tmp_path / "report.png")
+    assert not (tmp_path / "report.png").exists()
+
+
+def test_a_manifest_that_disagrees_with_the_shards_is_refused(builds, tmp_path):
+    out = shutil.copytree(builds["split"], tmp_path / "copy")
+    raw = json.loads((out / "manifest.json").read_text())
+    raw["totals"]["tokens"] += 1
+    (out / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(FormatError, match="prepack verify"):
+        inspect_build(out)
+
+
+def test_import_does_not_pull_torch_or_matplotlib():
+    code = "import sys, prepack.report; print('torch' in sys.modules, 'matplotlib' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", "False"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    assert PREPACK, "the prepack console script is not installed beside this Python"
+    return subprocess.run([PREPACK, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_json_text_and_plot(builds, tmp_path):
+    result = run("inspect", str(builds["split"]), "--json", "--batch-size", "4", "--seed", "2")
+    assert result.returncode == 0, result.stderr
+    numbers = json.loads(result.stdout)
+    assert numbers == inspect_build(builds["split"], batch_size=4, seed=2).model_dump(mode="json")
+
+    result = run("inspect", str(builds["split"]), "--shards", "--plot", str(tmp_path / "r.png"))
+    assert result.returncode == 0, result.stderr
+    assert "shard-00000.arrow" in result.stdout and f"{numbers['packs']:,}" in result.stdout
+    assert (tmp_path / "r.png").stat().st_size > 20_000
+
+
+def test_cli_errors_exit_2(builds, tmp_path):
+    result = run("inspect", str(tmp_path / "nothing"))
+    assert result.returncode == 2 and result.stdout == ""
+    assert "not a finished prepack build" in " ".join(result.stderr.split())
+
+
+def test_batch_size_below_1_is_refused(builds):
+    with pytest.raises(InputError, match="batch_size"):
+        inspect_build(builds["split"], batch_size=0)
