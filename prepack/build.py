@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -22,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from prepack.errors import InputError
 from prepack.format import BuildOptions, InputFile, Manifest, Totals, write_manifest
 from prepack.plan import PackingPlan, plan_packs
-from prepack.read import Corpus, find_corpus, read_documents
+from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
 from prepack.write import shard_bounds, staged_directory, write_shard
 
 __all__ = ["DEFAULT_SHARD_SIZE", "build"]
@@ -41,9 +42,8 @@ class _StoredCorpus:
 
 
 def _store_documents(
-    corpus: Corpus, column: str, labels_column: str | None, scratch: Path, progress: Progress
+    corpus: Corpus, has_labels: bool, batches: Iterator[DocumentBatch], scratch: Path, progress: Progress
 ) -> _StoredCorpus:
-    used_labels, batches = read_documents(corpus, column, labels_column)
     rows_per_file = {path: 0 for path in corpus.files}
     lengths = []
     # Separate hashes per stream make the fingerprint independent of how files split into batches.
@@ -69,7 +69,7 @@ def _store_documents(
         lengths=np.concatenate(lengths) if lengths else np.empty(0, np.int64),
         rows_per_file=[rows_per_file[path] for path in corpus.files],
         fingerprint=fingerprint,
-        has_labels=used_labels is not None,
+        has_labels=has_labels,
     )
 
 
@@ -112,6 +112,14 @@ def build(
     max_len: int,
     column: str = "input_ids",
     labels_column: str = "labels",
+    tokenizer: str | os.PathLike | None = None,
+    chat: bool = False,
+    text_column: str = "text",
+    messages_column: str = "messages",
+    eos: bool = True,
+    chat_template: str | os.PathLike | None = None,
+    train_on: str = "assistant",
+    num_proc: int | None = None,
     algorithm: str = "ffd",
     overflow: str = "split",
     seed: int = 0,
@@ -120,15 +128,20 @@ def build(
     progress: bool = False,
     console: Console | None = None,
 ) -> Manifest:
-    """Pack a tokenized corpus into shards under `out` and return the manifest written there.
+    """Pack a corpus into shards under `out` and return the manifest written there.
 
     >>> manifest = build("corpus.parquet", "packed/", max_len=8192)   # doctest: +SKIP
     >>> manifest.totals.packs, manifest.totals.padding_tokens           # doctest: +SKIP
+    >>> build("chats.jsonl", "sft/", max_len=8192, tokenizer="./tok", chat=True)  # doctest: +SKIP
 
-    `labels_column` is carried into the shards when every corpus file has it. Raises `InputError`
-    for bad input and `OutputError` when `out` exists (unless `overwrite`); in both cases nothing
-    is written.
+    Without `tokenizer` the corpus holds token ids in `column`, and `labels_column` is carried into
+    the shards when every corpus file has it. With `tokenizer` (a local directory or tokenizer.json)
+    the corpus holds text in `text_column`, or with `chat` conversations in `messages_column`,
+    tokenized as `prepack.tokenize.tokenize_corpus` describes (`eos`, `chat_template`, `train_on`,
+    `num_proc`). Raises `InputError` for bad input and `OutputError` when `out` exists (unless
+    `overwrite`); in both cases nothing is written.
     """
+    read_column = (messages_column if chat else text_column) if tokenizer is not None else column
     try:
         options = BuildOptions(
             max_len=max_len,
@@ -136,7 +149,7 @@ def build(
             overflow=overflow,
             seed=seed,
             shard_size=shard_size,
-            column=column,
+            column=read_column,
             labels_column=labels_column,
         )
     except ValueError as exc:
@@ -146,40 +159,65 @@ def build(
     if inside:
         raise InputError(f"{inside[0]}: the corpus includes files inside --out {out}; choose another --out.")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with (
-        Progress(SpinnerColumn(), *columns, console=console, disable=not progress) as bar,
-        staged_directory(Path(out), overwrite) as staging,
-    ):
-        scratch = staging / ".scratch"
-        scratch.mkdir()
-        stored = _store_documents(found, column, labels_column, scratch, bar)
-        if len(stored.lengths) == 0:
-            raise InputError(f"{corpus}: the corpus has no documents.")
-        if not stored.lengths.any():
-            raise InputError(f"{corpus}: all {len(stored.lengths)} documents are empty.")
-        if overflow == "error" and (stored.lengths > max_len).any():
-            row = int(np.flatnonzero(stored.lengths > max_len)[0])
-            path, file_row = _locate_row(found, stored.rows_per_file, row)
-            raise InputError(
-                f"{path}, row {file_row}, column {column!r}: {stored.lengths[row]} tokens, longer "
-                f"than --max-len {max_len} (choose --overflow split, truncate or drop)."
+    with Progress(SpinnerColumn(), *columns, console=console, disable=not progress) as bar:
+        if tokenizer is None:
+            used_labels, batches = read_documents(found, column, labels_column)
+            has_labels, tokenize_options = used_labels is not None, None
+        else:
+            # Imported here: tokenizers and jinja2 are needed only by builds that tokenize.
+            try:
+                from prepack.tokenize import load_tokenizer, tokenize_corpus
+            except ImportError as exc:
+                raise InputError(f"--tokenizer needs {exc.name}: pip install 'prepack[tokenize]'") from None
+
+            tokenize_options, has_labels, batches = tokenize_corpus(
+                found,
+                load_tokenizer(tokenizer),
+                mode="chat" if chat else "text",
+                column=read_column,
+                eos=eos,
+                chat_template=chat_template,
+                train_on=train_on,
+                num_proc=num_proc,
+                progress=bar,
             )
-        planning = bar.add_task("plan", total=None)
-        plan = plan_packs(stored.lengths, max_len, algorithm=algorithm, overflow=overflow, seed=seed)
-        bar.update(planning, total=1, completed=1)
-        shards = _write_shards(plan, staging, scratch, stored.has_labels, shard_size, bar)
-        shutil.rmtree(scratch)
-        manifest = Manifest(
-            prepack_version=version("prepack"),
-            options=options.model_copy(update={"labels_column": labels_column if stored.has_labels else None}),
-            has_labels=stored.has_labels,
-            fingerprint=stored.fingerprint,
-            inputs=[
-                InputFile(path=found.name(path), rows=rows)
-                for path, rows in zip(found.files, stored.rows_per_file)
-            ],
-            totals=Totals(**plan.totals(), documents=len(stored.lengths)),
-            shards=shards,
-        )
-        write_manifest(staging, manifest)
+        with staged_directory(Path(out), overwrite) as staging:
+            scratch = staging / ".scratch"
+            scratch.mkdir()
+            stored = _store_documents(found, has_labels, batches, scratch, bar)
+            if len(stored.lengths) == 0:
+                raise InputError(f"{corpus}: the corpus has no documents.")
+            if not stored.lengths.any():
+                raise InputError(f"{corpus}: all {len(stored.lengths)} documents are empty.")
+            if overflow == "error" and (stored.lengths > max_len).any():
+                row = int(np.flatnonzero(stored.lengths > max_len)[0])
+                path, file_row = _locate_row(found, stored.rows_per_file, row)
+                raise InputError(
+                    f"{path}, row {file_row}, column {read_column!r}: {stored.lengths[row]} tokens, "
+                    f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
+                )
+            planning = bar.add_task("plan", total=None)
+            plan = plan_packs(stored.lengths, max_len, algorithm=algorithm, overflow=overflow, seed=seed)
+            bar.update(planning, total=1, completed=1)
+            shards = _write_shards(plan, staging, scratch, has_labels, shard_size, bar)
+            shutil.rmtree(scratch)
+            manifest = Manifest(
+                prepack_version=version("prepack"),
+                options=options.model_copy(
+                    update={
+                        # Tokenized labels are made by the build, not read from a column.
+                        "labels_column": labels_column if has_labels and tokenizer is None else None,
+                        "tokenize": tokenize_options,
+                    }
+                ),
+                has_labels=has_labels,
+                fingerprint=stored.fingerprint,
+                inputs=[
+                    InputFile(path=found.name(path), rows=rows)
+                    for path, rows in zip(found.files, stored.rows_per_file)
+                ],
+                totals=Totals(**plan.totals(), documents=len(stored.lengths)),
+                shards=shards,
+            )
+            write_manifest(staging, manifest)
     return manifest

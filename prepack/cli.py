@@ -19,19 +19,24 @@ from prepack.format import Manifest
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="Pack tokenized documents into fixed-length rows once, offline.",
+    help="Pack documents into fixed-length rows once, offline.",
 )
 console = Console(stderr=True)
 
 
 @app.callback()
 def _commands() -> None:
-    """Pack tokenized documents into fixed-length rows once, offline."""
+    """Pack documents into fixed-length rows once, offline."""
 
 
 class Algorithm(str, Enum):
     ffd = "ffd"
     bfd = "bfd"
+
+
+class TrainOn(str, Enum):
+    assistant = "assistant"
+    all = "all"
 
 
 class Overflow(str, Enum):
@@ -65,8 +70,11 @@ def _summary(manifest: Manifest, out: Path) -> Table:
         ("fill", f"{fill:.2%} ({t.padding_tokens:,} padding tokens)"),
         ("shards", f"{len(manifest.shards)}"),
         ("split / truncated / dropped / empty", f"{t.split:,} / {t.truncated:,} / {t.dropped:,} / {t.empty:,}"),
-        ("labels", "carried" if manifest.has_labels else "none"),
+        ("labels", "in the shards" if manifest.has_labels else "none"),
     ]
+    if o.tokenize is not None:
+        how = "chat, labels on " + o.tokenize.train_on if o.tokenize.mode == "chat" else "text" + (" + EOS" if o.tokenize.eos else "")
+        rows.insert(0, ("tokenized", f"{o.tokenize.tokenizer.name} ({how}), column {o.tokenize.column!r}"))
     for name, value in rows:
         table.add_row(name, value)
     return table
@@ -79,6 +87,14 @@ def build_command(
     max_len: Annotated[int, typer.Option("--max-len", help="Tokens per pack.")] = 8192,
     column: Annotated[str, typer.Option(help="Token column.")] = "input_ids",
     labels_column: Annotated[str, typer.Option("--labels-column", help="Labels column, carried when present.")] = "labels",
+    tokenizer: Annotated[Path | None, typer.Option(help="Tokenize text or chat with this local tokenizer directory or tokenizer.json.", rich_help_panel="Tokenize")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="The corpus holds conversations (--messages-column), rendered with the chat template.", rich_help_panel="Tokenize")] = False,
+    text_column: Annotated[str, typer.Option("--text-column", help="Text column.", rich_help_panel="Tokenize")] = "text",
+    messages_column: Annotated[str, typer.Option("--messages-column", help="Messages column (--chat).", rich_help_panel="Tokenize")] = "messages",
+    chat_template: Annotated[Path | None, typer.Option("--chat-template", help="A Jinja chat template file instead of the tokenizer's.", rich_help_panel="Tokenize")] = None,
+    train_on: Annotated[TrainOn, typer.Option("--train-on", help="--chat: which tokens keep their labels.", rich_help_panel="Tokenize")] = TrainOn.assistant,
+    eos: Annotated[bool, typer.Option("--eos/--no-eos", help="Append EOS to every text document.", rich_help_panel="Tokenize")] = True,
+    num_proc: Annotated[int | None, typer.Option("--num-proc", min=1, help="Tokenizer threads (text) or processes (chat); default: all cores.", rich_help_panel="Tokenize")] = None,
     algorithm: Annotated[Algorithm, typer.Option(help="First-fit or best-fit decreasing.")] = Algorithm.ffd,
     overflow: Annotated[Overflow, typer.Option(help="Documents longer than --max-len.")] = Overflow.split,
     seed: Annotated[int, typer.Option(help="Seed of the pack-order shuffle.")] = 0,
@@ -86,7 +102,8 @@ def build_command(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing build at --out.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")] = False,
 ) -> None:
-    """Pack a tokenized corpus into Arrow shards with a manifest."""
+    """Pack a corpus into Arrow shards with a manifest: token ids as they are, or text and chat
+    tokenized with --tokenizer."""
     try:
         manifest = build(
             corpus,
@@ -94,6 +111,14 @@ def build_command(
             max_len=max_len,
             column=column,
             labels_column=labels_column,
+            tokenizer=tokenizer,
+            chat=chat,
+            text_column=text_column,
+            messages_column=messages_column,
+            chat_template=chat_template,
+            train_on=train_on.value,
+            eos=eos,
+            num_proc=num_proc,
             algorithm=algorithm.value,
             overflow=overflow.value,
             seed=seed,

