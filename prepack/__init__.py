@@ -7,8 +7,8 @@ exact per-document attention.
     collate = prepack.PackedCollator(max_len=8192)
     model = prepack.enable_packing(model)
 
-`import prepack` does not import torch or transformers: the loader and the attention integration
-are loaded when their names are first used.
+`import prepack` does not import torch or transformers: the loader, the attention integration, the
+report and verify load when their names are first used.
 """
 
 from importlib import import_module
@@ -20,12 +20,17 @@ from prepack.format import FORMAT_VERSION, Manifest, read_manifest
 
 __version__ = version("prepack")
 
-# Public names that need torch, and the module that defines each.
+# Public names loaded on first use, and the module that defines each.
 _LAZY = {
     "PackedDataset": "prepack.load",
     "PackedSampler": "prepack.load",
+    "open_hf_dataset": "prepack.load",
     "PackedCollator": "prepack.collate",
     "enable_packing": "prepack.attention",
+    "disable_packing": "prepack.attention",
+    "check_isolation": "prepack.attention",
+    "inspect_build": "prepack.report",
+    "verify_build": "prepack.verify",
 }
 
 __all__ = sorted(
