@@ -1,4 +1,5 @@
-"""The model the training examples train: the one named by --model, else a tiny random Llama.
+"""What the training examples share: their command line, and the model they train (the one named by
+--model, else a tiny random Llama).
 
 The random model is built from a config (nothing is downloaded) with a vocabulary just large enough
 for the token ids in the build, so that any build can be fed to it.
@@ -6,12 +7,26 @@ for the token ids in the build, so that any build can be fed to it.
 
 from __future__ import annotations
 
+import argparse
+
 import pyarrow.compute as pc
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from prepack.format import open_shard
 from prepack.load import PackedDataset
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    """The options every example takes; `description` is the example's docstring, shown by --help."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="a directory written by `prepack build`")
+    parser.add_argument("--model", help="a transformers causal LM name or path (default: tiny random Llama)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
+    return parser.parse_args()
 
 
 def load_model(name: str | None, dataset: PackedDataset) -> PreTrainedModel:

@@ -11,17 +11,16 @@ Without --model it trains a tiny random Llama built from a config (nothing is do
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 
 from transformers import Trainer, TrainingArguments
 
 from prepack import PackedCollator, PackedDataset, enable_packing
-from tiny_model import load_model  # examples/tiny_model.py
+from tiny_model import load_model, parse_args  # examples/tiny_model.py
 
 
 def main() -> None:
-    args = parse_args()
+    args = parse_args(__doc__)
     dataset = PackedDataset(args.data)
     model = enable_packing(load_model(args.model, dataset))
     with tempfile.TemporaryDirectory() as output_dir:
@@ -44,17 +43,6 @@ def main() -> None:
         trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     print(f"final loss {losses[-1]:.4f}")
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True, help="a directory written by `prepack build`")
-    parser.add_argument("--model", help="a transformers causal LM name or path (default: tiny random Llama)")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
-    return parser.parse_args()
 
 
 if __name__ == "__main__":

@@ -8,18 +8,17 @@ Without --model it trains a tiny random Llama built from a config (nothing is do
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import torch
 from torch.utils.data import DataLoader
 
 from prepack import PackedCollator, PackedDataset, PackedSampler, enable_packing
-from tiny_model import load_model  # examples/tiny_model.py
+from tiny_model import load_model, parse_args  # examples/tiny_model.py
 
 
 def main() -> None:
-    args = parse_args()
+    args = parse_args(__doc__)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dataset = PackedDataset(args.data)
     sampler = PackedSampler(dataset, seed=0)
@@ -43,17 +42,6 @@ def epochs(loader: DataLoader, sampler: PackedSampler):
     for epoch in itertools.count():
         sampler.set_epoch(epoch)
         yield from loader
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True, help="a directory written by `prepack build`")
-    parser.add_argument("--model", help="a transformers causal LM name or path (default: tiny random Llama)")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
-    return parser.parse_args()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Without --model it trains a tiny random Llama built from a config (nothing is do
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 
 import torch
@@ -27,11 +26,11 @@ from trl import SFTConfig, SFTTrainer
 
 from prepack import PackedCollator, PackedDataset, enable_packing
 from prepack.load import open_hf_dataset
-from tiny_model import load_model  # examples/tiny_model.py
+from tiny_model import load_model, parse_args  # examples/tiny_model.py
 
 
 def main() -> None:
-    args = parse_args()
+    args = parse_args(__doc__)
     packed = PackedDataset(args.data)
     model = enable_packing(load_model(args.model, packed))
     tokenizer = AutoTokenizer.from_pretrained(args.model) if args.model else placeholder_tokenizer()
@@ -67,17 +66,6 @@ def placeholder_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(WordLevel(vocabulary, unk_token="<unk>")), pad_token="<pad>", unk_token="<unk>"
     )
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True, help="a directory written by `prepack build`")
-    parser.add_argument("--model", help="a transformers causal LM name or path (default: tiny random Llama)")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
-    return parser.parse_args()
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
 from prepack.collate import PackedCollator, segment_fields
 from prepack.errors import InputError, IsolationError
@@ -339,8 +340,10 @@ class IsolationResult:
     `loss_tolerance`, because transformers computes the loss from logits cast to float32.
     """
 
+    model_class: str
     attn_implementation: str
     dtype: str
+    device: str
     documents: int
     max_logit_diff: float  # largest |packed - alone| over the logits of every real token
     loss_diff: float  # |packed loss - token-weighted mean of the documents' losses alone|
@@ -392,8 +395,10 @@ def measure_isolation(
         alone_loss = sum(run.loss * run.targets for run in alone if run.targets) / targets
         loss_diff = abs(float(packed.loss) - float(alone_loss))
     return IsolationResult(
+        model_class=type(model).__name__,
         attn_implementation=model.config.get_text_config()._attn_implementation,
         dtype=str(model.dtype).removeprefix("torch."),
+        device=str(model.device),
         documents=len(alone),
         max_logit_diff=_largest_logit_diff(packed.logits, [run.logits for run in alone], packs),
         loss_diff=loss_diff,
@@ -504,7 +509,7 @@ def check_isolation(
     model: str | os.PathLike,
     attn: str = "sdpa",
     *,
-    dtype: str = "float32",
+    dtype: str | None = None,
     device: str | None = None,
     packs: int = 2,
     max_len: int = 256,
@@ -516,24 +521,30 @@ def check_isolation(
 
     `model` is a local model directory (loaded with `local_files_only=True`) or a `config.json` (random
     weights, seeded). Runs `packs` random packs padded to `max_len` in one batch, then each document
-    alone, and compares logits, loss and (with `gradients`) parameter gradients. `tolerance` defaults
-    per dtype; `device` defaults to CUDA when available. flash_attention_2/3 need CUDA, the flash-attn
-    package and dtype "bfloat16" or "float16". Raises InputError for a missing path or an unknown
-    `attn` or `dtype`.
+    alone, and compares logits, loss and (with `gradients`) parameter gradients. `dtype` defaults to
+    "float32", "bfloat16" on flash attention; `tolerance` defaults per dtype; `device` defaults to CUDA
+    when available. flash_attention_2/3 need a CUDA device, the flash-attn package and dtype "bfloat16"
+    or "float16". Raises InputError for a path that holds no loadable model, an unknown `attn`, `dtype`
+    or `device`, or a flash backend that cannot run here.
     """
     dtypes = {str(known).removeprefix("torch."): known for known in _TOLERANCES}
+    flash = attn in _FLASH
+    dtype = dtype or ("bfloat16" if flash else "float32")
     if attn not in SUPPORTED_ATTENTION or dtype not in dtypes:
         raise InputError(
             f"attn must be one of {', '.join(SUPPORTED_ATTENTION)} (got {attn!r}) and dtype one of "
             f"{', '.join(dtypes)} (got {dtype!r})."
         )
-    loaded = _load_local_model(Path(model), attn, dtypes[dtype], device, seed)
+    target = _device(device)
+    if flash:
+        _require_flash_kernels(attn, dtype, target)
+    loaded = _load_local_model(Path(model), attn, dtypes[dtype], target, seed)
     enable_packing(loaded)
     vocab_size = loaded.config.get_text_config().vocab_size
     sample = random_packs(packs, max_len, vocab_size, seed=seed)
     loss_tolerance = None  # measure_isolation's default for a given tolerance
     if tolerance is None:
-        tolerance, loss_tolerance = _TOLERANCES.get(loaded.dtype, (1e-4, 1e-4))
+        tolerance, loss_tolerance = _TOLERANCES[dtypes[dtype]]
     return measure_isolation(
         loaded,
         sample,
@@ -544,13 +555,49 @@ def check_isolation(
     )
 
 
-def _load_local_model(path: Path, attn: str, dtype: torch.dtype, device: str | None, seed: int):
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"device {name!r} is not a torch device such as cpu, cuda or cuda:1.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {name!r}: this torch ({torch.__version__}) sees no CUDA device.")
+    return device
+
+
+def _require_flash_kernels(attn: str, dtype: str, device: torch.device) -> None:
+    """Refuse before loading: transformers would fail later, or (with the `kernels` package installed
+    and no flash-attn) try to download a kernel from the Hub."""
+    package, available = {
+        "flash_attention_2": ("flash-attn", is_flash_attn_2_available),
+        "flash_attention_3": ("flash-attn-3", is_flash_attn_3_available),
+    }[attn]
+    usable = available()
+    if device.type != "cuda" or not usable:
+        raise InputError(
+            f"{attn} runs {package}'s CUDA kernels: it needs a CUDA device and {package} installed. Here the "
+            f"device is {device}, and transformers finds {package} {'usable' if usable else 'not usable'}. "
+            f"Check sdpa or eager instead, or run it on a CUDA machine where {package} is installed."
+        )
+    if dtype not in ("bfloat16", "float16"):
+        raise InputError(f"{attn}: flash-attn kernels take bfloat16 or float16, not {dtype}.")
+
+
+def _load_local_model(path: Path, attn: str, dtype: torch.dtype, device: torch.device, seed: int):
     options = {"attn_implementation": attn, "dtype": dtype}
-    if path.is_file():
-        torch.manual_seed(seed)
-        loaded = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True), **options)
-    elif path.is_dir():
-        loaded = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **options)
-    else:
+    if not path.exists():
         raise InputError(f"{path}: no such model directory or config.json.")
-    return loaded.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        if path.is_file():
+            torch.manual_seed(seed)
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            loaded = AutoModelForCausalLM.from_config(config, **options)
+        else:
+            loaded = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **options)
+    except (OSError, ValueError) as exc:  # what transformers raises for a path it cannot load from
+        hint = " (to check random weights, pass its config.json)" if (path / "config.json").is_file() else ""
+        first_line = str(exc).strip().partition("\n")[0]  # some messages go on to list every known model
+        raise InputError(f"{path}: no causal language model loads from it{hint}: {first_line}") from exc
+    return loaded.to(device)

@@ -182,3 +182,71 @@ def verify_command(
         raise typer.Exit(1)
     checked = "shards, manifest and every token of the source" if source else "shards and manifest"
     typer.echo(f"{path}: no problems ({checked} checked).")
+
+
+class Attention(str, Enum):
+    """prepack.attention.SUPPORTED_ATTENTION, spelled out: importing it would import torch for every command."""
+
+    sdpa = "sdpa"
+    eager = "eager"
+    flash_attention_2 = "flash_attention_2"
+    flash_attention_3 = "flash_attention_3"
+
+
+class Dtype(str, Enum):
+    float32 = "float32"
+    float64 = "float64"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@app.command("check-isolation")
+def check_isolation_command(
+    model: Annotated[Path, typer.Option("--model", help="A local model directory (config.json and weights), or a config.json alone: random weights. Nothing is downloaded.")],
+    attn: Annotated[Attention, typer.Option("--attn", help="Attention implementation; the flash ones need a CUDA device and flash-attn.")] = Attention.sdpa,
+    dtype: Annotated[Dtype | None, typer.Option("--dtype", help="Model dtype.", show_default="float32; bfloat16 on flash")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="Torch device, e.g. cpu or cuda:1.", show_default="cuda if there is one, else cpu")] = None,
+    packs: Annotated[int, typer.Option("--packs", min=1, help="Random packs in the batch, 1-4 documents each.")] = 2,
+    max_len: Annotated[int, typer.Option("--max-len", min=1, help="Tokens per pack.")] = 256,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the documents (and of random weights).")] = 0,
+    tolerance: Annotated[float | None, typer.Option("--tolerance", min=0, help="Largest difference allowed.", show_default="per dtype, 1e-4 for float32")] = None,
+    gradients: Annotated[bool, typer.Option("--gradients/--no-gradients", help="Compare parameter gradients too (a backward pass per document).")] = True,
+) -> None:
+    """Run random packed documents through a local model with enable_packing, and each document alone,
+    and print the largest differences. Exit 0: isolated; 1: documents leak into each other; 2: bad input."""
+    import transformers  # here, not at the top: torch and transformers take seconds to import
+
+    from prepack.attention import check_isolation
+
+    try:
+        result = check_isolation(
+            model,
+            attn.value,
+            dtype=dtype.value if dtype else None,
+            device=device,
+            packs=packs,
+            max_len=max_len,
+            seed=seed,
+            tolerance=tolerance,
+            gradients=gradients,
+        )
+    except PrepackError as exc:
+        _fail(exc)
+    weights = f"random weights from {model}" if model.is_file() else f"weights from {model}"
+    typer.echo(f"transformers {transformers.__version__}, {result.model_class} ({weights})")
+    typer.echo(f"attention {result.attn_implementation}, {result.dtype} on {result.device}")
+    typer.echo(f"documents compared           {result.documents}, in {packs} packs of up to {max_len} tokens")
+    measured = [
+        ("largest logit difference", result.max_logit_diff, result.tolerance),
+        ("loss difference", result.loss_diff, result.loss_tolerance),
+    ]
+    if result.max_grad_diff is not None:
+        measured.append(("largest gradient difference", result.max_grad_diff, result.loss_tolerance))
+    for name, value, allowed in measured:
+        typer.echo(f"{name:<29}{value:.1e}  (tolerance {allowed:g})")
+    if result.passed:
+        typer.echo("isolated: every packed document matches the document run alone.")
+        return
+    over = ", ".join(name for name, value, allowed in measured if not value <= allowed)  # `not <=` catches NaN
+    typer.echo(f"LEAK: packed documents differ from the documents alone ({over} over the tolerance).")
+    raise typer.Exit(1)

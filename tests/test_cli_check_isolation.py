@@ -1,0 +1,87 @@
+"""`prepack check-isolation`, run in-process: exit 0 on an isolated model, 1 on a leak, 2 on bad input.
+
+The models are tiny random ones from `tests/test_isolation.py`, saved to a temporary directory; nothing
+is downloaded.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from prepack import attention
+from prepack.cli import Attention, Dtype, app
+from tests.test_isolation import LEAK, tiny_model
+
+MAX_LEN = 48  # tiny_model's max_position_embeddings is 64
+TOLERANCE = 1e-4  # check_isolation's default for float32
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A float32 Llama saved with save_pretrained, and its config.json on its own."""
+    root = tmp_path_factory.mktemp("model")
+    model = tiny_model("llama", "sdpa", torch.float32)
+    model.save_pretrained(root / "llama")
+    model.config.to_json_file(root / "config.json")
+    return root
+
+
+def check(*args: str):
+    return CliRunner().invoke(app, ["check-isolation", "--max-len", str(MAX_LEN), *args])
+
+
+def logit_diff(output: str) -> float:
+    return float(re.search(r"^largest logit difference\s+(\S+)", output, flags=re.MULTILINE).group(1))
+
+
+@pytest.mark.parametrize("path", ["llama", "config.json"])
+def test_an_isolated_model_exits_0_and_prints_a_small_difference(saved, path):
+    result = check("--model", str(saved / path), "--attn", "sdpa")
+    assert result.exit_code == 0, result.output
+    assert logit_diff(result.output) < TOLERANCE
+    assert f"transformers {transformers.__version__}, LlamaForCausalLM" in result.output
+    assert "largest gradient difference" in result.output
+    assert ("random weights" in result.output) == (path == "config.json")
+
+
+def test_a_leak_exits_1(saved, monkeypatch):
+    """Without enable_packing, sdpa with use_cache left at the config's True builds a cache, and then
+    transformers stops keeping the documents apart."""
+    monkeypatch.setattr(attention, "enable_packing", lambda model: model)
+    result = check("--model", str(saved / "llama"), "--attn", "sdpa", "--no-gradients")
+    assert result.exit_code == 1, result.output
+    assert logit_diff(result.output) > LEAK
+    assert re.search(r"^LEAK: .*largest logit difference.* over the tolerance", result.output, flags=re.MULTILINE)
+
+
+def test_a_missing_path_exits_2_and_names_it(tmp_path):
+    missing = tmp_path / "no-model-here"
+    result = check("--model", str(missing))
+    assert result.exit_code == 2
+    # Whitespace dropped: the error console wraps long lines, even inside a path.
+    assert str(missing) in "".join(result.output.split())
+
+
+def test_flash_attention_without_cuda_exits_2_with_the_reason(saved):
+    result = check("--model", str(saved / "config.json"), "--attn", "flash_attention_2", "--device", "cpu")
+    assert result.exit_code == 2
+    assert "needs a CUDA device and flash-attn" in " ".join(result.output.split())
+
+
+def test_the_cli_choices_are_the_librarys():
+    assert {attn.value for attn in Attention} == set(attention.SUPPORTED_ATTENTION)
+    assert {dtype.value for dtype in Dtype} == {str(known).removeprefix("torch.") for known in attention._TOLERANCES}
+
+
+def test_the_cli_imports_neither_torch_nor_transformers():
+    """`prepack build` must not pay for them: check-isolation imports them when it runs."""
+    code = "import sys, prepack.cli; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
