@@ -3,7 +3,7 @@
 Memory stays bounded by the shard size, not the corpus: the first pass copies every document's
 tokens once into a flat scratch file beside the output and keeps only their lengths in memory; the
 plan is computed from the lengths; the second pass gathers each shard's tokens from the scratch file
-through a memory map that lives only as long as that shard.
+in 64 MiB windows, each mapped only while its documents are copied.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import hashlib
 import os
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -50,19 +51,34 @@ def _store_documents(
     digests = {"lengths": hashlib.sha256(), "ids": hashlib.sha256(), "labels": hashlib.sha256()}
     task = progress.add_task("read", total=len(corpus.files), unit="files")
     done_files: set[Path] = set()
-    with open(scratch / "ids.bin", "wb") as ids_file, open(scratch / "labels.bin", "wb") as labels_file:
-        for batch in batches:
-            batch_lengths = np.diff(batch.offsets)
-            lengths.append(batch_lengths)
-            rows_per_file[batch.file] += len(batch_lengths)
+    with (
+        open(scratch / "ids.bin", "wb") as ids_file,
+        open(scratch / "labels.bin", "wb") as labels_file,
+        # hashlib and file writes release the GIL: a second thread hashes and stores each batch while
+        # this one decodes and checks the next (pyarrow releases it too).
+        ThreadPoolExecutor(1) as worker,
+    ):
+
+        def store(batch: DocumentBatch, batch_lengths: np.ndarray) -> None:
             digests["lengths"].update(batch_lengths.astype("<i8").tobytes())
             digests["ids"].update(batch.ids.astype("<i4", copy=False).data)
             ids_file.write(batch.ids.data)
             if batch.labels is not None:
                 digests["labels"].update(batch.labels.astype("<i4", copy=False).data)
                 labels_file.write(batch.labels.data)
+
+        stored = None
+        for batch in batches:
+            batch_lengths = np.diff(batch.offsets)
+            lengths.append(batch_lengths)
+            rows_per_file[batch.file] += len(batch_lengths)
+            if stored is not None:
+                stored.result()  # one batch in flight, so memory holds two batches at most
+            stored = worker.submit(store, batch, batch_lengths)
             done_files.add(batch.file)
             progress.update(task, completed=len(done_files) - 1, description=f"read {batch.file.name}")
+        if stored is not None:
+            stored.result()
     progress.update(task, completed=len(corpus.files), description="read")
     fingerprint = hashlib.sha256(b"".join(d.digest() for d in digests.values())).hexdigest()
     return _StoredCorpus(
@@ -94,15 +110,18 @@ def _write_shards(
     pack_bytes = token_counts * 4 * (3 if has_labels else 2) + docs_per_pack * 20 + 36
     bounds = shard_bounds(pack_bytes, shard_size)
     task = progress.add_task("write", total=plan.packs, unit="packs")
+    labels = scratch / "labels.bin" if has_labels else None
     shards = []
-    for index, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        # A map per shard, dropped afterwards, keeps resident memory at one shard's worth.
-        tokens = np.memmap(scratch / "ids.bin", dtype=np.int32, mode="r")
-        labels = np.memmap(scratch / "labels.bin", dtype=np.int32, mode="r") if has_labels else None
-        shards.append(write_shard(staging, index, plan.slice(first, end), tokens, labels))
-        del tokens, labels
-        progress.update(task, completed=int(end))
-    return shards
+    # A second thread hashes shard i while this one gathers and writes shard i + 1; waiting for shard
+    # i - 1 before that keeps at most two shards in memory.
+    with ThreadPoolExecutor(1) as hasher:
+        for index, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if index >= 2:
+                shards[index - 2].result()
+            layout = plan.slice(first, end)
+            shards.append(write_shard(staging, index, layout, scratch / "ids.bin", labels, hasher))
+            progress.update(task, completed=int(end))
+    return [shard.result() for shard in shards]
 
 
 def build(

@@ -51,7 +51,7 @@ from tokenizers import Encoding, Tokenizer
 
 from prepack.errors import InputError
 from prepack.format import IGNORE_INDEX, TokenizeOptions, TokenizerInfo
-from prepack.read import Corpus, DocumentBatch, _file_columns, _kind, _lines, _record_batches
+from prepack.read import Corpus, DocumentBatch, file_columns, file_kind, lines, record_batches
 
 __all__ = ["LocalTokenizer", "load_tokenizer", "tokenize_corpus"]
 
@@ -327,7 +327,7 @@ def _assistant_labels(ids: list[int], offsets: list[tuple[int, int]], spans: lis
 def _arrow_values(path: Path, kind: str, column: str) -> Iterator[tuple[int, list, int]]:
     """(first row, values, bytes) per record batch of a Parquet or Arrow file."""
     row0 = 0
-    batches = _record_batches(path, kind, [column])
+    batches = record_batches(path, kind, [column])
     while True:
         try:
             batch = next(batches)
@@ -346,7 +346,7 @@ def _json_values(path: Path, column: str) -> Iterator[tuple[int, list, int]]:
     values, size, row0 = [], 0, 0
     try:
         with pa.input_stream(str(path), compression="detect") as stream:
-            for raw in _lines(stream):
+            for raw in lines(stream):
                 if not raw.strip():
                     continue
                 row = row0 + len(values)
@@ -370,7 +370,7 @@ def _json_values(path: Path, column: str) -> Iterator[tuple[int, list, int]]:
 def _chunks(corpus: Corpus, column: str, chunk_bytes: int) -> Iterator[tuple[Path, int, list]]:
     """(file, first row, values) of about `chunk_bytes` of input each, in corpus order."""
     for path in corpus.files:
-        kind = _kind(path) or "arrow"
+        kind = file_kind(path) or "arrow"
         blocks = _json_values(path, column) if kind == "jsonl" else _arrow_values(path, kind, column)
         for row0, values, size in blocks:
             rows = max(1, len(values) * chunk_bytes // max(size, 1))
@@ -382,11 +382,11 @@ def _check_columns(corpus: Corpus, column: str, chat: bool) -> None:
     """The column exists with the right type in every Parquet and Arrow file (JSON Lines: row by row)."""
     flag = "--messages-column" if chat else "--text-column"
     for path in corpus.files:
-        kind = _kind(path) or "arrow"
+        kind = file_kind(path) or "arrow"
         if kind == "jsonl":
             continue
         try:
-            columns = _file_columns(path, kind)
+            columns = file_columns(path, kind)
         except (OSError, pa.ArrowException) as exc:
             raise InputError(f"{path}: cannot be read ({exc}); is it truncated?") from None
         if column not in columns:

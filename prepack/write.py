@@ -8,8 +8,10 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import numba
 import numpy as np
@@ -66,12 +68,67 @@ def shard_bounds(pack_bytes: np.ndarray, shard_size: int) -> np.ndarray:
     return np.append(firsts, len(pack_bytes))
 
 
+# Tokens of a store mapped at once while gathering (64 MiB): resident memory is a shard plus one window,
+# however large the store.
+_WINDOW_TOKENS = 2**24
+
+
 @numba.njit(cache=True, nogil=True)
-def _gather(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
-    at = 0
+def _copy(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray, at: np.ndarray, out: np.ndarray) -> None:
     for i in range(len(starts)):
-        out[at : at + lengths[i]] = source[starts[i] : starts[i] + lengths[i]]
-        at += lengths[i]
+        out[at[i] : at[i] + lengths[i]] = source[starts[i] : starts[i] + lengths[i]]
+
+
+def _gather(store: Path, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The segments (`starts`, `lengths`, in tokens) of an int32 store file, back to back.
+
+    A shard's segments lie all over the store, so mapping it whole would leave most of its pages
+    resident by the end of every shard. Instead the segments are copied in store order, window by
+    window, each window mapped only while its segments are copied.
+    """
+    at = np.cumsum(lengths) - lengths
+    out = np.empty(int(lengths.sum()), np.int32)
+    nonempty = np.flatnonzero(lengths)
+    order = nonempty[np.argsort(starts[nonempty], kind="stable")]
+    window_of = starts[order] // _WINDOW_TOKENS
+    firsts = np.flatnonzero(np.diff(window_of, prepend=-1))
+    for first, end in zip(firsts, np.append(firsts[1:], len(order))):
+        segments = order[first:end]
+        low = int(window_of[first]) * _WINDOW_TOKENS
+        high = int((starts[segments] + lengths[segments]).max())  # a segment may run past the window
+        window = np.memmap(store, np.int32, "r", offset=low * 4, shape=(high - low,))
+        _copy(window, starts[segments] - low, lengths[segments], at[segments], out)
+        del window  # unmapped here: its pages no longer count as this process's memory
+    return out
+
+
+class _HashingSink:
+    """A file for `pa.PythonFile` that also hashes what it writes, in the `hasher` thread. The IPC
+    writer hands it the columns' own buffers, so the shard is never copied whole; each queued hash
+    holds its buffer until done, and runs (without the GIL) while this thread writes and gathers on."""
+
+    closed = False  # read by pa.PythonFile before every write; the file outlives the IPC writer
+
+    def __init__(self, file: BinaryIO, hasher: ThreadPoolExecutor) -> None:
+        self.file, self.hasher = file, hasher
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | pa.Buffer) -> int:
+        self.hasher.submit(self.sha256.update, data)  # one thread: the updates run in write order
+        self.file.write(data)
+        self.size += len(data)
+        return len(data)
+
+
+@numba.njit(cache=True, nogil=True)
+def _segment_ids(lengths: np.ndarray, pack_offsets: np.ndarray, out: np.ndarray) -> None:
+    """1-based document number inside its pack, repeated over the document's tokens."""
+    at = 0
+    for pack in range(len(pack_offsets) - 1):
+        for doc in range(pack_offsets[pack], pack_offsets[pack + 1]):
+            out[at : at + lengths[doc]] = doc - pack_offsets[pack] + 1
+            at += lengths[doc]
 
 
 def _list(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
@@ -82,11 +139,13 @@ def write_shard(
     directory: Path,
     index: int,
     layout: PackingPlan,
-    tokens: np.ndarray,
-    labels: np.ndarray | None,
-) -> ShardInfo:
-    """Write the packs of `layout` as one shard, their tokens (and labels) gathered from the stores;
-    return the shard's manifest entry."""
+    tokens: Path,
+    labels: Path | None,
+    hasher: ThreadPoolExecutor,
+) -> Future[ShardInfo]:
+    """Write the packs of `layout` as one shard, their tokens (and labels) gathered from the int32
+    store files `tokens` (and `labels`). Returns the shard's manifest entry, due once `hasher` (an
+    executor with one thread) has hashed the shard; its columns stay in memory until then."""
     lengths = layout.lengths.astype(np.int64)
     docs_per_pack = np.diff(layout.pack_offsets)
     packs = len(docs_per_pack)
@@ -94,12 +153,9 @@ def write_shard(
     np.cumsum(lengths, out=token_offsets[1:])
     pack_token_offsets = token_offsets[layout.pack_offsets]
 
-    ids = np.empty(token_offsets[-1], dtype=np.int32)
-    _gather(tokens, layout.starts, lengths, ids)
-    # 1-based document number inside its pack, repeated over the document's tokens.
-    first_doc = np.repeat(layout.pack_offsets[:-1], docs_per_pack)
-    doc_number = (np.arange(len(lengths)) - first_doc + 1).astype(np.int32)
-    segment_ids = np.repeat(doc_number, lengths)
+    ids = _gather(tokens, layout.starts, lengths)
+    segment_ids = np.empty(token_offsets[-1], dtype=np.int32)
+    _segment_ids(lengths, layout.pack_offsets, segment_ids)
     # cu_seqlens: every pack gets a leading 0, then the running token count inside the pack.
     cu_offsets = layout.pack_offsets + np.arange(packs + 1)
     cu = np.zeros(len(lengths) + packs, dtype=np.int32)
@@ -116,23 +172,18 @@ def write_shard(
         _list(layout.pack_offsets, layout.pieces.astype(np.int32)),
     ]
     if labels is not None:
-        pack_labels = np.empty(token_offsets[-1], dtype=np.int32)
-        _gather(labels, layout.starts, lengths, pack_labels)
-        columns.append(_list(pack_token_offsets, pack_labels))
+        columns.append(_list(pack_token_offsets, _gather(labels, layout.starts, lengths)))
     schema = shard_schema(labels is not None)
     batch = pa.RecordBatch.from_arrays(columns, schema=schema)
 
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema) as writer:
-        writer.write_batch(batch)
-    data = sink.getvalue()
     name = shard_name(index)
     with open(directory / name, "wb") as f:
-        f.write(data)
-    return ShardInfo(
-        name=name,
-        rows=packs,
-        tokens=int(token_offsets[-1]),
-        bytes=data.size,
-        sha256=hashlib.sha256(data).hexdigest(),
+        sink = _HashingSink(f, hasher)
+        with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), schema) as writer:
+            writer.write_batch(batch)
+    tokens_written = int(token_offsets[-1])
+    return hasher.submit(
+        lambda: ShardInfo(
+            name=name, rows=packs, tokens=tokens_written, bytes=sink.size, sha256=sink.sha256.hexdigest()
+        )
     )
