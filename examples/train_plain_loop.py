@@ -28,8 +28,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     for step, batch in zip(range(1, args.steps + 1), epochs(loader, sampler)):
         batch = {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
-        # use_cache=False: with a cache, transformers stops keeping packed documents apart on sdpa/eager.
-        loss = model(**batch, use_cache=False).loss
+        loss = model(**batch).loss  # enable_packing sets use_cache=False: with a cache, sdpa/eager would leak
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -1,9 +1,11 @@
 """A pure-torch stand-in for flash-attn, so that transformers' real flash-attention path runs on CPU.
 
-`flash_attn_func` and `flash_attn_varlen_func` have flash-attn 2's signatures and semantics: q/k/v as
-[tokens, heads, dim] (varlen) or [batch, tokens, heads, dim], grouped-query k/v not repeated, causal
-masks aligned bottom-right, `window_size=(left, right)` inclusive, `softcap`, `dropout_p`. Unlike the
-kernels they take float32/float64, which lets the tests compare to 1e-10. A query token outside every
+`flash_attn_varlen_func` has flash-attn 2's signature and semantics: q/k/v as [tokens, heads, dim],
+grouped-query k/v not repeated, causal masks aligned bottom-right, `window_size=(left, right)`
+inclusive, `softcap`, `dropout_p`. It has the exact signature because transformers reads it to decide
+which options to pass. `flash_attn_func` (q/k/v as [batch, tokens, heads, dim]) takes the same options
+by keyword, as transformers passes them, and runs each row as one varlen segment. Unlike the kernels
+they take float32/float64, which lets the tests compare to 1e-10. A query token outside every
 `cu_seqlens` segment gets NaN, standing for the memory a real kernel leaves unwritten.
 
 `use_flash_reference` installs them through a PRIVATE seam of transformers 5.23,
@@ -59,26 +61,15 @@ def flash_attn_varlen_func(
     return torch.where(covered[:, None, None], out, torch.nan)
 
 
-def flash_attn_func(
-    q,
-    k,
-    v,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+def flash_attn_func(q, k, v, **options):
+    """flash-attn's dense function: options as flash_attn_varlen_func's (transformers reads only that
+    signature, and passes them by keyword)."""
     batch, length_q, length_k = q.shape[0], q.shape[1], k.shape[1]
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * length_q
     cu_k = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * length_k
     out = flash_attn_varlen_func(
-        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, length_q, length_k,
-        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-    )  # fmt: skip
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, length_q, length_k, **options
+    )
     return out.view(batch, length_q, *out.shape[1:])
 
 
