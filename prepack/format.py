@@ -6,10 +6,12 @@ The normative text is `schemas/shard-format.md`; `schemas/manifest.schema.json` 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -19,10 +21,12 @@ from prepack.errors import FormatError
 
 __all__ = [
     "FORMAT_VERSION",
+    "IGNORE_INDEX",
     "MANIFEST_NAME",
     "BuildOptions",
     "InputFile",
     "Manifest",
+    "ShardFileProblem",
     "ShardInfo",
     "TokenizeOptions",
     "TokenizerInfo",
@@ -30,8 +34,10 @@ __all__ = [
     "check_shard",
     "open_shard",
     "read_manifest",
+    "shard_file_problems",
     "shard_name",
     "shard_schema",
+    "shard_sha256",
     "write_manifest",
 ]
 
@@ -174,6 +180,47 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
         return Manifest.model_validate(raw)
     except ValidationError as exc:
         raise FormatError(f"{path} is not a valid prepack manifest:\n{exc}") from None
+
+
+class ShardFileProblem(NamedTuple):
+    """A way the shard files differ from the manifest, as `shard_file_problems` finds it."""
+
+    index: int  # the shard's position in manifest.shards
+    kind: Literal["name", "missing", "size"]  # "name" and "missing": there is no file to read
+    file: str  # where the problem is: MANIFEST_NAME for a wrong name, else the shard's file name
+    message: str  # what is wrong, without the file
+
+
+def shard_file_problems(directory: Path, manifest: Manifest) -> Iterator[ShardFileProblem]:
+    """What the manifest promises about its shard files, checked with `stat` only (no shard is read),
+    in manifest order: each shard named `shard_name(index)`, present, and of the manifest's size.
+
+    A shard with another name is not looked at: that also keeps a hand-edited name like "../x.arrow"
+    from reaching outside the build.
+    """
+    for index, info in enumerate(manifest.shards):
+        if info.name != shard_name(index):
+            message = f"shard {index} is named {info.name!r}, not {shard_name(index)!r}."
+            yield ShardFileProblem(index, "name", MANIFEST_NAME, message)
+            continue
+        try:
+            size = (directory / info.name).stat().st_size
+        except FileNotFoundError:
+            message = f"missing; the manifest lists it with {info.rows} packs, {info.bytes} bytes."
+            yield ShardFileProblem(index, "missing", info.name, message)
+            continue
+        if size != info.bytes:
+            message = f"{size} bytes, but the manifest says {info.bytes} (truncated or replaced?)."
+            yield ShardFileProblem(index, "size", info.name, message)
+
+
+def shard_sha256(path: Path) -> str:
+    """The hex sha256 of a shard file (what `ShardInfo.sha256` records), read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(2**22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def open_shard(path: Path, has_labels: bool) -> pa.RecordBatch:

@@ -11,7 +11,6 @@ this rank has left, so a job stopped mid-epoch resumes with the same remaining p
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from collections.abc import Iterator, Sized
@@ -24,7 +23,14 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from prepack.errors import FormatError
-from prepack.format import Manifest, check_shard, open_shard, read_manifest, shard_name
+from prepack.format import (
+    Manifest,
+    check_shard,
+    open_shard,
+    read_manifest,
+    shard_file_problems,
+    shard_sha256,
+)
 
 __all__ = ["PackedDataset", "PackedSampler", "open_hf_dataset"]
 
@@ -96,8 +102,8 @@ class PackedDataset(Dataset):
     def _open_checked(self, shard: int) -> pa.RecordBatch:
         info = self.manifest.shards[shard]
         path = self.path / info.name
-        if self.verify_checksums:
-            _verify_sha256(path, info.sha256)
+        if self.verify_checksums and (digest := shard_sha256(path)) != info.sha256:
+            raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
         batch = open_shard(path, self.manifest.has_labels)
         if self.validate:
             if batch.num_rows != info.rows:
@@ -108,28 +114,11 @@ class PackedDataset(Dataset):
 
 def _check_directory(path: Path, manifest: Manifest) -> None:
     """What the manifest promises about the files, checked with `stat` only (no shard is read)."""
-    for index, info in enumerate(manifest.shards):
-        # Also keeps a hand-edited name like "../x.arrow" from reaching outside the build.
-        if info.name != shard_name(index):
-            raise FormatError(f"{path}: manifest shard {index} is named {info.name!r}, not {shard_name(index)!r}.")
-        try:
-            size = (path / info.name).stat().st_size
-        except FileNotFoundError:
-            raise FormatError(f"{path / info.name}: the shard is missing.") from None
-        if size != info.bytes:
-            raise FormatError(f"{path / info.name}: {size} bytes, but the manifest says {info.bytes}.")
+    if (problem := next(shard_file_problems(path, manifest), None)) is not None:
+        raise FormatError(f"{path / problem.file}: {problem.message}")
     rows = sum(info.rows for info in manifest.shards)
     if rows != manifest.totals.packs:
         raise FormatError(f"{path}: the shards hold {rows} packs, but the manifest totals say {manifest.totals.packs}.")
-
-
-def _verify_sha256(path: Path, expected: str) -> None:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(2**22):
-            digest.update(chunk)
-    if digest.hexdigest() != expected:
-        raise FormatError(f"{path}: sha256 {digest.hexdigest()} does not match the manifest's {expected}.")
 
 
 def _list_columns(batch: pa.RecordBatch) -> dict[str, _ListColumn]:

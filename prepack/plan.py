@@ -1,9 +1,9 @@
 """The packing planner: which pack every document goes into.
 
 `plan_packs` plans a whole corpus from its document lengths alone: it cuts documents longer than
-max_len as the overflow policy says, assigns the resulting segments to packs with `assign_packs`,
-and shuffles the order of the packs with a seed. The rest of this docstring is about
-`assign_packs`.
+max_len as the overflow policy says (`document_pieces`, which `verify` also holds builds to), assigns
+the resulting segments to packs with `assign_packs`, and shuffles the order of the packs with a seed.
+The rest of this docstring is about `assign_packs`.
 
 Both algorithms see the documents in the same order: a stable sort by length, longest first, so
 equal lengths keep their input order. That makes the plan a pure function of the length column,
@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numba
 import numpy as np
 
-__all__ = ["PackingPlan", "assign_packs", "plan_packs"]
+__all__ = ["DocumentPieces", "PackingPlan", "assign_packs", "document_pieces", "plan_packs"]
 
 _ALGORITHMS = ("ffd", "bfd")
 
@@ -262,17 +263,24 @@ class PackingPlan:
         }
 
 
-def plan_packs(
-    lengths: np.ndarray, max_len: int, *, algorithm: str = "ffd", overflow: str = "split", seed: int = 0
-) -> PackingPlan:
-    """Plan the whole corpus: cut overlong documents as `overflow` says, assign segments to packs
-    with `assign_packs`, then shuffle the pack order with `seed`.
+class DocumentPieces(NamedTuple):
+    """The segments that documents become under an overflow policy, in (row, piece) order."""
 
-    `lengths` are the token counts of the corpus rows, whose tokens lie back to back in the token
-    store. `overflow="error"` is the caller's to enforce (it can name the file); here it packs as split.
+    rows: np.ndarray  # int64 [segments]: the document's index
+    pieces: np.ndarray  # int64 [segments]: 0, 1, … within a split document
+    starts: np.ndarray  # int64 [segments]: first token, with the documents' tokens back to back
+    lengths: np.ndarray  # int64 [segments]
+    counts: dict[str, int]  # what overflow did: input_tokens, empty, split, … as in `Totals`
+
+
+def document_pieces(lengths: np.ndarray, max_len: int, overflow: str) -> DocumentPieces:
+    """What documents of `lengths` tokens become in packs of `max_len`: the definition of `overflow`.
+
+    "split" (and "error", which the caller enforces) cuts a longer document into max_len pieces and a
+    shorter last one; "truncate" keeps its first max_len tokens; "drop" leaves it out. Empty documents
+    become nothing.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    doc_starts = np.cumsum(lengths) - lengths
     long = lengths > max_len
     if overflow in ("split", "error"):
         pieces_per_doc = -(-lengths // max_len)  # 0 for an empty document
@@ -282,21 +290,11 @@ def plan_packs(
         pieces_per_doc = ((lengths > 0) & ~long).astype(np.int64)
     else:
         raise ValueError(f"unknown overflow {overflow!r}")
-    rows = np.repeat(np.arange(len(lengths)), pieces_per_doc)
-    pieces = np.arange(len(rows)) - np.repeat(np.cumsum(pieces_per_doc) - pieces_per_doc, pieces_per_doc)
-    starts = doc_starts[rows] + pieces * max_len
-    segment_lengths = np.minimum(lengths[rows] - pieces * max_len, max_len)
-
-    pack_of = assign_packs(segment_lengths, max_len, algorithm)
-    packs = int(pack_of.max()) + 1 if len(pack_of) else 0
-    # Shuffle whole packs, so training never sees the decreasing-length order of the planner.
-    position = np.empty(packs, dtype=np.int64)
-    position[np.random.default_rng(seed).permutation(packs)] = np.arange(packs)
-    final_pack = position[pack_of]
-    order = np.argsort(final_pack, kind="stable")  # stable: segments stay in (row, piece) order
-    pack_offsets = np.zeros(packs + 1, dtype=np.int64)
-    np.cumsum(np.bincount(final_pack, minlength=packs), out=pack_offsets[1:])
-
+    rows = np.repeat(np.arange(len(lengths), dtype=np.int64), pieces_per_doc)
+    pieces = np.arange(len(rows), dtype=np.int64) - np.repeat(
+        np.cumsum(pieces_per_doc) - pieces_per_doc, pieces_per_doc
+    )
+    doc_starts = np.cumsum(lengths) - lengths
     split = long & (pieces_per_doc > 1)
     counts = {
         "input_tokens": int(lengths.sum()),
@@ -308,12 +306,40 @@ def plan_packs(
         "dropped": int(long.sum()) if overflow == "drop" else 0,
         "dropped_tokens": int(lengths[long].sum()) if overflow == "drop" else 0,
     }
+    return DocumentPieces(
+        rows=rows,
+        pieces=pieces,
+        starts=doc_starts[rows] + pieces * max_len,
+        lengths=np.minimum(lengths[rows] - pieces * max_len, max_len),
+        counts=counts,
+    )
+
+
+def plan_packs(
+    lengths: np.ndarray, max_len: int, *, algorithm: str = "ffd", overflow: str = "split", seed: int = 0
+) -> PackingPlan:
+    """Plan the whole corpus: cut overlong documents as `overflow` says (`document_pieces`), assign
+    the segments to packs with `assign_packs`, then shuffle the pack order with `seed`.
+
+    `lengths` are the token counts of the corpus rows, whose tokens lie back to back in the token
+    store. `overflow="error"` is the caller's to enforce (it can name the file); here it packs as split.
+    """
+    segments = document_pieces(lengths, max_len, overflow)
+    pack_of = assign_packs(segments.lengths, max_len, algorithm)
+    packs = int(pack_of.max()) + 1 if len(pack_of) else 0
+    # Shuffle whole packs, so training never sees the decreasing-length order of the planner.
+    position = np.empty(packs, dtype=np.int64)
+    position[np.random.default_rng(seed).permutation(packs)] = np.arange(packs)
+    final_pack = position[pack_of]
+    order = np.argsort(final_pack, kind="stable")  # stable: segments stay in (row, piece) order
+    pack_offsets = np.zeros(packs + 1, dtype=np.int64)
+    np.cumsum(np.bincount(final_pack, minlength=packs), out=pack_offsets[1:])
     return PackingPlan(
         max_len=max_len,
         pack_offsets=pack_offsets,
-        starts=starts[order],
-        lengths=segment_lengths[order],
-        rows=rows[order],
-        pieces=pieces[order].astype(np.int32),
-        counts=counts,
+        starts=segments.starts[order],
+        lengths=segments.lengths[order],
+        rows=segments.rows[order],
+        pieces=segments.pieces[order].astype(np.int32),
+        counts=segments.counts,
     )

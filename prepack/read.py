@@ -24,6 +24,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from prepack.errors import InputError
+from prepack.format import IGNORE_INDEX
 
 __all__ = ["Corpus", "DocumentBatch", "find_corpus", "read_documents"]
 
@@ -32,7 +33,6 @@ __all__ = ["Corpus", "DocumentBatch", "find_corpus", "read_documents"]
 _BATCH_ROWS = 8_192
 _READ_BUFFER = 2**20  # Parquet pages are streamed through this buffer, not whole column chunks
 _INT32_MAX = np.iinfo(np.int32).max
-_IGNORE_INDEX = -100
 _SUFFIXES = {
     ".parquet": "parquet",
     ".arrow": "arrow",
@@ -247,12 +247,12 @@ def _check_ids(path: Path, row0: int, column: str, offsets: np.ndarray, ids: np.
 
 
 def _check_labels(path: Path, row0: int, column: str, offsets: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    bad = ((labels < 0) & (labels != _IGNORE_INDEX)) | (labels > _INT32_MAX)
+    bad = ((labels < 0) & (labels != IGNORE_INDEX)) | (labels > _INT32_MAX)
     if bad.any():
         token = int(np.flatnonzero(bad)[0])
         raise InputError(
             f"{path}, row {row0 + _row_of_token(offsets, token)}, column {column!r}: label "
-            f"{labels[token]} is neither a token id nor {_IGNORE_INDEX}."
+            f"{labels[token]} is neither a token id nor {IGNORE_INDEX}."
         )
     return labels.astype(np.int32, copy=False)
 

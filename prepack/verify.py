@@ -3,19 +3,21 @@
 What is checked, in this order (each problem names the file, row and column it was found in):
 
 1. the manifest's own arithmetic: totals against each other, against the shard entries and inputs;
-2. the directory: shards named `shard-00000.arrow`, … in manifest order, none missing, none extra;
-3. every shard: byte size and sha256 against the manifest; an Arrow stream with the format's schema
-   and one record batch; its row and token counts against the manifest; every row as `check_shard`
-   checks it (lengths ≤ max_len, `segment_ids` ↔ `cu_seqlens`, `max_seqlen`, provenance lengths),
-   plus non-negative token ids, labels that are ids or -100, provenance rows inside the corpus, and
-   documents in (row, piece) order inside each pack;
+2. the directory, by `stat` alone (`shard_file_problems`): shards named `shard-00000.arrow`, … in
+   manifest order, none missing, each of the manifest's byte size, none extra;
+3. every shard: sha256 against the manifest (when the size is right); an Arrow stream with the
+   format's schema and one record batch; its row and token counts against the manifest; every row as
+   `check_shard` checks it (lengths ≤ max_len, `segment_ids` ↔ `cu_seqlens`, `max_seqlen`, provenance
+   lengths), plus non-negative token ids, labels that are ids or -100, provenance rows inside the
+   corpus, and documents in (row, piece) order inside each pack;
 4. across shards: every (corpus row, piece) in one pack only, pieces numbered 0, 1, … without gaps,
    every piece but a document's last holding max_len tokens, and the counts of documents, splits and
    segments against the manifest;
 5. with `source`: the corpus is streamed with `read_documents` (memory bounded by its batches) and
-   every document must come out of the packs exactly as the manifest's max_len and overflow say: its
-   pieces all present, same lengths, same tokens and labels; rows and tokens the build left out must
-   be the manifest's empty, truncated and dropped counts, and the corpus files its `inputs`.
+   every document must come out of the packs exactly as the manifest's max_len and overflow say
+   (`document_pieces`, the definition the build plans with): its pieces all present, same lengths,
+   same tokens and labels; rows and tokens the build left out must be the manifest's empty, truncated
+   and dropped counts, and the corpus files its `inputs`.
 
 A shard that cannot be read or has malformed rows is left out of steps 4 and 5, and so are the checks
 there that need every pack (a document missing from the packs might be in that shard): one problem says
@@ -24,9 +26,9 @@ so, instead of a cascade of follow-on reports.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -44,8 +46,10 @@ from prepack.format import (
     check_shard,
     open_shard,
     read_manifest,
-    shard_name,
+    shard_file_problems,
+    shard_sha256,
 )
+from prepack.plan import DocumentPieces, document_pieces
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
 
 __all__ = ["Problem", "verify_build"]
@@ -137,10 +141,12 @@ class _Shard:
 
 def _problems(path: Path, manifest: Manifest, corpus: Corpus | None) -> Iterator[Problem]:
     yield from _manifest_problems(manifest)
-    yield from _directory_problems(path, manifest)
+    file_problems = yield from _directory_problems(path, manifest)
     shards: dict[int, _Shard] = {}
     for index in range(len(manifest.shards)):
-        shard = yield from _shard_problems(path, index, manifest)
+        if file_problems.get(index) in ("name", "missing"):
+            continue
+        shard = yield from _shard_problems(path, index, manifest, check_sha256=index not in file_problems)
         if shard is not None:
             if corpus is None:  # only the source check reads tokens again: unmap the shard now
                 shard.ids = shard.labels = None
@@ -212,53 +218,33 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
 # 2. The directory ---------------------------------------------------------------------------------
 
 
-def _directory_problems(path: Path, manifest: Manifest) -> Iterator[Problem]:
-    for index, info in enumerate(manifest.shards):
-        if info.name != shard_name(index):
-            yield Problem(
-                file=MANIFEST_NAME,
-                column=f"shards[{index}].name",
-                message=f"is {info.name!r}, expected {shard_name(index)!r}; the shard is not checked.",
-            )
+def _directory_problems(path: Path, manifest: Manifest):
+    """Yield the directory's problems; return {shard index: kind} of the `shard_file_problems`."""
+    found = {}
+    for problem in shard_file_problems(path, manifest):
+        found[problem.index] = problem.kind
+        column = f"shards[{problem.index}].name" if problem.kind == "name" else None
+        yield Problem(file=problem.file, column=column, message=problem.message)
     listed = {info.name for info in manifest.shards}
     for extra in sorted(p.name for p in path.glob("shard-*.arrow") if p.name not in listed):
         yield Problem(file=extra, message="a shard file the manifest does not list.")
+    return found
 
 
 # 3. Each shard ------------------------------------------------------------------------------------
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(2**22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _strip(message: str, prefix: str) -> str:
     return message[len(prefix) + 2 :] if message.startswith(prefix + ": ") else message
 
 
-def _shard_problems(path: Path, index: int, manifest: Manifest):
-    """Yield the shard's problems; return its segments when its rows can be trusted, else None."""
+def _shard_problems(path: Path, index: int, manifest: Manifest, check_sha256: bool):
+    """Yield the shard's problems (its sha256 only if `check_sha256`); return its segments when its
+    rows can be trusted, else None."""
     info = manifest.shards[index]
     name = info.name
-    if name != shard_name(index):
-        return None
     file = path / name
-    try:
-        size = file.stat().st_size
-    except FileNotFoundError:
-        yield Problem(
-            file=name, message=f"missing; the manifest lists it with {info.rows} packs, {info.bytes} bytes."
-        )
-        return None
-    if size != info.bytes:
-        yield Problem(
-            file=name, message=f"{size} bytes, but the manifest says {info.bytes} (truncated or replaced?)."
-        )
-    elif (digest := _sha256(file)) != info.sha256:
+    if check_sha256 and (digest := shard_sha256(file)) != info.sha256:
         yield Problem(
             file=name,
             message=f"sha256 is {digest}, but the manifest says {info.sha256}: the file changed after "
@@ -502,40 +488,6 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
-def _expected_segments(batch: DocumentBatch, max_len: int, overflow: str) -> tuple[np.ndarray, ...]:
-    """(row in batch, piece, start in batch.ids, length) of every segment the build must have made."""
-    lengths = np.diff(batch.offsets)
-    if overflow in ("split", "error"):
-        pieces_per_doc = -(-lengths // max_len)
-    elif overflow == "truncate":
-        pieces_per_doc = (lengths > 0).astype(np.int64)
-    else:  # drop
-        pieces_per_doc = ((lengths > 0) & (lengths <= max_len)).astype(np.int64)
-    rows = np.repeat(np.arange(len(lengths), dtype=np.int64), pieces_per_doc)
-    pieces = np.arange(len(rows), dtype=np.int64) - np.repeat(
-        np.cumsum(pieces_per_doc) - pieces_per_doc, pieces_per_doc
-    )
-    starts = batch.offsets[rows] + pieces * max_len
-    seg_lengths = np.minimum(lengths[rows] - pieces * max_len, max_len)
-    return rows, pieces, starts, seg_lengths
-
-
-def _overflow_counts(lengths: np.ndarray, max_len: int, overflow: str) -> dict[str, int]:
-    long = lengths > max_len
-    pieces = -(-lengths[long] // max_len)
-    return {
-        "documents": len(lengths),
-        "input_tokens": int(lengths.sum()),
-        "empty": int((lengths == 0).sum()),
-        "split": int(long.sum()) if overflow in ("split", "error") else 0,
-        "split_pieces": int(pieces.sum()) if overflow in ("split", "error") else 0,
-        "truncated": int(long.sum()) if overflow == "truncate" else 0,
-        "truncated_tokens": int((lengths[long] - max_len).sum()) if overflow == "truncate" else 0,
-        "dropped": int(long.sum()) if overflow == "drop" else 0,
-        "dropped_tokens": int(lengths[long].sum()) if overflow == "drop" else 0,
-    }
-
-
 def _source_problems(
     corpus: Corpus, seg: _Segments, shards: dict[int, _Shard], manifest: Manifest, complete: bool
 ) -> Iterator[Problem]:
@@ -548,14 +500,14 @@ def _source_problems(
             message=f"the build carries labels from column {o.labels_column!r}, the source has none; "
             "labels are not compared.",
         )
-    counts = dict.fromkeys(_overflow_counts(np.empty(0, np.int64), o.max_len, o.overflow), 0)
+    counts = Counter(documents=0, **document_pieces([], o.max_len, o.overflow).counts)  # every key, at 0
     rows_per_file = {path: 0 for path in corpus.files}
     row0 = 0
     for batch in batches:
         m = len(batch.offsets) - 1
-        for key, value in _overflow_counts(np.diff(batch.offsets), o.max_len, o.overflow).items():
-            counts[key] += value
-        yield from _batch_problems(corpus, batch, row0, seg, shards, manifest, complete)
+        expected = document_pieces(np.diff(batch.offsets), o.max_len, o.overflow)
+        counts.update(documents=m, **expected.counts)
+        yield from _batch_problems(corpus, batch, expected, row0, seg, shards, manifest, complete)
         rows_per_file[batch.file] += m
         row0 += m
     for i in np.flatnonzero(seg.rows >= row0):
@@ -586,17 +538,19 @@ def _source_problems(
 def _batch_problems(
     corpus: Corpus,
     batch: DocumentBatch,
+    expected: DocumentPieces,
     row0: int,
     seg: _Segments,
     shards: dict[int, _Shard],
     manifest: Manifest,
     complete: bool,
 ) -> Iterator[Problem]:
-    """Compare one batch of corpus documents (global rows row0, row0+1, …) with the packs."""
+    """Compare one batch of corpus documents (global rows row0, row0+1, …) with the packs, where they
+    must be the `expected` segments."""
     o = manifest.options
     m = len(batch.offsets) - 1
     lengths = np.diff(batch.offsets)
-    e_rows, e_pieces, e_starts, e_lengths = _expected_segments(batch, o.max_len, o.overflow)
+    e_rows, e_pieces, e_starts, e_lengths, _ = expected
     lo, hi = np.searchsorted(seg.rows, [row0, row0 + m], "left")
     a_rows, a_pieces = seg.rows[lo:hi] - row0, seg.pieces[lo:hi]
     width = int(max(e_pieces.max(initial=0), a_pieces.max(initial=0))) + 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,16 @@ import pytest
 
 from prepack import build
 from prepack.errors import FormatError
-from prepack.format import FORMAT_VERSION, Manifest, check_shard, open_shard, read_manifest, shard_schema
+from prepack.format import (
+    FORMAT_VERSION,
+    Manifest,
+    check_shard,
+    open_shard,
+    read_manifest,
+    shard_file_problems,
+    shard_schema,
+    shard_sha256,
+)
 from tests.corpus import corpus_table, write_corpus
 
 SCHEMAS = Path(__file__).parent.parent / "schemas"
@@ -124,3 +134,26 @@ def test_shards_open_with_hugging_face_datasets(built):
     assert datasets.Dataset.from_file(shard).to_list() == expected
     loaded = datasets.load_dataset("arrow", data_files=[shard], split="train")
     assert loaded.to_list() == expected
+
+
+def test_shard_files_are_checked_against_the_manifest(built, tmp_path):
+    manifest = read_manifest(built)
+    assert manifest.shards and list(shard_file_problems(built, manifest)) == []
+    assert [shard_sha256(built / s.name) for s in manifest.shards] == [s.sha256 for s in manifest.shards]
+
+    copy = shutil.copytree(built, tmp_path / "copy")
+    (copy / manifest.shards[0].name).write_bytes(b"short")
+    (copy / "shard-00002.arrow").unlink(missing_ok=True)
+    entries = [
+        manifest.shards[0],
+        manifest.shards[0].model_copy(update={"name": "../shard-00000.arrow"}),
+        manifest.shards[0].model_copy(update={"name": "shard-00002.arrow"}),
+    ]
+    found = list(shard_file_problems(copy, manifest.model_copy(update={"shards": entries})))
+    assert [(p.index, p.kind, p.file) for p in found] == [
+        (0, "size", "shard-00000.arrow"),
+        (1, "name", "manifest.json"),
+        (2, "missing", "shard-00002.arrow"),
+    ]
+    assert f"5 bytes, but the manifest says {manifest.shards[0].bytes}" in found[0].message
+    assert "'../shard-00000.arrow', not 'shard-00001.arrow'" in found[1].message

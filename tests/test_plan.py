@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prepack.plan import assign_packs
+from prepack.plan import assign_packs, document_pieces
 
 ALGORITHMS = ["ffd", "bfd"]
 
@@ -118,3 +118,25 @@ def test_empty_and_dtypes():
 def test_bad_input(lengths, max_len, algorithm):
     with pytest.raises(ValueError):
         assign_packs(lengths, max_len, algorithm)
+
+
+# Documents of 0, 3, 10 and 25 tokens with max_len 10: one empty, one short, one exactly max_len, one long.
+@pytest.mark.parametrize(
+    "overflow, segments, counts",
+    [
+        (
+            "split",
+            [(1, 0, 0, 3), (2, 0, 3, 10), (3, 0, 13, 10), (3, 1, 23, 10), (3, 2, 33, 5)],
+            {"split": 1, "split_pieces": 3},
+        ),
+        ("truncate", [(1, 0, 0, 3), (2, 0, 3, 10), (3, 0, 13, 10)], {"truncated": 1, "truncated_tokens": 15}),
+        ("drop", [(1, 0, 0, 3), (2, 0, 3, 10)], {"dropped": 1, "dropped_tokens": 25}),
+    ],
+)
+def test_document_pieces_is_the_overflow_policy(overflow, segments, counts):
+    got = document_pieces(np.array([0, 3, 10, 25]), 10, overflow)
+    assert list(zip(got.rows, got.pieces, got.starts, got.lengths)) == segments
+    zero = dict.fromkeys(["split", "split_pieces", "truncated", "truncated_tokens", "dropped", "dropped_tokens"], 0)
+    assert got.counts == {"input_tokens": 38, "empty": 1, **zero, **counts}
+    with pytest.raises(ValueError, match="overflow"):
+        document_pieces(np.array([1]), 10, "wrap")

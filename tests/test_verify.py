@@ -158,6 +158,28 @@ def test_a_missing_shard_is_caught(packed):
     assert "missing" in problem.message
 
 
+def test_the_directory_is_checked_before_any_shard_is_read(packed):
+    edit_manifest(packed, lambda m: m["shards"][0].update(name="../shard-00000.arrow"))
+    (packed / "shard-00002.arrow").unlink()
+    shutil.copy(packed / "shard-00001.arrow", packed / "shard-99999.arrow")
+    path = packed / "shard-00003.arrow"
+    path.write_bytes(path.read_bytes()[:100])
+    problems = verify_build(packed, all_problems=True)
+    assert [(p.file, p.column) for p in problems[:5]] == [
+        ("manifest.json", "shards[0].name"),
+        ("shard-00002.arrow", None),
+        ("shard-00003.arrow", None),
+        ("shard-00000.arrow", None),  # no longer listed under that name
+        ("shard-99999.arrow", None),
+    ]
+    assert "'../shard-00000.arrow', not 'shard-00000.arrow'" in problems[0].message
+    assert "missing" in problems[1].message and "100 bytes" in problems[2].message
+    assert "does not list" in problems[3].message
+    assert problems[5].file == "shard-00003.arrow"  # read despite its size
+    assert "not a readable Arrow IPC stream" in problems[5].message
+    assert "3 shard(s) could not be read" in problems[-1].message
+
+
 def test_a_tampered_cu_seqlens_is_caught_at_its_row(packed):
     rows = shard_rows(packed, "shard-00001.arrow")
     r = row_with_documents(rows)
