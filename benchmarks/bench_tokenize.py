@@ -114,7 +114,8 @@ def child(method: str, corpus: str, tokenizer: str, out: str) -> None:
                 "wall": wall,
                 "tokens": tokens,
                 "fingerprint": result.get("fingerprint"),
-                "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent through fork and exec.
+                "peak_kib": int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]),
                 "worker_peak_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
             }
         )
