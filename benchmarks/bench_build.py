@@ -12,6 +12,10 @@ clipped at 32k; random ids) and runs, each in a fresh subprocess so peak memory 
 
 Each child imports its libraries before its clock starts (the import time is printed apart), and
 the outputs are synced and removed between runs, so no run pays for the last one's dirty pages.
+Every run then starts after a `--settle` pause: on a VM whose balloon reports free pages to the host
+(this one), memory freed by the previous run stays quick to touch for a second or two and afterwards
+costs ~2 ns a byte to touch again (the host backs it afresh), so without the pause a run's time
+depends on how much the run before it freed.
 prepack and copy run `--repeat` times, interleaved, and their fastest run is reported (with the
 highest peak RSS of the runs); TRL, which takes minutes, runs once.
 
@@ -90,8 +94,9 @@ METHODS = {"prepack": run_prepack, "copy": run_copy, "trl": run_trl}
 IMPORTS = {"prepack": ["prepack"], "copy": [], "trl": ["datasets", "trl.data_utils"]}
 
 
-def measure(method: str, corpus: Path, scratch: Path) -> dict:
+def measure(method: str, corpus: Path, scratch: Path, settle: float) -> dict:
     """Run one method in a fresh interpreter, which reports its own wall time and peak RSS."""
+    time.sleep(settle)
     out = scratch / f"out-{method}"
     command = [sys.executable, __file__, "--child", method, str(corpus), str(out)]
     result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
@@ -134,6 +139,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--trl-max-docs", type=int, default=1_000_000, help="skip TRL above this size")
     parser.add_argument("--repeat", type=int, default=3, help="runs of prepack and copy (fastest shown)")
+    parser.add_argument("--settle", type=float, default=10.0, help="seconds to wait before each run")
     parser.add_argument("--child", nargs=3, metavar=("METHOD", "CORPUS", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--write-corpus", nargs=2, metavar=("DOCS", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -146,7 +152,7 @@ def main() -> None:
         os.environ["NUMBA_CACHE_DIR"] = str(Path(tmp) / "numba-cache")
         corpus = Path(tmp) / "small.parquet"
         make_corpus(corpus, 1_000)
-        cold, warm = (measure("prepack", corpus, Path(tmp)) for _ in range(2))
+        cold, warm = (measure("prepack", corpus, Path(tmp), args.settle) for _ in range(2))
         print(
             f"prepack, 1,000 documents: {cold['wall']:.2f} s compiling its kernels into an empty numba "
             f"cache, {warm['wall']:.2f} s loading them from it (imports: {warm['imports']:.2f} s)\n"
@@ -161,7 +167,7 @@ def main() -> None:
             for _ in range(args.repeat):  # interleaved, so a disturbance hits every method alike
                 for method in methods:
                     if method != "trl" or not runs[method]:
-                        runs[method].append(measure(method, corpus, Path(tmp)))
+                        runs[method].append(measure(method, corpus, Path(tmp), args.settle))
             results = {
                 method: {**min(rs, key=lambda r: r["wall"]), "peak_kib": max(r["peak_kib"] for r in rs)}
                 for method, rs in runs.items()

@@ -25,7 +25,7 @@ from prepack.errors import InputError
 from prepack.format import BuildOptions, InputFile, Manifest, Totals, write_manifest
 from prepack.plan import PackingPlan, plan_packs
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
-from prepack.write import shard_bounds, staged_directory, write_shard
+from prepack.write import shard_bounds, staged_directory, write_in_pieces, write_shard
 
 __all__ = ["DEFAULT_SHARD_SIZE", "build"]
 
@@ -62,10 +62,10 @@ def _store_documents(
         def store(batch: DocumentBatch, batch_lengths: np.ndarray) -> None:
             digests["lengths"].update(batch_lengths.astype("<i8").tobytes())
             digests["ids"].update(batch.ids.astype("<i4", copy=False).data)
-            ids_file.write(batch.ids.data)
+            write_in_pieces(ids_file, batch.ids.data)
             if batch.labels is not None:
                 digests["labels"].update(batch.labels.astype("<i4", copy=False).data)
-                labels_file.write(batch.labels.data)
+                write_in_pieces(labels_file, batch.labels.data)
 
         stored = None
         for batch in batches:
