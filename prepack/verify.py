@@ -207,11 +207,21 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
             column="totals.split_pieces",
             message=f"is {t.split_pieces} for {t.split} split documents; each split gives at least 2 pieces.",
         )
-    if manifest.has_labels != (o.labels_column is not None):
+    if o.tokenize is None and manifest.has_labels != (o.labels_column is not None):
         yield Problem(
             file=MANIFEST_NAME,
             column="has_labels",
             message=f"is {manifest.has_labels}, but options.labels_column is {o.labels_column!r}.",
+        )
+    # A tokenizing build makes labels itself, from chat with assistant-only training, and reads none.
+    made_labels = o.tokenize is not None and o.tokenize.mode == "chat" and o.tokenize.train_on == "assistant"
+    if o.tokenize is not None and (manifest.has_labels != made_labels or o.labels_column is not None):
+        yield Problem(
+            file=MANIFEST_NAME,
+            column="has_labels",
+            message=f"is {manifest.has_labels} with labels_column {o.labels_column!r}, but a build that "
+            f"tokenized {o.tokenize.mode} with train_on {o.tokenize.train_on!r} makes "
+            f"{'labels' if made_labels else 'none'} and reads no labels column.",
         )
 
 

@@ -23,7 +23,9 @@ from prepack import build
 from prepack.errors import InputError
 from prepack.format import IGNORE_INDEX
 from prepack.read import find_corpus
+from prepack.report import inspect_build
 from prepack.tokenize import load_tokenizer, tokenize_corpus
+from prepack.verify import verify_build
 from tests.corpus import read_build
 
 END_OF_TEXT = 50256
@@ -361,3 +363,16 @@ def test_cli_tokenizes_text_and_refuses_chat_without_a_template(tmp_path, gpt2):
     assert refused.returncode == 2
     assert "no chat template" in refused.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["packed", "text.jsonl"]  # nothing half-written
+
+
+def test_verify_and_inspect_accept_a_tokenized_build(tmp_path, gpt2_chat):
+    corpus = jsonl(tmp_path / "chat.jsonl", [{"messages": as_chat(t)} for t in chitchat()[:50]])
+    build(corpus, tmp_path / "packed", max_len=512, tokenizer=gpt2_chat, chat=True, num_proc=1)
+    assert verify_build(tmp_path / "packed") == []
+    assert inspect_build(tmp_path / "packed").tokens > 0
+    with pytest.raises(InputError, match="tokenized"):
+        verify_build(tmp_path / "packed", corpus)  # token-by-token comparison needs token ids
+    manifest = json.loads((tmp_path / "packed" / "manifest.json").read_text())
+    manifest["has_labels"] = False  # a lie verify must catch
+    (tmp_path / "packed" / "manifest.json").write_text(json.dumps(manifest))
+    assert [p.column for p in verify_build(tmp_path / "packed")] == ["has_labels"]
