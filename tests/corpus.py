@@ -1,5 +1,5 @@
-"""Test corpora: write documents in every supported format, and read a build back independently of
-prepack's own reader (plain pyarrow, row by row)."""
+"""Test corpora: write documents in every supported format, read a build back independently of
+prepack's own reader (plain pyarrow, row by row), and place documents with a textbook packer."""
 
 from __future__ import annotations
 
@@ -51,3 +51,19 @@ def read_build(directory: Path) -> tuple[dict, list[dict]]:
         with pa.memory_map(str(directory / shard["name"])) as source:
             packs.extend(pa.ipc.open_stream(source).read_all().to_pylist())
     return manifest, packs
+
+
+def reference_placement(lengths: list[int], max_len: int, algorithm: str) -> list[int]:
+    """Straightforward O(n·packs) first-/best-fit decreasing: pack number of every segment."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    remaining: list[int] = []
+    pack_of = [0] * len(lengths)
+    for i in order:
+        fits = [p for p, room in enumerate(remaining) if room >= lengths[i]]
+        if not fits:
+            remaining.append(max_len)
+            fits = [len(remaining) - 1]
+        p = fits[0] if algorithm == "ffd" else min(fits, key=lambda q: (remaining[q], q))
+        remaining[p] -= lengths[i]
+        pack_of[i] = p
+    return pack_of

@@ -4,7 +4,6 @@ placement is exact FFD/BFD, output is byte-identical across runs and corpus form
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,23 +12,7 @@ from hypothesis import strategies as st
 
 from prepack import build
 from prepack.format import check_shard, open_shard
-from tests.corpus import corpus_table, read_build, write_corpus
-
-
-def reference_placement(lengths: list[int], max_len: int, algorithm: str) -> list[int]:
-    """Straightforward O(n·packs) first-/best-fit decreasing: pack number of every segment."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    remaining: list[int] = []
-    pack_of = [0] * len(lengths)
-    for i in order:
-        fits = [p for p, room in enumerate(remaining) if room >= lengths[i]]
-        if not fits:
-            remaining.append(max_len)
-            fits = [len(remaining) - 1]
-        p = fits[0] if algorithm == "ffd" else min(fits, key=lambda q: (remaining[q], q))
-        remaining[p] -= lengths[i]
-        pack_of[i] = p
-    return pack_of
+from tests.corpus import corpus_table, read_build, reference_placement, write_corpus
 
 
 def expected_segments(documents: list[list[int]], max_len: int, overflow: str) -> dict:

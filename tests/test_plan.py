@@ -8,23 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prepack.plan import assign_packs, document_pieces
+from tests.corpus import reference_placement
 
 ALGORITHMS = ["ffd", "bfd"]
-
-
-def reference(lengths, max_len, algorithm):
-    """O(n * packs) textbook first/best-fit-decreasing with the documented tie rules."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # sorted() is stable
-    remaining, out = [], [None] * len(lengths)
-    for i in order:
-        fits = [p for p, r in enumerate(remaining) if r >= lengths[i]]
-        if not fits:
-            remaining.append(max_len)
-            fits = [len(remaining) - 1]
-        pack = fits[0] if algorithm == "ffd" else min(fits, key=lambda p: (remaining[p], p))
-        remaining[pack] -= lengths[i]
-        out[i] = pack
-    return out
 
 
 @st.composite
@@ -43,7 +29,7 @@ def test_matches_reference(algorithm, corpus):
     lengths, max_len = corpus
     got = assign_packs(lengths, max_len, algorithm)
     assert got.dtype == np.int32 and got.shape == lengths.shape
-    assert got.tolist() == reference(lengths.tolist(), max_len, algorithm)
+    assert got.tolist() == reference_placement(lengths.tolist(), max_len, algorithm)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -75,7 +61,7 @@ def test_matches_reference_on_realistic_lengths(algorithm):
     # Long-tailed lengths with many ties: deeper trees and heaps than hypothesis reaches.
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(5, 1.2, 3000).astype(np.int64), 1, 4096)
-    assert assign_packs(lengths, 4096, algorithm).tolist() == reference(lengths.tolist(), 4096, algorithm)
+    assert assign_packs(lengths, 4096, algorithm).tolist() == reference_placement(lengths.tolist(), 4096, algorithm)
 
 
 def test_where_ffd_and_bfd_differ():
