@@ -166,6 +166,8 @@ def inspect_command(
 def verify_command(
     path: Annotated[Path, typer.Argument(help="A build directory (holding manifest.json).")],
     source: Annotated[str | None, typer.Option("--source", help="The corpus it was built from: check every token.")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="With --source, for a build that tokenized text or chat: its tokenizer.")] = None,
+    chat_template: Annotated[Path | None, typer.Option("--chat-template", help="With --source: the chat template file the build was given, if any.")] = None,
     all_problems: Annotated[bool, typer.Option("--all", help="Report every problem, not only the first.")] = False,
 ) -> None:
     """Check shards against the manifest and the format (and every token against --source).
@@ -173,7 +175,7 @@ def verify_command(
     from prepack.verify import verify_build
 
     try:
-        problems = verify_build(path, source, all_problems=all_problems)
+        problems = verify_build(path, source, tokenizer=tokenizer, chat_template=chat_template, all_problems=all_problems)
     except PrepackError as exc:
         _fail(exc)
     for problem in problems:

@@ -13,7 +13,8 @@ What is checked, in this order (each problem names the file, row and column it w
 4. across shards: every (corpus row, piece) in one pack only, pieces numbered 0, 1, … without gaps,
    every piece but a document's last holding max_len tokens, and the counts of documents, splits and
    segments against the manifest;
-5. with `source`: the corpus is streamed with `read_documents` (memory bounded by its batches) and
+5. with `source`: the corpus is streamed with `read_documents`, or tokenized again with the given
+   tokenizer when the build tokenized it (memory bounded by its batches), and
    every document must come out of the packs exactly as the manifest's max_len and overflow say
    (`document_pieces`, the definition the build plans with): its pieces all present, same lengths,
    same tokens and labels; rows and tokens the build left out must be the manifest's empty, truncated
@@ -90,9 +91,18 @@ class Problem(BaseModel):
 
 
 def verify_build(
-    path: str | os.PathLike, source: str | os.PathLike | None = None, *, all_problems: bool = False
+    path: str | os.PathLike,
+    source: str | os.PathLike | None = None,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    chat_template: str | os.PathLike | None = None,
+    all_problems: bool = False,
 ) -> list[Problem]:
     """Check the build at `path` (and, with `source`, every token of the corpus it was built from).
+
+    A build that tokenized text or chat needs `tokenizer` (and `chat_template`, when the build was
+    given one) with `source`: the source is tokenized again, with the manifest's options, and must
+    match the tokenizer and template identities the manifest records.
 
     Returns the problems found: none for a sound build, the first one only unless `all_problems`.
     Raises FormatError when `path` is not a build at all (no manifest.json) and InputError when the
@@ -105,15 +115,8 @@ def verify_build(
         manifest = read_manifest(path)
     except FormatError as exc:
         return [Problem(file=MANIFEST_NAME, message=str(exc))]
-    corpus = None
-    if source is not None:
-        if manifest.options.tokenize is not None:
-            raise InputError(
-                f"{path} was tokenized by `prepack build` from text; --source needs a corpus of token "
-                "ids, which verify cannot re-create from text."
-            )
-        corpus = find_corpus(source)
-    problems = _problems(path, manifest, corpus)
+    documents = None if source is None else _source_documents(find_corpus(source), manifest, tokenizer, chat_template)
+    problems = _problems(path, manifest, documents)
     return list(problems) if all_problems else list(islice(problems, 1))
 
 
@@ -139,7 +142,48 @@ class _Shard:
     segments: _Segments
 
 
-def _problems(path: Path, manifest: Manifest, corpus: Corpus | None) -> Iterator[Problem]:
+@dataclass
+class _Source:
+    """The corpus a build is checked against, and its documents as the build read them."""
+
+    corpus: Corpus
+    has_labels: bool
+    batches: Iterator[DocumentBatch]
+
+
+def _source_documents(
+    corpus: Corpus, manifest: Manifest, tokenizer: str | os.PathLike | None, chat_template: str | os.PathLike | None
+) -> _Source:
+    o = manifest.options
+    if o.tokenize is None:
+        used_labels, batches = read_documents(corpus, o.column, o.labels_column if manifest.has_labels else None)
+        return _Source(corpus, used_labels is not None, batches)
+    if tokenizer is None:
+        raise InputError(
+            f"the build tokenized {o.tokenize.mode} with tokenizer {o.tokenize.tokenizer.name!r}: pass that "
+            "tokenizer (--tokenizer) to check the source."
+        )
+    from prepack.tokenize import load_tokenizer, tokenize_corpus  # tokenizers and jinja2, only here
+
+    options, has_labels, batches = tokenize_corpus(
+        corpus,
+        load_tokenizer(tokenizer),
+        mode=o.tokenize.mode,
+        column=o.tokenize.column,
+        eos=o.tokenize.eos,
+        chat_template=chat_template,
+        train_on=o.tokenize.train_on,
+    )
+    for name, given, built in (
+        ("tokenizer's sha256", options.tokenizer.sha256, o.tokenize.tokenizer.sha256),  # its name may differ
+        ("chat template sha256", options.chat_template_sha256, o.tokenize.chat_template_sha256),
+    ):
+        if given != built:
+            raise InputError(f"the {name} given is {given}, but the build was made with {built}.")
+    return _Source(corpus, has_labels, batches)
+
+
+def _problems(path: Path, manifest: Manifest, source: _Source | None) -> Iterator[Problem]:
     yield from _manifest_problems(manifest)
     file_problems = yield from _directory_problems(path, manifest)
     shards: dict[int, _Shard] = {}
@@ -148,7 +192,7 @@ def _problems(path: Path, manifest: Manifest, corpus: Corpus | None) -> Iterator
             continue
         shard = yield from _shard_problems(path, index, manifest, check_sha256=index not in file_problems)
         if shard is not None:
-            if corpus is None:  # only the source check reads tokens again: unmap the shard now
+            if source is None:  # only the source check reads tokens again: unmap the shard now
                 shard.ids = shard.labels = None
             shards[index] = shard
     complete = len(shards) == len(manifest.shards)
@@ -160,8 +204,8 @@ def _problems(path: Path, manifest: Manifest, corpus: Corpus | None) -> Iterator
         )
     segments = _concatenate([s.segments for s in shards.values()])
     yield from _provenance_problems(segments, shards, manifest, complete)
-    if corpus is not None:
-        yield from _source_problems(corpus, segments, shards, manifest, complete)
+    if source is not None:
+        yield from _source_problems(source, segments, shards, manifest, complete)
 
 
 # 1. The manifest's arithmetic ---------------------------------------------------------------------
@@ -499,11 +543,11 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def _source_problems(
-    corpus: Corpus, seg: _Segments, shards: dict[int, _Shard], manifest: Manifest, complete: bool
+    source: _Source, seg: _Segments, shards: dict[int, _Shard], manifest: Manifest, complete: bool
 ) -> Iterator[Problem]:
     o = manifest.options
-    used_labels, batches = read_documents(corpus, o.column, o.labels_column if manifest.has_labels else None)
-    if manifest.has_labels and used_labels is None:
+    corpus, batches = source.corpus, source.batches
+    if manifest.has_labels and not source.has_labels:
         yield Problem(
             source_file=corpus.name(corpus.files[0]),
             column=o.labels_column,

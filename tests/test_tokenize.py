@@ -365,13 +365,23 @@ def test_cli_tokenizes_text_and_refuses_chat_without_a_template(tmp_path, gpt2):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["packed", "text.jsonl"]  # nothing half-written
 
 
-def test_verify_and_inspect_accept_a_tokenized_build(tmp_path, gpt2_chat):
-    corpus = jsonl(tmp_path / "chat.jsonl", [{"messages": as_chat(t)} for t in chitchat()[:50]])
+def test_verify_and_inspect_a_tokenized_build(tmp_path, gpt2_chat):
+    conversations = [{"messages": as_chat(t)} for t in chitchat()[:50]]
+    corpus = jsonl(tmp_path / "chat.jsonl", conversations)
     build(corpus, tmp_path / "packed", max_len=512, tokenizer=gpt2_chat, chat=True, num_proc=1)
     assert verify_build(tmp_path / "packed") == []
     assert inspect_build(tmp_path / "packed").tokens > 0
-    with pytest.raises(InputError, match="tokenized"):
-        verify_build(tmp_path / "packed", corpus)  # token-by-token comparison needs token ids
+    assert verify_build(tmp_path / "packed", corpus, tokenizer=gpt2_chat) == []  # tokenized again, equal
+    with pytest.raises(InputError, match="pass that tokenizer"):
+        verify_build(tmp_path / "packed", corpus)
+    with pytest.raises(InputError, match="tokenizer's sha256"):
+        verify_build(tmp_path / "packed", corpus, tokenizer=gpt2_directory(tmp_path / "other", CHATML_GENERATION))
+    (tmp_path / "t.jinja").write_text(CHATML_GENERATION)
+    with pytest.raises(InputError, match="chat template sha256"):
+        verify_build(tmp_path / "packed", corpus, tokenizer=gpt2_chat, chat_template=tmp_path / "t.jinja")
+    edited = conversations[:7] + [{"messages": as_chat(["hello", "a different answer"])}] + conversations[8:]
+    problems = verify_build(tmp_path / "packed", jsonl(tmp_path / "edited.jsonl", edited), tokenizer=gpt2_chat)
+    assert problems and "corpus row 7" in str(problems[0])
     manifest = json.loads((tmp_path / "packed" / "manifest.json").read_text())
     manifest["has_labels"] = False  # a lie verify must catch
     (tmp_path / "packed" / "manifest.json").write_text(json.dumps(manifest))
