@@ -359,6 +359,9 @@ def test_cli_tokenizes_text_and_refuses_chat_without_a_template(tmp_path, gpt2):
     assert "tokenized" in result.stdout
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["options"]["tokenize"]["eos"] and manifest["totals"]["documents"] == 50
+    verify = [prepack, "verify", str(out), "--source", str(corpus), "--tokenizer", str(gpt2)]
+    checked = subprocess.run(verify, capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0 and "every token of the source" in checked.stdout, checked.stderr
     refused = subprocess.run([*command[:-1], str(tmp_path / "chat"), "--chat"], capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2
     assert "no chat template" in refused.stderr
