@@ -32,6 +32,7 @@ __all__ = [
     "TokenizerInfo",
     "Totals",
     "check_shard",
+    "list_column",
     "open_shard",
     "read_manifest",
     "shard_file_problems",
@@ -245,14 +246,18 @@ def open_shard(path: Path, has_labels: bool) -> pa.RecordBatch:
     return batches[0]
 
 
-def _list_parts(batch: pa.RecordBatch, column: str) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, values) of a list column, zero-copy; slices are honoured."""
+def list_column(batch: pa.RecordBatch, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, values) of a list column as zero-copy numpy views: row r is values[offsets[r]:offsets[r+1]].
+
+    `values` is the whole child array, so the offsets index it directly even in a sliced batch. Nulls
+    are refused here, which is also what lets `to_numpy` share the Arrow buffers instead of copying.
+    """
     array = batch.column(column)
     if array.null_count:
         raise FormatError(f"column {column!r} has null rows")
-    offsets = array.offsets.to_numpy()
-    values = array.values.to_numpy(zero_copy_only=False)
-    return offsets, values
+    if array.values.null_count:
+        raise FormatError(f"column {column!r} has null values")
+    return array.offsets.to_numpy(), array.values.to_numpy()
 
 
 def check_shard(batch: pa.RecordBatch, max_len: int, where: str) -> None:
@@ -267,11 +272,11 @@ def check_shard(batch: pa.RecordBatch, max_len: int, where: str) -> None:
         raise FormatError(f"{where}: row {row}, column {column!r}: {what}")
 
     try:
-        ids_off, ids = _list_parts(batch, "input_ids")
-        seg_off, seg = _list_parts(batch, "segment_ids")
-        cu_off, cu = _list_parts(batch, "cu_seqlens")
-        src_off, _ = _list_parts(batch, "source_rows")
-        piece_off, pieces = _list_parts(batch, "source_pieces")
+        ids_off, ids = list_column(batch, "input_ids")
+        seg_off, seg = list_column(batch, "segment_ids")
+        cu_off, cu = list_column(batch, "cu_seqlens")
+        src_off, _ = list_column(batch, "source_rows")
+        piece_off, pieces = list_column(batch, "source_pieces")
     except FormatError as exc:
         raise FormatError(f"{where}: {exc}") from None
     if batch.column("max_seqlen").null_count:
@@ -309,7 +314,7 @@ def check_shard(batch: pa.RecordBatch, max_len: int, where: str) -> None:
         token = first(ids < 0)
         fail(int(np.searchsorted(ids_off[1:] - ids_off[0], token, "right")), "input_ids", "negative token id")
     if "labels" in batch.schema.names:
-        lab_off, labels = _list_parts(batch, "labels")
+        lab_off, labels = list_column(batch, "labels")
         if (bad := np.diff(lab_off) != n).any():
             r = first(bad)
             fail(r, "labels", f"length {np.diff(lab_off)[r]}, but input_ids has {n[r]}")

@@ -26,6 +26,7 @@ from prepack.errors import FormatError
 from prepack.format import (
     Manifest,
     check_shard,
+    list_column,
     open_shard,
     read_manifest,
     shard_file_problems,
@@ -124,12 +125,7 @@ def _check_directory(path: Path, manifest: Manifest) -> None:
 def _list_columns(batch: pa.RecordBatch) -> dict[str, _ListColumn]:
     """Zero-copy (offsets, values) views of the served list columns."""
     names = [*_ROW_COLUMNS, *(["labels"] if "labels" in batch.schema.names else [])]
-    columns = {}
-    for name in names:
-        array = batch.column(name)
-        # `.values` is the whole child array, so the offsets index it directly even in a sliced batch.
-        columns[name] = (array.offsets.to_numpy(), array.values.to_numpy())
-    return columns
+    return {name: list_column(batch, name) for name in names}
 
 
 def open_hf_dataset(path: str | os.PathLike, *, validate: bool = True, verify_checksums: bool = False):

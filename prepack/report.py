@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from prepack.errors import FormatError, InputError
-from prepack.format import Manifest, open_shard, read_manifest
+from prepack.format import Manifest, list_column, open_shard, read_manifest
 
 __all__ = [
     "Cost",
@@ -158,9 +158,8 @@ def _integer_edges(values: np.ndarray) -> np.ndarray:
 def _shard_columns(batch, where: str, max_len: int) -> tuple[np.ndarray, ...]:
     """(tokens per pack, documents per pack, segment lengths, source rows, source pieces), read from the
     small columns only, with the sanity checks that cost nothing extra (verify does the rest)."""
-    cu_array = batch.column("cu_seqlens")
-    cu_off = cu_array.offsets.to_numpy()
-    cu = cu_array.values.to_numpy()[cu_off[0] : cu_off[-1]].astype(np.int64)
+    cu_off, cu_values = list_column(batch, "cu_seqlens")
+    cu = cu_values[cu_off[0] : cu_off[-1]].astype(np.int64)
     docs = np.diff(cu_off).astype(np.int64) - 1
     if (docs < 1).any():
         raise FormatError(f"{where}: a pack has no documents in cu_seqlens; run `prepack verify`.")
@@ -174,9 +173,8 @@ def _shard_columns(batch, where: str, max_len: int) -> tuple[np.ndarray, ...]:
         raise FormatError(f"{where}: cu_seqlens is not valid for max_len {max_len}; run `prepack verify`.")
 
     def flat(name: str) -> np.ndarray:
-        array = batch.column(name)
-        offsets = array.offsets.to_numpy()
-        return array.values.to_numpy()[offsets[0] : offsets[-1]]
+        offsets, values = list_column(batch, name)
+        return values[offsets[0] : offsets[-1]]
 
     rows, pieces = flat("source_rows"), flat("source_pieces")
     if len(rows) != len(lengths) or len(pieces) != len(lengths):

@@ -45,6 +45,7 @@ from prepack.format import (
     MANIFEST_NAME,
     Manifest,
     check_shard,
+    list_column,
     open_shard,
     read_manifest,
     shard_file_problems,
@@ -352,9 +353,9 @@ def _row_problems(batch: pa.RecordBatch, max_len: int, name: str) -> Iterator[Pr
 
 
 def _list_values(batch: pa.RecordBatch, column: str) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, values) of a list column: values[offsets[r]:offsets[r+1]] is row r."""
-    array = batch.column(column)
-    return array.offsets.to_numpy().astype(np.int64), array.values.to_numpy()
+    """`list_column` with int64 offsets, for arithmetic with the int64 corpus rows."""
+    offsets, values = list_column(batch, column)
+    return offsets.astype(np.int64), values
 
 
 def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:

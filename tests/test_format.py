@@ -113,6 +113,15 @@ def test_check_shard_catches_tampered_columns(built, column, edit, message):
         check_shard(_tampered(batch, column, edit), 32, "shard-00000.arrow")
 
 
+def test_check_shard_refuses_a_null_inside_a_list(built):
+    batch = open_shard(built / "shard-00000.arrow", has_labels=False)
+    ids = batch.column("input_ids")
+    values = pa.array(ids.values.to_pylist()[:2] + [None] + ids.values.to_pylist()[3:], pa.int32())
+    columns = [pa.ListArray.from_arrays(ids.offsets, values) if n == "input_ids" else batch.column(n) for n in batch.schema.names]
+    with pytest.raises(FormatError, match="shard-00000.arrow: column 'input_ids' has null values"):
+        check_shard(pa.RecordBatch.from_arrays(columns, schema=batch.schema), 32, "shard-00000.arrow")
+
+
 def test_open_shard_refuses_a_foreign_schema(tmp_path):
     path = tmp_path / "x.arrow"
     table = pa.table({"input_ids": pa.array([[1, 2]], pa.list_(pa.int64()))})
