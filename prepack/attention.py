@@ -18,8 +18,8 @@ either converts the batch to the form transformers isolates natively or raises `
   longest segment;
 - a cache is refused for packed rows: sdpa and eager only build the per-document mask when no cache
   exists, so an explicit `use_cache=True` there raises, in train and eval mode alike, and `use_cache`
-  left unset (the config default is usually True) is set to False. `past_key_values` with packed rows
-  raises on every backend.
+  left unset (the config default is usually True) is set to False. A cache (`cache`, before
+  transformers 5.24 `past_key_values`) with packed rows raises on every backend.
 
 Value checks cost one device sync per forward. Under `torch.compile` they are skipped, since they would
 break the graph: a batch in `PackedCollator`'s default layout traces without a graph break. A batch
@@ -314,10 +314,11 @@ def _offsets_problem(kwargs: dict[str, Any], shape: torch.Size) -> str | None:
 
 
 def _without_cache(kwargs: dict[str, Any], flash: bool) -> dict[str, Any]:
-    if kwargs.get("past_key_values") is not None:
+    # transformers 5.24 renamed `past_key_values` to `cache`; the old name stays an alias until 5.40.
+    if any(kwargs.get(name) is not None for name in ("cache", "past_key_values")):
         raise IsolationError(
-            "A packed batch with past_key_values: keys from the cache would join every document's attention. "
-            "Packed rows are for training and scoring, not for continuing a cache."
+            "A packed batch with a cache (cache / past_key_values): keys from the cache would join every "
+            "document's attention. Packed rows are for training and scoring, not for continuing a cache."
         )
     if kwargs.get("use_cache") and not flash:
         raise IsolationError(

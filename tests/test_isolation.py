@@ -248,6 +248,7 @@ REFUSED = {
     "offsets without position_ids": (_without("position_ids"), "needs position_ids"),
     "binary 2-D mask": (_with("attention_mask", lambda b: torch.ones_like(b["input_ids"])), "binary attention_mask"),
     "past_key_values": (_with("past_key_values", lambda b: DynamicCache()), "past_key_values"),
+    "cache": (_with("cache", lambda b: DynamicCache()), "past_key_values"),  # its name from transformers 5.24
 }
 
 
