@@ -47,5 +47,8 @@ def load_model(name: str | None, dataset: PackedDataset) -> PreTrainedModel:
 
 def largest_token_id(dataset: PackedDataset) -> int:
     """One vectorized pass over the memory-mapped token columns."""
-    has_labels = dataset.manifest.has_labels
-    return max(pc.max(open_shard(path, has_labels).column("input_ids").values).as_py() for path in dataset.shard_paths)
+    manifest = dataset.manifest
+    return max(
+        pc.max(open_shard(path, manifest.has_labels, manifest.options.max_len).column("input_ids").values).as_py()
+        for path in dataset.shard_paths
+    )

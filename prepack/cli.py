@@ -98,7 +98,7 @@ def build_command(
     algorithm: Annotated[Algorithm, typer.Option(help="First-fit or best-fit decreasing.")] = Algorithm.ffd,
     overflow: Annotated[Overflow, typer.Option(help="Documents longer than --max-len.")] = Overflow.split,
     seed: Annotated[int, typer.Option(help="Seed of the pack-order shuffle.")] = 0,
-    shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 256MiB.")] = f"{DEFAULT_SHARD_SIZE // 2**20}MiB",
+    shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB or 1GB.")] = f"{DEFAULT_SHARD_SIZE // 2**20}MiB",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing build at --out.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")] = False,
 ) -> None:

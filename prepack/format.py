@@ -35,6 +35,7 @@ __all__ = [
     "list_column",
     "open_shard",
     "read_manifest",
+    "segment_id_type",
     "shard_file_problems",
     "shard_name",
     "shard_schema",
@@ -42,18 +43,25 @@ __all__ = [
     "write_manifest",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 IGNORE_INDEX = -100  # label value that is not trained on (the PyTorch / HF convention)
 
 _TOKEN = pa.int32()  # token ids and labels: vocabularies fit in 31 bits, and torch has no uint32 kernels
 
 
-def shard_schema(has_labels: bool) -> pa.Schema:
-    """The Arrow schema of every shard; `labels` only when the corpus had them."""
+def segment_id_type(max_len: int) -> pa.DataType:
+    """The type of `segment_ids` values. A pack holds at most max_len documents, so with max_len up to
+    65,535 every segment id fits 16 bits: the column then costs half as many bytes as `input_ids`
+    (a quarter less shard to write and read than with int32)."""
+    return pa.uint16() if max_len <= np.iinfo(np.uint16).max else pa.int32()
+
+
+def shard_schema(has_labels: bool, max_len: int) -> pa.Schema:
+    """The Arrow schema of every shard of a build; `labels` only when the corpus had them."""
     fields = [
         pa.field("input_ids", pa.list_(_TOKEN), nullable=False),
-        pa.field("segment_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("segment_ids", pa.list_(segment_id_type(max_len)), nullable=False),
         pa.field("cu_seqlens", pa.list_(pa.int32()), nullable=False),
         pa.field("max_seqlen", pa.int32(), nullable=False),
         pa.field("source_rows", pa.list_(pa.int64()), nullable=False),
@@ -138,7 +146,7 @@ class ShardInfo(_Model):
 class Manifest(_Model):
     """`manifest.json`: written last; a directory without one is not a finished build."""
 
-    format_version: Literal[1] = FORMAT_VERSION
+    format_version: Literal[2] = FORMAT_VERSION
     prepack_version: str
     options: BuildOptions
     has_labels: bool
@@ -224,7 +232,7 @@ def shard_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def open_shard(path: Path, has_labels: bool) -> pa.RecordBatch:
+def open_shard(path: Path, has_labels: bool, max_len: int) -> pa.RecordBatch:
     """Memory-map one shard (zero-copy) and check its schema; the row contents are checked by
     `check_shard`."""
     try:
@@ -235,11 +243,11 @@ def open_shard(path: Path, has_labels: bool) -> pa.RecordBatch:
         raise FormatError(f"{path}: the shard is missing.") from None
     except (OSError, pa.ArrowException) as exc:
         raise FormatError(f"{path}: not a readable Arrow IPC stream ({exc}).") from None
-    expected = shard_schema(has_labels)
+    expected = shard_schema(has_labels, max_len)
     if not reader.schema.equals(expected, check_metadata=True):
         raise FormatError(
             f"{path}: the schema is\n{reader.schema}\nbut format version {FORMAT_VERSION} "
-            f"{'with' if has_labels else 'without'} labels expects\n{expected}"
+            f"{'with' if has_labels else 'without'} labels and max_len {max_len} expects\n{expected}"
         )
     if len(batches) != 1:
         raise FormatError(f"{path}: a shard holds exactly one record batch, this one {len(batches)}.")

@@ -42,10 +42,11 @@ _ListColumn = tuple[np.ndarray, np.ndarray]  # (offsets, values): row r is value
 
 
 class PackedDataset(Dataset):
-    """The packs of a build directory, in stored order, as dicts of read-only int32 numpy views.
+    """The packs of a build directory, in stored order, as dicts of int32 numpy arrays.
 
     A row is `{"input_ids": [n], "cu_seqlens": [k + 1], "segment_ids": [n], "labels": [n]}` (labels only
-    when the build has them). Shards are opened on first use, in each DataLoader worker separately:
+    when the build has them): read-only views of the memory-mapped shard, except `segment_ids`, stored
+    in 16 bits and widened into a copy (torch has few uint16 kernels). Shards are opened on first use, in each DataLoader worker separately:
     pickling the dataset carries paths, never memory maps.
 
     `validate` (default) checks the manifest against the directory (shard names, sizes, row counts)
@@ -74,7 +75,9 @@ class PackedDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         shard, row = self._locate(index)
         columns = self._columns(shard)
-        return {name: values[offsets[row] : offsets[row + 1]] for name, (offsets, values) in columns.items()}
+        packed = {name: values[offsets[row] : offsets[row + 1]] for name, (offsets, values) in columns.items()}
+        packed["segment_ids"] = packed["segment_ids"].astype(np.int32, copy=False)
+        return packed
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers reopen (and recheck) shards themselves; a memory map does not survive pickling anyway.
@@ -105,7 +108,7 @@ class PackedDataset(Dataset):
         path = self.path / info.name
         if self.verify_checksums and (digest := shard_sha256(path)) != info.sha256:
             raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
-        batch = open_shard(path, self.manifest.has_labels)
+        batch = open_shard(path, self.manifest.has_labels, self.manifest.options.max_len)
         if self.validate:
             if batch.num_rows != info.rows:
                 raise FormatError(f"{path}: {batch.num_rows} rows, but the manifest says {info.rows}.")

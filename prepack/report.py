@@ -188,7 +188,7 @@ def _read_columns(path: Path, manifest: Manifest) -> tuple[list[ShardSummary], d
     max_len = manifest.options.max_len
     summaries, parts = [], {"tokens": [], "docs": [], "lengths": [], "rows": [], "pieces": []}
     for info in manifest.shards:
-        batch = open_shard(path / info.name, manifest.has_labels)
+        batch = open_shard(path / info.name, manifest.has_labels, manifest.options.max_len)
         if batch.num_rows != info.rows:
             raise FormatError(
                 f"{path / info.name}: {batch.num_rows} packs, but the manifest says {info.rows}."

@@ -306,7 +306,7 @@ def _shard_problems(path: Path, index: int, manifest: Manifest, check_sha256: bo
             "the build.",
         )
     try:
-        batch = open_shard(file, manifest.has_labels)
+        batch = open_shard(file, manifest.has_labels, manifest.options.max_len)
         batch.validate(full=True)
     except FormatError as exc:
         yield Problem(file=name, message=_strip(str(exc), str(file)))

@@ -8,7 +8,6 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -21,7 +20,7 @@ from prepack.errors import OutputError
 from prepack.format import MANIFEST_NAME, ShardInfo, shard_name, shard_schema
 from prepack.plan import PackingPlan
 
-__all__ = ["shard_bounds", "staged_directory", "write_in_pieces", "write_shard"]
+__all__ = ["ShardBuffers", "shard_bounds", "staged_directory", "write_in_pieces", "write_shard"]
 
 
 @contextmanager
@@ -79,15 +78,14 @@ def _copy(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray, at: np.nd
         out[at[i] : at[i] + lengths[i]] = source[starts[i] : starts[i] + lengths[i]]
 
 
-def _gather(store: Path, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The segments (`starts`, `lengths`, in tokens) of an int32 store file, back to back.
+def _gather(store: Path, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
+    """Copy the segments (`starts`, `lengths`, in tokens) of an int32 store file into `out`, back to back.
 
     A shard's segments lie all over the store, so mapping it whole would leave most of its pages
     resident by the end of every shard. Instead the segments are copied in store order, window by
     window, each window mapped only while its segments are copied.
     """
     at = np.cumsum(lengths) - lengths
-    out = np.empty(int(lengths.sum()), np.int32)
     nonempty = np.flatnonzero(lengths)
     order = nonempty[np.argsort(starts[nonempty], kind="stable")]
     window_of = starts[order] // _WINDOW_TOKENS
@@ -99,7 +97,26 @@ def _gather(store: Path, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         window = np.memmap(store, np.int32, "r", offset=low * 4, shape=(high - low,))
         _copy(window, starts[segments] - low, lengths[segments], at[segments], out)
         del window  # unmapped here: its pages no longer count as this process's memory
-    return out
+
+
+class ShardBuffers:
+    """The token-long columns of one shard being written, kept from shard to shard.
+
+    On the benchmark machine (a VM) touching freshly allocated memory costs over a nanosecond a byte,
+    more than gathering into it; a new array per shard made that cost part of every token. One `ShardBuffers`
+    per writer thread allocates each column once, at the largest shard's size.
+    """
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self._columns: dict[str, np.ndarray] = {}
+
+    def column(self, name: str, tokens: int, dtype: np.dtype = np.dtype(np.int32)) -> np.ndarray:
+        if tokens > self.tokens:
+            raise ValueError(f"a shard of {tokens} tokens does not fit buffers of {self.tokens}")
+        if name not in self._columns:
+            self._columns[name] = np.empty(self.tokens, dtype)
+        return self._columns[name][:tokens]
 
 
 # Bytes per write() call of `write_in_pieces`. On the benchmark machine (a VM whose fresh memory is
@@ -115,23 +132,46 @@ def write_in_pieces(file: BinaryIO, data: bytes | memoryview) -> None:
     file.writelines(view[start : start + _WRITE_PIECE] for start in range(0, len(view), _WRITE_PIECE))
 
 
-class _HashingSink:
-    """A file for `pa.PythonFile` that also hashes what it writes, in the `hasher` thread. The IPC
-    writer hands it the columns' own buffers, so the shard is never copied whole; each queued hash
-    holds its buffer until done, and runs (without the GIL) while this thread writes and gathers on."""
+# Bytes of a shard written between two syncs of `_ShardSink`.
+_SYNC_EVERY = 64 * 2**20
+
+
+class _ShardSink:
+    """A file for `pa.PythonFile` that hashes what it writes and streams it to disk.
+
+    Every `_SYNC_EVERY` bytes the written part is synced and dropped from the page cache. A build
+    writes gigabytes it will not read back; left in the page cache they made every write claim a new
+    page, which on the benchmark machine (a VM) ran at 0.4-0.5 GB/s, against 1.5 GB/s synced and
+    dropped. It also means a shard's bytes are on disk before the manifest names it. The IPC writer
+    hands over the columns' own buffers, so the shard is never copied whole to be hashed.
+    """
 
     closed = False  # read by pa.PythonFile before every write; the file outlives the IPC writer
 
-    def __init__(self, file: BinaryIO, hasher: ThreadPoolExecutor) -> None:
-        self.file, self.hasher = file, hasher
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
         self.sha256 = hashlib.sha256()
         self.size = 0
+        self.synced = 0
 
     def write(self, data: bytes | pa.Buffer) -> int:
-        self.hasher.submit(self.sha256.update, data)  # one thread: the updates run in write order
-        self.file.write(data)
-        self.size += len(data)
-        return len(data)
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), _SYNC_EVERY):
+            piece = view[start : start + _SYNC_EVERY]
+            # hashlib and file writes release the GIL: shards are written in parallel.
+            self.sha256.update(piece)
+            self.file.write(piece)
+            self.size += len(piece)
+            if self.size - self.synced >= _SYNC_EVERY:
+                self.sync()
+        return len(view)
+
+    def sync(self) -> None:
+        self.file.flush()
+        getattr(os, "fdatasync", os.fsync)(self.file.fileno())  # macOS has no fdatasync
+        if hasattr(os, "posix_fadvise"):  # Linux; elsewhere the pages stay cached
+            os.posix_fadvise(self.file.fileno(), self.synced, self.size - self.synced, os.POSIX_FADV_DONTNEED)
+        self.synced = self.size
 
 
 @numba.njit(cache=True, nogil=True)
@@ -154,11 +194,11 @@ def write_shard(
     layout: PackingPlan,
     tokens: Path,
     labels: Path | None,
-    hasher: ThreadPoolExecutor,
-) -> Future[ShardInfo]:
+    buffers: ShardBuffers,
+) -> ShardInfo:
     """Write the packs of `layout` as one shard, their tokens (and labels) gathered from the int32
-    store files `tokens` (and `labels`). Returns the shard's manifest entry, due once `hasher` (an
-    executor with one thread) has hashed the shard; its columns stay in memory until then."""
+    store files `tokens` (and `labels`) into `buffers`, and return the shard's manifest entry.
+    Threads may write shards at once, each with its own `buffers`."""
     lengths = layout.lengths.astype(np.int64)
     docs_per_pack = np.diff(layout.pack_offsets)
     packs = len(docs_per_pack)
@@ -166,8 +206,12 @@ def write_shard(
     np.cumsum(lengths, out=token_offsets[1:])
     pack_token_offsets = token_offsets[layout.pack_offsets]
 
-    ids = _gather(tokens, layout.starts, lengths)
-    segment_ids = np.empty(token_offsets[-1], dtype=np.int32)
+    total = int(token_offsets[-1])
+    ids = buffers.column("input_ids", total)
+    _gather(tokens, layout.starts, lengths, ids)
+    schema = shard_schema(labels is not None, layout.max_len)
+    segment_id_dtype = schema.field("segment_ids").type.value_type.to_pandas_dtype()
+    segment_ids = buffers.column("segment_ids", total, segment_id_dtype)
     _segment_ids(lengths, layout.pack_offsets, segment_ids)
     # cu_seqlens: every pack gets a leading 0, then the running token count inside the pack.
     cu_offsets = layout.pack_offsets + np.arange(packs + 1)
@@ -185,18 +229,15 @@ def write_shard(
         _list(layout.pack_offsets, layout.pieces.astype(np.int32)),
     ]
     if labels is not None:
-        columns.append(_list(pack_token_offsets, _gather(labels, layout.starts, lengths)))
-    schema = shard_schema(labels is not None)
+        label_values = buffers.column("labels", total)
+        _gather(labels, layout.starts, lengths, label_values)
+        columns.append(_list(pack_token_offsets, label_values))
     batch = pa.RecordBatch.from_arrays(columns, schema=schema)
 
     name = shard_name(index)
     with open(directory / name, "wb") as f:
-        sink = _HashingSink(f, hasher)
+        sink = _ShardSink(f)
         with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), schema) as writer:
             writer.write_batch(batch)
-    tokens_written = int(token_offsets[-1])
-    return hasher.submit(
-        lambda: ShardInfo(
-            name=name, rows=packs, tokens=tokens_written, bytes=sink.size, sha256=sink.sha256.hexdigest()
-        )
-    )
+        sink.sync()
+    return ShardInfo(name=name, rows=packs, tokens=total, bytes=sink.size, sha256=sink.sha256.hexdigest())

@@ -105,7 +105,7 @@ def test_every_token_is_packed_once_in_order_or_counted(
         assert pack["segment_ids"] == [d + 1 for d, n in enumerate(seg_lengths) for _ in range(n)]
         assert pack["max_seqlen"] == max(seg_lengths)
     for shard in manifest["shards"]:
-        check_shard(open_shard(out / shard["name"], with_labels), max_len, shard["name"])
+        check_shard(open_shard(out / shard["name"], with_labels, max_len), max_len, shard["name"])
 
     # Placement is exact: the same groups of segments as the reference planner forms.
     keys = sorted(expected)
@@ -142,6 +142,19 @@ def test_same_input_gives_byte_identical_output(tmp_path):
     assert files == sorted(p.name for p in (tmp_path / "b").iterdir())
     for name in files:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize(("max_len", "stored"), [(65_535, "uint16"), (65_536, "int32")])
+def test_segment_ids_are_16_bit_while_every_document_number_fits(tmp_path, max_len, stored):
+    # One-token documents fill a pack with max_len of them: the most document numbers a pack can need.
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[7]] * 65_536))
+    build(corpus, tmp_path / "out", max_len=max_len)
+    manifest, packs = read_build(tmp_path / "out")
+    shard = open_shard(tmp_path / "out" / manifest["shards"][0]["name"], False, max_len)
+    assert str(shard.schema.field("segment_ids").type.value_type) == stored
+    assert max(max(pack["segment_ids"]) for pack in packs) == max_len  # no wrap-around at 2**16
+    for pack in packs:
+        assert pack["segment_ids"] == list(range(1, len(pack["input_ids"]) + 1))
 
 
 @pytest.mark.parametrize(

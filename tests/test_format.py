@@ -46,8 +46,11 @@ def _type_name(dtype: pa.DataType) -> str:
 def test_shard_format_page_lists_the_columns_of_the_code():
     page = (SCHEMAS / "shard-format.md").read_text()
     documented = dict(re.findall(r"^\| `(\w+)` \| `([^`]+)` \|", page, flags=re.MULTILINE))
-    schema = shard_schema(has_labels=True)
+    schema = shard_schema(has_labels=True, max_len=65_535)
     assert documented == {field.name: _type_name(field.type) for field in schema}
+    # Above 65,535 tokens a pack may hold more documents than uint16 counts: the page says so.
+    wide = shard_schema(has_labels=True, max_len=65_536).field("segment_ids").type
+    assert re.search(rf"^\| `segment_ids` \|.*`{_type_name(wide)}` when `max_len` > 65,535", page, re.MULTILINE)
     assert f"version {FORMAT_VERSION}" in page.splitlines()[0]
     assert f'`prepack.format_version` = `"{FORMAT_VERSION}"`' in page
     assert schema.metadata == {b"prepack.format_version": str(FORMAT_VERSION).encode()}
@@ -72,7 +75,7 @@ def test_unknown_format_version_is_refused(built, tmp_path):
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [(None, "does not exist"), ("{not json", "cannot be read as JSON"), ('{"format_version": 1}', "not a valid")],
+    [(None, "does not exist"), ("{not json", "cannot be read as JSON"), (f'{{"format_version": {FORMAT_VERSION}}}', "not a valid")],
 )
 def test_bad_manifests_are_refused(tmp_path, text, message):
     if text is not None:
@@ -107,14 +110,14 @@ def _tampered(batch: pa.RecordBatch, column: str, edit) -> pa.RecordBatch:
     ],
 )
 def test_check_shard_catches_tampered_columns(built, column, edit, message):
-    batch = open_shard(built / "shard-00000.arrow", has_labels=False)
+    batch = open_shard(built / "shard-00000.arrow", has_labels=False, max_len=32)
     check_shard(batch, 32, "shard-00000.arrow")
     with pytest.raises(FormatError, match=message):
         check_shard(_tampered(batch, column, edit), 32, "shard-00000.arrow")
 
 
 def test_check_shard_refuses_a_null_inside_a_list(built):
-    batch = open_shard(built / "shard-00000.arrow", has_labels=False)
+    batch = open_shard(built / "shard-00000.arrow", has_labels=False, max_len=32)
     ids = batch.column("input_ids")
     values = pa.array(ids.values.to_pylist()[:2] + [None] + ids.values.to_pylist()[3:], pa.int32())
     columns = [pa.ListArray.from_arrays(ids.offsets, values) if n == "input_ids" else batch.column(n) for n in batch.schema.names]
@@ -128,10 +131,10 @@ def test_open_shard_refuses_a_foreign_schema(tmp_path):
     with pa.ipc.new_stream(path, table.schema) as writer:
         writer.write_table(table)
     with pytest.raises(FormatError, match="schema"):
-        open_shard(path, has_labels=False)
+        open_shard(path, has_labels=False, max_len=32)
     path.write_bytes(b"garbage")
     with pytest.raises(FormatError, match="not a readable Arrow IPC stream"):
-        open_shard(path, has_labels=False)
+        open_shard(path, has_labels=False, max_len=32)
 
 
 def test_shards_open_with_hugging_face_datasets(built):

@@ -98,7 +98,13 @@ def test_rows_are_read_only_views_into_the_memory_mapped_shard(labelled):
     shard = labelled / dataset.manifest.shards[-1].name
     ranges = mapped_ranges(shard)
     assert ranges, "the shard is not memory-mapped"
+    # segment_ids is stored as uint16 and served widened: a copy, equal to what cu_seqlens says.
+    segment_ids = row.pop("segment_ids")
+    assert segment_ids.dtype == np.int32
+    lengths = np.diff(row["cu_seqlens"])
+    assert segment_ids.tolist() == np.repeat(np.arange(1, len(lengths) + 1), lengths).tolist()
     for column, values in row.items():
+        assert values.dtype == np.int32, column
         address = values.__array_interface__["data"][0]
         assert any(start <= address and address + values.nbytes <= end for start, end in ranges), column
         assert not values.flags.writeable
@@ -273,7 +279,7 @@ def rewrite_shard(path: Path, column: str, row: int, edit) -> None:
     "damage, message",
     [
         (lambda d: (d / "manifest.json").write_text("{not json"), "cannot be read as JSON"),
-        (lambda d: edit_manifest(d, lambda m: m.update(format_version=2)), "format_version 2"),
+        (lambda d: edit_manifest(d, lambda m: m.update(format_version=1)), "format_version 1"),
         (lambda d: edit_manifest(d, lambda m: m["shards"][1].update(name="../shard-00001.arrow")), "is named"),
         (lambda d: edit_manifest(d, lambda m: m["shards"][0].update(rows=m["shards"][0]["rows"] + 1)), "packs"),
         (lambda d: edit_manifest(d, lambda m: m["shards"][2].update(bytes=m["shards"][2]["bytes"] - 1)), "bytes"),
