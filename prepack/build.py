@@ -2,8 +2,8 @@
 
 Memory stays bounded by the shard size, not the corpus: the first pass copies every document's
 tokens once into a flat scratch file beside the output and keeps only their lengths in memory; the
-plan is computed from the lengths; the second pass gathers each shard's tokens from the scratch file
-in 64 MiB windows, each mapped only while its documents are copied.
+plan is computed from the lengths; in the second pass two threads each gather a shard's tokens from
+the scratch file, in 64 MiB windows each mapped only while its documents are copied, and write it.
 """
 
 from __future__ import annotations

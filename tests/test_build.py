@@ -3,6 +3,8 @@ placement is exact FFD/BFD, output is byte-identical across runs and corpus form
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 
 import numpy as np
@@ -11,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prepack import build
+from prepack import write as shard_writing
 from prepack.format import check_shard, open_shard
 from tests.corpus import corpus_table, read_build, reference_placement, write_corpus
 
@@ -129,6 +132,29 @@ def test_pack_order_is_shuffled_by_seed(tmp_path):
     assert sorted(orders[0]) == sorted(orders[1])
     fill = [sum(len(documents[r]) for r in rows) for rows in orders[0]]
     assert fill != sorted(fill, reverse=True)  # not the planner's decreasing order
+
+
+def test_shards_synced_in_pieces_keep_their_bytes_and_hashes(tmp_path, monkeypatch):
+    rng = np.random.default_rng(3)
+    documents = [rng.integers(0, 1000, size=n).tolist() for n in rng.integers(1, 300, size=200)]
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table(documents))
+    build(corpus, tmp_path / "whole", max_len=128, shard_size=16_384)
+    syncs, real_sync = [], shard_writing._ShardSink.sync
+
+    def counted_sync(sink):
+        syncs.append(sink.size - sink.synced)
+        real_sync(sink)
+
+    monkeypatch.setattr(shard_writing, "_SYNC_EVERY", 1000)  # a sync inside every token column
+    monkeypatch.setattr(shard_writing._ShardSink, "sync", counted_sync)
+    build(corpus, tmp_path / "pieces", max_len=128, shard_size=16_384)
+    manifest = json.loads((tmp_path / "pieces" / "manifest.json").read_text())
+    assert len(syncs) > 3 * len(manifest["shards"])
+    assert max(syncs) < 1000 + 1000  # never more than one piece past the sync point
+    for shard in manifest["shards"]:
+        data = (tmp_path / "pieces" / shard["name"]).read_bytes()
+        assert data == (tmp_path / "whole" / shard["name"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == shard["sha256"]
 
 
 def test_same_input_gives_byte_identical_output(tmp_path):
