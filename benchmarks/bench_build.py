@@ -184,7 +184,8 @@ def main() -> None:
             f"prepack, 1,000 documents: {cold['wall']:.2f} s compiling its kernels into an empty numba "
             f"cache, {warm['wall']:.2f} s loading them from it (imports: {warm['imports']:.2f} s)\n"
         )
-        print("| documents | tokens | method | wall s | docs/s | tokens/s | peak RSS | vs copy | vs copy_synced | imports s |")
+        columns = "documents | tokens | method | wall s | docs/s | tokens/s | peak RSS | vs copy | vs copy_synced"
+        print(f"| {columns} | imports s |")
         print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for n in args.docs:
             corpus = Path(tmp) / "corpus.parquet"
@@ -200,7 +201,7 @@ def main() -> None:
                 for method, rs in runs.items()
             }
             for method, r in results.items():
-                shares = [results[c]["wall"] / r["wall"] if c in results else float("nan") for c in ("copy", "copy_synced")]
+                shares = [results[c]["wall"] / r["wall"] if c in results else np.nan for c in ("copy", "copy_synced")]
                 print(
                     f"| {n:,} | {tokens:,} | {method} | {r['wall']:.2f} | {n / r['wall']:,.0f} | "
                     f"{tokens / r['wall'] / 1e6:,.1f}M | {r['peak_kib'] / 2**20:.2f} GiB | {shares[0]:.0%} | "

@@ -52,8 +52,7 @@ _TOKEN = pa.int32()  # token ids and labels: vocabularies fit in 31 bits, and to
 
 def segment_id_type(max_len: int) -> pa.DataType:
     """The type of `segment_ids` values. A pack holds at most max_len documents, so with max_len up to
-    65,535 every segment id fits 16 bits: the column then costs half as many bytes as `input_ids`
-    (a quarter less shard to write and read than with int32)."""
+    65,535 every segment id fits 16 bits, and the column costs half the bytes of `input_ids`."""
     return pa.uint16() if max_len <= np.iinfo(np.uint16).max else pa.int32()
 
 

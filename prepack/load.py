@@ -46,8 +46,8 @@ class PackedDataset(Dataset):
 
     A row is `{"input_ids": [n], "cu_seqlens": [k + 1], "segment_ids": [n], "labels": [n]}` (labels only
     when the build has them): read-only views of the memory-mapped shard, except `segment_ids`, stored
-    in 16 bits and widened into a copy (torch has few uint16 kernels). Shards are opened on first use, in each DataLoader worker separately:
-    pickling the dataset carries paths, never memory maps.
+    in 16 bits and widened into a copy (torch has few uint16 kernels). Shards are opened on first use,
+    in each DataLoader worker separately: pickling the dataset carries paths, never memory maps.
 
     `validate` (default) checks the manifest against the directory (shard names, sizes, row counts)
     now and each shard's contents with `check_shard` when it is first opened. `verify_checksums` also

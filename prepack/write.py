@@ -102,9 +102,9 @@ def _gather(store: Path, starts: np.ndarray, lengths: np.ndarray, out: np.ndarra
 class ShardBuffers:
     """The token-long columns of one shard being written, kept from shard to shard.
 
-    On the benchmark machine (a VM) touching freshly allocated memory costs over a nanosecond a byte,
-    more than gathering into it; a new array per shard made that cost part of every token. One `ShardBuffers`
-    per writer thread allocates each column once, at the largest shard's size.
+    On the benchmark machine (a VM) touching freshly allocated memory costs over a nanosecond a
+    byte, more than gathering into it; a new array per shard made that cost part of every token. One
+    `ShardBuffers` per writer thread allocates each column once, at the largest shard's size.
     """
 
     def __init__(self, tokens: int) -> None:
@@ -121,8 +121,8 @@ class ShardBuffers:
 
 # Bytes per write() call of `write_in_pieces`. On the benchmark machine (a VM whose fresh memory is
 # slow to touch), 1 MiB writes into the page cache ran 2.5 times as fast as 16 to 128 MiB ones, and
-# storing the build's scratch file in 1 MiB pieces cut the first pass by a fifth. (Shards, written
-# from the IPC writer's column buffers, measured no faster in pieces, so they are not.)
+# storing the build's scratch file in 1 MiB pieces cut the first pass by a fifth. (Shards are written
+# by `_ShardSink`, whose syncs matter more than the size of its writes.)
 _WRITE_PIECE = 2**20
 
 
