@@ -9,7 +9,7 @@ clipped at 32k; random ids) and runs, each in a fresh subprocess so peak memory 
 - `copy`: a plain pyarrow read of the token column and an Arrow IPC stream write of it: no packing,
   no hashing, the most any tool that reads and writes these bytes can do;
 - `copy_synced`: the same copy writing the way prepack writes its shards: synced and dropped from
-  the page cache every 64 MiB (`prepack.write._ShardSink`), which on some machines is much faster;
+  the page cache every 64 MiB (`prepack.write.SyncedFile`), which on some machines is much faster;
 - `trl`: `datasets.Dataset.from_parquet` + TRL `pack_dataset(strategy="bfd")` + `save_to_disk`.
 
 Each child imports its libraries before its clock starts (the import time is printed apart), and
@@ -84,28 +84,16 @@ def run_copy(corpus: str, out: str) -> None:
 
 
 def run_copy_synced(corpus: str, out: str) -> None:
+    from prepack.write import SyncedFile
+
     os.makedirs(out)
     source = pq.ParquetFile(corpus, pre_buffer=False, buffer_size=2**20)
     with open(os.path.join(out, "copy.arrow"), "wb") as file:
-        written = synced = 0
-
-        class Sink:
-            closed = False
-
-            def write(self, data) -> int:
-                nonlocal written, synced
-                file.write(data)
-                written += len(data)
-                if written - synced >= 64 * 2**20:
-                    file.flush()
-                    os.fdatasync(file.fileno())
-                    os.posix_fadvise(file.fileno(), synced, written - synced, os.POSIX_FADV_DONTNEED)
-                    synced = written
-                return len(data)
-
-        with pa.ipc.new_stream(pa.PythonFile(Sink(), mode="w"), source.schema_arrow) as writer:
+        synced = SyncedFile(file)
+        with pa.ipc.new_stream(pa.PythonFile(synced, mode="w"), source.schema_arrow) as writer:
             for batch in source.iter_batches(batch_size=8_192, columns=["input_ids"]):
                 writer.write_batch(batch)
+        synced.sync()
 
 
 def run_trl(corpus: str, out: str) -> None:
@@ -118,7 +106,12 @@ def run_trl(corpus: str, out: str) -> None:
 
 
 METHODS = {"prepack": run_prepack, "copy": run_copy, "copy_synced": run_copy_synced, "trl": run_trl}
-IMPORTS = {"prepack": ["prepack"], "copy": [], "copy_synced": [], "trl": ["datasets", "trl.data_utils"]}
+IMPORTS = {
+    "prepack": ["prepack"],
+    "copy": [],
+    "copy_synced": ["prepack.write"],
+    "trl": ["datasets", "trl.data_utils"],
+}
 
 
 def measure(method: str, corpus: Path, scratch: Path, settle: float) -> dict:

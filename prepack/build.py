@@ -102,8 +102,8 @@ def _locate_row(corpus: Corpus, rows_per_file: list[int], row: int) -> tuple[Pat
 
 
 # Shards written at once; each writer holds one shard's columns in memory. The gathering, hashing and
-# writing of a shard all release the GIL: on the benchmark machine (2 cores) the shard pass took
-# 1.7-2.2 s with two writers against 2.7-3.3 s with one.
+# writing of a shard all release the GIL: on the benchmark machine (2 cores), before shards were
+# synced as they are written, the shard pass took 1.7-2.2 s with two writers, 2.7-3.3 s with one.
 _SHARD_WRITERS = 2
 
 

@@ -17,10 +17,10 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.errors import OutputError
-from prepack.format import MANIFEST_NAME, ShardInfo, shard_name, shard_schema
+from prepack.format import MANIFEST_NAME, ShardInfo, segment_id_type, shard_name, shard_schema
 from prepack.plan import PackingPlan
 
-__all__ = ["ShardBuffers", "shard_bounds", "staged_directory", "write_in_pieces", "write_shard"]
+__all__ = ["ShardBuffers", "SyncedFile", "shard_bounds", "staged_directory", "write_in_pieces", "write_shard"]
 
 
 @contextmanager
@@ -103,8 +103,9 @@ class ShardBuffers:
     """The token-long columns of one shard being written, kept from shard to shard.
 
     On the benchmark machine (a VM) touching freshly allocated memory costs over a nanosecond a
-    byte, more than gathering into it; a new array per shard made that cost part of every token. One
-    `ShardBuffers` per writer thread allocates each column once, at the largest shard's size.
+    byte, more than gathering into it: with a new array per shard the shard pass took 1.04-1.27 s,
+    reused 0.92-0.99 s (`benchmarks/bench_phases.py`, 250k documents). One `ShardBuffers` per writer
+    thread allocates each column once, at the largest shard's size.
     """
 
     def __init__(self, tokens: int) -> None:
@@ -122,7 +123,7 @@ class ShardBuffers:
 # Bytes per write() call of `write_in_pieces`. On the benchmark machine (a VM whose fresh memory is
 # slow to touch), 1 MiB writes into the page cache ran 2.5 times as fast as 16 to 128 MiB ones, and
 # storing the build's scratch file in 1 MiB pieces cut the first pass by a fifth. (Shards are written
-# by `_ShardSink`, whose syncs matter more than the size of its writes.)
+# through `SyncedFile`, whose syncs matter more than the size of its writes.)
 _WRITE_PIECE = 2**20
 
 
@@ -132,35 +133,32 @@ def write_in_pieces(file: BinaryIO, data: bytes | memoryview) -> None:
     file.writelines(view[start : start + _WRITE_PIECE] for start in range(0, len(view), _WRITE_PIECE))
 
 
-# Bytes of a shard written between two syncs of `_ShardSink`.
+# Bytes written between two syncs of a `SyncedFile`.
 _SYNC_EVERY = 64 * 2**20
 
 
-class _ShardSink:
-    """A file for `pa.PythonFile` that hashes what it writes and streams it to disk.
+class SyncedFile:
+    """A file for `pa.PythonFile` (or direct writes) that streams what it is given to disk: every
+    `_SYNC_EVERY` bytes the written part is synced and dropped from the page cache.
 
-    Every `_SYNC_EVERY` bytes the written part is synced and dropped from the page cache. A build
-    writes gigabytes it will not read back; left in the page cache they made every write claim a new
-    page, which on the benchmark machine (a VM) ran at 0.4-0.5 GB/s, against 1.5 GB/s synced and
-    dropped. It also means a shard's bytes are on disk before the manifest names it. The IPC writer
-    hands over the columns' own buffers, so the shard is never copied whole to be hashed.
+    For output written once and not read back soon, such as shards. Left in the page cache it made
+    every write claim a new page, which on the benchmark machine (a VM) ran at 0.4-0.5 GB/s, against
+    1.5 GB/s synced and dropped (`benchmarks/bench_writes.py`). It also means a shard's bytes are on
+    disk before the manifest names it. Call `sync` once more after the last write.
     """
 
     closed = False  # read by pa.PythonFile before every write; the file outlives the IPC writer
 
     def __init__(self, file: BinaryIO) -> None:
         self.file = file
-        self.sha256 = hashlib.sha256()
         self.size = 0
         self.synced = 0
 
-    def write(self, data: bytes | pa.Buffer) -> int:
+    def write(self, data: bytes | memoryview | pa.Buffer) -> int:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _SYNC_EVERY):
             piece = view[start : start + _SYNC_EVERY]
-            # hashlib and file writes release the GIL: shards are written in parallel.
-            self.sha256.update(piece)
-            self.file.write(piece)
+            self.file.write(piece)  # releases the GIL: shards are written in parallel
             self.size += len(piece)
             if self.size - self.synced >= _SYNC_EVERY:
                 self.sync()
@@ -172,6 +170,21 @@ class _ShardSink:
         if hasattr(os, "posix_fadvise"):  # Linux; elsewhere the pages stay cached
             os.posix_fadvise(self.file.fileno(), self.synced, self.size - self.synced, os.POSIX_FADV_DONTNEED)
         self.synced = self.size
+
+
+class _HashingSink:
+    """A `SyncedFile` that also hashes what it writes. The IPC writer hands it the columns' own
+    buffers, so the shard is never copied whole to be hashed."""
+
+    closed = False  # as in SyncedFile
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.out = SyncedFile(file)
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data: bytes | pa.Buffer) -> int:
+        self.sha256.update(data)  # releases the GIL, as the write does
+        return self.out.write(data)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -209,9 +222,7 @@ def write_shard(
     total = int(token_offsets[-1])
     ids = buffers.column("input_ids", total)
     _gather(tokens, layout.starts, lengths, ids)
-    schema = shard_schema(labels is not None, layout.max_len)
-    segment_id_dtype = schema.field("segment_ids").type.value_type.to_pandas_dtype()
-    segment_ids = buffers.column("segment_ids", total, segment_id_dtype)
+    segment_ids = buffers.column("segment_ids", total, segment_id_type(layout.max_len).to_pandas_dtype())
     _segment_ids(lengths, layout.pack_offsets, segment_ids)
     # cu_seqlens: every pack gets a leading 0, then the running token count inside the pack.
     cu_offsets = layout.pack_offsets + np.arange(packs + 1)
@@ -232,12 +243,13 @@ def write_shard(
         label_values = buffers.column("labels", total)
         _gather(labels, layout.starts, lengths, label_values)
         columns.append(_list(pack_token_offsets, label_values))
+    schema = shard_schema(labels is not None, layout.max_len)
     batch = pa.RecordBatch.from_arrays(columns, schema=schema)
 
     name = shard_name(index)
     with open(directory / name, "wb") as f:
-        sink = _ShardSink(f)
+        sink = _HashingSink(f)
         with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), schema) as writer:
             writer.write_batch(batch)
-        sink.sync()
-    return ShardInfo(name=name, rows=packs, tokens=total, bytes=sink.size, sha256=sink.sha256.hexdigest())
+        sink.out.sync()
+    return ShardInfo(name=name, rows=packs, tokens=total, bytes=sink.out.size, sha256=sink.sha256.hexdigest())
