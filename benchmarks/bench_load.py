@@ -125,7 +125,8 @@ def main() -> None:
 
 
 def report(data: Path, repeats: int) -> None:
-    from prepack.load import PackedDataset, PackedSampler
+    from prepack.load import PackedDataset
+    from prepack.sample import PackedSampler
 
     dataset = PackedDataset(data)
     if dataset.manifest.options.max_len != MAX_LEN:

@@ -23,12 +23,12 @@ __version__ = version("prepack")
 # Public names loaded on first use, and the module that defines each.
 _LAZY = {
     "PackedDataset": "prepack.load",
-    "PackedSampler": "prepack.load",
+    "PackedSampler": "prepack.sample",
     "open_hf_dataset": "prepack.load",
     "PackedCollator": "prepack.collate",
     "enable_packing": "prepack.attention",
     "disable_packing": "prepack.attention",
-    "check_isolation": "prepack.attention",
+    "check_isolation": "prepack.isolation",
     "inspect_build": "prepack.report",
     "verify_build": "prepack.verify",
 }

@@ -218,7 +218,7 @@ def check_isolation_command(
     and print the largest differences. Exit 0: isolated; 1: documents leak into each other; 2: bad input."""
     import transformers  # here, not at the top: torch and transformers take seconds to import
 
-    from prepack.attention import check_isolation
+    from prepack.isolation import check_isolation
 
     try:
         result = check_isolation(

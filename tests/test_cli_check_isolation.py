@@ -15,7 +15,7 @@ import torch
 import transformers
 from typer.testing import CliRunner
 
-from prepack import attention
+from prepack import attention, isolation
 from prepack.cli import Attention, Dtype, app
 from tests.test_isolation import LEAK, tiny_model
 
@@ -54,7 +54,7 @@ def test_an_isolated_model_exits_0_and_prints_a_small_difference(saved, path):
 def test_a_leak_exits_1(saved, monkeypatch):
     """Without enable_packing, sdpa with use_cache left at the config's True builds a cache, and then
     transformers stops keeping the documents apart."""
-    monkeypatch.setattr(attention, "enable_packing", lambda model: model)
+    monkeypatch.setattr(isolation, "enable_packing", lambda model: model)
     result = check("--model", str(saved / "llama"), "--attn", "sdpa", "--no-gradients")
     assert result.exit_code == 1, result.output
     assert logit_diff(result.output) > LEAK
@@ -77,7 +77,7 @@ def test_flash_attention_without_cuda_exits_2_with_the_reason(saved):
 
 def test_the_cli_choices_are_the_librarys():
     assert {attn.value for attn in Attention} == set(attention.SUPPORTED_ATTENTION)
-    assert {dtype.value for dtype in Dtype} == {str(known).removeprefix("torch.") for known in attention._TOLERANCES}
+    assert {dtype.value for dtype in Dtype} == {str(known).removeprefix("torch.") for known in isolation._TOLERANCES}
 
 
 def test_the_cli_imports_neither_torch_nor_transformers():

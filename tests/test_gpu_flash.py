@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from prepack.attention import enable_packing, measure_isolation, random_packs
+from prepack.attention import enable_packing
+from prepack.isolation import measure_isolation, random_packs
 from prepack.collate import PackedCollator
 
 pytestmark = [

@@ -31,7 +31,8 @@ from transformers import (
 )
 
 from prepack import InputError, IsolationError, attention
-from prepack.attention import check_isolation, disable_packing, enable_packing, measure_isolation, random_packs
+from prepack.attention import disable_packing, enable_packing
+from prepack.isolation import check_isolation, measure_isolation, random_packs
 from prepack.collate import PackedCollator
 from tests.flash_reference import enable_flash_attention, use_flash_reference  # noqa: F401 (a fixture)
 

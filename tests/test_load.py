@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
 from prepack import FormatError, build
-from prepack.load import PackedDataset, PackedSampler, open_hf_dataset
+from prepack.load import PackedDataset, open_hf_dataset
+from prepack.sample import PackedSampler
 from tests.corpus import corpus_table, read_build, write_corpus
 
 MAX_LEN = 256
