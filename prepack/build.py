@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,10 +22,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from prepack.errors import InputError
-from prepack.format import BuildOptions, InputFile, Manifest, ShardInfo, Totals, segment_id_type, write_manifest
+from prepack.format import MANIFEST_NAME, BuildOptions, InputFile, Manifest, ShardInfo, Totals, segment_id_type, write_manifest
 from prepack.plan import PackingPlan, plan_packs
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
-from prepack.write import ShardBuffers, shard_bounds, staged_directory, write_in_pieces, write_shard
+from prepack.output import output_errors, output_file, staged_directory
+from prepack.write import ShardBuffers, shard_bounds, write_in_pieces, write_shard
 
 __all__ = ["DEFAULT_SHARD_SIZE", "build"]
 
@@ -56,9 +56,10 @@ def _store_documents(
     digests = {"lengths": hashlib.sha256(), "ids": hashlib.sha256(), "labels": hashlib.sha256()}
     task = progress.add_task("read", total=len(corpus.files), unit="files")
     done_files: set[Path] = set()
+    ids_path, labels_path = scratch / "ids.bin", scratch / "labels.bin"
     with (
-        open(scratch / "ids.bin", "wb") as ids_file,
-        open(scratch / "labels.bin", "wb") as labels_file,
+        output_file(ids_path) as ids_file,
+        output_file(labels_path) as labels_file,
         # hashlib and file writes release the GIL: a second thread hashes and stores each batch while
         # this one decodes and checks the next (pyarrow releases it too).
         ThreadPoolExecutor(1) as worker,
@@ -67,10 +68,12 @@ def _store_documents(
         def store(batch: DocumentBatch, batch_lengths: np.ndarray) -> None:
             digests["lengths"].update(batch_lengths.astype("<i8").tobytes())
             digests["ids"].update(batch.ids.astype("<i4", copy=False).data)
-            write_in_pieces(ids_file, batch.ids.data)
+            with output_errors(ids_path):
+                write_in_pieces(ids_file, batch.ids.data)
             if batch.labels is not None:
                 digests["labels"].update(batch.labels.astype("<i4", copy=False).data)
-                write_in_pieces(labels_file, batch.labels.data)
+                with output_errors(labels_path):
+                    write_in_pieces(labels_file, batch.labels.data)
 
         stored = None
         for batch in batches:
@@ -222,10 +225,8 @@ def build(
                 num_proc=num_proc,
                 progress=bar,
             )
-        with staged_directory(Path(out), overwrite) as staging:
-            scratch = staging / ".scratch"
-            scratch.mkdir()
-            stored = _store_documents(found, has_labels, batches, scratch, bar)
+        with staged_directory(out, overwrite) as staging:
+            stored = _store_documents(found, has_labels, batches, staging.scratch, bar)
             if len(stored.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")
             if not stored.lengths.any():
@@ -240,8 +241,7 @@ def build(
             planning = bar.add_task("plan", total=None)
             plan = plan_packs(stored.lengths, max_len, algorithm=algorithm, overflow=overflow, seed=seed)
             bar.update(planning, total=1, completed=1)
-            shards = _write_shards(plan, staging, scratch, has_labels, shard_size, bar)
-            shutil.rmtree(scratch)
+            shards = _write_shards(plan, staging.build, staging.scratch, has_labels, shard_size, bar)
             manifest = Manifest(
                 prepack_version=version("prepack"),
                 options=options.model_copy(
@@ -260,5 +260,6 @@ def build(
                 totals=Totals(**plan.totals(), documents=len(stored.lengths)),
                 shards=shards,
             )
-            write_manifest(staging, manifest)
+            with output_errors(staging.build / MANIFEST_NAME):
+                write_manifest(staging.build, manifest)
     return manifest

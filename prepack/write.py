@@ -1,14 +1,9 @@
-"""Write shards: gather each pack's tokens, lay out the columns of schemas/shard-format.md, and publish
-the output directory atomically."""
+"""Write shards: gather each pack's tokens and lay out the columns of schemas/shard-format.md."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -16,46 +11,11 @@ import numba
 import numpy as np
 import pyarrow as pa
 
-from prepack.errors import OutputError
-from prepack.format import MANIFEST_NAME, ShardInfo, segment_id_type, shard_name, shard_schema
+from prepack.format import ShardInfo, segment_id_type, shard_name, shard_schema
+from prepack.output import output_errors, output_file
 from prepack.plan import PackingPlan
 
-__all__ = ["ShardBuffers", "SyncedFile", "shard_bounds", "staged_directory", "write_in_pieces", "write_shard"]
-
-
-@contextmanager
-def staged_directory(out: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary directory beside `out`; on success it replaces `out` in one rename.
-
-    A build that fails or is killed leaves `out` as it was (and at most a hidden `.NAME.tmp-…`
-    sibling), never a directory that looks complete.
-    """
-    out = Path(out)
-    if out.exists():
-        if not overwrite:
-            raise OutputError(f"{out} already exists; pass --overwrite to replace it.")
-        if not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_NAME).is_file()):
-            raise OutputError(
-                f"{out} is not a prepack build (no {MANIFEST_NAME}); refusing to replace it."
-            )
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-        staging.mkdir()
-    except OSError as exc:
-        raise OutputError(f"cannot create the output beside {out}: {exc}") from None
-    try:
-        yield staging
-        if out.exists():
-            retired = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out, retired)
-            os.rename(staging, out)
-            shutil.rmtree(retired)
-        else:
-            os.rename(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+__all__ = ["ShardBuffers", "SyncedFile", "shard_bounds", "write_in_pieces", "write_shard"]
 
 
 def shard_bounds(pack_bytes: np.ndarray, shard_size: int) -> np.ndarray:
@@ -247,7 +207,7 @@ def write_shard(
     batch = pa.RecordBatch.from_arrays(columns, schema=schema)
 
     name = shard_name(index)
-    with open(directory / name, "wb") as f:
+    with output_file(directory / name) as f, output_errors(directory / name):
         sink = _HashingSink(f)
         with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), schema) as writer:
             writer.write_batch(batch)

@@ -1,0 +1,328 @@
+"""The output directory: published exclusively and atomically, never replacing or deleting what
+prepack did not write, and every environment failure (full disk, file-size limit, a parent that is not
+a directory) an OutputError with exit 2 and nothing left behind."""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from prepack import build
+from prepack.errors import OutputError
+from prepack.format import MANIFEST_NAME
+from prepack.output import replaceable_build
+from tests.corpus import corpus_table, write_corpus
+from tests.test_cli import PREPACK
+
+build_module = importlib.import_module("prepack.build")
+
+
+def corpus(tmp_path, documents=((1, 2), (3,))):
+    return write_corpus(tmp_path / "c.parquet", corpus_table([list(d) for d in documents]))
+
+
+def siblings(out):
+    """What a build to `out` may leave beside it: its lock, staging and retired directories."""
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
+
+
+def files(directory):
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+def run(*args, preexec_fn=None):
+    return subprocess.run([PREPACK, *map(str, args)], capture_output=True, text=True, timeout=300, preexec_fn=preexec_fn)
+
+
+def during_the_build(monkeypatch, action):
+    """Run `action` once while the build runs: after the corpus is stored, before anything is published."""
+    real, done = build_module.plan_packs, []
+
+    def plan_packs(*args, **kwargs):
+        if not done:
+            done.append(action)
+            action()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(build_module, "plan_packs", plan_packs)
+
+
+# Exclusive publishing
+
+
+def test_a_directory_created_at_out_while_the_build_runs_is_never_replaced(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+
+    def user_creates_out():
+        out.mkdir()
+        (out / "thesis.tex").write_text("years of work")
+
+    during_the_build(monkeypatch, user_creates_out)
+    with pytest.raises(OutputError, match="appeared"):
+        build(corpus(tmp_path), out, max_len=4)
+    assert files(out) == {"thesis.tex": b"years of work"}
+    assert siblings(out) == []
+
+
+def test_with_overwrite_a_build_changed_while_the_build_runs_is_never_replaced(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    build(corpus(tmp_path), out, max_len=4)
+    during_the_build(monkeypatch, lambda: (out / "notes.txt").write_text("mine"))
+    with pytest.raises(OutputError, match="notes.txt"):
+        build(corpus(tmp_path), out, max_len=4, overwrite=True, seed=1)
+    assert (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / MANIFEST_NAME).read_text())["options"]["seed"] == 0
+    assert siblings(out) == []
+
+
+def test_with_overwrite_a_build_swapped_for_another_while_the_build_runs_is_never_replaced(tmp_path, monkeypatch):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    build(corpus(tmp_path), out, max_len=4)
+    build(corpus(tmp_path), elsewhere, max_len=4, seed=7)  # a valid build, but not the one decided on
+
+    def swap():
+        os.rename(out, tmp_path / "moved")
+        os.rename(elsewhere, out)
+
+    during_the_build(monkeypatch, swap)
+    with pytest.raises(OutputError, match="changed"):
+        build(corpus(tmp_path), out, max_len=4, overwrite=True, seed=1)
+    assert json.loads((out / MANIFEST_NAME).read_text())["options"]["seed"] == 7
+    assert siblings(out) == []
+
+
+def test_a_second_build_to_the_same_out_fails_while_the_first_runs(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    second = []
+
+    def second_build():
+        with pytest.raises(OutputError, match="another prepack build") as info:
+            build(corpus(tmp_path, [[9]]), out, max_len=4, overwrite=True)
+        second.append(str(info.value))
+
+    during_the_build(monkeypatch, second_build)
+    first = build(corpus(tmp_path), out, max_len=4)
+    assert second and ".out.lock" in second[0]
+    assert json.loads((out / MANIFEST_NAME).read_text())["fingerprint"] == first.fingerprint
+    assert siblings(out) == []
+
+
+# What --overwrite may replace
+
+
+def write_manifest_of(tmp_path, directory, **changes):
+    """A valid prepack manifest written into `directory`, with `changes` to its JSON."""
+    build(corpus(tmp_path), tmp_path / "model-build", max_len=4, shard_size=1)
+    manifest = json.loads((tmp_path / "model-build" / MANIFEST_NAME).read_text())
+    manifest.update(changes)
+    directory.mkdir(exist_ok=True)
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return manifest
+
+
+def not_a_build(tmp_path, case):
+    out = tmp_path / "out"
+    out.mkdir()
+    if case == "garbage manifest":
+        (out / MANIFEST_NAME).write_text("my notes, not JSON")
+        return out, "cannot be read as JSON"
+    if case == "manifest of another program":
+        (out / MANIFEST_NAME).write_text(json.dumps({"name": "my-app", "version": "1.0"}))
+        return out, "not a prepack build"
+    manifest = write_manifest_of(tmp_path, out)
+    for shard in manifest["shards"]:
+        (out / shard["name"]).write_bytes(b"shard")
+    if case == "a build and a user's file":
+        (out / "notes.txt").write_text("mine")
+        return out, "notes.txt"
+    if case == "a build and a user's directory":
+        (out / "checkpoints").mkdir()
+        (out / "checkpoints" / "step-1000.pt").write_text("weights")
+        return out, "checkpoints"
+    if case == "a shard name that leaves the build":
+        (tmp_path / "precious.txt").write_text("mine")
+        manifest["shards"][0]["name"] = "../precious.txt"
+        (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+        return out, "precious.txt"
+    if case == "a shard that is a directory":
+        name = manifest["shards"][0]["name"]
+        (out / name).unlink()
+        (out / name).mkdir()
+        (out / name / "data").write_text("mine")
+        return out, name
+    if case == "a shard that is a symbolic link":
+        name = manifest["shards"][0]["name"]
+        (out / name).unlink()
+        (tmp_path / "target.bin").write_text("mine")
+        (out / name).symlink_to(tmp_path / "target.bin")
+        return out, name
+    raise ValueError(case)
+
+
+OTHER_DIRECTORIES = [
+    "garbage manifest",
+    "manifest of another program",
+    "a build and a user's file",
+    "a build and a user's directory",
+    "a shard name that leaves the build",
+    "a shard that is a directory",
+    "a shard that is a symbolic link",
+]
+
+
+@pytest.mark.parametrize("case", OTHER_DIRECTORIES)
+def test_overwrite_replaces_only_a_directory_that_is_a_prepack_build(tmp_path, case):
+    out, message = not_a_build(tmp_path, case)
+    data = corpus(tmp_path)
+    around = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(OutputError, match="not a prepack build") as info:
+        build(data, out, max_len=4, overwrite=True)
+    assert message in str(info.value) and str(out) in str(info.value)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == around
+    assert siblings(out) == []
+
+
+def test_replaceable_build_accepts_a_build_with_missing_shards_and_an_empty_directory(tmp_path):
+    out = tmp_path / "out"
+    manifest = build(corpus(tmp_path), out, max_len=4, shard_size=1)
+    (out / manifest.shards[0].name).unlink()  # damaged, but nothing in it is foreign
+    assert replaceable_build(out) == manifest
+    (tmp_path / "empty").mkdir()
+    assert replaceable_build(tmp_path / "empty") is None
+    assert build(corpus(tmp_path), tmp_path / "empty", max_len=4, overwrite=True).shards
+
+
+def test_overwrite_replaces_a_build_with_more_shards_and_leaves_nothing_of_it(tmp_path):
+    out = tmp_path / "out"
+    old = build(corpus(tmp_path, [[1, 2]] * 20), out, max_len=4, shard_size=1)
+    new = build(corpus(tmp_path), out, max_len=4, overwrite=True)
+    assert len(old.shards) > len(new.shards)
+    assert sorted(files(out)) == sorted([MANIFEST_NAME, *(s.name for s in new.shards)])
+    assert siblings(out) == []
+
+
+# --out as a symbolic link
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("target", ["a build", "nothing"])
+def test_a_symbolic_link_at_out_is_refused_and_left_as_it_is(tmp_path, target, overwrite):
+    data = corpus(tmp_path)
+    real = tmp_path / "real"
+    if target == "a build":
+        build(data, real, max_len=4)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    result = run("build", data, "--max-len", "4", "--out", link, *(["--overwrite"] if overwrite else []))
+    assert result.returncode == 2, result.stderr
+    assert "symbolic link" in result.stderr and "Traceback" not in result.stderr
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert siblings(link) == [] and siblings(real) == []
+
+
+# Killed builds
+
+
+PAUSED_BUILD = """
+import importlib, sys, time
+
+def pause(*args, **kwargs):
+    print("paused", flush=True)
+    time.sleep(600)
+
+build_module = importlib.import_module("prepack.build")
+build_module.plan_packs = pause
+build_module.build(sys.argv[1], sys.argv[2], max_len=4)
+"""
+
+
+def test_a_killed_build_leaves_scratch_that_the_next_build_clears(tmp_path):
+    data, out = corpus(tmp_path), tmp_path / "out"
+    lookalike = tmp_path / ".out.tmp-0123abcd"  # a user's directory with a staging directory's name
+    lookalike.mkdir()
+    (lookalike / "notes.txt").write_text("mine")
+    paused = subprocess.Popen([sys.executable, "-c", PAUSED_BUILD, str(data), str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert paused.stdout.readline() == "paused\n"
+        staging = [name for name in siblings(out) if ".tmp-" in name and name != lookalike.name]
+        assert len(staging) == 1
+
+        running = run("build", data, "--max-len", "4", "--out", out, "--overwrite")
+        assert running.returncode == 2
+        assert "another prepack build" in running.stderr and "Traceback" not in running.stderr
+        assert staging[0] in siblings(out)  # the running build's scratch is left alone
+    finally:
+        paused.send_signal(signal.SIGKILL)
+        paused.wait()
+        paused.stdout.close()
+    assert staging[0] in siblings(out)
+
+    assert run("build", data, "--max-len", "4", "--out", out, "-q").returncode == 0
+    assert siblings(out) == [lookalike.name]
+    assert files(lookalike) == {"notes.txt": b"mine"}
+
+
+# Environment errors
+
+
+def file_size_limit(limit):
+    """A file-size limit for a child process: writes past it fail with EFBIG (errno 27)."""
+
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the limit kills the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+LIMIT = 2**16
+
+
+@pytest.mark.parametrize(
+    ("failing", "documents", "options"),
+    [
+        ("ids.bin", [list(range(1000))] * 20, ["--max-len", "1000"]),  # 80 kB of scratch
+        ("shard-00000.arrow", [list(range(1000))] * 12, ["--max-len", "1000"]),  # 48 kB of scratch, 72 kB of shard
+        (MANIFEST_NAME, [[1, 2]] * 600, ["--max-len", "2", "--shard-size", "1"]),  # 600 shards in the manifest
+    ],
+)
+def test_a_file_too_large_for_the_file_system_is_an_output_error_and_leaves_nothing(tmp_path, failing, documents, options):
+    data, out = corpus(tmp_path, documents), tmp_path / "out"
+    result = run("build", data, "--out", out, *options, preexec_fn=file_size_limit(LIMIT))
+    assert result.returncode == 2, result.stderr
+    message = " ".join(result.stderr.split())
+    assert "Traceback" not in message and "File too large" in message and failing in message, message
+    assert not out.exists() and siblings(out) == []
+
+
+def test_a_full_disk_while_syncing_shards_is_an_output_error_and_leaves_nothing(tmp_path, monkeypatch):
+    """ENOSPC (errno 28) with no root and no small file system to fill: `fdatasync` is where a full disk
+    shows when the data was cached before it met the disk, so it is made to fail there."""
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fdatasync", full)
+    out = tmp_path / "out"
+    with pytest.raises(OutputError, match="No space left on device") as info:
+        build(corpus(tmp_path), out, max_len=4)
+    assert "shard-00000.arrow" in str(info.value)
+    assert not out.exists() and siblings(out) == []
+
+
+def test_out_under_a_regular_file_is_an_output_error(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    result = run("build", corpus(tmp_path), "--max-len", "4", "--out", tmp_path / "file" / "out")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and str(tmp_path / "file") in " ".join(result.stderr.split())
+    assert (tmp_path / "file").read_text() == "not a directory"
