@@ -21,11 +21,21 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from prepack.errors import InputError
-from prepack.format import MANIFEST_NAME, BuildOptions, InputFile, Manifest, ShardInfo, Totals, segment_id_type, write_manifest
+from prepack.errors import FormatError, InputError
+from prepack.format import (
+    MANIFEST_NAME,
+    BuildOptions,
+    InputFile,
+    Manifest,
+    ShardInfo,
+    Totals,
+    read_manifest,
+    segment_id_type,
+    write_manifest,
+)
+from prepack.output import output_errors, output_file, staged_directory
 from prepack.plan import PackingPlan, plan_packs
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
-from prepack.output import output_errors, output_file, staged_directory
 from prepack.write import ShardBuffers, shard_bounds, write_in_pieces, write_shard
 
 __all__ = ["DEFAULT_SHARD_SIZE", "build"]
@@ -95,6 +105,22 @@ def _store_documents(
         fingerprint=fingerprint,
         has_labels=has_labels,
     )
+
+
+def _refuse_earlier_builds(corpus: Corpus) -> None:
+    """Refuse a corpus that takes in the shards of a prepack build: packed again as documents, they
+    would duplicate the documents they hold."""
+    for directory in sorted({path.parent for path in corpus.files}):
+        try:
+            shards = {shard.name for shard in read_manifest(directory).shards}
+        except FormatError:  # no manifest, or not a prepack one: not a build
+            continue
+        packed = [path for path in corpus.files if path.parent == directory and path.name in shards]
+        if packed:
+            raise InputError(
+                f"{packed[0]}: a shard of the prepack build {directory}, not a corpus file. "
+                "Leave the build out of the corpus (pass the corpus files, or a glob)."
+            )
 
 
 def _locate_row(corpus: Corpus, rows_per_file: list[int], row: int) -> tuple[Path, int]:
@@ -202,6 +228,7 @@ def build(
     inside = [f for f in found.files if f.resolve().is_relative_to(Path(out).resolve())]
     if inside:
         raise InputError(f"{inside[0]}: the corpus includes files inside --out {out}; choose another --out.")
+    _refuse_earlier_builds(found)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(SpinnerColumn(), *columns, console=console, disable=not progress) as bar:
         if tokenizer is None:
@@ -241,6 +268,11 @@ def build(
             planning = bar.add_task("plan", total=None)
             plan = plan_packs(stored.lengths, max_len, algorithm=algorithm, overflow=overflow, seed=seed)
             bar.update(planning, total=1, completed=1)
+            if plan.packs == 0:  # every non-empty document was longer than max_len, and dropped
+                raise InputError(
+                    f"{corpus}: --overflow drop left no document: all {plan.counts['dropped']:,} non-empty "
+                    f"documents are longer than --max-len {max_len}."
+                )
             shards = _write_shards(plan, staging.build, staging.scratch, has_labels, shard_size, bar)
             manifest = Manifest(
                 prepack_version=version("prepack"),

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from pydantic import ByteSize, TypeAdapter, ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from prepack.build import DEFAULT_SHARD_SIZE, build
@@ -54,7 +55,9 @@ def _byte_size(text: str) -> int:
 
 
 def _fail(exc: PrepackError) -> None:
-    console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+    # Escaped: messages quote paths, values and commands such as "pip install 'prepack[train]'", whose
+    # brackets rich would otherwise take for markup and drop.
+    console.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
     raise typer.Exit(2)
 
 
@@ -216,10 +219,12 @@ def check_isolation_command(
 ) -> None:
     """Run random packed documents through a local model with enable_packing, and each document alone,
     and print the largest differences. Exit 0: isolated; 1: documents leak into each other; 2: bad input."""
-    import transformers  # here, not at the top: torch and transformers take seconds to import
+    try:
+        import transformers  # here, not at the top: torch and transformers take seconds to import
 
-    from prepack.isolation import check_isolation
-
+        from prepack.isolation import check_isolation
+    except ImportError as exc:  # torch and transformers: the optional extra prepack[train]
+        _fail(PrepackError(f"check-isolation needs {exc.name}: pip install 'prepack[train]'"))
     try:
         result = check_isolation(
             model,

@@ -13,10 +13,11 @@ import signal
 import subprocess
 import sys
 
+import pyarrow as pa
 import pytest
 
 from prepack import build
-from prepack.errors import OutputError
+from prepack.errors import InputError, OutputError
 from prepack.format import MANIFEST_NAME
 from prepack.output import replaceable_build
 from tests.corpus import corpus_table, write_corpus
@@ -39,7 +40,11 @@ def files(directory):
 
 
 def run(*args, preexec_fn=None):
-    return subprocess.run([PREPACK, *map(str, args)], capture_output=True, text=True, timeout=300, preexec_fn=preexec_fn)
+    """The prepack command, its messages printed on lines wide enough not to break a path."""
+    return subprocess.run(
+        [PREPACK, *map(str, args)],
+        capture_output=True, text=True, timeout=300, preexec_fn=preexec_fn, env={**os.environ, "COLUMNS": "1000"},
+    )
 
 
 def during_the_build(monkeypatch, action):
@@ -113,6 +118,18 @@ def test_a_second_build_to_the_same_out_fails_while_the_first_runs(tmp_path, mon
     assert second and ".out.lock" in second[0]
     assert json.loads((out / MANIFEST_NAME).read_text())["fingerprint"] == first.fingerprint
     assert siblings(out) == []
+
+
+def test_a_corpus_that_takes_in_an_earlier_build_is_refused(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    # int32 token lists, as in the shards: read as a corpus, they would pass for one more corpus file
+    write_corpus(data / "c.arrow", pa.table({"input_ids": pa.array([[1, 2], [3]], pa.list_(pa.int32()))}))
+    build(data, data / "packed", max_len=4)
+    with pytest.raises(InputError, match="a shard of the prepack build") as info:
+        build(data, tmp_path / "again", max_len=4)
+    assert "shard-00000.arrow" in str(info.value) and str(data / "packed") in str(info.value)
+    assert not (tmp_path / "again").exists() and siblings(tmp_path / "again") == []
 
 
 # What --overwrite may replace
@@ -326,3 +343,33 @@ def test_out_under_a_regular_file_is_an_output_error(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and str(tmp_path / "file") in " ".join(result.stderr.split())
     assert (tmp_path / "file").read_text() == "not a directory"
+
+
+# The command line: every failure a message and exit 2, never a traceback
+
+
+def test_a_build_that_drops_every_document_is_an_input_error(tmp_path):
+    result = run("build", corpus(tmp_path, [[1, 2, 3], [4, 5, 6]]), "--max-len", "2", "--overflow", "drop", "--out", tmp_path / "out")
+    assert result.returncode == 2, result.stderr
+    message = " ".join(result.stderr.split())
+    assert "Traceback" not in message and "all 2 non-empty documents are longer than --max-len 2" in message
+    assert not (tmp_path / "out").exists() and siblings(tmp_path / "out") == []
+
+
+def test_check_isolation_without_transformers_names_the_extra_to_install(tmp_path):
+    """Also: messages are printed as they are, brackets included (rich took them for markup)."""
+    without_transformers = "import sys; sys.modules['transformers'] = None; from prepack.cli import app; app()"
+    result = subprocess.run(
+        [sys.executable, "-c", without_transformers, "check-isolation", "--model", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "pip install 'prepack[train]'" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "check-isolation --model"])
+def test_every_command_reports_a_prepack_error_with_exit_2(tmp_path, command):
+    result = run(*command.split(), tmp_path / "missing")
+    assert result.returncode == 2
+    assert result.stderr.startswith("error:") and "Traceback" not in result.stderr
+    assert str(tmp_path / "missing") in " ".join(result.stderr.split())
