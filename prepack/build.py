@@ -208,8 +208,9 @@ def build(
     the shards when every corpus file has it. With `tokenizer` (a local directory or tokenizer.json)
     the corpus holds text in `text_column`, or with `chat` conversations in `messages_column`,
     tokenized as `prepack.tokenize.tokenize_corpus` describes (`eos`, `chat_template`, `train_on`,
-    `num_proc`). Raises `InputError` for bad input and `OutputError` when `out` exists (unless
-    `overwrite`); in both cases nothing is written.
+    `num_proc`). Raises `InputError` for bad input, and `OutputError` when `out` cannot be written as
+    asked (see `prepack.output.staged_directory`: it exists without `overwrite`, it is not a prepack
+    build, another build to it runs, a disk is full); in every case nothing is published.
     """
     read_column = (messages_column if chat else text_column) if tokenizer is not None else column
     try:

@@ -133,6 +133,8 @@ def staged_directory(out: str | os.PathLike, overwrite: bool) -> Iterator[Stagin
     the build discarded and `out` left as it is, when `out` appeared or changed while the block ran.
     """
     out = Path(out)
+    if out.name in ("", ".."):  # "." or "..": no name to put the lock and staging directory beside
+        raise OutputError(f"--out {out} does not name a directory; give a path such as ./packed.")
     if out.is_symlink():
         raise OutputError(
             f"{out} is a symbolic link; prepack neither follows nor replaces links at --out. "
@@ -161,11 +163,13 @@ def staged_directory(out: str | os.PathLike, overwrite: bool) -> Iterator[Stagin
 
 def _publish(built: Path, out: Path, replacing: _Found | None) -> None:
     if replacing is not None:
-        if _found(out) != replacing:  # or an OutputError from replaceable_build: now foreign files
-            raise OutputError(
-                f"{out} changed while this build ran: it is no longer the build it was to replace. "
-                "It was left as it is, and this build discarded."
-            )
+        changed = f"{out} changed while this build ran; it was left as it is, and this build discarded"
+        try:
+            now = _found(out)
+        except OutputError as exc:  # something prepack did not write is in it now
+            raise OutputError(f"{changed}: {exc}") from None
+        if now != replacing:
+            raise OutputError(f"{changed}: it is no longer the build this one was to replace.")
         with output_errors(out, "replace"):
             _exchange(built, out)
         return  # `built` now holds the replaced build, deleted with the staging directory

@@ -81,7 +81,7 @@ def test_with_overwrite_a_build_changed_while_the_build_runs_is_never_replaced(t
     out = tmp_path / "out"
     build(corpus(tmp_path), out, max_len=4)
     during_the_build(monkeypatch, lambda: (out / "notes.txt").write_text("mine"))
-    with pytest.raises(OutputError, match="notes.txt"):
+    with pytest.raises(OutputError, match="changed while this build ran.*notes.txt"):
         build(corpus(tmp_path), out, max_len=4, overwrite=True, seed=1)
     assert (out / "notes.txt").read_text() == "mine"
     assert json.loads((out / MANIFEST_NAME).read_text())["options"]["seed"] == 0
@@ -335,6 +335,17 @@ def test_a_full_disk_while_syncing_shards_is_an_output_error_and_leaves_nothing(
         build(corpus(tmp_path), out, max_len=4)
     assert "shard-00000.arrow" in str(info.value)
     assert not out.exists() and siblings(out) == []
+
+
+@pytest.mark.parametrize("out", [".", ".."])
+def test_out_that_names_no_directory_is_an_output_error(tmp_path, out, monkeypatch):
+    """On main, `--out . --overwrite` in an empty directory tried to rename the working directory."""
+    data = corpus(tmp_path)
+    (tmp_path / "work" / "here").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work" / "here")
+    with pytest.raises(OutputError, match="does not name a directory"):
+        build(data, out, max_len=4, overwrite=True)
+    assert [p.name for p in (tmp_path / "work").rglob("*")] == ["here"]
 
 
 def test_out_under_a_regular_file_is_an_output_error(tmp_path):
