@@ -24,6 +24,14 @@ from tests.corpus import corpus_table, write_corpus
 from tests.test_cli import PREPACK
 
 build_module = importlib.import_module("prepack.build")
+output_module = importlib.import_module("prepack.output")
+
+
+@pytest.fixture(params=["plain rename", *(["renameat2"] if output_module._renameat2 is not None else [])])
+def renames(request, monkeypatch):
+    """Publishing with Linux's renameat2 flags, and as on file systems and systems without them."""
+    if request.param == "plain rename":
+        monkeypatch.setattr(output_module, "_renameat2", None)
 
 
 def corpus(tmp_path, documents=((1, 2), (3,))):
@@ -63,7 +71,7 @@ def during_the_build(monkeypatch, action):
 # Exclusive publishing
 
 
-def test_a_directory_created_at_out_while_the_build_runs_is_never_replaced(tmp_path, monkeypatch):
+def test_a_directory_created_at_out_while_the_build_runs_is_never_replaced(tmp_path, monkeypatch, renames):
     out = tmp_path / "out"
 
     def user_creates_out():
@@ -77,7 +85,7 @@ def test_a_directory_created_at_out_while_the_build_runs_is_never_replaced(tmp_p
     assert siblings(out) == []
 
 
-def test_with_overwrite_a_build_changed_while_the_build_runs_is_never_replaced(tmp_path, monkeypatch):
+def test_with_overwrite_a_build_changed_while_the_build_runs_is_never_replaced(tmp_path, monkeypatch, renames):
     out = tmp_path / "out"
     build(corpus(tmp_path), out, max_len=4)
     during_the_build(monkeypatch, lambda: (out / "notes.txt").write_text("mine"))
@@ -88,7 +96,7 @@ def test_with_overwrite_a_build_changed_while_the_build_runs_is_never_replaced(t
     assert siblings(out) == []
 
 
-def test_with_overwrite_a_build_swapped_for_another_while_the_build_runs_is_never_replaced(tmp_path, monkeypatch):
+def test_with_overwrite_a_build_swapped_for_another_while_the_build_runs_is_never_replaced(tmp_path, monkeypatch, renames):
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
     build(corpus(tmp_path), out, max_len=4)
     build(corpus(tmp_path), elsewhere, max_len=4, seed=7)  # a valid build, but not the one decided on
@@ -217,7 +225,7 @@ def test_replaceable_build_accepts_a_build_with_missing_shards_and_an_empty_dire
     assert build(corpus(tmp_path), tmp_path / "empty", max_len=4, overwrite=True).shards
 
 
-def test_overwrite_replaces_a_build_with_more_shards_and_leaves_nothing_of_it(tmp_path):
+def test_overwrite_replaces_a_build_with_more_shards_and_leaves_nothing_of_it(tmp_path, renames):
     out = tmp_path / "out"
     old = build(corpus(tmp_path, [[1, 2]] * 20), out, max_len=4, shard_size=1)
     new = build(corpus(tmp_path), out, max_len=4, overwrite=True)
