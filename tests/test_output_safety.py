@@ -310,15 +310,15 @@ def file_size_limit(limit):
     return apply
 
 
-LIMIT = 2**16
+LIMIT = 2**15
 
 
 @pytest.mark.parametrize(
     ("failing", "documents", "options"),
     [
-        ("ids.bin", [list(range(1000))] * 20, ["--max-len", "1000"]),  # 80 kB of scratch
-        ("shard-00000.arrow", [list(range(1000))] * 12, ["--max-len", "1000"]),  # 48 kB of scratch, 72 kB of shard
-        (MANIFEST_NAME, [[1, 2]] * 600, ["--max-len", "2", "--shard-size", "1"]),  # 600 shards in the manifest
+        ("ids.bin", [list(range(1000))] * 10, ["--max-len", "1000"]),  # 40 kB of scratch
+        ("shard-00000.arrow", [list(range(1000))] * 6, ["--max-len", "1000"]),  # 24 kB of scratch, 36 kB of shard
+        (MANIFEST_NAME, [[1, 2]] * 250, ["--max-len", "2", "--shard-size", "1"]),  # 250 shards: a 47 kB manifest
     ],
 )
 def test_a_file_too_large_for_the_file_system_is_an_output_error_and_leaves_nothing(tmp_path, failing, documents, options):
