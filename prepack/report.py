@@ -28,6 +28,7 @@ from rich.text import Text
 
 from prepack.errors import FormatError, InputError
 from prepack.format import Manifest, list_column, open_shard, read_manifest
+from prepack.output import output_errors
 
 __all__ = [
     "Cost",
@@ -425,5 +426,6 @@ def plot(report: InspectReport, path: str | os.PathLike) -> Path:
         f"{report.segments:,} documents"
     )
     path = Path(path)
-    figure.savefig(path, dpi=100)
+    with output_errors(path):  # a missing directory, a full disk
+        figure.savefig(path, dpi=100)
     return path

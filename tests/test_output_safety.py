@@ -386,6 +386,13 @@ def test_check_isolation_without_transformers_names_the_extra_to_install(tmp_pat
     assert "Traceback" not in result.stderr and "pip install 'prepack[train]'" in result.stderr
 
 
+def test_inspect_plot_into_a_missing_directory_is_an_output_error(tmp_path):
+    build(corpus(tmp_path), tmp_path / "out", max_len=4)
+    result = run("inspect", tmp_path / "out", "--plot", tmp_path / "missing" / "report.png")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and f"cannot write {tmp_path / 'missing' / 'report.png'}" in result.stderr
+
+
 @pytest.mark.parametrize("command", ["inspect", "verify", "check-isolation --model"])
 def test_every_command_reports_a_prepack_error_with_exit_2(tmp_path, command):
     result = run(*command.split(), tmp_path / "missing")
