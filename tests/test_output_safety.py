@@ -39,7 +39,7 @@ def corpus(tmp_path, documents=((1, 2), (3,))):
 
 
 def siblings(out):
-    """What a build to `out` may leave beside it: its lock, staging and retired directories."""
+    """What a build to `out` may leave beside it: its lock and staging directories."""
     return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
 
 
@@ -295,6 +295,25 @@ def test_a_killed_build_leaves_scratch_that_the_next_build_clears(tmp_path):
     assert run("build", data, "--max-len", "4", "--out", out, "-q").returncode == 0
     assert siblings(out) == [lookalike.name]
     assert files(lookalike) == {"notes.txt": b"mine"}
+
+
+def test_a_replaced_build_left_in_stale_scratch_is_deleted_only_by_its_manifest(tmp_path):
+    """A build killed after publishing leaves the build it replaced in its staging directory: the next
+    build deletes the files its manifest names, and keeps the directory if anything else is in it."""
+    data, out = corpus(tmp_path), tmp_path / "out"
+    staging = tmp_path / ".out.tmp-0badc0de"
+    (staging / "build").mkdir(parents=True)
+    (staging / ".prepack-staging").write_text("")
+    build(data, tmp_path / "old", max_len=4)
+    for name, content in files(tmp_path / "old").items():
+        (staging / "build" / name).write_bytes(content)
+    (staging / "build" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="notes.txt, which prepack did not write"):
+        build(data, out, max_len=4)
+    assert (staging / "build" / "notes.txt").read_text() == "mine" and not out.exists()
+    (staging / "build" / "notes.txt").unlink()
+    build(data, out, max_len=4)
+    assert siblings(out) == []
 
 
 # Environment errors
