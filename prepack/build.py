@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from prepack.errors import InputError
 from prepack.format import BuildOptions, InputFile, Manifest, ShardInfo, Totals, segment_id_type, write_manifest
-from prepack.plan import PackingPlan, plan_packs
+from prepack.plan import PackingPlan, plan_packs, untrained_documents
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
 from prepack.write import ShardBuffers, shard_bounds, staged_directory, write_in_pieces, write_shard
 
@@ -42,6 +42,7 @@ class _StoredCorpus:
     """What the first pass keeps: document lengths, per-file row counts and the fingerprint."""
 
     lengths: np.ndarray  # int64, one per corpus row
+    untrained: np.ndarray  # bool, one per corpus row: tokens but no trained token (`untrained_documents`)
     rows_per_file: list[int]
     fingerprint: str
     has_labels: bool
@@ -51,7 +52,7 @@ def _store_documents(
     corpus: Corpus, has_labels: bool, batches: Iterator[DocumentBatch], scratch: Path, progress: Progress
 ) -> _StoredCorpus:
     rows_per_file = {path: 0 for path in corpus.files}
-    lengths = []
+    lengths, untrained = [], []
     # Separate hashes per stream make the fingerprint independent of how files split into batches.
     digests = {"lengths": hashlib.sha256(), "ids": hashlib.sha256(), "labels": hashlib.sha256()}
     task = progress.add_task("read", total=len(corpus.files), unit="files")
@@ -76,6 +77,7 @@ def _store_documents(
         for batch in batches:
             batch_lengths = np.diff(batch.offsets)
             lengths.append(batch_lengths)
+            untrained.append(untrained_documents(batch.offsets, batch.labels))
             rows_per_file[batch.file] += len(batch_lengths)
             if stored is not None:
                 stored.result()  # one batch in flight, so memory holds two batches at most
@@ -88,6 +90,7 @@ def _store_documents(
     fingerprint = hashlib.sha256(b"".join(d.digest() for d in digests.values())).hexdigest()
     return _StoredCorpus(
         lengths=np.concatenate(lengths) if lengths else np.empty(0, np.int64),
+        untrained=np.concatenate(untrained) if untrained else np.empty(0, bool),
         rows_per_file=[rows_per_file[path] for path in corpus.files],
         fingerprint=fingerprint,
         has_labels=has_labels,
@@ -165,6 +168,7 @@ def build(
     overflow: str = "split",
     seed: int = 0,
     shard_size: int = DEFAULT_SHARD_SIZE,
+    drop_untrained: bool = False,
     overwrite: bool = False,
     progress: bool = False,
     console: Console | None = None,
@@ -179,7 +183,8 @@ def build(
     the shards when every corpus file has it. With `tokenizer` (a local directory or tokenizer.json)
     the corpus holds text in `text_column`, or with `chat` conversations in `messages_column`,
     tokenized as `prepack.tokenize.tokenize_corpus` describes (`eos`, `chat_template`, `train_on`,
-    `num_proc`). Raises `InputError` for bad input and `OutputError` when `out` exists (unless
+    `num_proc`). Documents with no trained token (every label after the first -100) are counted in
+    the manifest's totals (`untrained`) and, with `drop_untrained`, left out of the packs. Raises `InputError` for bad input and `OutputError` when `out` exists (unless
     `overwrite`); in both cases nothing is written.
     """
     read_column = (messages_column if chat else text_column) if tokenizer is not None else column
@@ -192,6 +197,7 @@ def build(
             shard_size=shard_size,
             column=read_column,
             labels_column=labels_column,
+            drop_untrained=drop_untrained,
         )
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
@@ -238,7 +244,20 @@ def build(
                     f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
                 )
             planning = bar.add_task("plan", total=None)
-            plan = plan_packs(stored.lengths, max_len, algorithm=algorithm, overflow=overflow, seed=seed)
+            if drop_untrained and not (stored.lengths > 0)[~stored.untrained].any():
+                raise InputError(
+                    f"{corpus}: no document has a trained token (a label other than -100 after its first); "
+                    "--drop-untrained would leave nothing to pack."
+                )
+            plan = plan_packs(
+                stored.lengths,
+                max_len,
+                algorithm=algorithm,
+                overflow=overflow,
+                seed=seed,
+                untrained=stored.untrained,
+                drop_untrained=drop_untrained,
+            )
             bar.update(planning, total=1, completed=1)
             shards = _write_shards(plan, staging, scratch, has_labels, shard_size, bar)
             shutil.rmtree(scratch)
