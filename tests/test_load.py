@@ -305,6 +305,14 @@ def test_built_before_init_process_group_in_a_launched_job_is_refused(monkeypatc
     assert len(PackedSampler(50, rank=1, world_size=2)) == 25  # explicit ranks need no process group
 
 
+def test_built_before_init_process_group_in_this_process_is_refused_when_iterated(monkeypatch):
+    sampler = PackedSampler(50)  # nothing says this process will join a job of several
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    with pytest.raises(RuntimeError, match="built before torch.distributed was initialised"):
+        iter(sampler)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_stateful_dataloader_resumes_at_the_next_untrained_batch(labelled, workers):
     from torchdata.stateful_dataloader import StatefulDataLoader
