@@ -43,9 +43,12 @@ class Record:
         self.steps: list[list[int]] = []
         self.kwargs: list[dict] = []
 
+    def packs(self, input_ids: torch.Tensor) -> list[int]:
+        """The dataset index of each row's pack."""
+        return [self.pack_of[row[row != 0].numpy().tobytes()] for row in input_ids.cpu().to(torch.int32)]
+
     def hook(self, module, args, kwargs) -> None:
-        rows = kwargs["input_ids"].cpu().to(torch.int32)
-        self.steps.append([self.pack_of[row[row != 0].numpy().tobytes()] for row in rows])
+        self.steps.append(self.packs(kwargs["input_ids"]))
         self.kwargs.append(
             {
                 "use_cache": kwargs.get("use_cache"),
@@ -107,7 +110,7 @@ def check_accelerate_refuses_double_sharding(args, dataset, accelerator, rank: i
         DataLoader(dataset, BATCH_SIZE, sampler=PackedSampler(dataset, rank=0, world_size=1), collate_fn=collate)
     )
     record = Record(dataset)
-    packs = [record.pack_of[row[row != 0].to(torch.int32).numpy().tobytes()] for b in alone for row in b["input_ids"]]
+    packs = [pack for batch in alone for pack in record.packs(batch["input_ids"])]
     Path(args.out, f"accelerate-sharding-{rank}.json").write_text(json.dumps({"refused": refused, "packs": packs}))
 
 

@@ -17,12 +17,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from prepack import PackedCollator, PackedDataset, PackedSampler, build
-from tests.corpus import corpus_table, write_corpus
+from prepack import PackedCollator, PackedDataset, PackedSampler
+from tests.clients import Record
+from tests.corpus import training_build
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +34,8 @@ RANKS = 2
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
-    """31 distinct packs of up to 128 tokens; ids start at 1 so that padding (0) marks a pack's end."""
-    root = tmp_path_factory.mktemp("clients")
-    rng = np.random.default_rng(0)
-    documents = [rng.integers(1, 500, size=rng.integers(5, 60)).tolist() for _ in range(120)]
-    labels = [[-100, *doc[1:]] for doc in documents]
-    build(write_corpus(root / "corpus.parquet", corpus_table(documents, labels)), root / "packed", max_len=128)
-    return root / "packed"
+    """31 distinct packs of up to 128 tokens."""
+    return training_build(tmp_path_factory.mktemp("clients"), documents=120, longest=60, max_len=128)
 
 
 def free_port() -> int:
@@ -125,10 +120,8 @@ def resumed_packs(dataset: PackedDataset, state: dict, rank: int, world: int) ->
         dataset, 2, sampler=sampler, collate_fn=PackedCollator.for_dataset(dataset), num_workers=2
     )
     loader.load_state_dict(state)
-    pack_of = {dataset[i]["input_ids"].tobytes(): i for i in range(len(dataset))}
-    return [
-        pack_of[row[row != 0].to(torch.int32).numpy().tobytes()] for batch in loader for row in batch["input_ids"]
-    ]
+    record = Record(dataset)
+    return [pack for batch in loader for pack in record.packs(batch["input_ids"])]
 
 
 def test_accelerate_loop_and_the_double_sharding_it_refuses(packed, tmp_path):
