@@ -119,6 +119,8 @@ class PackedSampler(Sampler[int]):
 
     def load_state_dict(self, state: dict[str, int | bool]) -> None:
         """Resume from `state_dict()` of any rank; refuses a state from another dataset size or order."""
+        if "used" not in state:
+            raise ValueError(f"not a PackedSampler state of this version (keys: {sorted(state)}).")
         mismatched = [key for key, value in self._identity().items() if state.get(key) != value]
         if mismatched:
             details = ", ".join(f"{key} {state.get(key)!r} (now {getattr(self, key)!r})" for key in mismatched)

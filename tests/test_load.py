@@ -313,6 +313,28 @@ def test_built_before_init_process_group_in_this_process_is_refused_when_iterate
         iter(sampler)
 
 
+def test_a_loader_that_accelerate_shards_again_is_refused_before_the_first_batch():
+    """In one process, Accelerate's two ways of sharding a prepared loader for two processes (the real
+    two-process run is in test_clients.py)."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher
+    from torch.utils.data import BatchSampler
+
+    sampler = PackedSampler(10, rank=0, world_size=2)
+    split = BatchSamplerShard(BatchSampler(sampler, 2, drop_last=False), num_processes=2, process_index=0)
+    with pytest.raises(RuntimeError, match="BatchSamplerShard shards the loader again"):
+        next(iter(split))
+    dispatched = DataLoaderDispatcher(list(range(10)), batch_size=2, sampler=sampler)
+    dispatched.state = SimpleNamespace(num_processes=2, process_index=0, device="cpu")  # rank 0 of two
+    with pytest.raises(RuntimeError, match="DataLoaderDispatcher shards the loader again"):
+        next(iter(dispatched))
+    # An unsharded sampler is Accelerate's to shard: process 1 of 2 gets every other batch.
+    batches = list(BatchSampler(PackedSampler(10, world_size=1), 2, drop_last=False))
+    alone = BatchSamplerShard(BatchSampler(PackedSampler(10, world_size=1), 2, False), num_processes=2, process_index=1)
+    assert list(alone)[:2] == batches[1::2]
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_stateful_dataloader_resumes_at_the_next_untrained_batch(labelled, workers):
     from torchdata.stateful_dataloader import StatefulDataLoader
