@@ -184,8 +184,9 @@ def build(
     the corpus holds text in `text_column`, or with `chat` conversations in `messages_column`,
     tokenized as `prepack.tokenize.tokenize_corpus` describes (`eos`, `chat_template`, `train_on`,
     `num_proc`). Documents with no trained token (every label after the first -100) are counted in
-    the manifest's totals (`untrained`) and, with `drop_untrained`, left out of the packs. Raises `InputError` for bad input and `OutputError` when `out` exists (unless
-    `overwrite`); in both cases nothing is written.
+    the manifest's totals (`untrained`) and, with `drop_untrained`, left out of the packs. Raises
+    `InputError` for bad input and `OutputError` when `out` exists (unless `overwrite`); in both
+    cases nothing is written.
     """
     read_column = (messages_column if chat else text_column) if tokenizer is not None else column
     try:
@@ -244,11 +245,6 @@ def build(
                     f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
                 )
             planning = bar.add_task("plan", total=None)
-            if drop_untrained and not (stored.lengths > 0)[~stored.untrained].any():
-                raise InputError(
-                    f"{corpus}: no document has a trained token (a label other than -100 after its first); "
-                    "--drop-untrained would leave nothing to pack."
-                )
             plan = plan_packs(
                 stored.lengths,
                 max_len,
@@ -259,6 +255,12 @@ def build(
                 drop_untrained=drop_untrained,
             )
             bar.update(planning, total=1, completed=1)
+            if plan.packs == 0:  # every non-empty document was left out
+                raise InputError(
+                    f"{corpus}: no document is left to pack: of the non-empty documents, "
+                    f"{plan.counts['dropped']:,} are longer than --max-len {max_len} (--overflow drop) and "
+                    f"{plan.counts['untrained']:,} have no trained token (--drop-untrained)."
+                )
             shards = _write_shards(plan, staging, scratch, has_labels, shard_size, bar)
             shutil.rmtree(scratch)
             manifest = Manifest(
