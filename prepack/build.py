@@ -179,14 +179,15 @@ def build(
     >>> manifest.totals.packs, manifest.totals.padding_tokens           # doctest: +SKIP
     >>> build("chats.jsonl", "sft/", max_len=8192, tokenizer="./tok", chat=True)  # doctest: +SKIP
 
+    Documents with no trained token (every label after the first -100) are counted in the
+    manifest's totals (`untrained`) and, with `drop_untrained`, left out of the packs.
+
     Without `tokenizer` the corpus holds token ids in `column`, and `labels_column` is carried into
     the shards when every corpus file has it. With `tokenizer` (a local directory or tokenizer.json)
     the corpus holds text in `text_column`, or with `chat` conversations in `messages_column`,
     tokenized as `prepack.tokenize.tokenize_corpus` describes (`eos`, `chat_template`, `train_on`,
-    `num_proc`). Documents with no trained token (every label after the first -100) are counted in
-    the manifest's totals (`untrained`) and, with `drop_untrained`, left out of the packs. Raises
-    `InputError` for bad input and `OutputError` when `out` exists (unless `overwrite`); in both
-    cases nothing is written.
+    `num_proc`). Raises `InputError` for bad input and `OutputError` when `out` exists (unless
+    `overwrite`); in both cases nothing is written.
     """
     read_column = (messages_column if chat else text_column) if tokenizer is not None else column
     try:
