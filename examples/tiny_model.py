@@ -26,6 +26,7 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
+    parser.add_argument("--checkpoint", help="loops: save the loader's position here, and resume from it")
     return parser.parse_args()
 
 

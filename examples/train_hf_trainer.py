@@ -38,7 +38,7 @@ def main() -> None:
                 report_to="none",
             ),
             train_dataset=dataset,
-            data_collator=PackedCollator(max_len=dataset.manifest.options.max_len),
+            data_collator=PackedCollator.for_dataset(dataset),
         )
         trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

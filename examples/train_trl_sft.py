@@ -52,7 +52,7 @@ def main() -> None:
                 report_to="none",
             ),
             train_dataset=open_hf_dataset(args.data),
-            data_collator=PackedCollator(max_len=packed.manifest.options.max_len),
+            data_collator=PackedCollator.for_dataset(packed),
             processing_class=tokenizer,
         )
         trainer.train()

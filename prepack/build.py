@@ -34,7 +34,7 @@ from prepack.format import (
     write_manifest,
 )
 from prepack.output import output_errors, output_file, staged_directory
-from prepack.plan import PackingPlan, plan_packs
+from prepack.plan import PackingPlan, plan_packs, untrained_documents
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
 from prepack.write import ShardBuffers, shard_bounds, write_in_pieces, write_shard
 
@@ -52,6 +52,7 @@ class _StoredCorpus:
     """What the first pass keeps: document lengths, per-file row counts and the fingerprint."""
 
     lengths: np.ndarray  # int64, one per corpus row
+    untrained: np.ndarray  # bool, one per corpus row: tokens but no trained token (`untrained_documents`)
     rows_per_file: list[int]
     fingerprint: str
     has_labels: bool
@@ -61,7 +62,7 @@ def _store_documents(
     corpus: Corpus, has_labels: bool, batches: Iterator[DocumentBatch], scratch: Path, progress: Progress
 ) -> _StoredCorpus:
     rows_per_file = {path: 0 for path in corpus.files}
-    lengths = []
+    lengths, untrained = [], []
     # Separate hashes per stream make the fingerprint independent of how files split into batches.
     digests = {"lengths": hashlib.sha256(), "ids": hashlib.sha256(), "labels": hashlib.sha256()}
     task = progress.add_task("read", total=len(corpus.files), unit="files")
@@ -89,6 +90,7 @@ def _store_documents(
         for batch in batches:
             batch_lengths = np.diff(batch.offsets)
             lengths.append(batch_lengths)
+            untrained.append(untrained_documents(batch.offsets, batch.labels))
             rows_per_file[batch.file] += len(batch_lengths)
             if stored is not None:
                 stored.result()  # one batch in flight, so memory holds two batches at most
@@ -101,6 +103,7 @@ def _store_documents(
     fingerprint = hashlib.sha256(b"".join(d.digest() for d in digests.values())).hexdigest()
     return _StoredCorpus(
         lengths=np.concatenate(lengths) if lengths else np.empty(0, np.int64),
+        untrained=np.concatenate(untrained) if untrained else np.empty(0, bool),
         rows_per_file=[rows_per_file[path] for path in corpus.files],
         fingerprint=fingerprint,
         has_labels=has_labels,
@@ -194,6 +197,7 @@ def build(
     overflow: str = "split",
     seed: int = 0,
     shard_size: int = DEFAULT_SHARD_SIZE,
+    drop_untrained: bool = False,
     overwrite: bool = False,
     progress: bool = False,
     console: Console | None = None,
@@ -203,6 +207,9 @@ def build(
     >>> manifest = build("corpus.parquet", "packed/", max_len=8192)   # doctest: +SKIP
     >>> manifest.totals.packs, manifest.totals.padding_tokens           # doctest: +SKIP
     >>> build("chats.jsonl", "sft/", max_len=8192, tokenizer="./tok", chat=True)  # doctest: +SKIP
+
+    Documents with no trained token (every label after the first -100) are counted in the
+    manifest's totals (`untrained`) and, with `drop_untrained`, left out of the packs.
 
     Without `tokenizer` the corpus holds token ids in `column`, and `labels_column` is carried into
     the shards when every corpus file has it. With `tokenizer` (a local directory or tokenizer.json)
@@ -222,6 +229,7 @@ def build(
             shard_size=shard_size,
             column=read_column,
             labels_column=labels_column,
+            drop_untrained=drop_untrained,
         )
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
@@ -267,12 +275,21 @@ def build(
                     f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
                 )
             planning = bar.add_task("plan", total=None)
-            plan = plan_packs(stored.lengths, max_len, algorithm=algorithm, overflow=overflow, seed=seed)
+            plan = plan_packs(
+                stored.lengths,
+                max_len,
+                algorithm=algorithm,
+                overflow=overflow,
+                seed=seed,
+                untrained=stored.untrained,
+                drop_untrained=drop_untrained,
+            )
             bar.update(planning, total=1, completed=1)
-            if plan.packs == 0:  # every non-empty document was longer than max_len, and dropped
+            if plan.packs == 0:  # every non-empty document was left out
                 raise InputError(
-                    f"{corpus}: --overflow drop left no document: all {plan.counts['dropped']:,} non-empty "
-                    f"documents are longer than --max-len {max_len}."
+                    f"{corpus}: no document is left to pack: of the non-empty documents, "
+                    f"{plan.counts['dropped']:,} are longer than --max-len {max_len} (--overflow drop) and "
+                    f"{plan.counts['untrained']:,} have no trained token (--drop-untrained)."
                 )
             shards = _write_shards(plan, staging.build, staging.scratch, has_labels, shard_size, bar)
             manifest = Manifest(

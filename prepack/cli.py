@@ -74,6 +74,7 @@ def _summary(manifest: Manifest, out: Path) -> Table:
         ("shards", f"{len(manifest.shards)}"),
         ("split / truncated / dropped / empty", f"{t.split:,} / {t.truncated:,} / {t.dropped:,} / {t.empty:,}"),
         ("labels", "in the shards" if manifest.has_labels else "none"),
+        ("untrained (no trained token)", _untrained(t.untrained, t.untrained_tokens, o.drop_untrained)),
     ]
     if o.tokenize is not None:
         how = "chat, labels on " + o.tokenize.train_on if o.tokenize.mode == "chat" else "text" + (" + EOS" if o.tokenize.eos else "")
@@ -81,6 +82,10 @@ def _summary(manifest: Manifest, out: Path) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def _untrained(documents: int, tokens: int, dropped: bool) -> str:
+    return f"{documents:,} ({tokens:,} tokens, {'left out' if dropped else 'packed; --drop-untrained leaves them out'})"
 
 
 @app.command("build")
@@ -101,6 +106,7 @@ def build_command(
     algorithm: Annotated[Algorithm, typer.Option(help="First-fit or best-fit decreasing.")] = Algorithm.ffd,
     overflow: Annotated[Overflow, typer.Option(help="Documents longer than --max-len.")] = Overflow.split,
     seed: Annotated[int, typer.Option(help="Seed of the pack-order shuffle.")] = 0,
+    drop_untrained: Annotated[bool, typer.Option("--drop-untrained", help="Leave out documents with no trained token (every label -100); they are counted either way.")] = False,
     shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB or 1GB.")] = f"{DEFAULT_SHARD_SIZE // 2**20}MiB",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing build at --out.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")] = False,
@@ -126,6 +132,7 @@ def build_command(
             overflow=overflow.value,
             seed=seed,
             shard_size=_byte_size(shard_size),
+            drop_untrained=drop_untrained,
             overwrite=overwrite,
             progress=not quiet,
             console=console,

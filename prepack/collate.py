@@ -10,8 +10,11 @@ the form transformers 5.x isolates natively:
     cu_seq_lens_q/_k  [S + 1] int32   offsets of the S segments over the flattened B·L tokens (documents and
                                       each row's padding tail), from 0 to B·L
     max_length_q/_k   int             the longest segment
+    use_cache         False           sdpa/eager isolate documents only when the model makes no cache
 
 There is no `attention_mask`: a 2-D mask turns off transformers' own packed-sequence handling.
+`use_cache=False` travels in the batch so that `model(**batch)` is isolated on the families that
+isolate natively even where nobody called `enable_packing` (a model's config defaults to a cache).
 
 Every field is derived from one [B, L] array of segment ids by `segment_fields`, which the attention
 integration (`prepack.attention`) also uses to convert a legacy indexed mask.
@@ -19,14 +22,18 @@ integration (`prepack.attention`) also uses to convert a legacy indexed mask.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 import torch
 
 from prepack.errors import IsolationError
-from prepack.format import IGNORE_INDEX
+from prepack.format import IGNORE_INDEX, read_manifest
+
+if TYPE_CHECKING:
+    from prepack.load import PackedDataset
 
 __all__ = ["Layout", "PackedCollator", "SegmentFields", "segment_fields"]
 
@@ -85,6 +92,9 @@ class PackedCollator:
     - `seq_idx=True`: also return `seq_idx` [B, L] int32, the 0-based number of each token's segment
       over the flattened batch (the segments of `cu_seq_lens_q`), as Mamba-style kernels take it.
     - `pad_token_id`: the token id written at padding (its label is always -100).
+
+    Every layout also carries `use_cache=False` (see the module docstring). `for_dataset` takes
+    `max_len` from the build.
     """
 
     def __init__(
@@ -114,7 +124,14 @@ class PackedCollator:
         self.seq_idx = seq_idx
         self.pad_token_id = pad_token_id
 
-    def __call__(self, packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor | int]:
+    @classmethod
+    def for_dataset(cls, dataset: PackedDataset | str | os.PathLike, **options: Any) -> PackedCollator:
+        """A collator for the packs of `dataset` (a `PackedDataset` or a build directory): `max_len` is
+        the build's, so that it is never typed twice; `options` are the other arguments."""
+        manifest = read_manifest(dataset) if isinstance(dataset, (str, os.PathLike)) else dataset.manifest
+        return cls(manifest.options.max_len, **options)
+
+    def __call__(self, packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor | int | bool]:
         checked = [_checked_pack(pack, number, self.max_len) for number, pack in enumerate(packs)]
         if not checked:
             raise ValueError("Cannot collate an empty list of packs.")
@@ -122,9 +139,10 @@ class PackedCollator:
         fields = segment_fields(segment_ids)
         # A document's first token is predicted by the end of the previous document: never train on it.
         labels[(fields.position_ids == 0) | (segment_ids == 0)] = IGNORE_INDEX
-        batch: dict[str, torch.Tensor | int] = {
+        batch: dict[str, torch.Tensor | int | bool] = {
             "input_ids": torch.from_numpy(input_ids),
             "labels": torch.from_numpy(labels),
+            "use_cache": False,
         }
         if self.layout == "indexed_mask":
             batch["attention_mask"] = torch.from_numpy(segment_ids.astype(np.int64))

@@ -107,6 +107,9 @@ class BuildOptions(_Model):
     shard_size: int = Field(ge=1, description="Target shard size in bytes.")
     column: str = Field(description="Token column read from the corpus.")
     labels_column: str | None = Field(description="Labels column carried through, if the corpus had one.")
+    drop_untrained: bool = Field(
+        default=False, description="Whether documents with no trained token were left out of the packs."
+    )
     tokenize: TokenizeOptions | None = Field(
         default=None, description="Set when the corpus was text or chat, tokenized by the build."
     )
@@ -132,6 +135,13 @@ class Totals(_Model):
     truncated_tokens: int = Field(ge=0, description="Tokens cut off by truncation.")
     dropped: int = Field(ge=0, description="Documents longer than max_len left out.")
     dropped_tokens: int = Field(ge=0)
+    untrained: int = Field(
+        default=0,
+        ge=0,
+        description="Documents with tokens but no trained token (every label after the first is -100); "
+        "left out of the packs when options.drop_untrained.",
+    )
+    untrained_tokens: int = Field(default=0, ge=0, description="Tokens of those documents.")
 
 
 class ShardInfo(_Model):

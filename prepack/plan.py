@@ -35,7 +35,9 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-__all__ = ["DocumentPieces", "PackingPlan", "assign_packs", "document_pieces", "plan_packs"]
+from prepack.format import IGNORE_INDEX
+
+__all__ = ["DocumentPieces", "PackingPlan", "assign_packs", "document_pieces", "plan_packs", "untrained_documents"]
 
 _ALGORITHMS = ("ffd", "bfd")
 
@@ -273,15 +275,36 @@ class DocumentPieces(NamedTuple):
     counts: dict[str, int]  # what overflow did: input_tokens, empty, split, … as in `Totals`
 
 
-def document_pieces(lengths: np.ndarray, max_len: int, overflow: str) -> DocumentPieces:
+def untrained_documents(offsets: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
+    """Which documents (`labels[offsets[i]:offsets[i+1]]`) have tokens but no trained token: every label
+    after the first is -100 (a document's first token is never trained, see `prepack.collate`).
+
+    Without labels every token is trained, so no document is untrained.
+    """
+    offsets = np.asarray(offsets, dtype=np.int64)
+    lengths = np.diff(offsets)
+    if labels is None:
+        return np.zeros(len(lengths), dtype=bool)
+    trained = np.asarray(labels) != IGNORE_INDEX
+    trained[offsets[:-1][lengths > 0]] = False
+    trained_per_document = np.diff(np.concatenate([[0], np.cumsum(trained, dtype=np.int64)])[offsets])
+    return (lengths > 0) & (trained_per_document == 0)
+
+
+def document_pieces(
+    lengths: np.ndarray, max_len: int, overflow: str, untrained: np.ndarray | None = None, drop_untrained: bool = False
+) -> DocumentPieces:
     """What documents of `lengths` tokens become in packs of `max_len`: the definition of `overflow`.
 
     "split" (and "error", which the caller enforces) cuts a longer document into max_len pieces and a
     shorter last one; "truncate" keeps its first max_len tokens; "drop" leaves it out. Empty documents
-    become nothing.
+    become nothing. `untrained` (see `untrained_documents`) marks the documents with no trained token:
+    counted, and with `drop_untrained` left out before overflow applies to the rest.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    long = lengths > max_len
+    untrained = np.zeros(len(lengths), dtype=bool) if untrained is None else np.asarray(untrained, dtype=bool)
+    left_out = untrained if drop_untrained else np.zeros(len(lengths), dtype=bool)
+    long = (lengths > max_len) & ~left_out
     if overflow in ("split", "error"):
         pieces_per_doc = -(-lengths // max_len)  # 0 for an empty document
     elif overflow == "truncate":
@@ -290,6 +313,7 @@ def document_pieces(lengths: np.ndarray, max_len: int, overflow: str) -> Documen
         pieces_per_doc = ((lengths > 0) & ~long).astype(np.int64)
     else:
         raise ValueError(f"unknown overflow {overflow!r}")
+    pieces_per_doc[left_out] = 0
     rows = np.repeat(np.arange(len(lengths), dtype=np.int64), pieces_per_doc)
     pieces = np.arange(len(rows), dtype=np.int64) - np.repeat(
         np.cumsum(pieces_per_doc) - pieces_per_doc, pieces_per_doc
@@ -305,6 +329,8 @@ def document_pieces(lengths: np.ndarray, max_len: int, overflow: str) -> Documen
         "truncated_tokens": int((lengths[long] - max_len).sum()) if overflow == "truncate" else 0,
         "dropped": int(long.sum()) if overflow == "drop" else 0,
         "dropped_tokens": int(lengths[long].sum()) if overflow == "drop" else 0,
+        "untrained": int(untrained.sum()),
+        "untrained_tokens": int(lengths[untrained].sum()),
     }
     return DocumentPieces(
         rows=rows,
@@ -316,15 +342,23 @@ def document_pieces(lengths: np.ndarray, max_len: int, overflow: str) -> Documen
 
 
 def plan_packs(
-    lengths: np.ndarray, max_len: int, *, algorithm: str = "ffd", overflow: str = "split", seed: int = 0
+    lengths: np.ndarray,
+    max_len: int,
+    *,
+    algorithm: str = "ffd",
+    overflow: str = "split",
+    seed: int = 0,
+    untrained: np.ndarray | None = None,
+    drop_untrained: bool = False,
 ) -> PackingPlan:
-    """Plan the whole corpus: cut overlong documents as `overflow` says (`document_pieces`), assign
-    the segments to packs with `assign_packs`, then shuffle the pack order with `seed`.
+    """Plan the whole corpus: cut overlong documents as `overflow` says and leave out untrained ones
+    as `drop_untrained` says (`document_pieces`), assign the segments to packs with `assign_packs`,
+    then shuffle the pack order with `seed`.
 
     `lengths` are the token counts of the corpus rows, whose tokens lie back to back in the token
     store. `overflow="error"` is the caller's to enforce (it can name the file); here it packs as split.
     """
-    segments = document_pieces(lengths, max_len, overflow)
+    segments = document_pieces(lengths, max_len, overflow, untrained, drop_untrained)
     pack_of = assign_packs(segments.lengths, max_len, algorithm)
     packs = int(pack_of.max()) + 1 if len(pack_of) else 0
     # Shuffle whole packs, so training never sees the decreasing-length order of the planner.

@@ -123,6 +123,9 @@ class InspectReport(_Model):
     truncated_tokens: int
     dropped: int
     dropped_tokens: int
+    untrained: int  # documents with no trained token (see schemas/shard-format.md)
+    untrained_tokens: int
+    drop_untrained: bool  # whether they were left out of the packs
     documents_per_pack: Distribution
     document_length: Distribution  # segment lengths: np.diff of cu_seqlens
     pack_fill: Distribution
@@ -283,6 +286,9 @@ def inspect_build(path: str | os.PathLike, *, batch_size: int = 8, seed: int = 0
         truncated_tokens=t.truncated_tokens,
         dropped=t.dropped,
         dropped_tokens=t.dropped_tokens,
+        untrained=t.untrained,
+        untrained_tokens=t.untrained_tokens,
+        drop_untrained=manifest.options.drop_untrained,
         documents_per_pack=_distribution(columns["docs"], _integer_edges(columns["docs"])),
         document_length=_distribution(lengths, _integer_edges(lengths)),
         pack_fill=_distribution(columns["tokens"] / max_len, np.linspace(0.0, 1.0, _FILL_BINS + 1)),
@@ -338,6 +344,11 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
         f"split {r.split:,} (into {r.split_pieces:,} pieces), truncated {r.truncated:,} "
         f"({r.truncated_tokens:,} tokens cut), dropped {r.dropped:,} ({r.dropped_tokens:,} tokens), "
         f"empty {r.empty:,}",
+    )
+    summary.add_row(
+        "untrained",
+        f"{r.untrained:,} documents with no trained token ({r.untrained_tokens:,} tokens), "
+        + ("left out" if r.drop_untrained else "packed"),
     )
 
     distributions = Table(title="distributions", title_justify="left", box=box.SIMPLE_HEAD)

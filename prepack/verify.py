@@ -17,8 +17,8 @@ What is checked, in this order (each problem names the file, row and column it w
    tokenizer when the build tokenized it (memory bounded by its batches), and
    every document must come out of the packs exactly as the manifest's max_len and overflow say
    (`document_pieces`, the definition the build plans with): its pieces all present, same lengths,
-   same tokens and labels; rows and tokens the build left out must be the manifest's empty, truncated
-   and dropped counts, and the corpus files its `inputs`.
+   same tokens and labels; rows and tokens the build left out must be the manifest's empty, truncated,
+   dropped and (with drop_untrained) untrained counts, and the corpus files its `inputs`.
 
 A shard that cannot be read or has malformed rows is left out of steps 4 and 5, and so are the checks
 there that need every pack (a document missing from the packs might be in that shard): one problem says
@@ -51,7 +51,7 @@ from prepack.format import (
     shard_file_problems,
     shard_sha256,
 )
-from prepack.plan import DocumentPieces, document_pieces
+from prepack.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
 
 __all__ = ["Problem", "verify_build"]
@@ -214,14 +214,16 @@ def _problems(path: Path, manifest: Manifest, source: _Source | None) -> Iterato
 
 def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
     t, o = manifest.totals, manifest.options
+    left_out = t.untrained if o.drop_untrained else 0  # documents with no trained token, not packed
+    left_out_tokens = t.untrained_tokens if o.drop_untrained else 0
     expected = {
         "documents": sum(f.rows for f in manifest.inputs),
         "packs": sum(s.rows for s in manifest.shards),
         "tokens": sum(s.tokens for s in manifest.shards),
         "padding_tokens": t.packs * o.max_len - t.tokens,
         "lower_bound": -(-t.tokens // o.max_len),
-        "segments": t.documents - t.empty - t.split - t.dropped + t.split_pieces,
-        "input_tokens": t.tokens + t.truncated_tokens + t.dropped_tokens,
+        "segments": t.documents - t.empty - t.split - t.dropped + t.split_pieces - left_out,
+        "input_tokens": t.tokens + t.truncated_tokens + t.dropped_tokens + left_out_tokens,
     }
     why = {
         "documents": "the sum of inputs[].rows",
@@ -229,8 +231,8 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
         "tokens": "the sum of shards[].tokens",
         "padding_tokens": "packs * max_len - tokens",
         "lower_bound": "ceil(tokens / max_len)",
-        "segments": "documents - empty - split - dropped + split_pieces",
-        "input_tokens": "tokens + truncated_tokens + dropped_tokens",
+        "segments": "documents - empty - split - dropped + split_pieces (- untrained with drop_untrained)",
+        "input_tokens": "tokens + truncated_tokens + dropped_tokens (+ untrained_tokens with drop_untrained)",
     }
     for name, value in expected.items():
         said = getattr(t, name)
@@ -513,15 +515,16 @@ def _provenance_problems(
         return
     row_starts = np.flatnonzero(np.append(True, ~same_row))
     pieces_per_row = np.diff(np.append(row_starts, len(seg.rows)))
+    packed_rows = "documents - empty - dropped" + (" - untrained" if manifest.options.drop_untrained else "")
     found = {
         "segments": len(seg.rows),
-        "documents - empty - dropped": len(row_starts),
+        packed_rows: len(row_starts),
         "split": int((pieces_per_row > 1).sum()),
         "split_pieces": int(pieces_per_row[pieces_per_row > 1].sum()),
     }
     said = {
         "segments": t.segments,
-        "documents - empty - dropped": t.documents - t.empty - t.dropped,
+        packed_rows: t.documents - t.empty - t.dropped - (t.untrained if manifest.options.drop_untrained else 0),
         "split": t.split,
         "split_pieces": t.split_pieces,
     }
@@ -560,7 +563,8 @@ def _source_problems(
     row0 = 0
     for batch in batches:
         m = len(batch.offsets) - 1
-        expected = document_pieces(np.diff(batch.offsets), o.max_len, o.overflow)
+        untrained = untrained_documents(batch.offsets, batch.labels if manifest.has_labels else None)
+        expected = document_pieces(np.diff(batch.offsets), o.max_len, o.overflow, untrained, o.drop_untrained)
         counts.update(documents=m, **expected.counts)
         yield from _batch_problems(corpus, batch, expected, row0, seg, shards, manifest, complete)
         rows_per_file[batch.file] += m

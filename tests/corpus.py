@@ -7,6 +7,7 @@ import gzip
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
@@ -41,6 +42,18 @@ def write_corpus(path: Path, table: pa.Table) -> Path:
     else:
         raise ValueError(name)
     return path
+
+
+def training_build(root: Path, *, documents: int, longest: int, max_len: int) -> Path:
+    """A small labelled build to train on, in `root / "packed"`: random documents of 5 to `longest`
+    tokens with ids 1-499 (0 is left to padding, so a padded row's non-zero prefix is its pack)."""
+    from prepack import build
+
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(1, 500, size=rng.integers(5, longest)).tolist() for _ in range(documents)]
+    labels = [[-100, *doc[1:]] for doc in ids]
+    build(write_corpus(root / "corpus.parquet", corpus_table(ids, labels)), root / "packed", max_len=max_len)
+    return root / "packed"
 
 
 def read_build(directory: Path) -> tuple[dict, list[dict]]:

@@ -98,6 +98,7 @@ def test_fields_equal_a_token_by_token_computation(example):
             assert batch[key].tolist() == expected["cu_seq_lens"]
         for key in ("max_length_q", "max_length_k"):
             assert type(batch[key]) is int and batch[key] == expected["max_length"]
+    assert batch["use_cache"] is False  # a model's default cache turns sdpa/eager isolation off
     assert ("seq_idx" in batch) == collator.seq_idx
     if collator.seq_idx:
         assert batch["seq_idx"].dtype == torch.int32
@@ -176,3 +177,17 @@ def test_padding_free_needs_no_max_len_and_has_no_padding():
     batch = PackedCollator(layout="padding_free")([PACK, PACK])
     assert batch["input_ids"].shape == (1, 10)
     assert batch["cu_seq_lens_q"].tolist() == [0, 2, 5, 7, 10]
+
+
+def test_for_dataset_takes_max_len_from_the_build(tmp_path):
+    from prepack import build
+    from prepack.load import PackedDataset
+    from tests.corpus import corpus_table, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.parquet", corpus_table([[1, 2, 3], [4, 5]]))
+    build(corpus, tmp_path / "packed", max_len=7)
+    dataset = PackedDataset(tmp_path / "packed")
+    for source in (dataset, tmp_path / "packed", str(tmp_path / "packed")):
+        collator = PackedCollator.for_dataset(source, pad_token_id=3)
+        assert (collator.max_len, collator.pad_token_id) == (7, 3)
+        assert collator([dataset[0]])["input_ids"].shape == (1, 7)

@@ -9,26 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from prepack import build
-from tests.corpus import corpus_table, write_corpus
+from tests.corpus import training_build
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("examples")
-    rng = np.random.default_rng(0)
-    documents = [rng.integers(0, 500, size=rng.integers(5, 120)).tolist() for _ in range(60)]
-    labels = [[-100, *doc[1:]] for doc in documents]
-    build(write_corpus(root / "corpus.parquet", corpus_table(documents, labels)), root / "packed", max_len=256)
-    return root / "packed"
+    return training_build(tmp_path_factory.mktemp("examples"), documents=60, longest=120, max_len=256)
 
 
-@pytest.mark.parametrize("script", ["train_plain_loop.py", "train_hf_trainer.py", "train_trl_sft.py"])
+@pytest.mark.parametrize(
+    "script", ["train_plain_loop.py", "train_accelerate.py", "train_hf_trainer.py", "train_trl_sft.py"]
+)
 def test_example_trains_and_prints_a_finite_loss(packed, script, tmp_path):
     # Offline and with a private cache: an example that tried to download anything fails here.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}

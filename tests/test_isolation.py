@@ -140,8 +140,17 @@ def test_a_binary_mask_without_enable_packing_leaks(family, attn, packs):
 def test_use_cache_left_unset_leaks_on_sdpa_and_eager_unless_enable_packing_sets_it(attn, packs):
     model = tiny_model("llama", attn)
     assert model.config.use_cache  # the default that creates a cache, which turns packed detection off
-    assert measure_isolation(model, packs, padded(packs), tolerance=LEAK, gradients=False).max_logit_diff > LEAK
-    result = measure_isolation(enable_packing(model), packs, padded(packs), tolerance=FLOAT64_TOLERANCE[attn])
+    unset = {key: value for key, value in padded(packs).items() if key != "use_cache"}  # another collator's
+    assert measure_isolation(model, packs, unset, tolerance=LEAK, gradients=False).max_logit_diff > LEAK
+    result = measure_isolation(enable_packing(model), packs, unset, tolerance=FLOAT64_TOLERANCE[attn])
+    assert result.passed, result
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_the_collated_batch_alone_isolates_a_model_without_enable_packing(attn, packs):
+    model = tiny_model("llama", attn)
+    assert model.config.use_cache
+    result = measure_isolation(model, packs, padded(packs), tolerance=FLOAT64_TOLERANCE[attn])
     assert result.passed, result
 
 
@@ -270,7 +279,7 @@ def test_use_cache_true_with_packed_rows_is_refused_on_sdpa_and_eager(attn, pack
     for mode in (model.train, model.eval):
         mode()
         with pytest.raises(IsolationError, match="use_cache=True"):
-            model(**padded(packs), use_cache=True)
+            model(**padded(packs) | {"use_cache": True})
 
 
 def test_an_indexed_mask_with_offsets_is_refused(packs):

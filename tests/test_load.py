@@ -249,11 +249,113 @@ def test_consumed_overrides_what_a_prefetching_loader_drew():
 
 
 def test_a_state_from_another_setup_is_refused():
-    state = PackedSampler(50, world_size=2, rank=0).state_dict()
-    with pytest.raises(ValueError, match="world_size 2 \\(now 4\\)"):
-        PackedSampler(50, world_size=4, rank=0).load_state_dict(state)
+    state = PackedSampler(50, world_size=2, rank=0, seed=1).state_dict()
+    with pytest.raises(ValueError, match="seed 1 \\(now 2\\)"):
+        PackedSampler(50, world_size=4, rank=0, seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match="size 50 \\(now 51\\)"):
-        PackedSampler(51, world_size=2, rank=0).load_state_dict(state)
+        PackedSampler(51, world_size=2, rank=0, seed=1).load_state_dict(state)
+
+
+def job_states(size: int, world: int, steps: int, epoch: int, **options) -> tuple[list[int], dict]:
+    """`world` ranks in lockstep draw `steps` indices each: the packs used, and each rank's saved state."""
+    samplers = [PackedSampler(size, rank=r, world_size=world, **options) for r in range(world)]
+    used, states = [], []
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+        iterator = iter(sampler)
+        used.extend(next(iterator) for _ in range(steps))
+        states.append(json.loads(json.dumps(sampler.state_dict())))  # what a checkpoint would store
+    assert all(state == states[0] for state in states)  # any rank's state resumes the job
+    return used, states[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.data(),
+    size=st.integers(0, 200),
+    before=st.integers(1, 6),
+    after=st.integers(1, 6),
+    drop_last=st.booleans(),
+)
+def test_resume_on_another_world_size_trains_the_rest_of_the_epoch_once(data, size, before, after, drop_last):
+    epoch = data.draw(st.integers(0, 3))
+    per_rank = size // before if drop_last else -(-size // before)
+    steps = data.draw(st.integers(0, per_rank))
+    used, state = job_states(size, before, steps, epoch, seed=3, drop_last=drop_last)
+    rest = []
+    for rank in range(after):
+        resumed = PackedSampler(size, rank=rank, world_size=after, seed=3, drop_last=drop_last)
+        resumed.load_state_dict(state)
+        resumed.set_epoch(epoch)  # a training loop calls this again on restart; it keeps the position
+        rest.append(list(resumed))
+    assert len({len(indices) for indices in rest}) == 1  # the ranks stay in lockstep
+    trained = used + [index for indices in rest for index in indices]
+    left = size - min(steps * before, size)
+    if drop_last:
+        assert len(set(trained)) == len(trained) == size - left % after  # the resumed ranks drop what does not deal evenly
+    else:
+        assert set(trained) == set(range(size))
+        assert len(trained) - size < before + after  # repeated only as DistributedSampler pads
+
+
+def test_built_before_init_process_group_in_a_launched_job_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="not initialised"):
+        PackedSampler(50)
+    assert len(PackedSampler(50, rank=1, world_size=2)) == 25  # explicit ranks need no process group
+
+
+def test_built_before_init_process_group_in_this_process_is_refused_when_iterated(monkeypatch):
+    sampler = PackedSampler(50)  # nothing says this process will join a job of several
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    with pytest.raises(RuntimeError, match="built before torch.distributed was initialised"):
+        iter(sampler)
+
+
+def test_a_loader_that_accelerate_shards_again_is_refused_before_the_first_batch():
+    """In one process, Accelerate's two ways of sharding a prepared loader for two processes (the real
+    two-process run is in test_clients.py)."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher
+    from torch.utils.data import BatchSampler
+
+    sampler = PackedSampler(10, rank=0, world_size=2)
+    split = BatchSamplerShard(BatchSampler(sampler, 2, drop_last=False), num_processes=2, process_index=0)
+    with pytest.raises(RuntimeError, match="BatchSamplerShard shards the loader again"):
+        next(iter(split))
+    dispatched = DataLoaderDispatcher(list(range(10)), batch_size=2, sampler=sampler)
+    dispatched.state = SimpleNamespace(num_processes=2, process_index=0, device="cpu")  # rank 0 of two
+    with pytest.raises(RuntimeError, match="DataLoaderDispatcher shards the loader again"):
+        next(iter(dispatched))
+    # An unsharded sampler is Accelerate's to shard: process 1 of 2 gets every other batch.
+    batches = list(BatchSampler(PackedSampler(10, world_size=1), 2, drop_last=False))
+    alone = BatchSamplerShard(BatchSampler(PackedSampler(10, world_size=1), 2, False), num_processes=2, process_index=1)
+    assert list(alone)[:2] == batches[1::2]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resumes_at_the_next_untrained_batch(labelled, workers):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    dataset = PackedDataset(labelled)
+
+    def loader(sampler):
+        return StatefulDataLoader(dataset, batch_size=3, sampler=sampler, collate_fn=as_lists, num_workers=workers)
+
+    def packs(batches):
+        return [row["input_ids"] for batch in batches for row in batch]
+
+    expected = packs(loader(PackedSampler(dataset, seed=4)))
+    interrupted = loader(PackedSampler(dataset, seed=4))
+    iterator = iter(interrupted)
+    trained = packs(next(iterator) for _ in range(4))  # the workers have drawn batches beyond these
+    state = interrupted.state_dict()
+    del iterator
+    resumed = loader(PackedSampler(dataset, seed=4))
+    resumed.load_state_dict(state)
+    assert trained + packs(resumed) == expected
 
 
 # --- damaged builds ---------------------------------------------------------------------------------
@@ -343,4 +445,4 @@ def test_iterating_again_restarts_the_epoch_as_distributed_sampler_does():
     iterator = iter(sampler)
     next(iterator)
     assert list(sampler) == first
-    assert sampler.state_dict()["position"] == 20
+    assert sampler.state_dict()["used"] == 20

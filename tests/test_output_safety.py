@@ -390,7 +390,7 @@ def test_a_build_that_drops_every_document_is_an_input_error(tmp_path):
     result = run("build", corpus(tmp_path, [[1, 2, 3], [4, 5, 6]]), "--max-len", "2", "--overflow", "drop", "--out", tmp_path / "out")
     assert result.returncode == 2, result.stderr
     message = " ".join(result.stderr.split())
-    assert "Traceback" not in message and "all 2 non-empty documents are longer than --max-len 2" in message
+    assert "Traceback" not in message and "no document is left to pack" in message and "2 are longer than --max-len 2" in message
     assert not (tmp_path / "out").exists() and siblings(tmp_path / "out") == []
 
 

@@ -122,7 +122,10 @@ def test_bad_input(lengths, max_len, algorithm):
 def test_document_pieces_is_the_overflow_policy(overflow, segments, counts):
     got = document_pieces(np.array([0, 3, 10, 25]), 10, overflow)
     assert list(zip(got.rows, got.pieces, got.starts, got.lengths)) == segments
-    zero = dict.fromkeys(["split", "split_pieces", "truncated", "truncated_tokens", "dropped", "dropped_tokens"], 0)
+    zero = dict.fromkeys(
+        ["split", "split_pieces", "truncated", "truncated_tokens", "dropped", "dropped_tokens", "untrained", "untrained_tokens"],
+        0,
+    )
     assert got.counts == {"input_tokens": 38, "empty": 1, **zero, **counts}
     with pytest.raises(ValueError, match="overflow"):
         document_pieces(np.array([1]), 10, "wrap")
