@@ -3,7 +3,7 @@
 `enable_packing(model)` first looks the model's family up in `prepack.families`, the table measured by
 the family sweep, and refuses a family that would leak on its attention backend (the check is repeated
 at every forward, in case the backend was switched). It installs one forward pre-hook on the model's
-decoder (`model.base_model`). For every call it looks at the batch and, where transformers would let documents attend to each other,
+decoder (`model.base_model`, or the decoder it wraps). For every call it looks at the batch and, where transformers would let documents attend to each other,
 either converts the batch to the form transformers isolates natively or raises `IsolationError`:
 
 - a legacy indexed `attention_mask` (`[1, 1, 2, 2, 2, 0]`, LlamaFactory/NeMo style) becomes
@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import transformers
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from prepack import families
 from prepack.collate import segment_fields
@@ -85,7 +86,9 @@ def enable_packing(model: transformers.PreTrainedModel, *, allow_unlisted: bool 
     family = _Family.of(model, allow_unlisted)
     family.require_isolated(model.config.get_text_config()._attn_implementation)
     disable_packing(model)
-    decoder = model.base_model
+    # Where the base model wraps a decoder, the causal-LM head may call that decoder directly (OPT does).
+    decoder = getattr(model.base_model, "decoder", None)
+    decoder = decoder if isinstance(decoder, torch.nn.Module) else model.base_model
     guard = _PackedBatchGuard(_positional_parameters(decoder), family)
     setattr(model, _HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(guard, with_kwargs=True))
     return model
@@ -119,6 +122,11 @@ class _Family:
         # Remote code may reuse a model type of transformers with layers of its own: not what was measured.
         own_code = type(model).__module__.startswith("transformers.")
         model_type = model.config.model_type if own_code else f"{model.config.model_type} (remote code)"
+        if own_code and model_type not in families.FAMILIES:
+            # Built from a sub-config (Emu3ForCausalLM's config is an "emu3_text_model"): the registered family
+            # whose causal-LM class it is.
+            registered = sorted(t for t, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if name == type(model).__name__)
+            model_type = registered[0] if registered else model_type
         return cls(model_type, type(model).__name__, model_type in families.FAMILIES or not allow_unlisted)
 
     def require_isolated(self, attn: str | None) -> families.Verdict | None:

@@ -224,7 +224,7 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict]] = {
     'modernbert-decoder': (NATIVE, NATIVE, NATIVE),
     'moshi': (NATIVE, NATIVE, NATIVE),
     'moss_transcribe_diarize': (NATIVE, NATIVE, NATIVE),
-    'mpt': (NO_SDPA, BLOCK_MASK, _fails("its flash path reads an attention mask, which a packed batch does not have")),
+    'mpt': (NO_SDPA, Verdict("refused", "MptForCausalLM does not pass position_ids on to its decoder, which then cannot see the documents"), _fails("its flash path reads an attention mask, which a packed batch does not have")),
     'musicgen': (_unmeasured('an audio decoder whose config needs its text and audio encoders'),) * 3,
     'musicgen_melody': (_unmeasured('an audio decoder whose config needs its text and audio encoders'),) * 3,
     'mvp': (NO_SDPA, ENCODER, ENCODER),
