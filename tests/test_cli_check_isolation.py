@@ -54,7 +54,7 @@ def test_an_isolated_model_exits_0_and_prints_a_small_difference(saved, path):
 def test_a_leak_exits_1(saved, monkeypatch):
     """Without enable_packing, sdpa with use_cache left at the config's True builds a cache, and then
     transformers stops keeping the documents apart."""
-    monkeypatch.setattr(isolation, "enable_packing", lambda model: model)
+    monkeypatch.setattr(isolation, "enable_packing", lambda model, **options: model)
     result = check("--model", str(saved / "llama"), "--attn", "sdpa", "--no-gradients")
     assert result.exit_code == 1, result.output
     assert logit_diff(result.output) > LEAK

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from prepack import IsolationError, families
 from prepack.attention import enable_packing
 from prepack.collate import PackedCollator
-from prepack.isolation import measure_isolation
+from prepack.isolation import default_tolerances, measure_isolation
 from tests.flash_reference import use_flash_reference  # noqa: F401 (a fixture)
 from tests.tiny_models import CAUSAL_LM_TYPES, DOCUMENT_VOCAB, tiny_model
 
@@ -32,12 +33,6 @@ pytestmark = pytest.mark.slow
 
 MAX_LEN = 32
 DOCUMENTS = ([20, 9], [3, 11, 14])  # per pack; longer than the tiny windows (6) and chunks (8)
-# float64 throughout, but eager takes its softmax in float32 and MoE routers route in float32: measured
-# agreement is 1e-16 for dense models on sdpa and flash, up to 5e-8 with a router, up to 2e-6 on eager.
-# The smallest leak measured is 1.3e-5 (InklingText's short convolutions).
-TOLERANCE = {"sdpa": 1e-6, "eager": 5e-6, "flash": 1e-6}
-
-
 def packs() -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(0)
     made = []
@@ -84,8 +79,11 @@ def test_the_table_states_what_enable_packing_does(model_type, backend, attn, mo
         return
     sample = packs()
     batch = PackedCollator(MAX_LEN)(sample)
+    tolerance, loss_tolerance = default_tolerances(torch.float64, attn)  # check-isolation's, in float64
     if expected.isolated:
-        result = measure_isolation(enable_packing(model), sample, batch, tolerance=TOLERANCE[backend])
+        result = measure_isolation(
+            enable_packing(model), sample, batch, tolerance=tolerance, loss_tolerance=loss_tolerance
+        )
         assert result.passed, result
     else:
         with pytest.raises(IsolationError) as refused:
@@ -97,7 +95,7 @@ def test_the_table_states_what_enable_packing_does(model_type, backend, attn, mo
         monkeypatch.setitem(families.FAMILIES, model_type, tuple(row))
         try:
             let_through = measure_isolation(
-                enable_packing(model), sample, batch, tolerance=TOLERANCE[backend], gradients=False
+                enable_packing(model), sample, batch, tolerance=tolerance, loss_tolerance=loss_tolerance, gradients=False
             )
         except Exception:  # noqa: BLE001 (transformers' own failure on a packed batch is a reason to refuse)
             return
