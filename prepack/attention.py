@@ -125,7 +125,11 @@ class _Family:
         if own_code and model_type not in families.FAMILIES:
             # Built from a sub-config (Emu3ForCausalLM's config is an "emu3_text_model"): the registered family
             # whose causal-LM class it is.
-            registered = sorted(t for t, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if name == type(model).__name__)
+            registered = sorted(
+                known
+                for known, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
+                if name == type(model).__name__ and known in families.FAMILIES
+            )
             model_type = registered[0] if registered else model_type
         return cls(model_type, type(model).__name__, model_type in families.FAMILIES or not allow_unlisted)
 
