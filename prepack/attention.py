@@ -3,8 +3,8 @@
 `enable_packing(model)` first looks the model's family up in `prepack.families`, the table measured by
 the family sweep, and refuses a family that would leak on its attention backend (the check is repeated
 at every forward, in case the backend was switched). It installs one forward pre-hook on the model's
-decoder (`model.base_model`, or the decoder it wraps). For every call it looks at the batch and, where transformers would let documents attend to each other,
-either converts the batch to the form transformers isolates natively or raises `IsolationError`:
+decoder (`model.base_model`, or the decoder it wraps). For every call it looks at the batch and, where
+transformers would let documents attend to each other, either converts the batch to the form transformers isolates natively or raises `IsolationError`:
 
 - a legacy indexed `attention_mask` (`[1, 1, 2, 2, 2, 0]`, LlamaFactory/NeMo style) becomes
   `position_ids` (+ `cu_seq_lens_*`/`max_length_*` on flash attention) and is dropped: transformers
@@ -56,7 +56,9 @@ _OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 _HOOK_ATTRIBUTE = "_prepack_packing_hook"
 
 
-def enable_packing(model: transformers.PreTrainedModel, *, allow_unlisted: bool = False) -> transformers.PreTrainedModel:
+def enable_packing(
+    model: transformers.PreTrainedModel, *, allow_unlisted: bool = False
+) -> transformers.PreTrainedModel:
     """Make `model` safe for packed batches on flash_attention_2/3, sdpa and eager; returns the model.
 
         from torch.utils.data import DataLoader

@@ -83,7 +83,7 @@ _SIZES: dict[str, int] = {
     "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8, "ple_embed_dim": 8,
     "pronunciation_vocab_size": 16, "shape_vocab_size": 16, "ngram_vocab_size_base": 16,
     "laurel_rank": 4, "num_centroids": 4, "centroid_intermediate_top_k": 2, "loop_gate_rank": 4,
-    "gated_norm_rank": 4, "hc_lowrank": 4,
+    "gated_norm_rank": 4, "hc_lowrank": 4, "encoder_hash_byte_group_vocab": 64,
     # depth
     "num_hidden_layers": 2, "n_layer": 2, "n_layers": 2, "num_layers": 2, "decoder_layers": 2,
     "encoder_layers": 2, "num_decoder_layers": 2, "num_encoder_layers": 2,
@@ -105,6 +105,10 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     # the last layers reuse the keys and values of the last layer of their kind before them
     "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
                      "layer_types": ["sliding_attention", "full_attention"] * 2},
+    "dots3_note_text": {"head_dim": 16, "swa_head_dim": 16},  # its sliding layers' head_dim: qk_nope_head_dim + qk_rope_head_dim
+    # two hybrid layers: the first holds the shared attention block, the second ties its weights to it
+    "zamba": {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid"] * 2,
+              "attention_hidden_size": 2 * HIDDEN},
 }
 
 # Sizes set even where the default is None: the model would derive them from the unshrunk ones.
