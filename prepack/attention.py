@@ -21,6 +21,8 @@ transformers would let documents attend to each other, either converts the batch
 - for the few families whose forward builds its masks without `position_ids` (the table's "layer
   masks" and "block mask"), the masks transformers' public `create_causal_mask` and
   `create_sliding_window_causal_mask` build from them are passed in, which those models take as given;
+- on flash attention, rows longer than `attention_chunk_size` (Llama 4's chunked layers) are refused:
+  transformers' flash path cannot apply the chunks and raises for them;
 - a cache is refused for packed rows: sdpa and eager only build the per-document mask when no cache
   exists, so an explicit `use_cache=True` there raises, in train and eval mode alike, and `use_cache`
   left unset (the config default is usually True) is set to False. A cache (`cache`, before
@@ -178,11 +180,23 @@ class _PackedBatchGuard:
             starts = _segment_starts(kwargs["position_ids"], tokens.shape[:2])
             kwargs |= _offsets_kwargs(segment_fields(starts.cumsum(1).cpu().numpy()), tokens.device)
         _check_packed_fields(kwargs, tokens)
+        if flash:
+            _require_rows_within_a_chunk(config, attn, tokens.shape[1])
         if verdict is not None and verdict.how in ("layer masks", "block mask"):
             kwargs["attention_mask"] = _masks_from_positions(module, config, kwargs["position_ids"], tokens.shape[:2])
             if verdict.how == "block mask":
                 kwargs["attention_mask"] = kwargs["attention_mask"]["full_attention"]
         return (), _without_cache(kwargs, flash)
+
+
+def _require_rows_within_a_chunk(config, attn: str, width: int) -> None:
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None and width > chunk:
+        raise IsolationError(
+            f"Rows of {width} tokens on {attn} for a model with chunked attention layers (attention_chunk_size="
+            f"{chunk}, Llama 4): transformers' flash-attention path cannot apply the chunks, and raises for a row "
+            f"longer than one. Pack with max_len at most {chunk}, or use sdpa or eager, which apply them."
+        )
 
 
 def _masks_from_positions(module, config, position_ids: torch.Tensor, shape: torch.Size) -> dict[str, Any]:

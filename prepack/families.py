@@ -234,16 +234,8 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict]] = {
     'lfm2_moe': (STATE, STATE, STATE),
     'lfm3': (STATE, STATE, STATE),
     'llama': (NATIVE, NATIVE, NATIVE),
-    'llama4': (
-        NATIVE,
-        NATIVE,
-        _fails("flash attention cannot apply attention_chunk_size to a row longer than the chunk"),
-    ),
-    'llama4_text': (
-        NATIVE,
-        NATIVE,
-        _fails("flash attention cannot apply attention_chunk_size to a row longer than the chunk"),
-    ),
+    'llama4': (NATIVE, NATIVE, NATIVE),
+    'llama4_text': (NATIVE, NATIVE, NATIVE),
     'longcat_flash': (NATIVE, NATIVE, NATIVE),
     'mamba': (NO_SDPA, STATE, STATE),
     'mamba2': (NO_SDPA, STATE, STATE),
