@@ -19,6 +19,7 @@ from prepack import IsolationError, families
 from prepack.attention import enable_packing
 from prepack.collate import PackedCollator
 from prepack.isolation import default_tolerances, measure_isolation
+from tests.flash_reference import use_flash_reference  # noqa: F401 (a fixture)
 from tests.test_family_sweep import MAX_LEN, packs
 from tests.tiny_models import tiny_model
 
@@ -114,3 +115,25 @@ def test_padding_never_makes_gradients_nan():
     assert torch.isnan(torch.tensor(measure(model, pad_token_id=0).max_grad_diff))
     result = measure(model)
     assert result.passed and torch.isfinite(torch.tensor(result.max_grad_diff)), result
+
+
+def test_the_families_people_fine_tune_stay_isolated_on_every_backend():
+    named = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma3_text", "gemma4", "llama4", "deepseek_v3"]
+    named += ["glm4_moe", "olmo3", "smollm3", "mixtral", "phi3", "granite", "lfm2"]
+    refused = {
+        (name, backend)
+        for name in named
+        for backend, found in zip(families.BACKENDS, families.FAMILIES[name])
+        if not found.isolated
+    }
+    assert not refused
+
+
+@pytest.mark.usefixtures("use_flash_reference")
+def test_rows_longer_than_an_attention_chunk_are_refused_on_flash():
+    """transformers' flash path cannot apply Llama 4's chunks and raises its own ValueError for longer rows."""
+    model = enable_packing(tiny_model("llama4_text", "flash_attention_2"))
+    chunk = model.config.get_text_config().attention_chunk_size
+    assert chunk < MAX_LEN
+    with pytest.raises(IsolationError, match=rf"Rows of {MAX_LEN} tokens .*attention_chunk_size={chunk}.*max_len at most"):
+        model(**PackedCollator(MAX_LEN)(packs()))
