@@ -337,8 +337,10 @@ def _load_local_model(path: Path, attn: str, dtype: torch.dtype, device: torch.d
             loaded = AutoModelForCausalLM.from_config(config, **options)
         else:
             loaded = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **options)
-    except (OSError, ValueError) as exc:  # what transformers raises for a path it cannot load from
+    except Exception as exc:  # noqa: BLE001 (a model's own code fails in any way: AttributeError, ImportError, ...)
         hint = " (to check random weights, pass its config.json)" if (path / "config.json").is_file() else ""
         first_line = str(exc).strip().partition("\n")[0]  # some messages go on to list every known model
-        raise InputError(f"{path}: no causal language model loads from it{hint}: {first_line}") from exc
+        raise InputError(
+            f"{path}: no causal language model loads from it{hint}: {type(exc).__name__}: {first_line}"
+        ) from exc
     return loaded.to(device)

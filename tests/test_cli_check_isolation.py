@@ -136,3 +136,12 @@ def test_gpt_oss_on_eager_is_isolated_in_float64(configs):
     result = check("--model", str(configs / "gpt_oss.json"), "--attn", "eager", "--max-len", "32")
     assert result.exit_code == 0, result.output
     assert "float64 on cpu" in result.output and "largest gradient difference" in result.output
+
+
+def test_a_model_transformers_cannot_build_exits_2_with_its_error(tmp_path):
+    """MusicgenConfig's own defaults fail in transformers 5.24 with an AttributeError, not a ValueError."""
+    config = tmp_path / "config.json"
+    transformers.MusicgenConfig().to_json_file(config)
+    result = check("--model", str(config), "--no-gradients")
+    assert result.exit_code == 2, result.output
+    assert "no causal language model loads from it" in " ".join(result.output.split())

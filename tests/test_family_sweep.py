@@ -10,7 +10,8 @@ random model (`tests/tiny_models.py`, float64, CPU) gets `PackedCollator` + `ena
   backend; and the refusal must be needed: let through (its verdict forced to native), the packed batch
   leaks or fails. The same holds for the masks prepack passes in ("layer masks", "block mask"): without
   them the family leaks;
-- a family whose tiny model cannot be built must be marked refused, with that reason.
+- a family whose tiny model cannot be built must be marked refused, with that reason;
+- `prepack check-isolation` on the family's config.json gives the same verdict (sdpa and eager).
 
 So the sweep fails on a silent leak, on a foreign exception, and on any verdict that differs from what it
 measures. Regenerate docs/model-support.md with `python -m prepack.families > docs/model-support.md`.
@@ -22,12 +23,12 @@ import numpy as np
 import pytest
 import torch
 
-from prepack import IsolationError, families
+from prepack import IsolationError, PrepackError, families
 from prepack.attention import enable_packing
 from prepack.collate import PackedCollator
-from prepack.isolation import default_tolerances, measure_isolation
+from prepack.isolation import check_isolation, default_tolerances, measure_isolation
 from tests.flash_reference import use_flash_reference  # noqa: F401 (a fixture)
-from tests.tiny_models import CAUSAL_LM_TYPES, DOCUMENT_VOCAB, tiny_model
+from tests.tiny_models import CAUSAL_LM_TYPES, DOCUMENT_VOCAB, tiny_config, tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -107,3 +108,22 @@ def test_the_table_states_what_enable_packing_does(model_type, backend, attn, mo
         except Exception:  # noqa: BLE001 (transformers' own failure on a packed batch is a reason to refuse)
             return
         assert not let_through.passed, f"{model_type} on {attn} isolates without what the table says: {let_through}"
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])  # check-isolation runs flash only on CUDA
+@pytest.mark.parametrize("model_type", CAUSAL_LM_TYPES)
+def test_check_isolation_gives_the_tables_verdict(model_type, backend, attn, tmp_path):
+    """`prepack check-isolation --model config.json` (random weights, float64 on a CPU by default) on the
+    family's tiny config: isolated where the table says so, exit 2 (a PrepackError) where it refuses."""
+    expected = families.verdict(model_type, attn)
+    try:
+        tiny_config(model_type).to_json_file(tmp_path / "config.json")
+    except Exception:  # noqa: BLE001 (no tiny config: the table must say it was not measured)
+        assert expected.reason.startswith("not measured")
+        return
+    if expected.isolated:
+        result = check_isolation(tmp_path / "config.json", attn, max_len=MAX_LEN, packs=3, gradients=False)
+        assert result.passed and result.dtype == "float64", result
+    else:
+        with pytest.raises(PrepackError):
+            check_isolation(tmp_path / "config.json", attn, max_len=MAX_LEN, packs=3, gradients=False)
