@@ -4,7 +4,8 @@
 the family sweep, and refuses a family that would leak on its attention backend (the check is repeated
 at every forward, in case the backend was switched). It installs one forward pre-hook on the model's
 decoder (`model.base_model`, or the decoder it wraps). For every call it looks at the batch and, where
-transformers would let documents attend to each other, either converts the batch to the form transformers isolates natively or raises `IsolationError`:
+transformers would let documents attend to each other, either converts the batch to the form
+transformers isolates natively or raises `IsolationError`:
 
 - a legacy indexed `attention_mask` (`[1, 1, 2, 2, 2, 0]`, LlamaFactory/NeMo style) becomes
   `position_ids` (+ `cu_seq_lens_*`/`max_length_*` on flash attention) and is dropped: transformers
@@ -183,9 +184,8 @@ class _PackedBatchGuard:
         if flash:
             _require_rows_within_a_chunk(config, attn, tokens.shape[1])
         if verdict is not None and verdict.how in ("layer masks", "block mask"):
-            kwargs["attention_mask"] = _masks_from_positions(module, config, kwargs["position_ids"], tokens.shape[:2])
-            if verdict.how == "block mask":
-                kwargs["attention_mask"] = kwargs["attention_mask"]["full_attention"]
+            masks = _masks_from_positions(module, config, kwargs["position_ids"], tokens.shape[:2])
+            kwargs["attention_mask"] = masks["full_attention"] if verdict.how == "block mask" else masks
         return (), _without_cache(kwargs, flash)
 
 

@@ -135,5 +135,6 @@ def test_rows_longer_than_an_attention_chunk_are_refused_on_flash():
     model = enable_packing(tiny_model("llama4_text", "flash_attention_2"))
     chunk = model.config.get_text_config().attention_chunk_size
     assert chunk < MAX_LEN
-    with pytest.raises(IsolationError, match=rf"Rows of {MAX_LEN} tokens .*attention_chunk_size={chunk}.*max_len at most"):
+    refusal = rf"Rows of {MAX_LEN} tokens .*attention_chunk_size={chunk}.*max_len at most"
+    with pytest.raises(IsolationError, match=refusal):
         model(**PackedCollator(MAX_LEN)(packs()))

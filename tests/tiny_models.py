@@ -7,7 +7,9 @@ overrides what makes it large: widths, depths, heads, experts, vocabulary. Per-l
 each distinct kind, in their original order, so a hybrid keeps its attention, state-space, MoE and
 dense layers. Sliding windows, attention chunks and scan chunks become shorter than the documents of
 the sweep, so that they are exercised. `tiny_model(model_type, attn)` builds it in float64 with seeded
-weights. Nothing is downloaded.
+weights, and refuses to build one of more than `MAX_PARAMETERS` (a size the shrinking missed would
+otherwise fill the machine's memory). Nothing is downloaded. Where the generic shrinking breaks a
+family's own consistency rules, `_FAMILIES` sets the sizes that must agree.
 
 Special token ids (images, audio, ...) are moved to the top of the vocabulary, at or above
 `DOCUMENT_VOCAB`: documents drawn below it never hit a multimodal placeholder.
@@ -15,7 +17,6 @@ Special token ids (images, audio, ...) are moved to the top of the vocabulary, a
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -78,7 +79,8 @@ _SIZES: dict[str, int] = {
     "sliding_window": WINDOW, "sliding_window_size": WINDOW, "attention_window_size": WINDOW,
     "attention_chunk_size": CHUNK, "local_attention_window_len": WINDOW, "window_size": WINDOW,
     # vocabulary and positions
-    "vocab_size": VOCAB, "output_vocab_size": VOCAB, "emb_dim": HIDDEN, "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128,
+    "vocab_size": VOCAB, "output_vocab_size": VOCAB, "emb_dim": HIDDEN,
+    "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128,
     "max_seq_len": 128, "max_target_positions": 128, "max_source_positions": 128,
     "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8, "ple_embed_dim": 8,
     "pronunciation_vocab_size": 16, "shape_vocab_size": 16, "ngram_vocab_size_base": 16,
@@ -103,9 +105,14 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "dory": {"num_hidden_layers": 8, "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp"] * 2,
              "n_input_layers": 1, "n_output_layers": 1},
     # the last layers reuse the keys and values of the last layer of their kind before them
-    "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
-                     "layer_types": ["sliding_attention", "full_attention"] * 2},
-    "dots3_note_text": {"head_dim": 16, "swa_head_dim": 16},  # its sliding layers' head_dim: qk_nope_head_dim + qk_rope_head_dim
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "num_kv_shared_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+    },
+    # its sliding layers' head_dim must be qk_nope_head_dim + qk_rope_head_dim
+    "dots3_note_text": {"head_dim": 16, "swa_head_dim": 16},
     # two hybrid layers: the first holds the shared attention block, the second ties its weights to it
     "zamba": {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid"] * 2,
               "attention_hidden_size": 2 * HIDDEN},
@@ -162,7 +169,8 @@ def _shrunk(config: transformers.PreTrainedConfig) -> dict[str, Any]:
 
 def _layer_pattern(defaults: dict[str, Any]) -> dict[str, Any]:
     """Per-layer lists cut to the first layer of each distinct kind (at least 2 layers, at most MAX_LAYERS)."""
-    depth_key = next((key for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if key in defaults), None)
+    depth_keys = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+    depth_key = next((key for key in depth_keys if key in defaults), None)
     depth = defaults.get(depth_key) if depth_key else None
     per_layer = {
         key: value
@@ -186,7 +194,8 @@ def _layer_pattern(defaults: dict[str, Any]) -> dict[str, Any]:
     if not depth or not (per_layer or indices):
         return {}
     kinds = [
-        tuple(_hashable(value[layer]) for value in per_layer.values()) + tuple(layer in value for value in indices.values())
+        tuple(_hashable(value[layer]) for value in per_layer.values())
+        + tuple(layer in value for value in indices.values())
         for layer in range(depth)
     ]
     kept: list[int] = []
