@@ -97,11 +97,12 @@ def test_remote_code_is_unlisted_even_under_a_listed_model_type():
     enable_packing(remote, allow_unlisted=True)
 
 
-def test_gpt_oss_on_eager_is_isolated_by_the_masks_prepack_passes(monkeypatch):
+@pytest.mark.parametrize("layout", ["padded", "padding_free", "indexed_mask"])
+def test_gpt_oss_on_eager_is_isolated_by_the_masks_prepack_passes(layout, monkeypatch):
     """gpt-oss builds its masks without position_ids, so transformers alone leaks on eager; prepack passes the
     per-layer-type masks that create_causal_mask / create_sliding_window_causal_mask build from them."""
     assert families.verdict("gpt_oss", "eager") == families.LAYER_MASKS
-    result = measure(enable_packing(tiny_model("gpt_oss", "eager")))
+    result = measure(enable_packing(tiny_model("gpt_oss", "eager")), layout=layout)
     assert result.passed and result.max_grad_diff is not None, result
     let_through(monkeypatch, "gpt_oss")
     assert measure(enable_packing(tiny_model("gpt_oss", "eager"))).max_logit_diff > LEAK
