@@ -49,7 +49,8 @@ _SIZES: dict[str, int] = {
     "moe_shared_expert_intermediate_size": 16, "expert_ffn_hidden_size": 16, "dense_intermediate_size": 64,
     "shared_experts_intermediate_size": 16, "prefix_dense_intermediate_size": 64, "moe_latent_size": 16,
     "word_embed_proj_dim": HIDDEN, "input_embedding_size": HIDDEN, "output_embedding_size": HIDDEN,
-    "attention_hidden_size": HIDDEN, "lru_width": HIDDEN, "router_hidden_size": 16,
+    "attention_hidden_size": HIDDEN, "lru_width": HIDDEN, "router_hidden_size": 16, "adapter_in_dim": HIDDEN,
+    "adapter_input_size": HIDDEN,
     # heads
     "num_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS, "num_heads": HEADS,
     "decoder_attention_heads": HEADS, "encoder_attention_heads": HEADS, "attention_heads": HEADS,
@@ -212,9 +213,17 @@ def _layer_pattern(defaults: dict[str, Any]) -> dict[str, Any]:
     pattern |= {key: [value[layer] for layer in kept] for key, value in per_layer.items()}
     pattern |= {key: [new for new, layer in enumerate(kept) if layer in value] for key, value in indices.items()}
     if overridden:
-        settings = {int(layer): value for layer, value in overridden.items()}
+        settings = {int(layer): _shrunk_settings(value) for layer, value in overridden.items()}
         pattern["per_layer_config"] = {new: settings[layer] for new, layer in enumerate(kept) if layer in settings}
     return pattern
+
+
+def _shrunk_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """One layer's own settings (a per_layer_config entry), their sizes shrunk as the config's."""
+    shrunk = {key: _SIZES.get(key, value) if type(value) is int else value for key, value in settings.items()}
+    if "kv_lora_rank" in settings:  # multi-head latent attention projects keys for every head
+        shrunk["num_key_value_heads"] = HEADS
+    return shrunk
 
 
 def _hashable(value):
