@@ -1,8 +1,11 @@
 """Keep packed documents apart inside a transformers 5.x model, and prove that they are.
 
-`enable_packing(model)` installs one forward pre-hook on the model's decoder (`model.base_model`). For
-every call it looks at the batch and, where transformers would let documents attend to each other,
-either converts the batch to the form transformers isolates natively or raises `IsolationError`:
+`enable_packing(model)` first looks the model's family up in `prepack.families`, the table measured by
+the family sweep, and refuses a family that would leak on its attention backend (the check is repeated
+at every forward, in case the backend was switched). It installs one forward pre-hook on the model's
+decoder (`model.base_model`, or the decoder it wraps). For every call it looks at the batch and, where
+transformers would let documents attend to each other, either converts the batch to the form
+transformers isolates natively or raises `IsolationError`:
 
 - a legacy indexed `attention_mask` (`[1, 1, 2, 2, 2, 0]`, LlamaFactory/NeMo style) becomes
   `position_ids` (+ `cu_seq_lens_*`/`max_length_*` on flash attention) and is dropped: transformers
@@ -16,6 +19,11 @@ either converts the batch to the form transformers isolates natively or raises `
   decreasing (an empty segment is harmless, and lets a collator keep the tensor's length fixed),
   starting a segment exactly where `position_ids` restart, and `max_length_*` Python ints equal to the
   longest segment;
+- for the few families whose forward builds its masks without `position_ids` (the table's "layer
+  masks" and "block mask"), the masks transformers' public `create_causal_mask` and
+  `create_sliding_window_causal_mask` build from them are passed in, which those models take as given;
+- on flash attention, rows longer than `attention_chunk_size` (Llama 4's chunked layers) are refused:
+  transformers' flash path cannot apply the chunks and raises for them;
 - a cache is refused for packed rows: sdpa and eager only build the per-document mask when no cache
   exists, so an explicit `use_cache=True` there raises, in train and eval mode alike, and `use_cache`
   left unset (the config default is usually True) is set to False. A cache (`cache`, before
@@ -36,7 +44,10 @@ from typing import Any
 
 import torch
 import transformers
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from prepack import families
 from prepack.collate import segment_fields
 from prepack.errors import IsolationError
 
@@ -48,7 +59,9 @@ _OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 _HOOK_ATTRIBUTE = "_prepack_packing_hook"
 
 
-def enable_packing(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+def enable_packing(
+    model: transformers.PreTrainedModel, *, allow_unlisted: bool = False
+) -> transformers.PreTrainedModel:
     """Make `model` safe for packed batches on flash_attention_2/3, sdpa and eager; returns the model.
 
         from torch.utils.data import DataLoader
@@ -62,9 +75,12 @@ def enable_packing(model: transformers.PreTrainedModel) -> transformers.PreTrain
         for batch in loader:
             model(**batch).loss.backward()  # use_cache=False is set for you
 
-    Raises `IsolationError` for a transformers older than 5.0 or an attention implementation other than
-    `SUPPORTED_ATTENTION`, and, at each forward, for a batch that would leak (see the module docstring).
-    Calling it again replaces the hook; `disable_packing` removes it.
+    Raises `IsolationError` for a transformers older than 5.0, an attention implementation other than
+    `SUPPORTED_ATTENTION`, a family that `prepack.families` refuses on this backend (docs/model-support.md),
+    and, at each forward, for a batch that would leak (see the module docstring). A model type the table
+    lacks (a newer transformers, remote code) is refused too, unless `allow_unlisted` is True: pass it
+    only after `prepack check-isolation` has reported the model isolated. Calling it again replaces the
+    hook; `disable_packing` removes it.
     """
     major = int(transformers.__version__.split(".")[0])
     if major < 5:
@@ -72,10 +88,13 @@ def enable_packing(model: transformers.PreTrainedModel) -> transformers.PreTrain
             f"prepack.enable_packing needs transformers 5.0 or newer; this is {transformers.__version__}, whose "
             "attention code handles packed batches differently. Upgrade: pip install 'transformers>=5,<6'."
         )
-    _require_supported_attention(model.config.get_text_config()._attn_implementation)
+    family = _Family.of(model, allow_unlisted)
+    family.require_isolated(model.config.get_text_config()._attn_implementation)
     disable_packing(model)
-    decoder = model.base_model
-    guard = _PackedBatchGuard(_positional_parameters(decoder))
+    # Where the base model wraps a decoder, the causal-LM head may call that decoder directly (OPT does).
+    decoder = getattr(model.base_model, "decoder", None)
+    decoder = decoder if isinstance(decoder, torch.nn.Module) else model.base_model
+    guard = _PackedBatchGuard(_positional_parameters(decoder), family)
     setattr(model, _HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(guard, with_kwargs=True))
     return model
 
@@ -97,6 +116,39 @@ def _require_supported_attention(attn: str | None) -> None:
         )
 
 
+class _Family:
+    """The model's row of `prepack.families`, checked against the attention implementation of each call."""
+
+    def __init__(self, model_type: str, model_class: str, checked: bool):
+        self.model_type, self.model_class, self.checked = model_type, model_class, checked
+
+    @classmethod
+    def of(cls, model: transformers.PreTrainedModel, allow_unlisted: bool) -> _Family:
+        # Remote code may reuse a model type of transformers with layers of its own: not what was measured.
+        own_code = type(model).__module__.startswith("transformers.")
+        model_type = model.config.model_type if own_code else f"{model.config.model_type} (remote code)"
+        if own_code and model_type not in families.FAMILIES:
+            # Built from a sub-config (Emu3ForCausalLM's config is an "emu3_text_model"): the registered family
+            # whose causal-LM class it is.
+            registered = sorted(
+                known
+                for known, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
+                if name == type(model).__name__ and known in families.FAMILIES
+            )
+            model_type = registered[0] if registered else model_type
+        return cls(model_type, type(model).__name__, model_type in families.FAMILIES or not allow_unlisted)
+
+    def require_isolated(self, attn: str | None) -> families.Verdict | None:
+        """The verdict for `attn` (None for an allowed unlisted family); IsolationError where it is refused."""
+        _require_supported_attention(attn)
+        if not self.checked:
+            return None
+        message = families.refusal(self.model_type, self.model_class, attn)
+        if message:
+            raise IsolationError(message)
+        return families.verdict(self.model_type, attn)
+
+
 def _positional_parameters(module: torch.nn.Module) -> tuple[str, ...]:
     parameters = inspect.signature(module.forward).parameters.values()
     return tuple(p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -105,8 +157,9 @@ def _positional_parameters(module: torch.nn.Module) -> tuple[str, ...]:
 class _PackedBatchGuard:
     """The forward pre-hook: returns the call's keyword arguments converted, or raises IsolationError."""
 
-    def __init__(self, positional_parameters: tuple[str, ...]):
+    def __init__(self, positional_parameters: tuple[str, ...], family: _Family):
         self.positional_parameters = positional_parameters
+        self.family = family
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         if len(args) > len(self.positional_parameters):
@@ -118,7 +171,7 @@ class _PackedBatchGuard:
             return None
         config = module.config.get_text_config()
         attn = config._attn_implementation
-        _require_supported_attention(attn)
+        verdict = self.family.require_isolated(attn)
         flash = attn in _FLASH
         kwargs = _resolve_attention_mask(kwargs, config, flash, tokens.shape[:2])
         # A mask still there describes no packed rows (or is the caller's own 4-D mask): transformers applies it.
@@ -128,7 +181,38 @@ class _PackedBatchGuard:
             starts = _segment_starts(kwargs["position_ids"], tokens.shape[:2])
             kwargs |= _offsets_kwargs(segment_fields(starts.cumsum(1).cpu().numpy()), tokens.device)
         _check_packed_fields(kwargs, tokens)
+        if flash:
+            _require_rows_within_a_chunk(config, attn, tokens.shape[1])
+        if verdict is not None and verdict.how in ("layer masks", "block mask"):
+            masks = _masks_from_positions(module, config, kwargs["position_ids"], tokens.shape[:2])
+            kwargs["attention_mask"] = masks["full_attention"] if verdict.how == "block mask" else masks
         return (), _without_cache(kwargs, flash)
+
+
+def _require_rows_within_a_chunk(config, attn: str, width: int) -> None:
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None and width > chunk:
+        raise IsolationError(
+            f"Rows of {width} tokens on {attn} for a model with chunked attention layers (attention_chunk_size="
+            f"{chunk}, Llama 4): transformers' flash-attention path cannot apply the chunks, and raises for a row "
+            f"longer than one. Pack with max_len at most {chunk}, or use sdpa or eager, which apply them."
+        )
+
+
+def _masks_from_positions(module, config, position_ids: torch.Tensor, shape: torch.Size) -> dict[str, Any]:
+    """The per-layer-type masks that transformers builds from `position_ids` when a model lets it.
+
+    For families whose forward calls the mask functions without `position_ids` (prepack.families' "layer
+    masks" and "block mask"): the model takes masks passed in as given. Built by transformers' public
+    functions, so they are the masks its other families get; `inputs_embeds` only tells them the shape,
+    dtype and device.
+    """
+    shape_only = torch.empty((*shape, 0), dtype=module.dtype, device=position_ids.device)
+    arguments = (config, shape_only, None, None)  # attention_mask, cache: none for packed rows
+    masks = {"full_attention": create_causal_mask(*arguments, position_ids=position_ids)}
+    if getattr(config, "sliding_window", None):
+        masks["sliding_attention"] = create_sliding_window_causal_mask(*arguments, position_ids=position_ids)
+    return masks
 
 
 def _resolve_attention_mask(kwargs: dict[str, Any], config, flash: bool, shape: torch.Size) -> dict[str, Any]:

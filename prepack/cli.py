@@ -216,16 +216,17 @@ class Dtype(str, Enum):
 def check_isolation_command(
     model: Annotated[Path, typer.Option("--model", help="A local model directory (config.json and weights), or a config.json alone: random weights. Nothing is downloaded.")],
     attn: Annotated[Attention, typer.Option("--attn", help="Attention implementation; the flash ones need a CUDA device and flash-attn.")] = Attention.sdpa,
-    dtype: Annotated[Dtype | None, typer.Option("--dtype", help="Model dtype.", show_default="float32; bfloat16 on flash")] = None,
+    dtype: Annotated[Dtype | None, typer.Option("--dtype", help="Model dtype.", show_default="float64 on cpu, float32 on cuda, bfloat16 on flash")] = None,
     device: Annotated[str | None, typer.Option("--device", help="Torch device, e.g. cpu or cuda:1.", show_default="cuda if there is one, else cpu")] = None,
     packs: Annotated[int, typer.Option("--packs", min=1, help="Random packs in the batch, 1-4 documents each.")] = 2,
     max_len: Annotated[int, typer.Option("--max-len", min=1, help="Tokens per pack.")] = 256,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the documents (and of random weights).")] = 0,
-    tolerance: Annotated[float | None, typer.Option("--tolerance", min=0, help="Largest difference allowed.", show_default="per dtype, 1e-4 for float32")] = None,
+    tolerance: Annotated[float | None, typer.Option("--tolerance", min=0, help="Largest difference allowed.", show_default="per dtype: 1e-6 for float64 (5e-6 on eager), 1e-4 for float32")] = None,
     gradients: Annotated[bool, typer.Option("--gradients/--no-gradients", help="Compare parameter gradients too (a backward pass per document).")] = True,
 ) -> None:
     """Run random packed documents through a local model with enable_packing, and each document alone,
-    and print the largest differences. Exit 0: isolated; 1: documents leak into each other; 2: bad input."""
+    and print the largest differences. Exit 0: isolated; 1: documents leak into each other; 2: bad input,
+    a family prepack refuses on this backend (the reason is printed), or a model that fails on the batch."""
     try:
         import transformers  # here, not at the top: torch and transformers take seconds to import
 

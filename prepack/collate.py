@@ -4,7 +4,7 @@ A pack (a row of a build, see `schemas/shard-format.md`) holds the tokens of k d
 unpadded, with `cu_seqlens = [0, l1, l1+l2, ..., n]`. `PackedCollator` pads B packs into one batch in
 the form transformers 5.x isolates natively:
 
-    input_ids     [B, L] int64   pad_token_id at padding
+    input_ids     [B, L] int64   at padding, the row's last token again (or pad_token_id if given)
     labels        [B, L] int64   -100 at padding, at each document's first token, and where the pack says so
     position_ids  [B, L] int64   0, 1, ... restarting at every document; a row's padding tail restarts too
     cu_seq_lens_q/_k  [S + 1] int32   offsets of the S segments over the flattened B·L tokens (documents and
@@ -91,7 +91,12 @@ class PackedCollator:
           passed to `prepack.enable_packing`, which converts it back to position ids and offsets.
     - `seq_idx=True`: also return `seq_idx` [B, L] int32, the 0-based number of each token's segment
       over the flattened batch (the segments of `cu_seq_lens_q`), as Mamba-style kernels take it.
-    - `pad_token_id`: the token id written at padding (its label is always -100).
+    - `pad_token_id`: the token id written at padding (its label is always -100). By default each row's
+      padding repeats the row's last token: padding is a segment of its own and never trained on, but
+      its gradient still flows through the model as 0 times the local derivative, and a token whose
+      embedding is all zeros (a model's own pad id, initialised to zeros) makes some normalisations
+      divide 0 by 0 (measured: Gemma 3n's gradients turn NaN with pad id 0). A real token's embedding
+      is never degenerate.
 
     Every layout also carries `use_cache=False` (see the module docstring). `for_dataset` takes
     `max_len` from the build.
@@ -105,7 +110,7 @@ class PackedCollator:
         pad_to: Literal["max_len", "longest"] = "max_len",
         pad_to_multiple_of: int | None = None,
         seq_idx: bool = False,
-        pad_token_id: int = 0,
+        pad_token_id: int | None = None,
     ):
         if layout not in _LAYOUTS:
             raise ValueError(f"layout must be one of {_LAYOUTS}, not {layout!r}.")
@@ -164,7 +169,7 @@ class PackedCollator:
         padding_free = self.layout == "padding_free"
         total = sum(len(pack.input_ids) for pack in packs)
         shape = (1, total) if padding_free else (len(packs), self._row_length(packs))
-        input_ids = np.full(shape, self.pad_token_id, dtype=np.int64)
+        input_ids = np.full(shape, self.pad_token_id or 0, dtype=np.int64)
         labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
         segment_ids = np.zeros(shape, dtype=np.int32)
         row, start, first_segment = 0, 0, 1
@@ -178,6 +183,8 @@ class PackedCollator:
                 # Numbering runs on so that the last document of a pack and the first of the next differ.
                 start, first_segment = end, first_segment + len(lengths)
             else:
+                if self.pad_token_id is None:
+                    input_ids[row, end:] = pack.input_ids[-1]  # a real token's embedding (see pad_token_id)
                 row += 1
         return input_ids, labels, segment_ids
 

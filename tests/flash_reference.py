@@ -58,7 +58,7 @@ def flash_attn_varlen_func(
         allowed &= position_k[None, :] >= diagonal - left
     out = _attention(q, k, v, allowed, softmax_scale, softcap, dropout_p)
     covered = segment_q < len(cu_seqlens_q) - 1
-    return torch.where(covered[:, None, None], out, torch.nan)
+    return torch.where(covered[:, None, None], out, torch.nan).contiguous()  # as a kernel returns it
 
 
 def flash_attn_func(q, k, v, **options):

@@ -1,4 +1,5 @@
-"""`prepack check-isolation`, run in-process: exit 0 on an isolated model, 1 on a leak, 2 on bad input.
+"""`prepack check-isolation`, run in-process: exit 0 on an isolated model, 1 on a leak, 2 on bad input, on
+a family prepack refuses and on a model that fails on the batch.
 
 The models are tiny random ones from `tests/test_isolation.py`, saved to a temporary directory; nothing
 is downloaded.
@@ -15,9 +16,10 @@ import torch
 import transformers
 from typer.testing import CliRunner
 
-from prepack import attention, isolation
+from prepack import attention, families, isolation
 from prepack.cli import Attention, Dtype, app
 from tests.test_isolation import LEAK, tiny_model
+from tests.tiny_models import tiny_config
 
 MAX_LEN = 48  # tiny_model's max_position_embeddings is 64
 TOLERANCE = 1e-4  # check_isolation's default for float32
@@ -60,7 +62,7 @@ def test_a_leak_exits_1(saved, monkeypatch):
         def __call__(self, packs):
             return {key: value for key, value in super().__call__(packs).items() if key != "use_cache"}
 
-    monkeypatch.setattr(isolation, "enable_packing", lambda model: model)
+    monkeypatch.setattr(isolation, "enable_packing", lambda model, **options: model)
     monkeypatch.setattr(isolation, "PackedCollator", CollatorWithoutUseCache)
     result = check("--model", str(saved / "llama"), "--attn", "sdpa", "--no-gradients")
     assert result.exit_code == 1, result.output
@@ -92,3 +94,61 @@ def test_the_cli_imports_neither_torch_nor_transformers():
     code = "import sys, prepack.cli; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+# --- the family table's verdicts, float64 by default, and a crash told from a leak ---------------------
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    """config.json of tiny random models of a few families (tests/tiny_models.py)."""
+    root = tmp_path_factory.mktemp("configs")
+    for model_type in ("bamba", "gpt_oss", "inkling_text", "qwen3_next"):
+        tiny_config(model_type).to_json_file(root / f"{model_type}.json")
+    return root
+
+
+def let_through(monkeypatch, model_type: str):
+    monkeypatch.setitem(families.FAMILIES, model_type, (families.NATIVE,) * len(families.BACKENDS))
+
+
+def test_a_refused_family_exits_2_with_the_reason(configs):
+    result = check("--model", str(configs / "bamba.json"), "--max-len", "32", "--no-gradients")
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "bamba (BambaForCausalLM) on sdpa" in output and families.STATE.reason in output
+
+
+def test_a_model_that_fails_on_the_batch_exits_2_not_1(configs, monkeypatch):
+    """Qwen3-Next let through: transformers' own gated delta rule raises on packed rows without fla."""
+    let_through(monkeypatch, "qwen3_next")
+    result = check("--model", str(configs / "qwen3_next.json"), "--max-len", "32", "--no-gradients")
+    assert result.exit_code == 2, result.output
+    assert "failed on the packed batch or on a document alone" in " ".join(result.output.split())
+
+
+def test_float64_on_cpu_by_default_catches_a_leak_float32_misses(configs, monkeypatch):
+    """InklingText's short convolutions, let through, leak by about 1e-5: under float32's 1e-4 tolerance."""
+    let_through(monkeypatch, "inkling_text")
+    model = str(configs / "inkling_text.json")
+    result = check("--model", model, "--max-len", "32", "--no-gradients")
+    assert result.exit_code == 1, result.output
+    assert "float64 on cpu" in result.output and 1e-6 < logit_diff(result.output) < TOLERANCE
+    assert check("--model", model, "--max-len", "32", "--no-gradients", "--dtype", "float32").exit_code == 0
+
+
+def test_gpt_oss_on_eager_is_isolated_in_float64(configs):
+    """Its MoE experts default to grouped_mm, which has no float64 kernel: check-isolation selects the
+    eager experts. And prepack passes eager the masks gpt-oss builds without position_ids."""
+    result = check("--model", str(configs / "gpt_oss.json"), "--attn", "eager", "--max-len", "32")
+    assert result.exit_code == 0, result.output
+    assert "float64 on cpu" in result.output and "largest gradient difference" in result.output
+
+
+def test_a_model_transformers_cannot_build_exits_2_with_its_error(tmp_path):
+    """MusicgenConfig's own defaults fail in transformers 5.24 with an AttributeError, not a ValueError."""
+    config = tmp_path / "config.json"
+    transformers.MusicgenConfig().to_json_file(config)
+    result = check("--model", str(config), "--no-gradients")
+    assert result.exit_code == 2, result.output
+    assert "no causal language model loads from it" in " ".join(result.output.split())

@@ -34,7 +34,7 @@ def packs_and_collator(draw):
             pack = {key: value.tolist() for key, value in pack.items()}  # Hugging Face datasets rows are lists
         packs.append(pack)
     layout = draw(st.sampled_from(["padded", "padding_free", "indexed_mask"]))
-    options = {"layout": layout, "seq_idx": draw(st.booleans()), "pad_token_id": draw(st.integers(0, 5))}
+    options = {"layout": layout, "seq_idx": draw(st.booleans()), "pad_token_id": draw(st.none() | st.integers(0, 5))}
     if layout != "padding_free":
         options["pad_to"] = draw(st.sampled_from(["max_len", "longest"]))
         options["pad_to_multiple_of"] = draw(st.sampled_from([None, 1, 8]))
@@ -61,7 +61,8 @@ def expected_batch(packs, collator: PackedCollator) -> dict:
         for row in rows:
             padding = width - sum(len(segment[0]) for segment in row)
             if padding:
-                row.append(([collator.pad_token_id] * padding, [IGNORE] * padding, 0))
+                pad = row[-1][0][-1] if collator.pad_token_id is None else collator.pad_token_id
+                row.append(([pad] * padding, [IGNORE] * padding, 0))
     segments = [segment for row in rows for segment in row]
     offsets = np.cumsum([0] + [len(segment[0]) for segment in segments]).tolist()
     return {

@@ -1,0 +1,425 @@
+"""Which causal-LM families `enable_packing` keeps isolated, on which attention backend, and why not where not.
+
+One row per model type that transformers registers as a causal LM (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`),
+one verdict per backend: sdpa, eager, and flash (flash_attention_2 and flash_attention_3, which share
+transformers' one flash-attention path). The table is measured, not claimed: `tests/test_family_sweep.py`
+builds a tiny random model of every family, packs documents with `PackedCollator`, and compares every
+document with the document run alone (float64, CPU; flash through a pure-torch flash-attn stand-in). It
+fails when a family marked isolated leaks, and when a family marked refused would in fact isolate. It
+runs on the installed transformers, so a new release that changes a family shows up as a failing test.
+
+A verdict is one of:
+- native: transformers keeps documents apart itself, from `position_ids` (sdpa, eager) or
+  `cu_seq_lens_*` (flash), as `PackedCollator` emits them;
+- layer masks: the model builds its masks without `position_ids`; prepack passes the per-layer-type
+  masks (`{"full_attention": ..., "sliding_attention": ...}`) that transformers' public
+  `create_causal_mask` / `create_sliding_window_causal_mask` build from them, which the model takes as given;
+- block mask: the same for a model that takes one 4-D mask (no sliding layers);
+- refused: `enable_packing` raises `IsolationError` naming the family, the backend, the reason and what
+  to do instead.
+
+A model type not in the table (a newer transformers, remote code) is refused unless the caller passes
+`allow_unlisted=True` to `enable_packing` after checking it with `prepack check-isolation`: the families
+that leak are the ones with new kinds of layers, and a new family is the likeliest to have one.
+
+`python -m prepack.families` prints the table as docs/model-support.md. No torch here.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["BACKENDS", "FAMILIES", "MEASURED_WITH", "Verdict", "backend_of", "markdown", "refusal", "verdict"]
+
+BACKENDS = ("sdpa", "eager", "flash")
+MEASURED_WITH = "transformers 5.24.0"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How `enable_packing` keeps a family's documents apart on one backend, or why it refuses."""
+
+    how: Literal["native", "layer masks", "block mask", "refused"]
+    reason: str = ""  # for a refusal: why documents would see each other, or why it was not measured
+
+    @property
+    def isolated(self) -> bool:
+        return self.how != "refused"
+
+
+NATIVE = Verdict("native")
+LAYER_MASKS = Verdict("layer masks")
+BLOCK_MASK = Verdict("block mask")
+
+# Refusals, by mechanism (measured: each leaks or fails when run packed; see the sweep).
+STATE = Verdict(
+    "refused",
+    "sequence-state layers (Mamba scans, short convolutions, linear attention or recurrences) carry state "
+    "from one document into the next",
+)
+ENCODER = Verdict(
+    "refused",
+    "an encoder, or the decoder of an encoder-decoder model, registered as a causal LM: its positions or its "
+    "attention mask ignore position_ids",
+)
+POSITIONS = Verdict(
+    "refused",
+    "its positions (ALiBi, learned absolute positions or relative buckets) are counted from the start of the "
+    "row, not taken from position_ids",
+)
+SPARSE = Verdict(
+    "refused",
+    "its sparse-attention indexer selects keys over the whole row, from other documents too",
+)
+FLASH_WITHOUT_OFFSETS = Verdict(
+    "refused",
+    "its flash-attention path does not pass cu_seq_lens_* on to the kernel, so attention runs over the whole row",
+)
+NO_SDPA = Verdict("refused", "transformers has no sdpa attention for this family")
+
+
+def _fails(detail: str) -> Verdict:
+    return Verdict("refused", f"transformers' own code fails on a packed batch here ({detail})")
+
+
+def _unmeasured(detail: str) -> Verdict:
+    return Verdict("refused", f"not measured: no tiny model of the family could be built from its config ({detail})")
+
+
+# (sdpa, eager, flash) per model type, written from a sweep run; tests/test_family_sweep.py fails on any row
+# that differs from what it measures.
+FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict]] = {
+    'afmoe': (LAYER_MASKS, LAYER_MASKS, NATIVE),
+    'apertus': (NATIVE, NATIVE, NATIVE),
+    'apertus1p5_text': (NATIVE, NATIVE, NATIVE),
+    'arcee': (NATIVE, NATIVE, NATIVE),
+    'aria_text': (NATIVE, NATIVE, NATIVE),
+    'axk1': (NATIVE, NATIVE, NATIVE),
+    'axk2': (SPARSE, SPARSE, SPARSE),
+    'bailing_hybrid': (STATE, STATE, STATE),
+    'bamba': (STATE, STATE, STATE),
+    'bart': (ENCODER, ENCODER, ENCODER),
+    'beam': (NATIVE, NATIVE, NATIVE),
+    'bert': (ENCODER, ENCODER, NATIVE),
+    'bert-generation': (ENCODER, ENCODER, NATIVE),
+    'big_bird': (NO_SDPA, ENCODER, ENCODER),
+    'bigbird_pegasus': (NO_SDPA, ENCODER, ENCODER),
+    'biogpt': (BLOCK_MASK, BLOCK_MASK, NATIVE),
+    'bitnet': (NATIVE, NATIVE, NATIVE),
+    'blenderbot': (ENCODER, ENCODER, ENCODER),
+    'blenderbot-small': (ENCODER, ENCODER, ENCODER),
+    'bloom': (NO_SDPA, POSITIONS, POSITIONS),
+    'blt': (_unmeasured("BLT's byte patcher and local encoder take sizes the sweep does not shrink consistently"),) * 3,
+    'camembert': (ENCODER, ENCODER, ENCODER),
+    'codegen': (NATIVE, NATIVE, NATIVE),
+    'cohere': (NATIVE, NATIVE, NATIVE),
+    'cohere2': (NATIVE, NATIVE, NATIVE),
+    'cohere2_moe': (NATIVE, NATIVE, NATIVE),
+    'cohere_compass_text': (
+        _unmeasured(
+            'its defaults do not build in transformers either: rope_parameters has no full_attention entry'
+        ),
+    ) * 3,
+    'cpmant': (NO_SDPA, POSITIONS, POSITIONS),
+    'ctrl': (NATIVE, NATIVE, NATIVE),
+    'cwm': (NATIVE, NATIVE, NATIVE),
+    'data2vec-text': (ENCODER, ENCODER, ENCODER),
+    'dbrx': (
+        _unmeasured(
+            'its defaults do not build in transformers either: DbrxAttentionConfig has no rope_theta'
+        ),
+    ) * 3,
+    'deepseek_v2': (NATIVE, NATIVE, NATIVE),
+    'deepseek_v3': (NATIVE, NATIVE, NATIVE),
+    'deepseek_v32': (SPARSE, SPARSE, SPARSE),
+    'deepseek_v4': (NO_SDPA, SPARSE, SPARSE),
+    'diffllama': (NATIVE, NATIVE, NATIVE),
+    'doge': (NATIVE, NATIVE, _fails("DogeAttention has no is_causal attribute, which the flash path reads")),
+    'dory': (NATIVE, NATIVE, NATIVE),
+    'dots1': (NATIVE, NATIVE, NATIVE),
+    'dots3_note': (
+        _unmeasured("its vision adapter's widths must match the text model's, which the sweep does not shrink"),
+    ) * 3,
+    'dots3_note_text': (SPARSE, SPARSE, SPARSE),
+    'electra': (ENCODER, ENCODER, NATIVE),
+    'emu3': (NATIVE, NATIVE, NATIVE),
+    'ernie': (ENCODER, ENCODER, NATIVE),
+    'ernie4_5': (NATIVE, NATIVE, NATIVE),
+    'ernie4_5_moe': (NATIVE, NATIVE, NATIVE),
+    'exaone': (NATIVE, NATIVE, NATIVE),
+    'exaone4': (NATIVE, NATIVE, NATIVE),
+    'exaone_moe': (NATIVE, NATIVE, NATIVE),
+    'falcon': (NATIVE, NATIVE, _fails("its flash path adds an attention bias that is None without a mask")),
+    'falcon_h1': (STATE, STATE, STATE),
+    'falcon_mamba': (NO_SDPA, STATE, STATE),
+    'flex_olmo': (NATIVE, NATIVE, NATIVE),
+    'flint': (NO_SDPA, NATIVE, NATIVE),
+    'fuyu': (NATIVE, NATIVE, NATIVE),
+    'gemma': (NATIVE, NATIVE, NATIVE),
+    'gemma2': (NO_SDPA, NATIVE, NATIVE),
+    'gemma3': (NATIVE, NATIVE, NATIVE),
+    'gemma3_text': (NATIVE, NATIVE, NATIVE),
+    'gemma3n': (_unmeasured('its vision tower needs the timm package'),) * 3,
+    'gemma3n_text': (NATIVE, NATIVE, NATIVE),
+    'gemma4': (NATIVE, NATIVE, NATIVE),
+    'gemma4_assistant': (
+        _unmeasured(
+            "a draft model: its defaults do not validate without its target model's settings"
+        ),
+    ) * 3,
+    'gemma4_text': (NATIVE, NATIVE, NATIVE),
+    'gemma4_unified': (NATIVE, NATIVE, NATIVE),
+    'gemma4_unified_assistant': (
+        _unmeasured(
+            "a draft model: its forward needs its target model's shared keys and values"
+        ),
+    ) * 3,
+    'gemma4_unified_text': (NATIVE, NATIVE, NATIVE),
+    'git': (
+        NO_SDPA,
+        _fails("GIT's loss expects image tokens (pixel_values) before the text"),
+        _fails("GIT's loss expects image tokens (pixel_values) before the text"),
+    ),
+    'glm': (NATIVE, NATIVE, NATIVE),
+    'glm4': (NATIVE, NATIVE, NATIVE),
+    'glm4_moe': (NATIVE, NATIVE, NATIVE),
+    'glm4_moe_lite': (NATIVE, NATIVE, NATIVE),
+    'glm_moe_dsa': (SPARSE, SPARSE, SPARSE),
+    'got_ocr2': (NO_SDPA, NATIVE, NATIVE),
+    'gpt-sw3': (NATIVE, NATIVE, NATIVE),
+    'gpt2': (NATIVE, NATIVE, NATIVE),
+    'gpt_bigcode': (NATIVE, NATIVE, NATIVE),
+    'gpt_neo': (NO_SDPA, NATIVE, FLASH_WITHOUT_OFFSETS),
+    'gpt_neox': (NATIVE, NATIVE, NATIVE),
+    'gpt_neox_japanese': (NO_SDPA, NATIVE, FLASH_WITHOUT_OFFSETS),
+    'gpt_oss': (NO_SDPA, LAYER_MASKS, NATIVE),
+    'gptj': (NATIVE, NATIVE, NATIVE),
+    'granite': (NATIVE, NATIVE, NATIVE),
+    'granite_swa': (NO_SDPA, NATIVE, NATIVE),
+    'granitemoe': (NATIVE, NATIVE, NATIVE),
+    'granitemoe_swa': (NO_SDPA, NATIVE, NATIVE),
+    'granitemoehybrid': (STATE, STATE, STATE),
+    'granitemoeshared': (NATIVE, NATIVE, NATIVE),
+    'helium': (NATIVE, NATIVE, NATIVE),
+    'hrm_text': (
+        NATIVE,
+        NATIVE,
+        Verdict("refused", "transformers has no flash attention for a prefix-LM config (prefix_lm=True)"),
+    ),
+    'hunyuan_v1_dense': (NATIVE, NATIVE, NATIVE),
+    'hunyuan_v1_moe': (NATIVE, NATIVE, NATIVE),
+    'hy_v3': (NATIVE, NATIVE, NATIVE),
+    'hy_v4': (NO_SDPA, SPARSE, SPARSE),
+    'hyperclovax': (NATIVE, NATIVE, NATIVE),
+    'inkling2_loop_text': (NO_SDPA, STATE, STATE),
+    'inkling2_text': (NO_SDPA, STATE, STATE),
+    'inkling_text': (STATE, STATE, STATE),
+    'internlm3': (NATIVE, NATIVE, NATIVE),
+    'iquestcoder': (NATIVE, NATIVE, NATIVE),
+    'jais2': (NATIVE, NATIVE, NATIVE),
+    'jamba': (STATE, STATE, STATE),
+    'jetmoe': (NATIVE, NATIVE, NATIVE),
+    'kimi_linear': (STATE, STATE, STATE),
+    'kolibri1': (NATIVE, NATIVE, NATIVE),
+    'laguna': (NATIVE, NATIVE, NATIVE),
+    'lara_mini': (STATE, STATE, STATE),
+    'lfm2': (NATIVE, NATIVE, NATIVE),
+    'lfm2_moe': (STATE, STATE, STATE),
+    'lfm3': (STATE, STATE, STATE),
+    'llama': (NATIVE, NATIVE, NATIVE),
+    'llama4': (NATIVE, NATIVE, NATIVE),
+    'llama4_text': (NATIVE, NATIVE, NATIVE),
+    'longcat_flash': (NATIVE, NATIVE, NATIVE),
+    'mamba': (NO_SDPA, STATE, STATE),
+    'mamba2': (NO_SDPA, STATE, STATE),
+    'marian': (ENCODER, ENCODER, ENCODER),
+    'mbart': (ENCODER, ENCODER, ENCODER),
+    'megatron-bert': (NO_SDPA, ENCODER, ENCODER),
+    'mellum': (NATIVE, NATIVE, NATIVE),
+    'mimo_v2_flash': (NO_SDPA, NATIVE, NATIVE),
+    'minicpm3': (NATIVE, NATIVE, NATIVE),
+    'minimax': (STATE, STATE, STATE),
+    'minimax_m2': (NATIVE, NATIVE, NATIVE),
+    'minimax_m3_vl_text': (NATIVE, NATIVE, NATIVE),
+    'ministral': (NATIVE, NATIVE, NATIVE),
+    'ministral3': (NATIVE, NATIVE, NATIVE),
+    'mistral': (NATIVE, NATIVE, NATIVE),
+    'mixtral': (NATIVE, NATIVE, NATIVE),
+    'mllama': (NATIVE, NATIVE, NATIVE),
+    'modernbert-decoder': (NATIVE, NATIVE, NATIVE),
+    'moshi': (NATIVE, NATIVE, NATIVE),
+    'moss_transcribe_diarize': (NATIVE, NATIVE, NATIVE),
+    'mpt': (
+        NO_SDPA,
+        Verdict("refused", "MptForCausalLM does not pass position_ids on to its decoder: it cannot see the documents"),
+        _fails("its flash path reads an attention mask, which a packed batch does not have"),
+    ),
+    'musicgen': (_unmeasured('its defaults do not build in transformers either: MusicgenConfig has no dropout'),) * 3,
+    'musicgen_melody': (
+        _unmeasured(
+            'its defaults do not build in transformers either: MusicgenMelodyConfig has no dropout'
+        ),
+    ) * 3,
+    'mvp': (NO_SDPA, ENCODER, ENCODER),
+    'nanochat': (NATIVE, NATIVE, NATIVE),
+    'nemotron': (NATIVE, NATIVE, FLASH_WITHOUT_OFFSETS),
+    'nemotron_h': (STATE, STATE, STATE),
+    'olmo': (NATIVE, NATIVE, NATIVE),
+    'olmo2': (NATIVE, NATIVE, NATIVE),
+    'olmo3': (NATIVE, NATIVE, NATIVE),
+    'olmo_hybrid': (STATE, STATE, STATE),
+    'olmoe': (NATIVE, NATIVE, NATIVE),
+    'openai-gpt': (NO_SDPA, POSITIONS, POSITIONS),
+    'opt': (BLOCK_MASK, BLOCK_MASK, NATIVE),
+    'pegasus': (ENCODER, ENCODER, ENCODER),
+    'persimmon': (NATIVE, NATIVE, NATIVE),
+    'phi': (NATIVE, NATIVE, NATIVE),
+    'phi3': (NATIVE, NATIVE, NATIVE),
+    'phi4_multimodal': (NATIVE, NATIVE, NATIVE),
+    'phimoe': (NATIVE, NATIVE, NATIVE),
+    'plbart': (ENCODER, ENCODER, ENCODER),
+    'prophetnet': (NO_SDPA, ENCODER, ENCODER),
+    'qwen2': (NATIVE, NATIVE, NATIVE),
+    'qwen2_moe': (NATIVE, NATIVE, NATIVE),
+    'qwen3': (NATIVE, NATIVE, NATIVE),
+    'qwen3_5': (STATE, STATE, STATE),
+    'qwen3_5_moe': (STATE, STATE, STATE),
+    'qwen3_5_moe_text': (STATE, STATE, STATE),
+    'qwen3_5_text': (STATE, STATE, STATE),
+    'qwen3_moe': (NATIVE, NATIVE, NATIVE),
+    'qwen3_next': (STATE, STATE, STATE),
+    'qwen4_exp': (STATE, STATE, STATE),
+    'qwen4_exp_text': (STATE, STATE, STATE),
+    'recurrent_gemma': (STATE, STATE, STATE),
+    'reformer': (
+        NO_SDPA,
+        *[_unmeasured("its defaults do not build in transformers either: its LM head needs is_decoder=True")] * 2,
+    ),
+    'rembert': (NO_SDPA, ENCODER, ENCODER),
+    'roberta': (ENCODER, ENCODER, ENCODER),
+    'roberta-prelayernorm': (ENCODER, ENCODER, ENCODER),
+    'roc_bert': (ENCODER, ENCODER, NATIVE),
+    'roformer': (NO_SDPA, ENCODER, ENCODER),
+    'rwkv': (NO_SDPA, STATE, STATE),
+    'sarvam_mla': (NATIVE, NATIVE, NATIVE),
+    'sarvam_moe': (NATIVE, NATIVE, NATIVE),
+    'seed_oss': (NATIVE, NATIVE, NATIVE),
+    'smollm3': (NATIVE, NATIVE, NATIVE),
+    'solar_open': (NATIVE, NATIVE, NATIVE),
+    'stablelm': (NATIVE, NATIVE, FLASH_WITHOUT_OFFSETS),
+    'starcoder2': (NATIVE, NATIVE, NATIVE),
+    'trocr': (NO_SDPA, ENCODER, ENCODER),
+    'vaultgemma': (NO_SDPA, NATIVE, NATIVE),
+    'whisper': (ENCODER, ENCODER, ENCODER),
+    'xglm': (
+        NO_SDPA,
+        _fails("XGLM's causal-LM head turns the cache on, and with a cache eager builds no per-document mask"),
+        FLASH_WITHOUT_OFFSETS,
+    ),
+    'xlm': (NO_SDPA, ENCODER, ENCODER),
+    'xlm-roberta': (ENCODER, ENCODER, ENCODER),
+    'xlm-roberta-xl': (ENCODER, ENCODER, ENCODER),
+    'xlnet': (NO_SDPA, ENCODER, ENCODER),
+    'xlstm': (NO_SDPA, STATE, STATE),
+    'xmod': (ENCODER, ENCODER, ENCODER),
+    'youtu': (NATIVE, NATIVE, NATIVE),
+    'zamba': (STATE, STATE, STATE),
+    'zamba2': (STATE, STATE, STATE),
+    'zaya': (STATE, STATE, STATE),
+}
+
+
+def backend_of(attn: str) -> str:
+    """The table's column for a transformers attention implementation name."""
+    return "flash" if attn.startswith("flash_attention") else attn
+
+
+def verdict(model_type: str, attn: str) -> Verdict | None:
+    """The family's verdict on this attention implementation; None for a model type the table lacks."""
+    row = FAMILIES.get(model_type)
+    return None if row is None else row[BACKENDS.index(backend_of(attn))]
+
+
+def refusal(model_type: str, model_class: str, attn: str) -> str | None:
+    """The message `enable_packing` raises for this family and backend, or None where it isolates."""
+    found = verdict(model_type, attn)
+    if found is not None and found.isolated:
+        return None
+    if found is None:
+        return (
+            f"prepack has not measured model type {model_type!r} ({model_class}) on {attn}: it is not in the table "
+            f"of {MEASURED_WITH} (a newer transformers, or remote code), and a family with a new kind of layer may "
+            "let packed documents see each other. Check it: prepack check-isolation --model DIR --attn "
+            f"{attn}; if it reports isolated, call enable_packing(model, allow_unlisted=True)."
+        )
+    elsewhere = [backend for backend, other in zip(BACKENDS, FAMILIES[model_type]) if other.isolated]
+    instead = (
+        f"Load it with attn_implementation={_implementation(elsewhere[0])!r}, where prepack isolates it, or train "
+        "it without packing (one document per row)."
+        if elsewhere
+        else "Train it without packing (one document per row)."
+    )
+    return (
+        f"prepack cannot keep packed documents apart in {model_type} ({model_class}) on {attn}: "
+        f"{found.reason}. {instead}"
+    )
+
+
+def _implementation(backend: str) -> str:
+    return "flash_attention_2" if backend == "flash" else backend
+
+
+def markdown() -> str:
+    """docs/model-support.md: the table, its counts and its legend."""
+    counts = {
+        backend: sum(row[column].isolated for row in FAMILIES.values()) for column, backend in enumerate(BACKENDS)
+    }
+    reasons: dict[str, int] = {}  # each refusal reason once, numbered in order of first use
+    rows = []
+    for model_type, row in sorted(FAMILIES.items()):
+        cells = [
+            f"isolated ({found.how})"
+            if found.isolated
+            else f"refused [{reasons.setdefault(found.reason, len(reasons) + 1)}]"
+            for found in row
+        ]
+        rows.append(f"| {model_type} | {' | '.join(cells)} |")
+    return "\n".join(
+        [
+            "# Model support",
+            "",
+            "<!-- Generated by `python -m prepack.families > docs/model-support.md`; "
+            "tests/test_families.py fails when it is out of date. -->",
+            "",
+            f"Every causal LM that {MEASURED_WITH} registers, on each attention backend: **isolated** (packed",
+            "documents give the logits, loss and gradients of each document run alone) or **refused**",
+            "(`enable_packing` raises `IsolationError` with the reason and what to do instead). Measured by",
+            "`tests/test_family_sweep.py` on tiny random models in float64; flash is transformers'",
+            "flash-attention path (flash_attention_2 and _3) run with a pure-torch flash-attn. A model type",
+            "missing here (a newer transformers, remote code) is refused unless",
+            "`enable_packing(model, allow_unlisted=True)` is passed after `prepack check-isolation` reports it",
+            "isolated.",
+            "",
+            "| backend | isolated | refused |",
+            "|---|---:|---:|",
+            *(f"| {backend} | {counts[backend]} | {len(FAMILIES) - counts[backend]} |" for backend in BACKENDS),
+            "",
+            "How: *native*: transformers isolates from `position_ids` / `cu_seq_lens_*`; *layer masks*: prepack",
+            "passes the per-layer-type masks that transformers' `create_causal_mask` and",
+            "`create_sliding_window_causal_mask` build from `position_ids`; *block mask*: the same as one 4-D mask.",
+            "",
+            "| model type | sdpa | eager | flash |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+            "Refused because:",
+            "",
+            *(f"{number}. {reason}" for reason, number in reasons.items()),
+        ]
+    ) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown())

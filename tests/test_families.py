@@ -1,0 +1,141 @@
+"""`prepack.families` and what `enable_packing` does with it: refusals that name the family, the backend,
+the reason and what to do instead; unlisted model types refused unless the caller opts in; the masks
+prepack passes to gpt-oss on eager; padding that never turns gradients NaN. The whole table is measured
+by the slow `tests/test_family_sweep.py`; these are the fast, pointed checks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from prepack import IsolationError, families
+from prepack.attention import enable_packing
+from prepack.collate import PackedCollator
+from prepack.isolation import default_tolerances, measure_isolation
+from tests.flash_reference import use_flash_reference  # noqa: F401 (a fixture)
+from tests.test_family_sweep import MAX_LEN, packs
+from tests.tiny_models import tiny_model
+
+LEAK = 1e-3
+
+
+def measure(model, **collator_options):
+    sample = packs()
+    tolerance, loss_tolerance = default_tolerances(torch.float64, model.config.get_text_config()._attn_implementation)
+    batch = PackedCollator(MAX_LEN, **collator_options)(sample)
+    return measure_isolation(model, sample, batch, tolerance=tolerance, loss_tolerance=loss_tolerance)
+
+
+def let_through(monkeypatch, model_type: str):
+    """Mark the family native on every backend: enable_packing then adds nothing for it."""
+    monkeypatch.setitem(families.FAMILIES, model_type, (families.NATIVE,) * len(families.BACKENDS))
+
+
+def test_the_table_lists_exactly_the_registered_causal_lms():
+    assert sorted(families.FAMILIES) == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def test_the_support_page_is_generated_from_the_table():
+    page = Path(__file__).parents[1] / "docs" / "model-support.md"
+    assert page.read_text() == families.markdown(), "run: python -m prepack.families > docs/model-support.md"
+
+
+def test_the_table_imports_neither_torch_nor_transformers():
+    code = "import sys, prepack.families; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_a_refusal_names_family_backend_reason_and_remedy():
+    with pytest.raises(IsolationError) as refused:
+        enable_packing(tiny_model("bamba", "sdpa"))
+    message = str(refused.value)
+    assert "bamba (BambaForCausalLM) on sdpa" in message
+    assert families.STATE.reason in message
+    assert "Train it without packing" in message
+
+
+def test_a_refusal_points_to_a_backend_that_isolates_the_family():
+    with pytest.raises(IsolationError) as refused:
+        enable_packing(tiny_model("nemotron", "flash_attention_2"))
+    message = str(refused.value)
+    assert f"nemotron (NemotronForCausalLM) on flash_attention_2: {families.FLASH_WITHOUT_OFFSETS.reason}" in message
+    assert "attn_implementation='sdpa'" in message
+
+
+def test_a_backend_switched_after_enable_packing_is_checked_at_the_forward():
+    model = enable_packing(tiny_model("nemotron", "sdpa"))
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(IsolationError, match="nemotron .* on flash_attention_2"):
+        model(**PackedCollator(MAX_LEN)(packs()))
+
+
+def test_an_unlisted_model_type_is_refused_unless_the_caller_opts_in(monkeypatch):
+    monkeypatch.delitem(families.FAMILIES, "qwen3")
+    model = tiny_model("qwen3", "sdpa")
+    with pytest.raises(IsolationError, match=r"not in the table.*prepack check-isolation.*allow_unlisted=True"):
+        enable_packing(model)
+    assert measure(enable_packing(model, allow_unlisted=True)).passed
+
+
+class RemoteLlama(transformers.LlamaForCausalLM):
+    """Stands for remote code that reuses a model type of transformers with code of its own."""
+
+
+def test_remote_code_is_unlisted_even_under_a_listed_model_type():
+    model = tiny_model("llama", "sdpa")
+    remote = RemoteLlama(model.config)
+    with pytest.raises(IsolationError, match=r"'llama \(remote code\)' \(RemoteLlama\)"):
+        enable_packing(remote)
+    enable_packing(remote, allow_unlisted=True)
+
+
+@pytest.mark.parametrize("layout", ["padded", "padding_free", "indexed_mask"])
+def test_gpt_oss_on_eager_is_isolated_by_the_masks_prepack_passes(layout, monkeypatch):
+    """gpt-oss builds its masks without position_ids, so transformers alone leaks on eager; prepack passes the
+    per-layer-type masks that create_causal_mask / create_sliding_window_causal_mask build from them."""
+    assert families.verdict("gpt_oss", "eager") == families.LAYER_MASKS
+    result = measure(enable_packing(tiny_model("gpt_oss", "eager")), layout=layout)
+    assert result.passed and result.max_grad_diff is not None, result
+    let_through(monkeypatch, "gpt_oss")
+    assert measure(enable_packing(tiny_model("gpt_oss", "eager"))).max_logit_diff > LEAK
+
+
+def test_padding_never_makes_gradients_nan():
+    """Gemma 3n's embedding of its pad id 0 is all zeros, and a normalisation of the padding then divides 0
+    by 0: NaN gradients although padding is never trained on. The collator pads with a real token."""
+    model = enable_packing(tiny_model("gemma3n_text", "sdpa"))
+    assert model.config.pad_token_id == 0 and not model.get_input_embeddings().weight[0].any()
+    assert torch.isnan(torch.tensor(measure(model, pad_token_id=0).max_grad_diff))
+    result = measure(model)
+    assert result.passed and torch.isfinite(torch.tensor(result.max_grad_diff)), result
+
+
+def test_the_families_people_fine_tune_stay_isolated_on_every_backend():
+    named = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma3_text", "gemma4", "llama4", "deepseek_v3"]
+    named += ["glm4_moe", "olmo3", "smollm3", "mixtral", "phi3", "granite", "lfm2"]
+    refused = {
+        (name, backend)
+        for name in named
+        for backend, found in zip(families.BACKENDS, families.FAMILIES[name])
+        if not found.isolated
+    }
+    assert not refused
+
+
+@pytest.mark.usefixtures("use_flash_reference")
+def test_rows_longer_than_an_attention_chunk_are_refused_on_flash():
+    """transformers' flash path cannot apply Llama 4's chunks and raises its own ValueError for longer rows."""
+    model = enable_packing(tiny_model("llama4_text", "flash_attention_2"))
+    chunk = model.config.get_text_config().attention_chunk_size
+    assert chunk < MAX_LEN
+    refusal = rf"Rows of {MAX_LEN} tokens .*attention_chunk_size={chunk}.*max_len at most"
+    with pytest.raises(IsolationError, match=refusal):
+        model(**PackedCollator(MAX_LEN)(packs()))

@@ -1,0 +1,130 @@
+"""The family sweep: `prepack.families` is measured, not claimed.
+
+For every causal LM that the installed transformers registers and every backend (sdpa, eager, and
+transformers' flash-attention path with the pure-torch flash-attn of `tests/flash_reference.py`), a tiny
+random model (`tests/tiny_models.py`, float64, CPU) gets `PackedCollator` + `enable_packing`, and:
+
+- a family the table marks isolated must give every document the logits, loss and gradients of the
+  document run alone;
+- a family marked refused must make `enable_packing` raise `IsolationError` naming the family and the
+  backend; and the refusal must be needed: let through (its verdict forced to native), the packed batch
+  leaks or fails. The same holds for the masks prepack passes in ("layer masks", "block mask"): without
+  them the family leaks;
+- a family whose tiny model cannot be built must be marked refused, with that reason;
+- `prepack check-isolation` on the family's config.json gives the same verdict (sdpa and eager).
+
+So the sweep fails on a silent leak, on a foreign exception, and on any verdict that differs from what it
+measures. Regenerate docs/model-support.md with `python -m prepack.families > docs/model-support.md`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from prepack import IsolationError, PrepackError, families
+from prepack.attention import enable_packing
+from prepack.collate import PackedCollator
+from prepack.isolation import check_isolation, default_tolerances, measure_isolation
+from tests.flash_reference import use_flash_reference  # noqa: F401 (a fixture)
+from tests.tiny_models import CAUSAL_LM_TYPES, DOCUMENT_VOCAB, tiny_config, tiny_model
+
+pytestmark = pytest.mark.slow
+
+MAX_LEN = 32
+DOCUMENTS = ([20, 9], [3, 11, 14])  # per pack; longer than the tiny windows (6) and chunks (8)
+def packs(documents=DOCUMENTS) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    made = []
+    for lengths in documents:
+        input_ids = rng.integers(2, DOCUMENT_VOCAB, size=sum(lengths))
+        made.append({"input_ids": input_ids, "cu_seqlens": np.cumsum([0, *lengths]), "labels": input_ids})
+    return made
+
+
+def implementation(backend: str) -> str:
+    return "flash_attention_2" if backend == "flash" else backend
+
+
+@pytest.fixture
+def attn(request, backend) -> str:
+    if backend == "flash":
+        request.getfixturevalue("use_flash_reference")
+    return implementation(backend)
+
+
+def build(model_type: str, attn: str):
+    """The tiny model, or (None, why) when transformers cannot build it on this backend or at all."""
+    try:
+        return tiny_model(model_type, attn), None
+    except Exception as exc:  # any failure to build is a finding the table must state
+        return None, exc
+
+
+@pytest.mark.parametrize("backend", families.BACKENDS)
+@pytest.mark.parametrize("model_type", CAUSAL_LM_TYPES)
+def test_the_table_states_what_enable_packing_does(model_type, backend, attn, monkeypatch):
+    assert model_type in families.FAMILIES, f"{model_type} is not in prepack.families: add its measured row"
+    expected = families.verdict(model_type, attn)
+    model, failure = build(model_type, attn)
+    if model is None and "does not support an attention implementation" in str(failure):
+        # transformers refuses the backend for this family; a model switched to it anyway is refused by prepack
+        assert expected == families.NO_SDPA, failure
+        model, _ = build(model_type, "eager")
+        if model is not None:
+            model.config._attn_implementation = attn
+    if model is None:
+        assert not expected.isolated and expected.reason.startswith(("not measured", "transformers has no")), failure
+        assert families.refusal(model_type, "a model class", attn), "enable_packing raises this message"
+        return
+    sample = packs()
+    batch = PackedCollator(MAX_LEN)(sample)
+    tolerance, loss_tolerance = default_tolerances(torch.float64, attn)  # check-isolation's, in float64
+    chunk = getattr(model.config.get_text_config(), "attention_chunk_size", None)
+    if expected.isolated and backend == "flash" and chunk and chunk < MAX_LEN:
+        # transformers' flash path runs chunked layers (Llama 4) only on rows that fit in one chunk
+        with pytest.raises(IsolationError, match="attention_chunk_size"):
+            enable_packing(model)(**batch)
+        sample = packs(documents=([5, 3], [2, 4]))
+        batch = PackedCollator(chunk)(sample)
+    if expected.isolated:
+        result = measure_isolation(
+            enable_packing(model), sample, batch, tolerance=tolerance, loss_tolerance=loss_tolerance
+        )
+        assert result.passed, result
+    else:
+        with pytest.raises(IsolationError) as refused:
+            enable_packing(model)
+        assert f"({type(model).__name__}) on {attn}: {expected.reason}" in str(refused.value)
+    if expected.how != "native" and expected != families.NO_SDPA:  # the refusal, or the masks, are needed
+        row = list(families.FAMILIES[model_type])
+        row[families.BACKENDS.index(backend)] = families.NATIVE
+        monkeypatch.setitem(families.FAMILIES, model_type, tuple(row))
+        try:
+            model = enable_packing(model)
+            let_through = measure_isolation(
+                model, sample, batch, tolerance=tolerance, loss_tolerance=loss_tolerance, gradients=False
+            )
+        except Exception:  # noqa: BLE001 (transformers' own failure on a packed batch is a reason to refuse)
+            return
+        assert not let_through.passed, f"{model_type} on {attn} isolates without what the table says: {let_through}"
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])  # check-isolation runs flash only on CUDA
+@pytest.mark.parametrize("model_type", CAUSAL_LM_TYPES)
+def test_check_isolation_gives_the_tables_verdict(model_type, backend, attn, tmp_path):
+    """`prepack check-isolation --model config.json` (random weights, float64 on a CPU by default) on the
+    family's tiny config: isolated where the table says so, exit 2 (a PrepackError) where it refuses."""
+    expected = families.verdict(model_type, attn)
+    try:
+        tiny_config(model_type).to_json_file(tmp_path / "config.json")
+    except Exception:  # noqa: BLE001 (no tiny config: the table must say it was not measured)
+        assert expected.reason.startswith("not measured")
+        return
+    if expected.isolated:
+        result = check_isolation(tmp_path / "config.json", attn, max_len=MAX_LEN, packs=3, gradients=False)
+        assert result.passed and result.dtype == "float64", result
+    else:
+        with pytest.raises(PrepackError):
+            check_isolation(tmp_path / "config.json", attn, max_len=MAX_LEN, packs=3, gradients=False)
