@@ -240,6 +240,14 @@ def build(
             planning = bar.add_task("plan", total=None)
             plan = plan_packs(stored.lengths, max_len, algorithm=algorithm, overflow=overflow, seed=seed)
             bar.update(planning, total=1, completed=1)
+            if not plan.packs:  # only --overflow drop leaves documents but no pack
+                row = int(np.flatnonzero(stored.lengths)[0])
+                path, file_row = _locate_row(found, stored.rows_per_file, row)
+                raise InputError(
+                    f"{path}, row {file_row}, column {read_column!r}: {stored.lengths[row]} tokens, longer "
+                    f"than --max-len {max_len}, and so is every other non-empty document: --overflow drop "
+                    "leaves no pack (choose --overflow split or truncate, or a larger --max-len)."
+                )
             shards = _write_shards(plan, staging, scratch, has_labels, shard_size, bar)
             shutil.rmtree(scratch)
             manifest = Manifest(
