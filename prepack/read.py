@@ -84,7 +84,7 @@ def _hf_saved_dataset(directory: Path) -> tuple[Path, ...] | None:
             )
         return None
     try:
-        names = [entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
+        names = [entry["filename"] for entry in parse_json(state.read_text())["_data_files"]]
         inside = directory.resolve()
         files = tuple(directory / name for name in names if isinstance(name, str) and name)
         if len(files) != len(names):
@@ -124,7 +124,7 @@ def _refuse_build_output(directory: Path) -> None:
     try:
         if not manifest.is_file() or manifest.stat().st_size > _MANIFEST_BYTES:
             return
-        is_build = "format_version" in json.loads(manifest.read_bytes())
+        is_build = "format_version" in parse_json(manifest.read_bytes())
     except (OSError, ValueError, TypeError):  # not JSON, or not an object: not a prepack manifest
         return
     if is_build:
@@ -285,6 +285,14 @@ def _longest_record(path: Path) -> int:
         return max(map(len, json_records(path, stream)), default=0)
 
 
+def parse_json(text: str | bytes) -> object:
+    """`json.loads`, with nesting too deep for Python's parser refused as the ValueError it is."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def json_records(path: Path, stream: pa.NativeFile) -> Iterator[bytes]:
     """The records of a JSON Lines stream: its non-blank lines, whole, row after row. A line over
     MAX_RECORD_BYTES is refused, so a file without newlines cannot fill memory."""
@@ -354,7 +362,7 @@ def file_columns(path: Path, kind: str) -> dict[str, pa.DataType]:
         else:
             with pa.input_stream(str(path), compression="detect") as stream:
                 for raw in json_records(path, stream):
-                    record = json.loads(raw)
+                    record = parse_json(raw)
                     if not isinstance(record, dict):
                         raise InputError(f"{path}, row 0: a JSON Lines record must be an object.")
                     return {name: pa.list_(pa.int64()) for name in record}
@@ -387,7 +395,7 @@ def _json_error(path: Path, columns: list[str], exc: pa.ArrowException) -> Input
     with pa.input_stream(str(path), compression="detect") as stream:
         for row, raw in enumerate(json_records(path, stream)):
             try:
-                record = json.loads(raw)
+                record = parse_json(raw)
             except ValueError as error:
                 return InputError(f"{path}, row {row}: not valid JSON ({error}).")
             if not isinstance(record, dict):

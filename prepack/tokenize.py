@@ -51,7 +51,7 @@ from tokenizers import Encoding, Tokenizer
 
 from prepack.errors import InputError
 from prepack.format import IGNORE_INDEX, TokenizeOptions, TokenizerInfo
-from prepack.read import Corpus, DocumentBatch, file_columns, file_kind, json_records, record_batches
+from prepack.read import Corpus, DocumentBatch, file_columns, file_kind, json_records, parse_json, record_batches
 
 __all__ = ["LocalTokenizer", "load_tokenizer", "tokenize_corpus"]
 
@@ -79,7 +79,7 @@ class LocalTokenizer:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = parse_json(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise InputError(f"{path}: cannot be read as JSON ({exc}).") from None
     if not isinstance(data, dict):
@@ -357,7 +357,7 @@ def _json_values(path: Path, column: str) -> Iterator[tuple[int, list, int]]:
             for raw in json_records(path, stream):
                 row = row0 + len(values)
                 try:
-                    record = json.loads(raw)
+                    record = parse_json(raw)
                 except ValueError as exc:
                     raise InputError(f"{path}, row {row}: not valid JSON ({exc}).") from None
                 if not isinstance(record, dict) or column not in record:
