@@ -5,8 +5,11 @@ Arrow IPC (file or stream format) files, or a Hugging Face `save_to_disk` direct
 sorted path order and rows are numbered 0, 1, … across them: that global row number is what the shards'
 `source_rows` column records.
 
-Every check here is vectorized over a record batch, and every error names the file, the row and the
-column, because a user with a billion documents cannot bisect by hand.
+Every file is untrusted: each record batch is validated in full (offsets against their buffers,
+UTF-8) before a value is used, so memory stays bounded by the file's real size; JSON Lines records
+may be up to MAX_RECORD_BYTES (256 MiB) long. Every check here is vectorized over a record batch, and
+every error names the file, the row and the column, because a user with a billion documents cannot
+bisect by hand.
 """
 
 from __future__ import annotations
@@ -367,13 +370,13 @@ def file_columns(path: Path, kind: str) -> dict[str, pa.DataType]:
                         raise InputError(f"{path}, row 0: a JSON Lines record must be an object.")
                     return {name: pa.list_(pa.int64()) for name in record}
             return {}
+        if SHARD_VERSION_KEY.encode() in (schema.metadata or {}):
+            raise InputError(
+                f"{path}: a shard of a prepack build, not a corpus file; its packs would be read as documents."
+            )
+        return {f.name: f.type for f in schema}  # a name that is not UTF-8 raises UnicodeDecodeError
     except (OSError, pa.ArrowException, ValueError) as exc:
         raise InputError(f"{path}: cannot be read ({exc}); is it truncated?") from None
-    if SHARD_VERSION_KEY.encode() in (schema.metadata or {}):
-        raise InputError(
-            f"{path}: a shard of a prepack build, not a corpus file; its packs would be read as documents."
-        )
-    return {f.name: f.type for f in schema}
 
 
 def _check_column_type(path: Path, column: str, dtype: pa.DataType) -> None:
