@@ -88,14 +88,15 @@ def _hf_saved_dataset(directory: Path) -> tuple[Path, ...] | None:
         return None
     try:
         names = [entry["filename"] for entry in parse_json(state.read_text())["_data_files"]]
-        inside = directory.resolve()
+        inside = Path(os.path.realpath(directory))
         files = tuple(directory / name for name in names if isinstance(name, str) and name)
         if len(files) != len(names):
             raise ValueError("every '_data_files' entry needs a non-empty 'filename' string")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InputError(f"{state}: not a readable Hugging Face dataset state ({exc}).") from None
     for name, path in zip(names, files):
-        if Path(name).is_absolute() or not path.resolve().is_relative_to(inside):
+        # realpath, not resolve(): on Python 3.11 resolve() raises RuntimeError for a symlink loop.
+        if Path(name).is_absolute() or not Path(os.path.realpath(path)).is_relative_to(inside):
             raise InputError(f"{state}: data file {name!r} lies outside the dataset directory {directory}.")
         _check_regular(path)
     return files
@@ -147,7 +148,7 @@ def _directory_files(root: Path) -> tuple[Path, ...]:
     files, seen = [], set()
     for top, directories, names in os.walk(root, onerror=refuse, followlinks=True):
         here = Path(top)
-        real = here.resolve()
+        real = Path(os.path.realpath(here))
         if real in seen:  # a symlink back up the tree, or a second way to the same files
             raise InputError(f"{here}: the same directory as {real}, reached twice; its files would be read twice.")
         seen.add(real)
@@ -270,8 +271,9 @@ def _json_batches(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
             with pa.input_stream(str(path), compression="detect") as stream:
                 skip = rows
                 for batch in pa_json.open_json(stream, pa_json.ReadOptions(block_size=block), options):
-                    if skip:
-                        batch, skip = batch.slice(min(skip, batch.num_rows)), skip - min(skip, batch.num_rows)
+                    if skip:  # rows already yielded before the block grew
+                        dropped = min(skip, batch.num_rows)
+                        batch, skip = batch.slice(dropped), skip - dropped
                     if batch.num_rows:
                         rows += batch.num_rows
                         yield batch
@@ -365,7 +367,10 @@ def file_columns(path: Path, kind: str) -> dict[str, pa.DataType]:
         else:
             with pa.input_stream(str(path), compression="detect") as stream:
                 for raw in json_records(path, stream):
-                    record = parse_json(raw)
+                    try:
+                        record = parse_json(raw)
+                    except ValueError as exc:
+                        raise InputError(f"{path}, row 0: not valid JSON ({exc}).") from None
                     if not isinstance(record, dict):
                         raise InputError(f"{path}, row 0: a JSON Lines record must be an object.")
                     return {name: pa.list_(pa.int64()) for name in record}

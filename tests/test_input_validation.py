@@ -315,11 +315,13 @@ def corpus_dir(tmp_path: Path) -> Path:
     return directory
 
 
-def test_a_dangling_symlink_in_the_corpus_is_refused(tmp_path):
+@pytest.mark.parametrize("link", ["dangling", "loop"])
+def test_a_symlink_to_nothing_in_the_corpus_is_refused(tmp_path, link):
     directory = corpus_dir(tmp_path)
-    (directory / "b.jsonl").symlink_to(tmp_path / "gone.jsonl")
-    refused(directory, tmp_path / "out", ["b.jsonl", "symbolic link to nothing"])
-    refused(directory / "b.jsonl", tmp_path / "out", ["b.jsonl", "symbolic link to nothing"])
+    (directory / "b.jsonl").symlink_to(tmp_path / "gone.jsonl" if link == "dangling" else directory / "b.jsonl")
+    what = "symbolic link to nothing" if link == "dangling" else "Too many levels of symbolic links"
+    refused(directory, tmp_path / "out", ["b.jsonl", what])
+    refused(directory / "b.jsonl", tmp_path / "out", ["b.jsonl", what])
 
 
 def test_a_fifo_in_the_corpus_is_refused_without_blocking(tmp_path):
@@ -329,6 +331,22 @@ def test_a_fifo_in_the_corpus_is_refused_without_blocking(tmp_path):
         error = build_in_thread(corpus, tmp_path / "out")
         assert isinstance(error, InputError) and "b.jsonl" in str(error) and "FIFO" in str(error), error
         assert_nothing_written(tmp_path / "out")
+
+
+def test_a_subdirectory_that_cannot_be_listed_is_refused(tmp_path):
+    """A directory under a path longer than PATH_MAX: even root cannot list it (chmod would not stop
+    root), and its documents must not be left out quietly."""
+    directory = corpus_dir(tmp_path)
+    parent = os.open(directory, os.O_RDONLY)
+    for _ in range(20):  # 20 levels of 250 characters: past Linux's 4,096
+        os.mkdir("d" * 250, dir_fd=parent)
+        child = os.open("d" * 250, os.O_RDONLY, dir_fd=parent)
+        os.close(parent)
+        parent = child
+    with open(os.open("b.jsonl", os.O_WRONLY | os.O_CREAT, dir_fd=parent), "w") as deep:
+        deep.write('{"input_ids": [3]}\n')
+    os.close(parent)
+    refused(directory, tmp_path / "out", ["ddd", "cannot list this corpus directory"])
 
 
 def test_a_directory_reached_twice_through_a_symlink_is_refused(tmp_path):
