@@ -38,7 +38,8 @@ OFFSETS = (-1, -(2**31), 2**31 - 1, 2**30, 10**6, 0, 1, 7, 40, 200)
 # Values spliced into a JSON document: wrong types, out-of-range ids, nesting, surrogates, junk.
 JSON_PIECES = (
     b"-1", b"2147483648", b"18446744073709551616", b"1e400", b"1.5", b"null", b'"x"', b"[1]", b"[[1]]",
-    b'"\\ud800"', b"\\ud800", b"\\udfff x", b"\\", b"\\u12", b"{}", b"true", b"NaN", b"\n", b"\n\n", b",", b"]", b"}", b"\xff\xfe", b"\x00", b"[" * 3000,
+    b'"\\ud800"', b"\\ud800", b"\\udfff x", b"\\", b"\\u12", b"{}", b"true", b"NaN", b"\n", b"\n\n",
+    b",", b"]", b"}", b"\xff\xfe", b"\x00", b"[" * 3000,
 )
 FORMATS = ("parquet", "jsonl", "jsonl.gz", "arrow", "ipc", "feather", "hf")  # feather: zstd-compressed IPC
 WORDS = ("a", "b", "c", "d")
@@ -131,7 +132,8 @@ def text_corpus(mode: str, suffix: str) -> bytes:
     """A valid text or chat corpus of 30 rows, as JSON Lines or Parquet bytes."""
     texts = [" ".join(WORDS[(i + j) % 4] for j in range(i % 7)) for i in range(30)]
     if mode == "chat":
-        rows = [{"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]} for t in texts]
+        turns = [[{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}] for t in texts]
+        rows = [{"messages": messages} for messages in turns]
     else:
         rows = [{"text": t} for t in texts]
     if suffix == "jsonl":
@@ -148,7 +150,10 @@ def run_case(workdir: Path, kind: str, files: dict[str, bytes], seed: int) -> st
     corpus.mkdir()
     data_files = [name for name in files if name.endswith((".arrow", ".parquet", ".jsonl", ".gz", ".ipc", ".feather"))]
     target = data_files[0] if kind != "hf" or rng.random() < 0.8 else "state.json"
-    choices = corruptions("jsonl" if kind == "jsonl.gz" else kind) if target != "state.json" else [flip_bits, splice_json]
+    if target == "state.json":
+        choices = [flip_bits, splice_json]
+    else:
+        choices = corruptions("jsonl" if kind == "jsonl.gz" else kind)
     corrupt = choices[int(rng.integers(len(choices)))]
     for name, data in files.items():
         if name == target:
@@ -218,7 +223,8 @@ def test_corrupted_text_and_chat_corpora_tokenize_cleanly_or_raise_a_prepack_err
         source.write_bytes(corrupt(rng, valid))
         case = f"{mode} {suffix} seed {seed} ({corrupt.__name__})"
         try:
-            outcomes[check_build(tmp_path, corpus, source, case, tokenizer=tokenizer, chat=mode == "chat", num_proc=1)] += 1
+            options = {"tokenizer": tokenizer, "chat": mode == "chat", "num_proc": 1}
+            outcomes[check_build(tmp_path, corpus, source, case, **options)] += 1
         except Exception as exc:  # noqa: BLE001 - every other exception is the finding
             failures.append(f"{case}: {''.join(traceback.format_exception(exc)[-3:]).strip()}")
     assert not failures, f"{len(failures)} of {TEXT_CASES} cases broke the contract:\n" + "\n\n".join(failures[:8])

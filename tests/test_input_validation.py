@@ -99,7 +99,8 @@ def test_a_huge_offset_in_a_tiny_file_does_not_allocate(tmp_path):
         resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
 
     result = subprocess.run(
-        [sys.executable, "-c", "from prepack.cli import app; app()", "build", str(corpus), "--max-len", "16", "--out", str(tmp_path / "out")],
+        [sys.executable, "-c", "from prepack.cli import app; app()", "build", str(corpus), "--max-len", "16",
+         "--out", str(tmp_path / "out")],
         capture_output=True, text=True, preexec_fn=limit, timeout=120, env={**os.environ, "COLUMNS": "300"},
     )
     assert result.returncode == 2, result.stderr[-2000:]
@@ -182,64 +183,37 @@ def jsonl(path: Path, lines: list[str]) -> Path:
     return path
 
 
+# case: (the input_ids column: an Arrow array for Parquet, JSON texts for JSON Lines; expected fragments;
+# a record that is not JSON has no column to name)
 BAD_VALUES = {
-    "parquet negative id": (
-        lambda t: pq.write_table(pa.table({"input_ids": [[1], [2, -3]]}), t / "c.parquet") or t / "c.parquet",
-        ["c.parquet", "row 1", "'input_ids'", "-3"],
-    ),
+    "parquet negative id": (pa.array([[1], [2, -3]]), ["'input_ids'", "row 1", "-3"]),
     "parquet uint64 id over int32": (
-        lambda t: pq.write_table(pa.table({"input_ids": pa.array([[1], [2**32]], pa.list_(pa.uint64()))}), t / "c.parquet")
-        or t / "c.parquet",
-        ["c.parquet", "row 1", "'input_ids'", str(2**32)],
+        pa.array([[1], [2**32]], pa.list_(pa.uint64())), ["'input_ids'", "row 1", str(2**32)]
     ),
-    "parquet null id": (
-        lambda t: pq.write_table(pa.table({"input_ids": [[1], [2, None]]}), t / "c.parquet") or t / "c.parquet",
-        ["c.parquet", "row 1", "'input_ids'", "null token id"],
-    ),
-    "parquet string ids": (
-        lambda t: pq.write_table(pa.table({"input_ids": [["1"]]}), t / "c.parquet") or t / "c.parquet",
-        ["c.parquet", "'input_ids'", "must be integers"],
-    ),
-    "jsonl negative id": (
-        lambda t: jsonl(t / "c.jsonl", ['{"input_ids": [1]}', '{"input_ids": [1, -7]}']),
-        ["c.jsonl", "row 1", "'input_ids'", "-7"],
-    ),
-    "jsonl id over int32": (
-        lambda t: jsonl(t / "c.jsonl", ['{"input_ids": [1]}', '{"input_ids": [2147483648]}']),
-        ["c.jsonl", "row 1", "'input_ids'", "2147483648"],
-    ),
+    "parquet null id": (pa.array([[1], [2, None]]), ["'input_ids'", "row 1", "null token id"]),
+    "parquet string ids": (pa.array([["1"]]), ["'input_ids'", "must be integers"]),
+    "jsonl negative id": (["[1]", "[1, -7]"], ["'input_ids'", "row 1", "-7"]),
+    "jsonl id over int32": (["[1]", "[2147483648]"], ["'input_ids'", "row 1", "2147483648"]),
     "jsonl id over int64": (
-        lambda t: jsonl(t / "c.jsonl", ['{"input_ids": [1]}', '{"input_ids": [1]}', '{"input_ids": [18446744073709551616]}']),
-        ["c.jsonl", "row 2", "'input_ids'", "18446744073709551616", "out of range"],
+        ["[1]", "[1]", "[18446744073709551616]"], ["'input_ids'", "row 2", "18446744073709551616", "out of range"]
     ),
-    "jsonl null row": (
-        lambda t: jsonl(t / "c.jsonl", ['{"input_ids": [1]}', '{"input_ids": null}']),
-        ["c.jsonl", "row 1", "'input_ids'", "null"],
-    ),
-    "jsonl null id": (
-        lambda t: jsonl(t / "c.jsonl", ['{"input_ids": [1, null]}']),
-        ["c.jsonl", "row 0", "'input_ids'", "null token id"],
-    ),
-    "jsonl a number instead of a list": (
-        lambda t: jsonl(t / "c.jsonl", ['{"input_ids": [1]}', '{"input_ids": 5}']),
-        ["c.jsonl", "row 1", "'input_ids'", "expected a list of token ids, found int"],
-    ),
-    "jsonl nested lists": (
-        lambda t: jsonl(t / "c.jsonl", ['{"input_ids": [1]}', '{"input_ids": [[1]]}']),
-        ["c.jsonl", "row 1", "'input_ids'", "nested"],
-    ),
-    "jsonl nested too deeply": (
-        lambda t: jsonl(t / "c.jsonl", ['{"input_ids": [1]}', '{"input_ids": ' + "[" * 100_000 + "}"]),
-        ["c.jsonl", "row 1", "not valid JSON", "nested too deeply"],
-    ),
+    "jsonl null row": (["[1]", "null"], ["'input_ids'", "row 1", "null"]),
+    "jsonl null id": (["[1, null]"], ["'input_ids'", "row 0", "null token id"]),
+    "jsonl a number instead of a list": (["[1]", "5"], ["'input_ids'", "row 1", "expected a list of token ids"]),
+    "jsonl nested lists": (["[1]", "[[1]]"], ["'input_ids'", "row 1", "nested"]),
+    "jsonl nested too deeply": (["[1]", "[" * 100_000], ["row 1", "not valid JSON", "nested too deeply"]),
 }
 
 
 @pytest.mark.parametrize("case", BAD_VALUES)
 def test_bad_parquet_and_jsonl_values_name_file_row_column(tmp_path, case):
-    make, fragments = BAD_VALUES[case]
-    (tmp_path / "in").mkdir()
-    refused(make(tmp_path / "in"), tmp_path / "out", fragments)
+    values, fragments = BAD_VALUES[case]
+    if isinstance(values, pa.Array):
+        corpus = tmp_path / "c.parquet"
+        pq.write_table(pa.table({"input_ids": values}), corpus)
+    else:
+        corpus = jsonl(tmp_path / "c.jsonl", [f'{{"input_ids": {value}}}' for value in values])
+    refused(corpus, tmp_path / "out", [corpus.name, *fragments])
 
 
 def test_a_jsonl_record_over_one_mib_is_read(tmp_path):
@@ -278,8 +252,10 @@ def test_invalid_options_are_refused_before_anything_is_written(tmp_path, option
 
 
 def test_every_document_dropped_is_refused(tmp_path):
-    corpus = jsonl(tmp_path / "c.jsonl", ['{"input_ids": []}', '{"input_ids": [1, 2, 3, 4, 5]}', '{"input_ids": [1, 2, 3, 4, 5, 6]}'])
-    refused(corpus, tmp_path / "out", ["c.jsonl", "row 1", "'input_ids'", "5 tokens", "--overflow drop"], max_len=4, overflow="drop")
+    documents = [[], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6]]  # one empty, the others longer than max_len 4
+    corpus = jsonl(tmp_path / "c.jsonl", [json.dumps({"input_ids": document}) for document in documents])
+    fragments = ["c.jsonl", "row 1", "'input_ids'", "5 tokens", "--overflow drop"]
+    refused(corpus, tmp_path / "out", fragments, max_len=4, overflow="drop")
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +278,8 @@ def test_a_lone_surrogate_is_refused_with_row_and_column(tmp_path, tokenizer, ch
         lines = [f'{{"text": "{text}"}}' for text in (good, good, bad)]
     corpus = jsonl(tmp_path / "c.jsonl", lines)
     column = "'messages'" if chat else "'text'"
-    refused(corpus, tmp_path / "out", ["c.jsonl", "row 2", column, "surrogate"], tokenizer=tokenizer, chat=chat, num_proc=1)
+    fragments = ["c.jsonl", "row 2", column, "surrogate"]
+    refused(corpus, tmp_path / "out", fragments, tokenizer=tokenizer, chat=chat, num_proc=1)
 
 
 # What a corpus directory may hold
