@@ -19,6 +19,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -193,8 +194,11 @@ def build(
             column=read_column,
             labels_column=labels_column,
         )
-    except ValueError as exc:
-        raise InputError(f"invalid build options:\n{exc}") from None
+    except ValidationError as exc:  # one line per option, named as the CLI spells it
+        problems = [
+            f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']} (got {e['input']!r})" for e in exc.errors()
+        ]
+        raise InputError("invalid build options: " + "; ".join(problems) + ".") from None
     found = find_corpus(corpus)
     inside = [f for f in found.files if f.resolve().is_relative_to(Path(out).resolve())]
     if inside:

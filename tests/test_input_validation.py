@@ -240,10 +240,11 @@ def test_a_jsonl_record_over_the_bound_is_refused(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "options, fragments",
     [
-        ({"seed": -1}, ["seed", "greater than or equal to 0"]),
-        ({"shard_size": 0}, ["shard_size"]),
-        ({"algorithm": "nfd"}, ["algorithm"]),
-        ({"overflow": "wrap"}, ["overflow"]),
+        ({"seed": -1}, ["--seed: Input should be greater than or equal to 0 (got -1)"]),
+        ({"shard_size": 0}, ["--shard-size", "(got 0)"]),
+        ({"algorithm": "nfd"}, ["--algorithm", "'ffd' or 'bfd'", "(got 'nfd')"]),
+        ({"overflow": "wrap"}, ["--overflow", "(got 'wrap')"]),
+        ({"seed": -1, "max_len": 0}, ["--max-len", "--seed"]),
     ],
 )
 def test_invalid_options_are_refused_before_anything_is_written(tmp_path, options, fragments):
