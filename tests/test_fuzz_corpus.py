@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
-
+import zstandard
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from prepack import build
@@ -29,7 +29,7 @@ from prepack.verify import verify_build
 from tests.corpus import corpus_table, write_corpus
 
 MAX_LEN = 16
-CASES = 400  # per format
+CASES = 350  # per format
 # Document lengths 1..9 (labels alongside): small files, so a random byte often lands in the data.
 DOCUMENTS = [[(7 * i + j) % 50 for j in range(1 + i % 9)] for i in range(40)]
 LABELS = [[-100 if j % 3 == 0 else token for j, token in enumerate(doc)] for doc in DOCUMENTS]
@@ -41,7 +41,9 @@ JSON_PIECES = (
     b'"\\ud800"', b"\\ud800", b"\\udfff x", b"\\", b"\\u12", b"{}", b"true", b"NaN", b"\n", b"\n\n",
     b",", b"]", b"}", b"\xff\xfe", b"\x00", b"[" * 3000,
 )
-FORMATS = ("parquet", "jsonl", "jsonl.gz", "arrow", "ipc", "feather", "hf")  # feather: zstd-compressed IPC
+FORMATS = ("parquet", "jsonl", "jsonl.gz", "jsonl.zst", "arrow", "ipc", "feather", "hf")  # feather: zstd IPC
+COMPRESSORS = {"jsonl.gz": lambda data: gzip.compress(data, mtime=0), "jsonl.zst": zstandard.compress}
+DECOMPRESSORS = {"jsonl.gz": gzip.decompress, "jsonl.zst": zstandard.decompress}
 WORDS = ("a", "b", "c", "d")
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
 
@@ -106,7 +108,8 @@ def originals(tmp_path_factory) -> dict[str, dict[str, bytes]]:
     files = {}
     for kind in ("parquet", "jsonl", "arrow", "ipc"):
         files[kind] = {f"c.{kind}": write_corpus(root / f"c.{kind}", table).read_bytes()}
-    files["jsonl.gz"] = {"c.jsonl.gz": files["jsonl"]["c.jsonl"]}  # compressed after corruption
+    for kind, compress in COMPRESSORS.items():
+        files[kind] = {f"c.{kind}": compress(files["jsonl"]["c.jsonl"])}
     feather.write_feather(table, root / "c.feather", compression="zstd")
     files["feather"] = {"c.feather": (root / "c.feather").read_bytes()}
     saved = root / "hf"
@@ -144,22 +147,25 @@ def text_corpus(mode: str, suffix: str) -> bytes:
 
 
 def run_case(workdir: Path, kind: str, files: dict[str, bytes], seed: int) -> str:
-    """Corrupt one file of the corpus, build it, check the outcome; returns "built" or "refused"."""
+    """Corrupt one file of the corpus, build it, check the outcome; returns "built" or "refused".
+
+    A compressed JSON Lines file is corrupted either before compression (bad records in a sound
+    stream) or after (a broken stream)."""
     rng = np.random.default_rng([FORMATS.index(kind), seed])
     corpus = workdir / f"corpus-{kind}-{seed}"
     corpus.mkdir()
-    data_files = [name for name in files if name.endswith((".arrow", ".parquet", ".jsonl", ".gz", ".ipc", ".feather"))]
-    target = data_files[0] if kind != "hf" or rng.random() < 0.8 else "state.json"
-    if target == "state.json":
-        choices = [flip_bits, splice_json]
+    (target,) = [name for name in files if name.startswith(("c.", "data-"))]
+    compress = COMPRESSORS.get(kind) if rng.random() < 0.5 else None
+    if kind == "hf" and rng.random() < 0.2:
+        target, choices = "state.json", [flip_bits, splice_json]
     else:
-        choices = corruptions("jsonl" if kind == "jsonl.gz" else kind)
+        choices = corruptions("jsonl" if compress else kind)
     corrupt = choices[int(rng.integers(len(choices)))]
     for name, data in files.items():
-        if name == target:
+        if name == target and compress:
+            data = compress(corrupt(rng, DECOMPRESSORS[kind](data)))
+        elif name == target:
             data = corrupt(rng, data)
-            if kind == "jsonl.gz":
-                data = gzip.compress(data, mtime=0)
         (corpus / name).write_bytes(data)
     source = corpus if kind == "hf" else corpus / target
     return check_build(workdir, corpus, source, f"{kind} seed {seed} ({corrupt.__name__})")
