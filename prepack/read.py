@@ -95,8 +95,11 @@ def _hf_saved_dataset(directory: Path) -> tuple[Path, ...] | None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InputError(f"{state}: not a readable Hugging Face dataset state ({exc}).") from None
     for name, path in zip(names, files):
-        # realpath, not resolve(): on Python 3.11 resolve() raises RuntimeError for a symlink loop.
-        if Path(name).is_absolute() or not Path(os.path.realpath(path)).is_relative_to(inside):
+        try:  # realpath, not resolve(): on Python 3.11 resolve() raises RuntimeError for a symlink loop
+            real = Path(os.path.realpath(path))
+        except ValueError as exc:  # a NUL or a lone surrogate in the name
+            raise InputError(f"{state}: data file {name!r} is not a usable file name ({exc}).") from None
+        if Path(name).is_absolute() or not real.is_relative_to(inside):
             raise InputError(f"{state}: data file {name!r} lies outside the dataset directory {directory}.")
         _check_regular(path)
     return files

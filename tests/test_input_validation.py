@@ -141,6 +141,13 @@ def test_saved_dataset_file_names_stay_inside_the_directory(tmp_path, escape):
     refused(directory, tmp_path / "out", ["state.json", repr(name), "outside the dataset directory"])
 
 
+@pytest.mark.parametrize("name", ["", "a\udfff.arrow", "a\u0000.arrow", 7])
+def test_saved_dataset_file_names_that_are_no_paths_are_refused(tmp_path, name):
+    directory = saved_dataset(tmp_path / "ds")
+    set_data_files(directory, [name])
+    refused(directory, tmp_path / "out", ["state.json"])
+
+
 def build_in_thread(corpus: Path, out: Path) -> BaseException | None:
     """Build in a daemon thread, so a build that blocks (on a FIFO) fails the test instead of hanging it."""
     outcome: list[BaseException | None] = []
