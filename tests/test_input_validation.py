@@ -141,9 +141,11 @@ def test_saved_dataset_file_names_stay_inside_the_directory(tmp_path, escape):
     refused(directory, tmp_path / "out", ["state.json", repr(name), "outside the dataset directory"])
 
 
-@pytest.mark.parametrize("name", ["", "a\udfff.arrow", "a\u0000.arrow", 7])
-def test_saved_dataset_file_names_that_are_no_paths_are_refused(tmp_path, name):
+@pytest.mark.parametrize("name", ["", "a\udfff.arrow", "a\u0000.arrow", 7, "a directory.arrow"])
+def test_saved_dataset_file_names_that_are_no_files_are_refused(tmp_path, name):
     directory = saved_dataset(tmp_path / "ds")
+    if name == "a directory.arrow":
+        (directory / name).mkdir()
     set_data_files(directory, [name])
     refused(directory, tmp_path / "out", ["state.json"])
 
