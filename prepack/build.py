@@ -194,10 +194,11 @@ def build(
             column=read_column,
             labels_column=labels_column,
         )
-    except ValidationError as exc:  # one line per option, named as the CLI spells it
-        problems = [
-            f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']} (got {e['input']!r})" for e in exc.errors()
-        ]
+    except ValidationError as exc:  # each option named as the CLI and as the API spell it
+        problems = []
+        for error in exc.errors():
+            name = ".".join(map(str, error["loc"]))
+            problems.append(f"--{name.replace('_', '-')} ({name}={error['input']!r}): {error['msg']}")
         raise InputError("invalid build options: " + "; ".join(problems) + ".") from None
     found = find_corpus(corpus)
     inside = [f for f in found.files if f.resolve().is_relative_to(Path(out).resolve())]

@@ -141,13 +141,17 @@ def test_saved_dataset_file_names_stay_inside_the_directory(tmp_path, escape):
     refused(directory, tmp_path / "out", ["state.json", repr(name), "outside the dataset directory"])
 
 
-@pytest.mark.parametrize("name", ["", "a\udfff.arrow", "a\u0000.arrow", 7, "a directory.arrow"])
-def test_saved_dataset_file_names_that_are_no_files_are_refused(tmp_path, name):
+@pytest.mark.parametrize(
+    "name, fragment",
+    [("", "state.json"), ("a\udfff.arrow", "state.json"), ("a\u0000.arrow", "state.json"), (7, "state.json"),
+     ("a directory.arrow", "a directory.arrow: cannot be read as a corpus file: it is a directory")],
+)
+def test_saved_dataset_file_names_that_are_no_files_are_refused(tmp_path, name, fragment):
     directory = saved_dataset(tmp_path / "ds")
     if name == "a directory.arrow":
         (directory / name).mkdir()
     set_data_files(directory, [name])
-    refused(directory, tmp_path / "out", ["state.json"])
+    refused(directory, tmp_path / "out", [fragment])
 
 
 def build_in_thread(corpus: Path, out: Path) -> BaseException | None:
@@ -249,10 +253,10 @@ def test_a_jsonl_record_over_the_bound_is_refused(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "options, fragments",
     [
-        ({"seed": -1}, ["--seed: Input should be greater than or equal to 0 (got -1)"]),
-        ({"shard_size": 0}, ["--shard-size", "(got 0)"]),
-        ({"algorithm": "nfd"}, ["--algorithm", "'ffd' or 'bfd'", "(got 'nfd')"]),
-        ({"overflow": "wrap"}, ["--overflow", "(got 'wrap')"]),
+        ({"seed": -1}, ["--seed (seed=-1): Input should be greater than or equal to 0"]),
+        ({"shard_size": 0}, ["--shard-size (shard_size=0)"]),
+        ({"algorithm": "nfd"}, ["--algorithm (algorithm='nfd')", "'ffd' or 'bfd'"]),
+        ({"overflow": "wrap"}, ["--overflow (overflow='wrap')"]),
         ({"seed": -1, "max_len": 0}, ["--max-len", "--seed"]),
     ],
 )
