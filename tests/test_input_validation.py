@@ -340,6 +340,16 @@ def test_a_subdirectory_that_cannot_be_listed_is_refused(tmp_path):
     refused(directory, tmp_path / "out", ["ddd", "cannot list this corpus directory"])
 
 
+def test_a_symlinked_subdirectory_is_read(tmp_path):
+    directory = corpus_dir(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    jsonl(elsewhere / "b.jsonl", ['{"input_ids": [3, 4]}'])
+    (directory / "more").symlink_to(elsewhere)
+    manifest = build(directory, tmp_path / "out", max_len=16)
+    assert [f.path for f in manifest.inputs] == ["a.jsonl", "more/b.jsonl"] and manifest.totals.documents == 2
+
+
 def test_a_directory_reached_twice_through_a_symlink_is_refused(tmp_path):
     directory = corpus_dir(tmp_path)
     (directory / "loop").symlink_to(directory)
@@ -354,7 +364,10 @@ def test_a_directory_named_like_a_corpus_file_is_read_as_a_directory(tmp_path):
 
 
 def test_an_earlier_build_inside_the_corpus_is_refused(tmp_path):
-    directory = corpus_dir(tmp_path)
+    directory = tmp_path / "corpus"
+    directory.mkdir()
+    # int32 ids, the shards' own type: nothing but the check below tells the shards from the corpus.
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2]], pa.list_(pa.int32()))}), directory / "a.parquet")
     build(directory, tmp_path / "first", max_len=16)
     os.rename(tmp_path / "first", directory / "packed")
     refused(directory, tmp_path / "out", ["corpus/packed is a prepack build"])
