@@ -19,7 +19,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
-from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -194,12 +193,8 @@ def build(
             column=read_column,
             labels_column=labels_column,
         )
-    except ValidationError as exc:  # each option named as the CLI and as the API spell it
-        problems = []
-        for error in exc.errors():
-            name = ".".join(map(str, error["loc"]))
-            problems.append(f"--{name.replace('_', '-')} ({name}={error['input']!r}): {error['msg']}")
-        raise InputError("invalid build options: " + "; ".join(problems) + ".") from None
+    except ValueError as exc:
+        raise InputError(f"invalid build options:\n{exc}") from None
     found = find_corpus(corpus)
     inside = [f for f in found.files if f.resolve().is_relative_to(Path(out).resolve())]
     if inside:
@@ -245,14 +240,6 @@ def build(
             planning = bar.add_task("plan", total=None)
             plan = plan_packs(stored.lengths, max_len, algorithm=algorithm, overflow=overflow, seed=seed)
             bar.update(planning, total=1, completed=1)
-            if not plan.packs:  # only --overflow drop leaves documents but no pack
-                row = int(np.flatnonzero(stored.lengths)[0])
-                path, file_row = _locate_row(found, stored.rows_per_file, row)
-                raise InputError(
-                    f"{path}, row {file_row}, column {read_column!r}: {stored.lengths[row]} tokens, longer "
-                    f"than --max-len {max_len}, and so is every other non-empty document: --overflow drop "
-                    "leaves no pack (choose --overflow split or truncate, or a larger --max-len)."
-                )
             shards = _write_shards(plan, staging, scratch, has_labels, shard_size, bar)
             shutil.rmtree(scratch)
             manifest = Manifest(

@@ -125,19 +125,20 @@ def _is_staging(name: str) -> bool:
     return _STAGING_NAME.fullmatch(name) is not None
 
 
-def _refuse_build_output(directory: Path) -> None:
-    """A prepack build inside a corpus would be read as documents: its packs, once more."""
+def _refuse_build_output(directory: Path, files: list[Path]) -> None:
+    """Refuse the corpus `files` of `directory` when it is a prepack build (its manifest.json has a
+    `format_version`): read as a corpus, its shards would add every document it packed once more."""
     manifest = directory / MANIFEST_NAME
     try:
-        if not manifest.is_file() or manifest.stat().st_size > _MANIFEST_BYTES:
+        if not files or not manifest.is_file() or manifest.stat().st_size > _MANIFEST_BYTES:
             return
         is_build = "format_version" in parse_json(manifest.read_bytes())
     except (OSError, ValueError, TypeError):  # not JSON, or not an object: not a prepack manifest
         return
     if is_build:
         raise InputError(
-            f"{directory} is a prepack build ({MANIFEST_NAME} and shards); its packs are not corpus "
-            "documents. Move it out of the corpus directory, or name the corpus files with a glob."
+            f"{min(files)}: a shard of the prepack build {directory}, not a corpus file. "
+            "Leave the build out of the corpus (pass the corpus files, or a glob)."
         )
 
 
@@ -155,13 +156,12 @@ def _directory_files(root: Path) -> tuple[Path, ...]:
         if real in seen:  # a symlink back up the tree, or a second way to the same files
             raise InputError(f"{here}: the same directory as {real}, reached twice; its files would be read twice.")
         seen.add(real)
-        _refuse_build_output(here)
         directories[:] = [d for d in directories if not _is_staging(d)]
-        for name in names:
-            path = here / name
-            if file_kind(path) is not None:
-                _check_regular(path)
-                files.append(path)
+        found = [here / name for name in names if file_kind(Path(name)) is not None]
+        _refuse_build_output(here, found)
+        for path in found:
+            _check_regular(path)
+        files.extend(found)
     return tuple(sorted(files))
 
 
@@ -382,7 +382,8 @@ def file_columns(path: Path, kind: str) -> dict[str, pa.DataType]:
             return {}
         if SHARD_VERSION_KEY.encode() in (schema.metadata or {}):
             raise InputError(
-                f"{path}: a shard of a prepack build, not a corpus file; its packs would be read as documents."
+                f"{path}: a shard of a prepack build (its schema says so), not a corpus file. "
+                "Leave the build out of the corpus (pass the corpus files, or a glob)."
             )
         return {f.name: f.type for f in schema}  # a name that is not UTF-8 raises UnicodeDecodeError
     except (OSError, pa.ArrowException, ValueError) as exc:

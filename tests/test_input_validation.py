@@ -253,23 +253,16 @@ def test_a_jsonl_record_over_the_bound_is_refused(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "options, fragments",
     [
-        ({"seed": -1}, ["--seed (seed=-1): Input should be greater than or equal to 0"]),
-        ({"shard_size": 0}, ["--shard-size (shard_size=0)"]),
-        ({"algorithm": "nfd"}, ["--algorithm (algorithm='nfd')", "'ffd' or 'bfd'"]),
-        ({"overflow": "wrap"}, ["--overflow (overflow='wrap')"]),
-        ({"seed": -1, "max_len": 0}, ["--max-len", "--seed"]),
+        ({"seed": -1}, ["seed", "greater than or equal to 0"]),
+        ({"shard_size": 0}, ["shard_size", "greater than or equal to 1"]),
+        ({"algorithm": "nfd"}, ["algorithm", "'ffd' or 'bfd'", "'nfd'"]),
+        ({"overflow": "wrap"}, ["overflow", "'wrap'"]),
+        ({"seed": -1, "max_len": 0}, ["max_len", "seed"]),
     ],
 )
 def test_invalid_options_are_refused_before_anything_is_written(tmp_path, options, fragments):
     corpus = jsonl(tmp_path / "c.jsonl", ['{"input_ids": [1, 2]}'])
     refused(corpus, tmp_path / "out", ["invalid build options", *fragments], **options)
-
-
-def test_every_document_dropped_is_refused(tmp_path):
-    documents = [[], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6]]  # one empty, the others longer than max_len 4
-    corpus = jsonl(tmp_path / "c.jsonl", [json.dumps({"input_ids": document}) for document in documents])
-    fragments = ["c.jsonl", "row 1", "'input_ids'", "5 tokens", "--overflow drop"]
-    refused(corpus, tmp_path / "out", fragments, max_len=4, overflow="drop")
 
 
 @pytest.fixture(scope="module")
@@ -370,9 +363,11 @@ def test_an_earlier_build_inside_the_corpus_is_refused(tmp_path):
     pq.write_table(pa.table({"input_ids": pa.array([[1, 2]], pa.list_(pa.int32()))}), directory / "a.parquet")
     build(directory, tmp_path / "first", max_len=16)
     os.rename(tmp_path / "first", directory / "packed")
-    refused(directory, tmp_path / "out", ["corpus/packed is a prepack build"])
-    # A glob that picks the shards themselves: their schema marks them.
-    refused(str(directory / "**" / "*.arrow"), tmp_path / "out", ["shard-00000.arrow", "a shard of a prepack build"])
+    refused(directory, tmp_path / "out", ["packed/shard-00000.arrow: a shard of the prepack build", "corpus/packed"])
+    # The shards alone, copied out of their build: their schema marks them.
+    (tmp_path / "copied").mkdir()
+    os.rename(directory / "packed" / "shard-00000.arrow", tmp_path / "copied" / "shard-00000.arrow")
+    refused(tmp_path / "copied", tmp_path / "out", ["copied/shard-00000.arrow: a shard of a prepack build"])
 
 
 def test_a_manifest_json_that_is_not_prepacks_does_not_refuse_the_corpus(tmp_path):
