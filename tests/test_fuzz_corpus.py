@@ -3,7 +3,13 @@
 The contract: a build either succeeds, and then its output verifies against the corpus, or raises a
 `PrepackError` and leaves nothing behind (no output directory, no staging sibling). Any other
 exception is a bug. Each case draws its corruption from a numpy RNG seeded with (format, case), so a
-failure names the seed that replays it.
+failure names the seed that replays it. 3,800 cases: 350 per token-id format, 250 per text/chat
+format; about 30 s on a 2-core machine.
+
+Token ids: Parquet, JSON Lines (plain, gzip, zstd), Arrow IPC file and stream, zstd-compressed
+Feather, a `save_to_disk` directory (its data file or its state.json); bit flips, truncations,
+inserted bytes, rewritten list offsets (found by their bytes in the file), values spliced into JSON.
+Text and chat: JSON Lines and Parquet, tokenized with a word-level tokenizer in the build.
 """
 
 from __future__ import annotations
