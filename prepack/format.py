@@ -23,6 +23,7 @@ __all__ = [
     "FORMAT_VERSION",
     "IGNORE_INDEX",
     "MANIFEST_NAME",
+    "SHARD_VERSION_KEY",
     "BuildOptions",
     "InputFile",
     "Manifest",
@@ -45,6 +46,7 @@ __all__ = [
 
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
+SHARD_VERSION_KEY = "prepack.format_version"  # schema metadata of every shard: marks it as prepack's
 IGNORE_INDEX = -100  # label value that is not trained on (the PyTorch / HF convention)
 
 _TOKEN = pa.int32()  # token ids and labels: vocabularies fit in 31 bits, and torch has no uint32 kernels
@@ -68,7 +70,7 @@ def shard_schema(has_labels: bool, max_len: int) -> pa.Schema:
     ]
     if has_labels:
         fields.append(pa.field("labels", pa.list_(_TOKEN), nullable=False))
-    return pa.schema(fields, metadata={"prepack.format_version": str(FORMAT_VERSION)})
+    return pa.schema(fields, metadata={SHARD_VERSION_KEY: str(FORMAT_VERSION)})
 
 
 def shard_name(index: int) -> str:
@@ -103,7 +105,7 @@ class BuildOptions(_Model):
     overflow: Literal["split", "truncate", "drop", "error"] = Field(
         description="What happens to documents longer than max_len."
     )
-    seed: int = Field(description="Seed of the pack-order shuffle.")
+    seed: int = Field(ge=0, description="Seed of the pack-order shuffle.")
     shard_size: int = Field(ge=1, description="Target shard size in bytes.")
     column: str = Field(description="Token column read from the corpus.")
     labels_column: str | None = Field(description="Labels column carried through, if the corpus had one.")

@@ -51,7 +51,7 @@ from tokenizers import Encoding, Tokenizer
 
 from prepack.errors import InputError
 from prepack.format import IGNORE_INDEX, TokenizeOptions, TokenizerInfo
-from prepack.read import Corpus, DocumentBatch, file_columns, file_kind, lines, record_batches
+from prepack.read import Corpus, DocumentBatch, file_columns, file_kind, json_records, parse_json, record_batches
 
 __all__ = ["LocalTokenizer", "load_tokenizer", "tokenize_corpus"]
 
@@ -79,7 +79,7 @@ class LocalTokenizer:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = parse_json(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise InputError(f"{path}: cannot be read as JSON ({exc}).") from None
     if not isinstance(data, dict):
@@ -255,7 +255,11 @@ class _Encoder:
                 texts.append(value)
             else:
                 raise InputError(f"{where}: expected a string, found {_what(value)}.")
-        encodings = self._encode(texts, add_special_tokens=not self.chat)
+        try:
+            encodings = self._encode(texts, add_special_tokens=not self.chat)
+        except TypeError:  # what tokenizers raises for a str it cannot turn into UTF-8
+            self._refuse_surrogates(path, row0, texts)
+            raise
         documents = [encoding.ids for encoding in encodings]
         if self.eos_id is not None:
             for ids in documents:
@@ -277,6 +281,17 @@ class _Encoder:
                 [_assistant_labels(doc, e.offsets, turns) for doc, e, turns in zip(documents, encodings, spans)]
             ).astype(np.int32)
         return offsets, ids.astype(np.int32), labels
+
+    def _refuse_surrogates(self, path: Path, row0: int, texts: list[str]) -> None:
+        """The first text holding a lone surrogate (JSON can write "\\ud800"; UTF-8 cannot encode it)."""
+        for i, text in enumerate(texts):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InputError(
+                    f"{path}, row {row0 + i}, column {self.column!r}: {text[exc.start]!r} at character "
+                    f"{exc.start} is a lone UTF-16 surrogate, not a Unicode character."
+                ) from None
 
     def _encode(self, texts: list[str], add_special_tokens: bool) -> list[Encoding]:
         # Labels need character offsets; text ids alone come faster without them.
@@ -327,14 +342,7 @@ def _assistant_labels(ids: list[int], offsets: list[tuple[int, int]], spans: lis
 def _arrow_values(path: Path, kind: str, column: str) -> Iterator[tuple[int, list, int]]:
     """(first row, values, bytes) per record batch of a Parquet or Arrow file."""
     row0 = 0
-    batches = record_batches(path, kind, [column])
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except (OSError, pa.ArrowException) as exc:
-            raise InputError(f"{path}: cannot be read ({exc}); is it truncated?") from None
+    for batch in record_batches(path, kind, [column]):
         array = batch.column(column)
         yield row0, array.to_pylist(), array.nbytes
         row0 += batch.num_rows
@@ -346,12 +354,10 @@ def _json_values(path: Path, column: str) -> Iterator[tuple[int, list, int]]:
     values, size, row0 = [], 0, 0
     try:
         with pa.input_stream(str(path), compression="detect") as stream:
-            for raw in lines(stream):
-                if not raw.strip():
-                    continue
+            for raw in json_records(path, stream):
                 row = row0 + len(values)
                 try:
-                    record = json.loads(raw)
+                    record = parse_json(raw)
                 except ValueError as exc:
                     raise InputError(f"{path}, row {row}: not valid JSON ({exc}).") from None
                 if not isinstance(record, dict) or column not in record:
@@ -385,10 +391,7 @@ def _check_columns(corpus: Corpus, column: str, chat: bool) -> None:
         kind = file_kind(path) or "arrow"
         if kind == "jsonl":
             continue
-        try:
-            columns = file_columns(path, kind)
-        except (OSError, pa.ArrowException) as exc:
-            raise InputError(f"{path}: cannot be read ({exc}); is it truncated?") from None
+        columns = file_columns(path, kind)
         if column not in columns:
             raise InputError(
                 f"{path}: there is no column {column!r} (columns: {', '.join(columns) or 'none'}); "
