@@ -21,7 +21,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from prepack.errors import FormatError, InputError
+from prepack.errors import InputError
 from prepack.format import (
     MANIFEST_NAME,
     BuildOptions,
@@ -29,7 +29,6 @@ from prepack.format import (
     Manifest,
     ShardInfo,
     Totals,
-    read_manifest,
     segment_id_type,
     write_manifest,
 )
@@ -108,22 +107,6 @@ def _store_documents(
         fingerprint=fingerprint,
         has_labels=has_labels,
     )
-
-
-def _refuse_earlier_builds(corpus: Corpus) -> None:
-    """Refuse a corpus that takes in the shards of a prepack build: packed again as documents, they
-    would duplicate the documents they hold."""
-    for directory in sorted({path.parent for path in corpus.files}):
-        try:
-            shards = {shard.name for shard in read_manifest(directory).shards}
-        except FormatError:  # no manifest, or not a prepack one: not a build
-            continue
-        packed = [path for path in corpus.files if path.parent == directory and path.name in shards]
-        if packed:
-            raise InputError(
-                f"{packed[0]}: a shard of the prepack build {directory}, not a corpus file. "
-                "Leave the build out of the corpus (pass the corpus files, or a glob)."
-            )
 
 
 def _locate_row(corpus: Corpus, rows_per_file: list[int], row: int) -> tuple[Path, int]:
@@ -237,7 +220,6 @@ def build(
     inside = [f for f in found.files if f.resolve().is_relative_to(Path(out).resolve())]
     if inside:
         raise InputError(f"{inside[0]}: the corpus includes files inside --out {out}; choose another --out.")
-    _refuse_earlier_builds(found)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(SpinnerColumn(), *columns, console=console, disable=not progress) as bar:
         if tokenizer is None:

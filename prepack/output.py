@@ -30,11 +30,11 @@ from typing import BinaryIO, NamedTuple
 from prepack.errors import FormatError, OutputError
 from prepack.format import MANIFEST_NAME, Manifest, read_manifest, shard_name
 
-__all__ = ["Staging", "output_errors", "output_file", "replaceable_build", "staged_directory"]
+__all__ = ["STAGING_MARK", "Staging", "output_errors", "output_file", "replaceable_build", "staged_directory"]
 
 # A file in every staging directory: what tells a killed build's staging directory from a user's
 # directory that happens to have the same name.
-_MARK = ".prepack-staging"
+STAGING_MARK = ".prepack-staging"
 
 
 @contextmanager
@@ -152,7 +152,7 @@ def staged_directory(out: str | os.PathLike, overwrite: bool) -> Iterator[Stagin
             staging.mkdir()
         try:
             with output_errors(staging, "create"):
-                (staging / _MARK).write_text(f"A build to {out.name} writes here; deleted by the next build to it.\n")
+                (staging / STAGING_MARK).write_text(f"A build to {out.name} writes here; deleted by the next build to it.\n")
                 (staging / "build").mkdir()
                 (staging / "scratch").mkdir()
             yield Staging(staging / "build", staging / "scratch")
@@ -228,7 +228,7 @@ def _remove_stale_staging(out: Path) -> None:
             for entry in entries
             if staging_name.fullmatch(entry.name)
             and entry.is_dir(follow_symlinks=False)
-            and (Path(entry.path) / _MARK).is_file()
+            and (Path(entry.path) / STAGING_MARK).is_file()
         ]
     for staging in stale:
         _remove_staging(staging)
@@ -240,13 +240,13 @@ def _remove_staging(staging: Path) -> None:
     an unfinished build) was written by the build and nothing else."""
     with output_errors(staging, "delete"):
         for part in staging.iterdir():
-            if part.name == _MARK:
+            if part.name == STAGING_MARK:
                 continue
             if (part / MANIFEST_NAME).exists():
                 _delete_build(part)
             else:
                 shutil.rmtree(part)
-        (staging / _MARK).unlink()
+        (staging / STAGING_MARK).unlink()
         staging.rmdir()
 
 

@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 
 from prepack.errors import InputError
 from prepack.format import IGNORE_INDEX, MANIFEST_NAME, SHARD_VERSION_KEY
+from prepack.output import STAGING_MARK
 
 __all__ = ["Corpus", "DocumentBatch", "find_corpus", "read_documents"]
 
@@ -39,7 +40,7 @@ __all__ = ["Corpus", "DocumentBatch", "find_corpus", "read_documents"]
 _BATCH_ROWS = 8_192
 _READ_BUFFER = 2**20  # Parquet pages are streamed through this buffer, not whole column chunks
 _INT32_MAX = np.iinfo(np.int32).max
-_STAGING_NAME = re.compile(r"\..+\.(tmp|old)-\w+")
+_STAGING_NAME = re.compile(r"\..+\.tmp-[0-9a-f]{8}")
 _MANIFEST_BYTES = 2**26  # a manifest.json larger than this is no prepack manifest (33k shards: ~5 MB)
 _SUFFIXES = {
     ".parquet": "parquet",
@@ -120,9 +121,10 @@ def _check_regular(path: Path) -> None:
         raise InputError(f"{path}: cannot be read as a corpus file: it is {what}.")
 
 
-def _is_staging(name: str) -> bool:
-    """A running or killed build's hidden sibling of its output (`.NAME.tmp-…`, `.NAME.old-…`)."""
-    return _STAGING_NAME.fullmatch(name) is not None
+def _is_staging(directory: Path) -> bool:
+    """A running or killed build's hidden sibling of its output: named `.NAME.tmp-…` and holding
+    prepack's mark, so a user's directory that happens to have such a name is still read."""
+    return _STAGING_NAME.fullmatch(directory.name) is not None and (directory / STAGING_MARK).is_file()
 
 
 def _refuse_build_output(directory: Path, files: list[Path]) -> None:
@@ -156,7 +158,7 @@ def _directory_files(root: Path) -> tuple[Path, ...]:
         if real in seen:  # a symlink back up the tree, or a second way to the same files
             raise InputError(f"{here}: the same directory as {real}, reached twice; its files would be read twice.")
         seen.add(real)
-        directories[:] = [d for d in directories if not _is_staging(d)]
+        directories[:] = [d for d in directories if not _is_staging(here / d)]
         found = [here / name for name in names if file_kind(Path(name)) is not None]
         _refuse_build_output(here, found)
         for path in found:

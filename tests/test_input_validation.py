@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import prepack.read
 from prepack import build
 from prepack.errors import InputError
+from prepack.output import STAGING_MARK
 from prepack.verify import verify_build
 from tests.corpus import corpus_table, read_build, write_corpus
 
@@ -380,6 +381,16 @@ def test_a_running_builds_staging_directory_in_the_corpus_is_not_read(tmp_path):
     directory = corpus_dir(tmp_path)
     staging = directory / ".packed.tmp-0123abcd"
     staging.mkdir()
+    (staging / STAGING_MARK).touch()
     write_corpus(staging / "shard-00000.arrow", corpus_table([[9, 9, 9]]))
     manifest = build(directory, tmp_path / "out", max_len=16)
     assert [f.path for f in manifest.inputs] == ["a.jsonl"] and manifest.totals.documents == 1
+
+
+def test_a_users_directory_named_like_a_staging_directory_is_read(tmp_path):
+    """Only prepack's mark makes a directory a build's staging directory: a look-alike is corpus."""
+    directory = corpus_dir(tmp_path)
+    (directory / ".packed.tmp-0123abcd").mkdir()
+    write_corpus(directory / ".packed.tmp-0123abcd" / "b.parquet", corpus_table([[9, 9, 9]]))
+    manifest = build(directory, tmp_path / "out", max_len=16)
+    assert manifest.totals.documents == 2
