@@ -121,7 +121,7 @@ def test_check_shard_refuses_a_null_inside_a_list(built):
     ids = batch.column("input_ids")
     values = pa.array(ids.values.to_pylist()[:2] + [None] + ids.values.to_pylist()[3:], pa.int32())
     columns = [pa.ListArray.from_arrays(ids.offsets, values) if n == "input_ids" else batch.column(n) for n in batch.schema.names]
-    with pytest.raises(FormatError, match="shard-00000.arrow: column 'input_ids' has null values"):
+    with pytest.raises(FormatError, match="shard-00000.arrow: column 'input_ids': has null values"):
         check_shard(pa.RecordBatch.from_arrays(columns, schema=batch.schema), 32, "shard-00000.arrow")
 
 
