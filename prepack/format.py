@@ -245,6 +245,15 @@ def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a JSON number")
 
 
+_MAX_DIGITS = 100  # of an integer in the manifest: counts are int64 (19 digits); a seed may be longer
+
+
+def _integer(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits; manifest integers have at most {_MAX_DIGITS}")
+    return int(text)
+
+
 def read_manifest(directory: str | os.PathLike) -> Manifest:
     """Read and strictly validate `manifest.json`; unknown format versions are refused.
 
@@ -265,10 +274,12 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     if len(data) > MANIFEST_MAX_BYTES:
         _fail(path, f"is larger than {MANIFEST_MAX_BYTES} bytes, the most a prepack manifest may hold.")
     try:
-        raw = json.loads(data.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        raw = json.loads(
+            data.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_int=_integer
+        )
     except RecursionError:
         _fail(path, "cannot be read as JSON: it nests too deeply to be a prepack manifest.")
-    except ValueError as exc:  # also UnicodeDecodeError, and Python's limit on the digits of an int
+    except ValueError as exc:  # also UnicodeDecodeError
         _fail(path, f"cannot be read as JSON: {exc}")
     version = raw.get("format_version") if isinstance(raw, dict) else None
     if type(version) is not int or version != FORMAT_VERSION:
@@ -387,13 +398,14 @@ def open_shard(path: Path, has_labels: bool, max_len: int) -> pa.RecordBatch:
         batch.validate()  # buffers as long as the lengths say, before numpy reads them
     except pa.ArrowException as exc:
         _fail(path, f"not valid Arrow data ({exc}).")
-    for column in schema.names:
-        array = batch.column(column)
-        if isinstance(array, pa.ListArray) and len(array.offsets) and (
-            array.offsets[0].as_py() != 0 or array.offsets[-1].as_py() != len(array.values)
-        ):
-            _fail(path, f"offsets run from {array.offsets[0]} to {array.offsets[-1]}, not from 0 to its "
-                  f"{len(array.values)} values.", column=column)
+    for column in schema.names:  # offsets are few (one per pack): every reader checks them all
+        if isinstance(batch.column(column), pa.ListArray):
+            offsets, values = list_column(batch, column, str(path))
+            if (problem := _offsets_problem(offsets, len(values))) is not None:
+                _fail(path, f"{problem[1]}.", problem[0], column)
+            if offsets[0] != 0 or offsets[-1] != len(values):
+                _fail(path, f"offsets run from {offsets[0]} to {offsets[-1]}, not from 0 to its {len(values)} "
+                      "values.", column=column)
     return batch
 
 

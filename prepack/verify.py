@@ -116,7 +116,7 @@ def verify_build(
     try:
         manifest = read_manifest(path)
     except FormatError as exc:
-        return [Problem(file=MANIFEST_NAME, message=str(exc))]
+        return [Problem(file=MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message)]
     documents = None if source is None else _source_documents(find_corpus(source), manifest, tokenizer, chat_template)
     problems = _problems(path, manifest, documents)
     return list(problems) if all_problems else list(islice(problems, 1))
