@@ -6,11 +6,12 @@ What is checked, in this order (each problem names the file, row and column it w
 2. the directory, by `lstat` alone (`shard_file_problems`): shards named `shard-00000.arrow`, … in
    manifest order, none missing, each a regular file (no symbolic link, FIFO or device) of the
    manifest's byte size, none extra;
-3. every shard: sha256 against the manifest (when the size is right); an Arrow stream with the
-   format's schema and one record batch; its row and token counts against the manifest; every row as
-   `check_shard` checks it (lengths ≤ max_len, `segment_ids` ↔ `cu_seqlens`, `max_seqlen`, provenance
-   lengths), plus non-negative token ids, labels that are ids or -100, provenance rows inside the
-   corpus, and documents in (row, piece) order inside each pack;
+3. every shard: sha256 against the manifest (when the size is right); as `open_shard` reads it, an
+   Arrow stream with the format's schema and one uncompressed record batch whose list offsets slice
+   their values; its row and token counts against the manifest; every row as `check_shard` checks it
+   (lengths ≤ max_len, `segment_ids` ↔ `cu_seqlens`, `max_seqlen`, provenance lengths, token ids and
+   labels), plus provenance rows inside the corpus and documents in (row, piece) order inside each
+   pack. Problems come from those checks as fields (`FormatError.problem`), never parsed from text;
 4. across shards: every (corpus row, piece) in one pack only, pieces numbered 0, 1, … without gaps,
    every piece but a document's last holding max_len tokens, and the counts of documents, splits and
    segments against the manifest;
