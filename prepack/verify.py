@@ -42,7 +42,6 @@ from pydantic import BaseModel, ConfigDict
 
 from prepack.errors import FormatError, InputError
 from prepack.format import (
-    IGNORE_INDEX,
     MANIFEST_NAME,
     Manifest,
     PackLayout,
@@ -326,7 +325,7 @@ def _shard_problems(path: Path, index: int, manifest: Manifest, check_sha256: bo
     if not sound:
         return None
     shard = _read_segments(batch, name, index)
-    yield from _value_problems(batch, shard, manifest)
+    yield from _value_problems(shard, manifest)
     return shard
 
 
@@ -360,15 +359,8 @@ def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
     src_off, rows = _list_values(batch, "source_rows")
     piece_off, pieces = _list_values(batch, "source_pieces")
     layout: PackLayout = pack_layout(*list_column(batch, "cu_seqlens"))
-    labels = None
-    if "labels" in batch.schema.names:
-        # Aligned with input_ids, so one index serves both (a copy only when the offsets differ).
-        lab_off, labels = _list_values(batch, "labels")
-        if not np.array_equal(lab_off, ids_off):
-            aligned = np.zeros(len(ids), dtype=labels.dtype)
-            n = np.diff(ids_off)
-            aligned[_ranges(ids_off[:-1], n)] = labels[_ranges(lab_off[:-1], n)]
-            labels = aligned
+    # Offsets run from 0 (open_shard) with the lengths of input_ids (check_shard): one index serves both.
+    labels = list_column(batch, "labels")[1] if "labels" in batch.schema.names else None
     return _Shard(
         name=name,
         ids=ids,
@@ -386,37 +378,9 @@ def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
     )
 
 
-def _first_per_row(offsets: np.ndarray, bad: np.ndarray) -> Iterator[tuple[int, int]]:
-    """(row, position inside the row) of the first flagged value of every row that has one."""
-    flagged = np.flatnonzero(bad) + offsets[0]
-    rows = np.searchsorted(offsets, flagged, "right") - 1
-    rows, first = np.unique(rows, return_index=True)
-    for row, at in zip(rows, flagged[first]):
-        yield int(row), int(at - offsets[row])
-
-
-def _value_problems(batch: pa.RecordBatch, shard: _Shard, manifest: Manifest) -> Iterator[Problem]:
+def _value_problems(shard: _Shard, manifest: Manifest) -> Iterator[Problem]:
+    """What `check_shard` cannot know: provenance against the corpus size and order inside a pack."""
     name, seg = shard.name, shard.segments
-    ids_off, _ = _list_values(batch, "input_ids")
-    for column, values, bad_when, what in (
-        ("input_ids", shard.ids, lambda v: v < 0, "token ids are non-negative"),
-        (
-            "labels",
-            shard.labels,
-            lambda v: (v < 0) & (v != IGNORE_INDEX),
-            f"labels are token ids or {IGNORE_INDEX}",
-        ),
-    ):
-        if values is None:
-            continue
-        window = values[ids_off[0] : ids_off[-1]]
-        for row, at in _first_per_row(ids_off, bad_when(window)):
-            yield Problem(
-                file=name,
-                row=row,
-                column=column,
-                message=f"token {at} is {values[ids_off[row] + at]}; {what}.",
-            )
     documents = manifest.totals.documents
     for i in np.flatnonzero((seg.rows < 0) | (seg.rows >= documents)):
         yield Problem(
