@@ -262,3 +262,14 @@ def test_check_shard_problems_are_fields(built):
         check_shard(_tampered(batch, "max_seqlen", lambda v: v.__setitem__(2, v[2] + 1)), 32, "x.arrow")
     assert caught.value.problem == FormatProblem("x.arrow", caught.value.problem.message, 2, "max_seqlen")
     assert str(caught.value) == f"x.arrow: row 2, column 'max_seqlen': {caught.value.problem.message}"
+
+
+def test_a_manifest_over_the_cap_is_never_written(tmp_path, monkeypatch):
+    from prepack import format
+    from prepack.errors import OutputError
+
+    monkeypatch.setattr(format, "MANIFEST_MAX_BYTES", 500)  # readers would refuse it: so does the writer
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]] * 4))
+    with pytest.raises(OutputError, match="more than the 500 readers accept"):
+        build(corpus, tmp_path / "out", max_len=8)
+    assert [p.name for p in tmp_path.iterdir()] == ["c.parquet"]  # nothing left behind
