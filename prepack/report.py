@@ -26,7 +26,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from prepack.errors import FormatError, InputError, OutputError
+from prepack.errors import FormatError, InputError
 from prepack.format import Manifest, check_layout, list_column, open_shard, read_manifest, shard_path
 
 __all__ = [
@@ -371,8 +371,7 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
 
 def plot(report: InspectReport, path: str | os.PathLike) -> Path:
     """Draw the three distributions and the cost comparison into one image at `path` (format from the
-    suffix, e.g. .png or .svg). Raises ImportError naming the `plot` extra when matplotlib is missing,
-    OutputError when the image cannot be written there."""
+    suffix, e.g. .png or .svg). Raises ImportError naming the `plot` extra when matplotlib is missing."""
     try:
         from matplotlib.figure import Figure  # the object API: no pyplot, no global backend switch
     except ImportError:
@@ -408,14 +407,5 @@ def plot(report: InspectReport, path: str | os.PathLike) -> Path:
         f"{report.segments:,} documents"
     )
     path = Path(path)
-    if not path.parent.is_dir():
-        raise OutputError(f"{path}: {path.parent} is not a directory; create it or choose another path for the plot.")
-    # Drawn beside its final name and renamed into place: a failed write leaves no partial image.
-    drawing = path.with_name(f".{path.name}.tmp")
-    try:
-        figure.savefig(drawing, dpi=100, format=path.suffix.lstrip(".") or "png")
-        os.replace(drawing, path)
-    except (OSError, ValueError) as exc:  # ValueError: a suffix matplotlib has no writer for
-        drawing.unlink(missing_ok=True)
-        raise OutputError(f"{path}: the plot cannot be written ({exc}).") from None
+    figure.savefig(path, dpi=100)
     return path

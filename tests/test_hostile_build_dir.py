@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 
 from prepack import build, inspect_build, open_hf_dataset, read_manifest, verify_build
-from prepack.errors import FormatError, OutputError
+from prepack.errors import FormatError
 from prepack.load import PackedDataset
 from tests.corpus import corpus_table, write_corpus
 
@@ -276,26 +276,3 @@ def test_a_manifest_over_the_size_cap_is_refused_unread(copy, monkeypatch):
         read_manifest(copy)
     monkeypatch.setattr(format, "MANIFEST_MAX_BYTES", size)
     assert read_manifest(copy).shards
-
-
-# 4. inspect --plot into a missing directory ------------------------------------------------------------
-
-
-def test_plot_into_a_missing_directory_is_an_output_error(built, tmp_path):
-    from prepack.report import plot
-
-    with pytest.raises(OutputError, match="is not a directory"):
-        plot(inspect_build(built), tmp_path / "missing" / "report.png")
-    with pytest.raises(OutputError, match="cannot be written"):
-        plot(inspect_build(built), tmp_path / "report.nosuchformat")
-    assert list(tmp_path.iterdir()) == []  # nothing half-written
-
-
-def test_cli_plot_into_a_missing_directory_exits_2(built, tmp_path):
-    from typer.testing import CliRunner
-
-    from prepack.cli import app
-
-    result = CliRunner().invoke(app, ["inspect", str(built), "--plot", str(tmp_path / "missing" / "r.png")])
-    assert result.exit_code == 2, result.output
-    assert "is not a directory" in " ".join(result.output.split()) and "Traceback" not in result.output
