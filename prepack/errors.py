@@ -23,7 +23,15 @@ class OutputError(PrepackError):
 
 
 class FormatError(PrepackError):
-    """A shard directory does not follow the prepack shard format."""
+    """A shard directory does not follow the prepack shard format.
+
+    `problem` is the finding as fields (a `prepack.format.FormatProblem`: file, message, row, column)
+    when the format's readers raise it, so that callers never take the message text apart.
+    """
+
+    def __init__(self, message: str, problem=None):
+        super().__init__(message)
+        self.problem = problem
 
 
 class IsolationError(PrepackError):

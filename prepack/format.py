@@ -6,39 +6,50 @@ The normative text is `schemas/shard-format.md`; `schemas/manifest.schema.json` 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import mmap
+import reprlib
 import os
+import stat
+import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, NoReturn
 
 import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from prepack.errors import FormatError
+from prepack.errors import FormatError, OutputError
 
 __all__ = [
     "FORMAT_VERSION",
     "IGNORE_INDEX",
     "MANIFEST_NAME",
+    "MANIFEST_MAX_BYTES",
     "SHARD_VERSION_KEY",
     "BuildOptions",
+    "FormatProblem",
     "InputFile",
     "Manifest",
+    "PackLayout",
     "ShardFileProblem",
     "ShardInfo",
     "TokenizeOptions",
     "TokenizerInfo",
     "Totals",
+    "check_layout",
     "check_shard",
     "list_column",
     "open_shard",
+    "pack_layout",
     "read_manifest",
     "segment_id_type",
     "shard_file_problems",
     "shard_name",
+    "shard_path",
     "shard_schema",
     "shard_sha256",
     "write_manifest",
@@ -48,6 +59,10 @@ FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 SHARD_VERSION_KEY = "prepack.format_version"  # schema metadata of every shard: marks it as prepack's
 IGNORE_INDEX = -100  # label value that is not trained on (the PyTorch / HF convention)
+# Readers refuse a bigger manifest before parsing it. A shard entry takes ~200 bytes of indented JSON
+# and an input ~80, so 64 MiB lists some 300,000 of them: a 64 MiB-shard build of 20 TB.
+MANIFEST_MAX_BYTES = 64 * 2**20
+_COUNT_MAX = 2**63 - 1  # counts are int64 in every reader
 
 _TOKEN = pa.int32()  # token ids and labels: vocabularies fit in 31 bits, and torch has no uint32 kernels
 
@@ -105,8 +120,8 @@ class BuildOptions(_Model):
     overflow: Literal["split", "truncate", "drop", "error"] = Field(
         description="What happens to documents longer than max_len."
     )
-    seed: int = Field(ge=0, description="Seed of the pack-order shuffle.")
-    shard_size: int = Field(ge=1, description="Target shard size in bytes.")
+    seed: int = Field(ge=0, le=_COUNT_MAX, description="Seed of the pack-order shuffle.")
+    shard_size: int = Field(ge=1, le=_COUNT_MAX, description="Target shard size in bytes.")
     column: str = Field(description="Token column read from the corpus.")
     labels_column: str | None = Field(description="Labels column carried through, if the corpus had one.")
     drop_untrained: bool = Field(
@@ -119,38 +134,39 @@ class BuildOptions(_Model):
 
 class InputFile(_Model):
     path: str = Field(description="Path relative to the corpus root, '/'-separated.")
-    rows: int = Field(ge=0)
+    rows: int = Field(ge=0, le=_COUNT_MAX)
 
 
 class Totals(_Model):
-    documents: int = Field(ge=0, description="Rows read from the corpus.")
-    input_tokens: int = Field(ge=0, description="Tokens read from the corpus.")
-    tokens: int = Field(ge=0, description="Tokens written into packs.")
-    segments: int = Field(ge=0, description="Documents and document pieces written into packs.")
-    packs: int = Field(ge=0)
-    padding_tokens: int = Field(ge=0, description="packs * max_len - tokens.")
-    lower_bound: int = Field(ge=0, description="ceil(tokens / max_len): no packing can use fewer packs.")
-    empty: int = Field(ge=0, description="Documents with no tokens (never packed).")
-    split: int = Field(ge=0, description="Documents longer than max_len split into pieces.")
-    split_pieces: int = Field(ge=0, description="Pieces those documents became.")
-    truncated: int = Field(ge=0, description="Documents cut to max_len.")
-    truncated_tokens: int = Field(ge=0, description="Tokens cut off by truncation.")
-    dropped: int = Field(ge=0, description="Documents longer than max_len left out.")
-    dropped_tokens: int = Field(ge=0)
+    documents: int = Field(ge=0, le=_COUNT_MAX, description="Rows read from the corpus.")
+    input_tokens: int = Field(ge=0, le=_COUNT_MAX, description="Tokens read from the corpus.")
+    tokens: int = Field(ge=0, le=_COUNT_MAX, description="Tokens written into packs.")
+    segments: int = Field(ge=0, le=_COUNT_MAX, description="Documents and document pieces written into packs.")
+    packs: int = Field(ge=0, le=_COUNT_MAX)
+    padding_tokens: int = Field(ge=0, le=_COUNT_MAX, description="packs * max_len - tokens.")
+    lower_bound: int = Field(ge=0, le=_COUNT_MAX, description="ceil(tokens / max_len): no packing can use fewer packs.")
+    empty: int = Field(ge=0, le=_COUNT_MAX, description="Documents with no tokens (never packed).")
+    split: int = Field(ge=0, le=_COUNT_MAX, description="Documents longer than max_len split into pieces.")
+    split_pieces: int = Field(ge=0, le=_COUNT_MAX, description="Pieces those documents became.")
+    truncated: int = Field(ge=0, le=_COUNT_MAX, description="Documents cut to max_len.")
+    truncated_tokens: int = Field(ge=0, le=_COUNT_MAX, description="Tokens cut off by truncation.")
+    dropped: int = Field(ge=0, le=_COUNT_MAX, description="Documents longer than max_len left out.")
+    dropped_tokens: int = Field(ge=0, le=_COUNT_MAX)
     untrained: int = Field(
         default=0,
         ge=0,
+        le=_COUNT_MAX,
         description="Documents with tokens but no trained token (every label after the first is -100); "
         "left out of the packs when options.drop_untrained.",
     )
-    untrained_tokens: int = Field(default=0, ge=0, description="Tokens of those documents.")
+    untrained_tokens: int = Field(default=0, ge=0, le=_COUNT_MAX, description="Tokens of those documents.")
 
 
 class ShardInfo(_Model):
     name: str
-    rows: int = Field(ge=0)
-    tokens: int = Field(ge=0)
-    bytes: int = Field(ge=0)
+    rows: int = Field(ge=0, le=_COUNT_MAX)
+    tokens: int = Field(ge=0, le=_COUNT_MAX)
+    bytes: int = Field(ge=0, le=_COUNT_MAX)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
@@ -173,212 +189,432 @@ class Manifest(_Model):
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write `manifest.json` atomically (temporary file + rename), keys sorted."""
     text = json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+    if len(text.encode()) > MANIFEST_MAX_BYTES:  # readers would refuse it
+        raise OutputError(
+            f"the manifest would take {len(text.encode())} bytes, more than the {MANIFEST_MAX_BYTES} readers "
+            "accept: use a larger --shard-size, or fewer corpus files."
+        )
     tmp = directory / f".{MANIFEST_NAME}.tmp"
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, directory / MANIFEST_NAME)
 
 
+class FormatProblem(NamedTuple):
+    """One way a build breaks the format, and where: what `FormatError.problem` carries, so that a
+    caller (`verify`) takes the row and column from fields, never from the message."""
+
+    file: str  # the file, as the reader was given it (a path, or a shard's name)
+    message: str  # what is wrong, without the place
+    row: int | None = None  # the pack's row inside the shard
+    column: str | None = None  # the shard column, or the manifest field
+
+    def __str__(self) -> str:
+        where = [f"row {self.row}"] if self.row is not None else []
+        where += [f"column {self.column!r}"] if self.column is not None else []
+        return f"{self.file}: {', '.join(where)}: {self.message}" if where else f"{self.file}: {self.message}"
+
+
+def _fail(file: str | os.PathLike, message: str, row: int | None = None, column: str | None = None) -> NoReturn:
+    problem = FormatProblem(str(file), message, row, column)
+    raise FormatError(str(problem), problem)
+
+
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_regular(path: Path) -> int:
+    """A read-only descriptor of `path`, refused unless it is a regular file: a symbolic link is not
+    followed, and a FIFO or device is opened without blocking and then refused, so that a file planted
+    in a build (`/dev/zero`, a pipe) can neither hang a reader nor feed it. FileNotFoundError passes."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            _fail(path, "is a symbolic link; a build holds regular files only.")
+        _fail(path, f"cannot be opened ({exc.strerror}).")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        _fail(path, f"is not a regular file ({_file_kind(mode)}); a build holds regular files only.")
+    return fd
+
+
+def _file_kind(mode: int) -> str:
+    kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISLNK: "a symbolic link",
+             stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
+    return next((kind for test, kind in kinds.items() if test(mode)), "not a file")
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} appears twice in one object")
+    return dict(pairs)
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+_MAX_DIGITS = 100  # of an integer in the manifest: counts are int64 (19 digits); a seed may be longer
+
+
+def _integer(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits; manifest integers have at most {_MAX_DIGITS}")
+    return int(text)
+
+
 def read_manifest(directory: str | os.PathLike) -> Manifest:
-    """Read and strictly validate `manifest.json`; unknown format versions are refused."""
+    """Read and strictly validate `manifest.json`; unknown format versions are refused.
+
+    Strict: the file is a regular file of at most MANIFEST_MAX_BYTES, UTF-8 JSON without NaN, Infinity
+    or repeated keys, and every value has exactly its JSON Schema type (`"rows": "102"` or
+    `"has_labels": 1` are refused, not coerced).
+    """
     path = Path(directory) / MANIFEST_NAME
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        fd = _open_regular(path)
     except FileNotFoundError:
-        raise FormatError(
-            f"{path} does not exist: {directory} is not a finished prepack build "
-            "(the manifest is written last)."
-        ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path} cannot be read as JSON: {exc}") from None
+        _fail(path, f"does not exist: {directory} is not a finished prepack build (the manifest is written last).")
+    try:
+        with os.fdopen(fd, "rb") as file:
+            data = file.read(MANIFEST_MAX_BYTES + 1)
+    except OSError as exc:
+        _fail(path, f"cannot be read ({exc.strerror}).")
+    if len(data) > MANIFEST_MAX_BYTES:
+        _fail(path, f"is larger than {MANIFEST_MAX_BYTES} bytes, the most a prepack manifest may hold.")
+    try:
+        raw = json.loads(
+            data.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_int=_integer
+        )
+    except RecursionError:
+        _fail(path, "cannot be read as JSON: it nests too deeply to be a prepack manifest.")
+    except ValueError as exc:  # also UnicodeDecodeError
+        _fail(path, f"cannot be read as JSON: {exc}")
     version = raw.get("format_version") if isinstance(raw, dict) else None
-    if version != FORMAT_VERSION:
-        raise FormatError(
-            f"{path} has format_version {version!r}; this prepack reads version {FORMAT_VERSION}. "
-            "Rebuild the shards or use the prepack version that wrote them."
+    if type(version) is not int or version != FORMAT_VERSION:
+        _fail(
+            path,
+            f"has format_version {reprlib.repr(version)}; this prepack reads version {FORMAT_VERSION}. "
+            "Rebuild the shards or use the prepack version that wrote them.",
         )
     try:
-        return Manifest.model_validate(raw)
+        return Manifest.model_validate(raw, strict=True)
     except ValidationError as exc:
-        raise FormatError(f"{path} is not a valid prepack manifest:\n{exc}") from None
+        _fail(path, f"is not a valid prepack manifest:\n{exc}")
 
 
 class ShardFileProblem(NamedTuple):
     """A way the shard files differ from the manifest, as `shard_file_problems` finds it."""
 
     index: int  # the shard's position in manifest.shards
-    kind: Literal["name", "missing", "size"]  # "name" and "missing": there is no file to read
+    kind: Literal["name", "missing", "type", "size"]  # all but "size": there is no file to read
     file: str  # where the problem is: MANIFEST_NAME for a wrong name, else the shard's file name
     message: str  # what is wrong, without the file
 
 
-def shard_file_problems(directory: Path, manifest: Manifest) -> Iterator[ShardFileProblem]:
-    """What the manifest promises about its shard files, checked with `stat` only (no shard is read),
-    in manifest order: each shard named `shard_name(index)`, present, and of the manifest's size.
+def _misnamed(index: int, info: ShardInfo) -> str | None:
+    if info.name != shard_name(index):
+        return f"shard {index} is named {info.name!r}, not {shard_name(index)!r}."
+    return None
 
-    A shard with another name is not looked at: that also keeps a hand-edited name like "../x.arrow"
-    from reaching outside the build.
+
+def shard_path(directory: str | os.PathLike, index: int, info: ShardInfo) -> Path:
+    """The file of shard `index` (`info` is its manifest entry). A manifest that names it otherwise is
+    refused, which also keeps a name like "../x" or "/etc/passwd" from taking a reader out of the build."""
+    if (message := _misnamed(index, info)) is not None:
+        _fail(Path(directory) / MANIFEST_NAME, message, column=f"shards[{index}].name")
+    return Path(directory) / info.name
+
+
+def shard_file_problems(directory: Path, manifest: Manifest) -> Iterator[ShardFileProblem]:
+    """What the manifest promises about its shard files, checked with `lstat` only (no shard is opened),
+    in manifest order: each shard named `shard_name(index)`, present, a regular file (not a symbolic
+    link, FIFO or device), and of the manifest's size.
+
+    A shard with another name is not looked at (`shard_path`'s rule): that also keeps a hand-edited name
+    like "../x.arrow" from reaching outside the build.
     """
     for index, info in enumerate(manifest.shards):
-        if info.name != shard_name(index):
-            message = f"shard {index} is named {info.name!r}, not {shard_name(index)!r}."
+        if (message := _misnamed(index, info)) is not None:
             yield ShardFileProblem(index, "name", MANIFEST_NAME, message)
             continue
         try:
-            size = (directory / info.name).stat().st_size
+            status = os.lstat(directory / info.name)
         except FileNotFoundError:
             message = f"missing; the manifest lists it with {info.rows} packs, {info.bytes} bytes."
             yield ShardFileProblem(index, "missing", info.name, message)
             continue
-        if size != info.bytes:
-            message = f"{size} bytes, but the manifest says {info.bytes} (truncated or replaced?)."
+        if not stat.S_ISREG(status.st_mode):
+            message = f"is {_file_kind(status.st_mode)}, not a regular file; a build holds regular files only."
+            yield ShardFileProblem(index, "type", info.name, message)
+        elif status.st_size != info.bytes:
+            message = f"{status.st_size} bytes, but the manifest says {info.bytes} (truncated or replaced?)."
             yield ShardFileProblem(index, "size", info.name, message)
 
 
 def shard_sha256(path: Path) -> str:
     """The hex sha256 of a shard file (what `ShardInfo.sha256` records), read in 4 MiB chunks."""
+    try:
+        fd = _open_regular(path)
+    except FileNotFoundError:
+        _fail(path, "the shard is missing.")
     digest = hashlib.sha256()
-    with open(path, "rb") as file:
+    with os.fdopen(fd, "rb") as file:
         while chunk := file.read(2**22):
             digest.update(chunk)
     return digest.hexdigest()
 
 
 def open_shard(path: Path, has_labels: bool, max_len: int) -> pa.RecordBatch:
-    """Memory-map one shard (zero-copy) and check its schema; the row contents are checked by
-    `check_shard`."""
+    """Memory-map one shard (zero-copy) and check its structure: a regular file holding an Arrow IPC
+    stream of the format's schema (metadata included) and one uncompressed record batch, whose buffers
+    hold what their lengths say and whose list offsets start at 0 and end at their values' length. The
+    row contents are checked by `check_shard`."""
     try:
-        with pa.memory_map(str(path)) as source:
-            reader = pa.ipc.open_stream(source)
-            batches = list(reader)
+        fd = _open_regular(path)
     except FileNotFoundError:
-        raise FormatError(f"{path}: the shard is missing.") from None
-    except (OSError, pa.ArrowException) as exc:
-        raise FormatError(f"{path}: not a readable Arrow IPC stream ({exc}).") from None
-    expected = shard_schema(has_labels, max_len)
-    if not reader.schema.equals(expected, check_metadata=True):
-        raise FormatError(
-            f"{path}: the schema is\n{reader.schema}\nbut format version {FORMAT_VERSION} "
-            f"{'with' if has_labels else 'without'} labels and max_len {max_len} expects\n{expected}"
-        )
-    if len(batches) != 1:
-        raise FormatError(f"{path}: a shard holds exactly one record batch, this one {len(batches)}.")
-    return batches[0]
+        _fail(path, "the shard is missing.")
+    try:
+        if os.fstat(fd).st_size == 0:
+            _fail(path, "is empty; a shard is an Arrow IPC stream.")
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)  # the map holds the file open
+    try:
+        messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(pa.py_buffer(mapped)))
+        schema = pa.ipc.read_schema(_next_message(messages, path, "schema"))
+        expected = shard_schema(has_labels, max_len)
+        if not schema.equals(expected, check_metadata=True):
+            _fail(
+                path,
+                f"the schema is\n{schema}\n(metadata {schema.metadata}) but format version {FORMAT_VERSION} "
+                f"{'with' if has_labels else 'without'} labels and max_len {max_len} expects\n{expected}\n"
+                f"(metadata {expected.metadata})",
+            )
+        message = _next_message(messages, path, "record batch")
+        if _body_compressed(message.metadata):
+            _fail(path, "the record batch is compressed; shards are uncompressed, to be memory-mapped.")
+        batch = pa.ipc.read_record_batch(message, schema)
+        try:
+            extra = messages.read_next_message()
+        except StopIteration:  # the stream ends after its record batch, as it should
+            extra = None
+        if extra is not None:
+            _fail(path, f"a {extra.type} message follows the record batch; a shard holds exactly one.")
+    except (OSError, pa.ArrowException, struct.error) as exc:
+        _fail(path, f"not a readable Arrow IPC stream ({exc}).")
+    try:
+        batch.validate()  # buffers as long as the lengths say, before numpy reads them
+    except pa.ArrowException as exc:
+        _fail(path, f"not valid Arrow data ({exc}).")
+    for column in schema.names:  # offsets are few (one per pack): every reader checks them all
+        if isinstance(batch.column(column), pa.ListArray):
+            offsets, values = list_column(batch, column, str(path))
+            if (problem := _offsets_problem(offsets, len(values))) is not None:
+                _fail(path, f"{problem[1]}.", problem[0], column)
+            if offsets[0] != 0 or offsets[-1] != len(values):
+                _fail(path, f"offsets run from {offsets[0]} to {offsets[-1]}, not from 0 to its {len(values)} "
+                      "values.", column=column)
+    return batch
 
 
-def list_column(batch: pa.RecordBatch, column: str) -> tuple[np.ndarray, np.ndarray]:
+def _next_message(messages: pa.ipc.MessageReader, path: Path, kind: str) -> pa.ipc.Message:
+    try:
+        message = messages.read_next_message()
+    except StopIteration:
+        _fail(path, f"the stream ends before its {kind}.")
+    if message.type != kind:
+        _fail(path, f"a {message.type} message where the stream's {kind} should be.")
+    return message
+
+
+def _body_compressed(metadata: pa.Buffer) -> bool:
+    """Whether an IPC record batch message sets `compression`, read from its flatbuffer before the body
+    is decoded (pyarrow would decompress it into memory). In Arrow's Message.fbs, field 2 of the Message
+    table, `header`, is the RecordBatch table, whose field 3 is `compression`."""
+    data = metadata.to_pybytes()
+
+    def read(fmt: str, at: int) -> int:
+        if not 0 <= at <= len(data) - struct.calcsize(fmt):
+            raise struct.error(f"flatbuffer offset {at} out of range")
+        return struct.unpack_from(fmt, data, at)[0]
+
+    def field(table: int, index: int) -> int:  # where a table's field is, 0 when absent
+        vtable = table - read("<i", table)
+        entry = 4 + 2 * index
+        offset = read("<H", vtable + entry) if entry + 2 <= read("<H", vtable) else 0
+        return table + offset if offset else 0
+
+    header = field(read("<I", 0), 2)
+    return bool(header) and field(header + read("<I", header), 3) != 0
+
+
+def list_column(batch: pa.RecordBatch, column: str, where: str = "shard") -> tuple[np.ndarray, np.ndarray]:
     """(offsets, values) of a list column as zero-copy numpy views: row r is values[offsets[r]:offsets[r+1]].
 
     `values` is the whole child array, so the offsets index it directly even in a sliced batch. Nulls
     are refused here, which is also what lets `to_numpy` share the Arrow buffers instead of copying.
+    The offsets are not checked here: `check_shard` does that.
     """
     array = batch.column(column)
     if array.null_count:
-        raise FormatError(f"column {column!r} has null rows")
+        _fail(where, "has null rows", _first(array.is_null().to_numpy(zero_copy_only=False)), column)
     if array.values.null_count:
-        raise FormatError(f"column {column!r} has null values")
-    return array.offsets.to_numpy(), array.values.to_numpy()
+        _fail(where, "has null values", column=column)
+    offsets = array.offsets.to_numpy() if len(array.offsets) else np.zeros(1, np.int32)  # 0 rows may have none
+    return offsets, array.values.to_numpy()
 
 
-def check_shard(batch: pa.RecordBatch, max_len: int, where: str) -> None:
-    """Check every row of a shard against the format, vectorized over the whole batch.
+def _first(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
 
-    Raises FormatError naming `where`, the row and the column of the first violation. This is what
-    stands between a file from elsewhere and a GPU kernel: `cu_seqlens` out of range is an
-    out-of-bounds read there.
+
+class PackLayout(NamedTuple):
+    """What `cu_seqlens` says about a batch of packs, decoded once, vectorized (`pack_layout`).
+
+    Per pack: `tokens` and `documents`. Per document (segment), in row order: its `pack` (row), its
+    1-based `number` inside the pack (its segment id), its first token inside the pack (`starts`, its
+    cu_seqlens value) and its `lengths`. All int64.
     """
 
-    def fail(row: int, column: str, what: str) -> None:
-        raise FormatError(f"{where}: row {row}, column {column!r}: {what}")
+    tokens: np.ndarray
+    documents: np.ndarray
+    pack: np.ndarray
+    number: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
 
-    try:
-        ids_off, ids = list_column(batch, "input_ids")
-        seg_off, seg = list_column(batch, "segment_ids")
-        cu_off, cu = list_column(batch, "cu_seqlens")
-        src_off, _ = list_column(batch, "source_rows")
-        piece_off, pieces = list_column(batch, "source_pieces")
-    except FormatError as exc:
-        raise FormatError(f"{where}: {exc}") from None
-    if batch.column("max_seqlen").null_count:
-        raise FormatError(f"{where}: column 'max_seqlen' has null rows")
-    max_seqlen = batch.column("max_seqlen").to_numpy()
-    rows = batch.num_rows
-    if rows == 0:
-        return
-    # Rebase offsets so a sliced batch works like a fresh one.
-    seg = seg[seg_off[0] : seg_off[-1]]
-    cu = cu[cu_off[0] : cu_off[-1]]
-    pieces = pieces[piece_off[0] : piece_off[-1]]
+
+def pack_layout(offsets: np.ndarray, values: np.ndarray) -> PackLayout:
+    """Decode `cu_seqlens` (its offsets and values, as `list_column` gives them) for every pack at once.
+
+    Needs sound offsets and at least two values per pack (as `check_layout` checks first); the values
+    themselves are taken as they are: `check_layout` refuses a length below 1.
+    """
+    offsets = offsets.astype(np.int64)
+    cu = values[offsets[0] : offsets[-1]].astype(np.int64)
+    documents = np.diff(offsets) - 1
+    last = offsets[1:] - offsets[0] - 1  # each pack's last cu_seqlens value: its token count
+    is_start = np.ones(len(cu), dtype=bool)
+    is_start[last] = False
+    pack = np.repeat(np.arange(len(documents), dtype=np.int64), documents)
+    return PackLayout(
+        tokens=cu[last],
+        documents=documents,
+        pack=pack,
+        number=np.arange(len(pack), dtype=np.int64) - np.repeat(np.cumsum(documents) - documents, documents) + 1,
+        starts=cu[is_start],
+        lengths=np.diff(cu)[is_start[:-1]],
+    )
+
+
+def _offsets_problem(offsets: np.ndarray, values: int) -> tuple[int, str] | None:
+    """(row, what) of the first row whose offsets do not slice `values` values, if any: an offset below
+    0, going back, or past the end would serve another row's tokens, or none."""
+    if offsets[0] < 0:
+        return 0, f"its first offset is {offsets[0]}"
+    if (bad := np.diff(offsets) < 0).any():
+        r = _first(bad)
+        return r, f"its offsets go back from {offsets[r]} to {offsets[r + 1]}"
+    if offsets[-1] > values:
+        r = _first(offsets[1:] > values)
+        return r, f"its offset {offsets[r + 1]} is past the end of its {values} values"
+    return None
+
+
+def _list_checked(batch: pa.RecordBatch, column: str, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """`list_column` with the offsets checked against the values, problems naming `where`."""
+    offsets, values = list_column(batch, column, where)
+    if (problem := _offsets_problem(offsets, len(values))) is not None:
+        _fail(where, f"{problem[1]}.", problem[0], column)
+    return offsets, values
+
+
+def _row_of(offsets: np.ndarray, value: int) -> int:
+    """The row holding value number `value` (counted from offsets[0])."""
+    return int(np.searchsorted(offsets[1:] - offsets[0], value, "right"))
+
+
+def check_layout(
+    batch: pa.RecordBatch, max_len: int, where: str, tokens: np.ndarray | None = None
+) -> PackLayout:
+    """Check the columns that describe the packs' documents (`cu_seqlens`, `source_rows`,
+    `source_pieces`) and return their `PackLayout`. Reads only those small columns, and `tokens`, the
+    packs' token counts, when the caller has read them (`check_shard` checks the token columns).
+    Raises FormatError naming `where`, the row and the column.
+    """
+    cu_off, cu = _list_checked(batch, "cu_seqlens", where)
+    documents = np.diff(cu_off).astype(np.int64) - 1
+    if (bad := documents < 1).any():
+        _fail(where, "needs at least two values [0, ..., tokens]", _first(bad), "cu_seqlens")
+    layout = pack_layout(cu_off, cu)
+    first_doc = np.cumsum(documents) - documents
+    if (bad := layout.starts[first_doc] != 0).any():
+        r = _first(bad)
+        _fail(where, f"starts at {layout.starts[first_doc][r]}, not 0", r, "cu_seqlens")
+    if (bad := layout.lengths < 1).any():
+        r = int(layout.pack[_first(bad)])
+        _fail(where, "values must be strictly increasing (no empty documents)", r, "cu_seqlens")
+    if tokens is not None and (bad := layout.tokens != tokens).any():
+        r = _first(bad)
+        _fail(where, f"ends at {layout.tokens[r]}, but the pack has {tokens[r]} tokens", r, "cu_seqlens")
+    if (bad := layout.tokens > max_len).any():
+        r = _first(bad)
+        _fail(where, f"ends at {layout.tokens[r]}, more than max_len {max_len}", r, "cu_seqlens")
+    for column in ("source_rows", "source_pieces"):
+        offsets, values = _list_checked(batch, column, where)
+        if (bad := np.diff(offsets) != documents).any():
+            r = _first(bad)
+            _fail(where, f"{np.diff(offsets)[r]} values for {documents[r]} documents", r, column)
+        if column == "source_pieces" and (bad := values[offsets[0] : offsets[-1]] < 0).any():
+            _fail(where, "negative piece number", _row_of(offsets, _first(bad)), column)
+    return layout
+
+
+def check_shard(batch: pa.RecordBatch, max_len: int, where: str) -> PackLayout:
+    """Check every row of a shard against the format, vectorized over the whole batch, and return its
+    layout. Every list column's offsets are checked against its values first.
+
+    Raises FormatError naming `where`, the row and the column of the first violation (its `problem`
+    holds them as fields). This is what stands between a file from elsewhere and a GPU kernel:
+    `cu_seqlens` out of range is an out-of-bounds read there.
+    """
+    ids_off, ids = _list_checked(batch, "input_ids", where)
     n = np.diff(ids_off).astype(np.int64)  # tokens per pack
-    docs = np.diff(cu_off).astype(np.int64) - 1  # documents per pack
-
-    def first(mask: np.ndarray) -> int:
-        return int(np.flatnonzero(mask)[0])
-
-    if (bad := n > max_len).any():
-        r = first(bad)
-        fail(r, "input_ids", f"{n[r]} tokens, more than max_len {max_len}")
-    if (bad := n == 0).any():
-        fail(first(bad), "input_ids", "a pack has no tokens")
-    if (bad := np.diff(seg_off) != n).any():
-        r = first(bad)
-        fail(r, "segment_ids", f"length {np.diff(seg_off)[r]}, but input_ids has {n[r]}")
-    if (bad := docs < 1).any():
-        fail(first(bad), "cu_seqlens", "needs at least two values [0, ..., tokens]")
-    for column, off in (("source_rows", src_off), ("source_pieces", piece_off)):
-        if (bad := np.diff(off) != docs).any():
-            r = first(bad)
-            fail(r, column, f"{np.diff(off)[r]} values for {docs[r]} documents")
+    layout = check_layout(batch, max_len, where, n)
     ids = ids[ids_off[0] : ids_off[-1]]
     if len(ids) and ids.min() < 0:  # an embedding lookup with a negative id reads out of bounds
-        token = first(ids < 0)
-        fail(int(np.searchsorted(ids_off[1:] - ids_off[0], token, "right")), "input_ids", "negative token id")
-    if "labels" in batch.schema.names:
-        lab_off, labels = list_column(batch, "labels")
-        if (bad := np.diff(lab_off) != n).any():
-            r = first(bad)
-            fail(r, "labels", f"length {np.diff(lab_off)[r]}, but input_ids has {n[r]}")
+        _fail(where, "negative token id", _row_of(ids_off, _first(ids < 0)), "input_ids")
+    token_columns = ["segment_ids", *(["labels"] if "labels" in batch.schema.names else [])]
+    for column in token_columns:
+        offsets, values = _list_checked(batch, column, where)
+        if (bad := np.diff(offsets) != n).any():
+            r = _first(bad)
+            _fail(where, f"length {np.diff(offsets)[r]}, but input_ids has {n[r]}", r, column)
+    if "labels" in token_columns:
+        lab_off, labels = list_column(batch, "labels", where)
         labels = labels[lab_off[0] : lab_off[-1]]
         if (bad := (labels < 0) & (labels != IGNORE_INDEX)).any():
-            token = first(bad)
-            row = int(np.searchsorted(lab_off[1:] - lab_off[0], token, "right"))
-            fail(row, "labels", f"{labels[token]} is neither a token id nor {IGNORE_INDEX}")
-    if (pieces < 0).any():
-        fail(int(np.searchsorted(piece_off[1:] - piece_off[0], first(pieces < 0), "right")),
-             "source_pieces", "negative piece number")
-
-    # cu_seqlens: starts at 0, strictly increasing, ends at the row's token count.
-    starts = cu_off[:-1] - cu_off[0]
-    ends = cu_off[1:] - cu_off[0] - 1
-    if (bad := cu[starts] != 0).any():
-        fail(first(bad), "cu_seqlens", f"starts at {cu[starts][first(bad)]}, not 0")
-    if (bad := cu[ends] != n).any():
-        r = first(bad)
-        fail(r, "cu_seqlens", f"ends at {cu[ends][r]}, but the pack has {n[r]} tokens")
-    step = np.diff(cu)
-    inner = np.ones(len(step), dtype=bool)
-    inner[ends[:-1]] = False  # the step from one row's last value to the next row's 0
-    if (bad := inner & (step <= 0)).any():
-        r = int(np.searchsorted(ends, first(bad), "left"))
-        fail(r, "cu_seqlens", "values must be strictly increasing (no empty documents)")
-    lengths = np.where(inner, step, 0)
-    row_of_step = np.repeat(np.arange(rows), docs)
-    longest = np.zeros(rows, dtype=np.int64)
-    np.maximum.at(longest, row_of_step, lengths[inner])
-    if (bad := longest != max_seqlen).any():
-        r = first(bad)
-        fail(r, "max_seqlen", f"is {max_seqlen[r]}, the longest document is {longest[r]}")
-
+            token = _first(bad)
+            _fail(where, f"{labels[token]} is neither a token id nor {IGNORE_INDEX}", _row_of(lab_off, token), "labels")
+    if batch.column("max_seqlen").null_count:
+        _fail(where, "has null rows", column="max_seqlen")
+    max_seqlen = batch.column("max_seqlen").to_numpy()
+    if len(layout.lengths):
+        longest = np.maximum.reduceat(layout.lengths, np.cumsum(layout.documents) - layout.documents)
+        if (bad := longest != max_seqlen).any():
+            r = _first(bad)
+            _fail(where, f"is {max_seqlen[r]}, the longest document is {longest[r]}", r, "max_seqlen")
     # segment_ids: document k's tokens carry k, as cu_seqlens says.
-    expected = np.repeat(_document_numbers(docs), lengths[inner])
-    if (bad := seg != expected).any():
-        token = first(bad)
-        r = int(np.searchsorted(ids_off[1:] - ids_off[0], token, "right"))
-        fail(r, "segment_ids", f"token {token - (ids_off[r] - ids_off[0])} has {seg[token]}, "
-             f"cu_seqlens says {expected[token]}")
-
-
-def _document_numbers(docs_per_pack: np.ndarray) -> np.ndarray:
-    """[2, 3] -> [1, 2, 1, 2, 3]: the 1-based number of every document inside its pack."""
-    total = int(docs_per_pack.sum())
-    first_of_pack = np.repeat(np.cumsum(docs_per_pack) - docs_per_pack, docs_per_pack)
-    return (np.arange(total, dtype=np.int64) - first_of_pack + 1).astype(np.int32)
+    seg_off, seg = list_column(batch, "segment_ids", where)
+    expected = np.repeat(layout.number.astype(seg.dtype), layout.lengths)
+    if (bad := seg[seg_off[0] : seg_off[-1]] != expected).any():
+        token = _first(bad)
+        r = _row_of(seg_off, token)
+        _fail(where, f"token {token - (seg_off[r] - seg_off[0])} has {seg[seg_off[0] + token]}, "
+              f"cu_seqlens says {expected[token]}", r, "segment_ids")
+    return layout

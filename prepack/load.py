@@ -3,7 +3,8 @@
 `PackedDataset` memory-maps each shard when a row of it is first asked for and serves rows as
 read-only numpy views into the map: nothing is copied or decoded until the collator pads the batch.
 Every shard passes `check_shard` before any of its rows is served, because the offsets in a file from
-elsewhere end up indexing GPU memory.
+elsewhere end up indexing GPU memory; and only the build's own regular files are opened (`shard_path`,
+`open_shard`), so a manifest cannot point the loader at another file, a pipe or a device.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from prepack.format import (
     open_shard,
     read_manifest,
     shard_file_problems,
+    shard_path,
     shard_sha256,
 )
 
@@ -61,7 +63,7 @@ class PackedDataset(Dataset):
 
     @property
     def shard_paths(self) -> list[Path]:
-        return [self.path / shard.name for shard in self.manifest.shards]
+        return [shard_path(self.path, index, info) for index, info in enumerate(self.manifest.shards)]
 
     def __len__(self) -> int:
         return int(self._row_ends[-1]) if len(self._row_ends) else 0
@@ -94,12 +96,12 @@ class PackedDataset(Dataset):
 
     def _columns(self, shard: int) -> dict[str, _ListColumn]:
         if shard not in self._open:
-            self._open[shard] = _list_columns(self._open_checked(shard))
+            self._open[shard] = _list_columns(self._open_checked(shard), self.manifest.shards[shard].name)
         return self._open[shard]
 
     def _open_checked(self, shard: int) -> pa.RecordBatch:
         info = self.manifest.shards[shard]
-        path = self.path / info.name
+        path = shard_path(self.path, shard, info)
         if self.verify_checksums and (digest := shard_sha256(path)) != info.sha256:
             raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
         batch = open_shard(path, self.manifest.has_labels, self.manifest.options.max_len)
@@ -119,23 +121,23 @@ def _check_directory(path: Path, manifest: Manifest) -> None:
         raise FormatError(f"{path}: the shards hold {rows} packs, but the manifest totals say {manifest.totals.packs}.")
 
 
-def _list_columns(batch: pa.RecordBatch) -> dict[str, _ListColumn]:
+def _list_columns(batch: pa.RecordBatch, where: str) -> dict[str, _ListColumn]:
     """Zero-copy (offsets, values) views of the served list columns."""
     names = [*_ROW_COLUMNS, *(["labels"] if "labels" in batch.schema.names else [])]
-    return {name: list_column(batch, name) for name in names}
+    return {name: list_column(batch, name, where) for name in names}
 
 
 def open_hf_dataset(path: str | os.PathLike, *, validate: bool = True, verify_checksums: bool = False):
     """The build as one Hugging Face `datasets.Dataset` (memory-mapped, numpy format) for trainers that
-    only take those, such as TRL's `SFTTrainer`. Every shard is checked first, as `PackedDataset` would.
+    only take those, such as TRL's `SFTTrainer`. Every shard is checked first, as `PackedDataset` would
+    (with `validate=False`, still its file and schema: `datasets` then maps it unchecked).
 
     Rows hold the same columns as `PackedDataset` rows; `datasets` hands them out as int64 copies.
     """
     from datasets import Dataset as HFDataset, concatenate_datasets
 
     packed = PackedDataset(path, validate=validate, verify_checksums=verify_checksums)
-    if validate or verify_checksums:
-        packed.check_all()
+    packed.check_all()
     parts = [HFDataset.from_file(str(shard)) for shard in packed.shard_paths]
     columns = [*_ROW_COLUMNS, *(["labels"] if packed.manifest.has_labels else [])]
     return concatenate_datasets(parts).select_columns(columns).with_format("numpy")

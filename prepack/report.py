@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from prepack.errors import FormatError, InputError
-from prepack.format import Manifest, list_column, open_shard, read_manifest
+from prepack.format import Manifest, check_layout, list_column, open_shard, read_manifest, shard_path
 from prepack.output import output_errors
 
 __all__ = [
@@ -161,43 +161,25 @@ def _integer_edges(values: np.ndarray) -> np.ndarray:
 
 def _shard_columns(batch, where: str, max_len: int) -> tuple[np.ndarray, ...]:
     """(tokens per pack, documents per pack, segment lengths, source rows, source pieces), read from the
-    small columns only, with the sanity checks that cost nothing extra (verify does the rest)."""
-    cu_off, cu_values = list_column(batch, "cu_seqlens")
-    cu = cu_values[cu_off[0] : cu_off[-1]].astype(np.int64)
-    docs = np.diff(cu_off).astype(np.int64) - 1
-    if (docs < 1).any():
-        raise FormatError(f"{where}: a pack has no documents in cu_seqlens; run `prepack verify`.")
-    ends = np.cumsum(docs + 1) - 1  # index of each pack's last cu_seqlens value
-    tokens = cu[ends]
-    steps = np.diff(cu)
-    inner = np.ones(len(steps), dtype=bool)
-    inner[ends[:-1]] = False  # the step from one pack's last value to the next pack's leading 0
-    lengths = steps[inner]
-    if len(lengths) and (lengths.min() < 1 or tokens.max() > max_len):
-        raise FormatError(f"{where}: cu_seqlens is not valid for max_len {max_len}; run `prepack verify`.")
+    small columns only, checked by `check_layout` (`verify` checks the token columns too)."""
+    layout = check_layout(batch, max_len, where)
 
     def flat(name: str) -> np.ndarray:
-        offsets, values = list_column(batch, name)
+        offsets, values = list_column(batch, name, where)
         return values[offsets[0] : offsets[-1]]
 
-    rows, pieces = flat("source_rows"), flat("source_pieces")
-    if len(rows) != len(lengths) or len(pieces) != len(lengths):
-        raise FormatError(
-            f"{where}: source_rows or source_pieces disagree with cu_seqlens; run `prepack verify`."
-        )
-    return tokens, docs, lengths, rows, pieces
+    return layout.tokens, layout.documents, layout.lengths, flat("source_rows"), flat("source_pieces")
 
 
 def _read_columns(path: Path, manifest: Manifest) -> tuple[list[ShardSummary], dict[str, np.ndarray]]:
     max_len = manifest.options.max_len
     summaries, parts = [], {"tokens": [], "docs": [], "lengths": [], "rows": [], "pieces": []}
-    for info in manifest.shards:
-        batch = open_shard(path / info.name, manifest.has_labels, manifest.options.max_len)
+    for index, info in enumerate(manifest.shards):
+        file = shard_path(path, index, info)
+        batch = open_shard(file, manifest.has_labels, manifest.options.max_len)
         if batch.num_rows != info.rows:
-            raise FormatError(
-                f"{path / info.name}: {batch.num_rows} packs, but the manifest says {info.rows}."
-            )
-        columns = _shard_columns(batch, str(path / info.name), max_len)
+            raise FormatError(f"{file}: {batch.num_rows} packs, but the manifest says {info.rows}.")
+        columns = _shard_columns(batch, str(file), max_len)
         for key, values in zip(parts, columns):
             parts[key].append(values)
         tokens = int(columns[0].sum())

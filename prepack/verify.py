@@ -3,13 +3,15 @@
 What is checked, in this order (each problem names the file, row and column it was found in):
 
 1. the manifest's own arithmetic: totals against each other, against the shard entries and inputs;
-2. the directory, by `stat` alone (`shard_file_problems`): shards named `shard-00000.arrow`, … in
-   manifest order, none missing, each of the manifest's byte size, none extra;
-3. every shard: sha256 against the manifest (when the size is right); an Arrow stream with the
-   format's schema and one record batch; its row and token counts against the manifest; every row as
-   `check_shard` checks it (lengths ≤ max_len, `segment_ids` ↔ `cu_seqlens`, `max_seqlen`, provenance
-   lengths), plus non-negative token ids, labels that are ids or -100, provenance rows inside the
-   corpus, and documents in (row, piece) order inside each pack;
+2. the directory, by `lstat` alone (`shard_file_problems`): shards named `shard-00000.arrow`, … in
+   manifest order, none missing, each a regular file (no symbolic link, FIFO or device) of the
+   manifest's byte size, none extra;
+3. every shard: sha256 against the manifest (when the size is right); as `open_shard` reads it, an
+   Arrow stream with the format's schema and one uncompressed record batch whose list offsets slice
+   their values; its row and token counts against the manifest; every row as `check_shard` checks it
+   (lengths ≤ max_len, `segment_ids` ↔ `cu_seqlens`, `max_seqlen`, provenance lengths, token ids and
+   labels), plus provenance rows inside the corpus and documents in (row, piece) order inside each
+   pack. Problems come from those checks as fields (`FormatError.problem`), never parsed from text;
 4. across shards: every (corpus row, piece) in one pack only, pieces numbered 0, 1, … without gaps,
    every piece but a document's last holding max_len tokens, and the counts of documents, splits and
    segments against the manifest;
@@ -28,7 +30,6 @@ so, instead of a cascade of follow-on reports.
 from __future__ import annotations
 
 import os
-import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,12 +42,13 @@ from pydantic import BaseModel, ConfigDict
 
 from prepack.errors import FormatError, InputError
 from prepack.format import (
-    IGNORE_INDEX,
     MANIFEST_NAME,
     Manifest,
+    PackLayout,
     check_shard,
     list_column,
     open_shard,
+    pack_layout,
     read_manifest,
     shard_file_problems,
     shard_sha256,
@@ -58,7 +60,6 @@ __all__ = ["Problem", "verify_build"]
 
 _COMPARE_TOKENS = 2**22  # tokens compared per step against the source
 _RESUME_BLOCK = 1024  # rows checked per call after a failing row, so --all stays linear in the rows
-_CHECK_SHARD = re.compile(r"row (\d+), column '([^']+)': (.*)", re.S)
 
 
 class Problem(BaseModel):
@@ -115,7 +116,7 @@ def verify_build(
     try:
         manifest = read_manifest(path)
     except FormatError as exc:
-        return [Problem(file=MANIFEST_NAME, message=str(exc))]
+        return [Problem(file=MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message)]
     documents = None if source is None else _source_documents(find_corpus(source), manifest, tokenizer, chat_template)
     problems = _problems(path, manifest, documents)
     return list(problems) if all_problems else list(islice(problems, 1))
@@ -189,7 +190,7 @@ def _problems(path: Path, manifest: Manifest, source: _Source | None) -> Iterato
     file_problems = yield from _directory_problems(path, manifest)
     shards: dict[int, _Shard] = {}
     for index in range(len(manifest.shards)):
-        if file_problems.get(index) in ("name", "missing"):
+        if file_problems.get(index) in ("name", "missing", "type"):
             continue
         shard = yield from _shard_problems(path, index, manifest, check_sha256=index not in file_problems)
         if shard is not None:
@@ -291,27 +292,23 @@ def _directory_problems(path: Path, manifest: Manifest):
 # 3. Each shard ------------------------------------------------------------------------------------
 
 
-def _strip(message: str, prefix: str) -> str:
-    return message[len(prefix) + 2 :] if message.startswith(prefix + ": ") else message
-
-
 def _shard_problems(path: Path, index: int, manifest: Manifest, check_sha256: bool):
     """Yield the shard's problems (its sha256 only if `check_sha256`); return its segments when its
     rows can be trusted, else None."""
     info = manifest.shards[index]
     name = info.name
     file = path / name
-    if check_sha256 and (digest := shard_sha256(file)) != info.sha256:
-        yield Problem(
-            file=name,
-            message=f"sha256 is {digest}, but the manifest says {info.sha256}: the file changed after "
-            "the build.",
-        )
     try:
+        if check_sha256 and (digest := shard_sha256(file)) != info.sha256:
+            yield Problem(
+                file=name,
+                message=f"sha256 is {digest}, but the manifest says {info.sha256}: the file changed after "
+                "the build.",
+            )
         batch = open_shard(file, manifest.has_labels, manifest.options.max_len)
         batch.validate(full=True)
     except FormatError as exc:
-        yield Problem(file=name, message=_strip(str(exc), str(file)))
+        yield Problem(file=name, row=exc.problem.row, column=exc.problem.column, message=exc.problem.message)
         return None
     except pa.ArrowException as exc:
         yield Problem(file=name, message=f"not valid Arrow data ({exc}).")
@@ -330,7 +327,7 @@ def _shard_problems(path: Path, index: int, manifest: Manifest, check_sha256: bo
     if not sound:
         return None
     shard = _read_segments(batch, name, index)
-    yield from _value_problems(batch, shard, manifest)
+    yield from _value_problems(shard, manifest)
     return shard
 
 
@@ -342,13 +339,12 @@ def _row_problems(batch: pa.RecordBatch, max_len: int, name: str) -> Iterator[Pr
         try:
             check_shard(batch.slice(start, length), max_len, name)
         except FormatError as exc:
-            found = _CHECK_SHARD.match(_strip(str(exc), name))
-            if found is None:
-                yield Problem(file=name, message=_strip(str(exc), name))
+            found = exc.problem
+            if found.row is None:
+                yield Problem(file=name, column=found.column, message=found.message)
                 return
-            row = start + int(found[1])
-            yield Problem(file=name, row=row, column=found[2], message=found[3])
-            start = row + 1
+            yield Problem(file=name, row=start + found.row, column=found.column, message=found.message)
+            start += found.row + 1
         else:
             start += length
         length = _RESUME_BLOCK
@@ -362,25 +358,11 @@ def _list_values(batch: pa.RecordBatch, column: str) -> tuple[np.ndarray, np.nda
 
 def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
     ids_off, ids = _list_values(batch, "input_ids")
-    cu_off, cu = _list_values(batch, "cu_seqlens")
     src_off, rows = _list_values(batch, "source_rows")
     piece_off, pieces = _list_values(batch, "source_pieces")
-    docs = np.diff(cu_off)
-    is_start = np.ones(int(cu_off[-1] - cu_off[0]), dtype=bool)
-    is_start[cu_off[1:] - cu_off[0] - 1] = False  # a pack's last value ends its last document
-    firsts = cu[cu_off[0] : cu_off[-1]][is_start].astype(np.int64)
-    lengths = np.diff(cu[cu_off[0] : cu_off[-1]].astype(np.int64))[is_start[:-1]]
-    pack = np.repeat(np.arange(batch.num_rows, dtype=np.int64), docs - 1)
-    number = np.arange(len(pack)) - np.repeat(np.cumsum(docs - 1) - (docs - 1), docs - 1) + 1
-    labels = None
-    if "labels" in batch.schema.names:
-        # Aligned with input_ids, so one index serves both (a copy only when the offsets differ).
-        lab_off, labels = _list_values(batch, "labels")
-        if not np.array_equal(lab_off, ids_off):
-            aligned = np.zeros(len(ids), dtype=labels.dtype)
-            n = np.diff(ids_off)
-            aligned[_ranges(ids_off[:-1], n)] = labels[_ranges(lab_off[:-1], n)]
-            labels = aligned
+    layout: PackLayout = pack_layout(*list_column(batch, "cu_seqlens"))
+    # Offsets run from 0 (open_shard) with the lengths of input_ids (check_shard): one index serves both.
+    labels = list_column(batch, "labels")[1] if "labels" in batch.schema.names else None
     return _Shard(
         name=name,
         ids=ids,
@@ -388,47 +370,19 @@ def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
         segments=_Segments(
             rows=rows[src_off[0] : src_off[-1]].astype(np.int64),
             pieces=pieces[piece_off[0] : piece_off[-1]].astype(np.int64),
-            lengths=lengths,
-            starts=ids_off[:-1][pack] + firsts,
-            offset=firsts,
-            shard=np.full(len(pack), index, dtype=np.int32),
-            pack=pack,
-            number=number,
+            lengths=layout.lengths,
+            starts=ids_off[:-1][layout.pack] + layout.starts,
+            offset=layout.starts,
+            shard=np.full(len(layout.pack), index, dtype=np.int32),
+            pack=layout.pack,
+            number=layout.number,
         ),
     )
 
 
-def _first_per_row(offsets: np.ndarray, bad: np.ndarray) -> Iterator[tuple[int, int]]:
-    """(row, position inside the row) of the first flagged value of every row that has one."""
-    flagged = np.flatnonzero(bad) + offsets[0]
-    rows = np.searchsorted(offsets, flagged, "right") - 1
-    rows, first = np.unique(rows, return_index=True)
-    for row, at in zip(rows, flagged[first]):
-        yield int(row), int(at - offsets[row])
-
-
-def _value_problems(batch: pa.RecordBatch, shard: _Shard, manifest: Manifest) -> Iterator[Problem]:
+def _value_problems(shard: _Shard, manifest: Manifest) -> Iterator[Problem]:
+    """What `check_shard` cannot know: provenance against the corpus size and order inside a pack."""
     name, seg = shard.name, shard.segments
-    ids_off, _ = _list_values(batch, "input_ids")
-    for column, values, bad_when, what in (
-        ("input_ids", shard.ids, lambda v: v < 0, "token ids are non-negative"),
-        (
-            "labels",
-            shard.labels,
-            lambda v: (v < 0) & (v != IGNORE_INDEX),
-            f"labels are token ids or {IGNORE_INDEX}",
-        ),
-    ):
-        if values is None:
-            continue
-        window = values[ids_off[0] : ids_off[-1]]
-        for row, at in _first_per_row(ids_off, bad_when(window)):
-            yield Problem(
-                file=name,
-                row=row,
-                column=column,
-                message=f"token {at} is {values[ids_off[row] + at]}; {what}.",
-            )
     documents = manifest.totals.documents
     for i in np.flatnonzero((seg.rows < 0) | (seg.rows >= documents)):
         yield Problem(

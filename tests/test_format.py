@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from prepack import build
 from prepack.errors import FormatError
 from prepack.format import (
     FORMAT_VERSION,
+    FormatProblem,
     Manifest,
     check_shard,
     open_shard,
@@ -121,7 +123,7 @@ def test_check_shard_refuses_a_null_inside_a_list(built):
     ids = batch.column("input_ids")
     values = pa.array(ids.values.to_pylist()[:2] + [None] + ids.values.to_pylist()[3:], pa.int32())
     columns = [pa.ListArray.from_arrays(ids.offsets, values) if n == "input_ids" else batch.column(n) for n in batch.schema.names]
-    with pytest.raises(FormatError, match="shard-00000.arrow: column 'input_ids' has null values"):
+    with pytest.raises(FormatError, match="shard-00000.arrow: column 'input_ids': has null values"):
         check_shard(pa.RecordBatch.from_arrays(columns, schema=batch.schema), 32, "shard-00000.arrow")
 
 
@@ -169,3 +171,105 @@ def test_shard_files_are_checked_against_the_manifest(built, tmp_path):
     ]
     assert f"5 bytes, but the manifest says {manifest.shards[0].bytes}" in found[0].message
     assert "'../shard-00000.arrow', not 'shard-00001.arrow'" in found[1].message
+
+
+# The spec's machine-checkable parts -------------------------------------------------------------------
+
+
+def test_shard_format_page_states_the_caps_of_the_code():
+    from prepack import format
+
+    page = (SCHEMAS / "shard-format.md").read_text()
+    assert f"`MANIFEST_MAX_BYTES` = {format.MANIFEST_MAX_BYTES} bytes" in page
+    assert f"`_MAX_DIGITS` = {format._MAX_DIGITS}" in page
+
+
+def _spec_rules(page: str) -> list[tuple[str, str]]:
+    """The `= …` rows of the spec's arithmetic table, as (field, Python expression over t, o, m)."""
+    rows = re.findall(r"^\| `(t\.\w+)` \| = (.+?) \|$", page, flags=re.MULTILINE)
+    python = []
+    for field, rule in rows:
+        expression = rule.replace("`", "").replace("×", "*").replace("−", "-")
+        expression = re.sub(r"Σ (\w+)\[\]\.(\w+)", r"sum(x.\2 for x in m.\1)", expression)
+        expression = re.sub(r"⌈(.+) / (.+)⌉", r"-(-(\1) // (\2))", expression)
+        python.append((field, expression))
+    return python
+
+
+def test_the_manifest_arithmetic_of_the_spec_holds_for_a_build(built):
+    page = (SCHEMAS / "shard-format.md").read_text()
+    rules = _spec_rules(page)
+    assert {field for field, _ in rules} == {
+        "t.documents", "t.packs", "t.tokens", "t.padding_tokens", "t.lower_bound", "t.segments", "t.input_tokens"
+    }
+    m = read_manifest(built)
+    for field, expression in rules:
+        value = eval(expression, {}, {"t": m.totals, "o": m.options, "m": m})  # noqa: S307 - our own page
+        assert eval(field, {}, {"t": m.totals}) == value, (field, expression)
+
+
+def test_the_fingerprint_is_the_specs(tmp_path):
+    # The definition in schemas/shard-format.md, written again from the page.
+    documents = [[5, 6, 7], [], [1] * 40, [9]]
+    labels = [[-100, 6, 7], [], [1] * 40, [-100]]
+    build(write_corpus(tmp_path / "c.parquet", corpus_table(documents, labels)), tmp_path / "out", max_len=16)
+
+    def sha(data: bytes) -> bytes:
+        return hashlib.sha256(data).digest()
+
+    lengths = b"".join(len(d).to_bytes(8, "little", signed=True) for d in documents)
+    ids = b"".join(t.to_bytes(4, "little", signed=True) for d in documents for t in d)
+    labs = b"".join(t.to_bytes(4, "little", signed=True) for d in labels for t in d)
+    expected = hashlib.sha256(sha(lengths) + sha(ids) + sha(labs)).hexdigest()
+    assert read_manifest(tmp_path / "out").fingerprint == expected
+
+
+def test_the_tokenizer_hash_is_the_specs(tmp_path):
+    from examples.chitchat import CHATML, gpt2_directory
+    from prepack.tokenize import load_tokenizer
+
+    directory = gpt2_directory(tmp_path / "tok", CHATML)
+    (directory / "model.safetensors").write_bytes(b"not a tokenizer file")
+    names = ["chat_template.jinja", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    digest = hashlib.sha256()
+    for name in sorted(n for n in names if (directory / n).is_file()):
+        data = (directory / name).read_bytes()
+        digest.update(name.encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
+    assert load_tokenizer(directory).info.sha256 == digest.hexdigest()
+    single = (directory / "tokenizer.json").read_bytes()
+    expected = hashlib.sha256(b"tokenizer.json\0" + str(len(single)).encode() + b"\0" + single).hexdigest()
+    assert load_tokenizer(directory / "tokenizer.json").info.sha256 == expected
+
+
+def test_pack_layout_decodes_cu_seqlens():
+    from prepack.format import pack_layout
+
+    layout = pack_layout(np.array([0, 3, 5], np.int32), np.array([0, 2, 5, 0, 4], np.int32))
+    assert [a.tolist() for a in layout] == [
+        [5, 4],  # tokens
+        [2, 1],  # documents
+        [0, 0, 1],  # pack
+        [1, 2, 1],  # number
+        [0, 2, 0],  # starts
+        [2, 3, 4],  # lengths
+    ]
+    assert layout._fields == ("tokens", "documents", "pack", "number", "starts", "lengths")
+
+
+def test_check_shard_problems_are_fields(built):
+    batch = open_shard(built / "shard-00000.arrow", has_labels=False, max_len=32)
+    with pytest.raises(FormatError) as caught:
+        check_shard(_tampered(batch, "max_seqlen", lambda v: v.__setitem__(2, v[2] + 1)), 32, "x.arrow")
+    assert caught.value.problem == FormatProblem("x.arrow", caught.value.problem.message, 2, "max_seqlen")
+    assert str(caught.value) == f"x.arrow: row 2, column 'max_seqlen': {caught.value.problem.message}"
+
+
+def test_a_manifest_over_the_cap_is_never_written(tmp_path, monkeypatch):
+    from prepack import format
+    from prepack.errors import OutputError
+
+    monkeypatch.setattr(format, "MANIFEST_MAX_BYTES", 500)  # readers would refuse it: so does the writer
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]] * 4))
+    with pytest.raises(OutputError, match="more than the 500 readers accept"):
+        build(corpus, tmp_path / "out", max_len=8)
+    assert [p.name for p in tmp_path.iterdir()] == ["c.parquet"]  # nothing left behind
