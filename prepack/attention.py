@@ -36,9 +36,11 @@ from typing import Any
 
 import torch
 import transformers
+from transformers.masking_utils import create_causal_mask
 
 from prepack.collate import segment_fields
 from prepack.errors import IsolationError
+from prepack.stateful import DocumentSegments, PerDocumentLayers, install_per_document_layers
 
 __all__ = ["SUPPORTED_ATTENTION", "disable_packing", "enable_packing"]
 
@@ -46,6 +48,11 @@ SUPPORTED_ATTENTION = ("flash_attention_2", "flash_attention_3", "sdpa", "eager"
 _FLASH = ("flash_attention_2", "flash_attention_3")
 _OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _HOOK_ATTRIBUTE = "_prepack_packing_hook"
+_PER_DOCUMENT_ATTRIBUTE = "_prepack_per_document_layers"
+# Decoders that build their sdpa/eager mask without position_ids (transformers 5.24), so packed rows would get
+# one causal mask over the whole row: the guard hands them the per-layer-type masks their forward accepts,
+# built by transformers' own create_causal_mask from position_ids. None: layers that take no mask.
+_MASKS_FROM_POSITIONS = {"granitemoehybrid": {"full_attention": create_causal_mask, "linear_attention": None}}
 
 
 def enable_packing(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
@@ -75,8 +82,11 @@ def enable_packing(model: transformers.PreTrainedModel) -> transformers.PreTrain
     _require_supported_attention(model.config.get_text_config()._attn_implementation)
     disable_packing(model)
     decoder = model.base_model
-    guard = _PackedBatchGuard(_positional_parameters(decoder))
+    per_document = install_per_document_layers(model)
+    guard = _PackedBatchGuard(_positional_parameters(decoder), per_document)
     setattr(model, _HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(guard, with_kwargs=True))
+    if per_document is not None:
+        setattr(model, _PER_DOCUMENT_ATTRIBUTE, per_document)
     return model
 
 
@@ -85,6 +95,9 @@ def disable_packing(model: transformers.PreTrainedModel) -> transformers.PreTrai
     handle = model.__dict__.pop(_HOOK_ATTRIBUTE, None)
     if handle is not None:
         handle.remove()
+    per_document = model.__dict__.pop(_PER_DOCUMENT_ATTRIBUTE, None)
+    if per_document is not None:
+        per_document.remove()
     return model
 
 
@@ -105,13 +118,19 @@ def _positional_parameters(module: torch.nn.Module) -> tuple[str, ...]:
 class _PackedBatchGuard:
     """The forward pre-hook: returns the call's keyword arguments converted, or raises IsolationError."""
 
-    def __init__(self, positional_parameters: tuple[str, ...]):
+    def __init__(self, positional_parameters: tuple[str, ...], per_document: PerDocumentLayers | None = None):
         self.positional_parameters = positional_parameters
+        self.per_document = per_document  # the model's stateful layers, told each batch's segments
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
+        if self.per_document is not None:
+            self.per_document.segments = None
         if len(args) > len(self.positional_parameters):
             return None  # not a call the forward accepts: let it raise its own error
         kwargs = {**dict(zip(self.positional_parameters, args)), **kwargs}
+        if self.per_document is not None:
+            # The per-document layers replace seq_idx; given to the packed rows, the torch fallbacks raise.
+            kwargs.pop("seq_idx", None)
         tokens = kwargs.get("input_ids")
         tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
         if tokens is None:
@@ -128,7 +147,28 @@ class _PackedBatchGuard:
             starts = _segment_starts(kwargs["position_ids"], tokens.shape[:2])
             kwargs |= _offsets_kwargs(segment_fields(starts.cumsum(1).cpu().numpy()), tokens.device)
         _check_packed_fields(kwargs, tokens)
+        if self.per_document is not None:
+            self.per_document.segments = _document_segments(kwargs, tokens.shape[:2])
+        if not flash and config.model_type in _MASKS_FROM_POSITIONS:
+            kwargs["attention_mask"] = _masks_from_positions(config, kwargs["position_ids"], tokens, module.dtype)
         return (), _without_cache(kwargs, flash)
+
+
+def _masks_from_positions(config, position_ids: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> dict:
+    # The mask builder reads only the shape, dtype and device of the embeddings.
+    embeddings = torch.empty((*tokens.shape[:2], 0), dtype=dtype, device=tokens.device)
+    options = dict(config=config, inputs_embeds=embeddings, attention_mask=None, cache=None, position_ids=position_ids)
+    builders = _MASKS_FROM_POSITIONS[config.model_type]
+    return {layer_type: build and build(**options) for layer_type, build in builders.items()}
+
+
+def _document_segments(kwargs: dict[str, Any], shape: torch.Size) -> DocumentSegments:
+    """The checked offsets of the batch, or (sdpa/eager given position_ids only) offsets derived from them."""
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return DocumentSegments(kwargs["cu_seq_lens_q"], kwargs["max_length_q"], tuple(shape))
+    starts = _segment_starts(kwargs["position_ids"], shape)
+    offsets = _offsets_kwargs(segment_fields(starts.cumsum(1).cpu().numpy()), kwargs["position_ids"].device)
+    return DocumentSegments(offsets["cu_seq_lens_q"], offsets["max_length_q"], tuple(shape))
 
 
 def _resolve_attention_mask(kwargs: dict[str, Any], config, flash: bool, shape: torch.Size) -> dict[str, Any]:
