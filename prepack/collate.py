@@ -83,7 +83,9 @@ class PackedCollator:
           transformers itself reads any 2-D mask as a binary one, so this layout is only safe on a model
           passed to `prepack.enable_packing`, which converts it back to position ids and offsets.
     - `seq_idx=True`: also return `seq_idx` [B, L] int32, the 0-based number of each token's segment
-      over the flattened batch (the segments of `cu_seq_lens_q`), as Mamba-style kernels take it.
+      over the flattened batch (the segments of `cu_seq_lens_q`), as Mamba-style kernels take it. On a
+      model of `prepack.stateful.PER_DOCUMENT_FAMILIES`, `enable_packing` drops it: those layers run one
+      document at a time and need no boundaries (transformers' torch fallbacks raise on it).
     - `pad_token_id`: the token id written at padding (its label is always -100).
     """
 

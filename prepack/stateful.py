@@ -27,11 +27,13 @@ model_type → what runs per document. Every family in it isolates on all three 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import torch
+import transformers
 
 from prepack.errors import IsolationError
 
@@ -112,27 +114,30 @@ class PerDocumentLayers:
 def install_per_document_layers(model: torch.nn.Module) -> PerDocumentLayers | None:
     """Hook every stateful layer of a family in `PER_DOCUMENT_FAMILIES`; None for a model of another family.
 
-    Raises IsolationError when the family's layer classes are not found in the model (another
-    transformers version may have renamed them): its documents would silently leak.
+    Raises IsolationError when the model's modeling file does not define the family's layer classes (another
+    transformers version may have renamed them): its documents would silently leak. A model of the family
+    with no such layer (a config of attention layers only) gets no hook.
     """
     config = model.config
     families = {config.model_type, config.get_text_config().model_type} & _STATEFUL_LAYERS.keys()
     if not families:
         return None
     class_names = {name for family in families for name in _STATEFUL_LAYERS[family][0]}
+    modeling_file = sys.modules[type(model).__module__]
+    missing = sorted(name for name in class_names if not hasattr(modeling_file, name))
+    if missing:
+        raise IsolationError(
+            f"{type(model).__name__} ({', '.join(sorted(families))}): {modeling_file.__name__} defines no "
+            f"{', '.join(missing)}, the layers prepack runs per document, in this transformers "
+            f"({transformers.__version__}). Its documents would leak through the layers that carry state "
+            "along the sequence: use a transformers version prepack supports, or train without packing."
+        )
     layers = PerDocumentLayers()
     for module in model.modules():
         if type(module).__name__ in class_names:
             hook = _RegroupHook(layers)
             layers.handles.append(module.register_forward_pre_hook(hook.before, with_kwargs=True))
             layers.handles.append(module.register_forward_hook(hook.after))
-    if not layers.handles:
-        raise IsolationError(
-            f"{type(model).__name__} ({', '.join(sorted(families))}) has none of the layers prepack runs per "
-            f"document ({', '.join(sorted(class_names))}) in this transformers: its documents would leak "
-            "through the layers that carry state along the sequence. Use the transformers version prepack "
-            "supports, or train without packing."
-        )
     return layers
 
 

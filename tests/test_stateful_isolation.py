@@ -1,0 +1,263 @@
+"""`enable_packing` keeps packed documents apart in hybrid and linear-attention families: Qwen3.5 (dense and
+MoE), Qwen3-Next, Granite 4 hybrid, Bamba, Nemotron-H, Falcon-H1, LFM2 (dense and MoE). Their Mamba, short
+convolution and gated delta rule layers run one segment per row (`prepack.stateful`); each document's
+logits, the loss and the gradients equal the documents run alone, on sdpa, eager and transformers' real
+flash-attention path (pure-torch flash-attn, tests/flash_reference.py), in float64 and float32. Negative
+controls: without the per-document layers the same batches leak, or transformers refuses them.
+
+Tiny random models from configs: every layer kind kept, Mamba chunks (8) and convolution kernels (3)
+shorter than the documents, and one document longer than the gated delta rule's chunk of 64 tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from prepack import IsolationError, attention
+from prepack.attention import disable_packing, enable_packing
+from prepack.collate import PackedCollator
+from prepack.format import IGNORE_INDEX
+from prepack.isolation import measure_isolation
+from prepack.stateful import PER_DOCUMENT_FAMILIES
+from tests.flash_reference import enable_flash_attention, use_flash_reference  # noqa: F401 (a fixture)
+
+VOCAB = 64
+MAX_LEN = 80
+FLASH = "flash_attention_2"
+BACKENDS = ["sdpa", "eager", FLASH]
+# eager takes its softmax in float32 even in a float64 model (see tests/test_isolation.py).
+FLOAT64_TOLERANCE = {"sdpa": 1e-10, FLASH: 1e-10, "eager": 1e-6}
+FLOAT32_TOLERANCE = 1e-5
+# Nemotron-H routes its experts in float32 by design: float32 rounding, as in eager's softmax.
+FLOAT32_ROUTERS = ("nemotron_h",)
+LEAK = 1e-6  # float64 leaks measured without the per-document layers: 1.4e-4 to 0.25
+
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=2 * MAX_LEN,
+    tie_word_embeddings=False,
+)
+GATED_DELTA_NET = dict(
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    linear_conv_kernel_dim=3,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+MAMBA = dict(
+    num_hidden_layers=2,
+    mamba_n_heads=4,
+    mamba_d_head=16,
+    mamba_n_groups=2,
+    mamba_d_state=8,
+    mamba_d_conv=3,
+    mamba_chunk_size=8,
+    mamba_expand=2,
+)
+CONFIGS = {
+    "qwen3_5_text": GATED_DELTA_NET,
+    "qwen3_5_moe_text": GATED_DELTA_NET | EXPERTS,
+    "qwen3_next": GATED_DELTA_NET | EXPERTS,
+    "granitemoehybrid": MAMBA
+    | dict(layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32),
+    "bamba": MAMBA | dict(attn_layer_indices=[1]),
+    "nemotron_h": dict(
+        layers_block_type=["linear_attention", "full_attention", "moe", "mlp"],
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=8,
+        chunk_size=8,
+        conv_kernel=3,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=16,
+        n_group=1,
+        topk_group=1,
+    ),
+    "falcon_h1": MAMBA | dict(mamba_d_ssm=64),
+    "lfm2": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3),
+    "lfm2_moe": dict(
+        num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "conv"],
+        conv_L_cache=3,
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    ),
+}
+FAMILIES = list(CONFIGS)
+
+
+def tiny_model(family: str, attn: str, dtype: torch.dtype = torch.float64) -> transformers.PreTrainedModel:
+    """For the flash path the model is built on eager, then switched (see flash_reference). The experts run
+    transformers' eager implementation, which (unlike grouped_mm) takes float64."""
+    config = AutoConfig.for_model(family, **SIZES | CONFIGS[family])
+    torch.manual_seed(0)
+    options = dict(attn_implementation="eager" if attn == FLASH else attn, experts_implementation="eager")
+    model = AutoModelForCausalLM.from_config(config, **options).to(dtype)
+    return enable_flash_attention(model) if attn == FLASH else model
+
+
+@pytest.fixture(params=BACKENDS)
+def attn(request) -> str:
+    if request.param == FLASH:
+        request.getfixturevalue("use_flash_reference")
+    return request.param
+
+
+def _pack(lengths: list[int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    tokens = sum(lengths)
+    input_ids = rng.integers(1, VOCAB, size=tokens, dtype=np.int32)
+    return {
+        "input_ids": input_ids,
+        "cu_seqlens": np.cumsum([0, *lengths], dtype=np.int32),
+        "labels": np.where(rng.random(tokens) < 0.2, IGNORE_INDEX, input_ids).astype(np.int32),
+    }
+
+
+@pytest.fixture(scope="module")
+def packs() -> list[dict[str, np.ndarray]]:
+    """Three packs, each leaving padding in its row: a document past the gated delta rule's 64-token chunk,
+    documents shorter than a convolution kernel, and ones spanning several Mamba chunks."""
+    rng = np.random.default_rng(3)
+    return [_pack(lengths, rng) for lengths in ([70, 5], [2, 23, 1, 31], [17, 40])]
+
+
+def padded(packs, **options) -> dict:
+    return PackedCollator(MAX_LEN, **options)(packs)
+
+
+def test_every_family_here_is_in_the_support_table():
+    assert set(FAMILIES) <= set(PER_DOCUMENT_FAMILIES)
+
+
+# --- isolation, and the leak without it ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_documents_equal_documents_alone_float64(family, attn, packs):
+    model = enable_packing(tiny_model(family, attn))
+    tolerance = max(FLOAT64_TOLERANCE[attn], 1e-6 if family in FLOAT32_ROUTERS else 0)
+    result = measure_isolation(model, packs, padded(packs), tolerance=tolerance)
+    assert result.passed, result
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_documents_equal_documents_alone_float32(family, attn, packs):
+    model = enable_packing(tiny_model(family, attn, torch.float32))
+    result = measure_isolation(model, packs, padded(packs), tolerance=FLOAT32_TOLERANCE)
+    assert result.passed, result
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_without_the_per_document_layers_the_documents_leak(family, attn, packs, monkeypatch):
+    """enable_packing with everything but the per-document layers: the state runs from one document into the
+    next, or (gated delta rule) transformers' torch fallback refuses the offsets it cannot honour."""
+    monkeypatch.setattr(attention, "install_per_document_layers", lambda model: None)
+    model = enable_packing(tiny_model(family, attn))
+    try:
+        result = measure_isolation(model, packs, padded(packs), tolerance=LEAK, gradients=False)
+    except ValueError as error:
+        assert family.startswith("qwen3") and "packed sequences" in str(error)
+    else:
+        assert result.max_logit_diff > LEAK, result
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_granite_hybrid_attention_leaks_without_masks_from_position_ids(attn, packs, monkeypatch):
+    """transformers builds Granite 4 hybrid's sdpa/eager mask without position_ids: one causal mask per row."""
+    monkeypatch.setattr(attention, "_MASKS_FROM_POSITIONS", {})
+    model = enable_packing(tiny_model("granitemoehybrid", attn))
+    assert measure_isolation(model, packs, padded(packs), tolerance=LEAK, gradients=False).max_logit_diff > LEAK
+
+
+def test_qwen3_5_multimodal_used_text_only_is_isolated(packs):
+    config = AutoConfig.for_model(
+        "qwen3_5",
+        text_config=SIZES | GATED_DELTA_NET,
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32),
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).to(torch.float64)
+    model.set_attn_implementation("sdpa")
+    result = measure_isolation(enable_packing(model), packs, padded(packs), tolerance=1e-10)
+    assert result.passed, result
+
+
+# --- the other batch forms, training, and what is left alone ---------------------------------------
+
+
+@pytest.mark.parametrize("family", ["bamba", "lfm2", "qwen3_next"])
+@pytest.mark.parametrize("options", [dict(layout="padding_free"), dict(layout="indexed_mask"), dict(seq_idx=True)])
+def test_other_batch_forms_are_isolated(family, options, packs):
+    """seq_idx=True made the Mamba families raise in transformers' torch fallback; the guard consumes it."""
+    model = enable_packing(tiny_model(family, "sdpa"))
+    result = measure_isolation(model, packs, padded(packs, **options), tolerance=1e-10)
+    assert result.passed, result
+
+
+def test_position_ids_alone_are_enough_on_sdpa(packs):
+    batch = {key: padded(packs)[key] for key in ("input_ids", "labels", "position_ids")}
+    result = measure_isolation(enable_packing(tiny_model("bamba", "sdpa")), packs, batch, tolerance=1e-10)
+    assert result.passed, result
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "qwen3_5_text"])
+def test_gradient_checkpointing_recomputes_the_layers_per_document(family, packs):
+    """A recomputation in backward reads the segments of the forward it repeats (reentrant checkpoints run it
+    inside backward, after the forward has returned)."""
+    model = enable_packing(tiny_model(family, "sdpa")).train()
+    batch = padded(packs)
+
+    def gradients():
+        model.zero_grad()
+        model(**batch).loss.backward()
+        return [parameter.grad.clone() for parameter in model.parameters() if parameter.grad is not None]
+
+    expected = gradients()
+    model.activation_checkpointing_enable({"use_reentrant": True})
+    got = gradients()
+    assert len(got) == len(expected)
+    for expected_grad, got_grad in zip(expected, got):
+        torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=1e-12)
+
+
+def test_a_batch_that_is_not_packed_is_left_alone():
+    model = tiny_model("bamba", "sdpa").eval()
+    input_ids = torch.arange(2 * 20).view(2, 20) % VOCAB
+    with torch.no_grad():
+        expected = model(input_ids, use_cache=False).logits
+        enable_packing(model)
+        assert torch.equal(model(input_ids, use_cache=False).logits, expected)
+
+
+@pytest.mark.usefixtures("use_flash_reference")
+def test_a_cache_in_a_packed_batch_is_refused_on_flash_too(packs):
+    """Attention layers keep a cache apart on flash, but a Mamba state would hold a row of mixed documents."""
+    model = enable_packing(tiny_model("bamba", FLASH))
+    with pytest.raises(IsolationError, match="use_cache=False"):
+        model(**padded(packs), use_cache=True)
+
+
+def test_disable_packing_removes_the_per_document_hooks():
+    model = tiny_model("granitemoehybrid", "sdpa")
+    mamba = model.model.layers[0].mamba
+    enable_packing(enable_packing(model))
+    assert len(mamba._forward_pre_hooks) == len(mamba._forward_hooks) == 1
+    disable_packing(model)
+    assert len(mamba._forward_pre_hooks) == len(mamba._forward_hooks) == 0
