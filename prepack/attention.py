@@ -40,7 +40,12 @@ from transformers.masking_utils import create_causal_mask
 
 from prepack.collate import segment_fields
 from prepack.errors import IsolationError
-from prepack.stateful import DocumentSegments, PerDocumentLayers, install_per_document_layers
+from prepack.stateful import (
+    DocumentSegments,
+    PerDocumentLayers,
+    install_per_document_layers,
+    module_that_sees_the_documents,
+)
 
 __all__ = ["SUPPORTED_ATTENTION", "disable_packing", "enable_packing"]
 
@@ -81,7 +86,7 @@ def enable_packing(model: transformers.PreTrainedModel) -> transformers.PreTrain
         )
     _require_supported_attention(model.config.get_text_config()._attn_implementation)
     disable_packing(model)
-    decoder = model.base_model
+    decoder = module_that_sees_the_documents(model)
     per_document = install_per_document_layers(model)
     guard = _PackedBatchGuard(_positional_parameters(decoder), per_document)
     setattr(model, _HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(guard, with_kwargs=True))

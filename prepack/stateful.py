@@ -5,9 +5,11 @@ that carry state from token to token instead — Mamba scans, causal conv1d and 
 gated delta rule — read neither: in a packed row the state of one document flows into the next. Their
 kernels can take the boundaries (`seq_idx`, `cu_seqlens`), but in transformers 5.24 the path actually
 taken decides: the pure-torch fallbacks that run without `mamba_ssm`, `causal_conv1d` or
-`flash-linear-attention` ignore them (or, for the gated delta rule, raise), and the fused kernels are
-given them in some layers and not in others. So prepack does not rely on them. It runs each such layer
-on the batch's segments instead:
+`flash-linear-attention` ignore them (measured: the documents leak) or raise on them (the gated delta
+rule, and the Mamba-2 kernels given `seq_idx`), and with the fused kernels installed the modeling files
+hand them to some kernels and not to others (Qwen3.5 and Qwen3-Next give `cu_seq_lens_q` to the delta rule,
+nothing their conv1d kernel reads). So prepack does not rely on them. It runs each such layer on the
+batch's segments instead:
 
     [B, L, D] packed rows --gather--> [S, longest, D], one segment per row, right-padded
     --the layer, unchanged--> [S, longest, D] --scatter back--> [B, L, D]
@@ -16,13 +18,23 @@ which is exact for a causal layer (a segment's tokens come first in its row, so 
 cannot reach them), batched (one call of the layer), and done through public module hooks: a forward
 pre-hook regroups the layer's input and drops the arguments that describe the packed rows (the flash
 offsets, `seq_idx`, the recurrent padding mask: none of them applies to one segment per row), and a
-forward hook scatters its output back. The segments (`DocumentSegments`) are handed over by the guard
-that `enable_packing` puts on the decoder, once per forward; a batch that is not packed leaves the
+forward hook scatters its output back (position_ids, where a layer takes them, are regrouped: each
+segment's own positions). The segments (`DocumentSegments`) are handed over by the guard that
+`enable_packing` puts on the decoder, once per forward; a batch that is not packed leaves the
 layers alone. Gradients flow through the gather and the scatter, which are index copies.
 
-`PER_DOCUMENT_FAMILIES` names the families this covers, measured isolated on sdpa, eager and
-transformers' flash-attention path (driven on CPU with a pure-torch flash-attn, tests/flash_reference.py):
-model_type → what runs per document. Every family in it isolates on all three backends.
+Two tables, for the support table and `enable_packing`'s refusals:
+- `PER_DOCUMENT_FAMILIES`: model_type → what runs per document, for every family measured isolated with it
+  (tiny random models, float64 and float32, tests/test_stateful_isolation.py);
+- `ISOLATED_BACKENDS`: model_type → the backends it was measured isolated on: sdpa, eager and transformers'
+  flash-attention path (flash_attention_2, driven on CPU by a pure-torch flash-attn, tests/flash_reference.py),
+  or eager alone for the families without attention (Mamba, Mamba-2, Falcon-Mamba), which transformers
+  builds on eager only.
+
+Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep position_ids and the offsets to themselves instead of
+passing them to the backbone, so for them the guard sits on the causal LM (`module_that_sees_the_documents`).
+Cost: the regrouped tensor has S·longest rows instead of B·L, so a batch of many short documents beside
+one long one pays for padding (benchmarks/bench_per_document.py measures the whole forward and backward).
 """
 
 from __future__ import annotations
@@ -37,24 +49,59 @@ import transformers
 
 from prepack.errors import IsolationError
 
-__all__ = ["PER_DOCUMENT_FAMILIES", "DocumentSegments", "PerDocumentLayers", "install_per_document_layers"]
+__all__ = [
+    "ISOLATED_BACKENDS",
+    "PER_DOCUMENT_FAMILIES",
+    "DocumentSegments",
+    "PerDocumentLayers",
+    "install_per_document_layers",
+    "module_that_sees_the_documents",
+]
+
+_GATED_DELTA_RULE = "gated delta rule layers (causal conv1d + chunked delta rule)"
+_MAMBA = "Mamba layers (causal conv1d + selective scan)"
+_MAMBA2 = "Mamba-2 layers (causal conv1d + chunked SSM scan)"
+_SHORT_CONVOLUTION = "short-convolution layers (causal conv1d)"
+_DELTA_ATTENTION = "delta attention layers (short convolutions + chunked delta rule)"
 
 # model_type → (the stateful layer classes of its modeling file, what runs per document).
 _STATEFUL_LAYERS: dict[str, tuple[tuple[str, ...], str]] = {
-    "qwen3_5": (("Qwen3_5GatedDeltaNet",), "gated delta rule layers (conv1d + chunked delta rule)"),
-    "qwen3_5_text": (("Qwen3_5GatedDeltaNet",), "gated delta rule layers (conv1d + chunked delta rule)"),
-    "qwen3_5_moe": (("Qwen3_5MoeGatedDeltaNet",), "gated delta rule layers (conv1d + chunked delta rule)"),
-    "qwen3_5_moe_text": (("Qwen3_5MoeGatedDeltaNet",), "gated delta rule layers (conv1d + chunked delta rule)"),
-    "qwen3_next": (("Qwen3NextGatedDeltaNet",), "gated delta rule layers (conv1d + chunked delta rule)"),
-    "granitemoehybrid": (("GraniteMoeHybridMambaLayer",), "Mamba-2 layers (conv1d + SSM scan)"),
-    "bamba": (("BambaMixer",), "Mamba-2 layers (conv1d + SSM scan)"),
-    "nemotron_h": (("NemotronHMamba2Mixer",), "Mamba-2 layers (conv1d + SSM scan)"),
-    "falcon_h1": (("FalconH1Mixer",), "Mamba-2 mixers (conv1d + SSM scan) beside attention"),
-    "lfm2": (("Lfm2ShortConv",), "short-convolution layers"),
-    "lfm2_moe": (("Lfm2MoeShortConv",), "short-convolution layers"),
+    "bailing_hybrid": (("BailingHybridDeltaAttention",), _DELTA_ATTENTION),
+    "bamba": (("BambaMixer",), _MAMBA2),
+    "falcon_h1": (("FalconH1Mixer",), "Mamba-2 mixers (causal conv1d + chunked SSM scan), beside attention"),
+    "falcon_mamba": (("FalconMambaMixer",), _MAMBA),
+    "granitemoehybrid": (("GraniteMoeHybridMambaLayer",), _MAMBA2),
+    "jamba": (("JambaMambaMixer",), _MAMBA),
+    "kimi_linear": (("KimiLinearDeltaAttention",), _DELTA_ATTENTION),
+    "lfm2": (("Lfm2ShortConv",), _SHORT_CONVOLUTION),
+    "lfm2_moe": (("Lfm2MoeShortConv",), _SHORT_CONVOLUTION),
+    "lfm3": (("Lfm3ShortConv",), _SHORT_CONVOLUTION),
+    "mamba": (("MambaMixer",), _MAMBA),
+    "mamba2": (("Mamba2Mixer",), _MAMBA2),
+    "minimax": (("MiniMaxLightningAttention",), "lightning attention layers (block-wise linear attention)"),
+    "nemotron_h": (("NemotronHMamba2Mixer",), _MAMBA2),
+    "olmo_hybrid": (("OlmoHybridGatedDeltaNet",), _GATED_DELTA_RULE),
+    "qwen3_5": (("Qwen3_5GatedDeltaNet",), _GATED_DELTA_RULE),
+    "qwen3_5_moe": (("Qwen3_5MoeGatedDeltaNet",), _GATED_DELTA_RULE),
+    "qwen3_5_moe_text": (("Qwen3_5MoeGatedDeltaNet",), _GATED_DELTA_RULE),
+    "qwen3_5_text": (("Qwen3_5GatedDeltaNet",), _GATED_DELTA_RULE),
+    "qwen3_next": (("Qwen3NextGatedDeltaNet",), _GATED_DELTA_RULE),
+    "recurrent_gemma": (("RecurrentGemmaRecurrentBlock",), "recurrent blocks (causal conv1d + RG-LRU scan)"),
+    "zamba": (("ZambaMambaMixer",), _MAMBA),
+    "zamba2": (("Zamba2MambaMixer",), _MAMBA2),
 }
 
+# Families without attention layers, which transformers builds on eager only (it refuses sdpa and flash).
+_WITHOUT_ATTENTION = ("falcon_mamba", "mamba", "mamba2")
+# Causal LMs that hand their backbone neither position_ids nor the flash offsets (they keep them in **kwargs):
+# the guard that finds the documents must sit on the causal LM itself.
+_BOUNDARIES_STOP_ABOVE_THE_BACKBONE = ("falcon_mamba", "mamba", "mamba2")
+
 PER_DOCUMENT_FAMILIES: dict[str, str] = {family: phrase for family, (_, phrase) in _STATEFUL_LAYERS.items()}
+ISOLATED_BACKENDS: dict[str, tuple[str, ...]] = {
+    family: ("eager",) if family in _WITHOUT_ATTENTION else ("sdpa", "eager", "flash_attention_2")
+    for family in _STATEFUL_LAYERS
+}
 
 # Arguments that describe the packed rows: meaningless for one segment per row, so a regrouped call drops them.
 _PACKED_ROW_ARGUMENTS = (
@@ -64,7 +111,7 @@ _PACKED_ROW_ARGUMENTS = (
     "max_length_q",
     "max_length_k",
     "seq_idx",
-    "position_ids",
+    "position_ids",  # regrouped instead: each segment's own positions, from 0
 )
 _CACHE_ARGUMENTS = ("cache", "cache_params", "past_key_values")
 
@@ -109,6 +156,11 @@ class PerDocumentLayers:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+
+def module_that_sees_the_documents(model: torch.nn.Module) -> torch.nn.Module:
+    """Where the packed batch's position_ids and offsets still arrive: the decoder, or the causal LM itself."""
+    return model if model.config.model_type in _BOUNDARIES_STOP_ABOVE_THE_BACKBONE else model.base_model
 
 
 def install_per_document_layers(model: torch.nn.Module) -> PerDocumentLayers | None:
@@ -165,7 +217,11 @@ class _RegroupHook:
                 "documents. Pass use_cache=False for packed batches."
             )
         kept = {name: value for name, value in kwargs.items() if name not in _PACKED_ROW_ARGUMENTS}
-        per_token = [name for name, value in kept.items() if _is_per_token(value, segments.shape)]
+        if "attention_mask" in kwargs:
+            kept["attention_mask"] = None  # some layers require the argument
+        if kwargs.get("position_ids") is not None:
+            kept["position_ids"] = segments.group(kwargs["position_ids"].expand(segments.shape))
+        per_token = [name for name, value in kept.items() if name != "position_ids" and _is_per_token(value, segments.shape)]
         if per_token or len(args) > 1:
             raise IsolationError(
                 f"{type(module).__name__} takes {', '.join(per_token) or 'positional arguments'} besides its hidden "
