@@ -170,10 +170,10 @@ def _masks_from_positions(config, position_ids: torch.Tensor, tokens: torch.Tens
 def _document_segments(kwargs: dict[str, Any], shape: torch.Size) -> DocumentSegments:
     """The checked offsets of the batch, or (sdpa/eager given position_ids only) offsets derived from them."""
     if kwargs.get("cu_seq_lens_q") is not None:
-        return DocumentSegments(kwargs["cu_seq_lens_q"], kwargs["max_length_q"], tuple(shape))
+        return DocumentSegments(kwargs["cu_seq_lens_q"], tuple(shape))
     starts = _segment_starts(kwargs["position_ids"], shape)
     offsets = _offsets_kwargs(segment_fields(starts.cumsum(1).cpu().numpy()), kwargs["position_ids"].device)
-    return DocumentSegments(offsets["cu_seq_lens_q"], offsets["max_length_q"], tuple(shape))
+    return DocumentSegments(offsets["cu_seq_lens_q"], tuple(shape))
 
 
 def _resolve_attention_mask(kwargs: dict[str, Any], config, flash: bool, shape: torch.Size) -> dict[str, Any]:

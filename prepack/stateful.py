@@ -11,15 +11,15 @@ hand them to some kernels and not to others (Qwen3.5 and Qwen3-Next give `cu_seq
 nothing their conv1d kernel reads). So prepack does not rely on them. It runs each such layer on the
 batch's segments instead:
 
-    [B, L, D] packed rows --gather--> [S, longest, D], one segment per row, right-padded
-    --the layer, unchanged--> [S, longest, D] --scatter back--> [B, L, D]
+    [B, L, D] packed rows --gather--> [segments, longest, D], one segment per row, right-padded
+    --the layer, unchanged--> [segments, longest, D] --scatter back--> [B, L, D]
 
 which is exact for a causal layer (a segment's tokens come first in its row, so the padding after them
-cannot reach them), batched (one call of the layer), and done through public module hooks: a forward
-pre-hook regroups the layer's input and drops the arguments that describe the packed rows (the flash
-offsets, `seq_idx`, the recurrent padding mask: none of them applies to one segment per row), and a
-forward hook scatters its output back (position_ids, where a layer takes them, are regrouped: each
-segment's own positions). The segments (`DocumentSegments`) are handed over by the guard that
+cannot reach them), batched (one call of the layer per band of similar lengths, see `DocumentSegments`),
+and done through public module hooks: a forward pre-hook regroups the layer's input and drops the
+arguments that describe the packed rows (the flash offsets, `seq_idx`, the recurrent padding mask: none
+of them applies to one segment per row), and a forward hook runs the other bands and scatters the
+output back (position_ids, where a layer takes them, are regrouped: each segment's own positions). The segments (`DocumentSegments`) are handed over by the guard that
 `enable_packing` puts on the decoder, once per forward; a batch that is not packed leaves the
 layers alone. Gradients flow through the gather and the scatter, which are index copies.
 
@@ -33,8 +33,8 @@ Two tables, for the support table and `enable_packing`'s refusals:
 
 Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep position_ids and the offsets to themselves instead of
 passing them to the backbone, so for them the guard sits on the causal LM (`module_that_sees_the_documents`).
-Cost: the regrouped tensor has S·longest rows instead of B·L, so a batch of many short documents beside
-one long one pays for padding (benchmarks/bench_per_document.py measures the whole forward and backward).
+Cost: the bands' padding and one layer call per band (benchmarks/bench_per_document.py measures the whole
+forward and backward against the plain packed forward, which leaks).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import transformers
 
@@ -118,30 +119,68 @@ _CACHE_ARGUMENTS = ("cache", "cache_params", "past_key_values")
 
 @dataclass
 class DocumentSegments:
-    """The segments of a packed batch: `cu_seq_lens` offsets over the flattened B·L tokens (documents and
-    each row's padding tail, as `PackedCollator` emits them), the longest segment, and the rows' shape."""
+    """The segments of a packed batch — `cu_seq_lens` offsets over the flattened B·L tokens (documents and each
+    row's padding tail, as `PackedCollator` emits them) and the rows' shape — regrouped in length bands.
+
+    Segments sorted by length go into bands, a new band starting at the first segment no longer than half the
+    band's longest: each band is one call of the layer, [segments in band, longest in band, ...], so the padding
+    is less than the band's tokens (one band for all would pay the longest segment for every short one), and
+    there are at most log2(longest) + 1 calls. Reading the offsets costs one device sync per forward.
+    """
 
     cu_seq_lens: torch.Tensor  # [S + 1] int32, from 0 to B·L, checked by prepack.attention
-    max_length: int
     shape: tuple[int, int]  # (B, L)
 
     @cached_property
-    def _slots(self) -> torch.Tensor:
-        """[B·L]: where each token goes in the flattened [S, max_length] grouping (segment · longest + position)."""
-        offsets = self.cu_seq_lens.long()
-        token = torch.arange(self.shape[0] * self.shape[1], device=offsets.device)
-        segment = torch.searchsorted(offsets[1:], token, right=True)
-        return segment * self.max_length + token - offsets[segment]
+    def _layout(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Per band, [segments, longest] token numbers to gather (B·L: a zero row); per token, its place in the
+        bands' outputs laid end to end."""
+        offsets = self.cu_seq_lens.cpu().numpy().astype(np.int64)
+        starts, lengths = offsets[:-1], np.diff(offsets)
+        order = np.argsort(-lengths, kind="stable")
+        order = order[lengths[order] > 0]  # a collator may repeat the last offset: empty segments
+        tokens = self.shape[0] * self.shape[1]
+        gathers, places, done = [], np.empty(tokens, dtype=np.int64), 0
+        for band in _length_bands(lengths[order]):
+            members = order[band]
+            position = np.arange(lengths[members[0]])
+            index = starts[members, None] + position
+            real = position < lengths[members, None]
+            gathers.append(np.where(real, index, tokens))
+            places[index[real]] = done + np.flatnonzero(real)
+            done += real.size
+        device = self.cu_seq_lens.device
+        return [torch.from_numpy(gather).to(device) for gather in gathers], torch.from_numpy(places).to(device)
 
-    def group(self, packed: torch.Tensor) -> torch.Tensor:
-        """[B, L, ...] → [S, max_length, ...], each segment from the start of its own row, zeros after it."""
+    @property
+    def grouped_tokens(self) -> int:
+        """The rows the bands hold, padding included (against B·L for the packed rows)."""
+        return sum(gather.numel() for gather in self._layout[0])
+
+    @property
+    def bands(self) -> int:
+        return len(self._layout[0])
+
+    def group(self, packed: torch.Tensor) -> list[torch.Tensor]:
+        """[B, L, ...] → per band [segments, longest, ...], each segment from the start of its row, zeros after."""
         flat = packed.flatten(0, 1)
-        grouped = flat.new_zeros((len(self.cu_seq_lens) - 1) * self.max_length, *flat.shape[1:])
-        return grouped.index_copy(0, self._slots, flat).unflatten(0, (-1, self.max_length))
+        with_zero_row = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
+        return [with_zero_row[gather] for gather in self._layout[0]]
 
-    def scatter(self, grouped: torch.Tensor) -> torch.Tensor:
-        """The inverse of `group`: [S, max_length, ...] → [B, L, ...]."""
-        return grouped.flatten(0, 1).index_select(0, self._slots).unflatten(0, self.shape)
+    def scatter(self, grouped: list[torch.Tensor]) -> torch.Tensor:
+        """The inverse of `group`: the bands' outputs → [B, L, ...]."""
+        laid_end_to_end = torch.cat([band.flatten(0, 1) for band in grouped])
+        return laid_end_to_end.index_select(0, self._layout[1]).unflatten(0, self.shape)
+
+
+def _length_bands(sorted_lengths: np.ndarray) -> list[slice]:
+    """Slices of lengths sorted longest first; a band ends before the first length at most half its first."""
+    bands, first = [], 0
+    for index, length in enumerate(sorted_lengths):
+        if 2 * length <= sorted_lengths[first]:
+            bands.append(slice(first, index))
+            first = index
+    return [*bands, slice(first, len(sorted_lengths))]
 
 
 @dataclass
@@ -194,16 +233,17 @@ def install_per_document_layers(model: torch.nn.Module) -> PerDocumentLayers | N
 
 
 class _RegroupHook:
-    """Regroups one layer's input by segment before its forward and scatters its output back after."""
+    """Runs one layer per length band of the segments: the pre-hook hands the layer's forward the first band,
+    the forward hook runs the others (`module.forward`, so this hook does not see them) and scatters back."""
 
     def __init__(self, layers: PerDocumentLayers):
         self.layers = layers
-        self.regrouped: list[DocumentSegments | None] = []  # one entry per call in flight (re-entrant safe)
+        self.in_flight: list[_RegroupedCall | None] = []  # one entry per call in progress (re-entrant safe)
 
     def before(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         segments = self.layers.segments
-        self.regrouped.append(segments)
         if segments is None:
+            self.in_flight.append(None)
             return None
         hidden_states = args[0] if args else kwargs.pop("hidden_states")
         if tuple(hidden_states.shape[:2]) != segments.shape:
@@ -217,25 +257,40 @@ class _RegroupHook:
                 "documents. Pass use_cache=False for packed batches."
             )
         kept = {name: value for name, value in kwargs.items() if name not in _PACKED_ROW_ARGUMENTS}
-        if "attention_mask" in kwargs:
-            kept["attention_mask"] = None  # some layers require the argument
-        if kwargs.get("position_ids") is not None:
-            kept["position_ids"] = segments.group(kwargs["position_ids"].expand(segments.shape))
-        per_token = [name for name, value in kept.items() if name != "position_ids" and _is_per_token(value, segments.shape)]
+        per_token = [name for name, value in kept.items() if _is_per_token(value, segments.shape)]
         if per_token or len(args) > 1:
             raise IsolationError(
                 f"{type(module).__name__} takes {', '.join(per_token) or 'positional arguments'} besides its hidden "
                 "states; prepack does not know how to split them by document."
             )
-        return (segments.group(hidden_states),), kept
+        if "attention_mask" in kwargs:
+            kept["attention_mask"] = None  # some layers require the argument
+        bands = segments.group(hidden_states)
+        calls = [dict(kept) for _ in bands]
+        if kwargs.get("position_ids") is not None:
+            for call, positions in zip(calls, segments.group(kwargs["position_ids"].expand(segments.shape))):
+                call["position_ids"] = positions
+        self.in_flight.append(_RegroupedCall(segments, bands[1:], calls[1:]))
+        return (bands[0],), calls[0]
 
     def after(self, module: torch.nn.Module, args: tuple, output):
-        segments = self.regrouped.pop()
-        if segments is None:
+        call = self.in_flight.pop()
+        if call is None:
             return None
-        if isinstance(output, tuple):
-            return (segments.scatter(output[0]), *output[1:])
-        return segments.scatter(output)
+        rest = [module.forward(band, **kwargs) for band, kwargs in zip(call.bands, call.kwargs)]
+        first = output[0] if isinstance(output, tuple) else output
+        hidden_states = call.segments.scatter([first, *(_hidden(band) for band in rest)])
+        return (hidden_states, *output[1:]) if isinstance(output, tuple) else hidden_states
+
+
+class _RegroupedCall(NamedTuple):
+    segments: DocumentSegments
+    bands: list[torch.Tensor]  # the inputs of the bands after the first
+    kwargs: list[dict[str, Any]]  # their keyword arguments
+
+
+def _hidden(output) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
 
 
 def _is_per_token(value: Any, shape: tuple[int, int]) -> bool:
