@@ -28,8 +28,8 @@ Two tables, for the support table and `enable_packing`'s refusals:
   (tiny random models, float64 and float32, tests/test_stateful_isolation.py);
 - `ISOLATED_BACKENDS`: model_type → the backends it was measured isolated on: sdpa, eager and transformers'
   flash-attention path (flash_attention_2, driven on CPU by a pure-torch flash-attn, tests/flash_reference.py),
-  or eager alone for the families without attention (Mamba, Mamba-2, Falcon-Mamba), which transformers
-  builds on eager only.
+  or eager alone for the families without attention (Mamba, Mamba-2, Falcon-Mamba, xLSTM), which
+  transformers builds on eager only.
 
 Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep position_ids and the offsets to themselves instead of
 passing them to the backbone, so for them the guard sits on the causal LM (`module_that_sees_the_documents`).
@@ -90,10 +90,13 @@ _STATEFUL_LAYERS: dict[str, tuple[tuple[str, ...], str]] = {
     "recurrent_gemma": (("RecurrentGemmaRecurrentBlock",), "recurrent blocks (causal conv1d + RG-LRU scan)"),
     "zamba": (("ZambaMambaMixer",), _MAMBA),
     "zamba2": (("Zamba2MambaMixer",), _MAMBA2),
+    # The whole block (norms, mLSTM layer, feed-forward): its mLSTM layer is not a class of its own when the
+    # `xlstm` package is installed. Measured with transformers' torch kernels, which run in float32.
+    "xlstm": (("xLSTMBlock",), "xLSTM blocks (chunked mLSTM)"),
 }
 
 # Families without attention layers, which transformers builds on eager only (it refuses sdpa and flash).
-_WITHOUT_ATTENTION = ("falcon_mamba", "mamba", "mamba2")
+_WITHOUT_ATTENTION = ("falcon_mamba", "mamba", "mamba2", "xlstm")
 # Causal LMs that hand their backbone neither position_ids nor the flash offsets (they keep them in **kwargs):
 # the guard that finds the documents must sit on the causal LM itself.
 _BOUNDARIES_STOP_ABOVE_THE_BACKBONE = ("falcon_mamba", "mamba", "mamba2")
@@ -258,7 +261,7 @@ class _RegroupHook:
             )
         kept = {name: value for name, value in kwargs.items() if name not in _PACKED_ROW_ARGUMENTS}
         per_token = [name for name, value in kept.items() if _is_per_token(value, segments.shape)]
-        if per_token or len(args) > 1:
+        if per_token or any(arg is not None for arg in args[1:]):
             raise IsolationError(
                 f"{type(module).__name__} takes {', '.join(per_token) or 'positional arguments'} besides its hidden "
                 "states; prepack does not know how to split them by document."
@@ -270,14 +273,14 @@ class _RegroupHook:
         if kwargs.get("position_ids") is not None:
             for call, positions in zip(calls, segments.group(kwargs["position_ids"].expand(segments.shape))):
                 call["position_ids"] = positions
-        self.in_flight.append(_RegroupedCall(segments, bands[1:], calls[1:]))
-        return (bands[0],), calls[0]
+        self.in_flight.append(_RegroupedCall(segments, bands[1:], args[1:], calls[1:]))
+        return (bands[0], *args[1:]), calls[0]
 
     def after(self, module: torch.nn.Module, args: tuple, output):
         call = self.in_flight.pop()
         if call is None:
             return None
-        rest = [module.forward(band, **kwargs) for band, kwargs in zip(call.bands, call.kwargs)]
+        rest = [module.forward(band, *call.args, **kwargs) for band, kwargs in zip(call.bands, call.kwargs)]
         first = output[0] if isinstance(output, tuple) else output
         hidden_states = call.segments.scatter([first, *(_hidden(band) for band in rest)])
         return (hidden_states, *output[1:]) if isinstance(output, tuple) else hidden_states
@@ -286,6 +289,7 @@ class _RegroupHook:
 class _RegroupedCall(NamedTuple):
     segments: DocumentSegments
     bands: list[torch.Tensor]  # the inputs of the bands after the first
+    args: tuple  # the layer's other positional arguments, all None
     kwargs: list[dict[str, Any]]  # their keyword arguments
 
 
