@@ -72,10 +72,12 @@ _STATEFUL_LAYERS: dict[str, tuple[tuple[str, ...], str]] = {
     "falcon_h1": (("FalconH1Mixer",), "Mamba-2 mixers (causal conv1d + chunked SSM scan), beside attention"),
     "falcon_mamba": (("FalconMambaMixer",), _MAMBA),
     "granitemoehybrid": (("GraniteMoeHybridMambaLayer",), _MAMBA2),
+    "inkling_text": (("InklingShortConvolution",), _SHORT_CONVOLUTION),
     "jamba": (("JambaMambaMixer",), _MAMBA),
     "kimi_linear": (("KimiLinearDeltaAttention",), _DELTA_ATTENTION),
     "lfm2": (("Lfm2ShortConv",), _SHORT_CONVOLUTION),
     "lfm2_moe": (("Lfm2MoeShortConv",), _SHORT_CONVOLUTION),
+    "lara_mini": (("LaraMiniGatedDeltaNet",), _GATED_DELTA_RULE),
     "lfm3": (("Lfm3ShortConv",), _SHORT_CONVOLUTION),
     "mamba": (("MambaMixer",), _MAMBA),
     "mamba2": (("Mamba2Mixer",), _MAMBA2),
@@ -128,7 +130,8 @@ class DocumentSegments:
     Segments sorted by length go into bands, a new band starting at the first segment no longer than half the
     band's longest: each band is one call of the layer, [segments in band, longest in band, ...], so the padding
     is less than the band's tokens (one band for all would pay the longest segment for every short one), and
-    there are at most log2(longest) + 1 calls. Reading the offsets costs one device sync per forward.
+    there are at most log2(longest) + 1 calls. Reading the offsets costs one device sync per forward (and a
+graph break under torch.compile: the bands' shapes depend on the batch).
     """
 
     cu_seq_lens: torch.Tensor  # [S + 1] int32, from 0 to B·L, checked by prepack.attention
