@@ -118,14 +118,15 @@ def main() -> None:
     segments = DocumentSegments(batch["cu_seq_lens_q"], tuple(batch["input_ids"].shape))
     tokens = batch["input_ids"].numel()
     documents = sum(len(pack["cu_seqlens"]) - 1 for pack in sample)
+    count, longest = len(batch["cu_seq_lens_q"]) - 1, batch["max_length_q"]
     print(
         f"torch {torch.__version__}, {args.device}, float32 sdpa; {args.rows} rows x {args.max_len} tokens, "
-        f"{documents} documents, {len(batch['cu_seq_lens_q']) - 1} segments with the padding tails, longest "
-        f"{batch['max_length_q']}; {segments.bands} length bands holding {segments.grouped_tokens / tokens:.2f}x "
-        f"the batch's tokens (one band of the longest: {(len(batch['cu_seq_lens_q']) - 1) * batch['max_length_q'] / tokens:.2f}x)"
+        f"{documents} documents, {count} segments with the padding tails, longest {longest}; {segments.bands} "
+        f"length bands holding {segments.grouped_tokens / tokens:.2f}x the batch's tokens (one band of the "
+        f"longest: {count * longest / tokens:.2f}x)"
     )
     print("\n| model | parameters | leaky fwd+bwd s | per_document fwd+bwd s | ratio |\n|---|---:|---:|---:|---:|")
-    on_device = {key: value.to(args.device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+    on_device = {key: value.to(args.device) if torch.is_tensor(value) else value for key, value in batch.items()}
     leaky_batch = {key: on_device[key] for key in ("input_ids", "labels", "position_ids")} | {"use_cache": False}
     for family, config in MODELS.items():
         torch.manual_seed(0)

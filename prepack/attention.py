@@ -26,6 +26,14 @@ break the graph: a batch in `PackedCollator`'s default layout traces without a g
 with a 2-D mask or with restarting position_ids and no offsets must be read to be classified, which
 costs one break at the top of the forward.
 
+On the hybrid and linear-attention families of `prepack.stateful.PER_DOCUMENT_FAMILIES` it also hooks the
+layers that carry state along the sequence (Mamba scans, short convolutions, the gated delta rule, linear
+attention), and the guard hands them each packed batch's segments: they run one document per row. There
+`seq_idx` is dropped (not needed; transformers' torch fallbacks raise on it), and a cache is refused on
+every backend. Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep position_ids from their backbone, so their
+guard sits on the causal LM. Granite 4 hybrid builds its sdpa/eager mask without position_ids: the guard
+passes it the per-document masks, built by transformers' `create_causal_mask`.
+
 `prepack.isolation` proves it: it runs a packed batch and each of its documents alone, and compares.
 """
 
@@ -149,11 +157,10 @@ class _PackedBatchGuard:
         if kwargs.get("attention_mask") is not None or not _is_packed(kwargs, tokens.shape[:2]):
             return (), kwargs
         if flash and all(kwargs.get(key) is None for key in _OFFSET_KEYS):
-            starts = _segment_starts(kwargs["position_ids"], tokens.shape[:2])
-            kwargs |= _offsets_kwargs(segment_fields(starts.cumsum(1).cpu().numpy()), tokens.device)
+            kwargs |= _offsets_from_positions(kwargs["position_ids"], tokens)
         _check_packed_fields(kwargs, tokens)
         if self.per_document is not None:
-            self.per_document.segments = _document_segments(kwargs, tokens.shape[:2])
+            self.per_document.segments = _document_segments(kwargs, tokens)
         if not flash and config.model_type in _MASKS_FROM_POSITIONS:
             kwargs["attention_mask"] = _masks_from_positions(config, kwargs["position_ids"], tokens, module.dtype)
         return (), _without_cache(kwargs, flash)
@@ -164,16 +171,19 @@ def _masks_from_positions(config, position_ids: torch.Tensor, tokens: torch.Tens
     embeddings = torch.empty((*tokens.shape[:2], 0), dtype=dtype, device=tokens.device)
     options = dict(config=config, inputs_embeds=embeddings, attention_mask=None, cache=None, position_ids=position_ids)
     builders = _MASKS_FROM_POSITIONS[config.model_type]
-    return {layer_type: build and build(**options) for layer_type, build in builders.items()}
+    return {layer_type: None if build is None else build(**options) for layer_type, build in builders.items()}
 
 
-def _document_segments(kwargs: dict[str, Any], shape: torch.Size) -> DocumentSegments:
+def _document_segments(kwargs: dict[str, Any], tokens: torch.Tensor) -> DocumentSegments:
     """The checked offsets of the batch, or (sdpa/eager given position_ids only) offsets derived from them."""
-    if kwargs.get("cu_seq_lens_q") is not None:
-        return DocumentSegments(kwargs["cu_seq_lens_q"], tuple(shape))
-    starts = _segment_starts(kwargs["position_ids"], shape)
-    offsets = _offsets_kwargs(segment_fields(starts.cumsum(1).cpu().numpy()), kwargs["position_ids"].device)
-    return DocumentSegments(offsets["cu_seq_lens_q"], tuple(shape))
+    given = kwargs.get("cu_seq_lens_q") is not None
+    offsets = kwargs if given else _offsets_from_positions(kwargs["position_ids"], tokens)
+    return DocumentSegments(offsets["cu_seq_lens_q"], tuple(tokens.shape[:2]))
+
+
+def _offsets_from_positions(position_ids: torch.Tensor, tokens: torch.Tensor) -> dict[str, Any]:
+    starts = _segment_starts(position_ids, tokens.shape[:2])
+    return _offsets_kwargs(segment_fields(starts.cumsum(1).cpu().numpy()), tokens.device)
 
 
 def _resolve_attention_mask(kwargs: dict[str, Any], config, flash: bool, shape: torch.Size) -> dict[str, Any]:

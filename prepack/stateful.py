@@ -1,27 +1,26 @@
 """Run the layers that carry state along the sequence one document at a time.
 
-Attention is kept within each document by the mask or the flash offsets (`prepack.attention`). Layers
-that carry state from token to token instead — Mamba scans, causal conv1d and short convolutions, the
-gated delta rule — read neither: in a packed row the state of one document flows into the next. Their
-kernels can take the boundaries (`seq_idx`, `cu_seqlens`), but in transformers 5.24 the path actually
-taken decides: the pure-torch fallbacks that run without `mamba_ssm`, `causal_conv1d` or
-`flash-linear-attention` ignore them (measured: the documents leak) or raise on them (the gated delta
-rule, and the Mamba-2 kernels given `seq_idx`), and with the fused kernels installed the modeling files
-hand them to some kernels and not to others (Qwen3.5 and Qwen3-Next give `cu_seq_lens_q` to the delta rule,
-nothing their conv1d kernel reads). So prepack does not rely on them. It runs each such layer on the
-batch's segments instead:
+Attention is kept within each document by the mask or the flash offsets (`prepack.attention`). Layers that
+carry state from token to token instead — Mamba scans, causal conv1d and short convolutions, the gated delta
+rule — read neither: in a packed row the state of one document flows into the next. Their kernels can take the
+boundaries (`seq_idx`, `cu_seqlens`), but in transformers 5.24 the path actually taken decides: the pure-torch
+fallbacks that run without `mamba_ssm`, `causal_conv1d` or `flash-linear-attention` ignore them (measured: the
+documents leak) or raise on them (the gated delta rule, and the Mamba-2 kernels given `seq_idx`), and with the
+fused kernels installed the modeling files hand them to some kernels and not to others (Qwen3.5 and Qwen3-Next
+give `cu_seq_lens_q` to the delta rule, nothing their conv1d kernel reads). So prepack does not rely on them.
+It runs each such layer on the batch's segments instead:
 
     [B, L, D] packed rows --gather--> [segments, longest, D], one segment per row, right-padded
     --the layer, unchanged--> [segments, longest, D] --scatter back--> [B, L, D]
 
-which is exact for a causal layer (a segment's tokens come first in its row, so the padding after them
-cannot reach them), batched (one call of the layer per band of similar lengths, see `DocumentSegments`),
-and done through public module hooks: a forward pre-hook regroups the layer's input and drops the
-arguments that describe the packed rows (the flash offsets, `seq_idx`, the recurrent padding mask: none
-of them applies to one segment per row), and a forward hook runs the other bands and scatters the
-output back (position_ids, where a layer takes them, are regrouped: each segment's own positions). The segments (`DocumentSegments`) are handed over by the guard that
-`enable_packing` puts on the decoder, once per forward; a batch that is not packed leaves the
-layers alone. Gradients flow through the gather and the scatter, which are index copies.
+which is exact for a causal layer (a segment's tokens come first in its row, so the padding after them cannot
+reach them), batched (one call of the layer per band of similar lengths, see `DocumentSegments`), and done
+through public module hooks: a forward pre-hook regroups the layer's input and drops the arguments that
+describe the packed rows (the flash offsets, `seq_idx`, the recurrent padding mask: none of them applies to
+one segment per row), and a forward hook runs the other bands and scatters the output back (position_ids,
+where a layer takes them, are regrouped: each segment's own positions). The segments (`DocumentSegments`) are
+handed over by the guard that `enable_packing` puts on the decoder, once per forward; a batch that is not
+packed leaves the layers alone. Gradients flow through the gather and the scatter, which are index copies.
 
 Two tables, for the support table and `enable_packing`'s refusals:
 - `PER_DOCUMENT_FAMILIES`: model_type → what runs per document, for every family measured isolated with it

@@ -172,7 +172,9 @@ CONFIGS = {
     ),
     "mamba": SELECTIVE_SCAN,
     "falcon_mamba": SELECTIVE_SCAN,
-    "mamba2": dict(num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8, conv_kernel=3, n_groups=2, chunk_size=8),
+    "mamba2": dict(
+        num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8, conv_kernel=3, n_groups=2, chunk_size=8
+    ),
     "xlstm": dict(num_hidden_layers=2, num_blocks=2, embedding_dim=32, num_heads=2, chunk_size=8),
     "lara_mini": GATED_DELTA_NET | EXPERTS | dict(layer_types=None, sliding_window=16),
     "inkling_text": dict(
