@@ -219,11 +219,12 @@ def install_per_document_layers(model: torch.nn.Module) -> PerDocumentLayers | N
     if not families:
         return None
     class_names = {name for family in families for name in _STATEFUL_LAYERS[family][0]}
-    modeling_file = sys.modules[type(model).__module__]
-    missing = sorted(name for name in class_names if not hasattr(modeling_file, name))
+    # The modeling files of the model's classes (a user's subclass lives in a file of its own).
+    modeling_files = [sys.modules[cls.__module__] for cls in type(model).__mro__ if cls.__module__ in sys.modules]
+    missing = sorted(name for name in class_names if not any(hasattr(file, name) for file in modeling_files))
     if missing:
         raise IsolationError(
-            f"{type(model).__name__} ({', '.join(sorted(families))}): {modeling_file.__name__} defines no "
+            f"{type(model).__name__} ({', '.join(sorted(families))}): its modeling file defines no "
             f"{', '.join(missing)}, the layers prepack runs per document, in this transformers "
             f"({transformers.__version__}). Its documents would leak through the layers that carry state "
             "along the sequence: use a transformers version prepack supports, or train without packing."

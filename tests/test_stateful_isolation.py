@@ -366,6 +366,13 @@ def test_a_family_whose_layers_were_renamed_is_refused(monkeypatch):
         enable_packing(tiny_model("bamba", "sdpa"))
 
 
+def test_a_subclass_of_a_family_in_another_file_is_isolated(packs):
+    model = tiny_model("lfm2", "sdpa")
+    model.__class__ = type("MyLfm2", (type(model),), {"__module__": __name__})
+    result = measure_isolation(enable_packing(model), packs, padded(packs), tolerance=1e-10)
+    assert result.passed, result
+
+
 def test_a_per_token_argument_the_layer_would_get_unsplit_is_refused(packs):
     model = enable_packing(tiny_model("bamba", "sdpa"))
     batch = padded(packs)
