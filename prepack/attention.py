@@ -107,7 +107,7 @@ def enable_packing(
     family = _Family.of(model, allow_unlisted)
     verdict = family.require_isolated(model.config.get_text_config()._attn_implementation)
     disable_packing(model)
-    decoder = _module_that_sees_the_documents(model, family.model_type)
+    decoder = _module_that_sees_the_documents(model)
     per_document = _per_document_layers(model, family, verdict)
     guard = _PackedBatchGuard(_positional_parameters(decoder), family, per_document)
     setattr(model, _HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(guard, with_kwargs=True))
@@ -234,9 +234,9 @@ def _per_document_layers(
     return install_per_document_layers(model, model_type) if model_type in STATEFUL_LAYERS else None
 
 
-def _module_that_sees_the_documents(model: transformers.PreTrainedModel, model_type: str) -> torch.nn.Module:
+def _module_that_sees_the_documents(model: transformers.PreTrainedModel) -> torch.nn.Module:
     """Where the packed batch's position_ids and offsets arrive: the decoder, or the causal LM itself."""
-    if model_type in _BOUNDARIES_STOP_ABOVE_THE_BACKBONE:
+    if model.config.model_type in _BOUNDARIES_STOP_ABOVE_THE_BACKBONE:
         return model
     # Where the base model wraps a decoder, the causal-LM head may call that decoder directly (OPT does).
     decoder = getattr(model.base_model, "decoder", None)

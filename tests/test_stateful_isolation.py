@@ -342,11 +342,13 @@ def test_a_family_whose_layers_were_renamed_is_refused(monkeypatch):
         enable_packing(tiny_model("bamba", "sdpa"))
 
 
-def test_a_subclass_of_a_family_in_another_file_is_isolated_once_checked(packs):
+@pytest.mark.parametrize("family, attn", [("lfm2", "sdpa"), ("mamba", "eager")])
+def test_a_subclass_of_a_family_in_another_file_is_isolated_once_checked(family, attn, packs):
     """Unlisted (remote code may reuse a model type), so refused by default; allowed after a check, it keeps
-    the per-document layers of its base, found in the base's modeling file."""
-    model = tiny_model("lfm2", "sdpa")
-    model.__class__ = type("MyLfm2", (type(model),), {"__module__": __name__})
+    the per-document layers of its base, found in the base's modeling file (and Mamba's guard on the causal
+    LM, which alone sees the documents)."""
+    model = tiny_model(family, attn)
+    model.__class__ = type("MySubclass", (type(model),), {"__module__": __name__})
     with pytest.raises(IsolationError, match="allow_unlisted=True"):
         enable_packing(model)
     result = measure_isolation(enable_packing(model, allow_unlisted=True), packs, padded(packs), tolerance=1e-10)
