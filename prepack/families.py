@@ -34,16 +34,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = [
-    "BACKENDS",
-    "FAMILIES",
-    "MEASURED_WITH",
-    "Verdict",
-    "backend_of",
-    "markdown",
-    "refusal",
-    "verdict",
-]
+__all__ = ["BACKENDS", "FAMILIES", "MEASURED_WITH", "Verdict", "backend_of", "markdown", "refusal", "verdict"]
 
 BACKENDS = ("sdpa", "eager", "flash")
 MEASURED_WITH = "transformers 5.24.0"
@@ -88,6 +79,8 @@ LIGHTNING_ATTENTION = _per_document("lightning attention layers (block-wise line
 RECURRENT_BLOCKS = _per_document("recurrent blocks (causal conv1d + RG-LRU scan)")
 # Measured with transformers' torch kernels, which run in float32.
 XLSTM_BLOCKS = _per_document("xLSTM blocks (chunked mLSTM)")
+# Granite 4 hybrid builds its sdpa/eager masks without position_ids, beside its Mamba-2 layers.
+MAMBA2_WITH_LAYER_MASKS = _per_document(MAMBA2.per_document, "layer masks")
 
 # Refusals, by mechanism (measured: each leaks or fails when run packed; see the sweep).
 _STATE = (
@@ -99,6 +92,12 @@ _STATE = (
 def _state(why_not_per_document: str) -> Verdict:
     return Verdict("refused", f"{_STATE}, and prepack cannot run them one document at a time: {why_not_per_document}")
 
+
+ZAYA = _state("their projection returns per-token outputs together with a recurrent state delayed by a token")
+RWKV = _state("transformers' own torch RWKV kernel fails in backward")
+INKLING2 = _state(
+    "their short convolutions take extra positional arguments, and transformers' torch path raises on seq_idx"
+)
 
 ENCODER = Verdict(
     "refused",
@@ -130,13 +129,7 @@ def _unmeasured(detail: str) -> Verdict:
     return Verdict("refused", f"not measured: no tiny model of the family could be built from its config ({detail})")
 
 
-# Sequence-state families that prepack refuses, each for its own reason.
-ZAYA = _state("their projection returns per-token outputs together with a recurrent state delayed by a token")
-RWKV = _state("transformers' own torch RWKV kernel fails in backward")
-INKLING2 = _state(
-    "their short convolutions take extra positional arguments, and transformers' torch path raises on seq_idx"
-)
-QWEN4_EXP = _state("its sparse-attention indexer also selects keys over the whole row, from other documents too")
+QWEN4_EXP_ON_FLASH = _fails("its sparse-attention indexer reads an attention mask, which the flash path has not")
 
 # (sdpa, eager, flash) per model type, written from a sweep run; tests/test_family_sweep.py fails on any row
 # that differs from what it measures.
@@ -250,7 +243,7 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict]] = {
     'granite_swa': (NO_SDPA, NATIVE, NATIVE),
     'granitemoe': (NATIVE, NATIVE, NATIVE),
     'granitemoe_swa': (NO_SDPA, NATIVE, NATIVE),
-    'granitemoehybrid': (_per_document(MAMBA2.per_document, "layer masks"),) * 2 + (MAMBA2,),
+    'granitemoehybrid': (MAMBA2_WITH_LAYER_MASKS, MAMBA2_WITH_LAYER_MASKS, MAMBA2),
     'granitemoeshared': (NATIVE, NATIVE, NATIVE),
     'helium': (NATIVE, NATIVE, NATIVE),
     'hrm_text': (
@@ -340,8 +333,8 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict]] = {
     'qwen3_5_text': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
     'qwen3_moe': (NATIVE, NATIVE, NATIVE),
     'qwen3_next': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
-    'qwen4_exp': (QWEN4_EXP,) * 3,
-    'qwen4_exp_text': (QWEN4_EXP,) * 3,
+    'qwen4_exp': (GATED_DELTA_RULE, GATED_DELTA_RULE, QWEN4_EXP_ON_FLASH),
+    'qwen4_exp_text': (GATED_DELTA_RULE, GATED_DELTA_RULE, QWEN4_EXP_ON_FLASH),
     'recurrent_gemma': (RECURRENT_BLOCKS, RECURRENT_BLOCKS, RECURRENT_BLOCKS),
     'reformer': (
         NO_SDPA,

@@ -71,6 +71,8 @@ STATEFUL_LAYERS: dict[str, tuple[str, ...]] = {
     "qwen3_5_moe_text": ("Qwen3_5MoeGatedDeltaNet",),
     "qwen3_5_text": ("Qwen3_5GatedDeltaNet",),
     "qwen3_next": ("Qwen3NextGatedDeltaNet",),
+    "qwen4_exp": ("Qwen4ExpTextGatedDeltaNet",),
+    "qwen4_exp_text": ("Qwen4ExpTextGatedDeltaNet",),
     "recurrent_gemma": ("RecurrentGemmaRecurrentBlock",),
     "xlstm": ("xLSTMBlock",),
     "zamba": ("ZambaMambaMixer",),
