@@ -34,6 +34,13 @@ break the graph: a batch in `PackedCollator`'s default layout traces without a g
 with a 2-D mask or with restarting position_ids and no offsets must be read to be classified, which
 costs one break at the top of the forward.
 
+On the hybrid and linear-attention families (the table's verdicts with `per_document`) it also hooks the
+layers that carry state along the sequence (Mamba scans, short convolutions, the gated delta rule, linear
+attention; `prepack.stateful`), and the guard hands them each packed batch's segments: they run one document
+per row. There `seq_idx` is dropped (not needed; transformers' torch fallbacks raise on it), and a cache is
+refused on every backend. Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep position_ids from their backbone,
+so their guard sits on the causal LM.
+
 `prepack.isolation` proves it: it runs a packed batch and each of its documents alone, and compares.
 """
 
@@ -44,12 +51,17 @@ from typing import Any
 
 import torch
 import transformers
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_recurrent_attention_mask,
+    create_sliding_window_causal_mask,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from prepack import families
 from prepack.collate import segment_fields
 from prepack.errors import IsolationError
+from prepack.stateful import STATEFUL_LAYERS, DocumentSegments, PerDocumentLayers, install_per_document_layers
 
 __all__ = ["SUPPORTED_ATTENTION", "disable_packing", "enable_packing"]
 
@@ -57,6 +69,10 @@ SUPPORTED_ATTENTION = ("flash_attention_2", "flash_attention_3", "sdpa", "eager"
 _FLASH = ("flash_attention_2", "flash_attention_3")
 _OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _HOOK_ATTRIBUTE = "_prepack_packing_hook"
+_PER_DOCUMENT_ATTRIBUTE = "_prepack_per_document_layers"
+# Causal LMs that hand their backbone neither position_ids nor the flash offsets (transformers 5.24: they keep
+# them in **kwargs), so the guard that finds the documents sits on the causal LM itself.
+_BOUNDARIES_STOP_ABOVE_THE_BACKBONE = ("falcon_mamba", "mamba", "mamba2")
 
 
 def enable_packing(
@@ -89,13 +105,14 @@ def enable_packing(
             "attention code handles packed batches differently. Upgrade: pip install 'transformers>=5,<6'."
         )
     family = _Family.of(model, allow_unlisted)
-    family.require_isolated(model.config.get_text_config()._attn_implementation)
+    verdict = family.require_isolated(model.config.get_text_config()._attn_implementation)
     disable_packing(model)
-    # Where the base model wraps a decoder, the causal-LM head may call that decoder directly (OPT does).
-    decoder = getattr(model.base_model, "decoder", None)
-    decoder = decoder if isinstance(decoder, torch.nn.Module) else model.base_model
-    guard = _PackedBatchGuard(_positional_parameters(decoder), family)
+    decoder = _module_that_sees_the_documents(model)
+    per_document = _per_document_layers(model, family, verdict)
+    guard = _PackedBatchGuard(_positional_parameters(decoder), family, per_document)
     setattr(model, _HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(guard, with_kwargs=True))
+    if per_document is not None:
+        setattr(model, _PER_DOCUMENT_ATTRIBUTE, per_document)
     return model
 
 
@@ -104,6 +121,9 @@ def disable_packing(model: transformers.PreTrainedModel) -> transformers.PreTrai
     handle = model.__dict__.pop(_HOOK_ATTRIBUTE, None)
     if handle is not None:
         handle.remove()
+    per_document = model.__dict__.pop(_PER_DOCUMENT_ATTRIBUTE, None)
+    if per_document is not None:
+        per_document.remove()
     return model
 
 
@@ -157,14 +177,22 @@ def _positional_parameters(module: torch.nn.Module) -> tuple[str, ...]:
 class _PackedBatchGuard:
     """The forward pre-hook: returns the call's keyword arguments converted, or raises IsolationError."""
 
-    def __init__(self, positional_parameters: tuple[str, ...], family: _Family):
+    def __init__(
+        self, positional_parameters: tuple[str, ...], family: _Family, per_document: PerDocumentLayers | None
+    ):
         self.positional_parameters = positional_parameters
         self.family = family
+        self.per_document = per_document  # the model's sequence-state layers, told each batch's segments
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
+        if self.per_document is not None:
+            self.per_document.segments = None
         if len(args) > len(self.positional_parameters):
             return None  # not a call the forward accepts: let it raise its own error
         kwargs = {**dict(zip(self.positional_parameters, args)), **kwargs}
+        if self.per_document is not None:
+            # The per-document layers replace seq_idx; given to the packed rows, the torch fallbacks raise.
+            kwargs.pop("seq_idx", None)
         tokens = kwargs.get("input_ids")
         tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
         if tokens is None:
@@ -178,15 +206,41 @@ class _PackedBatchGuard:
         if kwargs.get("attention_mask") is not None or not _is_packed(kwargs, tokens.shape[:2]):
             return (), kwargs
         if flash and all(kwargs.get(key) is None for key in _OFFSET_KEYS):
-            starts = _segment_starts(kwargs["position_ids"], tokens.shape[:2])
-            kwargs |= _offsets_kwargs(segment_fields(starts.cumsum(1).cpu().numpy()), tokens.device)
+            kwargs |= _offsets_from_positions(kwargs["position_ids"], tokens)
         _check_packed_fields(kwargs, tokens)
         if flash:
             _require_rows_within_a_chunk(config, attn, tokens.shape[1])
+        if self.per_document is not None:
+            self.per_document.segments = _document_segments(kwargs, tokens)
         if verdict is not None and verdict.how in ("layer masks", "block mask"):
             masks = _masks_from_positions(module, config, kwargs["position_ids"], tokens.shape[:2])
             kwargs["attention_mask"] = masks["full_attention"] if verdict.how == "block mask" else masks
         return (), _without_cache(kwargs, flash)
+
+
+def _per_document_layers(
+    model: transformers.PreTrainedModel, family: _Family, verdict: families.Verdict | None
+) -> PerDocumentLayers | None:
+    """Hooks on the sequence-state layers where the table runs them per document; None where it does not.
+
+    A family's verdicts name the same layers on every backend that isolates it, so a backend switched after
+    `enable_packing` (checked at each forward) needs no other hooks. An unlisted model the caller checked
+    (`allow_unlisted`, e.g. a subclass of a family in a file of its own) keeps the hooks of the family whose
+    model type it has: `prepack check-isolation` measured it with them.
+    """
+    if verdict is not None:
+        return install_per_document_layers(model, family.model_type) if verdict.per_document else None
+    model_type = model.config.model_type
+    return install_per_document_layers(model, model_type) if model_type in STATEFUL_LAYERS else None
+
+
+def _module_that_sees_the_documents(model: transformers.PreTrainedModel) -> torch.nn.Module:
+    """Where the packed batch's position_ids and offsets arrive: the decoder, or the causal LM itself."""
+    if model.config.model_type in _BOUNDARIES_STOP_ABOVE_THE_BACKBONE:
+        return model
+    # Where the base model wraps a decoder, the causal-LM head may call that decoder directly (OPT does).
+    decoder = getattr(model.base_model, "decoder", None)
+    return decoder if isinstance(decoder, torch.nn.Module) else model.base_model
 
 
 def _require_rows_within_a_chunk(config, attn: str, width: int) -> None:
@@ -205,14 +259,29 @@ def _masks_from_positions(module, config, position_ids: torch.Tensor, shape: tor
     For families whose forward calls the mask functions without `position_ids` (prepack.families' "layer
     masks" and "block mask"): the model takes masks passed in as given. Built by transformers' public
     functions, so they are the masks its other families get; `inputs_embeds` only tells them the shape,
-    dtype and device.
+    dtype and device. The sequence-state layers of a hybrid (Granite 4 hybrid's "linear_attention") take
+    the 2-D padding mask that `create_recurrent_attention_mask` gives: None, since packed rows have no mask.
     """
     shape_only = torch.empty((*shape, 0), dtype=module.dtype, device=position_ids.device)
     arguments = (config, shape_only, None, None)  # attention_mask, cache: none for packed rows
     masks = {"full_attention": create_causal_mask(*arguments, position_ids=position_ids)}
     if getattr(config, "sliding_window", None):
         masks["sliding_attention"] = create_sliding_window_causal_mask(*arguments, position_ids=position_ids)
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        masks["linear_attention"] = create_recurrent_attention_mask(*arguments)
     return masks
+
+
+def _document_segments(kwargs: dict[str, Any], tokens: torch.Tensor) -> DocumentSegments:
+    """The checked offsets of the batch, or (sdpa/eager given position_ids only) offsets derived from them."""
+    given = kwargs.get("cu_seq_lens_q") is not None
+    offsets = kwargs if given else _offsets_from_positions(kwargs["position_ids"], tokens)
+    return DocumentSegments(offsets["cu_seq_lens_q"], tuple(tokens.shape[:2]))
+
+
+def _offsets_from_positions(position_ids: torch.Tensor, tokens: torch.Tensor) -> dict[str, Any]:
+    starts = _segment_starts(position_ids, tokens.shape[:2])
+    return _offsets_kwargs(segment_fields(starts.cumsum(1).cpu().numpy()), tokens.device)
 
 
 def _resolve_attention_mask(kwargs: dict[str, Any], config, flash: bool, shape: torch.Size) -> dict[str, Any]:

@@ -90,7 +90,9 @@ class PackedCollator:
           transformers itself reads any 2-D mask as a binary one, so this layout is only safe on a model
           passed to `prepack.enable_packing`, which converts it back to position ids and offsets.
     - `seq_idx=True`: also return `seq_idx` [B, L] int32, the 0-based number of each token's segment
-      over the flattened batch (the segments of `cu_seq_lens_q`), as Mamba-style kernels take it.
+      over the flattened batch (the segments of `cu_seq_lens_q`), as Mamba-style kernels take it. On a
+      family whose sequence-state layers `enable_packing` runs per document (docs/model-support.md), it
+      drops `seq_idx`: those layers need no boundaries (transformers' torch fallbacks raise on it).
     - `pad_token_id`: the token id written at padding (its label is always -100). By default each row's
       padding repeats the row's last token: padding is a segment of its own and never trained on, but
       its gradient still flows through the model as 0 times the local derivative, and a token whose

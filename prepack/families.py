@@ -15,6 +15,9 @@ A verdict is one of:
   masks (`{"full_attention": ..., "sliding_attention": ...}`) that transformers' public
   `create_causal_mask` / `create_sliding_window_causal_mask` build from them, which the model takes as given;
 - block mask: the same for a model that takes one 4-D mask (no sliding layers);
+- per document (`Verdict.per_document`, beside one of the above for its attention layers): the layers that
+  carry state along the sequence (Mamba scans, short convolutions, the gated delta rule, linear attention)
+  run one document per row, through module hooks (`prepack.stateful`, which knows their classes);
 - refused: `enable_packing` raises `IsolationError` naming the family, the backend, the reason and what
   to do instead.
 
@@ -41,24 +44,61 @@ MEASURED_WITH = "transformers 5.24.0"
 class Verdict:
     """How `enable_packing` keeps a family's documents apart on one backend, or why it refuses."""
 
-    how: Literal["native", "layer masks", "block mask", "refused"]
+    how: Literal["native", "layer masks", "block mask", "refused"]  # how its attention layers are kept apart
     reason: str = ""  # for a refusal: why documents would see each other, or why it was not measured
+    per_document: str = ""  # the sequence-state layers that run one document per row, where there are some
 
     @property
     def isolated(self) -> bool:
         return self.how != "refused"
+
+    @property
+    def label(self) -> str:
+        """What docs/model-support.md says about it: "native", "per document", "layer masks, per document"."""
+        if not self.per_document:
+            return self.how
+        return "per document" if self.how == "native" else f"{self.how}, per document"
 
 
 NATIVE = Verdict("native")
 LAYER_MASKS = Verdict("layer masks")
 BLOCK_MASK = Verdict("block mask")
 
+
+def _per_document(layers: str, how: Literal["native", "layer masks"] = "native") -> Verdict:
+    return Verdict(how, per_document=layers)
+
+
+# The sequence-state layers that run one document per row, by kind.
+GATED_DELTA_RULE = _per_document("gated delta rule layers (causal conv1d + chunked delta rule)")
+MAMBA = _per_document("Mamba layers (causal conv1d + selective scan)")
+MAMBA2 = _per_document("Mamba-2 layers (causal conv1d + chunked SSM scan)")
+SHORT_CONVOLUTIONS = _per_document("short-convolution layers (causal conv1d)")
+DELTA_ATTENTION = _per_document("delta attention layers (short convolutions + chunked delta rule)")
+LIGHTNING_ATTENTION = _per_document("lightning attention layers (block-wise linear attention)")
+RECURRENT_BLOCKS = _per_document("recurrent blocks (causal conv1d + RG-LRU scan)")
+# Measured with transformers' torch kernels, which run in float32.
+XLSTM_BLOCKS = _per_document("xLSTM blocks (chunked mLSTM)")
+# Granite 4 hybrid builds its sdpa/eager masks without position_ids, beside its Mamba-2 layers.
+MAMBA2_WITH_LAYER_MASKS = _per_document(MAMBA2.per_document, "layer masks")
+
 # Refusals, by mechanism (measured: each leaks or fails when run packed; see the sweep).
-STATE = Verdict(
-    "refused",
+_STATE = (
     "sequence-state layers (Mamba scans, short convolutions, linear attention or recurrences) carry state "
-    "from one document into the next",
+    "from one document into the next"
 )
+
+
+def _state(why_not_per_document: str) -> Verdict:
+    return Verdict("refused", f"{_STATE}, and prepack cannot run them one document at a time: {why_not_per_document}")
+
+
+ZAYA = _state("their projection returns per-token outputs together with a recurrent state delayed by a token")
+RWKV = _state("transformers' own torch RWKV kernel fails in backward")
+INKLING2 = _state(
+    "their short convolutions take extra positional arguments, and transformers' torch path raises on seq_idx"
+)
+
 ENCODER = Verdict(
     "refused",
     "an encoder, or the decoder of an encoder-decoder model, registered as a causal LM: its positions or its "
@@ -78,6 +118,7 @@ FLASH_WITHOUT_OFFSETS = Verdict(
     "its flash-attention path does not pass cu_seq_lens_* on to the kernel, so attention runs over the whole row",
 )
 NO_SDPA = Verdict("refused", "transformers has no sdpa attention for this family")
+NO_FLASH = Verdict("refused", "transformers has no flash attention for this family")
 
 
 def _fails(detail: str) -> Verdict:
@@ -87,6 +128,8 @@ def _fails(detail: str) -> Verdict:
 def _unmeasured(detail: str) -> Verdict:
     return Verdict("refused", f"not measured: no tiny model of the family could be built from its config ({detail})")
 
+
+QWEN4_EXP_ON_FLASH = _fails("its sparse-attention indexer reads an attention mask, which the flash path has not")
 
 # (sdpa, eager, flash) per model type, written from a sweep run; tests/test_family_sweep.py fails on any row
 # that differs from what it measures.
@@ -98,8 +141,8 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict]] = {
     'aria_text': (NATIVE, NATIVE, NATIVE),
     'axk1': (NATIVE, NATIVE, NATIVE),
     'axk2': (SPARSE, SPARSE, SPARSE),
-    'bailing_hybrid': (STATE, STATE, STATE),
-    'bamba': (STATE, STATE, STATE),
+    'bailing_hybrid': (DELTA_ATTENTION, DELTA_ATTENTION, DELTA_ATTENTION),
+    'bamba': (MAMBA2, MAMBA2, MAMBA2),
     'bart': (ENCODER, ENCODER, ENCODER),
     'beam': (NATIVE, NATIVE, NATIVE),
     'bert': (ENCODER, ENCODER, NATIVE),
@@ -152,8 +195,8 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict]] = {
     'exaone4': (NATIVE, NATIVE, NATIVE),
     'exaone_moe': (NATIVE, NATIVE, NATIVE),
     'falcon': (NATIVE, NATIVE, _fails("its flash path adds an attention bias that is None without a mask")),
-    'falcon_h1': (STATE, STATE, STATE),
-    'falcon_mamba': (NO_SDPA, STATE, STATE),
+    'falcon_h1': (MAMBA2, MAMBA2, MAMBA2),
+    'falcon_mamba': (NO_SDPA, MAMBA, NO_FLASH),
     'flex_olmo': (NATIVE, NATIVE, NATIVE),
     'flint': (NO_SDPA, NATIVE, NATIVE),
     'fuyu': (NATIVE, NATIVE, NATIVE),
@@ -200,7 +243,7 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict]] = {
     'granite_swa': (NO_SDPA, NATIVE, NATIVE),
     'granitemoe': (NATIVE, NATIVE, NATIVE),
     'granitemoe_swa': (NO_SDPA, NATIVE, NATIVE),
-    'granitemoehybrid': (STATE, STATE, STATE),
+    'granitemoehybrid': (MAMBA2_WITH_LAYER_MASKS, MAMBA2_WITH_LAYER_MASKS, MAMBA2),
     'granitemoeshared': (NATIVE, NATIVE, NATIVE),
     'helium': (NATIVE, NATIVE, NATIVE),
     'hrm_text': (
@@ -213,34 +256,34 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict]] = {
     'hy_v3': (NATIVE, NATIVE, NATIVE),
     'hy_v4': (NO_SDPA, SPARSE, SPARSE),
     'hyperclovax': (NATIVE, NATIVE, NATIVE),
-    'inkling2_loop_text': (NO_SDPA, STATE, STATE),
-    'inkling2_text': (NO_SDPA, STATE, STATE),
-    'inkling_text': (STATE, STATE, STATE),
+    'inkling2_loop_text': (NO_SDPA, INKLING2, INKLING2),
+    'inkling2_text': (NO_SDPA, INKLING2, INKLING2),
+    'inkling_text': (SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS),
     'internlm3': (NATIVE, NATIVE, NATIVE),
     'iquestcoder': (NATIVE, NATIVE, NATIVE),
     'jais2': (NATIVE, NATIVE, NATIVE),
-    'jamba': (STATE, STATE, STATE),
+    'jamba': (MAMBA, MAMBA, MAMBA),
     'jetmoe': (NATIVE, NATIVE, NATIVE),
-    'kimi_linear': (STATE, STATE, STATE),
+    'kimi_linear': (DELTA_ATTENTION, DELTA_ATTENTION, DELTA_ATTENTION),
     'kolibri1': (NATIVE, NATIVE, NATIVE),
     'laguna': (NATIVE, NATIVE, NATIVE),
-    'lara_mini': (STATE, STATE, STATE),
-    'lfm2': (NATIVE, NATIVE, NATIVE),
-    'lfm2_moe': (STATE, STATE, STATE),
-    'lfm3': (STATE, STATE, STATE),
+    'lara_mini': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
+    'lfm2': (SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS),
+    'lfm2_moe': (SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS),
+    'lfm3': (SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS),
     'llama': (NATIVE, NATIVE, NATIVE),
     'llama4': (NATIVE, NATIVE, NATIVE),
     'llama4_text': (NATIVE, NATIVE, NATIVE),
     'longcat_flash': (NATIVE, NATIVE, NATIVE),
-    'mamba': (NO_SDPA, STATE, STATE),
-    'mamba2': (NO_SDPA, STATE, STATE),
+    'mamba': (NO_SDPA, MAMBA, NO_FLASH),
+    'mamba2': (NO_SDPA, MAMBA2, NO_FLASH),
     'marian': (ENCODER, ENCODER, ENCODER),
     'mbart': (ENCODER, ENCODER, ENCODER),
     'megatron-bert': (NO_SDPA, ENCODER, ENCODER),
     'mellum': (NATIVE, NATIVE, NATIVE),
     'mimo_v2_flash': (NO_SDPA, NATIVE, NATIVE),
     'minicpm3': (NATIVE, NATIVE, NATIVE),
-    'minimax': (STATE, STATE, STATE),
+    'minimax': (LIGHTNING_ATTENTION, LIGHTNING_ATTENTION, LIGHTNING_ATTENTION),
     'minimax_m2': (NATIVE, NATIVE, NATIVE),
     'minimax_m3_vl_text': (NATIVE, NATIVE, NATIVE),
     'ministral': (NATIVE, NATIVE, NATIVE),
@@ -265,11 +308,11 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict]] = {
     'mvp': (NO_SDPA, ENCODER, ENCODER),
     'nanochat': (NATIVE, NATIVE, NATIVE),
     'nemotron': (NATIVE, NATIVE, FLASH_WITHOUT_OFFSETS),
-    'nemotron_h': (STATE, STATE, STATE),
+    'nemotron_h': (MAMBA2, MAMBA2, MAMBA2),
     'olmo': (NATIVE, NATIVE, NATIVE),
     'olmo2': (NATIVE, NATIVE, NATIVE),
     'olmo3': (NATIVE, NATIVE, NATIVE),
-    'olmo_hybrid': (STATE, STATE, STATE),
+    'olmo_hybrid': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
     'olmoe': (NATIVE, NATIVE, NATIVE),
     'openai-gpt': (NO_SDPA, POSITIONS, POSITIONS),
     'opt': (BLOCK_MASK, BLOCK_MASK, NATIVE),
@@ -284,15 +327,15 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict]] = {
     'qwen2': (NATIVE, NATIVE, NATIVE),
     'qwen2_moe': (NATIVE, NATIVE, NATIVE),
     'qwen3': (NATIVE, NATIVE, NATIVE),
-    'qwen3_5': (STATE, STATE, STATE),
-    'qwen3_5_moe': (STATE, STATE, STATE),
-    'qwen3_5_moe_text': (STATE, STATE, STATE),
-    'qwen3_5_text': (STATE, STATE, STATE),
+    'qwen3_5': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
+    'qwen3_5_moe': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
+    'qwen3_5_moe_text': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
+    'qwen3_5_text': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
     'qwen3_moe': (NATIVE, NATIVE, NATIVE),
-    'qwen3_next': (STATE, STATE, STATE),
-    'qwen4_exp': (STATE, STATE, STATE),
-    'qwen4_exp_text': (STATE, STATE, STATE),
-    'recurrent_gemma': (STATE, STATE, STATE),
+    'qwen3_next': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
+    'qwen4_exp': (GATED_DELTA_RULE, GATED_DELTA_RULE, QWEN4_EXP_ON_FLASH),
+    'qwen4_exp_text': (GATED_DELTA_RULE, GATED_DELTA_RULE, QWEN4_EXP_ON_FLASH),
+    'recurrent_gemma': (RECURRENT_BLOCKS, RECURRENT_BLOCKS, RECURRENT_BLOCKS),
     'reformer': (
         NO_SDPA,
         *[_unmeasured("its defaults do not build in transformers either: its LM head needs is_decoder=True")] * 2,
@@ -302,7 +345,7 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict]] = {
     'roberta-prelayernorm': (ENCODER, ENCODER, ENCODER),
     'roc_bert': (ENCODER, ENCODER, NATIVE),
     'roformer': (NO_SDPA, ENCODER, ENCODER),
-    'rwkv': (NO_SDPA, STATE, STATE),
+    'rwkv': (NO_SDPA, RWKV, RWKV),
     'sarvam_mla': (NATIVE, NATIVE, NATIVE),
     'sarvam_moe': (NATIVE, NATIVE, NATIVE),
     'seed_oss': (NATIVE, NATIVE, NATIVE),
@@ -322,12 +365,12 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict]] = {
     'xlm-roberta': (ENCODER, ENCODER, ENCODER),
     'xlm-roberta-xl': (ENCODER, ENCODER, ENCODER),
     'xlnet': (NO_SDPA, ENCODER, ENCODER),
-    'xlstm': (NO_SDPA, STATE, STATE),
+    'xlstm': (NO_SDPA, XLSTM_BLOCKS, NO_FLASH),
     'xmod': (ENCODER, ENCODER, ENCODER),
     'youtu': (NATIVE, NATIVE, NATIVE),
-    'zamba': (STATE, STATE, STATE),
-    'zamba2': (STATE, STATE, STATE),
-    'zaya': (STATE, STATE, STATE),
+    'zamba': (MAMBA, MAMBA, MAMBA),
+    'zamba2': (MAMBA2, MAMBA2, MAMBA2),
+    'zaya': (ZAYA,) * 3,
 }
 
 
@@ -376,11 +419,18 @@ def markdown() -> str:
     counts = {
         backend: sum(row[column].isolated for row in FAMILIES.values()) for column, backend in enumerate(BACKENDS)
     }
+    per_document_counts = {
+        backend: sum(bool(row[column].per_document) for row in FAMILIES.values())
+        for column, backend in enumerate(BACKENDS)
+    }
     reasons: dict[str, int] = {}  # each refusal reason once, numbered in order of first use
+    per_document = {
+        model_type: found.per_document for model_type, row in FAMILIES.items() for found in row if found.per_document
+    }
     rows = []
     for model_type, row in sorted(FAMILIES.items()):
         cells = [
-            f"isolated ({found.how})"
+            f"isolated ({found.label})"
             if found.isolated
             else f"refused [{reasons.setdefault(found.reason, len(reasons) + 1)}]"
             for found in row
@@ -402,17 +452,26 @@ def markdown() -> str:
             "`enable_packing(model, allow_unlisted=True)` is passed after `prepack check-isolation` reports it",
             "isolated.",
             "",
-            "| backend | isolated | refused |",
-            "|---|---:|---:|",
-            *(f"| {backend} | {counts[backend]} | {len(FAMILIES) - counts[backend]} |" for backend in BACKENDS),
+            "| backend | isolated | of which per document | refused |",
+            "|---|---:|---:|---:|",
+            *(
+                f"| {backend} | {counts[backend]} | {per_document_counts[backend]} | {len(FAMILIES) - counts[backend]} |"
+                for backend in BACKENDS
+            ),
             "",
             "How: *native*: transformers isolates from `position_ids` / `cu_seq_lens_*`; *layer masks*: prepack",
             "passes the per-layer-type masks that transformers' `create_causal_mask` and",
-            "`create_sliding_window_causal_mask` build from `position_ids`; *block mask*: the same as one 4-D mask.",
+            "`create_sliding_window_causal_mask` build from `position_ids`; *block mask*: the same as one 4-D mask;",
+            "*per document*: the layers that carry state along the sequence (listed below) run one document per",
+            "row, and attention is isolated natively (or by the masks named beside it).",
             "",
             "| model type | sdpa | eager | flash |",
             "|---|---|---|---|",
             *rows,
+            "",
+            "Run per document:",
+            "",
+            *(f"- {model_type}: {layers}" for model_type, layers in sorted(per_document.items())),
             "",
             "Refused because:",
             "",

@@ -37,15 +37,19 @@ class Record:
     """What the model's forward received, step by step, with each row mapped back to its pack."""
 
     def __init__(self, dataset: PackedDataset):
-        # Token ids are never 0 in these builds and padding is 0: a row's non-zero prefix is its pack.
-        self.pack_of = {dataset[i]["input_ids"].tobytes(): i for i in range(len(dataset))}
-        assert len(self.pack_of) == len(dataset), "the test build needs distinct packs"
+        # A row is its pack followed by padding (which repeats the pack's last token): the pack it begins with.
+        self.pack_tokens = [dataset[i]["input_ids"].tobytes() for i in range(len(dataset))]
         self.steps: list[list[int]] = []
         self.kwargs: list[dict] = []
 
     def packs(self, input_ids: torch.Tensor) -> list[int]:
         """The dataset index of each row's pack."""
-        return [self.pack_of[row[row != 0].numpy().tobytes()] for row in input_ids.cpu().to(torch.int32)]
+        return [self._pack_of(row.numpy().tobytes()) for row in input_ids.cpu().to(torch.int32)]
+
+    def _pack_of(self, row: bytes) -> int:
+        found = [index for index, tokens in enumerate(self.pack_tokens) if row.startswith(tokens)]
+        assert len(found) == 1, f"the test build needs packs that are not prefixes of each other: {found}"
+        return found[0]
 
     def hook(self, module, args, kwargs) -> None:
         self.steps.append(self.packs(kwargs["input_ids"]))

@@ -103,7 +103,7 @@ def test_the_cli_imports_neither_torch_nor_transformers():
 def configs(tmp_path_factory):
     """config.json of tiny random models of a few families (tests/tiny_models.py)."""
     root = tmp_path_factory.mktemp("configs")
-    for model_type in ("bamba", "gpt_oss", "inkling_text", "qwen3_next"):
+    for model_type in ("zaya", "gpt_oss", "inkling_text", "qwen3_next"):
         tiny_config(model_type).to_json_file(root / f"{model_type}.json")
     return root
 
@@ -113,10 +113,10 @@ def let_through(monkeypatch, model_type: str):
 
 
 def test_a_refused_family_exits_2_with_the_reason(configs):
-    result = check("--model", str(configs / "bamba.json"), "--max-len", "32", "--no-gradients")
+    result = check("--model", str(configs / "zaya.json"), "--max-len", "32", "--no-gradients")
     output = " ".join(result.output.split())
     assert result.exit_code == 2, result.output
-    assert "bamba (BambaForCausalLM) on sdpa" in output and families.STATE.reason in output
+    assert "zaya (ZayaForCausalLM) on sdpa" in output and families.ZAYA.reason in output
 
 
 def test_a_model_that_fails_on_the_batch_exits_2_not_1(configs, monkeypatch):

@@ -8,8 +8,9 @@ random model (`tests/tiny_models.py`, float64, CPU) gets `PackedCollator` + `ena
   document run alone;
 - a family marked refused must make `enable_packing` raise `IsolationError` naming the family and the
   backend; and the refusal must be needed: let through (its verdict forced to native), the packed batch
-  leaks or fails. The same holds for the masks prepack passes in ("layer masks", "block mask"): without
-  them the family leaks;
+  leaks or fails. The same holds for the masks prepack passes in ("layer masks", "block mask") and for
+  the sequence-state layers it runs one document per row ("per document"): without them the family leaks
+  or fails, and a per-document family's tiny model has such a layer to run;
 - a family whose tiny model cannot be built must be marked refused, with that reason;
 - `prepack check-isolation` on the family's config.json gives the same verdict (sdpa and eager).
 
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from prepack import IsolationError, PrepackError, families
+from prepack import IsolationError, PrepackError, families, stateful
 from prepack.attention import enable_packing
 from prepack.collate import PackedCollator
 from prepack.isolation import check_isolation, default_tolerances, measure_isolation
@@ -88,6 +89,8 @@ def test_the_table_states_what_enable_packing_does(model_type, backend, attn, mo
             enable_packing(model)(**batch)
         sample = packs(documents=([5, 3], [2, 4]))
         batch = PackedCollator(chunk)(sample)
+    if expected.per_document:
+        assert any(type(module).__name__ in stateful.STATEFUL_LAYERS[model_type] for module in model.modules())
     if expected.isolated:
         result = measure_isolation(
             enable_packing(model), sample, batch, tolerance=tolerance, loss_tolerance=loss_tolerance
@@ -97,10 +100,14 @@ def test_the_table_states_what_enable_packing_does(model_type, backend, attn, mo
         with pytest.raises(IsolationError) as refused:
             enable_packing(model)
         assert f"({type(model).__name__}) on {attn}: {expected.reason}" in str(refused.value)
-    if expected.how != "native" and expected != families.NO_SDPA:  # the refusal, or the masks, are needed
-        row = list(families.FAMILIES[model_type])
-        row[families.BACKENDS.index(backend)] = families.NATIVE
-        monkeypatch.setitem(families.FAMILIES, model_type, tuple(row))
+    needed = expected.how != "native" or expected.per_document  # the refusal, the masks or the layers
+    if needed and expected not in (families.NO_SDPA, families.NO_FLASH):
+        # A composite family's causal LM is built from its text config (qwen3_5 → qwen3_5_text), whose row
+        # enable_packing reads.
+        for family in {model_type, model.config.model_type} & families.FAMILIES.keys():
+            row = list(families.FAMILIES[family])
+            row[families.BACKENDS.index(backend)] = families.NATIVE
+            monkeypatch.setitem(families.FAMILIES, family, tuple(row))
         try:
             model = enable_packing(model)
             let_through = measure_isolation(

@@ -101,6 +101,12 @@ _FAMILIES: dict[str, dict[str, Any]] = {
                        "indexer_head_dim": 16},
     "zaya": {"num_experts_per_tok": 1},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # hybrids whose shrunk default pattern loses one of the two kinds of layer
+    "lfm2": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]},
+    "bamba": {"num_hidden_layers": 2, "attn_layer_indices": [1]},
+    "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["mamba", "attention"]},
+    "jamba": {"num_hidden_layers": 2, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    "recurrent_gemma": {"num_hidden_layers": 3},
     "zamba2": {"attention_hidden_size": 2 * HIDDEN},
     # serialized with an "mlp" entry after every layer, which the config folds back
     "dory": {"num_hidden_layers": 8, "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp"] * 2,

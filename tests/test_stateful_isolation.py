@@ -1,0 +1,195 @@
+"""`enable_packing` keeps packed documents apart in the hybrid and linear-attention families whose
+sequence-state layers it runs one document per row (`prepack.stateful`; the table's "per document" verdicts).
+
+The family sweep (tests/test_family_sweep.py) measures every verdict in float64 on short packs, with the
+negative control. This file adds what the sweep does not: float32 (each document within 1e-5 of itself
+alone), packs with a document past the gated delta rule's 64-token chunk, documents shorter than a
+convolution kernel and ones spanning several Mamba chunks; the other batch layouts; gradient checkpointing;
+Granite 4 hybrid's masks; the multimodal Qwen3.5 used text-only; and the refusals of what the hooks cannot
+split. The tiny random models are the sweep's (tests/tiny_models.py): every kind of layer kept, scan chunks
+and convolution kernels shorter than most documents.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+
+from prepack import IsolationError, families, stateful
+from prepack.attention import disable_packing, enable_packing
+from prepack.collate import PackedCollator
+from prepack.format import IGNORE_INDEX
+from prepack.isolation import measure_isolation
+from tests.flash_reference import use_flash_reference  # noqa: F401 (a fixture)
+from tests.tiny_models import DOCUMENT_VOCAB, tiny_config, tiny_model
+
+MAX_LEN = 80
+FLASH = "flash_attention_2"
+FLOAT32_TOLERANCE = 1e-5
+LEAK = 1e-6  # float64 leaks measured without the per-document layers: 1.4e-4 to 0.25
+# Every family the table runs per document, but the multimodal ones, whose causal LMs are their text models
+# (the multimodal Qwen3.5 is tested below).
+FAMILIES = sorted(set(stateful.STATEFUL_LAYERS) - {"qwen3_5", "qwen3_5_moe", "qwen4_exp"})
+CASES = [
+    (family, FLASH if backend == "flash" else backend)
+    for family in FAMILIES
+    for backend, verdict in zip(families.BACKENDS, families.FAMILIES[family])
+    if verdict.per_document
+]
+
+
+@pytest.fixture(autouse=True)
+def flash_reference_for_flash_cases(request):
+    if "attn" in request.fixturenames and request.getfixturevalue("attn") == FLASH:
+        request.getfixturevalue("use_flash_reference")
+
+
+def _pack(lengths: list[int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    tokens = sum(lengths)
+    input_ids = rng.integers(1, DOCUMENT_VOCAB, size=tokens, dtype=np.int32)
+    return {
+        "input_ids": input_ids,
+        "cu_seqlens": np.cumsum([0, *lengths], dtype=np.int32),
+        "labels": np.where(rng.random(tokens) < 0.2, IGNORE_INDEX, input_ids).astype(np.int32),
+    }
+
+
+@pytest.fixture(scope="module")
+def packs() -> list[dict[str, np.ndarray]]:
+    """Three packs, each leaving padding in its row: a document past the gated delta rule's 64-token chunk,
+    documents shorter than a convolution kernel, and ones spanning several Mamba chunks."""
+    rng = np.random.default_rng(3)
+    return [_pack(lengths, rng) for lengths in ([70, 5], [2, 23, 1, 31], [17, 40])]
+
+
+def padded(packs, **options) -> dict:
+    return PackedCollator(MAX_LEN, **options)(packs)
+
+
+def test_the_hooks_know_the_layers_of_every_family_the_table_runs_per_document():
+    per_document = {family for family, row in families.FAMILIES.items() if any(v.per_document for v in row)}
+    assert set(stateful.STATEFUL_LAYERS) == per_document
+
+
+# --- isolation in float32, and the masks Granite 4 hybrid needs beside its Mamba layers ----------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, attn", CASES)
+def test_packed_documents_equal_documents_alone_float32(family, attn, packs):
+    model = enable_packing(tiny_model(family, attn, torch.float32))
+    result = measure_isolation(model, packs, padded(packs), tolerance=FLOAT32_TOLERANCE)
+    assert result.passed, result
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_granite_hybrid_attention_leaks_without_masks_from_position_ids(attn, packs, monkeypatch):
+    """transformers builds Granite 4 hybrid's sdpa/eager mask without position_ids: one causal mask per row.
+    Its Mamba layers run per document; without the layer masks its attention still leaks."""
+    assert families.verdict("granitemoehybrid", attn).how == "layer masks"
+    monkeypatch.setitem(families.FAMILIES, "granitemoehybrid", (families.MAMBA2,) * 3)
+    model = enable_packing(tiny_model("granitemoehybrid", attn))
+    assert measure_isolation(model, packs, padded(packs), tolerance=LEAK, gradients=False).max_logit_diff > LEAK
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_multimodal_used_text_only_is_isolated(family, packs):
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(tiny_config(family), experts_implementation="eager")
+    model = model.to(torch.float64)
+    model.set_attn_implementation("sdpa")
+    result = measure_isolation(enable_packing(model), packs, padded(packs), tolerance=1e-10)
+    assert result.passed, result
+
+
+# --- the other batch forms, training, and what is left alone ---------------------------------------
+
+
+@pytest.mark.parametrize("family", ["bamba", "lfm2", "qwen3_next"])
+@pytest.mark.parametrize("options", [dict(layout="padding_free"), dict(layout="indexed_mask"), dict(seq_idx=True)])
+def test_other_batch_forms_are_isolated(family, options, packs):
+    """seq_idx=True made the Mamba families raise in transformers' torch fallback; the guard consumes it."""
+    model = enable_packing(tiny_model(family, "sdpa"))
+    result = measure_isolation(model, packs, padded(packs, **options), tolerance=1e-10)
+    assert result.passed, result
+
+
+def test_position_ids_alone_are_enough_on_sdpa(packs):
+    batch = {key: padded(packs)[key] for key in ("input_ids", "labels", "position_ids")}
+    result = measure_isolation(enable_packing(tiny_model("bamba", "sdpa")), packs, batch, tolerance=1e-10)
+    assert result.passed, result
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "qwen3_5_text"])
+def test_gradient_checkpointing_recomputes_the_layers_per_document(family, packs):
+    """A recomputation in backward reads the segments of the forward it repeats (reentrant checkpoints run it
+    inside backward, after the forward has returned)."""
+    model = enable_packing(tiny_model(family, "sdpa")).train()
+    batch = padded(packs)
+
+    def gradients():
+        model.zero_grad()
+        model(**batch).loss.backward()
+        return [parameter.grad.clone() for parameter in model.parameters() if parameter.grad is not None]
+
+    expected = gradients()
+    model.activation_checkpointing_enable({"use_reentrant": True})
+    got = gradients()
+    assert len(got) == len(expected)
+    for expected_grad, got_grad in zip(expected, got):
+        torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=1e-12)
+
+
+def test_a_batch_that_is_not_packed_is_left_alone():
+    model = tiny_model("bamba", "sdpa").eval()
+    input_ids = torch.arange(2 * 20).view(2, 20) % DOCUMENT_VOCAB
+    with torch.no_grad():
+        expected = model(input_ids, use_cache=False).logits
+        enable_packing(model)
+        assert torch.equal(model(input_ids, use_cache=False).logits, expected)
+
+
+@pytest.mark.usefixtures("use_flash_reference")
+def test_a_cache_in_a_packed_batch_is_refused_on_flash_too(packs):
+    """Attention layers keep a cache apart on flash, but a Mamba state would hold a row of mixed documents."""
+    model = enable_packing(tiny_model("bamba", FLASH))
+    with pytest.raises(IsolationError, match="use_cache=False"):
+        model(**padded(packs) | {"use_cache": True})
+
+
+def test_disable_packing_removes_the_per_document_hooks():
+    model = tiny_model("granitemoehybrid", "sdpa")
+    mamba = model.model.layers[0].mamba
+    enable_packing(enable_packing(model))
+    assert len(mamba._forward_pre_hooks) == len(mamba._forward_hooks) == 1
+    disable_packing(model)
+    assert len(mamba._forward_pre_hooks) == len(mamba._forward_hooks) == 0
+
+
+def test_a_family_whose_layers_were_renamed_is_refused(monkeypatch):
+    """Another transformers may rename a stateful layer: no hook would be installed, and documents would leak."""
+    monkeypatch.setitem(stateful.STATEFUL_LAYERS, "bamba", ("BambaMambaMixer",))
+    with pytest.raises(IsolationError, match="defines no BambaMambaMixer"):
+        enable_packing(tiny_model("bamba", "sdpa"))
+
+
+@pytest.mark.parametrize("family, attn", [("lfm2", "sdpa"), ("mamba", "eager")])
+def test_a_subclass_of_a_family_in_another_file_is_isolated_once_checked(family, attn, packs):
+    """Unlisted (remote code may reuse a model type), so refused by default; allowed after a check, it keeps
+    the per-document layers of its base, found in the base's modeling file (and Mamba's guard on the causal
+    LM, which alone sees the documents)."""
+    model = tiny_model(family, attn)
+    model.__class__ = type("MySubclass", (type(model),), {"__module__": __name__})
+    with pytest.raises(IsolationError, match="allow_unlisted=True"):
+        enable_packing(model)
+    result = measure_isolation(enable_packing(model, allow_unlisted=True), packs, padded(packs), tolerance=1e-10)
+    assert result.passed, result
+
+
+def test_a_per_token_argument_the_layer_would_get_unsplit_is_refused(packs):
+    model = enable_packing(tiny_model("bamba", "sdpa"))
+    batch = padded(packs)
+    with pytest.raises(IsolationError, match="token_scale besides its hidden states"):
+        model(**batch, token_scale=torch.ones(*batch["input_ids"].shape, 1))
