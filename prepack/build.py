@@ -149,8 +149,7 @@ def _write_shards(
     shard_size: int,
     progress: Progress,
 ) -> list[ShardInfo]:
-    token_counts = plan.pack_tokens
-    docs_per_pack = np.diff(plan.pack_offsets)
+    docs_per_pack, token_counts = plan.pack_sizes()
     # Estimated bytes per pack: token columns, per-document columns, per-pack offsets and max_seqlen.
     token_bytes = 4 + segment_id_type(plan.max_len).byte_width + (4 if has_labels else 0)
     pack_bytes = token_counts * token_bytes + docs_per_pack * 20 + 36

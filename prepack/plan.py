@@ -71,9 +71,9 @@ _COUNTS = (
     "untrained_tokens",
 )
 _COUNT_FIELDS = len(_COUNTS)
-# Documents per block of `_tally`'s running totals: `PackingPlan.slice` finds a segment's row by a
-# binary search over blocks and a walk of at most this many documents. 16 bytes a block: half a
-# byte a document.
+# Segments per block of `_scatter`'s bookmarks: `PackingPlan.slice` finds a segment from the
+# bookmark of its block by a walk over at most this many segments (plus any documents in between
+# that make none). 24 bytes a block: under a byte a segment.
 _BLOCK = 32
 
 
@@ -331,17 +331,10 @@ def _pieces_of(length, max_len, overflow, left_out):
 
 @numba.njit(cache=True)
 def _tally(lengths, untrained, drop_untrained, max_len, overflow):
-    """One pass over the documents: the histogram of segment lengths, the `_COUNTS`, and the running
-    segment and token totals at the start of every `_BLOCK` documents."""
+    """One pass over the documents: the histogram of segment lengths and the `_COUNTS`."""
     histogram = np.zeros(max_len + 1, np.int64)
     counts = np.zeros(_COUNT_FIELDS, np.int64)
-    first_segment = np.empty((len(lengths) + _BLOCK - 1) // _BLOCK, np.int64)
-    first_token = np.empty_like(first_segment)
-    segment, token = 0, 0
     for i in range(len(lengths)):
-        if i % _BLOCK == 0:
-            first_segment[i // _BLOCK] = segment
-            first_token[i // _BLOCK] = token
         length = np.int64(lengths[i])
         is_untrained = len(untrained) > 0 and untrained[i]
         left_out = drop_untrained and is_untrained
@@ -364,9 +357,7 @@ def _tally(lengths, untrained, drop_untrained, max_len, overflow):
             counts[9] += length
         for piece in range(pieces):
             histogram[min(length - piece * max_len, max_len)] += 1
-        segment += pieces
-        token += length
-    return histogram, counts, first_segment, first_token
+    return histogram, counts
 
 
 @numba.njit(cache=True)
@@ -389,14 +380,14 @@ def _expand(lengths, left_out, max_len, overflow, segments):
 
 
 @numba.njit(cache=True)
-def _pack_contents(histogram, pack_of_sorted, position):
-    """Segments and tokens of every pack, packs in shuffled order."""
-    segments = np.zeros(len(position), np.int64)
-    tokens = np.zeros(len(position), np.int64)
+def _pack_contents(histogram, pack_of_sorted, packs):
+    """Segments and tokens of every pack."""
+    segments = np.zeros(packs, np.int64)
+    tokens = np.zeros(packs, np.int64)
     at = 0
     for need in range(len(histogram) - 1, 0, -1):
         for _ in range(histogram[need]):
-            pack = position[pack_of_sorted[at]]
+            pack = pack_of_sorted[at]
             segments[pack] += 1
             tokens[pack] += need
             at += 1
@@ -404,26 +395,35 @@ def _pack_contents(histogram, pack_of_sorted, position):
 
 
 @numba.njit(cache=True)
-def _scatter(lengths, left_out, max_len, overflow, histogram, pack_of_sorted, position, pack_offsets, order):
-    """Fill `order` with the number of the segment in each pack slot; segments numbered in (row,
-    piece) order, which they keep within a pack."""
+def _scatter(lengths, left_out, max_len, overflow, histogram, pack_of_sorted, slot_offsets, order, bookmarks):
+    """Fill `order` with the number of the segment in each pack slot, segments numbered in (row,
+    piece) order, which they keep within a pack; and `bookmarks` with the row, piece and row's first
+    token of every `_BLOCK`-th segment.
+
+    Packs in the planner's numbering, not shuffled: the segments of one length go to ascending
+    packs, so the writes of each length move forward through memory, and a billion segments take
+    a minute rather than several."""
     cursor = _first_of_length(histogram)
-    fill = pack_offsets[:-1].copy()
-    segment = 0
+    fill = slot_offsets[:-1].copy()
+    segment, token = 0, 0
     for i in range(len(lengths)):
         length = np.int64(lengths[i])
         for piece in range(_pieces_of(length, max_len, overflow, len(left_out) > 0 and left_out[i])):
+            if segment % _BLOCK == 0:
+                mark = bookmarks[segment // _BLOCK]
+                mark[0], mark[1], mark[2] = i, piece, token
             need = min(length - piece * max_len, max_len)
             k = cursor[need]
             cursor[need] = k + 1
-            pack = position[pack_of_sorted[k]]
+            pack = pack_of_sorted[k]
             order[fill[pack]] = segment
             fill[pack] += 1
             segment += 1
+        token += length
 
 
-@numba.njit(cache=True)
-def _resolve(order, lengths, left_out, first_segment, first_token, max_len, overflow):
+@numba.njit(cache=True, nogil=True)  # shard writers call it from their threads
+def _resolve(order, lengths, left_out, bookmarks, max_len, overflow):
     """Row, piece, token start and length of the segments numbered `order`."""
     rows = np.empty(len(order), np.int64)
     pieces = np.empty(len(order), np.int32)
@@ -431,23 +431,19 @@ def _resolve(order, lengths, left_out, first_segment, first_token, max_len, over
     out = np.empty(len(order), np.int64)
     for j in range(len(order)):
         wanted = np.int64(order[j])
-        low, high = 0, len(first_segment)  # the last block that starts at or before `wanted`
-        while high - low > 1:
-            middle = (low + high) // 2
-            if first_segment[middle] <= wanted:
-                low = middle
-            else:
-                high = middle
-        row, segment, token = low * _BLOCK, first_segment[low], first_token[low]
+        mark = bookmarks[wanted // _BLOCK]
+        row, piece, token = mark[0], mark[1], mark[2]
+        skip = wanted % _BLOCK  # segments from the bookmark to the wanted one
         while True:
             length = np.int64(lengths[row])
             count = _pieces_of(length, max_len, overflow, len(left_out) > 0 and left_out[row])
-            if wanted < segment + count:
+            if piece + skip < count:
+                piece += skip
                 break
-            segment += count
+            skip -= count - piece
             token += length
             row += 1
-        piece = wanted - segment
+            piece = 0
         rows[j], pieces[j] = row, piece
         starts[j] = token + piece * max_len
         out[j] = min(length - piece * max_len, max_len)
@@ -474,46 +470,61 @@ class _Documents:
 
     lengths: np.ndarray  # `compact_lengths`
     left_out: np.ndarray  # bool per document, or empty when none is left out
-    first_segment: np.ndarray  # int64 per `_BLOCK` documents: segments before the block
-    first_token: np.ndarray  # int64 per `_BLOCK` documents: tokens before the block
+    bookmarks: np.ndarray  # int64 [segments / _BLOCK, 3]: row, piece and the row's first token
     overflow: int  # `_OVERFLOWS` code
+
+
+@numba.njit(cache=True, nogil=True)
+def _slots_of(order, slot_offsets, packs):
+    """The segment numbers of `packs`, one pack after the other."""
+    total = 0
+    for pack in packs:
+        total += slot_offsets[pack + 1] - slot_offsets[pack]
+    out = np.empty(total, order.dtype)
+    at = 0
+    for pack in packs:
+        size = slot_offsets[pack + 1] - slot_offsets[pack]
+        out[at : at + size] = order[slot_offsets[pack] : slot_offsets[pack + 1]]
+        at += size
+    return out
 
 
 @dataclass(frozen=True)
 class PackingPlan:
-    """Which segments go where, compactly: pack p holds the slots `pack_offsets[p]:pack_offsets[p+1]`,
+    """Which segments go where, compactly. Packs are numbered as the planner opened them; the p-th
+    pack written is pack `shuffle[p]`. Pack q holds the slots `slot_offsets[q]:slot_offsets[q+1]`,
     and slot i the segment numbered `order[i]` (segments numbered in (row, piece) order, which they
-    keep within a pack). `slice` turns packs into a `PackLayout`."""
+    keep within a pack). `slice` turns written packs into a `PackLayout`."""
 
     max_len: int
-    pack_offsets: np.ndarray  # int64 [packs + 1]
-    pack_tokens: np.ndarray  # int64 [packs]
+    shuffle: np.ndarray  # int64 [packs]
+    slot_offsets: np.ndarray  # int64 [packs + 1]
+    tokens_per_pack: np.ndarray  # int64 [packs]
     order: np.ndarray  # uint32 (int64 from 2**32 segments) [segments]
     documents: _Documents
     counts: dict[str, int] = field(default_factory=dict)  # what overflow did; see `Totals`
 
     @property
     def packs(self) -> int:
-        return len(self.pack_offsets) - 1
+        return len(self.shuffle)
+
+    def pack_sizes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Segments and tokens of every pack, in written order (int64 each)."""
+        return np.diff(self.slot_offsets)[self.shuffle], self.tokens_per_pack[self.shuffle]
 
     def slice(self, first: int, end: int) -> PackLayout:
-        """Packs first..end-1 as concrete arrays (what one shard holds)."""
-        a, b = self.pack_offsets[first], self.pack_offsets[end]
+        """Written packs first..end-1 as concrete arrays (what one shard holds)."""
+        packs = self.shuffle[first:end]
+        pack_offsets = np.zeros(len(packs) + 1, dtype=np.int64)
+        np.cumsum(self.slot_offsets[packs + 1] - self.slot_offsets[packs], out=pack_offsets[1:])
         d = self.documents
         rows, pieces, starts, lengths = _resolve(
-            self.order[a:b], d.lengths, d.left_out, d.first_segment, d.first_token, self.max_len, d.overflow
+            _slots_of(self.order, self.slot_offsets, packs), d.lengths, d.left_out, d.bookmarks, self.max_len, d.overflow
         )
-        return PackLayout(
-            max_len=self.max_len,
-            pack_offsets=self.pack_offsets[first : end + 1] - a,
-            starts=starts,
-            lengths=lengths,
-            rows=rows,
-            pieces=pieces,
-        )
+        return PackLayout(self.max_len, pack_offsets, starts, lengths, rows, pieces)
 
     def totals(self) -> dict[str, int]:
-        tokens = int(self.pack_tokens.sum())
+        tokens = int(self.tokens_per_pack.sum())
         return {
             **self.counts,
             "tokens": tokens,
@@ -563,7 +574,7 @@ def document_pieces(
     code = _overflow_code(overflow)
     lengths = np.asarray(lengths, dtype=np.int64)
     untrained = _flags(untrained, len(lengths))
-    histogram, counts, _, _ = _tally(lengths, untrained, drop_untrained, max_len, code)
+    histogram, counts = _tally(lengths, untrained, drop_untrained, max_len, code)
     left_out = untrained if drop_untrained else np.zeros(0, dtype=bool)
     rows, pieces, starts, segment_lengths = _expand(lengths, left_out, max_len, code, int(histogram.sum()))
     return DocumentPieces(rows, pieces, starts, segment_lengths, dict(zip(_COUNTS, map(int, counts))))
@@ -591,22 +602,23 @@ def plan_packs(
     code = _overflow_code(overflow)
     lengths = compact_lengths(lengths)
     untrained = _flags(untrained, len(lengths))
-    histogram, counts, first_segment, first_token = _tally(lengths, untrained, drop_untrained, max_len, code)
+    histogram, counts = _tally(lengths, untrained, drop_untrained, max_len, code)
     pack_of_sorted, packs = _assign_sorted(histogram, max_len, algorithm)
-    # Shuffle whole packs, so training never sees the decreasing-length order of the planner.
-    position = np.empty(packs, dtype=np.int64)
-    position[np.random.default_rng(seed).permutation(packs)] = np.arange(packs)
-    segments_per_pack, pack_tokens = _pack_contents(histogram, pack_of_sorted, position)
-    pack_offsets = np.zeros(packs + 1, dtype=np.int64)
-    np.cumsum(segments_per_pack, out=pack_offsets[1:])
+    segments_per_pack, tokens_per_pack = _pack_contents(histogram, pack_of_sorted, packs)
+    slot_offsets = np.zeros(packs + 1, dtype=np.int64)
+    np.cumsum(segments_per_pack, out=slot_offsets[1:])
+    del segments_per_pack
     order = np.empty(len(pack_of_sorted), dtype=np.uint32 if len(pack_of_sorted) <= 2**32 else np.int64)
     left_out = untrained if drop_untrained else np.zeros(0, dtype=bool)
-    _scatter(lengths, left_out, max_len, code, histogram, pack_of_sorted, position, pack_offsets, order)
+    bookmarks = np.empty((-(-len(order) // _BLOCK), 3), dtype=np.int64)
+    _scatter(lengths, left_out, max_len, code, histogram, pack_of_sorted, slot_offsets, order, bookmarks)
     return PackingPlan(
         max_len=max_len,
-        pack_offsets=pack_offsets,
-        pack_tokens=pack_tokens,
+        # Shuffle whole packs, so training never sees the decreasing-length order of the planner.
+        shuffle=np.random.default_rng(seed).permutation(packs),
+        slot_offsets=slot_offsets,
+        tokens_per_pack=tokens_per_pack,
         order=order,
-        documents=_Documents(lengths, left_out, first_segment, first_token, code),
+        documents=_Documents(lengths, left_out, bookmarks, code),
         counts=dict(zip(_COUNTS, map(int, counts))),
     )
