@@ -157,6 +157,20 @@ def _segment_ids(lengths: np.ndarray, pack_offsets: np.ndarray, out: np.ndarray)
             at += lengths[doc]
 
 
+@numba.njit(cache=True, nogil=True)
+def _cu_seqlens(lengths: np.ndarray, pack_offsets: np.ndarray, out: np.ndarray) -> None:
+    """Every pack's leading 0, then the running token count inside the pack, packs back to back."""
+    at = 0
+    for pack in range(len(pack_offsets) - 1):
+        out[at] = 0
+        within = 0
+        for doc in range(pack_offsets[pack], pack_offsets[pack + 1]):
+            within += lengths[doc]
+            at += 1
+            out[at] = within
+        at += 1
+
+
 def _list(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
 
@@ -172,9 +186,8 @@ def write_shard(
     """Write the packs of `layout` as one shard, their tokens (and labels) gathered from the int32
     store files `tokens` (and `labels`) into `buffers`, and return the shard's manifest entry.
     Threads may write shards at once, each with its own `buffers`."""
-    lengths = layout.lengths.astype(np.int64)
-    docs_per_pack = np.diff(layout.pack_offsets)
-    packs = len(docs_per_pack)
+    lengths = layout.lengths.astype(np.int64, copy=False)
+    packs = len(layout.pack_offsets) - 1
     token_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=token_offsets[1:])
     pack_token_offsets = token_offsets[layout.pack_offsets]
@@ -184,11 +197,9 @@ def write_shard(
     _gather(tokens, layout.starts, lengths, ids)
     segment_ids = buffers.column("segment_ids", total, segment_id_type(layout.max_len).to_pandas_dtype())
     _segment_ids(lengths, layout.pack_offsets, segment_ids)
-    # cu_seqlens: every pack gets a leading 0, then the running token count inside the pack.
     cu_offsets = layout.pack_offsets + np.arange(packs + 1)
-    cu = np.zeros(len(lengths) + packs, dtype=np.int32)
-    ends_within_pack = token_offsets[1:] - np.repeat(pack_token_offsets[:-1], docs_per_pack)
-    cu[np.arange(len(lengths)) + np.repeat(np.arange(packs), docs_per_pack) + 1] = ends_within_pack
+    cu = np.empty(len(lengths) + packs, dtype=np.int32)
+    _cu_seqlens(lengths, layout.pack_offsets, cu)
     max_seqlen = np.maximum.reduceat(lengths, layout.pack_offsets[:-1]).astype(np.int32)
 
     columns = [
@@ -196,8 +207,8 @@ def write_shard(
         _list(pack_token_offsets, segment_ids),
         _list(cu_offsets, cu),
         pa.array(max_seqlen),
-        _list(layout.pack_offsets, layout.rows.astype(np.int64)),
-        _list(layout.pack_offsets, layout.pieces.astype(np.int32)),
+        _list(layout.pack_offsets, layout.rows.astype(np.int64, copy=False)),
+        _list(layout.pack_offsets, layout.pieces.astype(np.int32, copy=False)),
     ]
     if labels is not None:
         label_values = buffers.column("labels", total)
