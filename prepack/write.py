@@ -33,9 +33,26 @@ _WINDOW_TOKENS = 2**24
 
 
 @numba.njit(cache=True, nogil=True)
-def _copy(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray, at: np.ndarray, out: np.ndarray) -> None:
-    for i in range(len(starts)):
-        out[at[i] : at[i] + lengths[i]] = source[starts[i] : starts[i] + lengths[i]]
+def _windows(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each window's segments begin in `order` (store order), and the token past the last of
+    them (a segment may run past its window)."""
+    firsts, highs = [0], [0]
+    for i in range(len(order)):
+        segment = order[i]
+        window = starts[segment] // _WINDOW_TOKENS
+        if i > 0 and window != starts[order[i - 1]] // _WINDOW_TOKENS:
+            firsts.append(i)
+            highs.append(0)
+        highs[-1] = max(highs[-1], starts[segment] + lengths[segment])
+    firsts.append(len(order))
+    return np.array(firsts, np.int64), np.array(highs, np.int64)
+
+
+@numba.njit(cache=True, nogil=True)
+def _copy(source, low, starts, lengths, at, segments, out) -> None:
+    for segment in segments:
+        begin = starts[segment] - low
+        out[at[segment] : at[segment] + lengths[segment]] = source[begin : begin + lengths[segment]]
 
 
 def _gather(store: Path, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
@@ -43,19 +60,17 @@ def _gather(store: Path, starts: np.ndarray, lengths: np.ndarray, out: np.ndarra
 
     A shard's segments lie all over the store, so mapping it whole would leave most of its pages
     resident by the end of every shard. Instead the segments are copied in store order, window by
-    window, each window mapped only while its segments are copied.
+    window, each window mapped only while its segments are copied. 24 bytes a segment besides.
     """
     at = np.cumsum(lengths) - lengths
-    nonempty = np.flatnonzero(lengths)
-    order = nonempty[np.argsort(starts[nonempty], kind="stable")]
-    window_of = starts[order] // _WINDOW_TOKENS
-    firsts = np.flatnonzero(np.diff(window_of, prepend=-1))
-    for first, end in zip(firsts, np.append(firsts[1:], len(order))):
-        segments = order[first:end]
-        low = int(window_of[first]) * _WINDOW_TOKENS
-        high = int((starts[segments] + lengths[segments]).max())  # a segment may run past the window
-        window = np.memmap(store, np.int32, "r", offset=low * 4, shape=(high - low,))
-        _copy(window, starts[segments] - low, lengths[segments], at[segments], out)
+    order = np.argsort(starts, kind="stable")
+    firsts, highs = _windows(starts, lengths, order)
+    for first, end, high in zip(firsts[:-1], firsts[1:], highs):
+        if first == len(order):
+            break
+        low = int(starts[order[first]]) // _WINDOW_TOKENS * _WINDOW_TOKENS
+        window = np.memmap(store, np.int32, "r", offset=low * 4, shape=(int(high) - low,))
+        _copy(window, low, starts, lengths, at, order[first:end], out)
         del window  # unmapped here: its pages no longer count as this process's memory
 
 
