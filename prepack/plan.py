@@ -381,9 +381,9 @@ def _expand(lengths, left_out, max_len, overflow, segments):
 
 @numba.njit(cache=True)
 def _pack_contents(histogram, pack_of_sorted, packs):
-    """Segments and tokens of every pack."""
-    segments = np.zeros(packs, np.int64)
-    tokens = np.zeros(packs, np.int64)
+    """Segments and tokens of every pack (int32: at most max_len of either)."""
+    segments = np.zeros(packs, np.int32)
+    tokens = np.zeros(packs, np.int32)
     at = 0
     for need in range(len(histogram) - 1, 0, -1):
         for _ in range(histogram[need]):
@@ -423,13 +423,14 @@ def _scatter(lengths, left_out, max_len, overflow, histogram, pack_of_sorted, sl
 
 
 @numba.njit(cache=True, nogil=True)  # shard writers call it from their threads
-def _resolve(order, lengths, left_out, bookmarks, max_len, overflow):
-    """Row, piece, token start and length of the segments numbered `order`."""
+def _resolve(order, visit, lengths, left_out, bookmarks, max_len, overflow):
+    """Row, piece, token start and length of the segments numbered `order`, found in the order of
+    `visit` (ascending segment numbers: the bookmarks and lengths are then read front to back)."""
     rows = np.empty(len(order), np.int64)
     pieces = np.empty(len(order), np.int32)
     starts = np.empty(len(order), np.int64)
     out = np.empty(len(order), np.int64)
-    for j in range(len(order)):
+    for j in visit:
         wanted = np.int64(order[j])
         mark = bookmarks[wanted // _BLOCK]
         row, piece, token = mark[0], mark[1], mark[2]
@@ -499,7 +500,7 @@ class PackingPlan:
     max_len: int
     shuffle: np.ndarray  # int64 [packs]
     slot_offsets: np.ndarray  # int64 [packs + 1]
-    tokens_per_pack: np.ndarray  # int64 [packs]
+    tokens_per_pack: np.ndarray  # int32 [packs]
     order: np.ndarray  # uint32 (int64 from 2**32 segments) [segments]
     documents: _Documents
     counts: dict[str, int] = field(default_factory=dict)  # what overflow did; see `Totals`
@@ -510,7 +511,7 @@ class PackingPlan:
 
     def pack_sizes(self) -> tuple[np.ndarray, np.ndarray]:
         """Segments and tokens of every pack, in written order (int64 each)."""
-        return np.diff(self.slot_offsets)[self.shuffle], self.tokens_per_pack[self.shuffle]
+        return np.diff(self.slot_offsets)[self.shuffle], self.tokens_per_pack[self.shuffle].astype(np.int64)
 
     def slice(self, first: int, end: int) -> PackLayout:
         """Written packs first..end-1 as concrete arrays (what one shard holds)."""
@@ -518,13 +519,14 @@ class PackingPlan:
         pack_offsets = np.zeros(len(packs) + 1, dtype=np.int64)
         np.cumsum(self.slot_offsets[packs + 1] - self.slot_offsets[packs], out=pack_offsets[1:])
         d = self.documents
+        segments = _slots_of(self.order, self.slot_offsets, packs)
         rows, pieces, starts, lengths = _resolve(
-            _slots_of(self.order, self.slot_offsets, packs), d.lengths, d.left_out, d.bookmarks, self.max_len, d.overflow
+            segments, np.argsort(segments), d.lengths, d.left_out, d.bookmarks, self.max_len, d.overflow
         )
         return PackLayout(self.max_len, pack_offsets, starts, lengths, rows, pieces)
 
     def totals(self) -> dict[str, int]:
-        tokens = int(self.tokens_per_pack.sum())
+        tokens = int(self.tokens_per_pack.sum(dtype=np.int64))
         return {
             **self.counts,
             "tokens": tokens,
