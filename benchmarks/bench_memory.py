@@ -9,8 +9,10 @@ two fresh processes: `plan` (`prepack.plan.plan_packs` of the corpus's lengths, 
 holds them: `compact_lengths` and one untrained flag a document) and `build`
 (`prepack.build(corpus, out, max_len=8192)`). Each reports its peak resident memory (`VmHWM`, which
 counts the pages of mapped files it touched too) and its time. The slope between two sizes is the
-memory a document costs beyond the fixed working set. Run against an older prepack (PYTHONPATH
-pointing at its checkout) the plan child keeps int64 lengths, as builds then did.
+memory a document costs beyond the fixed working set, once that is whole: a build's shard pass holds
+the shards its two writers are writing, and at 2M of these documents the corpus makes fewer than two
+full shards. Run against an older prepack (PYTHONPATH pointing at its checkout) the plan child keeps
+int64 lengths, as builds then did.
 
 `--billion N`: N lognormal lengths (median ~350, p99 ~4k, truncated to max_len 8192, as
 bench_plan.py), written 16M at a time from a seeded generator into a uint16 file (2 bytes a
