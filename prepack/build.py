@@ -3,9 +3,10 @@
 Memory stays bounded by the shard size plus a few bytes a document: the first pass copies every
 document's tokens once into a flat scratch file beside the output and keeps only their lengths in
 memory (2 or 4 bytes each, `compact_lengths`) and whether each is untrained (1 byte); the plan is
-computed from the lengths (`prepack.plan`: under 5 more bytes a segment, 4 more while planning); in the
-second pass two threads each resolve a shard's documents from the plan, gather their tokens from
-the scratch file, in 64 MiB windows each mapped only while its documents are copied, and write it.
+computed from the lengths (`prepack.plan`: under 5 more bytes a segment, 4 more while planning);
+in the second pass two threads each resolve a shard's documents from the plan, gather their tokens
+from the scratch file, in 64 MiB windows each mapped only while its documents are copied, and
+write it.
 """
 
 from __future__ import annotations
