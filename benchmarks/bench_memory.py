@@ -165,9 +165,11 @@ def billion(n: int, scratch: Path) -> None:
     path = scratch / "lengths.npy"
     start = time.perf_counter()
     write_billion(path, n)
-    print(f"{n:,} uint16 lengths written in {time.perf_counter() - start:.0f} s. Load average before planning: {load()}\n")
+    seconds = time.perf_counter() - start
+    print(f"{n:,} uint16 lengths written in {seconds:.0f} s. Load average before planning: {load()}\n")
     r = run_child("billion", str(path))
-    print("| documents | plan seconds | documents/s | RSS before (GiB) | peak RSS (GiB) | packs | over ⌈tokens/max_len⌉ |")
+    columns = ["documents", "plan seconds", "documents/s", "RSS before (GiB)", "peak RSS (GiB)", "packs"]
+    print(f"| {' | '.join(columns)} | over ⌈tokens/max_len⌉ |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     print(
         f"| {n:,} | {r['seconds']:.1f} | {n / r['seconds'] / 1e6:.1f} M | {gib(r['before_kib'])} | "

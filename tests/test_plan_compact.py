@@ -66,8 +66,9 @@ def test_plan_is_the_plan_it_replaced(case, data):
 @given(plans())
 def test_document_pieces_is_the_definition_it_replaced(case):
     lengths, max_len, options = case
-    got = document_pieces(lengths, max_len, options["overflow"], options["untrained"], options["drop_untrained"])
-    *expected, counts = reference_segments(lengths, max_len, options["overflow"], options["untrained"], options["drop_untrained"])
+    policy = (options["overflow"], options["untrained"], options["drop_untrained"])
+    got = document_pieces(lengths, max_len, *policy)
+    *expected, counts = reference_segments(lengths, max_len, *policy)
     for column, want in zip(got[:4], expected):
         assert column.tolist() == want.tolist()
     assert got.counts == counts
