@@ -398,9 +398,9 @@ def _scatter(lengths, left_out, max_len, overflow, histogram, pack_of_sorted, sl
     piece) order, which they keep within a pack; and `bookmarks` with the row, piece and row's first
     token of every `_BLOCK`-th segment.
 
-    Packs in the planner's numbering, not shuffled: the segments of one length go to ascending
-    packs, so the writes of each length move forward through memory, and a billion segments take
-    a minute rather than several."""
+    Packs in the planner's numbering, not shuffled (`PackingPlan.slice` applies the shuffle): the
+    segments of one length go to ascending packs, so the writes of each length move forward through
+    memory instead of landing anywhere in it."""
     cursor = _first_of_length(histogram)
     fill = slot_offsets[:-1].copy()
     segment, token = 0, 0
