@@ -175,7 +175,8 @@ def billion(n: int, scratch: Path) -> None:
     print(f"| {' | '.join(columns)} | over ⌈tokens/max_len⌉ |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(
-        f"| {n:,} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | {n / r['seconds'] / 1e6:.1f} M | {gib(r['before_kib'])} | "
+        f"| {n:,} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | {n / r['seconds'] / 1e6:.1f} M | "
+        f"{gib(r['before_kib'])} | "
         f"{gib(r['peak_kib'])} | {r['packs']:,} | +{100 * r['over_lower_bound']:.4f} % |"
     )
     print(f"\nLoad average after planning: {load()}")
