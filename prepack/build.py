@@ -1,9 +1,12 @@
 """`build`: corpus in, shard directory out — read → plan → write, with progress and a manifest.
 
-Memory stays bounded by the shard size, not the corpus: the first pass copies every document's
-tokens once into a flat scratch file beside the output and keeps only their lengths in memory; the
-plan is computed from the lengths; in the second pass two threads each gather a shard's tokens from
-the scratch file, in 64 MiB windows each mapped only while its documents are copied, and write it.
+Memory stays bounded by the shard size plus a few bytes a document: the first pass copies every
+document's tokens once into a flat scratch file beside the output and keeps only their lengths in
+memory (2 or 4 bytes each, `compact_lengths`) and whether each is untrained (1 byte); the plan is
+computed from the lengths (`prepack.plan`: under 5 more bytes a segment, 4 more while planning);
+in the second pass two threads each resolve a shard's documents from the plan, gather their tokens
+from the scratch file, in 64 MiB windows each mapped only while its documents are copied, and
+write it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from prepack.format import (
     write_manifest,
 )
 from prepack.output import output_errors, output_file, staged_directory
-from prepack.plan import PackingPlan, plan_packs, untrained_documents
+from prepack.plan import PackingPlan, compact_lengths, plan_packs, untrained_documents
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
 from prepack.write import ShardBuffers, shard_bounds, write_in_pieces, write_shard
 
@@ -50,7 +53,7 @@ DEFAULT_SHARD_SIZE = 64 * 2**20
 class _StoredCorpus:
     """What the first pass keeps: document lengths, per-file row counts and the fingerprint."""
 
-    lengths: np.ndarray  # int64, one per corpus row
+    lengths: np.ndarray  # one per corpus row, `compact_lengths`
     untrained: np.ndarray  # bool, one per corpus row: tokens but no trained token (`untrained_documents`)
     rows_per_file: list[int]
     fingerprint: str
@@ -88,7 +91,7 @@ def _store_documents(
         stored = None
         for batch in batches:
             batch_lengths = np.diff(batch.offsets)
-            lengths.append(batch_lengths)
+            lengths.append(compact_lengths(batch_lengths))  # int64 would be 8 bytes a document
             untrained.append(untrained_documents(batch.offsets, batch.labels))
             rows_per_file[batch.file] += len(batch_lengths)
             if stored is not None:
@@ -101,7 +104,7 @@ def _store_documents(
     progress.update(task, completed=len(corpus.files), description="read")
     fingerprint = hashlib.sha256(b"".join(d.digest() for d in digests.values())).hexdigest()
     return _StoredCorpus(
-        lengths=np.concatenate(lengths) if lengths else np.empty(0, np.int64),
+        lengths=compact_lengths(np.concatenate(lengths) if lengths else np.empty(0, np.int64)),
         untrained=np.concatenate(untrained) if untrained else np.empty(0, bool),
         rows_per_file=[rows_per_file[path] for path in corpus.files],
         fingerprint=fingerprint,
@@ -130,8 +133,7 @@ def _write_shards(
     shard_size: int,
     progress: Progress,
 ) -> list[ShardInfo]:
-    token_counts = np.add.reduceat(plan.lengths, plan.pack_offsets[:-1]) if plan.packs else np.empty(0)
-    docs_per_pack = np.diff(plan.pack_offsets)
+    docs_per_pack, token_counts = plan.pack_sizes()
     # Estimated bytes per pack: token columns, per-document columns, per-pack offsets and max_seqlen.
     token_bytes = 4 + segment_id_type(plan.max_len).byte_width + (4 if has_labels else 0)
     pack_bytes = token_counts * token_bytes + docs_per_pack * 20 + 36

@@ -2,28 +2,34 @@
 
 `plan_packs` plans a whole corpus from its document lengths alone: it cuts documents longer than
 max_len as the overflow policy says (`document_pieces`, which `verify` also holds builds to), assigns
-the resulting segments to packs with `assign_packs`, and shuffles the order of the packs with a seed.
-The rest of this docstring is about `assign_packs`.
+the resulting segments to packs, and shuffles the order of the packs with a seed.
 
-Both algorithms see the documents in the same order: a stable sort by length, longest first, so
-equal lengths keep their input order. That makes the plan a pure function of the length column,
-reproducible across runs and machines.
+Both algorithms see the segments in the same order: a stable sort by length, longest first, so
+equal lengths keep their (row, piece) order. That makes the plan a pure function of the length
+column, reproducible across runs and machines. It also means the algorithms need only the
+histogram of segment lengths: they place "the k-th segment of length x", and which segment that is
+follows from counting, in row order, the segments of length x before it. So nothing is sorted, and
+a plan holds per document only its length (`compact_lengths`: 2 bytes, or 4 from 65,536 tokens)
+and, with `drop_untrained`, a flag; per segment the segment in its pack slot (4 bytes below 2**32
+segments) and a bookmark every 32 segments (0.75 bytes a segment); per pack 20 bytes. Planning
+needs 4 bytes a segment more while it runs. The segments' rows, pieces and token starts are derived
+again for the packs of one shard at a time (`PackingPlan.slice`).
 
 first-fit-decreasing ("ffd")
-    Each document goes into the lowest-numbered pack with room for it (remaining capacity >=
+    Each segment goes into the lowest-numbered pack with room for it (remaining capacity >=
     length), else into a new pack. A max segment tree over pack slots finds that pack in
     O(log packs); slots not opened yet hold a full capacity, so "the next pack to open" is simply
     the leftmost such slot and needs no special case. A run of equal lengths resumes the search
-    from the previous document's pack, which makes the common case O(1).
+    from the previous segment's pack, which makes the common case O(1).
 
 best-fit-decreasing ("bfd")
-    Each document goes into the pack with the least remaining capacity that still fits it, ties
+    Each segment goes into the pack with the least remaining capacity that still fits it, ties
     to the lowest-numbered pack, else into a new pack. Open packs are bucketed by remaining
     capacity: a min segment tree over capacities 0..max_len finds the smallest non-empty bucket
     >= length, and each bucket is a pairing heap of pack numbers whose root is the lowest one.
 
-Packs are numbered 0, 1, ... in the order they are opened. The whole plan is O(n log n) time
-(O(n + max_len) for the sort) and O(n + max_len) memory; max_len is a context length, so small.
+Packs are numbered 0, 1, ... in the order they are opened. The whole plan is O(n log packs) time
+(the counting is O(n + max_len)) and O(n + max_len) memory; max_len is a context length, so small.
 """
 
 from __future__ import annotations
@@ -37,9 +43,79 @@ import numpy as np
 
 from prepack.format import IGNORE_INDEX
 
-__all__ = ["DocumentPieces", "PackingPlan", "assign_packs", "document_pieces", "plan_packs", "untrained_documents"]
+__all__ = [
+    "DocumentPieces",
+    "PackLayout",
+    "PackingPlan",
+    "assign_packs",
+    "compact_lengths",
+    "document_pieces",
+    "plan_packs",
+    "untrained_documents",
+]
 
 _ALGORITHMS = ("ffd", "bfd")
+# The overflow policies as the kernels see them; "error" packs as "split" (the caller enforces it).
+_SPLIT, _TRUNCATE, _DROP = 0, 1, 2
+_OVERFLOWS = {"split": _SPLIT, "error": _SPLIT, "truncate": _TRUNCATE, "drop": _DROP}
+# What `_tally` counts, in its order: the overflow and untrained fields of `prepack.format.Totals`.
+_COUNTS = (
+    "input_tokens",
+    "empty",
+    "split",
+    "split_pieces",
+    "truncated",
+    "truncated_tokens",
+    "dropped",
+    "dropped_tokens",
+    "untrained",
+    "untrained_tokens",
+)
+_COUNT_FIELDS = len(_COUNTS)
+# Segments per block of `_scatter`'s bookmarks: `PackingPlan.slice` finds a segment from the
+# bookmark of its block by a walk over at most this many segments (plus any documents in between
+# that make none). 24 bytes a block: under a byte a segment.
+_BLOCK = 32
+
+
+def compact_lengths(lengths: np.ndarray) -> np.ndarray:
+    """Document lengths in the narrowest of uint16, uint32 and int64 that holds them: what a plan keeps
+    per document. No copy when they already are."""
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"lengths must be a 1-D integer array, got {lengths.ndim}-D {lengths.dtype}")
+    if len(lengths) == 0:
+        return lengths.astype(np.uint16)
+    if lengths.min() < 0:
+        raise ValueError(f"lengths must not be negative, got {lengths.min()}")
+    largest = int(lengths.max())
+    dtype = np.uint16 if largest < 2**16 else np.uint32 if largest < 2**32 else np.int64
+    return lengths.astype(dtype, copy=False)
+
+
+def _check_options(max_len: int, algorithm: str) -> int:
+    if algorithm not in _ALGORITHMS:
+        raise ValueError(f"unknown packing algorithm {algorithm!r}; expected one of {_ALGORITHMS}")
+    max_len = operator.index(max_len)
+    if not 1 <= max_len < 2**31:  # capacities are kept in int32
+        raise ValueError(f"max_len must be in [1, 2**31), got {max_len}")
+    return max_len
+
+
+def _overflow_code(overflow: str) -> int:
+    if overflow not in _OVERFLOWS:
+        raise ValueError(f"unknown overflow {overflow!r}")
+    return _OVERFLOWS[overflow]
+
+
+def _flags(untrained: np.ndarray | None, documents: int) -> np.ndarray:
+    """`untrained` as a bool array, or an empty one (none untrained) for None."""
+    if untrained is None:
+        return np.zeros(0, dtype=bool)
+    untrained = np.asarray(untrained, dtype=bool)
+    if untrained.shape != (documents,):
+        raise ValueError(f"untrained must have one flag per document ({documents}), got shape {untrained.shape}")
+    return untrained
 
 
 def assign_packs(lengths: np.ndarray, max_len: int, algorithm: str = "ffd") -> np.ndarray:
@@ -49,79 +125,92 @@ def assign_packs(lengths: np.ndarray, max_len: int, algorithm: str = "ffd") -> n
     split, truncated or dropped the documents that do not fit, so anything else is a bug and
     raises ValueError.
     """
-    if algorithm not in _ALGORITHMS:
-        raise ValueError(f"unknown packing algorithm {algorithm!r}; expected one of {_ALGORITHMS}")
-    max_len = operator.index(max_len)
-    if not 1 <= max_len < 2**31:  # capacities are kept in int32
-        raise ValueError(f"max_len must be in [1, 2**31), got {max_len}")
-    lengths = np.asarray(lengths)
-    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
-        raise ValueError(f"lengths must be a 1-D integer array, got {lengths.ndim}-D {lengths.dtype}")
+    max_len = _check_options(max_len, algorithm)
+    lengths = compact_lengths(lengths)
     if len(lengths) == 0:
         return np.empty(0, np.int32)
     if lengths.min() < 1 or lengths.max() > max_len:
         raise ValueError(f"every length must be in [1, {max_len}], got [{lengths.min()}, {lengths.max()}]")
-    lengths = np.ascontiguousarray(lengths, dtype=np.int64)  # one compiled specialisation
+    histogram = np.bincount(lengths, minlength=max_len + 1)
+    pack_of_sorted, _ = _assign_sorted(histogram, max_len, algorithm)
+    return _unsort(lengths, histogram, pack_of_sorted)
+
+
+def _assign_sorted(histogram: np.ndarray, max_len: int, algorithm: str) -> tuple[np.ndarray, int]:
+    """Pack number (int32) of every segment in the planner's order, longest first, and the pack count,
+    from the histogram of segment lengths (`histogram[x]` segments of x tokens, x in 1..max_len)."""
+    segments = int(histogram.sum())
+    tokens = int(np.dot(histogram, np.arange(max_len + 1, dtype=np.int64)))
     # Any-fit algorithms leave no two packs that together fit in one (the later one's first
-    # document did not fit in the earlier), so at most 2*ceil(total/max_len) - 1 packs open.
-    max_packs = min(len(lengths), 2 * -(-int(lengths.sum()) // max_len) + 1)
+    # segment did not fit in the earlier), so at most 2*ceil(total/max_len) - 1 packs open.
+    max_packs = min(segments, 2 * -(-tokens // max_len) + 1)
     kernel = _ffd if algorithm == "ffd" else _bfd
-    return kernel(lengths, max_len, max_packs)
+    pack_of_sorted, packs = kernel(histogram, max_len, max_packs)
+    return pack_of_sorted, int(packs)
 
 
 @numba.njit(cache=True)
-def _order_longest_first(lengths, max_len):
-    """Stable counting sort: document indices by length descending, ties by index ascending."""
-    # Slot max_len - x holds length x, so slots ascend as lengths descend.
-    start = np.zeros(max_len + 1, np.int64)
-    for x in lengths:
-        start[max_len - x + 1] += 1
-    for slot in range(1, max_len + 1):  # prefix sum: start[slot] = documents in earlier slots
-        start[slot] += start[slot - 1]
-    order = np.empty(len(lengths), np.int64)
+def _first_of_length(histogram):
+    """Where each length's run begins in the planner's order (longest first)."""
+    first = np.empty(len(histogram), np.int64)
+    at = 0
+    for need in range(len(histogram) - 1, 0, -1):
+        first[need] = at
+        at += histogram[need]
+    first[0] = at
+    return first
+
+
+@numba.njit(cache=True)
+def _unsort(lengths, histogram, pack_of_sorted):
+    """Pack of every document in input order: the k-th document of length x in input order is the
+    k-th of length x in the planner's order."""
+    cursor = _first_of_length(histogram)
+    out = np.empty(len(lengths), np.int32)
     for i in range(len(lengths)):
-        slot = max_len - lengths[i]
-        order[start[slot]] = i
-        start[slot] += 1
-    return order
+        k = cursor[lengths[i]]
+        cursor[lengths[i]] = k + 1
+        out[i] = pack_of_sorted[k]
+    return out
 
 
 @numba.njit(cache=True)
-def _ffd(lengths, max_len, max_packs):
+def _ffd(histogram, max_len, max_packs):
     size = 1
     while size < max_packs:
         size *= 2
     # Implicit binary tree: leaves size..2*size-1 are pack slots holding remaining capacity,
     # each inner node the max of its children. The bound on max_packs guarantees a free slot.
     tree = np.full(2 * size, max_len, np.int32)
-    out = np.empty(len(lengths), np.int32)
-    prev_need, node = 0, 1
-    for i in _order_longest_first(lengths, max_len):
-        need = lengths[i]
-        if need == prev_need:
-            # Packs left of the previous equal-length document's pack had no room for it and only
-            # fill up, so search rightwards from there: O(log distance), usually the same pack.
-            while tree[node] < need:
-                while node & 1:  # climb until there is a right sibling ...
-                    node //= 2
-                node += 1  # ... and move onto it
-            # (the climb cannot pass the root: a fitting slot exists right of the previous one)
-        else:
-            prev_need, node = need, 1
-        while node < size:  # descend towards the leftmost leaf with room
-            node *= 2
-            if tree[node] < need:
-                node += 1
-        out[i] = node - size
-        tree[node] -= need
-        up = node // 2
-        while up >= 1:  # stop as soon as an ancestor's max is unaffected
-            m = max(tree[2 * up], tree[2 * up + 1])
-            if tree[up] == m:
-                break
-            tree[up] = m
-            up //= 2
-    return out
+    out = np.empty(histogram.sum(), np.int32)
+    at, packs = 0, 0
+    for need in range(max_len, 0, -1):
+        node = 1
+        for repeat in range(histogram[need]):
+            if repeat > 0:
+                # Packs left of the previous equal-length segment's pack had no room for it and only
+                # fill up, so search rightwards from there: O(log distance), usually the same pack.
+                while tree[node] < need:
+                    while node & 1:  # climb until there is a right sibling ...
+                        node //= 2
+                    node += 1  # ... and move onto it
+                # (the climb cannot pass the root: a fitting slot exists right of the previous one)
+            while node < size:  # descend towards the leftmost leaf with room
+                node *= 2
+                if tree[node] < need:
+                    node += 1
+            out[at] = node - size
+            at += 1
+            packs = max(packs, node - size + 1)
+            tree[node] -= need
+            up = node // 2
+            while up >= 1:  # stop as soon as an ancestor's max is unaffected
+                m = max(tree[2 * up], tree[2 * up + 1])
+                if tree[up] == m:
+                    break
+                tree[up] = m
+                up //= 2
+    return out, packs
 
 
 @numba.njit(cache=True)
@@ -187,7 +276,7 @@ def _pop(root, child, sibling, stack):
 
 
 @numba.njit(cache=True)
-def _bfd(lengths, max_len, max_packs):
+def _bfd(histogram, max_len, max_packs):
     size = 1
     while size <= max_len:
         size *= 2
@@ -198,36 +287,173 @@ def _bfd(lengths, max_len, max_packs):
     child = np.full(max_packs, -1, np.int32)
     sibling = np.full(max_packs, -1, np.int32)
     stack = np.empty(max_packs, np.int32)
-    out = np.empty(len(lengths), np.int32)
-    packs = 0
-    for i in _order_longest_first(lengths, max_len):
-        need = lengths[i]
-        left = _min_from(tree, size, need)
-        if left == none:
-            pack = packs
-            packs += 1
-            left = max_len
-        else:
-            pack = heap[left]
-            heap[left] = _pop(pack, child, sibling, stack)
-            if heap[left] < 0:
-                _set_leaf(tree, size, left, none)
-        out[i] = pack
-        left -= need
-        if left > 0:  # a full pack can never be chosen again, so it leaves the structure
-            child[pack] = -1
-            if heap[left] < 0:
-                heap[left] = pack
-                _set_leaf(tree, size, left, left)
+    out = np.empty(histogram.sum(), np.int32)
+    at, packs = 0, 0
+    for need in range(max_len, 0, -1):
+        for _ in range(histogram[need]):
+            left = _min_from(tree, size, need)
+            if left == none:
+                pack = packs
+                packs += 1
+                left = max_len
             else:
-                heap[left] = _link(heap[left], pack, child, sibling)
-    return out
+                pack = heap[left]
+                heap[left] = _pop(pack, child, sibling, stack)
+                if heap[left] < 0:
+                    _set_leaf(tree, size, left, none)
+            out[at] = pack
+            at += 1
+            left -= need
+            if left > 0:  # a full pack can never be chosen again, so it leaves the structure
+                child[pack] = -1
+                if heap[left] < 0:
+                    heap[left] = pack
+                    _set_leaf(tree, size, left, left)
+                else:
+                    heap[left] = _link(heap[left], pack, child, sibling)
+    return out, packs
+
+
+@numba.njit(cache=True)
+def _pieces_of(length, max_len, overflow, left_out):
+    """How many segments a document of `length` tokens becomes: the definition of the overflow
+    policies (see `document_pieces`). Piece j is `min(length - j*max_len, max_len)` tokens long."""
+    if left_out or length == 0:
+        return 0
+    if length <= max_len or overflow == _TRUNCATE:
+        return 1
+    if overflow == _DROP:
+        return 0
+    return (length + max_len - 1) // max_len
+
+
+@numba.njit(cache=True)
+def _tally(lengths, untrained, drop_untrained, max_len, overflow):
+    """One pass over the documents: the histogram of segment lengths and the `_COUNTS`."""
+    histogram = np.zeros(max_len + 1, np.int64)
+    counts = np.zeros(_COUNT_FIELDS, np.int64)
+    for i in range(len(lengths)):
+        length = np.int64(lengths[i])
+        is_untrained = len(untrained) > 0 and untrained[i]
+        left_out = drop_untrained and is_untrained
+        pieces = _pieces_of(length, max_len, overflow, left_out)
+        counts[0] += length
+        if length == 0:
+            counts[1] += 1
+        if length > max_len and not left_out:
+            if pieces > 1:
+                counts[2] += 1
+                counts[3] += pieces
+            if overflow == _TRUNCATE:
+                counts[4] += 1
+                counts[5] += length - max_len
+            elif overflow == _DROP:
+                counts[6] += 1
+                counts[7] += length
+        if is_untrained:
+            counts[8] += 1
+            counts[9] += length
+        for piece in range(pieces):
+            histogram[min(length - piece * max_len, max_len)] += 1
+    return histogram, counts
+
+
+@numba.njit(cache=True)
+def _expand(lengths, left_out, max_len, overflow, segments):
+    """Every segment of the documents, in (row, piece) order: rows, pieces, starts, lengths."""
+    rows = np.empty(segments, np.int64)
+    pieces = np.empty(segments, np.int64)
+    starts = np.empty(segments, np.int64)
+    out = np.empty(segments, np.int64)
+    at, token = 0, 0
+    for i in range(len(lengths)):
+        length = np.int64(lengths[i])
+        for piece in range(_pieces_of(length, max_len, overflow, len(left_out) > 0 and left_out[i])):
+            rows[at], pieces[at] = i, piece
+            starts[at] = token + piece * max_len
+            out[at] = min(length - piece * max_len, max_len)
+            at += 1
+        token += length
+    return rows, pieces, starts, out
+
+
+@numba.njit(cache=True)
+def _pack_contents(histogram, pack_of_sorted, packs):
+    """Segments and tokens of every pack (int32: at most max_len of either)."""
+    segments = np.zeros(packs, np.int32)
+    tokens = np.zeros(packs, np.int32)
+    at = 0
+    for need in range(len(histogram) - 1, 0, -1):
+        for _ in range(histogram[need]):
+            pack = pack_of_sorted[at]
+            segments[pack] += 1
+            tokens[pack] += need
+            at += 1
+    return segments, tokens
+
+
+@numba.njit(cache=True)
+def _scatter(lengths, left_out, max_len, overflow, histogram, pack_of_sorted, slot_offsets, order, bookmarks):
+    """Fill `order` with the number of the segment in each pack slot, segments numbered in (row,
+    piece) order, which they keep within a pack; and `bookmarks` with the row, piece and row's first
+    token of every `_BLOCK`-th segment.
+
+    Packs in the planner's numbering, not shuffled (`PackingPlan.slice` applies the shuffle): the
+    segments of one length go to ascending packs, so the writes of each length move forward through
+    memory instead of landing anywhere in it."""
+    cursor = _first_of_length(histogram)
+    fill = slot_offsets[:-1].copy()
+    segment, token = 0, 0
+    for i in range(len(lengths)):
+        length = np.int64(lengths[i])
+        for piece in range(_pieces_of(length, max_len, overflow, len(left_out) > 0 and left_out[i])):
+            if segment % _BLOCK == 0:
+                mark = bookmarks[segment // _BLOCK]
+                mark[0], mark[1], mark[2] = i, piece, token
+            need = min(length - piece * max_len, max_len)
+            k = cursor[need]
+            cursor[need] = k + 1
+            pack = pack_of_sorted[k]
+            order[fill[pack]] = segment
+            fill[pack] += 1
+            segment += 1
+        token += length
+
+
+@numba.njit(cache=True, nogil=True)  # shard writers call it from their threads
+def _resolve(order, visit, lengths, left_out, bookmarks, max_len, overflow):
+    """Row, piece, token start and length of the segments numbered `order`, found in the order of
+    `visit` (ascending segment numbers: the bookmarks and lengths are then read front to back)."""
+    rows = np.empty(len(order), np.int64)
+    pieces = np.empty(len(order), np.int32)
+    starts = np.empty(len(order), np.int64)
+    out = np.empty(len(order), np.int64)
+    for j in visit:
+        wanted = np.int64(order[j])
+        mark = bookmarks[wanted // _BLOCK]
+        row, piece, token = mark[0], mark[1], mark[2]
+        skip = wanted % _BLOCK  # segments from the bookmark to the wanted one
+        while True:
+            length = np.int64(lengths[row])
+            count = _pieces_of(length, max_len, overflow, len(left_out) > 0 and left_out[row])
+            if piece + skip < count:
+                piece += skip
+                break
+            skip -= count - piece
+            token += length
+            row += 1
+            piece = 0
+        rows[j], pieces[j] = row, piece
+        starts[j] = token + piece * max_len
+        out[j] = min(length - piece * max_len, max_len)
+    return rows, pieces, starts, out
 
 
 @dataclass(frozen=True)
-class PackingPlan:
-    """Which tokens go where: pack p holds the segments `pack_offsets[p]:pack_offsets[p+1]`, in
-    (row, piece) order; a segment is `lengths[i]` tokens from `starts[i]` of the token store."""
+class PackLayout:
+    """Packs as concrete arrays (what one shard holds): pack p holds the segments
+    `pack_offsets[p]:pack_offsets[p+1]`, in (row, piece) order; a segment is `lengths[i]` tokens from
+    `starts[i]` of the token store."""
 
     max_len: int
     pack_offsets: np.ndarray  # int64 [packs + 1]
@@ -235,30 +461,74 @@ class PackingPlan:
     lengths: np.ndarray  # int64 [segments]
     rows: np.ndarray  # int64 [segments]: corpus row
     pieces: np.ndarray  # int32 [segments]: piece number of a split document
+
+
+@dataclass(frozen=True)
+class _Documents:
+    """What a plan keeps per document to find its segments again."""
+
+    lengths: np.ndarray  # `compact_lengths`
+    left_out: np.ndarray  # bool per document, or empty when none is left out
+    bookmarks: np.ndarray  # int64 [segments / _BLOCK, 3]: row, piece and the row's first token
+    overflow: int  # `_OVERFLOWS` code
+
+
+@numba.njit(cache=True, nogil=True)
+def _slots_of(order, slot_offsets, packs):
+    """The segment numbers of `packs`, one pack after the other."""
+    total = 0
+    for pack in packs:
+        total += slot_offsets[pack + 1] - slot_offsets[pack]
+    out = np.empty(total, order.dtype)
+    at = 0
+    for pack in packs:
+        size = slot_offsets[pack + 1] - slot_offsets[pack]
+        out[at : at + size] = order[slot_offsets[pack] : slot_offsets[pack + 1]]
+        at += size
+    return out
+
+
+@dataclass(frozen=True)
+class PackingPlan:
+    """Which segments go where, compactly. Packs are numbered as the planner opened them; the p-th
+    pack written is pack `shuffle[p]`. Pack q holds the slots `slot_offsets[q]:slot_offsets[q+1]`,
+    and slot i the segment numbered `order[i]` (segments numbered in (row, piece) order, which they
+    keep within a pack). `slice` turns written packs into a `PackLayout`."""
+
+    max_len: int
+    shuffle: np.ndarray  # int64 [packs]
+    slot_offsets: np.ndarray  # int64 [packs + 1]
+    tokens_per_pack: np.ndarray  # int32 [packs]
+    order: np.ndarray  # uint32 (int64 from 2**32 segments) [segments]
+    documents: _Documents
     counts: dict[str, int] = field(default_factory=dict)  # what overflow did; see `Totals`
 
     @property
     def packs(self) -> int:
-        return len(self.pack_offsets) - 1
+        return len(self.shuffle)
 
-    def slice(self, first: int, end: int) -> PackingPlan:
-        """Packs first..end-1 as a plan of their own (what one shard holds)."""
-        a, b = self.pack_offsets[first], self.pack_offsets[end]
-        return PackingPlan(
-            max_len=self.max_len,
-            pack_offsets=self.pack_offsets[first : end + 1] - a,
-            starts=self.starts[a:b],
-            lengths=self.lengths[a:b],
-            rows=self.rows[a:b],
-            pieces=self.pieces[a:b],
+    def pack_sizes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Segments and tokens of every pack, in written order (int64 each)."""
+        return np.diff(self.slot_offsets)[self.shuffle], self.tokens_per_pack[self.shuffle].astype(np.int64)
+
+    def slice(self, first: int, end: int) -> PackLayout:
+        """Written packs first..end-1 as concrete arrays (what one shard holds)."""
+        packs = self.shuffle[first:end]
+        pack_offsets = np.zeros(len(packs) + 1, dtype=np.int64)
+        np.cumsum(self.slot_offsets[packs + 1] - self.slot_offsets[packs], out=pack_offsets[1:])
+        d = self.documents
+        segments = _slots_of(self.order, self.slot_offsets, packs)
+        rows, pieces, starts, lengths = _resolve(
+            segments, np.argsort(segments), d.lengths, d.left_out, d.bookmarks, self.max_len, d.overflow
         )
+        return PackLayout(self.max_len, pack_offsets, starts, lengths, rows, pieces)
 
     def totals(self) -> dict[str, int]:
-        tokens = int(self.lengths.sum())
+        tokens = int(self.tokens_per_pack.sum(dtype=np.int64))
         return {
             **self.counts,
             "tokens": tokens,
-            "segments": len(self.lengths),
+            "segments": len(self.order),
             "packs": self.packs,
             "padding_tokens": self.packs * self.max_len - tokens,
             "lower_bound": -(-tokens // self.max_len),
@@ -301,44 +571,13 @@ def document_pieces(
     become nothing. `untrained` (see `untrained_documents`) marks the documents with no trained token:
     counted, and with `drop_untrained` left out before overflow applies to the rest.
     """
+    code = _overflow_code(overflow)
     lengths = np.asarray(lengths, dtype=np.int64)
-    untrained = np.zeros(len(lengths), dtype=bool) if untrained is None else np.asarray(untrained, dtype=bool)
-    left_out = untrained if drop_untrained else np.zeros(len(lengths), dtype=bool)
-    long = (lengths > max_len) & ~left_out
-    if overflow in ("split", "error"):
-        pieces_per_doc = -(-lengths // max_len)  # 0 for an empty document
-    elif overflow == "truncate":
-        pieces_per_doc = (lengths > 0).astype(np.int64)
-    elif overflow == "drop":
-        pieces_per_doc = ((lengths > 0) & ~long).astype(np.int64)
-    else:
-        raise ValueError(f"unknown overflow {overflow!r}")
-    pieces_per_doc[left_out] = 0
-    rows = np.repeat(np.arange(len(lengths), dtype=np.int64), pieces_per_doc)
-    pieces = np.arange(len(rows), dtype=np.int64) - np.repeat(
-        np.cumsum(pieces_per_doc) - pieces_per_doc, pieces_per_doc
-    )
-    doc_starts = np.cumsum(lengths) - lengths
-    split = long & (pieces_per_doc > 1)
-    counts = {
-        "input_tokens": int(lengths.sum()),
-        "empty": int((lengths == 0).sum()),
-        "split": int(split.sum()),
-        "split_pieces": int(pieces_per_doc[split].sum()),
-        "truncated": int(long.sum()) if overflow == "truncate" else 0,
-        "truncated_tokens": int((lengths[long] - max_len).sum()) if overflow == "truncate" else 0,
-        "dropped": int(long.sum()) if overflow == "drop" else 0,
-        "dropped_tokens": int(lengths[long].sum()) if overflow == "drop" else 0,
-        "untrained": int(untrained.sum()),
-        "untrained_tokens": int(lengths[untrained].sum()),
-    }
-    return DocumentPieces(
-        rows=rows,
-        pieces=pieces,
-        starts=doc_starts[rows] + pieces * max_len,
-        lengths=np.minimum(lengths[rows] - pieces * max_len, max_len),
-        counts=counts,
-    )
+    untrained = _flags(untrained, len(lengths))
+    histogram, counts = _tally(lengths, untrained, drop_untrained, max_len, code)
+    left_out = untrained if drop_untrained else np.zeros(0, dtype=bool)
+    rows, pieces, starts, segment_lengths = _expand(lengths, left_out, max_len, code, int(histogram.sum()))
+    return DocumentPieces(rows, pieces, starts, segment_lengths, dict(zip(_COUNTS, map(int, counts))))
 
 
 def plan_packs(
@@ -352,28 +591,34 @@ def plan_packs(
     drop_untrained: bool = False,
 ) -> PackingPlan:
     """Plan the whole corpus: cut overlong documents as `overflow` says and leave out untrained ones
-    as `drop_untrained` says (`document_pieces`), assign the segments to packs with `assign_packs`,
-    then shuffle the pack order with `seed`.
+    as `drop_untrained` says (`document_pieces`), assign the segments to packs (`assign_packs`'s
+    algorithms), then shuffle the pack order with `seed`.
 
     `lengths` are the token counts of the corpus rows, whose tokens lie back to back in the token
-    store. `overflow="error"` is the caller's to enforce (it can name the file); here it packs as split.
+    store; the plan keeps them, so pass them through `compact_lengths` to keep no copy.
+    `overflow="error"` is the caller's to enforce (it can name the file); here it packs as split.
     """
-    segments = document_pieces(lengths, max_len, overflow, untrained, drop_untrained)
-    pack_of = assign_packs(segments.lengths, max_len, algorithm)
-    packs = int(pack_of.max()) + 1 if len(pack_of) else 0
-    # Shuffle whole packs, so training never sees the decreasing-length order of the planner.
-    position = np.empty(packs, dtype=np.int64)
-    position[np.random.default_rng(seed).permutation(packs)] = np.arange(packs)
-    final_pack = position[pack_of]
-    order = np.argsort(final_pack, kind="stable")  # stable: segments stay in (row, piece) order
-    pack_offsets = np.zeros(packs + 1, dtype=np.int64)
-    np.cumsum(np.bincount(final_pack, minlength=packs), out=pack_offsets[1:])
+    max_len = _check_options(max_len, algorithm)
+    code = _overflow_code(overflow)
+    lengths = compact_lengths(lengths)
+    untrained = _flags(untrained, len(lengths))
+    histogram, counts = _tally(lengths, untrained, drop_untrained, max_len, code)
+    pack_of_sorted, packs = _assign_sorted(histogram, max_len, algorithm)
+    segments_per_pack, tokens_per_pack = _pack_contents(histogram, pack_of_sorted, packs)
+    slot_offsets = np.zeros(packs + 1, dtype=np.int64)
+    np.cumsum(segments_per_pack, out=slot_offsets[1:])
+    del segments_per_pack
+    order = np.empty(len(pack_of_sorted), dtype=np.uint32 if len(pack_of_sorted) <= 2**32 else np.int64)
+    left_out = untrained if drop_untrained else np.zeros(0, dtype=bool)
+    bookmarks = np.empty((-(-len(order) // _BLOCK), 3), dtype=np.int64)
+    _scatter(lengths, left_out, max_len, code, histogram, pack_of_sorted, slot_offsets, order, bookmarks)
     return PackingPlan(
         max_len=max_len,
-        pack_offsets=pack_offsets,
-        starts=segments.starts[order],
-        lengths=segments.lengths[order],
-        rows=segments.rows[order],
-        pieces=segments.pieces[order].astype(np.int32),
-        counts=segments.counts,
+        # Shuffle whole packs, so training never sees the decreasing-length order of the planner.
+        shuffle=np.random.default_rng(seed).permutation(packs),
+        slot_offsets=slot_offsets,
+        tokens_per_pack=tokens_per_pack,
+        order=order,
+        documents=_Documents(lengths, left_out, bookmarks, code),
+        counts=dict(zip(_COUNTS, map(int, counts))),
     )

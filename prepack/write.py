@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from prepack.format import ShardInfo, segment_id_type, shard_name, shard_schema
 from prepack.output import output_errors, output_file
-from prepack.plan import PackingPlan
+from prepack.plan import PackLayout
 
 __all__ = ["ShardBuffers", "SyncedFile", "shard_bounds", "write_in_pieces", "write_shard"]
 
@@ -33,9 +33,26 @@ _WINDOW_TOKENS = 2**24
 
 
 @numba.njit(cache=True, nogil=True)
-def _copy(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray, at: np.ndarray, out: np.ndarray) -> None:
-    for i in range(len(starts)):
-        out[at[i] : at[i] + lengths[i]] = source[starts[i] : starts[i] + lengths[i]]
+def _windows(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each window's segments begin in `order` (store order), and the token past the last of
+    them (a segment may run past its window)."""
+    firsts, highs = [0], [0]
+    for i in range(len(order)):
+        segment = order[i]
+        window = starts[segment] // _WINDOW_TOKENS
+        if i > 0 and window != starts[order[i - 1]] // _WINDOW_TOKENS:
+            firsts.append(i)
+            highs.append(0)
+        highs[-1] = max(highs[-1], starts[segment] + lengths[segment])
+    firsts.append(len(order))
+    return np.array(firsts, np.int64), np.array(highs, np.int64)
+
+
+@numba.njit(cache=True, nogil=True)
+def _copy(source, low, starts, lengths, at, segments, out) -> None:
+    for segment in segments:
+        begin = starts[segment] - low
+        out[at[segment] : at[segment] + lengths[segment]] = source[begin : begin + lengths[segment]]
 
 
 def _gather(store: Path, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
@@ -43,19 +60,17 @@ def _gather(store: Path, starts: np.ndarray, lengths: np.ndarray, out: np.ndarra
 
     A shard's segments lie all over the store, so mapping it whole would leave most of its pages
     resident by the end of every shard. Instead the segments are copied in store order, window by
-    window, each window mapped only while its segments are copied.
+    window, each window mapped only while its segments are copied. 24 bytes a segment besides.
     """
     at = np.cumsum(lengths) - lengths
-    nonempty = np.flatnonzero(lengths)
-    order = nonempty[np.argsort(starts[nonempty], kind="stable")]
-    window_of = starts[order] // _WINDOW_TOKENS
-    firsts = np.flatnonzero(np.diff(window_of, prepend=-1))
-    for first, end in zip(firsts, np.append(firsts[1:], len(order))):
-        segments = order[first:end]
-        low = int(window_of[first]) * _WINDOW_TOKENS
-        high = int((starts[segments] + lengths[segments]).max())  # a segment may run past the window
-        window = np.memmap(store, np.int32, "r", offset=low * 4, shape=(high - low,))
-        _copy(window, starts[segments] - low, lengths[segments], at[segments], out)
+    order = np.argsort(starts, kind="stable")
+    firsts, highs = _windows(starts, lengths, order)
+    for first, end, high in zip(firsts[:-1], firsts[1:], highs):
+        if first == len(order):
+            break
+        low = int(starts[order[first]]) // _WINDOW_TOKENS * _WINDOW_TOKENS
+        window = np.memmap(store, np.int32, "r", offset=low * 4, shape=(int(high) - low,))
+        _copy(window, low, starts, lengths, at, order[first:end], out)
         del window  # unmapped here: its pages no longer count as this process's memory
 
 
@@ -157,6 +172,20 @@ def _segment_ids(lengths: np.ndarray, pack_offsets: np.ndarray, out: np.ndarray)
             at += lengths[doc]
 
 
+@numba.njit(cache=True, nogil=True)
+def _cu_seqlens(lengths: np.ndarray, pack_offsets: np.ndarray, out: np.ndarray) -> None:
+    """Every pack's leading 0, then the running token count inside the pack, packs back to back."""
+    at = 0
+    for pack in range(len(pack_offsets) - 1):
+        out[at] = 0
+        within = 0
+        for doc in range(pack_offsets[pack], pack_offsets[pack + 1]):
+            within += lengths[doc]
+            at += 1
+            out[at] = within
+        at += 1
+
+
 def _list(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
 
@@ -164,7 +193,7 @@ def _list(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
 def write_shard(
     directory: Path,
     index: int,
-    layout: PackingPlan,
+    layout: PackLayout,
     tokens: Path,
     labels: Path | None,
     buffers: ShardBuffers,
@@ -172,9 +201,8 @@ def write_shard(
     """Write the packs of `layout` as one shard, their tokens (and labels) gathered from the int32
     store files `tokens` (and `labels`) into `buffers`, and return the shard's manifest entry.
     Threads may write shards at once, each with its own `buffers`."""
-    lengths = layout.lengths.astype(np.int64)
-    docs_per_pack = np.diff(layout.pack_offsets)
-    packs = len(docs_per_pack)
+    lengths = layout.lengths.astype(np.int64, copy=False)
+    packs = len(layout.pack_offsets) - 1
     token_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=token_offsets[1:])
     pack_token_offsets = token_offsets[layout.pack_offsets]
@@ -184,11 +212,9 @@ def write_shard(
     _gather(tokens, layout.starts, lengths, ids)
     segment_ids = buffers.column("segment_ids", total, segment_id_type(layout.max_len).to_pandas_dtype())
     _segment_ids(lengths, layout.pack_offsets, segment_ids)
-    # cu_seqlens: every pack gets a leading 0, then the running token count inside the pack.
     cu_offsets = layout.pack_offsets + np.arange(packs + 1)
-    cu = np.zeros(len(lengths) + packs, dtype=np.int32)
-    ends_within_pack = token_offsets[1:] - np.repeat(pack_token_offsets[:-1], docs_per_pack)
-    cu[np.arange(len(lengths)) + np.repeat(np.arange(packs), docs_per_pack) + 1] = ends_within_pack
+    cu = np.empty(len(lengths) + packs, dtype=np.int32)
+    _cu_seqlens(lengths, layout.pack_offsets, cu)
     max_seqlen = np.maximum.reduceat(lengths, layout.pack_offsets[:-1]).astype(np.int32)
 
     columns = [
@@ -196,8 +222,8 @@ def write_shard(
         _list(pack_token_offsets, segment_ids),
         _list(cu_offsets, cu),
         pa.array(max_seqlen),
-        _list(layout.pack_offsets, layout.rows.astype(np.int64)),
-        _list(layout.pack_offsets, layout.pieces.astype(np.int32)),
+        _list(layout.pack_offsets, layout.rows.astype(np.int64, copy=False)),
+        _list(layout.pack_offsets, layout.pieces.astype(np.int32, copy=False)),
     ]
     if labels is not None:
         label_values = buffers.column("labels", total)
