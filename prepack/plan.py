@@ -45,7 +45,7 @@ from prepack.format import IGNORE_INDEX
 
 __all__ = [
     "DocumentPieces",
-    "PackLayout",
+    "ShardPacks",
     "PackingPlan",
     "assign_packs",
     "compact_lengths",
@@ -450,7 +450,7 @@ def _resolve(order, visit, lengths, left_out, bookmarks, max_len, overflow):
 
 
 @dataclass(frozen=True)
-class PackLayout:
+class ShardPacks:
     """Packs as concrete arrays (what one shard holds): pack p holds the segments
     `pack_offsets[p]:pack_offsets[p+1]`, in (row, piece) order; a segment is `lengths[i]` tokens from
     `starts[i]` of the token store."""
@@ -493,7 +493,7 @@ class PackingPlan:
     """Which segments go where, compactly. Packs are numbered as the planner opened them; the p-th
     pack written is pack `shuffle[p]`. Pack q holds the slots `slot_offsets[q]:slot_offsets[q+1]`,
     and slot i the segment numbered `order[i]` (segments numbered in (row, piece) order, which they
-    keep within a pack). `slice` turns written packs into a `PackLayout`."""
+    keep within a pack). `slice` turns written packs into a `ShardPacks`."""
 
     max_len: int
     shuffle: np.ndarray  # int64 [packs]
@@ -511,7 +511,7 @@ class PackingPlan:
         """Segments and tokens of every pack, in written order (int64 each)."""
         return np.diff(self.slot_offsets)[self.shuffle], self.tokens_per_pack[self.shuffle].astype(np.int64)
 
-    def slice(self, first: int, end: int) -> PackLayout:
+    def slice(self, first: int, end: int) -> ShardPacks:
         """Written packs first..end-1 as concrete arrays (what one shard holds)."""
         packs = self.shuffle[first:end]
         pack_offsets = np.zeros(len(packs) + 1, dtype=np.int64)
@@ -521,7 +521,7 @@ class PackingPlan:
         rows, pieces, starts, lengths = _resolve(
             segments, np.argsort(segments), d.lengths, d.left_out, d.bookmarks, self.max_len, d.overflow
         )
-        return PackLayout(self.max_len, pack_offsets, starts, lengths, rows, pieces)
+        return ShardPacks(self.max_len, pack_offsets, starts, lengths, rows, pieces)
 
     def totals(self) -> dict[str, int]:
         tokens = int(self.tokens_per_pack.sum(dtype=np.int64))

@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from prepack.format import ShardInfo, segment_id_type, shard_name, shard_schema
 from prepack.output import output_errors, output_file
-from prepack.plan import PackLayout
+from prepack.plan import ShardPacks
 
 __all__ = ["ShardBuffers", "SyncedFile", "shard_bounds", "write_in_pieces", "write_shard"]
 
@@ -193,7 +193,7 @@ def _list(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
 def write_shard(
     directory: Path,
     index: int,
-    layout: PackLayout,
+    layout: ShardPacks,
     tokens: Path,
     labels: Path | None,
     buffers: ShardBuffers,
