@@ -8,7 +8,6 @@ the scratch file, in 64 MiB windows each mapped only while its documents are cop
 
 from __future__ import annotations
 
-import hashlib
 import os
 import queue
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from prepack.errors import InputError
 from prepack.format import (
     MANIFEST_NAME,
     BuildOptions,
+    Fingerprint,
     InputFile,
     Manifest,
     ShardInfo,
@@ -62,8 +62,7 @@ def _store_documents(
 ) -> _StoredCorpus:
     rows_per_file = {path: 0 for path in corpus.files}
     lengths, untrained = [], []
-    # Separate hashes per stream make the fingerprint independent of how files split into batches.
-    digests = {"lengths": hashlib.sha256(), "ids": hashlib.sha256(), "labels": hashlib.sha256()}
+    fingerprint = Fingerprint()
     task = progress.add_task("read", total=len(corpus.files), unit="files")
     done_files: set[Path] = set()
     ids_path, labels_path = scratch / "ids.bin", scratch / "labels.bin"
@@ -76,12 +75,10 @@ def _store_documents(
     ):
 
         def store(batch: DocumentBatch, batch_lengths: np.ndarray) -> None:
-            digests["lengths"].update(batch_lengths.astype("<i8").tobytes())
-            digests["ids"].update(batch.ids.astype("<i4", copy=False).data)
+            fingerprint.update(batch_lengths, batch.ids, batch.labels)
             with output_errors(ids_path):
                 write_in_pieces(ids_file, batch.ids.data)
             if batch.labels is not None:
-                digests["labels"].update(batch.labels.astype("<i4", copy=False).data)
                 with output_errors(labels_path):
                     write_in_pieces(labels_file, batch.labels.data)
 
@@ -99,12 +96,11 @@ def _store_documents(
         if stored is not None:
             stored.result()
     progress.update(task, completed=len(corpus.files), description="read")
-    fingerprint = hashlib.sha256(b"".join(d.digest() for d in digests.values())).hexdigest()
     return _StoredCorpus(
         lengths=np.concatenate(lengths) if lengths else np.empty(0, np.int64),
         untrained=np.concatenate(untrained) if untrained else np.empty(0, bool),
         rows_per_file=[rows_per_file[path] for path in corpus.files],
-        fingerprint=fingerprint,
+        fingerprint=fingerprint.hexdigest(),
         has_labels=has_labels,
     )
 

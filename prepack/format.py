@@ -24,7 +24,9 @@ __all__ = [
     "IGNORE_INDEX",
     "MANIFEST_NAME",
     "SHARD_VERSION_KEY",
+    "STORE_MANIFEST_NAME",
     "BuildOptions",
+    "Fingerprint",
     "InputFile",
     "Manifest",
     "ShardFileProblem",
@@ -46,6 +48,9 @@ __all__ = [
 
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
+# What marks a document store (prepack/store_format.py), named here so that a reader of builds can say
+# so when it is handed a store.
+STORE_MANIFEST_NAME = "store.json"
 SHARD_VERSION_KEY = "prepack.format_version"  # schema metadata of every shard: marks it as prepack's
 IGNORE_INDEX = -100  # label value that is not trained on (the PyTorch / HF convention)
 
@@ -146,6 +151,26 @@ class Totals(_Model):
     untrained_tokens: int = Field(default=0, ge=0, description="Tokens of those documents.")
 
 
+class Fingerprint:
+    """`Manifest.fingerprint` (and a store's): the hex sha256 of the three sha256 digests, in this order,
+    of the documents' lengths as little-endian int64, their token ids as little-endian int32 and their
+    labels as little-endian int32 (nothing without labels), each stream fed in row order. A hash per
+    stream makes it independent of how the rows are cut into batches."""
+
+    def __init__(self) -> None:
+        self._streams = (hashlib.sha256(), hashlib.sha256(), hashlib.sha256())
+
+    def update(self, lengths: np.ndarray, ids: np.ndarray, labels: np.ndarray | None) -> None:
+        """Add consecutive documents: their lengths, and their tokens (and labels) back to back."""
+        self._streams[0].update(lengths.astype("<i8", copy=False).data)
+        self._streams[1].update(ids.astype("<i4", copy=False).data)
+        if labels is not None:
+            self._streams[2].update(labels.astype("<i4", copy=False).data)
+
+    def hexdigest(self) -> str:
+        return hashlib.sha256(b"".join(stream.digest() for stream in self._streams)).hexdigest()
+
+
 class ShardInfo(_Model):
     name: str
     rows: int = Field(ge=0)
@@ -184,6 +209,11 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        if (Path(directory) / STORE_MANIFEST_NAME).exists():
+            raise FormatError(
+                f"{directory} is a prepack document store ({STORE_MANIFEST_NAME}), not a build: pack it with "
+                f"`prepack build {directory} --max-len N --out DIR`."
+            ) from None
         raise FormatError(
             f"{path} does not exist: {directory} is not a finished prepack build "
             "(the manifest is written last)."
