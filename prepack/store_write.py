@@ -1,0 +1,200 @@
+"""`build_store` (`prepack tokenize`): a corpus in, a document store out — its documents read and
+tokenized once, as `build` would read them, and written in row order for any number of builds.
+
+Memory stays bounded by the shard size: documents are gathered until the next would overfill the
+shard, which is then written as one record batch (`prepack.write.write_record_batch`); only the
+documents' lengths (for the manifest's summary) grow with the corpus.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from rich.console import Console
+
+from prepack.build import DEFAULT_SHARD_SIZE, progress_bars
+from prepack.documents import Reading, open_documents
+from prepack.errors import InputError
+from prepack.format import STORE_MANIFEST_NAME, Fingerprint, InputFile
+from prepack.output import output_errors, staged_directory
+from prepack.plan import untrained_documents
+from prepack.read import DocumentBatch
+from prepack.store_format import (
+    LengthSummary,
+    StoreManifest,
+    StoreShard,
+    store_schema,
+    store_shard_name,
+    write_store_manifest,
+)
+from prepack.store_read import is_store
+from prepack.write import write_record_batch
+
+__all__ = ["build_store"]
+
+_INT32_MAX = 2**31 - 1  # list<int32> offsets: the most tokens one shard holds
+
+
+class _ShardWriter:
+    """Gathers documents in row order and writes them as store shards of at most `shard_size` bytes
+    of tokens (and labels); a document larger than that is a shard of its own. Where shards end
+    depends only on the documents' lengths, never on how they arrive in batches."""
+
+    def __init__(self, directory: Path, has_labels: bool, shard_size: int) -> None:
+        self.directory, self.has_labels = directory, has_labels
+        self.capacity = min(max(1, shard_size // (8 if has_labels else 4)), _INT32_MAX)
+        self.pending: list[DocumentBatch] = []
+        self.tokens = 0
+        self.shards: list[StoreShard] = []
+
+    def add(self, batch: DocumentBatch) -> None:
+        offsets, documents = batch.offsets, len(batch.offsets) - 1
+        start = 0
+        while start < documents:
+            # The documents that still fit this shard; a shard takes at least one.
+            end = int(np.searchsorted(offsets, offsets[start] + self.capacity - self.tokens, "right")) - 1
+            if end == start and not self.pending:
+                end = start + 1
+            if end > start:
+                first, last = offsets[start], offsets[end]
+                self.pending.append(
+                    DocumentBatch(
+                        file=batch.file,
+                        first_row=batch.first_row + start,
+                        offsets=offsets[start : end + 1] - first,
+                        ids=batch.ids[first:last],
+                        labels=None if batch.labels is None else batch.labels[first:last],
+                    )
+                )
+                self.tokens += int(last - first)
+            if end < documents:
+                self.flush()
+            start = end
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        path = self.directory / store_shard_name(len(self.shards))
+        if self.tokens > _INT32_MAX:
+            first = self.pending[0]
+            raise InputError(
+                f"{first.file}, row {first.first_row}: {self.tokens} tokens in one document, more than a "
+                f"store shard holds ({_INT32_MAX})."
+            )
+        lengths = np.concatenate([np.diff(p.offsets) for p in self.pending])
+        offsets = np.zeros(len(lengths) + 1, np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        columns = [np.concatenate([p.ids for p in self.pending]).astype(np.int32, copy=False)]
+        if self.has_labels:
+            columns.append(np.concatenate([p.labels for p in self.pending]).astype(np.int32, copy=False))
+        arrays = [pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)) for values in columns]
+        batch = pa.RecordBatch.from_arrays(arrays, schema=store_schema(self.has_labels))
+        size, sha256 = write_record_batch(path, batch)
+        self.shards.append(
+            StoreShard(name=path.name, documents=len(lengths), tokens=self.tokens, bytes=size, sha256=sha256)
+        )
+        self.pending, self.tokens = [], 0
+
+
+def _summary(lengths: np.ndarray, untrained: int) -> LengthSummary:
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99], method="lower")
+    return LengthSummary(
+        min=int(lengths.min()),
+        max=int(lengths.max()),
+        mean=round(float(lengths.mean()), 3),
+        p50=int(p50),
+        p90=int(p90),
+        p99=int(p99),
+        empty=int((lengths == 0).sum()),
+        untrained=untrained,
+    )
+
+
+def build_store(
+    corpus: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    column: str = "input_ids",
+    labels_column: str = "labels",
+    tokenizer: str | os.PathLike | None = None,
+    chat: bool = False,
+    text_column: str = "text",
+    messages_column: str = "messages",
+    eos: bool = True,
+    chat_template: str | os.PathLike | None = None,
+    train_on: str = "assistant",
+    num_proc: int | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    overwrite: bool = False,
+    progress: bool = False,
+    console: Console | None = None,
+) -> StoreManifest:
+    """Read (and tokenize) a corpus once into a document store under `out`, and return the store
+    manifest written there. Every build of the store (`build(out, ...)`) is then byte for byte the
+    build of the corpus with these reading options, without reading or tokenizing the corpus again.
+
+    >>> build_store("chats.jsonl", "store/", tokenizer="./tok", chat=True)   # doctest: +SKIP
+    >>> build("store/", "packed-8k/", max_len=8192)                           # doctest: +SKIP
+
+    The reading options are `build`'s; `shard_size` bounds the bytes of tokens (and labels) per
+    shard. Raises `InputError` for bad input (a store given as the corpus among it), and
+    `OutputError` as `build` does; in every case nothing is published.
+    """
+    if shard_size < 1:
+        raise InputError(f"invalid shard size {shard_size}: at least 1 byte.")
+    if is_store(corpus):
+        raise InputError(f"{corpus} is a document store already: build from it (prepack build {corpus} ...).")
+    reading = Reading(
+        column=column,
+        labels_column=labels_column,
+        tokenizer=tokenizer,
+        chat=chat,
+        text_column=text_column,
+        messages_column=messages_column,
+        eos=eos,
+        chat_template=chat_template,
+        train_on=train_on,
+        num_proc=num_proc,
+    )
+    with progress_bars(progress, console) as bar:
+        documents = open_documents(corpus, reading, out, bar)
+        rows_per_file = dict.fromkeys(documents.corpus.files, 0)
+        position = {path: index for index, path in enumerate(documents.corpus.files)}
+        lengths, untrained = [], 0
+        fingerprint = Fingerprint()
+        task = bar.add_task("store", total=len(documents.corpus.files), unit="files")
+        with staged_directory(out, overwrite, STORE_MANIFEST_NAME) as staging:
+            writer = _ShardWriter(staging.build, documents.has_labels, shard_size)
+            for batch in documents.batches:
+                batch_lengths = np.diff(batch.offsets)
+                fingerprint.update(batch_lengths, batch.ids, batch.labels)
+                lengths.append(batch_lengths)
+                untrained += int(untrained_documents(batch.offsets, batch.labels).sum())
+                rows_per_file[batch.file] += len(batch_lengths)
+                writer.add(batch)
+                bar.update(task, completed=position[batch.file], description=f"store {batch.file.name}")
+            writer.flush()
+            if not lengths or not sum(map(len, lengths)):
+                raise InputError(f"{corpus}: the corpus has no documents.")
+            all_lengths = np.concatenate(lengths)
+            manifest = StoreManifest(
+                prepack_version=version("prepack"),
+                column=documents.column,
+                labels_column=documents.labels_column,
+                tokenize=documents.tokenize,
+                has_labels=documents.has_labels,
+                fingerprint=fingerprint.hexdigest(),
+                inputs=[InputFile(path=documents.corpus.name(p), rows=rows) for p, rows in rows_per_file.items()],
+                documents=len(all_lengths),
+                tokens=int(all_lengths.sum()),
+                lengths=_summary(all_lengths, untrained),
+                shards=writer.shards,
+            )
+            with output_errors(staging.build / STORE_MANIFEST_NAME):
+                write_store_manifest(staging.build, manifest)
+        bar.update(task, completed=len(documents.corpus.files), description="store")
+    return manifest
