@@ -90,7 +90,7 @@ def _untrained(documents: int, tokens: int, dropped: bool) -> str:
 
 @app.command("build")
 def build_command(
-    corpus: Annotated[str, typer.Argument(help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory.")],
+    corpus: Annotated[str, typer.Argument(help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory; or a document store (prepack tokenize).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output directory (created atomically).")],
     max_len: Annotated[int, typer.Option("--max-len", help="Tokens per pack.")] = 8192,
     column: Annotated[str, typer.Option(help="Token column.")] = "input_ids",
@@ -141,6 +141,57 @@ def build_command(
         _fail(exc)
     if not quiet:
         Console().print(_summary(manifest, out))
+
+
+@app.command("tokenize")
+def tokenize_command(
+    corpus: Annotated[str, typer.Argument(help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Store directory (created atomically).")],
+    column: Annotated[str, typer.Option(help="Token column.")] = "input_ids",
+    labels_column: Annotated[str, typer.Option("--labels-column", help="Labels column, carried when present.")] = "labels",
+    tokenizer: Annotated[Path | None, typer.Option(help="Tokenize text or chat with this local tokenizer directory or tokenizer.json.", rich_help_panel="Tokenize")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="The corpus holds conversations (--messages-column), rendered with the chat template.", rich_help_panel="Tokenize")] = False,
+    text_column: Annotated[str, typer.Option("--text-column", help="Text column.", rich_help_panel="Tokenize")] = "text",
+    messages_column: Annotated[str, typer.Option("--messages-column", help="Messages column (--chat).", rich_help_panel="Tokenize")] = "messages",
+    chat_template: Annotated[Path | None, typer.Option("--chat-template", help="A Jinja chat template file instead of the tokenizer's.", rich_help_panel="Tokenize")] = None,
+    train_on: Annotated[TrainOn, typer.Option("--train-on", help="--chat: which tokens keep their labels.", rich_help_panel="Tokenize")] = TrainOn.assistant,
+    eos: Annotated[bool, typer.Option("--eos/--no-eos", help="Append EOS to every text document.", rich_help_panel="Tokenize")] = True,
+    num_proc: Annotated[int | None, typer.Option("--num-proc", min=1, help="Tokenizer threads (text) or processes (chat); default: all cores.", rich_help_panel="Tokenize")] = None,
+    shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB or 1GB.")] = f"{DEFAULT_SHARD_SIZE // 2**20}MiB",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing store at --out.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")] = False,
+) -> None:
+    """Read and tokenize a corpus once into a document store, which `prepack build STORE` packs at any
+    --max-len, seed or algorithm without tokenizing again."""
+    from prepack.store_write import build_store
+
+    try:
+        manifest = build_store(
+            corpus,
+            out,
+            column=column,
+            labels_column=labels_column,
+            tokenizer=tokenizer,
+            chat=chat,
+            text_column=text_column,
+            messages_column=messages_column,
+            chat_template=chat_template,
+            train_on=train_on.value,
+            eos=eos,
+            num_proc=num_proc,
+            shard_size=_byte_size(shard_size),
+            overwrite=overwrite,
+            progress=not quiet,
+            console=console,
+        )
+    except PrepackError as exc:
+        _fail(exc)
+    if not quiet:
+        lengths = manifest.lengths
+        Console().print(
+            f"stored {manifest.documents:,} documents, {manifest.tokens:,} tokens in {len(manifest.shards)} "
+            f"shards under {out} (lengths {lengths.min:,}-{lengths.max:,}, median {lengths.p50:,}, p99 {lengths.p99:,})"
+        )
 
 
 @app.command("inspect")

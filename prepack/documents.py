@@ -65,6 +65,10 @@ def open_documents(spec: str | os.PathLike, reading: Reading, out: str | os.Path
     store = open_store(spec) if is_store(spec) else None
     if store is not None and reading.tokenizer is not None:
         raise InputError(f"{spec} is a document store, tokenized already: leave out --tokenizer.")
+    if store is not None:
+        root, target = store.root.resolve(), Path(out).resolve()
+        if root.is_relative_to(target) or target.is_relative_to(root):
+            raise InputError(f"{spec}: the document store and --out {out} must not lie inside each other; choose another --out.")
     corpus = store.corpus if store is not None else find_corpus(spec)
     inside = [f for f in corpus.files if f.resolve().is_relative_to(Path(out).resolve())]
     if inside:

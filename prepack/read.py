@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from prepack.errors import InputError
 from prepack.format import IGNORE_INDEX, MANIFEST_NAME, SHARD_VERSION_KEY
 from prepack.output import STAGING_MARK
+from prepack.store_format import STORE_VERSION_KEY
 
 __all__ = ["Corpus", "DocumentBatch", "find_corpus", "read_documents"]
 
@@ -386,6 +387,11 @@ def file_columns(path: Path, kind: str) -> dict[str, pa.DataType]:
             raise InputError(
                 f"{path}: a shard of a prepack build (its schema says so), not a corpus file. "
                 "Leave the build out of the corpus (pass the corpus files, or a glob)."
+            )
+        if STORE_VERSION_KEY.encode() in (schema.metadata or {}):
+            raise InputError(
+                f"{path}: a shard of a prepack document store (its schema says so), not a corpus file. "
+                "Pass the store's directory itself, or leave the store out of the corpus."
             )
         return {f.name: f.type for f in schema}  # a name that is not UTF-8 raises UnicodeDecodeError
     except (OSError, pa.ArrowException, ValueError) as exc:
