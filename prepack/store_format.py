@@ -17,7 +17,7 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from prepack.errors import FormatError
 from prepack.format import IGNORE_INDEX, STORE_MANIFEST_NAME, InputFile, TokenizeOptions
@@ -101,6 +101,25 @@ class StoreManifest(_Model):
     lengths: LengthSummary
     shards: list[StoreShard] = Field(min_length=1)
 
+    @model_validator(mode="after")
+    def _consistent(self) -> StoreManifest:
+        """What the manifest says agrees with itself: shard names the format's (so none leaves the
+        store), counts that add up, input names inside a corpus root."""
+        for index, shard in enumerate(self.shards):
+            if shard.name != store_shard_name(index):
+                raise ValueError(f"shard {index} is named {shard.name!r}, not {store_shard_name(index)!r}")
+        for field, listed, total in (
+            ("documents", sum(s.documents for s in self.shards), self.documents),
+            ("tokens", sum(s.tokens for s in self.shards), self.tokens),
+            ("documents", sum(f.rows for f in self.inputs), self.documents),
+        ):
+            if listed != total:
+                raise ValueError(f"its shards or inputs add up to {listed} {field}, but it says {total}")
+        for input_file in self.inputs:
+            if input_file.path.startswith("/") or {"", ".", ".."} & set(input_file.path.split("/")):
+                raise ValueError(f"input {input_file.path!r} is not a '/'-separated path inside the corpus root")
+        return self
+
 
 def write_store_manifest(directory: Path, manifest: StoreManifest) -> None:
     """Write `store.json` atomically (temporary file + rename), keys sorted."""
@@ -111,8 +130,8 @@ def write_store_manifest(directory: Path, manifest: StoreManifest) -> None:
 
 
 def read_store_manifest(directory: str | os.PathLike) -> StoreManifest:
-    """Read and strictly validate `store.json`, and check what it says against itself: counts that add
-    up, and input names that stay inside a corpus root. Raises FormatError."""
+    """Read and strictly validate `store.json` (`StoreManifest`, its own checks included). Raises
+    FormatError."""
     path = Path(directory) / STORE_MANIFEST_NAME
     try:
         if path.is_symlink() or not path.is_file():
@@ -139,20 +158,6 @@ def read_store_manifest(directory: str | os.PathLike) -> StoreManifest:
         manifest = StoreManifest.model_validate(raw)
     except ValidationError as exc:
         raise FormatError(f"{path} is not a valid prepack store manifest:\n{exc}") from None
-    for index, shard in enumerate(manifest.shards):
-        if shard.name != store_shard_name(index):
-            raise FormatError(f"{path}: shard {index} is named {shard.name!r}, not {store_shard_name(index)!r}.")
-    for field, listed, total in (
-        ("documents", sum(s.documents for s in manifest.shards), manifest.documents),
-        ("tokens", sum(s.tokens for s in manifest.shards), manifest.tokens),
-        ("documents", sum(f.rows for f in manifest.inputs), manifest.documents),
-    ):
-        if listed != total:
-            raise FormatError(f"{path}: its shards or inputs add up to {listed} {field}, but it says {total}.")
-    for input_file in manifest.inputs:
-        parts = input_file.path.split("/")
-        if input_file.path.startswith("/") or any(part in ("", ".", "..") for part in parts):
-            raise FormatError(f"{path}: input {input_file.path!r} is not a '/'-separated path inside the corpus root.")
     return manifest
 
 

@@ -55,8 +55,10 @@ class _ShardWriter:
         offsets, documents = batch.offsets, len(batch.offsets) - 1
         start = 0
         while start < documents:
-            # The documents that still fit this shard; a shard takes at least one.
-            end = int(np.searchsorted(offsets, offsets[start] + self.capacity - self.tokens, "right")) - 1
+            # The documents that still fit this shard (none when a document alone overfilled it); a
+            # shard takes at least one.
+            room = self.capacity - self.tokens
+            end = max(start, int(np.searchsorted(offsets, offsets[start] + room, "right")) - 1)
             if end == start and not self.pending:
                 end = start + 1
             if end > start:
