@@ -30,6 +30,7 @@ from prepack.store_format import (
     store_schema,
 )
 from prepack.store_read import open_store
+from prepack.verify import verify_build
 from prepack.write import write_record_batch
 from tests.corpus import corpus_table, write_corpus
 
@@ -139,6 +140,8 @@ def test_a_store_of_token_ids_builds_byte_identical(tmp_path):
         build(tmp_path / "c", tmp_path / "direct", shard_size=4000, **options)
         build(tmp_path / "store", tmp_path / "from-store", shard_size=4000, **options)
         _same_build(tmp_path / "direct", tmp_path / "from-store")
+        # Its inputs are the corpus's files: verify checks every token against the corpus.
+        assert verify_build(tmp_path / "from-store", tmp_path / "c") == []
         shutil.rmtree(tmp_path / "direct"), shutil.rmtree(tmp_path / "from-store")
 
 
