@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -120,20 +121,11 @@ def build_store(
     corpus: str | os.PathLike,
     out: str | os.PathLike,
     *,
-    column: str = "input_ids",
-    labels_column: str = "labels",
-    tokenizer: str | os.PathLike | None = None,
-    chat: bool = False,
-    text_column: str = "text",
-    messages_column: str = "messages",
-    eos: bool = True,
-    chat_template: str | os.PathLike | None = None,
-    train_on: str = "assistant",
-    num_proc: int | None = None,
     shard_size: int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     progress: bool = False,
     console: Console | None = None,
+    **reading: Any,
 ) -> StoreManifest:
     """Read (and tokenize) a corpus once into a document store under `out`, and return the store
     manifest written there. Every build of the store (`build(out, ...)`) is then byte for byte the
@@ -142,7 +134,9 @@ def build_store(
     >>> build_store("chats.jsonl", "store/", tokenizer="./tok", chat=True)   # doctest: +SKIP
     >>> build("store/", "packed-8k/", max_len=8192)                           # doctest: +SKIP
 
-    The reading options are `build`'s; `shard_size` bounds the bytes of tokens (and labels) per
+    `reading` takes `build`'s reading and tokenizing options (`column`, `labels_column`, `tokenizer`,
+    `chat`, `text_column`, `messages_column`, `eos`, `chat_template`, `train_on`, `num_proc`: the
+    fields of `prepack.documents.Reading`); `shard_size` bounds the bytes of tokens (and labels) per
     shard. Raises `InputError` for bad input (a store given as the corpus among it), and
     `OutputError` as `build` does; in every case nothing is published.
     """
@@ -150,20 +144,12 @@ def build_store(
         raise InputError(f"invalid shard size {shard_size}: at least 1 byte.")
     if is_store(corpus):
         raise InputError(f"{corpus} is a document store already: build from it (prepack build {corpus} ...).")
-    reading = Reading(
-        column=column,
-        labels_column=labels_column,
-        tokenizer=tokenizer,
-        chat=chat,
-        text_column=text_column,
-        messages_column=messages_column,
-        eos=eos,
-        chat_template=chat_template,
-        train_on=train_on,
-        num_proc=num_proc,
-    )
+    try:
+        options = Reading(**reading)
+    except TypeError as exc:
+        raise InputError(f"invalid reading option: {exc}") from None
     with progress_bars(progress, console) as bar:
-        documents = open_documents(corpus, reading, out, bar)
+        documents = open_documents(corpus, options, out, bar)
         rows_per_file = dict.fromkeys(documents.corpus.files, 0)
         position = {path: index for index, path in enumerate(documents.corpus.files)}
         lengths, untrained = [], 0
