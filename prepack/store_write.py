@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 from rich.console import Console
+from rich.progress import Progress
 
 from prepack.build import DEFAULT_SHARD_SIZE, progress_bars
-from prepack.documents import Reading, open_documents
+from prepack.documents import Documents, Reading, open_documents
 from prepack.errors import InputError
 from prepack.format import STORE_MANIFEST_NAME, Fingerprint, InputFile
 from prepack.output import output_errors, staged_directory
@@ -108,13 +109,53 @@ def _summary(lengths: np.ndarray, untrained: int) -> LengthSummary:
     return LengthSummary(
         min=int(lengths.min()),
         max=int(lengths.max()),
-        mean=round(float(lengths.mean()), 3),
+        mean=round(float(lengths.mean(dtype=np.float64)), 3),
         p50=int(p50),
         p90=int(p90),
         p99=int(p99),
         empty=int((lengths == 0).sum()),
         untrained=untrained,
     )
+
+
+def _write_store(documents: Documents, directory: Path, shard_size: int, bar: Progress) -> StoreManifest:
+    """Write the documents as store shards and then `store.json` into `directory`; return the manifest."""
+    files = documents.corpus.files
+    rows_per_file = dict.fromkeys(files, 0)
+    position = {path: index for index, path in enumerate(files)}
+    lengths, untrained = [], 0  # lengths as int32: 4 bytes per document, for the summary
+    fingerprint = Fingerprint()
+    writer = _ShardWriter(directory, documents.has_labels, shard_size)
+    task = bar.add_task("store", total=len(files), unit="files")
+    for batch in documents.batches:
+        batch_lengths = np.diff(batch.offsets)
+        fingerprint.update(batch_lengths, batch.ids, batch.labels)
+        lengths.append(batch_lengths.astype(np.int32))
+        untrained += int(untrained_documents(batch.offsets, batch.labels).sum())
+        rows_per_file[batch.file] += len(batch_lengths)
+        writer.add(batch)
+        bar.update(task, completed=position[batch.file], description=f"store {batch.file.name}")
+    writer.flush()
+    bar.update(task, completed=len(files), description="store")
+    if not writer.shards:
+        raise InputError(f"{documents.corpus.root}: the corpus has no documents.")
+    all_lengths = np.concatenate(lengths)
+    manifest = StoreManifest(
+        prepack_version=version("prepack"),
+        column=documents.column,
+        labels_column=documents.labels_column,
+        tokenize=documents.tokenize,
+        has_labels=documents.has_labels,
+        fingerprint=fingerprint.hexdigest(),
+        inputs=[InputFile(path=documents.corpus.name(path), rows=rows) for path, rows in rows_per_file.items()],
+        documents=len(all_lengths),
+        tokens=int(all_lengths.sum(dtype=np.int64)),
+        lengths=_summary(all_lengths, untrained),
+        shards=writer.shards,
+    )
+    with output_errors(directory / STORE_MANIFEST_NAME):
+        write_store_manifest(directory, manifest)
+    return manifest
 
 
 def build_store(
@@ -150,39 +191,6 @@ def build_store(
         raise InputError(f"invalid reading option: {exc}") from None
     with progress_bars(progress, console) as bar:
         documents = open_documents(corpus, options, out, bar)
-        rows_per_file = dict.fromkeys(documents.corpus.files, 0)
-        position = {path: index for index, path in enumerate(documents.corpus.files)}
-        lengths, untrained = [], 0
-        fingerprint = Fingerprint()
-        task = bar.add_task("store", total=len(documents.corpus.files), unit="files")
         with staged_directory(out, overwrite, STORE_MANIFEST_NAME) as staging:
-            writer = _ShardWriter(staging.build, documents.has_labels, shard_size)
-            for batch in documents.batches:
-                batch_lengths = np.diff(batch.offsets)
-                fingerprint.update(batch_lengths, batch.ids, batch.labels)
-                lengths.append(batch_lengths)
-                untrained += int(untrained_documents(batch.offsets, batch.labels).sum())
-                rows_per_file[batch.file] += len(batch_lengths)
-                writer.add(batch)
-                bar.update(task, completed=position[batch.file], description=f"store {batch.file.name}")
-            writer.flush()
-            if not lengths or not sum(map(len, lengths)):
-                raise InputError(f"{corpus}: the corpus has no documents.")
-            all_lengths = np.concatenate(lengths)
-            manifest = StoreManifest(
-                prepack_version=version("prepack"),
-                column=documents.column,
-                labels_column=documents.labels_column,
-                tokenize=documents.tokenize,
-                has_labels=documents.has_labels,
-                fingerprint=fingerprint.hexdigest(),
-                inputs=[InputFile(path=documents.corpus.name(p), rows=rows) for p, rows in rows_per_file.items()],
-                documents=len(all_lengths),
-                tokens=int(all_lengths.sum()),
-                lengths=_summary(all_lengths, untrained),
-                shards=writer.shards,
-            )
-            with output_errors(staging.build / STORE_MANIFEST_NAME):
-                write_store_manifest(staging.build, manifest)
-        bar.update(task, completed=len(documents.corpus.files), description="store")
+            manifest = _write_store(documents, staging.build, shard_size, bar)
     return manifest

@@ -120,6 +120,20 @@ def test_the_fingerprint_is_the_specs_and_the_builds(tmp_path):
     assert build(corpus, tmp_path / "packed", max_len=4).fingerprint == manifest.fingerprint
 
 
+def test_shards_depend_on_the_documents_not_on_their_files(tmp_path):
+    rng = np.random.default_rng(1)
+    documents = [rng.integers(0, 50, size=n).tolist() for n in rng.integers(0, 40, size=200)]
+    write_corpus(tmp_path / "one.parquet", corpus_table(documents))
+    (tmp_path / "three").mkdir()
+    for part, (start, end) in enumerate([(0, 7), (7, 150), (150, 200)]):
+        write_corpus(tmp_path / "three" / f"{part}.jsonl", corpus_table(documents[start:end]))
+    one = build_store(tmp_path / "one.parquet", tmp_path / "store-one", shard_size=300)
+    three = build_store(tmp_path / "three", tmp_path / "store-three", shard_size=300)
+    assert one.shards == three.shards and one.fingerprint == three.fingerprint
+    assert [f.rows for f in three.inputs] == [7, 143, 50]
+    assert all(s.tokens <= 75 or s.documents == 1 for s in one.shards)  # 300 bytes: 75 int32 tokens
+
+
 # A store builds what its corpus builds -------------------------------------------------------------
 
 
@@ -297,6 +311,7 @@ def test_overwrite_replaces_a_store_and_leaves_nothing_behind(store, tmp_path):
         (["inspect", "{store}"], "is a prepack document store"),
         (["verify", "{store}"], "is a prepack document store"),
         (["tokenize", "{tmp}/packed", "--out", "{tmp}/s"], "a shard of the prepack build"),
+        (["verify", "{tmp}/packed", "--source", "{store}"], "a prepack document store, not a corpus"),
     ],
 )
 def test_the_cli_exits_2_naming_the_problem(store, tmp_path, command, message):
