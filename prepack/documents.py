@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from rich.progress import Progress
@@ -60,11 +60,13 @@ class Documents:
 def open_documents(spec: str | os.PathLike, reading: Reading, out: str | os.PathLike, progress: Progress) -> Documents:
     """Find the corpus or store at `spec`, check its schema (or its store manifest) and the options
     now, and return its documents, read (and tokenized) while they are consumed. A store is read as it
-    was written; the reading options must not ask to tokenize it again. Raises InputError, or
+    was written: reading options other than the defaults are refused with it. Raises InputError, or
     FormatError for a broken store; a corpus with files inside `out` is refused."""
     store = open_store(spec) if is_store(spec) else None
-    if store is not None and reading.tokenizer is not None:
-        raise InputError(f"{spec} is a document store, tokenized already: leave out --tokenizer.")
+    given = [f"--{f.name.replace('_', '-')}" for f in fields(Reading) if getattr(reading, f.name) != f.default]
+    if store is not None and given:
+        # A store is read as it was written; an option that asks otherwise would be silently ignored.
+        raise InputError(f"{spec} is a document store, tokenized already: leave out {', '.join(given)}.")
     if store is not None:
         root, target = store.root.resolve(), Path(out).resolve()
         if root.is_relative_to(target) or target.is_relative_to(root):

@@ -292,6 +292,8 @@ def test_a_build_is_not_a_store_and_a_store_not_a_build(store, tmp_path):
         build(store / "documents-00000.arrow", tmp_path / "p2", max_len=4)
     with pytest.raises(InputError, match="tokenized already: leave out --tokenizer"):
         build(store, tmp_path / "p3", max_len=4, tokenizer=tmp_path)
+    with pytest.raises(InputError, match="tokenized already: leave out --column, --num-proc"):
+        build(store, tmp_path / "p3", max_len=4, column="ids", num_proc=2)
     with pytest.raises(InputError, match="must not lie inside each other"):
         build(store, store / "packed", max_len=4)
 
