@@ -3,6 +3,8 @@ exact per-document attention.
 
     import prepack
     manifest = prepack.build("corpus.parquet", "packed/", max_len=8192)
+    prepack.build_store("corpus.parquet", "store/")          # tokenize once, then build many:
+    prepack.build("store/", "packed-4k/", max_len=4096)
     dataset = prepack.PackedDataset("packed/")              # torch; imported on first use
     collate = prepack.PackedCollator(max_len=8192)
     model = prepack.enable_packing(model)
@@ -17,6 +19,8 @@ from importlib.metadata import version
 from prepack.build import build
 from prepack.errors import FormatError, InputError, IsolationError, OutputError, PrepackError
 from prepack.format import FORMAT_VERSION, Manifest, read_manifest
+from prepack.store_format import StoreManifest, read_store_manifest
+from prepack.store_write import build_store
 
 __version__ = version("prepack")
 
@@ -42,8 +46,11 @@ __all__ = sorted(
         "Manifest",
         "OutputError",
         "PrepackError",
+        "StoreManifest",
         "build",
+        "build_store",
         "read_manifest",
+        "read_store_manifest",
         *_LAZY,
     ]
 )

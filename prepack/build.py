@@ -11,7 +11,6 @@ write it.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import queue
 from collections.abc import Iterator
@@ -24,10 +23,12 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from prepack.documents import Reading, open_documents
 from prepack.errors import InputError
 from prepack.format import (
     MANIFEST_NAME,
     BuildOptions,
+    Fingerprint,
     InputFile,
     Manifest,
     ShardInfo,
@@ -37,10 +38,10 @@ from prepack.format import (
 )
 from prepack.output import output_errors, output_file, staged_directory
 from prepack.plan import PackingPlan, compact_lengths, plan_packs, untrained_documents
-from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
+from prepack.read import Corpus, DocumentBatch
 from prepack.write import ShardBuffers, shard_bounds, write_in_pieces, write_shard
 
-__all__ = ["DEFAULT_SHARD_SIZE", "build"]
+__all__ = ["DEFAULT_SHARD_SIZE", "build", "progress_bars"]
 
 # Bytes. ~1,300 full 8k-token packs. Each of the `_SHARD_WRITERS` holds a shard's columns while it
 # writes it, and those pages are new to the process: at 256 MiB the shard pass took half as long
@@ -65,8 +66,7 @@ def _store_documents(
 ) -> _StoredCorpus:
     rows_per_file = {path: 0 for path in corpus.files}
     lengths, untrained = [], []
-    # Separate hashes per stream make the fingerprint independent of how files split into batches.
-    digests = {"lengths": hashlib.sha256(), "ids": hashlib.sha256(), "labels": hashlib.sha256()}
+    fingerprint = Fingerprint()
     task = progress.add_task("read", total=len(corpus.files), unit="files")
     done_files: set[Path] = set()
     ids_path, labels_path = scratch / "ids.bin", scratch / "labels.bin"
@@ -79,12 +79,10 @@ def _store_documents(
     ):
 
         def store(batch: DocumentBatch, batch_lengths: np.ndarray) -> None:
-            digests["lengths"].update(batch_lengths.astype("<i8").tobytes())
-            digests["ids"].update(batch.ids.astype("<i4", copy=False).data)
+            fingerprint.update(batch_lengths, batch.ids, batch.labels)
             with output_errors(ids_path):
                 write_in_pieces(ids_file, batch.ids.data)
             if batch.labels is not None:
-                digests["labels"].update(batch.labels.astype("<i4", copy=False).data)
                 with output_errors(labels_path):
                     write_in_pieces(labels_file, batch.labels.data)
 
@@ -102,12 +100,11 @@ def _store_documents(
         if stored is not None:
             stored.result()
     progress.update(task, completed=len(corpus.files), description="read")
-    fingerprint = hashlib.sha256(b"".join(d.digest() for d in digests.values())).hexdigest()
     return _StoredCorpus(
         lengths=compact_lengths(np.concatenate(lengths) if lengths else np.empty(0, np.int64)),
         untrained=np.concatenate(untrained) if untrained else np.empty(0, bool),
         rows_per_file=[rows_per_file[path] for path in corpus.files],
-        fingerprint=fingerprint,
+        fingerprint=fingerprint.hexdigest(),
         has_labels=has_labels,
     )
 
@@ -163,6 +160,12 @@ def _write_shards(
     return [shard.result() for shard in shards]
 
 
+def progress_bars(enabled: bool, console: Console | None) -> Progress:
+    """The progress bars of a command that reads a corpus (`build`, `build_store`)."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(SpinnerColumn(), *columns, console=console, disable=not enabled)
+
+
 def build(
     corpus: str | os.PathLike,
     out: str | os.PathLike,
@@ -187,7 +190,9 @@ def build(
     progress: bool = False,
     console: Console | None = None,
 ) -> Manifest:
-    """Pack a corpus into shards under `out` and return the manifest written there.
+    """Pack a corpus, or a document store (`build_store`), into shards under `out` and return the
+    manifest written there. A store's documents are not tokenized again: its build is byte for byte
+    the build of its corpus with the options the store was tokenized with, which it records.
 
     >>> manifest = build("corpus.parquet", "packed/", max_len=8192)   # doctest: +SKIP
     >>> manifest.totals.packs, manifest.totals.padding_tokens           # doctest: +SKIP
@@ -204,7 +209,18 @@ def build(
     asked (see `prepack.output.staged_directory`: it exists without `overwrite`, it is not a prepack
     build, another build to it runs, a disk is full); in every case nothing is published.
     """
-    read_column = (messages_column if chat else text_column) if tokenizer is not None else column
+    reading = Reading(
+        column=column,
+        labels_column=labels_column,
+        tokenizer=tokenizer,
+        chat=chat,
+        text_column=text_column,
+        messages_column=messages_column,
+        eos=eos,
+        chat_template=chat_template,
+        train_on=train_on,
+        num_proc=num_proc,
+    )
     try:
         options = BuildOptions(
             max_len=max_len,
@@ -212,39 +228,17 @@ def build(
             overflow=overflow,
             seed=seed,
             shard_size=shard_size,
-            column=read_column,
+            column=reading.read_column,
             labels_column=labels_column,
             drop_untrained=drop_untrained,
         )
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
-    found = find_corpus(corpus)
-    inside = [f for f in found.files if f.resolve().is_relative_to(Path(out).resolve())]
-    if inside:
-        raise InputError(f"{inside[0]}: the corpus includes files inside --out {out}; choose another --out.")
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(SpinnerColumn(), *columns, console=console, disable=not progress) as bar:
-        if tokenizer is None:
-            used_labels, batches = read_documents(found, column, labels_column)
-            has_labels, tokenize_options = used_labels is not None, None
-        else:
-            # Imported here: tokenizers and jinja2 are needed only by builds that tokenize.
-            try:
-                from prepack.tokenize import load_tokenizer, tokenize_corpus
-            except ImportError as exc:
-                raise InputError(f"--tokenizer needs {exc.name}: pip install 'prepack[tokenize]'") from None
-
-            tokenize_options, has_labels, batches = tokenize_corpus(
-                found,
-                load_tokenizer(tokenizer),
-                mode="chat" if chat else "text",
-                column=read_column,
-                eos=eos,
-                chat_template=chat_template,
-                train_on=train_on,
-                num_proc=num_proc,
-                progress=bar,
-            )
+    with progress_bars(progress, console) as bar:
+        documents = open_documents(corpus, reading, out, bar)
+        found, has_labels, batches, read_column = (
+            documents.corpus, documents.has_labels, documents.batches, documents.column
+        )
         with staged_directory(out, overwrite) as staging:
             stored = _store_documents(found, has_labels, batches, staging.scratch, bar)
             if len(stored.lengths) == 0:
@@ -278,12 +272,9 @@ def build(
             shards = _write_shards(plan, staging.build, staging.scratch, has_labels, shard_size, bar)
             manifest = Manifest(
                 prepack_version=version("prepack"),
+                # How the documents were read: as asked, or as the store was written.
                 options=options.model_copy(
-                    update={
-                        # Tokenized labels are made by the build, not read from a column.
-                        "labels_column": labels_column if has_labels and tokenizer is None else None,
-                        "tokenize": tokenize_options,
-                    }
+                    update={"column": read_column, "labels_column": documents.labels_column, "tokenize": documents.tokenize}
                 ),
                 has_labels=has_labels,
                 fingerprint=stored.fingerprint,

@@ -47,6 +47,21 @@ class Overflow(str, Enum):
     error = "error"
 
 
+# Reading and tokenizing options, shared by `build` and `tokenize`.
+_ColumnOption = Annotated[str, typer.Option(help="Token column.")]
+_LabelsColumnOption = Annotated[str, typer.Option("--labels-column", help="Labels column, carried when present.")]
+_TokenizerOption = Annotated[Path | None, typer.Option(help="Tokenize text or chat with this local tokenizer directory or tokenizer.json.", rich_help_panel="Tokenize")]
+_ChatOption = Annotated[bool, typer.Option("--chat", help="The corpus holds conversations (--messages-column), rendered with the chat template.", rich_help_panel="Tokenize")]
+_TextColumnOption = Annotated[str, typer.Option("--text-column", help="Text column.", rich_help_panel="Tokenize")]
+_MessagesColumnOption = Annotated[str, typer.Option("--messages-column", help="Messages column (--chat).", rich_help_panel="Tokenize")]
+_ChatTemplateOption = Annotated[Path | None, typer.Option("--chat-template", help="A Jinja chat template file instead of the tokenizer's.", rich_help_panel="Tokenize")]
+_TrainOnOption = Annotated[TrainOn, typer.Option("--train-on", help="--chat: which tokens keep their labels.", rich_help_panel="Tokenize")]
+_EosOption = Annotated[bool, typer.Option("--eos/--no-eos", help="Append EOS to every text document.", rich_help_panel="Tokenize")]
+_NumProcOption = Annotated[int | None, typer.Option("--num-proc", min=1, help="Tokenizer threads (text) or processes (chat); default: all cores.", rich_help_panel="Tokenize")]
+_ShardSizeOption = Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB or 1GB.")]
+_QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")]
+
+
 def _byte_size(text: str) -> int:
     try:
         return int(TypeAdapter(ByteSize).validate_python(text))
@@ -90,26 +105,26 @@ def _untrained(documents: int, tokens: int, dropped: bool) -> str:
 
 @app.command("build")
 def build_command(
-    corpus: Annotated[str, typer.Argument(help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory.")],
+    corpus: Annotated[str, typer.Argument(help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory; or a document store (prepack tokenize).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output directory (created atomically).")],
     max_len: Annotated[int, typer.Option("--max-len", help="Tokens per pack.")] = 8192,
-    column: Annotated[str, typer.Option(help="Token column.")] = "input_ids",
-    labels_column: Annotated[str, typer.Option("--labels-column", help="Labels column, carried when present.")] = "labels",
-    tokenizer: Annotated[Path | None, typer.Option(help="Tokenize text or chat with this local tokenizer directory or tokenizer.json.", rich_help_panel="Tokenize")] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="The corpus holds conversations (--messages-column), rendered with the chat template.", rich_help_panel="Tokenize")] = False,
-    text_column: Annotated[str, typer.Option("--text-column", help="Text column.", rich_help_panel="Tokenize")] = "text",
-    messages_column: Annotated[str, typer.Option("--messages-column", help="Messages column (--chat).", rich_help_panel="Tokenize")] = "messages",
-    chat_template: Annotated[Path | None, typer.Option("--chat-template", help="A Jinja chat template file instead of the tokenizer's.", rich_help_panel="Tokenize")] = None,
-    train_on: Annotated[TrainOn, typer.Option("--train-on", help="--chat: which tokens keep their labels.", rich_help_panel="Tokenize")] = TrainOn.assistant,
-    eos: Annotated[bool, typer.Option("--eos/--no-eos", help="Append EOS to every text document.", rich_help_panel="Tokenize")] = True,
-    num_proc: Annotated[int | None, typer.Option("--num-proc", min=1, help="Tokenizer threads (text) or processes (chat); default: all cores.", rich_help_panel="Tokenize")] = None,
+    column: _ColumnOption = "input_ids",
+    labels_column: _LabelsColumnOption = "labels",
+    tokenizer: _TokenizerOption = None,
+    chat: _ChatOption = False,
+    text_column: _TextColumnOption = "text",
+    messages_column: _MessagesColumnOption = "messages",
+    chat_template: _ChatTemplateOption = None,
+    train_on: _TrainOnOption = TrainOn.assistant,
+    eos: _EosOption = True,
+    num_proc: _NumProcOption = None,
     algorithm: Annotated[Algorithm, typer.Option(help="First-fit or best-fit decreasing.")] = Algorithm.ffd,
     overflow: Annotated[Overflow, typer.Option(help="Documents longer than --max-len.")] = Overflow.split,
     seed: Annotated[int, typer.Option(help="Seed of the pack-order shuffle.")] = 0,
     drop_untrained: Annotated[bool, typer.Option("--drop-untrained", help="Leave out documents with no trained token (every label -100); they are counted either way.")] = False,
-    shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB or 1GB.")] = f"{DEFAULT_SHARD_SIZE // 2**20}MiB",
+    shard_size: _ShardSizeOption = f"{DEFAULT_SHARD_SIZE // 2**20}MiB",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing build at --out.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")] = False,
+    quiet: _QuietOption = False,
 ) -> None:
     """Pack a corpus into Arrow shards with a manifest: token ids as they are, or text and chat
     tokenized with --tokenizer."""
@@ -141,6 +156,57 @@ def build_command(
         _fail(exc)
     if not quiet:
         Console().print(_summary(manifest, out))
+
+
+@app.command("tokenize")
+def tokenize_command(
+    corpus: Annotated[str, typer.Argument(help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Store directory (created atomically).")],
+    column: _ColumnOption = "input_ids",
+    labels_column: _LabelsColumnOption = "labels",
+    tokenizer: _TokenizerOption = None,
+    chat: _ChatOption = False,
+    text_column: _TextColumnOption = "text",
+    messages_column: _MessagesColumnOption = "messages",
+    chat_template: _ChatTemplateOption = None,
+    train_on: _TrainOnOption = TrainOn.assistant,
+    eos: _EosOption = True,
+    num_proc: _NumProcOption = None,
+    shard_size: _ShardSizeOption = f"{DEFAULT_SHARD_SIZE // 2**20}MiB",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing store at --out.")] = False,
+    quiet: _QuietOption = False,
+) -> None:
+    """Read and tokenize a corpus once into a document store, which `prepack build STORE` packs at any
+    --max-len, seed or algorithm without tokenizing again."""
+    from prepack.store_write import build_store
+
+    try:
+        manifest = build_store(
+            corpus,
+            out,
+            column=column,
+            labels_column=labels_column,
+            tokenizer=tokenizer,
+            chat=chat,
+            text_column=text_column,
+            messages_column=messages_column,
+            chat_template=chat_template,
+            train_on=train_on.value,
+            eos=eos,
+            num_proc=num_proc,
+            shard_size=_byte_size(shard_size),
+            overwrite=overwrite,
+            progress=not quiet,
+            console=console,
+        )
+    except PrepackError as exc:
+        _fail(exc)
+    if not quiet:
+        lengths = manifest.lengths
+        Console().print(
+            f"stored {manifest.documents:,} documents, {manifest.tokens:,} tokens in {len(manifest.shards)} "
+            f"shards under {out} (lengths {lengths.min:,}-{lengths.max:,}, median {lengths.p50:,}, p99 {lengths.p99:,})"
+        )
 
 
 @app.command("inspect")

@@ -30,7 +30,9 @@ __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_MAX_BYTES",
     "SHARD_VERSION_KEY",
+    "STORE_MANIFEST_NAME",
     "BuildOptions",
+    "Fingerprint",
     "FormatProblem",
     "InputFile",
     "Manifest",
@@ -43,6 +45,7 @@ __all__ = [
     "check_layout",
     "check_shard",
     "list_column",
+    "load_manifest_json",
     "open_shard",
     "pack_layout",
     "read_manifest",
@@ -57,6 +60,9 @@ __all__ = [
 
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
+# What marks a document store (prepack/store_format.py), named here so that a reader of builds can say
+# so when it is handed a store.
+STORE_MANIFEST_NAME = "store.json"
 SHARD_VERSION_KEY = "prepack.format_version"  # schema metadata of every shard: marks it as prepack's
 IGNORE_INDEX = -100  # label value that is not trained on (the PyTorch / HF convention)
 # Readers refuse a bigger manifest before parsing it. A shard entry takes ~200 bytes of indented JSON
@@ -160,6 +166,26 @@ class Totals(_Model):
         "left out of the packs when options.drop_untrained.",
     )
     untrained_tokens: int = Field(default=0, ge=0, le=_COUNT_MAX, description="Tokens of those documents.")
+
+
+class Fingerprint:
+    """`Manifest.fingerprint` (and a store's): the hex sha256 of the three sha256 digests, in this order,
+    of the documents' lengths as little-endian int64, their token ids as little-endian int32 and their
+    labels as little-endian int32 (nothing without labels), each stream fed in row order. A hash per
+    stream makes it independent of how the rows are cut into batches."""
+
+    def __init__(self) -> None:
+        self._streams = (hashlib.sha256(), hashlib.sha256(), hashlib.sha256())
+
+    def update(self, lengths: np.ndarray, ids: np.ndarray, labels: np.ndarray | None) -> None:
+        """Add consecutive documents: their lengths, and their tokens (and labels) back to back."""
+        self._streams[0].update(lengths.astype("<i8", copy=False).data)
+        self._streams[1].update(ids.astype("<i4", copy=False).data)
+        if labels is not None:
+            self._streams[2].update(labels.astype("<i4", copy=False).data)
+
+    def hexdigest(self) -> str:
+        return hashlib.sha256(b"".join(stream.digest() for stream in self._streams)).hexdigest()
 
 
 class ShardInfo(_Model):
@@ -267,6 +293,28 @@ def _integer(text: str) -> int:
     return int(text)
 
 
+def load_manifest_json(path: Path) -> object:
+    """The JSON value of a manifest file, read strictly: a regular file of at most MANIFEST_MAX_BYTES,
+    UTF-8, no NaN or Infinity, no repeated key, no integer of more than _MAX_DIGITS digits, nesting
+    bounded by the parser's recursion. Raises FileNotFoundError when it is missing, else FormatError."""
+    fd = _open_regular(path)
+    try:
+        with os.fdopen(fd, "rb") as file:
+            data = file.read(MANIFEST_MAX_BYTES + 1)
+    except OSError as exc:
+        _fail(path, f"cannot be read ({exc.strerror}).")
+    if len(data) > MANIFEST_MAX_BYTES:
+        _fail(path, f"is larger than {MANIFEST_MAX_BYTES} bytes, the most a prepack manifest may hold.")
+    try:
+        return json.loads(
+            data.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_int=_integer
+        )
+    except RecursionError:
+        _fail(path, "cannot be read as JSON: it nests too deeply to be a prepack manifest.")
+    except ValueError as exc:  # also UnicodeDecodeError
+        _fail(path, f"cannot be read as JSON: {exc}")
+
+
 def read_manifest(directory: str | os.PathLike) -> Manifest:
     """Read and strictly validate `manifest.json`; unknown format versions are refused.
 
@@ -276,24 +324,15 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     """
     path = Path(directory) / MANIFEST_NAME
     try:
-        fd = _open_regular(path)
+        raw = load_manifest_json(path)
     except FileNotFoundError:
+        if (Path(directory) / STORE_MANIFEST_NAME).exists():
+            _fail(
+                directory,
+                f"is a prepack document store ({STORE_MANIFEST_NAME}), not a build: pack it with "
+                f"`prepack build {directory} --max-len N --out DIR`.",
+            )
         _fail(path, f"does not exist: {directory} is not a finished prepack build (the manifest is written last).")
-    try:
-        with os.fdopen(fd, "rb") as file:
-            data = file.read(MANIFEST_MAX_BYTES + 1)
-    except OSError as exc:
-        _fail(path, f"cannot be read ({exc.strerror}).")
-    if len(data) > MANIFEST_MAX_BYTES:
-        _fail(path, f"is larger than {MANIFEST_MAX_BYTES} bytes, the most a prepack manifest may hold.")
-    try:
-        raw = json.loads(
-            data.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_int=_integer
-        )
-    except RecursionError:
-        _fail(path, "cannot be read as JSON: it nests too deeply to be a prepack manifest.")
-    except ValueError as exc:  # also UnicodeDecodeError
-        _fail(path, f"cannot be read as JSON: {exc}")
     version = raw.get("format_version") if isinstance(raw, dict) else None
     if type(version) is not int or version != FORMAT_VERSION:
         _fail(

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 from prepack.errors import FormatError, OutputError
-from prepack.format import MANIFEST_NAME, Manifest, read_manifest, shard_name
+from prepack.format import MANIFEST_NAME, STORE_MANIFEST_NAME, Manifest, read_manifest, shard_name
+from prepack.store_format import StoreManifest, read_store_manifest, store_shard_name
 
 __all__ = ["STAGING_MARK", "Staging", "output_errors", "output_file", "replaceable_build", "staged_directory"]
 
@@ -60,44 +61,57 @@ def output_file(path: Path) -> Iterator[BinaryIO]:
             file.close()
 
 
-def replaceable_build(directory: str | os.PathLike) -> Manifest | None:
-    """The manifest of `directory` when it is a prepack build that prepack may replace or delete (None
-    when it is an empty directory), else an OutputError saying what is there that prepack did not write.
+def replaceable_build(directory: str | os.PathLike, kind: str = MANIFEST_NAME) -> Manifest | StoreManifest | None:
+    """The manifest of `directory` when it is a prepack output of `kind` (MANIFEST_NAME: a build,
+    STORE_MANIFEST_NAME: a document store) that prepack may replace or delete (None when it is an
+    empty directory), else an OutputError saying what is there that prepack did not write.
 
-    A build is a manifest that `read_manifest` accepts, the shards it names under the names the format
-    gives them, and nothing else: no other file, directory or symbolic link. Shards may be missing.
+    An output is a manifest that `read_manifest` (or `read_store_manifest`) accepts, the shards it
+    names under the names the format gives them, and nothing else: no other file, directory or
+    symbolic link. Shards may be missing. A build never replaces a store, nor a store a build.
     """
     directory = Path(directory)
-    refusal = f"{directory} is not a prepack build, so prepack will not replace or delete it"
+    refusal = f"{directory} is not a prepack {_KINDS[kind]}, so prepack will not replace or delete it"
     if directory.is_symlink() or not directory.is_dir():
         raise OutputError(f"{refusal}: it is not a directory.")
     with output_errors(directory, "read"), os.scandir(directory) as entries:
         regular_files = {entry.name: entry.is_file(follow_symlinks=False) for entry in entries}
     if not regular_files:
         return None
+    read, name_of = (read_manifest, shard_name) if kind == MANIFEST_NAME else (read_store_manifest, store_shard_name)
     try:
-        manifest = read_manifest(directory)
+        manifest = read(directory)
     except FormatError as exc:
         raise OutputError(f"{refusal}: {exc}") from None
-    renamed = [shard.name for index, shard in enumerate(manifest.shards) if shard.name != shard_name(index)]
+    renamed = [shard.name for index, shard in enumerate(manifest.shards) if shard.name != name_of(index)]
     if renamed:
         raise OutputError(f"{refusal}: its manifest names shard files prepack does not write: {renamed}.")
-    named = {MANIFEST_NAME, *(shard.name for shard in manifest.shards)}
+    named = {kind, *(shard.name for shard in manifest.shards)}
     foreign = sorted(name for name, regular in regular_files.items() if name not in named or not regular)
     if foreign:
         raise OutputError(f"{refusal}: it holds {', '.join(foreign)}, which prepack did not write.")
     return manifest
 
 
+# What each manifest file marks: a build or a document store.
+_KINDS = {MANIFEST_NAME: "build", STORE_MANIFEST_NAME: "document store"}
+
+
 def _delete_build(directory: Path) -> None:
-    """Delete a build `replaceable_build` accepts: the files its manifest names, the manifest last, then
-    the directory (which fails, keeping it, if anything else has appeared in it)."""
-    manifest = replaceable_build(directory)
+    """Delete an output `replaceable_build` accepts: the files its manifest names, the manifest last,
+    then the directory (which fails, keeping it, if anything else has appeared in it)."""
+    kind = _kind(directory)
+    manifest = replaceable_build(directory, kind)
     with output_errors(directory, "delete"):
         for shard in manifest.shards if manifest else []:
             (directory / shard.name).unlink(missing_ok=True)
-        (directory / MANIFEST_NAME).unlink(missing_ok=True)
+        (directory / kind).unlink(missing_ok=True)
         directory.rmdir()
+
+
+def _kind(directory: Path) -> str | None:
+    """The manifest file that marks `directory` as a prepack output, if any."""
+    return next((kind for kind in _KINDS if (directory / kind).exists()), None)
 
 
 class Staging(NamedTuple):
@@ -115,21 +129,22 @@ class _Found(NamedTuple):
     manifest: Manifest | None
 
 
-def _found(out: Path) -> _Found | None:
+def _found(out: Path, kind: str) -> _Found | None:
     try:
         stat = os.lstat(out)
     except FileNotFoundError:
         return None
-    return _Found(stat.st_dev, stat.st_ino, replaceable_build(out))
+    return _Found(stat.st_dev, stat.st_ino, replaceable_build(out, kind))
 
 
 @contextmanager
-def staged_directory(out: str | os.PathLike, overwrite: bool) -> Iterator[Staging]:
+def staged_directory(out: str | os.PathLike, overwrite: bool, kind: str = MANIFEST_NAME) -> Iterator[Staging]:
     """Hold the lock of `out`, yield a new staging directory beside it, and publish its `build` as
     `out` when the block ends without an error; whatever happens, the staging directory is deleted.
 
     Raises OutputError, before anything is written, when `out` is a symbolic link, when another build
-    to `out` runs, or when `out` exists and `overwrite` is off or it is not a prepack build; and, with
+    to `out` runs, or when `out` exists and `overwrite` is off or it is not a prepack output of `kind`
+    (see `replaceable_build`); and, with
     the build discarded and `out` left as it is, when `out` appeared or changed while the block ran.
     """
     out = Path(out)
@@ -144,7 +159,7 @@ def staged_directory(out: str | os.PathLike, overwrite: bool) -> Iterator[Stagin
         out.parent.mkdir(parents=True, exist_ok=True)
     with _locked(out):
         _remove_stale_staging(out)
-        replacing = _found(out)
+        replacing = _found(out, kind)
         if replacing is not None and not overwrite:
             raise OutputError(f"{out} already exists; pass --overwrite to replace it.")
         staging = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -156,16 +171,16 @@ def staged_directory(out: str | os.PathLike, overwrite: bool) -> Iterator[Stagin
                 (staging / "build").mkdir()
                 (staging / "scratch").mkdir()
             yield Staging(staging / "build", staging / "scratch")
-            _publish(staging / "build", out, replacing)
+            _publish(staging / "build", out, replacing, kind)
         finally:
             _remove_staging(staging)
 
 
-def _publish(built: Path, out: Path, replacing: _Found | None) -> None:
+def _publish(built: Path, out: Path, replacing: _Found | None, kind: str) -> None:
     if replacing is not None:
         changed = f"{out} changed while this build ran; it was left as it is, and this build discarded"
         try:
-            now = _found(out)
+            now = _found(out, kind)
         except OutputError as exc:  # something prepack did not write is in it now
             raise OutputError(f"{changed}: {exc}") from None
         if now != replacing:
@@ -242,7 +257,7 @@ def _remove_staging(staging: Path) -> None:
         for part in staging.iterdir():
             if part.name == STAGING_MARK:
                 continue
-            if (part / MANIFEST_NAME).exists():
+            if _kind(part) is not None:
                 _delete_build(part)
             else:
                 shutil.rmtree(part)

@@ -30,8 +30,9 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from prepack.errors import InputError
-from prepack.format import IGNORE_INDEX, MANIFEST_NAME, SHARD_VERSION_KEY
+from prepack.format import IGNORE_INDEX, MANIFEST_NAME, SHARD_VERSION_KEY, STORE_MANIFEST_NAME
 from prepack.output import STAGING_MARK
+from prepack.store_format import STORE_VERSION_KEY
 
 __all__ = ["Corpus", "DocumentBatch", "find_corpus", "read_documents"]
 
@@ -171,10 +172,16 @@ def find_corpus(spec: str | Path) -> Corpus:
     """Resolve a file, directory or glob into the corpus files, sorted.
 
     Refused with `InputError`: a corpus file that is not a regular file (FIFO, dangling symlink), a
-    directory that cannot be listed, a prepack build inside the corpus. Hidden staging directories
+    directory that cannot be listed, a prepack build inside the corpus, a document store (which
+    `prepack.documents.open_documents` reads instead). Hidden staging directories
     of builds (`.NAME.tmp-…`) are not read.
     """
     path = Path(spec)
+    if path.is_dir() and os.path.lexists(path / STORE_MANIFEST_NAME):
+        raise InputError(
+            f"{path}: a prepack document store, not a corpus. `prepack build` packs it as it is; where a "
+            "corpus is asked for (verify --source), pass the corpus the store was made from."
+        )
     if path.is_dir():
         saved = _hf_saved_dataset(path)
         files = saved if saved is not None else _directory_files(path)
@@ -386,6 +393,11 @@ def file_columns(path: Path, kind: str) -> dict[str, pa.DataType]:
             raise InputError(
                 f"{path}: a shard of a prepack build (its schema says so), not a corpus file. "
                 "Leave the build out of the corpus (pass the corpus files, or a glob)."
+            )
+        if STORE_VERSION_KEY.encode() in (schema.metadata or {}):
+            raise InputError(
+                f"{path}: a shard of a prepack document store (its schema says so), not a corpus file. "
+                "Pass the store's directory itself, or leave the store out of the corpus."
             )
         return {f.name: f.type for f in schema}  # a name that is not UTF-8 raises UnicodeDecodeError
     except (OSError, pa.ArrowException, ValueError) as exc:

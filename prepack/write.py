@@ -15,7 +15,7 @@ from prepack.format import ShardInfo, segment_id_type, shard_name, shard_schema
 from prepack.output import output_errors, output_file
 from prepack.plan import ShardPacks
 
-__all__ = ["ShardBuffers", "SyncedFile", "shard_bounds", "write_in_pieces", "write_shard"]
+__all__ = ["ShardBuffers", "SyncedFile", "shard_bounds", "write_in_pieces", "write_record_batch", "write_shard"]
 
 
 def shard_bounds(pack_bytes: np.ndarray, shard_size: int) -> np.ndarray:
@@ -233,9 +233,16 @@ def write_shard(
     batch = pa.RecordBatch.from_arrays(columns, schema=schema)
 
     name = shard_name(index)
-    with output_file(directory / name) as f, output_errors(directory / name):
+    size, sha256 = write_record_batch(directory / name, batch)
+    return ShardInfo(name=name, rows=packs, tokens=total, bytes=size, sha256=sha256)
+
+
+def write_record_batch(path: Path, batch: pa.RecordBatch) -> tuple[int, str]:
+    """Write `batch` as an uncompressed Arrow IPC stream of that one batch, synced as it goes, and
+    return the file's size and hex sha256."""
+    with output_file(path) as f, output_errors(path):
         sink = _HashingSink(f)
-        with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), schema) as writer:
+        with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), batch.schema) as writer:
             writer.write_batch(batch)
         sink.out.sync()
-    return ShardInfo(name=name, rows=packs, tokens=total, bytes=sink.out.size, sha256=sink.sha256.hexdigest())
+    return sink.out.size, sink.sha256.hexdigest()

@@ -1,0 +1,101 @@
+"""Where a build's documents come from: a corpus of token ids (`prepack.read`), a corpus of text or
+chat tokenized on the way (`prepack.tokenize`), or a document store tokenized before
+(`prepack.store_read`). `build` and `build_store` both read through `open_documents`, so a store
+holds exactly the documents a build of its corpus would pack."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from rich.progress import Progress
+
+from prepack.errors import InputError
+from prepack.format import TokenizeOptions
+from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
+from prepack.store_read import is_store, open_store
+
+__all__ = ["Documents", "Reading", "open_documents"]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How a corpus is read: token ids from `column` (and `labels_column` when every file has it), or
+    with `tokenizer` text from `text_column` or, with `chat`, conversations from `messages_column`,
+    tokenized as `prepack.tokenize.tokenize_corpus` describes."""
+
+    column: str = "input_ids"
+    labels_column: str = "labels"
+    tokenizer: str | os.PathLike | None = None
+    chat: bool = False
+    text_column: str = "text"
+    messages_column: str = "messages"
+    eos: bool = True
+    chat_template: str | os.PathLike | None = None
+    train_on: str = "assistant"
+    num_proc: int | None = None
+
+    @property
+    def read_column(self) -> str:
+        """The corpus column the documents come from."""
+        if self.tokenizer is None:
+            return self.column
+        return self.messages_column if self.chat else self.text_column
+
+
+@dataclass(frozen=True)
+class Documents:
+    """A corpus's documents, streamed, and how they were read (what a manifest records)."""
+
+    corpus: Corpus
+    column: str  # the column read: token ids, or text / messages when tokenized
+    labels_column: str | None  # the labels column read from the corpus; None when tokenized or absent
+    tokenize: TokenizeOptions | None
+    has_labels: bool
+    batches: Iterator[DocumentBatch]
+
+
+def open_documents(spec: str | os.PathLike, reading: Reading, out: str | os.PathLike, progress: Progress) -> Documents:
+    """Find the corpus or store at `spec`, check its schema (or its store manifest) and the options
+    now, and return its documents, read (and tokenized) while they are consumed. A store is read as it
+    was written: reading options other than the defaults are refused with it. Raises InputError, or
+    FormatError for a broken store; a corpus with files inside `out` is refused."""
+    store = open_store(spec) if is_store(spec) else None
+    given = [f"--{f.name.replace('_', '-')}" for f in fields(Reading) if getattr(reading, f.name) != f.default]
+    if store is not None and given:
+        # A store is read as it was written; an option that asks otherwise would be silently ignored.
+        raise InputError(f"{spec} is a document store, tokenized already: leave out {', '.join(given)}.")
+    if store is not None:
+        root, target = store.root.resolve(), Path(out).resolve()
+        if root.is_relative_to(target) or target.is_relative_to(root):
+            raise InputError(f"{spec}: the document store and --out {out} must not lie inside each other; choose another --out.")
+    corpus = store.corpus if store is not None else find_corpus(spec)
+    inside = [f for f in corpus.files if f.resolve().is_relative_to(Path(out).resolve())]
+    if inside:
+        raise InputError(f"{inside[0]}: the corpus includes files inside --out {out}; choose another --out.")
+    if store is not None:
+        m = store.manifest
+        return Documents(corpus, m.column, m.labels_column, m.tokenize, m.has_labels, store.documents())
+    if reading.tokenizer is None:
+        used_labels, batches = read_documents(corpus, reading.column, reading.labels_column)
+        return Documents(corpus, reading.column, used_labels, None, used_labels is not None, batches)
+    # Imported here: tokenizers and jinja2 are needed only to tokenize.
+    try:
+        from prepack.tokenize import load_tokenizer, tokenize_corpus
+    except ImportError as exc:
+        raise InputError(f"--tokenizer needs {exc.name}: pip install 'prepack[tokenize]'") from None
+
+    options, has_labels, batches = tokenize_corpus(
+        corpus,
+        load_tokenizer(reading.tokenizer),
+        mode="chat" if reading.chat else "text",
+        column=reading.read_column,
+        eos=reading.eos,
+        chat_template=reading.chat_template,
+        train_on=reading.train_on,
+        num_proc=reading.num_proc,
+        progress=progress,
+    )
+    return Documents(corpus, reading.read_column, None, options, has_labels, batches)

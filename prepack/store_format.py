@@ -1,0 +1,203 @@
+"""The document store's format: one description that its writer (`prepack.store_write`) and reader
+(`prepack.store_read`) are built against.
+
+A store holds a corpus's documents once, tokenized, in corpus row order, so that any number of builds
+(other max-lens, seeds, algorithms) read them without tokenizing again. The normative text is
+`schemas/store-format.md`; `schemas/store.schema.json` is generated from `StoreManifest` below, and
+`tests/test_store.py` fails when either drifts from this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from prepack.errors import FormatError
+from prepack.format import IGNORE_INDEX, MANIFEST_NAME, STORE_MANIFEST_NAME, InputFile, TokenizeOptions, load_manifest_json
+
+__all__ = [
+    "STORE_MANIFEST_NAME",
+    "STORE_VERSION",
+    "STORE_VERSION_KEY",
+    "LengthSummary",
+    "StoreManifest",
+    "StoreShard",
+    "check_store_files",
+    "check_store_shard",
+    "read_store_manifest",
+    "store_schema",
+    "store_shard_name",
+    "write_store_manifest",
+]
+
+STORE_VERSION = 1
+STORE_VERSION_KEY = "prepack.store_version"  # schema metadata of every store shard: marks it as a store's
+_TOKEN = pa.int32()
+
+
+def store_schema(has_labels: bool) -> pa.Schema:
+    """The Arrow schema of every shard of a store; `labels` only when the documents have them."""
+    fields = [pa.field("input_ids", pa.list_(_TOKEN), nullable=False)]
+    if has_labels:
+        fields.append(pa.field("labels", pa.list_(_TOKEN), nullable=False))
+    return pa.schema(fields, metadata={STORE_VERSION_KEY: str(STORE_VERSION)})
+
+
+def store_shard_name(index: int) -> str:
+    return f"documents-{index:05d}.arrow"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StoreShard(_Model):
+    name: str
+    documents: int = Field(ge=0, description="Rows: consecutive documents, in corpus row order.")
+    tokens: int = Field(ge=0, le=2**31 - 1)
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class LengthSummary(_Model):
+    """The documents' lengths in tokens, for choosing max-lens without reading the store."""
+
+    min: int = Field(ge=0)
+    max: int = Field(ge=0)
+    mean: float = Field(ge=0)
+    p50: int = Field(ge=0, description="Percentiles: numpy's 'lower' method, so a length that occurs.")
+    p90: int = Field(ge=0)
+    p99: int = Field(ge=0)
+    empty: int = Field(ge=0, description="Documents with no tokens.")
+    untrained: int = Field(
+        ge=0, description="Documents with tokens but no trained token (every label after the first is -100)."
+    )
+
+
+class StoreManifest(_Model):
+    """`store.json`: written last; a directory without one is not a finished store."""
+
+    store_version: Literal[1] = STORE_VERSION
+    prepack_version: str
+    column: str = Field(description="The corpus column read: token ids, or text / messages when tokenized.")
+    labels_column: str | None = Field(description="The labels column read from the corpus, if any (never when tokenized).")
+    tokenize: TokenizeOptions | None = Field(description="Set when the corpus was text or chat, tokenized into the store.")
+    has_labels: bool
+    fingerprint: str = Field(
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 over the documents: lengths, token ids and labels, in row order; a build's definition.",
+    )
+    inputs: list[InputFile] = Field(min_length=1, description="The corpus files, in row order.")
+    documents: int = Field(ge=1)
+    tokens: int = Field(ge=0)
+    lengths: LengthSummary
+    shards: list[StoreShard] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StoreManifest:
+        """What the manifest says agrees with itself: shard names the format's (so none leaves the
+        store), counts that add up, input names inside a corpus root."""
+        for index, shard in enumerate(self.shards):
+            if shard.name != store_shard_name(index):
+                raise ValueError(f"shard {index} is named {shard.name!r}, not {store_shard_name(index)!r}")
+        for field, listed, total in (
+            ("documents", sum(s.documents for s in self.shards), self.documents),
+            ("tokens", sum(s.tokens for s in self.shards), self.tokens),
+            ("documents", sum(f.rows for f in self.inputs), self.documents),
+        ):
+            if listed != total:
+                raise ValueError(f"its shards or inputs add up to {listed} {field}, but it says {total}")
+        for input_file in self.inputs:
+            if input_file.path.startswith("/") or {"", ".", ".."} & set(input_file.path.split("/")):
+                raise ValueError(f"input {input_file.path!r} is not a '/'-separated path inside the corpus root")
+        return self
+
+
+def write_store_manifest(directory: Path, manifest: StoreManifest) -> None:
+    """Write `store.json` atomically (temporary file + rename), keys sorted."""
+    text = json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+    tmp = directory / f".{STORE_MANIFEST_NAME}.tmp"
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, directory / STORE_MANIFEST_NAME)
+
+
+def read_store_manifest(directory: str | os.PathLike) -> StoreManifest:
+    """Read and strictly validate `store.json` (`StoreManifest`, its own checks included). Raises
+    FormatError."""
+    path = Path(directory) / STORE_MANIFEST_NAME
+    try:
+        raw = load_manifest_json(path)
+    except FileNotFoundError:
+        build = (Path(directory) / MANIFEST_NAME).exists()
+        raise FormatError(
+            f"{directory} is a prepack build, not a document store (it has {MANIFEST_NAME}, no {STORE_MANIFEST_NAME})."
+            if build
+            else f"{path} does not exist: {directory} is not a finished prepack document store."
+        ) from None
+    version = raw.get("store_version") if isinstance(raw, dict) else None
+    if version != STORE_VERSION:
+        raise FormatError(
+            f"{path} has store_version {version!r}; this prepack reads version {STORE_VERSION}. "
+            "Tokenize the corpus again or use the prepack version that wrote the store."
+        )
+    try:
+        manifest = StoreManifest.model_validate(raw, strict=True)
+    except ValidationError as exc:
+        raise FormatError(f"{path} is not a valid prepack store manifest:\n{exc}") from None
+    return manifest
+
+
+def check_store_files(directory: Path, manifest: StoreManifest) -> None:
+    """Every shard the manifest names is a regular file in `directory` (no symbolic link) of the
+    manifest's size, checked with `lstat` only. Raises FormatError."""
+    for shard in manifest.shards:
+        path = directory / shard.name
+        try:
+            mode = path.lstat()
+        except FileNotFoundError:
+            raise FormatError(f"{path}: missing; the store manifest lists it with {shard.bytes} bytes.") from None
+        if not stat.S_ISREG(mode.st_mode):
+            raise FormatError(f"{path}: not a regular file (a symbolic link, directory or device).")
+        if mode.st_size != shard.bytes:
+            raise FormatError(
+                f"{path}: {mode.st_size} bytes, but the store manifest says {shard.bytes} (truncated or replaced?)."
+            )
+
+
+def check_store_shard(batch: pa.RecordBatch, shard: StoreShard, has_labels: bool, where: str) -> None:
+    """Check a shard's one record batch against the format and its manifest entry: schema, row and
+    token counts, token ids non-negative, labels a token id or -100 and as long as the ids. The
+    batch's offsets are assumed validated (`RecordBatch.validate(full=True)`). Raises FormatError
+    naming `where`, the row and the column."""
+    expected = store_schema(has_labels)
+    if not batch.schema.equals(expected, check_metadata=True):
+        raise FormatError(f"{where}: the schema is\n{batch.schema}\nbut store version {STORE_VERSION} expects\n{expected}")
+    ids = batch.column("input_ids")
+    if batch.num_rows != shard.documents or len(ids.values) != shard.tokens:
+        raise FormatError(
+            f"{where}: {batch.num_rows} documents and {len(ids.values)} tokens, "
+            f"but the store manifest says {shard.documents} and {shard.tokens}."
+        )
+    offsets = ids.offsets.to_numpy()
+    if offsets[0] != 0 or offsets[-1] != len(ids.values):
+        raise FormatError(f"{where}: the input_ids offsets run from {offsets[0]} to {offsets[-1]}, not 0 to {len(ids.values)}.")
+    for column in store_schema(has_labels).names:
+        array = batch.column(column)
+        if array.null_count or array.values.null_count:
+            raise FormatError(f"{where}: column {column!r} has nulls.")
+        values = array.values.to_numpy()
+        bad = values < 0 if column == "input_ids" else (values < 0) & (values != IGNORE_INDEX)
+        if column != "input_ids" and not np.array_equal(array.offsets.to_numpy(), offsets):
+            row = int(np.flatnonzero(array.offsets.to_numpy() != offsets)[0]) - 1
+            raise FormatError(f"{where}: row {row}, column {column!r}: not as long as input_ids.")
+        if bad.any():
+            token = int(np.flatnonzero(bad)[0])
+            row = int(np.searchsorted(offsets, token, "right")) - 1
+            raise FormatError(f"{where}: row {row}, column {column!r}: {values[token]} is not a valid value.")

@@ -1,0 +1,104 @@
+"""Read a document store: check it against its manifest, then stream its documents as a build reads a
+corpus's (`prepack.read.DocumentBatch`, one corpus file at a time), so a build never tokenizes again.
+
+Every store is untrusted: the manifest is validated strictly, every shard must be a regular file of
+the manifest's size and sha256, and each shard's one record batch is validated in full (offsets inside
+their buffers, ids non-negative, labels valid) before a value is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from prepack.errors import FormatError
+from prepack.read import Corpus, DocumentBatch
+from prepack.store_format import (
+    STORE_MANIFEST_NAME,
+    StoreManifest,
+    StoreShard,
+    check_store_files,
+    check_store_shard,
+    read_store_manifest,
+)
+
+__all__ = ["Store", "is_store", "open_store"]
+
+
+def is_store(path: str | os.PathLike) -> bool:
+    """Whether `path` is meant as a document store: a directory holding `store.json` (which
+    `open_store` then validates)."""
+    path = Path(path)
+    return path.is_dir() and os.path.lexists(path / STORE_MANIFEST_NAME)
+
+
+@dataclass(frozen=True)
+class Store:
+    """A document store whose manifest and shard files (names, sizes) have been checked."""
+
+    root: Path
+    manifest: StoreManifest
+
+    @property
+    def corpus(self) -> Corpus:
+        """The corpus the store was made from, its files named inside the store: builds record the
+        same `inputs` as a build of that corpus, and their errors name a corpus file and row."""
+        return Corpus(root=self.root, files=tuple(self.root / f.path for f in self.manifest.inputs))
+
+    def documents(self) -> Iterator[DocumentBatch]:
+        """The documents in row order, each shard's sha256 and contents checked before its first
+        document is yielded, cut at the corpus files' boundaries. The arrays are views of the
+        memory-mapped shards."""
+        files, rows = self.corpus.files, [f.rows for f in self.manifest.inputs]
+        file, row = 0, 0  # the corpus file of the next document, and its row there
+        for shard in self.manifest.shards:
+            offsets, ids, labels = self._shard(shard)
+            start = 0
+            while start < shard.documents:
+                while row == rows[file]:
+                    file, row = file + 1, 0
+                end = min(shard.documents, start + rows[file] - row)
+                first, last = offsets[start], offsets[end]
+                yield DocumentBatch(
+                    file=files[file],
+                    first_row=row,
+                    offsets=offsets[start : end + 1] - first,
+                    ids=ids[first:last],
+                    labels=None if labels is None else labels[first:last],
+                )
+                row += end - start
+                start = end
+
+    def _shard(self, shard: StoreShard) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        path = self.root / shard.name
+        try:
+            with pa.memory_map(str(path)) as source:
+                data = source.read_buffer()
+            if hashlib.sha256(data).hexdigest() != shard.sha256:
+                raise FormatError(f"{path}: its sha256 is not the store manifest's: the shard changed.")
+            batches = list(pa.ipc.open_stream(data))
+            if len(batches) != 1:
+                raise FormatError(f"{path}: a store shard holds exactly one record batch, this one {len(batches)}.")
+            batches[0].validate(full=True)
+        except (OSError, pa.ArrowException) as exc:
+            raise FormatError(f"{path}: not a readable Arrow IPC stream ({exc}).") from None
+        batch = batches[0]
+        check_store_shard(batch, shard, self.manifest.has_labels, str(path))
+        labels = batch.column("labels").values.to_numpy() if self.manifest.has_labels else None
+        ids = batch.column("input_ids")
+        return ids.offsets.to_numpy().astype(np.int64), ids.values.to_numpy(), labels
+
+
+def open_store(path: str | os.PathLike) -> Store:
+    """Read and check a store's manifest and its shard files' names, types and sizes (the contents
+    are checked as `Store.documents` reads them). Raises FormatError."""
+    root = Path(path)
+    manifest = read_store_manifest(root)
+    check_store_files(root, manifest)
+    return Store(root, manifest)
