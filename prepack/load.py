@@ -82,6 +82,11 @@ class PackedDataset(Dataset):
         for shard in range(len(self.manifest.shards)):
             self._columns(shard)
 
+    def cu_seqlens_columns(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each shard's `cu_seqlens` column as zero-copy (offsets, values) (`prepack.format.list_column`),
+        shards opened and checked as for serving rows; the pages of the tokens are not touched."""
+        return [self._columns(shard)["cu_seqlens"] for shard in range(len(self.manifest.shards))]
+
     def _locate(self, index: int) -> tuple[int, int]:
         """Global pack index → (shard, row in shard)."""
         size = len(self)
