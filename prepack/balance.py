@@ -34,6 +34,7 @@ __all__ = [
     "WINDOW_STEPS",
     "Imbalance",
     "balanced_order",
+    "epoch_imbalance",
     "epoch_order",
     "imbalance",
     "pack_costs",
@@ -148,3 +149,17 @@ def imbalance(per_step: np.ndarray) -> Imbalance:
         return Imbalance(1.0, 0.0)
     slowest, mean = per_step.max(axis=1), per_step.mean(axis=1)
     return Imbalance(float((slowest / mean).mean()), float(1 - mean.sum() / slowest.sum()))
+
+
+def epoch_imbalance(
+    costs: np.ndarray, world_size: int, batch_size: int, seed: int, epoch: int = 0
+) -> tuple[Imbalance, Imbalance]:
+    """(unbalanced, balanced) `Imbalance` of the steps `PackedSampler(drop_last=True)` deals in `epoch`:
+    its shuffled order, and the same order as `balance="attention"` regroups it."""
+    order = epoch_order(len(costs), seed, epoch)
+    order = order[: len(order) - len(order) % world_size]
+    balanced = balanced_order(order, costs, world_size, batch_size, [seed, epoch, 0])
+    return (
+        imbalance(step_costs(order, costs, world_size, batch_size)),
+        imbalance(step_costs(balanced, costs, world_size, batch_size)),
+    )

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ from hypothesis import strategies as st
 from prepack import build
 from prepack.balance import WINDOW_STEPS, balanced_order, epoch_order, imbalance, pack_costs, step_costs
 from prepack.load import PackedDataset
+from prepack.report import inspect_build
 from prepack.plan import assign_packs
 from prepack.sample import PackedSampler
 from tests.corpus import corpus_table, write_corpus
@@ -66,11 +71,18 @@ def test_pack_cost_is_the_sum_of_squared_document_lengths_plus_token_cost_per_to
     assert costs.tolist() == [sum(l * l for l in p) + token_cost * sum(p) for p in packs[skip:]]
 
 
-def test_pack_costs_of_a_build_are_read_from_its_cu_seqlens(tmp_path):
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    """A build of a few hundred packs of 256 tokens over several shards, lengths from 1 to 256."""
+    root = tmp_path_factory.mktemp("balance")
     rng = np.random.default_rng(0)
-    documents = [rng.integers(0, 1000, size=rng.integers(1, 200)).tolist() for _ in range(200)]
-    build(write_corpus(tmp_path / "c.parquet", corpus_table(documents)), tmp_path / "b", max_len=256, shard_size=4000)
-    dataset = PackedDataset(tmp_path / "b")
+    documents = [rng.integers(0, 1000, size=min(256, int(rng.pareto(1.2) * 30) + 1)).tolist() for _ in range(2000)]
+    build(write_corpus(root / "c.parquet", corpus_table(documents)), root / "b", max_len=256, shard_size=20000)
+    return root / "b"
+
+
+def test_pack_costs_of_a_build_are_read_from_its_cu_seqlens(packed):
+    dataset = PackedDataset(packed)
     assert len(dataset.manifest.shards) > 1
     costs = np.concatenate([pack_costs(o, v, 3.0) for o, v in dataset.cu_seqlens_columns()])
     expected = [float(sum(np.diff(dataset[i]["cu_seqlens"]).astype(np.int64) ** 2) + 3 * len(dataset[i]["input_ids"]))
@@ -78,6 +90,35 @@ def test_pack_costs_of_a_build_are_read_from_its_cu_seqlens(tmp_path):
     assert costs.tolist() == expected
     sampler = PackedSampler(dataset, rank=0, world_size=2, batch_size=2, balance="attention", drop_last=True)
     assert sorted(sampler) == sorted(set(sampler))
+
+
+def test_inspect_reports_the_steps_the_sampler_deals(packed):
+    dataset = PackedDataset(packed)
+    costs = np.array([float(sum(np.diff(dataset[i]["cu_seqlens"]).astype(np.int64) ** 2)) for i in range(len(dataset))])
+    report = inspect_build(packed, batch_size=2, seed=4, world_size=3, token_cost=0)
+    for balance, max_over_mean, waiting in (
+        (None, report.steps.unbalanced_max_over_mean, report.steps.unbalanced_waiting_share),
+        ("attention", report.steps.balanced_max_over_mean, report.steps.balanced_waiting_share),
+    ):
+        ranks = [list(PackedSampler(dataset, rank=r, world_size=3, seed=4, drop_last=True, batch_size=2,
+                                    balance=balance, token_cost=0)) for r in range(3)]
+        steps = len(ranks[0]) // 2
+        per_step = costs[np.array(ranks)[:, : steps * 2]].reshape(3, steps, 2).sum(axis=2).T
+        slowest, mean = per_step.max(axis=1), per_step.mean(axis=1)
+        assert max_over_mean == pytest.approx((slowest / mean).mean())
+        assert waiting == pytest.approx(1 - mean.sum() / slowest.sum())
+    assert report.steps.balanced_max_over_mean < report.steps.unbalanced_max_over_mean
+    assert inspect_build(packed).steps is None
+
+    prepack = shutil.which("prepack", path=str(Path(sys.executable).parent))
+    args = [prepack, "inspect", str(packed), "--world-size", "3", "--batch-size", "2", "--seed", "4", "--token-cost", "0"]
+    result = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["steps"] == report.steps.model_dump(mode="json")
+    text = subprocess.run(args, capture_output=True, text=True, timeout=120).stdout
+    assert 'balance="attention"' in text and f"{report.steps.balanced_max_over_mean:.3f}" in text
+    result = subprocess.run([*args[:3], "--world-size", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
 
 
 # --- regrouping ------------------------------------------------------------------------------------
