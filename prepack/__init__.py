@@ -26,6 +26,8 @@ _LAZY = {
     "PackedSampler": "prepack.sample",
     "open_hf_dataset": "prepack.load",
     "PackedCollator": "prepack.collate",
+    "loss_weights": "prepack.loss",
+    "weighted_loss": "prepack.loss",
     "enable_packing": "prepack.attention",
     "disable_packing": "prepack.attention",
     "check_isolation": "prepack.isolation",
