@@ -27,6 +27,7 @@ _LAZY = {
     "open_hf_dataset": "prepack.load",
     "PackedCollator": "prepack.collate",
     "loss_weights": "prepack.loss",
+    "split_for_cp": "prepack.context_parallel",
     "weighted_loss": "prepack.loss",
     "enable_packing": "prepack.attention",
     "disable_packing": "prepack.attention",
