@@ -99,6 +99,7 @@ class PackedSampler(Sampler[int]):
         self._position = 0  # indices of this pass handed out so far, on this rank
         self._resume_pending = False  # the next iteration continues after _start instead of from 0
         self._passes = self._first_pass()  # balanced only: [start, world_size, batch_size] of each pass
+        self._pass_cache: tuple[tuple, np.ndarray] | None = None  # the last balanced pass order, by its key
 
     def _pack_costs(self, dataset: Sized | int) -> np.ndarray:
         if self.balance != "attention":
@@ -143,9 +144,9 @@ class PackedSampler(Sampler[int]):
 
     def _pass_indices(self) -> np.ndarray:
         """This rank's indices for the packs of the epoch from `_start` on, dealt round-robin."""
-        order = epoch_order(self.size, self.seed, self.epoch, self.shuffle)
         if self.balance is not None:
-            return self._balanced_pass(order)[self._start :][self.rank :: self.world_size]
+            return self._balanced_pass()[self._start :][self.rank :: self.world_size]
+        order = epoch_order(self.size, self.seed, self.epoch, self.shuffle)
         rest = order[self._start :]
         if self.drop_last:
             rest = rest[: len(rest) - len(rest) % self.world_size]
@@ -154,12 +155,16 @@ class PackedSampler(Sampler[int]):
             rest = np.concatenate([rest, np.resize(order, padding)])
         return rest[self.rank :: self.world_size]
 
-    def _balanced_pass(self, order: np.ndarray) -> np.ndarray:
+    def _balanced_pass(self) -> np.ndarray:
         """The current pass's order of the epoch: the packs used before it began, then the rest balanced.
 
         Replays the job's passes: each one's start counts packs of the order before it; the rest of the
         epoch's permutation, cut to a multiple of the pass's world size, is balanced for its sizes.
         """
+        key = (self.epoch, tuple(map(tuple, self._passes)))
+        if self._pass_cache is not None and self._pass_cache[0] == key:  # state_dict() asks for it on every save
+            return self._pass_cache[1]
+        order = epoch_order(self.size, self.seed, self.epoch, self.shuffle)
         used = np.zeros(self.size, dtype=bool)
         pass_order = order[:0]
         for start, world_size, batch_size in self._passes:
@@ -169,6 +174,7 @@ class PackedSampler(Sampler[int]):
             rest = rest[: len(rest) - len(rest) % world_size]
             balanced = balanced_order(rest, self._costs, world_size, batch_size, [self.seed, self.epoch, start])
             pass_order = np.concatenate([before, balanced])
+        self._pass_cache = (key, pass_order)
         return pass_order
 
     def state_dict(self, consumed: int | None = None) -> dict[str, int | bool]:
