@@ -16,7 +16,7 @@ N ≈ 7.0e9, L = 32, d = 4096 gives 53,000); 0 balances attention alone. Pass yo
 so that dealt round-robin to R ranks in micro-batches of B (as `PackedSampler` deals), every step's
 ranks carry costs as equal as possible: the window's packs sorted by cost, cut into consecutive groups
 of B·R (packs of similar cost), each group one step, spread over the ranks longest-processing-time
-first (the next pack to the lightest rank with room). The window's steps are then put in a seeded
+first in B rounds (each round's heaviest pack to the lightest rank so far, one pack per rank a round). The window's steps are then put in a seeded
 random order, so no order by length appears, even within a window.
 
 This module is numpy and numba only: `prepack inspect` uses it without torch.
@@ -102,7 +102,6 @@ def _balance_windows(order, costs, world_size, batch_size, step_order):
     window_packs = WINDOW_STEPS * step_packs
     balanced = np.empty_like(order)
     loads = np.empty(world_size, np.float64)
-    counts = np.empty(world_size, np.int64)
     steps_before = 0  # full steps of the earlier windows
     for window_start in range(0, len(order), window_packs):
         window = order[window_start : window_start + window_packs]
@@ -116,15 +115,14 @@ def _balance_windows(order, costs, world_size, batch_size, step_order):
             step = step_order[steps_before + group_number] if group_number < full_steps else group_number
             step_start = window_start + step * step_packs
             loads[:] = 0.0
-            counts[:] = 0
-            for pack in group:
-                lightest = -1
-                for rank in range(world_size):
-                    if counts[rank] < per_rank and (lightest < 0 or loads[rank] < loads[lightest]):
-                        lightest = rank
-                balanced[step_start + counts[lightest] * world_size + lightest] = pack
-                counts[lightest] += 1
-                loads[lightest] += costs[pack]
+            # Round j gives every rank its j-th pack: the round's heaviest to the lightest rank so far.
+            for round_number in range(per_rank):
+                lightest_first = np.argsort(loads, kind="mergesort")
+                for i in range(world_size):
+                    pack = group[round_number * world_size + i]
+                    rank = lightest_first[i]
+                    balanced[step_start + round_number * world_size + rank] = pack
+                    loads[rank] += costs[pack]
         steps_before += full_steps
     return balanced
 
