@@ -14,7 +14,8 @@ mean rank cost, and the share of step time lost to waiting, step time taken prop
 alone) and the default (a 7-8B model).
 
 Sampler cost: a `PackedSampler` over --packs packs (the SFT packs' cu_seqlens repeated, in shards of
-100k packs): building it (every pack's cost from cu_seqlens) and its first index (the epoch's
+100k packs, decoded by `PackedDataset.document_lengths`): building it (every pack's cost from
+cu_seqlens) and its first index (the epoch's
 order, balanced), against the unbalanced sampler's first index. Prints markdown.
 """
 
@@ -24,10 +25,12 @@ import argparse
 import math
 import platform
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
 from prepack.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs
+from prepack.load import PackedDataset
 from prepack.plan import assign_packs
 from prepack.sample import PackedSampler
 
@@ -61,7 +64,10 @@ def cu_seqlens_column(lengths: np.ndarray, pack: np.ndarray) -> tuple[np.ndarray
 
 
 class Shards:
-    """What the balanced sampler reads of a PackedDataset: its length and per-shard cu_seqlens columns."""
+    """A PackedDataset reduced to what the balanced sampler reads: its length and each shard's cu_seqlens
+    column (the given one's packs repeated), decoded by `PackedDataset.document_lengths` itself."""
+
+    document_lengths = PackedDataset.document_lengths
 
     def __init__(self, column: tuple[np.ndarray, np.ndarray], packs: int):
         offsets, values = column
@@ -72,13 +78,14 @@ class Shards:
             counts = offsets[rows + 1] - offsets[rows]
             new_offsets = np.append(0, np.cumsum(counts)).astype(np.int32)
             gather = np.repeat(offsets[rows] - new_offsets[:-1], counts) + np.arange(new_offsets[-1])
-            self.columns.append((new_offsets, values[gather]))
+            self.columns.append({"cu_seqlens": (new_offsets, values[gather])})
+        self.manifest = SimpleNamespace(shards=self.columns)
 
     def __len__(self) -> int:
         return self.packs
 
-    def cu_seqlens_columns(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        return self.columns
+    def _columns(self, shard: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        return self.columns[shard]
 
 
 def main() -> None:
@@ -101,7 +108,8 @@ def main() -> None:
         pack = assign_packs(lengths, args.max_len)
         columns[name] = cu_seqlens_column(lengths, pack)
         for token_cost in (0.0, float(DEFAULT_TOKEN_COST)):
-            costs = pack_costs(*columns[name], token_cost)
+            documents = np.diff(columns[name][0]) - 1
+            costs = pack_costs(documents, lengths[np.argsort(pack, kind="stable")], token_cost)
             for world, batch in ((8, 1), (8, 2), (8, 4), (64, 1), (64, 4)):
                 shuffled, balanced = epoch_imbalance(costs, world, batch, args.seed)
                 print(

@@ -52,26 +52,14 @@ def epoch_order(size: int, seed: int, epoch: int, shuffle: bool = True) -> np.nd
     return np.random.default_rng([seed, epoch]).permutation(size)
 
 
-def pack_costs(cu_offsets: np.ndarray, cu_values: np.ndarray, token_cost: float) -> np.ndarray:
-    """float64 cost of each pack (module docstring) from a list column of `cu_seqlens`.
-
-    `cu_offsets`/`cu_values` are the column's Arrow offsets and values (`prepack.format.list_column`):
-    pack p's offsets are `cu_values[cu_offsets[p]:cu_offsets[p + 1]]`, `[0, l1, l1 + l2, ..., n]`, at
-    least one document each. Only these small arrays are read, never the tokens.
-    """
+def pack_costs(documents: np.ndarray, lengths: np.ndarray, token_cost: float) -> np.ndarray:
+    """float64 cost of each pack (module docstring): `documents` its number of documents, `lengths`
+    every document's length in pack order (`np.diff` of each pack's `cu_seqlens`)."""
     if token_cost < 0:
         raise ValueError(f"token_cost must be non-negative, got {token_cost}")
-    first = int(cu_offsets[0])
-    values = np.asarray(cu_values[first : int(cu_offsets[-1])], dtype=np.int64)
-    packs = len(cu_offsets) - 1
-    if packs == 0:
-        return np.empty(0, np.float64)
-    steps = np.diff(values)
-    squares = steps * steps
-    starts = np.asarray(cu_offsets[:-1], dtype=np.int64) - first  # pack p's first step
-    squares[starts[1:] - 1] = 0  # the step from one pack's total back to the next pack's leading 0
-    tokens = values[np.asarray(cu_offsets[1:], dtype=np.int64) - first - 1]
-    return np.add.reduceat(squares, starts).astype(np.float64) + token_cost * tokens.astype(np.float64)
+    lengths = np.asarray(lengths, dtype=np.float64)  # l² < 2**53 for any max_len < 2**26: exact
+    pack = np.repeat(np.arange(len(documents)), documents)
+    return np.bincount(pack, weights=lengths * lengths + token_cost * lengths, minlength=len(documents))
 
 
 def balanced_order(

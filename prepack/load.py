@@ -82,10 +82,18 @@ class PackedDataset(Dataset):
         for shard in range(len(self.manifest.shards)):
             self._columns(shard)
 
-    def cu_seqlens_columns(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Each shard's `cu_seqlens` column as zero-copy (offsets, values) (`prepack.format.list_column`),
-        shards opened and checked as for serving rows; the pages of the tokens are not touched."""
-        return [self._columns(shard)["cu_seqlens"] for shard in range(len(self.manifest.shards))]
+    def document_lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """(documents of each pack, every document's length in pack order), int64, from the shards'
+        `cu_seqlens` alone (shards opened and checked as for serving rows; no token page is touched)."""
+        documents, lengths = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
+        for shard in range(len(self.manifest.shards)):
+            offsets, values = self._columns(shard)["cu_seqlens"]
+            cu = values[offsets[0] : offsets[-1]].astype(np.int64)
+            is_start = np.ones(len(cu), dtype=bool)
+            is_start[offsets[1:] - offsets[0] - 1] = False  # each pack's last value, its token count
+            documents.append(np.diff(offsets).astype(np.int64) - 1)
+            lengths.append(np.diff(cu)[is_start[:-1]])
+        return np.concatenate(documents), np.concatenate(lengths)
 
     def _locate(self, index: int) -> tuple[int, int]:
         """Global pack index → (shard, row in shard)."""

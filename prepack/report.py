@@ -240,9 +240,7 @@ def _random_batch_cost(lengths: np.ndarray, batch_size: int, seed: int) -> int:
     return int((np.maximum.reduceat(shuffled, starts) * sizes).sum())
 
 
-def _step_balance(path: Path, manifest: Manifest, world_size: int, batch_size: int, token_cost: float, seed: int) -> StepBalance:
-    shards = (open_shard(path / info.name, manifest.has_labels, manifest.options.max_len) for info in manifest.shards)
-    costs = np.concatenate([pack_costs(*list_column(batch, "cu_seqlens"), token_cost) for batch in shards])
+def _step_balance(costs: np.ndarray, world_size: int, batch_size: int, token_cost: float, seed: int) -> StepBalance:
     unbalanced, balanced = epoch_imbalance(costs, world_size, batch_size, seed)
     return StepBalance(
         world_size=world_size,
@@ -341,7 +339,9 @@ def inspect_build(
             pad_to_max_len=cost(segments * max_len),
             pad_to_longest_in_batch=cost(_random_batch_cost(lengths[order], batch_size, seed)),
         ),
-        steps=None if world_size is None else _step_balance(path, manifest, world_size, batch_size, token_cost, seed),
+        steps=None
+        if world_size is None
+        else _step_balance(pack_costs(columns["docs"], lengths, token_cost), world_size, batch_size, token_cost, seed),
         per_shard=summaries,
     )
 

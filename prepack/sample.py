@@ -108,12 +108,11 @@ class PackedSampler(Sampler[int]):
             raise ValueError(f"balance needs batch_size (the DataLoader's), at least 1; got {self.batch_size}")
         if not self.drop_last:
             raise ValueError("balance needs drop_last=True: repeating packs to fill the last step would unbalance it")
-        if not hasattr(dataset, "cu_seqlens_columns"):
+        if not hasattr(dataset, "document_lengths"):
             raise TypeError(
                 f"balance reads each pack's document lengths from a PackedDataset, not a {type(dataset).__name__}"
             )
-        columns = dataset.cu_seqlens_columns()
-        return np.concatenate([np.empty(0), *(pack_costs(offsets, values, self.token_cost) for offsets, values in columns)])
+        return pack_costs(*dataset.document_lengths(), self.token_cost)
 
     def _first_pass(self) -> list[list[int]]:
         return [[0, self.world_size, self.batch_size]] if self.balance is not None else []

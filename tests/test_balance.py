@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,23 +26,26 @@ from tests.corpus import corpus_table, write_corpus
 
 
 class CuSeqlensOnly:
-    """What the balanced sampler reads of a `PackedDataset`: its length and its cu_seqlens columns."""
+    """A `PackedDataset` reduced to what the balanced sampler reads: its length and the cu_seqlens column
+    of each shard, decoded by `PackedDataset.document_lengths` itself."""
+
+    document_lengths = PackedDataset.document_lengths
 
     def __init__(self, pack_lengths: list[list[int]], shards: int = 1):
         self.pack_lengths = pack_lengths
-        self.shards = shards
+        self.columns = []
+        for part in np.array_split(np.arange(len(pack_lengths)), shards):
+            rows = [np.concatenate([[0], np.cumsum(pack_lengths[p])]) for p in part]
+            offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int32)
+            values = np.concatenate([np.empty(0, np.int32), *rows]).astype(np.int32)
+            self.columns.append({"cu_seqlens": (offsets, values)})
+        self.manifest = SimpleNamespace(shards=self.columns)
 
     def __len__(self) -> int:
         return len(self.pack_lengths)
 
-    def cu_seqlens_columns(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        columns = []
-        for part in np.array_split(np.arange(len(self.pack_lengths)), self.shards):
-            rows = [np.concatenate([[0], np.cumsum(self.pack_lengths[p])]) for p in part]
-            offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int32)
-            values = np.concatenate([np.empty(0, np.int32), *rows]).astype(np.int32)
-            columns.append((offsets, values))
-        return columns
+    def _columns(self, shard: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        return self.columns[shard]
 
 
 def random_packs(count: int, seed: int) -> list[list[int]]:
@@ -62,13 +66,13 @@ def sft_like_costs(documents: int, max_len: int, seed: int, token_cost: float = 
 
 
 @settings(max_examples=100, deadline=None)
-@given(packs=st.lists(st.lists(st.integers(1, 5000), min_size=1, max_size=8), min_size=1, max_size=30),
-       skip=st.integers(0, 5), token_cost=st.sampled_from([0.0, 1.0, 49152.0]))
-def test_pack_cost_is_the_sum_of_squared_document_lengths_plus_token_cost_per_token(packs, skip, token_cost):
-    (offsets, values), = CuSeqlensOnly(packs).cu_seqlens_columns()
-    skip = min(skip, len(packs) - 1)  # a sliced column: offsets that do not start at 0
-    costs = pack_costs(offsets[skip:], values, token_cost)
-    assert costs.tolist() == [sum(l * l for l in p) + token_cost * sum(p) for p in packs[skip:]]
+@given(packs=st.lists(st.lists(st.integers(1, 8192), min_size=1, max_size=8), max_size=30),
+       shards=st.integers(1, 3), token_cost=st.sampled_from([0.0, 1.0, 49152.0]))
+def test_pack_cost_is_the_sum_of_squared_document_lengths_plus_token_cost_per_token(packs, shards, token_cost):
+    documents, lengths = CuSeqlensOnly(packs, shards).document_lengths()
+    assert documents.tolist() == [len(p) for p in packs] and lengths.tolist() == [l for p in packs for l in p]
+    costs = pack_costs(documents, lengths, token_cost)
+    assert costs.tolist() == [sum(l * l for l in p) + token_cost * sum(p) for p in packs]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +88,7 @@ def packed(tmp_path_factory) -> Path:
 def test_pack_costs_of_a_build_are_read_from_its_cu_seqlens(packed):
     dataset = PackedDataset(packed)
     assert len(dataset.manifest.shards) > 1
-    costs = np.concatenate([pack_costs(o, v, 3.0) for o, v in dataset.cu_seqlens_columns()])
+    costs = pack_costs(*dataset.document_lengths(), 3.0)
     expected = [float(sum(np.diff(dataset[i]["cu_seqlens"]).astype(np.int64) ** 2) + 3 * len(dataset[i]["input_ids"]))
                 for i in range(len(dataset))]
     assert costs.tolist() == expected
@@ -263,7 +267,7 @@ def test_a_resume_on_another_world_size_rebalances_the_rest():
         sampler.load_state_dict(state)
     assert samplers[0].state_dict()["passes"] == [[0, 8, 2], [320, 4, 2]]
     per_rank = np.array([list(s) for s in samplers])
-    costs = np.concatenate([pack_costs(o, v, 0) for o, v in costs_dataset.cu_seqlens_columns()])
+    costs = pack_costs(*costs_dataset.document_lengths(), 0)
     steps = costs[per_rank].reshape(4, -1, 2).sum(axis=2).T  # [steps, ranks]
     assert imbalance(steps).max_over_mean < 1.02
     # The same packs dealt in the epoch's order, unbalanced:
