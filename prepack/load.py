@@ -9,6 +9,7 @@ elsewhere end up indexing GPU memory.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,18 +83,15 @@ class PackedDataset(Dataset):
         for shard in range(len(self.manifest.shards)):
             self._columns(shard)
 
-    def document_lengths(self) -> tuple[np.ndarray, np.ndarray]:
-        """(documents of each pack, every document's length in pack order), int64, from the shards'
-        `cu_seqlens` alone (shards opened and checked as for serving rows; no token page is touched)."""
-        documents, lengths = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
+    def document_lengths(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Per shard, in order: (documents of each pack, every document's length in pack order), int32,
+        from `cu_seqlens` alone (shards opened and checked as for serving rows; no token page is touched)."""
         for shard in range(len(self.manifest.shards)):
             offsets, values = self._columns(shard)["cu_seqlens"]
-            cu = values[offsets[0] : offsets[-1]].astype(np.int64)
+            cu = values[offsets[0] : offsets[-1]]
             is_start = np.ones(len(cu), dtype=bool)
             is_start[offsets[1:] - offsets[0] - 1] = False  # each pack's last value, its token count
-            documents.append(np.diff(offsets).astype(np.int64) - 1)
-            lengths.append(np.diff(cu)[is_start[:-1]])
-        return np.concatenate(documents), np.concatenate(lengths)
+            yield np.diff(offsets).astype(np.int32) - 1, np.diff(cu)[is_start[:-1]]
 
     def _locate(self, index: int) -> tuple[int, int]:
         """Global pack index → (shard, row in shard)."""

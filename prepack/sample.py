@@ -112,7 +112,8 @@ class PackedSampler(Sampler[int]):
             raise TypeError(
                 f"balance reads each pack's document lengths from a PackedDataset, not a {type(dataset).__name__}"
             )
-        return pack_costs(*dataset.document_lengths(), self.token_cost)
+        shards = dataset.document_lengths()
+        return np.concatenate([np.empty(0), *(pack_costs(documents, lengths, self.token_cost) for documents, lengths in shards)])
 
     def _first_pass(self) -> list[list[int]]:
         return [[0, self.world_size, self.batch_size]] if self.balance is not None else []

@@ -69,10 +69,17 @@ def sft_like_costs(documents: int, max_len: int, seed: int, token_cost: float = 
 @given(packs=st.lists(st.lists(st.integers(1, 8192), min_size=1, max_size=8), max_size=30),
        shards=st.integers(1, 3), token_cost=st.sampled_from([0.0, 1.0, 49152.0]))
 def test_pack_cost_is_the_sum_of_squared_document_lengths_plus_token_cost_per_token(packs, shards, token_cost):
-    documents, lengths = CuSeqlensOnly(packs, shards).document_lengths()
+    parts = list(CuSeqlensOnly(packs, shards).document_lengths())
+    assert len(parts) == shards
+    documents, lengths = (np.concatenate(arrays) for arrays in zip(*parts))
     assert documents.tolist() == [len(p) for p in packs] and lengths.tolist() == [l for p in packs for l in p]
     costs = pack_costs(documents, lengths, token_cost)
     assert costs.tolist() == [sum(l * l for l in p) + token_cost * sum(p) for p in packs]
+
+
+def test_pack_costs_refuse_a_pack_without_documents():
+    with pytest.raises(ValueError, match="at least one document"):
+        pack_costs(np.array([1, 0, 1]), np.array([5, 6]), 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +95,7 @@ def packed(tmp_path_factory) -> Path:
 def test_pack_costs_of_a_build_are_read_from_its_cu_seqlens(packed):
     dataset = PackedDataset(packed)
     assert len(dataset.manifest.shards) > 1
-    costs = pack_costs(*dataset.document_lengths(), 3.0)
+    costs = np.concatenate([pack_costs(d, l, 3.0) for d, l in dataset.document_lengths()])
     expected = [float(sum(np.diff(dataset[i]["cu_seqlens"]).astype(np.int64) ** 2) + 3 * len(dataset[i]["input_ids"]))
                 for i in range(len(dataset))]
     assert costs.tolist() == expected
@@ -267,7 +274,7 @@ def test_a_resume_on_another_world_size_rebalances_the_rest():
         sampler.load_state_dict(state)
     assert samplers[0].state_dict()["passes"] == [[0, 8, 2], [320, 4, 2]]
     per_rank = np.array([list(s) for s in samplers])
-    costs = pack_costs(*costs_dataset.document_lengths(), 0)
+    costs = np.concatenate([pack_costs(d, l, 0) for d, l in costs_dataset.document_lengths()])
     steps = costs[per_rank].reshape(4, -1, 2).sum(axis=2).T  # [steps, ranks]
     assert imbalance(steps).max_over_mean < 1.02
     # The same packs dealt in the epoch's order, unbalanced:
