@@ -301,3 +301,27 @@ def test_refusals():
     for passes in (None, [], [[1, 2, 2]], [[0, 0, 2]], [[0, 2, 2], [30, 2, 2]], [[0, 2.5, 2]]):
         with pytest.raises(ValueError, match="passes"):
             balanced_samplers(dataset, 2, 2)[0].load_state_dict(state | {"passes": passes})
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resumes_a_balanced_epoch_at_the_next_untrained_batch(packed, workers):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    dataset = PackedDataset(packed)
+
+    def loader():
+        sampler = PackedSampler(dataset, rank=1, world_size=2, seed=4, batch_size=3, drop_last=True, balance="attention")
+        return StatefulDataLoader(dataset, batch_size=3, sampler=sampler, collate_fn=list, num_workers=workers)
+
+    def packs(batches):
+        return [row["input_ids"].tolist() for batch in batches for row in batch]
+
+    expected = packs(loader())
+    interrupted = loader()
+    iterator = iter(interrupted)
+    trained = packs(next(iterator) for _ in range(4))  # the workers have drawn batches beyond these
+    state = interrupted.state_dict()
+    del iterator
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert trained + packs(resumed) == expected
