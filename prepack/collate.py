@@ -89,6 +89,13 @@ class PackedCollator:
           each row from 1, 0 at padding (`[1, 1, 2, 2, 2, 0]`), for trainers that expect that form.
           transformers itself reads any 2-D mask as a binary one, so this layout is only safe on a model
           passed to `prepack.enable_packing`, which converts it back to position ids and offsets.
+    - `cp_size=k` (context parallelism, `layout="padding_free"` only): every document is padded to a
+      multiple of 2k tokens, the padding in the document's segment after its tokens (causal attention
+      keeps the document's outputs exact; the padding is never trained on, and its position ids count
+      on), so that `prepack.context_parallel.split_for_cp` can cut each into 2k equal chunks. The batch
+      also carries the THD offsets of Transformer Engine and Megatron: `cu_seqlens` [D + 1] int32, the
+      documents' real lengths, and `cu_seqlens_padded` [D + 1] int32, their padded lengths (equal to
+      `cu_seq_lens_q` here: the tokens lie at the padded offsets).
     - `seq_idx=True`: also return `seq_idx` [B, L] int32, the 0-based number of each token's segment
       over the flattened batch (the segments of `cu_seq_lens_q`), as Mamba-style kernels take it. On a
       family whose sequence-state layers `enable_packing` runs per document (docs/model-support.md), it
@@ -113,6 +120,7 @@ class PackedCollator:
         pad_to_multiple_of: int | None = None,
         seq_idx: bool = False,
         pad_token_id: int | None = None,
+        cp_size: int | None = None,
     ):
         if layout not in _LAYOUTS:
             raise ValueError(f"layout must be one of {_LAYOUTS}, not {layout!r}.")
@@ -124,6 +132,9 @@ class PackedCollator:
             raise ValueError(f"max_len must be at least 1, not {max_len}.")
         if pad_to_multiple_of is not None and (pad_to_multiple_of < 1 or layout == "padding_free"):
             raise ValueError("pad_to_multiple_of must be at least 1, and the padding_free layout takes none.")
+        if cp_size is not None and (cp_size < 1 or layout != "padding_free"):
+            raise ValueError("cp_size must be at least 1, and only the padding_free layout (THD) takes it.")
+        self.cp_size = cp_size
         self.max_len = max_len
         self.layout = layout
         self.pad_to = pad_to
@@ -164,11 +175,17 @@ class PackedCollator:
             }
         if self.seq_idx:
             batch["seq_idx"] = torch.from_numpy(fields.seq_idx)
+        if self.cp_size is not None:
+            lengths = np.concatenate([np.diff(pack.cu_seqlens) for pack in checked])
+            batch["cu_seqlens"] = torch.from_numpy(np.append(0, np.cumsum(lengths)).astype(np.int32))
+            batch["cu_seqlens_padded"] = torch.from_numpy(fields.cu_seq_lens)
         return batch
 
     def _fill_rows(self, packs: list[_Pack]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """input_ids, labels (before masking) and segment ids (0 = padding), one pack per row or all in one."""
         padding_free = self.layout == "padding_free"
+        if self.cp_size is not None:
+            packs = [_cp_padded(pack, 2 * self.cp_size, self.pad_token_id) for pack in packs]
         total = sum(len(pack.input_ids) for pack in packs)
         shape = (1, total) if padding_free else (len(packs), self._row_length(packs))
         input_ids = np.full(shape, self.pad_token_id or 0, dtype=np.int64)
@@ -200,6 +217,22 @@ class _Pack(NamedTuple):
     input_ids: np.ndarray
     cu_seqlens: np.ndarray
     labels: np.ndarray | None
+
+
+def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
+    """The pack with every document padded to a multiple of `multiple` (pad id, else the document's
+    last token, as a row's padding), labels -100 there; the padding belongs to its document."""
+    lengths = np.diff(pack.cu_seqlens)
+    padded = -(-lengths // multiple) * multiple
+    cu_padded = np.append(0, np.cumsum(padded))
+    # Each token moves right by the padding of the documents before it.
+    destination = np.arange(len(pack.input_ids)) + np.repeat(cu_padded[:-1] - pack.cu_seqlens[:-1], lengths)
+    fill = np.repeat(pack.input_ids[pack.cu_seqlens[1:] - 1], padded) if pad_token_id is None else pad_token_id
+    input_ids = np.full(cu_padded[-1], fill, dtype=np.int64) if np.isscalar(fill) else fill.astype(np.int64)
+    labels = np.full(cu_padded[-1], IGNORE_INDEX, dtype=np.int64)
+    input_ids[destination] = pack.input_ids
+    labels[destination] = pack.input_ids if pack.labels is None else pack.labels
+    return _Pack(input_ids, cu_padded, labels)
 
 
 def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None) -> _Pack:

@@ -10,6 +10,7 @@ elsewhere end up indexing GPU memory; and only the build's own regular files are
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from prepack.format import (
     check_shard,
     list_column,
     open_shard,
+    pack_layout,
     read_manifest,
     shard_file_problems,
     shard_path,
@@ -83,6 +85,13 @@ class PackedDataset(Dataset):
         """Open and check every shard now instead of on first use."""
         for shard in range(len(self.manifest.shards)):
             self._columns(shard)
+
+    def document_lengths(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Per shard, in order: (documents of each pack, every document's length in pack order), int32,
+        from `cu_seqlens` alone (shards opened and checked as for serving rows; no token page is touched)."""
+        for shard in range(len(self.manifest.shards)):
+            layout = pack_layout(*self._columns(shard)["cu_seqlens"])
+            yield layout.documents.astype(np.int32), layout.lengths.astype(np.int32)
 
     def _locate(self, index: int) -> tuple[int, int]:
         """Global pack index → (shard, row in shard)."""

@@ -26,6 +26,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from prepack.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs
 from prepack.errors import FormatError, InputError
 from prepack.format import Manifest, check_layout, list_column, open_shard, read_manifest, shard_path
 from prepack.output import output_errors
@@ -36,6 +37,7 @@ __all__ = [
     "Distribution",
     "InspectReport",
     "ShardSummary",
+    "StepBalance",
     "inspect_build",
     "plot",
     "render",
@@ -89,6 +91,19 @@ class Costs(_Model):
     pad_to_longest_in_batch: Cost
 
 
+class StepBalance(_Model):
+    """How unequal the ranks' work is in the steps `PackedSampler` deals (epoch 0, --seed), without and
+    with `balance="attention"`; cost model and figures from `prepack.balance`."""
+
+    world_size: int
+    batch_size: int
+    token_cost: float
+    unbalanced_max_over_mean: float  # mean over steps of slowest rank / mean rank
+    balanced_max_over_mean: float
+    unbalanced_waiting_share: float  # share of step time lost waiting for the slowest rank
+    balanced_waiting_share: float
+
+
 class ShardSummary(_Model):
     name: str
     packs: int
@@ -132,6 +147,7 @@ class InspectReport(_Model):
     batch_size: int
     seed: int
     cost: Costs
+    steps: StepBalance | None  # only when a world size was given
     per_shard: list[ShardSummary]
 
 
@@ -206,7 +222,27 @@ def _random_batch_cost(lengths: np.ndarray, batch_size: int, seed: int) -> int:
     return int((np.maximum.reduceat(shuffled, starts) * sizes).sum())
 
 
-def inspect_build(path: str | os.PathLike, *, batch_size: int = 8, seed: int = 0) -> InspectReport:
+def _step_balance(costs: np.ndarray, world_size: int, batch_size: int, token_cost: float, seed: int) -> StepBalance:
+    unbalanced, balanced = epoch_imbalance(costs, world_size, batch_size, seed)
+    return StepBalance(
+        world_size=world_size,
+        batch_size=batch_size,
+        token_cost=token_cost,
+        unbalanced_max_over_mean=unbalanced.max_over_mean,
+        balanced_max_over_mean=balanced.max_over_mean,
+        unbalanced_waiting_share=unbalanced.waiting_share,
+        balanced_waiting_share=balanced.waiting_share,
+    )
+
+
+def inspect_build(
+    path: str | os.PathLike,
+    *,
+    batch_size: int = 8,
+    seed: int = 0,
+    world_size: int | None = None,
+    token_cost: float = DEFAULT_TOKEN_COST,
+) -> InspectReport:
     """Report on the build at `path`, reading the manifest and the per-pack columns only.
 
     Costs, in token positions of compute (see `COST_NOTE`):
@@ -216,12 +252,16 @@ def inspect_build(path: str | os.PathLike, *, batch_size: int = 8, seed: int = 0
       `numpy.random.default_rng(seed)`, cut into consecutive batches of `batch_size` (the last one
       partial), each costing its size times its longest document.
     "Documents" are the segments the packs hold: corpus documents after split/truncate/drop.
+    With `world_size`, `steps` compares the ranks' work per step of `batch_size` packs each, as
+    `PackedSampler(seed=seed, drop_last=True)` deals epoch 0, without and with `balance="attention"`.
 
     Raises FormatError when the build cannot be read or its columns disagree with its manifest
     (`verify_build` checks everything), InputError for a batch_size below 1.
     """
     if batch_size < 1:
         raise InputError(f"batch_size must be at least 1, got {batch_size}.")
+    if (world_size is not None and world_size < 1) or token_cost < 0:
+        raise InputError(f"world_size must be at least 1 and token_cost non-negative, got {world_size} and {token_cost}.")
     path = Path(path)
     manifest = read_manifest(path)
     summaries, columns = _read_columns(path, manifest)
@@ -281,6 +321,9 @@ def inspect_build(path: str | os.PathLike, *, batch_size: int = 8, seed: int = 0
             pad_to_max_len=cost(segments * max_len),
             pad_to_longest_in_batch=cost(_random_batch_cost(lengths[order], batch_size, seed)),
         ),
+        steps=None
+        if world_size is None
+        else _step_balance(pack_costs(columns["docs"], lengths, token_cost), world_size, batch_size, token_cost, seed),
         per_shard=summaries,
     )
 
@@ -365,10 +408,22 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
 
     notes = Text(
         "¹ documents are the segments in the packs (np.diff of cu_seqlens): corpus documents after split, "
-        f"truncate or drop.\n² {COST_NOTE}",
+        f"truncate or drop.\n² {COST_NOTE}"
+        + ("\n³ PackedSampler's steps in epoch 0, mean over steps; time taken as proportional to cost." if r.steps else ""),
         style="dim",
     )
     parts = [summary, distributions, histograms, costs]
+    if (s := r.steps) is not None:
+        steps = Table(
+            title=f"steps: {s.world_size} ranks × {s.batch_size} packs, cost Σ l² + {s.token_cost:,.0f} × tokens³",
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+        )
+        for name, justify in (("", "left"), ("slowest / mean rank", "right"), ("step time lost waiting", "right")):
+            steps.add_column(name, justify=justify)
+        steps.add_row("shuffled", f"{s.unbalanced_max_over_mean:.3f}", f"{s.unbalanced_waiting_share:.1%}")
+        steps.add_row('balance="attention"', f"{s.balanced_max_over_mean:.3f}", f"{s.balanced_waiting_share:.1%}")
+        parts.append(steps)
     if shards:
         table = Table(title="shards", title_justify="left", box=box.SIMPLE_HEAD)
         for name in ("name", "packs", "documents", "tokens", "bytes", "fill"):

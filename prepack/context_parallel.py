@@ -1,0 +1,48 @@
+"""Split a packed batch across context-parallel ranks in the load-balanced zig-zag layout.
+
+With context parallelism each of k ranks holds part of every sequence. Causal attention makes a
+document's later tokens costlier (they attend to more), so each document, padded to a multiple of 2k
+(`PackedCollator(layout="padding_free", cp_size=k)`), is cut into 2k equal chunks and rank r takes
+chunks r and 2k − 1 − r: every rank holds the same number of tokens of every document and about the
+same attention work. This is the layout of Transformer Engine's `thd_get_partitioned_indices` and
+Megatron's `get_batch_on_this_cp_rank` for THD batches; the batch's `cu_seqlens` and
+`cu_seqlens_padded` stay global, as those kernels take them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["cp_indices", "split_for_cp"]
+
+# Per-token fields of a padding_free batch, [1, T] each; everything else is per batch.
+_TOKEN_FIELDS = ("input_ids", "labels", "position_ids", "seq_idx")
+
+
+def cp_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """int64 positions, in order, of the tokens rank `cp_rank` of `cp_size` holds: of each document,
+    chunks `cp_rank` and `2·cp_size − 1 − cp_rank` of 2·cp_size."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"need 0 <= cp_rank < cp_size, got cp_rank {cp_rank} and cp_size {cp_size}")
+    offsets = cu_seqlens_padded.to(torch.int64)
+    lengths = offsets.diff()
+    if (lengths % (2 * cp_size)).any():
+        raise ValueError(f"every document must be padded to a multiple of {2 * cp_size}: collate with cp_size={cp_size}")
+    chunk = lengths // (2 * cp_size)
+    starts = torch.stack([offsets[:-1] + cp_rank * chunk, offsets[:-1] + (2 * cp_size - 1 - cp_rank) * chunk], 1)
+    pieces = chunk.repeat_interleave(2)
+    first_of_piece = torch.cumsum(pieces, 0) - pieces  # where each piece starts in the output
+    total = int(pieces.sum())
+    return torch.repeat_interleave(starts.flatten() - first_of_piece, pieces, output_size=total) + torch.arange(total)
+
+
+def split_for_cp(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> dict[str, Any]:
+    """Rank `cp_rank`'s part of a batch from `PackedCollator(layout="padding_free", cp_size=cp_size)`:
+    its tokens of every per-token field (position ids keep their values, as RoPE needs), the rest as is."""
+    if "cu_seqlens_padded" not in batch:
+        raise ValueError("split_for_cp needs a batch from PackedCollator(layout='padding_free', cp_size=...)")
+    index = cp_indices(batch["cu_seqlens_padded"], cp_size, cp_rank)
+    return {key: value[:, index] if key in _TOKEN_FIELDS else value for key, value in batch.items()}
