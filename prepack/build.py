@@ -32,6 +32,7 @@ from prepack.format import (
     InputFile,
     Manifest,
     ShardInfo,
+    StoreReference,
     Totals,
     segment_id_type,
     write_manifest,
@@ -39,6 +40,7 @@ from prepack.format import (
 from prepack.output import output_errors, output_file, staged_directory
 from prepack.plan import PackingPlan, compact_lengths, plan_packs, untrained_documents
 from prepack.read import Corpus, DocumentBatch
+from prepack.store_read import is_store
 from prepack.write import ShardBuffers, shard_bounds, write_in_pieces, write_shard
 
 __all__ = ["DEFAULT_SHARD_SIZE", "build", "progress_bars"]
@@ -62,7 +64,12 @@ class _StoredCorpus:
 
 
 def _store_documents(
-    corpus: Corpus, has_labels: bool, batches: Iterator[DocumentBatch], scratch: Path, progress: Progress
+    corpus: Corpus,
+    has_labels: bool,
+    batches: Iterator[DocumentBatch],
+    scratch: Path,
+    progress: Progress,
+    keep_tokens: bool = True,
 ) -> _StoredCorpus:
     rows_per_file = {path: 0 for path in corpus.files}
     lengths, untrained = [], []
@@ -80,6 +87,8 @@ def _store_documents(
 
         def store(batch: DocumentBatch, batch_lengths: np.ndarray) -> None:
             fingerprint.update(batch_lengths, batch.ids, batch.labels)
+            if not keep_tokens:  # an index build: the tokens stay in the store
+                return
             with output_errors(ids_path):
                 write_in_pieces(ids_file, batch.ids.data)
             if batch.labels is not None:
@@ -129,22 +138,24 @@ def _write_shards(
     has_labels: bool,
     shard_size: int,
     progress: Progress,
+    index_only: bool = False,
 ) -> list[ShardInfo]:
     docs_per_pack, token_counts = plan.pack_sizes()
     # Estimated bytes per pack: token columns, per-document columns, per-pack offsets and max_seqlen.
-    token_bytes = 4 + segment_id_type(plan.max_len).byte_width + (4 if has_labels else 0)
+    token_bytes = 0 if index_only else 4 + segment_id_type(plan.max_len).byte_width + (4 if has_labels else 0)
     pack_bytes = token_counts * token_bytes + docs_per_pack * 20 + 36
     bounds = shard_bounds(pack_bytes, shard_size)
     largest_shard = int(np.add.reduceat(token_counts, bounds[:-1]).max())
     idle_buffers: queue.SimpleQueue[ShardBuffers] = queue.SimpleQueue()
     for _ in range(_SHARD_WRITERS):
         idle_buffers.put(ShardBuffers(largest_shard))
-    labels = scratch / "labels.bin" if has_labels else None
+    tokens = None if index_only else scratch / "ids.bin"
+    labels = scratch / "labels.bin" if has_labels and not index_only else None
 
     def write(index: int, first: int, end: int) -> ShardInfo:
         buffers = idle_buffers.get()  # never waits: no more tasks than buffers run at once
         try:
-            return write_shard(staging, index, plan.slice(first, end), scratch / "ids.bin", labels, buffers)
+            return write_shard(staging, index, plan.slice(first, end), tokens, labels, buffers, has_labels)
         finally:
             idle_buffers.put(buffers)
 
@@ -158,6 +169,13 @@ def _write_shards(
         finally:
             writers.shutdown(cancel_futures=True)  # after an error, start no further shard
     return [shard.result() for shard in shards]
+
+
+def _store_reference(store: str | os.PathLike, out: str | os.PathLike, fingerprint: str) -> StoreReference:
+    """How an index build at `out` names its store: relative to `out`, so that moving both together
+    keeps the build readable."""
+    relative = os.path.relpath(Path(store).resolve(), Path(out).resolve())
+    return StoreReference(path=Path(relative).as_posix(), fingerprint=fingerprint)
 
 
 def progress_bars(enabled: bool, console: Console | None) -> Progress:
@@ -186,6 +204,7 @@ def build(
     seed: int = 0,
     shard_size: int = DEFAULT_SHARD_SIZE,
     drop_untrained: bool = False,
+    index_only: bool = False,
     overwrite: bool = False,
     progress: bool = False,
     console: Console | None = None,
@@ -197,6 +216,10 @@ def build(
     >>> manifest = build("corpus.parquet", "packed/", max_len=8192)   # doctest: +SKIP
     >>> manifest.totals.packs, manifest.totals.padding_tokens           # doctest: +SKIP
     >>> build("chats.jsonl", "sft/", max_len=8192, tokenizer="./tok", chat=True)  # doctest: +SKIP
+
+    With `index_only` (a store only) the shards are index shards: which documents each pack holds,
+    no token; the manifest names the store by its path relative to `out` and its fingerprint, and
+    `PackedDataset` gathers the packs' tokens from the store.
 
     Documents with no trained token (every label after the first -100) are counted in the
     manifest's totals (`untrained`) and, with `drop_untrained`, left out of the packs.
@@ -234,13 +257,18 @@ def build(
         )
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
+    if index_only and not is_store(corpus):
+        raise InputError(
+            f"{corpus}: --index-only packs a document store, and this is a corpus: make one with "
+            f"`prepack tokenize {corpus} --out STORE`, then `prepack build STORE --index-only`."
+        )
     with progress_bars(progress, console) as bar:
         documents = open_documents(corpus, reading, out, bar)
         found, has_labels, batches, read_column = (
             documents.corpus, documents.has_labels, documents.batches, documents.column
         )
         with staged_directory(out, overwrite) as staging:
-            stored = _store_documents(found, has_labels, batches, staging.scratch, bar)
+            stored = _store_documents(found, has_labels, batches, staging.scratch, bar, keep_tokens=not index_only)
             if len(stored.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")
             if not stored.lengths.any():
@@ -269,7 +297,7 @@ def build(
                     f"{plan.counts['dropped']:,} are longer than --max-len {max_len} (--overflow drop) and "
                     f"{plan.counts['untrained']:,} have no trained token (--drop-untrained)."
                 )
-            shards = _write_shards(plan, staging.build, staging.scratch, has_labels, shard_size, bar)
+            shards = _write_shards(plan, staging.build, staging.scratch, has_labels, shard_size, bar, index_only)
             manifest = Manifest(
                 prepack_version=version("prepack"),
                 # How the documents were read: as asked, or as the store was written.
@@ -284,6 +312,7 @@ def build(
                 ],
                 totals=Totals(**plan.totals(), documents=len(stored.lengths)),
                 shards=shards,
+                store=_store_reference(corpus, out, stored.fingerprint) if index_only else None,
             )
             with output_errors(staging.build / MANIFEST_NAME):
                 write_manifest(staging.build, manifest)

@@ -39,10 +39,12 @@ __all__ = [
     "PackLayout",
     "ShardFileProblem",
     "ShardInfo",
+    "StoreReference",
     "TokenizeOptions",
     "TokenizerInfo",
     "Totals",
     "check_layout",
+    "check_index_shard",
     "check_shard",
     "list_column",
     "load_manifest_json",
@@ -64,6 +66,7 @@ MANIFEST_NAME = "manifest.json"
 # so when it is handed a store.
 STORE_MANIFEST_NAME = "store.json"
 SHARD_VERSION_KEY = "prepack.format_version"  # schema metadata of every shard: marks it as prepack's
+SHARD_KIND_KEY = "prepack.shard_kind"  # schema metadata of an index shard only: its value is "index"
 IGNORE_INDEX = -100  # label value that is not trained on (the PyTorch / HF convention)
 # Readers refuse a bigger manifest before parsing it. A shard entry takes ~200 bytes of indented JSON
 # and an input ~80, so 64 MiB lists some 300,000 of them: a 64 MiB-shard build of 20 TB.
@@ -79,15 +82,23 @@ def segment_id_type(max_len: int) -> pa.DataType:
     return pa.uint16() if max_len <= np.iinfo(np.uint16).max else pa.int32()
 
 
-def shard_schema(has_labels: bool, max_len: int) -> pa.Schema:
-    """The Arrow schema of every shard of a build; `labels` only when the corpus had them."""
+_PACK_FIELDS = (  # the per-pack columns: what an index shard holds, and a full shard too
+    pa.field("cu_seqlens", pa.list_(pa.int32()), nullable=False),
+    pa.field("max_seqlen", pa.int32(), nullable=False),
+    pa.field("source_rows", pa.list_(pa.int64()), nullable=False),
+    pa.field("source_pieces", pa.list_(pa.int32()), nullable=False),
+)
+
+
+def shard_schema(has_labels: bool, max_len: int, index_only: bool = False) -> pa.Schema:
+    """The Arrow schema of every shard of a build; `labels` only when the corpus had them. An index
+    shard (`index_only`) holds the per-pack columns alone: its tokens stay in the document store."""
+    if index_only:
+        return pa.schema(_PACK_FIELDS, metadata={SHARD_VERSION_KEY: str(FORMAT_VERSION), SHARD_KIND_KEY: "index"})
     fields = [
         pa.field("input_ids", pa.list_(_TOKEN), nullable=False),
         pa.field("segment_ids", pa.list_(segment_id_type(max_len)), nullable=False),
-        pa.field("cu_seqlens", pa.list_(pa.int32()), nullable=False),
-        pa.field("max_seqlen", pa.int32(), nullable=False),
-        pa.field("source_rows", pa.list_(pa.int64()), nullable=False),
-        pa.field("source_pieces", pa.list_(pa.int32()), nullable=False),
+        *_PACK_FIELDS,
     ]
     if has_labels:
         fields.append(pa.field("labels", pa.list_(_TOKEN), nullable=False))
@@ -196,6 +207,13 @@ class ShardInfo(_Model):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+class StoreReference(_Model):
+    """The document store an index build takes its tokens from."""
+
+    path: str = Field(description="The store's directory, relative to the build's ('/'-separated).")
+    fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$", description="The store's fingerprint: readers refuse another.")
+
+
 class Manifest(_Model):
     """`manifest.json`: written last; a directory without one is not a finished build."""
 
@@ -210,11 +228,18 @@ class Manifest(_Model):
     inputs: list[InputFile]
     totals: Totals
     shards: list[ShardInfo]
+    store: StoreReference | None = Field(
+        default=None,
+        description="Set for an index build: its shards are index shards, its tokens in this store. "
+        "Absent from a full build's manifest.",
+    )
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write `manifest.json` atomically (temporary file + rename), keys sorted."""
-    text = json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+    # A full build's manifest has no `store` key at all, so its bytes are those of before index builds.
+    fields = manifest.model_dump(mode="json", exclude={"store"} if manifest.store is None else None)
+    text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     if len(text.encode()) > MANIFEST_MAX_BYTES:  # readers would refuse it
         raise OutputError(
             f"the manifest would take {len(text.encode())} bytes, more than the {MANIFEST_MAX_BYTES} readers "
@@ -408,7 +433,7 @@ def shard_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def open_shard(path: Path, has_labels: bool, max_len: int) -> pa.RecordBatch:
+def open_shard(path: Path, has_labels: bool, max_len: int, index_only: bool = False) -> pa.RecordBatch:
     """Memory-map one shard (zero-copy) and check its structure: a regular file holding an Arrow IPC
     stream of the format's schema (metadata included) and one uncompressed record batch, whose buffers
     hold what their lengths say and whose list offsets start at 0 and end at their values' length. The
@@ -426,12 +451,13 @@ def open_shard(path: Path, has_labels: bool, max_len: int) -> pa.RecordBatch:
     try:
         messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(pa.py_buffer(mapped)))
         schema = pa.ipc.read_schema(_next_message(messages, path, "schema"))
-        expected = shard_schema(has_labels, max_len)
+        expected = shard_schema(has_labels, max_len, index_only)
         if not schema.equals(expected, check_metadata=True):
+            kind = "an index shard" if index_only else f"{'with' if has_labels else 'without'} labels and max_len {max_len}"
             _fail(
                 path,
                 f"the schema is\n{schema}\n(metadata {schema.metadata}) but format version {FORMAT_VERSION} "
-                f"{'with' if has_labels else 'without'} labels and max_len {max_len} expects\n{expected}\n"
+                f"{kind} expects\n{expected}\n"
                 f"(metadata {expected.metadata})",
             )
         message = _next_message(messages, path, "record batch")
@@ -640,14 +666,7 @@ def check_shard(batch: pa.RecordBatch, max_len: int, where: str) -> PackLayout:
         if (bad := (labels < 0) & (labels != IGNORE_INDEX)).any():
             token = _first(bad)
             _fail(where, f"{labels[token]} is neither a token id nor {IGNORE_INDEX}", _row_of(lab_off, token), "labels")
-    if batch.column("max_seqlen").null_count:
-        _fail(where, "has null rows", column="max_seqlen")
-    max_seqlen = batch.column("max_seqlen").to_numpy()
-    if len(layout.lengths):
-        longest = np.maximum.reduceat(layout.lengths, np.cumsum(layout.documents) - layout.documents)
-        if (bad := longest != max_seqlen).any():
-            r = _first(bad)
-            _fail(where, f"is {max_seqlen[r]}, the longest document is {longest[r]}", r, "max_seqlen")
+    _check_max_seqlen(batch, layout, where)
     # segment_ids: document k's tokens carry k, as cu_seqlens says.
     seg_off, seg = list_column(batch, "segment_ids", where)
     expected = np.repeat(layout.number.astype(seg.dtype), layout.lengths)
@@ -656,4 +675,23 @@ def check_shard(batch: pa.RecordBatch, max_len: int, where: str) -> PackLayout:
         r = _row_of(seg_off, token)
         _fail(where, f"token {token - (seg_off[r] - seg_off[0])} has {seg[seg_off[0] + token]}, "
               f"cu_seqlens says {expected[token]}", r, "segment_ids")
+    return layout
+
+
+def _check_max_seqlen(batch: pa.RecordBatch, layout: PackLayout, where: str) -> None:
+    if batch.column("max_seqlen").null_count:
+        _fail(where, "has null rows", column="max_seqlen")
+    max_seqlen = batch.column("max_seqlen").to_numpy()
+    if len(layout.lengths):
+        longest = np.maximum.reduceat(layout.lengths, np.cumsum(layout.documents) - layout.documents)
+        if (bad := longest != max_seqlen).any():
+            r = _first(bad)
+            _fail(where, f"is {max_seqlen[r]}, the longest document is {longest[r]}", r, "max_seqlen")
+
+
+def check_index_shard(batch: pa.RecordBatch, max_len: int, where: str) -> PackLayout:
+    """`check_shard` for an index shard: its per-pack columns only. Whether each (row, piece) lies
+    inside the store is the loader's check (`prepack.load`), which has the store."""
+    layout = check_layout(batch, max_len, where)
+    _check_max_seqlen(batch, layout, where)
     return layout

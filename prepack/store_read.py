@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.errors import FormatError
+from prepack.format import MANIFEST_NAME, Manifest
 from prepack.read import Corpus, DocumentBatch
 from prepack.store_format import (
     STORE_MANIFEST_NAME,
@@ -28,7 +29,7 @@ from prepack.store_format import (
     read_store_manifest,
 )
 
-__all__ = ["Store", "is_store", "open_store"]
+__all__ = ["Store", "is_store", "open_build_store", "open_store"]
 
 
 def is_store(path: str | os.PathLike) -> bool:
@@ -58,7 +59,7 @@ class Store:
         files, rows = self.corpus.files, [f.rows for f in self.manifest.inputs]
         file, row = 0, 0  # the corpus file of the next document, and its row there
         for shard in self.manifest.shards:
-            offsets, ids, labels = self._shard(shard)
+            offsets, ids, labels = self.shard_columns(shard)
             start = 0
             while start < shard.documents:
                 while row == rows[file]:
@@ -75,7 +76,10 @@ class Store:
                 row += end - start
                 start = end
 
-    def _shard(self, shard: StoreShard) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def shard_columns(self, shard: StoreShard) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(token offsets as int64, token ids, labels or None) of one of the store's shards, views of
+        its memory map, after its sha256 and contents are checked: document d of the shard is
+        ids[offsets[d]:offsets[d + 1]]."""
         path = self.root / shard.name
         try:
             with pa.memory_map(str(path)) as source:
@@ -102,3 +106,26 @@ def open_store(path: str | os.PathLike) -> Store:
     manifest = read_store_manifest(root)
     check_store_files(root, manifest)
     return Store(root, manifest)
+
+
+def open_build_store(build: str | os.PathLike, manifest: Manifest) -> Store:
+    """The document store of the index build at `build` (whose manifest is `manifest`), opened by
+    `open_store` and refused unless it is the store the build was planned from: same fingerprint,
+    labels as the build's. Raises FormatError."""
+    reference = manifest.store
+    if reference is None:
+        raise ValueError(f"{build} is a full build; it has no store")
+    where = Path(build) / MANIFEST_NAME
+    root = Path(build) / reference.path
+    if not is_store(root):
+        raise FormatError(
+            f"{where}: its document store {reference.path!r} ({root}) is not there: an index build reads its "
+            "tokens from that store; keep both where they were built, or move them together."
+        )
+    store = open_store(root)
+    if store.manifest.fingerprint != reference.fingerprint or store.manifest.has_labels != manifest.has_labels:
+        raise FormatError(
+            f"{root}: the store's fingerprint is {store.manifest.fingerprint}, but the index build {build} was "
+            f"planned from {reference.fingerprint}: the store changed; build the index again."
+        )
+    return store

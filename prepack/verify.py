@@ -22,6 +22,10 @@ What is checked, in this order (each problem names the file, row and column it w
    same tokens and labels; rows and tokens the build left out must be the manifest's empty, truncated,
    dropped and (with drop_untrained) untrained counts, and the corpus files its `inputs`.
 
+An index build (`Manifest.store`) is checked the same way as far as its per-pack columns go, with
+its index shards' schema, and its store must be there and have the manifest's fingerprint
+(`open_build_store`); its documents' tokens are not read (a `source` is refused for it, for now).
+
 A shard that cannot be read or has malformed rows is left out of steps 4 and 5, and so are the checks
 there that need every pack (a document missing from the packs might be in that shard): one problem says
 so, instead of a cascade of follow-on reports.
@@ -45,6 +49,7 @@ from prepack.format import (
     MANIFEST_NAME,
     Manifest,
     PackLayout,
+    check_index_shard,
     check_shard,
     list_column,
     open_shard,
@@ -55,6 +60,7 @@ from prepack.format import (
 )
 from prepack.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
+from prepack.store_read import open_build_store
 
 __all__ = ["Problem", "verify_build"]
 
@@ -117,6 +123,8 @@ def verify_build(
         manifest = read_manifest(path)
     except FormatError as exc:
         return [Problem(file=MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message)]
+    if source is not None and manifest.store is not None:
+        raise InputError(f"{path} is an index build: verify checks it without a source (its tokens are the store's).")
     documents = None if source is None else _source_documents(find_corpus(source), manifest, tokenizer, chat_template)
     problems = _problems(path, manifest, documents)
     return list(problems) if all_problems else list(islice(problems, 1))
@@ -187,6 +195,11 @@ def _source_documents(
 
 def _problems(path: Path, manifest: Manifest, source: _Source | None) -> Iterator[Problem]:
     yield from _manifest_problems(manifest)
+    if manifest.store is not None:
+        try:
+            open_build_store(path, manifest)
+        except FormatError as exc:
+            yield Problem(file=MANIFEST_NAME, column="store", message=str(exc))
     file_problems = yield from _directory_problems(path, manifest)
     shards: dict[int, _Shard] = {}
     for index in range(len(manifest.shards)):
@@ -305,7 +318,8 @@ def _shard_problems(path: Path, index: int, manifest: Manifest, check_sha256: bo
                 message=f"sha256 is {digest}, but the manifest says {info.sha256}: the file changed after "
                 "the build.",
             )
-        batch = open_shard(file, manifest.has_labels, manifest.options.max_len)
+        index_only = manifest.store is not None
+        batch = open_shard(file, manifest.has_labels, manifest.options.max_len, index_only)
         batch.validate(full=True)
     except FormatError as exc:
         yield Problem(file=name, row=exc.problem.row, column=exc.problem.column, message=exc.problem.message)
@@ -315,29 +329,32 @@ def _shard_problems(path: Path, index: int, manifest: Manifest, check_sha256: bo
         return None
     if batch.num_rows != info.rows:
         yield Problem(file=name, message=f"{batch.num_rows} packs, but the manifest says {info.rows}.")
-    tokens = len(batch.column("input_ids").flatten())
-    if tokens != info.tokens:
+    if not index_only and (tokens := len(batch.column("input_ids").flatten())) != info.tokens:
         yield Problem(
             file=name, column="input_ids", message=f"{tokens} tokens, but the manifest says {info.tokens}."
         )
     sound = True
-    for problem in _row_problems(batch, manifest.options.max_len, name):
+    for problem in _row_problems(batch, manifest.options.max_len, name, index_only):
         sound = False
         yield problem
     if not sound:
         return None
     shard = _read_segments(batch, name, index)
+    if index_only and (tokens := int(shard.segments.lengths.sum())) != info.tokens:
+        yield Problem(file=name, column="cu_seqlens", message=f"{tokens} tokens, but the manifest says {info.tokens}.")
     yield from _value_problems(shard, manifest)
     return shard
 
 
-def _row_problems(batch: pa.RecordBatch, max_len: int, name: str) -> Iterator[Problem]:
-    """`check_shard`'s findings: its first one, then, while the caller asks for more, the first one
-    after that row, and so on (in blocks, so many bad rows do not make this quadratic)."""
+def _row_problems(batch: pa.RecordBatch, max_len: int, name: str, index_only: bool) -> Iterator[Problem]:
+    """`check_shard`'s findings (`check_index_shard`'s for an index shard): its first one, then, while
+    the caller asks for more, the first one after that row, and so on (in blocks, so many bad rows do
+    not make this quadratic)."""
+    check = check_index_shard if index_only else check_shard
     start, length = 0, batch.num_rows
     while start < batch.num_rows:
         try:
-            check_shard(batch.slice(start, length), max_len, name)
+            check(batch.slice(start, length), max_len, name)
         except FormatError as exc:
             found = exc.problem
             if found.row is None:
@@ -357,21 +374,21 @@ def _list_values(batch: pa.RecordBatch, column: str) -> tuple[np.ndarray, np.nda
 
 
 def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
-    ids_off, ids = _list_values(batch, "input_ids")
     src_off, rows = _list_values(batch, "source_rows")
     piece_off, pieces = _list_values(batch, "source_pieces")
     layout: PackLayout = pack_layout(*list_column(batch, "cu_seqlens"))
-    # Offsets run from 0 (open_shard) with the lengths of input_ids (check_shard): one index serves both.
-    labels = list_column(batch, "labels")[1] if "labels" in batch.schema.names else None
+    # input_ids' offsets run from 0 (open_shard) with the packs' lengths (check_shard): they are these.
+    pack_starts = np.cumsum(layout.tokens) - layout.tokens
+    names = batch.schema.names
     return _Shard(
         name=name,
-        ids=ids,
-        labels=labels,
+        ids=list_column(batch, "input_ids")[1] if "input_ids" in names else None,
+        labels=list_column(batch, "labels")[1] if "labels" in names else None,
         segments=_Segments(
             rows=rows[src_off[0] : src_off[-1]].astype(np.int64),
             pieces=pieces[piece_off[0] : piece_off[-1]].astype(np.int64),
             lengths=layout.lengths,
-            starts=ids_off[:-1][layout.pack] + layout.starts,
+            starts=pack_starts[layout.pack] + layout.starts,
             offset=layout.starts,
             shard=np.full(len(layout.pack), index, dtype=np.int32),
             pack=layout.pack,

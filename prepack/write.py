@@ -190,51 +190,66 @@ def _list(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
 
 
-def write_shard(
-    directory: Path,
-    index: int,
-    layout: ShardPacks,
-    tokens: Path,
-    labels: Path | None,
-    buffers: ShardBuffers,
-) -> ShardInfo:
-    """Write the packs of `layout` as one shard, their tokens (and labels) gathered from the int32
-    store files `tokens` (and `labels`) into `buffers`, and return the shard's manifest entry.
-    Threads may write shards at once, each with its own `buffers`."""
-    lengths = layout.lengths.astype(np.int64, copy=False)
+def _pack_columns(layout: ShardPacks, lengths: np.ndarray) -> list[pa.Array]:
+    """The per-pack columns of a shard (`cu_seqlens`, `max_seqlen`, `source_rows`, `source_pieces`):
+    all of an index shard, and part of a full one."""
     packs = len(layout.pack_offsets) - 1
-    token_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=token_offsets[1:])
-    pack_token_offsets = token_offsets[layout.pack_offsets]
-
-    total = int(token_offsets[-1])
-    ids = buffers.column("input_ids", total)
-    _gather(tokens, layout.starts, lengths, ids)
-    segment_ids = buffers.column("segment_ids", total, segment_id_type(layout.max_len).to_pandas_dtype())
-    _segment_ids(lengths, layout.pack_offsets, segment_ids)
     cu_offsets = layout.pack_offsets + np.arange(packs + 1)
     cu = np.empty(len(lengths) + packs, dtype=np.int32)
     _cu_seqlens(lengths, layout.pack_offsets, cu)
     max_seqlen = np.maximum.reduceat(lengths, layout.pack_offsets[:-1]).astype(np.int32)
-
-    columns = [
-        _list(pack_token_offsets, ids),
-        _list(pack_token_offsets, segment_ids),
+    return [
         _list(cu_offsets, cu),
         pa.array(max_seqlen),
         _list(layout.pack_offsets, layout.rows.astype(np.int64, copy=False)),
         _list(layout.pack_offsets, layout.pieces.astype(np.int32, copy=False)),
     ]
+
+
+def write_shard(
+    directory: Path,
+    index: int,
+    layout: ShardPacks,
+    tokens: Path | None,
+    labels: Path | None,
+    buffers: ShardBuffers | None,
+    has_labels: bool = False,
+) -> ShardInfo:
+    """Write the packs of `layout` as one shard, their tokens (and labels) gathered from the int32
+    store files `tokens` (and `labels`) into `buffers`, and return the shard's manifest entry.
+    Threads may write shards at once, each with its own `buffers`. Without `tokens`, an index shard:
+    the per-pack columns alone (`has_labels` is the build's, for nothing but its schema's record)."""
+    lengths = layout.lengths.astype(np.int64, copy=False)
+    packs = len(layout.pack_offsets) - 1
+    total = int(lengths.sum())
+    if tokens is None:
+        batch = pa.RecordBatch.from_arrays(
+            _pack_columns(layout, lengths), schema=shard_schema(has_labels, layout.max_len, index_only=True)
+        )
+    else:
+        batch = _full_batch(layout, lengths, tokens, labels, buffers)
+    name = shard_name(index)
+    size, sha256 = write_record_batch(directory / name, batch)
+    return ShardInfo(name=name, rows=packs, tokens=total, bytes=size, sha256=sha256)
+
+
+def _full_batch(
+    layout: ShardPacks, lengths: np.ndarray, tokens: Path, labels: Path | None, buffers: ShardBuffers
+) -> pa.RecordBatch:
+    token_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=token_offsets[1:])
+    pack_token_offsets = token_offsets[layout.pack_offsets]
+    total = int(token_offsets[-1])
+    ids = buffers.column("input_ids", total)
+    _gather(tokens, layout.starts, lengths, ids)
+    segment_ids = buffers.column("segment_ids", total, segment_id_type(layout.max_len).to_pandas_dtype())
+    _segment_ids(lengths, layout.pack_offsets, segment_ids)
+    columns = [_list(pack_token_offsets, ids), _list(pack_token_offsets, segment_ids), *_pack_columns(layout, lengths)]
     if labels is not None:
         label_values = buffers.column("labels", total)
         _gather(labels, layout.starts, lengths, label_values)
         columns.append(_list(pack_token_offsets, label_values))
-    schema = shard_schema(labels is not None, layout.max_len)
-    batch = pa.RecordBatch.from_arrays(columns, schema=schema)
-
-    name = shard_name(index)
-    size, sha256 = write_record_batch(directory / name, batch)
-    return ShardInfo(name=name, rows=packs, tokens=total, bytes=size, sha256=sha256)
+    return pa.RecordBatch.from_arrays(columns, schema=shard_schema(labels is not None, layout.max_len))
 
 
 def write_record_batch(path: Path, batch: pa.RecordBatch) -> tuple[int, str]:
