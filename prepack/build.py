@@ -138,10 +138,11 @@ def _write_shards(
     has_labels: bool,
     shard_size: int,
     progress: Progress,
-    index_only: bool = False,
+    store_documents: int | None = None,
 ) -> list[ShardInfo]:
     docs_per_pack, token_counts = plan.pack_sizes()
     # Estimated bytes per pack: token columns, per-document columns, per-pack offsets and max_seqlen.
+    index_only = store_documents is not None
     token_bytes = 0 if index_only else 4 + segment_id_type(plan.max_len).byte_width + (4 if has_labels else 0)
     pack_bytes = token_counts * token_bytes + docs_per_pack * 20 + 36
     bounds = shard_bounds(pack_bytes, shard_size)
@@ -155,7 +156,7 @@ def _write_shards(
     def write(index: int, first: int, end: int) -> ShardInfo:
         buffers = idle_buffers.get()  # never waits: no more tasks than buffers run at once
         try:
-            return write_shard(staging, index, plan.slice(first, end), tokens, labels, buffers, has_labels)
+            return write_shard(staging, index, plan.slice(first, end), tokens, labels, buffers, store_documents)
         finally:
             idle_buffers.put(buffers)
 
@@ -297,7 +298,9 @@ def build(
                     f"{plan.counts['dropped']:,} are longer than --max-len {max_len} (--overflow drop) and "
                     f"{plan.counts['untrained']:,} have no trained token (--drop-untrained)."
                 )
-            shards = _write_shards(plan, staging.build, staging.scratch, has_labels, shard_size, bar, index_only)
+            shards = _write_shards(
+                plan, staging.build, staging.scratch, has_labels, shard_size, bar, len(stored.lengths) if index_only else None
+            )
             manifest = Manifest(
                 prepack_version=version("prepack"),
                 # How the documents were read: as asked, or as the store was written.

@@ -82,23 +82,30 @@ def segment_id_type(max_len: int) -> pa.DataType:
     return pa.uint16() if max_len <= np.iinfo(np.uint16).max else pa.int32()
 
 
-_PACK_FIELDS = (  # the per-pack columns: what an index shard holds, and a full shard too
-    pa.field("cu_seqlens", pa.list_(pa.int32()), nullable=False),
-    pa.field("max_seqlen", pa.int32(), nullable=False),
-    pa.field("source_rows", pa.list_(pa.int64()), nullable=False),
-    pa.field("source_pieces", pa.list_(pa.int32()), nullable=False),
-)
+def _pack_fields(source_row: pa.DataType) -> list[pa.Field]:
+    """The per-pack columns: what an index shard holds, and a full shard too."""
+    return [
+        pa.field("cu_seqlens", pa.list_(pa.int32()), nullable=False),
+        pa.field("max_seqlen", pa.int32(), nullable=False),
+        pa.field("source_rows", pa.list_(source_row), nullable=False),
+        pa.field("source_pieces", pa.list_(pa.int32()), nullable=False),
+    ]
 
 
-def shard_schema(has_labels: bool, max_len: int, index_only: bool = False) -> pa.Schema:
-    """The Arrow schema of every shard of a build; `labels` only when the corpus had them. An index
-    shard (`index_only`) holds the per-pack columns alone: its tokens stay in the document store."""
-    if index_only:
-        return pa.schema(_PACK_FIELDS, metadata={SHARD_VERSION_KEY: str(FORMAT_VERSION), SHARD_KIND_KEY: "index"})
+def shard_schema(has_labels: bool, max_len: int, store_documents: int | None = None) -> pa.Schema:
+    """The Arrow schema of every shard of a build; `labels` only when the corpus had them.
+
+    With `store_documents` (the store's document count), an index shard's: the per-pack columns
+    alone, its tokens staying in the store. Its `source_rows` are uint32 while the store's document
+    numbers fit, which keeps an index build near 12 bytes a document (int64 above)."""
+    if store_documents is not None:
+        source_row = pa.uint32() if store_documents <= np.iinfo(np.uint32).max + 1 else pa.int64()
+        metadata = {SHARD_VERSION_KEY: str(FORMAT_VERSION), SHARD_KIND_KEY: "index"}
+        return pa.schema(_pack_fields(source_row), metadata=metadata)
     fields = [
         pa.field("input_ids", pa.list_(_TOKEN), nullable=False),
         pa.field("segment_ids", pa.list_(segment_id_type(max_len)), nullable=False),
-        *_PACK_FIELDS,
+        *_pack_fields(pa.int64()),
     ]
     if has_labels:
         fields.append(pa.field("labels", pa.list_(_TOKEN), nullable=False))
@@ -233,6 +240,12 @@ class Manifest(_Model):
         description="Set for an index build: its shards are index shards, its tokens in this store. "
         "Absent from a full build's manifest.",
     )
+
+    @property
+    def store_documents(self) -> int | None:
+        """What `shard_schema` and `open_shard` take to describe this build's shards: for an index
+        build the store's document count (the build's `totals.documents`), else None."""
+        return None if self.store is None else self.totals.documents
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
@@ -433,7 +446,7 @@ def shard_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def open_shard(path: Path, has_labels: bool, max_len: int, index_only: bool = False) -> pa.RecordBatch:
+def open_shard(path: Path, has_labels: bool, max_len: int, store_documents: int | None = None) -> pa.RecordBatch:
     """Memory-map one shard (zero-copy) and check its structure: a regular file holding an Arrow IPC
     stream of the format's schema (metadata included) and one uncompressed record batch, whose buffers
     hold what their lengths say and whose list offsets start at 0 and end at their values' length. The
@@ -451,9 +464,9 @@ def open_shard(path: Path, has_labels: bool, max_len: int, index_only: bool = Fa
     try:
         messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(pa.py_buffer(mapped)))
         schema = pa.ipc.read_schema(_next_message(messages, path, "schema"))
-        expected = shard_schema(has_labels, max_len, index_only)
+        expected = shard_schema(has_labels, max_len, store_documents)
         if not schema.equals(expected, check_metadata=True):
-            kind = "an index shard" if index_only else f"{'with' if has_labels else 'without'} labels and max_len {max_len}"
+            kind = f"an index shard of {store_documents} documents" if store_documents is not None else f"{'with' if has_labels else 'without'} labels and max_len {max_len}"
             _fail(
                 path,
                 f"the schema is\n{schema}\n(metadata {schema.metadata}) but format version {FORMAT_VERSION} "

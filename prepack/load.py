@@ -175,7 +175,7 @@ class PackedDataset(Dataset):
         if self.verify_checksums and (digest := shard_sha256(path)) != info.sha256:
             raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
         index_only = self.store is not None
-        batch = open_shard(path, self.manifest.has_labels, self.manifest.options.max_len, index_only)
+        batch = open_shard(path, self.manifest.has_labels, self.manifest.options.max_len, self.manifest.store_documents)
         if self.validate:
             if batch.num_rows != info.rows:
                 raise FormatError(f"{path}: {batch.num_rows} rows, but the manifest says {info.rows}.")

@@ -192,7 +192,7 @@ def _read_columns(path: Path, manifest: Manifest) -> tuple[list[ShardSummary], d
     summaries, parts = [], {"tokens": [], "docs": [], "lengths": [], "rows": [], "pieces": []}
     for index, info in enumerate(manifest.shards):
         file = shard_path(path, index, info)
-        batch = open_shard(file, manifest.has_labels, manifest.options.max_len, manifest.store is not None)
+        batch = open_shard(file, manifest.has_labels, manifest.options.max_len, manifest.store_documents)
         if batch.num_rows != info.rows:
             raise FormatError(f"{file}: {batch.num_rows} packs, but the manifest says {info.rows}.")
         columns = _shard_columns(batch, str(file), max_len)

@@ -319,7 +319,7 @@ def _shard_problems(path: Path, index: int, manifest: Manifest, check_sha256: bo
                 "the build.",
             )
         index_only = manifest.store is not None
-        batch = open_shard(file, manifest.has_labels, manifest.options.max_len, index_only)
+        batch = open_shard(file, manifest.has_labels, manifest.options.max_len, manifest.store_documents)
         batch.validate(full=True)
     except FormatError as exc:
         yield Problem(file=name, row=exc.problem.row, column=exc.problem.column, message=exc.problem.message)

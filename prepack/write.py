@@ -190,7 +190,7 @@ def _list(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
 
 
-def _pack_columns(layout: ShardPacks, lengths: np.ndarray) -> list[pa.Array]:
+def _pack_columns(layout: ShardPacks, lengths: np.ndarray, schema: pa.Schema) -> list[pa.Array]:
     """The per-pack columns of a shard (`cu_seqlens`, `max_seqlen`, `source_rows`, `source_pieces`):
     all of an index shard, and part of a full one."""
     packs = len(layout.pack_offsets) - 1
@@ -201,7 +201,7 @@ def _pack_columns(layout: ShardPacks, lengths: np.ndarray) -> list[pa.Array]:
     return [
         _list(cu_offsets, cu),
         pa.array(max_seqlen),
-        _list(layout.pack_offsets, layout.rows.astype(np.int64, copy=False)),
+        _list(layout.pack_offsets, layout.rows.astype(schema.field("source_rows").type.value_type.to_pandas_dtype())),
         _list(layout.pack_offsets, layout.pieces.astype(np.int32, copy=False)),
     ]
 
@@ -213,19 +213,18 @@ def write_shard(
     tokens: Path | None,
     labels: Path | None,
     buffers: ShardBuffers | None,
-    has_labels: bool = False,
+    store_documents: int | None = None,
 ) -> ShardInfo:
     """Write the packs of `layout` as one shard, their tokens (and labels) gathered from the int32
     store files `tokens` (and `labels`) into `buffers`, and return the shard's manifest entry.
-    Threads may write shards at once, each with its own `buffers`. Without `tokens`, an index shard:
-    the per-pack columns alone (`has_labels` is the build's, for nothing but its schema's record)."""
+    Threads may write shards at once, each with its own `buffers`. Without `tokens`, an index shard of
+    a store of `store_documents` documents: the per-pack columns alone."""
     lengths = layout.lengths.astype(np.int64, copy=False)
     packs = len(layout.pack_offsets) - 1
     total = int(lengths.sum())
     if tokens is None:
-        batch = pa.RecordBatch.from_arrays(
-            _pack_columns(layout, lengths), schema=shard_schema(has_labels, layout.max_len, index_only=True)
-        )
+        schema = shard_schema(False, layout.max_len, store_documents)
+        batch = pa.RecordBatch.from_arrays(_pack_columns(layout, lengths, schema), schema=schema)
     else:
         batch = _full_batch(layout, lengths, tokens, labels, buffers)
     name = shard_name(index)
@@ -244,12 +243,13 @@ def _full_batch(
     _gather(tokens, layout.starts, lengths, ids)
     segment_ids = buffers.column("segment_ids", total, segment_id_type(layout.max_len).to_pandas_dtype())
     _segment_ids(lengths, layout.pack_offsets, segment_ids)
-    columns = [_list(pack_token_offsets, ids), _list(pack_token_offsets, segment_ids), *_pack_columns(layout, lengths)]
+    schema = shard_schema(labels is not None, layout.max_len)
+    columns = [_list(pack_token_offsets, ids), _list(pack_token_offsets, segment_ids), *_pack_columns(layout, lengths, schema)]
     if labels is not None:
         label_values = buffers.column("labels", total)
         _gather(labels, layout.starts, lengths, label_values)
         columns.append(_list(pack_token_offsets, label_values))
-    return pa.RecordBatch.from_arrays(columns, schema=shard_schema(labels is not None, layout.max_len))
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
 def write_record_batch(path: Path, batch: pa.RecordBatch) -> tuple[int, str]:

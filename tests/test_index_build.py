@@ -68,9 +68,12 @@ def test_index_rows_are_the_full_builds(store, tmp_path, options):
 def test_index_shards_hold_the_pack_columns_only(store, tmp_path):
     build(store, tmp_path / "index", max_len=32, index_only=True)
     with pa.ipc.open_stream(tmp_path / "index" / "shard-00000.arrow") as reader:
-        assert reader.schema.equals(shard_schema(True, 32, index_only=True), check_metadata=True)
+        assert reader.schema.equals(shard_schema(True, 32, store_documents=120), check_metadata=True)
     assert reader.schema.names == ["cu_seqlens", "max_seqlen", "source_rows", "source_pieces"]
-    assert not shard_schema(True, 32, index_only=True).equals(shard_schema(True, 32), check_metadata=True)
+    assert reader.schema.field("source_rows").type == pa.list_(pa.uint32())
+    assert shard_schema(True, 32, store_documents=2**32).field("source_rows").type == pa.list_(pa.uint32())
+    assert shard_schema(True, 32, store_documents=2**32 + 1).field("source_rows").type == pa.list_(pa.int64())
+    assert not shard_schema(True, 32, store_documents=120).equals(shard_schema(True, 32), check_metadata=True)
     raw = json.loads((tmp_path / "index" / "manifest.json").read_text())
     assert set(raw["store"]) == {"path", "fingerprint"}
     # The same store and options, twice: the same bytes.
