@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from prepack import build
+from prepack import build, build_store
 from prepack.format import FORMAT_VERSION
 from tests.corpus import corpus_table, write_corpus
 
@@ -85,6 +85,15 @@ GOLDEN = {
             "84dd5666c2507a40def09dbb66e8ec97d0190e590b0befe3bef06ce19228522f",
         ],
     },
+    # The labelled corpus's store, built with the labelled build's options and --index-only.
+    "index": {
+        "manifest": "06293352882965f578ef9f1ddc31e8fe012301a1ef4e4173a06d04c3aee456d1",
+        "shards": [
+            "e1c9f28ea0f5c35a47be851aa9775f5d0e0a77753579034b61d6364059f00f7f",
+            "efc7a440a4ea89af1b5bc91069b1dfd69746e54f6cfd47271a5c4a36129750ec",
+            "00109ed4dcaea48e34f732b9e87754fe0faf2468ddb6d10344db3274b4b09c16",
+        ],
+    },
 }
 
 BUMP = (
@@ -116,6 +125,11 @@ def golden_builds(tmp_path_factory) -> dict[str, Path]:
         corpus = write_corpus(tmp / f"{name}.parquet", corpus_table(DOCUMENTS, labels))
         builds[name] = tmp / name
         build(corpus, builds[name], max_len=8, shard_size=200, seed=3)
+    # The labelled corpus as a store, and its index build with the same options (`store.path` is
+    # "../store": the bytes do not depend on where the two lie, only on where they lie to each other).
+    build_store(tmp / "labelled.parquet", tmp / "store")
+    builds["index"] = tmp / "index"
+    build(tmp / "store", builds["index"], max_len=8, shard_size=200, seed=3, index_only=True)
     return builds
 
 
@@ -142,7 +156,7 @@ def test_golden_manifest_fields(golden_builds, name):
     assert not added and not removed, f"manifest fields added {added}, removed {removed}: {BUMP}"
 
 
-@pytest.mark.parametrize("name", ["plain", "labelled"])
+@pytest.mark.parametrize("name", ["plain", "labelled", "index"])
 def test_golden_bytes(golden_builds, name):
     found = _digests(golden_builds[name])
     assert len(found["shards"]) >= 2
