@@ -167,3 +167,15 @@ def test_the_cli_builds_an_index(store, tmp_path):
     )
     assert result.returncode == 2 and "--index-only packs a document store" in " ".join(result.stderr.split())
     assert "Traceback" not in result.stderr
+
+
+def test_an_index_dataset_pickles_for_workers(store, tmp_path):
+    """DataLoader workers get a pickled dataset: paths, no memory map; they reopen the store themselves."""
+    import pickle
+
+    build(store, tmp_path / "index", max_len=32, index_only=True)
+    dataset = PackedDataset(tmp_path / "index")
+    first = dataset[0]  # maps an index shard and a store shard
+    again = pickle.loads(pickle.dumps(dataset))
+    assert again._open == {} and again._store_open == {}
+    assert all(np.array_equal(again[0][name], first[name]) for name in first)
