@@ -41,7 +41,7 @@ from prepack.output import output_errors, output_file, staged_directory
 from prepack.plan import PackingPlan, compact_lengths, plan_packs, untrained_documents
 from prepack.read import Corpus, DocumentBatch
 from prepack.store_read import is_store
-from prepack.write import ShardBuffers, shard_bounds, write_in_pieces, write_shard
+from prepack.write import ShardBuffers, TokenFiles, shard_bounds, write_in_pieces, write_shard
 
 __all__ = ["DEFAULT_SHARD_SIZE", "build", "progress_bars"]
 
@@ -131,6 +131,17 @@ def _locate_row(corpus: Corpus, rows_per_file: list[int], row: int) -> tuple[Pat
 _SHARD_WRITERS = 2
 
 
+def pack_shard_bounds(plan: PackingPlan, has_labels: bool, shard_size: int, index_only: bool) -> tuple[np.ndarray, int]:
+    """The first written pack of every shard, plus the end (`shard_bounds`), and the most tokens a
+    shard holds: what every engine cuts a plan's packs into shards by."""
+    docs_per_pack, token_counts = plan.pack_sizes()
+    # Estimated bytes per pack: token columns, per-document columns, per-pack offsets and max_seqlen.
+    token_bytes = 0 if index_only else 4 + segment_id_type(plan.max_len).byte_width + (4 if has_labels else 0)
+    pack_bytes = token_counts * token_bytes + docs_per_pack * 20 + 36
+    bounds = shard_bounds(pack_bytes, shard_size)
+    return bounds, int(np.add.reduceat(token_counts, bounds[:-1]).max())
+
+
 def _write_shards(
     plan: PackingPlan,
     staging: Path,
@@ -140,18 +151,13 @@ def _write_shards(
     progress: Progress,
     store_documents: int | None = None,
 ) -> list[ShardInfo]:
-    docs_per_pack, token_counts = plan.pack_sizes()
-    # Estimated bytes per pack: token columns, per-document columns, per-pack offsets and max_seqlen.
     index_only = store_documents is not None
-    token_bytes = 0 if index_only else 4 + segment_id_type(plan.max_len).byte_width + (4 if has_labels else 0)
-    pack_bytes = token_counts * token_bytes + docs_per_pack * 20 + 36
-    bounds = shard_bounds(pack_bytes, shard_size)
-    largest_shard = int(np.add.reduceat(token_counts, bounds[:-1]).max())
+    bounds, largest_shard = pack_shard_bounds(plan, has_labels, shard_size, index_only)
     idle_buffers: queue.SimpleQueue[ShardBuffers] = queue.SimpleQueue()
     for _ in range(_SHARD_WRITERS):
         idle_buffers.put(ShardBuffers(largest_shard))
-    tokens = None if index_only else scratch / "ids.bin"
-    labels = scratch / "labels.bin" if has_labels and not index_only else None
+    tokens = None if index_only else TokenFiles.single(scratch / "ids.bin")
+    labels = TokenFiles.single(scratch / "labels.bin") if has_labels and not index_only else None
 
     def write(index: int, first: int, end: int) -> ShardInfo:
         buffers = idle_buffers.get()  # never waits: no more tasks than buffers run at once

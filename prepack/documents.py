@@ -17,7 +17,7 @@ from prepack.format import TokenizeOptions
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
 from prepack.store_read import is_store, open_store
 
-__all__ = ["Documents", "Reading", "open_documents"]
+__all__ = ["Documents", "Reading", "corpus_documents", "open_documents"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,13 @@ def open_documents(spec: str | os.PathLike, reading: Reading, out: str | os.Path
     if store is not None:
         m = store.manifest
         return Documents(corpus, m.column, m.labels_column, m.tokenize, m.has_labels, store.documents())
+    return corpus_documents(corpus, reading, progress)
+
+
+def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None) -> Documents:
+    """The documents of the corpus files `corpus`, read (and tokenized) as `reading` says, its schema
+    and options checked now. `open_documents` reads a whole corpus so; `--engine ray` reads each
+    corpus file so on a worker."""
     if reading.tokenizer is None:
         used_labels, batches = read_documents(corpus, reading.column, reading.labels_column)
         return Documents(corpus, reading.column, used_labels, None, used_labels is not None, batches)

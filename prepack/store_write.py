@@ -41,6 +41,51 @@ __all__ = ["build_store"]
 _INT32_MAX = 2**31 - 1  # list<int32> offsets: the most tokens one shard holds
 
 
+def store_shard_capacity(has_labels: bool, shard_size: int) -> int:
+    """Tokens a store shard of `shard_size` bytes of tokens (and labels) holds, at most INT32_MAX."""
+    return min(max(1, shard_size // (8 if has_labels else 4)), _INT32_MAX)
+
+
+def _shard_end(offsets: np.ndarray, start: int, room: int, empty: bool) -> int:
+    """The end of the documents from `start` (token `offsets` of consecutive documents) that the
+    shard being filled takes: those that still fit its `room` tokens, and at least one when it is
+    `empty` (a document larger than a shard is a shard of its own)."""
+    end = max(start, int(np.searchsorted(offsets, offsets[start] + room, "right")) - 1)
+    return start + 1 if end == start and empty else end
+
+
+def store_shard_bounds(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """The first document of every store shard, plus the end: where `_ShardWriter` cuts the
+    documents of `lengths`, computed from the lengths alone (`--engine ray` plans shards so)."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    bounds = [0]
+    while bounds[-1] < len(lengths):
+        bounds.append(_shard_end(offsets, bounds[-1], capacity, empty=True))
+    return np.array(bounds, np.int64)
+
+
+def too_long_for_a_shard(file: Path, row: int, tokens: int) -> InputError:
+    return InputError(
+        f"{file}, row {row}: {tokens} tokens in one document, more than a store shard holds ({_INT32_MAX})."
+    )
+
+
+def write_store_shard(directory: Path, index: int, lengths: np.ndarray, ids: np.ndarray, labels: np.ndarray | None) -> StoreShard:
+    """Write consecutive documents (`lengths`, their `ids` and `labels` back to back) as store shard
+    `index` and return its manifest entry."""
+    path = directory / store_shard_name(index)
+    offsets = np.zeros(len(lengths) + 1, np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    columns = [ids.astype(np.int32, copy=False)]
+    if labels is not None:
+        columns.append(labels.astype(np.int32, copy=False))
+    arrays = [pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)) for values in columns]
+    batch = pa.RecordBatch.from_arrays(arrays, schema=store_schema(labels is not None))
+    size, sha256 = write_record_batch(path, batch)
+    return StoreShard(name=path.name, documents=len(lengths), tokens=int(offsets[-1]), bytes=size, sha256=sha256)
+
+
 class _ShardWriter:
     """Gathers documents in row order and writes them as store shards of at most `shard_size` bytes
     of tokens (and labels); a document larger than that is a shard of its own. Where shards end
@@ -48,7 +93,7 @@ class _ShardWriter:
 
     def __init__(self, directory: Path, has_labels: bool, shard_size: int) -> None:
         self.directory, self.has_labels = directory, has_labels
-        self.capacity = min(max(1, shard_size // (8 if has_labels else 4)), _INT32_MAX)
+        self.capacity = store_shard_capacity(has_labels, shard_size)
         self.pending: list[DocumentBatch] = []
         self.tokens = 0
         self.shards: list[StoreShard] = []
@@ -57,12 +102,7 @@ class _ShardWriter:
         offsets, documents = batch.offsets, len(batch.offsets) - 1
         start = 0
         while start < documents:
-            # The documents that still fit this shard (none when a document alone overfilled it); a
-            # shard takes at least one.
-            room = self.capacity - self.tokens
-            end = max(start, int(np.searchsorted(offsets, offsets[start] + room, "right")) - 1)
-            if end == start and not self.pending:
-                end = start + 1
+            end = _shard_end(offsets, start, self.capacity - self.tokens, empty=not self.pending)
             if end > start:
                 first, last = offsets[start], offsets[end]
                 self.pending.append(
@@ -82,25 +122,13 @@ class _ShardWriter:
     def flush(self) -> None:
         if not self.pending:
             return
-        path = self.directory / store_shard_name(len(self.shards))
         if self.tokens > _INT32_MAX:
             first = self.pending[0]
-            raise InputError(
-                f"{first.file}, row {first.first_row}: {self.tokens} tokens in one document, more than a "
-                f"store shard holds ({_INT32_MAX})."
-            )
+            raise too_long_for_a_shard(first.file, first.first_row, self.tokens)
         lengths = np.concatenate([np.diff(p.offsets) for p in self.pending])
-        offsets = np.zeros(len(lengths) + 1, np.int32)
-        np.cumsum(lengths, out=offsets[1:])
-        columns = [np.concatenate([p.ids for p in self.pending]).astype(np.int32, copy=False)]
-        if self.has_labels:
-            columns.append(np.concatenate([p.labels for p in self.pending]).astype(np.int32, copy=False))
-        arrays = [pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)) for values in columns]
-        batch = pa.RecordBatch.from_arrays(arrays, schema=store_schema(self.has_labels))
-        size, sha256 = write_record_batch(path, batch)
-        self.shards.append(
-            StoreShard(name=path.name, documents=len(lengths), tokens=self.tokens, bytes=size, sha256=sha256)
-        )
+        ids = np.concatenate([p.ids for p in self.pending])
+        labels = np.concatenate([p.labels for p in self.pending]) if self.has_labels else None
+        self.shards.append(write_store_shard(self.directory, len(self.shards), lengths, ids, labels))
         self.pending, self.tokens = [], 0
 
 
@@ -137,21 +165,36 @@ def _write_store(documents: Documents, directory: Path, shard_size: int, bar: Pr
         bar.update(task, completed=position[batch.file], description=f"store {batch.file.name}")
     writer.flush()
     bar.update(task, completed=len(files), description="store")
-    if not writer.shards:
+    all_lengths = np.concatenate(lengths) if lengths else np.empty(0, np.int32)
+    rows = [rows_per_file[path] for path in files]
+    return finish_store(documents, directory, rows, all_lengths, untrained, fingerprint.hexdigest(), writer.shards)
+
+
+def finish_store(
+    documents: Documents,
+    directory: Path,
+    rows_per_file: list[int],
+    lengths: np.ndarray,
+    untrained: int,
+    fingerprint: str,
+    shards: list[StoreShard],
+) -> StoreManifest:
+    """Write `store.json` for the `shards` written into `directory` and return it: every engine's
+    last step. `lengths` are the documents', `untrained` how many have no trained token."""
+    if not shards:
         raise InputError(f"{documents.corpus.root}: the corpus has no documents.")
-    all_lengths = np.concatenate(lengths)
     manifest = StoreManifest(
         prepack_version=version("prepack"),
         column=documents.column,
         labels_column=documents.labels_column,
         tokenize=documents.tokenize,
         has_labels=documents.has_labels,
-        fingerprint=fingerprint.hexdigest(),
-        inputs=[InputFile(path=documents.corpus.name(path), rows=rows) for path, rows in rows_per_file.items()],
-        documents=len(all_lengths),
-        tokens=int(all_lengths.sum(dtype=np.int64)),
-        lengths=_summary(all_lengths, untrained),
-        shards=writer.shards,
+        fingerprint=fingerprint,
+        inputs=[InputFile(path=documents.corpus.name(path), rows=rows) for path, rows in zip(documents.corpus.files, rows_per_file)],
+        documents=len(lengths),
+        tokens=int(lengths.sum(dtype=np.int64)),
+        lengths=_summary(lengths, untrained),
+        shards=shards,
     )
     with output_errors(directory / STORE_MANIFEST_NAME):
         write_store_manifest(directory, manifest)

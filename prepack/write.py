@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -15,7 +16,7 @@ from prepack.format import ShardInfo, segment_id_type, shard_name, shard_schema
 from prepack.output import output_errors, output_file
 from prepack.plan import ShardPacks
 
-__all__ = ["ShardBuffers", "SyncedFile", "shard_bounds", "write_in_pieces", "write_record_batch", "write_shard"]
+__all__ = ["ShardBuffers", "SyncedFile", "TokenFiles", "shard_bounds", "write_in_pieces", "write_record_batch", "write_shard"]
 
 
 def shard_bounds(pack_bytes: np.ndarray, shard_size: int) -> np.ndarray:
@@ -55,8 +56,22 @@ def _copy(source, low, starts, lengths, at, segments, out) -> None:
         out[at[segment] : at[segment] + lengths[segment]] = source[begin : begin + lengths[segment]]
 
 
-def _gather(store: Path, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
-    """Copy the segments (`starts`, `lengths`, in tokens) of an int32 store file into `out`, back to back.
+@dataclass(frozen=True)
+class TokenFiles:
+    """int32 files that together hold every document's tokens back to back, file `i` from token
+    `firsts[i]` on: the local build's one scratch file, or the per-unit files of `--engine ray`."""
+
+    paths: tuple[Path, ...]
+    firsts: np.ndarray  # int64 [files], firsts[0] == 0, non-decreasing
+
+    @classmethod
+    def single(cls, path: Path) -> TokenFiles:
+        return cls((path,), np.zeros(1, np.int64))
+
+
+def _gather(store: TokenFiles, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
+    """Copy the segments (`starts`, `lengths`, in tokens) of the int32 token files `store` into `out`,
+    back to back.
 
     A shard's segments lie all over the store, so mapping it whole would leave most of its pages
     resident by the end of every shard. Instead the segments are copied in store order, window by
@@ -64,12 +79,26 @@ def _gather(store: Path, starts: np.ndarray, lengths: np.ndarray, out: np.ndarra
     """
     at = np.cumsum(lengths) - lengths
     order = np.argsort(starts, kind="stable")
+    # A segment lies inside one file (a document is never cut across files): the last file that
+    # starts at or before it. An empty file shares its first token with the next one.
+    file_of = np.searchsorted(store.firsts, starts[order], "right") - 1
+    ends = np.searchsorted(file_of, np.arange(1, len(store.paths) + 1))
+    for index, (first, end) in enumerate(zip(np.append(0, ends[:-1]), ends)):
+        if first < end:
+            segments = order[first:end]
+            local = starts[segments] - store.firsts[index]
+            _gather_file(store.paths[index], local, lengths[segments], at[segments], out)
+
+
+def _gather_file(path: Path, starts: np.ndarray, lengths: np.ndarray, at: np.ndarray, out: np.ndarray) -> None:
+    """`_gather` from one file, its segments sorted by start, segment i copied to out[at[i]:]."""
+    order = np.arange(len(starts))
     firsts, highs = _windows(starts, lengths, order)
     for first, end, high in zip(firsts[:-1], firsts[1:], highs):
         if first == len(order):
             break
         low = int(starts[order[first]]) // _WINDOW_TOKENS * _WINDOW_TOKENS
-        window = np.memmap(store, np.int32, "r", offset=low * 4, shape=(int(high) - low,))
+        window = np.memmap(path, np.int32, "r", offset=low * 4, shape=(int(high) - low,))
         _copy(window, low, starts, lengths, at, order[first:end], out)
         del window  # unmapped here: its pages no longer count as this process's memory
 
@@ -210,13 +239,13 @@ def write_shard(
     directory: Path,
     index: int,
     layout: ShardPacks,
-    tokens: Path | None,
-    labels: Path | None,
+    tokens: TokenFiles | None,
+    labels: TokenFiles | None,
     buffers: ShardBuffers | None,
     store_documents: int | None = None,
 ) -> ShardInfo:
     """Write the packs of `layout` as one shard, their tokens (and labels) gathered from the int32
-    store files `tokens` (and `labels`) into `buffers`, and return the shard's manifest entry.
+    token files `tokens` (and `labels`) into `buffers`, and return the shard's manifest entry.
     Threads may write shards at once, each with its own `buffers`. Without `tokens`, an index shard of
     a store of `store_documents` documents: the per-pack columns alone."""
     lengths = layout.lengths.astype(np.int64, copy=False)
@@ -233,7 +262,7 @@ def write_shard(
 
 
 def _full_batch(
-    layout: ShardPacks, lengths: np.ndarray, tokens: Path, labels: Path | None, buffers: ShardBuffers
+    layout: ShardPacks, lengths: np.ndarray, tokens: TokenFiles, labels: TokenFiles | None, buffers: ShardBuffers
 ) -> pa.RecordBatch:
     token_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=token_offsets[1:])
