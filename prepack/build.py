@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import queue
 from collections.abc import Iterator
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -40,10 +41,10 @@ from prepack.format import (
 from prepack.output import output_errors, output_file, staged_directory
 from prepack.plan import PackingPlan, compact_lengths, plan_packs, untrained_documents
 from prepack.read import Corpus, DocumentBatch
-from prepack.store_read import is_store
+from prepack.store_read import is_store, open_store
 from prepack.write import ShardBuffers, TokenFiles, shard_bounds, write_in_pieces, write_shard
 
-__all__ = ["DEFAULT_SHARD_SIZE", "build", "progress_bars"]
+__all__ = ["DEFAULT_SHARD_SIZE", "ENGINES", "build", "check_engine", "engine_session", "progress_bars"]
 
 # Bytes. ~1,300 full 8k-token packs. Each of the `_SHARD_WRITERS` holds a shard's columns while it
 # writes it, and those pages are new to the process: at 256 MiB the shard pass took half as long
@@ -185,6 +186,43 @@ def _store_reference(store: str | os.PathLike, out: str | os.PathLike, fingerpri
     return StoreReference(path=Path(relative).as_posix(), fingerprint=fingerprint)
 
 
+ENGINES = ("local", "ray")
+
+
+def check_engine(engine: str, ray_address: str | None, reading: Reading) -> None:
+    """Refuse an engine prepack does not have, options that the engine would ignore, and the ray
+    engine without ray installed; before anything is read."""
+    if engine not in ENGINES:
+        raise InputError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}.")
+    if engine == "local":
+        if ray_address is not None:
+            raise InputError("--ray-address joins a Ray cluster: use it with --engine ray.")
+        return
+    if reading.num_proc is not None:
+        raise InputError(
+            "--num-proc sets the local engine's tokenizer threads or processes; with --engine ray every task "
+            "tokenizes on one core, and the cluster's CPUs set how many run at once."
+        )
+    try:
+        import prepack.engine_ray  # noqa: F401  (ray is imported only for this engine)
+    except ImportError as exc:
+        if (exc.name or "").partition(".")[0] != "ray":
+            raise
+        raise InputError("--engine ray needs ray: pip install 'prepack[ray]'") from None
+
+
+@contextmanager
+def engine_session(engine: str, ray_address: str | None) -> Iterator:
+    """None for the local engine; for "ray", a `prepack.engine_ray.RayEngine` connected for the build."""
+    if engine == "local":
+        yield None
+        return
+    from prepack.engine_ray import ray_engine
+
+    with ray_engine(ray_address) as session:
+        yield session
+
+
 def progress_bars(enabled: bool, console: Console | None) -> Progress:
     """The progress bars of a command that reads a corpus (`build`, `build_store`)."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -213,6 +251,8 @@ def build(
     drop_untrained: bool = False,
     index_only: bool = False,
     overwrite: bool = False,
+    engine: str = "local",
+    ray_address: str | None = None,
     progress: bool = False,
     console: Console | None = None,
 ) -> Manifest:
@@ -235,7 +275,12 @@ def build(
     the shards when every corpus file has it. With `tokenizer` (a local directory or tokenizer.json)
     the corpus holds text in `text_column`, or with `chat` conversations in `messages_column`,
     tokenized as `prepack.tokenize.tokenize_corpus` describes (`eos`, `chat_template`, `train_on`,
-    `num_proc`). Raises `InputError` for bad input, and `OutputError` when `out` cannot be written as
+    `num_proc`).
+
+    `engine="ray"` reads, tokenizes and writes shards as Ray tasks (`prepack.engine_ray`; needs
+    `prepack[ray]`), on the cluster at `ray_address` ("auto", "ray://…"), or on the Ray instance this
+    process is connected to, or on a new local one; the output is byte for byte the local engine's.
+    Raises `InputError` for bad input, and `OutputError` when `out` cannot be written as
     asked (see `prepack.output.staged_directory`: it exists without `overwrite`, it is not a prepack
     build, another build to it runs, a disk is full); in every case nothing is published.
     """
@@ -264,6 +309,9 @@ def build(
         )
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
+    check_engine(engine, ray_address, reading)
+    if index_only and engine != "local":
+        raise InputError("--index-only reads no token and writes small shards: build it with the local engine.")
     if index_only and not is_store(corpus):
         raise InputError(
             f"{corpus}: --index-only packs a document store, and this is a corpus: make one with "
@@ -274,8 +322,13 @@ def build(
         found, has_labels, batches, read_column = (
             documents.corpus, documents.has_labels, documents.batches, documents.column
         )
-        with staged_directory(out, overwrite) as staging:
-            stored = _store_documents(found, has_labels, batches, staging.scratch, bar, keep_tokens=not index_only)
+        with engine_session(engine, ray_address) as session, staged_directory(out, overwrite) as staging:
+            if session is None:
+                stored = _store_documents(found, has_labels, batches, staging.scratch, bar, keep_tokens=not index_only)
+            else:
+                store = open_store(corpus) if is_store(corpus) else None
+                read = session.read(documents, reading, store, staging.scratch, bar)
+                stored = read.stored
             if len(stored.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")
             if not stored.lengths.any():
@@ -304,9 +357,12 @@ def build(
                     f"{plan.counts['dropped']:,} are longer than --max-len {max_len} (--overflow drop) and "
                     f"{plan.counts['untrained']:,} have no trained token (--drop-untrained)."
                 )
-            shards = _write_shards(
-                plan, staging.build, staging.scratch, has_labels, shard_size, bar, len(stored.lengths) if index_only else None
-            )
+            if session is None:
+                shards = _write_shards(
+                    plan, staging.build, staging.scratch, has_labels, shard_size, bar, len(stored.lengths) if index_only else None
+                )
+            else:
+                shards = session.write_pack_shards(plan, staging.build, read, shard_size, bar)
             manifest = Manifest(
                 prepack_version=version("prepack"),
                 # How the documents were read: as asked, or as the store was written.

@@ -18,7 +18,7 @@ import pyarrow as pa
 from rich.console import Console
 from rich.progress import Progress
 
-from prepack.build import DEFAULT_SHARD_SIZE, progress_bars
+from prepack.build import DEFAULT_SHARD_SIZE, check_engine, engine_session, progress_bars
 from prepack.documents import Documents, Reading, open_documents
 from prepack.errors import InputError
 from prepack.format import STORE_MANIFEST_NAME, Fingerprint, InputFile
@@ -207,6 +207,8 @@ def build_store(
     *,
     shard_size: int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
+    engine: str = "local",
+    ray_address: str | None = None,
     progress: bool = False,
     console: Console | None = None,
     **reading: Any,
@@ -221,7 +223,8 @@ def build_store(
     `reading` takes `build`'s reading and tokenizing options (`column`, `labels_column`, `tokenizer`,
     `chat`, `text_column`, `messages_column`, `eos`, `chat_template`, `train_on`, `num_proc`: the
     fields of `prepack.documents.Reading`); `shard_size` bounds the bytes of tokens (and labels) per
-    shard. Raises `InputError` for bad input (a store given as the corpus among it), and
+    shard. `engine` and `ray_address` as for `build`: with "ray", the store is written by Ray tasks,
+    byte for byte as the local engine writes it. Raises `InputError` for bad input (a store given as the corpus among it), and
     `OutputError` as `build` does; in every case nothing is published.
     """
     if shard_size < 1:
@@ -232,8 +235,14 @@ def build_store(
         options = Reading(**reading)
     except TypeError as exc:
         raise InputError(f"invalid reading option: {exc}") from None
+    check_engine(engine, ray_address, options)
     with progress_bars(progress, console) as bar:
         documents = open_documents(corpus, options, out, bar)
-        with staged_directory(out, overwrite, STORE_MANIFEST_NAME) as staging:
-            manifest = _write_store(documents, staging.build, shard_size, bar)
-    return manifest
+        with engine_session(engine, ray_address) as session, staged_directory(out, overwrite, STORE_MANIFEST_NAME) as staging:
+            if session is None:
+                return _write_store(documents, staging.build, shard_size, bar)
+            read = session.read(documents, options, None, staging.scratch, bar)
+            shards = session.write_store_shards(documents, staging.build, read, shard_size, bar)
+            stored = read.stored
+            untrained = int(stored.untrained.sum())
+            return finish_store(documents, staging.build, stored.rows_per_file, stored.lengths, untrained, stored.fingerprint, shards)

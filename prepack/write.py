@@ -16,7 +16,7 @@ from prepack.format import ShardInfo, segment_id_type, shard_name, shard_schema
 from prepack.output import output_errors, output_file
 from prepack.plan import ShardPacks
 
-__all__ = ["ShardBuffers", "SyncedFile", "TokenFiles", "shard_bounds", "write_in_pieces", "write_record_batch", "write_shard"]
+__all__ = ["ShardBuffers", "SyncedFile", "TokenFiles", "gather_tokens", "shard_bounds", "write_in_pieces", "write_record_batch", "write_shard"]
 
 
 def shard_bounds(pack_bytes: np.ndarray, shard_size: int) -> np.ndarray:
@@ -69,7 +69,7 @@ class TokenFiles:
         return cls((path,), np.zeros(1, np.int64))
 
 
-def _gather(store: TokenFiles, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
+def gather_tokens(store: TokenFiles, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
     """Copy the segments (`starts`, `lengths`, in tokens) of the int32 token files `store` into `out`,
     back to back.
 
@@ -91,7 +91,7 @@ def _gather(store: TokenFiles, starts: np.ndarray, lengths: np.ndarray, out: np.
 
 
 def _gather_file(path: Path, starts: np.ndarray, lengths: np.ndarray, at: np.ndarray, out: np.ndarray) -> None:
-    """`_gather` from one file, its segments sorted by start, segment i copied to out[at[i]:]."""
+    """`gather_tokens` from one file, its segments sorted by start, segment i copied to out[at[i]:]."""
     order = np.arange(len(starts))
     firsts, highs = _windows(starts, lengths, order)
     for first, end, high in zip(firsts[:-1], firsts[1:], highs):
@@ -269,14 +269,14 @@ def _full_batch(
     pack_token_offsets = token_offsets[layout.pack_offsets]
     total = int(token_offsets[-1])
     ids = buffers.column("input_ids", total)
-    _gather(tokens, layout.starts, lengths, ids)
+    gather_tokens(tokens, layout.starts, lengths, ids)
     segment_ids = buffers.column("segment_ids", total, segment_id_type(layout.max_len).to_pandas_dtype())
     _segment_ids(lengths, layout.pack_offsets, segment_ids)
     schema = shard_schema(labels is not None, layout.max_len)
     columns = [_list(pack_token_offsets, ids), _list(pack_token_offsets, segment_ids), *_pack_columns(layout, lengths, schema)]
     if labels is not None:
         label_values = buffers.column("labels", total)
-        _gather(labels, layout.starts, lengths, label_values)
+        gather_tokens(labels, layout.starts, lengths, label_values)
         columns.append(_list(pack_token_offsets, label_values))
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
