@@ -40,6 +40,11 @@ class TrainOn(str, Enum):
     all = "all"
 
 
+class Engine(str, Enum):
+    local = "local"
+    ray = "ray"
+
+
 class Overflow(str, Enum):
     split = "split"
     truncate = "truncate"
@@ -60,6 +65,8 @@ _EosOption = Annotated[bool, typer.Option("--eos/--no-eos", help="Append EOS to 
 _NumProcOption = Annotated[int | None, typer.Option("--num-proc", min=1, help="Tokenizer threads (text) or processes (chat); default: all cores.", rich_help_panel="Tokenize")]
 _ShardSizeOption = Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB or 1GB.")]
 _QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")]
+_EngineOption = Annotated[Engine, typer.Option("--engine", help="Where reading, tokenizing and shard writing run: here, or as Ray tasks across a cluster (pip install 'prepack[ray]'); the output is the same.", rich_help_panel="Engine")]
+_RayAddressOption = Annotated[str | None, typer.Option("--ray-address", help="--engine ray: join this cluster ('auto', 'ray://HOST:PORT'); default: start a local Ray instance.", rich_help_panel="Engine")]
 
 
 def _byte_size(text: str) -> int:
@@ -125,6 +132,8 @@ def build_command(
     index_only: Annotated[bool, typer.Option("--index-only", help="A document store only: write which documents each pack holds, no token; the build reads them from the store.")] = False,
     shard_size: _ShardSizeOption = f"{DEFAULT_SHARD_SIZE // 2**20}MiB",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing build at --out.")] = False,
+    engine: _EngineOption = Engine.local,
+    ray_address: _RayAddressOption = None,
     quiet: _QuietOption = False,
 ) -> None:
     """Pack a corpus into Arrow shards with a manifest: token ids as they are, or text and chat
@@ -151,6 +160,8 @@ def build_command(
             drop_untrained=drop_untrained,
             index_only=index_only,
             overwrite=overwrite,
+            engine=engine.value,
+            ray_address=ray_address,
             progress=not quiet,
             console=console,
         )
@@ -176,6 +187,8 @@ def tokenize_command(
     num_proc: _NumProcOption = None,
     shard_size: _ShardSizeOption = f"{DEFAULT_SHARD_SIZE // 2**20}MiB",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing store at --out.")] = False,
+    engine: _EngineOption = Engine.local,
+    ray_address: _RayAddressOption = None,
     quiet: _QuietOption = False,
 ) -> None:
     """Read and tokenize a corpus once into a document store, which `prepack build STORE` packs at any
@@ -198,6 +211,8 @@ def tokenize_command(
             num_proc=num_proc,
             shard_size=_byte_size(shard_size),
             overwrite=overwrite,
+            engine=engine.value,
+            ray_address=ray_address,
             progress=not quiet,
             console=console,
         )
