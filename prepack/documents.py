@@ -81,10 +81,11 @@ def open_documents(spec: str | os.PathLike, reading: Reading, out: str | os.Path
     return corpus_documents(corpus, reading, progress)
 
 
-def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None) -> Documents:
+def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None, tokenizer=None) -> Documents:
     """The documents of the corpus files `corpus`, read (and tokenized) as `reading` says, its schema
-    and options checked now. `open_documents` reads a whole corpus so; `--engine ray` reads each
-    corpus file so on a worker."""
+    and options checked now; `tokenizer`, when given, is `reading.tokenizer` loaded already
+    (`prepack.tokenize.load_tokenizer`). `open_documents` reads a whole corpus so; `--engine ray`
+    reads each corpus file so on a worker."""
     if reading.tokenizer is None:
         used_labels, batches = read_documents(corpus, reading.column, reading.labels_column)
         return Documents(corpus, reading.column, used_labels, None, used_labels is not None, batches)
@@ -96,7 +97,7 @@ def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None
 
     options, has_labels, batches = tokenize_corpus(
         corpus,
-        load_tokenizer(reading.tokenizer),
+        tokenizer or load_tokenizer(reading.tokenizer),
         mode="chat" if reading.chat else "text",
         column=reading.read_column,
         eos=reading.eos,

@@ -103,14 +103,32 @@ class _UnitRead:
     untrained: np.ndarray  # bool, one per document
 
 
+_tokenizers: dict[tuple[str, str], object] = {}  # (path, sha256) → LocalTokenizer
+
+
+def _tokenizer(path: str | os.PathLike, sha256: str):
+    """The tokenizer at `path`, loaded once per worker process (0.2 s for GPT-2's), and kept only when
+    its files are those the driver loaded (`sha256`): a worker serves every build of a cluster."""
+    from prepack.tokenize import load_tokenizer  # tokenizers, only for text and chat
+
+    key = (os.path.abspath(path), sha256)
+    if key not in _tokenizers:
+        loaded = load_tokenizer(path)
+        if loaded.info.sha256 != sha256:
+            return loaded  # other files: `_unit_arrays` refuses what it reads
+        _tokenizers[key] = loaded
+    return _tokenizers[key]
+
+
 def _unit_arrays(source: _Source, unit: _Unit) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
     """(offsets, ids, labels) of the unit's documents, batch by batch, in row order."""
     if unit.shard is not None:
         yield source.store.shard_columns(unit.shard)
         return
-    # One core a task: Ray's tasks are the parallelism.
-    found = corpus_documents(Corpus(unit.file.parent, (unit.file,)), replace(source.reading, num_proc=1), None)
     expected = source.documents
+    tokenizer = None if expected.tokenize is None else _tokenizer(source.reading.tokenizer, expected.tokenize.tokenizer.sha256)
+    # One core a task: Ray's tasks are the parallelism.
+    found = corpus_documents(Corpus(unit.file.parent, (unit.file,)), replace(source.reading, num_proc=1), None, tokenizer)
     if (found.tokenize, found.has_labels, found.labels_column) != (expected.tokenize, expected.has_labels, expected.labels_column):
         raise InputError(
             f"{unit.file}: read on a worker, it gives other documents than on the driver (the tokenizer, the chat "

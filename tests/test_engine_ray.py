@@ -114,6 +114,18 @@ def test_a_tokenized_corpus_builds_and_stores_the_same_bytes(tmp_path, local_ray
     assert _same(tmp_path / "store-local", tmp_path / "store-ray") > 3
 
 
+def test_workers_serving_a_second_build_read_the_tokenizer_files_as_they_are_now(tmp_path, local_ray, gpt2):
+    corpus = _conversations(tmp_path / "c", "text", parts=2, per_part=50)
+    tokenizer = Path(shutil.copytree(gpt2, tmp_path / "tok"))
+    first = build(corpus, tmp_path / "first", max_len=512, tokenizer=tokenizer, engine="ray")
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(config | {"eos_token": "<|im_end|>"}))
+    local = build(corpus, tmp_path / "local", max_len=512, tokenizer=tokenizer)
+    second = build(corpus, tmp_path / "second", max_len=512, tokenizer=tokenizer, engine="ray")
+    assert second == local and second.fingerprint != first.fingerprint
+    _same(tmp_path / "local", tmp_path / "second")
+
+
 def test_a_bad_row_on_a_worker_is_the_local_error_and_nothing_is_published(tmp_path, local_ray, gpt2):
     corpus = _conversations(tmp_path / "c", "text", parts=3, per_part=100)
     bad = [{"text": "fine"}] * 40 + [{"text": 7}] + [{"text": "fine"}] * 10
