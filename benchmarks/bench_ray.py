@@ -15,7 +15,9 @@ Ray engine's unit of work is a corpus file. Every method runs in a fresh interpr
 
 Prints a markdown table: wall seconds, tokens/s, tokens/s per worker, scaling efficiency (2-worker
 tokens/s over twice the same method's 1-worker tokens/s) and the overhead against `local` with one
-worker. Every prepack method must write the same store.json (the same shards, byte for byte). Also
+worker; and the CPU seconds that every process of the method used meanwhile (Ray's raylet, GCS and
+workers, datasets' pool), with tokens per CPU second: on a machine shared with other work, wall-time
+scaling says little, CPU time says what a worker costs. Every prepack method must write the same store.json (the same shards, byte for byte). Also
 prints the driver's sha256 rate, which bounds how fast one driver can fingerprint a corpus.
 """
 
@@ -33,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 
 from bench_tokenize import machine, write_inputs
@@ -40,12 +43,31 @@ from bench_tokenize import machine, write_inputs
 METHODS = ["local", "ray", "datasets"]
 
 
+def cpu_seconds() -> dict[int, float]:
+    """CPU seconds (user + system) so far of this process with its reaped children (key 0) and of
+    each live descendant: Ray's workers, raylet and GCS, datasets' pool."""
+    times = os.times()
+    seconds = {0: times.user + times.system + times.children_user + times.children_system}
+    for process in psutil.Process().children(recursive=True):
+        try:
+            used = process.cpu_times()
+        except psutil.Error:
+            continue
+        seconds[process.pid] = used.user + used.system
+    return seconds
+
+
+def cpu_since(before: dict[int, float]) -> float:
+    return sum(used - before.get(pid, 0.0) for pid, used in cpu_seconds().items())
+
+
 def run_local(corpus: str, tokenizer: str, out: str, workers: int) -> dict:
     import prepack
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     manifest = prepack.build_store(corpus, out, tokenizer=tokenizer, num_proc=workers)
-    return {"wall": time.perf_counter() - start, "tokens": manifest.tokens, "store": manifest.model_dump(mode="json")}
+    wall = time.perf_counter() - start
+    return {"wall": wall, "cpu": cpu_since(cpu), "tokens": manifest.tokens, "store": manifest.model_dump(mode="json")}
 
 
 def run_ray(corpus: str, tokenizer: str, out: str, workers: int) -> dict:
@@ -55,11 +77,17 @@ def run_ray(corpus: str, tokenizer: str, out: str, workers: int) -> dict:
 
     start = time.perf_counter()
     ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), cpu_seconds()
     manifest = prepack.build_store(corpus, out, tokenizer=tokenizer, engine="ray")
-    done = time.perf_counter()
+    done, used = time.perf_counter(), cpu_since(cpu)
     ray.shutdown()
-    return {"wall": done - started, "startup": started - start, "tokens": manifest.tokens, "store": manifest.model_dump(mode="json")}
+    return {
+        "wall": done - started,
+        "cpu": used,
+        "startup": started - start,
+        "tokens": manifest.tokens,
+        "store": manifest.model_dump(mode="json"),
+    }
 
 
 def run_datasets(corpus: str, tokenizer: str, out: str, workers: int) -> dict:
@@ -73,13 +101,13 @@ def run_datasets(corpus: str, tokenizer: str, out: str, workers: int) -> dict:
     def tokenize(batch):
         return {"input_ids": [ids + [eos] for ids in hf(batch["text"])["input_ids"]]}
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     files = sorted(str(p) for p in Path(corpus).glob("*.parquet"))
     dataset = datasets.Dataset.from_parquet(files, cache_dir=out + ".cache")
     tokenized = dataset.map(tokenize, batched=True, num_proc=workers, remove_columns=["text"])
-    wall = time.perf_counter() - start
+    wall, used = time.perf_counter() - start, cpu_since(cpu)
     tokens = sum(len(ids) for batch in tokenized.iter(batch_size=65536) for ids in batch["input_ids"])
-    return {"wall": wall, "tokens": tokens}
+    return {"wall": wall, "cpu": used, "tokens": tokens}
 
 
 def child(method: str, workers: str, corpus: str, tokenizer: str, out: str) -> None:
@@ -131,8 +159,8 @@ def main() -> None:
     assert len(tokens) == 1, f"the methods tokenized differently: {tokens}"
     baseline = results.get(("local", 1))
     print(f"{args.docs:,} documents, {tokens.pop():,} tokens, {args.files} files; load average {os.getloadavg()[0]:.1f} after\n")
-    print("| method | workers | wall s | tokens/s | tokens/s per worker | scaling efficiency | vs local, 1 worker | Ray start s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| method | workers | wall s | tokens/s | tokens/s per worker | scaling efficiency | vs local, 1 worker | CPU s | tokens per CPU s | Ray start s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (method, workers), r in results.items():
         rate = r["tokens"] / r["wall"]
         one = results[(method, 1)]
@@ -141,7 +169,7 @@ def main() -> None:
         startup = f"{r['startup']:.1f}" if "startup" in r else ""
         print(
             f"| {method} | {workers} | {r['wall']:.1f} | {rate / 1e6:.2f}M | {rate / workers / 1e6:.2f}M | "
-            f"{efficiency} | {versus} | {startup} |"
+            f"{efficiency} | {versus} | {r['cpu']:.1f} | {r['tokens'] / r['cpu'] / 1e6:.2f}M | {startup} |"
         )
 
 
