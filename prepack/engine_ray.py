@@ -304,13 +304,11 @@ class RayEngine:
         if len(lengths) and lengths.max() > np.iinfo(np.int32).max:
             row = int(np.argmax(lengths > np.iinfo(np.int32).max))
             raise too_long_for_a_shard(*_locate_row(documents.corpus, read.stored.rows_per_file, row), int(lengths[row]))
-        bounds = store_shard_bounds(lengths, store_shard_capacity(read.stored.has_labels, shard_size))
+        bounds, first_tokens = store_shard_bounds(lengths, store_shard_capacity(read.stored.has_labels, shard_size))
         tokens, labels = ray.put(read.tokens), ray.put(read.labels)
-        token_offsets = np.zeros(len(lengths) + 1, np.int64)
-        np.cumsum(lengths, out=token_offsets[1:])
         submitted = (
-            _write_store_shard.remote(self.cwd, directory, index, lengths[first:end], int(token_offsets[first]), tokens, labels)
-            for index, (first, end) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+            _write_store_shard.remote(self.cwd, directory, index, lengths[first:end], first_token, tokens, labels)
+            for index, (first, end, first_token) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), first_tokens.tolist()))
         )
         task = progress.add_task("store", total=len(bounds) - 1, unit="shards")
         shards = []

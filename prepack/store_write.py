@@ -54,15 +54,16 @@ def _shard_end(offsets: np.ndarray, start: int, room: int, empty: bool) -> int:
     return start + 1 if end == start and empty else end
 
 
-def store_shard_bounds(lengths: np.ndarray, capacity: int) -> np.ndarray:
-    """The first document of every store shard, plus the end: where `_ShardWriter` cuts the
-    documents of `lengths`, computed from the lengths alone (`--engine ray` plans shards so)."""
+def store_shard_bounds(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first document of every store shard, plus the end, and the token each of them starts at:
+    where `_ShardWriter` cuts the documents of `lengths`, computed from the lengths alone
+    (`--engine ray` plans shards so). 8 bytes a document while it runs."""
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     bounds = [0]
     while bounds[-1] < len(lengths):
         bounds.append(_shard_end(offsets, bounds[-1], capacity, empty=True))
-    return np.array(bounds, np.int64)
+    return np.array(bounds, np.int64), offsets[bounds]
 
 
 def too_long_for_a_shard(file: Path, row: int, tokens: int) -> InputError:

@@ -91,10 +91,14 @@ def test_a_token_corpus_builds_and_stores_the_same_bytes(tmp_path, local_ray):
     on_ray = build(corpus, tmp_path / "ray", engine="ray", **options)
     assert on_ray == local and len(local.shards) > 3 and local.totals.empty > 0
     assert _same(tmp_path / "local", tmp_path / "ray") == len(local.shards) + 1
-    store = build_store(corpus, tmp_path / "store-local", shard_size=30_000)
-    assert build_store(corpus, tmp_path / "store-ray", shard_size=30_000, engine="ray") == store
-    assert len(store.shards) > 3
-    _same(tmp_path / "store-local", tmp_path / "store-ray")
+    # Store shards cut by token capacity; at 1,000 bytes most documents overfill a shard alone.
+    for shard_size in (1_000, 30_000):
+        store = build_store(corpus, tmp_path / f"store-local-{shard_size}", shard_size=shard_size)
+        assert build_store(corpus, tmp_path / "store-ray", shard_size=shard_size, engine="ray") == store
+        assert len(store.shards) > 3
+        _same(tmp_path / f"store-local-{shard_size}", tmp_path / "store-ray")
+        if shard_size == 1_000:
+            shutil.rmtree(tmp_path / "store-ray")
     # A store is read on Ray too, a task per store shard; its build is the corpus's.
     build(tmp_path / "store-ray", tmp_path / "from-store", engine="ray", **options)
     _same(tmp_path / "local", tmp_path / "from-store")
