@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, closing, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
@@ -42,12 +43,15 @@ from prepack.documents import Documents, Reading, corpus_documents
 from prepack.errors import InputError, PrepackError
 from prepack.format import Fingerprint, ShardInfo
 from prepack.output import output_errors, output_file
-from prepack.plan import PackingPlan, compact_lengths, untrained_documents
+from prepack.plan import PackingPlan, ShardPacks, compact_lengths, untrained_documents
 from prepack.read import Corpus
 from prepack.store_format import StoreShard
 from prepack.store_read import Store
 from prepack.store_write import store_shard_bounds, store_shard_capacity, too_long_for_a_shard, write_store_shard
 from prepack.write import ShardBuffers, TokenFiles, gather_tokens, write_in_pieces, write_shard
+
+if TYPE_CHECKING:  # tokenizers is needed only for text and chat
+    from prepack.tokenize import LocalTokenizer
 
 __all__ = ["RayEngine", "ReadCorpus", "ray_engine"]
 
@@ -103,13 +107,13 @@ class _UnitRead:
     untrained: np.ndarray  # bool, one per document
 
 
-_tokenizers: dict[tuple[str, str], object] = {}  # (path, sha256) → LocalTokenizer
+_tokenizers: dict[tuple[str, str], LocalTokenizer] = {}  # by (path, sha256)
 
 
-def _tokenizer(path: str | os.PathLike, sha256: str):
+def _tokenizer(path: str | os.PathLike, sha256: str) -> LocalTokenizer:
     """The tokenizer at `path`, loaded once per worker process (0.2 s for GPT-2's), and kept only when
     its files are those the driver loaded (`sha256`): a worker serves every build of a cluster."""
-    from prepack.tokenize import load_tokenizer  # tokenizers, only for text and chat
+    from prepack.tokenize import load_tokenizer
 
     key = (os.path.abspath(path), sha256)
     if key not in _tokenizers:
@@ -164,7 +168,7 @@ def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
 
 @ray.remote(max_retries=_RETRIES)
 def _write_pack_shard(
-    cwd: str, directory: Path, index: int, layout, tokens: TokenFiles, labels: TokenFiles | None
+    cwd: str, directory: Path, index: int, layout: ShardPacks, tokens: TokenFiles, labels: TokenFiles | None
 ) -> ShardInfo | PrepackError:
     with _working_directory(cwd):
         try:

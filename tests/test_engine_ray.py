@@ -230,38 +230,49 @@ def two_nodes():
     cluster.shutdown()
 
 
-def _kill_first_task(name: str, killed: list[int], stop: threading.Event) -> None:
-    """SIGKILL the first worker process of this test's Ray that runs task `name` (Ray titles a
-    worker process `ray::NAME` while it runs a task)."""
+_TASKS = ("ray::_read_unit", "ray::_write_pack_shard", "ray::_write_store_shard")
+
+
+def _watch_tasks(stop: threading.Event, parents: set[int], kill: str | None = None, killed: list[int] | None = None) -> None:
+    """Until `stop`: note the parent process (the node's raylet) of every worker process of this test's
+    Ray that runs one of the engine's tasks (Ray titles a worker `ray::NAME` while it runs task NAME),
+    and SIGKILL the first that runs task `kill`."""
     while not stop.is_set():
         for process in psutil.Process().children(recursive=True):
             try:
-                title = " ".join(process.cmdline())
+                title, parent = " ".join(process.cmdline()), process.ppid()
             except psutil.Error:
                 continue
-            if title.startswith(f"ray::{name}"):
+            if title.startswith(_TASKS):
+                parents.add(parent)
+            if kill is not None and not killed and title.startswith(f"ray::{kill}"):
                 os.kill(process.pid, signal.SIGKILL)
                 killed.append(process.pid)
-                return
         time.sleep(0.005)
+
+
+def _watched_build(corpus: Path, out: Path, kill: str | None = None, **options) -> tuple[set[int], list[int]]:
+    parents, killed, stop = set(), [], threading.Event()
+    watcher = threading.Thread(target=_watch_tasks, args=(stop, parents, kill, killed))
+    watcher.start()
+    try:
+        build(corpus, out, engine="ray", **options)
+    finally:
+        stop.set()
+        watcher.join()
+    return parents, killed
 
 
 @pytest.mark.slow
 def test_a_two_node_cluster_writes_the_same_bytes_with_a_worker_killed(tmp_path, two_nodes, gpt2):
     assert len([node for node in ray.nodes() if node["Alive"]]) == 2
     corpus = _conversations(tmp_path / "c", "text", parts=4, per_part=1500)
-    reading = {"tokenizer": gpt2, "max_len": 2048, "shard_size": 2**18}
-    local = build(corpus, tmp_path / "local", **reading)
-    assert build(corpus, tmp_path / "ray", engine="ray", **reading) == local
+    options = {"tokenizer": gpt2, "max_len": 2048, "shard_size": 2**18}
+    build(corpus, tmp_path / "local", **options)
+    raylets, _ = _watched_build(corpus, tmp_path / "ray", **options)
+    assert len(raylets) == 2, "the tasks did not run on both nodes"
     _same(tmp_path / "local", tmp_path / "ray")
     for task in ("_read_unit", "_write_pack_shard"):
-        killed, stop = [], threading.Event()
-        killer = threading.Thread(target=_kill_first_task, args=(task, killed, stop))
-        killer.start()
-        try:
-            build(corpus, tmp_path / f"killed-{task}", engine="ray", **reading)
-        finally:
-            stop.set()
-            killer.join()
+        _, killed = _watched_build(corpus, tmp_path / f"killed-{task}", kill=task, **options)
         assert len(killed) == 1, f"no {task} task was seen running"
         _same(tmp_path / "local", tmp_path / f"killed-{task}")
