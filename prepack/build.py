@@ -322,7 +322,7 @@ def build(
         found, has_labels, batches, read_column = (
             documents.corpus, documents.has_labels, documents.batches, documents.column
         )
-        with engine_session(engine, ray_address) as session, staged_directory(out, overwrite) as staging:
+        with staged_directory(out, overwrite) as staging, engine_session(engine, ray_address) as session:
             if session is None:
                 stored = _store_documents(found, has_labels, batches, staging.scratch, bar, keep_tokens=not index_only)
             else:

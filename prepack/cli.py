@@ -65,7 +65,7 @@ _EosOption = Annotated[bool, typer.Option("--eos/--no-eos", help="Append EOS to 
 _NumProcOption = Annotated[int | None, typer.Option("--num-proc", min=1, help="Tokenizer threads (text) or processes (chat); default: all cores.", rich_help_panel="Tokenize")]
 _ShardSizeOption = Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB or 1GB.")]
 _QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")]
-_EngineOption = Annotated[Engine, typer.Option("--engine", help="Where reading, tokenizing and shard writing run: here, or as Ray tasks across a cluster (pip install 'prepack[ray]'); the output is the same.", rich_help_panel="Engine")]
+_EngineOption = Annotated[Engine, typer.Option("--engine", help="Where reading, tokenizing and shard writing run: here, or as Ray tasks across a cluster (needs prepack\\[ray]); the output is the same.", rich_help_panel="Engine")]
 _RayAddressOption = Annotated[str | None, typer.Option("--ray-address", help="--engine ray: join this cluster ('auto', 'ray://HOST:PORT'); default: start a local Ray instance.", rich_help_panel="Engine")]
 
 

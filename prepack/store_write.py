@@ -239,7 +239,7 @@ def build_store(
     check_engine(engine, ray_address, options)
     with progress_bars(progress, console) as bar:
         documents = open_documents(corpus, options, out, bar)
-        with engine_session(engine, ray_address) as session, staged_directory(out, overwrite, STORE_MANIFEST_NAME) as staging:
+        with staged_directory(out, overwrite, STORE_MANIFEST_NAME) as staging, engine_session(engine, ray_address) as session:
             if session is None:
                 return _write_store(documents, staging.build, shard_size, bar)
             read = session.read(documents, options, None, staging.scratch, bar)
