@@ -62,14 +62,17 @@ def local_ray():
 
 
 def _token_corpus(directory: Path) -> Path:
-    """Labelled token ids in four files of three formats, empty documents among them."""
+    """Labelled token ids in six files of three formats, empty documents among them, and between
+    them a file without rows and one of empty documents only (units of no token)."""
     rng = np.random.default_rng(0)
     documents = [rng.integers(0, 1000, rng.integers(0, 400)).tolist() for _ in range(2000)]
     labels = [[-100, *doc[1:]] if doc else [] for doc in documents]
     directory.mkdir()
-    for part, name in enumerate(["0.parquet", "1.jsonl", "2.arrow", "3.parquet"]):
+    for part, name in enumerate(["0.parquet", "1.jsonl", "3.arrow", "5.parquet"]):
         rows = slice(part * 500, (part + 1) * 500)
         write_corpus(directory / name, corpus_table(documents[rows], labels[rows]))
+    write_corpus(directory / "2.parquet", corpus_table([], []))
+    write_corpus(directory / "4.parquet", corpus_table([[], []], [[], []]))
     return directory
 
 
@@ -184,15 +187,15 @@ def test_the_cli_builds_on_a_local_ray_instance_and_exits_2_on_a_bad_row(tmp_pat
         capture_output=True, text=True, timeout=300,
     )
     assert on_ray.returncode == 0, on_ray.stderr
-    assert "stored 2,000 documents" in " ".join(on_ray.stdout.split())
+    assert "stored 2,002 documents" in " ".join(on_ray.stdout.split())
     _same(tmp_path / "local", tmp_path / "ray")
-    write_corpus(corpus / "4.jsonl", corpus_table([[1, 2], [3, -4]], [[-100, 2], [-100, 4]]))
+    write_corpus(corpus / "6.jsonl", corpus_table([[1, 2], [3, -4]], [[-100, 2], [-100, 4]]))
     failed = subprocess.run(
         [PREPACK, "build", str(corpus), "--out", str(tmp_path / "bad"), "--engine", "ray", "-q"],
         capture_output=True, text=True, timeout=300,
     )
     assert failed.returncode == 2
-    assert "4.jsonl, row 1, column 'input_ids': token id -4 is out of range" in " ".join(failed.stderr.split())
+    assert "6.jsonl, row 1, column 'input_ids': token id -4 is out of range" in " ".join(failed.stderr.split())
     assert "Traceback" not in failed.stderr
     assert not (tmp_path / "bad").exists() and _leftovers(tmp_path) == []
 
