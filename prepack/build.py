@@ -175,7 +175,7 @@ def _write_shards(
 def _store_reference(store: str | os.PathLike, out: str | os.PathLike, fingerprint: str) -> StoreReference:
     """How an index build at `out` names its store: relative to `out`, so that moving both together
     keeps the build readable."""
-    relative = os.path.relpath(Path(store).resolve(), Path(out).resolve())
+    relative = os.path.relpath(os.path.realpath(store), os.path.realpath(out))
     return StoreReference(path=Path(relative).as_posix(), fingerprint=fingerprint)
 
 

@@ -57,6 +57,12 @@ class Documents:
     batches: Iterator[DocumentBatch]
 
 
+def _real(path: str | os.PathLike) -> Path:
+    # realpath, not resolve(): on Python 3.11 resolve() raises RuntimeError for a symlink loop, which
+    # `--out` may well be; the output stage then refuses it by name.
+    return Path(os.path.realpath(path))
+
+
 def open_documents(spec: str | os.PathLike, reading: Reading, out: str | os.PathLike, progress: Progress) -> Documents:
     """Find the corpus or store at `spec`, check its schema (or its store manifest) and the options
     now, and return its documents, read (and tokenized) while they are consumed. A store is read as it
@@ -68,11 +74,11 @@ def open_documents(spec: str | os.PathLike, reading: Reading, out: str | os.Path
         # A store is read as it was written; an option that asks otherwise would be silently ignored.
         raise InputError(f"{spec} is a document store, tokenized already: leave out {', '.join(given)}.")
     if store is not None:
-        root, target = store.root.resolve(), Path(out).resolve()
+        root, target = _real(store.root), _real(out)
         if root.is_relative_to(target) or target.is_relative_to(root):
             raise InputError(f"{spec}: the document store and --out {out} must not lie inside each other; choose another --out.")
     corpus = store.corpus if store is not None else find_corpus(spec)
-    inside = [f for f in corpus.files if f.resolve().is_relative_to(Path(out).resolve())]
+    inside = [f for f in corpus.files if _real(f).is_relative_to(_real(out))]
     if inside:
         raise InputError(f"{inside[0]}: the corpus includes files inside --out {out}; choose another --out.")
     if store is not None:
