@@ -7,8 +7,9 @@ elsewhere end up indexing GPU memory; and only the build's own regular files are
 `open_shard`), so a manifest cannot point the loader at another file, a pipe or a device.
 
 An index build (`Manifest.store`) holds no token: its rows are gathered from the document store it
-names (`open_build_store` refuses a store whose fingerprint changed), one copy per pack, and come out
-identical to the rows of the full build of that store with the same options.
+names (`open_build_store` refuses a store whose fingerprint changed), one copy per pack by one numba
+kernel call (`_gather_pack`) that checks every reference it follows, and come out identical to the
+rows of the full build of that store with the same options.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pyarrow as pa
 from numba.typed import List as TypedList
 from torch.utils.data import Dataset
 
-from prepack.errors import FormatError, InputError
+from prepack.errors import FormatError
 from prepack.format import (
     Manifest,
     check_index_shard,
@@ -45,6 +46,8 @@ __all__ = ["PackedDataset", "open_hf_dataset"]
 _ROW_COLUMNS = ("input_ids", "cu_seqlens", "segment_ids")
 # What an index shard's rows are gathered from.
 _INDEX_COLUMNS = ("cu_seqlens", "source_rows", "source_pieces")
+# What `open_hf_dataset` stores for an index build: the pack numbers, each row gathered when read.
+_PACK_COLUMN = "pack"
 
 _ListColumn = tuple[np.ndarray, np.ndarray]  # (offsets, values): row r is values[offsets[r]:offsets[r + 1]]
 
@@ -297,21 +300,38 @@ def _row_columns(batch: pa.RecordBatch) -> list[str]:
 
 
 def open_hf_dataset(path: str | os.PathLike, *, validate: bool = True, verify_checksums: bool = False):
-    """The build as one Hugging Face `datasets.Dataset` (memory-mapped, numpy format) for trainers that
-    only take those, such as TRL's `SFTTrainer`. Every shard is checked first, as `PackedDataset` would
-    (with `validate=False`, still its file and schema: `datasets` then maps it unchecked).
+    """The build as one Hugging Face `datasets.Dataset` (numpy format) for trainers that only take those,
+    such as TRL's `SFTTrainer`. Every shard is checked first, as `PackedDataset` would (with
+    `validate=False`, still its file and schema: `datasets` then maps a full build's shards unchecked).
 
-    Rows hold the same columns as `PackedDataset` rows; `datasets` hands them out as int64 copies.
+    Rows hold the same columns as `PackedDataset` rows, as int64 arrays (`datasets` hands out a full
+    build's rows as int64 copies): input_ids, cu_seqlens, segment_ids, and labels when the build has them.
+
+    A full build's shards are memory-mapped as they are. An index build's rows are gathered when asked
+    for, by a `PackedDataset` (`Dataset.with_transform`), so nothing is written and nothing is copied
+    ahead: its `column_names` and `features` are then those of the one stored column, `pack` (the pack
+    numbers, 8 bytes a pack in memory), not of the rows, and a slice holds lists of arrays. Trainers read rows, so they see no difference
+    with `remove_unused_columns=False`, which a full build needs too (for `cu_seqlens`); with True,
+    HF Trainer refuses the dataset, since `pack` is no argument of the model.
     """
     from datasets import Dataset as HFDataset, concatenate_datasets
 
     packed = PackedDataset(path, validate=validate, verify_checksums=verify_checksums)
-    if packed.store is not None:
-        raise InputError(
-            f"{path} is an index build: open_hf_dataset reads full builds only (for now); use PackedDataset, "
-            "or build the store without --index-only."
-        )
     packed.check_all()
-    parts = [HFDataset.from_file(str(shard)) for shard in packed.shard_paths]
     columns = [*_ROW_COLUMNS, *(["labels"] if packed.manifest.has_labels else [])]
+    if packed.store is not None:
+        numbers = HFDataset.from_dict({_PACK_COLUMN: np.arange(len(packed), dtype=np.int64)})
+        return numbers.with_transform(_GatheredRows(packed, columns))
+    parts = [HFDataset.from_file(str(shard)) for shard in packed.shard_paths]
     return concatenate_datasets(parts).select_columns(columns).with_format("numpy")
+
+
+class _GatheredRows:
+    """The `datasets` transform of an index build: a batch of pack numbers to those packs' rows."""
+
+    def __init__(self, packed: PackedDataset, columns: list[str]):
+        self.packed, self.columns = packed, columns
+
+    def __call__(self, batch: dict[str, list[int]]) -> dict[str, list[np.ndarray]]:
+        rows = [self.packed[number] for number in batch[_PACK_COLUMN]]
+        return {name: [row[name].astype(np.int64) for row in rows] for name in self.columns}
