@@ -66,8 +66,9 @@ class PackedDataset(Dataset):
     reads the whole file, which a memory map otherwise avoids. Problems raise `FormatError`.
 
     On an index build the store is opened now (`open_build_store`) and each of its shards is checked
-    in full (sha256, contents) when a pack first needs it; every document's (row, piece) is checked
-    against the store's document as its tokens are gathered.
+    in full (sha256, contents) when a pack first needs it; a row's input_ids, labels and segment_ids
+    are new arrays, gathered by one kernel call per pack, which checks every document's (row, piece)
+    against the store's document and, `validate` or not, every index value it reads before using it.
     """
 
     def __init__(self, path: str | os.PathLike, *, validate: bool = True, verify_checksums: bool = False):
