@@ -143,12 +143,15 @@ class PackedDataset(Dataset):
         self._store_tokens = _StoreTokens(self.store)
         return self._store_tokens
 
-    def _refuse_reference(self, shard: int, row: int, columns: dict[str, _ListColumn], problem: int, number: int) -> NoReturn:
+    def _refuse_reference(
+        self, shard: int, row: int, columns: dict[str, _ListColumn], problem: int, number: int
+    ) -> NoReturn:
         """Raise the FormatError for what `_gather_pack` found wrong with document `number` of a pack."""
         (cu_off, cu), (row_off, rows), (piece_off, pieces) = (columns[name] for name in _INDEX_COLUMNS)
         if problem == _BAD_LAYOUT:  # only without `validate`: check_index_shard refuses these first
+            documents, max_len = row_off[row + 1] - row_off[row], self.manifest.options.max_len
             self._refuse(shard, row, "cu_seqlens", f"{cu[cu_off[row] : cu_off[row + 1]].tolist()} are not the bounds "
-                         f"of {row_off[row + 1] - row_off[row]} documents within max_len {self.manifest.options.max_len}.")
+                         f"of {documents} documents within max_len {max_len}.")
         document, piece = int(rows[row_off[row] + number]), int(pieces[piece_off[row] + number])
         if problem == _NO_SUCH_DOCUMENT:
             self._refuse(shard, row, "source_rows", f"document {number + 1} is store document {document}; "
@@ -311,9 +314,9 @@ def open_hf_dataset(path: str | os.PathLike, *, validate: bool = True, verify_ch
     A full build's shards are memory-mapped as they are. An index build's rows are gathered when asked
     for, by a `PackedDataset` (`Dataset.with_transform`), so nothing is written and nothing is copied
     ahead: its `column_names` and `features` are then those of the one stored column, `pack` (the pack
-    numbers, 8 bytes a pack in memory), not of the rows, and a slice holds lists of arrays. Trainers read rows, so they see no difference
-    with `remove_unused_columns=False`, which a full build needs too (for `cu_seqlens`); with True,
-    HF Trainer refuses the dataset, since `pack` is no argument of the model.
+    numbers, 8 bytes a pack in memory), not of the rows, and a slice holds lists of arrays. Trainers read
+    rows, so they see no difference with `remove_unused_columns=False`, which a full build needs too
+    (for `cu_seqlens`); with True, HF Trainer refuses the dataset, since `pack` is no argument of the model.
     """
     from datasets import Dataset as HFDataset, concatenate_datasets
 

@@ -129,7 +129,7 @@ def test_a_document_outside_the_store_is_refused(index_copy):
 
 
 @pytest.mark.parametrize(
-    ("column", "change", "refused_without_validation"),
+    ("column", "change", "refused_unvalidated"),
     [
         ("cu_seqlens", lambda cu: cu.__setitem__(1, MAX_LEN + 100), r"row 0, column 'cu_seqlens': \[0, 132"),
         ("cu_seqlens", lambda cu: cu.__setitem__(slice(None), -cu), r"row 0, column 'cu_seqlens': \[0, -"),
@@ -138,13 +138,13 @@ def test_a_document_outside_the_store_is_refused(index_copy):
     ],
     ids=["past-max-len", "decreasing", "negative-piece"],
 )
-def test_a_build_read_unvalidated_is_still_refused_by_the_gather(index_copy, column, change, refused_without_validation):
+def test_a_build_read_unvalidated_is_still_refused_by_the_gather(index_copy, column, change, refused_unvalidated):
     """`validate=False` skips check_index_shard, not the kernel's own checks: a value that would size
     or index a copy wrongly is refused by name, never read out of bounds."""
     _rewrite_index_column(index_copy, column, change)
     with pytest.raises(FormatError, match=f"row 0, column '{column}'"):
         PackedDataset(index_copy)[0]
-    with pytest.raises(FormatError, match=refused_without_validation):
+    with pytest.raises(FormatError, match=refused_unvalidated):
         PackedDataset(index_copy, validate=False)[0]
 
 
@@ -161,7 +161,8 @@ def test_open_hf_dataset_serves_the_full_builds_rows(builds):
     indices = [3, 0, len(expected) - 1]
     for a, b in zip(got.__getitems__(indices), expected.__getitems__(indices)):  # how a DataLoader reads
         assert _equal_rows(a, b)
-    columns = ["input_ids", "cu_seqlens", "segment_ids", *(["labels"] if PackedDataset(full).manifest.has_labels else [])]
+    labels = ["labels"] if PackedDataset(full).manifest.has_labels else []
+    columns = ["input_ids", "cu_seqlens", "segment_ids", *labels]
     assert list(got[0]) == list(expected[0]) == columns
     assert got.column_names == ["pack"]  # the stored column; rows are gathered when read
     assert _equal_rows(pickle.loads(pickle.dumps(got))[1], expected[1])
@@ -181,10 +182,11 @@ def test_trl_trains_on_an_index_build_as_on_the_full_build(tmp_path, monkeypatch
     for kind in ("full", "index"):
         build(store, tmp_path / kind, max_len=MAX_LEN, index_only=kind == "index")
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=MAX_LEN))
+        config = LlamaConfig(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=MAX_LEN)
+        model = LlamaForCausalLM(config)
         seen = []
-        model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].clone()), with_kwargs=True)
+        model.register_forward_pre_hook(lambda _, __, kwargs: seen.append(kwargs["input_ids"].clone()), with_kwargs=True)
         trainer = SFTTrainer(
             model=model,
             args=SFTConfig(
