@@ -45,12 +45,15 @@ class Store:
 
     root: Path
     manifest: StoreManifest
+    location: str | None = None  # the URI `root` is a local copy of (`prepack.remote.local_input`)
 
     @property
     def corpus(self) -> Corpus:
-        """The corpus the store was made from, its files named inside the store: builds record the
-        same `inputs` as a build of that corpus, and their errors name a corpus file and row."""
-        return Corpus(root=self.root, files=tuple(self.root / f.path for f in self.manifest.inputs))
+        """The corpus the store was made from, its files named inside the store (at `location` when
+        set): builds record the same `inputs` as a build of that corpus, and their errors name a
+        corpus file and row."""
+        corpus = Corpus(root=self.root, files=tuple(self.root / f.path for f in self.manifest.inputs))
+        return corpus if self.location is None else corpus.located(self.location)
 
     def documents(self) -> Iterator[DocumentBatch]:
         """The documents in row order, each shard's sha256 and contents checked before its first
@@ -99,13 +102,14 @@ class Store:
         return ids.offsets.to_numpy().astype(np.int64), ids.values.to_numpy(), labels
 
 
-def open_store(path: str | os.PathLike) -> Store:
+def open_store(path: str | os.PathLike, location: str | None = None) -> Store:
     """Read and check a store's manifest and its shard files' names, types and sizes (the contents
-    are checked as `Store.documents` reads them). Raises FormatError."""
+    are checked as `Store.documents` reads them); `location`: the URI `path` is a copy of. Raises
+    FormatError."""
     root = Path(path)
     manifest = read_store_manifest(root)
     check_store_files(root, manifest)
-    return Store(root, manifest)
+    return Store(root, manifest, location)
 
 
 def open_build_store(build: str | os.PathLike, manifest: Manifest) -> Store:
