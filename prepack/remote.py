@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from prepack.errors import FormatError, InputError, OutputError
-from prepack.format import MANIFEST_NAME, STORE_MANIFEST_NAME, Manifest, read_manifest
+from prepack.format import MANIFEST_NAME, STORE_MANIFEST_NAME, Manifest, read_manifest, shard_path
 from prepack.output import Staging, check_replaceable
 from prepack.read import file_kind
 from prepack.store_format import StoreManifest, read_store_manifest
@@ -206,7 +206,12 @@ def _parse_manifest(text: bytes, uri: str, kind: str) -> Manifest | StoreManifes
     with tempfile.TemporaryDirectory(prefix="prepack-manifest-") as directory:
         Path(directory, kind).write_bytes(text)
         try:
-            return (read_manifest if kind == MANIFEST_NAME else read_store_manifest)(directory)
+            if kind == STORE_MANIFEST_NAME:
+                return read_store_manifest(directory)
+            manifest = read_manifest(directory)
+            for index, shard in enumerate(manifest.shards):  # the format's names only: no "../x" key
+                shard_path(directory, index, shard)
+            return manifest
         except FormatError as exc:
             detail = exc.problem.message if exc.problem is not None else str(exc).replace(directory, uri)
             raise FormatError(f"{join(uri, kind)}: {detail}") from None
