@@ -86,13 +86,13 @@ class PackedDataset(Dataset):
         self.manifest: Manifest = read_manifest(self.path) if self.cache is None else self.cache.manifest
         self.validate = validate
         self.verify_checksums = verify_checksums
-        if self.cache is not None and self.manifest.store is not None:
-            raise InputError(f"{path} is an index build: PackedDataset reads index builds from local disk only (for now).")
         if validate and self.cache is None:
             _check_directory(self.path, self.manifest)
         self._row_ends = np.cumsum([shard.rows for shard in self.manifest.shards], dtype=np.int64)
         self._open: dict[int, dict[str, _ListColumn]] = {}
-        self.store: Store | None = None if self.manifest.store is None else open_build_store(self.path, self.manifest)
+        self.store: Store | None = None
+        if self.manifest.store is not None:
+            self.store = open_build_store(self.path, self.manifest) if self.cache is None else self.cache.store()
         if self.store is not None:
             self._store_ends = np.cumsum([s.documents for s in self.store.manifest.shards], dtype=np.int64)
             self._store_open: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
@@ -162,7 +162,7 @@ class PackedDataset(Dataset):
         return packed
 
     def _refuse(self, shard: int, row: int, column: str, message: str) -> None:
-        path = self.path / self.manifest.shards[shard].name
+        path = f"{self.path}/{self.manifest.shards[shard].name}"  # self.path: a directory or a URI
         raise FormatError(f"{path}: row {row}, column {column!r}: {message}")
 
     def _store_shard(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -29,7 +29,7 @@ from prepack.store_format import (
     read_store_manifest,
 )
 
-__all__ = ["Store", "is_store", "open_build_store", "open_store"]
+__all__ = ["Store", "check_build_store", "is_store", "open_build_store", "open_store"]
 
 
 def is_store(path: str | os.PathLike) -> bool:
@@ -79,11 +79,15 @@ class Store:
                 row += end - start
                 start = end
 
+    def shard_file(self, shard: StoreShard) -> Path:
+        """The local file of one of the store's shards."""
+        return self.root / shard.name
+
     def shard_columns(self, shard: StoreShard) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(token offsets as int64, token ids, labels or None) of one of the store's shards, views of
         its memory map, after its sha256 and contents are checked: document d of the shard is
         ids[offsets[d]:offsets[d + 1]]."""
-        path = self.root / shard.name
+        path = self.shard_file(shard)
         try:
             with pa.memory_map(str(path)) as source:
                 data = source.read_buffer()
@@ -126,10 +130,16 @@ def open_build_store(build: str | os.PathLike, manifest: Manifest) -> Store:
             f"{where}: its document store {reference.path!r} ({root}) is not there: an index build reads its "
             "tokens from that store; keep both where they were built, or move them together."
         )
-    store = open_store(root)
+    return check_build_store(open_store(root), build, manifest)
+
+
+def check_build_store(store: Store, build: str | os.PathLike, manifest: Manifest) -> Store:
+    """`store`, refused (FormatError) unless it is the store the index build at `build` (whose manifest
+    is `manifest`) was planned from: same fingerprint, labels as the build's."""
+    reference = manifest.store
     if store.manifest.fingerprint != reference.fingerprint or store.manifest.has_labels != manifest.has_labels:
         raise FormatError(
-            f"{root}: the store's fingerprint is {store.manifest.fingerprint}, but the index build {build} was "
-            f"planned from {reference.fingerprint}: the store changed; build the index again."
+            f"{store.location or store.root}: the store's fingerprint is {store.manifest.fingerprint}, but the index "
+            f"build {build} was planned from {reference.fingerprint}: the store changed; build the index again."
         )
     return store

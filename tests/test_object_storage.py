@@ -132,6 +132,28 @@ def test_a_store_and_an_index_build_in_s3_equal_local_ones(tmp_path, fs, s3_buck
         build(f"{s3_bucket}/store", tmp_path / "index-2", max_len=512, index_only=True)
 
 
+def test_the_loader_reads_an_index_build_in_s3_and_its_store_through_the_cache(tmp_path, fs, s3_bucket, s3_server):
+    corpus = _token_corpus(tmp_path / "corpus")
+    build(corpus, tmp_path / "packed", max_len=512)
+    build_store(corpus, f"{s3_bucket}/data/store", shard_size=30_000)
+    build(f"{s3_bucket}/data/store", f"{s3_bucket}/index", max_len=512, index_only=True)
+    store_gets = f"/{s3_bucket.removeprefix('s3://')}/data/store/documents-"
+    before = len(s3_server.requests("GET", store_gets))  # the index build read every store shard once
+    dataset = PackedDataset(f"{s3_bucket}/index", cache_dir=tmp_path / "cache")
+    assert dataset.manifest.store.path == "../data/store"
+    _same_rows(PackedDataset(tmp_path / "packed"), dataset)
+    store_shards = dataset.store.manifest.shards
+    assert len(store_shards) > 1
+    cached = {p.name for p in (tmp_path / "cache").glob("*.arrow")}
+    assert {f"{s.sha256}.arrow" for s in store_shards} <= cached
+    assert before == len(store_shards)
+    assert len(s3_server.requests("GET", store_gets)) == 2 * len(store_shards)  # each once, though many packs gather from each
+    # A store that changed since the index was planned is refused.
+    build_store(corpus / "part-0.parquet", f"{s3_bucket}/data/store", overwrite=True)
+    with pytest.raises(FormatError, match="the store changed; build the index again"):
+        PackedDataset(f"{s3_bucket}/index", cache_dir=tmp_path / "cache")
+
+
 def build_to(tmp_path: Path, corpus: Path) -> Path:
     build(corpus, tmp_path / "direct", max_len=512)
     return tmp_path / "direct"
