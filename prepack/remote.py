@@ -73,9 +73,9 @@ def filesystem(uri: str) -> tuple[Any, str]:
     scheme = uri.split("://", 1)[0].lower()
     try:
         return fsspec.core.url_to_fs(uri)
-    except ImportError:
-        extra = _EXTRAS.get(scheme, "s3")
-        raise InputError(f"{uri}: reading {scheme}:// needs its client: pip install 'prepack[{extra}]'") from None
+    except ImportError as exc:
+        install = f"pip install 'prepack[{_EXTRAS[scheme]}]'" if scheme in _EXTRAS else f"install fsspec's client for it ({exc})"
+        raise InputError(f"{uri}: reading {scheme}:// needs its client: {install}") from None
     except ValueError as exc:  # an unknown protocol
         raise InputError(f"{uri}: {exc}") from None
 
@@ -193,7 +193,10 @@ def read_output_manifest(uri: str, kind: str = MANIFEST_NAME) -> Manifest | Stor
     `uri`, read and validated as a local one. A prefix without one is no build: FormatError."""
     fs, prefix = filesystem(uri)
     fs.invalidate_cache()
-    text = _manifest_text(fs, prefix.rstrip("/"), kind)
+    try:
+        text = _manifest_text(fs, prefix.rstrip("/"), kind)
+    except OSError as exc:
+        raise InputError(f"{join(uri, kind)}: cannot be read ({exc}).") from None
     if text is None:
         raise FormatError(
             f"{join(uri, kind)} does not exist: {uri} is not a finished prepack {_KINDS[kind]} "
@@ -238,7 +241,10 @@ def staged_prefix(uri: str, overwrite: bool, kind: str = MANIFEST_NAME) -> Itera
         staging.build.mkdir()
         staging.scratch.mkdir()
         yield staging
-        now = _manifest_text(fs, prefix, kind)
+        try:
+            now = _manifest_text(fs, prefix, kind)
+        except OSError as exc:
+            raise OutputError(f"cannot read {uri}: {exc}; this build was discarded.") from None
         if now != (None if replacing is None else replacing[0]):
             raise OutputError(f"{uri} changed while this build ran; it was left as it is, and this build discarded.")
         _publish(fs, uri, prefix, staging.build, kind, None if replacing is None else replacing[1])
@@ -278,10 +284,16 @@ def _publish(fs: Any, uri: str, prefix: str, built: Path, kind: str, replacing: 
         fs.put([str(built / name) for name in shards], targets)
         fs.put_file(str(built / kind), f"{prefix}/{kind}")
     except OSError as exc:
-        _delete(fs, [f"{prefix}/{kind}", *targets])
+        try:
+            _delete(fs, [f"{prefix}/{kind}", *targets])
+        except OSError as cleanup:
+            raise OutputError(f"cannot write {uri}: {exc}; nor delete what this build uploaded: {cleanup}.") from None
         raise OutputError(f"cannot write {uri}: {exc}; what this build uploaded was deleted.") from None
     if replacing is not None:
-        _delete(fs, [f"{prefix}/{s.name}" for s in replacing.shards if s.name not in shards])
+        try:
+            _delete(fs, [f"{prefix}/{s.name}" for s in replacing.shards if s.name not in shards])
+        except OSError as exc:
+            raise OutputError(f"{uri} is published, but the replaced build's other shards could not be deleted: {exc}.") from None
 
 
 def _delete(fs: Any, paths: list[str]) -> None:

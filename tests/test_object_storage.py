@@ -197,6 +197,13 @@ def test_an_existing_build_is_replaced_only_with_overwrite_and_only_if_it_is_one
     assert _files(fs, out)["notes.txt"] == b"mine"
 
 
+def test_a_build_that_cannot_be_uploaded_fails_cleanly(tmp_path, s3_server):
+    corpus = _token_corpus(tmp_path / "corpus")
+    with pytest.raises(OutputError, match="^cannot write s3://prepack-no-such-bucket/packed: .*what this build uploaded was deleted"):
+        build(corpus, "s3://prepack-no-such-bucket/packed", max_len=512)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
 def test_a_prefix_without_a_manifest_is_no_build(tmp_path, fs, s3_bucket):
     corpus = _upload(fs, _token_corpus(tmp_path / "corpus"), f"{s3_bucket}/corpus")
     build(corpus, f"{s3_bucket}/packed", max_len=512)
