@@ -12,7 +12,8 @@ to object storage, so every reading and writing rule stays defined once, for loc
   what makes a prefix a build: every reader treats a prefix without one as no build. A prefix is written
   only when it is empty or holds a prepack output of the same kind and `overwrite` is on; a failed
   publication deletes what it uploaded, and nothing else.
-- `fetch` and `upload` move one file, for callers that distribute the work (the Ray engine's workers).
+- `list_input`, `fetch` and `upload` list a corpus and move one file at a time, for callers that
+  distribute the work (the Ray engine's workers); `Corpus.located` names local copies by their URIs.
 
 fsspec and the client of each scheme (s3fs for `s3://`: `pip install 'prepack[s3]'`) are imported on
 first use. Clients are configured the standard way: for S3, credentials and `AWS_ENDPOINT_URL` from the
@@ -38,11 +39,13 @@ from prepack.read import file_kind
 from prepack.store_format import StoreManifest, read_store_manifest
 
 __all__ = [
+    "InputObjects",
     "LocalInput",
     "fetch",
     "filesystem",
     "is_uri",
     "join",
+    "list_input",
     "local_input",
     "read_output_manifest",
     "relative_location",
@@ -128,9 +131,28 @@ def _is_glob(path: str) -> bool:
     return any(char in path for char in "*?[")
 
 
+@dataclass(frozen=True)
+class InputObjects:
+    """The objects of a corpus or document store at a URI that `local_input` copies: `names`, sorted and
+    '/'-separated, relative to the prefix `root` (a URI); `single` when the URI named one object."""
+
+    root: str
+    names: list[str]
+    single: bool
+
+
+def list_input(uri: str) -> InputObjects:
+    """The objects of the corpus or store at `uri` (a file, a prefix: everything under it, or a glob)
+    that a build reads: corpus files by `prepack.read`'s suffixes, and the manifests and dataset files
+    that tell what a prefix holds. A worker copies `root/name` to `directory/name` (`fetch`) and reads
+    the copy as `local_input` does. Raises InputError when there is none."""
+    fs, path = filesystem(uri)
+    fs.invalidate_cache()
+    root, names, single = _corpus_objects(fs, uri, path)
+    return InputObjects(fs.unstrip_protocol(root), names, single)
+
+
 def _corpus_objects(fs: Any, uri: str, path: str) -> tuple[str, list[str], bool]:
-    """(root, names of the objects to copy relative to it, whether `uri` named one file) of a corpus
-    or store at `uri`: a file, a prefix (everything under it), or a glob."""
     path = path.rstrip("/")
     try:
         if _is_glob(path):
@@ -157,18 +179,17 @@ def local_input(spec: str | os.PathLike) -> Iterator[LocalInput]:
     if not is_uri(spec):
         yield LocalInput(spec)
         return
-    fs, path = filesystem(spec)
-    fs.invalidate_cache()
-    root, names, single = _corpus_objects(fs, spec, path)
+    objects = list_input(spec)
+    fs, _ = filesystem(spec)
     with tempfile.TemporaryDirectory(prefix="prepack-input-") as directory:
-        local = [os.path.join(directory, *name.split("/")) for name in names]
+        local = [os.path.join(directory, *name.split("/")) for name in objects.names]
         for file in local:
             os.makedirs(os.path.dirname(file), exist_ok=True)
-        try:
-            fs.get([posixpath.join(root, name) for name in names], local)
+        try:  # all at once: fsspec's clients download them concurrently
+            fs.get([f"{objects.root}/{name}" for name in objects.names], local)
         except OSError as exc:
             raise InputError(f"{spec}: cannot be read ({exc}).") from None
-        yield LocalInput(local[0] if single else directory, fs.unstrip_protocol(root))
+        yield LocalInput(local[0] if objects.single else directory, objects.root)
 
 
 def _objects(fs: Any, prefix: str) -> dict[str, bool]:

@@ -289,12 +289,12 @@ def test_processes_sharing_a_cache_download_each_shard_once(remote_build, tmp_pa
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     readers = [
         subprocess.Popen([sys.executable, "-c", _READ_ALL, uri, str(cache)], stdout=subprocess.PIPE, text=True, env=env)
-        for _ in range(3)
+        for _ in range(2)
     ]
     totals = [int(reader.communicate(timeout=300)[0]) for reader in readers]
     assert all(reader.returncode == 0 for reader in readers)
     expected = sum(int(row["input_ids"].sum()) for row in PackedDataset(local))
-    assert totals == [expected] * 3
+    assert totals == [expected] * 2
     shards = PackedDataset(local).manifest.shards
     gets = s3_server.requests("GET", f"/{uri.removeprefix('s3://')}/shard-")
     assert sorted(gets) == sorted(f"/{uri.removeprefix('s3://')}/{s.name}" for s in shards)
@@ -333,6 +333,18 @@ def test_the_cli_builds_from_and_to_s3(tmp_path, fs, s3_bucket):
     assert f"{corpus}/part-3.jsonl, row 1, column 'input_ids'" in " ".join(result.stderr.split())
     assert "Traceback" not in result.stderr
     assert _files(fs, f"{s3_bucket}/bad") == {}
+
+
+def test_the_cli_tokenizes_a_text_corpus_from_s3_into_s3(tmp_path, fs, s3_bucket, gpt2):
+    (tmp_path / "text").mkdir()
+    pq.write_table(pa.table({"text": ["\n".join(t) for t in chitchat()[:200]]}), tmp_path / "text" / "0.parquet")
+    corpus = _upload(fs, tmp_path / "text", f"{s3_bucket}/corpus")
+    arguments = ["--tokenizer", str(gpt2), "--max-len", "8192", "--num-proc", "1"]
+    result = run_prepack("build", f"{corpus}/", *arguments, "--out", f"{s3_bucket}/packed")
+    assert result.returncode == 0, result.stderr
+    assert f"packed into {s3_bucket}/packed" in result.stdout
+    assert run_prepack("build", str(tmp_path / "text"), *arguments, "--out", str(tmp_path / "packed"), "-q").returncode == 0
+    assert _files(fs, f"{s3_bucket}/packed") == _local_files(tmp_path / "packed")
 
 
 def test_a_missing_client_asks_for_the_extra(tmp_path):
