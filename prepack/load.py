@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 from torch.utils.data import Dataset
 
+from prepack.cache import ShardCache
 from prepack.errors import FormatError, InputError
 from prepack.format import (
     Manifest,
@@ -35,7 +36,6 @@ from prepack.format import (
     shard_path,
     shard_sha256,
 )
-from prepack.cache import ShardCache
 from prepack.remote import is_uri
 from prepack.store_read import Store, open_build_store
 

@@ -45,7 +45,7 @@ class Store:
 
     root: Path
     manifest: StoreManifest
-    location: str | None = None  # the URI `root` is a local copy of (`prepack.remote.local_input`)
+    location: str | None = None  # the store's URI when it lies in object storage: its files are named by it
 
     @property
     def corpus(self) -> Corpus:
