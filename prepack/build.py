@@ -40,6 +40,7 @@ from prepack.format import (
 from prepack.output import output_errors, output_file, staged_directory
 from prepack.plan import PackingPlan, compact_lengths, plan_packs, untrained_documents
 from prepack.read import Corpus, DocumentBatch
+from prepack.remote import is_uri, local_input, relative_location, staged_prefix
 from prepack.store_read import is_store
 from prepack.write import ShardBuffers, shard_bounds, write_in_pieces, write_shard
 
@@ -175,6 +176,8 @@ def _write_shards(
 def _store_reference(store: str | os.PathLike, out: str | os.PathLike, fingerprint: str) -> StoreReference:
     """How an index build at `out` names its store: relative to `out`, so that moving both together
     keeps the build readable."""
+    if is_uri(store) or is_uri(out):
+        return StoreReference(path=relative_location(str(store), str(out)), fingerprint=fingerprint)
     relative = os.path.relpath(os.path.realpath(store), os.path.realpath(out))
     return StoreReference(path=Path(relative).as_posix(), fingerprint=fingerprint)
 
@@ -258,17 +261,19 @@ def build(
         )
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
-    if index_only and not is_store(corpus):
-        raise InputError(
-            f"{corpus}: --index-only packs a document store, and this is a corpus: make one with "
-            f"`prepack tokenize {corpus} --out STORE`, then `prepack build STORE --index-only`."
-        )
-    with progress_bars(progress, console) as bar:
-        documents = open_documents(corpus, reading, out, bar)
+    with progress_bars(progress, console) as bar, local_input(corpus) as source:
+        if index_only and not is_store(source.spec):
+            raise InputError(
+                f"{corpus}: --index-only packs a document store, and this is a corpus: make one with "
+                f"`prepack tokenize {corpus} --out STORE`, then `prepack build STORE --index-only`."
+            )
+        if index_only and (is_uri(corpus) or is_uri(out)):
+            relative_location(str(corpus), str(out))  # refuses a store and a build that cannot name it
+        documents = open_documents(source.spec, reading, out, bar, source.location)
         found, has_labels, batches, read_column = (
             documents.corpus, documents.has_labels, documents.batches, documents.column
         )
-        with staged_directory(out, overwrite) as staging:
+        with (staged_prefix if is_uri(out) else staged_directory)(out, overwrite) as staging:
             stored = _store_documents(found, has_labels, batches, staging.scratch, bar, keep_tokens=not index_only)
             if len(stored.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")

@@ -25,7 +25,8 @@ import pyarrow as pa
 from numba.typed import List as TypedList
 from torch.utils.data import Dataset
 
-from prepack.errors import FormatError
+from prepack.cache import ShardCache
+from prepack.errors import FormatError, InputError
 from prepack.format import (
     Manifest,
     check_index_shard,
@@ -38,6 +39,7 @@ from prepack.format import (
     shard_path,
     shard_sha256,
 )
+from prepack.remote import is_uri
 from prepack.store_read import Store, open_build_store
 
 __all__ = ["PackedDataset", "open_hf_dataset"]
@@ -65,22 +67,38 @@ class PackedDataset(Dataset):
     hashes each shard against the manifest's sha256 on first open; off by default because hashing
     reads the whole file, which a memory map otherwise avoids. Problems raise `FormatError`.
 
+    `path` may be a URI (`s3://bucket/packed`, needs `prepack[s3]`): each shard is then downloaded into
+    `cache_dir` on first use and checked against the manifest's sha256 before it is mapped; processes
+    sharing `cache_dir` download it once (`prepack.cache`).
+
     On an index build the store is opened now (`open_build_store`) and each of its shards is checked
     in full (sha256, contents) when a pack first needs it; a row's input_ids, labels and segment_ids
     are new arrays, gathered by one kernel call per pack, which checks every document's (row, piece)
     against the store's document and, `validate` or not, every index value it reads before using it.
     """
 
-    def __init__(self, path: str | os.PathLike, *, validate: bool = True, verify_checksums: bool = False):
-        self.path = Path(path)
-        self.manifest: Manifest = read_manifest(self.path)
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        validate: bool = True,
+        verify_checksums: bool = False,
+        cache_dir: str | os.PathLike | None = None,
+    ):
+        # A build in object storage (a URI): its shards are downloaded into `cache_dir` on first use,
+        # size and sha256 checked, then served as a local build's (`prepack.cache`).
+        self.cache = ShardCache(path, cache_dir) if is_uri(path) else None
+        self.path = Path(path) if self.cache is None else path
+        self.manifest: Manifest = read_manifest(self.path) if self.cache is None else self.cache.manifest
         self.validate = validate
         self.verify_checksums = verify_checksums
-        if validate:
+        if validate and self.cache is None:
             _check_directory(self.path, self.manifest)
         self._row_ends = np.cumsum([shard.rows for shard in self.manifest.shards], dtype=np.int64)
         self._open: dict[int, dict[str, _ListColumn]] = {}
-        self.store: Store | None = None if self.manifest.store is None else open_build_store(self.path, self.manifest)
+        self.store: Store | None = None
+        if self.manifest.store is not None:
+            self.store = open_build_store(self.path, self.manifest) if self.cache is None else self.cache.store()
         if self.store is not None:
             self._store_ends = np.cumsum([s.documents for s in self.store.manifest.shards], dtype=np.int64)
             self._store_tokens: _StoreTokens | None = None  # made on the first gather, in each worker
@@ -165,7 +183,7 @@ class PackedDataset(Dataset):
                      f"{length} tokens) {where} that document's {offsets[local + 1] - offsets[local]} tokens.")
 
     def _refuse(self, shard: int, row: int, column: str, message: str) -> NoReturn:
-        path = self.path / self.manifest.shards[shard].name
+        path = f"{self.path}/{self.manifest.shards[shard].name}"  # self.path: a directory or a URI
         raise FormatError(f"{path}: row {row}, column {column!r}: {message}")
 
     def _locate(self, index: int) -> tuple[int, int]:
@@ -187,8 +205,8 @@ class PackedDataset(Dataset):
 
     def _open_checked(self, shard: int) -> pa.RecordBatch:
         info = self.manifest.shards[shard]
-        path = shard_path(self.path, shard, info)
-        if self.verify_checksums and (digest := shard_sha256(path)) != info.sha256:
+        path = shard_path(self.path, shard, info) if self.cache is None else self.cache.shard(info)
+        if self.verify_checksums and self.cache is None and (digest := shard_sha256(path)) != info.sha256:
             raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
         index_only = self.store is not None
         batch = open_shard(path, self.manifest.has_labels, self.manifest.options.max_len, self.manifest.store_documents)

@@ -29,7 +29,7 @@ from prepack.store_format import (
     read_store_manifest,
 )
 
-__all__ = ["Store", "is_store", "open_build_store", "open_store"]
+__all__ = ["Store", "check_build_store", "is_store", "open_build_store", "open_store"]
 
 
 def is_store(path: str | os.PathLike) -> bool:
@@ -45,12 +45,15 @@ class Store:
 
     root: Path
     manifest: StoreManifest
+    location: str | None = None  # the store's URI when it lies in object storage: its files are named by it
 
     @property
     def corpus(self) -> Corpus:
-        """The corpus the store was made from, its files named inside the store: builds record the
-        same `inputs` as a build of that corpus, and their errors name a corpus file and row."""
-        return Corpus(root=self.root, files=tuple(self.root / f.path for f in self.manifest.inputs))
+        """The corpus the store was made from, its files named inside the store (at `location` when
+        set): builds record the same `inputs` as a build of that corpus, and their errors name a
+        corpus file and row."""
+        corpus = Corpus(root=self.root, files=tuple(self.root / f.path for f in self.manifest.inputs))
+        return corpus if self.location is None else corpus.located(self.location)
 
     def documents(self) -> Iterator[DocumentBatch]:
         """The documents in row order, each shard's sha256 and contents checked before its first
@@ -76,11 +79,15 @@ class Store:
                 row += end - start
                 start = end
 
+    def shard_file(self, shard: StoreShard) -> Path:
+        """The local file of one of the store's shards."""
+        return self.root / shard.name
+
     def shard_columns(self, shard: StoreShard) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(token offsets as int64, token ids, labels or None) of one of the store's shards, views of
         its memory map, after its sha256 and contents are checked: document d of the shard is
         ids[offsets[d]:offsets[d + 1]]."""
-        path = self.root / shard.name
+        path = self.shard_file(shard)
         try:
             with pa.memory_map(str(path)) as source:
                 data = source.read_buffer()
@@ -99,13 +106,14 @@ class Store:
         return ids.offsets.to_numpy().astype(np.int64), ids.values.to_numpy(), labels
 
 
-def open_store(path: str | os.PathLike) -> Store:
+def open_store(path: str | os.PathLike, location: str | None = None) -> Store:
     """Read and check a store's manifest and its shard files' names, types and sizes (the contents
-    are checked as `Store.documents` reads them). Raises FormatError."""
+    are checked as `Store.documents` reads them); `location`: the URI `path` is a copy of. Raises
+    FormatError."""
     root = Path(path)
     manifest = read_store_manifest(root)
     check_store_files(root, manifest)
-    return Store(root, manifest)
+    return Store(root, manifest, location)
 
 
 def open_build_store(build: str | os.PathLike, manifest: Manifest) -> Store:
@@ -122,10 +130,16 @@ def open_build_store(build: str | os.PathLike, manifest: Manifest) -> Store:
             f"{where}: its document store {reference.path!r} ({root}) is not there: an index build reads its "
             "tokens from that store; keep both where they were built, or move them together."
         )
-    store = open_store(root)
+    return check_build_store(open_store(root), build, manifest)
+
+
+def check_build_store(store: Store, build: str | os.PathLike, manifest: Manifest) -> Store:
+    """`store`, refused (FormatError) unless it is the store the index build at `build` (whose manifest
+    is `manifest`) was planned from: same fingerprint, labels as the build's."""
+    reference = manifest.store
     if store.manifest.fingerprint != reference.fingerprint or store.manifest.has_labels != manifest.has_labels:
         raise FormatError(
-            f"{root}: the store's fingerprint is {store.manifest.fingerprint}, but the index build {build} was "
-            f"planned from {reference.fingerprint}: the store changed; build the index again."
+            f"{store.location or store.root}: the store's fingerprint is {store.manifest.fingerprint}, but the index "
+            f"build {build} was planned from {reference.fingerprint}: the store changed; build the index again."
         )
     return store

@@ -25,6 +25,7 @@ from prepack.format import STORE_MANIFEST_NAME, Fingerprint, InputFile
 from prepack.output import output_errors, staged_directory
 from prepack.plan import untrained_documents
 from prepack.read import DocumentBatch
+from prepack.remote import is_uri, local_input, staged_prefix
 from prepack.store_format import (
     LengthSummary,
     StoreManifest,
@@ -183,14 +184,14 @@ def build_store(
     """
     if shard_size < 1:
         raise InputError(f"invalid shard size {shard_size}: at least 1 byte.")
-    if is_store(corpus):
-        raise InputError(f"{corpus} is a document store already: build from it (prepack build {corpus} ...).")
     try:
         options = Reading(**reading)
     except TypeError as exc:
         raise InputError(f"invalid reading option: {exc}") from None
-    with progress_bars(progress, console) as bar:
-        documents = open_documents(corpus, options, out, bar)
-        with staged_directory(out, overwrite, STORE_MANIFEST_NAME) as staging:
+    with progress_bars(progress, console) as bar, local_input(corpus) as source:
+        if is_store(source.spec):
+            raise InputError(f"{corpus} is a document store already: build from it (prepack build {corpus} ...).")
+        documents = open_documents(source.spec, options, out, bar, source.location)
+        with (staged_prefix if is_uri(out) else staged_directory)(out, overwrite, STORE_MANIFEST_NAME) as staging:
             manifest = _write_store(documents, staging.build, shard_size, bar)
     return manifest
