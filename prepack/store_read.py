@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +35,9 @@ from prepack.store_format import (
     store_error,
 )
 
-__all__ = ["Store", "is_store", "open_build_store", "open_store"]
+__all__ = ["ShardColumns", "Store", "is_store", "open_build_store", "open_store"]
+
+ShardColumns = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # `Store.shard_columns`: offsets, ids, labels
 
 
 def is_store(path: str | os.PathLike) -> bool:
@@ -58,14 +60,14 @@ class Store:
         same `inputs` as a build of that corpus, and their errors name a corpus file and row."""
         return Corpus(root=self.root, files=tuple(self.root / f.path for f in self.manifest.inputs))
 
-    def documents(self) -> Iterator[DocumentBatch]:
+    def documents(self, checked: Sequence[ShardColumns] | None = None) -> Iterator[DocumentBatch]:
         """The documents in row order, each shard's sha256 and contents checked before its first
-        document is yielded, cut at the corpus files' boundaries. The arrays are views of the
-        memory-mapped shards."""
+        document is yielded (unless `checked` holds every shard's `shard_columns` already, in
+        order), cut at the corpus files' boundaries. The arrays are views of the memory-mapped shards."""
         files, rows = self.corpus.files, [f.rows for f in self.manifest.inputs]
         file, row = 0, 0  # the corpus file of the next document, and its row there
-        for shard in self.manifest.shards:
-            offsets, ids, labels = self.shard_columns(shard)
+        for index, shard in enumerate(self.manifest.shards):
+            offsets, ids, labels = self.shard_columns(shard) if checked is None else checked[index]
             start = 0
             while start < shard.documents:
                 while row == rows[file]:
@@ -82,7 +84,7 @@ class Store:
                 row += end - start
                 start = end
 
-    def shard_columns(self, shard: StoreShard) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def shard_columns(self, shard: StoreShard) -> ShardColumns:
         """(token offsets as int64, token ids, labels or None) of one of the store's shards, views of
         its memory map, after its sha256 and contents are checked: document d of the shard is
         ids[offsets[d]:offsets[d + 1]]. Raises FormatError naming the shard, row and column
