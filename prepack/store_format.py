@@ -181,7 +181,9 @@ def check_store_files(directory: Path, manifest: StoreManifest) -> None:
             )
 
 
-def store_error(where: str | os.PathLike, message: str, row: int | None = None, column: str | None = None) -> FormatError:
+def store_error(
+    where: str | os.PathLike, message: str, row: int | None = None, column: str | None = None
+) -> FormatError:
     """The error for a store shard that breaks the format: its message names `where` (the shard), the
     row and the column, which `FormatError.problem` carries as fields."""
     problem = FormatProblem(str(where), message, row, column)
@@ -197,7 +199,9 @@ def check_store_offsets(batch: pa.RecordBatch, shard: StoreShard, has_labels: bo
     row and the column (`FormatError.problem`)."""
     expected = store_schema(has_labels)
     if not batch.schema.equals(expected, check_metadata=True):
-        raise store_error(where, f"the schema is\n{batch.schema}\nbut store version {STORE_VERSION} expects\n{expected}")
+        raise store_error(
+            where, f"the schema is\n{batch.schema}\nbut store version {STORE_VERSION} expects\n{expected}"
+        )
     ids = batch.column("input_ids")
     if batch.num_rows != shard.documents or len(ids.values) != shard.tokens:
         raise store_error(
@@ -207,7 +211,8 @@ def check_store_offsets(batch: pa.RecordBatch, shard: StoreShard, has_labels: bo
         )
     offsets = _offsets(ids)
     if offsets[0] != 0 or offsets[-1] != len(ids.values):
-        raise store_error(where, f"offsets run from {offsets[0]} to {offsets[-1]}, not 0 to {len(ids.values)}.", column="input_ids")
+        message = f"offsets run from {offsets[0]} to {offsets[-1]}, not 0 to {len(ids.values)}."
+        raise store_error(where, message, column="input_ids")
     if (shrinking := np.flatnonzero(offsets[1:] < offsets[:-1])).size:
         raise store_error(where, "its offsets decrease: a negative length.", int(shrinking[0]), "input_ids")
     for column in expected.names:

@@ -126,7 +126,7 @@ class Store:
             schema = pa.ipc.read_schema(_next_message(messages, path, "schema"))
             message = _next_message(messages, path, "record batch")
             if ipc_body_compressed(message.metadata):
-                raise store_error(path, "the record batch is compressed; store shards are uncompressed, to be memory-mapped.")
+                raise store_error(path, "the record batch is compressed; store shards are uncompressed, to be mapped.")
             batch = pa.ipc.read_record_batch(message, schema)
             try:
                 extra = messages.read_next_message()
@@ -135,7 +135,7 @@ class Store:
         except (OSError, pa.ArrowException, struct.error) as exc:
             raise store_error(path, f"not a readable Arrow IPC stream ({exc}).") from None
         if extra is not None:
-            raise store_error(path, f"a {extra.type} message follows the record batch; a store shard holds exactly one.")
+            raise store_error(path, f"a {extra.type} message follows the record batch; a store shard holds one.")
         return batch
 
 

@@ -187,7 +187,9 @@ def _source_documents(
     o = manifest.options
     if is_store(source):
         if tokenizer is not None or chat_template is not None:
-            raise InputError(f"{source} is a document store, tokenized already: leave out --tokenizer and --chat-template.")
+            raise InputError(
+                f"{source} is a document store, tokenized already: leave out --tokenizer and --chat-template."
+            )
         store = open_store(source)
         return _Source(store.corpus, store.manifest.has_labels, store.documents())
     corpus = find_corpus(source)
@@ -253,8 +255,8 @@ def _problems(path: Path, manifest: Manifest, source: _Source | None) -> Iterato
         if source is None and len(store_columns) == len(store.manifest.shards):
             # Without a source an index build is held to its store's documents as a full build is to
             # its corpus: every document's pieces, their lengths, the counts; its tokens are the store's.
-            documents = store.documents(list(store_columns.values()))
-            yield from _source_problems(_Source(store.corpus, store.manifest.has_labels, documents), segments, shards, manifest, complete, None)
+            own = _Source(store.corpus, store.manifest.has_labels, store.documents(list(store_columns.values())))
+            yield from _source_problems(own, segments, shards, manifest, complete, None)
     if source is not None:
         tokens = (
             {index: (ids, labels) for index, (_, ids, labels) in store_columns.items()}
@@ -380,7 +382,8 @@ def _store_problems(store: Store, manifest: Manifest):
         yield Problem(
             file=f"{where}/{STORE_MANIFEST_NAME}",
             column="fingerprint",
-            message=f"is {m.fingerprint}, but the store's documents give {digest}: they changed after the store was written.",
+            message=f"is {m.fingerprint}, but the store's documents give {digest}: they changed after the store "
+            "was written.",
         )
     return columns
 
@@ -404,12 +407,13 @@ def _reference_problems(
         first = offsets[local] + seg.pieces[run] * max_len
         inside = first + seg.lengths[run] <= offsets[local + 1]
         seg.starts[run], seg.readable[run] = first, inside
-        for i, k in zip(np.flatnonzero(~inside) + run.start, np.flatnonzero(~inside)):
+        for k in np.flatnonzero(~inside):
+            i, length = run.start + k, offsets[local[k] + 1] - offsets[local[k]]
             yield Problem(
                 **_where(seg, shards, i),
                 column="source_pieces",
                 message=f"document {seg.number[i]} (store document {seg.rows[i]}, piece {seg.pieces[i]}, "
-                f"{seg.lengths[i]} tokens) runs past that document's {offsets[local[k] + 1] - offsets[local[k]]} tokens.",
+                f"{seg.lengths[i]} tokens) runs past that document's {length} tokens.",
             )
 
 

@@ -117,7 +117,12 @@ def test_an_index_build_checks_the_offsets_it_reads(store, tmp_path):
 
     def with_offsets(ids_offsets: np.ndarray, labels_offsets: np.ndarray) -> pa.RecordBatch:
         columns = [
-            pa.Array.from_buffers(batch.schema.field(n).type, batch.num_rows, [None, pa.py_buffer(o.astype(np.int32))], children=[batch.column(n).values])
+            pa.Array.from_buffers(
+                batch.schema.field(n).type,
+                batch.num_rows,
+                [None, pa.py_buffer(o.astype(np.int32))],
+                children=[batch.column(n).values],
+            )
             for n, o in (("input_ids", ids_offsets), ("labels", labels_offsets))
         ]
         return pa.RecordBatch.from_arrays(columns, schema=batch.schema)
@@ -127,7 +132,8 @@ def test_an_index_build_checks_the_offsets_it_reads(store, tmp_path):
     moved = offsets.copy()
     moved[1] += 1  # labels cut where input_ids do not
     assert len(offsets) >= 3
-    for edited, row, column in ((with_offsets(shrinking, shrinking), 1, "input_ids"), (with_offsets(offsets, moved), 0, "labels")):
+    cases = [(with_offsets(shrinking, shrinking), 1, "input_ids"), (with_offsets(offsets, moved), 0, "labels")]
+    for edited, row, column in cases:
         copy = tmp_path / "store"
         shutil.rmtree(copy, ignore_errors=True)
         shutil.copytree(store, copy)
@@ -174,13 +180,19 @@ def _rewrite_index_column(build_dir: Path, name: str, column: str, edit) -> None
         batch = reader.read_next_batch()
     array = batch.column(column)
     values = edit(array.values.to_numpy().copy())
-    columns = [pa.ListArray.from_arrays(array.offsets, pa.array(values)) if n == column else batch.column(n) for n in batch.schema.names]
+    edited = pa.ListArray.from_arrays(array.offsets, pa.array(values))
+    columns = [edited if n == column else batch.column(n) for n in batch.schema.names]
     with pa.ipc.new_stream(path, batch.schema) as writer:
         writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=batch.schema))
     manifest = json.loads((build_dir / "manifest.json").read_text())
     entry = next(s for s in manifest["shards"] if s["name"] == name)
     entry.update(bytes=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
     (build_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _at_first(values: np.ndarray, value: int) -> np.ndarray:
+    """`values` with its first element replaced by `value`."""
+    return np.concatenate([np.array([value], dtype=values.dtype), values[1:]])
 
 
 def _rewrite_store_tokens(store: Path, name: str, edit) -> None:
@@ -203,7 +215,8 @@ def test_a_piece_past_its_document_is_refused(store, tmp_path):
     """A (row, piece) whose tokens are not all in the store's document: refused by name as the pack is
     gathered, never served short, and named by verify, with a source or without."""
     build(store, tmp_path / "index", max_len=32, index_only=True, overflow="split")
-    _rewrite_index_column(tmp_path / "index", "shard-00000.arrow", "source_pieces", lambda v: v + np.eye(1, len(v), dtype=v.dtype)[0] * 5)
+    # The first document's piece 5: 5 * 32 tokens into a document of at most 40.
+    _rewrite_index_column(tmp_path / "index", "shard-00000.arrow", "source_pieces", lambda v: _at_first(v, v[0] + 5))
     dataset = PackedDataset(tmp_path / "index")
     with pytest.raises(FormatError, match=r"shard-00000.arrow: row 0, column 'source_pieces': document 1 .* runs past"):
         dataset[0]
@@ -246,7 +259,8 @@ def test_verify_reads_an_index_builds_store_in_full(store, tmp_path):
     _rewrite_store_tokens(copy, "documents-00001.arrow", lambda ids: np.where(np.arange(len(ids)) == 3, ids + 1, ids))
     [problem] = verify_build(tmp_path / "index", all_problems=True)
     assert (problem.file, problem.column) == ("../store/store.json", "fingerprint") and "changed" in problem.message
-    token = [p for p in verify_build(tmp_path / "index", store.parent / "corpus", all_problems=True) if p.column == "input_ids"]
+    with_source = verify_build(tmp_path / "index", store.parent / "corpus", all_problems=True)
+    token = [p for p in with_source if p.column == "input_ids"]
     assert len(token) == 1 and token[0].file.startswith("shard-") and "the source has" in token[0].message
 
 
@@ -255,18 +269,17 @@ def test_verify_holds_an_index_build_to_its_store_documents(store, tmp_path):
     first document swapped for a longer one (inside the store, so the gather would not notice) is
     named at its row, and so are the document left unpacked and the one now packed twice."""
     build(store, tmp_path / "index", max_len=64, index_only=True)
-    lengths = [
-        n
-        for shard in sorted(store.glob("documents-*.arrow"))
-        for n in np.diff(pa.ipc.open_stream(shard.read_bytes()).read_all().column("input_ids").chunk(0).offsets.to_numpy()).tolist()
-    ]
+    paths = sorted(store.glob("documents-*.arrow"))
+    shards = [pa.ipc.open_stream(path.read_bytes()).read_next_batch() for path in paths]
+    lengths = [n for shard in shards for n in np.diff(shard.column("input_ids").offsets.to_numpy()).tolist()]
     first = pa.ipc.open_stream((tmp_path / "index" / "shard-00000.arrow").read_bytes()).read_all().to_pylist()[0]
     original = first["source_rows"][0]
     longer = next(d for d in range(120) if lengths[d] > lengths[original] and d not in first["source_rows"])
-    _rewrite_index_column(tmp_path / "index", "shard-00000.arrow", "source_rows", lambda v: np.where(np.arange(len(v)) == 0, longer, v).astype(v.dtype))
+    _rewrite_index_column(tmp_path / "index", "shard-00000.arrow", "source_rows", lambda v: _at_first(v, longer))
     problems = verify_build(tmp_path / "index", all_problems=True)
     assert any(
-        (p.file, p.row, p.column) == ("shard-00000.arrow", 0, "cu_seqlens") and f"the source gives {lengths[longer]}" in p.message
+        (p.file, p.row, p.column) == ("shard-00000.arrow", 0, "cu_seqlens")
+        and f"the source gives {lengths[longer]}" in p.message
         for p in problems
     ), problems
     file, row = ("a.parquet", original) if original < 70 else ("b.parquet", original - 70)
