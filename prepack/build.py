@@ -6,7 +6,8 @@ memory (2 or 4 bytes each, `compact_lengths`) and whether each is untrained (1 b
 computed from the lengths (`prepack.plan`: under 5 more bytes a segment, 4 more while planning);
 in the second pass two threads each resolve a shard's documents from the plan, gather their tokens
 from the scratch file, in 64 MiB windows each mapped only while its documents are copied, and
-write it.
+write it. An index build copies no token: its first pass reads each store shard's offsets (and labels
+up to each document's first trained one), and its shards hold the plan alone.
 """
 
 from __future__ import annotations
