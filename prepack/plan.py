@@ -550,8 +550,8 @@ def untrained_documents(offsets: np.ndarray, labels: np.ndarray | None) -> np.nd
     after the first is -100 (a document's first token is never trained, see `prepack.collate`).
 
     Without labels every token is trained, so no document is untrained. Each document's labels are
-    read only up to its first trained one: an index build scans a store's memory-mapped labels with
-    this, so most of their pages are never read.
+    read only up to its first trained one (an index build scans a store's memory-mapped labels with
+    this, instead of reading them all).
     """
     offsets = np.asarray(offsets, dtype=np.int64)
     lengths = np.diff(offsets)
