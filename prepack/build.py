@@ -6,7 +6,8 @@ memory (2 or 4 bytes each, `compact_lengths`) and whether each is untrained (1 b
 computed from the lengths (`prepack.plan`: under 5 more bytes a segment, 4 more while planning);
 in the second pass two threads each resolve a shard's documents from the plan, gather their tokens
 from the scratch file, in 64 MiB windows each mapped only while its documents are copied, and
-write it.
+write it. An index build copies no token: its first pass reads each store shard's offsets (and labels
+up to each document's first trained one), and its shards hold the plan alone.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from prepack.output import output_errors, output_file, staged_directory
 from prepack.plan import PackingPlan, compact_lengths, plan_packs, untrained_documents
 from prepack.read import Corpus, DocumentBatch
 from prepack.remote import is_uri, local_input, relative_location, staged_prefix
-from prepack.store_read import is_store
+from prepack.store_read import Store, is_store
 from prepack.write import ShardBuffers, shard_bounds, write_in_pieces, write_shard
 
 __all__ = ["DEFAULT_SHARD_SIZE", "build", "progress_bars"]
@@ -70,7 +71,6 @@ def _store_documents(
     batches: Iterator[DocumentBatch],
     scratch: Path,
     progress: Progress,
-    keep_tokens: bool = True,
 ) -> _StoredCorpus:
     rows_per_file = {path: 0 for path in corpus.files}
     lengths, untrained = [], []
@@ -88,8 +88,6 @@ def _store_documents(
 
         def store(batch: DocumentBatch, batch_lengths: np.ndarray) -> None:
             fingerprint.update(batch_lengths, batch.ids, batch.labels)
-            if not keep_tokens:  # an index build: the tokens stay in the store
-                return
             with output_errors(ids_path):
                 write_in_pieces(ids_file, batch.ids.data)
             if batch.labels is not None:
@@ -116,6 +114,28 @@ def _store_documents(
         rows_per_file=[rows_per_file[path] for path in corpus.files],
         fingerprint=fingerprint.hexdigest(),
         has_labels=has_labels,
+    )
+
+
+def _index_documents(store: Store, progress: Progress) -> _StoredCorpus:
+    """An index build's first pass: what `_store_documents` keeps, from the store's offsets and labels
+    alone (`Store.shard_lengths`: no token copied, no shard hashed), and the fingerprint the store
+    manifest records (the same `Fingerprint` of the same documents, computed when the store was
+    written; the loader and `verify` check the shards' sha256 where the tokens are used)."""
+    m = store.manifest
+    lengths, untrained = [], []
+    task = progress.add_task("read", total=len(m.shards), unit="shards")
+    for shard in m.shards:
+        shard_lengths, shard_untrained = store.shard_lengths(shard)
+        lengths.append(compact_lengths(shard_lengths))
+        untrained.append(shard_untrained)
+        progress.advance(task)
+    return _StoredCorpus(
+        lengths=compact_lengths(np.concatenate(lengths)),
+        untrained=np.concatenate(untrained),
+        rows_per_file=[f.rows for f in m.inputs],
+        fingerprint=m.fingerprint,
+        has_labels=m.has_labels,
     )
 
 
@@ -274,7 +294,11 @@ def build(
             documents.corpus, documents.has_labels, documents.batches, documents.column
         )
         with (staged_prefix if is_uri(out) else staged_directory)(out, overwrite) as staging:
-            stored = _store_documents(found, has_labels, batches, staging.scratch, bar, keep_tokens=not index_only)
+            stored = (
+                _index_documents(documents.store, bar)
+                if index_only
+                else _store_documents(found, has_labels, batches, staging.scratch, bar)
+            )
             if len(stored.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")
             if not stored.lengths.any():

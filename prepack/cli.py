@@ -246,7 +246,7 @@ def inspect_command(
 @app.command("verify")
 def verify_command(
     path: Annotated[Path, typer.Argument(help="A build directory (holding manifest.json).")],
-    source: Annotated[str | None, typer.Option("--source", help="The corpus it was built from: check every token.")] = None,
+    source: Annotated[str | None, typer.Option("--source", help="The corpus it was built from, or a store of it: check every token.")] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="With --source, for a build that tokenized text or chat: its tokenizer.")] = None,
     chat_template: Annotated[Path | None, typer.Option("--chat-template", help="With --source: the chat template file the build was given, if any.")] = None,
     all_problems: Annotated[bool, typer.Option("--all", help="Report every problem, not only the first.")] = False,

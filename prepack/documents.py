@@ -16,7 +16,7 @@ from prepack.errors import InputError
 from prepack.format import TokenizeOptions
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
 from prepack.remote import is_uri
-from prepack.store_read import is_store, open_store
+from prepack.store_read import Store, is_store, open_store
 
 __all__ = ["Documents", "Reading", "open_documents"]
 
@@ -56,6 +56,7 @@ class Documents:
     tokenize: TokenizeOptions | None
     has_labels: bool
     batches: Iterator[DocumentBatch]
+    store: Store | None = None  # when the documents come from a document store: it, opened and checked
 
 
 def _real(path: str | os.PathLike) -> Path:
@@ -91,7 +92,7 @@ def open_documents(
         raise InputError(f"{inside[0]}: the corpus includes files inside --out {out}; choose another --out.")
     if store is not None:
         m = store.manifest
-        return Documents(corpus, m.column, m.labels_column, m.tokenize, m.has_labels, store.documents())
+        return Documents(corpus, m.column, m.labels_column, m.tokenize, m.has_labels, store.documents(), store)
     if reading.tokenizer is None:
         used_labels, batches = read_documents(corpus, reading.column, reading.labels_column)
         return Documents(corpus, reading.column, used_labels, None, used_labels is not None, batches)

@@ -204,7 +204,7 @@ def find_corpus(spec: str | Path) -> Corpus:
     if path.is_dir() and os.path.lexists(path / STORE_MANIFEST_NAME):
         raise InputError(
             f"{path}: a prepack document store, not a corpus. `prepack build` packs it as it is; where a "
-            "corpus is asked for (verify --source), pass the corpus the store was made from."
+            "corpus is asked for, pass the corpus the store was made from."
         )
     if path.is_dir():
         saved = _hf_saved_dataset(path)
