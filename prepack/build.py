@@ -6,7 +6,8 @@ memory (2 or 4 bytes each, `compact_lengths`) and whether each is untrained (1 b
 computed from the lengths (`prepack.plan`: under 5 more bytes a segment, 4 more while planning);
 in the second pass two threads each resolve a shard's documents from the plan, gather their tokens
 from the scratch file, in 64 MiB windows each mapped only while its documents are copied, and
-write it.
+write it. An index build copies no token: its first pass reads each store shard's offsets (and labels
+up to each document's first trained one), and its shards hold the plan alone.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from prepack.format import (
 from prepack.output import output_errors, output_file, staged_directory
 from prepack.plan import PackingPlan, compact_lengths, plan_packs, untrained_documents
 from prepack.read import Corpus, DocumentBatch
-from prepack.store_read import is_store, open_store
+from prepack.remote import is_uri, local_input, relative_location, staged_prefix
+from prepack.store_read import Store, is_store
 from prepack.write import ShardBuffers, TokenFiles, shard_bounds, write_in_pieces, write_shard
 
 __all__ = ["DEFAULT_SHARD_SIZE", "ENGINES", "build", "check_engine", "engine_session", "progress_bars"]
@@ -70,7 +72,6 @@ def _store_documents(
     batches: Iterator[DocumentBatch],
     scratch: Path,
     progress: Progress,
-    keep_tokens: bool = True,
 ) -> _StoredCorpus:
     rows_per_file = {path: 0 for path in corpus.files}
     lengths, untrained = [], []
@@ -88,8 +89,6 @@ def _store_documents(
 
         def store(batch: DocumentBatch, batch_lengths: np.ndarray) -> None:
             fingerprint.update(batch_lengths, batch.ids, batch.labels)
-            if not keep_tokens:  # an index build: the tokens stay in the store
-                return
             with output_errors(ids_path):
                 write_in_pieces(ids_file, batch.ids.data)
             if batch.labels is not None:
@@ -116,6 +115,28 @@ def _store_documents(
         rows_per_file=[rows_per_file[path] for path in corpus.files],
         fingerprint=fingerprint.hexdigest(),
         has_labels=has_labels,
+    )
+
+
+def _index_documents(store: Store, progress: Progress) -> _StoredCorpus:
+    """An index build's first pass: what `_store_documents` keeps, from the store's offsets and labels
+    alone (`Store.shard_lengths`: no token copied, no shard hashed), and the fingerprint the store
+    manifest records (the same `Fingerprint` of the same documents, computed when the store was
+    written; the loader and `verify` check the shards' sha256 where the tokens are used)."""
+    m = store.manifest
+    lengths, untrained = [], []
+    task = progress.add_task("read", total=len(m.shards), unit="shards")
+    for shard in m.shards:
+        shard_lengths, shard_untrained = store.shard_lengths(shard)
+        lengths.append(compact_lengths(shard_lengths))
+        untrained.append(shard_untrained)
+        progress.advance(task)
+    return _StoredCorpus(
+        lengths=compact_lengths(np.concatenate(lengths)),
+        untrained=np.concatenate(untrained),
+        rows_per_file=[f.rows for f in m.inputs],
+        fingerprint=m.fingerprint,
+        has_labels=m.has_labels,
     )
 
 
@@ -182,22 +203,30 @@ def _write_shards(
 def _store_reference(store: str | os.PathLike, out: str | os.PathLike, fingerprint: str) -> StoreReference:
     """How an index build at `out` names its store: relative to `out`, so that moving both together
     keeps the build readable."""
-    relative = os.path.relpath(Path(store).resolve(), Path(out).resolve())
+    if is_uri(store) or is_uri(out):
+        return StoreReference(path=relative_location(str(store), str(out)), fingerprint=fingerprint)
+    relative = os.path.relpath(os.path.realpath(store), os.path.realpath(out))
     return StoreReference(path=Path(relative).as_posix(), fingerprint=fingerprint)
 
 
 ENGINES = ("local", "ray")
 
 
-def check_engine(engine: str, ray_address: str | None, reading: Reading) -> None:
-    """Refuse an engine prepack does not have, options that the engine would ignore, and the ray
-    engine without ray installed; before anything is read."""
+def check_engine(engine: str, ray_address: str | None, reading: Reading, *locations: str | os.PathLike) -> None:
+    """Refuse an engine prepack does not have, options that the engine would ignore, locations it
+    cannot reach (the corpus and the output), and the ray engine without ray installed; before
+    anything is read."""
     if engine not in ENGINES:
         raise InputError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}.")
     if engine == "local":
         if ray_address is not None:
             raise InputError("--ray-address joins a Ray cluster: use it with --engine ray.")
         return
+    for location in filter(is_uri, locations):
+        raise InputError(
+            f"{location}: the Ray engine reads and writes paths of a file system its nodes share; "
+            "object storage is the local engine's for now."
+        )
     if reading.num_proc is not None:
         raise InputError(
             "--num-proc sets the local engine's tokenizer threads or processes; with --engine ray every task "
@@ -309,26 +338,30 @@ def build(
         )
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
-    check_engine(engine, ray_address, reading)
-    if index_only and engine != "local":
+    check_engine(engine, ray_address, reading, corpus, out)
+    if engine != "local" and index_only:
         raise InputError("--index-only reads no token and writes small shards: build it with the local engine.")
-    if index_only and not is_store(corpus):
-        raise InputError(
-            f"{corpus}: --index-only packs a document store, and this is a corpus: make one with "
-            f"`prepack tokenize {corpus} --out STORE`, then `prepack build STORE --index-only`."
-        )
-    with progress_bars(progress, console) as bar:
-        documents = open_documents(corpus, reading, out, bar)
+    with progress_bars(progress, console) as bar, local_input(corpus) as source:
+        if index_only and not is_store(source.spec):
+            raise InputError(
+                f"{corpus}: --index-only packs a document store, and this is a corpus: make one with "
+                f"`prepack tokenize {corpus} --out STORE`, then `prepack build STORE --index-only`."
+            )
+        if index_only and (is_uri(corpus) or is_uri(out)):
+            relative_location(str(corpus), str(out))  # refuses a store and a build that cannot name it
+        documents = open_documents(source.spec, reading, out, bar, source.location)
         found, has_labels, batches, read_column = (
             documents.corpus, documents.has_labels, documents.batches, documents.column
         )
-        with staged_directory(out, overwrite) as staging, engine_session(engine, ray_address) as session:
-            if session is None:
-                stored = _store_documents(found, has_labels, batches, staging.scratch, bar, keep_tokens=not index_only)
-            else:
-                store = open_store(corpus) if is_store(corpus) else None
-                read = session.read(documents, reading, store, staging.scratch, bar)
+        staged = staged_prefix if is_uri(out) else staged_directory
+        with staged(out, overwrite) as staging, engine_session(engine, ray_address) as session:
+            if session is not None:
+                read = session.read(documents, reading, staging.scratch, bar)
                 stored = read.stored
+            elif index_only:
+                stored = _index_documents(documents.store, bar)
+            else:
+                stored = _store_documents(found, has_labels, batches, staging.scratch, bar)
             if len(stored.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")
             if not stored.lengths.any():

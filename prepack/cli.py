@@ -83,7 +83,7 @@ def _fail(exc: PrepackError) -> None:
     raise typer.Exit(2)
 
 
-def _summary(manifest: Manifest, out: Path) -> Table:
+def _summary(manifest: Manifest, out: str) -> Table:
     t, o = manifest.totals, manifest.options
     table = Table(title=f"packed into {out}", show_header=False, title_justify="left")
     fill = t.tokens / (t.packs * o.max_len)
@@ -112,8 +112,8 @@ def _untrained(documents: int, tokens: int, dropped: bool) -> str:
 
 @app.command("build")
 def build_command(
-    corpus: Annotated[str, typer.Argument(help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory; or a document store (prepack tokenize).")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Output directory (created atomically).")],
+    corpus: Annotated[str, typer.Argument(help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory; or a document store (prepack tokenize). Local, or a URI such as s3://bucket/corpus/.")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Output directory (created atomically), or a URI such as s3://bucket/packed (needs prepack[s3]).")],
     max_len: Annotated[int, typer.Option("--max-len", help="Tokens per pack.")] = 8192,
     column: _ColumnOption = "input_ids",
     labels_column: _LabelsColumnOption = "labels",
@@ -174,7 +174,7 @@ def build_command(
 @app.command("tokenize")
 def tokenize_command(
     corpus: Annotated[str, typer.Argument(help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Store directory (created atomically).")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Store directory (created atomically), or a URI such as s3://bucket/store (needs prepack[s3]).")],
     column: _ColumnOption = "input_ids",
     labels_column: _LabelsColumnOption = "labels",
     tokenizer: _TokenizerOption = None,
@@ -261,7 +261,7 @@ def inspect_command(
 @app.command("verify")
 def verify_command(
     path: Annotated[Path, typer.Argument(help="A build directory (holding manifest.json).")],
-    source: Annotated[str | None, typer.Option("--source", help="The corpus it was built from: check every token.")] = None,
+    source: Annotated[str | None, typer.Option("--source", help="The corpus it was built from, or a store of it: check every token.")] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="With --source, for a build that tokenized text or chat: its tokenizer.")] = None,
     chat_template: Annotated[Path | None, typer.Option("--chat-template", help="With --source: the chat template file the build was given, if any.")] = None,
     all_problems: Annotated[bool, typer.Option("--all", help="Report every problem, not only the first.")] = False,

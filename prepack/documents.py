@@ -15,7 +15,8 @@ from rich.progress import Progress
 from prepack.errors import InputError
 from prepack.format import TokenizeOptions
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
-from prepack.store_read import is_store, open_store
+from prepack.remote import is_uri
+from prepack.store_read import Store, is_store, open_store
 
 __all__ = ["Documents", "Reading", "corpus_documents", "open_documents"]
 
@@ -55,29 +56,43 @@ class Documents:
     tokenize: TokenizeOptions | None
     has_labels: bool
     batches: Iterator[DocumentBatch]
+    store: Store | None = None  # when the documents come from a document store: it, opened and checked
 
 
-def open_documents(spec: str | os.PathLike, reading: Reading, out: str | os.PathLike, progress: Progress) -> Documents:
+def _real(path: str | os.PathLike) -> Path:
+    # realpath, not resolve(): on Python 3.11 resolve() raises RuntimeError for a symlink loop, which
+    # `--out` may well be; the output stage then refuses it by name.
+    return Path(os.path.realpath(path))
+
+
+def open_documents(
+    spec: str | os.PathLike, reading: Reading, out: str | os.PathLike, progress: Progress, location: str | None = None
+) -> Documents:
     """Find the corpus or store at `spec`, check its schema (or its store manifest) and the options
     now, and return its documents, read (and tokenized) while they are consumed. A store is read as it
     was written: reading options other than the defaults are refused with it. Raises InputError, or
-    FormatError for a broken store; a corpus with files inside `out` is refused."""
-    store = open_store(spec) if is_store(spec) else None
+    FormatError for a broken store; a corpus with files inside `out` is refused.
+
+    `location`: the URI that `spec` is a local copy of (`prepack.remote.local_input`); its files are
+    named by it, and the copy is not compared with `out`."""
+    store = open_store(spec, location) if is_store(spec) else None
     given = [f"--{f.name.replace('_', '-')}" for f in fields(Reading) if getattr(reading, f.name) != f.default]
     if store is not None and given:
         # A store is read as it was written; an option that asks otherwise would be silently ignored.
         raise InputError(f"{spec} is a document store, tokenized already: leave out {', '.join(given)}.")
-    if store is not None:
-        root, target = store.root.resolve(), Path(out).resolve()
+    local = location is None and not is_uri(out)
+    if store is not None and local:
+        root, target = _real(store.root), _real(out)
         if root.is_relative_to(target) or target.is_relative_to(root):
             raise InputError(f"{spec}: the document store and --out {out} must not lie inside each other; choose another --out.")
     corpus = store.corpus if store is not None else find_corpus(spec)
-    inside = [f for f in corpus.files if f.resolve().is_relative_to(Path(out).resolve())]
+    corpus = corpus if location is None or store is not None else corpus.located(location)
+    inside = [f for f in corpus.files if local and _real(f).is_relative_to(_real(out))]
     if inside:
         raise InputError(f"{inside[0]}: the corpus includes files inside --out {out}; choose another --out.")
     if store is not None:
         m = store.manifest
-        return Documents(corpus, m.column, m.labels_column, m.tokenize, m.has_labels, store.documents())
+        return Documents(corpus, m.column, m.labels_column, m.tokenize, m.has_labels, store.documents(), store)
     return corpus_documents(corpus, reading, progress)
 
 

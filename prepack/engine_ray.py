@@ -240,9 +240,10 @@ class RayEngine:
             if window:
                 ray.wait(list(window), num_returns=len(window))
 
-    def read(self, documents: Documents, reading: Reading, store: Store | None, scratch: Path, progress: Progress) -> ReadCorpus:
-        """Phase 1 over the corpus (or `store`) whose documents the driver found as
+    def read(self, documents: Documents, reading: Reading, scratch: Path, progress: Progress) -> ReadCorpus:
+        """Phase 1 over the corpus (or document store) whose documents the driver found as
         `documents`; the scratch files go into `scratch`."""
+        store = documents.store
         source = ray.put(_Source(reading, replace(documents, batches=iter(())), store, self.cwd))
         units = [
             _Unit(

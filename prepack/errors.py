@@ -33,6 +33,9 @@ class FormatError(PrepackError):
         super().__init__(message)
         self.problem = problem
 
+    def __reduce__(self):  # pickled whole, `problem` included (a Ray worker's error reaches the driver so)
+        return type(self), (str(self), self.problem)
+
 
 class IsolationError(PrepackError):
     """A batch or model configuration would let tokens attend across document boundaries."""

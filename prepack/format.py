@@ -46,6 +46,7 @@ __all__ = [
     "check_layout",
     "check_index_shard",
     "check_shard",
+    "ipc_body_compressed",
     "list_column",
     "load_manifest_json",
     "open_shard",
@@ -474,7 +475,7 @@ def open_shard(path: Path, has_labels: bool, max_len: int, store_documents: int 
                 f"(metadata {expected.metadata})",
             )
         message = _next_message(messages, path, "record batch")
-        if _body_compressed(message.metadata):
+        if ipc_body_compressed(message.metadata):
             _fail(path, "the record batch is compressed; shards are uncompressed, to be memory-mapped.")
         batch = pa.ipc.read_record_batch(message, schema)
         try:
@@ -510,7 +511,7 @@ def _next_message(messages: pa.ipc.MessageReader, path: Path, kind: str) -> pa.i
     return message
 
 
-def _body_compressed(metadata: pa.Buffer) -> bool:
+def ipc_body_compressed(metadata: pa.Buffer) -> bool:
     """Whether an IPC record batch message sets `compression`, read from its flatbuffer before the body
     is decoded (pyarrow would decompress it into memory). In Arrow's Message.fbs, field 2 of the Message
     table, `header`, is the RecordBatch table, whose field 3 is `compression`."""

@@ -7,8 +7,9 @@ elsewhere end up indexing GPU memory; and only the build's own regular files are
 `open_shard`), so a manifest cannot point the loader at another file, a pipe or a device.
 
 An index build (`Manifest.store`) holds no token: its rows are gathered from the document store it
-names (`open_build_store` refuses a store whose fingerprint changed), one copy per pack, and come out
-identical to the rows of the full build of that store with the same options.
+names (`open_build_store` refuses a store whose fingerprint changed), one copy per pack by one numba
+kernel call (`_gather_pack`) that checks every reference it follows, and come out identical to the
+rows of the full build of that store with the same options.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import numba
 import numpy as np
 import pyarrow as pa
+from numba.typed import List as TypedList
 from torch.utils.data import Dataset
 
+from prepack.cache import ShardCache
 from prepack.errors import FormatError, InputError
 from prepack.format import (
     Manifest,
@@ -35,6 +39,7 @@ from prepack.format import (
     shard_path,
     shard_sha256,
 )
+from prepack.remote import is_uri
 from prepack.store_read import Store, open_build_store
 
 __all__ = ["PackedDataset", "open_hf_dataset"]
@@ -43,6 +48,8 @@ __all__ = ["PackedDataset", "open_hf_dataset"]
 _ROW_COLUMNS = ("input_ids", "cu_seqlens", "segment_ids")
 # What an index shard's rows are gathered from.
 _INDEX_COLUMNS = ("cu_seqlens", "source_rows", "source_pieces")
+# What `open_hf_dataset` stores for an index build: the pack numbers, each row gathered when read.
+_PACK_COLUMN = "pack"
 
 _ListColumn = tuple[np.ndarray, np.ndarray]  # (offsets, values): row r is values[offsets[r]:offsets[r + 1]]
 
@@ -60,24 +67,41 @@ class PackedDataset(Dataset):
     hashes each shard against the manifest's sha256 on first open; off by default because hashing
     reads the whole file, which a memory map otherwise avoids. Problems raise `FormatError`.
 
+    `path` may be a URI (`s3://bucket/packed`, needs `prepack[s3]`): each shard is then downloaded into
+    `cache_dir` on first use and checked against the manifest's sha256 before it is mapped; processes
+    sharing `cache_dir` download it once (`prepack.cache`).
+
     On an index build the store is opened now (`open_build_store`) and each of its shards is checked
-    in full (sha256, contents) when a pack first needs it; every document's (row, piece) is checked
-    against the store's document as its tokens are gathered.
+    in full (sha256, contents) when a pack first needs it; a row's input_ids, labels and segment_ids
+    are new arrays, gathered by one kernel call per pack, which checks every document's (row, piece)
+    against the store's document and, `validate` or not, every index value it reads before using it.
     """
 
-    def __init__(self, path: str | os.PathLike, *, validate: bool = True, verify_checksums: bool = False):
-        self.path = Path(path)
-        self.manifest: Manifest = read_manifest(self.path)
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        validate: bool = True,
+        verify_checksums: bool = False,
+        cache_dir: str | os.PathLike | None = None,
+    ):
+        # A build in object storage (a URI): its shards are downloaded into `cache_dir` on first use,
+        # size and sha256 checked, then served as a local build's (`prepack.cache`).
+        self.cache = ShardCache(path, cache_dir) if is_uri(path) else None
+        self.path = Path(path) if self.cache is None else path
+        self.manifest: Manifest = read_manifest(self.path) if self.cache is None else self.cache.manifest
         self.validate = validate
         self.verify_checksums = verify_checksums
-        if validate:
+        if validate and self.cache is None:
             _check_directory(self.path, self.manifest)
         self._row_ends = np.cumsum([shard.rows for shard in self.manifest.shards], dtype=np.int64)
         self._open: dict[int, dict[str, _ListColumn]] = {}
-        self.store: Store | None = None if self.manifest.store is None else open_build_store(self.path, self.manifest)
+        self.store: Store | None = None
+        if self.manifest.store is not None:
+            self.store = open_build_store(self.path, self.manifest) if self.cache is None else self.cache.store()
         if self.store is not None:
             self._store_ends = np.cumsum([s.documents for s in self.store.manifest.shards], dtype=np.int64)
-            self._store_open: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
+            self._store_tokens: _StoreTokens | None = None  # made on the first gather, in each worker
 
     @property
     def shard_paths(self) -> list[Path]:
@@ -97,7 +121,7 @@ class PackedDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers reopen (and recheck) shards themselves; a memory map does not survive pickling anyway.
-        return {**self.__dict__, "_open": {}, **({"_store_open": {}} if self.store is not None else {})}
+        return {**self.__dict__, "_open": {}, **({"_store_tokens": None} if self.store is not None else {})}
 
     def check_all(self) -> None:
         """Open and check every shard now instead of on first use."""
@@ -112,45 +136,55 @@ class PackedDataset(Dataset):
             yield layout.documents.astype(np.int32), layout.lengths.astype(np.int32)
 
     def _gathered(self, shard: int, row: int, columns: dict[str, _ListColumn]) -> dict[str, np.ndarray]:
-        """An index build's pack: its documents' tokens (and labels) copied out of the store, in order."""
-        cu_off, cu = columns["cu_seqlens"]
-        cu_seqlens = cu[cu_off[row] : cu_off[row + 1]]
-        lengths = np.diff(cu_seqlens).astype(np.int64)
-        (row_off, rows), (_, pieces) = columns["source_rows"], columns["source_pieces"]
-        rows, pieces = rows[row_off[row] : row_off[row + 1]], pieces[row_off[row] : row_off[row + 1]]
+        """An index build's pack: its documents' tokens (and labels) copied out of the store, in order,
+        by one kernel call (a store shard the pack is the first to need is opened, and the call made again)."""
+        store_tokens = self._store_tokens or self._open_store_tokens()
         max_len = self.manifest.options.max_len
-        ids_parts, label_parts = [], []
-        for number, (document, piece, length) in enumerate(zip(rows.tolist(), pieces.tolist(), lengths.tolist())):
-            store_shard = int(np.searchsorted(self._store_ends, document, "right"))
-            if not 0 <= document < (int(self._store_ends[-1])):
-                self._refuse(shard, row, "source_rows", f"document {number + 1} is store document {document}; "
-                             f"the store has {int(self._store_ends[-1])}.")
-            offsets, ids, labels = self._store_shard(store_shard)
-            local = document - int(self._store_ends[store_shard] - self.store.manifest.shards[store_shard].documents)
-            first = int(offsets[local]) + piece * max_len
-            if first + length > offsets[local + 1]:
-                self._refuse(shard, row, "source_pieces", f"document {number + 1} (store document {document}, piece "
-                             f"{piece}, {length} tokens) runs past that document's {offsets[local + 1] - offsets[local]} tokens.")
-            ids_parts.append(ids[first : first + length])
-            if labels is not None:
-                label_parts.append(labels[first : first + length])
-        packed = {
-            "input_ids": np.concatenate(ids_parts),
-            "cu_seqlens": cu_seqlens,
-            "segment_ids": np.repeat(np.arange(1, len(lengths) + 1, dtype=np.int32), lengths),
-        }
+        while True:
+            problem, at, ids, labels, segment_ids = _gather_pack(
+                row, *columns["cu_seqlens"], *columns["source_rows"], *columns["source_pieces"], max_len,
+                self._store_ends, store_tokens.offsets, store_tokens.ids, store_tokens.labels,
+                self.store.manifest.has_labels,
+            )
+            if problem != _STORE_SHARD_CLOSED:
+                break
+            store_tokens.open(at)
+        if problem != _GATHERED:
+            self._refuse_reference(shard, row, columns, problem, at)
+        cu_off, cu = columns["cu_seqlens"]
+        packed = {"input_ids": ids, "cu_seqlens": cu[cu_off[row] : cu_off[row + 1]], "segment_ids": segment_ids}
         if self.store.manifest.has_labels:
-            packed["labels"] = np.concatenate(label_parts)
+            packed["labels"] = labels
         return packed
 
-    def _refuse(self, shard: int, row: int, column: str, message: str) -> None:
-        path = self.path / self.manifest.shards[shard].name
-        raise FormatError(f"{path}: row {row}, column {column!r}: {message}")
+    def _open_store_tokens(self) -> _StoreTokens:
+        self._store_tokens = _StoreTokens(self.store)
+        return self._store_tokens
 
-    def _store_shard(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        if index not in self._store_open:
-            self._store_open[index] = self.store.shard_columns(self.store.manifest.shards[index])
-        return self._store_open[index]
+    def _refuse_reference(
+        self, shard: int, row: int, columns: dict[str, _ListColumn], problem: int, number: int
+    ) -> NoReturn:
+        """Raise the FormatError for what `_gather_pack` found wrong with document `number` of a pack."""
+        (cu_off, cu), (row_off, rows), (piece_off, pieces) = (columns[name] for name in _INDEX_COLUMNS)
+        if problem == _BAD_LAYOUT:  # only without `validate`: check_index_shard refuses these first
+            documents, max_len = row_off[row + 1] - row_off[row], self.manifest.options.max_len
+            self._refuse(shard, row, "cu_seqlens", f"{cu[cu_off[row] : cu_off[row + 1]].tolist()} are not the bounds "
+                         f"of {documents} documents within max_len {max_len}.")
+        document, piece = int(rows[row_off[row] + number]), int(pieces[piece_off[row] + number])
+        if problem == _NO_SUCH_DOCUMENT:
+            self._refuse(shard, row, "source_rows", f"document {number + 1} is store document {document}; "
+                         f"the store has {int(self._store_ends[-1])}.")
+        length = int(cu[cu_off[row] + number + 1] - cu[cu_off[row] + number])
+        store_shard = int(np.searchsorted(self._store_ends, document, "right"))
+        offsets = self._store_tokens.offsets[store_shard]
+        local = document - int(self._store_ends[store_shard]) + self.store.manifest.shards[store_shard].documents
+        where = "starts before" if piece < 0 else "runs past"  # a negative piece only without `validate`
+        self._refuse(shard, row, "source_pieces", f"document {number + 1} (store document {document}, piece {piece}, "
+                     f"{length} tokens) {where} that document's {offsets[local + 1] - offsets[local]} tokens.")
+
+    def _refuse(self, shard: int, row: int, column: str, message: str) -> NoReturn:
+        path = f"{self.path}/{self.manifest.shards[shard].name}"  # self.path: a directory or a URI
+        raise FormatError(f"{path}: row {row}, column {column!r}: {message}")
 
     def _locate(self, index: int) -> tuple[int, int]:
         """Global pack index → (shard, row in shard)."""
@@ -171,8 +205,8 @@ class PackedDataset(Dataset):
 
     def _open_checked(self, shard: int) -> pa.RecordBatch:
         info = self.manifest.shards[shard]
-        path = shard_path(self.path, shard, info)
-        if self.verify_checksums and (digest := shard_sha256(path)) != info.sha256:
+        path = shard_path(self.path, shard, info) if self.cache is None else self.cache.shard(info)
+        if self.verify_checksums and self.cache is None and (digest := shard_sha256(path)) != info.sha256:
             raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
         index_only = self.store is not None
         batch = open_shard(path, self.manifest.has_labels, self.manifest.options.max_len, self.manifest.store_documents)
@@ -181,6 +215,96 @@ class PackedDataset(Dataset):
                 raise FormatError(f"{path}: {batch.num_rows} rows, but the manifest says {info.rows}.")
             (check_index_shard if index_only else check_shard)(batch, self.manifest.options.max_len, str(path))
         return batch
+
+
+class _StoreTokens:
+    """The store's shards as `_gather_pack` reads them: three typed lists indexed by store shard (token
+    offsets as int64, token ids, labels), each shard's entries empty until `open` checks and maps it.
+    Numba lists, so that one kernel call reaches every shard a pack needs; never pickled."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        count = len(store.manifest.shards)
+        self.offsets = _typed_list(count, _read_only(np.zeros(0, np.int64)))
+        self.ids = _typed_list(count, _read_only(np.zeros(0, np.int32)))
+        self.labels = _typed_list(count, _read_only(np.zeros(0, np.int32))) if store.manifest.has_labels else self.ids
+
+    def open(self, index: int) -> None:
+        offsets, ids, labels = self.store.shard_columns(self.store.manifest.shards[index])
+        # One type per list (C-contiguous, read-only) whatever the arrays came as.
+        _put(self.offsets, index, _read_only(np.ascontiguousarray(offsets, np.int64)))
+        _put(self.ids, index, _read_only(np.ascontiguousarray(ids, np.int32)))
+        if labels is not None:
+            _put(self.labels, index, _read_only(np.ascontiguousarray(labels, np.int32)))
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+@numba.njit(cache=True)
+def _typed_list(count, fill):
+    # Built in a cached function: a typed list made from Python compiles its methods in every process.
+    out = TypedList()
+    for _ in range(count):
+        out.append(fill)
+    return out
+
+
+@numba.njit(cache=True)
+def _put(items, index, value):
+    items[index] = value
+
+
+# What `_gather_pack` found: the pack gathered, a store shard to open first, or what is wrong with it.
+_GATHERED, _STORE_SHARD_CLOSED, _BAD_LAYOUT, _NO_SUCH_DOCUMENT, _OUTSIDE_DOCUMENT = range(5)
+
+
+@numba.njit(cache=True, nogil=True)
+def _gather_pack(row, cu_offsets, cu_values, row_offsets, row_values, piece_offsets, piece_values, max_len,
+                 store_ends, store_offsets, store_ids, store_labels, has_labels):
+    """Row `row` of an index shard, gathered: (problem, at, input_ids, labels, segment_ids).
+
+    `problem` is `_GATHERED`, or `_STORE_SHARD_CLOSED` with `at` the store shard to open before calling
+    again, or a reference that does not hold with `at` the pack's document (0-based). Every value read
+    from the index shard is checked before it sizes, indexes or bounds a copy, validated or not (the
+    index shard's list offsets are, by `open_shard`); `store_ends` is the store's cumulative document
+    counts."""
+    cu = cu_values[cu_offsets[row] : cu_offsets[row + 1]]
+    documents = len(cu) - 1
+    rows = row_values[row_offsets[row] : row_offsets[row + 1]]
+    pieces = piece_values[piece_offsets[row] : piece_offsets[row + 1]]
+    none = np.empty(0, np.int32)
+    if documents < 1 or len(rows) != documents or len(pieces) != documents or cu[0] != 0:
+        return _BAD_LAYOUT, 0, none, none, none
+    tokens = np.int64(cu[documents])
+    if not 0 <= tokens <= max_len:
+        return _BAD_LAYOUT, 0, none, none, none
+    ids = np.empty(tokens, np.int32)
+    labels = np.empty(tokens if has_labels else 0, np.int32)
+    segment_ids = np.empty(tokens, np.int32)
+    for number in range(documents):
+        start, end = np.int64(cu[number]), np.int64(cu[number + 1])
+        if not start <= end <= tokens:
+            return _BAD_LAYOUT, number, none, none, none
+        document = np.int64(rows[number])
+        if not 0 <= document < store_ends[-1]:
+            return _NO_SUCH_DOCUMENT, number, none, none, none
+        store_shard = np.searchsorted(store_ends, document, side="right")
+        offsets = store_offsets[store_shard]
+        if len(offsets) == 0:
+            return _STORE_SHARD_CLOSED, store_shard, none, none, none
+        local = document - (store_ends[store_shard - 1] if store_shard > 0 else 0)
+        first = offsets[local] + np.int64(pieces[number]) * max_len
+        if pieces[number] < 0 or first + (end - start) > offsets[local + 1]:
+            return _OUTSIDE_DOCUMENT, number, none, none, none
+        ids[start:end] = store_ids[store_shard][first : first + end - start]
+        if has_labels:
+            labels[start:end] = store_labels[store_shard][first : first + end - start]
+        segment_ids[start:end] = number + 1
+    return _GATHERED, 0, ids, labels, segment_ids
 
 
 def _check_directory(path: Path, manifest: Manifest) -> None:
@@ -198,21 +322,38 @@ def _row_columns(batch: pa.RecordBatch) -> list[str]:
 
 
 def open_hf_dataset(path: str | os.PathLike, *, validate: bool = True, verify_checksums: bool = False):
-    """The build as one Hugging Face `datasets.Dataset` (memory-mapped, numpy format) for trainers that
-    only take those, such as TRL's `SFTTrainer`. Every shard is checked first, as `PackedDataset` would
-    (with `validate=False`, still its file and schema: `datasets` then maps it unchecked).
+    """The build as one Hugging Face `datasets.Dataset` (numpy format) for trainers that only take those,
+    such as TRL's `SFTTrainer`. Every shard is checked first, as `PackedDataset` would (with
+    `validate=False`, still its file and schema: `datasets` then maps a full build's shards unchecked).
 
-    Rows hold the same columns as `PackedDataset` rows; `datasets` hands them out as int64 copies.
+    Rows hold the same columns as `PackedDataset` rows, as int64 arrays (`datasets` hands out a full
+    build's rows as int64 copies): input_ids, cu_seqlens, segment_ids, and labels when the build has them.
+
+    A full build's shards are memory-mapped as they are. An index build's rows are gathered when asked
+    for, by a `PackedDataset` (`Dataset.with_transform`), so nothing is written and nothing is copied
+    ahead: its `column_names` and `features` are then those of the one stored column, `pack` (the pack
+    numbers, 8 bytes a pack in memory), not of the rows, and a slice holds lists of arrays. Trainers read
+    rows, so they see no difference with `remove_unused_columns=False`, which a full build needs too
+    (for `cu_seqlens`); with True, HF Trainer refuses the dataset, since `pack` is no argument of the model.
     """
     from datasets import Dataset as HFDataset, concatenate_datasets
 
     packed = PackedDataset(path, validate=validate, verify_checksums=verify_checksums)
-    if packed.store is not None:
-        raise InputError(
-            f"{path} is an index build: open_hf_dataset reads full builds only (for now); use PackedDataset, "
-            "or build the store without --index-only."
-        )
     packed.check_all()
-    parts = [HFDataset.from_file(str(shard)) for shard in packed.shard_paths]
     columns = [*_ROW_COLUMNS, *(["labels"] if packed.manifest.has_labels else [])]
+    if packed.store is not None:
+        numbers = HFDataset.from_dict({_PACK_COLUMN: np.arange(len(packed), dtype=np.int64)})
+        return numbers.with_transform(_GatheredRows(packed, columns))
+    parts = [HFDataset.from_file(str(shard)) for shard in packed.shard_paths]
     return concatenate_datasets(parts).select_columns(columns).with_format("numpy")
+
+
+class _GatheredRows:
+    """The `datasets` transform of an index build: a batch of pack numbers to those packs' rows."""
+
+    def __init__(self, packed: PackedDataset, columns: list[str]):
+        self.packed, self.columns = packed, columns
+
+    def __call__(self, batch: dict[str, list[int]]) -> dict[str, list[np.ndarray]]:
+        rows = [self.packed[number] for number in batch[_PACK_COLUMN]]
+        return {name: [row[name].astype(np.int64) for row in rows] for name in self.columns}

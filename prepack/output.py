@@ -31,7 +31,7 @@ from prepack.errors import FormatError, OutputError
 from prepack.format import MANIFEST_NAME, STORE_MANIFEST_NAME, Manifest, read_manifest, shard_name
 from prepack.store_format import StoreManifest, read_store_manifest, store_shard_name
 
-__all__ = ["STAGING_MARK", "Staging", "output_errors", "output_file", "replaceable_build", "staged_directory"]
+__all__ = ["STAGING_MARK", "Staging", "check_replaceable", "output_errors", "output_file", "replaceable_build", "staged_directory"]
 
 # A file in every staging directory: what tells a killed build's staging directory from a user's
 # directory that happens to have the same name.
@@ -78,19 +78,28 @@ def replaceable_build(directory: str | os.PathLike, kind: str = MANIFEST_NAME) -
         regular_files = {entry.name: entry.is_file(follow_symlinks=False) for entry in entries}
     if not regular_files:
         return None
-    read, name_of = (read_manifest, shard_name) if kind == MANIFEST_NAME else (read_store_manifest, store_shard_name)
+    read = read_manifest if kind == MANIFEST_NAME else read_store_manifest
     try:
         manifest = read(directory)
     except FormatError as exc:
         raise OutputError(f"{refusal}: {exc}") from None
+    check_replaceable(manifest, kind, regular_files, refusal)
+    return manifest
+
+
+def check_replaceable(manifest: Manifest | StoreManifest, kind: str, entries: dict[str, bool], refusal: str) -> None:
+    """Refuse (OutputError, starting with `refusal`) an output whose manifest names shards under names
+    the format does not give them, or whose `entries` (name: whether it is a regular file) hold anything
+    but the manifest and its shards. `replaceable_build`'s rule, shared with object storage's
+    (`prepack.remote`), where the entries are the objects under a prefix."""
+    name_of = shard_name if kind == MANIFEST_NAME else store_shard_name
     renamed = [shard.name for index, shard in enumerate(manifest.shards) if shard.name != name_of(index)]
     if renamed:
         raise OutputError(f"{refusal}: its manifest names shard files prepack does not write: {renamed}.")
     named = {kind, *(shard.name for shard in manifest.shards)}
-    foreign = sorted(name for name, regular in regular_files.items() if name not in named or not regular)
+    foreign = sorted(name for name, regular in entries.items() if name not in named or not regular)
     if foreign:
         raise OutputError(f"{refusal}: it holds {', '.join(foreign)}, which prepack did not write.")
-    return manifest
 
 
 # What each manifest file marks: a build or a document store.

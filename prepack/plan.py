@@ -549,16 +549,32 @@ def untrained_documents(offsets: np.ndarray, labels: np.ndarray | None) -> np.nd
     """Which documents (`labels[offsets[i]:offsets[i+1]]`) have tokens but no trained token: every label
     after the first is -100 (a document's first token is never trained, see `prepack.collate`).
 
-    Without labels every token is trained, so no document is untrained.
+    Without labels every token is trained, so no document is untrained. Each document's labels are
+    read only up to its first trained one (an index build scans a store's memory-mapped labels with
+    this, instead of reading them all).
     """
     offsets = np.asarray(offsets, dtype=np.int64)
     lengths = np.diff(offsets)
     if labels is None:
         return np.zeros(len(lengths), dtype=bool)
-    trained = np.asarray(labels) != IGNORE_INDEX
-    trained[offsets[:-1][lengths > 0]] = False
-    trained_per_document = np.diff(np.concatenate([[0], np.cumsum(trained, dtype=np.int64)])[offsets])
-    return (lengths > 0) & (trained_per_document == 0)
+    labels = np.asarray(labels)
+    if len(offsets) and (offsets[0] < 0 or offsets[-1] > len(labels) or (lengths < 0).any()):
+        raise ValueError(f"offsets {offsets[0]}..{offsets[-1]} do not slice {len(labels)} labels in order")
+    return _untrained(offsets, labels)
+
+
+@numba.njit(cache=True)
+def _untrained(offsets, labels):
+    out = np.zeros(len(offsets) - 1, np.bool_)
+    for document in range(len(offsets) - 1):
+        start, end = offsets[document], offsets[document + 1]
+        if end > start:
+            out[document] = True
+            for token in range(start + 1, end):
+                if labels[token] != IGNORE_INDEX:
+                    out[document] = False
+                    break
+    return out
 
 
 def document_pieces(

@@ -34,7 +34,7 @@ from prepack.format import IGNORE_INDEX, MANIFEST_NAME, SHARD_VERSION_KEY, STORE
 from prepack.output import STAGING_MARK
 from prepack.store_format import STORE_VERSION_KEY
 
-__all__ = ["Corpus", "DocumentBatch", "find_corpus", "read_documents"]
+__all__ = ["Corpus", "DocumentBatch", "LocalCopy", "find_corpus", "read_documents"]
 
 # Rows per Parquet batch: 8k SFT documents are tens of MB, so a build's memory does not grow with a
 # file's row groups (a 64k-row batch of long documents is over a GB once decoded).
@@ -63,16 +63,40 @@ def file_kind(path: Path) -> str | None:
 
 
 @dataclass(frozen=True)
+class LocalCopy(os.PathLike):
+    """A corpus file read through a local copy of it (`prepack.remote` fetches object storage so):
+    opened at `copy` (it is path-like), and named by `location`, its URI, wherever it is printed."""
+
+    location: str
+    copy: Path
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.copy)
+
+    def __str__(self) -> str:
+        return self.location
+
+    @property
+    def name(self) -> str:
+        return self.copy.name
+
+
+@dataclass(frozen=True)
 class Corpus:
     """The files of a corpus, in reading order, and the root their names are reported against."""
 
     root: Path
-    files: tuple[Path, ...]
+    files: tuple[Path | LocalCopy, ...]
 
-    def name(self, path: Path) -> str:
+    def name(self, path: Path | LocalCopy) -> str:
         """A file's name relative to the root, '/'-separated, so manifests do not depend on where the
         corpus lies."""
+        path = Path(path)
         return path.relative_to(self.root).as_posix() if path != self.root else path.name
+
+    def located(self, location: str) -> Corpus:
+        """This corpus, a local copy of the one at URI `location`: its files are named by their URIs."""
+        return Corpus(self.root, tuple(LocalCopy(f"{location.rstrip('/')}/{self.name(f)}", Path(f)) for f in self.files))
 
 
 def _hf_saved_dataset(directory: Path) -> tuple[Path, ...] | None:
@@ -180,7 +204,7 @@ def find_corpus(spec: str | Path) -> Corpus:
     if path.is_dir() and os.path.lexists(path / STORE_MANIFEST_NAME):
         raise InputError(
             f"{path}: a prepack document store, not a corpus. `prepack build` packs it as it is; where a "
-            "corpus is asked for (verify --source), pass the corpus the store was made from."
+            "corpus is asked for, pass the corpus the store was made from."
         )
     if path.is_dir():
         saved = _hf_saved_dataset(path)
@@ -209,7 +233,7 @@ def find_corpus(spec: str | Path) -> Corpus:
 class DocumentBatch:
     """Consecutive documents of one file: document i is `ids[offsets[i]:offsets[i+1]]`."""
 
-    file: Path
+    file: Path | LocalCopy
     first_row: int  # row of the first document within its file
     offsets: np.ndarray  # int64 [m + 1], starting at 0
     ids: np.ndarray  # int32 [offsets[-1]]
@@ -261,7 +285,7 @@ def _binary_batches(path: Path, kind: str, columns: list[str], batch_rows: int) 
         with pq.ParquetFile(path, pre_buffer=False, buffer_size=_READ_BUFFER) as source:
             yield from source.iter_batches(batch_size=batch_rows, columns=columns)
         return
-    with pa.memory_map(str(path)) as source:
+    with pa.memory_map(os.fspath(path)) as source:
         try:
             reader = pa.ipc.open_stream(source)
         except pa.ArrowInvalid:
@@ -282,7 +306,7 @@ def _json_batches(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
     block, rows = _JSON_BLOCK, 0
     while True:
         try:
-            with pa.input_stream(str(path), compression="detect") as stream:
+            with pa.input_stream(os.fspath(path), compression="detect") as stream:
                 skip = rows
                 for batch in pa_json.open_json(stream, pa_json.ReadOptions(block_size=block), options):
                     if skip:  # rows already yielded before the block grew
@@ -300,7 +324,7 @@ def _json_batches(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
 
 
 def _longest_record(path: Path) -> int:
-    with pa.input_stream(str(path), compression="detect") as stream:
+    with pa.input_stream(os.fspath(path), compression="detect") as stream:
         return max(map(len, json_records(path, stream)), default=0)
 
 
@@ -372,14 +396,14 @@ def file_columns(path: Path, kind: str) -> dict[str, pa.DataType]:
         if kind == "parquet":
             schema = pq.read_schema(path)
         elif kind == "arrow":
-            with pa.memory_map(str(path)) as source:
+            with pa.memory_map(os.fspath(path)) as source:
                 try:
                     schema = pa.ipc.open_stream(source).schema
                 except pa.ArrowInvalid:
                     source.seek(0)
                     schema = pa.ipc.open_file(source).schema
         else:
-            with pa.input_stream(str(path), compression="detect") as stream:
+            with pa.input_stream(os.fspath(path), compression="detect") as stream:
                 for raw in json_records(path, stream):
                     try:
                         record = parse_json(raw)
@@ -420,7 +444,7 @@ def _check_column_type(path: Path, column: str, dtype: pa.DataType) -> None:
 
 def _json_error(path: Path, columns: list[str], exc: pa.ArrowException) -> InputError:
     """The first JSON Lines record pyarrow refused, found with Python's json to name its row."""
-    with pa.input_stream(str(path), compression="detect") as stream:
+    with pa.input_stream(os.fspath(path), compression="detect") as stream:
         for row, raw in enumerate(json_records(path, stream)):
             try:
                 record = parse_json(raw)

@@ -446,6 +446,13 @@ def plot(report: InspectReport, path: str | os.PathLike) -> Path:
             "plotting needs matplotlib, an optional dependency: pip install 'prepack[plot]'"
         ) from None
     figure = Figure(figsize=(12, 8), layout="constrained")
+    path = Path(path)
+    formats = figure.canvas.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:  # checked first: matplotlib would raise ValueError after drawing
+        raise InputError(
+            f"{path}: cannot draw a plot as {path.suffix or 'a file without a suffix'}; name it with one of "
+            f"{', '.join('.' + f for f in sorted(formats))}."
+        )
     axes = figure.subplots(2, 2)
     panels = (
         (axes[0, 0], report.documents_per_pack, "documents per pack", True),
@@ -473,7 +480,6 @@ def plot(report: InspectReport, path: str | os.PathLike) -> Path:
         f"{report.path}: {report.packs:,} packs of {report.max_len:,}, fill {report.fill:.2%}, "
         f"{report.segments:,} documents"
     )
-    path = Path(path)
     with output_errors(path):  # a missing directory, a full disk
         figure.savefig(path, dpi=100)
     return path

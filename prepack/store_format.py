@@ -20,7 +20,15 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from prepack.errors import FormatError
-from prepack.format import IGNORE_INDEX, MANIFEST_NAME, STORE_MANIFEST_NAME, InputFile, TokenizeOptions, load_manifest_json
+from prepack.format import (
+    IGNORE_INDEX,
+    MANIFEST_NAME,
+    STORE_MANIFEST_NAME,
+    FormatProblem,
+    InputFile,
+    TokenizeOptions,
+    load_manifest_json,
+)
 
 __all__ = [
     "STORE_MANIFEST_NAME",
@@ -30,8 +38,10 @@ __all__ = [
     "StoreManifest",
     "StoreShard",
     "check_store_files",
+    "check_store_offsets",
     "check_store_shard",
     "read_store_manifest",
+    "store_error",
     "store_schema",
     "store_shard_name",
     "write_store_manifest",
@@ -171,33 +181,71 @@ def check_store_files(directory: Path, manifest: StoreManifest) -> None:
             )
 
 
-def check_store_shard(batch: pa.RecordBatch, shard: StoreShard, has_labels: bool, where: str) -> None:
-    """Check a shard's one record batch against the format and its manifest entry: schema, row and
-    token counts, token ids non-negative, labels a token id or -100 and as long as the ids. The
-    batch's offsets are assumed validated (`RecordBatch.validate(full=True)`). Raises FormatError
-    naming `where`, the row and the column."""
+def store_error(
+    where: str | os.PathLike, message: str, row: int | None = None, column: str | None = None
+) -> FormatError:
+    """The error for a store shard that breaks the format: its message names `where` (the shard), the
+    row and the column, which `FormatError.problem` carries as fields."""
+    problem = FormatProblem(str(where), message, row, column)
+    return FormatError(str(problem), problem)
+
+
+def check_store_offsets(batch: pa.RecordBatch, shard: StoreShard, has_labels: bool, where: str) -> np.ndarray:
+    """Check a shard's one record batch as far as its documents' places go, reading no token: schema,
+    no null (document or token, as the batch declares them), row and token counts against its manifest
+    entry, `input_ids` offsets from 0 to the number of its values and never decreasing, `labels` with
+    the same offsets and values. The batch's buffers must be as long as their lengths say
+    (`RecordBatch.validate()`). Returns the offsets as int64. Raises FormatError naming `where`, the
+    row and the column (`FormatError.problem`)."""
     expected = store_schema(has_labels)
     if not batch.schema.equals(expected, check_metadata=True):
-        raise FormatError(f"{where}: the schema is\n{batch.schema}\nbut store version {STORE_VERSION} expects\n{expected}")
+        raise store_error(
+            where, f"the schema is\n{batch.schema}\nbut store version {STORE_VERSION} expects\n{expected}"
+        )
     ids = batch.column("input_ids")
     if batch.num_rows != shard.documents or len(ids.values) != shard.tokens:
-        raise FormatError(
-            f"{where}: {batch.num_rows} documents and {len(ids.values)} tokens, "
-            f"but the store manifest says {shard.documents} and {shard.tokens}."
+        raise store_error(
+            where,
+            f"{batch.num_rows} documents and {len(ids.values)} tokens, "
+            f"but the store manifest says {shard.documents} and {shard.tokens}.",
         )
-    offsets = ids.offsets.to_numpy()
+    offsets = _offsets(ids)
     if offsets[0] != 0 or offsets[-1] != len(ids.values):
-        raise FormatError(f"{where}: the input_ids offsets run from {offsets[0]} to {offsets[-1]}, not 0 to {len(ids.values)}.")
+        message = f"offsets run from {offsets[0]} to {offsets[-1]}, not 0 to {len(ids.values)}."
+        raise store_error(where, message, column="input_ids")
+    if (shrinking := np.flatnonzero(offsets[1:] < offsets[:-1])).size:
+        raise store_error(where, "its offsets decrease: a negative length.", int(shrinking[0]), "input_ids")
+    for column in expected.names:
+        array = batch.column(column)
+        if array.null_count:
+            row = int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0])
+            raise store_error(where, "a null document.", row, column)
+        if array.values.null_count:
+            raise store_error(where, "a null token.", column=column)
+        if column != "input_ids" and not np.array_equal(mine := _offsets(array), offsets):
+            row = int(np.flatnonzero(mine != offsets)[0]) - 1 if len(mine) == len(offsets) else 0
+            raise store_error(where, "not as long as input_ids.", max(row, 0), column)
+        if len(array.values) != len(ids.values):
+            raise store_error(where, f"{len(array.values)} values for {len(ids.values)} tokens.", column=column)
+    return offsets
+
+
+def _offsets(array: pa.ListArray) -> np.ndarray:
+    """A list column's offsets as int64 (a batch of no rows may have none: then [0])."""
+    return array.offsets.to_numpy().astype(np.int64) if len(array.offsets) else np.zeros(1, np.int64)
+
+
+def check_store_shard(batch: pa.RecordBatch, shard: StoreShard, has_labels: bool, where: str) -> np.ndarray:
+    """`check_store_offsets`, then every token: ids non-negative, labels a token id or -100. The
+    batch must be validated in full (`RecordBatch.validate(full=True)`). Returns the offsets as int64.
+    Raises FormatError naming `where`, the row and the column (`FormatError.problem`)."""
+    offsets = check_store_offsets(batch, shard, has_labels, where)
     for column in store_schema(has_labels).names:
         array = batch.column(column)
-        if array.null_count or array.values.null_count:
-            raise FormatError(f"{where}: column {column!r} has nulls.")
         values = array.values.to_numpy()
         bad = values < 0 if column == "input_ids" else (values < 0) & (values != IGNORE_INDEX)
-        if column != "input_ids" and not np.array_equal(array.offsets.to_numpy(), offsets):
-            row = int(np.flatnonzero(array.offsets.to_numpy() != offsets)[0]) - 1
-            raise FormatError(f"{where}: row {row}, column {column!r}: not as long as input_ids.")
         if bad.any():
             token = int(np.flatnonzero(bad)[0])
             row = int(np.searchsorted(offsets, token, "right")) - 1
-            raise FormatError(f"{where}: row {row}, column {column!r}: {values[token]} is not a valid value.")
+            raise store_error(where, f"{values[token]} is not a valid value.", row, column)
+    return offsets

@@ -1,16 +1,19 @@
 """Read a document store: check it against its manifest, then stream its documents as a build reads a
 corpus's (`prepack.read.DocumentBatch`, one corpus file at a time), so a build never tokenizes again.
 
-Every store is untrusted: the manifest is validated strictly, every shard must be a regular file of
-the manifest's size and sha256, and each shard's one record batch is validated in full (offsets inside
-their buffers, ids non-negative, labels valid) before a value is used.
+Every store is untrusted: the manifest is validated strictly and every shard must be a regular file of
+the manifest's size. Where tokens are used (`Store.documents`, `Store.shard_columns`) a shard's sha256
+is checked and its one record batch validated in full (offsets inside their buffers, ids non-negative,
+labels valid) before a value is used. An index build needs only the documents' lengths and untrained
+flags (`Store.shard_lengths`): the offsets are checked, no shard is hashed and no token id is read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
+import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,18 +21,23 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.errors import FormatError
-from prepack.format import MANIFEST_NAME, Manifest
+from prepack.format import MANIFEST_NAME, Manifest, ipc_body_compressed
+from prepack.plan import untrained_documents
 from prepack.read import Corpus, DocumentBatch
 from prepack.store_format import (
     STORE_MANIFEST_NAME,
     StoreManifest,
     StoreShard,
     check_store_files,
+    check_store_offsets,
     check_store_shard,
     read_store_manifest,
+    store_error,
 )
 
-__all__ = ["Store", "is_store", "open_build_store", "open_store"]
+__all__ = ["ShardColumns", "Store", "check_build_store", "is_store", "open_build_store", "open_store"]
+
+ShardColumns = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # `Store.shard_columns`: offsets, ids, labels
 
 
 def is_store(path: str | os.PathLike) -> bool:
@@ -45,21 +53,24 @@ class Store:
 
     root: Path
     manifest: StoreManifest
+    location: str | None = None  # the store's URI when it lies in object storage: its files are named by it
 
     @property
     def corpus(self) -> Corpus:
-        """The corpus the store was made from, its files named inside the store: builds record the
-        same `inputs` as a build of that corpus, and their errors name a corpus file and row."""
-        return Corpus(root=self.root, files=tuple(self.root / f.path for f in self.manifest.inputs))
+        """The corpus the store was made from, its files named inside the store (at `location` when
+        set): builds record the same `inputs` as a build of that corpus, and their errors name a
+        corpus file and row."""
+        corpus = Corpus(root=self.root, files=tuple(self.root / f.path for f in self.manifest.inputs))
+        return corpus if self.location is None else corpus.located(self.location)
 
-    def documents(self) -> Iterator[DocumentBatch]:
+    def documents(self, checked: Sequence[ShardColumns] | None = None) -> Iterator[DocumentBatch]:
         """The documents in row order, each shard's sha256 and contents checked before its first
-        document is yielded, cut at the corpus files' boundaries. The arrays are views of the
-        memory-mapped shards."""
+        document is yielded (unless `checked` holds every shard's `shard_columns` already, in
+        order), cut at the corpus files' boundaries. The arrays are views of the memory-mapped shards."""
         files, rows = self.corpus.files, [f.rows for f in self.manifest.inputs]
         file, row = 0, 0  # the corpus file of the next document, and its row there
-        for shard in self.manifest.shards:
-            offsets, ids, labels = self.shard_columns(shard)
+        for index, shard in enumerate(self.manifest.shards):
+            offsets, ids, labels = self.shard_columns(shard) if checked is None else checked[index]
             start = 0
             while start < shard.documents:
                 while row == rows[file]:
@@ -76,36 +87,92 @@ class Store:
                 row += end - start
                 start = end
 
-    def shard_columns(self, shard: StoreShard) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def shard_file(self, shard: StoreShard) -> Path:
+        """The local file of one of the store's shards."""
+        return self.root / shard.name
+
+    def shard_columns(self, shard: StoreShard) -> ShardColumns:
         """(token offsets as int64, token ids, labels or None) of one of the store's shards, views of
         its memory map, after its sha256 and contents are checked: document d of the shard is
-        ids[offsets[d]:offsets[d + 1]]."""
-        path = self.root / shard.name
+        ids[offsets[d]:offsets[d + 1]]. Raises FormatError naming the shard, row and column
+        (`FormatError.problem`)."""
+        path = self.shard_file(shard)
+        data = _map(path)
+        if hashlib.sha256(data).hexdigest() != shard.sha256:
+            raise store_error(path, "its sha256 is not the store manifest's: the shard changed.")
+        batch = self._batch(data, path)
         try:
-            with pa.memory_map(str(path)) as source:
-                data = source.read_buffer()
-            if hashlib.sha256(data).hexdigest() != shard.sha256:
-                raise FormatError(f"{path}: its sha256 is not the store manifest's: the shard changed.")
-            batches = list(pa.ipc.open_stream(data))
-            if len(batches) != 1:
-                raise FormatError(f"{path}: a store shard holds exactly one record batch, this one {len(batches)}.")
-            batches[0].validate(full=True)
-        except (OSError, pa.ArrowException) as exc:
-            raise FormatError(f"{path}: not a readable Arrow IPC stream ({exc}).") from None
-        batch = batches[0]
-        check_store_shard(batch, shard, self.manifest.has_labels, str(path))
+            batch.validate(full=True)
+        except pa.ArrowException as exc:
+            raise store_error(path, f"not valid Arrow data ({exc}).") from None
+        offsets = check_store_shard(batch, shard, self.manifest.has_labels, str(path))
         labels = batch.column("labels").values.to_numpy() if self.manifest.has_labels else None
-        ids = batch.column("input_ids")
-        return ids.offsets.to_numpy().astype(np.int64), ids.values.to_numpy(), labels
+        return offsets, batch.column("input_ids").values.to_numpy(), labels
+
+    def shard_lengths(self, shard: StoreShard) -> tuple[np.ndarray, np.ndarray]:
+        """(every document's length as int64, whether it is untrained: `untrained_documents`) of one
+        of the store's shards, from its offsets and labels alone: no hash, no token id read, and of the
+        labels only each document's first up to its first trained one. What is read is checked
+        (`check_store_offsets`); the tokens are checked where they are used (`shard_columns`)."""
+        path = self.shard_file(shard)
+        batch = self._batch(_map(path), path)
+        try:
+            batch.validate()  # buffers as long as the lengths say, before numpy reads them
+        except pa.ArrowException as exc:
+            raise store_error(path, f"not valid Arrow data ({exc}).") from None
+        offsets = check_store_offsets(batch, shard, self.manifest.has_labels, str(path))
+        labels = batch.column("labels").values.to_numpy() if self.manifest.has_labels else None
+        return np.diff(offsets), untrained_documents(offsets, labels)
+
+    @staticmethod
+    def _batch(data: pa.Buffer, path: Path) -> pa.RecordBatch:
+        """The one uncompressed record batch of a store shard's bytes, zero-copy (its schema is checked
+        with its offsets, `check_store_offsets`)."""
+        try:
+            messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(data))
+            schema = pa.ipc.read_schema(_next_message(messages, path, "schema"))
+            message = _next_message(messages, path, "record batch")
+            if ipc_body_compressed(message.metadata):
+                raise store_error(path, "the record batch is compressed; store shards are uncompressed, to be mapped.")
+            batch = pa.ipc.read_record_batch(message, schema)
+            try:
+                extra = messages.read_next_message()
+            except StopIteration:  # the stream ends after its record batch, as it should
+                extra = None
+        except (OSError, pa.ArrowException, struct.error) as exc:
+            raise store_error(path, f"not a readable Arrow IPC stream ({exc}).") from None
+        if extra is not None:
+            raise store_error(path, f"a {extra.type} message follows the record batch; a store shard holds one.")
+        return batch
 
 
-def open_store(path: str | os.PathLike) -> Store:
+def _next_message(messages: pa.ipc.MessageReader, path: Path, kind: str) -> pa.ipc.Message:
+    try:
+        message = messages.read_next_message()
+    except StopIteration:
+        raise store_error(path, f"the stream ends before its {kind}.") from None
+    if message.type != kind:
+        raise store_error(path, f"a {message.type} message where the shard's {kind} should be.")
+    return message
+
+
+def _map(path: Path) -> pa.Buffer:
+    """A store shard's bytes, memory-mapped (`open_store` checked that it is a regular file)."""
+    try:
+        with pa.memory_map(str(path)) as source:
+            return source.read_buffer()
+    except (OSError, pa.ArrowException) as exc:
+        raise store_error(path, f"cannot be read ({exc}).") from None
+
+
+def open_store(path: str | os.PathLike, location: str | None = None) -> Store:
     """Read and check a store's manifest and its shard files' names, types and sizes (the contents
-    are checked as `Store.documents` reads them). Raises FormatError."""
+    are checked as `Store.documents` reads them); `location`: the URI `path` is a copy of. Raises
+    FormatError."""
     root = Path(path)
     manifest = read_store_manifest(root)
     check_store_files(root, manifest)
-    return Store(root, manifest)
+    return Store(root, manifest, location)
 
 
 def open_build_store(build: str | os.PathLike, manifest: Manifest) -> Store:
@@ -122,10 +189,16 @@ def open_build_store(build: str | os.PathLike, manifest: Manifest) -> Store:
             f"{where}: its document store {reference.path!r} ({root}) is not there: an index build reads its "
             "tokens from that store; keep both where they were built, or move them together."
         )
-    store = open_store(root)
+    return check_build_store(open_store(root), build, manifest)
+
+
+def check_build_store(store: Store, build: str | os.PathLike, manifest: Manifest) -> Store:
+    """`store`, refused (FormatError) unless it is the store the index build at `build` (whose manifest
+    is `manifest`) was planned from: same fingerprint, labels as the build's."""
+    reference = manifest.store
     if store.manifest.fingerprint != reference.fingerprint or store.manifest.has_labels != manifest.has_labels:
         raise FormatError(
-            f"{root}: the store's fingerprint is {store.manifest.fingerprint}, but the index build {build} was "
-            f"planned from {reference.fingerprint}: the store changed; build the index again."
+            f"{store.location or store.root}: the store's fingerprint is {store.manifest.fingerprint}, but the index "
+            f"build {build} was planned from {reference.fingerprint}: the store changed; build the index again."
         )
     return store

@@ -25,6 +25,7 @@ from prepack.format import STORE_MANIFEST_NAME, Fingerprint, InputFile
 from prepack.output import output_errors, staged_directory
 from prepack.plan import untrained_documents
 from prepack.read import DocumentBatch
+from prepack.remote import is_uri, local_input, staged_prefix
 from prepack.store_format import (
     LengthSummary,
     StoreManifest,
@@ -230,19 +231,20 @@ def build_store(
     """
     if shard_size < 1:
         raise InputError(f"invalid shard size {shard_size}: at least 1 byte.")
-    if is_store(corpus):
-        raise InputError(f"{corpus} is a document store already: build from it (prepack build {corpus} ...).")
     try:
         options = Reading(**reading)
     except TypeError as exc:
         raise InputError(f"invalid reading option: {exc}") from None
-    check_engine(engine, ray_address, options)
-    with progress_bars(progress, console) as bar:
-        documents = open_documents(corpus, options, out, bar)
-        with staged_directory(out, overwrite, STORE_MANIFEST_NAME) as staging, engine_session(engine, ray_address) as session:
+    check_engine(engine, ray_address, options, corpus, out)
+    with progress_bars(progress, console) as bar, local_input(corpus) as source:
+        if is_store(source.spec):
+            raise InputError(f"{corpus} is a document store already: build from it (prepack build {corpus} ...).")
+        documents = open_documents(source.spec, options, out, bar, source.location)
+        staged = staged_prefix if is_uri(out) else staged_directory
+        with staged(out, overwrite, STORE_MANIFEST_NAME) as staging, engine_session(engine, ray_address) as session:
             if session is None:
                 return _write_store(documents, staging.build, shard_size, bar)
-            read = session.read(documents, options, None, staging.scratch, bar)
+            read = session.read(documents, options, staging.scratch, bar)
             shards = session.write_store_shards(documents, staging.build, read, shard_size, bar)
             stored = read.stored
             untrained = int(stored.untrained.sum())

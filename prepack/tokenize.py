@@ -353,7 +353,7 @@ def _json_values(path: Path, column: str) -> Iterator[tuple[int, list, int]]:
     because the values become Python strings and dicts anyway, and every error can name its row."""
     values, size, row0 = [], 0, 0
     try:
-        with pa.input_stream(str(path), compression="detect") as stream:
+        with pa.input_stream(os.fspath(path), compression="detect") as stream:
             for raw in json_records(path, stream):
                 row = row0 + len(values)
                 try:

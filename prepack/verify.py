@@ -16,15 +16,19 @@ What is checked, in this order (each problem names the file, row and column it w
    every piece but a document's last holding max_len tokens, and the counts of documents, splits and
    segments against the manifest;
 5. with `source`: the corpus is streamed with `read_documents`, or tokenized again with the given
-   tokenizer when the build tokenized it (memory bounded by its batches), and
-   every document must come out of the packs exactly as the manifest's max_len and overflow say
-   (`document_pieces`, the definition the build plans with): its pieces all present, same lengths,
-   same tokens and labels; rows and tokens the build left out must be the manifest's empty, truncated,
-   dropped and (with drop_untrained) untrained counts, and the corpus files its `inputs`.
+   tokenizer when the build tokenized it, or read from a document store made from it (memory bounded
+   by its batches), and every document must come out of the packs exactly as the manifest's max_len
+   and overflow say (`document_pieces`, the definition the build plans with): its pieces all
+   present, same lengths, same tokens and labels; rows and tokens the build left out must be the
+   manifest's empty, truncated, dropped and (with drop_untrained) untrained counts, and the corpus
+   files its `inputs`.
 
-An index build (`Manifest.store`) is checked the same way as far as its per-pack columns go, with
-its index shards' schema, and its store must be there and have the manifest's fingerprint
-(`open_build_store`); its documents' tokens are not read (a `source` is refused for it, for now).
+An index build (`Manifest.store`) is checked the same way, its packs' tokens read from its store:
+its store must be there with the manifest's fingerprint (`open_build_store`), every store shard must
+have its store manifest's sha256 and sound contents, as the loader checks them, and the store's
+documents that fingerprint (step 2b); every (document, piece, length) of a pack must lie inside its
+store document. Without `source` its packs are then held to the store's documents as step 5 holds a
+full build's to the corpus (pieces, lengths, counts, inputs), tokens aside, which are the store's.
 
 A shard that cannot be read or has malformed rows is left out of steps 4 and 5, and so are the checks
 there that need every pack (a document missing from the packs might be in that shard): one problem says
@@ -47,6 +51,8 @@ from pydantic import BaseModel, ConfigDict
 from prepack.errors import FormatError, InputError
 from prepack.format import (
     MANIFEST_NAME,
+    STORE_MANIFEST_NAME,
+    Fingerprint,
     Manifest,
     PackLayout,
     check_index_shard,
@@ -60,7 +66,7 @@ from prepack.format import (
 )
 from prepack.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
-from prepack.store_read import open_build_store
+from prepack.store_read import ShardColumns, Store, is_store, open_build_store, open_store
 
 __all__ = ["Problem", "verify_build"]
 
@@ -70,7 +76,9 @@ _RESUME_BLOCK = 1024  # rows checked per call after a failing row, so --all stay
 
 class Problem(BaseModel):
     """One thing wrong with a build. `file` is a shard's name or `manifest.json` (None for the build as
-    a whole), `row` the pack's row inside that shard, `column` the shard column (or the manifest field);
+    a whole), or an index build's store file, its path from the build (`../store/documents-00000.arrow`);
+    `row` the pack's row inside that shard (the document's inside a store shard), `column` the shard
+    column (or the manifest field);
     `source_file`/`source_row` locate the corpus document concerned, when there is one."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -108,13 +116,16 @@ def verify_build(
 ) -> list[Problem]:
     """Check the build at `path` (and, with `source`, every token of the corpus it was built from).
 
-    A build that tokenized text or chat needs `tokenizer` (and `chat_template`, when the build was
-    given one) with `source`: the source is tokenized again, with the manifest's options, and must
-    match the tokenizer and template identities the manifest records.
+    `source` is the corpus, or a document store made from it (`build_store`), whose tokens are then
+    compared as they are. A build that tokenized text or chat needs `tokenizer` (and `chat_template`,
+    when the build was given one) with a corpus `source`: the source is tokenized again, with the
+    manifest's options, and must match the tokenizer and template identities the manifest records.
+    An index build's packs are compared with the source as gathered from its store.
 
     Returns the problems found: none for a sound build, the first one only unless `all_problems`.
-    Raises FormatError when `path` is not a build at all (no manifest.json) and InputError when the
-    source cannot be read or does not fit the build's options; those are not findings about the build.
+    Raises FormatError when `path` is not a build at all (no manifest.json) or a source store breaks
+    its format, and InputError when the source cannot be read or does not fit the build's options;
+    those are not findings about the build.
     """
     path = Path(path)
     if not (path / MANIFEST_NAME).is_file():
@@ -123,9 +134,7 @@ def verify_build(
         manifest = read_manifest(path)
     except FormatError as exc:
         return [Problem(file=MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message)]
-    if source is not None and manifest.store is not None:
-        raise InputError(f"{path} is an index build: verify checks it without a source (its tokens are the store's).")
-    documents = None if source is None else _source_documents(find_corpus(source), manifest, tokenizer, chat_template)
+    documents = None if source is None else _source_documents(source, manifest, tokenizer, chat_template)
     problems = _problems(path, manifest, documents)
     return list(problems) if all_problems else list(islice(problems, 1))
 
@@ -137,11 +146,15 @@ class _Segments:
     rows: np.ndarray  # int64 corpus row
     pieces: np.ndarray  # int64 piece number
     lengths: np.ndarray  # int64 tokens
-    starts: np.ndarray  # int64 first token in its shard's input_ids values
+    starts: np.ndarray  # int64 first token in its holder's token values
     offset: np.ndarray  # int64 first token inside its pack (its cu_seqlens value)
     shard: np.ndarray  # int32 the shard's index in the manifest
     pack: np.ndarray  # int64 row inside the shard
     number: np.ndarray  # int64 1-based document number inside the pack (its segment id)
+    # Where its tokens lie: its shard (a full build) or its store shard (an index build, once
+    # `_reference_problems` found it inside its store document: `readable`), by index.
+    holder: np.ndarray  # int32
+    readable: np.ndarray  # bool
 
 
 @dataclass
@@ -150,6 +163,10 @@ class _Shard:
     ids: np.ndarray | None  # the input_ids values, memory-mapped (kept only for the source check)
     labels: np.ndarray | None  # aligned with ids
     segments: _Segments
+
+
+_Tokens = dict[int, tuple[np.ndarray, np.ndarray | None]]  # holder index -> (token ids, labels or None)
+_Columns = dict[int, ShardColumns]  # store shard index -> its columns
 
 
 @dataclass
@@ -162,9 +179,20 @@ class _Source:
 
 
 def _source_documents(
-    corpus: Corpus, manifest: Manifest, tokenizer: str | os.PathLike | None, chat_template: str | os.PathLike | None
+    source: str | os.PathLike,
+    manifest: Manifest,
+    tokenizer: str | os.PathLike | None,
+    chat_template: str | os.PathLike | None,
 ) -> _Source:
     o = manifest.options
+    if is_store(source):
+        if tokenizer is not None or chat_template is not None:
+            raise InputError(
+                f"{source} is a document store, tokenized already: leave out --tokenizer and --chat-template."
+            )
+        store = open_store(source)
+        return _Source(store.corpus, store.manifest.has_labels, store.documents())
+    corpus = find_corpus(source)
     if o.tokenize is None:
         used_labels, batches = read_documents(corpus, o.column, o.labels_column if manifest.has_labels else None)
         return _Source(corpus, used_labels is not None, batches)
@@ -195,11 +223,14 @@ def _source_documents(
 
 def _problems(path: Path, manifest: Manifest, source: _Source | None) -> Iterator[Problem]:
     yield from _manifest_problems(manifest)
+    store, store_columns = None, {}
     if manifest.store is not None:
         try:
-            open_build_store(path, manifest)
+            store = open_build_store(path, manifest)
         except FormatError as exc:
             yield Problem(file=MANIFEST_NAME, column="store", message=str(exc))
+        else:
+            store_columns = yield from _store_problems(store, manifest)
     file_problems = yield from _directory_problems(path, manifest)
     shards: dict[int, _Shard] = {}
     for index in range(len(manifest.shards)):
@@ -219,8 +250,20 @@ def _problems(path: Path, manifest: Manifest, source: _Source | None) -> Iterato
         )
     segments = _concatenate([s.segments for s in shards.values()])
     yield from _provenance_problems(segments, shards, manifest, complete)
+    if store is not None:
+        yield from _reference_problems(segments, shards, manifest, store, store_columns)
+        if source is None and len(store_columns) == len(store.manifest.shards):
+            # Without a source an index build is held to its store's documents as a full build is to
+            # its corpus: every document's pieces, their lengths, the counts; its tokens are the store's.
+            own = _Source(store.corpus, store.manifest.has_labels, store.documents(list(store_columns.values())))
+            yield from _source_problems(own, segments, shards, manifest, complete, None)
     if source is not None:
-        yield from _source_problems(source, segments, shards, manifest, complete)
+        tokens = (
+            {index: (ids, labels) for index, (_, ids, labels) in store_columns.items()}
+            if manifest.store is not None
+            else {index: (shard.ids, shard.labels) for index, shard in shards.items()}
+        )
+        yield from _source_problems(source, segments, shards, manifest, complete, tokens)
 
 
 # 1. The manifest's arithmetic ---------------------------------------------------------------------
@@ -300,6 +343,78 @@ def _directory_problems(path: Path, manifest: Manifest):
     for extra in sorted(p.name for p in path.glob("shard-*.arrow") if p.name not in listed):
         yield Problem(file=extra, message="a shard file the manifest does not list.")
     return found
+
+
+# 2b. An index build's store --------------------------------------------------------------------
+
+
+def _store_problems(store: Store, manifest: Manifest):
+    """Yield the problems of an index build's store: each shard's sha256 and contents, as the loader
+    checks them (`Store.shard_columns`), the fingerprint of its documents (every token) against its
+    manifest's, which `open_build_store` held to the build's, and its documents and corpus files
+    against the build's. Return {store shard index: its columns} of the sound shards."""
+    m, where = store.manifest, manifest.store.path
+    if m.documents != manifest.totals.documents:
+        yield Problem(
+            file=MANIFEST_NAME,
+            column="totals.documents",
+            message=f"is {manifest.totals.documents}, but its store {where!r} holds {m.documents} documents.",
+        )
+    if [(f.path, f.rows) for f in m.inputs] != [(f.path, f.rows) for f in manifest.inputs]:
+        yield Problem(file=MANIFEST_NAME, column="inputs", message=f"are not the corpus files of its store {where!r}.")
+    columns: _Columns = {}
+    fingerprint = Fingerprint()
+    for index, shard in enumerate(m.shards):
+        try:
+            offsets, ids, labels = columns[index] = store.shard_columns(shard)
+        except FormatError as exc:
+            found = exc.problem
+            yield Problem(file=f"{where}/{shard.name}", row=found.row, column=found.column, message=found.message)
+        else:
+            fingerprint.update(np.diff(offsets), ids, labels)
+    if len(columns) < len(m.shards):
+        yield Problem(
+            message=f"{len(m.shards) - len(columns)} shard(s) of the store {where!r} could not be read or are "
+            "damaged (above): the packs were not checked against the store's documents, and no token was "
+            "read from those shards."
+        )
+    elif (digest := fingerprint.hexdigest()) != m.fingerprint:
+        yield Problem(
+            file=f"{where}/{STORE_MANIFEST_NAME}",
+            column="fingerprint",
+            message=f"is {m.fingerprint}, but the store's documents give {digest}: they changed after the store "
+            "was written.",
+        )
+    return columns
+
+
+def _reference_problems(
+    seg: _Segments, shards: dict[int, _Shard], manifest: Manifest, store: Store, columns: _Columns
+) -> Iterator[Problem]:
+    """Every segment of an index build lies inside its store document: tokens piece * max_len onwards,
+    as many as `cu_seqlens` says. Sets where those tokens are (`seg.holder`, `seg.starts`) and, for
+    those inside a sound store shard, `seg.readable`."""
+    max_len = manifest.options.max_len
+    documents = np.array([s.documents for s in store.manifest.shards], dtype=np.int64)
+    ends = np.cumsum(documents)
+    # The segments are in corpus (= store) order: each store shard's are a run.
+    bounds = np.searchsorted(seg.rows, np.append(0, ends), "left")
+    seg.holder = (np.searchsorted(ends, seg.rows, "right")).astype(np.int32)
+    seg.readable = np.zeros(len(seg.rows), dtype=bool)
+    for index, (offsets, _, _) in columns.items():
+        run = slice(int(bounds[index]), int(bounds[index + 1]))
+        local = seg.rows[run] - (ends[index] - documents[index])
+        first = offsets[local] + seg.pieces[run] * max_len
+        inside = first + seg.lengths[run] <= offsets[local + 1]
+        seg.starts[run], seg.readable[run] = first, inside
+        for k in np.flatnonzero(~inside):
+            i, length = run.start + k, offsets[local[k] + 1] - offsets[local[k]]
+            yield Problem(
+                **_where(seg, shards, i),
+                column="source_pieces",
+                message=f"document {seg.number[i]} (store document {seg.rows[i]}, piece {seg.pieces[i]}, "
+                f"{seg.lengths[i]} tokens) runs past that document's {length} tokens.",
+            )
 
 
 # 3. Each shard ------------------------------------------------------------------------------------
@@ -393,6 +508,8 @@ def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
             shard=np.full(len(layout.pack), index, dtype=np.int32),
             pack=layout.pack,
             number=layout.number,
+            holder=np.full(len(layout.pack), index, dtype=np.int32),
+            readable=np.full(len(layout.pack), "input_ids" in names),
         ),
     )
 
@@ -518,8 +635,14 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def _source_problems(
-    source: _Source, seg: _Segments, shards: dict[int, _Shard], manifest: Manifest, complete: bool
+    source: _Source,
+    seg: _Segments,
+    shards: dict[int, _Shard],
+    manifest: Manifest,
+    complete: bool,
+    tokens: _Tokens | None,
 ) -> Iterator[Problem]:
+    """The packs against the source's documents; their tokens too, read from `tokens`, unless None."""
     o = manifest.options
     corpus, batches = source.corpus, source.batches
     if manifest.has_labels and not source.has_labels:
@@ -537,7 +660,7 @@ def _source_problems(
         untrained = untrained_documents(batch.offsets, batch.labels if manifest.has_labels else None)
         expected = document_pieces(np.diff(batch.offsets), o.max_len, o.overflow, untrained, o.drop_untrained)
         counts.update(documents=m, **expected.counts)
-        yield from _batch_problems(corpus, batch, expected, row0, seg, shards, manifest, complete)
+        yield from _batch_problems(corpus, batch, expected, row0, seg, shards, manifest, complete, tokens)
         rows_per_file[batch.file] += m
         row0 += m
     for i in np.flatnonzero(seg.rows >= row0):
@@ -574,9 +697,10 @@ def _batch_problems(
     shards: dict[int, _Shard],
     manifest: Manifest,
     complete: bool,
+    tokens: _Tokens | None,
 ) -> Iterator[Problem]:
     """Compare one batch of corpus documents (global rows row0, row0+1, …) with the packs, where they
-    must be the `expected` segments."""
+    must be the `expected` segments; their tokens too, read from `tokens`, unless None."""
     o = manifest.options
     m = len(batch.offsets) - 1
     lengths = np.diff(batch.offsets)
@@ -620,38 +744,42 @@ def _batch_problems(
             message=f"document {seg.number[a]} (corpus row {seg.rows[a]}, piece {seg.pieces[a]}) has "
             f"{seg.lengths[a]} tokens; the source gives {e_lengths[e]}.",
         )
-    e_sel, a_sel = matched[same_length], actual[same_length]
-    columns = [("input_ids", batch.ids, lambda s: s.ids)]
+    if tokens is None:
+        return
+    readable = same_length & seg.readable[actual]
+    e_sel, a_sel = matched[readable], actual[readable]
+    columns = [("input_ids", batch.ids, {holder: ids for holder, (ids, _) in tokens.items()})]
     if batch.labels is not None and manifest.has_labels:
-        columns.append(("labels", batch.labels, lambda s: s.labels))
+        columns.append(("labels", batch.labels, {holder: labels for holder, (_, labels) in tokens.items()}))
     # Compare in chunks of about _COMPARE_TOKENS tokens: the index arrays cost 8 bytes per token.
     chunk_of = np.cumsum(e_lengths[e_sel]) // _COMPARE_TOKENS
     bounds = np.flatnonzero(np.diff(chunk_of, prepend=-1, append=chunk_of[-1] + 1 if len(chunk_of) else 0))
     for first, end in zip(bounds[:-1], bounds[1:]):
         part = slice(first, end)
-        for column, source_values, shard_values in columns:
+        for column, source_values, packed_values in columns:
             yield from _token_problems(
-                column, source_values, shard_values, e_starts[e_sel[part]], seg, a_sel[part], shards
+                column, source_values, packed_values, e_starts[e_sel[part]], seg, a_sel[part], shards
             )
 
 
 def _token_problems(
     column: str,
     source_values: np.ndarray,
-    shard_values,
+    packed_values: dict[int, np.ndarray],
     source_starts: np.ndarray,
     seg: _Segments,
     actual: np.ndarray,
     shards: dict[int, _Shard],
 ) -> Iterator[Problem]:
-    """Compare the tokens (or labels) of matched segments, same lengths already checked."""
+    """Compare the tokens (or labels) of matched segments, same lengths already checked; the packed
+    ones are `packed_values[holder]`, for each segment's holder."""
     seg_lengths = seg.lengths[actual]
     expected = source_values[_ranges(source_starts, seg_lengths)]
     packed = np.empty_like(expected)
     out_starts = np.cumsum(seg_lengths) - seg_lengths
-    for index in np.unique(seg.shard[actual]):
-        mine = seg.shard[actual] == index
-        values = shard_values(shards[int(index)])
+    for index in np.unique(seg.holder[actual]):
+        mine = seg.holder[actual] == index
+        values = packed_values[int(index)]
         packed[_ranges(out_starts[mine], seg_lengths[mine])] = values[
             _ranges(seg.starts[actual[mine]], seg_lengths[mine])
         ]

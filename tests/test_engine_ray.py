@@ -25,7 +25,7 @@ psutil = pytest.importorskip("psutil")  # a dependency of ray's
 
 from examples.chitchat import CHATML, as_chat, chitchat, gpt2_directory  # noqa: E402
 from prepack import build, build_store  # noqa: E402
-from prepack.errors import InputError  # noqa: E402
+from prepack.errors import FormatError, InputError  # noqa: E402
 from tests.corpus import corpus_table, write_corpus  # noqa: E402
 
 PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
@@ -150,6 +150,22 @@ def test_a_bad_row_on_a_worker_is_the_local_error_and_nothing_is_published(tmp_p
         assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no output, no staging, no lock
 
 
+def test_a_changed_store_shard_is_the_local_format_error(tmp_path, local_ray):
+    corpus = _token_corpus(tmp_path / "c")
+    build_store(corpus, tmp_path / "store", shard_size=30_000)
+    shard = tmp_path / "store" / "documents-00002.arrow"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 1  # same size: the driver's checks pass, the worker's sha256 does not
+    shard.write_bytes(bytes(data))
+    with pytest.raises(FormatError) as local:
+        build(tmp_path / "store", tmp_path / "local", max_len=512)
+    with pytest.raises(FormatError) as on_ray:
+        build(tmp_path / "store", tmp_path / "ray", max_len=512, engine="ray")
+    assert str(on_ray.value) == str(local.value) and "documents-00002.arrow" in str(local.value)
+    assert on_ray.value.problem == local.value.problem is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "store"]
+
+
 def test_options_the_engine_would_ignore_are_refused_before_anything_runs(tmp_path):
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
     for options, message in (
@@ -162,6 +178,8 @@ def test_options_the_engine_would_ignore_are_refused_before_anything_runs(tmp_pa
             build(corpus, tmp_path / "out", max_len=8, **options)
     with pytest.raises(InputError, match="unknown engine"):
         build_store(corpus, tmp_path / "out", engine="dask")
+    with pytest.raises(InputError, match="object storage is the local engine's for now"):
+        build_store(corpus, "s3://bucket/store", engine="ray")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
 
 

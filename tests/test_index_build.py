@@ -3,6 +3,7 @@ token. Its rows, gathered from the store, are those of the full build of the sam
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 from prepack import build, build_store
 from prepack.errors import FormatError, InputError
 from prepack.format import read_manifest, shard_schema
-from prepack.load import PackedDataset, open_hf_dataset
+from prepack.load import PackedDataset
 from prepack.report import inspect_build
 from prepack.verify import verify_build
 from tests.corpus import corpus_table, write_corpus
@@ -88,6 +89,67 @@ def test_a_full_build_manifest_has_no_store_key(store, tmp_path):
     assert read_manifest(tmp_path / "full").store is None
 
 
+def test_an_index_build_reads_no_token_and_the_loader_checks_them(store, tmp_path):
+    """An index build reads the store's offsets (and labels up to each document's first trained one),
+    not its token ids: changed ids give the same build, and the loader and verify refuse the shard
+    whose sha256 no longer matches when its tokens are used."""
+    copy = shutil.copytree(store, tmp_path / "store")
+    build(copy, tmp_path / "before", max_len=32, index_only=True)
+    manifest = (copy / "store.json").read_bytes()
+    _rewrite_store_tokens(copy, "documents-00000.arrow", lambda ids: ids + 1)  # same size, other sha256
+    (copy / "store.json").write_bytes(manifest)
+    build(copy, tmp_path / "after", max_len=32, index_only=True)
+    for name in sorted(p.name for p in (tmp_path / "before").iterdir()):
+        assert (tmp_path / "after" / name).read_bytes() == (tmp_path / "before" / name).read_bytes(), name
+    dataset = PackedDataset(tmp_path / "after")
+    with pytest.raises(FormatError, match=r"documents-00000.arrow: its sha256 is not the store manifest's"):
+        [dataset[i] for i in range(len(dataset))]
+    assert verify_build(tmp_path / "after")[0].file == "../store/documents-00000.arrow"
+
+
+def test_an_index_build_checks_the_offsets_it_reads(store, tmp_path):
+    """The offsets an index build reads are checked before use (from 0 to the tokens, never
+    decreasing, labels' the same), each refusal naming the store shard, row and column; nothing is
+    written."""
+    path = store / "documents-00000.arrow"
+    batch = pa.ipc.open_stream(path.read_bytes()).read_next_batch()
+    offsets = batch.column("input_ids").offsets.to_numpy()
+
+    def with_offsets(ids_offsets: np.ndarray, labels_offsets: np.ndarray) -> pa.RecordBatch:
+        columns = [
+            pa.Array.from_buffers(
+                batch.schema.field(n).type,
+                batch.num_rows,
+                [None, pa.py_buffer(o.astype(np.int32))],
+                children=[batch.column(n).values],
+            )
+            for n, o in (("input_ids", ids_offsets), ("labels", labels_offsets))
+        ]
+        return pa.RecordBatch.from_arrays(columns, schema=batch.schema)
+
+    shrinking = offsets.copy()
+    shrinking[1] = shrinking[2] + 1  # document 0 runs past document 1's end: document 1 is negative
+    moved = offsets.copy()
+    moved[1] += 1  # labels cut where input_ids do not
+    assert len(offsets) >= 3
+    cases = [(with_offsets(shrinking, shrinking), 1, "input_ids"), (with_offsets(offsets, moved), 0, "labels")]
+    for edited, row, column in cases:
+        copy = tmp_path / "store"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(store, copy)
+        with pa.ipc.new_stream(copy / path.name, batch.schema) as writer:
+            writer.write_batch(edited)
+        manifest = json.loads((copy / "store.json").read_text())
+        data = (copy / path.name).read_bytes()
+        manifest["shards"][0].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        (copy / "store.json").write_text(json.dumps(manifest))
+        with pytest.raises(FormatError) as caught:
+            build(copy, tmp_path / "index", max_len=32, index_only=True)
+        assert (caught.value.problem.row, caught.value.problem.column) == (row, column), str(caught.value)
+        assert str(caught.value).startswith(f"{copy / path.name}: row {row}, column {column!r}")
+        assert not (tmp_path / "index").exists()
+
+
 def test_index_only_refuses_a_corpus(store, tmp_path):
     with pytest.raises(InputError, match="--index-only packs a document store"):
         build(store.parent / "corpus", tmp_path / "index", max_len=32, index_only=True)
@@ -110,25 +172,119 @@ def test_a_changed_store_is_refused(store, tmp_path):
         PackedDataset(tmp_path / "index")
 
 
-def test_a_piece_past_its_document_is_refused(store, tmp_path):
-    """A (row, piece) whose tokens are not all in the store's document: refused by name as the pack is
-    gathered, never served short."""
-    build(store, tmp_path / "index", max_len=32, index_only=True, overflow="split")
-    path = tmp_path / "index" / "shard-00000.arrow"
+def _rewrite_index_column(build_dir: Path, name: str, column: str, edit) -> None:
+    """Replace one list column's values of an index shard by `edit(values)` and record the file's new
+    size and sha256 in the manifest, so that only the checks of what the rows say can notice."""
+    path = build_dir / name
     with pa.ipc.open_stream(path.read_bytes()) as reader:  # in memory: the file is rewritten below
         batch = reader.read_next_batch()
-    pieces = batch.column("source_pieces")
-    values = pieces.values.to_numpy().copy()
-    values[0] += 5  # 5 * 32 tokens into a document of at most 40
-    columns = [*batch.columns[:3], pa.ListArray.from_arrays(pieces.offsets, pa.array(values))]
+    array = batch.column(column)
+    values = edit(array.values.to_numpy().copy())
+    edited = pa.ListArray.from_arrays(array.offsets, pa.array(values))
+    columns = [edited if n == column else batch.column(n) for n in batch.schema.names]
     with pa.ipc.new_stream(path, batch.schema) as writer:
         writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=batch.schema))
-    manifest = json.loads((tmp_path / "index" / "manifest.json").read_text())
-    manifest["shards"][0]["bytes"] = path.stat().st_size
-    (tmp_path / "index" / "manifest.json").write_text(json.dumps(manifest))
+    manifest = json.loads((build_dir / "manifest.json").read_text())
+    entry = next(s for s in manifest["shards"] if s["name"] == name)
+    entry.update(bytes=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    (build_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _at_first(values: np.ndarray, value: int) -> np.ndarray:
+    """`values` with its first element replaced by `value`."""
+    return np.concatenate([np.array([value], dtype=values.dtype), values[1:]])
+
+
+def _rewrite_store_tokens(store: Path, name: str, edit) -> None:
+    """Replace a store shard's token ids by `edit(ids)`, recording its new size and sha256 in store.json:
+    a store changed consistently, which only its fingerprint (or the source) can tell."""
+    path = store / name
+    with pa.ipc.open_stream(path.read_bytes()) as reader:
+        batch = reader.read_next_batch()
+    ids = batch.column("input_ids")
+    changed = pa.ListArray.from_arrays(ids.offsets, pa.array(edit(ids.values.to_numpy().copy())))
+    with pa.ipc.new_stream(path, batch.schema) as writer:
+        writer.write_batch(pa.RecordBatch.from_arrays([changed, *batch.columns[1:]], schema=batch.schema))
+    manifest = json.loads((store / "store.json").read_text())
+    entry = next(s for s in manifest["shards"] if s["name"] == name)
+    entry.update(bytes=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    (store / "store.json").write_text(json.dumps(manifest))
+
+
+def test_a_piece_past_its_document_is_refused(store, tmp_path):
+    """A (row, piece) whose tokens are not all in the store's document: refused by name as the pack is
+    gathered, never served short, and named by verify, with a source or without."""
+    build(store, tmp_path / "index", max_len=32, index_only=True, overflow="split")
+    # The first document's piece 5: 5 * 32 tokens into a document of at most 40.
+    _rewrite_index_column(tmp_path / "index", "shard-00000.arrow", "source_pieces", lambda v: _at_first(v, v[0] + 5))
     dataset = PackedDataset(tmp_path / "index")
     with pytest.raises(FormatError, match=r"shard-00000.arrow: row 0, column 'source_pieces': document 1 .* runs past"):
         dataset[0]
+    for source in (None, store.parent / "corpus"):
+        problems = verify_build(tmp_path / "index", source, all_problems=True)
+        past = [p for p in problems if "runs past" in p.message]
+        assert [(p.file, p.row, p.column) for p in past] == [("shard-00000.arrow", 0, "source_pieces")]
+        assert any(p.column == "source_pieces" and "without gaps" in p.message for p in problems)
+
+
+def test_verify_an_index_build_against_its_source(store, tmp_path):
+    """A sound index build passes verify with its corpus or its store as the source, every token
+    compared, whatever the overflow; so does a full build with the store as its source."""
+    for overflow, drop_untrained in (("split", False), ("truncate", False), ("drop", True)):
+        out = tmp_path / overflow
+        build(store, out, max_len=16, overflow=overflow, drop_untrained=drop_untrained, index_only=True, shard_size=256)
+        for source in (None, store.parent / "corpus", store):
+            assert verify_build(out, source, all_problems=True) == [], (overflow, source)
+    build(store, tmp_path / "full", max_len=16)
+    assert verify_build(tmp_path / "full", store, all_problems=True) == []
+    with pytest.raises(InputError, match="tokenized already"):
+        verify_build(tmp_path / "full", store, tokenizer=tmp_path)
+
+
+def test_verify_reads_an_index_builds_store_in_full(store, tmp_path):
+    """A changed store shard is named at its path from the build, whether its bytes changed under its
+    sha256 or it was rewritten with a new one (then the fingerprint tells, and the source the token)."""
+    copy = shutil.copytree(store, tmp_path / "store")
+    build(copy, tmp_path / "index", max_len=32, index_only=True)
+    shard = copy / "documents-00001.arrow"
+    data = bytearray(shard.read_bytes())
+    data[-40] ^= 1
+    shard.write_bytes(bytes(data))
+    problems = verify_build(tmp_path / "index", all_problems=True)
+    assert (problems[0].file, problems[0].row) == ("../store/documents-00001.arrow", None)
+    assert "sha256" in problems[0].message and "not checked against the store's documents" in problems[1].message
+
+    shutil.rmtree(copy)
+    shutil.copytree(store, copy)
+    _rewrite_store_tokens(copy, "documents-00001.arrow", lambda ids: np.where(np.arange(len(ids)) == 3, ids + 1, ids))
+    [problem] = verify_build(tmp_path / "index", all_problems=True)
+    assert (problem.file, problem.column) == ("../store/store.json", "fingerprint") and "changed" in problem.message
+    with_source = verify_build(tmp_path / "index", store.parent / "corpus", all_problems=True)
+    token = [p for p in with_source if p.column == "input_ids"]
+    assert len(token) == 1 and token[0].file.startswith("shard-") and "the source has" in token[0].message
+
+
+def test_verify_holds_an_index_build_to_its_store_documents(store, tmp_path):
+    """Without a source, an index build's packs are checked against the store's documents: a pack's
+    first document swapped for a longer one (inside the store, so the gather would not notice) is
+    named at its row, and so are the document left unpacked and the one now packed twice."""
+    build(store, tmp_path / "index", max_len=64, index_only=True)
+    paths = sorted(store.glob("documents-*.arrow"))
+    shards = [pa.ipc.open_stream(path.read_bytes()).read_next_batch() for path in paths]
+    lengths = [n for shard in shards for n in np.diff(shard.column("input_ids").offsets.to_numpy()).tolist()]
+    first = pa.ipc.open_stream((tmp_path / "index" / "shard-00000.arrow").read_bytes()).read_all().to_pylist()[0]
+    original = first["source_rows"][0]
+    longer = next(d for d in range(120) if lengths[d] > lengths[original] and d not in first["source_rows"])
+    _rewrite_index_column(tmp_path / "index", "shard-00000.arrow", "source_rows", lambda v: _at_first(v, longer))
+    problems = verify_build(tmp_path / "index", all_problems=True)
+    assert any(
+        (p.file, p.row, p.column) == ("shard-00000.arrow", 0, "cu_seqlens")
+        and f"the source gives {lengths[longer]}" in p.message
+        for p in problems
+    ), problems
+    file, row = ("a.parquet", original) if original < 70 else ("b.parquet", original - 70)
+    assert any((p.source_file, p.source_row) == (file, row) and "in no pack" in p.message for p in problems)
+    assert any(p.column == "source_rows" and f"corpus row {longer}, piece 0 is also in" in p.message for p in problems)
 
 
 def test_inspect_and_verify_an_index_build(store, tmp_path):
@@ -140,8 +296,6 @@ def test_inspect_and_verify_an_index_build(store, tmp_path):
     # One shard each (64 MiB): the same packs, documents and tokens; the index shard's bytes fewer.
     assert [s.model_dump(exclude={"bytes"}) for s in index.per_shard] == [s.model_dump(exclude={"bytes"}) for s in full.per_shard]
     assert index.per_shard[0].bytes < full.per_shard[0].bytes / 4
-    with pytest.raises(InputError, match="index build"):
-        open_hf_dataset(tmp_path / "index")
 
 
 def test_verify_finds_a_changed_index_shard(store, tmp_path):
@@ -169,6 +323,33 @@ def test_the_cli_builds_an_index(store, tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_the_cli_verifies_and_inspects_an_index_build(store, tmp_path):
+    """`prepack verify` exits 0 on a sound index build (with or without --source), 1 with the problem
+    of a changed store shard, 2 for a source it cannot take; `prepack inspect` reports on it."""
+    copy = shutil.copytree(store, tmp_path / "store")
+    index = tmp_path / "index"
+    build(copy, index, max_len=32, index_only=True)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PREPACK, *args], capture_output=True, text=True, timeout=120)
+
+    for extra in ([], ["--source", str(store.parent / "corpus")], ["--source", str(copy)]):
+        result = run("verify", str(index), *extra)
+        assert result.returncode == 0 and "no problems" in result.stdout, result.stdout + result.stderr
+    result = run("inspect", str(index), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["packs"] == read_manifest(index).totals.packs
+    result = run("verify", str(index), "--source", str(copy), "--tokenizer", str(tmp_path))
+    assert result.returncode == 2 and "tokenized already" in result.stderr and "Traceback" not in result.stderr
+    data = bytearray((copy / "documents-00000.arrow").read_bytes())
+    data[-40] ^= 1
+    (copy / "documents-00000.arrow").write_bytes(bytes(data))
+    result = run("verify", str(index))
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [f"problem: {verify_build(index)[0]}"]
+    assert result.stdout.startswith("problem: ../store/documents-00000.arrow: its sha256")
+
+
 def test_an_index_dataset_pickles_for_workers(store, tmp_path):
     """DataLoader workers get a pickled dataset: paths, no memory map; they reopen the store themselves."""
     import pickle
@@ -177,5 +358,5 @@ def test_an_index_dataset_pickles_for_workers(store, tmp_path):
     dataset = PackedDataset(tmp_path / "index")
     first = dataset[0]  # maps an index shard and a store shard
     again = pickle.loads(pickle.dumps(dataset))
-    assert again._open == {} and again._store_open == {}
+    assert again._open == {} and again._store_tokens is None
     assert all(np.array_equal(again[0][name], first[name]) for name in first)

@@ -255,6 +255,16 @@ def test_a_symbolic_link_at_out_is_refused_and_left_as_it_is(tmp_path, target, o
     assert siblings(link) == [] and siblings(real) == []
 
 
+@pytest.mark.parametrize("out", ["loop", "loop/inside"])
+def test_a_symbolic_link_loop_at_out_is_an_output_error(tmp_path, out):
+    data = corpus(tmp_path)
+    (tmp_path / "loop").symlink_to(tmp_path / "other")
+    (tmp_path / "other").symlink_to(tmp_path / "loop")
+    with pytest.raises(OutputError, match="loop"):
+        build(data, tmp_path / out, max_len=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["loop", "other", data.name])
+
+
 # Killed builds
 
 

@@ -187,6 +187,13 @@ def test_plot_without_matplotlib_names_the_extra(builds, tmp_path, monkeypatch):
     assert not (tmp_path / "report.png").exists()
 
 
+@pytest.mark.parametrize("name", ["report.xyz", "report"])
+def test_plot_to_an_unknown_format_is_refused_before_drawing(builds, tmp_path, name):
+    with pytest.raises(InputError, match=r"cannot draw a plot as .*\.png"):
+        plot(inspect_build(builds["split"]), tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_manifest_that_disagrees_with_the_shards_is_refused(builds, tmp_path):
     out = shutil.copytree(builds["split"], tmp_path / "copy")
     raw = json.loads((out / "manifest.json").read_text())
@@ -223,6 +230,9 @@ def test_cli_errors_exit_2(builds, tmp_path):
     result = run("inspect", str(tmp_path / "nothing"))
     assert result.returncode == 2 and result.stdout == ""
     assert "not a finished prepack build" in " ".join(result.stderr.split())
+    result = run("inspect", str(builds["split"]), "--plot", str(tmp_path / "report.xyz"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "cannot draw a plot as .xyz" in " ".join(result.stderr.split())
 
 
 def test_batch_size_below_1_is_refused(builds):

@@ -313,7 +313,7 @@ def test_overwrite_replaces_a_store_and_leaves_nothing_behind(store, tmp_path):
         (["inspect", "{store}"], "is a prepack document store"),
         (["verify", "{store}"], "is a prepack document store"),
         (["tokenize", "{tmp}/packed", "--out", "{tmp}/s"], "a shard of the prepack build"),
-        (["verify", "{tmp}/packed", "--source", "{store}"], "a prepack document store, not a corpus"),
+        (["verify", "{tmp}/packed", "--source", "{store}", "--all"], "documents-00001.arrow: its sha256"),
     ],
 )
 def test_the_cli_exits_2_naming_the_problem(store, tmp_path, command, message):

@@ -30,6 +30,10 @@ def test_untrained_documents_is_no_label_after_the_first():
     # The first label is never trained (the collator masks it): [5, -100, -100] and [8] train nothing.
     assert untrained_documents(offsets, flat).tolist() == [True, True, False, False, True, False]
     assert untrained_documents(offsets, None).tolist() == [False] * 6  # no labels: every token trains
+    # An index build scans a store's labels with it: offsets that do not slice them never reach the scan.
+    for bad in ([0, 5, 3], [0, 2, len(flat) + 1], [-1, 2]):
+        with pytest.raises(ValueError, match="do not slice"):
+            untrained_documents(np.array(bad), flat)
 
 
 def test_dropped_untrained_documents_are_left_out_before_overflow():

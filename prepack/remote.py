@@ -1,0 +1,325 @@
+"""Object storage: resolve URIs (`s3://`, `gs://`, whatever fsspec knows) and move files between them and
+the local disk. Builds, stores and loaders work on local files; this module is the only one that talks
+to object storage, so every reading and writing rule stays defined once, for local files.
+
+- Reading (`local_input`): a corpus or document store at a URI is copied into a temporary directory
+  (only the files a corpus can consist of, and the manifests that tell what a prefix is), then found
+  and read by the same code as a local one; its files keep their URIs as names (`Corpus.located`), so
+  errors name `s3://bucket/corpus/part-1.parquet, row 7, column 'input_ids'` and a manifest's `inputs`
+  are the same relative names as a local build's.
+- Writing (`staged_prefix`): a build or store is written into a local staging directory as always, then
+  published: every shard uploaded, the manifest last. Object stores have no rename, so the manifest is
+  what makes a prefix a build: every reader treats a prefix without one as no build. A prefix is written
+  only when it is empty or holds a prepack output of the same kind and `overwrite` is on; a failed
+  publication deletes what it uploaded, and nothing else.
+- `list_input`, `fetch` and `upload` list a corpus and move one file at a time, for callers that
+  distribute the work (the Ray engine's workers); `Corpus.located` names local copies by their URIs.
+
+fsspec and the client of each scheme (s3fs for `s3://`: `pip install 'prepack[s3]'`) are imported on
+first use. Clients are configured the standard way: for S3, credentials and `AWS_ENDPOINT_URL` from the
+environment or the AWS configuration files.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prepack.errors import FormatError, InputError, OutputError
+from prepack.format import MANIFEST_NAME, STORE_MANIFEST_NAME, Manifest, read_manifest, shard_path
+from prepack.output import Staging, check_replaceable
+from prepack.read import file_kind
+from prepack.store_format import StoreManifest, read_store_manifest
+
+__all__ = [
+    "InputObjects",
+    "LocalInput",
+    "fetch",
+    "filesystem",
+    "is_uri",
+    "join",
+    "list_input",
+    "local_input",
+    "read_output_manifest",
+    "relative_location",
+    "staged_prefix",
+    "upload",
+]
+
+_URI = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")
+# Besides corpus files (prepack.read's suffixes), what `find_corpus` and `open_documents` look at to
+# tell what a directory is: a saved Hugging Face dataset, a build inside the corpus, a document store.
+_MARKERS = {"state.json", "dataset_dict.json", MANIFEST_NAME, STORE_MANIFEST_NAME}
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}  # scheme: the prepack extra with its client
+_KINDS = {MANIFEST_NAME: "build", STORE_MANIFEST_NAME: "document store"}
+
+
+def is_uri(spec: object) -> bool:
+    """Whether `spec` names object storage (`scheme://…`) rather than a local path."""
+    return isinstance(spec, str) and _URI.match(spec) is not None
+
+
+def filesystem(uri: str) -> tuple[Any, str]:
+    """(fsspec filesystem, path within it) of `uri`. Raises InputError when the scheme's client is not
+    installed, or unknown."""
+    try:
+        import fsspec.core
+    except ImportError:
+        raise InputError(f"{uri}: object storage needs fsspec: pip install 'prepack[s3]'") from None
+    scheme = uri.split("://", 1)[0].lower()
+    try:
+        return fsspec.core.url_to_fs(uri)
+    except ImportError as exc:
+        install = f"pip install 'prepack[{_EXTRAS[scheme]}]'" if scheme in _EXTRAS else f"install fsspec's client for it ({exc})"
+        raise InputError(f"{uri}: reading {scheme}:// needs its client: {install}") from None
+    except ValueError as exc:  # an unknown protocol
+        raise InputError(f"{uri}: {exc}") from None
+
+
+def join(uri: str, relative: str) -> str:
+    """`relative` ('/'-separated, '..' allowed) resolved against the prefix `uri`."""
+    scheme, path = uri.split("://", 1)
+    return f"{scheme}://{posixpath.normpath(posixpath.join(path, relative))}"
+
+
+def relative_location(target: str, base: str) -> str:
+    """`target`'s path relative to `base` ('/'-separated), both URIs in one bucket, so that `join(base,
+    result)` is `target` again. Raises InputError for two buckets or schemes, or a URI and a local path."""
+    if not (is_uri(target) and is_uri(base)):
+        raise InputError(f"{target} and {base}: an index build and its store must both be local or both in object storage.")
+    (scheme, path), (base_scheme, base_path) = target.split("://", 1), base.split("://", 1)
+    if scheme != base_scheme or path.split("/", 1)[0] != base_path.split("/", 1)[0]:
+        raise InputError(f"{target} and {base}: an index build and its store must lie in the same bucket.")
+    return posixpath.relpath(path.rstrip("/"), base_path.rstrip("/"))
+
+
+def fetch(uri: str, local: str | os.PathLike) -> None:
+    """Download the object `uri` to the local file `local`. Raises InputError naming `uri`."""
+    fs, path = filesystem(uri)
+    try:
+        fs.get_file(path, os.fspath(local))
+    except OSError as exc:
+        raise InputError(f"{uri}: cannot be read ({exc}).") from None
+
+
+def upload(local: str | os.PathLike, uri: str) -> None:
+    """Upload the local file `local` as the object `uri`. Raises OutputError naming `uri`."""
+    fs, path = filesystem(uri)
+    try:
+        fs.put_file(os.fspath(local), path)
+    except OSError as exc:
+        raise OutputError(f"cannot write {uri}: {exc}.") from None
+
+
+@dataclass(frozen=True)
+class LocalInput:
+    """What a build reads: `spec` itself when local; for a URI, the local copy and the URI it names
+    its files by (`prepack.documents.open_documents`'s `location`)."""
+
+    spec: str | os.PathLike
+    location: str | None = None
+
+
+def _is_glob(path: str) -> bool:
+    return any(char in path for char in "*?[")
+
+
+@dataclass(frozen=True)
+class InputObjects:
+    """The objects of a corpus or document store at a URI that `local_input` copies: `names`, sorted and
+    '/'-separated, relative to the prefix `root` (a URI); `single` when the URI named one object."""
+
+    root: str
+    names: list[str]
+    single: bool
+
+
+def list_input(uri: str) -> InputObjects:
+    """The objects of the corpus or store at `uri` (a file, a prefix: everything under it, or a glob)
+    that a build reads: corpus files by `prepack.read`'s suffixes, and the manifests and dataset files
+    that tell what a prefix holds. A worker copies `root/name` to `directory/name` (`fetch`) and reads
+    the copy as `local_input` does. Raises InputError when there is none."""
+    fs, path = filesystem(uri)
+    fs.invalidate_cache()
+    root, names, single = _corpus_objects(fs, uri, path)
+    return InputObjects(fs.unstrip_protocol(root), names, single)
+
+
+def _corpus_objects(fs: Any, uri: str, path: str) -> tuple[str, list[str], bool]:
+    path = path.rstrip("/")
+    try:
+        if _is_glob(path):
+            root = path[: min(path.index(char) for char in "*?[" if char in path)].rsplit("/", 1)[0]
+            found, single = [p for p in fs.glob(path) if fs.isfile(p)], False
+        elif fs.isfile(path):
+            root, found, single = posixpath.dirname(path), [path], True
+        else:
+            root, found, single = path, fs.find(path), False
+    except OSError as exc:
+        raise InputError(f"{uri}: cannot be listed ({exc}).") from None
+    names = sorted(posixpath.relpath(p, root) for p in found)
+    wanted = [n for n in names if file_kind(Path(n)) is not None or posixpath.basename(n) in _MARKERS]
+    if not wanted:
+        raise InputError(f"{uri}: no such object or prefix, and no corpus files match it.")
+    return root, wanted, single
+
+
+@contextmanager
+def local_input(spec: str | os.PathLike) -> Iterator[LocalInput]:
+    """A corpus or document store to read locally: a local `spec` as it is; a URI copied, for as long
+    as the block runs, into a temporary directory (`TMPDIR`), with its files' relative names. Raises
+    InputError when the URI holds no corpus file or cannot be read."""
+    if not is_uri(spec):
+        yield LocalInput(spec)
+        return
+    objects = list_input(spec)
+    fs, _ = filesystem(spec)
+    with tempfile.TemporaryDirectory(prefix="prepack-input-") as directory:
+        local = [os.path.join(directory, *name.split("/")) for name in objects.names]
+        for file in local:
+            os.makedirs(os.path.dirname(file), exist_ok=True)
+        try:  # all at once: fsspec's clients download them concurrently
+            fs.get([f"{objects.root}/{name}" for name in objects.names], local)
+        except OSError as exc:
+            raise InputError(f"{spec}: cannot be read ({exc}).") from None
+        yield LocalInput(local[0] if objects.single else directory, objects.root)
+
+
+def _objects(fs: Any, prefix: str) -> dict[str, bool]:
+    """The objects under `prefix`, by name relative to it (always regular files: `check_replaceable`'s
+    entries)."""
+    fs.invalidate_cache()
+    try:
+        return {posixpath.relpath(p, prefix): True for p in fs.find(prefix)}
+    except FileNotFoundError:
+        return {}
+
+
+def _manifest_text(fs: Any, prefix: str, kind: str) -> bytes | None:
+    try:
+        return fs.cat_file(f"{prefix}/{kind}")
+    except FileNotFoundError:
+        return None
+
+
+def read_output_manifest(uri: str, kind: str = MANIFEST_NAME) -> Manifest | StoreManifest:
+    """The manifest of the build (`kind` MANIFEST_NAME) or document store (STORE_MANIFEST_NAME) at
+    `uri`, read and validated as a local one. A prefix without one is no build: FormatError."""
+    fs, prefix = filesystem(uri)
+    fs.invalidate_cache()
+    try:
+        text = _manifest_text(fs, prefix.rstrip("/"), kind)
+    except OSError as exc:
+        raise InputError(f"{join(uri, kind)}: cannot be read ({exc}).") from None
+    if text is None:
+        raise FormatError(
+            f"{join(uri, kind)} does not exist: {uri} is not a finished prepack {_KINDS[kind]} "
+            "(the manifest is written last)."
+        )
+    return _parse_manifest(text, uri, kind)
+
+
+def _parse_manifest(text: bytes, uri: str, kind: str) -> Manifest | StoreManifest:
+    with tempfile.TemporaryDirectory(prefix="prepack-manifest-") as directory:
+        Path(directory, kind).write_bytes(text)
+        try:
+            if kind == STORE_MANIFEST_NAME:
+                return read_store_manifest(directory)
+            manifest = read_manifest(directory)
+            for index, shard in enumerate(manifest.shards):  # the format's names only: no "../x" key
+                shard_path(directory, index, shard)
+            return manifest
+        except FormatError as exc:
+            detail = exc.problem.message if exc.problem is not None else str(exc).replace(directory, uri)
+            raise FormatError(f"{join(uri, kind)}: {detail}") from None
+
+
+@contextmanager
+def staged_prefix(uri: str, overwrite: bool, kind: str = MANIFEST_NAME) -> Iterator[Staging]:
+    """`prepack.output.staged_directory` for a prefix in object storage: yield a local staging
+    directory (in `TMPDIR`) and, when the block ends without an error, upload its `build` to `uri`, the
+    manifest last; the staging directory is deleted whatever happens.
+
+    Raises OutputError, before anything is written, when the prefix holds objects and is not a prepack
+    output of `kind` (the rule of `check_replaceable`), or is one and `overwrite` is off; and, with
+    nothing published, when its manifest changed while the block ran or an upload fails (what this
+    build uploaded is deleted). With `overwrite`, the old output's manifest is deleted before the new
+    shards go up (they take the same names), and its other shards after the new manifest is up.
+    Object stores have no lock: two builds to one prefix at once are not detected.
+    """
+    fs, prefix = filesystem(uri)
+    prefix = prefix.rstrip("/")
+    replacing = _replaceable_prefix(fs, uri, prefix, kind, overwrite)
+    with tempfile.TemporaryDirectory(prefix="prepack-build-") as directory:
+        staging = Staging(Path(directory, "build"), Path(directory, "scratch"))
+        staging.build.mkdir()
+        staging.scratch.mkdir()
+        yield staging
+        try:
+            now = _manifest_text(fs, prefix, kind)
+        except OSError as exc:
+            raise OutputError(f"cannot read {uri}: {exc}; this build was discarded.") from None
+        if now != (None if replacing is None else replacing[0]):
+            raise OutputError(f"{uri} changed while this build ran; it was left as it is, and this build discarded.")
+        _publish(fs, uri, prefix, staging.build, kind, None if replacing is None else replacing[1])
+
+
+def _replaceable_prefix(
+    fs: Any, uri: str, prefix: str, kind: str, overwrite: bool
+) -> tuple[bytes, Manifest | StoreManifest] | None:
+    """The manifest (text, parsed) of the output at `prefix` that this build will replace, or None
+    when the prefix is empty; else OutputError."""
+    try:
+        objects = _objects(fs, prefix)
+        text = _manifest_text(fs, prefix, kind)
+    except OSError as exc:
+        raise OutputError(f"cannot read {uri}: {exc}.") from None
+    if not objects:
+        return None
+    refusal = f"{uri} is not a prepack {_KINDS[kind]}, so prepack will not replace or delete it"
+    if text is None:
+        raise OutputError(f"{refusal}: it holds {len(objects)} objects and no {kind}.")
+    if not overwrite:
+        raise OutputError(f"{uri} already exists; pass --overwrite to replace it.")
+    try:
+        manifest = _parse_manifest(text, uri, kind)
+    except FormatError as exc:
+        raise OutputError(f"{refusal}: {exc}") from None
+    check_replaceable(manifest, kind, objects, refusal)
+    return text, manifest
+
+
+def _publish(fs: Any, uri: str, prefix: str, built: Path, kind: str, replacing: Manifest | StoreManifest | None) -> None:
+    shards = sorted(p.name for p in built.iterdir() if p.name != kind)
+    targets = [f"{prefix}/{name}" for name in shards]
+    try:
+        if replacing is not None:  # unpublish it: its shards are about to be overwritten
+            fs.rm_file(f"{prefix}/{kind}")
+        fs.put([str(built / name) for name in shards], targets)
+        fs.put_file(str(built / kind), f"{prefix}/{kind}")
+    except OSError as exc:
+        try:
+            _delete(fs, [f"{prefix}/{kind}", *targets])
+        except OSError as cleanup:
+            raise OutputError(f"cannot write {uri}: {exc}; nor delete what this build uploaded: {cleanup}.") from None
+        raise OutputError(f"cannot write {uri}: {exc}; what this build uploaded was deleted.") from None
+    if replacing is not None:
+        try:
+            _delete(fs, [f"{prefix}/{s.name}" for s in replacing.shards if s.name not in shards])
+        except OSError as exc:
+            raise OutputError(f"{uri} is published, but the replaced build's other shards could not be deleted: {exc}.") from None
+
+
+def _delete(fs: Any, paths: list[str]) -> None:
+    """Delete those of `paths` that exist: objects this build wrote, or the replaced output's."""
+    fs.invalidate_cache()
+    present = [p for p in paths if fs.exists(p)]
+    if present:
+        fs.rm(present)

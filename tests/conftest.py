@@ -1,0 +1,28 @@
+"""Fixtures shared by several test modules."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server on loopback (`tests.s3server`), started once for the session, with
+    the AWS variables that point clients at it set for the whole session."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    from tests.s3server import S3Server
+
+    server = S3Server()
+    server.start()
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in server.environment.items():
+            patch.setenv(name, value)
+        yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server) -> str:
+    """A new, empty bucket of the session's server, as `s3://NAME`."""
+    return f"s3://{s3_server.new_bucket()}"

@@ -1,0 +1,207 @@
+"""Loading an index build: every pack gathered from the store by one kernel call, each reference it
+follows checked (validated build or not), each store shard checked once on first use; and
+`open_hf_dataset` serving the full build's rows, to a trainer too."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from prepack import build, build_store
+from prepack.collate import PackedCollator
+from prepack.errors import FormatError
+from prepack.load import PackedDataset, open_hf_dataset
+from prepack.store_read import Store
+from tests.corpus import corpus_table, write_corpus
+
+MAX_LEN = 32
+
+
+def _store(root: Path, labels: bool) -> Path:
+    """120 documents of 1 to 40 tokens (some split at max-len 32) in several store shards."""
+    rng = np.random.default_rng(11)
+    ids = [rng.integers(1, 1000, int(n)).tolist() for n in rng.integers(1, 41, 120)]
+    masked = [[-100 if rng.random() < 0.3 else t for t in doc] for doc in ids] if labels else None
+    write_corpus(root / "corpus.parquet", corpus_table(ids, masked))
+    build_store(root / "corpus.parquet", root / "store", shard_size=512)
+    return root / "store"
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["labels", "no-labels"])
+def builds(request, tmp_path_factory) -> tuple[Path, Path]:
+    """(full build, index build) of one store, with the same options."""
+    root = tmp_path_factory.mktemp("index-load")
+    store = _store(root, labels=request.param)
+    build(store, root / "full", max_len=MAX_LEN)
+    build(store, root / "index", max_len=MAX_LEN, index_only=True, shard_size=256)
+    return root / "full", root / "index"
+
+
+def _equal_rows(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_packs_span_store_shards_and_each_is_checked_once(builds, monkeypatch):
+    full, index = builds
+    opened = Counter()
+    shard_columns = Store.shard_columns
+
+    def counted(store, shard):
+        opened[shard.name] += 1
+        return shard_columns(store, shard)
+
+    monkeypatch.setattr(Store, "shard_columns", counted)
+    dataset, reference = PackedDataset(index), PackedDataset(full)
+    assert len(dataset.store.manifest.shards) > 2
+    ends = dataset._store_ends
+    spanning = 0
+    for _ in range(2):
+        for i in range(len(dataset)):
+            assert _equal_rows(dataset[i], reference[i]), i
+            shard, row = dataset._locate(i)
+            offsets, rows = dataset._columns(shard)["source_rows"]
+            spanning += len(set(np.searchsorted(ends, rows[offsets[row] : offsets[row + 1]], "right"))) > 1
+    assert spanning > 0  # some pack gathers from two store shards in one call
+    assert opened == Counter({shard.name: 1 for shard in dataset.store.manifest.shards})
+
+
+def test_rows_come_out_of_dataloader_workers_the_same(builds):
+    full, index = builds
+    collate = PackedCollator.for_dataset(PackedDataset(full))
+    batches = {}
+    for name, path in (("full", full), ("index", index)):
+        dataset = PackedDataset(path)
+        dataset[0]  # the parent's maps and typed lists must not travel to the workers
+        again = pickle.loads(pickle.dumps(dataset))
+        assert again._open == {} and (name == "full" or again._store_tokens is None)
+        loader = torch.utils.data.DataLoader(again, batch_size=3, collate_fn=collate, num_workers=2)
+        batches[name] = list(loader)
+    assert len(batches["full"]) == len(batches["index"]) > 1
+    for expected, got in zip(batches["full"], batches["index"]):
+        assert expected.keys() == got.keys()
+        for key, value in expected.items():
+            assert torch.equal(got[key], value) if torch.is_tensor(value) else got[key] == value, key
+
+
+def _rewrite_index_column(build_dir: Path, column: str, change) -> None:
+    """Rewrite one list column's values of the first index shard (`change(values)` in place) and the
+    manifest's byte count, as a tampered or corrupted build would be."""
+    path = build_dir / "shard-00000.arrow"
+    with pa.ipc.open_stream(path.read_bytes()) as reader:  # in memory: the file is rewritten below
+        batch = reader.read_next_batch()
+    array = batch.column(column)
+    values = array.values.to_numpy().copy()
+    change(values)
+    columns = [pa.ListArray.from_arrays(array.offsets, pa.array(values)) if name == column else batch.column(name)
+               for name in batch.schema.names]
+    with pa.ipc.new_stream(path, batch.schema) as writer:
+        writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=batch.schema))
+    manifest = json.loads((build_dir / "manifest.json").read_text())
+    manifest["shards"][0]["bytes"] = path.stat().st_size
+    (build_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def index_copy(tmp_path) -> Path:
+    """An index build of its own (to be tampered with), the store beside it."""
+    store = _store(tmp_path, labels=True)
+    build(store, tmp_path / "index", max_len=MAX_LEN, index_only=True)
+    return tmp_path / "index"
+
+
+def test_a_document_outside_the_store_is_refused(index_copy):
+    def past_the_store(rows):
+        rows[0] = 120  # the store's documents are 0..119
+
+    _rewrite_index_column(index_copy, "source_rows", past_the_store)
+    dataset = PackedDataset(index_copy)
+    with pytest.raises(FormatError, match=r"shard-00000.arrow: row 0, column 'source_rows': document 1 is store "
+                       r"document 120; the store has 120\."):
+        dataset[0]
+    assert _equal_rows(dataset[1], PackedDataset(index_copy)[1])  # the others are served
+
+
+@pytest.mark.parametrize(
+    ("column", "change", "refused_unvalidated"),
+    [
+        ("cu_seqlens", lambda cu: cu.__setitem__(1, MAX_LEN + 100), r"row 0, column 'cu_seqlens': \[0, 132"),
+        ("cu_seqlens", lambda cu: cu.__setitem__(slice(None), -cu), r"row 0, column 'cu_seqlens': \[0, -"),
+        ("source_pieces", lambda pieces: pieces.__setitem__(0, -1), r"row 0, column 'source_pieces': document 1 "
+         r"\(store document \d+, piece -1, \d+ tokens\) starts before"),
+    ],
+    ids=["past-max-len", "decreasing", "negative-piece"],
+)
+def test_a_build_read_unvalidated_is_still_refused_by_the_gather(index_copy, column, change, refused_unvalidated):
+    """`validate=False` skips check_index_shard, not the kernel's own checks: a value that would size
+    or index a copy wrongly is refused by name, never read out of bounds."""
+    _rewrite_index_column(index_copy, column, change)
+    with pytest.raises(FormatError, match=f"row 0, column '{column}'"):
+        PackedDataset(index_copy)[0]
+    with pytest.raises(FormatError, match=refused_unvalidated):
+        PackedDataset(index_copy, validate=False)[0]
+
+
+# --- open_hf_dataset ----------------------------------------------------------------------------------
+
+
+def test_open_hf_dataset_serves_the_full_builds_rows(builds):
+    full, index = builds
+    expected, got = open_hf_dataset(full), open_hf_dataset(index)
+    assert len(got) == len(expected) == len(PackedDataset(full)) > 1
+    for i in range(len(expected)):
+        assert _equal_rows(got[i], expected[i]), i
+        assert got[i]["input_ids"].dtype == np.int64
+    indices = [3, 0, len(expected) - 1]
+    for a, b in zip(got.__getitems__(indices), expected.__getitems__(indices)):  # how a DataLoader reads
+        assert _equal_rows(a, b)
+    labels = ["labels"] if PackedDataset(full).manifest.has_labels else []
+    columns = ["input_ids", "cu_seqlens", "segment_ids", *labels]
+    assert list(got[0]) == list(expected[0]) == columns
+    assert got.column_names == ["pack"]  # the stored column; rows are gathered when read
+    assert _equal_rows(pickle.loads(pickle.dumps(got))[1], expected[1])
+
+
+def test_trl_trains_on_an_index_build_as_on_the_full_build(tmp_path, monkeypatch):
+    """Two SFTTrainer steps (examples/train_trl_sft.py's recipe, two DataLoader workers) on each build
+    of one store: the same batches reach the model and the same losses come out."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "examples"))  # as the example runs
+    from train_trl_sft import placeholder_tokenizer
+
+    store = _store(tmp_path, labels=True)
+    runs = {}
+    for kind in ("full", "index"):
+        build(store, tmp_path / kind, max_len=MAX_LEN, index_only=kind == "index")
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=MAX_LEN)
+        model = LlamaForCausalLM(config)
+        seen = []
+        model.register_forward_pre_hook(lambda _, __, kwargs: seen.append(kwargs["input_ids"].clone()), with_kwargs=True)
+        trainer = SFTTrainer(
+            model=model,
+            args=SFTConfig(
+                output_dir=str(tmp_path / f"{kind}-run"), packing=False, dataset_kwargs={"skip_prepare_dataset": True},
+                remove_unused_columns=False, max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
+                dataloader_num_workers=2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                bf16=False, seed=0,
+            ),
+            train_dataset=open_hf_dataset(tmp_path / kind),
+            data_collator=PackedCollator.for_dataset(PackedDataset(tmp_path / kind)),
+            processing_class=placeholder_tokenizer(),
+        )
+        trainer.train()
+        runs[kind] = seen, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    (full_batches, full_losses), (index_batches, index_losses) = runs["full"], runs["index"]
+    assert len(full_batches) == len(index_batches) == 2 and len(full_losses) == 2
+    assert all(torch.equal(a, b) for a, b in zip(full_batches, index_batches))
+    assert index_losses == full_losses

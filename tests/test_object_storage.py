@@ -1,0 +1,359 @@
+"""Object storage, against a real S3-compatible server: moto's server mode on loopback, started by the
+session fixture `s3_server` (tests/conftest.py), reached over HTTP by s3fs and boto3 through
+`AWS_ENDPOINT_URL` and credentials in the environment. Nothing of prepack's is mocked.
+
+A build, a store and an index build from and to s3:// equal their local twins byte for byte; bad input
+fails with the local message naming the object and leaves nothing behind; the loader reads a build
+through a checked cache that several processes share."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import prepack
+from examples.chitchat import chitchat, gpt2_directory
+from prepack import PackedDataset, build, build_store
+from prepack.errors import FormatError, InputError, OutputError
+from tests.corpus import corpus_table, write_corpus
+
+s3fs = pytest.importorskip("s3fs")
+PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
+
+
+def run_prepack(*args: str) -> subprocess.CompletedProcess:
+    """The installed console script, with the environment that points it at the test server."""
+    assert PREPACK, "the prepack console script is not installed beside this Python"
+    return subprocess.run([PREPACK, *args], capture_output=True, text=True, timeout=300)
+
+
+def _documents(seed: int, count: int, longest: int = 300) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 96, size=rng.integers(1, longest)).tolist() for _ in range(count)]
+
+
+def _token_corpus(directory: Path) -> Path:
+    """Three files in two formats and a subdirectory, with labels."""
+    directory.mkdir()
+    (directory / "more").mkdir()
+    for seed, name in enumerate(["part-0.parquet", "part-1.jsonl", "more/part-2.parquet"]):
+        ids = _documents(seed, 150)
+        write_corpus(directory / name, corpus_table(ids, [[-100, *d[1:]] for d in ids]))
+    return directory
+
+
+def _files(fs, uri: str) -> dict[str, bytes]:
+    """Every object under `uri`, by name relative to it."""
+    fs.invalidate_cache()
+    prefix = uri.removeprefix("s3://").rstrip("/")
+    return {os.path.relpath(key, prefix): fs.cat_file(key) for key in fs.find(prefix)}
+
+
+def _local_files(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def fs(s3_server):
+    return s3fs.S3FileSystem()
+
+
+def _upload(fs, local: Path, uri: str) -> str:
+    for path, data in _local_files(local).items():
+        fs.pipe_file(f"{uri.removeprefix('s3://')}/{path}", data)
+    return uri
+
+
+def test_a_build_from_and_to_s3_is_byte_identical_to_a_local_build(tmp_path, fs, s3_bucket):
+    corpus = _token_corpus(tmp_path / "corpus")
+    remote = _upload(fs, corpus, f"{s3_bucket}/corpus")
+    options = dict(max_len=512, shard_size=20_000, seed=3)
+    local = build(corpus, tmp_path / "packed", **options)
+    published = build(f"{remote}/", f"{s3_bucket}/packed", **options)
+    assert published == local
+    assert len(local.shards) > 3 and [f.path for f in local.inputs] == ["more/part-2.parquet", "part-0.parquet", "part-1.jsonl"]
+    assert _files(fs, f"{s3_bucket}/packed") == _local_files(tmp_path / "packed")
+    # Either side alone in object storage gives the same bytes too.
+    build(remote, tmp_path / "from-s3", **options)
+    build(corpus, f"{s3_bucket}/to-s3", **options)
+    assert _local_files(tmp_path / "from-s3") == _local_files(tmp_path / "packed")
+    assert _files(fs, f"{s3_bucket}/to-s3") == _local_files(tmp_path / "packed")
+
+
+def test_a_single_object_and_a_glob_name_their_inputs_as_locally(tmp_path, fs, s3_bucket):
+    corpus = _upload(fs, _token_corpus(tmp_path / "corpus"), f"{s3_bucket}/corpus")
+    one = build(f"{corpus}/part-0.parquet", f"{s3_bucket}/one", max_len=512)
+    assert [f.path for f in one.inputs] == ["part-0.parquet"]
+    some = build(f"{corpus}/*.parquet", f"{s3_bucket}/some", max_len=512)
+    assert some == build(tmp_path / "corpus" / "*.parquet", tmp_path / "some", max_len=512)
+    with pytest.raises(InputError, match="no such object or prefix"):
+        build(f"{s3_bucket}/nothing/", f"{s3_bucket}/x", max_len=512)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory) -> Path:
+    return gpt2_directory(tmp_path_factory.mktemp("tok") / "gpt2")
+
+
+def test_a_text_corpus_tokenized_from_s3_is_byte_identical(tmp_path, fs, s3_bucket, gpt2):
+    conversations = chitchat()[:300]
+    (tmp_path / "text").mkdir()
+    for part, rows in enumerate((conversations[:200], conversations[200:])):
+        pq.write_table(pa.table({"text": ["\n".join(t) for t in rows]}), tmp_path / "text" / f"{part}.parquet")
+    remote = _upload(fs, tmp_path / "text", f"{s3_bucket}/text")
+    options = dict(tokenizer=gpt2, max_len=1024, num_proc=1)
+    build(tmp_path / "text", tmp_path / "packed", **options)
+    build(remote, f"{s3_bucket}/packed", **options)
+    assert _files(fs, f"{s3_bucket}/packed") == _local_files(tmp_path / "packed")
+
+
+def test_a_store_and_an_index_build_in_s3_equal_local_ones(tmp_path, fs, s3_bucket):
+    corpus = _token_corpus(tmp_path / "corpus")
+    remote = _upload(fs, corpus, f"{s3_bucket}/corpus")
+    build_store(corpus, tmp_path / "store", shard_size=30_000)
+    build_store(remote, f"{s3_bucket}/store", shard_size=30_000)
+    assert _files(fs, f"{s3_bucket}/store") == _local_files(tmp_path / "store")
+    for out, extra in (("packed", {}), ("index", {"index_only": True})):
+        build(tmp_path / "store", tmp_path / out, max_len=512, **extra)
+        build(f"{s3_bucket}/store", f"{s3_bucket}/{out}", max_len=512, **extra)
+        assert _files(fs, f"{s3_bucket}/{out}") == _local_files(tmp_path / out), out
+    assert prepack.read_manifest(tmp_path / "index").store.path == "../store"
+    # The store's build names the corpus files, as a build of the corpus does.
+    assert _files(fs, f"{s3_bucket}/packed")["manifest.json"] == _local_files(build_to(tmp_path, corpus))["manifest.json"]
+    with pytest.raises(InputError, match="both be local or both in object storage"):
+        build(f"{s3_bucket}/store", tmp_path / "index-2", max_len=512, index_only=True)
+
+
+def test_the_loader_reads_an_index_build_in_s3_and_its_store_through_the_cache(tmp_path, fs, s3_bucket, s3_server):
+    corpus = _token_corpus(tmp_path / "corpus")
+    build(corpus, tmp_path / "packed", max_len=512)
+    build_store(corpus, f"{s3_bucket}/data/store", shard_size=30_000)
+    build(f"{s3_bucket}/data/store", f"{s3_bucket}/index", max_len=512, index_only=True)
+    store_gets = f"/{s3_bucket.removeprefix('s3://')}/data/store/documents-"
+    before = len(s3_server.requests("GET", store_gets))  # the index build read every store shard once
+    dataset = PackedDataset(f"{s3_bucket}/index", cache_dir=tmp_path / "cache")
+    assert dataset.manifest.store.path == "../data/store"
+    _same_rows(PackedDataset(tmp_path / "packed"), dataset)
+    store_shards = dataset.store.manifest.shards
+    assert len(store_shards) > 1
+    cached = {p.name for p in (tmp_path / "cache").glob("*.arrow")}
+    assert {f"{s.sha256}.arrow" for s in store_shards} <= cached
+    assert before == len(store_shards)
+    assert len(s3_server.requests("GET", store_gets)) == 2 * len(store_shards)  # each once, though many packs gather from each
+    # A store that changed since the index was planned is refused.
+    build_store(corpus / "part-0.parquet", f"{s3_bucket}/data/store", overwrite=True)
+    with pytest.raises(FormatError, match="the store changed; build the index again"):
+        PackedDataset(f"{s3_bucket}/index", cache_dir=tmp_path / "cache")
+
+
+def build_to(tmp_path: Path, corpus: Path) -> Path:
+    build(corpus, tmp_path / "direct", max_len=512)
+    return tmp_path / "direct"
+
+
+def test_bad_input_names_the_object_row_and_column_and_leaves_nothing(tmp_path, fs, s3_bucket):
+    corpus = _token_corpus(tmp_path / "corpus")
+    rows = [{"input_ids": [5, 6], "labels": [-100, 6]}] * 7 + [{"input_ids": [5, -3], "labels": [-100, 6]}]
+    write_corpus(corpus / "part-1.jsonl", pa.Table.from_pylist(rows))
+    remote = _upload(fs, corpus, f"{s3_bucket}/corpus")
+    with pytest.raises(InputError) as locally:
+        build(corpus, tmp_path / "packed", max_len=512)
+    with pytest.raises(InputError) as remotely:
+        build(remote, f"{s3_bucket}/packed", max_len=512)
+    assert str(remotely.value) == f"{remote}/part-1.jsonl, row 7, column 'input_ids': token id -3 is out of range; ids must lie in [0, 2147483647]."
+    assert str(locally.value) == str(remotely.value).replace(remote, str(corpus))
+    assert _files(fs, f"{s3_bucket}/packed") == {}
+    assert not (tmp_path / "packed").exists()
+
+
+def test_an_existing_build_is_replaced_only_with_overwrite_and_only_if_it_is_one(tmp_path, fs, s3_bucket):
+    corpus = _upload(fs, _token_corpus(tmp_path / "corpus"), f"{s3_bucket}/corpus")
+    out = f"{s3_bucket}/packed"
+    first = build(corpus, out, max_len=512, shard_size=20_000)
+    before = _files(fs, out)
+    with pytest.raises(OutputError, match="already exists; pass --overwrite"):
+        build(corpus, out, max_len=256)
+    assert _files(fs, out) == before
+    second = build(corpus, out, max_len=2048, overwrite=True)  # fewer shards: the rest of the old are deleted
+    assert len(second.shards) < len(first.shards)
+    assert sorted(_files(fs, out)) == sorted(["manifest.json", *(s.name for s in second.shards)])
+    assert PackedDataset(out, cache_dir=tmp_path / "cache").manifest == second
+    # A prefix holding anything else is not prepack's to replace, with or without --overwrite.
+    fs.pipe_file(f"{out.removeprefix('s3://')}/notes.txt", b"mine")
+    with pytest.raises(OutputError, match="notes.txt, which prepack did not write"):
+        build(corpus, out, max_len=512, overwrite=True)
+    fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/other/data.bin", b"mine")
+    with pytest.raises(OutputError, match="holds 1 objects and no manifest.json"):
+        build(corpus, f"{s3_bucket}/other", max_len=512, overwrite=True)
+    assert _files(fs, f"{s3_bucket}/other") == {"data.bin": b"mine"}
+    assert _files(fs, out)["notes.txt"] == b"mine"
+
+
+def test_a_build_that_cannot_be_uploaded_fails_cleanly(tmp_path, s3_server):
+    corpus = _token_corpus(tmp_path / "corpus")
+    with pytest.raises(OutputError, match="^cannot write s3://prepack-no-such-bucket/packed: .*what this build uploaded was deleted"):
+        build(corpus, "s3://prepack-no-such-bucket/packed", max_len=512)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+def test_a_prefix_without_a_manifest_is_no_build(tmp_path, fs, s3_bucket):
+    corpus = _upload(fs, _token_corpus(tmp_path / "corpus"), f"{s3_bucket}/corpus")
+    build(corpus, f"{s3_bucket}/packed", max_len=512)
+    fs.rm_file(f"{s3_bucket.removeprefix('s3://')}/packed/manifest.json")
+    with pytest.raises(FormatError, match="is not a finished prepack build"):
+        PackedDataset(f"{s3_bucket}/packed", cache_dir=tmp_path / "cache")
+    fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/packed/manifest.json", b'{"format_version": 2}')
+    with pytest.raises(FormatError, match=f"^{s3_bucket}/packed/manifest.json: is not a valid prepack manifest"):
+        PackedDataset(f"{s3_bucket}/packed", cache_dir=tmp_path / "cache")
+    with pytest.raises(InputError, match="pass cache_dir="):
+        PackedDataset(f"{s3_bucket}/packed")
+
+
+@pytest.fixture
+def remote_build(tmp_path, fs, s3_bucket) -> tuple[Path, str]:
+    """A local build and its twin in the bucket."""
+    corpus = _token_corpus(tmp_path / "corpus")
+    build(corpus, tmp_path / "packed", max_len=512, shard_size=20_000)
+    build(corpus, f"{s3_bucket}/packed", max_len=512, shard_size=20_000)
+    return tmp_path / "packed", f"{s3_bucket}/packed"
+
+
+def _same_rows(a: PackedDataset, b: PackedDataset) -> None:
+    assert len(a) == len(b) > 0
+    for index in range(len(a)):
+        x, y = a[index], b[index]
+        assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x), index
+
+
+def test_the_loader_reads_a_build_in_s3_through_its_cache(remote_build, tmp_path, s3_server):
+    local, uri = remote_build
+    cache = tmp_path / "cache"
+    dataset = PackedDataset(uri, cache_dir=cache)
+    _same_rows(PackedDataset(local), dataset)
+    shards = dataset.manifest.shards
+    assert sorted(p.name for p in cache.glob("*.arrow")) == sorted(f"{s.sha256}.arrow" for s in shards)
+    gets = s3_server.requests("GET", f"/{uri.removeprefix('s3://')}/shard-")
+    assert sorted(gets) == sorted(f"/{uri.removeprefix('s3://')}/{s.name}" for s in shards)
+    # A warm cache downloads nothing.
+    PackedDataset(uri, cache_dir=cache).check_all()
+    assert len(s3_server.requests("GET", f"/{uri.removeprefix('s3://')}/shard-")) == len(gets)
+
+
+def test_a_corrupt_cached_copy_is_downloaded_again(remote_build, tmp_path, s3_server):
+    local, uri = remote_build
+    cache = tmp_path / "cache"
+    PackedDataset(uri, cache_dir=cache).check_all()
+    first = PackedDataset(local).manifest.shards[0]
+    cached = cache / f"{first.sha256}.arrow"
+    data = bytearray(cached.read_bytes())
+    data[-100] ^= 0xFF  # same size, other bytes
+    cached.write_bytes(bytes(data))
+    _same_rows(PackedDataset(local), PackedDataset(uri, cache_dir=cache))
+    assert cached.read_bytes() == (local / first.name).read_bytes()
+    assert len(s3_server.requests("GET", f"/{uri.removeprefix('s3://')}/{first.name}")) == 2
+
+
+def test_a_corrupt_shard_in_s3_is_refused_by_its_sha256(remote_build, tmp_path, fs):
+    local, uri = remote_build
+    name = PackedDataset(local).manifest.shards[1].name
+    data = bytearray((local / name).read_bytes())
+    data[-100] ^= 0xFF
+    fs.pipe_file(f"{uri.removeprefix('s3://')}/{name}", bytes(data))
+    dataset = PackedDataset(uri, cache_dir=tmp_path / "cache")
+    with pytest.raises(FormatError, match=f"^{uri}/{name}: sha256 [0-9a-f]{{64}} does not match the manifest's"):
+        dataset.check_all()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")) == [
+        f"{PackedDataset(local).manifest.shards[0].sha256}.arrow"  # the bad copy was not kept
+    ]
+
+
+_READ_ALL = """
+import sys
+from prepack import PackedDataset
+dataset = PackedDataset(sys.argv[1], cache_dir=sys.argv[2])
+print(sum(int(dataset[i]["input_ids"].sum()) for i in range(len(dataset))))
+"""
+
+
+def test_processes_sharing_a_cache_download_each_shard_once(remote_build, tmp_path, s3_server):
+    local, uri = remote_build
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    readers = [
+        subprocess.Popen([sys.executable, "-c", _READ_ALL, uri, str(cache)], stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    totals = [int(reader.communicate(timeout=300)[0]) for reader in readers]
+    assert all(reader.returncode == 0 for reader in readers)
+    expected = sum(int(row["input_ids"].sum()) for row in PackedDataset(local))
+    assert totals == [expected] * 2
+    shards = PackedDataset(local).manifest.shards
+    gets = s3_server.requests("GET", f"/{uri.removeprefix('s3://')}/shard-")
+    assert sorted(gets) == sorted(f"/{uri.removeprefix('s3://')}/{s.name}" for s in shards)
+
+
+def test_a_training_step_from_s3_equals_one_from_the_local_build(remote_build, tmp_path):
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from prepack import PackedCollator, enable_packing
+    from tests.tiny_models import tiny_model
+
+    local, uri = remote_build
+    losses = []
+    for source in (PackedDataset(local), PackedDataset(uri, cache_dir=tmp_path / "cache")):
+        torch.manual_seed(0)
+        model = enable_packing(tiny_model("llama", "sdpa", torch.float32))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = next(iter(DataLoader(source, batch_size=4, collate_fn=PackedCollator.for_dataset(source))))
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        losses.append((loss.item(), next(model.parameters()).detach().clone()))
+    assert np.isfinite(losses[0][0]) and losses[0][0] == losses[1][0]
+    assert torch.equal(losses[0][1], losses[1][1])
+
+
+def test_the_cli_builds_from_and_to_s3(tmp_path, fs, s3_bucket):
+    corpus = _upload(fs, _token_corpus(tmp_path / "corpus"), f"{s3_bucket}/corpus")
+    result = run_prepack("build", f"{corpus}/", "--max-len", "512", "--out", f"{s3_bucket}/packed", "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert _files(fs, f"{s3_bucket}/packed") == _local_files(build_to(tmp_path, tmp_path / "corpus"))
+    fs.pipe_file(f"{corpus.removeprefix('s3://')}/part-3.jsonl", b'{"input_ids": [1, 2], "labels": [1, 2]}\n{"input_ids": "x", "labels": [1]}\n')
+    result = run_prepack("build", corpus, "--max-len", "512", "--out", f"{s3_bucket}/bad")
+    assert result.returncode == 2
+    assert f"{corpus}/part-3.jsonl, row 1, column 'input_ids'" in " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr
+    assert _files(fs, f"{s3_bucket}/bad") == {}
+
+
+def test_the_cli_tokenizes_a_text_corpus_from_s3_into_s3(tmp_path, fs, s3_bucket, gpt2):
+    (tmp_path / "text").mkdir()
+    pq.write_table(pa.table({"text": ["\n".join(t) for t in chitchat()[:200]]}), tmp_path / "text" / "0.parquet")
+    corpus = _upload(fs, tmp_path / "text", f"{s3_bucket}/corpus")
+    arguments = ["--tokenizer", str(gpt2), "--max-len", "8192", "--num-proc", "1"]
+    result = run_prepack("build", f"{corpus}/", *arguments, "--out", f"{s3_bucket}/packed")
+    assert result.returncode == 0, result.stderr
+    assert f"packed into {s3_bucket}/packed" in result.stdout
+    assert run_prepack("build", str(tmp_path / "text"), *arguments, "--out", str(tmp_path / "packed"), "-q").returncode == 0
+    assert _files(fs, f"{s3_bucket}/packed") == _local_files(tmp_path / "packed")
+
+
+def test_a_missing_client_asks_for_the_extra(tmp_path):
+    program = (
+        "import sys; sys.modules['s3fs'] = None\n"  # as if prepack[s3] were not installed
+        "from prepack import build\n"
+        "from prepack.errors import InputError\n"
+        "try:\n    build('s3://bucket/corpus/', 'out', max_len=8)\n"
+        "except InputError as exc:\n    print(exc)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.stdout.strip() == "s3://bucket/corpus/: reading s3:// needs its client: pip install 'prepack[s3]'"
