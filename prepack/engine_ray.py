@@ -15,7 +15,10 @@ tasks across a cluster, and write the local engine's bytes.
    into the staging directory and returns its manifest entry; the driver writes the manifest.
 
 Tasks are Ray core tasks, a few per CPU in flight, their results taken in row order, so that memory
-on the driver stays bounded and the first error in row order is the one reported. A bad row is the
+on the driver stays bounded and the first error in row order is the one reported. Not Ray Data: its
+datasets are made of their items up front, and the items of the write phase are the shards' resolved
+packs (~40 bytes a document in all), which the driver makes one shard at a time as tasks start;
+broadcasting the plan to every node instead would cost each node ~8 bytes a document of object store. A bad row is the
 local engine's `PrepackError`, returned by the task as a value and raised on the driver (Ray would
 print the worker's traceback). Ray retries a task whose worker died; a task writes its files from the
 start, so a retry changes no byte. Workers open the paths the driver names, from the driver's working
