@@ -8,8 +8,8 @@ tasks across a cluster, and write the local engine's bytes.
    as int32 files into the scratch directory, and returns its documents' lengths and which of them
    are untrained.
 2. Plan, on the driver, from lengths alone: the fingerprint, whose token streams the driver hashes
-   from the scratch files in row order while later units are still read (sha256 is sequential: no
-   task can hash its part alone); then the packing plan (`plan_packs`) or the store shards' bounds
+   from the scratch files in row order while later units are still read, ids and labels in two
+   threads (sha256 is sequential: no task can hash its part alone); then the packing plan (`plan_packs`) or the store shards' bounds
    (`store_shard_bounds`).
 3. Write: one task per shard writes it from the scratch files (`write_shard`, `write_store_shard`)
    into the staging directory and returns its manifest entry; the driver writes the manifest.
@@ -18,9 +18,9 @@ Tasks are Ray core tasks, a few per CPU in flight, their results taken in row or
 on the driver stays bounded and the first error in row order is the one reported. Not Ray Data: its
 datasets are made of their items up front, and the items of the write phase are the shards' resolved
 packs (~40 bytes a document in all), which the driver makes one shard at a time as tasks start;
-broadcasting the plan to every node instead would cost each node ~8 bytes a document of object store. A bad row is the
-local engine's `PrepackError`, returned by the task as a value and raised on the driver (Ray would
-print the worker's traceback). Ray retries a task whose worker died; a task writes its files from the
+broadcasting the plan to every node instead would cost each node ~8 bytes a document of object
+store. A bad row is the local engine's `PrepackError`, returned by the task as a value and raised on
+the driver (Ray would print the worker's traceback). Ray retries a task whose worker died; a task writes its files from the
 start, so a retry changes no byte. Workers open the paths the driver names, from the driver's working
 directory where the node has it: a cluster's nodes need the corpus, the tokenizer and the output on a
 shared file system.
@@ -32,7 +32,8 @@ import logging
 import os
 from collections import deque
 from collections.abc import Iterator
-from contextlib import ExitStack, closing, contextmanager, nullcontext
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -210,12 +211,11 @@ class ReadCorpus:
     labels: TokenFiles | None
 
 
-def _hash_tokens(fingerprint: Fingerprint, ids: Path, labels: Path | None) -> None:
-    """Feed a unit's scratch files to the fingerprint's token streams, a piece at a time."""
-    with open(ids, "rb") as ids_file, (open(labels, "rb") if labels is not None else nullcontext()) as labels_file:
-        while piece := ids_file.read(_HASH_PIECE):
-            label_piece = None if labels_file is None else np.frombuffer(labels_file.read(len(piece)), np.int32)
-            fingerprint.update(_NO_DOCUMENTS, np.frombuffer(piece, np.int32), label_piece)
+def _hash_file(update, path: Path) -> None:
+    """Feed a scratch file to a fingerprint stream (`update`), a piece at a time."""
+    with output_errors(path, "read"), open(path, "rb") as file:
+        while piece := file.read(_HASH_PIECE):
+            update(np.frombuffer(piece, np.int32))
 
 
 class RayEngine:
@@ -262,11 +262,15 @@ class RayEngine:
         task = progress.add_task("read", total=len(units), unit="files")
         fingerprint = Fingerprint()
         lengths, untrained, firsts, tokens = [], [], [], 0
-        with closing(self._in_order(_read_unit.remote(source, unit) for unit in units)) as results:
+        submitted = (_read_unit.remote(source, unit) for unit in units)
+        # The labels are hashed by a second thread while this one hashes the ids.
+        with closing(self._in_order(submitted)) as results, ThreadPoolExecutor(1) as labels_hasher:
             for unit, read in zip(units, results):
                 fingerprint.update(read.lengths, _NO_TOKENS, None)
-                with output_errors(unit.ids, "read"):
-                    _hash_tokens(fingerprint, unit.ids, unit.labels)
+                hashed = labels_hasher.submit(_hash_file, fingerprint.update_labels, unit.labels) if unit.labels else None
+                _hash_file(fingerprint.update_ids, unit.ids)
+                if hashed is not None:
+                    hashed.result()
                 lengths.append(read.lengths)
                 untrained.append(read.untrained)
                 firsts.append(tokens)

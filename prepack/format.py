@@ -199,9 +199,18 @@ class Fingerprint:
     def update(self, lengths: np.ndarray, ids: np.ndarray, labels: np.ndarray | None) -> None:
         """Add consecutive documents: their lengths, and their tokens (and labels) back to back."""
         self._streams[0].update(lengths.astype("<i8", copy=False).data)
-        self._streams[1].update(ids.astype("<i4", copy=False).data)
+        self.update_ids(ids)
         if labels is not None:
-            self._streams[2].update(labels.astype("<i4", copy=False).data)
+            self.update_labels(labels)
+
+    def update_ids(self, ids: np.ndarray) -> None:
+        """Add token ids alone. Each stream is a hash of its own, so one thread may feed the ids while
+        another feeds the labels (sha256 releases the GIL)."""
+        self._streams[1].update(ids.astype("<i4", copy=False).data)
+
+    def update_labels(self, labels: np.ndarray) -> None:
+        """Add labels alone (see `update_ids`)."""
+        self._streams[2].update(labels.astype("<i4", copy=False).data)
 
     def hexdigest(self) -> str:
         return hashlib.sha256(b"".join(stream.digest() for stream in self._streams)).hexdigest()
