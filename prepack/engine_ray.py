@@ -248,16 +248,18 @@ class RayEngine:
         `documents`; the scratch files go into `scratch`."""
         store = documents.store
         source = ray.put(_Source(reading, replace(documents, batches=iter(())), store, self.cwd))
+        if store is not None:
+            parts = [(None, shard) for shard in store.manifest.shards]
+        else:
+            parts = [(path, None) for path in documents.corpus.files]
         units = [
             _Unit(
-                file=None if store is not None else path,
+                file=path,
                 shard=shard,
                 ids=scratch / f"ids-{index:05d}.bin",
                 labels=scratch / f"labels-{index:05d}.bin" if documents.has_labels else None,
             )
-            for index, (path, shard) in enumerate(
-                [(None, shard) for shard in store.manifest.shards] if store is not None else [(p, None) for p in documents.corpus.files]
-            )
+            for index, (path, shard) in enumerate(parts)
         ]
         task = progress.add_task("read", total=len(units), unit="files")
         fingerprint = Fingerprint()
