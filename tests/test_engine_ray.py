@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 ray = pytest.importorskip("ray")
-psutil = pytest.importorskip("psutil")  # a dependency of ray's
+psutil = pytest.importorskip("psutil")
 
 from examples.chitchat import CHATML, as_chat, chitchat, gpt2_directory  # noqa: E402
 from prepack import build, build_store  # noqa: E402
