@@ -410,6 +410,11 @@ def test_verify_and_inspect_an_index_build_in_s3_with_its_store(tmp_path, fs, s3
     build(f"{s3_bucket}/data/store", uri, max_len=512, index_only=True)
     result = run_prepack("verify", uri, "--all")
     assert (result.returncode, result.stdout) == (0, f"{uri}: no problems (shards and manifest checked).\n"), result.stderr
+    assert verify_build(uri, f"{s3_bucket}/data/store", all_problems=True) == []  # a source store at a URI
+    build_store(corpus / "part-0.parquet", f"{s3_bucket}/other-store")
+    wrong = verify_build(uri, f"{s3_bucket}/other-store", all_problems=True)
+    inputs = next(p for p in wrong if p.column == "inputs")
+    assert str(inputs) == f"{uri}/manifest.json, inputs: {inputs.message}" and "the source has [('part-0.parquet', 150)]" in inputs.message
     remote, here = _inspect_json(uri), _inspect_json(str(tmp_path / "index"))
     assert remote.pop("path") == uri and here.pop("path") == str(tmp_path / "index")
     assert remote == here
