@@ -280,7 +280,9 @@ class FormatProblem(NamedTuple):
         return f"{self.file}: {', '.join(where)}: {self.message}" if where else f"{self.file}: {self.message}"
 
 
-def format_error(file: str | os.PathLike, message: str, row: int | None = None, column: str | None = None) -> FormatError:
+def format_error(
+    file: str | os.PathLike, message: str, row: int | None = None, column: str | None = None
+) -> FormatError:
     """The FormatError for `message` about `file` (its row and column): the message names them, and its
     `problem` carries them as fields."""
     problem = FormatProblem(str(file), message, row, column)

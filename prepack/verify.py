@@ -32,7 +32,7 @@ full build's to the corpus (pieces, lengths, counts, inputs), tokens aside, whic
 
 A build in object storage (a URI) is checked the same way, its shards (and its store's) read through a
 `prepack.cache.ShardCache`, which checks each one's size and sha256 as it downloads it (step 2 and the
-sha256 of step 3); its problems name the objects by their URIs (`Problem.build`). A source at a URI is
+sha256 of step 3); its problems name the objects by their URIs (`Problem.location`). A source at a URI is
 copied locally first (`prepack.remote.local_input`) and its files named by their URIs.
 
 A shard that cannot be read or has malformed rows is left out of steps 4 and 5, and so are the checks
@@ -47,6 +47,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from itertools import islice
 from pathlib import Path
 
@@ -73,7 +74,7 @@ from prepack.format import (
 )
 from prepack.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
-from prepack.remote import LocalInput, is_uri, join, local_input
+from prepack.remote import LocalInput, is_uri, join, list_input, local_input
 from prepack.store_read import ShardColumns, Store, is_store, open_build_store, open_store
 
 __all__ = ["Problem", "verify_build"]
@@ -88,7 +89,7 @@ class Problem(BaseModel):
     `row` the pack's row inside that shard (the document's inside a store shard), `column` the shard
     column (or the manifest field);
     `source_file`/`source_row` locate the corpus document concerned, when there is one;
-    `build` is the URI of a build in object storage, which `file` is relative to (None for a local
+    `location` is the URI of a build in object storage, which `file` is relative to (None for a local
     build, whose files are named relative to its directory): `str()` then names the object's URI."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -98,7 +99,7 @@ class Problem(BaseModel):
     column: str | None = None
     source_file: str | None = None
     source_row: int | None = None
-    build: str | None = None
+    location: str | None = None
     message: str
 
     def __str__(self) -> str:
@@ -109,7 +110,7 @@ class Problem(BaseModel):
                 + (f", row {self.source_row}" if self.source_row is not None else "")
             )
         if self.file is not None:
-            where.append(self.file if self.build is None else join(self.build, self.file))
+            where.append(self.file if self.location is None else join(self.location, self.file))
         if self.row is not None:
             where.append(f"row {self.row}")
         if self.column is not None:
@@ -136,7 +137,7 @@ def verify_build(
 
     `path` and `source` may be URIs (`s3://bucket/packed`, needs `prepack[s3]`): the build's shards are
     then downloaded into `cache_dir` (`prepack.cache`; when None, a temporary directory deleted before
-    this returns) and its problems carry its URI (`Problem.build`); the source is copied into a
+    this returns) and its problems carry its URI (`Problem.location`); the source is copied into a
     temporary directory while it is read.
 
     Returns the problems found: none for a sound build, the first one only unless `all_problems`.
@@ -164,7 +165,7 @@ def verify_build(
         problems = _problems(build, manifest, documents)
         found = list(problems) if all_problems else list(islice(problems, 1))
     if isinstance(build, ShardCache):
-        return [problem.model_copy(update={"build": build.uri}) for problem in found]
+        return [problem.model_copy(update={"location": build.uri}) for problem in found]
     return found
 
 
@@ -255,15 +256,16 @@ def _source_documents(
 def _problems(build: Path | ShardCache, manifest: Manifest, source: _Source | None) -> Iterator[Problem]:
     """The problems of the build in the directory `build`, or in object storage read through the cache `build`."""
     yield from _manifest_problems(manifest)
+    local = isinstance(build, Path)
     store, store_columns = None, {}
     if manifest.store is not None:
         try:
-            store = open_build_store(build, manifest) if isinstance(build, Path) else build.store()
+            store = open_build_store(build, manifest) if local else build.store()
         except FormatError as exc:
             yield Problem(file=MANIFEST_NAME, column="store", message=str(exc))
         else:
             store_columns = yield from _store_problems(store, manifest)
-    readable = yield from (_directory_problems(build, manifest) if isinstance(build, Path) else _download_problems(build))
+    readable = yield from (_directory_problems(build, manifest) if local else _download_problems(build))
     shards: dict[int, _Shard] = {}
     for index, (file, check_sha256) in readable.items():
         shard = yield from _shard_problems(file, index, manifest, check_sha256)
@@ -362,6 +364,16 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
 # 2. The directory ---------------------------------------------------------------------------------
 
 
+_SHARD_FILES = "shard-*.arrow"  # what a file the manifest does not list is taken for a shard by
+
+
+def _unlisted_problems(names: list[str], manifest: Manifest) -> Iterator[Problem]:
+    """The shard files among `names` (the files at the top of the build) that the manifest does not list."""
+    listed = {info.name for info in manifest.shards}
+    for extra in sorted(n for n in names if fnmatchcase(n, _SHARD_FILES) and n not in listed):
+        yield Problem(file=extra, message="a shard file the manifest does not list.")
+
+
 _Readable = dict[int, tuple[Path, bool]]  # shard index -> (its local file, whether its sha256 is still to check)
 
 
@@ -373,9 +385,7 @@ def _directory_problems(path: Path, manifest: Manifest):
         found[problem.index] = problem.kind
         column = f"shards[{problem.index}].name" if problem.kind == "name" else None
         yield Problem(file=problem.file, column=column, message=problem.message)
-    listed = {info.name for info in manifest.shards}
-    for extra in sorted(p.name for p in path.glob("shard-*.arrow") if p.name not in listed):
-        yield Problem(file=extra, message="a shard file the manifest does not list.")
+    yield from _unlisted_problems([p.name for p in path.glob(_SHARD_FILES)], manifest)
     readable: _Readable = {}
     for index, info in enumerate(manifest.shards):
         if found.get(index) not in ("name", "missing", "type"):
@@ -385,14 +395,16 @@ def _directory_problems(path: Path, manifest: Manifest):
 
 def _download_problems(cache: ShardCache):
     """Yield the problems of a build in object storage's shards as the cache downloads them (missing,
-    size, sha256: `ShardCache.fetch`, which keeps no copy that fails); return the shards it holds,
-    their sha256 checked."""
+    size, sha256: `ShardCache.fetch`, which keeps no copy that fails), and the shards it does not list;
+    return the shards the cache holds, their sha256 checked."""
     readable: _Readable = {}
     for index, info in enumerate(cache.manifest.shards):
         try:
             readable[index] = (cache.shard(info), False)
         except FormatError as exc:
             yield Problem(file=info.name, message=exc.problem.message)
+    # The prefix's objects at its top, as `list_input` finds them (`.arrow` objects among others).
+    yield from _unlisted_problems([n for n in list_input(cache.uri).names if "/" not in n], cache.manifest)
     return readable
 
 

@@ -429,7 +429,7 @@ def test_verify_and_inspect_an_index_build_in_s3_with_its_store(tmp_path, fs, s3
     first = result.stdout.splitlines()[0]
     assert first.startswith(f"problem: {s3_bucket}/data/store/{name}: sha256 "), result.stdout
     [problem, *_] = verify_build(uri)
-    assert (problem.build, problem.file) == (uri, f"../data/store/{name}")
+    assert (problem.location, problem.file) == (uri, f"../data/store/{name}")
 
 
 def test_verify_names_a_damaged_shard_in_s3_by_its_uri(remote_build, tmp_path, fs, s3_server):
@@ -445,6 +445,12 @@ def test_verify_names_a_damaged_shard_in_s3_by_its_uri(remote_build, tmp_path, f
     assert lines[1].startswith("problem: 1 shard(s) could not be read") and len(lines) == 2, result.stdout
     with pytest.raises(FormatError, match=f"^{uri}/{name}: sha256 "):
         inspect_build(uri)
+    fs.pipe_file(f"{uri.removeprefix('s3://')}/shard-09999.arrow", b"stray")
+    fs.pipe_file(f"{uri.removeprefix('s3://')}/more/shard-09998.arrow", b"not at the top")
+    problems = verify_build(uri, all_problems=True)
+    assert [str(p) for p in problems if "shard-0999" in (p.file or "")] == [
+        f"{uri}/shard-09999.arrow: a shard file the manifest does not list."  # as locally: the top level only
+    ]
 
 
 def test_a_bad_row_in_s3_is_named_by_the_uri_in_verify_inspect_and_the_loader(remote_build, tmp_path, fs):
