@@ -380,7 +380,7 @@ def _inspect_json(build: str) -> dict:
     return json.loads(result.stdout)
 
 
-def test_verify_and_inspect_a_build_in_s3_as_the_local_build(remote_build, tmp_path, fs, s3_bucket):
+def test_verify_and_inspect_a_build_in_s3_as_the_local_build(remote_build, tmp_path, fs, s3_bucket, s3_server):
     local, uri = remote_build
     corpus = _upload(fs, tmp_path / "corpus", f"{s3_bucket}/corpus")
     scratch = tmp_path / "tmp"
@@ -397,8 +397,10 @@ def test_verify_and_inspect_a_build_in_s3_as_the_local_build(remote_build, tmp_p
     assert run_prepack("verify", uri, "--cache-dir", str(cache)).returncode == 0
     shards = prepack.read_manifest(local).shards
     assert sorted(p.name for p in cache.glob("*.arrow")) == sorted(f"{s.sha256}.arrow" for s in shards)
+    gets = len(s3_server.requests("GET", f"/{uri.removeprefix('s3://')}/shard-"))
     assert verify_build(uri, corpus, cache_dir=cache, all_problems=True) == []
     assert inspect_build(uri, cache_dir=cache).model_dump() == {**inspect_build(local).model_dump(), "path": uri}
+    assert len(s3_server.requests("GET", f"/{uri.removeprefix('s3://')}/shard-")) == gets  # all from the cache
 
 
 def test_verify_and_inspect_an_index_build_in_s3_with_its_store(tmp_path, fs, s3_bucket):
@@ -503,3 +505,20 @@ def test_verify_and_inspect_of_a_prefix_without_a_manifest_exit_2(tmp_path, fs, 
         message = " ".join(result.stderr.split())
         assert f"{s3_bucket}/packed/manifest.json does not exist: {s3_bucket}/packed is not a finished prepack build" in message
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_damaged_store_shard_in_s3_is_named_by_its_uri_when_built_from(tmp_path, fs, s3_bucket):
+    """A store read from a URI (copied locally first) names its shards by their URIs (`Store.shard_where`)."""
+    corpus = _token_corpus(tmp_path / "corpus")
+    build_store(corpus, tmp_path / "store", shard_size=30_000)
+    name = prepack.read_store_manifest(tmp_path / "store").shards[1].name
+    data = bytearray((tmp_path / "store" / name).read_bytes())
+    data[-100] ^= 0xFF
+    (tmp_path / "store" / name).write_bytes(bytes(data))
+    store = _upload(fs, tmp_path / "store", f"{s3_bucket}/store")
+    with pytest.raises(FormatError) as locally:
+        build(tmp_path / "store", tmp_path / "packed", max_len=512)
+    with pytest.raises(FormatError) as remotely:
+        build(store, f"{s3_bucket}/packed", max_len=512)
+    assert str(remotely.value) == f"{store}/{name}: its sha256 is not the store manifest's: the shard changed."
+    assert str(locally.value) == str(remotely.value).replace(store, str(tmp_path / "store"))
