@@ -141,13 +141,19 @@ def verify_build(
     temporary directory while it is read.
 
     Returns the problems found: none for a sound build, the first one only unless `all_problems`.
-    Raises FormatError when `path` is not a build at all (no manifest.json; at a URI, also an invalid
-    one) or a source store breaks its format, and InputError when the build or the source cannot be
+    Raises FormatError when `path` is not a build at all (no manifest.json) or a source store breaks
+    its format, and InputError when the build or the source cannot be
     read or the source does not fit the build's options; those are not findings about the build.
     """
     with ExitStack() as stack:
         if is_uri(path):
-            build: Path | ShardCache = stack.enter_context(build_cache(str(path), cache_dir))
+            try:
+                build: Path | ShardCache = stack.enter_context(build_cache(str(path), cache_dir))
+            except FormatError as exc:
+                if exc.problem is None:  # no manifest.json: not a build (`read_output_manifest`)
+                    raise
+                found, location = exc.problem, str(path).rstrip("/")
+                return [Problem(file=MANIFEST_NAME, column=found.column, message=found.message, location=location)]
             manifest = build.manifest
         else:
             build = Path(path)

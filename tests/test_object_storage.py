@@ -497,6 +497,17 @@ def test_open_hf_dataset_reads_a_build_in_s3_through_its_cache(remote_build, tmp
         open_hf_dataset(uri)
 
 
+def test_an_invalid_manifest_in_s3_is_a_finding_of_verify(remote_build, fs):
+    local, uri = remote_build
+    fs.pipe_file(f"{uri.removeprefix('s3://')}/manifest.json", b"{not json")
+    (local / "manifest.json").write_bytes(b"{not json")
+    [here] = verify_build(local)
+    [there] = verify_build(uri)
+    assert there == here.model_copy(update={"location": uri}) and "cannot be read as JSON" in there.message
+    result = run_prepack("verify", uri)
+    assert (result.returncode, result.stdout) == (1, f"problem: {uri}/manifest.json: {here.message}\n"), result.stderr
+
+
 def test_verify_and_inspect_of_a_prefix_without_a_manifest_exit_2(tmp_path, fs, s3_bucket):
     fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/packed/shard-00000.arrow", b"not a build")
     for command in ("verify", "inspect"):
