@@ -2,6 +2,10 @@
 an index build, each shard of its store) is downloaded on first use, checked against the manifest's
 size and sha256, and then memory-mapped from the cache as a local build's shard would be.
 
+`verify` and `inspect` read a build in object storage through a cache too (`build_cache`): the one
+given, or a temporary one deleted after the command. Problems name each shard by its URI (`ShardCache.name`,
+`Store.shard_where`), never by its cached copy.
+
 A cached shard is named by its sha256 (`CACHE_DIR/<sha256>.arrow`), so builds that share a shard share
 its copy, and a new build at the same URI never reads an old build's bytes. Downloads go to a temporary
 file renamed into place once checked, under an advisory lock per shard (`flock` on `<sha256>.lock`):
@@ -21,14 +25,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from prepack.errors import FormatError, InputError
-from prepack.format import STORE_MANIFEST_NAME, Manifest, ShardInfo, shard_sha256
+from prepack.errors import InputError
+from prepack.format import STORE_MANIFEST_NAME, Manifest, ShardInfo, format_error, shard_sha256
 from prepack.output import output_errors
 from prepack.remote import filesystem, join, read_output_manifest
 from prepack.store_format import StoreShard
 from prepack.store_read import Store, check_build_store
 
-__all__ = ["ShardCache"]
+__all__ = ["ShardCache", "build_cache"]
 
 
 class ShardCache:
@@ -46,10 +50,14 @@ class ShardCache:
         with output_errors(self.directory, "create"):
             self.directory.mkdir(parents=True, exist_ok=True)
 
+    def name(self, info: ShardInfo) -> str:
+        """The URI of the build's shard `info` (its manifest entry): what its problems name it by."""
+        return f"{self.uri}/{info.name}"
+
     def shard(self, info: ShardInfo) -> Path:
         """The cached copy of the build's shard `info` (its manifest entry), downloaded first if need
         be. Raises FormatError when the object's size or sha256 is not the manifest's."""
-        return self.fetch(f"{self.uri}/{info.name}", info.bytes, info.sha256)
+        return self.fetch(self.name(info), info.bytes, info.sha256)
 
     def store(self) -> Store:
         """The document store of this index build, its manifest read from object storage (the build
@@ -61,7 +69,8 @@ class ShardCache:
 
     def fetch(self, uri: str, size: int, sha256: str) -> Path:
         """The cached copy of the object `uri`, which the manifest says has `size` bytes and `sha256`,
-        downloaded first if need be (FormatError when it does not match)."""
+        downloaded first if need be. Raises FormatError naming `uri` (`FormatError.problem`) when it is
+        missing or does not match."""
         path = self.directory / f"{sha256}.arrow"
         if _intact(path, size, sha256):
             return path
@@ -81,18 +90,29 @@ class ShardCache:
             try:
                 fs.get_file(remote, name)
             except FileNotFoundError:
-                raise FormatError(f"{uri}: missing; the manifest lists it with {size} bytes.") from None
+                raise format_error(uri, f"missing; the manifest lists it with {size} bytes.") from None
             except OSError as exc:
                 raise InputError(f"{uri}: cannot be read ({exc}).") from None
             found = temporary.stat().st_size
             if found != size:
-                raise FormatError(f"{uri}: {found} bytes, but the manifest says {size} (truncated or replaced?).")
+                raise format_error(uri, f"{found} bytes, but the manifest says {size} (truncated or replaced?).")
             if (digest := shard_sha256(temporary)) != sha256:
-                raise FormatError(f"{uri}: sha256 {digest} does not match the manifest's {sha256}.")
+                raise format_error(uri, f"sha256 {digest} does not match the manifest's {sha256}.")
             with output_errors(path):
                 os.replace(temporary, path)
         finally:
             temporary.unlink(missing_ok=True)
+
+
+@contextmanager
+def build_cache(uri: str, directory: str | os.PathLike | None) -> Iterator[ShardCache]:
+    """The `ShardCache` of the build at `uri` in `directory`, or, when None, in a temporary directory
+    (`TMPDIR`) deleted when the block ends: for a command that reads the build once (verify, inspect)."""
+    if directory is not None:
+        yield ShardCache(uri, directory)
+        return
+    with tempfile.TemporaryDirectory(prefix="prepack-cache-") as temporary:
+        yield ShardCache(uri, temporary)
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,8 @@ _ShardSizeOption = Annotated[str, typer.Option(help="Target shard size, e.g. 64M
 _QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")]
 _EngineOption = Annotated[Engine, typer.Option("--engine", help="Where reading, tokenizing and shard writing run: here, or as Ray tasks across a cluster (needs prepack\\[ray]); the output is the same.", rich_help_panel="Engine")]
 _RayAddressOption = Annotated[str | None, typer.Option("--ray-address", help="--engine ray: join this cluster ('auto', 'ray://HOST:PORT'); default: start a local Ray instance.", rich_help_panel="Engine")]
+_BuildArgument = Annotated[str, typer.Argument(help="A build directory (holding manifest.json), or a URI such as s3://bucket/packed (needs prepack[s3]).")]
+_CacheDirOption = Annotated[Path | None, typer.Option("--cache-dir", help="For a build at a URI: where its shards are downloaded (default: a temporary directory, deleted after).")]
 
 
 def _byte_size(text: str) -> int:
@@ -228,7 +230,7 @@ def tokenize_command(
 
 @app.command("inspect")
 def inspect_command(
-    path: Annotated[Path, typer.Argument(help="A build directory (holding manifest.json).")],
+    path: _BuildArgument,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Batch size of the pad-to-longest baseline, and packs per rank per step with --world-size.")] = 8,
     seed: Annotated[int, typer.Option(help="Seed of the baseline's random batches and of the sampler's order.")] = 0,
     world_size: Annotated[int | None, typer.Option("--world-size", min=1, help="Also report the ranks' imbalance per step, with and without PackedSampler(balance='attention').")] = None,
@@ -236,6 +238,7 @@ def inspect_command(
     shards: Annotated[bool, typer.Option("--shards", help="Add a per-shard table.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON instead.")] = False,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Also draw the distributions and costs, e.g. report.png (needs prepack[plot]).")] = None,
+    cache_dir: _CacheDirOption = None,
 ) -> None:
     """Report fill, padding, distributions and the cost of not packing, from the manifest and the
     per-pack columns (no token is read)."""
@@ -245,7 +248,7 @@ def inspect_command(
 
     try:
         costs = {} if token_cost is None else {"token_cost": token_cost}
-        report = inspect_build(path, batch_size=batch_size, seed=seed, world_size=world_size, **costs)
+        report = inspect_build(path, batch_size=batch_size, seed=seed, world_size=world_size, cache_dir=cache_dir, **costs)
         if plot_path is not None:
             plot(report, plot_path)
     except PrepackError as exc:
@@ -260,18 +263,21 @@ def inspect_command(
 
 @app.command("verify")
 def verify_command(
-    path: Annotated[Path, typer.Argument(help="A build directory (holding manifest.json).")],
+    path: _BuildArgument,
     source: Annotated[str | None, typer.Option("--source", help="The corpus it was built from, or a store of it: check every token.")] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="With --source, for a build that tokenized text or chat: its tokenizer.")] = None,
     chat_template: Annotated[Path | None, typer.Option("--chat-template", help="With --source: the chat template file the build was given, if any.")] = None,
     all_problems: Annotated[bool, typer.Option("--all", help="Report every problem, not only the first.")] = False,
+    cache_dir: _CacheDirOption = None,
 ) -> None:
     """Check shards against the manifest and the format (and every token against --source).
     Exit 0: sound; 1: problems found (printed); 2: not a build, or an unreadable --source."""
     from prepack.verify import verify_build
 
     try:
-        problems = verify_build(path, source, tokenizer=tokenizer, chat_template=chat_template, all_problems=all_problems)
+        problems = verify_build(
+            path, source, tokenizer=tokenizer, chat_template=chat_template, all_problems=all_problems, cache_dir=cache_dir
+        )
     except PrepackError as exc:
         _fail(exc)
     for problem in problems:

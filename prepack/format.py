@@ -46,6 +46,7 @@ __all__ = [
     "check_layout",
     "check_index_shard",
     "check_shard",
+    "format_error",
     "ipc_body_compressed",
     "list_column",
     "load_manifest_json",
@@ -288,9 +289,17 @@ class FormatProblem(NamedTuple):
         return f"{self.file}: {', '.join(where)}: {self.message}" if where else f"{self.file}: {self.message}"
 
 
-def _fail(file: str | os.PathLike, message: str, row: int | None = None, column: str | None = None) -> NoReturn:
+def format_error(
+    file: str | os.PathLike, message: str, row: int | None = None, column: str | None = None
+) -> FormatError:
+    """The FormatError for `message` about `file` (its row and column): the message names them, and its
+    `problem` carries them as fields."""
     problem = FormatProblem(str(file), message, row, column)
-    raise FormatError(str(problem), problem)
+    return FormatError(str(problem), problem)
+
+
+def _fail(file: str | os.PathLike, message: str, row: int | None = None, column: str | None = None) -> NoReturn:
+    raise format_error(file, message, row, column)
 
 
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -456,61 +465,65 @@ def shard_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def open_shard(path: Path, has_labels: bool, max_len: int, store_documents: int | None = None) -> pa.RecordBatch:
+def open_shard(
+    path: Path, has_labels: bool, max_len: int, store_documents: int | None = None, *, where: str | None = None
+) -> pa.RecordBatch:
     """Memory-map one shard (zero-copy) and check its structure: a regular file holding an Arrow IPC
     stream of the format's schema (metadata included) and one uncompressed record batch, whose buffers
     hold what their lengths say and whose list offsets start at 0 and end at their values' length. The
-    row contents are checked by `check_shard`."""
+    row contents are checked by `check_shard`. Problems with the contents name `where` (default: `path`;
+    the shard's URI when `path` is a cached copy, `prepack.cache`)."""
+    where = str(path) if where is None else where
     try:
         fd = _open_regular(path)
     except FileNotFoundError:
         _fail(path, "the shard is missing.")
     try:
         if os.fstat(fd).st_size == 0:
-            _fail(path, "is empty; a shard is an Arrow IPC stream.")
+            _fail(where, "is empty; a shard is an Arrow IPC stream.")
         mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)  # the map holds the file open
     try:
         messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(pa.py_buffer(mapped)))
-        schema = pa.ipc.read_schema(_next_message(messages, path, "schema"))
+        schema = pa.ipc.read_schema(_next_message(messages, where, "schema"))
         expected = shard_schema(has_labels, max_len, store_documents)
         if not schema.equals(expected, check_metadata=True):
             kind = f"an index shard of {store_documents} documents" if store_documents is not None else f"{'with' if has_labels else 'without'} labels and max_len {max_len}"
             _fail(
-                path,
+                where,
                 f"the schema is\n{schema}\n(metadata {schema.metadata}) but format version {FORMAT_VERSION} "
                 f"{kind} expects\n{expected}\n"
                 f"(metadata {expected.metadata})",
             )
-        message = _next_message(messages, path, "record batch")
+        message = _next_message(messages, where, "record batch")
         if ipc_body_compressed(message.metadata):
-            _fail(path, "the record batch is compressed; shards are uncompressed, to be memory-mapped.")
+            _fail(where, "the record batch is compressed; shards are uncompressed, to be memory-mapped.")
         batch = pa.ipc.read_record_batch(message, schema)
         try:
             extra = messages.read_next_message()
         except StopIteration:  # the stream ends after its record batch, as it should
             extra = None
         if extra is not None:
-            _fail(path, f"a {extra.type} message follows the record batch; a shard holds exactly one.")
+            _fail(where, f"a {extra.type} message follows the record batch; a shard holds exactly one.")
     except (OSError, pa.ArrowException, struct.error) as exc:
-        _fail(path, f"not a readable Arrow IPC stream ({exc}).")
+        _fail(where, f"not a readable Arrow IPC stream ({exc}).")
     try:
         batch.validate()  # buffers as long as the lengths say, before numpy reads them
     except pa.ArrowException as exc:
-        _fail(path, f"not valid Arrow data ({exc}).")
+        _fail(where, f"not valid Arrow data ({exc}).")
     for column in schema.names:  # offsets are few (one per pack): every reader checks them all
         if isinstance(batch.column(column), pa.ListArray):
-            offsets, values = list_column(batch, column, str(path))
+            offsets, values = list_column(batch, column, where)
             if (problem := _offsets_problem(offsets, len(values))) is not None:
-                _fail(path, f"{problem[1]}.", problem[0], column)
+                _fail(where, f"{problem[1]}.", problem[0], column)
             if offsets[0] != 0 or offsets[-1] != len(values):
-                _fail(path, f"offsets run from {offsets[0]} to {offsets[-1]}, not from 0 to its {len(values)} "
+                _fail(where, f"offsets run from {offsets[0]} to {offsets[-1]}, not from 0 to its {len(values)} "
                       "values.", column=column)
     return batch
 
 
-def _next_message(messages: pa.ipc.MessageReader, path: Path, kind: str) -> pa.ipc.Message:
+def _next_message(messages: pa.ipc.MessageReader, path: str | os.PathLike, kind: str) -> pa.ipc.Message:
     try:
         message = messages.read_next_message()
     except StopIteration:

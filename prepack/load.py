@@ -105,6 +105,10 @@ class PackedDataset(Dataset):
 
     @property
     def shard_paths(self) -> list[Path]:
+        """The shards' local files; for a build in object storage, their cached copies (downloaded now
+        if need be)."""
+        if self.cache is not None:
+            return [self.cache.shard(info) for info in self.manifest.shards]
         return [shard_path(self.path, index, info) for index, info in enumerate(self.manifest.shards)]
 
     def __len__(self) -> int:
@@ -206,14 +210,16 @@ class PackedDataset(Dataset):
     def _open_checked(self, shard: int) -> pa.RecordBatch:
         info = self.manifest.shards[shard]
         path = shard_path(self.path, shard, info) if self.cache is None else self.cache.shard(info)
+        where = str(path) if self.cache is None else self.cache.name(info)  # a cached copy is named by its URI
         if self.verify_checksums and self.cache is None and (digest := shard_sha256(path)) != info.sha256:
             raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
         index_only = self.store is not None
-        batch = open_shard(path, self.manifest.has_labels, self.manifest.options.max_len, self.manifest.store_documents)
+        m = self.manifest
+        batch = open_shard(path, m.has_labels, m.options.max_len, m.store_documents, where=where)
         if self.validate:
             if batch.num_rows != info.rows:
-                raise FormatError(f"{path}: {batch.num_rows} rows, but the manifest says {info.rows}.")
-            (check_index_shard if index_only else check_shard)(batch, self.manifest.options.max_len, str(path))
+                raise FormatError(f"{where}: {batch.num_rows} rows, but the manifest says {info.rows}.")
+            (check_index_shard if index_only else check_shard)(batch, m.options.max_len, where)
         return batch
 
 
@@ -321,7 +327,13 @@ def _row_columns(batch: pa.RecordBatch) -> list[str]:
     return [*_ROW_COLUMNS, *(["labels"] if "labels" in batch.schema.names else [])]
 
 
-def open_hf_dataset(path: str | os.PathLike, *, validate: bool = True, verify_checksums: bool = False):
+def open_hf_dataset(
+    path: str | os.PathLike,
+    *,
+    validate: bool = True,
+    verify_checksums: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+):
     """The build as one Hugging Face `datasets.Dataset` (numpy format) for trainers that only take those,
     such as TRL's `SFTTrainer`. Every shard is checked first, as `PackedDataset` would (with
     `validate=False`, still its file and schema: `datasets` then maps a full build's shards unchecked).
@@ -335,10 +347,13 @@ def open_hf_dataset(path: str | os.PathLike, *, validate: bool = True, verify_ch
     numbers, 8 bytes a pack in memory), not of the rows, and a slice holds lists of arrays. Trainers read
     rows, so they see no difference with `remove_unused_columns=False`, which a full build needs too
     (for `cu_seqlens`); with True, HF Trainer refuses the dataset, since `pack` is no argument of the model.
+
+    A build at a URI is read through `cache_dir`, as `PackedDataset` reads it: a full build's rows are
+    then mapped from the cached copies of its shards, which must stay there while the dataset is used.
     """
     from datasets import Dataset as HFDataset, concatenate_datasets
 
-    packed = PackedDataset(path, validate=validate, verify_checksums=verify_checksums)
+    packed = PackedDataset(path, validate=validate, verify_checksums=verify_checksums, cache_dir=cache_dir)
     packed.check_all()
     columns = [*_ROW_COLUMNS, *(["labels"] if packed.manifest.has_labels else [])]
     if packed.store is not None:

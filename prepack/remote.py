@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from prepack.errors import FormatError, InputError, OutputError
-from prepack.format import MANIFEST_NAME, STORE_MANIFEST_NAME, Manifest, read_manifest, shard_path
+from prepack.format import MANIFEST_NAME, STORE_MANIFEST_NAME, Manifest, format_error, read_manifest, shard_path
 from prepack.output import Staging, check_replaceable
 from prepack.read import file_kind
 from prepack.store_format import StoreManifest, read_store_manifest
@@ -211,7 +211,9 @@ def _manifest_text(fs: Any, prefix: str, kind: str) -> bytes | None:
 
 def read_output_manifest(uri: str, kind: str = MANIFEST_NAME) -> Manifest | StoreManifest:
     """The manifest of the build (`kind` MANIFEST_NAME) or document store (STORE_MANIFEST_NAME) at
-    `uri`, read and validated as a local one. A prefix without one is no build: FormatError."""
+    `uri`, read and validated as a local one. A prefix without one is no build: FormatError without a
+    `problem`; an invalid build manifest raises FormatError whose `problem` is the finding (file: the
+    manifest's URI), which `verify` reports as one."""
     fs, prefix = filesystem(uri)
     fs.invalidate_cache()
     try:
@@ -237,8 +239,9 @@ def _parse_manifest(text: bytes, uri: str, kind: str) -> Manifest | StoreManifes
                 shard_path(directory, index, shard)
             return manifest
         except FormatError as exc:
-            detail = exc.problem.message if exc.problem is not None else str(exc).replace(directory, uri)
-            raise FormatError(f"{join(uri, kind)}: {detail}") from None
+            if exc.problem is not None:
+                raise format_error(join(uri, kind), exc.problem.message, column=exc.problem.column) from None
+            raise FormatError(f"{join(uri, kind)}: {str(exc).replace(directory, uri)}") from None
 
 
 @contextmanager

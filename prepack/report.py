@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +28,11 @@ from rich.table import Table
 from rich.text import Text
 
 from prepack.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs
+from prepack.cache import ShardCache, build_cache
 from prepack.errors import FormatError, InputError
 from prepack.format import Manifest, check_layout, list_column, open_shard, read_manifest, shard_path
 from prepack.output import output_errors
+from prepack.remote import is_uri
 
 __all__ = [
     "Cost",
@@ -187,15 +190,21 @@ def _shard_columns(batch, where: str, max_len: int) -> tuple[np.ndarray, ...]:
     return layout.tokens, layout.documents, layout.lengths, flat("source_rows"), flat("source_pieces")
 
 
-def _read_columns(path: Path, manifest: Manifest) -> tuple[list[ShardSummary], dict[str, np.ndarray]]:
+def _read_columns(build: Path | ShardCache, manifest: Manifest) -> tuple[list[ShardSummary], dict[str, np.ndarray]]:
+    """The shards' summaries and columns, read from the directory `build` or, for a build in object
+    storage, from the copies in the cache `build` (problems name the shards' URIs)."""
     max_len = manifest.options.max_len
     summaries, parts = [], {"tokens": [], "docs": [], "lengths": [], "rows": [], "pieces": []}
     for index, info in enumerate(manifest.shards):
-        file = shard_path(path, index, info)
-        batch = open_shard(file, manifest.has_labels, manifest.options.max_len, manifest.store_documents)
+        if isinstance(build, Path):
+            file = shard_path(build, index, info)
+            where = str(file)
+        else:
+            file, where = build.shard(info), build.name(info)
+        batch = open_shard(file, manifest.has_labels, max_len, manifest.store_documents, where=where)
         if batch.num_rows != info.rows:
-            raise FormatError(f"{file}: {batch.num_rows} packs, but the manifest says {info.rows}.")
-        columns = _shard_columns(batch, str(file), max_len)
+            raise FormatError(f"{where}: {batch.num_rows} packs, but the manifest says {info.rows}.")
+        columns = _shard_columns(batch, where, max_len)
         for key, values in zip(parts, columns):
             parts[key].append(values)
         tokens = int(columns[0].sum())
@@ -242,6 +251,7 @@ def inspect_build(
     seed: int = 0,
     world_size: int | None = None,
     token_cost: float = DEFAULT_TOKEN_COST,
+    cache_dir: str | os.PathLike | None = None,
 ) -> InspectReport:
     """Report on the build at `path`, reading the manifest and the per-pack columns only.
 
@@ -255,6 +265,10 @@ def inspect_build(
     With `world_size`, `steps` compares the ranks' work per step of `batch_size` packs each, as
     `PackedSampler(seed=seed, drop_last=True)` deals epoch 0, without and with `balance="attention"`.
 
+    `path` may be a URI (`s3://bucket/packed`, needs `prepack[s3]`): its shards are then downloaded
+    into `cache_dir` and checked against the manifest's sha256 (`prepack.cache`; when None, a
+    temporary directory deleted before this returns).
+
     Raises FormatError when the build cannot be read or its columns disagree with its manifest
     (`verify_build` checks everything), InputError for a batch_size below 1.
     """
@@ -262,9 +276,11 @@ def inspect_build(
         raise InputError(f"batch_size must be at least 1, got {batch_size}.")
     if (world_size is not None and world_size < 1) or token_cost < 0:
         raise InputError(f"world_size must be at least 1 and token_cost non-negative, got {world_size} and {token_cost}.")
-    path = Path(path)
-    manifest = read_manifest(path)
-    summaries, columns = _read_columns(path, manifest)
+    with ExitStack() as stack:
+        build = stack.enter_context(build_cache(str(path), cache_dir)) if is_uri(path) else Path(path)
+        manifest = build.manifest if isinstance(build, ShardCache) else read_manifest(build)
+        summaries, columns = _read_columns(build, manifest)
+    path = build.uri if isinstance(build, ShardCache) else build
     t, max_len = manifest.totals, manifest.options.max_len
     lengths = columns["lengths"]
     tokens, packs, segments = int(lengths.sum()), len(columns["tokens"]), len(lengths)

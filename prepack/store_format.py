@@ -24,9 +24,9 @@ from prepack.format import (
     IGNORE_INDEX,
     MANIFEST_NAME,
     STORE_MANIFEST_NAME,
-    FormatProblem,
     InputFile,
     TokenizeOptions,
+    format_error,
     load_manifest_json,
 )
 
@@ -186,8 +186,7 @@ def store_error(
 ) -> FormatError:
     """The error for a store shard that breaks the format: its message names `where` (the shard), the
     row and the column, which `FormatError.problem` carries as fields."""
-    problem = FormatProblem(str(where), message, row, column)
-    return FormatError(str(problem), problem)
+    return format_error(where, message, row, column)
 
 
 def check_store_offsets(batch: pa.RecordBatch, shard: StoreShard, has_labels: bool, where: str) -> np.ndarray:

@@ -91,21 +91,25 @@ class Store:
         """The local file of one of the store's shards."""
         return self.root / shard.name
 
+    def shard_where(self, shard: StoreShard) -> str:
+        """What the problems of one of the store's shards name it by: its URI when the store lies in
+        object storage (`location`), else its file (`shard_file`, which a cached store downloads)."""
+        return str(self.root / shard.name) if self.location is None else f"{self.location}/{shard.name}"
+
     def shard_columns(self, shard: StoreShard) -> ShardColumns:
         """(token offsets as int64, token ids, labels or None) of one of the store's shards, views of
         its memory map, after its sha256 and contents are checked: document d of the shard is
         ids[offsets[d]:offsets[d + 1]]. Raises FormatError naming the shard, row and column
         (`FormatError.problem`)."""
-        path = self.shard_file(shard)
-        data = _map(path)
+        data, where = _map(self.shard_file(shard)), self.shard_where(shard)
         if hashlib.sha256(data).hexdigest() != shard.sha256:
-            raise store_error(path, "its sha256 is not the store manifest's: the shard changed.")
-        batch = self._batch(data, path)
+            raise store_error(where, "its sha256 is not the store manifest's: the shard changed.")
+        batch = self._batch(data, where)
         try:
             batch.validate(full=True)
         except pa.ArrowException as exc:
-            raise store_error(path, f"not valid Arrow data ({exc}).") from None
-        offsets = check_store_shard(batch, shard, self.manifest.has_labels, str(path))
+            raise store_error(where, f"not valid Arrow data ({exc}).") from None
+        offsets = check_store_shard(batch, shard, self.manifest.has_labels, where)
         labels = batch.column("labels").values.to_numpy() if self.manifest.has_labels else None
         return offsets, batch.column("input_ids").values.to_numpy(), labels
 
@@ -114,45 +118,45 @@ class Store:
         of the store's shards, from its offsets and labels alone: no hash, no token id read, and of the
         labels only each document's first up to its first trained one. What is read is checked
         (`check_store_offsets`); the tokens are checked where they are used (`shard_columns`)."""
-        path = self.shard_file(shard)
-        batch = self._batch(_map(path), path)
+        where = self.shard_where(shard)
+        batch = self._batch(_map(self.shard_file(shard)), where)
         try:
             batch.validate()  # buffers as long as the lengths say, before numpy reads them
         except pa.ArrowException as exc:
-            raise store_error(path, f"not valid Arrow data ({exc}).") from None
-        offsets = check_store_offsets(batch, shard, self.manifest.has_labels, str(path))
+            raise store_error(where, f"not valid Arrow data ({exc}).") from None
+        offsets = check_store_offsets(batch, shard, self.manifest.has_labels, where)
         labels = batch.column("labels").values.to_numpy() if self.manifest.has_labels else None
         return np.diff(offsets), untrained_documents(offsets, labels)
 
     @staticmethod
-    def _batch(data: pa.Buffer, path: Path) -> pa.RecordBatch:
+    def _batch(data: pa.Buffer, where: str) -> pa.RecordBatch:
         """The one uncompressed record batch of a store shard's bytes, zero-copy (its schema is checked
         with its offsets, `check_store_offsets`)."""
         try:
             messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(data))
-            schema = pa.ipc.read_schema(_next_message(messages, path, "schema"))
-            message = _next_message(messages, path, "record batch")
+            schema = pa.ipc.read_schema(_next_message(messages, where, "schema"))
+            message = _next_message(messages, where, "record batch")
             if ipc_body_compressed(message.metadata):
-                raise store_error(path, "the record batch is compressed; store shards are uncompressed, to be mapped.")
+                raise store_error(where, "the record batch is compressed; store shards are uncompressed, to be mapped.")
             batch = pa.ipc.read_record_batch(message, schema)
             try:
                 extra = messages.read_next_message()
             except StopIteration:  # the stream ends after its record batch, as it should
                 extra = None
         except (OSError, pa.ArrowException, struct.error) as exc:
-            raise store_error(path, f"not a readable Arrow IPC stream ({exc}).") from None
+            raise store_error(where, f"not a readable Arrow IPC stream ({exc}).") from None
         if extra is not None:
-            raise store_error(path, f"a {extra.type} message follows the record batch; a store shard holds one.")
+            raise store_error(where, f"a {extra.type} message follows the record batch; a store shard holds one.")
         return batch
 
 
-def _next_message(messages: pa.ipc.MessageReader, path: Path, kind: str) -> pa.ipc.Message:
+def _next_message(messages: pa.ipc.MessageReader, where: str, kind: str) -> pa.ipc.Message:
     try:
         message = messages.read_next_message()
     except StopIteration:
-        raise store_error(path, f"the stream ends before its {kind}.") from None
+        raise store_error(where, f"the stream ends before its {kind}.") from None
     if message.type != kind:
-        raise store_error(path, f"a {message.type} message where the shard's {kind} should be.")
+        raise store_error(where, f"a {message.type} message where the shard's {kind} should be.")
     return message
 
 

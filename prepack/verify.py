@@ -30,6 +30,11 @@ documents that fingerprint (step 2b); every (document, piece, length) of a pack 
 store document. Without `source` its packs are then held to the store's documents as step 5 holds a
 full build's to the corpus (pieces, lengths, counts, inputs), tokens aside, which are the store's.
 
+A build in object storage (a URI) is checked the same way, its shards (and its store's) read through a
+`prepack.cache.ShardCache`, which checks each one's size and sha256 as it downloads it (step 2 and the
+sha256 of step 3); its problems name the objects by their URIs (`Problem.location`). A source at a URI is
+copied locally first (`prepack.remote.local_input`) and its files named by their URIs.
+
 A shard that cannot be read or has malformed rows is left out of steps 4 and 5, and so are the checks
 there that need every pack (a document missing from the packs might be in that shard): one problem says
 so, instead of a cascade of follow-on reports.
@@ -40,7 +45,9 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from itertools import islice
 from pathlib import Path
 
@@ -48,6 +55,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
+from prepack.cache import ShardCache, build_cache
 from prepack.errors import FormatError, InputError
 from prepack.format import (
     MANIFEST_NAME,
@@ -66,6 +74,7 @@ from prepack.format import (
 )
 from prepack.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
+from prepack.remote import LocalInput, is_uri, join, list_input, local_input
 from prepack.store_read import ShardColumns, Store, is_store, open_build_store, open_store
 
 __all__ = ["Problem", "verify_build"]
@@ -79,7 +88,9 @@ class Problem(BaseModel):
     a whole), or an index build's store file, its path from the build (`../store/documents-00000.arrow`);
     `row` the pack's row inside that shard (the document's inside a store shard), `column` the shard
     column (or the manifest field);
-    `source_file`/`source_row` locate the corpus document concerned, when there is one."""
+    `source_file`/`source_row` locate the corpus document concerned, when there is one;
+    `location` is the URI of a build in object storage, which `file` is relative to (None for a local
+    build, whose files are named relative to its directory): `str()` then names the object's URI."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -88,6 +99,7 @@ class Problem(BaseModel):
     column: str | None = None
     source_file: str | None = None
     source_row: int | None = None
+    location: str | None = None
     message: str
 
     def __str__(self) -> str:
@@ -98,7 +110,7 @@ class Problem(BaseModel):
                 + (f", row {self.source_row}" if self.source_row is not None else "")
             )
         if self.file is not None:
-            where.append(self.file)
+            where.append(self.file if self.location is None else join(self.location, self.file))
         if self.row is not None:
             where.append(f"row {self.row}")
         if self.column is not None:
@@ -113,6 +125,7 @@ def verify_build(
     tokenizer: str | os.PathLike | None = None,
     chat_template: str | os.PathLike | None = None,
     all_problems: bool = False,
+    cache_dir: str | os.PathLike | None = None,
 ) -> list[Problem]:
     """Check the build at `path` (and, with `source`, every token of the corpus it was built from).
 
@@ -122,21 +135,44 @@ def verify_build(
     manifest's options, and must match the tokenizer and template identities the manifest records.
     An index build's packs are compared with the source as gathered from its store.
 
+    `path` and `source` may be URIs (`s3://bucket/packed`, needs `prepack[s3]`): the build's shards are
+    then downloaded into `cache_dir` (`prepack.cache`; when None, a temporary directory deleted before
+    this returns) and its problems carry its URI (`Problem.location`); the source is copied into a
+    temporary directory while it is read.
+
     Returns the problems found: none for a sound build, the first one only unless `all_problems`.
     Raises FormatError when `path` is not a build at all (no manifest.json) or a source store breaks
-    its format, and InputError when the source cannot be read or does not fit the build's options;
-    those are not findings about the build.
+    its format, and InputError when the build or the source cannot be
+    read or the source does not fit the build's options; those are not findings about the build.
     """
-    path = Path(path)
-    if not (path / MANIFEST_NAME).is_file():
-        read_manifest(path)  # raises the format's "not a finished build" error
-    try:
-        manifest = read_manifest(path)
-    except FormatError as exc:
-        return [Problem(file=MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message)]
-    documents = None if source is None else _source_documents(source, manifest, tokenizer, chat_template)
-    problems = _problems(path, manifest, documents)
-    return list(problems) if all_problems else list(islice(problems, 1))
+    with ExitStack() as stack:
+        if is_uri(path):
+            try:
+                build: Path | ShardCache = stack.enter_context(build_cache(str(path), cache_dir))
+            except FormatError as exc:
+                if exc.problem is None:  # no manifest.json: not a build (`read_output_manifest`)
+                    raise
+                found, location = exc.problem, str(path).rstrip("/")
+                return [Problem(file=MANIFEST_NAME, column=found.column, message=found.message, location=location)]
+            manifest = build.manifest
+        else:
+            build = Path(path)
+            if not (build / MANIFEST_NAME).is_file():
+                read_manifest(build)  # raises the format's "not a finished build" error
+            try:
+                manifest = read_manifest(build)
+            except FormatError as exc:
+                return [Problem(file=MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message)]
+        documents = (
+            None
+            if source is None
+            else _source_documents(stack.enter_context(local_input(source)), manifest, tokenizer, chat_template)
+        )
+        problems = _problems(build, manifest, documents)
+        found = list(problems) if all_problems else list(islice(problems, 1))
+    if isinstance(build, ShardCache):
+        return [problem.model_copy(update={"location": build.uri}) for problem in found]
+    return found
 
 
 @dataclass
@@ -179,20 +215,22 @@ class _Source:
 
 
 def _source_documents(
-    source: str | os.PathLike,
+    source: LocalInput,
     manifest: Manifest,
     tokenizer: str | os.PathLike | None,
     chat_template: str | os.PathLike | None,
 ) -> _Source:
     o = manifest.options
-    if is_store(source):
+    if is_store(source.spec):
         if tokenizer is not None or chat_template is not None:
             raise InputError(
-                f"{source} is a document store, tokenized already: leave out --tokenizer and --chat-template."
+                f"{source.location or source.spec} is a document store, tokenized already: leave out --tokenizer "
+                "and --chat-template."
             )
-        store = open_store(source)
+        store = open_store(source.spec, source.location)
         return _Source(store.corpus, store.manifest.has_labels, store.documents())
-    corpus = find_corpus(source)
+    corpus = find_corpus(source.spec)
+    corpus = corpus if source.location is None else corpus.located(source.location)
     if o.tokenize is None:
         used_labels, batches = read_documents(corpus, o.column, o.labels_column if manifest.has_labels else None)
         return _Source(corpus, used_labels is not None, batches)
@@ -221,22 +259,22 @@ def _source_documents(
     return _Source(corpus, has_labels, batches)
 
 
-def _problems(path: Path, manifest: Manifest, source: _Source | None) -> Iterator[Problem]:
+def _problems(build: Path | ShardCache, manifest: Manifest, source: _Source | None) -> Iterator[Problem]:
+    """The problems of the build in the directory `build`, or in object storage read through the cache `build`."""
     yield from _manifest_problems(manifest)
+    local = isinstance(build, Path)
     store, store_columns = None, {}
     if manifest.store is not None:
         try:
-            store = open_build_store(path, manifest)
+            store = open_build_store(build, manifest) if local else build.store()
         except FormatError as exc:
             yield Problem(file=MANIFEST_NAME, column="store", message=str(exc))
         else:
             store_columns = yield from _store_problems(store, manifest)
-    file_problems = yield from _directory_problems(path, manifest)
+    readable = yield from (_directory_problems(build, manifest) if local else _download_problems(build))
     shards: dict[int, _Shard] = {}
-    for index in range(len(manifest.shards)):
-        if file_problems.get(index) in ("name", "missing", "type"):
-            continue
-        shard = yield from _shard_problems(path, index, manifest, check_sha256=index not in file_problems)
+    for index, (file, check_sha256) in readable.items():
+        shard = yield from _shard_problems(file, index, manifest, check_sha256)
         if shard is not None:
             if source is None:  # only the source check reads tokens again: unmap the shard now
                 shard.ids = shard.labels = None
@@ -332,17 +370,48 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
 # 2. The directory ---------------------------------------------------------------------------------
 
 
+_SHARD_FILES = "shard-*.arrow"  # what a file the manifest does not list is taken for a shard by
+
+
+def _unlisted_problems(names: list[str], manifest: Manifest) -> Iterator[Problem]:
+    """The shard files among `names` (the files at the top of the build) that the manifest does not list."""
+    listed = {info.name for info in manifest.shards}
+    for extra in sorted(n for n in names if fnmatchcase(n, _SHARD_FILES) and n not in listed):
+        yield Problem(file=extra, message="a shard file the manifest does not list.")
+
+
+_Readable = dict[int, tuple[Path, bool]]  # shard index -> (its local file, whether its sha256 is still to check)
+
+
 def _directory_problems(path: Path, manifest: Manifest):
-    """Yield the directory's problems; return {shard index: kind} of the `shard_file_problems`."""
+    """Yield the directory's problems (`shard_file_problems`, and shards the manifest does not list);
+    return the shards there are files to read: those of the wrong size, their sha256 not to check."""
     found = {}
     for problem in shard_file_problems(path, manifest):
         found[problem.index] = problem.kind
         column = f"shards[{problem.index}].name" if problem.kind == "name" else None
         yield Problem(file=problem.file, column=column, message=problem.message)
-    listed = {info.name for info in manifest.shards}
-    for extra in sorted(p.name for p in path.glob("shard-*.arrow") if p.name not in listed):
-        yield Problem(file=extra, message="a shard file the manifest does not list.")
-    return found
+    yield from _unlisted_problems([p.name for p in path.glob(_SHARD_FILES)], manifest)
+    readable: _Readable = {}
+    for index, info in enumerate(manifest.shards):
+        if found.get(index) not in ("name", "missing", "type"):
+            readable[index] = (path / info.name, index not in found)
+    return readable
+
+
+def _download_problems(cache: ShardCache):
+    """Yield the problems of a build in object storage's shards as the cache downloads them (missing,
+    size, sha256: `ShardCache.fetch`, which keeps no copy that fails), and the shards it does not list;
+    return the shards the cache holds, their sha256 checked."""
+    readable: _Readable = {}
+    for index, info in enumerate(cache.manifest.shards):
+        try:
+            readable[index] = (cache.shard(info), False)
+        except FormatError as exc:
+            yield Problem(file=info.name, message=exc.problem.message)
+    # The prefix's objects at its top, as `list_input` finds them (`.arrow` objects among others).
+    yield from _unlisted_problems([n for n in list_input(cache.uri).names if "/" not in n], cache.manifest)
+    return readable
 
 
 # 2b. An index build's store --------------------------------------------------------------------
@@ -420,12 +489,11 @@ def _reference_problems(
 # 3. Each shard ------------------------------------------------------------------------------------
 
 
-def _shard_problems(path: Path, index: int, manifest: Manifest, check_sha256: bool):
-    """Yield the shard's problems (its sha256 only if `check_sha256`); return its segments when its
-    rows can be trusted, else None."""
+def _shard_problems(file: Path, index: int, manifest: Manifest, check_sha256: bool):
+    """Yield the problems of shard `index`, read from `file` (its sha256 only if `check_sha256`);
+    return its segments when its rows can be trusted, else None."""
     info = manifest.shards[index]
     name = info.name
-    file = path / name
     try:
         if check_sha256 and (digest := shard_sha256(file)) != info.sha256:
             yield Problem(

@@ -8,6 +8,7 @@ through a checked cache that several processes share."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -23,6 +24,8 @@ import prepack
 from examples.chitchat import chitchat, gpt2_directory
 from prepack import PackedDataset, build, build_store
 from prepack.errors import FormatError, InputError, OutputError
+from prepack.report import inspect_build
+from prepack.verify import verify_build
 from tests.corpus import corpus_table, write_corpus
 
 s3fs = pytest.importorskip("s3fs")
@@ -357,3 +360,176 @@ def test_a_missing_client_asks_for_the_extra(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert result.stdout.strip() == "s3://bucket/corpus/: reading s3:// needs its client: pip install 'prepack[s3]'"
+
+
+# --- verify, inspect and open_hf_dataset of a build in object storage --------------------------------
+# They read its shards through a ShardCache (--cache-dir, or a temporary one), check them as a local
+# build's, and name every problem by the object's URI, never by its cached copy.
+
+
+def run_prepack_in(tmpdir: Path, *args: str) -> subprocess.CompletedProcess:
+    """`run_prepack` with TMPDIR set to `tmpdir`, to see what the command leaves there."""
+    assert PREPACK, "the prepack console script is not installed beside this Python"
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    return subprocess.run([PREPACK, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def _inspect_json(build: str) -> dict:
+    result = run_prepack("inspect", build, "--json", "--world-size", "2")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_verify_and_inspect_a_build_in_s3_as_the_local_build(remote_build, tmp_path, fs, s3_bucket, s3_server):
+    local, uri = remote_build
+    corpus = _upload(fs, tmp_path / "corpus", f"{s3_bucket}/corpus")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    for source, checked in (([], "shards and manifest"), (["--source", corpus], "shards, manifest and every token of the source")):
+        result = run_prepack_in(scratch, "verify", uri, *source)
+        assert (result.returncode, result.stdout) == (0, f"{uri}: no problems ({checked} checked).\n"), result.stderr
+    assert list(scratch.iterdir()) == []  # the temporary cache and the copy of the source are gone
+    remote, here = _inspect_json(uri), _inspect_json(str(local))
+    assert (remote.pop("path"), here.pop("path")) == (uri, str(local))
+    assert remote == here and remote["shards"] > 3
+    # With --cache-dir the shards stay, checked, for the next command (or a PackedDataset).
+    cache = tmp_path / "cache"
+    assert run_prepack("verify", uri, "--cache-dir", str(cache)).returncode == 0
+    shards = prepack.read_manifest(local).shards
+    assert sorted(p.name for p in cache.glob("*.arrow")) == sorted(f"{s.sha256}.arrow" for s in shards)
+    gets = len(s3_server.requests("GET", f"/{uri.removeprefix('s3://')}/shard-"))
+    assert verify_build(uri, corpus, cache_dir=cache, all_problems=True) == []
+    assert inspect_build(uri, cache_dir=cache).model_dump() == {**inspect_build(local).model_dump(), "path": uri}
+    assert len(s3_server.requests("GET", f"/{uri.removeprefix('s3://')}/shard-")) == gets  # all from the cache
+
+
+def test_verify_and_inspect_an_index_build_in_s3_with_its_store(tmp_path, fs, s3_bucket):
+    corpus = _token_corpus(tmp_path / "corpus")
+    build_store(corpus, tmp_path / "data" / "store", shard_size=30_000)
+    build(tmp_path / "data" / "store", tmp_path / "index", max_len=512, index_only=True)
+    build_store(corpus, f"{s3_bucket}/data/store", shard_size=30_000)
+    uri = f"{s3_bucket}/index"
+    build(f"{s3_bucket}/data/store", uri, max_len=512, index_only=True)
+    result = run_prepack("verify", uri, "--all")
+    assert (result.returncode, result.stdout) == (0, f"{uri}: no problems (shards and manifest checked).\n"), result.stderr
+    assert verify_build(uri, f"{s3_bucket}/data/store", all_problems=True) == []  # a source store at a URI
+    build_store(corpus / "part-0.parquet", f"{s3_bucket}/other-store")
+    wrong = verify_build(uri, f"{s3_bucket}/other-store", all_problems=True)
+    inputs = next(p for p in wrong if p.column == "inputs")
+    assert str(inputs) == f"{uri}/manifest.json, inputs: {inputs.message}" and "the source has [('part-0.parquet', 150)]" in inputs.message
+    remote, here = _inspect_json(uri), _inspect_json(str(tmp_path / "index"))
+    assert remote.pop("path") == uri and here.pop("path") == str(tmp_path / "index")
+    assert remote == here
+    # A store shard changed in the bucket (same size, other bytes): named by its URI, exit 1.
+    store = prepack.read_store_manifest(tmp_path / "data" / "store")
+    name = store.shards[1].name
+    data = bytearray((tmp_path / "data" / "store" / name).read_bytes())
+    data[-100] ^= 0xFF
+    fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/data/store/{name}", bytes(data))
+    result = run_prepack("verify", uri, "--all")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    first = result.stdout.splitlines()[0]
+    assert first.startswith(f"problem: {s3_bucket}/data/store/{name}: sha256 "), result.stdout
+    [problem, *_] = verify_build(uri)
+    assert (problem.location, problem.file) == (uri, f"../data/store/{name}")
+
+
+def test_verify_names_a_damaged_shard_in_s3_by_its_uri(remote_build, tmp_path, fs, s3_server):
+    local, uri = remote_build
+    name = prepack.read_manifest(local).shards[1].name
+    data = bytearray((local / name).read_bytes())
+    data[-100] ^= 0xFF  # same size, other bytes
+    fs.pipe_file(f"{uri.removeprefix('s3://')}/{name}", bytes(data))
+    result = run_prepack("verify", uri, "--all")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"problem: {uri}/{name}: sha256 ") and "does not match the manifest's" in lines[0]
+    assert lines[1].startswith("problem: 1 shard(s) could not be read") and len(lines) == 2, result.stdout
+    with pytest.raises(FormatError, match=f"^{uri}/{name}: sha256 "):
+        inspect_build(uri)
+    fs.pipe_file(f"{uri.removeprefix('s3://')}/shard-09999.arrow", b"stray")
+    fs.pipe_file(f"{uri.removeprefix('s3://')}/more/shard-09998.arrow", b"not at the top")
+    problems = verify_build(uri, all_problems=True)
+    assert [str(p) for p in problems if "shard-0999" in (p.file or "")] == [
+        f"{uri}/shard-09999.arrow: a shard file the manifest does not list."  # as locally: the top level only
+    ]
+
+
+def test_a_bad_row_in_s3_is_named_by_the_uri_in_verify_inspect_and_the_loader(remote_build, tmp_path, fs):
+    """A shard rewritten with a wrong `cu_seqlens` and recorded in the manifest (so that only the row
+    checks notice): every reader names the object's URI, row and column, not the cached copy."""
+    from tests.test_verify import rewrite_shard, row_with_documents, shard_rows, with_column
+
+    local, uri = remote_build
+    name = "shard-00001.arrow"
+    rows = shard_rows(local, name)
+    r = row_with_documents(rows)
+    tampered = [row["cu_seqlens"] for row in rows]
+    tampered[r] = tampered[r][:-1] + [tampered[r][-1] + 1]
+    rewrite_shard(local, name, lambda b: with_column(b, "cu_seqlens", tampered))
+    for file in (name, "manifest.json"):
+        fs.pipe_file(f"{uri.removeprefix('s3://')}/{file}", (local / file).read_bytes())
+    [here] = verify_build(local)
+    [there] = verify_build(uri)
+    assert (there.file, there.row, there.column, there.message) == (here.file, here.row, here.column, here.message)
+    assert str(there) == f"{uri}/{here}" and str(there).startswith(f"{uri}/{name}, row {r}, column 'cu_seqlens': ")
+    result = run_prepack("verify", uri)
+    assert (result.returncode, result.stdout) == (1, f"problem: {there}\n")
+    cache = tmp_path / "cache"
+    with pytest.raises(FormatError, match=f"^{uri}/{name}: row {r}, column 'cu_seqlens': ") as loading:
+        PackedDataset(uri, cache_dir=cache).check_all()
+    assert str(cache) not in str(loading.value)
+    with pytest.raises(FormatError, match=f"^{uri}/{name}: row {r}, column 'cu_seqlens': "):
+        inspect_build(uri, cache_dir=cache)
+
+
+def test_open_hf_dataset_reads_a_build_in_s3_through_its_cache(remote_build, tmp_path):
+    from prepack import open_hf_dataset
+
+    local, uri = remote_build
+    here = open_hf_dataset(local)
+    there = open_hf_dataset(uri, cache_dir=tmp_path / "cache")
+    assert there.column_names == here.column_names and len(there) == len(here) > 0
+    for a, b in zip(here, there):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert {p.name for p in (tmp_path / "cache").glob("*.arrow")} == {f"{s.sha256}.arrow" for s in prepack.read_manifest(local).shards}
+    with pytest.raises(InputError, match="pass cache_dir="):
+        open_hf_dataset(uri)
+
+
+def test_an_invalid_manifest_in_s3_is_a_finding_of_verify(remote_build, fs):
+    local, uri = remote_build
+    fs.pipe_file(f"{uri.removeprefix('s3://')}/manifest.json", b"{not json")
+    (local / "manifest.json").write_bytes(b"{not json")
+    [here] = verify_build(local)
+    [there] = verify_build(uri)
+    assert there == here.model_copy(update={"location": uri}) and "cannot be read as JSON" in there.message
+    result = run_prepack("verify", uri)
+    assert (result.returncode, result.stdout) == (1, f"problem: {uri}/manifest.json: {here.message}\n"), result.stderr
+
+
+def test_verify_and_inspect_of_a_prefix_without_a_manifest_exit_2(tmp_path, fs, s3_bucket):
+    fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/packed/shard-00000.arrow", b"not a build")
+    for command in ("verify", "inspect"):
+        result = run_prepack_in(tmp_path, command, f"{s3_bucket}/packed")
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        message = " ".join(result.stderr.split())
+        assert f"{s3_bucket}/packed/manifest.json does not exist: {s3_bucket}/packed is not a finished prepack build" in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_damaged_store_shard_in_s3_is_named_by_its_uri_when_built_from(tmp_path, fs, s3_bucket):
+    """A store read from a URI (copied locally first) names its shards by their URIs (`Store.shard_where`)."""
+    corpus = _token_corpus(tmp_path / "corpus")
+    build_store(corpus, tmp_path / "store", shard_size=30_000)
+    name = prepack.read_store_manifest(tmp_path / "store").shards[1].name
+    data = bytearray((tmp_path / "store" / name).read_bytes())
+    data[-100] ^= 0xFF
+    (tmp_path / "store" / name).write_bytes(bytes(data))
+    store = _upload(fs, tmp_path / "store", f"{s3_bucket}/store")
+    with pytest.raises(FormatError) as locally:
+        build(tmp_path / "store", tmp_path / "packed", max_len=512)
+    with pytest.raises(FormatError) as remotely:
+        build(store, f"{s3_bucket}/packed", max_len=512)
+    assert str(remotely.value) == f"{store}/{name}: its sha256 is not the store manifest's: the shard changed."
+    assert str(locally.value) == str(remotely.value).replace(store, str(tmp_path / "store"))
