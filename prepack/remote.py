@@ -26,6 +26,7 @@ import os
 import posixpath
 import re
 import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from prepack.store_format import StoreManifest, read_store_manifest
 
 __all__ = [
     "InputObjects",
+    "Publication",
     "LocalInput",
     "fetch",
     "filesystem",
@@ -49,6 +51,7 @@ __all__ = [
     "local_input",
     "read_output_manifest",
     "relative_location",
+    "scratch_prefix",
     "staged_prefix",
     "upload",
 ]
@@ -271,6 +274,37 @@ def staged_prefix(uri: str, overwrite: bool, kind: str = MANIFEST_NAME) -> Itera
                 raise OutputError(f"{exc}; nor could what this build uploaded to {uri} be deleted: {cleanup}.") from None
             raise
         publication.publish(staging.build)
+
+
+@contextmanager
+def scratch_prefix(uri: str) -> Iterator[str]:
+    """A prefix for the scratch objects of a build to the prefix `uri` (`--engine ray`'s token files,
+    which tasks on other nodes read): `.NAME.prepack-scratch-RANDOM` beside it, so that no reader and no
+    overwrite check takes it for part of an output, with a name no other writer picks. Everything under
+    it is deleted when the block ends, whatever happens; nothing else is."""
+    fs, path = filesystem(uri)
+    parent, name = posixpath.split(path.rstrip("/"))
+    random = uuid.uuid4().hex
+    scratch = f"{parent}/.{name}.prepack-scratch-{random}" if parent else f"{name}/.prepack-scratch-{random}"
+    try:
+        yield fs.unstrip_protocol(scratch)
+    except Exception as exc:
+        try:
+            _delete_prefix(fs, scratch)
+        except OSError as cleanup:
+            raise OutputError(f"{exc}; nor could this build's scratch objects under {fs.unstrip_protocol(scratch)} be deleted: {cleanup}.") from None
+        raise
+    try:
+        _delete_prefix(fs, scratch)
+    except OSError as exc:
+        raise OutputError(f"cannot delete this build's scratch objects under {fs.unstrip_protocol(scratch)}: {exc}.") from None
+
+
+def _delete_prefix(fs: Any, prefix: str) -> None:
+    fs.invalidate_cache()
+    found = fs.find(prefix + "/")
+    if found:
+        fs.rm(found)
 
 
 class Publication:
