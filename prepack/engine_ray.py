@@ -21,9 +21,18 @@ packs (~40 bytes a document in all), which the driver makes one shard at a time 
 broadcasting the plan to every node instead would cost each node ~8 bytes a document of object
 store. A bad row is the local engine's `PrepackError`, returned by the task as a value and raised on
 the driver (Ray would print the worker's traceback). Ray retries a task whose worker died; a task writes its files from the
-start, so a retry changes no byte. Workers open the paths the driver names, from the driver's working
-directory where the node has it: a cluster's nodes need the corpus, the tokenizer and the output on a
-shared file system.
+start, so a retry changes no byte. A failure of Ray's own (a task that raised something else, or was
+lost after its retries; a cluster that cannot be joined) is an `EngineError`.
+
+Workers open the local paths the driver names, from the driver's working directory where the node has
+it: local corpora, tokenizers and outputs must lie on a file system the nodes share. Object storage
+needs none: a corpus file or store shard at a URI is fetched by its task into the node's `TMPDIR` (and
+named by its URI in errors, as by the local engine); for an output at a URI the scratch files are
+objects under `prepack.remote.scratch_prefix` (uploaded by phase 1, which the driver reads back to hash,
+and of which a phase-3 task fetches the byte ranges its shard's documents lie in), and each phase-3
+task uploads its shard to its final name through the build's `prepack.remote.Publication`, which
+records it as this build's; the driver uploads the manifest last, and a failed build deletes what it
+uploaded and its scratch objects.
 """
 
 from __future__ import annotations
@@ -473,7 +482,7 @@ def _check_listening(address: str) -> None:
     if not host or not port.isdigit():
         return  # "auto", "local": Ray's to resolve
     try:
-        socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT).close()
     except OSError as exc:
         raise EngineError(f"--ray-address {address}: no Ray cluster answers there ({exc.strerror or exc}).") from None
 

@@ -7,13 +7,15 @@ to object storage, so every reading and writing rule stays defined once, for loc
   and read by the same code as a local one; its files keep their URIs as names (`Corpus.located`), so
   errors name `s3://bucket/corpus/part-1.parquet, row 7, column 'input_ids'` and a manifest's `inputs`
   are the same relative names as a local build's.
-- Writing (`staged_prefix`): a build or store is written into a local staging directory as always, then
-  published: every shard uploaded, the manifest last. Object stores have no rename, so the manifest is
+- Writing (`staged_prefix`, `Publication`): a build or store is written into a local staging directory
+  as always (or uploaded shard by shard by the Ray engine's tasks), then published: every shard
+  uploaded, the manifest last. Object stores have no rename, so the manifest is
   what makes a prefix a build: every reader treats a prefix without one as no build. A prefix is written
   only when it is empty or holds a prepack output of the same kind and `overwrite` is on; a failed
   publication deletes what it uploaded, and nothing else.
 - `list_input`, `fetch` and `upload` list a corpus and move one file at a time, for callers that
-  distribute the work (the Ray engine's workers); `Corpus.located` names local copies by their URIs.
+  distribute the work (the Ray engine's workers); `Corpus.located` names local copies by their URIs;
+  `scratch_prefix` is where such callers keep the objects that pass between their tasks.
 
 fsspec and the client of each scheme (s3fs for `s3://`: `pip install 'prepack[s3]'`) are imported on
 first use. Clients are configured the standard way: for S3, credentials and `AWS_ENDPOINT_URL` from the

@@ -4,6 +4,7 @@ killed mid-build; a bad row on a worker is the local engine's error, and nothing
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -340,6 +341,23 @@ def test_a_bad_row_in_a_later_object_is_the_local_error_and_leaves_no_object(tmp
     assert str(on_ray.value) == str(local.value)
     assert f"{remote}/6.jsonl, row 1, column 'input_ids'" in str(local.value)
     assert list(_objects(fs, s3_bucket)) == [f"corpus/{n}" for n in sorted(_objects(fs, remote))]
+
+
+def test_the_scratch_prefix_is_beside_the_output_and_only_it_is_deleted(s3_server, fs, s3_bucket):
+    from prepack.remote import scratch_prefix
+
+    kept = {".packed.prepack-scratch-other/x": b"1", "packed-2/y": b"2", "packed/z": b"3"}
+    for name, data in kept.items():
+        fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/{name}", data)
+    for failing in (False, True):
+        with pytest.raises(RuntimeError) if failing else contextlib.nullcontext():
+            with scratch_prefix(f"{s3_bucket}/packed/") as scratch:
+                assert scratch.startswith(f"{s3_bucket}/.packed.prepack-scratch-")
+                fs.pipe_file(f"{scratch.removeprefix('s3://')}/deep/ids-00000.bin", b"tokens")
+                assert len(_objects(fs, s3_bucket)) == len(kept) + 1
+                if failing:
+                    raise RuntimeError("a build failed")
+        assert _objects(fs, s3_bucket) == kept
 
 
 def test_an_index_build_runs_on_the_driver_with_the_local_bytes(tmp_path, local_ray):
