@@ -343,6 +343,21 @@ def test_a_bad_row_in_a_later_object_is_the_local_error_and_leaves_no_object(tmp
     assert list(_objects(fs, s3_bucket)) == [f"corpus/{n}" for n in sorted(_objects(fs, remote))]
 
 
+def test_a_damaged_store_shard_in_s3_is_named_by_its_uri_on_a_worker(tmp_path, s3_ray, fs, s3_bucket):
+    build_store(_token_corpus(tmp_path / "c"), tmp_path / "store", shard_size=40_000)
+    name = json.loads((tmp_path / "store" / "store.json").read_text())["shards"][2]["name"]
+    data = bytearray((tmp_path / "store" / name).read_bytes())
+    data[-100] ^= 0xFF
+    (tmp_path / "store" / name).write_bytes(bytes(data))
+    store = _put(fs, tmp_path / "store", f"{s3_bucket}/store")
+    with pytest.raises(FormatError) as local:
+        build(store, f"{s3_bucket}/local", max_len=512)
+    with pytest.raises(FormatError) as on_ray:
+        build(store, f"{s3_bucket}/ray", max_len=512, engine="ray")
+    assert str(on_ray.value) == str(local.value) == f"{store}/{name}: its sha256 is not the store manifest's: the shard changed."
+    assert {key.split("/")[0] for key in _objects(fs, s3_bucket)} == {"store"}
+
+
 def test_the_scratch_prefix_is_beside_the_output_and_only_it_is_deleted(s3_server, fs, s3_bucket):
     from prepack.remote import scratch_prefix
 
