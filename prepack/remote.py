@@ -43,8 +43,8 @@ from prepack.store_format import StoreManifest, read_store_manifest
 
 __all__ = [
     "InputObjects",
-    "Publication",
     "LocalInput",
+    "Publication",
     "fetch",
     "filesystem",
     "is_uri",
@@ -269,7 +269,7 @@ def staged_prefix(uri: str, overwrite: bool, kind: str = MANIFEST_NAME) -> Itera
         staging.scratch.mkdir()
         try:
             yield staging
-        except Exception as exc:
+        except BaseException as exc:  # an interrupted build too
             try:
                 publication.discard()
             except OSError as cleanup:
@@ -290,7 +290,7 @@ def scratch_prefix(uri: str) -> Iterator[str]:
     scratch = f"{parent}/.{name}.prepack-scratch-{random}" if parent else f"{name}/.prepack-scratch-{random}"
     try:
         yield fs.unstrip_protocol(scratch)
-    except Exception as exc:
+    except BaseException as exc:  # an interrupted build too
         try:
             _delete_prefix(fs, scratch)
         except OSError as cleanup:
