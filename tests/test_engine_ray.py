@@ -375,6 +375,25 @@ def test_the_scratch_prefix_is_beside_the_output_and_only_it_is_deleted(s3_serve
         assert _objects(fs, s3_bucket) == kept
 
 
+def test_a_failed_publication_deletes_what_its_workers_uploaded_and_nothing_else(tmp_path, s3_server, fs, s3_bucket):
+    """The rules the Ray engine's shard tasks upload by (`Publication`), at a prefix holding a build
+    that this one replaces: the old manifest goes before the first new shard, and a failure deletes
+    the new shards recorded, not the old build's others nor anything beside the prefix."""
+    from prepack.remote import Publication
+
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1] * 50] * 40))
+    build(corpus, f"{s3_bucket}/packed", max_len=64, shard_size=1_000)
+    fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/packed-2/keep", b"k")
+    old = _objects(fs, s3_bucket)
+    assert {"packed/manifest.json", "packed/shard-00000.arrow", "packed/shard-00001.arrow"} <= set(old)
+    publication = Publication(f"{s3_bucket}/packed", True, "manifest.json")
+    publication.uploading(["shard-00000.arrow"])
+    assert "packed/manifest.json" not in _objects(fs, s3_bucket)  # unpublished before a shard goes up
+    fs.pipe_file(publication.shard_uri("shard-00000.arrow").removeprefix("s3://"), b"a new shard")
+    publication.discard()
+    assert _objects(fs, s3_bucket) == {k: v for k, v in old.items() if k not in ("packed/manifest.json", "packed/shard-00000.arrow")}
+
+
 def test_an_index_build_runs_on_the_driver_with_the_local_bytes(tmp_path, local_ray):
     build_store(_token_corpus(tmp_path / "c"), tmp_path / "store", shard_size=40_000)
     local = build(tmp_path / "store", tmp_path / "local", max_len=512, index_only=True)
