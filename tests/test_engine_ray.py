@@ -330,6 +330,21 @@ def test_a_store_tokenized_into_s3_and_builds_from_it_equal_the_local_engine(tmp
     assert {name.split("/")[0] for name in _objects(fs, s3_bucket)} == {"corpus", "store", "packed", "to-s3"}
 
 
+@pytest.mark.slow
+def test_labelled_tokens_with_empty_documents_and_files_in_s3_build_and_store_the_local_bytes(tmp_path, s3_ray, fs, s3_bucket):
+    corpus = _token_corpus(tmp_path / "c")
+    remote = _put(fs, corpus, f"{s3_bucket}/corpus")
+    options = dict(max_len=256, shard_size=30_000, seed=2, algorithm="bfd")
+    build(corpus, tmp_path / "packed", **options)
+    build(remote, f"{s3_bucket}/packed", engine="ray", **options)
+    build_store(corpus, tmp_path / "store", shard_size=20_000)
+    build_store(remote, f"{s3_bucket}/store", shard_size=20_000, engine="ray")
+    for name in ("packed", "store"):
+        expected = {p.name: p.read_bytes() for p in (tmp_path / name).iterdir()}
+        assert len(expected) > 3 and _objects(fs, f"{s3_bucket}/{name}") == expected, name
+    assert {key.split("/")[0] for key in _objects(fs, s3_bucket)} == {"corpus", "packed", "store"}
+
+
 def test_a_bad_row_in_a_later_object_is_the_local_error_and_leaves_no_object(tmp_path, s3_ray, fs, s3_bucket):
     corpus = _token_corpus(tmp_path / "c")
     write_corpus(corpus / "6.jsonl", corpus_table([[1, 2], [3, -4]], [[-100, 2], [-100, 4]]))
