@@ -13,6 +13,11 @@ Ray engine's unit of work is a corpus file. Every method runs in a fresh interpr
 - `datasets` with 1 or 2 workers: `Dataset.from_parquet(files).map(AutoTokenizer, batched=True,
   num_proc=N)` (the same ids and EOS), its Arrow cache written; nothing else.
 
+With `--s3` the corpus and the stores lie in object storage: moto's S3 server on loopback
+(bench_s3_load.py's), the corpus uploaded to `s3://bench/corpus/` and every store written to
+`s3://bench/out-…`; `local` and `ray` only. Loopback has no latency or bandwidth limit: this measures
+what the S3 path costs in CPU and requests' handling, not a network.
+
 Prints a markdown table: wall seconds, tokens/s, tokens/s per worker, scaling efficiency (2-worker
 tokens/s over twice the same method's 1-worker tokens/s) and the overhead against `local` with one
 worker; and the CPU seconds that every process of the method used meanwhile (Ray's raylet, GCS and
@@ -38,6 +43,7 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 
+from bench_s3_load import start_server
 from bench_tokenize import machine, write_inputs
 
 METHODS = ["local", "ray", "datasets"]
@@ -116,11 +122,15 @@ def child(method: str, workers: str, corpus: str, tokenizer: str, out: str) -> N
     print(json.dumps(runs[method](corpus, tokenizer, out, int(workers))))
 
 
-def measure(method: str, workers: int, corpus: Path, tokenizer: Path, scratch: Path) -> dict:
-    out = scratch / f"out-{method}-{workers}"
-    command = [sys.executable, __file__, "--child", method, str(workers), str(corpus), str(tokenizer), str(out)]
+def measure(method: str, workers: int, corpus: str, tokenizer: Path, scratch: str) -> dict:
+    out = f"{scratch}/out-{method}-{workers}"
+    command = [sys.executable, __file__, "--child", method, str(workers), corpus, str(tokenizer), out]
     result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-    for path in (out, Path(f"{out}.cache")):
+    if out.startswith("s3://"):
+        import s3fs
+
+        s3fs.S3FileSystem().rm(out.removeprefix("s3://"), recursive=True)
+    for path in (out, f"{out}.cache"):
         shutil.rmtree(path, ignore_errors=True)
     return result
 
@@ -138,10 +148,24 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=20_000)
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--s3", action="store_true", help="corpus and stores in object storage (moto on loopback)")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(*args.child)
+    if args.s3:
+        if "datasets" in args.methods:
+            args.methods = [m for m in args.methods if m != "datasets"]
+        server, environment = start_server()
+        os.environ.update(environment)
+        try:
+            return run(args)
+        finally:
+            server.kill()
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f} before")
     print(f"sha256 on one thread: {sha256_rate() / 1e9:.2f} GB/s\n")
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
@@ -152,13 +176,22 @@ def main() -> None:
         per_file = -(-len(table) // args.files)
         for part in range(args.files):
             pq.write_table(table.slice(part * per_file, per_file), corpus / f"part-{part:03d}.parquet")
-        results = {(m, w): measure(m, w, corpus, tokenizer, Path(tmp)) for m in args.methods for w in (1, 2)}
+        source, scratch = str(corpus), tmp
+        if args.s3:
+            import boto3
+            import s3fs
+
+            boto3.client("s3").create_bucket(Bucket="bench")
+            s3fs.S3FileSystem().put(str(corpus) + "/", "bench/corpus/", recursive=True)
+            source, scratch = "s3://bench/corpus/", "s3://bench"
+        results = {(m, w): measure(m, w, source, tokenizer, scratch) for m in args.methods for w in (1, 2)}
     stores = {json.dumps(r["store"], sort_keys=True) for r in results.values() if "store" in r}
     assert len(stores) <= 1, "the stores differ"
     tokens = {r["tokens"] for r in results.values()}
     assert len(tokens) == 1, f"the methods tokenized differently: {tokens}"
     baseline = results.get(("local", 1))
-    print(f"{args.docs:,} documents, {tokens.pop():,} tokens, {args.files} files; load average {os.getloadavg()[0]:.1f} after\n")
+    where = "in S3 (moto on loopback)" if args.s3 else "local"
+    print(f"{args.docs:,} documents, {tokens.pop():,} tokens, {args.files} files {where}; load average {os.getloadavg()[0]:.1f} after\n")
     print("| method | workers | wall s | tokens/s | tokens/s per worker | scaling efficiency | vs local, 1 worker | CPU s | tokens per CPU s | Ray start s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (method, workers), r in results.items():

@@ -17,7 +17,7 @@ from importlib import import_module
 from importlib.metadata import version
 
 from prepack.build import build
-from prepack.errors import FormatError, InputError, IsolationError, OutputError, PrepackError
+from prepack.errors import EngineError, FormatError, InputError, IsolationError, OutputError, PrepackError
 from prepack.format import FORMAT_VERSION, Manifest, read_manifest
 from prepack.store_format import StoreManifest, read_store_manifest
 from prepack.store_write import build_store
@@ -42,6 +42,7 @@ _LAZY = {
 
 __all__ = sorted(
     [
+        "EngineError",
         "FORMAT_VERSION",
         "FormatError",
         "InputError",

@@ -39,7 +39,7 @@ from prepack.format import (
     segment_id_type,
     write_manifest,
 )
-from prepack.output import output_errors, output_file, staged_directory
+from prepack.output import Staging, output_errors, output_file, staged_directory
 from prepack.plan import PackingPlan, compact_lengths, plan_packs, untrained_documents
 from prepack.read import Corpus, DocumentBatch
 from prepack.remote import is_uri, local_input, relative_location, staged_prefix
@@ -212,21 +212,15 @@ def _store_reference(store: str | os.PathLike, out: str | os.PathLike, fingerpri
 ENGINES = ("local", "ray")
 
 
-def check_engine(engine: str, ray_address: str | None, reading: Reading, *locations: str | os.PathLike) -> None:
-    """Refuse an engine prepack does not have, options that the engine would ignore, locations it
-    cannot reach (the corpus and the output), and the ray engine without ray installed; before
-    anything is read."""
+def check_engine(engine: str, ray_address: str | None, reading: Reading) -> None:
+    """Refuse an engine prepack does not have, options that the engine would ignore, and the ray
+    engine without ray installed; before anything is read."""
     if engine not in ENGINES:
         raise InputError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}.")
     if engine == "local":
         if ray_address is not None:
             raise InputError("--ray-address joins a Ray cluster: use it with --engine ray.")
         return
-    for location in filter(is_uri, locations):
-        raise InputError(
-            f"{location}: the Ray engine reads and writes paths of a file system its nodes share; "
-            "object storage is the local engine's for now."
-        )
     if reading.num_proc is not None:
         raise InputError(
             "--num-proc sets the local engine's tokenizer threads or processes; with --engine ray every task "
@@ -241,14 +235,15 @@ def check_engine(engine: str, ray_address: str | None, reading: Reading, *locati
 
 
 @contextmanager
-def engine_session(engine: str, ray_address: str | None) -> Iterator:
-    """None for the local engine; for "ray", a `prepack.engine_ray.RayEngine` connected for the build."""
+def engine_session(engine: str, ray_address: str | None, staging: Staging) -> Iterator:
+    """None for the local engine; for "ray", a `prepack.engine_ray.RayEngine` connected for the build
+    written into `staging`."""
     if engine == "local":
         yield None
         return
     from prepack.engine_ray import ray_engine
 
-    with ray_engine(ray_address) as session:
+    with ray_engine(ray_address, staging) as session:
         yield session
 
 
@@ -338,9 +333,7 @@ def build(
         )
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
-    check_engine(engine, ray_address, reading, corpus, out)
-    if engine != "local" and index_only:
-        raise InputError("--index-only reads no token and writes small shards: build it with the local engine.")
+    check_engine(engine, ray_address, reading)
     with progress_bars(progress, console) as bar, local_input(corpus) as source:
         if index_only and not is_store(source.spec):
             raise InputError(
@@ -354,9 +347,11 @@ def build(
             documents.corpus, documents.has_labels, documents.batches, documents.column
         )
         staged = staged_prefix if is_uri(out) else staged_directory
-        with staged(out, overwrite) as staging, engine_session(engine, ray_address) as session:
+        # An index build reads no token and writes small shards: it is planning only, done here.
+        on = "local" if index_only else engine
+        with staged(out, overwrite) as staging, engine_session(on, ray_address, staging) as session:
             if session is not None:
-                read = session.read(documents, reading, staging.scratch, bar)
+                read = session.read(documents, reading, bar)
                 stored = read.stored
             elif index_only:
                 stored = _index_documents(documents.store, bar)
@@ -395,7 +390,7 @@ def build(
                     plan, staging.build, staging.scratch, has_labels, shard_size, bar, len(stored.lengths) if index_only else None
                 )
             else:
-                shards = session.write_pack_shards(plan, staging.build, read, shard_size, bar)
+                shards = session.write_pack_shards(plan, read, shard_size, bar)
             manifest = Manifest(
                 prepack_version=version("prepack"),
                 # How the documents were read: as asked, or as the store was written.

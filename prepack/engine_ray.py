@@ -21,15 +21,26 @@ packs (~40 bytes a document in all), which the driver makes one shard at a time 
 broadcasting the plan to every node instead would cost each node ~8 bytes a document of object
 store. A bad row is the local engine's `PrepackError`, returned by the task as a value and raised on
 the driver (Ray would print the worker's traceback). Ray retries a task whose worker died; a task writes its files from the
-start, so a retry changes no byte. Workers open the paths the driver names, from the driver's working
-directory where the node has it: a cluster's nodes need the corpus, the tokenizer and the output on a
-shared file system.
+start, so a retry changes no byte. A failure of Ray's own (a task that raised something else, or was
+lost after its retries; a cluster that cannot be joined) is an `EngineError`.
+
+Workers open the local paths the driver names, from the driver's working directory where the node has
+it: local corpora, tokenizers and outputs must lie on a file system the nodes share. Object storage
+needs none: a corpus file or store shard at a URI is fetched by its task into the node's `TMPDIR` (and
+named by its URI in errors, as by the local engine); for an output at a URI the scratch files are
+objects under `prepack.remote.scratch_prefix` (uploaded by phase 1, which the driver reads back to hash,
+and of which a phase-3 task fetches the byte ranges its shard's documents lie in), and each phase-3
+task uploads its shard to its final name through the build's `prepack.remote.Publication`, which
+records it as this build's; the driver uploads the manifest last, and a failed build deletes what it
+uploaded and its scratch objects.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
+import tempfile
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -44,12 +55,13 @@ from rich.progress import Progress
 
 from prepack.build import _locate_row, _StoredCorpus, pack_shard_bounds
 from prepack.documents import Documents, Reading, corpus_documents
-from prepack.errors import InputError, PrepackError
-from prepack.format import Fingerprint, ShardInfo
-from prepack.output import output_errors, output_file
+from prepack.errors import EngineError, InputError, OutputError, PrepackError
+from prepack.format import Fingerprint, ShardInfo, shard_name
+from prepack.output import Staging, output_errors, output_file
 from prepack.plan import PackingPlan, ShardPacks, compact_lengths, untrained_documents
-from prepack.read import Corpus
-from prepack.store_format import StoreShard
+from prepack.read import Corpus, LocalCopy
+from prepack.remote import fetch, filesystem, scratch_prefix, upload
+from prepack.store_format import StoreShard, store_shard_name
 from prepack.store_read import Store
 from prepack.store_write import store_shard_bounds, store_shard_capacity, too_long_for_a_shard, write_store_shard
 from prepack.write import ShardBuffers, TokenFiles, gather_tokens, write_in_pieces, write_shard
@@ -66,6 +78,10 @@ _RETRIES = 3
 _IN_FLIGHT_PER_CPU = 4
 # Bytes of the scratch files hashed at a time for the fingerprint.
 _HASH_PIECE = 16 * 2**20
+# Byte ranges of scratch objects fetched in one `cat_ranges` call (concurrently, by fsspec).
+_RANGES_AT_ONCE = 1024
+# Seconds to wait for a cluster's address to answer before Ray's own minutes of retrying.
+_CONNECT_TIMEOUT = 10
 _NO_DOCUMENTS = np.empty(0, np.int64)
 _NO_TOKENS = np.empty(0, np.int32)
 
@@ -99,10 +115,22 @@ class _Source:
 
 @dataclass(frozen=True)
 class _Unit:
-    file: Path | None  # a corpus file, or
+    file: Path | LocalCopy | None  # a corpus file (a copy on the driver of an object: fetched again), or
     shard: StoreShard | None  # a shard of the source's store
-    ids: Path  # the scratch files it writes
-    labels: Path | None
+    ids: Path | str  # the scratch files it writes: local paths, or URIs of objects
+    labels: Path | str | None
+
+
+@contextmanager
+def _node_directory() -> Iterator[Path]:
+    """A temporary directory on the task's node (`TMPDIR`), for what it fetches and what it uploads."""
+    with tempfile.TemporaryDirectory(prefix="prepack-task-") as directory:
+        yield Path(directory)
+
+
+def _scratch_file(location: Path | str, directory: Path) -> Path:
+    """Where a task writes the scratch file `location`: there, or for an object, in `directory`."""
+    return Path(directory, location.rsplit("/", 1)[1]) if isinstance(location, str) else location
 
 
 @dataclass(frozen=True)
@@ -128,15 +156,24 @@ def _tokenizer(path: str | os.PathLike, sha256: str) -> LocalTokenizer:
     return _tokenizers[key]
 
 
-def _unit_arrays(source: _Source, unit: _Unit) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
-    """(offsets, ids, labels) of the unit's documents, batch by batch, in row order."""
+def _unit_arrays(source: _Source, unit: _Unit, directory: Path) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    """(offsets, ids, labels) of the unit's documents, batch by batch, in row order. A unit in object
+    storage is fetched into `directory` first, and named by its URI still."""
+    store = source.store
     if unit.shard is not None:
-        yield source.store.shard_columns(unit.shard)
+        if store.location is not None:
+            fetch(f"{store.location}/{unit.shard.name}", directory / unit.shard.name)
+            store = replace(store, root=directory)
+        yield store.shard_columns(unit.shard)
         return
+    file = unit.file
+    if isinstance(file, LocalCopy):
+        file = LocalCopy(file.location, directory / file.name)
+        fetch(file.location, file.copy)
     expected = source.documents
     tokenizer = None if expected.tokenize is None else _tokenizer(source.reading.tokenizer, expected.tokenize.tokenizer.sha256)
     # One core a task: Ray's tasks are the parallelism.
-    found = corpus_documents(Corpus(unit.file.parent, (unit.file,)), replace(source.reading, num_proc=1), None, tokenizer)
+    found = corpus_documents(Corpus(Path(file).parent, (file,)), replace(source.reading, num_proc=1), None, tokenizer)
     if (found.tokenize, found.has_labels, found.labels_column) != (expected.tokenize, expected.has_labels, expected.labels_column):
         raise InputError(
             f"{unit.file}: read on a worker, it gives other documents than on the driver (the tokenizer, the chat "
@@ -149,19 +186,24 @@ def _unit_arrays(source: _Source, unit: _Unit) -> Iterator[tuple[np.ndarray, np.
 @ray.remote(max_retries=_RETRIES)
 def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
     lengths, untrained = [], []
-    with _working_directory(source.cwd):
+    with _working_directory(source.cwd), _node_directory() as directory:
+        ids_path = _scratch_file(unit.ids, directory)
+        labels_path = None if unit.labels is None else _scratch_file(unit.labels, directory)
         try:
             with ExitStack() as files:
-                ids_file = files.enter_context(output_file(unit.ids))
-                labels_file = files.enter_context(output_file(unit.labels)) if unit.labels is not None else None
-                for offsets, ids, labels in _unit_arrays(source, unit):
+                ids_file = files.enter_context(output_file(ids_path))
+                labels_file = files.enter_context(output_file(labels_path)) if labels_path is not None else None
+                for offsets, ids, labels in _unit_arrays(source, unit, directory):
                     lengths.append(np.diff(offsets))
                     untrained.append(untrained_documents(offsets, labels))
-                    with output_errors(unit.ids):
+                    with output_errors(ids_path):
                         write_in_pieces(ids_file, ids.data)
                     if labels_file is not None:
-                        with output_errors(unit.labels):
+                        with output_errors(labels_path):
                             write_in_pieces(labels_file, labels.data)
+            for location, path in ((unit.ids, ids_path), (unit.labels, labels_path)):
+                if isinstance(location, str):
+                    upload(path, location)
         except PrepackError as exc:
             return exc
     return _UnitRead(
@@ -170,34 +212,93 @@ def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
     )
 
 
+def _local_tokens(files: list[TokenFiles | None], starts: np.ndarray, lengths: np.ndarray, directory: Path) -> tuple[list[TokenFiles | None], np.ndarray]:
+    """`files` and the segments' `starts` when the files are local; when they are objects, the
+    segments (`starts`, `lengths`, in tokens) fetched by byte ranges, one range per run of segments
+    back to back in one object, into one local file per entry of `files` (the same ranges of each),
+    and the segments' starts there."""
+    if files[0] is None or not isinstance(files[0].paths[0], str):
+        return files, starts
+    firsts = files[0].firsts
+    order = np.argsort(starts, kind="stable")
+    first, end = starts[order], starts[order] + lengths[order]
+    file_of = np.searchsorted(firsts, first, "right") - 1
+    new_run = np.ones(len(first), bool)
+    new_run[1:] = (first[1:] > np.maximum.accumulate(end)[:-1]) | (file_of[1:] != file_of[:-1])
+    heads = np.flatnonzero(new_run)
+    run_first, run_end = first[heads], np.maximum.reduceat(end, heads) if len(heads) else end[:0]
+    run_files = file_of[heads]
+    at = np.cumsum(run_end - run_first) - (run_end - run_first)
+    run_of = np.cumsum(new_run) - 1
+    local_starts = np.empty_like(starts)
+    local_starts[order] = at[run_of] + first - run_first[run_of]
+    byte_first, byte_end = (run_first - firsts[run_files]) * 4, (run_end - firsts[run_files]) * 4
+    localized = []
+    for index, tokens in enumerate(files):
+        if tokens is None:
+            localized.append(None)
+            continue
+        path = directory / f"segments-{index}.bin"
+        fs, _ = filesystem(tokens.paths[0])
+        with output_file(path) as out:
+            for piece in range(0, len(heads), _RANGES_AT_ONCE):
+                part = slice(piece, piece + _RANGES_AT_ONCE)
+                objects = [tokens.paths[f] for f in run_files[part].tolist()]
+                try:
+                    ranges = fs.cat_ranges(objects, byte_first[part].tolist(), byte_end[part].tolist(), on_error="raise")
+                except OSError as exc:
+                    raise OutputError(f"cannot read this build's scratch objects ({objects[0]}, …): {exc}.") from None
+                for data, uri, low, high in zip(ranges, objects, byte_first[part].tolist(), byte_end[part].tolist()):
+                    if len(data) != high - low:
+                        raise OutputError(f"{uri}: this build's scratch object is shorter than it was written.")
+                    with output_errors(path):
+                        out.write(data)
+        localized.append(TokenFiles.single(path))
+    return localized, local_starts
+
+
+def _publish_shard(directory: Path, name: str, target: str | None) -> None:
+    """Upload a shard written into the task's `directory` to its place in object storage, if it has one."""
+    if target is not None:
+        upload(directory / name, target)
+
+
 @ray.remote(max_retries=_RETRIES)
 def _write_pack_shard(
-    cwd: str, directory: Path, index: int, layout: ShardPacks, tokens: TokenFiles, labels: TokenFiles | None
+    cwd: str, directory: Path, target: str | None, index: int, layout: ShardPacks, tokens: TokenFiles, labels: TokenFiles | None
 ) -> ShardInfo | PrepackError:
-    with _working_directory(cwd):
+    with _working_directory(cwd), _node_directory() as local:
         try:
-            return write_shard(directory, index, layout, tokens, labels, ShardBuffers(int(layout.lengths.sum())))
+            (tokens, labels), starts = _local_tokens([tokens, labels], layout.starts, layout.lengths, local)
+            written = local if target is not None else directory
+            shard = write_shard(written, index, replace(layout, starts=starts), tokens, labels, ShardBuffers(int(layout.lengths.sum())))
+            _publish_shard(written, shard.name, target)
+            return shard
         except PrepackError as exc:
             return exc
 
 
 @ray.remote(max_retries=_RETRIES)
 def _write_store_shard(
-    cwd: str, directory: Path, index: int, lengths: np.ndarray, first_token: int, tokens: TokenFiles, labels: TokenFiles | None
+    cwd: str, directory: Path, target: str | None, index: int, lengths: np.ndarray, first_token: int, tokens: TokenFiles, labels: TokenFiles | None
 ) -> StoreShard | PrepackError:
     lengths = lengths.astype(np.int64)
     starts = first_token + np.cumsum(lengths) - lengths
     stored = lengths > 0  # an empty document has nothing to gather, and may start past the last file
 
-    def gathered(files: TokenFiles) -> np.ndarray:
+    def gathered(files: TokenFiles, starts: np.ndarray) -> np.ndarray:
         out = np.empty(int(lengths.sum()), np.int32)
-        gather_tokens(files, starts[stored], lengths[stored], out)
+        gather_tokens(files, starts, lengths[stored], out)
         return out
 
-    with _working_directory(cwd):
+    with _working_directory(cwd), _node_directory() as local:
         try:
-            label_values = None if labels is None else gathered(labels)
-            return write_store_shard(directory, index, lengths, gathered(tokens), label_values)
+            (tokens, labels), starts = _local_tokens([tokens, labels], starts[stored], lengths[stored], local)
+            label_values = None if labels is None else gathered(labels, starts)
+            written = local if target is not None else directory
+            shard = write_store_shard(written, index, lengths, gathered(tokens, starts), label_values)
+            _publish_shard(written, shard.name, target)
+            return shard
         except PrepackError as exc:
             return exc
 
@@ -211,9 +312,14 @@ class ReadCorpus:
     labels: TokenFiles | None
 
 
-def _hash_file(update, path: Path) -> None:
-    """Feed a scratch file to a fingerprint stream (`update`), a piece at a time."""
-    with output_errors(path, "read"), open(path, "rb") as file:
+def _hash_file(update, location: Path | str) -> None:
+    """Feed a scratch file (or object) to a fingerprint stream (`update`), a piece at a time."""
+    if isinstance(location, str):
+        fs, path = filesystem(location)
+        opened = lambda: fs.open(path, "rb", block_size=_HASH_PIECE)  # noqa: E731
+    else:
+        opened = lambda: open(location, "rb")  # noqa: E731
+    with output_errors(location, "read"), opened() as file:
         while piece := file.read(_HASH_PIECE):
             update(np.frombuffer(piece, np.int32))
 
@@ -221,7 +327,11 @@ def _hash_file(update, path: Path) -> None:
 class RayEngine:
     """The three phases on a connected Ray cluster; one instance per build."""
 
-    def __init__(self) -> None:
+    def __init__(self, staging: Staging, scratch: Path | str) -> None:
+        """`staging`: where the build is written (its `publication` when it goes to object storage:
+        tasks upload their shards); `scratch`: where the read phase's token files go, a directory or,
+        for a build to object storage, a prefix of objects (tasks on any node read them)."""
+        self.staging, self.scratch = staging, scratch
         self.cwd = os.getcwd()
         self.in_flight = max(1, int(ray.cluster_resources().get("CPU", 1))) * _IN_FLIGHT_PER_CPU
 
@@ -243,9 +353,9 @@ class RayEngine:
             if window:
                 ray.wait(list(window), num_returns=len(window))
 
-    def read(self, documents: Documents, reading: Reading, scratch: Path, progress: Progress) -> ReadCorpus:
+    def read(self, documents: Documents, reading: Reading, progress: Progress) -> ReadCorpus:
         """Phase 1 over the corpus (or document store) whose documents the driver found as
-        `documents`; the scratch files go into `scratch`."""
+        `documents`."""
         store = documents.store
         source = ray.put(_Source(reading, replace(documents, batches=iter(())), store, self.cwd))
         if store is not None:
@@ -256,8 +366,8 @@ class RayEngine:
             _Unit(
                 file=path,
                 shard=shard,
-                ids=scratch / f"ids-{index:05d}.bin",
-                labels=scratch / f"labels-{index:05d}.bin" if documents.has_labels else None,
+                ids=self._scratch(f"ids-{index:05d}.bin"),
+                labels=self._scratch(f"labels-{index:05d}.bin") if documents.has_labels else None,
             )
             for index, (path, shard) in enumerate(parts)
         ]
@@ -294,13 +404,24 @@ class RayEngine:
         label_files = TokenFiles(tuple(u.labels for u in units), starts) if documents.has_labels else None
         return ReadCorpus(stored, TokenFiles(tuple(u.ids for u in units), starts), label_files)
 
-    def write_pack_shards(self, plan: PackingPlan, directory: Path, read: ReadCorpus, shard_size: int, progress: Progress) -> list[ShardInfo]:
+    def _scratch(self, name: str) -> Path | str:
+        return self.scratch / name if isinstance(self.scratch, Path) else f"{self.scratch}/{name}"
+
+    def _target(self, name: str) -> str | None:
+        """Where a task uploads the shard `name`, recorded as this build's, when the build goes to object storage."""
+        publication = self.staging.publication
+        if publication is None:
+            return None
+        publication.uploading([name])
+        return publication.shard_uri(name)
+
+    def write_pack_shards(self, plan: PackingPlan, read: ReadCorpus, shard_size: int, progress: Progress) -> list[ShardInfo]:
         """Phase 3 of a build: the plan's packs cut into shards as the local engine cuts them, each
         resolved on the driver (`plan.slice`) as its task starts, and written by the task."""
         bounds, _ = pack_shard_bounds(plan, read.stored.has_labels, shard_size, index_only=False)
         tokens, labels = ray.put(read.tokens), ray.put(read.labels)
         submitted = (
-            _write_pack_shard.remote(self.cwd, directory, index, plan.slice(first, end), tokens, labels)
+            _write_pack_shard.remote(self.cwd, self.staging.build, self._target(shard_name(index)), index, plan.slice(first, end), tokens, labels)
             for index, (first, end) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
         )
         task = progress.add_task("write", total=plan.packs, unit="packs")
@@ -311,7 +432,7 @@ class RayEngine:
                 progress.update(task, completed=int(end))
         return shards
 
-    def write_store_shards(self, documents: Documents, directory: Path, read: ReadCorpus, shard_size: int, progress: Progress) -> list[StoreShard]:
+    def write_store_shards(self, documents: Documents, read: ReadCorpus, shard_size: int, progress: Progress) -> list[StoreShard]:
         """Phase 3 of a store: its documents cut into shards by `_ShardWriter`'s rule, each written
         by a task from the scratch files."""
         lengths = read.stored.lengths
@@ -321,7 +442,9 @@ class RayEngine:
         bounds, first_tokens = store_shard_bounds(lengths, store_shard_capacity(read.stored.has_labels, shard_size))
         tokens, labels = ray.put(read.tokens), ray.put(read.labels)
         submitted = (
-            _write_store_shard.remote(self.cwd, directory, index, lengths[first:end], first_token, tokens, labels)
+            _write_store_shard.remote(
+                self.cwd, self.staging.build, self._target(store_shard_name(index)), index, lengths[first:end], first_token, tokens, labels
+            )
             for index, (first, end, first_token) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), first_tokens.tolist()))
         )
         task = progress.add_task("store", total=len(bounds) - 1, unit="shards")
@@ -334,27 +457,59 @@ class RayEngine:
 
 
 def _result(ref: ray.ObjectRef):
-    value = ray.get(ref)
+    """A task's result; its PrepackError raised; a failure of Ray's (the task raised something else,
+    or was lost with its worker or node after its retries) an EngineError of one line."""
+    try:
+        value = ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+        raise EngineError(f"a Ray task of this build failed: {type(cause).__name__}: {_first_line(cause)}") from None
+    except ray.exceptions.RayError as exc:
+        raise EngineError(f"the Ray cluster lost a task of this build: {type(exc).__name__}: {_first_line(exc)}") from None
     if isinstance(value, PrepackError):
         raise value
     return value
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
+def _check_listening(address: str) -> None:
+    """Refuse at once an address `HOST:PORT` (or `ray://HOST:PORT`) where nothing listens, which Ray
+    would retry for minutes."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", "local": Ray's to resolve
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT).close()
+    except OSError as exc:
+        raise EngineError(f"--ray-address {address}: no Ray cluster answers there ({exc.strerror or exc}).") from None
+
+
 @contextmanager
-def ray_engine(address: str | None) -> Iterator[RayEngine]:
-    """A `RayEngine` on the Ray instance this process is connected to; else on the cluster at
-    `address` ("auto", "ray://HOST:PORT", …), or a new local instance when it is None, shut down
-    when the build ends."""
+def ray_engine(address: str | None, staging: Staging) -> Iterator[RayEngine]:
+    """A `RayEngine` for a build written into `staging`, on the Ray instance this process is connected
+    to; else on the cluster at `address` ("auto", "ray://HOST:PORT", …), or a new local instance when
+    it is None, shut down when the build ends. A build to object storage keeps its scratch objects
+    under `prepack.remote.scratch_prefix`, deleted when the build ends."""
     started = not ray.is_initialized()
     if started:
         local = {"include_dashboard": False} if address is None else {}
+        if address is not None:
+            _check_listening(address)
         try:
             # Quiet: the build reports progress and errors itself; workers' output is not relayed.
             ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR, **local)
         except (ConnectionError, ValueError, RuntimeError) as exc:
-            raise InputError(f"--ray-address {address}: cannot join a Ray cluster there ({exc}).") from None
+            raise EngineError(f"--ray-address {address}: cannot join a Ray cluster there ({_first_line(exc)}).") from None
     try:
-        yield RayEngine()
+        with ExitStack() as scratch:
+            if staging.publication is None:
+                location = staging.scratch
+            else:
+                location = scratch.enter_context(scratch_prefix(staging.publication.uri))
+            yield RayEngine(staging, location)
     finally:
         if started:
             ray.shutdown()

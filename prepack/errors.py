@@ -4,10 +4,11 @@
     ├── InputError               the corpus (or an option) is wrong: names the file, row and column
     ├── OutputError              the output directory cannot be written as asked
     ├── FormatError              a shard directory breaks the format in schemas/shard-format.md
+    ├── EngineError              the engine itself failed: a Ray cluster unreachable, a task or node lost
     └── IsolationError           a batch or a model set-up would let documents attend to each other
 """
 
-__all__ = ["FormatError", "InputError", "IsolationError", "OutputError", "PrepackError"]
+__all__ = ["EngineError", "FormatError", "InputError", "IsolationError", "OutputError", "PrepackError"]
 
 
 class PrepackError(Exception):
@@ -20,6 +21,11 @@ class InputError(PrepackError):
 
 class OutputError(PrepackError):
     """The output directory cannot be written as asked."""
+
+
+class EngineError(PrepackError):
+    """The engine running a build failed, not its input or output: a Ray cluster that cannot be joined,
+    a task that failed after its retries, a node lost with what it held."""
 
 
 class FormatError(PrepackError):

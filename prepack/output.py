@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 from prepack.errors import FormatError, OutputError
 from prepack.format import MANIFEST_NAME, STORE_MANIFEST_NAME, Manifest, read_manifest, shard_name
@@ -128,6 +128,9 @@ class Staging(NamedTuple):
 
     build: Path
     scratch: Path
+    # When `build` goes to object storage: its `prepack.remote.Publication`, through which an engine's
+    # workers upload shards themselves.
+    publication: Any = None
 
 
 class _Found(NamedTuple):

@@ -7,13 +7,15 @@ to object storage, so every reading and writing rule stays defined once, for loc
   and read by the same code as a local one; its files keep their URIs as names (`Corpus.located`), so
   errors name `s3://bucket/corpus/part-1.parquet, row 7, column 'input_ids'` and a manifest's `inputs`
   are the same relative names as a local build's.
-- Writing (`staged_prefix`): a build or store is written into a local staging directory as always, then
-  published: every shard uploaded, the manifest last. Object stores have no rename, so the manifest is
+- Writing (`staged_prefix`, `Publication`): a build or store is written into a local staging directory
+  as always (or uploaded shard by shard by the Ray engine's tasks), then published: every shard
+  uploaded, the manifest last. Object stores have no rename, so the manifest is
   what makes a prefix a build: every reader treats a prefix without one as no build. A prefix is written
   only when it is empty or holds a prepack output of the same kind and `overwrite` is on; a failed
   publication deletes what it uploaded, and nothing else.
 - `list_input`, `fetch` and `upload` list a corpus and move one file at a time, for callers that
-  distribute the work (the Ray engine's workers); `Corpus.located` names local copies by their URIs.
+  distribute the work (the Ray engine's workers); `Corpus.located` names local copies by their URIs;
+  `scratch_prefix` is where such callers keep the objects that pass between their tasks.
 
 fsspec and the client of each scheme (s3fs for `s3://`: `pip install 'prepack[s3]'`) are imported on
 first use. Clients are configured the standard way: for S3, credentials and `AWS_ENDPOINT_URL` from the
@@ -26,6 +28,7 @@ import os
 import posixpath
 import re
 import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ from prepack.store_format import StoreManifest, read_store_manifest
 __all__ = [
     "InputObjects",
     "LocalInput",
+    "Publication",
     "fetch",
     "filesystem",
     "is_uri",
@@ -49,6 +53,7 @@ __all__ = [
     "local_input",
     "read_output_manifest",
     "relative_location",
+    "scratch_prefix",
     "staged_prefix",
     "upload",
 ]
@@ -248,30 +253,133 @@ def _parse_manifest(text: bytes, uri: str, kind: str) -> Manifest | StoreManifes
 def staged_prefix(uri: str, overwrite: bool, kind: str = MANIFEST_NAME) -> Iterator[Staging]:
     """`prepack.output.staged_directory` for a prefix in object storage: yield a local staging
     directory (in `TMPDIR`) and, when the block ends without an error, upload its `build` to `uri`, the
-    manifest last; the staging directory is deleted whatever happens.
+    manifest last (`Publication`); the staging directory is deleted whatever happens. An engine whose
+    workers upload shards themselves does so through `staging.publication`; what is in `build` at the
+    end goes up then, the manifest last.
 
     Raises OutputError, before anything is written, when the prefix holds objects and is not a prepack
     output of `kind` (the rule of `check_replaceable`), or is one and `overwrite` is off; and, with
     nothing published, when its manifest changed while the block ran or an upload fails (what this
-    build uploaded is deleted). With `overwrite`, the old output's manifest is deleted before the new
-    shards go up (they take the same names), and its other shards after the new manifest is up.
-    Object stores have no lock: two builds to one prefix at once are not detected.
+    build uploaded is deleted, also when the block fails).
     """
-    fs, prefix = filesystem(uri)
-    prefix = prefix.rstrip("/")
-    replacing = _replaceable_prefix(fs, uri, prefix, kind, overwrite)
+    publication = Publication(uri, overwrite, kind)
     with tempfile.TemporaryDirectory(prefix="prepack-build-") as directory:
-        staging = Staging(Path(directory, "build"), Path(directory, "scratch"))
+        staging = Staging(Path(directory, "build"), Path(directory, "scratch"), publication)
         staging.build.mkdir()
         staging.scratch.mkdir()
-        yield staging
         try:
-            now = _manifest_text(fs, prefix, kind)
+            yield staging
+        except BaseException as exc:  # an interrupted build too
+            try:
+                publication.discard()
+            except OSError as cleanup:
+                raise OutputError(f"{exc}; nor could what this build uploaded to {uri} be deleted: {cleanup}.") from None
+            raise
+        publication.publish(staging.build)
+
+
+@contextmanager
+def scratch_prefix(uri: str) -> Iterator[str]:
+    """A prefix for the scratch objects of a build to the prefix `uri` (`--engine ray`'s token files,
+    which tasks on other nodes read): `.NAME.prepack-scratch-RANDOM` beside it, so that no reader and no
+    overwrite check takes it for part of an output, with a name no other writer picks. Everything under
+    it is deleted when the block ends, whatever happens; nothing else is."""
+    fs, path = filesystem(uri)
+    parent, name = posixpath.split(path.rstrip("/"))
+    random = uuid.uuid4().hex
+    scratch = f"{parent}/.{name}.prepack-scratch-{random}" if parent else f"{name}/.prepack-scratch-{random}"
+    try:
+        yield fs.unstrip_protocol(scratch)
+    except BaseException as exc:  # an interrupted build too
+        try:
+            _delete_prefix(fs, scratch)
+        except OSError as cleanup:
+            raise OutputError(f"{exc}; nor could this build's scratch objects under {fs.unstrip_protocol(scratch)} be deleted: {cleanup}.") from None
+        raise
+    try:
+        _delete_prefix(fs, scratch)
+    except OSError as exc:
+        raise OutputError(f"cannot delete this build's scratch objects under {fs.unstrip_protocol(scratch)}: {exc}.") from None
+
+
+def _delete_prefix(fs: Any, prefix: str) -> None:
+    fs.invalidate_cache()
+    found = fs.find(prefix + "/")
+    if found:
+        fs.rm(found)
+
+
+class Publication:
+    """A build's way onto the prefix `uri` in object storage, one set of rules for every engine.
+
+    Object stores have no rename and no lock, so the manifest is what makes a prefix a build, and goes
+    up last. The prefix is checked when the publication is made: it must be empty, or hold a prepack
+    output of `kind` and `overwrite` be on (else OutputError, before anything is written). `open`,
+    before the first shard goes up, refuses when the prefix's manifest changed since, and deletes the
+    manifest of the output being replaced (its shards are about to be overwritten: they take the same
+    names); `publish` uploads the shards not up yet and the manifest, then deletes the replaced
+    output's other shards; `discard` deletes what this build uploaded (`uploading` records what a
+    worker may have uploaded), and nothing else. Two builds to one prefix at once are not detected.
+    """
+
+    def __init__(self, uri: str, overwrite: bool, kind: str) -> None:
+        self.uri, self.kind = uri, kind
+        self.fs, prefix = filesystem(uri)
+        self.prefix = prefix.rstrip("/")
+        self.replacing = _replaceable_prefix(self.fs, uri, self.prefix, kind, overwrite)
+        self.opened = False
+        self.uploaded: list[str] = []  # names under the prefix this build may have written
+
+    def shard_uri(self, name: str) -> str:
+        """Where the shard `name` goes; the caller records it with `uploading` before it uploads."""
+        return self.fs.unstrip_protocol(f"{self.prefix}/{name}")
+
+    def uploading(self, names: list[str]) -> None:
+        self.open()
+        self.uploaded.extend(names)
+
+    def open(self) -> None:
+        if self.opened:
+            return
+        try:
+            now = _manifest_text(self.fs, self.prefix, self.kind)
         except OSError as exc:
-            raise OutputError(f"cannot read {uri}: {exc}; this build was discarded.") from None
-        if now != (None if replacing is None else replacing[0]):
-            raise OutputError(f"{uri} changed while this build ran; it was left as it is, and this build discarded.")
-        _publish(fs, uri, prefix, staging.build, kind, None if replacing is None else replacing[1])
+            raise OutputError(f"cannot read {self.uri}: {exc}; this build was discarded.") from None
+        if now != (None if self.replacing is None else self.replacing[0]):
+            raise OutputError(f"{self.uri} changed while this build ran; it was left as it is, and this build discarded.")
+        self.opened = True
+        if self.replacing is not None:  # unpublish it: its shards are about to be overwritten
+            self._writing(lambda: self.fs.rm_file(f"{self.prefix}/{self.kind}"))
+
+    def publish(self, built: Path) -> None:
+        """Upload the files of `built` (the manifest last), then delete the replaced output's other shards."""
+        shards = sorted(p.name for p in built.iterdir() if p.name != self.kind)
+        self.uploading([*shards, self.kind])
+        self._writing(lambda: self.fs.put([str(built / name) for name in shards], [f"{self.prefix}/{name}" for name in shards]))
+        self._writing(lambda: self.fs.put_file(str(built / self.kind), f"{self.prefix}/{self.kind}"))
+        if self.replacing is not None:
+            ours = set(self.uploaded)
+            try:
+                _delete(self.fs, [f"{self.prefix}/{s.name}" for s in self.replacing[1].shards if s.name not in ours])
+            except OSError as exc:
+                raise OutputError(f"{self.uri} is published, but the replaced build's other shards could not be deleted: {exc}.") from None
+        self.uploaded = []  # published: nothing to discard any more
+
+    def discard(self) -> None:
+        """Delete what this build uploaded (an unfinished build), if anything."""
+        if self.uploaded:
+            _delete(self.fs, [f"{self.prefix}/{name}" for name in self.uploaded])
+            self.uploaded = []
+
+    def _writing(self, write) -> None:
+        try:
+            write()
+        except OSError as exc:
+            try:
+                self.discard()
+            except OSError as cleanup:
+                raise OutputError(f"cannot write {self.uri}: {exc}; nor delete what this build uploaded: {cleanup}.") from None
+            raise OutputError(f"cannot write {self.uri}: {exc}; what this build uploaded was deleted.") from None
 
 
 def _replaceable_prefix(
@@ -297,27 +405,6 @@ def _replaceable_prefix(
         raise OutputError(f"{refusal}: {exc}") from None
     check_replaceable(manifest, kind, objects, refusal)
     return text, manifest
-
-
-def _publish(fs: Any, uri: str, prefix: str, built: Path, kind: str, replacing: Manifest | StoreManifest | None) -> None:
-    shards = sorted(p.name for p in built.iterdir() if p.name != kind)
-    targets = [f"{prefix}/{name}" for name in shards]
-    try:
-        if replacing is not None:  # unpublish it: its shards are about to be overwritten
-            fs.rm_file(f"{prefix}/{kind}")
-        fs.put([str(built / name) for name in shards], targets)
-        fs.put_file(str(built / kind), f"{prefix}/{kind}")
-    except OSError as exc:
-        try:
-            _delete(fs, [f"{prefix}/{kind}", *targets])
-        except OSError as cleanup:
-            raise OutputError(f"cannot write {uri}: {exc}; nor delete what this build uploaded: {cleanup}.") from None
-        raise OutputError(f"cannot write {uri}: {exc}; what this build uploaded was deleted.") from None
-    if replacing is not None:
-        try:
-            _delete(fs, [f"{prefix}/{s.name}" for s in replacing.shards if s.name not in shards])
-        except OSError as exc:
-            raise OutputError(f"{uri} is published, but the replaced build's other shards could not be deleted: {exc}.") from None
 
 
 def _delete(fs: Any, paths: list[str]) -> None:

@@ -235,17 +235,17 @@ def build_store(
         options = Reading(**reading)
     except TypeError as exc:
         raise InputError(f"invalid reading option: {exc}") from None
-    check_engine(engine, ray_address, options, corpus, out)
+    check_engine(engine, ray_address, options)
     with progress_bars(progress, console) as bar, local_input(corpus) as source:
         if is_store(source.spec):
             raise InputError(f"{corpus} is a document store already: build from it (prepack build {corpus} ...).")
         documents = open_documents(source.spec, options, out, bar, source.location)
         staged = staged_prefix if is_uri(out) else staged_directory
-        with staged(out, overwrite, STORE_MANIFEST_NAME) as staging, engine_session(engine, ray_address) as session:
+        with staged(out, overwrite, STORE_MANIFEST_NAME) as staging, engine_session(engine, ray_address, staging) as session:
             if session is None:
                 return _write_store(documents, staging.build, shard_size, bar)
-            read = session.read(documents, options, staging.scratch, bar)
-            shards = session.write_store_shards(documents, staging.build, read, shard_size, bar)
+            read = session.read(documents, options, bar)
+            shards = session.write_store_shards(documents, read, shard_size, bar)
             stored = read.stored
             untrained = int(stored.untrained.sum())
             return finish_store(documents, staging.build, stored.rows_per_file, stored.lengths, untrained, stored.fingerprint, shards)

@@ -4,11 +4,13 @@ killed mid-build; a bad row on a worker is the local engine's error, and nothing
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +27,7 @@ psutil = pytest.importorskip("psutil")
 
 from examples.chitchat import CHATML, as_chat, chitchat, gpt2_directory  # noqa: E402
 from prepack import build, build_store  # noqa: E402
-from prepack.errors import FormatError, InputError  # noqa: E402
+from prepack.errors import EngineError, FormatError, InputError, OutputError  # noqa: E402
 from tests.corpus import corpus_table, write_corpus  # noqa: E402
 
 PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
@@ -172,14 +174,11 @@ def test_options_the_engine_would_ignore_are_refused_before_anything_runs(tmp_pa
         ({"engine": "spark"}, "unknown engine 'spark'"),
         ({"ray_address": "auto"}, "--ray-address joins a Ray cluster: use it with --engine ray"),
         ({"engine": "ray", "num_proc": 2}, "--num-proc sets the local engine's"),
-        ({"engine": "ray", "index_only": True}, "--index-only reads no token"),
     ):
         with pytest.raises(InputError, match=message):
             build(corpus, tmp_path / "out", max_len=8, **options)
     with pytest.raises(InputError, match="unknown engine"):
         build_store(corpus, tmp_path / "out", engine="dask")
-    with pytest.raises(InputError, match="object storage is the local engine's for now"):
-        build_store(corpus, "s3://bucket/store", engine="ray")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
 
 
@@ -216,6 +215,239 @@ def test_the_cli_builds_on_a_local_ray_instance_and_exits_2_on_a_bad_row(tmp_pat
     assert "6.jsonl, row 1, column 'input_ids': token id -4 is out of range" in " ".join(failed.stderr.split())
     assert "Traceback" not in failed.stderr
     assert not (tmp_path / "bad").exists() and _leftovers(tmp_path) == []
+
+
+# Object storage: corpora, stores and builds at s3:// URIs (the moto server of tests/s3server.py), read
+# and written by the workers themselves; a Ray instance started after the server, so that its workers
+# inherit the AWS variables that point clients at it, as any deployment configures them.
+
+
+@pytest.fixture
+def s3_ray(local_ray, s3_server):
+    ray.shutdown()
+    ray.init(num_cpus=2, **QUIET_RAY)
+    yield s3_server
+    ray.shutdown()
+
+
+@pytest.fixture
+def fs(s3_server):
+    return pytest.importorskip("s3fs").S3FileSystem()
+
+
+def _objects(fs, uri: str) -> dict[str, bytes]:
+    """Every object under `uri` (a bucket or a prefix), by name relative to it."""
+    fs.invalidate_cache()
+    prefix = uri.removeprefix("s3://").rstrip("/")
+    return {os.path.relpath(key, prefix): fs.cat_file(key) for key in fs.find(prefix)}
+
+
+def _put(fs, local: Path, uri: str) -> str:
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            fs.pipe_file(f"{uri.removeprefix('s3://')}/{path.relative_to(local).as_posix()}", path.read_bytes())
+    return uri
+
+
+def _text_corpus(directory: Path) -> Path:
+    directory.mkdir()
+    conversations = chitchat()[:600]
+    for part in range(3):
+        rows = conversations[part * 200 : (part + 1) * 200]
+        pq.write_table(pa.table({"text": ["\n".join(t) for t in rows]}), directory / f"{part}.parquet")
+    return directory
+
+
+@pytest.mark.slow
+def test_the_cli_builds_text_in_s3_into_s3_as_the_local_engine_and_the_loader_trains_from_it(tmp_path, fs, s3_bucket, gpt2):
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from prepack import PackedCollator, PackedDataset, enable_packing
+    from tests.tiny_models import tiny_model
+
+    corpus = _put(fs, _text_corpus(tmp_path / "text"), f"{s3_bucket}/corpus")
+    options = ["--tokenizer", str(gpt2), "--max-len", "8192", "--shard-size", "100kB", "-q"]
+    local = subprocess.run([PREPACK, "build", str(tmp_path / "text"), *options, "--out", str(tmp_path / "packed")], capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stderr
+    # The command of issue 14's "done when": its own Ray instance, which inherits this environment.
+    on_ray = subprocess.run(
+        [PREPACK, "build", f"{corpus}/", *options, "--out", f"{s3_bucket}/packed", "--engine", "ray"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert on_ray.returncode == 0, on_ray.stderr
+    built = _objects(fs, f"{s3_bucket}/packed")
+    assert len(built) > 3 and built == {p.name: p.read_bytes() for p in (tmp_path / "packed").iterdir()}
+    assert {name.split("/")[0] for name in _objects(fs, s3_bucket)} == {"corpus", "packed"}  # no scratch left
+    losses = []
+    for source in (PackedDataset(tmp_path / "packed"), PackedDataset(f"{s3_bucket}/packed", cache_dir=tmp_path / "cache")):
+        torch.manual_seed(0)
+        model = enable_packing(tiny_model("llama", "sdpa", torch.float32))
+        batch = next(iter(DataLoader(source, batch_size=2, collate_fn=PackedCollator.for_dataset(source))))
+        vocab = model.config.vocab_size  # the tiny model's, smaller than GPT-2's: ids folded into it
+        batch["input_ids"] %= vocab
+        batch["labels"] = torch.where(batch["labels"] == -100, -100, batch["labels"] % vocab)
+        loss = model(**batch).loss
+        loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        losses.append((loss.item(), next(model.parameters()).detach().clone()))
+    assert np.isfinite(losses[0][0]) and losses[0][0] == losses[1][0]
+    assert torch.equal(losses[0][1], losses[1][1])
+    # A bad row in a later object: the local engine's message naming its URI, exit 2, no object left.
+    fs.pipe_file(f"{corpus.removeprefix('s3://')}/3.jsonl", b'{"text": "fine"}\n{"text": 7}\n')
+    failed = subprocess.run(
+        [PREPACK, "build", corpus, *options, "--out", f"{s3_bucket}/bad", "--engine", "ray"], capture_output=True, text=True, timeout=300
+    )
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr
+    assert f"{corpus}/3.jsonl, row 1, column 'text'" in " ".join(failed.stderr.split())
+    assert {name.split("/")[0] for name in _objects(fs, s3_bucket)} == {"corpus", "packed"}
+
+
+def test_a_store_tokenized_into_s3_and_builds_from_it_equal_the_local_engine(tmp_path, s3_ray, fs, s3_bucket, gpt2):
+    text = _text_corpus(tmp_path / "text")
+    corpus = _put(fs, text, f"{s3_bucket}/corpus")
+    build_store(text, tmp_path / "store", tokenizer=gpt2, shard_size=40_000)
+    build_store(corpus, f"{s3_bucket}/store", tokenizer=gpt2, shard_size=40_000, engine="ray")
+    stored = _objects(fs, f"{s3_bucket}/store")
+    assert len(stored) > 3 and stored == {p.name: p.read_bytes() for p in (tmp_path / "store").iterdir()}
+    options = dict(max_len=1024, shard_size=50_000, seed=1)
+    local = build(tmp_path / "store", tmp_path / "packed", **options)
+    assert build(f"{s3_bucket}/store", f"{s3_bucket}/packed", engine="ray", **options) == local
+    # One side in object storage, the other local: the same bytes too.
+    build(f"{s3_bucket}/store", tmp_path / "from-s3", engine="ray", **options)
+    build(tmp_path / "store", f"{s3_bucket}/to-s3", engine="ray", **options)
+    expected = {p.name: p.read_bytes() for p in (tmp_path / "packed").iterdir()}
+    assert _objects(fs, f"{s3_bucket}/packed") == _objects(fs, f"{s3_bucket}/to-s3") == expected
+    assert {p.name: p.read_bytes() for p in (tmp_path / "from-s3").iterdir()} == expected
+    # Overwritten only with overwrite, as locally.
+    with pytest.raises(OutputError, match="already exists"):
+        build(f"{s3_bucket}/store", f"{s3_bucket}/packed", engine="ray", **options)
+    fewer = {**options, "shard_size": 200_000}  # fewer shards: the replaced build's others are deleted
+    build(tmp_path / "store", tmp_path / "fewer", **fewer)
+    build(f"{s3_bucket}/store", f"{s3_bucket}/packed", engine="ray", overwrite=True, **fewer)
+    assert _objects(fs, f"{s3_bucket}/packed") == {p.name: p.read_bytes() for p in (tmp_path / "fewer").iterdir()}
+    assert len(expected) > len(_objects(fs, f"{s3_bucket}/packed"))
+    assert {name.split("/")[0] for name in _objects(fs, s3_bucket)} == {"corpus", "store", "packed", "to-s3"}
+
+
+@pytest.mark.slow
+def test_labelled_tokens_with_empty_documents_and_files_in_s3_build_and_store_the_local_bytes(tmp_path, s3_ray, fs, s3_bucket):
+    corpus = _token_corpus(tmp_path / "c")
+    remote = _put(fs, corpus, f"{s3_bucket}/corpus")
+    options = dict(max_len=256, shard_size=30_000, seed=2, algorithm="bfd")
+    build(corpus, tmp_path / "packed", **options)
+    build(remote, f"{s3_bucket}/packed", engine="ray", **options)
+    build_store(corpus, tmp_path / "store", shard_size=20_000)
+    build_store(remote, f"{s3_bucket}/store", shard_size=20_000, engine="ray")
+    for name in ("packed", "store"):
+        expected = {p.name: p.read_bytes() for p in (tmp_path / name).iterdir()}
+        assert len(expected) > 3 and _objects(fs, f"{s3_bucket}/{name}") == expected, name
+    assert {key.split("/")[0] for key in _objects(fs, s3_bucket)} == {"corpus", "packed", "store"}
+
+
+def test_a_bad_row_in_a_later_object_is_the_local_error_and_leaves_no_object(tmp_path, s3_ray, fs, s3_bucket):
+    corpus = _token_corpus(tmp_path / "c")
+    write_corpus(corpus / "6.jsonl", corpus_table([[1, 2], [3, -4]], [[-100, 2], [-100, 4]]))
+    remote = _put(fs, corpus, f"{s3_bucket}/corpus")
+    with pytest.raises(InputError) as local:
+        build(remote, f"{s3_bucket}/local", max_len=512)
+    with pytest.raises(InputError) as on_ray:
+        build(remote, f"{s3_bucket}/ray", max_len=512, shard_size=20_000, engine="ray")
+    assert str(on_ray.value) == str(local.value)
+    assert f"{remote}/6.jsonl, row 1, column 'input_ids'" in str(local.value)
+    assert list(_objects(fs, s3_bucket)) == [f"corpus/{n}" for n in sorted(_objects(fs, remote))]
+
+
+def test_a_damaged_store_shard_in_s3_is_named_by_its_uri_on_a_worker(tmp_path, s3_ray, fs, s3_bucket):
+    build_store(_token_corpus(tmp_path / "c"), tmp_path / "store", shard_size=40_000)
+    name = json.loads((tmp_path / "store" / "store.json").read_text())["shards"][2]["name"]
+    data = bytearray((tmp_path / "store" / name).read_bytes())
+    data[-100] ^= 0xFF
+    (tmp_path / "store" / name).write_bytes(bytes(data))
+    store = _put(fs, tmp_path / "store", f"{s3_bucket}/store")
+    with pytest.raises(FormatError) as local:
+        build(store, f"{s3_bucket}/local", max_len=512)
+    with pytest.raises(FormatError) as on_ray:
+        build(store, f"{s3_bucket}/ray", max_len=512, engine="ray")
+    assert str(on_ray.value) == str(local.value) == f"{store}/{name}: its sha256 is not the store manifest's: the shard changed."
+    assert {key.split("/")[0] for key in _objects(fs, s3_bucket)} == {"store"}
+
+
+def test_the_scratch_prefix_is_beside_the_output_and_only_it_is_deleted(s3_server, fs, s3_bucket):
+    from prepack.remote import scratch_prefix
+
+    kept = {".packed.prepack-scratch-other/x": b"1", "packed-2/y": b"2", "packed/z": b"3"}
+    for name, data in kept.items():
+        fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/{name}", data)
+    for failing in (False, True):
+        with pytest.raises(RuntimeError) if failing else contextlib.nullcontext():
+            with scratch_prefix(f"{s3_bucket}/packed/") as scratch:
+                assert scratch.startswith(f"{s3_bucket}/.packed.prepack-scratch-")
+                fs.pipe_file(f"{scratch.removeprefix('s3://')}/deep/ids-00000.bin", b"tokens")
+                assert len(_objects(fs, s3_bucket)) == len(kept) + 1
+                if failing:
+                    raise RuntimeError("a build failed")
+        assert _objects(fs, s3_bucket) == kept
+
+
+def test_a_failed_publication_deletes_what_its_workers_uploaded_and_nothing_else(tmp_path, s3_server, fs, s3_bucket):
+    """The rules the Ray engine's shard tasks upload by (`Publication`), at a prefix holding a build
+    that this one replaces: the old manifest goes before the first new shard, and a failure deletes
+    the new shards recorded, not the old build's others nor anything beside the prefix."""
+    from prepack.remote import Publication
+
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1] * 50] * 40))
+    build(corpus, f"{s3_bucket}/packed", max_len=64, shard_size=1_000)
+    fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/packed-2/keep", b"k")
+    old = _objects(fs, s3_bucket)
+    assert {"packed/manifest.json", "packed/shard-00000.arrow", "packed/shard-00001.arrow"} <= set(old)
+    publication = Publication(f"{s3_bucket}/packed", True, "manifest.json")
+    publication.uploading(["shard-00000.arrow"])
+    assert "packed/manifest.json" not in _objects(fs, s3_bucket)  # unpublished before a shard goes up
+    fs.pipe_file(publication.shard_uri("shard-00000.arrow").removeprefix("s3://"), b"a new shard")
+    publication.discard()
+    assert _objects(fs, s3_bucket) == {k: v for k, v in old.items() if k not in ("packed/manifest.json", "packed/shard-00000.arrow")}
+
+
+def test_an_index_build_runs_on_the_driver_with_the_local_bytes(tmp_path, local_ray):
+    build_store(_token_corpus(tmp_path / "c"), tmp_path / "store", shard_size=40_000)
+    local = build(tmp_path / "store", tmp_path / "local", max_len=512, index_only=True)
+    assert build(tmp_path / "store", tmp_path / "ray", max_len=512, index_only=True, engine="ray") == local
+    assert _same(tmp_path / "local", tmp_path / "ray") >= 2
+
+
+def test_an_address_where_nothing_listens_is_an_engine_error_and_exit_2(tmp_path):
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
+    with pytest.raises(EngineError, match=f"--ray-address 127.0.0.1:{port}: no Ray cluster answers there"):
+        build(corpus, tmp_path / "out", max_len=8, engine="ray", ray_address=f"127.0.0.1:{port}")
+    result = subprocess.run(
+        [PREPACK, "build", str(corpus), "--max-len", "8", "--out", str(tmp_path / "out"), "--engine", "ray", "--ray-address", f"ray://127.0.0.1:{port}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2 and "no Ray cluster answers there" in result.stderr and "Traceback" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
+
+
+def test_a_task_that_fails_or_whose_worker_dies_is_an_engine_error_of_one_line(local_ray):
+    from prepack.engine_ray import _result
+
+    @ray.remote
+    def raises():
+        raise ValueError("not prepack's\nsecond line")
+
+    @ray.remote(max_retries=0)
+    def dies():
+        os._exit(1)
+
+    with pytest.raises(EngineError) as failed:
+        _result(raises.remote())
+    assert str(failed.value) == "a Ray task of this build failed: ValueError: not prepack's"
+    with pytest.raises(EngineError, match=r"^the Ray cluster lost a task of this build: \w+Error") as lost:
+        _result(dies.remote())
+    assert "\n" not in str(lost.value)
 
 
 # Ray instances of another shape: each test below starts its own, after the module's is shut down.
