@@ -66,7 +66,7 @@ _NumProcOption = Annotated[int | None, typer.Option("--num-proc", min=1, help="T
 _ShardSizeOption = Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB or 1GB.")]
 _QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")]
 _EngineOption = Annotated[Engine, typer.Option("--engine", help="Where reading, tokenizing and shard writing run: here, or as Ray tasks across a cluster (needs prepack\\[ray]); the output is the same.", rich_help_panel="Engine")]
-_RayAddressOption = Annotated[str | None, typer.Option("--ray-address", help="--engine ray: join this cluster ('auto', 'ray://HOST:PORT'); default: start a local Ray instance.", rich_help_panel="Engine")]
+_RayAddressOption = Annotated[str | None, typer.Option("--ray-address", help="--engine ray: join this cluster ('auto', 'ray://HOST:PORT'); default: RAY_ADDRESS if set, else a new local Ray instance.", rich_help_panel="Engine")]
 _BuildArgument = Annotated[str, typer.Argument(help="A build directory (holding manifest.json), or a URI such as s3://bucket/packed (needs prepack[s3]).")]
 _CacheDirOption = Annotated[Path | None, typer.Option("--cache-dir", help="For a build at a URI: where its shards are downloaded (default: a temporary directory, deleted after).")]
 

@@ -475,34 +475,44 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
 
 
-def _check_listening(address: str) -> None:
+def _check_listening(address: str, named: str) -> None:
     """Refuse at once an address `HOST:PORT` (or `ray://HOST:PORT`) where nothing listens, which Ray
-    would retry for minutes."""
+    would retry for minutes. `named`: the address as the user gave it, for the message."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
-        return  # "auto", "local": Ray's to resolve
+        return  # "auto": Ray's to resolve
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT).close()
     except OSError as exc:
-        raise EngineError(f"--ray-address {address}: no Ray cluster answers there ({exc.strerror or exc}).") from None
+        raise EngineError(f"{named}: no Ray cluster answers there ({exc.strerror or exc}).") from None
 
 
 @contextmanager
 def ray_engine(address: str | None, staging: Staging) -> Iterator[RayEngine]:
     """A `RayEngine` for a build written into `staging`, on the Ray instance this process is connected
-    to; else on the cluster at `address` ("auto", "ray://HOST:PORT", …), or a new local instance when
-    it is None, shut down when the build ends. A build to object storage keeps its scratch objects
-    under `prepack.remote.scratch_prefix`, deleted when the build ends."""
+    to; else on the cluster at `address` ("auto", "ray://HOST:PORT", …), or when it is None at Ray's
+    own `RAY_ADDRESS` (what `ray job submit` sets for its entrypoint), or on a new local instance, shut
+    down when the build ends. A build to object storage keeps its scratch objects under
+    `prepack.remote.scratch_prefix`, deleted when the build ends."""
     started = not ray.is_initialized()
     if started:
-        local = {"include_dashboard": False} if address is None else {}
-        if address is not None:
-            _check_listening(address)
+        joining = address or os.environ.get("RAY_ADDRESS") or None
+        named = f"--ray-address {address}" if address else f"RAY_ADDRESS {joining}"
+        if joining is not None:
+            _check_listening(joining, named)
         try:
             # Quiet: the build reports progress and errors itself; workers' output is not relayed.
-            ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR, **local)
+            # "local", not None: ray.init() would otherwise join any cluster that RAY_TMPDIR's
+            # ray_current_cluster names (a `ray start`, a test's Cluster), whose workers may run in
+            # another environment (other credentials, another AWS_ENDPOINT_URL).
+            ray.init(
+                address=joining or "local",
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+                **({"include_dashboard": False} if joining is None else {}),
+            )
         except (ConnectionError, ValueError, RuntimeError) as exc:
-            raise EngineError(f"--ray-address {address}: cannot join a Ray cluster there ({_first_line(exc)}).") from None
+            raise EngineError(f"{named}: cannot join a Ray cluster there ({_first_line(exc)}).") from None
     try:
         with ExitStack() as scratch:
             if staging.publication is None:

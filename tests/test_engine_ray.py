@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -417,9 +418,7 @@ def test_an_index_build_runs_on_the_driver_with_the_local_bytes(tmp_path, local_
 
 
 def test_an_address_where_nothing_listens_is_an_engine_error_and_exit_2(tmp_path):
-    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _closed_port()
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
     with pytest.raises(EngineError, match=f"--ray-address 127.0.0.1:{port}: no Ray cluster answers there"):
         build(corpus, tmp_path / "out", max_len=8, engine="ray", ray_address=f"127.0.0.1:{port}")
@@ -429,6 +428,38 @@ def test_an_address_where_nothing_listens_is_an_engine_error_and_exit_2(tmp_path
     )
     assert result.returncode == 2 and "no Ray cluster answers there" in result.stderr and "Traceback" not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_without_an_address_the_command_starts_its_own_instance_not_the_machines_last_cluster(tmp_path):
+    """`ray.init()` alone joins the cluster named by RAY_TMPDIR's `ray/ray_current_cluster` (written by
+    `ray start` and by a test's `ray.cluster_utils.Cluster`), whose workers may run in another
+    environment; without --ray-address a build joins only the cluster that RAY_ADDRESS names."""
+    port = _closed_port()
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths lie under it
+    try:
+        (ray_tmp / "ray").mkdir()
+        (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}")
+        environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(ray_tmp)}
+        corpus = _token_corpus(tmp_path / "c")
+        build(corpus, tmp_path / "local", max_len=512, shard_size=40_000)
+        command = [PREPACK, "build", str(corpus), "--max-len", "512", "--shard-size", "40kB", "--engine", "ray", "-q"]
+        own = subprocess.run([*command, "--out", str(tmp_path / "ray")], env=environment, capture_output=True, text=True, timeout=300)
+        assert own.returncode == 0, own.stderr
+        assert _same(tmp_path / "local", tmp_path / "ray") > 3
+        asked = subprocess.run(
+            [*command, "--out", str(tmp_path / "asked")], env=environment | {"RAY_ADDRESS": f"127.0.0.1:{port}"}, capture_output=True, text=True, timeout=120
+        )
+        assert asked.returncode == 2 and "Traceback" not in asked.stderr
+        assert f"RAY_ADDRESS 127.0.0.1:{port}: no Ray cluster answers there" in " ".join(asked.stderr.split())
+        assert not (tmp_path / "asked").exists()
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_a_task_that_fails_or_whose_worker_dies_is_an_engine_error_of_one_line(local_ray):
