@@ -82,7 +82,7 @@ def run_ray(corpus: str, tokenizer: str, out: str, workers: int) -> dict:
     import prepack
 
     start = time.perf_counter()
-    ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    ray.init(address="local", num_cpus=workers, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     started, cpu = time.perf_counter(), cpu_seconds()
     manifest = prepack.build_store(corpus, out, tokenizer=tokenizer, engine="ray")
     done, used = time.perf_counter(), cpu_since(cpu)

@@ -32,7 +32,8 @@ from prepack.errors import EngineError, FormatError, InputError, OutputError  # 
 from tests.corpus import corpus_table, write_corpus  # noqa: E402
 
 PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
-QUIET_RAY = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
+# "local": an instance of this test run, never another run's cluster that ray_current_cluster names.
+QUIET_RAY = {"address": "local", "include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
 
 
 def _files(directory: Path) -> dict[str, bytes]:
