@@ -480,7 +480,7 @@ def _check_listening(address: str, named: str) -> None:
     would retry for minutes. `named`: the address as the user gave it, for the message."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
-        return  # "auto": Ray's to resolve
+        return  # "auto", "local": Ray's to resolve
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT).close()
     except OSError as exc:
@@ -497,8 +497,8 @@ def ray_engine(address: str | None, staging: Staging) -> Iterator[RayEngine]:
     started = not ray.is_initialized()
     if started:
         joining = address or os.environ.get("RAY_ADDRESS") or None
-        named = f"--ray-address {address}" if address else f"RAY_ADDRESS {joining}"
-        if joining is not None:
+        named = f"--ray-address {address}" if address else f"RAY_ADDRESS {joining}" if joining else None
+        if named is not None:
             _check_listening(joining, named)
         try:
             # Quiet: the build reports progress and errors itself; workers' output is not relayed.
@@ -512,7 +512,8 @@ def ray_engine(address: str | None, staging: Staging) -> Iterator[RayEngine]:
                 **({"include_dashboard": False} if joining is None else {}),
             )
         except (ConnectionError, ValueError, RuntimeError) as exc:
-            raise EngineError(f"{named}: cannot join a Ray cluster there ({_first_line(exc)}).") from None
+            problem = f"{named}: cannot join a Ray cluster there" if named else "cannot start a local Ray instance"
+            raise EngineError(f"{problem} ({_first_line(exc)}).") from None
     try:
         with ExitStack() as scratch:
             if staging.publication is None:

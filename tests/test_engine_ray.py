@@ -418,6 +418,12 @@ def test_an_index_build_runs_on_the_driver_with_the_local_bytes(tmp_path, local_
     assert _same(tmp_path / "local", tmp_path / "ray") >= 2
 
 
+def _closed_port() -> int:
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_an_address_where_nothing_listens_is_an_engine_error_and_exit_2(tmp_path):
     port = _closed_port()
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
@@ -429,12 +435,6 @@ def test_an_address_where_nothing_listens_is_an_engine_error_and_exit_2(tmp_path
     )
     assert result.returncode == 2 and "no Ray cluster answers there" in result.stderr and "Traceback" not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
-
-
-def _closed_port() -> int:
-    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_without_an_address_the_command_starts_its_own_instance_not_the_machines_last_cluster(tmp_path):
