@@ -34,6 +34,8 @@ _LAZY = {
     "split_for_cp": "prepack.context_parallel",
     "weighted_loss": "prepack.loss",
     "enable_packing": "prepack.attention",
+    "UsefulThroughputCallback": "prepack.throughput",
+    "batch_tokens": "prepack.throughput",
     "disable_packing": "prepack.attention",
     "check_isolation": "prepack.isolation",
     "inspect_build": "prepack.report",
