@@ -354,7 +354,8 @@ def main(argv=None) -> None:
     dtype = torch.float32 if args.cpu_smoke else torch.bfloat16
     attentions = args.attn or available_attentions(device)
     peak = peak_tflops(device, args.peak_tflops)
-    lengths = np.minimum(np.asarray(json.loads(LENGTHS_FILE.read_text())["lengths"], dtype=np.int64), args.max_len)
+    conversations = np.asarray(json.loads(LENGTHS_FILE.read_text())["lengths"], dtype=np.int64)
+    lengths = np.minimum(conversations, args.max_len)
     tokens = random_tokens(lengths, SHAPES[args.shape]["vocab_size"], args.seed)
     import transformers
 
@@ -362,8 +363,11 @@ def main(argv=None) -> None:
     header = [
         f"device: {device_name}; torch {torch.__version__}, transformers {transformers.__version__}, "
         f"Python {platform.python_version()}",
-        f"model: {args.shape}, {str(dtype).removeprefix('torch.')}, AdamW; {len(lengths)} chitchat conversations "
-        f"(cut to {args.max_len}); {args.tokens_per_step} tokens a step (prepack, hf-flattening), "
+        f"conversations: {len(conversations)} from chitchat, median {np.median(conversations):.0f} tokens, mean "
+        f"{conversations.mean():.0f}, p99 {np.percentile(conversations, 99):.0f}, longest {conversations.max()}; "
+        f"{(conversations > args.max_len).sum()} cut to {args.max_len}",
+        f"model: {args.shape}, {str(dtype).removeprefix('torch.')}, AdamW; "
+        f"{args.tokens_per_step} tokens a step (prepack, hf-flattening), "
         f"{args.padded_batch} conversations a step (padded); {args.warmup} warm-up + {args.steps} timed steps; "
         f"peak {peak or '?'} TFLOP/s bf16",
         f"command: python benchmarks/bench_gpu_train.py {' '.join(sys.argv[1:] if argv is None else argv)}",
