@@ -47,7 +47,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -198,7 +198,6 @@ class Result:
     steps: int = 0
     seconds: float | None = None
     error: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def build_model(shape: str, attn: str, dtype: torch.dtype, device: torch.device):
