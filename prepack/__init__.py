@@ -35,6 +35,8 @@ _LAZY = {
     "weighted_loss": "prepack.loss",
     "enable_packing": "prepack.attention",
     "disable_packing": "prepack.attention",
+    "UsefulThroughputCallback": "prepack.throughput",
+    "batch_tokens": "prepack.throughput",
     "check_isolation": "prepack.isolation",
     "inspect_build": "prepack.report",
     "verify_build": "prepack.verify",

@@ -1,12 +1,14 @@
 """The real flash-attn kernels (CUDA, bfloat16) on a tiny random Llama: a packed batch through
 `enable_packing` equals its documents run alone, and a binary 2-D mask without it leaks.
-Skipped without CUDA or the `flash_attn` package."""
+Skipped without CUDA or flash-attn 2 (the flash-attn-4 package installs a `flash_attn` namespace too, without
+FlashAttention-2: transformers' own check tells them apart)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.utils import is_flash_attn_2_available
 
 from prepack.attention import enable_packing
 from prepack.isolation import measure_isolation, random_packs
@@ -14,9 +16,11 @@ from prepack.collate import PackedCollator
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)"),
+    pytest.mark.skipif(
+        not is_flash_attn_2_available(), reason="needs flash-attn 2 (pip install 'prepack-llm[flash]')"
+    ),
 ]
-flash_attn = pytest.importorskip("flash_attn", reason="needs the flash-attn package (pip install prepack[flash])")
 
 MAX_LEN = 256
 VOCAB = 512

@@ -1,0 +1,83 @@
+"""benchmarks/bench_gpu_train.py and benchmarks/gpu_session.sh cannot rot: the batches each contender trains
+on, the arguments, and the whole GPU session script run end to end on a CPU (tiny model, `--cpu-smoke`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("bench_gpu_train", ROOT / "benchmarks" / "bench_gpu_train.py")
+bench = sys.modules["bench_gpu_train"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up there
+_spec.loader.exec_module(bench)
+
+LENGTHS = np.array([5, 300, 40, 4096, 17, 900, 1200, 64, 64, 2000, 3, 3500, 700, 128, 256, 9], dtype=np.int64)
+
+
+def test_the_committed_lengths_are_the_chitchat_conversations():
+    lengths = json.loads(bench.LENGTHS_FILE.read_text())["lengths"]
+    assert len(lengths) == 7168 and min(lengths) >= 1 and sum(lengths) > 3_000_000
+
+
+def test_every_contender_trains_each_conversation_at_most_once_within_its_budget():
+    prepack = bench.prepack_steps(LENGTHS, 4096, rows=2, seed=0)
+    documents = [index for step in prepack for pack in step for index in pack]
+    assert len(documents) == len(set(documents))
+    assert all(sum(LENGTHS[pack]) <= 4096 for step in prepack for pack in step)
+    flattened = bench.flattened_steps(LENGTHS, 4096, seed=0)
+    documents = [index for step in flattened for index in step]
+    assert len(documents) == len(set(documents)) > len(LENGTHS) // 2  # the last, partial step is left out
+    assert all(sum(LENGTHS[step]) <= 4096 for step in flattened)
+    for grouped in (False, True):
+        steps = bench.padded_steps(LENGTHS, 4, grouped, seed=0)
+        assert len(steps) == 4 and sorted(i for step in steps for i in step) == list(range(len(LENGTHS)))
+    # group_by_length: the first batch holds the longest conversation, and batches are sorted within.
+    grouped = bench.padded_steps(LENGTHS, 4, True, seed=0)
+    assert 3 in grouped[0]
+
+
+def test_flex_contenders_that_change_shape_every_step_run_last():
+    order = bench.contenders(["sdpa", "flex_attention", "flash_attention_4"], list(bench.METHODS))
+    assert order[:4] == [("sdpa", method) for method in bench.METHODS]
+    assert order[8] == ("flex_attention", "prepack")
+    assert [attn for attn, _ in order[9:]] == ["flex_attention"] * 3
+
+
+def test_arguments():
+    args = bench.parse_args(["--cpu-smoke", "--steps", "9"])
+    assert (args.shape, args.steps, args.max_len) == ("tiny", 2, 256)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tokens-per-step", "100", "--max-len", "4096"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--methods", "padded"])
+
+
+@pytest.mark.slow
+def test_the_gpu_session_script_runs_end_to_end_on_a_cpu(tmp_path):
+    out = tmp_path / "out"
+    env = {
+        **os.environ, "OUT": str(out), "PYTHON": sys.executable, "SITE": str(tmp_path / "no-site"),
+        "BENCH_ARGS": "--cpu-smoke --warmup 1 --steps 1", "PYTHONPATH": str(ROOT),
+    }
+    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], env=env, capture_output=True,
+                            text=True, timeout=600)
+    log = (out / "session.log").read_text()
+    assert result.returncode == 0, log + result.stdout[-3000:] + result.stderr[-3000:]
+    for part in ("probe", "gpu-tests", "benchmark"):
+        assert f"{part}: exit 0" in log, log
+    assert "cuda False" in (out / "probe.txt").read_text()
+    assert "<testsuite" in (out / "pytest-junit.xml").read_text()
+    rows = [json.loads(line) for line in (out / "bench" / "results.jsonl").read_text().splitlines()]
+    assert [(row["attn"], row["method"]) for row in rows] == [("sdpa", method) for method in bench.METHODS]
+    assert all(row["error"] is None and row["real_tokens_per_s"] > 0 and row["steps"] == 1 for row in rows), rows
+    by_method = {row["method"]: row for row in rows}
+    assert by_method["padded-random"]["padding_fraction"] > by_method["prepack"]["padding_fraction"]
+    assert by_method["hf-flattening"]["padding_fraction"] == 0
+    assert "| sdpa | prepack |" in (out / "bench" / "results.md").read_text()
