@@ -27,7 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch.utils.data import Sampler
 
-from prepack.balance import DEFAULT_TOKEN_COST, balanced_order, epoch_order, pack_costs
+from prepack.balance import DEFAULT_TOKEN_COST, MAX_TOKEN_COST, balanced_order, epoch_order, pack_costs, validated_token_cost
 from prepack.errors import DistributedSetupError, SamplerStateError
 
 __all__ = ["MAX_PASSES", "PackedSampler"]
@@ -53,7 +53,7 @@ class _State(BaseModel):
     shuffle: bool
     drop_last: bool
     balance: Literal["attention"] | None = None
-    token_cost: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    token_cost: float | None = Field(default=None, ge=0, le=MAX_TOKEN_COST, allow_inf_nan=False)
     passes: list[Annotated[list[Annotated[int, Field(ge=0, le=_INT_MAX)]], Field(min_length=3, max_length=3)]] | None = (
         Field(default=None, min_length=1, max_length=MAX_PASSES)
     )
@@ -153,7 +153,7 @@ class PackedSampler(Sampler[int]):
         self.drop_last = drop_last
         self.batch_size = batch_size
         self.balance = balance
-        self.token_cost = float(token_cost)
+        self.token_cost = validated_token_cost(token_cost)
         self._costs = self._pack_costs(dataset_or_len) if balance is not None else None
         self.num_samples = self.size // self.world_size if drop_last else math.ceil(self.size / self.world_size)
         self.epoch = 0
