@@ -69,7 +69,9 @@ def loss_weights(batch: Mapping[str, Any], weighting: Weighting) -> torch.Tensor
     cu = batch["cu_seq_lens_q"].to(torch.int64)
     if "cp_indices" in batch:  # a context-parallel part: its positions in the whole batch, its documents' totals
         if "cp_trained_per_document" not in batch:
-            raise ValueError("document weighting of a context-parallel part needs cp_trained_per_document: split with split_for_cp")
+            raise ValueError(
+                "document weighting of a context-parallel part needs cp_trained_per_document: split with split_for_cp"
+            )
         positions, per_document = batch["cp_indices"].to(torch.int64), batch["cp_trained_per_document"]
         document = torch.searchsorted(cu, positions, right=True) - 1
     else:

@@ -27,7 +27,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch.utils.data import Sampler
 
-from prepack.balance import DEFAULT_TOKEN_COST, MAX_TOKEN_COST, balanced_order, epoch_order, pack_costs, validated_token_cost
+from prepack.balance import (
+    DEFAULT_TOKEN_COST,
+    MAX_TOKEN_COST,
+    balanced_order,
+    epoch_order,
+    pack_costs,
+    validated_token_cost,
+)
 from prepack.errors import DistributedSetupError, SamplerStateError
 
 __all__ = ["MAX_PASSES", "PackedSampler"]
@@ -37,6 +44,9 @@ __all__ = ["MAX_PASSES", "PackedSampler"]
 MAX_PASSES = 64
 _INT_MAX = 2**63 - 1
 _SIZE_MAX = 2**20  # a pass's world size and batch size: 64 steps of R·B packs stay far inside int64
+
+
+_Pass = Annotated[list[Annotated[int, Field(ge=0, le=_INT_MAX)]], Field(min_length=3, max_length=3)]  # start, R, B
 
 
 class _State(BaseModel):
@@ -54,9 +64,7 @@ class _State(BaseModel):
     drop_last: bool
     balance: Literal["attention"] | None = None
     token_cost: float | None = Field(default=None, ge=0, le=MAX_TOKEN_COST, allow_inf_nan=False)
-    passes: list[Annotated[list[Annotated[int, Field(ge=0, le=_INT_MAX)]], Field(min_length=3, max_length=3)]] | None = (
-        Field(default=None, min_length=1, max_length=MAX_PASSES)
-    )
+    passes: list[_Pass] | None = Field(default=None, min_length=1, max_length=MAX_PASSES)
 
     @model_validator(mode="after")
     def _consistent(self) -> _State:
@@ -113,11 +121,11 @@ class PackedSampler(Sampler[int]):
     bounded values, at most `MAX_PASSES` passes) and raises SamplerStateError (a ValueError) for one
     that is malformed or for another setup, before anything changes. After `load_state_dict`, the
     next iteration deals out the packs not used yet, over this sampler's ranks, which may be more or
-    fewer than when it was saved: each pack of the epoch is trained on once either way. torchdata's `StatefulDataLoader` saves and
-    loads this state by itself, at the batch the training loop last received, workers and prefetch
-    included. A plain DataLoader with workers draws indices ahead of the loop; there, pass
-    `consumed=` (indices this rank's loop trained on since the epoch began or the sampler was
-    resumed) to save the loop's position.
+    fewer than when it was saved: each pack of the epoch is trained on once either way. torchdata's
+    `StatefulDataLoader` saves and loads this state by itself, at the batch the training loop last
+    received, workers and prefetch included. A plain DataLoader with workers draws indices ahead of
+    the loop; there, pass `consumed=` (indices this rank's loop trained on since the epoch began or
+    the sampler was resumed) to save the loop's position.
 
     `balance="attention"` (with `batch_size`, the DataLoader's, and `drop_last=True`) evens out the
     ranks' work in every step: each rank's consecutive `batch_size` indices are its micro-batch of a
@@ -232,7 +240,9 @@ class PackedSampler(Sampler[int]):
         pass_order = order[:0]
         for start, world_size, batch_size in passes:
             if start > len(pass_order):
-                raise SamplerStateError(f"a pass starts at {start}, beyond the {len(pass_order)} packs the one before deals out.")
+                raise SamplerStateError(
+                    f"a pass starts at {start}, beyond the {len(pass_order)} packs the one before deals out."
+                )
             before = pass_order[:start]
             used[before] = True
             rest = order[~used[order]]

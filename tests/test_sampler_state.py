@@ -105,10 +105,11 @@ def test_a_resume_that_would_pass_the_bound_of_passes_says_how_to_go_on():
     big = CuSeqlensOnly(random_packs(200, seed=2))
     state = {"epoch": 0, "used": 99, "size": 200, "seed": 5, "shuffle": True, "drop_last": True,
              "balance": "attention", "token_cost": 3.0, "passes": history}
-    same = PackedSampler(big, rank=0, world_size=3, seed=5, drop_last=True, batch_size=2, balance="attention", token_cost=3)
+    options = dict(rank=0, seed=5, drop_last=True, batch_size=2, balance="attention", token_cost=3)
+    same = PackedSampler(big, world_size=3, **options)
     same.load_state_dict(state)  # the last pass's sizes: it continues that pass
     assert len(list(same)) == (200 - 63 - (200 - 63) % 3 - (99 - 63)) // 3
-    other = PackedSampler(big, rank=0, world_size=4, seed=5, drop_last=True, batch_size=2, balance="attention", token_cost=3)
+    other = PackedSampler(big, world_size=4, **options)
     with pytest.raises(SamplerStateError, match="resume on world size 3 and batch size 2"):
         other.load_state_dict(state)
 
@@ -124,7 +125,8 @@ def test_consumed_outside_the_epoch_is_refused(consumed):
 
 values = st.one_of(
     st.none(), st.booleans(), st.integers(-5, 50), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
-    st.text(max_size=4), st.lists(st.integers(-2, 50), max_size=4), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    st.text(max_size=4), st.lists(st.integers(-2, 50), max_size=4),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
 )
 passes_lists = st.one_of(
     st.lists(st.lists(st.integers(-2, 50), min_size=0, max_size=4), max_size=6),
