@@ -101,6 +101,10 @@ def test_refusals():
         split_for_cp(PackedCollator(layout="padding_free")(packs), 2, 0)
     with pytest.raises(ValueError, match="cp_rank"):
         cp_indices(torch.tensor([0, 4]), 2, 2)
+    part = split_for_cp(PackedCollator(layout="padding_free", cp_size=2)(make_packs([[3, 5]], labelled=True)), 2, 0)
+    del part["cp_trained_per_document"]
+    with pytest.raises(ValueError, match="cp_trained_per_document"):
+        loss_weights(part, "document")
 
 
 # --- a split batch trains exactly as the whole one ------------------------------------------------------
@@ -117,6 +121,10 @@ def test_the_ranks_weights_and_shifted_labels_are_the_whole_batchs(pack_lengths,
     for piece in pieces:
         shift[:, piece["cp_indices"]] = piece["shift_labels"]
     assert torch.equal(shift, expected_shift)
+    given_shift = torch.randint(0, 60, labels.shape)  # a batch's own shift_labels are split with the inputs
+    for rank, piece in enumerate(pieces):
+        assert torch.equal(split_for_cp(batch | {"shift_labels": given_shift}, cp_size, rank)["shift_labels"],
+                           given_shift[:, piece["cp_indices"]])
     for weighting in ("token", "document"):
         whole = loss_weights(batch, weighting)  # at each label's position
         at_predicting = torch.cat([whole[:, 1:], torch.zeros(1, 1, dtype=whole.dtype)], 1)
