@@ -11,6 +11,9 @@ attention scores and values cost 4·d FLOPs per token pair per layer forward, ×
 pass, over l²/2 pairs: 6·L·d·l². Dividing by 6·L·d, `token_cost = N / (L·d)`, which is about 12·d for
 the usual N ≈ 12·L·d². `DEFAULT_TOKEN_COST` is 12 × 4096 = 49,152, a 7–8B model (Llama-3-8B:
 N ≈ 7.0e9, L = 32, d = 4096 gives 53,000); 0 balances attention alone. Pass your model's value.
+`token_cost` must be finite and at most `MAX_TOKEN_COST` (1e15, far above any model's N / (L·d), and
+low enough that every sum of costs stays finite in float64): a NaN or infinite cost would order
+nothing and turn every figure of `prepack inspect` into NaN.
 
 `balanced_order` regroups an order of packs, only within windows of `WINDOW_STEPS` consecutive steps,
 so that dealt round-robin to R ranks in micro-batches of B (as `PackedSampler` deals), every step's
@@ -31,6 +34,7 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_TOKEN_COST",
+    "MAX_TOKEN_COST",
     "WINDOW_STEPS",
     "Imbalance",
     "balanced_order",
@@ -39,10 +43,22 @@ __all__ = [
     "imbalance",
     "pack_costs",
     "step_costs",
+    "validated_token_cost",
 ]
 
 DEFAULT_TOKEN_COST = 12 * 4096  # N / (L·d) of a 7-8B decoder (module docstring)
+MAX_TOKEN_COST = 1e15  # costs of packs up to 2**31 tokens, summed over any epoch, stay finite (docstring)
 WINDOW_STEPS = 64  # packs move only within this many consecutive steps
+
+
+def validated_token_cost(token_cost: object) -> float:
+    """`token_cost` as a float, or ValueError unless it is a real number in [0, MAX_TOKEN_COST] (no NaN,
+    no infinity, no bool)."""
+    if isinstance(token_cost, bool) or not isinstance(token_cost, (int, float, np.integer, np.floating)):
+        raise ValueError(f"token_cost must be a number, not {token_cost!r}")
+    if not 0 <= token_cost <= MAX_TOKEN_COST:  # False for NaN too
+        raise ValueError(f"token_cost must be finite, in [0, {MAX_TOKEN_COST:g}], got {token_cost!r}")
+    return float(token_cost)
 
 
 def epoch_order(size: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
@@ -55,13 +71,12 @@ def epoch_order(size: int, seed: int, epoch: int, shuffle: bool = True) -> np.nd
 def pack_costs(documents: np.ndarray, lengths: np.ndarray, token_cost: float) -> np.ndarray:
     """float64 cost of each pack (module docstring): `documents` its number of documents (at least 1),
     `lengths` every document's length in pack order (`np.diff` of each pack's `cu_seqlens`)."""
-    if token_cost < 0:
-        raise ValueError(f"token_cost must be non-negative, got {token_cost}")
+    token_cost = validated_token_cost(token_cost)
     if len(documents) == 0:
         return np.empty(0, np.float64)
     if np.min(documents) < 1 or np.sum(documents) != len(lengths):
         raise ValueError("every pack needs at least one document, and the lengths must be theirs")
-    return _pack_costs(np.asarray(documents), np.asarray(lengths), float(token_cost))
+    return _pack_costs(np.asarray(documents), np.asarray(lengths), token_cost)
 
 
 @numba.njit(cache=True)

@@ -242,7 +242,6 @@ def inspect_command(
 ) -> None:
     """Report fill, padding, distributions and the cost of not packing, from the manifest and the
     per-pack columns (no token is read)."""
-    import json
 
     from prepack.report import inspect_build, plot, render
 
@@ -251,12 +250,13 @@ def inspect_command(
         report = inspect_build(path, batch_size=batch_size, seed=seed, world_size=world_size, cache_dir=cache_dir, **costs)
         if plot_path is not None:
             plot(report, plot_path)
+        text = report.to_json() if as_json else None
     except PrepackError as exc:
         _fail(exc)
     except ImportError as exc:  # matplotlib, an optional extra
         _fail(PrepackError(str(exc)))
-    if as_json:
-        typer.echo(json.dumps(report.model_dump(mode="json"), indent=2))
+    if text is not None:
+        typer.echo(text)
     else:
         Console().print(render(report, shards=shards))
 

@@ -5,10 +5,21 @@
     ├── OutputError              the output directory cannot be written as asked
     ├── FormatError              a shard directory breaks the format in schemas/shard-format.md
     ├── EngineError              the engine itself failed: a Ray cluster unreachable, a task or node lost
-    └── IsolationError           a batch or a model set-up would let documents attend to each other
+    ├── IsolationError           a batch or a model set-up would let documents attend to each other
+    ├── SamplerStateError        a PackedSampler state (a checkpoint's) is malformed or for another setup
+    └── DistributedSetupError    the processes of a job are not set up to train as one
 """
 
-__all__ = ["EngineError", "FormatError", "InputError", "IsolationError", "OutputError", "PrepackError"]
+__all__ = [
+    "DistributedSetupError",
+    "EngineError",
+    "FormatError",
+    "InputError",
+    "IsolationError",
+    "OutputError",
+    "PrepackError",
+    "SamplerStateError",
+]
 
 
 class PrepackError(Exception):
@@ -45,3 +56,14 @@ class FormatError(PrepackError):
 
 class IsolationError(PrepackError):
     """A batch or model configuration would let tokens attend across document boundaries."""
+
+
+class SamplerStateError(PrepackError, ValueError):
+    """A `PackedSampler` state is not one it can resume from: a field missing, mistyped or out of range,
+    or saved for another dataset size, seed or order. A ValueError too, as the sampler raised before."""
+
+
+class DistributedSetupError(PrepackError, RuntimeError):
+    """The processes of a job would not train as one: launched as several (`WORLD_SIZE` > 1) without a
+    process group, or with one that Accelerate does not use for DDP, so that each rank would train a
+    model of its own on its share of the packs. A RuntimeError too, as the sampler raised before."""

@@ -15,6 +15,7 @@ touched, so a report on a billion-token build costs about as much as one on its 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from contextlib import ExitStack
@@ -27,9 +28,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from prepack.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs
+from prepack.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs, validated_token_cost
 from prepack.cache import ShardCache, build_cache
-from prepack.errors import FormatError, InputError
+from prepack.errors import FormatError, InputError, PrepackError
 from prepack.format import Manifest, check_layout, list_column, open_shard, read_manifest, shard_path
 from prepack.output import output_errors
 from prepack.remote import is_uri
@@ -117,7 +118,7 @@ class ShardSummary(_Model):
 
 
 class InspectReport(_Model):
-    """Everything `prepack inspect` shows; `model_dump()` is what `--json` prints."""
+    """Everything `prepack inspect` shows; `to_json()` is what `--json` prints."""
 
     path: str
     max_len: int
@@ -152,6 +153,15 @@ class InspectReport(_Model):
     cost: Costs
     steps: StepBalance | None  # only when a world size was given
     per_shard: list[ShardSummary]
+
+    def to_json(self) -> str:
+        """What `prepack inspect --json` prints: strict JSON, never a NaN or Infinity token (which JSON
+        parsers refuse); a non-finite figure raises PrepackError instead (the inputs are validated so
+        that none arises)."""
+        try:
+            return json.dumps(self.model_dump(mode="json"), indent=2, allow_nan=False)
+        except ValueError as exc:
+            raise PrepackError(f"the report of {self.path} holds a number JSON cannot carry: {exc}.") from None
 
 
 def _distribution(values: np.ndarray, edges: np.ndarray) -> Distribution:
@@ -274,8 +284,12 @@ def inspect_build(
     """
     if batch_size < 1:
         raise InputError(f"batch_size must be at least 1, got {batch_size}.")
-    if (world_size is not None and world_size < 1) or token_cost < 0:
-        raise InputError(f"world_size must be at least 1 and token_cost non-negative, got {world_size} and {token_cost}.")
+    if world_size is not None and world_size < 1:
+        raise InputError(f"world_size must be at least 1, got {world_size}.")
+    try:
+        token_cost = validated_token_cost(token_cost)
+    except ValueError as exc:
+        raise InputError(f"{exc}.") from None
     with ExitStack() as stack:
         build = stack.enter_context(build_cache(str(path), cache_dir)) if is_uri(path) else Path(path)
         manifest = build.manifest if isinstance(build, ShardCache) else read_manifest(build)

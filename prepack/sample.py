@@ -20,15 +20,78 @@ import math
 import os
 import sys
 from collections.abc import Iterator, Sized
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch.utils.data import Sampler
 
-from prepack.balance import DEFAULT_TOKEN_COST, balanced_order, epoch_order, pack_costs
+from prepack.balance import (
+    DEFAULT_TOKEN_COST,
+    MAX_TOKEN_COST,
+    balanced_order,
+    epoch_order,
+    pack_costs,
+    validated_token_cost,
+)
+from prepack.errors import DistributedSetupError, SamplerStateError
 
-__all__ = ["PackedSampler"]
+__all__ = ["MAX_PASSES", "PackedSampler"]
+
+# Passes a balanced state may record. Each is a resume onto other world or batch sizes within one epoch,
+# and every iteration replays them all (O(packs) each): the bound keeps a hostile state's cost small.
+MAX_PASSES = 64
+_INT_MAX = 2**63 - 1
+_SIZE_MAX = 2**20  # a pass's world size and batch size: 64 steps of R·B packs stay far inside int64
+
+
+_Pass = Annotated[list[Annotated[int, Field(ge=0, le=_INT_MAX)]], Field(min_length=3, max_length=3)]  # start, R, B
+
+
+class _State(BaseModel):
+    """A `PackedSampler.state_dict()`, validated as strictly as a manifest before any value is used:
+    exact types (no bool for an int, no string or float for a count), bounded ints, finite token_cost,
+    no unknown key; `balance`, `token_cost` and `passes` together or not at all."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    epoch: int = Field(ge=0, le=_INT_MAX)
+    used: int = Field(ge=0, le=_INT_MAX)
+    size: int = Field(ge=0, le=_INT_MAX)
+    seed: int = Field(ge=0, le=_INT_MAX)
+    shuffle: bool
+    drop_last: bool
+    balance: Literal["attention"] | None = None
+    token_cost: float | None = Field(default=None, ge=0, le=MAX_TOKEN_COST, allow_inf_nan=False)
+    passes: list[_Pass] | None = Field(default=None, min_length=1, max_length=MAX_PASSES)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> _State:
+        if self.used > self.size:
+            raise ValueError(f"used {self.used} is more than the {self.size} packs")
+        balanced = self.balance is not None
+        if (self.token_cost is not None) != balanced or (self.passes is not None) != balanced:
+            raise ValueError("balance, token_cost and passes come together (a balanced state) or not at all")
+        if balanced:
+            starts = [start for start, _, _ in self.passes]
+            if starts[0] != 0 or any(a >= b for a, b in zip(starts, starts[1:])) or starts[-1] > self.used:
+                raise ValueError(f"passes must start at 0 and rise strictly up to used {self.used}, not at {starts}")
+            if not all(1 <= world <= _SIZE_MAX and 1 <= batch <= _SIZE_MAX for _, world, batch in self.passes):
+                raise ValueError(f"passes {self.passes}: each world and batch size must be in [1, {_SIZE_MAX}]")
+        return self
+
+
+def _validated_state(state: object) -> _State:
+    """The state as `_State`, or SamplerStateError naming each field that is wrong."""
+    try:
+        return _State.model_validate(state)
+    except ValidationError as exc:
+        problems = "; ".join(
+            ": ".join(filter(None, [".".join(map(str, error["loc"])), error["msg"].removeprefix("Value error, ")]))
+            for error in exc.errors()[:5]
+        )
+        raise SamplerStateError(f"not a PackedSampler state this version can resume from: {problems}.") from None
 
 
 class PackedSampler(Sampler[int]):
@@ -39,23 +102,30 @@ class PackedSampler(Sampler[int]):
     leaves out the last `len % world_size`), a few indices from the start of the epoch are dealt again
     so that all ranks have as many. `rank` and `world_size` default to torch.distributed's.
 
-    It refuses, before the first index, the two ways a job silently trains on the wrong packs:
-    - built in a process launched as one of several (`WORLD_SIZE` > 1, as torchrun and `accelerate
-      launch` set it) before `torch.distributed.init_process_group`: it would be world size 1 on
+    It refuses (DistributedSetupError), when built and again before the first index, the ways a job
+    silently trains on the wrong packs or unsynchronised models:
+    - in a process launched as one of several (`WORLD_SIZE` > 1, as torchrun and `accelerate
+      launch` set it) without `torch.distributed.init_process_group`: it would be world size 1 on
       every rank, each training on every pack (`DistributedSampler` raises there too);
+    - under an `Accelerator` that set up fewer processes than the process group has (without GPUs,
+      `Accelerator()` under torchrun initialises the group, then reports one process and wraps no
+      model in DDP): each rank would train a model of its own on its share (`Accelerator(cpu=True)`
+      uses the group);
     - iterated through a loader that Accelerate has sharded (`accelerator.prepare(loader)`, and so
       HF `Trainer`): the loader deals each rank's batches out again, and the ranks together train
       on 1/world_size of the epoch. Either leave the loader out of `prepare`, or let Accelerate shard
       alone with `PackedSampler(dataset, rank=0, world_size=1)`.
 
     `state_dict()` records the epoch and how many packs of its order the job has used: JSON-
-    serialisable, the same on every rank. After `load_state_dict`, the next iteration deals out the
-    packs not used yet, over this sampler's ranks, which may be more or fewer than when it was saved:
-    each pack of the epoch is trained on once either way. torchdata's `StatefulDataLoader` saves and
-    loads this state by itself, at the batch the training loop last received, workers and prefetch
-    included. A plain DataLoader with workers draws indices ahead of the loop; there, pass
-    `consumed=` (indices this rank's loop trained on since the epoch began or the sampler was
-    resumed) to save the loop's position.
+    serialisable, the same on every rank. `load_state_dict` validates a state strictly (exact types,
+    bounded values, at most `MAX_PASSES` passes) and raises SamplerStateError (a ValueError) for one
+    that is malformed or for another setup, before anything changes. After `load_state_dict`, the
+    next iteration deals out the packs not used yet, over this sampler's ranks, which may be more or
+    fewer than when it was saved: each pack of the epoch is trained on once either way. torchdata's
+    `StatefulDataLoader` saves and loads this state by itself, at the batch the training loop last
+    received, workers and prefetch included. A plain DataLoader with workers draws indices ahead of
+    the loop; there, pass `consumed=` (indices this rank's loop trained on since the epoch began or
+    the sampler was resumed) to save the loop's position.
 
     `balance="attention"` (with `batch_size`, the DataLoader's, and `drop_last=True`) evens out the
     ranks' work in every step: each rank's consecutive `batch_size` indices are its micro-batch of a
@@ -91,7 +161,7 @@ class PackedSampler(Sampler[int]):
         self.drop_last = drop_last
         self.batch_size = batch_size
         self.balance = balance
-        self.token_cost = float(token_cost)
+        self.token_cost = validated_token_cost(token_cost)
         self._costs = self._pack_costs(dataset_or_len) if balance is not None else None
         self.num_samples = self.size // self.world_size if drop_last else math.ceil(self.size / self.world_size)
         self.epoch = 0
@@ -145,7 +215,7 @@ class PackedSampler(Sampler[int]):
     def _pass_indices(self) -> np.ndarray:
         """This rank's indices for the packs of the epoch from `_start` on, dealt round-robin."""
         if self.balance is not None:
-            return self._balanced_pass()[self._start :][self.rank :: self.world_size]
+            return self._balanced_pass(self.epoch, self._passes)[self._start :][self.rank :: self.world_size]
         order = epoch_order(self.size, self.seed, self.epoch, self.shuffle)
         rest = order[self._start :]
         if self.drop_last:
@@ -155,33 +225,39 @@ class PackedSampler(Sampler[int]):
             rest = np.concatenate([rest, np.resize(order, padding)])
         return rest[self.rank :: self.world_size]
 
-    def _balanced_pass(self) -> np.ndarray:
-        """The current pass's order of the epoch: the packs used before it began, then the rest balanced.
+    def _balanced_pass(self, epoch: int, passes: list[list[int]]) -> np.ndarray:
+        """The order of the last of `passes` in `epoch`: the packs used before it began, then the rest
+        balanced.
 
         Replays the job's passes: each one's start counts packs of the order before it; the rest of the
         epoch's permutation, cut to a multiple of the pass's world size, is balanced for its sizes.
         """
-        key = (self.epoch, tuple(map(tuple, self._passes)))
+        key = (epoch, tuple(map(tuple, passes)))
         if self._pass_cache is not None and self._pass_cache[0] == key:  # state_dict() asks for it on every save
             return self._pass_cache[1]
-        order = epoch_order(self.size, self.seed, self.epoch, self.shuffle)
+        order = epoch_order(self.size, self.seed, epoch, self.shuffle)
         used = np.zeros(self.size, dtype=bool)
         pass_order = order[:0]
-        for start, world_size, batch_size in self._passes:
+        for start, world_size, batch_size in passes:
+            if start > len(pass_order):
+                raise SamplerStateError(
+                    f"a pass starts at {start}, beyond the {len(pass_order)} packs the one before deals out."
+                )
             before = pass_order[:start]
             used[before] = True
             rest = order[~used[order]]
             rest = rest[: len(rest) - len(rest) % world_size]
-            balanced = balanced_order(rest, self._costs, world_size, batch_size, [self.seed, self.epoch, start])
+            balanced = balanced_order(rest, self._costs, world_size, batch_size, [self.seed, epoch, start])
             pass_order = np.concatenate([before, balanced])
         self._pass_cache = (key, pass_order)
         return pass_order
 
     def state_dict(self, consumed: int | None = None) -> dict[str, int | bool]:
         """Where the job is: JSON-serialisable, for a checkpoint. See the class docstring for `consumed`."""
+        length = len(self._pass_indices())
         position = self._position if consumed is None else consumed
-        if not 0 <= position <= (length := len(self._pass_indices())):
-            raise ValueError(f"consumed must be in [0, {length}], got {consumed}")
+        if type(position) is not int or not 0 <= position <= length:
+            raise SamplerStateError(f"consumed must be an int in [0, {length}], got {consumed!r}")
         used = min(self._start + position * self.world_size, self.size)  # padding is not a pack of its own
         state = {"epoch": self.epoch, "used": used, **self._identity()}
         if self.balance is not None:
@@ -189,39 +265,39 @@ class PackedSampler(Sampler[int]):
         return state
 
     def load_state_dict(self, state: dict[str, int | bool]) -> None:
-        """Resume from `state_dict()` of any rank; refuses a state from another dataset size or order."""
-        if "used" not in state:
-            raise ValueError(f"not a PackedSampler state of this version (keys: {sorted(state)}).")
-        identity = {"balance": None, "token_cost": None} | self._identity()  # a balanced state is another order
-        mismatched = [key for key, value in identity.items() if state.get(key) != value]
+        """Resume from `state_dict()` of any rank. Raises SamplerStateError (a ValueError) for a state that
+        is malformed (`_State`) or from another dataset size or order, before anything changes."""
+        saved = _validated_state(state)
+        mismatched = [key for key, value in self._identity().items() if getattr(saved, key) != value]
+        if saved.balance is not None and self.balance is None:
+            mismatched += ["balance", "token_cost"]  # a balanced state is another order
         if mismatched:
-            details = ", ".join(f"{key} {state.get(key)!r} (now {getattr(self, key)!r})" for key in mismatched)
-            raise ValueError(f"the sampler state is for another setup: {details}; its order would not match.")
-        if not 0 <= state["used"] <= self.size:
-            raise ValueError(f"used {state['used']} is out of range for {self.size} packs")
-        self.epoch, self._start, self._position = int(state["epoch"]), int(state["used"]), 0
+            details = ", ".join(f"{key} {getattr(saved, key)!r} (now {getattr(self, key)!r})" for key in mismatched)
+            raise SamplerStateError(f"the sampler state is for another setup: {details}; its order would not match.")
+        passes = self._resumed_passes(saved.passes, saved.used) if self.balance is not None else []
+        if passes:  # replayed now, so that a pass starting beyond the packs its order deals out is refused here
+            order = self._balanced_pass(saved.epoch, passes)
+            if saved.used > len(order) or (len(order) - saved.used) % self.world_size:
+                raise SamplerStateError(
+                    f"used {saved.used} is not where a step of its last pass ends (its order deals out "
+                    f"{len(order)} packs, {passes[-1][1]} a step from {passes[-1][0]} on)."
+                )
+        self.epoch, self._start, self._position, self._passes = saved.epoch, saved.used, 0, passes
         self._resume_pending = True
-        if self.balance is not None:
-            self._passes = self._resumed_passes(state.get("passes"), self._start)
 
-    def _resumed_passes(self, passes: object, used: int) -> list[list[int]]:
+    def _resumed_passes(self, passes: list[list[int]], used: int) -> list[list[int]]:
         """The saved passes, and a new one from `used` on when this sampler's sizes differ."""
-        valid = (
-            isinstance(passes, list)
-            and len(passes) > 0
-            and all(isinstance(p, list) and len(p) == 3 and all(type(v) is int for v in p) for p in passes)
-            and passes[0][0] == 0
-            and all(a[0] <= b[0] for a, b in zip(passes, passes[1:]))
-            and passes[-1][0] <= used
-            and all(p[1] >= 1 and p[2] >= 1 for p in passes)
-        )
-        if not valid:
-            raise ValueError(f"passes {passes!r} are not [start, world_size, batch_size] lists starting at 0 up to used")
         passes = [list(p) for p in passes]
         sizes = [self.world_size, self.batch_size]
         if passes[-1][1:] != sizes:
             if passes[-1][0] == used:  # nothing was trained in that pass: replace it
                 passes[-1][1:] = sizes
+            elif len(passes) == MAX_PASSES:
+                raise SamplerStateError(
+                    f"this resume would be the epoch's {MAX_PASSES + 1}th pass on other world or batch sizes, "
+                    f"more than a state may record ({MAX_PASSES}); resume on world size {passes[-1][1]} and "
+                    f"batch size {passes[-1][2]} until the epoch ends."
+                )
             else:
                 passes.append([used, *sizes])
         return passes
@@ -235,14 +311,31 @@ class PackedSampler(Sampler[int]):
 
     def _refuse_wrong_world(self) -> None:
         """Raise where the ranks together would not train on each pack once (see the class docstring)."""
-        if self._distributed_default and _distributed_world_size() not in (None, self.world_size):
-            raise RuntimeError(
+        if self._distributed_default:  # explicit ranks: the caller says how the job is synchronised
+            self._refuse_unsynchronised_world()
+        self._refuse_accelerate_sharding()
+
+    def _refuse_unsynchronised_world(self) -> None:
+        _refuse_unsynchronised_launch()
+        if _distributed_world_size() not in (None, self.world_size):
+            raise DistributedSetupError(
                 f"PackedSampler was built before torch.distributed was initialised, as world size "
                 f"{self.world_size}, and the job now has {_distributed_world_size()} ranks: every rank would "
                 "train on the same packs. Build it after init_process_group (or Accelerator())."
             )
+        if self.world_size > 1 and (processes := _accelerate_processes()) not in (None, self.world_size):
+            raise DistributedSetupError(
+                f"PackedSampler deals rank {self.rank} 1/{self.world_size} of the packs, but Accelerate set up "
+                f"{processes} process{'es' if processes != 1 else ''} over this process group: it wraps no model "
+                "in DDP, and each rank would train a model of its own on its share. On a machine without GPUs "
+                "make Accelerate use the group: Accelerator(cpu=True) (HF Trainer: use_cpu=True), or "
+                "`accelerate launch --multi_gpu --num_processes N` with it; or pass rank= and world_size= "
+                "for a job you synchronise yourself."
+            )
+
+    def _refuse_accelerate_sharding(self) -> None:
         if self.world_size > 1 and (wrapper := _accelerate_sharding()) is not None:
-            raise RuntimeError(
+            raise DistributedSetupError(
                 f"PackedSampler already gives rank {self.rank} its 1/{self.world_size} of the packs, and "
                 f"Accelerate's {wrapper} shards the loader again: the ranks would train on 1/{self.world_size} "
                 "of the epoch. Leave the DataLoader out of accelerator.prepare() (move batches with "
@@ -251,14 +344,24 @@ class PackedSampler(Sampler[int]):
             )
 
 
-def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size is None and _distributed_world_size() is None and launched > 1:
-        raise RuntimeError(
+def _refuse_unsynchronised_launch() -> None:
+    """Raise when the launcher says this process is one of several (`WORLD_SIZE` > 1, as torchrun and
+    `accelerate launch` set it) and torch.distributed has no process group: the ranks' models would never
+    be synchronised, and a default world size of 1 would train each on every pack."""
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.strip().isdigit() and int(launched) > 1 and _distributed_world_size() is None:
+        raise DistributedSetupError(
             f"This process is one of {launched} (WORLD_SIZE), but torch.distributed is not initialised: "
-            "PackedSampler would be world size 1 and every rank would train on the same packs. Build it "
-            "after init_process_group (or Accelerator()), or pass rank= and world_size=."
+            "PackedSampler would be world size 1 and every rank would train on the same packs, with no "
+            "gradient synchronised. Call torch.distributed.init_process_group (or Accelerator(); without "
+            "GPUs Accelerator(cpu=True)) before building and iterating it, or pass rank= and world_size= "
+            "explicitly."
         )
+
+
+def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if world_size is None:
+        _refuse_unsynchronised_launch()
     distributed = _distributed_world_size() is not None
     if world_size is None:
         world_size = torch.distributed.get_world_size() if distributed else 1
@@ -273,6 +376,17 @@ def _distributed_world_size() -> int | None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
     return None
+
+
+def _accelerate_processes() -> int | None:
+    """How many processes Accelerate set up, once an `Accelerator` (or `PartialState`) exists; else None.
+
+    Without GPUs, `Accelerator()` under torchrun initialises the default process group and then reports
+    one process (DistributedType.NO): it wraps no model in DDP. Read from its shared state, never built.
+    """
+    module = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(module, "PartialState", None), "_shared_state", None) or {}
+    return shared.get("num_processes")
 
 
 def _accelerate_sharding() -> str | None:

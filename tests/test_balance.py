@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prepack import build
+from prepack.errors import InputError, PrepackError
 from prepack.balance import WINDOW_STEPS, balanced_order, epoch_order, imbalance, pack_costs, step_costs
 from prepack.load import PackedDataset
 from prepack.report import inspect_build
@@ -131,6 +132,39 @@ def test_inspect_reports_the_steps_the_sampler_deals(packed):
     result = subprocess.run([*args[:3], "--world-size", "0"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
 
+
+
+NOT_A_COST = [float("nan"), float("inf"), -float("inf"), -1.0, 1e300, True, "3"]
+
+
+@pytest.mark.parametrize("token_cost", NOT_A_COST)
+def test_a_token_cost_that_is_not_a_finite_number_is_refused_where_it_enters(packed, token_cost):
+    with pytest.raises(ValueError, match="token_cost"):
+        pack_costs(np.array([1]), np.array([5]), token_cost)
+    dataset = CuSeqlensOnly(random_packs(20, seed=0))
+    for balance in ("attention", None):  # unused without balance, and still no NaN kept in its state
+        with pytest.raises(ValueError, match="token_cost"):
+            PackedSampler(dataset, rank=0, world_size=2, batch_size=2, drop_last=True, balance=balance, token_cost=token_cost)
+    with pytest.raises(InputError, match="token_cost"):
+        inspect_build(packed, world_size=2, token_cost=token_cost)
+
+
+def test_inspect_json_is_strict_json(packed):
+    prepack = shutil.which("prepack", path=str(Path(sys.executable).parent))
+    for cost in ("nan", "inf", "1e300"):
+        args = [prepack, "inspect", str(packed), "--world-size", "2", "--token-cost", cost, "--json"]
+        result = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and "token" in result.stderr and result.stdout == "", (cost, result)
+        assert "Traceback" not in result.stderr
+
+    def no_constant(name: str):
+        raise AssertionError(f"{name} is not JSON")
+
+    report = inspect_build(packed, world_size=2)
+    assert json.loads(report.to_json(), parse_constant=no_constant) == report.model_dump(mode="json")
+    broken = report.model_copy(update={"fill": float("nan")})  # a figure no input can produce now
+    with pytest.raises(PrepackError, match="JSON"):
+        broken.to_json()
 
 # --- regrouping ------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from prepack.attention import enable_packing
 from prepack.collate import PackedCollator
 from prepack.context_parallel import cp_indices, split_for_cp
+from prepack.loss import loss_weights, weighted_loss
 
 documents_strategy = st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=4), min_size=1, max_size=4)
 
@@ -100,3 +101,81 @@ def test_refusals():
         split_for_cp(PackedCollator(layout="padding_free")(packs), 2, 0)
     with pytest.raises(ValueError, match="cp_rank"):
         cp_indices(torch.tensor([0, 4]), 2, 2)
+    part = split_for_cp(PackedCollator(layout="padding_free", cp_size=2)(make_packs([[3, 5]], labelled=True)), 2, 0)
+    del part["cp_trained_per_document"]
+    with pytest.raises(ValueError, match="cp_trained_per_document"):
+        loss_weights(part, "document")
+
+
+# --- a split batch trains exactly as the whole one ------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(pack_lengths=documents_strategy, cp_size=st.integers(1, 4))
+def test_the_ranks_weights_and_shifted_labels_are_the_whole_batchs(pack_lengths, cp_size):
+    batch = PackedCollator(layout="padding_free", cp_size=cp_size)(make_packs(pack_lengths, labelled=True))
+    labels = batch["labels"]
+    expected_shift = torch.cat([labels[:, 1:], torch.full((1, 1), -100)], 1)  # documents' first labels are -100
+    pieces = [split_for_cp(batch, cp_size, rank) for rank in range(cp_size)]
+    shift = torch.empty_like(labels)
+    for piece in pieces:
+        shift[:, piece["cp_indices"]] = piece["shift_labels"]
+    assert torch.equal(shift, expected_shift)
+    given_shift = torch.randint(0, 60, labels.shape)  # a batch's own shift_labels are split with the inputs
+    for rank, piece in enumerate(pieces):
+        assert torch.equal(split_for_cp(batch | {"shift_labels": given_shift}, cp_size, rank)["shift_labels"],
+                           given_shift[:, piece["cp_indices"]])
+    for weighting in ("token", "document"):
+        whole = loss_weights(batch, weighting)  # at each label's position
+        at_predicting = torch.cat([whole[:, 1:], torch.zeros(1, 1, dtype=whole.dtype)], 1)
+        weights = torch.empty_like(at_predicting)
+        for piece in pieces:
+            weights[:, piece["cp_indices"]] = loss_weights(piece, weighting)
+        assert torch.equal(weights, at_predicting), weighting
+        summed = sum(loss_weights(piece, weighting).sum() for piece in pieces)
+        torch.testing.assert_close(summed, whole.sum(), rtol=1e-12, atol=0)  # the same terms, in another order
+
+
+def check_ranks_train_as_the_whole_batch(packs: list[dict], cp_sizes: tuple[int, ...]) -> None:
+    """k context-parallel ranks simulated in one process: each rank's logits are the whole batch's at its
+    positions (what ring attention computes there), its loss `weighted_loss` of its part; the ranks'
+    losses and their gradients sum to the whole batch's."""
+    config = LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = enable_packing(LlamaForCausalLM(config).to(torch.float64))
+    for cp_size in cp_sizes:
+        batch = PackedCollator(layout="padding_free", cp_size=cp_size)(packs)
+        inputs = {key: value for key, value in batch.items() if key != "labels"}
+        pieces = [split_for_cp(batch, cp_size, rank) for rank in range(cp_size)]
+        for weighting in ("token", "document"):
+            model.zero_grad()
+            weights = loss_weights(batch, weighting)
+            expected = weighted_loss(model(**inputs).logits, batch, weights, weights.sum())
+            expected.backward()
+            expected_grads = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+            logits = model(**inputs).logits
+            rank_weights = [loss_weights(piece, weighting) for piece in pieces]
+            total = sum(w.sum() for w in rank_weights)  # the all_reduce over the CP ranks
+            summed = sum(weighted_loss(logits[:, piece["cp_indices"]], piece, w, total)
+                         for piece, w in zip(pieces, rank_weights))
+            summed.backward()
+            torch.testing.assert_close(total, weights.sum(), rtol=1e-12, atol=0)
+            torch.testing.assert_close(summed, expected, rtol=1e-12, atol=0)
+            for got, want in zip((p.grad for p in model.parameters()), expected_grads):
+                torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_the_ranks_losses_and_gradients_sum_to_the_whole_batchs():
+    check_ranks_train_as_the_whole_batch(make_packs([[5, 17, 3], [30, 1, 9]], labelled=True), (2,))
+
+
+@pytest.mark.slow
+def test_a_real_builds_packs_train_across_ranks_as_the_whole_batch(tmp_path):
+    from prepack.load import PackedDataset
+    from tests.corpus import training_build
+
+    dataset = PackedDataset(training_build(tmp_path, documents=40, longest=60, max_len=256))
+    check_ranks_train_as_the_whole_batch([dataset[i] for i in range(3)], (2, 3))
