@@ -177,7 +177,7 @@ def _mask_first_half(row: dict) -> dict:
 
 
 def test_datasets_operations_on_an_index_build_are_those_on_the_full_build(builds, tmp_path):
-    """`map` (changing labels, adding a column), column access, `with_format("torch")` and the
+    """`map` (changing labels, adding a column), `filter`, column access, `with_format("torch")` and the
     collator: the same results on both builds of one store (the index build's rows used to be gathered
     at read time, over whatever `map` had written)."""
     full, index = shutil.copytree(builds[0], tmp_path / "full"), builds[1]  # map caches its results beside the shards
@@ -193,6 +193,8 @@ def test_datasets_operations_on_an_index_build_are_those_on_the_full_build(build
     assert list(added["tokens"]) == [len(row["input_ids"]) for row in expected]
     columns = list(got["input_ids"])
     assert len(columns) == len(expected) and all(np.array_equal(a, b) for a, b in zip(columns, expected["input_ids"]))
+    many, many_expected = (d.filter(lambda row: len(row["cu_seqlens"]) > 3) for d in (got, expected))
+    assert 0 < len(many) == len(many_expected) < len(got) and all(_equal_rows(a, b) for a, b in zip(many, many_expected))
     for a, b in zip(got.with_format("torch"), expected.with_format("torch")):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     collate, collate_expected = PackedCollator.for_dataset(masked), PackedCollator.for_dataset(expected)
