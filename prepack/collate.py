@@ -143,11 +143,23 @@ class PackedCollator:
         self.pad_token_id = pad_token_id
 
     @classmethod
-    def for_dataset(cls, dataset: PackedDataset | str | os.PathLike, **options: Any) -> PackedCollator:
-        """A collator for the packs of `dataset` (a `PackedDataset` or a build directory): `max_len` is
-        the build's, so that it is never typed twice; `options` are the other arguments."""
-        manifest = read_manifest(dataset) if isinstance(dataset, (str, os.PathLike)) else dataset.manifest
-        return cls(manifest.options.max_len, **options)
+    def for_dataset(cls, dataset: PackedDataset | Any | str | os.PathLike, **options: Any) -> PackedCollator:
+        """A collator for the packs of `dataset` (a `PackedDataset`, a `datasets.Dataset` from
+        `open_hf_dataset`, or a build directory): `max_len` is the build's, so that it is never typed
+        twice; `options` are the other arguments."""
+        if isinstance(dataset, (str, os.PathLike)):
+            return cls(read_manifest(dataset).options.max_len, **options)
+        if hasattr(dataset, "manifest"):  # a PackedDataset
+            return cls(dataset.manifest.options.max_len, **options)
+        from prepack.load import hf_dataset_max_len  # a datasets.Dataset: the build's max_len is in its info
+
+        max_len = hf_dataset_max_len(dataset) if hasattr(dataset, "info") else None
+        if max_len is None:
+            raise TypeError(
+                f"PackedCollator.for_dataset takes a PackedDataset, a build directory or a dataset from "
+                f"prepack.open_hf_dataset, not {type(dataset).__name__}; give max_len: PackedCollator(max_len)."
+            )
+        return cls(max_len, **options)
 
     def __call__(self, packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor | int | bool]:
         checked = [_checked_pack(pack, number, self.max_len) for number, pack in enumerate(packs)]

@@ -4,7 +4,8 @@
     ├── InputError               the corpus (or an option) is wrong: names the file, row and column
     ├── OutputError              the output directory cannot be written as asked
     ├── FormatError              a shard directory breaks the format in schemas/shard-format.md
-    ├── EngineError              the engine itself failed: a Ray cluster unreachable, a task or node lost
+    ├── EngineError              the engine itself failed: a Ray cluster unreachable, a task or node lost,
+    │                            a chat tokenizer worker process dead
     ├── IsolationError           a batch or a model set-up would let documents attend to each other
     ├── SamplerStateError        a PackedSampler state (a checkpoint's) is malformed or for another setup
     └── DistributedSetupError    the processes of a job are not set up to train as one
@@ -36,7 +37,8 @@ class OutputError(PrepackError):
 
 class EngineError(PrepackError):
     """The engine running a build failed, not its input or output: a Ray cluster that cannot be joined,
-    a task that failed after its retries, a node lost with what it held."""
+    a task that failed after its retries, a node lost with what it held, a local chat tokenizer worker
+    process that died (killed, or unable to start: a script calling prepack without a main guard)."""
 
 
 class FormatError(PrepackError):

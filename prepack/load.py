@@ -9,12 +9,16 @@ elsewhere end up indexing GPU memory; and only the build's own regular files are
 An index build (`Manifest.store`) holds no token: its rows are gathered from the document store it
 names (`open_build_store` refuses a store whose fingerprint changed), one copy per pack by one numba
 kernel call (`_gather_pack`) that checks every reference it follows, and come out identical to the
-rows of the full build of that store with the same options.
+rows of the full build of that store with the same options. `open_hf_dataset` writes them once as
+full shards (`_gathered_shards`), so that `datasets` works on a real Arrow table there too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -28,6 +32,7 @@ from torch.utils.data import Dataset
 from prepack.cache import ShardCache
 from prepack.errors import FormatError, InputError
 from prepack.format import (
+    FORMAT_VERSION,
     Manifest,
     check_index_shard,
     check_shard,
@@ -36,11 +41,14 @@ from prepack.format import (
     pack_layout,
     read_manifest,
     shard_file_problems,
+    segment_id_type,
     shard_path,
+    shard_schema,
     shard_sha256,
 )
 from prepack.remote import is_uri
 from prepack.store_read import Store, open_build_store
+from prepack.write import _list, write_record_batch
 
 __all__ = ["PackedDataset", "open_hf_dataset"]
 
@@ -48,8 +56,6 @@ __all__ = ["PackedDataset", "open_hf_dataset"]
 _ROW_COLUMNS = ("input_ids", "cu_seqlens", "segment_ids")
 # What an index shard's rows are gathered from.
 _INDEX_COLUMNS = ("cu_seqlens", "source_rows", "source_pieces")
-# What `open_hf_dataset` stores for an index build: the pack numbers, each row gathered when read.
-_PACK_COLUMN = "pack"
 
 _ListColumn = tuple[np.ndarray, np.ndarray]  # (offsets, values): row r is values[offsets[r]:offsets[r + 1]]
 
@@ -340,35 +346,109 @@ def open_hf_dataset(
 
     Rows hold the same columns as `PackedDataset` rows, as int64 arrays (`datasets` hands out a full
     build's rows as int64 copies): input_ids, cu_seqlens, segment_ids, and labels when the build has them.
+    The dataset's `info.description` names the build's max_len, for `PackedCollator.for_dataset`.
 
-    A full build's shards are memory-mapped as they are. An index build's rows are gathered when asked
-    for, by a `PackedDataset` (`Dataset.with_transform`), so nothing is written and nothing is copied
-    ahead: its `column_names` and `features` are then those of the one stored column, `pack` (the pack
-    numbers, 8 bytes a pack in memory), not of the rows, and a slice holds lists of arrays. Trainers read
-    rows, so they see no difference with `remove_unused_columns=False`, which a full build needs too
-    (for `cu_seqlens`); with True, HF Trainer refuses the dataset, since `pack` is no argument of the model.
+    A full build's shards are memory-mapped as they are. An index build's packs are gathered from the
+    store once and written, as full shards of at most `_ROWS_FILE_BYTES` each (memory stays bounded by
+    one), into `cache_dir/rows` (default: the `datasets` cache, `HF_DATASETS_CACHE/prepack-rows`), where
+    later calls and other ranks find them: each file is named by the sha256 of the index shard it comes
+    from, the store's fingerprint and its first pack, and is written whole under a temporary name before
+    it takes that name. So the dataset is a real Arrow-backed one, as a full build's is, and everything
+    `datasets` offers (`map`, `filter`, `ds["input_ids"]`, `with_format("torch")`, …) works on it the same
+    way, at the cost of the full build's disk space. A reused file is checked as a full build's shard is
+    (`validate`), never hashed: nothing records its sha256.
 
     A build at a URI is read through `cache_dir`, as `PackedDataset` reads it: a full build's rows are
     then mapped from the cached copies of its shards, which must stay there while the dataset is used.
     """
-    from datasets import Dataset as HFDataset, concatenate_datasets
+    from datasets import Dataset as HFDataset, DatasetInfo, concatenate_datasets
 
     packed = PackedDataset(path, validate=validate, verify_checksums=verify_checksums, cache_dir=cache_dir)
     packed.check_all()
     columns = [*_ROW_COLUMNS, *(["labels"] if packed.manifest.has_labels else [])]
-    if packed.store is not None:
-        numbers = HFDataset.from_dict({_PACK_COLUMN: np.arange(len(packed), dtype=np.int64)})
-        return numbers.with_transform(_GatheredRows(packed, columns))
-    parts = [HFDataset.from_file(str(shard)) for shard in packed.shard_paths]
+    files = packed.shard_paths if packed.store is None else _gathered_shards(packed, _rows_directory(cache_dir))
+    info = DatasetInfo(description=_HF_DESCRIPTION.format(max_len=packed.manifest.options.max_len))
+    parts = [HFDataset.from_file(str(file), info=info) for file in files]
     return concatenate_datasets(parts).select_columns(columns).with_format("numpy")
 
 
-class _GatheredRows:
-    """The `datasets` transform of an index build: a batch of pack numbers to those packs' rows."""
+# What `open_hf_dataset` writes into a dataset's `info.description`, read back by `hf_dataset_max_len`.
+_HF_DESCRIPTION = "Packs of a prepack build, max_len {max_len}."
+_HF_MAX_LEN = re.compile(r"Packs of a prepack build, max_len (\d+)\.")
+# The most bytes of tokens, labels and segment ids that one gathered file of an index build holds.
+_ROWS_FILE_BYTES = 64 << 20
 
-    def __init__(self, packed: PackedDataset, columns: list[str]):
-        self.packed, self.columns = packed, columns
 
-    def __call__(self, batch: dict[str, list[int]]) -> dict[str, list[np.ndarray]]:
-        rows = [self.packed[number] for number in batch[_PACK_COLUMN]]
-        return {name: [row[name].astype(np.int64) for row in rows] for name in self.columns}
+def hf_dataset_max_len(dataset) -> int | None:
+    """The max_len of the build a `datasets.Dataset` from `open_hf_dataset` holds (kept through `map`,
+    `select`, `with_format`, …, which carry `info` along), or None for any other dataset."""
+    match = _HF_MAX_LEN.search(dataset.info.description or "")
+    return None if match is None else int(match.group(1))
+
+
+def _rows_directory(cache_dir: str | os.PathLike | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir) / "rows"
+    from datasets import config
+
+    return Path(config.HF_DATASETS_CACHE) / "prepack-rows"
+
+
+def _gathered_shards(packed: PackedDataset, directory: Path) -> list[Path]:
+    """An index build's packs as full shards in `directory`, each gathered and written unless a file
+    of its name is there already, and opened and checked as a full build's shard before it is used."""
+    manifest, store_fingerprint = packed.manifest, packed.manifest.store.fingerprint
+    has_labels, max_len = manifest.has_labels, manifest.options.max_len
+    bytes_per_token = 8 + (4 if has_labels else 0) + segment_id_type(max_len).byte_width
+    per_file = max(1, _ROWS_FILE_BYTES // (bytes_per_token * max_len))
+    files = []
+    for shard, (info, index_file) in enumerate(zip(manifest.shards, packed.shard_paths)):
+        # A local index shard is hashed here (a few bytes a document); a cached one was on download.
+        digest = info.sha256 if packed.cache is not None else shard_sha256(index_file)
+        for first in range(0, info.rows, per_file):
+            stop = min(first + per_file, info.rows)
+            key = hashlib.sha256(f"{FORMAT_VERSION} {digest} {store_fingerprint} {first} {stop}".encode()).hexdigest()
+            file = directory / f"{key}.arrow"
+            if not file.exists():
+                _write_gathered(packed, shard, first, stop, file)
+            batch = open_shard(file, has_labels, max_len, where=str(file))
+            if batch.num_rows != stop - first:
+                raise FormatError(f"{file}: {batch.num_rows} rows, but packs {first}-{stop - 1} of "
+                                  f"{packed.path}/{info.name} are {stop - first}.")
+            if packed.validate:
+                check_shard(batch, max_len, str(file))
+            files.append(file)
+    return files
+
+
+def _write_gathered(packed: PackedDataset, shard: int, first: int, stop: int, file: Path) -> None:
+    """Packs `first` to `stop` of index shard `shard`, gathered, written to `file` as one full shard."""
+    columns = packed._columns(shard)
+    rows = [packed._gathered(shard, row, columns) for row in range(first, stop)]
+    lengths = np.array([len(row["input_ids"]) for row in rows], np.int64)
+    token_offsets = np.concatenate([[0], np.cumsum(lengths)])
+    cu = [row["cu_seqlens"] for row in rows]
+    cu_offsets = np.concatenate([[0], np.cumsum([len(bounds) for bounds in cu])])
+    (row_off, source_rows), (piece_off, source_pieces) = columns["source_rows"], columns["source_pieces"]
+    manifest = packed.manifest
+    schema = shard_schema(manifest.has_labels, manifest.options.max_len)
+    segment_type = schema.field("segment_ids").type.value_type.to_pandas_dtype()
+    arrays = [
+        _list(token_offsets, np.concatenate([row["input_ids"] for row in rows])),
+        _list(token_offsets, np.concatenate([row["segment_ids"] for row in rows]).astype(segment_type)),
+        _list(cu_offsets, np.concatenate(cu)),
+        pa.array(np.array([np.diff(bounds).max() for bounds in cu], np.int32)),
+        _list(row_off[first : stop + 1] - row_off[first], source_rows[row_off[first] : row_off[stop]].astype(np.int64)),
+        _list(piece_off[first : stop + 1] - piece_off[first], source_pieces[piece_off[first] : piece_off[stop]]),
+    ]
+    if manifest.has_labels:
+        arrays.append(_list(token_offsets, np.concatenate([row["labels"] for row in rows])))
+    file.parent.mkdir(parents=True, exist_ok=True)
+    # Written whole under a name of its own, then renamed: a reader (another rank) never maps a part.
+    partial = file.with_name(f".{file.name}.{os.getpid()}-{threading.get_ident()}.partial")
+    try:
+        write_record_batch(partial, pa.RecordBatch.from_arrays(arrays, schema=schema))
+        os.replace(partial, file)
+    finally:
+        partial.unlink(missing_ok=True)
+

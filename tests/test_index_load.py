@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -151,9 +152,9 @@ def test_a_build_read_unvalidated_is_still_refused_by_the_gather(index_copy, col
 # --- open_hf_dataset ----------------------------------------------------------------------------------
 
 
-def test_open_hf_dataset_serves_the_full_builds_rows(builds):
+def test_open_hf_dataset_serves_the_full_builds_rows(builds, tmp_path):
     full, index = builds
-    expected, got = open_hf_dataset(full), open_hf_dataset(index)
+    expected, got = open_hf_dataset(full), open_hf_dataset(index, cache_dir=tmp_path)
     assert len(got) == len(expected) == len(PackedDataset(full)) > 1
     for i in range(len(expected)):
         assert _equal_rows(got[i], expected[i]), i
@@ -164,8 +165,64 @@ def test_open_hf_dataset_serves_the_full_builds_rows(builds):
     labels = ["labels"] if PackedDataset(full).manifest.has_labels else []
     columns = ["input_ids", "cu_seqlens", "segment_ids", *labels]
     assert list(got[0]) == list(expected[0]) == columns
-    assert got.column_names == ["pack"]  # the stored column; rows are gathered when read
+    assert got.column_names == expected.column_names == columns and got.features == expected.features
     assert _equal_rows(pickle.loads(pickle.dumps(got))[1], expected[1])
+
+
+def _mask_first_half(row: dict) -> dict:
+    """What a user's preprocessing might do: train on the second half of every pack only."""
+    labels = np.array(row.get("labels", row["input_ids"]))
+    labels[: len(labels) // 2] = -100
+    return {"labels": labels}
+
+
+def test_datasets_operations_on_an_index_build_are_those_on_the_full_build(builds, tmp_path):
+    """`map` (changing labels, adding a column), `filter`, column access, `with_format("torch")` and the
+    collator: the same results on both builds of one store (the index build's rows used to be gathered
+    at read time, over whatever `map` had written)."""
+    full, index = shutil.copytree(builds[0], tmp_path / "full"), builds[1]  # map caches its results beside the shards
+    expected, got = open_hf_dataset(full), open_hf_dataset(index, cache_dir=tmp_path)
+    masked, masked_expected = got.map(_mask_first_half), expected.map(_mask_first_half)
+    assert len(masked) == len(masked_expected) == len(got)
+    for i, (a, b) in enumerate(zip(masked, masked_expected)):
+        assert _equal_rows(a, b), i
+        assert (a["labels"][: len(a["labels"]) // 2] == -100).all(), i
+    assert not np.array_equal(masked[0]["labels"], got[0].get("labels", got[0]["input_ids"]))
+    added = got.map(lambda row: {"tokens": len(row["input_ids"])})
+    assert list(added["tokens"]) == list(expected.map(lambda row: {"tokens": len(row["input_ids"])})["tokens"])
+    assert list(added["tokens"]) == [len(row["input_ids"]) for row in expected]
+    columns = list(got["input_ids"])
+    assert len(columns) == len(expected) and all(np.array_equal(a, b) for a, b in zip(columns, expected["input_ids"]))
+    many, many_expected = (d.filter(lambda row: len(row["cu_seqlens"]) > 3) for d in (got, expected))
+    assert 0 < len(many) == len(many_expected) < len(got) and all(_equal_rows(a, b) for a, b in zip(many, many_expected))
+    for a, b in zip(got.with_format("torch"), expected.with_format("torch")):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    collate, collate_expected = PackedCollator.for_dataset(masked), PackedCollator.for_dataset(expected)
+    assert collate.max_len == collate_expected.max_len == MAX_LEN == PackedCollator.for_dataset(got).max_len
+    batch, batch_expected = collate([masked[i] for i in range(4)]), collate_expected([masked_expected[i] for i in range(4)])
+    assert batch.keys() == batch_expected.keys()
+    assert all(torch.equal(v, batch_expected[k]) if torch.is_tensor(v) else v == batch_expected[k] for k, v in batch.items())
+
+
+def test_an_index_builds_gathered_rows_are_written_once_and_checked_when_reused(builds, tmp_path):
+    _, index = builds
+    first = open_hf_dataset(index, cache_dir=tmp_path)
+    files = sorted((tmp_path / "rows").iterdir())
+    assert files and all(f.suffix == ".arrow" for f in files)  # no partial file left
+    written = {f: f.stat().st_mtime_ns for f in files}
+    again = open_hf_dataset(index, cache_dir=tmp_path)
+    assert {f: f.stat().st_mtime_ns for f in sorted((tmp_path / "rows").iterdir())} == written  # reused
+    assert all(_equal_rows(a, b) for a, b in zip(first, again))
+    files[0].write_bytes(files[0].read_bytes()[: files[0].stat().st_size // 2])
+    with pytest.raises(FormatError, match=f"^{files[0]}"):
+        open_hf_dataset(index, cache_dir=tmp_path)
+
+
+def test_for_dataset_refuses_a_dataset_it_cannot_size():
+    from datasets import Dataset as HFDataset
+
+    with pytest.raises(TypeError, match="give max_len"):
+        PackedCollator.for_dataset(HFDataset.from_dict({"input_ids": [[1, 2]]}))
 
 
 def test_trl_trains_on_an_index_build_as_on_the_full_build(tmp_path, monkeypatch):
@@ -195,7 +252,7 @@ def test_trl_trains_on_an_index_build_as_on_the_full_build(tmp_path, monkeypatch
                 dataloader_num_workers=2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
                 bf16=False, seed=0,
             ),
-            train_dataset=open_hf_dataset(tmp_path / kind),
+            train_dataset=open_hf_dataset(tmp_path / kind, cache_dir=tmp_path / f"{kind}-cache"),
             data_collator=PackedCollator.for_dataset(PackedDataset(tmp_path / kind)),
             processing_class=placeholder_tokenizer(),
         )

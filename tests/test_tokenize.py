@@ -6,9 +6,14 @@ checked token by token against a tokenization built piece by piece."""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +24,8 @@ from rich.progress import Progress
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from examples.chitchat import CHATML, as_chat, chitchat, gpt2_directory
-from prepack import build
-from prepack.errors import InputError
+from prepack import build, build_store
+from prepack.errors import EngineError, InputError
 from prepack.format import IGNORE_INDEX
 from prepack.read import find_corpus
 from prepack.report import inspect_build
@@ -389,3 +394,59 @@ def test_verify_and_inspect_a_tokenized_build(tmp_path, gpt2_chat):
     manifest["has_labels"] = False  # a lie verify must catch
     (tmp_path / "packed" / "manifest.json").write_text(json.dumps(manifest))
     assert [p.column for p in verify_build(tmp_path / "packed")] == ["has_labels"]
+
+
+UNGUARDED_SCRIPT = """
+import prepack
+prepack.build_store("chats.parquet", "store/", tokenizer="./my-tokenizer", chat=True, num_proc=2)
+prepack.build("store/", "packed/", max_len=512)
+"""
+
+
+@pytest.mark.slow
+def test_unguarded_script_with_chat_workers_fails_named_instead_of_hanging(tmp_path, gpt2_chat):
+    """Each spawned worker re-runs the script, meets the build's lock and dies before it reads its
+    start-up data; the parent used to block for ever writing that data (megabytes of tokenizer)."""
+    parquet(tmp_path / "chats.parquet", messages=[as_chat(t) for t in chitchat()[:400]])
+    shutil.copytree(gpt2_chat, tmp_path / "my-tokenizer")
+    (tmp_path / "script.py").write_text(UNGUARDED_SCRIPT)
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("prepack.errors.EngineError: a chat tokenizer worker process ended abruptly"), result.stderr
+    assert 'if __name__ == "__main__":' in last
+    # The lock released and the staging directory deleted, as for any failed build; nothing published.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.parquet", "my-tokenizer", "script.py"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["starting", "after-first-shard"])
+def test_chat_worker_killed_mid_build_ends_the_build_with_engine_error(tmp_path, gpt2_chat, when):
+    """A worker killed as it starts (before it has read its start-up data) or once the build has
+    written a shard: the build ends with EngineError, the lock and staging directory gone."""
+    conversations = [as_chat(t) for t in chitchat()]
+    corpus = parquet(tmp_path / "chats.parquet", messages=conversations * (1 if when == "starting" else 3))
+    killed = []
+
+    def kill_a_worker():
+        deadline = time.monotonic() + 120
+        while not killed and time.monotonic() < deadline:
+            workers = multiprocessing.active_children()
+            if workers and (when == "starting" or any(tmp_path.glob(".store.tmp-*/**/*.arrow"))):
+                os.kill(workers[0].pid, signal.SIGKILL)
+                killed.append(workers[0].pid)
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_a_worker)
+    killer.start()
+    try:
+        with pytest.raises(EngineError, match="worker process ended abruptly"):
+            build_store(corpus, tmp_path / "store", tokenizer=gpt2_chat, chat=True, num_proc=2, shard_size=1 << 16)
+    finally:
+        killed.append(None)  # stops the killer if the build ended first
+        killer.join()
+    assert killed[0] is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.parquet"]  # no store, lock or staging left
+    assert multiprocessing.active_children() == []  # the other worker was shut down too
