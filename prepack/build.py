@@ -393,7 +393,7 @@ def build(
             else:
                 shards = session.write_pack_shards(plan, read, shard_size, bar)
             manifest = Manifest(
-                prepack_version=version("prepack"),
+                prepack_version=version("prepack-llm"),
                 # How the documents were read: as asked, or as the store was written.
                 options=options.model_copy(
                     update={"column": read_column, "labels_column": documents.labels_column, "tokenize": documents.tokenize}
