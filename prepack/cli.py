@@ -259,6 +259,8 @@ def inspect_command(
         typer.echo(json.dumps(report.model_dump(mode="json"), indent=2))
     else:
         Console().print(render(report, shards=shards))
+    if plot_path is not None:  # after the report; beside --json on stderr, which keeps stdout JSON
+        typer.echo(f"plot written to {plot_path}", err=as_json)
 
 
 @app.command("verify")
