@@ -20,7 +20,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -548,7 +548,7 @@ _TEXT_COLUMN = "text"
 _CHAT_COLUMNS = ("messages", "conversations")
 
 
-def missing_column_fix(present, mode: str) -> str:
+def missing_column_fix(present: Container[str], mode: str) -> str:
     """What to change when the column of `mode` ("tokens", "text" or "chat") is missing, judged by
     the columns (or JSON fields) `present`: the clause that ends the error message, the likely fix
     first, then the option that names the column."""
