@@ -3,6 +3,7 @@ index builds (max-len 2048, 4096, 8192) against three full builds of the same co
 
     python benchmarks/bench_index.py                    # 100,000 documents, about a minute
     python benchmarks/bench_index.py --docs 1000000     # a bigger run
+    python benchmarks/bench_index.py --store chitchat-store   # a store of your own: its builds only
 
 The corpus is synthetic token ids with labels (lengths uniform in 1..--longest, 20 % of labels -100,
 seed 0) in one Parquet file. Timed, in one process, each step the median of --repeat runs: the store
@@ -13,6 +14,10 @@ the store have the same shards (sha256), and the index build's rows (input_ids, 
 segment_ids, gathered from the store by `PackedDataset`) are the full build's on the first and last
 200 packs. A small corpus is built once first, untimed, so that no step pays for loading numba's
 compiled kernels. Prints two markdown tables.
+
+With --store (an existing document store, e.g. the README walk-through's `chitchat-store`, the demo's
+conversations tokenized) only that store's full and index builds are timed, at each max-len: the
+first table alone.
 """
 
 from __future__ import annotations
@@ -89,14 +94,18 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=100_000)
     parser.add_argument("--longest", type=int, default=600)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each step; its median is reported")
+    parser.add_argument("--store", type=Path, help="time the builds of this document store instead (first table only)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         _warm_up(root)
-        corpus = root / "corpus.parquet"
-        _corpus(corpus, args.docs, args.longest)
-        store = root / "store"
-        store_step = _timed(lambda out: prepack.build_store(corpus, out), store, args.repeat)
+        if args.store is None:
+            corpus = root / "corpus.parquet"
+            _corpus(corpus, args.docs, args.longest)
+            store = root / "store"
+            store_step = _timed(lambda out: prepack.build_store(corpus, out), store, args.repeat)
+        else:
+            corpus, store = None, args.store
         steps = {}  # (max_len, kind) -> (seconds, bytes)
         for max_len in MAX_LENS:
             runs = {
@@ -104,22 +113,30 @@ def main() -> None:
                 "full, store": lambda out: prepack.build(store, out, max_len=max_len),
                 "index, store": lambda out: prepack.build(store, out, max_len=max_len, index_only=True),
             }
+            if corpus is None:
+                del runs["full, corpus"]
             outs = {kind: root / f"{kind.replace(', ', '-')}-{max_len}" for kind in runs}
             for kind, make in runs.items():
                 steps[max_len, kind] = _timed(make, outs[kind], args.repeat)
-            from_corpus, from_store = (read_manifest(outs[k]) for k in ("full, corpus", "full, store"))
-            assert [s.sha256 for s in from_corpus.shards] == [s.sha256 for s in from_store.shards]
+            if corpus is not None:
+                from_corpus, from_store = (read_manifest(outs[k]) for k in ("full, corpus", "full, store"))
+                assert [s.sha256 for s in from_corpus.shards] == [s.sha256 for s in from_store.shards]
             _check_rows(outs["full, store"], outs["index, store"])
             for kind in ("full, corpus", "full, store"):  # 3 GB of shards at 1M documents: keep the disk free
-                shutil.rmtree(outs[kind])
-        documents_tokens = read_store_manifest(store).tokens
-    print(f"{args.docs:,} documents, {documents_tokens:,} tokens, with labels; median of {args.repeat} runs; "
+                if kind in outs:
+                    shutil.rmtree(outs[kind])
+        described = read_store_manifest(store)
+    print(f"{described.documents:,} documents, {described.tokens:,} tokens, "
+          f"{'with' if described.has_labels else 'without'} labels"
+          f"{f' (the store {args.store})' if args.store else ''}; median of {args.repeat} runs; "
           f"{platform.machine()}, Python {sys.version.split()[0]}\n")
     print("| max-len | build | wall s | bytes | bytes/doc | time / full build of the store |")
     print("|---:|---|---:|---:|---:|---:|")
     for (max_len, kind), (seconds, size) in steps.items():
         ratio = seconds / steps[max_len, "full, store"][0]
-        print(f"| {max_len} | {kind} | {seconds:.3f} | {size:,} | {size / args.docs:.1f} | {ratio:.1%} |")
+        print(f"| {max_len} | {kind} | {seconds:.3f} | {size:,} | {size / described.documents:.1f} | {ratio:.1%} |")
+    if args.store is not None:
+        return
     index_total = store_step[0] + sum(steps[m, "index, store"][0] for m in MAX_LENS)
     index_bytes = store_step[1] + sum(steps[m, "index, store"][1] for m in MAX_LENS)
     full_total = sum(steps[m, "full, corpus"][0] for m in MAX_LENS)

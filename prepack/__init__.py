@@ -22,7 +22,7 @@ from prepack.format import FORMAT_VERSION, Manifest, read_manifest
 from prepack.store_format import StoreManifest, read_store_manifest
 from prepack.store_write import build_store
 
-__version__ = version("prepack")
+__version__ = version("prepack-llm")
 
 # Public names loaded on first use, and the module that defines each.
 _LAZY = {

@@ -302,7 +302,7 @@ def build(
     `num_proc`).
 
     `engine="ray"` reads, tokenizes and writes shards as Ray tasks (`prepack.engine_ray`; needs
-    `prepack[ray]`), on the cluster at `ray_address` ("auto", "ray://…"), or on the Ray instance this
+    `prepack-llm[ray]`), on the cluster at `ray_address` ("auto", "ray://…"), or on the Ray instance this
     process is connected to, or at `RAY_ADDRESS`, or on a new local one; the output is byte for byte
     the local engine's.
     Raises `InputError` for bad input, and `OutputError` when `out` cannot be written as
@@ -393,7 +393,7 @@ def build(
             else:
                 shards = session.write_pack_shards(plan, read, shard_size, bar)
             manifest = Manifest(
-                prepack_version=version("prepack"),
+                prepack_version=version("prepack-llm"),
                 # How the documents were read: as asked, or as the store was written.
                 options=options.model_copy(
                     update={"column": read_column, "labels_column": documents.labels_column, "tokenize": documents.tokenize}

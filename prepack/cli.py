@@ -224,7 +224,7 @@ def tokenize_command(
         lengths = manifest.lengths
         Console().print(
             f"stored {manifest.documents:,} documents, {manifest.tokens:,} tokens in {len(manifest.shards)} "
-            f"shards under {out} (lengths {lengths.min:,}-{lengths.max:,}, median {lengths.p50:,}, p99 {lengths.p99:,})"
+            f"shard{'s' * (len(manifest.shards) != 1)} under {out} (lengths {lengths.min:,}-{lengths.max:,}, median {lengths.p50:,}, p99 {lengths.p99:,})"
         )
 
 
@@ -259,6 +259,8 @@ def inspect_command(
         typer.echo(text)
     else:
         Console().print(render(report, shards=shards))
+    if plot_path is not None:  # after the report; beside --json on stderr, which keeps stdout JSON
+        typer.echo(f"plot written to {plot_path}", err=as_json)
 
 
 @app.command("verify")
@@ -272,7 +274,7 @@ def verify_command(
 ) -> None:
     """Check shards against the manifest and the format (and every token against --source).
     Exit 0: sound; 1: problems found (printed); 2: not a build, or an unreadable --source."""
-    from prepack.verify import verify_build
+    from prepack.verify import checked_summary, verify_build
 
     try:
         problems = verify_build(
@@ -284,8 +286,7 @@ def verify_command(
         typer.echo(f"problem: {problem}")
     if problems:
         raise typer.Exit(1)
-    checked = "shards, manifest and every token of the source" if source else "shards and manifest"
-    typer.echo(f"{path}: no problems ({checked} checked).")
+    typer.echo(checked_summary(path, source))
 
 
 class Attention(str, Enum):

@@ -20,7 +20,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -542,6 +542,31 @@ def _file_batches(
         row0 += batch.num_rows
 
 
+# Where text and conversations usually live: a corpus holding them needs --tokenizer, and for
+# conversations --chat, whatever column the user asked for.
+_TEXT_COLUMN = "text"
+_CHAT_COLUMNS = ("messages", "conversations")
+
+
+def missing_column_fix(present: Container[str], mode: str) -> str:
+    """What to change when the column of `mode` ("tokens", "text" or "chat") is missing, judged by
+    the columns (or JSON fields) `present`: the clause that ends the error message, the likely fix
+    first, then the option that names the column."""
+    chat_column = next((name for name in _CHAT_COLUMNS if name in present), None)
+    chat = "--chat" if chat_column in (None, "messages") else f"--chat --messages-column {chat_column}"
+    option = {"tokens": "choose the token column with --column", "text": "choose it with --text-column",
+              "chat": "choose it with --messages-column"}[mode]
+    if mode == "tokens" and chat_column is not None:
+        return f"it holds conversations: tokenize them with --tokenizer DIR {chat} (a local tokenizer), or {option}"
+    if mode == "tokens" and _TEXT_COLUMN in present:
+        return f"it holds text: tokenize it with --tokenizer DIR (a local tokenizer), or {option}"
+    if mode == "text" and chat_column is not None:
+        return f"it holds conversations: add {chat}, or {option}"
+    if mode == "chat" and _TEXT_COLUMN in present:
+        return f"it holds text: leave out --chat, or {option}"
+    return option
+
+
 def read_documents(
     corpus: Corpus, column: str = "input_ids", labels_column: str | None = "labels"
 ) -> tuple[str | None, Iterator[DocumentBatch]]:
@@ -555,7 +580,7 @@ def read_documents(
         if column not in schema:
             raise InputError(
                 f"{path}: there is no column {column!r} (columns: {', '.join(schema) or 'none'}); "
-                "choose the token column with --column."
+                f"{missing_column_fix(schema, 'tokens')}."
             )
         _check_column_type(path, column, schema[column])
     has_labels = [labels_column is not None and labels_column in s for s in schemas]

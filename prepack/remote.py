@@ -17,7 +17,7 @@ to object storage, so every reading and writing rule stays defined once, for loc
   distribute the work (the Ray engine's workers); `Corpus.located` names local copies by their URIs;
   `scratch_prefix` is where such callers keep the objects that pass between their tasks.
 
-fsspec and the client of each scheme (s3fs for `s3://`: `pip install 'prepack[s3]'`) are imported on
+fsspec and the client of each scheme (s3fs for `s3://`: `pip install 'prepack-llm[s3]'`) are imported on
 first use. Clients are configured the standard way: for S3, credentials and `AWS_ENDPOINT_URL` from the
 environment or the AWS configuration files.
 """

@@ -7,7 +7,7 @@ touched, so a report on a billion-token build costs about as much as one on its 
     report = inspect_build("packed/", batch_size=8, seed=0)
     report.fill, report.cost.pad_to_max_len.ratio
     rich.print(render(report))            # what `prepack inspect` prints
-    plot(report, "report.png")            # needs matplotlib (`pip install 'prepack[plot]'`)
+    plot(report, "report.png")            # needs matplotlib (`pip install 'prepack-llm[plot]'`)
 
 "Documents" in the distributions are the segments the shards hold, i.e. corpus documents after
 `--overflow` split, truncated or dropped them; the manifest's counts say how many were.
@@ -275,7 +275,7 @@ def inspect_build(
     With `world_size`, `steps` compares the ranks' work per step of `batch_size` packs each, as
     `PackedSampler(seed=seed, drop_last=True)` deals epoch 0, without and with `balance="attention"`.
 
-    `path` may be a URI (`s3://bucket/packed`, needs `prepack[s3]`): its shards are then downloaded
+    `path` may be a URI (`s3://bucket/packed`, needs `prepack-llm[s3]`): its shards are then downloaded
     into `cache_dir` and checked against the manifest's sha256 (`prepack.cache`; when None, a
     temporary directory deleted before this returns).
 
@@ -362,9 +362,10 @@ _BLOCKS = " ▁▂▃▄▅▆▇█"
 
 
 def _sparkline(counts: list[int]) -> str:
-    top = max(counts) or 1
+    """One block per bin, each repeated so that every histogram is about _BINS characters wide."""
+    top, repeat = max(counts) or 1, max(1, _BINS // len(counts))
     # Any non-empty bin gets at least the lowest block, so rare values stay visible.
-    return "".join(_BLOCKS[math.ceil(c / top * (len(_BLOCKS) - 1))] for c in counts)
+    return "".join(_BLOCKS[math.ceil(c / top * (len(_BLOCKS) - 1))] * repeat for c in counts)
 
 
 def _number(value: float, integer: bool) -> str:
@@ -413,8 +414,7 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
     histograms = Table(title="histograms", title_justify="left", box=box.SIMPLE_HEAD)
     histograms.add_column("")
     histograms.add_column("from", justify="right")
-    histograms.add_column("", no_wrap=True)
-    histograms.add_column("to")
+    histograms.add_column("bins ... to", no_wrap=True)  # one cell: the upper label ends the last bin
     for name, dist, integer in (
         ("documents per pack", r.documents_per_pack, True),
         ("document length¹", r.document_length, True),
@@ -424,7 +424,7 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
         mean = f"{dist.mean:,.1f}" if integer else f"{dist.mean:.1%}"
         distributions.add_row(name, *values, mean)
         low, high = dist.edges[0], dist.edges[-1] - (1 if integer else 0)
-        histograms.add_row(name, _number(low, integer), _sparkline(dist.counts), _number(high, integer))
+        histograms.add_row(name, _number(low, integer), f"{_sparkline(dist.counts)} {_number(high, integer)}")
 
     costs = Table(title="compute without packing²", title_justify="left", box=box.SIMPLE_HEAD)
     for name, justify in (("", "left"), ("tokens", "right"), ("padding", "right"), ("× packed", "right")):
@@ -469,13 +469,7 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
 def plot(report: InspectReport, path: str | os.PathLike) -> Path:
     """Draw the three distributions and the cost comparison into one image at `path` (format from the
     suffix, e.g. .png or .svg). Raises ImportError naming the `plot` extra when matplotlib is missing."""
-    try:
-        from matplotlib.figure import Figure  # the object API: no pyplot, no global backend switch
-    except ImportError:
-        raise ImportError(
-            "plotting needs matplotlib, an optional dependency: pip install 'prepack[plot]'"
-        ) from None
-    figure = Figure(figsize=(12, 8), layout="constrained")
+    figure = _figure(report)
     path = Path(path)
     formats = figure.canvas.get_supported_filetypes()
     if path.suffix[1:].lower() not in formats:  # checked first: matplotlib would raise ValueError after drawing
@@ -483,6 +477,20 @@ def plot(report: InspectReport, path: str | os.PathLike) -> Path:
             f"{path}: cannot draw a plot as {path.suffix or 'a file without a suffix'}; name it with one of "
             f"{', '.join('.' + f for f in sorted(formats))}."
         )
+    with output_errors(path):  # a missing directory, a full disk
+        figure.savefig(path, dpi=100)
+    return path
+
+
+def _figure(report: InspectReport):
+    """The report's matplotlib Figure (not drawn yet)."""
+    try:
+        from matplotlib.figure import Figure  # the object API: no pyplot, no global backend switch
+    except ImportError:
+        raise ImportError(
+            "plotting needs matplotlib, an optional dependency: pip install 'prepack[plot]'"
+        ) from None
+    figure = Figure(figsize=(12, 8), layout="constrained")
     axes = figure.subplots(2, 2)
     panels = (
         (axes[0, 0], report.documents_per_pack, "documents per pack", True),
@@ -493,7 +501,7 @@ def plot(report: InspectReport, path: str | os.PathLike) -> Path:
         edges = np.asarray(dist.edges)
         ax.bar(edges[:-1], dist.counts, width=np.diff(edges), align="edge", edgecolor="white")
         stats = ", ".join(f"{k} {_number(getattr(dist, k), integer)}" for k in ("p50", "p90", "p99", "max"))
-        ax.set_title(f"{title}: {stats}", fontsize=10)
+        ax.set_title(f"{title}\n{stats}", fontsize=10)  # on one line, long numbers ran off the figure
         ax.set_ylabel("count")
     ax = axes[1, 1]
     names = ["packed", "pad to max_len", f"pad to longest,\nbatches of {report.batch_size}"]
@@ -510,6 +518,4 @@ def plot(report: InspectReport, path: str | os.PathLike) -> Path:
         f"{report.path}: {report.packs:,} packs of {report.max_len:,}, fill {report.fill:.2%}, "
         f"{report.segments:,} documents"
     )
-    with output_errors(path):  # a missing directory, a full disk
-        figure.savefig(path, dpi=100)
-    return path
+    return figure

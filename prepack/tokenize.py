@@ -55,7 +55,16 @@ from tokenizers import Encoding, Tokenizer
 
 from prepack.errors import EngineError, InputError
 from prepack.format import IGNORE_INDEX, TokenizeOptions, TokenizerInfo
-from prepack.read import Corpus, DocumentBatch, file_columns, file_kind, json_records, parse_json, record_batches
+from prepack.read import (
+    Corpus,
+    DocumentBatch,
+    file_columns,
+    file_kind,
+    json_records,
+    missing_column_fix,
+    parse_json,
+    record_batches,
+)
 
 __all__ = ["LocalTokenizer", "load_tokenizer", "tokenize_corpus"]
 
@@ -352,7 +361,7 @@ def _arrow_values(path: Path, kind: str, column: str) -> Iterator[tuple[int, lis
         row0 += batch.num_rows
 
 
-def _json_values(path: Path, column: str) -> Iterator[tuple[int, list, int]]:
+def _json_values(path: Path, column: str, chat: bool) -> Iterator[tuple[int, list, int]]:
     """(first row, values, bytes) per block of JSON Lines records. Python's json, not pyarrow's reader,
     because the values become Python strings and dicts anyway, and every error can name its row."""
     values, size, row0 = [], 0, 0
@@ -364,8 +373,13 @@ def _json_values(path: Path, column: str) -> Iterator[tuple[int, list, int]]:
                     record = parse_json(raw)
                 except ValueError as exc:
                     raise InputError(f"{path}, row {row}: not valid JSON ({exc}).") from None
-                if not isinstance(record, dict) or column not in record:
+                if not isinstance(record, dict):
                     raise InputError(f"{path}, row {row}: the record has no {column!r} field.")
+                if column not in record:
+                    raise InputError(
+                        f"{path}, row {row}: the record has no {column!r} field (fields: "
+                        f"{', '.join(record) or 'none'}); {missing_column_fix(record, 'chat' if chat else 'text')}."
+                    )
                 values.append(record[column])
                 size += len(raw)
                 if size >= _JSON_BLOCK_BYTES:
@@ -377,11 +391,11 @@ def _json_values(path: Path, column: str) -> Iterator[tuple[int, list, int]]:
         yield row0, values, size
 
 
-def _chunks(corpus: Corpus, column: str, chunk_bytes: int) -> Iterator[tuple[Path, int, list]]:
+def _chunks(corpus: Corpus, column: str, chat: bool, chunk_bytes: int) -> Iterator[tuple[Path, int, list]]:
     """(file, first row, values) of about `chunk_bytes` of input each, in corpus order."""
     for path in corpus.files:
         kind = file_kind(path) or "arrow"
-        blocks = _json_values(path, column) if kind == "jsonl" else _arrow_values(path, kind, column)
+        blocks = _json_values(path, column, chat) if kind == "jsonl" else _arrow_values(path, kind, column)
         for row0, values, size in blocks:
             rows = max(1, len(values) * chunk_bytes // max(size, 1))
             for start in range(0, len(values), rows):
@@ -390,7 +404,6 @@ def _chunks(corpus: Corpus, column: str, chunk_bytes: int) -> Iterator[tuple[Pat
 
 def _check_columns(corpus: Corpus, column: str, chat: bool) -> None:
     """The column exists with the right type in every Parquet and Arrow file (JSON Lines: row by row)."""
-    flag = "--messages-column" if chat else "--text-column"
     for path in corpus.files:
         kind = file_kind(path) or "arrow"
         if kind == "jsonl":
@@ -399,7 +412,7 @@ def _check_columns(corpus: Corpus, column: str, chat: bool) -> None:
         if column not in columns:
             raise InputError(
                 f"{path}: there is no column {column!r} (columns: {', '.join(columns) or 'none'}); "
-                f"choose it with {flag}."
+                f"{missing_column_fix(columns, 'chat' if chat else 'text')}."
             )
         dtype = columns[column]
         if chat:
@@ -486,7 +499,7 @@ def _stream(corpus: Corpus, encoder: _Encoder, num_proc: int, progress: Progress
     task = progress.add_task("tokenize", total=None) if progress is not None else None
     start, tokens = time.perf_counter(), 0
     chunk_bytes = _CHUNK_BYTES * (1 if encoder.chat else num_proc)  # text: one chunk feeds every thread
-    chunks = _chunks(corpus, encoder.column, chunk_bytes)
+    chunks = _chunks(corpus, encoder.column, encoder.chat, chunk_bytes)
     for (path, row0, values), (offsets, ids, labels) in _encoded(chunks, encoder, num_proc):
         if task is not None:
             tokens += len(ids)

@@ -74,10 +74,10 @@ from prepack.format import (
 )
 from prepack.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
-from prepack.remote import LocalInput, is_uri, join, list_input, local_input
+from prepack.remote import LocalInput, is_uri, join, list_input, local_input, read_output_manifest
 from prepack.store_read import ShardColumns, Store, is_store, open_build_store, open_store
 
-__all__ = ["Problem", "verify_build"]
+__all__ = ["Problem", "checked_summary", "verify_build"]
 
 _COMPARE_TOKENS = 2**22  # tokens compared per step against the source
 _RESUME_BLOCK = 1024  # rows checked per call after a failing row, so --all stays linear in the rows
@@ -135,7 +135,7 @@ def verify_build(
     manifest's options, and must match the tokenizer and template identities the manifest records.
     An index build's packs are compared with the source as gathered from its store.
 
-    `path` and `source` may be URIs (`s3://bucket/packed`, needs `prepack[s3]`): the build's shards are
+    `path` and `source` may be URIs (`s3://bucket/packed`, needs `prepack-llm[s3]`): the build's shards are
     then downloaded into `cache_dir` (`prepack.cache`; when None, a temporary directory deleted before
     this returns) and its problems carry its URI (`Problem.location`); the source is copied into a
     temporary directory while it is read.
@@ -173,6 +173,17 @@ def verify_build(
     if isinstance(build, ShardCache):
         return [problem.model_copy(update={"location": build.uri}) for problem in found]
     return found
+
+
+def checked_summary(path: str | os.PathLike, source: str | os.PathLike | None) -> str:
+    """The line a clean `verify` ends with: what it checked, an index build's store included."""
+    manifest = read_output_manifest(str(path)) if is_uri(path) else read_manifest(Path(path))
+    checked = ["shards", "manifest"]
+    if manifest.store is not None:
+        checked = ["index shards", "manifest", "the store's shards and documents"]
+    if source is not None:
+        checked.append("every token of the source")
+    return f"{path}: no problems ({', '.join(checked[:-1])} and {checked[-1]} checked)."
 
 
 @dataclass

@@ -26,10 +26,10 @@ import pytest
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
-from examples.chitchat import CHATML, as_chat, chitchat, gpt2_directory  # noqa: E402
 from prepack import build, build_store  # noqa: E402
 from prepack.errors import EngineError, FormatError, InputError, OutputError  # noqa: E402
 from tests.corpus import corpus_table, write_corpus  # noqa: E402
+from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory  # noqa: E402
 
 PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
 # "local": an instance of this test run, never another run's cluster that ray_current_cluster names.

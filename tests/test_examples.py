@@ -1,4 +1,5 @@
-"""The training examples run as their docstrings say, on a tiny build, and print a finite final loss."""
+"""The training examples run as their docstrings say, on a tiny build, and print a finite final loss;
+and the examples stay scripts: tests run them, never import them (examples/ is no package)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ def test_example_trains_and_prints_a_finite_loss(packed, script, tmp_path):
     found = re.findall(r"^final loss (\S+)$", result.stdout, flags=re.MULTILINE)
     assert found, result.stdout[-2000:]
     assert math.isfinite(float(found[-1]))
+
+
+def test_no_test_imports_the_examples_as_a_package():
+    """The demo's corpus and tokenizer come from running examples/chitchat.py (tests/demo_inputs.py)."""
+    tests = Path(__file__).resolve().parent
+    importing = [
+        path.name for path in sorted(tests.glob("*.py"))
+        if re.search(r"^\s*(from|import)\s+examples\b", path.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    ]
+    assert importing == []

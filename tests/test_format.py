@@ -225,8 +225,8 @@ def test_the_fingerprint_is_the_specs(tmp_path):
 
 
 def test_the_tokenizer_hash_is_the_specs(tmp_path):
-    from examples.chitchat import CHATML, gpt2_directory
     from prepack.tokenize import load_tokenizer
+    from tests.demo_inputs import CHATML, gpt2_directory
 
     directory = gpt2_directory(tmp_path / "tok", CHATML)
     (directory / "model.safetensors").write_bytes(b"not a tokenizer file")

@@ -21,12 +21,12 @@ import pyarrow.parquet as pq
 import pytest
 
 import prepack
-from examples.chitchat import chitchat, gpt2_directory
 from prepack import PackedDataset, build, build_store
 from prepack.errors import FormatError, InputError, OutputError
 from prepack.report import inspect_build
 from prepack.verify import verify_build
 from tests.corpus import corpus_table, write_corpus
+from tests.demo_inputs import chitchat, gpt2_directory
 
 s3fs = pytest.importorskip("s3fs")
 PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))

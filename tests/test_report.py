@@ -16,7 +16,7 @@ from rich.console import Console
 
 from prepack import build
 from prepack.errors import FormatError, InputError
-from prepack.report import InspectReport, inspect_build, plot, render
+from prepack.report import InspectReport, _figure, inspect_build, plot, render
 from tests.corpus import corpus_table, read_build, write_corpus
 
 PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
@@ -167,6 +167,56 @@ def test_render_shows_the_numbers(builds):
     assert "shard-00000.arrow" not in console.export_text()
 
 
+def test_each_histogram_runs_from_its_lower_label_to_its_upper_label(builds):
+    """The bins of every terminal histogram sit between its two labels, the last bin (which holds the
+    maximum) right before the upper one, however many bins it has (pack fill: 20, lengths: 32)."""
+    report = inspect_build(builds["split"])
+    console = Console(record=True, width=130)
+    console.print(render(report))
+    lines = console.export_text().splitlines()
+    lines = lines[[line.strip() for line in lines].index("histograms") :]
+    start = next(line.index("bins") for line in lines if "bins" in line)  # where the bins' column begins
+    dists = {
+        "documents per pack": (report.documents_per_pack, True),
+        "document length": (report.document_length, True),
+        "pack fill": (report.pack_fill, False),
+    }
+    assert {len(d.counts) for d, _ in dists.values()} >= {20, 32}
+    for name, (dist, integer) in dists.items():
+        low, high = dist.edges[0], dist.edges[-1] - integer
+        labels = (f"{low:,.0f}", f"{high:,.0f}") if integer else (f"{low:.1%}", f"{high:.1%}")
+        (line,) = [line for line in lines if line.lstrip().startswith(name)]
+        assert line[:start].rstrip().endswith(f" {labels[0]}") and line.rstrip().endswith(f" {labels[1]}"), line
+        bars = line.rstrip()[start : -len(labels[1]) - 1]
+        repeat = len(bars) // len(dist.counts)
+        assert repeat >= 1 and len(bars) == repeat * len(dist.counts), (line, dist.counts)
+        for count, chunk in zip(dist.counts, (bars[i : i + repeat] for i in range(0, len(bars), repeat))):
+            assert len(set(chunk)) == 1 and (chunk[0] != " ") == (count > 0), (line, dist.counts)
+
+
+def test_plot_panel_titles_stay_whole_inside_the_figure(builds):
+    """Long-context numbers (six-digit lengths) in every panel title: each title is drawn within its
+    panel's width and inside the figure, nothing cut off at the edge."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    report = inspect_build(builds["split"])
+    long = {"p50": 12_345.0, "p90": 65_536.0, "p99": 131_072.0, "max": 131_072.0}
+    report = report.model_copy(update={
+        "document_length": report.document_length.model_copy(update=long),
+        "documents_per_pack": report.documents_per_pack.model_copy(update={k: v / 10 for k, v in long.items()}),
+    })
+    figure = _figure(report)
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer, page = canvas.get_renderer(), figure.bbox
+    titles = [ax.title for ax in figure.axes]
+    assert any(t.get_text().endswith("p99 131,072, max 131,072") for t in titles)
+    for ax, title in zip(figure.axes, titles):
+        box, panel = title.get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and box.y1 <= page.y1, title.get_text()
+        assert box.width <= panel.width, title.get_text()
+
+
 def test_plot_writes_a_png_with_content(builds, tmp_path):
     from matplotlib.image import imread
 
@@ -224,6 +274,12 @@ def test_cli_json_text_and_plot(builds, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "shard-00000.arrow" in result.stdout and f"{numbers['packs']:,}" in result.stdout
     assert (tmp_path / "r.png").stat().st_size > 20_000
+    assert result.stdout.endswith(f"plot written to {tmp_path / 'r.png'}\n")
+
+    result = run("inspect", str(builds["split"]), "--json", "--plot", str(tmp_path / "j.png"))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["packs"] == numbers["packs"]  # stdout stays JSON
+    assert f"plot written to {tmp_path / 'j.png'}" in result.stderr and (tmp_path / "j.png").is_file()
 
 
 def test_cli_errors_exit_2(builds, tmp_path):

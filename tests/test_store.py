@@ -18,7 +18,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from examples.chitchat import CHATML, as_chat, chitchat, gpt2_directory
 from prepack import build, build_store
 from prepack.errors import FormatError, InputError, OutputError
 from prepack.format import read_manifest
@@ -33,6 +32,7 @@ from prepack.store_read import open_store
 from prepack.verify import verify_build
 from prepack.write import write_record_batch
 from tests.corpus import corpus_table, write_corpus
+from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory
 
 SCHEMAS = Path(__file__).parent.parent / "schemas"
 PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))

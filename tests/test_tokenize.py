@@ -23,7 +23,6 @@ import pytest
 from rich.progress import Progress
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from examples.chitchat import CHATML, as_chat, chitchat, gpt2_directory
 from prepack import build, build_store
 from prepack.errors import EngineError, InputError
 from prepack.format import IGNORE_INDEX
@@ -32,6 +31,7 @@ from prepack.report import inspect_build
 from prepack.tokenize import load_tokenizer, tokenize_corpus
 from prepack.verify import verify_build
 from tests.corpus import read_build
+from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory
 
 END_OF_TEXT = 50256
 # The same ChatML with assistant output marked for training.

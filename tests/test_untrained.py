@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from examples.chitchat import CHATML, as_chat, chitchat, gpt2_directory
 from prepack import InputError, build
 from prepack.plan import document_pieces, untrained_documents
 from prepack.report import inspect_build
 from prepack.verify import verify_build
 from tests.corpus import corpus_table, read_build, write_corpus
+from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory
 
 IGNORE = -100
 
