@@ -14,7 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
+from prepack.errors import optional_imports
+
+with optional_imports("split_for_cp"):
+    import torch
 
 __all__ = ["cp_indices", "split_for_cp"]
 

@@ -23,10 +23,13 @@ from collections.abc import Iterator, Sized
 from typing import Literal
 
 import numpy as np
-import torch
-from torch.utils.data import Sampler
 
 from prepack.balance import DEFAULT_TOKEN_COST, balanced_order, epoch_order, pack_costs
+from prepack.errors import optional_imports
+
+with optional_imports("PackedSampler"):
+    import torch
+    from torch.utils.data import Sampler
 
 __all__ = ["PackedSampler"]
 

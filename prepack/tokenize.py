@@ -41,17 +41,19 @@ from functools import lru_cache
 from itertools import chain
 from pathlib import Path
 
-import jinja2
-import jinja2.ext
 import numpy as np
 import pyarrow as pa
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from rich.progress import Progress
-from tokenizers import Encoding, Tokenizer
 
-from prepack.errors import InputError
+from prepack.errors import InputError, optional_imports
 from prepack.format import IGNORE_INDEX, TokenizeOptions, TokenizerInfo
 from prepack.read import Corpus, DocumentBatch, file_columns, file_kind, json_records, parse_json, record_batches
+
+with optional_imports("tokenizing (--tokenizer)"):
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from tokenizers import Encoding, Tokenizer
 
 __all__ = ["LocalTokenizer", "load_tokenizer", "tokenize_corpus"]
 
