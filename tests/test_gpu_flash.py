@@ -16,7 +16,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-flash_attn = pytest.importorskip("flash_attn", reason="needs the flash-attn package (pip install prepack[flash])")
+flash_attn = pytest.importorskip("flash_attn", reason="needs the flash-attn package (pip install 'prepack-llm[flash]')")
 
 MAX_LEN = 256
 VOCAB = 512
