@@ -13,6 +13,10 @@ Two comparisons, each printed as a table, every command a fresh subprocess of th
   the index build's time as a share of the materialized one's. The store is written once, untimed,
   with `prepack tokenize` from a synthetic Parquet corpus (lengths uniform in 1..--longest, seed 0).
 
+Each time is printed as wall seconds and as CPU seconds (user + system, all threads), the median of
+each: on a machine shared with other work, CPU time varies less than wall time. The load average
+printed is the one at the end.
+
 Before the clocks start, one small build of each kind runs untimed, so that numba's compiled kernels
 are in its cache and no timed run pays for compiling them.
 """
@@ -20,7 +24,9 @@ are in its cache and no timed run pays for compiling them.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -44,21 +50,25 @@ def _corpus(path: Path, docs: int, longest: int) -> None:
     pq.write_table(pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))}), path)
 
 
-def _seconds(command: list[str]) -> float:
+def _seconds(command: list[str]) -> tuple[float, float]:
+    """(wall, CPU) seconds of one run of `command`, its CPU time user + system of all its threads."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime - used.ru_utime + after.ru_stime - used.ru_stime
 
 
-def _medians(commands: dict[str, list[str]], runs: int, before=lambda: None) -> dict[str, float]:
-    """The median wall seconds of each command over `runs` runs, the commands taking turns (`before` runs
-    untimed ahead of each)."""
-    times: dict[str, list[float]] = {name: [] for name in commands}
+def _medians(commands: dict[str, list[str]], runs: int, before=lambda: None) -> dict[str, tuple[float, float]]:
+    """The median (wall, CPU) seconds of each command over `runs` runs, the commands taking turns
+    (`before` runs untimed ahead of each)."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
     for _ in range(runs):
         for name, command in commands.items():
             before()
             times[name].append(_seconds(command))
-    return {name: statistics.median(seconds) for name, seconds in times.items()}
+    return {name: tuple(statistics.median(column) for column in zip(*runs_)) for name, runs_ in times.items()}
 
 
 def _builds(store: Path, out: Path, max_len: int) -> dict[str, list[str]]:
@@ -86,15 +96,19 @@ def main() -> None:
             subprocess.run(command, check=True)
         builds = _medians(_builds(root / "corpus-store", out, args.max_len), args.runs, before=lambda: shutil.rmtree(out, ignore_errors=True))
 
-    print(f"median of {args.runs} runs; {platform.machine()}, Python {sys.version.split()[0]}\n")
-    python, prepack = startup["python -c pass"], startup["prepack --help"]
-    print("| command | wall s |\n|---|---:|")
-    print(f"| python -c pass | {python:.3f} |\n| prepack --help | {prepack:.3f} |")
-    print(f"\nprepack --help adds {prepack - python:.3f} s to the interpreter's start ({prepack / python:.1f}x).\n")
-    print(f"| {args.docs:,} documents, max-len {args.max_len}, through the CLI | wall s |\n|---|---:|")
-    for name, seconds in builds.items():
-        print(f"| prepack build STORE{' --index-only' if name == 'index-only' else ''} | {seconds:.3f} |")
-    print(f"\nthe index-only build takes {builds['index-only'] / builds['materialized']:.1%} of the materialized build's time.")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"median of {args.runs} runs; {platform.machine()}, Python {sys.version.split()[0]}, load average {load}\n")
+    (python, python_cpu), (prepack, prepack_cpu) = startup["python -c pass"], startup["prepack --help"]
+    print("| command | wall s | CPU s |\n|---|---:|---:|")
+    print(f"| python -c pass | {python:.3f} | {python_cpu:.3f} |\n| prepack --help | {prepack:.3f} | {prepack_cpu:.3f} |")
+    print(f"\nprepack --help adds {prepack - python:.3f} s to the interpreter's start ({prepack / python:.1f}x); "
+          f"{prepack_cpu - python_cpu:.3f} s of CPU.\n")
+    print(f"| {args.docs:,} documents, max-len {args.max_len}, through the CLI | wall s | CPU s |\n|---|---:|---:|")
+    for name, (seconds, cpu) in builds.items():
+        print(f"| prepack build STORE{' --index-only' if name == 'index-only' else ''} | {seconds:.3f} | {cpu:.3f} |")
+    (index, index_cpu), (full, full_cpu) = builds["index-only"], builds["materialized"]
+    print(f"\nthe index-only build takes {index / full:.1%} of the materialized build's wall time, "
+          f"{index_cpu / full_cpu:.1%} of its CPU time.")
 
 
 if __name__ == "__main__":
