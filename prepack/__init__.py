@@ -10,7 +10,7 @@ exact per-document attention.
     model = prepack.enable_packing(model)
 
 `import prepack` imports no third-party package: every public name but the errors loads on first use
-(`import prepack` and `prepack --help` are timed by benchmarks/bench_startup.py), so the build never
+(`prepack --help` is timed by benchmarks/bench_startup.py), so the build never
 imports torch or transformers, and numba loads with the modules whose kernels a command runs.
 """
 
