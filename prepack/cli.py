@@ -7,17 +7,17 @@ imports neither numpy, pyarrow, numba nor pydantic: `python benchmarks/bench_sta
 from __future__ import annotations
 
 from enum import Enum
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 import typer.core
-from rich.console import Console
-from rich.markup import escape
 
 from prepack.errors import PrepackError, require
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from rich.table import Table
 
     from prepack.format import Manifest
@@ -60,7 +60,20 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Pack documents into fixed-length rows once, offline.",
 )
-console = Console(stderr=True)
+
+
+@cache
+def _stderr() -> Console:
+    """The console of progress bars and errors; rich is imported when one is shown, not for --help."""
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _stdout() -> Console:
+    from rich.console import Console
+
+    return Console()
 
 
 @app.callback()
@@ -124,7 +137,9 @@ def _byte_size(text: str) -> int:
 def _fail(exc: PrepackError) -> None:
     # Escaped: messages quote paths, values and commands such as "pip install 'prepack-llm[train]'", whose
     # brackets rich would otherwise take for markup and drop.
-    console.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
+    from rich.markup import escape
+
+    _stderr().print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
     raise typer.Exit(2)
 
 
@@ -212,12 +227,12 @@ def build_command(
             engine=engine.value,
             ray_address=ray_address,
             progress=not quiet,
-            console=console,
+            console=_stderr(),
         )
     except PrepackError as exc:
         _fail(exc)
     if not quiet:
-        Console().print(_summary(manifest, out))
+        _stdout().print(_summary(manifest, out))
 
 
 @app.command("tokenize", cls=_Command)
@@ -263,13 +278,13 @@ def tokenize_command(
             engine=engine.value,
             ray_address=ray_address,
             progress=not quiet,
-            console=console,
+            console=_stderr(),
         )
     except PrepackError as exc:
         _fail(exc)
     if not quiet:
         lengths = manifest.lengths
-        Console().print(
+        _stdout().print(
             f"stored {manifest.documents:,} documents, {manifest.tokens:,} tokens in {len(manifest.shards)} "
             f"shards under {out} (lengths {lengths.min:,}-{lengths.max:,}, median {lengths.p50:,}, p99 {lengths.p99:,})"
         )
@@ -303,7 +318,7 @@ def inspect_command(
     if as_json:
         typer.echo(json.dumps(report.model_dump(mode="json"), indent=2))
     else:
-        Console().print(render(report, shards=shards))
+        _stdout().print(render(report, shards=shards))
 
 
 @app.command("verify", cls=_Command)
