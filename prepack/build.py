@@ -297,7 +297,7 @@ def build(
     `num_proc`).
 
     `engine="ray"` reads, tokenizes and writes shards as Ray tasks (`prepack.engine_ray`; needs
-    `prepack[ray]`), on the cluster at `ray_address` ("auto", "ray://…"), or on the Ray instance this
+    `prepack-llm[ray]`), on the cluster at `ray_address` ("auto", "ray://…"), or on the Ray instance this
     process is connected to, or at `RAY_ADDRESS`, or on a new local one; the output is byte for byte
     the local engine's.
     Raises `InputError` for bad input, and `OutputError` when `out` cannot be written as

@@ -69,7 +69,7 @@ class PackedDataset(Dataset):
     hashes each shard against the manifest's sha256 on first open; off by default because hashing
     reads the whole file, which a memory map otherwise avoids. Problems raise `FormatError`.
 
-    `path` may be a URI (`s3://bucket/packed`, needs `prepack[s3]`): each shard is then downloaded into
+    `path` may be a URI (`s3://bucket/packed`, needs `prepack-llm[s3]`): each shard is then downloaded into
     `cache_dir` on first use and checked against the manifest's sha256 before it is mapped; processes
     sharing `cache_dir` download it once (`prepack.cache`).
 

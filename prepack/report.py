@@ -7,7 +7,7 @@ touched, so a report on a billion-token build costs about as much as one on its 
     report = inspect_build("packed/", batch_size=8, seed=0)
     report.fill, report.cost.pad_to_max_len.ratio
     rich.print(render(report))            # what `prepack inspect` prints
-    plot(report, "report.png")            # needs matplotlib (`pip install 'prepack[plot]'`)
+    plot(report, "report.png")            # needs matplotlib (`pip install 'prepack-llm[plot]'`)
 
 "Documents" in the distributions are the segments the shards hold, i.e. corpus documents after
 `--overflow` split, truncated or dropped them; the manifest's counts say how many were.
@@ -265,7 +265,7 @@ def inspect_build(
     With `world_size`, `steps` compares the ranks' work per step of `batch_size` packs each, as
     `PackedSampler(seed=seed, drop_last=True)` deals epoch 0, without and with `balance="attention"`.
 
-    `path` may be a URI (`s3://bucket/packed`, needs `prepack[s3]`): its shards are then downloaded
+    `path` may be a URI (`s3://bucket/packed`, needs `prepack-llm[s3]`): its shards are then downloaded
     into `cache_dir` and checked against the manifest's sha256 (`prepack.cache`; when None, a
     temporary directory deleted before this returns).
 

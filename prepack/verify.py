@@ -135,7 +135,7 @@ def verify_build(
     manifest's options, and must match the tokenizer and template identities the manifest records.
     An index build's packs are compared with the source as gathered from its store.
 
-    `path` and `source` may be URIs (`s3://bucket/packed`, needs `prepack[s3]`): the build's shards are
+    `path` and `source` may be URIs (`s3://bucket/packed`, needs `prepack-llm[s3]`): the build's shards are
     then downloaded into `cache_dir` (`prepack.cache`; when None, a temporary directory deleted before
     this returns) and its problems carry its URI (`Problem.location`); the source is copied into a
     temporary directory while it is read.
