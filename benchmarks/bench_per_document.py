@@ -20,7 +20,6 @@ the per-document layers pay.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np

@@ -9,23 +9,37 @@ exact per-document attention.
     collate = prepack.PackedCollator(max_len=8192)
     model = prepack.enable_packing(model)
 
-`import prepack` does not import torch or transformers: the loader, the attention integration, the
-report and verify load when their names are first used.
+`import prepack` imports no third-party package: every public name but the errors loads on first use
+(`prepack --help` is timed by benchmarks/bench_startup.py), so the build never
+imports torch or transformers, and numba loads with the modules whose kernels a command runs.
 """
 
+import sys
 from importlib import import_module
-from importlib.metadata import version
+from types import ModuleType
 
-from prepack.build import build
-from prepack.errors import EngineError, FormatError, InputError, IsolationError, OutputError, PrepackError
-from prepack.format import FORMAT_VERSION, Manifest, read_manifest
-from prepack.store_format import StoreManifest, read_store_manifest
-from prepack.store_write import build_store
+from prepack.errors import (
+    DISTRIBUTION,
+    DistributedSetupError,
+    EngineError,
+    FormatError,
+    InputError,
+    IsolationError,
+    MissingExtraError,
+    OutputError,
+    PrepackError,
+    SamplerStateError,
+)
 
-__version__ = version("prepack-llm")
-
-# Public names loaded on first use, and the module that defines each.
+# Public names loaded on first use, and the module that defines each: `import prepack` imports neither
+# numpy, pyarrow, numba nor pydantic until a name that needs them is used (`prepack --help` stays quick).
 _LAZY = {
+    "FORMAT_VERSION": "prepack.format",
+    "Manifest": "prepack.format",
+    "read_manifest": "prepack.format",
+    "StoreManifest": "prepack.store_format",
+    "read_store_manifest": "prepack.store_format",
+    "build_store": "prepack.store_write",
     "PackedDataset": "prepack.load",
     "PackedSampler": "prepack.sample",
     "open_hf_dataset": "prepack.load",
@@ -44,19 +58,17 @@ _LAZY = {
 
 __all__ = sorted(
     [
+        "DistributedSetupError",
         "EngineError",
         "FORMAT_VERSION",
         "FormatError",
         "InputError",
         "IsolationError",
-        "Manifest",
+        "MissingExtraError",
         "OutputError",
         "PrepackError",
-        "StoreManifest",
+        "SamplerStateError",
         "build",
-        "build_store",
-        "read_manifest",
-        "read_store_manifest",
         *_LAZY,
     ]
 )
@@ -65,8 +77,30 @@ __all__ = sorted(
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version(DISTRIBUTION)
     raise AttributeError(f"module 'prepack' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
     return __all__
+
+
+class _Package(ModuleType):
+    """The type of the `prepack` module, for one name: `prepack.build` is the function, but importing
+    the submodule of the same name (which the build, `build_store` and the Ray engine do) binds the
+    submodule to that attribute. This keeps the function there, loaded on first use like the rest."""
+
+    @property
+    def build(self):
+        return import_module("prepack.build").build
+
+    @build.setter
+    def build(self, value) -> None:
+        if not isinstance(value, ModuleType):  # only the import system binding the submodule is ignored
+            raise AttributeError("prepack.build is the function prepack.build.build and cannot be replaced")
+
+
+sys.modules[__name__].__class__ = _Package

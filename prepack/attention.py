@@ -49,18 +49,20 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import torch
-import transformers
-from transformers.masking_utils import (
-    create_causal_mask,
-    create_recurrent_attention_mask,
-    create_sliding_window_causal_mask,
-)
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
 from prepack import families
+from prepack.errors import IsolationError, optional_imports
+
+with optional_imports("enable_packing"):
+    import torch
+    import transformers
+    from transformers.masking_utils import (
+        create_causal_mask,
+        create_recurrent_attention_mask,
+        create_sliding_window_causal_mask,
+    )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
 from prepack.collate import segment_fields
-from prepack.errors import IsolationError
 from prepack.stateful import STATEFUL_LAYERS, DocumentSegments, PerDocumentLayers, install_per_document_layers
 
 __all__ = ["SUPPORTED_ATTENTION", "disable_packing", "enable_packing"]

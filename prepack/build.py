@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from prepack.documents import Reading, open_documents
-from prepack.errors import InputError
+from prepack.errors import DISTRIBUTION, InputError, require
 from prepack.format import (
     MANIFEST_NAME,
     BuildOptions,
@@ -226,12 +226,7 @@ def check_engine(engine: str, ray_address: str | None, reading: Reading) -> None
             "--num-proc sets the local engine's tokenizer threads or processes; with --engine ray every task "
             "tokenizes on one core, and the cluster's CPUs set how many run at once."
         )
-    try:
-        import prepack.engine_ray  # noqa: F401  (ray is imported only for this engine)
-    except ImportError as exc:
-        if (exc.name or "").partition(".")[0] != "ray":
-            raise
-        raise InputError("--engine ray needs ray: pip install 'prepack[ray]'") from None
+    require("prepack.engine_ray", "--engine ray")  # ray is imported only for this engine
 
 
 @contextmanager
@@ -393,7 +388,7 @@ def build(
             else:
                 shards = session.write_pack_shards(plan, read, shard_size, bar)
             manifest = Manifest(
-                prepack_version=version("prepack-llm"),
+                prepack_version=version(DISTRIBUTION),
                 # How the documents were read: as asked, or as the store was written.
                 options=options.model_copy(
                     update={"column": read_column, "labels_column": documents.labels_column, "tokenize": documents.tokenize}

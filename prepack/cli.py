@@ -1,28 +1,79 @@
 """The `prepack` command: a thin layer over the library; every PrepackError becomes a message and
-exit code 2."""
+exit code 2.
+
+Each command imports the library where it runs, so that `prepack --help` (and a command's help)
+imports neither numpy, pyarrow, numba nor pydantic: `python benchmarks/bench_startup.py` times it."""
 
 from __future__ import annotations
 
 from enum import Enum
+from functools import cache
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from pydantic import ByteSize, TypeAdapter, ValidationError
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+import typer.core
 
-from prepack.build import DEFAULT_SHARD_SIZE, build
-from prepack.errors import PrepackError
-from prepack.format import Manifest
+from prepack.errors import PrepackError, require
 
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from prepack.format import Manifest
+
+_NO_BREAK = "\u2011"  # a non-breaking hyphen, which textwrap leaves whole
+
+
+class _HelpFormatter(typer.Context.formatter_class):
+    """click's help formatter, wrapping lines at spaces only: textwrap also breaks them after a hyphen,
+    which would cut "--messages-column" or "prepack-llm[s3]" in two."""
+
+    def write_text(self, text: str) -> None:
+        super().write_text(text.replace("-", _NO_BREAK))
+
+    def write_dl(self, rows, *args, **kwargs) -> None:
+        super().write_dl([(term, text.replace("-", _NO_BREAK)) for term, text in rows], *args, **kwargs)
+
+    def getvalue(self) -> str:
+        return super().getvalue().replace(_NO_BREAK, "-")
+
+
+class _Context(typer.Context):
+    formatter_class = _HelpFormatter
+
+
+class _Group(typer.core.TyperGroup):
+    context_class = _Context
+
+
+class _Command(typer.core.TyperCommand):
+    context_class = _Context
+
+
+# Help is click's plain text, wrapped at the terminal's width: rich's would read the brackets of
+# "prepack-llm[s3]" as markup and drop them, cut option names short at 80 columns and give flags a <bool>.
 app = typer.Typer(
+    cls=_Group,
     add_completion=False,
+    rich_markup_mode=None,
     no_args_is_help=True,
     help="Pack documents into fixed-length rows once, offline.",
 )
-console = Console(stderr=True)
+
+
+@cache
+def _stderr() -> Console:
+    """The console of progress bars and errors; rich is imported when one is shown, not for --help."""
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _stdout() -> Console:
+    from rich.console import Console
+
+    return Console()
 
 
 @app.callback()
@@ -55,23 +106,28 @@ class Overflow(str, Enum):
 # Reading and tokenizing options, shared by `build` and `tokenize`.
 _ColumnOption = Annotated[str, typer.Option(help="Token column.")]
 _LabelsColumnOption = Annotated[str, typer.Option("--labels-column", help="Labels column, carried when present.")]
-_TokenizerOption = Annotated[Path | None, typer.Option(help="Tokenize text or chat with this local tokenizer directory or tokenizer.json.", rich_help_panel="Tokenize")]
-_ChatOption = Annotated[bool, typer.Option("--chat", help="The corpus holds conversations (--messages-column), rendered with the chat template.", rich_help_panel="Tokenize")]
-_TextColumnOption = Annotated[str, typer.Option("--text-column", help="Text column.", rich_help_panel="Tokenize")]
-_MessagesColumnOption = Annotated[str, typer.Option("--messages-column", help="Messages column (--chat).", rich_help_panel="Tokenize")]
-_ChatTemplateOption = Annotated[Path | None, typer.Option("--chat-template", help="A Jinja chat template file instead of the tokenizer's.", rich_help_panel="Tokenize")]
-_TrainOnOption = Annotated[TrainOn, typer.Option("--train-on", help="--chat: which tokens keep their labels.", rich_help_panel="Tokenize")]
-_EosOption = Annotated[bool, typer.Option("--eos/--no-eos", help="Append EOS to every text document.", rich_help_panel="Tokenize")]
-_NumProcOption = Annotated[int | None, typer.Option("--num-proc", min=1, help="Tokenizer threads (text) or processes (chat); default: all cores.", rich_help_panel="Tokenize")]
+_TokenizerOption = Annotated[Path | None, typer.Option(help="Tokenize text or chat with this local tokenizer directory or tokenizer.json.")]
+_ChatOption = Annotated[bool, typer.Option("--chat", help="The corpus holds conversations (--messages-column), rendered with the chat template.")]
+_TextColumnOption = Annotated[str, typer.Option("--text-column", help="Text column.")]
+_MessagesColumnOption = Annotated[str, typer.Option("--messages-column", help="Messages column (--chat).")]
+_ChatTemplateOption = Annotated[Path | None, typer.Option("--chat-template", help="A Jinja chat template file instead of the tokenizer's.")]
+_TrainOnOption = Annotated[TrainOn, typer.Option("--train-on", help="--chat: which tokens keep their labels.")]
+_EosOption = Annotated[bool, typer.Option("--eos/--no-eos", help="Append EOS to every text document.")]
+_NumProcOption = Annotated[int | None, typer.Option("--num-proc", min=1, help="Tokenizer threads (text) or processes (chat); default: all cores.")]
+# prepack.build.DEFAULT_SHARD_SIZE, spelled out (a test keeps them equal): importing prepack.build would
+# import numpy, pyarrow and numba for every command's help.
+_DEFAULT_SHARD_SIZE = "64MiB"
 _ShardSizeOption = Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB or 1GB.")]
 _QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")]
-_EngineOption = Annotated[Engine, typer.Option("--engine", help="Where reading, tokenizing and shard writing run: here, or as Ray tasks across a cluster (needs prepack\\[ray]); the output is the same.", rich_help_panel="Engine")]
-_RayAddressOption = Annotated[str | None, typer.Option("--ray-address", help="--engine ray: join this cluster ('auto', 'ray://HOST:PORT'); default: RAY_ADDRESS if set, else a new local Ray instance.", rich_help_panel="Engine")]
-_BuildArgument = Annotated[str, typer.Argument(help="A build directory (holding manifest.json), or a URI such as s3://bucket/packed (needs prepack[s3]).")]
+_EngineOption = Annotated[Engine, typer.Option("--engine", help="Where reading, tokenizing and shard writing run: here, or as Ray tasks across a cluster (needs prepack-llm[ray]); the output is the same.")]
+_RayAddressOption = Annotated[str | None, typer.Option("--ray-address", help="--engine ray: join this cluster ('auto', 'ray://HOST:PORT'); default: RAY_ADDRESS if set, else a new local Ray instance.")]
+_BuildArgument = Annotated[str, typer.Argument(help="A build directory (holding manifest.json), or a URI such as s3://bucket/packed (needs prepack-llm[s3]).")]
 _CacheDirOption = Annotated[Path | None, typer.Option("--cache-dir", help="For a build at a URI: where its shards are downloaded (default: a temporary directory, deleted after).")]
 
 
 def _byte_size(text: str) -> int:
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
     try:
         return int(TypeAdapter(ByteSize).validate_python(text))
     except ValidationError:
@@ -79,13 +135,17 @@ def _byte_size(text: str) -> int:
 
 
 def _fail(exc: PrepackError) -> None:
-    # Escaped: messages quote paths, values and commands such as "pip install 'prepack[train]'", whose
+    # Escaped: messages quote paths, values and commands such as "pip install 'prepack-llm[train]'", whose
     # brackets rich would otherwise take for markup and drop.
-    console.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
+    from rich.markup import escape
+
+    _stderr().print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
     raise typer.Exit(2)
 
 
 def _summary(manifest: Manifest, out: str) -> Table:
+    from rich.table import Table
+
     t, o = manifest.totals, manifest.options
     table = Table(title=f"packed into {out}", show_header=False, title_justify="left")
     fill = t.tokens / (t.packs * o.max_len)
@@ -112,10 +172,10 @@ def _untrained(documents: int, tokens: int, dropped: bool) -> str:
     return f"{documents:,} ({tokens:,} tokens, {'left out' if dropped else 'packed; --drop-untrained leaves them out'})"
 
 
-@app.command("build")
+@app.command("build", cls=_Command)
 def build_command(
     corpus: Annotated[str, typer.Argument(help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory; or a document store (prepack tokenize). Local, or a URI such as s3://bucket/corpus/.")],
-    out: Annotated[str, typer.Option("--out", "-o", help="Output directory (created atomically), or a URI such as s3://bucket/packed (needs prepack[s3]).")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Output directory (created atomically), or a URI such as s3://bucket/packed (needs prepack-llm[s3]).")],
     max_len: Annotated[int, typer.Option("--max-len", help="Tokens per pack.")] = 8192,
     column: _ColumnOption = "input_ids",
     labels_column: _LabelsColumnOption = "labels",
@@ -132,7 +192,7 @@ def build_command(
     seed: Annotated[int, typer.Option(help="Seed of the pack-order shuffle.")] = 0,
     drop_untrained: Annotated[bool, typer.Option("--drop-untrained", help="Leave out documents with no trained token (every label -100); they are counted either way.")] = False,
     index_only: Annotated[bool, typer.Option("--index-only", help="A document store only: write which documents each pack holds, no token; the build reads them from the store.")] = False,
-    shard_size: _ShardSizeOption = f"{DEFAULT_SHARD_SIZE // 2**20}MiB",
+    shard_size: _ShardSizeOption = _DEFAULT_SHARD_SIZE,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing build at --out.")] = False,
     engine: _EngineOption = Engine.local,
     ray_address: _RayAddressOption = None,
@@ -140,6 +200,8 @@ def build_command(
 ) -> None:
     """Pack a corpus into Arrow shards with a manifest: token ids as they are, or text and chat
     tokenized with --tokenizer."""
+    from prepack.build import build
+
     try:
         manifest = build(
             corpus,
@@ -165,18 +227,18 @@ def build_command(
             engine=engine.value,
             ray_address=ray_address,
             progress=not quiet,
-            console=console,
+            console=_stderr(),
         )
     except PrepackError as exc:
         _fail(exc)
     if not quiet:
-        Console().print(_summary(manifest, out))
+        _stdout().print(_summary(manifest, out))
 
 
-@app.command("tokenize")
+@app.command("tokenize", cls=_Command)
 def tokenize_command(
     corpus: Annotated[str, typer.Argument(help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory.")],
-    out: Annotated[str, typer.Option("--out", "-o", help="Store directory (created atomically), or a URI such as s3://bucket/store (needs prepack[s3]).")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Store directory (created atomically), or a URI such as s3://bucket/store (needs prepack-llm[s3]).")],
     column: _ColumnOption = "input_ids",
     labels_column: _LabelsColumnOption = "labels",
     tokenizer: _TokenizerOption = None,
@@ -187,7 +249,7 @@ def tokenize_command(
     train_on: _TrainOnOption = TrainOn.assistant,
     eos: _EosOption = True,
     num_proc: _NumProcOption = None,
-    shard_size: _ShardSizeOption = f"{DEFAULT_SHARD_SIZE // 2**20}MiB",
+    shard_size: _ShardSizeOption = _DEFAULT_SHARD_SIZE,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing store at --out.")] = False,
     engine: _EngineOption = Engine.local,
     ray_address: _RayAddressOption = None,
@@ -216,19 +278,19 @@ def tokenize_command(
             engine=engine.value,
             ray_address=ray_address,
             progress=not quiet,
-            console=console,
+            console=_stderr(),
         )
     except PrepackError as exc:
         _fail(exc)
     if not quiet:
         lengths = manifest.lengths
-        Console().print(
+        _stdout().print(
             f"stored {manifest.documents:,} documents, {manifest.tokens:,} tokens in {len(manifest.shards)} "
             f"shard{'s' * (len(manifest.shards) != 1)} under {out} (lengths {lengths.min:,}-{lengths.max:,}, median {lengths.p50:,}, p99 {lengths.p99:,})"
         )
 
 
-@app.command("inspect")
+@app.command("inspect", cls=_Command)
 def inspect_command(
     path: _BuildArgument,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Batch size of the pad-to-longest baseline, and packs per rank per step with --world-size.")] = 8,
@@ -237,7 +299,7 @@ def inspect_command(
     token_cost: Annotated[float | None, typer.Option("--token-cost", min=0, help="Cost of a token in units of one attention token pair (default: prepack.balance.DEFAULT_TOKEN_COST, a 7-8B model; 0: attention alone).")] = None,
     shards: Annotated[bool, typer.Option("--shards", help="Add a per-shard table.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON instead.")] = False,
-    plot_path: Annotated[Path | None, typer.Option("--plot", help="Also draw the distributions and costs, e.g. report.png (needs prepack[plot]).")] = None,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="Also draw the distributions and costs, e.g. report.png (needs prepack-llm[plot]).")] = None,
     cache_dir: _CacheDirOption = None,
 ) -> None:
     """Report fill, padding, distributions and the cost of not packing, from the manifest and the
@@ -253,17 +315,15 @@ def inspect_command(
         text = report.to_json() if as_json else None
     except PrepackError as exc:
         _fail(exc)
-    except ImportError as exc:  # matplotlib, an optional extra
-        _fail(PrepackError(str(exc)))
     if text is not None:
         typer.echo(text)
     else:
-        Console().print(render(report, shards=shards))
+        _stdout().print(render(report, shards=shards))
     if plot_path is not None:  # after the report; beside --json on stderr, which keeps stdout JSON
         typer.echo(f"plot written to {plot_path}", err=as_json)
 
 
-@app.command("verify")
+@app.command("verify", cls=_Command)
 def verify_command(
     path: _BuildArgument,
     source: Annotated[str | None, typer.Option("--source", help="The corpus it was built from, or a store of it: check every token.")] = None,
@@ -305,7 +365,7 @@ class Dtype(str, Enum):
     float16 = "float16"
 
 
-@app.command("check-isolation")
+@app.command("check-isolation", cls=_Command)
 def check_isolation_command(
     model: Annotated[Path, typer.Option("--model", help="A local model directory (config.json and weights), or a config.json alone: random weights. Nothing is downloaded.")],
     attn: Annotated[Attention, typer.Option("--attn", help="Attention implementation; the flash ones need a CUDA device and flash-attn.")] = Attention.sdpa,
@@ -320,13 +380,9 @@ def check_isolation_command(
     """Run random packed documents through a local model with enable_packing, and each document alone,
     and print the largest differences. Exit 0: isolated; 1: documents leak into each other; 2: bad input,
     a family prepack refuses on this backend (the reason is printed), or a model that fails on the batch."""
-    try:
-        import transformers  # here, not at the top: torch and transformers take seconds to import
-
-        from prepack.isolation import check_isolation
-    except ImportError as exc:  # torch and transformers: the optional extra prepack[train]
-        _fail(PrepackError(f"check-isolation needs {exc.name}: pip install 'prepack[train]'"))
-    try:
+    try:  # here, not at the top: torch and transformers take seconds to import
+        transformers = require("transformers", "prepack check-isolation")
+        check_isolation = require("prepack.isolation", "prepack check-isolation").check_isolation
         result = check_isolation(
             model,
             attn.value,

@@ -27,10 +27,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
-import torch
 
-from prepack.errors import IsolationError
+from prepack.errors import IsolationError, optional_imports
 from prepack.format import IGNORE_INDEX, read_manifest
+
+with optional_imports("PackedCollator"):
+    import torch
 
 if TYPE_CHECKING:
     from prepack.load import PackedDataset

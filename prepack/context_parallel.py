@@ -26,7 +26,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
+from prepack.errors import optional_imports
+
+with optional_imports("split_for_cp"):
+    import torch
 
 from prepack.format import IGNORE_INDEX
 

@@ -105,10 +105,7 @@ def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None
         used_labels, batches = read_documents(corpus, reading.column, reading.labels_column)
         return Documents(corpus, reading.column, used_labels, None, used_labels is not None, batches)
     # Imported here: tokenizers and jinja2 are needed only to tokenize.
-    try:
-        from prepack.tokenize import load_tokenizer, tokenize_corpus
-    except ImportError as exc:
-        raise InputError(f"--tokenizer needs {exc.name}: pip install 'prepack[tokenize]'") from None
+    from prepack.tokenize import load_tokenizer, tokenize_corpus
 
     options, has_labels, batches = tokenize_corpus(
         corpus,

@@ -8,19 +8,56 @@
     │                            a chat tokenizer worker process dead
     ├── IsolationError           a batch or a model set-up would let documents attend to each other
     ├── SamplerStateError        a PackedSampler state (a checkpoint's) is malformed or for another setup
-    └── DistributedSetupError    the processes of a job are not set up to train as one
+    ├── DistributedSetupError    the processes of a job are not set up to train as one
+    └── MissingExtraError        an optional dependency is not installed: names the extra and its install line
+                                 (also an ImportError)
+
+`optional_imports` and `require` are how every optional dependency is imported, so that a missing one is
+announced one way: MissingExtraError.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import import_module
+from types import ModuleType
+
 __all__ = [
+    "DISTRIBUTION",
     "DistributedSetupError",
+    "EXTRAS",
     "EngineError",
     "FormatError",
     "InputError",
     "IsolationError",
+    "MissingExtraError",
     "OutputError",
     "PrepackError",
     "SamplerStateError",
+    "optional_imports",
+    "require",
 ]
+
+# The name prepack is installed under (`prepack` on the package index is an unrelated library): install
+# lines and the version recorded in manifests use it.
+DISTRIBUTION = "prepack-llm"
+
+# Each optional dependency, by the name it is imported as, and the extra of pyproject.toml installing it.
+EXTRAS = {
+    "torch": "train",
+    "transformers": "train",
+    "datasets": "train",
+    "accelerate": "train",
+    "torchdata": "train",
+    "tokenizers": "tokenize",
+    "jinja2": "tokenize",
+    "fsspec": "s3",
+    "s3fs": "s3",
+    "gcsfs": "gcs",
+    "ray": "ray",
+    "matplotlib": "plot",
+    "trl": "trl",
+    "flash_attn": "flash",
+}
 
 
 class PrepackError(Exception):
@@ -69,3 +106,40 @@ class DistributedSetupError(PrepackError, RuntimeError):
     """The processes of a job would not train as one: launched as several (`WORLD_SIZE` > 1) without a
     process group, or with one that Accelerate does not use for DDP, so that each rank would train a
     model of its own on its share of the packs. A RuntimeError too, as the sampler raised before."""
+
+
+class MissingExtraError(PrepackError, ImportError):
+    """An optional dependency is missing: `module` (a key of EXTRAS), which `needed_by` needs and the extra
+    `extra` of prepack installs; the message says so with the install line. An ImportError too, which is
+    what callers catching a missing import expect."""
+
+    def __init__(self, module: str, needed_by: str):
+        self.module, self.needed_by, self.extra = module, needed_by, EXTRAS[module]
+        super().__init__(
+            f"{needed_by} needs {module}, which is not installed: pip install '{DISTRIBUTION}[{self.extra}]' "
+            f"(from a checkout of prepack: pip install -e '.[{self.extra}]')",
+            name=module,
+        )
+
+    def __reduce__(self):  # pickled by its arguments (a Ray worker's error reaches the driver so)
+        return type(self), (self.module, self.needed_by)
+
+
+@contextmanager
+def optional_imports(needed_by: str) -> Iterator[None]:
+    """Around the imports of optional dependencies: one found missing (itself, or a module it imports)
+    becomes MissingExtraError naming `needed_by` (what needs it, e.g. "PackedDataset"). Any other
+    ImportError passes unchanged."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in EXTRAS:
+            raise
+        raise MissingExtraError(missing, needed_by) from None
+
+
+def require(module: str, needed_by: str) -> ModuleType:
+    """`import_module(module)` within `optional_imports(needed_by)`."""
+    with optional_imports(needed_by):
+        return import_module(module)

@@ -48,7 +48,9 @@ __all__ = [
     "check_shard",
     "format_error",
     "ipc_body_compressed",
+    "arrow_array",
     "list_column",
+    "numpy_view",
     "load_manifest_json",
     "open_shard",
     "pack_layout",
@@ -566,8 +568,29 @@ def list_column(batch: pa.RecordBatch, column: str, where: str = "shard") -> tup
         _fail(where, "has null rows", _first(array.is_null().to_numpy(zero_copy_only=False)), column)
     if array.values.null_count:
         _fail(where, "has null values", column=column)
-    offsets = array.offsets.to_numpy() if len(array.offsets) else np.zeros(1, np.int32)  # 0 rows may have none
-    return offsets, array.values.to_numpy()
+    offsets = numpy_view(array.offsets) if len(array.offsets) else np.zeros(1, np.int32)  # 0 rows may have none
+    return offsets, numpy_view(array.values)
+
+
+def numpy_view(array: pa.Array) -> np.ndarray:
+    """A numeric Arrow array without nulls as a zero-copy numpy view of its data buffer: what
+    `array.to_numpy()` returns, without importing pandas, which `to_numpy` does on its first call
+    (pyarrow converts through its pandas layer): a second of an index build's start-up."""
+    if not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type)) or array.null_count:
+        return array.to_numpy(zero_copy_only=False)
+    dtype = np.dtype(array.type.to_pandas_dtype())
+    if not len(array):
+        return np.empty(0, dtype)
+    return np.frombuffer(array.buffers()[1], dtype, count=len(array), offset=array.offset * dtype.itemsize)
+
+
+def arrow_array(values: np.ndarray) -> pa.Array:
+    """A numeric numpy array as an Arrow array without nulls, sharing its memory when contiguous: what
+    `pa.array(values)` returns, without the import of pandas that it too makes on its first call."""
+    if values.dtype.kind not in "iuf":
+        return pa.array(values)
+    values = np.ascontiguousarray(values)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
 
 
 def _first(mask: np.ndarray) -> int:
@@ -717,7 +740,7 @@ def check_shard(batch: pa.RecordBatch, max_len: int, where: str) -> PackLayout:
 def _check_max_seqlen(batch: pa.RecordBatch, layout: PackLayout, where: str) -> None:
     if batch.column("max_seqlen").null_count:
         _fail(where, "has null rows", column="max_seqlen")
-    max_seqlen = batch.column("max_seqlen").to_numpy()
+    max_seqlen = numpy_view(batch.column("max_seqlen"))
     if len(layout.lengths):
         longest = np.maximum.reduceat(layout.lengths, np.cumsum(layout.documents) - layout.documents)
         if (bad := longest != max_seqlen).any():

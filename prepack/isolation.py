@@ -13,14 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-import transformers
-from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+from prepack.errors import InputError, IsolationError, PrepackError, optional_imports, require
+
+with optional_imports("check_isolation"):
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
 from prepack.attention import _FLASH, SUPPORTED_ATTENTION, enable_packing
 from prepack.collate import PackedCollator
-from prepack.errors import InputError, IsolationError, PrepackError
 from prepack.format import IGNORE_INDEX
 
 __all__ = ["IsolationResult", "check_isolation", "default_tolerances", "measure_isolation", "random_packs"]
@@ -314,6 +317,8 @@ def _require_flash_kernels(attn: str, dtype: str, device: torch.device) -> None:
         "flash_attention_3": ("flash-attn-3", is_flash_attn_3_available),
     }[attn]
     usable = available()
+    if device.type == "cuda" and attn == "flash_attention_2" and not usable:
+        require("flash_attn", "--attn flash_attention_2")  # MissingExtraError where it is not installed
     if device.type != "cuda" or not usable:
         raise InputError(
             f"{attn} runs {package}'s CUDA kernels: it needs a CUDA device and {package} installed. Here the "

@@ -27,10 +27,9 @@ import numba
 import numpy as np
 import pyarrow as pa
 from numba.typed import List as TypedList
-from torch.utils.data import Dataset
 
 from prepack.cache import ShardCache
-from prepack.errors import FormatError, InputError
+from prepack.errors import FormatError, optional_imports
 from prepack.format import (
     FORMAT_VERSION,
     Manifest,
@@ -49,6 +48,9 @@ from prepack.format import (
 from prepack.remote import is_uri
 from prepack.store_read import Store, open_build_store
 from prepack.write import _list, write_record_batch
+
+with optional_imports("PackedDataset"):
+    from torch.utils.data import Dataset
 
 __all__ = ["PackedDataset", "open_hf_dataset"]
 
@@ -361,7 +363,8 @@ def open_hf_dataset(
     A build at a URI is read through `cache_dir`, as `PackedDataset` reads it: a full build's rows are
     then mapped from the cached copies of its shards, which must stay there while the dataset is used.
     """
-    from datasets import Dataset as HFDataset, DatasetInfo, concatenate_datasets
+    with optional_imports("open_hf_dataset"):
+        from datasets import Dataset as HFDataset, DatasetInfo, concatenate_datasets
 
     packed = PackedDataset(path, validate=validate, verify_checksums=verify_checksums, cache_dir=cache_dir)
     packed.check_all()

@@ -35,9 +35,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-import torch
-
+from prepack.errors import optional_imports
 from prepack.format import IGNORE_INDEX
+
+with optional_imports("weighted_loss"):
+    import torch
 
 __all__ = ["Weighting", "loss_weights", "weighted_loss"]
 

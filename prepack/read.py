@@ -30,7 +30,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from prepack.errors import InputError
-from prepack.format import IGNORE_INDEX, MANIFEST_NAME, SHARD_VERSION_KEY, STORE_MANIFEST_NAME
+from prepack.format import IGNORE_INDEX, MANIFEST_NAME, SHARD_VERSION_KEY, STORE_MANIFEST_NAME, numpy_view
 from prepack.output import STAGING_MARK
 from prepack.store_format import STORE_VERSION_KEY
 
@@ -478,7 +478,7 @@ def _token_array(path: Path, row0: int, column: str, array: pa.Array) -> tuple[n
     if array.null_count:
         row = row0 + int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0])
         raise InputError(f"{where}, row {row}: missing (null) instead of a list of token ids.")
-    offsets = array.offsets.to_numpy().astype(np.int64)
+    offsets = numpy_view(array.offsets).astype(np.int64)
     values = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
     offsets -= offsets[0]
     if values.null_count:
@@ -486,7 +486,7 @@ def _token_array(path: Path, row0: int, column: str, array: pa.Array) -> tuple[n
         row = row0 + int(np.searchsorted(offsets, token, "right")) - 1
         raise InputError(f"{where}, row {row}: a null token id.")
     # Nulls were refused above, so the integer values convert without a copy.
-    ids = values.to_numpy() if len(values) else np.empty(0, np.int64)
+    ids = numpy_view(values) if len(values) else np.empty(0, np.int64)
     return offsets, ids
 
 

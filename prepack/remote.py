@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prepack.errors import FormatError, InputError, OutputError
+from prepack.errors import FormatError, InputError, OutputError, require
 from prepack.format import MANIFEST_NAME, STORE_MANIFEST_NAME, Manifest, format_error, read_manifest, shard_path
 from prepack.output import Staging, check_replaceable
 from prepack.read import file_kind
@@ -62,7 +62,7 @@ _URI = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")
 # Besides corpus files (prepack.read's suffixes), what `find_corpus` and `open_documents` look at to
 # tell what a directory is: a saved Hugging Face dataset, a build inside the corpus, a document store.
 _MARKERS = {"state.json", "dataset_dict.json", MANIFEST_NAME, STORE_MANIFEST_NAME}
-_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}  # scheme: the prepack extra with its client
+_CLIENTS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # scheme: fsspec's client for it (an extra)
 _KINDS = {MANIFEST_NAME: "build", STORE_MANIFEST_NAME: "document store"}
 
 
@@ -72,18 +72,16 @@ def is_uri(spec: object) -> bool:
 
 
 def filesystem(uri: str) -> tuple[Any, str]:
-    """(fsspec filesystem, path within it) of `uri`. Raises InputError when the scheme's client is not
-    installed, or unknown."""
-    try:
-        import fsspec.core
-    except ImportError:
-        raise InputError(f"{uri}: object storage needs fsspec: pip install 'prepack[s3]'") from None
+    """(fsspec filesystem, path within it) of `uri`. Raises MissingExtraError when the scheme's client is
+    not installed, InputError when the scheme is unknown."""
+    fsspec_core = require("fsspec.core", uri)
     scheme = uri.split("://", 1)[0].lower()
+    if scheme in _CLIENTS:
+        require(_CLIENTS[scheme], uri)
     try:
-        return fsspec.core.url_to_fs(uri)
-    except ImportError as exc:
-        install = f"pip install 'prepack[{_EXTRAS[scheme]}]'" if scheme in _EXTRAS else f"install fsspec's client for it ({exc})"
-        raise InputError(f"{uri}: reading {scheme}:// needs its client: {install}") from None
+        return fsspec_core.url_to_fs(uri)
+    except ImportError as exc:  # a scheme whose client is no prepack extra
+        raise InputError(f"{uri}: reading {scheme}:// needs fsspec's client for it ({exc})") from None
     except ValueError as exc:  # an unknown protocol
         raise InputError(f"{uri}: {exc}") from None
 

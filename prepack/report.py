@@ -30,7 +30,7 @@ from rich.text import Text
 
 from prepack.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs, validated_token_cost
 from prepack.cache import ShardCache, build_cache
-from prepack.errors import FormatError, InputError, PrepackError
+from prepack.errors import FormatError, InputError, PrepackError, optional_imports
 from prepack.format import Manifest, check_layout, list_column, open_shard, read_manifest, shard_path
 from prepack.output import output_errors
 from prepack.remote import is_uri
@@ -468,7 +468,7 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
 
 def plot(report: InspectReport, path: str | os.PathLike) -> Path:
     """Draw the three distributions and the cost comparison into one image at `path` (format from the
-    suffix, e.g. .png or .svg). Raises ImportError naming the `plot` extra when matplotlib is missing."""
+    suffix, e.g. .png or .svg). Raises MissingExtraError naming the `plot` extra when matplotlib is missing."""
     figure = _figure(report)
     path = Path(path)
     formats = figure.canvas.get_supported_filetypes()
@@ -484,12 +484,8 @@ def plot(report: InspectReport, path: str | os.PathLike) -> Path:
 
 def _figure(report: InspectReport):
     """The report's matplotlib Figure (not drawn yet)."""
-    try:
+    with optional_imports("plotting (inspect --plot)"):
         from matplotlib.figure import Figure  # the object API: no pyplot, no global backend switch
-    except ImportError:
-        raise ImportError(
-            "plotting needs matplotlib, an optional dependency: pip install 'prepack[plot]'"
-        ) from None
     figure = Figure(figsize=(12, 8), layout="constrained")
     axes = figure.subplots(2, 2)
     panels = (

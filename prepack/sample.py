@@ -23,9 +23,7 @@ from collections.abc import Iterator, Sized
 from typing import Annotated, Literal
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from torch.utils.data import Sampler
 
 from prepack.balance import (
     DEFAULT_TOKEN_COST,
@@ -35,7 +33,11 @@ from prepack.balance import (
     pack_costs,
     validated_token_cost,
 )
-from prepack.errors import DistributedSetupError, SamplerStateError
+from prepack.errors import DistributedSetupError, SamplerStateError, optional_imports
+
+with optional_imports("PackedSampler"):
+    import torch
+    from torch.utils.data import Sampler
 
 __all__ = ["MAX_PASSES", "PackedSampler"]
 

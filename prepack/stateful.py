@@ -38,10 +38,12 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
-import transformers
 
-from prepack.errors import IsolationError
+from prepack.errors import IsolationError, optional_imports
+
+with optional_imports("enable_packing"):
+    import torch
+    import transformers
 
 __all__ = ["STATEFUL_LAYERS", "DocumentSegments", "PerDocumentLayers", "install_per_document_layers"]
 

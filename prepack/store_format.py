@@ -28,6 +28,7 @@ from prepack.format import (
     TokenizeOptions,
     format_error,
     load_manifest_json,
+    numpy_view,
 )
 
 __all__ = [
@@ -231,7 +232,7 @@ def check_store_offsets(batch: pa.RecordBatch, shard: StoreShard, has_labels: bo
 
 def _offsets(array: pa.ListArray) -> np.ndarray:
     """A list column's offsets as int64 (a batch of no rows may have none: then [0])."""
-    return array.offsets.to_numpy().astype(np.int64) if len(array.offsets) else np.zeros(1, np.int64)
+    return numpy_view(array.offsets).astype(np.int64) if len(array.offsets) else np.zeros(1, np.int64)
 
 
 def check_store_shard(batch: pa.RecordBatch, shard: StoreShard, has_labels: bool, where: str) -> np.ndarray:
@@ -241,7 +242,7 @@ def check_store_shard(batch: pa.RecordBatch, shard: StoreShard, has_labels: bool
     offsets = check_store_offsets(batch, shard, has_labels, where)
     for column in store_schema(has_labels).names:
         array = batch.column(column)
-        values = array.values.to_numpy()
+        values = numpy_view(array.values)
         bad = values < 0 if column == "input_ids" else (values < 0) & (values != IGNORE_INDEX)
         if bad.any():
             token = int(np.flatnonzero(bad)[0])

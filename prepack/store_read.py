@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.errors import FormatError
-from prepack.format import MANIFEST_NAME, Manifest, ipc_body_compressed
+from prepack.format import MANIFEST_NAME, Manifest, ipc_body_compressed, numpy_view
 from prepack.plan import untrained_documents
 from prepack.read import Corpus, DocumentBatch
 from prepack.store_format import (
@@ -110,8 +110,8 @@ class Store:
         except pa.ArrowException as exc:
             raise store_error(where, f"not valid Arrow data ({exc}).") from None
         offsets = check_store_shard(batch, shard, self.manifest.has_labels, where)
-        labels = batch.column("labels").values.to_numpy() if self.manifest.has_labels else None
-        return offsets, batch.column("input_ids").values.to_numpy(), labels
+        labels = numpy_view(batch.column("labels").values) if self.manifest.has_labels else None
+        return offsets, numpy_view(batch.column("input_ids").values), labels
 
     def shard_lengths(self, shard: StoreShard) -> tuple[np.ndarray, np.ndarray]:
         """(every document's length as int64, whether it is untrained: `untrained_documents`) of one
@@ -125,7 +125,7 @@ class Store:
         except pa.ArrowException as exc:
             raise store_error(where, f"not valid Arrow data ({exc}).") from None
         offsets = check_store_offsets(batch, shard, self.manifest.has_labels, where)
-        labels = batch.column("labels").values.to_numpy() if self.manifest.has_labels else None
+        labels = numpy_view(batch.column("labels").values) if self.manifest.has_labels else None
         return np.diff(offsets), untrained_documents(offsets, labels)
 
     @staticmethod

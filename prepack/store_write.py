@@ -20,8 +20,8 @@ from rich.progress import Progress
 
 from prepack.build import DEFAULT_SHARD_SIZE, check_engine, engine_session, progress_bars
 from prepack.documents import Documents, Reading, open_documents
-from prepack.errors import InputError
-from prepack.format import STORE_MANIFEST_NAME, Fingerprint, InputFile
+from prepack.errors import DISTRIBUTION, InputError
+from prepack.format import STORE_MANIFEST_NAME, Fingerprint, InputFile, arrow_array
 from prepack.output import output_errors, staged_directory
 from prepack.plan import untrained_documents
 from prepack.read import DocumentBatch
@@ -82,7 +82,7 @@ def write_store_shard(directory: Path, index: int, lengths: np.ndarray, ids: np.
     columns = [ids.astype(np.int32, copy=False)]
     if labels is not None:
         columns.append(labels.astype(np.int32, copy=False))
-    arrays = [pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)) for values in columns]
+    arrays = [pa.ListArray.from_arrays(arrow_array(offsets), arrow_array(values)) for values in columns]
     batch = pa.RecordBatch.from_arrays(arrays, schema=store_schema(labels is not None))
     size, sha256 = write_record_batch(path, batch)
     return StoreShard(name=path.name, documents=len(lengths), tokens=int(offsets[-1]), bytes=size, sha256=sha256)
@@ -186,7 +186,7 @@ def finish_store(
     if not shards:
         raise InputError(f"{documents.corpus.root}: the corpus has no documents.")
     manifest = StoreManifest(
-        prepack_version=version("prepack"),
+        prepack_version=version(DISTRIBUTION),
         column=documents.column,
         labels_column=documents.labels_column,
         tokenize=documents.tokenize,

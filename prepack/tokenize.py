@@ -45,15 +45,11 @@ from functools import lru_cache
 from itertools import chain
 from pathlib import Path
 
-import jinja2
-import jinja2.ext
 import numpy as np
 import pyarrow as pa
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from rich.progress import Progress
-from tokenizers import Encoding, Tokenizer
 
-from prepack.errors import EngineError, InputError
+from prepack.errors import EngineError, InputError, optional_imports
 from prepack.format import IGNORE_INDEX, TokenizeOptions, TokenizerInfo
 from prepack.read import (
     Corpus,
@@ -65,6 +61,12 @@ from prepack.read import (
     parse_json,
     record_batches,
 )
+
+with optional_imports("tokenizing (--tokenizer)"):
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from tokenizers import Encoding, Tokenizer
 
 __all__ = ["LocalTokenizer", "load_tokenizer", "tokenize_corpus"]
 

@@ -12,7 +12,7 @@ import numba
 import numpy as np
 import pyarrow as pa
 
-from prepack.format import ShardInfo, segment_id_type, shard_name, shard_schema
+from prepack.format import ShardInfo, arrow_array, segment_id_type, shard_name, shard_schema
 from prepack.output import output_errors, output_file
 from prepack.plan import ShardPacks
 
@@ -216,7 +216,7 @@ def _cu_seqlens(lengths: np.ndarray, pack_offsets: np.ndarray, out: np.ndarray) 
 
 
 def _list(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
+    return pa.ListArray.from_arrays(arrow_array(offsets.astype(np.int32)), arrow_array(values))
 
 
 def _pack_columns(layout: ShardPacks, lengths: np.ndarray, schema: pa.Schema) -> list[pa.Array]:
@@ -229,7 +229,7 @@ def _pack_columns(layout: ShardPacks, lengths: np.ndarray, schema: pa.Schema) ->
     max_seqlen = np.maximum.reduceat(lengths, layout.pack_offsets[:-1]).astype(np.int32)
     return [
         _list(cu_offsets, cu),
-        pa.array(max_seqlen),
+        arrow_array(max_seqlen),
         _list(layout.pack_offsets, layout.rows.astype(schema.field("source_rows").type.value_type.to_pandas_dtype())),
         _list(layout.pack_offsets, layout.pieces.astype(np.int32, copy=False)),
     ]

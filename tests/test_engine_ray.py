@@ -27,7 +27,7 @@ ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
 from prepack import build, build_store  # noqa: E402
-from prepack.errors import EngineError, FormatError, InputError, OutputError  # noqa: E402
+from prepack.errors import EngineError, FormatError, InputError, MissingExtraError, OutputError  # noqa: E402
 from tests.corpus import corpus_table, write_corpus  # noqa: E402
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory  # noqa: E402
 
@@ -188,7 +188,7 @@ def test_without_ray_the_engine_says_what_to_install(tmp_path, monkeypatch):
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as when it is not installed
     monkeypatch.delitem(sys.modules, "prepack.engine_ray", raising=False)
-    with pytest.raises(InputError, match=r"pip install 'prepack\[ray\]'"):
+    with pytest.raises(MissingExtraError, match=r"pip install 'prepack-llm\[ray\]'"):
         build(corpus, tmp_path / "out", max_len=8, engine="ray")
 
 

@@ -352,14 +352,14 @@ def test_the_cli_tokenizes_a_text_corpus_from_s3_into_s3(tmp_path, fs, s3_bucket
 
 def test_a_missing_client_asks_for_the_extra(tmp_path):
     program = (
-        "import sys; sys.modules['s3fs'] = None\n"  # as if prepack[s3] were not installed
+        "import sys; sys.modules['s3fs'] = None\n"  # as if prepack-llm[s3] were not installed
         "from prepack import build\n"
-        "from prepack.errors import InputError\n"
+        "from prepack.errors import MissingExtraError\n"
         "try:\n    build('s3://bucket/corpus/', 'out', max_len=8)\n"
-        "except InputError as exc:\n    print(exc)\n"
+        "except MissingExtraError as exc:\n    print(exc)\n"
     )
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert result.stdout.strip() == "s3://bucket/corpus/: reading s3:// needs its client: pip install 'prepack[s3]'"
+    assert result.stdout.startswith("s3://bucket/corpus/ needs s3fs, which is not installed: pip install 'prepack-llm[s3]'")
 
 
 # --- verify, inspect and open_hf_dataset of a build in object storage --------------------------------

@@ -412,7 +412,7 @@ def test_check_isolation_without_transformers_names_the_extra_to_install(tmp_pat
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 2
-    assert "Traceback" not in result.stderr and "pip install 'prepack[train]'" in result.stderr
+    assert "Traceback" not in result.stderr and "pip install 'prepack-llm[train]'" in " ".join(result.stderr.split())
 
 
 def test_inspect_plot_into_a_missing_directory_is_an_output_error(tmp_path):

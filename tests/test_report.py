@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from prepack import build
-from prepack.errors import FormatError, InputError
+from prepack.errors import FormatError, InputError, MissingExtraError
 from prepack.report import InspectReport, _figure, inspect_build, plot, render
 from tests.corpus import corpus_table, read_build, write_corpus
 
@@ -232,7 +232,7 @@ def test_plot_without_matplotlib_names_the_extra(builds, tmp_path, monkeypatch):
     report = inspect_build(builds["split"])
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(ImportError, match=r"prepack\[plot\]"):
+    with pytest.raises(MissingExtraError, match=r"pip install 'prepack-llm\[plot\]'"):
         plot(report, tmp_path / "report.png")
     assert not (tmp_path / "report.png").exists()
 
