@@ -47,7 +47,7 @@ from prepack.format import (
 )
 from prepack.remote import is_uri
 from prepack.store_read import Store, open_build_store
-from prepack.write import _list, write_record_batch
+from prepack.write import list_array, write_record_batch
 
 with optional_imports("PackedDataset"):
     from torch.utils.data import Dataset
@@ -437,15 +437,15 @@ def _write_gathered(packed: PackedDataset, shard: int, first: int, stop: int, fi
     schema = shard_schema(manifest.has_labels, manifest.options.max_len)
     segment_type = schema.field("segment_ids").type.value_type.to_pandas_dtype()
     arrays = [
-        _list(token_offsets, np.concatenate([row["input_ids"] for row in rows])),
-        _list(token_offsets, np.concatenate([row["segment_ids"] for row in rows]).astype(segment_type)),
-        _list(cu_offsets, np.concatenate(cu)),
+        list_array(token_offsets, np.concatenate([row["input_ids"] for row in rows])),
+        list_array(token_offsets, np.concatenate([row["segment_ids"] for row in rows]).astype(segment_type)),
+        list_array(cu_offsets, np.concatenate(cu)),
         pa.array(np.array([np.diff(bounds).max() for bounds in cu], np.int32)),
-        _list(row_off[first : stop + 1] - row_off[first], source_rows[row_off[first] : row_off[stop]].astype(np.int64)),
-        _list(piece_off[first : stop + 1] - piece_off[first], source_pieces[piece_off[first] : piece_off[stop]]),
+        list_array(row_off[first : stop + 1] - row_off[first], source_rows[row_off[first] : row_off[stop]].astype(np.int64)),
+        list_array(piece_off[first : stop + 1] - piece_off[first], source_pieces[piece_off[first] : piece_off[stop]]),
     ]
     if manifest.has_labels:
-        arrays.append(_list(token_offsets, np.concatenate([row["labels"] for row in rows])))
+        arrays.append(list_array(token_offsets, np.concatenate([row["labels"] for row in rows])))
     file.parent.mkdir(parents=True, exist_ok=True)
     # Written whole under a name of its own, then renamed: a reader (another rank) never maps a part.
     partial = file.with_name(f".{file.name}.{os.getpid()}-{threading.get_ident()}.partial")

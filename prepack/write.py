@@ -215,7 +215,8 @@ def _cu_seqlens(lengths: np.ndarray, pack_offsets: np.ndarray, out: np.ndarray) 
         at += 1
 
 
-def _list(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
+def list_array(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
+    """An Arrow list column: row i holds values[offsets[i]:offsets[i + 1]]."""
     return pa.ListArray.from_arrays(arrow_array(offsets.astype(np.int32)), arrow_array(values))
 
 
@@ -228,10 +229,10 @@ def _pack_columns(layout: ShardPacks, lengths: np.ndarray, schema: pa.Schema) ->
     _cu_seqlens(lengths, layout.pack_offsets, cu)
     max_seqlen = np.maximum.reduceat(lengths, layout.pack_offsets[:-1]).astype(np.int32)
     return [
-        _list(cu_offsets, cu),
+        list_array(cu_offsets, cu),
         arrow_array(max_seqlen),
-        _list(layout.pack_offsets, layout.rows.astype(schema.field("source_rows").type.value_type.to_pandas_dtype())),
-        _list(layout.pack_offsets, layout.pieces.astype(np.int32, copy=False)),
+        list_array(layout.pack_offsets, layout.rows.astype(schema.field("source_rows").type.value_type.to_pandas_dtype())),
+        list_array(layout.pack_offsets, layout.pieces.astype(np.int32, copy=False)),
     ]
 
 
@@ -273,11 +274,11 @@ def _full_batch(
     segment_ids = buffers.column("segment_ids", total, segment_id_type(layout.max_len).to_pandas_dtype())
     _segment_ids(lengths, layout.pack_offsets, segment_ids)
     schema = shard_schema(labels is not None, layout.max_len)
-    columns = [_list(pack_token_offsets, ids), _list(pack_token_offsets, segment_ids), *_pack_columns(layout, lengths, schema)]
+    columns = [list_array(pack_token_offsets, ids), list_array(pack_token_offsets, segment_ids), *_pack_columns(layout, lengths, schema)]
     if labels is not None:
         label_values = buffers.column("labels", total)
         gather_tokens(labels, layout.starts, lengths, label_values)
-        columns.append(_list(pack_token_offsets, label_values))
+        columns.append(list_array(pack_token_offsets, label_values))
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
