@@ -17,13 +17,17 @@
 #          finishes)                                                           -> $OUT/bench/results.jsonl, results.md
 # The script's own log is $OUT/session.log; it exits 0 when every part ran, else the first failing part's code.
 # BENCH_ARGS replaces the benchmark's arguments (e.g. "--cpu-smoke" to try the whole script on a CPU);
-# PYTHON picks the interpreter (default python3).
+# TESTS_LIMIT and BENCH_LIMIT replace the two parts' limits in seconds, PYTEST_ARGS adds to pytest's
+# arguments (e.g. -k to leave cases out when the lease is short); PYTHON picks the interpreter (default python3).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-session-out}
 SITE=${SITE:-/tmp/site}
 PYTHON=${PYTHON:-python3}
 BENCH_ARGS=${BENCH_ARGS:---warmup 2 --steps 8 --budget-s 120}
+TESTS_LIMIT=${TESTS_LIMIT:-180}
+BENCH_LIMIT=${BENCH_LIMIT:-180}
+PYTEST_ARGS=${PYTEST_ARGS:-}
 mkdir -p "$OUT/bench"
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -89,19 +93,20 @@ print("flash_attention_4 usable:", is_flash_attn_4_available())
     return "${PIPESTATUS[0]}"
 }
 gpu_tests() {
-    py 180 -m pytest -m gpu tests/test_gpu_*.py -p no:cacheprovider -rA -o addopts="" --junitxml="$OUT/pytest-junit.xml" \
+    # shellcheck disable=SC2086 (PYTEST_ARGS is a list of arguments)
+    py "$TESTS_LIMIT" -m pytest -m gpu tests/test_gpu_*.py $PYTEST_ARGS -p no:cacheprovider -rA -o addopts="" --junitxml="$OUT/pytest-junit.xml" \
         2>&1 | tee "$OUT/pytest.txt"
     return "${PIPESTATUS[0]}"
 }
 bench() {
     # shellcheck disable=SC2086 (BENCH_ARGS is a list of arguments)
-    py 180 benchmarks/bench_gpu_train.py --out "$OUT/bench" $BENCH_ARGS 2>&1 | tee "$OUT/bench/bench.txt"
+    py "$BENCH_LIMIT" benchmarks/bench_gpu_train.py --out "$OUT/bench" $BENCH_ARGS 2>&1 | tee "$OUT/bench/bench.txt"
     return "${PIPESTATUS[0]}"
 }
 
 log "gpu session: OUT=$OUT SITE=$SITE PYTHON=$PYTHON BENCH_ARGS=$BENCH_ARGS"
 part probe 30 probe
-part gpu-tests 180 gpu_tests
-part benchmark 180 bench
+part gpu-tests "$TESTS_LIMIT" gpu_tests
+part benchmark "$BENCH_LIMIT" bench
 log "gpu session: done in $SECONDS s, status $status"
 exit "$status"
