@@ -25,6 +25,7 @@ from prepack.errors import FormatError, InputError
 from prepack.format import MANIFEST_NAME, Manifest, ipc_body_compressed, open_regular
 from prepack.plan import untrained_documents
 from prepack.read import Corpus, DocumentBatch
+from prepack.remote import join
 from prepack.store_format import (
     STORE_MANIFEST_NAME,
     StoreManifest,
@@ -36,7 +37,7 @@ from prepack.store_format import (
     store_error,
 )
 
-__all__ = ["ShardColumns", "Store", "check_build_store", "is_store", "open_build_store", "open_store"]
+__all__ = ["ShardColumns", "Store", "check_build_store", "is_store", "open_build_store", "open_store", "store_location"]
 
 ShardColumns = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # `Store.shard_columns`: offsets, ids, labels
 
@@ -211,6 +212,19 @@ def open_build_store(build: str | os.PathLike, manifest: Manifest, store: str | 
             "the store is now (PackedDataset(build, store=...), prepack verify --store)."
         )
     return check_build_store(open_store(root), build, manifest)
+
+
+def store_location(build: str, manifest: Manifest) -> str:
+    """The URI of the store of the index build at the URI `build`: its `store.path` (which
+    `read_manifest` held to '../' and a path without '..') joined to the build's prefix. Refused
+    (FormatError) for a build at a bucket's root, whose parent would be another bucket."""
+    scheme, path = build.rstrip("/").split("://", 1)
+    if "/" not in path:
+        raise FormatError(
+            f"{build}/{MANIFEST_NAME}: an index build at a bucket's root has no parent prefix to hold its store "
+            f"({manifest.store.path!r} would name another bucket)."
+        )
+    return join(build, manifest.store.path)
 
 
 def check_build_store(store: Store, build: str | os.PathLike, manifest: Manifest) -> Store:

@@ -166,3 +166,15 @@ def test_a_store_shard_swapped_after_open_is_refused_not_hung(pair, swap):
     with pytest.raises(FormatError, match="documents-00000.arrow"):
         for i in range(len(dataset)):
             dataset[i]
+
+
+def test_an_index_build_at_a_buckets_root_names_no_store_in_another_bucket(pair):
+    from prepack.format import read_manifest
+    from prepack.store_read import store_location
+
+    index, _ = pair
+    _edit(index, lambda raw: raw["store"].update(path="../other-bucket/store"))
+    manifest = read_manifest(index)  # a valid path: beside a build that has a parent prefix
+    assert store_location("s3://bucket/builds/index", manifest) == "s3://bucket/builds/other-bucket/store"
+    with pytest.raises(FormatError, match="bucket's root"):
+        store_location("s3://bucket", manifest)
