@@ -23,8 +23,10 @@ What is checked, in this order (each problem names the file, row and column it w
    manifest's empty, truncated, dropped and (with drop_untrained) untrained counts, and the corpus
    files its `inputs`.
 
-An index build (`Manifest.store`) is checked the same way, its packs' tokens read from its store:
-its store must be there with the manifest's fingerprint (`open_build_store`), every store shard must
+An index build (`Manifest.store`) is checked the same way, its packs' tokens read from its store
+(the one its manifest names inside the build's parent directory, or the caller's `store`): its
+manifest's `store.fingerprint` must be its `fingerprint` and every index shard's
+`prepack.store_fingerprint` (step 1 and 3), its store must be there with that fingerprint (`open_build_store`), every store shard must
 have its store manifest's sha256 and sound contents, as the loader checks them, and the store's
 documents that fingerprint (step 2b); every (document, piece, length) of a pack must lie inside its
 store document. Without `source` its packs are then held to the store's documents as step 5 holds a
