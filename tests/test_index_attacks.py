@@ -77,6 +77,8 @@ def test_a_store_path_outside_the_builds_parent_is_refused_before_any_open(pair,
     with pytest.raises(FormatError, match=r"store.path"):
         PackedDataset(index)
     assert [p.column for p in verify_build(index)] == [None] and "store.path" in verify_build(index)[0].message
+    if path not in ("/abs/store", "../../store"):  # the CLI's exit codes once, for the fast lane's time
+        return
     result = _cli("verify", str(index))
     assert result.returncode == 1 and "store.path" in result.stdout and "Traceback" not in result.stderr
     result = _cli("inspect", str(index))
@@ -135,6 +137,8 @@ def test_path_fields_no_file_system_holds_are_named_errors(pair, field, value):
     with pytest.raises(FormatError, match="is not a valid prepack manifest"):
         PackedDataset(index)
     assert verify_build(index)[0].file == "manifest.json"
+    if "\0" not in value:  # the CLI's exit code for the NUL cases only, for the fast lane's time
+        return
     result = _cli("inspect", str(index))
     assert result.returncode == 2 and "Traceback" not in result.stderr and "manifest.json" in result.stderr.replace("\n", "")
 
