@@ -31,12 +31,14 @@ from prepack.format import (
     MANIFEST_NAME,
     BuildOptions,
     Fingerprint,
+    IndexOf,
     InputFile,
     Manifest,
     ShardInfo,
     StoreReference,
     Totals,
     segment_id_type,
+    store_path_problem,
     write_manifest,
 )
 from prepack.output import Staging, output_errors, output_file, staged_directory
@@ -171,9 +173,9 @@ def _write_shards(
     has_labels: bool,
     shard_size: int,
     progress: Progress,
-    store_documents: int | None = None,
+    store: IndexOf | None = None,
 ) -> list[ShardInfo]:
-    index_only = store_documents is not None
+    index_only = store is not None
     bounds, largest_shard = pack_shard_bounds(plan, has_labels, shard_size, index_only)
     idle_buffers: queue.SimpleQueue[ShardBuffers] = queue.SimpleQueue()
     for _ in range(_SHARD_WRITERS):
@@ -184,7 +186,7 @@ def _write_shards(
     def write(index: int, first: int, end: int) -> ShardInfo:
         buffers = idle_buffers.get()  # never waits: no more tasks than buffers run at once
         try:
-            return write_shard(staging, index, plan.slice(first, end), tokens, labels, buffers, store_documents)
+            return write_shard(staging, index, plan.slice(first, end), tokens, labels, buffers, store)
         finally:
             idle_buffers.put(buffers)
 
@@ -200,13 +202,22 @@ def _write_shards(
     return [shard.result() for shard in shards]
 
 
-def _store_reference(store: str | os.PathLike, out: str | os.PathLike, fingerprint: str) -> StoreReference:
+def _store_path(store: str | os.PathLike, out: str | os.PathLike) -> str:
     """How an index build at `out` names its store: relative to `out`, so that moving both together
-    keeps the build readable."""
+    keeps the build readable. Refused (InputError), before anything is read or written, unless readers
+    accept it (`StoreReference.path`): the store must lie in the build's parent directory (prefix)."""
     if is_uri(store) or is_uri(out):
-        return StoreReference(path=relative_location(str(store), str(out)), fingerprint=fingerprint)
-    relative = os.path.relpath(os.path.realpath(store), os.path.realpath(out))
-    return StoreReference(path=Path(relative).as_posix(), fingerprint=fingerprint)
+        relative = relative_location(str(store), str(out))
+    else:
+        relative = Path(os.path.relpath(os.path.realpath(store), os.path.realpath(out))).as_posix()
+    if (problem := store_path_problem(relative)) is not None:
+        raise InputError(
+            f"{out}: an index build must lie beside its store, in the directory (or prefix) that holds "
+            f"{store}, as readers refuse a store elsewhere; its path from the build would be {relative!r}, which "
+            f"{problem}. Choose --out in that directory (a store that moves later is named at load time: "
+            "PackedDataset(build, store=...), prepack verify --store)."
+        )
+    return relative
 
 
 ENGINES = ("local", "ray")
@@ -336,8 +347,7 @@ def build(
                 f"{corpus}: --index-only packs a document store, and this is a corpus: make one with "
                 f"`prepack tokenize {corpus} --out STORE`, then `prepack build STORE --index-only`."
             )
-        if index_only and (is_uri(corpus) or is_uri(out)):
-            relative_location(str(corpus), str(out))  # refuses a store and a build that cannot name it
+        store_path = _store_path(corpus, out) if index_only else None  # refuses a store the build cannot name
         documents = open_documents(source.spec, reading, out, bar, source.location)
         found, has_labels, batches, read_column = (
             documents.corpus, documents.has_labels, documents.batches, documents.column
@@ -382,9 +392,8 @@ def build(
                     f"{plan.counts['untrained']:,} have no trained token (--drop-untrained)."
                 )
             if session is None:
-                shards = _write_shards(
-                    plan, staging.build, staging.scratch, has_labels, shard_size, bar, len(stored.lengths) if index_only else None
-                )
+                index_of = IndexOf(len(stored.lengths), stored.fingerprint) if index_only else None
+                shards = _write_shards(plan, staging.build, staging.scratch, has_labels, shard_size, bar, index_of)
             else:
                 shards = session.write_pack_shards(plan, read, shard_size, bar)
             manifest = Manifest(
@@ -401,7 +410,7 @@ def build(
                 ],
                 totals=Totals(**plan.totals(), documents=len(stored.lengths)),
                 shards=shards,
-                store=_store_reference(corpus, out, stored.fingerprint) if index_only else None,
+                store=StoreReference(path=store_path, fingerprint=stored.fingerprint) if index_only else None,
             )
             with output_errors(staging.build / MANIFEST_NAME):
                 write_manifest(staging.build, manifest)

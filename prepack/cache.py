@@ -28,9 +28,9 @@ from pathlib import Path
 from prepack.errors import InputError
 from prepack.format import STORE_MANIFEST_NAME, Manifest, ShardInfo, format_error, shard_sha256
 from prepack.output import output_errors
-from prepack.remote import filesystem, join, read_output_manifest
+from prepack.remote import filesystem, read_output_manifest
 from prepack.store_format import StoreShard
-from prepack.store_read import Store, check_build_store
+from prepack.store_read import Store, check_build_store, store_location
 
 __all__ = ["ShardCache", "build_cache"]
 
@@ -63,7 +63,7 @@ class ShardCache:
         """The document store of this index build, its manifest read from object storage (the build
         names it relative to itself) and checked as `open_build_store` does; its shards are fetched
         into the cache as the build's are, when a pack first needs them."""
-        location = join(self.uri, self.manifest.store.path)
+        location = store_location(self.uri, self.manifest)
         manifest = read_output_manifest(location, STORE_MANIFEST_NAME)
         return check_build_store(_CachedStore(self.directory, manifest, location, self), self.uri, self.manifest)
 

@@ -331,6 +331,7 @@ def verify_command(
     chat_template: Annotated[Path | None, typer.Option("--chat-template", help="With --source: the chat template file the build was given, if any.")] = None,
     all_problems: Annotated[bool, typer.Option("--all", help="Report every problem, not only the first.")] = False,
     cache_dir: _CacheDirOption = None,
+    store: Annotated[Path | None, typer.Option("--store", help="An index build's store, where it lies now if it moved (a local directory).")] = None,
 ) -> None:
     """Check shards against the manifest and the format (and every token against --source).
     Exit 0: sound; 1: problems found (printed); 2: not a build, or an unreadable --source."""
@@ -338,7 +339,8 @@ def verify_command(
 
     try:
         problems = verify_build(
-            path, source, tokenizer=tokenizer, chat_template=chat_template, all_problems=all_problems, cache_dir=cache_dir
+            path, source, tokenizer=tokenizer, chat_template=chat_template, all_problems=all_problems,
+            cache_dir=cache_dir, store=store,
         )
     except PrepackError as exc:
         _fail(exc)

@@ -16,11 +16,12 @@ import stat
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal, NamedTuple, NoReturn
+from collections.abc import Callable
+from typing import Annotated, Literal, NamedTuple, NoReturn
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from prepack.errors import FormatError, OutputError
 
@@ -29,11 +30,13 @@ __all__ = [
     "IGNORE_INDEX",
     "MANIFEST_NAME",
     "MANIFEST_MAX_BYTES",
+    "SHARD_STORE_KEY",
     "SHARD_VERSION_KEY",
     "STORE_MANIFEST_NAME",
     "BuildOptions",
     "Fingerprint",
     "FormatProblem",
+    "IndexOf",
     "InputFile",
     "Manifest",
     "PackLayout",
@@ -52,6 +55,7 @@ __all__ = [
     "list_column",
     "numpy_view",
     "load_manifest_json",
+    "open_regular",
     "open_shard",
     "pack_layout",
     "read_manifest",
@@ -61,6 +65,7 @@ __all__ = [
     "shard_path",
     "shard_schema",
     "shard_sha256",
+    "store_path_problem",
     "write_manifest",
 ]
 
@@ -71,6 +76,9 @@ MANIFEST_NAME = "manifest.json"
 STORE_MANIFEST_NAME = "store.json"
 SHARD_VERSION_KEY = "prepack.format_version"  # schema metadata of every shard: marks it as prepack's
 SHARD_KIND_KEY = "prepack.shard_kind"  # schema metadata of an index shard only: its value is "index"
+# Schema metadata of an index shard only: the fingerprint of the store it was planned from, so that the
+# shards (and their sha256) bind the build to that store, whatever its manifest's `store` says.
+SHARD_STORE_KEY = "prepack.store_fingerprint"
 IGNORE_INDEX = -100  # label value that is not trained on (the PyTorch / HF convention)
 # Readers refuse a bigger manifest before parsing it. A shard entry takes ~200 bytes of indented JSON
 # and an input ~80, so 64 MiB lists some 300,000 of them: a 64 MiB-shard build of 20 TB.
@@ -96,15 +104,22 @@ def _pack_fields(source_row: pa.DataType) -> list[pa.Field]:
     ]
 
 
-def shard_schema(has_labels: bool, max_len: int, store_documents: int | None = None) -> pa.Schema:
+class IndexOf(NamedTuple):
+    """The store an index shard points into: its document count and fingerprint (`Manifest.index_of`)."""
+
+    documents: int
+    fingerprint: str
+
+
+def shard_schema(has_labels: bool, max_len: int, store: IndexOf | None = None) -> pa.Schema:
     """The Arrow schema of every shard of a build; `labels` only when the corpus had them.
 
-    With `store_documents` (the store's document count), an index shard's: the per-pack columns
-    alone, its tokens staying in the store. Its `source_rows` are uint32 while the store's document
+    With `store`, an index shard's: the per-pack columns alone, its tokens staying in that store,
+    whose fingerprint its metadata carries. Its `source_rows` are uint32 while the store's document
     numbers fit, which keeps an index build near 12 bytes a document (int64 above)."""
-    if store_documents is not None:
-        source_row = pa.uint32() if store_documents <= np.iinfo(np.uint32).max + 1 else pa.int64()
-        metadata = {SHARD_VERSION_KEY: str(FORMAT_VERSION), SHARD_KIND_KEY: "index"}
+    if store is not None:
+        source_row = pa.uint32() if store.documents <= np.iinfo(np.uint32).max + 1 else pa.int64()
+        metadata = {SHARD_VERSION_KEY: str(FORMAT_VERSION), SHARD_KIND_KEY: "index", SHARD_STORE_KEY: store.fingerprint}
         return pa.schema(_pack_fields(source_row), metadata=metadata)
     fields = [
         pa.field("input_ids", pa.list_(_TOKEN), nullable=False),
@@ -160,8 +175,51 @@ class BuildOptions(_Model):
     )
 
 
+_PATH_MAX, _NAME_MAX = 4096, 255  # bytes of a path and of each of its parts (Linux's PATH_MAX, NAME_MAX)
+
+
+def _relative_path_problem(path: str) -> str | None:
+    """What keeps `path` from being a relative '/'-separated path that every file system holds: None
+    when it is one. Checked by the manifests' models, so that a reader refuses it by name before
+    `open` or `stat` raise on it (an embedded NUL, a name too long)."""
+    encoded = path.encode("utf-8", "surrogatepass")
+    if not path or path.startswith("/") or len(encoded) > _PATH_MAX:
+        return f"is not a relative path of 1 to {_PATH_MAX} bytes"
+    if "\0" in path:
+        return "holds a NUL character"
+    for part in path.split("/"):
+        if part in ("", ".", "..") or len(part.encode("utf-8", "surrogatepass")) > _NAME_MAX:
+            return f"has a part that is empty, '.', '..' or longer than {_NAME_MAX} bytes"
+    return None
+
+
+def store_path_problem(path: str) -> str | None:
+    """What keeps `path` from naming an index build's store, relative to the build: None when it is
+    `../` and then one or more parts, none '..' (`_relative_path_problem` for the rest): a store inside
+    the build's parent directory (prefix), so that a manifest never takes a reader elsewhere on the
+    machine or into another bucket."""
+    if not path.startswith("../"):
+        return "does not start with '../': the store must lie in the build's parent directory"
+    if ".." in path[3:].split("/"):
+        return "climbs out of the build's parent directory: the store must lie in it"
+    return _relative_path_problem(path[3:])
+
+
+def _valid(problem: Callable[[str], str | None]) -> AfterValidator:
+    """A field validator refusing the values for which `problem` says what is wrong."""
+
+    def check(value: str) -> str:
+        if (found := problem(value)) is not None:
+            raise ValueError(f"{reprlib.repr(value)} {found}")
+        return value
+
+    return AfterValidator(check)
+
+
 class InputFile(_Model):
-    path: str = Field(description="Path relative to the corpus root, '/'-separated.")
+    path: Annotated[str, _valid(_relative_path_problem)] = Field(
+        description="Path relative to the corpus root, '/'-separated, no empty, '.' or '..' part."
+    )
     rows: int = Field(ge=0, le=_COUNT_MAX)
 
 
@@ -230,7 +288,10 @@ class ShardInfo(_Model):
 class StoreReference(_Model):
     """The document store an index build takes its tokens from."""
 
-    path: str = Field(description="The store's directory, relative to the build's ('/'-separated).")
+    path: Annotated[str, _valid(store_path_problem)] = Field(
+        description="The store's directory, relative to the build's ('/'-separated): '../' and a path "
+        "without '..', inside the build's parent directory."
+    )
     fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$", description="The store's fingerprint: readers refuse another.")
 
 
@@ -255,10 +316,10 @@ class Manifest(_Model):
     )
 
     @property
-    def store_documents(self) -> int | None:
+    def index_of(self) -> IndexOf | None:
         """What `shard_schema` and `open_shard` take to describe this build's shards: for an index
-        build the store's document count (the build's `totals.documents`), else None."""
-        return None if self.store is None else self.totals.documents
+        build its store's document count (the build's `totals.documents`) and fingerprint, else None."""
+        return None if self.store is None else IndexOf(self.totals.documents, self.store.fingerprint)
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
@@ -307,10 +368,11 @@ def _fail(file: str | os.PathLike, message: str, row: int | None = None, column:
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def _open_regular(path: Path) -> int:
+def open_regular(path: Path) -> int:
     """A read-only descriptor of `path`, refused unless it is a regular file: a symbolic link is not
     followed, and a FIFO or device is opened without blocking and then refused, so that a file planted
-    in a build (`/dev/zero`, a pipe) can neither hang a reader nor feed it. FileNotFoundError passes."""
+    in a build or a store (`/dev/zero`, a pipe) can neither hang a reader nor feed it. Every file of a
+    build or store is opened through here. FileNotFoundError passes."""
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
@@ -356,7 +418,7 @@ def load_manifest_json(path: Path) -> object:
     """The JSON value of a manifest file, read strictly: a regular file of at most MANIFEST_MAX_BYTES,
     UTF-8, no NaN or Infinity, no repeated key, no integer of more than _MAX_DIGITS digits, nesting
     bounded by the parser's recursion. Raises FileNotFoundError when it is missing, else FormatError."""
-    fd = _open_regular(path)
+    fd = open_regular(path)
     try:
         with os.fdopen(fd, "rb") as file:
             data = file.read(MANIFEST_MAX_BYTES + 1)
@@ -457,7 +519,7 @@ def shard_file_problems(directory: Path, manifest: Manifest) -> Iterator[ShardFi
 def shard_sha256(path: Path) -> str:
     """The hex sha256 of a shard file (what `ShardInfo.sha256` records), read in 4 MiB chunks."""
     try:
-        fd = _open_regular(path)
+        fd = open_regular(path)
     except FileNotFoundError:
         _fail(path, "the shard is missing.")
     digest = hashlib.sha256()
@@ -468,7 +530,7 @@ def shard_sha256(path: Path) -> str:
 
 
 def open_shard(
-    path: Path, has_labels: bool, max_len: int, store_documents: int | None = None, *, where: str | None = None
+    path: Path, has_labels: bool, max_len: int, store: IndexOf | None = None, *, where: str | None = None
 ) -> pa.RecordBatch:
     """Memory-map one shard (zero-copy) and check its structure: a regular file holding an Arrow IPC
     stream of the format's schema (metadata included) and one uncompressed record batch, whose buffers
@@ -477,7 +539,7 @@ def open_shard(
     the shard's URI when `path` is a cached copy, `prepack.cache`)."""
     where = str(path) if where is None else where
     try:
-        fd = _open_regular(path)
+        fd = open_regular(path)
     except FileNotFoundError:
         _fail(path, "the shard is missing.")
     try:
@@ -489,9 +551,17 @@ def open_shard(
     try:
         messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(pa.py_buffer(mapped)))
         schema = pa.ipc.read_schema(_next_message(messages, where, "schema"))
-        expected = shard_schema(has_labels, max_len, store_documents)
+        expected = shard_schema(has_labels, max_len, store)
+        planned = (schema.metadata or {}).get(SHARD_STORE_KEY.encode())
+        if store is not None and planned is not None and planned != store.fingerprint.encode():
+            _fail(
+                where,
+                f"this index shard was planned from the store with fingerprint {planned.decode(errors='replace')!r}, "
+                f"but the manifest names a store with fingerprint {store.fingerprint}: the build's store was "
+                "changed; build the index again from the store it should read.",
+            )
         if not schema.equals(expected, check_metadata=True):
-            kind = f"an index shard of {store_documents} documents" if store_documents is not None else f"{'with' if has_labels else 'without'} labels and max_len {max_len}"
+            kind = f"an index shard of {store.documents} documents" if store is not None else f"{'with' if has_labels else 'without'} labels and max_len {max_len}"
             _fail(
                 where,
                 f"the schema is\n{schema}\n(metadata {schema.metadata}) but format version {FORMAT_VERSION} "

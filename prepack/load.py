@@ -29,7 +29,7 @@ import pyarrow as pa
 from numba.typed import List as TypedList
 
 from prepack.cache import ShardCache
-from prepack.errors import FormatError, optional_imports
+from prepack.errors import FormatError, InputError, optional_imports
 from prepack.format import (
     FORMAT_VERSION,
     Manifest,
@@ -79,7 +79,8 @@ class PackedDataset(Dataset):
     `cache_dir` on first use and checked against the manifest's sha256 before it is mapped; processes
     sharing `cache_dir` download it once (`prepack.cache`).
 
-    On an index build the store is opened now (`open_build_store`) and each of its shards is checked
+    On an index build the store is opened now (`open_build_store`): the one its manifest names, inside
+    the build's parent directory, or `store`, a local directory, for a store that moved since; and each of its shards is checked
     in full (sha256, contents) when a pack first needs it; a row's input_ids, labels and segment_ids
     are new arrays, gathered by one kernel call per pack, which checks every document's (row, piece)
     against the store's document and, `validate` or not, every index value it reads before using it.
@@ -92,6 +93,7 @@ class PackedDataset(Dataset):
         validate: bool = True,
         verify_checksums: bool = False,
         cache_dir: str | os.PathLike | None = None,
+        store: str | os.PathLike | None = None,
     ):
         # A build in object storage (a URI): its shards are downloaded into `cache_dir` on first use,
         # size and sha256 checked, then served as a local build's (`prepack.cache`).
@@ -105,8 +107,11 @@ class PackedDataset(Dataset):
         self._row_ends = np.cumsum([shard.rows for shard in self.manifest.shards], dtype=np.int64)
         self._open: dict[int, dict[str, _ListColumn]] = {}
         self.store: Store | None = None
+        if self.manifest.store is None and store is not None:
+            raise InputError(f"{path} is a full build; it reads no store (leave out store=).")
         if self.manifest.store is not None:
-            self.store = open_build_store(self.path, self.manifest) if self.cache is None else self.cache.store()
+            local = self.cache is None or store is not None
+            self.store = open_build_store(self.path, self.manifest, store) if local else self.cache.store()
         if self.store is not None:
             self._store_ends = np.cumsum([s.documents for s in self.store.manifest.shards], dtype=np.int64)
             self._store_tokens: _StoreTokens | None = None  # made on the first gather, in each worker
@@ -223,7 +228,7 @@ class PackedDataset(Dataset):
             raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
         index_only = self.store is not None
         m = self.manifest
-        batch = open_shard(path, m.has_labels, m.options.max_len, m.store_documents, where=where)
+        batch = open_shard(path, m.has_labels, m.options.max_len, m.index_of, where=where)
         if self.validate:
             if batch.num_rows != info.rows:
                 raise FormatError(f"{where}: {batch.num_rows} rows, but the manifest says {info.rows}.")
@@ -341,6 +346,7 @@ def open_hf_dataset(
     validate: bool = True,
     verify_checksums: bool = False,
     cache_dir: str | os.PathLike | None = None,
+    store: str | os.PathLike | None = None,
 ):
     """The build as one Hugging Face `datasets.Dataset` (numpy format) for trainers that only take those,
     such as TRL's `SFTTrainer`. Every shard is checked first, as `PackedDataset` would (with
@@ -366,7 +372,7 @@ def open_hf_dataset(
     with optional_imports("open_hf_dataset"):
         from datasets import Dataset as HFDataset, DatasetInfo, concatenate_datasets
 
-    packed = PackedDataset(path, validate=validate, verify_checksums=verify_checksums, cache_dir=cache_dir)
+    packed = PackedDataset(path, validate=validate, verify_checksums=verify_checksums, cache_dir=cache_dir, store=store)
     packed.check_all()
     columns = [*_ROW_COLUMNS, *(["labels"] if packed.manifest.has_labels else [])]
     files = packed.shard_paths if packed.store is None else _gathered_shards(packed, _rows_directory(cache_dir))

@@ -25,11 +25,13 @@ first-fit-decreasing ("ffd")
 best-fit-decreasing ("bfd")
     Each segment goes into the pack with the least remaining capacity that still fits it, ties
     to the lowest-numbered pack, else into a new pack. Open packs are bucketed by remaining
-    capacity: a min segment tree over capacities 0..max_len finds the smallest non-empty bucket
+    capacity: a min segment tree over the capacities a pack can have left finds the smallest non-empty bucket
     >= length, and each bucket is a pairing heap of pack numbers whose root is the lowest one.
 
 Packs are numbered 0, 1, ... in the order they are opened. The whole plan is O(n log packs) time
-(the counting is O(n + max_len)) and O(n + max_len) memory; max_len is a context length, so small.
+(the counting is O(n + L)) and O(n + L) memory, with L the longest segment: the histogram and bfd's
+capacity buckets follow the documents, never max_len (`--max-len 2147483647` plans in the memory of
+`--max-len 8192`).
 """
 
 from __future__ import annotations
@@ -131,21 +133,22 @@ def assign_packs(lengths: np.ndarray, max_len: int, algorithm: str = "ffd") -> n
         return np.empty(0, np.int32)
     if lengths.min() < 1 or lengths.max() > max_len:
         raise ValueError(f"every length must be in [1, {max_len}], got [{lengths.min()}, {lengths.max()}]")
-    histogram = np.bincount(lengths, minlength=max_len + 1)
+    histogram = np.bincount(lengths)  # as long as the longest document, never max_len
     pack_of_sorted, _ = _assign_sorted(histogram, max_len, algorithm)
     return _unsort(lengths, histogram, pack_of_sorted)
 
 
 def _assign_sorted(histogram: np.ndarray, max_len: int, algorithm: str) -> tuple[np.ndarray, int]:
     """Pack number (int32) of every segment in the planner's order, longest first, and the pack count,
-    from the histogram of segment lengths (`histogram[x]` segments of x tokens, x in 1..max_len)."""
+    from the histogram of segment lengths (`histogram[x]` segments of x tokens, x in 1..len(histogram) - 1,
+    the longest segment, at most max_len)."""
     segments = int(histogram.sum())
-    tokens = int(np.dot(histogram, np.arange(max_len + 1, dtype=np.int64)))
+    tokens = int(np.dot(histogram, np.arange(len(histogram), dtype=np.int64)))
     # Any-fit algorithms leave no two packs that together fit in one (the later one's first
     # segment did not fit in the earlier), so at most 2*ceil(total/max_len) - 1 packs open.
     max_packs = min(segments, 2 * -(-tokens // max_len) + 1)
     kernel = _ffd if algorithm == "ffd" else _bfd
-    pack_of_sorted, packs = kernel(histogram, max_len, max_packs)
+    pack_of_sorted, packs = kernel(histogram, max_len, max_packs, tokens)
     return pack_of_sorted, int(packs)
 
 
@@ -175,7 +178,7 @@ def _unsort(lengths, histogram, pack_of_sorted):
 
 
 @numba.njit(cache=True)
-def _ffd(histogram, max_len, max_packs):
+def _ffd(histogram, max_len, max_packs, tokens):
     size = 1
     while size < max_packs:
         size *= 2
@@ -184,7 +187,7 @@ def _ffd(histogram, max_len, max_packs):
     tree = np.full(2 * size, max_len, np.int32)
     out = np.empty(histogram.sum(), np.int32)
     at, packs = 0, 0
-    for need in range(max_len, 0, -1):
+    for need in range(len(histogram) - 1, 0, -1):
         node = 1
         for repeat in range(histogram[need]):
             if repeat > 0:
@@ -276,26 +279,31 @@ def _pop(root, child, sibling, stack):
 
 
 @numba.njit(cache=True)
-def _bfd(histogram, max_len, max_packs):
+def _bfd(histogram, max_len, max_packs, tokens):
+    # A pack holds at most `fill` = min(max_len, tokens) tokens, so its remaining capacity lies in
+    # [max_len - fill, max_len]: the buckets are that range, numbered from `base`, so that memory follows
+    # the corpus and not max_len (2**31 - 1 would take gigabytes).
+    fill = min(max_len, tokens)
+    base = max_len - fill
     size = 1
-    while size <= max_len:
+    while size <= fill:
         size *= 2
-    none = max_len + 1
-    # Leaf c of the min tree is c while some open pack has exactly c tokens left, else `none`.
+    none = fill + 1
+    # Leaf c of the min tree is c while some open pack has exactly base + c tokens left, else `none`.
     tree = np.full(2 * size, none, np.int32)
-    heap = np.full(max_len + 1, -1, np.int32)  # root (lowest pack number) of bucket c's heap
+    heap = np.full(fill + 1, -1, np.int32)  # root (lowest pack number) of bucket c's heap
     child = np.full(max_packs, -1, np.int32)
     sibling = np.full(max_packs, -1, np.int32)
     stack = np.empty(max_packs, np.int32)
     out = np.empty(histogram.sum(), np.int32)
     at, packs = 0, 0
-    for need in range(max_len, 0, -1):
+    for need in range(len(histogram) - 1, 0, -1):
         for _ in range(histogram[need]):
-            left = _min_from(tree, size, need)
+            left = _min_from(tree, size, max(need - base, 0))
             if left == none:
                 pack = packs
                 packs += 1
-                left = max_len
+                left = fill
             else:
                 pack = heap[left]
                 heap[left] = _pop(pack, child, sibling, stack)
@@ -304,7 +312,7 @@ def _bfd(histogram, max_len, max_packs):
             out[at] = pack
             at += 1
             left -= need
-            if left > 0:  # a full pack can never be chosen again, so it leaves the structure
+            if base + left > 0:  # a full pack can never be chosen again, so it leaves the structure
                 child[pack] = -1
                 if heap[left] < 0:
                     heap[left] = pack
@@ -329,8 +337,12 @@ def _pieces_of(length, max_len, overflow, left_out):
 
 @numba.njit(cache=True)
 def _tally(lengths, untrained, drop_untrained, max_len, overflow):
-    """One pass over the documents: the histogram of segment lengths and the `_COUNTS`."""
-    histogram = np.zeros(max_len + 1, np.int64)
+    """One pass over the documents: the histogram of segment lengths (as long as the longest segment,
+    never max_len) and the `_COUNTS`."""
+    longest = 0
+    for i in range(len(lengths)):
+        longest = max(longest, np.int64(lengths[i]))
+    histogram = np.zeros(min(longest, max_len) + 1, np.int64)
     counts = np.zeros(_COUNT_FIELDS, np.int64)
     for i in range(len(lengths)):
         length = np.int64(lengths[i])

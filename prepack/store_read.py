@@ -11,6 +11,7 @@ flags (`Store.shard_lengths`): the offsets are checked, no shard is hashed and n
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import struct
 from collections.abc import Iterator, Sequence
@@ -20,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from prepack.errors import FormatError
-from prepack.format import MANIFEST_NAME, Manifest, ipc_body_compressed, numpy_view
+from prepack.errors import FormatError, InputError
+from prepack.format import MANIFEST_NAME, Manifest, ipc_body_compressed, numpy_view, open_regular
 from prepack.plan import untrained_documents
 from prepack.read import Corpus, DocumentBatch
+from prepack.remote import join
 from prepack.store_format import (
     STORE_MANIFEST_NAME,
     StoreManifest,
@@ -35,7 +37,7 @@ from prepack.store_format import (
     store_error,
 )
 
-__all__ = ["ShardColumns", "Store", "check_build_store", "is_store", "open_build_store", "open_store"]
+__all__ = ["ShardColumns", "Store", "check_build_store", "is_store", "open_build_store", "open_store", "store_location"]
 
 ShardColumns = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # `Store.shard_columns`: offsets, ids, labels
 
@@ -161,12 +163,21 @@ def _next_message(messages: pa.ipc.MessageReader, where: str, kind: str) -> pa.i
 
 
 def _map(path: Path) -> pa.Buffer:
-    """A store shard's bytes, memory-mapped (`open_store` checked that it is a regular file)."""
+    """A store shard's bytes, memory-mapped. Opened by `open_regular`: the file `open_store` found
+    regular may since have been swapped for a FIFO, a directory or a device, which must not hang or
+    feed a reader."""
     try:
-        with pa.memory_map(str(path)) as source:
-            return source.read_buffer()
-    except (OSError, pa.ArrowException) as exc:
-        raise store_error(path, f"cannot be read ({exc}).") from None
+        fd = open_regular(path)
+    except FileNotFoundError:
+        raise store_error(path, "missing; the store manifest lists it.") from None
+    try:
+        if os.fstat(fd).st_size == 0:
+            raise store_error(path, "is empty; a store shard is an Arrow IPC stream.")
+        return pa.py_buffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+    except OSError as exc:
+        raise store_error(path, f"cannot be read ({exc.strerror}).") from None
+    finally:
+        os.close(fd)  # the map holds the file open
 
 
 def open_store(path: str | os.PathLike, location: str | None = None) -> Store:
@@ -179,21 +190,41 @@ def open_store(path: str | os.PathLike, location: str | None = None) -> Store:
     return Store(root, manifest, location)
 
 
-def open_build_store(build: str | os.PathLike, manifest: Manifest) -> Store:
+def open_build_store(build: str | os.PathLike, manifest: Manifest, store: str | os.PathLike | None = None) -> Store:
     """The document store of the index build at `build` (whose manifest is `manifest`), opened by
     `open_store` and refused unless it is the store the build was planned from: same fingerprint,
-    labels as the build's. Raises FormatError."""
+    labels as the build's. The store is the one the manifest names (`StoreReference.path`, which
+    `read_manifest` held inside the build's parent directory), or `store`, a local directory the
+    caller names (a store that moved). Raises FormatError, or InputError for a `store` that is none."""
     reference = manifest.store
     if reference is None:
         raise ValueError(f"{build} is a full build; it has no store")
+    if store is not None:
+        if not is_store(store):
+            raise InputError(f"{store}: not a prepack document store (no {STORE_MANIFEST_NAME}), named as the store of {build}.")
+        return check_build_store(open_store(store), build, manifest)
     where = Path(build) / MANIFEST_NAME
     root = Path(build) / reference.path
     if not is_store(root):
         raise FormatError(
             f"{where}: its document store {reference.path!r} ({root}) is not there: an index build reads its "
-            "tokens from that store; keep both where they were built, or move them together."
+            "tokens from that store; keep both where they were built, move them together, or name where "
+            "the store is now (PackedDataset(build, store=...), prepack verify --store)."
         )
     return check_build_store(open_store(root), build, manifest)
+
+
+def store_location(build: str, manifest: Manifest) -> str:
+    """The URI of the store of the index build at the URI `build`: its `store.path` (which
+    `read_manifest` held to '../' and a path without '..') joined to the build's prefix. Refused
+    (FormatError) for a build at a bucket's root, whose parent would be another bucket."""
+    scheme, path = build.rstrip("/").split("://", 1)
+    if "/" not in path:
+        raise FormatError(
+            f"{build}/{MANIFEST_NAME}: an index build at a bucket's root has no parent prefix to hold its store "
+            f"({manifest.store.path!r} would name another bucket)."
+        )
+    return join(build, manifest.store.path)
 
 
 def check_build_store(store: Store, build: str | os.PathLike, manifest: Manifest) -> Store:

@@ -23,8 +23,10 @@ What is checked, in this order (each problem names the file, row and column it w
    manifest's empty, truncated, dropped and (with drop_untrained) untrained counts, and the corpus
    files its `inputs`.
 
-An index build (`Manifest.store`) is checked the same way, its packs' tokens read from its store:
-its store must be there with the manifest's fingerprint (`open_build_store`), every store shard must
+An index build (`Manifest.store`) is checked the same way, its packs' tokens read from its store
+(the one its manifest names inside the build's parent directory, or the caller's `store`): its
+manifest's `store.fingerprint` must be its `fingerprint` and every index shard's
+`prepack.store_fingerprint` (step 1 and 3), its store must be there with that fingerprint (`open_build_store`), every store shard must
 have its store manifest's sha256 and sound contents, as the loader checks them, and the store's
 documents that fingerprint (step 2b); every (document, piece, length) of a pack must lie inside its
 store document. Without `source` its packs are then held to the store's documents as step 5 holds a
@@ -126,6 +128,7 @@ def verify_build(
     chat_template: str | os.PathLike | None = None,
     all_problems: bool = False,
     cache_dir: str | os.PathLike | None = None,
+    store: str | os.PathLike | None = None,
 ) -> list[Problem]:
     """Check the build at `path` (and, with `source`, every token of the corpus it was built from).
 
@@ -139,6 +142,9 @@ def verify_build(
     then downloaded into `cache_dir` (`prepack.cache`; when None, a temporary directory deleted before
     this returns) and its problems carry its URI (`Problem.location`); the source is copied into a
     temporary directory while it is read.
+
+    `store`: an index build's store where it lies now (a local directory), instead of the one its
+    manifest names; refused (InputError) for a full build.
 
     Returns the problems found: none for a sound build, the first one only unless `all_problems`.
     Raises FormatError when `path` is not a build at all (no manifest.json) or a source store breaks
@@ -168,7 +174,9 @@ def verify_build(
             if source is None
             else _source_documents(stack.enter_context(local_input(source)), manifest, tokenizer, chat_template)
         )
-        problems = _problems(build, manifest, documents)
+        if store is not None and manifest.store is None:
+            raise InputError(f"{path} is a full build; it reads no store (leave out --store).")
+        problems = _problems(build, manifest, documents, store)
         found = list(problems) if all_problems else list(islice(problems, 1))
     if isinstance(build, ShardCache):
         return [problem.model_copy(update={"location": build.uri}) for problem in found]
@@ -270,14 +278,16 @@ def _source_documents(
     return _Source(corpus, has_labels, batches)
 
 
-def _problems(build: Path | ShardCache, manifest: Manifest, source: _Source | None) -> Iterator[Problem]:
+def _problems(
+    build: Path | ShardCache, manifest: Manifest, source: _Source | None, store_path: str | os.PathLike | None
+) -> Iterator[Problem]:
     """The problems of the build in the directory `build`, or in object storage read through the cache `build`."""
     yield from _manifest_problems(manifest)
     local = isinstance(build, Path)
     store, store_columns = None, {}
     if manifest.store is not None:
         try:
-            store = open_build_store(build, manifest) if local else build.store()
+            store = open_build_store(build, manifest, store_path) if local or store_path else build.store()
         except FormatError as exc:
             yield Problem(file=MANIFEST_NAME, column="store", message=str(exc))
         else:
@@ -346,6 +356,13 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
             yield Problem(
                 file=MANIFEST_NAME, column=f"totals.{name}", message=f"is {said}, but {why[name]} is {value}."
             )
+    if manifest.store is not None and manifest.store.fingerprint != manifest.fingerprint:
+        yield Problem(
+            file=MANIFEST_NAME,
+            column="store.fingerprint",
+            message=f"is {manifest.store.fingerprint}, but the build was planned from the documents of "
+            f"fingerprint {manifest.fingerprint}: the manifest names another store than its own.",
+        )
     allowed = {"split": ("split", "error"), "truncated": ("truncate",), "dropped": ("drop",)}
     for name, policies in allowed.items():
         if getattr(t, name) and o.overflow not in policies:
@@ -513,7 +530,7 @@ def _shard_problems(file: Path, index: int, manifest: Manifest, check_sha256: bo
                 "the build.",
             )
         index_only = manifest.store is not None
-        batch = open_shard(file, manifest.has_labels, manifest.options.max_len, manifest.store_documents)
+        batch = open_shard(file, manifest.has_labels, manifest.options.max_len, manifest.index_of)
         batch.validate(full=True)
     except FormatError as exc:
         yield Problem(file=name, row=exc.problem.row, column=exc.problem.column, message=exc.problem.message)

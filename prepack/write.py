@@ -12,7 +12,7 @@ import numba
 import numpy as np
 import pyarrow as pa
 
-from prepack.format import ShardInfo, arrow_array, segment_id_type, shard_name, shard_schema
+from prepack.format import IndexOf, ShardInfo, arrow_array, segment_id_type, shard_name, shard_schema
 from prepack.output import output_errors, output_file
 from prepack.plan import ShardPacks
 
@@ -243,17 +243,17 @@ def write_shard(
     tokens: TokenFiles | None,
     labels: TokenFiles | None,
     buffers: ShardBuffers | None,
-    store_documents: int | None = None,
+    store: IndexOf | None = None,
 ) -> ShardInfo:
     """Write the packs of `layout` as one shard, their tokens (and labels) gathered from the int32
     token files `tokens` (and `labels`) into `buffers`, and return the shard's manifest entry.
     Threads may write shards at once, each with its own `buffers`. Without `tokens`, an index shard of
-    a store of `store_documents` documents: the per-pack columns alone."""
+    `store`: the per-pack columns alone."""
     lengths = layout.lengths.astype(np.int64, copy=False)
     packs = len(layout.pack_offsets) - 1
     total = int(lengths.sum())
     if tokens is None:
-        schema = shard_schema(False, layout.max_len, store_documents)
+        schema = shard_schema(False, layout.max_len, store)
         batch = pa.RecordBatch.from_arrays(_pack_columns(layout, lengths, schema), schema=schema)
     else:
         batch = _full_batch(layout, lengths, tokens, labels, buffers)

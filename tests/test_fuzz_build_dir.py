@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from prepack import build, inspect_build, open_hf_dataset, read_manifest, verify_build
 from prepack.collate import PackedCollator
@@ -272,3 +274,88 @@ def test_corrupted_build_directories_end_in_success_or_a_prepack_error(valid, tm
         faulthandler.cancel_dump_traceback_later()
     assert not failures, f"{len(failures)} failures, first 20:\n" + "\n".join(failures[:20])
     assert outcomes["refused"] > CASES and outcomes["ok"] > CASES // 10  # the corruptions reach both ends
+
+
+# Index builds and their stores: hypothesis mutates one field of either manifest ----------------------
+
+_PATHS = ["", ".", "..", "../", "../.", "../store", "../store/", "../../store", "/abs/store", "../st\0re", "a\0b",
+          "../" + "x" * 300, "../" + "/".join(["x"] * 3000), "../a//b", "store", "documents-00000.arrow",
+          "../other/store", "x" * 10_000]
+
+
+@pytest.fixture(scope="module")
+def valid_index(tmp_path_factory) -> Path:
+    """A directory holding a store (`store/`), its corpus, an index build of it (`index/`) and a store of
+    the same lengths and other tokens (`other/`)."""
+    from prepack import build_store
+
+    tmp = tmp_path_factory.mktemp("fuzz-index")
+    rng = np.random.default_rng(9)
+    documents = [rng.integers(0, 1000, size=n).tolist() for n in rng.integers(0, 40, size=40)]
+    labels = [[-100 if i % 4 == 0 else t for i, t in enumerate(d)] for d in documents]
+    write_corpus(tmp / "c.parquet", corpus_table(documents, labels))
+    build_store(tmp / "c.parquet", tmp / "store", shard_size=300)
+    others = [rng.integers(0, 1000, size=len(d)).tolist() for d in documents]
+    write_corpus(tmp / "o.parquet", corpus_table(others, labels))
+    build_store(tmp / "o.parquet", tmp / "other", shard_size=300)
+    build(tmp / "store", tmp / "index", max_len=MAX_LEN, shard_size=300, index_only=True)
+    return tmp
+
+
+def _index_readers(index: Path, rows: list) -> None:
+    """Every reader of an index build, each to succeed or raise a PrepackError; rows served must be
+    `rows`, the valid build's (never another store's tokens)."""
+    for reader in (read_manifest, _served_rows, inspect_build, lambda path: verify_build(path, all_problems=True)):
+        try:
+            reader(index)
+        except PrepackError:
+            pass
+    try:
+        dataset = PackedDataset(index)
+        served = [dataset[i]["input_ids"].tolist() for i in range(len(dataset))]
+    except PrepackError:
+        return
+    assert served == rows
+
+
+@pytest.mark.slow
+@settings(max_examples=int(os.environ.get("FUZZ_INDEX_CASES", 150)), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_index_and_store_manifests_end_in_a_prepack_error_or_success(valid_index, data):
+    import tempfile
+
+    dataset = PackedDataset(valid_index / "index")
+    rows = [dataset[i]["input_ids"].tolist() for i in range(len(dataset))]
+    which = data.draw(st.sampled_from(["index/manifest.json", "store/store.json"]), label="file")
+    raw = json.loads((valid_index / which).read_text())
+    if which == "index/manifest.json" and data.draw(st.booleans(), label="retarget at the other store"):
+        fingerprint = json.loads((valid_index / "other" / "store.json").read_text())["fingerprint"]
+        raw["store"] = {"path": "../other", "fingerprint": fingerprint}
+        if data.draw(st.booleans(), label="and the build's fingerprint"):
+            raw["fingerprint"] = fingerprint
+    leaves = [path for path, _ in _leaves(raw)]
+    path = data.draw(st.sampled_from(leaves), label="field")
+    old = raw
+    for step in path:
+        old = old[step]
+    value = data.draw(
+        st.sampled_from(_PATHS)
+        | st.sampled_from(_ODD_INTS)
+        | st.sampled_from([None, True, False, 1.5, [], {}, "f" * 64, "0" * 64])
+        | st.text(max_size=20)
+        | (st.integers(-3, 3).map(lambda d: old + d) if isinstance(old, int) and not isinstance(old, bool) else st.nothing()),
+        label="value",
+    )
+    parent = raw
+    for step in path[:-1]:
+        parent = parent[step]
+    parent[path[-1]] = value
+    faulthandler.dump_traceback_later(120, exit=True)  # a reader that hangs fails the run
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = Path(shutil.copytree(valid_index, Path(tmp) / "case", symlinks=True))
+            (copy / which).write_text(json.dumps(raw))
+            _index_readers(copy / "index", rows)
+    finally:
+        faulthandler.cancel_dump_traceback_later()

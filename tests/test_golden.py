@@ -85,13 +85,14 @@ GOLDEN = {
             "84dd5666c2507a40def09dbb66e8ec97d0190e590b0befe3bef06ce19228522f",
         ],
     },
-    # The labelled corpus's store, built with the labelled build's options and --index-only.
+    # The labelled corpus's store, built with the labelled build's options and --index-only. Changed
+    # deliberately when index shards began to carry their store's fingerprint (shard-format.md changelog).
     "index": {
-        "manifest": "06293352882965f578ef9f1ddc31e8fe012301a1ef4e4173a06d04c3aee456d1",
+        "manifest": "5e66fb2164fb44d4fac78f5567ab5b2ff55a9aec56142c6186e651e9a6a47f4f",
         "shards": [
-            "e1c9f28ea0f5c35a47be851aa9775f5d0e0a77753579034b61d6364059f00f7f",
-            "efc7a440a4ea89af1b5bc91069b1dfd69746e54f6cfd47271a5c4a36129750ec",
-            "00109ed4dcaea48e34f732b9e87754fe0faf2468ddb6d10344db3274b4b09c16",
+            "6c41f542b187571a16dc014fe7da1c8065789d9c751aa2d0725d4f7b1f3d52b0",
+            "af3ba9a0578135036641eecd2799816acb400396241cb0776c2fdc4343e336d1",
+            "376a892a6f9d88ecf6e10776013e64f635f5ee7dfbecf869dd123b9f18d9d041",
         ],
     },
 }

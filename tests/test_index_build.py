@@ -16,7 +16,7 @@ import pytest
 
 from prepack import build, build_store
 from prepack.errors import FormatError, InputError
-from prepack.format import read_manifest, shard_schema
+from prepack.format import IndexOf, read_manifest, shard_schema
 from prepack.load import PackedDataset
 from prepack.report import inspect_build
 from prepack.verify import verify_build
@@ -26,7 +26,7 @@ PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
+def module_store(tmp_path_factory) -> Path:
     """Documents of 0 to 40 tokens (some longer than the max-lens below, one empty), with labels."""
     root = tmp_path_factory.mktemp("index")
     (root / "corpus").mkdir()
@@ -37,6 +37,13 @@ def store(tmp_path_factory) -> Path:
     write_corpus(root / "corpus" / "b.parquet", corpus_table(ids[70:], labels[70:]))
     build_store(root / "corpus", root / "store", shard_size=512)  # several store shards
     return root / "store"
+
+
+@pytest.fixture
+def store(module_store, tmp_path) -> Path:
+    """A copy of the store (and its corpus) in the test's directory: an index build lies beside its store."""
+    shutil.copytree(module_store.parent / "corpus", tmp_path / "corpus")
+    return Path(shutil.copytree(module_store, tmp_path / "shared-store"))
 
 
 def _rows(dataset: PackedDataset) -> list[dict[str, list[int]]]:
@@ -56,7 +63,7 @@ def test_index_rows_are_the_full_builds(store, tmp_path, options):
     full = build(store, tmp_path / "full", shard_size=2048, **options)
     index = build(store, tmp_path / "index", shard_size=256, index_only=True, **options)
     assert len(index.shards) > 1 and len(full.shards) > 1
-    assert index.store.path == "../../store" or Path(tmp_path / "index" / index.store.path).resolve() == store.resolve()
+    assert index.store.path == "../shared-store"
     assert index.store.fingerprint == index.fingerprint == full.fingerprint
     assert index.totals == full.totals
     full_rows, index_rows = _rows(PackedDataset(tmp_path / "full")), _rows(PackedDataset(tmp_path / "index"))
@@ -67,14 +74,16 @@ def test_index_rows_are_the_full_builds(store, tmp_path, options):
 
 
 def test_index_shards_hold_the_pack_columns_only(store, tmp_path):
-    build(store, tmp_path / "index", max_len=32, index_only=True)
+    manifest = build(store, tmp_path / "index", max_len=32, index_only=True)
+    of = IndexOf(120, manifest.fingerprint)
     with pa.ipc.open_stream(tmp_path / "index" / "shard-00000.arrow") as reader:
-        assert reader.schema.equals(shard_schema(True, 32, store_documents=120), check_metadata=True)
+        assert reader.schema.equals(shard_schema(True, 32, of), check_metadata=True)
+    assert reader.schema.metadata[b"prepack.store_fingerprint"] == manifest.store.fingerprint.encode()
     assert reader.schema.names == ["cu_seqlens", "max_seqlen", "source_rows", "source_pieces"]
     assert reader.schema.field("source_rows").type == pa.list_(pa.uint32())
-    assert shard_schema(True, 32, store_documents=2**32).field("source_rows").type == pa.list_(pa.uint32())
-    assert shard_schema(True, 32, store_documents=2**32 + 1).field("source_rows").type == pa.list_(pa.int64())
-    assert not shard_schema(True, 32, store_documents=120).equals(shard_schema(True, 32), check_metadata=True)
+    assert shard_schema(True, 32, of._replace(documents=2**32)).field("source_rows").type == pa.list_(pa.uint32())
+    assert shard_schema(True, 32, of._replace(documents=2**32 + 1)).field("source_rows").type == pa.list_(pa.int64())
+    assert not shard_schema(True, 32, of).equals(shard_schema(True, 32), check_metadata=True)
     raw = json.loads((tmp_path / "index" / "manifest.json").read_text())
     assert set(raw["store"]) == {"path", "fingerprint"}
     # The same store and options, twice: the same bytes.
@@ -150,9 +159,9 @@ def test_an_index_build_checks_the_offsets_it_reads(store, tmp_path):
         assert not (tmp_path / "index").exists()
 
 
-def test_index_only_refuses_a_corpus(store, tmp_path):
+def test_index_only_refuses_a_corpus(module_store, tmp_path):
     with pytest.raises(InputError, match="--index-only packs a document store"):
-        build(store.parent / "corpus", tmp_path / "index", max_len=32, index_only=True)
+        build(module_store.parent / "corpus", tmp_path / "index", max_len=32, index_only=True)
     assert not (tmp_path / "index").exists()
 
 

@@ -1,5 +1,6 @@
 """prepack.plan.assign_packs against a plain-Python FFD/BFD, plus the invariants of any plan."""
 
+import json
 import math
 
 import numpy as np
@@ -129,3 +130,45 @@ def test_document_pieces_is_the_overflow_policy(overflow, segments, counts):
     assert got.counts == {"input_tokens": 38, "empty": 1, **zero, **counts}
     with pytest.raises(ValueError, match="overflow"):
         document_pieces(np.array([1]), 10, "wrap")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("max_len", [2**31 - 1, 10**6 + 3])
+def test_a_huge_max_len_places_as_the_reference(algorithm, max_len):
+    """Capacities far above the documents: bfd's buckets start at max_len - tokens, not at 0."""
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 400_000, 40)
+    assert assign_packs(lengths, max_len, algorithm).tolist() == reference_placement(lengths.tolist(), max_len, algorithm)
+    # Several packs, capacities left far above 0 (bfd's buckets then cover all of 0..max_len: keep it small).
+    lengths = rng.integers(max_len // 3 + 1, max_len, 12) if max_len < 2**24 else rng.integers(2**20, 2**21, 12)
+    assert assign_packs(lengths, max_len, algorithm).tolist() == reference_placement(lengths.tolist(), max_len, algorithm)
+
+
+_MEMORY_LIMIT = 3 * 2**30  # address space: the interpreter with numba and pyarrow takes about 1.5 GiB
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_memory_follows_the_documents_not_max_len(tmp_path, algorithm):
+    """A build of 300 short documents with --max-len 2147483647 in 3 GiB of address space: a histogram
+    or a bucket per token of max_len would take 16 GiB (and be killed)."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.corpus import corpus_table, write_corpus
+
+    rng = np.random.default_rng(3)
+    write_corpus(tmp_path / "c.parquet", corpus_table([rng.integers(0, 100, int(n)).tolist() for n in rng.integers(1, 200, 300)]))
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (_MEMORY_LIMIT, _MEMORY_LIMIT))
+
+    result = subprocess.run(
+        [sys.executable, "-c", "from prepack.cli import app; app()", "build", str(tmp_path / "c.parquet"), "--max-len", str(2**31 - 1),
+         "--algorithm", algorithm, "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300, preexec_fn=limit,
+    )
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["totals"]["packs"] == 1 and manifest["totals"]["segments"] == 300

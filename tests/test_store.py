@@ -245,10 +245,10 @@ def test_names_outside_the_store_are_refused(store):
     _build_fails(store, FormatError, r"shard 0 is named '../documents-00000.arrow'")
 
 
-@pytest.mark.parametrize("name", ["../a.parquet", "/etc/a.parquet", "x/./a.parquet"])
+@pytest.mark.parametrize("name", ["../a.parquet", "/etc/a.parquet", "x/./a.parquet", "a\0.parquet", "", "x" * 256])
 def test_input_names_outside_the_corpus_root_are_refused(store, name):
     _edit_manifest(store, lambda raw: raw["inputs"][0].update(path=name))
-    _build_fails(store, FormatError, "is not a '/'-separated path inside the corpus root")
+    _build_fails(store, FormatError, r"inputs.0.path\n.*(is not a relative path|has a part|holds a NUL)")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,184 @@
+"""Index builds from elsewhere: a manifest that names another store, a store outside the build's parent
+directory, path fields no file system holds, store files swapped for FIFOs or directories. Each is
+refused by name (FormatError, a verify finding, CLI exit 2) before the store is opened, never served,
+never a traceback or a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prepack import build, build_store
+from prepack.errors import FormatError, InputError
+from prepack.load import PackedDataset
+from prepack.verify import verify_build
+from tests.corpus import corpus_table, write_corpus
+
+PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
+
+
+def _store(root: Path, name: str, seed: int) -> Path:
+    """60 documents whose lengths do not depend on `seed`, their tokens do."""
+    lengths = np.random.default_rng(0).integers(1, 30, 60)
+    rng = np.random.default_rng(seed)
+    (root / f"corpus-{name}").mkdir(parents=True)
+    write_corpus(root / f"corpus-{name}" / "a.parquet", corpus_table([rng.integers(0, 500, int(n)).tolist() for n in lengths]))
+    build_store(root / f"corpus-{name}", root / name, shard_size=256)
+    return root / name
+
+
+@pytest.fixture
+def pair(tmp_path) -> tuple[Path, Path]:
+    """(an index build of `store`, `other`: a store of the same lengths and other tokens), side by side."""
+    store, other = _store(tmp_path, "store", 1), _store(tmp_path, "other", 2)
+    build(store, tmp_path / "index", max_len=32, index_only=True)
+    return tmp_path / "index", other
+
+
+def _edit(build_dir: Path, edit) -> None:
+    raw = json.loads((build_dir / "manifest.json").read_text())
+    edit(raw)
+    (build_dir / "manifest.json").write_text(json.dumps(raw))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PREPACK, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_an_index_build_retargeted_at_another_store_is_refused(pair):
+    index, other = pair
+    fingerprint = json.loads((other / "store.json").read_text())["fingerprint"]
+    _edit(index, lambda raw: raw["store"].update(path="../other", fingerprint=fingerprint))
+    with pytest.raises(FormatError, match="planned from the store with fingerprint"):
+        PackedDataset(index)[0]
+    problems = verify_build(index, all_problems=True)
+    assert ("manifest.json", "store.fingerprint") in {(p.file, p.column) for p in problems}
+    assert any("planned from the store with fingerprint" in p.message for p in problems)
+    # The manifest's own fingerprint rewritten too: the shards still say which store they were planned from.
+    _edit(index, lambda raw: raw.update(fingerprint=fingerprint))
+    with pytest.raises(FormatError, match="planned from the store with fingerprint"):
+        PackedDataset(index)[0]
+    assert verify_build(index)
+
+
+@pytest.mark.parametrize(
+    "path", ["/abs/store", "../../store", "../x/../../store", "store", "..", "../", "../../other-bucket/store"]
+)
+def test_a_store_path_outside_the_builds_parent_is_refused_before_any_open(pair, path, tmp_path):
+    index, _ = pair
+    _edit(index, lambda raw: raw["store"].update(path=path))
+    with pytest.raises(FormatError, match=r"store.path"):
+        PackedDataset(index)
+    assert [p.column for p in verify_build(index)] == [None] and "store.path" in verify_build(index)[0].message
+    if path not in ("/abs/store", "../../store"):  # the CLI's exit codes once, for the fast lane's time
+        return
+    result = _cli("verify", str(index))
+    assert result.returncode == 1 and "store.path" in result.stdout and "Traceback" not in result.stderr
+    result = _cli("inspect", str(index))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_a_build_refuses_to_write_a_store_path_readers_refuse(tmp_path):
+    store = _store(tmp_path / "data", "store", 1)
+    (tmp_path / "builds").mkdir()
+    with pytest.raises(InputError, match="must lie beside its store"):
+        build(store, tmp_path / "builds" / "index", max_len=32, index_only=True)
+    assert not (tmp_path / "builds" / "index").exists()
+
+
+def test_a_moved_store_is_named_at_load_time(pair, tmp_path):
+    index, _ = pair
+    rows = [PackedDataset(index)[i]["input_ids"].tolist() for i in range(3)]
+    moved = tmp_path / "elsewhere" / "deep" / "store"
+    shutil.move(tmp_path / "store", moved)
+    with pytest.raises(FormatError, match="is not there"):
+        PackedDataset(index)
+    assert [PackedDataset(index, store=moved)[i]["input_ids"].tolist() for i in range(3)] == rows
+    assert verify_build(index, store=moved) == []
+    assert _cli("verify", str(index), "--store", str(moved)).returncode == 0
+    with pytest.raises(FormatError, match="planned from"):  # the named store must still be the build's own
+        PackedDataset(index, store=tmp_path / "other")
+    with pytest.raises(InputError, match="not a prepack document store"):
+        PackedDataset(index, store=tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("store.path", "../st\0re"),
+        ("store.path", ""),
+        ("store.path", "../" + "x" * 300),
+        ("store.path", "../" + "/".join(["x"] * 3000)),
+        ("store.path", "../a//b"),
+        ("store.path", "../."),
+        ("inputs.0.path", "a\0.parquet"),
+        ("inputs.0.path", "x" * 256),
+        ("inputs.0.path", "."),
+    ],
+)
+def test_path_fields_no_file_system_holds_are_named_errors(pair, field, value):
+    index, _ = pair
+    key, *rest = field.split(".")
+
+    def edit(raw):
+        target = raw[key]
+        for part in rest[:-1]:
+            target = target[int(part)] if part.isdigit() else target[part]
+        target[rest[-1]] = value
+
+    _edit(index, edit)
+    with pytest.raises(FormatError, match="is not a valid prepack manifest"):
+        PackedDataset(index)
+    assert verify_build(index)[0].file == "manifest.json"
+    if "\0" not in value:  # the CLI's exit code for the NUL cases only, for the fast lane's time
+        return
+    result = _cli("inspect", str(index))
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "manifest.json" in result.stderr.replace("\n", "")
+
+
+def test_store_manifest_path_fields_are_named_errors(pair):
+    index, _ = pair
+    store = index.parent / "store"
+    raw = json.loads((store / "store.json").read_text())
+    raw["inputs"][0]["path"] = "a\0b"
+    (store / "store.json").write_text(json.dumps(raw))
+    with pytest.raises(FormatError, match="not a valid prepack store manifest"):
+        PackedDataset(index)
+    assert "store" in verify_build(index)[0].column
+
+
+@pytest.mark.parametrize("swap", ["fifo", "directory", "symlink-to-fifo"])
+def test_a_store_shard_swapped_after_open_is_refused_not_hung(pair, swap):
+    index, _ = pair
+    dataset = PackedDataset(index)  # store opened: its files checked with lstat
+    shard = index.parent / "store" / "documents-00000.arrow"
+    shard.unlink()
+    if swap == "fifo":
+        os.mkfifo(shard)
+    elif swap == "directory":
+        shard.mkdir()
+    else:
+        os.mkfifo(index.parent / "pipe")
+        shard.symlink_to(index.parent / "pipe")
+    with pytest.raises(FormatError, match="documents-00000.arrow"):
+        for i in range(len(dataset)):
+            dataset[i]
+
+
+def test_an_index_build_at_a_buckets_root_names_no_store_in_another_bucket(pair):
+    from prepack.format import read_manifest
+    from prepack.store_read import store_location
+
+    index, _ = pair
+    _edit(index, lambda raw: raw["store"].update(path="../other-bucket/store"))
+    manifest = read_manifest(index)  # a valid path: beside a build that has a parent prefix
+    assert store_location("s3://bucket/builds/index", manifest) == "s3://bucket/builds/other-bucket/store"
+    with pytest.raises(FormatError, match="bucket's root"):
+        store_location("s3://bucket", manifest)
