@@ -16,7 +16,7 @@ import torch
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from prepack import IsolationError, families
+from prepack import IsolationError, attention, families
 from prepack.attention import enable_packing
 from prepack.collate import PackedCollator
 from prepack.isolation import default_tolerances, measure_isolation
@@ -51,7 +51,7 @@ def test_the_table_lists_exactly_the_registered_causal_lms():
 
 
 def test_a_family_of_another_release_that_the_table_lacks_is_refused_as_not_measured_on_it(monkeypatch):
-    monkeypatch.setattr(transformers, "__version__", "5.99.0")
+    monkeypatch.setattr(attention.transformers, "__version__", "5.99.0")  # the module enable_packing reads
     monkeypatch.delitem(families.FAMILIES, "qwen3")
     with pytest.warns(UserWarning), pytest.raises(IsolationError) as refused:
         enable_packing(tiny_model("qwen3", "sdpa"))
@@ -61,7 +61,8 @@ def test_a_family_of_another_release_that_the_table_lacks_is_refused_as_not_meas
 
 
 def test_enable_packing_warns_once_on_a_release_the_table_was_not_measured_on(monkeypatch):
-    monkeypatch.setattr(transformers, "__version__", "5.98.0")  # a release no other test warned about
+    # a release no other test warned about, in the module enable_packing reads
+    monkeypatch.setattr(attention.transformers, "__version__", "5.98.0")
     with pytest.warns(UserWarning, match=rf"measured on {families.MEASURED_WITH}; this is transformers 5.98.0") as first:
         enable_packing(tiny_model("qwen3", "sdpa"))
     assert families.SWEEP_COMMAND in str(first[0].message)
@@ -71,7 +72,7 @@ def test_enable_packing_warns_once_on_a_release_the_table_was_not_measured_on(mo
 
 
 def test_enable_packing_does_not_warn_on_the_measured_release(monkeypatch):
-    monkeypatch.setattr(transformers, "__version__", families.MEASURED_VERSION)
+    monkeypatch.setattr(attention.transformers, "__version__", families.MEASURED_VERSION)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         enable_packing(tiny_model("qwen3", "sdpa"))
