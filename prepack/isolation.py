@@ -387,8 +387,9 @@ _SWEEP_PACKS, _SWEEP_MAX_LEN = 3, 32
 
 
 def check_family(model_type: str, attn: str = "sdpa", *, device: str | None = None) -> FamilyCheck:
-    """`check_isolation` on a tiny random model of `model_type` (float64 on a CPU, no gradients), compared
-    with the table's verdict. A family the table lacks is measured (`allow_unlisted`)."""
+    """`check_isolation` on a tiny random model of `model_type` (its default dtype: float64 on a CPU, float32
+    for flex there; no gradients), compared with the table's verdict. A family the table lacks is measured
+    (`allow_unlisted`). flash_attention_2/3/4 need CUDA and their package, as for `check_isolation`."""
     from prepack.tiny_models import tiny_config  # the config shrinking: only the sweep needs it
 
     found = families.verdict(model_type, attn)
