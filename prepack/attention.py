@@ -22,9 +22,10 @@ transformers isolates natively or raises `IsolationError`:
 - for the few families whose forward builds its masks without `position_ids` (the table's "layer
   masks" and "block mask"), the masks transformers' public `create_causal_mask` and
   `create_sliding_window_causal_mask` build from them are passed in, which those models take as given;
-- on flash attention, rows longer than `attention_chunk_size` (Llama 4's chunked layers) are refused:
-  transformers' flash path cannot apply the chunks and raises for them;
-- a cache is refused for packed rows: sdpa and eager only build the per-document mask when no cache
+- on flash attention (flash_attention_2/3/4), rows longer than `attention_chunk_size` (Llama 4's chunked
+  layers) are refused: transformers' flash path cannot apply the chunks and raises for them;
+- a cache is refused for packed rows: sdpa, eager and flex_attention only build the per-document mask
+  (flex's BlockMask) from `position_ids` when no cache
   exists, so an explicit `use_cache=True` there raises, in train and eval mode alike, and `use_cache`
   left unset (the config default is usually True) is set to False. A cache (`cache`, before
   transformers 5.24 `past_key_values`) with packed rows raises on every backend.
@@ -47,6 +48,8 @@ so their guard sits on the causal LM.
 from __future__ import annotations
 
 import inspect
+import warnings
+from functools import cache
 from typing import Any
 
 from prepack import families
@@ -67,8 +70,17 @@ from prepack.stateful import STATEFUL_LAYERS, DocumentSegments, PerDocumentLayer
 
 __all__ = ["SUPPORTED_ATTENTION", "disable_packing", "enable_packing"]
 
-SUPPORTED_ATTENTION = ("flash_attention_2", "flash_attention_3", "sdpa", "eager")
-_FLASH = ("flash_attention_2", "flash_attention_3")
+SUPPORTED_ATTENTION = (
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+    "flex_attention",
+    "sdpa",
+    "eager",
+)
+# transformers' one flash-attention path (`_flash_attention_forward`), which reads cu_seq_lens_*; flex_attention
+# is not on it: it takes a BlockMask that transformers builds from position_ids, as it builds sdpa's mask.
+_FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 _OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _HOOK_ATTRIBUTE = "_prepack_packing_hook"
 _PER_DOCUMENT_ATTRIBUTE = "_prepack_per_document_layers"
@@ -80,7 +92,7 @@ _BOUNDARIES_STOP_ABOVE_THE_BACKBONE = ("falcon_mamba", "mamba", "mamba2")
 def enable_packing(
     model: transformers.PreTrainedModel, *, allow_unlisted: bool = False
 ) -> transformers.PreTrainedModel:
-    """Make `model` safe for packed batches on flash_attention_2/3, sdpa and eager; returns the model.
+    """Make `model` safe for packed batches on flash_attention_2/3/4, flex_attention, sdpa and eager.
 
         from torch.utils.data import DataLoader
         from transformers import AutoModelForCausalLM
@@ -98,7 +110,9 @@ def enable_packing(
     and, at each forward, for a batch that would leak (see the module docstring). A model type the table
     lacks (a newer transformers, remote code) is refused too, unless `allow_unlisted` is True: pass it
     only after `prepack check-isolation` has reported the model isolated. Calling it again replaces the
-    hook; `disable_packing` removes it.
+    hook; `disable_packing` removes it. On a transformers release other than the one the table was measured
+    on (`prepack.families.MEASURED_WITH`) it warns once per process: `prepack check-isolation --sweep`
+    re-measures the installed release's families.
     """
     major = int(transformers.__version__.split(".")[0])
     if major < 5:
@@ -106,6 +120,7 @@ def enable_packing(
             f"prepack.enable_packing needs transformers 5.0 or newer; this is {transformers.__version__}, whose "
             "attention code handles packed batches differently. Upgrade: pip install 'transformers>=5,<6'."
         )
+    _warn_once_on_an_unmeasured_release(transformers.__version__)
     family = _Family.of(model, allow_unlisted)
     verdict = family.require_isolated(model.config.get_text_config()._attn_implementation)
     disable_packing(model)
@@ -129,6 +144,17 @@ def disable_packing(model: transformers.PreTrainedModel) -> transformers.PreTrai
     return model
 
 
+@cache
+def _warn_once_on_an_unmeasured_release(installed: str) -> None:
+    if installed != families.MEASURED_VERSION:
+        warnings.warn(
+            f"prepack's table of model families was measured on {families.MEASURED_WITH}; this is transformers "
+            f"{installed}, whose modeling code may treat packed batches differently. Re-measure this release's "
+            f"families: {families.SWEEP_COMMAND} (or one model: prepack check-isolation --model DIR).",
+            stacklevel=3,
+        )
+
+
 def _require_supported_attention(attn: str | None) -> None:
     if attn not in SUPPORTED_ATTENTION:
         raise IsolationError(
@@ -141,8 +167,9 @@ def _require_supported_attention(attn: str | None) -> None:
 class _Family:
     """The model's row of `prepack.families`, checked against the attention implementation of each call."""
 
-    def __init__(self, model_type: str, model_class: str, checked: bool):
+    def __init__(self, model_type: str, model_class: str, checked: bool, registered_by: str | None):
         self.model_type, self.model_class, self.checked = model_type, model_class, checked
+        self.registered_by = registered_by  # the transformers version, for a family of its own code
 
     @classmethod
     def of(cls, model: transformers.PreTrainedModel, allow_unlisted: bool) -> _Family:
@@ -158,14 +185,15 @@ class _Family:
                 if name == type(model).__name__ and known in families.FAMILIES
             )
             model_type = registered[0] if registered else model_type
-        return cls(model_type, type(model).__name__, model_type in families.FAMILIES or not allow_unlisted)
+        checked = model_type in families.FAMILIES or not allow_unlisted
+        return cls(model_type, type(model).__name__, checked, transformers.__version__ if own_code else None)
 
     def require_isolated(self, attn: str | None) -> families.Verdict | None:
         """The verdict for `attn` (None for an allowed unlisted family); IsolationError where it is refused."""
         _require_supported_attention(attn)
         if not self.checked:
             return None
-        message = families.refusal(self.model_type, self.model_class, attn)
+        message = families.refusal(self.model_type, self.model_class, attn, registered_by=self.registered_by)
         if message:
             raise IsolationError(message)
         return families.verdict(self.model_type, attn)
@@ -389,7 +417,7 @@ def _check_packed_fields(kwargs: dict[str, Any], tokens: torch.Tensor) -> None:
         )
     missing = [key for key in _OFFSET_KEYS if kwargs.get(key) is None]
     if len(missing) == len(_OFFSET_KEYS):
-        return  # restarting position_ids alone: sdpa and eager build the per-document mask from them
+        return  # restarting position_ids alone: sdpa, eager and flex build the per-document mask from them
     if missing:
         raise IsolationError(
             f"A packed batch without {', '.join(missing)}: transformers uses the offsets only when all four of "
@@ -460,7 +488,7 @@ def _without_cache(kwargs: dict[str, Any], flash: bool) -> dict[str, Any]:
         )
     if kwargs.get("use_cache") and not flash:
         raise IsolationError(
-            "A packed batch with use_cache=True on sdpa/eager: transformers builds the per-document mask only "
+            "A packed batch with use_cache=True on sdpa, eager or flex_attention: transformers builds the per-document mask only "
             "when there is no cache, so the documents would attend to each other. Pass use_cache=False."
         )
     if kwargs.get("use_cache") is None:

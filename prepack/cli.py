@@ -358,6 +358,8 @@ class Attention(str, Enum):
     eager = "eager"
     flash_attention_2 = "flash_attention_2"
     flash_attention_3 = "flash_attention_3"
+    flash_attention_4 = "flash_attention_4"
+    flex_attention = "flex_attention"
 
 
 class Dtype(str, Enum):
@@ -369,8 +371,9 @@ class Dtype(str, Enum):
 
 @app.command("check-isolation", cls=_Command)
 def check_isolation_command(
-    model: Annotated[Path, typer.Option("--model", help="A local model directory (config.json and weights), or a config.json alone: random weights. Nothing is downloaded.")],
-    attn: Annotated[Attention, typer.Option("--attn", help="Attention implementation; the flash ones need a CUDA device and flash-attn.")] = Attention.sdpa,
+    model: Annotated[Path | None, typer.Option("--model", help="A local model directory (config.json and weights), or a config.json alone: random weights. Nothing is downloaded.")] = None,
+    attn: Annotated[Attention, typer.Option("--attn", help="Attention implementation; the flash ones need a CUDA device and flash-attn (-3, -4).")] = Attention.sdpa,
+    sweep: Annotated[bool, typer.Option("--sweep", help="Instead of --model: a tiny random model of every causal LM family the installed transformers registers, compared with prepack's table.")] = False,
     dtype: Annotated[Dtype | None, typer.Option("--dtype", help="Model dtype.", show_default="float64 on cpu, float32 on cuda, bfloat16 on flash")] = None,
     device: Annotated[str | None, typer.Option("--device", help="Torch device, e.g. cpu or cuda:1.", show_default="cuda if there is one, else cpu")] = None,
     packs: Annotated[int, typer.Option("--packs", min=1, help="Random packs in the batch, 1-4 documents each.")] = 2,
@@ -381,10 +384,25 @@ def check_isolation_command(
 ) -> None:
     """Run random packed documents through a local model with enable_packing, and each document alone,
     and print the largest differences. Exit 0: isolated; 1: documents leak into each other; 2: bad input,
-    a family prepack refuses on this backend (the reason is printed), or a model that fails on the batch."""
+    a family prepack refuses on this backend (the reason is printed), or a model that fails on the batch.
+    With --sweep: one line per family; exit 0 when every family gives the table's verdict, 1 otherwise."""
     try:  # here, not at the top: torch and transformers take seconds to import
         transformers = require("transformers", "prepack check-isolation")
         check_isolation = require("prepack.isolation", "prepack check-isolation").check_isolation
+        from prepack import families
+    except PrepackError as exc:
+        _fail(exc)
+    if transformers.__version__ != families.MEASURED_VERSION:
+        typer.echo(
+            f"transformers {transformers.__version__}: prepack's table of families was measured on "
+            f"{families.MEASURED_WITH}; on this release a family may differ ({families.SWEEP_COMMAND} re-measures)."
+        )
+    if sweep == (model is not None):
+        _fail(PrepackError("check-isolation takes --model DIR or --sweep (every family), one of the two."))
+    if sweep:
+        _sweep(attn.value, device)
+        return
+    try:
         result = check_isolation(
             model,
             attn.value,
@@ -416,3 +434,18 @@ def check_isolation_command(
     over = ", ".join(name for name, value, allowed in measured if not value <= allowed)  # `not <=` catches NaN
     typer.echo(f"LEAK: packed documents differ from the documents alone ({over} over the tolerance).")
     raise typer.Exit(1)
+
+
+def _sweep(attn: str, device: str | None) -> None:
+    from prepack.isolation import sweep
+
+    differ = []
+    for check in sweep(attn, device=device):
+        mark = "" if check.agrees else "  DIFFERS"
+        typer.echo(f"{check.model_type:<28}table: {check.table:<34}measured: {check.measured[:100]}{mark}")
+        if not check.agrees:
+            differ.append(check.model_type)
+    if differ:
+        typer.echo(f"{len(differ)} families differ from prepack's table on {attn}: {', '.join(differ)}.")
+        raise typer.Exit(1)
+    typer.echo(f"every family gives prepack's table's verdict on {attn}.")

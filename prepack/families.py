@@ -1,12 +1,16 @@
 """Which causal-LM families `enable_packing` keeps isolated, on which attention backend, and why not where not.
 
 One row per model type that transformers registers as a causal LM (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`),
-one verdict per backend: sdpa, eager, and flash (flash_attention_2 and flash_attention_3, which share
-transformers' one flash-attention path). The table is measured, not claimed: `tests/test_family_sweep.py`
+one verdict per backend: sdpa, eager, flash (flash_attention_2 and flash_attention_3, which share
+transformers' one flash-attention path), fa4 (flash_attention_4, FlashAttention-4: the same path, with
+FA4's options: sinks, no dropout) and flex (flex_attention: a BlockMask that transformers builds from
+`position_ids`, as it builds sdpa's mask). The table is measured, not claimed: `tests/test_family_sweep.py`
 builds a tiny random model of every family, packs documents with `PackedCollator`, and compares every
-document with the document run alone (float64, CPU; flash through a pure-torch flash-attn stand-in). It
-fails when a family marked isolated leaks, and when a family marked refused would in fact isolate. It
-runs on the installed transformers, so a new release that changes a family shows up as a failing test.
+document with the document run alone (float64, CPU; flash and fa4 through pure-torch stand-ins of the
+kernels, flex through torch's own flex_attention run uncompiled, on logits and loss only: torch's flex has
+no backward on CPU). It fails when a family marked isolated leaks, and when a family marked refused would
+in fact isolate. It runs on the installed transformers, so a new release that changes a family shows up as
+a failing test.
 
 A verdict is one of:
 - native: transformers keeps documents apart itself, from `position_ids` (sdpa, eager) or
@@ -34,10 +38,32 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["BACKENDS", "FAMILIES", "MEASURED_WITH", "Verdict", "backend_of", "markdown", "refusal", "verdict"]
+__all__ = [
+    "BACKENDS",
+    "FAMILIES",
+    "MEASURED_VERSION",
+    "MEASURED_WITH",
+    "SWEEP_COMMAND",
+    "Verdict",
+    "backend_of",
+    "implementation",
+    "markdown",
+    "refusal",
+    "verdict",
+]
 
-BACKENDS = ("sdpa", "eager", "flash")
-MEASURED_WITH = "transformers 5.24.0"
+BACKENDS = ("sdpa", "eager", "flash", "fa4", "flex")
+# The transformers attention implementation each backend column stands for (flash: flash_attention_3 too).
+_IMPLEMENTATIONS = {
+    "sdpa": "sdpa",
+    "eager": "eager",
+    "flash": "flash_attention_2",
+    "fa4": "flash_attention_4",
+    "flex": "flex_attention",
+}
+MEASURED_VERSION = "5.24.0"  # the transformers release the table was measured on; it changes weekly
+MEASURED_WITH = f"transformers {MEASURED_VERSION}"
+SWEEP_COMMAND = "prepack check-isolation --sweep"  # re-measures the installed transformers' families
 
 
 @dataclass(frozen=True)
@@ -119,6 +145,7 @@ FLASH_WITHOUT_OFFSETS = Verdict(
 )
 NO_SDPA = Verdict("refused", "transformers has no sdpa attention for this family")
 NO_FLASH = Verdict("refused", "transformers has no flash attention for this family")
+NO_FLEX = Verdict("refused", "transformers has no flex attention for this family")
 
 
 def _fails(detail: str) -> Verdict:
@@ -130,253 +157,262 @@ def _unmeasured(detail: str) -> Verdict:
 
 
 QWEN4_EXP_ON_FLASH = _fails("its sparse-attention indexer reads an attention mask, which the flash path has not")
+DOGE_ON_FLASH = _fails("DogeAttention has no is_causal attribute, which the flash path reads")
+FALCON_ON_FLASH = _fails("its flash path adds an attention bias that is None without a mask")
+GIT = _fails("GIT's loss expects image tokens (pixel_values) before the text")
+HRM_ON_FLASH = Verdict("refused", "transformers has no flash attention for a prefix-LM config (prefix_lm=True)")
+MPT = Verdict("refused", "MptForCausalLM does not pass position_ids on to its decoder: it cannot see the documents")
+MPT_ON_FLASH = _fails("its flash path reads an attention mask, which a packed batch does not have")
+DOGE_ON_FLEX = Verdict(
+    "refused",
+    "DogeAttention drops the BlockMask that carries flex_attention's per-document mask, and attends with its "
+    "dynamic mask alone",
+)
+SINKS_ON_FLEX = Verdict(
+    "refused",
+    "not measured: transformers' flex path raises for attention sinks on a CPU, where the sweep runs (on CUDA it "
+    "applies them, unmeasured)",
+)
+XGLM = _fails("XGLM's causal-LM head turns the cache on, and with a cache eager builds no per-document mask")
 
 # (sdpa, eager, flash) per model type, written from a sweep run; tests/test_family_sweep.py fails on any row
 # that differs from what it measures.
-FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict]] = {
-    'afmoe': (LAYER_MASKS, LAYER_MASKS, NATIVE),
-    'apertus': (NATIVE, NATIVE, NATIVE),
-    'apertus1p5_text': (NATIVE, NATIVE, NATIVE),
-    'arcee': (NATIVE, NATIVE, NATIVE),
-    'aria_text': (NATIVE, NATIVE, NATIVE),
-    'axk1': (NATIVE, NATIVE, NATIVE),
-    'axk2': (SPARSE, SPARSE, SPARSE),
-    'bailing_hybrid': (DELTA_ATTENTION, DELTA_ATTENTION, DELTA_ATTENTION),
-    'bamba': (MAMBA2, MAMBA2, MAMBA2),
-    'bart': (ENCODER, ENCODER, ENCODER),
-    'beam': (NATIVE, NATIVE, NATIVE),
-    'bert': (ENCODER, ENCODER, NATIVE),
-    'bert-generation': (ENCODER, ENCODER, NATIVE),
-    'big_bird': (NO_SDPA, ENCODER, ENCODER),
-    'bigbird_pegasus': (NO_SDPA, ENCODER, ENCODER),
-    'biogpt': (BLOCK_MASK, BLOCK_MASK, NATIVE),
-    'bitnet': (NATIVE, NATIVE, NATIVE),
-    'blenderbot': (ENCODER, ENCODER, ENCODER),
-    'blenderbot-small': (ENCODER, ENCODER, ENCODER),
-    'bloom': (NO_SDPA, POSITIONS, POSITIONS),
-    'blt': (_unmeasured("BLT's byte patcher and local encoder take sizes the sweep does not shrink consistently"),) * 3,
-    'camembert': (ENCODER, ENCODER, ENCODER),
-    'codegen': (NATIVE, NATIVE, NATIVE),
-    'cohere': (NATIVE, NATIVE, NATIVE),
-    'cohere2': (NATIVE, NATIVE, NATIVE),
-    'cohere2_moe': (NATIVE, NATIVE, NATIVE),
+FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict, Verdict, Verdict]] = {
+    'afmoe': (LAYER_MASKS, LAYER_MASKS, NATIVE, NATIVE, LAYER_MASKS),
+    'apertus': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'apertus1p5_text': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'arcee': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'aria_text': (NATIVE, NATIVE, NATIVE, NATIVE, NO_FLEX),
+    'axk1': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'axk2': (SPARSE, SPARSE, SPARSE, SPARSE, NO_FLEX),
+    'bailing_hybrid': (DELTA_ATTENTION, DELTA_ATTENTION, DELTA_ATTENTION, DELTA_ATTENTION, NO_FLEX),
+    'bamba': (MAMBA2, MAMBA2, MAMBA2, MAMBA2, NO_FLEX),
+    'bart': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
+    'beam': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'bert': (ENCODER, ENCODER, NATIVE, NATIVE, ENCODER),
+    'bert-generation': (ENCODER, ENCODER, NATIVE, NATIVE, ENCODER),
+    'big_bird': (NO_SDPA, ENCODER, ENCODER, ENCODER, NO_FLEX),
+    'bigbird_pegasus': (NO_SDPA, ENCODER, ENCODER, ENCODER, NO_FLEX),
+    'biogpt': (BLOCK_MASK, BLOCK_MASK, NATIVE, NATIVE, BLOCK_MASK),
+    'bitnet': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'blenderbot': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
+    'blenderbot-small': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
+    'bloom': (NO_SDPA, POSITIONS, POSITIONS, POSITIONS, NO_FLEX),
+    'blt': (_unmeasured("BLT's byte patcher and local encoder take sizes the sweep does not shrink consistently"),) * 5,
+    'camembert': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
+    'codegen': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'cohere': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'cohere2': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'cohere2_moe': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'cohere_compass_text': (
         _unmeasured(
             'its defaults do not build in transformers either: rope_parameters has no full_attention entry'
         ),
-    ) * 3,
-    'cpmant': (NO_SDPA, POSITIONS, POSITIONS),
-    'ctrl': (NATIVE, NATIVE, NATIVE),
-    'cwm': (NATIVE, NATIVE, NATIVE),
-    'data2vec-text': (ENCODER, ENCODER, ENCODER),
+    ) * 5,
+    'cpmant': (NO_SDPA, POSITIONS, POSITIONS, POSITIONS, NO_FLEX),
+    'ctrl': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'cwm': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'data2vec-text': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
     'dbrx': (
         _unmeasured(
             'its defaults do not build in transformers either: DbrxAttentionConfig has no rope_theta'
         ),
-    ) * 3,
-    'deepseek_v2': (NATIVE, NATIVE, NATIVE),
-    'deepseek_v3': (NATIVE, NATIVE, NATIVE),
-    'deepseek_v32': (SPARSE, SPARSE, SPARSE),
-    'deepseek_v4': (NO_SDPA, SPARSE, SPARSE),
-    'diffllama': (NATIVE, NATIVE, NATIVE),
-    'doge': (NATIVE, NATIVE, _fails("DogeAttention has no is_causal attribute, which the flash path reads")),
-    'dory': (NATIVE, NATIVE, NATIVE),
-    'dots1': (NATIVE, NATIVE, NATIVE),
+    ) * 5,
+    'deepseek_v2': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'deepseek_v3': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'deepseek_v32': (SPARSE, SPARSE, SPARSE, SPARSE, NO_FLEX),
+    'deepseek_v4': (NO_SDPA, SPARSE, SPARSE, SPARSE, NO_FLEX),
+    'diffllama': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'doge': (NATIVE, NATIVE, DOGE_ON_FLASH, DOGE_ON_FLASH, DOGE_ON_FLEX),
+    'dory': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'dots1': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'dots3_note': (
         _unmeasured("its vision adapter's widths must match the text model's, which the sweep does not shrink"),
-    ) * 3,
-    'dots3_note_text': (SPARSE, SPARSE, SPARSE),
-    'electra': (ENCODER, ENCODER, NATIVE),
-    'emu3': (NATIVE, NATIVE, NATIVE),
-    'ernie': (ENCODER, ENCODER, NATIVE),
-    'ernie4_5': (NATIVE, NATIVE, NATIVE),
-    'ernie4_5_moe': (NATIVE, NATIVE, NATIVE),
-    'exaone': (NATIVE, NATIVE, NATIVE),
-    'exaone4': (NATIVE, NATIVE, NATIVE),
-    'exaone_moe': (NATIVE, NATIVE, NATIVE),
-    'falcon': (NATIVE, NATIVE, _fails("its flash path adds an attention bias that is None without a mask")),
-    'falcon_h1': (MAMBA2, MAMBA2, MAMBA2),
-    'falcon_mamba': (NO_SDPA, MAMBA, NO_FLASH),
-    'flex_olmo': (NATIVE, NATIVE, NATIVE),
-    'flint': (NO_SDPA, NATIVE, NATIVE),
-    'fuyu': (NATIVE, NATIVE, NATIVE),
-    'gemma': (NATIVE, NATIVE, NATIVE),
-    'gemma2': (NO_SDPA, NATIVE, NATIVE),
-    'gemma3': (NATIVE, NATIVE, NATIVE),
-    'gemma3_text': (NATIVE, NATIVE, NATIVE),
-    'gemma3n': (_unmeasured('its vision tower needs the timm package'),) * 3,
-    'gemma3n_text': (NATIVE, NATIVE, NATIVE),
-    'gemma4': (NATIVE, NATIVE, NATIVE),
+    ) * 5,
+    'dots3_note_text': (SPARSE, SPARSE, SPARSE, SPARSE, NO_FLEX),
+    'electra': (ENCODER, ENCODER, NATIVE, NATIVE, ENCODER),
+    'emu3': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'ernie': (ENCODER, ENCODER, NATIVE, NATIVE, ENCODER),
+    'ernie4_5': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'ernie4_5_moe': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'exaone': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'exaone4': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'exaone_moe': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'falcon': (NATIVE, NATIVE, FALCON_ON_FLASH, FALCON_ON_FLASH, NO_FLEX),
+    'falcon_h1': (MAMBA2, MAMBA2, MAMBA2, MAMBA2, NO_FLEX),
+    'falcon_mamba': (NO_SDPA, MAMBA, NO_FLASH, NO_FLASH, NO_FLEX),
+    'flex_olmo': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'flint': (NO_SDPA, NATIVE, NATIVE, NATIVE, SINKS_ON_FLEX),
+    'fuyu': (NATIVE, NATIVE, NATIVE, NATIVE, NO_FLEX),
+    'gemma': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'gemma2': (NO_SDPA, NATIVE, NATIVE, NATIVE, NATIVE),
+    'gemma3': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'gemma3_text': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'gemma3n': (_unmeasured('its vision tower needs the timm package'),) * 5,
+    'gemma3n_text': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'gemma4': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'gemma4_assistant': (
         _unmeasured(
             "a draft model: its defaults do not validate without its target model's settings"
         ),
-    ) * 3,
-    'gemma4_text': (NATIVE, NATIVE, NATIVE),
-    'gemma4_unified': (NATIVE, NATIVE, NATIVE),
+    ) * 5,
+    'gemma4_text': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'gemma4_unified': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'gemma4_unified_assistant': (
         _unmeasured(
             "a draft model: its forward needs its target model's shared keys and values"
         ),
-    ) * 3,
-    'gemma4_unified_text': (NATIVE, NATIVE, NATIVE),
-    'git': (
-        NO_SDPA,
-        _fails("GIT's loss expects image tokens (pixel_values) before the text"),
-        _fails("GIT's loss expects image tokens (pixel_values) before the text"),
-    ),
-    'glm': (NATIVE, NATIVE, NATIVE),
-    'glm4': (NATIVE, NATIVE, NATIVE),
-    'glm4_moe': (NATIVE, NATIVE, NATIVE),
-    'glm4_moe_lite': (NATIVE, NATIVE, NATIVE),
-    'glm_moe_dsa': (SPARSE, SPARSE, SPARSE),
-    'got_ocr2': (NO_SDPA, NATIVE, NATIVE),
-    'gpt-sw3': (NATIVE, NATIVE, NATIVE),
-    'gpt2': (NATIVE, NATIVE, NATIVE),
-    'gpt_bigcode': (NATIVE, NATIVE, NATIVE),
-    'gpt_neo': (NO_SDPA, NATIVE, FLASH_WITHOUT_OFFSETS),
-    'gpt_neox': (NATIVE, NATIVE, NATIVE),
-    'gpt_neox_japanese': (NO_SDPA, NATIVE, FLASH_WITHOUT_OFFSETS),
-    'gpt_oss': (NO_SDPA, LAYER_MASKS, NATIVE),
-    'gptj': (NATIVE, NATIVE, NATIVE),
-    'granite': (NATIVE, NATIVE, NATIVE),
-    'granite_swa': (NO_SDPA, NATIVE, NATIVE),
-    'granitemoe': (NATIVE, NATIVE, NATIVE),
-    'granitemoe_swa': (NO_SDPA, NATIVE, NATIVE),
-    'granitemoehybrid': (MAMBA2_WITH_LAYER_MASKS, MAMBA2_WITH_LAYER_MASKS, MAMBA2),
-    'granitemoeshared': (NATIVE, NATIVE, NATIVE),
-    'helium': (NATIVE, NATIVE, NATIVE),
-    'hrm_text': (
-        NATIVE,
-        NATIVE,
-        Verdict("refused", "transformers has no flash attention for a prefix-LM config (prefix_lm=True)"),
-    ),
-    'hunyuan_v1_dense': (NATIVE, NATIVE, NATIVE),
-    'hunyuan_v1_moe': (NATIVE, NATIVE, NATIVE),
-    'hy_v3': (NATIVE, NATIVE, NATIVE),
-    'hy_v4': (NO_SDPA, SPARSE, SPARSE),
-    'hyperclovax': (NATIVE, NATIVE, NATIVE),
-    'inkling2_loop_text': (NO_SDPA, INKLING2, INKLING2),
-    'inkling2_text': (NO_SDPA, INKLING2, INKLING2),
-    'inkling_text': (SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS),
-    'internlm3': (NATIVE, NATIVE, NATIVE),
-    'iquestcoder': (NATIVE, NATIVE, NATIVE),
-    'jais2': (NATIVE, NATIVE, NATIVE),
-    'jamba': (MAMBA, MAMBA, MAMBA),
-    'jetmoe': (NATIVE, NATIVE, NATIVE),
-    'kimi_linear': (DELTA_ATTENTION, DELTA_ATTENTION, DELTA_ATTENTION),
-    'kolibri1': (NATIVE, NATIVE, NATIVE),
-    'laguna': (NATIVE, NATIVE, NATIVE),
-    'lara_mini': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
-    'lfm2': (SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS),
-    'lfm2_moe': (SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS),
-    'lfm3': (SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS),
-    'llama': (NATIVE, NATIVE, NATIVE),
-    'llama4': (NATIVE, NATIVE, NATIVE),
-    'llama4_text': (NATIVE, NATIVE, NATIVE),
-    'longcat_flash': (NATIVE, NATIVE, NATIVE),
-    'mamba': (NO_SDPA, MAMBA, NO_FLASH),
-    'mamba2': (NO_SDPA, MAMBA2, NO_FLASH),
-    'marian': (ENCODER, ENCODER, ENCODER),
-    'mbart': (ENCODER, ENCODER, ENCODER),
-    'megatron-bert': (NO_SDPA, ENCODER, ENCODER),
-    'mellum': (NATIVE, NATIVE, NATIVE),
-    'mimo_v2_flash': (NO_SDPA, NATIVE, NATIVE),
-    'minicpm3': (NATIVE, NATIVE, NATIVE),
-    'minimax': (LIGHTNING_ATTENTION, LIGHTNING_ATTENTION, LIGHTNING_ATTENTION),
-    'minimax_m2': (NATIVE, NATIVE, NATIVE),
-    'minimax_m3_vl_text': (NATIVE, NATIVE, NATIVE),
-    'ministral': (NATIVE, NATIVE, NATIVE),
-    'ministral3': (NATIVE, NATIVE, NATIVE),
-    'mistral': (NATIVE, NATIVE, NATIVE),
-    'mixtral': (NATIVE, NATIVE, NATIVE),
-    'mllama': (NATIVE, NATIVE, NATIVE),
-    'modernbert-decoder': (NATIVE, NATIVE, NATIVE),
-    'moshi': (NATIVE, NATIVE, NATIVE),
-    'moss_transcribe_diarize': (NATIVE, NATIVE, NATIVE),
-    'mpt': (
-        NO_SDPA,
-        Verdict("refused", "MptForCausalLM does not pass position_ids on to its decoder: it cannot see the documents"),
-        _fails("its flash path reads an attention mask, which a packed batch does not have"),
-    ),
-    'musicgen': (_unmeasured('its defaults do not build in transformers either: MusicgenConfig has no dropout'),) * 3,
+    ) * 5,
+    'gemma4_unified_text': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'git': (NO_SDPA, GIT, GIT, GIT, NO_FLEX),
+    'glm': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'glm4': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'glm4_moe': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'glm4_moe_lite': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'glm_moe_dsa': (SPARSE, SPARSE, SPARSE, SPARSE, NO_FLEX),
+    'got_ocr2': (NO_SDPA, NATIVE, NATIVE, NATIVE, NO_FLEX),
+    'gpt-sw3': (NATIVE, NATIVE, NATIVE, NATIVE, NO_FLEX),
+    'gpt2': (NATIVE, NATIVE, NATIVE, NATIVE, NO_FLEX),
+    'gpt_bigcode': (NATIVE, NATIVE, NATIVE, NATIVE, NO_FLEX),
+    'gpt_neo': (NO_SDPA, NATIVE, FLASH_WITHOUT_OFFSETS, FLASH_WITHOUT_OFFSETS, NO_FLEX),
+    'gpt_neox': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'gpt_neox_japanese': (NO_SDPA, NATIVE, FLASH_WITHOUT_OFFSETS, FLASH_WITHOUT_OFFSETS, NO_FLEX),
+    'gpt_oss': (NO_SDPA, LAYER_MASKS, NATIVE, NATIVE, SINKS_ON_FLEX),
+    'gptj': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'granite': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'granite_swa': (NO_SDPA, NATIVE, NATIVE, NATIVE, SINKS_ON_FLEX),
+    'granitemoe': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'granitemoe_swa': (NO_SDPA, NATIVE, NATIVE, NATIVE, SINKS_ON_FLEX),
+    'granitemoehybrid': (MAMBA2_WITH_LAYER_MASKS, MAMBA2_WITH_LAYER_MASKS, MAMBA2, MAMBA2, MAMBA2_WITH_LAYER_MASKS),
+    'granitemoeshared': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'helium': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'hrm_text': (NATIVE, NATIVE, HRM_ON_FLASH, HRM_ON_FLASH, NATIVE),
+    'hunyuan_v1_dense': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'hunyuan_v1_moe': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'hy_v3': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'hy_v4': (NO_SDPA, SPARSE, SPARSE, SPARSE, NO_FLEX),
+    'hyperclovax': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'inkling2_loop_text': (NO_SDPA, INKLING2, INKLING2, INKLING2, NO_FLEX),
+    'inkling2_text': (NO_SDPA, INKLING2, INKLING2, INKLING2, NO_FLEX),
+    'inkling_text': (SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS),
+    'internlm3': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'iquestcoder': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'jais2': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'jamba': (MAMBA, MAMBA, MAMBA, MAMBA, NO_FLEX),
+    'jetmoe': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'kimi_linear': (DELTA_ATTENTION, DELTA_ATTENTION, DELTA_ATTENTION, DELTA_ATTENTION, NO_FLEX),
+    'kolibri1': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'laguna': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'lara_mini': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE, NO_FLEX),
+    'lfm2': (SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS),
+    'lfm2_moe': (SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS),
+    'lfm3': (SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS, SHORT_CONVOLUTIONS),
+    'llama': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'llama4': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'llama4_text': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'longcat_flash': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'mamba': (NO_SDPA, MAMBA, NO_FLASH, NO_FLASH, NO_FLEX),
+    'mamba2': (NO_SDPA, MAMBA2, NO_FLASH, NO_FLASH, NO_FLEX),
+    'marian': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
+    'mbart': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
+    'megatron-bert': (NO_SDPA, ENCODER, ENCODER, ENCODER, NO_FLEX),
+    'mellum': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'mimo_v2_flash': (NO_SDPA, NATIVE, NATIVE, NATIVE, NO_FLEX),
+    'minicpm3': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'minimax': (LIGHTNING_ATTENTION, LIGHTNING_ATTENTION, LIGHTNING_ATTENTION, LIGHTNING_ATTENTION, LIGHTNING_ATTENTION),
+    'minimax_m2': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'minimax_m3_vl_text': (NATIVE, NATIVE, NATIVE, NATIVE, NO_FLEX),
+    'ministral': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'ministral3': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'mistral': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'mixtral': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'mllama': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'modernbert-decoder': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'moshi': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'moss_transcribe_diarize': (NATIVE, NATIVE, NATIVE, NATIVE, NO_FLEX),
+    'mpt': (NO_SDPA, MPT, MPT_ON_FLASH, MPT_ON_FLASH, NO_FLEX),
+    'musicgen': (_unmeasured('its defaults do not build in transformers either: MusicgenConfig has no dropout'),) * 5,
     'musicgen_melody': (
         _unmeasured(
             'its defaults do not build in transformers either: MusicgenMelodyConfig has no dropout'
         ),
-    ) * 3,
-    'mvp': (NO_SDPA, ENCODER, ENCODER),
-    'nanochat': (NATIVE, NATIVE, NATIVE),
-    'nemotron': (NATIVE, NATIVE, FLASH_WITHOUT_OFFSETS),
-    'nemotron_h': (MAMBA2, MAMBA2, MAMBA2),
-    'olmo': (NATIVE, NATIVE, NATIVE),
-    'olmo2': (NATIVE, NATIVE, NATIVE),
-    'olmo3': (NATIVE, NATIVE, NATIVE),
-    'olmo_hybrid': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
-    'olmoe': (NATIVE, NATIVE, NATIVE),
-    'openai-gpt': (NO_SDPA, POSITIONS, POSITIONS),
-    'opt': (BLOCK_MASK, BLOCK_MASK, NATIVE),
-    'pegasus': (ENCODER, ENCODER, ENCODER),
-    'persimmon': (NATIVE, NATIVE, NATIVE),
-    'phi': (NATIVE, NATIVE, NATIVE),
-    'phi3': (NATIVE, NATIVE, NATIVE),
-    'phi4_multimodal': (NATIVE, NATIVE, NATIVE),
-    'phimoe': (NATIVE, NATIVE, NATIVE),
-    'plbart': (ENCODER, ENCODER, ENCODER),
-    'prophetnet': (NO_SDPA, ENCODER, ENCODER),
-    'qwen2': (NATIVE, NATIVE, NATIVE),
-    'qwen2_moe': (NATIVE, NATIVE, NATIVE),
-    'qwen3': (NATIVE, NATIVE, NATIVE),
-    'qwen3_5': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
-    'qwen3_5_moe': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
-    'qwen3_5_moe_text': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
-    'qwen3_5_text': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
-    'qwen3_moe': (NATIVE, NATIVE, NATIVE),
-    'qwen3_next': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE),
-    'qwen4_exp': (GATED_DELTA_RULE, GATED_DELTA_RULE, QWEN4_EXP_ON_FLASH),
-    'qwen4_exp_text': (GATED_DELTA_RULE, GATED_DELTA_RULE, QWEN4_EXP_ON_FLASH),
-    'recurrent_gemma': (RECURRENT_BLOCKS, RECURRENT_BLOCKS, RECURRENT_BLOCKS),
+    ) * 5,
+    'mvp': (NO_SDPA, ENCODER, ENCODER, ENCODER, NO_FLEX),
+    'nanochat': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'nemotron': (NATIVE, NATIVE, FLASH_WITHOUT_OFFSETS, FLASH_WITHOUT_OFFSETS, NATIVE),
+    'nemotron_h': (MAMBA2, MAMBA2, MAMBA2, MAMBA2, MAMBA2),
+    'olmo': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'olmo2': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'olmo3': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'olmo_hybrid': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE, NO_FLEX),
+    'olmoe': (NATIVE, NATIVE, NATIVE, NATIVE, NO_FLEX),
+    'openai-gpt': (NO_SDPA, POSITIONS, POSITIONS, POSITIONS, NO_FLEX),
+    'opt': (BLOCK_MASK, BLOCK_MASK, NATIVE, NATIVE, BLOCK_MASK),
+    'pegasus': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
+    'persimmon': (NATIVE, NATIVE, NATIVE, NATIVE, NO_FLEX),
+    'phi': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'phi3': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'phi4_multimodal': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'phimoe': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'plbart': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
+    'prophetnet': (NO_SDPA, ENCODER, ENCODER, ENCODER, NO_FLEX),
+    'qwen2': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'qwen2_moe': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'qwen3': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'qwen3_5': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE, NO_FLEX),
+    'qwen3_5_moe': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE, NO_FLEX),
+    'qwen3_5_moe_text': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE, NO_FLEX),
+    'qwen3_5_text': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE, NO_FLEX),
+    'qwen3_moe': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'qwen3_next': (GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE, GATED_DELTA_RULE, NO_FLEX),
+    'qwen4_exp': (GATED_DELTA_RULE, GATED_DELTA_RULE, QWEN4_EXP_ON_FLASH, QWEN4_EXP_ON_FLASH, NO_FLEX),
+    'qwen4_exp_text': (GATED_DELTA_RULE, GATED_DELTA_RULE, QWEN4_EXP_ON_FLASH, QWEN4_EXP_ON_FLASH, NO_FLEX),
+    'recurrent_gemma': (RECURRENT_BLOCKS, RECURRENT_BLOCKS, RECURRENT_BLOCKS, RECURRENT_BLOCKS, RECURRENT_BLOCKS),
     'reformer': (
         NO_SDPA,
-        *[_unmeasured("its defaults do not build in transformers either: its LM head needs is_decoder=True")] * 2,
+        *[_unmeasured("its defaults do not build in transformers either: its LM head needs is_decoder=True")] * 3,
+        NO_FLEX,
     ),
-    'rembert': (NO_SDPA, ENCODER, ENCODER),
-    'roberta': (ENCODER, ENCODER, ENCODER),
-    'roberta-prelayernorm': (ENCODER, ENCODER, ENCODER),
-    'roc_bert': (ENCODER, ENCODER, NATIVE),
-    'roformer': (NO_SDPA, ENCODER, ENCODER),
-    'rwkv': (NO_SDPA, RWKV, RWKV),
-    'sarvam_mla': (NATIVE, NATIVE, NATIVE),
-    'sarvam_moe': (NATIVE, NATIVE, NATIVE),
-    'seed_oss': (NATIVE, NATIVE, NATIVE),
-    'smollm3': (NATIVE, NATIVE, NATIVE),
-    'solar_open': (NATIVE, NATIVE, NATIVE),
-    'stablelm': (NATIVE, NATIVE, FLASH_WITHOUT_OFFSETS),
-    'starcoder2': (NATIVE, NATIVE, NATIVE),
-    'trocr': (NO_SDPA, ENCODER, ENCODER),
-    'vaultgemma': (NO_SDPA, NATIVE, NATIVE),
-    'whisper': (ENCODER, ENCODER, ENCODER),
-    'xglm': (
-        NO_SDPA,
-        _fails("XGLM's causal-LM head turns the cache on, and with a cache eager builds no per-document mask"),
-        FLASH_WITHOUT_OFFSETS,
-    ),
-    'xlm': (NO_SDPA, ENCODER, ENCODER),
-    'xlm-roberta': (ENCODER, ENCODER, ENCODER),
-    'xlm-roberta-xl': (ENCODER, ENCODER, ENCODER),
-    'xlnet': (NO_SDPA, ENCODER, ENCODER),
-    'xlstm': (NO_SDPA, XLSTM_BLOCKS, NO_FLASH),
-    'xmod': (ENCODER, ENCODER, ENCODER),
-    'youtu': (NATIVE, NATIVE, NATIVE),
-    'zamba': (MAMBA, MAMBA, MAMBA),
-    'zamba2': (MAMBA2, MAMBA2, MAMBA2),
-    'zaya': (ZAYA,) * 3,
+    'rembert': (NO_SDPA, ENCODER, ENCODER, ENCODER, NO_FLEX),
+    'roberta': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
+    'roberta-prelayernorm': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
+    'roc_bert': (ENCODER, ENCODER, NATIVE, NATIVE, ENCODER),
+    'roformer': (NO_SDPA, ENCODER, ENCODER, ENCODER, NO_FLEX),
+    'rwkv': (NO_SDPA, RWKV, RWKV, RWKV, NO_FLEX),
+    'sarvam_mla': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'sarvam_moe': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'seed_oss': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'smollm3': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'solar_open': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'stablelm': (NATIVE, NATIVE, FLASH_WITHOUT_OFFSETS, FLASH_WITHOUT_OFFSETS, NO_FLEX),
+    'starcoder2': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'trocr': (NO_SDPA, ENCODER, ENCODER, ENCODER, NO_FLEX),
+    'vaultgemma': (NO_SDPA, NATIVE, NATIVE, NATIVE, NATIVE),
+    'whisper': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
+    'xglm': (NO_SDPA, XGLM, FLASH_WITHOUT_OFFSETS, FLASH_WITHOUT_OFFSETS, NO_FLEX),
+    'xlm': (NO_SDPA, ENCODER, ENCODER, ENCODER, NO_FLEX),
+    'xlm-roberta': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
+    'xlm-roberta-xl': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
+    'xlnet': (NO_SDPA, ENCODER, ENCODER, ENCODER, NO_FLEX),
+    'xlstm': (NO_SDPA, XLSTM_BLOCKS, NO_FLASH, NO_FLASH, NO_FLEX),
+    'xmod': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
+    'youtu': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
+    'zamba': (MAMBA, MAMBA, MAMBA, MAMBA, NO_FLEX),
+    'zamba2': (MAMBA2, MAMBA2, MAMBA2, MAMBA2, MAMBA2),
+    'zaya': (ZAYA,) * 5,
 }
 
 
 def backend_of(attn: str) -> str:
     """The table's column for a transformers attention implementation name."""
-    return "flash" if attn.startswith("flash_attention") else attn
+    if attn == "flash_attention_3":
+        return "flash"
+    return next((backend for backend, name in _IMPLEMENTATIONS.items() if name == attn), attn)
+
+
+def implementation(backend: str) -> str:
+    """The transformers attention implementation a column of the table was measured with."""
+    return _IMPLEMENTATIONS[backend]
 
 
 def verdict(model_type: str, attn: str) -> Verdict | None:
@@ -385,21 +421,31 @@ def verdict(model_type: str, attn: str) -> Verdict | None:
     return None if row is None else row[BACKENDS.index(backend_of(attn))]
 
 
-def refusal(model_type: str, model_class: str, attn: str) -> str | None:
-    """The message `enable_packing` raises for this family and backend, or None where it isolates."""
+def refusal(model_type: str, model_class: str, attn: str, *, registered_by: str | None = None) -> str | None:
+    """The message `enable_packing` raises for this family and backend, or None where it isolates.
+
+    `registered_by`: the installed transformers version, for a family of transformers' own code (not remote
+    code); a family that another release registers and the table lacks was not measured on that release.
+    """
     found = verdict(model_type, attn)
     if found is not None and found.isolated:
         return None
     if found is None:
+        where = (
+            f"not measured on this version: transformers {registered_by} registers it, and prepack's table was "
+            f"measured on {MEASURED_WITH}"
+            if registered_by not in (None, MEASURED_VERSION)
+            else f"it is not in the table of {MEASURED_WITH} (a newer transformers, or remote code)"
+        )
         return (
-            f"prepack has not measured model type {model_type!r} ({model_class}) on {attn}: it is not in the table "
-            f"of {MEASURED_WITH} (a newer transformers, or remote code), and a family with a new kind of layer may "
-            "let packed documents see each other. Check it: prepack check-isolation --model DIR --attn "
-            f"{attn}; if it reports isolated, call enable_packing(model, allow_unlisted=True)."
+            f"prepack has not measured model type {model_type!r} ({model_class}) on {attn}: {where}, and a family "
+            "with a new kind of layer may let packed documents see each other. Check it: prepack check-isolation "
+            f"--model DIR --attn {attn} (or every family of this transformers: {SWEEP_COMMAND}); if it reports "
+            "isolated, call enable_packing(model, allow_unlisted=True)."
         )
     elsewhere = [backend for backend, other in zip(BACKENDS, FAMILIES[model_type]) if other.isolated]
     instead = (
-        f"Load it with attn_implementation={_implementation(elsewhere[0])!r}, where prepack isolates it, or train "
+        f"Load it with attn_implementation={implementation(elsewhere[0])!r}, where prepack isolates it, or train "
         "it without packing (one document per row)."
         if elsewhere
         else "Train it without packing (one document per row)."
@@ -408,10 +454,6 @@ def refusal(model_type: str, model_class: str, attn: str) -> str | None:
         f"prepack cannot keep packed documents apart in {model_type} ({model_class}) on {attn}: "
         f"{found.reason}. {instead}"
     )
-
-
-def _implementation(backend: str) -> str:
-    return "flash_attention_2" if backend == "flash" else backend
 
 
 def markdown() -> str:
@@ -446,11 +488,14 @@ def markdown() -> str:
             f"Every causal LM that {MEASURED_WITH} registers, on each attention backend: **isolated** (packed",
             "documents give the logits, loss and gradients of each document run alone) or **refused**",
             "(`enable_packing` raises `IsolationError` with the reason and what to do instead). Measured by",
-            "`tests/test_family_sweep.py` on tiny random models in float64; flash is transformers'",
-            "flash-attention path (flash_attention_2 and _3) run with a pure-torch flash-attn. A model type",
-            "missing here (a newer transformers, remote code) is refused unless",
-            "`enable_packing(model, allow_unlisted=True)` is passed after `prepack check-isolation` reports it",
-            "isolated.",
+            "`tests/test_family_sweep.py` on tiny random models in float64. *flash* is transformers'",
+            "flash-attention path for flash_attention_2 and _3, run with a pure-torch flash-attn; *fa4* the same",
+            "path for flash_attention_4 (FlashAttention-4), run with a pure-torch stand-in of FA4's interface;",
+            "*flex* is flex_attention, run with torch's own flex_attention uncompiled, compared on logits and",
+            "loss only (torch's flex has no backward on CPU). A model type missing here (a newer transformers,",
+            "remote code) is refused unless `enable_packing(model, allow_unlisted=True)` is passed after",
+            "`prepack check-isolation` reports it isolated. On another transformers release, re-measure the",
+            "installed one's families with `prepack check-isolation --sweep`.",
             "",
             "| backend | isolated | of which per document | refused |",
             "|---|---:|---:|---:|",
@@ -465,8 +510,8 @@ def markdown() -> str:
             "*per document*: the layers that carry state along the sequence (listed below) run one document per",
             "row, and attention is isolated natively (or by the masks named beside it).",
             "",
-            "| model type | sdpa | eager | flash |",
-            "|---|---|---|---|",
+            f"| model type | {' | '.join(BACKENDS)} |",
+            "|---|" + "---|" * len(BACKENDS),
             *rows,
             "",
             "Run per document:",

@@ -1,13 +1,17 @@
 """Prove that packed documents stay apart: run a packed batch and each of its documents alone, and compare.
 
 `measure_isolation` does the comparison (the tests use it too); `check_isolation` loads a local model or
-a config, applies `enable_packing`, and measures it on random packs (`prepack check-isolation`).
+a config, applies `enable_packing`, and measures it on random packs (`prepack check-isolation`);
+`sweep` runs `check_isolation` on a tiny random model of every causal LM family the installed transformers
+registers (`prepack.tiny_models`) and compares with `prepack.families`, the table measured on one release
+(`prepack check-isolation --sweep`; the family sweep of the tests runs the same per family).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,13 +24,23 @@ with optional_imports("check_isolation"):
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_flash_attn_4_available
 
+from prepack import families
 from prepack.attention import _FLASH, SUPPORTED_ATTENTION, enable_packing
 from prepack.collate import PackedCollator
 from prepack.format import IGNORE_INDEX
 
-__all__ = ["IsolationResult", "check_isolation", "default_tolerances", "measure_isolation", "random_packs"]
+__all__ = [
+    "FamilyCheck",
+    "IsolationResult",
+    "check_family",
+    "check_isolation",
+    "default_tolerances",
+    "measure_isolation",
+    "random_packs",
+    "sweep",
+]
 
 
 @dataclass(frozen=True)
@@ -234,10 +248,12 @@ def check_isolation(
     weights, seeded). Runs `packs` random packs padded to `max_len` in one batch, then each document
     alone, and compares logits, loss and (with `gradients`) parameter gradients. `device` defaults to
     CUDA when available; `dtype` to "float64" on a CPU (float32 hides leaks of 1e-5), "float32" on CUDA
-    and "bfloat16" on flash attention; `tolerance` per dtype (`default_tolerances`). In float64 the MoE
+    and on flex_attention on a CPU (compiled flex has no float64 there), and "bfloat16" on flash attention;
+    `tolerance` per dtype (`default_tolerances`). flex_attention on a CPU compares logits and loss only:
+    torch's flex has no backward there. In float64 the MoE
     experts run transformers' eager loop (`experts_implementation="eager"`): its grouped_mm kernel has no
-    float64. Image and audio placeholder tokens are not drawn. flash_attention_2/3 need a CUDA device, the
-    flash-attn package and dtype "bfloat16" or "float16".
+    float64. Image and audio placeholder tokens are not drawn. flash_attention_2/3/4 need a CUDA device, the
+    flash-attn (flash-attn-3, flash-attn-4) package and dtype "bfloat16" or "float16".
 
     A model type that `prepack.families` lacks is measured (`enable_packing(..., allow_unlisted=True)`):
     that is how to check one. Raises InputError for a path that holds no loadable model, an unknown
@@ -248,7 +264,9 @@ def check_isolation(
     dtypes = {str(known).removeprefix("torch."): known for known in _TOLERANCES}
     flash = attn in _FLASH
     target = _device(device)
-    dtype = dtype or ("bfloat16" if flash else "float32" if target.type == "cuda" else "float64")
+    flex_on_cpu = attn == "flex_attention" and target.type == "cpu"
+    dtype = dtype or ("bfloat16" if flash else "float32" if target.type == "cuda" or flex_on_cpu else "float64")
+    gradients = gradients and not flex_on_cpu  # torch's flex_attention has no backward on a CPU
     if attn not in SUPPORTED_ATTENTION or dtype not in dtypes:
         raise InputError(
             f"attn must be one of {', '.join(SUPPORTED_ATTENTION)} (got {attn!r}) and dtype one of "
@@ -315,6 +333,7 @@ def _require_flash_kernels(attn: str, dtype: str, device: torch.device) -> None:
     package, available = {
         "flash_attention_2": ("flash-attn", is_flash_attn_2_available),
         "flash_attention_3": ("flash-attn-3", is_flash_attn_3_available),
+        "flash_attention_4": ("flash-attn-4", is_flash_attn_4_available),
     }[attn]
     usable = available()
     if device.type == "cuda" and attn == "flash_attention_2" and not usable:
@@ -349,3 +368,61 @@ def _load_local_model(path: Path, attn: str, dtype: torch.dtype, device: torch.d
             f"{path}: no causal language model loads from it{hint}: {type(exc).__name__}: {first_line}"
         ) from exc
     return loaded.to(device)
+
+
+@dataclass(frozen=True)
+class FamilyCheck:
+    """One family of the installed transformers, checked on one backend, against `prepack.families`."""
+
+    model_type: str
+    attn_implementation: str
+    table: str  # the table's verdict ("isolated (native)", "refused", "not measured on this version")
+    measured: str  # "isolated", "leaks", "refused: ...", "fails: ...", "no tiny model: ..."
+
+    @property
+    def agrees(self) -> bool:
+        """The measurement gives the table's verdict (a family the table lacks never agrees: add its row)."""
+        if self.table.startswith("isolated"):
+            return self.measured == "isolated"
+        return self.table == "refused" and not self.measured.startswith(("isolated", "leaks"))
+
+
+# Sweep sizes: packs of 3 random packs of up to 32 tokens, longer than the tiny models' windows and chunks.
+_SWEEP_PACKS, _SWEEP_MAX_LEN = 3, 32
+
+
+def check_family(model_type: str, attn: str = "sdpa", *, device: str | None = None) -> FamilyCheck:
+    """`check_isolation` on a tiny random model of `model_type` (its default dtype: float64 on a CPU, float32
+    for flex there; no gradients), compared with the table's verdict. A family the table lacks is measured
+    (`allow_unlisted`). flash_attention_2/3/4 need CUDA and their package, as for `check_isolation`."""
+    from prepack.tiny_models import tiny_config  # the config shrinking: only the sweep needs it
+
+    found = families.verdict(model_type, attn)
+    table = "not measured on this version" if found is None else f"isolated ({found.label})" if found.isolated else "refused"
+    with tempfile.TemporaryDirectory(prefix="prepack-sweep-") as folder:
+        path = Path(folder) / "config.json"
+        try:
+            tiny_config(model_type).to_json_file(path)
+        except Exception as exc:  # noqa: BLE001 (a config class that does not build from its own defaults)
+            return FamilyCheck(model_type, attn, table, f"no tiny model: {type(exc).__name__}: {_first_line(exc)}")
+        try:
+            result = check_isolation(
+                path, attn, device=device, packs=_SWEEP_PACKS, max_len=_SWEEP_MAX_LEN, gradients=False
+            )
+        except IsolationError as exc:
+            return FamilyCheck(model_type, attn, table, f"{'refused' if found else 'fails'}: {_first_line(exc)}")
+        except PrepackError as exc:
+            return FamilyCheck(model_type, attn, table, f"fails: {_first_line(exc)}")
+    return FamilyCheck(model_type, attn, table, "isolated" if result.passed else "leaks")
+
+
+def sweep(attn: str = "sdpa", *, device: str | None = None) -> Iterator[FamilyCheck]:
+    """`check_family` for every causal LM family the installed transformers registers, in name order."""
+    from prepack.tiny_models import CAUSAL_LM_TYPES
+
+    for model_type in CAUSAL_LM_TYPES:
+        yield check_family(model_type, attn, device=device)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().partition("\n")[0]

@@ -16,7 +16,7 @@ import torch
 import transformers
 from typer.testing import CliRunner
 
-from prepack import attention, families, isolation
+from prepack import attention, families, isolation, tiny_models
 from prepack.cli import Attention, Dtype, app
 from tests.test_isolation import LEAK, tiny_model
 from tests.tiny_models import tiny_config
@@ -78,8 +78,9 @@ def test_a_missing_path_exits_2_and_names_it(tmp_path):
     assert str(missing) in "".join(result.output.split())
 
 
-def test_flash_attention_without_cuda_exits_2_with_the_reason(saved):
-    result = check("--model", str(saved / "config.json"), "--attn", "flash_attention_2", "--device", "cpu")
+@pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_4"])
+def test_flash_attention_without_cuda_exits_2_with_the_reason(saved, attn):
+    result = check("--model", str(saved / "config.json"), "--attn", attn, "--device", "cpu")
     assert result.exit_code == 2
     assert "needs a CUDA device and flash-attn" in " ".join(result.output.split())
 
@@ -152,3 +153,55 @@ def test_a_model_transformers_cannot_build_exits_2_with_its_error(tmp_path):
     result = check("--model", str(config), "--no-gradients")
     assert result.exit_code == 2, result.output
     assert "no causal language model loads from it" in " ".join(result.output.split())
+
+
+@pytest.mark.slow  # compiles flex_attention for the CPU: half a minute
+def test_flex_attention_on_cpu_runs_compiled_in_float32_on_logits_and_loss(saved):
+    """torch's compiled flex has no float64 and no backward on a CPU: float32, and no gradient line."""
+    result = check("--model", str(saved / "config.json"), "--attn", "flex_attention", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert "attention flex_attention, float32 on cpu" in result.output
+    assert "largest gradient difference" not in result.output and logit_diff(result.output) < TOLERANCE
+
+
+# --- another transformers release, and the sweep that re-measures its families ---------------------------
+
+
+def test_another_transformers_release_is_named_with_the_command_that_re_measures(saved, monkeypatch):
+    # the module the command imports (a test before may have replaced the one imported here)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.97.0")
+    result = check("--model", str(saved / "config.json"), "--no-gradients")
+    output = " ".join(result.output.split())
+    assert f"transformers 5.97.0: prepack's table of families was measured on {families.MEASURED_WITH}" in output
+    assert families.SWEEP_COMMAND in output
+
+
+def test_the_measured_release_is_not_flagged(saved, monkeypatch):
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", families.MEASURED_VERSION)
+    result = check("--model", str(saved / "config.json"), "--no-gradients")
+    assert result.exit_code == 0 and "was measured on" not in result.output, result.output
+
+
+def test_the_sweep_checks_every_family_against_the_table(monkeypatch):
+    """Two families stand for all (the whole sweep takes minutes): qwen3 isolated, zaya refused."""
+    monkeypatch.setattr(tiny_models, "CAUSAL_LM_TYPES", ("qwen3", "zaya"))
+    result = CliRunner().invoke(app, ["check-isolation", "--sweep"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^qwen3 +table: isolated \(native\) +measured: isolated$", result.output, flags=re.MULTILINE)
+    assert re.search(r"^zaya +table: refused +measured: refused: ", result.output, flags=re.MULTILINE)
+    assert "every family gives prepack's table's verdict on sdpa." in result.output
+
+
+def test_the_sweep_exits_1_on_a_family_the_table_lacks(monkeypatch):
+    """A family a newer release registers: measured, and reported as not in the table."""
+    monkeypatch.setattr(tiny_models, "CAUSAL_LM_TYPES", ("qwen3",))
+    monkeypatch.delitem(families.FAMILIES, "qwen3")
+    result = CliRunner().invoke(app, ["check-isolation", "--sweep"])
+    assert result.exit_code == 1, result.output
+    assert re.search(r"^qwen3 +table: not measured on this version +measured: isolated  DIFFERS$", result.output, flags=re.MULTILINE)
+
+
+@pytest.mark.parametrize("arguments", [[], ["--sweep", "--model", "config.json"]])
+def test_model_or_sweep_one_of_the_two(arguments):
+    result = CliRunner().invoke(app, ["check-isolation", *arguments])
+    assert result.exit_code == 2 and "--model DIR or --sweep" in result.output, result.output

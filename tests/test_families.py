@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,11 @@ import torch
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from prepack import IsolationError, families
+from prepack import IsolationError, attention, families
 from prepack.attention import enable_packing
 from prepack.collate import PackedCollator
 from prepack.isolation import default_tolerances, measure_isolation
-from tests.flash_reference import use_flash_reference  # noqa: F401 (a fixture)
+from tests.flash_reference import use_flash_reference, use_flex_reference  # noqa: F401 (fixtures)
 from tests.test_family_sweep import MAX_LEN, packs
 from tests.tiny_models import tiny_model
 
@@ -39,7 +40,42 @@ def let_through(monkeypatch, model_type: str):
 
 
 def test_the_table_lists_exactly_the_registered_causal_lms():
-    assert sorted(families.FAMILIES) == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    """On the measured release exactly; on another one, a family the table has and the installed release
+    lacks is skipped, and one the release registers that the table lacks is refused as not measured on it."""
+    registered = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if transformers.__version__ == families.MEASURED_VERSION:
+        assert sorted(families.FAMILIES) == sorted(registered)
+    for model_type in sorted(registered - families.FAMILIES.keys()):
+        message = families.refusal(model_type, "a model class", "sdpa", registered_by=transformers.__version__)
+        assert f"{model_type!r} (a model class) on sdpa: not measured on this version" in message
+
+
+def test_a_family_of_another_release_that_the_table_lacks_is_refused_as_not_measured_on_it(monkeypatch):
+    monkeypatch.setattr(attention.transformers, "__version__", "5.99.0")  # the module enable_packing reads
+    monkeypatch.delitem(families.FAMILIES, "qwen3")
+    with pytest.warns(UserWarning), pytest.raises(IsolationError) as refused:
+        enable_packing(tiny_model("qwen3", "sdpa"))
+    message = " ".join(str(refused.value).split())
+    assert "'qwen3' (Qwen3ForCausalLM) on sdpa: not measured on this version: transformers 5.99.0 registers it" in message
+    assert families.MEASURED_WITH in message and families.SWEEP_COMMAND in message
+
+
+def test_enable_packing_warns_once_on_a_release_the_table_was_not_measured_on(monkeypatch):
+    # a release no other test warned about, in the module enable_packing reads
+    monkeypatch.setattr(attention.transformers, "__version__", "5.98.0")
+    with pytest.warns(UserWarning, match=rf"measured on {families.MEASURED_WITH}; this is transformers 5.98.0") as first:
+        enable_packing(tiny_model("qwen3", "sdpa"))
+    assert families.SWEEP_COMMAND in str(first[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would raise
+        enable_packing(tiny_model("qwen3", "sdpa"))
+
+
+def test_enable_packing_does_not_warn_on_the_measured_release(monkeypatch):
+    monkeypatch.setattr(attention.transformers, "__version__", families.MEASURED_VERSION)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        enable_packing(tiny_model("qwen3", "sdpa"))
 
 
 def test_the_support_page_is_generated_from_the_table():
@@ -87,7 +123,7 @@ def test_a_backend_switched_after_enable_packing_is_checked_at_the_forward():
 def test_an_unlisted_model_type_is_refused_unless_the_caller_opts_in(monkeypatch):
     monkeypatch.delitem(families.FAMILIES, "qwen3")
     model = tiny_model("qwen3", "sdpa")
-    with pytest.raises(IsolationError, match=r"not in the table.*prepack check-isolation.*allow_unlisted=True"):
+    with pytest.raises(IsolationError, match=r"(not in the table|not measured on this version).*check-isolation.*allow_unlisted=True"):
         enable_packing(model)
     assert measure(enable_packing(model, allow_unlisted=True)).passed
 
@@ -146,3 +182,46 @@ def test_rows_longer_than_an_attention_chunk_are_refused_on_flash():
     refusal = rf"Rows of {MAX_LEN} tokens .*attention_chunk_size={chunk}.*max_len at most"
     with pytest.raises(IsolationError, match=refusal):
         model(**PackedCollator(MAX_LEN)(packs()))
+
+
+# The families the GPU measurement named (docs/model-support.md): sliding windows (gemma3, mistral) and sinks
+# (gpt-oss, on FA4; transformers' flex path raises for sinks on a CPU).
+NEW_BACKEND_CASES = [
+    *[(family, "flash_attention_4") for family in ("qwen3", "gemma3_text", "mistral", "olmo3", "gpt_oss")],
+    *[(family, "flex_attention") for family in ("qwen3", "gemma3_text", "mistral", "olmo3")],
+]
+
+
+@pytest.mark.parametrize(("family", "attn"), NEW_BACKEND_CASES)
+def test_flash_attention_4_and_flex_attention_keep_packed_documents_apart(family, attn, request):
+    """FA4 through a stand-in of flash_attn.cute's interface, flex through torch's flex_attention uncompiled
+    (no backward on a CPU: logits and loss). Before they were supported, enable_packing refused both."""
+    request.getfixturevalue("use_flex_reference" if attn == "flex_attention" else "use_flash_reference")
+    model = enable_packing(tiny_model(family, attn))
+    sample = packs()
+    tolerance, loss_tolerance = default_tolerances(torch.float64, attn)
+    batch = PackedCollator(MAX_LEN)(sample)
+    gradients = attn != "flex_attention"
+    result = measure_isolation(
+        model, sample, batch, tolerance=tolerance, loss_tolerance=loss_tolerance, gradients=gradients
+    )
+    assert result.passed and (result.max_grad_diff is not None) == gradients, result
+
+
+@pytest.mark.usefixtures("use_flash_reference")
+def test_attention_sinks_reach_the_fa4_stand_in():
+    """gpt-oss's sinks go to FA4 as learnable_sink (flash-attn 2 has no such option, and transformers drops
+    them there): the stand-in must apply them, or the FA4 column would measure a model without sinks."""
+    fa4, fa2 = tiny_model("gpt_oss", "flash_attention_4"), tiny_model("gpt_oss", "flash_attention_2")
+    input_ids = torch.arange(2, 14)[None]
+    assert (fa4(input_ids).logits - fa2(input_ids).logits).abs().max() > LEAK
+    eager = tiny_model("gpt_oss", "eager")  # eager applies the sinks
+    torch.testing.assert_close(fa4(input_ids).logits, eager(input_ids).logits, rtol=0, atol=1e-10)
+
+
+@pytest.mark.usefixtures("use_flex_reference")
+def test_flex_attention_with_a_cache_is_refused():
+    """flex's BlockMask is built from position_ids only without a cache, as sdpa's mask is."""
+    model = enable_packing(tiny_model("qwen3", "flex_attention"))
+    with pytest.raises(IsolationError, match="use_cache=True on sdpa, eager or flex_attention"):
+        model(**{**PackedCollator(MAX_LEN)(packs()), "use_cache": True})
