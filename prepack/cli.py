@@ -372,7 +372,7 @@ class Dtype(str, Enum):
 @app.command("check-isolation", cls=_Command)
 def check_isolation_command(
     model: Annotated[Path | None, typer.Option("--model", help="A local model directory (config.json and weights), or a config.json alone: random weights. Nothing is downloaded.")] = None,
-    attn: Annotated[Attention, typer.Option("--attn", help="Attention implementation; the flash ones need a CUDA device and flash-attn (-3, -4).")] = Attention.sdpa,
+    attn: Annotated[Attention, typer.Option("--attn", metavar="IMPLEMENTATION", help="Attention implementation: sdpa, eager, flash_attention_2, flash_attention_3, flash_attention_4 or flex_attention; the flash ones need a CUDA device and flash-attn (-3, -4).")] = Attention.sdpa,
     sweep: Annotated[bool, typer.Option("--sweep", help="Instead of --model: a tiny random model of every causal LM family the installed transformers registers, compared with prepack's table.")] = False,
     dtype: Annotated[Dtype | None, typer.Option("--dtype", help="Model dtype.", show_default="float64 on cpu, float32 on cuda, bfloat16 on flash")] = None,
     device: Annotated[str | None, typer.Option("--device", help="Torch device, e.g. cpu or cuda:1.", show_default="cuda if there is one, else cpu")] = None,
