@@ -519,7 +519,7 @@ def ray_engine(address: str | None, staging: Staging) -> Iterator[RayEngine]:
             if staging.publication is None:
                 location = staging.scratch
             else:
-                location = scratch.enter_context(scratch_prefix(staging.publication.uri))
+                location = scratch.enter_context(scratch_prefix(staging.publication))
             yield RayEngine(staging, location)
     finally:
         if started:

@@ -376,26 +376,30 @@ def test_a_damaged_store_shard_in_s3_is_named_by_its_uri_on_a_worker(tmp_path, s
 
 
 def test_the_scratch_prefix_is_beside_the_output_and_only_it_is_deleted(s3_server, fs, s3_bucket):
-    from prepack.remote import scratch_prefix
+    from prepack.remote import Publication, scratch_prefix
 
-    kept = {".packed.prepack-scratch-other/x": b"1", "packed-2/y": b"2", "packed/z": b"3"}
+    kept = {".packed.prepack-scratch-other/x": b"1", "packed-2/y": b"2", "packedz/z": b"3"}
     for name, data in kept.items():
         fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/{name}", data)
+    publication = Publication(f"{s3_bucket}/packed/", False, "manifest.json")
     for failing in (False, True):
         with pytest.raises(RuntimeError) if failing else contextlib.nullcontext():
-            with scratch_prefix(f"{s3_bucket}/packed/") as scratch:
+            with scratch_prefix(publication) as scratch:
                 assert scratch.startswith(f"{s3_bucket}/.packed.prepack-scratch-")
                 fs.pipe_file(f"{scratch.removeprefix('s3://')}/deep/ids-00000.bin", b"tokens")
-                assert len(_objects(fs, s3_bucket)) == len(kept) + 1
+                assert len(_objects(fs, s3_bucket)) == len(kept) + 2  # and the staging marker
                 if failing:
                     raise RuntimeError("a build failed")
-        assert _objects(fs, s3_bucket) == kept
+        assert set(_objects(fs, s3_bucket)) == {*kept, ".packed.prepack-staging"}
+    publication.discard()
+    assert _objects(fs, s3_bucket) == kept
 
 
 def test_a_failed_publication_deletes_what_its_workers_uploaded_and_nothing_else(tmp_path, s3_server, fs, s3_bucket):
     """The rules the Ray engine's shard tasks upload by (`Publication`), at a prefix holding a build
     that this one replaces: the old manifest goes before the first new shard, and a failure deletes
-    the new shards recorded, not the old build's others nor anything beside the prefix."""
+    the new shards recorded and the unpublished build's others (no prefix is left with shards and no
+    manifest), not anything beside the prefix."""
     from prepack.remote import Publication
 
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1] * 50] * 40))
@@ -408,7 +412,7 @@ def test_a_failed_publication_deletes_what_its_workers_uploaded_and_nothing_else
     assert "packed/manifest.json" not in _objects(fs, s3_bucket)  # unpublished before a shard goes up
     fs.pipe_file(publication.shard_uri("shard-00000.arrow").removeprefix("s3://"), b"a new shard")
     publication.discard()
-    assert _objects(fs, s3_bucket) == {k: v for k, v in old.items() if k not in ("packed/manifest.json", "packed/shard-00000.arrow")}
+    assert _objects(fs, s3_bucket) == {k: v for k, v in old.items() if not k.startswith("packed/")}
 
 
 def test_an_index_build_runs_on_the_driver_with_the_local_bytes(tmp_path, local_ray):
