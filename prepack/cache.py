@@ -51,6 +51,7 @@ class ShardCache:
                 f"{uri}: a build in object storage is read through a local cache; pass cache_dir=, a directory "
                 "with room for its shards (shared by the ranks and workers of a node)."
             )
+        filesystem(uri)  # refuses a URI without a bucket by the name it was given
         self.uri = uri.rstrip("/")
         self.directory = Path(directory)
         self.fresh = fresh

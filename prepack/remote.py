@@ -225,14 +225,18 @@ def _objects(fs: Any, prefix: str) -> dict[str, bool]:
 
 
 def _manifest_text(fs: Any, uri: str, prefix: str, kind: str) -> bytes | None:
-    """The bytes of the manifest `kind` under `prefix` (`uri`), or None when there is none. At most
-    MANIFEST_MAX_BYTES + 1 bytes are read: a larger one is refused (FormatError naming its URI) without
-    being downloaded, as a local one is unread."""
+    """The bytes of the manifest `kind` under `prefix` (`uri`), or None when there is none. One larger
+    than MANIFEST_MAX_BYTES is refused (FormatError naming its URI) by its size, before it is read (and
+    no more than MANIFEST_MAX_BYTES + 1 bytes are read should it grow meanwhile), as a local one is."""
+    path = f"{prefix}/{kind}"
     try:
-        text = fs.cat_file(f"{prefix}/{kind}", start=0, end=MANIFEST_MAX_BYTES + 1)
+        fs.invalidate_cache(path)
+        size = fs.info(path).get("size")
+        larger = (size or 0) > MANIFEST_MAX_BYTES
+        text = b"" if larger else fs.cat_file(path, start=0, end=MANIFEST_MAX_BYTES + 1)
     except FileNotFoundError:
         return None
-    if len(text) > MANIFEST_MAX_BYTES:
+    if larger or len(text) > MANIFEST_MAX_BYTES:
         raise format_error(join(uri, kind), f"is larger than {MANIFEST_MAX_BYTES} bytes, the most a prepack manifest may hold.")
     return text
 
@@ -418,6 +422,12 @@ class Publication:
         shards and the marker."""
         shards = sorted(p.name for p in built.iterdir() if p.name != self.kind)
         self.uploading([*shards, self.kind])
+        try:  # a manifest that went up meanwhile (a writer that ignored the marker): its shards stay as they are
+            published = _manifest_text(self.fs, self.uri, self.prefix, self.kind) is not None
+        except (OSError, FormatError):
+            published = True
+        if published:
+            self._give_up(f"another prepack build published {self.uri} while this one ran; that build was left as it is")
         self._writing(lambda: self.fs.put([str(built / name) for name in shards], [f"{self.prefix}/{name}" for name in shards]))
         self._check_claim()
         manifest, target = (built / self.kind).read_bytes(), f"{self.prefix}/{self.kind}"
