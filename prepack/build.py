@@ -227,11 +227,12 @@ def check_engine(engine: str, ray_address: str | None, reading: Reading) -> None
             "tokenizes on one core, and the cluster's CPUs set how many run at once."
         )
     try:
-        import prepack.engine_ray  # noqa: F401  (ray is imported only for this engine)
+        import prepack.engine_ray  # (ray is imported only for this engine)
     except ImportError as exc:
         if (exc.name or "").partition(".")[0] != "ray":
             raise
         raise InputError("--engine ray needs ray: pip install 'prepack[ray]'") from None
+    prepack.engine_ray.check_ray_address(ray_address)  # before anything is read or written
 
 
 @contextmanager

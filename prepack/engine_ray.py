@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import tempfile
 from collections import deque
@@ -69,7 +70,7 @@ from prepack.write import ShardBuffers, TokenFiles, gather_tokens, write_in_piec
 if TYPE_CHECKING:  # tokenizers is needed only for text and chat
     from prepack.tokenize import LocalTokenizer
 
-__all__ = ["RayEngine", "ReadCorpus", "ray_engine"]
+__all__ = ["RayEngine", "ReadCorpus", "check_ray_address", "ray_engine"]
 
 # Attempts after the first of a task whose worker died (a killed process, a lost node).
 _RETRIES = 3
@@ -475,12 +476,31 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
 
 
+# What a Ray address may be: Ray's own words, or [ray://]HOST:PORT (an IPv6 host in brackets).
+_RAY_ADDRESS = re.compile(r"(?:ray://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})")
+
+
+def check_ray_address(address: str | None, named: str | None = None) -> None:
+    """Refuse at once (InputError naming it) an address Ray could never join, which it would retry for
+    minutes: anything but "auto", "local" or [ray://]HOST:PORT with a port from 1 to 65535. `named`:
+    how the message names it (default: `--ray-address ADDRESS`)."""
+    if address is None or address in ("auto", "local"):
+        return
+    match = _RAY_ADDRESS.fullmatch(address)
+    if match is None or not 0 < int(match["port"]) < 65536:
+        raise InputError(
+            f"{named or f'--ray-address {address}'}: not a Ray address; give auto, HOST:PORT (a cluster's GCS, "
+            "as `ray start --head` prints it) or ray://HOST:PORT (a Ray Client server)."
+        )
+
+
 def _check_listening(address: str, named: str) -> None:
     """Refuse at once an address `HOST:PORT` (or `ray://HOST:PORT`) where nothing listens, which Ray
     would retry for minutes. `named`: the address as the user gave it, for the message."""
+    check_ray_address(address, named)
+    if address in ("auto", "local"):
+        return  # Ray's to resolve
     host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        return  # "auto", "local": Ray's to resolve
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT).close()
     except OSError as exc:

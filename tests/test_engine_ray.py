@@ -428,6 +428,20 @@ def _closed_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1:-1", "127.0.0.1:http", "127.0.0.1:70000", "ray://:10001", "garbage", ""])
+def test_an_address_that_cannot_parse_is_refused_at_once_and_exit_2(address, tmp_path):
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
+    started = time.monotonic()
+    with pytest.raises(InputError, match=f"^--ray-address {address}: not a Ray address"):
+        build(corpus, tmp_path / "out", max_len=8, engine="ray", ray_address=address)
+    assert time.monotonic() - started < 5
+    command = [PREPACK, "build", str(corpus), "--max-len", "8", "--out", str(tmp_path / "out"), "--engine", "ray"]
+    for args, env in (([*command, "--ray-address", address], os.environ), (command, {**os.environ, "RAY_ADDRESS": address or "::"})):
+        result = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env)
+        assert result.returncode == 2 and "not a Ray address" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
+
+
 def test_an_address_where_nothing_listens_is_an_engine_error_and_exit_2(tmp_path):
     port = _closed_port()
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
