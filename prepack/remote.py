@@ -12,7 +12,10 @@ to object storage, so every reading and writing rule stays defined once, for loc
   uploaded, the manifest last. Object stores have no rename, so the manifest is
   what makes a prefix a build: every reader treats a prefix without one as no build. A prefix is written
   only when it is empty or holds a prepack output of the same kind and `overwrite` is on; a failed
-  publication deletes what it uploaded, and nothing else.
+  publication deletes what it uploaded, and nothing else. A staging marker beside the prefix lists
+  what a build may write, so that the next build clears a killed one's objects and no others; it and
+  the manifest are created exclusively where the store can (`If-None-Match: *`), so that of two builds
+  to one prefix one fails (`Publication`). An output goes to a prefix in a bucket (`output_prefix`).
 - `list_input`, `fetch` and `upload` list a corpus and move one file at a time, for callers that
   distribute the work (the Ray engine's workers); `Corpus.located` names local copies by their URIs;
   `scratch_prefix` is where such callers keep the objects that pass between their tasks.
