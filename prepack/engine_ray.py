@@ -502,9 +502,30 @@ def _check_listening(address: str, named: str) -> None:
         return  # Ray's to resolve
     host, _, port = address.removeprefix("ray://").rpartition(":")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT) as connection:
+            grpc = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true") or _speaks_grpc(connection)
     except OSError as exc:
         raise EngineError(f"{named}: no Ray cluster answers there ({exc.strerror or exc}).") from None
+    if not grpc:
+        raise EngineError(f"{named}: something answers there, but not a Ray cluster (its GCS, or a Ray Client server, speaks gRPC).")
+
+
+# HTTP/2's client connection preface and an empty SETTINGS frame: a gRPC server (a Ray GCS, a Ray
+# Client server) answers with a SETTINGS frame (type 4) at once; an HTTP/1 server, or anything else, not.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _speaks_grpc(connection: socket.socket) -> bool:
+    """Whether the server at the other end of `connection` answers HTTP/2's preface (within its timeout),
+    as Ray's servers do; with TLS (RAY_USE_TLS) it cannot be asked so, and is not."""
+    connection.sendall(_HTTP2_PREFACE)
+    head = b""
+    try:
+        while len(head) < 9 and (piece := connection.recv(9 - len(head))):
+            head += piece
+    except OSError:  # a timeout, a reset: not an HTTP/2 server
+        return False
+    return len(head) == 9 and head[3] == 4
 
 
 @contextmanager

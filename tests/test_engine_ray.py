@@ -435,11 +435,49 @@ def test_an_address_that_cannot_parse_is_refused_at_once_and_exit_2(address, tmp
     with pytest.raises(InputError, match=f"^--ray-address {address}: not a Ray address"):
         build(corpus, tmp_path / "out", max_len=8, engine="ray", ray_address=address)
     assert time.monotonic() - started < 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
+
+
+def test_an_address_that_cannot_parse_exits_2_from_the_option_and_from_ray_address(tmp_path):
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
     command = [PREPACK, "build", str(corpus), "--max-len", "8", "--out", str(tmp_path / "out"), "--engine", "ray"]
-    for args, env in (([*command, "--ray-address", address], os.environ), (command, {**os.environ, "RAY_ADDRESS": address or "::"})):
+    for args, env in (([*command, "--ray-address", "127.0.0.1:-1"], os.environ), (command, {**os.environ, "RAY_ADDRESS": "host:port"})):
         result = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env)
         assert result.returncode == 2 and "not a Ray address" in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
+
+
+def test_an_address_where_something_but_not_ray_listens_is_an_engine_error_in_seconds(tmp_path):
+    """An HTTP server where the cluster should be: Ray would retry for minutes, prepack asks it the
+    HTTP/2 preface that Ray's gRPC servers answer, and gives up at once."""
+    import http.server
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
+    try:
+        result = subprocess.run(
+            [PREPACK, "build", str(corpus), "--max-len", "8", "--out", str(tmp_path / "out"), "--engine", "ray", "--ray-address", address],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert result.returncode == 2 and "something answers there, but not a Ray cluster" in " ".join(result.stderr.split()), result.stderr
+        with pytest.raises(EngineError, match=f"^--ray-address ray://{address}: something answers there, but not a Ray cluster"):
+            build(corpus, tmp_path / "out", max_len=8, engine="ray", ray_address=f"ray://{address}")
+    finally:
+        server.shutdown()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
+
+
+@pytest.mark.slow
+def test_a_ray_clusters_gcs_passes_the_address_check():
+    from prepack.engine_ray import _check_listening
+
+    ray.init(num_cpus=1, **QUIET_RAY)
+    try:
+        _check_listening(ray.get_runtime_context().gcs_address, "the test's Ray")  # raises if it does not answer as gRPC
+    finally:
+        ray.shutdown()
 
 
 def test_an_address_where_nothing_listens_is_an_engine_error_and_exit_2(tmp_path):
