@@ -408,18 +408,25 @@ class RayEngine:
     def _scratch(self, name: str) -> Path | str:
         return self.scratch / name if isinstance(self.scratch, Path) else f"{self.scratch}/{name}"
 
+    def _recording(self, names: list[str]) -> None:
+        """Record the shards `names` as this build's before any is uploaded, when the build goes to object storage."""
+        if self.staging.publication is not None:
+            self.staging.publication.uploading(names)
+
     def _target(self, name: str) -> str | None:
-        """Where a task uploads the shard `name`, recorded as this build's, when the build goes to object storage."""
+        """Where a task uploads the shard `name`, when the build goes to object storage (checked to be
+        still this build's prefix first)."""
         publication = self.staging.publication
         if publication is None:
             return None
-        publication.uploading([name])
+        publication.check_claim()
         return publication.shard_uri(name)
 
     def write_pack_shards(self, plan: PackingPlan, read: ReadCorpus, shard_size: int, progress: Progress) -> list[ShardInfo]:
         """Phase 3 of a build: the plan's packs cut into shards as the local engine cuts them, each
         resolved on the driver (`plan.slice`) as its task starts, and written by the task."""
         bounds, _ = pack_shard_bounds(plan, read.stored.has_labels, shard_size, index_only=False)
+        self._recording([shard_name(index) for index in range(len(bounds) - 1)])
         tokens, labels = ray.put(read.tokens), ray.put(read.labels)
         submitted = (
             _write_pack_shard.remote(self.cwd, self.staging.build, self._target(shard_name(index)), index, plan.slice(first, end), tokens, labels)
@@ -441,6 +448,7 @@ class RayEngine:
             row = int(np.argmax(lengths > np.iinfo(np.int32).max))
             raise too_long_for_a_shard(*_locate_row(documents.corpus, read.stored.rows_per_file, row), int(lengths[row]))
         bounds, first_tokens = store_shard_bounds(lengths, store_shard_capacity(read.stored.has_labels, shard_size))
+        self._recording([store_shard_name(index) for index in range(len(bounds) - 1)])
         tokens, labels = ray.put(read.tokens), ray.put(read.labels)
         submitted = (
             _write_store_shard.remote(

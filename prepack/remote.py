@@ -385,6 +385,7 @@ class Publication:
         self.scratch: list[str] = []  # names beside the prefix that this build writes under
         try:
             self.fs.pipe_file(self.marker, self._marker_text(), mode="create")
+            self.claimed = _object_version(self.fs, self.marker)
         except FileExistsError:
             raise OutputError(
                 f"another prepack build to {uri} started at the same moment "
@@ -432,7 +433,7 @@ class Publication:
         if published:
             self._give_up(f"another prepack build published {self.uri} while this one ran; that build was left as it is")
         self._writing(lambda: self.fs.put([str(built / name) for name in shards], [f"{self.prefix}/{name}" for name in shards]))
-        self._check_claim()
+        self.check_claim(thorough=True)
         manifest, target = (built / self.kind).read_bytes(), f"{self.prefix}/{self.kind}"
         try:
             self.fs.pipe_file(target, manifest, mode="create")
@@ -475,11 +476,22 @@ class Publication:
     def _record(self, change) -> None:
         """Apply `change` to what the marker lists and rewrite the marker, once it is checked to be
         this build's still."""
-        self._check_claim()
+        self.check_claim()
         change()
         self._writing(lambda: self.fs.pipe_file(self.marker, self._marker_text()))
+        self.claimed = _object_version(self.fs, self.marker)
 
-    def _check_claim(self) -> None:
+    def check_claim(self, thorough: bool = False) -> None:
+        """Stop (OutputError, this build's objects deleted) when the marker is no longer this build's:
+        a later build took the prefix over. One HEAD request while the marker is as this build wrote it;
+        `thorough`: the marker read whatever its version (before the manifest goes up)."""
+        try:
+            if not thorough and self.claimed is not None and _object_version(self.fs, self.marker) == self.claimed:
+                return
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise OutputError(f"cannot read {self.fs.unstrip_protocol(self.marker)}: {exc}.") from None
         marker = _read_marker(self.fs, self.uri, self.marker)
         if marker is None or marker.get("build") != self.build_id:
             self._give_up(f"another prepack build to {self.uri} started while this one ran and took the prefix over")
@@ -500,6 +512,16 @@ class Publication:
             except OSError as cleanup:
                 raise OutputError(f"cannot write {self.uri}: {exc}; nor delete what this build uploaded: {cleanup}.") from None
             raise OutputError(f"cannot write {self.uri}: {exc}; what this build uploaded was deleted.") from None
+
+
+def _object_version(fs: Any, path: str) -> tuple | None:
+    """What the store says identifies the object's bytes now (size, ETag or generation, modification
+    time), or None where it says none of that. Raises FileNotFoundError when there is no object."""
+    fs.invalidate_cache(path)
+    info = fs.info(path)
+    fields = ("ETag", "etag", "generation", "LastModified", "mtime", "updated")
+    found = tuple(str(info[key]) for key in fields if info.get(key) is not None)
+    return (info.get("size"), *found) if found else None
 
 
 def output_prefix(uri: str) -> tuple[Any, str]:
