@@ -15,7 +15,7 @@ to object storage, so every reading and writing rule stays defined once, for loc
   publication deletes what it uploaded, and nothing else. A staging marker beside the prefix lists
   what a build may write, so that the next build clears a killed one's objects and no others; it and
   the manifest are created exclusively where the store can (`If-None-Match: *`), so that of two builds
-  to one prefix one fails (`Publication`). An output goes to a prefix in a bucket (`output_prefix`).
+  to one prefix one fails (`Publication`). An output goes to a prefix in a bucket (`_output_prefix`).
 - `list_input`, `fetch` and `upload` list a corpus and move one file at a time, for callers that
   distribute the work (the Ray engine's workers); `Corpus.located` names local copies by their URIs;
   `scratch_prefix` is where such callers keep the objects that pass between their tasks.
@@ -57,14 +57,12 @@ __all__ = [
     "InputObjects",
     "LocalInput",
     "Publication",
-    "clear_leftovers",
     "fetch",
     "filesystem",
     "is_uri",
     "join",
     "list_input",
     "local_input",
-    "output_prefix",
     "read_output_manifest",
     "relative_location",
     "scratch_prefix",
@@ -357,7 +355,7 @@ class Publication:
     over (the names, relative to the prefix) and the `scratch` prefixes beside it that it writes under.
 
     When the publication is made: a marker already there is a killed build's, and the objects and
-    scratch prefixes it lists are deleted, then the marker (`clear_leftovers`; never an object the
+    scratch prefixes it lists are deleted, then the marker (`_clear_leftovers`; never an object the
     prefix's manifest names, nor anything the marker does not list); then the prefix must be empty, or
     hold a prepack output of `kind` and `overwrite` be on (else OutputError, before anything is
     written); then this build's marker is created, exclusively where the store can (S3's
@@ -374,10 +372,10 @@ class Publication:
 
     def __init__(self, uri: str, overwrite: bool, kind: str) -> None:
         self.uri, self.kind = uri, kind
-        self.fs, self.prefix = output_prefix(uri)
+        self.fs, self.prefix = _output_prefix(uri)
         self.parent, self.name = posixpath.split(self.prefix)
         self.marker = f"{self.parent}/.{self.name}{STAGING_MARK}"
-        clear_leftovers(self.fs, self.uri, self.prefix, self.marker)
+        _clear_leftovers(self.fs, self.uri, self.prefix, self.marker)
         self.replacing = _replaceable_prefix(self.fs, uri, self.prefix, kind, overwrite)
         self.build_id = uuid.uuid4().hex
         self.opened = False
@@ -524,7 +522,7 @@ def _object_version(fs: Any, path: str) -> tuple | None:
     return (info.get("size"), *found) if found else None
 
 
-def output_prefix(uri: str) -> tuple[Any, str]:
+def _output_prefix(uri: str) -> tuple[Any, str]:
     """(fsspec filesystem, path) of the prefix `uri` that a build or store is written to: a key in a
     bucket (the marker and scratch objects lie beside it, in its parent), without '.' or '..' parts.
     Raises InputError for a bucket alone or such a part."""
@@ -538,7 +536,7 @@ def output_prefix(uri: str) -> tuple[Any, str]:
     return fs, path
 
 
-def clear_leftovers(fs: Any, uri: str, prefix: str, marker_path: str) -> None:
+def _clear_leftovers(fs: Any, uri: str, prefix: str, marker_path: str) -> None:
     """Delete what a killed build to `prefix` left (`Publication`): the objects its staging marker
     `marker_path` lists under the prefix, except those a manifest there names; everything under the
     scratch prefixes it lists beside the prefix; then the marker. Nothing else. Raises OutputError
