@@ -299,13 +299,13 @@ def staged_prefix(uri: str, overwrite: bool, kind: str = MANIFEST_NAME) -> Itera
         staging.scratch.mkdir()
         try:
             yield staging
-        except BaseException as exc:  # an interrupted build too
+            publication.publish(staging.build)
+        except BaseException as exc:  # an interrupted build too; after publishing, only the marker is left to delete
             try:
                 publication.discard()
             except OSError as cleanup:
                 raise OutputError(f"{exc}; nor could what this build uploaded to {uri} be deleted: {cleanup}.") from None
             raise
-        publication.publish(staging.build)
 
 
 @contextmanager
@@ -442,13 +442,13 @@ class Publication:
             self._give_up(f"cannot write {self.uri}: {exc}")
         if not published:  # another build's manifest went up first, or replaced this one's
             self._give_up(f"another prepack build published {self.uri} while this one ran; that build was left as it is")
+        self.uploaded = []  # published: nothing to discard any more
         if self.replacing is not None:
             ours = set(shards)
             try:
                 _delete(self.fs, [f"{self.prefix}/{s.name}" for s in self.replacing[1].shards if s.name not in ours])
             except OSError as exc:
                 raise OutputError(f"{self.uri} is published, but the replaced build's other shards could not be deleted: {exc}.") from None
-        self.uploaded = []  # published: nothing to discard any more
         try:
             self.fs.rm_file(self.marker)
         except OSError as exc:
