@@ -379,7 +379,8 @@ class Publication:
         self.replacing = _replaceable_prefix(self.fs, uri, self.prefix, kind, overwrite)
         self.build_id = uuid.uuid4().hex
         self.opened = False
-        self.uploaded: list[str] = []  # names under the prefix this build may have written or took over
+        self.uploaded: list[str] = []  # names under the prefix this build may have written
+        self.taken: list[str] = []  # the replaced output's, once this build unpublished it
         self.scratch: list[str] = []  # names beside the prefix that this build writes under
         try:
             self.fs.pipe_file(self.marker, self._marker_text(), mode="create")
@@ -416,7 +417,7 @@ class Publication:
             raise OutputError(f"{self.uri} changed while this build ran; it was left as it is, and this build discarded.")
         self.opened = True
         if self.replacing is not None:  # unpublish it: its shards are about to be overwritten
-            self._record(lambda: self.uploaded.extend([self.kind, *(s.name for s in self.replacing[1].shards)]))
+            self._record(lambda: self.taken.extend([self.kind, *(s.name for s in self.replacing[1].shards)]))
             self._writing(lambda: self.fs.rm_file(f"{self.prefix}/{self.kind}"))
 
     def publish(self, built: Path) -> None:
@@ -442,9 +443,8 @@ class Publication:
             self._give_up(f"cannot write {self.uri}: {exc}")
         if not published:  # another build's manifest went up first, or replaced this one's
             self._give_up(f"another prepack build published {self.uri} while this one ran; that build was left as it is")
-        self.uploaded = []  # published: nothing to discard any more
+        ours, self.uploaded, self.taken = set(self.uploaded), [], []  # published: nothing to discard any more
         if self.replacing is not None:
-            ours = set(shards)
             try:
                 _delete(self.fs, [f"{self.prefix}/{s.name}" for s in self.replacing[1].shards if s.name not in ours])
             except OSError as exc:
@@ -461,14 +461,14 @@ class Publication:
         marker = _read_marker(self.fs, self.uri, self.marker)
         if marker is not None and marker.get("build") != self.build_id:
             keep |= set(marker["objects"])
-        _delete(self.fs, [f"{self.prefix}/{name}" for name in dict.fromkeys(self.uploaded) if name not in keep])
-        self.uploaded = []
+        _delete(self.fs, [f"{self.prefix}/{name}" for name in dict.fromkeys(self.uploaded + self.taken) if name not in keep])
+        self.uploaded, self.taken = [], []
         if marker is not None and marker.get("build") == self.build_id:
             self.fs.rm_file(self.marker)
 
     def _marker_text(self) -> bytes:
         note = f"A prepack build to {self.name} writes the objects listed; the next build to it deletes them and this marker."
-        marker = {"note": note, "build": self.build_id, "objects": sorted(set(self.uploaded)), "scratch": self.scratch}
+        marker = {"note": note, "build": self.build_id, "objects": sorted({*self.uploaded, *self.taken}), "scratch": self.scratch}
         return json.dumps(marker, indent=1).encode()
 
     def _record(self, change) -> None:
