@@ -237,7 +237,8 @@ def check_engine(engine: str, ray_address: str | None, reading: Reading) -> None
             "--num-proc sets the local engine's tokenizer threads or processes; with --engine ray every task "
             "tokenizes on one core, and the cluster's CPUs set how many run at once."
         )
-    require("prepack.engine_ray", "--engine ray")  # ray is imported only for this engine
+    engine_ray = require("prepack.engine_ray", "--engine ray")  # ray is imported only for this engine
+    engine_ray.check_ray_address(ray_address)  # before anything is read or written
 
 
 @contextmanager

@@ -3,21 +3,27 @@ an index build, each shard of its store) is downloaded on first use, checked aga
 size and sha256, and then memory-mapped from the cache as a local build's shard would be.
 
 `verify` and `inspect` read a build in object storage through a cache too (`build_cache`): the one
-given, or a temporary one deleted after the command. Problems name each shard by its URI (`ShardCache.name`,
-`Store.shard_where`), never by its cached copy.
+given, or a temporary one deleted after the command. `verify` downloads every shard again whatever
+the cache holds (`fresh`): it checks what is in object storage now. Problems name each shard by its
+URI (`ShardCache.name`, `Store.shard_where`), never by its cached copy.
 
 A cached shard is named by its sha256 (`CACHE_DIR/<sha256>.arrow`), so builds that share a shard share
 its copy, and a new build at the same URI never reads an old build's bytes. Downloads go to a temporary
 file renamed into place once checked, under an advisory lock per shard (`flock` on `<sha256>.lock`):
 the ranks and DataLoader workers of a node that share a cache directory download each shard once, the
 others waiting for it. A cached copy is hashed again whenever a process first opens it; one that no
-longer matches (a disk error, a hand edit) is downloaded again. The cache only grows: delete the
-directory to reclaim its space.
+longer matches (a disk error, a hand edit) is downloaded again. Nor is a copy served for an object
+that changed since it was downloaded: each open first asks the store for the object's size and version
+(S3's ETag, GCS's generation, or whatever fsspec's `info` gives), refuses a missing object or one of
+another size as a cold cache would, and downloads it again (its sha256 checked) when the version is
+not one recorded for that URI in `<sha256>.sources`. The cache only grows: delete the directory to
+reclaim its space.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -38,14 +44,17 @@ __all__ = ["ShardCache", "build_cache"]
 class ShardCache:
     """The build at `uri` (its manifest read and validated now), its shards fetched into `directory`."""
 
-    def __init__(self, uri: str, directory: str | os.PathLike | None) -> None:
+    def __init__(self, uri: str, directory: str | os.PathLike | None, fresh: bool = False) -> None:
+        """`fresh`: download every object again rather than serve a cached copy (`verify`)."""
         if directory is None:
             raise InputError(
                 f"{uri}: a build in object storage is read through a local cache; pass cache_dir=, a directory "
                 "with room for its shards (shared by the ranks and workers of a node)."
             )
+        filesystem(uri)  # refuses a URI without a bucket by the name it was given
         self.uri = uri.rstrip("/")
         self.directory = Path(directory)
+        self.fresh = fresh
         self.manifest: Manifest = read_output_manifest(self.uri)
         with output_errors(self.directory, "create"):
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -71,13 +80,17 @@ class ShardCache:
         """The cached copy of the object `uri`, which the manifest says has `size` bytes and `sha256`,
         downloaded first if need be. Raises FormatError naming `uri` (`FormatError.problem`) when it is
         missing or does not match."""
-        path = self.directory / f"{sha256}.arrow"
-        if _intact(path, size, sha256):
+        path, sources = self.directory / f"{sha256}.arrow", self.directory / f"{sha256}.sources"
+        version = _version(uri, size)
+        if not self.fresh and version in _recorded(sources, uri) and _intact(path, size, sha256):
             return path
         with _locked(self.directory / f"{sha256}.lock"):
-            if _intact(path, size, sha256):  # another process downloaded it while this one waited
+            recorded = _recorded(sources, uri)
+            # Another process downloaded it while this one waited.
+            if not self.fresh and version in recorded and _intact(path, size, sha256):
                 return path
             self._download(uri, path, size, sha256)
+            _record(sources, uri, sorted({*recorded, version}), self.directory)
         return path
 
     def _download(self, uri: str, path: Path, size: int, sha256: str) -> None:
@@ -105,14 +118,15 @@ class ShardCache:
 
 
 @contextmanager
-def build_cache(uri: str, directory: str | os.PathLike | None) -> Iterator[ShardCache]:
+def build_cache(uri: str, directory: str | os.PathLike | None, fresh: bool = False) -> Iterator[ShardCache]:
     """The `ShardCache` of the build at `uri` in `directory`, or, when None, in a temporary directory
-    (`TMPDIR`) deleted when the block ends: for a command that reads the build once (verify, inspect)."""
+    (`TMPDIR`) deleted when the block ends: for a command that reads the build once (verify, inspect).
+    `fresh`: every shard downloaded again (`ShardCache`)."""
     if directory is not None:
-        yield ShardCache(uri, directory)
+        yield ShardCache(uri, directory, fresh)
         return
     with tempfile.TemporaryDirectory(prefix="prepack-cache-") as temporary:
-        yield ShardCache(uri, temporary)
+        yield ShardCache(uri, temporary, fresh)
 
 
 @dataclass(frozen=True)
@@ -123,6 +137,49 @@ class _CachedStore(Store):
 
     def shard_file(self, shard: StoreShard) -> Path:
         return self.cache.fetch(f"{self.location}/{shard.name}", shard.bytes, shard.sha256)
+
+
+def _version(uri: str, size: int) -> str:
+    """What the store says of the object `uri` now: its size and version (`fsspec` `info`'s fields
+    that change with the bytes), as one string. Raises FormatError naming `uri` when it is missing or
+    not of `size` bytes, as a download would."""
+    fs, remote = filesystem(uri)
+    fs.invalidate_cache(remote)
+    try:
+        info = fs.info(remote)
+    except FileNotFoundError:
+        raise format_error(uri, f"missing; the manifest lists it with {size} bytes.") from None
+    except OSError as exc:
+        raise InputError(f"{uri}: cannot be read ({exc}).") from None
+    if info.get("type", "file") != "file":
+        raise format_error(uri, f"missing; the manifest lists it with {size} bytes.")
+    if info.get("size") != size:
+        raise format_error(uri, f"{info.get('size')} bytes, but the manifest says {size} (truncated or replaced?).")
+    fields = ("ETag", "etag", "generation", "md5Hash", "crc32c", "VersionId", "LastModified", "mtime", "updated")
+    return json.dumps({key: str(info[key]) for key in fields if info.get(key) is not None}, sort_keys=True)
+
+
+def _recorded(sources: Path, uri: str) -> list[str]:
+    """The versions of the object `uri` known to hold a cached copy's bytes (`<sha256>.sources`)."""
+    try:
+        return json.loads(sources.read_text()).get(uri, [])
+    except (FileNotFoundError, ValueError, AttributeError):
+        return []  # none recorded, or a damaged record: the object is downloaded again
+
+
+def _record(sources: Path, uri: str, versions: list[str], directory: Path) -> None:
+    """Record `versions` of `uri` in `sources`, replacing it whole (called under the shard's lock)."""
+    try:
+        known = json.loads(sources.read_text())
+        known = known if isinstance(known, dict) else {}
+    except (FileNotFoundError, ValueError):
+        known = {}
+    known[uri] = versions
+    with output_errors(directory, "write into"):
+        fd, name = tempfile.mkstemp(dir=directory, prefix=f".{sources.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as file:
+            json.dump(known, file, sort_keys=True)
+        os.replace(name, sources)
 
 
 def _intact(path: Path, size: int, sha256: str) -> bool:

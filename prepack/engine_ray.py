@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import tempfile
 from collections import deque
@@ -69,7 +70,7 @@ from prepack.write import ShardBuffers, TokenFiles, gather_tokens, write_in_piec
 if TYPE_CHECKING:  # tokenizers is needed only for text and chat
     from prepack.tokenize import LocalTokenizer
 
-__all__ = ["RayEngine", "ReadCorpus", "ray_engine"]
+__all__ = ["RayEngine", "ReadCorpus", "check_ray_address", "ray_engine"]
 
 # Attempts after the first of a task whose worker died (a killed process, a lost node).
 _RETRIES = 3
@@ -407,18 +408,25 @@ class RayEngine:
     def _scratch(self, name: str) -> Path | str:
         return self.scratch / name if isinstance(self.scratch, Path) else f"{self.scratch}/{name}"
 
+    def _recording(self, names: list[str]) -> None:
+        """Record the shards `names` as this build's before any is uploaded, when the build goes to object storage."""
+        if self.staging.publication is not None:
+            self.staging.publication.uploading(names)
+
     def _target(self, name: str) -> str | None:
-        """Where a task uploads the shard `name`, recorded as this build's, when the build goes to object storage."""
+        """Where a task uploads the shard `name`, when the build goes to object storage (checked to be
+        still this build's prefix first)."""
         publication = self.staging.publication
         if publication is None:
             return None
-        publication.uploading([name])
+        publication.check_claim()
         return publication.shard_uri(name)
 
     def write_pack_shards(self, plan: PackingPlan, read: ReadCorpus, shard_size: int, progress: Progress) -> list[ShardInfo]:
         """Phase 3 of a build: the plan's packs cut into shards as the local engine cuts them, each
         resolved on the driver (`plan.slice`) as its task starts, and written by the task."""
         bounds, _ = pack_shard_bounds(plan, read.stored.has_labels, shard_size, index_only=False)
+        self._recording([shard_name(index) for index in range(len(bounds) - 1)])
         tokens, labels = ray.put(read.tokens), ray.put(read.labels)
         submitted = (
             _write_pack_shard.remote(self.cwd, self.staging.build, self._target(shard_name(index)), index, plan.slice(first, end), tokens, labels)
@@ -440,6 +448,7 @@ class RayEngine:
             row = int(np.argmax(lengths > np.iinfo(np.int32).max))
             raise too_long_for_a_shard(*_locate_row(documents.corpus, read.stored.rows_per_file, row), int(lengths[row]))
         bounds, first_tokens = store_shard_bounds(lengths, store_shard_capacity(read.stored.has_labels, shard_size))
+        self._recording([store_shard_name(index) for index in range(len(bounds) - 1)])
         tokens, labels = ray.put(read.tokens), ray.put(read.labels)
         submitted = (
             _write_store_shard.remote(
@@ -475,16 +484,56 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
 
 
+# What a Ray address may be: Ray's own words, or [ray://]HOST:PORT (an IPv6 host in brackets).
+_RAY_ADDRESS = re.compile(r"(?:ray://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})")
+
+
+def check_ray_address(address: str | None, named: str | None = None) -> None:
+    """Refuse at once (InputError naming it) an address Ray could never join, which it would retry for
+    minutes: anything but "auto", "local" or [ray://]HOST:PORT with a port from 1 to 65535. `named`:
+    how the message names it (default: `--ray-address ADDRESS`)."""
+    if address is None or address in ("auto", "local"):
+        return
+    match = _RAY_ADDRESS.fullmatch(address)
+    if match is None or not 0 < int(match["port"]) < 65536:
+        raise InputError(
+            f"{named or f'--ray-address {address}'}: not a Ray address; give auto, HOST:PORT (a cluster's GCS, "
+            "as `ray start --head` prints it) or ray://HOST:PORT (a Ray Client server)."
+        )
+
+
 def _check_listening(address: str, named: str) -> None:
     """Refuse at once an address `HOST:PORT` (or `ray://HOST:PORT`) where nothing listens, which Ray
     would retry for minutes. `named`: the address as the user gave it, for the message."""
+    check_ray_address(address, named)
+    if address in ("auto", "local"):
+        return  # Ray's to resolve
     host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        return  # "auto", "local": Ray's to resolve
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT) as connection:
+            grpc = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true") or _speaks_grpc(connection)
     except OSError as exc:
         raise EngineError(f"{named}: no Ray cluster answers there ({exc.strerror or exc}).") from None
+    if not grpc:
+        raise EngineError(f"{named}: something answers there, but not a Ray cluster (its GCS, or a Ray Client server, speaks gRPC).")
+
+
+# HTTP/2's client connection preface and an empty SETTINGS frame: a gRPC server (a Ray GCS, a Ray
+# Client server) answers with a SETTINGS frame (type 4) at once; an HTTP/1 server, or anything else, not.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _speaks_grpc(connection: socket.socket) -> bool:
+    """Whether the server at the other end of `connection` answers HTTP/2's preface (within its timeout),
+    as Ray's servers do; with TLS (RAY_USE_TLS) it cannot be asked so, and is not."""
+    connection.sendall(_HTTP2_PREFACE)
+    head = b""
+    try:
+        while len(head) < 9 and (piece := connection.recv(9 - len(head))):
+            head += piece
+    except OSError:  # a timeout, a reset: not an HTTP/2 server
+        return False
+    return len(head) == 9 and head[3] == 4
 
 
 @contextmanager
@@ -519,7 +568,7 @@ def ray_engine(address: str | None, staging: Staging) -> Iterator[RayEngine]:
             if staging.publication is None:
                 location = staging.scratch
             else:
-                location = scratch.enter_context(scratch_prefix(staging.publication.uri))
+                location = scratch.enter_context(scratch_prefix(staging.publication))
             yield RayEngine(staging, location)
     finally:
         if started:

@@ -12,7 +12,10 @@ to object storage, so every reading and writing rule stays defined once, for loc
   uploaded, the manifest last. Object stores have no rename, so the manifest is
   what makes a prefix a build: every reader treats a prefix without one as no build. A prefix is written
   only when it is empty or holds a prepack output of the same kind and `overwrite` is on; a failed
-  publication deletes what it uploaded, and nothing else.
+  publication deletes what it uploaded, and nothing else. A staging marker beside the prefix lists
+  what a build may write, so that the next build clears a killed one's objects and no others; it and
+  the manifest are created exclusively where the store can (`If-None-Match: *`), so that of two builds
+  to one prefix one fails (`Publication`). An output goes to a prefix in a bucket (`_output_prefix`).
 - `list_input`, `fetch` and `upload` list a corpus and move one file at a time, for callers that
   distribute the work (the Ray engine's workers); `Corpus.located` names local copies by their URIs;
   `scratch_prefix` is where such callers keep the objects that pass between their tasks.
@@ -24,6 +27,7 @@ environment or the AWS configuration files.
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import re
@@ -36,8 +40,16 @@ from pathlib import Path
 from typing import Any
 
 from prepack.errors import FormatError, InputError, OutputError, require
-from prepack.format import MANIFEST_NAME, STORE_MANIFEST_NAME, Manifest, format_error, read_manifest, shard_path
-from prepack.output import Staging, check_replaceable
+from prepack.format import (
+    MANIFEST_MAX_BYTES,
+    MANIFEST_NAME,
+    STORE_MANIFEST_NAME,
+    Manifest,
+    format_error,
+    read_manifest,
+    shard_path,
+)
+from prepack.output import STAGING_MARK, Staging, check_replaceable
 from prepack.read import file_kind
 from prepack.store_format import StoreManifest, read_store_manifest
 
@@ -72,8 +84,11 @@ def is_uri(spec: object) -> bool:
 
 
 def filesystem(uri: str) -> tuple[Any, str]:
-    """(fsspec filesystem, path within it) of `uri`. Raises MissingExtraError when the scheme's client is
-    not installed, InputError when the scheme is unknown."""
+    """(fsspec filesystem, path within it) of `uri`. Raises InputError when `uri` names no bucket
+    (`s3://`, `s3:///key`) or an unknown scheme, MissingExtraError when the scheme's client is not installed."""
+    scheme, _, path = uri.partition("://")
+    if not path.split("/", 1)[0]:
+        raise InputError(f"{uri}: names no bucket; give one, as in {scheme}://BUCKET/PREFIX.")
     fsspec_core = require("fsspec.core", uri)
     scheme = uri.split("://", 1)[0].lower()
     if scheme in _CLIENTS:
@@ -100,6 +115,9 @@ def relative_location(target: str, base: str) -> str:
     (scheme, path), (base_scheme, base_path) = target.split("://", 1), base.split("://", 1)
     if scheme != base_scheme or path.split("/", 1)[0] != base_path.split("/", 1)[0]:
         raise InputError(f"{target} and {base}: an index build and its store must lie in the same bucket.")
+    parts, base_parts = path.rstrip("/").split("/"), base_path.rstrip("/").split("/")
+    if parts[: len(base_parts)] == base_parts or base_parts[: len(parts)] == parts:
+        raise InputError(f"{target}: the document store and --out {base} must not lie inside each other; choose another --out.")
     return posixpath.relpath(path.rstrip("/"), base_path.rstrip("/"))
 
 
@@ -205,11 +223,21 @@ def _objects(fs: Any, prefix: str) -> dict[str, bool]:
         return {}
 
 
-def _manifest_text(fs: Any, prefix: str, kind: str) -> bytes | None:
+def _manifest_text(fs: Any, uri: str, prefix: str, kind: str) -> bytes | None:
+    """The bytes of the manifest `kind` under `prefix` (`uri`), or None when there is none. One larger
+    than MANIFEST_MAX_BYTES is refused (FormatError naming its URI) by its size, before it is read (and
+    no more than MANIFEST_MAX_BYTES + 1 bytes are read should it grow meanwhile), as a local one is."""
+    path = f"{prefix}/{kind}"
     try:
-        return fs.cat_file(f"{prefix}/{kind}")
+        fs.invalidate_cache(path)
+        size = fs.info(path).get("size")
+        larger = (size or 0) > MANIFEST_MAX_BYTES
+        text = b"" if larger else fs.cat_file(path, start=0, end=MANIFEST_MAX_BYTES + 1)
     except FileNotFoundError:
         return None
+    if larger or len(text) > MANIFEST_MAX_BYTES:
+        raise format_error(join(uri, kind), f"is larger than {MANIFEST_MAX_BYTES} bytes, the most a prepack manifest may hold.")
+    return text
 
 
 def read_output_manifest(uri: str, kind: str = MANIFEST_NAME) -> Manifest | StoreManifest:
@@ -220,7 +248,7 @@ def read_output_manifest(uri: str, kind: str = MANIFEST_NAME) -> Manifest | Stor
     fs, prefix = filesystem(uri)
     fs.invalidate_cache()
     try:
-        text = _manifest_text(fs, prefix.rstrip("/"), kind)
+        text = _manifest_text(fs, uri, prefix.rstrip("/"), kind)
     except OSError as exc:
         raise InputError(f"{join(uri, kind)}: cannot be read ({exc}).") from None
     if text is None:
@@ -243,7 +271,8 @@ def _parse_manifest(text: bytes, uri: str, kind: str) -> Manifest | StoreManifes
             return manifest
         except FormatError as exc:
             if exc.problem is not None:
-                raise format_error(join(uri, kind), exc.problem.message, column=exc.problem.column) from None
+                message = exc.problem.message.replace(directory, uri)
+                raise format_error(join(uri, kind), message, column=exc.problem.column) from None
             raise FormatError(f"{join(uri, kind)}: {str(exc).replace(directory, uri)}") from None
 
 
@@ -256,8 +285,9 @@ def staged_prefix(uri: str, overwrite: bool, kind: str = MANIFEST_NAME) -> Itera
     end goes up then, the manifest last.
 
     Raises OutputError, before anything is written, when the prefix holds objects and is not a prepack
-    output of `kind` (the rule of `check_replaceable`), or is one and `overwrite` is off; and, with
-    nothing published, when its manifest changed while the block ran or an upload fails (what this
+    output of `kind` (the rule of `check_replaceable`), or is one and `overwrite` is off, or another
+    build to it starts at the same moment; and, with nothing of another build's touched, when another
+    build took the prefix over or published to it while the block ran, or an upload fails (what this
     build uploaded is deleted, also when the block fails).
     """
     publication = Publication(uri, overwrite, kind)
@@ -267,25 +297,27 @@ def staged_prefix(uri: str, overwrite: bool, kind: str = MANIFEST_NAME) -> Itera
         staging.scratch.mkdir()
         try:
             yield staging
-        except BaseException as exc:  # an interrupted build too
+            publication.publish(staging.build)
+        except BaseException as exc:  # an interrupted build too; after publishing, only the marker is left to delete
             try:
                 publication.discard()
             except OSError as cleanup:
                 raise OutputError(f"{exc}; nor could what this build uploaded to {uri} be deleted: {cleanup}.") from None
             raise
-        publication.publish(staging.build)
 
 
 @contextmanager
-def scratch_prefix(uri: str) -> Iterator[str]:
-    """A prefix for the scratch objects of a build to the prefix `uri` (`--engine ray`'s token files,
-    which tasks on other nodes read): `.NAME.prepack-scratch-RANDOM` beside it, so that no reader and no
-    overwrite check takes it for part of an output, with a name no other writer picks. Everything under
-    it is deleted when the block ends, whatever happens; nothing else is."""
-    fs, path = filesystem(uri)
-    parent, name = posixpath.split(path.rstrip("/"))
-    random = uuid.uuid4().hex
-    scratch = f"{parent}/.{name}.prepack-scratch-{random}" if parent else f"{name}/.prepack-scratch-{random}"
+def scratch_prefix(publication: Publication) -> Iterator[str]:
+    """A prefix for the scratch objects of the build `publication` publishes (`--engine ray`'s token
+    files, which tasks on other nodes read): `.NAME.prepack-scratch-RANDOM` beside its prefix, so that
+    no reader and no overwrite check takes it for part of an output, with a name no other writer picks,
+    recorded in the build's staging marker before anything is written under it (a killed build's are
+    deleted by the next build to the prefix). Everything under it is deleted when the block ends,
+    whatever happens; nothing else is."""
+    fs = publication.fs
+    name = f".{publication.name}.prepack-scratch-{uuid.uuid4().hex}"
+    scratch = f"{publication.parent}/{name}"
+    publication.scratching(name)
     try:
         yield fs.unstrip_protocol(scratch)
     except BaseException as exc:  # an interrupted build too
@@ -307,67 +339,165 @@ def _delete_prefix(fs: Any, prefix: str) -> None:
         fs.rm(found)
 
 
+# A staging marker's `scratch` entries: `scratch_prefix`'s names, and nothing a user could mean.
+_SCRATCH_NAME = re.compile(r"\.(?P<name>.+)\.prepack-scratch-[0-9a-f]{32}")
+
+
 class Publication:
     """A build's way onto the prefix `uri` in object storage, one set of rules for every engine.
 
     Object stores have no rename and no lock, so the manifest is what makes a prefix a build, and goes
-    up last. The prefix is checked when the publication is made: it must be empty, or hold a prepack
-    output of `kind` and `overwrite` be on (else OutputError, before anything is written). `open`,
-    before the first shard goes up, refuses when the prefix's manifest changed since, and deletes the
-    manifest of the output being replaced (its shards are about to be overwritten: they take the same
-    names); `publish` uploads the shards not up yet and the manifest, then deletes the replaced
-    output's other shards; `discard` deletes what this build uploaded (`uploading` records what a
-    worker may have uploaded), and nothing else. Two builds to one prefix at once are not detected.
+    up last; and a staging marker, the object `.NAME.prepack-staging` beside the prefix (`STAGING_MARK`
+    as for a local build), is what makes a killed build's objects known as prepack's own. The marker is
+    JSON: this build's random `build` id, the `objects` under the prefix it may have written or took
+    over (the names, relative to the prefix) and the `scratch` prefixes beside it that it writes under.
+
+    When the publication is made: a marker already there is a killed build's, and the objects and
+    scratch prefixes it lists are deleted, then the marker (`_clear_leftovers`; never an object the
+    prefix's manifest names, nor anything the marker does not list); then the prefix must be empty, or
+    hold a prepack output of `kind` and `overwrite` be on (else OutputError, before anything is
+    written); then this build's marker is created, exclusively where the store can (S3's
+    `If-None-Match: *`): of two builds starting at once, one is refused. Before anything is written
+    (`uploading`, `scratching`) the marker is read back: when it is no longer this build's, another
+    build took the prefix over (believing this one dead), and this one stops. `open`, before the first
+    shard goes up, refuses when the prefix's manifest changed since the check, and unpublishes the
+    output being replaced: its objects are listed in the marker, then its manifest deleted (its shards
+    are about to be overwritten: they take the same names). `publish` uploads the shards not up yet,
+    then the manifest, exclusively where the store can and read back to compare where it cannot, then
+    deletes the replaced output's other shards and the marker. `discard` deletes what this build wrote
+    or took over, except what a manifest published meanwhile or another build's marker names.
     """
 
     def __init__(self, uri: str, overwrite: bool, kind: str) -> None:
         self.uri, self.kind = uri, kind
-        self.fs, prefix = filesystem(uri)
-        self.prefix = prefix.rstrip("/")
+        self.fs, self.prefix = _output_prefix(uri)
+        self.parent, self.name = posixpath.split(self.prefix)
+        self.marker = f"{self.parent}/.{self.name}{STAGING_MARK}"
+        _clear_leftovers(self.fs, self.uri, self.prefix, self.marker)
         self.replacing = _replaceable_prefix(self.fs, uri, self.prefix, kind, overwrite)
+        self.build_id = uuid.uuid4().hex
         self.opened = False
         self.uploaded: list[str] = []  # names under the prefix this build may have written
+        self.taken: list[str] = []  # the replaced output's, once this build unpublished it
+        self.scratch: list[str] = []  # names beside the prefix that this build writes under
+        try:
+            self.fs.pipe_file(self.marker, self._marker_text(), mode="create")
+            self.claimed = _object_version(self.fs, self.marker)
+        except FileExistsError:
+            raise OutputError(
+                f"another prepack build to {uri} started at the same moment "
+                f"({self.fs.unstrip_protocol(self.marker)} appeared); this one wrote nothing."
+            ) from None
+        except OSError as exc:
+            raise OutputError(f"cannot write {self.fs.unstrip_protocol(self.marker)}: {exc}.") from None
 
     def shard_uri(self, name: str) -> str:
         """Where the shard `name` goes; the caller records it with `uploading` before it uploads."""
         return self.fs.unstrip_protocol(f"{self.prefix}/{name}")
 
     def uploading(self, names: list[str]) -> None:
+        """Record `names` (under the prefix) in the marker before they are uploaded."""
         self.open()
-        self.uploaded.extend(names)
+        self._record(lambda: self.uploaded.extend(names))
+
+    def scratching(self, name: str) -> None:
+        """Record the scratch prefix `name` (beside the prefix) in the marker before anything goes under it."""
+        self._record(lambda: self.scratch.append(name))
 
     def open(self) -> None:
         if self.opened:
             return
         try:
-            now = _manifest_text(self.fs, self.prefix, self.kind)
+            now = _manifest_text(self.fs, self.uri, self.prefix, self.kind)
         except OSError as exc:
             raise OutputError(f"cannot read {self.uri}: {exc}; this build was discarded.") from None
         if now != (None if self.replacing is None else self.replacing[0]):
             raise OutputError(f"{self.uri} changed while this build ran; it was left as it is, and this build discarded.")
         self.opened = True
         if self.replacing is not None:  # unpublish it: its shards are about to be overwritten
+            self._record(lambda: self.taken.extend([self.kind, *(s.name for s in self.replacing[1].shards)]))
             self._writing(lambda: self.fs.rm_file(f"{self.prefix}/{self.kind}"))
 
     def publish(self, built: Path) -> None:
-        """Upload the files of `built` (the manifest last), then delete the replaced output's other shards."""
+        """Upload the files of `built` (the manifest last), then delete the replaced output's other
+        shards and the marker."""
         shards = sorted(p.name for p in built.iterdir() if p.name != self.kind)
         self.uploading([*shards, self.kind])
+        try:  # a manifest that went up meanwhile (a writer that ignored the marker): its shards stay as they are
+            published = _manifest_text(self.fs, self.uri, self.prefix, self.kind) is not None
+        except (OSError, FormatError):
+            published = True
+        if published:
+            self._give_up(f"another prepack build published {self.uri} while this one ran; that build was left as it is")
         self._writing(lambda: self.fs.put([str(built / name) for name in shards], [f"{self.prefix}/{name}" for name in shards]))
-        self._writing(lambda: self.fs.put_file(str(built / self.kind), f"{self.prefix}/{self.kind}"))
+        self.check_claim(thorough=True)
+        manifest, target = (built / self.kind).read_bytes(), f"{self.prefix}/{self.kind}"
+        try:
+            self.fs.pipe_file(target, manifest, mode="create")
+            published = _manifest_text(self.fs, self.uri, self.prefix, self.kind) == manifest
+        except FileExistsError:
+            published = False
+        except OSError as exc:
+            self._give_up(f"cannot write {self.uri}: {exc}")
+        if not published:  # another build's manifest went up first, or replaced this one's
+            self._give_up(f"another prepack build published {self.uri} while this one ran; that build was left as it is")
+        ours, self.uploaded, self.taken = set(self.uploaded), [], []  # published: nothing to discard any more
         if self.replacing is not None:
-            ours = set(self.uploaded)
             try:
                 _delete(self.fs, [f"{self.prefix}/{s.name}" for s in self.replacing[1].shards if s.name not in ours])
             except OSError as exc:
                 raise OutputError(f"{self.uri} is published, but the replaced build's other shards could not be deleted: {exc}.") from None
-        self.uploaded = []  # published: nothing to discard any more
+        try:
+            self.fs.rm_file(self.marker)
+        except OSError as exc:
+            raise OutputError(f"{self.uri} is published, but its staging marker {self.fs.unstrip_protocol(self.marker)} could not be deleted: {exc}.") from None
 
     def discard(self) -> None:
-        """Delete what this build uploaded (an unfinished build), if anything."""
-        if self.uploaded:
-            _delete(self.fs, [f"{self.prefix}/{name}" for name in self.uploaded])
-            self.uploaded = []
+        """Delete what this build wrote or took over (an unfinished build) and its marker, except what
+        a manifest published meanwhile or another build's marker names."""
+        keep = _published_names(self.fs, self.prefix)
+        marker = _read_marker(self.fs, self.uri, self.marker)
+        if marker is not None and marker.get("build") != self.build_id:
+            keep |= set(marker["objects"])
+        _delete(self.fs, [f"{self.prefix}/{name}" for name in dict.fromkeys(self.uploaded + self.taken) if name not in keep])
+        self.uploaded, self.taken = [], []
+        if marker is not None and marker.get("build") == self.build_id:
+            self.fs.rm_file(self.marker)
+
+    def _marker_text(self) -> bytes:
+        note = f"A prepack build to {self.name} writes the objects listed; the next build to it deletes them and this marker."
+        marker = {"note": note, "build": self.build_id, "objects": sorted({*self.uploaded, *self.taken}), "scratch": self.scratch}
+        return json.dumps(marker, indent=1).encode()
+
+    def _record(self, change) -> None:
+        """Apply `change` to what the marker lists and rewrite the marker, once it is checked to be
+        this build's still."""
+        self.check_claim()
+        change()
+        self._writing(lambda: self.fs.pipe_file(self.marker, self._marker_text()))
+        self.claimed = _object_version(self.fs, self.marker)
+
+    def check_claim(self, thorough: bool = False) -> None:
+        """Stop (OutputError, this build's objects deleted) when the marker is no longer this build's:
+        a later build took the prefix over. One HEAD request while the marker is as this build wrote it;
+        `thorough`: the marker read whatever its version (before the manifest goes up)."""
+        try:
+            if not thorough and self.claimed is not None and _object_version(self.fs, self.marker) == self.claimed:
+                return
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise OutputError(f"cannot read {self.fs.unstrip_protocol(self.marker)}: {exc}.") from None
+        marker = _read_marker(self.fs, self.uri, self.marker)
+        if marker is None or marker.get("build") != self.build_id:
+            self._give_up(f"another prepack build to {self.uri} started while this one ran and took the prefix over")
+
+    def _give_up(self, reason: str) -> None:
+        try:
+            self.discard()
+        except OSError as cleanup:
+            raise OutputError(f"{reason}; nor could what this build uploaded be deleted: {cleanup}.") from None
+        raise OutputError(f"{reason}. This build was discarded: what it uploaded and no other build names was deleted.")
 
     def _writing(self, write) -> None:
         try:
@@ -380,6 +510,91 @@ class Publication:
             raise OutputError(f"cannot write {self.uri}: {exc}; what this build uploaded was deleted.") from None
 
 
+def _object_version(fs: Any, path: str) -> tuple | None:
+    """What the store says identifies the object's bytes now (size, ETag or generation, modification
+    time), or None where it says none of that. Raises FileNotFoundError when there is no object."""
+    fs.invalidate_cache(path)
+    info = fs.info(path)
+    fields = ("ETag", "etag", "generation", "LastModified", "mtime", "updated")
+    found = tuple(str(info[key]) for key in fields if info.get(key) is not None)
+    return (info.get("size"), *found) if found else None
+
+
+def _output_prefix(uri: str) -> tuple[Any, str]:
+    """(fsspec filesystem, path) of the prefix `uri` that a build or store is written to: a key in a
+    bucket (the marker and scratch objects lie beside it, in its parent), without '.' or '..' parts.
+    Raises InputError for a bucket alone or such a part."""
+    fs, path = filesystem(uri)
+    path = path.rstrip("/")
+    bucket, _, key = path.partition("/")
+    if not key:
+        raise InputError(f"{uri}: names a bucket but no prefix in it; write to a prefix such as {uri.rstrip('/')}/packed.")
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        raise InputError(f"{uri}: a prefix with an empty, '.' or '..' part is not written to; give a plain one such as s3://{bucket}/packed.")
+    return fs, path
+
+
+def _clear_leftovers(fs: Any, uri: str, prefix: str, marker_path: str) -> None:
+    """Delete what a killed build to `prefix` left (`Publication`): the objects its staging marker
+    `marker_path` lists under the prefix, except those a manifest there names; everything under the
+    scratch prefixes it lists beside the prefix; then the marker. Nothing else. Raises OutputError
+    when the marker is not one prepack writes."""
+    marker = _read_marker(fs, uri, marker_path)
+    if marker is None:
+        return
+    parent, name = posixpath.split(prefix)
+    keep = _published_names(fs, prefix)
+    try:
+        _delete(fs, [f"{prefix}/{n}" for n in marker["objects"] if n not in keep])
+        for scratch in marker["scratch"]:
+            _delete_prefix(fs, f"{parent}/{scratch}")
+        fs.rm_file(marker_path)
+    except OSError as exc:
+        raise OutputError(f"cannot delete what a killed build left at {uri}: {exc}.") from None
+
+
+def _read_marker(fs: Any, uri: str, path: str) -> dict | None:
+    """The staging marker at `path`, checked to be one prepack writes for `uri`, or None when there is none."""
+    try:
+        text = fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise OutputError(f"cannot read {fs.unstrip_protocol(path)}: {exc}.") from None
+    name = posixpath.basename(path)[1 : -len(STAGING_MARK)]
+    try:
+        marker = json.loads(text)
+        ok = (
+            isinstance(marker, dict)
+            and isinstance(marker.get("build"), str)
+            and isinstance(marker.get("objects"), list)
+            and all(isinstance(n, str) and n not in ("", ".", "..") and "/" not in n for n in marker["objects"])
+            and isinstance(marker.get("scratch"), list)
+            and all(isinstance(n, str) and (m := _SCRATCH_NAME.fullmatch(n)) and m["name"] == name for n in marker["scratch"])
+        )
+    except ValueError:
+        ok = False
+    if not ok:
+        raise OutputError(
+            f"{fs.unstrip_protocol(path)} is not a staging marker prepack writes, so prepack will not build to {uri} "
+            "beside it: delete it, or choose another prefix."
+        )
+    return marker
+
+
+def _published_names(fs: Any, prefix: str) -> set[str]:
+    """The objects under `prefix` that a manifest there names (the manifest too); none without one."""
+    names: set[str] = set()
+    for kind in _KINDS:
+        try:
+            text = _manifest_text(fs, fs.unstrip_protocol(prefix), prefix, kind)
+            if text is not None:
+                names |= {kind, *(s.name for s in _parse_manifest(text, fs.unstrip_protocol(prefix), kind).shards)}
+        except (OSError, FormatError):
+            names.add(kind)  # unreadable: at least the manifest stays
+    return names
+
+
 def _replaceable_prefix(
     fs: Any, uri: str, prefix: str, kind: str, overwrite: bool
 ) -> tuple[bytes, Manifest | StoreManifest] | None:
@@ -387,9 +602,11 @@ def _replaceable_prefix(
     when the prefix is empty; else OutputError."""
     try:
         objects = _objects(fs, prefix)
-        text = _manifest_text(fs, prefix, kind)
+        text = _manifest_text(fs, uri, prefix, kind)
     except OSError as exc:
         raise OutputError(f"cannot read {uri}: {exc}.") from None
+    except FormatError as exc:
+        raise OutputError(f"{uri} is not a prepack {_KINDS[kind]}, so prepack will not replace or delete it: {exc}") from None
     if not objects:
         return None
     refusal = f"{uri} is not a prepack {_KINDS[kind]}, so prepack will not replace or delete it"

@@ -154,7 +154,7 @@ def verify_build(
     with ExitStack() as stack:
         if is_uri(path):
             try:
-                build: Path | ShardCache = stack.enter_context(build_cache(str(path), cache_dir))
+                build: Path | ShardCache = stack.enter_context(build_cache(str(path), cache_dir, fresh=True))
             except FormatError as exc:
                 if exc.problem is None:  # no manifest.json: not a build (`read_output_manifest`)
                     raise

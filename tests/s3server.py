@@ -14,6 +14,7 @@ import uuid
 from moto.server import ThreadedMotoServer
 
 _REQUEST = re.compile(r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[0-9.]+" (?P<status>\d+)')
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # werkzeug colours some lines (206 partial content, 4xx)
 
 
 class _RequestLog(logging.Handler):
@@ -68,5 +69,5 @@ class S3Server:
     def requests(self, method: str, path_prefix: str) -> list[str]:
         """The paths of the requests of `method` answered so far whose path starts with `path_prefix`
         ('/BUCKET/KEY')."""
-        found = (_REQUEST.search(line) for line in list(self._log.lines))
+        found = (_REQUEST.search(_COLOUR.sub("", line)) for line in list(self._log.lines))
         return [m["path"] for m in found if m and m["method"] == method and m["path"].startswith(path_prefix)]

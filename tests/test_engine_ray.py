@@ -376,26 +376,30 @@ def test_a_damaged_store_shard_in_s3_is_named_by_its_uri_on_a_worker(tmp_path, s
 
 
 def test_the_scratch_prefix_is_beside_the_output_and_only_it_is_deleted(s3_server, fs, s3_bucket):
-    from prepack.remote import scratch_prefix
+    from prepack.remote import Publication, scratch_prefix
 
-    kept = {".packed.prepack-scratch-other/x": b"1", "packed-2/y": b"2", "packed/z": b"3"}
+    kept = {".packed.prepack-scratch-other/x": b"1", "packed-2/y": b"2", "packedz/z": b"3"}
     for name, data in kept.items():
         fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/{name}", data)
+    publication = Publication(f"{s3_bucket}/packed/", False, "manifest.json")
     for failing in (False, True):
         with pytest.raises(RuntimeError) if failing else contextlib.nullcontext():
-            with scratch_prefix(f"{s3_bucket}/packed/") as scratch:
+            with scratch_prefix(publication) as scratch:
                 assert scratch.startswith(f"{s3_bucket}/.packed.prepack-scratch-")
                 fs.pipe_file(f"{scratch.removeprefix('s3://')}/deep/ids-00000.bin", b"tokens")
-                assert len(_objects(fs, s3_bucket)) == len(kept) + 1
+                assert len(_objects(fs, s3_bucket)) == len(kept) + 2  # and the staging marker
                 if failing:
                     raise RuntimeError("a build failed")
-        assert _objects(fs, s3_bucket) == kept
+        assert set(_objects(fs, s3_bucket)) == {*kept, ".packed.prepack-staging"}
+    publication.discard()
+    assert _objects(fs, s3_bucket) == kept
 
 
 def test_a_failed_publication_deletes_what_its_workers_uploaded_and_nothing_else(tmp_path, s3_server, fs, s3_bucket):
     """The rules the Ray engine's shard tasks upload by (`Publication`), at a prefix holding a build
     that this one replaces: the old manifest goes before the first new shard, and a failure deletes
-    the new shards recorded, not the old build's others nor anything beside the prefix."""
+    the new shards recorded and the unpublished build's others (no prefix is left with shards and no
+    manifest), not anything beside the prefix."""
     from prepack.remote import Publication
 
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1] * 50] * 40))
@@ -408,7 +412,7 @@ def test_a_failed_publication_deletes_what_its_workers_uploaded_and_nothing_else
     assert "packed/manifest.json" not in _objects(fs, s3_bucket)  # unpublished before a shard goes up
     fs.pipe_file(publication.shard_uri("shard-00000.arrow").removeprefix("s3://"), b"a new shard")
     publication.discard()
-    assert _objects(fs, s3_bucket) == {k: v for k, v in old.items() if k not in ("packed/manifest.json", "packed/shard-00000.arrow")}
+    assert _objects(fs, s3_bucket) == {k: v for k, v in old.items() if not k.startswith("packed/")}
 
 
 def test_an_index_build_runs_on_the_driver_with_the_local_bytes(tmp_path, local_ray):
@@ -422,6 +426,58 @@ def _closed_port() -> int:
     with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:-1", "127.0.0.1:http", "127.0.0.1:70000", "ray://:10001", "garbage", ""])
+def test_an_address_that_cannot_parse_is_refused_at_once_and_exit_2(address, tmp_path):
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
+    started = time.monotonic()
+    with pytest.raises(InputError, match=f"^--ray-address {address}: not a Ray address"):
+        build(corpus, tmp_path / "out", max_len=8, engine="ray", ray_address=address)
+    assert time.monotonic() - started < 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
+
+
+def test_an_address_that_cannot_parse_exits_2_from_the_option_and_from_ray_address(tmp_path):
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
+    command = [PREPACK, "build", str(corpus), "--max-len", "8", "--out", str(tmp_path / "out"), "--engine", "ray"]
+    for args, env in (([*command, "--ray-address", "127.0.0.1:-1"], os.environ), (command, {**os.environ, "RAY_ADDRESS": "host:port"})):
+        result = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env)
+        assert result.returncode == 2 and "not a Ray address" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
+
+
+def test_an_address_where_something_but_not_ray_listens_is_an_engine_error_in_seconds(tmp_path):
+    """An HTTP server where the cluster should be: Ray would retry for minutes, prepack asks it the
+    HTTP/2 preface that Ray's gRPC servers answer, and gives up at once."""
+    import http.server
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
+    try:
+        result = subprocess.run(
+            [PREPACK, "build", str(corpus), "--max-len", "8", "--out", str(tmp_path / "out"), "--engine", "ray", "--ray-address", address],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert result.returncode == 2 and "something answers there, but not a Ray cluster" in " ".join(result.stderr.split()), result.stderr
+        with pytest.raises(EngineError, match=f"^--ray-address ray://{address}: something answers there, but not a Ray cluster"):
+            build(corpus, tmp_path / "out", max_len=8, engine="ray", ray_address=f"ray://{address}")
+    finally:
+        server.shutdown()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
+
+
+@pytest.mark.slow
+def test_a_ray_clusters_gcs_passes_the_address_check():
+    from prepack.engine_ray import _check_listening
+
+    ray.init(num_cpus=1, **QUIET_RAY)
+    try:
+        _check_listening(ray.get_runtime_context().gcs_address, "the test's Ray")  # raises if it does not answer as gRPC
+    finally:
+        ray.shutdown()
 
 
 def test_an_address_where_nothing_listens_is_an_engine_error_and_exit_2(tmp_path):
