@@ -413,7 +413,8 @@ def test_verify_and_inspect_an_index_build_in_s3_with_its_store(tmp_path, fs, s3
     uri = f"{s3_bucket}/index"
     build(f"{s3_bucket}/data/store", uri, max_len=512, index_only=True)
     result = run_prepack("verify", uri, "--all")
-    assert (result.returncode, result.stdout) == (0, f"{uri}: no problems (shards and manifest checked).\n"), result.stderr
+    checked = "index shards, manifest and the store's shards and documents checked"
+    assert (result.returncode, result.stdout) == (0, f"{uri}: no problems ({checked}).\n"), result.stderr
     assert verify_build(uri, f"{s3_bucket}/data/store", all_problems=True) == []  # a source store at a URI
     build_store(corpus / "part-0.parquet", f"{s3_bucket}/other-store")
     wrong = verify_build(uri, f"{s3_bucket}/other-store", all_problems=True)
