@@ -198,7 +198,8 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict, Verdict, Verdict]] = {
     'blenderbot': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
     'blenderbot-small': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
     'bloom': (NO_SDPA, POSITIONS, POSITIONS, POSITIONS, NO_FLEX),
-    'blt': (_unmeasured("BLT's byte patcher and local encoder take sizes the sweep does not shrink consistently"),) * 5,
+    'blt': (_unmeasured("BLT's byte patcher and local encoder take sizes the sweep does not shrink consistently"),) * 4
+    + (NO_FLEX,),
     'camembert': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
     'codegen': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'cohere': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
@@ -208,7 +209,8 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict, Verdict, Verdict]] = {
         _unmeasured(
             'its defaults do not build in transformers either: rope_parameters has no full_attention entry'
         ),
-    ) * 5,
+    ) * 4
+    + (NO_FLEX,),
     'cpmant': (NO_SDPA, POSITIONS, POSITIONS, POSITIONS, NO_FLEX),
     'ctrl': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'cwm': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
@@ -262,7 +264,8 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict, Verdict, Verdict]] = {
         _unmeasured(
             "a draft model: its forward needs its target model's shared keys and values"
         ),
-    ) * 5,
+    ) * 4
+    + (NO_FLEX,),
     'gemma4_unified_text': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'git': (NO_SDPA, GIT, GIT, GIT, NO_FLEX),
     'glm': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
