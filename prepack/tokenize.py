@@ -471,7 +471,14 @@ def _encoded(chunks: Iterator[tuple[Path, int, list]], encoder: _Encoder, num_pr
     with ExitStack() as stack:
         if encoder.chat and num_proc > 1:
             executor = stack.enter_context(_worker_pool(encoder, num_proc))
-            submit, depth = (lambda chunk: executor.submit(_work, *chunk)), 2 * num_proc
+
+            def submit(chunk):
+                try:
+                    return executor.submit(_work, *chunk)
+                except OSError as exc:  # a worker (re)started as another died: the pool's pipes closed under it
+                    raise BrokenProcessPool(f"a worker process could not start ({exc})") from exc
+
+            depth = 2 * num_proc
         else:
             executor = ThreadPoolExecutor(1)
             stack.callback(executor.shutdown, cancel_futures=True)
