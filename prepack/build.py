@@ -203,26 +203,26 @@ def build(
         found, has_labels, read_column = documents.corpus, documents.has_labels, documents.column
         staged = staged_prefix if is_uri(out) else staged_directory
         with staged(out, overwrite) as staging, _engine(engine, ray_address, staging, index_only) as engine_steps:
-            stored = engine_steps.first_pass(documents, reading, bar)
-            if len(stored.lengths) == 0:
+            first = engine_steps.first_pass(documents, reading, bar)
+            if len(first.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")
-            if not stored.lengths.any():
-                raise InputError(f"{corpus}: all {len(stored.lengths)} documents are empty.")
-            if overflow == "error" and (stored.lengths > max_len).any():
-                row = int(np.flatnonzero(stored.lengths > max_len)[0])
-                path, file_row = locate_row(found, stored.rows_per_file, row)
+            if not first.lengths.any():
+                raise InputError(f"{corpus}: all {len(first.lengths)} documents are empty.")
+            if overflow == "error" and (first.lengths > max_len).any():
+                row = int(np.flatnonzero(first.lengths > max_len)[0])
+                path, file_row = locate_row(found, first.rows_per_file, row)
                 raise InputError(
-                    f"{path}, row {file_row}, column {read_column!r}: {stored.lengths[row]} tokens, "
+                    f"{path}, row {file_row}, column {read_column!r}: {first.lengths[row]} tokens, "
                     f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
                 )
             planning = bar.add_task("plan", total=None)
             plan = plan_packs(
-                stored.lengths,
+                first.lengths,
                 max_len,
                 algorithm=algorithm,
                 overflow=overflow,
                 seed=seed,
-                untrained=stored.untrained,
+                untrained=first.untrained,
                 drop_untrained=drop_untrained,
             )
             bar.update(planning, total=1, completed=1)
@@ -232,7 +232,7 @@ def build(
                     f"{plan.counts['dropped']:,} are longer than --max-len {max_len} (--overflow drop) and "
                     f"{plan.counts['untrained']:,} have no trained token (--drop-untrained)."
                 )
-            shards = engine_steps.write_packs(plan, stored, shard_size, bar)
+            shards = engine_steps.write_packs(plan, first, shard_size, bar)
             manifest = Manifest(
                 prepack_version=version(DISTRIBUTION),
                 # How the documents were read: as asked, or as the store was written.
@@ -240,14 +240,14 @@ def build(
                     update={"column": read_column, "labels_column": documents.labels_column, "tokenize": documents.tokenize}
                 ),
                 has_labels=has_labels,
-                fingerprint=stored.fingerprint,
+                fingerprint=first.fingerprint,
                 inputs=[
                     InputFile(path=found.name(path), rows=rows)
-                    for path, rows in zip(found.files, stored.rows_per_file)
+                    for path, rows in zip(found.files, first.rows_per_file)
                 ],
-                totals=Totals(**plan.totals(), documents=len(stored.lengths)),
+                totals=Totals(**plan.totals(), documents=len(first.lengths)),
                 shards=shards,
-                store=StoreReference(path=store_path, fingerprint=stored.fingerprint) if index_only else None,
+                store=StoreReference(path=store_path, fingerprint=first.fingerprint) if index_only else None,
             )
             with output_errors(staging.build / MANIFEST_NAME):
                 write_manifest(staging.build, manifest)
