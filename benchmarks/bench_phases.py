@@ -4,9 +4,10 @@
 
 Writes the same Parquet corpus as bench_build.py (`--docs` documents, lognormal lengths, random ids)
 and builds it `--repeat` times per shard size (MiB), each in a fresh process after a `--settle` pause,
-with timers around the build's phases (private functions of `prepack.build`, so this script follows
-their names): `read` (`_store_documents`: read, check, fingerprint, scratch store), `plan`
-(`plan_packs`, including the numba cache load), `write` (`_write_shards`). Also the process's user and
+with timers around the build's phases (private functions of the local engine, `prepack.engine_local`,
+and `prepack.build`'s `plan_packs`, so this script follows their names): `read` (`_store_documents`:
+read, check, fingerprint, scratch store), `plan` (`plan_packs`, including the numba cache load),
+`write` (`_write_shards`). Also the process's user and
 system CPU seconds for the whole build. Prints a markdown table, one row per run.
 """
 
@@ -28,6 +29,7 @@ from bench_build import make_corpus
 
 def child(corpus: str, out: str, shard_size: int) -> None:
     build_module = importlib.import_module("prepack.build")  # `prepack.build` the name is the function
+    engine_module = importlib.import_module("prepack.engine_local")
     seconds = {}
 
     def timed(phase, function):
@@ -40,8 +42,12 @@ def child(corpus: str, out: str, shard_size: int) -> None:
 
         return run
 
-    for phase, name in [("read", "_store_documents"), ("plan", "plan_packs"), ("write", "_write_shards")]:
-        setattr(build_module, name, timed(phase, getattr(build_module, name)))
+    for phase, module, name in [
+        ("read", engine_module, "_store_documents"),
+        ("plan", build_module, "plan_packs"),
+        ("write", engine_module, "_write_shards"),
+    ]:
+        setattr(module, name, timed(phase, getattr(module, name)))
     before, start = os.times(), time.perf_counter()
     build_module.build(corpus, out, max_len=8192, shard_size=shard_size)
     after = os.times()

@@ -39,7 +39,7 @@ _LAZY = {
     "read_manifest": "prepack.format",
     "StoreManifest": "prepack.store_format",
     "read_store_manifest": "prepack.store_format",
-    "build_store": "prepack.store_write",
+    "build_store": "prepack.build",
     "PackedDataset": "prepack.load",
     "PackedSampler": "prepack.sample",
     "open_hf_dataset": "prepack.load",
@@ -90,7 +90,7 @@ def __dir__() -> list[str]:
 
 class _Package(ModuleType):
     """The type of the `prepack` module, for one name: `prepack.build` is the function, but importing
-    the submodule of the same name (which the build, `build_store` and the Ray engine do) binds the
+    the submodule of the same name (which `build` and `build_store` do) binds the
     submodule to that attribute. This keeps the function there, loaded on first use like the rest."""
 
     @property

@@ -68,7 +68,7 @@ with optional_imports("enable_packing"):
 from prepack.collate import segment_fields
 from prepack.stateful import STATEFUL_LAYERS, DocumentSegments, PerDocumentLayers, install_per_document_layers
 
-__all__ = ["SUPPORTED_ATTENTION", "disable_packing", "enable_packing"]
+__all__ = ["FLASH_ATTENTION", "SUPPORTED_ATTENTION", "disable_packing", "enable_packing"]
 
 SUPPORTED_ATTENTION = (
     "flash_attention_2",
@@ -80,7 +80,7 @@ SUPPORTED_ATTENTION = (
 )
 # transformers' one flash-attention path (`_flash_attention_forward`), which reads cu_seq_lens_*; flex_attention
 # is not on it: it takes a BlockMask that transformers builds from position_ids, as it builds sdpa's mask.
-_FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 _OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _HOOK_ATTRIBUTE = "_prepack_packing_hook"
 _PER_DOCUMENT_ATTRIBUTE = "_prepack_per_document_layers"
@@ -230,7 +230,7 @@ class _PackedBatchGuard:
         config = module.config.get_text_config()
         attn = config._attn_implementation
         verdict = self.family.require_isolated(attn)
-        flash = attn in _FLASH
+        flash = attn in FLASH_ATTENTION
         kwargs = _resolve_attention_mask(kwargs, config, flash, tokens.shape[:2])
         # A mask still there describes no packed rows (or is the caller's own 4-D mask): transformers applies it.
         if kwargs.get("attention_mask") is not None or not _is_packed(kwargs, tokens.shape[:2]):

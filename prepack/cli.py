@@ -257,7 +257,7 @@ def tokenize_command(
 ) -> None:
     """Read and tokenize a corpus once into a document store, which `prepack build STORE` packs at any
     --max-len, seed or algorithm without tokenizing again."""
-    from prepack.store_write import build_store
+    from prepack.build import build_store
 
     try:
         manifest = build_store(

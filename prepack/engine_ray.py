@@ -54,8 +54,8 @@ import numpy as np
 import ray
 from rich.progress import Progress
 
-from prepack.build import _locate_row, _StoredCorpus, pack_shard_bounds
 from prepack.documents import Documents, Reading, corpus_documents
+from prepack.engine import FirstPass, WrittenStore, locate_row, pack_shard_bounds
 from prepack.errors import EngineError, InputError, OutputError, PrepackError
 from prepack.format import Fingerprint, ShardInfo, shard_name
 from prepack.output import Staging, output_errors, output_file
@@ -70,7 +70,7 @@ from prepack.write import ShardBuffers, TokenFiles, gather_tokens, write_in_piec
 if TYPE_CHECKING:  # tokenizers is needed only for text and chat
     from prepack.tokenize import LocalTokenizer
 
-__all__ = ["RayEngine", "ReadCorpus", "check_ray_address", "ray_engine"]
+__all__ = ["RayEngine", "check_ray_address", "ray_engine"]
 
 # Attempts after the first of a task whose worker died (a killed process, a lost node).
 _RETRIES = 3
@@ -304,15 +304,6 @@ def _write_store_shard(
             return exc
 
 
-@dataclass(frozen=True)
-class ReadCorpus:
-    """What the read phase leaves: the local engine's first-pass result, and where the tokens lie."""
-
-    stored: _StoredCorpus
-    tokens: TokenFiles
-    labels: TokenFiles | None
-
-
 def _hash_file(update, location: Path | str) -> None:
     """Feed a scratch file (or object) to a fingerprint stream (`update`), a piece at a time."""
     if isinstance(location, str):
@@ -326,7 +317,7 @@ def _hash_file(update, location: Path | str) -> None:
 
 
 class RayEngine:
-    """The three phases on a connected Ray cluster; one instance per build."""
+    """The three phases on a connected Ray cluster, as `prepack.engine.Engine`'s steps; one instance per build."""
 
     def __init__(self, staging: Staging, scratch: Path | str) -> None:
         """`staging`: where the build is written (its `publication` when it goes to object storage:
@@ -354,7 +345,7 @@ class RayEngine:
             if window:
                 ray.wait(list(window), num_returns=len(window))
 
-    def read(self, documents: Documents, reading: Reading, progress: Progress) -> ReadCorpus:
+    def first_pass(self, documents: Documents, reading: Reading, progress: Progress) -> FirstPass:
         """Phase 1 over the corpus (or document store) whose documents the driver found as
         `documents`."""
         store = documents.store
@@ -394,16 +385,16 @@ class RayEngine:
             rows_per_file = [f.rows for f in store.manifest.inputs]
         else:
             rows_per_file = [len(part) for part in lengths]
-        stored = _StoredCorpus(
+        starts = np.array(firsts, np.int64)
+        return FirstPass(
             lengths=compact_lengths(np.concatenate(lengths)),
             untrained=np.concatenate(untrained),
             rows_per_file=rows_per_file,
             fingerprint=fingerprint.hexdigest(),
             has_labels=documents.has_labels,
+            tokens=TokenFiles(tuple(u.ids for u in units), starts),
+            labels=TokenFiles(tuple(u.labels for u in units), starts) if documents.has_labels else None,
         )
-        starts = np.array(firsts, np.int64)
-        label_files = TokenFiles(tuple(u.labels for u in units), starts) if documents.has_labels else None
-        return ReadCorpus(stored, TokenFiles(tuple(u.ids for u in units), starts), label_files)
 
     def _scratch(self, name: str) -> Path | str:
         return self.scratch / name if isinstance(self.scratch, Path) else f"{self.scratch}/{name}"
@@ -422,12 +413,12 @@ class RayEngine:
         publication.check_claim()
         return publication.shard_uri(name)
 
-    def write_pack_shards(self, plan: PackingPlan, read: ReadCorpus, shard_size: int, progress: Progress) -> list[ShardInfo]:
+    def write_packs(self, plan: PackingPlan, first: FirstPass, shard_size: int, progress: Progress) -> list[ShardInfo]:
         """Phase 3 of a build: the plan's packs cut into shards as the local engine cuts them, each
         resolved on the driver (`plan.slice`) as its task starts, and written by the task."""
-        bounds, _ = pack_shard_bounds(plan, read.stored.has_labels, shard_size, index_only=False)
+        bounds, _ = pack_shard_bounds(plan, first.has_labels, shard_size, index_only=False)
         self._recording([shard_name(index) for index in range(len(bounds) - 1)])
-        tokens, labels = ray.put(read.tokens), ray.put(read.labels)
+        tokens, labels = ray.put(first.tokens), ray.put(first.labels)
         submitted = (
             _write_pack_shard.remote(self.cwd, self.staging.build, self._target(shard_name(index)), index, plan.slice(first, end), tokens, labels)
             for index, (first, end) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
@@ -440,16 +431,17 @@ class RayEngine:
                 progress.update(task, completed=int(end))
         return shards
 
-    def write_store_shards(self, documents: Documents, read: ReadCorpus, shard_size: int, progress: Progress) -> list[StoreShard]:
-        """Phase 3 of a store: its documents cut into shards by `_ShardWriter`'s rule, each written
-        by a task from the scratch files."""
-        lengths = read.stored.lengths
+    def write_store(self, documents: Documents, reading: Reading, shard_size: int, progress: Progress) -> WrittenStore:
+        """Phases 1 and 3 of a store: its documents read as for a build, then cut into shards by
+        `StoreShardWriter`'s rule, each written by a task from the scratch files."""
+        first = self.first_pass(documents, reading, progress)
+        lengths = first.lengths
         if len(lengths) and lengths.max() > np.iinfo(np.int32).max:
             row = int(np.argmax(lengths > np.iinfo(np.int32).max))
-            raise too_long_for_a_shard(*_locate_row(documents.corpus, read.stored.rows_per_file, row), int(lengths[row]))
-        bounds, first_tokens = store_shard_bounds(lengths, store_shard_capacity(read.stored.has_labels, shard_size))
+            raise too_long_for_a_shard(*locate_row(documents.corpus, first.rows_per_file, row), int(lengths[row]))
+        bounds, first_tokens = store_shard_bounds(lengths, store_shard_capacity(first.has_labels, shard_size))
         self._recording([store_shard_name(index) for index in range(len(bounds) - 1)])
-        tokens, labels = ray.put(read.tokens), ray.put(read.labels)
+        tokens, labels = ray.put(first.tokens), ray.put(first.labels)
         submitted = (
             _write_store_shard.remote(
                 self.cwd, self.staging.build, self._target(store_shard_name(index)), index, lengths[first:end], first_token, tokens, labels
@@ -462,7 +454,8 @@ class RayEngine:
             for shard in results:
                 shards.append(shard)
                 progress.update(task, advance=1)
-        return shards
+        untrained = int(first.untrained.sum())
+        return WrittenStore(shards, first.rows_per_file, lengths, untrained, first.fingerprint)
 
 
 def _result(ref: ray.ObjectRef):

@@ -27,7 +27,7 @@ with optional_imports("check_isolation"):
     from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_flash_attn_4_available
 
 from prepack import families
-from prepack.attention import _FLASH, SUPPORTED_ATTENTION, enable_packing
+from prepack.attention import FLASH_ATTENTION, SUPPORTED_ATTENTION, enable_packing
 from prepack.collate import PackedCollator
 from prepack.format import IGNORE_INDEX
 
@@ -262,7 +262,7 @@ def check_isolation(
     or a document alone.
     """
     dtypes = {str(known).removeprefix("torch."): known for known in _TOLERANCES}
-    flash = attn in _FLASH
+    flash = attn in FLASH_ATTENTION
     target = _device(device)
     flex_on_cpu = attn == "flex_attention" and target.type == "cpu"
     dtype = dtype or ("bfloat16" if flash else "float32" if target.type == "cuda" or flex_on_cpu else "float64")
