@@ -55,10 +55,12 @@ __all__ = [
     "list_column",
     "numpy_view",
     "load_manifest_json",
+    "map_regular",
     "open_regular",
     "open_shard",
     "pack_layout",
     "read_manifest",
+    "read_one_batch",
     "segment_id_type",
     "shard_file_problems",
     "shard_name",
@@ -533,25 +535,14 @@ def open_shard(
     path: Path, has_labels: bool, max_len: int, store: IndexOf | None = None, *, where: str | None = None
 ) -> pa.RecordBatch:
     """Memory-map one shard (zero-copy) and check its structure: a regular file holding an Arrow IPC
-    stream of the format's schema (metadata included) and one uncompressed record batch, whose buffers
-    hold what their lengths say and whose list offsets start at 0 and end at their values' length. The
-    row contents are checked by `check_shard`. Problems with the contents name `where` (default: `path`;
-    the shard's URI when `path` is a cached copy, `prepack.cache`)."""
+    stream of the format's schema (metadata included) and one uncompressed record batch
+    (`read_one_batch`), whose buffers hold what their lengths say and whose list offsets start at 0 and
+    end at their values' length. The row contents are checked by `check_shard`. Problems with the
+    contents name `where` (default: `path`; the shard's URI when `path` is a cached copy, `prepack.cache`)."""
     where = str(path) if where is None else where
-    try:
-        fd = open_regular(path)
-    except FileNotFoundError:
-        _fail(path, "the shard is missing.")
-    try:
-        if os.fstat(fd).st_size == 0:
-            _fail(where, "is empty; a shard is an Arrow IPC stream.")
-        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    finally:
-        os.close(fd)  # the map holds the file open
-    try:
-        messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(pa.py_buffer(mapped)))
-        schema = pa.ipc.read_schema(_next_message(messages, where, "schema"))
-        expected = shard_schema(has_labels, max_len, store)
+    expected = shard_schema(has_labels, max_len, store)
+
+    def check_schema(schema: pa.Schema) -> None:
         planned = (schema.metadata or {}).get(SHARD_STORE_KEY.encode())
         if store is not None and planned is not None and planned != store.fingerprint.encode():
             _fail(
@@ -568,23 +559,13 @@ def open_shard(
                 f"{kind} expects\n{expected}\n"
                 f"(metadata {expected.metadata})",
             )
-        message = _next_message(messages, where, "record batch")
-        if ipc_body_compressed(message.metadata):
-            _fail(where, "the record batch is compressed; shards are uncompressed, to be memory-mapped.")
-        batch = pa.ipc.read_record_batch(message, schema)
-        try:
-            extra = messages.read_next_message()
-        except StopIteration:  # the stream ends after its record batch, as it should
-            extra = None
-        if extra is not None:
-            _fail(where, f"a {extra.type} message follows the record batch; a shard holds exactly one.")
-    except (OSError, pa.ArrowException, struct.error) as exc:
-        _fail(where, f"not a readable Arrow IPC stream ({exc}).")
+
+    batch = read_one_batch(map_regular(path, "shard", where), "shard", where, check_schema)
     try:
         batch.validate()  # buffers as long as the lengths say, before numpy reads them
     except pa.ArrowException as exc:
         _fail(where, f"not valid Arrow data ({exc}).")
-    for column in schema.names:  # offsets are few (one per pack): every reader checks them all
+    for column in batch.schema.names:  # offsets are few (one per pack): every reader checks them all
         if isinstance(batch.column(column), pa.ListArray):
             offsets, values = list_column(batch, column, where)
             if (problem := _offsets_problem(offsets, len(values))) is not None:
@@ -595,13 +576,61 @@ def open_shard(
     return batch
 
 
-def _next_message(messages: pa.ipc.MessageReader, path: str | os.PathLike, kind: str) -> pa.ipc.Message:
+def map_regular(path: Path, what: str, where: str | None = None) -> pa.Buffer:
+    """The bytes of the file `path`, a `what` ("shard", "store shard") that its manifest lists,
+    memory-mapped. Opened by `open_regular`: a file found regular before may since have been swapped for
+    a FIFO, a directory or a device, which must not hang or feed a reader. Problems name `path` when it
+    is missing, else `where` (default: `path`)."""
+    where = str(path) if where is None else where
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        _fail(path, f"the {what} is missing; its manifest lists it.")
+    try:
+        if os.fstat(fd).st_size == 0:
+            _fail(where, f"is empty; a {what} is an Arrow IPC stream.")
+        return pa.py_buffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+    except OSError as exc:
+        _fail(where, f"cannot be read ({exc.strerror}).")
+    finally:
+        os.close(fd)  # the map holds the file open
+
+
+def read_one_batch(
+    data: pa.Buffer, what: str, where: str, check_schema: Callable[[pa.Schema], None] | None = None
+) -> pa.RecordBatch:
+    """The one record batch of `data`, the bytes of a `what` ("shard", "store shard"), zero-copy: an
+    Arrow IPC stream of a schema message, one uncompressed record batch (its compression flag read
+    before the body is decoded, `ipc_body_compressed`) and nothing after it. `check_schema`, when given,
+    is called on the schema before the batch is read. The batch is not validated. Raises FormatError
+    naming `where`."""
+    try:
+        messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(data))
+        schema = pa.ipc.read_schema(_next_message(messages, where, "schema"))
+        if check_schema is not None:
+            check_schema(schema)
+        message = _next_message(messages, where, "record batch")
+        if ipc_body_compressed(message.metadata):
+            _fail(where, f"the record batch is compressed; a {what} is uncompressed, to be memory-mapped.")
+        batch = pa.ipc.read_record_batch(message, schema)
+        try:
+            extra = messages.read_next_message()
+        except StopIteration:  # the stream ends after its record batch, as it should
+            extra = None
+    except (OSError, pa.ArrowException, struct.error) as exc:
+        _fail(where, f"not a readable Arrow IPC stream ({exc}).")
+    if extra is not None:
+        _fail(where, f"a {extra.type} message follows the record batch; a {what} holds exactly one.")
+    return batch
+
+
+def _next_message(messages: pa.ipc.MessageReader, where: str, kind: str) -> pa.ipc.Message:
     try:
         message = messages.read_next_message()
     except StopIteration:
-        _fail(path, f"the stream ends before its {kind}.")
+        _fail(where, f"the stream ends before its {kind}.")
     if message.type != kind:
-        _fail(path, f"a {message.type} message where the stream's {kind} should be.")
+        _fail(where, f"a {message.type} message where the stream's {kind} should be.")
     return message
 
 
