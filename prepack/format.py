@@ -28,8 +28,10 @@ from prepack.errors import FormatError, OutputError
 __all__ = [
     "FORMAT_VERSION",
     "IGNORE_INDEX",
+    "INT32_MAX",
     "MANIFEST_NAME",
     "MANIFEST_MAX_BYTES",
+    "OUTPUT_KINDS",
     "SHARD_STORE_KEY",
     "SHARD_VERSION_KEY",
     "STORE_MANIFEST_NAME",
@@ -47,6 +49,7 @@ __all__ = [
     "TokenizerInfo",
     "Totals",
     "check_layout",
+    "check_shard_names",
     "check_index_shard",
     "check_shard",
     "format_error",
@@ -54,7 +57,9 @@ __all__ = [
     "arrow_array",
     "list_column",
     "numpy_view",
+    "check_manifest_size",
     "load_manifest_json",
+    "manifest_bytes",
     "map_regular",
     "open_regular",
     "open_shard",
@@ -76,6 +81,7 @@ MANIFEST_NAME = "manifest.json"
 # What marks a document store (prepack/store_format.py), named here so that a reader of builds can say
 # so when it is handed a store.
 STORE_MANIFEST_NAME = "store.json"
+OUTPUT_KINDS = {MANIFEST_NAME: "build", STORE_MANIFEST_NAME: "document store"}  # what each manifest marks
 SHARD_VERSION_KEY = "prepack.format_version"  # schema metadata of every shard: marks it as prepack's
 SHARD_KIND_KEY = "prepack.shard_kind"  # schema metadata of an index shard only: its value is "index"
 # Schema metadata of an index shard only: the fingerprint of the store it was planned from, so that the
@@ -86,6 +92,9 @@ IGNORE_INDEX = -100  # label value that is not trained on (the PyTorch / HF conv
 # and an input ~80, so 64 MiB lists some 300,000 of them: a 64 MiB-shard build of 20 TB.
 MANIFEST_MAX_BYTES = 64 * 2**20
 _COUNT_MAX = 2**63 - 1  # counts are int64 in every reader
+# The largest int32: the largest token id or label (`_TOKEN`), and the most values one list column of a
+# shard or store shard holds (its offsets are int32).
+INT32_MAX = 2**31 - 1
 
 _TOKEN = pa.int32()  # token ids and labels: vocabularies fit in 31 bits, and torch has no uint32 kernels
 
@@ -160,7 +169,7 @@ class TokenizeOptions(_Model):
 class BuildOptions(_Model):
     """Every option that changes the bytes of the output."""
 
-    max_len: int = Field(ge=1, le=2**31 - 1, description="Longest pack, in tokens.")
+    max_len: int = Field(ge=1, le=INT32_MAX, description="Longest pack, in tokens.")
     algorithm: Literal["ffd", "bfd"] = Field(description="First-fit or best-fit decreasing.")
     overflow: Literal["split", "truncate", "drop", "error"] = Field(
         description="What happens to documents longer than max_len."
@@ -416,46 +425,66 @@ def _integer(text: str) -> int:
     return int(text)
 
 
-def load_manifest_json(path: Path) -> object:
-    """The JSON value of a manifest file, read strictly: a regular file of at most MANIFEST_MAX_BYTES,
-    UTF-8, no NaN or Infinity, no repeated key, no integer of more than _MAX_DIGITS digits, nesting
-    bounded by the parser's recursion. Raises FileNotFoundError when it is missing, else FormatError."""
+def check_manifest_size(size: int, where: str | os.PathLike) -> None:
+    """Refuse (FormatError naming `where`) a manifest of more than MANIFEST_MAX_BYTES bytes: every
+    reader, local or of object storage, before it parses one."""
+    if size > MANIFEST_MAX_BYTES:
+        _fail(where, f"is larger than {MANIFEST_MAX_BYTES} bytes, the most a prepack manifest may hold.")
+
+
+def manifest_bytes(path: Path) -> bytes:
+    """The bytes of the manifest file `path`: a regular file (`open_regular`) of at most
+    MANIFEST_MAX_BYTES, of which no more than one byte over is read. Raises FileNotFoundError when it is
+    missing, else FormatError."""
     fd = open_regular(path)
     try:
         with os.fdopen(fd, "rb") as file:
             data = file.read(MANIFEST_MAX_BYTES + 1)
     except OSError as exc:
         _fail(path, f"cannot be read ({exc.strerror}).")
-    if len(data) > MANIFEST_MAX_BYTES:
-        _fail(path, f"is larger than {MANIFEST_MAX_BYTES} bytes, the most a prepack manifest may hold.")
+    check_manifest_size(len(data), path)
+    return data
+
+
+def load_manifest_json(data: bytes, where: str | os.PathLike) -> object:
+    """The JSON value of a manifest's bytes `data`, read strictly: at most MANIFEST_MAX_BYTES, UTF-8,
+    no NaN or Infinity, no repeated key, no integer of more than _MAX_DIGITS digits, nesting bounded by
+    the parser's recursion. Raises FormatError naming `where`, the manifest's file or URI."""
+    check_manifest_size(len(data), where)
     try:
         return json.loads(
             data.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_int=_integer
         )
     except RecursionError:
-        _fail(path, "cannot be read as JSON: it nests too deeply to be a prepack manifest.")
+        _fail(where, "cannot be read as JSON: it nests too deeply to be a prepack manifest.")
     except ValueError as exc:  # also UnicodeDecodeError
-        _fail(path, f"cannot be read as JSON: {exc}")
+        _fail(where, f"cannot be read as JSON: {exc}")
 
 
-def read_manifest(directory: str | os.PathLike) -> Manifest:
-    """Read and strictly validate `manifest.json`; unknown format versions are refused.
+def read_manifest(directory: str | os.PathLike | bytes, name: str = MANIFEST_NAME) -> Manifest:
+    """Read and strictly validate `manifest.json` of the build `directory`, or the bytes of one
+    (`directory` a `bytes`, read from object storage), which messages then call `name` (its URI);
+    unknown format versions are refused.
 
     Strict: the file is a regular file of at most MANIFEST_MAX_BYTES, UTF-8 JSON without NaN, Infinity
     or repeated keys, and every value has exactly its JSON Schema type (`"rows": "102"` or
     `"has_labels": 1` are refused, not coerced).
     """
-    path = Path(directory) / MANIFEST_NAME
-    try:
-        raw = load_manifest_json(path)
-    except FileNotFoundError:
-        if (Path(directory) / STORE_MANIFEST_NAME).exists():
-            _fail(
-                directory,
-                f"is a prepack document store ({STORE_MANIFEST_NAME}), not a build: pack it with "
-                f"`prepack build {directory} --max-len N --out DIR`.",
-            )
-        _fail(path, f"does not exist: {directory} is not a finished prepack build (the manifest is written last).")
+    if isinstance(directory, bytes):
+        path: str | Path = name
+        raw = load_manifest_json(directory, path)
+    else:
+        path = Path(directory) / MANIFEST_NAME
+        try:
+            raw = load_manifest_json(manifest_bytes(path), path)
+        except FileNotFoundError:
+            if (Path(directory) / STORE_MANIFEST_NAME).exists():
+                _fail(
+                    directory,
+                    f"is a prepack document store ({STORE_MANIFEST_NAME}), not a build: pack it with "
+                    f"`prepack build {directory} --max-len N --out DIR`.",
+                )
+            _fail(path, f"does not exist: {directory} is not a finished prepack build (the manifest is written last).")
     version = raw.get("format_version") if isinstance(raw, dict) else None
     if type(version) is not int or version != FORMAT_VERSION:
         _fail(
@@ -484,12 +513,24 @@ def _misnamed(index: int, info: ShardInfo) -> str | None:
     return None
 
 
+def _check_name(manifest_file: str | os.PathLike, index: int, info: ShardInfo) -> None:
+    if (message := _misnamed(index, info)) is not None:
+        _fail(manifest_file, message, column=f"shards[{index}].name")
+
+
 def shard_path(directory: str | os.PathLike, index: int, info: ShardInfo) -> Path:
     """The file of shard `index` (`info` is its manifest entry). A manifest that names it otherwise is
     refused, which also keeps a name like "../x" or "/etc/passwd" from taking a reader out of the build."""
-    if (message := _misnamed(index, info)) is not None:
-        _fail(Path(directory) / MANIFEST_NAME, message, column=f"shards[{index}].name")
+    _check_name(Path(directory) / MANIFEST_NAME, index, info)
     return Path(directory) / info.name
+
+
+def check_shard_names(manifest: Manifest, manifest_file: str | os.PathLike) -> None:
+    """Refuse (FormatError naming `manifest_file` and the field) a manifest that names any shard
+    otherwise than `shard_name` (`shard_path`'s rule for every shard at once): what a reader of object
+    storage checks before it takes a name for a key."""
+    for index, info in enumerate(manifest.shards):
+        _check_name(manifest_file, index, info)
 
 
 def shard_file_problems(directory: Path, manifest: Manifest) -> Iterator[ShardFileProblem]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 from prepack.errors import FormatError, OutputError
-from prepack.format import MANIFEST_NAME, STORE_MANIFEST_NAME, Manifest, read_manifest, shard_name
+from prepack.format import MANIFEST_NAME, OUTPUT_KINDS, Manifest, read_manifest, shard_name
 from prepack.store_format import StoreManifest, read_store_manifest, store_shard_name
 
 __all__ = ["STAGING_MARK", "Staging", "check_replaceable", "output_errors", "output_file", "replaceable_build", "staged_directory"]
@@ -71,7 +71,7 @@ def replaceable_build(directory: str | os.PathLike, kind: str = MANIFEST_NAME) -
     symbolic link. Shards may be missing. A build never replaces a store, nor a store a build.
     """
     directory = Path(directory)
-    refusal = f"{directory} is not a prepack {_KINDS[kind]}, so prepack will not replace or delete it"
+    refusal = f"{directory} is not a prepack {OUTPUT_KINDS[kind]}, so prepack will not replace or delete it"
     if directory.is_symlink() or not directory.is_dir():
         raise OutputError(f"{refusal}: it is not a directory.")
     with output_errors(directory, "read"), os.scandir(directory) as entries:
@@ -102,10 +102,6 @@ def check_replaceable(manifest: Manifest | StoreManifest, kind: str, entries: di
         raise OutputError(f"{refusal}: it holds {', '.join(foreign)}, which prepack did not write.")
 
 
-# What each manifest file marks: a build or a document store.
-_KINDS = {MANIFEST_NAME: "build", STORE_MANIFEST_NAME: "document store"}
-
-
 def _delete_build(directory: Path) -> None:
     """Delete an output `replaceable_build` accepts: the files its manifest names, the manifest last,
     then the directory (which fails, keeping it, if anything else has appeared in it)."""
@@ -120,7 +116,7 @@ def _delete_build(directory: Path) -> None:
 
 def _kind(directory: Path) -> str | None:
     """The manifest file that marks `directory` as a prepack output, if any."""
-    return next((kind for kind in _KINDS if (directory / kind).exists()), None)
+    return next((kind for kind in OUTPUT_KINDS if (directory / kind).exists()), None)
 
 
 class Staging(NamedTuple):

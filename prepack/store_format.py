@@ -22,12 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from prepack.errors import FormatError
 from prepack.format import (
     IGNORE_INDEX,
+    INT32_MAX,
     MANIFEST_NAME,
     STORE_MANIFEST_NAME,
     InputFile,
     TokenizeOptions,
     format_error,
     load_manifest_json,
+    manifest_bytes,
     numpy_view,
 )
 
@@ -72,7 +74,7 @@ class _Model(BaseModel):
 class StoreShard(_Model):
     name: str
     documents: int = Field(ge=0, description="Rows: consecutive documents, in corpus row order.")
-    tokens: int = Field(ge=0, le=2**31 - 1)
+    tokens: int = Field(ge=0, le=INT32_MAX)
     bytes: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
@@ -136,19 +138,24 @@ def write_store_manifest(directory: Path, manifest: StoreManifest) -> None:
     os.replace(tmp, directory / STORE_MANIFEST_NAME)
 
 
-def read_store_manifest(directory: str | os.PathLike) -> StoreManifest:
-    """Read and strictly validate `store.json` (`StoreManifest`, its own checks included). Raises
-    FormatError."""
-    path = Path(directory) / STORE_MANIFEST_NAME
-    try:
-        raw = load_manifest_json(path)
-    except FileNotFoundError:
-        build = (Path(directory) / MANIFEST_NAME).exists()
-        raise FormatError(
-            f"{directory} is a prepack build, not a document store (it has {MANIFEST_NAME}, no {STORE_MANIFEST_NAME})."
-            if build
-            else f"{path} does not exist: {directory} is not a finished prepack document store."
-        ) from None
+def read_store_manifest(directory: str | os.PathLike | bytes, name: str = STORE_MANIFEST_NAME) -> StoreManifest:
+    """Read and strictly validate `store.json` of the store `directory` (`StoreManifest`, its own
+    checks included), or the bytes of one (`directory` a `bytes`, read from object storage), which
+    messages then call `name` (its URI). Raises FormatError."""
+    if isinstance(directory, bytes):
+        path: str | Path = name
+        raw = load_manifest_json(directory, path)
+    else:
+        path = Path(directory) / STORE_MANIFEST_NAME
+        try:
+            raw = load_manifest_json(manifest_bytes(path), path)
+        except FileNotFoundError:
+            build = (Path(directory) / MANIFEST_NAME).exists()
+            raise FormatError(
+                f"{directory} is a prepack build, not a document store (it has {MANIFEST_NAME}, no {STORE_MANIFEST_NAME})."
+                if build
+                else f"{path} does not exist: {directory} is not a finished prepack document store."
+            ) from None
     version = raw.get("store_version") if isinstance(raw, dict) else None
     if version != STORE_VERSION:
         raise FormatError(

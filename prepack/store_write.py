@@ -21,7 +21,7 @@ from rich.progress import Progress
 from prepack.build import DEFAULT_SHARD_SIZE, check_engine, engine_session, progress_bars
 from prepack.documents import Documents, Reading, open_documents
 from prepack.errors import DISTRIBUTION, InputError
-from prepack.format import STORE_MANIFEST_NAME, Fingerprint, InputFile, arrow_array
+from prepack.format import INT32_MAX, STORE_MANIFEST_NAME, Fingerprint, InputFile, arrow_array
 from prepack.output import output_errors, staged_directory
 from prepack.plan import untrained_documents
 from prepack.read import DocumentBatch
@@ -39,12 +39,10 @@ from prepack.write import write_record_batch
 
 __all__ = ["build_store"]
 
-_INT32_MAX = 2**31 - 1  # list<int32> offsets: the most tokens one shard holds
-
 
 def store_shard_capacity(has_labels: bool, shard_size: int) -> int:
     """Tokens a store shard of `shard_size` bytes of tokens (and labels) holds, at most INT32_MAX."""
-    return min(max(1, shard_size // (8 if has_labels else 4)), _INT32_MAX)
+    return min(max(1, shard_size // (8 if has_labels else 4)), INT32_MAX)
 
 
 def _shard_end(offsets: np.ndarray, start: int, room: int, empty: bool) -> int:
@@ -69,7 +67,7 @@ def store_shard_bounds(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, 
 
 def too_long_for_a_shard(file: Path, row: int, tokens: int) -> InputError:
     return InputError(
-        f"{file}, row {row}: {tokens} tokens in one document, more than a store shard holds ({_INT32_MAX})."
+        f"{file}, row {row}: {tokens} tokens in one document, more than a store shard holds ({INT32_MAX})."
     )
 
 
@@ -124,7 +122,7 @@ class _ShardWriter:
     def flush(self) -> None:
         if not self.pending:
             return
-        if self.tokens > _INT32_MAX:
+        if self.tokens > INT32_MAX:
             first = self.pending[0]
             raise too_long_for_a_shard(first.file, first.first_row, self.tokens)
         lengths = np.concatenate([np.diff(p.offsets) for p in self.pending])
