@@ -14,10 +14,10 @@ import reprlib
 import os
 import stat
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from collections.abc import Callable
-from typing import Annotated, Literal, NamedTuple, NoReturn
+from typing import Annotated, Literal, NamedTuple, NoReturn, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -507,9 +507,9 @@ class ShardFileProblem(NamedTuple):
     message: str  # what is wrong, without the file
 
 
-def _misnamed(index: int, info: ShardInfo) -> str | None:
-    if info.name != shard_name(index):
-        return f"shard {index} is named {info.name!r}, not {shard_name(index)!r}."
+def _misnamed(index: int, info: ShardInfo, name_of: Callable[[int], str] = shard_name) -> str | None:
+    if info.name != name_of(index):
+        return f"shard {index} is named {info.name!r}, not {name_of(index)!r}."
     return None
 
 
@@ -533,29 +533,41 @@ def check_shard_names(manifest: Manifest, manifest_file: str | os.PathLike) -> N
         _check_name(manifest_file, index, info)
 
 
-def shard_file_problems(directory: Path, manifest: Manifest) -> Iterator[ShardFileProblem]:
-    """What the manifest promises about its shard files, checked with `lstat` only (no shard is opened),
-    in manifest order: each shard named `shard_name(index)`, present, a regular file (not a symbolic
-    link, FIFO or device), and of the manifest's size.
+class _ShardList(Protocol):
+    """A manifest's list of shard files (each entry with a `name` and `bytes`): a build's `Manifest`,
+    or a store's (`prepack.store_format.StoreManifest`)."""
+
+    @property
+    def shards(self) -> Sequence[ShardInfo]: ...
+
+
+def shard_file_problems(
+    directory: Path, manifest: _ShardList, name_of: Callable[[int], str] = shard_name, listed_by: str = "the manifest"
+) -> Iterator[ShardFileProblem]:
+    """What a manifest promises about its shard files, checked with `lstat` only (no shard is opened),
+    in manifest order: each shard named `name_of(index)`, present, a regular file (not a symbolic link,
+    FIFO or device), and of the manifest's size. A build's by default; a document store's with
+    `store_shard_name` (`prepack.store_format.check_store_files`). `listed_by` is what the messages
+    call the manifest.
 
     A shard with another name is not looked at (`shard_path`'s rule): that also keeps a hand-edited name
     like "../x.arrow" from reaching outside the build.
     """
     for index, info in enumerate(manifest.shards):
-        if (message := _misnamed(index, info)) is not None:
+        if (message := _misnamed(index, info, name_of)) is not None:
             yield ShardFileProblem(index, "name", MANIFEST_NAME, message)
             continue
         try:
             status = os.lstat(directory / info.name)
         except FileNotFoundError:
-            message = f"missing; the manifest lists it with {info.rows} packs, {info.bytes} bytes."
+            message = f"missing; {listed_by} lists it with {info.bytes} bytes."
             yield ShardFileProblem(index, "missing", info.name, message)
             continue
         if not stat.S_ISREG(status.st_mode):
-            message = f"is {_file_kind(status.st_mode)}, not a regular file; a build holds regular files only."
+            message = f"not a regular file ({_file_kind(status.st_mode)}); prepack writes regular files only."
             yield ShardFileProblem(index, "type", info.name, message)
         elif status.st_size != info.bytes:
-            message = f"{status.st_size} bytes, but the manifest says {info.bytes} (truncated or replaced?)."
+            message = f"{status.st_size} bytes, but {listed_by} says {info.bytes} (truncated or replaced?)."
             yield ShardFileProblem(index, "size", info.name, message)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Literal
 
@@ -31,6 +30,7 @@ from prepack.format import (
     load_manifest_json,
     manifest_bytes,
     numpy_view,
+    shard_file_problems,
 )
 
 __all__ = [
@@ -171,19 +171,11 @@ def read_store_manifest(directory: str | os.PathLike | bytes, name: str = STORE_
 
 def check_store_files(directory: Path, manifest: StoreManifest) -> None:
     """Every shard the manifest names is a regular file in `directory` (no symbolic link) of the
-    manifest's size, checked with `lstat` only. Raises FormatError."""
-    for shard in manifest.shards:
-        path = directory / shard.name
-        try:
-            mode = path.lstat()
-        except FileNotFoundError:
-            raise FormatError(f"{path}: missing; the store manifest lists it with {shard.bytes} bytes.") from None
-        if not stat.S_ISREG(mode.st_mode):
-            raise FormatError(f"{path}: not a regular file (a symbolic link, directory or device).")
-        if mode.st_size != shard.bytes:
-            raise FormatError(
-                f"{path}: {mode.st_size} bytes, but the store manifest says {shard.bytes} (truncated or replaced?)."
-            )
+    manifest's size, checked with `lstat` only (`shard_file_problems`). Raises FormatError naming the
+    first that is not."""
+    problems = shard_file_problems(directory, manifest, store_shard_name, "the store manifest")
+    if (problem := next(problems, None)) is not None:
+        raise store_error(directory / problem.file, problem.message)
 
 
 def store_error(
