@@ -35,6 +35,7 @@ __all__ = [
     "SHARD_STORE_KEY",
     "SHARD_VERSION_KEY",
     "STORE_MANIFEST_NAME",
+    "TOKEN_TYPE",
     "BuildOptions",
     "Fingerprint",
     "FormatProblem",
@@ -45,10 +46,12 @@ __all__ = [
     "ShardFileProblem",
     "ShardInfo",
     "StoreReference",
+    "StrictModel",
     "TokenizeOptions",
     "TokenizerInfo",
     "Totals",
     "check_layout",
+    "check_manifest_size",
     "check_shard_names",
     "check_index_shard",
     "check_shard",
@@ -57,7 +60,6 @@ __all__ = [
     "arrow_array",
     "list_column",
     "numpy_view",
-    "check_manifest_size",
     "load_manifest_json",
     "manifest_bytes",
     "map_regular",
@@ -92,11 +94,11 @@ IGNORE_INDEX = -100  # label value that is not trained on (the PyTorch / HF conv
 # and an input ~80, so 64 MiB lists some 300,000 of them: a 64 MiB-shard build of 20 TB.
 MANIFEST_MAX_BYTES = 64 * 2**20
 _COUNT_MAX = 2**63 - 1  # counts are int64 in every reader
-# The largest int32: the largest token id or label (`_TOKEN`), and the most values one list column of a
+# The largest int32: the largest token id or label (`TOKEN_TYPE`), and the most values one list column of a
 # shard or store shard holds (its offsets are int32).
 INT32_MAX = 2**31 - 1
 
-_TOKEN = pa.int32()  # token ids and labels: vocabularies fit in 31 bits, and torch has no uint32 kernels
+TOKEN_TYPE = pa.int32()  # token ids and labels: vocabularies fit in 31 bits, and torch has no uint32 kernels
 
 
 def segment_id_type(max_len: int) -> pa.DataType:
@@ -133,12 +135,12 @@ def shard_schema(has_labels: bool, max_len: int, store: IndexOf | None = None) -
         metadata = {SHARD_VERSION_KEY: str(FORMAT_VERSION), SHARD_KIND_KEY: "index", SHARD_STORE_KEY: store.fingerprint}
         return pa.schema(_pack_fields(source_row), metadata=metadata)
     fields = [
-        pa.field("input_ids", pa.list_(_TOKEN), nullable=False),
+        pa.field("input_ids", pa.list_(TOKEN_TYPE), nullable=False),
         pa.field("segment_ids", pa.list_(segment_id_type(max_len)), nullable=False),
         *_pack_fields(pa.int64()),
     ]
     if has_labels:
-        fields.append(pa.field("labels", pa.list_(_TOKEN), nullable=False))
+        fields.append(pa.field("labels", pa.list_(TOKEN_TYPE), nullable=False))
     return pa.schema(fields, metadata={SHARD_VERSION_KEY: str(FORMAT_VERSION)})
 
 
@@ -146,16 +148,18 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.arrow"
 
 
-class _Model(BaseModel):
+class StrictModel(BaseModel):
+    """The base of prepack's JSON models (manifests, `inspect`'s report): unknown keys refused, values frozen."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class TokenizerInfo(_Model):
+class TokenizerInfo(StrictModel):
     name: str = Field(description="The tokenizer directory's or file's name.")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 over its files, by sorted name.")
 
 
-class TokenizeOptions(_Model):
+class TokenizeOptions(StrictModel):
     """How text or chat documents became tokens, when `prepack build` tokenized them."""
 
     tokenizer: TokenizerInfo
@@ -166,7 +170,7 @@ class TokenizeOptions(_Model):
     eos: bool = Field(description="Whether EOS was appended to every text document.")
 
 
-class BuildOptions(_Model):
+class BuildOptions(StrictModel):
     """Every option that changes the bytes of the output."""
 
     max_len: int = Field(ge=1, le=INT32_MAX, description="Longest pack, in tokens.")
@@ -227,14 +231,14 @@ def _valid(problem: Callable[[str], str | None]) -> AfterValidator:
     return AfterValidator(check)
 
 
-class InputFile(_Model):
+class InputFile(StrictModel):
     path: Annotated[str, _valid(_relative_path_problem)] = Field(
         description="Path relative to the corpus root, '/'-separated, no empty, '.' or '..' part."
     )
     rows: int = Field(ge=0, le=_COUNT_MAX)
 
 
-class Totals(_Model):
+class Totals(StrictModel):
     documents: int = Field(ge=0, le=_COUNT_MAX, description="Rows read from the corpus.")
     input_tokens: int = Field(ge=0, le=_COUNT_MAX, description="Tokens read from the corpus.")
     tokens: int = Field(ge=0, le=_COUNT_MAX, description="Tokens written into packs.")
@@ -288,7 +292,7 @@ class Fingerprint:
         return hashlib.sha256(b"".join(stream.digest() for stream in self._streams)).hexdigest()
 
 
-class ShardInfo(_Model):
+class ShardInfo(StrictModel):
     name: str
     rows: int = Field(ge=0, le=_COUNT_MAX)
     tokens: int = Field(ge=0, le=_COUNT_MAX)
@@ -296,7 +300,7 @@ class ShardInfo(_Model):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class StoreReference(_Model):
+class StoreReference(StrictModel):
     """The document store an index build takes its tokens from."""
 
     path: Annotated[str, _valid(store_path_problem)] = Field(
@@ -306,7 +310,7 @@ class StoreReference(_Model):
     fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$", description="The store's fingerprint: readers refuse another.")
 
 
-class Manifest(_Model):
+class Manifest(StrictModel):
     """`manifest.json`: written last; a directory without one is not a finished build."""
 
     format_version: Literal[2] = FORMAT_VERSION

@@ -16,7 +16,7 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from prepack.errors import FormatError
 from prepack.format import (
@@ -24,7 +24,9 @@ from prepack.format import (
     INT32_MAX,
     MANIFEST_NAME,
     STORE_MANIFEST_NAME,
+    TOKEN_TYPE,
     InputFile,
+    StrictModel,
     TokenizeOptions,
     format_error,
     load_manifest_json,
@@ -52,14 +54,13 @@ __all__ = [
 
 STORE_VERSION = 1
 STORE_VERSION_KEY = "prepack.store_version"  # schema metadata of every store shard: marks it as a store's
-_TOKEN = pa.int32()
 
 
 def store_schema(has_labels: bool) -> pa.Schema:
     """The Arrow schema of every shard of a store; `labels` only when the documents have them."""
-    fields = [pa.field("input_ids", pa.list_(_TOKEN), nullable=False)]
+    fields = [pa.field("input_ids", pa.list_(TOKEN_TYPE), nullable=False)]
     if has_labels:
-        fields.append(pa.field("labels", pa.list_(_TOKEN), nullable=False))
+        fields.append(pa.field("labels", pa.list_(TOKEN_TYPE), nullable=False))
     return pa.schema(fields, metadata={STORE_VERSION_KEY: str(STORE_VERSION)})
 
 
@@ -67,11 +68,7 @@ def store_shard_name(index: int) -> str:
     return f"documents-{index:05d}.arrow"
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class StoreShard(_Model):
+class StoreShard(StrictModel):
     name: str
     documents: int = Field(ge=0, description="Rows: consecutive documents, in corpus row order.")
     tokens: int = Field(ge=0, le=INT32_MAX)
@@ -79,7 +76,7 @@ class StoreShard(_Model):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class LengthSummary(_Model):
+class LengthSummary(StrictModel):
     """The documents' lengths in tokens, for choosing max-lens without reading the store."""
 
     min: int = Field(ge=0)
@@ -94,7 +91,7 @@ class LengthSummary(_Model):
     )
 
 
-class StoreManifest(_Model):
+class StoreManifest(StrictModel):
     """`store.json`: written last; a directory without one is not a finished store."""
 
     store_version: Literal[1] = STORE_VERSION

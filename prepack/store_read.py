@@ -101,34 +101,37 @@ class Store:
         its memory map, after its sha256 and contents are checked: document d of the shard is
         ids[offsets[d]:offsets[d + 1]]. Raises FormatError naming the shard, row and column
         (`FormatError.problem`)."""
-        where = self.shard_where(shard)
-        data = map_regular(self.shard_file(shard), "store shard", where)
-        if hashlib.sha256(data).hexdigest() != shard.sha256:
-            raise store_error(where, "its sha256 is not the store manifest's: the shard changed.")
-        batch = read_one_batch(data, "store shard", where)  # its schema: `check_store_shard`
-        try:
-            batch.validate(full=True)
-        except pa.ArrowException as exc:
-            raise store_error(where, f"not valid Arrow data ({exc}).") from None
+        batch, where = self._batch(shard, whole=True)
         offsets = check_store_shard(batch, shard, self.manifest.has_labels, where)
-        labels = numpy_view(batch.column("labels").values) if self.manifest.has_labels else None
-        return offsets, numpy_view(batch.column("input_ids").values), labels
+        return offsets, numpy_view(batch.column("input_ids").values), self._labels(batch)
 
     def shard_lengths(self, shard: StoreShard) -> tuple[np.ndarray, np.ndarray]:
         """(every document's length as int64, whether it is untrained: `untrained_documents`) of one
         of the store's shards, from its offsets and labels alone: no hash, no token id read, and of the
         labels only each document's first up to its first trained one. What is read is checked
         (`check_store_offsets`); the tokens are checked where they are used (`shard_columns`)."""
+        batch, where = self._batch(shard, whole=False)
+        offsets = check_store_offsets(batch, shard, self.manifest.has_labels, where)
+        return np.diff(offsets), untrained_documents(offsets, self._labels(batch))
+
+    def _batch(self, shard: StoreShard, whole: bool) -> tuple[pa.RecordBatch, str]:
+        """(the one record batch of one of the store's shards, memory-mapped, what its problems name it
+        by). Its buffers are validated: as long as their lengths say, and, when `whole`, in full
+        (offsets inside their values), after the shard's sha256 is checked. Its schema is checked with
+        its offsets (`check_store_offsets`)."""
         where = self.shard_where(shard)
         data = map_regular(self.shard_file(shard), "store shard", where)
-        batch = read_one_batch(data, "store shard", where)  # its schema: `check_store_offsets`
+        if whole and hashlib.sha256(data).hexdigest() != shard.sha256:
+            raise store_error(where, "its sha256 is not the store manifest's: the shard changed.")
+        batch = read_one_batch(data, "store shard", where)
         try:
-            batch.validate()  # buffers as long as the lengths say, before numpy reads them
+            batch.validate(full=whole)
         except pa.ArrowException as exc:
             raise store_error(where, f"not valid Arrow data ({exc}).") from None
-        offsets = check_store_offsets(batch, shard, self.manifest.has_labels, where)
-        labels = numpy_view(batch.column("labels").values) if self.manifest.has_labels else None
-        return np.diff(offsets), untrained_documents(offsets, labels)
+        return batch, where
+
+    def _labels(self, batch: pa.RecordBatch) -> np.ndarray | None:
+        return numpy_view(batch.column("labels").values) if self.manifest.has_labels else None
 
 
 def open_store(path: str | os.PathLike, location: str | None = None) -> Store:
