@@ -61,7 +61,6 @@ __all__ = [
     "list_column",
     "numpy_view",
     "load_manifest_json",
-    "manifest_bytes",
     "map_regular",
     "open_regular",
     "open_shard",
@@ -436,27 +435,28 @@ def check_manifest_size(size: int, where: str | os.PathLike) -> None:
         _fail(where, f"is larger than {MANIFEST_MAX_BYTES} bytes, the most a prepack manifest may hold.")
 
 
-def manifest_bytes(path: Path) -> bytes:
-    """The bytes of the manifest file `path`: a regular file (`open_regular`) of at most
-    MANIFEST_MAX_BYTES, of which no more than one byte over is read. Raises FileNotFoundError when it is
-    missing, else FormatError."""
-    fd = open_regular(path)
-    try:
-        with os.fdopen(fd, "rb") as file:
-            data = file.read(MANIFEST_MAX_BYTES + 1)
-    except OSError as exc:
-        _fail(path, f"cannot be read ({exc.strerror}).")
-    check_manifest_size(len(data), path)
-    return data
-
-
-def load_manifest_json(data: bytes, where: str | os.PathLike) -> object:
-    """The JSON value of a manifest's bytes `data`, read strictly: at most MANIFEST_MAX_BYTES, UTF-8,
-    no NaN or Infinity, no repeated key, no integer of more than _MAX_DIGITS digits, nesting bounded by
-    the parser's recursion. Raises FormatError naming `where`, the manifest's file or URI."""
+def load_manifest_json(
+    directory: str | os.PathLike | bytes, kind: str, name: str
+) -> tuple[str | os.PathLike, object]:
+    """(what problems name it by, its JSON value) of the manifest `kind` (MANIFEST_NAME or
+    STORE_MANIFEST_NAME) of the output `directory`, or of the bytes `directory` of one, which problems
+    then name `name`. Read strictly: a regular file (`open_regular`) of at most MANIFEST_MAX_BYTES (no
+    more than one byte over is read), UTF-8, no NaN or Infinity, no repeated key, no integer of more
+    than _MAX_DIGITS digits, nesting bounded by the parser's recursion. Raises FileNotFoundError when
+    the file is missing, else FormatError."""
+    if isinstance(directory, bytes):
+        where, data = name, directory
+    else:
+        where = Path(directory) / kind
+        fd = open_regular(where)
+        try:
+            with os.fdopen(fd, "rb") as file:
+                data = file.read(MANIFEST_MAX_BYTES + 1)
+        except OSError as exc:
+            _fail(where, f"cannot be read ({exc.strerror}).")
     check_manifest_size(len(data), where)
     try:
-        return json.loads(
+        return where, json.loads(
             data.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_int=_integer
         )
     except RecursionError:
@@ -474,21 +474,19 @@ def read_manifest(directory: str | os.PathLike | bytes, name: str = MANIFEST_NAM
     or repeated keys, and every value has exactly its JSON Schema type (`"rows": "102"` or
     `"has_labels": 1` are refused, not coerced).
     """
-    if isinstance(directory, bytes):
-        path: str | Path = name
-        raw = load_manifest_json(directory, path)
-    else:
-        path = Path(directory) / MANIFEST_NAME
-        try:
-            raw = load_manifest_json(manifest_bytes(path), path)
-        except FileNotFoundError:
-            if (Path(directory) / STORE_MANIFEST_NAME).exists():
-                _fail(
-                    directory,
-                    f"is a prepack document store ({STORE_MANIFEST_NAME}), not a build: pack it with "
-                    f"`prepack build {directory} --max-len N --out DIR`.",
-                )
-            _fail(path, f"does not exist: {directory} is not a finished prepack build (the manifest is written last).")
+    try:
+        path, raw = load_manifest_json(directory, MANIFEST_NAME, name)
+    except FileNotFoundError:
+        if (Path(directory) / STORE_MANIFEST_NAME).exists():
+            _fail(
+                directory,
+                f"is a prepack document store ({STORE_MANIFEST_NAME}), not a build: pack it with "
+                f"`prepack build {directory} --max-len N --out DIR`.",
+            )
+        _fail(
+            Path(directory) / MANIFEST_NAME,
+            f"does not exist: {directory} is not a finished prepack build (the manifest is written last).",
+        )
     version = raw.get("format_version") if isinstance(raw, dict) else None
     if type(version) is not int or version != FORMAT_VERSION:
         _fail(

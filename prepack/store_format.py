@@ -30,7 +30,6 @@ from prepack.format import (
     TokenizeOptions,
     format_error,
     load_manifest_json,
-    manifest_bytes,
     numpy_view,
     shard_file_problems,
 )
@@ -139,20 +138,15 @@ def read_store_manifest(directory: str | os.PathLike | bytes, name: str = STORE_
     """Read and strictly validate `store.json` of the store `directory` (`StoreManifest`, its own
     checks included), or the bytes of one (`directory` a `bytes`, read from object storage), which
     messages then call `name` (its URI). Raises FormatError."""
-    if isinstance(directory, bytes):
-        path: str | Path = name
-        raw = load_manifest_json(directory, path)
-    else:
-        path = Path(directory) / STORE_MANIFEST_NAME
-        try:
-            raw = load_manifest_json(manifest_bytes(path), path)
-        except FileNotFoundError:
-            build = (Path(directory) / MANIFEST_NAME).exists()
-            raise FormatError(
-                f"{directory} is a prepack build, not a document store (it has {MANIFEST_NAME}, no {STORE_MANIFEST_NAME})."
-                if build
-                else f"{path} does not exist: {directory} is not a finished prepack document store."
-            ) from None
+    try:
+        path, raw = load_manifest_json(directory, STORE_MANIFEST_NAME, name)
+    except FileNotFoundError:
+        build = (Path(directory) / MANIFEST_NAME).exists()
+        raise FormatError(
+            f"{directory} is a prepack build, not a document store (it has {MANIFEST_NAME}, no {STORE_MANIFEST_NAME})."
+            if build
+            else f"{Path(directory) / STORE_MANIFEST_NAME} does not exist: {directory} is not a finished prepack document store."
+        ) from None
     version = raw.get("store_version") if isinstance(raw, dict) else None
     if version != STORE_VERSION:
         raise FormatError(
