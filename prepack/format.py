@@ -148,7 +148,8 @@ def shard_name(index: int) -> str:
 
 
 class StrictModel(BaseModel):
-    """The base of prepack's JSON models (manifests, `inspect`'s report): unknown keys refused, values frozen."""
+    """The base of prepack's JSON models (manifests, `inspect`'s report, `verify`'s problems): unknown keys
+    refused, values frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

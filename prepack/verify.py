@@ -55,7 +55,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict
 
 from prepack.cache import ShardCache, build_cache
 from prepack.errors import FormatError, InputError
@@ -65,6 +64,7 @@ from prepack.format import (
     Fingerprint,
     Manifest,
     PackLayout,
+    StrictModel,
     check_index_shard,
     check_shard,
     list_column,
@@ -86,7 +86,7 @@ _COMPARE_TOKENS = 2**22  # tokens compared per step against the source
 _RESUME_BLOCK = 1024  # rows checked per call after a failing row, so --all stays linear in the rows
 
 
-class Problem(BaseModel):
+class Problem(StrictModel):
     """One thing wrong with a build. `file` is a shard's name or `manifest.json` (None for the build as
     a whole), or an index build's store file, its path from the build (`../store/documents-00000.arrow`);
     `row` the pack's row inside that shard (the document's inside a store shard), `column` the shard
@@ -94,8 +94,6 @@ class Problem(BaseModel):
     `source_file`/`source_row` locate the corpus document concerned, when there is one;
     `location` is the URI of a build in object storage, which `file` is relative to (None for a local
     build, whose files are named relative to its directory): `str()` then names the object's URI."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     file: str | None = None
     row: int | None = None
