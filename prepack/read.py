@@ -18,7 +18,6 @@ import glob
 import io
 import json
 import os
-import re
 import stat
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from prepack.format import (
     STORE_MANIFEST_NAME,
     numpy_view,
 )
-from prepack.output import STAGING_MARK
+from prepack.output import is_staging
 from prepack.store_format import STORE_VERSION_KEY
 
 __all__ = ["Corpus", "DocumentBatch", "LocalCopy", "find_corpus", "read_documents"]
@@ -48,7 +47,6 @@ __all__ = ["Corpus", "DocumentBatch", "LocalCopy", "find_corpus", "read_document
 # file's row groups (a 64k-row batch of long documents is over a GB once decoded).
 _BATCH_ROWS = 8_192
 _READ_BUFFER = 2**20  # Parquet pages are streamed through this buffer, not whole column chunks
-_STAGING_NAME = re.compile(r"\..+\.tmp-[0-9a-f]{8}")
 _SUFFIXES = {
     ".parquet": "parquet",
     ".arrow": "arrow",
@@ -152,12 +150,6 @@ def _check_regular(path: Path) -> None:
         raise InputError(f"{path}: cannot be read as a corpus file: it is {what}.")
 
 
-def _is_staging(directory: Path) -> bool:
-    """A running or killed build's hidden sibling of its output: named `.NAME.tmp-…` and holding
-    prepack's mark, so a user's directory that happens to have such a name is still read."""
-    return _STAGING_NAME.fullmatch(directory.name) is not None and (directory / STAGING_MARK).is_file()
-
-
 def _refuse_build_output(directory: Path, files: list[Path]) -> None:
     """Refuse the corpus `files` of `directory` when it is a prepack build (its manifest.json has a
     `format_version`): read as a corpus, its shards would add every document it packed once more."""
@@ -189,7 +181,7 @@ def _directory_files(root: Path) -> tuple[Path, ...]:
         if real in seen:  # a symlink back up the tree, or a second way to the same files
             raise InputError(f"{here}: the same directory as {real}, reached twice; its files would be read twice.")
         seen.add(real)
-        directories[:] = [d for d in directories if not _is_staging(here / d)]
+        directories[:] = [d for d in directories if not is_staging(here / d)]
         found = [here / name for name in names if file_kind(Path(name)) is not None]
         _refuse_build_output(here, found)
         for path in found:
