@@ -6,7 +6,7 @@ holds exactly the documents a build of its corpus would pack."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -16,9 +16,9 @@ from prepack.errors import InputError
 from prepack.format import TokenizeOptions
 from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
 from prepack.remote import is_uri
-from prepack.store_read import Store, is_store, open_store
+from prepack.store_read import ShardColumns, Store, is_store, open_store
 
-__all__ = ["Documents", "Reading", "corpus_documents", "open_documents"]
+__all__ = ["Documents", "Reading", "corpus_documents", "open_documents", "store_documents"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Reading:
     tokenized as `prepack.tokenize.tokenize_corpus` describes."""
 
     column: str = "input_ids"
-    labels_column: str = "labels"
+    labels_column: str | None = "labels"  # None: no labels are read
     tokenizer: str | os.PathLike | None = None
     chat: bool = False
     text_column: str = "text"
@@ -66,12 +66,17 @@ def _real(path: str | os.PathLike) -> Path:
 
 
 def open_documents(
-    spec: str | os.PathLike, reading: Reading, out: str | os.PathLike, progress: Progress, location: str | None = None
+    spec: str | os.PathLike,
+    reading: Reading,
+    out: str | os.PathLike | None,
+    progress: Progress | None,
+    location: str | None = None,
 ) -> Documents:
     """Find the corpus or store at `spec`, check its schema (or its store manifest) and the options
     now, and return its documents, read (and tokenized) while they are consumed. A store is read as it
     was written: reading options other than the defaults are refused with it. Raises InputError, or
-    FormatError for a broken store; a corpus with files inside `out` is refused.
+    FormatError for a broken store; a corpus with files inside `out` (the output being written, None
+    for a reader that writes none: `verify`) is refused.
 
     `location`: the URI that `spec` is a local copy of (`prepack.remote.local_input`); its files are
     named by it, and the copy is not compared with `out`."""
@@ -79,8 +84,8 @@ def open_documents(
     given = [f"--{f.name.replace('_', '-')}" for f in fields(Reading) if getattr(reading, f.name) != f.default]
     if store is not None and given:
         # A store is read as it was written; an option that asks otherwise would be silently ignored.
-        raise InputError(f"{spec} is a document store, tokenized already: leave out {', '.join(given)}.")
-    local = location is None and not is_uri(out)
+        raise InputError(f"{location or spec} is a document store, tokenized already: leave out {', '.join(given)}.")
+    local = out is not None and location is None and not is_uri(out)
     if store is not None and local:
         root, target = _real(store.root), _real(out)
         if root.is_relative_to(target) or target.is_relative_to(root):
@@ -91,9 +96,15 @@ def open_documents(
     if inside:
         raise InputError(f"{inside[0]}: the corpus includes files inside --out {out}; choose another --out.")
     if store is not None:
-        m = store.manifest
-        return Documents(corpus, m.column, m.labels_column, m.tokenize, m.has_labels, store.documents(), store)
+        return store_documents(store)
     return corpus_documents(corpus, reading, progress)
+
+
+def store_documents(store: Store, checked: Sequence[ShardColumns] | None = None) -> Documents:
+    """The documents of a document store, read as it was written (`Store.documents`, which takes
+    `checked`, the shards' columns checked already)."""
+    m = store.manifest
+    return Documents(store.corpus, m.column, m.labels_column, m.tokenize, m.has_labels, store.documents(checked), store)
 
 
 def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None, tokenizer=None) -> Documents:

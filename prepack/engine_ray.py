@@ -57,7 +57,7 @@ from rich.progress import Progress
 from prepack.documents import Documents, Reading, corpus_documents
 from prepack.engine import FirstPass, WrittenStore, locate_row, pack_shard_bounds
 from prepack.errors import EngineError, InputError, OutputError, PrepackError
-from prepack.format import Fingerprint, ShardInfo, shard_name
+from prepack.format import INT32_MAX, Fingerprint, ShardInfo, shard_name
 from prepack.output import Staging, output_errors, output_file
 from prepack.plan import PackingPlan, ShardPacks, compact_lengths, untrained_documents
 from prepack.read import Corpus, LocalCopy
@@ -436,8 +436,8 @@ class RayEngine:
         `StoreShardWriter`'s rule, each written by a task from the scratch files."""
         first = self.first_pass(documents, reading, progress)
         lengths = first.lengths
-        if len(lengths) and lengths.max() > np.iinfo(np.int32).max:
-            row = int(np.argmax(lengths > np.iinfo(np.int32).max))
+        if len(lengths) and lengths.max() > INT32_MAX:
+            row = int(np.argmax(lengths > INT32_MAX))
             raise too_long_for_a_shard(*locate_row(documents.corpus, first.rows_per_file, row), int(lengths[row]))
         bounds, first_tokens = store_shard_bounds(lengths, store_shard_capacity(first.has_labels, shard_size))
         self._recording([store_shard_name(index) for index in range(len(bounds) - 1)])

@@ -14,10 +14,10 @@ import reprlib
 import os
 import stat
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from collections.abc import Callable
-from typing import Annotated, Literal, NamedTuple, NoReturn
+from typing import Annotated, Literal, NamedTuple, NoReturn, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -28,11 +28,14 @@ from prepack.errors import FormatError, OutputError
 __all__ = [
     "FORMAT_VERSION",
     "IGNORE_INDEX",
+    "INT32_MAX",
     "MANIFEST_NAME",
     "MANIFEST_MAX_BYTES",
+    "OUTPUT_KINDS",
     "SHARD_STORE_KEY",
     "SHARD_VERSION_KEY",
     "STORE_MANIFEST_NAME",
+    "TOKEN_TYPE",
     "BuildOptions",
     "Fingerprint",
     "FormatProblem",
@@ -43,10 +46,13 @@ __all__ = [
     "ShardFileProblem",
     "ShardInfo",
     "StoreReference",
+    "StrictModel",
     "TokenizeOptions",
     "TokenizerInfo",
     "Totals",
     "check_layout",
+    "check_manifest_size",
+    "check_shard_names",
     "check_index_shard",
     "check_shard",
     "format_error",
@@ -55,10 +61,12 @@ __all__ = [
     "list_column",
     "numpy_view",
     "load_manifest_json",
+    "map_regular",
     "open_regular",
     "open_shard",
     "pack_layout",
     "read_manifest",
+    "read_one_batch",
     "segment_id_type",
     "shard_file_problems",
     "shard_name",
@@ -74,6 +82,7 @@ MANIFEST_NAME = "manifest.json"
 # What marks a document store (prepack/store_format.py), named here so that a reader of builds can say
 # so when it is handed a store.
 STORE_MANIFEST_NAME = "store.json"
+OUTPUT_KINDS = {MANIFEST_NAME: "build", STORE_MANIFEST_NAME: "document store"}  # what each manifest marks
 SHARD_VERSION_KEY = "prepack.format_version"  # schema metadata of every shard: marks it as prepack's
 SHARD_KIND_KEY = "prepack.shard_kind"  # schema metadata of an index shard only: its value is "index"
 # Schema metadata of an index shard only: the fingerprint of the store it was planned from, so that the
@@ -84,8 +93,11 @@ IGNORE_INDEX = -100  # label value that is not trained on (the PyTorch / HF conv
 # and an input ~80, so 64 MiB lists some 300,000 of them: a 64 MiB-shard build of 20 TB.
 MANIFEST_MAX_BYTES = 64 * 2**20
 _COUNT_MAX = 2**63 - 1  # counts are int64 in every reader
+# The largest int32: the largest token id or label (`TOKEN_TYPE`), and the most values one list column of a
+# shard or store shard holds (its offsets are int32).
+INT32_MAX = 2**31 - 1
 
-_TOKEN = pa.int32()  # token ids and labels: vocabularies fit in 31 bits, and torch has no uint32 kernels
+TOKEN_TYPE = pa.int32()  # token ids and labels: vocabularies fit in 31 bits, and torch has no uint32 kernels
 
 
 def segment_id_type(max_len: int) -> pa.DataType:
@@ -122,12 +134,12 @@ def shard_schema(has_labels: bool, max_len: int, store: IndexOf | None = None) -
         metadata = {SHARD_VERSION_KEY: str(FORMAT_VERSION), SHARD_KIND_KEY: "index", SHARD_STORE_KEY: store.fingerprint}
         return pa.schema(_pack_fields(source_row), metadata=metadata)
     fields = [
-        pa.field("input_ids", pa.list_(_TOKEN), nullable=False),
+        pa.field("input_ids", pa.list_(TOKEN_TYPE), nullable=False),
         pa.field("segment_ids", pa.list_(segment_id_type(max_len)), nullable=False),
         *_pack_fields(pa.int64()),
     ]
     if has_labels:
-        fields.append(pa.field("labels", pa.list_(_TOKEN), nullable=False))
+        fields.append(pa.field("labels", pa.list_(TOKEN_TYPE), nullable=False))
     return pa.schema(fields, metadata={SHARD_VERSION_KEY: str(FORMAT_VERSION)})
 
 
@@ -135,16 +147,19 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.arrow"
 
 
-class _Model(BaseModel):
+class StrictModel(BaseModel):
+    """The base of prepack's JSON models (manifests, `inspect`'s report, `verify`'s problems): unknown keys
+    refused, values frozen."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class TokenizerInfo(_Model):
+class TokenizerInfo(StrictModel):
     name: str = Field(description="The tokenizer directory's or file's name.")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 over its files, by sorted name.")
 
 
-class TokenizeOptions(_Model):
+class TokenizeOptions(StrictModel):
     """How text or chat documents became tokens, when `prepack build` tokenized them."""
 
     tokenizer: TokenizerInfo
@@ -155,10 +170,10 @@ class TokenizeOptions(_Model):
     eos: bool = Field(description="Whether EOS was appended to every text document.")
 
 
-class BuildOptions(_Model):
+class BuildOptions(StrictModel):
     """Every option that changes the bytes of the output."""
 
-    max_len: int = Field(ge=1, le=2**31 - 1, description="Longest pack, in tokens.")
+    max_len: int = Field(ge=1, le=INT32_MAX, description="Longest pack, in tokens.")
     algorithm: Literal["ffd", "bfd"] = Field(description="First-fit or best-fit decreasing.")
     overflow: Literal["split", "truncate", "drop", "error"] = Field(
         description="What happens to documents longer than max_len."
@@ -216,14 +231,14 @@ def _valid(problem: Callable[[str], str | None]) -> AfterValidator:
     return AfterValidator(check)
 
 
-class InputFile(_Model):
+class InputFile(StrictModel):
     path: Annotated[str, _valid(_relative_path_problem)] = Field(
         description="Path relative to the corpus root, '/'-separated, no empty, '.' or '..' part."
     )
     rows: int = Field(ge=0, le=_COUNT_MAX)
 
 
-class Totals(_Model):
+class Totals(StrictModel):
     documents: int = Field(ge=0, le=_COUNT_MAX, description="Rows read from the corpus.")
     input_tokens: int = Field(ge=0, le=_COUNT_MAX, description="Tokens read from the corpus.")
     tokens: int = Field(ge=0, le=_COUNT_MAX, description="Tokens written into packs.")
@@ -277,7 +292,7 @@ class Fingerprint:
         return hashlib.sha256(b"".join(stream.digest() for stream in self._streams)).hexdigest()
 
 
-class ShardInfo(_Model):
+class ShardInfo(StrictModel):
     name: str
     rows: int = Field(ge=0, le=_COUNT_MAX)
     tokens: int = Field(ge=0, le=_COUNT_MAX)
@@ -285,7 +300,7 @@ class ShardInfo(_Model):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class StoreReference(_Model):
+class StoreReference(StrictModel):
     """The document store an index build takes its tokens from."""
 
     path: Annotated[str, _valid(store_path_problem)] = Field(
@@ -295,7 +310,7 @@ class StoreReference(_Model):
     fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$", description="The store's fingerprint: readers refuse another.")
 
 
-class Manifest(_Model):
+class Manifest(StrictModel):
     """`manifest.json`: written last; a directory without one is not a finished build."""
 
     format_version: Literal[2] = FORMAT_VERSION
@@ -414,38 +429,54 @@ def _integer(text: str) -> int:
     return int(text)
 
 
-def load_manifest_json(path: Path) -> object:
-    """The JSON value of a manifest file, read strictly: a regular file of at most MANIFEST_MAX_BYTES,
-    UTF-8, no NaN or Infinity, no repeated key, no integer of more than _MAX_DIGITS digits, nesting
-    bounded by the parser's recursion. Raises FileNotFoundError when it is missing, else FormatError."""
-    fd = open_regular(path)
+def check_manifest_size(size: int, where: str | os.PathLike) -> None:
+    """Refuse (FormatError naming `where`) a manifest of more than MANIFEST_MAX_BYTES bytes: every
+    reader, local or of object storage, before it parses one."""
+    if size > MANIFEST_MAX_BYTES:
+        _fail(where, f"is larger than {MANIFEST_MAX_BYTES} bytes, the most a prepack manifest may hold.")
+
+
+def load_manifest_json(
+    directory: str | os.PathLike | bytes, kind: str, name: str
+) -> tuple[str | os.PathLike, object]:
+    """(what problems name it by, its JSON value) of the manifest `kind` (MANIFEST_NAME or
+    STORE_MANIFEST_NAME) of the output `directory`, or of the bytes `directory` of one, which problems
+    then name `name`. Read strictly: a regular file (`open_regular`) of at most MANIFEST_MAX_BYTES (no
+    more than one byte over is read), UTF-8, no NaN or Infinity, no repeated key, no integer of more
+    than _MAX_DIGITS digits, nesting bounded by the parser's recursion. Raises FileNotFoundError when
+    the file is missing, else FormatError."""
+    if isinstance(directory, bytes):
+        where, data = name, directory
+    else:
+        where = Path(directory) / kind
+        fd = open_regular(where)
+        try:
+            with os.fdopen(fd, "rb") as file:
+                data = file.read(MANIFEST_MAX_BYTES + 1)
+        except OSError as exc:
+            _fail(where, f"cannot be read ({exc.strerror}).")
+    check_manifest_size(len(data), where)
     try:
-        with os.fdopen(fd, "rb") as file:
-            data = file.read(MANIFEST_MAX_BYTES + 1)
-    except OSError as exc:
-        _fail(path, f"cannot be read ({exc.strerror}).")
-    if len(data) > MANIFEST_MAX_BYTES:
-        _fail(path, f"is larger than {MANIFEST_MAX_BYTES} bytes, the most a prepack manifest may hold.")
-    try:
-        return json.loads(
+        return where, json.loads(
             data.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_int=_integer
         )
     except RecursionError:
-        _fail(path, "cannot be read as JSON: it nests too deeply to be a prepack manifest.")
+        _fail(where, "cannot be read as JSON: it nests too deeply to be a prepack manifest.")
     except ValueError as exc:  # also UnicodeDecodeError
-        _fail(path, f"cannot be read as JSON: {exc}")
+        _fail(where, f"cannot be read as JSON: {exc}")
 
 
-def read_manifest(directory: str | os.PathLike) -> Manifest:
-    """Read and strictly validate `manifest.json`; unknown format versions are refused.
+def read_manifest(directory: str | os.PathLike | bytes, name: str = MANIFEST_NAME) -> Manifest:
+    """Read and strictly validate `manifest.json` of the build `directory`, or the bytes of one
+    (`directory` a `bytes`, read from object storage), which messages then call `name` (its URI);
+    unknown format versions are refused.
 
     Strict: the file is a regular file of at most MANIFEST_MAX_BYTES, UTF-8 JSON without NaN, Infinity
     or repeated keys, and every value has exactly its JSON Schema type (`"rows": "102"` or
     `"has_labels": 1` are refused, not coerced).
     """
-    path = Path(directory) / MANIFEST_NAME
     try:
-        raw = load_manifest_json(path)
+        path, raw = load_manifest_json(directory, MANIFEST_NAME, name)
     except FileNotFoundError:
         if (Path(directory) / STORE_MANIFEST_NAME).exists():
             _fail(
@@ -453,7 +484,10 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
                 f"is a prepack document store ({STORE_MANIFEST_NAME}), not a build: pack it with "
                 f"`prepack build {directory} --max-len N --out DIR`.",
             )
-        _fail(path, f"does not exist: {directory} is not a finished prepack build (the manifest is written last).")
+        _fail(
+            Path(directory) / MANIFEST_NAME,
+            f"does not exist: {directory} is not a finished prepack build (the manifest is written last).",
+        )
     version = raw.get("format_version") if isinstance(raw, dict) else None
     if type(version) is not int or version != FORMAT_VERSION:
         _fail(
@@ -476,43 +510,67 @@ class ShardFileProblem(NamedTuple):
     message: str  # what is wrong, without the file
 
 
-def _misnamed(index: int, info: ShardInfo) -> str | None:
-    if info.name != shard_name(index):
-        return f"shard {index} is named {info.name!r}, not {shard_name(index)!r}."
+def _misnamed(index: int, info: ShardInfo, name_of: Callable[[int], str] = shard_name) -> str | None:
+    if info.name != name_of(index):
+        return f"shard {index} is named {info.name!r}, not {name_of(index)!r}."
     return None
+
+
+def _check_name(manifest_file: str | os.PathLike, index: int, info: ShardInfo) -> None:
+    if (message := _misnamed(index, info)) is not None:
+        _fail(manifest_file, message, column=f"shards[{index}].name")
 
 
 def shard_path(directory: str | os.PathLike, index: int, info: ShardInfo) -> Path:
     """The file of shard `index` (`info` is its manifest entry). A manifest that names it otherwise is
     refused, which also keeps a name like "../x" or "/etc/passwd" from taking a reader out of the build."""
-    if (message := _misnamed(index, info)) is not None:
-        _fail(Path(directory) / MANIFEST_NAME, message, column=f"shards[{index}].name")
+    _check_name(Path(directory) / MANIFEST_NAME, index, info)
     return Path(directory) / info.name
 
 
-def shard_file_problems(directory: Path, manifest: Manifest) -> Iterator[ShardFileProblem]:
-    """What the manifest promises about its shard files, checked with `lstat` only (no shard is opened),
-    in manifest order: each shard named `shard_name(index)`, present, a regular file (not a symbolic
-    link, FIFO or device), and of the manifest's size.
+def check_shard_names(manifest: Manifest, manifest_file: str | os.PathLike) -> None:
+    """Refuse (FormatError naming `manifest_file` and the field) a manifest that names any shard
+    otherwise than `shard_name` (`shard_path`'s rule for every shard at once): what a reader of object
+    storage checks before it takes a name for a key."""
+    for index, info in enumerate(manifest.shards):
+        _check_name(manifest_file, index, info)
+
+
+class _ShardList(Protocol):
+    """A manifest's list of shard files (each entry with a `name` and `bytes`): a build's `Manifest`,
+    or a store's (`prepack.store_format.StoreManifest`)."""
+
+    @property
+    def shards(self) -> Sequence[ShardInfo]: ...
+
+
+def shard_file_problems(
+    directory: Path, manifest: _ShardList, name_of: Callable[[int], str] = shard_name, listed_by: str = "the manifest"
+) -> Iterator[ShardFileProblem]:
+    """What a manifest promises about its shard files, checked with `lstat` only (no shard is opened),
+    in manifest order: each shard named `name_of(index)`, present, a regular file (not a symbolic link,
+    FIFO or device), and of the manifest's size. A build's by default; a document store's with
+    `store_shard_name` (`prepack.store_format.check_store_files`). `listed_by` is what the messages
+    call the manifest.
 
     A shard with another name is not looked at (`shard_path`'s rule): that also keeps a hand-edited name
     like "../x.arrow" from reaching outside the build.
     """
     for index, info in enumerate(manifest.shards):
-        if (message := _misnamed(index, info)) is not None:
+        if (message := _misnamed(index, info, name_of)) is not None:
             yield ShardFileProblem(index, "name", MANIFEST_NAME, message)
             continue
         try:
             status = os.lstat(directory / info.name)
         except FileNotFoundError:
-            message = f"missing; the manifest lists it with {info.rows} packs, {info.bytes} bytes."
+            message = f"missing; {listed_by} lists it with {info.bytes} bytes."
             yield ShardFileProblem(index, "missing", info.name, message)
             continue
         if not stat.S_ISREG(status.st_mode):
-            message = f"is {_file_kind(status.st_mode)}, not a regular file; a build holds regular files only."
+            message = f"not a regular file ({_file_kind(status.st_mode)}); prepack writes regular files only."
             yield ShardFileProblem(index, "type", info.name, message)
         elif status.st_size != info.bytes:
-            message = f"{status.st_size} bytes, but the manifest says {info.bytes} (truncated or replaced?)."
+            message = f"{status.st_size} bytes, but {listed_by} says {info.bytes} (truncated or replaced?)."
             yield ShardFileProblem(index, "size", info.name, message)
 
 
@@ -533,25 +591,14 @@ def open_shard(
     path: Path, has_labels: bool, max_len: int, store: IndexOf | None = None, *, where: str | None = None
 ) -> pa.RecordBatch:
     """Memory-map one shard (zero-copy) and check its structure: a regular file holding an Arrow IPC
-    stream of the format's schema (metadata included) and one uncompressed record batch, whose buffers
-    hold what their lengths say and whose list offsets start at 0 and end at their values' length. The
-    row contents are checked by `check_shard`. Problems with the contents name `where` (default: `path`;
-    the shard's URI when `path` is a cached copy, `prepack.cache`)."""
+    stream of the format's schema (metadata included) and one uncompressed record batch
+    (`read_one_batch`), whose buffers hold what their lengths say and whose list offsets start at 0 and
+    end at their values' length. The row contents are checked by `check_shard`. Problems with the
+    contents name `where` (default: `path`; the shard's URI when `path` is a cached copy, `prepack.cache`)."""
     where = str(path) if where is None else where
-    try:
-        fd = open_regular(path)
-    except FileNotFoundError:
-        _fail(path, "the shard is missing.")
-    try:
-        if os.fstat(fd).st_size == 0:
-            _fail(where, "is empty; a shard is an Arrow IPC stream.")
-        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    finally:
-        os.close(fd)  # the map holds the file open
-    try:
-        messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(pa.py_buffer(mapped)))
-        schema = pa.ipc.read_schema(_next_message(messages, where, "schema"))
-        expected = shard_schema(has_labels, max_len, store)
+    expected = shard_schema(has_labels, max_len, store)
+
+    def check_schema(schema: pa.Schema) -> None:
         planned = (schema.metadata or {}).get(SHARD_STORE_KEY.encode())
         if store is not None and planned is not None and planned != store.fingerprint.encode():
             _fail(
@@ -568,23 +615,13 @@ def open_shard(
                 f"{kind} expects\n{expected}\n"
                 f"(metadata {expected.metadata})",
             )
-        message = _next_message(messages, where, "record batch")
-        if ipc_body_compressed(message.metadata):
-            _fail(where, "the record batch is compressed; shards are uncompressed, to be memory-mapped.")
-        batch = pa.ipc.read_record_batch(message, schema)
-        try:
-            extra = messages.read_next_message()
-        except StopIteration:  # the stream ends after its record batch, as it should
-            extra = None
-        if extra is not None:
-            _fail(where, f"a {extra.type} message follows the record batch; a shard holds exactly one.")
-    except (OSError, pa.ArrowException, struct.error) as exc:
-        _fail(where, f"not a readable Arrow IPC stream ({exc}).")
+
+    batch = read_one_batch(map_regular(path, "shard", where), "shard", where, check_schema)
     try:
         batch.validate()  # buffers as long as the lengths say, before numpy reads them
     except pa.ArrowException as exc:
         _fail(where, f"not valid Arrow data ({exc}).")
-    for column in schema.names:  # offsets are few (one per pack): every reader checks them all
+    for column in batch.schema.names:  # offsets are few (one per pack): every reader checks them all
         if isinstance(batch.column(column), pa.ListArray):
             offsets, values = list_column(batch, column, where)
             if (problem := _offsets_problem(offsets, len(values))) is not None:
@@ -595,13 +632,61 @@ def open_shard(
     return batch
 
 
-def _next_message(messages: pa.ipc.MessageReader, path: str | os.PathLike, kind: str) -> pa.ipc.Message:
+def map_regular(path: Path, what: str, where: str | None = None) -> pa.Buffer:
+    """The bytes of the file `path`, a `what` ("shard", "store shard") that its manifest lists,
+    memory-mapped. Opened by `open_regular`: a file found regular before may since have been swapped for
+    a FIFO, a directory or a device, which must not hang or feed a reader. Problems name `path` when it
+    is missing, else `where` (default: `path`)."""
+    where = str(path) if where is None else where
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        _fail(path, f"the {what} is missing; its manifest lists it.")
+    try:
+        if os.fstat(fd).st_size == 0:
+            _fail(where, f"is empty; a {what} is an Arrow IPC stream.")
+        return pa.py_buffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+    except OSError as exc:
+        _fail(where, f"cannot be read ({exc.strerror}).")
+    finally:
+        os.close(fd)  # the map holds the file open
+
+
+def read_one_batch(
+    data: pa.Buffer, what: str, where: str, check_schema: Callable[[pa.Schema], None] | None = None
+) -> pa.RecordBatch:
+    """The one record batch of `data`, the bytes of a `what` ("shard", "store shard"), zero-copy: an
+    Arrow IPC stream of a schema message, one uncompressed record batch (its compression flag read
+    before the body is decoded, `ipc_body_compressed`) and nothing after it. `check_schema`, when given,
+    is called on the schema before the batch is read. The batch is not validated. Raises FormatError
+    naming `where`."""
+    try:
+        messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(data))
+        schema = pa.ipc.read_schema(_next_message(messages, where, "schema"))
+        if check_schema is not None:
+            check_schema(schema)
+        message = _next_message(messages, where, "record batch")
+        if ipc_body_compressed(message.metadata):
+            _fail(where, f"the record batch is compressed; a {what} is uncompressed, to be memory-mapped.")
+        batch = pa.ipc.read_record_batch(message, schema)
+        try:
+            extra = messages.read_next_message()
+        except StopIteration:  # the stream ends after its record batch, as it should
+            extra = None
+    except (OSError, pa.ArrowException, struct.error) as exc:
+        _fail(where, f"not a readable Arrow IPC stream ({exc}).")
+    if extra is not None:
+        _fail(where, f"a {extra.type} message follows the record batch; a {what} holds exactly one.")
+    return batch
+
+
+def _next_message(messages: pa.ipc.MessageReader, where: str, kind: str) -> pa.ipc.Message:
     try:
         message = messages.read_next_message()
     except StopIteration:
-        _fail(path, f"the stream ends before its {kind}.")
+        _fail(where, f"the stream ends before its {kind}.")
     if message.type != kind:
-        _fail(path, f"a {message.type} message where the stream's {kind} should be.")
+        _fail(where, f"a {message.type} message where the stream's {kind} should be.")
     return message
 
 

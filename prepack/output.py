@@ -28,10 +28,19 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 from prepack.errors import FormatError, OutputError
-from prepack.format import MANIFEST_NAME, STORE_MANIFEST_NAME, Manifest, read_manifest, shard_name
+from prepack.format import MANIFEST_NAME, OUTPUT_KINDS, Manifest, read_manifest, shard_name
 from prepack.store_format import StoreManifest, read_store_manifest, store_shard_name
 
-__all__ = ["STAGING_MARK", "Staging", "check_replaceable", "output_errors", "output_file", "replaceable_build", "staged_directory"]
+__all__ = [
+    "STAGING_MARK",
+    "Staging",
+    "check_replaceable",
+    "is_staging",
+    "output_errors",
+    "output_file",
+    "replaceable_build",
+    "staged_directory",
+]
 
 # A file in every staging directory: what tells a killed build's staging directory from a user's
 # directory that happens to have the same name.
@@ -71,7 +80,7 @@ def replaceable_build(directory: str | os.PathLike, kind: str = MANIFEST_NAME) -
     symbolic link. Shards may be missing. A build never replaces a store, nor a store a build.
     """
     directory = Path(directory)
-    refusal = f"{directory} is not a prepack {_KINDS[kind]}, so prepack will not replace or delete it"
+    refusal = f"{directory} is not a prepack {OUTPUT_KINDS[kind]}, so prepack will not replace or delete it"
     if directory.is_symlink() or not directory.is_dir():
         raise OutputError(f"{refusal}: it is not a directory.")
     with output_errors(directory, "read"), os.scandir(directory) as entries:
@@ -102,10 +111,6 @@ def check_replaceable(manifest: Manifest | StoreManifest, kind: str, entries: di
         raise OutputError(f"{refusal}: it holds {', '.join(foreign)}, which prepack did not write.")
 
 
-# What each manifest file marks: a build or a document store.
-_KINDS = {MANIFEST_NAME: "build", STORE_MANIFEST_NAME: "document store"}
-
-
 def _delete_build(directory: Path) -> None:
     """Delete an output `replaceable_build` accepts: the files its manifest names, the manifest last,
     then the directory (which fails, keeping it, if anything else has appeared in it)."""
@@ -120,7 +125,7 @@ def _delete_build(directory: Path) -> None:
 
 def _kind(directory: Path) -> str | None:
     """The manifest file that marks `directory` as a prepack output, if any."""
-    return next((kind for kind in _KINDS if (directory / kind).exists()), None)
+    return next((kind for kind in OUTPUT_KINDS if (directory / kind).exists()), None)
 
 
 class Staging(NamedTuple):
@@ -174,7 +179,7 @@ def staged_directory(out: str | os.PathLike, overwrite: bool, kind: str = MANIFE
         replacing = _found(out, kind)
         if replacing is not None and not overwrite:
             raise OutputError(f"{out} already exists; pass --overwrite to replace it.")
-        staging = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+        staging = out.parent / f".{out.name}{_STAGING_SUFFIX}{uuid.uuid4().hex[:8]}"
         with output_errors(staging, "create"):
             staging.mkdir()
         try:
@@ -245,17 +250,26 @@ def _locked(out: Path) -> Iterator[None]:
         os.close(fd)
 
 
+_STAGING_SUFFIX = ".tmp-"  # a staging directory is `.NAME.tmp-` and 8 hex digits (`staged_directory`)
+
+
+def is_staging(directory: Path, out_name: str | None = None) -> bool:
+    """Whether `directory` is the staging directory of a build, running or killed, to an output named
+    `out_name` (to any: None): named as `staged_directory` names them and holding prepack's mark, so
+    that a user's directory that happens to have such a name is not taken for one."""
+    name = ".+" if out_name is None else re.escape(out_name)
+    pattern = rf"\.{name}{re.escape(_STAGING_SUFFIX)}[0-9a-f]{{8}}"
+    return re.fullmatch(pattern, directory.name) is not None and (directory / STAGING_MARK).is_file()
+
+
 def _remove_stale_staging(out: Path) -> None:
     """Delete the staging directories that killed builds to `out` left behind. Called under the lock,
     so no build that still runs owns one; a directory without prepack's mark is not looked into."""
-    staging_name = re.compile(re.escape(f".{out.name}.tmp-") + "[0-9a-f]{8}")
     with output_errors(out.parent, "read"), os.scandir(out.parent) as entries:
         stale = [
             Path(entry.path)
             for entry in entries
-            if staging_name.fullmatch(entry.name)
-            and entry.is_dir(follow_symlinks=False)
-            and (Path(entry.path) / STAGING_MARK).is_file()
+            if entry.is_dir(follow_symlinks=False) and is_staging(Path(entry.path), out.name)
         ]
     for staging in stale:
         _remove_staging(staging)

@@ -18,7 +18,6 @@ import glob
 import io
 import json
 import os
-import re
 import stat
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
@@ -30,8 +29,16 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from prepack.errors import InputError
-from prepack.format import IGNORE_INDEX, MANIFEST_NAME, SHARD_VERSION_KEY, STORE_MANIFEST_NAME, numpy_view
-from prepack.output import STAGING_MARK
+from prepack.format import (
+    IGNORE_INDEX,
+    INT32_MAX,
+    MANIFEST_MAX_BYTES,
+    MANIFEST_NAME,
+    SHARD_VERSION_KEY,
+    STORE_MANIFEST_NAME,
+    numpy_view,
+)
+from prepack.output import is_staging
 from prepack.store_format import STORE_VERSION_KEY
 
 __all__ = ["Corpus", "DocumentBatch", "LocalCopy", "find_corpus", "read_documents"]
@@ -40,9 +47,6 @@ __all__ = ["Corpus", "DocumentBatch", "LocalCopy", "find_corpus", "read_document
 # file's row groups (a 64k-row batch of long documents is over a GB once decoded).
 _BATCH_ROWS = 8_192
 _READ_BUFFER = 2**20  # Parquet pages are streamed through this buffer, not whole column chunks
-_INT32_MAX = np.iinfo(np.int32).max
-_STAGING_NAME = re.compile(r"\..+\.tmp-[0-9a-f]{8}")
-_MANIFEST_BYTES = 2**26  # a manifest.json larger than this is no prepack manifest (33k shards: ~5 MB)
 _SUFFIXES = {
     ".parquet": "parquet",
     ".arrow": "arrow",
@@ -146,18 +150,12 @@ def _check_regular(path: Path) -> None:
         raise InputError(f"{path}: cannot be read as a corpus file: it is {what}.")
 
 
-def _is_staging(directory: Path) -> bool:
-    """A running or killed build's hidden sibling of its output: named `.NAME.tmp-…` and holding
-    prepack's mark, so a user's directory that happens to have such a name is still read."""
-    return _STAGING_NAME.fullmatch(directory.name) is not None and (directory / STAGING_MARK).is_file()
-
-
 def _refuse_build_output(directory: Path, files: list[Path]) -> None:
     """Refuse the corpus `files` of `directory` when it is a prepack build (its manifest.json has a
     `format_version`): read as a corpus, its shards would add every document it packed once more."""
     manifest = directory / MANIFEST_NAME
     try:
-        if not files or not manifest.is_file() or manifest.stat().st_size > _MANIFEST_BYTES:
+        if not files or not manifest.is_file() or manifest.stat().st_size > MANIFEST_MAX_BYTES:
             return
         is_build = "format_version" in parse_json(manifest.read_bytes())
     except (OSError, ValueError, TypeError):  # not JSON, or not an object: not a prepack manifest
@@ -183,7 +181,7 @@ def _directory_files(root: Path) -> tuple[Path, ...]:
         if real in seen:  # a symlink back up the tree, or a second way to the same files
             raise InputError(f"{here}: the same directory as {real}, reached twice; its files would be read twice.")
         seen.add(real)
-        directories[:] = [d for d in directories if not _is_staging(here / d)]
+        directories[:] = [d for d in directories if not is_staging(here / d)]
         found = [here / name for name in names if file_kind(Path(name)) is not None]
         _refuse_build_output(here, found)
         for path in found:
@@ -467,7 +465,7 @@ def _json_error(path: Path, columns: list[str], exc: pa.ArrowException) -> Input
                     if v is not None and not -(2**63) <= v < 2**63:
                         return InputError(
                             f"{path}, row {row}, column {column!r}: token id {v} is out of range; "
-                            f"ids must lie in [0, {_INT32_MAX}]."
+                            f"ids must lie in [0, {INT32_MAX}]."
                         )
     return InputError(f"{path}: cannot be parsed as JSON Lines ({exc}).")
 
@@ -498,19 +496,19 @@ def _check_ids(path: Path, row0: int, column: str, offsets: np.ndarray, ids: np.
     # No mask on the fast path, and no reduction for a bound the dtype already keeps (int32: one).
     limits = np.iinfo(ids.dtype)
     negative = limits.min < 0 and len(ids) and ids.min() < 0
-    too_large = limits.max > _INT32_MAX and len(ids) and ids.max() > _INT32_MAX
+    too_large = limits.max > INT32_MAX and len(ids) and ids.max() > INT32_MAX
     if negative or too_large:
-        bad = (ids < 0) | (ids > _INT32_MAX)
+        bad = (ids < 0) | (ids > INT32_MAX)
         token = int(np.flatnonzero(bad)[0])
         raise InputError(
             f"{path}, row {row0 + _row_of_token(offsets, token)}, column {column!r}: token id "
-            f"{ids[token]} is out of range; ids must lie in [0, {_INT32_MAX}]."
+            f"{ids[token]} is out of range; ids must lie in [0, {INT32_MAX}]."
         )
     return ids.astype(np.int32, copy=False)
 
 
 def _check_labels(path: Path, row0: int, column: str, offsets: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    bad = ((labels < 0) & (labels != IGNORE_INDEX)) | (labels > _INT32_MAX)
+    bad = ((labels < 0) & (labels != IGNORE_INDEX)) | (labels > INT32_MAX)
     if bad.any():
         token = int(np.flatnonzero(bad)[0])
         raise InputError(

@@ -43,11 +43,12 @@ from prepack.errors import FormatError, InputError, OutputError, require
 from prepack.format import (
     MANIFEST_MAX_BYTES,
     MANIFEST_NAME,
+    OUTPUT_KINDS,
     STORE_MANIFEST_NAME,
     Manifest,
-    format_error,
+    check_manifest_size,
+    check_shard_names,
     read_manifest,
-    shard_path,
 )
 from prepack.output import STAGING_MARK, Staging, check_replaceable
 from prepack.read import file_kind
@@ -75,7 +76,6 @@ _URI = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")
 # tell what a directory is: a saved Hugging Face dataset, a build inside the corpus, a document store.
 _MARKERS = {"state.json", "dataset_dict.json", MANIFEST_NAME, STORE_MANIFEST_NAME}
 _CLIENTS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # scheme: fsspec's client for it (an extra)
-_KINDS = {MANIFEST_NAME: "build", STORE_MANIFEST_NAME: "document store"}
 
 
 def is_uri(spec: object) -> bool:
@@ -230,13 +230,11 @@ def _manifest_text(fs: Any, uri: str, prefix: str, kind: str) -> bytes | None:
     path = f"{prefix}/{kind}"
     try:
         fs.invalidate_cache(path)
-        size = fs.info(path).get("size")
-        larger = (size or 0) > MANIFEST_MAX_BYTES
-        text = b"" if larger else fs.cat_file(path, start=0, end=MANIFEST_MAX_BYTES + 1)
+        check_manifest_size(fs.info(path).get("size") or 0, join(uri, kind))
+        text = fs.cat_file(path, start=0, end=MANIFEST_MAX_BYTES + 1)
     except FileNotFoundError:
         return None
-    if larger or len(text) > MANIFEST_MAX_BYTES:
-        raise format_error(join(uri, kind), f"is larger than {MANIFEST_MAX_BYTES} bytes, the most a prepack manifest may hold.")
+    check_manifest_size(len(text), join(uri, kind))
     return text
 
 
@@ -253,27 +251,21 @@ def read_output_manifest(uri: str, kind: str = MANIFEST_NAME) -> Manifest | Stor
         raise InputError(f"{join(uri, kind)}: cannot be read ({exc}).") from None
     if text is None:
         raise FormatError(
-            f"{join(uri, kind)} does not exist: {uri} is not a finished prepack {_KINDS[kind]} "
+            f"{join(uri, kind)} does not exist: {uri} is not a finished prepack {OUTPUT_KINDS[kind]} "
             "(the manifest is written last)."
         )
     return _parse_manifest(text, uri, kind)
 
 
 def _parse_manifest(text: bytes, uri: str, kind: str) -> Manifest | StoreManifest:
-    with tempfile.TemporaryDirectory(prefix="prepack-manifest-") as directory:
-        Path(directory, kind).write_bytes(text)
-        try:
-            if kind == STORE_MANIFEST_NAME:
-                return read_store_manifest(directory)
-            manifest = read_manifest(directory)
-            for index, shard in enumerate(manifest.shards):  # the format's names only: no "../x" key
-                shard_path(directory, index, shard)
-            return manifest
-        except FormatError as exc:
-            if exc.problem is not None:
-                message = exc.problem.message.replace(directory, uri)
-                raise format_error(join(uri, kind), message, column=exc.problem.column) from None
-            raise FormatError(f"{join(uri, kind)}: {str(exc).replace(directory, uri)}") from None
+    """The manifest `kind` of the output at `uri`, parsed from its bytes `text` as a local one is read,
+    its problems naming its URI; a build's must name its shards as the format does (no "../x" key)."""
+    where = join(uri, kind)
+    if kind == STORE_MANIFEST_NAME:
+        return read_store_manifest(text, where)
+    manifest = read_manifest(text, where)
+    check_shard_names(manifest, where)
+    return manifest
 
 
 @contextmanager
@@ -585,7 +577,7 @@ def _read_marker(fs: Any, uri: str, path: str) -> dict | None:
 def _published_names(fs: Any, prefix: str) -> set[str]:
     """The objects under `prefix` that a manifest there names (the manifest too); none without one."""
     names: set[str] = set()
-    for kind in _KINDS:
+    for kind in OUTPUT_KINDS:
         try:
             text = _manifest_text(fs, fs.unstrip_protocol(prefix), prefix, kind)
             if text is not None:
@@ -606,10 +598,10 @@ def _replaceable_prefix(
     except OSError as exc:
         raise OutputError(f"cannot read {uri}: {exc}.") from None
     except FormatError as exc:
-        raise OutputError(f"{uri} is not a prepack {_KINDS[kind]}, so prepack will not replace or delete it: {exc}") from None
+        raise OutputError(f"{uri} is not a prepack {OUTPUT_KINDS[kind]}, so prepack will not replace or delete it: {exc}") from None
     if not objects:
         return None
-    refusal = f"{uri} is not a prepack {_KINDS[kind]}, so prepack will not replace or delete it"
+    refusal = f"{uri} is not a prepack {OUTPUT_KINDS[kind]}, so prepack will not replace or delete it"
     if text is None:
         raise OutputError(f"{refusal}: it holds {len(objects)} objects and no {kind}.")
     if not overwrite:

@@ -22,7 +22,6 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
 from rich import box
 from rich.console import Group
 from rich.table import Table
@@ -31,7 +30,7 @@ from rich.text import Text
 from prepack.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs, validated_token_cost
 from prepack.cache import ShardCache, build_cache
 from prepack.errors import FormatError, InputError, PrepackError, optional_imports
-from prepack.format import Manifest, check_layout, list_column, open_shard, read_manifest, shard_path
+from prepack.format import Manifest, StrictModel, check_layout, list_column, open_shard, read_manifest, shard_path
 from prepack.output import output_errors
 from prepack.remote import is_uri
 
@@ -58,11 +57,7 @@ COST_NOTE = (
 )
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Distribution(_Model):
+class Distribution(StrictModel):
     """Summary and histogram of one per-pack or per-document quantity.
 
     Percentiles are nearest-rank: the smallest value with at least p% of the values at or below it, so
@@ -81,7 +76,7 @@ class Distribution(_Model):
     counts: list[int]
 
 
-class Cost(_Model):
+class Cost(StrictModel):
     """Token positions of compute for one way of batching the corpus."""
 
     tokens: int
@@ -89,13 +84,13 @@ class Cost(_Model):
     ratio: float  # tokens / the packed cost
 
 
-class Costs(_Model):
+class Costs(StrictModel):
     packed: Cost
     pad_to_max_len: Cost
     pad_to_longest_in_batch: Cost
 
 
-class StepBalance(_Model):
+class StepBalance(StrictModel):
     """How unequal the ranks' work is in the steps `PackedSampler` deals (epoch 0, --seed), without and
     with `balance="attention"`; cost model and figures from `prepack.balance`."""
 
@@ -108,7 +103,7 @@ class StepBalance(_Model):
     balanced_waiting_share: float
 
 
-class ShardSummary(_Model):
+class ShardSummary(StrictModel):
     name: str
     packs: int
     documents: int
@@ -117,7 +112,7 @@ class ShardSummary(_Model):
     fill: float
 
 
-class InspectReport(_Model):
+class InspectReport(StrictModel):
     """Everything `prepack inspect` shows; `to_json()` is what `--json` prints."""
 
     path: str

@@ -11,24 +11,27 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from prepack.errors import FormatError
 from prepack.format import (
     IGNORE_INDEX,
+    INT32_MAX,
     MANIFEST_NAME,
     STORE_MANIFEST_NAME,
+    TOKEN_TYPE,
     InputFile,
+    StrictModel,
     TokenizeOptions,
     format_error,
     load_manifest_json,
     numpy_view,
+    shard_file_problems,
 )
 
 __all__ = [
@@ -50,14 +53,13 @@ __all__ = [
 
 STORE_VERSION = 1
 STORE_VERSION_KEY = "prepack.store_version"  # schema metadata of every store shard: marks it as a store's
-_TOKEN = pa.int32()
 
 
 def store_schema(has_labels: bool) -> pa.Schema:
     """The Arrow schema of every shard of a store; `labels` only when the documents have them."""
-    fields = [pa.field("input_ids", pa.list_(_TOKEN), nullable=False)]
+    fields = [pa.field("input_ids", pa.list_(TOKEN_TYPE), nullable=False)]
     if has_labels:
-        fields.append(pa.field("labels", pa.list_(_TOKEN), nullable=False))
+        fields.append(pa.field("labels", pa.list_(TOKEN_TYPE), nullable=False))
     return pa.schema(fields, metadata={STORE_VERSION_KEY: str(STORE_VERSION)})
 
 
@@ -65,19 +67,15 @@ def store_shard_name(index: int) -> str:
     return f"documents-{index:05d}.arrow"
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class StoreShard(_Model):
+class StoreShard(StrictModel):
     name: str
     documents: int = Field(ge=0, description="Rows: consecutive documents, in corpus row order.")
-    tokens: int = Field(ge=0, le=2**31 - 1)
+    tokens: int = Field(ge=0, le=INT32_MAX)
     bytes: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class LengthSummary(_Model):
+class LengthSummary(StrictModel):
     """The documents' lengths in tokens, for choosing max-lens without reading the store."""
 
     min: int = Field(ge=0)
@@ -92,7 +90,7 @@ class LengthSummary(_Model):
     )
 
 
-class StoreManifest(_Model):
+class StoreManifest(StrictModel):
     """`store.json`: written last; a directory without one is not a finished store."""
 
     store_version: Literal[1] = STORE_VERSION
@@ -136,18 +134,18 @@ def write_store_manifest(directory: Path, manifest: StoreManifest) -> None:
     os.replace(tmp, directory / STORE_MANIFEST_NAME)
 
 
-def read_store_manifest(directory: str | os.PathLike) -> StoreManifest:
-    """Read and strictly validate `store.json` (`StoreManifest`, its own checks included). Raises
-    FormatError."""
-    path = Path(directory) / STORE_MANIFEST_NAME
+def read_store_manifest(directory: str | os.PathLike | bytes, name: str = STORE_MANIFEST_NAME) -> StoreManifest:
+    """Read and strictly validate `store.json` of the store `directory` (`StoreManifest`, its own
+    checks included), or the bytes of one (`directory` a `bytes`, read from object storage), which
+    messages then call `name` (its URI). Raises FormatError."""
     try:
-        raw = load_manifest_json(path)
+        path, raw = load_manifest_json(directory, STORE_MANIFEST_NAME, name)
     except FileNotFoundError:
         build = (Path(directory) / MANIFEST_NAME).exists()
         raise FormatError(
             f"{directory} is a prepack build, not a document store (it has {MANIFEST_NAME}, no {STORE_MANIFEST_NAME})."
             if build
-            else f"{path} does not exist: {directory} is not a finished prepack document store."
+            else f"{Path(directory) / STORE_MANIFEST_NAME} does not exist: {directory} is not a finished prepack document store."
         ) from None
     version = raw.get("store_version") if isinstance(raw, dict) else None
     if version != STORE_VERSION:
@@ -164,19 +162,11 @@ def read_store_manifest(directory: str | os.PathLike) -> StoreManifest:
 
 def check_store_files(directory: Path, manifest: StoreManifest) -> None:
     """Every shard the manifest names is a regular file in `directory` (no symbolic link) of the
-    manifest's size, checked with `lstat` only. Raises FormatError."""
-    for shard in manifest.shards:
-        path = directory / shard.name
-        try:
-            mode = path.lstat()
-        except FileNotFoundError:
-            raise FormatError(f"{path}: missing; the store manifest lists it with {shard.bytes} bytes.") from None
-        if not stat.S_ISREG(mode.st_mode):
-            raise FormatError(f"{path}: not a regular file (a symbolic link, directory or device).")
-        if mode.st_size != shard.bytes:
-            raise FormatError(
-                f"{path}: {mode.st_size} bytes, but the store manifest says {shard.bytes} (truncated or replaced?)."
-            )
+    manifest's size, checked with `lstat` only (`shard_file_problems`). Raises FormatError naming the
+    first that is not."""
+    problems = shard_file_problems(directory, manifest, store_shard_name, "the store manifest")
+    if (problem := next(problems, None)) is not None:
+        raise store_error(directory / problem.file, problem.message)
 
 
 def store_error(

@@ -11,9 +11,7 @@ flags (`Store.shard_lengths`): the offsets are checked, no shard is hashed and n
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
-import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.errors import FormatError, InputError
-from prepack.format import MANIFEST_NAME, Manifest, ipc_body_compressed, numpy_view, open_regular
+from prepack.format import MANIFEST_NAME, Manifest, map_regular, numpy_view, read_one_batch
 from prepack.plan import untrained_documents
 from prepack.read import Corpus, DocumentBatch
 from prepack.remote import join
@@ -103,81 +101,37 @@ class Store:
         its memory map, after its sha256 and contents are checked: document d of the shard is
         ids[offsets[d]:offsets[d + 1]]. Raises FormatError naming the shard, row and column
         (`FormatError.problem`)."""
-        data, where = _map(self.shard_file(shard)), self.shard_where(shard)
-        if hashlib.sha256(data).hexdigest() != shard.sha256:
-            raise store_error(where, "its sha256 is not the store manifest's: the shard changed.")
-        batch = self._batch(data, where)
-        try:
-            batch.validate(full=True)
-        except pa.ArrowException as exc:
-            raise store_error(where, f"not valid Arrow data ({exc}).") from None
+        batch, where = self._batch(shard, whole=True)
         offsets = check_store_shard(batch, shard, self.manifest.has_labels, where)
-        labels = numpy_view(batch.column("labels").values) if self.manifest.has_labels else None
-        return offsets, numpy_view(batch.column("input_ids").values), labels
+        return offsets, numpy_view(batch.column("input_ids").values), self._labels(batch)
 
     def shard_lengths(self, shard: StoreShard) -> tuple[np.ndarray, np.ndarray]:
         """(every document's length as int64, whether it is untrained: `untrained_documents`) of one
         of the store's shards, from its offsets and labels alone: no hash, no token id read, and of the
         labels only each document's first up to its first trained one. What is read is checked
         (`check_store_offsets`); the tokens are checked where they are used (`shard_columns`)."""
+        batch, where = self._batch(shard, whole=False)
+        offsets = check_store_offsets(batch, shard, self.manifest.has_labels, where)
+        return np.diff(offsets), untrained_documents(offsets, self._labels(batch))
+
+    def _batch(self, shard: StoreShard, whole: bool) -> tuple[pa.RecordBatch, str]:
+        """(the one record batch of one of the store's shards, memory-mapped, what its problems name it
+        by). Its buffers are validated: as long as their lengths say, and, when `whole`, in full
+        (offsets inside their values), after the shard's sha256 is checked. Its schema is checked with
+        its offsets (`check_store_offsets`)."""
         where = self.shard_where(shard)
-        batch = self._batch(_map(self.shard_file(shard)), where)
+        data = map_regular(self.shard_file(shard), "store shard", where)
+        if whole and hashlib.sha256(data).hexdigest() != shard.sha256:
+            raise store_error(where, "its sha256 is not the store manifest's: the shard changed.")
+        batch = read_one_batch(data, "store shard", where)
         try:
-            batch.validate()  # buffers as long as the lengths say, before numpy reads them
+            batch.validate(full=whole)
         except pa.ArrowException as exc:
             raise store_error(where, f"not valid Arrow data ({exc}).") from None
-        offsets = check_store_offsets(batch, shard, self.manifest.has_labels, where)
-        labels = numpy_view(batch.column("labels").values) if self.manifest.has_labels else None
-        return np.diff(offsets), untrained_documents(offsets, labels)
+        return batch, where
 
-    @staticmethod
-    def _batch(data: pa.Buffer, where: str) -> pa.RecordBatch:
-        """The one uncompressed record batch of a store shard's bytes, zero-copy (its schema is checked
-        with its offsets, `check_store_offsets`)."""
-        try:
-            messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(data))
-            schema = pa.ipc.read_schema(_next_message(messages, where, "schema"))
-            message = _next_message(messages, where, "record batch")
-            if ipc_body_compressed(message.metadata):
-                raise store_error(where, "the record batch is compressed; store shards are uncompressed, to be mapped.")
-            batch = pa.ipc.read_record_batch(message, schema)
-            try:
-                extra = messages.read_next_message()
-            except StopIteration:  # the stream ends after its record batch, as it should
-                extra = None
-        except (OSError, pa.ArrowException, struct.error) as exc:
-            raise store_error(where, f"not a readable Arrow IPC stream ({exc}).") from None
-        if extra is not None:
-            raise store_error(where, f"a {extra.type} message follows the record batch; a store shard holds one.")
-        return batch
-
-
-def _next_message(messages: pa.ipc.MessageReader, where: str, kind: str) -> pa.ipc.Message:
-    try:
-        message = messages.read_next_message()
-    except StopIteration:
-        raise store_error(where, f"the stream ends before its {kind}.") from None
-    if message.type != kind:
-        raise store_error(where, f"a {message.type} message where the shard's {kind} should be.")
-    return message
-
-
-def _map(path: Path) -> pa.Buffer:
-    """A store shard's bytes, memory-mapped. Opened by `open_regular`: the file `open_store` found
-    regular may since have been swapped for a FIFO, a directory or a device, which must not hang or
-    feed a reader."""
-    try:
-        fd = open_regular(path)
-    except FileNotFoundError:
-        raise store_error(path, "missing; the store manifest lists it.") from None
-    try:
-        if os.fstat(fd).st_size == 0:
-            raise store_error(path, "is empty; a store shard is an Arrow IPC stream.")
-        return pa.py_buffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
-    except OSError as exc:
-        raise store_error(path, f"cannot be read ({exc.strerror}).") from None
-    finally:
-        os.close(fd)  # the map holds the file open
+    def _labels(self, batch: pa.RecordBatch) -> np.ndarray | None:
+        return numpy_view(batch.column("labels").values) if self.manifest.has_labels else None
 
 
 def open_store(path: str | os.PathLike, location: str | None = None) -> Store:

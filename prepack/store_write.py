@@ -19,7 +19,7 @@ import pyarrow as pa
 from prepack.documents import Documents
 from prepack.engine import WrittenStore
 from prepack.errors import DISTRIBUTION, InputError
-from prepack.format import STORE_MANIFEST_NAME, InputFile, arrow_array
+from prepack.format import INT32_MAX, STORE_MANIFEST_NAME, InputFile, arrow_array
 from prepack.output import output_errors
 from prepack.read import DocumentBatch
 from prepack.store_format import (
@@ -41,12 +41,10 @@ __all__ = [
     "write_store_shard",
 ]
 
-_INT32_MAX = 2**31 - 1  # list<int32> offsets: the most tokens one shard holds
-
 
 def store_shard_capacity(has_labels: bool, shard_size: int) -> int:
     """Tokens a store shard of `shard_size` bytes of tokens (and labels) holds, at most INT32_MAX."""
-    return min(max(1, shard_size // (8 if has_labels else 4)), _INT32_MAX)
+    return min(max(1, shard_size // (8 if has_labels else 4)), INT32_MAX)
 
 
 def _shard_end(offsets: np.ndarray, start: int, room: int, empty: bool) -> int:
@@ -71,7 +69,7 @@ def store_shard_bounds(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, 
 
 def too_long_for_a_shard(file: Path, row: int, tokens: int) -> InputError:
     return InputError(
-        f"{file}, row {row}: {tokens} tokens in one document, more than a store shard holds ({_INT32_MAX})."
+        f"{file}, row {row}: {tokens} tokens in one document, more than a store shard holds ({INT32_MAX})."
     )
 
 
@@ -126,7 +124,7 @@ class StoreShardWriter:
     def flush(self) -> None:
         if not self.pending:
             return
-        if self.tokens > _INT32_MAX:
+        if self.tokens > INT32_MAX:
             first = self.pending[0]
             raise too_long_for_a_shard(first.file, first.first_row, self.tokens)
         lengths = np.concatenate([np.diff(p.offsets) for p in self.pending])

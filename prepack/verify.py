@@ -15,9 +15,9 @@ What is checked, in this order (each problem names the file, row and column it w
 4. across shards: every (corpus row, piece) in one pack only, pieces numbered 0, 1, … without gaps,
    every piece but a document's last holding max_len tokens, and the counts of documents, splits and
    segments against the manifest;
-5. with `source`: the corpus is streamed with `read_documents`, or tokenized again with the given
-   tokenizer when the build tokenized it, or read from a document store made from it (memory bounded
-   by its batches), and every document must come out of the packs exactly as the manifest's max_len
+5. with `source`: the corpus is read as the build read it (`open_documents`): streamed, or tokenized
+   again with the given tokenizer when the build tokenized it, or read from a document store made
+   from it (memory bounded by its batches), and every document must come out of the packs exactly as the manifest's max_len
    and overflow say (`document_pieces`, the definition the build plans with): its pieces all
    present, same lengths, same tokens and labels; rows and tokens the build left out must be the
    manifest's empty, truncated, dropped and (with drop_untrained) untrained counts, and the corpus
@@ -55,7 +55,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict
 
 from prepack.cache import ShardCache, build_cache
 from prepack.errors import FormatError, InputError
@@ -65,6 +64,7 @@ from prepack.format import (
     Fingerprint,
     Manifest,
     PackLayout,
+    StrictModel,
     check_index_shard,
     check_shard,
     list_column,
@@ -75,9 +75,10 @@ from prepack.format import (
     shard_sha256,
 )
 from prepack.plan import DocumentPieces, document_pieces, untrained_documents
-from prepack.read import Corpus, DocumentBatch, find_corpus, read_documents
+from prepack.documents import Documents, Reading, open_documents, store_documents
+from prepack.read import Corpus, DocumentBatch
 from prepack.remote import LocalInput, is_uri, join, list_input, local_input, read_output_manifest
-from prepack.store_read import ShardColumns, Store, is_store, open_build_store, open_store
+from prepack.store_read import ShardColumns, Store, is_store, open_build_store
 
 __all__ = ["Problem", "checked_summary", "verify_build"]
 
@@ -85,7 +86,7 @@ _COMPARE_TOKENS = 2**22  # tokens compared per step against the source
 _RESUME_BLOCK = 1024  # rows checked per call after a failing row, so --all stays linear in the rows
 
 
-class Problem(BaseModel):
+class Problem(StrictModel):
     """One thing wrong with a build. `file` is a shard's name or `manifest.json` (None for the build as
     a whole), or an index build's store file, its path from the build (`../store/documents-00000.arrow`);
     `row` the pack's row inside that shard (the document's inside a store shard), `column` the shard
@@ -93,8 +94,6 @@ class Problem(BaseModel):
     `source_file`/`source_row` locate the corpus document concerned, when there is one;
     `location` is the URI of a build in object storage, which `file` is relative to (None for a local
     build, whose files are named relative to its directory): `str()` then names the object's URI."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     file: str | None = None
     row: int | None = None
@@ -224,62 +223,48 @@ _Tokens = dict[int, tuple[np.ndarray, np.ndarray | None]]  # holder index -> (to
 _Columns = dict[int, ShardColumns]  # store shard index -> its columns
 
 
-@dataclass
-class _Source:
-    """The corpus a build is checked against, and its documents as the build read them."""
-
-    corpus: Corpus
-    has_labels: bool
-    batches: Iterator[DocumentBatch]
-
-
 def _source_documents(
     source: LocalInput,
     manifest: Manifest,
     tokenizer: str | os.PathLike | None,
     chat_template: str | os.PathLike | None,
-) -> _Source:
+) -> Documents:
+    """The documents of the build's source, read as the build read them (`open_documents`): a store as
+    it was written (a tokenizer or chat template given with it refused), a corpus with the manifest's
+    columns, tokenized again with `tokenizer` when the build tokenized it."""
     o = manifest.options
     if is_store(source.spec):
-        if tokenizer is not None or chat_template is not None:
-            raise InputError(
-                f"{source.location or source.spec} is a document store, tokenized already: leave out --tokenizer "
-                "and --chat-template."
-            )
-        store = open_store(source.spec, source.location)
-        return _Source(store.corpus, store.manifest.has_labels, store.documents())
-    corpus = find_corpus(source.spec)
-    corpus = corpus if source.location is None else corpus.located(source.location)
-    if o.tokenize is None:
-        used_labels, batches = read_documents(corpus, o.column, o.labels_column if manifest.has_labels else None)
-        return _Source(corpus, used_labels is not None, batches)
-    if tokenizer is None:
+        reading = Reading(tokenizer=tokenizer, chat_template=chat_template)
+    elif o.tokenize is None:
+        reading = Reading(column=o.column, labels_column=o.labels_column if manifest.has_labels else None)
+    elif tokenizer is None:
         raise InputError(
             f"the build tokenized {o.tokenize.mode} with tokenizer {o.tokenize.tokenizer.name!r}: pass that "
             "tokenizer (--tokenizer) to check the source."
         )
-    from prepack.tokenize import load_tokenizer, tokenize_corpus  # tokenizers and jinja2, only here
-
-    options, has_labels, batches = tokenize_corpus(
-        corpus,
-        load_tokenizer(tokenizer),
-        mode=o.tokenize.mode,
-        column=o.tokenize.column,
-        eos=o.tokenize.eos,
-        chat_template=chat_template,
-        train_on=o.tokenize.train_on,
-    )
-    for name, given, built in (
-        ("tokenizer's sha256", options.tokenizer.sha256, o.tokenize.tokenizer.sha256),  # its name may differ
-        ("chat template sha256", options.chat_template_sha256, o.tokenize.chat_template_sha256),
-    ):
-        if given != built:
-            raise InputError(f"the {name} given is {given}, but the build was made with {built}.")
-    return _Source(corpus, has_labels, batches)
+    else:
+        chat = o.tokenize.mode == "chat"
+        reading = Reading(
+            tokenizer=tokenizer,
+            chat=chat,
+            eos=o.tokenize.eos,
+            chat_template=chat_template,
+            train_on=o.tokenize.train_on,
+            **{"messages_column" if chat else "text_column": o.tokenize.column},
+        )
+    documents = open_documents(source.spec, reading, None, None, source.location)
+    if documents.store is None and o.tokenize is not None:
+        for name, given, built in (
+            ("tokenizer's sha256", documents.tokenize.tokenizer.sha256, o.tokenize.tokenizer.sha256),  # its name may differ
+            ("chat template sha256", documents.tokenize.chat_template_sha256, o.tokenize.chat_template_sha256),
+        ):
+            if given != built:
+                raise InputError(f"the {name} given is {given}, but the build was made with {built}.")
+    return documents
 
 
 def _problems(
-    build: Path | ShardCache, manifest: Manifest, source: _Source | None, store_path: str | os.PathLike | None
+    build: Path | ShardCache, manifest: Manifest, source: Documents | None, store_path: str | os.PathLike | None
 ) -> Iterator[Problem]:
     """The problems of the build in the directory `build`, or in object storage read through the cache `build`."""
     yield from _manifest_problems(manifest)
@@ -314,7 +299,7 @@ def _problems(
         if source is None and len(store_columns) == len(store.manifest.shards):
             # Without a source an index build is held to its store's documents as a full build is to
             # its corpus: every document's pieces, their lengths, the counts; its tokens are the store's.
-            own = _Source(store.corpus, store.manifest.has_labels, store.documents(list(store_columns.values())))
+            own = store_documents(store, list(store_columns.values()))
             yield from _source_problems(own, segments, shards, manifest, complete, None)
     if source is not None:
         tokens = (
@@ -731,7 +716,7 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def _source_problems(
-    source: _Source,
+    source: Documents,
     seg: _Segments,
     shards: dict[int, _Shard],
     manifest: Manifest,

@@ -86,6 +86,17 @@ def test_bad_manifests_are_refused(tmp_path, text, message):
         read_manifest(tmp_path)
 
 
+def test_a_manifest_is_read_from_its_bytes_and_named_as_its_caller_says(built):
+    """What a reader of object storage parses: the bytes it fetched, its problems naming the object."""
+    data = (built / "manifest.json").read_bytes()
+    assert read_manifest(data, "s3://bucket/packed/manifest.json") == read_manifest(built)
+    broken = data.replace(b'"has_labels": false', b'"has_labels": 0')
+    with pytest.raises(FormatError) as refused:
+        read_manifest(broken, "s3://bucket/packed/manifest.json")
+    assert refused.value.problem.file == "s3://bucket/packed/manifest.json"
+    assert str(refused.value).startswith("s3://bucket/packed/manifest.json: is not a valid prepack manifest")
+
+
 def _tampered(batch: pa.RecordBatch, column: str, edit) -> pa.RecordBatch:
     array = batch.column(column)
     if pa.types.is_list(array.type):

@@ -536,3 +536,21 @@ def test_a_damaged_store_shard_in_s3_is_named_by_its_uri_when_built_from(tmp_pat
         build(store, f"{s3_bucket}/packed", max_len=512)
     assert str(remotely.value) == f"{store}/{name}: its sha256 is not the store manifest's: the shard changed."
     assert str(locally.value) == str(remotely.value).replace(store, str(tmp_path / "store"))
+
+
+def test_a_store_in_s3_is_named_by_its_uri_in_refusals_of_its_manifest_and_of_reading_options(tmp_path, fs, s3_bucket):
+    """A store read from a URI is named by its URI, once, not by the local copy it is read from: when
+    options that would read it otherwise are refused, and when its manifest is."""
+    corpus = _token_corpus(tmp_path / "corpus")
+    build_store(corpus, tmp_path / "store", shard_size=30_000)
+    store = _upload(fs, tmp_path / "store", f"{s3_bucket}/store")
+    with pytest.raises(InputError, match=f"^{store} is a document store, tokenized already: leave out --tokenizer"):
+        build(store, tmp_path / "packed", max_len=512, tokenizer=tmp_path)
+    build(store, tmp_path / "packed", max_len=512)
+    with pytest.raises(InputError, match=f"^{store} is a document store, tokenized already: leave out --tokenizer"):
+        verify_build(tmp_path / "packed", store, tokenizer=tmp_path)
+    raw = json.loads((tmp_path / "store" / "store.json").read_text())
+    fs.pipe_file(f"{store.removeprefix('s3://')}/store.json", json.dumps({**raw, "store_version": 2}).encode())
+    with pytest.raises(FormatError) as refused:
+        prepack.remote.read_output_manifest(store, "store.json")
+    assert str(refused.value).startswith(f"{store}/store.json has store_version 2; this prepack reads version 1.")

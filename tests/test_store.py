@@ -234,6 +234,23 @@ def test_a_truncated_shard_is_refused(store):
     _build_fails(store, FormatError, r"documents-00002.arrow: \d+ bytes, but the store manifest says")
 
 
+def test_a_store_manifest_is_read_from_its_bytes_and_named_as_its_caller_says(store):
+    data = (store / "store.json").read_bytes()
+    assert read_store_manifest(data, "s3://bucket/store/store.json") == read_store_manifest(store)
+    raw = json.loads(data)
+    raw["store_version"] = STORE_VERSION + 1
+    with pytest.raises(FormatError, match=rf"^s3://bucket/store/store.json has store_version {STORE_VERSION + 1};"):
+        read_store_manifest(json.dumps(raw).encode(), "s3://bucket/store/store.json")
+
+
+def test_a_missing_store_shard_is_a_problem_with_its_file_as_a_field(store):
+    (store / "documents-00001.arrow").unlink()
+    with pytest.raises(FormatError) as refused:
+        open_store(store)
+    assert refused.value.problem.file == str(store / "documents-00001.arrow")
+    assert refused.value.problem.message.startswith("missing; the store manifest lists it with ")
+
+
 def test_a_shard_that_is_a_symbolic_link_is_refused(store, tmp_path):
     shutil.move(store / "documents-00000.arrow", tmp_path / "elsewhere.arrow")
     (store / "documents-00000.arrow").symlink_to(tmp_path / "elsewhere.arrow")
