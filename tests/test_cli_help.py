@@ -72,7 +72,7 @@ def test_help_and_import_prepack_import_nothing_heavy():
     light = "import prepack, sys; print(sorted({'numpy', 'pyarrow', 'numba', 'pydantic'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", light], capture_output=True, text=True).stdout.strip() == "[]"
     # Loaded later, `prepack.build` stays the function although the submodule of that name is imported.
-    later = "import prepack, prepack.store_write; print(prepack.build.__module__, prepack.build_store.__name__)"
+    later = "import prepack, prepack.build; print(prepack.build.__module__, prepack.build_store.__name__)"
     assert subprocess.run([sys.executable, "-c", later], capture_output=True, text=True).stdout.split() == ["prepack.build", "build_store"]
 
 
