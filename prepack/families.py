@@ -156,6 +156,11 @@ def _unmeasured(detail: str) -> Verdict:
     return Verdict("refused", f"not measured: no tiny model of the family could be built from its config ({detail})")
 
 
+def _unmeasured_without_flex(detail: str) -> tuple[Verdict, Verdict, Verdict, Verdict, Verdict]:
+    """The row of a family no tiny model could be built of, which transformers gives no flex attention."""
+    return (_unmeasured(detail),) * 4 + (NO_FLEX,)
+
+
 QWEN4_EXP_ON_FLASH = _fails("its sparse-attention indexer reads an attention mask, which the flash path has not")
 DOGE_ON_FLASH = _fails("DogeAttention has no is_causal attribute, which the flash path reads")
 FALCON_ON_FLASH = _fails("its flash path adds an attention bias that is None without a mask")
@@ -198,19 +203,15 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict, Verdict, Verdict]] = {
     'blenderbot': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
     'blenderbot-small': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
     'bloom': (NO_SDPA, POSITIONS, POSITIONS, POSITIONS, NO_FLEX),
-    'blt': (_unmeasured("BLT's byte patcher and local encoder take sizes the sweep does not shrink consistently"),) * 4
-    + (NO_FLEX,),
+    'blt': _unmeasured_without_flex("BLT's byte patcher and local encoder take sizes the sweep does not shrink consistently"),
     'camembert': (ENCODER, ENCODER, ENCODER, ENCODER, ENCODER),
     'codegen': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'cohere': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'cohere2': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'cohere2_moe': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
-    'cohere_compass_text': (
-        _unmeasured(
-            'its defaults do not build in transformers either: rope_parameters has no full_attention entry'
-        ),
-    ) * 4
-    + (NO_FLEX,),
+    'cohere_compass_text': _unmeasured_without_flex(
+        'its defaults do not build in transformers either: rope_parameters has no full_attention entry'
+    ),
     'cpmant': (NO_SDPA, POSITIONS, POSITIONS, POSITIONS, NO_FLEX),
     'ctrl': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'cwm': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
@@ -260,12 +261,9 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict, Verdict, Verdict]] = {
     ) * 5,
     'gemma4_text': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'gemma4_unified': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
-    'gemma4_unified_assistant': (
-        _unmeasured(
-            "a draft model: its forward needs its target model's shared keys and values"
-        ),
-    ) * 4
-    + (NO_FLEX,),
+    'gemma4_unified_assistant': _unmeasured_without_flex(
+        "a draft model: its forward needs its target model's shared keys and values"
+    ),
     'gemma4_unified_text': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'git': (NO_SDPA, GIT, GIT, GIT, NO_FLEX),
     'glm': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
