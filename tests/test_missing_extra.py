@@ -54,6 +54,7 @@ def _cli(missing: list[str], args: list[str], cwd) -> str:
         ("check_isolation", "transformers"),
     ],
 )
+@pytest.mark.slow
 def test_training_names_without_the_train_extra(tmp_path, name, module):
     message = _raises([module], f"import prepack; prepack.{name}", tmp_path)
     assert message.startswith(f"{module} train ") and message.endswith(_install_line("train"))

@@ -54,6 +54,7 @@ def assert_same_plan(lengths, max_len, options, first=0, end=None):
 
 @settings(max_examples=400, deadline=None)
 @given(plans(), st.data())
+@pytest.mark.slow
 def test_plan_is_the_plan_it_replaced(case, data):
     lengths, max_len, options = case
     assert_same_plan(lengths, max_len, options)
