@@ -102,6 +102,7 @@ def test_pack_costs_of_a_build_are_read_from_its_cu_seqlens(packed):
     assert sorted(sampler) == sorted(set(sampler))
 
 
+@pytest.mark.slow
 def test_inspect_reports_the_steps_the_sampler_deals(packed):
     dataset = PackedDataset(packed)
     costs = np.array([float(sum(np.diff(dataset[i]["cu_seqlens"]).astype(np.int64) ** 2)) for i in range(len(dataset))])
@@ -146,6 +147,7 @@ def test_a_token_cost_that_is_not_a_finite_number_is_refused_where_it_enters(pac
         inspect_build(packed, world_size=2, token_cost=token_cost)
 
 
+@pytest.mark.slow
 def test_inspect_json_is_strict_json(packed):
     for cost in ("nan", "inf", "1e300"):
         result = run_prepack("inspect", packed, "--world-size", "2", "--token-cost", cost, "--json")

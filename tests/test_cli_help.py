@@ -74,6 +74,7 @@ def test_help_and_import_prepack_import_nothing_heavy():
     assert subprocess.run([sys.executable, "-c", later], capture_output=True, text=True).stdout.split() == ["prepack.build", "build_store"]
 
 
+@pytest.mark.slow
 def test_a_local_build_and_an_index_build_import_nothing_heavy(tmp_path):
     from tests.corpus import corpus_table, write_corpus
 

@@ -122,6 +122,7 @@ def test_a_tokenized_corpus_builds_and_stores_the_same_bytes(tmp_path, local_ray
     assert _same(tmp_path / "store-local", tmp_path / "store-ray") > 3
 
 
+@pytest.mark.slow
 def test_workers_serving_a_second_build_read_the_tokenizer_files_as_they_are_now(tmp_path, local_ray, gpt2):
     corpus = _conversations(tmp_path / "c", "text", parts=2, per_part=50)
     tokenizer = Path(shutil.copytree(gpt2, tmp_path / "tok"))

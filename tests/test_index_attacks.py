@@ -58,6 +58,7 @@ def test_an_index_build_retargeted_at_another_store_is_refused(pair):
 @pytest.mark.parametrize(
     "path", ["/abs/store", "../../store", "../x/../../store", "store", "..", "../", "../../other-bucket/store"]
 )
+@pytest.mark.slow
 def test_a_store_path_outside_the_builds_parent_is_refused_before_any_open(pair, path, tmp_path):
     index, _ = pair
     edit_json(index / "manifest.json", lambda raw: raw["store"].update(path=path))

@@ -70,6 +70,7 @@ def packed(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_open_hf_dataset_without_datasets(packed):
     message = _raises(["datasets"], "import prepack; prepack.open_hf_dataset('packed')", packed)
     assert message == f"datasets train open_hf_dataset needs datasets, which is not installed: {_install_line('train')}"

@@ -68,6 +68,7 @@ def _upload(fs, local: Path, uri: str) -> str:
     return uri
 
 
+@pytest.mark.slow
 def test_a_build_from_and_to_s3_is_byte_identical_to_a_local_build(tmp_path, fs, s3_bucket):
     corpus = _token_corpus(tmp_path / "corpus")
     remote = _upload(fs, corpus, f"{s3_bucket}/corpus")
@@ -170,6 +171,7 @@ def test_bad_input_names_the_object_row_and_column_and_leaves_nothing(tmp_path, 
     assert not (tmp_path / "packed").exists()
 
 
+@pytest.mark.slow
 def test_an_existing_build_is_replaced_only_with_overwrite_and_only_if_it_is_one(tmp_path, fs, s3_bucket):
     corpus = _upload(fs, _token_corpus(tmp_path / "corpus"), f"{s3_bucket}/corpus")
     out = f"{s3_bucket}/packed"
@@ -297,6 +299,7 @@ def test_processes_sharing_a_cache_download_each_shard_once(remote_build, tmp_pa
     assert sorted(gets) == sorted(f"/{uri.removeprefix('s3://')}/{s.name}" for s in shards)
 
 
+@pytest.mark.slow
 def test_a_training_step_from_s3_equals_one_from_the_local_build(remote_build, tmp_path):
     torch = pytest.importorskip("torch")
     from torch.utils.data import DataLoader
@@ -346,6 +349,7 @@ def test_the_cli_tokenizes_a_text_corpus_from_s3_into_s3(tmp_path, fs, s3_bucket
     assert _files(fs, f"{s3_bucket}/packed") == _local_files(tmp_path / "packed")
 
 
+@pytest.mark.slow
 def test_a_missing_client_asks_for_the_extra(tmp_path):
     program = (
         "import sys; sys.modules['s3fs'] = None\n"  # as if prepack-llm[s3] were not installed
@@ -428,6 +432,7 @@ def test_verify_and_inspect_an_index_build_in_s3_with_its_store(tmp_path, fs, s3
     assert (problem.location, problem.file) == (uri, f"../data/store/{name}")
 
 
+@pytest.mark.slow
 def test_verify_names_a_damaged_shard_in_s3_by_its_uri(remote_build, tmp_path, fs, s3_server):
     local, uri = remote_build
     name = prepack.read_manifest(local).shards[1].name
@@ -492,6 +497,7 @@ def test_open_hf_dataset_reads_a_build_in_s3_through_its_cache(remote_build, tmp
         open_hf_dataset(uri)
 
 
+@pytest.mark.slow
 def test_an_invalid_manifest_in_s3_is_a_finding_of_verify(remote_build, fs):
     local, uri = remote_build
     fs.pipe_file(f"{uri.removeprefix('s3://')}/manifest.json", b"{not json")

@@ -227,6 +227,7 @@ def test_overwrite_replaces_a_build_with_more_shards_and_leaves_nothing_of_it(tm
 
 @pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("target", ["a build", "nothing"])
+@pytest.mark.slow
 def test_a_symbolic_link_at_out_is_refused_and_left_as_it_is(tmp_path, target, overwrite):
     data = corpus(tmp_path)
     real = tmp_path / "real"
@@ -375,6 +376,7 @@ def test_out_that_names_no_directory_is_an_output_error(tmp_path, out, monkeypat
     assert [p.name for p in (tmp_path / "work").rglob("*")] == ["here"]
 
 
+@pytest.mark.slow
 def test_out_under_a_regular_file_is_an_output_error(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     result = run_prepack("build", corpus(tmp_path), "--max-len", "4", "--out", tmp_path / "file" / "out", env=WIDE)
@@ -386,6 +388,7 @@ def test_out_under_a_regular_file_is_an_output_error(tmp_path):
 # The command line: every failure a message and exit 2, never a traceback
 
 
+@pytest.mark.slow
 def test_a_build_that_drops_every_document_is_an_input_error(tmp_path):
     result = run_prepack("build", corpus(tmp_path, [[1, 2, 3], [4, 5, 6]]), "--max-len", "2", "--overflow", "drop", "--out", tmp_path / "out", env=WIDE)
     assert result.returncode == 2, result.stderr

@@ -194,6 +194,7 @@ def test_each_histogram_runs_from_its_lower_label_to_its_upper_label(builds):
             assert len(set(chunk)) == 1 and (chunk[0] != " ") == (count > 0), (line, dist.counts)
 
 
+@pytest.mark.slow
 def test_plot_panel_titles_stay_whole_inside_the_figure(builds):
     """Long-context numbers (six-digit lengths) in every panel title: each title is drawn within its
     panel's width and inside the figure, nothing cut off at the edge."""
@@ -252,6 +253,7 @@ def test_a_manifest_that_disagrees_with_the_shards_is_refused(builds, tmp_path):
         inspect_build(out)
 
 
+@pytest.mark.slow
 def test_import_does_not_pull_torch_or_matplotlib():
     code = "import sys, prepack.report; print('torch' in sys.modules, 'matplotlib' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

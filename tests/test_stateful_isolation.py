@@ -119,6 +119,7 @@ def test_other_batch_forms_are_isolated(family, options, packs):
     assert result.passed, result
 
 
+@pytest.mark.slow
 def test_position_ids_alone_are_enough_on_sdpa(packs):
     batch = {key: padded(packs)[key] for key in ("input_ids", "labels", "position_ids")}
     result = measure_isolation(enable_packing(tiny_model("bamba", "sdpa")), packs, batch, tolerance=1e-10)

@@ -96,6 +96,7 @@ def test_uris_without_a_bucket_or_prefix_are_refused_by_name(args, message, tmp_
 # 4. A killed build's leftovers.
 
 
+@pytest.mark.slow
 def test_a_killed_builds_objects_are_cleared_by_the_next_build_and_nothing_else(tmp_path, fs, s3_bucket):
     from prepack.remote import Publication, scratch_prefix
 

@@ -134,6 +134,7 @@ def _same_build(direct: Path, from_store: Path) -> None:
     assert files(direct) == files(from_store)  # shards and manifest, byte for byte
 
 
+@pytest.mark.slow
 def test_a_store_of_token_ids_builds_byte_identical(tmp_path):
     rng = np.random.default_rng(0)
     documents = [rng.integers(0, 1000, size=n).tolist() for n in rng.integers(0, 90, size=300)]

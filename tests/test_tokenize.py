@@ -142,6 +142,7 @@ def test_chat_labels_same_in_one_process_and_from_jsonl(tmp_path, gpt2_chat):
     assert from_parquet[2:4] == from_jsonl[2:4]
 
 
+@pytest.mark.slow
 def test_generation_tag_labels_match_transformers_and_prefix_rendering(tmp_path, gpt2_chat):
     transformers = pytest.importorskip("transformers")
     marked = gpt2_directory(tmp_path / "marked", CHATML_GENERATION)
@@ -180,6 +181,7 @@ def test_chat_template_file_and_template_variables(tmp_path, gpt2):
     assert reference.decode(trained, skip_special_tokens=False) == "assistant: yo<|endoftext|>"
 
 
+@pytest.mark.slow
 def test_tokenizer_identity(tmp_path, gpt2):
     info = load_tokenizer(gpt2).info
     copy = tmp_path / "copy"
@@ -334,6 +336,7 @@ def documents_of(directory: Path, column: str) -> dict[int, list[int]]:
     return rows
 
 
+@pytest.mark.slow
 def test_build_from_chat_packs_the_tokenized_ids_and_assistant_labels(tmp_path, gpt2_chat):
     corpus = jsonl(tmp_path / "chat.jsonl", [{"messages": as_chat(t)} for t in chitchat()[:300]])
     manifest = build(corpus, tmp_path / "packed", max_len=512, tokenizer=gpt2_chat, chat=True, num_proc=1)
@@ -346,6 +349,7 @@ def test_build_from_chat_packs_the_tokenized_ids_and_assistant_labels(tmp_path, 
     assert options.tokenize.tokenizer == load_tokenizer(gpt2_chat).info
 
 
+@pytest.mark.slow
 def test_build_from_text_is_byte_identical_whatever_num_proc(tmp_path, gpt2):
     corpus = parquet(tmp_path / "text.parquet", text=["\n".join(t) for t in chitchat()[:400]])
     for num_proc in (1, 2):
