@@ -1,9 +1,11 @@
 """Test corpora: write documents in every supported format, read a build back independently of
-prepack's own reader (plain pyarrow, row by row), and place documents with a textbook packer."""
+prepack's own reader (plain pyarrow, row by row), place documents with a textbook packer, and edit a
+build's or a store's files by hand the way the damage tests do."""
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 from pathlib import Path
 
@@ -80,3 +82,30 @@ def reference_placement(lengths: list[int], max_len: int, algorithm: str) -> lis
         remaining[p] -= lengths[i]
         pack_of[i] = p
     return pack_of
+
+
+def files(directory: Path) -> dict[str, bytes]:
+    """Every file of a flat directory (a build, a store), name to bytes."""
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def edit_json(path: Path, edit) -> None:
+    """Apply `edit` to the JSON object in `path` (a manifest.json or store.json) and write it back."""
+    raw = json.loads(path.read_text())
+    edit(raw)
+    path.write_text(json.dumps(raw))
+
+
+def record_shard(manifest: Path, shard: Path) -> None:
+    """Record `shard`'s present size and sha256 in `manifest` (manifest.json or store.json), so that a
+    hand-edited shard passes the hash checks and only the structural checks can notice the edit."""
+    data = shard.read_bytes()
+
+    def record(raw: dict) -> None:
+        entries = [entry for entry in raw["shards"] if entry["name"] == shard.name]  # several: a fuzzed manifest's
+        if not entries:  # a KeyError, which the fuzzer takes for "not applicable after an earlier corruption"
+            raise KeyError(f"{manifest} lists no shard {shard.name}")
+        for entry in entries:
+            entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+    edit_json(manifest, record)

@@ -11,7 +11,7 @@ import pytest
 
 from prepack import build
 from prepack.errors import InputError, OutputError
-from tests.corpus import corpus_table, write_corpus
+from tests.corpus import corpus_table, files, write_corpus
 
 
 def assert_nothing_written(tmp_path, out):
@@ -162,6 +162,7 @@ def test_max_len_below_one_is_refused(tmp_path, max_len):
     assert_nothing_written(tmp_path, tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_existing_output_is_refused_unless_overwrite(tmp_path):
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2], [3]]))
     out = tmp_path / "out"
@@ -187,7 +188,7 @@ def test_a_failure_while_writing_leaves_the_old_build_intact(tmp_path, monkeypat
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2], [3]]))
     out = tmp_path / "out"
     build(corpus, out, max_len=4)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = files(out)
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
@@ -195,7 +196,7 @@ def test_a_failure_while_writing_leaves_the_old_build_intact(tmp_path, monkeypat
     monkeypatch.setattr(importlib.import_module("prepack.build"), "write_manifest", crash)
     with pytest.raises(KeyboardInterrupt):
         build(corpus, out, max_len=4, overwrite=True, seed=1)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert files(out) == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 

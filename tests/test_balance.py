@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +20,7 @@ from prepack.load import PackedDataset
 from prepack.report import inspect_build
 from prepack.plan import assign_packs
 from prepack.sample import PackedSampler
+from tests.cli import run_prepack
 from tests.corpus import corpus_table, write_corpus
 
 
@@ -104,6 +102,7 @@ def test_pack_costs_of_a_build_are_read_from_its_cu_seqlens(packed):
     assert sorted(sampler) == sorted(set(sampler))
 
 
+@pytest.mark.slow
 def test_inspect_reports_the_steps_the_sampler_deals(packed):
     dataset = PackedDataset(packed)
     costs = np.array([float(sum(np.diff(dataset[i]["cu_seqlens"]).astype(np.int64) ** 2)) for i in range(len(dataset))])
@@ -122,14 +121,13 @@ def test_inspect_reports_the_steps_the_sampler_deals(packed):
     assert report.steps.balanced_max_over_mean < report.steps.unbalanced_max_over_mean
     assert inspect_build(packed).steps is None
 
-    prepack = shutil.which("prepack", path=str(Path(sys.executable).parent))
-    args = [prepack, "inspect", str(packed), "--world-size", "3", "--batch-size", "2", "--seed", "4", "--token-cost", "0"]
-    result = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=120)
+    args = ["inspect", packed, "--world-size", "3", "--batch-size", "2", "--seed", "4", "--token-cost", "0"]
+    result = run_prepack(*args, "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["steps"] == report.steps.model_dump(mode="json")
-    text = subprocess.run(args, capture_output=True, text=True, timeout=120).stdout
+    text = run_prepack(*args).stdout
     assert 'balance="attention"' in text and f"{report.steps.balanced_max_over_mean:.3f}" in text
-    result = subprocess.run([*args[:3], "--world-size", "0"], capture_output=True, text=True, timeout=120)
+    result = run_prepack(*args[:2], "--world-size", "0")
     assert result.returncode == 2
 
 
@@ -149,11 +147,10 @@ def test_a_token_cost_that_is_not_a_finite_number_is_refused_where_it_enters(pac
         inspect_build(packed, world_size=2, token_cost=token_cost)
 
 
+@pytest.mark.slow
 def test_inspect_json_is_strict_json(packed):
-    prepack = shutil.which("prepack", path=str(Path(sys.executable).parent))
     for cost in ("nan", "inf", "1e300"):
-        args = [prepack, "inspect", str(packed), "--world-size", "2", "--token-cost", cost, "--json"]
-        result = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        result = run_prepack("inspect", packed, "--world-size", "2", "--token-cost", cost, "--json")
         assert result.returncode == 2 and "token" in result.stderr and result.stdout == "", (cost, result)
         assert "Traceback" not in result.stderr
 

@@ -4,27 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli import run_prepack
 from tests.corpus import corpus_table, read_build, write_corpus
-
-PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
-
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    assert PREPACK, "the prepack console script is not installed beside this Python"
-    return subprocess.run([PREPACK, *args], capture_output=True, text=True, timeout=300)
 
 
 def test_build_writes_shards_and_prints_a_summary(tmp_path):
     documents = [list(range(n)) for n in (5, 9, 3, 12, 7, 1, 20)]
     corpus = write_corpus(tmp_path / "c.jsonl.gz", corpus_table(documents))
-    result = run("build", str(corpus), "--max-len", "16", "--out", str(tmp_path / "packed"), "--seed", "3")
+    result = run_prepack("build", str(corpus), "--max-len", "16", "--out", str(tmp_path / "packed"), "--seed", "3")
     assert result.returncode == 0, result.stderr
     manifest, packs = read_build(tmp_path / "packed")
     assert manifest["options"]["seed"] == 3
@@ -35,7 +28,7 @@ def test_build_writes_shards_and_prints_a_summary(tmp_path):
 
 def test_quiet_prints_nothing(tmp_path):
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
-    result = run("build", str(corpus), "--out", str(tmp_path / "p"), "--quiet", "--shard-size", "1MB")
+    result = run_prepack("build", str(corpus), "--out", str(tmp_path / "p"), "--quiet", "--shard-size", "1MB")
     assert result.returncode == 0, result.stderr
     assert result.stdout == ""
     assert json.loads((tmp_path / "p" / "manifest.json").read_text())["options"]["shard_size"] == 10**6
@@ -52,12 +45,13 @@ def test_quiet_prints_nothing(tmp_path):
 )
 def test_errors_exit_2_with_a_message_and_no_output(tmp_path, args, message):
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
-    result = run("build", str(corpus), "--out", str(tmp_path / "p"), *args)
+    result = run_prepack("build", str(corpus), "--out", str(tmp_path / "p"), *args)
     assert result.returncode == 2
     assert message in " ".join(result.stderr.split())
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.slow
 def test_readme_demo_packs_the_chitchat_conversations(tmp_path):
     """The README's first command: chat corpus + local GPT-2 tokenizer → a build with assistant labels."""
     script = Path(__file__).resolve().parent.parent / "examples" / "chitchat.py"

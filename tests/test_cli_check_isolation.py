@@ -128,6 +128,7 @@ def test_a_model_that_fails_on_the_batch_exits_2_not_1(configs, monkeypatch):
     assert "failed on the packed batch or on a document alone" in " ".join(result.output.split())
 
 
+@pytest.mark.slow
 def test_float64_on_cpu_by_default_catches_a_leak_float32_misses(configs, monkeypatch):
     """InklingText's short convolutions, let through, leak by about 1e-5: under float32's 1e-4 tolerance."""
     let_through(monkeypatch, "inkling_text")
@@ -138,6 +139,7 @@ def test_float64_on_cpu_by_default_catches_a_leak_float32_misses(configs, monkey
     assert check("--model", model, "--max-len", "32", "--no-gradients", "--dtype", "float32").exit_code == 0
 
 
+@pytest.mark.slow
 def test_gpt_oss_on_eager_is_isolated_in_float64(configs):
     """Its MoE experts default to grouped_mm, which has no float64 kernel: check-isolation selects the
     eager experts. And prepack passes eager the masks gpt-oss builds without position_ids."""

@@ -3,7 +3,6 @@ before it does anything."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -12,15 +11,14 @@ import pytest
 import typer.main
 
 from prepack.cli import app
-from tests.test_cli import PREPACK, run
+from tests.cli import run_prepack
 
 COMMANDS = sorted(typer.main.get_command(app).commands)
 HEAVY = ("torch", "pandas", "ray", "datasets", "transformers")
 
 
 def _help(*command: str) -> str:
-    env = {**os.environ, "COLUMNS": "80"}
-    result = subprocess.run([PREPACK, *command, "--help"], capture_output=True, text=True, env=env, timeout=60)
+    result = run_prepack(*command, "--help", env={"COLUMNS": "80"}, timeout=60)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -76,6 +74,7 @@ def test_help_and_import_prepack_import_nothing_heavy():
     assert subprocess.run([sys.executable, "-c", later], capture_output=True, text=True).stdout.split() == ["prepack.build", "build_store"]
 
 
+@pytest.mark.slow
 def test_a_local_build_and_an_index_build_import_nothing_heavy(tmp_path):
     from tests.corpus import corpus_table, write_corpus
 
@@ -87,4 +86,4 @@ prepack.build_store({str(corpus)!r}, {str(tmp_path / 'store')!r}, progress=False
 prepack.build({str(tmp_path / 'store')!r}, {str(tmp_path / 'index')!r}, max_len=16, index_only=True, progress=False)
 """
     assert _imported_after(code) == dict.fromkeys(HEAVY, False)
-    assert run("verify", str(tmp_path / "index")).returncode == 0
+    assert run_prepack("verify", str(tmp_path / "index")).returncode == 0

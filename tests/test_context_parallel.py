@@ -33,6 +33,7 @@ def make_packs(pack_lengths: list[list[int]], labelled: bool) -> list[dict]:
 
 @settings(max_examples=100, deadline=None)
 @given(pack_lengths=documents_strategy, cp_size=st.integers(1, 4), labelled=st.booleans(), pad=st.sampled_from([None, 0]))
+@pytest.mark.slow
 def test_documents_are_padded_to_2k_and_the_ranks_pieces_reassemble_the_batch(pack_lengths, cp_size, labelled, pad):
     packs = make_packs(pack_lengths, labelled)
     plain = PackedCollator(layout="padding_free")(packs)
@@ -112,6 +113,7 @@ def test_refusals():
 
 @settings(max_examples=100, deadline=None)
 @given(pack_lengths=documents_strategy, cp_size=st.integers(1, 4))
+@pytest.mark.slow
 def test_the_ranks_weights_and_shifted_labels_are_the_whole_batchs(pack_lengths, cp_size):
     batch = PackedCollator(layout="padding_free", cp_size=cp_size)(make_packs(pack_lengths, labelled=True))
     labels = batch["labels"]

@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -28,21 +27,17 @@ psutil = pytest.importorskip("psutil")
 
 from prepack import build, build_store  # noqa: E402
 from prepack.errors import EngineError, FormatError, InputError, MissingExtraError, OutputError  # noqa: E402
-from tests.corpus import corpus_table, write_corpus  # noqa: E402
+from tests.cli import failure, run_prepack  # noqa: E402
+from tests.corpus import corpus_table, files, write_corpus  # noqa: E402
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory  # noqa: E402
 
-PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
 # "local": an instance of this test run, never another run's cluster that ray_current_cluster names.
 QUIET_RAY = {"address": "local", "include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
 
 
-def _files(directory: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
-
-
 def _same(a: Path, b: Path) -> int:
     """Assert two outputs have the same files, byte for byte; return how many."""
-    left, right = _files(a), _files(b)
+    left, right = files(a), files(b)
     assert sorted(left) == sorted(right)
     for name in left:
         assert left[name] == right[name], name
@@ -91,6 +86,7 @@ def _conversations(directory: Path, mode: str, parts: int, per_part: int) -> Pat
     return directory
 
 
+@pytest.mark.slow
 def test_a_token_corpus_builds_and_stores_the_same_bytes(tmp_path, local_ray):
     corpus = _token_corpus(tmp_path / "c")
     options = {"max_len": 512, "shard_size": 60_000, "algorithm": "bfd", "seed": 2, "drop_untrained": True}
@@ -113,6 +109,7 @@ def test_a_token_corpus_builds_and_stores_the_same_bytes(tmp_path, local_ray):
 
 
 @pytest.mark.parametrize("mode", ["text", "chat"])
+@pytest.mark.slow
 def test_a_tokenized_corpus_builds_and_stores_the_same_bytes(tmp_path, local_ray, gpt2, mode):
     corpus = _conversations(tmp_path / "c", mode, parts=3, per_part=200)
     reading = {"tokenizer": gpt2, "chat": mode == "chat"}
@@ -125,6 +122,7 @@ def test_a_tokenized_corpus_builds_and_stores_the_same_bytes(tmp_path, local_ray
     assert _same(tmp_path / "store-local", tmp_path / "store-ray") > 3
 
 
+@pytest.mark.slow
 def test_workers_serving_a_second_build_read_the_tokenizer_files_as_they_are_now(tmp_path, local_ray, gpt2):
     corpus = _conversations(tmp_path / "c", "text", parts=2, per_part=50)
     tokenizer = Path(shutil.copytree(gpt2, tmp_path / "tok"))
@@ -195,24 +193,15 @@ def test_without_ray_the_engine_says_what_to_install(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_the_cli_builds_on_a_local_ray_instance_and_exits_2_on_a_bad_row(tmp_path):
     corpus = _token_corpus(tmp_path / "c")
-    local = subprocess.run(
-        [PREPACK, "tokenize", str(corpus), "--out", str(tmp_path / "local"), "--shard-size", "40kB", "-q"],
-        capture_output=True, text=True, timeout=300,
-    )
+    local = run_prepack("tokenize", corpus, "--out", tmp_path / "local", "--shard-size", "40kB", "-q")
     assert local.returncode == 0, local.stderr
     # No --ray-address: a Ray instance of its own, started and shut down by the command.
-    on_ray = subprocess.run(
-        [PREPACK, "tokenize", str(corpus), "--out", str(tmp_path / "ray"), "--shard-size", "40kB", "--engine", "ray"],
-        capture_output=True, text=True, timeout=300,
-    )
+    on_ray = run_prepack("tokenize", corpus, "--out", tmp_path / "ray", "--shard-size", "40kB", "--engine", "ray")
     assert on_ray.returncode == 0, on_ray.stderr
     assert "stored 2,002 documents" in " ".join(on_ray.stdout.split())
     _same(tmp_path / "local", tmp_path / "ray")
     write_corpus(corpus / "6.jsonl", corpus_table([[1, 2], [3, -4]], [[-100, 2], [-100, 4]]))
-    failed = subprocess.run(
-        [PREPACK, "build", str(corpus), "--out", str(tmp_path / "bad"), "--engine", "ray", "-q"],
-        capture_output=True, text=True, timeout=300,
-    )
+    failed = run_prepack("build", corpus, "--out", tmp_path / "bad", "--engine", "ray", "-q")
     assert failed.returncode == 2
     assert "6.jsonl, row 1, column 'input_ids': token id -4 is out of range" in " ".join(failed.stderr.split())
     assert "Traceback" not in failed.stderr
@@ -270,16 +259,13 @@ def test_the_cli_builds_text_in_s3_into_s3_as_the_local_engine_and_the_loader_tr
 
     corpus = _put(fs, _text_corpus(tmp_path / "text"), f"{s3_bucket}/corpus")
     options = ["--tokenizer", str(gpt2), "--max-len", "8192", "--shard-size", "100kB", "-q"]
-    local = subprocess.run([PREPACK, "build", str(tmp_path / "text"), *options, "--out", str(tmp_path / "packed")], capture_output=True, text=True, timeout=300)
+    local = run_prepack("build", tmp_path / "text", *options, "--out", tmp_path / "packed")
     assert local.returncode == 0, local.stderr
     # The command of issue 14's "done when": its own Ray instance, which inherits this environment.
-    on_ray = subprocess.run(
-        [PREPACK, "build", f"{corpus}/", *options, "--out", f"{s3_bucket}/packed", "--engine", "ray"],
-        capture_output=True, text=True, timeout=300,
-    )
+    on_ray = run_prepack("build", f"{corpus}/", *options, "--out", f"{s3_bucket}/packed", "--engine", "ray")
     assert on_ray.returncode == 0, on_ray.stderr
     built = _objects(fs, f"{s3_bucket}/packed")
-    assert len(built) > 3 and built == {p.name: p.read_bytes() for p in (tmp_path / "packed").iterdir()}
+    assert len(built) > 3 and built == files(tmp_path / "packed")
     assert {name.split("/")[0] for name in _objects(fs, s3_bucket)} == {"corpus", "packed"}  # no scratch left
     losses = []
     for source in (PackedDataset(tmp_path / "packed"), PackedDataset(f"{s3_bucket}/packed", cache_dir=tmp_path / "cache")):
@@ -297,37 +283,35 @@ def test_the_cli_builds_text_in_s3_into_s3_as_the_local_engine_and_the_loader_tr
     assert torch.equal(losses[0][1], losses[1][1])
     # A bad row in a later object: the local engine's message naming its URI, exit 2, no object left.
     fs.pipe_file(f"{corpus.removeprefix('s3://')}/3.jsonl", b'{"text": "fine"}\n{"text": 7}\n')
-    failed = subprocess.run(
-        [PREPACK, "build", corpus, *options, "--out", f"{s3_bucket}/bad", "--engine", "ray"], capture_output=True, text=True, timeout=300
-    )
-    assert failed.returncode == 2 and "Traceback" not in failed.stderr
-    assert f"{corpus}/3.jsonl, row 1, column 'text'" in " ".join(failed.stderr.split())
+    failed = run_prepack("build", corpus, *options, "--out", f"{s3_bucket}/bad", "--engine", "ray")
+    assert f"{corpus}/3.jsonl, row 1, column 'text'" in failure(failed)
     assert {name.split("/")[0] for name in _objects(fs, s3_bucket)} == {"corpus", "packed"}
 
 
+@pytest.mark.slow
 def test_a_store_tokenized_into_s3_and_builds_from_it_equal_the_local_engine(tmp_path, s3_ray, fs, s3_bucket, gpt2):
     text = _text_corpus(tmp_path / "text")
     corpus = _put(fs, text, f"{s3_bucket}/corpus")
     build_store(text, tmp_path / "store", tokenizer=gpt2, shard_size=40_000)
     build_store(corpus, f"{s3_bucket}/store", tokenizer=gpt2, shard_size=40_000, engine="ray")
     stored = _objects(fs, f"{s3_bucket}/store")
-    assert len(stored) > 3 and stored == {p.name: p.read_bytes() for p in (tmp_path / "store").iterdir()}
+    assert len(stored) > 3 and stored == files(tmp_path / "store")
     options = dict(max_len=1024, shard_size=50_000, seed=1)
     local = build(tmp_path / "store", tmp_path / "packed", **options)
     assert build(f"{s3_bucket}/store", f"{s3_bucket}/packed", engine="ray", **options) == local
     # One side in object storage, the other local: the same bytes too.
     build(f"{s3_bucket}/store", tmp_path / "from-s3", engine="ray", **options)
     build(tmp_path / "store", f"{s3_bucket}/to-s3", engine="ray", **options)
-    expected = {p.name: p.read_bytes() for p in (tmp_path / "packed").iterdir()}
+    expected = files(tmp_path / "packed")
     assert _objects(fs, f"{s3_bucket}/packed") == _objects(fs, f"{s3_bucket}/to-s3") == expected
-    assert {p.name: p.read_bytes() for p in (tmp_path / "from-s3").iterdir()} == expected
+    assert files(tmp_path / "from-s3") == expected
     # Overwritten only with overwrite, as locally.
     with pytest.raises(OutputError, match="already exists"):
         build(f"{s3_bucket}/store", f"{s3_bucket}/packed", engine="ray", **options)
     fewer = {**options, "shard_size": 200_000}  # fewer shards: the replaced build's others are deleted
     build(tmp_path / "store", tmp_path / "fewer", **fewer)
     build(f"{s3_bucket}/store", f"{s3_bucket}/packed", engine="ray", overwrite=True, **fewer)
-    assert _objects(fs, f"{s3_bucket}/packed") == {p.name: p.read_bytes() for p in (tmp_path / "fewer").iterdir()}
+    assert _objects(fs, f"{s3_bucket}/packed") == files(tmp_path / "fewer")
     assert len(expected) > len(_objects(fs, f"{s3_bucket}/packed"))
     assert {name.split("/")[0] for name in _objects(fs, s3_bucket)} == {"corpus", "store", "packed", "to-s3"}
 
@@ -342,11 +326,12 @@ def test_labelled_tokens_with_empty_documents_and_files_in_s3_build_and_store_th
     build_store(corpus, tmp_path / "store", shard_size=20_000)
     build_store(remote, f"{s3_bucket}/store", shard_size=20_000, engine="ray")
     for name in ("packed", "store"):
-        expected = {p.name: p.read_bytes() for p in (tmp_path / name).iterdir()}
+        expected = files(tmp_path / name)
         assert len(expected) > 3 and _objects(fs, f"{s3_bucket}/{name}") == expected, name
     assert {key.split("/")[0] for key in _objects(fs, s3_bucket)} == {"corpus", "packed", "store"}
 
 
+@pytest.mark.slow
 def test_a_bad_row_in_a_later_object_is_the_local_error_and_leaves_no_object(tmp_path, s3_ray, fs, s3_bucket):
     corpus = _token_corpus(tmp_path / "c")
     write_corpus(corpus / "6.jsonl", corpus_table([[1, 2], [3, -4]], [[-100, 2], [-100, 4]]))
@@ -360,6 +345,7 @@ def test_a_bad_row_in_a_later_object_is_the_local_error_and_leaves_no_object(tmp
     assert list(_objects(fs, s3_bucket)) == [f"corpus/{n}" for n in sorted(_objects(fs, remote))]
 
 
+@pytest.mark.slow
 def test_a_damaged_store_shard_in_s3_is_named_by_its_uri_on_a_worker(tmp_path, s3_ray, fs, s3_bucket):
     build_store(_token_corpus(tmp_path / "c"), tmp_path / "store", shard_size=40_000)
     name = json.loads((tmp_path / "store" / "store.json").read_text())["shards"][2]["name"]
@@ -438,15 +424,17 @@ def test_an_address_that_cannot_parse_is_refused_at_once_and_exit_2(address, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
 
 
+@pytest.mark.slow
 def test_an_address_that_cannot_parse_exits_2_from_the_option_and_from_ray_address(tmp_path):
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
-    command = [PREPACK, "build", str(corpus), "--max-len", "8", "--out", str(tmp_path / "out"), "--engine", "ray"]
-    for args, env in (([*command, "--ray-address", "127.0.0.1:-1"], os.environ), (command, {**os.environ, "RAY_ADDRESS": "host:port"})):
-        result = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env)
+    command = ["build", corpus, "--max-len", "8", "--out", tmp_path / "out", "--engine", "ray"]
+    for args, env in (([*command, "--ray-address", "127.0.0.1:-1"], None), (command, {"RAY_ADDRESS": "host:port"})):
+        result = run_prepack(*args, env=env, timeout=60)
         assert result.returncode == 2 and "not a Ray address" in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
 
 
+@pytest.mark.slow
 def test_an_address_where_something_but_not_ray_listens_is_an_engine_error_in_seconds(tmp_path):
     """An HTTP server where the cluster should be: Ray would retry for minutes, prepack asks it the
     HTTP/2 preface that Ray's gRPC servers answer, and gives up at once."""
@@ -457,10 +445,7 @@ def test_an_address_where_something_but_not_ray_listens_is_an_engine_error_in_se
     address = f"127.0.0.1:{server.server_address[1]}"
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
     try:
-        result = subprocess.run(
-            [PREPACK, "build", str(corpus), "--max-len", "8", "--out", str(tmp_path / "out"), "--engine", "ray", "--ray-address", address],
-            capture_output=True, text=True, timeout=60,
-        )
+        result = run_prepack("build", corpus, "--max-len", "8", "--out", tmp_path / "out", "--engine", "ray", "--ray-address", address, timeout=60)
         assert result.returncode == 2 and "something answers there, but not a Ray cluster" in " ".join(result.stderr.split()), result.stderr
         with pytest.raises(EngineError, match=f"^--ray-address ray://{address}: something answers there, but not a Ray cluster"):
             build(corpus, tmp_path / "out", max_len=8, engine="ray", ray_address=f"ray://{address}")
@@ -480,19 +465,20 @@ def test_a_ray_clusters_gcs_passes_the_address_check():
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_an_address_where_nothing_listens_is_an_engine_error_and_exit_2(tmp_path):
     port = _closed_port()
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
     with pytest.raises(EngineError, match=f"--ray-address 127.0.0.1:{port}: no Ray cluster answers there"):
         build(corpus, tmp_path / "out", max_len=8, engine="ray", ray_address=f"127.0.0.1:{port}")
-    result = subprocess.run(
-        [PREPACK, "build", str(corpus), "--max-len", "8", "--out", str(tmp_path / "out"), "--engine", "ray", "--ray-address", f"ray://127.0.0.1:{port}"],
-        capture_output=True, text=True, timeout=120,
+    result = run_prepack(
+        "build", corpus, "--max-len", "8", "--out", tmp_path / "out", "--engine", "ray", "--ray-address", f"ray://127.0.0.1:{port}", timeout=120
     )
     assert result.returncode == 2 and "no Ray cluster answers there" in result.stderr and "Traceback" not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
 
 
+@pytest.mark.slow
 def test_without_an_address_the_command_starts_its_own_instance_not_the_machines_last_cluster(tmp_path):
     """`ray.init()` alone joins the cluster named by RAY_TMPDIR's `ray/ray_current_cluster` (written by
     `ray start` and by a test's `ray.cluster_utils.Cluster`), whose workers may run in another
@@ -502,23 +488,21 @@ def test_without_an_address_the_command_starts_its_own_instance_not_the_machines
     try:
         (ray_tmp / "ray").mkdir()
         (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}")
-        environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(ray_tmp)}
+        environment = {"RAY_ADDRESS": None, "RAY_TMPDIR": str(ray_tmp)}
         corpus = _token_corpus(tmp_path / "c")
         build(corpus, tmp_path / "local", max_len=512, shard_size=40_000)
-        command = [PREPACK, "build", str(corpus), "--max-len", "512", "--shard-size", "40kB", "--engine", "ray", "-q"]
-        own = subprocess.run([*command, "--out", str(tmp_path / "ray")], env=environment, capture_output=True, text=True, timeout=300)
+        command = ["build", corpus, "--max-len", "512", "--shard-size", "40kB", "--engine", "ray", "-q"]
+        own = run_prepack(*command, "--out", tmp_path / "ray", env=environment)
         assert own.returncode == 0, own.stderr
         assert _same(tmp_path / "local", tmp_path / "ray") > 3
-        asked = subprocess.run(
-            [*command, "--out", str(tmp_path / "asked")], env=environment | {"RAY_ADDRESS": f"127.0.0.1:{port}"}, capture_output=True, text=True, timeout=120
-        )
-        assert asked.returncode == 2 and "Traceback" not in asked.stderr
-        assert f"RAY_ADDRESS 127.0.0.1:{port}: no Ray cluster answers there" in " ".join(asked.stderr.split())
+        asked = run_prepack(*command, "--out", tmp_path / "asked", env=environment | {"RAY_ADDRESS": f"127.0.0.1:{port}"}, timeout=120)
+        assert f"RAY_ADDRESS 127.0.0.1:{port}: no Ray cluster answers there" in failure(asked)
         assert not (tmp_path / "asked").exists()
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_a_task_that_fails_or_whose_worker_dies_is_an_engine_error_of_one_line(local_ray):
     from prepack.engine_ray import _result
 
@@ -549,6 +533,7 @@ def one_cpu_ray(local_ray):
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_one_worker_writes_the_same_bytes(tmp_path, one_cpu_ray, gpt2):
     corpus = _conversations(tmp_path / "c", "chat", parts=3, per_part=150)
     build(corpus, tmp_path / "local", max_len=512, shard_size=2**16, tokenizer=gpt2, chat=True)

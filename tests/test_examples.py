@@ -25,6 +25,7 @@ def packed(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "script", ["train_plain_loop.py", "train_accelerate.py", "train_hf_trainer.py", "train_trl_sft.py"]
 )
+@pytest.mark.slow
 def test_example_trains_and_prints_a_finite_loss(packed, script, tmp_path):
     # Offline and with a private cache: an example that tried to download anything fails here.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}

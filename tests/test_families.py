@@ -141,6 +141,7 @@ def test_remote_code_is_unlisted_even_under_a_listed_model_type():
 
 
 @pytest.mark.parametrize("layout", ["padded", "padding_free", "indexed_mask"])
+@pytest.mark.slow
 def test_gpt_oss_on_eager_is_isolated_by_the_masks_prepack_passes(layout, monkeypatch):
     """gpt-oss builds its masks without position_ids, so transformers alone leaks on eager; prepack passes the
     per-layer-type masks that create_causal_mask / create_sliding_window_causal_mask build from them."""
@@ -151,6 +152,7 @@ def test_gpt_oss_on_eager_is_isolated_by_the_masks_prepack_passes(layout, monkey
     assert measure(enable_packing(tiny_model("gpt_oss", "eager"))).max_logit_diff > LEAK
 
 
+@pytest.mark.slow
 def test_padding_never_makes_gradients_nan():
     """Gemma 3n's embedding of its pad id 0 is all zeros, and a normalisation of the padding then divides 0
     by 0: NaN gradients although padding is never trained on. The collator pads with a real token."""
@@ -193,6 +195,7 @@ NEW_BACKEND_CASES = [
 
 
 @pytest.mark.parametrize(("family", "attn"), NEW_BACKEND_CASES)
+@pytest.mark.slow
 def test_flash_attention_4_and_flex_attention_keep_packed_documents_apart(family, attn, request):
     """FA4 through a stand-in of flash_attn.cute's interface, flex through torch's flex_attention uncompiled
     (no backward on a CPU: logits and loss). Before they were supported, enable_packing refused both."""
@@ -209,6 +212,7 @@ def test_flash_attention_4_and_flex_attention_keep_packed_documents_apart(family
 
 
 @pytest.mark.usefixtures("use_flash_reference")
+@pytest.mark.slow
 def test_attention_sinks_reach_the_fa4_stand_in():
     """gpt-oss's sinks go to FA4 as learnable_sink (flash-attn 2 has no such option, and transformers drops
     them there): the stand-in must apply them, or the FA4 column would measure a model without sinks."""

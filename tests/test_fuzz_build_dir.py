@@ -9,7 +9,6 @@ A failure names the case's seed: `_corrupt(copy, random.Random(seed))` replays i
 from __future__ import annotations
 
 import faulthandler
-import hashlib
 import json
 import os
 import random
@@ -26,7 +25,7 @@ from prepack import build, inspect_build, open_hf_dataset, read_manifest, verify
 from prepack.collate import PackedCollator
 from prepack.errors import PrepackError
 from prepack.load import PackedDataset
-from tests.corpus import corpus_table, write_corpus
+from tests.corpus import corpus_table, record_shard, write_corpus
 
 MAX_LEN = 16
 CASES = int(os.environ.get("FUZZ_CASES", 2000))
@@ -60,16 +59,6 @@ def _odd_value(rng: random.Random):
 
 def _shards(copy: Path) -> list[Path]:
     return sorted(copy.glob("shard-*.arrow"))
-
-
-def _record(copy: Path, shard: Path) -> None:
-    """Record a shard's new size and sha256 in the manifest, so only the structural checks can notice."""
-    raw = json.loads((copy / "manifest.json").read_text())
-    data = shard.read_bytes()
-    for entry in raw["shards"]:
-        if entry["name"] == shard.name:
-            entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    (copy / "manifest.json").write_text(json.dumps(raw))
 
 
 def _shard_bytes(copy: Path, rng: random.Random) -> str:
@@ -107,7 +96,7 @@ def _shard_bytes(copy: Path, rng: random.Random) -> str:
         kind = f"buffer {array.type} = {value}"
     shard.write_bytes(bytes(data))
     if rng.random() < 0.7:
-        _record(copy, shard)
+        record_shard(copy / "manifest.json", shard)
     return f"{shard.name}: {kind}"
 
 
@@ -201,7 +190,7 @@ def _files(copy: Path, rng: random.Random) -> str:
         (copy / "manifest.json").symlink_to(moved)
     else:
         shard.write_bytes(b"")
-        _record(copy, shard)
+        record_shard(copy / "manifest.json", shard)
     return f"{shard.name}: {kind}"
 
 

@@ -4,8 +4,6 @@ reading a file outside the build."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import threading
@@ -18,7 +16,7 @@ import pytest
 from prepack import build, inspect_build, open_hf_dataset, read_manifest, verify_build
 from prepack.errors import FormatError
 from prepack.load import PackedDataset
-from tests.corpus import corpus_table, write_corpus
+from tests.corpus import corpus_table, edit_json, record_shard, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -80,22 +78,6 @@ def _refusal(reader: str, path: Path, seconds: float = 30) -> str:
     return str(error)
 
 
-def _record(path: Path, name: str) -> None:
-    """Record a hand-edited shard's size and sha256 in the manifest, so only structural checks can
-    notice the edit."""
-    raw = json.loads((path / "manifest.json").read_text())
-    data = (path / name).read_bytes()
-    entry = next(s for s in raw["shards"] if s["name"] == name)
-    entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    (path / "manifest.json").write_text(json.dumps(raw))
-
-
-def _edit_manifest(path: Path, edit) -> None:
-    raw = json.loads((path / "manifest.json").read_text())
-    edit(raw)
-    (path / "manifest.json").write_text(json.dumps(raw))
-
-
 def _overwrite_offsets(path: Path, column: str, edit) -> None:
     """Overwrite `column`'s offsets buffer in the shard's bytes with `edit(offsets)`: the stream is read
     zero-copy, so the buffer's address in memory gives its place in the file."""
@@ -116,7 +98,7 @@ def test_offsets_shifted_past_the_values_are_refused(copy, reader):
     # Every row of input_ids points past its values: lengths, and so cu_seqlens, still agree, but a
     # reader that trusts the offsets serves rows of 0 tokens whose cu_seqlens says otherwise.
     _overwrite_offsets(copy / "shard-00000.arrow", "input_ids", lambda off: off + off[-1])
-    _record(copy, "shard-00000.arrow")
+    record_shard(copy / "manifest.json", copy / "shard-00000.arrow")
     message = _refusal(reader, copy)
     assert "shard-00000.arrow" in message and "offset" in message
 
@@ -131,7 +113,7 @@ def test_offsets_that_go_back_are_refused_at_their_row(copy, reader):
 
     for column in ("input_ids", "segment_ids"):
         _overwrite_offsets(copy / "shard-00000.arrow", column, swap)
-    _record(copy, "shard-00000.arrow")
+    record_shard(copy / "manifest.json", copy / "shard-00000.arrow")
     message = _refusal(reader, copy)
     assert "shard-00000.arrow" in message and "offset" in message
 
@@ -161,7 +143,7 @@ def test_shard_names_outside_the_build_are_refused_without_reading_them(copy, re
     secret = copy.parent / "secret.arrow"
     secret.write_bytes(b"TOPSECRET" * 100)
     name = str(secret) if name == "ABSOLUTE" else name
-    _edit_manifest(copy, lambda m: m["shards"][0].update(name=name))
+    edit_json(copy / "manifest.json", lambda m: m["shards"][0].update(name=name))
     message = _refusal(reader, copy)
     assert f"is named {name!r}, not 'shard-00000.arrow'" in message
     # The secret's first bytes, read as Arrow's metadata length, were in inspect's error on main.
@@ -215,7 +197,7 @@ def _rewrite(path: Path, name: str, options=None, metadata=None) -> None:
     schema = reader.schema if metadata is None else reader.schema.with_metadata(metadata)
     with pa.ipc.new_stream(str(path / name), schema, options=options) as writer:
         writer.write_batch(batch.replace_schema_metadata(schema.metadata))
-    _record(path, name)
+    record_shard(path / "manifest.json", path / name)
 
 
 @pytest.mark.parametrize("reader", READERS)
@@ -245,7 +227,7 @@ def test_extra_schema_metadata_is_refused(copy, reader):
     ],
 )
 def test_manifest_values_must_have_their_json_type(copy, edit, message):
-    _edit_manifest(copy, edit)
+    edit_json(copy / "manifest.json", edit)
     with pytest.raises(FormatError, match=message):
         read_manifest(copy)
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +17,8 @@ from prepack import build, build_store
 from prepack.errors import FormatError, InputError
 from prepack.load import PackedDataset
 from prepack.verify import verify_build
-from tests.corpus import corpus_table, write_corpus
-
-PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
+from tests.cli import run_prepack
+from tests.corpus import corpus_table, edit_json, write_corpus
 
 
 def _store(root: Path, name: str, seed: int) -> Path:
@@ -42,27 +39,17 @@ def pair(tmp_path) -> tuple[Path, Path]:
     return tmp_path / "index", other
 
 
-def _edit(build_dir: Path, edit) -> None:
-    raw = json.loads((build_dir / "manifest.json").read_text())
-    edit(raw)
-    (build_dir / "manifest.json").write_text(json.dumps(raw))
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PREPACK, *args], capture_output=True, text=True, timeout=120)
-
-
 def test_an_index_build_retargeted_at_another_store_is_refused(pair):
     index, other = pair
     fingerprint = json.loads((other / "store.json").read_text())["fingerprint"]
-    _edit(index, lambda raw: raw["store"].update(path="../other", fingerprint=fingerprint))
+    edit_json(index / "manifest.json", lambda raw: raw["store"].update(path="../other", fingerprint=fingerprint))
     with pytest.raises(FormatError, match="planned from the store with fingerprint"):
         PackedDataset(index)[0]
     problems = verify_build(index, all_problems=True)
     assert ("manifest.json", "store.fingerprint") in {(p.file, p.column) for p in problems}
     assert any("planned from the store with fingerprint" in p.message for p in problems)
     # The manifest's own fingerprint rewritten too: the shards still say which store they were planned from.
-    _edit(index, lambda raw: raw.update(fingerprint=fingerprint))
+    edit_json(index / "manifest.json", lambda raw: raw.update(fingerprint=fingerprint))
     with pytest.raises(FormatError, match="planned from the store with fingerprint"):
         PackedDataset(index)[0]
     assert verify_build(index)
@@ -71,17 +58,18 @@ def test_an_index_build_retargeted_at_another_store_is_refused(pair):
 @pytest.mark.parametrize(
     "path", ["/abs/store", "../../store", "../x/../../store", "store", "..", "../", "../../other-bucket/store"]
 )
+@pytest.mark.slow
 def test_a_store_path_outside_the_builds_parent_is_refused_before_any_open(pair, path, tmp_path):
     index, _ = pair
-    _edit(index, lambda raw: raw["store"].update(path=path))
+    edit_json(index / "manifest.json", lambda raw: raw["store"].update(path=path))
     with pytest.raises(FormatError, match=r"store.path"):
         PackedDataset(index)
     assert [p.column for p in verify_build(index)] == [None] and "store.path" in verify_build(index)[0].message
     if path not in ("/abs/store", "../../store"):  # the CLI's exit codes once, for the fast lane's time
         return
-    result = _cli("verify", str(index))
+    result = run_prepack("verify", str(index))
     assert result.returncode == 1 and "store.path" in result.stdout and "Traceback" not in result.stderr
-    result = _cli("inspect", str(index))
+    result = run_prepack("inspect", str(index))
     assert result.returncode == 2 and "Traceback" not in result.stderr
 
 
@@ -93,6 +81,7 @@ def test_a_build_refuses_to_write_a_store_path_readers_refuse(tmp_path):
     assert not (tmp_path / "builds" / "index").exists()
 
 
+@pytest.mark.slow
 def test_a_moved_store_is_named_at_load_time(pair, tmp_path):
     index, _ = pair
     rows = [PackedDataset(index)[i]["input_ids"].tolist() for i in range(3)]
@@ -102,7 +91,7 @@ def test_a_moved_store_is_named_at_load_time(pair, tmp_path):
         PackedDataset(index)
     assert [PackedDataset(index, store=moved)[i]["input_ids"].tolist() for i in range(3)] == rows
     assert verify_build(index, store=moved) == []
-    assert _cli("verify", str(index), "--store", str(moved)).returncode == 0
+    assert run_prepack("verify", str(index), "--store", str(moved)).returncode == 0
     with pytest.raises(FormatError, match="planned from"):  # the named store must still be the build's own
         PackedDataset(index, store=tmp_path / "other")
     with pytest.raises(InputError, match="not a prepack document store"):
@@ -133,22 +122,20 @@ def test_path_fields_no_file_system_holds_are_named_errors(pair, field, value):
             target = target[int(part)] if part.isdigit() else target[part]
         target[rest[-1]] = value
 
-    _edit(index, edit)
+    edit_json(index / "manifest.json", edit)
     with pytest.raises(FormatError, match="is not a valid prepack manifest"):
         PackedDataset(index)
     assert verify_build(index)[0].file == "manifest.json"
     if "\0" not in value:  # the CLI's exit code for the NUL cases only, for the fast lane's time
         return
-    result = _cli("inspect", str(index))
+    result = run_prepack("inspect", str(index))
     assert result.returncode == 2 and "Traceback" not in result.stderr and "manifest.json" in result.stderr.replace("\n", "")
 
 
 def test_store_manifest_path_fields_are_named_errors(pair):
     index, _ = pair
     store = index.parent / "store"
-    raw = json.loads((store / "store.json").read_text())
-    raw["inputs"][0]["path"] = "a\0b"
-    (store / "store.json").write_text(json.dumps(raw))
+    edit_json(store / "store.json", lambda raw: raw["inputs"][0].update(path="a\0b"))
     with pytest.raises(FormatError, match="not a valid prepack store manifest"):
         PackedDataset(index)
     assert "store" in verify_build(index)[0].column
@@ -177,7 +164,7 @@ def test_an_index_build_at_a_buckets_root_names_no_store_in_another_bucket(pair)
     from prepack.store_read import store_location
 
     index, _ = pair
-    _edit(index, lambda raw: raw["store"].update(path="../other-bucket/store"))
+    edit_json(index / "manifest.json", lambda raw: raw["store"].update(path="../other-bucket/store"))
     manifest = read_manifest(index)  # a valid path: beside a build that has a parent prefix
     assert store_location("s3://bucket/builds/index", manifest) == "s3://bucket/builds/other-bucket/store"
     with pytest.raises(FormatError, match="bucket's root"):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +18,8 @@ from prepack.format import IndexOf, read_manifest, shard_schema
 from prepack.load import PackedDataset
 from prepack.report import inspect_build
 from prepack.verify import verify_build
-from tests.corpus import corpus_table, write_corpus
-
-PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
+from tests.cli import failure, run_prepack
+from tests.corpus import corpus_table, record_shard, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -193,10 +190,7 @@ def _rewrite_index_column(build_dir: Path, name: str, column: str, edit) -> None
     columns = [edited if n == column else batch.column(n) for n in batch.schema.names]
     with pa.ipc.new_stream(path, batch.schema) as writer:
         writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=batch.schema))
-    manifest = json.loads((build_dir / "manifest.json").read_text())
-    entry = next(s for s in manifest["shards"] if s["name"] == name)
-    entry.update(bytes=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
-    (build_dir / "manifest.json").write_text(json.dumps(manifest))
+    record_shard(build_dir / "manifest.json", path)
 
 
 def _at_first(values: np.ndarray, value: int) -> np.ndarray:
@@ -214,10 +208,7 @@ def _rewrite_store_tokens(store: Path, name: str, edit) -> None:
     changed = pa.ListArray.from_arrays(ids.offsets, pa.array(edit(ids.values.to_numpy().copy())))
     with pa.ipc.new_stream(path, batch.schema) as writer:
         writer.write_batch(pa.RecordBatch.from_arrays([changed, *batch.columns[1:]], schema=batch.schema))
-    manifest = json.loads((store / "store.json").read_text())
-    entry = next(s for s in manifest["shards"] if s["name"] == name)
-    entry.update(bytes=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
-    (store / "store.json").write_text(json.dumps(manifest))
+    record_shard(store / "store.json", path)
 
 
 def test_a_piece_past_its_document_is_refused(store, tmp_path):
@@ -318,20 +309,14 @@ def test_verify_finds_a_changed_index_shard(store, tmp_path):
 
 
 def test_the_cli_builds_an_index(store, tmp_path):
-    result = subprocess.run(
-        [PREPACK, "build", str(store), "--max-len", "32", "--out", str(tmp_path / "index"), "--index-only", "--quiet"],
-        capture_output=True, text=True,
-    )
+    result = run_prepack("build", store, "--max-len", "32", "--out", tmp_path / "index", "--index-only", "--quiet")
     assert result.returncode == 0, result.stderr
     assert read_manifest(tmp_path / "index").store is not None
-    result = subprocess.run(
-        [PREPACK, "build", str(store.parent / "corpus"), "--max-len", "32", "--out", str(tmp_path / "x"), "--index-only"],
-        capture_output=True, text=True,
-    )
-    assert result.returncode == 2 and "--index-only packs a document store" in " ".join(result.stderr.split())
-    assert "Traceback" not in result.stderr
+    result = run_prepack("build", store.parent / "corpus", "--max-len", "32", "--out", tmp_path / "x", "--index-only")
+    assert "--index-only packs a document store" in failure(result)
 
 
+@pytest.mark.slow
 def test_the_cli_verifies_and_inspects_an_index_build(store, tmp_path):
     """`prepack verify` exits 0 on a sound index build (with or without --source), 1 with the problem
     of a changed store shard, 2 for a source it cannot take; `prepack inspect` reports on it."""
@@ -339,21 +324,18 @@ def test_the_cli_verifies_and_inspects_an_index_build(store, tmp_path):
     index = tmp_path / "index"
     build(copy, index, max_len=32, index_only=True)
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([PREPACK, *args], capture_output=True, text=True, timeout=120)
-
     for extra in ([], ["--source", str(store.parent / "corpus")], ["--source", str(copy)]):
-        result = run("verify", str(index), *extra)
+        result = run_prepack("verify", str(index), *extra)
         assert result.returncode == 0 and "no problems" in result.stdout, result.stdout + result.stderr
-    result = run("inspect", str(index), "--json")
+    result = run_prepack("inspect", str(index), "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["packs"] == read_manifest(index).totals.packs
-    result = run("verify", str(index), "--source", str(copy), "--tokenizer", str(tmp_path))
+    result = run_prepack("verify", str(index), "--source", str(copy), "--tokenizer", str(tmp_path))
     assert result.returncode == 2 and "tokenized already" in result.stderr and "Traceback" not in result.stderr
     data = bytearray((copy / "documents-00000.arrow").read_bytes())
     data[-40] ^= 1
     (copy / "documents-00000.arrow").write_bytes(bytes(data))
-    result = run("verify", str(index))
+    result = run_prepack("verify", str(index))
     assert result.returncode == 1
     assert result.stdout.splitlines() == [f"problem: {verify_build(index)[0]}"]
     assert result.stdout.startswith("problem: ../store/documents-00000.arrow: its sha256")

@@ -225,6 +225,7 @@ def test_for_dataset_refuses_a_dataset_it_cannot_size():
         PackedCollator.for_dataset(HFDataset.from_dict({"input_ids": [[1, 2]]}))
 
 
+@pytest.mark.slow
 def test_trl_trains_on_an_index_build_as_on_the_full_build(tmp_path, monkeypatch):
     """Two SFTTrainer steps (examples/train_trl_sft.py's recipe, two DataLoader workers) on each build
     of one store: the same batches reach the model and the same losses come out."""

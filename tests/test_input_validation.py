@@ -230,6 +230,7 @@ def test_bad_parquet_and_jsonl_values_name_file_row_column(tmp_path, case):
     refused(corpus, tmp_path / "out", [corpus.name, *fragments])
 
 
+@pytest.mark.slow
 def test_a_jsonl_record_over_one_mib_is_read(tmp_path):
     long = list(range(800_000))  # 3.4 MiB of JSON, more than pyarrow's 1 MiB block
     lines = [json.dumps({"input_ids": [1, 2]}), json.dumps({"input_ids": long}), json.dumps({"input_ids": [3]})]

@@ -342,6 +342,7 @@ def test_enable_packing_installs_one_hook_and_disable_packing_removes_it():
 
 
 @pytest.mark.parametrize("attn, dtype", [("sdpa", torch.float32), (FLASH, torch.bfloat16)])
+@pytest.mark.slow
 def test_a_packed_batch_compiles_without_graph_breaks(attn, dtype, request, packs):
     """The whole forward, enable_packing's hook included, is one graph. (On the flash path the float32
     model is left out: transformers logs a "casting fp32 inputs" warning there, and logging breaks graphs.)"""

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from prepack import FormatError, build
 from prepack.load import PackedDataset, open_hf_dataset
 from prepack.sample import PackedSampler
-from tests.corpus import corpus_table, read_build, write_corpus
+from tests.corpus import corpus_table, edit_json, read_build, write_corpus
 
 MAX_LEN = 256
 
@@ -123,6 +123,7 @@ def test_pickling_carries_paths_not_maps(labelled):
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.slow
 def test_two_workers_yield_the_same_batches_as_none(labelled, context):
     dataset = PackedDataset(labelled)
     dataset[0]  # a shard already open in the parent must not leak into the workers
@@ -361,12 +362,6 @@ def test_stateful_dataloader_resumes_at_the_next_untrained_batch(labelled, worke
 # --- damaged builds ---------------------------------------------------------------------------------
 
 
-def edit_manifest(directory: Path, edit) -> None:
-    manifest = json.loads((directory / "manifest.json").read_text())
-    edit(manifest)
-    (directory / "manifest.json").write_text(json.dumps(manifest))
-
-
 def rewrite_shard(path: Path, column: str, row: int, edit) -> None:
     """Rewrite one shard with one row's `column` changed by `edit`, keeping schema and byte size."""
     with pa.memory_map(str(path)) as source:
@@ -382,10 +377,10 @@ def rewrite_shard(path: Path, column: str, row: int, edit) -> None:
     "damage, message",
     [
         (lambda d: (d / "manifest.json").write_text("{not json"), "cannot be read as JSON"),
-        (lambda d: edit_manifest(d, lambda m: m.update(format_version=1)), "format_version 1"),
-        (lambda d: edit_manifest(d, lambda m: m["shards"][1].update(name="../shard-00001.arrow")), "is named"),
-        (lambda d: edit_manifest(d, lambda m: m["shards"][0].update(rows=m["shards"][0]["rows"] + 1)), "packs"),
-        (lambda d: edit_manifest(d, lambda m: m["shards"][2].update(bytes=m["shards"][2]["bytes"] - 1)), "bytes"),
+        (lambda d: edit_json(d / "manifest.json", lambda m: m.update(format_version=1)), "format_version 1"),
+        (lambda d: edit_json(d / "manifest.json", lambda m: m["shards"][1].update(name="../shard-00001.arrow")), "is named"),
+        (lambda d: edit_json(d / "manifest.json", lambda m: m["shards"][0].update(rows=m["shards"][0]["rows"] + 1)), "packs"),
+        (lambda d: edit_json(d / "manifest.json", lambda m: m["shards"][2].update(bytes=m["shards"][2]["bytes"] - 1)), "bytes"),
         (lambda d: (d / "shard-00003.arrow").unlink(), "missing"),
         (lambda d: (d / "manifest.json").unlink(), "not a finished prepack build"),
     ],
@@ -401,7 +396,7 @@ def test_a_shard_with_other_rows_than_the_manifest_says_is_refused_on_first_use(
         manifest["shards"][0]["rows"] -= 1
         manifest["shards"][1]["rows"] += 1
 
-    edit_manifest(copy_of_build, move_a_row)
+    edit_json(copy_of_build / "manifest.json", move_a_row)
     dataset = PackedDataset(copy_of_build)
     with pytest.raises(FormatError, match="rows, but the manifest says"):
         dataset[0]

@@ -54,6 +54,7 @@ def _cli(missing: list[str], args: list[str], cwd) -> str:
         ("check_isolation", "transformers"),
     ],
 )
+@pytest.mark.slow
 def test_training_names_without_the_train_extra(tmp_path, name, module):
     message = _raises([module], f"import prepack; prepack.{name}", tmp_path)
     assert message.startswith(f"{module} train ") and message.endswith(_install_line("train"))
@@ -69,6 +70,7 @@ def packed(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_open_hf_dataset_without_datasets(packed):
     message = _raises(["datasets"], "import prepack; prepack.open_hf_dataset('packed')", packed)
     assert message == f"datasets train open_hf_dataset needs datasets, which is not installed: {_install_line('train')}"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,17 +24,11 @@ from prepack import PackedDataset, build, build_store
 from prepack.errors import FormatError, InputError, OutputError
 from prepack.report import inspect_build
 from prepack.verify import verify_build
+from tests.cli import failure, run_prepack
 from tests.corpus import corpus_table, write_corpus
 from tests.demo_inputs import chitchat, gpt2_directory
 
 s3fs = pytest.importorskip("s3fs")
-PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
-
-
-def run_prepack(*args: str) -> subprocess.CompletedProcess:
-    """The installed console script, with the environment that points it at the test server."""
-    assert PREPACK, "the prepack console script is not installed beside this Python"
-    return subprocess.run([PREPACK, *args], capture_output=True, text=True, timeout=300)
 
 
 def _documents(seed: int, count: int, longest: int = 300) -> list[list[int]]:
@@ -75,6 +68,7 @@ def _upload(fs, local: Path, uri: str) -> str:
     return uri
 
 
+@pytest.mark.slow
 def test_a_build_from_and_to_s3_is_byte_identical_to_a_local_build(tmp_path, fs, s3_bucket):
     corpus = _token_corpus(tmp_path / "corpus")
     remote = _upload(fs, corpus, f"{s3_bucket}/corpus")
@@ -177,6 +171,7 @@ def test_bad_input_names_the_object_row_and_column_and_leaves_nothing(tmp_path, 
     assert not (tmp_path / "packed").exists()
 
 
+@pytest.mark.slow
 def test_an_existing_build_is_replaced_only_with_overwrite_and_only_if_it_is_one(tmp_path, fs, s3_bucket):
     corpus = _upload(fs, _token_corpus(tmp_path / "corpus"), f"{s3_bucket}/corpus")
     out = f"{s3_bucket}/packed"
@@ -286,6 +281,7 @@ print(sum(int(dataset[i]["input_ids"].sum()) for i in range(len(dataset))))
 """
 
 
+@pytest.mark.slow
 def test_processes_sharing_a_cache_download_each_shard_once(remote_build, tmp_path, s3_server):
     local, uri = remote_build
     cache = tmp_path / "cache"
@@ -303,6 +299,7 @@ def test_processes_sharing_a_cache_download_each_shard_once(remote_build, tmp_pa
     assert sorted(gets) == sorted(f"/{uri.removeprefix('s3://')}/{s.name}" for s in shards)
 
 
+@pytest.mark.slow
 def test_a_training_step_from_s3_equals_one_from_the_local_build(remote_build, tmp_path):
     torch = pytest.importorskip("torch")
     from torch.utils.data import DataLoader
@@ -325,6 +322,7 @@ def test_a_training_step_from_s3_equals_one_from_the_local_build(remote_build, t
     assert torch.equal(losses[0][1], losses[1][1])
 
 
+@pytest.mark.slow
 def test_the_cli_builds_from_and_to_s3(tmp_path, fs, s3_bucket):
     corpus = _upload(fs, _token_corpus(tmp_path / "corpus"), f"{s3_bucket}/corpus")
     result = run_prepack("build", f"{corpus}/", "--max-len", "512", "--out", f"{s3_bucket}/packed", "--quiet")
@@ -338,6 +336,7 @@ def test_the_cli_builds_from_and_to_s3(tmp_path, fs, s3_bucket):
     assert _files(fs, f"{s3_bucket}/bad") == {}
 
 
+@pytest.mark.slow
 def test_the_cli_tokenizes_a_text_corpus_from_s3_into_s3(tmp_path, fs, s3_bucket, gpt2):
     (tmp_path / "text").mkdir()
     pq.write_table(pa.table({"text": ["\n".join(t) for t in chitchat()[:200]]}), tmp_path / "text" / "0.parquet")
@@ -350,6 +349,7 @@ def test_the_cli_tokenizes_a_text_corpus_from_s3_into_s3(tmp_path, fs, s3_bucket
     assert _files(fs, f"{s3_bucket}/packed") == _local_files(tmp_path / "packed")
 
 
+@pytest.mark.slow
 def test_a_missing_client_asks_for_the_extra(tmp_path):
     program = (
         "import sys; sys.modules['s3fs'] = None\n"  # as if prepack-llm[s3] were not installed
@@ -367,26 +367,20 @@ def test_a_missing_client_asks_for_the_extra(tmp_path):
 # build's, and name every problem by the object's URI, never by its cached copy.
 
 
-def run_prepack_in(tmpdir: Path, *args: str) -> subprocess.CompletedProcess:
-    """`run_prepack` with TMPDIR set to `tmpdir`, to see what the command leaves there."""
-    assert PREPACK, "the prepack console script is not installed beside this Python"
-    env = {**os.environ, "TMPDIR": str(tmpdir)}
-    return subprocess.run([PREPACK, *args], capture_output=True, text=True, timeout=300, env=env)
-
-
 def _inspect_json(build: str) -> dict:
     result = run_prepack("inspect", build, "--json", "--world-size", "2")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_verify_and_inspect_a_build_in_s3_as_the_local_build(remote_build, tmp_path, fs, s3_bucket, s3_server):
     local, uri = remote_build
     corpus = _upload(fs, tmp_path / "corpus", f"{s3_bucket}/corpus")
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     for source, checked in (([], "shards and manifest"), (["--source", corpus], "shards, manifest and every token of the source")):
-        result = run_prepack_in(scratch, "verify", uri, *source)
+        result = run_prepack("verify", uri, *source, env={"TMPDIR": str(scratch)})  # to see what it leaves there
         assert (result.returncode, result.stdout) == (0, f"{uri}: no problems ({checked} checked).\n"), result.stderr
     assert list(scratch.iterdir()) == []  # the temporary cache and the copy of the source are gone
     remote, here = _inspect_json(uri), _inspect_json(str(local))
@@ -405,6 +399,7 @@ def test_verify_and_inspect_a_build_in_s3_as_the_local_build(remote_build, tmp_p
     assert len(s3_server.requests("GET", f"/{uri.removeprefix('s3://')}/shard-")) == gets + len(shards)
 
 
+@pytest.mark.slow
 def test_verify_and_inspect_an_index_build_in_s3_with_its_store(tmp_path, fs, s3_bucket):
     corpus = _token_corpus(tmp_path / "corpus")
     build_store(corpus, tmp_path / "data" / "store", shard_size=30_000)
@@ -437,6 +432,7 @@ def test_verify_and_inspect_an_index_build_in_s3_with_its_store(tmp_path, fs, s3
     assert (problem.location, problem.file) == (uri, f"../data/store/{name}")
 
 
+@pytest.mark.slow
 def test_verify_names_a_damaged_shard_in_s3_by_its_uri(remote_build, tmp_path, fs, s3_server):
     local, uri = remote_build
     name = prepack.read_manifest(local).shards[1].name
@@ -458,6 +454,7 @@ def test_verify_names_a_damaged_shard_in_s3_by_its_uri(remote_build, tmp_path, f
     ]
 
 
+@pytest.mark.slow
 def test_a_bad_row_in_s3_is_named_by_the_uri_in_verify_inspect_and_the_loader(remote_build, tmp_path, fs):
     """A shard rewritten with a wrong `cu_seqlens` and recorded in the manifest (so that only the row
     checks notice): every reader names the object's URI, row and column, not the cached copy."""
@@ -500,6 +497,7 @@ def test_open_hf_dataset_reads_a_build_in_s3_through_its_cache(remote_build, tmp
         open_hf_dataset(uri)
 
 
+@pytest.mark.slow
 def test_an_invalid_manifest_in_s3_is_a_finding_of_verify(remote_build, fs):
     local, uri = remote_build
     fs.pipe_file(f"{uri.removeprefix('s3://')}/manifest.json", b"{not json")
@@ -511,13 +509,12 @@ def test_an_invalid_manifest_in_s3_is_a_finding_of_verify(remote_build, fs):
     assert (result.returncode, result.stdout) == (1, f"problem: {uri}/manifest.json: {here.message}\n"), result.stderr
 
 
+@pytest.mark.slow
 def test_verify_and_inspect_of_a_prefix_without_a_manifest_exit_2(tmp_path, fs, s3_bucket):
     fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/packed/shard-00000.arrow", b"not a build")
     for command in ("verify", "inspect"):
-        result = run_prepack_in(tmp_path, command, f"{s3_bucket}/packed")
-        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-        message = " ".join(result.stderr.split())
-        assert f"{s3_bucket}/packed/manifest.json does not exist: {s3_bucket}/packed is not a finished prepack build" in message
+        result = run_prepack(command, f"{s3_bucket}/packed", env={"TMPDIR": str(tmp_path)})
+        assert f"{s3_bucket}/packed/manifest.json does not exist: {s3_bucket}/packed is not a finished prepack build" in failure(result)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -20,8 +20,8 @@ from prepack import build
 from prepack.errors import InputError, OutputError
 from prepack.format import MANIFEST_NAME
 from prepack.output import replaceable_build
-from tests.corpus import corpus_table, write_corpus
-from tests.test_cli import PREPACK
+from tests.cli import WIDE, run_prepack
+from tests.corpus import corpus_table, files, write_corpus
 
 build_module = importlib.import_module("prepack.build")
 output_module = importlib.import_module("prepack.output")
@@ -41,18 +41,6 @@ def corpus(tmp_path, documents=((1, 2), (3,))):
 def siblings(out):
     """What a build to `out` may leave beside it: its lock and staging directories."""
     return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
-
-
-def files(directory):
-    return {p.name: p.read_bytes() for p in directory.iterdir()}
-
-
-def run(*args, preexec_fn=None):
-    """The prepack command, its messages printed on lines wide enough not to break a path."""
-    return subprocess.run(
-        [PREPACK, *map(str, args)],
-        capture_output=True, text=True, timeout=300, preexec_fn=preexec_fn, env={**os.environ, "COLUMNS": "1000"},
-    )
 
 
 def during_the_build(monkeypatch, action):
@@ -239,6 +227,7 @@ def test_overwrite_replaces_a_build_with_more_shards_and_leaves_nothing_of_it(tm
 
 @pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("target", ["a build", "nothing"])
+@pytest.mark.slow
 def test_a_symbolic_link_at_out_is_refused_and_left_as_it_is(tmp_path, target, overwrite):
     data = corpus(tmp_path)
     real = tmp_path / "real"
@@ -247,7 +236,7 @@ def test_a_symbolic_link_at_out_is_refused_and_left_as_it_is(tmp_path, target, o
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     link = tmp_path / "link"
     link.symlink_to(real, target_is_directory=True)
-    result = run("build", data, "--max-len", "4", "--out", link, *(["--overwrite"] if overwrite else []))
+    result = run_prepack("build", data, "--max-len", "4", "--out", link, *(["--overwrite"] if overwrite else []), env=WIDE)
     assert result.returncode == 2, result.stderr
     assert "symbolic link" in result.stderr and "Traceback" not in result.stderr
     assert link.is_symlink() and os.readlink(link) == str(real)
@@ -281,6 +270,7 @@ build_module.build(sys.argv[1], sys.argv[2], max_len=4)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_build_leaves_scratch_that_the_next_build_clears(tmp_path):
     data, out = corpus(tmp_path), tmp_path / "out"
     lookalike = tmp_path / ".out.tmp-0123abcd"  # a user's directory with a staging directory's name
@@ -292,7 +282,7 @@ def test_a_killed_build_leaves_scratch_that_the_next_build_clears(tmp_path):
         staging = [name for name in siblings(out) if ".tmp-" in name and name != lookalike.name]
         assert len(staging) == 1
 
-        running = run("build", data, "--max-len", "4", "--out", out, "--overwrite")
+        running = run_prepack("build", data, "--max-len", "4", "--out", out, "--overwrite", env=WIDE)
         assert running.returncode == 2
         assert "another prepack build" in running.stderr and "Traceback" not in running.stderr
         assert staging[0] in siblings(out)  # the running build's scratch is left alone
@@ -302,7 +292,7 @@ def test_a_killed_build_leaves_scratch_that_the_next_build_clears(tmp_path):
         paused.stdout.close()
     assert staging[0] in siblings(out)
 
-    assert run("build", data, "--max-len", "4", "--out", out, "-q").returncode == 0
+    assert run_prepack("build", data, "--max-len", "4", "--out", out, "-q", env=WIDE).returncode == 0
     assert siblings(out) == [lookalike.name]
     assert files(lookalike) == {"notes.txt": b"mine"}
 
@@ -350,9 +340,10 @@ LIMIT = 2**15
         (MANIFEST_NAME, [[1, 2]] * 250, ["--max-len", "2", "--shard-size", "1"]),  # 250 shards: a 47 kB manifest
     ],
 )
+@pytest.mark.slow
 def test_a_file_too_large_for_the_file_system_is_an_output_error_and_leaves_nothing(tmp_path, failing, documents, options):
     data, out = corpus(tmp_path, documents), tmp_path / "out"
-    result = run("build", data, "--out", out, *options, preexec_fn=file_size_limit(LIMIT))
+    result = run_prepack("build", data, "--out", out, *options, preexec_fn=file_size_limit(LIMIT), env=WIDE)
     assert result.returncode == 2, result.stderr
     message = " ".join(result.stderr.split())
     assert "Traceback" not in message and "File too large" in message and failing in message, message
@@ -385,9 +376,10 @@ def test_out_that_names_no_directory_is_an_output_error(tmp_path, out, monkeypat
     assert [p.name for p in (tmp_path / "work").rglob("*")] == ["here"]
 
 
+@pytest.mark.slow
 def test_out_under_a_regular_file_is_an_output_error(tmp_path):
     (tmp_path / "file").write_text("not a directory")
-    result = run("build", corpus(tmp_path), "--max-len", "4", "--out", tmp_path / "file" / "out")
+    result = run_prepack("build", corpus(tmp_path), "--max-len", "4", "--out", tmp_path / "file" / "out", env=WIDE)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and str(tmp_path / "file") in " ".join(result.stderr.split())
     assert (tmp_path / "file").read_text() == "not a directory"
@@ -396,8 +388,9 @@ def test_out_under_a_regular_file_is_an_output_error(tmp_path):
 # The command line: every failure a message and exit 2, never a traceback
 
 
+@pytest.mark.slow
 def test_a_build_that_drops_every_document_is_an_input_error(tmp_path):
-    result = run("build", corpus(tmp_path, [[1, 2, 3], [4, 5, 6]]), "--max-len", "2", "--overflow", "drop", "--out", tmp_path / "out")
+    result = run_prepack("build", corpus(tmp_path, [[1, 2, 3], [4, 5, 6]]), "--max-len", "2", "--overflow", "drop", "--out", tmp_path / "out", env=WIDE)
     assert result.returncode == 2, result.stderr
     message = " ".join(result.stderr.split())
     assert "Traceback" not in message and "no document is left to pack" in message and "2 are longer than --max-len 2" in message
@@ -415,16 +408,18 @@ def test_check_isolation_without_transformers_names_the_extra_to_install(tmp_pat
     assert "Traceback" not in result.stderr and "pip install 'prepack-llm[train]'" in " ".join(result.stderr.split())
 
 
+@pytest.mark.slow
 def test_inspect_plot_into_a_missing_directory_is_an_output_error(tmp_path):
     build(corpus(tmp_path), tmp_path / "out", max_len=4)
-    result = run("inspect", tmp_path / "out", "--plot", tmp_path / "missing" / "report.png")
+    result = run_prepack("inspect", tmp_path / "out", "--plot", tmp_path / "missing" / "report.png", env=WIDE)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and f"cannot write {tmp_path / 'missing' / 'report.png'}" in result.stderr
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "check-isolation --model"])
+@pytest.mark.slow
 def test_every_command_reports_a_prepack_error_with_exit_2(tmp_path, command):
-    result = run(*command.split(), tmp_path / "missing")
+    result = run_prepack(*command.split(), tmp_path / "missing", env=WIDE)
     assert result.returncode == 2
     assert result.stderr.startswith("error:") and "Traceback" not in result.stderr
     assert str(tmp_path / "missing") in " ".join(result.stderr.split())

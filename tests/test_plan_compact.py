@@ -54,6 +54,7 @@ def assert_same_plan(lengths, max_len, options, first=0, end=None):
 
 @settings(max_examples=400, deadline=None)
 @given(plans(), st.data())
+@pytest.mark.slow
 def test_plan_is_the_plan_it_replaced(case, data):
     lengths, max_len, options = case
     assert_same_plan(lengths, max_len, options)
@@ -64,6 +65,7 @@ def test_plan_is_the_plan_it_replaced(case, data):
 
 @settings(max_examples=200, deadline=None)
 @given(plans())
+@pytest.mark.slow
 def test_document_pieces_is_the_definition_it_replaced(case):
     lengths, max_len, options = case
     policy = (options["overflow"], options["untrained"], options["drop_untrained"])

@@ -157,6 +157,7 @@ def mutated_states(draw):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(state=mutated_states(), world=st.integers(1, 4), balanced=st.booleans())
+@pytest.mark.slow
 def test_every_mutated_state_is_refused_by_name_or_resumes_in_bounded_time(state, world, balanced):
     resumed = samplers(world, balanced)
     start = time.monotonic()

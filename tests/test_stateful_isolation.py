@@ -85,6 +85,7 @@ def test_packed_documents_equal_documents_alone_float32(family, attn, packs):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.slow
 def test_granite_hybrid_attention_leaks_without_masks_from_position_ids(attn, packs, monkeypatch):
     """transformers builds Granite 4 hybrid's sdpa/eager mask without position_ids: one causal mask per row.
     Its Mamba layers run per document; without the layer masks its attention still leaks."""
@@ -95,6 +96,7 @@ def test_granite_hybrid_attention_leaks_without_masks_from_position_ids(attn, pa
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.slow
 def test_qwen3_5_multimodal_used_text_only_is_isolated(family, packs):
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(tiny_config(family), experts_implementation="eager")
@@ -109,6 +111,7 @@ def test_qwen3_5_multimodal_used_text_only_is_isolated(family, packs):
 
 @pytest.mark.parametrize("family", ["bamba", "lfm2", "qwen3_next"])
 @pytest.mark.parametrize("options", [dict(layout="padding_free"), dict(layout="indexed_mask"), dict(seq_idx=True)])
+@pytest.mark.slow
 def test_other_batch_forms_are_isolated(family, options, packs):
     """seq_idx=True made the Mamba families raise in transformers' torch fallback; the guard consumes it."""
     model = enable_packing(tiny_model(family, "sdpa"))
@@ -116,6 +119,7 @@ def test_other_batch_forms_are_isolated(family, options, packs):
     assert result.passed, result
 
 
+@pytest.mark.slow
 def test_position_ids_alone_are_enough_on_sdpa(packs):
     batch = {key: padded(packs)[key] for key in ("input_ids", "labels", "position_ids")}
     result = measure_isolation(enable_packing(tiny_model("bamba", "sdpa")), packs, batch, tolerance=1e-10)
@@ -123,6 +127,7 @@ def test_position_ids_alone_are_enough_on_sdpa(packs):
 
 
 @pytest.mark.parametrize("family", ["falcon_h1", "qwen3_5_text"])
+@pytest.mark.slow
 def test_gradient_checkpointing_recomputes_the_layers_per_document(family, packs):
     """A recomputation in backward reads the segments of the forward it repeats (reentrant checkpoints run it
     inside backward, after the forward has returned)."""
@@ -176,6 +181,7 @@ def test_a_family_whose_layers_were_renamed_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("family, attn", [("lfm2", "sdpa"), ("mamba", "eager")])
+@pytest.mark.slow
 def test_a_subclass_of_a_family_in_another_file_is_isolated_once_checked(family, attn, packs):
     """Unlisted (remote code may reuse a model type), so refused by default; allowed after a check, it keeps
     the per-document layers of its base, found in the base's modeling file (and Mamba's guard on the causal

@@ -7,9 +7,7 @@ its size, and an index build is not written inside its own store."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,20 +16,15 @@ from prepack import PackedDataset, build, build_store
 from prepack.errors import FormatError, InputError, OutputError
 from prepack.format import MANIFEST_MAX_BYTES
 from prepack.verify import verify_build
-from tests.corpus import corpus_table, write_corpus
+from tests.cli import PREPACK, run_prepack
+from tests.corpus import corpus_table, files, write_corpus
 
 s3fs = pytest.importorskip("s3fs")
-PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
 
 
 @pytest.fixture
 def fs(s3_server):
     return s3fs.S3FileSystem()
-
-
-def run_prepack(*args: str) -> subprocess.CompletedProcess:
-    assert PREPACK, "the prepack console script is not installed beside this Python"
-    return subprocess.run([PREPACK, *args], capture_output=True, text=True, timeout=300)
 
 
 def _corpus(path: Path, first: int = 1, count: int = 60) -> Path:
@@ -51,6 +44,7 @@ def _key(uri: str) -> str:
 # 1. A warm cache never hides what changed in object storage.
 
 
+@pytest.mark.slow
 def test_verify_and_the_loader_with_a_warm_cache_see_a_deleted_or_rewritten_shard(tmp_path, fs, s3_bucket):
     uri, cache = f"{s3_bucket}/rp", tmp_path / "cache"
     build(_corpus(tmp_path / "c.parquet"), uri, max_len=64, shard_size=1_000)
@@ -88,6 +82,7 @@ def test_verify_and_the_loader_with_a_warm_cache_see_a_deleted_or_rewritten_shar
         (["inspect", "s3:///x"], "s3:///x: names no bucket"),
     ],
 )
+@pytest.mark.slow
 def test_uris_without_a_bucket_or_prefix_are_refused_by_name(args, message, tmp_path, fs, s3_bucket):
     corpus = _corpus(tmp_path / "c.parquet")
     bucket = s3_bucket.removeprefix("s3://")
@@ -101,6 +96,7 @@ def test_uris_without_a_bucket_or_prefix_are_refused_by_name(args, message, tmp_
 # 4. A killed build's leftovers.
 
 
+@pytest.mark.slow
 def test_a_killed_builds_objects_are_cleared_by_the_next_build_and_nothing_else(tmp_path, fs, s3_bucket):
     from prepack.remote import Publication, scratch_prefix
 
@@ -168,7 +164,7 @@ def test_a_manifest_published_meanwhile_wins_and_the_loser_deletes_only_its_own(
     loser.uploading(shards[:2])
     for name in shards[:2]:
         fs.pipe_file(f"{_key(uri)}/{name}", (built / name).read_bytes())
-    winner = {p.name: p.read_bytes() for p in won.iterdir()}
+    winner = files(won)
     for name, data in winner.items():
         fs.pipe_file(f"{_key(uri)}/{name}", data)
     with pytest.raises(OutputError, match=f"^another prepack build published {uri} while this one ran"):
@@ -218,6 +214,7 @@ def test_of_two_builds_to_one_prefix_at_once_one_fails_and_the_other_is_intact(t
 # 6. Manifests by size, an index build inside its store, messages by URI.
 
 
+@pytest.mark.slow
 def test_an_oversized_manifest_is_refused_by_its_size_without_being_downloaded(fs, s3_bucket, s3_server):
     uri = f"{s3_bucket}/rp"
     fs.pipe_file(f"{_key(uri)}/manifest.json", b" " * (MANIFEST_MAX_BYTES + 1))

@@ -9,8 +9,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +29,11 @@ from prepack.store_format import (
 from prepack.store_read import open_store
 from prepack.verify import verify_build
 from prepack.write import write_record_batch
-from tests.corpus import corpus_table, write_corpus
+from tests.cli import WIDE, run_prepack
+from tests.corpus import corpus_table, edit_json, files, write_corpus
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory
 
 SCHEMAS = Path(__file__).parent.parent / "schemas"
-PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
-
 # The golden store: `_golden_corpus` tokenized with `shard_size=64`. Its bytes change only with the
 # store format, which then bumps STORE_VERSION. The fingerprint is a build's (see test below).
 GOLDEN_SHA256 = {
@@ -45,10 +42,6 @@ GOLDEN_SHA256 = {
     "documents-00002.arrow": "4e15de6aed72c21cc49e2402fda06e63a550d9db505faabb7791abdf4bf46d8f",
     "fingerprint": "c4b4fca36cc19b959570dc2f040edfcb0e9c258b56b6fdbaa702c8849029d588",
 }
-
-
-def _files(directory: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
 
 
 # The spec and the code -------------------------------------------------------------------------
@@ -87,8 +80,8 @@ def _golden_corpus(tmp_path: Path) -> Path:
 
 def test_golden_store(tmp_path):
     manifest = build_store(_golden_corpus(tmp_path), tmp_path / "store", shard_size=64)
-    files = _files(tmp_path / "store")
-    got = {name: hashlib.sha256(data).hexdigest() for name, data in files.items() if name != "store.json"}
+    stored = files(tmp_path / "store")
+    got = {name: hashlib.sha256(data).hexdigest() for name, data in stored.items() if name != "store.json"}
     assert {**got, "fingerprint": manifest.fingerprint} == GOLDEN_SHA256
     # 64 bytes hold 8 tokens with labels: [5,6,7] [] | [1]*9 alone | [2,3] [4].
     assert [(s.documents, s.tokens) for s in manifest.shards] == [(2, 3), (1, 9), (2, 3)]
@@ -102,10 +95,10 @@ def test_golden_store(tmp_path):
             {"input_ids": [], "labels": []},
         ]
     # The store.json is what its model writes, keys sorted; written twice, the same bytes.
-    assert json.loads(files["store.json"]) == manifest.model_dump(mode="json")
+    assert json.loads(stored["store.json"]) == manifest.model_dump(mode="json")
     (tmp_path / "again").mkdir()
     build_store(_golden_corpus(tmp_path / "again"), tmp_path / "again" / "store", shard_size=64)
-    assert _files(tmp_path / "again" / "store") == files
+    assert files(tmp_path / "again" / "store") == stored
 
 
 def test_the_fingerprint_is_the_specs_and_the_builds(tmp_path):
@@ -138,9 +131,10 @@ def test_shards_depend_on_the_documents_not_on_their_files(tmp_path):
 
 
 def _same_build(direct: Path, from_store: Path) -> None:
-    assert _files(direct) == _files(from_store)  # shards and manifest, byte for byte
+    assert files(direct) == files(from_store)  # shards and manifest, byte for byte
 
 
+@pytest.mark.slow
 def test_a_store_of_token_ids_builds_byte_identical(tmp_path):
     rng = np.random.default_rng(0)
     documents = [rng.integers(0, 1000, size=n).tolist() for n in rng.integers(0, 90, size=300)]
@@ -165,6 +159,7 @@ def gpt2(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("mode", ["text", "chat"])
+@pytest.mark.slow
 def test_a_tokenized_store_builds_byte_identical_at_two_max_lens(tmp_path, gpt2, mode):
     conversations = chitchat()[:800]
     (tmp_path / "c").mkdir()
@@ -183,18 +178,13 @@ def test_a_tokenized_store_builds_byte_identical_at_two_max_lens(tmp_path, gpt2,
         _same_build(tmp_path / f"direct-{max_len}", tmp_path / f"store-{max_len}")
 
 
+@pytest.mark.slow
 def test_the_cli_tokenizes_then_builds(tmp_path, gpt2):
     pq.write_table(pa.table({"text": ["\n".join(t) for t in chitchat()[:100]]}), tmp_path / "c.parquet")
-    tokenized = subprocess.run(
-        [PREPACK, "tokenize", str(tmp_path / "c.parquet"), "--out", str(tmp_path / "store"), "--tokenizer", str(gpt2), "--no-eos"],
-        capture_output=True, text=True, timeout=300,
-    )
+    tokenized = run_prepack("tokenize", tmp_path / "c.parquet", "--out", tmp_path / "store", "--tokenizer", gpt2, "--no-eos")
     assert tokenized.returncode == 0, tokenized.stderr
     assert "stored 100 documents" in " ".join(tokenized.stdout.split())
-    built = subprocess.run(
-        [PREPACK, "build", str(tmp_path / "store"), "--out", str(tmp_path / "packed"), "--max-len", "128", "-q"],
-        capture_output=True, text=True, timeout=300,
-    )
+    built = run_prepack("build", tmp_path / "store", "--out", tmp_path / "packed", "--max-len", "128", "-q")
     assert built.returncode == 0, built.stderr
     assert read_manifest(tmp_path / "packed").options.tokenize.eos is False
 
@@ -206,12 +196,6 @@ def test_the_cli_tokenizes_then_builds(tmp_path, gpt2):
 def store(tmp_path) -> Path:
     build_store(_golden_corpus(tmp_path), tmp_path / "store", shard_size=64)
     return tmp_path / "store"
-
-
-def _edit_manifest(store: Path, edit) -> None:
-    raw = json.loads((store / "store.json").read_text())
-    edit(raw)
-    (store / "store.json").write_text(json.dumps(raw))
 
 
 def _build_fails(store: Path, error: type, message: str) -> None:
@@ -258,13 +242,13 @@ def test_a_shard_that_is_a_symbolic_link_is_refused(store, tmp_path):
 
 
 def test_names_outside_the_store_are_refused(store):
-    _edit_manifest(store, lambda raw: raw["shards"][0].update(name="../documents-00000.arrow"))
+    edit_json(store / "store.json", lambda raw: raw["shards"][0].update(name="../documents-00000.arrow"))
     _build_fails(store, FormatError, r"shard 0 is named '../documents-00000.arrow'")
 
 
 @pytest.mark.parametrize("name", ["../a.parquet", "/etc/a.parquet", "x/./a.parquet", "a\0.parquet", "", "x" * 256])
 def test_input_names_outside_the_corpus_root_are_refused(store, name):
-    _edit_manifest(store, lambda raw: raw["inputs"][0].update(path=name))
+    edit_json(store / "store.json", lambda raw: raw["inputs"][0].update(path=name))
     _build_fails(store, FormatError, r"inputs.0.path\n.*(is not a relative path|has a part|holds a NUL)")
 
 
@@ -278,7 +262,7 @@ def test_input_names_outside_the_corpus_root_are_refused(store, name):
     ],
 )
 def test_a_manifest_that_breaks_the_format_is_refused(store, edit, message):
-    _edit_manifest(store, edit)
+    edit_json(store / "store.json", edit)
     _build_fails(store, FormatError, message)
 
 
@@ -286,7 +270,7 @@ def test_a_shard_with_a_negative_id_is_refused_even_with_its_hash(store):
     """A store made by hand with a matching manifest still never hands a negative id on."""
     batch = pa.RecordBatch.from_pylist([{"input_ids": [5, -6, 7], "labels": [1, 1, 1]}, {"input_ids": [], "labels": []}], schema=store_schema(True))
     size, sha256 = write_record_batch(store / "documents-00000.arrow", batch)
-    _edit_manifest(store, lambda raw: raw["shards"][0].update(bytes=size, sha256=sha256))
+    edit_json(store / "store.json", lambda raw: raw["shards"][0].update(bytes=size, sha256=sha256))
     _build_fails(store, FormatError, r"documents-00000.arrow: row 0, column 'input_ids': -6")
 
 
@@ -333,13 +317,13 @@ def test_overwrite_replaces_a_store_and_leaves_nothing_behind(store, tmp_path):
         (["verify", "{tmp}/packed", "--source", "{store}", "--all"], "documents-00001.arrow: its sha256"),
     ],
 )
+@pytest.mark.slow
 def test_the_cli_exits_2_naming_the_problem(store, tmp_path, command, message):
     build(write_corpus(tmp_path / "ids.parquet", corpus_table([[1, 2, 3]])), tmp_path / "packed", max_len=4)
     path = store / "documents-00001.arrow"
     path.write_bytes(path.read_bytes()[:-1] + b"\x01")
     args = [a.format(store=store, tmp=tmp_path) for a in command]
-    wide = {**os.environ, "COLUMNS": "1000"}  # rich wraps long paths at the terminal's width
-    result = subprocess.run([PREPACK, *args], capture_output=True, text=True, timeout=300, env=wide)
+    result = run_prepack(*args, env=WIDE)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert "Traceback" not in result.stderr

@@ -57,6 +57,7 @@ def test_the_other_layouts_and_collators():
     assert int(batch_tokens(padded).real) == 7 and batch_tokens(padded).padding_fraction == pytest.approx(0.3)
 
 
+@pytest.mark.slow
 def test_the_callback_logs_real_throughput_in_a_trainer_run(tmp_path):
     packs = random_packs(4, MAX_LEN, DOCUMENT_VOCAB, seed=0, labels=True)
     model = enable_packing(tiny_model("llama", "sdpa", dtype=torch.float32).train())

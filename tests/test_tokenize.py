@@ -30,6 +30,7 @@ from prepack.read import find_corpus
 from prepack.report import inspect_build
 from prepack.tokenize import load_tokenizer, tokenize_corpus
 from prepack.verify import verify_build
+from tests.cli import run_prepack
 from tests.corpus import read_build
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory
 
@@ -79,6 +80,7 @@ def tokenize(path: Path, tokenizer: Path, num_proc: int = 1, **options):
     return settings, has_labels, flat, [d.tolist() for docs in labels for d in docs] or None, batches
 
 
+@pytest.mark.slow
 def test_text_ids_are_tokenizers_ids_plus_eos(tmp_path, gpt2):
     texts = ["\n".join(turns) for turns in chitchat()[:2000]]
     corpus = parquet(tmp_path / "chitchat.parquet", text=texts)
@@ -115,6 +117,7 @@ def expected_chat(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int]
     return ids, labels
 
 
+@pytest.mark.slow
 def test_chat_ids_and_assistant_labels_token_by_token(tmp_path, gpt2_chat):
     conversations = [as_chat(turns) for turns in chitchat()[:600]]
     corpus = parquet(tmp_path / "chat.parquet", messages=conversations)
@@ -131,6 +134,7 @@ def test_chat_ids_and_assistant_labels_token_by_token(tmp_path, gpt2_chat):
     assert options.chat_template_sha256 is not None
 
 
+@pytest.mark.slow
 def test_chat_labels_same_in_one_process_and_from_jsonl(tmp_path, gpt2_chat):
     conversations = [as_chat(turns) for turns in chitchat()[600:700]]
     from_parquet = tokenize(parquet(tmp_path / "c.parquet", messages=conversations), gpt2_chat, mode="chat", num_proc=2)
@@ -138,6 +142,7 @@ def test_chat_labels_same_in_one_process_and_from_jsonl(tmp_path, gpt2_chat):
     assert from_parquet[2:4] == from_jsonl[2:4]
 
 
+@pytest.mark.slow
 def test_generation_tag_labels_match_transformers_and_prefix_rendering(tmp_path, gpt2_chat):
     transformers = pytest.importorskip("transformers")
     marked = gpt2_directory(tmp_path / "marked", CHATML_GENERATION)
@@ -176,6 +181,7 @@ def test_chat_template_file_and_template_variables(tmp_path, gpt2):
     assert reference.decode(trained, skip_special_tokens=False) == "assistant: yo<|endoftext|>"
 
 
+@pytest.mark.slow
 def test_tokenizer_identity(tmp_path, gpt2):
     info = load_tokenizer(gpt2).info
     copy = tmp_path / "copy"
@@ -330,6 +336,7 @@ def documents_of(directory: Path, column: str) -> dict[int, list[int]]:
     return rows
 
 
+@pytest.mark.slow
 def test_build_from_chat_packs_the_tokenized_ids_and_assistant_labels(tmp_path, gpt2_chat):
     corpus = jsonl(tmp_path / "chat.jsonl", [{"messages": as_chat(t)} for t in chitchat()[:300]])
     manifest = build(corpus, tmp_path / "packed", max_len=512, tokenizer=gpt2_chat, chat=True, num_proc=1)
@@ -342,6 +349,7 @@ def test_build_from_chat_packs_the_tokenized_ids_and_assistant_labels(tmp_path, 
     assert options.tokenize.tokenizer == load_tokenizer(gpt2_chat).info
 
 
+@pytest.mark.slow
 def test_build_from_text_is_byte_identical_whatever_num_proc(tmp_path, gpt2):
     corpus = parquet(tmp_path / "text.parquet", text=["\n".join(t) for t in chitchat()[:400]])
     for num_proc in (1, 2):
@@ -354,25 +362,25 @@ def test_build_from_text_is_byte_identical_whatever_num_proc(tmp_path, gpt2):
     assert documents_of(tmp_path / "p1", "input_ids") == dict(enumerate(ids))
 
 
+@pytest.mark.slow
 def test_cli_tokenizes_text_and_refuses_chat_without_a_template(tmp_path, gpt2):
-    prepack = shutil.which("prepack", path=str(Path(sys.executable).parent))
     corpus = jsonl(tmp_path / "text.jsonl", [{"text": "\n".join(t)} for t in chitchat()[:50]])
     out = tmp_path / "packed"
-    command = [prepack, "build", str(corpus), "--tokenizer", str(gpt2), "--max-len", "256", "--out", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    command = ["build", corpus, "--tokenizer", gpt2, "--max-len", "256", "--out", out]
+    result = run_prepack(*command)
     assert result.returncode == 0, result.stderr
     assert "tokenized" in result.stdout
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["options"]["tokenize"]["eos"] and manifest["totals"]["documents"] == 50
-    verify = [prepack, "verify", str(out), "--source", str(corpus), "--tokenizer", str(gpt2)]
-    checked = subprocess.run(verify, capture_output=True, text=True, timeout=300)
+    checked = run_prepack("verify", out, "--source", corpus, "--tokenizer", gpt2)
     assert checked.returncode == 0 and "every token of the source" in checked.stdout, checked.stderr
-    refused = subprocess.run([*command[:-1], str(tmp_path / "chat"), "--chat"], capture_output=True, text=True, timeout=300)
+    refused = run_prepack(*command[:-1], tmp_path / "chat", "--chat")
     assert refused.returncode == 2
     assert "no chat template" in refused.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["packed", "text.jsonl"]  # nothing half-written
 
 
+@pytest.mark.slow
 def test_verify_and_inspect_a_tokenized_build(tmp_path, gpt2_chat):
     conversations = [{"messages": as_chat(t)} for t in chitchat()[:50]]
     corpus = jsonl(tmp_path / "chat.jsonl", conversations)

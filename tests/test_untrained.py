@@ -5,9 +5,6 @@ accounts for; for token-id corpora with a labels column and for chat builds alik
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +14,7 @@ from prepack import InputError, build
 from prepack.plan import document_pieces, untrained_documents
 from prepack.report import inspect_build
 from prepack.verify import verify_build
+from tests.cli import run_prepack
 from tests.corpus import corpus_table, read_build, write_corpus
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory
 
@@ -106,6 +104,7 @@ def test_dropping_every_document_is_refused_and_writes_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
 
 
+@pytest.mark.slow
 def test_chat_build_counts_conversations_without_an_assistant_turn(tmp_path):
     """chitchat conversations of one turn have no assistant message, so nothing to train on."""
     conversations = chitchat()[:200]
@@ -114,16 +113,14 @@ def test_chat_build_counts_conversations_without_an_assistant_turn(tmp_path):
     corpus = tmp_path / "chat.jsonl"
     corpus.write_text("".join(json.dumps({"messages": as_chat(turns)}) + "\n" for turns in conversations))
     tokenizer = gpt2_directory(tmp_path / "gpt2", CHATML)
-    prepack = shutil.which("prepack", path=str(Path(sys.executable).parent))
     out = tmp_path / "packed"
-    command = [prepack, "build", str(corpus), "--tokenizer", str(tokenizer), "--chat", "--max-len", "512"]
-    result = subprocess.run([*command, "--drop-untrained", "--out", str(out)], capture_output=True, text=True)
+    command = ["build", corpus, "--tokenizer", tokenizer, "--chat", "--max-len", "512"]
+    result = run_prepack(*command, "--drop-untrained", "--out", out)
     assert result.returncode == 0, result.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["totals"]["untrained"] == one_turn
     assert "untrained" in result.stdout and f"{one_turn:,} (" in result.stdout
     source_rows = {row for pack in read_build(out)[1] for row in pack["source_rows"]}
     assert source_rows == {i for i, turns in enumerate(conversations) if len(turns) > 1}
-    verify = [prepack, "verify", str(out), "--source", str(corpus), "--tokenizer", str(tokenizer)]
-    checked = subprocess.run(verify, capture_output=True, text=True)
+    checked = run_prepack("verify", out, "--source", corpus, "--tokenizer", tokenizer)
     assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -3,12 +3,9 @@ at the exact shard, row and column (or corpus row)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +15,9 @@ import pytest
 from prepack import build
 from prepack.errors import FormatError, InputError
 from prepack.verify import Problem, verify_build
-from tests.corpus import corpus_table, write_corpus
+from tests.cli import run_prepack
+from tests.corpus import corpus_table, edit_json, record_shard, write_corpus
 
-PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
 MAX_LEN = 32
 FIRST_TOKEN = 10_000  # every token of the corpus is distinct: FIRST_TOKEN + its position in the corpus
 
@@ -59,12 +56,6 @@ def packed(clean, tmp_path) -> Path:
     return shutil.copytree(clean["builds"]["split"], tmp_path / "packed")
 
 
-def edit_manifest(out: Path, edit) -> None:
-    raw = json.loads((out / "manifest.json").read_text())
-    edit(raw)
-    (out / "manifest.json").write_text(json.dumps(raw))
-
-
 def rewrite_shard(out: Path, name: str, edit) -> None:
     """Replace a shard's record batch by `edit(batch)` and record the new file's size and hash in the
     manifest, so that only the row checks can notice."""
@@ -76,12 +67,7 @@ def rewrite_shard(out: Path, name: str, edit) -> None:
         writer.write_batch(batch)
     data = sink.getvalue().to_pybytes()
     path.write_bytes(data)
-
-    def record(raw):
-        entry = next(s for s in raw["shards"] if s["name"] == name)
-        entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-
-    edit_manifest(out, record)
+    record_shard(out / "manifest.json", path)
 
 
 def with_column(batch: pa.RecordBatch, name: str, rows: list) -> pa.RecordBatch:
@@ -159,7 +145,7 @@ def test_a_missing_shard_is_caught(packed):
 
 
 def test_the_directory_is_checked_before_any_shard_is_read(packed):
-    edit_manifest(packed, lambda m: m["shards"][0].update(name="../shard-00000.arrow"))
+    edit_json(packed / "manifest.json", lambda m: m["shards"][0].update(name="../shard-00000.arrow"))
     (packed / "shard-00002.arrow").unlink()
     shutil.copy(packed / "shard-00001.arrow", packed / "shard-99999.arrow")
     path = packed / "shard-00003.arrow"
@@ -260,7 +246,7 @@ def test_every_tampered_row_is_reported_with_all(packed):
     ids=["totals.packs", "totals.split", "shard rows", "shard tokens"],
 )
 def test_a_manifest_that_lies_about_counts_is_caught(packed, lie, file, column, message):
-    edit_manifest(packed, lie)
+    edit_json(packed / "manifest.json", lie)
     [problem] = verify_build(packed)
     assert (problem.file, problem.column) == (file, column)
     assert message in problem.message
@@ -271,7 +257,7 @@ def test_a_consistent_lie_about_documents_needs_the_source(clean, packed):
         m["totals"].update(documents=m["totals"]["documents"] + 1, empty=m["totals"]["empty"] + 1)
         m["inputs"][0]["rows"] += 1
 
-    edit_manifest(packed, lie)
+    edit_json(packed / "manifest.json", lie)
     assert verify_build(packed) == []
     problems = verify_build(packed, clean["corpus"], all_problems=True)
     assert [(p.file, p.column) for p in problems] == [
@@ -308,7 +294,7 @@ def test_documents_of_a_lost_pack_are_each_named(clean, packed):
     def recount(m):
         m["shards"][1].update(rows=len(rows) - 1, tokens=m["shards"][1]["tokens"] - len(lost["input_ids"]))
 
-    edit_manifest(packed, recount)
+    edit_json(packed / "manifest.json", recount)
     problems = verify_build(packed, clean["corpus"], all_problems=True)
     missing = [(p.source_row, p.message) for p in problems if p.source_row is not None]
     assert [row for row, _ in missing] == lost["source_rows"]
@@ -324,7 +310,7 @@ def test_a_document_in_two_packs_is_caught(packed):
 
     rows = shard_rows(packed, "shard-00000.arrow")
     rewrite_shard(packed, "shard-00000.arrow", duplicate_last_row)
-    edit_manifest(packed, lambda m: m["shards"][0].update(rows=len(rows) + 1))
+    edit_json(packed / "manifest.json", lambda m: m["shards"][0].update(rows=len(rows) + 1))
     problems = verify_build(packed, all_problems=True)
     duplicates = [p for p in problems if "is also in" in p.message]
     assert (
@@ -350,26 +336,22 @@ def test_an_invalid_manifest_is_a_finding(packed):
     assert problem.file == "manifest.json" and "cannot be read as JSON" in problem.message
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    assert PREPACK, "the prepack console script is not installed beside this Python"
-    return subprocess.run([PREPACK, *args], capture_output=True, text=True, timeout=120)
-
-
+@pytest.mark.slow
 def test_cli_exit_codes(clean, packed, tmp_path):
-    result = run("verify", str(clean["builds"]["split"]), "--source", str(clean["corpus"]))
+    result = run_prepack("verify", str(clean["builds"]["split"]), "--source", str(clean["corpus"]))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no problems" in result.stdout
 
     (packed / "shard-00002.arrow").unlink()
     (packed / "shard-00001.arrow").write_bytes(b"garbage")
-    result = run("verify", str(packed))
+    result = run_prepack("verify", str(packed))
     assert result.returncode == 1
     assert result.stdout.splitlines() == [f"problem: {verify_build(packed)[0]}"]
-    result = run("verify", str(packed), "--all")
+    result = run_prepack("verify", str(packed), "--all")
     assert result.returncode == 1
     assert result.stdout.splitlines() == [f"problem: {p}" for p in verify_build(packed, all_problems=True)]
     assert len(result.stdout.splitlines()) >= 3
 
-    result = run("verify", str(clean["builds"]["split"]), "--source", str(tmp_path / "nothing"))
+    result = run_prepack("verify", str(clean["builds"]["split"]), "--source", str(tmp_path / "nothing"))
     assert result.returncode == 2 and result.stdout == ""
     assert "no such file or directory" in " ".join(result.stderr.split())
