@@ -26,10 +26,12 @@ import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-import torch
-from transformers import TrainerCallback
-
+from prepack.errors import optional_imports
 from prepack.format import IGNORE_INDEX
+
+with optional_imports("prepack.throughput"):
+    import torch
+    from transformers import TrainerCallback
 
 __all__ = ["BatchTokens", "UsefulThroughputCallback", "batch_tokens"]
 

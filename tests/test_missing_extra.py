@@ -52,6 +52,8 @@ def _cli(missing: list[str], args: list[str], cwd) -> str:
         ("enable_packing", "torch"),
         ("enable_packing", "transformers"),
         ("check_isolation", "transformers"),
+        ("UsefulThroughputCallback", "torch"),
+        ("UsefulThroughputCallback", "transformers"),
     ],
 )
 @pytest.mark.slow
