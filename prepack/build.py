@@ -3,6 +3,11 @@ read → plan → write, with progress and a manifest) and `build_store` (`prepa
 a document store out — its documents read and tokenized once, as `build` would read them, and written
 in row order for any number of builds).
 
+Each takes its options as keywords, gathered into typed option objects (`prepack.documents.Reading`:
+how the corpus is read; `Packing`: how documents become packs; `Output`: how and where shards are
+written) that `build_packs` and `build_document_store` run on; `prepack build` and `prepack tokenize`
+build the objects from their flags and call those.
+
 Both check their options, choose an engine (`prepack.engine.Engine`: `prepack.engine_local`, or
 `prepack.engine_ray` for `engine="ray"`) for the steps that touch tokens, and stage the output so
 that nothing is published unless all of it is written. The plan is computed here, from the first
@@ -15,9 +20,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, fields
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from rich.console import Console
@@ -45,13 +51,45 @@ from prepack.store_format import StoreManifest
 from prepack.store_read import is_store
 from prepack.store_write import finish_store
 
-__all__ = ["DEFAULT_SHARD_SIZE", "build", "build_store"]
+__all__ = ["DEFAULT_SHARD_SIZE", "Output", "Packing", "build", "build_document_store", "build_packs", "build_store"]
 
 # Bytes. ~1,300 full 8k-token packs. Each of the local engine's shard writers holds a shard's columns while it
 # writes it, and those pages are new to the process: at 256 MiB the shard pass took half as long
 # again as at 64 MiB on the benchmark machine, and held 4x the memory. 64 MiB is also MosaicML
 # streaming's default shard size; a billion 350-token documents make ~33k shards.
 DEFAULT_SHARD_SIZE = 64 * 2**20
+
+_Options = TypeVar("_Options")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Packing:
+    """How `build` packs the documents it reads (with `prepack.documents.Reading`, how it reads them):
+    `max_len` tokens a pack, by `algorithm` ("ffd", "bfd"), documents longer than it handled by
+    `overflow` ("split", "truncate", "drop", "error"), the packs shuffled with `seed`; with
+    `drop_untrained`, documents with no trained token left out; with `index_only` (a store only),
+    index shards written instead of token shards."""
+
+    max_len: int
+    algorithm: str = "ffd"
+    overflow: str = "split"
+    seed: int = 0
+    drop_untrained: bool = False
+    index_only: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Output:
+    """How `build` and `build_store` write their output: shards of about `shard_size` bytes, replacing
+    what is at the output with `overwrite`, by the engine named `engine` ("local", or "ray" on the
+    cluster at `ray_address`), with progress bars on `console` (stderr when None) when `progress`."""
+
+    shard_size: int = DEFAULT_SHARD_SIZE
+    overwrite: bool = False
+    engine: str = "local"
+    ray_address: str | None = None
+    progress: bool = False
+    console: Console | None = None
 
 
 def _store_path(store: str | os.PathLike, out: str | os.PathLike) -> str:
@@ -110,6 +148,13 @@ def _progress_bars(enabled: bool, console: Console | None) -> Progress:
     return Progress(SpinnerColumn(), *columns, console=console, disable=not enabled)
 
 
+def _gathered(options: type[_Options], keywords: dict[str, Any]) -> _Options:
+    """The option object of class `options` (a dataclass: `Reading`, `Packing`, `Output`) that a keyword
+    wrapper (`build`, `build_store`) was called with: each field the keyword argument of its name, so
+    that every option is named in the signature and in its class, and nowhere else."""
+    return options(**{field.name: keywords[field.name] for field in fields(options)})
+
+
 def build(
     corpus: str | os.PathLike,
     out: str | os.PathLike,
@@ -166,33 +211,31 @@ def build(
     asked (see `prepack.output.staged_directory`: it exists without `overwrite`, it is not a prepack
     build, another build to it runs, a disk is full); in every case nothing is published.
     """
-    reading = Reading(
-        column=column,
-        labels_column=labels_column,
-        tokenizer=tokenizer,
-        chat=chat,
-        text_column=text_column,
-        messages_column=messages_column,
-        eos=eos,
-        chat_template=chat_template,
-        train_on=train_on,
-        num_proc=num_proc,
-    )
+    keywords = locals()
+    return build_packs(corpus, out, _gathered(Reading, keywords), _gathered(Packing, keywords), _gathered(Output, keywords))
+
+
+def build_packs(
+    corpus: str | os.PathLike, out: str | os.PathLike, reading: Reading, packing: Packing, output: Output
+) -> Manifest:
+    """`build`, with its options gathered: how the corpus is read, how its documents are packed and
+    how the shards are written (what `prepack build` parses its flags into)."""
+    max_len, overflow, index_only = packing.max_len, packing.overflow, packing.index_only
     try:
         options = BuildOptions(
             max_len=max_len,
-            algorithm=algorithm,
+            algorithm=packing.algorithm,
             overflow=overflow,
-            seed=seed,
-            shard_size=shard_size,
+            seed=packing.seed,
+            shard_size=output.shard_size,
             column=reading.read_column,
-            labels_column=labels_column,
-            drop_untrained=drop_untrained,
+            labels_column=reading.labels_column,
+            drop_untrained=packing.drop_untrained,
         )
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
-    _check_engine(engine, ray_address, reading)
-    with _progress_bars(progress, console) as bar, local_input(corpus) as source:
+    _check_engine(output.engine, output.ray_address, reading)
+    with _progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if index_only and not is_store(source.spec):
             raise InputError(
                 f"{corpus}: --index-only packs a document store, and this is a corpus: make one with "
@@ -202,7 +245,10 @@ def build(
         documents = open_documents(source.spec, reading, out, bar, source.location)
         found, has_labels, read_column = documents.corpus, documents.has_labels, documents.column
         staged = staged_prefix if is_uri(out) else staged_directory
-        with staged(out, overwrite) as staging, _engine(engine, ray_address, staging, index_only) as engine_steps:
+        with (
+            staged(out, output.overwrite) as staging,
+            _engine(output.engine, output.ray_address, staging, index_only) as engine_steps,
+        ):
             first = engine_steps.first_pass(documents, reading, bar)
             if len(first.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")
@@ -219,11 +265,11 @@ def build(
             plan = plan_packs(
                 first.lengths,
                 max_len,
-                algorithm=algorithm,
+                algorithm=packing.algorithm,
                 overflow=overflow,
-                seed=seed,
+                seed=packing.seed,
                 untrained=first.untrained,
-                drop_untrained=drop_untrained,
+                drop_untrained=packing.drop_untrained,
             )
             bar.update(planning, total=1, completed=1)
             if plan.packs == 0:  # every non-empty document was left out
@@ -232,7 +278,7 @@ def build(
                     f"{plan.counts['dropped']:,} are longer than --max-len {max_len} (--overflow drop) and "
                     f"{plan.counts['untrained']:,} have no trained token (--drop-untrained)."
                 )
-            shards = engine_steps.write_packs(plan, first, shard_size, bar)
+            shards = engine_steps.write_packs(plan, first, output.shard_size, bar)
             manifest = Manifest(
                 prepack_version=version(DISTRIBUTION),
                 # How the documents were read: as asked, or as the store was written.
@@ -258,13 +304,22 @@ def build_store(
     corpus: str | os.PathLike,
     out: str | os.PathLike,
     *,
+    column: str = "input_ids",
+    labels_column: str = "labels",
+    tokenizer: str | os.PathLike | None = None,
+    chat: bool = False,
+    text_column: str = "text",
+    messages_column: str = "messages",
+    eos: bool = True,
+    chat_template: str | os.PathLike | None = None,
+    train_on: str = "assistant",
+    num_proc: int | None = None,
     shard_size: int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     engine: str = "local",
     ray_address: str | None = None,
     progress: bool = False,
     console: Console | None = None,
-    **reading: Any,
 ) -> StoreManifest:
     """Read (and tokenize) a corpus once into a document store under `out`, and return the store
     manifest written there. Every build of the store (`build(out, ...)`) is then byte for byte the
@@ -273,25 +328,29 @@ def build_store(
     >>> build_store("chats.jsonl", "store/", tokenizer="./tok", chat=True)   # doctest: +SKIP
     >>> build("store/", "packed-8k/", max_len=8192)                           # doctest: +SKIP
 
-    `reading` takes `build`'s reading and tokenizing options (`column`, `labels_column`, `tokenizer`,
-    `chat`, `text_column`, `messages_column`, `eos`, `chat_template`, `train_on`, `num_proc`: the
-    fields of `prepack.documents.Reading`); `shard_size` bounds the bytes of tokens (and labels) per
-    shard. `engine` and `ray_address` as for `build`: with "ray", the store is written by Ray tasks,
-    byte for byte as the local engine writes it. Raises `InputError` for bad input (a store given as the corpus among it), and
-    `OutputError` as `build` does; in every case nothing is published.
+    The reading and tokenizing options (`column` to `num_proc`) are `build`'s; `shard_size` bounds the
+    bytes of tokens (and labels) per shard. `engine` and `ray_address` as for `build`: with "ray", the
+    store is written by Ray tasks, byte for byte as the local engine writes it. Raises `InputError` for
+    bad input (a store given as the corpus among it), and `OutputError` as `build` does; in every case
+    nothing is published.
     """
-    if shard_size < 1:
-        raise InputError(f"invalid shard size {shard_size}: at least 1 byte.")
-    try:
-        options = Reading(**reading)
-    except TypeError as exc:
-        raise InputError(f"invalid reading option: {exc}") from None
-    _check_engine(engine, ray_address, options)
-    with _progress_bars(progress, console) as bar, local_input(corpus) as source:
+    keywords = locals()
+    return build_document_store(corpus, out, _gathered(Reading, keywords), _gathered(Output, keywords))
+
+
+def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, reading: Reading, output: Output) -> StoreManifest:
+    """`build_store`, with its options gathered (what `prepack tokenize` parses its flags into)."""
+    if output.shard_size < 1:
+        raise InputError(f"invalid shard size {output.shard_size}: at least 1 byte.")
+    _check_engine(output.engine, output.ray_address, reading)
+    with _progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if is_store(source.spec):
             raise InputError(f"{corpus} is a document store already: build from it (prepack build {corpus} ...).")
-        documents = open_documents(source.spec, options, out, bar, source.location)
+        documents = open_documents(source.spec, reading, out, bar, source.location)
         staged = staged_prefix if is_uri(out) else staged_directory
-        with staged(out, overwrite, STORE_MANIFEST_NAME) as staging, _engine(engine, ray_address, staging) as engine_steps:
-            written = engine_steps.write_store(documents, options, shard_size, bar)
+        with (
+            staged(out, output.overwrite, STORE_MANIFEST_NAME) as staging,
+            _engine(output.engine, output.ray_address, staging) as engine_steps,
+        ):
+            written = engine_steps.write_store(documents, reading, output.shard_size, bar)
             return finish_store(documents, staging.build, written)

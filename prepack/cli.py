@@ -6,8 +6,10 @@ imports neither numpy, pyarrow, numba nor pydantic: `python benchmarks/bench_sta
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from enum import Enum
-from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
+    from prepack.build import Output
+    from prepack.documents import Reading
     from prepack.format import Manifest
 
 _NO_BREAK = "\u2011"  # a non-breaking hyphen, which textwrap leaves whole
@@ -62,7 +66,7 @@ app = typer.Typer(
 )
 
 
-@cache
+@functools.cache
 def _stderr() -> Console:
     """The console of progress bars and errors; rich is imported when one is shown, not for --help."""
     from rich.console import Console
@@ -103,17 +107,49 @@ class Overflow(str, Enum):
     error = "error"
 
 
-# Reading and tokenizing options, shared by `build` and `tokenize`.
-_ColumnOption = Annotated[str, typer.Option(help="Token column.")]
-_LabelsColumnOption = Annotated[str, typer.Option("--labels-column", help="Labels column, carried when present.")]
-_TokenizerOption = Annotated[Path | None, typer.Option(help="Tokenize text or chat with this local tokenizer directory or tokenizer.json.")]
-_ChatOption = Annotated[bool, typer.Option("--chat", help="The corpus holds conversations (--messages-column), rendered with the chat template.")]
-_TextColumnOption = Annotated[str, typer.Option("--text-column", help="Text column.")]
-_MessagesColumnOption = Annotated[str, typer.Option("--messages-column", help="Messages column (--chat).")]
-_ChatTemplateOption = Annotated[Path | None, typer.Option("--chat-template", help="A Jinja chat template file instead of the tokenizer's.")]
-_TrainOnOption = Annotated[TrainOn, typer.Option("--train-on", help="--chat: which tokens keep their labels.")]
-_EosOption = Annotated[bool, typer.Option("--eos/--no-eos", help="Append EOS to every text document.")]
-_NumProcOption = Annotated[int | None, typer.Option("--num-proc", min=1, help="Tokenizer threads (text) or processes (chat); default: all cores.")]
+# Reading and tokenizing options, shared by `build` and `tokenize` (`_with_reading_options`): each
+# declared here once, with its default, under the name of its `prepack.documents.Reading` field.
+_READING_OPTIONS: dict[str, tuple[object, object]] = {
+    "column": (Annotated[str, typer.Option(help="Token column.")], "input_ids"),
+    "labels_column": (Annotated[str, typer.Option("--labels-column", help="Labels column, carried when present.")], "labels"),
+    "tokenizer": (Annotated[Path | None, typer.Option(help="Tokenize text or chat with this local tokenizer directory or tokenizer.json.")], None),
+    "chat": (Annotated[bool, typer.Option("--chat", help="The corpus holds conversations (--messages-column), rendered with the chat template.")], False),
+    "text_column": (Annotated[str, typer.Option("--text-column", help="Text column.")], "text"),
+    "messages_column": (Annotated[str, typer.Option("--messages-column", help="Messages column (--chat).")], "messages"),
+    "chat_template": (Annotated[Path | None, typer.Option("--chat-template", help="A Jinja chat template file instead of the tokenizer's.")], None),
+    "train_on": (Annotated[TrainOn, typer.Option("--train-on", help="--chat: which tokens keep their labels.")], TrainOn.assistant),
+    "eos": (Annotated[bool, typer.Option("--eos/--no-eos", help="Append EOS to every text document.")], True),
+    "num_proc": (Annotated[int | None, typer.Option("--num-proc", min=1, help="Tokenizer threads (text) or processes (chat); default: all cores.")], None),
+}
+
+
+def _with_reading_options(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` taking the reading options (`_READING_OPTIONS`) in place of its parameter `reading`,
+    which gets them as one `prepack.documents.Reading`."""
+    # `Reading` is imported for type checkers only (prepack.documents imports pyarrow, which a command's
+    # help must not): here, where the annotations are read, the name stands for nothing.
+    signature = inspect.signature(command, eval_str=True, locals={"Reading": None})
+    parameters: list[inspect.Parameter] = []
+    for parameter in signature.parameters.values():
+        if parameter.name != "reading":
+            parameters.append(parameter)
+            continue
+        for name, (annotation, default) in _READING_OPTIONS.items():
+            parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default))
+
+    @functools.wraps(command)
+    def with_reading(**values: object) -> None:
+        from prepack.documents import Reading
+
+        options = {name: values.pop(name) for name in _READING_OPTIONS}
+        options["train_on"] = options["train_on"].value
+        command(**values, reading=Reading(**options))
+
+    with_reading.__signature__ = signature.replace(parameters=parameters)  # what typer reads the options from
+    with_reading.__annotations__ = {parameter.name: parameter.annotation for parameter in parameters}
+    return with_reading
+
+
 # prepack.build.DEFAULT_SHARD_SIZE, spelled out (a test keeps them equal): importing prepack.build would
 # import numpy, pyarrow and numba for every command's help.
 _DEFAULT_SHARD_SIZE = "64MiB"
@@ -172,21 +208,28 @@ def _untrained(documents: int, tokens: int, dropped: bool) -> str:
     return f"{documents:,} ({tokens:,} tokens, {'left out' if dropped else 'packed; --drop-untrained leaves them out'})"
 
 
+def _output(shard_size: str, overwrite: bool, engine: Engine, ray_address: str | None, quiet: bool) -> Output:
+    """How `build` and `tokenize` write what they write, from their flags."""
+    from prepack.build import Output
+
+    return Output(
+        shard_size=_byte_size(shard_size),
+        overwrite=overwrite,
+        engine=engine.value,
+        ray_address=ray_address,
+        progress=not quiet,
+        console=_stderr(),
+    )
+
+
 @app.command("build", cls=_Command)
+@_with_reading_options
 def build_command(
     corpus: Annotated[str, typer.Argument(help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory; or a document store (prepack tokenize). Local, or a URI such as s3://bucket/corpus/.")],
     out: Annotated[str, typer.Option("--out", "-o", help="Output directory (created atomically), or a URI such as s3://bucket/packed (needs prepack-llm[s3]).")],
     max_len: Annotated[int, typer.Option("--max-len", help="Tokens per pack.")] = 8192,
-    column: _ColumnOption = "input_ids",
-    labels_column: _LabelsColumnOption = "labels",
-    tokenizer: _TokenizerOption = None,
-    chat: _ChatOption = False,
-    text_column: _TextColumnOption = "text",
-    messages_column: _MessagesColumnOption = "messages",
-    chat_template: _ChatTemplateOption = None,
-    train_on: _TrainOnOption = TrainOn.assistant,
-    eos: _EosOption = True,
-    num_proc: _NumProcOption = None,
+    *,
+    reading: Reading,
     algorithm: Annotated[Algorithm, typer.Option(help="First-fit or best-fit decreasing.")] = Algorithm.ffd,
     overflow: Annotated[Overflow, typer.Option(help="Documents longer than --max-len.")] = Overflow.split,
     seed: Annotated[int, typer.Option(help="Seed of the pack-order shuffle.")] = 0,
@@ -200,35 +243,18 @@ def build_command(
 ) -> None:
     """Pack a corpus into Arrow shards with a manifest: token ids as they are, or text and chat
     tokenized with --tokenizer."""
-    from prepack.build import build
+    from prepack.build import Packing, build_packs
 
+    packing = Packing(
+        max_len=max_len,
+        algorithm=algorithm.value,
+        overflow=overflow.value,
+        seed=seed,
+        drop_untrained=drop_untrained,
+        index_only=index_only,
+    )
     try:
-        manifest = build(
-            corpus,
-            out,
-            max_len=max_len,
-            column=column,
-            labels_column=labels_column,
-            tokenizer=tokenizer,
-            chat=chat,
-            text_column=text_column,
-            messages_column=messages_column,
-            chat_template=chat_template,
-            train_on=train_on.value,
-            eos=eos,
-            num_proc=num_proc,
-            algorithm=algorithm.value,
-            overflow=overflow.value,
-            seed=seed,
-            shard_size=_byte_size(shard_size),
-            drop_untrained=drop_untrained,
-            index_only=index_only,
-            overwrite=overwrite,
-            engine=engine.value,
-            ray_address=ray_address,
-            progress=not quiet,
-            console=_stderr(),
-        )
+        manifest = build_packs(corpus, out, reading, packing, _output(shard_size, overwrite, engine, ray_address, quiet))
     except PrepackError as exc:
         _fail(exc)
     if not quiet:
@@ -236,19 +262,12 @@ def build_command(
 
 
 @app.command("tokenize", cls=_Command)
+@_with_reading_options
 def tokenize_command(
     corpus: Annotated[str, typer.Argument(help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory.")],
     out: Annotated[str, typer.Option("--out", "-o", help="Store directory (created atomically), or a URI such as s3://bucket/store (needs prepack-llm[s3]).")],
-    column: _ColumnOption = "input_ids",
-    labels_column: _LabelsColumnOption = "labels",
-    tokenizer: _TokenizerOption = None,
-    chat: _ChatOption = False,
-    text_column: _TextColumnOption = "text",
-    messages_column: _MessagesColumnOption = "messages",
-    chat_template: _ChatTemplateOption = None,
-    train_on: _TrainOnOption = TrainOn.assistant,
-    eos: _EosOption = True,
-    num_proc: _NumProcOption = None,
+    *,
+    reading: Reading,
     shard_size: _ShardSizeOption = _DEFAULT_SHARD_SIZE,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing store at --out.")] = False,
     engine: _EngineOption = Engine.local,
@@ -257,29 +276,10 @@ def tokenize_command(
 ) -> None:
     """Read and tokenize a corpus once into a document store, which `prepack build STORE` packs at any
     --max-len, seed or algorithm without tokenizing again."""
-    from prepack.build import build_store
+    from prepack.build import build_document_store
 
     try:
-        manifest = build_store(
-            corpus,
-            out,
-            column=column,
-            labels_column=labels_column,
-            tokenizer=tokenizer,
-            chat=chat,
-            text_column=text_column,
-            messages_column=messages_column,
-            chat_template=chat_template,
-            train_on=train_on.value,
-            eos=eos,
-            num_proc=num_proc,
-            shard_size=_byte_size(shard_size),
-            overwrite=overwrite,
-            engine=engine.value,
-            ray_address=ray_address,
-            progress=not quiet,
-            console=_stderr(),
-        )
+        manifest = build_document_store(corpus, out, reading, _output(shard_size, overwrite, engine, ray_address, quiet))
     except PrepackError as exc:
         _fail(exc)
     if not quiet:

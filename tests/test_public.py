@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
+from dataclasses import MISSING, fields
 
 import prepack
 
@@ -19,3 +21,19 @@ def test_import_prepack_loads_neither_torch_nor_transformers():
     code = "import sys, prepack; print('torch' in sys.modules, 'transformers' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_build_and_build_store_take_the_fields_of_their_option_objects_as_keywords_with_their_defaults():
+    from prepack.build import Output, Packing
+    from prepack.documents import Reading
+
+    for function, option_classes in ((prepack.build, (Reading, Packing, Output)), (prepack.build_store, (Reading, Output))):
+        parameters = inspect.signature(function).parameters.values()
+        keywords = {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        assert [p.name for p in parameters if p.kind is not inspect.Parameter.KEYWORD_ONLY] == ["corpus", "out"]
+        declared = {
+            field.name: inspect.Parameter.empty if field.default is MISSING else field.default
+            for options in option_classes
+            for field in fields(options)
+        }
+        assert keywords == declared, function.__name__
