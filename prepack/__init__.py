@@ -20,6 +20,7 @@ from types import ModuleType
 
 from prepack.errors import (
     DISTRIBUTION,
+    ArgumentTypeError,
     DistributedSetupError,
     EngineError,
     FormatError,
@@ -27,8 +28,10 @@ from prepack.errors import (
     IsolationError,
     MissingExtraError,
     OutputError,
+    PackIndexError,
     PrepackError,
     SamplerStateError,
+    UsageError,
 )
 
 # Public names loaded on first use, and the module that defines each: `import prepack` imports neither
@@ -58,6 +61,7 @@ _LAZY = {
 
 __all__ = sorted(
     [
+        "ArgumentTypeError",
         "DistributedSetupError",
         "EngineError",
         "FORMAT_VERSION",
@@ -66,8 +70,10 @@ __all__ = sorted(
         "IsolationError",
         "MissingExtraError",
         "OutputError",
+        "PackIndexError",
         "PrepackError",
         "SamplerStateError",
+        "UsageError",
         "build",
         *_LAZY,
     ]

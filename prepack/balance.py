@@ -32,6 +32,8 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
+from prepack.errors import UsageError
+
 __all__ = [
     "DEFAULT_TOKEN_COST",
     "MAX_TOKEN_COST",
@@ -52,12 +54,12 @@ WINDOW_STEPS = 64  # packs move only within this many consecutive steps
 
 
 def validated_token_cost(token_cost: object) -> float:
-    """`token_cost` as a float, or ValueError unless it is a real number in [0, MAX_TOKEN_COST] (no NaN,
-    no infinity, no bool)."""
+    """`token_cost` as a float, or UsageError (a ValueError) unless it is a real number in
+    [0, MAX_TOKEN_COST] (no NaN, no infinity, no bool)."""
     if isinstance(token_cost, bool) or not isinstance(token_cost, (int, float, np.integer, np.floating)):
-        raise ValueError(f"token_cost must be a number, not {token_cost!r}")
+        raise UsageError(f"token_cost must be a number, not {token_cost!r}")
     if not 0 <= token_cost <= MAX_TOKEN_COST:  # False for NaN too
-        raise ValueError(f"token_cost must be finite, in [0, {MAX_TOKEN_COST:g}], got {token_cost!r}")
+        raise UsageError(f"token_cost must be finite, in [0, {MAX_TOKEN_COST:g}], got {token_cost!r}")
     return float(token_cost)
 
 
@@ -75,7 +77,7 @@ def pack_costs(documents: np.ndarray, lengths: np.ndarray, token_cost: float) ->
     if len(documents) == 0:
         return np.empty(0, np.float64)
     if np.min(documents) < 1 or np.sum(documents) != len(lengths):
-        raise ValueError("every pack needs at least one document, and the lengths must be theirs")
+        raise UsageError("every pack needs at least one document, and the lengths must be theirs")
     return _pack_costs(np.asarray(documents), np.asarray(lengths), token_cost)
 
 
@@ -105,9 +107,9 @@ def balanced_order(
     `seed` draws the order of the steps within each window; the result is a function of the inputs.
     """
     if world_size < 1 or batch_size < 1:
-        raise ValueError(f"world_size and batch_size must be at least 1, got {world_size} and {batch_size}")
+        raise UsageError(f"world_size and batch_size must be at least 1, got {world_size} and {batch_size}")
     if len(order) % world_size:
-        raise ValueError(f"{len(order)} packs cannot be dealt evenly to {world_size} ranks")
+        raise UsageError(f"{len(order)} packs cannot be dealt evenly to {world_size} ranks")
     order = np.ascontiguousarray(order, dtype=np.int64)
     full_steps = len(order) // (world_size * batch_size)
     # Each window's full steps in a random order: sort random keys within each window.

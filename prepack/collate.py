@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
-from prepack.errors import IsolationError, optional_imports
+from prepack.errors import ArgumentTypeError, IsolationError, UsageError, optional_imports
 from prepack.format import IGNORE_INDEX, read_manifest
 
 with optional_imports("PackedCollator"):
@@ -80,7 +80,7 @@ class PackedCollator:
 
     Use it as a DataLoader `collate_fn` or a Trainer `data_collator`; other keys of a pack are ignored.
 
-    - `max_len`: the row length L, and the longest pack accepted (a longer one raises ValueError).
+    - `max_len`: the row length L, and the longest pack accepted (a longer one raises UsageError).
     - `pad_to="longest"`: make L the longest pack of this batch instead (`max_len` then only validates).
     - `pad_to_multiple_of`: round L up to a multiple of it (fewer distinct shapes for compiled kernels).
     - `layout`:
@@ -125,17 +125,17 @@ class PackedCollator:
         cp_size: int | None = None,
     ):
         if layout not in _LAYOUTS:
-            raise ValueError(f"layout must be one of {_LAYOUTS}, not {layout!r}.")
+            raise UsageError(f"layout must be one of {_LAYOUTS}, not {layout!r}.")
         if pad_to not in ("max_len", "longest"):
-            raise ValueError(f"pad_to must be 'max_len' or 'longest', not {pad_to!r}.")
+            raise UsageError(f"pad_to must be 'max_len' or 'longest', not {pad_to!r}.")
         if pad_to == "max_len" and max_len is None and layout != "padding_free":
-            raise ValueError("Give max_len, or pad_to='longest' to pad each batch to its longest pack.")
+            raise UsageError("Give max_len, or pad_to='longest' to pad each batch to its longest pack.")
         if max_len is not None and max_len < 1:
-            raise ValueError(f"max_len must be at least 1, not {max_len}.")
+            raise UsageError(f"max_len must be at least 1, not {max_len}.")
         if pad_to_multiple_of is not None and (pad_to_multiple_of < 1 or layout == "padding_free"):
-            raise ValueError("pad_to_multiple_of must be at least 1, and the padding_free layout takes none.")
+            raise UsageError("pad_to_multiple_of must be at least 1, and the padding_free layout takes none.")
         if cp_size is not None and (cp_size < 1 or layout != "padding_free"):
-            raise ValueError("cp_size must be at least 1, and only the padding_free layout (THD) takes it.")
+            raise UsageError("cp_size must be at least 1, and only the padding_free layout (THD) takes it.")
         self.cp_size = cp_size
         self.max_len = max_len
         self.layout = layout
@@ -157,7 +157,7 @@ class PackedCollator:
 
         max_len = hf_dataset_max_len(dataset) if hasattr(dataset, "info") else None
         if max_len is None:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"PackedCollator.for_dataset takes a PackedDataset, a build directory or a dataset from "
                 f"prepack.open_hf_dataset, not {type(dataset).__name__}; give max_len: PackedCollator(max_len)."
             )
@@ -166,7 +166,7 @@ class PackedCollator:
     def __call__(self, packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor | int | bool]:
         checked = [_checked_pack(pack, number, self.max_len) for number, pack in enumerate(packs)]
         if not checked:
-            raise ValueError("Cannot collate an empty list of packs.")
+            raise UsageError("Cannot collate an empty list of packs.")
         input_ids, labels, segment_ids = self._fill_rows(checked)
         fields = segment_fields(segment_ids)
         # A document's first token is predicted by the end of the previous document: never train on it.
@@ -253,7 +253,7 @@ def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None) -> 
     """The pack's arrays, refused when its offsets do not describe its tokens (they would mix documents)."""
     for key in ("input_ids", "cu_seqlens"):
         if key not in pack:
-            raise ValueError(
+            raise UsageError(
                 f"Pack {number} has no {key!r} (keys: {sorted(pack)}). With a Hugging Face Trainer, "
                 "set remove_unused_columns=False so that the pack's columns reach the collator."
             )
@@ -262,11 +262,11 @@ def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None) -> 
     labels = np.asarray(pack["labels"]) if pack.get("labels") is not None else None
     tokens = len(input_ids)
     if input_ids.ndim != 1 or tokens == 0:
-        raise ValueError(f"Pack {number}: input_ids must be a non-empty 1-D sequence, not shape {input_ids.shape}.")
+        raise UsageError(f"Pack {number}: input_ids must be a non-empty 1-D sequence, not shape {input_ids.shape}.")
     if max_len is not None and tokens > max_len:
-        raise ValueError(f"Pack {number} has {tokens} tokens, more than max_len={max_len}.")
+        raise UsageError(f"Pack {number} has {tokens} tokens, more than max_len={max_len}.")
     if labels is not None and labels.shape != input_ids.shape:
-        raise ValueError(f"Pack {number}: labels have shape {labels.shape}, input_ids {input_ids.shape}.")
+        raise UsageError(f"Pack {number}: labels have shape {labels.shape}, input_ids {input_ids.shape}.")
     if (
         cu_seqlens.ndim != 1
         or len(cu_seqlens) < 2

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from prepack.errors import optional_imports
+from prepack.errors import UsageError, optional_imports
 
 with optional_imports("split_for_cp"):
     import torch
@@ -43,11 +43,11 @@ def cp_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> t
     """int64 positions, in order, of the tokens rank `cp_rank` of `cp_size` holds: of each document,
     chunks `cp_rank` and `2·cp_size − 1 − cp_rank` of 2·cp_size."""
     if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"need 0 <= cp_rank < cp_size, got cp_rank {cp_rank} and cp_size {cp_size}")
+        raise UsageError(f"need 0 <= cp_rank < cp_size, got cp_rank {cp_rank} and cp_size {cp_size}")
     offsets = cu_seqlens_padded.to(torch.int64)
     lengths = offsets.diff()
     if (lengths % (2 * cp_size)).any():
-        raise ValueError(f"every document must be padded to a multiple of {2 * cp_size}: collate with cp_size={cp_size}")
+        raise UsageError(f"every document must be padded to a multiple of {2 * cp_size}: collate with cp_size={cp_size}")
     chunk = lengths // (2 * cp_size)
     starts = torch.stack([offsets[:-1] + cp_rank * chunk, offsets[:-1] + (2 * cp_size - 1 - cp_rank) * chunk], 1)
     pieces = chunk.repeat_interleave(2)
@@ -71,7 +71,7 @@ def split_for_cp(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> dict[s
     is, and (module docstring) `shift_labels` shifted on the whole batch, `cp_indices` and
     `cp_trained_per_document`. A batch that already has `shift_labels` keeps them."""
     if "cu_seqlens_padded" not in batch:
-        raise ValueError("split_for_cp needs a batch from PackedCollator(layout='padding_free', cp_size=...)")
+        raise UsageError("split_for_cp needs a batch from PackedCollator(layout='padding_free', cp_size=...)")
     index = cp_indices(batch["cu_seqlens_padded"], cp_size, cp_rank)
     whole = dict(batch)
     if "shift_labels" not in whole and "labels" in whole:

@@ -9,6 +9,10 @@
     ├── IsolationError           a batch or a model set-up would let documents attend to each other
     ├── SamplerStateError        a PackedSampler state (a checkpoint's) is malformed or for another setup
     ├── DistributedSetupError    the processes of a job are not set up to train as one
+    ├── UsageError               the training API is called wrongly: an argument out of range or not one of
+    │   │                        its choices, a batch without the fields the call needs (also a ValueError)
+    │   ├── ArgumentTypeError    an argument of a type the call cannot use (also a TypeError)
+    │   └── PackIndexError       a pack index out of range of a PackedDataset (also an IndexError)
     └── MissingExtraError        an optional dependency is not installed: names the extra and its install line
                                  (also an ImportError)
 
@@ -22,6 +26,7 @@ from importlib import import_module
 from types import ModuleType
 
 __all__ = [
+    "ArgumentTypeError",
     "DISTRIBUTION",
     "DistributedSetupError",
     "EXTRAS",
@@ -31,8 +36,10 @@ __all__ = [
     "IsolationError",
     "MissingExtraError",
     "OutputError",
+    "PackIndexError",
     "PrepackError",
     "SamplerStateError",
+    "UsageError",
     "optional_imports",
     "require",
 ]
@@ -106,6 +113,21 @@ class DistributedSetupError(PrepackError, RuntimeError):
     """The processes of a job would not train as one: launched as several (`WORLD_SIZE` > 1) without a
     process group, or with one that Accelerate does not use for DDP, so that each rank would train a
     model of its own on its share of the packs. A RuntimeError too, as the sampler raised before."""
+
+
+class UsageError(PrepackError, ValueError):
+    """The training API is called wrongly: an argument out of its range or not one of its choices, or a
+    batch or pack without the fields (or shapes) the call needs. A ValueError too, as raised before."""
+
+
+class ArgumentTypeError(UsageError, TypeError):
+    """An argument of a type the call cannot use: a dataset `PackedCollator.for_dataset` cannot size, one
+    `PackedSampler` cannot balance. A TypeError too, as raised before."""
+
+
+class PackIndexError(UsageError, IndexError):
+    """A pack index out of range of a `PackedDataset`. An IndexError too, which is what ends iterating a
+    dataset by index (`for pack in dataset`) and what sequence code expects."""
 
 
 class MissingExtraError(PrepackError, ImportError):

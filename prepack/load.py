@@ -29,7 +29,7 @@ import pyarrow as pa
 from numba.typed import List as TypedList
 
 from prepack.cache import ShardCache
-from prepack.errors import FormatError, InputError, optional_imports
+from prepack.errors import FormatError, InputError, PackIndexError, optional_imports
 from prepack.format import (
     FORMAT_VERSION,
     Manifest,
@@ -207,7 +207,7 @@ class PackedDataset(Dataset):
         """Global pack index → (shard, row in shard)."""
         size = len(self)
         if not -size <= index < size:
-            raise IndexError(f"pack {index} is out of range for {size} packs")
+            raise PackIndexError(f"pack {index} is out of range for {size} packs")
         index %= size
         shard = int(np.searchsorted(self._row_ends, index, "right"))
         first_row = int(self._row_ends[shard]) - self.manifest.shards[shard].rows

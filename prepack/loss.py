@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from prepack.errors import optional_imports
+from prepack.errors import UsageError, optional_imports
 from prepack.format import IGNORE_INDEX
 
 with optional_imports("weighted_loss"):
@@ -57,7 +57,7 @@ def loss_weights(batch: Mapping[str, Any], weighting: Weighting) -> torch.Tensor
     `cp_trained_per_document` (`split_for_cp` adds both).
     """
     if weighting not in ("token", "document"):
-        raise ValueError(f"weighting must be 'token' or 'document', not {weighting!r}")
+        raise UsageError(f"weighting must be 'token' or 'document', not {weighting!r}")
     if "shift_labels" in batch:
         trained = batch["shift_labels"] != IGNORE_INDEX
     else:
@@ -67,11 +67,11 @@ def loss_weights(batch: Mapping[str, Any], weighting: Weighting) -> torch.Tensor
     if weighting == "token":
         return weights
     if "cu_seq_lens_q" not in batch:
-        raise ValueError("document weighting needs cu_seq_lens_q: use PackedCollator's padded or padding_free layout")
+        raise UsageError("document weighting needs cu_seq_lens_q: use PackedCollator's padded or padding_free layout")
     cu = batch["cu_seq_lens_q"].to(torch.int64)
     if "cp_indices" in batch:  # a context-parallel part: its positions in the whole batch, its documents' totals
         if "cp_trained_per_document" not in batch:
-            raise ValueError(
+            raise UsageError(
                 "document weighting of a context-parallel part needs cp_trained_per_document: split with split_for_cp"
             )
         positions, per_document = batch["cp_indices"].to(torch.int64), batch["cp_trained_per_document"]

@@ -33,7 +33,7 @@ from prepack.balance import (
     pack_costs,
     validated_token_cost,
 )
-from prepack.errors import DistributedSetupError, SamplerStateError, optional_imports
+from prepack.errors import ArgumentTypeError, DistributedSetupError, SamplerStateError, UsageError, optional_imports
 
 with optional_imports("PackedSampler"):
     import torch
@@ -69,7 +69,7 @@ class _State(BaseModel):
     passes: list[_Pass] | None = Field(default=None, min_length=1, max_length=MAX_PASSES)
 
     @model_validator(mode="after")
-    def _consistent(self) -> _State:
+    def _consistent(self) -> _State:  # ValueError is how a pydantic validator fails: SamplerStateError below
         if self.used > self.size:
             raise ValueError(f"used {self.used} is more than the {self.size} packs")
         balanced = self.balance is not None
@@ -157,7 +157,7 @@ class PackedSampler(Sampler[int]):
         self._distributed_default = world_size is None
         self.rank, self.world_size = _rank_and_world_size(rank, world_size)
         if seed < 0:
-            raise ValueError(f"seed must be non-negative, got {seed}")
+            raise UsageError(f"seed must be non-negative, got {seed}")
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
@@ -175,13 +175,13 @@ class PackedSampler(Sampler[int]):
 
     def _pack_costs(self, dataset: Sized | int) -> np.ndarray:
         if self.balance != "attention":
-            raise ValueError(f"balance must be 'attention' or None, not {self.balance!r}")
+            raise UsageError(f"balance must be 'attention' or None, not {self.balance!r}")
         if self.batch_size is None or self.batch_size < 1:
-            raise ValueError(f"balance needs batch_size (the DataLoader's), at least 1; got {self.batch_size}")
+            raise UsageError(f"balance needs batch_size (the DataLoader's), at least 1; got {self.batch_size}")
         if not self.drop_last:
-            raise ValueError("balance needs drop_last=True: repeating packs to fill the last step would unbalance it")
+            raise UsageError("balance needs drop_last=True: repeating packs to fill the last step would unbalance it")
         if not hasattr(dataset, "document_lengths"):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"balance reads each pack's document lengths from a PackedDataset, not a {type(dataset).__name__}"
             )
         shards = dataset.document_lengths()
@@ -196,7 +196,7 @@ class PackedSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Use epoch `epoch`'s order; setting the epoch a loaded state is in keeps its position."""
         if epoch < 0:
-            raise ValueError(f"epoch must be non-negative, got {epoch}")
+            raise UsageError(f"epoch must be non-negative, got {epoch}")
         if epoch != self.epoch:
             self.epoch, self._start, self._position, self._resume_pending = epoch, 0, 0, False
             self._passes = self._first_pass()
@@ -370,7 +370,7 @@ def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int,
     if rank is None:
         rank = torch.distributed.get_rank() if distributed else 0
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank {rank} and world_size {world_size}")
+        raise UsageError(f"need 0 <= rank < world_size, got rank {rank} and world_size {world_size}")
     return rank, world_size
 
 

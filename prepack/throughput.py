@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from prepack.errors import optional_imports
+from prepack.errors import UsageError, optional_imports
 from prepack.format import IGNORE_INDEX
 
 with optional_imports("prepack.throughput"):
@@ -53,7 +53,7 @@ def batch_tokens(batch: Mapping[str, Any]) -> BatchTokens:
     tokens = batch.get("input_ids")
     tokens = batch.get("inputs_embeds") if tokens is None else tokens
     if tokens is None or tokens.dim() < 2:
-        raise ValueError("batch_tokens needs a batch with input_ids (or inputs_embeds) of shape [rows, width].")
+        raise UsageError("batch_tokens needs a batch with input_ids (or inputs_embeds) of shape [rows, width].")
     rows, width = tokens.shape[:2]
     slots = rows * width
     labels = batch.get("labels")
