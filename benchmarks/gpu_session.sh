@@ -10,7 +10,7 @@
 #
 # Time budget, 6.5 minutes at most, every part bounded by `timeout`:
 #    30 s  probe: versions, the device, which kernels import                  -> $OUT/probe.txt
-#   180 s  pytest -m gpu (tests/test_gpu_*.py; FA4 compiles each kernel shape on first use, flex each
+#   180 s  pytest -m gpu (tests/model/test_gpu_*.py; FA4 compiles each kernel shape on first use, flex each
 #          shape of each model: flex is most of it)
 #                                                                              -> $OUT/pytest.txt, pytest-junit.xml
 #   180 s  benchmarks/bench_gpu_train.py (--budget-s 120: no contender starts after that, the one running
@@ -94,7 +94,7 @@ print("flash_attention_4 usable:", is_flash_attn_4_available())
 }
 gpu_tests() {
     # shellcheck disable=SC2086 (PYTEST_ARGS is a list of arguments)
-    py "$TESTS_LIMIT" -m pytest -m gpu tests/test_gpu_*.py $PYTEST_ARGS -p no:cacheprovider -rA -o addopts="" --junitxml="$OUT/pytest-junit.xml" \
+    py "$TESTS_LIMIT" -m pytest -m gpu tests/model/test_gpu_*.py $PYTEST_ARGS -p no:cacheprovider -rA -o addopts="" --junitxml="$OUT/pytest-junit.xml" \
         2>&1 | tee "$OUT/pytest.txt"
     return "${PIPESTATUS[0]}"
 }

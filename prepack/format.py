@@ -1,7 +1,7 @@
 """The shard format: one description that the writer and every reader are built against.
 
 The normative text is `schemas/shard-format.md`; `schemas/manifest.schema.json` is generated from
-`Manifest` below. `tests/test_format.py` fails when either drifts from this module.
+`Manifest` below. `tests/formats/test_format.py` fails when either drifts from this module.
 """
 
 from __future__ import annotations

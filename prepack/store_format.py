@@ -4,7 +4,7 @@
 A store holds a corpus's documents once, tokenized, in corpus row order, so that any number of builds
 (other max-lens, seeds, algorithms) read them without tokenizing again. The normative text is
 `schemas/store-format.md`; `schemas/store.schema.json` is generated from `StoreManifest` below, and
-`tests/test_store.py` fails when either drifts from this module.
+`tests/formats/test_store.py` fails when either drifts from this module.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Train a tiny random Llama on a build with one real client, as the README's recipes do, and record
-which packs each rank trained on and what reached the model (`tests/test_clients.py` reads it).
+which packs each rank trained on and what reached the model (`tests/train/test_clients.py` reads it).
 
     torchrun --nproc_per_node 2 tests/clients.py CLIENT --data BUILD --out DIR [--steps K]
 

@@ -54,7 +54,7 @@ def test_errors_exit_2_with_a_message_and_no_output(tmp_path, args, message):
 @pytest.mark.slow
 def test_readme_demo_packs_the_chitchat_conversations(tmp_path):
     """The README's first command: chat corpus + local GPT-2 tokenizer → a build with assistant labels."""
-    script = Path(__file__).resolve().parent.parent / "examples" / "chitchat.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "chitchat.py"
     out = tmp_path / "packed"
     result = subprocess.run(
         [sys.executable, str(script), "--out", str(out), "--max-len", "2048"],

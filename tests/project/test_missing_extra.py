@@ -130,5 +130,5 @@ def test_only_missing_optional_dependencies_are_translated():
 
 
 def test_every_extra_named_is_one_of_pyproject():
-    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert set(EXTRAS.values()) <= set(extras)

@@ -100,7 +100,7 @@ GOLDEN = {
 BUMP = (
     "the bytes prepack writes changed. If intended, bump FORMAT_VERSION (readers of the old bytes would "
     "misread the new ones) or justify it in the changelog of schemas/shard-format.md, then update GOLDEN "
-    "in tests/test_golden.py"
+    "in tests/formats/test_golden.py"
 )
 
 # Twelve documents of 0 to 11 tokens, one longer than max_len (split), one empty.

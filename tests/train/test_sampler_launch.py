@@ -18,7 +18,7 @@ import torch
 from prepack.errors import DistributedSetupError, PrepackError
 from prepack.sample import PackedSampler
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_several_processes_without_a_process_group_at_the_first_iteration_are_refused(monkeypatch):

@@ -1,7 +1,7 @@
 """`enable_packing` keeps packed documents apart in the hybrid and linear-attention families whose
 sequence-state layers it runs one document per row (`prepack.stateful`; the table's "per document" verdicts).
 
-The family sweep (tests/test_family_sweep.py) measures every verdict in float64 on short packs, with the
+The family sweep (tests/model/test_family_sweep.py) measures every verdict in float64 on short packs, with the
 negative control. This file adds what the sweep does not: float32 (each document within 1e-5 of itself
 alone), packs with a document past the gated delta rule's 64-token chunk, documents shorter than a
 convolution kernel and ones spanning several Mamba chunks; the other batch layouts; gradient checkpointing;

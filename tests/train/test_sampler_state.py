@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from prepack.errors import PrepackError, SamplerStateError
 from prepack.sample import PackedSampler
 MAX_PASSES = 64
-from tests.test_balance import CuSeqlensOnly, random_packs
+from tests.train.test_balance import CuSeqlensOnly, random_packs
 
 SIZE = 40
 DATASET = CuSeqlensOnly(random_packs(SIZE, seed=1))

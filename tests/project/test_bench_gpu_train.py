@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_gpu_train", ROOT / "benchmarks" / "bench_gpu_train.py")
 bench = sys.modules["bench_gpu_train"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up there
 _spec.loader.exec_module(bench)

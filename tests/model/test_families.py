@@ -1,7 +1,7 @@
 """`prepack.families` and what `enable_packing` does with it: refusals that name the family, the backend,
 the reason and what to do instead; unlisted model types refused unless the caller opts in; the masks
 prepack passes to gpt-oss on eager; padding that never turns gradients NaN. The whole table is measured
-by the slow `tests/test_family_sweep.py`; these are the fast, pointed checks.
+by the slow `tests/model/test_family_sweep.py`; these are the fast, pointed checks.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from prepack.attention import enable_packing
 from prepack.collate import PackedCollator
 from prepack.isolation import default_tolerances, measure_isolation
 from tests.flash_reference import use_flash_reference, use_flex_reference  # noqa: F401 (fixtures)
-from tests.test_family_sweep import MAX_LEN, packs
+from tests.model.test_family_sweep import MAX_LEN, packs
 from tests.tiny_models import tiny_model
 
 LEAK = 1e-3
@@ -79,7 +79,7 @@ def test_enable_packing_does_not_warn_on_the_measured_release(monkeypatch):
 
 
 def test_the_support_page_is_generated_from_the_table():
-    page = Path(__file__).parents[1] / "docs" / "model-support.md"
+    page = Path(__file__).parents[2] / "docs" / "model-support.md"
     assert page.read_text() == families.markdown(), "run: python -m prepack.families > docs/model-support.md"
 
 

@@ -232,7 +232,7 @@ def test_trl_trains_on_an_index_build_as_on_the_full_build(tmp_path, monkeypatch
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "examples"))  # as the example runs
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))  # as the example runs
     from train_trl_sft import placeholder_tokenizer
 
     store = _store(tmp_path, labels=True)

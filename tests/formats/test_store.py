@@ -33,7 +33,7 @@ from tests.cli import WIDE, run_prepack
 from tests.corpus import corpus_table, edit_json, files, write_corpus
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory
 
-SCHEMAS = Path(__file__).parent.parent / "schemas"
+SCHEMAS = Path(__file__).parents[2] / "schemas"
 # The golden store: `_golden_corpus` tokenized with `shard_size=64`. Its bytes change only with the
 # store format, which then bumps STORE_VERSION. The fingerprint is a build's (see test below).
 GOLDEN_SHA256 = {
@@ -53,7 +53,7 @@ def test_store_json_schema_matches_the_model():
     if os.environ.get("PREPACK_REGENERATE_SCHEMAS"):
         path.write_text(generated)
     assert path.read_text() == generated, (
-        "schemas/store.schema.json is out of date: PREPACK_REGENERATE_SCHEMAS=1 pytest tests/test_store.py"
+        "schemas/store.schema.json is out of date: PREPACK_REGENERATE_SCHEMAS=1 pytest tests/formats/test_store.py"
     )
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.corpus import training_build
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +41,9 @@ def test_example_trains_and_prints_a_finite_loss(packed, script, tmp_path):
 
 def test_no_test_imports_the_examples_as_a_package():
     """The demo's corpus and tokenizer come from running examples/chitchat.py (tests/demo_inputs.py)."""
-    tests = Path(__file__).resolve().parent
+    tests = Path(__file__).resolve().parents[1]
     importing = [
-        path.name for path in sorted(tests.glob("*.py"))
+        path.name for path in sorted(tests.rglob("*.py"))
         if re.search(r"^\s*(from|import)\s+examples\b", path.read_text(encoding="utf-8"), flags=re.MULTILINE)
     ]
     assert importing == []

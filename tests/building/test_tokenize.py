@@ -418,7 +418,7 @@ def test_unguarded_script_with_chat_workers_fails_named_instead_of_hanging(tmp_p
     parquet(tmp_path / "chats.parquet", messages=[as_chat(t) for t in chitchat()[:400]])
     shutil.copytree(gpt2_chat, tmp_path / "my-tokenizer")
     (tmp_path / "script.py").write_text(UNGUARDED_SCRIPT)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
                             env={**os.environ, "PYTHONPATH": str(root)})
     assert result.returncode == 1

@@ -18,7 +18,7 @@ import pytest
 
 from prepack import build, read_manifest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"^```(bash|python) walkthrough\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 

@@ -1,7 +1,7 @@
 """`prepack check-isolation`, run in-process: exit 0 on an isolated model, 1 on a leak, 2 on bad input, on
 a family prepack refuses and on a model that fails on the batch.
 
-The models are tiny random ones from `tests/test_isolation.py`, saved to a temporary directory; nothing
+The models are tiny random ones from `tests/model/test_isolation.py`, saved to a temporary directory; nothing
 is downloaded.
 """
 
@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from prepack import attention, families, isolation, tiny_models
 from prepack.cli import Attention, Dtype, app
-from tests.test_isolation import LEAK, tiny_model
+from tests.model.test_isolation import LEAK, tiny_model
 from tests.tiny_models import tiny_config
 
 MAX_LEN = 48  # tiny_model's max_position_embeddings is 64

@@ -285,7 +285,7 @@ print(sum(int(dataset[i]["input_ids"].sum()) for i in range(len(dataset))))
 def test_processes_sharing_a_cache_download_each_shard_once(remote_build, tmp_path, s3_server):
     local, uri = remote_build
     cache = tmp_path / "cache"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     readers = [
         subprocess.Popen([sys.executable, "-c", _READ_ALL, uri, str(cache)], stdout=subprocess.PIPE, text=True, env=env)
         for _ in range(2)
@@ -458,7 +458,7 @@ def test_verify_names_a_damaged_shard_in_s3_by_its_uri(remote_build, tmp_path, f
 def test_a_bad_row_in_s3_is_named_by_the_uri_in_verify_inspect_and_the_loader(remote_build, tmp_path, fs):
     """A shard rewritten with a wrong `cu_seqlens` and recorded in the manifest (so that only the row
     checks notice): every reader names the object's URI, row and column, not the cached copy."""
-    from tests.test_verify import rewrite_shard, row_with_documents, shard_rows, with_column
+    from tests.check.test_verify import rewrite_shard, row_with_documents, shard_rows, with_column
 
     local, uri = remote_build
     name = "shard-00001.arrow"

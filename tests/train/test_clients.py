@@ -26,7 +26,7 @@ from tests.corpus import training_build
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = ROOT / "tests" / "clients.py"
 STEPS = 3  # trained before the state is saved
 RANKS = 2

@@ -28,7 +28,7 @@ from prepack.format import (
 )
 from tests.corpus import corpus_table, write_corpus
 
-SCHEMAS = Path(__file__).parent.parent / "schemas"
+SCHEMAS = Path(__file__).parents[2] / "schemas"
 
 
 def test_manifest_json_schema_matches_the_model():
@@ -37,7 +37,7 @@ def test_manifest_json_schema_matches_the_model():
     if os.environ.get("PREPACK_REGENERATE_SCHEMAS"):
         path.write_text(generated)
     assert path.read_text() == generated, (
-        "schemas/manifest.schema.json is out of date: PREPACK_REGENERATE_SCHEMAS=1 pytest tests/test_format.py"
+        "schemas/manifest.schema.json is out of date: PREPACK_REGENERATE_SCHEMAS=1 pytest tests/formats/test_format.py"
     )
 
 

@@ -1,0 +1,1 @@
+"""Tests of building: reading, tokenizing, planning, writing packs and stores, the engines."""

@@ -1,0 +1,1 @@
+"""Tests of the two formats: pack shards and the document store, their specs, schemas and golden bytes."""

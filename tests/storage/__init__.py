@@ -1,0 +1,1 @@
+"""Tests of where output goes: publishing locally and in object storage, the shard cache."""

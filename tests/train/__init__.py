@@ -1,0 +1,1 @@
+"""Tests of training: the dataset, sampler, balance, collator, loss, context parallelism, trainers."""
