@@ -26,18 +26,20 @@ from prepack.format import (
     shard_schema,
     shard_sha256,
 )
+from prepack.store_format import StoreManifest
 from tests.corpus import corpus_table, write_corpus
 
 SCHEMAS = Path(__file__).parents[2] / "schemas"
 
 
-def test_manifest_json_schema_matches_the_model():
-    generated = json.dumps(Manifest.model_json_schema(), indent=2, sort_keys=True) + "\n"
-    path = SCHEMAS / "manifest.schema.json"
+@pytest.mark.parametrize(("model", "name"), [(Manifest, "manifest.schema.json"), (StoreManifest, "store.schema.json")])
+def test_json_schema_matches_the_model(model, name):
+    generated = json.dumps(model.model_json_schema(), indent=2, sort_keys=True) + "\n"
+    path = SCHEMAS / name
     if os.environ.get("PREPACK_REGENERATE_SCHEMAS"):
         path.write_text(generated)
     assert path.read_text() == generated, (
-        "schemas/manifest.schema.json is out of date: PREPACK_REGENERATE_SCHEMAS=1 pytest tests/formats/test_format.py"
+        f"schemas/{name} is out of date: PREPACK_REGENERATE_SCHEMAS=1 pytest tests/formats/test_format.py"
     )
 
 
