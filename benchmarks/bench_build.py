@@ -9,7 +9,7 @@ clipped at 32k; random ids) and runs, each in a fresh subprocess so peak memory 
 - `copy`: a plain pyarrow read of the token column and an Arrow IPC stream write of it: no packing,
   no hashing, the most any tool that reads and writes these bytes can do;
 - `copy_synced`: the same copy writing the way prepack writes its shards: synced and dropped from
-  the page cache every 64 MiB (`prepack.write.SyncedFile`), which on some machines is much faster;
+  the page cache every 64 MiB (`prepack.building.write_shards.SyncedFile`), which on some machines is much faster;
 - `trl`: `datasets.Dataset.from_parquet` + TRL `pack_dataset(strategy="bfd")` + `save_to_disk`.
 
 Each child imports its libraries before its clock starts (the import time is printed apart), and
@@ -84,7 +84,7 @@ def run_copy(corpus: str, out: str) -> None:
 
 
 def run_copy_synced(corpus: str, out: str) -> None:
-    from prepack.write import SyncedFile
+    from prepack.building.write_shards import SyncedFile
 
     os.makedirs(out)
     source = pq.ParquetFile(corpus, pre_buffer=False, buffer_size=2**20)
@@ -109,7 +109,7 @@ METHODS = {"prepack": run_prepack, "copy": run_copy, "copy_synced": run_copy_syn
 IMPORTS = {
     "prepack": ["prepack"],
     "copy": [],
-    "copy_synced": ["prepack.write"],
+    "copy_synced": ["prepack.building.write_shards"],
     "trl": ["datasets", "trl.data_utils"],
 }
 

@@ -22,7 +22,7 @@ Contenders, each for `--warmup` untimed steps and then `--steps` timed ones, on 
   little padding, but length-sorted batches and a token count per step that swings;
 - `hf-flattening`: conversations in random order, up to `--tokens-per-step` tokens a step, collated by
   transformers' `DataCollatorWithFlattening` into one row (flash kwargs on flash kernels);
-- `prepack`: conversations packed first-fit-decreasing into rows of `--max-len` (`prepack.plan.assign_packs`),
+- `prepack`: conversations packed first-fit-decreasing into rows of `--max-len` (`prepack.building.plan.assign_packs`),
   packs in a seeded random order, `--tokens-per-step // --max-len` rows a step, `PackedCollator`, and
   `enable_packing(model)`.
 
@@ -126,7 +126,7 @@ def flattened_steps(lengths: np.ndarray, tokens_per_step: int, seed: int) -> lis
 
 def prepack_steps(lengths: np.ndarray, max_len: int, rows: int, seed: int) -> list[list[list[int]]]:
     """Packs (conversation indices) first-fit-decreasing, in a seeded random order, `rows` packs a step."""
-    from prepack.plan import assign_packs
+    from prepack.building.plan import assign_packs
 
     pack_of = assign_packs(lengths, max_len)
     packs = [list(np.flatnonzero(pack_of == pack)) for pack in range(int(pack_of.max()) + 1)]
@@ -164,7 +164,7 @@ def collated_steps(method: str, attn: str, lengths: np.ndarray, tokens: list[np.
         chosen = flattened_steps(lengths, args.tokens_per_step, args.seed)[:count]
         return [_step(collate([{"input_ids": tokens[i].tolist()} for i in step]), [lengths[i] for i in step])
                 for step in chosen]
-    from prepack.collate import PackedCollator
+    from prepack.training.collate import PackedCollator
 
     collate = PackedCollator(args.max_len)
     rows = max(1, args.tokens_per_step // args.max_len)
@@ -215,7 +215,7 @@ def matmul_parameters(model) -> int:
 
 
 def run_contender(model, method: str, attn: str, steps: list[Step], args, device: torch.device, peak: float | None):
-    from prepack.attention import disable_packing, enable_packing
+    from prepack.model.packing import disable_packing, enable_packing
 
     result = Result(attn, method)
     optimizer = None

@@ -37,9 +37,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import prepack
-from prepack.format import read_manifest
-from prepack.load import PackedDataset
-from prepack.store_format import read_store_manifest
+from prepack.formats.shards import read_manifest
+from prepack.training.dataset import PackedDataset
+from prepack.formats.store import read_store_manifest
 
 MAX_LENS = (2048, 4096, 8192)
 

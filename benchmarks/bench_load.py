@@ -55,8 +55,8 @@ def write_corpus(path: Path, n: int, labels: bool = False) -> None:
 
 
 def prepack_loader(data: Path, order: list[int], workers: int) -> DataLoader:
-    from prepack.collate import PackedCollator
-    from prepack.load import PackedDataset
+    from prepack.training.collate import PackedCollator
+    from prepack.training.dataset import PackedDataset
 
     dataset = PackedDataset(data)
     return DataLoader(
@@ -141,8 +141,8 @@ def main() -> None:
 
 
 def report(builds: dict[str, Path], repeats: int) -> None:
-    from prepack.load import PackedDataset
-    from prepack.sample import PackedSampler
+    from prepack.training.dataset import PackedDataset
+    from prepack.training.sampler import PackedSampler
 
     dataset = PackedDataset(builds["full"])
     order = list(PackedSampler(dataset, seed=0))

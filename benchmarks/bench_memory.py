@@ -5,7 +5,7 @@
 
 `--docs`: for each count, a Parquet corpus of tiny documents (1 to 8 random ids each, 64k-row row
 groups; tiny, so that the token volume stays small and what grows is the per-document memory), and
-two fresh processes: `plan` (`prepack.plan.plan_packs` of the corpus's lengths, held as the build
+two fresh processes: `plan` (`prepack.building.plan.plan_packs` of the corpus's lengths, held as the build
 holds them: `compact_lengths` and one untrained flag a document) and `build`
 (`prepack.build(corpus, out, max_len=8192)`). Each reports its peak resident memory (`VmHWM`, which
 counts the pages of mapped files it touched too) and its time. The slope between two sizes is the
@@ -73,7 +73,7 @@ def write_billion(path: Path, n: int) -> None:
 
 
 def child_plan(lengths_path: str) -> dict:
-    from prepack import plan
+    from prepack.building import plan
 
     plan.plan_packs(np.array([3, 5]), MAX_LEN)  # load the kernels from numba's cache
     lengths = np.load(lengths_path)  # uint16
@@ -98,7 +98,7 @@ def child_build(corpus: str, out: str) -> dict:
 
 
 def child_billion(lengths_path: str) -> dict:
-    from prepack.plan import plan_packs
+    from prepack.building.plan import plan_packs
 
     plan_packs(np.array([3, 5], dtype=np.uint16), MAX_LEN)  # load the kernels from numba's cache
     lengths = np.load(lengths_path, mmap_mode="r")

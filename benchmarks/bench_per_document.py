@@ -1,4 +1,4 @@
-"""What running the stateful layers one document at a time costs (`prepack.stateful`).
+"""What running the stateful layers one document at a time costs (`prepack.model.stateful`).
 
     python benchmarks/bench_per_document.py [--rows 4] [--max-len 1024] [--repeat 5] [--device cpu]
 
@@ -27,7 +27,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from prepack import PackedCollator, disable_packing, enable_packing
-from prepack.stateful import DocumentSegments
+from prepack.model.stateful import DocumentSegments
 
 VOCAB = 1024
 MODELS = {

@@ -4,7 +4,7 @@
 
 Writes the same Parquet corpus as bench_build.py (`--docs` documents, lognormal lengths, random ids)
 and builds it `--repeat` times per shard size (MiB), each in a fresh process after a `--settle` pause,
-with timers around the build's phases (private functions of the local engine, `prepack.engine_local`,
+with timers around the build's phases (private functions of the local engine, `prepack.building.engines.local`,
 and `prepack.build`'s `plan_packs`, so this script follows their names): `read` (`_store_documents`:
 read, check, fingerprint, scratch store), `plan` (`plan_packs`, including the numba cache load),
 `write` (`_write_shards`). Also the process's user and
@@ -28,8 +28,8 @@ from bench_build import make_corpus
 
 
 def child(corpus: str, out: str, shard_size: int) -> None:
-    build_module = importlib.import_module("prepack.build")  # `prepack.build` the name is the function
-    engine_module = importlib.import_module("prepack.engine_local")
+    build_module = importlib.import_module("prepack.building.build")  # `prepack.build` the name is the function
+    engine_module = importlib.import_module("prepack.building.engines.local")
     seconds = {}
 
     def timed(phase, function):

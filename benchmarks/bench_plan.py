@@ -54,7 +54,7 @@ def start_rss_window() -> float:
 
 
 def run_prepack(lengths: np.ndarray, max_len: int, algorithm: str, repeats: int) -> dict:
-    from prepack.plan import assign_packs, compact_lengths, plan_packs
+    from prepack.building.plan import assign_packs, compact_lengths, plan_packs
 
     whole = algorithm == "plan"  # the whole plan of a build: segments, FFD, shuffle, pack slots
     if whole:

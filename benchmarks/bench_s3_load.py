@@ -91,7 +91,7 @@ def main() -> None:
         import boto3
 
         from prepack import PackedDataset, build
-        from prepack.sample import PackedSampler
+        from prepack.training.sampler import PackedSampler
 
         boto3.client("s3").create_bucket(Bucket="bench")
         with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_validate.py
 
-`prepack.read.record_batches` calls `RecordBatch.validate(full=True)` on every batch before a value is
+`prepack.sources.corpus.record_batches` calls `RecordBatch.validate(full=True)` on every batch before a value is
 used (offsets monotonic and inside their buffers, UTF-8 of strings). This times that call on batches
 of the size a build reads (8,192 rows; lognormal "SFT" lengths as in bench_build.py, random ids)
 against the same batch read from an Arrow IPC file and from Parquet. Prints a markdown table of

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_writes.py --gib 1
 
-The numbers behind `prepack.write.SyncedFile`, which writes every shard. Each way writes `--gib` GiB
+The numbers behind `prepack.building.write_shards.SyncedFile`, which writes every shard. Each way writes `--gib` GiB
 of int32 tokens into new files in `--dir`, in 1 MiB pieces, from one thread and from two (half each),
 after a `--settle` pause (see bench_build.py: on a VM whose balloon reports freed memory to the host,
 a run right after another one's frees gets warm pages):
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prepack.write import SyncedFile
+from prepack.building.write_shards import SyncedFile
 
 PIECE = 2**20
 

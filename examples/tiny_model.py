@@ -13,8 +13,8 @@ import pyarrow.compute as pc
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from prepack.format import open_shard
-from prepack.load import PackedDataset
+from prepack.formats.shards import open_shard
+from prepack.training.dataset import PackedDataset
 
 
 def parse_args(description: str) -> argparse.Namespace:

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
 from prepack import PackedCollator, PackedDataset, enable_packing
-from prepack.load import open_hf_dataset
+from prepack.training.dataset import open_hf_dataset
 from tiny_model import load_model, parse_args  # examples/tiny_model.py
 
 

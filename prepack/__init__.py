@@ -14,9 +14,7 @@ exact per-document attention.
 imports torch or transformers, and numba loads with the modules whose kernels a command runs.
 """
 
-import sys
 from importlib import import_module
-from types import ModuleType
 
 from prepack.errors import (
     DISTRIBUTION,
@@ -37,26 +35,27 @@ from prepack.errors import (
 # Public names loaded on first use, and the module that defines each: `import prepack` imports neither
 # numpy, pyarrow, numba nor pydantic until a name that needs them is used (`prepack --help` stays quick).
 _LAZY = {
-    "FORMAT_VERSION": "prepack.format",
-    "Manifest": "prepack.format",
-    "read_manifest": "prepack.format",
-    "StoreManifest": "prepack.store_format",
-    "read_store_manifest": "prepack.store_format",
-    "build_store": "prepack.build",
-    "PackedDataset": "prepack.load",
-    "PackedSampler": "prepack.sample",
-    "open_hf_dataset": "prepack.load",
-    "PackedCollator": "prepack.collate",
-    "loss_weights": "prepack.loss",
-    "split_for_cp": "prepack.context_parallel",
-    "weighted_loss": "prepack.loss",
-    "enable_packing": "prepack.attention",
-    "disable_packing": "prepack.attention",
-    "UsefulThroughputCallback": "prepack.throughput",
-    "batch_tokens": "prepack.throughput",
-    "check_isolation": "prepack.isolation",
-    "inspect_build": "prepack.report",
-    "verify_build": "prepack.verify",
+    "FORMAT_VERSION": "prepack.formats.shards",
+    "Manifest": "prepack.formats.shards",
+    "read_manifest": "prepack.formats.shards",
+    "StoreManifest": "prepack.formats.store",
+    "read_store_manifest": "prepack.formats.store",
+    "build": "prepack.building.build",
+    "build_store": "prepack.building.build",
+    "PackedDataset": "prepack.training.dataset",
+    "PackedSampler": "prepack.training.sampler",
+    "open_hf_dataset": "prepack.training.dataset",
+    "PackedCollator": "prepack.training.collate",
+    "loss_weights": "prepack.training.loss",
+    "split_for_cp": "prepack.training.context_parallel",
+    "weighted_loss": "prepack.training.loss",
+    "enable_packing": "prepack.model.packing",
+    "disable_packing": "prepack.model.packing",
+    "UsefulThroughputCallback": "prepack.training.throughput",
+    "batch_tokens": "prepack.training.throughput",
+    "check_isolation": "prepack.model.isolation",
+    "inspect_build": "prepack.check.report",
+    "verify_build": "prepack.check.verify",
 }
 
 __all__ = sorted(
@@ -74,7 +73,6 @@ __all__ = sorted(
         "PrepackError",
         "SamplerStateError",
         "UsageError",
-        "build",
         *_LAZY,
     ]
 )
@@ -92,21 +90,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return __all__
-
-
-class _Package(ModuleType):
-    """The type of the `prepack` module, for one name: `prepack.build` is the function, but importing
-    the submodule of the same name (which `build` and `build_store` do) binds the
-    submodule to that attribute. This keeps the function there, loaded on first use like the rest."""
-
-    @property
-    def build(self):
-        return import_module("prepack.build").build
-
-    @build.setter
-    def build(self, value) -> None:
-        if not isinstance(value, ModuleType):  # only the import system binding the submodule is ignored
-            raise AttributeError("prepack.build is the function prepack.build.build and cannot be replaced")
-
-
-sys.modules[__name__].__class__ = _Package

@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-    from prepack.build import Output
-    from prepack.documents import Reading
-    from prepack.format import Manifest
+    from prepack.building.build import Output
+    from prepack.sources.documents import Reading
+    from prepack.formats.shards import Manifest
 
 _NO_BREAK = "\u2011"  # a non-breaking hyphen, which textwrap leaves whole
 
@@ -108,7 +108,7 @@ class Overflow(str, Enum):
 
 
 # Reading and tokenizing options, shared by `build` and `tokenize` (`_with_reading_options`): each
-# declared here once, with its default, under the name of its `prepack.documents.Reading` field.
+# declared here once, with its default, under the name of its `prepack.sources.documents.Reading` field.
 _READING_OPTIONS: dict[str, tuple[object, object]] = {
     "column": (Annotated[str, typer.Option(help="Token column.")], "input_ids"),
     "labels_column": (Annotated[str, typer.Option("--labels-column", help="Labels column, carried when present.")], "labels"),
@@ -125,8 +125,8 @@ _READING_OPTIONS: dict[str, tuple[object, object]] = {
 
 def _with_reading_options(command: Callable[..., None]) -> Callable[..., None]:
     """`command` taking the reading options (`_READING_OPTIONS`) in place of its parameter `reading`,
-    which gets them as one `prepack.documents.Reading`."""
-    # `Reading` is imported for type checkers only (prepack.documents imports pyarrow, which a command's
+    which gets them as one `prepack.sources.documents.Reading`."""
+    # `Reading` is imported for type checkers only (prepack.sources.documents imports pyarrow, which a command's
     # help must not): here, where the annotations are read, the name stands for nothing.
     signature = inspect.signature(command, eval_str=True, locals={"Reading": None})
     parameters: list[inspect.Parameter] = []
@@ -139,7 +139,7 @@ def _with_reading_options(command: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(command)
     def with_reading(**values: object) -> None:
-        from prepack.documents import Reading
+        from prepack.sources.documents import Reading
 
         options = {name: values.pop(name) for name in _READING_OPTIONS}
         options["train_on"] = options["train_on"].value
@@ -150,7 +150,7 @@ def _with_reading_options(command: Callable[..., None]) -> Callable[..., None]:
     return with_reading
 
 
-# prepack.build.DEFAULT_SHARD_SIZE, spelled out (a test keeps them equal): importing prepack.build would
+# prepack.building.build.DEFAULT_SHARD_SIZE, spelled out (a test keeps them equal): importing prepack.build would
 # import numpy, pyarrow and numba for every command's help.
 _DEFAULT_SHARD_SIZE = "64MiB"
 _ShardSizeOption = Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB or 1GB.")]
@@ -210,7 +210,7 @@ def _untrained(documents: int, tokens: int, dropped: bool) -> str:
 
 def _output(shard_size: str, overwrite: bool, engine: Engine, ray_address: str | None, quiet: bool) -> Output:
     """How `build` and `tokenize` write what they write, from their flags."""
-    from prepack.build import Output
+    from prepack.building.build import Output
 
     return Output(
         shard_size=_byte_size(shard_size),
@@ -243,7 +243,7 @@ def build_command(
 ) -> None:
     """Pack a corpus into Arrow shards with a manifest: token ids as they are, or text and chat
     tokenized with --tokenizer."""
-    from prepack.build import Packing, build_packs
+    from prepack.building.build import Packing, build_packs
 
     packing = Packing(
         max_len=max_len,
@@ -276,7 +276,7 @@ def tokenize_command(
 ) -> None:
     """Read and tokenize a corpus once into a document store, which `prepack build STORE` packs at any
     --max-len, seed or algorithm without tokenizing again."""
-    from prepack.build import build_document_store
+    from prepack.building.build import build_document_store
 
     try:
         manifest = build_document_store(corpus, out, reading, _output(shard_size, overwrite, engine, ray_address, quiet))
@@ -296,7 +296,7 @@ def inspect_command(
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Batch size of the pad-to-longest baseline, and packs per rank per step with --world-size.")] = 8,
     seed: Annotated[int, typer.Option(help="Seed of the baseline's random batches and of the sampler's order.")] = 0,
     world_size: Annotated[int | None, typer.Option("--world-size", min=1, help="Also report the ranks' imbalance per step, with and without PackedSampler(balance='attention').")] = None,
-    token_cost: Annotated[float | None, typer.Option("--token-cost", min=0, help="Cost of a token in units of one attention token pair (default: prepack.balance.DEFAULT_TOKEN_COST, a 7-8B model; 0: attention alone).")] = None,
+    token_cost: Annotated[float | None, typer.Option("--token-cost", min=0, help="Cost of a token in units of one attention token pair (default: prepack.training.balance.DEFAULT_TOKEN_COST, a 7-8B model; 0: attention alone).")] = None,
     shards: Annotated[bool, typer.Option("--shards", help="Add a per-shard table.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON instead.")] = False,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Also draw the distributions and costs, e.g. report.png (needs prepack-llm[plot]).")] = None,
@@ -305,7 +305,7 @@ def inspect_command(
     """Report fill, padding, distributions and the cost of not packing, from the manifest and the
     per-pack columns (no token is read)."""
 
-    from prepack.report import inspect_build, plot, render
+    from prepack.check.report import inspect_build, plot, render
 
     try:
         costs = {} if token_cost is None else {"token_cost": token_cost}
@@ -335,7 +335,7 @@ def verify_command(
 ) -> None:
     """Check shards against the manifest and the format (and every token against --source).
     Exit 0: sound; 1: problems found (printed); 2: not a build, or an unreadable --source."""
-    from prepack.verify import checked_summary, verify_build
+    from prepack.check.verify import checked_summary, verify_build
 
     try:
         problems = verify_build(
@@ -352,7 +352,7 @@ def verify_command(
 
 
 class Attention(str, Enum):
-    """prepack.attention.SUPPORTED_ATTENTION, spelled out: importing it would import torch for every command."""
+    """prepack.model.packing.SUPPORTED_ATTENTION, spelled out: importing it would import torch for every command."""
 
     sdpa = "sdpa"
     eager = "eager"
@@ -388,8 +388,8 @@ def check_isolation_command(
     With --sweep: one line per family; exit 0 when every family gives the table's verdict, 1 otherwise."""
     try:  # here, not at the top: torch and transformers take seconds to import
         transformers = require("transformers", "prepack check-isolation")
-        check_isolation = require("prepack.isolation", "prepack check-isolation").check_isolation
-        from prepack import families
+        check_isolation = require("prepack.model.isolation", "prepack check-isolation").check_isolation
+        from prepack.model import families
     except PrepackError as exc:
         _fail(exc)
     if transformers.__version__ != families.MEASURED_VERSION:
@@ -437,7 +437,7 @@ def check_isolation_command(
 
 
 def _sweep(attn: str, device: str | None) -> None:
-    from prepack.isolation import sweep
+    from prepack.model.isolation import sweep
 
     differ = []
     for check in sweep(attn, device=device):

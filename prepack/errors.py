@@ -88,7 +88,7 @@ class EngineError(PrepackError):
 class FormatError(PrepackError):
     """A shard directory does not follow the prepack shard format.
 
-    `problem` is the finding as fields (a `prepack.format.FormatProblem`: file, message, row, column)
+    `problem` is the finding as fields (a `prepack.formats.shards.FormatProblem`: file, message, row, column)
     when the format's readers raise it, so that callers never take the message text apart.
     """
 

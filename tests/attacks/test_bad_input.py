@@ -193,7 +193,7 @@ def test_a_failure_while_writing_leaves_the_old_build_intact(tmp_path, monkeypat
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(importlib.import_module("prepack.build"), "write_manifest", crash)
+    monkeypatch.setattr(importlib.import_module("prepack.building.build"), "write_manifest", crash)
     with pytest.raises(KeyboardInterrupt):
         build(corpus, out, max_len=4, overwrite=True, seed=1)
     assert files(out) == before

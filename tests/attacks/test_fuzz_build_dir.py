@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prepack import build, inspect_build, open_hf_dataset, read_manifest, verify_build
-from prepack.collate import PackedCollator
+from prepack.training.collate import PackedCollator
 from prepack.errors import PrepackError
-from prepack.load import PackedDataset
+from prepack.training.dataset import PackedDataset
 from tests.corpus import corpus_table, record_shard, write_corpus
 
 MAX_LEN = 16

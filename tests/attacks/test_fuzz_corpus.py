@@ -31,7 +31,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from prepack import build
 from prepack.errors import PrepackError
-from prepack.verify import verify_build
+from prepack.check.verify import verify_build
 from tests.corpus import corpus_table, write_corpus
 
 MAX_LEN = 16

@@ -15,7 +15,7 @@ import pytest
 
 from prepack import build, inspect_build, open_hf_dataset, read_manifest, verify_build
 from prepack.errors import FormatError
-from prepack.load import PackedDataset
+from prepack.training.dataset import PackedDataset
 from tests.corpus import corpus_table, edit_json, record_shard, write_corpus
 
 
@@ -119,7 +119,7 @@ def test_offsets_that_go_back_are_refused_at_their_row(copy, reader):
 
 
 def test_a_shifted_offsets_problem_names_row_and_column(copy):
-    from prepack.format import check_shard, open_shard
+    from prepack.formats.shards import check_shard, open_shard
 
     batch = open_shard(copy / "shard-00000.arrow", has_labels=False, max_len=32)
     ids = batch.column("input_ids")
@@ -250,11 +250,11 @@ def test_manifests_that_break_json_parsers_are_format_errors(tmp_path, text, mes
 
 
 def test_a_manifest_over_the_size_cap_is_refused_unread(copy, monkeypatch):
-    from prepack import format
+    from prepack.formats import shards
 
     size = (copy / "manifest.json").stat().st_size
-    monkeypatch.setattr(format, "MANIFEST_MAX_BYTES", size - 1)
+    monkeypatch.setattr(shards, "MANIFEST_MAX_BYTES", size - 1)
     with pytest.raises(FormatError, match=f"larger than {size - 1} bytes"):
         read_manifest(copy)
-    monkeypatch.setattr(format, "MANIFEST_MAX_BYTES", size)
+    monkeypatch.setattr(shards, "MANIFEST_MAX_BYTES", size)
     assert read_manifest(copy).shards

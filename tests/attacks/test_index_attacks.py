@@ -15,8 +15,8 @@ import pytest
 
 from prepack import build, build_store
 from prepack.errors import FormatError, InputError
-from prepack.load import PackedDataset
-from prepack.verify import verify_build
+from prepack.training.dataset import PackedDataset
+from prepack.check.verify import verify_build
 from tests.cli import run_prepack
 from tests.corpus import corpus_table, edit_json, write_corpus
 
@@ -160,8 +160,8 @@ def test_a_store_shard_swapped_after_open_is_refused_not_hung(pair, swap):
 
 
 def test_an_index_build_at_a_buckets_root_names_no_store_in_another_bucket(pair):
-    from prepack.format import read_manifest
-    from prepack.store_read import store_location
+    from prepack.formats.shards import read_manifest
+    from prepack.sources.store import store_location
 
     index, _ = pair
     edit_json(index / "manifest.json", lambda raw: raw["store"].update(path="../other-bucket/store"))

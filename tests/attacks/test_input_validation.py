@@ -18,11 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-import prepack.read
+import prepack.sources.corpus
 from prepack import build
 from prepack.errors import InputError
-from prepack.output import STAGING_MARK
-from prepack.verify import verify_build
+from prepack.storage.output import STAGING_MARK
+from prepack.check.verify import verify_build
 from tests.corpus import corpus_table, read_build, write_corpus
 
 DOCUMENTS = [[11, 12, 13], [21, 22, 23, 24, 25], [31] * 7]
@@ -244,7 +244,7 @@ def test_a_jsonl_record_over_one_mib_is_read(tmp_path):
 
 
 def test_a_jsonl_record_over_the_bound_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepack.read, "MAX_RECORD_BYTES", 2**20)  # the real bound is 256 MiB
+    monkeypatch.setattr(prepack.sources.corpus, "MAX_RECORD_BYTES", 2**20)  # the real bound is 256 MiB
     lines = [json.dumps({"input_ids": [1]}), json.dumps({"input_ids": list(range(300_000))})]
     refused(jsonl(tmp_path / "c.jsonl", lines), tmp_path / "out", ["c.jsonl", "row 1", f"longer than {2**20} bytes"])
 

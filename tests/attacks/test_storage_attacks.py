@@ -14,8 +14,8 @@ import pytest
 
 from prepack import PackedDataset, build, build_store
 from prepack.errors import FormatError, InputError, OutputError
-from prepack.format import MANIFEST_MAX_BYTES
-from prepack.verify import verify_build
+from prepack.formats.shards import MANIFEST_MAX_BYTES
+from prepack.check.verify import verify_build
 from tests.cli import PREPACK, run_prepack
 from tests.corpus import corpus_table, files, write_corpus
 
@@ -98,7 +98,7 @@ def test_uris_without_a_bucket_or_prefix_are_refused_by_name(args, message, tmp_
 
 @pytest.mark.slow
 def test_a_killed_builds_objects_are_cleared_by_the_next_build_and_nothing_else(tmp_path, fs, s3_bucket):
-    from prepack.remote import Publication, scratch_prefix
+    from prepack.storage.remote import Publication, scratch_prefix
 
     uri = f"{s3_bucket}/rp"
     build(_corpus(tmp_path / "old.parquet", 1, 200), uri, max_len=64, shard_size=1_000)  # to be replaced
@@ -127,7 +127,7 @@ def test_a_killed_builds_objects_are_cleared_by_the_next_build_and_nothing_else(
 
 
 def test_objects_a_marker_does_not_list_stay_and_a_foreign_marker_is_refused(tmp_path, fs, s3_bucket):
-    from prepack.remote import Publication
+    from prepack.storage.remote import Publication
 
     uri = f"{s3_bucket}/rp"
     killed = Publication(uri, False, "manifest.json")
@@ -152,7 +152,7 @@ def test_objects_a_marker_does_not_list_stay_and_a_foreign_marker_is_refused(tmp
 def test_a_manifest_published_meanwhile_wins_and_the_loser_deletes_only_its_own(tmp_path, fs, s3_bucket):
     """A writer that ignored the marker published first: the loser uploads nothing more, deletes what
     it uploaded that the winner's manifest does not name, and leaves the winner's objects as they are."""
-    from prepack.remote import Publication
+    from prepack.storage.remote import Publication
 
     uri = f"{s3_bucket}/rp"
     built, won = tmp_path / "built", tmp_path / "won"
@@ -175,7 +175,7 @@ def test_a_manifest_published_meanwhile_wins_and_the_loser_deletes_only_its_own(
 def test_a_build_taken_over_by_a_later_one_stops_and_leaves_the_later_ones_objects(tmp_path, fs, s3_bucket):
     """The later of two builds to one prefix takes it over (it cannot tell a running build from a
     killed one); the earlier one finds its marker gone before it uploads more, and stops."""
-    from prepack.remote import Publication
+    from prepack.storage.remote import Publication
 
     uri = f"{s3_bucket}/rp"
     built = tmp_path / "built"

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prepack import build
-from prepack import write as shard_writing
-from prepack.format import check_shard, open_shard
+from prepack.building import write_shards as shard_writing
+from prepack.formats.shards import check_shard, open_shard
 from tests.corpus import corpus_table, read_build, reference_placement, write_corpus
 
 

@@ -185,7 +185,7 @@ def test_options_the_engine_would_ignore_are_refused_before_anything_runs(tmp_pa
 def test_without_ray_the_engine_says_what_to_install(tmp_path, monkeypatch):
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as when it is not installed
-    monkeypatch.delitem(sys.modules, "prepack.engine_ray", raising=False)
+    monkeypatch.delitem(sys.modules, "prepack.building.engines.ray", raising=False)
     with pytest.raises(MissingExtraError, match=r"pip install 'prepack-llm\[ray\]'"):
         build(corpus, tmp_path / "out", max_len=8, engine="ray")
 
@@ -362,7 +362,7 @@ def test_a_damaged_store_shard_in_s3_is_named_by_its_uri_on_a_worker(tmp_path, s
 
 
 def test_the_scratch_prefix_is_beside_the_output_and_only_it_is_deleted(s3_server, fs, s3_bucket):
-    from prepack.remote import Publication, scratch_prefix
+    from prepack.storage.remote import Publication, scratch_prefix
 
     kept = {".packed.prepack-scratch-other/x": b"1", "packed-2/y": b"2", "packedz/z": b"3"}
     for name, data in kept.items():
@@ -386,7 +386,7 @@ def test_a_failed_publication_deletes_what_its_workers_uploaded_and_nothing_else
     that this one replaces: the old manifest goes before the first new shard, and a failure deletes
     the new shards recorded and the unpublished build's others (no prefix is left with shards and no
     manifest), not anything beside the prefix."""
-    from prepack.remote import Publication
+    from prepack.storage.remote import Publication
 
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1] * 50] * 40))
     build(corpus, f"{s3_bucket}/packed", max_len=64, shard_size=1_000)
@@ -456,7 +456,7 @@ def test_an_address_where_something_but_not_ray_listens_is_an_engine_error_in_se
 
 @pytest.mark.slow
 def test_a_ray_clusters_gcs_passes_the_address_check():
-    from prepack.engine_ray import _check_listening
+    from prepack.building.engines.ray import _check_listening
 
     ray.init(num_cpus=1, **QUIET_RAY)
     try:
@@ -504,7 +504,7 @@ def test_without_an_address_the_command_starts_its_own_instance_not_the_machines
 
 @pytest.mark.slow
 def test_a_task_that_fails_or_whose_worker_dies_is_an_engine_error_of_one_line(local_ray):
-    from prepack.engine_ray import _result
+    from prepack.building.engines.ray import _result
 
     @ray.remote
     def raises():

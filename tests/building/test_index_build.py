@@ -14,10 +14,10 @@ import pytest
 
 from prepack import build, build_store
 from prepack.errors import FormatError, InputError
-from prepack.format import IndexOf, read_manifest, shard_schema
-from prepack.load import PackedDataset
-from prepack.report import inspect_build
-from prepack.verify import verify_build
+from prepack.formats.shards import IndexOf, read_manifest, shard_schema
+from prepack.training.dataset import PackedDataset
+from prepack.check.report import inspect_build
+from prepack.check.verify import verify_build
 from tests.cli import failure, run_prepack
 from tests.corpus import corpus_table, record_shard, write_corpus
 

@@ -1,4 +1,4 @@
-"""prepack.plan.assign_packs against a plain-Python FFD/BFD, plus the invariants of any plan."""
+"""prepack.building.plan.assign_packs against a plain-Python FFD/BFD, plus the invariants of any plan."""
 
 import json
 import math
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prepack.plan import assign_packs, document_pieces
+from prepack.building.plan import assign_packs, document_pieces
 from tests.corpus import reference_placement
 
 ALGORITHMS = ["ffd", "bfd"]

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prepack import build
-from prepack.plan import compact_lengths, document_pieces, plan_packs
+from prepack.building.plan import compact_lengths, document_pieces, plan_packs
 from tests.corpus import corpus_table, write_corpus
 from tests.plan_reference import reference_plan, reference_segments
 

@@ -25,11 +25,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from prepack import build, build_store
 from prepack.errors import EngineError, InputError
-from prepack.format import IGNORE_INDEX
-from prepack.read import find_corpus
-from prepack.report import inspect_build
-from prepack.tokenize import load_tokenizer, tokenize_corpus
-from prepack.verify import verify_build
+from prepack.formats.shards import IGNORE_INDEX
+from prepack.sources.corpus import find_corpus
+from prepack.check.report import inspect_build
+from prepack.sources.tokenize import load_tokenizer, tokenize_corpus
+from prepack.check.verify import verify_build
 from tests.cli import run_prepack
 from tests.corpus import read_build
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory
@@ -309,8 +309,8 @@ def test_bad_tokenizer_or_options_fail_before_reading(tmp_path, gpt2, case):
 
 
 def test_reading_is_lazy_and_bounded(tmp_path, gpt2, monkeypatch):
-    monkeypatch.setattr("prepack.tokenize._JSON_BLOCK_BYTES", 200)  # about ten rows
-    monkeypatch.setattr("prepack.tokenize._CHUNK_BYTES", 1)  # one row per chunk
+    monkeypatch.setattr("prepack.sources.tokenize._JSON_BLOCK_BYTES", 200)  # about ten rows
+    monkeypatch.setattr("prepack.sources.tokenize._CHUNK_BYTES", 1)  # one row per chunk
     corpus = tmp_path / "a.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(50)) + "not json\n")
     progress = Progress(disable=True)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from prepack import InputError, build
-from prepack.plan import document_pieces, untrained_documents
-from prepack.report import inspect_build
-from prepack.verify import verify_build
+from prepack.building.plan import document_pieces, untrained_documents
+from prepack.check.report import inspect_build
+from prepack.check.verify import verify_build
 from tests.cli import run_prepack
 from tests.corpus import corpus_table, read_build, write_corpus
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory

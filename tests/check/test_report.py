@@ -16,7 +16,7 @@ from rich.console import Console
 
 from prepack import build
 from prepack.errors import FormatError, InputError, MissingExtraError
-from prepack.report import InspectReport, _figure, inspect_build, plot, render
+from prepack.check.report import InspectReport, _figure, inspect_build, plot, render
 from tests.cli import failure, run_prepack
 from tests.corpus import corpus_table, edit_json, read_build, write_corpus
 
@@ -255,7 +255,7 @@ def test_a_manifest_that_disagrees_with_the_shards_is_refused(builds, tmp_path):
 
 @pytest.mark.slow
 def test_import_does_not_pull_torch_or_matplotlib():
-    code = "import sys, prepack.report; print('torch' in sys.modules, 'matplotlib' in sys.modules)"
+    code = "import sys, prepack.check.report; print('torch' in sys.modules, 'matplotlib' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "False"]
 

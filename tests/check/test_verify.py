@@ -14,7 +14,7 @@ import pytest
 
 from prepack import build
 from prepack.errors import FormatError, InputError
-from prepack.verify import Problem, verify_build
+from prepack.check.verify import Problem, verify_build
 from tests.cli import run_prepack
 from tests.corpus import corpus_table, edit_json, record_shard, write_corpus
 

@@ -15,7 +15,7 @@ import pytest
 
 from prepack import build
 from prepack.errors import FormatError
-from prepack.format import (
+from prepack.formats.shards import (
     FORMAT_VERSION,
     FormatProblem,
     Manifest,
@@ -26,7 +26,7 @@ from prepack.format import (
     shard_schema,
     shard_sha256,
 )
-from prepack.store_format import StoreManifest
+from prepack.formats.store import StoreManifest
 from tests.corpus import corpus_table, write_corpus
 
 SCHEMAS = Path(__file__).parents[2] / "schemas"
@@ -190,11 +190,11 @@ def test_shard_files_are_checked_against_the_manifest(built, tmp_path):
 
 
 def test_shard_format_page_states_the_caps_of_the_code():
-    from prepack import format
+    from prepack.formats import shards
 
     page = (SCHEMAS / "shard-format.md").read_text()
-    assert f"`MANIFEST_MAX_BYTES` = {format.MANIFEST_MAX_BYTES} bytes" in page
-    assert f"`_MAX_DIGITS` = {format._MAX_DIGITS}" in page
+    assert f"`MANIFEST_MAX_BYTES` = {shards.MANIFEST_MAX_BYTES} bytes" in page
+    assert f"`_MAX_DIGITS` = {shards._MAX_DIGITS}" in page
 
 
 def _spec_rules(page: str) -> list[tuple[str, str]]:
@@ -238,7 +238,7 @@ def test_the_fingerprint_is_the_specs(tmp_path):
 
 
 def test_the_tokenizer_hash_is_the_specs(tmp_path):
-    from prepack.tokenize import load_tokenizer
+    from prepack.sources.tokenize import load_tokenizer
     from tests.demo_inputs import CHATML, gpt2_directory
 
     directory = gpt2_directory(tmp_path / "tok", CHATML)
@@ -255,7 +255,7 @@ def test_the_tokenizer_hash_is_the_specs(tmp_path):
 
 
 def test_pack_layout_decodes_cu_seqlens():
-    from prepack.format import pack_layout
+    from prepack.formats.shards import pack_layout
 
     layout = pack_layout(np.array([0, 3, 5], np.int32), np.array([0, 2, 5, 0, 4], np.int32))
     assert [a.tolist() for a in layout] == [
@@ -278,10 +278,10 @@ def test_check_shard_problems_are_fields(built):
 
 
 def test_a_manifest_over_the_cap_is_never_written(tmp_path, monkeypatch):
-    from prepack import format
+    from prepack.formats import shards
     from prepack.errors import OutputError
 
-    monkeypatch.setattr(format, "MANIFEST_MAX_BYTES", 500)  # readers would refuse it: so does the writer
+    monkeypatch.setattr(shards, "MANIFEST_MAX_BYTES", 500)  # readers would refuse it: so does the writer
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]] * 4))
     with pytest.raises(OutputError, match="more than the 500 readers accept"):
         build(corpus, tmp_path / "out", max_len=8)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from prepack import build, build_store
-from prepack.format import FORMAT_VERSION
+from prepack.formats.shards import FORMAT_VERSION
 from tests.corpus import corpus_table, write_corpus
 
 # Every pinned value. The manifest is hashed with its prepack_version blanked (a release changes it, not

@@ -17,16 +17,16 @@ import pytest
 
 from prepack import build, build_store
 from prepack.errors import FormatError, InputError, OutputError
-from prepack.format import read_manifest
-from prepack.store_format import (
+from prepack.formats.shards import read_manifest
+from prepack.formats.store import (
     STORE_VERSION,
     STORE_VERSION_KEY,
     read_store_manifest,
     store_schema,
 )
-from prepack.store_read import open_store
-from prepack.verify import verify_build
-from prepack.write import write_record_batch
+from prepack.sources.store import open_store
+from prepack.check.verify import verify_build
+from prepack.building.write_shards import write_record_batch
 from tests.cli import WIDE, run_prepack
 from tests.corpus import corpus_table, edit_json, files, write_corpus
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory

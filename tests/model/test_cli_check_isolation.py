@@ -16,7 +16,13 @@ import torch
 import transformers
 from typer.testing import CliRunner
 
-from prepack import attention, families, isolation, tiny_models
+from prepack.model import packing
+
+from prepack.model import families
+
+from prepack.model import isolation
+
+from prepack.model import tiny_models
 from prepack.cli import Attention, Dtype, app
 from tests.model.test_isolation import LEAK, tiny_model
 from tests.tiny_models import tiny_config
@@ -86,7 +92,7 @@ def test_flash_attention_without_cuda_exits_2_with_the_reason(saved, attn):
 
 
 def test_the_cli_choices_are_the_librarys():
-    assert {attn.value for attn in Attention} == set(attention.SUPPORTED_ATTENTION)
+    assert {attn.value for attn in Attention} == set(packing.SUPPORTED_ATTENTION)
     assert {dtype.value for dtype in Dtype} == {str(known).removeprefix("torch.") for known in isolation._TOLERANCES}
 
 

@@ -1,4 +1,4 @@
-"""`prepack.families` and what `enable_packing` does with it: refusals that name the family, the backend,
+"""`prepack.model.families` and what `enable_packing` does with it: refusals that name the family, the backend,
 the reason and what to do instead; unlisted model types refused unless the caller opts in; the masks
 prepack passes to gpt-oss on eager; padding that never turns gradients NaN. The whole table is measured
 by the slow `tests/model/test_family_sweep.py`; these are the fast, pointed checks.
@@ -16,10 +16,14 @@ import torch
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from prepack import IsolationError, attention, families
-from prepack.attention import enable_packing
-from prepack.collate import PackedCollator
-from prepack.isolation import default_tolerances, measure_isolation
+from prepack import IsolationError
+
+from prepack.model import packing
+
+from prepack.model import families
+from prepack.model.packing import enable_packing
+from prepack.training.collate import PackedCollator
+from prepack.model.isolation import default_tolerances, measure_isolation
 from tests.flash_reference import use_flash_reference, use_flex_reference  # noqa: F401 (fixtures)
 from tests.model.test_family_sweep import MAX_LEN, packs
 from tests.tiny_models import tiny_model
@@ -51,7 +55,7 @@ def test_the_table_lists_exactly_the_registered_causal_lms():
 
 
 def test_a_family_of_another_release_that_the_table_lacks_is_refused_as_not_measured_on_it(monkeypatch):
-    monkeypatch.setattr(attention.transformers, "__version__", "5.99.0")  # the module enable_packing reads
+    monkeypatch.setattr(packing.transformers, "__version__", "5.99.0")  # the module enable_packing reads
     monkeypatch.delitem(families.FAMILIES, "qwen3")
     with pytest.warns(UserWarning), pytest.raises(IsolationError) as refused:
         enable_packing(tiny_model("qwen3", "sdpa"))
@@ -62,7 +66,7 @@ def test_a_family_of_another_release_that_the_table_lacks_is_refused_as_not_meas
 
 def test_enable_packing_warns_once_on_a_release_the_table_was_not_measured_on(monkeypatch):
     # a release no other test warned about, in the module enable_packing reads
-    monkeypatch.setattr(attention.transformers, "__version__", "5.98.0")
+    monkeypatch.setattr(packing.transformers, "__version__", "5.98.0")
     with pytest.warns(UserWarning, match=rf"measured on {families.MEASURED_WITH}; this is transformers 5.98.0") as first:
         enable_packing(tiny_model("qwen3", "sdpa"))
     assert families.SWEEP_COMMAND in str(first[0].message)
@@ -72,7 +76,7 @@ def test_enable_packing_warns_once_on_a_release_the_table_was_not_measured_on(mo
 
 
 def test_enable_packing_does_not_warn_on_the_measured_release(monkeypatch):
-    monkeypatch.setattr(attention.transformers, "__version__", families.MEASURED_VERSION)
+    monkeypatch.setattr(packing.transformers, "__version__", families.MEASURED_VERSION)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         enable_packing(tiny_model("qwen3", "sdpa"))
@@ -80,11 +84,11 @@ def test_enable_packing_does_not_warn_on_the_measured_release(monkeypatch):
 
 def test_the_support_page_is_generated_from_the_table():
     page = Path(__file__).parents[2] / "docs" / "model-support.md"
-    assert page.read_text() == families.markdown(), "run: python -m prepack.families > docs/model-support.md"
+    assert page.read_text() == families.markdown(), "run: python -m prepack.model.families > docs/model-support.md"
 
 
 def test_the_table_imports_neither_torch_nor_transformers():
-    code = "import sys, prepack.families; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = "import sys, prepack.model.families; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 

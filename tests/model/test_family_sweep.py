@@ -1,4 +1,4 @@
-"""The family sweep: `prepack.families` is measured, not claimed.
+"""The family sweep: `prepack.model.families` is measured, not claimed.
 
 For every causal LM that the installed transformers registers and every backend (sdpa, eager,
 transformers' flash-attention path for flash_attention_2 and _4 with the pure-torch stand-ins of flash-attn
@@ -15,10 +15,10 @@ and FlashAttention-4, and flex_attention with torch's flex_attention run uncompi
   or fails, and a per-document family's tiny model has such a layer to run;
 - a family whose tiny model cannot be built must be marked refused, with that reason;
 - `prepack check-isolation` on the family's config.json gives the same verdict (sdpa and eager), through
-  `prepack.isolation.check_family`, the check that `prepack check-isolation --sweep` runs on every family.
+  `prepack.model.isolation.check_family`, the check that `prepack check-isolation --sweep` runs on every family.
 
 So the sweep fails on a silent leak, on a foreign exception, and on any verdict that differs from what it
-measures. Regenerate docs/model-support.md with `python -m prepack.families > docs/model-support.md`.
+measures. Regenerate docs/model-support.md with `python -m prepack.model.families > docs/model-support.md`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,14 @@ import pytest
 import torch
 import transformers
 
-from prepack import IsolationError, families, stateful
-from prepack.attention import enable_packing
-from prepack.collate import PackedCollator
-from prepack.isolation import check_family, default_tolerances, measure_isolation
+from prepack import IsolationError
+
+from prepack.model import families
+
+from prepack.model import stateful
+from prepack.model.packing import enable_packing
+from prepack.training.collate import PackedCollator
+from prepack.model.isolation import check_family, default_tolerances, measure_isolation
 from tests.flash_reference import use_flash_reference, use_flex_reference  # noqa: F401 (fixtures)
 from tests.tiny_models import CAUSAL_LM_TYPES, DOCUMENT_VOCAB, tiny_model
 
@@ -80,7 +84,7 @@ def test_the_table_states_what_enable_packing_does(model_type, backend, attn, mo
             with pytest.raises(IsolationError, match="not measured on this version"):
                 enable_packing(model)
         return
-    assert model_type in families.FAMILIES, f"{model_type} is not in prepack.families: add its measured row"
+    assert model_type in families.FAMILIES, f"{model_type} is not in prepack.model.families: add its measured row"
     if model is None and "does not support an attention implementation" in str(failure):
         # transformers refuses the backend for this family; a model switched to it anyway is refused by prepack
         assert expected == UNSUPPORTED.get(backend), failure

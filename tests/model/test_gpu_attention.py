@@ -17,10 +17,10 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_4_available
 
-from prepack.attention import enable_packing
-from prepack.collate import PackedCollator
+from prepack.model.packing import enable_packing
+from prepack.training.collate import PackedCollator
 from prepack.errors import IsolationError
-from prepack.isolation import default_tolerances, measure_isolation, random_packs
+from prepack.model.isolation import default_tolerances, measure_isolation, random_packs
 from tests.tiny_models import DOCUMENT_VOCAB, tiny_config
 
 pytestmark = [

@@ -10,9 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import is_flash_attn_2_available
 
-from prepack.attention import enable_packing
-from prepack.isolation import measure_isolation, random_packs
-from prepack.collate import PackedCollator
+from prepack.model.packing import enable_packing
+from prepack.model.isolation import measure_isolation, random_packs
+from prepack.training.collate import PackedCollator
 
 pytestmark = [
     pytest.mark.gpu,

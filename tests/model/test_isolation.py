@@ -30,10 +30,12 @@ from transformers import (
     SiglipVisionConfig,
 )
 
-from prepack import InputError, IsolationError, attention
-from prepack.attention import disable_packing, enable_packing
-from prepack.isolation import check_isolation, measure_isolation, random_packs
-from prepack.collate import PackedCollator
+from prepack import InputError, IsolationError
+
+from prepack.model import packing
+from prepack.model.packing import disable_packing, enable_packing
+from prepack.model.isolation import check_isolation, measure_isolation, random_packs
+from prepack.training.collate import PackedCollator
 from tests.flash_reference import enable_flash_attention, use_flash_reference  # noqa: F401 (a fixture)
 
 VOCAB = 64
@@ -305,9 +307,9 @@ def test_unknown_attention_implementations_and_old_transformers_are_refused(monk
         model(torch.ones(1, 4, dtype=torch.long))  # switched after enable_packing: refused at the call
     with pytest.raises(IsolationError, match=r"'paged\|sdpa'; prepack keeps"):
         enable_packing(model)
-    # prepack.attention's own reference: importing some model classes in 5.23 re-creates `transformers`
+    # prepack.model.packing's own reference: importing some model classes in 5.23 re-creates `transformers`
     # in sys.modules, so this module's `transformers` may be another object.
-    monkeypatch.setattr(attention.transformers, "__version__", "4.57.1")
+    monkeypatch.setattr(packing.transformers, "__version__", "4.57.1")
     with pytest.raises(IsolationError, match="transformers 5.0"):
         enable_packing(tiny_model("llama", "sdpa"))
 

@@ -1,5 +1,5 @@
 """`enable_packing` keeps packed documents apart in the hybrid and linear-attention families whose
-sequence-state layers it runs one document per row (`prepack.stateful`; the table's "per document" verdicts).
+sequence-state layers it runs one document per row (`prepack.model.stateful`; the table's "per document" verdicts).
 
 The family sweep (tests/model/test_family_sweep.py) measures every verdict in float64 on short packs, with the
 negative control. This file adds what the sweep does not: float32 (each document within 1e-5 of itself
@@ -17,11 +17,15 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
-from prepack import IsolationError, families, stateful
-from prepack.attention import disable_packing, enable_packing
-from prepack.collate import PackedCollator
-from prepack.format import IGNORE_INDEX
-from prepack.isolation import measure_isolation
+from prepack import IsolationError
+
+from prepack.model import families
+
+from prepack.model import stateful
+from prepack.model.packing import disable_packing, enable_packing
+from prepack.training.collate import PackedCollator
+from prepack.formats.shards import IGNORE_INDEX
+from prepack.model.isolation import measure_isolation
 from tests.flash_reference import use_flash_reference  # noqa: F401 (a fixture)
 from tests.tiny_models import DOCUMENT_VOCAB, tiny_config, tiny_model
 

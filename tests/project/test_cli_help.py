@@ -50,7 +50,7 @@ def test_the_help_names_the_extras_as_installed():
 
 
 def test_the_shard_size_default_is_the_librarys():
-    from prepack.build import DEFAULT_SHARD_SIZE
+    from prepack.building.build import DEFAULT_SHARD_SIZE
     from prepack.cli import _DEFAULT_SHARD_SIZE, _byte_size
 
     assert _byte_size(_DEFAULT_SHARD_SIZE) == DEFAULT_SHARD_SIZE
@@ -69,9 +69,9 @@ def test_help_and_import_prepack_import_nothing_heavy():
         assert not any(_imported_after(code).values()), code
     light = "import prepack, sys; print(sorted({'numpy', 'pyarrow', 'numba', 'pydantic'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", light], capture_output=True, text=True).stdout.strip() == "[]"
-    # Loaded later, `prepack.build` stays the function although the submodule of that name is imported.
-    later = "import prepack, prepack.build; print(prepack.build.__module__, prepack.build_store.__name__)"
-    assert subprocess.run([sys.executable, "-c", later], capture_output=True, text=True).stdout.split() == ["prepack.build", "build_store"]
+    # Loaded on first use, `prepack.build` is the function, from the module that defines it.
+    later = "import prepack; print(prepack.build.__module__, prepack.build_store.__name__)"
+    assert subprocess.run([sys.executable, "-c", later], capture_output=True, text=True).stdout.split() == ["prepack.building.build", "build_store"]
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
-"""The package's layout: prepack's modules import one another without a cycle, and none takes another's
-private names. Read from their `import` and `from` statements (anywhere in a module, under
-TYPE_CHECKING too) and their `import_module`/`require` calls of a named prepack module, via ast."""
+"""The package's layout: prepack's modules import one another without a cycle, none takes another's
+private names, and the building wing never reaches into the training wing. Read from their `import` and
+`from` statements (anywhere in a module, under TYPE_CHECKING too) and their `import_module`/`require`
+calls of a named prepack module, via ast."""
 
 from __future__ import annotations
 
@@ -18,13 +19,25 @@ _PACKAGE = Path(prepack.__file__).parent
 _DYNAMIC_IMPORTS = {"import_module", "require"}  # importlib's, and prepack.errors.require
 
 
+# The two wings (README, "Where things are"): building never imports torch, so it never imports training.
+_BUILDING = ("prepack.sources", "prepack.building", "prepack.formats", "prepack.storage")
+_TRAINING = ("prepack.training", "prepack.model")
+
+
+def _file(name: str) -> Path:
+    """The source file of module or package `name`."""
+    path = _PACKAGE.joinpath(*name.split(".")[1:])
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _packages() -> set[str]:
+    return {"prepack"} | {info.name for info in pkgutil.walk_packages(prepack.__path__, "prepack.") if info.ispkg}
+
+
 def _modules() -> dict[str, ast.Module]:
-    """Every module of the package, by its dotted name, parsed."""
-    found = {"prepack": ast.parse((_PACKAGE / "__init__.py").read_text())}
-    for info in pkgutil.iter_modules([str(_PACKAGE)]):
-        assert not info.ispkg, f"prepack.{info.name}: a subpackage; this test reads modules of one level"
-        found[f"prepack.{info.name}"] = ast.parse((_PACKAGE / f"{info.name}.py").read_text())
-    return found
+    """Every module and package of prepack, by its dotted name, parsed."""
+    names = ["prepack"] + [info.name for info in pkgutil.walk_packages(prepack.__path__, "prepack.")]
+    return {name: ast.parse(_file(name).read_text()) for name in names}
 
 
 def _imports(name: str, tree: ast.Module, modules: set[str]) -> list[tuple[str, str | None, int]]:
@@ -35,7 +48,7 @@ def _imports(name: str, tree: ast.Module, modules: set[str]) -> list[tuple[str, 
             found += [(alias.name, None, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: from the package `name` lies in (or is)
-                parts = name.split(".") if name == "prepack" else name.split(".")[:-1]
+                parts = name.split(".") if name in _packages() else name.split(".")[:-1]
                 parts = parts[: len(parts) - node.level + 1]
                 source = ".".join(parts + ([node.module] if node.module else []))
             else:
@@ -91,9 +104,17 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_modules_import_one_another_without_a_cycle():
     graph, _ = _graph()
     # The scan sees the edges that are there: an import inside a function, and one at the top.
-    assert "prepack.engine_ray" in graph["prepack.build"] and "prepack.store_write" in graph["prepack.engine_ray"]
+    assert "prepack.building.engines.ray" in graph["prepack.building.build"] and "prepack.building.write_store" in graph["prepack.building.engines.ray"]
     cycle = _cycle(graph)
     assert cycle is None, "an import cycle: " + " -> ".join(cycle)
+
+
+def test_the_building_wing_never_imports_the_training_wing():
+    graph, _ = _graph()
+    building = [name for name in graph if name.startswith(_BUILDING)]
+    assert "prepack.building.build" in building and "prepack.sources.corpus" in building  # the wing is found
+    crossings = [f"{name} imports {imported}" for name in building for imported in graph[name] if imported.startswith(_TRAINING)]
+    assert crossings == []
 
 
 def test_no_module_imports_another_modules_private_names():

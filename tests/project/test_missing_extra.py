@@ -111,7 +111,7 @@ def test_check_isolation_without_the_train_extra(tmp_path, module):
 
 @pytest.mark.slow  # imports torch and transformers: ~10 s
 def test_flash_attention_without_flash_attn(tmp_path):
-    code = "import torch; from prepack.isolation import _require_flash_kernels; _require_flash_kernels('flash_attention_2', 'bfloat16', torch.device('cuda'))"
+    code = "import torch; from prepack.model.isolation import _require_flash_kernels; _require_flash_kernels('flash_attention_2', 'bfloat16', torch.device('cuda'))"
     message = _raises(["flash_attn"], code, tmp_path)
     assert message == f"flash_attn flash --attn flash_attention_2 needs flash_attn, which is not installed: {_install_line('flash')}"
 

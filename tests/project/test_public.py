@@ -24,8 +24,8 @@ def test_import_prepack_loads_neither_torch_nor_transformers():
 
 
 def test_build_and_build_store_take_the_fields_of_their_option_objects_as_keywords_with_their_defaults():
-    from prepack.build import Output, Packing
-    from prepack.documents import Reading
+    from prepack.building.build import Output, Packing
+    from prepack.sources.documents import Reading
 
     for function, option_classes in ((prepack.build, (Reading, Packing, Output)), (prepack.build_store, (Reading, Output))):
         parameters = inspect.signature(function).parameters.values()

@@ -22,8 +22,8 @@ import pytest
 import prepack
 from prepack import PackedDataset, build, build_store
 from prepack.errors import FormatError, InputError, OutputError
-from prepack.report import inspect_build
-from prepack.verify import verify_build
+from prepack.check.report import inspect_build
+from prepack.check.verify import verify_build
 from tests.cli import failure, run_prepack
 from tests.corpus import corpus_table, write_corpus
 from tests.demo_inputs import chitchat, gpt2_directory
@@ -549,5 +549,5 @@ def test_a_store_in_s3_is_named_by_its_uri_in_refusals_of_its_manifest_and_of_re
     raw = json.loads((tmp_path / "store" / "store.json").read_text())
     fs.pipe_file(f"{store.removeprefix('s3://')}/store.json", json.dumps({**raw, "store_version": 2}).encode())
     with pytest.raises(FormatError) as refused:
-        prepack.remote.read_output_manifest(store, "store.json")
+        prepack.storage.remote.read_output_manifest(store, "store.json")
     assert str(refused.value).startswith(f"{store}/store.json has store_version 2; this prepack reads version 1.")

@@ -18,13 +18,13 @@ import pytest
 
 from prepack import build
 from prepack.errors import InputError, OutputError
-from prepack.format import MANIFEST_NAME
-from prepack.output import replaceable_build
+from prepack.formats.shards import MANIFEST_NAME
+from prepack.storage.output import replaceable_build
 from tests.cli import WIDE, run_prepack
 from tests.corpus import corpus_table, files, write_corpus
 
-build_module = importlib.import_module("prepack.build")
-output_module = importlib.import_module("prepack.output")
+build_module = importlib.import_module("prepack.building.build")
+output_module = importlib.import_module("prepack.storage.output")
 
 
 @pytest.fixture(params=["plain rename", *(["renameat2"] if output_module._renameat2 is not None else [])])
@@ -264,7 +264,7 @@ def pause(*args, **kwargs):
     print("paused", flush=True)
     time.sleep(600)
 
-build_module = importlib.import_module("prepack.build")
+build_module = importlib.import_module("prepack.building.build")
 build_module.plan_packs = pause
 build_module.build(sys.argv[1], sys.argv[2], max_len=4)
 """

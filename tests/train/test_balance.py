@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 from prepack import build
 from prepack.errors import InputError, PrepackError
-from prepack.balance import WINDOW_STEPS, balanced_order, epoch_order, imbalance, pack_costs, step_costs
-from prepack.load import PackedDataset
-from prepack.report import inspect_build
-from prepack.plan import assign_packs
-from prepack.sample import PackedSampler
+from prepack.training.balance import WINDOW_STEPS, balanced_order, epoch_order, imbalance, pack_costs, step_costs
+from prepack.training.dataset import PackedDataset
+from prepack.check.report import inspect_build
+from prepack.building.plan import assign_packs
+from prepack.training.sampler import PackedSampler
 from tests.cli import run_prepack
 from tests.corpus import corpus_table, write_corpus
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prepack import IsolationError
-from prepack.collate import PackedCollator, segment_fields
+from prepack.training.collate import PackedCollator, segment_fields
 
 IGNORE = -100
 
@@ -182,7 +182,7 @@ def test_padding_free_needs_no_max_len_and_has_no_padding():
 
 def test_for_dataset_takes_max_len_from_the_build(tmp_path):
     from prepack import build
-    from prepack.load import PackedDataset
+    from prepack.training.dataset import PackedDataset
     from tests.corpus import corpus_table, write_corpus
 
     corpus = write_corpus(tmp_path / "corpus.parquet", corpus_table([[1, 2, 3], [4, 5]]))

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from prepack.attention import enable_packing
-from prepack.collate import PackedCollator
-from prepack.context_parallel import cp_indices, split_for_cp
-from prepack.loss import loss_weights, weighted_loss
+from prepack.model.packing import enable_packing
+from prepack.training.collate import PackedCollator
+from prepack.training.context_parallel import cp_indices, split_for_cp
+from prepack.training.loss import loss_weights, weighted_loss
 
 documents_strategy = st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=4), min_size=1, max_size=4)
 
@@ -176,7 +176,7 @@ def test_the_ranks_losses_and_gradients_sum_to_the_whole_batchs():
 
 @pytest.mark.slow
 def test_a_real_builds_packs_train_across_ranks_as_the_whole_batch(tmp_path):
-    from prepack.load import PackedDataset
+    from prepack.training.dataset import PackedDataset
     from tests.corpus import training_build
 
     dataset = PackedDataset(training_build(tmp_path, documents=40, longest=60, max_len=256))

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from prepack import build, build_store
-from prepack.collate import PackedCollator
+from prepack.training.collate import PackedCollator
 from prepack.errors import FormatError
-from prepack.load import PackedDataset, open_hf_dataset
-from prepack.store_read import Store
+from prepack.training.dataset import PackedDataset, open_hf_dataset
+from prepack.sources.store import Store
 from tests.corpus import corpus_table, write_corpus
 
 MAX_LEN = 32

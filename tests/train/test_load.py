@@ -1,4 +1,4 @@
-"""`prepack.load`: rows equal the shards read independently, are zero-copy views of the map, survive
+"""`prepack.training.dataset`: rows equal the shards read independently, are zero-copy views of the map, survive
 DataLoader workers; the sampler shards, shuffles per epoch and resumes exactly; bad builds raise
 FormatError before any value is served."""
 
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
 from prepack import FormatError, build
-from prepack.load import PackedDataset, open_hf_dataset
-from prepack.sample import PackedSampler
+from prepack.training.dataset import PackedDataset, open_hf_dataset
+from prepack.training.sampler import PackedSampler
 from tests.corpus import corpus_table, edit_json, read_build, write_corpus
 
 MAX_LEN = 256
@@ -155,7 +155,7 @@ def test_works_with_torch_distributed_sampler(labelled):
 def test_hf_datasets_rows_collate_to_the_same_batch(labelled):
     from datasets import Dataset
 
-    from prepack.collate import PackedCollator
+    from prepack.training.collate import PackedCollator
 
     collate = PackedCollator(max_len=MAX_LEN)
     dataset = PackedDataset(labelled)

@@ -1,4 +1,4 @@
-"""`prepack.loss`: with 2-process gloo DDP and k accumulation steps over packed micro-batches, the
+"""`prepack.training.loss`: with 2-process gloo DDP and k accumulation steps over packed micro-batches, the
 accumulated gradients equal those of one big unpacked batch of the same documents, under token-mean
 and document-mean weighting; and the weights themselves."""
 
@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from prepack.attention import enable_packing
-from prepack.collate import PackedCollator
-from prepack.loss import loss_weights, weighted_loss
+from prepack.model.packing import enable_packing
+from prepack.training.collate import PackedCollator
+from prepack.training.loss import loss_weights, weighted_loss
 
 WORLD, ACCUMULATION, BATCH = 2, 3, 2
 DOCS_PER_PACK = [2, 1, 3, 1, 1, 2, 2, 1, 1, 3, 2, 1]  # WORLD × ACCUMULATION × BATCH packs

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from prepack.errors import DistributedSetupError, PrepackError
-from prepack.sample import PackedSampler
+from prepack.training.sampler import PackedSampler
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,7 @@ LAUNCHED = """
 import json, os, sys
 from accelerate import Accelerator
 from prepack.errors import DistributedSetupError
-from prepack.sample import PackedSampler
+from prepack.training.sampler import PackedSampler
 
 accelerator = Accelerator(cpu=sys.argv[2] == "cpu")
 sampler = PackedSampler(10, seed=1)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from prepack.errors import PrepackError, SamplerStateError
-from prepack.sample import PackedSampler
+from prepack.training.sampler import PackedSampler
 MAX_PASSES = 64
 from tests.train.test_balance import CuSeqlensOnly, random_packs
 

@@ -1,4 +1,4 @@
-"""Useful throughput (prepack.throughput): real and trained tokens of a batch, counted from the batch alone,
+"""Useful throughput (prepack.training.throughput): real and trained tokens of a batch, counted from the batch alone,
 and the Trainer callback that logs them in a real HF Trainer run on a tiny model."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-from prepack.attention import enable_packing
-from prepack.collate import PackedCollator
-from prepack.format import IGNORE_INDEX
-from prepack.isolation import random_packs
-from prepack.throughput import UsefulThroughputCallback, batch_tokens
+from prepack.model.packing import enable_packing
+from prepack.training.collate import PackedCollator
+from prepack.formats.shards import IGNORE_INDEX
+from prepack.model.isolation import random_packs
+from prepack.training.throughput import UsefulThroughputCallback, batch_tokens
 from tests.tiny_models import DOCUMENT_VOCAB, tiny_model
 
 MAX_LEN = 64

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 import prepack
-from prepack.balance import balanced_order, pack_costs, validated_token_cost
-from prepack.collate import PackedCollator
-from prepack.context_parallel import cp_indices, split_for_cp
+from prepack.training.balance import balanced_order, pack_costs, validated_token_cost
+from prepack.training.collate import PackedCollator
+from prepack.training.context_parallel import cp_indices, split_for_cp
 from prepack.errors import ArgumentTypeError, PackIndexError, PrepackError, UsageError
-from prepack.load import PackedDataset
-from prepack.loss import loss_weights
-from prepack.sample import PackedSampler
-from prepack.throughput import batch_tokens
+from prepack.training.dataset import PackedDataset
+from prepack.training.loss import loss_weights
+from prepack.training.sampler import PackedSampler
+from prepack.training.throughput import batch_tokens
 from tests.corpus import training_build
 
 PACK = {"input_ids": [5, 6, 7, 8, 9], "cu_seqlens": [0, 2, 5]}
@@ -34,7 +34,7 @@ def _cp_part_without_document_totals() -> dict:
 
 # (what is wrong, the error class, a piece of its message, the builtin class it raised before, the call)
 MISUSES: list[tuple[str, type[PrepackError], str, type[Exception], Callable[[], object]]] = [
-    # prepack.sample
+    # prepack.training.sampler
     ("sampler seed", UsageError, "seed must be non-negative", ValueError,
      lambda: PackedSampler(10, seed=-1, rank=0, world_size=1)),
     ("sampler rank", UsageError, "need 0 <= rank < world_size", ValueError,
@@ -53,7 +53,7 @@ MISUSES: list[tuple[str, type[PrepackError], str, type[Exception], Callable[[], 
      lambda: PackedSampler(10, rank=0, world_size=1, balance="attention", batch_size=2, drop_last=True)),
     ("sampler token_cost", UsageError, "token_cost must be finite", ValueError,
      lambda: PackedSampler(10, rank=0, world_size=1, token_cost=float("nan"))),
-    # prepack.collate
+    # prepack.training.collate
     ("collator layout", UsageError, "layout must be one of", ValueError, lambda: PackedCollator(8, layout="bshd")),
     ("collator pad_to", UsageError, "pad_to must be 'max_len' or 'longest'", ValueError,
      lambda: PackedCollator(8, pad_to="max")),
@@ -74,25 +74,25 @@ MISUSES: list[tuple[str, type[PrepackError], str, type[Exception], Callable[[], 
      lambda: PackedCollator(4)([PACK])),
     ("pack labels", UsageError, "Pack 0: labels have shape (2,)", ValueError,
      lambda: PackedCollator(8)([PACK | {"labels": [1, 2]}])),
-    # prepack.loss
+    # prepack.training.loss
     ("loss weighting", UsageError, "weighting must be 'token' or 'document'", ValueError,
      lambda: loss_weights(PackedCollator(8)([PACK]), "row")),
     ("document weighting of a mask", UsageError, "document weighting needs cu_seq_lens_q", ValueError,
      lambda: loss_weights(PackedCollator(8, layout="indexed_mask")([PACK]), "document")),
     ("document weighting of a CP part", UsageError, "needs cp_trained_per_document", ValueError,
      lambda: loss_weights(_cp_part_without_document_totals(), "document")),
-    # prepack.context_parallel
+    # prepack.training.context_parallel
     ("split of a padded batch", UsageError, "split_for_cp needs a batch from PackedCollator", ValueError,
      lambda: split_for_cp(PackedCollator(8)([PACK]), 2, 0)),
     ("split for another cp_size", UsageError, "collate with cp_size=2", ValueError,
      lambda: split_for_cp(PackedCollator(layout="padding_free", cp_size=1)([PACK]), 2, 0)),
     ("cp rank", UsageError, "need 0 <= cp_rank < cp_size", ValueError, lambda: cp_indices(torch.tensor([0, 4]), 2, 2)),
-    # prepack.throughput
+    # prepack.training.throughput
     ("batch without input_ids", UsageError, "batch_tokens needs a batch with input_ids", ValueError,
      lambda: batch_tokens({"labels": torch.zeros(1, 4)})),
     ("batch of 1-D input_ids", UsageError, "of shape [rows, width]", ValueError,
      lambda: batch_tokens({"input_ids": torch.zeros(4)})),
-    # prepack.balance
+    # prepack.training.balance
     ("token_cost of a bool", UsageError, "token_cost must be a number, not True", ValueError,
      lambda: validated_token_cost(True)),
     ("pack without documents", UsageError, "every pack needs at least one document", ValueError,

@@ -1,0 +1,356 @@
+"""The commands that read a corpus: `build` (corpus or document store in, shard directory out —
+read → plan → write, with progress and a manifest) and `build_store` (`prepack tokenize`: a corpus in,
+a document store out — its documents read and tokenized once, as `build` would read them, and written
+in row order for any number of builds).
+
+Each takes its options as keywords, gathered into typed option objects (`prepack.sources.documents.Reading`:
+how the corpus is read; `Packing`: how documents become packs; `Output`: how and where shards are
+written) that `build_packs` and `build_document_store` run on; `prepack build` and `prepack tokenize`
+build the objects from their flags and call those.
+
+Both check their options, choose an engine (`prepack.building.engines.base.Engine`: `prepack.building.engines.local`, or
+`prepack.building.engines.ray` for `engine="ray"`) for the steps that touch tokens, and stage the output so
+that nothing is published unless all of it is written. The plan is computed here, from the first
+pass's lengths (`prepack.building.plan`: under 5 more bytes a segment, 4 more while planning); the engines'
+docstrings say what memory their steps hold.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from prepack.sources.documents import Reading, open_documents
+from prepack.building.engines.base import ENGINES, Engine, locate_row
+from prepack.building.engines.local import LocalEngine
+from prepack.errors import DISTRIBUTION, InputError, require
+from prepack.formats.shards import (
+    MANIFEST_NAME,
+    STORE_MANIFEST_NAME,
+    BuildOptions,
+    InputFile,
+    Manifest,
+    StoreReference,
+    Totals,
+    store_path_problem,
+    write_manifest,
+)
+from prepack.storage.output import Staging, output_errors, staged_directory
+from prepack.building.plan import plan_packs
+from prepack.storage.remote import is_uri, local_input, relative_location, staged_prefix
+from prepack.formats.store import StoreManifest
+from prepack.sources.store import is_store
+from prepack.building.write_store import finish_store
+
+__all__ = ["DEFAULT_SHARD_SIZE", "Output", "Packing", "build", "build_document_store", "build_packs", "build_store"]
+
+# Bytes. ~1,300 full 8k-token packs. Each of the local engine's shard writers holds a shard's columns while it
+# writes it, and those pages are new to the process: at 256 MiB the shard pass took half as long
+# again as at 64 MiB on the benchmark machine, and held 4x the memory. 64 MiB is also MosaicML
+# streaming's default shard size; a billion 350-token documents make ~33k shards.
+DEFAULT_SHARD_SIZE = 64 * 2**20
+
+_Options = TypeVar("_Options")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Packing:
+    """How `build` packs the documents it reads (with `prepack.sources.documents.Reading`, how it reads them):
+    `max_len` tokens a pack, by `algorithm` ("ffd", "bfd"), documents longer than it handled by
+    `overflow` ("split", "truncate", "drop", "error"), the packs shuffled with `seed`; with
+    `drop_untrained`, documents with no trained token left out; with `index_only` (a store only),
+    index shards written instead of token shards."""
+
+    max_len: int
+    algorithm: str = "ffd"
+    overflow: str = "split"
+    seed: int = 0
+    drop_untrained: bool = False
+    index_only: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Output:
+    """How `build` and `build_store` write their output: shards of about `shard_size` bytes, replacing
+    what is at the output with `overwrite`, by the engine named `engine` ("local", or "ray" on the
+    cluster at `ray_address`), with progress bars on `console` (stderr when None) when `progress`."""
+
+    shard_size: int = DEFAULT_SHARD_SIZE
+    overwrite: bool = False
+    engine: str = "local"
+    ray_address: str | None = None
+    progress: bool = False
+    console: Console | None = None
+
+
+def _store_path(store: str | os.PathLike, out: str | os.PathLike) -> str:
+    """How an index build at `out` names its store: relative to `out`, so that moving both together
+    keeps the build readable. Refused (InputError), before anything is read or written, unless readers
+    accept it (`StoreReference.path`): the store must lie in the build's parent directory (prefix)."""
+    if is_uri(store) or is_uri(out):
+        relative = relative_location(str(store), str(out))
+    else:
+        relative = Path(os.path.relpath(os.path.realpath(store), os.path.realpath(out))).as_posix()
+    if (problem := store_path_problem(relative)) is not None:
+        raise InputError(
+            f"{out}: an index build must lie beside its store, in the directory (or prefix) that holds "
+            f"{store}, as readers refuse a store elsewhere; its path from the build would be {relative!r}, which "
+            f"{problem}. Choose --out in that directory (a store that moves later is named at load time: "
+            "PackedDataset(build, store=...), prepack verify --store)."
+        )
+    return relative
+
+
+def _check_engine(engine: str, ray_address: str | None, reading: Reading) -> None:
+    """Refuse an engine prepack does not have, options that the engine would ignore, and the ray
+    engine without ray installed; before anything is read."""
+    if engine not in ENGINES:
+        raise InputError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}.")
+    if engine == "local":
+        if ray_address is not None:
+            raise InputError("--ray-address joins a Ray cluster: use it with --engine ray.")
+        return
+    if reading.num_proc is not None:
+        raise InputError(
+            "--num-proc sets the local engine's tokenizer threads or processes; with --engine ray every task "
+            "tokenizes on one core, and the cluster's CPUs set how many run at once."
+        )
+    engine_ray = require("prepack.building.engines.ray", "--engine ray")  # ray is imported only for this engine
+    engine_ray.check_ray_address(ray_address)  # before anything is read or written
+
+
+@contextmanager
+def _engine(engine: str, ray_address: str | None, staging: Staging, index_only: bool = False) -> Iterator[Engine]:
+    """The engine named `engine` (checked by `_check_engine`) for the output written into `staging`:
+    for "ray", a `prepack.building.engines.ray.RayEngine` connected for it. An index build reads no token and
+    writes small shards, planning only: every engine runs it here, with a `LocalEngine`."""
+    if engine == "local" or index_only:
+        yield LocalEngine(staging, index_only)
+        return
+    from prepack.building.engines.ray import ray_engine
+
+    with ray_engine(ray_address, staging) as ray_session:
+        yield ray_session
+
+
+def _progress_bars(enabled: bool, console: Console | None) -> Progress:
+    """The progress bars of a command that reads a corpus (`build`, `build_store`)."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(SpinnerColumn(), *columns, console=console, disable=not enabled)
+
+
+def _gathered(options: type[_Options], keywords: dict[str, Any]) -> _Options:
+    """The option object of class `options` (a dataclass: `Reading`, `Packing`, `Output`) that a keyword
+    wrapper (`build`, `build_store`) was called with: each field the keyword argument of its name, so
+    that every option is named in the signature and in its class, and nowhere else."""
+    return options(**{field.name: keywords[field.name] for field in fields(options)})
+
+
+def build(
+    corpus: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    max_len: int,
+    column: str = "input_ids",
+    labels_column: str = "labels",
+    tokenizer: str | os.PathLike | None = None,
+    chat: bool = False,
+    text_column: str = "text",
+    messages_column: str = "messages",
+    eos: bool = True,
+    chat_template: str | os.PathLike | None = None,
+    train_on: str = "assistant",
+    num_proc: int | None = None,
+    algorithm: str = "ffd",
+    overflow: str = "split",
+    seed: int = 0,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    drop_untrained: bool = False,
+    index_only: bool = False,
+    overwrite: bool = False,
+    engine: str = "local",
+    ray_address: str | None = None,
+    progress: bool = False,
+    console: Console | None = None,
+) -> Manifest:
+    """Pack a corpus, or a document store (`build_store`), into shards under `out` and return the
+    manifest written there. A store's documents are not tokenized again: its build is byte for byte
+    the build of its corpus with the options the store was tokenized with, which it records.
+
+    >>> manifest = build("corpus.parquet", "packed/", max_len=8192)   # doctest: +SKIP
+    >>> manifest.totals.packs, manifest.totals.padding_tokens           # doctest: +SKIP
+    >>> build("chats.jsonl", "sft/", max_len=8192, tokenizer="./tok", chat=True)  # doctest: +SKIP
+
+    With `index_only` (a store only) the shards are index shards: which documents each pack holds,
+    no token; the manifest names the store by its path relative to `out` and its fingerprint, and
+    `PackedDataset` gathers the packs' tokens from the store.
+
+    Documents with no trained token (every label after the first -100) are counted in the
+    manifest's totals (`untrained`) and, with `drop_untrained`, left out of the packs.
+
+    Without `tokenizer` the corpus holds token ids in `column`, and `labels_column` is carried into
+    the shards when every corpus file has it. With `tokenizer` (a local directory or tokenizer.json)
+    the corpus holds text in `text_column`, or with `chat` conversations in `messages_column`,
+    tokenized as `prepack.sources.tokenize.tokenize_corpus` describes (`eos`, `chat_template`, `train_on`,
+    `num_proc`).
+
+    `engine="ray"` reads, tokenizes and writes shards as Ray tasks (`prepack.building.engines.ray`; needs
+    `prepack-llm[ray]`), on the cluster at `ray_address` ("auto", "ray://…"), or on the Ray instance this
+    process is connected to, or at `RAY_ADDRESS`, or on a new local one; the output is byte for byte
+    the local engine's.
+    Raises `InputError` for bad input, and `OutputError` when `out` cannot be written as
+    asked (see `prepack.storage.output.staged_directory`: it exists without `overwrite`, it is not a prepack
+    build, another build to it runs, a disk is full); in every case nothing is published.
+    """
+    keywords = locals()
+    return build_packs(corpus, out, _gathered(Reading, keywords), _gathered(Packing, keywords), _gathered(Output, keywords))
+
+
+def build_packs(
+    corpus: str | os.PathLike, out: str | os.PathLike, reading: Reading, packing: Packing, output: Output
+) -> Manifest:
+    """`build`, with its options gathered: how the corpus is read, how its documents are packed and
+    how the shards are written (what `prepack build` parses its flags into)."""
+    max_len, overflow, index_only = packing.max_len, packing.overflow, packing.index_only
+    try:
+        options = BuildOptions(
+            max_len=max_len,
+            algorithm=packing.algorithm,
+            overflow=overflow,
+            seed=packing.seed,
+            shard_size=output.shard_size,
+            column=reading.read_column,
+            labels_column=reading.labels_column,
+            drop_untrained=packing.drop_untrained,
+        )
+    except ValueError as exc:
+        raise InputError(f"invalid build options:\n{exc}") from None
+    _check_engine(output.engine, output.ray_address, reading)
+    with _progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
+        if index_only and not is_store(source.spec):
+            raise InputError(
+                f"{corpus}: --index-only packs a document store, and this is a corpus: make one with "
+                f"`prepack tokenize {corpus} --out STORE`, then `prepack build STORE --index-only`."
+            )
+        store_path = _store_path(corpus, out) if index_only else None  # refuses a store the build cannot name
+        documents = open_documents(source.spec, reading, out, bar, source.location)
+        found, has_labels, read_column = documents.corpus, documents.has_labels, documents.column
+        staged = staged_prefix if is_uri(out) else staged_directory
+        with (
+            staged(out, output.overwrite) as staging,
+            _engine(output.engine, output.ray_address, staging, index_only) as engine_steps,
+        ):
+            first = engine_steps.first_pass(documents, reading, bar)
+            if len(first.lengths) == 0:
+                raise InputError(f"{corpus}: the corpus has no documents.")
+            if not first.lengths.any():
+                raise InputError(f"{corpus}: all {len(first.lengths)} documents are empty.")
+            if overflow == "error" and (first.lengths > max_len).any():
+                row = int(np.flatnonzero(first.lengths > max_len)[0])
+                path, file_row = locate_row(found, first.rows_per_file, row)
+                raise InputError(
+                    f"{path}, row {file_row}, column {read_column!r}: {first.lengths[row]} tokens, "
+                    f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
+                )
+            planning = bar.add_task("plan", total=None)
+            plan = plan_packs(
+                first.lengths,
+                max_len,
+                algorithm=packing.algorithm,
+                overflow=overflow,
+                seed=packing.seed,
+                untrained=first.untrained,
+                drop_untrained=packing.drop_untrained,
+            )
+            bar.update(planning, total=1, completed=1)
+            if plan.packs == 0:  # every non-empty document was left out
+                raise InputError(
+                    f"{corpus}: no document is left to pack: of the non-empty documents, "
+                    f"{plan.counts['dropped']:,} are longer than --max-len {max_len} (--overflow drop) and "
+                    f"{plan.counts['untrained']:,} have no trained token (--drop-untrained)."
+                )
+            shards = engine_steps.write_packs(plan, first, output.shard_size, bar)
+            manifest = Manifest(
+                prepack_version=version(DISTRIBUTION),
+                # How the documents were read: as asked, or as the store was written.
+                options=options.model_copy(
+                    update={"column": read_column, "labels_column": documents.labels_column, "tokenize": documents.tokenize}
+                ),
+                has_labels=has_labels,
+                fingerprint=first.fingerprint,
+                inputs=[
+                    InputFile(path=found.name(path), rows=rows)
+                    for path, rows in zip(found.files, first.rows_per_file)
+                ],
+                totals=Totals(**plan.totals(), documents=len(first.lengths)),
+                shards=shards,
+                store=StoreReference(path=store_path, fingerprint=first.fingerprint) if index_only else None,
+            )
+            with output_errors(staging.build / MANIFEST_NAME):
+                write_manifest(staging.build, manifest)
+    return manifest
+
+
+def build_store(
+    corpus: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    column: str = "input_ids",
+    labels_column: str = "labels",
+    tokenizer: str | os.PathLike | None = None,
+    chat: bool = False,
+    text_column: str = "text",
+    messages_column: str = "messages",
+    eos: bool = True,
+    chat_template: str | os.PathLike | None = None,
+    train_on: str = "assistant",
+    num_proc: int | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    overwrite: bool = False,
+    engine: str = "local",
+    ray_address: str | None = None,
+    progress: bool = False,
+    console: Console | None = None,
+) -> StoreManifest:
+    """Read (and tokenize) a corpus once into a document store under `out`, and return the store
+    manifest written there. Every build of the store (`build(out, ...)`) is then byte for byte the
+    build of the corpus with these reading options, without reading or tokenizing the corpus again.
+
+    >>> build_store("chats.jsonl", "store/", tokenizer="./tok", chat=True)   # doctest: +SKIP
+    >>> build("store/", "packed-8k/", max_len=8192)                           # doctest: +SKIP
+
+    The reading and tokenizing options (`column` to `num_proc`) are `build`'s; `shard_size` bounds the
+    bytes of tokens (and labels) per shard. `engine` and `ray_address` as for `build`: with "ray", the
+    store is written by Ray tasks, byte for byte as the local engine writes it. Raises `InputError` for
+    bad input (a store given as the corpus among it), and `OutputError` as `build` does; in every case
+    nothing is published.
+    """
+    keywords = locals()
+    return build_document_store(corpus, out, _gathered(Reading, keywords), _gathered(Output, keywords))
+
+
+def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, reading: Reading, output: Output) -> StoreManifest:
+    """`build_store`, with its options gathered (what `prepack tokenize` parses its flags into)."""
+    if output.shard_size < 1:
+        raise InputError(f"invalid shard size {output.shard_size}: at least 1 byte.")
+    _check_engine(output.engine, output.ray_address, reading)
+    with _progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
+        if is_store(source.spec):
+            raise InputError(f"{corpus} is a document store already: build from it (prepack build {corpus} ...).")
+        documents = open_documents(source.spec, reading, out, bar, source.location)
+        staged = staged_prefix if is_uri(out) else staged_directory
+        with (
+            staged(out, output.overwrite, STORE_MANIFEST_NAME) as staging,
+            _engine(output.engine, output.ray_address, staging) as engine_steps,
+        ):
+            written = engine_steps.write_store(documents, reading, output.shard_size, bar)
+            return finish_store(documents, staging.build, written)

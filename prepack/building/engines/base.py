@@ -1,0 +1,93 @@
+"""What the engines of `build` and `build_store` share: the `Engine` protocol, the results its steps
+hand back, and where a plan's packs are cut into shards.
+
+An engine runs the steps that touch tokens; the commands (`prepack.build`) do everything else
+(checking input, planning, the manifest) the same for every engine:
+
+1. `first_pass`: read (and tokenize) every document once, keep the tokens where the second pass finds
+   them, and hand back what planning needs (`FirstPass`: lengths, fingerprint, rows per file).
+2. `write_packs`: write the plan's packs as shards.
+3. `write_store`: read every document once and write it into a document store's shards (`WrittenStore`).
+
+`prepack.building.engines.local.LocalEngine` runs them in this process, `prepack.building.engines.ray.RayEngine` as Ray
+tasks across a cluster; both write the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+from rich.progress import Progress
+
+from prepack.sources.documents import Documents, Reading
+from prepack.formats.shards import ShardInfo, segment_id_type
+from prepack.building.plan import PackingPlan
+from prepack.sources.corpus import Corpus
+from prepack.formats.store import StoreShard
+from prepack.building.write_shards import TokenFiles, shard_bounds
+
+__all__ = ["ENGINES", "Engine", "FirstPass", "WrittenStore", "locate_row", "pack_shard_bounds"]
+
+ENGINES = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class FirstPass:
+    """What the first pass keeps: document lengths, per-file row counts and the fingerprint, and where
+    the documents' tokens (and labels) lie for the second pass (none for an index build)."""
+
+    lengths: np.ndarray  # one per corpus row, `compact_lengths`
+    untrained: np.ndarray  # bool, one per corpus row: tokens but no trained token (`untrained_documents`)
+    rows_per_file: list[int]
+    fingerprint: str
+    has_labels: bool
+    tokens: TokenFiles | None
+    labels: TokenFiles | None
+
+
+@dataclass(frozen=True)
+class WrittenStore:
+    """What writing a document store's shards leaves for its manifest (`prepack.building.write_store.finish_store`)."""
+
+    shards: list[StoreShard]
+    rows_per_file: list[int]
+    lengths: np.ndarray  # one per document
+    untrained: int  # documents with no trained token
+    fingerprint: str
+
+
+class Engine(Protocol):
+    """How a build's or a store's tokens are read and written; one instance per output (`staging`)."""
+
+    def first_pass(self, documents: Documents, reading: Reading, progress: Progress) -> FirstPass:
+        """Read the documents found as `documents` (a corpus, or a store), keeping their tokens for `write_packs`."""
+        ...
+
+    def write_packs(self, plan: PackingPlan, first: FirstPass, shard_size: int, progress: Progress) -> list[ShardInfo]:
+        """Write the plan's packs of the documents of `first` as shards (`pack_shard_bounds`); their manifest entries."""
+        ...
+
+    def write_store(self, documents: Documents, reading: Reading, shard_size: int, progress: Progress) -> WrittenStore:
+        """Read the documents found as `documents` and write them as a document store's shards."""
+        ...
+
+
+def locate_row(corpus: Corpus, rows_per_file: list[int], row: int) -> tuple[Path, int]:
+    """Global row number → (file, row within the file)."""
+    ends = np.cumsum(rows_per_file)
+    index = int(np.searchsorted(ends, row, "right"))
+    return corpus.files[index], row - int(ends[index] - rows_per_file[index])
+
+
+def pack_shard_bounds(plan: PackingPlan, has_labels: bool, shard_size: int, index_only: bool) -> tuple[np.ndarray, int]:
+    """The first written pack of every shard, plus the end (`shard_bounds`), and the most tokens a
+    shard holds: what every engine cuts a plan's packs into shards by."""
+    docs_per_pack, token_counts = plan.pack_sizes()
+    # Estimated bytes per pack: token columns, per-document columns, per-pack offsets and max_seqlen.
+    token_bytes = 0 if index_only else 4 + segment_id_type(plan.max_len).byte_width + (4 if has_labels else 0)
+    pack_bytes = token_counts * token_bytes + docs_per_pack * 20 + 36
+    bounds = shard_bounds(pack_bytes, shard_size)
+    return bounds, int(np.add.reduceat(token_counts, bounds[:-1]).max())

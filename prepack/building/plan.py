@@ -1,0 +1,652 @@
+"""The packing planner: which pack every document goes into.
+
+`plan_packs` plans a whole corpus from its document lengths alone: it cuts documents longer than
+max_len as the overflow policy says (`document_pieces`, which `verify` also holds builds to), assigns
+the resulting segments to packs, and shuffles the order of the packs with a seed.
+
+Both algorithms see the segments in the same order: a stable sort by length, longest first, so
+equal lengths keep their (row, piece) order. That makes the plan a pure function of the length
+column, reproducible across runs and machines. It also means the algorithms need only the
+histogram of segment lengths: they place "the k-th segment of length x", and which segment that is
+follows from counting, in row order, the segments of length x before it. So nothing is sorted, and
+a plan holds per document only its length (`compact_lengths`: 2 bytes, or 4 from 65,536 tokens)
+and, with `drop_untrained`, a flag; per segment the segment in its pack slot (4 bytes below 2**32
+segments) and a bookmark every 32 segments (0.75 bytes a segment); per pack 20 bytes. Planning
+needs 4 bytes a segment more while it runs. The segments' rows, pieces and token starts are derived
+again for the packs of one shard at a time (`PackingPlan.slice`).
+
+first-fit-decreasing ("ffd")
+    Each segment goes into the lowest-numbered pack with room for it (remaining capacity >=
+    length), else into a new pack. A max segment tree over pack slots finds that pack in
+    O(log packs); slots not opened yet hold a full capacity, so "the next pack to open" is simply
+    the leftmost such slot and needs no special case. A run of equal lengths resumes the search
+    from the previous segment's pack, which makes the common case O(1).
+
+best-fit-decreasing ("bfd")
+    Each segment goes into the pack with the least remaining capacity that still fits it, ties
+    to the lowest-numbered pack, else into a new pack. Open packs are bucketed by remaining
+    capacity: a min segment tree over the capacities a pack can have left finds the smallest non-empty bucket
+    >= length, and each bucket is a pairing heap of pack numbers whose root is the lowest one.
+
+Packs are numbered 0, 1, ... in the order they are opened. The whole plan is O(n log packs) time
+(the counting is O(n + L)) and O(n + L) memory, with L the longest segment: the histogram and bfd's
+capacity buckets follow the documents, never max_len (`--max-len 2147483647` plans in the memory of
+`--max-len 8192`).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+from prepack.formats.shards import IGNORE_INDEX
+
+__all__ = [
+    "DocumentPieces",
+    "ShardPacks",
+    "PackingPlan",
+    "assign_packs",
+    "compact_lengths",
+    "document_pieces",
+    "plan_packs",
+    "untrained_documents",
+]
+
+_ALGORITHMS = ("ffd", "bfd")
+# The overflow policies as the kernels see them; "error" packs as "split" (the caller enforces it).
+_SPLIT, _TRUNCATE, _DROP = 0, 1, 2
+_OVERFLOWS = {"split": _SPLIT, "error": _SPLIT, "truncate": _TRUNCATE, "drop": _DROP}
+# What `_tally` counts, in its order: the overflow and untrained fields of `prepack.formats.shards.Totals`.
+_COUNTS = (
+    "input_tokens",
+    "empty",
+    "split",
+    "split_pieces",
+    "truncated",
+    "truncated_tokens",
+    "dropped",
+    "dropped_tokens",
+    "untrained",
+    "untrained_tokens",
+)
+_COUNT_FIELDS = len(_COUNTS)
+# Segments per block of `_scatter`'s bookmarks: `PackingPlan.slice` finds a segment from the
+# bookmark of its block by a walk over at most this many segments (plus any documents in between
+# that make none). 24 bytes a block: under a byte a segment.
+_BLOCK = 32
+
+
+def compact_lengths(lengths: np.ndarray) -> np.ndarray:
+    """Document lengths in the narrowest of uint16, uint32 and int64 that holds them: what a plan keeps
+    per document. No copy when they already are."""
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"lengths must be a 1-D integer array, got {lengths.ndim}-D {lengths.dtype}")
+    if len(lengths) == 0:
+        return lengths.astype(np.uint16)
+    if lengths.min() < 0:
+        raise ValueError(f"lengths must not be negative, got {lengths.min()}")
+    largest = int(lengths.max())
+    dtype = np.uint16 if largest < 2**16 else np.uint32 if largest < 2**32 else np.int64
+    return lengths.astype(dtype, copy=False)
+
+
+def _check_options(max_len: int, algorithm: str) -> int:
+    if algorithm not in _ALGORITHMS:
+        raise ValueError(f"unknown packing algorithm {algorithm!r}; expected one of {_ALGORITHMS}")
+    max_len = operator.index(max_len)
+    if not 1 <= max_len < 2**31:  # capacities are kept in int32
+        raise ValueError(f"max_len must be in [1, 2**31), got {max_len}")
+    return max_len
+
+
+def _overflow_code(overflow: str) -> int:
+    if overflow not in _OVERFLOWS:
+        raise ValueError(f"unknown overflow {overflow!r}")
+    return _OVERFLOWS[overflow]
+
+
+def _flags(untrained: np.ndarray | None, documents: int) -> np.ndarray:
+    """`untrained` as a bool array, or an empty one (none untrained) for None."""
+    if untrained is None:
+        return np.zeros(0, dtype=bool)
+    untrained = np.asarray(untrained, dtype=bool)
+    if untrained.shape != (documents,):
+        raise ValueError(f"untrained must have one flag per document ({documents}), got shape {untrained.shape}")
+    return untrained
+
+
+def assign_packs(lengths: np.ndarray, max_len: int, algorithm: str = "ffd") -> np.ndarray:
+    """Pack number (int32, 0-based, in the order packs are opened) of every document.
+
+    `lengths` is a 1-D integer array with every value in [1, max_len]; the caller has already
+    split, truncated or dropped the documents that do not fit, so anything else is a bug and
+    raises ValueError.
+    """
+    max_len = _check_options(max_len, algorithm)
+    lengths = compact_lengths(lengths)
+    if len(lengths) == 0:
+        return np.empty(0, np.int32)
+    if lengths.min() < 1 or lengths.max() > max_len:
+        raise ValueError(f"every length must be in [1, {max_len}], got [{lengths.min()}, {lengths.max()}]")
+    histogram = np.bincount(lengths)  # as long as the longest document, never max_len
+    pack_of_sorted, _ = _assign_sorted(histogram, max_len, algorithm)
+    return _unsort(lengths, histogram, pack_of_sorted)
+
+
+def _assign_sorted(histogram: np.ndarray, max_len: int, algorithm: str) -> tuple[np.ndarray, int]:
+    """Pack number (int32) of every segment in the planner's order, longest first, and the pack count,
+    from the histogram of segment lengths (`histogram[x]` segments of x tokens, x in 1..len(histogram) - 1,
+    the longest segment, at most max_len)."""
+    segments = int(histogram.sum())
+    tokens = int(np.dot(histogram, np.arange(len(histogram), dtype=np.int64)))
+    # Any-fit algorithms leave no two packs that together fit in one (the later one's first
+    # segment did not fit in the earlier), so at most 2*ceil(total/max_len) - 1 packs open.
+    max_packs = min(segments, 2 * -(-tokens // max_len) + 1)
+    kernel = _ffd if algorithm == "ffd" else _bfd
+    pack_of_sorted, packs = kernel(histogram, max_len, max_packs, tokens)
+    return pack_of_sorted, int(packs)
+
+
+@numba.njit(cache=True)
+def _first_of_length(histogram):
+    """Where each length's run begins in the planner's order (longest first)."""
+    first = np.empty(len(histogram), np.int64)
+    at = 0
+    for need in range(len(histogram) - 1, 0, -1):
+        first[need] = at
+        at += histogram[need]
+    first[0] = at
+    return first
+
+
+@numba.njit(cache=True)
+def _unsort(lengths, histogram, pack_of_sorted):
+    """Pack of every document in input order: the k-th document of length x in input order is the
+    k-th of length x in the planner's order."""
+    cursor = _first_of_length(histogram)
+    out = np.empty(len(lengths), np.int32)
+    for i in range(len(lengths)):
+        k = cursor[lengths[i]]
+        cursor[lengths[i]] = k + 1
+        out[i] = pack_of_sorted[k]
+    return out
+
+
+@numba.njit(cache=True)
+def _ffd(histogram, max_len, max_packs, tokens):
+    size = 1
+    while size < max_packs:
+        size *= 2
+    # Implicit binary tree: leaves size..2*size-1 are pack slots holding remaining capacity,
+    # each inner node the max of its children. The bound on max_packs guarantees a free slot.
+    tree = np.full(2 * size, max_len, np.int32)
+    out = np.empty(histogram.sum(), np.int32)
+    at, packs = 0, 0
+    for need in range(len(histogram) - 1, 0, -1):
+        node = 1
+        for repeat in range(histogram[need]):
+            if repeat > 0:
+                # Packs left of the previous equal-length segment's pack had no room for it and only
+                # fill up, so search rightwards from there: O(log distance), usually the same pack.
+                while tree[node] < need:
+                    while node & 1:  # climb until there is a right sibling ...
+                        node //= 2
+                    node += 1  # ... and move onto it
+                # (the climb cannot pass the root: a fitting slot exists right of the previous one)
+            while node < size:  # descend towards the leftmost leaf with room
+                node *= 2
+                if tree[node] < need:
+                    node += 1
+            out[at] = node - size
+            at += 1
+            packs = max(packs, node - size + 1)
+            tree[node] -= need
+            up = node // 2
+            while up >= 1:  # stop as soon as an ancestor's max is unaffected
+                m = max(tree[2 * up], tree[2 * up + 1])
+                if tree[up] == m:
+                    break
+                tree[up] = m
+                up //= 2
+    return out, packs
+
+
+@numba.njit(cache=True)
+def _set_leaf(tree, size, leaf, value):
+    node = size + leaf
+    tree[node] = value
+    node //= 2
+    while node >= 1:
+        m = min(tree[2 * node], tree[2 * node + 1])
+        if tree[node] == m:
+            break
+        tree[node] = m
+        node //= 2
+
+
+@numba.njit(cache=True)
+def _min_from(tree, size, leaf):
+    """Minimum over leaves leaf..size-1 (the classic bottom-up range query with an open end)."""
+    best = tree[0]  # tree[0] is unused by the tree and holds the "empty" value
+    lo, hi = leaf + size, 2 * size
+    while lo < hi:
+        if lo & 1:
+            best = min(best, tree[lo])
+            lo += 1
+        lo //= 2
+        hi //= 2
+    return best
+
+
+@numba.njit(cache=True)
+def _link(a, b, child, sibling):
+    """Merge two pairing-heap roots; the lower pack number stays on top."""
+    if b < a:
+        a, b = b, a
+    sibling[b] = child[a]
+    child[a] = b
+    return a
+
+
+@numba.njit(cache=True)
+def _pop(root, child, sibling, stack):
+    """Remove `root` from its pairing heap and return the new root (-1 if now empty)."""
+    # Two-pass pairing (link neighbours left to right, then fold right to left) is what gives the
+    # amortised O(log n) bound; linking the children one by one would degrade to O(n).
+    count = 0
+    a = child[root]
+    while a >= 0:
+        b = sibling[a]
+        if b < 0:
+            stack[count] = a
+            count += 1
+            break
+        after = sibling[b]
+        stack[count] = _link(a, b, child, sibling)
+        count += 1
+        a = after
+    if count == 0:
+        return -1
+    top = stack[count - 1]
+    for j in range(count - 2, -1, -1):
+        top = _link(stack[j], top, child, sibling)
+    return top
+
+
+@numba.njit(cache=True)
+def _bfd(histogram, max_len, max_packs, tokens):
+    # A pack holds at most `fill` = min(max_len, tokens) tokens, so its remaining capacity lies in
+    # [max_len - fill, max_len]: the buckets are that range, numbered from `base`, so that memory follows
+    # the corpus and not max_len (2**31 - 1 would take gigabytes).
+    fill = min(max_len, tokens)
+    base = max_len - fill
+    size = 1
+    while size <= fill:
+        size *= 2
+    none = fill + 1
+    # Leaf c of the min tree is c while some open pack has exactly base + c tokens left, else `none`.
+    tree = np.full(2 * size, none, np.int32)
+    heap = np.full(fill + 1, -1, np.int32)  # root (lowest pack number) of bucket c's heap
+    child = np.full(max_packs, -1, np.int32)
+    sibling = np.full(max_packs, -1, np.int32)
+    stack = np.empty(max_packs, np.int32)
+    out = np.empty(histogram.sum(), np.int32)
+    at, packs = 0, 0
+    for need in range(len(histogram) - 1, 0, -1):
+        for _ in range(histogram[need]):
+            left = _min_from(tree, size, max(need - base, 0))
+            if left == none:
+                pack = packs
+                packs += 1
+                left = fill
+            else:
+                pack = heap[left]
+                heap[left] = _pop(pack, child, sibling, stack)
+                if heap[left] < 0:
+                    _set_leaf(tree, size, left, none)
+            out[at] = pack
+            at += 1
+            left -= need
+            if base + left > 0:  # a full pack can never be chosen again, so it leaves the structure
+                child[pack] = -1
+                if heap[left] < 0:
+                    heap[left] = pack
+                    _set_leaf(tree, size, left, left)
+                else:
+                    heap[left] = _link(heap[left], pack, child, sibling)
+    return out, packs
+
+
+@numba.njit(cache=True)
+def _pieces_of(length, max_len, overflow, left_out):
+    """How many segments a document of `length` tokens becomes: the definition of the overflow
+    policies (see `document_pieces`). Piece j is `min(length - j*max_len, max_len)` tokens long."""
+    if left_out or length == 0:
+        return 0
+    if length <= max_len or overflow == _TRUNCATE:
+        return 1
+    if overflow == _DROP:
+        return 0
+    return (length + max_len - 1) // max_len
+
+
+@numba.njit(cache=True)
+def _tally(lengths, untrained, drop_untrained, max_len, overflow):
+    """One pass over the documents: the histogram of segment lengths (as long as the longest segment,
+    never max_len) and the `_COUNTS`."""
+    longest = 0
+    for i in range(len(lengths)):
+        longest = max(longest, np.int64(lengths[i]))
+    histogram = np.zeros(min(longest, max_len) + 1, np.int64)
+    counts = np.zeros(_COUNT_FIELDS, np.int64)
+    for i in range(len(lengths)):
+        length = np.int64(lengths[i])
+        is_untrained = len(untrained) > 0 and untrained[i]
+        left_out = drop_untrained and is_untrained
+        pieces = _pieces_of(length, max_len, overflow, left_out)
+        counts[0] += length
+        if length == 0:
+            counts[1] += 1
+        if length > max_len and not left_out:
+            if pieces > 1:
+                counts[2] += 1
+                counts[3] += pieces
+            if overflow == _TRUNCATE:
+                counts[4] += 1
+                counts[5] += length - max_len
+            elif overflow == _DROP:
+                counts[6] += 1
+                counts[7] += length
+        if is_untrained:
+            counts[8] += 1
+            counts[9] += length
+        for piece in range(pieces):
+            histogram[min(length - piece * max_len, max_len)] += 1
+    return histogram, counts
+
+
+@numba.njit(cache=True)
+def _expand(lengths, left_out, max_len, overflow, segments):
+    """Every segment of the documents, in (row, piece) order: rows, pieces, starts, lengths."""
+    rows = np.empty(segments, np.int64)
+    pieces = np.empty(segments, np.int64)
+    starts = np.empty(segments, np.int64)
+    out = np.empty(segments, np.int64)
+    at, token = 0, 0
+    for i in range(len(lengths)):
+        length = np.int64(lengths[i])
+        for piece in range(_pieces_of(length, max_len, overflow, len(left_out) > 0 and left_out[i])):
+            rows[at], pieces[at] = i, piece
+            starts[at] = token + piece * max_len
+            out[at] = min(length - piece * max_len, max_len)
+            at += 1
+        token += length
+    return rows, pieces, starts, out
+
+
+@numba.njit(cache=True)
+def _pack_contents(histogram, pack_of_sorted, packs):
+    """Segments and tokens of every pack (int32: at most max_len of either)."""
+    segments = np.zeros(packs, np.int32)
+    tokens = np.zeros(packs, np.int32)
+    at = 0
+    for need in range(len(histogram) - 1, 0, -1):
+        for _ in range(histogram[need]):
+            pack = pack_of_sorted[at]
+            segments[pack] += 1
+            tokens[pack] += need
+            at += 1
+    return segments, tokens
+
+
+@numba.njit(cache=True)
+def _scatter(lengths, left_out, max_len, overflow, histogram, pack_of_sorted, slot_offsets, order, bookmarks):
+    """Fill `order` with the number of the segment in each pack slot, segments numbered in (row,
+    piece) order, which they keep within a pack; and `bookmarks` with the row, piece and row's first
+    token of every `_BLOCK`-th segment.
+
+    Packs in the planner's numbering, not shuffled (`PackingPlan.slice` applies the shuffle): the
+    segments of one length go to ascending packs, so the writes of each length move forward through
+    memory instead of landing anywhere in it."""
+    cursor = _first_of_length(histogram)
+    fill = slot_offsets[:-1].copy()
+    segment, token = 0, 0
+    for i in range(len(lengths)):
+        length = np.int64(lengths[i])
+        for piece in range(_pieces_of(length, max_len, overflow, len(left_out) > 0 and left_out[i])):
+            if segment % _BLOCK == 0:
+                mark = bookmarks[segment // _BLOCK]
+                mark[0], mark[1], mark[2] = i, piece, token
+            need = min(length - piece * max_len, max_len)
+            k = cursor[need]
+            cursor[need] = k + 1
+            pack = pack_of_sorted[k]
+            order[fill[pack]] = segment
+            fill[pack] += 1
+            segment += 1
+        token += length
+
+
+@numba.njit(cache=True, nogil=True)  # shard writers call it from their threads
+def _resolve(order, visit, lengths, left_out, bookmarks, max_len, overflow):
+    """Row, piece, token start and length of the segments numbered `order`, found in the order of
+    `visit` (ascending segment numbers: the bookmarks and lengths are then read front to back)."""
+    rows = np.empty(len(order), np.int64)
+    pieces = np.empty(len(order), np.int32)
+    starts = np.empty(len(order), np.int64)
+    out = np.empty(len(order), np.int64)
+    for j in visit:
+        wanted = np.int64(order[j])
+        mark = bookmarks[wanted // _BLOCK]
+        row, piece, token = mark[0], mark[1], mark[2]
+        skip = wanted % _BLOCK  # segments from the bookmark to the wanted one
+        while True:
+            length = np.int64(lengths[row])
+            count = _pieces_of(length, max_len, overflow, len(left_out) > 0 and left_out[row])
+            if piece + skip < count:
+                piece += skip
+                break
+            skip -= count - piece
+            token += length
+            row += 1
+            piece = 0
+        rows[j], pieces[j] = row, piece
+        starts[j] = token + piece * max_len
+        out[j] = min(length - piece * max_len, max_len)
+    return rows, pieces, starts, out
+
+
+@dataclass(frozen=True)
+class ShardPacks:
+    """Packs as concrete arrays (what one shard holds): pack p holds the segments
+    `pack_offsets[p]:pack_offsets[p+1]`, in (row, piece) order; a segment is `lengths[i]` tokens from
+    `starts[i]` of the token store."""
+
+    max_len: int
+    pack_offsets: np.ndarray  # int64 [packs + 1]
+    starts: np.ndarray  # int64 [segments]: first token in the store of all documents, back to back
+    lengths: np.ndarray  # int64 [segments]
+    rows: np.ndarray  # int64 [segments]: corpus row
+    pieces: np.ndarray  # int32 [segments]: piece number of a split document
+
+
+@dataclass(frozen=True)
+class _Documents:
+    """What a plan keeps per document to find its segments again."""
+
+    lengths: np.ndarray  # `compact_lengths`
+    left_out: np.ndarray  # bool per document, or empty when none is left out
+    bookmarks: np.ndarray  # int64 [segments / _BLOCK, 3]: row, piece and the row's first token
+    overflow: int  # `_OVERFLOWS` code
+
+
+@numba.njit(cache=True, nogil=True)
+def _slots_of(order, slot_offsets, packs):
+    """The segment numbers of `packs`, one pack after the other."""
+    total = 0
+    for pack in packs:
+        total += slot_offsets[pack + 1] - slot_offsets[pack]
+    out = np.empty(total, order.dtype)
+    at = 0
+    for pack in packs:
+        size = slot_offsets[pack + 1] - slot_offsets[pack]
+        out[at : at + size] = order[slot_offsets[pack] : slot_offsets[pack + 1]]
+        at += size
+    return out
+
+
+@dataclass(frozen=True)
+class PackingPlan:
+    """Which segments go where, compactly. Packs are numbered as the planner opened them; the p-th
+    pack written is pack `shuffle[p]`. Pack q holds the slots `slot_offsets[q]:slot_offsets[q+1]`,
+    and slot i the segment numbered `order[i]` (segments numbered in (row, piece) order, which they
+    keep within a pack). `slice` turns written packs into a `ShardPacks`."""
+
+    max_len: int
+    shuffle: np.ndarray  # int64 [packs]
+    slot_offsets: np.ndarray  # int64 [packs + 1]
+    tokens_per_pack: np.ndarray  # int32 [packs]
+    order: np.ndarray  # uint32 (int64 from 2**32 segments) [segments]
+    documents: _Documents
+    counts: dict[str, int] = field(default_factory=dict)  # what overflow did; see `Totals`
+
+    @property
+    def packs(self) -> int:
+        return len(self.shuffle)
+
+    def pack_sizes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Segments and tokens of every pack, in written order (int64 each)."""
+        return np.diff(self.slot_offsets)[self.shuffle], self.tokens_per_pack[self.shuffle].astype(np.int64)
+
+    def slice(self, first: int, end: int) -> ShardPacks:
+        """Written packs first..end-1 as concrete arrays (what one shard holds)."""
+        packs = self.shuffle[first:end]
+        pack_offsets = np.zeros(len(packs) + 1, dtype=np.int64)
+        np.cumsum(self.slot_offsets[packs + 1] - self.slot_offsets[packs], out=pack_offsets[1:])
+        d = self.documents
+        segments = _slots_of(self.order, self.slot_offsets, packs)
+        rows, pieces, starts, lengths = _resolve(
+            segments, np.argsort(segments), d.lengths, d.left_out, d.bookmarks, self.max_len, d.overflow
+        )
+        return ShardPacks(self.max_len, pack_offsets, starts, lengths, rows, pieces)
+
+    def totals(self) -> dict[str, int]:
+        tokens = int(self.tokens_per_pack.sum(dtype=np.int64))
+        return {
+            **self.counts,
+            "tokens": tokens,
+            "segments": len(self.order),
+            "packs": self.packs,
+            "padding_tokens": self.packs * self.max_len - tokens,
+            "lower_bound": -(-tokens // self.max_len),
+        }
+
+
+class DocumentPieces(NamedTuple):
+    """The segments that documents become under an overflow policy, in (row, piece) order."""
+
+    rows: np.ndarray  # int64 [segments]: the document's index
+    pieces: np.ndarray  # int64 [segments]: 0, 1, … within a split document
+    starts: np.ndarray  # int64 [segments]: first token, with the documents' tokens back to back
+    lengths: np.ndarray  # int64 [segments]
+    counts: dict[str, int]  # what overflow did: input_tokens, empty, split, … as in `Totals`
+
+
+def untrained_documents(offsets: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
+    """Which documents (`labels[offsets[i]:offsets[i+1]]`) have tokens but no trained token: every label
+    after the first is -100 (a document's first token is never trained, see `prepack.training.collate`).
+
+    Without labels every token is trained, so no document is untrained. Each document's labels are
+    read only up to its first trained one (an index build scans a store's memory-mapped labels with
+    this, instead of reading them all).
+    """
+    offsets = np.asarray(offsets, dtype=np.int64)
+    lengths = np.diff(offsets)
+    if labels is None:
+        return np.zeros(len(lengths), dtype=bool)
+    labels = np.asarray(labels)
+    if len(offsets) and (offsets[0] < 0 or offsets[-1] > len(labels) or (lengths < 0).any()):
+        raise ValueError(f"offsets {offsets[0]}..{offsets[-1]} do not slice {len(labels)} labels in order")
+    return _untrained(offsets, labels)
+
+
+@numba.njit(cache=True)
+def _untrained(offsets, labels):
+    out = np.zeros(len(offsets) - 1, np.bool_)
+    for document in range(len(offsets) - 1):
+        start, end = offsets[document], offsets[document + 1]
+        if end > start:
+            out[document] = True
+            for token in range(start + 1, end):
+                if labels[token] != IGNORE_INDEX:
+                    out[document] = False
+                    break
+    return out
+
+
+def document_pieces(
+    lengths: np.ndarray, max_len: int, overflow: str, untrained: np.ndarray | None = None, drop_untrained: bool = False
+) -> DocumentPieces:
+    """What documents of `lengths` tokens become in packs of `max_len`: the definition of `overflow`.
+
+    "split" (and "error", which the caller enforces) cuts a longer document into max_len pieces and a
+    shorter last one; "truncate" keeps its first max_len tokens; "drop" leaves it out. Empty documents
+    become nothing. `untrained` (see `untrained_documents`) marks the documents with no trained token:
+    counted, and with `drop_untrained` left out before overflow applies to the rest.
+    """
+    code = _overflow_code(overflow)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    untrained = _flags(untrained, len(lengths))
+    histogram, counts = _tally(lengths, untrained, drop_untrained, max_len, code)
+    left_out = untrained if drop_untrained else np.zeros(0, dtype=bool)
+    rows, pieces, starts, segment_lengths = _expand(lengths, left_out, max_len, code, int(histogram.sum()))
+    return DocumentPieces(rows, pieces, starts, segment_lengths, dict(zip(_COUNTS, map(int, counts))))
+
+
+def plan_packs(
+    lengths: np.ndarray,
+    max_len: int,
+    *,
+    algorithm: str = "ffd",
+    overflow: str = "split",
+    seed: int = 0,
+    untrained: np.ndarray | None = None,
+    drop_untrained: bool = False,
+) -> PackingPlan:
+    """Plan the whole corpus: cut overlong documents as `overflow` says and leave out untrained ones
+    as `drop_untrained` says (`document_pieces`), assign the segments to packs (`assign_packs`'s
+    algorithms), then shuffle the pack order with `seed`.
+
+    `lengths` are the token counts of the corpus rows, whose tokens lie back to back in the token
+    store; the plan keeps them, so pass them through `compact_lengths` to keep no copy.
+    `overflow="error"` is the caller's to enforce (it can name the file); here it packs as split.
+    """
+    max_len = _check_options(max_len, algorithm)
+    code = _overflow_code(overflow)
+    lengths = compact_lengths(lengths)
+    untrained = _flags(untrained, len(lengths))
+    histogram, counts = _tally(lengths, untrained, drop_untrained, max_len, code)
+    pack_of_sorted, packs = _assign_sorted(histogram, max_len, algorithm)
+    segments_per_pack, tokens_per_pack = _pack_contents(histogram, pack_of_sorted, packs)
+    slot_offsets = np.zeros(packs + 1, dtype=np.int64)
+    np.cumsum(segments_per_pack, out=slot_offsets[1:])
+    del segments_per_pack
+    order = np.empty(len(pack_of_sorted), dtype=np.uint32 if len(pack_of_sorted) <= 2**32 else np.int64)
+    left_out = untrained if drop_untrained else np.zeros(0, dtype=bool)
+    bookmarks = np.empty((-(-len(order) // _BLOCK), 3), dtype=np.int64)
+    _scatter(lengths, left_out, max_len, code, histogram, pack_of_sorted, slot_offsets, order, bookmarks)
+    return PackingPlan(
+        max_len=max_len,
+        # Shuffle whole packs, so training never sees the decreasing-length order of the planner.
+        shuffle=np.random.default_rng(seed).permutation(packs),
+        slot_offsets=slot_offsets,
+        tokens_per_pack=tokens_per_pack,
+        order=order,
+        documents=_Documents(lengths, left_out, bookmarks, code),
+        counts=dict(zip(_COUNTS, map(int, counts))),
+    )

@@ -1,0 +1,170 @@
+"""Writing a document store (schemas/store-format.md): where its documents are cut into shards, the
+shards, and `store.json`; what every engine writes a store with (`prepack.building.engines.base`), for
+`prepack.building.build.build_store` (`prepack tokenize`).
+
+Memory stays bounded by the shard size: the local engine gathers documents until the next would
+overfill the shard (`StoreShardWriter`), which is then written as one record batch
+(`prepack.building.write_shards.write_record_batch`); only the documents' lengths (for the manifest's summary) grow
+with the corpus.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from prepack.sources.documents import Documents
+from prepack.building.engines.base import WrittenStore
+from prepack.errors import DISTRIBUTION, InputError
+from prepack.formats.shards import INT32_MAX, STORE_MANIFEST_NAME, InputFile, arrow_array
+from prepack.storage.output import output_errors
+from prepack.sources.corpus import DocumentBatch
+from prepack.formats.store import (
+    LengthSummary,
+    StoreManifest,
+    StoreShard,
+    store_schema,
+    store_shard_name,
+    write_store_manifest,
+)
+from prepack.building.write_shards import write_record_batch
+
+__all__ = [
+    "StoreShardWriter",
+    "finish_store",
+    "store_shard_bounds",
+    "store_shard_capacity",
+    "too_long_for_a_shard",
+    "write_store_shard",
+]
+
+
+def store_shard_capacity(has_labels: bool, shard_size: int) -> int:
+    """Tokens a store shard of `shard_size` bytes of tokens (and labels) holds, at most INT32_MAX."""
+    return min(max(1, shard_size // (8 if has_labels else 4)), INT32_MAX)
+
+
+def _shard_end(offsets: np.ndarray, start: int, room: int, empty: bool) -> int:
+    """The end of the documents from `start` (token `offsets` of consecutive documents) that the
+    shard being filled takes: those that still fit its `room` tokens, and at least one when it is
+    `empty` (a document larger than a shard is a shard of its own)."""
+    end = max(start, int(np.searchsorted(offsets, offsets[start] + room, "right")) - 1)
+    return start + 1 if end == start and empty else end
+
+
+def store_shard_bounds(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first document of every store shard, plus the end, and the token each of them starts at:
+    where `StoreShardWriter` cuts the documents of `lengths`, computed from the lengths alone
+    (`--engine ray` plans shards so). 8 bytes a document while it runs."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    bounds = [0]
+    while bounds[-1] < len(lengths):
+        bounds.append(_shard_end(offsets, bounds[-1], capacity, empty=True))
+    return np.array(bounds, np.int64), offsets[bounds]
+
+
+def too_long_for_a_shard(file: Path, row: int, tokens: int) -> InputError:
+    return InputError(
+        f"{file}, row {row}: {tokens} tokens in one document, more than a store shard holds ({INT32_MAX})."
+    )
+
+
+def write_store_shard(directory: Path, index: int, lengths: np.ndarray, ids: np.ndarray, labels: np.ndarray | None) -> StoreShard:
+    """Write consecutive documents (`lengths`, their `ids` and `labels` back to back) as store shard
+    `index` and return its manifest entry."""
+    path = directory / store_shard_name(index)
+    offsets = np.zeros(len(lengths) + 1, np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    columns = [ids.astype(np.int32, copy=False)]
+    if labels is not None:
+        columns.append(labels.astype(np.int32, copy=False))
+    arrays = [pa.ListArray.from_arrays(arrow_array(offsets), arrow_array(values)) for values in columns]
+    batch = pa.RecordBatch.from_arrays(arrays, schema=store_schema(labels is not None))
+    size, sha256 = write_record_batch(path, batch)
+    return StoreShard(name=path.name, documents=len(lengths), tokens=int(offsets[-1]), bytes=size, sha256=sha256)
+
+
+class StoreShardWriter:
+    """Gathers documents in row order and writes them as store shards of at most `shard_size` bytes
+    of tokens (and labels); a document larger than that is a shard of its own. Where shards end
+    depends only on the documents' lengths, never on how they arrive in batches."""
+
+    def __init__(self, directory: Path, has_labels: bool, shard_size: int) -> None:
+        self.directory, self.has_labels = directory, has_labels
+        self.capacity = store_shard_capacity(has_labels, shard_size)
+        self.pending: list[DocumentBatch] = []
+        self.tokens = 0
+        self.shards: list[StoreShard] = []
+
+    def add(self, batch: DocumentBatch) -> None:
+        offsets, documents = batch.offsets, len(batch.offsets) - 1
+        start = 0
+        while start < documents:
+            end = _shard_end(offsets, start, self.capacity - self.tokens, empty=not self.pending)
+            if end > start:
+                first, last = offsets[start], offsets[end]
+                self.pending.append(
+                    DocumentBatch(
+                        file=batch.file,
+                        first_row=batch.first_row + start,
+                        offsets=offsets[start : end + 1] - first,
+                        ids=batch.ids[first:last],
+                        labels=None if batch.labels is None else batch.labels[first:last],
+                    )
+                )
+                self.tokens += int(last - first)
+            if end < documents:
+                self.flush()
+            start = end
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        if self.tokens > INT32_MAX:
+            first = self.pending[0]
+            raise too_long_for_a_shard(first.file, first.first_row, self.tokens)
+        lengths = np.concatenate([np.diff(p.offsets) for p in self.pending])
+        ids = np.concatenate([p.ids for p in self.pending])
+        labels = np.concatenate([p.labels for p in self.pending]) if self.has_labels else None
+        self.shards.append(write_store_shard(self.directory, len(self.shards), lengths, ids, labels))
+        self.pending, self.tokens = [], 0
+
+
+def _summary(lengths: np.ndarray, untrained: int) -> LengthSummary:
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99], method="lower")
+    return LengthSummary(
+        min=int(lengths.min()),
+        max=int(lengths.max()),
+        mean=round(float(lengths.mean(dtype=np.float64)), 3),
+        p50=int(p50),
+        p90=int(p90),
+        p99=int(p99),
+        empty=int((lengths == 0).sum()),
+        untrained=untrained,
+    )
+
+
+def finish_store(documents: Documents, directory: Path, written: WrittenStore) -> StoreManifest:
+    """Write `store.json` for the shards an engine wrote into `directory` and return it."""
+    if not written.shards:
+        raise InputError(f"{documents.corpus.root}: the corpus has no documents.")
+    manifest = StoreManifest(
+        prepack_version=version(DISTRIBUTION),
+        column=documents.column,
+        labels_column=documents.labels_column,
+        tokenize=documents.tokenize,
+        has_labels=documents.has_labels,
+        fingerprint=written.fingerprint,
+        inputs=[InputFile(path=documents.corpus.name(path), rows=rows) for path, rows in zip(documents.corpus.files, written.rows_per_file)],
+        documents=len(written.lengths),
+        tokens=int(written.lengths.sum(dtype=np.int64)),
+        lengths=_summary(written.lengths, written.untrained),
+        shards=written.shards,
+    )
+    with output_errors(directory / STORE_MANIFEST_NAME):
+        write_store_manifest(directory, manifest)
+    return manifest

@@ -1,0 +1,512 @@
+"""`inspect`: what a build holds and what packing saved, from the manifest and the per-pack columns.
+
+Only `cu_seqlens`, `max_seqlen`, `source_rows` and `source_pieces` are read, from memory-mapped
+shards: the pages of `input_ids`, `segment_ids` and `labels` (nearly all of a shard's bytes) are never
+touched, so a report on a billion-token build costs about as much as one on its document count.
+
+    report = inspect_build("packed/", batch_size=8, seed=0)
+    report.fill, report.cost.pad_to_max_len.ratio
+    rich.print(render(report))            # what `prepack inspect` prints
+    plot(report, "report.png")            # needs matplotlib (`pip install 'prepack-llm[plot]'`)
+
+"Documents" in the distributions are the segments the shards hold, i.e. corpus documents after
+`--overflow` split, truncated or dropped them; the manifest's counts say how many were.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from prepack.training.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs, validated_token_cost
+from prepack.storage.cache import ShardCache, build_cache
+from prepack.errors import FormatError, InputError, PrepackError, optional_imports
+from prepack.formats.shards import Manifest, StrictModel, check_layout, list_column, open_shard, read_manifest, shard_path
+from prepack.storage.output import output_errors
+from prepack.storage.remote import is_uri
+
+__all__ = [
+    "Cost",
+    "Costs",
+    "Distribution",
+    "InspectReport",
+    "ShardSummary",
+    "StepBalance",
+    "inspect_build",
+    "plot",
+    "render",
+]
+
+_BINS = 32  # histogram bins: enough shape for one terminal line or one plot panel
+_FILL_BINS = 20  # pack fill in steps of 5%
+COST_NOTE = (
+    "compute = token positions a fixed-length batch pays for. packed: packs x max_len. pad to max_len: "
+    "documents x max_len. pad to longest: documents in corpus order, shuffled with --seed, cut into "
+    "batches of --batch-size (last one partial), each costing its size x its longest document. "
+    "Documents are the segments in the packs, as one longer than max_len cannot be padded to it. "
+    "Attention's quadratic term is not counted (with per-document attention it favours packing more)."
+)
+
+
+class Distribution(StrictModel):
+    """Summary and histogram of one per-pack or per-document quantity.
+
+    Percentiles are nearest-rank: the smallest value with at least p% of the values at or below it, so
+    they are always values that occur. Bin i counts values in [edges[i], edges[i+1]), the last bin also
+    its right edge.
+    """
+
+    count: int
+    min: float
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    edges: list[float]
+    counts: list[int]
+
+
+class Cost(StrictModel):
+    """Token positions of compute for one way of batching the corpus."""
+
+    tokens: int
+    padding_tokens: int  # tokens - the real tokens
+    ratio: float  # tokens / the packed cost
+
+
+class Costs(StrictModel):
+    packed: Cost
+    pad_to_max_len: Cost
+    pad_to_longest_in_batch: Cost
+
+
+class StepBalance(StrictModel):
+    """How unequal the ranks' work is in the steps `PackedSampler` deals (epoch 0, --seed), without and
+    with `balance="attention"`; cost model and figures from `prepack.training.balance`."""
+
+    world_size: int
+    batch_size: int
+    token_cost: float
+    unbalanced_max_over_mean: float  # mean over steps of slowest rank / mean rank
+    balanced_max_over_mean: float
+    unbalanced_waiting_share: float  # share of step time lost waiting for the slowest rank
+    balanced_waiting_share: float
+
+
+class ShardSummary(StrictModel):
+    name: str
+    packs: int
+    documents: int
+    tokens: int
+    bytes: int
+    fill: float
+
+
+class InspectReport(StrictModel):
+    """Everything `prepack inspect` shows; `to_json()` is what `--json` prints."""
+
+    path: str
+    max_len: int
+    overflow: str
+    has_labels: bool
+    documents: int  # corpus rows read
+    input_tokens: int  # tokens read from the corpus
+    segments: int  # documents and document pieces in the packs
+    tokens: int  # tokens in the packs
+    packs: int
+    shards: int
+    fill: float  # tokens / (packs * max_len)
+    padding_tokens: int  # packs * max_len - tokens
+    lower_bound: int  # ceil(tokens / max_len)
+    over_lower_bound: int  # packs - lower_bound
+    over_lower_bound_percent: float  # 100 * over_lower_bound / lower_bound
+    empty: int
+    split: int
+    split_pieces: int
+    truncated: int
+    truncated_tokens: int
+    dropped: int
+    dropped_tokens: int
+    untrained: int  # documents with no trained token (see schemas/shard-format.md)
+    untrained_tokens: int
+    drop_untrained: bool  # whether they were left out of the packs
+    documents_per_pack: Distribution
+    document_length: Distribution  # segment lengths: np.diff of cu_seqlens
+    pack_fill: Distribution
+    batch_size: int
+    seed: int
+    cost: Costs
+    steps: StepBalance | None  # only when a world size was given
+    per_shard: list[ShardSummary]
+
+    def to_json(self) -> str:
+        """What `prepack inspect --json` prints: strict JSON, never a NaN or Infinity token (which JSON
+        parsers refuse); a non-finite figure raises PrepackError instead (the inputs are validated so
+        that none arises)."""
+        try:
+            return json.dumps(self.model_dump(mode="json"), indent=2, allow_nan=False)
+        except ValueError as exc:
+            raise PrepackError(f"the report of {self.path} holds a number JSON cannot carry: {exc}.") from None
+
+
+def _distribution(values: np.ndarray, edges: np.ndarray) -> Distribution:
+    counts, _ = np.histogram(values, bins=edges)
+    p50, p90, p99 = np.percentile(values, [50, 90, 99], method="inverted_cdf")
+    return Distribution(
+        count=len(values),
+        min=float(values.min()),
+        mean=float(values.mean()),
+        p50=float(p50),
+        p90=float(p90),
+        p99=float(p99),
+        max=float(values.max()),
+        edges=[float(e) for e in edges],
+        counts=[int(c) for c in counts],
+    )
+
+
+def _integer_edges(values: np.ndarray) -> np.ndarray:
+    """At most _BINS bins of equal integer width covering [min, max]."""
+    low, high = int(values.min()), int(values.max())
+    width = -(-(high - low + 1) // _BINS)
+    bins = -(-(high - low + 1) // width)
+    return low + width * np.arange(bins + 1, dtype=np.float64)
+
+
+def _shard_columns(batch, where: str, max_len: int) -> tuple[np.ndarray, ...]:
+    """(tokens per pack, documents per pack, segment lengths, source rows, source pieces), read from the
+    small columns only, checked by `check_layout` (`verify` checks the token columns too)."""
+    layout = check_layout(batch, max_len, where)
+
+    def flat(name: str) -> np.ndarray:
+        offsets, values = list_column(batch, name, where)
+        return values[offsets[0] : offsets[-1]]
+
+    return layout.tokens, layout.documents, layout.lengths, flat("source_rows"), flat("source_pieces")
+
+
+def _read_columns(build: Path | ShardCache, manifest: Manifest) -> tuple[list[ShardSummary], dict[str, np.ndarray]]:
+    """The shards' summaries and columns, read from the directory `build` or, for a build in object
+    storage, from the copies in the cache `build` (problems name the shards' URIs)."""
+    max_len = manifest.options.max_len
+    summaries, parts = [], {"tokens": [], "docs": [], "lengths": [], "rows": [], "pieces": []}
+    for index, info in enumerate(manifest.shards):
+        if isinstance(build, Path):
+            file = shard_path(build, index, info)
+            where = str(file)
+        else:
+            file, where = build.shard(info), build.name(info)
+        batch = open_shard(file, manifest.has_labels, max_len, manifest.index_of, where=where)
+        if batch.num_rows != info.rows:
+            raise FormatError(f"{where}: {batch.num_rows} packs, but the manifest says {info.rows}.")
+        columns = _shard_columns(batch, where, max_len)
+        for key, values in zip(parts, columns):
+            parts[key].append(values)
+        tokens = int(columns[0].sum())
+        summaries.append(
+            ShardSummary(
+                name=info.name,
+                packs=info.rows,
+                documents=len(columns[2]),
+                tokens=tokens,
+                bytes=info.bytes,
+                fill=tokens / (info.rows * max_len) if info.rows else 0.0,
+            )
+        )
+    dtypes = {"tokens": np.int64, "docs": np.int64, "lengths": np.int64, "rows": np.int64, "pieces": np.int32}
+    flat = {k: np.concatenate(v) if v else np.empty(0, dtypes[k]) for k, v in parts.items()}
+    return summaries, flat
+
+
+def _random_batch_cost(lengths: np.ndarray, batch_size: int, seed: int) -> int:
+    """Padding to the longest document of each batch, batches drawn as a seeded shuffle."""
+    shuffled = lengths[np.random.default_rng(seed).permutation(len(lengths))]
+    starts = np.arange(0, len(shuffled), batch_size)
+    sizes = np.diff(np.append(starts, len(shuffled)))
+    return int((np.maximum.reduceat(shuffled, starts) * sizes).sum())
+
+
+def _step_balance(costs: np.ndarray, world_size: int, batch_size: int, token_cost: float, seed: int) -> StepBalance:
+    unbalanced, balanced = epoch_imbalance(costs, world_size, batch_size, seed)
+    return StepBalance(
+        world_size=world_size,
+        batch_size=batch_size,
+        token_cost=token_cost,
+        unbalanced_max_over_mean=unbalanced.max_over_mean,
+        balanced_max_over_mean=balanced.max_over_mean,
+        unbalanced_waiting_share=unbalanced.waiting_share,
+        balanced_waiting_share=balanced.waiting_share,
+    )
+
+
+def inspect_build(
+    path: str | os.PathLike,
+    *,
+    batch_size: int = 8,
+    seed: int = 0,
+    world_size: int | None = None,
+    token_cost: float = DEFAULT_TOKEN_COST,
+    cache_dir: str | os.PathLike | None = None,
+) -> InspectReport:
+    """Report on the build at `path`, reading the manifest and the per-pack columns only.
+
+    Costs, in token positions of compute (see `COST_NOTE`):
+    - packed: packs * max_len;
+    - pad_to_max_len: every document padded to max_len, documents * max_len;
+    - pad_to_longest_in_batch: the documents in corpus order (source_rows, source_pieces), permuted by
+      `numpy.random.default_rng(seed)`, cut into consecutive batches of `batch_size` (the last one
+      partial), each costing its size times its longest document.
+    "Documents" are the segments the packs hold: corpus documents after split/truncate/drop.
+    With `world_size`, `steps` compares the ranks' work per step of `batch_size` packs each, as
+    `PackedSampler(seed=seed, drop_last=True)` deals epoch 0, without and with `balance="attention"`.
+
+    `path` may be a URI (`s3://bucket/packed`, needs `prepack-llm[s3]`): its shards are then downloaded
+    into `cache_dir` and checked against the manifest's sha256 (`prepack.storage.cache`; when None, a
+    temporary directory deleted before this returns).
+
+    Raises FormatError when the build cannot be read or its columns disagree with its manifest
+    (`verify_build` checks everything), InputError for a batch_size below 1.
+    """
+    if batch_size < 1:
+        raise InputError(f"batch_size must be at least 1, got {batch_size}.")
+    if world_size is not None and world_size < 1:
+        raise InputError(f"world_size must be at least 1, got {world_size}.")
+    try:
+        token_cost = validated_token_cost(token_cost)
+    except ValueError as exc:
+        raise InputError(f"{exc}.") from None
+    with ExitStack() as stack:
+        build = stack.enter_context(build_cache(str(path), cache_dir)) if is_uri(path) else Path(path)
+        manifest = build.manifest if isinstance(build, ShardCache) else read_manifest(build)
+        summaries, columns = _read_columns(build, manifest)
+    path = build.uri if isinstance(build, ShardCache) else build
+    t, max_len = manifest.totals, manifest.options.max_len
+    lengths = columns["lengths"]
+    tokens, packs, segments = int(lengths.sum()), len(columns["tokens"]), len(lengths)
+    claimed = {"packs": (t.packs, packs), "tokens": (t.tokens, tokens), "segments": (t.segments, segments)}
+    for name, (said, found) in claimed.items():
+        if said != found:
+            raise FormatError(
+                f"{path}: the manifest says {said} {name}, the shards hold {found}; run `prepack verify`."
+            )
+    if packs == 0:
+        raise FormatError(f"{path}: the build holds no packs.")
+
+    # The random-batch baseline starts from corpus order, so it does not depend on the pack shuffle.
+    order = np.lexsort((columns["pieces"], columns["rows"]))
+    packed = packs * max_len
+
+    def cost(total: int) -> Cost:
+        return Cost(tokens=total, padding_tokens=total - tokens, ratio=total / packed)
+
+    lower = -(-tokens // max_len)
+    return InspectReport(
+        path=str(path),
+        max_len=max_len,
+        overflow=manifest.options.overflow,
+        has_labels=manifest.has_labels,
+        documents=t.documents,
+        input_tokens=t.input_tokens,
+        segments=segments,
+        tokens=tokens,
+        packs=packs,
+        shards=len(manifest.shards),
+        fill=tokens / packed,
+        padding_tokens=packed - tokens,
+        lower_bound=lower,
+        over_lower_bound=packs - lower,
+        over_lower_bound_percent=100 * (packs - lower) / lower,
+        empty=t.empty,
+        split=t.split,
+        split_pieces=t.split_pieces,
+        truncated=t.truncated,
+        truncated_tokens=t.truncated_tokens,
+        dropped=t.dropped,
+        dropped_tokens=t.dropped_tokens,
+        untrained=t.untrained,
+        untrained_tokens=t.untrained_tokens,
+        drop_untrained=manifest.options.drop_untrained,
+        documents_per_pack=_distribution(columns["docs"], _integer_edges(columns["docs"])),
+        document_length=_distribution(lengths, _integer_edges(lengths)),
+        pack_fill=_distribution(columns["tokens"] / max_len, np.linspace(0.0, 1.0, _FILL_BINS + 1)),
+        batch_size=batch_size,
+        seed=seed,
+        cost=Costs(
+            packed=cost(packed),
+            pad_to_max_len=cost(segments * max_len),
+            pad_to_longest_in_batch=cost(_random_batch_cost(lengths[order], batch_size, seed)),
+        ),
+        steps=None
+        if world_size is None
+        else _step_balance(pack_costs(columns["docs"], lengths, token_cost), world_size, batch_size, token_cost, seed),
+        per_shard=summaries,
+    )
+
+
+_BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+def _sparkline(counts: list[int]) -> str:
+    """One block per bin, each repeated so that every histogram is about _BINS characters wide."""
+    top, repeat = max(counts) or 1, max(1, _BINS // len(counts))
+    # Any non-empty bin gets at least the lowest block, so rare values stay visible.
+    return "".join(_BLOCKS[math.ceil(c / top * (len(_BLOCKS) - 1))] * repeat for c in counts)
+
+
+def _number(value: float, integer: bool) -> str:
+    return f"{value:,.0f}" if integer else f"{value:.1%}"
+
+
+def render(report: InspectReport, *, shards: bool = False) -> Group:
+    """The report as rich tables (one screen); the per-shard table only when `shards`."""
+    r = report
+    summary = Table(title=f"prepack build {r.path}", show_header=False, title_justify="left", box=None)
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row(
+        "documents",
+        f"{r.documents:,} in the corpus, {r.segments:,} in the packs (after --overflow {r.overflow})",
+    )
+    summary.add_row(
+        "tokens",
+        f"{r.tokens:,} packed of {r.input_tokens:,} read" + (", with labels" if r.has_labels else ""),
+    )
+    summary.add_row(
+        "packs", f"{r.packs:,} of {r.max_len:,} tokens in {r.shards:,} shard{'s' * (r.shards != 1)}"
+    )
+    summary.add_row(
+        "over the lower bound",
+        f"{r.over_lower_bound:,} packs ({r.over_lower_bound_percent:.3f}% over "
+        f"ceil(tokens / max_len) = {r.lower_bound:,})",
+    )
+    summary.add_row("fill", f"{r.fill:.3%} ({r.padding_tokens:,} padding tokens)")
+    summary.add_row(
+        "overflow",
+        f"split {r.split:,} (into {r.split_pieces:,} pieces), truncated {r.truncated:,} "
+        f"({r.truncated_tokens:,} tokens cut), dropped {r.dropped:,} ({r.dropped_tokens:,} tokens), "
+        f"empty {r.empty:,}",
+    )
+    summary.add_row(
+        "untrained",
+        f"{r.untrained:,} documents with no trained token ({r.untrained_tokens:,} tokens), "
+        + ("left out" if r.drop_untrained else "packed"),
+    )
+
+    distributions = Table(title="distributions", title_justify="left", box=box.SIMPLE_HEAD)
+    distributions.add_column("")
+    for name in ("min", "p50", "p90", "p99", "max", "mean"):
+        distributions.add_column(name, justify="right")
+    histograms = Table(title="histograms", title_justify="left", box=box.SIMPLE_HEAD)
+    histograms.add_column("")
+    histograms.add_column("from", justify="right")
+    histograms.add_column("bins ... to", no_wrap=True)  # one cell: the upper label ends the last bin
+    for name, dist, integer in (
+        ("documents per pack", r.documents_per_pack, True),
+        ("document length¹", r.document_length, True),
+        ("pack fill", r.pack_fill, False),
+    ):
+        values = [_number(getattr(dist, k), integer) for k in ("min", "p50", "p90", "p99", "max")]
+        mean = f"{dist.mean:,.1f}" if integer else f"{dist.mean:.1%}"
+        distributions.add_row(name, *values, mean)
+        low, high = dist.edges[0], dist.edges[-1] - (1 if integer else 0)
+        histograms.add_row(name, _number(low, integer), f"{_sparkline(dist.counts)} {_number(high, integer)}")
+
+    costs = Table(title="compute without packing²", title_justify="left", box=box.SIMPLE_HEAD)
+    for name, justify in (("", "left"), ("tokens", "right"), ("padding", "right"), ("× packed", "right")):
+        costs.add_column(name, justify=justify)
+    for name, c in (
+        ("packed", r.cost.packed),
+        ("pad every document to max_len", r.cost.pad_to_max_len),
+        (f"pad to longest, random batches of {r.batch_size}", r.cost.pad_to_longest_in_batch),
+    ):
+        costs.add_row(name, f"{c.tokens:,}", f"{c.padding_tokens:,}", f"{c.ratio:.2f}")
+
+    notes = Text(
+        "¹ documents are the segments in the packs (np.diff of cu_seqlens): corpus documents after split, "
+        f"truncate or drop.\n² {COST_NOTE}"
+        + ("\n³ PackedSampler's steps in epoch 0, mean over steps; time taken as proportional to cost." if r.steps else ""),
+        style="dim",
+    )
+    parts = [summary, distributions, histograms, costs]
+    if (s := r.steps) is not None:
+        steps = Table(
+            title=f"steps: {s.world_size} ranks × {s.batch_size} packs, cost Σ l² + {s.token_cost:,.0f} × tokens³",
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+        )
+        for name, justify in (("", "left"), ("slowest / mean rank", "right"), ("step time lost waiting", "right")):
+            steps.add_column(name, justify=justify)
+        steps.add_row("shuffled", f"{s.unbalanced_max_over_mean:.3f}", f"{s.unbalanced_waiting_share:.1%}")
+        steps.add_row('balance="attention"', f"{s.balanced_max_over_mean:.3f}", f"{s.balanced_waiting_share:.1%}")
+        parts.append(steps)
+    if shards:
+        table = Table(title="shards", title_justify="left", box=box.SIMPLE_HEAD)
+        for name in ("name", "packs", "documents", "tokens", "bytes", "fill"):
+            table.add_column(name, justify="left" if name == "name" else "right")
+        for s in r.per_shard:
+            table.add_row(
+                s.name, f"{s.packs:,}", f"{s.documents:,}", f"{s.tokens:,}", f"{s.bytes:,}", f"{s.fill:.2%}"
+            )
+        parts.append(table)
+    return Group(*parts, notes)
+
+
+def plot(report: InspectReport, path: str | os.PathLike) -> Path:
+    """Draw the three distributions and the cost comparison into one image at `path` (format from the
+    suffix, e.g. .png or .svg). Raises MissingExtraError naming the `plot` extra when matplotlib is missing."""
+    figure = _figure(report)
+    path = Path(path)
+    formats = figure.canvas.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:  # checked first: matplotlib would raise ValueError after drawing
+        raise InputError(
+            f"{path}: cannot draw a plot as {path.suffix or 'a file without a suffix'}; name it with one of "
+            f"{', '.join('.' + f for f in sorted(formats))}."
+        )
+    with output_errors(path):  # a missing directory, a full disk
+        figure.savefig(path, dpi=100)
+    return path
+
+
+def _figure(report: InspectReport):
+    """The report's matplotlib Figure (not drawn yet)."""
+    with optional_imports("plotting (inspect --plot)"):
+        from matplotlib.figure import Figure  # the object API: no pyplot, no global backend switch
+    figure = Figure(figsize=(12, 8), layout="constrained")
+    axes = figure.subplots(2, 2)
+    panels = (
+        (axes[0, 0], report.documents_per_pack, "documents per pack", True),
+        (axes[0, 1], report.document_length, "document length (segments, tokens)", True),
+        (axes[1, 0], report.pack_fill, "pack fill", False),
+    )
+    for ax, dist, title, integer in panels:
+        edges = np.asarray(dist.edges)
+        ax.bar(edges[:-1], dist.counts, width=np.diff(edges), align="edge", edgecolor="white")
+        stats = ", ".join(f"{k} {_number(getattr(dist, k), integer)}" for k in ("p50", "p90", "p99", "max"))
+        ax.set_title(f"{title}\n{stats}", fontsize=10)  # on one line, long numbers ran off the figure
+        ax.set_ylabel("count")
+    ax = axes[1, 1]
+    names = ["packed", "pad to max_len", f"pad to longest,\nbatches of {report.batch_size}"]
+    costs = [report.cost.packed, report.cost.pad_to_max_len, report.cost.pad_to_longest_in_batch]
+    bars = ax.barh(names, [c.tokens for c in costs], color=["tab:green", "tab:red", "tab:orange"])
+    ax.bar_label(bars, labels=[f"{c.ratio:.2f}×" for c in costs], padding=3)
+    ax.axvline(report.tokens, color="black", linestyle="--", linewidth=1, label="real tokens")
+    ax.invert_yaxis()
+    ax.margins(x=0.12)
+    ax.set_xlabel("token positions of compute")
+    ax.set_title("compute without packing", fontsize=10)
+    ax.legend(loc="lower right")
+    figure.suptitle(
+        f"{report.path}: {report.packs:,} packs of {report.max_len:,}, fill {report.fill:.2%}, "
+        f"{report.segments:,} documents"
+    )
+    return figure

@@ -1,0 +1,881 @@
+"""`verify`: check a build against its manifest, the shard format and, with a source, the corpus.
+
+What is checked, in this order (each problem names the file, row and column it was found in):
+
+1. the manifest's own arithmetic: totals against each other, against the shard entries and inputs;
+2. the directory, by `lstat` alone (`shard_file_problems`): shards named `shard-00000.arrow`, … in
+   manifest order, none missing, each a regular file (no symbolic link, FIFO or device) of the
+   manifest's byte size, none extra;
+3. every shard: sha256 against the manifest (when the size is right); as `open_shard` reads it, an
+   Arrow stream with the format's schema and one uncompressed record batch whose list offsets slice
+   their values; its row and token counts against the manifest; every row as `check_shard` checks it
+   (lengths ≤ max_len, `segment_ids` ↔ `cu_seqlens`, `max_seqlen`, provenance lengths, token ids and
+   labels), plus provenance rows inside the corpus and documents in (row, piece) order inside each
+   pack. Problems come from those checks as fields (`FormatError.problem`), never parsed from text;
+4. across shards: every (corpus row, piece) in one pack only, pieces numbered 0, 1, … without gaps,
+   every piece but a document's last holding max_len tokens, and the counts of documents, splits and
+   segments against the manifest;
+5. with `source`: the corpus is read as the build read it (`open_documents`): streamed, or tokenized
+   again with the given tokenizer when the build tokenized it, or read from a document store made
+   from it (memory bounded by its batches), and every document must come out of the packs exactly as the manifest's max_len
+   and overflow say (`document_pieces`, the definition the build plans with): its pieces all
+   present, same lengths, same tokens and labels; rows and tokens the build left out must be the
+   manifest's empty, truncated, dropped and (with drop_untrained) untrained counts, and the corpus
+   files its `inputs`.
+
+An index build (`Manifest.store`) is checked the same way, its packs' tokens read from its store
+(the one its manifest names inside the build's parent directory, or the caller's `store`): its
+manifest's `store.fingerprint` must be its `fingerprint` and every index shard's
+`prepack.store_fingerprint` (step 1 and 3), its store must be there with that fingerprint (`open_build_store`), every store shard must
+have its store manifest's sha256 and sound contents, as the loader checks them, and the store's
+documents that fingerprint (step 2b); every (document, piece, length) of a pack must lie inside its
+store document. Without `source` its packs are then held to the store's documents as step 5 holds a
+full build's to the corpus (pieces, lengths, counts, inputs), tokens aside, which are the store's.
+
+A build in object storage (a URI) is checked the same way, its shards (and its store's) read through a
+`prepack.storage.cache.ShardCache`, which checks each one's size and sha256 as it downloads it (step 2 and the
+sha256 of step 3); its problems name the objects by their URIs (`Problem.location`). A source at a URI is
+copied locally first (`prepack.storage.remote.local_input`) and its files named by their URIs.
+
+A shard that cannot be read or has malformed rows is left out of steps 4 and 5, and so are the checks
+there that need every pack (a document missing from the packs might be in that shard): one problem says
+so, instead of a cascade of follow-on reports.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from prepack.storage.cache import ShardCache, build_cache
+from prepack.errors import FormatError, InputError
+from prepack.formats.shards import (
+    MANIFEST_NAME,
+    STORE_MANIFEST_NAME,
+    Fingerprint,
+    Manifest,
+    PackLayout,
+    StrictModel,
+    check_index_shard,
+    check_shard,
+    list_column,
+    open_shard,
+    pack_layout,
+    read_manifest,
+    shard_file_problems,
+    shard_sha256,
+)
+from prepack.building.plan import DocumentPieces, document_pieces, untrained_documents
+from prepack.sources.documents import Documents, Reading, open_documents, store_documents
+from prepack.sources.corpus import Corpus, DocumentBatch
+from prepack.storage.remote import LocalInput, is_uri, join, list_input, local_input, read_output_manifest
+from prepack.sources.store import ShardColumns, Store, is_store, open_build_store
+
+__all__ = ["Problem", "checked_summary", "verify_build"]
+
+_COMPARE_TOKENS = 2**22  # tokens compared per step against the source
+_RESUME_BLOCK = 1024  # rows checked per call after a failing row, so --all stays linear in the rows
+
+
+class Problem(StrictModel):
+    """One thing wrong with a build. `file` is a shard's name or `manifest.json` (None for the build as
+    a whole), or an index build's store file, its path from the build (`../store/documents-00000.arrow`);
+    `row` the pack's row inside that shard (the document's inside a store shard), `column` the shard
+    column (or the manifest field);
+    `source_file`/`source_row` locate the corpus document concerned, when there is one;
+    `location` is the URI of a build in object storage, which `file` is relative to (None for a local
+    build, whose files are named relative to its directory): `str()` then names the object's URI."""
+
+    file: str | None = None
+    row: int | None = None
+    column: str | None = None
+    source_file: str | None = None
+    source_row: int | None = None
+    location: str | None = None
+    message: str
+
+    def __str__(self) -> str:
+        where = []
+        if self.source_file is not None:
+            where.append(
+                f"source {self.source_file}"
+                + (f", row {self.source_row}" if self.source_row is not None else "")
+            )
+        if self.file is not None:
+            where.append(self.file if self.location is None else join(self.location, self.file))
+        if self.row is not None:
+            where.append(f"row {self.row}")
+        if self.column is not None:
+            where.append(self.column if self.file == MANIFEST_NAME else f"column {self.column!r}")
+        return f"{', '.join(where)}: {self.message}" if where else self.message
+
+
+def verify_build(
+    path: str | os.PathLike,
+    source: str | os.PathLike | None = None,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    chat_template: str | os.PathLike | None = None,
+    all_problems: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    store: str | os.PathLike | None = None,
+) -> list[Problem]:
+    """Check the build at `path` (and, with `source`, every token of the corpus it was built from).
+
+    `source` is the corpus, or a document store made from it (`build_store`), whose tokens are then
+    compared as they are. A build that tokenized text or chat needs `tokenizer` (and `chat_template`,
+    when the build was given one) with a corpus `source`: the source is tokenized again, with the
+    manifest's options, and must match the tokenizer and template identities the manifest records.
+    An index build's packs are compared with the source as gathered from its store.
+
+    `path` and `source` may be URIs (`s3://bucket/packed`, needs `prepack-llm[s3]`): the build's shards are
+    then downloaded into `cache_dir` (`prepack.storage.cache`; when None, a temporary directory deleted before
+    this returns) and its problems carry its URI (`Problem.location`); the source is copied into a
+    temporary directory while it is read.
+
+    `store`: an index build's store where it lies now (a local directory), instead of the one its
+    manifest names; refused (InputError) for a full build.
+
+    Returns the problems found: none for a sound build, the first one only unless `all_problems`.
+    Raises FormatError when `path` is not a build at all (no manifest.json) or a source store breaks
+    its format, and InputError when the build or the source cannot be
+    read or the source does not fit the build's options; those are not findings about the build.
+    """
+    with ExitStack() as stack:
+        if is_uri(path):
+            try:
+                build: Path | ShardCache = stack.enter_context(build_cache(str(path), cache_dir, fresh=True))
+            except FormatError as exc:
+                if exc.problem is None:  # no manifest.json: not a build (`read_output_manifest`)
+                    raise
+                found, location = exc.problem, str(path).rstrip("/")
+                return [Problem(file=MANIFEST_NAME, column=found.column, message=found.message, location=location)]
+            manifest = build.manifest
+        else:
+            build = Path(path)
+            if not (build / MANIFEST_NAME).is_file():
+                read_manifest(build)  # raises the format's "not a finished build" error
+            try:
+                manifest = read_manifest(build)
+            except FormatError as exc:
+                return [Problem(file=MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message)]
+        documents = (
+            None
+            if source is None
+            else _source_documents(stack.enter_context(local_input(source)), manifest, tokenizer, chat_template)
+        )
+        if store is not None and manifest.store is None:
+            raise InputError(f"{path} is a full build; it reads no store (leave out --store).")
+        problems = _problems(build, manifest, documents, store)
+        found = list(problems) if all_problems else list(islice(problems, 1))
+    if isinstance(build, ShardCache):
+        return [problem.model_copy(update={"location": build.uri}) for problem in found]
+    return found
+
+
+def checked_summary(path: str | os.PathLike, source: str | os.PathLike | None) -> str:
+    """The line a clean `verify` ends with: what it checked, an index build's store included."""
+    manifest = read_output_manifest(str(path)) if is_uri(path) else read_manifest(Path(path))
+    checked = ["shards", "manifest"]
+    if manifest.store is not None:
+        checked = ["index shards", "manifest", "the store's shards and documents"]
+    if source is not None:
+        checked.append("every token of the source")
+    return f"{path}: no problems ({', '.join(checked[:-1])} and {checked[-1]} checked)."
+
+
+@dataclass
+class _Segments:
+    """The documents of the packs that passed the format checks, one entry per segment."""
+
+    rows: np.ndarray  # int64 corpus row
+    pieces: np.ndarray  # int64 piece number
+    lengths: np.ndarray  # int64 tokens
+    starts: np.ndarray  # int64 first token in its holder's token values
+    offset: np.ndarray  # int64 first token inside its pack (its cu_seqlens value)
+    shard: np.ndarray  # int32 the shard's index in the manifest
+    pack: np.ndarray  # int64 row inside the shard
+    number: np.ndarray  # int64 1-based document number inside the pack (its segment id)
+    # Where its tokens lie: its shard (a full build) or its store shard (an index build, once
+    # `_reference_problems` found it inside its store document: `readable`), by index.
+    holder: np.ndarray  # int32
+    readable: np.ndarray  # bool
+
+
+@dataclass
+class _Shard:
+    name: str
+    ids: np.ndarray | None  # the input_ids values, memory-mapped (kept only for the source check)
+    labels: np.ndarray | None  # aligned with ids
+    segments: _Segments
+
+
+_Tokens = dict[int, tuple[np.ndarray, np.ndarray | None]]  # holder index -> (token ids, labels or None)
+_Columns = dict[int, ShardColumns]  # store shard index -> its columns
+
+
+def _source_documents(
+    source: LocalInput,
+    manifest: Manifest,
+    tokenizer: str | os.PathLike | None,
+    chat_template: str | os.PathLike | None,
+) -> Documents:
+    """The documents of the build's source, read as the build read them (`open_documents`): a store as
+    it was written (a tokenizer or chat template given with it refused), a corpus with the manifest's
+    columns, tokenized again with `tokenizer` when the build tokenized it."""
+    o = manifest.options
+    if is_store(source.spec):
+        reading = Reading(tokenizer=tokenizer, chat_template=chat_template)
+    elif o.tokenize is None:
+        reading = Reading(column=o.column, labels_column=o.labels_column if manifest.has_labels else None)
+    elif tokenizer is None:
+        raise InputError(
+            f"the build tokenized {o.tokenize.mode} with tokenizer {o.tokenize.tokenizer.name!r}: pass that "
+            "tokenizer (--tokenizer) to check the source."
+        )
+    else:
+        chat = o.tokenize.mode == "chat"
+        reading = Reading(
+            tokenizer=tokenizer,
+            chat=chat,
+            eos=o.tokenize.eos,
+            chat_template=chat_template,
+            train_on=o.tokenize.train_on,
+            **{"messages_column" if chat else "text_column": o.tokenize.column},
+        )
+    documents = open_documents(source.spec, reading, None, None, source.location)
+    if documents.store is None and o.tokenize is not None:
+        for name, given, built in (
+            ("tokenizer's sha256", documents.tokenize.tokenizer.sha256, o.tokenize.tokenizer.sha256),  # its name may differ
+            ("chat template sha256", documents.tokenize.chat_template_sha256, o.tokenize.chat_template_sha256),
+        ):
+            if given != built:
+                raise InputError(f"the {name} given is {given}, but the build was made with {built}.")
+    return documents
+
+
+def _problems(
+    build: Path | ShardCache, manifest: Manifest, source: Documents | None, store_path: str | os.PathLike | None
+) -> Iterator[Problem]:
+    """The problems of the build in the directory `build`, or in object storage read through the cache `build`."""
+    yield from _manifest_problems(manifest)
+    local = isinstance(build, Path)
+    store, store_columns = None, {}
+    if manifest.store is not None:
+        try:
+            store = open_build_store(build, manifest, store_path) if local or store_path else build.store()
+        except FormatError as exc:
+            yield Problem(file=MANIFEST_NAME, column="store", message=str(exc))
+        else:
+            store_columns = yield from _store_problems(store, manifest)
+    readable = yield from (_directory_problems(build, manifest) if local else _download_problems(build))
+    shards: dict[int, _Shard] = {}
+    for index, (file, check_sha256) in readable.items():
+        shard = yield from _shard_problems(file, index, manifest, check_sha256)
+        if shard is not None:
+            if source is None:  # only the source check reads tokens again: unmap the shard now
+                shard.ids = shard.labels = None
+            shards[index] = shard
+    complete = len(shards) == len(manifest.shards)
+    if not complete:
+        yield Problem(
+            message=f"{len(manifest.shards) - len(shards)} shard(s) could not be read or have malformed "
+            "rows (above); the checks that need every pack (documents missing from the packs, piece "
+            "numbering, document counts) were skipped."
+        )
+    segments = _concatenate([s.segments for s in shards.values()])
+    yield from _provenance_problems(segments, shards, manifest, complete)
+    if store is not None:
+        yield from _reference_problems(segments, shards, manifest, store, store_columns)
+        if source is None and len(store_columns) == len(store.manifest.shards):
+            # Without a source an index build is held to its store's documents as a full build is to
+            # its corpus: every document's pieces, their lengths, the counts; its tokens are the store's.
+            own = store_documents(store, list(store_columns.values()))
+            yield from _source_problems(own, segments, shards, manifest, complete, None)
+    if source is not None:
+        tokens = (
+            {index: (ids, labels) for index, (_, ids, labels) in store_columns.items()}
+            if manifest.store is not None
+            else {index: (shard.ids, shard.labels) for index, shard in shards.items()}
+        )
+        yield from _source_problems(source, segments, shards, manifest, complete, tokens)
+
+
+# 1. The manifest's arithmetic ---------------------------------------------------------------------
+
+
+def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
+    t, o = manifest.totals, manifest.options
+    left_out = t.untrained if o.drop_untrained else 0  # documents with no trained token, not packed
+    left_out_tokens = t.untrained_tokens if o.drop_untrained else 0
+    expected = {
+        "documents": sum(f.rows for f in manifest.inputs),
+        "packs": sum(s.rows for s in manifest.shards),
+        "tokens": sum(s.tokens for s in manifest.shards),
+        "padding_tokens": t.packs * o.max_len - t.tokens,
+        "lower_bound": -(-t.tokens // o.max_len),
+        "segments": t.documents - t.empty - t.split - t.dropped + t.split_pieces - left_out,
+        "input_tokens": t.tokens + t.truncated_tokens + t.dropped_tokens + left_out_tokens,
+    }
+    why = {
+        "documents": "the sum of inputs[].rows",
+        "packs": "the sum of shards[].rows",
+        "tokens": "the sum of shards[].tokens",
+        "padding_tokens": "packs * max_len - tokens",
+        "lower_bound": "ceil(tokens / max_len)",
+        "segments": "documents - empty - split - dropped + split_pieces (- untrained with drop_untrained)",
+        "input_tokens": "tokens + truncated_tokens + dropped_tokens (+ untrained_tokens with drop_untrained)",
+    }
+    for name, value in expected.items():
+        said = getattr(t, name)
+        if said != value:
+            yield Problem(
+                file=MANIFEST_NAME, column=f"totals.{name}", message=f"is {said}, but {why[name]} is {value}."
+            )
+    if manifest.store is not None and manifest.store.fingerprint != manifest.fingerprint:
+        yield Problem(
+            file=MANIFEST_NAME,
+            column="store.fingerprint",
+            message=f"is {manifest.store.fingerprint}, but the build was planned from the documents of "
+            f"fingerprint {manifest.fingerprint}: the manifest names another store than its own.",
+        )
+    allowed = {"split": ("split", "error"), "truncated": ("truncate",), "dropped": ("drop",)}
+    for name, policies in allowed.items():
+        if getattr(t, name) and o.overflow not in policies:
+            yield Problem(
+                file=MANIFEST_NAME,
+                column=f"totals.{name}",
+                message=f"is {getattr(t, name)}, but overflow {o.overflow!r} never does that.",
+            )
+    if t.split_pieces < 2 * t.split or (t.split == 0) != (t.split_pieces == 0):
+        yield Problem(
+            file=MANIFEST_NAME,
+            column="totals.split_pieces",
+            message=f"is {t.split_pieces} for {t.split} split documents; each split gives at least 2 pieces.",
+        )
+    if o.tokenize is None and manifest.has_labels != (o.labels_column is not None):
+        yield Problem(
+            file=MANIFEST_NAME,
+            column="has_labels",
+            message=f"is {manifest.has_labels}, but options.labels_column is {o.labels_column!r}.",
+        )
+    # A tokenizing build makes labels itself, from chat with assistant-only training, and reads none.
+    made_labels = o.tokenize is not None and o.tokenize.mode == "chat" and o.tokenize.train_on == "assistant"
+    if o.tokenize is not None and (manifest.has_labels != made_labels or o.labels_column is not None):
+        yield Problem(
+            file=MANIFEST_NAME,
+            column="has_labels",
+            message=f"is {manifest.has_labels} with labels_column {o.labels_column!r}, but a build that "
+            f"tokenized {o.tokenize.mode} with train_on {o.tokenize.train_on!r} makes "
+            f"{'labels' if made_labels else 'none'} and reads no labels column.",
+        )
+
+
+# 2. The directory ---------------------------------------------------------------------------------
+
+
+_SHARD_FILES = "shard-*.arrow"  # what a file the manifest does not list is taken for a shard by
+
+
+def _unlisted_problems(names: list[str], manifest: Manifest) -> Iterator[Problem]:
+    """The shard files among `names` (the files at the top of the build) that the manifest does not list."""
+    listed = {info.name for info in manifest.shards}
+    for extra in sorted(n for n in names if fnmatchcase(n, _SHARD_FILES) and n not in listed):
+        yield Problem(file=extra, message="a shard file the manifest does not list.")
+
+
+_Readable = dict[int, tuple[Path, bool]]  # shard index -> (its local file, whether its sha256 is still to check)
+
+
+def _directory_problems(path: Path, manifest: Manifest):
+    """Yield the directory's problems (`shard_file_problems`, and shards the manifest does not list);
+    return the shards there are files to read: those of the wrong size, their sha256 not to check."""
+    found = {}
+    for problem in shard_file_problems(path, manifest):
+        found[problem.index] = problem.kind
+        column = f"shards[{problem.index}].name" if problem.kind == "name" else None
+        yield Problem(file=problem.file, column=column, message=problem.message)
+    yield from _unlisted_problems([p.name for p in path.glob(_SHARD_FILES)], manifest)
+    readable: _Readable = {}
+    for index, info in enumerate(manifest.shards):
+        if found.get(index) not in ("name", "missing", "type"):
+            readable[index] = (path / info.name, index not in found)
+    return readable
+
+
+def _download_problems(cache: ShardCache):
+    """Yield the problems of a build in object storage's shards as the cache downloads them (missing,
+    size, sha256: `ShardCache.fetch`, which keeps no copy that fails), and the shards it does not list;
+    return the shards the cache holds, their sha256 checked."""
+    readable: _Readable = {}
+    for index, info in enumerate(cache.manifest.shards):
+        try:
+            readable[index] = (cache.shard(info), False)
+        except FormatError as exc:
+            yield Problem(file=info.name, message=exc.problem.message)
+    # The prefix's objects at its top, as `list_input` finds them (`.arrow` objects among others).
+    yield from _unlisted_problems([n for n in list_input(cache.uri).names if "/" not in n], cache.manifest)
+    return readable
+
+
+# 2b. An index build's store --------------------------------------------------------------------
+
+
+def _store_problems(store: Store, manifest: Manifest):
+    """Yield the problems of an index build's store: each shard's sha256 and contents, as the loader
+    checks them (`Store.shard_columns`), the fingerprint of its documents (every token) against its
+    manifest's, which `open_build_store` held to the build's, and its documents and corpus files
+    against the build's. Return {store shard index: its columns} of the sound shards."""
+    m, where = store.manifest, manifest.store.path
+    if m.documents != manifest.totals.documents:
+        yield Problem(
+            file=MANIFEST_NAME,
+            column="totals.documents",
+            message=f"is {manifest.totals.documents}, but its store {where!r} holds {m.documents} documents.",
+        )
+    if [(f.path, f.rows) for f in m.inputs] != [(f.path, f.rows) for f in manifest.inputs]:
+        yield Problem(file=MANIFEST_NAME, column="inputs", message=f"are not the corpus files of its store {where!r}.")
+    columns: _Columns = {}
+    fingerprint = Fingerprint()
+    for index, shard in enumerate(m.shards):
+        try:
+            offsets, ids, labels = columns[index] = store.shard_columns(shard)
+        except FormatError as exc:
+            found = exc.problem
+            yield Problem(file=f"{where}/{shard.name}", row=found.row, column=found.column, message=found.message)
+        else:
+            fingerprint.update(np.diff(offsets), ids, labels)
+    if len(columns) < len(m.shards):
+        yield Problem(
+            message=f"{len(m.shards) - len(columns)} shard(s) of the store {where!r} could not be read or are "
+            "damaged (above): the packs were not checked against the store's documents, and no token was "
+            "read from those shards."
+        )
+    elif (digest := fingerprint.hexdigest()) != m.fingerprint:
+        yield Problem(
+            file=f"{where}/{STORE_MANIFEST_NAME}",
+            column="fingerprint",
+            message=f"is {m.fingerprint}, but the store's documents give {digest}: they changed after the store "
+            "was written.",
+        )
+    return columns
+
+
+def _reference_problems(
+    seg: _Segments, shards: dict[int, _Shard], manifest: Manifest, store: Store, columns: _Columns
+) -> Iterator[Problem]:
+    """Every segment of an index build lies inside its store document: tokens piece * max_len onwards,
+    as many as `cu_seqlens` says. Sets where those tokens are (`seg.holder`, `seg.starts`) and, for
+    those inside a sound store shard, `seg.readable`."""
+    max_len = manifest.options.max_len
+    documents = np.array([s.documents for s in store.manifest.shards], dtype=np.int64)
+    ends = np.cumsum(documents)
+    # The segments are in corpus (= store) order: each store shard's are a run.
+    bounds = np.searchsorted(seg.rows, np.append(0, ends), "left")
+    seg.holder = (np.searchsorted(ends, seg.rows, "right")).astype(np.int32)
+    seg.readable = np.zeros(len(seg.rows), dtype=bool)
+    for index, (offsets, _, _) in columns.items():
+        run = slice(int(bounds[index]), int(bounds[index + 1]))
+        local = seg.rows[run] - (ends[index] - documents[index])
+        first = offsets[local] + seg.pieces[run] * max_len
+        inside = first + seg.lengths[run] <= offsets[local + 1]
+        seg.starts[run], seg.readable[run] = first, inside
+        for k in np.flatnonzero(~inside):
+            i, length = run.start + k, offsets[local[k] + 1] - offsets[local[k]]
+            yield Problem(
+                **_where(seg, shards, i),
+                column="source_pieces",
+                message=f"document {seg.number[i]} (store document {seg.rows[i]}, piece {seg.pieces[i]}, "
+                f"{seg.lengths[i]} tokens) runs past that document's {length} tokens.",
+            )
+
+
+# 3. Each shard ------------------------------------------------------------------------------------
+
+
+def _shard_problems(file: Path, index: int, manifest: Manifest, check_sha256: bool):
+    """Yield the problems of shard `index`, read from `file` (its sha256 only if `check_sha256`);
+    return its segments when its rows can be trusted, else None."""
+    info = manifest.shards[index]
+    name = info.name
+    try:
+        if check_sha256 and (digest := shard_sha256(file)) != info.sha256:
+            yield Problem(
+                file=name,
+                message=f"sha256 is {digest}, but the manifest says {info.sha256}: the file changed after "
+                "the build.",
+            )
+        index_only = manifest.store is not None
+        batch = open_shard(file, manifest.has_labels, manifest.options.max_len, manifest.index_of)
+        batch.validate(full=True)
+    except FormatError as exc:
+        yield Problem(file=name, row=exc.problem.row, column=exc.problem.column, message=exc.problem.message)
+        return None
+    except pa.ArrowException as exc:
+        yield Problem(file=name, message=f"not valid Arrow data ({exc}).")
+        return None
+    if batch.num_rows != info.rows:
+        yield Problem(file=name, message=f"{batch.num_rows} packs, but the manifest says {info.rows}.")
+    if not index_only and (tokens := len(batch.column("input_ids").flatten())) != info.tokens:
+        yield Problem(
+            file=name, column="input_ids", message=f"{tokens} tokens, but the manifest says {info.tokens}."
+        )
+    sound = True
+    for problem in _row_problems(batch, manifest.options.max_len, name, index_only):
+        sound = False
+        yield problem
+    if not sound:
+        return None
+    shard = _read_segments(batch, name, index)
+    if index_only and (tokens := int(shard.segments.lengths.sum())) != info.tokens:
+        yield Problem(file=name, column="cu_seqlens", message=f"{tokens} tokens, but the manifest says {info.tokens}.")
+    yield from _value_problems(shard, manifest)
+    return shard
+
+
+def _row_problems(batch: pa.RecordBatch, max_len: int, name: str, index_only: bool) -> Iterator[Problem]:
+    """`check_shard`'s findings (`check_index_shard`'s for an index shard): its first one, then, while
+    the caller asks for more, the first one after that row, and so on (in blocks, so many bad rows do
+    not make this quadratic)."""
+    check = check_index_shard if index_only else check_shard
+    start, length = 0, batch.num_rows
+    while start < batch.num_rows:
+        try:
+            check(batch.slice(start, length), max_len, name)
+        except FormatError as exc:
+            found = exc.problem
+            if found.row is None:
+                yield Problem(file=name, column=found.column, message=found.message)
+                return
+            yield Problem(file=name, row=start + found.row, column=found.column, message=found.message)
+            start += found.row + 1
+        else:
+            start += length
+        length = _RESUME_BLOCK
+
+
+def _list_values(batch: pa.RecordBatch, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """`list_column` with int64 offsets, for arithmetic with the int64 corpus rows."""
+    offsets, values = list_column(batch, column)
+    return offsets.astype(np.int64), values
+
+
+def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
+    src_off, rows = _list_values(batch, "source_rows")
+    piece_off, pieces = _list_values(batch, "source_pieces")
+    layout: PackLayout = pack_layout(*list_column(batch, "cu_seqlens"))
+    # input_ids' offsets run from 0 (open_shard) with the packs' lengths (check_shard): they are these.
+    pack_starts = np.cumsum(layout.tokens) - layout.tokens
+    names = batch.schema.names
+    return _Shard(
+        name=name,
+        ids=list_column(batch, "input_ids")[1] if "input_ids" in names else None,
+        labels=list_column(batch, "labels")[1] if "labels" in names else None,
+        segments=_Segments(
+            rows=rows[src_off[0] : src_off[-1]].astype(np.int64),
+            pieces=pieces[piece_off[0] : piece_off[-1]].astype(np.int64),
+            lengths=layout.lengths,
+            starts=pack_starts[layout.pack] + layout.starts,
+            offset=layout.starts,
+            shard=np.full(len(layout.pack), index, dtype=np.int32),
+            pack=layout.pack,
+            number=layout.number,
+            holder=np.full(len(layout.pack), index, dtype=np.int32),
+            readable=np.full(len(layout.pack), "input_ids" in names),
+        ),
+    )
+
+
+def _value_problems(shard: _Shard, manifest: Manifest) -> Iterator[Problem]:
+    """What `check_shard` cannot know: provenance against the corpus size and order inside a pack."""
+    name, seg = shard.name, shard.segments
+    documents = manifest.totals.documents
+    for i in np.flatnonzero((seg.rows < 0) | (seg.rows >= documents)):
+        yield Problem(
+            file=name,
+            row=int(seg.pack[i]),
+            column="source_rows",
+            message=f"document {seg.number[i]} comes from corpus row {seg.rows[i]}; the corpus has "
+            f"{documents} rows.",
+        )
+    same_pack = seg.pack[1:] == seg.pack[:-1]
+    ordered = (seg.rows[1:] > seg.rows[:-1]) | (
+        (seg.rows[1:] == seg.rows[:-1]) & (seg.pieces[1:] > seg.pieces[:-1])
+    )
+    for i in np.flatnonzero(same_pack & ~ordered) + 1:
+        yield Problem(
+            file=name,
+            row=int(seg.pack[i]),
+            column="source_rows",
+            message=f"document {seg.number[i]} (corpus row {seg.rows[i]}, piece {seg.pieces[i]}) follows "
+            f"(row {seg.rows[i - 1]}, piece {seg.pieces[i - 1]}); documents in a pack are in (row, piece) "
+            "order.",
+        )
+
+
+# 4. Across shards ---------------------------------------------------------------------------------
+
+
+def _concatenate(parts: list[_Segments]) -> _Segments:
+    fields = _Segments.__dataclass_fields__
+    if not parts:
+        return _Segments(**{f: np.empty(0, np.int64) for f in fields})
+    joined = {f: np.concatenate([getattr(p, f) for p in parts]) for f in fields}
+    order = np.lexsort((joined["pieces"], joined["rows"]))  # corpus order
+    return _Segments(**{f: v[order] for f, v in joined.items()})
+
+
+def _where(seg: _Segments, shards: dict[int, _Shard], i: int) -> dict:
+    return {"file": shards[int(seg.shard[i])].name, "row": int(seg.pack[i])}
+
+
+def _provenance_problems(
+    seg: _Segments, shards: dict[int, _Shard], manifest: Manifest, complete: bool
+) -> Iterator[Problem]:
+    """Cross-shard provenance; with shards missing (`complete` False), only what those cannot change."""
+    t, max_len = manifest.totals, manifest.options.max_len
+    same_row = seg.rows[1:] == seg.rows[:-1]
+    duplicate = same_row & (seg.pieces[1:] == seg.pieces[:-1])
+    for i in np.flatnonzero(duplicate) + 1:
+        first = _where(seg, shards, i - 1)
+        yield Problem(
+            **_where(seg, shards, i),
+            column="source_rows",
+            message=f"corpus row {seg.rows[i]}, piece {seg.pieces[i]} is also in {first['file']} row "
+            f"{first['row']}; every document is in exactly one pack.",
+        )
+    expected_piece = np.zeros(len(seg.rows), dtype=np.int64)
+    expected_piece[1:] = np.where(same_row, seg.pieces[:-1] + 1, 0)
+    gap = (seg.pieces != expected_piece) & complete  # the piece before may be in a missing shard
+    gap[1:] &= ~duplicate
+    for i in np.flatnonzero(gap):
+        yield Problem(
+            **_where(seg, shards, i),
+            column="source_pieces",
+            message=f"corpus row {seg.rows[i]} has piece {seg.pieces[i]} where piece {expected_piece[i]} "
+            "should be; the pieces of a split document are numbered 0, 1, … without gaps.",
+        )
+    if manifest.options.overflow in ("truncate", "drop"):
+        for i in np.flatnonzero(seg.pieces > 0):
+            yield Problem(
+                **_where(seg, shards, i),
+                column="source_pieces",
+                message=f"piece {seg.pieces[i]} of corpus row {seg.rows[i]}, but overflow "
+                f"{manifest.options.overflow!r} never splits.",
+            )
+    not_last = np.append(same_row & ~duplicate, False)
+    for i in np.flatnonzero(not_last & (seg.lengths != max_len)):
+        yield Problem(
+            **_where(seg, shards, i),
+            column="cu_seqlens",
+            message=f"piece {seg.pieces[i]} of corpus row {seg.rows[i]} has {seg.lengths[i]} tokens; every "
+            f"piece but a split document's last holds max_len = {max_len}.",
+        )
+    if not complete:
+        return
+    row_starts = np.flatnonzero(np.append(True, ~same_row))
+    pieces_per_row = np.diff(np.append(row_starts, len(seg.rows)))
+    packed_rows = "documents - empty - dropped" + (" - untrained" if manifest.options.drop_untrained else "")
+    found = {
+        "segments": len(seg.rows),
+        packed_rows: len(row_starts),
+        "split": int((pieces_per_row > 1).sum()),
+        "split_pieces": int(pieces_per_row[pieces_per_row > 1].sum()),
+    }
+    said = {
+        "segments": t.segments,
+        packed_rows: t.documents - t.empty - t.dropped - (t.untrained if manifest.options.drop_untrained else 0),
+        "split": t.split,
+        "split_pieces": t.split_pieces,
+    }
+    for name, value in found.items():
+        if value != said[name]:
+            yield Problem(
+                file=MANIFEST_NAME,
+                column=f"totals.{name}" if " " not in name else "totals",
+                message=f"{name} is {said[name]}, but the packs hold {value}.",
+            )
+
+
+# 5. Against the source ----------------------------------------------------------------------------
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated [start, start + length) index ranges."""
+    before = np.cumsum(lengths) - lengths
+    return np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _source_problems(
+    source: Documents,
+    seg: _Segments,
+    shards: dict[int, _Shard],
+    manifest: Manifest,
+    complete: bool,
+    tokens: _Tokens | None,
+) -> Iterator[Problem]:
+    """The packs against the source's documents; their tokens too, read from `tokens`, unless None."""
+    o = manifest.options
+    corpus, batches = source.corpus, source.batches
+    if manifest.has_labels and not source.has_labels:
+        yield Problem(
+            source_file=corpus.name(corpus.files[0]),
+            column=o.labels_column,
+            message=f"the build carries labels from column {o.labels_column!r}, the source has none; "
+            "labels are not compared.",
+        )
+    counts = Counter(documents=0, **document_pieces([], o.max_len, o.overflow).counts)  # every key, at 0
+    rows_per_file = {path: 0 for path in corpus.files}
+    row0 = 0
+    for batch in batches:
+        m = len(batch.offsets) - 1
+        untrained = untrained_documents(batch.offsets, batch.labels if manifest.has_labels else None)
+        expected = document_pieces(np.diff(batch.offsets), o.max_len, o.overflow, untrained, o.drop_untrained)
+        counts.update(documents=m, **expected.counts)
+        yield from _batch_problems(corpus, batch, expected, row0, seg, shards, manifest, complete, tokens)
+        rows_per_file[batch.file] += m
+        row0 += m
+    for i in np.flatnonzero(seg.rows >= row0):
+        yield Problem(
+            **_where(seg, shards, i),
+            column="source_rows",
+            message=f"holds corpus row {seg.rows[i]}, but the source has {row0} rows.",
+        )
+    inputs = [(corpus.name(path), rows) for path, rows in rows_per_file.items()]
+    listed = [(f.path, f.rows) for f in manifest.inputs]
+    if inputs != listed:
+        yield Problem(
+            file=MANIFEST_NAME,
+            column="inputs",
+            message=f"lists (file, rows) {listed}, the source has {inputs}.",
+        )
+    for key, value in counts.items():
+        said = getattr(manifest.totals, key)
+        if said != value:
+            yield Problem(
+                file=MANIFEST_NAME,
+                column=f"totals.{key}",
+                message=f"is {said}, but the source with max_len {o.max_len} and overflow {o.overflow!r} "
+                f"gives {value}.",
+            )
+
+
+def _batch_problems(
+    corpus: Corpus,
+    batch: DocumentBatch,
+    expected: DocumentPieces,
+    row0: int,
+    seg: _Segments,
+    shards: dict[int, _Shard],
+    manifest: Manifest,
+    complete: bool,
+    tokens: _Tokens | None,
+) -> Iterator[Problem]:
+    """Compare one batch of corpus documents (global rows row0, row0+1, …) with the packs, where they
+    must be the `expected` segments; their tokens too, read from `tokens`, unless None."""
+    o = manifest.options
+    m = len(batch.offsets) - 1
+    lengths = np.diff(batch.offsets)
+    e_rows, e_pieces, e_starts, e_lengths, _ = expected
+    lo, hi = np.searchsorted(seg.rows, [row0, row0 + m], "left")
+    a_rows, a_pieces = seg.rows[lo:hi] - row0, seg.pieces[lo:hi]
+    width = int(max(e_pieces.max(initial=0), a_pieces.max(initial=0))) + 1
+    e_keys, a_keys = e_rows * width + e_pieces, a_rows * width + a_pieces  # both sorted
+    source_file = corpus.name(batch.file)
+
+    def at_source(row: int) -> dict:
+        return {"source_file": source_file, "source_row": batch.first_row + int(row)}
+
+    found = np.isin(e_keys, a_keys)
+    for i in np.flatnonzero(~found & complete):  # with shards missing, it may be in one of those
+        r = int(e_rows[i])
+        what = (
+            f"piece {e_pieces[i]} ({e_lengths[i]} tokens)"
+            if lengths[r] > o.max_len and o.overflow != "truncate"
+            else f"the document ({lengths[r]} tokens)"
+        )
+        yield Problem(
+            **at_source(r), column=o.column, message=f"{what} is in no pack (corpus row {row0 + r})."
+        )
+    for i in np.flatnonzero(~np.isin(a_keys, e_keys)) + lo:
+        r = int(seg.rows[i] - row0)
+        yield Problem(
+            **_where(seg, shards, i),
+            column="source_rows",
+            message=f"document {seg.number[i]} is corpus row {seg.rows[i]} piece {seg.pieces[i]}, which the "
+            f"source ({source_file} row {batch.first_row + r}: {lengths[r]} tokens) does not give with "
+            f"max_len {o.max_len} and overflow {o.overflow!r}.",
+        )
+    matched = np.flatnonzero(found)
+    actual = lo + np.searchsorted(a_keys, e_keys[matched])
+    same_length = seg.lengths[actual] == e_lengths[matched]
+    for e, a in zip(matched[~same_length], actual[~same_length]):
+        yield Problem(
+            **_where(seg, shards, a),
+            column="cu_seqlens",
+            message=f"document {seg.number[a]} (corpus row {seg.rows[a]}, piece {seg.pieces[a]}) has "
+            f"{seg.lengths[a]} tokens; the source gives {e_lengths[e]}.",
+        )
+    if tokens is None:
+        return
+    readable = same_length & seg.readable[actual]
+    e_sel, a_sel = matched[readable], actual[readable]
+    columns = [("input_ids", batch.ids, {holder: ids for holder, (ids, _) in tokens.items()})]
+    if batch.labels is not None and manifest.has_labels:
+        columns.append(("labels", batch.labels, {holder: labels for holder, (_, labels) in tokens.items()}))
+    # Compare in chunks of about _COMPARE_TOKENS tokens: the index arrays cost 8 bytes per token.
+    chunk_of = np.cumsum(e_lengths[e_sel]) // _COMPARE_TOKENS
+    bounds = np.flatnonzero(np.diff(chunk_of, prepend=-1, append=chunk_of[-1] + 1 if len(chunk_of) else 0))
+    for first, end in zip(bounds[:-1], bounds[1:]):
+        part = slice(first, end)
+        for column, source_values, packed_values in columns:
+            yield from _token_problems(
+                column, source_values, packed_values, e_starts[e_sel[part]], seg, a_sel[part], shards
+            )
+
+
+def _token_problems(
+    column: str,
+    source_values: np.ndarray,
+    packed_values: dict[int, np.ndarray],
+    source_starts: np.ndarray,
+    seg: _Segments,
+    actual: np.ndarray,
+    shards: dict[int, _Shard],
+) -> Iterator[Problem]:
+    """Compare the tokens (or labels) of matched segments, same lengths already checked; the packed
+    ones are `packed_values[holder]`, for each segment's holder."""
+    seg_lengths = seg.lengths[actual]
+    expected = source_values[_ranges(source_starts, seg_lengths)]
+    packed = np.empty_like(expected)
+    out_starts = np.cumsum(seg_lengths) - seg_lengths
+    for index in np.unique(seg.holder[actual]):
+        mine = seg.holder[actual] == index
+        values = packed_values[int(index)]
+        packed[_ranges(out_starts[mine], seg_lengths[mine])] = values[
+            _ranges(seg.starts[actual[mine]], seg_lengths[mine])
+        ]
+    bad = np.flatnonzero(expected != packed)
+    if not len(bad):
+        return
+    which = np.searchsorted(out_starts, bad, "right") - 1
+    which, first = np.unique(which, return_index=True)
+    for k, token in zip(which, bad[first]):
+        a = actual[k]
+        within = int(token - out_starts[k])
+        yield Problem(
+            **_where(seg, shards, a),
+            column=column,
+            message=f"token {seg.offset[a] + within} of the pack (token {within} of document "
+            f"{seg.number[a]}, corpus row {seg.rows[a]} piece {seg.pieces[a]}) is {packed[token]}; the "
+            f"source has {expected[token]}.",
+        )

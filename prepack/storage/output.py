@@ -1,0 +1,329 @@
+"""The output directory of a build: it appears whole, in one rename, or not at all; two builds never
+race for it; and nothing prepack did not write is ever replaced or deleted.
+
+Everything a build to `out` touches lies beside `out`, in its parent directory:
+
+- `.NAME.lock`: an advisory lock (`flock`) held for the whole build. A second build to the same
+  `out` fails at once instead of racing the first.
+- `.NAME.tmp-XXXXXXXX`: the build's staging directory, holding prepack's mark `.prepack-staging`, the
+  shards (`build/`) and the scratch files (`scratch/`). A killed build leaves it behind; the next build
+  to `out` deletes it, under the lock, so never one whose build still runs.
+- Publishing renames `build/` to `out` without replacing anything that appeared there meanwhile; with
+  `overwrite` it first checks that what is at `out` is still the build found at the start, then
+  exchanges the two in one rename, and deletes the replaced build by the file names its manifest gives.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, BinaryIO, NamedTuple
+
+from prepack.errors import FormatError, OutputError
+from prepack.formats.shards import MANIFEST_NAME, OUTPUT_KINDS, Manifest, read_manifest, shard_name
+from prepack.formats.store import StoreManifest, read_store_manifest, store_shard_name
+
+__all__ = [
+    "STAGING_MARK",
+    "Staging",
+    "check_replaceable",
+    "is_staging",
+    "output_errors",
+    "output_file",
+    "replaceable_build",
+    "staged_directory",
+]
+
+# A file in every staging directory: what tells a killed build's staging directory from a user's
+# directory that happens to have the same name.
+STAGING_MARK = ".prepack-staging"
+
+
+@contextmanager
+def output_errors(path: Path, doing: str = "write") -> Iterator[None]:
+    """Report an OSError raised inside (a full disk, a file-size limit, a permission, a parent that is
+    not a directory) as an OutputError naming `path`."""
+    try:
+        yield
+    except OSError as exc:
+        raise OutputError(f"cannot {doing} {path}: {exc.strerror or exc}.") from exc
+
+
+@contextmanager
+def output_file(path: Path) -> Iterator[BinaryIO]:
+    """`open(path, "wb")`, with an OSError from opening or closing it (which writes what is still
+    buffered) reported as `output_errors` does. Errors of the writes themselves are the caller's."""
+    with output_errors(path):
+        file = open(path, "wb")
+    try:
+        yield file
+    finally:
+        with output_errors(path):
+            file.close()
+
+
+def replaceable_build(directory: str | os.PathLike, kind: str = MANIFEST_NAME) -> Manifest | StoreManifest | None:
+    """The manifest of `directory` when it is a prepack output of `kind` (MANIFEST_NAME: a build,
+    STORE_MANIFEST_NAME: a document store) that prepack may replace or delete (None when it is an
+    empty directory), else an OutputError saying what is there that prepack did not write.
+
+    An output is a manifest that `read_manifest` (or `read_store_manifest`) accepts, the shards it
+    names under the names the format gives them, and nothing else: no other file, directory or
+    symbolic link. Shards may be missing. A build never replaces a store, nor a store a build.
+    """
+    directory = Path(directory)
+    refusal = f"{directory} is not a prepack {OUTPUT_KINDS[kind]}, so prepack will not replace or delete it"
+    if directory.is_symlink() or not directory.is_dir():
+        raise OutputError(f"{refusal}: it is not a directory.")
+    with output_errors(directory, "read"), os.scandir(directory) as entries:
+        regular_files = {entry.name: entry.is_file(follow_symlinks=False) for entry in entries}
+    if not regular_files:
+        return None
+    read = read_manifest if kind == MANIFEST_NAME else read_store_manifest
+    try:
+        manifest = read(directory)
+    except FormatError as exc:
+        raise OutputError(f"{refusal}: {exc}") from None
+    check_replaceable(manifest, kind, regular_files, refusal)
+    return manifest
+
+
+def check_replaceable(manifest: Manifest | StoreManifest, kind: str, entries: dict[str, bool], refusal: str) -> None:
+    """Refuse (OutputError, starting with `refusal`) an output whose manifest names shards under names
+    the format does not give them, or whose `entries` (name: whether it is a regular file) hold anything
+    but the manifest and its shards. `replaceable_build`'s rule, shared with object storage's
+    (`prepack.storage.remote`), where the entries are the objects under a prefix."""
+    name_of = shard_name if kind == MANIFEST_NAME else store_shard_name
+    renamed = [shard.name for index, shard in enumerate(manifest.shards) if shard.name != name_of(index)]
+    if renamed:
+        raise OutputError(f"{refusal}: its manifest names shard files prepack does not write: {renamed}.")
+    named = {kind, *(shard.name for shard in manifest.shards)}
+    foreign = sorted(name for name, regular in entries.items() if name not in named or not regular)
+    if foreign:
+        raise OutputError(f"{refusal}: it holds {', '.join(foreign)}, which prepack did not write.")
+
+
+def _delete_build(directory: Path) -> None:
+    """Delete an output `replaceable_build` accepts: the files its manifest names, the manifest last,
+    then the directory (which fails, keeping it, if anything else has appeared in it)."""
+    kind = _kind(directory)
+    manifest = replaceable_build(directory, kind)
+    with output_errors(directory, "delete"):
+        for shard in manifest.shards if manifest else []:
+            (directory / shard.name).unlink(missing_ok=True)
+        (directory / kind).unlink(missing_ok=True)
+        directory.rmdir()
+
+
+def _kind(directory: Path) -> str | None:
+    """The manifest file that marks `directory` as a prepack output, if any."""
+    return next((kind for kind in OUTPUT_KINDS if (directory / kind).exists()), None)
+
+
+class Staging(NamedTuple):
+    """Where a build writes: `build` becomes the output; `scratch` is never published."""
+
+    build: Path
+    scratch: Path
+    # When `build` goes to object storage: its `prepack.storage.remote.Publication`, through which an engine's
+    # workers upload shards themselves.
+    publication: Any = None
+
+
+class _Found(NamedTuple):
+    """What is at `out` when a build decides to replace it, to check it is still there at publishing."""
+
+    device: int
+    inode: int
+    manifest: Manifest | None
+
+
+def _found(out: Path, kind: str) -> _Found | None:
+    try:
+        stat = os.lstat(out)
+    except FileNotFoundError:
+        return None
+    return _Found(stat.st_dev, stat.st_ino, replaceable_build(out, kind))
+
+
+@contextmanager
+def staged_directory(out: str | os.PathLike, overwrite: bool, kind: str = MANIFEST_NAME) -> Iterator[Staging]:
+    """Hold the lock of `out`, yield a new staging directory beside it, and publish its `build` as
+    `out` when the block ends without an error; whatever happens, the staging directory is deleted.
+
+    Raises OutputError, before anything is written, when `out` is a symbolic link, when another build
+    to `out` runs, or when `out` exists and `overwrite` is off or it is not a prepack output of `kind`
+    (see `replaceable_build`); and, with
+    the build discarded and `out` left as it is, when `out` appeared or changed while the block ran.
+    """
+    out = Path(out)
+    if out.name in ("", ".."):  # "." or "..": no name to put the lock and staging directory beside
+        raise OutputError(f"--out {out} does not name a directory; give a path such as ./packed.")
+    if out.is_symlink():
+        raise OutputError(
+            f"{out} is a symbolic link; prepack neither follows nor replaces links at --out. "
+            f"Pass the directory it points to ({os.readlink(out)}) or another path."
+        )
+    with output_errors(out.parent, "create"):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(out):
+        _remove_stale_staging(out)
+        replacing = _found(out, kind)
+        if replacing is not None and not overwrite:
+            raise OutputError(f"{out} already exists; pass --overwrite to replace it.")
+        staging = out.parent / f".{out.name}{_STAGING_SUFFIX}{uuid.uuid4().hex[:8]}"
+        with output_errors(staging, "create"):
+            staging.mkdir()
+        try:
+            with output_errors(staging, "create"):
+                (staging / STAGING_MARK).write_text(f"A build to {out.name} writes here; deleted by the next build to it.\n")
+                (staging / "build").mkdir()
+                (staging / "scratch").mkdir()
+            yield Staging(staging / "build", staging / "scratch")
+            _publish(staging / "build", out, replacing, kind)
+        finally:
+            _remove_staging(staging)
+
+
+def _publish(built: Path, out: Path, replacing: _Found | None, kind: str) -> None:
+    if replacing is not None:
+        changed = f"{out} changed while this build ran; it was left as it is, and this build discarded"
+        try:
+            now = _found(out, kind)
+        except OutputError as exc:  # something prepack did not write is in it now
+            raise OutputError(f"{changed}: {exc}") from None
+        if now != replacing:
+            raise OutputError(f"{changed}: it is no longer the build this one was to replace.")
+        with output_errors(out, "replace"):
+            _exchange(built, out)
+        return  # `built` now holds the replaced build, deleted with the staging directory
+    try:
+        _rename_no_replace(built, out)
+    except OSError as exc:
+        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+            raise OutputError(f"cannot create {out}: {exc.strerror}.") from exc
+        raise OutputError(
+            f"{out} appeared while this build ran; it was left as it is, and this build discarded."
+        ) from None
+
+
+@contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """Hold `.NAME.lock` beside `out`, or raise OutputError at once if another build holds it.
+
+    The lock file is deleted when the build ends, while still locked. That is safe because a build
+    that gets the lock checks that the path still names the file it locked: one that locked a file
+    already deleted by its last holder sees a new file, or none, at the path and tries again.
+    """
+    path = out.parent / f".{out.name}.lock"
+    while True:
+        with output_errors(path, "create"):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputError(
+                f"another prepack build is writing {out} (it holds {path}); "
+                "wait for it to finish, or choose another --out."
+            ) from None
+        try:
+            held = os.stat(path)
+        except FileNotFoundError:
+            held = None
+        locked = os.fstat(fd)
+        if held is not None and (held.st_dev, held.st_ino) == (locked.st_dev, locked.st_ino):
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+_STAGING_SUFFIX = ".tmp-"  # a staging directory is `.NAME.tmp-` and 8 hex digits (`staged_directory`)
+
+
+def is_staging(directory: Path, out_name: str | None = None) -> bool:
+    """Whether `directory` is the staging directory of a build, running or killed, to an output named
+    `out_name` (to any: None): named as `staged_directory` names them and holding prepack's mark, so
+    that a user's directory that happens to have such a name is not taken for one."""
+    name = ".+" if out_name is None else re.escape(out_name)
+    pattern = rf"\.{name}{re.escape(_STAGING_SUFFIX)}[0-9a-f]{{8}}"
+    return re.fullmatch(pattern, directory.name) is not None and (directory / STAGING_MARK).is_file()
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Delete the staging directories that killed builds to `out` left behind. Called under the lock,
+    so no build that still runs owns one; a directory without prepack's mark is not looked into."""
+    with output_errors(out.parent, "read"), os.scandir(out.parent) as entries:
+        stale = [
+            Path(entry.path)
+            for entry in entries
+            if entry.is_dir(follow_symlinks=False) and is_staging(Path(entry.path), out.name)
+        ]
+    for staging in stale:
+        _remove_staging(staging)
+
+
+def _remove_staging(staging: Path) -> None:
+    """Delete a staging directory. A part of it holding a manifest is a build, never published or
+    replaced by this one, and is deleted as `_delete_build` does; the rest (scratch files, shards of
+    an unfinished build) was written by the build and nothing else."""
+    with output_errors(staging, "delete"):
+        for part in staging.iterdir():
+            if part.name == STAGING_MARK:
+                continue
+            if _kind(part) is not None:
+                _delete_build(part)
+            else:
+                shutil.rmtree(part)
+        (staging / STAGING_MARK).unlink()
+        staging.rmdir()
+
+
+# Linux's renameat2(2) flags (linux/fs.h), and the "current directory" file descriptor AT_FDCWD.
+_RENAME_NOREPLACE, _RENAME_EXCHANGE, _AT_FDCWD = 1, 2, -100
+_renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+
+
+def _renameat2_flags(source: Path, target: Path, flags: int) -> bool:
+    """Rename with renameat2 `flags`; False where there is no renameat2 or the file system does not
+    support the flags (NFS, for one), so the caller must do without."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(source), None, str(target))
+
+
+def _rename_no_replace(source: Path, target: Path) -> None:
+    """Rename directory `source` to `target`, failing if anything is at `target`."""
+    if not _renameat2_flags(source, target, _RENAME_NOREPLACE):
+        # Without the flag, renaming a directory fails if `target` is a file or a directory with
+        # anything in it: at worst it replaces an empty directory that appeared after this check.
+        if os.path.lexists(target):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
+        os.rename(source, target)
+
+
+def _exchange(built: Path, out: Path) -> None:
+    """Swap directories `built` and `out` in one rename where the file system can; elsewhere move
+    `out` to `built`'s place in two renames (between which `out` does not exist)."""
+    if not _renameat2_flags(built, out, _RENAME_EXCHANGE):
+        swapping = built.with_name(f"{built.name}-new")
+        os.rename(built, swapping)
+        os.rename(out, built)
+        _rename_no_replace(swapping, out)

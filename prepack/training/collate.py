@@ -1,0 +1,280 @@
+"""Turn packs into a training batch whose documents cannot see each other.
+
+A pack (a row of a build, see `schemas/shard-format.md`) holds the tokens of k documents back to back,
+unpadded, with `cu_seqlens = [0, l1, l1+l2, ..., n]`. `PackedCollator` pads B packs into one batch in
+the form transformers 5.x isolates natively:
+
+    input_ids     [B, L] int64   at padding, the row's last token again (or pad_token_id if given)
+    labels        [B, L] int64   -100 at padding, at each document's first token, and where the pack says so
+    position_ids  [B, L] int64   0, 1, ... restarting at every document; a row's padding tail restarts too
+    cu_seq_lens_q/_k  [S + 1] int32   offsets of the S segments over the flattened B·L tokens (documents and
+                                      each row's padding tail), from 0 to B·L
+    max_length_q/_k   int             the longest segment
+    use_cache         False           sdpa/eager isolate documents only when the model makes no cache
+
+There is no `attention_mask`: a 2-D mask turns off transformers' own packed-sequence handling.
+`use_cache=False` travels in the batch so that `model(**batch)` is isolated on the families that
+isolate natively even where nobody called `enable_packing` (a model's config defaults to a cache).
+
+Every field is derived from one [B, L] array of segment ids by `segment_fields`, which the attention
+integration (`prepack.model.packing`) also uses to convert a legacy indexed mask.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+import numpy as np
+
+from prepack.errors import ArgumentTypeError, IsolationError, UsageError, optional_imports
+from prepack.formats.shards import IGNORE_INDEX, read_manifest
+
+with optional_imports("PackedCollator"):
+    import torch
+
+if TYPE_CHECKING:
+    from prepack.training.dataset import PackedDataset
+
+__all__ = ["Layout", "PackedCollator", "SegmentFields", "segment_fields"]
+
+Layout = Literal["padded", "padding_free", "indexed_mask"]
+_LAYOUTS = ("padded", "padding_free", "indexed_mask")
+
+
+class SegmentFields(NamedTuple):
+    """What attention kernels need to keep segments apart, as numpy arrays (see `segment_fields`)."""
+
+    position_ids: np.ndarray  # [B, L] int64: index of each token within its segment
+    cu_seq_lens: np.ndarray  # [S + 1] int32: segment offsets over the flattened B·L tokens
+    max_length: int  # the longest segment
+    seq_idx: np.ndarray  # [B, L] int32: 0-based number of each token's segment over the flattened batch
+
+
+def segment_fields(segment_ids: np.ndarray) -> SegmentFields:
+    """Position ids, global cu_seq_lens and segment numbers from a [B, L] array of segment ids.
+
+    A segment is a run of equal ids within a row, so an indexed attention mask (`[1, 1, 2, 2, 2, 0]`, 0 =
+    padding) is a valid input: its padding becomes a segment of its own. Adjacent documents must have
+    different ids; a segment never spans two rows.
+    """
+    rows, width = segment_ids.shape
+    starts = np.ones((rows, width), dtype=bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    flat_starts = starts.ravel()
+    token = np.arange(rows * width, dtype=np.int64)
+    # Each token's segment start is the latest start at or before it.
+    segment_start = np.maximum.accumulate(np.where(flat_starts, token, 0))
+    cu_seq_lens = np.append(np.flatnonzero(flat_starts), rows * width).astype(np.int32)
+    return SegmentFields(
+        position_ids=(token - segment_start).reshape(rows, width),
+        cu_seq_lens=cu_seq_lens,
+        max_length=int(np.diff(cu_seq_lens).max()) if rows * width else 0,
+        seq_idx=(np.cumsum(flat_starts, dtype=np.int32) - 1).reshape(rows, width),
+    )
+
+
+class PackedCollator:
+    """Collate packs (`input_ids`, `cu_seqlens`, optional `labels`; numpy arrays or lists) into a batch.
+
+    Use it as a DataLoader `collate_fn` or a Trainer `data_collator`; other keys of a pack are ignored.
+
+    - `max_len`: the row length L, and the longest pack accepted (a longer one raises UsageError).
+    - `pad_to="longest"`: make L the longest pack of this batch instead (`max_len` then only validates).
+    - `pad_to_multiple_of`: round L up to a multiple of it (fewer distinct shapes for compiled kernels).
+    - `layout`:
+        - `"padded"` (default): the fields in the module docstring.
+        - `"padding_free"`: one row [1, ΣL] of all packs back to back, no padding, same fields (the form
+          of transformers' `DataCollatorWithFlattening`).
+        - `"indexed_mask"`: `input_ids`, `labels` and an int64 `attention_mask` numbering the documents of
+          each row from 1, 0 at padding (`[1, 1, 2, 2, 2, 0]`), for trainers that expect that form.
+          transformers itself reads any 2-D mask as a binary one, so this layout is only safe on a model
+          passed to `prepack.enable_packing`, which converts it back to position ids and offsets.
+    - `cp_size=k` (context parallelism, `layout="padding_free"` only): every document is padded to a
+      multiple of 2k tokens, the padding in the document's segment after its tokens (causal attention
+      keeps the document's outputs exact; the padding is never trained on, and its position ids count
+      on), so that `prepack.training.context_parallel.split_for_cp` can cut each into 2k equal chunks. The batch
+      also carries the THD offsets of Transformer Engine and Megatron: `cu_seqlens` [D + 1] int32, the
+      documents' real lengths, and `cu_seqlens_padded` [D + 1] int32, their padded lengths (equal to
+      `cu_seq_lens_q` here: the tokens lie at the padded offsets).
+    - `seq_idx=True`: also return `seq_idx` [B, L] int32, the 0-based number of each token's segment
+      over the flattened batch (the segments of `cu_seq_lens_q`), as Mamba-style kernels take it. On a
+      family whose sequence-state layers `enable_packing` runs per document (docs/model-support.md), it
+      drops `seq_idx`: those layers need no boundaries (transformers' torch fallbacks raise on it).
+    - `pad_token_id`: the token id written at padding (its label is always -100). By default each row's
+      padding repeats the row's last token: padding is a segment of its own and never trained on, but
+      its gradient still flows through the model as 0 times the local derivative, and a token whose
+      embedding is all zeros (a model's own pad id, initialised to zeros) makes some normalisations
+      divide 0 by 0 (measured: Gemma 3n's gradients turn NaN with pad id 0). A real token's embedding
+      is never degenerate.
+
+    Every layout also carries `use_cache=False` (see the module docstring). `for_dataset` takes
+    `max_len` from the build.
+    """
+
+    def __init__(
+        self,
+        max_len: int | None = None,
+        *,
+        layout: Layout = "padded",
+        pad_to: Literal["max_len", "longest"] = "max_len",
+        pad_to_multiple_of: int | None = None,
+        seq_idx: bool = False,
+        pad_token_id: int | None = None,
+        cp_size: int | None = None,
+    ):
+        if layout not in _LAYOUTS:
+            raise UsageError(f"layout must be one of {_LAYOUTS}, not {layout!r}.")
+        if pad_to not in ("max_len", "longest"):
+            raise UsageError(f"pad_to must be 'max_len' or 'longest', not {pad_to!r}.")
+        if pad_to == "max_len" and max_len is None and layout != "padding_free":
+            raise UsageError("Give max_len, or pad_to='longest' to pad each batch to its longest pack.")
+        if max_len is not None and max_len < 1:
+            raise UsageError(f"max_len must be at least 1, not {max_len}.")
+        if pad_to_multiple_of is not None and (pad_to_multiple_of < 1 or layout == "padding_free"):
+            raise UsageError("pad_to_multiple_of must be at least 1, and the padding_free layout takes none.")
+        if cp_size is not None and (cp_size < 1 or layout != "padding_free"):
+            raise UsageError("cp_size must be at least 1, and only the padding_free layout (THD) takes it.")
+        self.cp_size = cp_size
+        self.max_len = max_len
+        self.layout = layout
+        self.pad_to = pad_to
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.seq_idx = seq_idx
+        self.pad_token_id = pad_token_id
+
+    @classmethod
+    def for_dataset(cls, dataset: PackedDataset | Any | str | os.PathLike, **options: Any) -> PackedCollator:
+        """A collator for the packs of `dataset` (a `PackedDataset`, a `datasets.Dataset` from
+        `open_hf_dataset`, or a build directory): `max_len` is the build's, so that it is never typed
+        twice; `options` are the other arguments."""
+        if isinstance(dataset, (str, os.PathLike)):
+            return cls(read_manifest(dataset).options.max_len, **options)
+        if hasattr(dataset, "manifest"):  # a PackedDataset
+            return cls(dataset.manifest.options.max_len, **options)
+        from prepack.training.dataset import hf_dataset_max_len  # a datasets.Dataset: the build's max_len is in its info
+
+        max_len = hf_dataset_max_len(dataset) if hasattr(dataset, "info") else None
+        if max_len is None:
+            raise ArgumentTypeError(
+                f"PackedCollator.for_dataset takes a PackedDataset, a build directory or a dataset from "
+                f"prepack.open_hf_dataset, not {type(dataset).__name__}; give max_len: PackedCollator(max_len)."
+            )
+        return cls(max_len, **options)
+
+    def __call__(self, packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor | int | bool]:
+        checked = [_checked_pack(pack, number, self.max_len) for number, pack in enumerate(packs)]
+        if not checked:
+            raise UsageError("Cannot collate an empty list of packs.")
+        input_ids, labels, segment_ids = self._fill_rows(checked)
+        fields = segment_fields(segment_ids)
+        # A document's first token is predicted by the end of the previous document: never train on it.
+        labels[(fields.position_ids == 0) | (segment_ids == 0)] = IGNORE_INDEX
+        batch: dict[str, torch.Tensor | int | bool] = {
+            "input_ids": torch.from_numpy(input_ids),
+            "labels": torch.from_numpy(labels),
+            "use_cache": False,
+        }
+        if self.layout == "indexed_mask":
+            batch["attention_mask"] = torch.from_numpy(segment_ids.astype(np.int64))
+        else:
+            cu_seq_lens = torch.from_numpy(fields.cu_seq_lens)
+            batch |= {
+                "position_ids": torch.from_numpy(fields.position_ids),
+                "cu_seq_lens_q": cu_seq_lens,
+                "cu_seq_lens_k": cu_seq_lens,
+                "max_length_q": fields.max_length,
+                "max_length_k": fields.max_length,
+            }
+        if self.seq_idx:
+            batch["seq_idx"] = torch.from_numpy(fields.seq_idx)
+        if self.cp_size is not None:
+            lengths = np.concatenate([np.diff(pack.cu_seqlens) for pack in checked])
+            batch["cu_seqlens"] = torch.from_numpy(np.append(0, np.cumsum(lengths)).astype(np.int32))
+            batch["cu_seqlens_padded"] = torch.from_numpy(fields.cu_seq_lens)
+        return batch
+
+    def _fill_rows(self, packs: list[_Pack]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """input_ids, labels (before masking) and segment ids (0 = padding), one pack per row or all in one."""
+        padding_free = self.layout == "padding_free"
+        if self.cp_size is not None:
+            packs = [_cp_padded(pack, 2 * self.cp_size, self.pad_token_id) for pack in packs]
+        total = sum(len(pack.input_ids) for pack in packs)
+        shape = (1, total) if padding_free else (len(packs), self._row_length(packs))
+        input_ids = np.full(shape, self.pad_token_id or 0, dtype=np.int64)
+        labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
+        segment_ids = np.zeros(shape, dtype=np.int32)
+        row, start, first_segment = 0, 0, 1
+        for pack in packs:
+            end = start + len(pack.input_ids)
+            input_ids[row, start:end] = pack.input_ids
+            labels[row, start:end] = pack.input_ids if pack.labels is None else pack.labels
+            lengths = np.diff(pack.cu_seqlens)
+            segment_ids[row, start:end] = np.repeat(np.arange(first_segment, first_segment + len(lengths)), lengths)
+            if padding_free:
+                # Numbering runs on so that the last document of a pack and the first of the next differ.
+                start, first_segment = end, first_segment + len(lengths)
+            else:
+                if self.pad_token_id is None:
+                    input_ids[row, end:] = pack.input_ids[-1]  # a real token's embedding (see pad_token_id)
+                row += 1
+        return input_ids, labels, segment_ids
+
+    def _row_length(self, packs: list[_Pack]) -> int:
+        length = self.max_len if self.pad_to == "max_len" else max(len(pack.input_ids) for pack in packs)
+        multiple = self.pad_to_multiple_of or 1
+        return -(-length // multiple) * multiple
+
+
+class _Pack(NamedTuple):
+    input_ids: np.ndarray
+    cu_seqlens: np.ndarray
+    labels: np.ndarray | None
+
+
+def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
+    """The pack with every document padded to a multiple of `multiple` (pad id, else the document's
+    last token, as a row's padding), labels -100 there; the padding belongs to its document."""
+    lengths = np.diff(pack.cu_seqlens)
+    padded = -(-lengths // multiple) * multiple
+    cu_padded = np.append(0, np.cumsum(padded))
+    # Each token moves right by the padding of the documents before it.
+    destination = np.arange(len(pack.input_ids)) + np.repeat(cu_padded[:-1] - pack.cu_seqlens[:-1], lengths)
+    fill = np.repeat(pack.input_ids[pack.cu_seqlens[1:] - 1], padded) if pad_token_id is None else pad_token_id
+    input_ids = np.full(cu_padded[-1], fill, dtype=np.int64) if np.isscalar(fill) else fill.astype(np.int64)
+    labels = np.full(cu_padded[-1], IGNORE_INDEX, dtype=np.int64)
+    input_ids[destination] = pack.input_ids
+    labels[destination] = pack.input_ids if pack.labels is None else pack.labels
+    return _Pack(input_ids, cu_padded, labels)
+
+
+def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None) -> _Pack:
+    """The pack's arrays, refused when its offsets do not describe its tokens (they would mix documents)."""
+    for key in ("input_ids", "cu_seqlens"):
+        if key not in pack:
+            raise UsageError(
+                f"Pack {number} has no {key!r} (keys: {sorted(pack)}). With a Hugging Face Trainer, "
+                "set remove_unused_columns=False so that the pack's columns reach the collator."
+            )
+    input_ids = np.asarray(pack["input_ids"])
+    cu_seqlens = np.asarray(pack["cu_seqlens"])
+    labels = np.asarray(pack["labels"]) if pack.get("labels") is not None else None
+    tokens = len(input_ids)
+    if input_ids.ndim != 1 or tokens == 0:
+        raise UsageError(f"Pack {number}: input_ids must be a non-empty 1-D sequence, not shape {input_ids.shape}.")
+    if max_len is not None and tokens > max_len:
+        raise UsageError(f"Pack {number} has {tokens} tokens, more than max_len={max_len}.")
+    if labels is not None and labels.shape != input_ids.shape:
+        raise UsageError(f"Pack {number}: labels have shape {labels.shape}, input_ids {input_ids.shape}.")
+    if (
+        cu_seqlens.ndim != 1
+        or len(cu_seqlens) < 2
+        or cu_seqlens[0] != 0
+        or cu_seqlens[-1] != tokens
+        or not np.all(np.diff(cu_seqlens) > 0)
+    ):
+        raise IsolationError(
+            f"Pack {number}: cu_seqlens {cu_seqlens.tolist()} must rise strictly from 0 to its {tokens} tokens."
+        )
+    return _Pack(input_ids, cu_seqlens, labels)

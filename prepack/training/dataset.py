@@ -1,0 +1,463 @@
+"""Load a build for training: a map-style torch `Dataset` over the shards (the sampler is `prepack.training.sampler`).
+
+`PackedDataset` memory-maps each shard when a row of it is first asked for and serves rows as
+read-only numpy views into the map: nothing is copied or decoded until the collator pads the batch.
+Every shard passes `check_shard` before any of its rows is served, because the offsets in a file from
+elsewhere end up indexing GPU memory; and only the build's own regular files are opened (`shard_path`,
+`open_shard`), so a manifest cannot point the loader at another file, a pipe or a device.
+
+An index build (`Manifest.store`) holds no token: its rows are gathered from the document store it
+names (`open_build_store` refuses a store whose fingerprint changed), one copy per pack by one numba
+kernel call (`_gather_pack`) that checks every reference it follows, and come out identical to the
+rows of the full build of that store with the same options. `open_hf_dataset` writes them once as
+full shards (`_gathered_shards`), so that `datasets` works on a real Arrow table there too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import numba
+import numpy as np
+import pyarrow as pa
+from numba.typed import List as TypedList
+
+from prepack.storage.cache import ShardCache
+from prepack.errors import FormatError, InputError, PackIndexError, optional_imports
+from prepack.formats.shards import (
+    FORMAT_VERSION,
+    Manifest,
+    check_index_shard,
+    check_shard,
+    list_column,
+    open_shard,
+    pack_layout,
+    read_manifest,
+    shard_file_problems,
+    segment_id_type,
+    shard_path,
+    shard_schema,
+    shard_sha256,
+)
+from prepack.storage.remote import is_uri
+from prepack.sources.store import Store, open_build_store
+from prepack.building.write_shards import list_array, write_record_batch
+
+with optional_imports("PackedDataset"):
+    from torch.utils.data import Dataset
+
+__all__ = ["PackedDataset", "open_hf_dataset"]
+
+# Columns served per row; the per-document bookkeeping columns stay in the file.
+_ROW_COLUMNS = ("input_ids", "cu_seqlens", "segment_ids")
+# What an index shard's rows are gathered from.
+_INDEX_COLUMNS = ("cu_seqlens", "source_rows", "source_pieces")
+
+_ListColumn = tuple[np.ndarray, np.ndarray]  # (offsets, values): row r is values[offsets[r]:offsets[r + 1]]
+
+
+class PackedDataset(Dataset):
+    """The packs of a build directory, in stored order, as dicts of int32 numpy arrays.
+
+    A row is `{"input_ids": [n], "cu_seqlens": [k + 1], "segment_ids": [n], "labels": [n]}` (labels only
+    when the build has them): read-only views of the memory-mapped shard, except `segment_ids`, stored
+    in 16 bits and widened into a copy (torch has few uint16 kernels). Shards are opened on first use,
+    in each DataLoader worker separately: pickling the dataset carries paths, never memory maps.
+
+    `validate` (default) checks the manifest against the directory (shard names, sizes, row counts)
+    now and each shard's contents with `check_shard` when it is first opened. `verify_checksums` also
+    hashes each shard against the manifest's sha256 on first open; off by default because hashing
+    reads the whole file, which a memory map otherwise avoids. Problems raise `FormatError`.
+
+    `path` may be a URI (`s3://bucket/packed`, needs `prepack-llm[s3]`): each shard is then downloaded into
+    `cache_dir` on first use and checked against the manifest's sha256 before it is mapped; processes
+    sharing `cache_dir` download it once (`prepack.storage.cache`).
+
+    On an index build the store is opened now (`open_build_store`): the one its manifest names, inside
+    the build's parent directory, or `store`, a local directory, for a store that moved since; and each of its shards is checked
+    in full (sha256, contents) when a pack first needs it; a row's input_ids, labels and segment_ids
+    are new arrays, gathered by one kernel call per pack, which checks every document's (row, piece)
+    against the store's document and, `validate` or not, every index value it reads before using it.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        validate: bool = True,
+        verify_checksums: bool = False,
+        cache_dir: str | os.PathLike | None = None,
+        store: str | os.PathLike | None = None,
+    ):
+        # A build in object storage (a URI): its shards are downloaded into `cache_dir` on first use,
+        # size and sha256 checked, then served as a local build's (`prepack.storage.cache`).
+        self.cache = ShardCache(path, cache_dir) if is_uri(path) else None
+        self.path = Path(path) if self.cache is None else path
+        self.manifest: Manifest = read_manifest(self.path) if self.cache is None else self.cache.manifest
+        self.validate = validate
+        self.verify_checksums = verify_checksums
+        if validate and self.cache is None:
+            _check_directory(self.path, self.manifest)
+        self._row_ends = np.cumsum([shard.rows for shard in self.manifest.shards], dtype=np.int64)
+        self._open: dict[int, dict[str, _ListColumn]] = {}
+        self.store: Store | None = None
+        if self.manifest.store is None and store is not None:
+            raise InputError(f"{path} is a full build; it reads no store (leave out store=).")
+        if self.manifest.store is not None:
+            local = self.cache is None or store is not None
+            self.store = open_build_store(self.path, self.manifest, store) if local else self.cache.store()
+        if self.store is not None:
+            self._store_ends = np.cumsum([s.documents for s in self.store.manifest.shards], dtype=np.int64)
+            self._store_tokens: _StoreTokens | None = None  # made on the first gather, in each worker
+
+    @property
+    def shard_paths(self) -> list[Path]:
+        """The shards' local files; for a build in object storage, their cached copies (downloaded now
+        if need be)."""
+        if self.cache is not None:
+            return [self.cache.shard(info) for info in self.manifest.shards]
+        return [shard_path(self.path, index, info) for index, info in enumerate(self.manifest.shards)]
+
+    def __len__(self) -> int:
+        return int(self._row_ends[-1]) if len(self._row_ends) else 0
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        shard, row = self._locate(index)
+        columns = self._columns(shard)
+        if self.store is not None:
+            return self._gathered(shard, row, columns)
+        packed = {name: values[offsets[row] : offsets[row + 1]] for name, (offsets, values) in columns.items()}
+        packed["segment_ids"] = packed["segment_ids"].astype(np.int32, copy=False)
+        return packed
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers reopen (and recheck) shards themselves; a memory map does not survive pickling anyway.
+        return {**self.__dict__, "_open": {}, **({"_store_tokens": None} if self.store is not None else {})}
+
+    def check_all(self) -> None:
+        """Open and check every shard now instead of on first use."""
+        for shard in range(len(self.manifest.shards)):
+            self._columns(shard)
+
+    def document_lengths(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Per shard, in order: (documents of each pack, every document's length in pack order), int32,
+        from `cu_seqlens` alone (shards opened and checked as for serving rows; no token page is touched)."""
+        for shard in range(len(self.manifest.shards)):
+            layout = pack_layout(*self._columns(shard)["cu_seqlens"])
+            yield layout.documents.astype(np.int32), layout.lengths.astype(np.int32)
+
+    def _gathered(self, shard: int, row: int, columns: dict[str, _ListColumn]) -> dict[str, np.ndarray]:
+        """An index build's pack: its documents' tokens (and labels) copied out of the store, in order,
+        by one kernel call (a store shard the pack is the first to need is opened, and the call made again)."""
+        store_tokens = self._store_tokens or self._open_store_tokens()
+        max_len = self.manifest.options.max_len
+        while True:
+            problem, at, ids, labels, segment_ids = _gather_pack(
+                row, *columns["cu_seqlens"], *columns["source_rows"], *columns["source_pieces"], max_len,
+                self._store_ends, store_tokens.offsets, store_tokens.ids, store_tokens.labels,
+                self.store.manifest.has_labels,
+            )
+            if problem != _STORE_SHARD_CLOSED:
+                break
+            store_tokens.open(at)
+        if problem != _GATHERED:
+            self._refuse_reference(shard, row, columns, problem, at)
+        cu_off, cu = columns["cu_seqlens"]
+        packed = {"input_ids": ids, "cu_seqlens": cu[cu_off[row] : cu_off[row + 1]], "segment_ids": segment_ids}
+        if self.store.manifest.has_labels:
+            packed["labels"] = labels
+        return packed
+
+    def _open_store_tokens(self) -> _StoreTokens:
+        self._store_tokens = _StoreTokens(self.store)
+        return self._store_tokens
+
+    def _refuse_reference(
+        self, shard: int, row: int, columns: dict[str, _ListColumn], problem: int, number: int
+    ) -> NoReturn:
+        """Raise the FormatError for what `_gather_pack` found wrong with document `number` of a pack."""
+        (cu_off, cu), (row_off, rows), (piece_off, pieces) = (columns[name] for name in _INDEX_COLUMNS)
+        if problem == _BAD_LAYOUT:  # only without `validate`: check_index_shard refuses these first
+            documents, max_len = row_off[row + 1] - row_off[row], self.manifest.options.max_len
+            self._refuse(shard, row, "cu_seqlens", f"{cu[cu_off[row] : cu_off[row + 1]].tolist()} are not the bounds "
+                         f"of {documents} documents within max_len {max_len}.")
+        document, piece = int(rows[row_off[row] + number]), int(pieces[piece_off[row] + number])
+        if problem == _NO_SUCH_DOCUMENT:
+            self._refuse(shard, row, "source_rows", f"document {number + 1} is store document {document}; "
+                         f"the store has {int(self._store_ends[-1])}.")
+        length = int(cu[cu_off[row] + number + 1] - cu[cu_off[row] + number])
+        store_shard = int(np.searchsorted(self._store_ends, document, "right"))
+        offsets = self._store_tokens.offsets[store_shard]
+        local = document - int(self._store_ends[store_shard]) + self.store.manifest.shards[store_shard].documents
+        where = "starts before" if piece < 0 else "runs past"  # a negative piece only without `validate`
+        self._refuse(shard, row, "source_pieces", f"document {number + 1} (store document {document}, piece {piece}, "
+                     f"{length} tokens) {where} that document's {offsets[local + 1] - offsets[local]} tokens.")
+
+    def _refuse(self, shard: int, row: int, column: str, message: str) -> NoReturn:
+        path = f"{self.path}/{self.manifest.shards[shard].name}"  # self.path: a directory or a URI
+        raise FormatError(f"{path}: row {row}, column {column!r}: {message}")
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """Global pack index → (shard, row in shard)."""
+        size = len(self)
+        if not -size <= index < size:
+            raise PackIndexError(f"pack {index} is out of range for {size} packs")
+        index %= size
+        shard = int(np.searchsorted(self._row_ends, index, "right"))
+        first_row = int(self._row_ends[shard]) - self.manifest.shards[shard].rows
+        return shard, index - first_row
+
+    def _columns(self, shard: int) -> dict[str, _ListColumn]:
+        if shard not in self._open:
+            batch, where = self._open_checked(shard), self.manifest.shards[shard].name
+            names = _INDEX_COLUMNS if self.store is not None else _row_columns(batch)
+            self._open[shard] = {name: list_column(batch, name, where) for name in names}
+        return self._open[shard]
+
+    def _open_checked(self, shard: int) -> pa.RecordBatch:
+        info = self.manifest.shards[shard]
+        path = shard_path(self.path, shard, info) if self.cache is None else self.cache.shard(info)
+        where = str(path) if self.cache is None else self.cache.name(info)  # a cached copy is named by its URI
+        if self.verify_checksums and self.cache is None and (digest := shard_sha256(path)) != info.sha256:
+            raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
+        index_only = self.store is not None
+        m = self.manifest
+        batch = open_shard(path, m.has_labels, m.options.max_len, m.index_of, where=where)
+        if self.validate:
+            if batch.num_rows != info.rows:
+                raise FormatError(f"{where}: {batch.num_rows} rows, but the manifest says {info.rows}.")
+            (check_index_shard if index_only else check_shard)(batch, m.options.max_len, where)
+        return batch
+
+
+class _StoreTokens:
+    """The store's shards as `_gather_pack` reads them: three typed lists indexed by store shard (token
+    offsets as int64, token ids, labels), each shard's entries empty until `open` checks and maps it.
+    Numba lists, so that one kernel call reaches every shard a pack needs; never pickled."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        count = len(store.manifest.shards)
+        self.offsets = _typed_list(count, _read_only(np.zeros(0, np.int64)))
+        self.ids = _typed_list(count, _read_only(np.zeros(0, np.int32)))
+        self.labels = _typed_list(count, _read_only(np.zeros(0, np.int32))) if store.manifest.has_labels else self.ids
+
+    def open(self, index: int) -> None:
+        offsets, ids, labels = self.store.shard_columns(self.store.manifest.shards[index])
+        # One type per list (C-contiguous, read-only) whatever the arrays came as.
+        _put(self.offsets, index, _read_only(np.ascontiguousarray(offsets, np.int64)))
+        _put(self.ids, index, _read_only(np.ascontiguousarray(ids, np.int32)))
+        if labels is not None:
+            _put(self.labels, index, _read_only(np.ascontiguousarray(labels, np.int32)))
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+@numba.njit(cache=True)
+def _typed_list(count, fill):
+    # Built in a cached function: a typed list made from Python compiles its methods in every process.
+    out = TypedList()
+    for _ in range(count):
+        out.append(fill)
+    return out
+
+
+@numba.njit(cache=True)
+def _put(items, index, value):
+    items[index] = value
+
+
+# What `_gather_pack` found: the pack gathered, a store shard to open first, or what is wrong with it.
+_GATHERED, _STORE_SHARD_CLOSED, _BAD_LAYOUT, _NO_SUCH_DOCUMENT, _OUTSIDE_DOCUMENT = range(5)
+
+
+@numba.njit(cache=True, nogil=True)
+def _gather_pack(row, cu_offsets, cu_values, row_offsets, row_values, piece_offsets, piece_values, max_len,
+                 store_ends, store_offsets, store_ids, store_labels, has_labels):
+    """Row `row` of an index shard, gathered: (problem, at, input_ids, labels, segment_ids).
+
+    `problem` is `_GATHERED`, or `_STORE_SHARD_CLOSED` with `at` the store shard to open before calling
+    again, or a reference that does not hold with `at` the pack's document (0-based). Every value read
+    from the index shard is checked before it sizes, indexes or bounds a copy, validated or not (the
+    index shard's list offsets are, by `open_shard`); `store_ends` is the store's cumulative document
+    counts."""
+    cu = cu_values[cu_offsets[row] : cu_offsets[row + 1]]
+    documents = len(cu) - 1
+    rows = row_values[row_offsets[row] : row_offsets[row + 1]]
+    pieces = piece_values[piece_offsets[row] : piece_offsets[row + 1]]
+    none = np.empty(0, np.int32)
+    if documents < 1 or len(rows) != documents or len(pieces) != documents or cu[0] != 0:
+        return _BAD_LAYOUT, 0, none, none, none
+    tokens = np.int64(cu[documents])
+    if not 0 <= tokens <= max_len:
+        return _BAD_LAYOUT, 0, none, none, none
+    ids = np.empty(tokens, np.int32)
+    labels = np.empty(tokens if has_labels else 0, np.int32)
+    segment_ids = np.empty(tokens, np.int32)
+    for number in range(documents):
+        start, end = np.int64(cu[number]), np.int64(cu[number + 1])
+        if not start <= end <= tokens:
+            return _BAD_LAYOUT, number, none, none, none
+        document = np.int64(rows[number])
+        if not 0 <= document < store_ends[-1]:
+            return _NO_SUCH_DOCUMENT, number, none, none, none
+        store_shard = np.searchsorted(store_ends, document, side="right")
+        offsets = store_offsets[store_shard]
+        if len(offsets) == 0:
+            return _STORE_SHARD_CLOSED, store_shard, none, none, none
+        local = document - (store_ends[store_shard - 1] if store_shard > 0 else 0)
+        first = offsets[local] + np.int64(pieces[number]) * max_len
+        if pieces[number] < 0 or first + (end - start) > offsets[local + 1]:
+            return _OUTSIDE_DOCUMENT, number, none, none, none
+        ids[start:end] = store_ids[store_shard][first : first + end - start]
+        if has_labels:
+            labels[start:end] = store_labels[store_shard][first : first + end - start]
+        segment_ids[start:end] = number + 1
+    return _GATHERED, 0, ids, labels, segment_ids
+
+
+def _check_directory(path: Path, manifest: Manifest) -> None:
+    """What the manifest promises about the files, checked with `stat` only (no shard is read)."""
+    if (problem := next(shard_file_problems(path, manifest), None)) is not None:
+        raise FormatError(f"{path / problem.file}: {problem.message}")
+    rows = sum(info.rows for info in manifest.shards)
+    if rows != manifest.totals.packs:
+        raise FormatError(f"{path}: the shards hold {rows} packs, but the manifest totals say {manifest.totals.packs}.")
+
+
+def _row_columns(batch: pa.RecordBatch) -> list[str]:
+    """The list columns a full shard serves (as zero-copy views)."""
+    return [*_ROW_COLUMNS, *(["labels"] if "labels" in batch.schema.names else [])]
+
+
+def open_hf_dataset(
+    path: str | os.PathLike,
+    *,
+    validate: bool = True,
+    verify_checksums: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    store: str | os.PathLike | None = None,
+):
+    """The build as one Hugging Face `datasets.Dataset` (numpy format) for trainers that only take those,
+    such as TRL's `SFTTrainer`. Every shard is checked first, as `PackedDataset` would (with
+    `validate=False`, still its file and schema: `datasets` then maps a full build's shards unchecked).
+
+    Rows hold the same columns as `PackedDataset` rows, as int64 arrays (`datasets` hands out a full
+    build's rows as int64 copies): input_ids, cu_seqlens, segment_ids, and labels when the build has them.
+    The dataset's `info.description` names the build's max_len, for `PackedCollator.for_dataset`.
+
+    A full build's shards are memory-mapped as they are. An index build's packs are gathered from the
+    store once and written, as full shards of at most `_ROWS_FILE_BYTES` each (memory stays bounded by
+    one), into `cache_dir/rows` (default: the `datasets` cache, `HF_DATASETS_CACHE/prepack-rows`), where
+    later calls and other ranks find them: each file is named by the sha256 of the index shard it comes
+    from, the store's fingerprint and its first pack, and is written whole under a temporary name before
+    it takes that name. So the dataset is a real Arrow-backed one, as a full build's is, and everything
+    `datasets` offers (`map`, `filter`, `ds["input_ids"]`, `with_format("torch")`, …) works on it the same
+    way, at the cost of the full build's disk space. A reused file is checked as a full build's shard is
+    (`validate`), never hashed: nothing records its sha256.
+
+    A build at a URI is read through `cache_dir`, as `PackedDataset` reads it: a full build's rows are
+    then mapped from the cached copies of its shards, which must stay there while the dataset is used.
+    """
+    with optional_imports("open_hf_dataset"):
+        from datasets import Dataset as HFDataset, DatasetInfo, concatenate_datasets
+
+    packed = PackedDataset(path, validate=validate, verify_checksums=verify_checksums, cache_dir=cache_dir, store=store)
+    packed.check_all()
+    columns = [*_ROW_COLUMNS, *(["labels"] if packed.manifest.has_labels else [])]
+    files = packed.shard_paths if packed.store is None else _gathered_shards(packed, _rows_directory(cache_dir))
+    info = DatasetInfo(description=_HF_DESCRIPTION.format(max_len=packed.manifest.options.max_len))
+    parts = [HFDataset.from_file(str(file), info=info) for file in files]
+    return concatenate_datasets(parts).select_columns(columns).with_format("numpy")
+
+
+# What `open_hf_dataset` writes into a dataset's `info.description`, read back by `hf_dataset_max_len`.
+_HF_DESCRIPTION = "Packs of a prepack build, max_len {max_len}."
+_HF_MAX_LEN = re.compile(r"Packs of a prepack build, max_len (\d+)\.")
+# The most bytes of tokens, labels and segment ids that one gathered file of an index build holds.
+_ROWS_FILE_BYTES = 64 << 20
+
+
+def hf_dataset_max_len(dataset) -> int | None:
+    """The max_len of the build a `datasets.Dataset` from `open_hf_dataset` holds (kept through `map`,
+    `select`, `with_format`, …, which carry `info` along), or None for any other dataset."""
+    match = _HF_MAX_LEN.search(dataset.info.description or "")
+    return None if match is None else int(match.group(1))
+
+
+def _rows_directory(cache_dir: str | os.PathLike | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir) / "rows"
+    from datasets import config
+
+    return Path(config.HF_DATASETS_CACHE) / "prepack-rows"
+
+
+def _gathered_shards(packed: PackedDataset, directory: Path) -> list[Path]:
+    """An index build's packs as full shards in `directory`, each gathered and written unless a file
+    of its name is there already, and opened and checked as a full build's shard before it is used."""
+    manifest, store_fingerprint = packed.manifest, packed.manifest.store.fingerprint
+    has_labels, max_len = manifest.has_labels, manifest.options.max_len
+    bytes_per_token = 8 + (4 if has_labels else 0) + segment_id_type(max_len).byte_width
+    per_file = max(1, _ROWS_FILE_BYTES // (bytes_per_token * max_len))
+    files = []
+    for shard, (info, index_file) in enumerate(zip(manifest.shards, packed.shard_paths)):
+        # A local index shard is hashed here (a few bytes a document); a cached one was on download.
+        digest = info.sha256 if packed.cache is not None else shard_sha256(index_file)
+        for first in range(0, info.rows, per_file):
+            stop = min(first + per_file, info.rows)
+            key = hashlib.sha256(f"{FORMAT_VERSION} {digest} {store_fingerprint} {first} {stop}".encode()).hexdigest()
+            file = directory / f"{key}.arrow"
+            if not file.exists():
+                _write_gathered(packed, shard, first, stop, file)
+            batch = open_shard(file, has_labels, max_len, where=str(file))
+            if batch.num_rows != stop - first:
+                raise FormatError(f"{file}: {batch.num_rows} rows, but packs {first}-{stop - 1} of "
+                                  f"{packed.path}/{info.name} are {stop - first}.")
+            if packed.validate:
+                check_shard(batch, max_len, str(file))
+            files.append(file)
+    return files
+
+
+def _write_gathered(packed: PackedDataset, shard: int, first: int, stop: int, file: Path) -> None:
+    """Packs `first` to `stop` of index shard `shard`, gathered, written to `file` as one full shard."""
+    columns = packed._columns(shard)
+    rows = [packed._gathered(shard, row, columns) for row in range(first, stop)]
+    lengths = np.array([len(row["input_ids"]) for row in rows], np.int64)
+    token_offsets = np.concatenate([[0], np.cumsum(lengths)])
+    cu = [row["cu_seqlens"] for row in rows]
+    cu_offsets = np.concatenate([[0], np.cumsum([len(bounds) for bounds in cu])])
+    (row_off, source_rows), (piece_off, source_pieces) = columns["source_rows"], columns["source_pieces"]
+    manifest = packed.manifest
+    schema = shard_schema(manifest.has_labels, manifest.options.max_len)
+    segment_type = schema.field("segment_ids").type.value_type.to_pandas_dtype()
+    arrays = [
+        list_array(token_offsets, np.concatenate([row["input_ids"] for row in rows])),
+        list_array(token_offsets, np.concatenate([row["segment_ids"] for row in rows]).astype(segment_type)),
+        list_array(cu_offsets, np.concatenate(cu)),
+        pa.array(np.array([np.diff(bounds).max() for bounds in cu], np.int32)),
+        list_array(row_off[first : stop + 1] - row_off[first], source_rows[row_off[first] : row_off[stop]].astype(np.int64)),
+        list_array(piece_off[first : stop + 1] - piece_off[first], source_pieces[piece_off[first] : piece_off[stop]]),
+    ]
+    if manifest.has_labels:
+        arrays.append(list_array(token_offsets, np.concatenate([row["labels"] for row in rows])))
+    file.parent.mkdir(parents=True, exist_ok=True)
+    # Written whole under a name of its own, then renamed: a reader (another rank) never maps a part.
+    partial = file.with_name(f".{file.name}.{os.getpid()}-{threading.get_ident()}.partial")
+    try:
+        write_record_batch(partial, pa.RecordBatch.from_arrays(arrays, schema=schema))
+        os.replace(partial, file)
+    finally:
+        partial.unlink(missing_ok=True)
+
