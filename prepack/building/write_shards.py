@@ -12,7 +12,9 @@ import numba
 import numpy as np
 import pyarrow as pa
 
-from prepack.formats.shards import IndexOf, ShardInfo, arrow_array, segment_id_type, shard_name, shard_schema
+from prepack.formats.common import arrow_array
+
+from prepack.formats.shards import IndexOf, ShardInfo, segment_id_type, shard_name, shard_schema
 from prepack.storage.output import output_errors, output_file
 from prepack.building.plan import ShardPacks
 

@@ -19,7 +19,8 @@ import pyarrow as pa
 from prepack.sources.documents import Documents
 from prepack.building.engines.base import WrittenStore
 from prepack.errors import DISTRIBUTION, InputError
-from prepack.formats.shards import INT32_MAX, STORE_MANIFEST_NAME, InputFile, arrow_array
+from prepack.formats.common import INT32_MAX, arrow_array
+from prepack.formats.shards import STORE_MANIFEST_NAME, InputFile
 from prepack.storage.output import output_errors
 from prepack.sources.corpus import DocumentBatch
 from prepack.formats.store import (

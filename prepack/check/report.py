@@ -30,7 +30,8 @@ from rich.text import Text
 from prepack.training.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs, validated_token_cost
 from prepack.storage.cache import ShardCache, build_cache
 from prepack.errors import FormatError, InputError, PrepackError, optional_imports
-from prepack.formats.shards import Manifest, StrictModel, check_layout, list_column, open_shard, read_manifest, shard_path
+from prepack.formats.common import StrictModel, list_column
+from prepack.formats.shards import Manifest, check_layout, open_shard, read_manifest, shard_path
 from prepack.storage.output import output_errors
 from prepack.storage.remote import is_uri
 

@@ -58,16 +58,14 @@ import pyarrow as pa
 
 from prepack.storage.cache import ShardCache, build_cache
 from prepack.errors import FormatError, InputError
+from prepack.formats.common import Fingerprint, StrictModel, list_column
 from prepack.formats.shards import (
     MANIFEST_NAME,
     STORE_MANIFEST_NAME,
-    Fingerprint,
     Manifest,
     PackLayout,
-    StrictModel,
     check_index_shard,
     check_shard,
-    list_column,
     open_shard,
     pack_layout,
     read_manifest,

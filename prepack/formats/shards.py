@@ -6,39 +6,47 @@ The normative text is `schemas/shard-format.md`; `schemas/manifest.schema.json` 
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
-import mmap
 import reprlib
 import os
 import stat
-import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from collections.abc import Callable
-from typing import Annotated, Literal, NamedTuple, NoReturn, Protocol
+from typing import Annotated, Literal, NamedTuple, Protocol
 
 import numpy as np
 import pyarrow as pa
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, Field, ValidationError
 
-from prepack.errors import FormatError, OutputError
+from prepack.errors import OutputError
+from prepack.formats.common import (
+    COUNT_MAX,
+    INT32_MAX,
+    MANIFEST_MAX_BYTES,
+    StrictModel,
+    file_type_name,
+    first_index,
+    list_column,
+    load_manifest_json,
+    map_regular,
+    numpy_view,
+    open_regular,
+    read_one_batch,
+    refuse,
+)
 
 __all__ = [
     "FORMAT_VERSION",
     "IGNORE_INDEX",
-    "INT32_MAX",
     "MANIFEST_NAME",
-    "MANIFEST_MAX_BYTES",
     "OUTPUT_KINDS",
     "SHARD_STORE_KEY",
     "SHARD_VERSION_KEY",
     "STORE_MANIFEST_NAME",
     "TOKEN_TYPE",
     "BuildOptions",
-    "Fingerprint",
-    "FormatProblem",
     "IndexOf",
     "InputFile",
     "Manifest",
@@ -46,27 +54,16 @@ __all__ = [
     "ShardFileProblem",
     "ShardInfo",
     "StoreReference",
-    "StrictModel",
     "TokenizeOptions",
     "TokenizerInfo",
     "Totals",
     "check_layout",
-    "check_manifest_size",
     "check_shard_names",
     "check_index_shard",
     "check_shard",
-    "format_error",
-    "ipc_body_compressed",
-    "arrow_array",
-    "list_column",
-    "numpy_view",
-    "load_manifest_json",
-    "map_regular",
-    "open_regular",
     "open_shard",
     "pack_layout",
     "read_manifest",
-    "read_one_batch",
     "segment_id_type",
     "shard_file_problems",
     "shard_name",
@@ -89,13 +86,6 @@ SHARD_KIND_KEY = "prepack.shard_kind"  # schema metadata of an index shard only:
 # shards (and their sha256) bind the build to that store, whatever its manifest's `store` says.
 SHARD_STORE_KEY = "prepack.store_fingerprint"
 IGNORE_INDEX = -100  # label value that is not trained on (the PyTorch / HF convention)
-# Readers refuse a bigger manifest before parsing it. A shard entry takes ~200 bytes of indented JSON
-# and an input ~80, so 64 MiB lists some 300,000 of them: a 64 MiB-shard build of 20 TB.
-MANIFEST_MAX_BYTES = 64 * 2**20
-_COUNT_MAX = 2**63 - 1  # counts are int64 in every reader
-# The largest int32: the largest token id or label (`TOKEN_TYPE`), and the most values one list column of a
-# shard or store shard holds (its offsets are int32).
-INT32_MAX = 2**31 - 1
 
 TOKEN_TYPE = pa.int32()  # token ids and labels: vocabularies fit in 31 bits, and torch has no uint32 kernels
 
@@ -147,13 +137,6 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.arrow"
 
 
-class StrictModel(BaseModel):
-    """The base of prepack's JSON models (manifests, `inspect`'s report, `verify`'s problems): unknown keys
-    refused, values frozen."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 class TokenizerInfo(StrictModel):
     name: str = Field(description="The tokenizer directory's or file's name.")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 over its files, by sorted name.")
@@ -178,8 +161,8 @@ class BuildOptions(StrictModel):
     overflow: Literal["split", "truncate", "drop", "error"] = Field(
         description="What happens to documents longer than max_len."
     )
-    seed: int = Field(ge=0, le=_COUNT_MAX, description="Seed of the pack-order shuffle.")
-    shard_size: int = Field(ge=1, le=_COUNT_MAX, description="Target shard size in bytes.")
+    seed: int = Field(ge=0, le=COUNT_MAX, description="Seed of the pack-order shuffle.")
+    shard_size: int = Field(ge=1, le=COUNT_MAX, description="Target shard size in bytes.")
     column: str = Field(description="Token column read from the corpus.")
     labels_column: str | None = Field(description="Labels column carried through, if the corpus had one.")
     drop_untrained: bool = Field(
@@ -235,68 +218,39 @@ class InputFile(StrictModel):
     path: Annotated[str, _valid(_relative_path_problem)] = Field(
         description="Path relative to the corpus root, '/'-separated, no empty, '.' or '..' part."
     )
-    rows: int = Field(ge=0, le=_COUNT_MAX)
+    rows: int = Field(ge=0, le=COUNT_MAX)
 
 
 class Totals(StrictModel):
-    documents: int = Field(ge=0, le=_COUNT_MAX, description="Rows read from the corpus.")
-    input_tokens: int = Field(ge=0, le=_COUNT_MAX, description="Tokens read from the corpus.")
-    tokens: int = Field(ge=0, le=_COUNT_MAX, description="Tokens written into packs.")
-    segments: int = Field(ge=0, le=_COUNT_MAX, description="Documents and document pieces written into packs.")
-    packs: int = Field(ge=0, le=_COUNT_MAX)
-    padding_tokens: int = Field(ge=0, le=_COUNT_MAX, description="packs * max_len - tokens.")
-    lower_bound: int = Field(ge=0, le=_COUNT_MAX, description="ceil(tokens / max_len): no packing can use fewer packs.")
-    empty: int = Field(ge=0, le=_COUNT_MAX, description="Documents with no tokens (never packed).")
-    split: int = Field(ge=0, le=_COUNT_MAX, description="Documents longer than max_len split into pieces.")
-    split_pieces: int = Field(ge=0, le=_COUNT_MAX, description="Pieces those documents became.")
-    truncated: int = Field(ge=0, le=_COUNT_MAX, description="Documents cut to max_len.")
-    truncated_tokens: int = Field(ge=0, le=_COUNT_MAX, description="Tokens cut off by truncation.")
-    dropped: int = Field(ge=0, le=_COUNT_MAX, description="Documents longer than max_len left out.")
-    dropped_tokens: int = Field(ge=0, le=_COUNT_MAX)
+    documents: int = Field(ge=0, le=COUNT_MAX, description="Rows read from the corpus.")
+    input_tokens: int = Field(ge=0, le=COUNT_MAX, description="Tokens read from the corpus.")
+    tokens: int = Field(ge=0, le=COUNT_MAX, description="Tokens written into packs.")
+    segments: int = Field(ge=0, le=COUNT_MAX, description="Documents and document pieces written into packs.")
+    packs: int = Field(ge=0, le=COUNT_MAX)
+    padding_tokens: int = Field(ge=0, le=COUNT_MAX, description="packs * max_len - tokens.")
+    lower_bound: int = Field(ge=0, le=COUNT_MAX, description="ceil(tokens / max_len): no packing can use fewer packs.")
+    empty: int = Field(ge=0, le=COUNT_MAX, description="Documents with no tokens (never packed).")
+    split: int = Field(ge=0, le=COUNT_MAX, description="Documents longer than max_len split into pieces.")
+    split_pieces: int = Field(ge=0, le=COUNT_MAX, description="Pieces those documents became.")
+    truncated: int = Field(ge=0, le=COUNT_MAX, description="Documents cut to max_len.")
+    truncated_tokens: int = Field(ge=0, le=COUNT_MAX, description="Tokens cut off by truncation.")
+    dropped: int = Field(ge=0, le=COUNT_MAX, description="Documents longer than max_len left out.")
+    dropped_tokens: int = Field(ge=0, le=COUNT_MAX)
     untrained: int = Field(
         default=0,
         ge=0,
-        le=_COUNT_MAX,
+        le=COUNT_MAX,
         description="Documents with tokens but no trained token (every label after the first is -100); "
         "left out of the packs when options.drop_untrained.",
     )
-    untrained_tokens: int = Field(default=0, ge=0, le=_COUNT_MAX, description="Tokens of those documents.")
-
-
-class Fingerprint:
-    """`Manifest.fingerprint` (and a store's): the hex sha256 of the three sha256 digests, in this order,
-    of the documents' lengths as little-endian int64, their token ids as little-endian int32 and their
-    labels as little-endian int32 (nothing without labels), each stream fed in row order. A hash per
-    stream makes it independent of how the rows are cut into batches."""
-
-    def __init__(self) -> None:
-        self._streams = (hashlib.sha256(), hashlib.sha256(), hashlib.sha256())
-
-    def update(self, lengths: np.ndarray, ids: np.ndarray, labels: np.ndarray | None) -> None:
-        """Add consecutive documents: their lengths, and their tokens (and labels) back to back."""
-        self._streams[0].update(lengths.astype("<i8", copy=False).data)
-        self.update_ids(ids)
-        if labels is not None:
-            self.update_labels(labels)
-
-    def update_ids(self, ids: np.ndarray) -> None:
-        """Add token ids alone. Each stream is a hash of its own, so one thread may feed the ids while
-        another feeds the labels (sha256 releases the GIL)."""
-        self._streams[1].update(ids.astype("<i4", copy=False).data)
-
-    def update_labels(self, labels: np.ndarray) -> None:
-        """Add labels alone (see `update_ids`)."""
-        self._streams[2].update(labels.astype("<i4", copy=False).data)
-
-    def hexdigest(self) -> str:
-        return hashlib.sha256(b"".join(stream.digest() for stream in self._streams)).hexdigest()
+    untrained_tokens: int = Field(default=0, ge=0, le=COUNT_MAX, description="Tokens of those documents.")
 
 
 class ShardInfo(StrictModel):
     name: str
-    rows: int = Field(ge=0, le=_COUNT_MAX)
-    tokens: int = Field(ge=0, le=_COUNT_MAX)
-    bytes: int = Field(ge=0, le=_COUNT_MAX)
+    rows: int = Field(ge=0, le=COUNT_MAX)
+    tokens: int = Field(ge=0, le=COUNT_MAX)
+    bytes: int = Field(ge=0, le=COUNT_MAX)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
@@ -352,120 +306,6 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     os.replace(tmp, directory / MANIFEST_NAME)
 
 
-class FormatProblem(NamedTuple):
-    """One way a build breaks the format, and where: what `FormatError.problem` carries, so that a
-    caller (`verify`) takes the row and column from fields, never from the message."""
-
-    file: str  # the file, as the reader was given it (a path, or a shard's name)
-    message: str  # what is wrong, without the place
-    row: int | None = None  # the pack's row inside the shard
-    column: str | None = None  # the shard column, or the manifest field
-
-    def __str__(self) -> str:
-        where = [f"row {self.row}"] if self.row is not None else []
-        where += [f"column {self.column!r}"] if self.column is not None else []
-        return f"{self.file}: {', '.join(where)}: {self.message}" if where else f"{self.file}: {self.message}"
-
-
-def format_error(
-    file: str | os.PathLike, message: str, row: int | None = None, column: str | None = None
-) -> FormatError:
-    """The FormatError for `message` about `file` (its row and column): the message names them, and its
-    `problem` carries them as fields."""
-    problem = FormatProblem(str(file), message, row, column)
-    return FormatError(str(problem), problem)
-
-
-def _fail(file: str | os.PathLike, message: str, row: int | None = None, column: str | None = None) -> NoReturn:
-    raise format_error(file, message, row, column)
-
-
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-
-
-def open_regular(path: Path) -> int:
-    """A read-only descriptor of `path`, refused unless it is a regular file: a symbolic link is not
-    followed, and a FIFO or device is opened without blocking and then refused, so that a file planted
-    in a build or a store (`/dev/zero`, a pipe) can neither hang a reader nor feed it. Every file of a
-    build or store is opened through here. FileNotFoundError passes."""
-    try:
-        fd = os.open(path, _OPEN_FLAGS)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            _fail(path, "is a symbolic link; a build holds regular files only.")
-        _fail(path, f"cannot be opened ({exc.strerror}).")
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        _fail(path, f"is not a regular file ({_file_kind(mode)}); a build holds regular files only.")
-    return fd
-
-
-def _file_kind(mode: int) -> str:
-    kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISLNK: "a symbolic link",
-             stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
-    return next((kind for test, kind in kinds.items() if test(mode)), "not a file")
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    keys = [key for key, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} appears twice in one object")
-    return dict(pairs)
-
-
-def _no_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-_MAX_DIGITS = 100  # of an integer in the manifest: counts are int64 (19 digits); a seed may be longer
-
-
-def _integer(text: str) -> int:
-    if len(text.lstrip("-")) > _MAX_DIGITS:
-        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits; manifest integers have at most {_MAX_DIGITS}")
-    return int(text)
-
-
-def check_manifest_size(size: int, where: str | os.PathLike) -> None:
-    """Refuse (FormatError naming `where`) a manifest of more than MANIFEST_MAX_BYTES bytes: every
-    reader, local or of object storage, before it parses one."""
-    if size > MANIFEST_MAX_BYTES:
-        _fail(where, f"is larger than {MANIFEST_MAX_BYTES} bytes, the most a prepack manifest may hold.")
-
-
-def load_manifest_json(
-    directory: str | os.PathLike | bytes, kind: str, name: str
-) -> tuple[str | os.PathLike, object]:
-    """(what problems name it by, its JSON value) of the manifest `kind` (MANIFEST_NAME or
-    STORE_MANIFEST_NAME) of the output `directory`, or of the bytes `directory` of one, which problems
-    then name `name`. Read strictly: a regular file (`open_regular`) of at most MANIFEST_MAX_BYTES (no
-    more than one byte over is read), UTF-8, no NaN or Infinity, no repeated key, no integer of more
-    than _MAX_DIGITS digits, nesting bounded by the parser's recursion. Raises FileNotFoundError when
-    the file is missing, else FormatError."""
-    if isinstance(directory, bytes):
-        where, data = name, directory
-    else:
-        where = Path(directory) / kind
-        fd = open_regular(where)
-        try:
-            with os.fdopen(fd, "rb") as file:
-                data = file.read(MANIFEST_MAX_BYTES + 1)
-        except OSError as exc:
-            _fail(where, f"cannot be read ({exc.strerror}).")
-    check_manifest_size(len(data), where)
-    try:
-        return where, json.loads(
-            data.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_int=_integer
-        )
-    except RecursionError:
-        _fail(where, "cannot be read as JSON: it nests too deeply to be a prepack manifest.")
-    except ValueError as exc:  # also UnicodeDecodeError
-        _fail(where, f"cannot be read as JSON: {exc}")
-
-
 def read_manifest(directory: str | os.PathLike | bytes, name: str = MANIFEST_NAME) -> Manifest:
     """Read and strictly validate `manifest.json` of the build `directory`, or the bytes of one
     (`directory` a `bytes`, read from object storage), which messages then call `name` (its URI);
@@ -479,18 +319,18 @@ def read_manifest(directory: str | os.PathLike | bytes, name: str = MANIFEST_NAM
         path, raw = load_manifest_json(directory, MANIFEST_NAME, name)
     except FileNotFoundError:
         if (Path(directory) / STORE_MANIFEST_NAME).exists():
-            _fail(
+            refuse(
                 directory,
                 f"is a prepack document store ({STORE_MANIFEST_NAME}), not a build: pack it with "
                 f"`prepack build {directory} --max-len N --out DIR`.",
             )
-        _fail(
+        refuse(
             Path(directory) / MANIFEST_NAME,
             f"does not exist: {directory} is not a finished prepack build (the manifest is written last).",
         )
     version = raw.get("format_version") if isinstance(raw, dict) else None
     if type(version) is not int or version != FORMAT_VERSION:
-        _fail(
+        refuse(
             path,
             f"has format_version {reprlib.repr(version)}; this prepack reads version {FORMAT_VERSION}. "
             "Rebuild the shards or use the prepack version that wrote them.",
@@ -498,7 +338,7 @@ def read_manifest(directory: str | os.PathLike | bytes, name: str = MANIFEST_NAM
     try:
         return Manifest.model_validate(raw, strict=True)
     except ValidationError as exc:
-        _fail(path, f"is not a valid prepack manifest:\n{exc}")
+        refuse(path, f"is not a valid prepack manifest:\n{exc}")
 
 
 class ShardFileProblem(NamedTuple):
@@ -518,7 +358,7 @@ def _misnamed(index: int, info: ShardInfo, name_of: Callable[[int], str] = shard
 
 def _check_name(manifest_file: str | os.PathLike, index: int, info: ShardInfo) -> None:
     if (message := _misnamed(index, info)) is not None:
-        _fail(manifest_file, message, column=f"shards[{index}].name")
+        refuse(manifest_file, message, column=f"shards[{index}].name")
 
 
 def shard_path(directory: str | os.PathLike, index: int, info: ShardInfo) -> Path:
@@ -567,7 +407,7 @@ def shard_file_problems(
             yield ShardFileProblem(index, "missing", info.name, message)
             continue
         if not stat.S_ISREG(status.st_mode):
-            message = f"not a regular file ({_file_kind(status.st_mode)}); prepack writes regular files only."
+            message = f"not a regular file ({file_type_name(status.st_mode)}); prepack writes regular files only."
             yield ShardFileProblem(index, "type", info.name, message)
         elif status.st_size != info.bytes:
             message = f"{status.st_size} bytes, but {listed_by} says {info.bytes} (truncated or replaced?)."
@@ -579,7 +419,7 @@ def shard_sha256(path: Path) -> str:
     try:
         fd = open_regular(path)
     except FileNotFoundError:
-        _fail(path, "the shard is missing.")
+        refuse(path, "the shard is missing.")
     digest = hashlib.sha256()
     with os.fdopen(fd, "rb") as file:
         while chunk := file.read(2**22):
@@ -601,7 +441,7 @@ def open_shard(
     def check_schema(schema: pa.Schema) -> None:
         planned = (schema.metadata or {}).get(SHARD_STORE_KEY.encode())
         if store is not None and planned is not None and planned != store.fingerprint.encode():
-            _fail(
+            refuse(
                 where,
                 f"this index shard was planned from the store with fingerprint {planned.decode(errors='replace')!r}, "
                 f"but the manifest names a store with fingerprint {store.fingerprint}: the build's store was "
@@ -609,7 +449,7 @@ def open_shard(
             )
         if not schema.equals(expected, check_metadata=True):
             kind = f"an index shard of {store.documents} documents" if store is not None else f"{'with' if has_labels else 'without'} labels and max_len {max_len}"
-            _fail(
+            refuse(
                 where,
                 f"the schema is\n{schema}\n(metadata {schema.metadata}) but format version {FORMAT_VERSION} "
                 f"{kind} expects\n{expected}\n"
@@ -620,136 +460,16 @@ def open_shard(
     try:
         batch.validate()  # buffers as long as the lengths say, before numpy reads them
     except pa.ArrowException as exc:
-        _fail(where, f"not valid Arrow data ({exc}).")
+        refuse(where, f"not valid Arrow data ({exc}).")
     for column in batch.schema.names:  # offsets are few (one per pack): every reader checks them all
         if isinstance(batch.column(column), pa.ListArray):
             offsets, values = list_column(batch, column, where)
             if (problem := _offsets_problem(offsets, len(values))) is not None:
-                _fail(where, f"{problem[1]}.", problem[0], column)
+                refuse(where, f"{problem[1]}.", problem[0], column)
             if offsets[0] != 0 or offsets[-1] != len(values):
-                _fail(where, f"offsets run from {offsets[0]} to {offsets[-1]}, not from 0 to its {len(values)} "
+                refuse(where, f"offsets run from {offsets[0]} to {offsets[-1]}, not from 0 to its {len(values)} "
                       "values.", column=column)
     return batch
-
-
-def map_regular(path: Path, what: str, where: str | None = None) -> pa.Buffer:
-    """The bytes of the file `path`, a `what` ("shard", "store shard") that its manifest lists,
-    memory-mapped. Opened by `open_regular`: a file found regular before may since have been swapped for
-    a FIFO, a directory or a device, which must not hang or feed a reader. Problems name `path` when it
-    is missing, else `where` (default: `path`)."""
-    where = str(path) if where is None else where
-    try:
-        fd = open_regular(path)
-    except FileNotFoundError:
-        _fail(path, f"the {what} is missing; its manifest lists it.")
-    try:
-        if os.fstat(fd).st_size == 0:
-            _fail(where, f"is empty; a {what} is an Arrow IPC stream.")
-        return pa.py_buffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
-    except OSError as exc:
-        _fail(where, f"cannot be read ({exc.strerror}).")
-    finally:
-        os.close(fd)  # the map holds the file open
-
-
-def read_one_batch(
-    data: pa.Buffer, what: str, where: str, check_schema: Callable[[pa.Schema], None] | None = None
-) -> pa.RecordBatch:
-    """The one record batch of `data`, the bytes of a `what` ("shard", "store shard"), zero-copy: an
-    Arrow IPC stream of a schema message, one uncompressed record batch (its compression flag read
-    before the body is decoded, `ipc_body_compressed`) and nothing after it. `check_schema`, when given,
-    is called on the schema before the batch is read. The batch is not validated. Raises FormatError
-    naming `where`."""
-    try:
-        messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(data))
-        schema = pa.ipc.read_schema(_next_message(messages, where, "schema"))
-        if check_schema is not None:
-            check_schema(schema)
-        message = _next_message(messages, where, "record batch")
-        if ipc_body_compressed(message.metadata):
-            _fail(where, f"the record batch is compressed; a {what} is uncompressed, to be memory-mapped.")
-        batch = pa.ipc.read_record_batch(message, schema)
-        try:
-            extra = messages.read_next_message()
-        except StopIteration:  # the stream ends after its record batch, as it should
-            extra = None
-    except (OSError, pa.ArrowException, struct.error) as exc:
-        _fail(where, f"not a readable Arrow IPC stream ({exc}).")
-    if extra is not None:
-        _fail(where, f"a {extra.type} message follows the record batch; a {what} holds exactly one.")
-    return batch
-
-
-def _next_message(messages: pa.ipc.MessageReader, where: str, kind: str) -> pa.ipc.Message:
-    try:
-        message = messages.read_next_message()
-    except StopIteration:
-        _fail(where, f"the stream ends before its {kind}.")
-    if message.type != kind:
-        _fail(where, f"a {message.type} message where the stream's {kind} should be.")
-    return message
-
-
-def ipc_body_compressed(metadata: pa.Buffer) -> bool:
-    """Whether an IPC record batch message sets `compression`, read from its flatbuffer before the body
-    is decoded (pyarrow would decompress it into memory). In Arrow's Message.fbs, field 2 of the Message
-    table, `header`, is the RecordBatch table, whose field 3 is `compression`."""
-    data = metadata.to_pybytes()
-
-    def read(fmt: str, at: int) -> int:
-        if not 0 <= at <= len(data) - struct.calcsize(fmt):
-            raise struct.error(f"flatbuffer offset {at} out of range")
-        return struct.unpack_from(fmt, data, at)[0]
-
-    def field(table: int, index: int) -> int:  # where a table's field is, 0 when absent
-        vtable = table - read("<i", table)
-        entry = 4 + 2 * index
-        offset = read("<H", vtable + entry) if entry + 2 <= read("<H", vtable) else 0
-        return table + offset if offset else 0
-
-    header = field(read("<I", 0), 2)
-    return bool(header) and field(header + read("<I", header), 3) != 0
-
-
-def list_column(batch: pa.RecordBatch, column: str, where: str = "shard") -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, values) of a list column as zero-copy numpy views: row r is values[offsets[r]:offsets[r+1]].
-
-    `values` is the whole child array, so the offsets index it directly even in a sliced batch. Nulls
-    are refused here, which is also what lets `to_numpy` share the Arrow buffers instead of copying.
-    The offsets are not checked here: `check_shard` does that.
-    """
-    array = batch.column(column)
-    if array.null_count:
-        _fail(where, "has null rows", _first(array.is_null().to_numpy(zero_copy_only=False)), column)
-    if array.values.null_count:
-        _fail(where, "has null values", column=column)
-    offsets = numpy_view(array.offsets) if len(array.offsets) else np.zeros(1, np.int32)  # 0 rows may have none
-    return offsets, numpy_view(array.values)
-
-
-def numpy_view(array: pa.Array) -> np.ndarray:
-    """A numeric Arrow array without nulls as a zero-copy numpy view of its data buffer: what
-    `array.to_numpy()` returns, without importing pandas, which `to_numpy` does on its first call
-    (pyarrow converts through its pandas layer): a second of an index build's start-up."""
-    if not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type)) or array.null_count:
-        return array.to_numpy(zero_copy_only=False)
-    dtype = np.dtype(array.type.to_pandas_dtype())
-    if not len(array):
-        return np.empty(0, dtype)
-    return np.frombuffer(array.buffers()[1], dtype, count=len(array), offset=array.offset * dtype.itemsize)
-
-
-def arrow_array(values: np.ndarray) -> pa.Array:
-    """A numeric numpy array as an Arrow array without nulls, sharing its memory when contiguous: what
-    `pa.array(values)` returns, without the import of pandas that it too makes on its first call."""
-    if values.dtype.kind not in "iuf":
-        return pa.array(values)
-    values = np.ascontiguousarray(values)
-    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
-
-
-def _first(mask: np.ndarray) -> int:
-    return int(np.flatnonzero(mask)[0])
 
 
 class PackLayout(NamedTuple):
@@ -797,10 +517,10 @@ def _offsets_problem(offsets: np.ndarray, values: int) -> tuple[int, str] | None
     if offsets[0] < 0:
         return 0, f"its first offset is {offsets[0]}"
     if (bad := np.diff(offsets) < 0).any():
-        r = _first(bad)
+        r = first_index(bad)
         return r, f"its offsets go back from {offsets[r]} to {offsets[r + 1]}"
     if offsets[-1] > values:
-        r = _first(offsets[1:] > values)
+        r = first_index(offsets[1:] > values)
         return r, f"its offset {offsets[r + 1]} is past the end of its {values} values"
     return None
 
@@ -809,7 +529,7 @@ def _list_checked(batch: pa.RecordBatch, column: str, where: str) -> tuple[np.nd
     """`list_column` with the offsets checked against the values, problems naming `where`."""
     offsets, values = list_column(batch, column, where)
     if (problem := _offsets_problem(offsets, len(values))) is not None:
-        _fail(where, f"{problem[1]}.", problem[0], column)
+        refuse(where, f"{problem[1]}.", problem[0], column)
     return offsets, values
 
 
@@ -829,28 +549,28 @@ def check_layout(
     cu_off, cu = _list_checked(batch, "cu_seqlens", where)
     documents = np.diff(cu_off).astype(np.int64) - 1
     if (bad := documents < 1).any():
-        _fail(where, "needs at least two values [0, ..., tokens]", _first(bad), "cu_seqlens")
+        refuse(where, "needs at least two values [0, ..., tokens]", first_index(bad), "cu_seqlens")
     layout = pack_layout(cu_off, cu)
     first_doc = np.cumsum(documents) - documents
     if (bad := layout.starts[first_doc] != 0).any():
-        r = _first(bad)
-        _fail(where, f"starts at {layout.starts[first_doc][r]}, not 0", r, "cu_seqlens")
+        r = first_index(bad)
+        refuse(where, f"starts at {layout.starts[first_doc][r]}, not 0", r, "cu_seqlens")
     if (bad := layout.lengths < 1).any():
-        r = int(layout.pack[_first(bad)])
-        _fail(where, "values must be strictly increasing (no empty documents)", r, "cu_seqlens")
+        r = int(layout.pack[first_index(bad)])
+        refuse(where, "values must be strictly increasing (no empty documents)", r, "cu_seqlens")
     if tokens is not None and (bad := layout.tokens != tokens).any():
-        r = _first(bad)
-        _fail(where, f"ends at {layout.tokens[r]}, but the pack has {tokens[r]} tokens", r, "cu_seqlens")
+        r = first_index(bad)
+        refuse(where, f"ends at {layout.tokens[r]}, but the pack has {tokens[r]} tokens", r, "cu_seqlens")
     if (bad := layout.tokens > max_len).any():
-        r = _first(bad)
-        _fail(where, f"ends at {layout.tokens[r]}, more than max_len {max_len}", r, "cu_seqlens")
+        r = first_index(bad)
+        refuse(where, f"ends at {layout.tokens[r]}, more than max_len {max_len}", r, "cu_seqlens")
     for column in ("source_rows", "source_pieces"):
         offsets, values = _list_checked(batch, column, where)
         if (bad := np.diff(offsets) != documents).any():
-            r = _first(bad)
-            _fail(where, f"{np.diff(offsets)[r]} values for {documents[r]} documents", r, column)
+            r = first_index(bad)
+            refuse(where, f"{np.diff(offsets)[r]} values for {documents[r]} documents", r, column)
         if column == "source_pieces" and (bad := values[offsets[0] : offsets[-1]] < 0).any():
-            _fail(where, "negative piece number", _row_of(offsets, _first(bad)), column)
+            refuse(where, "negative piece number", _row_of(offsets, first_index(bad)), column)
     return layout
 
 
@@ -867,40 +587,40 @@ def check_shard(batch: pa.RecordBatch, max_len: int, where: str) -> PackLayout:
     layout = check_layout(batch, max_len, where, n)
     ids = ids[ids_off[0] : ids_off[-1]]
     if len(ids) and ids.min() < 0:  # an embedding lookup with a negative id reads out of bounds
-        _fail(where, "negative token id", _row_of(ids_off, _first(ids < 0)), "input_ids")
+        refuse(where, "negative token id", _row_of(ids_off, first_index(ids < 0)), "input_ids")
     token_columns = ["segment_ids", *(["labels"] if "labels" in batch.schema.names else [])]
     for column in token_columns:
         offsets, values = _list_checked(batch, column, where)
         if (bad := np.diff(offsets) != n).any():
-            r = _first(bad)
-            _fail(where, f"length {np.diff(offsets)[r]}, but input_ids has {n[r]}", r, column)
+            r = first_index(bad)
+            refuse(where, f"length {np.diff(offsets)[r]}, but input_ids has {n[r]}", r, column)
     if "labels" in token_columns:
         lab_off, labels = list_column(batch, "labels", where)
         labels = labels[lab_off[0] : lab_off[-1]]
         if (bad := (labels < 0) & (labels != IGNORE_INDEX)).any():
-            token = _first(bad)
-            _fail(where, f"{labels[token]} is neither a token id nor {IGNORE_INDEX}", _row_of(lab_off, token), "labels")
+            token = first_index(bad)
+            refuse(where, f"{labels[token]} is neither a token id nor {IGNORE_INDEX}", _row_of(lab_off, token), "labels")
     _check_max_seqlen(batch, layout, where)
     # segment_ids: document k's tokens carry k, as cu_seqlens says.
     seg_off, seg = list_column(batch, "segment_ids", where)
     expected = np.repeat(layout.number.astype(seg.dtype), layout.lengths)
     if (bad := seg[seg_off[0] : seg_off[-1]] != expected).any():
-        token = _first(bad)
+        token = first_index(bad)
         r = _row_of(seg_off, token)
-        _fail(where, f"token {token - (seg_off[r] - seg_off[0])} has {seg[seg_off[0] + token]}, "
+        refuse(where, f"token {token - (seg_off[r] - seg_off[0])} has {seg[seg_off[0] + token]}, "
               f"cu_seqlens says {expected[token]}", r, "segment_ids")
     return layout
 
 
 def _check_max_seqlen(batch: pa.RecordBatch, layout: PackLayout, where: str) -> None:
     if batch.column("max_seqlen").null_count:
-        _fail(where, "has null rows", column="max_seqlen")
+        refuse(where, "has null rows", column="max_seqlen")
     max_seqlen = numpy_view(batch.column("max_seqlen"))
     if len(layout.lengths):
         longest = np.maximum.reduceat(layout.lengths, np.cumsum(layout.documents) - layout.documents)
         if (bad := longest != max_seqlen).any():
-            r = _first(bad)
-            _fail(where, f"is {max_seqlen[r]}, the longest document is {longest[r]}", r, "max_seqlen")
+            r = first_index(bad)
+            refuse(where, f"is {max_seqlen[r]}, the longest document is {longest[r]}", r, "max_seqlen")
 
 
 def check_index_shard(batch: pa.RecordBatch, max_len: int, where: str) -> PackLayout:

@@ -19,18 +19,14 @@ import pyarrow as pa
 from pydantic import Field, ValidationError, model_validator
 
 from prepack.errors import FormatError
+from prepack.formats.common import INT32_MAX, StrictModel, format_error, load_manifest_json, numpy_view
 from prepack.formats.shards import (
     IGNORE_INDEX,
-    INT32_MAX,
     MANIFEST_NAME,
     STORE_MANIFEST_NAME,
     TOKEN_TYPE,
     InputFile,
-    StrictModel,
     TokenizeOptions,
-    format_error,
-    load_manifest_json,
-    numpy_view,
     shard_file_problems,
 )
 

@@ -29,15 +29,8 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from prepack.errors import InputError
-from prepack.formats.shards import (
-    IGNORE_INDEX,
-    INT32_MAX,
-    MANIFEST_MAX_BYTES,
-    MANIFEST_NAME,
-    SHARD_VERSION_KEY,
-    STORE_MANIFEST_NAME,
-    numpy_view,
-)
+from prepack.formats.common import INT32_MAX, MANIFEST_MAX_BYTES, numpy_view
+from prepack.formats.shards import IGNORE_INDEX, MANIFEST_NAME, SHARD_VERSION_KEY, STORE_MANIFEST_NAME
 from prepack.storage.output import is_staging
 from prepack.formats.store import STORE_VERSION_KEY
 

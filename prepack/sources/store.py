@@ -20,7 +20,8 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.errors import FormatError, InputError
-from prepack.formats.shards import MANIFEST_NAME, Manifest, map_regular, numpy_view, read_one_batch
+from prepack.formats.common import map_regular, numpy_view, read_one_batch
+from prepack.formats.shards import MANIFEST_NAME, Manifest
 from prepack.building.plan import untrained_documents
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.storage.remote import join

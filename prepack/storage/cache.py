@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prepack.errors import InputError
-from prepack.formats.shards import STORE_MANIFEST_NAME, Manifest, ShardInfo, format_error, shard_sha256
+from prepack.formats.common import format_error
+from prepack.formats.shards import STORE_MANIFEST_NAME, Manifest, ShardInfo, shard_sha256
 from prepack.storage.output import output_errors
 from prepack.storage.remote import filesystem, read_output_manifest
 from prepack.formats.store import StoreShard

@@ -40,13 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from prepack.errors import FormatError, InputError, OutputError, require
+from prepack.formats.common import MANIFEST_MAX_BYTES, check_manifest_size
 from prepack.formats.shards import (
-    MANIFEST_MAX_BYTES,
     MANIFEST_NAME,
     OUTPUT_KINDS,
     STORE_MANIFEST_NAME,
     Manifest,
-    check_manifest_size,
     check_shard_names,
     read_manifest,
 )

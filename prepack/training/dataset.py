@@ -30,12 +30,12 @@ from numba.typed import List as TypedList
 
 from prepack.storage.cache import ShardCache
 from prepack.errors import FormatError, InputError, PackIndexError, optional_imports
+from prepack.formats.common import list_column
 from prepack.formats.shards import (
     FORMAT_VERSION,
     Manifest,
     check_index_shard,
     check_shard,
-    list_column,
     open_shard,
     pack_layout,
     read_manifest,

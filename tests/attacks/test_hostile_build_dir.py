@@ -250,11 +250,11 @@ def test_manifests_that_break_json_parsers_are_format_errors(tmp_path, text, mes
 
 
 def test_a_manifest_over_the_size_cap_is_refused_unread(copy, monkeypatch):
-    from prepack.formats import shards
+    from prepack.formats import common
 
     size = (copy / "manifest.json").stat().st_size
-    monkeypatch.setattr(shards, "MANIFEST_MAX_BYTES", size - 1)
+    monkeypatch.setattr(common, "MANIFEST_MAX_BYTES", size - 1)
     with pytest.raises(FormatError, match=f"larger than {size - 1} bytes"):
         read_manifest(copy)
-    monkeypatch.setattr(shards, "MANIFEST_MAX_BYTES", size)
+    monkeypatch.setattr(common, "MANIFEST_MAX_BYTES", size)
     assert read_manifest(copy).shards

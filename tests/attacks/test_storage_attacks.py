@@ -14,7 +14,7 @@ import pytest
 
 from prepack import PackedDataset, build, build_store
 from prepack.errors import FormatError, InputError, OutputError
-from prepack.formats.shards import MANIFEST_MAX_BYTES
+from prepack.formats.common import MANIFEST_MAX_BYTES
 from prepack.check.verify import verify_build
 from tests.cli import PREPACK, run_prepack
 from tests.corpus import corpus_table, files, write_corpus

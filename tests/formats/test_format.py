@@ -15,9 +15,9 @@ import pytest
 
 from prepack import build
 from prepack.errors import FormatError
+from prepack.formats.common import FormatProblem
 from prepack.formats.shards import (
     FORMAT_VERSION,
-    FormatProblem,
     Manifest,
     check_shard,
     open_shard,
@@ -190,11 +190,11 @@ def test_shard_files_are_checked_against_the_manifest(built, tmp_path):
 
 
 def test_shard_format_page_states_the_caps_of_the_code():
-    from prepack.formats import shards
+    from prepack.formats import common
 
     page = (SCHEMAS / "shard-format.md").read_text()
-    assert f"`MANIFEST_MAX_BYTES` = {shards.MANIFEST_MAX_BYTES} bytes" in page
-    assert f"`_MAX_DIGITS` = {shards._MAX_DIGITS}" in page
+    assert f"`MANIFEST_MAX_BYTES` = {common.MANIFEST_MAX_BYTES} bytes" in page
+    assert f"`_MAX_DIGITS` = {common._MAX_DIGITS}" in page
 
 
 def _spec_rules(page: str) -> list[tuple[str, str]]:

@@ -22,7 +22,8 @@ from rich.progress import Progress
 
 from prepack.sources.documents import Documents, Reading
 from prepack.building.engines.base import FirstPass, WrittenStore, pack_shard_bounds
-from prepack.formats.shards import Fingerprint, IndexOf, ShardInfo
+from prepack.formats.common import Fingerprint
+from prepack.formats.shards import IndexOf, ShardInfo
 from prepack.storage.output import Staging, output_errors, output_file
 from prepack.building.plan import PackingPlan, compact_lengths, untrained_documents
 from prepack.sources.corpus import Corpus, DocumentBatch

@@ -57,7 +57,8 @@ from rich.progress import Progress
 from prepack.sources.documents import Documents, Reading, corpus_documents
 from prepack.building.engines.base import FirstPass, WrittenStore, locate_row, pack_shard_bounds
 from prepack.errors import EngineError, InputError, OutputError, PrepackError
-from prepack.formats.shards import INT32_MAX, Fingerprint, ShardInfo, shard_name
+from prepack.formats.common import INT32_MAX, Fingerprint
+from prepack.formats.shards import ShardInfo, shard_name
 from prepack.storage.output import Staging, output_errors, output_file
 from prepack.building.plan import PackingPlan, ShardPacks, compact_lengths, untrained_documents
 from prepack.sources.corpus import Corpus, LocalCopy
