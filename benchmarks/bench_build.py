@@ -84,7 +84,7 @@ def run_copy(corpus: str, out: str) -> None:
 
 
 def run_copy_synced(corpus: str, out: str) -> None:
-    from prepack.building.write_shards import SyncedFile
+    from prepack.storage.files import SyncedFile
 
     os.makedirs(out)
     source = pq.ParquetFile(corpus, pre_buffer=False, buffer_size=2**20)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prepack.building.write_shards import SyncedFile
+from prepack.storage.files import SyncedFile
 
 PIECE = 2**20
 

@@ -4,7 +4,7 @@ shards, and `store.json`; what every engine writes a store with (`prepack.buildi
 
 Memory stays bounded by the shard size: the local engine gathers documents until the next would
 overfill the shard (`StoreShardWriter`), which is then written as one record batch
-(`prepack.building.write_shards.write_record_batch`); only the documents' lengths (for the manifest's summary) grow
+(`prepack.storage.files.write_record_batch`); only the documents' lengths (for the manifest's summary) grow
 with the corpus.
 """
 
@@ -31,7 +31,7 @@ from prepack.formats.store import (
     store_shard_name,
     write_store_manifest,
 )
-from prepack.building.write_shards import write_record_batch
+from prepack.storage.files import write_record_batch
 
 __all__ = [
     "StoreShardWriter",

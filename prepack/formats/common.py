@@ -268,6 +268,11 @@ def first_index(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
+def list_array(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
+    """An Arrow list column: row i holds values[offsets[i]:offsets[i + 1]]."""
+    return pa.ListArray.from_arrays(arrow_array(offsets.astype(np.int32)), arrow_array(values))
+
+
 def list_column(batch: pa.RecordBatch, column: str, where: str = "shard") -> tuple[np.ndarray, np.ndarray]:
     """(offsets, values) of a list column as zero-copy numpy views: row r is values[offsets[r]:offsets[r+1]].
 

@@ -47,7 +47,8 @@ from prepack.formats.shards import (
 )
 from prepack.storage.remote import is_uri
 from prepack.sources.store import Store, open_build_store
-from prepack.building.write_shards import list_array, write_record_batch
+from prepack.formats.common import list_array
+from prepack.storage.files import write_record_batch
 
 with optional_imports("PackedDataset"):
     from torch.utils.data import Dataset

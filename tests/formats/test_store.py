@@ -26,7 +26,7 @@ from prepack.formats.store import (
 )
 from prepack.sources.store import open_store
 from prepack.check.verify import verify_build
-from prepack.building.write_shards import write_record_batch
+from prepack.storage.files import write_record_batch
 from tests.cli import WIDE, run_prepack
 from tests.corpus import corpus_table, edit_json, files, write_corpus
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory

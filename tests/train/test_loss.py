@@ -4,6 +4,9 @@ and document-mean weighting; and the weights themselves."""
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
+
 import numpy as np
 import pytest
 import torch
@@ -74,7 +77,7 @@ def unpacked_gradients(weighting: str) -> dict[str, torch.Tensor]:
 
 
 def ddp_worker(rank: int, store: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
     torch.set_num_threads(1)
     net = torch.nn.parallel.DistributedDataParallel(enable_packing(model()))
     collate = PackedCollator(max_len=64)
@@ -99,7 +102,13 @@ def ddp_worker(rank: int, store: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_ddp_accumulated_gradients_equal_one_unpacked_batch(tmp_path):
-    mp.spawn(ddp_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    workers = mp.spawn(ddp_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + 300  # a collective that never completes fails the test, not the whole run
+    while not workers.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in workers.processes:
+                process.kill()
+            pytest.fail("the DDP workers did not finish within 300 s")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for weighting in ("token", "document"):
         expected = unpacked_gradients(weighting)

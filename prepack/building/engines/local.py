@@ -29,7 +29,8 @@ from prepack.building.plan import PackingPlan, compact_lengths, untrained_docume
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.sources.store import Store
 from prepack.building.write_store import StoreShardWriter
-from prepack.building.write_shards import ShardBuffers, TokenFiles, write_in_pieces, write_shard
+from prepack.building.write_shards import ShardBuffers, TokenFiles, write_shard
+from prepack.storage.files import write_in_pieces
 
 __all__ = ["LocalEngine"]
 

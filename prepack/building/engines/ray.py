@@ -66,7 +66,8 @@ from prepack.storage.remote import fetch, filesystem, scratch_prefix, upload
 from prepack.formats.store import StoreShard, store_shard_name
 from prepack.sources.store import Store
 from prepack.building.write_store import store_shard_bounds, store_shard_capacity, too_long_for_a_shard, write_store_shard
-from prepack.building.write_shards import ShardBuffers, TokenFiles, gather_tokens, write_in_pieces, write_shard
+from prepack.building.write_shards import ShardBuffers, TokenFiles, gather_tokens, write_shard
+from prepack.storage.files import write_in_pieces
 
 if TYPE_CHECKING:  # tokenizers is needed only for text and chat
     from prepack.sources.tokenize import LocalTokenizer
