@@ -27,14 +27,14 @@ def shard_bounds(pack_bytes: np.ndarray, shard_size: int) -> np.ndarray:
     return np.append(firsts, len(pack_bytes))
 
 
-# Tokens of a store mapped at once while gathering (64 MiB): resident memory is a shard plus one window,
-# however large the store.
+# Tokens of the token files mapped at once while gathering (64 MiB): resident memory is a shard plus one
+# window, however large the files.
 _WINDOW_TOKENS = 2**24
 
 
 @numba.njit(cache=True, nogil=True)
 def _windows(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where each window's segments begin in `order` (store order), and the token past the last of
+    """Where each window's segments begin in `order` (file order), and the token past the last of
     them (a segment may run past its window)."""
     firsts, highs = [0], [0]
     for i in range(len(order)):
@@ -68,25 +68,25 @@ class TokenFiles:
         return cls((path,), np.zeros(1, np.int64))
 
 
-def gather_tokens(store: TokenFiles, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
-    """Copy the segments (`starts`, `lengths`, in tokens) of the int32 token files `store` into `out`,
-    back to back.
+def gather_tokens(files: TokenFiles, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
+    """Copy the segments (`starts`, `lengths`, in tokens) of the int32 token `files` into `out`, back
+    to back.
 
-    A shard's segments lie all over the store, so mapping it whole would leave most of its pages
-    resident by the end of every shard. Instead the segments are copied in store order, window by
+    A shard's segments lie all over the files, so mapping them whole would leave most of their pages
+    resident by the end of every shard. Instead the segments are copied in file order, window by
     window, each window mapped only while its segments are copied. 24 bytes a segment besides.
     """
     at = np.cumsum(lengths) - lengths
     order = np.argsort(starts, kind="stable")
     # A segment lies inside one file (a document is never cut across files): the last file that
     # starts at or before it. An empty file shares its first token with the next one.
-    file_of = np.searchsorted(store.firsts, starts[order], "right") - 1
-    ends = np.searchsorted(file_of, np.arange(1, len(store.paths) + 1))
+    file_of = np.searchsorted(files.firsts, starts[order], "right") - 1
+    ends = np.searchsorted(file_of, np.arange(1, len(files.paths) + 1))
     for index, (first, end) in enumerate(zip(np.append(0, ends[:-1]), ends)):
         if first < end:
             segments = order[first:end]
-            local = starts[segments] - store.firsts[index]
-            _gather_file(store.paths[index], local, lengths[segments], at[segments], out)
+            local = starts[segments] - files.firsts[index]
+            _gather_file(files.paths[index], local, lengths[segments], at[segments], out)
 
 
 def _gather_file(path: Path, starts: np.ndarray, lengths: np.ndarray, at: np.ndarray, out: np.ndarray) -> None:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prepack import build
-from prepack.building import write_shards as shard_writing
+from prepack.storage import files as output_files
 from prepack.formats.shards import check_shard, open_shard
 from tests.corpus import corpus_table, read_build, reference_placement, write_corpus
 
@@ -139,14 +139,14 @@ def test_shards_synced_in_pieces_keep_their_bytes_and_hashes(tmp_path, monkeypat
     documents = [rng.integers(0, 1000, size=n).tolist() for n in rng.integers(1, 300, size=200)]
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table(documents))
     build(corpus, tmp_path / "whole", max_len=128, shard_size=16_384)
-    syncs, real_sync = [], shard_writing.SyncedFile.sync
+    syncs, real_sync = [], output_files.SyncedFile.sync
 
     def counted_sync(file):
         syncs.append(file.size - file.synced)
         real_sync(file)
 
-    monkeypatch.setattr(shard_writing, "_SYNC_EVERY", 1000)  # a sync inside every token column
-    monkeypatch.setattr(shard_writing.SyncedFile, "sync", counted_sync)
+    monkeypatch.setattr(output_files, "_SYNC_EVERY", 1000)  # a sync inside every token column
+    monkeypatch.setattr(output_files.SyncedFile, "sync", counted_sync)
     build(corpus, tmp_path / "pieces", max_len=128, shard_size=16_384)
     manifest = json.loads((tmp_path / "pieces" / "manifest.json").read_text())
     assert len(syncs) > 3 * len(manifest["shards"])
