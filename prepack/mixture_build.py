@@ -1,0 +1,218 @@
+"""`prepack build MIX.yaml`: a build from a mixture file (`prepack.mixture`).
+
+Each source is read as `build` reads a corpus or a store (`open_documents`, the same reading options
+for every corpus source) and its first pass kept in a scratch directory of its own
+(`LocalEngine.first_pass`); then the selection (`select_source`) and the plan (`plan_mixture`) are
+computed from the sources' lengths, and the packs written by the local engine as for any build, from
+the sources' token files laid back to back. The manifest's `inputs` are every source's files, named
+`SOURCE/FILE`, in source order, and a pack's `source_rows` count over them (so a source's rows start
+at its `first_row`); `mixture` records the request and what each source put into the packs.
+
+A source without labels, mixed with sources that have them, is trained on every token: its labels are
+its token ids (the collator still masks each document's first token).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import ExitStack
+from importlib.metadata import version
+
+import numpy as np
+
+from prepack.documents import Documents, Reading, open_documents
+from prepack.engine import FirstPass
+from prepack.engine_local import LocalEngine
+from prepack.errors import DISTRIBUTION, InputError
+from prepack.format import MANIFEST_NAME, BuildOptions, InputFile, Manifest, Totals, write_manifest
+from prepack.mixture import MixtureSpec, load_mixture, mixture_parts, packable_tokens, requested_tokens, select_source, source_location
+from prepack.mixture_format import MixtureInfo, SourceCounts, mixture_fingerprint
+from prepack.mixture_plan import MixturePlan, plan_mixture
+from prepack.output import Staging, output_errors, staged_directory
+from prepack.remote import is_uri, local_input, staged_prefix
+from prepack.write import TokenFiles
+
+__all__ = ["build_mixture"]
+
+
+def _check_options(spec_path: str | os.PathLike, packing, output) -> None:
+    """Refuse what a mixture build does not do, by name, before anything is read."""
+    if output.engine != "local":
+        raise InputError(
+            f"{spec_path}: a mixture builds with the local engine only (--engine ray reads one corpus or store)."
+        )
+    if packing.index_only:
+        raise InputError(
+            f"{spec_path}: --index-only is not supported for a mixture: an index build points into one store, "
+            "and its readers (the loader, verify, open_hf_dataset) open one; build the mixture in full."
+        )
+
+
+def _tokenizer_check(spec: MixtureSpec, documents: list[Documents]) -> None:
+    """Sources tokenized with different tokenizers would mix token ids of two vocabularies."""
+    seen = {}
+    for source, docs in zip(spec.sources, documents):
+        if docs.tokenize is not None:
+            seen.setdefault(docs.tokenize.tokenizer.sha256, source.name)
+    if len(seen) > 1:
+        raise InputError(
+            f"sources {', '.join(map(repr, seen.values()))} were tokenized with different tokenizers "
+            f"(sha256 {', '.join(s[:12] for s in seen)}): their token ids do not mean the same."
+        )
+
+
+def _label_files(firsts: list[FirstPass]) -> TokenFiles | None:
+    """The sources' labels back to back: a source without labels is trained on every token."""
+    if not any(first.has_labels for first in firsts):
+        return None
+    paths = tuple((first.labels or first.tokens).paths[0] for first in firsts)
+    return TokenFiles(paths, _token_firsts(firsts))
+
+
+def _token_firsts(firsts: list[FirstPass]) -> np.ndarray:
+    tokens = [int(first.lengths.sum(dtype=np.int64)) for first in firsts]
+    return np.concatenate([[0], np.cumsum(tokens)[:-1]]).astype(np.int64)
+
+
+def build_mixture(spec_path: str | os.PathLike, out: str | os.PathLike, reading: Reading, packing, output, bar) -> Manifest:
+    """Build the mixture the file `spec_path` describes into `out` (`packing` and `output` as for
+    `prepack.build.build_packs`; `packing.seed` shuffles the packs, the file's `seed` selects the
+    documents). Raises InputError for a bad mixture file or source, as `build` does for a corpus."""
+    spec = load_mixture(spec_path)
+    _check_options(spec_path, packing, output)
+    max_len = packing.max_len
+    with ExitStack() as stack:
+        documents = []
+        for source in spec.sources:
+            given = stack.enter_context(local_input(source_location(spec_path, source)))
+            documents.append(open_documents(given.spec, reading, out, bar, given.location))
+        _tokenizer_check(spec, documents)
+        staged = staged_prefix if is_uri(out) else staged_directory
+        staging = stack.enter_context(staged(out, output.overwrite))
+        firsts = []
+        for number, (source, docs) in enumerate(zip(spec.sources, documents)):
+            scratch = staging.scratch / f"source-{number:05d}"
+            scratch.mkdir()
+            first = LocalEngine(Staging(staging.build, scratch)).first_pass(docs, reading, bar)
+            _check_lengths(source.name, docs, first, max_len, packing.overflow)
+            firsts.append(first)
+        plan, packable, selections = _plan(spec, firsts, packing)
+        has_labels = any(first.has_labels for first in firsts)
+        lengths = np.concatenate([first.lengths.astype(np.int64) for first in firsts])
+        tokens = TokenFiles(tuple(first.tokens.paths[0] for first in firsts), _token_firsts(firsts))
+        whole = FirstPass(
+            lengths=lengths,
+            untrained=np.concatenate([first.untrained for first in firsts]),
+            rows_per_file=[],
+            fingerprint=mixture_fingerprint([first.fingerprint for first in firsts]),
+            has_labels=has_labels,
+            tokens=tokens,
+            labels=_label_files(firsts),
+        )
+        shards = LocalEngine(staging).write_packs(plan, whole, output.shard_size, bar)
+        totals = plan.totals()
+        manifest = Manifest(
+            prepack_version=version(DISTRIBUTION),
+            options=BuildOptions(
+                max_len=max_len,
+                algorithm=packing.algorithm,
+                overflow=packing.overflow,
+                seed=packing.seed,
+                shard_size=output.shard_size,
+                column=reading.column,
+                labels_column="labels" if has_labels else None,
+                drop_untrained=packing.drop_untrained,
+            ),
+            has_labels=has_labels,
+            fingerprint=whole.fingerprint,
+            inputs=[
+                InputFile(path=f"{source.name}/{docs.corpus.name(path)}", rows=rows)
+                for source, docs, first in zip(spec.sources, documents, firsts)
+                for path, rows in zip(docs.corpus.files, first.rows_per_file)
+            ],
+            totals=Totals(**totals, documents=sum(s.documents for s in selections)),
+            shards=shards,
+            mixture=_mixture_info(spec, firsts, packable, selections, max_len, packing.overflow, totals["tokens"]),
+        )
+        with output_errors(staging.build / MANIFEST_NAME):
+            write_manifest(staging.build, manifest)
+    return manifest
+
+
+def _check_lengths(name: str, docs: Documents, first: FirstPass, max_len: int, overflow: str) -> None:
+    if overflow == "error" and (first.lengths > max_len).any():
+        row = int(np.flatnonzero(first.lengths > max_len)[0])
+        raise InputError(
+            f"source {name!r}, row {row}: {first.lengths[row]} tokens, longer than --max-len {max_len} "
+            "(choose --overflow split, truncate or drop)."
+        )
+
+
+def _plan(spec: MixtureSpec, firsts: list[FirstPass], packing) -> tuple[MixturePlan, list[np.ndarray], list]:
+    """The selection of every source and the plan of the mixture's documents."""
+    packable = [
+        packable_tokens(f.lengths, f.untrained, packing.max_len, packing.overflow, packing.drop_untrained) for f in firsts
+    ]
+    requested = requested_tokens(spec, [int(tokens.sum()) for tokens in packable])
+    selections = [
+        select_source(source.name, tokens, asked, spec.seed, source.max_epochs)
+        for source, tokens, asked in zip(spec.sources, packable, requested)
+    ]
+    if not any(s.documents for s in selections):
+        raise InputError("the mixture selects no document: every source was asked for no token.")
+    first_rows = np.concatenate([[0], np.cumsum([len(f.lengths) for f in firsts])[:-1]]).astype(np.int64)
+    lengths = np.concatenate([f.lengths.astype(np.int64) for f in firsts])
+    row_starts = np.cumsum(lengths) - lengths
+    parts = mixture_parts(selections, first_rows, spec.pack_within_source, spec.seed)
+    plan = plan_mixture(
+        parts,
+        lengths,
+        np.concatenate([f.untrained for f in firsts]),
+        first_rows,
+        row_starts,
+        packing.max_len,
+        algorithm=packing.algorithm,
+        overflow=packing.overflow,
+        seed=packing.seed,
+        drop_untrained=packing.drop_untrained,
+    )
+    return plan, packable, selections
+
+
+def _mixture_info(spec: MixtureSpec, firsts, packable, selections, max_len: int, overflow: str, total_tokens: int) -> MixtureInfo:
+    """The manifest's `mixture`: the request, and per source the counts its packs must agree with."""
+    asked = max(sum(s.requested for s in selections), 1)
+    sources, first_row = [], 0
+    for source, first, tokens, selection in zip(spec.sources, firsts, packable, selections):
+        # Pieces of each document as packed: a split document's ceil(length / max_len), else one.
+        pieces = -(-tokens // max_len) if overflow in ("split", "error") else np.minimum(tokens, 1)
+        segments = selection.epochs * int(pieces[selection.eligible].sum()) + int(pieces[selection.partial].sum())
+        sources.append(
+            SourceCounts(
+                name=source.name,
+                path=source.path,
+                fingerprint=first.fingerprint,
+                weight=source.weight,
+                epochs=None if source.weight is not None else (source.epochs or 1.0),
+                max_epochs=source.max_epochs,
+                first_row=first_row,
+                rows=len(first.lengths),
+                eligible_documents=len(selection.eligible),
+                eligible_tokens=int(tokens.sum()),
+                requested_tokens=selection.requested,
+                requested_weight=selection.requested / asked,
+                full_epochs=selection.epochs,
+                partial_documents=len(selection.partial),
+                documents=selection.documents,
+                segments=segments,
+                tokens=selection.realized,
+                weight_realized=selection.realized / total_tokens,
+            )
+        )
+        first_row += len(first.lengths)
+    return MixtureInfo(
+        tokens=None if spec.tokens == "all" else spec.tokens,
+        seed=spec.seed,
+        pack_within_source=spec.pack_within_source,
+        sources=sources,
+    )
