@@ -57,6 +57,7 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.storage.cache import ShardCache, build_cache
+from prepack.mixture_verify import copy_numbers, mixture_manifest_problems, mixture_pack_problems
 from prepack.errors import FormatError, InputError
 from prepack.formats.shards import (
     MANIFEST_NAME,
@@ -168,6 +169,11 @@ def verify_build(
                 manifest = read_manifest(build)
             except FormatError as exc:
                 return [Problem(file=MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message)]
+        if source is not None and manifest.mixture is not None:
+            raise InputError(
+                f"{path} is a mixture of {len(manifest.mixture.sources)} sources: --source checks a build of one "
+                "corpus; a mixture's packs are checked against its sources' counts (prepack verify without --source)."
+            )
         documents = (
             None
             if source is None
@@ -186,6 +192,8 @@ def checked_summary(path: str | os.PathLike, source: str | os.PathLike | None) -
     """The line a clean `verify` ends with: what it checked, an index build's store included."""
     manifest = read_output_manifest(str(path)) if is_uri(path) else read_manifest(Path(path))
     checked = ["shards", "manifest"]
+    if manifest.mixture is not None:
+        checked.append(f"the counts of {len(manifest.mixture.sources)} sources")
     if manifest.store is not None:
         checked = ["index shards", "manifest", "the store's shards and documents"]
     if source is not None:
@@ -205,6 +213,9 @@ class _Segments:
     shard: np.ndarray  # int32 the shard's index in the manifest
     pack: np.ndarray  # int64 row inside the shard
     number: np.ndarray  # int64 1-based document number inside the pack (its segment id)
+    source: np.ndarray  # uint16 a mixture's source (`source_ids`), else 0
+    # Which copy of its (row, piece) it is: a mixture packs a document up to once per epoch (`_concatenate`).
+    copy: np.ndarray  # int64
     # Where its tokens lie: its shard (a full build) or its store shard (an index build, once
     # `_reference_problems` found it inside its store document: `readable`), by index.
     holder: np.ndarray  # int32
@@ -292,8 +303,14 @@ def _problems(
             "rows (above); the checks that need every pack (documents missing from the packs, piece "
             "numbering, document counts) were skipped."
         )
-    segments = _concatenate([s.segments for s in shards.values()])
+    segments = _concatenate([s.segments for s in shards.values()], manifest.mixture is not None)
     yield from _provenance_problems(segments, shards, manifest, complete)
+    if manifest.mixture is not None:
+        found = mixture_pack_problems(
+            segments.rows, segments.pieces, segments.lengths, segments.source, manifest,
+            lambda i: _where(segments, shards, i), complete,
+        )
+        yield from (Problem(**problem) for problem in found)
     if store is not None:
         yield from _reference_problems(segments, shards, manifest, store, store_columns)
         if source is None and len(store_columns) == len(store.manifest.shards):
@@ -318,7 +335,7 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
     left_out = t.untrained if o.drop_untrained else 0  # documents with no trained token, not packed
     left_out_tokens = t.untrained_tokens if o.drop_untrained else 0
     expected = {
-        "documents": sum(f.rows for f in manifest.inputs),
+        "documents": sum(f.rows for f in manifest.inputs) if manifest.mixture is None else sum(s.documents for s in manifest.mixture.sources),
         "packs": sum(s.rows for s in manifest.shards),
         "tokens": sum(s.tokens for s in manifest.shards),
         "padding_tokens": t.packs * o.max_len - t.tokens,
@@ -327,7 +344,7 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
         "input_tokens": t.tokens + t.truncated_tokens + t.dropped_tokens + left_out_tokens,
     }
     why = {
-        "documents": "the sum of inputs[].rows",
+        "documents": "the sum of inputs[].rows" if manifest.mixture is None else "the sum of mixture.sources[].documents",
         "packs": "the sum of shards[].rows",
         "tokens": "the sum of shards[].tokens",
         "padding_tokens": "packs * max_len - tokens",
@@ -341,6 +358,8 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
             yield Problem(
                 file=MANIFEST_NAME, column=f"totals.{name}", message=f"is {said}, but {why[name]} is {value}."
             )
+    if manifest.mixture is not None:
+        yield from (Problem(**found) for found in mixture_manifest_problems(manifest))
     if manifest.store is not None and manifest.store.fingerprint != manifest.fingerprint:
         yield Problem(
             file=MANIFEST_NAME,
@@ -515,7 +534,7 @@ def _shard_problems(file: Path, index: int, manifest: Manifest, check_sha256: bo
                 "the build.",
             )
         index_only = manifest.store is not None
-        batch = open_shard(file, manifest.has_labels, manifest.options.max_len, manifest.index_of)
+        batch = open_shard(file, manifest.has_labels, manifest.options.max_len, manifest.index_of, sources=manifest.mixture is not None)
         batch.validate(full=True)
     except FormatError as exc:
         yield Problem(file=name, row=exc.problem.row, column=exc.problem.column, message=exc.problem.message)
@@ -581,6 +600,12 @@ def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
         ids=list_column(batch, "input_ids")[1] if "input_ids" in names else None,
         labels=list_column(batch, "labels")[1] if "labels" in names else None,
         segments=_Segments(
+            source=(
+                list_column(batch, "source_ids")[1][src_off[0] : src_off[-1]]
+                if "source_ids" in names
+                else np.zeros(src_off[-1] - src_off[0], np.uint16)
+            ),
+            copy=np.zeros(src_off[-1] - src_off[0], np.int64),
             rows=rows[src_off[0] : src_off[-1]].astype(np.int64),
             pieces=pieces[piece_off[0] : piece_off[-1]].astype(np.int64),
             lengths=layout.lengths,
@@ -598,7 +623,7 @@ def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
 def _value_problems(shard: _Shard, manifest: Manifest) -> Iterator[Problem]:
     """What `check_shard` cannot know: provenance against the corpus size and order inside a pack."""
     name, seg = shard.name, shard.segments
-    documents = manifest.totals.documents
+    documents = manifest.totals.documents if manifest.mixture is None else sum(f.rows for f in manifest.inputs)
     for i in np.flatnonzero((seg.rows < 0) | (seg.rows >= documents)):
         yield Problem(
             file=name,
@@ -625,13 +650,21 @@ def _value_problems(shard: _Shard, manifest: Manifest) -> Iterator[Problem]:
 # 4. Across shards ---------------------------------------------------------------------------------
 
 
-def _concatenate(parts: list[_Segments]) -> _Segments:
+def _concatenate(parts: list[_Segments], copies: bool) -> _Segments:
+    """All segments in corpus order; with `copies` (a mixture, which packs a document once per epoch),
+    each numbered by which copy of its (row, piece) it is, and in (row, copy, piece) order: a copy then
+    stands for a document of its own."""
     fields = _Segments.__dataclass_fields__
     if not parts:
         return _Segments(**{f: np.empty(0, np.int64) for f in fields})
     joined = {f: np.concatenate([getattr(p, f) for p in parts]) for f in fields}
     order = np.lexsort((joined["pieces"], joined["rows"]))  # corpus order
-    return _Segments(**{f: v[order] for f, v in joined.items()})
+    joined = {f: v[order] for f, v in joined.items()}
+    if copies:
+        joined["copy"] = copy_numbers(joined["rows"], joined["pieces"])
+        order = np.lexsort((joined["pieces"], joined["copy"], joined["rows"]))
+        joined = {f: v[order] for f, v in joined.items()}
+    return _Segments(**joined)
 
 
 def _where(seg: _Segments, shards: dict[int, _Shard], i: int) -> dict:
@@ -643,7 +676,7 @@ def _provenance_problems(
 ) -> Iterator[Problem]:
     """Cross-shard provenance; with shards missing (`complete` False), only what those cannot change."""
     t, max_len = manifest.totals, manifest.options.max_len
-    same_row = seg.rows[1:] == seg.rows[:-1]
+    same_row = (seg.rows[1:] == seg.rows[:-1]) & (seg.copy[1:] == seg.copy[:-1])  # one document (copy)
     duplicate = same_row & (seg.pieces[1:] == seg.pieces[:-1])
     for i in np.flatnonzero(duplicate) + 1:
         first = _where(seg, shards, i - 1)

@@ -67,7 +67,9 @@ class PackedDataset(Dataset):
 
     A row is `{"input_ids": [n], "cu_seqlens": [k + 1], "segment_ids": [n], "labels": [n]}` (labels only
     when the build has them): read-only views of the memory-mapped shard, except `segment_ids`, stored
-    in 16 bits and widened into a copy (torch has few uint16 kernels). Shards are opened on first use,
+    in 16 bits and widened into a copy (torch has few uint16 kernels); a mixture's rows also carry
+    `source_ids` [k], each document's source (uint16, numbered as `manifest.mixture.sources`), which
+    `PackedCollator(source_ids=True)` passes on. Shards are opened on first use,
     in each DataLoader worker separately: pickling the dataset carries paths, never memory maps.
 
     `validate` (default) checks the manifest against the directory (shard names, sizes, row counts)
@@ -228,7 +230,7 @@ class PackedDataset(Dataset):
             raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
         index_only = self.store is not None
         m = self.manifest
-        batch = open_shard(path, m.has_labels, m.options.max_len, m.index_of, where=where)
+        batch = open_shard(path, m.has_labels, m.options.max_len, m.index_of, where=where, sources=m.mixture is not None)
         if self.validate:
             if batch.num_rows != info.rows:
                 raise FormatError(f"{where}: {batch.num_rows} rows, but the manifest says {info.rows}.")
@@ -337,7 +339,7 @@ def _check_directory(path: Path, manifest: Manifest) -> None:
 
 def _row_columns(batch: pa.RecordBatch) -> list[str]:
     """The list columns a full shard serves (as zero-copy views)."""
-    return [*_ROW_COLUMNS, *(["labels"] if "labels" in batch.schema.names else [])]
+    return [*_ROW_COLUMNS, *(name for name in ("labels", "source_ids") if name in batch.schema.names)]
 
 
 def open_hf_dataset(
