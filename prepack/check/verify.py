@@ -57,7 +57,7 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.storage.cache import ShardCache, build_cache
-from prepack.mixture_verify import copy_numbers, mixture_manifest_problems, mixture_pack_problems
+from prepack.check.mixture import copy_numbers, mixture_manifest_problems, mixture_pack_problems
 from prepack.errors import FormatError, InputError
 from prepack.formats.shards import (
     MANIFEST_NAME,

@@ -24,7 +24,7 @@ import pyarrow as pa
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from prepack.errors import FormatError, OutputError
-from prepack.mixture_format import SOURCE_ID_TYPE, MixtureInfo
+from prepack.formats.mixture import SOURCE_ID_TYPE, MixtureInfo
 
 __all__ = [
     "FORMAT_VERSION",
@@ -109,7 +109,7 @@ def segment_id_type(max_len: int) -> pa.DataType:
 
 def _pack_fields(source_row: pa.DataType, sources: bool) -> list[pa.Field]:
     """The per-pack columns: what an index shard holds, and a full shard too; `source_ids` only in a
-    mixture's shards (`prepack.mixture_format`)."""
+    mixture's shards (`prepack.formats.mixture`)."""
     return [
         pa.field("cu_seqlens", pa.list_(pa.int32()), nullable=False),
         pa.field("max_seqlen", pa.int32(), nullable=False),

@@ -103,7 +103,7 @@ class PackedCollator:
       family whose sequence-state layers `enable_packing` runs per document (docs/model-support.md), it
       drops `seq_idx`: those layers need no boundaries (transformers' torch fallbacks raise on it).
     - `source_ids=True` (a mixture's packs, which carry `source_ids` per document): also return
-      `source_ids` [B, L] int64, each token's source (-1 at padding), for `prepack.source_loss`. Pop it
+      `source_ids` [B, L] int64, each token's source (-1 at padding), for `prepack.training.source_loss`. Pop it
       before `model(**batch)`: a model takes no such argument.
     - `pad_token_id`: the token id written at padding (its label is always -100). By default each row's
       padding repeats the row's last token: padding is a segment of its own and never trained on, but

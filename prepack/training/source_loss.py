@@ -20,7 +20,7 @@ source of its document. This module imports torch; `import prepack` does not loa
 from __future__ import annotations
 
 from prepack.errors import UsageError, optional_imports
-from prepack.format import IGNORE_INDEX
+from prepack.formats.shards import IGNORE_INDEX
 
 with optional_imports("source_losses"):
     import torch

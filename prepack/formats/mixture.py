@@ -17,7 +17,7 @@ _HEX64 = r"^[0-9a-f]{64}$"
 
 
 class StrictModel(BaseModel):
-    """`prepack.format.StrictModel` (which imports this module for its `Manifest`): unknown keys refused,
+    """`prepack.formats.shards.StrictModel` (which imports this module for its `Manifest`): unknown keys refused,
     values frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -2,7 +2,7 @@
 "Mixtures"): the manifest's `mixture` against its own arithmetic and the totals, and the packs'
 `source_ids` and per-source counts against it.
 
-Each finding is a dict of `prepack.verify.Problem`'s fields (this module does not import verify).
+Each finding is a dict of `prepack.check.verify.Problem`'s fields (this module does not import verify).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from prepack.format import MANIFEST_NAME, Manifest
+from prepack.formats.shards import MANIFEST_NAME, Manifest
 
 __all__ = ["copy_numbers", "mixture_manifest_problems", "mixture_pack_problems"]
 

@@ -1,5 +1,5 @@
-"""A mixture's packing plan: its parts (`prepack.mixture.mixture_parts`: one per round of copies, and
-per source with `pack_within_source`) each planned by `prepack.plan.plan_packs`, their packs shuffled
+"""A mixture's packing plan: its parts (`prepack.building.mixture.mixture_parts`: one per round of copies, and
+per source with `pack_within_source`) each planned by `prepack.building.plan.plan_packs`, their packs shuffled
 together with the build's seed.
 
 `MixturePlan` answers what the engines ask of a `PackingPlan` (`packs`, `pack_sizes`, `slice`,
@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from prepack.plan import PackingPlan, ShardPacks, compact_lengths, plan_packs
+from prepack.building.plan import PackingPlan, ShardPacks, compact_lengths, plan_packs
 
 __all__ = ["MixturePlan", "plan_mixture"]
 

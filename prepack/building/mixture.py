@@ -61,7 +61,7 @@ __all__ = [
 MIXTURE_SUFFIXES = (".yaml", ".yml", ".json")
 # A source's name is a part of its input files' names in the manifest (`NAME/file.parquet`).
 SOURCE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-# Source ids are stored as uint16 (`prepack.mixture_format.SOURCE_ID_TYPE`).
+# Source ids are stored as uint16 (`prepack.formats.mixture.SOURCE_ID_TYPE`).
 MAX_SOURCES = 2**16 - 1
 
 
@@ -171,7 +171,7 @@ def _unique_key_loader() -> type:
 
 def source_location(spec_path: str | os.PathLike, source: MixtureSource) -> str:
     """Where `source` lies: a URI as given, a relative path from the mixture file's directory."""
-    from prepack.remote import is_uri
+    from prepack.storage.remote import is_uri
 
     if is_uri(source.path) or os.path.isabs(source.path):
         return source.path

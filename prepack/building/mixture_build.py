@@ -1,4 +1,4 @@
-"""`prepack build MIX.yaml`: a build from a mixture file (`prepack.mixture`).
+"""`prepack build MIX.yaml`: a build from a mixture file (`prepack.building.mixture`).
 
 Each source is read as `build` reads a corpus or a store (`open_documents`, the same reading options
 for every corpus source) and its first pass kept in a scratch directory of its own
@@ -20,17 +20,17 @@ from importlib.metadata import version
 
 import numpy as np
 
-from prepack.documents import Documents, Reading, open_documents
-from prepack.engine import FirstPass
-from prepack.engine_local import LocalEngine
+from prepack.sources.documents import Documents, Reading, open_documents
+from prepack.building.engines.base import FirstPass
+from prepack.building.engines.local import LocalEngine
 from prepack.errors import DISTRIBUTION, InputError
-from prepack.format import MANIFEST_NAME, BuildOptions, InputFile, Manifest, Totals, write_manifest
-from prepack.mixture import MixtureSpec, load_mixture, mixture_parts, packable_tokens, requested_tokens, select_source, source_location
-from prepack.mixture_format import MixtureInfo, SourceCounts, mixture_fingerprint
-from prepack.mixture_plan import MixturePlan, plan_mixture
-from prepack.output import Staging, output_errors, staged_directory
-from prepack.remote import is_uri, local_input, staged_prefix
-from prepack.write import TokenFiles
+from prepack.formats.shards import MANIFEST_NAME, BuildOptions, InputFile, Manifest, Totals, write_manifest
+from prepack.building.mixture import MixtureSpec, load_mixture, mixture_parts, packable_tokens, requested_tokens, select_source, source_location
+from prepack.formats.mixture import MixtureInfo, SourceCounts, mixture_fingerprint
+from prepack.building.mixture_plan import MixturePlan, plan_mixture
+from prepack.storage.output import Staging, output_errors, staged_directory
+from prepack.storage.remote import is_uri, local_input, staged_prefix
+from prepack.building.write_shards import TokenFiles
 
 __all__ = ["build_mixture"]
 
@@ -76,7 +76,7 @@ def _token_firsts(firsts: list[FirstPass]) -> np.ndarray:
 
 def build_mixture(spec_path: str | os.PathLike, out: str | os.PathLike, reading: Reading, packing, output, bar) -> Manifest:
     """Build the mixture the file `spec_path` describes into `out` (`packing` and `output` as for
-    `prepack.build.build_packs`; `packing.seed` shuffles the packs, the file's `seed` selects the
+    `prepack.building.build.build_packs`; `packing.seed` shuffles the packs, the file's `seed` selects the
     documents). Raises InputError for a bad mixture file or source, as `build` does for a corpus."""
     spec = load_mixture(spec_path)
     _check_options(spec_path, packing, output)
