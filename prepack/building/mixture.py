@@ -25,10 +25,11 @@ nearest to the rest. So realized tokens are within one document of T (the permut
 document), and a source asked for less than E is downsampled by that subset alone. A source asked
 for more than `max_epochs` copies of a document is refused.
 
-Copies of a document are planned apart (`mixture_parts`): copy r of every document goes into round
-r, and each round is packed on its own, so no pack ever holds two copies of one document; inside a
-round the documents are in a seeded order, so equal-length copies meet other neighbours in each
-round. With `pack_within_source` each round is also packed per source.
+Copies of a document are planned apart (`mixture_parts`): the documents are cut into R parts (R the
+most copies of any document), each packed on its own, and the copies of one document go into
+different parts (copy c into part c + a seeded offset, mod R), so no pack ever holds two copies of one
+document, and each copy is packed among a different draw of the other sources' documents. With
+`pack_within_source` each part is also packed per source.
 """
 
 from __future__ import annotations
@@ -230,13 +231,6 @@ class SourceSelection:
     def documents(self) -> int:
         return self.epochs * len(self.eligible) + len(self.partial)
 
-    def copies(self, round_: int) -> np.ndarray:
-        """The rows of the source's copy number `round_` (0-based): all eligible rows for a whole
-        epoch, the partial subset for the last, none after."""
-        if round_ < self.epochs:
-            return self.eligible
-        return self.partial if round_ == self.epochs else self.eligible[:0]
-
 
 def _rng(seed: int, name: str) -> np.random.Generator:
     """A source's own generator: its selection does not change when other sources are added or reordered."""
@@ -269,14 +263,24 @@ def select_source(name: str, tokens: np.ndarray, requested: int, seed: int, max_
 
 def mixture_parts(selections: list[SourceSelection], first_rows: np.ndarray, within_source: bool, seed: int) -> list[np.ndarray]:
     """The mixture's documents, as the global rows (source's first row + its row) of each part that
-    is packed on its own: one part per round (copy number), or per round and source with
-    `within_source`; each part's rows in a seeded order (the planner's order among equal lengths)."""
+    is packed on its own: R parts, R the most copies any document has, copy c of a document going into
+    part (c + its seeded offset) mod R, so no part holds two copies of one document and each copy has
+    other company; with `within_source`, each part per source too. Each part's rows are in a seeded
+    order (the planner's order among equal lengths)."""
     rounds = max(s.epochs + (len(s.partial) > 0) for s in selections)
+    rng = np.random.default_rng([seed, rounds])
+    grouped: list[list[np.ndarray]] = [[] for _ in range(rounds * (len(selections) if within_source else 1))]
+    for number, (s, first) in enumerate(zip(selections, first_rows)):
+        offset = rng.integers(rounds, size=len(s.eligible))
+        extra = np.isin(s.eligible, s.partial, assume_unique=True)  # the documents taken once more
+        for copy in range(s.epochs + (len(s.partial) > 0)):
+            taken = slice(None) if copy < s.epochs else extra
+            part = (copy + offset[taken]) % rounds
+            rows = s.eligible[taken] + first
+            for index in np.unique(part):
+                grouped[index * (len(selections) if within_source else 1) + (number if within_source else 0)].append(rows[part == index])
     parts = []
-    for round_ in range(rounds):
-        rows = [s.copies(round_) + first for s, first in zip(selections, first_rows)]
-        groups = [r for r in rows if len(r)] if within_source else [np.concatenate(rows)]
-        for group in groups:
-            number = len(parts)
-            parts.append(np.random.default_rng([seed, round_, number]).permutation(group))
+    for number, pieces in enumerate(grouped):
+        if pieces:
+            parts.append(np.random.default_rng([seed, rounds, number]).permutation(np.concatenate(pieces)))
     return parts
