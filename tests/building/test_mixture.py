@@ -18,43 +18,16 @@ import prepack
 from prepack.building.mixture import load_mixture, requested_tokens, select_source
 from prepack.errors import InputError
 from tests.cli import WIDE, failure, run_prepack
-from tests.corpus import corpus_table, read_build, write_corpus
-
-MIXTURE = """\
-tokens: {tokens}
-seed: 3
-pack_within_source: {within}
-sources:
-  - {{name: web, path: web.parquet, weight: 0.5}}
-  - {{name: code, path: code.jsonl, weight: 0.2}}
-  - {{name: math, path: math-store, weight: 0.3, max_epochs: 12}}
-"""
-
-
-def _documents(rng, count: int, longest: int, first_id: int) -> list[list[int]]:
-    return [rng.integers(first_id, first_id + 100, size=rng.integers(1, longest)).tolist() for _ in range(count)]
-
+from tests.corpus import MIXTURE, mixture_sources, read_build, write_mixture
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory) -> tuple[Path, dict[str, list[list[int]]], dict[str, list[list[int]] | None]]:
-    """Three sources: web (Parquet, with labels; upsampled once and a bit), code (JSON Lines, no labels,
-    some documents longer than max_len; downsampled), math (a document store; upsampled 8 times and more)."""
+def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("mixture")
-    rng = np.random.default_rng(7)
-    docs = {"web": _documents(rng, 200, 60, 1), "code": _documents(rng, 100, 300, 200), "math": _documents(rng, 30, 40, 400)}
-    docs["code"][5] = []  # an empty document: never selected
-    labels = {"web": [[-100, *d[1:]] for d in docs["web"]], "code": None, "math": None}
-    write_corpus(root / "web.parquet", corpus_table(docs["web"], labels["web"]))
-    write_corpus(root / "code.jsonl", corpus_table(docs["code"]))
-    write_corpus(root / "math.parquet", corpus_table(docs["math"]))
-    prepack.build_store(root / "math.parquet", root / "math-store")
-    return root, docs, labels
+    return (root, *mixture_sources(root))
 
 
 def _mixture(root: Path, name: str, tokens: int = 20000, within: bool = False) -> Path:
-    path = root / name
-    path.write_text(MIXTURE.format(tokens=tokens, within=str(within).lower()))
-    return path
+    return write_mixture(root, name, tokens, within)
 
 
 def _packed_documents(packs: list[dict], manifest: dict) -> list[tuple[int, int, int, int, list[int], list[int] | None]]:
