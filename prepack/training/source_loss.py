@@ -34,8 +34,9 @@ def source_losses(
     """(float64 [sources] sums of cross-entropy, int64 [sources] counts) of the trained tokens of each
     source, in a batch of `logits` [B, L, V] whose `labels` and `source_ids` are [B, L] (as the collator
     gives them; -1 = padding). Logits at position t predict the label at t + 1, as in transformers;
-    the sums are of the per-token losses, in float32 at least, without gradient only when `logits`
-    has none."""
+    each loss in float32 at least, and the sums carry the gradient of `logits` (detach them to log).
+    Their total over sources divided by the total count is the model's own token-mean loss."""
+
     if labels.shape != source_ids.shape or logits.shape[:2] != labels.shape:
         raise UsageError(
             f"logits {tuple(logits.shape)}, labels {tuple(labels.shape)} and source_ids {tuple(source_ids.shape)} "
