@@ -36,7 +36,6 @@ def source_losses(
     gives them; -1 = padding). Logits at position t predict the label at t + 1, as in transformers;
     each loss in float32 at least, and the sums carry the gradient of `logits` (detach them to log).
     Their total over sources divided by the total count is the model's own token-mean loss."""
-
     if labels.shape != source_ids.shape or logits.shape[:2] != labels.shape:
         raise UsageError(
             f"logits {tuple(logits.shape)}, labels {tuple(labels.shape)} and source_ids {tuple(source_ids.shape)} "
