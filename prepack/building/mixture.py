@@ -182,10 +182,11 @@ def source_location(spec_path: str | os.PathLike, source: MixtureSource) -> str:
 def packable_tokens(
     lengths: np.ndarray, untrained: np.ndarray, max_len: int, overflow: str, drop_untrained: bool
 ) -> np.ndarray:
-    """The tokens each document puts into packs (int64): its length, cut to max_len with "truncate",
-    0 when "drop" leaves it out, 0 when it is untrained and `drop_untrained`. A document with none is
-    never selected."""
-    tokens = np.asarray(lengths, dtype=np.int64).copy()
+    """The tokens each document puts into packs (in the dtype of `lengths`, a copy): its length, cut to
+    max_len with "truncate", 0 when "drop" leaves it out, 0 when it is untrained and `drop_untrained`.
+    A document with none is never selected."""
+    tokens = np.array(lengths)
+    max_len = min(max_len, np.iinfo(tokens.dtype).max)
     if overflow == "truncate":
         np.minimum(tokens, max_len, out=tokens)
     elif overflow == "drop":
@@ -221,15 +222,20 @@ class SourceSelection:
     packable tokens, ascending) `epochs` times, then the rows of `partial` (a seeded subset,
     ascending) once more."""
 
-    eligible: np.ndarray  # int64 rows within the source
+    eligible: np.ndarray  # rows within the source (uint32 while they fit)
     epochs: int
-    partial: np.ndarray  # int64 rows within the source
+    partial: np.ndarray  # rows within the source, as `eligible`
     requested: int  # tokens asked for
     realized: int  # tokens selected
 
     @property
     def documents(self) -> int:
         return self.epochs * len(self.eligible) + len(self.partial)
+
+
+def _rows(rows: np.ndarray, count: int) -> np.ndarray:
+    """Row numbers below `count` in 4 bytes while they fit (8 above)."""
+    return rows.astype(np.uint32 if count <= 2**32 else np.int64, copy=False)
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
@@ -242,14 +248,14 @@ def select_source(name: str, tokens: np.ndarray, requested: int, seed: int, max_
     `requested` tokens: whole epochs, then the prefix of a seeded permutation of the eligible
     documents whose tokens come nearest to what is left (the shorter prefix on a tie). The realized
     tokens differ from `requested` by at most the tokens of one document."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    eligible = np.flatnonzero(tokens > 0)
-    available = int(tokens.sum())
+    tokens = np.asarray(tokens)
+    eligible = _rows(np.flatnonzero(tokens > 0), len(tokens))
+    available = int(tokens.sum(dtype=np.int64))
     if available == 0:
         raise InputError(f"source {name!r}: no document has a token to pack.")
     epochs, rest = divmod(int(requested), available)
     order = _rng(seed, name).permutation(eligible)
-    running = np.concatenate(([0], np.cumsum(tokens[order])))
+    running = np.concatenate(([0], np.cumsum(tokens[order], dtype=np.int64)))
     above = int(np.searchsorted(running, rest, "left"))  # the first prefix with at least `rest` tokens
     take = above if above == 0 or running[above] - rest < rest - running[above - 1] else above - 1
     copies = epochs + (take > 0)
@@ -261,8 +267,10 @@ def select_source(name: str, tokens: np.ndarray, requested: int, seed: int, max_
     return SourceSelection(eligible, epochs, np.sort(order[:take]), int(requested), epochs * available + int(running[take]))
 
 
-def mixture_parts(selections: list[SourceSelection], first_rows: np.ndarray, within_source: bool, seed: int) -> list[np.ndarray]:
-    """The mixture's documents, as the global rows (source's first row + its row) of each part that
+def mixture_parts(
+    selections: list[SourceSelection], first_rows: np.ndarray, rows: int, within_source: bool, seed: int
+) -> list[np.ndarray]:
+    """The mixture's documents, as the global rows (source's first row + its row; `rows` in all) of each part that
     is packed on its own: R parts, R the most copies any document has, copy c of a document going into
     part (c + its seeded offset) mod R, so no part holds two copies of one document and each copy has
     other company; with `within_source`, each part per source too. Each part's rows are in a seeded
@@ -271,14 +279,14 @@ def mixture_parts(selections: list[SourceSelection], first_rows: np.ndarray, wit
     rng = np.random.default_rng([seed, rounds])
     grouped: list[list[np.ndarray]] = [[] for _ in range(rounds * (len(selections) if within_source else 1))]
     for number, (s, first) in enumerate(zip(selections, first_rows)):
-        offset = rng.integers(rounds, size=len(s.eligible))
+        offset = rng.integers(rounds, size=len(s.eligible), dtype=np.uint16 if rounds < 2**15 else np.int64)
         extra = np.isin(s.eligible, s.partial, assume_unique=True)  # the documents taken once more
         for copy in range(s.epochs + (len(s.partial) > 0)):
             taken = slice(None) if copy < s.epochs else extra
-            part = (copy + offset[taken]) % rounds
-            rows = s.eligible[taken] + first
+            part = (offset[taken] + copy) % rounds
+            copies = _rows(s.eligible[taken], rows) + _rows(np.asarray(first), rows)
             for index in np.unique(part):
-                grouped[index * (len(selections) if within_source else 1) + (number if within_source else 0)].append(rows[part == index])
+                grouped[index * (len(selections) if within_source else 1) + (number if within_source else 0)].append(copies[part == index])
     parts = []
     for number, pieces in enumerate(grouped):
         if pieces:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from contextlib import ExitStack
+from dataclasses import dataclass, replace
 from importlib.metadata import version
 
 import numpy as np
@@ -28,11 +29,12 @@ from prepack.formats.shards import MANIFEST_NAME, BuildOptions, InputFile, Manif
 from prepack.building.mixture import MixtureSpec, load_mixture, mixture_parts, packable_tokens, requested_tokens, select_source, source_location
 from prepack.formats.mixture import MixtureInfo, SourceCounts, mixture_fingerprint
 from prepack.building.mixture_plan import MixturePlan, plan_mixture
+from prepack.building.plan import compact_lengths
 from prepack.storage.output import Staging, output_errors, staged_directory
 from prepack.storage.remote import is_uri, local_input, staged_prefix
 from prepack.building.write_shards import TokenFiles
 
-__all__ = ["build_mixture"]
+__all__ = ["SourceTally", "build_mixture", "plan_sources", "with_row_starts"]
 
 
 def _check_options(spec_path: str | os.PathLike, packing, output) -> None:
@@ -96,7 +98,8 @@ def build_mixture(spec_path: str | os.PathLike, out: str | os.PathLike, reading:
             first = LocalEngine(Staging(staging.build, scratch)).first_pass(docs, reading, bar)
             _check_lengths(source.name, docs, first, max_len, packing.overflow)
             firsts.append(first)
-        plan, packable, selections = _plan(spec, firsts, packing)
+        plan, tallies = plan_sources(spec, firsts, packing)
+        plan = with_row_starts(plan, firsts)
         has_labels = any(first.has_labels for first in firsts)
         lengths = np.concatenate([first.lengths.astype(np.int64) for first in firsts])
         tokens = TokenFiles(tuple(first.tokens.paths[0] for first in firsts), _token_firsts(firsts))
@@ -130,9 +133,9 @@ def build_mixture(spec_path: str | os.PathLike, out: str | os.PathLike, reading:
                 for source, docs, first in zip(spec.sources, documents, firsts)
                 for path, rows in zip(docs.corpus.files, first.rows_per_file)
             ],
-            totals=Totals(**totals, documents=sum(s.documents for s in selections)),
+            totals=Totals(**totals, documents=sum(t.documents for t in tallies)),
             shards=shards,
-            mixture=_mixture_info(spec, firsts, packable, selections, max_len, packing.overflow, totals["tokens"]),
+            mixture=_mixture_info(spec, firsts, tallies, totals["tokens"]),
         )
         with output_errors(staging.build / MANIFEST_NAME):
             write_manifest(staging.build, manifest)
@@ -148,45 +151,80 @@ def _check_lengths(name: str, docs: Documents, first: FirstPass, max_len: int, o
         )
 
 
-def _plan(spec: MixtureSpec, firsts: list[FirstPass], packing) -> tuple[MixturePlan, list[np.ndarray], list]:
-    """The selection of every source and the plan of the mixture's documents."""
+@dataclass(frozen=True)
+class SourceTally:
+    """What a source's selection came to, for the manifest (`SourceCounts`)."""
+
+    eligible_documents: int
+    eligible_tokens: int
+    requested: int
+    realized: int
+    full_epochs: int
+    partial_documents: int
+    documents: int
+    segments: int
+
+
+def plan_sources(spec: MixtureSpec, firsts: list[FirstPass], packing) -> tuple[MixturePlan, list[SourceTally]]:
+    """The selection of every source (`firsts`: their lengths and untrained flags) and the plan of the
+    mixture's documents; the plan has no token starts yet (`with_row_starts`). Memory beyond the
+    sources' lengths: the selection's rows (4 bytes a selected document) and the parts' plans."""
     packable = [
         packable_tokens(f.lengths, f.untrained, packing.max_len, packing.overflow, packing.drop_untrained) for f in firsts
     ]
-    requested = requested_tokens(spec, [int(tokens.sum()) for tokens in packable])
-    selections = [
-        select_source(source.name, tokens, asked, spec.seed, source.max_epochs)
-        for source, tokens, asked in zip(spec.sources, packable, requested)
-    ]
-    if not any(s.documents for s in selections):
+    requested = requested_tokens(spec, [int(tokens.sum(dtype=np.int64)) for tokens in packable])
+    selections, tallies = [], []
+    for source, tokens, asked in zip(spec.sources, packable, requested):
+        selection = select_source(source.name, tokens, asked, spec.seed, source.max_epochs)
+        # Pieces of each document as packed: a split document's ceil(length / max_len), else one.
+        pieces = -(-tokens.astype(np.int64) // packing.max_len) if packing.overflow in ("split", "error") else np.minimum(tokens, 1)
+        tallies.append(
+            SourceTally(
+                eligible_documents=len(selection.eligible),
+                eligible_tokens=int(tokens.sum(dtype=np.int64)),
+                requested=selection.requested,
+                realized=selection.realized,
+                full_epochs=selection.epochs,
+                partial_documents=len(selection.partial),
+                documents=selection.documents,
+                segments=selection.epochs * int(pieces[selection.eligible].sum()) + int(pieces[selection.partial].sum()),
+            )
+        )
+        selections.append(selection)
+    del packable, pieces
+    if not any(t.documents for t in tallies):
         raise InputError("the mixture selects no document: every source was asked for no token.")
-    first_rows = np.concatenate([[0], np.cumsum([len(f.lengths) for f in firsts])[:-1]]).astype(np.int64)
-    lengths = np.concatenate([f.lengths.astype(np.int64) for f in firsts])
-    row_starts = np.cumsum(lengths) - lengths
-    parts = mixture_parts(selections, first_rows, spec.pack_within_source, spec.seed)
+    rows = np.array([len(f.lengths) for f in firsts], dtype=np.int64)
+    first_rows = np.cumsum(rows) - rows
+    parts = mixture_parts(selections, first_rows, int(rows.sum()), spec.pack_within_source, spec.seed)
+    del selections
     plan = plan_mixture(
         parts,
-        lengths,
+        compact_lengths(np.concatenate([f.lengths for f in firsts])),
         np.concatenate([f.untrained for f in firsts]),
         first_rows,
-        row_starts,
+        None,
         packing.max_len,
         algorithm=packing.algorithm,
         overflow=packing.overflow,
         seed=packing.seed,
         drop_untrained=packing.drop_untrained,
     )
-    return plan, packable, selections
+    return plan, tallies
 
 
-def _mixture_info(spec: MixtureSpec, firsts, packable, selections, max_len: int, overflow: str, total_tokens: int) -> MixtureInfo:
+def with_row_starts(plan: MixturePlan, firsts: list[FirstPass]) -> MixturePlan:
+    """`plan` with every row's first token in the sources' token files laid back to back (8 bytes a
+    source document, held while shards are written)."""
+    lengths = np.concatenate([f.lengths for f in firsts]).astype(np.int64)
+    return replace(plan, row_starts=np.cumsum(lengths) - lengths)
+
+
+def _mixture_info(spec: MixtureSpec, firsts: list[FirstPass], tallies: list[SourceTally], total_tokens: int) -> MixtureInfo:
     """The manifest's `mixture`: the request, and per source the counts its packs must agree with."""
-    asked = max(sum(s.requested for s in selections), 1)
+    asked = max(sum(t.requested for t in tallies), 1)
     sources, first_row = [], 0
-    for source, first, tokens, selection in zip(spec.sources, firsts, packable, selections):
-        # Pieces of each document as packed: a split document's ceil(length / max_len), else one.
-        pieces = -(-tokens // max_len) if overflow in ("split", "error") else np.minimum(tokens, 1)
-        segments = selection.epochs * int(pieces[selection.eligible].sum()) + int(pieces[selection.partial].sum())
+    for source, first, tally in zip(spec.sources, firsts, tallies):
         sources.append(
             SourceCounts(
                 name=source.name,
@@ -197,16 +235,16 @@ def _mixture_info(spec: MixtureSpec, firsts, packable, selections, max_len: int,
                 max_epochs=source.max_epochs,
                 first_row=first_row,
                 rows=len(first.lengths),
-                eligible_documents=len(selection.eligible),
-                eligible_tokens=int(tokens.sum()),
-                requested_tokens=selection.requested,
-                requested_weight=selection.requested / asked,
-                full_epochs=selection.epochs,
-                partial_documents=len(selection.partial),
-                documents=selection.documents,
-                segments=segments,
-                tokens=selection.realized,
-                weight_realized=selection.realized / total_tokens,
+                eligible_documents=tally.eligible_documents,
+                eligible_tokens=tally.eligible_tokens,
+                requested_tokens=tally.requested,
+                requested_weight=tally.requested / asked,
+                full_epochs=tally.full_epochs,
+                partial_documents=tally.partial_documents,
+                documents=tally.documents,
+                segments=tally.segments,
+                tokens=tally.realized,
+                weight_realized=tally.realized / total_tokens,
             )
         )
         first_row += len(first.lengths)

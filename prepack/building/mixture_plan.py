@@ -38,7 +38,7 @@ class MixturePlan:
 
     max_len: int
     parts: list[PackingPlan]
-    rows: list[np.ndarray]  # per part, the build row of each of its documents
+    rows: list[np.ndarray]  # per part, the build row of each of its documents (uint32 while they fit)
     shuffle: np.ndarray  # int64 [packs]
     pack_ends: np.ndarray  # int64 [parts]: cumulative packs
     first_rows: np.ndarray  # int64 [sources]
@@ -121,7 +121,7 @@ def plan_mixture(
                 drop_untrained=drop_untrained,
             )
         )
-        rows.append(part.astype(np.uint32) if len(lengths) <= 2**32 else part)
+        rows.append(part)
     pack_ends = np.cumsum([p.packs for p in plans])
     return MixturePlan(
         max_len=max_len,
