@@ -28,25 +28,27 @@ from prepack.errors import DISTRIBUTION, InputError
 from prepack.formats.shards import MANIFEST_NAME, BuildOptions, InputFile, Manifest, Totals, write_manifest
 from prepack.building.mixture import MixtureSpec, load_mixture, mixture_parts, packable_tokens, requested_tokens, select_source, source_location
 from prepack.formats.mixture import MixtureInfo, SourceCounts, mixture_fingerprint
+from prepack.building.build import _store_path as store_path
 from prepack.building.mixture_plan import MixturePlan, plan_mixture
 from prepack.building.plan import compact_lengths
 from prepack.storage.output import Staging, output_errors, staged_directory
+from prepack.sources.store import is_store
 from prepack.storage.remote import is_uri, local_input, staged_prefix
 from prepack.building.write_shards import TokenFiles
 
 __all__ = ["SourceTally", "build_mixture", "plan_sources", "with_row_starts"]
 
 
-def _check_options(spec_path: str | os.PathLike, packing, output) -> None:
+def _check_options(spec_path: str | os.PathLike, out: str | os.PathLike, packing, output) -> None:
     """Refuse what a mixture build does not do, by name, before anything is read."""
     if output.engine != "local":
         raise InputError(
             f"{spec_path}: a mixture builds with the local engine only (--engine ray reads one corpus or store)."
         )
-    if packing.index_only:
+    if packing.index_only and is_uri(out):
         raise InputError(
-            f"{spec_path}: --index-only is not supported for a mixture: an index build points into one store, "
-            "and its readers (the loader, verify, open_hf_dataset) open one; build the mixture in full."
+            f"{spec_path}: a mixture's index build is written to a local directory only (its readers open "
+            "several stores beside it); build it in full to put it in object storage."
         )
 
 
@@ -81,12 +83,19 @@ def build_mixture(spec_path: str | os.PathLike, out: str | os.PathLike, reading:
     `prepack.building.build.build_packs`; `packing.seed` shuffles the packs, the file's `seed` selects the
     documents). Raises InputError for a bad mixture file or source, as `build` does for a corpus."""
     spec = load_mixture(spec_path)
-    _check_options(spec_path, packing, output)
-    max_len = packing.max_len
+    _check_options(spec_path, out, packing, output)
+    max_len, index_only = packing.max_len, packing.index_only
     with ExitStack() as stack:
-        documents = []
+        documents, store_paths = [], []
         for source in spec.sources:
-            given = stack.enter_context(local_input(source_location(spec_path, source)))
+            location = source_location(spec_path, source)
+            if index_only and (is_uri(location) or not is_store(location)):
+                raise InputError(
+                    f"{spec_path}: --index-only mixes local document stores, and source {source.name!r} ({source.path}) "
+                    f"is not one: make it one with `prepack tokenize {source.path} --out STORE`."
+                )
+            store_paths.append(store_path(location, out) if index_only else None)  # refuses a store the build cannot name
+            given = stack.enter_context(local_input(location))
             documents.append(open_documents(given.spec, reading, out, bar, given.location))
         _tokenizer_check(spec, documents)
         staged = staged_prefix if is_uri(out) else staged_directory
@@ -95,24 +104,23 @@ def build_mixture(spec_path: str | os.PathLike, out: str | os.PathLike, reading:
         for number, (source, docs) in enumerate(zip(spec.sources, documents)):
             scratch = staging.scratch / f"source-{number:05d}"
             scratch.mkdir()
-            first = LocalEngine(Staging(staging.build, scratch)).first_pass(docs, reading, bar)
+            first = LocalEngine(Staging(staging.build, scratch), index_only).first_pass(docs, reading, bar)
             _check_lengths(source.name, docs, first, max_len, packing.overflow)
             firsts.append(first)
         plan, tallies = plan_sources(spec, firsts, packing)
-        plan = with_row_starts(plan, firsts)
         has_labels = any(first.has_labels for first in firsts)
-        lengths = np.concatenate([first.lengths.astype(np.int64) for first in firsts])
-        tokens = TokenFiles(tuple(first.tokens.paths[0] for first in firsts), _token_firsts(firsts))
         whole = FirstPass(
-            lengths=lengths,
+            lengths=np.concatenate([first.lengths for first in firsts]),
             untrained=np.concatenate([first.untrained for first in firsts]),
             rows_per_file=[],
             fingerprint=mixture_fingerprint([first.fingerprint for first in firsts]),
             has_labels=has_labels,
-            tokens=tokens,
-            labels=_label_files(firsts),
+            tokens=None if index_only else TokenFiles(tuple(first.tokens.paths[0] for first in firsts), _token_firsts(firsts)),
+            labels=None if index_only else _label_files(firsts),
         )
-        shards = LocalEngine(staging).write_packs(plan, whole, output.shard_size, bar)
+        if not index_only:
+            plan = with_row_starts(plan, firsts)
+        shards = LocalEngine(staging, index_only).write_packs(plan, whole, output.shard_size, bar)
         totals = plan.totals()
         manifest = Manifest(
             prepack_version=version(DISTRIBUTION),
@@ -135,7 +143,7 @@ def build_mixture(spec_path: str | os.PathLike, out: str | os.PathLike, reading:
             ],
             totals=Totals(**totals, documents=sum(t.documents for t in tallies)),
             shards=shards,
-            mixture=_mixture_info(spec, firsts, tallies, totals["tokens"]),
+            mixture=_mixture_info(spec, firsts, tallies, totals["tokens"], store_paths),
         )
         with output_errors(staging.build / MANIFEST_NAME):
             write_manifest(staging.build, manifest)
@@ -220,11 +228,13 @@ def with_row_starts(plan: MixturePlan, firsts: list[FirstPass]) -> MixturePlan:
     return replace(plan, row_starts=np.cumsum(lengths) - lengths)
 
 
-def _mixture_info(spec: MixtureSpec, firsts: list[FirstPass], tallies: list[SourceTally], total_tokens: int) -> MixtureInfo:
+def _mixture_info(
+    spec: MixtureSpec, firsts: list[FirstPass], tallies: list[SourceTally], total_tokens: int, stores: list[str | None]
+) -> MixtureInfo:
     """The manifest's `mixture`: the request, and per source the counts its packs must agree with."""
     asked = max(sum(t.requested for t in tallies), 1)
     sources, first_row = [], 0
-    for source, first, tally in zip(spec.sources, firsts, tallies):
+    for source, first, tally, store in zip(spec.sources, firsts, tallies, stores):
         sources.append(
             SourceCounts(
                 name=source.name,
@@ -245,6 +255,7 @@ def _mixture_info(spec: MixtureSpec, firsts: list[FirstPass], tallies: list[Sour
                 segments=tally.segments,
                 tokens=tally.realized,
                 weight_realized=tally.realized / total_tokens,
+                store=store,
             )
         )
         first_row += len(first.lengths)

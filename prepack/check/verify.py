@@ -58,6 +58,7 @@ import pyarrow as pa
 
 from prepack.storage.cache import ShardCache, build_cache
 from prepack.check.mixture import copy_numbers, mixture_manifest_problems, mixture_pack_problems
+from prepack.sources.mixture_stores import StoreChain, open_mixture_stores
 from prepack.errors import FormatError, InputError
 from prepack.formats.shards import (
     MANIFEST_NAME,
@@ -180,7 +181,9 @@ def verify_build(
             else _source_documents(stack.enter_context(local_input(source)), manifest, tokenizer, chat_template)
         )
         if store is not None and manifest.store is None:
-            raise InputError(f"{path} is a full build; it reads no store (leave out --store).")
+            raise InputError(f"{path} is {'a mixture' if manifest.mixture is not None else 'a full build'}; it reads no store named by --store.")
+        if manifest.mixture is not None and manifest.mixture.index_only and is_uri(path):
+            raise InputError(f"{path} is a mixture's index build, which is read from a local directory only.")
         problems = _problems(build, manifest, documents, store)
         found = list(problems) if all_problems else list(islice(problems, 1))
     if isinstance(build, ShardCache):
@@ -196,6 +199,8 @@ def checked_summary(path: str | os.PathLike, source: str | os.PathLike | None) -
         checked.append(f"the counts of {len(manifest.mixture.sources)} sources")
     if manifest.store is not None:
         checked = ["index shards", "manifest", "the store's shards and documents"]
+    elif manifest.index_of is not None:  # a mixture's
+        checked = ["index shards", "manifest", *checked[2:], "the stores' shards and documents"]
     if source is not None:
         checked.append("every token of the source")
     return f"{path}: no problems ({', '.join(checked[:-1])} and {checked[-1]} checked)."
@@ -288,6 +293,13 @@ def _problems(
             yield Problem(file=MANIFEST_NAME, column="store", message=str(exc))
         else:
             store_columns = yield from _store_problems(store, manifest)
+    elif manifest.index_of is not None:  # a mixture's index build: its sources' stores
+        try:
+            store = open_mixture_stores(build, manifest)
+        except FormatError as exc:
+            yield Problem(file=MANIFEST_NAME, column="mixture.sources", message=str(exc))
+        else:
+            store_columns = yield from _stores_problems(store, manifest)
     readable = yield from (_directory_problems(build, manifest) if local else _download_problems(build))
     shards: dict[int, _Shard] = {}
     for index, (file, check_sha256) in readable.items():
@@ -313,7 +325,7 @@ def _problems(
         yield from (Problem(**problem) for problem in found)
     if store is not None:
         yield from _reference_problems(segments, shards, manifest, store, store_columns)
-        if source is None and len(store_columns) == len(store.manifest.shards):
+        if source is None and manifest.mixture is None and len(store_columns) == len(store.manifest.shards):
             # Without a source an index build is held to its store's documents as a full build is to
             # its corpus: every document's pieces, their lengths, the counts; its tokens are the store's.
             own = store_documents(store, list(store_columns.values()))
@@ -489,6 +501,41 @@ def _store_problems(store: Store, manifest: Manifest):
     return columns
 
 
+def _stores_problems(chain: StoreChain, manifest: Manifest):
+    """`_store_problems` for a mixture's index build: each source's store (opened by `open_mixture_stores`,
+    which held it to the source's fingerprint and rows), its shards' sha256 and contents, the fingerprint
+    of its documents, its corpus files against the source's `inputs`. Return {chain shard index: its columns}."""
+    columns: _Columns = {}
+    index = 0
+    for store, source in zip(chain.stores, manifest.mixture.sources):
+        m, where = store.manifest, source.store
+        named = [(f.path, f.rows) for f in manifest.inputs if f.path.startswith(f"{source.name}/")]
+        if [(f"{source.name}/{f.path}", f.rows) for f in m.inputs] != named:
+            yield Problem(file=MANIFEST_NAME, column="inputs", message=f"are not the corpus files of source {source.name!r}'s store {where!r}.")
+        fingerprint, sound = Fingerprint(), True
+        for shard in m.shards:
+            try:
+                offsets, ids, labels = columns[index] = chain.shard_columns(shard)
+            except FormatError as exc:
+                found, sound = exc.problem, False
+                yield Problem(file=f"{where}/{shard.name}", row=found.row, column=found.column, message=found.message)
+            else:
+                fingerprint.update(np.diff(offsets), ids, labels if m.has_labels else None)
+            index += 1
+        if sound and (digest := fingerprint.hexdigest()) != m.fingerprint:
+            yield Problem(
+                file=f"{where}/{STORE_MANIFEST_NAME}",
+                column="fingerprint",
+                message=f"is {m.fingerprint}, but the store's documents give {digest}: they changed after the store was written.",
+            )
+    if len(columns) < len(chain.manifest.shards):
+        yield Problem(
+            message=f"{len(chain.manifest.shards) - len(columns)} shard(s) of the sources' stores could not be read or "
+            "are damaged (above): the packs were not checked against those shards' documents."
+        )
+    return columns
+
+
 def _reference_problems(
     seg: _Segments, shards: dict[int, _Shard], manifest: Manifest, store: Store, columns: _Columns
 ) -> Iterator[Problem]:
@@ -533,7 +580,7 @@ def _shard_problems(file: Path, index: int, manifest: Manifest, check_sha256: bo
                 message=f"sha256 is {digest}, but the manifest says {info.sha256}: the file changed after "
                 "the build.",
             )
-        index_only = manifest.store is not None
+        index_only = manifest.index_of is not None
         batch = open_shard(file, manifest.has_labels, manifest.options.max_len, manifest.index_of, sources=manifest.mixture is not None)
         batch.validate(full=True)
     except FormatError as exc:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["SOURCE_ID_TYPE", "MixtureInfo", "SourceCounts", "mixture_fingerprint"]
 
@@ -44,6 +44,20 @@ class SourceCounts(StrictModel):
     segments: int = Field(ge=0, le=_COUNT_MAX, description="Segments packed (documents, split ones counted per piece).")
     tokens: int = Field(ge=0, le=_COUNT_MAX, description="Tokens packed: within one document of requested_tokens.")
     weight_realized: float = Field(ge=0, le=1, description="tokens / totals.tokens.")
+    store: str | None = Field(
+        default=None,
+        description="An index build's: the source's document store, relative to the build ('../' and a path "
+        "without '..', as an index build's store.path). Absent from a full build's sources.",
+    )
+
+    @field_validator("store")
+    @classmethod
+    def _beside_the_build(cls, path: str | None) -> str | None:
+        from prepack.formats.shards import store_path_problem  # imported late: shards.py imports this module
+
+        if path is not None and (problem := store_path_problem(path)) is not None:
+            raise ValueError(f"{path!r} {problem}")
+        return path
 
 
 class MixtureInfo(StrictModel):
@@ -53,6 +67,17 @@ class MixtureInfo(StrictModel):
     seed: int = Field(ge=0, le=_COUNT_MAX, description="Seed of the document selection.")
     pack_within_source: bool = Field(description="Whether each pack holds documents of one source only.")
     sources: list[SourceCounts] = Field(min_length=1, max_length=2**16 - 1)
+
+    @model_validator(mode="after")
+    def _all_stores_or_none(self) -> MixtureInfo:
+        if len({source.store is None for source in self.sources}) > 1:
+            raise ValueError("either every source names its store (an index build) or none does")
+        return self
+
+    @property
+    def index_only(self) -> bool:
+        """Whether the build is an index build: its packs' tokens are in the sources' stores."""
+        return self.sources[0].store is not None
 
 
 def mixture_fingerprint(fingerprints: list[str]) -> str:

@@ -342,7 +342,10 @@ class Manifest(StrictModel):
     @property
     def index_of(self) -> IndexOf | None:
         """What `shard_schema` and `open_shard` take to describe this build's shards: for an index
-        build its store's document count (the build's `totals.documents`) and fingerprint, else None."""
+        build its store's document count (the build's `totals.documents`) and fingerprint (a mixture's:
+        its stores' documents, and its own fingerprint), else None."""
+        if self.mixture is not None and self.mixture.index_only:  # the sources' stores, one after the other
+            return IndexOf(sum(f.rows for f in self.inputs), self.fingerprint)
         return None if self.store is None else IndexOf(self.totals.documents, self.store.fingerprint)
 
 

@@ -46,6 +46,7 @@ from prepack.formats.shards import (
     shard_sha256,
 )
 from prepack.storage.remote import is_uri
+from prepack.sources.mixture_stores import StoreChain, open_mixture_stores
 from prepack.sources.store import Store, open_build_store
 from prepack.building.write_shards import list_array, write_record_batch
 
@@ -108,10 +109,17 @@ class PackedDataset(Dataset):
             _check_directory(self.path, self.manifest)
         self._row_ends = np.cumsum([shard.rows for shard in self.manifest.shards], dtype=np.int64)
         self._open: dict[int, dict[str, _ListColumn]] = {}
-        self.store: Store | None = None
-        if self.manifest.store is None and store is not None:
+        self.store: Store | StoreChain | None = None
+        if self.manifest.index_of is None and store is not None:
             raise InputError(f"{path} is a full build; it reads no store (leave out store=).")
-        if self.manifest.store is not None:
+        if self.manifest.mixture is not None and self.manifest.mixture.index_only:
+            if store is not None or self.cache is not None:
+                raise InputError(
+                    f"{path} is a mixture's index build: it reads the stores its manifest names, beside it, in a local "
+                    "directory (no store=, no URI); build the mixture in full to move it or read it from object storage."
+                )
+            self.store = open_mixture_stores(self.path, self.manifest)
+        elif self.manifest.store is not None:
             local = self.cache is None or store is not None
             self.store = open_build_store(self.path, self.manifest, store) if local else self.cache.store()
         if self.store is not None:
@@ -174,6 +182,9 @@ class PackedDataset(Dataset):
         packed = {"input_ids": ids, "cu_seqlens": cu[cu_off[row] : cu_off[row + 1]], "segment_ids": segment_ids}
         if self.store.manifest.has_labels:
             packed["labels"] = labels
+        if "source_ids" in columns:  # a mixture's
+            offsets, values = columns["source_ids"]
+            packed["source_ids"] = values[offsets[row] : offsets[row + 1]]
         return packed
 
     def _open_store_tokens(self) -> _StoreTokens:
@@ -218,7 +229,7 @@ class PackedDataset(Dataset):
     def _columns(self, shard: int) -> dict[str, _ListColumn]:
         if shard not in self._open:
             batch, where = self._open_checked(shard), self.manifest.shards[shard].name
-            names = _INDEX_COLUMNS if self.store is not None else _row_columns(batch)
+            names = _index_columns(batch) if self.store is not None else _row_columns(batch)
             self._open[shard] = {name: list_column(batch, name, where) for name in names}
         return self._open[shard]
 
@@ -337,6 +348,11 @@ def _check_directory(path: Path, manifest: Manifest) -> None:
         raise FormatError(f"{path}: the shards hold {rows} packs, but the manifest totals say {manifest.totals.packs}.")
 
 
+def _index_columns(batch: pa.RecordBatch) -> list[str]:
+    """The list columns an index shard's rows are gathered from (and a mixture's `source_ids`, served)."""
+    return [*_INDEX_COLUMNS, *(["source_ids"] if "source_ids" in batch.schema.names else [])]
+
+
 def _row_columns(batch: pa.RecordBatch) -> list[str]:
     """The list columns a full shard serves (as zero-copy views)."""
     return [*_ROW_COLUMNS, *(name for name in ("labels", "source_ids") if name in batch.schema.names)]
@@ -375,6 +391,11 @@ def open_hf_dataset(
         from datasets import Dataset as HFDataset, DatasetInfo, concatenate_datasets
 
     packed = PackedDataset(path, validate=validate, verify_checksums=verify_checksums, cache_dir=cache_dir, store=store)
+    if packed.manifest.mixture is not None and packed.manifest.mixture.index_only:
+        raise InputError(
+            f"{path} is a mixture's index build, which open_hf_dataset does not gather (its shards would need the "
+            "sources' column): use PackedDataset, or build the mixture in full."
+        )
     packed.check_all()
     columns = [*_ROW_COLUMNS, *(["labels"] if packed.manifest.has_labels else [])]
     files = packed.shard_paths if packed.store is None else _gathered_shards(packed, _rows_directory(cache_dir))
