@@ -47,7 +47,7 @@ class SourceCounts(StrictModel):
     store: str | None = Field(
         default=None,
         description="An index build's: the source's document store, relative to the build ('../' and a path "
-        "without '..', as an index build's store.path). Absent from a full build's sources.",
+        "without '..', as an index build's store.path); null in a full build.",
     )
 
     @field_validator("store")
