@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import prepack
 from prepack.building.mixture import load_mixture, requested_tokens, select_source
 from prepack.errors import InputError
+from prepack.training.dataset import PackedDataset
 from tests.cli import WIDE, failure, run_prepack
 from tests.corpus import MIXTURE, mixture_sources, read_build, write_mixture
 
@@ -195,11 +196,57 @@ def test_max_epochs_refuses_more_copies(sources, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(
-    ("options", "refusal"), [({"index_only": True}, "--index-only is not supported for a mixture"), ({"engine": "ray"}, "local engine only")]
-)
-def test_what_a_mixture_does_not_do_is_refused_by_name(sources, tmp_path, options, refusal):
+def test_ray_is_refused_by_name(sources, tmp_path):
     root, _, _ = sources
-    with pytest.raises(InputError, match=refusal):
-        prepack.build(_mixture(root, "mix.yaml"), tmp_path / "out", max_len=256, **options)
+    with pytest.raises(InputError, match="local engine only"):
+        prepack.build(_mixture(root, "mix.yaml"), tmp_path / "out", max_len=256, engine="ray")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def stores(sources) -> Path:
+    """The mixture with every source a document store, beside which index builds lie."""
+    root, _, _ = sources
+    prepack.build_store(root / "web.parquet", root / "web-store")
+    prepack.build_store(root / "code.jsonl", root / "code-store")
+    path = root / "stores.yaml"
+    path.write_text(MIXTURE.format(tokens=20000, within="false").replace("web.parquet", "web-store").replace("code.jsonl", "code-store"))
+    return path
+
+
+def test_an_index_build_of_a_mixture_serves_the_full_builds_rows(stores):
+    """The issue's target: full and index-only builds of one mixture, rows equal, counts equal."""
+    root = stores.parent
+    full = prepack.build(stores, root / "full", max_len=128, overwrite=True)
+    index = prepack.build(stores, root / "index", max_len=128, index_only=True, overwrite=True)
+    assert [s.model_dump(exclude={"store"}) for s in index.mixture.sources] == [s.model_dump(exclude={"store"}) for s in full.mixture.sources]
+    assert [s.store for s in index.mixture.sources] == ["../web-store", "../code-store", "../math-store"]
+    assert index.totals == full.totals
+    whole, indexed = PackedDataset(root / "full"), PackedDataset(root / "index")
+    assert len(whole) == len(indexed)
+    for number in range(len(whole)):
+        a, b = whole[number], indexed[number]
+        assert sorted(a) == sorted(b) == ["cu_seqlens", "input_ids", "labels", "segment_ids", "source_ids"]
+        for key in a:
+            assert np.array_equal(a[key], b[key]), (number, key)
+    index_bytes = sum(f.stat().st_size for f in (root / "index").glob("shard-*.arrow"))
+    assert index_bytes < sum(f.stat().st_size for f in (root / "full").glob("shard-*.arrow")) / 3  # no token copied
+
+
+def test_an_index_build_of_a_mixture_needs_stores_beside_it(sources, stores, tmp_path):
+    root, _, _ = sources
+    with pytest.raises(InputError, match="source 'web' \\(web.parquet\\) is not one"):
+        prepack.build(_mixture(root, "mix.yaml"), root / "index-of-corpora", max_len=128, index_only=True)
+    with pytest.raises(InputError, match="an index build must lie beside its store"):
+        prepack.build(stores, tmp_path / "elsewhere", max_len=128, index_only=True)
+    assert not (root / "index-of-corpora").exists() and not (tmp_path / "elsewhere").exists()
+
+
+def test_a_mixtures_index_build_is_read_where_it_was_built(stores):
+    root = stores.parent
+    if not (root / "index").exists():
+        prepack.build(stores, root / "index", max_len=128, index_only=True)
+    with pytest.raises(InputError, match="a mixture's index build: it reads the stores its manifest names"):
+        PackedDataset(root / "index", store=root / "math-store")
+    with pytest.raises(InputError, match="open_hf_dataset does not gather"):
+        prepack.open_hf_dataset(root / "index")

@@ -111,3 +111,45 @@ def test_a_single_source_build_has_no_mixture_and_no_source_ids(clean, tmp_path)
     assert inspect_build(tmp_path / "one").sources is None
     schema = pa.ipc.open_stream((tmp_path / "one" / manifest.shards[0].name).read_bytes()).schema
     assert "source_ids" not in schema.names
+
+
+@pytest.fixture(scope="module")
+def indexed(tmp_path_factory) -> Path:
+    """A directory holding three stores and a mixture's index build of them (`index/`)."""
+    root = tmp_path_factory.mktemp("mixture-index")
+    mixture_sources(root)
+    prepack.build_store(root / "web.parquet", root / "web-store")
+    prepack.build_store(root / "code.jsonl", root / "code-store")
+    mixture = write_mixture(root)
+    mixture.write_text(mixture.read_text().replace("web.parquet", "web-store").replace("code.jsonl", "code-store"))
+    prepack.build(mixture, root / "index", max_len=128, index_only=True)
+    return root
+
+
+def test_verify_and_inspect_read_a_mixtures_index_build(indexed):
+    assert verify_build(indexed / "index", all_problems=True) == []
+    checked = run_prepack("verify", indexed / "index")
+    assert checked.returncode == 0 and "the counts of 3 sources and the stores' shards and documents checked" in checked.stdout
+    manifest = json.loads((indexed / "index" / "manifest.json").read_text())
+    shown = inspect_build(indexed / "index").sources
+    assert [(s.name, s.tokens, s.documents) for s in shown] == [(s["name"], s["tokens"], s["documents"]) for s in manifest["mixture"]["sources"]]
+
+
+def test_a_damaged_source_store_is_found(indexed, tmp_path):
+    root = shutil.copytree(indexed, tmp_path / "copy")
+    shard = root / "math-store" / "documents-00000.arrow"
+    data = bytearray(shard.read_bytes())
+    data[-200] ^= 1  # a token id: the store manifest's sha256 no longer holds
+    shard.write_bytes(bytes(data))
+    problems = verify_build(root / "index", all_problems=True)
+    assert any(p.file == "../math-store/documents-00000.arrow" and "sha256" in p.message for p in problems), problems
+
+
+def test_another_store_in_a_sources_place_is_refused(indexed, tmp_path):
+    root = shutil.copytree(indexed, tmp_path / "copy")
+    shutil.rmtree(root / "code-store")
+    shutil.copytree(root / "web-store", root / "code-store")
+    problems = verify_build(root / "index")
+    assert problems[0].column == "mixture.sources" and "source 'code'" in problems[0].message
+    with pytest.raises(FormatError, match="the store changed; build the index again"):
+        prepack.PackedDataset(root / "index")
