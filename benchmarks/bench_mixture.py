@@ -6,9 +6,9 @@ mixture planned, each against a named peer in the same run.
 `--real`: the demo's chitchat conversations (examples/chitchat.py --inputs-only: 7,168 conversations,
 GPT-2 BPE) tokenized as chat into a store, and the Python standard library's own modules (json,
 email, http, urllib, logging, the ones found) tokenized as text into a second store, mixed as 75 %
-chat (downsampled) and 25 % code (upsampled, about 3 epochs) of a 4M-token budget, max-len 4096.
-Peer: `prepack.build` of the chat store alone, same max-len. Median of 3 runs each, in this process;
-seconds per million packed tokens, and the mixture's realized weights.
+chat (downsampled) and 25 % code (upsampled, about 1.5 epochs) of a 4M-token budget, max-len 4096,
+in full and `--index-only`. Peer: `prepack.build` of the chat store alone, same max-len. Median of 3
+runs each, in this process; seconds per million packed tokens, and the mixture's realized weights.
 
 `--synthetic N`: three sources of lognormal lengths as bench_plan.py draws them (median ~350, p99
 ~4k, truncated to 8192): web N documents, code N/2, math N/20, lengths held as a build holds them
@@ -129,17 +129,22 @@ def real() -> None:
     (work / "mix.yaml").write_text(
         "tokens: 4000000\nsources:\n  - {name: chat, path: chat, weight: 0.75}\n  - {name: code, path: code, weight: 0.25}\n"
     )
-    timings = {"mixture": [], "chat store alone (peer)": []}
+    runs = {
+        "chat store alone (peer)": (work / "chat", False),
+        "mixture": (work / "mix.yaml", False),
+        "mixture, --index-only": (work / "mix.yaml", True),
+    }
+    timings = {name: [] for name in runs}
     for _ in range(3):
-        for name, source in (("mixture", work / "mix.yaml"), ("chat store alone (peer)", work / "chat")):
+        for name, (source, index_only) in runs.items():
             start = time.perf_counter()
-            manifest = prepack.build(source, work / "out", max_len=4096, overwrite=True)
+            manifest = prepack.build(source, work / "out", max_len=4096, overwrite=True, index_only=index_only)
             timings[name].append((time.perf_counter() - start, manifest))
     print(f"\n### A mixture of the bundled real corpora (chitchat as chat, {files} standard library modules as code)\n")
     print("| build | tokens | packs | fill | median s | s per M tokens | × peer |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     peer = None
-    for name in ("chat store alone (peer)", "mixture"):
+    for name in runs:
         seconds = statistics.median(t for t, _ in timings[name])
         manifest = timings[name][0][1]
         t = manifest.totals
