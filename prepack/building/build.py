@@ -240,7 +240,7 @@ def build_packs(
         from prepack.building.mixture_build import build_mixture
 
         with _progress_bars(output.progress, output.console) as bar:
-            return build_mixture(corpus, out, reading, packing, output, bar)
+            return build_mixture(corpus, out, reading, packing, output, bar, _store_path)
     with _progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if index_only and not is_store(source.spec):
             raise InputError(

@@ -4,7 +4,9 @@ Each source is read as `build` reads a corpus or a store (`open_documents`, the 
 for every corpus source) and its first pass kept in a scratch directory of its own
 (`LocalEngine.first_pass`); then the selection (`select_source`) and the plan (`plan_mixture`) are
 computed from the sources' lengths, and the packs written by the local engine as for any build, from
-the sources' token files laid back to back. The manifest's `inputs` are every source's files, named
+the sources' token files laid back to back. With `--index-only` every source is a store beside the
+build: the first passes read only the stores' offsets, the shards hold the plan, and the manifest
+names each source's store (`prepack.sources.mixture_stores` reads them back as one). The manifest's `inputs` are every source's files, named
 `SOURCE/FILE`, in source order, and a pack's `source_rows` count over them (so a source's rows start
 at its `first_row`); `mixture` records the request and what each source put into the packs.
 
@@ -15,6 +17,7 @@ its token ids (the collator still masks each document's first token).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from importlib.metadata import version
@@ -28,7 +31,6 @@ from prepack.errors import DISTRIBUTION, InputError
 from prepack.formats.shards import MANIFEST_NAME, BuildOptions, InputFile, Manifest, Totals, write_manifest
 from prepack.building.mixture import MixtureSpec, load_mixture, mixture_parts, packable_tokens, requested_tokens, select_source, source_location
 from prepack.formats.mixture import MixtureInfo, SourceCounts, mixture_fingerprint
-from prepack.building.build import _store_path as store_path
 from prepack.building.mixture_plan import MixturePlan, plan_mixture
 from prepack.building.plan import compact_lengths
 from prepack.storage.output import Staging, output_errors, staged_directory
@@ -78,10 +80,20 @@ def _token_firsts(firsts: list[FirstPass]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(tokens)[:-1]]).astype(np.int64)
 
 
-def build_mixture(spec_path: str | os.PathLike, out: str | os.PathLike, reading: Reading, packing, output, bar) -> Manifest:
+def build_mixture(
+    spec_path: str | os.PathLike,
+    out: str | os.PathLike,
+    reading: Reading,
+    packing,
+    output,
+    bar,
+    index_store_path: Callable[[str | os.PathLike, str | os.PathLike], str],
+) -> Manifest:
     """Build the mixture the file `spec_path` describes into `out` (`packing` and `output` as for
-    `prepack.building.build.build_packs`; `packing.seed` shuffles the packs, the file's `seed` selects the
-    documents). Raises InputError for a bad mixture file or source, as `build` does for a corpus."""
+    `prepack.building.build.build_packs`, which calls this; `packing.seed` shuffles the packs, the file's
+    `seed` selects the documents). `index_store_path` is build_packs' rule for how an index build names
+    its store (passed in: this module is imported by it). Raises InputError for a bad mixture file or
+    source, as `build` does for a corpus."""
     spec = load_mixture(spec_path)
     _check_options(spec_path, out, packing, output)
     max_len, index_only = packing.max_len, packing.index_only
@@ -94,7 +106,7 @@ def build_mixture(spec_path: str | os.PathLike, out: str | os.PathLike, reading:
                     f"{spec_path}: --index-only mixes local document stores, and source {source.name!r} ({source.path}) "
                     f"is not one: make it one with `prepack tokenize {source.path} --out STORE`."
                 )
-            store_paths.append(store_path(location, out) if index_only else None)  # refuses a store the build cannot name
+            store_paths.append(index_store_path(location, out) if index_only else None)  # refuses a store the build cannot name
             given = stack.enter_context(local_input(location))
             documents.append(open_documents(given.spec, reading, out, bar, given.location))
         _tokenizer_check(spec, documents)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["SOURCE_ID_TYPE", "MixtureInfo", "SourceCounts", "mixture_fingerprint"]
 
@@ -47,17 +47,8 @@ class SourceCounts(StrictModel):
     store: str | None = Field(
         default=None,
         description="An index build's: the source's document store, relative to the build ('../' and a path "
-        "without '..', as an index build's store.path); null in a full build.",
+        "without '..', as an index build's store.path, which `Manifest` holds it to); null in a full build.",
     )
-
-    @field_validator("store")
-    @classmethod
-    def _beside_the_build(cls, path: str | None) -> str | None:
-        from prepack.formats.shards import store_path_problem  # imported late: shards.py imports this module
-
-        if path is not None and (problem := store_path_problem(path)) is not None:
-            raise ValueError(f"{path!r} {problem}")
-        return path
 
 
 class MixtureInfo(StrictModel):

@@ -21,7 +21,7 @@ from typing import Annotated, Literal, NamedTuple, NoReturn, Protocol
 
 import numpy as np
 import pyarrow as pa
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from prepack.errors import FormatError, OutputError
 from prepack.formats.mixture import SOURCE_ID_TYPE, MixtureInfo
@@ -338,6 +338,15 @@ class Manifest(StrictModel):
         description="Set for a mixture build (several sources, `prepack build MIX.yaml`): the request and each "
         "source's counts; its shards then carry `source_ids`. Absent from every other build's manifest.",
     )
+
+    @model_validator(mode="after")
+    def _mixture_stores_beside_the_build(self) -> Manifest:
+        """A mixture index build's stores, held to the rule of `store.path` (checked here, as
+        `prepack.formats.mixture` cannot import this module)."""
+        for number, source in enumerate(self.mixture.sources if self.mixture is not None else []):
+            if source.store is not None and (problem := store_path_problem(source.store)) is not None:
+                raise ValueError(f"mixture.sources[{number}].store {reprlib.repr(source.store)} {problem}")
+        return self
 
     @property
     def index_of(self) -> IndexOf | None:
