@@ -153,3 +153,19 @@ def test_another_store_in_a_sources_place_is_refused(indexed, tmp_path):
     assert problems[0].column == "mixture.sources" and "source 'code'" in problems[0].message
     with pytest.raises(FormatError, match="the store changed; build the index again"):
         prepack.PackedDataset(root / "index")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"overflow": "split"}, {"overflow": "truncate"}, {"overflow": "drop"}, {"overflow": "split", "drop_untrained": True}],
+)
+def test_every_overflow_policy_gives_a_mixture_verify_accepts(clean, tmp_path, options):
+    """Per-source segments and tokens follow the overflow policy (code holds documents longer than 64)."""
+    manifest = prepack.build(write_mixture(clean.parent, "small.yaml", tokens=6000), tmp_path / "out", max_len=64, **options)
+    assert verify_build(tmp_path / "out", all_problems=True) == []
+    code = manifest.mixture.sources[1]
+    if options["overflow"] == "split":
+        assert code.segments > code.documents  # split pieces counted per source
+    else:
+        assert code.segments == code.documents
+    assert inspect_build(tmp_path / "out").sources[1].segments == code.segments
