@@ -177,9 +177,12 @@ def test_a_bad_mixture_file_is_refused_by_file_and_field(tmp_path, text, field):
 
 def test_the_cli_builds_a_mixture_and_refuses_a_bad_one(sources, tmp_path):
     root, _, _ = sources
-    result = run_prepack("build", _mixture(root, "mix.yaml"), "--max-len", "256", "--out", tmp_path / "out", "--quiet")
+    result = run_prepack("build", _mixture(root, "mix.yaml"), "--max-len", "256", "--out", tmp_path / "out", env=WIDE)
     assert result.returncode == 0, result.stderr
-    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["mixture"]["seed"] == 3
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["mixture"]["seed"] == 3
+    for source in manifest["mixture"]["sources"]:  # the summary names every source's tokens and documents
+        assert f"source {source['name']}" in result.stdout and f"{source['tokens']:,} tokens" in result.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("tokens: 100\nsources:\n  - {name: a, path: a.parquet, weigth: 1}\n")
     message = failure(run_prepack("build", bad, "--max-len", "256", "--out", tmp_path / "out2", env=WIDE))
