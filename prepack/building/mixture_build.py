@@ -25,7 +25,7 @@ from importlib.metadata import version
 import numpy as np
 
 from prepack.sources.documents import Documents, Reading, open_documents
-from prepack.building.engines.base import FirstPass
+from prepack.building.engines.base import FirstPass, locate_row
 from prepack.building.engines.local import LocalEngine
 from prepack.errors import DISTRIBUTION, InputError
 from prepack.formats.shards import MANIFEST_NAME, BuildOptions, InputFile, Manifest, Totals, write_manifest
@@ -163,11 +163,13 @@ def build_mixture(
 
 
 def _check_lengths(name: str, docs: Documents, first: FirstPass, max_len: int, overflow: str) -> None:
+    """`--overflow error`: refuse a source's first document longer than max_len, by file, row and column."""
     if overflow == "error" and (first.lengths > max_len).any():
         row = int(np.flatnonzero(first.lengths > max_len)[0])
+        path, file_row = locate_row(docs.corpus, first.rows_per_file, row)
         raise InputError(
-            f"source {name!r}, row {row}: {first.lengths[row]} tokens, longer than --max-len {max_len} "
-            "(choose --overflow split, truncate or drop)."
+            f"source {name!r}: {path}, row {file_row}, column {docs.column!r}: {first.lengths[row]} tokens, longer "
+            f"than --max-len {max_len} (choose --overflow split, truncate or drop)."
         )
 
 

@@ -253,3 +253,12 @@ def test_a_mixtures_index_build_is_read_where_it_was_built(stores):
         PackedDataset(root / "index", store=root / "math-store")
     with pytest.raises(InputError, match="open_hf_dataset does not gather"):
         prepack.open_hf_dataset(root / "index")
+
+
+def test_overflow_error_names_the_source_file_row_and_column(sources, tmp_path):
+    root, docs, _ = sources
+    row = next(i for i, d in enumerate(docs["code"]) if len(d) > 128)
+    with pytest.raises(InputError) as refused:
+        prepack.build(_mixture(root, "mix.yaml"), tmp_path / "out", max_len=128, overflow="error")
+    assert f"source 'code': {root / 'code.jsonl'}, row {row}, column 'input_ids': {len(docs['code'][row])} tokens" in str(refused.value)
+    assert not (tmp_path / "out").exists()
