@@ -50,6 +50,10 @@ def largest_token_id(dataset: PackedDataset) -> int:
     """One vectorized pass over the memory-mapped token columns."""
     manifest = dataset.manifest
     return max(
-        pc.max(open_shard(path, manifest.has_labels, manifest.options.max_len).column("input_ids").values).as_py()
+        pc.max(
+            open_shard(path, manifest.has_labels, manifest.options.max_len, sources=manifest.mixture is not None)
+            .column("input_ids")
+            .values
+        ).as_py()
         for path in dataset.shard_paths
     )

@@ -199,6 +199,12 @@ def _summary(manifest: Manifest, out: str) -> Table:
     if o.tokenize is not None:
         how = "chat, labels on " + o.tokenize.train_on if o.tokenize.mode == "chat" else "text" + (" + EOS" if o.tokenize.eos else "")
         rows.insert(0, ("tokenized", f"{o.tokenize.tokenizer.name} ({how}), column {o.tokenize.column!r}"))
+    for source in manifest.mixture.sources if manifest.mixture is not None else []:
+        rows.append((
+            f"source {source.name}",
+            f"{source.tokens:,} tokens ({source.weight_realized:.2%}, asked {source.requested_weight:.2%}), "
+            f"{source.documents:,} documents ({source.full_epochs} epochs + {source.partial_documents:,})",
+        ))
     for name, value in rows:
         table.add_row(name, value)
     return table

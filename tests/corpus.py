@@ -109,3 +109,42 @@ def record_shard(manifest: Path, shard: Path) -> None:
             entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
 
     edit_json(manifest, record)
+
+
+MIXTURE = """\
+tokens: {tokens}
+seed: 3
+pack_within_source: {within}
+sources:
+  - {{name: web, path: web.parquet, weight: 0.5}}
+  - {{name: code, path: code.jsonl, weight: 0.2}}
+  - {{name: math, path: math-store, weight: 0.3, max_epochs: 12}}
+"""
+
+
+def mixture_sources(root: Path) -> tuple[dict[str, list[list[int]]], dict[str, list[list[int]] | None]]:
+    """The three sources of `MIXTURE` in `root`, and their documents and labels: web (Parquet, with
+    labels; upsampled once and a bit at 20,000 tokens), code (JSON Lines, no labels, an empty document,
+    some longer than 128; downsampled), math (a document store; upsampled 8 times and more)."""
+    from prepack import build_store
+
+    rng = np.random.default_rng(7)
+
+    def documents(count: int, longest: int, first_id: int) -> list[list[int]]:
+        return [rng.integers(first_id, first_id + 100, size=rng.integers(1, longest)).tolist() for _ in range(count)]
+
+    docs = {"web": documents(200, 60, 1), "code": documents(100, 300, 200), "math": documents(30, 40, 400)}
+    docs["code"][5] = []
+    labels = {"web": [[-100, *d[1:]] for d in docs["web"]], "code": None, "math": None}
+    write_corpus(root / "web.parquet", corpus_table(docs["web"], labels["web"]))
+    write_corpus(root / "code.jsonl", corpus_table(docs["code"]))
+    write_corpus(root / "math.parquet", corpus_table(docs["math"]))
+    build_store(root / "math.parquet", root / "math-store")
+    return docs, labels
+
+
+def write_mixture(root: Path, name: str = "mix.yaml", tokens: int = 20000, within: bool = False) -> Path:
+    """`MIXTURE` as the file `root / name` (its sources from `mixture_sources(root)`)."""
+    path = root / name
+    path.write_text(MIXTURE.format(tokens=tokens, within=str(within).lower()))
+    return path

@@ -50,6 +50,7 @@ from prepack.storage.remote import is_uri, local_input, relative_location, stage
 from prepack.formats.store import StoreManifest
 from prepack.sources.store import is_store
 from prepack.building.write_store import finish_store
+from prepack.building.mixture import is_mixture_file
 
 __all__ = ["DEFAULT_SHARD_SIZE", "Output", "Packing", "build", "build_document_store", "build_packs", "build_store"]
 
@@ -235,6 +236,11 @@ def build_packs(
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
     _check_engine(output.engine, output.ray_address, reading)
+    if is_mixture_file(corpus):  # several corpora or stores, weighted (prepack.building.mixture)
+        from prepack.building.mixture_build import build_mixture
+
+        with _progress_bars(output.progress, output.console) as bar:
+            return build_mixture(corpus, out, reading, packing, output, bar, _store_path)
     with _progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if index_only and not is_store(source.spec):
             raise InputError(

@@ -148,8 +148,8 @@ def _cu_seqlens(lengths: np.ndarray, pack_offsets: np.ndarray, out: np.ndarray) 
 
 
 def _pack_columns(layout: ShardPacks, lengths: np.ndarray, schema: pa.Schema) -> list[pa.Array]:
-    """The per-pack columns of a shard (`cu_seqlens`, `max_seqlen`, `source_rows`, `source_pieces`):
-    all of an index shard, and part of a full one."""
+    """The per-pack columns of a shard (`cu_seqlens`, `max_seqlen`, `source_rows`, `source_pieces`, and a
+    mixture's `source_ids`): all of an index shard, and part of a full one."""
     packs = len(layout.pack_offsets) - 1
     cu_offsets = layout.pack_offsets + np.arange(packs + 1)
     cu = np.empty(len(lengths) + packs, dtype=np.int32)
@@ -160,6 +160,7 @@ def _pack_columns(layout: ShardPacks, lengths: np.ndarray, schema: pa.Schema) ->
         arrow_array(max_seqlen),
         list_array(layout.pack_offsets, layout.rows.astype(schema.field("source_rows").type.value_type.to_pandas_dtype())),
         list_array(layout.pack_offsets, layout.pieces.astype(np.int32, copy=False)),
+        *([] if layout.source_ids is None else [list_array(layout.pack_offsets, layout.source_ids)]),
     ]
 
 
@@ -180,7 +181,7 @@ def write_shard(
     packs = len(layout.pack_offsets) - 1
     total = int(lengths.sum())
     if tokens is None:
-        schema = shard_schema(False, layout.max_len, store)
+        schema = shard_schema(False, layout.max_len, store, layout.source_ids is not None)
         batch = pa.RecordBatch.from_arrays(_pack_columns(layout, lengths, schema), schema=schema)
     else:
         batch = _full_batch(layout, lengths, tokens, labels, buffers)
@@ -200,7 +201,7 @@ def _full_batch(
     gather_tokens(tokens, layout.starts, lengths, ids)
     segment_ids = buffers.column("segment_ids", total, segment_id_type(layout.max_len).to_pandas_dtype())
     _segment_ids(lengths, layout.pack_offsets, segment_ids)
-    schema = shard_schema(labels is not None, layout.max_len)
+    schema = shard_schema(labels is not None, layout.max_len, sources=layout.source_ids is not None)
     columns = [list_array(pack_token_offsets, ids), list_array(pack_token_offsets, segment_ids), *_pack_columns(layout, lengths, schema)]
     if labels is not None:
         label_values = buffers.column("labels", total)

@@ -41,6 +41,7 @@ __all__ = [
     "Distribution",
     "InspectReport",
     "ShardSummary",
+    "SourceSummary",
     "StepBalance",
     "inspect_build",
     "plot",
@@ -113,6 +114,21 @@ class ShardSummary(StrictModel):
     fill: float
 
 
+class SourceSummary(StrictModel):
+    """One source of a mixture build: its request (from the manifest) and what the packs hold of it
+    (counted from their `source_ids`, and equal to the manifest's counts, or `inspect` refuses)."""
+
+    name: str
+    requested_tokens: int
+    requested_weight: float
+    full_epochs: int
+    partial_documents: int
+    documents: int  # in the packs (first pieces)
+    segments: int
+    tokens: int
+    weight: float  # tokens / the build's tokens
+
+
 class InspectReport(StrictModel):
     """Everything `prepack inspect` shows; `to_json()` is what `--json` prints."""
 
@@ -149,6 +165,7 @@ class InspectReport(StrictModel):
     cost: Costs
     steps: StepBalance | None  # only when a world size was given
     per_shard: list[ShardSummary]
+    sources: list[SourceSummary] | None = None  # a mixture build's
 
     def to_json(self) -> str:
         """What `prepack inspect --json` prints: strict JSON, never a NaN or Infinity token (which JSON
@@ -185,29 +202,32 @@ def _integer_edges(values: np.ndarray) -> np.ndarray:
 
 
 def _shard_columns(batch, where: str, max_len: int) -> tuple[np.ndarray, ...]:
-    """(tokens per pack, documents per pack, segment lengths, source rows, source pieces), read from the
-    small columns only, checked by `check_layout` (`verify` checks the token columns too)."""
+    """(tokens per pack, documents per pack, segment lengths, source rows, source pieces, source ids: a
+    mixture's, else 0), read from the small columns only, checked by `check_layout` (`verify` checks the
+    token columns too)."""
     layout = check_layout(batch, max_len, where)
 
     def flat(name: str) -> np.ndarray:
         offsets, values = list_column(batch, name, where)
         return values[offsets[0] : offsets[-1]]
 
-    return layout.tokens, layout.documents, layout.lengths, flat("source_rows"), flat("source_pieces")
+    rows = flat("source_rows")
+    sources = flat("source_ids") if "source_ids" in batch.schema.names else np.zeros(len(rows), np.uint16)
+    return layout.tokens, layout.documents, layout.lengths, rows, flat("source_pieces"), sources
 
 
 def _read_columns(build: Path | ShardCache, manifest: Manifest) -> tuple[list[ShardSummary], dict[str, np.ndarray]]:
     """The shards' summaries and columns, read from the directory `build` or, for a build in object
     storage, from the copies in the cache `build` (problems name the shards' URIs)."""
     max_len = manifest.options.max_len
-    summaries, parts = [], {"tokens": [], "docs": [], "lengths": [], "rows": [], "pieces": []}
+    summaries, parts = [], {"tokens": [], "docs": [], "lengths": [], "rows": [], "pieces": [], "sources": []}
     for index, info in enumerate(manifest.shards):
         if isinstance(build, Path):
             file = shard_path(build, index, info)
             where = str(file)
         else:
             file, where = build.shard(info), build.name(info)
-        batch = open_shard(file, manifest.has_labels, max_len, manifest.index_of, where=where)
+        batch = open_shard(file, manifest.has_labels, max_len, manifest.index_of, where=where, sources=manifest.mixture is not None)
         if batch.num_rows != info.rows:
             raise FormatError(f"{where}: {batch.num_rows} packs, but the manifest says {info.rows}.")
         columns = _shard_columns(batch, where, max_len)
@@ -224,7 +244,7 @@ def _read_columns(build: Path | ShardCache, manifest: Manifest) -> tuple[list[Sh
                 fill=tokens / (info.rows * max_len) if info.rows else 0.0,
             )
         )
-    dtypes = {"tokens": np.int64, "docs": np.int64, "lengths": np.int64, "rows": np.int64, "pieces": np.int32}
+    dtypes = {"tokens": np.int64, "docs": np.int64, "lengths": np.int64, "rows": np.int64, "pieces": np.int32, "sources": np.uint16}
     flat = {k: np.concatenate(v) if v else np.empty(0, dtypes[k]) for k, v in parts.items()}
     return summaries, flat
 
@@ -302,6 +322,7 @@ def inspect_build(
             )
     if packs == 0:
         raise FormatError(f"{path}: the build holds no packs.")
+    sources = None if manifest.mixture is None else _source_summaries(manifest, columns, path)
 
     # The random-batch baseline starts from corpus order, so it does not depend on the pack shuffle.
     order = np.lexsort((columns["pieces"], columns["rows"]))
@@ -351,7 +372,45 @@ def inspect_build(
         if world_size is None
         else _step_balance(pack_costs(columns["docs"], lengths, token_cost), world_size, batch_size, token_cost, seed),
         per_shard=summaries,
+        sources=sources,
     )
+
+
+def _source_summaries(manifest: Manifest, columns: dict[str, np.ndarray], path) -> list[SourceSummary]:
+    """Per source of a mixture: its request, and its documents, segments and tokens in the packs, which
+    must be the manifest's (else FormatError: `verify` says more)."""
+    count = len(manifest.mixture.sources)
+    ids = columns["sources"].astype(np.int64)
+    if len(ids) and ids.max() >= count:
+        raise FormatError(f"{path}: a pack names source {ids.max()}; the mixture has {count}; run `prepack verify`.")
+    found = {
+        "documents": np.bincount(ids[columns["pieces"] == 0], minlength=count),
+        "segments": np.bincount(ids, minlength=count),
+        "tokens": np.bincount(ids, weights=columns["lengths"], minlength=count).astype(np.int64),
+    }
+    total = int(columns["lengths"].sum())
+    out = []
+    for number, s in enumerate(manifest.mixture.sources):
+        for name, values in found.items():
+            if int(values[number]) != getattr(s, name):
+                raise FormatError(
+                    f"{path}: the manifest says source {s.name!r} has {getattr(s, name)} {name}, the shards hold "
+                    f"{int(values[number])}; run `prepack verify`."
+                )
+        out.append(
+            SourceSummary(
+                name=s.name,
+                requested_tokens=s.requested_tokens,
+                requested_weight=s.requested_weight,
+                full_epochs=s.full_epochs,
+                partial_documents=s.partial_documents,
+                documents=int(found["documents"][number]),
+                segments=int(found["segments"][number]),
+                tokens=int(found["tokens"][number]),
+                weight=int(found["tokens"][number]) / total,
+            )
+        )
+    return out
 
 
 _BLOCKS = " ▁▂▃▄▅▆▇█"
@@ -450,6 +509,17 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
         steps.add_row("shuffled", f"{s.unbalanced_max_over_mean:.3f}", f"{s.unbalanced_waiting_share:.1%}")
         steps.add_row('balance="attention"', f"{s.balanced_max_over_mean:.3f}", f"{s.balanced_waiting_share:.1%}")
         parts.append(steps)
+    if r.sources is not None:
+        table = Table(title="sources (mixture)", title_justify="left", box=box.SIMPLE_HEAD)
+        for name in ("source", "requested tokens", "tokens", "requested weight", "weight", "documents", "epochs"):
+            table.add_column(name, justify="left" if name == "source" else "right")
+        for s in r.sources:
+            epochs = f"{s.full_epochs} + {s.partial_documents:,} docs"
+            table.add_row(
+                s.name, f"{s.requested_tokens:,}", f"{s.tokens:,}", f"{s.requested_weight:.4f}", f"{s.weight:.4f}",
+                f"{s.documents:,}", epochs,
+            )
+        parts.append(table)
     if shards:
         table = Table(title="shards", title_justify="left", box=box.SIMPLE_HEAD)
         for name in ("name", "packs", "documents", "tokens", "bytes", "fill"):

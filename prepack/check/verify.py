@@ -57,6 +57,8 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.storage.cache import ShardCache, build_cache
+from prepack.check.mixture import copy_numbers, mixture_manifest_problems, mixture_pack_problems
+from prepack.sources.mixture_stores import StoreChain, open_mixture_stores
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import Fingerprint, StrictModel, list_column
 from prepack.formats.shards import (
@@ -166,13 +168,20 @@ def verify_build(
                 manifest = read_manifest(build)
             except FormatError as exc:
                 return [Problem(file=MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message)]
+        if source is not None and manifest.mixture is not None:
+            raise InputError(
+                f"{path} is a mixture of {len(manifest.mixture.sources)} sources: --source checks a build of one "
+                "corpus; a mixture's packs are checked against its sources' counts (prepack verify without --source)."
+            )
         documents = (
             None
             if source is None
             else _source_documents(stack.enter_context(local_input(source)), manifest, tokenizer, chat_template)
         )
         if store is not None and manifest.store is None:
-            raise InputError(f"{path} is a full build; it reads no store (leave out --store).")
+            raise InputError(f"{path} is {'a mixture' if manifest.mixture is not None else 'a full build'}; it reads no store named by --store.")
+        if manifest.mixture is not None and manifest.mixture.index_only and is_uri(path):
+            raise InputError(f"{path} is a mixture's index build, which is read from a local directory only.")
         problems = _problems(build, manifest, documents, store)
         found = list(problems) if all_problems else list(islice(problems, 1))
     if isinstance(build, ShardCache):
@@ -184,8 +193,12 @@ def checked_summary(path: str | os.PathLike, source: str | os.PathLike | None) -
     """The line a clean `verify` ends with: what it checked, an index build's store included."""
     manifest = read_output_manifest(str(path)) if is_uri(path) else read_manifest(Path(path))
     checked = ["shards", "manifest"]
+    if manifest.mixture is not None:
+        checked.append(f"the counts of {len(manifest.mixture.sources)} sources")
     if manifest.store is not None:
         checked = ["index shards", "manifest", "the store's shards and documents"]
+    elif manifest.index_of is not None:  # a mixture's
+        checked = ["index shards", "manifest", *checked[2:], "the stores' shards and documents"]
     if source is not None:
         checked.append("every token of the source")
     return f"{path}: no problems ({', '.join(checked[:-1])} and {checked[-1]} checked)."
@@ -203,6 +216,9 @@ class _Segments:
     shard: np.ndarray  # int32 the shard's index in the manifest
     pack: np.ndarray  # int64 row inside the shard
     number: np.ndarray  # int64 1-based document number inside the pack (its segment id)
+    source: np.ndarray  # uint16 a mixture's source (`source_ids`), else 0
+    # Which copy of its (row, piece) it is: a mixture packs a document up to once per epoch (`_concatenate`).
+    copy: np.ndarray  # int64
     # Where its tokens lie: its shard (a full build) or its store shard (an index build, once
     # `_reference_problems` found it inside its store document: `readable`), by index.
     holder: np.ndarray  # int32
@@ -275,6 +291,13 @@ def _problems(
             yield Problem(file=MANIFEST_NAME, column="store", message=str(exc))
         else:
             store_columns = yield from _store_problems(store, manifest)
+    elif manifest.index_of is not None:  # a mixture's index build: its sources' stores
+        try:
+            store = open_mixture_stores(build, manifest)
+        except FormatError as exc:
+            yield Problem(file=MANIFEST_NAME, column="mixture.sources", message=str(exc))
+        else:
+            store_columns = yield from _stores_problems(store, manifest)
     readable = yield from (_directory_problems(build, manifest) if local else _download_problems(build))
     shards: dict[int, _Shard] = {}
     for index, (file, check_sha256) in readable.items():
@@ -290,11 +313,17 @@ def _problems(
             "rows (above); the checks that need every pack (documents missing from the packs, piece "
             "numbering, document counts) were skipped."
         )
-    segments = _concatenate([s.segments for s in shards.values()])
+    segments = _concatenate([s.segments for s in shards.values()], manifest.mixture is not None)
     yield from _provenance_problems(segments, shards, manifest, complete)
+    if manifest.mixture is not None:
+        found = mixture_pack_problems(
+            segments.rows, segments.pieces, segments.lengths, segments.source, manifest,
+            lambda i: _where(segments, shards, i), complete,
+        )
+        yield from (Problem(**problem) for problem in found)
     if store is not None:
         yield from _reference_problems(segments, shards, manifest, store, store_columns)
-        if source is None and len(store_columns) == len(store.manifest.shards):
+        if source is None and manifest.mixture is None and len(store_columns) == len(store.manifest.shards):
             # Without a source an index build is held to its store's documents as a full build is to
             # its corpus: every document's pieces, their lengths, the counts; its tokens are the store's.
             own = store_documents(store, list(store_columns.values()))
@@ -316,7 +345,7 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
     left_out = t.untrained if o.drop_untrained else 0  # documents with no trained token, not packed
     left_out_tokens = t.untrained_tokens if o.drop_untrained else 0
     expected = {
-        "documents": sum(f.rows for f in manifest.inputs),
+        "documents": sum(f.rows for f in manifest.inputs) if manifest.mixture is None else sum(s.documents for s in manifest.mixture.sources),
         "packs": sum(s.rows for s in manifest.shards),
         "tokens": sum(s.tokens for s in manifest.shards),
         "padding_tokens": t.packs * o.max_len - t.tokens,
@@ -325,7 +354,7 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
         "input_tokens": t.tokens + t.truncated_tokens + t.dropped_tokens + left_out_tokens,
     }
     why = {
-        "documents": "the sum of inputs[].rows",
+        "documents": "the sum of inputs[].rows" if manifest.mixture is None else "the sum of mixture.sources[].documents",
         "packs": "the sum of shards[].rows",
         "tokens": "the sum of shards[].tokens",
         "padding_tokens": "packs * max_len - tokens",
@@ -339,6 +368,8 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
             yield Problem(
                 file=MANIFEST_NAME, column=f"totals.{name}", message=f"is {said}, but {why[name]} is {value}."
             )
+    if manifest.mixture is not None:
+        yield from (Problem(**found) for found in mixture_manifest_problems(manifest))
     if manifest.store is not None and manifest.store.fingerprint != manifest.fingerprint:
         yield Problem(
             file=MANIFEST_NAME,
@@ -468,6 +499,41 @@ def _store_problems(store: Store, manifest: Manifest):
     return columns
 
 
+def _stores_problems(chain: StoreChain, manifest: Manifest):
+    """`_store_problems` for a mixture's index build: each source's store (opened by `open_mixture_stores`,
+    which held it to the source's fingerprint and rows), its shards' sha256 and contents, the fingerprint
+    of its documents, its corpus files against the source's `inputs`. Return {chain shard index: its columns}."""
+    columns: _Columns = {}
+    index = 0
+    for store, source in zip(chain.stores, manifest.mixture.sources):
+        m, where = store.manifest, source.store
+        named = [(f.path, f.rows) for f in manifest.inputs if f.path.startswith(f"{source.name}/")]
+        if [(f"{source.name}/{f.path}", f.rows) for f in m.inputs] != named:
+            yield Problem(file=MANIFEST_NAME, column="inputs", message=f"are not the corpus files of source {source.name!r}'s store {where!r}.")
+        fingerprint, sound = Fingerprint(), True
+        for shard in m.shards:
+            try:
+                offsets, ids, labels = columns[index] = chain.shard_columns(shard)
+            except FormatError as exc:
+                found, sound = exc.problem, False
+                yield Problem(file=f"{where}/{shard.name}", row=found.row, column=found.column, message=found.message)
+            else:
+                fingerprint.update(np.diff(offsets), ids, labels if m.has_labels else None)
+            index += 1
+        if sound and (digest := fingerprint.hexdigest()) != m.fingerprint:
+            yield Problem(
+                file=f"{where}/{STORE_MANIFEST_NAME}",
+                column="fingerprint",
+                message=f"is {m.fingerprint}, but the store's documents give {digest}: they changed after the store was written.",
+            )
+    if len(columns) < len(chain.manifest.shards):
+        yield Problem(
+            message=f"{len(chain.manifest.shards) - len(columns)} shard(s) of the sources' stores could not be read or "
+            "are damaged (above): the packs were not checked against those shards' documents."
+        )
+    return columns
+
+
 def _reference_problems(
     seg: _Segments, shards: dict[int, _Shard], manifest: Manifest, store: Store, columns: _Columns
 ) -> Iterator[Problem]:
@@ -512,8 +578,8 @@ def _shard_problems(file: Path, index: int, manifest: Manifest, check_sha256: bo
                 message=f"sha256 is {digest}, but the manifest says {info.sha256}: the file changed after "
                 "the build.",
             )
-        index_only = manifest.store is not None
-        batch = open_shard(file, manifest.has_labels, manifest.options.max_len, manifest.index_of)
+        index_only = manifest.index_of is not None
+        batch = open_shard(file, manifest.has_labels, manifest.options.max_len, manifest.index_of, sources=manifest.mixture is not None)
         batch.validate(full=True)
     except FormatError as exc:
         yield Problem(file=name, row=exc.problem.row, column=exc.problem.column, message=exc.problem.message)
@@ -579,6 +645,12 @@ def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
         ids=list_column(batch, "input_ids")[1] if "input_ids" in names else None,
         labels=list_column(batch, "labels")[1] if "labels" in names else None,
         segments=_Segments(
+            source=(
+                list_column(batch, "source_ids")[1][src_off[0] : src_off[-1]]
+                if "source_ids" in names
+                else np.zeros(src_off[-1] - src_off[0], np.uint16)
+            ),
+            copy=np.zeros(src_off[-1] - src_off[0], np.int64),
             rows=rows[src_off[0] : src_off[-1]].astype(np.int64),
             pieces=pieces[piece_off[0] : piece_off[-1]].astype(np.int64),
             lengths=layout.lengths,
@@ -596,7 +668,7 @@ def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
 def _value_problems(shard: _Shard, manifest: Manifest) -> Iterator[Problem]:
     """What `check_shard` cannot know: provenance against the corpus size and order inside a pack."""
     name, seg = shard.name, shard.segments
-    documents = manifest.totals.documents
+    documents = manifest.totals.documents if manifest.mixture is None else sum(f.rows for f in manifest.inputs)
     for i in np.flatnonzero((seg.rows < 0) | (seg.rows >= documents)):
         yield Problem(
             file=name,
@@ -623,13 +695,21 @@ def _value_problems(shard: _Shard, manifest: Manifest) -> Iterator[Problem]:
 # 4. Across shards ---------------------------------------------------------------------------------
 
 
-def _concatenate(parts: list[_Segments]) -> _Segments:
+def _concatenate(parts: list[_Segments], copies: bool) -> _Segments:
+    """All segments in corpus order; with `copies` (a mixture, which packs a document once per epoch),
+    each numbered by which copy of its (row, piece) it is, and in (row, copy, piece) order: a copy then
+    stands for a document of its own."""
     fields = _Segments.__dataclass_fields__
     if not parts:
         return _Segments(**{f: np.empty(0, np.int64) for f in fields})
     joined = {f: np.concatenate([getattr(p, f) for p in parts]) for f in fields}
     order = np.lexsort((joined["pieces"], joined["rows"]))  # corpus order
-    return _Segments(**{f: v[order] for f, v in joined.items()})
+    joined = {f: v[order] for f, v in joined.items()}
+    if copies:
+        joined["copy"] = copy_numbers(joined["rows"], joined["pieces"])
+        order = np.lexsort((joined["pieces"], joined["copy"], joined["rows"]))
+        joined = {f: v[order] for f, v in joined.items()}
+    return _Segments(**joined)
 
 
 def _where(seg: _Segments, shards: dict[int, _Shard], i: int) -> dict:
@@ -641,7 +721,7 @@ def _provenance_problems(
 ) -> Iterator[Problem]:
     """Cross-shard provenance; with shards missing (`complete` False), only what those cannot change."""
     t, max_len = manifest.totals, manifest.options.max_len
-    same_row = seg.rows[1:] == seg.rows[:-1]
+    same_row = (seg.rows[1:] == seg.rows[:-1]) & (seg.copy[1:] == seg.copy[:-1])  # one document (copy)
     duplicate = same_row & (seg.pieces[1:] == seg.pieces[:-1])
     for i in np.flatnonzero(duplicate) + 1:
         first = _where(seg, shards, i - 1)

@@ -18,7 +18,7 @@ from typing import Annotated, Literal, NamedTuple, Protocol
 
 import numpy as np
 import pyarrow as pa
-from pydantic import AfterValidator, Field, ValidationError
+from pydantic import AfterValidator, Field, ValidationError, model_validator
 
 from prepack.errors import OutputError
 from prepack.formats.common import (
@@ -36,6 +36,7 @@ from prepack.formats.common import (
     read_one_batch,
     refuse,
 )
+from prepack.formats.mixture import SOURCE_ID_TYPE, MixtureInfo
 
 __all__ = [
     "FORMAT_VERSION",
@@ -96,13 +97,15 @@ def segment_id_type(max_len: int) -> pa.DataType:
     return pa.uint16() if max_len <= np.iinfo(np.uint16).max else pa.int32()
 
 
-def _pack_fields(source_row: pa.DataType) -> list[pa.Field]:
-    """The per-pack columns: what an index shard holds, and a full shard too."""
+def _pack_fields(source_row: pa.DataType, sources: bool) -> list[pa.Field]:
+    """The per-pack columns: what an index shard holds, and a full shard too; `source_ids` only in a
+    mixture's shards (`prepack.formats.mixture`)."""
     return [
         pa.field("cu_seqlens", pa.list_(pa.int32()), nullable=False),
         pa.field("max_seqlen", pa.int32(), nullable=False),
         pa.field("source_rows", pa.list_(source_row), nullable=False),
         pa.field("source_pieces", pa.list_(pa.int32()), nullable=False),
+        *([pa.field("source_ids", pa.list_(SOURCE_ID_TYPE), nullable=False)] if sources else []),
     ]
 
 
@@ -113,8 +116,9 @@ class IndexOf(NamedTuple):
     fingerprint: str
 
 
-def shard_schema(has_labels: bool, max_len: int, store: IndexOf | None = None) -> pa.Schema:
-    """The Arrow schema of every shard of a build; `labels` only when the corpus had them.
+def shard_schema(has_labels: bool, max_len: int, store: IndexOf | None = None, sources: bool = False) -> pa.Schema:
+    """The Arrow schema of every shard of a build; `labels` only when the corpus had them, `source_ids`
+    only in a mixture's (`sources`).
 
     With `store`, an index shard's: the per-pack columns alone, its tokens staying in that store,
     whose fingerprint its metadata carries. Its `source_rows` are uint32 while the store's document
@@ -122,11 +126,11 @@ def shard_schema(has_labels: bool, max_len: int, store: IndexOf | None = None) -
     if store is not None:
         source_row = pa.uint32() if store.documents <= np.iinfo(np.uint32).max + 1 else pa.int64()
         metadata = {SHARD_VERSION_KEY: str(FORMAT_VERSION), SHARD_KIND_KEY: "index", SHARD_STORE_KEY: store.fingerprint}
-        return pa.schema(_pack_fields(source_row), metadata=metadata)
+        return pa.schema(_pack_fields(source_row, sources), metadata=metadata)
     fields = [
         pa.field("input_ids", pa.list_(TOKEN_TYPE), nullable=False),
         pa.field("segment_ids", pa.list_(segment_id_type(max_len)), nullable=False),
-        *_pack_fields(pa.int64()),
+        *_pack_fields(pa.int64(), sources),
     ]
     if has_labels:
         fields.append(pa.field("labels", pa.list_(TOKEN_TYPE), nullable=False))
@@ -283,18 +287,36 @@ class Manifest(StrictModel):
         description="Set for an index build: its shards are index shards, its tokens in this store. "
         "Absent from a full build's manifest.",
     )
+    mixture: MixtureInfo | None = Field(
+        default=None,
+        description="Set for a mixture build (several sources, `prepack build MIX.yaml`): the request and each "
+        "source's counts; its shards then carry `source_ids`. Absent from every other build's manifest.",
+    )
+
+    @model_validator(mode="after")
+    def _mixture_stores_beside_the_build(self) -> Manifest:
+        """A mixture index build's stores, held to the rule of `store.path` (checked here, as
+        `prepack.formats.mixture` cannot import this module)."""
+        for number, source in enumerate(self.mixture.sources if self.mixture is not None else []):
+            if source.store is not None and (problem := store_path_problem(source.store)) is not None:
+                raise ValueError(f"mixture.sources[{number}].store {reprlib.repr(source.store)} {problem}")
+        return self
 
     @property
     def index_of(self) -> IndexOf | None:
         """What `shard_schema` and `open_shard` take to describe this build's shards: for an index
-        build its store's document count (the build's `totals.documents`) and fingerprint, else None."""
+        build its store's document count (the build's `totals.documents`) and fingerprint (a mixture's:
+        its stores' documents, and its own fingerprint), else None."""
+        if self.mixture is not None and self.mixture.index_only:  # the sources' stores, one after the other
+            return IndexOf(sum(f.rows for f in self.inputs), self.fingerprint)
         return None if self.store is None else IndexOf(self.totals.documents, self.store.fingerprint)
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write `manifest.json` atomically (temporary file + rename), keys sorted."""
-    # A full build's manifest has no `store` key at all, so its bytes are those of before index builds.
-    fields = manifest.model_dump(mode="json", exclude={"store"} if manifest.store is None else None)
+    # A full build's manifest has no `store` (nor `mixture`) key at all, so its bytes are those of before
+    # index builds (and mixtures).
+    fields = manifest.model_dump(mode="json", exclude={key for key in ("store", "mixture") if getattr(manifest, key) is None})
     text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     if len(text.encode()) > MANIFEST_MAX_BYTES:  # readers would refuse it
         raise OutputError(
@@ -428,15 +450,15 @@ def shard_sha256(path: Path) -> str:
 
 
 def open_shard(
-    path: Path, has_labels: bool, max_len: int, store: IndexOf | None = None, *, where: str | None = None
+    path: Path, has_labels: bool, max_len: int, store: IndexOf | None = None, *, where: str | None = None, sources: bool = False
 ) -> pa.RecordBatch:
     """Memory-map one shard (zero-copy) and check its structure: a regular file holding an Arrow IPC
     stream of the format's schema (metadata included) and one uncompressed record batch
     (`read_one_batch`), whose buffers hold what their lengths say and whose list offsets start at 0 and
-    end at their values' length. The row contents are checked by `check_shard`. Problems with the
+    end at their values' length (`sources`: a mixture's shard, with `source_ids`). The row contents are checked by `check_shard`. Problems with the
     contents name `where` (default: `path`; the shard's URI when `path` is a cached copy, `prepack.storage.cache`)."""
     where = str(path) if where is None else where
-    expected = shard_schema(has_labels, max_len, store)
+    expected = shard_schema(has_labels, max_len, store, sources)
 
     def check_schema(schema: pa.Schema) -> None:
         planned = (schema.metadata or {}).get(SHARD_STORE_KEY.encode())
@@ -564,7 +586,7 @@ def check_layout(
     if (bad := layout.tokens > max_len).any():
         r = first_index(bad)
         refuse(where, f"ends at {layout.tokens[r]}, more than max_len {max_len}", r, "cu_seqlens")
-    for column in ("source_rows", "source_pieces"):
+    for column in ("source_rows", "source_pieces", *(["source_ids"] if "source_ids" in batch.schema.names else [])):
         offsets, values = _list_checked(batch, column, where)
         if (bad := np.diff(offsets) != documents).any():
             r = first_index(bad)

@@ -102,6 +102,9 @@ class PackedCollator:
       over the flattened batch (the segments of `cu_seq_lens_q`), as Mamba-style kernels take it. On a
       family whose sequence-state layers `enable_packing` runs per document (docs/model-support.md), it
       drops `seq_idx`: those layers need no boundaries (transformers' torch fallbacks raise on it).
+    - `source_ids=True` (a mixture's packs, which carry `source_ids` per document): also return
+      `source_ids` [B, L] int64, each token's source (-1 at padding), for `prepack.training.source_loss`. Pop it
+      before `model(**batch)`: a model takes no such argument.
     - `pad_token_id`: the token id written at padding (its label is always -100). By default each row's
       padding repeats the row's last token: padding is a segment of its own and never trained on, but
       its gradient still flows through the model as 0 times the local derivative, and a token whose
@@ -123,6 +126,7 @@ class PackedCollator:
         seq_idx: bool = False,
         pad_token_id: int | None = None,
         cp_size: int | None = None,
+        source_ids: bool = False,
     ):
         if layout not in _LAYOUTS:
             raise UsageError(f"layout must be one of {_LAYOUTS}, not {layout!r}.")
@@ -143,6 +147,7 @@ class PackedCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.seq_idx = seq_idx
         self.pad_token_id = pad_token_id
+        self.source_ids = source_ids
 
     @classmethod
     def for_dataset(cls, dataset: PackedDataset | Any | str | os.PathLike, **options: Any) -> PackedCollator:
@@ -164,10 +169,10 @@ class PackedCollator:
         return cls(max_len, **options)
 
     def __call__(self, packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor | int | bool]:
-        checked = [_checked_pack(pack, number, self.max_len) for number, pack in enumerate(packs)]
+        checked = [_checked_pack(pack, number, self.max_len, self.source_ids) for number, pack in enumerate(packs)]
         if not checked:
             raise UsageError("Cannot collate an empty list of packs.")
-        input_ids, labels, segment_ids = self._fill_rows(checked)
+        input_ids, labels, segment_ids, sources = self._fill_rows(checked)
         fields = segment_fields(segment_ids)
         # A document's first token is predicted by the end of the previous document: never train on it.
         labels[(fields.position_ids == 0) | (segment_ids == 0)] = IGNORE_INDEX
@@ -187,6 +192,8 @@ class PackedCollator:
                 "max_length_q": fields.max_length,
                 "max_length_k": fields.max_length,
             }
+        if sources is not None:
+            batch["source_ids"] = torch.from_numpy(sources)
         if self.seq_idx:
             batch["seq_idx"] = torch.from_numpy(fields.seq_idx)
         if self.cp_size is not None:
@@ -195,8 +202,9 @@ class PackedCollator:
             batch["cu_seqlens_padded"] = torch.from_numpy(fields.cu_seq_lens)
         return batch
 
-    def _fill_rows(self, packs: list[_Pack]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """input_ids, labels (before masking) and segment ids (0 = padding), one pack per row or all in one."""
+    def _fill_rows(self, packs: list[_Pack]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """input_ids, labels (before masking), segment ids (0 = padding) and, with `source_ids`, each
+        token's source (-1 = padding), one pack per row or all in one."""
         padding_free = self.layout == "padding_free"
         if self.cp_size is not None:
             packs = [_cp_padded(pack, 2 * self.cp_size, self.pad_token_id) for pack in packs]
@@ -205,6 +213,7 @@ class PackedCollator:
         input_ids = np.full(shape, self.pad_token_id or 0, dtype=np.int64)
         labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
         segment_ids = np.zeros(shape, dtype=np.int32)
+        sources = np.full(shape, -1, dtype=np.int64) if self.source_ids else None
         row, start, first_segment = 0, 0, 1
         for pack in packs:
             end = start + len(pack.input_ids)
@@ -212,6 +221,8 @@ class PackedCollator:
             labels[row, start:end] = pack.input_ids if pack.labels is None else pack.labels
             lengths = np.diff(pack.cu_seqlens)
             segment_ids[row, start:end] = np.repeat(np.arange(first_segment, first_segment + len(lengths)), lengths)
+            if sources is not None:
+                sources[row, start:end] = np.repeat(pack.source_ids, lengths)
             if padding_free:
                 # Numbering runs on so that the last document of a pack and the first of the next differ.
                 start, first_segment = end, first_segment + len(lengths)
@@ -219,7 +230,7 @@ class PackedCollator:
                 if self.pad_token_id is None:
                     input_ids[row, end:] = pack.input_ids[-1]  # a real token's embedding (see pad_token_id)
                 row += 1
-        return input_ids, labels, segment_ids
+        return input_ids, labels, segment_ids, sources
 
     def _row_length(self, packs: list[_Pack]) -> int:
         length = self.max_len if self.pad_to == "max_len" else max(len(pack.input_ids) for pack in packs)
@@ -231,6 +242,7 @@ class _Pack(NamedTuple):
     input_ids: np.ndarray
     cu_seqlens: np.ndarray
     labels: np.ndarray | None
+    source_ids: np.ndarray | None = None  # one per document
 
 
 def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
@@ -246,11 +258,12 @@ def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
     labels = np.full(cu_padded[-1], IGNORE_INDEX, dtype=np.int64)
     input_ids[destination] = pack.input_ids
     labels[destination] = pack.input_ids if pack.labels is None else pack.labels
-    return _Pack(input_ids, cu_padded, labels)
+    return _Pack(input_ids, cu_padded, labels, pack.source_ids)
 
 
-def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None) -> _Pack:
-    """The pack's arrays, refused when its offsets do not describe its tokens (they would mix documents)."""
+def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sources: bool = False) -> _Pack:
+    """The pack's arrays, refused when its offsets do not describe its tokens (they would mix documents),
+    with its `source_ids` when `sources` asks for them."""
     for key in ("input_ids", "cu_seqlens"):
         if key not in pack:
             raise UsageError(
@@ -277,4 +290,11 @@ def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None) -> 
         raise IsolationError(
             f"Pack {number}: cu_seqlens {cu_seqlens.tolist()} must rise strictly from 0 to its {tokens} tokens."
         )
-    return _Pack(input_ids, cu_seqlens, labels)
+    source_ids = None
+    if sources:
+        if pack.get("source_ids") is None:
+            raise UsageError(f"Pack {number} has no 'source_ids': source_ids=True collates the packs of a mixture build.")
+        source_ids = np.asarray(pack["source_ids"]).astype(np.int64)
+        if source_ids.shape != (len(cu_seqlens) - 1,):
+            raise UsageError(f"Pack {number}: {source_ids.shape} source_ids for {len(cu_seqlens) - 1} documents.")
+    return _Pack(input_ids, cu_seqlens, labels, source_ids)

@@ -46,6 +46,7 @@ from prepack.formats.shards import (
     shard_sha256,
 )
 from prepack.storage.remote import is_uri
+from prepack.sources.mixture_stores import StoreChain, open_mixture_stores
 from prepack.sources.store import Store, open_build_store
 from prepack.formats.common import list_array
 from prepack.storage.files import write_record_batch
@@ -68,7 +69,9 @@ class PackedDataset(Dataset):
 
     A row is `{"input_ids": [n], "cu_seqlens": [k + 1], "segment_ids": [n], "labels": [n]}` (labels only
     when the build has them): read-only views of the memory-mapped shard, except `segment_ids`, stored
-    in 16 bits and widened into a copy (torch has few uint16 kernels). Shards are opened on first use,
+    in 16 bits and widened into a copy (torch has few uint16 kernels); a mixture's rows also carry
+    `source_ids` [k], each document's source (uint16, numbered as `manifest.mixture.sources`), which
+    `PackedCollator(source_ids=True)` passes on. Shards are opened on first use,
     in each DataLoader worker separately: pickling the dataset carries paths, never memory maps.
 
     `validate` (default) checks the manifest against the directory (shard names, sizes, row counts)
@@ -107,10 +110,17 @@ class PackedDataset(Dataset):
             _check_directory(self.path, self.manifest)
         self._row_ends = np.cumsum([shard.rows for shard in self.manifest.shards], dtype=np.int64)
         self._open: dict[int, dict[str, _ListColumn]] = {}
-        self.store: Store | None = None
-        if self.manifest.store is None and store is not None:
+        self.store: Store | StoreChain | None = None
+        if self.manifest.index_of is None and store is not None:
             raise InputError(f"{path} is a full build; it reads no store (leave out store=).")
-        if self.manifest.store is not None:
+        if self.manifest.mixture is not None and self.manifest.mixture.index_only:
+            if store is not None or self.cache is not None:
+                raise InputError(
+                    f"{path} is a mixture's index build: it reads the stores its manifest names, beside it, in a local "
+                    "directory (no store=, no URI); build the mixture in full to move it or read it from object storage."
+                )
+            self.store = open_mixture_stores(self.path, self.manifest)
+        elif self.manifest.store is not None:
             local = self.cache is None or store is not None
             self.store = open_build_store(self.path, self.manifest, store) if local else self.cache.store()
         if self.store is not None:
@@ -173,6 +183,9 @@ class PackedDataset(Dataset):
         packed = {"input_ids": ids, "cu_seqlens": cu[cu_off[row] : cu_off[row + 1]], "segment_ids": segment_ids}
         if self.store.manifest.has_labels:
             packed["labels"] = labels
+        if "source_ids" in columns:  # a mixture's
+            offsets, values = columns["source_ids"]
+            packed["source_ids"] = values[offsets[row] : offsets[row + 1]]
         return packed
 
     def _open_store_tokens(self) -> _StoreTokens:
@@ -217,7 +230,7 @@ class PackedDataset(Dataset):
     def _columns(self, shard: int) -> dict[str, _ListColumn]:
         if shard not in self._open:
             batch, where = self._open_checked(shard), self.manifest.shards[shard].name
-            names = _INDEX_COLUMNS if self.store is not None else _row_columns(batch)
+            names = _index_columns(batch) if self.store is not None else _row_columns(batch)
             self._open[shard] = {name: list_column(batch, name, where) for name in names}
         return self._open[shard]
 
@@ -229,7 +242,7 @@ class PackedDataset(Dataset):
             raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
         index_only = self.store is not None
         m = self.manifest
-        batch = open_shard(path, m.has_labels, m.options.max_len, m.index_of, where=where)
+        batch = open_shard(path, m.has_labels, m.options.max_len, m.index_of, where=where, sources=m.mixture is not None)
         if self.validate:
             if batch.num_rows != info.rows:
                 raise FormatError(f"{where}: {batch.num_rows} rows, but the manifest says {info.rows}.")
@@ -336,9 +349,14 @@ def _check_directory(path: Path, manifest: Manifest) -> None:
         raise FormatError(f"{path}: the shards hold {rows} packs, but the manifest totals say {manifest.totals.packs}.")
 
 
+def _index_columns(batch: pa.RecordBatch) -> list[str]:
+    """The list columns an index shard's rows are gathered from (and a mixture's `source_ids`, served)."""
+    return [*_INDEX_COLUMNS, *(["source_ids"] if "source_ids" in batch.schema.names else [])]
+
+
 def _row_columns(batch: pa.RecordBatch) -> list[str]:
     """The list columns a full shard serves (as zero-copy views)."""
-    return [*_ROW_COLUMNS, *(["labels"] if "labels" in batch.schema.names else [])]
+    return [*_ROW_COLUMNS, *(name for name in ("labels", "source_ids") if name in batch.schema.names)]
 
 
 def open_hf_dataset(
@@ -374,6 +392,11 @@ def open_hf_dataset(
         from datasets import Dataset as HFDataset, DatasetInfo, concatenate_datasets
 
     packed = PackedDataset(path, validate=validate, verify_checksums=verify_checksums, cache_dir=cache_dir, store=store)
+    if packed.manifest.mixture is not None and packed.manifest.mixture.index_only:
+        raise InputError(
+            f"{path} is a mixture's index build, which open_hf_dataset does not gather (its shards would need the "
+            "sources' column): use PackedDataset, or build the mixture in full."
+        )
     packed.check_all()
     columns = [*_ROW_COLUMNS, *(["labels"] if packed.manifest.has_labels else [])]
     files = packed.shard_paths if packed.store is None else _gathered_shards(packed, _rows_directory(cache_dir))

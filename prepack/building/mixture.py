@@ -1,0 +1,294 @@
+"""Mixtures: one build from several corpora or document stores, each source a share of the output
+tokens (or a number of epochs), selected in whole documents, deterministically with a seed.
+
+A mixture file (YAML or JSON; `prepack build MIX.yaml`) reads:
+
+    tokens: 50000000          # the output's token budget; or "all" (the default): every source's epochs
+    seed: 0                   # seed of the document selection
+    pack_within_source: false # true: no pack holds documents of two sources
+    sources:
+      - {name: web, path: corpora/web/, weight: 0.6, max_epochs: 2}
+      - {name: code, path: stores/code, weight: 0.3}
+      - {name: math, path: s3://bucket/math/, epochs: 2}
+
+`path` is a corpus or a document store, local (relative to the mixture file's directory) or a URI.
+A weighted source takes `weight / (sum of weights)` of what the budget leaves after the sources given
+in epochs; a source given in epochs takes that many times its tokens; without a budget every source is
+given in epochs (1 when it says neither). `load_mixture` checks the file strictly: an unknown key, a
+value of the wrong type or out of range, two sources of one name, a weight without a budget, each
+refused by file and field.
+
+Selection (`select_source`): a source's packable tokens E (its documents' tokens as the overflow
+policy leaves them) are repeated k = floor(T / E) times whole, and the rest of its request T is a
+seeded random subset of its documents: the shortest prefix of a seeded permutation whose tokens come
+nearest to the rest. So realized tokens are within one document of T (the permutation's boundary
+document), and a source asked for less than E is downsampled by that subset alone. A source asked
+for more than `max_epochs` copies of a document is refused.
+
+Copies of a document are planned apart (`mixture_parts`): the documents are cut into R parts (R the
+most copies of any document), each packed on its own, and the copies of one document go into
+different parts (copy c into part c + a seeded offset, mod R), so no pack ever holds two copies of one
+document, and each copy is packed among a different draw of the other sources' documents. With
+`pack_within_source` each part is also packed per source.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from prepack.errors import InputError
+
+__all__ = [
+    "MIXTURE_SUFFIXES",
+    "MixtureSource",
+    "MixtureSpec",
+    "SourceSelection",
+    "is_mixture_file",
+    "load_mixture",
+    "mixture_parts",
+    "packable_tokens",
+    "requested_tokens",
+    "select_source",
+]
+
+MIXTURE_SUFFIXES = (".yaml", ".yml", ".json")
+# A source's name is a part of its input files' names in the manifest (`NAME/file.parquet`).
+SOURCE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+# Source ids are stored as uint16 (`prepack.formats.mixture.SOURCE_ID_TYPE`).
+MAX_SOURCES = 2**16 - 1
+
+
+class _Spec(BaseModel):
+    # strict: YAML gives typed values, and "2" is not a weight; frozen, unknown keys refused.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+_Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class MixtureSource(_Spec):
+    """One source of a mixture."""
+
+    name: str = Field(pattern=SOURCE_NAME, description="Unique; names the source in the manifest and reports.")
+    path: str = Field(min_length=1, description="A corpus or a document store: a path (relative to the mixture file) or a URI.")
+    weight: _Positive | None = Field(default=None, description="Share of the output tokens (normalized over the weighted sources).")
+    epochs: _Positive | None = Field(default=None, description="Instead of a weight: this many times the source's tokens.")
+    max_epochs: int | None = Field(default=None, ge=1, description="With a weight: the most copies of any document.")
+
+    @model_validator(mode="after")
+    def _one_amount(self) -> MixtureSource:
+        if self.weight is not None and self.epochs is not None:
+            raise ValueError("give a weight or epochs, not both")
+        if self.max_epochs is not None and self.weight is None:
+            raise ValueError("max_epochs caps a weight's repetition: give it with a weight")
+        return self
+
+
+class MixtureSpec(_Spec):
+    """A mixture file, checked."""
+
+    sources: list[MixtureSource] = Field(min_length=1, max_length=MAX_SOURCES)
+    tokens: Annotated[int, Field(ge=1, le=2**63 - 1)] | Literal["all"] = Field(
+        default="all", description="The output's token budget, or 'all': every source its epochs (default 1)."
+    )
+    seed: int = Field(default=0, ge=0, le=2**63 - 1, description="Seed of the document selection.")
+    pack_within_source: bool = Field(default=False, description="No pack holds documents of two sources.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MixtureSpec:
+        names = [source.name for source in self.sources]
+        if len(set(names)) != len(names):
+            twice = sorted({name for name in names if names.count(name) > 1})
+            raise ValueError(f"source names must be unique; {', '.join(map(repr, twice))} appear twice or more")
+        if self.tokens == "all" and any(source.weight is not None for source in self.sources):
+            raise ValueError("a weight is a share of a token budget: give 'tokens', or epochs instead of weights")
+        return self
+
+
+def is_mixture_file(spec: str | os.PathLike) -> bool:
+    """Whether `spec` names a mixture file (by its suffix: no corpus file has these)."""
+    return str(spec).lower().endswith(MIXTURE_SUFFIXES) and not Path(spec).is_dir()
+
+
+def _field(location: tuple) -> str:
+    """A pydantic error location as a field path: `sources[1].weight`."""
+    out = ""
+    for part in location:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).startswith(("function-", "literal[", "constrained-")) and part not in ("int", "str"):
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def load_mixture(path: str | os.PathLike) -> MixtureSpec:
+    """Read and check the mixture file at `path` (YAML, or JSON for `.json`). Raises InputError naming
+    the file and the field of the first problems."""
+    import yaml  # only for mixtures
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read the mixture file ({exc}).") from None
+    try:
+        data = json.loads(text) if str(path).lower().endswith(".json") else yaml.load(text, Loader=_unique_key_loader())
+    except (ValueError, yaml.YAMLError) as exc:
+        raise InputError(f"{path}: not a valid mixture file ({str(exc).splitlines()[0]}).") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: a mixture file holds a mapping with 'sources', not {type(data).__name__}.")
+    try:
+        return MixtureSpec.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{_field(e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)[:5])
+        raise InputError(f"{path}: invalid mixture: {problems}.") from None
+
+
+def _unique_key_loader() -> type:
+    """PyYAML's safe loader refusing duplicate keys (made on use: importing this module imports no yaml)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """PyYAML's safe loader, refusing a key given twice (PyYAML keeps the last one silently)."""
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return Loader
+
+
+def source_location(spec_path: str | os.PathLike, source: MixtureSource) -> str:
+    """Where `source` lies: a URI as given, a relative path from the mixture file's directory."""
+    from prepack.storage.remote import is_uri
+
+    if is_uri(source.path) or os.path.isabs(source.path):
+        return source.path
+    return os.path.join(os.path.dirname(os.path.abspath(spec_path)), source.path)
+
+
+def packable_tokens(
+    lengths: np.ndarray, untrained: np.ndarray, max_len: int, overflow: str, drop_untrained: bool
+) -> np.ndarray:
+    """The tokens each document puts into packs (in the dtype of `lengths`, a copy): its length, cut to
+    max_len with "truncate", 0 when "drop" leaves it out, 0 when it is untrained and `drop_untrained`.
+    A document with none is never selected."""
+    tokens = np.array(lengths)
+    max_len = min(max_len, np.iinfo(tokens.dtype).max)
+    if overflow == "truncate":
+        np.minimum(tokens, max_len, out=tokens)
+    elif overflow == "drop":
+        tokens[tokens > max_len] = 0
+    if drop_untrained:
+        tokens[np.asarray(untrained, dtype=bool)] = 0
+    return tokens
+
+
+def requested_tokens(spec: MixtureSpec, available: list[int]) -> list[int]:
+    """What each source is asked for, in tokens, given each one's packable tokens `available`.
+    Raises InputError when the sources in epochs leave nothing of the budget for the weighted ones."""
+    fixed = [
+        round((source.epochs or 1.0) * tokens) if source.weight is None else 0
+        for source, tokens in zip(spec.sources, available)
+    ]
+    weights = [source.weight or 0.0 for source in spec.sources]
+    if spec.tokens == "all" or not any(weights):
+        return fixed
+    left = spec.tokens - sum(fixed)
+    if left <= 0:
+        raise InputError(
+            f"the sources given in epochs take {sum(fixed):,} tokens, the whole budget of {spec.tokens:,}: "
+            "nothing is left for the weighted sources."
+        )
+    total = math.fsum(weights)
+    return [round(left * weight / total) if weight else amount for weight, amount in zip(weights, fixed)]
+
+
+@dataclass(frozen=True)
+class SourceSelection:
+    """The documents a source puts into the mixture: every row of `eligible` (its documents with
+    packable tokens, ascending) `epochs` times, then the rows of `partial` (a seeded subset,
+    ascending) once more."""
+
+    eligible: np.ndarray  # rows within the source (uint32 while they fit)
+    epochs: int
+    partial: np.ndarray  # rows within the source, as `eligible`
+    requested: int  # tokens asked for
+    realized: int  # tokens selected
+
+    @property
+    def documents(self) -> int:
+        return self.epochs * len(self.eligible) + len(self.partial)
+
+
+def _rows(rows: np.ndarray, count: int) -> np.ndarray:
+    """Row numbers below `count` in 4 bytes while they fit (8 above)."""
+    return rows.astype(np.uint32 if count <= 2**32 else np.int64, copy=False)
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    """A source's own generator: its selection does not change when other sources are added or reordered."""
+    return np.random.default_rng([seed, *name.encode()])
+
+
+def select_source(name: str, tokens: np.ndarray, requested: int, seed: int, max_epochs: int | None = None) -> SourceSelection:
+    """Select whole documents of one source (`tokens`: each document's packable tokens) worth
+    `requested` tokens: whole epochs, then the prefix of a seeded permutation of the eligible
+    documents whose tokens come nearest to what is left (the shorter prefix on a tie). The realized
+    tokens differ from `requested` by at most the tokens of one document."""
+    tokens = np.asarray(tokens)
+    eligible = _rows(np.flatnonzero(tokens > 0), len(tokens))
+    available = int(tokens.sum(dtype=np.int64))
+    if available == 0:
+        raise InputError(f"source {name!r}: no document has a token to pack.")
+    epochs, rest = divmod(int(requested), available)
+    order = _rng(seed, name).permutation(eligible)
+    running = np.concatenate(([0], np.cumsum(tokens[order], dtype=np.int64)))
+    above = int(np.searchsorted(running, rest, "left"))  # the first prefix with at least `rest` tokens
+    take = above if above == 0 or running[above] - rest < rest - running[above - 1] else above - 1
+    copies = epochs + (take > 0)
+    if max_epochs is not None and copies > max_epochs:
+        raise InputError(
+            f"source {name!r}: its weight asks for {requested:,} tokens, {requested / available:.3g} times its "
+            f"{available:,}, which needs {copies} copies of some documents; its max_epochs is {max_epochs}."
+        )
+    return SourceSelection(eligible, epochs, np.sort(order[:take]), int(requested), epochs * available + int(running[take]))
+
+
+def mixture_parts(
+    selections: list[SourceSelection], first_rows: np.ndarray, rows: int, within_source: bool, seed: int
+) -> list[np.ndarray]:
+    """The mixture's documents, as the global rows (source's first row + its row; `rows` in all) of each part that
+    is packed on its own: R parts, R the most copies any document has, copy c of a document going into
+    part (c + its seeded offset) mod R, so no part holds two copies of one document and each copy has
+    other company; with `within_source`, each part per source too. Each part's rows are in a seeded
+    order (the planner's order among equal lengths)."""
+    rounds = max(s.epochs + (len(s.partial) > 0) for s in selections)
+    rng = np.random.default_rng([seed, rounds])
+    grouped: list[list[np.ndarray]] = [[] for _ in range(rounds * (len(selections) if within_source else 1))]
+    for number, (s, first) in enumerate(zip(selections, first_rows)):
+        offset = rng.integers(rounds, size=len(s.eligible), dtype=np.uint16 if rounds < 2**15 else np.int64)
+        extra = np.isin(s.eligible, s.partial, assume_unique=True)  # the documents taken once more
+        for copy in range(s.epochs + (len(s.partial) > 0)):
+            taken = slice(None) if copy < s.epochs else extra
+            part = (offset[taken] + copy) % rounds
+            copies = _rows(s.eligible[taken], rows) + _rows(np.asarray(first), rows)
+            for index in np.unique(part):
+                grouped[index * (len(selections) if within_source else 1) + (number if within_source else 0)].append(copies[part == index])
+    parts = []
+    for number, pieces in enumerate(grouped):
+        if pieces:
+            parts.append(np.random.default_rng([seed, rounds, number]).permutation(np.concatenate(pieces)))
+    return parts

@@ -1,0 +1,281 @@
+"""`prepack build MIX.yaml`: a build from a mixture file (`prepack.building.mixture`).
+
+Each source is read as `build` reads a corpus or a store (`open_documents`, the same reading options
+for every corpus source) and its first pass kept in a scratch directory of its own
+(`LocalEngine.first_pass`); then the selection (`select_source`) and the plan (`plan_mixture`) are
+computed from the sources' lengths, and the packs written by the local engine as for any build, from
+the sources' token files laid back to back. With `--index-only` every source is a store beside the
+build: the first passes read only the stores' offsets, the shards hold the plan, and the manifest
+names each source's store (`prepack.sources.mixture_stores` reads them back as one). The manifest's `inputs` are every source's files, named
+`SOURCE/FILE`, in source order, and a pack's `source_rows` count over them (so a source's rows start
+at its `first_row`); `mixture` records the request and what each source put into the packs.
+
+A source without labels, mixed with sources that have them, is trained on every token: its labels are
+its token ids (the collator still masks each document's first token).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from importlib.metadata import version
+
+import numpy as np
+
+from prepack.sources.documents import Documents, Reading, open_documents
+from prepack.building.engines.base import FirstPass, locate_row
+from prepack.building.engines.local import LocalEngine
+from prepack.errors import DISTRIBUTION, InputError
+from prepack.formats.shards import MANIFEST_NAME, BuildOptions, InputFile, Manifest, Totals, write_manifest
+from prepack.building.mixture import MixtureSpec, load_mixture, mixture_parts, packable_tokens, requested_tokens, select_source, source_location
+from prepack.formats.mixture import MixtureInfo, SourceCounts, mixture_fingerprint
+from prepack.building.mixture_plan import MixturePlan, plan_mixture
+from prepack.building.plan import compact_lengths
+from prepack.storage.output import Staging, output_errors, staged_directory
+from prepack.sources.store import is_store
+from prepack.storage.remote import is_uri, local_input, staged_prefix
+from prepack.building.write_shards import TokenFiles
+
+__all__ = ["SourceTally", "build_mixture", "plan_sources", "with_row_starts"]
+
+
+def _check_options(spec_path: str | os.PathLike, out: str | os.PathLike, packing, output) -> None:
+    """Refuse what a mixture build does not do, by name, before anything is read."""
+    if output.engine != "local":
+        raise InputError(
+            f"{spec_path}: a mixture builds with the local engine only (--engine ray reads one corpus or store)."
+        )
+    if packing.index_only and is_uri(out):
+        raise InputError(
+            f"{spec_path}: a mixture's index build is written to a local directory only (its readers open "
+            "several stores beside it); build it in full to put it in object storage."
+        )
+
+
+def _tokenizer_check(spec: MixtureSpec, documents: list[Documents]) -> None:
+    """Sources tokenized with different tokenizers would mix token ids of two vocabularies."""
+    seen = {}
+    for source, docs in zip(spec.sources, documents):
+        if docs.tokenize is not None:
+            seen.setdefault(docs.tokenize.tokenizer.sha256, source.name)
+    if len(seen) > 1:
+        raise InputError(
+            f"sources {', '.join(map(repr, seen.values()))} were tokenized with different tokenizers "
+            f"(sha256 {', '.join(s[:12] for s in seen)}): their token ids do not mean the same."
+        )
+
+
+def _label_files(firsts: list[FirstPass]) -> TokenFiles | None:
+    """The sources' labels back to back: a source without labels is trained on every token."""
+    if not any(first.has_labels for first in firsts):
+        return None
+    paths = tuple((first.labels or first.tokens).paths[0] for first in firsts)
+    return TokenFiles(paths, _token_firsts(firsts))
+
+
+def _token_firsts(firsts: list[FirstPass]) -> np.ndarray:
+    tokens = [int(first.lengths.sum(dtype=np.int64)) for first in firsts]
+    return np.concatenate([[0], np.cumsum(tokens)[:-1]]).astype(np.int64)
+
+
+def build_mixture(
+    spec_path: str | os.PathLike,
+    out: str | os.PathLike,
+    reading: Reading,
+    packing,
+    output,
+    bar,
+    index_store_path: Callable[[str | os.PathLike, str | os.PathLike], str],
+) -> Manifest:
+    """Build the mixture the file `spec_path` describes into `out` (`packing` and `output` as for
+    `prepack.building.build.build_packs`, which calls this; `packing.seed` shuffles the packs, the file's
+    `seed` selects the documents). `index_store_path` is build_packs' rule for how an index build names
+    its store (passed in: this module is imported by it). Raises InputError for a bad mixture file or
+    source, as `build` does for a corpus."""
+    spec = load_mixture(spec_path)
+    _check_options(spec_path, out, packing, output)
+    max_len, index_only = packing.max_len, packing.index_only
+    with ExitStack() as stack:
+        documents, store_paths = [], []
+        for source in spec.sources:
+            location = source_location(spec_path, source)
+            if index_only and (is_uri(location) or not is_store(location)):
+                raise InputError(
+                    f"{spec_path}: --index-only mixes local document stores, and source {source.name!r} ({source.path}) "
+                    f"is not one: make it one with `prepack tokenize {source.path} --out STORE`."
+                )
+            store_paths.append(index_store_path(location, out) if index_only else None)  # refuses a store the build cannot name
+            given = stack.enter_context(local_input(location))
+            documents.append(open_documents(given.spec, reading, out, bar, given.location))
+        _tokenizer_check(spec, documents)
+        staged = staged_prefix if is_uri(out) else staged_directory
+        staging = stack.enter_context(staged(out, output.overwrite))
+        firsts = []
+        for number, (source, docs) in enumerate(zip(spec.sources, documents)):
+            scratch = staging.scratch / f"source-{number:05d}"
+            scratch.mkdir()
+            first = LocalEngine(Staging(staging.build, scratch), index_only).first_pass(docs, reading, bar)
+            _check_lengths(source.name, docs, first, max_len, packing.overflow)
+            firsts.append(first)
+        plan, tallies = plan_sources(spec, firsts, packing)
+        has_labels = any(first.has_labels for first in firsts)
+        whole = FirstPass(
+            lengths=np.concatenate([first.lengths for first in firsts]),
+            untrained=np.concatenate([first.untrained for first in firsts]),
+            rows_per_file=[],
+            fingerprint=mixture_fingerprint([first.fingerprint for first in firsts]),
+            has_labels=has_labels,
+            tokens=None if index_only else TokenFiles(tuple(first.tokens.paths[0] for first in firsts), _token_firsts(firsts)),
+            labels=None if index_only else _label_files(firsts),
+        )
+        if not index_only:
+            plan = with_row_starts(plan, firsts)
+        shards = LocalEngine(staging, index_only).write_packs(plan, whole, output.shard_size, bar)
+        totals = plan.totals()
+        manifest = Manifest(
+            prepack_version=version(DISTRIBUTION),
+            options=BuildOptions(
+                max_len=max_len,
+                algorithm=packing.algorithm,
+                overflow=packing.overflow,
+                seed=packing.seed,
+                shard_size=output.shard_size,
+                column=reading.column,
+                labels_column="labels" if has_labels else None,
+                drop_untrained=packing.drop_untrained,
+            ),
+            has_labels=has_labels,
+            fingerprint=whole.fingerprint,
+            inputs=[
+                InputFile(path=f"{source.name}/{docs.corpus.name(path)}", rows=rows)
+                for source, docs, first in zip(spec.sources, documents, firsts)
+                for path, rows in zip(docs.corpus.files, first.rows_per_file)
+            ],
+            totals=Totals(**totals, documents=sum(t.documents for t in tallies)),
+            shards=shards,
+            mixture=_mixture_info(spec, firsts, tallies, totals["tokens"], store_paths),
+        )
+        with output_errors(staging.build / MANIFEST_NAME):
+            write_manifest(staging.build, manifest)
+    return manifest
+
+
+def _check_lengths(name: str, docs: Documents, first: FirstPass, max_len: int, overflow: str) -> None:
+    """`--overflow error`: refuse a source's first document longer than max_len, by file, row and column."""
+    if overflow == "error" and (first.lengths > max_len).any():
+        row = int(np.flatnonzero(first.lengths > max_len)[0])
+        path, file_row = locate_row(docs.corpus, first.rows_per_file, row)
+        raise InputError(
+            f"source {name!r}: {path}, row {file_row}, column {docs.column!r}: {first.lengths[row]} tokens, longer "
+            f"than --max-len {max_len} (choose --overflow split, truncate or drop)."
+        )
+
+
+@dataclass(frozen=True)
+class SourceTally:
+    """What a source's selection came to, for the manifest (`SourceCounts`)."""
+
+    eligible_documents: int
+    eligible_tokens: int
+    requested: int
+    realized: int
+    full_epochs: int
+    partial_documents: int
+    documents: int
+    segments: int
+
+
+def plan_sources(spec: MixtureSpec, firsts: list[FirstPass], packing) -> tuple[MixturePlan, list[SourceTally]]:
+    """The selection of every source (`firsts`: their lengths and untrained flags) and the plan of the
+    mixture's documents; the plan has no token starts yet (`with_row_starts`). Memory beyond the
+    sources' lengths: the selection's rows (4 bytes a selected document) and the parts' plans."""
+    packable = [
+        packable_tokens(f.lengths, f.untrained, packing.max_len, packing.overflow, packing.drop_untrained) for f in firsts
+    ]
+    requested = requested_tokens(spec, [int(tokens.sum(dtype=np.int64)) for tokens in packable])
+    selections, tallies = [], []
+    for source, tokens, asked in zip(spec.sources, packable, requested):
+        selection = select_source(source.name, tokens, asked, spec.seed, source.max_epochs)
+        # Pieces of each document as packed: a split document's ceil(length / max_len), else one.
+        pieces = -(-tokens.astype(np.int64) // packing.max_len) if packing.overflow in ("split", "error") else np.minimum(tokens, 1)
+        tallies.append(
+            SourceTally(
+                eligible_documents=len(selection.eligible),
+                eligible_tokens=int(tokens.sum(dtype=np.int64)),
+                requested=selection.requested,
+                realized=selection.realized,
+                full_epochs=selection.epochs,
+                partial_documents=len(selection.partial),
+                documents=selection.documents,
+                segments=selection.epochs * int(pieces[selection.eligible].sum()) + int(pieces[selection.partial].sum()),
+            )
+        )
+        selections.append(selection)
+    del packable, pieces
+    if not any(t.documents for t in tallies):
+        raise InputError("the mixture selects no document: every source was asked for no token.")
+    rows = np.array([len(f.lengths) for f in firsts], dtype=np.int64)
+    first_rows = np.cumsum(rows) - rows
+    parts = mixture_parts(selections, first_rows, int(rows.sum()), spec.pack_within_source, spec.seed)
+    del selections
+    plan = plan_mixture(
+        parts,
+        compact_lengths(np.concatenate([f.lengths for f in firsts])),
+        np.concatenate([f.untrained for f in firsts]),
+        first_rows,
+        None,
+        packing.max_len,
+        algorithm=packing.algorithm,
+        overflow=packing.overflow,
+        seed=packing.seed,
+        drop_untrained=packing.drop_untrained,
+    )
+    return plan, tallies
+
+
+def with_row_starts(plan: MixturePlan, firsts: list[FirstPass]) -> MixturePlan:
+    """`plan` with every row's first token in the sources' token files laid back to back (8 bytes a
+    source document, held while shards are written)."""
+    lengths = np.concatenate([f.lengths for f in firsts]).astype(np.int64)
+    return replace(plan, row_starts=np.cumsum(lengths) - lengths)
+
+
+def _mixture_info(
+    spec: MixtureSpec, firsts: list[FirstPass], tallies: list[SourceTally], total_tokens: int, stores: list[str | None]
+) -> MixtureInfo:
+    """The manifest's `mixture`: the request, and per source the counts its packs must agree with."""
+    asked = max(sum(t.requested for t in tallies), 1)
+    sources, first_row = [], 0
+    for source, first, tally, store in zip(spec.sources, firsts, tallies, stores):
+        sources.append(
+            SourceCounts(
+                name=source.name,
+                path=source.path,
+                fingerprint=first.fingerprint,
+                weight=source.weight,
+                epochs=None if source.weight is not None else (source.epochs or 1.0),
+                max_epochs=source.max_epochs,
+                first_row=first_row,
+                rows=len(first.lengths),
+                eligible_documents=tally.eligible_documents,
+                eligible_tokens=tally.eligible_tokens,
+                requested_tokens=tally.requested,
+                requested_weight=tally.requested / asked,
+                full_epochs=tally.full_epochs,
+                partial_documents=tally.partial_documents,
+                documents=tally.documents,
+                segments=tally.segments,
+                tokens=tally.realized,
+                weight_realized=tally.realized / total_tokens,
+                store=store,
+            )
+        )
+        first_row += len(first.lengths)
+    return MixtureInfo(
+        tokens=None if spec.tokens == "all" else spec.tokens,
+        seed=spec.seed,
+        pack_within_source=spec.pack_within_source,
+        sources=sources,
+    )

@@ -1,0 +1,264 @@
+"""Mixtures (`prepack build MIX.yaml`): the mixture file is checked strictly, each source's selection
+is whole documents within one document of its request, and the build's packs hold exactly the
+selected documents, copies of one document never in one pack, with per-source counts in the manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import prepack
+from prepack.building.mixture import load_mixture, requested_tokens, select_source
+from prepack.errors import InputError
+from prepack.training.dataset import PackedDataset
+from tests.cli import WIDE, failure, run_prepack
+from tests.corpus import MIXTURE, mixture_sources, read_build, write_mixture
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixture")
+    return (root, *mixture_sources(root))
+
+
+def _mixture(root: Path, name: str, tokens: int = 20000, within: bool = False) -> Path:
+    return write_mixture(root, name, tokens, within)
+
+
+def _packed_documents(packs: list[dict], manifest: dict) -> list[tuple[int, int, int, int, list[int], list[int] | None]]:
+    """(pack, source, row in its source, piece, tokens, labels) of every document of every pack."""
+    firsts = [s["first_row"] for s in manifest["mixture"]["sources"]]
+    out = []
+    for number, pack in enumerate(packs):
+        cu = pack["cu_seqlens"]
+        for d, (row, piece, source) in enumerate(zip(pack["source_rows"], pack["source_pieces"], pack["source_ids"])):
+            labels = pack["labels"][cu[d] : cu[d + 1]] if "labels" in pack else None
+            out.append((number, source, row - firsts[source], piece, pack["input_ids"][cu[d] : cu[d + 1]], labels))
+    return out
+
+
+def test_a_mixture_packs_exactly_the_selected_documents(sources, tmp_path):
+    root, docs, labels = sources
+    max_len = 128
+    manifest = prepack.build(_mixture(root, "mix.yaml"), tmp_path / "out", max_len=max_len)
+    on_disk, packs = read_build(tmp_path / "out")
+    names = [s["name"] for s in on_disk["mixture"]["sources"]]
+    assert names == ["web", "code", "math"]
+    copies = Counter()
+    for pack, source, row, piece, tokens, pack_labels in _packed_documents(packs, on_disk):
+        name = names[source]
+        document = docs[name][row]
+        assert tokens == document[piece * max_len : (piece + 1) * max_len]
+        # web has labels; the others are trained on every token (their labels are their ids)
+        want = labels[name][row] if labels[name] is not None else document
+        assert pack_labels == want[piece * max_len : (piece + 1) * max_len]
+        copies[(source, row, piece)] += 1
+    by_name = {s.name: s for s in manifest.mixture.sources}
+    # web upsampled (1 epoch and a subset), code downsampled, math upsampled 8 times and more
+    assert by_name["web"].full_epochs == 1 and by_name["web"].partial_documents > 0
+    assert by_name["code"].full_epochs == 0 and by_name["code"].documents < len(docs["code"]) - 1
+    assert by_name["math"].full_epochs >= 8
+    for number, name in enumerate(names):
+        s = by_name[name]
+        lengths = [len(d) for d in docs[name]]
+        assert abs(s.tokens - s.requested_tokens) <= max(lengths)  # within one document of the request
+        taken = {key: count for key, count in copies.items() if key[0] == number and key[2] == 0}
+        assert sum(taken.values()) == s.documents
+        assert set(taken.values()) <= {s.full_epochs, s.full_epochs + 1}
+        assert sum(1 for c in taken.values() if c == s.full_epochs + 1) == s.partial_documents
+        assert s.tokens == sum(len(t) for _, src, _, _, t, _ in _packed_documents(packs, on_disk) if src == number)
+    assert (1, 5, 0) not in copies  # the empty document
+    assert sum(s.tokens for s in manifest.mixture.sources) == manifest.totals.tokens
+    assert [f["path"].split("/")[0] for f in on_disk["inputs"]] == ["web", "code", "math"]
+
+
+def test_copies_of_a_document_never_share_a_pack(sources, tmp_path):
+    root, _, _ = sources
+    prepack.build(_mixture(root, "mix.yaml"), tmp_path / "out", max_len=2048)
+    manifest, packs = read_build(tmp_path / "out")
+    math = manifest["mixture"]["sources"][2]
+    assert math["full_epochs"] >= 8  # 30 short documents, many copies each, 2048-token packs: room for all
+    neighbours = {}
+    for pack in packs:
+        keys = list(zip(pack["source_rows"], pack["source_pieces"]))
+        assert len(keys) == len(set(keys)), "a pack holds two copies of a document"
+        for row in pack["source_rows"]:
+            neighbours.setdefault(row, []).append(frozenset(pack["source_rows"]) - {row})
+    # a copy meets other documents than the copy before it
+    repeated = [sets for sets in neighbours.values() if len(sets) > 1]
+    assert repeated and all(len(set(sets)) == len(sets) for sets in repeated)
+
+
+def test_pack_within_source(sources, tmp_path):
+    root, _, _ = sources
+    prepack.build(_mixture(root, "within.yaml", within=True), tmp_path / "out", max_len=512)
+    _, packs = read_build(tmp_path / "out")
+    assert all(len(set(pack["source_ids"])) == 1 for pack in packs)
+    assert {pack["source_ids"][0] for pack in packs} == {0, 1, 2}
+
+
+def test_a_mixture_build_is_reproducible(sources, tmp_path):
+    root, _, _ = sources
+    mixture = _mixture(root, "mix.yaml")
+
+    def digest(out: Path) -> dict[str, str]:
+        return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.iterdir())}
+
+    prepack.build(mixture, tmp_path / "a", max_len=256)
+    prepack.build(mixture, tmp_path / "b", max_len=256)
+    assert digest(tmp_path / "a") == digest(tmp_path / "b")
+
+
+@given(
+    lengths=st.lists(st.integers(0, 500), min_size=1, max_size=60),
+    share=st.floats(0.0, 6.0, allow_nan=False),
+    seed=st.integers(0, 2**32),
+)
+@settings(max_examples=300, deadline=None)
+def test_selection_is_within_one_document_of_the_request(lengths, share, seed):
+    tokens = np.array(lengths, dtype=np.int64)
+    available = int(tokens.sum())
+    assume(available > 0)
+    requested = round(share * available)
+    selection = select_source("s", tokens, requested, seed)
+    realized = selection.epochs * available + int(tokens[selection.partial].sum())
+    assert selection.realized == realized
+    # the rest is a subset of whole eligible documents, none twice; the error at most one document
+    assert len(set(selection.partial.tolist())) == len(selection.partial)
+    assert (tokens[selection.partial] > 0).all()
+    assert abs(realized - requested) <= int(tokens.max())
+    assert selection.epochs == requested // available
+    again = select_source("s", tokens, requested, seed)
+    assert np.array_equal(again.partial, selection.partial)
+
+
+def test_requested_tokens_share_the_budget_left_by_epochs():
+    spec = load_mixture_text("tokens: 1000\nsources:\n  - {name: a, path: a, weight: 3}\n  - {name: b, path: b, weight: 1}\n  - {name: c, path: c, epochs: 2}\n")
+    assert requested_tokens(spec, [100, 100, 100]) == [600, 200, 200]
+    with pytest.raises(InputError, match="nothing is left"):
+        requested_tokens(spec, [100, 100, 600])
+
+
+def load_mixture_text(text: str, name: str = "mix.yaml", directory: Path | None = None):
+    import tempfile
+
+    directory = Path(directory or tempfile.mkdtemp())
+    (directory / name).write_text(text)
+    return load_mixture(directory / name)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("sources:\n  - {name: a, path: a, weight: 1}\n", "a weight is a share of a token budget"),
+        ("tokens: 10\nsources:\n  - {name: a, path: a, weight: '2'}\n", "sources[0].weight"),
+        ("tokens: 10\nsources:\n  - {name: a, path: a, weight: 1, colour: red}\n", "sources[0].colour"),
+        ("tokens: 10\nsources:\n  - {name: a, path: a, weight: 1}\n  - {name: a, path: b, weight: 1}\n", "'a' appear twice"),
+        ("tokens: 10\nsources:\n  - {name: a, path: a, weight: 1, epochs: 2}\n", "not both"),
+        ("sources:\n  - {name: a, path: a, max_epochs: 2}\n", "max_epochs caps a weight"),
+        ("tokens: 10\ntokens: 20\nsources: []\n", "key 'tokens' appears twice"),
+        ("tokens: -5\nsources:\n  - {name: a, path: a, weight: 1}\n", "tokens"),
+        ("sources:\n  - {name: ../x, path: a}\n", "sources[0].name"),
+        ("- a\n- b\n", "not list"),
+    ],
+)
+def test_a_bad_mixture_file_is_refused_by_file_and_field(tmp_path, text, field):
+    with pytest.raises(InputError) as refused:
+        load_mixture_text(text, directory=tmp_path)
+    message = str(refused.value)
+    assert str(tmp_path / "mix.yaml") in message and field in message
+
+
+def test_the_cli_builds_a_mixture_and_refuses_a_bad_one(sources, tmp_path):
+    root, _, _ = sources
+    result = run_prepack("build", _mixture(root, "mix.yaml"), "--max-len", "256", "--out", tmp_path / "out", env=WIDE)
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["mixture"]["seed"] == 3
+    for source in manifest["mixture"]["sources"]:  # the summary names every source's tokens and documents
+        assert f"source {source['name']}" in result.stdout and f"{source['tokens']:,} tokens" in result.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tokens: 100\nsources:\n  - {name: a, path: a.parquet, weigth: 1}\n")
+    message = failure(run_prepack("build", bad, "--max-len", "256", "--out", tmp_path / "out2", env=WIDE))
+    assert f"{bad}: invalid mixture: sources[0].weigth" in message
+    assert not (tmp_path / "out2").exists()
+
+
+def test_max_epochs_refuses_more_copies(sources, tmp_path):
+    root, _, _ = sources
+    mixture = root / "capped.yaml"
+    mixture.write_text(MIXTURE.format(tokens=20000, within="false").replace("max_epochs: 12", "max_epochs: 2"))
+    with pytest.raises(InputError, match="source 'math'.*its max_epochs is 2"):
+        prepack.build(mixture, tmp_path / "out", max_len=256)
+    assert not (tmp_path / "out").exists()
+
+
+def test_ray_is_refused_by_name(sources, tmp_path):
+    root, _, _ = sources
+    with pytest.raises(InputError, match="local engine only"):
+        prepack.build(_mixture(root, "mix.yaml"), tmp_path / "out", max_len=256, engine="ray")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def stores(sources) -> Path:
+    """The mixture with every source a document store, beside which index builds lie."""
+    root, _, _ = sources
+    prepack.build_store(root / "web.parquet", root / "web-store")
+    prepack.build_store(root / "code.jsonl", root / "code-store")
+    path = root / "stores.yaml"
+    path.write_text(MIXTURE.format(tokens=20000, within="false").replace("web.parquet", "web-store").replace("code.jsonl", "code-store"))
+    return path
+
+
+def test_an_index_build_of_a_mixture_serves_the_full_builds_rows(stores):
+    """The issue's target: full and index-only builds of one mixture, rows equal, counts equal."""
+    root = stores.parent
+    full = prepack.build(stores, root / "full", max_len=128, overwrite=True)
+    index = prepack.build(stores, root / "index", max_len=128, index_only=True, overwrite=True)
+    assert [s.model_dump(exclude={"store"}) for s in index.mixture.sources] == [s.model_dump(exclude={"store"}) for s in full.mixture.sources]
+    assert [s.store for s in index.mixture.sources] == ["../web-store", "../code-store", "../math-store"]
+    assert index.totals == full.totals
+    whole, indexed = PackedDataset(root / "full"), PackedDataset(root / "index")
+    assert len(whole) == len(indexed)
+    for number in range(len(whole)):
+        a, b = whole[number], indexed[number]
+        assert sorted(a) == sorted(b) == ["cu_seqlens", "input_ids", "labels", "segment_ids", "source_ids"]
+        for key in a:
+            assert np.array_equal(a[key], b[key]), (number, key)
+    index_bytes = sum(f.stat().st_size for f in (root / "index").glob("shard-*.arrow"))
+    assert index_bytes < sum(f.stat().st_size for f in (root / "full").glob("shard-*.arrow")) / 3  # no token copied
+
+
+def test_an_index_build_of_a_mixture_needs_stores_beside_it(sources, stores, tmp_path):
+    root, _, _ = sources
+    with pytest.raises(InputError, match="source 'web' \\(web.parquet\\) is not one"):
+        prepack.build(_mixture(root, "mix.yaml"), root / "index-of-corpora", max_len=128, index_only=True)
+    with pytest.raises(InputError, match="an index build must lie beside its store"):
+        prepack.build(stores, tmp_path / "elsewhere", max_len=128, index_only=True)
+    assert not (root / "index-of-corpora").exists() and not (tmp_path / "elsewhere").exists()
+
+
+def test_a_mixtures_index_build_is_read_where_it_was_built(stores):
+    root = stores.parent
+    if not (root / "index").exists():
+        prepack.build(stores, root / "index", max_len=128, index_only=True)
+    with pytest.raises(InputError, match="a mixture's index build: it reads the stores its manifest names"):
+        PackedDataset(root / "index", store=root / "math-store")
+    with pytest.raises(InputError, match="open_hf_dataset does not gather"):
+        prepack.open_hf_dataset(root / "index")
+
+
+def test_overflow_error_names_the_source_file_row_and_column(sources, tmp_path):
+    root, docs, _ = sources
+    row = next(i for i, d in enumerate(docs["code"]) if len(d) > 128)
+    with pytest.raises(InputError) as refused:
+        prepack.build(_mixture(root, "mix.yaml"), tmp_path / "out", max_len=128, overflow="error")
+    assert f"source 'code': {root / 'code.jsonl'}, row {row}, column 'input_ids': {len(docs['code'][row])} tokens" in str(refused.value)
+    assert not (tmp_path / "out").exists()

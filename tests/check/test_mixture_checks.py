@@ -1,0 +1,171 @@
+"""`verify` and `inspect` on a mixture build: both agree with the manifest on every per-source count,
+and each catches a manifest or a shard that no longer does."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+import prepack
+from prepack.check.report import inspect_build
+from prepack.check.verify import verify_build
+from prepack.errors import FormatError, InputError
+from tests.cli import WIDE, run_prepack
+from tests.corpus import edit_json, mixture_sources, record_shard, write_mixture
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("mixture-checks")
+    mixture_sources(root)
+    prepack.build(write_mixture(root), root / "packed", max_len=128)
+    return root / "packed"
+
+
+@pytest.fixture
+def packed(clean, tmp_path) -> Path:
+    """A copy of the mixture build to damage."""
+    return shutil.copytree(clean, tmp_path / "packed")
+
+
+def test_verify_and_inspect_agree_with_the_manifest(clean):
+    assert verify_build(clean, all_problems=True) == []
+    manifest = json.loads((clean / "manifest.json").read_text())
+    report = inspect_build(clean)
+    for said, shown in zip(manifest["mixture"]["sources"], report.sources, strict=True):
+        assert shown.name == said["name"]
+        for name in ("documents", "segments", "tokens", "requested_tokens", "full_epochs", "partial_documents"):
+            assert getattr(shown, name) == said[name], name
+        assert shown.weight == pytest.approx(said["weight_realized"])
+
+
+def test_the_cli_shows_and_checks_the_sources(clean):
+    shown = run_prepack("inspect", clean, env=WIDE)
+    assert shown.returncode == 0, shown.stderr
+    assert "sources (mixture)" in shown.stdout
+    for line, source in zip(
+        [line for line in shown.stdout.splitlines() if line.strip().startswith(("web ", "code ", "math "))],
+        json.loads((clean / "manifest.json").read_text())["mixture"]["sources"],
+        strict=True,
+    ):
+        assert line.split()[:3] == [source["name"], f"{source['requested_tokens']:,}", f"{source['tokens']:,}"]
+    checked = run_prepack("verify", clean)
+    assert checked.returncode == 0, checked.stderr
+    assert "the counts of 3 sources" in checked.stdout
+
+
+def test_a_source_count_the_packs_do_not_hold_is_found(packed):
+    def more_tokens(raw: dict) -> None:
+        raw["mixture"]["sources"][1]["tokens"] += 1
+
+    edit_json(packed / "manifest.json", more_tokens)
+    found = {p.column: p.message for p in verify_build(packed, all_problems=True)}
+    assert "but the packs hold" in found["mixture.sources[1].tokens"]
+    assert "but the sum over mixture.sources is" in found["totals.tokens"]
+    with pytest.raises(FormatError, match="source 'code' has .* tokens, the shards hold"):
+        inspect_build(packed)
+
+
+def test_repeats_the_packs_do_not_show_are_found(packed):
+    def fewer_partial(raw: dict) -> None:
+        web = raw["mixture"]["sources"][0]
+        web["partial_documents"] -= 1
+        web["documents"] -= 1  # keeps the manifest's own arithmetic: only the packs can tell
+
+    edit_json(packed / "manifest.json", fewer_partial)
+    problems = [p for p in verify_build(packed, all_problems=True) if p.column == "mixture.sources[0]"]
+    assert len(problems) == 1 and "1 full epochs" in problems[0].message
+
+
+def test_a_wrong_source_id_is_found_at_its_pack(packed):
+    manifest = json.loads((packed / "manifest.json").read_text())
+    name = manifest["shards"][0]["name"]
+    path = packed / name
+    batch = pa.ipc.open_stream(path.read_bytes()).read_next_batch()
+    ids = batch.column("source_ids").to_pylist()
+    ids[2][0] = (ids[2][0] + 1) % 3
+    field = batch.schema.field("source_ids")
+    batch = batch.set_column(batch.schema.get_field_index("source_ids"), field, pa.array(ids, field.type))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    path.write_bytes(sink.getvalue().to_pybytes())
+    record_shard(packed / "manifest.json", path)
+    problems = verify_build(packed)
+    assert [(p.file, p.row, p.column) for p in problems] == [(name, 2, "source_ids")]
+
+
+def test_verify_source_is_refused_for_a_mixture(clean):
+    with pytest.raises(InputError, match="a mixture of 3 sources: --source checks a build of one corpus"):
+        verify_build(clean, clean.parent / "web.parquet")
+
+
+def test_a_single_source_build_has_no_mixture_and_no_source_ids(clean, tmp_path):
+    manifest = prepack.build(clean.parent / "web.parquet", tmp_path / "one", max_len=128)
+    assert manifest.mixture is None
+    assert "mixture" not in json.loads((tmp_path / "one" / "manifest.json").read_text())
+    assert inspect_build(tmp_path / "one").sources is None
+    schema = pa.ipc.open_stream((tmp_path / "one" / manifest.shards[0].name).read_bytes()).schema
+    assert "source_ids" not in schema.names
+
+
+@pytest.fixture(scope="module")
+def indexed(tmp_path_factory) -> Path:
+    """A directory holding three stores and a mixture's index build of them (`index/`)."""
+    root = tmp_path_factory.mktemp("mixture-index")
+    mixture_sources(root)
+    prepack.build_store(root / "web.parquet", root / "web-store")
+    prepack.build_store(root / "code.jsonl", root / "code-store")
+    mixture = write_mixture(root)
+    mixture.write_text(mixture.read_text().replace("web.parquet", "web-store").replace("code.jsonl", "code-store"))
+    prepack.build(mixture, root / "index", max_len=128, index_only=True)
+    return root
+
+
+def test_verify_and_inspect_read_a_mixtures_index_build(indexed):
+    assert verify_build(indexed / "index", all_problems=True) == []
+    checked = run_prepack("verify", indexed / "index")
+    assert checked.returncode == 0 and "the counts of 3 sources and the stores' shards and documents checked" in checked.stdout
+    manifest = json.loads((indexed / "index" / "manifest.json").read_text())
+    shown = inspect_build(indexed / "index").sources
+    assert [(s.name, s.tokens, s.documents) for s in shown] == [(s["name"], s["tokens"], s["documents"]) for s in manifest["mixture"]["sources"]]
+
+
+def test_a_damaged_source_store_is_found(indexed, tmp_path):
+    root = shutil.copytree(indexed, tmp_path / "copy")
+    shard = root / "math-store" / "documents-00000.arrow"
+    data = bytearray(shard.read_bytes())
+    data[-200] ^= 1  # a token id: the store manifest's sha256 no longer holds
+    shard.write_bytes(bytes(data))
+    problems = verify_build(root / "index", all_problems=True)
+    assert any(p.file == "../math-store/documents-00000.arrow" and "sha256" in p.message for p in problems), problems
+
+
+def test_another_store_in_a_sources_place_is_refused(indexed, tmp_path):
+    root = shutil.copytree(indexed, tmp_path / "copy")
+    shutil.rmtree(root / "code-store")
+    shutil.copytree(root / "web-store", root / "code-store")
+    problems = verify_build(root / "index")
+    assert problems[0].column == "mixture.sources" and "source 'code'" in problems[0].message
+    with pytest.raises(FormatError, match="the store changed; build the index again"):
+        prepack.PackedDataset(root / "index")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"overflow": "split"}, {"overflow": "truncate"}, {"overflow": "drop"}, {"overflow": "split", "drop_untrained": True}],
+)
+def test_every_overflow_policy_gives_a_mixture_verify_accepts(clean, tmp_path, options):
+    """Per-source segments and tokens follow the overflow policy (code holds documents longer than 64)."""
+    manifest = prepack.build(write_mixture(clean.parent, "small.yaml", tokens=6000), tmp_path / "out", max_len=64, **options)
+    assert verify_build(tmp_path / "out", all_problems=True) == []
+    code = manifest.mixture.sources[1]
+    if options["overflow"] == "split":
+        assert code.segments > code.documents  # split pieces counted per source
+    else:
+        assert code.segments == code.documents
+    assert inspect_build(tmp_path / "out").sources[1].segments == code.segments
