@@ -120,6 +120,10 @@ _READING_OPTIONS: dict[str, tuple[object, object]] = {
     "train_on": (Annotated[TrainOn, typer.Option("--train-on", help="--chat: which tokens keep their labels.")], TrainOn.assistant),
     "eos": (Annotated[bool, typer.Option("--eos/--no-eos", help="Append EOS to every text document.")], True),
     "num_proc": (Annotated[int | None, typer.Option("--num-proc", min=1, help="Tokenizer threads (text) or processes (chat); default: all cores.")], None),
+    "pairs": (Annotated[bool, typer.Option("--pairs", help="The corpus holds preference pairs (prompt, chosen, rejected; text, or conversations with --chat), each pair packed whole; needs --tokenizer and --overflow truncate, drop or error.")], False),
+    "prompt_column": (Annotated[str, typer.Option("--prompt-column", help="--pairs: the prompt column; a row without one takes the common prefix of chosen and rejected as its prompt.")], "prompt"),
+    "chosen_column": (Annotated[str, typer.Option("--chosen-column", help="--pairs: the chosen completion column.")], "chosen"),
+    "rejected_column": (Annotated[str, typer.Option("--rejected-column", help="--pairs: the rejected completion column.")], "rejected"),
 }
 
 

@@ -473,6 +473,7 @@ class ShardPacks:
     lengths: np.ndarray  # int64 [segments]
     rows: np.ndarray  # int64 [segments]: corpus row
     pieces: np.ndarray  # int32 [segments]: piece number of a split document
+    pair_roles: np.ndarray | None = None  # uint8 [segments]: a preference-pair build's (`prepack.building.pair_plan`)
 
 
 @dataclass(frozen=True)

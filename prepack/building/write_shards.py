@@ -275,12 +275,14 @@ def _full_batch(
     gather_tokens(tokens, layout.starts, lengths, ids)
     segment_ids = buffers.column("segment_ids", total, segment_id_type(layout.max_len).to_pandas_dtype())
     _segment_ids(lengths, layout.pack_offsets, segment_ids)
-    schema = shard_schema(labels is not None, layout.max_len)
+    schema = shard_schema(labels is not None, layout.max_len, pairs=layout.pair_roles is not None)
     columns = [list_array(pack_token_offsets, ids), list_array(pack_token_offsets, segment_ids), *_pack_columns(layout, lengths, schema)]
     if labels is not None:
         label_values = buffers.column("labels", total)
         gather_tokens(labels, layout.starts, lengths, label_values)
         columns.append(list_array(pack_token_offsets, label_values))
+    if layout.pair_roles is not None:
+        columns.append(list_array(layout.pack_offsets, layout.pair_roles))
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 

@@ -207,7 +207,7 @@ def _read_columns(build: Path | ShardCache, manifest: Manifest) -> tuple[list[Sh
             where = str(file)
         else:
             file, where = build.shard(info), build.name(info)
-        batch = open_shard(file, manifest.has_labels, max_len, manifest.index_of, where=where)
+        batch = open_shard(file, manifest.has_labels, max_len, manifest.index_of, where=where, pairs=manifest.pairs is not None)
         if batch.num_rows != info.rows:
             raise FormatError(f"{where}: {batch.num_rows} packs, but the manifest says {info.rows}.")
         columns = _shard_columns(batch, where, max_len)

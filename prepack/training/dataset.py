@@ -33,6 +33,7 @@ from prepack.errors import FormatError, InputError, PackIndexError, optional_imp
 from prepack.formats.common import list_column
 from prepack.formats.shards import (
     FORMAT_VERSION,
+    PAIR_ROLES,
     Manifest,
     check_index_shard,
     check_shard,
@@ -228,7 +229,7 @@ class PackedDataset(Dataset):
             raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
         index_only = self.store is not None
         m = self.manifest
-        batch = open_shard(path, m.has_labels, m.options.max_len, m.index_of, where=where)
+        batch = open_shard(path, m.has_labels, m.options.max_len, m.index_of, where=where, pairs=m.pairs is not None)
         if self.validate:
             if batch.num_rows != info.rows:
                 raise FormatError(f"{where}: {batch.num_rows} rows, but the manifest says {info.rows}.")
@@ -337,7 +338,7 @@ def _check_directory(path: Path, manifest: Manifest) -> None:
 
 def _row_columns(batch: pa.RecordBatch) -> list[str]:
     """The list columns a full shard serves (as zero-copy views)."""
-    return [*_ROW_COLUMNS, *(["labels"] if "labels" in batch.schema.names else [])]
+    return [*_ROW_COLUMNS, *(name for name in ("labels", PAIR_ROLES) if name in batch.schema.names)]
 
 
 def open_hf_dataset(
