@@ -175,11 +175,11 @@ class PairOptions(StrictModel):
 class PairTotals(StrictModel):
     """What a preference-pair build did with its pairs (the documents' counts are in `Totals`)."""
 
-    pairs: int = Field(ge=0, le=_COUNT_MAX, description="Pairs read: half of totals.documents.")
-    truncated: int = Field(ge=0, le=_COUNT_MAX, description="Pairs whose completions were cut to fit max_len.")
-    dropped: int = Field(ge=0, le=_COUNT_MAX, description="Pairs longer than max_len left out.")
-    prompt_tokens: int = Field(ge=0, le=_COUNT_MAX, description="Prompt tokens in the packs (each pair's twice).")
-    completion_tokens: int = Field(ge=0, le=_COUNT_MAX, description="Completion tokens in the packs.")
+    pairs: int = Field(ge=0, le=COUNT_MAX, description="Pairs read: half of totals.documents.")
+    truncated: int = Field(ge=0, le=COUNT_MAX, description="Pairs whose completions were cut to fit max_len.")
+    dropped: int = Field(ge=0, le=COUNT_MAX, description="Pairs longer than max_len left out.")
+    prompt_tokens: int = Field(ge=0, le=COUNT_MAX, description="Prompt tokens in the packs (each pair's twice).")
+    completion_tokens: int = Field(ge=0, le=COUNT_MAX, description="Completion tokens in the packs.")
 
 
 class BuildOptions(StrictModel):
