@@ -1,4 +1,5 @@
-"""Preference-pair builds (`--pairs`): TRL's formats read and tokenized as TRL's DPOTrainer tokenizes them,
+"""Preference-pair builds (`--pairs`) of examples/chitchat_pairs.py's pairs and of text pairs made from the
+same conversations: TRL's formats read and tokenized as TRL's DPOTrainer tokenizes them,
 every pair packed whole, overflow counted, bad rows refused by file, row and column.
 
 The reference tokenization is TRL's own code (`trl.data_utils`: `extract_prompt`, `_tokenize`,
@@ -9,7 +10,6 @@ path (tokenizers + jinja2) is checked against an independent implementation.
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +22,7 @@ from prepack.building.plan import assign_packs
 from prepack.errors import FormatError, InputError
 from prepack.formats.shards import check_shard, open_shard, read_manifest
 from tests.cli import WIDE, failure, run_prepack
-from tests.demo_inputs import CHATML, chitchat, gpt2_directory
+from tests.demo_inputs import CHATML, chitchat, chitchat_pairs, gpt2_directory
 
 trl_data = pytest.importorskip("trl.data_utils")
 
@@ -60,22 +60,15 @@ def trl_pair(tokenizer, example: dict) -> tuple[list[int], list[int], int]:
     return chosen_ids, rejected_ids, length
 
 
-def chat_pairs(count: int, seed: int = 0) -> list[dict]:
-    """Pairs from the chitchat conversations: the prompt a conversation's first turns, chosen its real
-    next turn, rejected another conversation's turn; every third row with an implicit prompt."""
-    conversations = [c for c in chitchat() if len(c) >= 3][: 4 * count]
-    rng = random.Random(seed)
+def chat_pairs(count: int) -> list[dict]:
+    """The first `count` pairs of examples/chitchat_pairs.py (explicit prompts); every third one with its
+    prompt left implicit, inside chosen and rejected."""
     rows = []
-    for i in range(count):
-        turns = conversations[i]
-        prompt = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": turns[1]}, {"role": "user", "content": turns[2]}]
-        other = conversations[rng.randrange(count, len(conversations))]
-        chosen = [{"role": "assistant", "content": turns[3] if len(turns) > 3 else turns[1]}]
-        rejected = [{"role": "assistant", "content": other[1]}]
+    for i, pair in enumerate(chitchat_pairs()[:count]):
         if i % 3 == 2:
-            rows.append({"chosen": prompt + chosen, "rejected": prompt + rejected})
+            rows.append({"chosen": pair["prompt"] + pair["chosen"], "rejected": pair["prompt"] + pair["rejected"]})
         else:
-            rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+            rows.append(dict(pair))
     return rows
 
 
