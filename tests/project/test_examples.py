@@ -47,3 +47,28 @@ def test_no_test_imports_the_examples_as_a_package():
         if re.search(r"^\s*(from|import)\s+examples\b", path.read_text(encoding="utf-8"), flags=re.MULTILINE)
     ]
     assert importing == []
+
+
+@pytest.mark.slow
+def test_dpo_example_trains_on_a_pair_build(tmp_path_factory, tmp_path):
+    """examples/train_dpo_plain_loop.py on a pair build of examples/chitchat_pairs.py's first pairs."""
+    import json
+
+    import prepack
+    from tests.demo_inputs import CHATML, chitchat_pairs, gpt2_directory
+
+    root = tmp_path_factory.mktemp("pairs")
+    corpus = root / "pairs.jsonl"
+    corpus.write_text("".join(json.dumps(pair) + "\n" for pair in chitchat_pairs()[:40]))
+    prepack.build(corpus, root / "packed", max_len=256, tokenizer=gpt2_directory(root / "gpt2", CHATML), chat=True,
+                  pairs=True, overflow="drop", num_proc=1)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_dpo_plain_loop.py"), "--data", str(root / "packed"), "--steps", "3",
+         "--loss", "dpo", "--workers", "0"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+) pairs [1-9]", result.stdout, flags=re.MULTILINE)]
+    assert len(losses) == 3 and all(map(math.isfinite, losses)), result.stdout[-2000:]
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-4)  # policy == reference at the first step
