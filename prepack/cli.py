@@ -200,7 +200,12 @@ def _summary(manifest: Manifest, out: str) -> Table:
         ("labels", "in the shards" if manifest.has_labels else "none"),
         ("untrained (no trained token)", _untrained(t.untrained, t.untrained_tokens, o.drop_untrained)),
     ]
-    if o.tokenize is not None:
+    if (p := manifest.pairs) is not None:
+        rows.insert(1, ("pairs", f"{p.pairs:,} read, {p.truncated:,} truncated, {p.dropped:,} dropped; "
+                                 f"prompt / completion tokens {p.prompt_tokens:,} / {p.completion_tokens:,}"))
+    if o.tokenize is not None and o.pairs is not None:
+        rows.insert(0, ("tokenized", f"{o.tokenize.tokenizer.name} ({o.tokenize.mode} pairs, labels on the completions)"))
+    elif o.tokenize is not None:
         how = "chat, labels on " + o.tokenize.train_on if o.tokenize.mode == "chat" else "text" + (" + EOS" if o.tokenize.eos else "")
         rows.insert(0, ("tokenized", f"{o.tokenize.tokenizer.name} ({how}), column {o.tokenize.column!r}"))
     for name, value in rows:
