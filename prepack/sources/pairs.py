@@ -44,13 +44,13 @@ from prepack.formats.shards import IGNORE_INDEX, PairOptions, TokenizeOptions
 from prepack.sources.corpus import Corpus, DocumentBatch, file_columns, file_kind, json_records, parse_json, record_batches
 from prepack.sources.tokenize import (
     LocalTokenizer,
-    _chat_template,
-    _check_messages,
-    _compile,
-    _encoded,
-    _eos_id,
-    _usable_cores,
-    _what,
+    resolve_chat_template,
+    checked_messages,
+    compile_template,
+    encoded_in_order,
+    eos_to_append,
+    usable_cores,
+    type_name,
 )
 
 __all__ = ["PairDocuments", "pair_documents", "split_prompt"]
@@ -145,12 +145,12 @@ class _PairEncoder:
                 present = ", ".join(key for key, value in record.items() if value is not None) or "none"
                 raise InputError(f"{path}, row {row}: the record has no {column!r} (fields: {present}).")
             if self.chat:
-                values[column] = _check_messages(where, value)
+                values[column] = checked_messages(where, value)
             elif isinstance(value, str):
                 values[column] = value
             else:
                 hint = "; --chat reads messages" if isinstance(value, list) else ""
-                raise InputError(f"{where}: expected a string (plain-text pairs), found {_what(value)}{hint}.")
+                raise InputError(f"{where}: expected a string (plain-text pairs), found {type_name(value)}{hint}.")
         if explicit:
             return values[o.prompt_column], values[o.chosen_column], values[o.rejected_column]
         prompt, chosen, rejected = split_prompt(values[o.chosen_column], values[o.rejected_column])
@@ -167,7 +167,7 @@ class _PairEncoder:
         messages = prompt if completion is None else prompt + completion
         context = dict(self.special_tokens, tools=None, documents=None)
         try:
-            return _compile(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+            return compile_template(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
         except Exception as exc:  # jinja2's TemplateError, or TypeError from a template's arithmetic
             raise InputError(f"{path}, row {row}: the chat template failed on this pair: {exc}") from None
 
@@ -243,10 +243,10 @@ def pair_documents(
 ) -> PairDocuments:
     """Check the options and the files' columns now; tokenize while `batches` is consumed. Raises
     InputError (file, row, column) for a bad pair, a missing column or a bad option."""
-    num_proc = num_proc or _usable_cores()
+    num_proc = num_proc or usable_cores()
     if num_proc < 1:
         raise InputError(f"num_proc must be at least 1, not {num_proc}.")
-    template = _chat_template(tokenizer, chat_template) if chat else None
+    template = resolve_chat_template(tokenizer, chat_template) if chat else None
     columns = [options.prompt_column, options.chosen_column, options.rejected_column]
     for path in corpus.files:
         kind = file_kind(path) or "arrow"
@@ -265,7 +265,7 @@ def pair_documents(
         chat=chat,
         template=template,
         special_tokens=tokenizer.special_tokens,
-        eos_id=_eos_id(tokenizer) if eos and not chat else None,
+        eos_id=eos_to_append(tokenizer) if eos and not chat else None,
     )
     tokenize = TokenizeOptions(
         tokenizer=tokenizer.info,
@@ -282,6 +282,6 @@ def pair_documents(
 
 def _stream(corpus: Corpus, columns: list[str], encoder: _PairEncoder, num_proc: int, prompt_lengths: list) -> Iterator[DocumentBatch]:
     os.environ["RAYON_NUM_THREADS"] = str(num_proc)
-    for (path, row0, _), (offsets, ids, labels, prompts) in _encoded(_chunks(corpus, columns), encoder, num_proc):
+    for (path, row0, _), (offsets, ids, labels, prompts) in encoded_in_order(_chunks(corpus, columns), encoder, num_proc):
         prompt_lengths.append(prompts)
         yield DocumentBatch(file=path, first_row=2 * row0, offsets=offsets, ids=ids, labels=labels)
