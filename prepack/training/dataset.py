@@ -354,7 +354,8 @@ def open_hf_dataset(
     `validate=False`, still its file and schema: `datasets` then maps a full build's shards unchecked).
 
     Rows hold the same columns as `PackedDataset` rows, as int64 arrays (`datasets` hands out a full
-    build's rows as int64 copies): input_ids, cu_seqlens, segment_ids, and labels when the build has them.
+    build's rows as int64 copies): input_ids, cu_seqlens, segment_ids, labels when the build has them, and a
+    preference-pair build's pair_roles.
     The dataset's `info.description` names the build's max_len, for `PackedCollator.for_dataset`.
 
     A full build's shards are memory-mapped as they are. An index build's packs are gathered from the
@@ -375,7 +376,8 @@ def open_hf_dataset(
 
     packed = PackedDataset(path, validate=validate, verify_checksums=verify_checksums, cache_dir=cache_dir, store=store)
     packed.check_all()
-    columns = [*_ROW_COLUMNS, *(["labels"] if packed.manifest.has_labels else [])]
+    optional = {"labels": packed.manifest.has_labels, PAIR_ROLES: packed.manifest.pairs is not None}
+    columns = [*_ROW_COLUMNS, *(name for name, present in optional.items() if present)]
     files = packed.shard_paths if packed.store is None else _gathered_shards(packed, _rows_directory(cache_dir))
     info = DatasetInfo(description=_HF_DESCRIPTION.format(max_len=packed.manifest.options.max_len))
     parts = [HFDataset.from_file(str(file), info=info) for file in files]
