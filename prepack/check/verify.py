@@ -379,6 +379,29 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
             f"tokenized {o.tokenize.mode} with train_on {o.tokenize.train_on!r} makes "
             f"{'labels' if made_labels else 'none'} and reads no labels column.",
         )
+    yield from _pair_count_problems(manifest)
+
+
+def _pair_count_problems(manifest: Manifest) -> Iterator[Problem]:
+    """A preference-pair build's `pairs` against its totals (schemas/shard-format.md, "Preference-pair builds")."""
+    t, p = manifest.totals, manifest.pairs
+    if (p is None) != (manifest.options.pairs is None):
+        yield Problem(file=MANIFEST_NAME, column="pairs", message="and options.pairs must be both set or both absent.")
+        return
+    if p is None:
+        return
+    rules = {
+        "pairs": (2 * p.pairs, t.documents, "twice the pairs are totals.documents"),
+        "dropped": (2 * p.dropped, t.dropped, "twice the dropped pairs are totals.dropped"),
+        "prompt_tokens": (p.prompt_tokens + p.completion_tokens, t.tokens, "prompt and completion tokens make totals.tokens"),
+        "truncated": (min(max(t.truncated, p.truncated), 2 * p.truncated), t.truncated,
+                      "each truncated pair cuts one or both of its documents (totals.truncated)"),
+    }
+    for name, (found, said, rule) in rules.items():
+        if found != said:
+            yield Problem(file=MANIFEST_NAME, column=f"pairs.{name}", message=f"is {getattr(p, name)}, but {rule}: {said}.")
+    if manifest.options.overflow == "split":
+        yield Problem(file=MANIFEST_NAME, column="options.overflow", message="is 'split', which never applies to pairs.")
 
 
 # 2. The directory ---------------------------------------------------------------------------------

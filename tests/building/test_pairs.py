@@ -280,3 +280,24 @@ def test_a_shard_with_broken_pairing_is_refused(tmp_path, gpt2):
     with pytest.raises(FormatError, match="row 0, column 'source_rows'.*not followed by its rejected"):
         check_shard(replaced("source_rows", rows), 300, "shard")
     assert read_manifest(tmp_path / "out").pairs.pairs == 40
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("pairs", 41, "pairs.pairs"),
+        ("prompt_tokens", 0, "pairs.prompt_tokens"),
+        ("dropped", 3, "pairs.dropped"),
+    ],
+)
+def test_verify_holds_the_pair_counts_to_the_totals(tmp_path, gpt2, field, value, says):
+    from prepack.check.verify import verify_build
+
+    corpus = write_jsonl(tmp_path / "pairs.jsonl", text_pairs(40))
+    prepack.build(corpus, tmp_path / "out", max_len=300, tokenizer=gpt2, pairs=True, overflow="drop", num_proc=1)
+    assert list(verify_build(tmp_path / "out")) == []
+    manifest_file = tmp_path / "out" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["pairs"][field] = value
+    manifest_file.write_text(json.dumps(manifest))
+    assert says in [problem.column for problem in verify_build(tmp_path / "out", all_problems=True)]
