@@ -8,17 +8,18 @@ for the token ids in the build, so that any build can be fed to it.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import pyarrow.compute as pc
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from prepack.formats.shards import open_shard
 from prepack.training.dataset import PackedDataset
 
 
-def parse_args(description: str) -> argparse.Namespace:
-    """The options every example takes; `description` is the example's docstring, shown by --help."""
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The options every example takes, and those `extra` adds; `description` is the example's docstring,
+    shown by --help."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="a directory written by `prepack build`")
     parser.add_argument("--model", help="a transformers causal LM name or path (default: tiny random Llama)")
@@ -27,6 +28,8 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
     parser.add_argument("--checkpoint", help="loops: save the loader's position here, and resume from it")
+    if extra is not None:
+        extra(parser)
     return parser.parse_args()
 
 
@@ -50,10 +53,6 @@ def largest_token_id(dataset: PackedDataset) -> int:
     """One vectorized pass over the memory-mapped token columns."""
     manifest = dataset.manifest
     return max(
-        pc.max(
-            open_shard(path, manifest.has_labels, manifest.options.max_len, sources=manifest.mixture is not None)
-            .column("input_ids")
-            .values
-        ).as_py()
+        pc.max(manifest.open_shard(path).column("input_ids").values).as_py()
         for path in dataset.shard_paths
     )

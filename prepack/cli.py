@@ -120,6 +120,10 @@ _READING_OPTIONS: dict[str, tuple[object, object]] = {
     "train_on": (Annotated[TrainOn, typer.Option("--train-on", help="--chat: which tokens keep their labels.")], TrainOn.assistant),
     "eos": (Annotated[bool, typer.Option("--eos/--no-eos", help="Append EOS to every text document.")], True),
     "num_proc": (Annotated[int | None, typer.Option("--num-proc", min=1, help="Tokenizer threads (text) or processes (chat); default: all cores.")], None),
+    "pairs": (Annotated[bool, typer.Option("--pairs", help="The corpus holds preference pairs (prompt, chosen, rejected; text, or conversations with --chat), each pair packed whole; needs --tokenizer and --overflow truncate, drop or error.")], False),
+    "prompt_column": (Annotated[str, typer.Option("--prompt-column", help="--pairs: the prompt column; a row without one takes the common prefix of chosen and rejected as its prompt.")], "prompt"),
+    "chosen_column": (Annotated[str, typer.Option("--chosen-column", help="--pairs: the chosen completion column.")], "chosen"),
+    "rejected_column": (Annotated[str, typer.Option("--rejected-column", help="--pairs: the rejected completion column.")], "rejected"),
 }
 
 
@@ -196,7 +200,12 @@ def _summary(manifest: Manifest, out: str) -> Table:
         ("labels", "in the shards" if manifest.has_labels else "none"),
         ("untrained (no trained token)", _untrained(t.untrained, t.untrained_tokens, o.drop_untrained)),
     ]
-    if o.tokenize is not None:
+    if (p := manifest.pairs) is not None:
+        rows.insert(1, ("pairs", f"{p.pairs:,} read, {p.truncated:,} truncated, {p.dropped:,} dropped; "
+                                 f"prompt / completion tokens {p.prompt_tokens:,} / {p.completion_tokens:,}"))
+    if o.tokenize is not None and o.pairs is not None:
+        rows.insert(0, ("tokenized", f"{o.tokenize.tokenizer.name} ({o.tokenize.mode} pairs, labels on the completions)"))
+    elif o.tokenize is not None:
         how = "chat, labels on " + o.tokenize.train_on if o.tokenize.mode == "chat" else "text" + (" + EOS" if o.tokenize.eos else "")
         rows.insert(0, ("tokenized", f"{o.tokenize.tokenizer.name} ({how}), column {o.tokenize.column!r}"))
     for source in manifest.mixture.sources if manifest.mixture is not None else []:

@@ -2,6 +2,7 @@
 (`--inputs-only`), once per test process, never by importing it (examples/ is not a package).
 
     chitchat()                          # the 7,168 conversations, each as its turns
+    chitchat_pairs()                    # examples/chitchat_pairs.py's preference pairs (TRL's format, messages)
     as_chat(turns)                      # turns as {role, content} messages, user first, as the demo does
     gpt2_directory(directory, CHATML)   # a copy of the demo's GPT-2 tokenizer, with a chat template or none
 """
@@ -18,19 +19,21 @@ from functools import lru_cache
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "chitchat.py"
+PAIRS_SCRIPT = SCRIPT.with_name("chitchat_pairs.py")
 
 
 @lru_cache
-def _inputs() -> Path:
-    """The directory examples/chitchat.py wrote its chitchat.jsonl and gpt2/ into (deleted at exit)."""
+def _inputs(script: Path = SCRIPT) -> Path:
+    """The directory `script` (examples/chitchat.py or chitchat_pairs.py) wrote its corpus and gpt2/ into
+    (deleted at exit)."""
     workdir = Path(tempfile.mkdtemp(prefix="prepack-demo-inputs-"))
     atexit.register(shutil.rmtree, workdir, ignore_errors=True)
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--workdir", str(workdir), "--inputs-only"],
+        [sys.executable, str(script), "--workdir", str(workdir), "--inputs-only"],
         capture_output=True, text=True, timeout=300,
     )
     if result.returncode != 0:
-        raise RuntimeError(f"{SCRIPT} --inputs-only failed:\n{result.stderr[-3000:]}")
+        raise RuntimeError(f"{script} --inputs-only failed:\n{result.stderr[-3000:]}")
     return workdir
 
 
@@ -46,6 +49,14 @@ def chitchat() -> list[list[str]]:
     """The demo corpus's conversations in file order, each as the contents of its messages."""
     with open(_inputs() / "chitchat.jsonl", encoding="utf-8") as corpus:
         return [[message["content"] for message in json.loads(line)["messages"]] for line in corpus]
+
+
+@lru_cache
+def chitchat_pairs() -> tuple[dict, ...]:
+    """examples/chitchat_pairs.py's preference pairs, in file order: {"prompt", "chosen", "rejected"},
+    each a list of messages."""
+    with open(_inputs(PAIRS_SCRIPT) / "pairs.jsonl", encoding="utf-8") as corpus:
+        return tuple(json.loads(line) for line in corpus)
 
 
 def as_chat(turns: list[str]) -> list[dict]:

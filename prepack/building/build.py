@@ -29,8 +29,8 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from prepack.sources.documents import Reading, open_documents
-from prepack.building.engines.base import ENGINES, Engine, locate_row
+from prepack.sources.documents import Documents, Reading, open_documents
+from prepack.building.engines.base import ENGINES, Engine, FirstPass, locate_row
 from prepack.building.engines.local import LocalEngine
 from prepack.errors import DISTRIBUTION, InputError, require
 from prepack.formats.shards import (
@@ -39,12 +39,14 @@ from prepack.formats.shards import (
     BuildOptions,
     InputFile,
     Manifest,
+    PairTotals,
     StoreReference,
     Totals,
     store_path_problem,
     write_manifest,
 )
 from prepack.storage.output import Staging, output_errors, staged_directory
+from prepack.building.pair_plan import PairPlan, first_overlong_pair, overlong_prompts, plan_pairs
 from prepack.building.plan import plan_packs
 from prepack.storage.remote import is_uri, local_input, relative_location, staged_prefix
 from prepack.formats.store import StoreManifest
@@ -171,6 +173,10 @@ def build(
     chat_template: str | os.PathLike | None = None,
     train_on: str = "assistant",
     num_proc: int | None = None,
+    pairs: bool = False,
+    prompt_column: str = "prompt",
+    chosen_column: str = "chosen",
+    rejected_column: str = "rejected",
     algorithm: str = "ffd",
     overflow: str = "split",
     seed: int = 0,
@@ -202,7 +208,9 @@ def build(
     the shards when every corpus file has it. With `tokenizer` (a local directory or tokenizer.json)
     the corpus holds text in `text_column`, or with `chat` conversations in `messages_column`,
     tokenized as `prepack.sources.tokenize.tokenize_corpus` describes (`eos`, `chat_template`, `train_on`,
-    `num_proc`).
+    `num_proc`). With `pairs`, the corpus holds preference pairs (`prepack.sources.pairs`: `prompt_column`,
+    `chosen_column`, `rejected_column`), text or with `chat` conversations, each pair packed as a unit
+    (`prepack.building.pair_plan`; `overflow` "truncate", "drop" or "error"), its shards carrying `pair_roles`.
 
     `engine="ray"` reads, tokenizes and writes shards as Ray tasks (`prepack.building.engines.ray`; needs
     `prepack-llm[ray]`), on the cluster at `ray_address` ("auto", "ray://…"), or on the Ray instance this
@@ -237,10 +245,14 @@ def build_packs(
         raise InputError(f"invalid build options:\n{exc}") from None
     _check_engine(output.engine, output.ray_address, reading)
     if is_mixture_file(corpus):  # several corpora or stores, weighted (prepack.building.mixture)
+        if reading.pairs:
+            raise InputError(f"{corpus}: a mixture of preference-pair corpora is not supported; build each on its own.")
         from prepack.building.mixture_build import build_mixture
 
         with _progress_bars(output.progress, output.console) as bar:
             return build_mixture(corpus, out, reading, packing, output, bar, _store_path)
+    if reading.pairs:
+        _check_pair_options(packing, output)
     with _progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if index_only and not is_store(source.spec):
             raise InputError(
@@ -260,7 +272,7 @@ def build_packs(
                 raise InputError(f"{corpus}: the corpus has no documents.")
             if not first.lengths.any():
                 raise InputError(f"{corpus}: all {len(first.lengths)} documents are empty.")
-            if overflow == "error" and (first.lengths > max_len).any():
+            if documents.pairs is None and overflow == "error" and (first.lengths > max_len).any():
                 row = int(np.flatnonzero(first.lengths > max_len)[0])
                 path, file_row = locate_row(found, first.rows_per_file, row)
                 raise InputError(
@@ -268,15 +280,18 @@ def build_packs(
                     f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
                 )
             planning = bar.add_task("plan", total=None)
-            plan = plan_packs(
-                first.lengths,
-                max_len,
-                algorithm=packing.algorithm,
-                overflow=overflow,
-                seed=packing.seed,
-                untrained=first.untrained,
-                drop_untrained=packing.drop_untrained,
-            )
+            if documents.pairs is not None:
+                plan = _plan_pairs(documents, first, packing)
+            else:
+                plan = plan_packs(
+                    first.lengths,
+                    max_len,
+                    algorithm=packing.algorithm,
+                    overflow=overflow,
+                    seed=packing.seed,
+                    untrained=first.untrained,
+                    drop_untrained=packing.drop_untrained,
+                )
             bar.update(planning, total=1, completed=1)
             if plan.packs == 0:  # every non-empty document was left out
                 raise InputError(
@@ -289,7 +304,12 @@ def build_packs(
                 prepack_version=version(DISTRIBUTION),
                 # How the documents were read: as asked, or as the store was written.
                 options=options.model_copy(
-                    update={"column": read_column, "labels_column": documents.labels_column, "tokenize": documents.tokenize}
+                    update={
+                        "column": read_column,
+                        "labels_column": documents.labels_column,
+                        "tokenize": documents.tokenize,
+                        "pairs": documents.pairs.options if documents.pairs is not None else None,
+                    }
                 ),
                 has_labels=has_labels,
                 fingerprint=first.fingerprint,
@@ -300,10 +320,54 @@ def build_packs(
                 totals=Totals(**plan.totals(), documents=len(first.lengths)),
                 shards=shards,
                 store=StoreReference(path=store_path, fingerprint=first.fingerprint) if index_only else None,
+                pairs=PairTotals(**plan.pair_counts) if documents.pairs is not None else None,
             )
             with output_errors(staging.build / MANIFEST_NAME):
                 write_manifest(staging.build, manifest)
     return manifest
+
+
+def _check_pair_options(packing: Packing, output: Output) -> None:
+    """Refuse, before anything is read, the options a preference-pair build cannot honour."""
+    if packing.overflow == "split":
+        raise InputError(
+            "--pairs never splits a pair (both documents go into one pack): choose --overflow truncate (cut the "
+            "completions), drop or error."
+        )
+    if packing.drop_untrained:
+        raise InputError("--drop-untrained would break pairs apart: leave it out with --pairs.")
+    if output.engine != "local":
+        raise InputError("--pairs builds run on the local engine: leave out --engine ray.")
+
+
+def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> PairPlan:
+    """The plan of a preference-pair build, after refusing what `packing.overflow` refuses, by file and row."""
+    prompt_lengths, max_len = documents.pairs.prompt_lengths(), packing.max_len
+    refused = None
+    if packing.overflow == "error" and (pair := first_overlong_pair(first.lengths, max_len)) is not None:
+        tokens = int(first.lengths[2 * pair]) + int(first.lengths[2 * pair + 1])
+        refused = pair, (
+            f"the pair's {tokens} tokens (prompt + chosen, prompt + rejected) are longer than --max-len {max_len} "
+            "(choose --overflow truncate or drop)"
+        )
+    elif packing.overflow == "truncate" and len(over := overlong_prompts(first.lengths, prompt_lengths, max_len)):
+        refused = int(over[0]), (
+            f"the pair's prompt of {int(prompt_lengths[over[0]])} tokens, twice, leaves no room in --max-len {max_len} "
+            "for one completion token each (choose --overflow drop, or a larger --max-len)"
+        )
+    if refused is not None:
+        pair, why = refused
+        path, row = locate_row(documents.corpus, first.rows_per_file, 2 * pair)
+        raise InputError(f"{path}, row {row // 2}: {why}.")
+    return plan_pairs(
+        first.lengths,
+        prompt_lengths,
+        max_len,
+        algorithm=packing.algorithm,
+        overflow=packing.overflow,
+        seed=packing.seed,
+        untrained=first.untrained,
+    )
 
 
 def build_store(
@@ -320,6 +384,10 @@ def build_store(
     chat_template: str | os.PathLike | None = None,
     train_on: str = "assistant",
     num_proc: int | None = None,
+    pairs: bool = False,
+    prompt_column: str = "prompt",
+    chosen_column: str = "chosen",
+    rejected_column: str = "rejected",
     shard_size: int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     engine: str = "local",
@@ -346,6 +414,8 @@ def build_store(
 
 def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, reading: Reading, output: Output) -> StoreManifest:
     """`build_store`, with its options gathered (what `prepack tokenize` parses its flags into)."""
+    if reading.pairs:
+        raise InputError("a document store holds documents, not preference pairs: build the pairs from the corpus (prepack build CORPUS --pairs ...).")
     if output.shard_size < 1:
         raise InputError(f"invalid shard size {output.shard_size}: at least 1 byte.")
     _check_engine(output.engine, output.ray_address, reading)

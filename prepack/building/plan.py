@@ -473,7 +473,8 @@ class ShardPacks:
     lengths: np.ndarray  # int64 [segments]
     rows: np.ndarray  # int64 [segments]: corpus row
     pieces: np.ndarray  # int32 [segments]: piece number of a split document
-    source_ids: np.ndarray | None = None  # uint16 [segments]: a mixture's source of each (`prepack.mixture_plan`)
+    source_ids: np.ndarray | None = None  # uint16 [segments]: a mixture's source of each (`prepack.building.mixture_plan`)
+    pair_roles: np.ndarray | None = None  # uint8 [segments]: a preference-pair build's (`prepack.building.pair_plan`)
 
 
 @dataclass(frozen=True)

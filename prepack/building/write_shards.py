@@ -181,7 +181,7 @@ def write_shard(
     packs = len(layout.pack_offsets) - 1
     total = int(lengths.sum())
     if tokens is None:
-        schema = shard_schema(False, layout.max_len, store, layout.source_ids is not None)
+        schema = shard_schema(False, layout.max_len, store, sources=layout.source_ids is not None)
         batch = pa.RecordBatch.from_arrays(_pack_columns(layout, lengths, schema), schema=schema)
     else:
         batch = _full_batch(layout, lengths, tokens, labels, buffers)
@@ -201,12 +201,16 @@ def _full_batch(
     gather_tokens(tokens, layout.starts, lengths, ids)
     segment_ids = buffers.column("segment_ids", total, segment_id_type(layout.max_len).to_pandas_dtype())
     _segment_ids(lengths, layout.pack_offsets, segment_ids)
-    schema = shard_schema(labels is not None, layout.max_len, sources=layout.source_ids is not None)
+    schema = shard_schema(
+        labels is not None, layout.max_len, sources=layout.source_ids is not None, pairs=layout.pair_roles is not None
+    )
     columns = [list_array(pack_token_offsets, ids), list_array(pack_token_offsets, segment_ids), *_pack_columns(layout, lengths, schema)]
     if labels is not None:
         label_values = buffers.column("labels", total)
         gather_tokens(labels, layout.starts, lengths, label_values)
         columns.append(list_array(pack_token_offsets, label_values))
+    if layout.pair_roles is not None:
+        columns.append(list_array(layout.pack_offsets, layout.pair_roles))
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 

@@ -31,13 +31,14 @@ from prepack.training.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_c
 from prepack.storage.cache import ShardCache, build_cache
 from prepack.errors import FormatError, InputError, PrepackError, optional_imports
 from prepack.formats.common import StrictModel, list_column
-from prepack.formats.shards import Manifest, check_layout, open_shard, read_manifest, shard_path
+from prepack.formats.shards import Manifest, check_layout, read_manifest, shard_path
 from prepack.storage.output import output_errors
 from prepack.storage.remote import is_uri
 
 __all__ = [
     "Cost",
     "Costs",
+    "PairReport",
     "Distribution",
     "InspectReport",
     "ShardSummary",
@@ -105,6 +106,20 @@ class StepBalance(StrictModel):
     balanced_waiting_share: float
 
 
+class PairReport(StrictModel):
+    """A preference-pair build's pairs (`Manifest.pairs`), and what TRL's DPOTrainer would pad them to."""
+
+    pairs: int  # in the packs
+    read: int  # in the corpus
+    truncated: int  # pairs whose completions were cut
+    dropped: int
+    prompt_tokens: int  # in the packs: each pair's prompt twice, once per document
+    completion_tokens: int
+    shared_prompt_saves: int  # prompt tokens a layout storing each prompt once would not compute: half of them
+    trl_padded: Cost  # TRL's DataCollatorForPreference: random batches of `batch_size` pairs, chosen and
+    #                   rejected together padded to the batch's longest document
+
+
 class ShardSummary(StrictModel):
     name: str
     packs: int
@@ -166,6 +181,7 @@ class InspectReport(StrictModel):
     steps: StepBalance | None  # only when a world size was given
     per_shard: list[ShardSummary]
     sources: list[SourceSummary] | None = None  # a mixture build's
+    pairs: PairReport | None = None  # only for a preference-pair build
 
     def to_json(self) -> str:
         """What `prepack inspect --json` prints: strict JSON, never a NaN or Infinity token (which JSON
@@ -227,7 +243,7 @@ def _read_columns(build: Path | ShardCache, manifest: Manifest) -> tuple[list[Sh
             where = str(file)
         else:
             file, where = build.shard(info), build.name(info)
-        batch = open_shard(file, manifest.has_labels, max_len, manifest.index_of, where=where, sources=manifest.mixture is not None)
+        batch = manifest.open_shard(file, where)
         if batch.num_rows != info.rows:
             raise FormatError(f"{where}: {batch.num_rows} packs, but the manifest says {info.rows}.")
         columns = _shard_columns(batch, where, max_len)
@@ -255,6 +271,15 @@ def _random_batch_cost(lengths: np.ndarray, batch_size: int, seed: int) -> int:
     starts = np.arange(0, len(shuffled), batch_size)
     sizes = np.diff(np.append(starts, len(shuffled)))
     return int((np.maximum.reduceat(shuffled, starts) * sizes).sum())
+
+
+def _trl_pair_cost(pair_lengths: np.ndarray, batch_size: int, seed: int) -> int:
+    """TRL's DPOTrainer batch of `batch_size` pairs: its 2 × batch_size documents padded to the longest of
+    them (`DataCollatorForPreference`); batches drawn as a seeded shuffle of the pairs in corpus order."""
+    shuffled = pair_lengths[np.random.default_rng(seed).permutation(len(pair_lengths))]
+    starts = np.arange(0, len(shuffled), batch_size)
+    sizes = np.diff(np.append(starts, len(shuffled)))
+    return int((np.maximum.reduceat(shuffled.max(axis=1), starts) * 2 * sizes).sum())
 
 
 def _step_balance(costs: np.ndarray, world_size: int, batch_size: int, token_cost: float, seed: int) -> StepBalance:
@@ -373,6 +398,23 @@ def inspect_build(
         else _step_balance(pack_costs(columns["docs"], lengths, token_cost), world_size, batch_size, token_cost, seed),
         per_shard=summaries,
         sources=sources,
+        pairs=None if manifest.pairs is None else _pair_report(manifest, lengths[order], batch_size, seed, cost),
+    )
+
+
+def _pair_report(manifest: Manifest, lengths: np.ndarray, batch_size: int, seed: int, cost) -> PairReport:
+    """`lengths`: the documents' lengths in corpus order, pair after pair (chosen, then rejected)."""
+    p = manifest.pairs
+    pair_lengths = lengths.reshape(-1, 2)
+    return PairReport(
+        pairs=len(pair_lengths),
+        read=p.pairs,
+        truncated=p.truncated,
+        dropped=p.dropped,
+        prompt_tokens=p.prompt_tokens,
+        completion_tokens=p.completion_tokens,
+        shared_prompt_saves=p.prompt_tokens // 2,
+        trl_padded=cost(_trl_pair_cost(pair_lengths, batch_size, seed)),
     )
 
 
@@ -490,11 +532,23 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
         (f"pad to longest, random batches of {r.batch_size}", r.cost.pad_to_longest_in_batch),
     ):
         costs.add_row(name, f"{c.tokens:,}", f"{c.padding_tokens:,}", f"{c.ratio:.2f}")
+    if (pr := r.pairs) is not None:
+        c = pr.trl_padded
+        costs.add_row(f"TRL DPOTrainer, random batches of {r.batch_size} pairs", f"{c.tokens:,}", f"{c.padding_tokens:,}", f"{c.ratio:.2f}")
+        summary.add_row(
+            "pairs",
+            f"{pr.pairs:,} in the packs of {pr.read:,} read (truncated {pr.truncated:,}, dropped {pr.dropped:,}); "
+            f"prompt tokens {pr.prompt_tokens:,}, completion tokens {pr.completion_tokens:,}; a prompt stored once "
+            f"would save {pr.shared_prompt_saves:,}",
+        )
 
     notes = Text(
         "¹ documents are the segments in the packs (np.diff of cu_seqlens): corpus documents after split, "
         f"truncate or drop.\n² {COST_NOTE}"
-        + ("\n³ PackedSampler's steps in epoch 0, mean over steps; time taken as proportional to cost." if r.steps else ""),
+        + ("\n³ PackedSampler's steps in epoch 0, mean over steps; time taken as proportional to cost." if r.steps else "")
+        + (f"\nTRL DPOTrainer: the pairs in corpus order, shuffled with --seed, in batches of {r.batch_size} pairs whose "
+           "chosen and rejected documents are padded together to the batch's longest (DataCollatorForPreference)."
+           if r.pairs else ""),
         style="dim",
     )
     parts = [summary, distributions, histograms, costs]

@@ -68,12 +68,12 @@ from prepack.formats.shards import (
     PackLayout,
     check_index_shard,
     check_shard,
-    open_shard,
     pack_layout,
     read_manifest,
     shard_file_problems,
     shard_sha256,
 )
+from prepack.building.pair_plan import pair_pieces
 from prepack.building.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.sources.documents import Documents, Reading, open_documents, store_documents
 from prepack.sources.corpus import Corpus, DocumentBatch
@@ -258,13 +258,12 @@ def _source_documents(
         )
     else:
         chat = o.tokenize.mode == "chat"
+        if o.pairs is not None:
+            columns = o.pairs.model_dump()
+        else:
+            columns = {"train_on": o.tokenize.train_on, "messages_column" if chat else "text_column": o.tokenize.column}
         reading = Reading(
-            tokenizer=tokenizer,
-            chat=chat,
-            eos=o.tokenize.eos,
-            chat_template=chat_template,
-            train_on=o.tokenize.train_on,
-            **{"messages_column" if chat else "text_column": o.tokenize.column},
+            tokenizer=tokenizer, chat=chat, eos=o.tokenize.eos, chat_template=chat_template, pairs=o.pairs is not None, **columns
         )
     documents = open_documents(source.spec, reading, None, None, source.location)
     if documents.store is None and o.tokenize is not None:
@@ -398,7 +397,10 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
             message=f"is {manifest.has_labels}, but options.labels_column is {o.labels_column!r}.",
         )
     # A tokenizing build makes labels itself, from chat with assistant-only training, and reads none.
-    made_labels = o.tokenize is not None and o.tokenize.mode == "chat" and o.tokenize.train_on == "assistant"
+    # So does a preference-pair build, whose labels are the completions.
+    made_labels = o.tokenize is not None and (
+        (o.tokenize.mode == "chat" and o.tokenize.train_on == "assistant") or o.pairs is not None
+    )
     if o.tokenize is not None and (manifest.has_labels != made_labels or o.labels_column is not None):
         yield Problem(
             file=MANIFEST_NAME,
@@ -407,6 +409,29 @@ def _manifest_problems(manifest: Manifest) -> Iterator[Problem]:
             f"tokenized {o.tokenize.mode} with train_on {o.tokenize.train_on!r} makes "
             f"{'labels' if made_labels else 'none'} and reads no labels column.",
         )
+    yield from _pair_count_problems(manifest)
+
+
+def _pair_count_problems(manifest: Manifest) -> Iterator[Problem]:
+    """A preference-pair build's `pairs` against its totals (schemas/shard-format.md, "Preference-pair builds")."""
+    t, p = manifest.totals, manifest.pairs
+    if (p is None) != (manifest.options.pairs is None):
+        yield Problem(file=MANIFEST_NAME, column="pairs", message="and options.pairs must be both set or both absent.")
+        return
+    if p is None:
+        return
+    rules = {
+        "pairs": (2 * p.pairs, t.documents, "twice the pairs are totals.documents"),
+        "dropped": (2 * p.dropped, t.dropped, "twice the dropped pairs are totals.dropped"),
+        "prompt_tokens": (p.prompt_tokens + p.completion_tokens, t.tokens, "prompt and completion tokens make totals.tokens"),
+        "truncated": (min(max(t.truncated, p.truncated), 2 * p.truncated), t.truncated,
+                      "each truncated pair cuts one or both of its documents (totals.truncated)"),
+    }
+    for name, (found, said, rule) in rules.items():
+        if found != said:
+            yield Problem(file=MANIFEST_NAME, column=f"pairs.{name}", message=f"is {getattr(p, name)}, but {rule}: {said}.")
+    if manifest.options.overflow == "split":
+        yield Problem(file=MANIFEST_NAME, column="options.overflow", message="is 'split', which never applies to pairs.")
 
 
 # 2. The directory ---------------------------------------------------------------------------------
@@ -579,7 +604,7 @@ def _shard_problems(file: Path, index: int, manifest: Manifest, check_sha256: bo
                 "the build.",
             )
         index_only = manifest.index_of is not None
-        batch = open_shard(file, manifest.has_labels, manifest.options.max_len, manifest.index_of, sources=manifest.mixture is not None)
+        batch = manifest.open_shard(file)
         batch.validate(full=True)
     except FormatError as exc:
         yield Problem(file=name, row=exc.problem.row, column=exc.problem.column, message=exc.problem.message)
@@ -817,7 +842,11 @@ def _source_problems(
     for batch in batches:
         m = len(batch.offsets) - 1
         untrained = untrained_documents(batch.offsets, batch.labels if manifest.has_labels else None)
-        expected = document_pieces(np.diff(batch.offsets), o.max_len, o.overflow, untrained, o.drop_untrained)
+        if source.pairs is not None:  # pairs are cut as units (`prepack.building.pair_plan`)
+            prompts = source.pairs.latest_prompt_lengths()
+            expected = pair_pieces(np.diff(batch.offsets), prompts, o.max_len, o.overflow, untrained)
+        else:
+            expected = document_pieces(np.diff(batch.offsets), o.max_len, o.overflow, untrained, o.drop_untrained)
         counts.update(documents=m, **expected.counts)
         yield from _batch_problems(corpus, batch, expected, row0, seg, shards, manifest, complete, tokens)
         rows_per_file[batch.file] += m

@@ -52,6 +52,8 @@ __all__ = [
     "InputFile",
     "Manifest",
     "PackLayout",
+    "PairOptions",
+    "PairTotals",
     "ShardFileProblem",
     "ShardInfo",
     "StoreReference",
@@ -97,6 +99,11 @@ def segment_id_type(max_len: int) -> pa.DataType:
     return pa.uint16() if max_len <= np.iinfo(np.uint16).max else pa.int32()
 
 
+# A preference-pair build's shards (`Manifest.pairs`) carry one more per-pack column: each document's
+# role in its pair, 0 chosen and 1 rejected (`check_shard` checks the pairing).
+PAIR_ROLES = "pair_roles"
+
+
 def _pack_fields(source_row: pa.DataType, sources: bool) -> list[pa.Field]:
     """The per-pack columns: what an index shard holds, and a full shard too; `source_ids` only in a
     mixture's shards (`prepack.formats.mixture`)."""
@@ -116,9 +123,11 @@ class IndexOf(NamedTuple):
     fingerprint: str
 
 
-def shard_schema(has_labels: bool, max_len: int, store: IndexOf | None = None, sources: bool = False) -> pa.Schema:
+def shard_schema(
+    has_labels: bool, max_len: int, store: IndexOf | None = None, *, sources: bool = False, pairs: bool = False
+) -> pa.Schema:
     """The Arrow schema of every shard of a build; `labels` only when the corpus had them, `source_ids`
-    only in a mixture's (`sources`).
+    only in a mixture's (`sources`), `pair_roles` (last) only in a preference-pair build's (`pairs`).
 
     With `store`, an index shard's: the per-pack columns alone, its tokens staying in that store,
     whose fingerprint its metadata carries. Its `source_rows` are uint32 while the store's document
@@ -134,6 +143,8 @@ def shard_schema(has_labels: bool, max_len: int, store: IndexOf | None = None, s
     ]
     if has_labels:
         fields.append(pa.field("labels", pa.list_(TOKEN_TYPE), nullable=False))
+    if pairs:
+        fields.append(pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False))
     return pa.schema(fields, metadata={SHARD_VERSION_KEY: str(FORMAT_VERSION)})
 
 
@@ -157,6 +168,25 @@ class TokenizeOptions(StrictModel):
     eos: bool = Field(description="Whether EOS was appended to every text document.")
 
 
+class PairOptions(StrictModel):
+    """How a preference-pair build (`--pairs`) read its pairs: pair r of the corpus is documents 2r
+    (prompt + chosen) and 2r + 1 (prompt + rejected)."""
+
+    prompt_column: str = Field(description="The prompt column; a row without one (or null) takes the common prefix of chosen and rejected.")
+    chosen_column: str
+    rejected_column: str
+
+
+class PairTotals(StrictModel):
+    """What a preference-pair build did with its pairs (the documents' counts are in `Totals`)."""
+
+    pairs: int = Field(ge=0, le=COUNT_MAX, description="Pairs read: half of totals.documents.")
+    truncated: int = Field(ge=0, le=COUNT_MAX, description="Pairs whose completions were cut to fit max_len.")
+    dropped: int = Field(ge=0, le=COUNT_MAX, description="Pairs longer than max_len left out.")
+    prompt_tokens: int = Field(ge=0, le=COUNT_MAX, description="Prompt tokens in the packs (each pair's twice).")
+    completion_tokens: int = Field(ge=0, le=COUNT_MAX, description="Completion tokens in the packs.")
+
+
 class BuildOptions(StrictModel):
     """Every option that changes the bytes of the output."""
 
@@ -174,6 +204,9 @@ class BuildOptions(StrictModel):
     )
     tokenize: TokenizeOptions | None = Field(
         default=None, description="Set when the corpus was text or chat, tokenized by the build."
+    )
+    pairs: PairOptions | None = Field(
+        default=None, description="Set for a preference-pair build; absent from every other build's manifest."
     )
 
 
@@ -292,6 +325,10 @@ class Manifest(StrictModel):
         description="Set for a mixture build (several sources, `prepack build MIX.yaml`): the request and each "
         "source's counts; its shards then carry `source_ids`. Absent from every other build's manifest.",
     )
+    pairs: PairTotals | None = Field(
+        default=None,
+        description="Set for a preference-pair build (options.pairs): its shards carry pair_roles. Absent otherwise.",
+    )
 
     @model_validator(mode="after")
     def _mixture_stores_beside_the_build(self) -> Manifest:
@@ -311,12 +348,23 @@ class Manifest(StrictModel):
             return IndexOf(sum(f.rows for f in self.inputs), self.fingerprint)
         return None if self.store is None else IndexOf(self.totals.documents, self.store.fingerprint)
 
+    def open_shard(self, path: Path, where: str | None = None) -> pa.RecordBatch:
+        """`open_shard` of one of this build's shards, with the columns this manifest says its shards
+        have (labels, a mixture's `source_ids`, a pair build's `pair_roles`, an index build's)."""
+        return open_shard(
+            path, self.has_labels, self.options.max_len, self.index_of, where=where,
+            sources=self.mixture is not None, pairs=self.pairs is not None,
+        )
+
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write `manifest.json` atomically (temporary file + rename), keys sorted."""
-    # A full build's manifest has no `store` (nor `mixture`) key at all, so its bytes are those of before
-    # index builds (and mixtures).
-    fields = manifest.model_dump(mode="json", exclude={key for key in ("store", "mixture") if getattr(manifest, key) is None})
+    # A full build's manifest has no `store` key at all, so its bytes are those of before index builds;
+    # likewise no `mixture` key outside a mixture, and no `pairs` keys outside a preference-pair build.
+    exclude: dict = {name: True for name in ("store", "mixture", "pairs") if getattr(manifest, name) is None}
+    if manifest.options.pairs is None:
+        exclude["options"] = {"pairs": True}
+    fields = manifest.model_dump(mode="json", exclude=exclude or None)
     text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     if len(text.encode()) > MANIFEST_MAX_BYTES:  # readers would refuse it
         raise OutputError(
@@ -450,15 +498,24 @@ def shard_sha256(path: Path) -> str:
 
 
 def open_shard(
-    path: Path, has_labels: bool, max_len: int, store: IndexOf | None = None, *, where: str | None = None, sources: bool = False
+    path: Path,
+    has_labels: bool,
+    max_len: int,
+    store: IndexOf | None = None,
+    *,
+    where: str | None = None,
+    sources: bool = False,
+    pairs: bool = False,
 ) -> pa.RecordBatch:
     """Memory-map one shard (zero-copy) and check its structure: a regular file holding an Arrow IPC
     stream of the format's schema (metadata included) and one uncompressed record batch
     (`read_one_batch`), whose buffers hold what their lengths say and whose list offsets start at 0 and
-    end at their values' length (`sources`: a mixture's shard, with `source_ids`). The row contents are checked by `check_shard`. Problems with the
-    contents name `where` (default: `path`; the shard's URI when `path` is a cached copy, `prepack.storage.cache`)."""
+    end at their values' length. The row contents are checked by `check_shard`. Problems with the
+    contents name `where` (default: `path`; the shard's URI when `path` is a cached copy, `prepack.storage.cache`).
+    `sources`: a mixture's shard, with `source_ids`; `pairs`: a preference-pair build's (`Manifest.pairs`),
+    with `pair_roles`."""
     where = str(path) if where is None else where
-    expected = shard_schema(has_labels, max_len, store, sources)
+    expected = shard_schema(has_labels, max_len, store, sources=sources, pairs=pairs)
 
     def check_schema(schema: pa.Schema) -> None:
         planned = (schema.metadata or {}).get(SHARD_STORE_KEY.encode())
@@ -593,7 +650,37 @@ def check_layout(
             refuse(where, f"{np.diff(offsets)[r]} values for {documents[r]} documents", r, column)
         if column == "source_pieces" and (bad := values[offsets[0] : offsets[-1]] < 0).any():
             refuse(where, "negative piece number", _row_of(offsets, first_index(bad)), column)
+    if PAIR_ROLES in batch.schema.names:
+        _check_pairs(batch, where, documents)
     return layout
+
+
+def _check_pairs(batch: pa.RecordBatch, where: str, documents: np.ndarray) -> None:
+    """A preference-pair shard's pairing: every pack holds whole pairs, each its chosen document (role 0,
+    corpus row 2r) and right after it its rejected one (role 1, row 2r + 1)."""
+    offsets, roles = _list_checked(batch, PAIR_ROLES, where)
+    if (bad := np.diff(offsets) != documents).any():
+        r = first_index(bad)
+        refuse(where, f"{np.diff(offsets)[r]} values for {documents[r]} documents", r, PAIR_ROLES)
+    if (bad := documents % 2 != 0).any():
+        r = first_index(bad)
+        refuse(where, f"{documents[r]} documents: a pack of a preference-pair build holds whole pairs", r, "cu_seqlens")
+    roles = roles[offsets[0] : offsets[-1]]
+    row_off, rows = list_column(batch, "source_rows", where)
+    rows = rows[row_off[0] : row_off[-1]].astype(np.int64)
+    # Within a pack, documents alternate chosen, rejected: position j of the pack has role j % 2.
+    position = np.arange(len(roles)) - np.repeat(offsets[:-1] - offsets[0], documents)
+    expected_role = position % 2
+    if (bad := roles != expected_role).any():
+        token = first_index(bad)
+        refuse(where, f"document {position[token] + 1} has role {roles[token]}, but a pack holds whole pairs, each "
+              "chosen (0) then rejected (1)", _row_of(offsets, token), PAIR_ROLES)
+    chosen = expected_role == 0
+    partner = np.append(rows[1:], -1)
+    if (bad := chosen & ((rows % 2 != 0) | (partner != rows + 1))).any():
+        index = first_index(bad)
+        refuse(where, f"document {position[index] + 1} (chosen, corpus document {rows[index]}) is not followed by its "
+              f"rejected document {rows[index] + 1}: a pair is documents 2r and 2r + 1", _row_of(row_off, index), "source_rows")
 
 
 def check_shard(batch: pa.RecordBatch, max_len: int, where: str) -> PackLayout:

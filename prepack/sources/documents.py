@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.progress import Progress
 
@@ -17,6 +18,9 @@ from prepack.formats.shards import TokenizeOptions
 from prepack.sources.corpus import Corpus, DocumentBatch, find_corpus, read_documents
 from prepack.storage.remote import is_uri
 from prepack.sources.store import ShardColumns, Store, is_store, open_store
+
+if TYPE_CHECKING:
+    from prepack.sources.pairs import PairDocuments
 
 __all__ = ["Documents", "Reading", "corpus_documents", "open_documents", "store_documents"]
 
@@ -37,12 +41,18 @@ class Reading:
     chat_template: str | os.PathLike | None = None
     train_on: str = "assistant"
     num_proc: int | None = None
+    pairs: bool = False  # preference pairs (`prepack.sources.pairs`): a prompt, chosen and rejected a row
+    prompt_column: str = "prompt"  # pairs: the prompt column; a row without one: the common prefix of chosen and rejected
+    chosen_column: str = "chosen"
+    rejected_column: str = "rejected"
 
     @property
     def read_column(self) -> str:
         """The corpus column the documents come from."""
         if self.tokenizer is None:
             return self.column
+        if self.pairs:
+            return self.chosen_column
         return self.messages_column if self.chat else self.text_column
 
 
@@ -57,6 +67,7 @@ class Documents:
     has_labels: bool
     batches: Iterator[DocumentBatch]
     store: Store | None = None  # when the documents come from a document store: it, opened and checked
+    pairs: PairDocuments | None = None  # a preference-pair corpus: two documents a pair, and its prompt lengths
 
 
 def _real(path: str | os.PathLike) -> Path:
@@ -111,7 +122,11 @@ def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None
     """The documents of the corpus files `corpus`, read (and tokenized) as `reading` says, its schema
     and options checked now; `tokenizer`, when given, is `reading.tokenizer` loaded already
     (`prepack.sources.tokenize.load_tokenizer`). `open_documents` reads a whole corpus so; `--engine ray`
-    reads each corpus file so on a worker."""
+    reads each corpus file so on a worker. With `reading.pairs`, preference pairs (`prepack.sources.pairs`)."""
+    if reading.pairs:
+        return _pair_documents(corpus, reading, tokenizer)
+    if given := _given(reading, _PAIR_FIELDS):
+        raise InputError(f"{', '.join(given)} name the columns of preference pairs: add --pairs.")
     if reading.tokenizer is None:
         used_labels, batches = read_documents(corpus, reading.column, reading.labels_column)
         return Documents(corpus, reading.column, used_labels, None, used_labels is not None, batches)
@@ -130,3 +145,42 @@ def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None
         progress=progress,
     )
     return Documents(corpus, reading.read_column, None, options, has_labels, batches)
+
+
+_PAIR_FIELDS = ("prompt_column", "chosen_column", "rejected_column")
+# Reading options that a pair build has no use for: its labels are the completions, its columns its own.
+_NOT_FOR_PAIRS = ("column", "labels_column", "text_column", "messages_column", "train_on")
+
+
+def _given(reading: Reading, names: Sequence[str]) -> list[str]:
+    """The options among the `Reading` fields `names` that differ from their defaults, as flags."""
+    defaults = {f.name: f.default for f in fields(Reading)}
+    return [f"--{name.replace('_', '-')}" for name in names if getattr(reading, name) != defaults[name]]
+
+
+def _pair_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documents:
+    """A preference-pair corpus's documents: pair r is documents 2r (chosen) and 2r + 1 (rejected)."""
+    if reading.tokenizer is None:
+        raise InputError("--pairs tokenizes its pairs: give --tokenizer (and --chat for conversations).")
+    if given := _given(reading, _NOT_FOR_PAIRS):
+        raise InputError(
+            f"--pairs reads --prompt-column, --chosen-column and --rejected-column and labels the completions: "
+            f"leave out {', '.join(given)}."
+        )
+    from prepack.formats.shards import PairOptions
+    from prepack.sources.pairs import pair_documents
+    from prepack.sources.tokenize import load_tokenizer
+
+    options = PairOptions(
+        prompt_column=reading.prompt_column, chosen_column=reading.chosen_column, rejected_column=reading.rejected_column
+    )
+    pairs = pair_documents(
+        corpus,
+        tokenizer or load_tokenizer(reading.tokenizer),
+        options,
+        chat=reading.chat,
+        eos=reading.eos,
+        chat_template=reading.chat_template,
+        num_proc=reading.num_proc,
+    )
+    return Documents(corpus, reading.read_column, None, pairs.tokenize, True, pairs.batches, pairs=pairs)

@@ -68,7 +68,18 @@ with optional_imports("tokenizing (--tokenizer)"):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from tokenizers import Encoding, Tokenizer
 
-__all__ = ["LocalTokenizer", "load_tokenizer", "tokenize_corpus"]
+__all__ = [
+    "LocalTokenizer",
+    "checked_messages",
+    "compile_template",
+    "encoded_in_order",
+    "eos_to_append",
+    "load_tokenizer",
+    "resolve_chat_template",
+    "tokenize_corpus",
+    "type_name",
+    "usable_cores",
+]
 
 # The files of a tokenizer directory that prepack reads, and hashes into the tokenizer's identity.
 _TOKENIZER_FILES = ("chat_template.jinja", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json")
@@ -201,7 +212,7 @@ def _raise_exception(message: str):
 
 
 @lru_cache(maxsize=4)
-def _compile(source: str) -> jinja2.Template:
+def compile_template(source: str) -> jinja2.Template:
     """A sandbox set up as transformers' `apply_chat_template` sets it up, so templates render the same."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
@@ -222,22 +233,22 @@ def _render_marked(template: jinja2.Template, **context) -> tuple[str, list[tupl
     return "".join(tracker.blocks), tracker.spans
 
 
-def _what(value) -> str:
+def type_name(value) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _check_messages(where: str, messages) -> list[dict]:
+def checked_messages(where: str, messages) -> list[dict]:
     if not isinstance(messages, list):
-        raise InputError(f"{where}: expected a list of messages, found {_what(messages)}.")
+        raise InputError(f"{where}: expected a list of messages, found {type_name(messages)}.")
     checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise InputError(f"{where}, message {i}: expected an object with role and content, found {_what(message)}.")
+            raise InputError(f"{where}, message {i}: expected an object with role and content, found {type_name(message)}.")
         role, content = message.get("role"), message.get("content")
         if role not in _ROLES:
             raise InputError(f"{where}, message {i}: unknown role {role!r}; expected one of {', '.join(_ROLES)}.")
         if not isinstance(content, str):
-            what = "no content" if content is None else f"content must be a string, found {_what(content)}"
+            what = "no content" if content is None else f"content must be a string, found {type_name(content)}"
             raise InputError(f"{where}, message {i} ({role}): {what}.")
         # Parquet stores messages as structs, where a field one message lacks reads back as None; dropping
         # those keeps `is defined` tests in templates true to the messages as written.
@@ -263,13 +274,13 @@ class _Encoder:
         for i, value in enumerate(values):
             where = f"{path}, row {row0 + i}, column {self.column!r}"
             if self.chat:
-                text, turns = self._render(where, _check_messages(where, value))
+                text, turns = self._render(where, checked_messages(where, value))
                 texts.append(text)
                 spans.append(turns)
             elif isinstance(value, str):
                 texts.append(value)
             else:
-                raise InputError(f"{where}: expected a string, found {_what(value)}.")
+                raise InputError(f"{where}: expected a string, found {type_name(value)}.")
         try:
             encodings = self._encode(texts, add_special_tokens=not self.chat)
         except TypeError:  # what tokenizers raises for a str it cannot turn into UTF-8
@@ -315,7 +326,7 @@ class _Encoder:
 
     def _render(self, where: str, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its assistant turns."""
-        template = _compile(self.template)
+        template = compile_template(self.template)
         context = dict(self.special_tokens, tools=None, documents=None)
         try:
             if _GENERATION_TAG.search(self.template):
@@ -461,8 +472,10 @@ def _worker_pool(encoder: _Encoder, num_proc: int) -> Iterator[ProcessPoolExecut
             executor.shutdown(cancel_futures=True)
 
 
-def _encoded(chunks: Iterator[tuple[Path, int, list]], encoder: _Encoder, num_proc: int):
-    """(chunk, encoder(chunk)) in chunk order, with a bounded number of chunks in flight.
+def encoded_in_order(chunks: Iterator[tuple[Path, int, list]], encoder: _Encoder, num_proc: int):
+    """(chunk, encoder(chunk)) in chunk order, with a bounded number of chunks in flight. `encoder` is an
+    `_Encoder`, or any picklable callable of (file, first row, values) with a `chat` attribute (the pair
+    encoder of `prepack.sources.pairs`).
 
     Chat with num_proc > 1: `num_proc` processes, two chunks each; one that dies ends the tokenization
     with `EngineError`. Otherwise one helper thread: the tokenizer's own threads do the work with the
@@ -509,7 +522,7 @@ def _stream(corpus: Corpus, encoder: _Encoder, num_proc: int, progress: Progress
     start, tokens = time.perf_counter(), 0
     chunk_bytes = _CHUNK_BYTES * (1 if encoder.chat else num_proc)  # text: one chunk feeds every thread
     chunks = _chunks(corpus, encoder.column, encoder.chat, chunk_bytes)
-    for (path, row0, values), (offsets, ids, labels) in _encoded(chunks, encoder, num_proc):
+    for (path, row0, values), (offsets, ids, labels) in encoded_in_order(chunks, encoder, num_proc):
         if task is not None:
             tokens += len(ids)
             rate = tokens / max(time.perf_counter() - start, 1e-9)
@@ -551,11 +564,11 @@ def tokenize_corpus(
         raise InputError(f"unknown train_on {train_on!r}; expected 'assistant' or 'all'.")
     chat = mode == "chat"
     column = column or ("messages" if chat else "text")
-    num_proc = num_proc or _usable_cores()
+    num_proc = num_proc or usable_cores()
     if num_proc < 1:
         raise InputError(f"num_proc must be at least 1, not {num_proc}.")
-    template = _chat_template(tokenizer, chat_template) if chat else None
-    eos_id = _eos_id(tokenizer) if eos and not chat else None
+    template = resolve_chat_template(tokenizer, chat_template) if chat else None
+    eos_id = eos_to_append(tokenizer) if eos and not chat else None
     _check_columns(corpus, column, chat)
     encoder = _Encoder(
         tokenizer=tokenizer.tokenizer,
@@ -578,11 +591,11 @@ def tokenize_corpus(
     return options, encoder.assistant_only, _stream(corpus, encoder, num_proc, progress)
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _chat_template(tokenizer: LocalTokenizer, path: str | os.PathLike | None) -> str:
+def resolve_chat_template(tokenizer: LocalTokenizer, path: str | os.PathLike | None) -> str:
     if path is not None:
         try:
             template = Path(path).read_text(encoding="utf-8")
@@ -596,13 +609,13 @@ def _chat_template(tokenizer: LocalTokenizer, path: str | os.PathLike | None) ->
     else:
         template = tokenizer.chat_template
     try:
-        _compile(template)
+        compile_template(template)
     except jinja2.TemplateSyntaxError as exc:
         raise InputError(f"chat template {path or tokenizer.info.name}, line {exc.lineno}: {exc.message}") from None
     return template
 
 
-def _eos_id(tokenizer: LocalTokenizer) -> int | None:
+def eos_to_append(tokenizer: LocalTokenizer) -> int | None:
     """EOS to append, or None when the tokenizer's post-processor already ends every encoding with it."""
     token = tokenizer.special_tokens.get("eos_token")
     if token is None:

@@ -105,6 +105,9 @@ class PackedCollator:
     - `source_ids=True` (a mixture's packs, which carry `source_ids` per document): also return
       `source_ids` [B, L] int64, each token's source (-1 at padding), for `prepack.training.source_loss`. Pop it
       before `model(**batch)`: a model takes no such argument.
+    - Packs of a preference-pair build (`pair_roles`, from `PackedDataset`) also give `pair_segments`
+      [P, 2] int64: each pair's chosen and rejected document as segment numbers of `cu_seq_lens_q`, what
+      `prepack.training.preference.pair_logps` reads (every pack must hold whole pairs).
     - `pad_token_id`: the token id written at padding (its label is always -100). By default each row's
       padding repeats the row's last token: padding is a segment of its own and never trained on, but
       its gradient still flows through the model as 0 times the local derivative, and a token whose
@@ -196,6 +199,8 @@ class PackedCollator:
             batch["source_ids"] = torch.from_numpy(sources)
         if self.seq_idx:
             batch["seq_idx"] = torch.from_numpy(fields.seq_idx)
+        if any(pack.pair_roles is not None for pack in checked):
+            batch["pair_segments"] = torch.from_numpy(_pair_segments(checked, segment_ids, fields.cu_seq_lens))
         if self.cp_size is not None:
             lengths = np.concatenate([np.diff(pack.cu_seqlens) for pack in checked])
             batch["cu_seqlens"] = torch.from_numpy(np.append(0, np.cumsum(lengths)).astype(np.int32))
@@ -243,6 +248,24 @@ class _Pack(NamedTuple):
     cu_seqlens: np.ndarray
     labels: np.ndarray | None
     source_ids: np.ndarray | None = None  # one per document
+    pair_roles: np.ndarray | None = None  # a preference-pair build's pack: 0 chosen, 1 rejected, per document
+
+
+def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.ndarray) -> np.ndarray:
+    """[P, 2] int64: for each pair of the batch, in pack order, the numbers of its chosen and its rejected
+    document among the batch's segments (those of `cu_seq_lens_q`; padding tails are segments too).
+    Every pack must hold whole pairs, each chosen then rejected (`pair_roles` 0, 1, 0, 1, ...)."""
+    for number, pack in enumerate(packs):
+        roles = pack.pair_roles
+        documents = len(pack.cu_seqlens) - 1
+        if roles is None or roles.tolist() != [0, 1] * (documents // 2) or documents % 2:
+            raise IsolationError(
+                f"Pack {number}: pair_roles {None if roles is None else roles.tolist()} do not make whole pairs of "
+                f"its {documents} documents (chosen 0, then rejected 1); a batch of pairs takes packs of a "
+                "preference-pair build only."
+            )
+    documents = np.flatnonzero(segment_ids.reshape(-1)[cu_seq_lens[:-1]] != 0)  # not a padding tail
+    return documents.astype(np.int64).reshape(-1, 2)
 
 
 def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
@@ -258,7 +281,7 @@ def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
     labels = np.full(cu_padded[-1], IGNORE_INDEX, dtype=np.int64)
     input_ids[destination] = pack.input_ids
     labels[destination] = pack.input_ids if pack.labels is None else pack.labels
-    return _Pack(input_ids, cu_padded, labels, pack.source_ids)
+    return _Pack(input_ids, cu_padded, labels, pack.source_ids, pack.pair_roles)
 
 
 def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sources: bool = False) -> _Pack:
@@ -297,4 +320,5 @@ def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sou
         source_ids = np.asarray(pack["source_ids"]).astype(np.int64)
         if source_ids.shape != (len(cu_seqlens) - 1,):
             raise UsageError(f"Pack {number}: {source_ids.shape} source_ids for {len(cu_seqlens) - 1} documents.")
-    return _Pack(input_ids, cu_seqlens, labels, source_ids)
+    pair_roles = np.asarray(pack["pair_roles"]) if pack.get("pair_roles") is not None else None
+    return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles)

@@ -33,6 +33,7 @@ from prepack.errors import FormatError, InputError, PackIndexError, optional_imp
 from prepack.formats.common import list_column
 from prepack.formats.shards import (
     FORMAT_VERSION,
+    PAIR_ROLES,
     Manifest,
     check_index_shard,
     check_shard,
@@ -242,7 +243,7 @@ class PackedDataset(Dataset):
             raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
         index_only = self.store is not None
         m = self.manifest
-        batch = open_shard(path, m.has_labels, m.options.max_len, m.index_of, where=where, sources=m.mixture is not None)
+        batch = m.open_shard(path, where)
         if self.validate:
             if batch.num_rows != info.rows:
                 raise FormatError(f"{where}: {batch.num_rows} rows, but the manifest says {info.rows}.")
@@ -356,7 +357,7 @@ def _index_columns(batch: pa.RecordBatch) -> list[str]:
 
 def _row_columns(batch: pa.RecordBatch) -> list[str]:
     """The list columns a full shard serves (as zero-copy views)."""
-    return [*_ROW_COLUMNS, *(name for name in ("labels", "source_ids") if name in batch.schema.names)]
+    return [*_ROW_COLUMNS, *(name for name in ("labels", "source_ids", PAIR_ROLES) if name in batch.schema.names)]
 
 
 def open_hf_dataset(
@@ -372,7 +373,8 @@ def open_hf_dataset(
     `validate=False`, still its file and schema: `datasets` then maps a full build's shards unchecked).
 
     Rows hold the same columns as `PackedDataset` rows, as int64 arrays (`datasets` hands out a full
-    build's rows as int64 copies): input_ids, cu_seqlens, segment_ids, and labels when the build has them.
+    build's rows as int64 copies): input_ids, cu_seqlens, segment_ids, labels when the build has them, and a
+    preference-pair build's pair_roles.
     The dataset's `info.description` names the build's max_len, for `PackedCollator.for_dataset`.
 
     A full build's shards are memory-mapped as they are. An index build's packs are gathered from the
@@ -398,7 +400,8 @@ def open_hf_dataset(
             "sources' column): use PackedDataset, or build the mixture in full."
         )
     packed.check_all()
-    columns = [*_ROW_COLUMNS, *(["labels"] if packed.manifest.has_labels else [])]
+    optional = {"labels": packed.manifest.has_labels, PAIR_ROLES: packed.manifest.pairs is not None}
+    columns = [*_ROW_COLUMNS, *(name for name, present in optional.items() if present)]
     files = packed.shard_paths if packed.store is None else _gathered_shards(packed, _rows_directory(cache_dir))
     info = DatasetInfo(description=_HF_DESCRIPTION.format(max_len=packed.manifest.options.max_len))
     parts = [HFDataset.from_file(str(file), info=info) for file in files]

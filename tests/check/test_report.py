@@ -291,3 +291,62 @@ def test_cli_errors_exit_2(builds, tmp_path):
 def test_batch_size_below_1_is_refused(builds):
     with pytest.raises(InputError, match="batch_size"):
         inspect_build(builds["split"], batch_size=0)
+
+
+def test_a_pair_build_reports_its_pairs_and_trls_padding(tmp_path):
+    """The pairs' counts from the manifest, and TRL's padding computed by TRL's own collator on the same
+    pairs in the same batches (corpus order, shuffled with the seed)."""
+    import torch  # noqa: F401  (TRL's collator returns tensors)
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from prepack import PackedDataset
+    from tests.demo_inputs import CHATML, chitchat_pairs, gpt2_directory
+
+    corpus = tmp_path / "pairs.jsonl"
+    corpus.write_text("".join(json.dumps(pair) + "\n" for pair in chitchat_pairs()[:30]))
+    build(corpus, tmp_path / "out", max_len=384, tokenizer=gpt2_directory(tmp_path / "gpt2", CHATML), chat=True,
+          pairs=True, overflow="drop", num_proc=1)
+    report = inspect_build(tmp_path / "out", batch_size=4, seed=3)
+    manifest = report.pairs
+    assert manifest.read == 30 and manifest.pairs == 30 - manifest.dropped and manifest.dropped > 0
+    documents = {}
+    for pack in PackedDataset(tmp_path / "out"):
+        cu = pack["cu_seqlens"]
+        for j in range(len(cu) - 1):
+            documents[len(documents)] = (pack["input_ids"][cu[j] : cu[j + 1]], pack["labels"][cu[j] : cu[j + 1]])
+    # Pairs in corpus order: the packs hold them shuffled, source_rows says where each came from.
+    rows = np.concatenate(list(_shard_rows(tmp_path / "out")))
+    by_row = {int(row): documents[i] for i, row in enumerate(rows)}
+    examples = []
+    for row in sorted(by_row)[0::2]:
+        (chosen, labels), (rejected, _) = by_row[row], by_row[row + 1]
+        prompt = int(np.flatnonzero(labels != -100)[0])
+        examples.append({"prompt_ids": chosen[:prompt].tolist(), "chosen_ids": chosen[prompt:].tolist(),
+                         "rejected_ids": rejected[prompt:].tolist()})
+    assert manifest.prompt_tokens == 2 * sum(len(e["prompt_ids"]) for e in examples)
+    assert manifest.completion_tokens == sum(len(e["chosen_ids"]) + len(e["rejected_ids"]) for e in examples)
+    shuffled = [examples[i] for i in np.random.default_rng(3).permutation(len(examples))]
+    collate = DataCollatorForPreference(pad_token_id=0)
+    padded = sum(collate(shuffled[i : i + 4])["input_ids"].numel() for i in range(0, len(shuffled), 4))
+    assert manifest.trl_padded.tokens == padded
+    assert manifest.trl_padded.padding_tokens == padded - report.tokens
+    assert manifest.shared_prompt_saves == manifest.prompt_tokens // 2
+    text = _rendered(report)
+    assert "TRL DPOTrainer, random batches of 4 pairs" in text and f"{padded:,}" in text
+
+
+def _shard_rows(build_dir: Path):
+    from prepack.formats.shards import open_shard, read_manifest
+
+    manifest = read_manifest(build_dir)
+    for info in manifest.shards:
+        batch = open_shard(build_dir / info.name, True, manifest.options.max_len, pairs=True)
+        offsets = np.asarray(batch.column("source_rows").offsets)
+        values = np.asarray(batch.column("source_rows").values)
+        yield from (values[offsets[i] : offsets[i + 1]] for i in range(batch.num_rows))
+
+
+def _rendered(report: InspectReport) -> str:
+    console = Console(record=True, width=200)
+    console.print(render(report))
+    return console.export_text()

@@ -47,3 +47,35 @@ def test_no_test_imports_the_examples_as_a_package():
         if re.search(r"^\s*(from|import)\s+examples\b", path.read_text(encoding="utf-8"), flags=re.MULTILINE)
     ]
     assert importing == []
+
+
+@pytest.fixture(scope="module")
+def pairs_packed(tmp_path_factory) -> Path:
+    """A pair build of examples/chitchat_pairs.py's first pairs."""
+    import json
+
+    import prepack
+    from tests.demo_inputs import CHATML, chitchat_pairs, gpt2_directory
+
+    root = tmp_path_factory.mktemp("pairs")
+    corpus = root / "pairs.jsonl"
+    corpus.write_text("".join(json.dumps(pair) + "\n" for pair in chitchat_pairs()[:40]))
+    prepack.build(corpus, root / "packed", max_len=256, tokenizer=gpt2_directory(root / "gpt2", CHATML), chat=True,
+                  pairs=True, overflow="drop", num_proc=1)
+    return root / "packed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["train_dpo_plain_loop.py", "train_dpo_trl.py"])
+def test_dpo_example_trains_on_a_pair_build(pairs_packed, script, tmp_path):
+    """Both DPO recipes start at log 2 (policy == reference) and print a finite final loss."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--data", str(pairs_packed), "--steps", "3", "--workers", "0"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    first = re.findall(r"^step 1 loss (\S+)|'loss': '(\S+)'", result.stdout + result.stderr, flags=re.MULTILINE)[0]
+    assert float(first[0] or first[1]) == pytest.approx(math.log(2), abs=1e-4)
+    found = re.findall(r"^final loss (\S+)$", result.stdout, flags=re.MULTILINE)
+    assert found and math.isfinite(float(found[-1])), result.stdout[-2000:]

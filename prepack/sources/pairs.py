@@ -1,0 +1,287 @@
+"""Read preference pairs (DPO and its relatives) and tokenize them: two documents a pair.
+
+    pairs = pair_documents(find_corpus("prefs.jsonl"), load_tokenizer("./tok"), chat=True)
+    for batch in pairs.batches: ...        # DocumentBatches: pair r is documents 2r (chosen), 2r+1 (rejected)
+    pairs.prompt_lengths()                 # once consumed: every pair's prompt tokens
+
+The corpus holds TRL's preference formats, one pair a row:
+
+- explicit prompt: `prompt`, `chosen`, `rejected` columns;
+- implicit prompt: `chosen` and `rejected` only, the prompt being their longest common prefix (whole
+  messages of a conversation, or characters of a string, backed off before a trailing space), as
+  TRL's `extract_prompt` finds it;
+- conversational (`chat=True`: lists of {role, content} messages, rendered with the chat template) or
+  plain text (strings).
+
+Each pair becomes two documents, prompt + chosen and prompt + rejected, tokenized as TRL's
+DPOTrainer tokenizes them: the prompt alone (chat: rendered with the generation prompt), and prompt +
+completion; the completion starts where the two token sequences diverge, so that both documents of a
+pair start with exactly the same prompt tokens. Text: tokens as `tokenizer.encode` gives them (BOS as
+the post-processor adds it), then EOS after each completion (`eos`); chat: the rendering encoded
+without special tokens, since templates write their own, as `--chat` does. Labels are -100 on the
+prompt and the token ids on the completion (what TRL's `completion_mask` trains on). A pair whose
+completion is empty, or whose chosen and rejected are the same, is refused with its file, row and
+column.
+
+Chat pairs are rendered in `num_proc` spawned processes, text in tokenizers' threads, as
+`prepack.sources.tokenize` does; the output does not depend on `num_proc`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from prepack.errors import InputError
+from prepack.formats.shards import IGNORE_INDEX, PairOptions, TokenizeOptions
+from prepack.sources.corpus import Corpus, DocumentBatch, file_columns, file_kind, json_records, parse_json, record_batches
+from prepack.sources.tokenize import (
+    LocalTokenizer,
+    resolve_chat_template,
+    checked_messages,
+    compile_template,
+    encoded_in_order,
+    eos_to_append,
+    usable_cores,
+    type_name,
+)
+
+__all__ = ["PairDocuments", "pair_documents", "split_prompt"]
+
+_CHUNK_BYTES = 1 << 18  # input per task: pairs are rendered three times each, so chunks are smaller than --chat's
+
+
+def split_prompt(chosen, rejected) -> tuple[object, object, object]:
+    """(prompt, chosen completion, rejected completion) of an implicit-prompt pair: the longest common
+    prefix of two message lists (whole messages) or of two strings, where a string's prefix is backed off
+    before the space that precedes the first difference (TRL's `extract_prompt`)."""
+    end = 0
+    for end in range(min(len(chosen), len(rejected)) + 1):
+        if end == min(len(chosen), len(rejected)) or chosen[end] != rejected[end]:
+            break
+    if isinstance(chosen, str) and 0 < end < min(len(chosen), len(rejected)) and chosen[end - 1] == " ":
+        end -= 1
+    return chosen[:end], chosen[end:], rejected[end:]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
+
+
+@dataclass(frozen=True)
+class _PairEncoder:
+    """Turns a chunk of pair records into documents; pickled once per worker process (chat)."""
+
+    tokenizer: object  # tokenizers.Tokenizer
+    vocab_size: int
+    options: PairOptions
+    chat: bool
+    template: str | None
+    special_tokens: dict[str, str]
+    eos_id: int | None
+
+    def __call__(self, path: Path, row0: int, records: list[dict]):
+        prompts, fulls, where = [], [], []
+        for i, record in enumerate(records):
+            prompt, chosen, rejected = self._parts(path, row0 + i, record)
+            prompts.append(self._text(path, row0 + i, prompt, None, add_generation_prompt=True))
+            for column, completion in ((self.options.chosen_column, chosen), (self.options.rejected_column, rejected)):
+                fulls.append(self._text(path, row0 + i, prompt, completion, add_generation_prompt=False))
+                where.append((row0 + i, column))
+        special = not self.chat  # chat templates write their own special tokens
+        prompt_ids = [e.ids for e in self.tokenizer.encode_batch_fast(prompts, add_special_tokens=special)]
+        full_ids = [e.ids for e in self.tokenizer.encode_batch_fast(fulls, add_special_tokens=special)]
+        documents, labels, prompt_lengths = [], [], []
+        for i, prompt in enumerate(prompt_ids):
+            chosen, rejected = full_ids[2 * i], full_ids[2 * i + 1]
+            # Where the completion starts: where prompt and prompt + completion diverge (TRL's rule: tokens
+            # may merge across the boundary), the same for both documents of the pair.
+            length = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
+            if chosen == rejected:
+                raise InputError(
+                    f"{path}, row {row0 + i}: chosen and rejected are the same tokens; a preference pair needs two "
+                    "different completions."
+                )
+            for (row, column), ids in zip(where[2 * i : 2 * i + 2], (chosen, rejected)):
+                ids = ids + [self.eos_id] if self.eos_id is not None else ids
+                if len(ids) == length:
+                    raise InputError(f"{path}, row {row}, column {column!r}: the completion is empty (no token after the prompt).")
+                documents.append(ids)
+                labels.append([IGNORE_INDEX] * length + ids[length:])
+            prompt_lengths.append(length)
+        lengths = np.fromiter(map(len, documents), np.int64, len(documents))
+        offsets = np.zeros(len(documents) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        ids = np.fromiter(chain.from_iterable(documents), np.int64, int(offsets[-1]))
+        if (bad := ids >= self.vocab_size).any():
+            document = int(np.searchsorted(offsets, int(np.flatnonzero(bad)[0]), "right")) - 1
+            raise InputError(
+                f"{path}, row {row0 + document // 2}, column {where[document][1]!r}: token id {ids[bad][0]} is not "
+                f"below the tokenizer's vocabulary size {self.vocab_size}; is tokenizer.json consistent?"
+            )
+        label_values = np.fromiter(chain.from_iterable(labels), np.int64, int(offsets[-1]))
+        return offsets, ids.astype(np.int32), label_values.astype(np.int32), np.asarray(prompt_lengths, np.int64)
+
+    def _parts(self, path: Path, row: int, record: dict) -> tuple[object, object, object]:
+        """The pair's prompt and completions, checked: messages in chat mode, strings otherwise. A row
+        whose prompt column is missing or null has an implicit prompt (`split_prompt`)."""
+        o = self.options
+        explicit = record.get(o.prompt_column) is not None
+        columns = [o.chosen_column, o.rejected_column] + ([o.prompt_column] if explicit else [])
+        values = {}
+        for column in columns:
+            where = f"{path}, row {row}, column {column!r}"
+            value = record.get(column)
+            if value is None:
+                present = ", ".join(key for key, value in record.items() if value is not None) or "none"
+                raise InputError(f"{path}, row {row}: the record has no {column!r} (fields: {present}).")
+            if self.chat:
+                values[column] = checked_messages(where, value)
+            elif isinstance(value, str):
+                values[column] = value
+            else:
+                hint = "; --chat reads messages" if isinstance(value, list) else ""
+                raise InputError(f"{where}: expected a string (plain-text pairs), found {type_name(value)}{hint}.")
+        if explicit:
+            return values[o.prompt_column], values[o.chosen_column], values[o.rejected_column]
+        prompt, chosen, rejected = split_prompt(values[o.chosen_column], values[o.rejected_column])
+        if not prompt:
+            raise InputError(
+                f"{path}, row {row}: no {o.prompt_column!r}, and {o.chosen_column!r} and {o.rejected_column!r} share "
+                "no prompt (no common prefix); give the prompt (--prompt-column names its column)."
+            )
+        return prompt, chosen, rejected
+
+    def _text(self, path: Path, row: int, prompt, completion, add_generation_prompt: bool) -> str:
+        if not self.chat:
+            return prompt if completion is None else prompt + completion
+        messages = prompt if completion is None else prompt + completion
+        context = dict(self.special_tokens, tools=None, documents=None)
+        try:
+            return compile_template(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+        except Exception as exc:  # jinja2's TemplateError, or TypeError from a template's arithmetic
+            raise InputError(f"{path}, row {row}: the chat template failed on this pair: {exc}") from None
+
+
+def _file_records(path: Path, columns: list[str]) -> Iterator[tuple[int, list[dict], int]]:
+    """(first row, records, bytes) per block of a file, each record holding `columns` (those present)."""
+    kind = file_kind(path) or "arrow"
+    if kind != "jsonl":
+        present = [c for c in columns if c in file_columns(path, kind)]
+        row0 = 0
+        for batch in record_batches(path, kind, present):
+            yield row0, batch.to_pylist(), batch.nbytes
+            row0 += batch.num_rows
+        return
+    records, size, row0 = [], 0, 0
+    try:
+        with pa.input_stream(os.fspath(path), compression="detect") as stream:
+            for raw in json_records(path, stream):
+                try:
+                    record = parse_json(raw)
+                except ValueError as exc:
+                    raise InputError(f"{path}, row {row0 + len(records)}: not valid JSON ({exc}).") from None
+                if not isinstance(record, dict):
+                    raise InputError(f"{path}, row {row0 + len(records)}: expected a JSON object with {', '.join(columns)}.")
+                records.append({c: record.get(c) for c in columns})
+                size += len(raw)
+                if size >= _CHUNK_BYTES:
+                    yield row0, records, size
+                    records, size, row0 = [], 0, row0 + len(records)
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{path}: cannot be read ({exc}); is it truncated?") from None
+    if records:
+        yield row0, records, size
+
+
+def _chunks(corpus: Corpus, columns: list[str]) -> Iterator[tuple[Path, int, list[dict]]]:
+    for path in corpus.files:
+        for row0, records, size in _file_records(path, columns):
+            rows = max(1, len(records) * _CHUNK_BYTES // max(size, 1))
+            for start in range(0, len(records), rows):
+                yield path, row0 + start, records[start : start + rows]
+
+
+@dataclass
+class PairDocuments:
+    """A pair corpus's documents (`batches`: pair r of a file is its documents 2r, chosen, and 2r + 1,
+    rejected), how they were tokenized, and each pair's prompt tokens, collected as the batches are
+    consumed (`prompt_lengths`)."""
+
+    tokenize: TokenizeOptions
+    options: PairOptions
+    batches: Iterator[DocumentBatch]
+    _prompt_lengths: list[np.ndarray] = field(default_factory=list)
+
+    def prompt_lengths(self) -> np.ndarray:
+        """int64, one per pair read so far, in corpus order."""
+        return np.concatenate(self._prompt_lengths) if self._prompt_lengths else np.empty(0, np.int64)
+
+    def latest_prompt_lengths(self) -> np.ndarray:
+        """The prompt lengths of the pairs of the batch yielded last (whose documents are its pairs')."""
+        return self._prompt_lengths[-1]
+
+
+def pair_documents(
+    corpus: Corpus,
+    tokenizer: LocalTokenizer,
+    options: PairOptions,
+    *,
+    chat: bool,
+    eos: bool = True,
+    chat_template: str | os.PathLike | None = None,
+    num_proc: int | None = None,
+) -> PairDocuments:
+    """Check the options and the files' columns now; tokenize while `batches` is consumed. Raises
+    InputError (file, row, column) for a bad pair, a missing column or a bad option."""
+    num_proc = num_proc or usable_cores()
+    if num_proc < 1:
+        raise InputError(f"num_proc must be at least 1, not {num_proc}.")
+    template = resolve_chat_template(tokenizer, chat_template) if chat else None
+    columns = [options.prompt_column, options.chosen_column, options.rejected_column]
+    for path in corpus.files:
+        kind = file_kind(path) or "arrow"
+        if kind != "jsonl":
+            found = file_columns(path, kind)
+            if missing := [c for c in columns[1:] if c not in found]:
+                raise InputError(
+                    f"{path}: there is no column {missing[0]!r} (columns: {', '.join(found) or 'none'}); a preference "
+                    "corpus has chosen and rejected columns (--chosen-column, --rejected-column) and, unless the prompt "
+                    "is their common prefix, a prompt column (--prompt-column)."
+                )
+    encoder = _PairEncoder(
+        tokenizer=tokenizer.tokenizer,
+        vocab_size=tokenizer.vocab_size,
+        options=options,
+        chat=chat,
+        template=template,
+        special_tokens=tokenizer.special_tokens,
+        eos_id=eos_to_append(tokenizer) if eos and not chat else None,
+    )
+    tokenize = TokenizeOptions(
+        tokenizer=tokenizer.info,
+        mode="chat" if chat else "text",
+        column=options.chosen_column,
+        chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if chat else None,
+        train_on="assistant" if chat else "all",
+        eos=eos and not chat,
+    )
+    documents = PairDocuments(tokenize, options, iter(()))
+    documents.batches = _stream(corpus, columns, encoder, num_proc, documents._prompt_lengths)
+    return documents
+
+
+def _stream(corpus: Corpus, columns: list[str], encoder: _PairEncoder, num_proc: int, prompt_lengths: list) -> Iterator[DocumentBatch]:
+    os.environ["RAYON_NUM_THREADS"] = str(num_proc)
+    for (path, row0, _), (offsets, ids, labels, prompts) in encoded_in_order(_chunks(corpus, columns), encoder, num_proc):
+        prompt_lengths.append(prompts)
+        yield DocumentBatch(file=path, first_row=2 * row0, offsets=offsets, ids=ids, labels=labels)

@@ -1,0 +1,119 @@
+"""Preference losses (DPO, IPO, SimPO) on packed pairs: one forward over packs of whole pairs, exact.
+
+A preference-pair build (`prepack build --pairs`) packs each pair's two documents, prompt + chosen and
+prompt + rejected, into one pack; `PackedCollator` turns its packs into a batch with `pair_segments`
+([P, 2]: each pair's chosen and rejected document among the batch's segments). Then, per micro-batch:
+
+    logits = model(**model_inputs(batch)).logits                  # documents isolated as for SFT
+    policy = pair_logps(logits, batch)                           # summed log-probs of each completion
+    with torch.no_grad():
+        reference = pair_logps(ref_model(**model_inputs(batch)).logits, batch)
+    loss = dpo_loss(policy, reference, beta=0.1).mean()          # or ipo_loss, simpo_loss(policy)
+
+`sequence_logps` sums, over each segment of `cu_seq_lens_q`, the log-probability of every trained token
+(labels not -100: the completion) given the tokens before it in its own document; the collator already
+masks each document's first token. Since no token attends across documents, these are exactly the
+numbers an unpacked forward of each sequence alone gives (TRL's `chosen_logps` / `rejected_logps`),
+and the losses follow TRL 1.16's DPOTrainer formulas on them ("sigmoid", "ipo" with its length
+normalisation, and SimPO as TRL's CPOTrainer writes it). Every loss is per pair: take the mean over the
+micro-batch, or over an accumulation window `sum / pairs in the window`.
+
+This module imports torch; `import prepack` does not load it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from prepack.errors import UsageError, optional_imports
+from prepack.formats.shards import IGNORE_INDEX
+
+with optional_imports("prepack.training.preference"):
+    import torch
+    import torch.nn.functional as F
+
+__all__ = ["PAIR_FIELDS", "PairLogps", "dpo_loss", "ipo_loss", "model_inputs", "pair_logps", "sequence_logps", "simpo_loss"]
+
+PAIR_FIELDS = ("pair_segments",)  # what a batch of pairs carries besides the model's inputs
+
+
+class PairLogps(NamedTuple):
+    """Per pair [P]: the summed log-probability of its chosen and rejected completions, and their trained
+    token counts (float64 and int64)."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
+
+
+def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch without the pairing fields, which the model does not take."""
+    return {key: value for key, value in batch.items() if key not in PAIR_FIELDS}
+
+
+def sequence_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probabilities [S], trained tokens [S]) of every segment of `batch["cu_seq_lens_q"]`:
+    position t of a row predicts label t + 1, counted for the segment that label lies in. `logits` is
+    [B, L, V] (half precision is upcast to float32, as transformers' losses do; float64 stays)."""
+    if "cu_seq_lens_q" not in batch:
+        raise UsageError("sequence_logps needs cu_seq_lens_q: use PackedCollator's padded or padding_free layout")
+    if "cp_indices" in batch:
+        raise UsageError("sequence_logps takes a whole batch, not a context-parallel part of one")
+    labels = batch["labels"]
+    if logits.shape[:2] != labels.shape:
+        raise UsageError(f"logits of shape {tuple(logits.shape)} do not match labels of shape {tuple(labels.shape)}")
+    cu = batch["cu_seq_lens_q"].to(device=logits.device, dtype=torch.int64)
+    width = labels.shape[1]
+    targets = labels[:, 1:].to(logits.device)
+    trained = targets != IGNORE_INDEX
+    predicting = logits[:, :-1].flatten(0, 1)
+    logp = -F.cross_entropy(
+        predicting.to(torch.promote_types(predicting.dtype, torch.float32)),
+        targets.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
+    # The flat position of each label (row b, column t + 1), and the segment it belongs to.
+    rows = torch.arange(labels.shape[0], device=logits.device).unsqueeze(1) * width
+    positions = (rows + torch.arange(1, width, device=logits.device)).flatten()
+    segment = torch.searchsorted(cu, positions, right=True) - 1
+    segments = len(cu) - 1
+    sums = torch.zeros(segments, dtype=logp.dtype, device=logits.device).index_add(0, segment, logp * trained.flatten())
+    tokens = torch.bincount(segment, weights=trained.flatten().to(torch.float64), minlength=segments).to(torch.int64)
+    return sums, tokens
+
+
+def pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:
+    """`sequence_logps` of each pair's chosen and rejected document (`batch["pair_segments"]`)."""
+    if "pair_segments" not in batch:
+        raise UsageError("pair_logps needs pair_segments: collate packs of a preference-pair build (prepack build --pairs)")
+    sums, tokens = sequence_logps(logits, batch)
+    pairs = batch["pair_segments"].to(sums.device)
+    return PairLogps(sums[pairs[:, 0]], sums[pairs[:, 1]], tokens[pairs[:, 0]], tokens[pairs[:, 1]])
+
+
+def _margins(policy: PairLogps, reference: PairLogps) -> tuple[torch.Tensor, torch.Tensor]:
+    return policy.chosen - reference.chosen, policy.rejected - reference.rejected
+
+
+def dpo_loss(policy: PairLogps, reference: PairLogps, beta: float = 0.1) -> torch.Tensor:
+    """Per pair: -log σ(β ((πc - refc) - (πr - refr))), TRL's DPO ("sigmoid")."""
+    chosen, rejected = _margins(policy, reference)
+    return -F.logsigmoid(beta * (chosen - rejected))
+
+
+def ipo_loss(policy: PairLogps, reference: PairLogps, beta: float = 0.1) -> torch.Tensor:
+    """Per pair: ((πc - refc) / nc - (πr - refr) / nr - 1 / (2β))², TRL's IPO with its normalisation by each
+    completion's tokens."""
+    chosen, rejected = _margins(policy, reference)
+    delta = chosen / policy.chosen_tokens.clamp(min=1) - rejected / policy.rejected_tokens.clamp(min=1)
+    return (delta - 1 / (2 * beta)) ** 2
+
+
+def simpo_loss(policy: PairLogps, beta: float = 2.0, gamma: float = 0.5) -> torch.Tensor:
+    """Per pair: -log σ(β (πc / nc - πr / nr) - γ), SimPO (reference-free, length-normalised), as TRL's
+    CPOTrainer computes it."""
+    delta = policy.chosen / policy.chosen_tokens.clamp(min=1) - policy.rejected / policy.rejected_tokens.clamp(min=1)
+    return -F.logsigmoid(beta * delta - gamma)
