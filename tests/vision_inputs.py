@@ -1,0 +1,46 @@
+"""Real images and local image processors for the vision tests, nothing downloaded.
+
+The photographs are matplotlib's bundled sample images; the image processors are transformers' PIL ones
+(no torchvision), sized for the towers of `prepack.model.tiny_vision_models`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import matplotlib
+
+from prepack.model.tiny_vision_models import IMAGE_SIZE
+
+SAMPLE_DATA = Path(matplotlib.get_data_path()) / "sample_data"
+PHOTOS = ("grace_hopper.jpg", "Minduka_Present_Blue_Pack.png", "logo2.png")
+# Qwen's processor: between 2 and 8 merged tokens (28x28 pixels each) per image.
+QWEN_PIXELS = {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}
+
+
+def photo_bytes() -> list[bytes]:
+    """The encoded bytes of the sample photographs (a JPEG and two PNGs of different sizes)."""
+    return [(SAMPLE_DATA / name).read_bytes() for name in PHOTOS]
+
+
+def image_processor(model_type: str):
+    """The family's image processor, configured for its tiny tower."""
+    if model_type in ("qwen2_vl", "qwen2_5_vl"):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return Qwen2VLImageProcessorPil(size=QWEN_PIXELS, patch_size=14, merge_size=2, temporal_patch_size=2)
+    if model_type == "llava":
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+        side = IMAGE_SIZE["llava"]
+        return CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    if model_type == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        side = IMAGE_SIZE["gemma3"]
+        return Gemma3ImageProcessorPil(size={"height": side, "width": side})
+    raise KeyError(model_type)
+
+
+assert all(os.path.exists(SAMPLE_DATA / name) for name in PHOTOS), "matplotlib's sample images are missing"
