@@ -20,6 +20,7 @@ from prepack.errors import InputError, IsolationError
 from prepack.model.tiny_models import DOCUMENT_VOCAB
 from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.training.vision_collate import VisionCollator, VisionSpec, rotary_3d_positions
+from tests.flash_reference import enable_flash_attention
 from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "llava", "gemma3")
@@ -205,3 +206,40 @@ def test_a_pack_with_placeholders_and_images_that_disagree_is_refused():
     pack = packs_of(made)[0]
     with pytest.raises(InputError, match="placeholders"):
         collator([{**pack, "images": pack["images"][:-1]}])
+
+
+@pytest.mark.slow
+def test_rotary_positions_without_the_text_row_leak_and_are_refused():
+    """[3, B, L] rotary positions restarting per sample: transformers builds no per-sample mask from them."""
+    model, _, made, collator = setup("qwen2_5_vl")
+    batch = collator(packs_of(made))
+    batch["position_ids"] = batch["position_ids"][1:]
+    logit_diff, _, _ = compare(model, collator, made, dict(batch))
+    assert logit_diff > 1e-3
+    enable_packing(model)
+    with pytest.raises(IsolationError, match=r"\[3, B, L\]"):
+        model(**batch)
+
+
+def test_an_unmeasured_backend_is_refused_for_images_by_name():
+    model = enable_flash_attention(tiny_vision_model("qwen2_5_vl", "eager"))
+    with pytest.raises(IsolationError, match="qwen2_5_vl .*flash_attention_2: not measured with images"):
+        enable_packing(model)
+
+
+def test_gemma3_image_batch_with_a_mask_is_refused():
+    model, _, made, collator = setup("gemma3")
+    enable_packing(model)
+    batch = collator(packs_of(made))
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    with pytest.raises(IsolationError, match="attention_mask"):
+        model(**batch)
+
+
+def test_vision_support_document_is_current():
+    from pathlib import Path
+
+    from prepack import vision_families
+
+    document = Path(__file__).parents[2] / "docs" / "vision-support.md"
+    assert document.read_text() == vision_families.markdown()
