@@ -239,7 +239,7 @@ def test_gemma3_image_batch_with_a_mask_is_refused():
 def test_vision_support_document_is_current():
     from pathlib import Path
 
-    from prepack import vision_families
+    from prepack.model import vision_families
 
     document = Path(__file__).parents[2] / "docs" / "vision-support.md"
     assert document.read_text() == vision_families.markdown()
