@@ -96,7 +96,9 @@ def _image_block_masks(module: torch.nn.Module, position_ids: torch.Tensor, toke
 
     # position_ids left out: transformers would remap the indices the functions above read.
     shape_only = torch.empty((rows, width, 0), dtype=module.dtype, device=positions.device)
-    arguments = dict(config=config, inputs_embeds=shape_only, attention_mask=None, cache=None, or_mask_function=same_block)
+    arguments = dict(
+        config=config, inputs_embeds=shape_only, attention_mask=None, cache=None, or_mask_function=same_block
+    )
     return {
         "full_attention": create_causal_mask(**arguments, and_mask_function=same_sample),
         "sliding_attention": create_causal_mask(**arguments, and_mask_function=same_sample_within_window),

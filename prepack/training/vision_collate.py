@@ -69,7 +69,8 @@ class VisionSpec:
         vision = config.vision_config
         patches = (vision.image_size // vision.patch_size) ** 2
         # "default" drops the CLS token of CLIP's output, "full" keeps it.
-        return cls(style, image_token_id, tokens_per_image=patches + (config.vision_feature_select_strategy == "full"))
+        with_cls = config.vision_feature_select_strategy == "full"
+        return cls(style, image_token_id, tokens_per_image=patches + with_cls)
 
 
 def rotary_3d_positions(input_ids: np.ndarray, grids: np.ndarray, image_token_id: int, merge_size: int) -> np.ndarray:
@@ -131,7 +132,8 @@ class VisionCollator:
             raise UsageError(f"pad_token_id {pad_token_id} is the image placeholder; pick another id.")
         if max_len is not None and max_len < 1:
             raise UsageError(f"max_len must be at least 1, not {max_len}.")
-        self.spec, self.image_processor, self.max_len, self.pad_token_id = spec, image_processor, max_len, pad_token_id
+        self.spec, self.image_processor = spec, image_processor
+        self.max_len, self.pad_token_id = max_len, pad_token_id
         self.image_processor_options = dict(image_processor_options or {})
 
     def __call__(self, packs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
