@@ -332,6 +332,7 @@ def verify_command(
     all_problems: Annotated[bool, typer.Option("--all", help="Report every problem, not only the first.")] = False,
     cache_dir: _CacheDirOption = None,
     store: Annotated[Path | None, typer.Option("--store", help="An index build's store, where it lies now if it moved (a local directory).")] = None,
+    images: Annotated[Path | None, typer.Option("--images", help="The image set prepared with its corpus: check it, and every pack's image tokens.")] = None,
 ) -> None:
     """Check shards against the manifest and the format (and every token against --source).
     Exit 0: sound; 1: problems found (printed); 2: not a build, or an unreadable --source."""
@@ -342,6 +343,10 @@ def verify_command(
             path, source, tokenizer=tokenizer, chat_template=chat_template, all_problems=all_problems,
             cache_dir=cache_dir, store=store,
         )
+        if images is not None:
+            from prepack.check.images import verify_images
+
+            problems = [*problems, *verify_images(path, images)]
     except PrepackError as exc:
         _fail(exc)
     for problem in problems:

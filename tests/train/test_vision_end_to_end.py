@@ -18,6 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from prepack import enable_packing
+from prepack.errors import InputError
 from prepack.formats.images import read_image_set
 from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.sources.images import prepare_image_chat
@@ -133,3 +134,22 @@ def test_image_chat_build_trains_through_hf_trainer(prepared, tmp_path):
     result = trainer.train()
     assert np.isfinite(result.training_loss)
     assert any(not torch.equal(before[name], p) for name, p in model.model.visual.named_parameters(prefix="model.visual"))
+
+
+@pytest.mark.slow
+def test_verify_checks_the_image_set_against_the_build(prepared, tmp_path):
+    """Clean: exit 0. A build whose documents were truncated through their images: each such pack named,
+    and ImagePackedDataset refuses to serve it."""
+    processor, summary, build = prepared
+    clean = run_prepack("verify", build, "--images", summary.image_set)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    cut = tmp_path / "cut"
+    result = run_prepack("build", summary.corpus, "--tokenizer", processor, "--chat", "--max-len", 12,
+                         "--overflow", "truncate", "--out", cut)
+    assert result.returncode == 0, result.stderr
+    found = run_prepack("verify", cut, "--images", summary.image_set)
+    assert found.returncode == 1 and "image placeholder tokens; its documents' images make" in found.stdout
+    dataset = ImagePackedDataset(cut, summary.image_set)
+    with pytest.raises(InputError, match="images were cut"):
+        for index in range(len(dataset)):
+            dataset[index]

@@ -1,0 +1,77 @@
+"""`prepack verify BUILD --images DIR`: an image set checked, and checked against the build it serves.
+
+The image set alone (`read_image_set(verify=True)`): its files' sizes and sha256, every image's sha256,
+limits and placeholder count by the recorded rule; then each image's header read again (Pillow, no pixel
+decoded) must give the recorded width and height. Against a full build: the set describes as many corpus
+rows as the build read, and every pack holds exactly the placeholder tokens of its documents' images (a
+document cut by truncation or splitting, or a build of another corpus, fails here). An index build's
+tokens lie in its store: only the row count is compared there.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+
+from prepack.check.verify import Problem
+from prepack.errors import FormatError, optional_imports
+from prepack.formats.common import list_column
+from prepack.formats.images import IMAGE_SET_MANIFEST, IMAGES_FILE, ImageSet, read_image_set
+from prepack.formats.shards import open_shard, read_manifest, shard_path
+
+__all__ = ["verify_images"]
+
+
+def verify_images(build: str | os.PathLike, images: str | os.PathLike) -> list[Problem]:
+    """Every problem of the image set `images` and of its agreement with the local build `build`."""
+    build, images = Path(build), Path(images)
+    try:
+        image_set = read_image_set(images, verify=True)
+    except FormatError as exc:
+        problem = exc.problem
+        return [Problem(file=str(problem.file), row=problem.row, column=problem.column, message=problem.message)]
+    problems = _header_problems(image_set)
+    manifest = read_manifest(build)
+    if image_set.manifest.documents != manifest.totals.documents:
+        problems.append(Problem(file=str(images / IMAGE_SET_MANIFEST), column="documents", message=(
+            f"describes {image_set.manifest.documents} corpus rows; the build read {manifest.totals.documents}: "
+            "not the image set of this build's corpus.")))
+        return problems
+    if manifest.store is not None:
+        return problems
+    row_tokens = image_set.row_tokens()
+    for index, info in enumerate(manifest.shards):
+        batch = open_shard(shard_path(build, index, info), manifest.has_labels, manifest.options.max_len)
+        token_offsets, ids = list_column(batch, "input_ids", info.name)
+        row_offsets, rows = list_column(batch, "source_rows", info.name)
+        is_placeholder = np.append(0, np.cumsum(ids == image_set.manifest.placeholder_id))
+        found = is_placeholder[token_offsets[1:]] - is_placeholder[token_offsets[:-1]]
+        per_pack = np.append(0, np.cumsum(row_tokens[rows]))
+        expected = per_pack[row_offsets[1:]] - per_pack[row_offsets[:-1]]
+        for row in np.flatnonzero(found != expected):
+            problems.append(Problem(file=info.name, row=int(row), column="input_ids", message=(
+                f"the pack holds {int(found[row])} image placeholder tokens; its documents' images make "
+                f"{int(expected[row])} (a document's images cut, or another corpus).")))
+    return problems
+
+
+def _header_problems(image_set: ImageSet) -> list[Problem]:
+    with optional_imports("verify --images"):
+        from PIL import Image
+
+    problems = []
+    for number in range(image_set.manifest.images):
+        try:
+            with Image.open(io.BytesIO(image_set.data(number))) as image:
+                size = image.size
+        except (OSError, ValueError, Image.DecompressionBombError) as exc:
+            size, why = None, f"the image cannot be read ({exc})"
+        recorded = (int(image_set.widths[number]), int(image_set.heights[number]))
+        if size != recorded:
+            why = why if size is None else f"its header says {size[0]}x{size[1]}"
+            problems.append(Problem(file=str(image_set.directory / IMAGES_FILE), row=number, column="width",
+                                    message=f"{why}; the set records {recorded[0]}x{recorded[1]}."))
+    return problems
