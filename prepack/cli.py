@@ -7,6 +7,7 @@ imports neither numpy, pyarrow, numba nor pydantic: `python benchmarks/bench_sta
 from __future__ import annotations
 
 import functools
+import json
 import inspect
 from collections.abc import Callable
 from enum import Enum
@@ -301,6 +302,7 @@ def inspect_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON instead.")] = False,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Also draw the distributions and costs, e.g. report.png (needs prepack-llm[plot]).")] = None,
     cache_dir: _CacheDirOption = None,
+    images: Annotated[Path | None, typer.Option("--images", help="The image set prepared with its corpus: also report image and text tokens and the padding saved.")] = None,
 ) -> None:
     """Report fill, padding, distributions and the cost of not packing, from the manifest and the
     per-pack columns (no token is read)."""
@@ -312,13 +314,23 @@ def inspect_command(
         report = inspect_build(path, batch_size=batch_size, seed=seed, world_size=world_size, cache_dir=cache_dir, **costs)
         if plot_path is not None:
             plot(report, plot_path)
+        image_lines = None
+        if images is not None:
+            from prepack.check.images import image_report
+
+            image_lines = image_report(path, images, report)
         text = report.to_json() if as_json else None
+        if text is not None and image_lines is not None:  # the build's report, and the image lines beside it
+            text = json.dumps({"build": json.loads(text), "images": image_lines.model_dump(mode="json")}, indent=2)
     except PrepackError as exc:
         _fail(exc)
     if text is not None:
         typer.echo(text)
     else:
         _stdout().print(render(report, shards=shards))
+        if image_lines is not None:
+            for name, value in image_lines.model_dump().items():
+                typer.echo(f"{name.replace('_', ' ')}: {value:,.3f}" if isinstance(value, float) else f"{name.replace('_', ' ')}: {value:,}")
     if plot_path is not None:  # after the report; beside --json on stderr, which keeps stdout JSON
         typer.echo(f"plot written to {plot_path}", err=as_json)
 

@@ -1,4 +1,5 @@
-"""`prepack verify BUILD --images DIR`: an image set checked, and checked against the build it serves.
+"""`prepack verify BUILD --images DIR`: an image set checked, and checked against the build it serves;
+`prepack inspect BUILD --images DIR`: the build's image and text tokens and the padding packing saves.
 
 The image set alone (`read_image_set(verify=True)`): its files' sizes and sha256, every image's sha256,
 limits and placeholder count by the recorded rule; then each image's header read again (Pillow, no pixel
@@ -16,13 +17,50 @@ from pathlib import Path
 
 import numpy as np
 
+from prepack.check.report import InspectReport
 from prepack.check.verify import Problem
 from prepack.errors import FormatError, optional_imports
-from prepack.formats.common import list_column
+from prepack.formats.common import StrictModel, list_column
 from prepack.formats.images import IMAGE_SET_MANIFEST, IMAGES_FILE, ImageSet, read_image_set
 from prepack.formats.shards import open_shard, read_manifest, shard_path
 
-__all__ = ["verify_images"]
+__all__ = ["ImageReport", "image_report", "verify_images"]
+
+
+class ImageReport(StrictModel):
+    """What `inspect --images` adds: the packs' tokens by kind, and the padding packing saves (from the
+    build's own report: `cost.pad_to_longest_in_batch` and `cost.pad_to_max_len` against `cost.packed`)."""
+
+    images: int  # distinct images in the set
+    image_references: int  # images over the corpus rows, repeats counted
+    image_tokens: int  # placeholder tokens in the packs
+    text_tokens: int  # every other token in the packs
+    image_token_share: float
+    padding_saved_vs_longest_in_batch: int  # padding tokens of random batches padded to their longest, less the packs'
+    padding_saved_vs_max_len: int  # padding tokens of one document per max_len row, less the packs'
+
+
+def image_report(build: str | os.PathLike, images: str | os.PathLike, report: InspectReport) -> ImageReport:
+    """The image lines of `inspect` for a local full build and its image set (read, not verified)."""
+    build, image_set = Path(build), read_image_set(images)
+    manifest = read_manifest(build)
+    if manifest.store is not None:
+        raise FormatError(f"{build}: an index build; inspect --images reads a full build's packs.")
+    row_tokens = image_set.row_tokens()
+    image_tokens = 0
+    for index, info in enumerate(manifest.shards):
+        batch = open_shard(shard_path(build, index, info), manifest.has_labels, manifest.options.max_len)
+        image_tokens += int(row_tokens[list_column(batch, "source_rows", info.name)[1]].sum())
+    cost = report.cost
+    return ImageReport(
+        images=image_set.manifest.images,
+        image_references=image_set.manifest.references,
+        image_tokens=image_tokens,
+        text_tokens=report.tokens - image_tokens,
+        image_token_share=image_tokens / report.tokens if report.tokens else 0.0,
+        padding_saved_vs_longest_in_batch=cost.pad_to_longest_in_batch.padding_tokens - cost.packed.padding_tokens,
+        padding_saved_vs_max_len=cost.pad_to_max_len.padding_tokens - cost.packed.padding_tokens,
+    )
 
 
 def verify_images(build: str | os.PathLike, images: str | os.PathLike) -> list[Problem]:

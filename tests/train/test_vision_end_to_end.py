@@ -23,6 +23,7 @@ from prepack.formats.images import read_image_set
 from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.sources.images import prepare_image_chat
 from prepack.training.vision_collate import VisionCollator, VisionSpec
+from prepack.training.dataset import PackedDataset
 from prepack.training.vision_dataset import ImagePackedDataset
 from tests.cli import run_prepack
 from tests.model.test_vision import LOSS_TOLERANCE, TOLERANCE, run, targets
@@ -153,3 +154,21 @@ def test_verify_checks_the_image_set_against_the_build(prepared, tmp_path):
     with pytest.raises(InputError, match="images were cut"):
         for index in range(len(dataset)):
             dataset[index]
+
+
+@pytest.mark.slow
+def test_inspect_reports_image_and_text_tokens_and_the_padding_saved(prepared):
+    processor, summary, build = prepared
+    result = run_prepack("inspect", build, "--images", summary.image_set, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    placeholder = read_image_set(summary.image_set).manifest.placeholder_id
+    dataset = PackedDataset(build)
+    in_packs = sum(int((dataset[i]["input_ids"] == placeholder).sum()) for i in range(len(dataset)))
+    images = report["images"]
+    assert images["image_tokens"] == in_packs > 0
+    assert images["text_tokens"] == report["build"]["tokens"] - in_packs
+    cost = report["build"]["cost"]
+    assert images["padding_saved_vs_max_len"] == cost["pad_to_max_len"]["padding_tokens"] - cost["packed"]["padding_tokens"] > 0
+    text = run_prepack("inspect", build, "--images", summary.image_set)
+    assert text.returncode == 0 and f"image tokens: {in_packs:,}" in text.stdout
