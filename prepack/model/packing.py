@@ -42,6 +42,11 @@ per row. There `seq_idx` is dropped (not needed; transformers' torch fallbacks r
 refused on every backend. Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep position_ids from their backbone,
 so their guard sits on the causal LM.
 
+An image batch (one with `pixel_values`) is held to the vision table (`prepack.model.vision_families`,
+docs/vision-support.md) and checked by `prepack.model.vision_packing`: families never measured with images
+are refused by name, fields that override a vision tower's per-image segments are refused, Qwen's 3-D rotary
+positions need their text row, and Gemma 3's layer masks are built by prepack.
+
 `prepack.model.isolation` proves it: it runs a packed batch and each of its documents alone, and compares.
 """
 

@@ -5,7 +5,8 @@ its documents' images in token order, from the image set written beside the buil
 Every pack is checked against the image set before it is served: its image placeholder tokens must be
 exactly those of its documents' images (a build of another corpus, or a document whose images were cut by
 truncation or splitting, is refused by name). Nothing is decoded here; the bytes are read from the
-memory-mapped image set, so the dataset pickles into DataLoader workers as `PackedDataset` does.
+memory-mapped image set, and a DataLoader worker gets the image set's path, not its bytes: it maps the
+files again (already checked) when it unpickles the dataset.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class ImagePackedDataset:
 
     def __init__(self, build: str | os.PathLike, images: str | os.PathLike, **options: Any):
         self.packs = PackedDataset(build, **options)
+        self.images = images
         self.image_set = read_image_set(images)
         documents = self.packs.manifest.totals.documents
         if self.image_set.manifest.documents != documents:
@@ -36,6 +38,13 @@ class ImagePackedDataset:
                 f"{documents}: not the image set of this build's corpus."
             )
         self.placeholder_id = self.image_set.manifest.placeholder_id
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "image_set": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.image_set = read_image_set(self.images)
 
     def __len__(self) -> int:
         return len(self.packs)

@@ -73,7 +73,7 @@ def test_prepare_stores_each_image_once_and_writes_the_same_bytes_twice(processo
                     "images": [f"p/{PHOTOS[0]}", f"p/{PHOTOS[1]}"]})
     corpus = chats(tmp_path, records)
     first = prepare_image_chat(corpus, processor, tmp_path / "one")
-    second = prepare_image_chat(corpus, processor, tmp_path / "two")
+    prepare_image_chat(corpus, processor, tmp_path / "two")
     for name in ("corpus.parquet", "images/images.arrow", "images/documents.arrow", "images/images.json"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
     assert (first.images, first.references, first.documents) == (3, 9, 8)

@@ -243,3 +243,13 @@ def test_vision_support_document_is_current():
 
     document = Path(__file__).parents[2] / "docs" / "vision-support.md"
     assert document.read_text() == vision_families.markdown()
+
+
+def test_an_unmeasured_vision_family_is_refused_for_image_batches_by_name():
+    """GOT-OCR2 is isolated on text (docs/model-support.md) but was never measured with images."""
+    from prepack.model.tiny_models import tiny_model
+
+    model = enable_packing(tiny_model("got_ocr2", "eager"))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with pytest.raises(IsolationError, match="image\\+text batches for model type 'got_ocr2'"):
+        model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), pixel_values=torch.zeros(1, 3, 8, 8))

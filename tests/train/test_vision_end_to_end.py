@@ -10,6 +10,7 @@ tiny random Qwen2.5-VL in float64 with the tokenizer's vocabulary.
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 
 import numpy as np
@@ -91,6 +92,8 @@ def test_image_chat_corpus_builds_and_a_worker_batch_equals_each_sample_alone(pr
     model = enable_packing(model_for(processor))
     collator = collator_for(processor, model)
     dataset = ImagePackedDataset(build, summary.image_set)
+    image_bytes = sum(len(image_set.data(number)) for number in range(image_set.manifest.images))
+    assert len(pickle.dumps(dataset)) < image_bytes / 10  # workers get the image set's path, not its bytes
     loader = torch.utils.data.DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=collator)
     batch = next(iter(loader))  # decoded and preprocessed in a worker process
     assert int((batch["input_ids"] == model.config.image_token_id).sum()) > 0
