@@ -27,7 +27,7 @@ def photo_bytes() -> list[bytes]:
 
 def image_processor(model_type: str, qwen_pixels: dict[str, int] = QWEN_PIXELS):
     """The family's image processor, configured for its tiny tower (Qwen's: `qwen_pixels` per image)."""
-    if model_type in ("qwen2_vl", "qwen2_5_vl"):
+    if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         return Qwen2VLImageProcessorPil(size=qwen_pixels, patch_size=14, merge_size=2, temporal_patch_size=2)

@@ -2,9 +2,9 @@
 `prepack.training.vision_collate`: one per style of packing (`prepack.model.vision_families`).
 
 Each starts from `prepack.model.tiny_models.tiny_config` (the family's defaults with text sizes shrunk) and
-shrinks the vision tower so that a real photograph becomes a handful of patches: Qwen2.5-VL and Qwen2-VL's
-towers to 2-4 blocks with 14-pixel patches merged 2x2 (Qwen2.5-VL keeps windowed and full-attention blocks,
-so both of its vision attentions are exercised), LLaVA's CLIP tower to 28x28 images (4 patches), Gemma 3's
+shrinks the vision tower so that a real photograph becomes a handful of patches: Qwen2-VL's, Qwen2.5-VL's
+and Qwen3-VL's towers to 2-4 blocks with 14-pixel patches merged 2x2 (Qwen2.5-VL keeps windowed and
+full-attention blocks, so both of its vision attentions are exercised; Qwen3-VL a deepstack layer), LLaVA's CLIP tower to 28x28 images (4 patches), Gemma 3's
 SigLIP tower to 32x32 images pooled to 4 tokens. `vocab_size` may be raised to a real tokenizer's.
 Weights are seeded; nothing is downloaded.
 """
@@ -36,6 +36,12 @@ VISION_SIZES: dict[str, dict[str, Any]] = {
     "qwen2_vl": {
         "vision_config": {"depth": 2, "embed_dim": HIDDEN, "hidden_size": HIDDEN, "mlp_ratio": 2, "num_heads": 4,
                           "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+        "text_config": {"rope_parameters": MROPE},
+    },
+    "qwen3_vl": {
+        "vision_config": {"depth": 2, "hidden_size": HIDDEN, "intermediate_size": 64, "num_heads": 4,
+                          "out_hidden_size": HIDDEN, "patch_size": 14, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
         "text_config": {"rope_parameters": MROPE},
     },
     "llava": {

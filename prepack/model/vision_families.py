@@ -10,7 +10,7 @@ transformers' own path (its own rotary positions, its own masks), on logits, los
 leak controls that fail. No torch here.
 
 Styles:
-- 3-D rotary (Qwen2-VL, Qwen2.5-VL): `position_ids` [4, B, L], text positions restarting per sample (from
+- 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): `position_ids` [4, B, L], text positions restarting per sample (from
   which transformers builds the per-sample mask) over the three rotary rows, restarting per sample too;
 - restart (LLaVA): `position_ids` [B, L] restarting per sample, as for text;
 - image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
@@ -51,10 +51,15 @@ class VisionFamily:
 _MEASURED = (NATIVE, NATIVE, NOT_ON_FLASH, NOT_ON_FLASH, NOT_ON_FLEX)
 _MEASURED_NO_FLEX = (NATIVE, NATIVE, NOT_ON_FLASH, NOT_ON_FLASH, NO_FLEX)
 _GRID_TOWER = "one attention segment per image, from image_grid_thw (its windowed blocks within that segment)"
+_GRID_TOWER_DEEPSTACK = (
+    "one attention segment per image, from image_grid_thw; its deepstack features join the decoder at each "
+    "image's own placeholders"
+)
 
 VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_vl": VisionFamily("3-D rotary", _GRID_TOWER, _MEASURED_NO_FLEX),
     "qwen2_5_vl": VisionFamily("3-D rotary", _GRID_TOWER, _MEASURED_NO_FLEX),
+    "qwen3_vl": VisionFamily("3-D rotary", _GRID_TOWER_DEEPSTACK, _MEASURED_NO_FLEX),
     "llava": VisionFamily("restart", "one image per row of pixel_values (CLIP)", _MEASURED),
     # Its own sliding mask misplaces the image blocks of packed rows: prepack builds the layer masks.
     "gemma3": VisionFamily(

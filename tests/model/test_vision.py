@@ -23,7 +23,7 @@ from prepack.training.vision_collate import VisionCollator, VisionSpec, rotary_3
 from tests.flash_reference import enable_flash_attention
 from tests.vision_inputs import image_processor, photo_bytes
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "llava", "gemma3")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava", "gemma3")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
 TOLERANCE = 1e-9
@@ -161,7 +161,7 @@ def test_positions_not_restarted_leak(model_type):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ("qwen2_5_vl", "qwen2_vl"))
+@pytest.mark.parametrize("model_type", ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"))
 def test_patches_across_images_leak_and_are_refused(model_type):
     """Qwen's tower takes `cu_seqlens` as given: one segment over every patch lets images see each other.
     enable_packing refuses a batch that carries one."""
