@@ -16,7 +16,8 @@ same groups (the documents of 4 packs a batch), after one warm-up pass:
   from the image grid, each image read from its file, decoded and preprocessed by the same image processor,
   the rows padded.
 
-Prints a markdown table: samples/s and images/s per worker (median of --repeats), and the ratio.
+Prints a markdown table: samples/s and images/s per worker (median of --repeats), and the ratio; then
+what `prepack inspect --images` reports on the build: image and text tokens, and the padding saved.
 """
 
 from __future__ import annotations
@@ -137,6 +138,10 @@ def main() -> None:
         results[name] = (samples, images, statistics.median(times))
     assert results["prepack"][:2] == results["on the fly"][:2], results  # the same samples and images
 
+    from prepack.check.images import image_report
+    from prepack.check.report import inspect_build
+
+    report = image_report(root / "build", summary.image_set, inspect_build(root / "build", batch_size=8))
     print(f"{platform.processor() or platform.machine()}, python {platform.python_version()}, torch threads 1, "
           f"{args.samples} samples, {len(dataset)} packs of max_len {MAX_LEN}, {len(batches)} batches")
     print()
@@ -146,6 +151,9 @@ def main() -> None:
     for name, (samples, images, seconds) in results.items():
         print(f"| {name} | {samples} | {images} | {seconds:.3f} | {samples / seconds:,.0f} | {images / seconds:,.0f} "
               f"| {base / seconds:.2f} |")
+    print()
+    for name, value in report.model_dump().items():
+        print(f"- {name.replace('_', ' ')}: {value:,.3f}" if isinstance(value, float) else f"- {name.replace('_', ' ')}: {value:,}")
 
 
 if __name__ == "__main__":
