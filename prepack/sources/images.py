@@ -7,7 +7,8 @@
 
 A record is a Hugging Face chat: `messages`, each with a `role` and a `content` that is either a string
 (where `<image>` marks an image, LLaVA style) or a list of items `{"type": "text", "text": ...}` /
-`{"type": "image", ...}`. An image item holds its image under `image`, `path` or `bytes` (a path relative
+`{"type": "image", ...}`; or, in a corpus of text, a `text` string with `<image>` markers (then
+`corpus.parquet` has a `text` column, built without --chat). An image item holds its image under `image`, `path` or `bytes` (a path relative
 to the corpus file, or the encoded bytes); one without them takes the next entry of the record's `images`
 column (paths or bytes, or Hugging Face's `{"bytes", "path"}` structs), in order.
 
@@ -163,15 +164,19 @@ def prepare_image_chat(
         raise OutputError(f"{out} exists; prepack writes a new directory and never replaces one.")
     images: dict[bytes, int] = {}  # sha256 -> number
     columns: dict[str, list] = {name: [] for name in IMAGES_SCHEMA.names}
-    chats, references = [], []
+    rows, references, column = [], [], None
     for row, record in enumerate(_records(corpus)):
         where = f"{corpus}, row {row}"
-        messages, numbers = _expanded(record, where, corpus.parent, rule, limits, images, columns)
-        chats.append(messages)
+        kind = "messages" if isinstance(record, dict) and "messages" in record else "text"
+        if column not in (None, kind):
+            raise InputError(f"{where}: a {kind} record in a corpus of {column} records; one kind per corpus.")
+        column = kind
+        expanded, numbers = _expanded(record, where, corpus.parent, rule, limits, images, columns)
+        rows.append(expanded)
         references.append(numbers)
     temporary = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        pq.write_table(pa.table({"messages": chats}), temporary / "corpus.parquet")
+        pq.write_table(pa.table({column or "messages": rows}), temporary / "corpus.parquet")
         image_dir = temporary / "images"
         image_dir.mkdir()
         files = (
@@ -230,9 +235,14 @@ def _records(corpus: Path):
 
 
 def _expanded(record: Any, where: str, root: Path, rule: ImageRule, limits: ImageLimits, images: dict, columns: dict):
-    """The record's messages with string contents (images as placeholder text), and its image numbers."""
+    """The record's messages with string contents, or its text, images as placeholder text; its image numbers."""
+    if isinstance(record, dict) and "messages" not in record and isinstance(record.get("text"), str):
+        record = {**record, "messages": [{"role": "text", "content": record["text"]}]}
+        text_only = True
+    else:
+        text_only = False
     if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
-        raise InputError(f"{where}, column messages: expected a list of messages.")
+        raise InputError(f"{where}, column messages: expected a list of messages (or a text column).")
     pending = list(record.get("images") or [])
     numbers: list[int] = []
 
@@ -261,7 +271,7 @@ def _expanded(record: Any, where: str, root: Path, rule: ImageRule, limits: Imag
 
     messages = []
     for index, message in enumerate(record["messages"]):
-        column = f"messages[{index}].content"
+        column = "text" if text_only else f"messages[{index}].content"
         if not isinstance(message, dict):
             raise InputError(f"{where}, column messages[{index}]: expected an object with role and content.")
         content = message.get("content")
@@ -285,7 +295,7 @@ def _expanded(record: Any, where: str, root: Path, rule: ImageRule, limits: Imag
         messages.append({"role": message.get("role"), "content": text})
     if pending:
         raise InputError(f"{where}, column images: {len(pending)} images that no message places.")
-    return messages, numbers
+    return (messages[0]["content"] if text_only else messages), numbers
 
 
 def _image_bytes(source: Any, where: str, root: Path) -> bytes:

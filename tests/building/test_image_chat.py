@@ -184,3 +184,24 @@ def test_an_unknown_image_processor_is_refused(processor, tmp_path):
     (other / "preprocessor_config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match="SomeOtherImageProcessor"):
         processor_rule(other)
+
+
+@pytest.mark.slow
+def test_a_text_corpus_with_an_images_column_builds_and_serves_its_images(processor, tmp_path):
+    from prepack.training.vision_dataset import ImagePackedDataset
+    from tests.cli import run_prepack
+
+    data = photo_bytes()
+    table = pa.table({
+        "text": ["<image> a blue pack", "no image here", "<image> and <image>: two"],
+        "images": [[{"bytes": data[1], "path": None}], [], [{"bytes": data[0], "path": None}, {"bytes": data[2], "path": None}]],
+    })
+    pq.write_table(table, tmp_path / "texts.parquet")
+    summary = prepare_image_chat(tmp_path / "texts.parquet", processor, tmp_path / "out")
+    assert pq.read_table(summary.corpus).column_names == ["text"]
+    result = run_prepack("build", summary.corpus, "--tokenizer", processor, "--max-len", 64, "--overflow", "error",
+                         "--out", tmp_path / "build")
+    assert result.returncode == 0, result.stderr
+    dataset = ImagePackedDataset(tmp_path / "build", summary.image_set)
+    served = sorted(len(dataset[i]["images"]) for i in range(len(dataset)))
+    assert sum(served) == 3 and summary.image_tokens > 0

@@ -175,3 +175,19 @@ def test_inspect_reports_image_and_text_tokens_and_the_padding_saved(prepared):
     assert images["padding_saved_vs_max_len"] == cost["pad_to_max_len"]["padding_tokens"] - cost["packed"]["padding_tokens"] > 0
     text = run_prepack("inspect", build, "--images", summary.image_set)
     assert text.returncode == 0 and f"image tokens: {in_packs:,}" in text.stdout
+
+
+@pytest.mark.slow
+def test_an_index_build_of_a_store_serves_the_same_packs_and_images(prepared, tmp_path):
+    """The images are found by corpus row, which an index build's packs keep: no copy of them anywhere."""
+    processor, summary, build = prepared
+    store, index = tmp_path / "store", tmp_path / "index"
+    made = run_prepack("tokenize", summary.corpus, "--tokenizer", processor, "--chat", "--out", store)
+    assert made.returncode == 0, made.stderr
+    made = run_prepack("build", store, "--index-only", "--max-len", MAX_LEN, "--overflow", "error", "--out", index)
+    assert made.returncode == 0, made.stderr
+    full, indexed = ImagePackedDataset(build, summary.image_set), ImagePackedDataset(index, summary.image_set)
+    assert len(full) == len(indexed)
+    for row in range(len(full)):
+        assert full[row]["images"] == indexed[row]["images"]
+        np.testing.assert_array_equal(full[row]["input_ids"], indexed[row]["input_ids"])
