@@ -205,3 +205,31 @@ def test_a_text_corpus_with_an_images_column_builds_and_serves_its_images(proces
     dataset = ImagePackedDataset(tmp_path / "build", summary.image_set)
     served = sorted(len(dataset[i]["images"]) for i in range(len(dataset)))
     assert sum(served) == 3 and summary.image_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("model_type", "processor_config", "tokens"),
+    [
+        ("gemma3", {"image_seq_length": 4}, ("<start_of_image>", "<image_soft_token>", "<end_of_image>")),
+        ("llava", {"patch_size": 14, "vision_feature_select_strategy": "default"}, ("<image>",)),
+    ],
+)
+def test_fixed_size_processors_count_what_the_tiny_towers_take(tmp_path, model_type, processor_config, tokens):
+    """Gemma 3's and LLaVA's processor directories give the placeholder count their towers make
+    (`VisionSpec.of` on the tiny model's config), whatever the image's size."""
+    from tokenizers import Tokenizer
+
+    from prepack.model.tiny_vision_models import tiny_vision_config
+    from prepack.training.vision_collate import VisionSpec
+    from tests.demo_inputs import CHATML, gpt2_directory
+
+    directory = gpt2_directory(tmp_path / "proc", CHATML)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens(list(tokens))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    image_processor(model_type).save_pretrained(directory)
+    (directory / "processor_config.json").write_text(json.dumps(processor_config))
+    rule, placeholder_id = processor_rule(directory)
+    expected = VisionSpec.of(tiny_vision_config(model_type)).tokens_per_image
+    assert [rule.placeholders(*size) for size in ((512, 600), (128, 128), (542, 130))] == [expected] * 3
+    assert placeholder_id == tokenizer.token_to_id(rule.placeholder)
