@@ -59,7 +59,9 @@ IMAGES_SCHEMA = pa.schema(
         pa.field("tokens", pa.int32(), nullable=False),
     ]
 )
-DOCUMENTS_SCHEMA = pa.schema([pa.field("images", pa.list_(pa.field("item", pa.uint32(), nullable=False)), nullable=False)])
+DOCUMENTS_SCHEMA = pa.schema(
+    [pa.field("images", pa.list_(pa.field("item", pa.uint32(), nullable=False)), nullable=False)]
+)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -107,7 +109,9 @@ class ImageRule(StrictModel):
 
 class ImageLimits(StrictModel):
     max_image_bytes: int = Field(default=32 * 2**20, ge=1, le=2**31, description="Largest encoded image.")
-    max_pixels: int = Field(default=89_478_485, ge=1, le=2**31, description="Largest width x height (Pillow's bomb limit).")
+    max_pixels: int = Field(
+        default=89_478_485, ge=1, le=2**31, description="Largest width x height (Pillow's bomb limit)."
+    )
     max_images_per_document: int = Field(default=64, ge=1, le=65_536)
 
 
@@ -163,7 +167,8 @@ def read_image_set(directory: str | os.PathLike, *, verify: bool = False) -> Ima
     except FileNotFoundError:
         refuse(directory, f"no {IMAGE_SET_MANIFEST}: not an image set.")
     if isinstance(value, dict) and value.get("image_set_version") != IMAGE_SET_VERSION:
-        refuse(where, f"image_set_version {value.get('image_set_version')!r} is not one this prepack reads ({IMAGE_SET_VERSION}).")
+        found = value.get("image_set_version")
+        refuse(where, f"image_set_version {found!r} is not one this prepack reads ({IMAGE_SET_VERSION}).")
     try:
         manifest = ImageSetManifest.model_validate(value)
     except ValueError as exc:
@@ -178,7 +183,9 @@ def read_image_set(directory: str | os.PathLike, *, verify: bool = False) -> Ima
             refuse(path, f"holds {data.size} bytes; {IMAGE_SET_MANIFEST} says {file.bytes}.", column="bytes")
         if verify and hashlib.sha256(data).hexdigest() != file.sha256:
             refuse(path, f"its sha256 is not the one {IMAGE_SET_MANIFEST} records.", column="sha256")
-        batch = read_one_batch(data, "image set file", str(path), lambda found, schema=schema, path=path: _schema(found, schema, path))
+        batch = read_one_batch(
+            data, "image set file", str(path), lambda found, schema=schema, path=path: _schema(found, schema, path)
+        )
         try:
             batch.validate(full=True)
         except pa.ArrowInvalid as exc:
@@ -198,25 +205,25 @@ def _schema(found: pa.Schema, expected: pa.Schema, path: Path) -> None:
 
 
 def _check_counts(image_set: ImageSet, images: pa.RecordBatch, documents: pa.RecordBatch) -> None:
-    manifest, where = image_set.manifest, image_set.directory
+    manifest, manifest_file = image_set.manifest, image_set.directory / IMAGE_SET_MANIFEST
+    documents_file = image_set.directory / DOCUMENTS_FILE
     if images.num_rows != manifest.images or documents.num_rows != manifest.documents:
-        refuse(where / IMAGE_SET_MANIFEST, f"counts {manifest.images} images and {manifest.documents} rows; the files hold "
+        refuse(manifest_file, f"counts {manifest.images} images and {manifest.documents} rows; the files hold "
                f"{images.num_rows} and {documents.num_rows}.", column="images")
     numbers = image_set._numbers
     if len(numbers) != manifest.references:
-        refuse(where / IMAGE_SET_MANIFEST, f"counts {manifest.references} references; {DOCUMENTS_FILE} holds {len(numbers)}.",
+        refuse(manifest_file, f"counts {manifest.references} references; {DOCUMENTS_FILE} holds {len(numbers)}.",
                column="references")
     if len(numbers) and int(numbers.max()) >= manifest.images:
         row = int(np.searchsorted(image_set._offsets, int(np.argmax(numbers >= manifest.images)), side="right")) - 1
-        refuse(where / DOCUMENTS_FILE, f"refers to image {int(numbers.max())}; the set holds {manifest.images}.", row=row,
+        refuse(documents_file, f"refers to image {int(numbers.max())}; the set holds {manifest.images}.", row=row,
                column="images")
     per_row = np.diff(image_set._offsets)
     if len(per_row) and int(per_row.max()) > manifest.limits.max_images_per_document:
-        row = int(np.argmax(per_row))
-        refuse(where / DOCUMENTS_FILE, f"holds {int(per_row.max())} images, more than the limit "
-               f"{manifest.limits.max_images_per_document}.", row=row, column="images")
+        refuse(documents_file, f"holds {int(per_row.max())} images, more than the limit "
+               f"{manifest.limits.max_images_per_document}.", row=int(np.argmax(per_row)), column="images")
     if int(image_set.tokens[numbers].astype(np.int64).sum()) != manifest.image_tokens:
-        refuse(where / IMAGE_SET_MANIFEST, "image_tokens is not the sum of the rows' placeholder tokens.", column="image_tokens")
+        refuse(manifest_file, "image_tokens is not the sum of the rows' placeholder tokens.", column="image_tokens")
 
 
 def _verify_images(image_set: ImageSet) -> None:

@@ -4,9 +4,9 @@
 Each starts from `prepack.model.tiny_models.tiny_config` (the family's defaults with text sizes shrunk) and
 shrinks the vision tower so that a real photograph becomes a handful of patches: Qwen2-VL's, Qwen2.5-VL's
 and Qwen3-VL's towers to 2-4 blocks with 14-pixel patches merged 2x2 (Qwen2.5-VL keeps windowed and
-full-attention blocks, so both of its vision attentions are exercised; Qwen3-VL a deepstack layer), LLaVA's CLIP tower to 28x28 images (4 patches), Gemma 3's
-SigLIP tower to 32x32 images pooled to 4 tokens. `vocab_size` may be raised to a real tokenizer's.
-Weights are seeded; nothing is downloaded.
+full-attention blocks, so both of its vision attentions are exercised; Qwen3-VL a deepstack layer),
+LLaVA's CLIP tower to 28x28 images (4 patches), Gemma 3's SigLIP tower to 32x32 images pooled to 4
+tokens. `vocab_size` may be raised to a real tokenizer's. Weights are seeded; nothing is downloaded.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@
 A record is a Hugging Face chat: `messages`, each with a `role` and a `content` that is either a string
 (where `<image>` marks an image, LLaVA style) or a list of items `{"type": "text", "text": ...}` /
 `{"type": "image", ...}`; or, in a corpus of text, a `text` string with `<image>` markers (then
-`corpus.parquet` has a `text` column, built without --chat). An image item holds its image under `image`, `path` or `bytes` (a path relative
-to the corpus file, or the encoded bytes); one without them takes the next entry of the record's `images`
-column (paths or bytes, or Hugging Face's `{"bytes", "path"}` structs), in order.
+`corpus.parquet` has a `text` column, built without --chat). An image item holds its image under
+`image`, `path` or `bytes` (a path relative to the corpus file, or the encoded bytes); one without them
+(and every `<image>` marker) takes the next entry of the record's `images` column (paths or bytes, or
+Hugging Face's `{"bytes", "path"}` structs), in order.
 
 Each image's width and height come from its header (Pillow opens it without decoding pixels); the
 processor's resize rule (`prepack.formats.images.ImageRule`, read from the directory's
@@ -97,8 +98,13 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     if kind == "Qwen2VLImageProcessor":
         size = config.get("size") or {}
         rule = ImageRule(
-            kind="grid", placeholder=placeholder, start=start, end=end, patch_size=config.get("patch_size", 14),
-            merge_size=config.get("merge_size", 2), min_pixels=size.get("shortest_edge", config.get("min_pixels", 56 * 56)),
+            kind="grid",
+            placeholder=placeholder,
+            start=start,
+            end=end,
+            patch_size=config.get("patch_size", 14),
+            merge_size=config.get("merge_size", 2),
+            min_pixels=size.get("shortest_edge", config.get("min_pixels", 56 * 56)),
             max_pixels=size.get("longest_edge", config.get("max_pixels", 28 * 28 * 1280)),
         )
     elif kind == "Gemma3ImageProcessor":
@@ -108,9 +114,14 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         side = (config.get("crop_size") or {}).get("height") or (config.get("size") or {}).get("shortest_edge")
         patch = processor.get("patch_size")
         if not side or not patch:
-            raise InputError(f"{directory}: a CLIP (LLaVA) processor needs crop_size and processor_config.json's patch_size.")
-        extra = processor.get("num_additional_image_tokens", 1) if processor.get("vision_feature_select_strategy") == "full" else 0
-        rule = ImageRule(kind="fixed", placeholder=placeholder, start=start, end=end, tokens=(side // patch) ** 2 + extra)
+            raise InputError(
+                f"{directory}: a CLIP (LLaVA) processor needs crop_size and processor_config.json's patch_size."
+            )
+        with_cls = processor.get("vision_feature_select_strategy") == "full"  # "default" drops the CLS token
+        extra = processor.get("num_additional_image_tokens", 1) if with_cls else 0
+        rule = ImageRule(
+            kind="fixed", placeholder=placeholder, start=start, end=end, tokens=(side // patch) ** 2 + extra
+        )
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     placeholder_id = tokenizer.token_to_id(placeholder)
     encoded = tokenizer.encode(placeholder * 2, add_special_tokens=False).ids
@@ -179,11 +190,11 @@ def prepare_image_chat(
         pq.write_table(pa.table({column or "messages": rows}), temporary / "corpus.parquet")
         image_dir = temporary / "images"
         image_dir.mkdir()
+        image_arrays = [pa.array(columns[name], IMAGES_SCHEMA.field(name).type) for name in IMAGES_SCHEMA.names]
+        document_arrays = [pa.array(references, DOCUMENTS_SCHEMA.field(0).type)]
         files = (
-            _write_batch(image_dir / IMAGES_FILE, pa.record_batch([pa.array(columns[n], IMAGES_SCHEMA.field(n).type)
-                                                                 for n in IMAGES_SCHEMA.names], schema=IMAGES_SCHEMA)),
-            _write_batch(image_dir / DOCUMENTS_FILE, pa.record_batch([pa.array(references, DOCUMENTS_SCHEMA.field(0).type)],
-                                                                    schema=DOCUMENTS_SCHEMA)),
+            _write_batch(image_dir / IMAGES_FILE, pa.record_batch(image_arrays, schema=IMAGES_SCHEMA)),
+            _write_batch(image_dir / DOCUMENTS_FILE, pa.record_batch(document_arrays, schema=DOCUMENTS_SCHEMA)),
         )
         manifest = ImageSetManifest(
             image_set_version=IMAGE_SET_VERSION, rule=rule, placeholder_id=placeholder_id, limits=limits,
@@ -248,7 +259,9 @@ def _expanded(record: Any, where: str, root: Path, rule: ImageRule, limits: Imag
 
     def image_text(source: Any, column: str) -> str:
         if len(numbers) >= limits.max_images_per_document:
-            raise InputError(f"{where}, column {column}: more than {limits.max_images_per_document} images in a record.")
+            raise InputError(
+                f"{where}, column {column}: more than {limits.max_images_per_document} images in a record."
+            )
         data = _image_bytes(source, f"{where}, column {column}", root)
         digest = hashlib.sha256(data).digest()
         if digest not in images:
