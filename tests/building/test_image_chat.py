@@ -233,3 +233,38 @@ def test_fixed_size_processors_count_what_the_tiny_towers_take(tmp_path, model_t
     expected = VisionSpec.of(tiny_vision_config(model_type)).tokens_per_image
     assert [rule.placeholders(*size) for size in ((512, 600), (128, 128), (542, 130))] == [expected] * 3
     assert placeholder_id == tokenizer.token_to_id(rule.placeholder)
+
+
+def rewrite_documents(directory, references: list[list[int]]) -> None:
+    """Replace documents.arrow (and its size and sha256 in the manifest)."""
+    from prepack.formats.images import DOCUMENTS_FILE, DOCUMENTS_SCHEMA
+    from prepack.sources.images import _write_batch
+
+    batch = pa.record_batch([pa.array(references, DOCUMENTS_SCHEMA.field(0).type)], schema=DOCUMENTS_SCHEMA)
+    written = _write_batch(directory / DOCUMENTS_FILE, batch)
+    manifest = json.loads((directory / "images.json").read_text())
+    manifest["files"][1] = json.loads(written.model_dump_json())
+    manifest["references"] = sum(map(len, references))
+    (directory / "images.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("references", "message"),
+    [
+        ([[0], [1], [7]], "refers to image 7; the set holds 3"),
+        ([[0], [1], [2, 2]], "image_tokens is not the sum"),
+        ([[0], [1]], "3 rows; the files hold 3 and 2"),
+    ],
+)
+def test_a_hostile_documents_file_is_refused_before_use(image_set_dir, references, message):
+    rewrite_documents(image_set_dir, references)
+    with pytest.raises(FormatError, match=message):
+        read_image_set(image_set_dir)
+
+
+def test_an_unknown_image_set_version_is_refused(image_set_dir):
+    manifest = json.loads((image_set_dir / "images.json").read_text())
+    manifest["image_set_version"] = 2
+    (image_set_dir / "images.json").write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="image_set_version 2 is not one this prepack reads"):
+        read_image_set(image_set_dir)
