@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.ipc
 import pyarrow.parquet as pq
 
 from prepack.errors import InputError, OutputError, optional_imports
@@ -56,6 +55,7 @@ from prepack.formats.images import (
     ImageSetFile,
     ImageSetManifest,
 )
+from prepack.storage.files import write_record_batch
 
 with optional_imports("prepare_image_chat"):
     from PIL import Image
@@ -213,10 +213,8 @@ def prepare_image_chat(
 
 
 def _write_batch(path: Path, batch: pa.RecordBatch) -> ImageSetFile:
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    data = path.read_bytes()
-    return ImageSetFile(name=path.name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    size, sha256 = write_record_batch(path, batch)
+    return ImageSetFile(name=path.name, bytes=size, sha256=sha256)
 
 
 def _json(path: Path) -> dict:
