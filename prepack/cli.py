@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 import typer.core
 
-from prepack.errors import PrepackError, require
+from prepack.errors import PrepackError, UsageError, require
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -289,6 +289,36 @@ def tokenize_command(
             f"stored {manifest.documents:,} documents, {manifest.tokens:,} tokens in {len(manifest.shards)} "
             f"shard{'s' * (len(manifest.shards) != 1)} under {out} (lengths {lengths.min:,}-{lengths.max:,}, median {lengths.p50:,}, p99 {lengths.p99:,})"
         )
+
+
+@app.command("prepare-images", cls=_Command)
+def prepare_images_command(
+    corpus: Annotated[Path, typer.Argument(help="An image-chat (or image-text) corpus: one .jsonl or .parquet file.")],
+    processor: Annotated[Path, typer.Option("--processor", help="A local processor directory: tokenizer.json with the image tokens, preprocessor_config.json.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="New directory: corpus.parquet to build, and images/ (the image set).")],
+    max_image_bytes: Annotated[int | None, typer.Option("--max-image-bytes", min=1, help="Largest encoded image (default 32 MiB).")] = None,
+    max_pixels: Annotated[int | None, typer.Option("--max-pixels", min=1, help="Largest width x height (default Pillow's limit).")] = None,
+    max_images: Annotated[int | None, typer.Option("--max-images", min=1, help="Most images in one record (default 64).")] = None,
+) -> None:
+    """Count every image's placeholder tokens from its header and the processor's resize rule, store the
+    images once (sha256) beside the build, and write the corpus to build with --tokenizer (needs
+    prepack-llm[images])."""
+    from prepack.formats.images import ImageLimits
+    from prepack.sources.images import prepare_image_chat
+
+    given = {"max_image_bytes": max_image_bytes, "max_pixels": max_pixels, "max_images_per_document": max_images}
+    try:
+        try:
+            limits = ImageLimits(**{name: value for name, value in given.items() if value is not None})
+        except ValueError as exc:  # pydantic's bounds
+            raise UsageError(f"A limit is out of range: {exc}") from None
+        summary = prepare_image_chat(corpus, processor, out, limits=limits)
+    except PrepackError as exc:
+        _fail(exc)
+    _stdout().print(
+        f"prepared {summary.documents:,} records, {summary.references:,} images ({summary.images:,} distinct, "
+        f"{summary.image_tokens:,} placeholder tokens): build {summary.corpus}, train with {summary.image_set}"
+    )
 
 
 @app.command("inspect", cls=_Command)

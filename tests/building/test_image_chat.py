@@ -268,3 +268,20 @@ def test_an_unknown_image_set_version_is_refused(image_set_dir):
     (image_set_dir / "images.json").write_text(json.dumps(manifest))
     with pytest.raises(FormatError, match="image_set_version 2 is not one this prepack reads"):
         read_image_set(image_set_dir)
+
+
+def test_the_prepare_images_command(processor, tmp_path):
+    from tests.cli import WIDE, failure, run_prepack
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / PHOTOS[1]).write_bytes((SAMPLE_DATA / PHOTOS[1]).read_bytes())
+    corpus = chats(tmp_path, [with_image(f"p/{PHOTOS[1]}"), with_image("p/missing.png")])
+    refused = run_prepack("prepare-images", corpus, "--processor", processor, "--out", tmp_path / "bad", env=WIDE)
+    assert "row 1, column messages[0].content: the image" in failure(refused)
+    good = chats(tmp_path / "p", [with_image(PHOTOS[1])])
+    done = run_prepack("prepare-images", good, "--processor", processor, "--out", tmp_path / "out", "--max-images", 2)
+    assert done.returncode == 0 and "prepared 1 records, 1 images (1 distinct" in done.stdout
+    assert read_image_set(tmp_path / "out" / "images", verify=True).manifest.limits.max_images_per_document == 2
+    too_large = run_prepack("prepare-images", good, "--processor", processor, "--out", tmp_path / "x",
+                            "--max-images", 10**6, env=WIDE)
+    assert "A limit is out of range" in failure(too_large)
