@@ -164,7 +164,7 @@ class PackedCollator:
         return cls(max_len, **options)
 
     def __call__(self, packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor | int | bool]:
-        checked = [checked_pack(pack, number, self.max_len) for number, pack in enumerate(packs)]
+        checked = [_checked_pack(pack, number, self.max_len) for number, pack in enumerate(packs)]
         if not checked:
             raise UsageError("Cannot collate an empty list of packs.")
         input_ids, labels, segment_ids = self._fill_rows(checked)
@@ -249,7 +249,7 @@ def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
     return _Pack(input_ids, cu_padded, labels)
 
 
-def checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None) -> _Pack:
+def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None) -> _Pack:
     """The pack's arrays, refused when its offsets do not describe its tokens (they would mix documents)."""
     for key in ("input_ids", "cu_seqlens"):
         if key not in pack:

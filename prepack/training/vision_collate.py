@@ -3,8 +3,9 @@
 A vision pack is a pack (`input_ids`, `cu_seqlens`, optional `labels`; see `prepack.training.collate`) whose
 documents are image+text samples: each image stands in the tokens as a run of its placeholder id (as many
 as the model's tower makes of it), and the pack carries `images`, the encoded bytes of its images in token
-order. `VisionCollator` decodes and preprocesses them with the model's image processor (in DataLoader
-workers) and emits, by the family's style (`prepack.model.vision_families`):
+order. `VisionCollator` pads the tokens as `PackedCollator` does, decodes and preprocesses the images with the
+model's image processor (in DataLoader workers) and emits, by the family's style
+(`prepack.model.vision_families`):
 
     input_ids     [B, L] int64   padding: pad_token_id (never an image placeholder)
     labels        [B, L] int64   -100 at padding, at each sample's first token and at image placeholders
@@ -16,11 +17,12 @@ workers) and emits, by the family's style (`prepack.model.vision_families`):
                                  height and width rotary positions of Qwen2-VL's `get_rope_index`, computed
                                  for each sample alone, so they restart at 0 at every sample
     token_type_ids [B, L] int64  (image blocks) 1 at image placeholders: Gemma 3's bidirectional image
-                                 blocks, which transformers keeps inside their sample
+                                 blocks, kept inside their sample by the layer masks enable_packing builds
     use_cache     False
 
 There is no attention mask and no `cu_seq_lens_*`: transformers builds the block-diagonal mask from
-`position_ids` on sdpa and eager (the backends `prepack.model.vision_families` measured). The vision towers keep
+`position_ids` on sdpa and eager (the backends `prepack.model.vision_families` measured; Gemma 3's image
+batches get theirs from `enable_packing`). The vision towers keep
 patches inside their image by themselves: Qwen's from `image_grid_thw`, CLIP's and SigLIP's one image per
 row of `pixel_values`. A batch field that would override that (`cu_seqlens`, which Qwen's tower takes as
 given) is what `enable_packing` refuses (`prepack.model.vision_packing`).
@@ -35,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from prepack.training.collate import checked_pack, segment_fields
+from prepack.training.collate import PackedCollator
 from prepack.errors import InputError, UsageError, optional_imports
 from prepack.formats.shards import IGNORE_INDEX
 from prepack.model.vision_families import ImageStyle, image_style
@@ -130,42 +132,29 @@ class VisionCollator:
     ):
         if pad_token_id == spec.image_token_id:
             raise UsageError(f"pad_token_id {pad_token_id} is the image placeholder; pick another id.")
-        if max_len is not None and max_len < 1:
-            raise UsageError(f"max_len must be at least 1, not {max_len}.")
         self.spec, self.image_processor = spec, image_processor
-        self.max_len, self.pad_token_id = max_len, pad_token_id
         self.image_processor_options = dict(image_processor_options or {})
+        # The text side is every pack's: checked, padded, labels and restarting positions as for text.
+        self.text = PackedCollator(max_len, pad_to="max_len" if max_len else "longest", pad_token_id=pad_token_id)
 
     def __call__(self, packs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        if not packs:
-            raise UsageError("Cannot collate an empty list of packs.")
-        checked = [_vision_pack(pack, number, self.max_len, self.spec) for number, pack in enumerate(packs)]
-        width = self.max_len or max(len(pack.input_ids) for pack in checked)
-        rows = len(checked)
-        input_ids = np.full((rows, width), self.pad_token_id, dtype=np.int64)
-        labels = np.full((rows, width), IGNORE_INDEX, dtype=np.int64)
-        segment_ids = np.zeros((rows, width), dtype=np.int32)
-        for row, pack in enumerate(checked):
-            end = len(pack.input_ids)
-            input_ids[row, :end] = pack.input_ids
-            labels[row, :end] = pack.input_ids if pack.labels is None else pack.labels
-            lengths = np.diff(pack.cu_seqlens)
-            segment_ids[row, :end] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
-        fields = segment_fields(segment_ids)
+        text = self.text(packs)
+        checked = [_vision_pack(pack, number, self.spec) for number, pack in enumerate(packs)]
+        input_ids, position_ids = text["input_ids"], text["position_ids"]
         is_image = input_ids == self.spec.image_token_id
-        labels[(fields.position_ids == 0) | (segment_ids == 0) | is_image] = IGNORE_INDEX
+        text["labels"][is_image] = IGNORE_INDEX  # a placeholder is never a target
+        batch: dict[str, Any] = {"input_ids": input_ids, "labels": text["labels"]}
         images = [image for pack in checked for image in pack.images]
-        batch: dict[str, Any] = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels)}
         if images:
             batch |= self._preprocessed(images)
         if self.spec.style == "3-D rotary":
             grids = batch["image_grid_thw"].numpy() if images else np.zeros((0, 3), dtype=np.int64)
-            rotary = self._rotary_positions(checked, grids, width)
-            batch["position_ids"] = torch.from_numpy(np.concatenate([fields.position_ids[None], rotary]))
+            rotary = self._rotary_positions(checked, grids, input_ids.shape[1])
+            batch["position_ids"] = torch.cat([position_ids[None], torch.from_numpy(rotary)])
         else:
-            batch["position_ids"] = torch.from_numpy(fields.position_ids)
+            batch["position_ids"] = position_ids
         if self.spec.style == "image blocks":
-            batch["token_type_ids"] = torch.from_numpy(is_image.astype(np.int64))
+            batch["token_type_ids"] = is_image.long()
         batch["use_cache"] = False
         return batch
 
@@ -209,14 +198,15 @@ def _image_runs(is_image: np.ndarray, grids: np.ndarray, merge_size: int) -> int
 class _VisionPack:
     input_ids: np.ndarray
     cu_seqlens: np.ndarray
-    labels: np.ndarray | None
     images: list[bytes]
 
 
-def _vision_pack(pack: Mapping[str, Any], number: int, max_len: int | None, spec: VisionSpec) -> _VisionPack:
-    checked = checked_pack(pack, number, max_len)  # the checks of every pack
+def _vision_pack(pack: Mapping[str, Any], number: int, spec: VisionSpec) -> _VisionPack:
+    """The pack's tokens, offsets and images (its tokens and offsets already checked by PackedCollator),
+    refused where its placeholders and its images disagree."""
+    input_ids, cu_seqlens = np.asarray(pack["input_ids"]), np.asarray(pack["cu_seqlens"])
     images = list(pack.get("images") or [])
-    placeholders = int((checked.input_ids == spec.image_token_id).sum())
+    placeholders = int((input_ids == spec.image_token_id).sum())
     if spec.tokens_per_image is not None and placeholders != spec.tokens_per_image * len(images):
         raise InputError(
             f"Pack {number} has {placeholders} image placeholders for {len(images)} images of "
@@ -224,7 +214,7 @@ def _vision_pack(pack: Mapping[str, Any], number: int, max_len: int | None, spec
         )
     if spec.tokens_per_image is None and bool(placeholders) != bool(images):
         raise InputError(f"Pack {number} has {placeholders} image placeholders and {len(images)} images.")
-    return _VisionPack(checked.input_ids, checked.cu_seqlens, checked.labels, images)
+    return _VisionPack(input_ids, cu_seqlens, images)
 
 
 def _decoded(image: bytes, number: int):
