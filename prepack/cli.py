@@ -7,6 +7,7 @@ imports neither numpy, pyarrow, numba nor pydantic: `python benchmarks/bench_sta
 from __future__ import annotations
 
 import functools
+import json
 import inspect
 from collections.abc import Callable
 from enum import Enum
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 import typer.core
 
-from prepack.errors import PrepackError, require
+from prepack.errors import PrepackError, UsageError, require
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -305,6 +306,36 @@ def tokenize_command(
         )
 
 
+@app.command("prepare-images", cls=_Command)
+def prepare_images_command(
+    corpus: Annotated[Path, typer.Argument(help="An image-chat (or image-text) corpus: one .jsonl or .parquet file.")],
+    processor: Annotated[Path, typer.Option("--processor", help="A local processor directory: tokenizer.json with the image tokens, preprocessor_config.json.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="New directory: corpus.parquet to build, and images/ (the image set).")],
+    max_image_bytes: Annotated[int | None, typer.Option("--max-image-bytes", min=1, help="Largest encoded image (default 32 MiB).")] = None,
+    max_pixels: Annotated[int | None, typer.Option("--max-pixels", min=1, help="Largest width x height (default Pillow's limit).")] = None,
+    max_images: Annotated[int | None, typer.Option("--max-images", min=1, help="Most images in one record (default 64).")] = None,
+) -> None:
+    """Count every image's placeholder tokens from its header and the processor's resize rule, store the
+    images once (sha256) beside the build, and write the corpus to build with --tokenizer (needs
+    prepack-llm[images])."""
+    from prepack.formats.images import ImageLimits
+    from prepack.sources.images import prepare_image_chat
+
+    given = {"max_image_bytes": max_image_bytes, "max_pixels": max_pixels, "max_images_per_document": max_images}
+    try:
+        try:
+            limits = ImageLimits(**{name: value for name, value in given.items() if value is not None})
+        except ValueError as exc:  # pydantic's bounds
+            raise UsageError(f"A limit is out of range: {exc}") from None
+        summary = prepare_image_chat(corpus, processor, out, limits=limits)
+    except PrepackError as exc:
+        _fail(exc)
+    _stdout().print(
+        f"prepared {summary.documents:,} records, {summary.references:,} images ({summary.images:,} distinct, "
+        f"{summary.image_tokens:,} placeholder tokens): build {summary.corpus}, train with {summary.image_set}"
+    )
+
+
 @app.command("inspect", cls=_Command)
 def inspect_command(
     path: _BuildArgument,
@@ -316,6 +347,7 @@ def inspect_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON instead.")] = False,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Also draw the distributions and costs, e.g. report.png (needs prepack-llm[plot]).")] = None,
     cache_dir: _CacheDirOption = None,
+    images: Annotated[Path | None, typer.Option("--images", help="The image set prepared with its corpus: also report image and text tokens and the padding saved.")] = None,
 ) -> None:
     """Report fill, padding, distributions and the cost of not packing, from the manifest and the
     per-pack columns (no token is read)."""
@@ -327,13 +359,23 @@ def inspect_command(
         report = inspect_build(path, batch_size=batch_size, seed=seed, world_size=world_size, cache_dir=cache_dir, **costs)
         if plot_path is not None:
             plot(report, plot_path)
+        image_lines = None
+        if images is not None:
+            from prepack.check.images import image_report
+
+            image_lines = image_report(path, images, report)
         text = report.to_json() if as_json else None
+        if text is not None and image_lines is not None:  # the build's report, and the image lines beside it
+            text = json.dumps({"build": json.loads(text), "images": image_lines.model_dump(mode="json")}, indent=2)
     except PrepackError as exc:
         _fail(exc)
     if text is not None:
         typer.echo(text)
     else:
         _stdout().print(render(report, shards=shards))
+        if image_lines is not None:
+            for name, value in image_lines.model_dump().items():
+                typer.echo(f"{name.replace('_', ' ')}: {value:,.3f}" if isinstance(value, float) else f"{name.replace('_', ' ')}: {value:,}")
     if plot_path is not None:  # after the report; beside --json on stderr, which keeps stdout JSON
         typer.echo(f"plot written to {plot_path}", err=as_json)
 
@@ -347,6 +389,7 @@ def verify_command(
     all_problems: Annotated[bool, typer.Option("--all", help="Report every problem, not only the first.")] = False,
     cache_dir: _CacheDirOption = None,
     store: Annotated[Path | None, typer.Option("--store", help="An index build's store, where it lies now if it moved (a local directory).")] = None,
+    images: Annotated[Path | None, typer.Option("--images", help="The image set prepared with its corpus: check it, and every pack's image tokens.")] = None,
 ) -> None:
     """Check shards against the manifest and the format (and every token against --source).
     Exit 0: sound; 1: problems found (printed); 2: not a build, or an unreadable --source."""
@@ -357,6 +400,10 @@ def verify_command(
             path, source, tokenizer=tokenizer, chat_template=chat_template, all_problems=all_problems,
             cache_dir=cache_dir, store=store,
         )
+        if images is not None:
+            from prepack.check.images import verify_images
+
+            problems = [*problems, *verify_images(path, images)]
     except PrepackError as exc:
         _fail(exc)
     for problem in problems:

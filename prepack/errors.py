@@ -64,6 +64,7 @@ EXTRAS = {
     "matplotlib": "plot",
     "trl": "trl",
     "flash_attn": "flash",
+    "PIL": "images",
 }
 
 

@@ -42,6 +42,11 @@ per row. There `seq_idx` is dropped (not needed; transformers' torch fallbacks r
 refused on every backend. Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep position_ids from their backbone,
 so their guard sits on the causal LM.
 
+An image batch (one with `pixel_values`) is held to the vision table (`prepack.model.vision_families`,
+docs/vision-support.md) and checked by `prepack.model.vision_packing`: families never measured with images
+are refused by name, fields that override a vision tower's per-image segments are refused, Qwen's 3-D rotary
+positions need their text row, and Gemma 3's layer masks are built by prepack.
+
 `prepack.model.isolation` proves it: it runs a packed batch and each of its documents alone, and compares.
 """
 
@@ -67,6 +72,8 @@ with optional_imports("enable_packing"):
 
 from prepack.training.collate import segment_fields
 from prepack.model.stateful import STATEFUL_LAYERS, DocumentSegments, PerDocumentLayers, install_per_document_layers
+from prepack.model.vision_families import VISION_FAMILIES, image_refusal
+from prepack.model.vision_packing import checked_image_batch
 
 __all__ = ["FLASH_ATTENTION", "SUPPORTED_ATTENTION", "disable_packing", "enable_packing"]
 
@@ -185,7 +192,7 @@ class _Family:
                 if name == type(model).__name__ and known in families.FAMILIES
             )
             model_type = registered[0] if registered else model_type
-        checked = model_type in families.FAMILIES or not allow_unlisted
+        checked = model_type in families.FAMILIES or model_type in VISION_FAMILIES or not allow_unlisted
         return cls(model_type, type(model).__name__, checked, transformers.__version__ if own_code else None)
 
     def require_isolated(self, attn: str | None) -> families.Verdict | None:
@@ -193,6 +200,12 @@ class _Family:
         _require_supported_attention(attn)
         if not self.checked:
             return None
+        if self.model_type not in families.FAMILIES and self.model_type in VISION_FAMILIES:
+            # A vision-language family that transformers registers as no causal LM: measured with images only.
+            message = image_refusal(self.model_type, self.model_class, attn)
+            if message:
+                raise IsolationError(message)
+            return VISION_FAMILIES[self.model_type].verdicts[families.BACKENDS.index(families.backend_of(attn))]
         message = families.refusal(self.model_type, self.model_class, attn, registered_by=self.registered_by)
         if message:
             raise IsolationError(message)
@@ -231,6 +244,12 @@ class _PackedBatchGuard:
         attn = config._attn_implementation
         verdict = self.family.require_isolated(attn)
         flash = attn in FLASH_ATTENTION
+        if kwargs.get("pixel_values") is not None and self.family.checked:
+            # Images: the vision table's verdict, the towers' own segments, the family's positions and masks.
+            family = self.family
+            kwargs = checked_image_batch(module, kwargs, family.model_type, family.model_class, attn)
+            if VISION_FAMILIES[family.model_type].style != "restart":
+                return (), _without_cache(kwargs, flash)
         kwargs = _resolve_attention_mask(kwargs, config, flash, tokens.shape[:2])
         # A mask still there describes no packed rows (or is the caller's own 4-D mask): transformers applies it.
         if kwargs.get("attention_mask") is not None or not _is_packed(kwargs, tokens.shape[:2]):

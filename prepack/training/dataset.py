@@ -144,9 +144,19 @@ class PackedDataset(Dataset):
         columns = self._columns(shard)
         if self.store is not None:
             return self._gathered(shard, row, columns)
-        packed = {name: values[offsets[row] : offsets[row + 1]] for name, (offsets, values) in columns.items()}
+        packed = {
+            name: values[offsets[row] : offsets[row + 1]]
+            for name, (offsets, values) in columns.items()
+            if name != "source_rows"  # opened for `source_rows` only
+        }
         packed["segment_ids"] = packed["segment_ids"].astype(np.int32, copy=False)
         return packed
+
+    def source_rows(self, index: int) -> np.ndarray:
+        """The corpus rows of pack `index`'s documents, in pack order (its `source_rows`)."""
+        shard, row = self._locate(index)
+        offsets, values = self._columns(shard)["source_rows"]
+        return values[offsets[row] : offsets[row + 1]]
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers reopen (and recheck) shards themselves; a memory map does not survive pickling anyway.
@@ -231,7 +241,7 @@ class PackedDataset(Dataset):
     def _columns(self, shard: int) -> dict[str, _ListColumn]:
         if shard not in self._open:
             batch, where = self._open_checked(shard), self.manifest.shards[shard].name
-            names = _index_columns(batch) if self.store is not None else _row_columns(batch)
+            names = _index_columns(batch) if self.store is not None else [*_row_columns(batch), "source_rows"]
             self._open[shard] = {name: list_column(batch, name, where) for name in names}
         return self._open[shard]
 

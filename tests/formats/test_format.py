@@ -16,6 +16,7 @@ import pytest
 from prepack import build
 from prepack.errors import FormatError
 from prepack.formats.common import FormatProblem
+from prepack.formats.images import ImageSetManifest
 from prepack.formats.shards import (
     FORMAT_VERSION,
     Manifest,
@@ -32,7 +33,14 @@ from tests.corpus import corpus_table, write_corpus
 SCHEMAS = Path(__file__).parents[2] / "schemas"
 
 
-@pytest.mark.parametrize(("model", "name"), [(Manifest, "manifest.schema.json"), (StoreManifest, "store.schema.json")])
+@pytest.mark.parametrize(
+    ("model", "name"),
+    [
+        (Manifest, "manifest.schema.json"),
+        (StoreManifest, "store.schema.json"),
+        (ImageSetManifest, "image-set.schema.json"),
+    ],
+)
 def test_json_schema_matches_the_model(model, name):
     generated = json.dumps(model.model_json_schema(), indent=2, sort_keys=True) + "\n"
     path = SCHEMAS / name

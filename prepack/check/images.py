@@ -1,0 +1,115 @@
+"""`prepack verify BUILD --images DIR`: an image set checked, and checked against the build it serves;
+`prepack inspect BUILD --images DIR`: the build's image and text tokens and the padding packing saves.
+
+The image set alone (`read_image_set(verify=True)`): its files' sizes and sha256, every image's sha256,
+limits and placeholder count by the recorded rule; then each image's header read again (Pillow, no pixel
+decoded) must give the recorded width and height. Against a full build: the set describes as many corpus
+rows as the build read, and every pack holds exactly the placeholder tokens of its documents' images (a
+document cut by truncation or splitting, or a build of another corpus, fails here). An index build's
+tokens lie in its store: only the row count is compared there.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+
+from prepack.check.report import InspectReport
+from prepack.check.verify import Problem
+from prepack.errors import FormatError, optional_imports
+from prepack.formats.common import StrictModel, list_column
+from prepack.formats.images import IMAGE_SET_MANIFEST, IMAGES_FILE, ImageSet, read_image_set
+from prepack.formats.shards import open_shard, read_manifest, shard_path
+
+__all__ = ["ImageReport", "image_report", "verify_images"]
+
+
+class ImageReport(StrictModel):
+    """What `inspect --images` adds: the packs' tokens by kind, and the padding packing saves (from the
+    build's own report: `cost.pad_to_longest_in_batch` and `cost.pad_to_max_len` against `cost.packed`)."""
+
+    images: int  # distinct images in the set
+    image_references: int  # images over the corpus rows, repeats counted
+    image_tokens: int  # placeholder tokens in the packs
+    text_tokens: int  # every other token in the packs
+    image_token_share: float
+    padding_saved_vs_longest_in_batch: int  # padding tokens of random batches padded to their longest, less the packs'
+    padding_saved_vs_max_len: int  # padding tokens of one document per max_len row, less the packs'
+
+
+def image_report(build: str | os.PathLike, images: str | os.PathLike, report: InspectReport) -> ImageReport:
+    """The image lines of `inspect` for a local full build and its image set (read, not verified)."""
+    build, image_set = Path(build), read_image_set(images)
+    manifest = read_manifest(build)
+    if manifest.store is not None:
+        raise FormatError(f"{build}: an index build; inspect --images reads a full build's packs.")
+    row_tokens = image_set.row_tokens()
+    image_tokens = 0
+    for index, info in enumerate(manifest.shards):
+        batch = open_shard(shard_path(build, index, info), manifest.has_labels, manifest.options.max_len)
+        image_tokens += int(row_tokens[list_column(batch, "source_rows", info.name)[1]].sum())
+    cost = report.cost
+    return ImageReport(
+        images=image_set.manifest.images,
+        image_references=image_set.manifest.references,
+        image_tokens=image_tokens,
+        text_tokens=report.tokens - image_tokens,
+        image_token_share=image_tokens / report.tokens if report.tokens else 0.0,
+        padding_saved_vs_longest_in_batch=cost.pad_to_longest_in_batch.padding_tokens - cost.packed.padding_tokens,
+        padding_saved_vs_max_len=cost.pad_to_max_len.padding_tokens - cost.packed.padding_tokens,
+    )
+
+
+def verify_images(build: str | os.PathLike, images: str | os.PathLike) -> list[Problem]:
+    """Every problem of the image set `images` and of its agreement with the local build `build`."""
+    build, images = Path(build), Path(images)
+    try:
+        image_set = read_image_set(images, verify=True)
+    except FormatError as exc:
+        problem = exc.problem
+        return [Problem(file=str(problem.file), row=problem.row, column=problem.column, message=problem.message)]
+    problems = _header_problems(image_set)
+    manifest = read_manifest(build)
+    if image_set.manifest.documents != manifest.totals.documents:
+        problems.append(Problem(file=str(images / IMAGE_SET_MANIFEST), column="documents", message=(
+            f"describes {image_set.manifest.documents} corpus rows; the build read {manifest.totals.documents}: "
+            "not the image set of this build's corpus.")))
+        return problems
+    if manifest.store is not None:
+        return problems
+    row_tokens = image_set.row_tokens()
+    for index, info in enumerate(manifest.shards):
+        batch = open_shard(shard_path(build, index, info), manifest.has_labels, manifest.options.max_len)
+        token_offsets, ids = list_column(batch, "input_ids", info.name)
+        row_offsets, rows = list_column(batch, "source_rows", info.name)
+        is_placeholder = np.append(0, np.cumsum(ids == image_set.manifest.placeholder_id))
+        found = is_placeholder[token_offsets[1:]] - is_placeholder[token_offsets[:-1]]
+        per_pack = np.append(0, np.cumsum(row_tokens[rows]))
+        expected = per_pack[row_offsets[1:]] - per_pack[row_offsets[:-1]]
+        for row in np.flatnonzero(found != expected):
+            problems.append(Problem(file=info.name, row=int(row), column="input_ids", message=(
+                f"the pack holds {int(found[row])} image placeholder tokens; its documents' images make "
+                f"{int(expected[row])} (a document's images cut, or another corpus).")))
+    return problems
+
+
+def _header_problems(image_set: ImageSet) -> list[Problem]:
+    with optional_imports("verify --images"):
+        from PIL import Image
+
+    problems = []
+    for number in range(image_set.manifest.images):
+        try:
+            with Image.open(io.BytesIO(image_set.data(number))) as image:
+                size = image.size
+        except (OSError, ValueError, Image.DecompressionBombError) as exc:
+            size, why = None, f"the image cannot be read ({exc})"
+        recorded = (int(image_set.widths[number]), int(image_set.heights[number]))
+        if size != recorded:
+            why = why if size is None else f"its header says {size[0]}x{size[1]}"
+            problems.append(Problem(file=str(image_set.directory / IMAGES_FILE), row=number, column="width",
+                                    message=f"{why}; the set records {recorded[0]}x{recorded[1]}."))
+    return problems

@@ -1,0 +1,105 @@
+"""What `enable_packing`'s guard does with a packed image+text batch (one that carries `pixel_values`).
+
+- The family must be isolated for images on the backend (`prepack.model.vision_families`), else IsolationError
+  naming it.
+- Fields that transformers' vision towers take as given instead of deriving them from each image's grid
+  (`cu_seqlens`, `cu_window_seqlens`, `window_index`, `max_seqlen`, ...: `transformers.vision_utils` pops
+  them from the forward's keyword arguments) are refused: one segment over several images' patches lets
+  the images attend to each other (measured).
+- 3-D rotary (Qwen2-VL, Qwen2.5-VL): packed rows need `position_ids` [4, B, L], the text positions first:
+  transformers builds the per-sample mask from that row only, and from a [3, B, L] tensor builds none.
+- Image blocks (Gemma 3): transformers' own sliding-window mask for a packed row reads each image block at
+  the wrong tokens (it applies the block overlay to positions already remapped to within-sample ones;
+  transformers 5.24 `create_masks_for_vision_model`, measured: 0.18 on logits), so prepack builds both layer
+  masks itself with transformers' `create_causal_mask`, from absolute token indices: (causal OR same
+  image block) AND same sample (AND within the window, counted in positions, on sliding layers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prepack.errors import IsolationError, optional_imports
+from prepack.model.vision_families import VISION_FAMILIES, image_refusal
+
+with optional_imports("enable_packing"):
+    import torch
+    from transformers.masking_utils import create_causal_mask
+
+__all__ = ["VISION_TOWER_OVERRIDES", "checked_image_batch"]
+
+# transformers.vision_utils / utils.generic pop these from the forward's kwargs and use them as given.
+VISION_TOWER_OVERRIDES = (
+    "cu_seqlens", "max_seqlen", "cu_window_seqlens", "window_index", "max_window_seqlen", "merged_shape",
+    "interp_indices", "interp_weights", "bilinear_indices", "bilinear_weights",
+)
+
+
+def checked_image_batch(
+    module: torch.nn.Module, kwargs: dict[str, Any], model_type: str, model_class: str, attn: str
+) -> dict[str, Any]:
+    """The image batch's kwargs, with Gemma 3's layer masks built; IsolationError where it would leak."""
+    message = image_refusal(model_type, model_class, attn)
+    if message:
+        raise IsolationError(message)
+    given = [key for key in VISION_TOWER_OVERRIDES if kwargs.get(key) is not None]
+    if given:
+        raise IsolationError(
+            f"An image batch with {', '.join(given)}: transformers' vision tower takes them as given instead of "
+            "deriving each image's segment from its grid, so one segment over several images lets their patches "
+            "attend to each other. Drop them; VisionCollator's batch has none."
+        )
+    style = VISION_FAMILIES[model_type].style
+    position_ids = kwargs.get("position_ids")
+    if style == "3-D rotary" and position_ids is not None:
+        _require_text_positions(position_ids)
+    if style == "image blocks" and position_ids is not None and kwargs.get("token_type_ids") is not None:
+        if kwargs.get("attention_mask") is not None:
+            raise IsolationError(
+                "A packed Gemma 3 image batch with an attention_mask: pass position_ids and token_type_ids only "
+                "(VisionCollator's batch); prepack builds the masks from them."
+            )
+        kwargs = {**kwargs, "attention_mask": _image_block_masks(module, position_ids, kwargs["token_type_ids"])}
+    return kwargs
+
+
+def _require_text_positions(position_ids: torch.Tensor) -> None:
+    restarts = position_ids.ndim == 3 and bool((position_ids[..., 1:] < position_ids[..., :-1]).any())
+    if position_ids.ndim == 3 and position_ids.shape[0] == 3 and restarts:
+        raise IsolationError(
+            "Packed rows with 3-D rotary position_ids of shape [3, B, L]: transformers builds the per-sample mask "
+            "only from a fourth row of text positions put first ([4, B, L]), and attends over the whole row "
+            "otherwise. VisionCollator emits that form."
+        )
+
+
+def _image_block_masks(module: torch.nn.Module, position_ids: torch.Tensor, token_type_ids: torch.Tensor) -> dict:
+    config = module.config.get_text_config()
+    rows, width = token_type_ids.shape
+    positions = position_ids.expand(rows, width)
+    starts = torch.ones((rows, width), dtype=torch.bool, device=positions.device)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    sample = starts.cumsum(1)
+    is_image = token_type_ids == 1
+    new_block = is_image.clone()
+    new_block[:, 1:] &= ~is_image[:, :-1] | starts[:, 1:]  # a block never runs on into the next sample
+    block = torch.where(is_image, new_block.cumsum(1), -1)
+
+    def same_block(b, h, q, kv):
+        return (block[b, q] == block[b, kv]) & (block[b, q] >= 0)
+
+    def same_sample(b, h, q, kv):
+        return sample[b, q] == sample[b, kv]
+
+    def same_sample_within_window(b, h, q, kv):
+        return same_sample(b, h, q, kv) & (positions[b, kv] > positions[b, q] - config.sliding_window)
+
+    # position_ids left out: transformers would remap the indices the functions above read.
+    shape_only = torch.empty((rows, width, 0), dtype=module.dtype, device=positions.device)
+    arguments = dict(
+        config=config, inputs_embeds=shape_only, attention_mask=None, cache=None, or_mask_function=same_block
+    )
+    return {
+        "full_attention": create_causal_mask(**arguments, and_mask_function=same_sample),
+        "sliding_attention": create_causal_mask(**arguments, and_mask_function=same_sample_within_window),
+    }

@@ -1,0 +1,225 @@
+"""Collate packs of image+text samples into the batch a vision-language model takes, samples kept apart.
+
+A vision pack is a pack (`input_ids`, `cu_seqlens`, optional `labels`; see `prepack.training.collate`) whose
+documents are image+text samples: each image stands in the tokens as a run of its placeholder id (as many
+as the model's tower makes of it), and the pack carries `images`, the encoded bytes of its images in token
+order. `VisionCollator` pads the tokens as `PackedCollator` does, decodes and preprocesses the images with the
+model's image processor (in DataLoader workers) and emits, by the family's style
+(`prepack.model.vision_families`):
+
+    input_ids     [B, L] int64   padding: pad_token_id (never an image placeholder)
+    labels        [B, L] int64   -100 at padding, at each sample's first token and at image placeholders
+    pixel_values  what the image processor gives for the batch's images, in token order
+    image_grid_thw [N, 3] int64  (3-D rotary) each image's patch grid, from the image processor
+    position_ids  [B, L] int64   (restart, image blocks) 0, 1, ... restarting at every sample
+                  [4, B, L] int64 (3-D rotary) row 0 the text positions restarting at every sample (what
+                                 transformers builds the per-sample mask from), rows 1-3 the temporal,
+                                 height and width rotary positions of Qwen2-VL's `get_rope_index`, computed
+                                 for each sample alone, so they restart at 0 at every sample
+    token_type_ids [B, L] int64  (image blocks) 1 at image placeholders: Gemma 3's bidirectional image
+                                 blocks, kept inside their sample by the layer masks enable_packing builds
+    use_cache     False
+
+There is no attention mask and no `cu_seq_lens_*`: transformers builds the block-diagonal mask from
+`position_ids` on sdpa and eager (the backends `prepack.model.vision_families` measured; Gemma 3's image
+batches get theirs from `enable_packing`). The vision towers keep
+patches inside their image by themselves: Qwen's from `image_grid_thw`, CLIP's and SigLIP's one image per
+row of `pixel_values`. A batch field that would override that (`cu_seqlens`, which Qwen's tower takes as
+given) is what `enable_packing` refuses (`prepack.model.vision_packing`).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from prepack.training.collate import PackedCollator
+from prepack.errors import InputError, UsageError, optional_imports
+from prepack.formats.shards import IGNORE_INDEX
+from prepack.model.vision_families import ImageStyle, image_style
+
+with optional_imports("VisionCollator"):
+    import torch
+    from PIL import Image
+
+__all__ = ["VisionCollator", "VisionSpec", "rotary_3d_positions"]
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the collator needs to know of a vision-language model: its style and its image placeholder."""
+
+    style: ImageStyle
+    image_token_id: int
+    merge_size: int = 1  # 3-D rotary: patches merged per side into one token (Qwen's spatial_merge_size)
+    tokens_per_image: int | None = None  # restart, image blocks: the fixed number of placeholders per image
+
+    @classmethod
+    def of(cls, config) -> VisionSpec:
+        """The spec of a transformers vision-language config (a family of `prepack.model.vision_families`)."""
+        style = image_style(config.model_type)
+        image_token_id = getattr(config, "image_token_id", None)
+        image_token_id = config.image_token_index if image_token_id is None else image_token_id
+        if style == "3-D rotary":
+            return cls(style, image_token_id, merge_size=config.vision_config.spatial_merge_size)
+        if style == "image blocks":
+            return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
+        vision = config.vision_config
+        patches = (vision.image_size // vision.patch_size) ** 2
+        # "default" drops the CLS token of CLIP's output, "full" keeps it.
+        with_cls = config.vision_feature_select_strategy == "full"
+        return cls(style, image_token_id, tokens_per_image=patches + with_cls)
+
+
+def rotary_3d_positions(input_ids: np.ndarray, grids: np.ndarray, image_token_id: int, merge_size: int) -> np.ndarray:
+    """[3, n] temporal/height/width rotary positions of one sample, as Qwen2-VL's `get_rope_index` gives them.
+
+    Text tokens count on in all three rows; an image of patch grid (t, h, w) is t·h·w/merge² placeholders,
+    positioned over its merged grid from where the text stood, after which the text goes on from the
+    largest merged side. `grids` [k, 3]: the sample's images in order; the placeholders must add up.
+    """
+    positions = np.empty((3, len(input_ids)), dtype=np.int64)
+    is_image = input_ids == image_token_id
+    token, current, image = 0, 0, 0
+    while token < len(input_ids):
+        if not is_image[token]:
+            run = token + int(np.argmax(is_image[token:])) if is_image[token:].any() else len(input_ids)
+            positions[:, token:run] = np.arange(current, current + run - token)
+            current += run - token
+            token = run
+            continue
+        if image >= len(grids):
+            raise InputError(f"More image placeholders than images ({len(grids)}) in a sample.")
+        t, h, w = (int(side) for side in grids[image])
+        merged_h, merged_w = h // merge_size, w // merge_size
+        count = t * merged_h * merged_w
+        if not is_image[token : token + count].all() or token + count > len(input_ids):
+            raise InputError(
+                f"Image {image} of a sample has {count} placeholders by its grid {(t, h, w)}, but the sample's "
+                "run of placeholders is shorter."
+            )
+        grid_t, grid_h, grid_w = np.meshgrid(np.arange(t), np.arange(merged_h), np.arange(merged_w), indexing="ij")
+        positions[:, token : token + count] = np.stack([grid_t, grid_h, grid_w]).reshape(3, -1) + current
+        current += max(merged_h, merged_w)
+        token += count
+        image += 1
+    if image != len(grids):
+        raise InputError(f"A sample has {len(grids)} images but placeholders for {image}.")
+    return positions
+
+
+class VisionCollator:
+    """Collate vision packs (see the module docstring) for `VisionSpec.of(model.config)`.
+
+    - `image_processor`: the model's image processor (transformers' PIL ones work without torchvision),
+      called on each batch's decoded images; `image_processor_options` go with that call.
+    - `max_len`: the row length L and the longest pack accepted; None pads to the batch's longest pack.
+    - `pad_token_id`: the id written at padding (labels -100 there); never the image placeholder.
+    """
+
+    def __init__(
+        self,
+        spec: VisionSpec,
+        image_processor,
+        *,
+        max_len: int | None = None,
+        pad_token_id: int = 0,
+        image_processor_options: Mapping[str, Any] | None = None,
+    ):
+        if pad_token_id == spec.image_token_id:
+            raise UsageError(f"pad_token_id {pad_token_id} is the image placeholder; pick another id.")
+        self.spec, self.image_processor = spec, image_processor
+        self.image_processor_options = dict(image_processor_options or {})
+        # The text side is every pack's: checked, padded, labels and restarting positions as for text.
+        self.text = PackedCollator(max_len, pad_to="max_len" if max_len else "longest", pad_token_id=pad_token_id)
+
+    def __call__(self, packs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        text = self.text(packs)
+        checked = [_vision_pack(pack, number, self.spec) for number, pack in enumerate(packs)]
+        input_ids, position_ids = text["input_ids"], text["position_ids"]
+        is_image = input_ids == self.spec.image_token_id
+        text["labels"][is_image] = IGNORE_INDEX  # a placeholder is never a target
+        batch: dict[str, Any] = {"input_ids": input_ids, "labels": text["labels"]}
+        images = [image for pack in checked for image in pack.images]
+        if images:
+            batch |= self._preprocessed(images)
+        if self.spec.style == "3-D rotary":
+            grids = batch["image_grid_thw"].numpy() if images else np.zeros((0, 3), dtype=np.int64)
+            rotary = self._rotary_positions(checked, grids, input_ids.shape[1])
+            batch["position_ids"] = torch.cat([position_ids[None], torch.from_numpy(rotary)])
+        else:
+            batch["position_ids"] = position_ids
+        if self.spec.style == "image blocks":
+            batch["token_type_ids"] = is_image.long()
+        batch["use_cache"] = False
+        return batch
+
+    def _preprocessed(self, images: list[bytes]) -> dict[str, Any]:
+        decoded = [_decoded(image, number) for number, image in enumerate(images)]
+        out = self.image_processor(images=decoded, return_tensors="pt", **self.image_processor_options)
+        kept = {key: out[key] for key in ("pixel_values", "image_grid_thw") if key in out}
+        if self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(images):
+            raise UsageError(
+                f"The image processor made {len(kept['pixel_values'])} crops of {len(images)} images; prepack "
+                "counted one per image (turn off crops such as Gemma 3's pan-and-scan)."
+            )
+        return kept
+
+    def _rotary_positions(self, packs: list[_VisionPack], grids: np.ndarray, width: int) -> np.ndarray:
+        """[3, B, L]: each sample's own rotary positions; a row's padding tail counts from 0 as a sample."""
+        positions = np.zeros((3, len(packs), width), dtype=np.int64)
+        first_image = 0
+        for row, pack in enumerate(packs):
+            for start, end in zip(pack.cu_seqlens[:-1], pack.cu_seqlens[1:]):
+                sample = pack.input_ids[start:end]
+                count = _image_runs(sample == self.spec.image_token_id, grids[first_image:], self.spec.merge_size)
+                positions[:, row, start:end] = rotary_3d_positions(
+                    sample, grids[first_image : first_image + count], self.spec.image_token_id, self.spec.merge_size
+                )
+                first_image += count
+            positions[:, row, len(pack.input_ids) :] = np.arange(width - len(pack.input_ids))
+        return positions
+
+
+def _image_runs(is_image: np.ndarray, grids: np.ndarray, merge_size: int) -> int:
+    """How many of the next images (by their grids) the sample's placeholders hold."""
+    placeholders, count = int(is_image.sum()), 0
+    while placeholders > 0 and count < len(grids):
+        placeholders -= int(np.prod(grids[count])) // merge_size**2
+        count += 1
+    return count
+
+
+@dataclass(frozen=True)
+class _VisionPack:
+    input_ids: np.ndarray
+    cu_seqlens: np.ndarray
+    images: list[bytes]
+
+
+def _vision_pack(pack: Mapping[str, Any], number: int, spec: VisionSpec) -> _VisionPack:
+    """The pack's tokens, offsets and images (its tokens and offsets already checked by PackedCollator),
+    refused where its placeholders and its images disagree."""
+    input_ids, cu_seqlens = np.asarray(pack["input_ids"]), np.asarray(pack["cu_seqlens"])
+    images = list(pack.get("images") or [])
+    placeholders = int((input_ids == spec.image_token_id).sum())
+    if spec.tokens_per_image is not None and placeholders != spec.tokens_per_image * len(images):
+        raise InputError(
+            f"Pack {number} has {placeholders} image placeholders for {len(images)} images of "
+            f"{spec.tokens_per_image} tokens each."
+        )
+    if spec.tokens_per_image is None and bool(placeholders) != bool(images):
+        raise InputError(f"Pack {number} has {placeholders} image placeholders and {len(images)} images.")
+    return _VisionPack(input_ids, cu_seqlens, images)
+
+
+def _decoded(image: bytes, number: int):
+    try:
+        with Image.open(io.BytesIO(image)) as opened:
+            return opened.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise InputError(f"Image {number} of the batch cannot be decoded: {exc}") from None

@@ -1,0 +1,287 @@
+"""Image-chat corpora and image sets: placeholder counts from headers equal the image processor's own,
+images stored once by sha256, limits and bad images refused by file, row and column, the same bytes twice,
+and `read_image_set(verify=True)` catching every kind of tampering."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from prepack.errors import FormatError, InputError, OutputError
+from prepack.formats.images import IMAGES_FILE, ImageLimits, read_image_set, smart_resize
+from prepack.sources.images import prepare_image_chat, processor_rule
+from tests.vision_inputs import PHOTOS, SAMPLE_DATA, image_processor, photo_bytes, processor_directory
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory):
+    return processor_directory(tmp_path_factory.mktemp("proc") / "processor")
+
+
+def chats(directory, records) -> object:
+    corpus = directory / "chats.jsonl"
+    corpus.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return corpus
+
+
+def with_image(path: str) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "image", "image": path}, {"type": "text", "text": "Hi"}]},
+                         {"role": "assistant", "content": "Hello"}]}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4000), st.integers(1, 4000))
+def test_smart_resize_is_transformers_own(height, width):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as reference
+
+    try:
+        expected = reference(height, width, 28, 28 * 28 * 2, 28 * 28 * 8)
+    except ValueError:
+        with pytest.raises(ValueError):
+            smart_resize(height, width, 28, 28 * 28 * 2, 28 * 28 * 8)
+        return
+    assert smart_resize(height, width, 28, 28 * 28 * 2, 28 * 28 * 8) == expected
+
+
+def test_placeholders_from_the_header_equal_the_processors_grid(processor):
+    """No pixel decoded at prepare time, yet the count is what the image processor makes of the pixels."""
+    rule, placeholder_id = processor_rule(processor)
+    reference = image_processor("qwen2_5_vl")
+    for data in photo_bytes():
+        with Image.open(io.BytesIO(data)) as image:
+            grid = reference(images=[image.convert("RGB")])["image_grid_thw"][0]
+            size = image.size
+        assert rule.placeholders(*size) == int(np.prod(grid)) // 4
+    assert placeholder_id > 50256  # an added special token
+
+
+def test_prepare_stores_each_image_once_and_writes_the_same_bytes_twice(processor, tmp_path):
+    (tmp_path / "p").mkdir()
+    for name in PHOTOS:
+        (tmp_path / "p" / name).write_bytes((SAMPLE_DATA / name).read_bytes())
+    records = [with_image(f"p/{PHOTOS[row % 3]}") for row in range(7)]
+    records.append({"messages": [{"role": "user", "content": "<image><image> two?"}, {"role": "assistant", "content": "x"}],
+                    "images": [f"p/{PHOTOS[0]}", f"p/{PHOTOS[1]}"]})
+    corpus = chats(tmp_path, records)
+    first = prepare_image_chat(corpus, processor, tmp_path / "one")
+    prepare_image_chat(corpus, processor, tmp_path / "two")
+    for name in ("corpus.parquet", "images/images.arrow", "images/documents.arrow", "images/images.json"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    assert (first.images, first.references, first.documents) == (3, 9, 8)
+    image_set = read_image_set(first.image_set, verify=True)
+    assert image_set.images_of(7).tolist() == [0, 1]
+    digests = {image_set.sha256[n].as_py() for n in range(3)}
+    assert digests == {hashlib.sha256((SAMPLE_DATA / name).read_bytes()).digest() for name in PHOTOS}
+    rule, _ = processor_rule(processor)
+    expected = rule.start + rule.placeholder * int(image_set.tokens[0]) + rule.end
+    messages = pq.read_table(first.corpus).column("messages").to_pylist()
+    assert messages[0][0]["content"] == expected + "Hi"
+    with pytest.raises(OutputError, match="exists"):
+        prepare_image_chat(corpus, processor, tmp_path / "one")
+
+
+def test_images_as_bytes_in_a_parquet_column(processor, tmp_path):
+    data = photo_bytes()
+    table = pa.table({
+        "messages": [[{"role": "user", "content": "<image> a"}, {"role": "assistant", "content": "b"}]] * 2,
+        "images": [[{"bytes": data[1], "path": None}], [{"bytes": data[2], "path": None}]],
+    })
+    pq.write_table(table, tmp_path / "chats.parquet")
+    summary = prepare_image_chat(tmp_path / "chats.parquet", processor, tmp_path / "out")
+    assert (summary.images, summary.references) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("record", "limits", "message"),
+    [
+        (with_image("https://example.com/a.png"), None, "row 0, column messages\\[0\\].content: .*URI"),
+        (with_image("missing.png"), None, "row 0, column messages\\[0\\].content: the image .* cannot be read"),
+        (with_image("p/not-an-image.png"), None, "not a readable image"),
+        (with_image(f"p/{PHOTOS[0]}"), ImageLimits(max_image_bytes=1000), "more than the limit 1000"),
+        (with_image(f"p/{PHOTOS[0]}"), ImageLimits(max_pixels=1000), "more than the limit of 1000 pixels"),
+        ({"messages": [{"role": "user", "content": "<image><image>"}], "images": [f"p/{PHOTOS[0]}"] * 2},
+         ImageLimits(max_images_per_document=1), "more than 1 images"),
+        ({"messages": [{"role": "user", "content": "<image>"}], "images": []}, None, "images column has no more"),
+        ({"messages": [{"role": "user", "content": "no marker"}], "images": [f"p/{PHOTOS[0]}"]}, None,
+         "1 images that no message places"),
+    ],
+)
+def test_bad_images_are_refused_by_row_and_column(processor, tmp_path, record, limits, message):
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / PHOTOS[0]).write_bytes((SAMPLE_DATA / PHOTOS[0]).read_bytes())
+    (tmp_path / "p" / "not-an-image.png").write_text("hello")
+    corpus = chats(tmp_path, [record])
+    with pytest.raises(InputError, match=message):
+        prepare_image_chat(corpus, processor, tmp_path / "out", limits=limits)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))  # nothing half-written
+
+
+@pytest.fixture
+def image_set_dir(processor, tmp_path):
+    data = photo_bytes()
+    table = pa.table({"messages": [[{"role": "user", "content": "<image>"}]] * 3,
+                      "images": [[{"bytes": d, "path": None}] for d in data]})
+    pq.write_table(table, tmp_path / "chats.parquet")
+    return prepare_image_chat(tmp_path / "chats.parquet", processor, tmp_path / "out").image_set
+
+
+def rewrite_images(directory, column: str, row: int, value) -> None:
+    """Replace one value of images.arrow and fix the manifest's size and sha256, as a careful forger would."""
+    from prepack.sources.images import _write_batch  # the writer's own framing
+
+    reader = pa.ipc.open_stream((directory / IMAGES_FILE).read_bytes())
+    table = reader.read_all()
+    values = table.column(column).to_pylist()
+    values[row] = value
+    field = table.schema.field(column)
+    table = table.set_column(table.schema.get_field_index(column), field, pa.array(values, field.type))
+    written = _write_batch(directory / IMAGES_FILE, table.to_batches()[0])
+    manifest = json.loads((directory / "images.json").read_text())
+    manifest["files"][0] = json.loads(written.model_dump_json())
+    (directory / "images.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "message"),
+    [
+        ("data", b"\x89PNG-other-bytes", "do not have the sha256"),
+        ("tokens", 1, "the rule gives|image_tokens is not the sum"),
+        ("width", 10**6, "outside the set's limits|rule gives"),
+    ],
+)
+def test_verify_catches_a_tampered_image_set(image_set_dir, column, value, message):
+    read_image_set(image_set_dir, verify=True)
+    rewrite_images(image_set_dir, column, 1, value)
+    with pytest.raises(FormatError, match=message):
+        read_image_set(image_set_dir, verify=True)
+
+
+def test_verify_catches_a_changed_file(image_set_dir):
+    path = image_set_dir / IMAGES_FILE
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="sha256"):
+        read_image_set(image_set_dir, verify=True)
+
+
+def test_an_unknown_image_processor_is_refused(processor, tmp_path):
+    import shutil
+
+    other = tmp_path / "proc"
+    shutil.copytree(processor, other)
+    config = json.loads((other / "preprocessor_config.json").read_text())
+    config["image_processor_type"] = "SomeOtherImageProcessor"
+    (other / "preprocessor_config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="SomeOtherImageProcessor"):
+        processor_rule(other)
+
+
+@pytest.mark.slow
+def test_a_text_corpus_with_an_images_column_builds_and_serves_its_images(processor, tmp_path):
+    from prepack.training.vision_dataset import ImagePackedDataset
+    from tests.cli import run_prepack
+
+    data = photo_bytes()
+    table = pa.table({
+        "text": ["<image> a blue pack", "no image here", "<image> and <image>: two"],
+        "images": [[{"bytes": data[1], "path": None}], [], [{"bytes": data[0], "path": None}, {"bytes": data[2], "path": None}]],
+    })
+    pq.write_table(table, tmp_path / "texts.parquet")
+    summary = prepare_image_chat(tmp_path / "texts.parquet", processor, tmp_path / "out")
+    assert pq.read_table(summary.corpus).column_names == ["text"]
+    result = run_prepack("build", summary.corpus, "--tokenizer", processor, "--max-len", 64, "--overflow", "error",
+                         "--out", tmp_path / "build")
+    assert result.returncode == 0, result.stderr
+    dataset = ImagePackedDataset(tmp_path / "build", summary.image_set)
+    served = sorted(len(dataset[i]["images"]) for i in range(len(dataset)))
+    assert sum(served) == 3 and summary.image_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("model_type", "processor_config", "tokens"),
+    [
+        ("gemma3", {"image_seq_length": 4}, ("<start_of_image>", "<image_soft_token>", "<end_of_image>")),
+        ("llava", {"patch_size": 14, "vision_feature_select_strategy": "default"}, ("<image>",)),
+    ],
+)
+def test_fixed_size_processors_count_what_the_tiny_towers_take(tmp_path, model_type, processor_config, tokens):
+    """Gemma 3's and LLaVA's processor directories give the placeholder count their towers make
+    (`VisionSpec.of` on the tiny model's config), whatever the image's size."""
+    from tokenizers import Tokenizer
+
+    from prepack.model.tiny_vision_models import tiny_vision_config
+    from prepack.training.vision_collate import VisionSpec
+    from tests.demo_inputs import CHATML, gpt2_directory
+
+    directory = gpt2_directory(tmp_path / "proc", CHATML)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens(list(tokens))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    image_processor(model_type).save_pretrained(directory)
+    (directory / "processor_config.json").write_text(json.dumps(processor_config))
+    rule, placeholder_id = processor_rule(directory)
+    expected = VisionSpec.of(tiny_vision_config(model_type)).tokens_per_image
+    assert [rule.placeholders(*size) for size in ((512, 600), (128, 128), (542, 130))] == [expected] * 3
+    assert placeholder_id == tokenizer.token_to_id(rule.placeholder)
+
+
+def rewrite_documents(directory, references: list[list[int]]) -> None:
+    """Replace documents.arrow (and its size and sha256 in the manifest)."""
+    from prepack.formats.images import DOCUMENTS_FILE, DOCUMENTS_SCHEMA
+    from prepack.sources.images import _write_batch
+
+    batch = pa.record_batch([pa.array(references, DOCUMENTS_SCHEMA.field(0).type)], schema=DOCUMENTS_SCHEMA)
+    written = _write_batch(directory / DOCUMENTS_FILE, batch)
+    manifest = json.loads((directory / "images.json").read_text())
+    manifest["files"][1] = json.loads(written.model_dump_json())
+    manifest["references"] = sum(map(len, references))
+    (directory / "images.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("references", "message"),
+    [
+        ([[0], [1], [7]], "refers to image 7; the set holds 3"),
+        ([[0], [1], [2, 2]], "image_tokens is not the sum"),
+        ([[0], [1]], "3 rows; the files hold 3 and 2"),
+    ],
+)
+def test_a_hostile_documents_file_is_refused_before_use(image_set_dir, references, message):
+    rewrite_documents(image_set_dir, references)
+    with pytest.raises(FormatError, match=message):
+        read_image_set(image_set_dir)
+
+
+def test_an_unknown_image_set_version_is_refused(image_set_dir):
+    manifest = json.loads((image_set_dir / "images.json").read_text())
+    manifest["image_set_version"] = 2
+    (image_set_dir / "images.json").write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="image_set_version 2 is not one this prepack reads"):
+        read_image_set(image_set_dir)
+
+
+def test_the_prepare_images_command(processor, tmp_path):
+    from tests.cli import WIDE, failure, run_prepack
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / PHOTOS[1]).write_bytes((SAMPLE_DATA / PHOTOS[1]).read_bytes())
+    corpus = chats(tmp_path, [with_image(f"p/{PHOTOS[1]}"), with_image("p/missing.png")])
+    refused = run_prepack("prepare-images", corpus, "--processor", processor, "--out", tmp_path / "bad", env=WIDE)
+    assert "row 1, column messages[0].content: the image" in failure(refused)
+    good = chats(tmp_path / "p", [with_image(PHOTOS[1])])
+    done = run_prepack("prepare-images", good, "--processor", processor, "--out", tmp_path / "out", "--max-images", 2)
+    assert done.returncode == 0 and "prepared 1 records, 1 images (1 distinct" in done.stdout
+    assert read_image_set(tmp_path / "out" / "images", verify=True).manifest.limits.max_images_per_document == 2
+    too_large = run_prepack("prepare-images", good, "--processor", processor, "--out", tmp_path / "x",
+                            "--max-images", 10**6, env=WIDE)
+    assert "A limit is out of range" in failure(too_large)

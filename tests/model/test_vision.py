@@ -1,0 +1,255 @@
+"""Packed image+text batches equal their samples run alone, in float64, for the three styles of packing.
+
+Tiny random vision-language models (`prepack.model.tiny_vision_models`: Qwen2-VL, Qwen2.5-VL and Qwen3-VL
+with 3-D rotary positions, LLaVA with plain restarts, Gemma 3 with bidirectional image blocks), real photographs (matplotlib's
+sample images) through transformers' own image processors, `VisionCollator` packing four samples (one, two,
+none and one image) into two rows, and `enable_packing` on. The reference is each sample alone through
+transformers' own path: its own rotary positions (`get_rope_index`), its own masks. Logits, loss and
+gradients must agree to float64 rounding; each leak control (positions not restarted, patches attending
+across images, Gemma 3's image blocks left out) must not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from prepack import enable_packing
+from prepack.errors import InputError, IsolationError
+from prepack.model.tiny_models import DOCUMENT_VOCAB
+from prepack.model.tiny_vision_models import tiny_vision_model
+from prepack.training.vision_collate import VisionCollator, VisionSpec, rotary_3d_positions
+from tests.flash_reference import enable_flash_attention
+from tests.vision_inputs import image_processor, photo_bytes
+
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava", "gemma3")
+# Which photographs each sample holds (indices into photo_bytes()); the third is text only.
+SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
+TOLERANCE = 1e-9
+# transformers computes the loss from logits cast to float32: the loss, and the gradients through it, are
+# float32-exact (Gemma 3's gradients, scaled up by its embedding normaliser, show it most).
+LOSS_TOLERANCE = 1e-5
+
+
+def image_tokens(model, processor, image: bytes) -> list[int]:
+    """The tokens one image stands for in the family's prompt format."""
+    config, spec = model.config, VisionSpec.of(model.config)
+    if spec.style == "3-D rotary":
+        from PIL import Image
+        import io
+
+        grid = processor(images=[Image.open(io.BytesIO(image)).convert("RGB")])["image_grid_thw"][0]
+        count = int(np.prod(grid)) // spec.merge_size**2
+        return [config.vision_start_token_id, *[spec.image_token_id] * count, config.vision_end_token_id]
+    if spec.style == "image blocks":
+        return [config.boi_token_index, *[spec.image_token_id] * spec.tokens_per_image, config.eoi_token_index]
+    return [spec.image_token_id] * spec.tokens_per_image
+
+
+def samples(model, processor, seed: int = 0) -> list[dict]:
+    """Four image+text samples: text, the images' tokens, text; random text ids below the special ids."""
+    rng = np.random.default_rng(seed)
+    photos = photo_bytes()
+    made = []
+    for images in SAMPLE_IMAGES:
+        tokens = list(rng.integers(2, DOCUMENT_VOCAB, rng.integers(3, 7)))
+        for image in images:
+            tokens += image_tokens(model, processor, photos[image]) + list(rng.integers(2, DOCUMENT_VOCAB, 3))
+        made.append({"input_ids": np.array(tokens, dtype=np.int64), "images": [photos[i] for i in images]})
+    return made
+
+
+def packs_of(made: list[dict]) -> list[dict]:
+    """Samples 0+1 in one pack, 2+3 in the other."""
+    packs = []
+    for group in (made[:2], made[2:]):
+        lengths = [len(sample["input_ids"]) for sample in group]
+        packs.append(
+            {
+                "input_ids": np.concatenate([sample["input_ids"] for sample in group]),
+                "cu_seqlens": np.append(0, np.cumsum(lengths)),
+                "images": [image for sample in group for image in sample["images"]],
+            }
+        )
+    return packs
+
+
+def setup(model_type: str):
+    model = tiny_vision_model(model_type)
+    processor = image_processor(model_type)
+    made = samples(model, processor)
+    collator = VisionCollator(VisionSpec.of(model.config), processor, max_len=max(
+        len(pack["input_ids"]) for pack in packs_of(made)) + 3, pad_token_id=1)
+    return model, processor, made, collator
+
+
+def alone_batch(model, collator: VisionCollator, sample: dict, labels: torch.Tensor) -> dict:
+    """One sample as transformers takes it unpacked: no position_ids, its own grids and token types."""
+    ids = torch.from_numpy(sample["input_ids"])[None]
+    batch = {"input_ids": ids, "labels": labels[None], "use_cache": False}
+    if sample["images"]:
+        batch |= collator._preprocessed(sample["images"])
+    is_image = (ids == collator.spec.image_token_id).long()
+    if collator.spec.style == "3-D rotary":
+        batch["mm_token_type_ids"] = is_image
+    if collator.spec.style == "image blocks":
+        batch["token_type_ids"] = is_image
+    return batch
+
+
+def spans(packs: list[dict]):
+    """(row, start, end) of every sample, in sample order."""
+    for row, pack in enumerate(packs):
+        for start, end in zip(pack["cu_seqlens"][:-1], pack["cu_seqlens"][1:]):
+            yield row, int(start), int(end)
+
+
+def targets(labels: torch.Tensor) -> int:
+    return int((labels[..., 1:] != -100).sum())
+
+
+def run(model, batch: dict):
+    model.zero_grad()
+    out = model(**batch)
+    (out.loss * targets(batch["labels"])).backward()  # the summed loss: gradients add up over samples
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def compare(model, collator, made, batch) -> tuple[float, float, float]:
+    """(largest logit difference, loss difference, largest gradient difference relative to the largest
+    gradient) packed vs alone."""
+    packs = packs_of(made)
+    logits, loss, grads = run(model, batch)
+    logit_diff, alone_losses, alone_grads = 0.0, [], {}
+    for sample, (row, start, end) in zip(made, spans(packs)):
+        alone_logits, alone_loss, sample_grads = run(
+            model, alone_batch(model, collator, sample, batch["labels"][row, start:end])
+        )
+        logit_diff = max(logit_diff, float((logits[row, start:end] - alone_logits[0]).abs().max()))
+        alone_losses.append((float(alone_loss), targets(batch["labels"][row, start:end])))
+        for name, grad in sample_grads.items():
+            alone_grads[name] = alone_grads.get(name, 0) + grad
+    weighted = sum(value * count for value, count in alone_losses) / sum(count for _, count in alone_losses)
+    grad_diff = max(float((grads[name] - alone_grads[name]).abs().max()) for name in grads)
+    largest_grad = max(float(grad.abs().max()) for grad in grads.values())
+    return logit_diff, abs(float(loss) - weighted), grad_diff / largest_grad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_packed_image_batch_equals_each_sample_alone(model_type):
+    model, _, made, collator = setup(model_type)
+    enable_packing(model)
+    batch = collator(packs_of(made))
+    assert int((batch["input_ids"] == collator.spec.image_token_id).sum()) > 0
+    logit_diff, loss_diff, grad_diff = compare(model, collator, made, batch)
+    assert logit_diff < TOLERANCE and loss_diff < LOSS_TOLERANCE and grad_diff < LOSS_TOLERANCE, (logit_diff, loss_diff, grad_diff)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_positions_not_restarted_leak(model_type):
+    """The control: the same batch with positions counting on over each row lets samples see each other."""
+    model, _, made, collator = setup(model_type)
+    batch = collator(packs_of(made))
+    width = batch["input_ids"].shape[1]
+    batch["position_ids"] = torch.arange(width).expand(batch["position_ids"].shape).clone()
+    logit_diff, _, _ = compare(model, collator, made, batch)
+    assert logit_diff > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"))
+def test_patches_across_images_leak_and_are_refused(model_type):
+    """Qwen's tower takes `cu_seqlens` as given: one segment over every patch lets images see each other.
+    enable_packing refuses a batch that carries one."""
+    model, _, made, collator = setup(model_type)
+    batch = collator(packs_of(made))
+    patches = len(batch["pixel_values"])
+    batch["cu_seqlens"] = torch.tensor([0, patches], dtype=torch.int32)
+    logit_diff, _, _ = compare(model, collator, made, dict(batch))
+    assert logit_diff > 1e-3
+    enable_packing(model)
+    with pytest.raises(IsolationError, match="cu_seqlens"):
+        model(**batch)
+
+
+@pytest.mark.slow
+def test_gemma3_image_blocks_are_needed():
+    """Without token_type_ids Gemma 3's images attend causally only: not what the sample alone gets."""
+    model, _, made, collator = setup("gemma3")
+    batch = collator(packs_of(made))
+    del batch["token_type_ids"]
+    logit_diff, _, _ = compare(model, collator, made, batch)
+    assert logit_diff > 1e-3
+
+
+def test_rotary_positions_equal_transformers_get_rope_index():
+    """prepack's numpy positions (computed in DataLoader workers) are transformers' own, sample by sample."""
+    model, _, made, collator = setup("qwen2_5_vl")
+    for sample in made:
+        if not sample["images"]:
+            continue
+        grids = collator._preprocessed(sample["images"])["image_grid_thw"]
+        ids = torch.from_numpy(sample["input_ids"])[None]
+        expected, _ = model.model.get_rope_index(
+            ids, mm_token_type_ids=(ids == collator.spec.image_token_id).int(), image_grid_thw=grids
+        )
+        got = rotary_3d_positions(sample["input_ids"], grids.numpy(), collator.spec.image_token_id, 2)
+        np.testing.assert_array_equal(got, expected[:, 0].numpy())
+
+
+def test_a_pack_with_placeholders_and_images_that_disagree_is_refused():
+    model, _, made, collator = setup("llava")
+    pack = packs_of(made)[0]
+    with pytest.raises(InputError, match="placeholders"):
+        collator([{**pack, "images": pack["images"][:-1]}])
+
+
+@pytest.mark.slow
+def test_rotary_positions_without_the_text_row_leak_and_are_refused():
+    """[3, B, L] rotary positions restarting per sample: transformers builds no per-sample mask from them."""
+    model, _, made, collator = setup("qwen2_5_vl")
+    batch = collator(packs_of(made))
+    batch["position_ids"] = batch["position_ids"][1:]
+    logit_diff, _, _ = compare(model, collator, made, dict(batch))
+    assert logit_diff > 1e-3
+    enable_packing(model)
+    with pytest.raises(IsolationError, match=r"\[3, B, L\]"):
+        model(**batch)
+
+
+def test_an_unmeasured_backend_is_refused_for_images_by_name():
+    model = enable_flash_attention(tiny_vision_model("qwen2_5_vl", "eager"))
+    with pytest.raises(IsolationError, match="qwen2_5_vl .*flash_attention_2: not measured with images"):
+        enable_packing(model)
+
+
+def test_gemma3_image_batch_with_a_mask_is_refused():
+    model, _, made, collator = setup("gemma3")
+    enable_packing(model)
+    batch = collator(packs_of(made))
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    with pytest.raises(IsolationError, match="attention_mask"):
+        model(**batch)
+
+
+def test_vision_support_document_is_current():
+    from pathlib import Path
+
+    from prepack.model import vision_families
+
+    document = Path(__file__).parents[2] / "docs" / "vision-support.md"
+    assert document.read_text() == vision_families.markdown()
+
+
+def test_an_unmeasured_vision_family_is_refused_for_image_batches_by_name():
+    """GOT-OCR2 is isolated on text (docs/model-support.md) but was never measured with images."""
+    from prepack.model.tiny_models import tiny_model
+
+    model = enable_packing(tiny_model("got_ocr2", "eager"))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with pytest.raises(IsolationError, match="image\\+text batches for model type 'got_ocr2'"):
+        model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), pixel_values=torch.zeros(1, 3, 8, 8))

@@ -1,0 +1,193 @@
+"""An image-chat corpus builds, trains through HF Trainer with the packed collator, and a packed batch from
+DataLoader workers equals its samples run alone (issue 25's "done when").
+
+The corpus: chats whose images are matplotlib's sample photographs, by path in content items, by `<image>`
+markers with an `images` column, repeated across rows (stored once). The processor: GPT-2's BPE with the
+Qwen image tokens added and a Qwen2-VL image processor config (`tests/vision_inputs.py`). The model: a
+tiny random Qwen2.5-VL in float64 with the tokenizer's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from prepack import enable_packing
+from prepack.errors import InputError
+from prepack.formats.images import read_image_set
+from prepack.model.tiny_vision_models import tiny_vision_model
+from prepack.sources.images import prepare_image_chat
+from prepack.training.vision_collate import VisionCollator, VisionSpec
+from prepack.training.dataset import PackedDataset
+from prepack.training.vision_dataset import ImagePackedDataset
+from tests.cli import run_prepack
+from tests.model.test_vision import LOSS_TOLERANCE, TOLERANCE, run, targets
+from tests.vision_inputs import PHOTOS, QWEN_IMAGE_TOKENS, SAMPLE_DATA, processor_directory
+
+MAX_LEN = 160
+
+
+def image_chat_corpus(directory, rows: int = 12) -> object:
+    """`rows` chats, 0-2 images each, written as jsonl with image paths relative to it."""
+    (directory / "photos").mkdir(parents=True)
+    for name in PHOTOS:
+        shutil.copy(SAMPLE_DATA / name, directory / "photos" / name)
+    rng = np.random.default_rng(0)
+    words = "the a photo of blue pack logo person shows what is in this picture describe it".split()
+    records = []
+    for row in range(rows):
+        images = [f"photos/{PHOTOS[i]}" for i in rng.choice(len(PHOTOS), size=row % 3, replace=False)]
+        answer = " ".join(rng.choice(words, size=rng.integers(3, 12)))
+        if row % 2:  # LLaVA style: <image> markers and an images column
+            question = "<image> " * len(images) + "What is this?"
+            records.append({"messages": [{"role": "user", "content": question},
+                                         {"role": "assistant", "content": answer}], "images": images})
+        else:  # Hugging Face content items
+            content = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": "Describe."}]
+            records.append({"messages": [{"role": "user", "content": content},
+                                         {"role": "assistant", "content": answer}]})
+    corpus = directory / "chats.jsonl"
+    corpus.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return corpus
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision")
+    processor = processor_directory(root / "processor")
+    corpus = image_chat_corpus(root / "corpus")
+    summary = prepare_image_chat(corpus, processor, root / "prepared")
+    build = root / "build"
+    result = run_prepack("build", summary.corpus, "--tokenizer", processor, "--chat", "--max-len", MAX_LEN,
+                         "--overflow", "error", "--out", build)
+    assert result.returncode == 0, result.stderr
+    return processor, summary, build
+
+
+def model_for(processor):
+    tokenizer = Tokenizer.from_file(str(processor / "tokenizer.json"))
+    start, image, end = (tokenizer.token_to_id(token) for token in QWEN_IMAGE_TOKENS)
+    tokens = {"image_token_id": image, "vision_start_token_id": start, "vision_end_token_id": end}
+    return tiny_vision_model("qwen2_5_vl", vocab_size=tokenizer.get_vocab_size(), tokens=tokens)
+
+
+def collator_for(processor, model):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return VisionCollator(VisionSpec.of(model.config), Qwen2VLImageProcessorPil.from_pretrained(processor),
+                          max_len=MAX_LEN, pad_token_id=50256)
+
+
+@pytest.mark.slow
+def test_image_chat_corpus_builds_and_a_worker_batch_equals_each_sample_alone(prepared):
+    processor, summary, build = prepared
+    image_set = read_image_set(summary.image_set, verify=True)
+    assert summary.images == len(PHOTOS) and summary.references > summary.images  # each photo stored once
+    model = enable_packing(model_for(processor))
+    collator = collator_for(processor, model)
+    dataset = ImagePackedDataset(build, summary.image_set)
+    image_bytes = sum(len(image_set.data(number)) for number in range(image_set.manifest.images))
+    assert len(pickle.dumps(dataset)) < image_bytes / 10  # workers get the image set's path, not its bytes
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=collator)
+    batch = next(iter(loader))  # decoded and preprocessed in a worker process
+    assert int((batch["input_ids"] == model.config.image_token_id).sum()) > 0
+    assert all(len(dataset[row]["cu_seqlens"]) > 2 for row in range(2))  # several samples in each pack
+    logits, loss, grads = run(model, batch)
+    alone_logits_diff, weighted, alone_grads, counted = 0.0, 0.0, {}, 0
+    for row in range(2):
+        pack = dataset[row]
+        for document, (start, end) in enumerate(zip(pack["cu_seqlens"][:-1], pack["cu_seqlens"][1:])):
+            numbers = image_set.images_of(int(dataset.packs.source_rows(row)[document]))
+            ids = torch.from_numpy(pack["input_ids"][start:end].astype(np.int64))[None]
+            alone = {"input_ids": ids, "labels": batch["labels"][row, start:end][None], "use_cache": False,
+                     "mm_token_type_ids": (ids == model.config.image_token_id).int()}
+            if len(numbers):
+                alone |= collator._preprocessed([image_set.data(int(n)) for n in numbers])
+            alone_logits, alone_loss, sample_grads = run(model, alone)
+            alone_logits_diff = max(alone_logits_diff, float((logits[row, start:end] - alone_logits[0]).abs().max()))
+            count = targets(alone["labels"])
+            weighted, counted = weighted + float(alone_loss) * count, counted + count
+            for name, grad in sample_grads.items():
+                alone_grads[name] = alone_grads.get(name, 0) + grad
+    largest = max(float(grad.abs().max()) for grad in grads.values())
+    grad_diff = max(float((grads[name] - alone_grads[name]).abs().max()) for name in grads) / largest
+    assert alone_logits_diff < TOLERANCE
+    assert abs(float(loss) - weighted / counted) < LOSS_TOLERANCE and grad_diff < LOSS_TOLERANCE
+
+
+@pytest.mark.slow
+def test_image_chat_build_trains_through_hf_trainer(prepared, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    processor, summary, build = prepared
+    model = enable_packing(model_for(processor)).train()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
+        remove_unused_columns=False, report_to=[], use_cpu=True, dataloader_num_workers=1, save_strategy="no",
+        logging_steps=1,
+    )
+    trainer = Trainer(model=model, args=arguments, train_dataset=ImagePackedDataset(build, summary.image_set),
+                      data_collator=collator_for(processor, model))
+    result = trainer.train()
+    assert np.isfinite(result.training_loss)
+    assert any(not torch.equal(before[name], p) for name, p in model.model.visual.named_parameters(prefix="model.visual"))
+
+
+@pytest.mark.slow
+def test_verify_checks_the_image_set_against_the_build(prepared, tmp_path):
+    """Clean: exit 0. A build whose documents were truncated through their images: each such pack named,
+    and ImagePackedDataset refuses to serve it."""
+    processor, summary, build = prepared
+    clean = run_prepack("verify", build, "--images", summary.image_set)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    cut = tmp_path / "cut"
+    result = run_prepack("build", summary.corpus, "--tokenizer", processor, "--chat", "--max-len", 12,
+                         "--overflow", "truncate", "--out", cut)
+    assert result.returncode == 0, result.stderr
+    found = run_prepack("verify", cut, "--images", summary.image_set)
+    assert found.returncode == 1 and "image placeholder tokens; its documents' images make" in found.stdout
+    dataset = ImagePackedDataset(cut, summary.image_set)
+    with pytest.raises(InputError, match="images were cut"):
+        for index in range(len(dataset)):
+            dataset[index]
+
+
+@pytest.mark.slow
+def test_inspect_reports_image_and_text_tokens_and_the_padding_saved(prepared):
+    processor, summary, build = prepared
+    result = run_prepack("inspect", build, "--images", summary.image_set, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    placeholder = read_image_set(summary.image_set).manifest.placeholder_id
+    dataset = PackedDataset(build)
+    in_packs = sum(int((dataset[i]["input_ids"] == placeholder).sum()) for i in range(len(dataset)))
+    images = report["images"]
+    assert images["image_tokens"] == in_packs > 0
+    assert images["text_tokens"] == report["build"]["tokens"] - in_packs
+    cost = report["build"]["cost"]
+    assert images["padding_saved_vs_max_len"] == cost["pad_to_max_len"]["padding_tokens"] - cost["packed"]["padding_tokens"] > 0
+    text = run_prepack("inspect", build, "--images", summary.image_set)
+    assert text.returncode == 0 and f"image tokens: {in_packs:,}" in text.stdout
+
+
+@pytest.mark.slow
+def test_an_index_build_of_a_store_serves_the_same_packs_and_images(prepared, tmp_path):
+    """The images are found by corpus row, which an index build's packs keep: no copy of them anywhere."""
+    processor, summary, build = prepared
+    store, index = tmp_path / "store", tmp_path / "index"
+    made = run_prepack("tokenize", summary.corpus, "--tokenizer", processor, "--chat", "--out", store)
+    assert made.returncode == 0, made.stderr
+    made = run_prepack("build", store, "--index-only", "--max-len", MAX_LEN, "--overflow", "error", "--out", index)
+    assert made.returncode == 0, made.stderr
+    full, indexed = ImagePackedDataset(build, summary.image_set), ImagePackedDataset(index, summary.image_set)
+    assert len(full) == len(indexed)
+    for row in range(len(full)):
+        assert full[row]["images"] == indexed[row]["images"]
+        np.testing.assert_array_equal(full[row]["input_ids"], indexed[row]["input_ids"])
