@@ -343,6 +343,33 @@ def json_records(path: Path, stream: pa.NativeFile) -> Iterator[bytes]:
             row += 1
 
 
+def json_object_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, list[dict], int]]:
+    """(first row, records, bytes) per block of about `block_bytes` of the JSON Lines file `path`, every
+    record a JSON object (else InputError naming its row). Python's json, not pyarrow's reader, for
+    readers whose values become Python strings and dicts anyway (text, chat, pairs): every error names
+    its row."""
+    records, size, row0 = [], 0, 0
+    try:
+        with pa.input_stream(os.fspath(path), compression="detect") as stream:
+            for raw in json_records(path, stream):
+                row = row0 + len(records)
+                try:
+                    record = parse_json(raw)
+                except ValueError as exc:
+                    raise InputError(f"{path}, row {row}: not valid JSON ({exc}).") from None
+                if not isinstance(record, dict):
+                    raise InputError(f"{path}, row {row}: a JSON Lines record must be an object.")
+                records.append(record)
+                size += len(raw)
+                if size >= block_bytes:
+                    yield row0, records, size
+                    records, size, row0 = [], 0, row0 + len(records)
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{path}: cannot be read ({exc}); is it truncated?") from None
+    if records:
+        yield row0, records, size
+
+
 def _invalid_at(batch: pa.RecordBatch, row0: int) -> str:
     """'row R, column C' of the first invalid value of a batch that failed validation, as far as its
     offsets tell; 'rows A-B, column C' when the offsets are sound and something below them is not."""

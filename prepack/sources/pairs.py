@@ -37,11 +37,10 @@ from itertools import chain
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 from prepack.errors import InputError
 from prepack.formats.shards import IGNORE_INDEX, PairOptions, TokenizeOptions
-from prepack.sources.corpus import Corpus, DocumentBatch, file_columns, file_kind, json_records, parse_json, record_batches
+from prepack.sources.corpus import Corpus, DocumentBatch, file_columns, file_kind, json_object_blocks, record_batches
 from prepack.sources.tokenize import (
     LocalTokenizer,
     resolve_chat_template,
@@ -182,25 +181,8 @@ def _file_records(path: Path, columns: list[str]) -> Iterator[tuple[int, list[di
             yield row0, batch.to_pylist(), batch.nbytes
             row0 += batch.num_rows
         return
-    records, size, row0 = [], 0, 0
-    try:
-        with pa.input_stream(os.fspath(path), compression="detect") as stream:
-            for raw in json_records(path, stream):
-                try:
-                    record = parse_json(raw)
-                except ValueError as exc:
-                    raise InputError(f"{path}, row {row0 + len(records)}: not valid JSON ({exc}).") from None
-                if not isinstance(record, dict):
-                    raise InputError(f"{path}, row {row0 + len(records)}: expected a JSON object with {', '.join(columns)}.")
-                records.append({c: record.get(c) for c in columns})
-                size += len(raw)
-                if size >= _CHUNK_BYTES:
-                    yield row0, records, size
-                    records, size, row0 = [], 0, row0 + len(records)
-    except (OSError, pa.ArrowException) as exc:
-        raise InputError(f"{path}: cannot be read ({exc}); is it truncated?") from None
-    if records:
-        yield row0, records, size
+    for row0, records, size in json_object_blocks(path, _CHUNK_BYTES):
+        yield row0, [{c: record.get(c) for c in columns} for record in records], size
 
 
 def _chunks(corpus: Corpus, columns: list[str]) -> Iterator[tuple[Path, int, list[dict]]]:

@@ -56,7 +56,7 @@ from prepack.sources.corpus import (
     DocumentBatch,
     file_columns,
     file_kind,
-    json_records,
+    json_object_blocks,
     missing_column_fix,
     parse_json,
     record_batches,
@@ -375,33 +375,15 @@ def _arrow_values(path: Path, kind: str, column: str) -> Iterator[tuple[int, lis
 
 
 def _json_values(path: Path, column: str, chat: bool) -> Iterator[tuple[int, list, int]]:
-    """(first row, values, bytes) per block of JSON Lines records. Python's json, not pyarrow's reader,
-    because the values become Python strings and dicts anyway, and every error can name its row."""
-    values, size, row0 = [], 0, 0
-    try:
-        with pa.input_stream(os.fspath(path), compression="detect") as stream:
-            for raw in json_records(path, stream):
-                row = row0 + len(values)
-                try:
-                    record = parse_json(raw)
-                except ValueError as exc:
-                    raise InputError(f"{path}, row {row}: not valid JSON ({exc}).") from None
-                if not isinstance(record, dict):
-                    raise InputError(f"{path}, row {row}: the record has no {column!r} field.")
-                if column not in record:
-                    raise InputError(
-                        f"{path}, row {row}: the record has no {column!r} field (fields: "
-                        f"{', '.join(record) or 'none'}); {missing_column_fix(record, 'chat' if chat else 'text')}."
-                    )
-                values.append(record[column])
-                size += len(raw)
-                if size >= _JSON_BLOCK_BYTES:
-                    yield row0, values, size
-                    values, size, row0 = [], 0, row0 + len(values)
-    except (OSError, pa.ArrowException) as exc:
-        raise InputError(f"{path}: cannot be read ({exc}); is it truncated?") from None
-    if values:
-        yield row0, values, size
+    """(first row, values, bytes) per block of JSON Lines records."""
+    for row0, records, size in json_object_blocks(path, _JSON_BLOCK_BYTES):
+        for row, record in enumerate(records, row0):
+            if column not in record:
+                raise InputError(
+                    f"{path}, row {row}: the record has no {column!r} field (fields: "
+                    f"{', '.join(record) or 'none'}); {missing_column_fix(record, 'chat' if chat else 'text')}."
+                )
+        yield row0, [record[column] for record in records], size
 
 
 def _chunks(corpus: Corpus, column: str, chat: bool, chunk_bytes: int) -> Iterator[tuple[Path, int, list]]:
