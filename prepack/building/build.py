@@ -270,6 +270,7 @@ def build_packs(
                 seed=packing.seed,
                 untrained=first.untrained,
                 drop_untrained=packing.drop_untrained,
+                without_numba=index_only,  # an index build's other steps need no numba (prepack.building.kernels)
             )
             bar.update(planning, total=1, completed=1)
             if plan.packs == 0:  # every non-empty document was left out

@@ -1,0 +1,90 @@
+"""`prepack.building.plan_vectorized` (first-fit-decreasing in numpy, for index builds that load no numba) against
+the planner's numba kernels, array for array, and the index build that runs it without numba."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prepack.building import plan_vectorized
+from prepack.building.plan import plan_packs
+from tests.building.test_plan_compact import plans
+from tests.corpus import corpus_table, write_corpus
+
+PLAN_ARRAYS = ("shuffle", "slot_offsets", "tokens_per_pack", "order")
+DOCUMENT_ARRAYS = ("lengths", "left_out", "bookmarks")
+LAYOUT_ARRAYS = ("pack_offsets", "starts", "lengths", "rows", "pieces")
+
+
+def _same_arrays(got, want, names):
+    for name in names:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), name
+
+
+@settings(max_examples=400, deadline=None)
+@given(plans(), st.data())
+def test_the_numpy_plan_is_the_kernels_plan(case, data):
+    lengths, max_len, options = case
+    options = {**options, "algorithm": "ffd"}
+    want = plan_packs(lengths, max_len, **options)
+    got = plan_packs(lengths, max_len, **options, without_numba=True)
+    assert got.documents.vectorized and not want.documents.vectorized
+    _same_arrays(got, want, PLAN_ARRAYS)
+    _same_arrays(got.documents, want.documents, DOCUMENT_ARRAYS)
+    assert got.documents.overflow == want.documents.overflow and got.counts == want.counts
+    first = data.draw(st.integers(0, want.packs))
+    end = data.draw(st.integers(first, want.packs))
+    _same_arrays(got.slice(first, end), want.slice(first, end), LAYOUT_ARRAYS)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 600), st.data())
+def test_runs_of_many_lengths_fill_many_open_packs_as_the_kernel_does(max_len, data):
+    # Thousands of documents over many distinct lengths: each run meets packs opened by the runs before it.
+    lengths = np.array(data.draw(st.lists(st.integers(1, max_len), min_size=1, max_size=3000)))
+    want, got = plan_packs(lengths, max_len), plan_packs(lengths, max_len, without_numba=True)
+    assert got.documents.vectorized
+    _same_arrays(got, want, PLAN_ARRAYS)
+    _same_arrays(got.slice(0, got.packs), want.slice(0, want.packs), LAYOUT_ARRAYS)
+
+
+def test_packs_past_65536_sort_by_every_digit():
+    # 70,000 documents of max_len // 2 + 1 open a pack each: pack numbers take two 16-bit digits.
+    lengths = np.array([51] * 70_000 + [1] * 5_000, dtype=np.uint16)
+    want, got = plan_packs(lengths, 100, seed=5), plan_packs(lengths, 100, seed=5, without_numba=True)
+    assert got.packs == 70_000 and got.documents.vectorized
+    _same_arrays(got, want, PLAN_ARRAYS)
+    _same_arrays(got.documents, want.documents, DOCUMENT_ARRAYS)
+
+
+def test_numba_plans_what_is_not_small_or_not_ffd():
+    lengths = np.arange(1, 101)
+    assert not plan_packs(lengths, 64, algorithm="bfd", without_numba=True).documents.vectorized
+    assert not plan_packs(lengths, 64).documents.vectorized  # a caller that runs kernels anyway
+    assert not plan_vectorized.suits(plan_vectorized._DOCUMENTS + 1, "ffd")
+    histogram = np.zeros(4097, np.int64)
+    histogram[1:] = 200  # 4,096 distinct lengths in about 400,000 packs
+    assert not plan_vectorized.assign_suits(histogram, 4096)
+
+
+def test_an_index_build_of_a_store_without_labels_loads_no_numba(tmp_path):
+    rng = np.random.default_rng(3)
+    documents = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(0, 90, 300)]
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table(documents))
+    code = f"""
+import sys
+import prepack
+prepack.build_store({str(corpus)!r}, {str(tmp_path / 'store')!r})
+prepack.build({str(tmp_path / 'store')!r}, {str(tmp_path / 'index')!r}, max_len=64, overflow="split", index_only=True)
+print("numba" in sys.modules)
+prepack.build({str(tmp_path / 'store')!r}, {str(tmp_path / 'full')!r}, max_len=64, overflow="split")
+print("numba" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]  # the full build gathers tokens with kernels
