@@ -563,13 +563,14 @@ class DocumentPieces(NamedTuple):
     counts: dict[str, int]  # what overflow did: input_tokens, empty, split, … as in `Totals`
 
 
-def untrained_documents(offsets: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
+def untrained_documents(offsets: np.ndarray, labels: np.ndarray | None, without_numba: bool = False) -> np.ndarray:
     """Which documents (`labels[offsets[i]:offsets[i+1]]`) have tokens but no trained token: every label
     after the first is -100 (a document's first token is never trained, see `prepack.training.collate`).
 
     Without labels every token is trained, so no document is untrained. Each document's labels are
     read only up to its first trained one (an index build scans a store's memory-mapped labels with
-    this, instead of reading them all).
+    this, instead of reading them all); `without_numba` (an index build of a store small enough,
+    `prepack.building.plan_vectorized.scans`), all of them, in numpy.
     """
     offsets = np.asarray(offsets, dtype=np.int64)
     lengths = np.diff(offsets)
@@ -578,7 +579,7 @@ def untrained_documents(offsets: np.ndarray, labels: np.ndarray | None) -> np.nd
     labels = np.asarray(labels)
     if len(offsets) and (offsets[0] < 0 or offsets[-1] > len(labels) or (lengths < 0).any()):
         raise ValueError(f"offsets {offsets[0]}..{offsets[-1]} do not slice {len(labels)} labels in order")
-    return _untrained(offsets, labels)
+    return plan_vectorized.untrained(offsets, labels) if without_numba else _untrained(offsets, labels)
 
 
 @kernel(cache=True)

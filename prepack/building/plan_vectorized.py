@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["assign_ffd", "pack_contents", "resolve", "scatter", "slots_of", "suits", "tally"]
+from prepack.formats.shards import IGNORE_INDEX
+
+__all__ = ["assign_ffd", "assign_suits", "pack_contents", "pieces_of", "resolve", "scans", "scatter", "slots_of", "suits", "tally", "untrained"]
 
 # Documents up to which the per-document steps run here (each a few numpy passes over the documents,
 # against one pass of a kernel), and the (distinct segment lengths x packs) up to which `assign_ffd` does:
 # on the benchmark machine each costs about what numba's start-up does at these sizes (see `suits`).
-_DOCUMENTS = 2_000_000
+_DOCUMENTS = 1_000_000
 _ASSIGN_WORK = 200_000_000
-# `prepack.building.plan`'s overflow codes and `_tally`'s counts, in its order.
+# Tokens up to which `untrained` reads a store's labels (all of them, about 1 ns a token, where the kernel
+# stops at each document's first trained one), and how many it holds at once (16 MiB of flags).
+_LABELS = 200_000_000
+_WINDOW = 2**24
+# `prepack.building.plan`'s overflow codes and bookmark spacing (a test keeps them equal).
 _TRUNCATE, _DROP = 1, 2
 _BLOCK = 32
 
@@ -33,6 +39,11 @@ def suits(documents: int, algorithm: str) -> bool:
     """Whether a plan of `documents` documents by `algorithm` is made here (as far as `assign_ffd`
     goes: `assign_suits` decides that once the segment lengths are known)."""
     return algorithm == "ffd" and documents <= _DOCUMENTS
+
+
+def scans(tokens: int) -> bool:
+    """Whether `untrained` reads `tokens` labels faster than numba would start."""
+    return tokens <= _LABELS
 
 
 def assign_suits(histogram: np.ndarray, max_len: int) -> bool:
@@ -171,3 +182,23 @@ def resolve(
     rows = np.repeat(np.arange(len(lengths)), pieces)[segments]
     piece = segments - first_segment[rows]
     return rows, piece.astype(np.int32), first_token[rows] + piece * max_len, np.minimum(lengths[rows] - piece * max_len, max_len)
+
+
+def untrained(offsets: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """`prepack.building.plan._untrained`: which documents have tokens but no trained label after their first,
+    reading the labels `_WINDOW` at a time."""
+    out = np.zeros(len(offsets) - 1, bool)
+    first = 0
+    while first < len(out):
+        end = max(int(np.searchsorted(offsets, offsets[first] + _WINDOW, "right")) - 1, first + 1)
+        base = offsets[first]
+        starts, ends = offsets[first:end] - base, offsets[first + 1 : end + 1] - base
+        trained = np.zeros(ends[-1] + 1, bool)  # one more, so that every bound below indexes it
+        np.not_equal(labels[base : base + ends[-1]], IGNORE_INDEX, out=trained[:-1])
+        # Each document's labels after its first, [start + 1, end), as one reduceat pair (empty if end <= start + 1).
+        bounds = np.empty(2 * len(starts), np.int64)
+        bounds[0::2], bounds[1::2] = np.minimum(starts + 1, ends), ends
+        any_trained = np.logical_or.reduceat(trained, bounds)[0::2] & (bounds[0::2] < bounds[1::2])
+        out[first:end] = (ends > starts) & ~any_trained
+        first = end
+    return out

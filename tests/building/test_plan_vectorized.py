@@ -7,11 +7,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prepack import build_store
 from prepack.building import plan_vectorized
-from prepack.building.plan import plan_packs
+from prepack.formats.shards import read_manifest
+from prepack.building.plan import plan_packs, untrained_documents
 from tests.building.test_plan_compact import plans
 from tests.corpus import corpus_table, write_corpus
 
@@ -26,7 +29,7 @@ def _same_arrays(got, want, names):
         assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), name
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(plans(), st.data())
 def test_the_numpy_plan_is_the_kernels_plan(case, data):
     lengths, max_len, options = case
@@ -72,19 +75,51 @@ def test_numba_plans_what_is_not_small_or_not_ffd():
     assert not plan_vectorized.assign_suits(histogram, 4096)
 
 
-def test_an_index_build_of_a_store_without_labels_loads_no_numba(tmp_path):
+@pytest.mark.parametrize("labelled", [False, True])
+def test_an_index_build_of_a_small_store_loads_no_numba(tmp_path, labelled):
     rng = np.random.default_rng(3)
     documents = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(0, 90, 300)]
-    corpus = write_corpus(tmp_path / "c.parquet", corpus_table(documents))
+    labels = [[-100 if rng.random() < 0.8 else t for t in doc] for doc in documents] if labelled else None
+    build_store(write_corpus(tmp_path / "c.parquet", corpus_table(documents, labels)), tmp_path / "store")
     code = f"""
 import sys
 import prepack
-prepack.build_store({str(corpus)!r}, {str(tmp_path / 'store')!r})
-prepack.build({str(tmp_path / 'store')!r}, {str(tmp_path / 'index')!r}, max_len=64, overflow="split", index_only=True)
+prepack.build({str(tmp_path / 'store')!r}, {str(tmp_path / 'index')!r}, max_len=64, index_only=True, drop_untrained=True)
 print("numba" in sys.modules)
-prepack.build({str(tmp_path / 'store')!r}, {str(tmp_path / 'full')!r}, max_len=64, overflow="split")
+prepack.build({str(tmp_path / 'store')!r}, {str(tmp_path / 'full')!r}, max_len=64, drop_untrained=True)
 print("numba" in sys.modules)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "True"]  # the full build gathers tokens with kernels
+    index, full = read_manifest(tmp_path / "index"), read_manifest(tmp_path / "full")
+    assert index.totals == full.totals and (index.totals.untrained > 0) == labelled
+
+
+def test_the_numpy_steps_read_the_planners_codes():
+    from prepack.building import plan
+
+    assert (plan_vectorized._TRUNCATE, plan_vectorized._DROP) == (plan._OVERFLOWS["truncate"], plan._OVERFLOWS["drop"])
+    assert plan_vectorized._BLOCK == plan._BLOCK
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 12), max_size=60), st.data())
+def test_untrained_documents_in_numpy_are_the_kernels(lengths, data):
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    labels = np.array(data.draw(st.lists(st.sampled_from([-100, -100, 0, 7]), min_size=int(offsets[-1]), max_size=int(offsets[-1]))), np.int32)
+    want = untrained_documents(offsets, labels)
+    assert untrained_documents(offsets, labels, without_numba=True).tolist() == want.tolist()
+
+
+def test_untrained_documents_are_found_across_windows(monkeypatch):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 40, 2000)
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    labels = np.where(rng.random(int(offsets[-1])) < 0.97, -100, 1).astype(np.int32)
+    want = untrained_documents(offsets, labels)
+    assert 0 < want.sum() < len(want)
+    monkeypatch.setattr(plan_vectorized, "_WINDOW", 64)  # documents longer than a window, and many windows
+    assert plan_vectorized.untrained(offsets, labels).tolist() == want.tolist()
