@@ -9,14 +9,16 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-
-from rich.progress import Progress
+from typing import TYPE_CHECKING
 
 from prepack.errors import InputError
 from prepack.formats.shards import TokenizeOptions
 from prepack.sources.corpus import Corpus, DocumentBatch, find_corpus, read_documents
 from prepack.storage.remote import is_uri
 from prepack.sources.store import ShardColumns, Store, is_store, open_store
+
+if TYPE_CHECKING:  # rich for annotations only: a build without progress bars does not import it
+    from rich.progress import Progress
 
 __all__ = ["Documents", "Reading", "corpus_documents", "open_documents", "store_documents"]
 

@@ -76,7 +76,7 @@ def test_numba_plans_what_is_not_small_or_not_ffd():
 
 
 @pytest.mark.parametrize("labelled", [False, True])
-def test_an_index_build_of_a_small_store_loads_no_numba(tmp_path, labelled):
+def test_an_index_build_of_a_small_store_loads_neither_numba_nor_rich(tmp_path, labelled):
     rng = np.random.default_rng(3)
     documents = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(0, 90, 300)]
     labels = [[-100 if rng.random() < 0.8 else t for t in doc] for doc in documents] if labelled else None
@@ -85,13 +85,14 @@ def test_an_index_build_of_a_small_store_loads_no_numba(tmp_path, labelled):
 import sys
 import prepack
 prepack.build({str(tmp_path / 'store')!r}, {str(tmp_path / 'index')!r}, max_len=64, index_only=True, drop_untrained=True)
-print("numba" in sys.modules)
+print("numba" in sys.modules, "rich" in sys.modules)
 prepack.build({str(tmp_path / 'store')!r}, {str(tmp_path / 'full')!r}, max_len=64, drop_untrained=True)
-print("numba" in sys.modules)
+print("numba" in sys.modules, "rich" in sys.modules)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["False", "True"]  # the full build gathers tokens with kernels
+    # The full build gathers tokens with kernels; neither shows progress bars.
+    assert result.stdout.split() == ["False", "False", "True", "False"]
     index, full = read_manifest(tmp_path / "index"), read_manifest(tmp_path / "full")
     assert index.totals == full.totals and (index.totals.untrained > 0) == labelled
 

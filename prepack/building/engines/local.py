@@ -16,9 +16,9 @@ import queue
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from rich.progress import Progress
 
 from prepack.sources.documents import Documents, Reading
 from prepack.building.engines.base import FirstPass, WrittenStore, pack_shard_bounds
@@ -32,6 +32,9 @@ from prepack.sources.store import Store
 from prepack.building.write_store import StoreShardWriter
 from prepack.building.write_shards import ShardBuffers, TokenFiles, write_shard
 from prepack.storage.files import write_in_pieces
+
+if TYPE_CHECKING:  # rich for annotations only: a build without progress bars does not import it
+    from rich.progress import Progress
 
 __all__ = ["LocalEngine"]
 
