@@ -43,6 +43,7 @@ from prepack.formats.shards import (
     write_manifest,
 )
 from prepack.storage.output import Staging, output_errors, staged_directory
+from prepack.building import plan_vectorized
 from prepack.building.plan import plan_packs
 from prepack.storage.remote import is_uri, local_input, relative_location, staged_prefix
 from prepack.formats.store import StoreManifest
@@ -287,6 +288,10 @@ def build_packs(
                     f"{path}, row {file_row}, column {read_column!r}: {first.lengths[row]} tokens, "
                     f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
                 )
+            # An index build's other steps run no numba kernel (`prepack.building.kernels`), unless its first
+            # pass found the untrained documents of a large store with one: then numba is loaded anyway.
+            tokens = int(first.lengths.sum(dtype=np.int64))
+            without_numba = index_only and (not has_labels or plan_vectorized.scans(tokens))
             planning = bar.add_task("plan", total=None)
             plan = plan_packs(
                 first.lengths,
@@ -296,7 +301,7 @@ def build_packs(
                 seed=packing.seed,
                 untrained=first.untrained,
                 drop_untrained=packing.drop_untrained,
-                without_numba=index_only,  # an index build's other steps need no numba (prepack.building.kernels)
+                without_numba=without_numba,
             )
             bar.update(planning, total=1, completed=1)
             if plan.packs == 0:  # every non-empty document was left out
