@@ -7,8 +7,8 @@ For each workload (lengths uniform in 1..600; lengths drawn from real conversati
 benchmarks/data/chitchat_lengths.json, with labels as bench_startup.py writes them), max-len and
 number of documents: the CPU seconds of what an index build runs between reading a store's offsets
 and writing its shards, both ways: finding the untrained documents from the labels, planning, and
-slicing the whole plan into one shard's arrays. Each is the median of --runs runs, after one untimed
-run. numba's own start-up (importing it, then loading the planner's cached kernels: what the first
+slicing the whole plan into one shard's arrays, as an index build chooses between them. Each is the
+median of --runs runs, after one untimed run. numba's own start-up (importing it, then loading the planner's cached kernels: what the first
 plan of a process pays) is measured first, in a fresh process, and printed beside them: the numpy
 path is worth taking where its time is below the kernels' plus that.
 """
@@ -89,10 +89,11 @@ def main() -> None:
                 for without_numba in (False, True):
 
                     def index_steps() -> bool:
-                        untrained = (
-                            None if labels is None else untrained_documents(offsets, labels, without_numba and plan_vectorized.scans(len(labels)))
-                        )
-                        plan = plan_packs(lengths, max_len, untrained=untrained, without_numba=without_numba)
+                        # As an index build decides (`prepack.building.build.build_packs`): labels past
+                        # `scans` are read by the kernel, and then numba is loaded for the plan too.
+                        numpy = without_numba and (labels is None or plan_vectorized.scans(len(labels)))
+                        untrained = None if labels is None else untrained_documents(offsets, labels, numpy)
+                        plan = plan_packs(lengths, max_len, untrained=untrained, without_numba=numpy)
                         plan.slice(0, plan.packs)
                         return plan.documents.vectorized
 

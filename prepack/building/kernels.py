@@ -1,9 +1,9 @@
 """`kernel`: numba's `njit` for the build's kernels, compiled (or loaded from numba's cache) on a kernel's
 first call instead of when its module is imported.
 
-Importing numba and setting up its CPU target takes about 0.4 CPU s, most of an index build's time
-(`python benchmarks/bench_startup.py`), and an index build of a small store runs no kernel at all
-(`prepack.building.plan_vectorized`). So the modules of the build path import this instead of numba: numba is
+Importing numba and setting up its CPU target takes 0.5-0.7 CPU s (`python benchmarks/bench_index_planner.py`),
+most of what an index build took (`python benchmarks/bench_startup.py`), and an index build of a small
+store runs no kernel at all (`prepack.building.plan_vectorized`). So the modules of the build path import this instead of numba: numba is
 imported by the first kernel that runs. A kernel that calls another compiles against the other's
 numba dispatcher (`_typeof_kernel`), so kernels call each other as plain numba functions do.
 """

@@ -12,8 +12,9 @@ follows from counting, in row order, the segments of length x before it. So noth
 a plan holds per document only its length (`compact_lengths`: 2 bytes, or 4 from 65,536 tokens)
 and, with `drop_untrained`, a flag; per segment the segment in its pack slot (4 bytes below 2**32
 segments) and a bookmark every 32 segments (0.75 bytes a segment); per pack 20 bytes. Planning
-needs 4 bytes a segment more while it runs. The segments' rows, pieces and token starts are derived
-again for the packs of one shard at a time (`PackingPlan.slice`).
+needs 4 bytes a segment more while it runs (about 60 in numpy, where an index build of a small store
+plans without numba: `prepack.building.plan_vectorized`, the same plan). The segments' rows, pieces
+and token starts are derived again for the packs of one shard at a time (`PackingPlan.slice`).
 
 first-fit-decreasing ("ffd")
     Each segment goes into the lowest-numbered pack with room for it (remaining capacity >=

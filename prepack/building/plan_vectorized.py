@@ -1,9 +1,9 @@
 """The planner's kernels for first-fit-decreasing in numpy, for corpora small enough that loading numba
 would cost more than planning: the same arrays as `prepack.building.plan`'s numba kernels, to the byte.
 
-Loading numba and its cached kernels takes about 0.4 CPU s; planning 200,000 documents takes tens of
+Loading numba and its cached kernels takes 0.5-0.7 CPU s; planning 200,000 documents takes tens of
 milliseconds either way, so an index build of such a store was mostly numba's start-up
-(`python benchmarks/bench_startup.py`). `prepack.building.plan` runs these functions where `suits` says so and its
+(`python benchmarks/bench_index_planner.py`, `python benchmarks/bench_startup.py`). `prepack.building.plan` runs these functions where `suits` says so and its
 kernels elsewhere; tests/building/test_plan_vectorized.py holds each to its kernel.
 
 first-fit-decreasing by runs of equal length: a run of k segments of length x fills the open packs in
@@ -22,8 +22,9 @@ from prepack.formats.shards import IGNORE_INDEX
 __all__ = ["assign_ffd", "assign_suits", "pack_contents", "pieces_of", "resolve", "scans", "scatter", "slots_of", "suits", "tally", "untrained"]
 
 # Documents up to which the per-document steps run here (each a few numpy passes over the documents,
-# against one pass of a kernel), and the (distinct segment lengths x packs) up to which `assign_ffd` does:
-# on the benchmark machine each costs about what numba's start-up does at these sizes (see `suits`).
+# against one pass of a kernel), and the (distinct segment lengths x packs) up to which `assign_ffd` does
+# (about 1 ns each): at these sizes numpy costs at most a few tenths of a second more than the kernels,
+# and saves numba's start-up, 0.5-0.7 CPU s (`python benchmarks/bench_index_planner.py`).
 _DOCUMENTS = 1_000_000
 _ASSIGN_WORK = 200_000_000
 # Tokens up to which `untrained` reads a store's labels (all of them, about 1 ns a token, where the kernel
