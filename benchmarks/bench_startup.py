@@ -2,6 +2,7 @@
 
     python benchmarks/bench_startup.py                  # 200,000 documents, about a minute
     python benchmarks/bench_startup.py --docs 1000000 --runs 5
+    python benchmarks/bench_startup.py --workload chitchat   # real conversation lengths, with labels
 
 Two comparisons, each printed as a table, every command a fresh subprocess of this interpreter's
 `prepack` (the console script beside `sys.executable`) as a user types it:
@@ -11,7 +12,12 @@ Two comparisons, each printed as a table, every command a fresh subprocess of th
 - index build: `prepack build STORE --index-only` against `prepack build STORE` (a materialized build
   of the same document store) at max-len 4096, the median of --runs runs of each, taking turns, and
   the index build's time as a share of the materialized one's. The store is written once, untimed,
-  with `prepack tokenize` from a synthetic Parquet corpus (lengths uniform in 1..--longest, seed 0).
+  with `prepack tokenize` from a synthetic Parquet corpus (seed 0) of --workload:
+  "uniform" (the default): lengths uniform in 1..--longest, no labels;
+  "chitchat": lengths drawn from real conversations' (benchmarks/data/chitchat_lengths.json, ChatML
+  tokenized with GPT-2's BPE: median 71, mean 516, longest 28,086 tokens), with labels as assistant-only
+  chat training leaves them: -100 over a prompt of each conversation (of a length uniform in
+  0..its length), the rest trained.
 
 Each time is printed as wall seconds and as CPU seconds (user + system, all threads), the median of
 each: on a machine shared with other work, CPU time varies less than wall time. The load average
@@ -24,6 +30,7 @@ are in its cache and no timed run pays for compiling them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import resource
@@ -42,12 +49,25 @@ import pyarrow.parquet as pq
 PREPACK = str(Path(sys.executable).with_name("prepack"))
 
 
-def _corpus(path: Path, docs: int, longest: int) -> None:
+CHITCHAT = Path(__file__).resolve().parent / "data" / "chitchat_lengths.json"
+
+
+def _corpus(path: Path, docs: int, workload: str, longest: int) -> None:
     rng = np.random.default_rng(0)
-    offsets = np.zeros(docs + 1, np.int32)
-    np.cumsum(rng.integers(1, longest + 1, docs), out=offsets[1:])
+    if workload == "uniform":
+        lengths = rng.integers(1, longest + 1, docs)
+    else:
+        lengths = rng.choice(np.array(json.loads(CHITCHAT.read_text())["lengths"]), docs)
+    offsets = np.zeros(docs + 1, np.int32)  # Arrow's list offsets: under 2**31 tokens
+    np.cumsum(lengths, out=offsets[1:])
     ids = rng.integers(0, 50_000, int(offsets[-1]), dtype=np.int32)
-    pq.write_table(pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))}), path)
+    columns = {"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))}
+    if workload == "chitchat":
+        prompt = (rng.random(docs) * lengths).astype(np.int64)  # tokens of each conversation not trained
+        position = np.arange(len(ids)) - np.repeat(offsets[:-1], lengths)  # of every token in its conversation
+        labels = np.where(position >= np.repeat(prompt, lengths), ids, -100).astype(np.int32)
+        columns["labels"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(labels))
+    pq.write_table(pa.table(columns), path)
 
 
 def _seconds(command: list[str]) -> tuple[float, float]:
@@ -79,7 +99,8 @@ def _builds(store: Path, out: Path, max_len: int) -> dict[str, list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=200_000)
-    parser.add_argument("--longest", type=int, default=600)
+    parser.add_argument("--workload", choices=("uniform", "chitchat"), default="uniform", help="document lengths (and labels)")
+    parser.add_argument("--longest", type=int, default=600, help="--workload uniform: the longest document")
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--runs", type=int, default=7, help="runs of each command; the median is reported")
     args = parser.parse_args()
@@ -88,7 +109,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for name, docs in (("warm", 1000), ("corpus", args.docs)):
-            _corpus(root / f"{name}.parquet", docs, args.longest)
+            _corpus(root / f"{name}.parquet", docs, args.workload, args.longest)
             subprocess.run([PREPACK, "tokenize", str(root / f"{name}.parquet"), "--out", str(root / f"{name}-store"), "--quiet"], check=True)
         out = root / "packed"
         for command in _builds(root / "warm-store", out, 512).values():
@@ -103,7 +124,7 @@ def main() -> None:
     print(f"| python -c pass | {python:.3f} | {python_cpu:.3f} |\n| prepack --help | {prepack:.3f} | {prepack_cpu:.3f} |")
     print(f"\nprepack --help adds {prepack - python:.3f} s to the interpreter's start ({prepack / python:.1f}x); "
           f"{prepack_cpu - python_cpu:.3f} s of CPU.\n")
-    print(f"| {args.docs:,} documents, max-len {args.max_len}, through the CLI | wall s | CPU s |\n|---|---:|---:|")
+    print(f"| {args.docs:,} documents ({args.workload}), max-len {args.max_len}, through the CLI | wall s | CPU s |\n|---|---:|---:|")
     for name, (seconds, cpu) in builds.items():
         print(f"| prepack build STORE{' --index-only' if name == 'index-only' else ''} | {seconds:.3f} | {cpu:.3f} |")
     (index, index_cpu), (full, full_cpu) = builds["index-only"], builds["materialized"]

@@ -11,7 +11,8 @@ exact per-document attention.
 
 `import prepack` imports no third-party package: every public name but the errors loads on first use
 (`prepack --help` is timed by benchmarks/bench_startup.py), so the build never
-imports torch or transformers, and numba loads with the modules whose kernels a command runs.
+imports torch or transformers, and numba loads when a command first runs one of its kernels (an index build
+of a small store runs none: `prepack.building.kernels`).
 """
 
 from importlib import import_module

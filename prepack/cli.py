@@ -234,7 +234,7 @@ def _output(shard_size: str, overwrite: bool, engine: Engine, ray_address: str |
         engine=engine.value,
         ray_address=ray_address,
         progress=not quiet,
-        console=_stderr(),
+        console=None if quiet else _stderr(),
     )
 
 

@@ -23,11 +23,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from prepack.sources.documents import Documents, Reading, open_documents
 from prepack.building.engines.base import ENGINES, Engine, FirstPass, locate_row
@@ -47,12 +45,17 @@ from prepack.formats.shards import (
 )
 from prepack.storage.output import Staging, output_errors, staged_directory
 from prepack.building.pair_plan import PairPlan, first_overlong_pair, overlong_prompts, plan_pairs
+from prepack.building import plan_vectorized
 from prepack.building.plan import plan_packs
 from prepack.storage.remote import is_uri, local_input, relative_location, staged_prefix
 from prepack.formats.store import StoreManifest
 from prepack.sources.store import is_store
 from prepack.building.write_store import finish_store
 from prepack.building.mixture import is_mixture_file
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
 
 __all__ = ["DEFAULT_SHARD_SIZE", "Output", "Packing", "build", "build_document_store", "build_packs", "build_store"]
 
@@ -145,10 +148,34 @@ def _engine(engine: str, ray_address: str | None, staging: Staging, index_only: 
         yield ray_session
 
 
+class _NoProgress:
+    """The progress a command reports where it shows none: the calls of rich's `Progress` that the
+    build path makes, doing nothing, so that a quiet build does not import rich (0.03 CPU s,
+    `python benchmarks/bench_startup.py` times such builds)."""
+
+    def __enter__(self) -> _NoProgress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def add_task(self, *args: object, **kwargs: object) -> int:
+        return 0
+
+    def update(self, *args: object, **kwargs: object) -> None:
+        return None
+
+    advance = update
+
+
 def _progress_bars(enabled: bool, console: Console | None) -> Progress:
-    """The progress bars of a command that reads a corpus (`build`, `build_store`)."""
+    """The progress bars of a command that reads a corpus (`build`, `build_store`), when `enabled`."""
+    if not enabled:
+        return _NoProgress()  # type: ignore[return-value]  # what the engines call of a Progress
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    return Progress(SpinnerColumn(), *columns, console=console, disable=not enabled)
+    return Progress(SpinnerColumn(), *columns, console=console)
 
 
 def _gathered(options: type[_Options], keywords: dict[str, Any]) -> _Options:
@@ -279,6 +306,10 @@ def build_packs(
                     f"{path}, row {file_row}, column {read_column!r}: {first.lengths[row]} tokens, "
                     f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
                 )
+            # An index build's other steps run no numba kernel (`prepack.building.kernels`), unless its first
+            # pass found the untrained documents of a large store with one: then numba is loaded anyway.
+            tokens = int(first.lengths.sum(dtype=np.int64))
+            without_numba = index_only and (not has_labels or plan_vectorized.scans(tokens))
             planning = bar.add_task("plan", total=None)
             if documents.pairs is not None:
                 plan = _plan_pairs(documents, first, packing)
@@ -291,6 +322,7 @@ def build_packs(
                     seed=packing.seed,
                     untrained=first.untrained,
                     drop_untrained=packing.drop_untrained,
+                    without_numba=without_numba,
                 )
             bar.update(planning, total=1, completed=1)
             if plan.packs == 0:  # every non-empty document was left out

@@ -12,8 +12,9 @@ follows from counting, in row order, the segments of length x before it. So noth
 a plan holds per document only its length (`compact_lengths`: 2 bytes, or 4 from 65,536 tokens)
 and, with `drop_untrained`, a flag; per segment the segment in its pack slot (4 bytes below 2**32
 segments) and a bookmark every 32 segments (0.75 bytes a segment); per pack 20 bytes. Planning
-needs 4 bytes a segment more while it runs. The segments' rows, pieces and token starts are derived
-again for the packs of one shard at a time (`PackingPlan.slice`).
+needs 4 bytes a segment more while it runs (about 60 in numpy, where an index build of a small store
+plans without numba: `prepack.building.plan_vectorized`, the same plan). The segments' rows, pieces
+and token starts are derived again for the packs of one shard at a time (`PackingPlan.slice`).
 
 first-fit-decreasing ("ffd")
     Each segment goes into the lowest-numbered pack with room for it (remaining capacity >=
@@ -40,9 +41,10 @@ import operator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numba
 import numpy as np
 
+from prepack.building import plan_vectorized
+from prepack.building.kernels import kernel
 from prepack.formats.shards import IGNORE_INDEX
 
 __all__ = [
@@ -147,12 +149,12 @@ def _assign_sorted(histogram: np.ndarray, max_len: int, algorithm: str) -> tuple
     # Any-fit algorithms leave no two packs that together fit in one (the later one's first
     # segment did not fit in the earlier), so at most 2*ceil(total/max_len) - 1 packs open.
     max_packs = min(segments, 2 * -(-tokens // max_len) + 1)
-    kernel = _ffd if algorithm == "ffd" else _bfd
-    pack_of_sorted, packs = kernel(histogram, max_len, max_packs, tokens)
+    assign = _ffd if algorithm == "ffd" else _bfd
+    pack_of_sorted, packs = assign(histogram, max_len, max_packs, tokens)
     return pack_of_sorted, int(packs)
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _first_of_length(histogram):
     """Where each length's run begins in the planner's order (longest first)."""
     first = np.empty(len(histogram), np.int64)
@@ -164,7 +166,7 @@ def _first_of_length(histogram):
     return first
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _unsort(lengths, histogram, pack_of_sorted):
     """Pack of every document in input order: the k-th document of length x in input order is the
     k-th of length x in the planner's order."""
@@ -177,7 +179,7 @@ def _unsort(lengths, histogram, pack_of_sorted):
     return out
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _ffd(histogram, max_len, max_packs, tokens):
     size = 1
     while size < max_packs:
@@ -216,7 +218,7 @@ def _ffd(histogram, max_len, max_packs, tokens):
     return out, packs
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _set_leaf(tree, size, leaf, value):
     node = size + leaf
     tree[node] = value
@@ -229,7 +231,7 @@ def _set_leaf(tree, size, leaf, value):
         node //= 2
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _min_from(tree, size, leaf):
     """Minimum over leaves leaf..size-1 (the classic bottom-up range query with an open end)."""
     best = tree[0]  # tree[0] is unused by the tree and holds the "empty" value
@@ -243,7 +245,7 @@ def _min_from(tree, size, leaf):
     return best
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _link(a, b, child, sibling):
     """Merge two pairing-heap roots; the lower pack number stays on top."""
     if b < a:
@@ -253,7 +255,7 @@ def _link(a, b, child, sibling):
     return a
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _pop(root, child, sibling, stack):
     """Remove `root` from its pairing heap and return the new root (-1 if now empty)."""
     # Two-pass pairing (link neighbours left to right, then fold right to left) is what gives the
@@ -278,7 +280,7 @@ def _pop(root, child, sibling, stack):
     return top
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _bfd(histogram, max_len, max_packs, tokens):
     # A pack holds at most `fill` = min(max_len, tokens) tokens, so its remaining capacity lies in
     # [max_len - fill, max_len]: the buckets are that range, numbered from `base`, so that memory follows
@@ -322,7 +324,7 @@ def _bfd(histogram, max_len, max_packs, tokens):
     return out, packs
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _pieces_of(length, max_len, overflow, left_out):
     """How many segments a document of `length` tokens becomes: the definition of the overflow
     policies (see `document_pieces`). Piece j is `min(length - j*max_len, max_len)` tokens long."""
@@ -335,7 +337,7 @@ def _pieces_of(length, max_len, overflow, left_out):
     return (length + max_len - 1) // max_len
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _tally(lengths, untrained, drop_untrained, max_len, overflow):
     """One pass over the documents: the histogram of segment lengths (as long as the longest segment,
     never max_len) and the `_COUNTS`."""
@@ -370,7 +372,7 @@ def _tally(lengths, untrained, drop_untrained, max_len, overflow):
     return histogram, counts
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _expand(lengths, left_out, max_len, overflow, segments):
     """Every segment of the documents, in (row, piece) order: rows, pieces, starts, lengths."""
     rows = np.empty(segments, np.int64)
@@ -389,7 +391,7 @@ def _expand(lengths, left_out, max_len, overflow, segments):
     return rows, pieces, starts, out
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _pack_contents(histogram, pack_of_sorted, packs):
     """Segments and tokens of every pack (int32: at most max_len of either)."""
     segments = np.zeros(packs, np.int32)
@@ -404,7 +406,7 @@ def _pack_contents(histogram, pack_of_sorted, packs):
     return segments, tokens
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _scatter(lengths, left_out, max_len, overflow, histogram, pack_of_sorted, slot_offsets, order, bookmarks):
     """Fill `order` with the number of the segment in each pack slot, segments numbered in (row,
     piece) order, which they keep within a pack; and `bookmarks` with the row, piece and row's first
@@ -432,7 +434,7 @@ def _scatter(lengths, left_out, max_len, overflow, histogram, pack_of_sorted, sl
         token += length
 
 
-@numba.njit(cache=True, nogil=True)  # shard writers call it from their threads
+@kernel(cache=True, nogil=True)  # shard writers call it from their threads
 def _resolve(order, visit, lengths, left_out, bookmarks, max_len, overflow):
     """Row, piece, token start and length of the segments numbered `order`, found in the order of
     `visit` (ascending segment numbers: the bookmarks and lengths are then read front to back)."""
@@ -485,9 +487,10 @@ class _Documents:
     left_out: np.ndarray  # bool per document, or empty when none is left out
     bookmarks: np.ndarray  # int64 [segments / _BLOCK, 3]: row, piece and the row's first token
     overflow: int  # `_OVERFLOWS` code
+    vectorized: bool = False  # planned by `prepack.building.plan_vectorized`, which finds its segments too
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _slots_of(order, slot_offsets, packs):
     """The segment numbers of `packs`, one pack after the other."""
     total = 0
@@ -531,10 +534,14 @@ class PackingPlan:
         pack_offsets = np.zeros(len(packs) + 1, dtype=np.int64)
         np.cumsum(self.slot_offsets[packs + 1] - self.slot_offsets[packs], out=pack_offsets[1:])
         d = self.documents
-        segments = _slots_of(self.order, self.slot_offsets, packs)
-        rows, pieces, starts, lengths = _resolve(
-            segments, np.argsort(segments), d.lengths, d.left_out, d.bookmarks, self.max_len, d.overflow
-        )
+        if d.vectorized:
+            segments = plan_vectorized.slots_of(self.order, self.slot_offsets, packs)
+            rows, pieces, starts, lengths = plan_vectorized.resolve(segments, d.lengths, d.left_out, self.max_len, d.overflow)
+        else:
+            segments = _slots_of(self.order, self.slot_offsets, packs)
+            rows, pieces, starts, lengths = _resolve(
+                segments, np.argsort(segments), d.lengths, d.left_out, d.bookmarks, self.max_len, d.overflow
+            )
         return ShardPacks(self.max_len, pack_offsets, starts, lengths, rows, pieces)
 
     def totals(self) -> dict[str, int]:
@@ -559,13 +566,14 @@ class DocumentPieces(NamedTuple):
     counts: dict[str, int]  # what overflow did: input_tokens, empty, split, … as in `Totals`
 
 
-def untrained_documents(offsets: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
+def untrained_documents(offsets: np.ndarray, labels: np.ndarray | None, without_numba: bool = False) -> np.ndarray:
     """Which documents (`labels[offsets[i]:offsets[i+1]]`) have tokens but no trained token: every label
     after the first is -100 (a document's first token is never trained, see `prepack.training.collate`).
 
     Without labels every token is trained, so no document is untrained. Each document's labels are
     read only up to its first trained one (an index build scans a store's memory-mapped labels with
-    this, instead of reading them all).
+    this, instead of reading them all); `without_numba` (an index build of a store small enough,
+    `prepack.building.plan_vectorized.scans`), all of them, in numpy.
     """
     offsets = np.asarray(offsets, dtype=np.int64)
     lengths = np.diff(offsets)
@@ -574,10 +582,10 @@ def untrained_documents(offsets: np.ndarray, labels: np.ndarray | None) -> np.nd
     labels = np.asarray(labels)
     if len(offsets) and (offsets[0] < 0 or offsets[-1] > len(labels) or (lengths < 0).any()):
         raise ValueError(f"offsets {offsets[0]}..{offsets[-1]} do not slice {len(labels)} labels in order")
-    return _untrained(offsets, labels)
+    return plan_vectorized.untrained(offsets, labels) if without_numba else _untrained(offsets, labels)
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _untrained(offsets, labels):
     out = np.zeros(len(offsets) - 1, np.bool_)
     for document in range(len(offsets) - 1):
@@ -619,6 +627,7 @@ def plan_packs(
     seed: int = 0,
     untrained: np.ndarray | None = None,
     drop_untrained: bool = False,
+    without_numba: bool = False,
 ) -> PackingPlan:
     """Plan the whole corpus: cut overlong documents as `overflow` says and leave out untrained ones
     as `drop_untrained` says (`document_pieces`), assign the segments to packs (`assign_packs`'s
@@ -627,21 +636,34 @@ def plan_packs(
     `lengths` are the token counts of the corpus rows, whose tokens lie back to back in the token
     store; the plan keeps them, so pass them through `compact_lengths` to keep no copy.
     `overflow="error"` is the caller's to enforce (it can name the file); here it packs as split.
+
+    `without_numba`: the caller runs no other numba kernel (an index build), so a plan small enough
+    to be made in numpy in less time than numba takes to start is (`prepack.building.plan_vectorized`: the
+    same plan, to the byte).
     """
     max_len = _check_options(max_len, algorithm)
     code = _overflow_code(overflow)
     lengths = compact_lengths(lengths)
     untrained = _flags(untrained, len(lengths))
-    histogram, counts = _tally(lengths, untrained, drop_untrained, max_len, code)
-    pack_of_sorted, packs = _assign_sorted(histogram, max_len, algorithm)
-    segments_per_pack, tokens_per_pack = _pack_contents(histogram, pack_of_sorted, packs)
+    vectorized = without_numba and plan_vectorized.suits(len(lengths), algorithm)
+    histogram, counts = (plan_vectorized.tally if vectorized else _tally)(lengths, untrained, drop_untrained, max_len, code)
+    vectorized = vectorized and plan_vectorized.assign_suits(histogram, max_len)
+    if vectorized:
+        pack_of_sorted, packs = plan_vectorized.assign_ffd(histogram, max_len)
+        segments_per_pack, tokens_per_pack = plan_vectorized.pack_contents(histogram, pack_of_sorted, packs)
+    else:
+        pack_of_sorted, packs = _assign_sorted(histogram, max_len, algorithm)
+        segments_per_pack, tokens_per_pack = _pack_contents(histogram, pack_of_sorted, packs)
     slot_offsets = np.zeros(packs + 1, dtype=np.int64)
     np.cumsum(segments_per_pack, out=slot_offsets[1:])
     del segments_per_pack
     order = np.empty(len(pack_of_sorted), dtype=np.uint32 if len(pack_of_sorted) <= 2**32 else np.int64)
     left_out = untrained if drop_untrained else np.zeros(0, dtype=bool)
     bookmarks = np.empty((-(-len(order) // _BLOCK), 3), dtype=np.int64)
-    _scatter(lengths, left_out, max_len, code, histogram, pack_of_sorted, slot_offsets, order, bookmarks)
+    if vectorized:
+        plan_vectorized.scatter(lengths, left_out, max_len, code, histogram, pack_of_sorted, slot_offsets, order, bookmarks)
+    else:
+        _scatter(lengths, left_out, max_len, code, histogram, pack_of_sorted, slot_offsets, order, bookmarks)
     return PackingPlan(
         max_len=max_len,
         # Shuffle whole packs, so training never sees the decreasing-length order of the planner.
@@ -649,6 +671,6 @@ def plan_packs(
         slot_offsets=slot_offsets,
         tokens_per_pack=tokens_per_pack,
         order=order,
-        documents=_Documents(lengths, left_out, bookmarks, code),
+        documents=_Documents(lengths, left_out, bookmarks, code, vectorized),
         counts=dict(zip(_COUNTS, map(int, counts))),
     )

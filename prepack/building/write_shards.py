@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numba
 import numpy as np
 import pyarrow as pa
 
@@ -13,6 +12,7 @@ from prepack.formats.common import arrow_array, list_array
 
 from prepack.formats.shards import IndexOf, ShardInfo, segment_id_type, shard_name, shard_schema
 from prepack.storage.files import write_record_batch
+from prepack.building.kernels import kernel
 from prepack.building.plan import ShardPacks
 
 __all__ = ["ShardBuffers", "TokenFiles", "gather_tokens", "shard_bounds", "write_shard"]
@@ -32,7 +32,7 @@ def shard_bounds(pack_bytes: np.ndarray, shard_size: int) -> np.ndarray:
 _WINDOW_TOKENS = 2**24
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _windows(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Where each window's segments begin in `order` (file order), and the token past the last of
     them (a segment may run past its window)."""
@@ -48,7 +48,7 @@ def _windows(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> tupl
     return np.array(firsts, np.int64), np.array(highs, np.int64)
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _copy(source, low, starts, lengths, at, segments, out) -> None:
     for segment in segments:
         begin = starts[segment] - low
@@ -123,7 +123,7 @@ class ShardBuffers:
         return self._columns[name][:tokens]
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _segment_ids(lengths: np.ndarray, pack_offsets: np.ndarray, out: np.ndarray) -> None:
     """1-based document number inside its pack, repeated over the document's tokens."""
     at = 0
@@ -133,18 +133,16 @@ def _segment_ids(lengths: np.ndarray, pack_offsets: np.ndarray, out: np.ndarray)
             at += lengths[doc]
 
 
-@numba.njit(cache=True, nogil=True)
-def _cu_seqlens(lengths: np.ndarray, pack_offsets: np.ndarray, out: np.ndarray) -> None:
-    """Every pack's leading 0, then the running token count inside the pack, packs back to back."""
-    at = 0
-    for pack in range(len(pack_offsets) - 1):
-        out[at] = 0
-        within = 0
-        for doc in range(pack_offsets[pack], pack_offsets[pack + 1]):
-            within += lengths[doc]
-            at += 1
-            out[at] = within
-        at += 1
+def _cu_seqlens(lengths: np.ndarray, pack_offsets: np.ndarray) -> np.ndarray:
+    """Every pack's leading 0, then the running token count inside the pack, packs back to back (int32).
+    In numpy, not a kernel: an index build writes this column alone, and runs no kernel."""
+    packs = len(pack_offsets) - 1
+    ends = np.cumsum(lengths)
+    pack_of = np.repeat(np.arange(packs), np.diff(pack_offsets))
+    before = np.concatenate(([0], ends))[pack_offsets[:-1]]  # the tokens of the packs before each
+    out = np.zeros(len(lengths) + packs, dtype=np.int32)
+    out[np.arange(len(lengths)) + pack_of + 1] = ends - before[pack_of]
+    return out
 
 
 def _pack_columns(layout: ShardPacks, lengths: np.ndarray, schema: pa.Schema) -> list[pa.Array]:
@@ -152,8 +150,7 @@ def _pack_columns(layout: ShardPacks, lengths: np.ndarray, schema: pa.Schema) ->
     mixture's `source_ids`): all of an index shard, and part of a full one."""
     packs = len(layout.pack_offsets) - 1
     cu_offsets = layout.pack_offsets + np.arange(packs + 1)
-    cu = np.empty(len(lengths) + packs, dtype=np.int32)
-    _cu_seqlens(lengths, layout.pack_offsets, cu)
+    cu = _cu_seqlens(lengths, layout.pack_offsets)
     max_seqlen = np.maximum.reduceat(lengths, layout.pack_offsets[:-1]).astype(np.int32)
     return [
         list_array(cu_offsets, cu),

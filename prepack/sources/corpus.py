@@ -25,8 +25,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.json as pa_json
-import pyarrow.parquet as pq
 
 from prepack.errors import InputError
 from prepack.formats.common import INT32_MAX, MANIFEST_MAX_BYTES, numpy_view
@@ -271,6 +269,8 @@ def record_batches(
 
 def _binary_batches(path: Path, kind: str, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
     if kind == "parquet":
+        import pyarrow.parquet as pq  # here: a build of a document store reads no Parquet (0.03 CPU s to import both)
+
         # pre_buffer (pyarrow's default) fetches whole row groups ahead: no faster from a local disk,
         # and it holds a row group's compressed bytes on top of the decoded batch.
         with pq.ParquetFile(path, pre_buffer=False, buffer_size=_READ_BUFFER) as source:
@@ -292,6 +292,8 @@ def _binary_batches(path: Path, kind: str, columns: list[str], batch_rows: int) 
 def _json_batches(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
     """JSON Lines in pyarrow's blocks. A record longer than a block makes pyarrow fail; the file is
     then measured and read again with a block that holds its longest record, from the row it was at."""
+    import pyarrow.json as pa_json
+
     schema = pa.schema([(c, pa.list_(pa.int64())) for c in columns])
     options = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
     block, rows = _JSON_BLOCK, 0
@@ -412,6 +414,8 @@ def file_columns(path: Path, kind: str) -> dict[str, pa.DataType]:
     A shard of a prepack build (its schema says so) is refused: its packs are not documents."""
     try:
         if kind == "parquet":
+            import pyarrow.parquet as pq
+
             schema = pq.read_schema(path)
         elif kind == "arrow":
             with pa.memory_map(os.fspath(path)) as source:

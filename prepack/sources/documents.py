@@ -11,15 +11,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rich.progress import Progress
-
 from prepack.errors import InputError
 from prepack.formats.shards import TokenizeOptions
 from prepack.sources.corpus import Corpus, DocumentBatch, find_corpus, read_documents
 from prepack.storage.remote import is_uri
 from prepack.sources.store import ShardColumns, Store, is_store, open_store
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # rich for annotations only: a build without progress bars does not import it
+    from rich.progress import Progress
+
     from prepack.sources.pairs import PairDocuments
 
 __all__ = ["Documents", "Reading", "corpus_documents", "open_documents", "store_documents"]

@@ -106,14 +106,15 @@ class Store:
         offsets = check_store_shard(batch, shard, self.manifest.has_labels, where)
         return offsets, numpy_view(batch.column("input_ids").values), self._labels(batch)
 
-    def shard_lengths(self, shard: StoreShard) -> tuple[np.ndarray, np.ndarray]:
+    def shard_lengths(self, shard: StoreShard, without_numba: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(every document's length as int64, whether it is untrained: `untrained_documents`) of one
         of the store's shards, from its offsets and labels alone: no hash, no token id read, and of the
         labels only each document's first up to its first trained one. What is read is checked
-        (`check_store_offsets`); the tokens are checked where they are used (`shard_columns`)."""
+        (`check_store_offsets`); the tokens are checked where they are used (`shard_columns`).
+        `without_numba`: as `untrained_documents` takes it."""
         batch, where = self._batch(shard, whole=False)
         offsets = check_store_offsets(batch, shard, self.manifest.has_labels, where)
-        return np.diff(offsets), untrained_documents(offsets, self._labels(batch))
+        return np.diff(offsets), untrained_documents(offsets, self._labels(batch), without_numba)
 
     def _batch(self, shard: StoreShard, whole: bool) -> tuple[pa.RecordBatch, str]:
         """(the one record batch of one of the store's shards, memory-mapped, what its problems name it

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-from rich.progress import Progress
 
 from prepack.sources.documents import Documents, Reading
 from prepack.formats.shards import ShardInfo, segment_id_type
@@ -28,6 +27,9 @@ from prepack.building.plan import PackingPlan
 from prepack.sources.corpus import Corpus
 from prepack.formats.store import StoreShard
 from prepack.building.write_shards import TokenFiles, shard_bounds
+
+if TYPE_CHECKING:  # rich for annotations only: a build without progress bars does not import it
+    from rich.progress import Progress
 
 __all__ = ["ENGINES", "Engine", "FirstPass", "WrittenStore", "locate_row", "pack_shard_bounds"]
 

@@ -16,21 +16,25 @@ import queue
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from rich.progress import Progress
 
 from prepack.sources.documents import Documents, Reading
 from prepack.building.engines.base import FirstPass, WrittenStore, pack_shard_bounds
 from prepack.formats.common import Fingerprint
 from prepack.formats.shards import IndexOf, ShardInfo
 from prepack.storage.output import Staging, output_errors, output_file
+from prepack.building import plan_vectorized
 from prepack.building.plan import PackingPlan, compact_lengths, untrained_documents
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.sources.store import Store
 from prepack.building.write_store import StoreShardWriter
 from prepack.building.write_shards import ShardBuffers, TokenFiles, write_shard
 from prepack.storage.files import write_in_pieces
+
+if TYPE_CHECKING:  # rich for annotations only: a build without progress bars does not import it
+    from rich.progress import Progress
 
 __all__ = ["LocalEngine"]
 
@@ -101,9 +105,10 @@ def _index_documents(store: Store, progress: Progress) -> FirstPass:
     written; the loader and `verify` check the shards' sha256 where the tokens are used)."""
     m = store.manifest
     lengths, untrained = [], []
+    without_numba = plan_vectorized.scans(m.tokens)  # a small store's labels are read in numpy: no kernel
     task = progress.add_task("read", total=len(m.shards), unit="shards")
     for shard in m.shards:
-        shard_lengths, shard_untrained = store.shard_lengths(shard)
+        shard_lengths, shard_untrained = store.shard_lengths(shard, without_numba)
         lengths.append(compact_lengths(shard_lengths))
         untrained.append(shard_untrained)
         progress.advance(task)

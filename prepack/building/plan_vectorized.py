@@ -1,0 +1,205 @@
+"""The planner's kernels for first-fit-decreasing in numpy, for corpora small enough that loading numba
+would cost more than planning: the same arrays as `prepack.building.plan`'s numba kernels, to the byte.
+
+Loading numba and its cached kernels takes 0.5-0.7 CPU s; planning 200,000 documents takes tens of
+milliseconds either way, so an index build of such a store was mostly numba's start-up
+(`python benchmarks/bench_index_planner.py`, `python benchmarks/bench_startup.py`). `prepack.building.plan` runs these functions where `suits` says so and its
+kernels elsewhere; tests/building/test_plan_vectorized.py holds each to its kernel.
+
+first-fit-decreasing by runs of equal length: a run of k segments of length x fills the open packs in
+pack order, each taking as many as fit (its remaining capacity // x: after each one it is still the
+lowest-numbered pack with room), until the run is placed, then opens new packs of max_len // x each.
+That is one vectorized step per distinct length, over the packs open so far: O(distinct lengths x packs),
+which `suits` bounds, against the kernel's O(segments x log packs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prepack.formats.shards import IGNORE_INDEX
+
+__all__ = ["assign_ffd", "assign_suits", "pack_contents", "pieces_of", "resolve", "scans", "scatter", "slots_of", "suits", "tally", "untrained"]
+
+# Documents up to which the per-document steps run here (each a few numpy passes over the documents,
+# against one pass of a kernel), and the (distinct segment lengths x packs) up to which `assign_ffd` does
+# (about 1 ns each): at these sizes numpy costs at most a few tenths of a second more than the kernels,
+# and saves numba's start-up, 0.5-0.7 CPU s (`python benchmarks/bench_index_planner.py`).
+_DOCUMENTS = 1_000_000
+_ASSIGN_WORK = 200_000_000
+# Tokens up to which `untrained` reads a store's labels (all of them, about 1 ns a token, where the kernel
+# stops at each document's first trained one), and how many it holds at once (16 MiB of flags).
+_LABELS = 200_000_000
+_WINDOW = 2**24
+# `prepack.building.plan`'s overflow codes and bookmark spacing (a test keeps them equal).
+_TRUNCATE, _DROP = 1, 2
+_BLOCK = 32
+
+
+def suits(documents: int, algorithm: str) -> bool:
+    """Whether a plan of `documents` documents by `algorithm` is made here (as far as `assign_ffd`
+    goes: `assign_suits` decides that once the segment lengths are known)."""
+    return algorithm == "ffd" and documents <= _DOCUMENTS
+
+
+def scans(tokens: int) -> bool:
+    """Whether `untrained` reads `tokens` labels faster than numba would start."""
+    return tokens <= _LABELS
+
+
+def assign_suits(histogram: np.ndarray, max_len: int) -> bool:
+    """Whether `assign_ffd` places the segments of `histogram` faster than numba would start."""
+    tokens = int(np.dot(histogram, np.arange(len(histogram), dtype=np.int64)))
+    return np.count_nonzero(histogram) * -(-tokens // max_len) <= _ASSIGN_WORK
+
+
+def pieces_of(lengths: np.ndarray, left_out: np.ndarray, max_len: int, overflow: int) -> np.ndarray:
+    """`prepack.building.plan._pieces_of` of every document (int64)."""
+    pieces = np.where(lengths <= max_len, 1, 0 if overflow == _DROP else 1 if overflow == _TRUNCATE else -(-lengths // max_len))
+    pieces[lengths == 0] = 0
+    if len(left_out):
+        pieces[left_out] = 0
+    return pieces
+
+
+def tally(lengths: np.ndarray, untrained: np.ndarray, drop_untrained: bool, max_len: int, overflow: int) -> tuple[np.ndarray, np.ndarray]:
+    """`prepack.building.plan._tally`: the histogram of segment lengths and the counts."""
+    lengths = lengths.astype(np.int64)
+    flagged = untrained if len(untrained) else np.zeros(len(lengths), bool)
+    pieces = pieces_of(lengths, flagged if drop_untrained else untrained[:0], max_len, overflow)
+    over = (lengths > max_len) & ~(flagged & drop_untrained)
+    split = over & (pieces > 1)
+    counts = np.zeros(10, np.int64)
+    counts[:4] = lengths.sum(), np.count_nonzero(lengths == 0), np.count_nonzero(split), pieces[split].sum()
+    if overflow == _TRUNCATE:
+        counts[4:6] = np.count_nonzero(over), (lengths[over] - max_len).sum()
+    elif overflow == _DROP:
+        counts[6:8] = np.count_nonzero(over), lengths[over].sum()
+    counts[8:] = np.count_nonzero(flagged), lengths[flagged].sum()
+    longest = int(lengths.max()) if len(lengths) else 0
+    placed = pieces > 0
+    last = np.minimum(lengths[placed] - (pieces[placed] - 1) * max_len, max_len)  # every document's last piece
+    histogram = np.bincount(last, minlength=min(longest, max_len) + 1)
+    histogram[-1] += (pieces[placed] - 1).sum()  # the full pieces before it; a split makes longest > max_len
+    return histogram.astype(np.int64, copy=False), counts
+
+
+def assign_ffd(histogram: np.ndarray, max_len: int) -> tuple[np.ndarray, int]:
+    """`prepack.building.plan._ffd`: the pack (int32) of every segment in the planner's order, and the pack count."""
+    segments = int(histogram.sum())
+    tokens = int(np.dot(histogram, np.arange(len(histogram), dtype=np.int64)))
+    left = np.empty(min(segments, 2 * -(-tokens // max_len) + 1), np.int32)  # room in every pack, as `_assign_sorted` bounds them
+    out = np.empty(segments, np.int32)
+    at, packs = 0, 0
+    for need in np.flatnonzero(histogram[1:])[::-1] + 1:
+        run = int(histogram[need])
+        roomy = np.flatnonzero(left[:packs] >= need)  # in pack order
+        if len(roomy):
+            fits = left[roomy] // need
+            placed = np.cumsum(fits)
+            if placed[-1] >= run:  # the run ends in roomy[last]
+                last = int(np.searchsorted(placed, run))
+                roomy, fits = roomy[: last + 1], fits[: last + 1]
+                fits[last] -= placed[last] - run
+            taken = int(fits.sum())
+            out[at : at + taken] = np.repeat(roomy, fits)
+            left[roomy] -= fits * need
+            at, run = at + taken, run - taken
+        if run:
+            per_pack = max_len // need
+            opened = -(-run // per_pack)
+            out[at : at + run] = packs + np.arange(run, dtype=np.int32) // per_pack
+            left[packs : packs + opened] = max_len - per_pack * need
+            left[packs + opened - 1] = max_len - (run - (opened - 1) * per_pack) * need
+            at, packs = at + run, packs + opened
+    return out, packs
+
+
+def pack_contents(histogram: np.ndarray, pack_of_sorted: np.ndarray, packs: int) -> tuple[np.ndarray, np.ndarray]:
+    """`prepack.building.plan._pack_contents`: segments and tokens (int32 each) of every pack."""
+    lengths = np.arange(len(histogram) - 1, 0, -1)
+    sorted_lengths = np.repeat(lengths, histogram[:0:-1])  # the planner's order, longest first
+    segments = np.bincount(pack_of_sorted, minlength=packs).astype(np.int32)
+    # float64 weights sum exactly: a pack holds at most 2**31 tokens.
+    tokens = np.bincount(pack_of_sorted, weights=sorted_lengths, minlength=packs).astype(np.int32)
+    return segments, tokens
+
+
+def _segments(lengths: np.ndarray, left_out: np.ndarray, max_len: int, overflow: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pieces of every document, its first segment's number, its first token) as int64."""
+    lengths = lengths.astype(np.int64)
+    pieces = pieces_of(lengths, left_out, max_len, overflow)
+    first_segment = np.cumsum(pieces) - pieces
+    first_token = np.cumsum(lengths) - lengths
+    return pieces, first_segment, first_token
+
+
+def scatter(
+    lengths: np.ndarray,
+    left_out: np.ndarray,
+    max_len: int,
+    overflow: int,
+    histogram: np.ndarray,
+    pack_of_sorted: np.ndarray,
+    slot_offsets: np.ndarray,
+    order: np.ndarray,
+    bookmarks: np.ndarray,
+) -> None:
+    """`prepack.building.plan._scatter`: fill `order` (the segment in every pack slot) and `bookmarks`."""
+    pieces, first_segment, first_token = _segments(lengths, left_out, max_len, overflow)
+    rows = np.repeat(np.arange(len(lengths)), pieces)
+    piece = np.arange(len(rows)) - first_segment[rows]
+    segment_lengths = np.minimum(lengths[rows] - piece * max_len, max_len)
+    # The planner's order is longest first, ties in segment order: a stable sort of max_len - length.
+    pack_of_segment = np.empty(len(rows), np.int32)
+    pack_of_segment[_stable_argsort(len(histogram) - 1 - segment_lengths, len(histogram))] = pack_of_sorted
+    order[:] = _stable_argsort(pack_of_segment, len(slot_offsets) - 1)  # packs in turn, each its segments in order
+    marked = rows[::_BLOCK]
+    bookmarks[:, 0], bookmarks[:, 1], bookmarks[:, 2] = marked, piece[::_BLOCK], first_token[marked]
+
+
+def _stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
+    """`np.argsort(keys, kind="stable")` of keys in [0, bound): by 16-bit digits, least significant first,
+    as numpy radix-sorts 16-bit keys in linear time (and others in O(n log n))."""
+    order = np.argsort((keys & 0xFFFF).astype(np.uint16), kind="stable")
+    for shift in range(16, max(bound - 1, 1).bit_length(), 16):
+        order = order[np.argsort(((keys[order] >> shift) & 0xFFFF).astype(np.uint16), kind="stable")]
+    return order
+
+
+def slots_of(order: np.ndarray, slot_offsets: np.ndarray, packs: np.ndarray) -> np.ndarray:
+    """`prepack.building.plan._slots_of`: the segment numbers of `packs`, one pack after the other."""
+    sizes = slot_offsets[packs + 1] - slot_offsets[packs]
+    starts = np.repeat(slot_offsets[packs] - (np.cumsum(sizes) - sizes), sizes)
+    return order[starts + np.arange(len(starts))]
+
+
+def resolve(
+    segments: np.ndarray, lengths: np.ndarray, left_out: np.ndarray, max_len: int, overflow: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`prepack.building.plan._resolve`: row, piece (int32), token start and length of the numbered segments,
+    looked up in the segments of all documents (O(documents) per call, no bookmarks)."""
+    pieces, first_segment, first_token = _segments(lengths, left_out, max_len, overflow)
+    rows = np.repeat(np.arange(len(lengths)), pieces)[segments]
+    piece = segments - first_segment[rows]
+    return rows, piece.astype(np.int32), first_token[rows] + piece * max_len, np.minimum(lengths[rows] - piece * max_len, max_len)
+
+
+def untrained(offsets: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """`prepack.building.plan._untrained`: which documents have tokens but no trained label after their first,
+    reading the labels `_WINDOW` at a time."""
+    out = np.zeros(len(offsets) - 1, bool)
+    first = 0
+    while first < len(out):
+        end = max(int(np.searchsorted(offsets, offsets[first] + _WINDOW, "right")) - 1, first + 1)
+        base = offsets[first]
+        starts, ends = offsets[first:end] - base, offsets[first + 1 : end + 1] - base
+        trained = np.zeros(ends[-1] + 1, bool)  # one more, so that every bound below indexes it
+        np.not_equal(labels[base : base + ends[-1]], IGNORE_INDEX, out=trained[:-1])
+        # Each document's labels after its first, [start + 1, end), as one reduceat pair (empty if end <= start + 1).
+        bounds = np.empty(2 * len(starts), np.int64)
+        bounds[0::2], bounds[1::2] = np.minimum(starts + 1, ends), ends
+        any_trained = np.logical_or.reduceat(trained, bounds)[0::2] & (bounds[0::2] < bounds[1::2])
+        out[first:end] = (ends > starts) & ~any_trained
+        first = end
+    return out

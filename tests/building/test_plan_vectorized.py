@@ -1,0 +1,127 @@
+"""`prepack.building.plan_vectorized` (first-fit-decreasing in numpy, for index builds that load no numba) against
+the planner's numba kernels, array for array, and the index build that runs it without numba."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prepack import build_store
+from prepack.building import plan_vectorized
+from prepack.formats.shards import read_manifest
+from prepack.building.plan import plan_packs, untrained_documents
+from tests.building.test_plan_compact import plans
+from tests.corpus import corpus_table, write_corpus
+
+PLAN_ARRAYS = ("shuffle", "slot_offsets", "tokens_per_pack", "order")
+DOCUMENT_ARRAYS = ("lengths", "left_out", "bookmarks")
+LAYOUT_ARRAYS = ("pack_offsets", "starts", "lengths", "rows", "pieces")
+
+
+def _same_arrays(got, want, names):
+    for name in names:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), name
+
+
+@settings(max_examples=250, deadline=None)
+@given(plans(), st.data())
+def test_the_numpy_plan_is_the_kernels_plan(case, data):
+    lengths, max_len, options = case
+    options = {**options, "algorithm": "ffd"}
+    want = plan_packs(lengths, max_len, **options)
+    got = plan_packs(lengths, max_len, **options, without_numba=True)
+    assert got.documents.vectorized and not want.documents.vectorized
+    _same_arrays(got, want, PLAN_ARRAYS)
+    _same_arrays(got.documents, want.documents, DOCUMENT_ARRAYS)
+    assert got.documents.overflow == want.documents.overflow and got.counts == want.counts
+    first = data.draw(st.integers(0, want.packs))
+    end = data.draw(st.integers(first, want.packs))
+    _same_arrays(got.slice(first, end), want.slice(first, end), LAYOUT_ARRAYS)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 600), st.data())
+def test_runs_of_many_lengths_fill_many_open_packs_as_the_kernel_does(max_len, data):
+    # Thousands of documents over many distinct lengths: each run meets packs opened by the runs before it.
+    lengths = np.array(data.draw(st.lists(st.integers(1, max_len), min_size=1, max_size=3000)))
+    want, got = plan_packs(lengths, max_len), plan_packs(lengths, max_len, without_numba=True)
+    assert got.documents.vectorized
+    _same_arrays(got, want, PLAN_ARRAYS)
+    _same_arrays(got.slice(0, got.packs), want.slice(0, want.packs), LAYOUT_ARRAYS)
+
+
+def test_packs_past_65536_sort_by_every_digit():
+    # 70,000 documents of max_len // 2 + 1 open a pack each: pack numbers take two 16-bit digits.
+    lengths = np.array([51] * 70_000 + [1] * 5_000, dtype=np.uint16)
+    want, got = plan_packs(lengths, 100, seed=5), plan_packs(lengths, 100, seed=5, without_numba=True)
+    assert got.packs == 70_000 and got.documents.vectorized
+    _same_arrays(got, want, PLAN_ARRAYS)
+    _same_arrays(got.documents, want.documents, DOCUMENT_ARRAYS)
+
+
+def test_numba_plans_what_is_not_small_or_not_ffd():
+    lengths = np.arange(1, 101)
+    assert not plan_packs(lengths, 64, algorithm="bfd", without_numba=True).documents.vectorized
+    assert not plan_packs(lengths, 64).documents.vectorized  # a caller that runs kernels anyway
+    assert not plan_vectorized.suits(plan_vectorized._DOCUMENTS + 1, "ffd")
+    histogram = np.zeros(4097, np.int64)
+    histogram[1:] = 200  # 4,096 distinct lengths in about 400,000 packs
+    assert not plan_vectorized.assign_suits(histogram, 4096)
+
+
+@pytest.mark.parametrize("labelled", [False, True])
+def test_builds_of_a_small_store_load_only_what_they_run(tmp_path, labelled):
+    rng = np.random.default_rng(3)
+    documents = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(0, 90, 300)]
+    labels = [[-100 if rng.random() < 0.8 else t for t in doc] for doc in documents] if labelled else None
+    build_store(write_corpus(tmp_path / "c.parquet", corpus_table(documents, labels)), tmp_path / "store")
+    code = f"""
+import sys
+import prepack
+loaded = lambda: [name in sys.modules for name in ("numba", "rich", "pyarrow.parquet")]
+prepack.build({str(tmp_path / 'store')!r}, {str(tmp_path / 'index')!r}, max_len=64, index_only=True, drop_untrained=True)
+print(*loaded())
+prepack.build({str(tmp_path / 'store')!r}, {str(tmp_path / 'full')!r}, max_len=64, drop_untrained=True)
+print(*loaded())
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    # Only the full build runs kernels (it gathers tokens); neither shows progress bars or reads Parquet.
+    assert result.stdout.split() == ["False", "False", "False", "True", "False", "False"]
+    index, full = read_manifest(tmp_path / "index"), read_manifest(tmp_path / "full")
+    assert index.totals == full.totals and (index.totals.untrained > 0) == labelled
+
+
+def test_the_numpy_steps_read_the_planners_codes():
+    from prepack.building import plan
+
+    assert (plan_vectorized._TRUNCATE, plan_vectorized._DROP) == (plan._OVERFLOWS["truncate"], plan._OVERFLOWS["drop"])
+    assert plan_vectorized._BLOCK == plan._BLOCK
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 12), max_size=60), st.data())
+def test_untrained_documents_in_numpy_are_the_kernels(lengths, data):
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    labels = np.array(data.draw(st.lists(st.sampled_from([-100, -100, 0, 7]), min_size=int(offsets[-1]), max_size=int(offsets[-1]))), np.int32)
+    want = untrained_documents(offsets, labels)
+    assert untrained_documents(offsets, labels, without_numba=True).tolist() == want.tolist()
+
+
+def test_untrained_documents_are_found_across_windows(monkeypatch):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 40, 2000)
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    labels = np.where(rng.random(int(offsets[-1])) < 0.97, -100, 1).astype(np.int32)
+    want = untrained_documents(offsets, labels)
+    assert 0 < want.sum() < len(want)
+    monkeypatch.setattr(plan_vectorized, "_WINDOW", 64)  # documents longer than a window, and many windows
+    assert plan_vectorized.untrained(offsets, labels).tolist() == want.tolist()
