@@ -12,7 +12,9 @@ from collections.abc import Callable
 
 import pyarrow.compute as pc
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from prepack.training.dataset import PackedDataset
 
@@ -55,4 +57,13 @@ def largest_token_id(dataset: PackedDataset) -> int:
     return max(
         pc.max(manifest.open_shard(path).column("input_ids").values).as_py()
         for path in dataset.shard_paths
+    )
+
+
+def placeholder_tokenizer() -> PreTrainedTokenizerFast:
+    """Two tokens and a pad token: TRL's trainers want a tokenizer object, and nothing in these examples
+    tokenizes text (the build did)."""
+    vocabulary = {"<pad>": 0, "<unk>": 1}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocabulary, unk_token="<unk>")), pad_token="<pad>", unk_token="<unk>"
     )

@@ -22,15 +22,13 @@ import copy
 import tempfile
 
 import torch
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
 from prepack import PackedCollator, PackedDataset, enable_packing
 from prepack.training.dataset import open_hf_dataset
 from prepack.training.preference import dpo_loss, model_inputs, pair_logps
-from tiny_model import load_model, parse_args  # examples/tiny_model.py
+from tiny_model import load_model, parse_args, placeholder_tokenizer  # examples/tiny_model.py
 
 
 class PackedDPOTrainer(DPOTrainer):
@@ -79,14 +77,6 @@ def main() -> None:
         trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     print(f"final loss {losses[-1]:.4f}")
-
-
-def placeholder_tokenizer() -> PreTrainedTokenizerFast:
-    """Two tokens: DPOTrainer wants a tokenizer object with a pad token, and nothing here tokenizes text."""
-    vocabulary = {"<pad>": 0, "<unk>": 1}
-    return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(WordLevel(vocabulary, unk_token="<unk>")), pad_token="<pad>", unk_token="<unk>"
-    )
 
 
 if __name__ == "__main__":

@@ -19,14 +19,12 @@ from __future__ import annotations
 import tempfile
 
 import torch
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 from prepack import PackedCollator, PackedDataset, enable_packing
 from prepack.training.dataset import open_hf_dataset
-from tiny_model import load_model, parse_args  # examples/tiny_model.py
+from tiny_model import load_model, parse_args, placeholder_tokenizer  # examples/tiny_model.py
 
 
 def main() -> None:
@@ -58,14 +56,6 @@ def main() -> None:
         trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     print(f"final loss {losses[-1]:.4f}")
-
-
-def placeholder_tokenizer() -> PreTrainedTokenizerFast:
-    """Two tokens: SFTTrainer wants a tokenizer object, and nothing here tokenizes text."""
-    vocabulary = {"<pad>": 0, "<unk>": 1}
-    return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(WordLevel(vocabulary, unk_token="<unk>")), pad_token="<pad>", unk_token="<unk>"
-    )
 
 
 if __name__ == "__main__":
