@@ -197,22 +197,20 @@ def mixture_flags(
     a file is; None for a build of `corpus` (a corpus, store or mixture file) without them. Raises
     InputError naming the flag: a bad value, or mixture flags beside a corpus or a mixture file."""
     values = {"sources": sources, "tokens": tokens, "seed": seed, "pack_within_source": pack_within_source or None}
-    given = [_FLAGS[key] for key, value in values.items() if value]
+    given = ", ".join(_FLAGS[key] for key, value in values.items() if value)
+    if corpus is not None and given:
+        if is_mixture_file(corpus):
+            raise InputError(f"{corpus} is a mixture file, and the mixture flags ({given}) give one too: give it in the file or as flags, not both.")
+        raise InputError(
+            f"{corpus} is a corpus, and the mixture flags ({given}) build a mixture of --source flags: give it as "
+            f"--source {SOURCE_SYNTAX}, or leave out {given}."
+        )
     if corpus is not None:
-        if given and is_mixture_file(corpus):
-            raise InputError(
-                f"{corpus} is a mixture file, and {', '.join(given)} give a mixture too: give it in the file or as flags, not both."
-            )
-        if given:
-            raise InputError(
-                f"{', '.join(given)} build a mixture of the --source flags, and {corpus} is a corpus: give it as "
-                f"--source {SOURCE_SYNTAX}, or build it alone without {', '.join(given)}."
-            )
         return None
     if not sources:
         raise InputError(
-            f"{', '.join(given) + ' set a mixture, which' if given else 'prepack build'} needs its sources: give a "
-            f"CORPUS (or a mixture file), or each source as --source {SOURCE_SYNTAX}."
+            f"{f'the mixture flags ({given}) need' if given else 'prepack build needs'} a CORPUS (or a mixture file), "
+            f"or a mixture's sources, each as --source {SOURCE_SYNTAX}."
         )
     data = {key: _scalar(value) if isinstance(value, str) else value for key, value in values.items() if key != "sources" and value is not None}
     data["sources"] = [_source_flag(flag) for flag in sources]

@@ -291,6 +291,20 @@ def test_the_flags_build_the_files_bytes(sources, tmp_path, text, flags):
     assert from_flags.stdout.replace(str(tmp_path / "b"), "OUT") == from_file.stdout.replace(str(tmp_path / "a"), "OUT")
 
 
+def test_the_flags_build_the_files_index_build(stores):
+    """--index-only over stores: the flags' index build is the file's, byte for byte."""
+    root = stores.parent
+    flags = [flag.replace("web.parquet", "web-store").replace("code.jsonl", "code-store") for flag in MIXTURE_FLAGS]
+    for name, args in (("index-of-file", [stores.name]), ("index-of-flags", flags)):
+        built = run_prepack("build", *args, "--index-only", "--max-len", "128", "--out", name, "--overwrite", cwd=root, env=WIDE)
+        assert built.returncode == 0, built.stderr
+    names = sorted(path.name for path in (root / "index-of-file").iterdir())
+    assert names == sorted(path.name for path in (root / "index-of-flags").iterdir()) and "manifest.json" in names
+    for name in names:
+        assert (root / "index-of-file" / name).read_bytes() == (root / "index-of-flags" / name).read_bytes(), name
+    assert json.loads((root / "index-of-flags" / "manifest.json").read_text())["mixture"]["sources"][0]["store"] == "../web-store"
+
+
 def test_the_flags_parse_into_the_files_spec(tmp_path):
     flags = [
         "web=corpora/web/:0.6,max_epochs=2", "code=stores/code:weight=0.3", "math=s3://bucket/math/:epochs=2",
@@ -329,10 +343,10 @@ def test_the_flags_parse_into_the_files_spec(tmp_path):
         (None, ["web=w:1"], "lots", None, "--tokens: Input should be 'all'"),
         (None, ["web=w:1"], "10", "-1", "--mix-seed: Input should be greater than or equal to 0"),
         (None, ["web=w:1"], "10", "x", "--mix-seed: Input should be a valid integer"),
-        ("c.parquet", ["web=w:1"], None, None, "--source build a mixture of the --source flags, and c.parquet is a corpus"),
-        ("mix.yaml", [], "10", None, "mix.yaml is a mixture file, and --tokens give a mixture too"),
-        (None, [], "10", "1", "--tokens, --mix-seed set a mixture, which needs its sources"),
-        (None, [], None, None, "prepack build needs its sources: give a CORPUS (or a mixture file), or each source as --source"),
+        ("c.parquet", ["web=w:1"], None, None, "c.parquet is a corpus, and the mixture flags (--source) build a mixture of --source flags"),
+        ("mix.yaml", [], "10", None, "mix.yaml is a mixture file, and the mixture flags (--tokens) give one too"),
+        (None, [], "10", "1", "the mixture flags (--tokens, --mix-seed) need a CORPUS (or a mixture file), or a mixture's sources"),
+        (None, [], None, None, "prepack build needs a CORPUS (or a mixture file), or a mixture's sources, each as --source NAME=PATH[:AMOUNT]"),
     ],
 )
 def test_bad_mixture_flags_are_refused_naming_the_flag(corpus, flags, tokens, seed, message):
@@ -345,8 +359,8 @@ def test_bad_mixture_flags_are_refused_naming_the_flag(corpus, flags, tokens, se
     ("args", "message"),
     [
         (["--source", "web=web.parquet:0.5"], "invalid mixture flags: --source: Value error, a weight is a share of a token budget"),
-        (["mix.yaml", "--pack-within-source"], "mix.yaml is a mixture file, and --pack-within-source give a mixture too"),
-        (["web.parquet", "--source", "web=web.parquet"], "--source build a mixture of the --source flags, and web.parquet is a corpus"),
+        (["mix.yaml", "--pack-within-source"], "mix.yaml is a mixture file, and the mixture flags (--pack-within-source) give one too"),
+        (["web.parquet", "--source", "web=web.parquet"], "web.parquet is a corpus, and the mixture flags (--source) build a mixture of --source flags"),
         (["--source", "web=web.parquet:weight=0", "--tokens", "100"], "--source 'web=web.parquet:weight=0': weight: Input should be greater than 0"),
     ],
 )
