@@ -21,6 +21,7 @@ A mixture file (YAML or JSON; `prepack build MIX.yaml`) reads:
 AMOUNT is comma-separated `weight=W`, `epochs=E`, `max_epochs=N` (the file's keys), a bare number
 being the weight; it is the text after PATH's last ':' unless that text holds a '/' (as a URI's
 `//bucket` does), and each value is read as the YAML value the file would hold.
+
 A weighted source takes `weight / (sum of weights)` of what the budget leaves after the sources given
 in epochs; a source given in epochs takes that many times its tokens; without a budget every source is
 given in epochs (1 when it says neither). `load_mixture` checks the file strictly: an unknown key, a
