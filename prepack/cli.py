@@ -241,10 +241,14 @@ def _output(shard_size: str, overwrite: bool, engine: Engine, ray_address: str |
 @app.command("build", cls=_Command)
 @_with_reading_options
 def build_command(
-    corpus: Annotated[str, typer.Argument(help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory; or a document store (prepack tokenize). Local, or a URI such as s3://bucket/corpus/.")],
+    corpus: Annotated[str | None, typer.Argument(show_default=False, help="A file, directory or glob: Parquet, JSONL(.gz/.zst), Arrow, or a save_to_disk directory; or a document store (prepack tokenize); or a mixture file (.yaml, .yml, .json). Local, or a URI such as s3://bucket/corpus/. Leave it out to mix the --source flags.")] = None,
+    *,
     out: Annotated[str, typer.Option("--out", "-o", help="Output directory (created atomically), or a URI such as s3://bucket/packed (needs prepack-llm[s3]).")],
     max_len: Annotated[int, typer.Option("--max-len", help="Tokens per pack.")] = 8192,
-    *,
+    source: Annotated[list[str] | None, typer.Option("--source", metavar="NAME=PATH[:AMOUNT]", show_default=False, help="Instead of CORPUS, a mixture's source, once per source: a corpus or store (relative to here, or a URI) and AMOUNT, comma-separated weight=W (or W alone), epochs=E, max_epochs=N as in a mixture file; no AMOUNT: 1 epoch. E.g. --source web=web/:0.7,max_epochs=2 --source math=s3://b/math/:epochs=2.")] = None,
+    tokens: Annotated[str | None, typer.Option("--tokens", metavar="N|all", show_default=False, help="With --source: the mixture's output tokens, or all (every source its epochs; the default).")] = None,
+    mix_seed: Annotated[str | None, typer.Option("--mix-seed", metavar="N", show_default=False, help="With --source: seed of the mixture's document selection (default 0; --seed shuffles the packs).")] = None,
+    pack_within_source: Annotated[bool, typer.Option("--pack-within-source", help="With --source: no pack holds documents of two sources.")] = False,
     reading: Reading,
     algorithm: Annotated[Algorithm, typer.Option(help="First-fit or best-fit decreasing.")] = Algorithm.ffd,
     overflow: Annotated[Overflow, typer.Option(help="Documents longer than --max-len.")] = Overflow.split,
@@ -258,8 +262,10 @@ def build_command(
     quiet: _QuietOption = False,
 ) -> None:
     """Pack a corpus into Arrow shards with a manifest: token ids as they are, or text and chat
-    tokenized with --tokenizer."""
+    tokenized with --tokenizer. A mixture of several corpora or stores is given as a file (CORPUS)
+    or as --source flags with --tokens, --mix-seed and --pack-within-source (README, "Mixtures")."""
     from prepack.building.build import Packing, build_packs
+    from prepack.building.mixture import mixture_flags
 
     packing = Packing(
         max_len=max_len,
@@ -270,7 +276,8 @@ def build_command(
         index_only=index_only,
     )
     try:
-        manifest = build_packs(corpus, out, reading, packing, _output(shard_size, overwrite, engine, ray_address, quiet))
+        mixture = mixture_flags(corpus, source or [], tokens, mix_seed, pack_within_source)
+        manifest = build_packs(mixture or corpus, out, reading, packing, _output(shard_size, overwrite, engine, ray_address, quiet))
     except PrepackError as exc:
         _fail(exc)
     if not quiet:

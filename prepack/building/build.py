@@ -51,7 +51,7 @@ from prepack.storage.remote import is_uri, local_input, relative_location, stage
 from prepack.formats.store import StoreManifest
 from prepack.sources.store import is_store
 from prepack.building.write_store import finish_store
-from prepack.building.mixture import is_mixture_file
+from prepack.building.mixture import Mixture, is_mixture_file, read_mixture
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -252,10 +252,11 @@ def build(
 
 
 def build_packs(
-    corpus: str | os.PathLike, out: str | os.PathLike, reading: Reading, packing: Packing, output: Output
+    corpus: str | os.PathLike | Mixture, out: str | os.PathLike, reading: Reading, packing: Packing, output: Output
 ) -> Manifest:
     """`build`, with its options gathered: how the corpus is read, how its documents are packed and
-    how the shards are written (what `prepack build` parses its flags into)."""
+    how the shards are written (what `prepack build` parses its flags into). `corpus` may be a
+    mixture file or a `Mixture` (`prepack build --source …`)."""
     max_len, overflow, index_only = packing.max_len, packing.overflow, packing.index_only
     try:
         options = BuildOptions(
@@ -271,13 +272,14 @@ def build_packs(
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
     _check_engine(output.engine, output.ray_address, reading)
-    if is_mixture_file(corpus):  # several corpora or stores, weighted (prepack.building.mixture)
+    if isinstance(corpus, Mixture) or is_mixture_file(corpus):  # several corpora or stores, weighted (prepack.building.mixture)
+        mixture = corpus if isinstance(corpus, Mixture) else read_mixture(corpus)
         if reading.pairs:
             raise InputError(f"{corpus}: a mixture of preference-pair corpora is not supported; build each on its own.")
         from prepack.building.mixture_build import build_mixture
 
         with _progress_bars(output.progress, output.console) as bar:
-            return build_mixture(corpus, out, reading, packing, output, bar, _store_path)
+            return build_mixture(mixture, out, reading, packing, output, bar, _store_path)
     if reading.pairs:
         _check_pair_options(packing, output)
     with _progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:

@@ -12,6 +12,16 @@ A mixture file (YAML or JSON; `prepack build MIX.yaml`) reads:
       - {name: math, path: s3://bucket/math/, epochs: 2}
 
 `path` is a corpus or a document store, local (relative to the mixture file's directory) or a URI.
+`prepack build` takes the same mixture as flags (`mixture_flags`), read into the same `MixtureSpec`:
+
+    --source web=corpora/web/:0.6,max_epochs=2 --source code=stores/code:weight=0.3
+    --source math=s3://bucket/math/:epochs=2 --tokens 50000000 --mix-seed 0 [--pack-within-source]
+
+`--source NAME=PATH[:AMOUNT]`, once per source in order (a relative PATH from the working directory):
+AMOUNT is comma-separated `weight=W`, `epochs=E`, `max_epochs=N` (the file's keys), a bare number
+being the weight; it is the text after PATH's last ':' unless that text holds a '/' (as a URI's
+`//bucket` does), and each value is read as the YAML value the file would hold.
+
 A weighted source takes `weight / (sum of weights)` of what the budget leaves after the sources given
 in epochs; a source given in epochs takes that many times its tokens; without a budget every source is
 given in epochs (1 when it says neither). `load_mixture` checks the file strictly: an unknown key, a
@@ -48,13 +58,16 @@ from prepack.errors import InputError
 
 __all__ = [
     "MIXTURE_SUFFIXES",
+    "Mixture",
     "MixtureSource",
     "MixtureSpec",
     "SourceSelection",
     "is_mixture_file",
     "load_mixture",
+    "mixture_flags",
     "mixture_parts",
     "packable_tokens",
+    "read_mixture",
     "requested_tokens",
     "select_source",
 ]
@@ -109,7 +122,7 @@ class MixtureSpec(_Spec):
             twice = sorted({name for name in names if names.count(name) > 1})
             raise ValueError(f"source names must be unique; {', '.join(map(repr, twice))} appear twice or more")
         if self.tokens == "all" and any(source.weight is not None for source in self.sources):
-            raise ValueError("a weight is a share of a token budget: give 'tokens', or epochs instead of weights")
+            raise ValueError("a weight is a share of a token budget: give 'tokens' (--tokens), or epochs instead of weights")
         return self
 
 
@@ -127,6 +140,24 @@ def _field(location: tuple) -> str:
         elif not str(part).startswith(("function-", "literal[", "constrained-")) and part not in ("int", "str"):
             out += f".{part}" if out else str(part)
     return out or "(top level)"
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """A checked mixture and where it was given: `origin` names it in messages (the file, or the
+    flags), and a source's relative path lies under `base`."""
+
+    spec: MixtureSpec
+    origin: str
+    base: str
+
+    def __str__(self) -> str:
+        return self.origin
+
+
+def _problems(exc: ValidationError, where) -> str:
+    """The first problems of a pydantic error, each named by `where(location)`."""
+    return "; ".join(f"{where(e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)[:5])
 
 
 def load_mixture(path: str | os.PathLike) -> MixtureSpec:
@@ -147,8 +178,85 @@ def load_mixture(path: str | os.PathLike) -> MixtureSpec:
     try:
         return MixtureSpec.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(f"{_field(e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)[:5])
-        raise InputError(f"{path}: invalid mixture: {problems}.") from None
+        raise InputError(f"{path}: invalid mixture: {_problems(exc, _field)}.") from None
+
+
+def read_mixture(path: str | os.PathLike) -> Mixture:
+    """The mixture file at `path`, checked (`load_mixture`); its sources' relative paths lie beside it."""
+    return Mixture(load_mixture(path), str(path), os.path.dirname(os.path.abspath(path)))
+
+
+# The file's top-level keys as `prepack build` spells them.
+_FLAGS = {"sources": "--source", "tokens": "--tokens", "seed": "--mix-seed", "pack_within_source": "--pack-within-source"}
+SOURCE_SYNTAX = "NAME=PATH[:AMOUNT]"
+
+
+def mixture_flags(
+    corpus: str | None, sources: list[str], tokens: str | None, seed: str | None, pack_within_source: bool
+) -> Mixture | None:
+    """The mixture that `prepack build`'s flags give (module docstring), checked by `MixtureSpec` as
+    a file is; None for a build of `corpus` (a corpus, store or mixture file) without them. Raises
+    InputError naming the flag: a bad value, or mixture flags beside a corpus or a mixture file."""
+    values = {"sources": sources, "tokens": tokens, "seed": seed, "pack_within_source": pack_within_source or None}
+    given = ", ".join(_FLAGS[key] for key, value in values.items() if value)
+    if corpus is not None and given:
+        if is_mixture_file(corpus):
+            raise InputError(f"{corpus} is a mixture file, and the mixture flags ({given}) give one too: give it in the file or as flags, not both.")
+        raise InputError(
+            f"{corpus} is a corpus, and the mixture flags ({given}) build a mixture of --source flags: give it as "
+            f"--source {SOURCE_SYNTAX}, or leave out {given}."
+        )
+    if corpus is not None:
+        return None
+    if not sources:
+        raise InputError(
+            f"{f'the mixture flags ({given}) need' if given else 'prepack build needs'} a CORPUS (or a mixture file), "
+            f"or a mixture's sources, each as --source {SOURCE_SYNTAX}."
+        )
+    data = {key: _scalar(value) if isinstance(value, str) else value for key, value in values.items() if key != "sources" and value is not None}
+    data["sources"] = [_source_flag(flag) for flag in sources]
+
+    def where(location: tuple) -> str:
+        if location and location[0] == "sources" and len(location) > 1 and isinstance(location[1], int):
+            field = _field(location[2:])
+            return f"--source {sources[location[1]]!r}" + (f": {field}" if field != "(top level)" else "")
+        return _FLAGS.get(location[0], "--source") if location else "--source"
+
+    try:
+        spec = MixtureSpec.model_validate(data)
+    except ValidationError as exc:
+        raise InputError(f"invalid mixture flags: {_problems(exc, where)}.") from None
+    return Mixture(spec, "--source", os.getcwd())
+
+
+def _source_flag(flag: str) -> dict:
+    """One `--source NAME=PATH[:AMOUNT]` as the mapping a mixture file gives a source."""
+    name, equals, path = flag.partition("=")
+    if not equals:
+        raise InputError(f"--source {flag!r}: give {SOURCE_SYNTAX}, e.g. web=corpora/web/:0.6.")
+    source = {"name": name, "path": path}
+    head, colon, amount = path.rpartition(":")
+    if not colon or "/" in amount:  # no amount: the file's default (1 epoch)
+        return source
+    source["path"] = head
+    for item in amount.split(","):
+        key, equals, value = item.partition("=") if "=" in item else ("weight", "=", item)
+        if not value:
+            raise InputError(f"--source {flag!r}: an empty amount in {amount!r}; give weight=W, epochs=E or max_epochs=N, comma-separated.")
+        if key in source:
+            raise InputError(f"--source {flag!r}: {key!r} is given twice.")
+        source[key] = _scalar(value)
+    return source
+
+
+def _scalar(text: str):
+    """A flag's value as the YAML value a mixture file would hold (`2` an int, `0.5` a float, `all` a string)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def _unique_key_loader() -> type:
@@ -170,13 +278,13 @@ def _unique_key_loader() -> type:
     return Loader
 
 
-def source_location(spec_path: str | os.PathLike, source: MixtureSource) -> str:
-    """Where `source` lies: a URI as given, a relative path from the mixture file's directory."""
+def source_location(mixture: Mixture, source: MixtureSource) -> str:
+    """Where `source` lies: a URI as given, a relative path under the mixture's `base`."""
     from prepack.storage.remote import is_uri
 
     if is_uri(source.path) or os.path.isabs(source.path):
         return source.path
-    return os.path.join(os.path.dirname(os.path.abspath(spec_path)), source.path)
+    return os.path.join(mixture.base, source.path)
 
 
 def packable_tokens(

@@ -1,4 +1,4 @@
-"""`prepack build MIX.yaml`: a build from a mixture file (`prepack.building.mixture`).
+"""`prepack build MIX.yaml` (or `--source` flags): a build from a mixture (`prepack.building.mixture`).
 
 Each source is read as `build` reads a corpus or a store (`open_documents`, the same reading options
 for every corpus source) and its first pass kept in a scratch directory of its own
@@ -29,7 +29,7 @@ from prepack.building.engines.base import FirstPass, locate_row
 from prepack.building.engines.local import LocalEngine
 from prepack.errors import DISTRIBUTION, InputError
 from prepack.formats.shards import MANIFEST_NAME, BuildOptions, InputFile, Manifest, Totals, write_manifest
-from prepack.building.mixture import MixtureSpec, load_mixture, mixture_parts, packable_tokens, requested_tokens, select_source, source_location
+from prepack.building.mixture import Mixture, MixtureSpec, mixture_parts, packable_tokens, requested_tokens, select_source, source_location
 from prepack.formats.mixture import MixtureInfo, SourceCounts, mixture_fingerprint
 from prepack.building.mixture_plan import MixturePlan, plan_mixture
 from prepack.building.plan import compact_lengths
@@ -41,15 +41,15 @@ from prepack.building.write_shards import TokenFiles
 __all__ = ["SourceTally", "build_mixture", "plan_sources", "with_row_starts"]
 
 
-def _check_options(spec_path: str | os.PathLike, out: str | os.PathLike, packing, output) -> None:
+def _check_options(origin: str, out: str | os.PathLike, packing, output) -> None:
     """Refuse what a mixture build does not do, by name, before anything is read."""
     if output.engine != "local":
         raise InputError(
-            f"{spec_path}: a mixture builds with the local engine only (--engine ray reads one corpus or store)."
+            f"{origin}: a mixture builds with the local engine only (--engine ray reads one corpus or store)."
         )
     if packing.index_only and is_uri(out):
         raise InputError(
-            f"{spec_path}: a mixture's index build is written to a local directory only (its readers open "
+            f"{origin}: a mixture's index build is written to a local directory only (its readers open "
             "several stores beside it); build it in full to put it in object storage."
         )
 
@@ -81,7 +81,7 @@ def _token_firsts(firsts: list[FirstPass]) -> np.ndarray:
 
 
 def build_mixture(
-    spec_path: str | os.PathLike,
+    mixture: Mixture,
     out: str | os.PathLike,
     reading: Reading,
     packing,
@@ -89,21 +89,21 @@ def build_mixture(
     bar,
     index_store_path: Callable[[str | os.PathLike, str | os.PathLike], str],
 ) -> Manifest:
-    """Build the mixture the file `spec_path` describes into `out` (`packing` and `output` as for
-    `prepack.building.build.build_packs`, which calls this; `packing.seed` shuffles the packs, the file's
-    `seed` selects the documents). `index_store_path` is build_packs' rule for how an index build names
+    """Build `mixture` (read from a file or from flags) into `out` (`packing` and `output` as for
+    `prepack.building.build.build_packs`, which calls this; `packing.seed` shuffles the packs, the
+    mixture's `seed` selects the documents). `index_store_path` is build_packs' rule for how an index build names
     its store (passed in: this module is imported by it). Raises InputError for a bad mixture file or
     source, as `build` does for a corpus."""
-    spec = load_mixture(spec_path)
-    _check_options(spec_path, out, packing, output)
+    spec = mixture.spec
+    _check_options(mixture.origin, out, packing, output)
     max_len, index_only = packing.max_len, packing.index_only
     with ExitStack() as stack:
         documents, store_paths = [], []
         for source in spec.sources:
-            location = source_location(spec_path, source)
+            location = source_location(mixture, source)
             if index_only and (is_uri(location) or not is_store(location)):
                 raise InputError(
-                    f"{spec_path}: --index-only mixes local document stores, and source {source.name!r} ({source.path}) "
+                    f"{mixture.origin}: --index-only mixes local document stores, and source {source.name!r} ({source.path}) "
                     f"is not one: make it one with `prepack tokenize {source.path} --out STORE`."
                 )
             store_paths.append(index_store_path(location, out) if index_only else None)  # refuses a store the build cannot name

@@ -15,7 +15,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import prepack
-from prepack.building.mixture import load_mixture, requested_tokens, select_source
+from prepack.building.mixture import load_mixture, mixture_flags, requested_tokens, select_source
 from prepack.errors import InputError
 from prepack.training.dataset import PackedDataset
 from tests.cli import WIDE, failure, run_prepack
@@ -261,4 +261,111 @@ def test_overflow_error_names_the_source_file_row_and_column(sources, tmp_path):
     with pytest.raises(InputError) as refused:
         prepack.build(_mixture(root, "mix.yaml"), tmp_path / "out", max_len=128, overflow="error")
     assert f"source 'code': {root / 'code.jsonl'}, row {row}, column 'input_ids': {len(docs['code'][row])} tokens" in str(refused.value)
+    assert not (tmp_path / "out").exists()
+
+
+# The flags of `MIXTURE` (tests/corpus.py), and of a mixture in epochs packed within sources.
+MIXTURE_FLAGS = [
+    "--source", "web=web.parquet:0.5", "--source", "code=code.jsonl:weight=0.2",
+    "--source", "math=math-store:0.3,max_epochs=12", "--tokens", "20000", "--mix-seed", "3",
+]
+EPOCHS = "seed: 5\npack_within_source: true\nsources:\n  - {name: web, path: web.parquet}\n  - {name: math, path: math-store, epochs: 2.5}\n"
+EPOCHS_FLAGS = ["--source", "web=web.parquet", "--source", "math=math-store:epochs=2.5", "--mix-seed", "5", "--pack-within-source"]
+
+
+@pytest.mark.parametrize(("text", "flags"), [(None, MIXTURE_FLAGS), (EPOCHS, EPOCHS_FLAGS)], ids=["weights", "epochs"])
+def test_the_flags_build_the_files_bytes(sources, tmp_path, text, flags):
+    """`prepack build --source …` and `prepack build MIX.yaml` with the same mixture: byte-identical
+    builds (the sources' relative paths read from the working directory, as the file's from its own)."""
+    root, _, _ = sources
+    mixture = _mixture(root, "mix.yaml") if text is None else root / "epochs.yaml"
+    if text is not None:
+        mixture.write_text(text)
+    from_file = run_prepack("build", mixture.name, "--max-len", "256", "--out", tmp_path / "a", cwd=root, env=WIDE)
+    from_flags = run_prepack("build", *flags, "--max-len", "256", "--out", tmp_path / "b", cwd=root, env=WIDE)
+    assert from_file.returncode == 0 and from_flags.returncode == 0, (from_file.stderr, from_flags.stderr)
+    files = sorted(path.name for path in (tmp_path / "a").iterdir())
+    assert files == sorted(path.name for path in (tmp_path / "b").iterdir()) and "manifest.json" in files
+    for name in files:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert from_flags.stdout.replace(str(tmp_path / "b"), "OUT") == from_file.stdout.replace(str(tmp_path / "a"), "OUT")
+
+
+def test_the_flags_build_the_files_index_build(stores):
+    """--index-only over stores: the flags' index build is the file's, byte for byte."""
+    root = stores.parent
+    flags = [flag.replace("web.parquet", "web-store").replace("code.jsonl", "code-store") for flag in MIXTURE_FLAGS]
+    for name, args in (("index-of-file", [stores.name]), ("index-of-flags", flags)):
+        built = run_prepack("build", *args, "--index-only", "--max-len", "128", "--out", name, "--overwrite", cwd=root, env=WIDE)
+        assert built.returncode == 0, built.stderr
+    names = sorted(path.name for path in (root / "index-of-file").iterdir())
+    assert names == sorted(path.name for path in (root / "index-of-flags").iterdir()) and "manifest.json" in names
+    for name in names:
+        assert (root / "index-of-file" / name).read_bytes() == (root / "index-of-flags" / name).read_bytes(), name
+    assert json.loads((root / "index-of-flags" / "manifest.json").read_text())["mixture"]["sources"][0]["store"] == "../web-store"
+
+
+def test_the_flags_parse_into_the_files_spec(tmp_path):
+    flags = [
+        "web=corpora/web/:0.6,max_epochs=2", "code=stores/code:weight=0.3", "math=s3://bucket/math/:epochs=2",
+        "chat=s3://bucket/chat/", "tiny=gs://b/t:1.5",
+    ]
+    text = (
+        "tokens: 50000000\nseed: 7\npack_within_source: true\nsources:\n"
+        "  - {name: web, path: corpora/web/, weight: 0.6, max_epochs: 2}\n  - {name: code, path: stores/code, weight: 0.3}\n"
+        "  - {name: math, path: 's3://bucket/math/', epochs: 2}\n  - {name: chat, path: 's3://bucket/chat/'}\n"
+        "  - {name: tiny, path: 'gs://b/t', weight: 1.5}\n"
+    )
+    mixture = mixture_flags(None, flags, "50000000", "7", True)
+    assert mixture.spec == load_mixture_text(text, directory=tmp_path)
+    assert mixture.base == str(Path.cwd())
+    assert mixture_flags(None, ["a=x"], None, None, False).spec == load_mixture_text("sources:\n  - {name: a, path: x}\n", directory=tmp_path)
+    assert mixture_flags("corpus.parquet", [], None, None, False) is None
+
+
+@pytest.mark.parametrize(
+    ("corpus", "flags", "tokens", "seed", "message"),
+    [
+        (None, ["web"], "10", None, "--source 'web': give NAME=PATH[:AMOUNT]"),
+        (None, ["web=w:weigth=1"], "10", None, "--source 'web=w:weigth=1': weigth: Extra inputs are not permitted"),
+        (None, ["web=w:0.5"], None, None, "--source: Value error, a weight is a share of a token budget: give 'tokens' (--tokens)"),
+        (None, ["web=w:-1"], "10", None, "--source 'web=w:-1': weight: Input should be greater than 0"),
+        (None, ["web=w:true"], "10", None, "--source 'web=w:true': weight: Input should be a valid number"),
+        (None, ["web=w:1", "web=v:2"], "10", None, "'web' appear twice"),
+        (None, ["web=w:1,epochs=2"], "10", None, "--source 'web=w:1,epochs=2': Value error, give a weight or epochs, not both"),
+        (None, ["web=w:max_epochs=2.5,weight=1"], "10", None, "--source 'web=w:max_epochs=2.5,weight=1': max_epochs: Input should be a valid integer"),
+        (None, ["web=w:epochs=2,max_epochs=3"], None, None, "max_epochs caps a weight"),
+        (None, ["web=w:1,"], "10", None, "--source 'web=w:1,': an empty amount in '1,'"),
+        (None, ["web=w:1,weight=2"], "10", None, "--source 'web=w:1,weight=2': 'weight' is given twice"),
+        (None, ["web=w:name=x"], "10", None, "--source 'web=w:name=x': 'name' is given twice"),
+        (None, ["../x=w"], None, None, "--source '../x=w': name: String should match pattern"),
+        (None, ["web=w:1"], "-5", None, "--tokens: Input should be greater than or equal to 1"),
+        (None, ["web=w:1"], "lots", None, "--tokens: Input should be 'all'"),
+        (None, ["web=w:1"], "10", "-1", "--mix-seed: Input should be greater than or equal to 0"),
+        (None, ["web=w:1"], "10", "x", "--mix-seed: Input should be a valid integer"),
+        ("c.parquet", ["web=w:1"], None, None, "c.parquet is a corpus, and the mixture flags (--source) build a mixture of --source flags"),
+        ("mix.yaml", [], "10", None, "mix.yaml is a mixture file, and the mixture flags (--tokens) give one too"),
+        (None, [], "10", "1", "the mixture flags (--tokens, --mix-seed) need a CORPUS (or a mixture file), or a mixture's sources"),
+        (None, [], None, None, "prepack build needs a CORPUS (or a mixture file), or a mixture's sources, each as --source NAME=PATH[:AMOUNT]"),
+    ],
+)
+def test_bad_mixture_flags_are_refused_naming_the_flag(corpus, flags, tokens, seed, message):
+    with pytest.raises(InputError) as refused:
+        mixture_flags(corpus, flags, tokens, seed, False)
+    assert message in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--source", "web=web.parquet:0.5"], "invalid mixture flags: --source: Value error, a weight is a share of a token budget"),
+        (["mix.yaml", "--pack-within-source"], "mix.yaml is a mixture file, and the mixture flags (--pack-within-source) give one too"),
+        (["web.parquet", "--source", "web=web.parquet"], "web.parquet is a corpus, and the mixture flags (--source) build a mixture of --source flags"),
+        (["--source", "web=web.parquet:weight=0", "--tokens", "100"], "--source 'web=web.parquet:weight=0': weight: Input should be greater than 0"),
+    ],
+)
+def test_the_cli_refuses_bad_mixture_flags(sources, tmp_path, args, message):
+    root, _, _ = sources
+    _mixture(root, "mix.yaml")
+    assert message in failure(run_prepack("build", *args, "--max-len", "256", "--out", tmp_path / "out", cwd=root, env=WIDE))
     assert not (tmp_path / "out").exists()
