@@ -35,7 +35,7 @@ from prepack.errors import InputError
 from prepack.formats.common import format_error
 from prepack.formats.shards import STORE_MANIFEST_NAME, Manifest, ShardInfo, shard_sha256
 from prepack.storage.output import output_errors
-from prepack.storage.remote import filesystem, read_output_manifest
+from prepack.storage.remote import filesystem, read_output_manifest, storage_errors
 from prepack.formats.store import StoreShard
 from prepack.sources.store import Store, check_build_store, store_location
 
@@ -105,7 +105,7 @@ class ShardCache:
                 fs.get_file(remote, name)
             except FileNotFoundError:
                 raise format_error(uri, f"missing; the manifest lists it with {size} bytes.") from None
-            except OSError as exc:
+            except storage_errors() as exc:
                 raise InputError(f"{uri}: cannot be read ({exc}).") from None
             found = temporary.stat().st_size
             if found != size:
@@ -150,7 +150,7 @@ def _version(uri: str, size: int) -> str:
         info = fs.info(remote)
     except FileNotFoundError:
         raise format_error(uri, f"missing; the manifest lists it with {size} bytes.") from None
-    except OSError as exc:
+    except storage_errors() as exc:
         raise InputError(f"{uri}: cannot be read ({exc}).") from None
     if info.get("type", "file") != "file":
         raise format_error(uri, f"missing; the manifest lists it with {size} bytes.")

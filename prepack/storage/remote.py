@@ -27,6 +27,8 @@ environment or the AWS configuration files.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import os
 import posixpath
@@ -82,6 +84,21 @@ def is_uri(spec: object) -> bool:
     return isinstance(spec, str) and _URI.match(spec) is not None
 
 
+@functools.cache
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """What an object store's client raises when a request fails: OSError, to which fsspec's clients map
+    most failures, and the credential errors that s3fs and gcsfs let through from botocore and google-auth
+    (no credentials, an unknown profile), so that those too become the InputError or OutputError that
+    names the URI. Evaluated only when an exception is being handled: the clients are not imported before."""
+    errors: list[type[BaseException]] = [OSError]
+    for module, name in (("botocore.exceptions", "BotoCoreError"), ("google.auth.exceptions", "GoogleAuthError")):
+        try:
+            errors.append(getattr(importlib.import_module(module), name))
+        except ImportError:  # that client is not installed, so it cannot have raised
+            pass
+    return tuple(errors)
+
+
 def filesystem(uri: str) -> tuple[Any, str]:
     """(fsspec filesystem, path within it) of `uri`. Raises InputError when `uri` names no bucket
     (`s3://`, `s3:///key`) or an unknown scheme, MissingExtraError when the scheme's client is not installed."""
@@ -125,7 +142,7 @@ def fetch(uri: str, local: str | os.PathLike) -> None:
     fs, path = filesystem(uri)
     try:
         fs.get_file(path, os.fspath(local))
-    except OSError as exc:
+    except storage_errors() as exc:
         raise InputError(f"{uri}: cannot be read ({exc}).") from None
 
 
@@ -134,7 +151,7 @@ def upload(local: str | os.PathLike, uri: str) -> None:
     fs, path = filesystem(uri)
     try:
         fs.put_file(os.fspath(local), path)
-    except OSError as exc:
+    except storage_errors() as exc:
         raise OutputError(f"cannot write {uri}: {exc}.") from None
 
 
@@ -182,7 +199,7 @@ def _corpus_objects(fs: Any, uri: str, path: str) -> tuple[str, list[str], bool]
             root, found, single = posixpath.dirname(path), [path], True
         else:
             root, found, single = path, fs.find(path), False
-    except OSError as exc:
+    except storage_errors() as exc:
         raise InputError(f"{uri}: cannot be listed ({exc}).") from None
     names = sorted(posixpath.relpath(p, root) for p in found)
     wanted = [n for n in names if file_kind(Path(n)) is not None or posixpath.basename(n) in _MARKERS]
@@ -207,7 +224,7 @@ def local_input(spec: str | os.PathLike) -> Iterator[LocalInput]:
             os.makedirs(os.path.dirname(file), exist_ok=True)
         try:  # all at once: fsspec's clients download them concurrently
             fs.get([f"{objects.root}/{name}" for name in objects.names], local)
-        except OSError as exc:
+        except storage_errors() as exc:
             raise InputError(f"{spec}: cannot be read ({exc}).") from None
         yield LocalInput(local[0] if objects.single else directory, objects.root)
 
@@ -246,7 +263,7 @@ def read_output_manifest(uri: str, kind: str = MANIFEST_NAME) -> Manifest | Stor
     fs.invalidate_cache()
     try:
         text = _manifest_text(fs, uri, prefix.rstrip("/"), kind)
-    except OSError as exc:
+    except storage_errors() as exc:
         raise InputError(f"{join(uri, kind)}: cannot be read ({exc}).") from None
     if text is None:
         raise FormatError(
@@ -292,7 +309,7 @@ def staged_prefix(uri: str, overwrite: bool, kind: str = MANIFEST_NAME) -> Itera
         except BaseException as exc:  # an interrupted build too; after publishing, only the marker is left to delete
             try:
                 publication.discard()
-            except OSError as cleanup:
+            except storage_errors() as cleanup:
                 raise OutputError(f"{exc}; nor could what this build uploaded to {uri} be deleted: {cleanup}.") from None
             raise
 
@@ -314,12 +331,12 @@ def scratch_prefix(publication: Publication) -> Iterator[str]:
     except BaseException as exc:  # an interrupted build too
         try:
             _delete_prefix(fs, scratch)
-        except OSError as cleanup:
+        except storage_errors() as cleanup:
             raise OutputError(f"{exc}; nor could this build's scratch objects under {fs.unstrip_protocol(scratch)} be deleted: {cleanup}.") from None
         raise
     try:
         _delete_prefix(fs, scratch)
-    except OSError as exc:
+    except storage_errors() as exc:
         raise OutputError(f"cannot delete this build's scratch objects under {fs.unstrip_protocol(scratch)}: {exc}.") from None
 
 
@@ -379,7 +396,7 @@ class Publication:
                 f"another prepack build to {uri} started at the same moment "
                 f"({self.fs.unstrip_protocol(self.marker)} appeared); this one wrote nothing."
             ) from None
-        except OSError as exc:
+        except storage_errors() as exc:
             raise OutputError(f"cannot write {self.fs.unstrip_protocol(self.marker)}: {exc}.") from None
 
     def shard_uri(self, name: str) -> str:
@@ -400,7 +417,7 @@ class Publication:
             return
         try:
             now = _manifest_text(self.fs, self.uri, self.prefix, self.kind)
-        except OSError as exc:
+        except storage_errors() as exc:
             raise OutputError(f"cannot read {self.uri}: {exc}; this build was discarded.") from None
         if now != (None if self.replacing is None else self.replacing[0]):
             raise OutputError(f"{self.uri} changed while this build ran; it was left as it is, and this build discarded.")
@@ -416,7 +433,7 @@ class Publication:
         self.uploading([*shards, self.kind])
         try:  # a manifest that went up meanwhile (a writer that ignored the marker): its shards stay as they are
             published = _manifest_text(self.fs, self.uri, self.prefix, self.kind) is not None
-        except (OSError, FormatError):
+        except (*storage_errors(), FormatError):
             published = True
         if published:
             self._give_up(f"another prepack build published {self.uri} while this one ran; that build was left as it is")
@@ -428,7 +445,7 @@ class Publication:
             published = _manifest_text(self.fs, self.uri, self.prefix, self.kind) == manifest
         except FileExistsError:
             published = False
-        except OSError as exc:
+        except storage_errors() as exc:
             self._give_up(f"cannot write {self.uri}: {exc}")
         if not published:  # another build's manifest went up first, or replaced this one's
             self._give_up(f"another prepack build published {self.uri} while this one ran; that build was left as it is")
@@ -436,11 +453,11 @@ class Publication:
         if self.replacing is not None:
             try:
                 _delete(self.fs, [f"{self.prefix}/{s.name}" for s in self.replacing[1].shards if s.name not in ours])
-            except OSError as exc:
+            except storage_errors() as exc:
                 raise OutputError(f"{self.uri} is published, but the replaced build's other shards could not be deleted: {exc}.") from None
         try:
             self.fs.rm_file(self.marker)
-        except OSError as exc:
+        except storage_errors() as exc:
             raise OutputError(f"{self.uri} is published, but its staging marker {self.fs.unstrip_protocol(self.marker)} could not be deleted: {exc}.") from None
 
     def discard(self) -> None:
@@ -477,7 +494,7 @@ class Publication:
                 return
         except FileNotFoundError:
             pass
-        except OSError as exc:
+        except storage_errors() as exc:
             raise OutputError(f"cannot read {self.fs.unstrip_protocol(self.marker)}: {exc}.") from None
         marker = _read_marker(self.fs, self.uri, self.marker)
         if marker is None or marker.get("build") != self.build_id:
@@ -486,17 +503,17 @@ class Publication:
     def _give_up(self, reason: str) -> None:
         try:
             self.discard()
-        except OSError as cleanup:
+        except storage_errors() as cleanup:
             raise OutputError(f"{reason}; nor could what this build uploaded be deleted: {cleanup}.") from None
         raise OutputError(f"{reason}. This build was discarded: what it uploaded and no other build names was deleted.")
 
     def _writing(self, write) -> None:
         try:
             write()
-        except OSError as exc:
+        except storage_errors() as exc:
             try:
                 self.discard()
-            except OSError as cleanup:
+            except storage_errors() as cleanup:
                 raise OutputError(f"cannot write {self.uri}: {exc}; nor delete what this build uploaded: {cleanup}.") from None
             raise OutputError(f"cannot write {self.uri}: {exc}; what this build uploaded was deleted.") from None
 
@@ -540,7 +557,7 @@ def _clear_leftovers(fs: Any, uri: str, prefix: str, marker_path: str) -> None:
         for scratch in marker["scratch"]:
             _delete_prefix(fs, f"{parent}/{scratch}")
         fs.rm_file(marker_path)
-    except OSError as exc:
+    except storage_errors() as exc:
         raise OutputError(f"cannot delete what a killed build left at {uri}: {exc}.") from None
 
 
@@ -550,7 +567,7 @@ def _read_marker(fs: Any, uri: str, path: str) -> dict | None:
         text = fs.cat_file(path)
     except FileNotFoundError:
         return None
-    except OSError as exc:
+    except storage_errors() as exc:
         raise OutputError(f"cannot read {fs.unstrip_protocol(path)}: {exc}.") from None
     name = posixpath.basename(path)[1 : -len(STAGING_MARK)]
     try:
@@ -581,7 +598,7 @@ def _published_names(fs: Any, prefix: str) -> set[str]:
             text = _manifest_text(fs, fs.unstrip_protocol(prefix), prefix, kind)
             if text is not None:
                 names |= {kind, *(s.name for s in _parse_manifest(text, fs.unstrip_protocol(prefix), kind).shards)}
-        except (OSError, FormatError):
+        except (*storage_errors(), FormatError):
             names.add(kind)  # unreadable: at least the manifest stays
     return names
 
@@ -594,7 +611,7 @@ def _replaceable_prefix(
     try:
         objects = _objects(fs, prefix)
         text = _manifest_text(fs, uri, prefix, kind)
-    except OSError as exc:
+    except storage_errors() as exc:
         raise OutputError(f"cannot read {uri}: {exc}.") from None
     except FormatError as exc:
         raise OutputError(f"{uri} is not a prepack {OUTPUT_KINDS[kind]}, so prepack will not replace or delete it: {exc}") from None

@@ -551,3 +551,15 @@ def test_a_store_in_s3_is_named_by_its_uri_in_refusals_of_its_manifest_and_of_re
     with pytest.raises(FormatError) as refused:
         prepack.storage.remote.read_output_manifest(store, "store.json")
     assert str(refused.value).startswith(f"{store}/store.json has store_version 2; this prepack reads version 1.")
+
+
+def test_missing_credentials_are_a_named_error_not_a_traceback(tmp_path, s3_server):
+    # botocore raises NoCredentialsError, which s3fs lets through rather than map to an OSError.
+    no_credentials = {
+        "AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SESSION_TOKEN": None, "AWS_PROFILE": None,
+        "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI": None, "AWS_CONTAINER_CREDENTIALS_FULL_URI": None,
+    }
+    result = run_prepack("build", "s3://bucket/corpus.parquet", "--max-len", "8", "--out", tmp_path / "out", env=no_credentials)
+    assert "s3://bucket/corpus.parquet: cannot be listed (Unable to locate credentials)" in failure(result)
+    assert not (tmp_path / "out").exists()
