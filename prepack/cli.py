@@ -390,6 +390,7 @@ def verify_command(
     cache_dir: _CacheDirOption = None,
     store: Annotated[Path | None, typer.Option("--store", help="An index build's store, where it lies now if it moved (a local directory).")] = None,
     images: Annotated[Path | None, typer.Option("--images", help="The image set prepared with its corpus: check it, and every pack's image tokens.")] = None,
+    reference: Annotated[Path | None, typer.Option("--reference", help="A pair build's stored reference log-probabilities: check them against their manifest and the build.")] = None,
 ) -> None:
     """Check shards against the manifest and the format (and every token against --source).
     Exit 0: sound; 1: problems found (printed); 2: not a build, or an unreadable --source."""
@@ -404,13 +405,18 @@ def verify_command(
             from prepack.check.images import verify_images
 
             problems = [*problems, *verify_images(path, images)]
+        if reference is not None:
+            from prepack.check.reference import verify_reference
+
+            problems = [*problems, *verify_reference(path, reference)]
     except PrepackError as exc:
         _fail(exc)
     for problem in problems:
         typer.echo(f"problem: {problem}")
     if problems:
         raise typer.Exit(1)
-    typer.echo(checked_summary(path, source))
+    checked = f" {reference}: the reference log-probabilities checked." if reference is not None else ""
+    typer.echo(checked_summary(path, source) + checked)
 
 
 class Attention(str, Enum):
