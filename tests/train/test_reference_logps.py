@@ -107,7 +107,29 @@ def test_the_build_has_several_shards(build):
     assert len(manifest.shards) >= 3 and manifest.pairs.pairs == PAIRS
 
 
+def _losses_agree(policy, in_loop, batch: dict, plain: dict) -> None:
+    """DPO and IPO from the stored values of `batch` equal those from the reference run on `plain` (the same
+    packs, collated without them)."""
+    with torch.no_grad():  # the reference is a constant of the loss: its values decide the gradients too
+        logps = pair_logps(policy(**model_inputs(batch)).logits, batch)  # model_inputs drops reference_logps
+        looped = pair_logps(in_loop(**model_inputs(plain)).logits, plain)
+    from_store = stored_reference(batch)
+    for name in looped._fields:
+        torch.testing.assert_close(getattr(from_store, name), getattr(looped, name), rtol=1e-12, atol=1e-10, msg=name)
+    for loss in (dpo_loss, ipo_loss):
+        torch.testing.assert_close(loss(logps, from_store, BETA).mean(), loss(logps, looped, BETA).mean(),
+                                   rtol=1e-12, atol=1e-12)
+
+
 def test_stored_reference_gives_the_loss_of_the_reference_in_the_loop(build, reference):
+    batch, plain = batches(build, reference)[0], batches(build)[0]
+    assert "reference_logps" not in plain and batch["reference_logps"].dtype == torch.float64
+    assert batch["reference_logps"].shape == (len(batch["pair_segments"]), 2)
+    _losses_agree(enable_packing(tiny_llama(0)), enable_packing(tiny_llama(1)).eval(), batch, plain)
+
+
+@pytest.mark.slow  # every pack, and every document run alone, through a 50k-token vocabulary in float64: ~10 s
+def test_every_stored_value_is_the_document_run_alone(build, reference):
     manifest = read_reference_manifest(reference)
     assert manifest.complete and len(manifest.files) == len(prepack.formats.shards.read_manifest(build).shards)
     in_loop = enable_packing(tiny_llama(1)).eval()
@@ -120,16 +142,7 @@ def test_stored_reference_gives_the_loss_of_the_reference_in_the_loop(build, ref
         torch.testing.assert_close(torch.cat([r.rejected for r in stored]), rejected, rtol=1e-12, atol=1e-10)
     policy = enable_packing(tiny_llama(0))
     for batch, plain in zip(stored_batches, batches(build)):
-        assert "reference_logps" not in plain and batch["reference_logps"].dtype == torch.float64
-        logps = pair_logps(policy(**model_inputs(batch)).logits, batch)  # model_inputs drops reference_logps
-        with torch.no_grad():
-            looped = pair_logps(in_loop(**model_inputs(plain)).logits, plain)
-        from_store = stored_reference(batch)
-        for name in looped._fields:
-            torch.testing.assert_close(getattr(from_store, name), getattr(looped, name), rtol=1e-12, atol=1e-10, msg=name)
-        for loss in (dpo_loss, ipo_loss):
-            torch.testing.assert_close(loss(logps, from_store, BETA).mean(), loss(logps, looped, BETA).mean(),
-                                       rtol=1e-12, atol=1e-12)
+        _losses_agree(policy, in_loop, batch, plain)
 
 
 def _snapshot(directory: Path) -> dict[str, bytes]:
