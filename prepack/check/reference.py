@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from prepack.check.verify import Problem
-from prepack.errors import FormatError
+from prepack.errors import FormatError, InputError
 from prepack.formats.common import FormatProblem
 from prepack.formats.reference import (
     REFERENCE_MANIFEST,
@@ -25,12 +25,15 @@ from prepack.formats.reference import (
     read_reference_manifest,
 )
 from prepack.formats.shards import read_manifest, shard_path
+from prepack.storage.remote import is_uri
 
 __all__ = ["verify_reference"]
 
 
 def verify_reference(build: str | os.PathLike, directory: str | os.PathLike) -> list[Problem]:
     """Every problem of the reference directory `directory` as the values of the local build `build`."""
+    if is_uri(build) or is_uri(directory):
+        raise InputError("--reference checks a local build against a local directory; copy them from object storage first.")
     build, directory = Path(build), Path(directory)
     manifest = read_manifest(build)
     try:

@@ -61,8 +61,11 @@ def reference_file_name(index: int) -> str:
 class ReferenceModel(StrictModel):
     """What computed the values: a rerun into the same directory must be this model."""
 
-    name: str = Field(description="The model's name (its config's name_or_path, or what the caller gave).")
-    config_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of its config as JSON, or of '' without one.")
+    name: str = Field(description="The model's name (its config's name_or_path, or what the caller gave); informative.")
+    config_sha256: str = Field(
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of its config as JSON (to_dict() without _name_or_path, keys sorted), or of '' without one.",
+    )
     weights_sha256: str = Field(
         pattern=r"^[0-9a-f]{64}$",
         description="sha256 over its state_dict in key order: per tensor its name, dtype, shape and raw bytes.",

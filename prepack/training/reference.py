@@ -67,10 +67,12 @@ _TEMPORARY = re.compile(r"\.reference-\d{5,}\.arrow\.tmp-[0-9a-f]{8}|\.reference
 
 def describe_model(model: Any, name: str | None = None) -> ReferenceModel:
     """The model's `ReferenceModel`: `name` (default: its config's `name_or_path`, else its class name), the
-    sha256 of its config as JSON, and the sha256 of its weights (every state_dict tensor's name, dtype,
-    shape and bytes, in key order: one read of the weights, copied to the CPU a tensor at a time)."""
+    sha256 of its config as JSON (where it was loaded from left out: the same model from another path is
+    the same model), and the sha256 of its weights (every state_dict tensor's name, dtype, shape and
+    bytes, in key order: one read of the weights, copied to the CPU a tensor at a time)."""
     config = getattr(model, "config", None)
-    config_text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else ""
+    fields = config.to_dict() if hasattr(config, "to_dict") else None
+    config_text = "" if fields is None else json.dumps({k: v for k, v in fields.items() if k != "_name_or_path"}, sort_keys=True)
     weights = hashlib.sha256()
     for key, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().cpu().contiguous().reshape(-1)
@@ -140,7 +142,7 @@ def write_reference_logps(
 
 def _shard_logps(dataset: PackedDataset, collate: PackedCollator, model: Any, packs: range, batch_size: int) -> np.ndarray:
     """Every document's summed log-probability over `packs`, in pack and document order, float64."""
-    device = next(iter(model.parameters()), torch.empty(0)).device if hasattr(model, "parameters") else torch.device("cpu")
+    device = next(model.parameters()).device
     values = []
     for start in range(packs.start, packs.stop, batch_size):
         batch = collate([dataset[i] for i in range(start, min(start + batch_size, packs.stop))])
@@ -176,7 +178,7 @@ def _started(out: Path, build: Manifest, model: ReferenceModel) -> ReferenceMani
         check_against_build(found, build, out / REFERENCE_MANIFEST)
     except FormatError as exc:
         raise OutputError(f"{refusal}: {exc}") from None
-    if found.model != model:
+    if (found.model.config_sha256, found.model.weights_sha256) != (model.config_sha256, model.weights_sha256):
         raise OutputError(f"{refusal}: its values are of the model {found.model.model_dump()}, not of this one "
                           f"{model.model_dump()}; choose another directory.")
     with output_errors(out, "delete"):

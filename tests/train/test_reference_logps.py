@@ -29,7 +29,7 @@ from prepack.storage.files import write_record_batch
 from prepack.training.collate import PackedCollator
 from prepack.training.preference import dpo_loss, ipo_loss, model_inputs, pair_logps
 from prepack.training.reference import stored_reference, write_reference_logps
-from tests.cli import run_prepack
+from tests.cli import WIDE, failure, run_prepack
 from tests.demo_inputs import CHATML, chitchat_pairs, gpt2_directory
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -282,3 +282,24 @@ def test_verify_command_checks_the_reference(build, reference, tmp_path):
     _nan(out, "reference-00000.arrow")
     found = run_prepack("verify", build, "--reference", out)
     assert found.returncode == 1 and "is not a log-probability" in found.stdout, (found.stdout, found.stderr)
+
+
+@pytest.mark.slow  # three commands that import torch and transformers: ~25 s
+def test_reference_logps_command_writes_the_library_s_values(build, reference, tmp_path):
+    tiny_llama(1).save_pretrained(tmp_path / "ref-model")
+    out = tmp_path / "values"
+    result = run_prepack("reference-logps", build, "--model", tmp_path / "ref-model", "--out", out, "--batch-size", "1",
+                         "--device", "cpu", env=WIDE)
+    assert result.returncode == 0, result.stderr
+    assert "reference log-probabilities of 6 packs (4 files) of ref-model" in result.stdout
+    files = sorted(path.name for path in reference.glob("reference-*.arrow"))
+    assert files == sorted(path.name for path in out.glob("reference-*.arrow")) and len(files) == 4
+    for name in files:  # the manifests differ in the model's description only (TinyReference wraps the model)
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    assert verify_reference(build, out) == []
+    # The same model from another directory is the same model: the run checks every file and computes none.
+    shutil.copytree(tmp_path / "ref-model", tmp_path / "moved")
+    again = run_prepack("reference-logps", build, "--model", tmp_path / "moved", "--out", out, "--device", "cpu", env=WIDE)
+    assert again.returncode == 0, again.stderr
+    message = failure(run_prepack("reference-logps", build, "--model", tmp_path / "nowhere", "--out", out, env=WIDE))
+    assert "--model" in message and "nowhere is not a directory" in message
