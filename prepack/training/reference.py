@@ -129,6 +129,11 @@ def write_reference_logps(
             else:
                 packs = range(first_pack, first_pack + info.rows)
                 values = _shard_logps(dataset, collate, model, packs, batch_size)
+                if not np.isfinite(values).all():
+                    document = int(np.flatnonzero(~np.isfinite(values))[0])
+                    pack = int(np.searchsorted(np.cumsum(documents), document, side="right"))
+                    raise InputError(f"{description.name} gives document {document} of {info.name} (in its row {pack}) the "
+                                     f"log-probability {values[document]}: a reference must give every trained token a finite one.")
                 offsets = np.append(0, np.cumsum(documents))
                 batch = pa.RecordBatch.from_arrays([list_array(offsets, values)], schema=REFERENCE_SCHEMA)
                 size, sha256 = _publish(out, index, batch)

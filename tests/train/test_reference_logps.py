@@ -10,6 +10,7 @@ into four shards, so that a run has shards to stop between.
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 import prepack
 from prepack import PackedDataset
 from prepack.check.reference import verify_reference
-from prepack.errors import FormatError, OutputError, UsageError
+from prepack.errors import FormatError, InputError, OutputError, UsageError
 from prepack.formats.common import list_array, list_column
 from prepack.formats.reference import REFERENCE_MANIFEST, REFERENCE_SCHEMA, read_reference_manifest
 from prepack.model.packing import enable_packing
@@ -125,6 +126,10 @@ def test_stored_reference_gives_the_loss_of_the_reference_in_the_loop(build, ref
     batch, plain = batches(build, reference)[0], batches(build)[0]
     assert "reference_logps" not in plain and batch["reference_logps"].dtype == torch.float64
     assert batch["reference_logps"].shape == (len(batch["pair_segments"]), 2)
+    # The same values in the padding-free layout, and from a dataset pickled into a DataLoader worker.
+    dataset = pickle.loads(pickle.dumps(PackedDataset(build, reference=reference)))
+    free = PackedCollator.for_dataset(dataset, layout="padding_free")([dataset[0], dataset[1]])
+    assert torch.equal(free["reference_logps"], batch["reference_logps"])
     _losses_agree(enable_packing(tiny_llama(0)), enable_packing(tiny_llama(1)).eval(), batch, plain)
 
 
@@ -187,6 +192,17 @@ def test_a_run_refuses_another_model_foreign_files_and_a_differing_file(build, r
     with pytest.raises(OutputError, match="notes.txt, which prepack did not write"):
         write_reference_logps(build, TinyReference().eval(), tmp_path / "mine")
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    # A model that gives a document no finite value writes nothing.
+    class NotFinite(TinyReference):
+        def forward(self, **inputs):
+            output = super().forward(**inputs)
+            output.logits = output.logits * float("nan")
+            return output
+
+    with pytest.raises(InputError, match="the log-probability nan: a reference must give every trained token a finite one"):
+        write_reference_logps(build, NotFinite().eval(), tmp_path / "nan")
+    assert sorted(p.name for p in (tmp_path / "nan").iterdir()) == [REFERENCE_MANIFEST]
+    assert read_reference_manifest(tmp_path / "nan").files == []
     # An unlisted file under a reference file's name that holds other values is not replaced.
     manifest = json.loads((out / REFERENCE_MANIFEST).read_text())
     manifest["files"] = manifest["files"][:1]
