@@ -10,6 +10,9 @@ prompt + rejected, into one pack; `PackedCollator` turns its packs into a batch 
         reference = pair_logps(ref_model(**model_inputs(batch)).logits, batch)
     loss = dpo_loss(policy, reference, beta=0.1).mean()          # or ipo_loss, simpo_loss(policy)
 
+or, with the reference's values computed once and stored beside the build (`prepack.training.reference`):
+`reference = stored_reference(batch)`, no reference forward.
+
 `sequence_logps` sums, over each segment of `cu_seq_lens_q`, the log-probability of every trained token
 (labels not -100: the completion) given the tokens before it in its own document; the collator already
 masks each document's first token. Since no token attends across documents, these are exactly the
