@@ -2,13 +2,16 @@
 
     python examples/chitchat_pairs.py --out pairs-packed --max-len 2048       # or: prepack build ... --pairs
     python examples/train_dpo_plain_loop.py --data pairs-packed --steps 3 --loss dpo --beta 0.1
+    python examples/train_dpo_plain_loop.py --data pairs-packed --reference pairs-reference   # stored reference
 
 Each batch holds whole pairs (`prepack build --pairs` packs both documents of a pair together, and the
 collator returns `pair_segments`). One forward of the policy and one of the frozen reference (a copy of
 the starting model) over the packed batch give every completion's summed log-probability
 (`prepack.training.preference.pair_logps`), exactly those of the sequences run alone; the loss is the
-mean over the batch's pairs. Without --model it trains a tiny random Llama built from a config
-(nothing is downloaded).
+mean over the batch's pairs. With --reference DIR the reference's log-probabilities are computed once,
+into DIR (`prepack.training.reference.write_reference_logps`: a later run reuses them, a stopped one goes
+on), and served with the packs: no reference model is held or run while training. Without --model it
+trains a tiny random Llama built from a config (nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from prepack import PackedCollator, PackedDataset, PackedSampler, enable_packing
 from prepack.training.preference import dpo_loss, ipo_loss, model_inputs, pair_logps, simpo_loss
+from prepack.training.reference import stored_reference, write_reference_logps
 from tiny_model import load_model, parse_args  # examples/tiny_model.py
 
 LOSSES = {
@@ -32,6 +36,8 @@ LOSSES = {
 def options(parser) -> None:
     parser.add_argument("--loss", choices=sorted(LOSSES), default="dpo")
     parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--reference", help="a directory for the starting model's reference log-probabilities, "
+                        "computed once (or finished) there, then read instead of running a reference model")
 
 
 def main() -> None:
@@ -40,11 +46,14 @@ def main() -> None:
     dataset = PackedDataset(args.data)
     if dataset.manifest.pairs is None:
         raise SystemExit(f"{args.data} is not a preference-pair build: build it with prepack build ... --pairs")
-    sampler = PackedSampler(dataset, seed=0)
-    collate = PackedCollator.for_dataset(dataset)  # also returns pair_segments for a pair build
-    loader = DataLoader(dataset, args.batch_size, sampler=sampler, collate_fn=collate, num_workers=args.workers)
     model = enable_packing(load_model(args.model, dataset)).to(device).train()
     reference = copy.deepcopy(model).eval().requires_grad_(False)
+    if args.reference:  # one pass of the frozen copy over the build, then it is let go
+        write_reference_logps(args.data, reference, args.reference, batch_size=args.batch_size)
+        dataset, reference = PackedDataset(args.data, reference=args.reference), None
+    sampler = PackedSampler(dataset, seed=0)
+    collate = PackedCollator.for_dataset(dataset)  # pair_segments for a pair build, and reference_logps if stored
+    loader = DataLoader(dataset, args.batch_size, sampler=sampler, collate_fn=collate, num_workers=args.workers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     step = 0
     while step < args.steps:
@@ -52,8 +61,11 @@ def main() -> None:
             batch = {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
             inputs = model_inputs(batch)  # the model takes no pair_segments
             policy = pair_logps(model(**inputs).logits, batch)
-            with torch.no_grad():
-                reference_logps = pair_logps(reference(**inputs).logits, batch)
+            if reference is None:
+                reference_logps = stored_reference(batch)
+            else:
+                with torch.no_grad():
+                    reference_logps = pair_logps(reference(**inputs).logits, batch)
             loss = LOSSES[args.loss](policy, reference_logps, args.beta).mean()
             loss.backward()
             optimizer.step()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 import typer.core
 
-from prepack.errors import PrepackError, UsageError, require
+from prepack.errors import InputError, PrepackError, UsageError, require
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -397,6 +397,7 @@ def verify_command(
     cache_dir: _CacheDirOption = None,
     store: Annotated[Path | None, typer.Option("--store", help="An index build's store, where it lies now if it moved (a local directory).")] = None,
     images: Annotated[Path | None, typer.Option("--images", help="The image set prepared with its corpus: check it, and every pack's image tokens.")] = None,
+    reference: Annotated[Path | None, typer.Option("--reference", help="A pair build's stored reference log-probabilities: check them against their manifest and the build.")] = None,
 ) -> None:
     """Check shards against the manifest and the format (and every token against --source).
     Exit 0: sound; 1: problems found (printed); 2: not a build, or an unreadable --source."""
@@ -411,13 +412,18 @@ def verify_command(
             from prepack.check.images import verify_images
 
             problems = [*problems, *verify_images(path, images)]
+        if reference is not None:
+            from prepack.check.reference import verify_reference
+
+            problems = [*problems, *verify_reference(path, reference)]
     except PrepackError as exc:
         _fail(exc)
     for problem in problems:
         typer.echo(f"problem: {problem}")
     if problems:
         raise typer.Exit(1)
-    typer.echo(checked_summary(path, source))
+    checked = f" {reference}: the reference log-probabilities checked." if reference is not None else ""
+    typer.echo(checked_summary(path, source) + checked)
 
 
 class Attention(str, Enum):
@@ -436,6 +442,44 @@ class Dtype(str, Enum):
     float64 = "float64"
     bfloat16 = "bfloat16"
     float16 = "float16"
+
+
+@app.command("reference-logps", cls=_Command)
+def reference_logps_command(
+    path: Annotated[Path, typer.Argument(help="A preference-pair build directory (prepack build --pairs).")],
+    model: Annotated[Path, typer.Option("--model", help="The frozen reference: a local model directory (config.json and weights). Nothing is downloaded.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Where the values go: a new or empty directory, or one a stopped run left (it goes on).")],
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Packs per forward.")] = 8,
+    attn: Annotated[Attention, typer.Option("--attn", metavar="IMPLEMENTATION", help="Attention implementation, as check-isolation takes it.")] = Attention.sdpa,
+    dtype: Annotated[Dtype | None, typer.Option("--dtype", help="Model dtype.", show_default="the checkpoint's")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="Torch device, e.g. cpu or cuda:1.", show_default="cuda if there is one, else cpu")] = None,
+) -> None:
+    """Run a frozen reference model once over a pair build and store every document's summed completion
+    log-probability, so that DPO needs no reference model while training (resumable: run it again after a
+    stop; needs prepack-llm[train])."""
+    try:
+        transformers = require("transformers", "prepack reference-logps")
+        torch = require("torch", "prepack reference-logps")
+        from prepack.model.packing import enable_packing
+        from prepack.training.reference import write_reference_logps
+
+        if not model.is_dir():
+            raise InputError(f"--model {model} is not a directory; give a local model directory (config.json and weights).")
+        try:
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(
+                model, attn_implementation=attn.value, dtype=getattr(torch, dtype.value) if dtype else "auto",
+                local_files_only=True,
+            )
+        except (OSError, ValueError) as exc:
+            raise InputError(f"cannot load --model {model}: {exc}") from None
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        loaded = enable_packing(loaded).to(device).eval()
+        reference = write_reference_logps(path, loaded, out, batch_size=batch_size, name=model.name)
+    except PrepackError as exc:
+        _fail(exc)
+    rows = sum(file.rows for file in reference.files)
+    _stdout().print(f"stored the reference log-probabilities of {rows:,} packs ({len(reference.files)} files) of {model.name} under {out}")
+
 
 
 @app.command("check-isolation", cls=_Command)

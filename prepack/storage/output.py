@@ -37,6 +37,7 @@ __all__ = [
     "check_replaceable",
     "is_staging",
     "output_errors",
+    "output_lock",
     "output_file",
     "replaceable_build",
     "staged_directory",
@@ -174,7 +175,7 @@ def staged_directory(out: str | os.PathLike, overwrite: bool, kind: str = MANIFE
         )
     with output_errors(out.parent, "create"):
         out.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(out):
+    with output_lock(out):
         _remove_stale_staging(out)
         replacing = _found(out, kind)
         if replacing is not None and not overwrite:
@@ -216,8 +217,9 @@ def _publish(built: Path, out: Path, replacing: _Found | None, kind: str) -> Non
 
 
 @contextmanager
-def _locked(out: Path) -> Iterator[None]:
-    """Hold `.NAME.lock` beside `out`, or raise OutputError at once if another build holds it.
+def output_lock(out: Path) -> Iterator[None]:
+    """Hold `.NAME.lock` beside `out`, or raise OutputError at once if another build holds it (also
+    what `prepack.training.reference` holds while it writes into a reference directory).
 
     The lock file is deleted when the build ends, while still locked. That is safe because a build
     that gets the lock checks that the path still names the file it locked: one that locked a file

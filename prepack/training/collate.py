@@ -107,7 +107,9 @@ class PackedCollator:
       before `model(**batch)`: a model takes no such argument.
     - Packs of a preference-pair build (`pair_roles`, from `PackedDataset`) also give `pair_segments`
       [P, 2] int64: each pair's chosen and rejected document as segment numbers of `cu_seq_lens_q`, what
-      `prepack.training.preference.pair_logps` reads (every pack must hold whole pairs).
+      `prepack.training.preference.pair_logps` reads (every pack must hold whole pairs); packs with stored
+      reference log-probabilities (`PackedDataset(build, reference=DIR)`) also give `reference_logps` [P, 2]
+      float64, each pair's chosen and rejected value, for `prepack.training.reference.stored_reference`.
     - `pad_token_id`: the token id written at padding (its label is always -100). By default each row's
       padding repeats the row's last token: padding is a segment of its own and never trained on, but
       its gradient still flows through the model as 0 times the local derivative, and a token whose
@@ -201,6 +203,8 @@ class PackedCollator:
             batch["seq_idx"] = torch.from_numpy(fields.seq_idx)
         if any(pack.pair_roles is not None for pack in checked):
             batch["pair_segments"] = torch.from_numpy(_pair_segments(checked, segment_ids, fields.cu_seq_lens))
+            if any(pack.reference_logps is not None for pack in checked):
+                batch["reference_logps"] = torch.from_numpy(_reference_logps(checked))
         if self.cp_size is not None:
             lengths = np.concatenate([np.diff(pack.cu_seqlens) for pack in checked])
             batch["cu_seqlens"] = torch.from_numpy(np.append(0, np.cumsum(lengths)).astype(np.int32))
@@ -249,6 +253,7 @@ class _Pack(NamedTuple):
     labels: np.ndarray | None
     source_ids: np.ndarray | None = None  # one per document
     pair_roles: np.ndarray | None = None  # a preference-pair build's pack: 0 chosen, 1 rejected, per document
+    reference_logps: np.ndarray | None = None  # its stored reference log-probabilities, per document
 
 
 def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.ndarray) -> np.ndarray:
@@ -268,6 +273,16 @@ def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.
     return documents.astype(np.int64).reshape(-1, 2)
 
 
+def _reference_logps(packs: list[_Pack]) -> np.ndarray:
+    """[P, 2] float64: the stored reference log-probabilities of each pair's chosen and rejected document,
+    in the order of `_pair_segments` (every pack's documents, in order, make whole pairs)."""
+    missing = [number for number, pack in enumerate(packs) if pack.reference_logps is None]
+    if missing:
+        raise UsageError(f"Pack {missing[0]} has no 'reference_logps' while others of the batch have: collate packs "
+                         "of one PackedDataset(build, reference=DIR).")
+    return np.concatenate([pack.reference_logps for pack in packs]).astype(np.float64).reshape(-1, 2)
+
+
 def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
     """The pack with every document padded to a multiple of `multiple` (pad id, else the document's
     last token, as a row's padding), labels -100 there; the padding belongs to its document."""
@@ -281,7 +296,7 @@ def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
     labels = np.full(cu_padded[-1], IGNORE_INDEX, dtype=np.int64)
     input_ids[destination] = pack.input_ids
     labels[destination] = pack.input_ids if pack.labels is None else pack.labels
-    return _Pack(input_ids, cu_padded, labels, pack.source_ids, pack.pair_roles)
+    return _Pack(input_ids, cu_padded, labels, pack.source_ids, pack.pair_roles, pack.reference_logps)
 
 
 def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sources: bool = False) -> _Pack:
@@ -321,4 +336,7 @@ def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sou
         if source_ids.shape != (len(cu_seqlens) - 1,):
             raise UsageError(f"Pack {number}: {source_ids.shape} source_ids for {len(cu_seqlens) - 1} documents.")
     pair_roles = np.asarray(pack["pair_roles"]) if pack.get("pair_roles") is not None else None
-    return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles)
+    reference = np.asarray(pack["reference_logps"]) if pack.get("reference_logps") is not None else None
+    if reference is not None and reference.shape != (len(cu_seqlens) - 1,):
+        raise UsageError(f"Pack {number}: {reference.shape} reference_logps for {len(cu_seqlens) - 1} documents.")
+    return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles, reference)

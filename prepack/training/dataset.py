@@ -31,6 +31,7 @@ from numba.typed import List as TypedList
 from prepack.storage.cache import ShardCache
 from prepack.errors import FormatError, InputError, PackIndexError, optional_imports
 from prepack.formats.common import list_column
+from prepack.formats.reference import ReferenceLogps
 from prepack.formats.shards import (
     FORMAT_VERSION,
     PAIR_ROLES,
@@ -89,6 +90,11 @@ class PackedDataset(Dataset):
     in full (sha256, contents) when a pack first needs it; a row's input_ids, labels and segment_ids
     are new arrays, gathered by one kernel call per pack, which checks every document's (row, piece)
     against the store's document and, `validate` or not, every index value it reads before using it.
+
+    `reference`: the directory of a preference-pair build's stored reference log-probabilities
+    (`prepack.training.reference.write_reference_logps`), complete and of this build; each row then also
+    holds `reference_logps` [k] float64, one per document, checked (rows, values per pack, finite; with
+    `verify_checksums` the sha256) when its shard is first opened.
     """
 
     def __init__(
@@ -99,6 +105,7 @@ class PackedDataset(Dataset):
         verify_checksums: bool = False,
         cache_dir: str | os.PathLike | None = None,
         store: str | os.PathLike | None = None,
+        reference: str | os.PathLike | None = None,
     ):
         # A build in object storage (a URI): its shards are downloaded into `cache_dir` on first use,
         # size and sha256 checked, then served as a local build's (`prepack.storage.cache`).
@@ -111,6 +118,8 @@ class PackedDataset(Dataset):
             _check_directory(self.path, self.manifest)
         self._row_ends = np.cumsum([shard.rows for shard in self.manifest.shards], dtype=np.int64)
         self._open: dict[int, dict[str, _ListColumn]] = {}
+        # A preference-pair build's stored reference log-probabilities, served per pack (`prepack.training.reference`).
+        self.reference = None if reference is None else ReferenceLogps(reference, self.manifest)
         self.store: Store | StoreChain | None = None
         if self.manifest.index_of is None and store is not None:
             raise InputError(f"{path} is a full build; it reads no store (leave out store=).")
@@ -194,9 +203,10 @@ class PackedDataset(Dataset):
         packed = {"input_ids": ids, "cu_seqlens": cu[cu_off[row] : cu_off[row + 1]], "segment_ids": segment_ids}
         if self.store.manifest.has_labels:
             packed["labels"] = labels
-        if "source_ids" in columns:  # a mixture's
-            offsets, values = columns["source_ids"]
-            packed["source_ids"] = values[offsets[row] : offsets[row + 1]]
+        for name in ("source_ids", "reference_logps"):  # a mixture's; stored reference log-probabilities
+            if name in columns:
+                offsets, values = columns[name]
+                packed[name] = values[offsets[row] : offsets[row + 1]]
         return packed
 
     def _open_store_tokens(self) -> _StoreTokens:
@@ -242,7 +252,11 @@ class PackedDataset(Dataset):
         if shard not in self._open:
             batch, where = self._open_checked(shard), self.manifest.shards[shard].name
             names = _index_columns(batch) if self.store is not None else [*_row_columns(batch), "source_rows"]
-            self._open[shard] = {name: list_column(batch, name, where) for name in names}
+            columns = {name: list_column(batch, name, where) for name in names}
+            if self.reference is not None:  # a value per document of each pack, checked against cu_seqlens
+                documents = np.diff(columns["cu_seqlens"][0]).astype(np.int64) - 1
+                columns["reference_logps"] = self.reference.shard(shard, documents, check_sha256=self.verify_checksums)
+            self._open[shard] = columns
         return self._open[shard]
 
     def _open_checked(self, shard: int) -> pa.RecordBatch:

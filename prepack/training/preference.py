@@ -10,6 +10,9 @@ prompt + rejected, into one pack; `PackedCollator` turns its packs into a batch 
         reference = pair_logps(ref_model(**model_inputs(batch)).logits, batch)
     loss = dpo_loss(policy, reference, beta=0.1).mean()          # or ipo_loss, simpo_loss(policy)
 
+or, with the reference's values computed once and stored beside the build (`prepack.training.reference`):
+`reference = stored_reference(batch)`, no reference forward.
+
 `sequence_logps` sums, over each segment of `cu_seq_lens_q`, the log-probability of every trained token
 (labels not -100: the completion) given the tokens before it in its own document; the collator already
 masks each document's first token. Since no token attends across documents, these are exactly the
@@ -33,9 +36,14 @@ with optional_imports("prepack.training.preference"):
     import torch
     import torch.nn.functional as F
 
-__all__ = ["PAIR_FIELDS", "PairLogps", "dpo_loss", "ipo_loss", "model_inputs", "pair_logps", "sequence_logps", "simpo_loss"]
+__all__ = [
+    "PAIR_FIELDS", "PairLogps", "dpo_loss", "ipo_loss", "model_inputs", "pair_logps", "sequence_logps", "simpo_loss",
+    "trained_tokens",
+]
 
-PAIR_FIELDS = ("pair_segments",)  # what a batch of pairs carries besides the model's inputs
+# What a batch of pairs carries besides the model's inputs (reference_logps: a build's stored reference
+# log-probabilities, `prepack.training.reference`).
+PAIR_FIELDS = ("pair_segments", "reference_logps")
 
 
 class PairLogps(NamedTuple):
@@ -64,10 +72,7 @@ def sequence_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torc
     labels = batch["labels"]
     if logits.shape[:2] != labels.shape:
         raise UsageError(f"logits of shape {tuple(logits.shape)} do not match labels of shape {tuple(labels.shape)}")
-    cu = batch["cu_seq_lens_q"].to(device=logits.device, dtype=torch.int64)
-    width = labels.shape[1]
-    targets = labels[:, 1:].to(logits.device)
-    trained = targets != IGNORE_INDEX
+    targets, trained, segment, segments = _label_segments(batch, logits.device)
     predicting = logits[:, :-1].flatten(0, 1)
     logp = -F.cross_entropy(
         predicting.to(torch.promote_types(predicting.dtype, torch.float32)),
@@ -75,14 +80,31 @@ def sequence_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torc
         ignore_index=IGNORE_INDEX,
         reduction="none",
     )
-    # The flat position of each label (row b, column t + 1), and the segment it belongs to.
-    rows = torch.arange(labels.shape[0], device=logits.device).unsqueeze(1) * width
-    positions = (rows + torch.arange(1, width, device=logits.device)).flatten()
-    segment = torch.searchsorted(cu, positions, right=True) - 1
-    segments = len(cu) - 1
     sums = torch.zeros(segments, dtype=logp.dtype, device=logits.device).index_add(0, segment, logp * trained.flatten())
-    tokens = torch.bincount(segment, weights=trained.flatten().to(torch.float64), minlength=segments).to(torch.int64)
-    return sums, tokens
+    return sums, _count(segment, trained, segments)
+
+
+def trained_tokens(batch: Mapping[str, Any]) -> torch.Tensor:
+    """The trained tokens [S] (int64) of every segment of `batch["cu_seq_lens_q"]`, as `sequence_logps`
+    counts them, from the labels alone."""
+    _, trained, segment, segments = _label_segments(batch, batch["labels"].device)
+    return _count(segment, trained, segments)
+
+
+def _label_segments(batch: Mapping[str, Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(labels predicted [B, L - 1], which are trained, the segment of each (flattened), the segment count)."""
+    labels = batch["labels"]
+    cu = batch["cu_seq_lens_q"].to(device=device, dtype=torch.int64)
+    width = labels.shape[1]
+    targets = labels[:, 1:].to(device)
+    # The flat position of each label (row b, column t + 1), and the segment it belongs to.
+    rows = torch.arange(labels.shape[0], device=device).unsqueeze(1) * width
+    positions = (rows + torch.arange(1, width, device=device)).flatten()
+    return targets, targets != IGNORE_INDEX, torch.searchsorted(cu, positions, right=True) - 1, len(cu) - 1
+
+
+def _count(segment: torch.Tensor, trained: torch.Tensor, segments: int) -> torch.Tensor:
+    return torch.bincount(segment, weights=trained.flatten().to(torch.float64), minlength=segments).to(torch.int64)
 
 
 def pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:

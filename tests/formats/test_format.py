@@ -17,6 +17,7 @@ from prepack import build
 from prepack.errors import FormatError
 from prepack.formats.common import FormatProblem
 from prepack.formats.images import ImageSetManifest
+from prepack.formats.reference import ReferenceManifest
 from prepack.formats.shards import (
     FORMAT_VERSION,
     Manifest,
@@ -39,6 +40,7 @@ SCHEMAS = Path(__file__).parents[2] / "schemas"
         (Manifest, "manifest.schema.json"),
         (StoreManifest, "store.schema.json"),
         (ImageSetManifest, "image-set.schema.json"),
+        (ReferenceManifest, "reference.schema.json"),
     ],
 )
 def test_json_schema_matches_the_model(model, name):

@@ -66,12 +66,14 @@ def pairs_packed(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["train_dpo_plain_loop.py", "train_dpo_trl.py"])
+@pytest.mark.parametrize("script", ["train_dpo_plain_loop.py", "train_dpo_trl.py", "train_dpo_plain_loop.py --reference ref"])
 def test_dpo_example_trains_on_a_pair_build(pairs_packed, script, tmp_path):
-    """Both DPO recipes start at log 2 (policy == reference) and print a finite final loss."""
+    """Both DPO recipes start at log 2 (policy == reference) and print a finite final loss; so does the
+    plain loop on stored reference log-probabilities."""
+    script, *options = script.split()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), "--data", str(pairs_packed), "--steps", "3", "--workers", "0"],
+        [sys.executable, str(EXAMPLES / script), "--data", str(pairs_packed), "--steps", "3", "--workers", "0", *options],
         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-4000:]

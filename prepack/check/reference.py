@@ -1,0 +1,61 @@
+"""`prepack verify BUILD --reference DIR`: stored reference log-probabilities checked against their manifest and
+the build (`prepack.formats.reference`, `schemas/reference-logps.md`).
+
+In order: `reference.json` read strictly; of this build (its fingerprint and shard count, and each file's
+build shard sha256 and rows against the build manifest's); complete (a file per shard); then every file:
+a regular file of its listed size and sha256, an Arrow stream of the format's schema and one batch, a row
+per pack of its build shard, as many values per row as the pack holds documents (from the shard's
+`cu_seqlens`), every value finite and at most 0. Each file's first problem is reported.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from prepack.check.verify import Problem
+from prepack.errors import FormatError, InputError
+from prepack.formats.common import FormatProblem
+from prepack.formats.reference import (
+    REFERENCE_MANIFEST,
+    build_shard_documents,
+    check_against_build,
+    check_reference_file,
+    open_reference_file,
+    read_reference_manifest,
+)
+from prepack.formats.shards import read_manifest, shard_path
+from prepack.storage.remote import is_uri
+
+__all__ = ["verify_reference"]
+
+
+def verify_reference(build: str | os.PathLike, directory: str | os.PathLike) -> list[Problem]:
+    """Every problem of the reference directory `directory` as the values of the local build `build`."""
+    if is_uri(build) or is_uri(directory):
+        raise InputError("--reference checks a local build against a local directory; copy them from object storage first.")
+    build, directory = Path(build), Path(directory)
+    manifest = read_manifest(build)
+    try:
+        reference = read_reference_manifest(directory)
+        check_against_build(reference, manifest, directory / REFERENCE_MANIFEST)
+    except FormatError as exc:
+        return [_problem(exc.problem)]
+    problems = []
+    if not reference.complete:
+        problems.append(Problem(file=str(directory / REFERENCE_MANIFEST), column="files", message=(
+            f"lists {len(reference.files)} of the build's {reference.shards} shards: the run that writes it stopped; "
+            "run write_reference_logps into it again to finish it.")))
+    for index, file in enumerate(reference.files):
+        info = manifest.shards[index]
+        try:
+            batch = open_reference_file(directory, file, check_sha256=True)
+            documents = build_shard_documents(manifest, shard_path(build, index, info), info)
+            check_reference_file(batch, documents, str(directory / file.name))
+        except FormatError as exc:
+            problems.append(_problem(exc.problem))
+    return problems
+
+
+def _problem(found: FormatProblem) -> Problem:
+    return Problem(file=found.file, row=found.row, column=found.column, message=found.message)

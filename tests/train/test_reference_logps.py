@@ -1,0 +1,321 @@
+"""Reference log-probabilities stored beside a preference-pair build (`prepack.training.reference`): in float64
+on a tiny random Llama, the DPO loss from the stored values equals the one that runs the reference model in
+the loop, and the stored values equal each sequence run alone; a run stopped after one shard and run again
+writes the bytes of one never stopped; `verify --reference` (and the loader) refuse every kind of tampering.
+
+The build (examples/chitchat_pairs.py's first pairs, as tests/train/test_preference.py builds them) is cut
+into four shards, so that a run has shards to stop between.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+import prepack
+from prepack import PackedDataset
+from prepack.check.reference import verify_reference
+from prepack.errors import FormatError, InputError, OutputError, UsageError
+from prepack.formats.common import list_array, list_column
+from prepack.formats.reference import REFERENCE_MANIFEST, REFERENCE_SCHEMA, read_reference_manifest
+from prepack.model.packing import enable_packing
+from prepack.storage.files import write_record_batch
+from prepack.training.collate import PackedCollator
+from prepack.training.preference import dpo_loss, ipo_loss, model_inputs, pair_logps
+from prepack.training.reference import stored_reference, write_reference_logps
+from tests.cli import WIDE, failure, run_prepack
+from tests.demo_inputs import CHATML, chitchat_pairs, gpt2_directory
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.train.test_preference import BETA, MAX_LEN, PAIRS, pairs_of
+
+SHARD_BYTES = 3000  # four shards of one or two packs
+VOCAB = 50_259  # the demo tokenizer's ids, whole: the writer reads the build's labels as they are
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("reference")
+    corpus = root / "pairs.jsonl"
+    corpus.write_text("".join(json.dumps(pair) + "\n" for pair in chitchat_pairs()[:PAIRS]))
+    tokenizer = gpt2_directory(root / "gpt2", CHATML)
+    prepack.build(corpus, root / "packed", max_len=MAX_LEN, tokenizer=tokenizer, chat=True, pairs=True, overflow="drop",
+                  num_proc=1, shard_size=SHARD_BYTES)
+    return root / "packed"
+
+
+def tiny_llama(seed: int) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
+                         attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(torch.float64)
+
+
+class TinyReference(torch.nn.Module):
+    """The frozen reference (tiny_llama(1), packing enabled); `fail_at` makes its forward number
+    `fail_at` (1-based) raise, as a run killed there would stop."""
+
+    def __init__(self, fail_at: int | None = None):
+        super().__init__()
+        self.model = enable_packing(tiny_llama(1)).eval()
+        self.fail_at, self.calls = fail_at, 0
+
+    def forward(self, **inputs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise KeyboardInterrupt("stopped")
+        return self.model(**inputs)
+
+
+def alone(model, pairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair's chosen and rejected summed log-probability, every document run alone, unpacked."""
+    sums = []
+    for pair in pairs:
+        for ids, labels in pair:
+            ids, labels = torch.as_tensor(ids.astype(np.int64)), torch.as_tensor(labels.astype(np.int64))
+            logp = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1], -1).gather(1, ids[1:, None])[:, 0]
+            sums.append((logp * (labels[1:] != -100)).sum())
+    values = torch.stack(sums).reshape(-1, 2)
+    return values[:, 0], values[:, 1]
+
+
+@pytest.fixture(scope="module")
+def reference(build, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "values"
+    write_reference_logps(build, TinyReference().eval(), out, batch_size=1)
+    return out
+
+
+def batches(build: Path, reference: Path | None = None) -> list[dict]:
+    dataset = PackedDataset(build, reference=reference)
+    collate = PackedCollator.for_dataset(dataset)
+    result = []
+    for first in range(0, len(dataset), 2):
+        result.append(collate([dataset[i] for i in range(first, min(first + 2, len(dataset)))]))
+    return result
+
+
+def test_the_build_has_several_shards(build):
+    manifest = prepack.formats.shards.read_manifest(build)
+    assert len(manifest.shards) >= 3 and manifest.pairs.pairs == PAIRS
+
+
+def _losses_agree(policy, in_loop, batch: dict, plain: dict) -> None:
+    """DPO and IPO from the stored values of `batch` equal those from the reference run on `plain` (the same
+    packs, collated without them)."""
+    with torch.no_grad():  # the reference is a constant of the loss: its values decide the gradients too
+        logps = pair_logps(policy(**model_inputs(batch)).logits, batch)  # model_inputs drops reference_logps
+        looped = pair_logps(in_loop(**model_inputs(plain)).logits, plain)
+    from_store = stored_reference(batch)
+    for name in looped._fields:
+        torch.testing.assert_close(getattr(from_store, name), getattr(looped, name), rtol=1e-12, atol=1e-10, msg=name)
+    for loss in (dpo_loss, ipo_loss):
+        torch.testing.assert_close(loss(logps, from_store, BETA).mean(), loss(logps, looped, BETA).mean(),
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_stored_reference_gives_the_loss_of_the_reference_in_the_loop(build, reference):
+    batch, plain = batches(build, reference)[0], batches(build)[0]
+    assert "reference_logps" not in plain and batch["reference_logps"].dtype == torch.float64
+    assert batch["reference_logps"].shape == (len(batch["pair_segments"]), 2)
+    # The same values in the padding-free layout, and from a dataset pickled into a DataLoader worker.
+    dataset = pickle.loads(pickle.dumps(PackedDataset(build, reference=reference)))
+    free = PackedCollator.for_dataset(dataset, layout="padding_free")([dataset[0], dataset[1]])
+    assert torch.equal(free["reference_logps"], batch["reference_logps"])
+    _losses_agree(enable_packing(tiny_llama(0)), enable_packing(tiny_llama(1)).eval(), batch, plain)
+
+
+@pytest.mark.slow  # every pack, and every document run alone, through a 50k-token vocabulary in float64: ~10 s
+def test_every_stored_value_is_the_document_run_alone(build, reference):
+    manifest = read_reference_manifest(reference)
+    assert manifest.complete and len(manifest.files) == len(prepack.formats.shards.read_manifest(build).shards)
+    in_loop = enable_packing(tiny_llama(1)).eval()
+    stored_batches = batches(build, reference)
+    with torch.no_grad():
+        # Every stored value is the document's own, run alone (plain unpacked forward).
+        chosen, rejected = alone(tiny_llama(1), pairs_of(build))
+        stored = [stored_reference(batch) for batch in stored_batches]
+        torch.testing.assert_close(torch.cat([r.chosen for r in stored]), chosen, rtol=1e-12, atol=1e-10)
+        torch.testing.assert_close(torch.cat([r.rejected for r in stored]), rejected, rtol=1e-12, atol=1e-10)
+    policy = enable_packing(tiny_llama(0))
+    for batch, plain in zip(stored_batches, batches(build)):
+        _losses_agree(policy, in_loop, batch, plain)
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def test_a_stopped_run_goes_on_to_the_bytes_of_an_uninterrupted_one(build, reference, tmp_path):
+    shards = prepack.formats.shards.read_manifest(build).shards
+    out = tmp_path / "values"
+    # batch_size 1: forward number rows(shard 0) + 1 is the first of shard 1.
+    with pytest.raises(KeyboardInterrupt):
+        write_reference_logps(build, TinyReference(fail_at=shards[0].rows + 1).eval(), out, batch_size=1)
+    assert [file.name for file in read_reference_manifest(out).files] == ["reference-00000.arrow"]
+    problems = verify_reference(build, out)
+    assert [p.column for p in problems] == ["files"] and "1 of the build's" in problems[0].message
+    with pytest.raises(FormatError, match="run write_reference_logps into it again"):
+        PackedDataset(build, reference=out)
+    # As if a run had also written shard 1's file and stopped before listing it, and another left a temporary file.
+    shutil.copyfile(reference / "reference-00001.arrow", out / "reference-00001.arrow")
+    (out / ".reference-00002.arrow.tmp-0123abcd").write_bytes(b"partial")
+    model = TinyReference().eval()
+    write_reference_logps(build, model, out, batch_size=1)
+    assert model.calls == sum(shard.rows for shard in shards[1:])  # shard 0 checked, not computed again
+    assert _snapshot(out) == _snapshot(reference)
+    assert verify_reference(build, out) == []
+
+
+def test_a_run_refuses_another_model_foreign_files_and_a_differing_file(build, reference, tmp_path):
+    out = tmp_path / "values"
+    shutil.copytree(reference, out)
+    before = _snapshot(out)
+    other = TinyReference().eval()
+    with torch.no_grad():
+        other.model.model.embed_tokens.weight[0, 0] += 1
+    with pytest.raises(OutputError, match="not of this one"):
+        write_reference_logps(build, other, out)
+    with pytest.raises(UsageError, match="training mode"):
+        write_reference_logps(build, TinyReference().train(), out)
+    assert _snapshot(out) == before
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="notes.txt, which prepack did not write"):
+        write_reference_logps(build, TinyReference().eval(), tmp_path / "mine")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    # A model that gives a document no finite value writes nothing.
+    class NotFinite(TinyReference):
+        def forward(self, **inputs):
+            output = super().forward(**inputs)
+            output.logits = output.logits * float("nan")
+            return output
+
+    with pytest.raises(InputError, match="the log-probability nan: a reference must give every trained token a finite one"):
+        write_reference_logps(build, NotFinite().eval(), tmp_path / "nan")
+    assert sorted(p.name for p in (tmp_path / "nan").iterdir()) == [REFERENCE_MANIFEST]
+    assert read_reference_manifest(tmp_path / "nan").files == []
+    # An unlisted file under a reference file's name that holds other values is not replaced.
+    manifest = json.loads((out / REFERENCE_MANIFEST).read_text())
+    manifest["files"] = manifest["files"][:1]
+    (out / REFERENCE_MANIFEST).write_text(json.dumps(manifest))
+    (out / "reference-00001.arrow").write_bytes(b"not these values")
+    with pytest.raises(OutputError, match="reference-00001.arrow exists, is not listed"):
+        write_reference_logps(build, TinyReference().eval(), out, batch_size=1)
+    assert (out / "reference-00001.arrow").read_bytes() == b"not these values"
+
+
+def _rewrite(directory: Path, name: str, offsets: np.ndarray, values: np.ndarray) -> None:
+    """Replace a file by these values, its manifest entry's bytes and sha256 updated to match."""
+    size, sha256 = write_record_batch(directory / name, pa.RecordBatch.from_arrays([list_array(offsets, values)],
+                                                                                    schema=REFERENCE_SCHEMA))
+    manifest = json.loads((directory / REFERENCE_MANIFEST).read_text())
+    entry = next(file for file in manifest["files"] if file["name"] == name)
+    entry.update(bytes=size, sha256=sha256)
+    (directory / REFERENCE_MANIFEST).write_text(json.dumps(manifest))
+
+
+def _values(directory: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
+    batch = pa.ipc.open_stream((directory / name).read_bytes()).read_next_batch()
+    offsets, values = list_column(batch, "logps")
+    return offsets.copy(), values.copy()
+
+
+def _flip_a_byte(directory: Path, name: str) -> None:
+    data = bytearray((directory / name).read_bytes())
+    data[len(data) // 2] ^= 1
+    (directory / name).write_bytes(bytes(data))
+
+
+def _fewer_rows(directory: Path, name: str) -> None:
+    offsets, values = _values(directory, name)
+    _rewrite(directory, name, offsets[:-1], values[: offsets[-2]])
+
+
+def _moved_value(directory: Path, name: str) -> None:
+    offsets, values = _values(directory, name)
+    offsets[1] -= 1  # row 0's last value becomes row 1's first
+    _rewrite(directory, name, offsets, values)
+
+
+def _nan(directory: Path, name: str) -> None:
+    offsets, values = _values(directory, name)
+    values[-1] = np.nan
+    _rewrite(directory, name, offsets, values)
+
+
+def _edit_manifest(change):
+    def edit(directory: Path, name: str) -> None:
+        manifest = json.loads((directory / REFERENCE_MANIFEST).read_text())
+        change(manifest)
+        (directory / REFERENCE_MANIFEST).write_text(json.dumps(manifest))
+
+    return edit
+
+
+TAMPERING = {
+    "sha256": (_flip_a_byte, "sha256", "sha256 is"),
+    "rows": (_fewer_rows, "logps", "rows; the build shard holds 2 packs"),
+    "documents per pack": (_moved_value, "logps", "values; the pack holds"),
+    "finite": (_nan, "logps", "is not a log-probability"),
+    "missing": (lambda directory, name: (directory / name).unlink(), None, "missing"),
+    "another build": (_edit_manifest(lambda m: m.update(build_fingerprint="0" * 64)), "build_fingerprint", "not of this one"),
+    "incomplete": (_edit_manifest(lambda m: m["files"].pop()), "files", "of the build's"),
+}
+
+
+@pytest.mark.parametrize("tampering", sorted(TAMPERING))
+def test_verify_reference_finds_every_tampering(build, reference, tmp_path, tampering):
+    assert verify_reference(build, reference) == []
+    change, column, message = TAMPERING[tampering]
+    out = tmp_path / "values"
+    shutil.copytree(reference, out)
+    two_packs = next(file.name for file, shard in zip(read_reference_manifest(out).files,
+                                                      prepack.formats.shards.read_manifest(build).shards) if shard.rows == 2)
+    change(out, two_packs)
+    problems = verify_reference(build, out)
+    assert len(problems) == 1 and problems[0].column == column and message in problems[0].message, problems
+    if tampering in ("rows", "documents per pack", "finite"):  # the loader checks these too, sha256 aside
+        assert problems[0].row == (None if tampering == "rows" else {"documents per pack": 0, "finite": 1}[tampering])
+        dataset = PackedDataset(build, reference=out)
+        with pytest.raises(FormatError, match=message):
+            [dataset[i] for i in range(len(dataset))]
+
+
+def test_verify_command_checks_the_reference(build, reference, tmp_path):
+    clean = run_prepack("verify", build, "--reference", reference)
+    assert clean.returncode == 0 and "reference log-probabilities checked" in clean.stdout, clean.stderr
+    out = tmp_path / "values"
+    shutil.copytree(reference, out)
+    _nan(out, "reference-00000.arrow")
+    found = run_prepack("verify", build, "--reference", out)
+    assert found.returncode == 1 and "is not a log-probability" in found.stdout, (found.stdout, found.stderr)
+
+
+@pytest.mark.slow  # three commands that import torch and transformers: ~25 s
+def test_reference_logps_command_writes_the_library_s_values(build, reference, tmp_path):
+    tiny_llama(1).save_pretrained(tmp_path / "ref-model")
+    out = tmp_path / "values"
+    result = run_prepack("reference-logps", build, "--model", tmp_path / "ref-model", "--out", out, "--batch-size", "1",
+                         "--device", "cpu", env=WIDE)
+    assert result.returncode == 0, result.stderr
+    assert "reference log-probabilities of 6 packs (4 files) of ref-model" in result.stdout
+    files = sorted(path.name for path in reference.glob("reference-*.arrow"))
+    assert files == sorted(path.name for path in out.glob("reference-*.arrow")) and len(files) == 4
+    for name in files:  # the manifests differ in the model's description only (TinyReference wraps the model)
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    assert verify_reference(build, out) == []
+    # The same model from another directory is the same model: the run checks every file and computes none.
+    shutil.copytree(tmp_path / "ref-model", tmp_path / "moved")
+    again = run_prepack("reference-logps", build, "--model", tmp_path / "moved", "--out", out, "--device", "cpu", env=WIDE)
+    assert again.returncode == 0, again.stderr
+    message = failure(run_prepack("reference-logps", build, "--model", tmp_path / "nowhere", "--out", out, env=WIDE))
+    assert "--model" in message and "nowhere is not a directory" in message
