@@ -31,19 +31,24 @@ from tests.demo_inputs import CHATML, chitchat_pairs, gpt2_directory
 VOCAB, MAX_LEN, PAIRS, BETA = 128, 256, 12, 0.1
 
 
-@pytest.fixture(scope="module")
-def build(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("preference")
+def pair_build(root: Path, **options) -> Path:
+    """A pair build under `root` of the first PAIRS pairs of examples/chitchat_pairs.py's, chat with the demo
+    tokenizer; `options` go to `prepack.build`."""
     corpus = root / "pairs.jsonl"
     corpus.write_text("".join(json.dumps(pair) + "\n" for pair in chitchat_pairs()[:PAIRS]))
     tokenizer = gpt2_directory(root / "gpt2", CHATML)
     prepack.build(corpus, root / "packed", max_len=MAX_LEN, tokenizer=tokenizer, chat=True, pairs=True, overflow="drop",
-                  num_proc=1)  # twelve pairs: no worker processes to start
+                  num_proc=1, **options)  # twelve pairs: no worker processes to start
     return root / "packed"
 
 
-def tiny_llama(seed: int) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+@pytest.fixture(scope="module")
+def build(tmp_path_factory) -> Path:
+    return pair_build(tmp_path_factory.mktemp("preference"))
+
+
+def tiny_llama(seed: int, vocab: int = VOCAB) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
                          attn_implementation="sdpa")
     torch.manual_seed(seed)

@@ -31,10 +31,8 @@ from prepack.training.collate import PackedCollator
 from prepack.training.preference import dpo_loss, ipo_loss, model_inputs, pair_logps
 from prepack.training.reference import stored_reference, write_reference_logps
 from tests.cli import WIDE, failure, run_prepack
-from tests.demo_inputs import CHATML, chitchat_pairs, gpt2_directory
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from tests.train.test_preference import BETA, MAX_LEN, PAIRS, pairs_of
+from tests.train.test_preference import BETA, PAIRS, pair_build, pairs_of
+from tests.train.test_preference import tiny_llama as preference_tiny_llama
 
 SHARD_BYTES = 3000  # four shards of one or two packs
 VOCAB = 50_259  # the demo tokenizer's ids, whole: the writer reads the build's labels as they are
@@ -42,21 +40,11 @@ VOCAB = 50_259  # the demo tokenizer's ids, whole: the writer reads the build's 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("reference")
-    corpus = root / "pairs.jsonl"
-    corpus.write_text("".join(json.dumps(pair) + "\n" for pair in chitchat_pairs()[:PAIRS]))
-    tokenizer = gpt2_directory(root / "gpt2", CHATML)
-    prepack.build(corpus, root / "packed", max_len=MAX_LEN, tokenizer=tokenizer, chat=True, pairs=True, overflow="drop",
-                  num_proc=1, shard_size=SHARD_BYTES)
-    return root / "packed"
+    return pair_build(tmp_path_factory.mktemp("reference"), shard_size=SHARD_BYTES)
 
 
-def tiny_llama(seed: int) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
-                         attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(torch.float64)
+def tiny_llama(seed: int) -> torch.nn.Module:
+    return preference_tiny_llama(seed, VOCAB)
 
 
 class TinyReference(torch.nn.Module):
