@@ -249,6 +249,7 @@ class _PackedBatchGuard:
         flash = attn in FLASH_ATTENTION
         if kwargs.get("shared_prompt_ids") is not None:  # PackedCollator(shared_prompt=True): a mask of its own
             how = None if verdict is None or verdict.label == "native" else verdict.label
+            how = "per-document sequence-state layers" if self.per_document is not None else how
             return (), _without_cache(shared_prompt_kwargs(kwargs, config, attn, how, module.dtype), flash)
         if kwargs.get("pixel_values") is not None and self.family.checked:
             # Images: the vision table's verdict, the towers' own segments, the family's positions and masks.

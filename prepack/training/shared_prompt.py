@@ -32,7 +32,7 @@ with optional_imports("prepack.training.shared_prompt"):
     import torch
     import torch.nn.functional as F
 
-__all__ = ["PARTS", "SharedPromptPack", "shared_pair_logps", "shared_prompt_pack"]
+__all__ = ["PARTS", "SharedPromptPack", "shared_pair_logps", "shared_prompt_pack", "shared_trained_tokens"]
 
 PARTS = 3  # prompt, chosen, rejected
 
@@ -110,8 +110,22 @@ def shared_pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]):
         predicting.to(torch.promote_types(predicting.dtype, torch.float32)), targets, ignore_index=IGNORE_INDEX,
         reduction="none",
     )
-    slot = torch.where(trained, (pair - 1) * 2 + part - 1, 0)
-    sums = torch.zeros(2 * pairs, dtype=logp.dtype, device=device).index_add(0, slot, logp * trained)
-    counts = torch.bincount(slot, weights=trained.to(torch.float64), minlength=2 * pairs).to(torch.int64)
-    sums, counts = sums.view(pairs, 2), counts.view(pairs, 2)
+    slot = _completion_slots(pair, part, trained)
+    sums = torch.zeros(2 * pairs, dtype=logp.dtype, device=device).index_add(0, slot, logp * trained).view(pairs, 2)
+    counts = shared_trained_tokens(batch).to(device)
     return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])
+
+
+def shared_trained_tokens(batch: Mapping[str, Any]) -> torch.Tensor:
+    """[P, 2] int64: the trained tokens of each pair's chosen and rejected completion in a shared-prompt batch."""
+    ids = batch["shared_prompt_ids"].flatten()
+    pair, part = ids // PARTS, ids % PARTS
+    trained = (batch["labels"].to(ids.device).flatten() != IGNORE_INDEX) & (part > 0)
+    pairs = int(pair.max())
+    slots = _completion_slots(pair, part, trained)
+    return torch.bincount(slots, weights=trained.to(torch.float64), minlength=2 * pairs).to(torch.int64).view(pairs, 2)
+
+
+def _completion_slots(pair: torch.Tensor, part: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """Each token's place among the batch's completions (pair - 1) * 2 + role, 0 where not trained."""
+    return torch.where(trained, (pair - 1) * 2 + part - 1, 0)

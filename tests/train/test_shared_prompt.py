@@ -108,6 +108,19 @@ def test_the_shared_layout_computes_each_prompt_once(build):
     assert saves > 0 and shared_positions == two_sequences - saves
 
 
+def test_stored_reference_reads_the_shared_layout(build):
+    from prepack.training.reference import stored_reference
+
+    dataset = PackedDataset(build)
+    packs = [dict(dataset[i]) for i in range(len(dataset))]
+    for number, pack in enumerate(packs):  # stand-in stored values, distinct per document
+        pack["reference_logps"] = -(number * 100.0 + torch.arange(len(pack["cu_seqlens"]) - 1).double()).numpy()
+    two_sequences = stored_reference(PackedCollator.for_dataset(dataset)(packs))
+    shared_layout = stored_reference(PackedCollator.for_dataset(dataset, shared_prompt=True)(packs))
+    for name in PairLogps._fields:
+        torch.testing.assert_close(getattr(shared_layout, name), getattr(two_sequences, name), rtol=0, atol=0)
+
+
 def test_pairs_whose_prompts_differ_are_refused_by_pack_and_pair(build):
     pack = dict(PackedDataset(build)[0])
     cu = pack["cu_seqlens"]
@@ -134,3 +147,13 @@ def test_sliding_window_families_refuse_the_layout_by_name(build):
     model = enable_packing(MistralForCausalLM(config).to(torch.float64))
     with pytest.raises(IsolationError, match="shared-prompt layout on a mistral model with sliding-window layers"):
         model(**model_inputs(shared_batches(build, "padded")[0]))
+
+
+def test_hybrid_families_refuse_the_layout_by_name(build):
+    from prepack.model.tiny_models import tiny_model
+
+    model = enable_packing(tiny_model("bamba", "sdpa"))
+    batch = shared_batches(build, "padded")[0]
+    batch["input_ids"] %= model.config.vocab_size
+    with pytest.raises(IsolationError, match="shared-prompt layout on bamba: .*per-document sequence-state layers"):
+        model(**model_inputs(batch))
