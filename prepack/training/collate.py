@@ -227,9 +227,9 @@ class PackedCollator:
         """The batch of `shared_prompt=True`: each pack re-laid (`prepack.training.shared_prompt`), in rows."""
         from prepack.training.shared_prompt import shared_prompt_pack
 
+        _require_whole_pairs(packs)
         laid, first_pair = [], 1
         for number, pack in enumerate(packs):
-            _pair_segments([pack], np.ones((1, len(pack.input_ids)), np.int32), pack.cu_seqlens)  # whole pairs only
             if pack.labels is None:
                 raise UsageError(
                     f"Pack {number} has no labels: shared_prompt finds each pair's prompt by its -100 labels."
@@ -314,6 +314,12 @@ def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.
     """[P, 2] int64: for each pair of the batch, in pack order, the numbers of its chosen and its rejected
     document among the batch's segments (those of `cu_seq_lens_q`; padding tails are segments too).
     Every pack must hold whole pairs, each chosen then rejected (`pair_roles` 0, 1, 0, 1, ...)."""
+    _require_whole_pairs(packs)
+    documents = np.flatnonzero(segment_ids.reshape(-1)[cu_seq_lens[:-1]] != 0)  # not a padding tail
+    return documents.astype(np.int64).reshape(-1, 2)
+
+
+def _require_whole_pairs(packs: list[_Pack]) -> None:
     for number, pack in enumerate(packs):
         roles = pack.pair_roles
         documents = len(pack.cu_seqlens) - 1
@@ -323,8 +329,6 @@ def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.
                 f"its {documents} documents (chosen 0, then rejected 1); a batch of pairs takes packs of a "
                 "preference-pair build only."
             )
-    documents = np.flatnonzero(segment_ids.reshape(-1)[cu_seq_lens[:-1]] != 0)  # not a padding tail
-    return documents.astype(np.int64).reshape(-1, 2)
 
 
 def _reference_logps(packs: list[_Pack]) -> np.ndarray:
