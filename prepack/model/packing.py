@@ -13,6 +13,8 @@ transformers isolates natively or raises `IsolationError`:
 - on flash attention, restarting `position_ids` without `cu_seq_lens_*` get offsets derived from them:
   with more than one row, transformers would otherwise run dense attention over each row;
 - a 2-D binary mask together with packed rows is refused (any 2-D mask turns packing detection off);
+- a shared-prompt batch (`shared_prompt_ids`, `prepack.model.shared_prompt`) gets its 4-D mask, on sdpa and
+  eager only; varlen kernels and sliding-window or mask-building families are refused by name;
 - a single 4-D mask on a sliding-window model is refused (it would be applied to the sliding layers too);
 - `cu_seq_lens_*`/`max_length_*` are checked before they reach a kernel, where a bad offset is an
   out-of-bounds read: int32, 1-D, on the tokens' device, q equal to k, from 0 to B·L, never
@@ -71,6 +73,7 @@ with optional_imports("enable_packing"):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from prepack.training.collate import segment_fields
+from prepack.model.shared_prompt import shared_prompt_kwargs
 from prepack.model.stateful import STATEFUL_LAYERS, DocumentSegments, PerDocumentLayers, install_per_document_layers
 from prepack.model.vision_families import VISION_FAMILIES, image_refusal
 from prepack.model.vision_packing import checked_image_batch
@@ -244,6 +247,10 @@ class _PackedBatchGuard:
         attn = config._attn_implementation
         verdict = self.family.require_isolated(attn)
         flash = attn in FLASH_ATTENTION
+        if kwargs.get("shared_prompt_ids") is not None:  # PackedCollator(shared_prompt=True): a mask of its own
+            how = None if verdict is None or verdict.label == "native" else verdict.label
+            how = "per-document sequence-state layers" if self.per_document is not None else how
+            return (), _without_cache(shared_prompt_kwargs(kwargs, config, attn, how, module.dtype), flash)
         if kwargs.get("pixel_values") is not None and self.family.checked:
             # Images: the vision table's verdict, the towers' own segments, the family's positions and masks.
             family = self.family

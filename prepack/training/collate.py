@@ -110,6 +110,10 @@ class PackedCollator:
       `prepack.training.preference.pair_logps` reads (every pack must hold whole pairs); packs with stored
       reference log-probabilities (`PackedDataset(build, reference=DIR)`) also give `reference_logps` [P, 2]
       float64, each pair's chosen and rejected value, for `prepack.training.reference.stored_reference`.
+    - `shared_prompt=True` (packs of a preference-pair build; `padded` or `padding_free`): each pair's prompt
+      once, then both completions, their position ids continuing from the prompt's end; the batch carries
+      `shared_prompt_ids` instead of offsets and `pair_segments` (`prepack.training.shared_prompt`). Only a
+      model passed to `prepack.enable_packing`, on sdpa or eager, masks it.
     - `pad_token_id`: the token id written at padding (its label is always -100). By default each row's
       padding repeats the row's last token: padding is a segment of its own and never trained on, but
       its gradient still flows through the model as 0 times the local derivative, and a token whose
@@ -132,6 +136,7 @@ class PackedCollator:
         pad_token_id: int | None = None,
         cp_size: int | None = None,
         source_ids: bool = False,
+        shared_prompt: bool = False,
     ):
         if layout not in _LAYOUTS:
             raise UsageError(f"layout must be one of {_LAYOUTS}, not {layout!r}.")
@@ -145,6 +150,11 @@ class PackedCollator:
             raise UsageError("pad_to_multiple_of must be at least 1, and the padding_free layout takes none.")
         if cp_size is not None and (cp_size < 1 or layout != "padding_free"):
             raise UsageError("cp_size must be at least 1, and only the padding_free layout (THD) takes it.")
+        if shared_prompt and (layout == "indexed_mask" or cp_size is not None or seq_idx or source_ids):
+            raise UsageError(
+                "shared_prompt takes the padded or padding_free layout, without cp_size, seq_idx or source_ids."
+            )
+        self.shared_prompt = shared_prompt
         self.cp_size = cp_size
         self.max_len = max_len
         self.layout = layout
@@ -177,6 +187,8 @@ class PackedCollator:
         checked = [_checked_pack(pack, number, self.max_len, self.source_ids) for number, pack in enumerate(packs)]
         if not checked:
             raise UsageError("Cannot collate an empty list of packs.")
+        if self.shared_prompt:
+            return self._shared_prompt_batch(checked)
         input_ids, labels, segment_ids, sources = self._fill_rows(checked)
         fields = segment_fields(segment_ids)
         # A document's first token is predicted by the end of the previous document: never train on it.
@@ -211,6 +223,48 @@ class PackedCollator:
             batch["cu_seqlens_padded"] = torch.from_numpy(fields.cu_seq_lens)
         return batch
 
+    def _shared_prompt_batch(self, packs: list[_Pack]) -> dict[str, torch.Tensor | int | bool]:
+        """The batch of `shared_prompt=True`: each pack re-laid (`prepack.training.shared_prompt`), in rows."""
+        from prepack.training.shared_prompt import shared_prompt_pack
+
+        _require_whole_pairs(packs)
+        laid, first_pair = [], 1
+        for number, pack in enumerate(packs):
+            if pack.labels is None:
+                raise UsageError(
+                    f"Pack {number} has no labels: shared_prompt finds each pair's prompt by its -100 labels."
+                )
+            laid.append(shared_prompt_pack(pack.input_ids, pack.cu_seqlens, pack.labels, number, first_pair))
+            first_pair += (len(pack.cu_seqlens) - 1) // 2
+        lengths = [len(pack.input_ids) for pack in laid]
+        if self.layout == "padding_free":
+            shape, starts = (1, sum(lengths)), [(0, start) for start in np.cumsum([0, *lengths[:-1]])]
+        else:
+            shape, starts = (len(laid), self._row_length(laid)), [(row, 0) for row in range(len(laid))]
+        input_ids = np.full(shape, self.pad_token_id or 0, dtype=np.int64)
+        labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
+        # A row's padding tail: a segment of its own (shared_prompt_ids 0), positions from 0.
+        position_ids = np.tile(np.arange(shape[1], dtype=np.int64), (shape[0], 1))
+        shared_prompt_ids = np.zeros(shape, dtype=np.int64)
+        for pack, (row, start) in zip(laid, starts):
+            end = start + len(pack.input_ids)
+            input_ids[row, start:end], labels[row, start:end] = pack.input_ids, pack.labels
+            position_ids[row, start:end], shared_prompt_ids[row, start:end] = pack.position_ids, pack.shared_prompt_ids
+            if self.layout != "padding_free":
+                position_ids[row, end:] -= end
+                if self.pad_token_id is None:
+                    input_ids[row, end:] = pack.input_ids[-1]  # a real token's embedding (see pad_token_id)
+        batch: dict[str, torch.Tensor | int | bool] = {
+            "input_ids": torch.from_numpy(input_ids),
+            "labels": torch.from_numpy(labels),
+            "position_ids": torch.from_numpy(position_ids),
+            "shared_prompt_ids": torch.from_numpy(shared_prompt_ids),
+            "use_cache": False,
+        }
+        if any(pack.reference_logps is not None for pack in packs):
+            batch["reference_logps"] = torch.from_numpy(_reference_logps(packs))
+        return batch
+
     def _fill_rows(self, packs: list[_Pack]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """input_ids, labels (before masking), segment ids (0 = padding) and, with `source_ids`, each
         token's source (-1 = padding), one pack per row or all in one."""
@@ -241,7 +295,7 @@ class PackedCollator:
                 row += 1
         return input_ids, labels, segment_ids, sources
 
-    def _row_length(self, packs: list[_Pack]) -> int:
+    def _row_length(self, packs: Sequence[_Pack | Any]) -> int:
         length = self.max_len if self.pad_to == "max_len" else max(len(pack.input_ids) for pack in packs)
         multiple = self.pad_to_multiple_of or 1
         return -(-length // multiple) * multiple
@@ -260,6 +314,12 @@ def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.
     """[P, 2] int64: for each pair of the batch, in pack order, the numbers of its chosen and its rejected
     document among the batch's segments (those of `cu_seq_lens_q`; padding tails are segments too).
     Every pack must hold whole pairs, each chosen then rejected (`pair_roles` 0, 1, 0, 1, ...)."""
+    _require_whole_pairs(packs)
+    documents = np.flatnonzero(segment_ids.reshape(-1)[cu_seq_lens[:-1]] != 0)  # not a padding tail
+    return documents.astype(np.int64).reshape(-1, 2)
+
+
+def _require_whole_pairs(packs: list[_Pack]) -> None:
     for number, pack in enumerate(packs):
         roles = pack.pair_roles
         documents = len(pack.cu_seqlens) - 1
@@ -269,8 +329,6 @@ def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.
                 f"its {documents} documents (chosen 0, then rejected 1); a batch of pairs takes packs of a "
                 "preference-pair build only."
             )
-    documents = np.flatnonzero(segment_ids.reshape(-1)[cu_seq_lens[:-1]] != 0)  # not a padding tail
-    return documents.astype(np.int64).reshape(-1, 2)
 
 
 def _reference_logps(packs: list[_Pack]) -> np.ndarray:

@@ -108,7 +108,12 @@ def _count(segment: torch.Tensor, trained: torch.Tensor, segments: int) -> torch
 
 
 def pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:
-    """`sequence_logps` of each pair's chosen and rejected document (`batch["pair_segments"]`)."""
+    """`sequence_logps` of each pair's chosen and rejected document (`batch["pair_segments"]`), or on a
+    shared-prompt batch (`shared_prompt_ids`) `prepack.training.shared_prompt.shared_pair_logps`."""
+    if "shared_prompt_ids" in batch:
+        from prepack.training.shared_prompt import shared_pair_logps
+
+        return shared_pair_logps(logits, batch)
     if "pair_segments" not in batch:
         raise UsageError("pair_logps needs pair_segments: collate packs of a preference-pair build (prepack build --pairs)")
     sums, tokens = sequence_logps(logits, batch)

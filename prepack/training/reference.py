@@ -234,5 +234,10 @@ def stored_reference(batch: dict[str, Any]) -> PairLogps:
     if "reference_logps" not in batch:
         raise UsageError("stored_reference needs reference_logps: open the build as PackedDataset(build, reference=DIR).")
     values = batch["reference_logps"]
-    tokens = trained_tokens(batch)[batch["pair_segments"].to(values.device)]
+    if "shared_prompt_ids" in batch:  # PackedCollator(shared_prompt=True): no segments, each pair's parts
+        from prepack.training.shared_prompt import shared_trained_tokens
+
+        tokens = shared_trained_tokens(batch).to(values.device)
+    else:
+        tokens = trained_tokens(batch)[batch["pair_segments"].to(values.device)]
     return PairLogps(values[:, 0], values[:, 1], tokens[:, 0].to(values.device), tokens[:, 1].to(values.device))
