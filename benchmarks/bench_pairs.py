@@ -5,7 +5,8 @@
 
 The first --packs packs of a preference-pair build, and the pairs they hold. prepack: the packs in
 batches of --pack-batch, collated `padding_free` (no padding at all), one policy and one reference
-forward each, `pair_logps` and `dpo_loss`, the policy's backward. TRL: the same pairs as TRL's DPOTrainer
+forward each, `pair_logps` and `dpo_loss`, the policy's backward; and the same with `shared_prompt=True`
+(each pair's prompt computed once, both completions attending to it). TRL: the same pairs as TRL's DPOTrainer
 feeds them, shuffled (seed 0) into batches of --batch-size pairs, each padded by its
 `DataCollatorForPreference` (chosen and rejected together, to the batch's longest), the same forwards
 and backward with the attention mask, and the loss of `DPOTrainer._compute_loss`'s formula on the
@@ -93,13 +94,14 @@ def main() -> None:
     dataset = PackedDataset(args.data)
     max_len = dataset.manifest.options.max_len
     packs = [dataset[i] for i in range(min(args.packs, len(dataset)))]
-    collate = PackedCollator(max_len, layout="padding_free")
-    packed = []
-    for first in range(0, len(packs), args.pack_batch):
-        batch = collate(packs[first : first + args.pack_batch])
-        batch["input_ids"] = batch["input_ids"] % args.vocab
-        batch["labels"] = torch.where(batch["labels"] == -100, batch["labels"], batch["labels"] % args.vocab)
-        packed.append(batch)
+    packed, shared = ([], [])
+    for batches, collate in ((packed, PackedCollator(max_len, layout="padding_free")),
+                             (shared, PackedCollator(max_len, layout="padding_free", shared_prompt=True))):
+        for first in range(0, len(packs), args.pack_batch):
+            batch = collate(packs[first : first + args.pack_batch])
+            batch["input_ids"] = batch["input_ids"] % args.vocab
+            batch["labels"] = torch.where(batch["labels"] == -100, batch["labels"], batch["labels"] % args.vocab)
+            batches.append(batch)
     examples = []
     for pack in packs:
         cu, ids, labels = pack["cu_seqlens"], pack["input_ids"] % args.vocab, pack["labels"]
@@ -118,11 +120,14 @@ def main() -> None:
     plain, plain_reference = tiny_llama(args.vocab, args.hidden, max_len, device), None
     plain_reference = copy.deepcopy(plain).requires_grad_(False)
     packed_step(model, reference, packed[:1], device)  # warm-up
+    packed_step(model, reference, shared[:1], device)
     trl_step(plain, plain_reference, trl[:1], device)
     packed_time = timed(lambda: packed_step(model, reference, packed, device), args.repeats)
+    shared_time = timed(lambda: packed_step(model, reference, shared, device), args.repeats)
     trl_time = timed(lambda: trl_step(plain, plain_reference, trl, device), args.repeats)
     real = sum(len(pack["input_ids"]) for pack in packs)
     packed_tokens = sum(batch["input_ids"].numel() for batch in packed)
+    shared_tokens = sum(batch["input_ids"].numel() for batch in shared)
     trl_tokens = sum(batch["input_ids"].numel() for batch in trl)
 
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
@@ -132,6 +137,8 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     print(f"| prepack packed pairs, {args.pack_batch} packs a batch, padding_free | {len(packed)} | {packed_tokens:,} | "
           f"{packed_tokens / real:.2f} | {packed_time:.2f} | 1.00 |")
+    print(f"| prepack, shared prompt (each prompt once), {args.pack_batch} packs a batch | {len(shared)} | {shared_tokens:,} | "
+          f"{shared_tokens / real:.2f} | {shared_time:.2f} | {shared_time / packed_time:.2f} |")
     print(f"| TRL DataCollatorForPreference, {args.batch_size} pairs a batch | {len(trl)} | {trl_tokens:,} | "
           f"{trl_tokens / real:.2f} | {trl_time:.2f} | {trl_time / packed_time:.2f} |")
 

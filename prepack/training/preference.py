@@ -31,13 +31,14 @@ from typing import Any, NamedTuple
 
 from prepack.errors import UsageError, optional_imports
 from prepack.formats.shards import IGNORE_INDEX
+from prepack.training.shared_prompt import PARTS, completion_slots, shared_trained_tokens
 
 with optional_imports("prepack.training.preference"):
     import torch
     import torch.nn.functional as F
 
 __all__ = [
-    "PAIR_FIELDS", "PairLogps", "dpo_loss", "ipo_loss", "model_inputs", "pair_logps", "sequence_logps", "simpo_loss",
+    "PAIR_FIELDS", "PairLogps", "dpo_loss", "ipo_loss", "model_inputs", "pair_logps", "sequence_logps", "shared_pair_logps", "simpo_loss",
     "trained_tokens",
 ]
 
@@ -109,16 +110,46 @@ def _count(segment: torch.Tensor, trained: torch.Tensor, segments: int) -> torch
 
 def pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:
     """`sequence_logps` of each pair's chosen and rejected document (`batch["pair_segments"]`), or on a
-    shared-prompt batch (`shared_prompt_ids`) `prepack.training.shared_prompt.shared_pair_logps`."""
+    shared-prompt batch (`shared_prompt_ids`) `shared_pair_logps`."""
     if "shared_prompt_ids" in batch:
-        from prepack.training.shared_prompt import shared_pair_logps
-
         return shared_pair_logps(logits, batch)
     if "pair_segments" not in batch:
         raise UsageError("pair_logps needs pair_segments: collate packs of a preference-pair build (prepack build --pairs)")
     sums, tokens = sequence_logps(logits, batch)
     pairs = batch["pair_segments"].to(sums.device)
     return PairLogps(sums[pairs[:, 0]], sums[pairs[:, 1]], tokens[pairs[:, 0]], tokens[pairs[:, 1]])
+
+
+def shared_pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:
+    """`PairLogps` of a shared-prompt batch: each completion's trained tokens, the first one predicted from
+    its pair's last prompt position, every other from the position before it (same part)."""
+    labels, ids = batch["labels"], batch["shared_prompt_ids"]
+    if logits.shape[:2] != labels.shape or ids.shape != labels.shape:
+        raise UsageError(f"logits of shape {tuple(logits.shape)} do not match labels of shape {tuple(labels.shape)}")
+    device = logits.device
+    ids, labels = ids.to(device).flatten(), labels.to(device).flatten()
+    width = batch["labels"].shape[1]
+    token = torch.arange(len(ids), device=device)
+    pair, part = ids // PARTS, ids % PARTS
+    pairs = int(pair.max())
+    # Each pair's last prompt token predicts the first token of both completions.
+    prompt_end = torch.zeros(pairs + 1, dtype=torch.int64, device=device).scatter_reduce(
+        0, pair, torch.where(part == 0, token, 0), "amax"
+    )
+    previous = (token - 1).clamp(min=0)
+    first = (token % width == 0) | (ids[previous] != ids)
+    predictor = torch.where(first & (part > 0), prompt_end[pair], previous)
+    trained = (labels != IGNORE_INDEX) & (part > 0)  # padding and prompts are part 0
+    targets = torch.where(trained, labels, IGNORE_INDEX)
+    predicting = logits.flatten(0, 1)[predictor]
+    logp = -F.cross_entropy(
+        predicting.to(torch.promote_types(predicting.dtype, torch.float32)), targets, ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
+    slot = completion_slots(pair, part, trained)
+    sums = torch.zeros(2 * pairs, dtype=logp.dtype, device=device).index_add(0, slot, logp * trained).view(pairs, 2)
+    counts = shared_trained_tokens(batch).to(device)
+    return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])
 
 
 def _margins(policy: PairLogps, reference: PairLogps) -> tuple[torch.Tensor, torch.Tensor]:

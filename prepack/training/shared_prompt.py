@@ -12,10 +12,10 @@ continue from the prompt's end, and the batch carries
 from which `prepack.model.shared_prompt.shared_prompt_mask` builds the attention: a token sees the earlier
 tokens of its own part and its pair's prompt, never the other completion or another pair. A model passed to
 `prepack.enable_packing` builds it itself (sdpa and eager only: varlen kernels cannot express it).
-`shared_pair_logps` reads each completion's log-probabilities, its first token predicted from the last prompt
-position in both completions; `prepack.training.preference.pair_logps` calls it on such a batch.
+`prepack.training.preference.pair_logps` reads each completion's log-probabilities from such a batch, its first
+token predicted from the last prompt position in both completions.
 
-This module imports torch (`shared_pair_logps`); the layout itself is numpy.
+This module imports torch (the trained-token counts); the layout itself is numpy.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from prepack.formats.shards import IGNORE_INDEX
 
 with optional_imports("prepack.training.shared_prompt"):
     import torch
-    import torch.nn.functional as F
 
-__all__ = ["PARTS", "SharedPromptPack", "shared_pair_logps", "shared_prompt_pack", "shared_trained_tokens"]
+__all__ = ["PARTS", "SharedPromptPack", "completion_slots", "shared_prompt_pack", "shared_trained_tokens"]
 
 PARTS = 3  # prompt, chosen, rejected
 
@@ -82,50 +81,16 @@ def shared_prompt_pack(
     return SharedPromptPack(*(np.concatenate(column).astype(np.int64) for column in zip(*parts)))
 
 
-def shared_pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]):
-    """`PairLogps` of a shared-prompt batch: each completion's trained tokens, the first one predicted from
-    its pair's last prompt position, every other from the position before it (same part)."""
-    from prepack.training.preference import PairLogps
-
-    labels, ids = batch["labels"], batch["shared_prompt_ids"]
-    if logits.shape[:2] != labels.shape or ids.shape != labels.shape:
-        raise UsageError(f"logits of shape {tuple(logits.shape)} do not match labels of shape {tuple(labels.shape)}")
-    device = logits.device
-    ids, labels = ids.to(device).flatten(), labels.to(device).flatten()
-    width = batch["labels"].shape[1]
-    token = torch.arange(len(ids), device=device)
-    pair, part = ids // PARTS, ids % PARTS
-    pairs = int(pair.max())
-    # Each pair's last prompt token predicts the first token of both completions.
-    prompt_end = torch.zeros(pairs + 1, dtype=torch.int64, device=device).scatter_reduce(
-        0, pair, torch.where(part == 0, token, 0), "amax"
-    )
-    previous = (token - 1).clamp(min=0)
-    first = (token % width == 0) | (ids[previous] != ids)
-    predictor = torch.where(first & (part > 0), prompt_end[pair], previous)
-    trained = (labels != IGNORE_INDEX) & (part > 0)  # padding and prompts are part 0
-    targets = torch.where(trained, labels, IGNORE_INDEX)
-    predicting = logits.flatten(0, 1)[predictor]
-    logp = -F.cross_entropy(
-        predicting.to(torch.promote_types(predicting.dtype, torch.float32)), targets, ignore_index=IGNORE_INDEX,
-        reduction="none",
-    )
-    slot = _completion_slots(pair, part, trained)
-    sums = torch.zeros(2 * pairs, dtype=logp.dtype, device=device).index_add(0, slot, logp * trained).view(pairs, 2)
-    counts = shared_trained_tokens(batch).to(device)
-    return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])
-
-
 def shared_trained_tokens(batch: Mapping[str, Any]) -> torch.Tensor:
     """[P, 2] int64: the trained tokens of each pair's chosen and rejected completion in a shared-prompt batch."""
     ids = batch["shared_prompt_ids"].flatten()
     pair, part = ids // PARTS, ids % PARTS
     trained = (batch["labels"].to(ids.device).flatten() != IGNORE_INDEX) & (part > 0)
     pairs = int(pair.max())
-    slots = _completion_slots(pair, part, trained)
+    slots = completion_slots(pair, part, trained)
     return torch.bincount(slots, weights=trained.to(torch.float64), minlength=2 * pairs).to(torch.int64).view(pairs, 2)
 
 
-def _completion_slots(pair: torch.Tensor, part: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
-    """Each token's place among the batch's completions (pair - 1) * 2 + role, 0 where not trained."""
+def completion_slots(pair: torch.Tensor, part: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """Each token's place among the batch's completions, (pair - 1) * 2 + role; 0 where not trained."""
     return torch.where(trained, (pair - 1) * 2 + part - 1, 0)
