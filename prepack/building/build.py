@@ -83,6 +83,20 @@ class Packing:
     drop_untrained: bool = False
     index_only: bool = False
 
+    def manifest_options(self, shard_size: int, column: str, labels_column: str | None) -> BuildOptions:
+        """The manifest's `options` for these packing options and the shards' size, the documents read
+        from `column` (and labels from `labels_column`). Raises pydantic's ValidationError (a ValueError)."""
+        return BuildOptions(
+            max_len=self.max_len,
+            algorithm=self.algorithm,
+            overflow=self.overflow,
+            seed=self.seed,
+            shard_size=shard_size,
+            column=column,
+            labels_column=labels_column,
+            drop_untrained=self.drop_untrained,
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class Output:
@@ -259,16 +273,7 @@ def build_packs(
     mixture file or a `Mixture` (`prepack build --source …`)."""
     max_len, overflow, index_only = packing.max_len, packing.overflow, packing.index_only
     try:
-        options = BuildOptions(
-            max_len=max_len,
-            algorithm=packing.algorithm,
-            overflow=overflow,
-            seed=packing.seed,
-            shard_size=output.shard_size,
-            column=reading.read_column,
-            labels_column=reading.labels_column,
-            drop_untrained=packing.drop_untrained,
-        )
+        options = packing.manifest_options(output.shard_size, reading.read_column, reading.labels_column)
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
     _check_engine(output.engine, output.ray_address, reading)

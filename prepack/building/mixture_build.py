@@ -28,7 +28,7 @@ from prepack.sources.documents import Documents, Reading, open_documents
 from prepack.building.engines.base import FirstPass, locate_row
 from prepack.building.engines.local import LocalEngine
 from prepack.errors import DISTRIBUTION, InputError
-from prepack.formats.shards import MANIFEST_NAME, BuildOptions, InputFile, Manifest, Totals, write_manifest
+from prepack.formats.shards import MANIFEST_NAME, InputFile, Manifest, Totals, write_manifest
 from prepack.building.mixture import Mixture, MixtureSpec, mixture_parts, packable_tokens, requested_tokens, select_source, source_location
 from prepack.formats.mixture import MixtureInfo, SourceCounts, mixture_fingerprint
 from prepack.building.mixture_plan import MixturePlan, plan_mixture
@@ -136,16 +136,7 @@ def build_mixture(
         totals = plan.totals()
         manifest = Manifest(
             prepack_version=version(DISTRIBUTION),
-            options=BuildOptions(
-                max_len=max_len,
-                algorithm=packing.algorithm,
-                overflow=packing.overflow,
-                seed=packing.seed,
-                shard_size=output.shard_size,
-                column=reading.column,
-                labels_column="labels" if has_labels else None,
-                drop_untrained=packing.drop_untrained,
-            ),
+            options=packing.manifest_options(output.shard_size, reading.column, "labels" if has_labels else None),
             has_labels=has_labels,
             fingerprint=whole.fingerprint,
             inputs=[
