@@ -53,6 +53,10 @@ def main() -> None:
         torch.save(loader.state_dict(), state_file)  # with the model's and optimizer's, in a real job
     print(f"final loss {loss.item():.4f}")
     if dist.is_initialized():
+        # DDP's reducer goes before its process group, with every rank still here: in the other order gloo
+        # now and then waits forever at exit on a rank that has already left (tests/train/test_loss.py).
+        del model, optimizer
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -97,6 +97,10 @@ def ddp_worker(rank: int, store: str, out: str) -> None:
                 (weighted_loss(logits, batch["labels"], w, total) * WORLD).backward()
         result[weighting] = {name.removeprefix("module."): p.grad.clone() for name, p in net.named_parameters()}
     torch.save(result, f"{out}/rank{rank}.pt")
+    # Free DDP's reducer while the group is alive and both ranks are here: torn down in the other order,
+    # gloo now and then waits forever on a peer that has already exited.
+    del net
+    dist.barrier()
     dist.destroy_process_group()
 
 
