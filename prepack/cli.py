@@ -86,26 +86,15 @@ def _commands() -> None:
     """Pack documents into fixed-length rows once, offline."""
 
 
-class Algorithm(str, Enum):
-    ffd = "ffd"
-    bfd = "bfd"
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A flag's choices as typer takes them: a str Enum whose members are named as their values."""
+    return Enum(name, {value: value for value in values}, type=str)
 
 
-class TrainOn(str, Enum):
-    assistant = "assistant"
-    all = "all"
-
-
-class Engine(str, Enum):
-    local = "local"
-    ray = "ray"
-
-
-class Overflow(str, Enum):
-    split = "split"
-    truncate = "truncate"
-    drop = "drop"
-    error = "error"
+Algorithm = _choices("Algorithm", ("ffd", "bfd"))
+TrainOn = _choices("TrainOn", ("assistant", "all"))
+Engine = _choices("Engine", ("local", "ray"))
+Overflow = _choices("Overflow", ("split", "truncate", "drop", "error"))
 
 
 # Reading and tokenizing options, shared by `build` and `tokenize` (`_with_reading_options`): each
@@ -426,22 +415,12 @@ def verify_command(
     typer.echo(checked_summary(path, source) + checked)
 
 
-class Attention(str, Enum):
-    """prepack.model.packing.SUPPORTED_ATTENTION, spelled out: importing it would import torch for every command."""
-
-    sdpa = "sdpa"
-    eager = "eager"
-    flash_attention_2 = "flash_attention_2"
-    flash_attention_3 = "flash_attention_3"
-    flash_attention_4 = "flash_attention_4"
-    flex_attention = "flex_attention"
-
-
-class Dtype(str, Enum):
-    float32 = "float32"
-    float64 = "float64"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
+# prepack.model.packing.SUPPORTED_ATTENTION, spelled out: importing it would import torch for every command.
+Attention = _choices(
+    "Attention",
+    ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention"),
+)
+Dtype = _choices("Dtype", ("float32", "float64", "bfloat16", "float16"))
 
 
 @app.command("reference-logps", cls=_Command)

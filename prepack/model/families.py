@@ -35,6 +35,7 @@ that leak are the ones with new kinds of layers, and a new family is the likelie
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -466,19 +467,10 @@ def markdown() -> str:
         backend: sum(bool(row[column].per_document) for row in FAMILIES.values())
         for column, backend in enumerate(BACKENDS)
     }
-    reasons: dict[str, int] = {}  # each refusal reason once, numbered in order of first use
     per_document = {
         model_type: found.per_document for model_type, row in FAMILIES.items() for found in row if found.per_document
     }
-    rows = []
-    for model_type, row in sorted(FAMILIES.items()):
-        cells = [
-            f"isolated ({found.label})"
-            if found.isolated
-            else f"refused [{reasons.setdefault(found.reason, len(reasons) + 1)}]"
-            for found in row
-        ]
-        rows.append(f"| {model_type} | {' | '.join(cells)} |")
+    table, legend = verdict_table(["model type"], {model_type: ([], row) for model_type, row in FAMILIES.items()})
     return "\n".join(
         [
             "# Model support",
@@ -511,19 +503,34 @@ def markdown() -> str:
             "*per document*: the layers that carry state along the sequence (listed below) run one document per",
             "row, and attention is isolated natively (or by the masks named beside it).",
             "",
-            f"| model type | {' | '.join(BACKENDS)} |",
-            "|---|" + "---|" * len(BACKENDS),
-            *rows,
+            *table,
             "",
             "Run per document:",
             "",
             *(f"- {model_type}: {layers}" for model_type, layers in sorted(per_document.items())),
             "",
-            "Refused because:",
-            "",
-            *(f"{number}. {reason}" for reason, number in reasons.items()),
+            *legend,
         ]
     ) + "\n"
+
+
+def verdict_table(
+    columns: list[str], rows: dict[str, tuple[list[str], Sequence[Verdict]]]
+) -> tuple[list[str], list[str]]:
+    """A Markdown table of verdicts, a row a model type in sorted order (its `columns` cells, then a verdict
+    per backend), and its legend: each refusal reason once, numbered in order of first use."""
+    reasons: dict[str, int] = {}
+    lines = [f"| {' | '.join([*columns, *BACKENDS])} |", "|---" * (len(columns) + len(BACKENDS)) + "|"]
+    for model_type, (cells, verdicts) in sorted(rows.items()):
+        outcomes = [
+            f"isolated ({found.label})"
+            if found.isolated
+            else f"refused [{reasons.setdefault(found.reason, len(reasons) + 1)}]"
+            for found in verdicts
+        ]
+        lines.append(f"| {' | '.join([model_type, *cells, *outcomes])} |")
+    legend = ["Refused because:", "", *(f"{number}. {reason}" for reason, number in reasons.items())]
+    return lines, legend
 
 
 if __name__ == "__main__":

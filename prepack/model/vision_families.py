@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-from prepack.model.families import BACKENDS, LAYER_MASKS, NATIVE, NO_FLEX, Verdict, backend_of
+from prepack.model.families import BACKENDS, LAYER_MASKS, NATIVE, NO_FLEX, Verdict, backend_of, verdict_table
 
 __all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "image_refusal", "image_style", "markdown"]
 
@@ -105,16 +105,10 @@ def _unmeasured(model_type: str, model_class: str = "") -> str:
 
 def markdown() -> str:
     """docs/vision-support.md: the table and its legend."""
-    reasons: dict[str, int] = {}
-    rows = []
-    for model_type, family in sorted(VISION_FAMILIES.items()):
-        cells = [
-            f"isolated ({found.how})"
-            if found.isolated
-            else f"refused [{reasons.setdefault(found.reason, len(reasons) + 1)}]"
-            for found in family.verdicts
-        ]
-        rows.append(f"| {model_type} | {family.style} | {family.vision_tower} | {' | '.join(cells)} |")
+    table, legend = verdict_table(
+        ["model type", "style", "vision tower"],
+        {model_type: ([family.style, family.vision_tower], family.verdicts) for model_type, family in VISION_FAMILIES.items()},
+    )
     return "\n".join(
         [
             "# Vision-language model support (packed image+text batches)",
@@ -130,13 +124,9 @@ def markdown() -> str:
             "Any other vision-language model type is refused for image batches, by name. Text-only batches of these",
             "families follow docs/model-support.md.",
             "",
-            f"| model type | style | vision tower | {' | '.join(BACKENDS)} |",
-            "|---|---|---|" + "---|" * len(BACKENDS),
-            *rows,
+            *table,
             "",
-            "Refused because:",
-            "",
-            *(f"{number}. {reason}" for reason, number in reasons.items()),
+            *legend,
         ]
     ) + "\n"
 
