@@ -233,6 +233,23 @@ class _Shard:
     segments: _Segments
 
 
+@dataclass(frozen=True)
+class _Packs:
+    """The packs as read, which the checks across shards, against a store and against the source all
+    compare: their segments in corpus order (`_concatenate`), the shards that passed the format checks,
+    the manifest, and whether every shard did (`complete`: else a document missing from the packs may be
+    in a shard left out, and the checks that need every pack are skipped)."""
+
+    segments: _Segments
+    shards: dict[int, _Shard]
+    manifest: Manifest
+    complete: bool
+
+    def where(self, i: int) -> dict:
+        """Segment `i`'s shard and row in it, as a `Problem`'s `file` and `row`."""
+        return {"file": self.shards[int(self.segments.shard[i])].name, "row": int(self.segments.pack[i])}
+
+
 _Tokens = dict[int, tuple[np.ndarray, np.ndarray | None]]  # holder index -> (token ids, labels or None)
 _Columns = dict[int, ShardColumns]  # store shard index -> its columns
 
@@ -313,27 +330,27 @@ def _problems(
             "numbering, document counts) were skipped."
         )
     segments = _concatenate([s.segments for s in shards.values()], manifest.mixture is not None)
-    yield from _provenance_problems(segments, shards, manifest, complete)
+    packs = _Packs(segments, shards, manifest, complete)
+    yield from _provenance_problems(packs)
     if manifest.mixture is not None:
         found = mixture_pack_problems(
-            segments.rows, segments.pieces, segments.lengths, segments.source, manifest,
-            lambda i: _where(segments, shards, i), complete,
+            segments.rows, segments.pieces, segments.lengths, segments.source, manifest, packs.where, complete
         )
         yield from (Problem(**problem) for problem in found)
     if store is not None:
-        yield from _reference_problems(segments, shards, manifest, store, store_columns)
+        yield from _reference_problems(packs, store, store_columns)
         if source is None and manifest.mixture is None and len(store_columns) == len(store.manifest.shards):
             # Without a source an index build is held to its store's documents as a full build is to
             # its corpus: every document's pieces, their lengths, the counts; its tokens are the store's.
             own = store_documents(store, list(store_columns.values()))
-            yield from _source_problems(own, segments, shards, manifest, complete, None)
+            yield from _source_problems(own, packs, None)
     if source is not None:
         tokens = (
             {index: (ids, labels) for index, (_, ids, labels) in store_columns.items()}
             if manifest.store is not None
             else {index: (shard.ids, shard.labels) for index, shard in shards.items()}
         )
-        yield from _source_problems(source, segments, shards, manifest, complete, tokens)
+        yield from _source_problems(source, packs, tokens)
 
 
 # 1. The manifest's arithmetic ---------------------------------------------------------------------
@@ -559,13 +576,11 @@ def _stores_problems(chain: StoreChain, manifest: Manifest):
     return columns
 
 
-def _reference_problems(
-    seg: _Segments, shards: dict[int, _Shard], manifest: Manifest, store: Store, columns: _Columns
-) -> Iterator[Problem]:
+def _reference_problems(packs: _Packs, store: Store, columns: _Columns) -> Iterator[Problem]:
     """Every segment of an index build lies inside its store document: tokens piece * max_len onwards,
     as many as `cu_seqlens` says. Sets where those tokens are (`seg.holder`, `seg.starts`) and, for
     those inside a sound store shard, `seg.readable`."""
-    max_len = manifest.options.max_len
+    seg, max_len = packs.segments, packs.manifest.options.max_len
     documents = np.array([s.documents for s in store.manifest.shards], dtype=np.int64)
     ends = np.cumsum(documents)
     # The segments are in corpus (= store) order: each store shard's are a run.
@@ -581,7 +596,7 @@ def _reference_problems(
         for k in np.flatnonzero(~inside):
             i, length = run.start + k, offsets[local[k] + 1] - offsets[local[k]]
             yield Problem(
-                **_where(seg, shards, i),
+                **packs.where(i),
                 column="source_pieces",
                 message=f"document {seg.number[i]} (store document {seg.rows[i]}, piece {seg.pieces[i]}, "
                 f"{seg.lengths[i]} tokens) runs past that document's {length} tokens.",
@@ -737,21 +752,16 @@ def _concatenate(parts: list[_Segments], copies: bool) -> _Segments:
     return _Segments(**joined)
 
 
-def _where(seg: _Segments, shards: dict[int, _Shard], i: int) -> dict:
-    return {"file": shards[int(seg.shard[i])].name, "row": int(seg.pack[i])}
-
-
-def _provenance_problems(
-    seg: _Segments, shards: dict[int, _Shard], manifest: Manifest, complete: bool
-) -> Iterator[Problem]:
+def _provenance_problems(packs: _Packs) -> Iterator[Problem]:
     """Cross-shard provenance; with shards missing (`complete` False), only what those cannot change."""
+    seg, manifest, complete = packs.segments, packs.manifest, packs.complete
     t, max_len = manifest.totals, manifest.options.max_len
     same_row = (seg.rows[1:] == seg.rows[:-1]) & (seg.copy[1:] == seg.copy[:-1])  # one document (copy)
     duplicate = same_row & (seg.pieces[1:] == seg.pieces[:-1])
     for i in np.flatnonzero(duplicate) + 1:
-        first = _where(seg, shards, i - 1)
+        first = packs.where(i - 1)
         yield Problem(
-            **_where(seg, shards, i),
+            **packs.where(i),
             column="source_rows",
             message=f"corpus row {seg.rows[i]}, piece {seg.pieces[i]} is also in {first['file']} row "
             f"{first['row']}; every document is in exactly one pack.",
@@ -762,7 +772,7 @@ def _provenance_problems(
     gap[1:] &= ~duplicate
     for i in np.flatnonzero(gap):
         yield Problem(
-            **_where(seg, shards, i),
+            **packs.where(i),
             column="source_pieces",
             message=f"corpus row {seg.rows[i]} has piece {seg.pieces[i]} where piece {expected_piece[i]} "
             "should be; the pieces of a split document are numbered 0, 1, … without gaps.",
@@ -770,7 +780,7 @@ def _provenance_problems(
     if manifest.options.overflow in ("truncate", "drop"):
         for i in np.flatnonzero(seg.pieces > 0):
             yield Problem(
-                **_where(seg, shards, i),
+                **packs.where(i),
                 column="source_pieces",
                 message=f"piece {seg.pieces[i]} of corpus row {seg.rows[i]}, but overflow "
                 f"{manifest.options.overflow!r} never splits.",
@@ -778,7 +788,7 @@ def _provenance_problems(
     not_last = np.append(same_row & ~duplicate, False)
     for i in np.flatnonzero(not_last & (seg.lengths != max_len)):
         yield Problem(
-            **_where(seg, shards, i),
+            **packs.where(i),
             column="cu_seqlens",
             message=f"piece {seg.pieces[i]} of corpus row {seg.rows[i]} has {seg.lengths[i]} tokens; every "
             f"piece but a split document's last holds max_len = {max_len}.",
@@ -818,15 +828,9 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
-def _source_problems(
-    source: Documents,
-    seg: _Segments,
-    shards: dict[int, _Shard],
-    manifest: Manifest,
-    complete: bool,
-    tokens: _Tokens | None,
-) -> Iterator[Problem]:
+def _source_problems(source: Documents, packs: _Packs, tokens: _Tokens | None) -> Iterator[Problem]:
     """The packs against the source's documents; their tokens too, read from `tokens`, unless None."""
+    seg, manifest = packs.segments, packs.manifest
     o = manifest.options
     corpus, batches = source.corpus, source.batches
     if manifest.has_labels and not source.has_labels:
@@ -848,12 +852,12 @@ def _source_problems(
         else:
             expected = document_pieces(np.diff(batch.offsets), o.max_len, o.overflow, untrained, o.drop_untrained)
         counts.update(documents=m, **expected.counts)
-        yield from _batch_problems(corpus, batch, expected, row0, seg, shards, manifest, complete, tokens)
+        yield from _batch_problems(corpus, batch, expected, row0, packs, tokens)
         rows_per_file[batch.file] += m
         row0 += m
     for i in np.flatnonzero(seg.rows >= row0):
         yield Problem(
-            **_where(seg, shards, i),
+            **packs.where(i),
             column="source_rows",
             message=f"holds corpus row {seg.rows[i]}, but the source has {row0} rows.",
         )
@@ -881,14 +885,12 @@ def _batch_problems(
     batch: DocumentBatch,
     expected: DocumentPieces,
     row0: int,
-    seg: _Segments,
-    shards: dict[int, _Shard],
-    manifest: Manifest,
-    complete: bool,
+    packs: _Packs,
     tokens: _Tokens | None,
 ) -> Iterator[Problem]:
     """Compare one batch of corpus documents (global rows row0, row0+1, …) with the packs, where they
     must be the `expected` segments; their tokens too, read from `tokens`, unless None."""
+    seg, manifest, complete = packs.segments, packs.manifest, packs.complete
     o = manifest.options
     m = len(batch.offsets) - 1
     lengths = np.diff(batch.offsets)
@@ -916,7 +918,7 @@ def _batch_problems(
     for i in np.flatnonzero(~np.isin(a_keys, e_keys)) + lo:
         r = int(seg.rows[i] - row0)
         yield Problem(
-            **_where(seg, shards, i),
+            **packs.where(i),
             column="source_rows",
             message=f"document {seg.number[i]} is corpus row {seg.rows[i]} piece {seg.pieces[i]}, which the "
             f"source ({source_file} row {batch.first_row + r}: {lengths[r]} tokens) does not give with "
@@ -927,7 +929,7 @@ def _batch_problems(
     same_length = seg.lengths[actual] == e_lengths[matched]
     for e, a in zip(matched[~same_length], actual[~same_length]):
         yield Problem(
-            **_where(seg, shards, a),
+            **packs.where(a),
             column="cu_seqlens",
             message=f"document {seg.number[a]} (corpus row {seg.rows[a]}, piece {seg.pieces[a]}) has "
             f"{seg.lengths[a]} tokens; the source gives {e_lengths[e]}.",
@@ -946,7 +948,7 @@ def _batch_problems(
         part = slice(first, end)
         for column, source_values, packed_values in columns:
             yield from _token_problems(
-                column, source_values, packed_values, e_starts[e_sel[part]], seg, a_sel[part], shards
+                column, source_values, packed_values, e_starts[e_sel[part]], packs, a_sel[part]
             )
 
 
@@ -955,12 +957,12 @@ def _token_problems(
     source_values: np.ndarray,
     packed_values: dict[int, np.ndarray],
     source_starts: np.ndarray,
-    seg: _Segments,
+    packs: _Packs,
     actual: np.ndarray,
-    shards: dict[int, _Shard],
 ) -> Iterator[Problem]:
-    """Compare the tokens (or labels) of matched segments, same lengths already checked; the packed
-    ones are `packed_values[holder]`, for each segment's holder."""
+    """Compare the tokens (or labels) of matched segments (`actual`, indices into the packs' segments),
+    same lengths already checked; the packed ones are `packed_values[holder]`, for each segment's holder."""
+    seg = packs.segments
     seg_lengths = seg.lengths[actual]
     expected = source_values[_ranges(source_starts, seg_lengths)]
     packed = np.empty_like(expected)
@@ -980,7 +982,7 @@ def _token_problems(
         a = actual[k]
         within = int(token - out_starts[k])
         yield Problem(
-            **_where(seg, shards, a),
+            **packs.where(a),
             column=column,
             message=f"token {seg.offset[a] + within} of the pack (token {within} of document "
             f"{seg.number[a]}, corpus row {seg.rows[a]} piece {seg.pieces[a]}) is {packed[token]}; the "
