@@ -71,9 +71,9 @@ def pairs_of(build: Path) -> list[tuple[tuple, tuple]]:
     return pairs
 
 
-def batches(build: Path, layout: str, per_batch: int = 2) -> list[dict]:
+def batches(build: Path, layout: str, per_batch: int = 2, **collator_options) -> list[dict]:
     dataset = PackedDataset(build)
-    collate = PackedCollator.for_dataset(dataset, layout=layout)
+    collate = PackedCollator.for_dataset(dataset, layout=layout, **collator_options)
     result = []
     for first in range(0, len(dataset), per_batch):
         batch = collate([dataset[i] for i in range(first, min(first + per_batch, len(dataset)))])

@@ -25,23 +25,12 @@ from prepack.training.collate import PackedCollator
 from prepack.training.preference import PairLogps, dpo_loss, model_inputs, pair_logps
 from transformers.models.llama import modeling_llama
 
-from tests.train.test_preference import BETA, MAX_LEN, pair_build, pairs_of, small, tiny_llama, unpacked
+from tests.train.test_preference import BETA, MAX_LEN, batches, pair_build, pairs_of, tiny_llama, unpacked
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     return pair_build(tmp_path_factory.mktemp("shared_prompt"))
-
-
-def shared_batches(build, layout: str, per_batch: int = 2) -> list[dict]:
-    dataset = PackedDataset(build)
-    collate = PackedCollator.for_dataset(dataset, layout=layout, shared_prompt=True)
-    result = []
-    for first in range(0, len(dataset), per_batch):
-        batch = collate([dataset[i] for i in range(first, min(first + per_batch, len(dataset)))])
-        batch["input_ids"], batch["labels"] = small(batch["input_ids"]), small(batch["labels"])
-        result.append(batch)
-    return result
 
 
 def shared(model, window: list[dict], **overrides) -> PairLogps:
@@ -58,7 +47,7 @@ def _rms_norm_in_its_dtype(self, hidden_states):
 def test_shared_prompt_dpo_loss_and_gradients_equal_unpacked(build, layout, monkeypatch):
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_its_dtype)
     pairs = pairs_of(build)
-    window = shared_batches(build, layout)
+    window = batches(build, layout, shared_prompt=True)
     with torch.no_grad():
         reference = unpacked(tiny_llama(1), pairs)
         shared_reference = shared(enable_packing(tiny_llama(1)), window)
@@ -76,7 +65,7 @@ def test_shared_prompt_dpo_loss_and_gradients_equal_unpacked(build, layout, monk
 
 def test_a_mask_letting_rejected_see_chosen_fails_the_comparison(build):
     model = tiny_llama(0)
-    window = shared_batches(build, "padded")
+    window = batches(build, "padded", shared_prompt=True)
     with torch.no_grad():
         expected = unpacked(model, pairs_of(build))
         results = {}
@@ -134,7 +123,7 @@ def test_pairs_whose_prompts_differ_are_refused_by_pack_and_pair(build):
 def test_varlen_and_flex_backends_refuse_the_layout_by_name(build, attn):
     model = enable_packing(tiny_llama(0))
     model.config._attn_implementation = attn
-    batch = shared_batches(build, "padded")[0]
+    batch = batches(build, "padded", shared_prompt=True)[0]
     with pytest.raises(IsolationError, match=f"shared-prompt layout .*on {attn}"):
         model(**model_inputs(batch))
 
@@ -146,14 +135,14 @@ def test_sliding_window_families_refuse_the_layout_by_name(build):
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=16, attn_implementation="sdpa")
     model = enable_packing(MistralForCausalLM(config).to(torch.float64))
     with pytest.raises(IsolationError, match="shared-prompt layout on a mistral model with sliding-window layers"):
-        model(**model_inputs(shared_batches(build, "padded")[0]))
+        model(**model_inputs(batches(build, "padded", shared_prompt=True)[0]))
 
 
 def test_hybrid_families_refuse_the_layout_by_name(build):
     from prepack.model.tiny_models import tiny_model
 
     model = enable_packing(tiny_model("bamba", "sdpa"))
-    batch = shared_batches(build, "padded")[0]
+    batch = batches(build, "padded", shared_prompt=True)[0]
     batch["input_ids"] %= model.config.vocab_size
     with pytest.raises(IsolationError, match="shared-prompt layout on bamba: .*per-document sequence-state layers"):
         model(**model_inputs(batch))
