@@ -397,4 +397,7 @@ def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sou
     reference = np.asarray(pack["reference_logps"]) if pack.get("reference_logps") is not None else None
     if reference is not None and reference.shape != (len(cu_seqlens) - 1,):
         raise UsageError(f"Pack {number}: {reference.shape} reference_logps for {len(cu_seqlens) - 1} documents.")
+    if reference is not None and reference.dtype != np.float64:  # a float32 copy has lost the stored values' precision
+        raise UsageError(f"Pack {number}: reference_logps are {reference.dtype}, not the stored float64 (datasets' numpy "
+                         "and torch formats make floats float32: keep the column as open_hf_dataset formats it).")
     return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles, reference)
