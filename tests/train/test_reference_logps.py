@@ -9,8 +9,10 @@ into four shards, so that a run has shards to stop between.
 
 from __future__ import annotations
 
+import argparse
 import json
 import pickle
+import runpy
 import shutil
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from prepack.formats.reference import REFERENCE_MANIFEST, REFERENCE_SCHEMA, read
 from prepack.model.packing import enable_packing
 from prepack.storage.files import write_record_batch
 from prepack.training.collate import PackedCollator
+from prepack.training.dataset import open_hf_dataset
 from prepack.training.preference import dpo_loss, ipo_loss, model_inputs, pair_logps
 from prepack.training.reference import stored_reference, write_reference_logps
 from tests.cli import WIDE, failure, run_prepack
@@ -307,3 +310,67 @@ def test_reference_logps_command_writes_the_library_s_values(build, reference, t
     assert again.returncode == 0, again.stderr
     message = failure(run_prepack("reference-logps", build, "--model", tmp_path / "nowhere", "--out", out, env=WIDE))
     assert "--model" in message and "nowhere is not a directory" in message
+
+
+# --- open_hf_dataset and the TRL recipe on stored values ----------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_open_hf_dataset_serves_packed_dataset_s_reference_values(build, reference):
+    packed, hf = PackedDataset(build, reference=reference), open_hf_dataset(build, reference=reference)
+    assert len(hf) == len(packed) == 6
+    for index in range(len(packed)):
+        values = np.asarray(hf[index]["reference_logps"])
+        assert values.dtype == np.float64 and np.array_equal(values, packed[index]["reference_logps"]), index
+        assert np.array_equal(hf[index]["input_ids"], packed[index]["input_ids"]), index
+    # The collator makes the same batch of either's rows: reference_logps [P, 2] float64 among them.
+    collate = PackedCollator.for_dataset(packed)
+    rows = [0, 3, 5]
+    ours, theirs = collate([packed[i] for i in rows]), collate([hf[i] for i in rows])
+    assert ours.keys() == theirs.keys() and theirs["reference_logps"].dtype == torch.float64
+    for key, value in ours.items():
+        assert torch.equal(value, theirs[key]) if torch.is_tensor(value) else value == theirs[key], key
+    # datasets' numpy format would hand the values out as float32: the collator refuses them.
+    with pytest.raises(UsageError, match="reference_logps are float32, not the stored float64"):
+        collate([hf.with_format("numpy")[i] for i in rows])
+
+
+@pytest.mark.parametrize("tampering", sorted(TAMPERING))
+def test_open_hf_dataset_refuses_what_the_loader_refuses(build, reference, tmp_path, tampering):
+    change, _, message = TAMPERING[tampering]
+    out = tmp_path / "values"
+    shutil.copytree(reference, out)
+    two_packs = next(file.name for file, shard in zip(read_reference_manifest(out).files,
+                                                      prepack.formats.shards.read_manifest(build).shards) if shard.rows == 2)
+    change(out, two_packs)
+    with pytest.raises(FormatError, match=message):
+        open_hf_dataset(build, reference=out, verify_checksums=True)
+
+
+def _recipe(monkeypatch) -> dict:
+    """examples/train_dpo_trl.py's names, the script run as a module (not as __main__: main() is not called)."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # its `from tiny_model import ...`
+    return runpy.run_path(str(EXAMPLES / "train_dpo_trl.py"))
+
+
+def test_trl_recipe_on_stored_values_holds_no_reference_and_gives_the_loop_s_loss(build, reference, tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    recipe = _recipe(monkeypatch)
+    args = argparse.Namespace(data=str(build), model=None, steps=1, batch_size=2, lr=1e-3, workers=0, reference=str(reference))
+    stored = recipe["packed_dpo_trainer"](args, enable_packing(tiny_llama(0)), None, str(tmp_path / "stored"))
+    in_loop = recipe["packed_dpo_trainer"](argparse.Namespace(**{**vars(args), "reference": None}),
+                                          enable_packing(tiny_llama(0)), enable_packing(tiny_llama(1)).eval(),
+                                          str(tmp_path / "in-loop"))
+    # No reference model anywhere on the trainer: the policy is its only module.
+    assert stored.ref_model is None and in_loop.ref_model is not None
+    assert [name for name, value in vars(stored).items()
+            if isinstance(value, torch.nn.Module) and value is not stored.model] == []
+    rows = [0, 1]
+    batch = stored.data_collator([stored.train_dataset[i] for i in rows])
+    plain = in_loop.data_collator([in_loop.train_dataset[i] for i in rows])
+    assert "reference_logps" in batch and "reference_logps" not in plain
+    with torch.no_grad():
+        ours, looped = stored.compute_loss(stored.model, batch), in_loop.compute_loss(in_loop.model, plain)
+    assert abs(looped.item() - np.log(2)) > 1e-3  # policy and reference differ: the reference counts
+    torch.testing.assert_close(ours, looped, rtol=1e-12, atol=1e-12)
