@@ -38,7 +38,7 @@ from prepack import PackedCollator, PackedDataset, enable_packing
 from prepack.training.dataset import open_hf_dataset
 from prepack.training.preference import dpo_loss, model_inputs, pair_logps
 from prepack.training.reference import stored_reference, write_reference_logps
-from tiny_model import load_model, parse_args, placeholder_tokenizer  # examples/tiny_model.py
+from tiny_model import load_model, parse_args, placeholder_tokenizer, trainer_arguments  # examples/tiny_model.py
 
 
 class PackedDPOTrainer(DPOTrainer):
@@ -76,17 +76,9 @@ def packed_dpo_trainer(args, model, ref_model, output_dir: str) -> PackedDPOTrai
         model=model,
         ref_model=ref_model,
         args=DPOConfig(
-            output_dir=output_dir,
+            **trainer_arguments(args, output_dir),
             precompute_ref_log_probs=stored,  # with no ref_model: TRL creates none
             bf16=torch.cuda.is_available(),  # TRL defaults to bf16, which needs a GPU here
-            remove_unused_columns=False,
-            max_steps=args.steps,
-            per_device_train_batch_size=args.batch_size,
-            learning_rate=args.lr,
-            dataloader_num_workers=args.workers,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
         ),
         train_dataset=open_hf_dataset(args.data, reference=args.reference if stored else None),
         data_collator=PackedCollator.for_dataset(PackedDataset(args.data)),

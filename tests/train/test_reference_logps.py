@@ -2,6 +2,8 @@
 on a tiny random Llama, the DPO loss from the stored values equals the one that runs the reference model in
 the loop, and the stored values equal each sequence run alone; a run stopped after one shard and run again
 writes the bytes of one never stopped; `verify --reference` (and the loader) refuse every kind of tampering.
+`open_hf_dataset(..., reference=)` serves the loader's values and refuses what it refuses, and
+examples/train_dpo_trl.py on them holds no reference model and gives the in-loop loss.
 
 The build (examples/chitchat_pairs.py's first pairs, as tests/train/test_preference.py builds them) is cut
 into four shards, so that a run has shards to stop between.
@@ -263,15 +265,20 @@ TAMPERING = {
 }
 
 
-@pytest.mark.parametrize("tampering", sorted(TAMPERING))
-def test_verify_reference_finds_every_tampering(build, reference, tmp_path, tampering):
-    assert verify_reference(build, reference) == []
-    change, column, message = TAMPERING[tampering]
-    out = tmp_path / "values"
+def _tampered(build: Path, reference: Path, out: Path, tampering: str) -> Path:
+    """A copy of `reference` in `out`, TAMPERING[tampering] done to the file of a shard of two packs."""
     shutil.copytree(reference, out)
     two_packs = next(file.name for file, shard in zip(read_reference_manifest(out).files,
                                                       prepack.formats.shards.read_manifest(build).shards) if shard.rows == 2)
-    change(out, two_packs)
+    TAMPERING[tampering][0](out, two_packs)
+    return out
+
+
+@pytest.mark.parametrize("tampering", sorted(TAMPERING))
+def test_verify_reference_finds_every_tampering(build, reference, tmp_path, tampering):
+    assert verify_reference(build, reference) == []
+    _, column, message = TAMPERING[tampering]
+    out = _tampered(build, reference, tmp_path / "values", tampering)
     problems = verify_reference(build, out)
     assert len(problems) == 1 and problems[0].column == column and message in problems[0].message, problems
     if tampering in ("rows", "documents per pack", "finite"):  # the loader checks these too, sha256 aside
@@ -338,13 +345,8 @@ def test_open_hf_dataset_serves_packed_dataset_s_reference_values(build, referen
 
 @pytest.mark.parametrize("tampering", sorted(TAMPERING))
 def test_open_hf_dataset_refuses_what_the_loader_refuses(build, reference, tmp_path, tampering):
-    change, _, message = TAMPERING[tampering]
-    out = tmp_path / "values"
-    shutil.copytree(reference, out)
-    two_packs = next(file.name for file, shard in zip(read_reference_manifest(out).files,
-                                                      prepack.formats.shards.read_manifest(build).shards) if shard.rows == 2)
-    change(out, two_packs)
-    with pytest.raises(FormatError, match=message):
+    out = _tampered(build, reference, tmp_path / "values", tampering)
+    with pytest.raises(FormatError, match=TAMPERING[tampering][2]):
         open_hf_dataset(build, reference=out, verify_checksums=True)
 
 
@@ -355,17 +357,17 @@ def _recipe(monkeypatch) -> dict:
 
 
 def test_trl_recipe_on_stored_values_holds_no_reference_and_gives_the_loop_s_loss(build, reference, tmp_path, monkeypatch):
-    pytest.importorskip("trl")
     recipe = _recipe(monkeypatch)
     args = argparse.Namespace(data=str(build), model=None, steps=1, batch_size=2, lr=1e-3, workers=0, reference=str(reference))
     stored = recipe["packed_dpo_trainer"](args, enable_packing(tiny_llama(0)), None, str(tmp_path / "stored"))
     in_loop = recipe["packed_dpo_trainer"](argparse.Namespace(**{**vars(args), "reference": None}),
                                           enable_packing(tiny_llama(0)), enable_packing(tiny_llama(1)).eval(),
                                           str(tmp_path / "in-loop"))
+    def other_modules(trainer) -> list[str]:
+        return [name for name, value in vars(trainer).items() if isinstance(value, torch.nn.Module) and value is not trainer.model]
+
     # No reference model anywhere on the trainer: the policy is its only module.
-    assert stored.ref_model is None and in_loop.ref_model is not None
-    assert [name for name, value in vars(stored).items()
-            if isinstance(value, torch.nn.Module) and value is not stored.model] == []
+    assert stored.ref_model is None and other_modules(stored) == [] and other_modules(in_loop) == ["ref_model"]
     rows = [0, 1]
     batch = stored.data_collator([stored.train_dataset[i] for i in rows])
     plain = in_loop.data_collator([in_loop.train_dataset[i] for i in rows])
