@@ -19,15 +19,7 @@ from prepack import build, build_store
 from prepack.training.collate import PackedCollator
 from prepack.errors import FormatError
 from prepack.formats.common import list_array
-from prepack.formats.reference import (
-    REFERENCE_MANIFEST,
-    REFERENCE_SCHEMA,
-    ReferenceFile,
-    ReferenceManifest,
-    ReferenceModel,
-    build_shard_documents,
-    reference_file_name,
-)
+from prepack.formats import reference as stored
 from prepack.storage.files import write_record_batch
 from prepack.training import dataset as dataset_module
 from prepack.training.dataset import PackedDataset, open_hf_dataset
@@ -237,16 +229,17 @@ def _reference_of(build_path: Path, out: Path) -> Path:
     files, first = [], 0
     out.mkdir()
     for index, (info, path) in enumerate(zip(dataset.manifest.shards, dataset.shard_paths)):
-        documents = build_shard_documents(dataset.manifest, path, info)
+        documents = stored.build_shard_documents(dataset.manifest, path, info)
         values = -0.5 * np.arange(first, first + documents.sum())
         first += documents.sum()
-        batch = pa.RecordBatch.from_arrays([list_array(np.append(0, np.cumsum(documents)), values)], schema=REFERENCE_SCHEMA)
-        size, sha256 = write_record_batch(out / reference_file_name(index), batch)
-        files.append(ReferenceFile(name=reference_file_name(index), shard_sha256=info.sha256, rows=info.rows,
-                                   bytes=size, sha256=sha256))
-    model = ReferenceModel(name="none", config_sha256="0" * 64, weights_sha256="0" * 64)
-    manifest = ReferenceManifest(build_fingerprint=dataset.manifest.fingerprint, shards=len(files), model=model, files=files)
-    (out / REFERENCE_MANIFEST).write_text(json.dumps(manifest.model_dump(mode="json")))
+        logps = list_array(np.append(0, np.cumsum(documents)), values)
+        name = stored.reference_file_name(index)
+        size, sha256 = write_record_batch(out / name, pa.RecordBatch.from_arrays([logps], schema=stored.REFERENCE_SCHEMA))
+        files.append(stored.ReferenceFile(name=name, shard_sha256=info.sha256, rows=info.rows, bytes=size, sha256=sha256))
+    model = stored.ReferenceModel(name="none", config_sha256="0" * 64, weights_sha256="0" * 64)
+    manifest = stored.ReferenceManifest(build_fingerprint=dataset.manifest.fingerprint, shards=len(files), model=model,
+                                        files=files)
+    (out / stored.REFERENCE_MANIFEST).write_text(json.dumps(manifest.model_dump(mode="json")))
     return out
 
 
