@@ -35,6 +35,23 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     return parser.parse_args()
 
 
+def trainer_arguments(args: argparse.Namespace, output_dir: str) -> dict:
+    """The TrainingArguments fields the Trainer examples share (TRL's configs take them too): --steps steps
+    of --batch-size packs, logged every step, nothing saved or reported, the packs' columns kept for
+    `PackedCollator`."""
+    return dict(
+        output_dir=output_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.lr,
+        remove_unused_columns=False,
+        dataloader_num_workers=args.workers,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+    )
+
+
 def load_model(name: str | None, dataset: PackedDataset) -> PreTrainedModel:
     if name:
         return AutoModelForCausalLM.from_pretrained(name)

@@ -2,6 +2,7 @@
 
     python examples/chitchat_pairs.py --out pairs-packed --max-len 2048       # or: prepack build ... --pairs
     python examples/train_dpo_trl.py --data pairs-packed --steps 3
+    python examples/train_dpo_trl.py --data pairs-packed --reference pairs-reference   # stored reference
 
 TRL 1.16's DPOTrainer pads pairs itself and has no packed mode, so the recipe is a subclass with two
 overrides (`PackedDPOTrainer`):
@@ -11,9 +12,17 @@ overrides (`PackedDPOTrainer`):
   `prepack.training.preference` (each completion's summed log-probability, exactly those of the
   sequences run alone; TRL's own loss code gives the same number in float64: tests/train/test_preference.py).
 `PackedCollator` is the data collator (it adds `pair_segments`), `remove_unused_columns=False` lets the
-packs' columns reach it, and the reference is passed as a frozen copy of the starting model. TRL's
-metrics (rewards, margins) are not logged. Without --model it trains a tiny random Llama built from a
-config (nothing is downloaded).
+packs' columns reach it, and the reference is passed as a frozen copy of the starting model.
+
+With --reference DIR the starting model's reference log-probabilities are computed once, into DIR
+(`write_reference_logps`: a later run reuses them, a stopped one goes on), and come with the packs
+(`open_hf_dataset(..., reference=DIR)`); the loss takes them from the batch (`stored_reference`), and the
+trainer holds no reference model: TRL's `precompute_ref_log_probs=True` with no `ref_model` keeps none
+(under FSDP, TRL loads one and frees it when __init__ ends), and a third override,
+`_precompute_ref_logps`, skips TRL's own pass over the data, since prepack stored the values already.
+
+TRL's metrics (rewards, margins) are not logged. Without --model it trains a tiny random Llama built
+from a config (nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -28,52 +37,68 @@ from trl import DPOConfig, DPOTrainer
 from prepack import PackedCollator, PackedDataset, enable_packing
 from prepack.training.dataset import open_hf_dataset
 from prepack.training.preference import dpo_loss, model_inputs, pair_logps
-from tiny_model import load_model, parse_args, placeholder_tokenizer  # examples/tiny_model.py
+from prepack.training.reference import stored_reference, write_reference_logps
+from tiny_model import load_model, parse_args, placeholder_tokenizer, trainer_arguments  # examples/tiny_model.py
 
 
 class PackedDPOTrainer(DPOTrainer):
-    """DPOTrainer on packs of whole pairs (`prepack build --pairs`)."""
+    """DPOTrainer on packs of whole pairs (`prepack build --pairs`), with a reference model or the
+    stored reference log-probabilities (`precompute_ref_log_probs=True`)."""
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         return dataset  # tokenized and packed by prepack
 
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        return dataset  # its rows hold reference_logps: open_hf_dataset(..., reference=DIR)
+
     def _compute_loss(self, model, inputs, return_outputs):
         inputs = dict(inputs)
         policy = pair_logps(model(**model_inputs(inputs)).logits, inputs)
-        with torch.no_grad():
-            reference = pair_logps(self.ref_model(**model_inputs(inputs)).logits, inputs)
+        if self.precompute_ref_logps:
+            reference = stored_reference(inputs)
+        else:
+            with torch.no_grad():
+                reference = pair_logps(self.ref_model(**model_inputs(inputs)).logits, inputs)
         loss = dpo_loss(policy, reference, self.beta).mean()
         return (loss, None) if return_outputs else loss
 
 
+def options(parser) -> None:
+    parser.add_argument("--reference", help="a directory for the starting model's reference log-probabilities, "
+                        "computed once (or finished) there, then read instead of running a reference model")
+
+
+def packed_dpo_trainer(args, model, ref_model, output_dir: str) -> PackedDPOTrainer:
+    """The trainer of `model` on args.data: against `ref_model`, or, when it is None, against the
+    reference log-probabilities stored in args.reference."""
+    stored = ref_model is None
+    return PackedDPOTrainer(
+        model=model,
+        ref_model=ref_model,
+        args=DPOConfig(
+            **trainer_arguments(args, output_dir),
+            precompute_ref_log_probs=stored,  # with no ref_model: TRL creates none
+            bf16=torch.cuda.is_available(),  # TRL defaults to bf16, which needs a GPU here
+        ),
+        train_dataset=open_hf_dataset(args.data, reference=args.reference if stored else None),
+        data_collator=PackedCollator.for_dataset(PackedDataset(args.data)),
+        processing_class=AutoTokenizer.from_pretrained(args.model) if args.model else placeholder_tokenizer(),
+    )
+
+
 def main() -> None:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, options)
     packed = PackedDataset(args.data)
     if packed.manifest.pairs is None:
         raise SystemExit(f"{args.data} is not a preference-pair build: build it with prepack build ... --pairs")
     model = enable_packing(load_model(args.model, packed))
-    reference = copy.deepcopy(model).eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(args.model) if args.model else placeholder_tokenizer()
+    if args.reference:  # one pass of the starting model over the build; no copy of it is made
+        write_reference_logps(args.data, model.eval(), args.reference, batch_size=args.batch_size)
+        ref_model = None
+    else:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     with tempfile.TemporaryDirectory() as output_dir:
-        trainer = PackedDPOTrainer(
-            model=model,
-            ref_model=reference,
-            args=DPOConfig(
-                output_dir=output_dir,
-                bf16=torch.cuda.is_available(),  # TRL defaults to bf16, which needs a GPU here
-                remove_unused_columns=False,
-                max_steps=args.steps,
-                per_device_train_batch_size=args.batch_size,
-                learning_rate=args.lr,
-                dataloader_num_workers=args.workers,
-                logging_steps=1,
-                save_strategy="no",
-                report_to="none",
-            ),
-            train_dataset=open_hf_dataset(args.data),
-            data_collator=PackedCollator.for_dataset(packed),
-            processing_class=tokenizer,
-        )
+        trainer = packed_dpo_trainer(args, model, ref_model, output_dir)
         trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     print(f"final loss {losses[-1]:.4f}")

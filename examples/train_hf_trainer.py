@@ -16,7 +16,7 @@ import tempfile
 from transformers import Trainer, TrainingArguments
 
 from prepack import PackedCollator, PackedDataset, enable_packing
-from tiny_model import load_model, parse_args  # examples/tiny_model.py
+from tiny_model import load_model, parse_args, trainer_arguments  # examples/tiny_model.py
 
 
 def main() -> None:
@@ -26,17 +26,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = Trainer(
             model=model,
-            args=TrainingArguments(
-                output_dir=output_dir,
-                max_steps=args.steps,
-                per_device_train_batch_size=args.batch_size,
-                learning_rate=args.lr,
-                remove_unused_columns=False,
-                dataloader_num_workers=args.workers,
-                logging_steps=1,
-                save_strategy="no",
-                report_to="none",
-            ),
+            args=TrainingArguments(**trainer_arguments(args, output_dir)),
             train_dataset=dataset,
             data_collator=PackedCollator.for_dataset(dataset),
         )

@@ -24,7 +24,7 @@ from trl import SFTConfig, SFTTrainer
 
 from prepack import PackedCollator, PackedDataset, enable_packing
 from prepack.training.dataset import open_hf_dataset
-from tiny_model import load_model, parse_args, placeholder_tokenizer  # examples/tiny_model.py
+from tiny_model import load_model, parse_args, placeholder_tokenizer, trainer_arguments  # examples/tiny_model.py
 
 
 def main() -> None:
@@ -36,18 +36,10 @@ def main() -> None:
         trainer = SFTTrainer(
             model=model,
             args=SFTConfig(
-                output_dir=output_dir,
+                **trainer_arguments(args, output_dir),
                 packing=False,
                 bf16=torch.cuda.is_available(),  # TRL defaults to bf16, which needs a GPU here
                 dataset_kwargs={"skip_prepare_dataset": True},
-                remove_unused_columns=False,
-                max_steps=args.steps,
-                per_device_train_batch_size=args.batch_size,
-                learning_rate=args.lr,
-                dataloader_num_workers=args.workers,
-                logging_steps=1,
-                save_strategy="no",
-                report_to="none",
             ),
             train_dataset=open_hf_dataset(args.data),
             data_collator=PackedCollator.for_dataset(packed),

@@ -108,8 +108,9 @@ class PackedCollator:
     - Packs of a preference-pair build (`pair_roles`, from `PackedDataset`) also give `pair_segments`
       [P, 2] int64: each pair's chosen and rejected document as segment numbers of `cu_seq_lens_q`, what
       `prepack.training.preference.pair_logps` reads (every pack must hold whole pairs); packs with stored
-      reference log-probabilities (`PackedDataset(build, reference=DIR)`) also give `reference_logps` [P, 2]
-      float64, each pair's chosen and rejected value, for `prepack.training.reference.stored_reference`.
+      reference log-probabilities (`PackedDataset` or `open_hf_dataset` with `reference=DIR`; float64, else
+      refused) also give `reference_logps` [P, 2] float64, each pair's chosen and rejected value, for
+      `prepack.training.reference.stored_reference`.
     - `shared_prompt=True` (packs of a preference-pair build; `padded` or `padding_free`): each pair's prompt
       once, then both completions, their position ids continuing from the prompt's end; the batch carries
       `shared_prompt_ids` instead of offsets and `pair_segments` (`prepack.training.shared_prompt`). Only a
@@ -397,4 +398,7 @@ def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sou
     reference = np.asarray(pack["reference_logps"]) if pack.get("reference_logps") is not None else None
     if reference is not None and reference.shape != (len(cu_seqlens) - 1,):
         raise UsageError(f"Pack {number}: {reference.shape} reference_logps for {len(cu_seqlens) - 1} documents.")
+    if reference is not None and reference.dtype != np.float64:  # a float32 copy has lost the stored values' precision
+        raise UsageError(f"Pack {number}: reference_logps are {reference.dtype}, not the stored float64 (datasets' numpy "
+                         "and torch formats make floats float32: keep the column as open_hf_dataset formats it).")
     return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles, reference)

@@ -66,10 +66,11 @@ def pairs_packed(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["train_dpo_plain_loop.py", "train_dpo_trl.py", "train_dpo_plain_loop.py --reference ref"])
+@pytest.mark.parametrize("script", ["train_dpo_plain_loop.py", "train_dpo_trl.py", "train_dpo_plain_loop.py --reference ref",
+                                    "train_dpo_trl.py --reference ref"])
 def test_dpo_example_trains_on_a_pair_build(pairs_packed, script, tmp_path):
-    """Both DPO recipes start at log 2 (policy == reference) and print a finite final loss; so does the
-    plain loop on stored reference log-probabilities."""
+    """Both DPO recipes start at log 2 (policy == reference) and print a finite final loss, on stored
+    reference log-probabilities too."""
     script, *options = script.split()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(

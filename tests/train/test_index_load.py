@@ -18,6 +18,10 @@ import torch
 from prepack import build, build_store
 from prepack.training.collate import PackedCollator
 from prepack.errors import FormatError
+from prepack.formats.common import list_array
+from prepack.formats import reference as stored
+from prepack.storage.files import write_record_batch
+from prepack.training import dataset as dataset_module
 from prepack.training.dataset import PackedDataset, open_hf_dataset
 from prepack.sources.store import Store
 from tests.corpus import corpus_table, write_corpus
@@ -216,6 +220,43 @@ def test_an_index_builds_gathered_rows_are_written_once_and_checked_when_reused(
     files[0].write_bytes(files[0].read_bytes()[: files[0].stat().st_size // 2])
     with pytest.raises(FormatError, match=f"^{files[0]}"):
         open_hf_dataset(index, cache_dir=tmp_path)
+
+
+def _reference_of(build_path: Path, out: Path) -> Path:
+    """A reference directory for every document of `build_path` (not a pair build, which no index build is:
+    no model computes these; the format holds any build's), document d of the build given -d / 2."""
+    dataset = PackedDataset(build_path)
+    files, first = [], 0
+    out.mkdir()
+    for index, (info, path) in enumerate(zip(dataset.manifest.shards, dataset.shard_paths)):
+        documents = stored.build_shard_documents(dataset.manifest, path, info)
+        values = -0.5 * np.arange(first, first + documents.sum())
+        first += documents.sum()
+        logps = list_array(np.append(0, np.cumsum(documents)), values)
+        name = stored.reference_file_name(index)
+        size, sha256 = write_record_batch(out / name, pa.RecordBatch.from_arrays([logps], schema=stored.REFERENCE_SCHEMA))
+        files.append(stored.ReferenceFile(name=name, shard_sha256=info.sha256, rows=info.rows, bytes=size, sha256=sha256))
+    model = stored.ReferenceModel(name="none", config_sha256="0" * 64, weights_sha256="0" * 64)
+    manifest = stored.ReferenceManifest(build_fingerprint=dataset.manifest.fingerprint, shards=len(files), model=model,
+                                        files=files)
+    (out / stored.REFERENCE_MANIFEST).write_text(json.dumps(manifest.model_dump(mode="json")))
+    return out
+
+
+def test_an_index_builds_reference_values_line_up_with_its_gathered_files(builds, tmp_path, monkeypatch):
+    """Gathered files cut the index shards (three packs a file here); each pack still gets its own values."""
+    _, index = builds
+    reference = _reference_of(index, tmp_path / "reference")
+    monkeypatch.setattr(dataset_module, "_ROWS_FILE_BYTES", 3 * MAX_LEN * (8 + 4 + 1))
+    packed, got = PackedDataset(index, reference=reference), open_hf_dataset(index, cache_dir=tmp_path, reference=reference)
+    shards = packed.manifest.shards
+    assert len(list((tmp_path / "rows").iterdir())) > len(shards) and any(shard.rows > 3 for shard in shards)
+    assert len(got) == len(packed)
+    for i in range(len(packed)):
+        values = np.asarray(got[i]["reference_logps"])
+        assert np.array_equal(values, packed[i]["reference_logps"]) and len(values) == len(got[i]["cu_seqlens"]) - 1, i
+    every = np.concatenate([np.asarray(row["reference_logps"]) for row in got])
+    assert np.array_equal(every, -0.5 * np.arange(len(every)))
 
 
 def test_for_dataset_refuses_a_dataset_it_cannot_size():

@@ -2,6 +2,8 @@
 on a tiny random Llama, the DPO loss from the stored values equals the one that runs the reference model in
 the loop, and the stored values equal each sequence run alone; a run stopped after one shard and run again
 writes the bytes of one never stopped; `verify --reference` (and the loader) refuse every kind of tampering.
+`open_hf_dataset(..., reference=)` serves the loader's values and refuses what it refuses, and
+examples/train_dpo_trl.py on them holds no reference model and gives the in-loop loss.
 
 The build (examples/chitchat_pairs.py's first pairs, as tests/train/test_preference.py builds them) is cut
 into four shards, so that a run has shards to stop between.
@@ -9,8 +11,10 @@ into four shards, so that a run has shards to stop between.
 
 from __future__ import annotations
 
+import argparse
 import json
 import pickle
+import runpy
 import shutil
 from pathlib import Path
 
@@ -28,6 +32,7 @@ from prepack.formats.reference import REFERENCE_MANIFEST, REFERENCE_SCHEMA, read
 from prepack.model.packing import enable_packing
 from prepack.storage.files import write_record_batch
 from prepack.training.collate import PackedCollator
+from prepack.training.dataset import open_hf_dataset
 from prepack.training.preference import dpo_loss, ipo_loss, model_inputs, pair_logps
 from prepack.training.reference import stored_reference, write_reference_logps
 from tests.cli import WIDE, failure, run_prepack
@@ -260,15 +265,20 @@ TAMPERING = {
 }
 
 
-@pytest.mark.parametrize("tampering", sorted(TAMPERING))
-def test_verify_reference_finds_every_tampering(build, reference, tmp_path, tampering):
-    assert verify_reference(build, reference) == []
-    change, column, message = TAMPERING[tampering]
-    out = tmp_path / "values"
+def _tampered(build: Path, reference: Path, out: Path, tampering: str) -> Path:
+    """A copy of `reference` in `out`, TAMPERING[tampering] done to the file of a shard of two packs."""
     shutil.copytree(reference, out)
     two_packs = next(file.name for file, shard in zip(read_reference_manifest(out).files,
                                                       prepack.formats.shards.read_manifest(build).shards) if shard.rows == 2)
-    change(out, two_packs)
+    TAMPERING[tampering][0](out, two_packs)
+    return out
+
+
+@pytest.mark.parametrize("tampering", sorted(TAMPERING))
+def test_verify_reference_finds_every_tampering(build, reference, tmp_path, tampering):
+    assert verify_reference(build, reference) == []
+    _, column, message = TAMPERING[tampering]
+    out = _tampered(build, reference, tmp_path / "values", tampering)
     problems = verify_reference(build, out)
     assert len(problems) == 1 and problems[0].column == column and message in problems[0].message, problems
     if tampering in ("rows", "documents per pack", "finite"):  # the loader checks these too, sha256 aside
@@ -307,3 +317,62 @@ def test_reference_logps_command_writes_the_library_s_values(build, reference, t
     assert again.returncode == 0, again.stderr
     message = failure(run_prepack("reference-logps", build, "--model", tmp_path / "nowhere", "--out", out, env=WIDE))
     assert "--model" in message and "nowhere is not a directory" in message
+
+
+# --- open_hf_dataset and the TRL recipe on stored values ----------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_open_hf_dataset_serves_packed_dataset_s_reference_values(build, reference):
+    packed, hf = PackedDataset(build, reference=reference), open_hf_dataset(build, reference=reference)
+    assert len(hf) == len(packed) == 6
+    for index in range(len(packed)):
+        values = np.asarray(hf[index]["reference_logps"])
+        assert values.dtype == np.float64 and np.array_equal(values, packed[index]["reference_logps"]), index
+        assert np.array_equal(hf[index]["input_ids"], packed[index]["input_ids"]), index
+    # The collator makes the same batch of either's rows: reference_logps [P, 2] float64 among them.
+    collate = PackedCollator.for_dataset(packed)
+    rows = [0, 3, 5]
+    ours, theirs = collate([packed[i] for i in rows]), collate([hf[i] for i in rows])
+    assert ours.keys() == theirs.keys() and theirs["reference_logps"].dtype == torch.float64
+    for key, value in ours.items():
+        assert torch.equal(value, theirs[key]) if torch.is_tensor(value) else value == theirs[key], key
+    # datasets' numpy format would hand the values out as float32: the collator refuses them.
+    with pytest.raises(UsageError, match="reference_logps are float32, not the stored float64"):
+        collate([hf.with_format("numpy")[i] for i in rows])
+
+
+@pytest.mark.parametrize("tampering", sorted(TAMPERING))
+def test_open_hf_dataset_refuses_what_the_loader_refuses(build, reference, tmp_path, tampering):
+    out = _tampered(build, reference, tmp_path / "values", tampering)
+    with pytest.raises(FormatError, match=TAMPERING[tampering][2]):
+        open_hf_dataset(build, reference=out, verify_checksums=True)
+
+
+def _recipe(monkeypatch) -> dict:
+    """examples/train_dpo_trl.py's names, the script run as a module (not as __main__: main() is not called)."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # its `from tiny_model import ...`
+    return runpy.run_path(str(EXAMPLES / "train_dpo_trl.py"))
+
+
+def test_trl_recipe_on_stored_values_holds_no_reference_and_gives_the_loop_s_loss(build, reference, tmp_path, monkeypatch):
+    recipe = _recipe(monkeypatch)
+    args = argparse.Namespace(data=str(build), model=None, steps=1, batch_size=2, lr=1e-3, workers=0, reference=str(reference))
+    stored = recipe["packed_dpo_trainer"](args, enable_packing(tiny_llama(0)), None, str(tmp_path / "stored"))
+    in_loop = recipe["packed_dpo_trainer"](argparse.Namespace(**{**vars(args), "reference": None}),
+                                          enable_packing(tiny_llama(0)), enable_packing(tiny_llama(1)).eval(),
+                                          str(tmp_path / "in-loop"))
+    def other_modules(trainer) -> list[str]:
+        return [name for name, value in vars(trainer).items() if isinstance(value, torch.nn.Module) and value is not trainer.model]
+
+    # No reference model anywhere on the trainer: the policy is its only module.
+    assert stored.ref_model is None and other_modules(stored) == [] and other_modules(in_loop) == ["ref_model"]
+    rows = [0, 1]
+    batch = stored.data_collator([stored.train_dataset[i] for i in rows])
+    plain = in_loop.data_collator([in_loop.train_dataset[i] for i in rows])
+    assert "reference_logps" in batch and "reference_logps" not in plain
+    with torch.no_grad():
+        ours, looped = stored.compute_loss(stored.model, batch), in_loop.compute_loss(in_loop.model, plain)
+    assert abs(looped.item() - np.log(2)) > 1e-3  # policy and reference differ: the reference counts
+    torch.testing.assert_close(ours, looped, rtol=1e-12, atol=1e-12)
