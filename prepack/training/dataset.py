@@ -406,7 +406,7 @@ def open_hf_dataset(
     them (`ReferenceLogps`: of this build and complete, else FormatError; every file checked against its
     shard now). Each row then also holds `reference_logps`, its pack's values, exactly `PackedDataset`'s:
     each shard's reference file, an Arrow stream with a row per pack, is mapped as it is and joined beside
-    the packs served from that shard (their row counts checked to match). The column is left out of the
+    the packs served from that shard (`check_all` has checked it against the shard). The column is left out of the
     numpy format, whose floats are float32: a row's values are Python floats, float64 as stored (a `map`
     under the numpy or torch format rounds them to float32 too; map over `with_format(None)` instead).
 
@@ -436,16 +436,12 @@ def open_hf_dataset(
     packed.check_all()  # and, with a reference, each of its files against its shard
     optional = {"labels": packed.manifest.has_labels, PAIR_ROLES: packed.manifest.pairs is not None}
     columns = [*_ROW_COLUMNS, *(name for name, present in optional.items() if present)]
-    if packed.store is None:
-        shards = [[file] for file in packed.shard_paths]
-    else:
-        shards = _gathered_shards(packed, _rows_directory(cache_dir))
+    files = packed.shard_paths if packed.store is None else _gathered_shards(packed, _rows_directory(cache_dir))
     info = DatasetInfo(description=_HF_DESCRIPTION.format(max_len=packed.manifest.options.max_len))
-    parts = [[HFDataset.from_file(str(file), info=info) for file in files] for files in shards]
-    dataset = concatenate_datasets([part for files in parts for part in files]).select_columns(columns)
+    dataset = concatenate_datasets([HFDataset.from_file(str(file), info=info) for file in files]).select_columns(columns)
     if packed.reference is None:
         return dataset.with_format("numpy")
-    dataset = _with_reference(dataset, packed.reference, [sum(map(len, files)) for files in parts])
+    dataset = _with_reference(dataset, packed.reference)
     return dataset.with_format("numpy", columns=columns, output_all_columns=True)  # reference_logps: float64
 
 
@@ -471,35 +467,28 @@ def _rows_directory(cache_dir: str | os.PathLike | None) -> Path:
     return Path(config.HF_DATASETS_CACHE) / "prepack-rows"
 
 
-def _with_reference(dataset, reference: ReferenceLogps, packs: list[int]):
-    """`dataset`, a build's packs in order (`packs[i]` of them from shard i), with each pack's stored
-    reference values beside it as `reference_logps`: shard i's reference file mapped as it is (checked
-    already, by `check_all`), its rows checked against the packs served from shard i."""
+def _with_reference(dataset, reference: ReferenceLogps):
+    """`dataset`, a build's packs in order, with each pack's stored reference values beside it as
+    `reference_logps`: the reference files, an Arrow stream a build shard with a row per pack (each
+    checked against its shard by `check_all`), mapped as they are, in shard order."""
     from datasets import Dataset as HFDataset, concatenate_datasets
 
-    parts = []
-    for file, served in zip(reference.manifest.files, packs, strict=True):
-        part = HFDataset.from_file(str(reference.directory / file.name))
-        if len(part) != served:
-            raise FormatError(f"{reference.directory / file.name}: {len(part)} rows; its shard serves {served} packs.")
-        parts.append(part)
+    parts = [HFDataset.from_file(str(reference.directory / file.name)) for file in reference.manifest.files]
     values = concatenate_datasets(parts).rename_column("logps", "reference_logps")
     return concatenate_datasets([dataset, values], axis=1)
 
 
-def _gathered_shards(packed: PackedDataset, directory: Path) -> list[list[Path]]:
-    """An index build's packs as full shards in `directory`, per index shard its files, each gathered and
-    written unless a file of its name is there already, and opened and checked as a full build's shard
-    before it is used."""
+def _gathered_shards(packed: PackedDataset, directory: Path) -> list[Path]:
+    """An index build's packs as full shards in `directory`, each gathered and written unless a file
+    of its name is there already, and opened and checked as a full build's shard before it is used."""
     manifest, store_fingerprint = packed.manifest, packed.manifest.store.fingerprint
     has_labels, max_len = manifest.has_labels, manifest.options.max_len
     bytes_per_token = 8 + (4 if has_labels else 0) + segment_id_type(max_len).byte_width
     per_file = max(1, _ROWS_FILE_BYTES // (bytes_per_token * max_len))
-    shards = []
+    files = []
     for shard, (info, index_file) in enumerate(zip(manifest.shards, packed.shard_paths)):
         # A local index shard is hashed here (a few bytes a document); a cached one was on download.
         digest = info.sha256 if packed.cache is not None else shard_sha256(index_file)
-        files = []
         for first in range(0, info.rows, per_file):
             stop = min(first + per_file, info.rows)
             key = hashlib.sha256(f"{FORMAT_VERSION} {digest} {store_fingerprint} {first} {stop}".encode()).hexdigest()
@@ -513,8 +502,7 @@ def _gathered_shards(packed: PackedDataset, directory: Path) -> list[list[Path]]
             if packed.validate:
                 check_shard(batch, max_len, str(file))
             files.append(file)
-        shards.append(files)
-    return shards
+    return files
 
 
 def _write_gathered(packed: PackedDataset, shard: int, first: int, stop: int, file: Path) -> None:
