@@ -11,7 +11,7 @@ continue from the prompt's end, and the batch carries
 
 from which `prepack.model.shared_prompt.shared_prompt_mask` builds the attention: a token sees the earlier
 tokens of its own part and its pair's prompt, never the other completion or another pair. A model passed to
-`prepack.enable_packing` builds it itself (sdpa and eager only: varlen kernels cannot express it).
+`prepack.enable_packing` builds it itself (on sdpa, eager and flex_attention: varlen kernels cannot express it).
 `prepack.training.preference.pair_logps` reads each completion's log-probabilities from such a batch, its first
 token predicted from the last prompt position in both completions.
 
