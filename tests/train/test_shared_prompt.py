@@ -30,9 +30,10 @@ from prepack.training.collate import PackedCollator
 from prepack.training.preference import PairLogps, dpo_loss, model_inputs, pair_logps
 from transformers.models.llama import modeling_llama
 
-from tests.flash_reference import use_flex_reference  # noqa: F401 (fixture)
+from tests import flash_reference
 from tests.train.test_preference import BETA, MAX_LEN, batches, pair_build, pairs_of, tiny_llama, unpacked
 
+use_flex_reference = flash_reference.use_flex_reference  # the fixture, which pytest finds by this name
 FLEX_TOLERANCE, FLEX_LOSS_TOLERANCE = default_tolerances(torch.float64, "flex_attention")
 
 
