@@ -69,8 +69,8 @@ def shared_prompt_mask(shared_prompt_ids: torch.Tensor, dtype: torch.dtype) -> t
 def shared_prompt_block_mask(shared_prompt_ids: torch.Tensor) -> BlockMask:
     """flex_attention's BlockMask [B, 1, L, L] of the same rule, its mask_mod reading the ids.
 
-    Built as transformers builds its own flex masks: compiled, except on a CPU, where torch compiles neither
-    float64 flex nor quickly, and the dense evaluation ([B, L, L] booleans, as large as sdpa's mask) is used.
+    Compiled, as transformers builds its own flex masks, except on a CPU, where compiling it costs more than
+    evaluating the rule densely once ([B, L, L] booleans, smaller than sdpa's float mask).
     """
     ids = shared_prompt_ids
 
