@@ -13,8 +13,9 @@ transformers isolates natively or raises `IsolationError`:
 - on flash attention, restarting `position_ids` without `cu_seq_lens_*` get offsets derived from them:
   with more than one row, transformers would otherwise run dense attention over each row;
 - a 2-D binary mask together with packed rows is refused (any 2-D mask turns packing detection off);
-- a shared-prompt batch (`shared_prompt_ids`, `prepack.model.shared_prompt`) gets its 4-D mask, on sdpa and
-  eager only; varlen kernels and sliding-window or mask-building families are refused by name;
+- a shared-prompt batch (`shared_prompt_ids`, `prepack.model.shared_prompt`) gets its mask: 4-D on sdpa and
+  eager, a BlockMask on flex_attention; varlen kernels and sliding-window or mask-building families are refused
+  by name;
 - a single 4-D mask on a sliding-window model is refused (it would be applied to the sliding layers too);
 - `cu_seq_lens_*`/`max_length_*` are checked before they reach a kernel, where a bad offset is an
   out-of-bounds read: int32, 1-D, on the tokens' device, q equal to k, from 0 to B·L, never

@@ -114,7 +114,7 @@ class PackedCollator:
     - `shared_prompt=True` (packs of a preference-pair build; `padded` or `padding_free`): each pair's prompt
       once, then both completions, their position ids continuing from the prompt's end; the batch carries
       `shared_prompt_ids` instead of offsets and `pair_segments` (`prepack.training.shared_prompt`). Only a
-      model passed to `prepack.enable_packing`, on sdpa or eager, masks it.
+      model passed to `prepack.enable_packing`, on sdpa, eager or flex_attention, masks it.
     - `pad_token_id`: the token id written at padding (its label is always -100). By default each row's
       padding repeats the row's last token: padding is a segment of its own and never trained on, but
       its gradient still flows through the model as 0 times the local derivative, and a token whose

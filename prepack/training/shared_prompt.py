@@ -9,9 +9,10 @@ continue from the prompt's end, and the batch carries
                                       order of `pair_segments` and `reference_logps`), part 0 prompt,
                                       1 chosen, 2 rejected; 0 at a row's padding tail
 
-from which `prepack.model.shared_prompt.shared_prompt_mask` builds the attention: a token sees the earlier
-tokens of its own part and its pair's prompt, never the other completion or another pair. A model passed to
-`prepack.enable_packing` builds it itself (sdpa and eager only: varlen kernels cannot express it).
+from which `prepack.model.shared_prompt` builds the attention (`shared_prompt_mask` for sdpa and eager,
+`shared_prompt_block_mask` for flex_attention): a token sees the earlier tokens of its own part and its pair's
+prompt, never the other completion or another pair. A model passed to `prepack.enable_packing` builds it
+itself (varlen kernels cannot express it, and are refused).
 `prepack.training.preference.pair_logps` reads each completion's log-probabilities from such a batch, its first
 token predicted from the last prompt position in both completions.
 

@@ -1,9 +1,11 @@
 """The shared-prompt layout of preference pairs (`PackedCollator(shared_prompt=True)`,
 `prepack.model.shared_prompt`, `prepack.training.shared_prompt`) on test_preference's real pair build: in
 float64 on its tiny random Llama, the DPO loss and its gradients equal plain unpacked DPO (each prompt +
-completion run alone); a mask that lets a rejected completion see the chosen one fails that comparison;
-the layout computes fewer positions than the two-sequence one, by what `inspect` says a prompt stored once
-saves; varlen backends and sliding-window families are refused by name.
+completion run alone); on flex_attention (torch's flex uncompiled, `tests.flash_reference`, which has no
+backward on a CPU) the log-probabilities and the DPO loss do; a mask, or a flex BlockMask, that lets a rejected
+completion see the chosen one fails that comparison; the layout computes fewer positions than the
+two-sequence one, by what `inspect` says a prompt stored once saves; varlen backends, sliding-window
+families and families isolated by layer or block masks or per document are refused by name.
 
 transformers' LlamaRMSNorm computes in float32 whatever the model's dtype, and so rounds the gradient
 through it to float32: the unpacked run sums a prompt token's two gradients (one per document) after that
@@ -18,14 +20,21 @@ import torch
 
 from prepack import PackedDataset
 from prepack.check.report import inspect_build
+from torch.nn.attention.flex_attention import create_block_mask, or_masks
+
 from prepack.errors import IsolationError, UsageError
+from prepack.model.isolation import default_tolerances
 from prepack.model.packing import enable_packing
-from prepack.model.shared_prompt import shared_prompt_mask
+from prepack.model.shared_prompt import shared_prompt_block_mask, shared_prompt_mask
 from prepack.training.collate import PackedCollator
 from prepack.training.preference import PairLogps, dpo_loss, model_inputs, pair_logps
 from transformers.models.llama import modeling_llama
 
+from tests import flash_reference
 from tests.train.test_preference import BETA, MAX_LEN, batches, pair_build, pairs_of, tiny_llama, unpacked
+
+use_flex_reference = flash_reference.use_flex_reference  # the fixture, which pytest finds by this name
+FLEX_TOLERANCE, FLEX_LOSS_TOLERANCE = default_tolerances(torch.float64, "flex_attention")
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +45,22 @@ def build(tmp_path_factory):
 def shared(model, window: list[dict], **overrides) -> PairLogps:
     parts = [pair_logps(model(**model_inputs(batch), **overrides).logits, batch) for batch in window]
     return PairLogps(*(torch.cat(field) for field in zip(*parts)))
+
+
+def flex_llama(seed: int):
+    model = tiny_llama(seed)
+    model.set_attn_implementation("flex_attention")
+    return model
+
+
+def rejected_sees_chosen(ids: torch.Tensor):
+    """A leaking mask_mod: a rejected token (part 2) also sees its pair's chosen completion (part 1)."""
+
+    def mask_mod(batch, head, query, key):
+        query_id, key_id = ids[batch, query], ids[batch, key]
+        return (query_id // 3 == key_id // 3) & (query_id % 3 == 2) & (key_id % 3 == 1)
+
+    return mask_mod
 
 
 def _rms_norm_in_its_dtype(self, hidden_states):
@@ -87,6 +112,44 @@ def test_a_mask_letting_rejected_see_chosen_fails_the_comparison(build):
     torch.testing.assert_close(results[True].chosen, expected.chosen, rtol=0, atol=1e-10)  # chosen sees no rejected
 
 
+@pytest.mark.usefixtures("use_flex_reference")
+@pytest.mark.parametrize("layout", ["padded", "padding_free"])
+def test_shared_prompt_on_flex_attention_equals_unpacked(build, layout):
+    pairs = pairs_of(build)
+    with torch.no_grad():
+        reference, expected = unpacked(tiny_llama(1), pairs), unpacked(tiny_llama(0), pairs)
+        got = shared(enable_packing(flex_llama(0)), batches(build, layout, shared_prompt=True))
+    for name in PairLogps._fields:
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=0, atol=FLEX_TOLERANCE)
+    loss, expected_loss = (dpo_loss(logps, reference, BETA).mean() for logps in (got, expected))
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=FLEX_LOSS_TOLERANCE)
+
+
+@pytest.mark.usefixtures("use_flex_reference")
+def test_a_block_mask_letting_rejected_see_chosen_fails_the_flex_comparison(build):
+    model = flex_llama(0)
+    window = batches(build, "padded", shared_prompt=True)
+    with torch.no_grad():
+        expected = unpacked(tiny_llama(0), pairs_of(build))
+        results = {}
+        for leak in (False, True):
+            parts = []
+            for batch in window:
+                ids = batch["shared_prompt_ids"]
+                mask = shared_prompt_block_mask(ids)
+                if leak:
+                    rows, width = ids.shape
+                    mask = create_block_mask(or_masks(mask.mask_mod, rejected_sees_chosen(ids)), rows, None, width, width,
+                                             device=ids.device)
+                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=mask,
+                               use_cache=False).logits
+                parts.append(pair_logps(logits, batch))
+            results[leak] = PairLogps(*(torch.cat(field) for field in zip(*parts)))
+    torch.testing.assert_close(results[False].rejected, expected.rejected, rtol=0, atol=FLEX_TOLERANCE)
+    assert not torch.allclose(results[True].rejected, expected.rejected, rtol=0, atol=FLEX_TOLERANCE)
+    torch.testing.assert_close(results[True].chosen, expected.chosen, rtol=0, atol=FLEX_TOLERANCE)
+
+
 def test_the_shared_layout_computes_each_prompt_once(build):
     dataset = PackedDataset(build)
     packs = [dataset[i] for i in range(len(dataset))]
@@ -119,8 +182,8 @@ def test_pairs_whose_prompts_differ_are_refused_by_pack_and_pair(build):
         PackedCollator(MAX_LEN, shared_prompt=True)([dict(pack, input_ids=input_ids)])
 
 
-@pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention"])
-def test_varlen_and_flex_backends_refuse_the_layout_by_name(build, attn):
+@pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_3", "flash_attention_4"])
+def test_varlen_backends_refuse_the_layout_by_name(build, attn):
     model = enable_packing(tiny_llama(0))
     model.config._attn_implementation = attn
     batch = batches(build, "padded", shared_prompt=True)[0]
@@ -128,21 +191,30 @@ def test_varlen_and_flex_backends_refuse_the_layout_by_name(build, attn):
         model(**model_inputs(batch))
 
 
-def test_sliding_window_families_refuse_the_layout_by_name(build):
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+def test_sliding_window_families_refuse_the_layout_by_name(build, attn):
     from transformers import MistralConfig, MistralForCausalLM
 
     config = MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16, attn_implementation="sdpa")
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16, attn_implementation=attn)
     model = enable_packing(MistralForCausalLM(config).to(torch.float64))
     with pytest.raises(IsolationError, match="shared-prompt layout on a mistral model with sliding-window layers"):
         model(**model_inputs(batches(build, "padded", shared_prompt=True)[0]))
 
 
-def test_hybrid_families_refuse_the_layout_by_name(build):
+@pytest.mark.parametrize(
+    ("family", "attn", "isolated_by"),
+    [
+        ("bamba", "sdpa", "per-document sequence-state layers"),
+        ("lfm2", "flex_attention", "per-document sequence-state layers"),
+        ("opt", "flex_attention", "block mask"),
+    ],
+)
+def test_families_isolated_otherwise_refuse_the_layout_by_name(build, family, attn, isolated_by):
     from prepack.model.tiny_models import tiny_model
 
-    model = enable_packing(tiny_model("bamba", "sdpa"))
+    model = enable_packing(tiny_model(family, attn))
     batch = batches(build, "padded", shared_prompt=True)[0]
     batch["input_ids"] %= model.config.vocab_size
-    with pytest.raises(IsolationError, match="shared-prompt layout on bamba: .*per-document sequence-state layers"):
+    with pytest.raises(IsolationError, match=f"shared-prompt layout on {family}: .*isolated by {isolated_by}"):
         model(**model_inputs(batch))
