@@ -99,7 +99,7 @@ def image_refusal(model_type: str, model_class: str, attn: str) -> str | None:
     found = family.verdicts[BACKENDS.index(backend_of(attn))]
     if found.isolated:
         return None
-    isolated = [repr(implementation(backend)) for backend, verdict in zip(BACKENDS, family.verdicts) if verdict.isolated]
+    isolated = [repr(implementation(backend)) for backend, ok in zip(BACKENDS, family.verdicts) if ok.isolated]
     return (
         f"prepack cannot keep packed image+text samples apart in {model_type} ({model_class}) on {attn}: "
         f"{found.reason}. Load it with attn_implementation={' or '.join(isolated)}, where prepack isolates it."
