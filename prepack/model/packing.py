@@ -48,7 +48,10 @@ so their guard sits on the causal LM.
 An image batch (one with `pixel_values`) is held to the vision table (`prepack.model.vision_families`,
 docs/vision-support.md) and checked by `prepack.model.vision_packing`: families never measured with images
 are refused by name, fields that override a vision tower's per-image segments are refused, Qwen's 3-D rotary
-positions need their text row, and Gemma 3's layer masks are built by prepack.
+positions need their text row, and Gemma 3's layer masks are built by prepack. On flash attention the text's
+`cu_seq_lens_*` are derived as for text (for Qwen from the text row of its [4, B, L] positions), and a second
+pre-hook on the vision tower drops them from its call: the vision-language models hand their keyword arguments
+to the tower too, whose attention would run over the text's segments (LLaVA's CLIP, measured) instead of its own.
 
 `prepack.model.isolation` proves it: it runs a packed batch and each of its documents alone, and compares.
 """
@@ -302,8 +305,9 @@ def _keep_text_offsets_from_the_tower(model: transformers.PreTrainedModel):
     """A pre-hook on the vision tower that drops the text's `cu_seq_lens_*`/`max_length_*`, or None.
 
     The vision-language models hand their forward's keyword arguments on to the tower as well as to the
-    decoder: on flash attention the text's offsets would make the tower's attention run over the text's
-    segments (LLaVA's CLIP: measured leaking) or clash with the per-image segments it derives (Qwen-VL).
+    decoder: on flash attention the text's offsets make LLaVA's CLIP tower attend over the text's segments
+    (measured leaking). transformers 5.24 drops them on the way to Qwen-VL's towers itself
+    (`accepts_precomputed_kwargs`); the hook does not rely on that.
     """
     tower = model.get_encoder(modality="image")
     if model.config.model_type not in VISION_FAMILIES or tower is model or tower is model.base_model:
