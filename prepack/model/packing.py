@@ -309,8 +309,10 @@ def _keep_text_offsets_from_the_tower(model: transformers.PreTrainedModel):
     (measured leaking). transformers 5.24 drops them on the way to Qwen-VL's towers itself
     (`accepts_precomputed_kwargs`); the hook does not rely on that.
     """
+    if model.config.model_type not in VISION_FAMILIES:
+        return None
     tower = model.get_encoder(modality="image")
-    if model.config.model_type not in VISION_FAMILIES or tower is model or tower is model.base_model:
+    if tower is model or tower is model.base_model:
         return None
 
     def drop_text_offsets(module, args, kwargs):
