@@ -48,7 +48,10 @@ so their guard sits on the causal LM.
 An image batch (one with `pixel_values`) is held to the vision table (`prepack.model.vision_families`,
 docs/vision-support.md) and checked by `prepack.model.vision_packing`: families never measured with images
 are refused by name, fields that override a vision tower's per-image segments are refused, Qwen's 3-D rotary
-positions need their text row, and Gemma 3's layer masks are built by prepack.
+positions need their text row, and Gemma 3's layer masks are built by prepack. On flash attention the text's
+`cu_seq_lens_*` are derived as for text (for Qwen from the text row of its [4, B, L] positions), and a second
+pre-hook on the vision tower drops them from its call: the vision-language models hand their keyword arguments
+to the tower too, whose attention would run over the text's segments (LLaVA's CLIP, measured) instead of its own.
 
 `prepack.model.isolation` proves it: it runs a packed batch and each of its documents alone, and compares.
 """
@@ -94,6 +97,7 @@ SUPPORTED_ATTENTION = (
 FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 _OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _HOOK_ATTRIBUTE = "_prepack_packing_hook"
+_TOWER_HOOK_ATTRIBUTE = "_prepack_vision_tower_hook"
 _PER_DOCUMENT_ATTRIBUTE = "_prepack_per_document_layers"
 # Causal LMs that hand their backbone neither position_ids nor the flash offsets (transformers 5.24: they keep
 # them in **kwargs), so the guard that finds the documents sits on the causal LM itself.
@@ -139,6 +143,9 @@ def enable_packing(
     per_document = _per_document_layers(model, family, verdict)
     guard = _PackedBatchGuard(_positional_parameters(decoder), family, per_document)
     setattr(model, _HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(guard, with_kwargs=True))
+    tower_hook = _keep_text_offsets_from_the_tower(model)
+    if tower_hook is not None:
+        setattr(model, _TOWER_HOOK_ATTRIBUTE, tower_hook)
     if per_document is not None:
         setattr(model, _PER_DOCUMENT_ATTRIBUTE, per_document)
     return model
@@ -146,9 +153,10 @@ def enable_packing(
 
 def disable_packing(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
     """Remove what `enable_packing` installed (nothing happens if it was not)."""
-    handle = model.__dict__.pop(_HOOK_ATTRIBUTE, None)
-    if handle is not None:
-        handle.remove()
+    for attribute in (_HOOK_ATTRIBUTE, _TOWER_HOOK_ATTRIBUTE):
+        handle = model.__dict__.pop(attribute, None)
+        if handle is not None:
+            handle.remove()
     per_document = model.__dict__.pop(_PER_DOCUMENT_ATTRIBUTE, None)
     if per_document is not None:
         per_document.remove()
@@ -256,7 +264,10 @@ class _PackedBatchGuard:
             # Images: the vision table's verdict, the towers' own segments, the family's positions and masks.
             family = self.family
             kwargs = checked_image_batch(module, kwargs, family.model_type, family.model_class, attn)
-            if VISION_FAMILIES[family.model_type].style != "restart":
+            style = VISION_FAMILIES[family.model_type].style
+            if style == "3-D rotary" and flash:
+                kwargs = _with_text_offsets(kwargs, tokens)
+            if style != "restart":
                 return (), _without_cache(kwargs, flash)
         kwargs = _resolve_attention_mask(kwargs, config, flash, tokens.shape[:2])
         # A mask still there describes no packed rows (or is the caller's own 4-D mask): transformers applies it.
@@ -273,6 +284,41 @@ class _PackedBatchGuard:
             masks = _masks_from_positions(module, config, kwargs["position_ids"], tokens.shape[:2])
             kwargs["attention_mask"] = masks["full_attention"] if verdict.how == "block mask" else masks
         return (), _without_cache(kwargs, flash)
+
+
+def _with_text_offsets(kwargs: dict[str, Any], tokens: torch.Tensor) -> dict[str, Any]:
+    """Packed 3-D rotary rows on flash attention: the offsets of their text row (the first of [4, B, L]),
+    checked as a text batch's are. The vision tower never sees them (`_keep_text_offsets_from_the_tower`)."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None or position_ids.ndim != 3:
+        return kwargs
+    text = {**kwargs, "position_ids": position_ids[0]}
+    if not _is_packed(text, tokens.shape[:2]):
+        return kwargs
+    if all(kwargs.get(key) is None for key in _OFFSET_KEYS):
+        text |= _offsets_from_positions(position_ids[0], tokens)
+    _check_packed_fields(text, tokens)
+    return {**text, "position_ids": position_ids}
+
+
+def _keep_text_offsets_from_the_tower(model: transformers.PreTrainedModel):
+    """A pre-hook on the vision tower that drops the text's `cu_seq_lens_*`/`max_length_*`, or None.
+
+    The vision-language models hand their forward's keyword arguments on to the tower as well as to the
+    decoder: on flash attention the text's offsets make LLaVA's CLIP tower attend over the text's segments
+    (measured leaking). transformers 5.24 drops them on the way to Qwen-VL's towers itself
+    (`accepts_precomputed_kwargs`); the hook does not rely on that.
+    """
+    if model.config.model_type not in VISION_FAMILIES:
+        return None
+    tower = model.get_encoder(modality="image")
+    if tower is model or tower is model.base_model:
+        return None
+
+    def drop_text_offsets(module, args, kwargs):
+        return args, {key: value for key, value in kwargs.items() if key not in _OFFSET_KEYS}
+
+    return tower.register_forward_pre_hook(drop_text_offsets, with_kwargs=True)
 
 
 def _per_document_layers(

@@ -7,7 +7,10 @@ their image, and one verdict per backend of `prepack.model.families.BACKENDS`. T
 are measured by `tests/model/test_vision.py`: tiny random models (`prepack.model.tiny_vision_models`) in
 float64, real photographs, a packed batch of several samples against each sample run alone through
 transformers' own path (its own rotary positions, its own masks), on logits, loss and gradients, with
-leak controls that fail. No torch here.
+leak controls that fail. Flash attention (2/3 and 4) is measured through pure-torch stand-ins of the kernels'
+varlen interfaces (tests/flash_reference.py), flex_attention through torch's own flex_attention uncompiled,
+on logits and loss (it has no backward on a CPU). On flash the text's offsets come from the text positions
+and reach the decoder only, never the vision tower (`prepack.model.packing`). No torch here.
 
 Styles:
 - 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): `position_ids` [4, B, L], text positions restarting per sample (from
@@ -27,18 +30,27 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-from prepack.model.families import BACKENDS, LAYER_MASKS, NATIVE, NO_FLEX, Verdict, backend_of, verdict_table
+from prepack.model.families import (
+    BACKENDS,
+    LAYER_MASKS,
+    NATIVE,
+    NO_FLEX,
+    Verdict,
+    backend_of,
+    implementation,
+    verdict_table,
+)
 
 __all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "image_refusal", "image_style", "markdown"]
 
 ImageStyle = Literal["3-D rotary", "restart", "image blocks"]
 
-NOT_ON_FLASH = Verdict(
+# Measured (tests/model/test_vision.py): on the flash stand-in a sample alone runs its images causally, unlike sdpa.
+GEMMA3_IMAGES_ON_FLASH = Verdict(
     "refused",
-    "not measured with images on the flash path (where Qwen's forward also hands the text's cu_seq_lens_* on to "
-    "its vision tower's attention)",
+    "flash attention cannot hold its bidirectional image blocks: transformers gives Gemma3ForConditionalGeneration "
+    "no flash attention, and its flash path runs the images causally",
 )
-NOT_ON_FLEX = Verdict("refused", "not measured with images on flex_attention")
 
 
 @dataclass(frozen=True)
@@ -48,8 +60,8 @@ class VisionFamily:
     verdicts: tuple[Verdict, Verdict, Verdict, Verdict, Verdict]  # per backend, in BACKENDS order
 
 
-_MEASURED = (NATIVE, NATIVE, NOT_ON_FLASH, NOT_ON_FLASH, NOT_ON_FLEX)
-_MEASURED_NO_FLEX = (NATIVE, NATIVE, NOT_ON_FLASH, NOT_ON_FLASH, NO_FLEX)
+_MEASURED = (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE)
+_MEASURED_NO_FLEX = (NATIVE, NATIVE, NATIVE, NATIVE, NO_FLEX)
 _GRID_TOWER = "one attention segment per image, from image_grid_thw (its windowed blocks within that segment)"
 _GRID_TOWER_DEEPSTACK = (
     "one attention segment per image, from image_grid_thw; its deepstack features join the decoder at each "
@@ -65,7 +77,7 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
     "gemma3": VisionFamily(
         "image blocks",
         "one image per row of pixel_values (SigLIP)",
-        (LAYER_MASKS, LAYER_MASKS, NOT_ON_FLASH, NOT_ON_FLASH, NOT_ON_FLEX),
+        (LAYER_MASKS, LAYER_MASKS, GEMMA3_IMAGES_ON_FLASH, GEMMA3_IMAGES_ON_FLASH, LAYER_MASKS),
     ),
 }
 
@@ -87,9 +99,10 @@ def image_refusal(model_type: str, model_class: str, attn: str) -> str | None:
     found = family.verdicts[BACKENDS.index(backend_of(attn))]
     if found.isolated:
         return None
+    isolated = [repr(implementation(backend)) for backend, ok in zip(BACKENDS, family.verdicts) if ok.isolated]
     return (
         f"prepack cannot keep packed image+text samples apart in {model_type} ({model_class}) on {attn}: "
-        f"{found.reason}. Load it with attn_implementation='sdpa' (or 'eager'), where prepack isolates it."
+        f"{found.reason}. Load it with attn_implementation={' or '.join(isolated)}, where prepack isolates it."
     )
 
 
@@ -120,7 +133,9 @@ def markdown() -> str:
             "`prepack.training.vision_collate.VisionCollator` emits for it and how its vision tower keeps patches",
             "inside their image.",
             "**isolated**: a packed batch gives the logits, loss and gradients of each sample run alone through",
-            "transformers' own path (`tests/model/test_vision.py`: tiny random models in float64, real photographs).",
+            "transformers' own path (`tests/model/test_vision.py`: tiny random models in float64, real photographs;",
+            "flash attention through pure-torch stand-ins of flash-attn 2 and FlashAttention-4, flex_attention on",
+            "logits and loss, uncompiled on a CPU).",
             "Any other vision-language model type is refused for image batches, by name. Text-only batches of these",
             "families follow docs/model-support.md.",
             "",

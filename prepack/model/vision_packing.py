@@ -7,12 +7,14 @@
   them from the forward's keyword arguments) are refused: one segment over several images' patches lets
   the images attend to each other (measured).
 - 3-D rotary (Qwen2-VL, Qwen2.5-VL): packed rows need `position_ids` [4, B, L], the text positions first:
-  transformers builds the per-sample mask from that row only, and from a [3, B, L] tensor builds none.
+  transformers builds the per-sample mask from that row only, and from a [3, B, L] tensor builds none (on flash
+  attention `prepack.model.packing` derives the text's offsets from that row).
 - Image blocks (Gemma 3): transformers' own sliding-window mask for a packed row reads each image block at
   the wrong tokens (it applies the block overlay to positions already remapped to within-sample ones;
   transformers 5.24 `create_masks_for_vision_model`, measured: 0.18 on logits), so prepack builds both layer
   masks itself with transformers' `create_causal_mask`, from absolute token indices: (causal OR same
-  image block) AND same sample (AND within the window, counted in positions, on sliding layers).
+  image block) AND same sample (AND within the window, counted in positions, on sliding layers). On
+  flex_attention the same function builds them as BlockMasks.
 """
 
 from __future__ import annotations

@@ -6,10 +6,15 @@ sample images) through transformers' own image processors, `VisionCollator` pack
 none and one image) into two rows, and `enable_packing` on. The reference is each sample alone through
 transformers' own path: its own rotary positions (`get_rope_index`), its own masks. Logits, loss and
 gradients must agree to float64 rounding; each leak control (positions not restarted, patches attending
-across images, Gemma 3's image blocks left out) must not.
+across images, Gemma 3's image blocks left out, on flash the text's offsets missing or reaching LLaVA's vision
+tower) must not. Every verdict of `prepack.model.vision_families` is run: the isolated ones on their backend
+(flash attention 2 and 4 through tests/flash_reference.py's stand-ins of the kernels, flex_attention uncompiled
+on logits and loss: torch's flex has no backward on a CPU), the refused ones to their refusal.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -18,9 +23,14 @@ import torch
 from prepack import enable_packing
 from prepack.errors import InputError, IsolationError
 from prepack.model.tiny_models import DOCUMENT_VOCAB
+from prepack.model.families import BACKENDS, backend_of, implementation
+from prepack.model.isolation import default_tolerances
+from prepack.model.packing import FLASH_ATTENTION
 from prepack.model.tiny_vision_models import tiny_vision_model
+from prepack.model.vision_families import VISION_FAMILIES
+from prepack.training.collate import segment_fields
 from prepack.training.vision_collate import VisionCollator, VisionSpec, rotary_3d_positions
-from tests.flash_reference import enable_flash_attention
+from tests.flash_reference import enable_flash_attention, use_flash_reference, use_flex_reference
 from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava", "gemma3")
@@ -30,6 +40,13 @@ TOLERANCE = 1e-9
 # transformers computes the loss from logits cast to float32: the loss, and the gradients through it, are
 # float32-exact (Gemma 3's gradients, scaled up by its embedding normaliser, show it most).
 LOSS_TOLERANCE = 1e-5
+# eager's softmax runs in float32 inside a float64 model (measured here: up to 5.3e-8 on logits): prepack's bound.
+EAGER_TOLERANCE, _ = default_tolerances(torch.float64, "eager")
+# The fixtures that run each flash implementation and flex_attention on a CPU.
+STAND_INS = {
+    **{attn: use_flash_reference for attn in FLASH_ATTENTION if attn != "flash_attention_3"},
+    "flex_attention": use_flex_reference,
+}
 
 
 def image_tokens(model, processor, image: bytes) -> list[int]:
@@ -75,8 +92,14 @@ def packs_of(made: list[dict]) -> list[dict]:
     return packs
 
 
-def setup(model_type: str):
-    model = tiny_vision_model(model_type)
+def setup(model_type: str, attn: str = "sdpa"):
+    """The family's tiny model on `attn` (flash and flex through tests/flash_reference.py's fixtures), its
+    image processor, the four samples and a collator."""
+    model = tiny_vision_model(model_type, "eager" if attn == "eager" else "sdpa")
+    if attn in FLASH_ATTENTION:
+        enable_flash_attention(model, attn)
+    elif attn == "flex_attention":
+        model.set_attn_implementation(attn)
     processor = image_processor(model_type)
     made = samples(model, processor)
     collator = VisionCollator(VisionSpec.of(model.config), processor, max_len=max(
@@ -109,55 +132,112 @@ def targets(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != -100).sum())
 
 
-def run(model, batch: dict):
+def run(model, batch: dict, gradients: bool = True):
+    """Logits, loss and (unless `gradients` is False: flex_attention has no backward on a CPU) gradients."""
     model.zero_grad()
+    batch = {key: value.to(model.device) if torch.is_tensor(value) else value for key, value in batch.items()}
+    if not gradients:
+        with torch.no_grad():
+            out = model(**batch)
+        return out.logits, out.loss, {}
     out = model(**batch)
     (out.loss * targets(batch["labels"])).backward()  # the summed loss: gradients add up over samples
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return out.logits.detach(), out.loss.detach(), grads
 
 
-def compare(model, collator, made, batch) -> tuple[float, float, float]:
+def compare(model, collator, made, batch, gradients: bool = True) -> tuple[float, float, float]:
     """(largest logit difference, loss difference, largest gradient difference relative to the largest
-    gradient) packed vs alone."""
+    gradient, 0 without `gradients`) packed vs alone."""
     packs = packs_of(made)
-    logits, loss, grads = run(model, batch)
+    logits, loss, grads = run(model, batch, gradients)
     logit_diff, alone_losses, alone_grads = 0.0, [], {}
     for sample, (row, start, end) in zip(made, spans(packs)):
         alone_logits, alone_loss, sample_grads = run(
-            model, alone_batch(model, collator, sample, batch["labels"][row, start:end])
+            model, alone_batch(model, collator, sample, batch["labels"][row, start:end]), gradients
         )
         logit_diff = max(logit_diff, float((logits[row, start:end] - alone_logits[0]).abs().max()))
         alone_losses.append((float(alone_loss), targets(batch["labels"][row, start:end])))
         for name, grad in sample_grads.items():
             alone_grads[name] = alone_grads.get(name, 0) + grad
     weighted = sum(value * count for value, count in alone_losses) / sum(count for _, count in alone_losses)
+    if not gradients:
+        return logit_diff, abs(float(loss) - weighted), 0.0
     grad_diff = max(float((grads[name] - alone_grads[name]).abs().max()) for name in grads)
     largest_grad = max(float(grad.abs().max()) for grad in grads.values())
     return logit_diff, abs(float(loss) - weighted), grad_diff / largest_grad
 
 
+def verdict_pairs(isolated: bool) -> list[tuple[str, str]]:
+    """(model type, attention implementation) of every verdict of the vision table that is (not) isolated."""
+    return [
+        (model_type, implementation(backend))
+        for model_type, family in VISION_FAMILIES.items()
+        for backend, verdict in zip(BACKENDS, family.verdicts)
+        if verdict.isolated == isolated
+    ]
+
+
+def stand_in(request, attn: str) -> None:
+    """Run flash and flex through tests/flash_reference.py's stand-ins for the length of the test."""
+    if attn in STAND_INS:
+        request.getfixturevalue(STAND_INS[attn].__name__)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_packed_image_batch_equals_each_sample_alone(model_type):
-    model, _, made, collator = setup(model_type)
-    enable_packing(model)
+@pytest.mark.parametrize(("model_type", "attn"), verdict_pairs(isolated=True))
+def test_packed_image_batch_equals_each_sample_alone(model_type, attn, request):
+    """Every verdict of the table that says isolated, run; on flex logits and loss (no backward on a CPU).
+
+    On flash, the control first: without enable_packing the batch carries no cu_seq_lens_*, and transformers
+    runs dense attention over each row."""
+    stand_in(request, attn)
+    model, _, made, collator = setup(model_type, attn)
     batch = collator(packs_of(made))
+    if attn in FLASH_ATTENTION:
+        logit_diff, _, _ = compare(model, collator, made, batch)
+        assert logit_diff > 1e-3, f"the leak control did not leak ({logit_diff}), so the test could not fail"
+    enable_packing(model)
     assert int((batch["input_ids"] == collator.spec.image_token_id).sum()) > 0
-    logit_diff, loss_diff, grad_diff = compare(model, collator, made, batch)
-    assert logit_diff < TOLERANCE and loss_diff < LOSS_TOLERANCE and grad_diff < LOSS_TOLERANCE, (logit_diff, loss_diff, grad_diff)
+    logit_diff, loss_diff, grad_diff = compare(model, collator, made, batch, gradients=attn != "flex_attention")
+    tolerance = EAGER_TOLERANCE if attn == "eager" else TOLERANCE
+    diffs = (logit_diff, loss_diff, grad_diff)
+    assert logit_diff < tolerance and loss_diff < LOSS_TOLERANCE and grad_diff < LOSS_TOLERANCE, diffs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_positions_not_restarted_leak(model_type):
+@pytest.mark.parametrize(
+    ("model_type", "attn"),
+    [*((model_type, "sdpa") for model_type in FAMILIES), ("llava", "flex_attention"), ("gemma3", "flex_attention")],
+)
+def test_positions_not_restarted_leak(model_type, attn, request):
     """The control: the same batch with positions counting on over each row lets samples see each other."""
-    model, _, made, collator = setup(model_type)
+    stand_in(request, attn)
+    model, _, made, collator = setup(model_type, attn)
+    enable_packing(model)
     batch = collator(packs_of(made))
     width = batch["input_ids"].shape[1]
     batch["position_ids"] = torch.arange(width).expand(batch["position_ids"].shape).clone()
-    logit_diff, _, _ = compare(model, collator, made, batch)
+    logit_diff, _, _ = compare(model, collator, made, batch, gradients=attn != "flex_attention")
     assert logit_diff > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("use_flash_reference")
+def test_text_offsets_reaching_llavas_vision_tower_leak():
+    """The text's offsets handed to the whole model (as transformers does without enable_packing) reach LLaVA's
+    CLIP tower, whose flash attention then runs over the text's segments; enable_packing keeps them out."""
+    model, _, made, collator = setup("llava", "flash_attention_2")
+    batch = collator(packs_of(made))
+    fields = segment_fields((batch["position_ids"].numpy() == 0).cumsum(1))  # a sample starts at position 0
+    cu_seq_lens = torch.from_numpy(fields.cu_seq_lens)
+    offsets = dict(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=fields.max_length,
+                   max_length_k=fields.max_length)
+    logit_diff, _, _ = compare(model, collator, made, batch | offsets)
+    assert logit_diff > 1e-3
+    enable_packing(model)
+    logit_diff, _, _ = compare(model, collator, made, batch | offsets)
+    assert logit_diff < TOLERANCE
 
 
 @pytest.mark.slow
@@ -221,10 +301,40 @@ def test_rotary_positions_without_the_text_row_leak_and_are_refused():
         model(**batch)
 
 
-def test_an_unmeasured_backend_is_refused_for_images_by_name():
-    model = enable_flash_attention(tiny_vision_model("qwen2_5_vl", "eager"))
-    with pytest.raises(IsolationError, match="qwen2_5_vl .*flash_attention_2: not measured with images"):
-        enable_packing(model)
+@pytest.mark.parametrize("attn", [attn for model_type, attn in verdict_pairs(isolated=False) if model_type == "gemma3"])
+def test_gemma3_images_run_causally_on_flash_and_are_refused(attn, request):
+    """transformers gives Gemma3ForConditionalGeneration no flash attention: forced onto it, a sample alone runs its
+    images causally, not as the bidirectional blocks sdpa gives them. Its packed image batches are refused there
+    with that reason (its text batches are isolated on flash, so enable_packing itself accepts the model)."""
+    stand_in(request, attn)
+    model, _, made, collator = setup("gemma3")
+    sample = made[0]
+    alone = alone_batch(model, collator, sample, torch.from_numpy(sample["input_ids"]))
+    sdpa_logits, _, _ = run(model, alone, gradients=False)
+    flash_logits, _, _ = run(enable_flash_attention(model, attn), alone, gradients=False)
+    assert float((sdpa_logits - flash_logits).abs().max()) > 1e-3
+    enable_packing(model)
+    reason = VISION_FAMILIES["gemma3"].verdicts[BACKENDS.index(backend_of(attn))].reason
+    refusal = f"gemma3 .*{attn}: {re.escape(reason)}. .*'sdpa' or 'eager' or 'flex_attention'"
+    with pytest.raises(IsolationError, match=refusal):
+        model(**collator(packs_of(made)))
+
+
+@pytest.mark.parametrize(
+    "model_type", [model_type for model_type, attn in verdict_pairs(isolated=False) if attn == "flex_attention"]
+)
+def test_qwen_vl_has_no_flex_attention(model_type):
+    """The table's flex refusals for Qwen-VL: transformers has no flex path to switch them to."""
+    model = tiny_vision_model(model_type)
+    with pytest.raises(ValueError, match="does not support an attention implementation through torch's flex"):
+        model.set_attn_implementation("flex_attention")
+
+
+def test_every_refusal_of_the_vision_table_is_run():
+    """The two tests above run the table's refusals: a refusal of another kind needs a test of its own."""
+    gemma3_on_flash = {("gemma3", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
+    qwen_on_flex = {(model_type, "flex_attention") for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")}
+    assert set(verdict_pairs(isolated=False)) == gemma3_on_flash | qwen_on_flex
 
 
 def test_gemma3_image_batch_with_a_mask_is_refused():
