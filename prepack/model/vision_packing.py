@@ -30,11 +30,19 @@ with optional_imports("enable_packing"):
 
 __all__ = ["VISION_TOWER_OVERRIDES", "checked_image_batch"]
 
-# transformers.vision_utils / utils.generic pop these from the forward's kwargs and use them as given.
+# transformers.vision_utils / utils.generic pop these from the forward's kwargs and use them as given, under
+# their own names or prefixed with a modality (`image_cu_seqlens`: `accepts_precomputed_kwargs` strips it).
 VISION_TOWER_OVERRIDES = (
     "cu_seqlens", "max_seqlen", "cu_window_seqlens", "window_index", "max_window_seqlen", "merged_shape",
     "interp_indices", "interp_weights", "bilinear_indices", "bilinear_weights",
 )
+_MODALITY_PREFIXES = ("image_", "video_")
+
+
+def _overrides_a_tower(key: str) -> bool:
+    for prefix in _MODALITY_PREFIXES:
+        key = key.removeprefix(prefix)
+    return key in VISION_TOWER_OVERRIDES
 
 
 def checked_image_batch(
@@ -44,7 +52,7 @@ def checked_image_batch(
     message = image_refusal(model_type, model_class, attn)
     if message:
         raise IsolationError(message)
-    given = [key for key in VISION_TOWER_OVERRIDES if kwargs.get(key) is not None]
+    given = [key for key, value in kwargs.items() if value is not None and _overrides_a_tower(key)]
     if given:
         raise IsolationError(
             f"An image batch with {', '.join(given)}: transformers' vision tower takes them as given instead of "

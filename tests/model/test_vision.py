@@ -242,17 +242,18 @@ def test_text_offsets_reaching_llavas_vision_tower_leak():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"))
-def test_patches_across_images_leak_and_are_refused(model_type):
-    """Qwen's tower takes `cu_seqlens` as given: one segment over every patch lets images see each other.
-    enable_packing refuses a batch that carries one."""
+@pytest.mark.parametrize("field", ["cu_seqlens", "image_cu_seqlens"])
+def test_patches_across_images_leak_and_are_refused(model_type, field):
+    """Qwen's tower takes `cu_seqlens` as given, also under the image modality's prefix: one segment over
+    every patch lets images see each other. enable_packing refuses a batch that carries either."""
     model, _, made, collator = setup(model_type)
     batch = collator(packs_of(made))
     patches = len(batch["pixel_values"])
-    batch["cu_seqlens"] = torch.tensor([0, patches], dtype=torch.int32)
+    batch[field] = torch.tensor([0, patches], dtype=torch.int32)
     logit_diff, _, _ = compare(model, collator, made, dict(batch))
     assert logit_diff > 1e-3
     enable_packing(model)
-    with pytest.raises(IsolationError, match="cu_seqlens"):
+    with pytest.raises(IsolationError, match=field):
         model(**batch)
 
 
