@@ -273,9 +273,7 @@ class _PackedBatchGuard:
         # A mask still there describes no packed rows (or is the caller's own 4-D mask): transformers applies it.
         if kwargs.get("attention_mask") is not None or not _is_packed(kwargs, tokens.shape[:2]):
             return (), kwargs
-        if flash and all(kwargs.get(key) is None for key in _OFFSET_KEYS):
-            kwargs |= _offsets_from_positions(kwargs["position_ids"], tokens)
-        _check_packed_fields(kwargs, tokens)
+        kwargs = _with_offsets(kwargs, tokens, flash)
         if flash:
             _require_rows_within_a_chunk(config, attn, tokens.shape[1])
         if self.per_document is not None:
@@ -286,19 +284,24 @@ class _PackedBatchGuard:
         return (), _without_cache(kwargs, flash)
 
 
+def _with_offsets(kwargs: dict[str, Any], tokens: torch.Tensor, flash: bool) -> dict[str, Any]:
+    """Packed rows' fields: on flash, the offsets derived from `position_ids` unless given; all checked."""
+    if flash and all(kwargs.get(key) is None for key in _OFFSET_KEYS):
+        kwargs = kwargs | _offsets_from_positions(kwargs["position_ids"], tokens)
+    _check_packed_fields(kwargs, tokens)
+    return kwargs
+
+
 def _with_text_offsets(kwargs: dict[str, Any], tokens: torch.Tensor) -> dict[str, Any]:
-    """Packed 3-D rotary rows on flash attention: the offsets of their text row (the first of [4, B, L]),
-    checked as a text batch's are. The vision tower never sees them (`_keep_text_offsets_from_the_tower`)."""
+    """Packed 3-D rotary rows on flash attention: the offsets of their text row (the first of [4, B, L]), as a
+    text batch gets them (`_with_offsets`). The vision tower never sees them (`_keep_text_offsets_from_the_tower`)."""
     position_ids = kwargs.get("position_ids")
     if position_ids is None or position_ids.ndim != 3:
         return kwargs
     text = {**kwargs, "position_ids": position_ids[0]}
     if not _is_packed(text, tokens.shape[:2]):
         return kwargs
-    if all(kwargs.get(key) is None for key in _OFFSET_KEYS):
-        text |= _offsets_from_positions(position_ids[0], tokens)
-    _check_packed_fields(text, tokens)
-    return {**text, "position_ids": position_ids}
+    return {**_with_offsets(text, tokens, flash=True), "position_ids": position_ids}
 
 
 def _keep_text_offsets_from_the_tower(model: transformers.PreTrainedModel):

@@ -18,6 +18,7 @@ other completion is not; sliding-window layers would need a mask of their own: t
 from __future__ import annotations
 
 from prepack.errors import IsolationError, optional_imports
+from prepack.training.shared_prompt import PARTS
 
 with optional_imports("enable_packing"):
     import torch
@@ -26,7 +27,6 @@ with optional_imports("enable_packing"):
 __all__ = ["SHARED_PROMPT_ATTENTION", "require_shared_prompt_support", "shared_prompt_block_mask", "shared_prompt_mask"]
 
 SHARED_PROMPT_ATTENTION = ("sdpa", "eager", "flex_attention")
-_PARTS = 3
 
 
 def require_shared_prompt_support(attn: str | None, config, how: str | None) -> None:
@@ -53,7 +53,7 @@ def require_shared_prompt_support(attn: str | None, config, how: str | None) -> 
 def _sees(query_id: torch.Tensor, key_id: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """Whether the query token at `query` (its shared_prompt_id `query_id`) may attend to the key at `key`:
     causal, same pair, and the key is the pair's prompt or in the query's own part (the same id)."""
-    return (key <= query) & (query_id // _PARTS == key_id // _PARTS) & ((key_id % _PARTS == 0) | (query_id == key_id))
+    return (key <= query) & (query_id // PARTS == key_id // PARTS) & ((key_id % PARTS == 0) | (query_id == key_id))
 
 
 def shared_prompt_mask(shared_prompt_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
