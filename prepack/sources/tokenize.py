@@ -28,17 +28,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
-import pickle
 import re
-import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -61,6 +57,7 @@ from prepack.sources.corpus import (
     parse_json,
     record_batches,
 )
+from prepack.sources.tokenizer_workers import encoded_by_workers
 
 with optional_imports("tokenizing (--tokenizer)"):
     import jinja2
@@ -420,80 +417,38 @@ def _check_columns(corpus: Corpus, column: str, chat: bool) -> None:
             raise InputError(f"{path}, column {column!r}: expected {expected}, found {dtype}.")
 
 
-_worker: _Encoder | None = None
-
-
-def _start_worker(encoder_file: str) -> None:
-    global _worker
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one of num_proc processes: one core each
-    with open(encoder_file, "rb") as file:
-        _worker = pickle.load(file)
-
-
-def _work(path: Path, row0: int, values: list):
-    return _worker(path, row0, values)
-
-
-@contextmanager
-def _worker_pool(encoder: _Encoder, num_proc: int) -> Iterator[ProcessPoolExecutor]:
-    """`num_proc` spawned processes, each loading `encoder` from a temporary file when it starts.
-
-    Not through `initargs`: those travel in the data a spawned process reads first, through a pipe the
-    parent writes while still holding its read end, so a child that dies before reading it all (a
-    script calling prepack unguarded dies re-running itself) would block the parent for ever once the
-    data outgrows the pipe's buffer (64 KiB; a tokenizer is megabytes). A path is a few bytes.
-    """
-    with tempfile.NamedTemporaryFile(prefix="prepack-encoder-", suffix=".pickle") as file:
-        pickle.dump(encoder, file, pickle.HIGHEST_PROTOCOL)
-        file.flush()
-        context = multiprocessing.get_context("spawn")
-        executor = ProcessPoolExecutor(num_proc, mp_context=context, initializer=_start_worker, initargs=(file.name,))
-        try:
-            yield executor
-        finally:
-            executor.shutdown(cancel_futures=True)
-
-
 def encoded_in_order(chunks: Iterator[tuple[Path, int, list]], encoder: _Encoder, num_proc: int):
     """(chunk, encoder(chunk)) in chunk order, with a bounded number of chunks in flight. `encoder` is an
     `_Encoder`, or any picklable callable of (file, first row, values) with a `chat` attribute (the pair
     encoder of `prepack.sources.pairs`).
 
-    Chat with num_proc > 1: `num_proc` processes, two chunks each; one that dies ends the tokenization
-    with `EngineError`. Otherwise one helper thread: the tokenizer's own threads do the work with the
-    GIL released, and the helper overlaps them with reading and with the consumer.
+    Chat with num_proc > 1: `num_proc` processes (`prepack.sources.tokenizer_workers`); one that dies
+    ends the tokenization with `EngineError`. Otherwise one helper thread: the tokenizer's own threads
+    do the work with the GIL released, and the helper overlaps them with reading and with the consumer.
     """
-    with ExitStack() as stack:
-        if encoder.chat and num_proc > 1:
-            executor = stack.enter_context(_worker_pool(encoder, num_proc))
-
-            def submit(chunk):
-                try:
-                    return executor.submit(_work, *chunk)
-                except OSError as exc:  # a worker (re)started as another died: the pool's pipes closed under it
-                    raise BrokenProcessPool(f"a worker process could not start ({exc})") from exc
-
-            depth = 2 * num_proc
-        else:
-            executor = ThreadPoolExecutor(1)
-            stack.callback(executor.shutdown, cancel_futures=True)
-            submit, depth = (lambda chunk: executor.submit(encoder, *chunk)), 2
-        window = deque()
+    if encoder.chat and num_proc > 1:
         try:
-            for chunk in chunks:
-                window.append((chunk, submit(chunk)))
-                if len(window) >= depth:
-                    done, future = window.popleft()
-                    yield done, future.result()
-            while window:
-                done, future = window.popleft()
-                yield done, future.result()
+            yield from encoded_by_workers(chunks, encoder, num_proc)
         except BrokenProcessPool:
             raise EngineError(
                 "a chat tokenizer worker process ended abruptly (killed, out of memory, or it failed to start: "
                 "each worker imports the script that started it, so a script that calls prepack at its top level "
                 "runs again in every worker, which fails; put those calls under `if __name__ == \"__main__\":`)."
             ) from None
+        return
+    executor = ThreadPoolExecutor(1)
+    try:
+        window = deque()
+        for chunk in chunks:
+            window.append((chunk, executor.submit(encoder, *chunk)))
+            if len(window) >= 2:
+                done, future = window.popleft()
+                yield done, future.result()
+        while window:
+            done, future = window.popleft()
+            yield done, future.result()
+    finally:
+        executor.shutdown(cancel_futures=True)
 
 
 def _stream(corpus: Corpus, encoder: _Encoder, num_proc: int, progress: Progress | None) -> Iterator[DocumentBatch]:
