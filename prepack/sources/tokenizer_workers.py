@@ -56,11 +56,13 @@ def _serve(encoder_file: str, tasks: Connection, results: Connection) -> None:
     while (chunk := inbox.get()) is not None:
         try:
             outcome = (True, encoder(*chunk))
-        except Exception as exc:  # noqa: BLE001 - the parent re-raises it, as the build's own error
+        except Exception as exc:  # the encoder's own error (InputError naming a row): the parent raises it
             outcome = (False, exc)
         try:
-            results.send(outcome)  # pickles before it writes: a failure here has sent nothing
-        except Exception as exc:  # noqa: BLE001 - an outcome that cannot be pickled is reported, not fatal
+            results.send(outcome)
+        except OSError:  # the parent ended
+            return
+        except Exception as exc:  # noqa: BLE001 (an outcome that cannot be pickled; pickling precedes any write)
             what = repr(outcome[1]) if not outcome[0] else type(outcome[1]).__name__
             results.send((False, EngineError(f"a chat tokenizer worker could not send back {what}: {exc}")))
 
