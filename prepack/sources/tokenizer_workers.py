@@ -89,9 +89,10 @@ class _Worker:
         return value
 
 
-def _start(encoder_file: str, num_proc: int) -> list[_Worker]:
+def _start(encoder_file: str, num_proc: int, workers: list[_Worker]) -> None:
+    """Starts `num_proc` workers, appending each to `workers` as it starts: those started are stopped even if
+    a later one fails to start."""
     context = multiprocessing.get_context("spawn")  # safe beside the threads of the parent
-    workers = []
     for _ in range(num_proc):
         task_reader, task_writer = context.Pipe(duplex=False)
         result_reader, result_writer = context.Pipe(duplex=False)
@@ -102,7 +103,6 @@ def _start(encoder_file: str, num_proc: int) -> list[_Worker]:
         task_reader.close()  # the worker's ends now live only in the worker: its death closes them
         result_writer.close()
         workers.append(_Worker(process, task_writer, result_reader))
-    return workers
 
 
 def _stop(workers: list[_Worker], finished: bool) -> None:
@@ -129,14 +129,15 @@ def encoded_by_workers(
     `encoder` is pickled once to a temporary file that each worker loads as it starts. An exception
     the encoder raises is re-raised here; a worker that dies (killed, out of memory, or failing to
     start) raises `BrokenProcessPool`. Either way, and when the caller stops early, every worker is
-    killed and reaped before this returns.
+    killed; after the last chunk each exits on its own. All are reaped before this returns.
     """
     with tempfile.NamedTemporaryFile(prefix="prepack-encoder-", suffix=".pickle") as file:
         pickle.dump(encoder, file, pickle.HIGHEST_PROTOCOL)
         file.flush()
-        workers = _start(file.name, num_proc)
+        workers: list[_Worker] = []
         finished = False
         try:
+            _start(file.name, num_proc, workers)
             window: deque[tuple[tuple, _Worker]] = deque()
             for index, chunk in enumerate(chunks):
                 worker = workers[index % num_proc]
