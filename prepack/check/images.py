@@ -19,10 +19,10 @@ import numpy as np
 
 from prepack.check.report import InspectReport
 from prepack.check.verify import Problem
-from prepack.errors import FormatError, optional_imports
+from prepack.errors import FormatError, InputError, optional_imports
 from prepack.formats.common import StrictModel, list_column
 from prepack.formats.images import IMAGE_SET_MANIFEST, IMAGES_FILE, ImageSet, read_image_set
-from prepack.formats.shards import open_shard, read_manifest, shard_path
+from prepack.formats.shards import Manifest, read_manifest, shard_path
 
 __all__ = ["ImageReport", "image_report", "verify_images"]
 
@@ -41,15 +41,16 @@ class ImageReport(StrictModel):
 
 
 def image_report(build: str | os.PathLike, images: str | os.PathLike, report: InspectReport) -> ImageReport:
-    """The image lines of `inspect` for a local full build and its image set (read, not verified)."""
+    """The image lines of `inspect` for a local build, full or index, and its image set (read, not verified)."""
     build, image_set = Path(build), read_image_set(images)
     manifest = read_manifest(build)
-    if manifest.store is not None:
-        raise FormatError(f"{build}: an index build; inspect --images reads a full build's packs.")
+    if (mismatch := _rows_mismatch(image_set, manifest)) is not None:
+        raise InputError(f"{Path(images) / IMAGE_SET_MANIFEST}, column 'documents': {mismatch}")
     row_tokens = image_set.row_tokens()
     image_tokens = 0
     for index, info in enumerate(manifest.shards):
-        batch = open_shard(shard_path(build, index, info), manifest.has_labels, manifest.options.max_len)
+        # A full shard or an index shard: both name their documents' corpus rows in `source_rows`.
+        batch = manifest.open_shard(shard_path(build, index, info))
         image_tokens += int(row_tokens[list_column(batch, "source_rows", info.name)[1]].sum())
     cost = report.cost
     return ImageReport(
@@ -73,16 +74,14 @@ def verify_images(build: str | os.PathLike, images: str | os.PathLike) -> list[P
         return [Problem(file=str(problem.file), row=problem.row, column=problem.column, message=problem.message)]
     problems = _header_problems(image_set)
     manifest = read_manifest(build)
-    if image_set.manifest.documents != manifest.totals.documents:
-        problems.append(Problem(file=str(images / IMAGE_SET_MANIFEST), column="documents", message=(
-            f"describes {image_set.manifest.documents} corpus rows; the build read {manifest.totals.documents}: "
-            "not the image set of this build's corpus.")))
+    if (mismatch := _rows_mismatch(image_set, manifest)) is not None:
+        problems.append(Problem(file=str(images / IMAGE_SET_MANIFEST), column="documents", message=mismatch))
         return problems
     if manifest.store is not None:
         return problems
     row_tokens = image_set.row_tokens()
     for index, info in enumerate(manifest.shards):
-        batch = open_shard(shard_path(build, index, info), manifest.has_labels, manifest.options.max_len)
+        batch = manifest.open_shard(shard_path(build, index, info))
         token_offsets, ids = list_column(batch, "input_ids", info.name)
         row_offsets, rows = list_column(batch, "source_rows", info.name)
         is_placeholder = np.append(0, np.cumsum(ids == image_set.manifest.placeholder_id))
@@ -94,6 +93,14 @@ def verify_images(build: str | os.PathLike, images: str | os.PathLike) -> list[P
                 f"the pack holds {int(found[row])} image placeholder tokens; its documents' images make "
                 f"{int(expected[row])} (a document's images cut, or another corpus).")))
     return problems
+
+
+def _rows_mismatch(image_set: ImageSet, manifest: Manifest) -> str | None:
+    """Why `image_set` cannot be the image set of the build of `manifest`, if its row count says so."""
+    if image_set.manifest.documents == manifest.totals.documents:
+        return None
+    return (f"describes {image_set.manifest.documents} corpus rows; the build read {manifest.totals.documents}: "
+            "not the image set of this build's corpus.")
 
 
 def _header_problems(image_set: ImageSet) -> list[Problem]:

@@ -26,7 +26,7 @@ from prepack.sources.images import prepare_image_chat
 from prepack.training.vision_collate import VisionCollator, VisionSpec
 from prepack.training.dataset import PackedDataset
 from prepack.training.vision_dataset import ImagePackedDataset
-from tests.cli import run_prepack
+from tests.cli import WIDE, failure, run_prepack
 from tests.model.test_vision import LOSS_TOLERANCE, TOLERANCE, run, targets
 from tests.vision_inputs import PHOTOS, QWEN_IMAGE_TOKENS, SAMPLE_DATA, processor_directory
 
@@ -178,6 +178,14 @@ def test_inspect_reports_image_and_text_tokens_and_the_padding_saved(prepared):
 
 
 @pytest.mark.slow
+def test_inspect_with_the_image_set_of_another_corpus_is_a_named_error(prepared, tmp_path):
+    processor, summary, build = prepared
+    other = prepare_image_chat(image_chat_corpus(tmp_path / "corpus", rows=3), processor, tmp_path / "other")
+    message = failure(run_prepack("inspect", build, "--images", other.image_set, env=WIDE))
+    assert f"{other.image_set / 'images.json'}, column 'documents': describes 3 corpus rows; the build read 12" in message
+
+
+@pytest.mark.slow
 def test_an_index_build_of_a_store_serves_the_same_packs_and_images(prepared, tmp_path):
     """The images are found by corpus row, which an index build's packs keep: no copy of them anywhere."""
     processor, summary, build = prepared
@@ -191,3 +199,8 @@ def test_an_index_build_of_a_store_serves_the_same_packs_and_images(prepared, tm
     for row in range(len(full)):
         assert full[row]["images"] == indexed[row]["images"]
         np.testing.assert_array_equal(full[row]["input_ids"], indexed[row]["input_ids"])
+    # inspect --images reads the index build's packs as it reads the full build's.
+    reports = [run_prepack("inspect", path, "--images", summary.image_set, "--json") for path in (build, index)]
+    assert [r.returncode for r in reports] == [0, 0], [r.stderr for r in reports]
+    full_images, index_images = (json.loads(r.stdout)["images"] for r in reports)
+    assert index_images == full_images and index_images["image_tokens"] > 0
