@@ -128,7 +128,15 @@ def _hf_saved_dataset(directory: Path) -> tuple[Path, ...] | None:
 
 def _check_regular(path: Path) -> None:
     """Refuse a corpus file that cannot be read as a file: a FIFO would block the build for ever, a
-    dangling symlink or a directory would be skipped, and either way documents would go missing."""
+    dangling symlink or a directory would be skipped, and either way documents would go missing. A path
+    that is not UTF-8 is refused by that name: pyarrow opens paths as UTF-8 text, and the manifest records
+    them so."""
+    try:
+        os.fspath(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(
+            f"{path}: its path is not valid UTF-8, which prepack needs to open and record it; rename it."
+        ) from None
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -208,3 +209,18 @@ def test_output_inside_the_corpus_directory_is_refused(tmp_path):
     # Now the earlier output is inside the corpus: found as a build before --out is compared.
     with pytest.raises(InputError, match=r"a shard of the prepack build .*data/packed"):
         build(corpus, corpus / "packed", max_len=4, overwrite=True)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_corpus_file_whose_name_is_not_utf8_is_refused_for_that_reason(tmp_path, kind):
+    # pyarrow cannot open such a path; the refusal used to blame the file's contents ("is it truncated?").
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    good = write_corpus(corpus / f"good.{kind}", corpus_table([[1, 2, 3]] * 4))
+    bad = os.path.join(os.fsencode(corpus), f"docs-\xff.{kind}".encode("latin-1"))
+    os.rename(os.fsencode(good), bad)
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match="not valid UTF-8") as raised:
+        build(corpus, max_len=16, out=out)
+    assert "truncated" not in str(raised.value)
+    assert_nothing_written(tmp_path, out)
