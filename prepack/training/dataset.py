@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 from numba.typed import List as TypedList
 
-from prepack.storage.cache import ShardCache
+from prepack.storage.cache import ShardCache, cache_directory
 from prepack.errors import FormatError, InputError, PackIndexError, optional_imports
 from prepack.formats.common import list_column
 from prepack.formats.reference import ReferenceLogps
@@ -465,7 +465,7 @@ def hf_dataset_max_len(dataset) -> int | None:
 
 def _rows_directory(cache_dir: str | os.PathLike | None) -> Path:
     if cache_dir is not None:
-        return Path(cache_dir) / "rows"
+        return cache_directory(cache_dir) / "rows"
     from datasets import config
 
     return Path(config.HF_DATASETS_CACHE) / "prepack-rows"

@@ -20,7 +20,7 @@ import torch
 
 from prepack import build, build_store
 from prepack.training.collate import PackedCollator
-from prepack.errors import FormatError
+from prepack.errors import FormatError, InputError
 from prepack.formats.common import list_array
 from prepack.formats import reference as stored
 from prepack.storage.files import write_record_batch
@@ -247,6 +247,14 @@ def test_a_gathered_file_rewritten_with_other_rows_is_refused_when_checksums_are
     assert sum(not np.array_equal(a["input_ids"], b["input_ids"]) for a, b in zip(forged, expected)) > 0
     with pytest.raises(FormatError, match=f"^{re.escape(str(file))}: .*not the packs gathered from the store"):
         open_hf_dataset(index, cache_dir=tmp_path, verify_checksums=True)
+
+
+def test_an_empty_cache_dir_is_refused_not_taken_for_the_current_directory(builds, tmp_path, monkeypatch):
+    _, index = builds
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match="^cache_dir '' is empty"):
+        open_hf_dataset(index, cache_dir="")
+    assert list(tmp_path.iterdir()) == []  # no rows/ gathered here
 
 
 def _reference_of(build_path: Path, out: Path) -> Path:
