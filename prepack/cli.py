@@ -152,7 +152,8 @@ _QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress b
 _EngineOption = Annotated[Engine, typer.Option("--engine", help="Where reading, tokenizing and shard writing run: here, or as Ray tasks across a cluster (needs prepack-llm[ray]); the output is the same.")]
 _RayAddressOption = Annotated[str | None, typer.Option("--ray-address", help="--engine ray: join this cluster ('auto', 'ray://HOST:PORT'); default: RAY_ADDRESS if set, else a new local Ray instance.")]
 _BuildArgument = Annotated[str, typer.Argument(help="A build directory (holding manifest.json), or a URI such as s3://bucket/packed (needs prepack-llm[s3]).")]
-_CacheDirOption = Annotated[Path | None, typer.Option("--cache-dir", help="For a build at a URI: where its shards are downloaded (default: a temporary directory, deleted after).")]
+# A str, not a Path: typer would make "" Path("."); the library refuses an empty name (`cache_directory`).
+_CacheDirOption = Annotated[str | None, typer.Option("--cache-dir", help="For a build at a URI: where its shards are downloaded (default: a temporary directory, deleted after).")]
 
 
 def _byte_size(text: str) -> int:

@@ -73,6 +73,7 @@ __all__ = [
     "shard_path",
     "shard_schema",
     "shard_sha256",
+    "store_location_problem",
     "store_path_problem",
     "write_manifest",
 ]
@@ -238,6 +239,23 @@ def store_path_problem(path: str) -> str | None:
     if ".." in path[3:].split("/"):
         return "climbs out of the build's parent directory: the store must lie in it"
     return _relative_path_problem(path[3:])
+
+
+def store_location_problem(build: str | os.PathLike, path: str) -> str | None:
+    """What keeps `path` from naming the store of the local build at `build`: `store_path_problem`'s
+    text rule, then the path resolved. None when each of its parts below the build's parent directory is
+    no symbolic link, so that it lies in that directory (that of the build's real path, from which the
+    system resolves `build/../`); else the first link. A link shipped with a build (`build/s`, or a
+    directory beside it) could take a reader to a store anywhere on the machine. The writer (`build`)
+    and every reader of a local build hold its stores to this rule; object storage has no links."""
+    if (problem := store_path_problem(path)) is not None:
+        return problem
+    parent = place = Path(os.path.realpath(build)).parent
+    for part in path[3:].split("/"):
+        place = place / part
+        if os.path.islink(place):
+            return f"passes through the symbolic link {place}: the store must lie in the build's parent directory {parent}"
+    return None
 
 
 def _valid(problem: Callable[[str], str | None]) -> AfterValidator:

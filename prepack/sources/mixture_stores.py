@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prepack.errors import FormatError
-from prepack.formats.shards import MANIFEST_NAME, Manifest
+from prepack.formats.shards import MANIFEST_NAME, Manifest, store_location_problem
 from prepack.formats.store import StoreShard
 from prepack.sources.store import ShardColumns, Store, is_store, open_store
 
@@ -48,10 +48,13 @@ class StoreChain:
 
 def open_mixture_stores(build: str | os.PathLike, manifest: Manifest) -> StoreChain:
     """The stores of the mixture index build at `build`, each where its source's `store` says (inside the
-    build's parent directory) and refused (FormatError) unless it is the store the build was planned
-    from: the source's fingerprint and rows."""
+    build's parent directory, through no symbolic link: `store_location_problem`, checked before it is
+    opened) and refused (FormatError) unless it is the store the build was planned from: the source's
+    fingerprint and rows."""
     stores = []
-    for source in manifest.mixture.sources:
+    for number, source in enumerate(manifest.mixture.sources):
+        if (problem := store_location_problem(build, source.store)) is not None:
+            raise FormatError(f"{Path(build) / MANIFEST_NAME}: mixture.sources[{number}].store {source.store!r} {problem}.")
         root = Path(build) / source.store
         if not is_store(root):
             raise FormatError(

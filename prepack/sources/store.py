@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import map_regular, numpy_view, read_one_batch
-from prepack.formats.shards import MANIFEST_NAME, Manifest
+from prepack.formats.shards import MANIFEST_NAME, Manifest, store_location_problem
 from prepack.building.plan import untrained_documents
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.storage.remote import join
@@ -146,12 +146,17 @@ def open_store(path: str | os.PathLike, location: str | None = None) -> Store:
     return Store(root, manifest, location)
 
 
+# How a user reads an index build whose store is not where its manifest says.
+_MOVED_STORE = "name where the store is now (PackedDataset(build, store=...), prepack verify --store)."
+
+
 def open_build_store(build: str | os.PathLike, manifest: Manifest, store: str | os.PathLike | None = None) -> Store:
     """The document store of the index build at `build` (whose manifest is `manifest`), opened by
     `open_store` and refused unless it is the store the build was planned from: same fingerprint,
-    labels as the build's. The store is the one the manifest names (`StoreReference.path`, which
-    `read_manifest` held inside the build's parent directory), or `store`, a local directory the
-    caller names (a store that moved). Raises FormatError, or InputError for a `store` that is none."""
+    labels as the build's. The store is the one the manifest names (`StoreReference.path`), held to
+    `store_location_problem` (inside the build's parent directory, through no symbolic link) before
+    anything there is opened, or `store`, a local directory the caller names (a store that moved).
+    Raises FormatError, or InputError for a `store` that is none."""
     reference = manifest.store
     if reference is None:
         raise ValueError(f"{build} is a full build; it has no store")
@@ -160,12 +165,13 @@ def open_build_store(build: str | os.PathLike, manifest: Manifest, store: str | 
             raise InputError(f"{store}: not a prepack document store (no {STORE_MANIFEST_NAME}), named as the store of {build}.")
         return check_build_store(open_store(store), build, manifest)
     where = Path(build) / MANIFEST_NAME
+    if (problem := store_location_problem(build, reference.path)) is not None:
+        raise FormatError(f"{where}: store.path {reference.path!r} {problem}; {_MOVED_STORE}")
     root = Path(build) / reference.path
     if not is_store(root):
         raise FormatError(
             f"{where}: its document store {reference.path!r} ({root}) is not there: an index build reads its "
-            "tokens from that store; keep both where they were built, move them together, or name where "
-            "the store is now (PackedDataset(build, store=...), prepack verify --store)."
+            f"tokens from that store; keep both where they were built, move them together, or {_MOVED_STORE}"
         )
     return check_build_store(open_store(root), build, manifest)
 

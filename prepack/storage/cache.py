@@ -39,7 +39,17 @@ from prepack.storage.remote import filesystem, read_output_manifest, storage_err
 from prepack.formats.store import StoreShard
 from prepack.sources.store import Store, check_build_store, store_location
 
-__all__ = ["ShardCache", "build_cache"]
+__all__ = ["ShardCache", "build_cache", "cache_directory"]
+
+
+def cache_directory(directory: str | os.PathLike) -> Path:
+    """`directory`, named as a cache (`cache_dir`, `--cache-dir`). An empty or blank name is refused
+    (InputError): as a path it is the current directory, which would fill with cached files unasked (a
+    variable left unset); '.' names that directory on purpose."""
+    name = os.fspath(directory)
+    if not name.strip():
+        raise InputError(f"cache_dir {name!r} is empty: name a directory for the cache ('.' for the current one).")
+    return Path(directory)
 
 
 class ShardCache:
@@ -52,9 +62,9 @@ class ShardCache:
                 f"{uri}: a build in object storage is read through a local cache; pass cache_dir=, a directory "
                 "with room for its shards (shared by the ranks and workers of a node)."
             )
+        self.directory = cache_directory(directory)
         filesystem(uri)  # refuses a URI without a bucket by the name it was given
         self.uri = uri.rstrip("/")
-        self.directory = Path(directory)
         self.fresh = fresh
         self.manifest: Manifest = read_output_manifest(self.uri)
         with output_errors(self.directory, "create"):

@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from prepack.storage.output import output_errors, output_file
 
-__all__ = ["SyncedFile", "write_in_pieces", "write_record_batch"]
+__all__ = ["SyncedFile", "record_batch_sha256", "write_in_pieces", "write_record_batch"]
 
 # Bytes per write() call of `write_in_pieces`. On the benchmark machine (a VM whose fresh memory is
 # slow to touch), 1 MiB writes into the page cache ran 2.5 times as fast as 16 to 128 MiB ones, and
@@ -87,7 +87,19 @@ def write_record_batch(path: Path, batch: pa.RecordBatch) -> tuple[int, str]:
     return the file's size and hex sha256."""
     with output_file(path) as f, output_errors(path):
         sink = _HashingSink(f)
-        with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), batch.schema) as writer:
-            writer.write_batch(batch)
+        _write_stream(pa.PythonFile(sink, mode="w"), batch)
         sink.out.sync()
     return sink.out.size, sink.sha256.hexdigest()
+
+
+def record_batch_sha256(batch: pa.RecordBatch) -> str:
+    """The hex sha256 of the file `write_record_batch` writes for `batch`, serialized in memory: nothing
+    is written (a loader's cached full shard checked against the packs it should hold)."""
+    stream = pa.BufferOutputStream()
+    _write_stream(stream, batch)
+    return hashlib.sha256(stream.getvalue()).hexdigest()
+
+
+def _write_stream(sink: pa.NativeFile, batch: pa.RecordBatch) -> None:
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 from numba.typed import List as TypedList
 
-from prepack.storage.cache import ShardCache
+from prepack.storage.cache import ShardCache, cache_directory
 from prepack.errors import FormatError, InputError, PackIndexError, optional_imports
 from prepack.formats.common import list_column
 from prepack.formats.reference import ReferenceLogps
@@ -51,7 +51,7 @@ from prepack.storage.remote import is_uri
 from prepack.sources.mixture_stores import StoreChain, open_mixture_stores
 from prepack.sources.store import Store, open_build_store
 from prepack.formats.common import list_array
-from prepack.storage.files import write_record_batch
+from prepack.storage.files import record_batch_sha256, write_record_batch
 
 with optional_imports("PackedDataset"):
     from torch.utils.data import Dataset
@@ -418,7 +418,11 @@ def open_hf_dataset(
     it takes that name. So the dataset is a real Arrow-backed one, as a full build's is, and everything
     `datasets` offers (`map`, `filter`, `ds["input_ids"]`, `with_format("torch")`, …) works on it the same
     way, at the cost of the full build's disk space. A reused file is checked as a full build's shard is
-    (`validate`), never hashed: nothing records its sha256.
+    (`validate`); by default it is not hashed, so a file rewritten in the cache with other valid rows would
+    be served. With `verify_checksums` its packs are gathered again from the store (in memory, one file at
+    a time: the cost of the first gather, less the write) and the file's sha256 must be theirs, else
+    FormatError names it (delete it to gather it again): its record is the build and its store, never a
+    note in the cache, which could be rewritten with it.
 
     A build at a URI is read through `cache_dir`, as `PackedDataset` reads it: a full build's rows are
     then mapped from the cached copies of its shards, which must stay there while the dataset is used.
@@ -461,7 +465,7 @@ def hf_dataset_max_len(dataset) -> int | None:
 
 def _rows_directory(cache_dir: str | os.PathLike | None) -> Path:
     if cache_dir is not None:
-        return Path(cache_dir) / "rows"
+        return cache_directory(cache_dir) / "rows"
     from datasets import config
 
     return Path(config.HF_DATASETS_CACHE) / "prepack-rows"
@@ -494,7 +498,15 @@ def _gathered_shards(packed: PackedDataset, directory: Path) -> list[Path]:
             key = hashlib.sha256(f"{FORMAT_VERSION} {digest} {store_fingerprint} {first} {stop}".encode()).hexdigest()
             file = directory / f"{key}.arrow"
             if not file.exists():
-                _write_gathered(packed, shard, first, stop, file)
+                _write_gathered(_gathered_batch(packed, shard, first, stop), file)
+            elif packed.verify_checksums:  # checked against the store, the only record a rewrite cannot reach
+                expected, found = record_batch_sha256(_gathered_batch(packed, shard, first, stop)), shard_sha256(file)
+                if found != expected:
+                    raise FormatError(
+                        f"{file}: not the packs gathered from the store (packs {first}-{stop - 1} of {packed.path}/"
+                        f"{info.name}): its sha256 is {found}, theirs {expected}; the cached file changed after it was "
+                        "gathered. Delete it to gather it again."
+                    )
             batch = open_shard(file, has_labels, max_len, where=str(file))
             if batch.num_rows != stop - first:
                 raise FormatError(f"{file}: {batch.num_rows} rows, but packs {first}-{stop - 1} of "
@@ -505,8 +517,8 @@ def _gathered_shards(packed: PackedDataset, directory: Path) -> list[Path]:
     return files
 
 
-def _write_gathered(packed: PackedDataset, shard: int, first: int, stop: int, file: Path) -> None:
-    """Packs `first` to `stop` of index shard `shard`, gathered, written to `file` as one full shard."""
+def _gathered_batch(packed: PackedDataset, shard: int, first: int, stop: int) -> pa.RecordBatch:
+    """Packs `first` to `stop` of index shard `shard`, gathered, as one full shard's record batch."""
     columns = packed._columns(shard)
     rows = [packed._gathered(shard, row, columns) for row in range(first, stop)]
     lengths = np.array([len(row["input_ids"]) for row in rows], np.int64)
@@ -527,11 +539,16 @@ def _write_gathered(packed: PackedDataset, shard: int, first: int, stop: int, fi
     ]
     if manifest.has_labels:
         arrays.append(list_array(token_offsets, np.concatenate([row["labels"] for row in rows])))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def _write_gathered(batch: pa.RecordBatch, file: Path) -> None:
+    """`batch` (`_gathered_batch`) written to `file`."""
     file.parent.mkdir(parents=True, exist_ok=True)
     # Written whole under a name of its own, then renamed: a reader (another rank) never maps a part.
     partial = file.with_name(f".{file.name}.{os.getpid()}-{threading.get_ident()}.partial")
     try:
-        write_record_batch(partial, pa.RecordBatch.from_arrays(arrays, schema=schema))
+        write_record_batch(partial, batch)
         os.replace(partial, file)
     finally:
         partial.unlink(missing_ok=True)

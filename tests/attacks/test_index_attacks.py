@@ -1,5 +1,5 @@
 """Index builds from elsewhere: a manifest that names another store, a store outside the build's parent
-directory, path fields no file system holds, store files swapped for FIFOs or directories. Each is
+directory or reached through a symbolic link, path fields no file system holds, store files swapped for FIFOs or directories. Each is
 refused by name (FormatError, a verify finding, CLI exit 2) before the store is opened, never served,
 never a traceback or a hang."""
 
@@ -8,14 +8,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from prepack import build, build_store
 from prepack.errors import FormatError, InputError
-from prepack.training.dataset import PackedDataset
+from prepack.formats.shards import store_location_problem
+from prepack.training.dataset import PackedDataset, open_hf_dataset
 from prepack.check.verify import verify_build
 from tests.cli import run_prepack
 from tests.corpus import corpus_table, edit_json, write_corpus
@@ -169,3 +173,116 @@ def test_an_index_build_at_a_buckets_root_names_no_store_in_another_bucket(pair)
     assert store_location("s3://bucket/builds/index", manifest) == "s3://bucket/builds/other-bucket/store"
     with pytest.raises(FormatError, match="bucket's root"):
         store_location("s3://bucket", manifest)
+
+
+# A store reached through a symbolic link: `store.path` (or a mixture source's `store`) is held to the
+# build's parent directory where it resolves, not only as text; the writer and every reader share the rule.
+
+
+def _link_to_a_store_elsewhere(store: Path, link: Path, elsewhere: Path) -> None:
+    """Move `store` out of the build's parent directory, into `elsewhere`, and make `link` point at it: a
+    manifest whose text says "beside the build" then names a store anywhere on the machine."""
+    moved = elsewhere / store.name
+    shutil.move(store, moved)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(moved, target_is_directory=True)
+
+
+@pytest.mark.parametrize(
+    ("link", "path"),
+    [
+        ("index/s", "../index/s"),  # shipped inside the build itself
+        ("shelf", "../shelf/store"),  # a linked directory on the way
+        ("alias", "../alias"),  # beside the build, but a link
+    ],
+)
+def test_a_store_path_through_a_symbolic_link_is_refused(pair, tmp_path_factory, link, path):
+    index, _ = pair
+    parent = index.parent
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    if link == "shelf":  # the store moved into a directory elsewhere, reached through the link `shelf`
+        shutil.move(parent / "store", elsewhere / "store")
+        (parent / "shelf").symlink_to(elsewhere, target_is_directory=True)
+    else:
+        _link_to_a_store_elsewhere(parent / "store", parent / link, elsewhere)
+    edit_json(index / "manifest.json", lambda raw: raw["store"].update(path=path))
+    with pytest.raises(FormatError, match=r"manifest.json: store.path .* passes through the symbolic link"):
+        PackedDataset(index)
+    with pytest.raises(FormatError, match=r"manifest.json: store.path .* passes through the symbolic link"):
+        open_hf_dataset(index, cache_dir=tmp_path_factory.mktemp("rows"))
+    [problem] = verify_build(index, all_problems=True)[:1]
+    assert (problem.file, problem.column) == ("manifest.json", "store") and "symbolic link" in problem.message
+    if link != "index/s":  # the CLI once, for the fast lane's time
+        return
+    result = run_prepack("verify", str(index))
+    assert result.returncode == 1 and "symbolic link" in result.stdout and "no problems" not in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_mixtures_source_store_through_a_symbolic_link_is_refused(pair, tmp_path_factory):
+    index, _ = pair
+    parent = index.parent
+    (parent / "mix.yaml").write_text(
+        "tokens: 600\nseed: 3\nsources:\n  - {name: a, path: store, weight: 0.5}\n  - {name: b, path: other, weight: 0.5}\n"
+    )
+    build(parent / "mix.yaml", parent / "mix", max_len=32, index_only=True)
+    assert verify_build(parent / "mix") == []
+    _link_to_a_store_elsewhere(parent / "other", parent / "mix" / "o", tmp_path_factory.mktemp("elsewhere"))
+    edit_json(parent / "mix" / "manifest.json", lambda raw: raw["mixture"]["sources"][1].update(store="../mix/o"))
+    with pytest.raises(FormatError, match=r"mixture.sources\[1\].store .* passes through the symbolic link"):
+        PackedDataset(parent / "mix")
+    problem = verify_build(parent / "mix")[0]
+    assert (problem.file, problem.column) == ("manifest.json", "mixture.sources") and "symbolic link" in problem.message
+
+
+def test_a_build_records_where_its_store_really_lies(tmp_path):
+    """The writer holds itself to the readers' rule: a store named through a link is recorded where it
+    really is, so refused when that is not beside the build, and read back when it is."""
+    store = _store(tmp_path / "data", "store", 1)
+    (tmp_path / "builds").mkdir()
+    (tmp_path / "builds" / "store").symlink_to(store, target_is_directory=True)
+    with pytest.raises(InputError, match="must lie beside its store"):
+        build(tmp_path / "builds" / "store", tmp_path / "builds" / "index", max_len=32, index_only=True)
+    assert not (tmp_path / "builds" / "index").exists()
+    (tmp_path / "data" / "alias").symlink_to(store, target_is_directory=True)
+    manifest = build(tmp_path / "data" / "alias", tmp_path / "data" / "index", max_len=32, index_only=True)
+    assert manifest.store.path == "../store"
+    assert verify_build(tmp_path / "data" / "index") == [] and len(PackedDataset(tmp_path / "data" / "index")) > 0
+
+
+@given(
+    parts=st.lists(st.sampled_from(["a", "b", "store"]), min_size=1, max_size=4),
+    link=st.none() | st.integers(0, 3),
+    outside=st.booleans(),
+    build_through_a_link=st.booleans(),
+)
+@settings(max_examples=40, deadline=None)
+def test_a_store_location_is_refused_exactly_when_a_part_of_it_is_a_link(parts, link, outside, build_through_a_link):
+    """`store_location_problem`: None when every part below the build's parent is a directory (the
+    location then resolves inside that parent), a problem naming the link otherwise, wherever it
+    points. A link to the build's parent itself is the user's own path, not a part of `store.path`."""
+    assume(link is None or link < len(parts))
+    with tempfile.TemporaryDirectory() as temporary:
+        root = Path(temporary)
+        parent, target = root / "parent", root / ("elsewhere" if outside else "parent/real")
+        (parent / "index").mkdir(parents=True)
+        target.mkdir(parents=True)
+        place = parent
+        for number, part in enumerate(parts):
+            place = place / part
+            if number == link:
+                place.symlink_to(target, target_is_directory=True)
+            else:
+                place.mkdir()
+        build_path = parent / "index"
+        if build_through_a_link:
+            (root / "alias").symlink_to(parent, target_is_directory=True)
+            build_path = root / "alias" / "index"
+        path = "../" + "/".join(parts)
+        problem = store_location_problem(build_path, path)
+        if link is None:
+            assert problem is None
+            assert Path(os.path.realpath(build_path / path)).is_relative_to(os.path.realpath(parent))
+        else:
+            assert problem is not None and f"symbolic link {parent / '/'.join(parts[: link + 1])}" in problem

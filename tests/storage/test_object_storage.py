@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -222,6 +223,23 @@ def remote_build(tmp_path, fs, s3_bucket) -> tuple[Path, str]:
     build(corpus, tmp_path / "packed", max_len=512, shard_size=20_000)
     build(corpus, f"{s3_bucket}/packed", max_len=512, shard_size=20_000)
     return tmp_path / "packed", f"{s3_bucket}/packed"
+
+
+@pytest.mark.parametrize("cache_dir", ["", " \t"])
+def test_an_empty_cache_dir_is_refused_not_taken_for_the_current_directory(remote_build, tmp_path, monkeypatch, cache_dir):
+    """Path("") is the current directory: an empty `--cache-dir ""` (a variable left unset) would fill it."""
+    from prepack import open_hf_dataset
+
+    _, uri = remote_build
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for read in (PackedDataset, open_hf_dataset, verify_build, inspect_build):
+        with pytest.raises(InputError, match=f"^cache_dir {re.escape(repr(cache_dir))} is empty"):
+            read(uri, cache_dir=cache_dir)
+    for command in ("verify", "inspect"):
+        assert f"cache_dir {cache_dir!r} is empty" in failure(run_prepack(command, uri, "--cache-dir", cache_dir, cwd=work))
+    assert list(work.iterdir()) == []
 
 
 def _same_rows(a: PackedDataset, b: PackedDataset) -> None:

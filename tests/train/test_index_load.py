@@ -5,19 +5,22 @@ follows checked (validated build or not), each store shard checked once on first
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 
 from prepack import build, build_store
 from prepack.training.collate import PackedCollator
-from prepack.errors import FormatError
+from prepack.errors import FormatError, InputError
 from prepack.formats.common import list_array
 from prepack.formats import reference as stored
 from prepack.storage.files import write_record_batch
@@ -220,6 +223,38 @@ def test_an_index_builds_gathered_rows_are_written_once_and_checked_when_reused(
     files[0].write_bytes(files[0].read_bytes()[: files[0].stat().st_size // 2])
     with pytest.raises(FormatError, match=f"^{files[0]}"):
         open_hf_dataset(index, cache_dir=tmp_path)
+
+
+def _forge(file: Path) -> None:
+    """Rewrite the gathered file `file` whole with other valid rows: every token id one higher, the same
+    shapes, so that every structural check still holds (what a stale or doctored cache looks like)."""
+    batch = pa.ipc.open_stream(file.read_bytes()).read_next_batch()
+    ids = batch.column("input_ids")
+    forged = batch.set_column(0, batch.schema.field(0), pa.ListArray.from_arrays(ids.offsets, pc.add(ids.values, pa.scalar(1, ids.type.value_type)), type=ids.type))
+    write_record_batch(file.with_name("forged"), forged)
+    os.replace(file.with_name("forged"), file)
+
+
+def test_a_gathered_file_rewritten_with_other_rows_is_refused_when_checksums_are_verified(builds, tmp_path):
+    full, index = builds
+    expected = open_hf_dataset(full)
+    open_hf_dataset(index, cache_dir=tmp_path, verify_checksums=True)  # gathered now
+    again = open_hf_dataset(index, cache_dir=tmp_path, verify_checksums=True)  # reused, checked against the store
+    assert all(_equal_rows(a, b) for a, b in zip(again, expected))
+    file = sorted((tmp_path / "rows").iterdir())[0]
+    _forge(file)
+    forged = open_hf_dataset(index, cache_dir=tmp_path)  # the default: checked as a full build's shard, not hashed
+    assert sum(not np.array_equal(a["input_ids"], b["input_ids"]) for a, b in zip(forged, expected)) > 0
+    with pytest.raises(FormatError, match=f"^{re.escape(str(file))}: .*not the packs gathered from the store"):
+        open_hf_dataset(index, cache_dir=tmp_path, verify_checksums=True)
+
+
+def test_an_empty_cache_dir_is_refused_not_taken_for_the_current_directory(builds, tmp_path, monkeypatch):
+    _, index = builds
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match="^cache_dir '' is empty"):
+        open_hf_dataset(index, cache_dir="")
+    assert list(tmp_path.iterdir()) == []  # no rows/ gathered here
 
 
 def _reference_of(build_path: Path, out: Path) -> Path:
