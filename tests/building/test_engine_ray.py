@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -534,6 +535,38 @@ def test_a_build_stopped_by_sigterm_shuts_down_the_ray_instance_it_started(tmp_p
         assert [path.name for path in ray_tmp.iterdir()] == ["ray"]  # Ray's session logs, and nothing of prepack's
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+LIBRARY_RAY_BUILD = """
+import signal, sys
+import ray
+from prepack import build
+
+def callers(signum, frame):
+    pass
+
+signal.signal(signal.SIGTERM, callers)
+build(sys.argv[1], sys.argv[2], max_len=512, engine="ray")
+print(signal.getsignal(signal.SIGTERM) is callers, ray.is_initialized())
+"""
+
+
+@pytest.mark.slow
+def test_a_library_build_on_its_own_ray_instance_leaves_the_callers_sigterm_handler(tmp_path):
+    """`ray.init` replaces the SIGTERM handler (and Ray leaves its own after `ray.shutdown`): a build that
+    starts a Ray instance puts the caller's back (in a process of its own, as this test's Ray is not)."""
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3], [4, 5]]))
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths lie under it
+    try:
+        environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+        result = subprocess.run(
+            [sys.executable, "-c", LIBRARY_RAY_BUILD, str(corpus), str(tmp_path / "out")],
+            capture_output=True, text=True, timeout=300, env=environment | {"RAY_TMPDIR": str(ray_tmp)},
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]
 
 
 @pytest.mark.slow

@@ -19,8 +19,10 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from typer.testing import CliRunner
 
 from prepack import build
+from prepack.cli import app
 from prepack.errors import InputError, OutputError
 from prepack.formats.shards import MANIFEST_NAME
 from prepack.storage.output import replaceable_build
@@ -349,6 +351,24 @@ def test_a_build_stopped_by_sigterm_exits_143_and_leaves_nothing(tmp_path, corpu
     assert len(workers) == (0 if corpus_kind == "token ids" else 2)
     assert running(workers) == []  # stopped and reaped by the command before it exits
     assert running(started, within=5) == []  # multiprocessing's resource tracker ends when its pipe closes
+
+
+def test_the_command_run_in_process_and_the_library_leave_the_callers_sigterm_handler(tmp_path):
+    """Only the command sets a SIGTERM handler, and only while it runs: `app()` called in a process of
+    the caller's (a notebook, a test) and `build` leave the caller's."""
+
+    def callers(signum, frame):
+        raise AssertionError("not called")
+
+    previous = signal.signal(signal.SIGTERM, callers)
+    try:
+        result = CliRunner().invoke(app, ["build", str(corpus(tmp_path)), "--max-len", "4", "--out", str(tmp_path / "cli"), "-q"])
+        assert result.exit_code == 0, result.output
+        assert signal.getsignal(signal.SIGTERM) is callers
+        build(corpus(tmp_path), tmp_path / "library", max_len=4)
+        assert signal.getsignal(signal.SIGTERM) is callers
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_a_replaced_build_left_in_stale_scratch_is_deleted_only_by_its_manifest(tmp_path):
