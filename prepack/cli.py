@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import json
 import inspect
+import signal
+import threading
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -82,8 +84,34 @@ def _stdout() -> Console:
 
 
 @app.callback()
-def _commands() -> None:
+def _commands(context: typer.Context) -> None:
     """Pack documents into fixed-length rows once, offline."""
+    if threading.current_thread() is threading.main_thread():  # where Python lets a handler be set
+        context.call_on_close(_SigtermStop().close)
+
+
+class _SigtermStop:
+    """SIGTERM (`kill`, `timeout`, a job scheduler) ends a command as an error does: its `finally` blocks
+    delete its staging directory and temporary files, stop its worker processes and shut down a Ray
+    instance it started; then it exits 143 (128 + 15, as a shell reports it). Set by the command line
+    alone, for the command's run: a library call leaves its caller's signal handlers as they are."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self.previous = signal.signal(signal.SIGTERM, self._stop)
+
+    def _stop(self, signum: int, frame: object) -> None:
+        self.received = True
+        signal.signal(signal.SIGTERM, lambda *_: None)  # a second SIGTERM does not cut that cleanup short
+        _stderr().print("[bold red]error:[/] stopped by SIGTERM; the command's unfinished output and temporary files are deleted.", markup=True, highlight=False)
+        raise SystemExit(128 + signum)
+
+    def close(self) -> None:
+        """When the command has ended: the handler it replaced, and exit 143 if stopped, whatever the
+        SystemExit became on its way out (`ray.get` turns one raised while it waits into exit code 1)."""
+        signal.signal(signal.SIGTERM, self.previous)
+        if self.received:
+            raise SystemExit(128 + signal.SIGTERM)
 
 
 def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:

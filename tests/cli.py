@@ -1,13 +1,19 @@
 """The `prepack` command as a user runs it: the console script installed beside this Python, in a
-subprocess, and the message of a command it refuses."""
+subprocess, the message of a command it refuses, and a command stopped by SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+import psutil
 
 PREPACK = shutil.which("prepack", path=str(Path(sys.executable).parent))
 
@@ -37,3 +43,47 @@ def failure(result: subprocess.CompletedProcess) -> str:
     assert "Traceback" not in result.stderr
     return " ".join(result.stderr.split())
 
+
+def stopped_by_sigterm(
+    *args, ready: Callable[[psutil.Process], bool], env: dict[str, str | None], timeout: float = 300
+) -> tuple[subprocess.CompletedProcess, dict[psutil.Process, str]]:
+    """Start `prepack ARGS...` with the environment `env` changes as `run_prepack`'s does, wait until
+    `ready(process)` holds, and send it SIGTERM, as `kill`, `timeout` and job schedulers stop a command.
+    Its result, and the processes it had started (children and theirs) when stopped, with their command lines."""
+    assert PREPACK, "the prepack console script is not installed beside this Python"
+    command = [PREPACK, *map(str, args)]
+    environment = {name: value for name, value in {**os.environ, **env}.items() if value is not None}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+    try:
+        prepack = psutil.Process(process.pid)
+        deadline = time.monotonic() + timeout
+        while not ready(prepack):
+            assert process.poll() is None, ("it ended before it was stopped", process.returncode, process.stderr.read())
+            assert time.monotonic() < deadline, "never ready to be stopped"
+            time.sleep(0.02)
+        started = {}
+        for child in prepack.children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                started[child] = " ".join(child.cmdline())
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), started
+
+
+def running(processes: Iterable[psutil.Process], within: float = 0) -> list[psutil.Process]:
+    """Those of `processes` that still run (neither ended nor ended and waiting to be reaped), at once
+    or, when some do, after waiting up to `within` seconds for them to end."""
+    processes, deadline = list(processes), time.monotonic() + within
+    while True:
+        alive = []
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(process)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)

@@ -46,6 +46,15 @@ def write_corpus(path: Path, table: pa.Table) -> Path:
     return path
 
 
+def random_token_corpus(path: Path, documents: int, seed: int = 0) -> Path:
+    """A Parquet file of `documents` rows of 1-199 random token ids, written without Python lists, for
+    builds that must run for seconds."""
+    rng = np.random.default_rng(seed)
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(1, 200, documents))]).astype(np.int32)
+    ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(rng.integers(0, 1000, offsets[-1], dtype=np.int32)))
+    pq.write_table(pa.table({"input_ids": ids}), path)
+    return path
+
 def training_build(root: Path, *, documents: int, longest: int, max_len: int) -> Path:
     """A small labelled build to train on, in `root / "packed"`: random documents of 5 to `longest`
     tokens with ids 1-499 (0 is left to padding, so a padded row's non-zero prefix is its pack)."""

@@ -5,12 +5,14 @@ killed mid-build; a bad row on a worker is the local engine's error, and nothing
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -27,8 +29,8 @@ psutil = pytest.importorskip("psutil")
 
 from prepack import build, build_store  # noqa: E402
 from prepack.errors import EngineError, FormatError, InputError, MissingExtraError, OutputError  # noqa: E402
-from tests.cli import failure, run_prepack  # noqa: E402
-from tests.corpus import corpus_table, files, write_corpus  # noqa: E402
+from tests.cli import WIDE, failure, run_prepack, running, stopped_by_sigterm  # noqa: E402
+from tests.corpus import corpus_table, files, random_token_corpus, write_corpus  # noqa: E402
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory  # noqa: E402
 
 # "local": an instance of this test run, never another run's cluster that ray_current_cluster names.
@@ -500,6 +502,71 @@ def test_without_an_address_the_command_starts_its_own_instance_not_the_machines
         assert not (tmp_path / "asked").exists()
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _reading_on_ray(prepack: psutil.Process, out: Path) -> bool:
+    """Whether the build to `out` runs its tasks: a scratch file is in its staging directory."""
+    return any(out.parent.glob(f".{out.name}.tmp-*/scratch/ids-*"))
+
+
+@pytest.mark.slow
+def test_a_build_stopped_by_sigterm_shuts_down_the_ray_instance_it_started(tmp_path):
+    """SIGTERM while the tasks run: exit 143, nothing published or left beside --out, no process of
+    the local Ray instance the command started (GCS, raylet, agents, workers) still running, and no
+    task's temporary directory left in TMPDIR (the tasks running are cancelled and awaited first)."""
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    for part in range(4):
+        random_token_corpus(corpus / f"{part}.parquet", 50_000, seed=part)
+    out = tmp_path / "built" / "out"
+    out.parent.mkdir()
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths lie under it
+    try:
+        stopped, started = stopped_by_sigterm(
+            "build", corpus, "--max-len", "1024", "--out", out, "--engine", "ray", "-q",
+            ready=functools.partial(_reading_on_ray, out=out),
+            env={"RAY_ADDRESS": None, "RAY_TMPDIR": str(ray_tmp), "TMPDIR": str(ray_tmp), **WIDE},
+        )
+        assert stopped.returncode == 143, stopped.stderr
+        assert len(stopped.stderr.splitlines()) == 1 and "SIGTERM" in stopped.stderr, stopped.stderr
+        assert not out.exists() and _leftovers(out.parent) == []
+        assert any("raylet" in command for command in started.values()), started
+        assert running(started, within=10) == []
+        assert [path.name for path in ray_tmp.iterdir()] == ["ray"]  # Ray's session logs, and nothing of prepack's
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+LIBRARY_RAY_BUILD = """
+import signal, sys
+import ray
+from prepack import build
+
+def callers(signum, frame):
+    pass
+
+signal.signal(signal.SIGTERM, callers)
+build(sys.argv[1], sys.argv[2], max_len=512, engine="ray")
+print(signal.getsignal(signal.SIGTERM) is callers, ray.is_initialized())
+"""
+
+
+@pytest.mark.slow
+def test_a_library_build_on_its_own_ray_instance_leaves_the_callers_sigterm_handler(tmp_path):
+    """`ray.init` replaces the SIGTERM handler (and Ray leaves its own after `ray.shutdown`): a build that
+    starts a Ray instance puts the caller's back (in a process of its own, as this test's Ray is not)."""
+    corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3], [4, 5]]))
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths lie under it
+    try:
+        environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+        result = subprocess.run(
+            [sys.executable, "-c", LIBRARY_RAY_BUILD, str(corpus), str(tmp_path / "out")],
+            capture_output=True, text=True, timeout=300, env=environment | {"RAY_TMPDIR": str(ray_tmp)},
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]
 
 
 @pytest.mark.slow

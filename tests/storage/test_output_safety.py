@@ -4,7 +4,9 @@ a directory) an OutputError with exit 2 and nothing left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import importlib
 import json
 import os
@@ -13,15 +15,20 @@ import signal
 import subprocess
 import sys
 
+import psutil
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from typer.testing import CliRunner
 
 from prepack import build
+from prepack.cli import app
 from prepack.errors import InputError, OutputError
 from prepack.formats.shards import MANIFEST_NAME
 from prepack.storage.output import replaceable_build
-from tests.cli import WIDE, run_prepack
-from tests.corpus import corpus_table, files, write_corpus
+from tests.cli import WIDE, run_prepack, running, stopped_by_sigterm
+from tests.corpus import corpus_table, files, random_token_corpus, write_corpus
+from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory
 
 build_module = importlib.import_module("prepack.building.build")
 output_module = importlib.import_module("prepack.storage.output")
@@ -295,6 +302,73 @@ def test_a_killed_build_leaves_scratch_that_the_next_build_clears(tmp_path):
     assert run_prepack("build", data, "--max-len", "4", "--out", out, "-q", env=WIDE).returncode == 0
     assert siblings(out) == [lookalike.name]
     assert files(lookalike) == {"notes.txt": b"mine"}
+
+
+# Stopped builds: SIGTERM (what `kill`, `timeout` and job schedulers send) ends a command as an error
+# does, with what it wrote deleted and the processes it started stopped; SIGKILL cannot be helped.
+
+
+def _chat_corpus(path):
+    pq.write_table(pa.table({"messages": [as_chat(turns) for turns in chitchat()]}), path)
+    return path
+
+
+def _staging_started(prepack: psutil.Process, out) -> bool:
+    return any(".tmp-" in name for name in siblings(out))
+
+
+def _workers_started(prepack: psutil.Process) -> bool:
+    """Whether both tokenizer worker processes of `prepack build --chat --num-proc 2` run (spawned by
+    multiprocessing), and with them its staging directory and the pickled encoder in TMPDIR."""
+    workers = 0
+    for child in prepack.children():
+        with contextlib.suppress(psutil.Error):
+            workers += "multiprocessing.spawn" in " ".join(child.cmdline())
+    return workers == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("corpus_kind", ["token ids", "chat with tokenizer workers"])
+def test_a_build_stopped_by_sigterm_exits_143_and_leaves_nothing(tmp_path, corpus_kind):
+    temporary, out = tmp_path / "tmp", tmp_path / "built" / "out"
+    temporary.mkdir()
+    out.parent.mkdir()
+    if corpus_kind == "token ids":
+        options = [random_token_corpus(tmp_path / "c.parquet", 100_000)]
+        ready = functools.partial(_staging_started, out=out)
+    else:
+        gpt2 = gpt2_directory(tmp_path / "gpt2", CHATML)
+        options = [_chat_corpus(tmp_path / "c.parquet"), "--chat", "--tokenizer", gpt2, "--num-proc", "2"]
+        ready = _workers_started
+    stopped, started = stopped_by_sigterm(
+        "build", *options, "--max-len", "1024", "--out", out, "-q", ready=ready, env={"TMPDIR": str(temporary), **WIDE}
+    )
+    assert stopped.returncode == 143, stopped.stderr
+    assert len(stopped.stderr.splitlines()) == 1 and "SIGTERM" in stopped.stderr, stopped.stderr
+    assert not out.exists() and siblings(out) == []
+    assert list(temporary.iterdir()) == []
+    workers = [process for process, command in started.items() if "multiprocessing.spawn" in command]
+    assert len(workers) == (0 if corpus_kind == "token ids" else 2)
+    assert running(workers) == []  # stopped and reaped by the command before it exits
+    assert running(started, within=5) == []  # multiprocessing's resource tracker ends when its pipe closes
+
+
+def test_the_command_run_in_process_and_the_library_leave_the_callers_sigterm_handler(tmp_path):
+    """Only the command sets a SIGTERM handler, and only while it runs: `app()` called in a process of
+    the caller's (a notebook, a test) and `build` leave the caller's."""
+
+    def callers(signum, frame):
+        raise AssertionError("not called")
+
+    previous = signal.signal(signal.SIGTERM, callers)
+    try:
+        result = CliRunner().invoke(app, ["build", str(corpus(tmp_path)), "--max-len", "4", "--out", str(tmp_path / "cli"), "-q"])
+        assert result.exit_code == 0, result.output
+        assert signal.getsignal(signal.SIGTERM) is callers
+        build(corpus(tmp_path), tmp_path / "library", max_len=4)
+        assert signal.getsignal(signal.SIGTERM) is callers
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_a_replaced_build_left_in_stale_scratch_is_deleted_only_by_its_manifest(tmp_path):

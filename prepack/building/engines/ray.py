@@ -40,8 +40,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import socket
 import tempfile
+import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -332,15 +334,23 @@ class RayEngine:
     def _in_order(self, submitted: Iterator[ray.ObjectRef]) -> Iterator:
         """The results of the tasks `submitted` (started as they are drawn, at most `in_flight` ahead
         of the one awaited), in order; a returned PrepackError is raised. On the way out, tasks still
-        running are cancelled and awaited, so that none writes into a staging directory being deleted."""
+        running are cancelled and awaited, so that none writes into a staging directory being deleted;
+        the one awaited among them (it leaves the window with its result), when an error or SIGTERM
+        interrupts the wait."""
         window: deque[ray.ObjectRef] = deque()
+
+        def first_result():
+            result = _result(window[0])
+            window.popleft()
+            return result
+
         try:
             for ref in submitted:
                 window.append(ref)
                 if len(window) >= self.in_flight:
-                    yield _result(window.popleft())
+                    yield first_result()
             while window:
-                yield _result(window.popleft())
+                yield first_result()
         finally:
             for ref in window:
                 ray.cancel(ref)
@@ -532,6 +542,21 @@ def _speaks_grpc(connection: socket.socket) -> bool:
 
 
 @contextmanager
+def _sigterm_handler_kept() -> Iterator[None]:
+    """Put back the caller's SIGTERM handler after `ray.init`, which replaces it twice: with one that
+    exits at once, and (the driver's core worker) with one that prints a stack and aborts. Either way
+    SIGTERM would skip this build's cleanup, where the caller's handler (the CLI's raises SystemExit)
+    runs it: `ray_engine`'s `ray.shutdown()` stops the Ray processes it started. Python sets handlers
+    in the main thread only, and cannot put back one set outside Python (`getsignal` gives None)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
 def ray_engine(address: str | None, staging: Staging) -> Iterator[RayEngine]:
     """A `RayEngine` for a build written into `staging`, on the Ray instance this process is connected
     to; else on the cluster at `address` ("auto", "ray://HOST:PORT", …), or when it is None at Ray's
@@ -549,12 +574,13 @@ def ray_engine(address: str | None, staging: Staging) -> Iterator[RayEngine]:
             # "local", not None: ray.init() would otherwise join any cluster that RAY_TMPDIR's
             # ray_current_cluster names (a `ray start`, a test's Cluster), whose workers may run in
             # another environment (other credentials, another AWS_ENDPOINT_URL).
-            ray.init(
-                address=joining or "local",
-                log_to_driver=False,
-                logging_level=logging.ERROR,
-                **({"include_dashboard": False} if joining is None else {}),
-            )
+            with _sigterm_handler_kept():
+                ray.init(
+                    address=joining or "local",
+                    log_to_driver=False,
+                    logging_level=logging.ERROR,
+                    **({"include_dashboard": False} if joining is None else {}),
+                )
         except (ConnectionError, ValueError, RuntimeError) as exc:
             problem = f"{named}: cannot join a Ray cluster there" if named else "cannot start a local Ray instance"
             raise EngineError(f"{problem} ({_first_line(exc)}).") from None
