@@ -14,8 +14,9 @@ overrides (`PackedDPOTrainer`):
 - `_get_num_items_in_batch` counts the pairs of the optimizer step, over its accumulated micro-batches and
   every rank, where Trainer counts trained tokens: `compute_loss` divides each micro-batch's summed pair
   losses by that count (`prepack.training.loss`, `loss_weights(batch, "pair")`), so every pair of a step
-  weighs the same. Packs hold 2 to 57 chitchat pairs; TRL's own mean per micro-batch, averaged over
-  --accumulation micro-batches and the ranks, would weigh a pair by how few share its micro-batch.
+  weighs the same. Packs hold 2 to 57 chitchat pairs (`prepack inspect pairs-packed`: 4 to 114 documents a
+  pack); TRL's own mean per micro-batch, averaged over --accumulation micro-batches and the ranks, would
+  weigh a pair by how few share its micro-batch.
 `PackedCollator` is the data collator (it adds `pair_segments`), `remove_unused_columns=False` lets the
 packs' columns reach it, and the reference is passed as a frozen copy of the starting model.
 
@@ -100,6 +101,7 @@ def packed_dpo_trainer(args, model, ref_model, output_dir: str) -> PackedDPOTrai
             gradient_accumulation_steps=args.accumulation,
             precompute_ref_log_probs=stored,  # with no ref_model: TRL creates none
             bf16=torch.cuda.is_available(),  # TRL defaults to bf16, which needs a GPU here
+            use_cpu=not torch.cuda.is_available(),  # under torchrun without GPUs: DDP over gloo, not one process each
         ),
         train_dataset=open_hf_dataset(args.data, reference=args.reference if stored else None),
         data_collator=PackedCollator.for_dataset(PackedDataset(args.data)),

@@ -2,18 +2,19 @@
 over ranks.
 
 A model's own causal-LM loss is the mean over the trained tokens of the batch it is given, so a plain
-packed loop weighs a token by how few trained tokens share its micro-batch and rank. Two weightings are
-exact instead, over one optimizer step (the gradient-accumulation window, on all ranks):
+packed loop weighs a token by how few trained tokens share its micro-batch and rank. Three weightings
+are exact instead, over one optimizer step (the gradient-accumulation window, on all ranks):
 
 - `"token"`: every trained token weighs the same, the mean over all of them (what HF Trainer does with
   `num_items_in_batch` and `average_tokens_across_devices`);
 - `"document"`: every document with a trained token weighs the same, the mean over documents of each
   document's mean token loss (what unpacked training on one example per row does). A document is a
-  segment of the packs: one that `--overflow split` cut counts once per piece.
+  segment of the packs: one that `--overflow split` cut counts once per piece;
 - `"pair"`: every preference pair weighs the same, the mean over the step's pairs of a per-pair loss of
   `prepack.training.preference` (DPO, IPO, SimPO), what unpacked training on a fixed number of pairs per
-  micro-batch does. Packs hold different numbers of pairs (2 to 57 on the chitchat pairs), so a mean per
-  micro-batch would weigh a pair by how few pairs share its micro-batch and rank.
+  micro-batch does. Packs hold different numbers of pairs (2 to 57 in examples/chitchat_pairs.py's build:
+  `prepack inspect pairs-packed`, 4 to 114 documents a pack), so a mean per micro-batch would weigh a pair
+  by how few pairs share its micro-batch and rank.
 
 A trained token is one whose label is not -100 and is predicted from the token before it (transformers
 shifts labels by one; the collator already masks each document's first token). In a loop:
@@ -72,8 +73,7 @@ def loss_weights(batch: Mapping[str, Any], weighting: Weighting) -> torch.Tensor
     if weighting not in ("token", "document", "pair"):
         raise UsageError(f"weighting must be 'token', 'document' or 'pair', not {weighting!r}")
     if weighting == "pair":
-        device = next(value.device for value in batch.values() if torch.is_tensor(value))
-        return torch.ones(pair_count(batch), dtype=torch.float64, device=device)
+        return torch.ones(pair_count(batch), dtype=torch.float64, device=batch["input_ids"].device)
     if "shift_labels" in batch:
         trained = batch["shift_labels"] != IGNORE_INDEX
     else:
