@@ -2,6 +2,7 @@
 
     python examples/chitchat_pairs.py --out pairs-packed --max-len 2048
     python benchmarks/bench_pairs.py --data pairs-packed --packs 16 --batch-size 8
+    python benchmarks/bench_pairs.py --data pairs-packed --positions-only
 
 The first --packs packs of a preference-pair build, and the pairs they hold. prepack: the packs in
 batches of --pack-batch, collated `padding_free` (no padding at all), one policy and one reference
@@ -13,6 +14,11 @@ and backward with the attention mask, and the loss of `DPOTrainer._compute_loss`
 per-token log-probabilities. Both on a small random Llama (--hidden, 2 layers, float32, sdpa, CPU or the
 GPU), token ids taken modulo --vocab so that the LM head does not dominate. Prints the token positions
 each path computes, its median wall time over --repeats, and the ratios. Prints markdown.
+
+First, over the whole build, the token positions `PackedCollator` lays out (what the model computes) in
+batches of --pack-batch packs, in each layout with and without `shared_prompt`: `padded` with its default
+rows (the build's max_len; with shared_prompt the batch's longest re-laid pack), `padded` with
+pad_to="max_len", and `padding_free`. --positions-only stops there (no model is run).
 """
 
 from __future__ import annotations
@@ -69,6 +75,21 @@ def trl_step(model, reference, batches, device) -> None:
         (-F.logsigmoid(0.1 * ((chosen - ref_chosen) - (rejected - ref_rejected)))).mean().backward()
 
 
+def positions_by_layout(dataset: PackedDataset, pack_batch: int) -> list[tuple[str, int, int]]:
+    """(layout, positions of the two-sequence layout, of the shared-prompt one) over every pack of `dataset`."""
+    packs = [dataset[i] for i in range(len(dataset))]
+    rows = []
+    for name, options in (("padded (default rows)", {}), ('padded, pad_to="max_len"', {"pad_to": "max_len"}),
+                          ("padding_free", {"layout": "padding_free"})):
+        counts = []
+        for shared_prompt in (False, True):
+            collate = PackedCollator.for_dataset(dataset, shared_prompt=shared_prompt, **options)
+            counts.append(sum(collate(packs[first : first + pack_batch])["input_ids"].numel()
+                              for first in range(0, len(packs), pack_batch)))
+        rows.append((name, *counts))
+    return rows
+
+
 def timed(step, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -89,10 +110,20 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--positions-only", action="store_true", help="print the positions by layout, run no model")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dataset = PackedDataset(args.data)
     max_len = dataset.manifest.options.max_len
+    print(f"Token positions over the whole of {args.data} ({len(dataset):,} packs of {max_len:,}, "
+          f"{dataset.manifest.totals.tokens:,} tokens), {args.pack_batch} packs a batch\n")
+    print("| layout | two sequences a pair | shared prompt | saved |")
+    print("|---|---:|---:|---:|")
+    for name, two_sequences, shared_prompt in positions_by_layout(dataset, args.pack_batch):
+        print(f"| {name} | {two_sequences:,} | {shared_prompt:,} | {1 - shared_prompt / two_sequences:.1%} |")
+    print()
+    if args.positions_only:
+        return
     packs = [dataset[i] for i in range(min(args.packs, len(dataset)))]
     packed, shared = ([], [])
     for batches, collate in ((packed, PackedCollator(max_len, layout="padding_free")),

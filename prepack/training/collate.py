@@ -82,6 +82,7 @@ class PackedCollator:
 
     - `max_len`: the row length L, and the longest pack accepted (a longer one raises UsageError).
     - `pad_to="longest"`: make L the longest pack of this batch instead (`max_len` then only validates).
+      The default, None, is `"max_len"`, or `"longest"` with `shared_prompt` (see there).
     - `pad_to_multiple_of`: round L up to a multiple of it (fewer distinct shapes for compiled kernels).
     - `layout`:
         - `"padded"` (default): the fields in the module docstring.
@@ -114,7 +115,10 @@ class PackedCollator:
     - `shared_prompt=True` (packs of a preference-pair build; `padded` or `padding_free`): each pair's prompt
       once, then both completions, their position ids continuing from the prompt's end; the batch carries
       `shared_prompt_ids` instead of offsets and `pair_segments` (`prepack.training.shared_prompt`). Only a
-      model passed to `prepack.enable_packing`, on sdpa, eager or flex_attention, masks it.
+      model passed to `prepack.enable_packing`, on sdpa, eager or flex_attention, masks it. A re-laid pack is
+      shorter than the pack by one prompt a pair, and the saving is the layout's point, so its `padded` rows are
+      as long as the batch's longest re-laid pack unless `pad_to="max_len"` asks for fixed rows (which compute
+      as many positions as the two-sequence layout).
     - `pad_token_id`: the token id written at padding (its label is always -100). By default each row's
       padding repeats the row's last token: padding is a segment of its own and never trained on, but
       its gradient still flows through the model as 0 times the local derivative, and a token whose
@@ -131,7 +135,7 @@ class PackedCollator:
         max_len: int | None = None,
         *,
         layout: Layout = "padded",
-        pad_to: Literal["max_len", "longest"] = "max_len",
+        pad_to: Literal["max_len", "longest"] | None = None,
         pad_to_multiple_of: int | None = None,
         seq_idx: bool = False,
         pad_token_id: int | None = None,
@@ -141,6 +145,8 @@ class PackedCollator:
     ):
         if layout not in _LAYOUTS:
             raise UsageError(f"layout must be one of {_LAYOUTS}, not {layout!r}.")
+        if pad_to is None:
+            pad_to = "longest" if shared_prompt else "max_len"
         if pad_to not in ("max_len", "longest"):
             raise UsageError(f"pad_to must be 'max_len' or 'longest', not {pad_to!r}.")
         if pad_to == "max_len" and max_len is None and layout != "padding_free":

@@ -2,14 +2,19 @@
 over ranks.
 
 A model's own causal-LM loss is the mean over the trained tokens of the batch it is given, so a plain
-packed loop weighs a token by how few trained tokens share its micro-batch and rank. Two weightings are
-exact instead, over one optimizer step (the gradient-accumulation window, on all ranks):
+packed loop weighs a token by how few trained tokens share its micro-batch and rank. Three weightings
+are exact instead, over one optimizer step (the gradient-accumulation window, on all ranks):
 
 - `"token"`: every trained token weighs the same, the mean over all of them (what HF Trainer does with
   `num_items_in_batch` and `average_tokens_across_devices`);
 - `"document"`: every document with a trained token weighs the same, the mean over documents of each
   document's mean token loss (what unpacked training on one example per row does). A document is a
-  segment of the packs: one that `--overflow split` cut counts once per piece.
+  segment of the packs: one that `--overflow split` cut counts once per piece;
+- `"pair"`: every preference pair weighs the same, the mean over the step's pairs of a per-pair loss of
+  `prepack.training.preference` (DPO, IPO, SimPO), what unpacked training on a fixed number of pairs per
+  micro-batch does. Packs hold different numbers of pairs (2 to 57 in examples/chitchat_pairs.py's build:
+  `prepack inspect pairs-packed`, 4 to 114 documents a pack), so a mean per micro-batch would weigh a pair
+  by how few pairs share its micro-batch and rank.
 
 A trained token is one whose label is not -100 and is predicted from the token before it (transformers
 shifts labels by one; the collator already masks each document's first token). In a loop:
@@ -20,6 +25,10 @@ shifts labels by one; the collator already masks each document's first token). I
     for batch, w in zip(window, weights):
         logits = model(**batch).logits
         (weighted_loss(logits, batch, w, total) * world_size).backward()  # DDP averages ranks
+
+and for pairs, one weight per pair: `weights = [loss_weights(batch, "pair") for batch in window]`, the same
+total, then `(weighted_sum(dpo_loss(policy, reference), w, total) * world_size).backward()`. HF `Trainer`
+takes that total as `num_items_in_batch` (examples/train_dpo_trl.py counts pairs there instead of tokens).
 
 A batch with `shift_labels` (what each position predicts, as transformers' losses take it) is weighed
 and scored by them instead of `labels`: so is a context-parallel rank's part from
@@ -37,13 +46,14 @@ from typing import Any, Literal
 
 from prepack.errors import UsageError, optional_imports
 from prepack.formats.shards import IGNORE_INDEX
+from prepack.training.preference import pair_count
 
 with optional_imports("weighted_loss"):
     import torch
 
-__all__ = ["Weighting", "loss_weights", "weighted_loss"]
+__all__ = ["Weighting", "loss_weights", "weighted_loss", "weighted_sum"]
 
-Weighting = Literal["token", "document"]
+Weighting = Literal["token", "document", "pair"]
 
 
 def loss_weights(batch: Mapping[str, Any], weighting: Weighting) -> torch.Tensor:
@@ -55,9 +65,15 @@ def loss_weights(batch: Mapping[str, Any], weighting: Weighting) -> torch.Tensor
     takes. Documents are found from `cu_seq_lens_q` (the `padded` and `padding_free` layouts); on a
     context-parallel part, from its `cp_indices`, and counted over every rank by
     `cp_trained_per_document` (`split_for_cp` adds both).
+
+    `"pair"`: 1 per preference pair of the batch instead, shaped [P] as the per-pair losses of
+    `prepack.training.preference` (the pairs of `pair_segments`, or of a shared-prompt batch), for
+    `weighted_sum`.
     """
-    if weighting not in ("token", "document"):
-        raise UsageError(f"weighting must be 'token' or 'document', not {weighting!r}")
+    if weighting not in ("token", "document", "pair"):
+        raise UsageError(f"weighting must be 'token', 'document' or 'pair', not {weighting!r}")
+    if weighting == "pair":
+        return torch.ones(pair_count(batch), dtype=torch.float64, device=batch["input_ids"].device)
     if "shift_labels" in batch:
         trained = batch["shift_labels"] != IGNORE_INDEX
     else:
@@ -106,4 +122,11 @@ def _weighted_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights
         ignore_index=IGNORE_INDEX,
         reduction="none",
     )
-    return (losses * weights.flatten().to(losses.dtype)).sum() / total
+    return weighted_sum(losses, weights.flatten(), total)
+
+
+def weighted_sum(values: torch.Tensor, weights: torch.Tensor, total: torch.Tensor | float) -> torch.Tensor:
+    """Σ weight × value, divided by `total` (the weights of the whole step, all ranks): a micro-batch's share
+    of the step's weighted mean. `weighted_loss` reduces its token losses so; per-pair losses go here with
+    `loss_weights(batch, "pair")`."""
+    return (values * weights.to(values.dtype)).sum() / total

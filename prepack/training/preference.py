@@ -18,8 +18,14 @@ or, with the reference's values computed once and stored beside the build (`prep
 masks each document's first token. Since no token attends across documents, these are exactly the
 numbers an unpacked forward of each sequence alone gives (TRL's `chosen_logps` / `rejected_logps`),
 and the losses follow TRL 1.16's DPOTrainer formulas on them ("sigmoid", "ipo" with its length
-normalisation, and SimPO as TRL's CPOTrainer writes it). Every loss is per pair: take the mean over the
-micro-batch, or over an accumulation window `sum / pairs in the window`.
+normalisation, and SimPO as TRL's CPOTrainer writes it). Every loss is per pair [P]. A micro-batch alone
+takes their mean; an optimizer step of several micro-batches, or of several ranks, divides each micro-batch's
+sum by the pairs of the whole step, as `prepack.training.loss` does for tokens, so that every pair weighs the
+same however many share its pack:
+
+    weights = [loss_weights(batch, "pair") for batch in window]     # prepack.training.loss; 1 per pair
+    total = sum(w.sum() for w in weights); torch.distributed.all_reduce(total)
+    (weighted_sum(dpo_loss(policy, reference), w, total) * world_size).backward()   # per micro-batch
 
 This module imports torch; `import prepack` does not load it.
 """
@@ -38,8 +44,8 @@ with optional_imports("prepack.training.preference"):
     import torch.nn.functional as F
 
 __all__ = [
-    "PAIR_FIELDS", "PairLogps", "dpo_loss", "ipo_loss", "model_inputs", "pair_logps", "sequence_logps", "shared_pair_logps", "simpo_loss",
-    "trained_tokens",
+    "PAIR_FIELDS", "PairLogps", "dpo_loss", "ipo_loss", "model_inputs", "pair_count", "pair_logps", "sequence_logps", "shared_pair_logps",
+    "simpo_loss", "trained_tokens",
 ]
 
 # What a batch of pairs carries besides the model's inputs (reference_logps: a build's stored reference
@@ -106,6 +112,16 @@ def _label_segments(batch: Mapping[str, Any], device: torch.device) -> tuple[tor
 
 def _count(segment: torch.Tensor, trained: torch.Tensor, segments: int) -> torch.Tensor:
     return torch.bincount(segment, weights=trained.flatten().to(torch.float64), minlength=segments).to(torch.int64)
+
+
+def pair_count(batch: Mapping[str, Any]) -> int:
+    """The pairs of `batch`, as many as `pair_logps` gives: its `pair_segments`, or the pairs numbered in a
+    shared-prompt batch's `shared_prompt_ids`."""
+    if "shared_prompt_ids" in batch:
+        return int(batch["shared_prompt_ids"].max()) // PARTS
+    if "pair_segments" not in batch:
+        raise UsageError("a batch of pairs needs pair_segments: collate packs of a preference-pair build (prepack build --pairs)")
+    return len(batch["pair_segments"])
 
 
 def pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:

@@ -107,8 +107,9 @@ class PackedSampler(Sampler[int]):
     It refuses (DistributedSetupError), when built and again before the first index, the ways a job
     silently trains on the wrong packs or unsynchronised models:
     - in a process launched as one of several (`WORLD_SIZE` > 1, as torchrun and `accelerate
-      launch` set it) without `torch.distributed.init_process_group`: it would be world size 1 on
-      every rank, each training on every pack (`DistributedSampler` raises there too);
+      launch` set it) without `torch.distributed.init_process_group`, with `rank` or `world_size` (or
+      both) left to default: it would be rank 0 or world size 1 on every process, each training on
+      the same packs (`DistributedSampler` raises there too);
     - under an `Accelerator` that set up fewer processes than the process group has (without GPUs,
       `Accelerator()` under torchrun initialises the group, then reports one process and wraps no
       model in DDP): each rank would train a model of its own on its share (`Accelerator(cpu=True)`
@@ -154,7 +155,7 @@ class PackedSampler(Sampler[int]):
         token_cost: float = DEFAULT_TOKEN_COST,
     ):
         self.size = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
-        self._distributed_default = world_size is None
+        self._defaulted = _defaulted(rank, world_size)
         self.rank, self.world_size = _rank_and_world_size(rank, world_size)
         if seed < 0:
             raise UsageError(f"seed must be non-negative, got {seed}")
@@ -313,12 +314,12 @@ class PackedSampler(Sampler[int]):
 
     def _refuse_wrong_world(self) -> None:
         """Raise where the ranks together would not train on each pack once (see the class docstring)."""
-        if self._distributed_default:  # explicit ranks: the caller says how the job is synchronised
+        if self._defaulted:  # explicit ranks: the caller says how the job is synchronised
             self._refuse_unsynchronised_world()
         self._refuse_accelerate_sharding()
 
     def _refuse_unsynchronised_world(self) -> None:
-        _refuse_unsynchronised_launch()
+        _refuse_unsynchronised_launch(self._defaulted)
         if _distributed_world_size() not in (None, self.world_size):
             raise DistributedSetupError(
                 f"PackedSampler was built before torch.distributed was initialised, as world size "
@@ -346,24 +347,27 @@ class PackedSampler(Sampler[int]):
             )
 
 
-def _refuse_unsynchronised_launch() -> None:
+def _refuse_unsynchronised_launch(defaulted: list[str]) -> None:
     """Raise when the launcher says this process is one of several (`WORLD_SIZE` > 1, as torchrun and
-    `accelerate launch` set it) and torch.distributed has no process group: the ranks' models would never
-    be synchronised, and a default world size of 1 would train each on every pack."""
+    `accelerate launch` set it), torch.distributed has no process group, and `defaulted` names what of rank=
+    and world_size= was left to it: the ranks' models would never be synchronised, and a default rank of 0 or
+    world size of 1 would train every process on the same packs."""
     launched = os.environ.get("WORLD_SIZE", "1")
-    if launched.strip().isdigit() and int(launched) > 1 and _distributed_world_size() is None:
+    if defaulted and launched.strip().isdigit() and int(launched) > 1 and _distributed_world_size() is None:
+        this = f"; RANK {os.environ['RANK']}" if "RANK" in os.environ else ""
+        defaults = {"rank": "rank 0", "world_size": "world size 1"}
         raise DistributedSetupError(
-            f"This process is one of {launched} (WORLD_SIZE), but torch.distributed is not initialised: "
-            "PackedSampler would be world size 1 and every rank would train on the same packs, with no "
-            "gradient synchronised. Call torch.distributed.init_process_group (or Accelerator(); without "
-            "GPUs Accelerator(cpu=True)) before building and iterating it, or pass rank= and world_size= "
-            "explicitly."
+            f"This process is one of {launched} (WORLD_SIZE{this}), but torch.distributed is not initialised and "
+            f"no {' or '.join(f'{name}=' for name in defaulted)} given: PackedSampler would be "
+            f"{' and '.join(defaults[name] for name in defaulted)} on every process, and the ranks would train on "
+            "the same packs, with no gradient synchronised. Call torch.distributed.init_process_group (or "
+            "Accelerator(); without GPUs Accelerator(cpu=True)) before building and iterating it, or pass rank= "
+            "and world_size= explicitly."
         )
 
 
 def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if world_size is None:
-        _refuse_unsynchronised_launch()
+    _refuse_unsynchronised_launch(_defaulted(rank, world_size))
     distributed = _distributed_world_size() is not None
     if world_size is None:
         world_size = torch.distributed.get_world_size() if distributed else 1
@@ -372,6 +376,11 @@ def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int,
     if world_size < 1 or not 0 <= rank < world_size:
         raise UsageError(f"need 0 <= rank < world_size, got rank {rank} and world_size {world_size}")
     return rank, world_size
+
+
+def _defaulted(rank: int | None, world_size: int | None) -> list[str]:
+    """Which of rank= and world_size= were left to torch.distributed's."""
+    return [name for name, value in (("rank", rank), ("world_size", world_size)) if value is None]
 
 
 def _distributed_world_size() -> int | None:

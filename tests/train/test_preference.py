@@ -10,7 +10,14 @@ and in the unpacked reference alike.
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import runpy
+import socket
+import sys
+import time
+from datetime import timedelta
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,27 +25,31 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 import prepack
 from prepack import PackedDataset
 from prepack.model.packing import enable_packing
 from prepack.training.collate import PackedCollator
+from prepack.training.loss import loss_weights, weighted_sum
 from prepack.training.preference import PairLogps, dpo_loss, ipo_loss, model_inputs, pair_logps, simpo_loss
 from tests.demo_inputs import CHATML, chitchat_pairs, gpt2_directory
 
 VOCAB, MAX_LEN, PAIRS, BETA = 128, 256, 12, 0.1
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def pair_build(root: Path, **options) -> Path:
-    """A pair build under `root` of the first PAIRS pairs of examples/chitchat_pairs.py's, chat with the demo
+def pair_build(root: Path, pairs: int = PAIRS, max_len: int = MAX_LEN, **options) -> Path:
+    """A pair build under `root` of the first `pairs` pairs of examples/chitchat_pairs.py's, chat with the demo
     tokenizer; `options` go to `prepack.build`."""
     corpus = root / "pairs.jsonl"
-    corpus.write_text("".join(json.dumps(pair) + "\n" for pair in chitchat_pairs()[:PAIRS]))
+    corpus.write_text("".join(json.dumps(pair) + "\n" for pair in chitchat_pairs()[:pairs]))
     tokenizer = gpt2_directory(root / "gpt2", CHATML)
-    prepack.build(corpus, root / "packed", max_len=MAX_LEN, tokenizer=tokenizer, chat=True, pairs=True, overflow="drop",
-                  num_proc=1, **options)  # twelve pairs: no worker processes to start
+    prepack.build(corpus, root / "packed", max_len=max_len, tokenizer=tokenizer, chat=True, pairs=True, overflow="drop",
+                  num_proc=1, **options)  # a few pairs: no worker processes to start
     return root / "packed"
 
 
@@ -248,3 +259,180 @@ def test_dpo_loss_equals_trls_dpo_trainer(build):
     fused = tiny_llama(0)
     add_fused_lm_head(fused, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     torch.testing.assert_close(ours, trl_dpo_loss(fused, pairs, reference), rtol=1e-6, atol=1e-7)
+
+
+# A step's weighting: the first 24 pairs at 512 tokens make packs of 4, 3, 5, 6, 3 and 3 pairs.
+STEP_PAIRS, STEP_MAX_LEN = 24, 512
+WORLD, RANK_PACKS = 2, [[0, 1], [2, 3]]  # two ranks, two micro-batches of one pack each: 4 + 3 and 5 + 6 pairs
+
+
+@pytest.fixture(scope="module")
+def step_build(tmp_path_factory) -> Path:
+    return pair_build(tmp_path_factory.mktemp("step"), pairs=STEP_PAIRS, max_len=STEP_MAX_LEN)
+
+
+def pairs_per_pack(build: Path) -> list[int]:
+    return [(len(pack["cu_seqlens"]) - 1) // 2 for pack in PackedDataset(build)]
+
+
+def test_pair_weights_give_each_pair_of_a_batch_one(step_build):
+    """`loss_weights(batch, "pair")`: 1 per pair, in either layout and in the shared-prompt one, so that a window's
+    weights sum to its pairs, and `weighted_sum` over one batch is the mean of its pair losses."""
+    assert pairs_per_pack(step_build) == [4, 3, 5, 6, 3, 3]
+    for layout, options in (("padded", {}), ("padding_free", {}), ("padded", {"shared_prompt": True})):
+        for batch, pairs in zip(batches(step_build, layout, **options), [7, 11, 6], strict=True):
+            weights = loss_weights(batch, "pair")
+            assert torch.equal(weights, torch.ones(pairs, dtype=torch.float64)), (layout, options)
+            losses = torch.rand(pairs, dtype=torch.float64)
+            torch.testing.assert_close(weighted_sum(losses, weights, weights.sum()), losses.mean(), rtol=1e-15, atol=0)
+
+
+def equal_weight_step(build: Path, packs: list[int]) -> tuple[float, dict[str, torch.Tensor]]:
+    """One optimizer step's objective and its gradient: the mean DPO loss over every pair of `packs`, each
+    pair weighing the same (one batch of them all)."""
+    dataset = PackedDataset(build)
+    batch = PackedCollator.for_dataset(dataset)([dataset[i] for i in packs])
+    batch["input_ids"], batch["labels"] = small(batch["input_ids"]), small(batch["labels"])
+    model = enable_packing(tiny_llama(0))
+    with torch.no_grad():
+        reference = pair_logps(enable_packing(tiny_llama(1))(**model_inputs(batch)).logits, batch)
+    loss = dpo_loss(pair_logps(model(**model_inputs(batch)).logits, batch), reference, BETA).mean()
+    loss.backward()
+    return loss.item(), gradients(model)
+
+
+def assert_gradients_equal(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-9, atol=1e-12, msg=f"{what}: {name}")
+
+
+class _Gradients(TrainerCallback):
+    """The gradients at the optimizer step, before it changes the weights."""
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.gradients = gradients(model)
+
+
+@pytest.mark.slow  # ~5 s: a float64 TRL step of two micro-batches
+def test_trl_recipe_under_gradient_accumulation_weighs_every_pair_the_same(step_build, tmp_path, monkeypatch):
+    """examples/train_dpo_trl.py's trainer, gradient accumulation 2 over packs of 4 and 6 pairs: the step's
+    gradient is that of the mean over its 10 pairs, not the mean of the two micro-batches' means."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # the recipe's `from tiny_model import ...`
+    recipe = runpy.run_path(str(EXAMPLES / "train_dpo_trl.py"))
+    step = [0, 3]
+    assert [pairs_per_pack(step_build)[i] for i in step] == [4, 6]
+    args = argparse.Namespace(data=str(step_build), model=None, steps=1, batch_size=1, accumulation=2, lr=1e-3,
+                              workers=0, reference=None)
+    model, reference = enable_packing(tiny_llama(0)), enable_packing(tiny_llama(1)).eval().requires_grad_(False)
+    trainer = recipe["packed_dpo_trainer"](args, model, reference, str(tmp_path))
+    trainer.train_dataset = trainer.train_dataset.select(step)  # one step: both packs, one a micro-batch
+    trainer.args.max_grad_norm = 0  # the gradient as the loss gives it, unclipped
+    collate, pairs = trainer.data_collator, []
+
+    def in_tiny_vocabulary(rows):
+        batch = collate(rows)
+        batch["input_ids"], batch["labels"] = small(batch["input_ids"]), small(batch["labels"])
+        pairs.append(len(batch["pair_segments"]))
+        return batch
+
+    trainer.data_collator = in_tiny_vocabulary
+    recorded = _Gradients()
+    trainer.add_callback(recorded)
+    trainer.train()
+    assert sorted(pairs) == [4, 6] and trainer.state.global_step == 1
+    assert_gradients_equal(recorded.gradients, equal_weight_step(step_build, step)[1], "TRL, accumulation 2")
+
+
+def trl_ddp_worker(rank: int, port: int, out: str, build: str) -> None:
+    """examples/train_dpo_trl.py's trainer as one of two processes, as torchrun starts them: one step of two
+    micro-batches of one pack each, on this rank's share of the four packs."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(EXAMPLES))  # the recipe's `from tiny_model import ...`
+    recipe = runpy.run_path(str(EXAMPLES / "train_dpo_trl.py"))
+    args = argparse.Namespace(data=build, model=None, steps=1, batch_size=1, accumulation=2, lr=1e-3, workers=0,
+                              reference=None)
+    model, reference = enable_packing(tiny_llama(0)), enable_packing(tiny_llama(1)).eval().requires_grad_(False)
+    trainer = recipe["packed_dpo_trainer"](args, model, reference, f"{out}/trainer{rank}")
+    step = [pack for packs in RANK_PACKS for pack in packs]
+    trainer.train_dataset = trainer.train_dataset.select(step)
+    trainer.args.max_grad_norm = 0
+    collate, pairs = trainer.data_collator, []
+
+    def in_tiny_vocabulary(rows):
+        batch = collate(rows)
+        batch["input_ids"], batch["labels"] = small(batch["input_ids"]), small(batch["labels"])
+        pairs.append(len(batch["pair_segments"]))
+        return batch
+
+    trainer.data_collator = in_tiny_vocabulary
+    recorded = _Gradients()
+    trainer.add_callback(recorded)
+    trainer.train()
+    torch.save({"gradients": recorded.gradients, "pairs": pairs, "processes": trainer.accelerator.num_processes,
+                "steps": trainer.state.global_step}, f"{out}/trl{rank}.pt")
+    del trainer, model  # DDP's reducer before the process group, both ranks here (tests/train/test_loss.py)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def ddp_worker(rank: int, store: str, out: str, build: str) -> None:
+    """examples/train_dpo_plain_loop.py's step on this rank's two micro-batches, in a DDP model."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    torch.set_num_threads(1)
+    import sys
+
+    sys.path.insert(0, str(EXAMPLES))  # the recipe's `from tiny_model import ...`
+    recipe = runpy.run_path(str(EXAMPLES / "train_dpo_plain_loop.py"))
+    net = torch.nn.parallel.DistributedDataParallel(enable_packing(tiny_llama(0)))
+    reference = enable_packing(tiny_llama(1)).eval().requires_grad_(False)
+    window = [batches(Path(build), "padded", per_batch=1)[i] for i in RANK_PACKS[rank]]
+    loss, _, pairs = recipe["dpo_step"](net, reference, window, "dpo", BETA)
+    torch.save({"gradients": {name.removeprefix("module."): p.grad.clone() for name, p in net.named_parameters()},
+                "loss": loss, "pairs": pairs}, f"{out}/rank{rank}.pt")
+    # DDP's reducer goes while the group is alive and both ranks are here (tests/train/test_loss.py).
+    del net
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # ~20 s: two spawned processes
+def test_plain_recipe_on_two_ddp_ranks_with_accumulation_weighs_every_pair_the_same(step_build, tmp_path):
+    """examples/train_dpo_plain_loop.py's step on two gloo ranks, two micro-batches each (4 + 3 and 5 + 6
+    pairs): every rank's gradient is that of the mean over the step's 18 pairs."""
+    join_or_fail(mp.spawn(ddp_worker, args=(str(tmp_path / "store"), str(tmp_path), str(step_build)), nprocs=WORLD, join=False))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    step = [pack for packs in RANK_PACKS for pack in packs]
+    expected_loss, expected = equal_weight_step(step_build, step)
+    for number, rank in enumerate(ranks):
+        assert rank["pairs"] == sum(pairs_per_pack(step_build)[i] for i in step) == 18
+        assert rank["loss"] == pytest.approx(expected_loss, rel=1e-12)  # the step's mean, on every rank
+        assert_gradients_equal(rank["gradients"], expected, f"rank {number}")
+
+
+def join_or_fail(workers, seconds: int = 300) -> None:
+    deadline = time.monotonic() + seconds  # a collective that never completes fails the test, not the whole run
+    while not workers.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in workers.processes:
+                process.kill()
+            pytest.fail(f"the DDP workers did not finish within {seconds} s")
+
+
+@pytest.mark.slow  # ~30-60 s: two spawned processes, each a TRL trainer
+def test_trl_recipe_on_two_ranks_with_accumulation_weighs_every_pair_the_same(step_build, tmp_path):
+    """examples/train_dpo_trl.py's trainer on two gloo ranks (Accelerate's), two micro-batches each of packs of
+    4, 3, 5 and 6 pairs: every rank's gradient is that of the mean over the step's 18 pairs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    join_or_fail(mp.spawn(trl_ddp_worker, args=(port, str(tmp_path), str(step_build)), nprocs=WORLD, join=False))
+    ranks = [torch.load(tmp_path / f"trl{r}.pt") for r in range(WORLD)]
+    step = [pack for packs in RANK_PACKS for pack in packs]
+    assert sorted(n for rank in ranks for n in rank["pairs"]) == sorted(pairs_per_pack(step_build)[i] for i in step)
+    expected = equal_weight_step(step_build, step)[1]
+    for number, rank in enumerate(ranks):
+        assert rank["processes"] == WORLD and rank["steps"] == 1 and len(rank["pairs"]) == 2
+        assert_gradients_equal(rank["gradients"], expected, f"TRL rank {number}")

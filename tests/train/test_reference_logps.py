@@ -358,7 +358,8 @@ def _recipe(monkeypatch) -> dict:
 
 def test_trl_recipe_on_stored_values_holds_no_reference_and_gives_the_loop_s_loss(build, reference, tmp_path, monkeypatch):
     recipe = _recipe(monkeypatch)
-    args = argparse.Namespace(data=str(build), model=None, steps=1, batch_size=2, lr=1e-3, workers=0, reference=str(reference))
+    args = argparse.Namespace(data=str(build), model=None, steps=1, batch_size=2, accumulation=1, lr=1e-3, workers=0,
+                              reference=str(reference))
     stored = recipe["packed_dpo_trainer"](args, enable_packing(tiny_llama(0)), None, str(tmp_path / "stored"))
     in_loop = recipe["packed_dpo_trainer"](argparse.Namespace(**{**vars(args), "reference": None}),
                                           enable_packing(tiny_llama(0)), enable_packing(tiny_llama(1)).eval(),

@@ -33,6 +33,18 @@ def test_several_processes_without_a_process_group_at_the_first_iteration_are_re
     assert len(list(PackedSampler(50, rank=1, world_size=2))) == 25  # explicit ranks: the caller's choice
 
 
+@pytest.mark.parametrize("given", [{}, {"rank": 1}, {"world_size": 2}])
+def test_a_sampler_built_under_a_launcher_without_a_process_group_is_refused_at_construction(monkeypatch, given):
+    """torchrun's variables, no init_process_group: whatever rank= or world_size= is left to default would be
+    rank 0 or world size 1 on every process, so the sampler is refused when built, naming what is missing."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    missing = [name for name in ("rank", "world_size") if name not in given]
+    with pytest.raises(DistributedSetupError, match=f"one of 2 .*RANK 1.*no {' or '.join(f'{m}=' for m in missing)} given"):
+        PackedSampler(50, **given)
+    assert len(list(PackedSampler(50, rank=1, world_size=2))) == 25  # both explicit: the caller's choice
+
+
 def test_an_accelerator_with_fewer_processes_than_the_group_is_refused(monkeypatch):
     """One process standing for rank 0 of a group of two, as `Accelerator()` leaves it on a machine
     without GPUs (the real two-process run is below)."""

@@ -160,6 +160,23 @@ def test_the_shared_layout_computes_each_prompt_once(build):
     assert saves > 0 and shared_positions == two_sequences - saves
 
 
+def test_the_default_padded_layout_saves_positions_too(build):
+    """Rows padded to the build's max_len would compute as many positions as the two-sequence layout: by default
+    the shared layout pads each batch to its longest re-laid pack instead; pad_to="max_len" keeps fixed rows."""
+    dataset = PackedDataset(build)
+    packs = [dataset[i] for i in range(len(dataset))]
+    padded = PackedCollator.for_dataset(dataset)(packs)["input_ids"]
+    shared_batch = PackedCollator.for_dataset(dataset, shared_prompt=True)(packs)
+    flat = PackedCollator.for_dataset(dataset, layout="padding_free", shared_prompt=True)(packs)["shared_prompt_ids"]
+    longest = max(int((ids > 0).sum()) for ids in shared_batch["shared_prompt_ids"])  # pair ids start at 1
+    assert shared_batch["input_ids"].shape == (len(packs), longest) and longest < MAX_LEN
+    assert shared_batch["input_ids"].numel() < padded.numel() == len(packs) * MAX_LEN
+    assert int((shared_batch["shared_prompt_ids"] > 0).sum()) == flat.numel()  # the same tokens, each prompt once
+    fixed = PackedCollator.for_dataset(dataset, shared_prompt=True, pad_to="max_len")(packs)["input_ids"]
+    assert fixed.shape == (len(packs), MAX_LEN)
+    assert PackedCollator(shared_prompt=True)(packs)["input_ids"].shape == shared_batch["input_ids"].shape  # no max_len
+
+
 def test_stored_reference_reads_the_shared_layout(build):
     from prepack.training.reference import stored_reference
 
