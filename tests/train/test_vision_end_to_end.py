@@ -141,6 +141,45 @@ def test_image_chat_build_trains_through_hf_trainer(prepared, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_throughput_callback_counts_what_the_collator_made_in_a_trainer_run(prepared, tmp_path):
+    """UsefulThroughputCallback on Qwen2.5-VL image batches ([4, B, L] position ids): each step's logged
+    real and trained tokens and padding fraction are those of the batch the collator made for it."""
+    from transformers import Trainer, TrainingArguments
+
+    from prepack.formats.shards import IGNORE_INDEX
+    from prepack.training.throughput import UsefulThroughputCallback
+
+    processor, summary, build = prepared
+    model = enable_packing(model_for(processor)).train()
+    collator, made = collator_for(processor, model), []
+
+    def collate(packs):  # in this process (no workers): the batches in the order the steps take them
+        batch = collator(packs)
+        real, trained = sum(len(pack["input_ids"]) for pack in packs), int((batch["labels"] != IGNORE_INDEX).sum())
+        made.append((batch["input_ids"].numel(), real, trained))
+        return batch
+
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
+        remove_unused_columns=False, report_to=[], use_cpu=True, dataloader_num_workers=0, save_strategy="no",
+        logging_steps=1,
+    )
+    trainer = Trainer(model=model, args=arguments, train_dataset=ImagePackedDataset(build, summary.image_set),
+                      data_collator=collate, callbacks=[UsefulThroughputCallback()])
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 3 and len(made) >= 3
+    total = 0
+    for entry, (slots, real, trained) in zip(logs, made):
+        total += real
+        assert entry["real_tokens"] == total
+        assert entry["padding_fraction"] == pytest.approx(1 - real / slots, abs=1e-4)
+        # Both rates are of the same seconds, each rounded to 0.1.
+        assert 0 < trained < real
+        assert entry["trained_tokens_per_second"] == pytest.approx(entry["real_tokens_per_second"] * trained / real, abs=0.1)
+
+
+@pytest.mark.slow
 def test_verify_checks_the_image_set_against_the_build(prepared, tmp_path):
     """Clean: exit 0. A build whose documents were truncated through their images: each such pack named,
     and ImagePackedDataset refuses to serve it."""
