@@ -108,7 +108,7 @@ def test_image_chat_corpus_builds_and_a_worker_batch_equals_each_sample_alone(pr
             alone = {"input_ids": ids, "labels": batch["labels"][row, start:end][None], "use_cache": False,
                      "mm_token_type_ids": (ids == model.config.image_token_id).int()}
             if len(numbers):
-                alone |= collator._preprocessed([image_set.data(int(n)) for n in numbers])
+                alone |= collator._preprocessed([[image_set.data(int(n)) for n in numbers]])
             alone_logits, alone_loss, sample_grads = run(model, alone)
             alone_logits_diff = max(alone_logits_diff, float((logits[row, start:end] - alone_logits[0]).abs().max()))
             count = targets(alone["labels"])
