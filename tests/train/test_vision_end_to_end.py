@@ -141,6 +141,26 @@ def test_image_chat_build_trains_through_hf_trainer(prepared, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_processor_directory_is_what_prepare_images_reads_and_never_replaces_a_directory(prepared, tmp_path):
+    from prepack.errors import OutputError
+    from prepack.model.tiny_vision_models import qwen_processor_directory, tiny_vision_config
+    from prepack.sources.images import processor_rule
+
+    processor, _, _ = prepared
+    rule, placeholder_id = processor_rule(processor)
+    assert placeholder_id == Tokenizer.from_file(str(processor / "tokenizer.json")).token_to_id(QWEN_IMAGE_TOKENS[1])
+    config = tiny_vision_config("qwen2_vl")
+    assert (rule.patch_size, rule.merge_size) == (config.vision_config.patch_size, config.vision_config.spatial_merge_size)
+    existing = tmp_path / "processor"
+    existing.mkdir()
+    (existing / "mine.txt").write_text("kept")
+    with pytest.raises(OutputError, match="exists"):
+        qwen_processor_directory(existing, processor, config)
+    assert [path.name for path in tmp_path.iterdir()] == ["processor"]
+    assert [path.name for path in existing.iterdir()] == ["mine.txt"]
+
+
+@pytest.mark.slow
 def test_the_throughput_callback_counts_what_the_collator_made_in_a_trainer_run(prepared, tmp_path):
     """UsefulThroughputCallback on Qwen2.5-VL image batches ([4, B, L] position ids): each step's logged
     real and trained tokens and padding fraction are those of the batch the collator made for it."""
