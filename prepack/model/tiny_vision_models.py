@@ -7,10 +7,25 @@ and Qwen3-VL's towers to 2-4 blocks with 14-pixel patches merged 2x2 (Qwen2.5-VL
 full-attention blocks, so both of its vision attentions are exercised; Qwen3-VL a deepstack layer),
 LLaVA's CLIP tower to 28x28 images (4 patches), Gemma 3's SigLIP tower to 32x32 images pooled to 4
 tokens. `vocab_size` may be raised to a real tokenizer's. Weights are seeded; nothing is downloaded.
+
+`image_processor_for(config)` is transformers' PIL image processor (no torchvision) sized for a config's
+tower, and `qwen_processor_directory` writes what `prepack prepare-images` and `prepack build --tokenizer`
+read for a Qwen-VL model: a text tokenizer's directory with the image tokens added, and that image processor:
+
+    config = tiny_vision_config("qwen2_vl")
+    processor = qwen_processor_directory("processor/", "gpt2/", config)   # gpt2/: tokenizer.json, ...
+    tokenizer = Tokenizer.from_file("processor/tokenizer.json")
+    tokens = dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id"),
+                      map(tokenizer.token_to_id, QWEN_IMAGE_TOKENS)))
+    model = tiny_vision_model("qwen2_vl", vocab_size=tokenizer.get_vocab_size(), tokens=tokens)
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,13 +33,22 @@ import transformers
 from transformers import AutoModelForImageTextToText
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from prepack.errors import OutputError, UsageError
 from prepack.model.tiny_models import HIDDEN, MAX_PARAMETERS, VOCAB, tiny_config
+from prepack.model.vision_families import image_style
 
-__all__ = ["IMAGE_SIZE", "VISION_SIZES", "tiny_vision_config", "tiny_vision_model"]
+__all__ = [
+    "IMAGE_SIZE", "QWEN_IMAGE_TOKENS", "QWEN_PIXELS", "VISION_SIZES", "image_processor_for", "qwen_processor_directory",
+    "tiny_vision_config", "tiny_vision_model",
+]
 
 # The rotary halves of the 8-wide heads split over time, height and width (the defaults give all to time).
 MROPE = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [1, 1, 2]}
 IMAGE_SIZE = {"llava": 28, "gemma3": 32}  # fixed-size towers: the side of the square image they take
+# Qwen's image processor for the tiny towers: between 2 and 8 merged tokens (28x28 pixels each) per image.
+QWEN_PIXELS = {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}
+# The special tokens of a Qwen-VL processor (start, placeholder, end), as `prepack prepare-images` writes them.
+QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 # Per family: the vision tower's sizes, and the top-level settings that must agree with them.
 VISION_SIZES: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": {
@@ -86,3 +110,53 @@ def tiny_vision_model(
         raise AssertionError(f"{model_type}: the tiny model has {parameters:,} parameters; a size was not shrunk.")
     torch.manual_seed(0)
     return AutoModelForImageTextToText.from_config(config, **options).eval()
+
+
+def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict[str, int] = QWEN_PIXELS):
+    """transformers' PIL image processor for the tower of `config` (Qwen-VL's from its patch, merge and
+    temporal sizes, `qwen_pixels` per image; CLIP's, as LLaVA uses, and Gemma 3's at the tower's image size)."""
+    vision = config.vision_config
+    if image_style(config.model_type) == "3-D rotary":
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return Qwen2VLImageProcessorPil(size=qwen_pixels, patch_size=vision.patch_size,
+                                        merge_size=vision.spatial_merge_size,
+                                        temporal_patch_size=vision.temporal_patch_size)
+    side = vision.image_size
+    if config.model_type == "llava":
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+        return CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    return Gemma3ImageProcessorPil(size={"height": side, "width": side})
+
+
+def qwen_processor_directory(
+    directory: str | os.PathLike,
+    tokenizer: str | os.PathLike,
+    config: transformers.PreTrainedConfig,
+    qwen_pixels: dict[str, int] = QWEN_PIXELS,
+) -> Path:
+    """Write a Qwen-VL processor directory at `directory` (which must not exist; it appears whole or not at
+    all): the files of the tokenizer directory `tokenizer`, its `tokenizer.json` with `QWEN_IMAGE_TOKENS`
+    added as special tokens, and `image_processor_for(config, qwen_pixels)`'s `preprocessor_config.json`."""
+    from tokenizers import Tokenizer
+
+    if image_style(config.model_type) != "3-D rotary":
+        raise UsageError(f"qwen_processor_directory takes a Qwen-VL config, not {config.model_type!r}.")
+    directory = Path(directory)
+    if directory.exists():
+        raise OutputError(f"{directory} exists; prepack writes a new directory and never replaces one.")
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        shutil.copytree(tokenizer, staging, dirs_exist_ok=True)
+        text = Tokenizer.from_file(str(staging / "tokenizer.json"))
+        text.add_special_tokens(list(QWEN_IMAGE_TOKENS))
+        text.save(str(staging / "tokenizer.json"))
+        image_processor_for(config, qwen_pixels).save_pretrained(staging)
+        os.rename(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return directory

@@ -5,13 +5,17 @@ the padding of a prepack batch too: it has no attention mask, and its padding re
 `batch_tokens(batch)` counts what a batch holds, from the batch alone:
 
 - `slots`: the batch's shape, rows x width;
-- `real`: the tokens that are not padding. A 2-D `attention_mask` (a padded batch, prepack's
-  `indexed_mask` layout) says it: its non-zero entries. Otherwise, where the batch has `position_ids`
-  and `labels` (prepack's `PackedCollator`, transformers' `DataCollatorWithFlattening`), a row's padding
-  is its last segment (position_ids restart there) when no label in it is trained on and it is not the
-  whole row: `PackedCollator` makes each row's padding tail such a segment. An untrained document at the
-  very end of a full row is counted as padding too, so the figure errs low, never high. A batch with
-  neither has no padding that can be seen;
+- `real`: the tokens that are not padding, counted from what marks the batch's segments. A 2-D
+  `attention_mask` (a padded batch, prepack's `indexed_mask` layout) says it: its non-zero entries. A
+  context-parallel batch (`PackedCollator(cp_size=k)`, whole or a rank's part from `split_for_cp`) pads
+  inside each document: its `cu_seqlens` hold the documents' real lengths. Otherwise, where the batch has
+  `position_ids` (prepack's `PackedCollator` and `VisionCollator`, transformers'
+  `DataCollatorWithFlattening`; of 3-D rotary [4, B, L] or [3, B, L] positions the first row), a row's
+  padding is its last segment (position_ids restart at 0 there) when it is the collators' padding
+  segment: not the whole row, one token repeated (the row's last token, or the pad id) and never trained
+  on. A document that looks the same (untrained, one token repeated, at the very end of a full row) is
+  counted as padding too, so the figure errs low, never high. A batch with none of these has no padding
+  that can be seen;
 - `trained`: the labels other than -100, the tokens the loss is averaged over.
 
 `UsefulThroughputCallback` is an HF `TrainerCallback` that counts every training forward's batch (a
@@ -58,24 +62,50 @@ def batch_tokens(batch: Mapping[str, Any]) -> BatchTokens:
     slots = rows * width
     labels = batch.get("labels")
     trained = (labels != IGNORE_INDEX).sum() if labels is not None else slots
-    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    mask, positions, input_ids = batch.get("attention_mask"), batch.get("position_ids"), batch.get("input_ids")
     if mask is not None and mask.dim() == 2:
         real = (mask != 0).sum()
-    elif positions is not None and labels is not None:
-        real = slots - _padding_tails(positions.reshape(rows, width), labels.reshape(rows, width)).sum()
+    elif batch.get("cu_seqlens") is not None and batch.get("cu_seqlens_padded") is not None:
+        real = _real_in_documents(batch, slots)
+    elif positions is not None and (input_ids is not None or labels is not None):
+        if positions.dim() == 3:  # 3-D rotary: the text row of [4, B, L]; of [3, B, L], the temporal row
+            positions = positions[0]
+        shape = (rows, width)
+        real = slots - _padding_tails(
+            positions.expand(shape),
+            None if input_ids is None else input_ids.reshape(shape),
+            None if labels is None else labels.reshape(shape),
+        ).sum()
     else:
         real = slots
     return BatchTokens(slots, real, trained)
 
 
-def _padding_tails(positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per row, the length of its last segment if it is untrained and not the whole row, else 0."""
+def _padding_tails(positions: torch.Tensor, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor:
+    """Per row, the length of its padding segment: its last segment when that is not the whole row, holds one
+    token repeated and no trained label (of input_ids and labels, those the batch has), else 0."""
     width = positions.shape[1]
     columns = torch.arange(width, device=positions.device).expand_as(positions)
     last_start = torch.where(positions == 0, columns, 0).amax(dim=1)
     in_tail = columns >= last_start[:, None]
-    trained_in_tail = ((labels != IGNORE_INDEX) & in_tail).any(dim=1)
-    return torch.where(trained_in_tail | (last_start == 0), 0, width - last_start)
+    padding = last_start > 0
+    if input_ids is not None:
+        first = input_ids.gather(1, last_start[:, None])
+        padding &= ((input_ids == first) | ~in_tail).all(dim=1)
+    if labels is not None:
+        padding &= ~((labels != IGNORE_INDEX) & in_tail).any(dim=1)
+    return torch.where(padding, width - last_start, 0)
+
+
+def _real_in_documents(batch: Mapping[str, Any], slots: int) -> torch.Tensor:
+    """How many of a context-parallel batch's tokens (all, or a part's `cp_indices`) lie within their
+    document's real length (`cu_seqlens`) rather than in its padding (`cu_seqlens_padded`)."""
+    real_ends, padded = batch["cu_seqlens"].to(torch.int64), batch["cu_seqlens_padded"].to(torch.int64)
+    index = batch.get("cp_indices")
+    index = torch.arange(slots, device=padded.device) if index is None else index.to(padded.device)
+    document = torch.searchsorted(padded, index, right=True) - 1
+    lengths = real_ends[1:] - real_ends[:-1]
+    return (index - padded[document] < lengths[document]).sum()
 
 
 class UsefulThroughputCallback(TrainerCallback):

@@ -46,7 +46,12 @@ with optional_imports("VisionCollator"):
     import torch
     from PIL import Image
 
-__all__ = ["VisionCollator", "VisionSpec", "rotary_3d_positions"]
+__all__ = ["MAX_BATCH_PIXELS", "MAX_IMAGE_PIXELS", "VisionCollator", "VisionSpec", "rotary_3d_positions"]
+
+# Decoded pixels the collator accepts, by the images' headers: per image (well below Pillow's bomb warning,
+# 89,478,485) and per batch, whose images are all decoded before the image processor takes them.
+MAX_IMAGE_PIXELS = 32 * 2**20
+MAX_BATCH_PIXELS = 128 * 2**20
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,10 @@ class VisionCollator:
       called on each batch's decoded images; `image_processor_options` go with that call.
     - `max_len`: the row length L and the longest pack accepted; None pads to the batch's longest pack.
     - `pad_token_id`: the id written at padding (labels -100 there); never the image placeholder.
+    - `max_image_pixels`, `max_batch_pixels`: the most pixels one image, and all the images of a batch, may
+      decode to (by default `MAX_IMAGE_PIXELS`, 32·2²⁰, and `MAX_BATCH_PIXELS`, 128·2²⁰). Every image's size
+      is read from its header first; an image or a batch over its limit is refused (InputError naming the
+      pack and the image) before any image of the batch is decoded.
     """
 
     def __init__(
@@ -129,9 +138,17 @@ class VisionCollator:
         max_len: int | None = None,
         pad_token_id: int = 0,
         image_processor_options: Mapping[str, Any] | None = None,
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
+        max_batch_pixels: int = MAX_BATCH_PIXELS,
     ):
         if pad_token_id == spec.image_token_id:
             raise UsageError(f"pad_token_id {pad_token_id} is the image placeholder; pick another id.")
+        if not 1 <= max_image_pixels <= max_batch_pixels:
+            raise UsageError(
+                f"max_image_pixels ({max_image_pixels}) must be at least 1 and at most max_batch_pixels "
+                f"({max_batch_pixels}): a batch must hold the largest image."
+            )
+        self.max_image_pixels, self.max_batch_pixels = max_image_pixels, max_batch_pixels
         self.spec, self.image_processor = spec, image_processor
         self.image_processor_options = dict(image_processor_options or {})
         # The text side is every pack's: checked, padded, labels and restarting positions as for text.
@@ -144,11 +161,11 @@ class VisionCollator:
         is_image = input_ids == self.spec.image_token_id
         text["labels"][is_image] = IGNORE_INDEX  # a placeholder is never a target
         batch: dict[str, Any] = {"input_ids": input_ids, "labels": text["labels"]}
-        images = [image for pack in checked for image in pack.images]
-        if images:
+        images = [pack.images for pack in checked]
+        if any(images):
             batch |= self._preprocessed(images)
         if self.spec.style == "3-D rotary":
-            grids = batch["image_grid_thw"].numpy() if images else np.zeros((0, 3), dtype=np.int64)
+            grids = batch["image_grid_thw"].numpy() if any(images) else np.zeros((0, 3), dtype=np.int64)
             rotary = self._rotary_positions(checked, grids, input_ids.shape[1])
             batch["position_ids"] = torch.cat([position_ids[None], torch.from_numpy(rotary)])
         else:
@@ -158,13 +175,35 @@ class VisionCollator:
         batch["use_cache"] = False
         return batch
 
-    def _preprocessed(self, images: list[bytes]) -> dict[str, Any]:
-        decoded = [_decoded(image, number) for number, image in enumerate(images)]
+    def _preprocessed(self, images_by_pack: Sequence[Sequence[bytes]]) -> dict[str, Any]:
+        """What the image processor makes of the packs' images (encoded, in token order), each checked
+        against the pixel limits by its header before any is decoded, then decoded one by one."""
+        batch_pixels = 0
+        for number, images in enumerate(images_by_pack):
+            for index, image in enumerate(images):
+                width, height = _opened(image, number, index, lambda opened: opened.size)
+                if width * height > self.max_image_pixels:
+                    raise InputError(
+                        f"Pack {number}'s image {index} is {width}x{height} = {width * height:,} pixels, more than "
+                        f"max_image_pixels={self.max_image_pixels:,} of VisionCollator: refused before decoding."
+                    )
+                batch_pixels += width * height
+                if batch_pixels > self.max_batch_pixels:
+                    raise InputError(
+                        f"The batch's images come to {batch_pixels:,} pixels by pack {number}'s image {index}, more "
+                        f"than max_batch_pixels={self.max_batch_pixels:,} of VisionCollator: refused before "
+                        "decoding; collate fewer packs a batch, or raise max_batch_pixels."
+                    )
+        decoded = [
+            _opened(image, number, index, lambda opened: opened.convert("RGB"))
+            for number, images in enumerate(images_by_pack)
+            for index, image in enumerate(images)
+        ]
         out = self.image_processor(images=decoded, return_tensors="pt", **self.image_processor_options)
         kept = {key: out[key] for key in ("pixel_values", "image_grid_thw") if key in out}
-        if self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(images):
+        if self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(decoded):
             raise UsageError(
-                f"The image processor made {len(kept['pixel_values'])} crops of {len(images)} images; prepack "
+                f"The image processor made {len(kept['pixel_values'])} crops of {len(decoded)} images; prepack "
                 "counted one per image (turn off crops such as Gemma 3's pan-and-scan)."
             )
         return kept
@@ -217,9 +256,10 @@ def _vision_pack(pack: Mapping[str, Any], number: int, spec: VisionSpec) -> _Vis
     return _VisionPack(input_ids, cu_seqlens, images)
 
 
-def _decoded(image: bytes, number: int):
+def _opened(image: bytes, number: int, index: int, read):
+    """`read(opened)` of the encoded image, opened lazily (its header only until `read` asks for pixels)."""
     try:
         with Image.open(io.BytesIO(image)) as opened:
-            return opened.convert("RGB")
+            return read(opened)
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise InputError(f"Image {number} of the batch cannot be decoded: {exc}") from None
+        raise InputError(f"Pack {number}'s image {index} cannot be decoded: {exc}") from None

@@ -112,7 +112,7 @@ def alone_batch(model, collator: VisionCollator, sample: dict, labels: torch.Ten
     ids = torch.from_numpy(sample["input_ids"])[None]
     batch = {"input_ids": ids, "labels": labels[None], "use_cache": False}
     if sample["images"]:
-        batch |= collator._preprocessed(sample["images"])
+        batch |= collator._preprocessed([sample["images"]])
     is_image = (ids == collator.spec.image_token_id).long()
     if collator.spec.style == "3-D rotary":
         batch["mm_token_type_ids"] = is_image
@@ -273,7 +273,7 @@ def test_rotary_positions_equal_transformers_get_rope_index():
     for sample in made:
         if not sample["images"]:
             continue
-        grids = collator._preprocessed(sample["images"])["image_grid_thw"]
+        grids = collator._preprocessed([sample["images"]])["image_grid_thw"]
         ids = torch.from_numpy(sample["input_ids"])[None]
         expected, _ = model.model.get_rope_index(
             ids, mm_token_type_ids=(ids == collator.spec.image_token_id).int(), image_grid_thw=grids

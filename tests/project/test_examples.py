@@ -39,6 +39,24 @@ def test_example_trains_and_prints_a_finite_loss(packed, script, tmp_path):
     assert math.isfinite(float(found[-1]))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl"])
+def test_vision_example_builds_its_images_and_trains(model_type, tmp_path):
+    """examples/train_vision.py makes its corpus, processor directory and build itself: it needs no --data."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_vision.py"), "--steps", "2", "--workers", "1",
+         "--model-type", model_type, "--workdir", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (tmp_path / "demo" / "processor" / "preprocessor_config.json").is_file()
+    real = re.findall(r"^real tokens (\d+), padding fraction (\S+)$", result.stdout, flags=re.MULTILINE)
+    assert real and int(real[-1][0]) > 0 and 0 <= float(real[-1][1]) < 1, result.stdout[-2000:]
+    found = re.findall(r"^final loss (\S+)$", result.stdout, flags=re.MULTILINE)
+    assert found and math.isfinite(float(found[-1])), result.stdout[-2000:]
+
+
 def test_no_test_imports_the_examples_as_a_package():
     """The demo's corpus and tokenizer come from running examples/chitchat.py (tests/demo_inputs.py)."""
     tests = Path(__file__).resolve().parents[1]

@@ -17,6 +17,15 @@ def test_every_public_name_resolves_to_what_its_module_defines():
     assert set(dir(prepack)) == set(prepack.__all__)
 
 
+def test_the_vision_classes_are_public():
+    from prepack.training.vision_collate import VisionCollator, VisionSpec
+    from prepack.training.vision_dataset import ImagePackedDataset
+
+    assert {"ImagePackedDataset", "VisionCollator", "VisionSpec"} <= set(prepack.__all__)
+    assert (prepack.ImagePackedDataset, prepack.VisionCollator, prepack.VisionSpec) == (
+        ImagePackedDataset, VisionCollator, VisionSpec)
+
+
 def test_import_prepack_loads_neither_torch_nor_transformers():
     code = "import sys, prepack; print('torch' in sys.modules, 'transformers' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

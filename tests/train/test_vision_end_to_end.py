@@ -108,7 +108,7 @@ def test_image_chat_corpus_builds_and_a_worker_batch_equals_each_sample_alone(pr
             alone = {"input_ids": ids, "labels": batch["labels"][row, start:end][None], "use_cache": False,
                      "mm_token_type_ids": (ids == model.config.image_token_id).int()}
             if len(numbers):
-                alone |= collator._preprocessed([image_set.data(int(n)) for n in numbers])
+                alone |= collator._preprocessed([[image_set.data(int(n)) for n in numbers]])
             alone_logits, alone_loss, sample_grads = run(model, alone)
             alone_logits_diff = max(alone_logits_diff, float((logits[row, start:end] - alone_logits[0]).abs().max()))
             count = targets(alone["labels"])
@@ -138,6 +138,65 @@ def test_image_chat_build_trains_through_hf_trainer(prepared, tmp_path):
     result = trainer.train()
     assert np.isfinite(result.training_loss)
     assert any(not torch.equal(before[name], p) for name, p in model.model.visual.named_parameters(prefix="model.visual"))
+
+
+@pytest.mark.slow
+def test_the_processor_directory_is_what_prepare_images_reads_and_never_replaces_a_directory(prepared, tmp_path):
+    from prepack.errors import OutputError
+    from prepack.model.tiny_vision_models import qwen_processor_directory, tiny_vision_config
+    from prepack.sources.images import processor_rule
+
+    processor, _, _ = prepared
+    rule, placeholder_id = processor_rule(processor)
+    assert placeholder_id == Tokenizer.from_file(str(processor / "tokenizer.json")).token_to_id(QWEN_IMAGE_TOKENS[1])
+    config = tiny_vision_config("qwen2_vl")
+    assert (rule.patch_size, rule.merge_size) == (config.vision_config.patch_size, config.vision_config.spatial_merge_size)
+    existing = tmp_path / "processor"
+    existing.mkdir()
+    (existing / "mine.txt").write_text("kept")
+    with pytest.raises(OutputError, match="exists"):
+        qwen_processor_directory(existing, processor, config)
+    assert [path.name for path in tmp_path.iterdir()] == ["processor"]
+    assert [path.name for path in existing.iterdir()] == ["mine.txt"]
+
+
+@pytest.mark.slow
+def test_the_throughput_callback_counts_what_the_collator_made_in_a_trainer_run(prepared, tmp_path):
+    """UsefulThroughputCallback on Qwen2.5-VL image batches ([4, B, L] position ids): each step's logged
+    real and trained tokens and padding fraction are those of the batch the collator made for it."""
+    from transformers import Trainer, TrainingArguments
+
+    from prepack.formats.shards import IGNORE_INDEX
+    from prepack.training.throughput import UsefulThroughputCallback
+
+    processor, summary, build = prepared
+    model = enable_packing(model_for(processor)).train()
+    collator, made = collator_for(processor, model), []
+
+    def collate(packs):  # in this process (no workers): the batches in the order the steps take them
+        batch = collator(packs)
+        real, trained = sum(len(pack["input_ids"]) for pack in packs), int((batch["labels"] != IGNORE_INDEX).sum())
+        made.append((batch["input_ids"].numel(), real, trained))
+        return batch
+
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
+        remove_unused_columns=False, report_to=[], use_cpu=True, dataloader_num_workers=0, save_strategy="no",
+        logging_steps=1,
+    )
+    trainer = Trainer(model=model, args=arguments, train_dataset=ImagePackedDataset(build, summary.image_set),
+                      data_collator=collate, callbacks=[UsefulThroughputCallback()])
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 3 and len(made) >= 3
+    total = 0
+    for entry, (slots, real, trained) in zip(logs, made):
+        total += real
+        assert entry["real_tokens"] == total
+        assert entry["padding_fraction"] == pytest.approx(1 - real / slots, abs=1e-4)
+        # Both rates are of the same seconds, each rounded to 0.1.
+        assert 0 < trained < real
+        assert entry["trained_tokens_per_second"] == pytest.approx(entry["real_tokens_per_second"] * trained / real, abs=0.1)
 
 
 @pytest.mark.slow
