@@ -109,11 +109,12 @@ def memory(count: int, side: int) -> None:
         sampler.join()
         pool = pa.default_memory_pool().max_memory()
     mib = 2**20
-    print(f"\nprepare_image_chat: {count} images of {side}x{side}, {total / mib:.1f} MiB in all ({total / count / mib:.2f} "
-          f"MiB each), {seconds:.1f} s")
+    print(f"\nprepare_image_chat: {count} images of {side}x{side}, {total / mib:.1f} MiB in all "
+          f"({total / count / mib:.2f} MiB each), {seconds:.1f} s")
     print(f"peak Python heap (tracemalloc): {heap / mib:.1f} MiB")
     print(f"peak Arrow pool: {pool / mib:.1f} MiB (before: {pool_before / mib:.1f} MiB)")
-    print(f"peak RssAnon: {peak[0] / mib:.1f} MiB, {(peak[0] - before) / mib:+.1f} MiB over the {before / mib:.1f} MiB before")
+    print(f"peak RssAnon: {peak[0] / mib:.1f} MiB, {(peak[0] - before) / mib:+.1f} MiB over the "
+          f"{before / mib:.1f} MiB before")
 
 
 def main() -> None:

@@ -137,6 +137,6 @@ def _header_problems(image_set: ImageSet, decode: bool) -> list[Problem]:
             problems.append(Problem(file=str(image_set.directory / IMAGES_FILE), row=number, column="width",
                                     message=f"{why}; the set records {recorded[0]}x{recorded[1]}."))
         elif decode and (why := decode_failure(image_set.data(number))) is not None:
-            problems.append(Problem(file=str(image_set.directory / IMAGES_FILE), row=number, column="data",
-                                    message=f"the image cannot be decoded ({why}); the training loader would fail on it."))
+            problems.append(Problem(file=str(image_set.directory / IMAGES_FILE), row=number, column="data", message=(
+                f"the image cannot be decoded ({why}); the training loader would fail on it.")))
     return problems

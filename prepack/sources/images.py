@@ -2,7 +2,7 @@
 
     rule, placeholder_id = processor_rule("./processor")   # image processor config + tokenizer, local
     summary = prepare_image_chat("chats.jsonl", "./processor", "prepared/")
-    # then: prepack build prepared/corpus.parquet --tokenizer ./processor --mode chat --max-len N --out build/
+    # then: prepack build prepared/corpus.parquet --tokenizer ./processor --chat --max-len N --out build/
     # and train on build/ with prepared/images (prepack.training.vision_dataset.ImagePackedDataset)
 
 The corpus is a .jsonl, .json (JSON Lines, or one JSON array as LlamaFactory writes), .parquet or Arrow
@@ -411,9 +411,11 @@ def _write_batch(path: Path, batch: pa.RecordBatch) -> ImageSetFile:
 
 
 def _json(path: Path) -> dict:
+    with _regular_file(path, str(path)) as (file, size):
+        data = _read_whole(file, str(path), size)
     try:
-        value = parse_json(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        value = parse_json(data.decode("utf-8"))
+    except ValueError as exc:  # also UnicodeDecodeError
         raise InputError(f"{path}: cannot be read as JSON ({exc}).") from None
     if not isinstance(value, dict):
         raise InputError(f"{path}: expected a JSON object.")
@@ -553,7 +555,8 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
             raise InputError(
                 f"{where}, column {column}: more than {limits.max_images_per_document} images in a record."
             )
-        number = images.number(_image_bytes(source, f"{where}, column {column}", root, limits), f"{where}, column {column}")
+        at = f"{where}, column {column}"
+        number = images.number(_image_bytes(source, at, root, limits), at)
         numbers.append(number)
         return rule.start + rule.placeholder * images.tokens[number] + rule.end
 
@@ -577,7 +580,8 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
                     source = next((item[key] for key in ("image", "path", "bytes") if item.get(key)), None)
                     parts.append(image_text(source if source is not None else next_pending("images"), column))
                 else:
-                    raise InputError(f"{where}, column {column}: an item of type {item_kind!r}; expected text or image.")
+                    raise InputError(
+                        f"{where}, column {column}: an item of type {item_kind!r}; expected text or image.")
             text = "".join(parts)
         else:
             raise InputError(f"{where}, column {column}: expected a string or a list of items.")

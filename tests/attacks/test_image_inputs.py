@@ -5,6 +5,7 @@ its bytes are read; a NUL in a path is a named error."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import tracemalloc
@@ -92,7 +93,8 @@ def test_an_images_root_names_the_one_directory_images_come_from(processor, layo
     message = refusal(processor, escaping, layout / "out2", images_root=layout / "outside")
     assert "leads out of" in message and str(layout / "outside") in message
     (layout / "outside" / "back").symlink_to(layout / "corpus" / "inside.png")
-    message = refusal(processor, corpus_with(layout / "corpus", "back"), layout / "out3", images_root=layout / "outside")
+    corpus = corpus_with(layout / "corpus", "back")
+    message = refusal(processor, corpus, layout / "out3", images_root=layout / "outside")
     assert "leads out of" in message
 
 
@@ -132,3 +134,19 @@ def test_an_oversized_image_file_is_refused_by_its_size_before_it_is_read(proces
         tracemalloc.stop()
     assert f"has {64 * 2**20} bytes, more than the limit {2**20}" in message
     assert peak < 8 * 2**20  # the file's 64 MiB were never read into memory
+
+
+def test_a_fifo_as_the_processor_config_is_refused_not_waited_on(processor, tmp_path):
+    import shutil
+
+    from prepack.sources.images import processor_rule
+
+    other = shutil.copytree(processor, tmp_path / "proc")
+    (other / "preprocessor_config.json").unlink()
+    os.mkfifo(other / "preprocessor_config.json")
+    faulthandler.dump_traceback_later(30, exit=True)  # before the fix, opening it blocked for ever
+    try:
+        with pytest.raises(InputError, match=r"preprocessor_config.json is not a regular file \(a FIFO\)"):
+            processor_rule(other)
+    finally:
+        faulthandler.cancel_dump_traceback_later()

@@ -367,6 +367,7 @@ def test_out_under_a_missing_directory_is_made(processor, tmp_path):
     assert summary.documents == 1 and (tmp_path / "not" / "yet" / "out" / "images" / "images.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_second_run_to_the_same_out_is_refused_by_name(processor, tmp_path):
     """Exclusive: while one run holds --out, another is refused at once; after it, --out exists."""
     from prepack.storage.output import output_lock
@@ -462,6 +463,7 @@ def test_memory_holds_one_image_not_all_of_them(processor, tmp_path):
     assert peak < 4 * one + 4 * 2**20, (peak, one)  # the images together are 24 * one
 
 
+@pytest.mark.slow
 def test_prepare_images_refuses_by_name_from_the_command_line(processor, tmp_path):
     """The command's refusals (exit 2, one line, no traceback) for each kind of input that crashed it."""
     from tests.cli import WIDE, failure, run_prepack
