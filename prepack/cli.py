@@ -333,12 +333,13 @@ def tokenize_command(
 
 @app.command("prepare-images", cls=_Command)
 def prepare_images_command(
-    corpus: Annotated[Path, typer.Argument(help="An image-chat (or image-text) corpus: one .jsonl or .parquet file.")],
+    corpus: Annotated[Path, typer.Argument(help="An image-chat (or image-text) corpus: .jsonl, .json (LlamaFactory's ShareGPT too), .parquet or Arrow files, or a save_to_disk folder.")],
     processor: Annotated[Path, typer.Option("--processor", help="A local processor directory: tokenizer.json with the image tokens, preprocessor_config.json.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="New directory: corpus.parquet to build, and images/ (the image set).")],
     max_image_bytes: Annotated[int | None, typer.Option("--max-image-bytes", min=1, help="Largest encoded image (default 32 MiB).")] = None,
     max_pixels: Annotated[int | None, typer.Option("--max-pixels", min=1, help="Largest width x height (default Pillow's limit).")] = None,
     max_images: Annotated[int | None, typer.Option("--max-images", min=1, help="Most images in one record (default 64).")] = None,
+    images_root: Annotated[Path | None, typer.Option("--images-root", help="The one directory images come from (default: each corpus file's own); paths must resolve inside it.")] = None,
 ) -> None:
     """Count every image's placeholder tokens from its header and the processor's resize rule, store the
     images once (sha256) beside the build, and write the corpus to build with --tokenizer (needs
@@ -352,7 +353,7 @@ def prepare_images_command(
             limits = ImageLimits(**{name: value for name, value in given.items() if value is not None})
         except ValueError as exc:  # pydantic's bounds
             raise UsageError(f"A limit is out of range: {exc}") from None
-        summary = prepare_image_chat(corpus, processor, out, limits=limits)
+        summary = prepare_image_chat(corpus, processor, out, limits=limits, images_root=images_root)
     except PrepackError as exc:
         _fail(exc)
     _stdout().print(
@@ -415,6 +416,7 @@ def verify_command(
     cache_dir: _CacheDirOption = None,
     store: Annotated[Path | None, typer.Option("--store", help="An index build's store, where it lies now if it moved (a local directory).")] = None,
     images: Annotated[Path | None, typer.Option("--images", help="The image set prepared with its corpus: check it, and every pack's image tokens.")] = None,
+    decode: Annotated[bool, typer.Option("--decode", help="With --images: also decode every image, as training will (slower).")] = False,
     reference: Annotated[Path | None, typer.Option("--reference", help="A pair build's stored reference log-probabilities: check them against their manifest and the build.")] = None,
 ) -> None:
     """Check shards against the manifest and the format (and every token against --source).
@@ -426,10 +428,16 @@ def verify_command(
             path, source, tokenizer=tokenizer, chat_template=chat_template, all_problems=all_problems,
             cache_dir=cache_dir, store=store,
         )
+        if decode and images is None:
+            raise UsageError("--decode decodes the images of an image set: give it with --images.")
         if images is not None:
             from prepack.check.images import verify_images
 
-            problems = [*problems, *verify_images(path, images)]
+            problems = [*problems, *verify_images(path, images, decode=decode)]
+            if not problems:
+                from prepack.check.images import images_checked
+
+                images_line = images_checked(path, images, decode=decode)
         if reference is not None:
             from prepack.check.reference import verify_reference
 
@@ -441,6 +449,8 @@ def verify_command(
     if problems:
         raise typer.Exit(1)
     checked = f" {reference}: the reference log-probabilities checked." if reference is not None else ""
+    if images is not None:
+        checked += " " + images_line
     typer.echo(checked_summary(path, source) + checked)
 
 

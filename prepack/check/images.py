@@ -2,11 +2,13 @@
 `prepack inspect BUILD --images DIR`: the build's image and text tokens and the padding packing saves.
 
 The image set alone (`read_image_set(verify=True)`): its files' sizes and sha256, every image's sha256,
-limits and placeholder count by the recorded rule; then each image's header read again (Pillow, no pixel
-decoded) must give the recorded width and height. Against a full build: the set describes as many corpus
-rows as the build read, and every pack holds exactly the placeholder tokens of its documents' images (a
-document cut by truncation or splitting, or a build of another corpus, fails here). An index build's
-tokens lie in its store: only the row count is compared there.
+limits and placeholder count by the recorded rule; then each image's header read again (Pillow) must give
+the recorded width and height, and with `decode` every image is decoded as the training loader decodes it
+(`prepack.sources.images.decode_failure`; off by default: decoding an image takes many times as long as
+hashing it, `python benchmarks/bench_image_checks.py` prints both). Against a full build: the set
+describes as many corpus rows as the build read, and every pack holds exactly the placeholder tokens of
+its documents' images (a document cut by truncation or splitting, or a build of another corpus, fails
+here). An index build's tokens lie in its store: only the row count is compared there.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from prepack.formats.common import StrictModel, list_column
 from prepack.formats.images import IMAGE_SET_MANIFEST, IMAGES_FILE, ImageSet, read_image_set
 from prepack.formats.shards import Manifest, read_manifest, shard_path
 
-__all__ = ["ImageReport", "image_report", "verify_images"]
+__all__ = ["ImageReport", "image_report", "images_checked", "verify_images"]
 
 
 class ImageReport(StrictModel):
@@ -64,15 +66,16 @@ def image_report(build: str | os.PathLike, images: str | os.PathLike, report: In
     )
 
 
-def verify_images(build: str | os.PathLike, images: str | os.PathLike) -> list[Problem]:
-    """Every problem of the image set `images` and of its agreement with the local build `build`."""
+def verify_images(build: str | os.PathLike, images: str | os.PathLike, *, decode: bool = False) -> list[Problem]:
+    """Every problem of the image set `images` and of its agreement with the local build `build`; with
+    `decode`, also every image that does not decode."""
     build, images = Path(build), Path(images)
     try:
         image_set = read_image_set(images, verify=True)
     except FormatError as exc:
         problem = exc.problem
         return [Problem(file=str(problem.file), row=problem.row, column=problem.column, message=problem.message)]
-    problems = _header_problems(image_set)
+    problems = _header_problems(image_set, decode)
     manifest = read_manifest(build)
     if (mismatch := _rows_mismatch(image_set, manifest)) is not None:
         problems.append(Problem(file=str(images / IMAGE_SET_MANIFEST), column="documents", message=mismatch))
@@ -95,6 +98,18 @@ def verify_images(build: str | os.PathLike, images: str | os.PathLike) -> list[P
     return problems
 
 
+def images_checked(build: str | os.PathLike, images: str | os.PathLike, *, decode: bool = False) -> str:
+    """The line a clean `verify --images` ends with: what it checked, in numbers."""
+    image_set, manifest = read_image_set(images), read_manifest(Path(build))
+    counts = image_set.manifest
+    decoded = "every image decoded" if decode else "every header read, no image decoded (--decode decodes them)"
+    against = ("the build's row count compared (an index build: its tokens lie in its store)"
+               if manifest.store is not None else "matched pack by pack against the build")
+    return (f"{images}: no problems ({counts.images:,} images: their {sum(f.bytes for f in counts.files):,} bytes "
+            f"and every image's sha256, size and placeholder count checked, {decoded}; {counts.references:,} "
+            f"references over {counts.documents:,} rows, {counts.image_tokens:,} placeholder tokens {against}).")
+
+
 def _rows_mismatch(image_set: ImageSet, manifest: Manifest) -> str | None:
     """Why `image_set` cannot be the image set of the build of `manifest`, if its row count says so."""
     if image_set.manifest.documents == manifest.totals.documents:
@@ -103,9 +118,11 @@ def _rows_mismatch(image_set: ImageSet, manifest: Manifest) -> str | None:
             "not the image set of this build's corpus.")
 
 
-def _header_problems(image_set: ImageSet) -> list[Problem]:
+def _header_problems(image_set: ImageSet, decode: bool) -> list[Problem]:
     with optional_imports("verify --images"):
         from PIL import Image
+
+        from prepack.sources.images import decode_failure
 
     problems = []
     for number in range(image_set.manifest.images):
@@ -119,4 +136,7 @@ def _header_problems(image_set: ImageSet) -> list[Problem]:
             why = why if size is None else f"its header says {size[0]}x{size[1]}"
             problems.append(Problem(file=str(image_set.directory / IMAGES_FILE), row=number, column="width",
                                     message=f"{why}; the set records {recorded[0]}x{recorded[1]}."))
+        elif decode and (why := decode_failure(image_set.data(number))) is not None:
+            problems.append(Problem(file=str(image_set.directory / IMAGES_FILE), row=number, column="data", message=(
+                f"the image cannot be decoded ({why}); the training loader would fail on it.")))
     return problems

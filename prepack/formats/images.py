@@ -17,7 +17,7 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from prepack.formats.common import (
     COUNT_MAX,
@@ -95,6 +95,17 @@ class ImageRule(StrictModel):
     min_pixels: int | None = Field(default=None, ge=1, le=INT32_MAX)
     max_pixels: int | None = Field(default=None, ge=1, le=INT32_MAX)
     tokens: int | None = Field(default=None, ge=1, le=65_536)
+
+    @model_validator(mode="after")
+    def _complete(self) -> ImageRule:
+        """The fields its kind counts with are there (a manifest may leave out any field)."""
+        needed = ("patch_size", "merge_size", "min_pixels", "max_pixels") if self.kind == "grid" else ("tokens",)
+        missing = [name for name in needed if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"a {self.kind} rule needs {', '.join(missing)}")
+        if self.kind == "grid" and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels {self.min_pixels} is more than max_pixels {self.max_pixels}")
+        return self
 
     def placeholders(self, width: int, height: int) -> int:
         if self.kind == "fixed":

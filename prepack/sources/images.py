@@ -2,25 +2,37 @@
 
     rule, placeholder_id = processor_rule("./processor")   # image processor config + tokenizer, local
     summary = prepare_image_chat("chats.jsonl", "./processor", "prepared/")
-    # then: prepack build prepared/corpus.parquet --tokenizer ./processor --mode chat --max-len N --out build/
+    # then: prepack build prepared/corpus.parquet --tokenizer ./processor --chat --max-len N --out build/
     # and train on build/ with prepared/images (prepack.training.vision_dataset.ImagePackedDataset)
 
-A record is a Hugging Face chat: `messages`, each with a `role` and a `content` that is either a string
-(where `<image>` marks an image, LLaVA style) or a list of items `{"type": "text", "text": ...}` /
-`{"type": "image", ...}`; or, in a corpus of text, a `text` string with `<image>` markers (then
-`corpus.parquet` has a `text` column, built without --chat). An image item holds its image under
-`image`, `path` or `bytes` (a path relative to the corpus file, or the encoded bytes); one without them
-(and every `<image>` marker) takes the next entry of the record's `images` column (paths or bytes, or
-Hugging Face's `{"bytes", "path"}` structs), in order.
+The corpus is a .jsonl, .json (JSON Lines, or one JSON array as LlamaFactory writes), .parquet or Arrow
+file, a directory or glob of them, or a Hugging Face `save_to_disk` folder (read as `prepack build` reads
+corpora, `prepack.sources.corpus`). A record is a Hugging Face chat: `messages`, each with a `role` and a
+`content` that is either a string (where `<image>` marks an image, LLaVA style) or a list of items
+`{"type": "text", "text": ...}` / `{"type": "image", ...}`; or a ShareGPT record as LlamaFactory writes
+it: `conversations` of `{"from": "human" | "gpt" | "system" | "observation" | "function_call", "value":
+...}` with `<image>` markers, and an optional `system` string; or, in a corpus of text, a `text` string with
+`<image>` markers (then `corpus.parquet` has a `text` column, built without --chat). An image item holds its
+image under `image`, `path` or `bytes` (a path, or the encoded bytes); one without them (and every
+`<image>` marker) takes the next entry of the record's `images` column (paths or bytes, or Hugging Face's
+`{"bytes", "path"}` structs), in order.
 
-Each image's width and height come from its header (Pillow opens it without decoding pixels); the
-processor's resize rule (`prepack.formats.images.ImageRule`, read from the directory's
-`preprocessor_config.json` and `processor_config.json`) turns them into the exact number of placeholder
-tokens, and the image becomes that text (`start + placeholder × n + end`) inside its message. The chat
-corpus written (`corpus.parquet`: `messages` with string contents) then tokenizes with the ordinary chat
-path, the placeholders as the tokenizer's special tokens, so the plan knows every sample's true length
-without a pixel decoded. The images go into an image set (`schemas/image-set.md`): each distinct image once,
-as its encoded bytes with its sha256, and per corpus row the numbers of its images.
+An image path is confined (`schemas/image-set.md`): relative, resolving inside the directory of the corpus
+file that names it, through no symbolic link that leads out; or, given `images_root`, inside that one
+directory (there an absolute path inside it is taken too). Anything else is refused before a file is
+opened, with the same message whether it exists or not. An image file is opened without blocking and
+refused unless it is a regular file within `max_image_bytes`, before a byte of it is read.
+
+Each image's width and height come from its header; the processor's resize rule
+(`prepack.formats.images.ImageRule`, read from the directory's `preprocessor_config.json` and
+`processor_config.json`) turns them into the exact number of placeholder tokens, and the image becomes that
+text (`start + placeholder × n + end`) inside its message. Each distinct image is also decoded once, as the
+training loader will (`decode_failure`), so that a truncated or corrupt one is refused here by file, row
+and column. The chat corpus written (`corpus.parquet`: `messages` with string contents) then tokenizes with
+the ordinary chat path, the placeholders as the tokenizer's special tokens, so the plan knows every sample's
+true length. The images go into an image set (`schemas/image-set.md`): each distinct image once, as its
+encoded bytes with its sha256, and per corpus row the numbers of its images. Images are written out as
+they are read, so memory holds one image (and a few rows of a Parquet or Arrow corpus), not all of them.
 
 Limits (`ImageLimits`): encoded size, pixels, images per record; an image over one is refused (InputError
 naming file, row and column), as is an unreadable or unsupported one. Nothing is downloaded: a URI that is
@@ -31,18 +43,20 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import re
-import tempfile
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prepack.errors import InputError, OutputError, optional_imports
+from prepack.formats.common import file_type_name
 from prepack.formats.images import (
     DOCUMENTS_FILE,
     DOCUMENTS_SCHEMA,
@@ -55,13 +69,24 @@ from prepack.formats.images import (
     ImageSetFile,
     ImageSetManifest,
 )
+from prepack.sources.corpus import (
+    MAX_RECORD_BYTES,
+    file_columns,
+    file_kind,
+    find_corpus,
+    json_object_blocks,
+    parse_json,
+    record_batches,
+)
 from prepack.storage.files import write_record_batch
+from prepack.storage.output import output_errors, output_file, staged_directory
 
 with optional_imports("prepare_image_chat"):
     from PIL import Image
-    from tokenizers import Tokenizer
 
-__all__ = ["ImageCorpusSummary", "image_header", "prepare_image_chat", "processor_rule"]
+    from prepack.sources.tokenize import load_tokenizer
+
+__all__ = ["ImageCorpusSummary", "decode_failure", "image_header", "prepare_image_chat", "processor_rule"]
 
 LLAVA_MARKER = "<image>"
 _FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF")
@@ -71,6 +96,47 @@ _PLACEHOLDERS = {
     "Gemma3ImageProcessor": ("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
     "CLIPImageProcessor": ("", "<image>", ""),
 }
+# LlamaFactory's ShareGPT speakers (its default `tags`), as chat roles.
+_SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool",
+                   "function_call": "assistant"}
+# corpus.parquet's columns: a chat corpus's, or a text corpus's.
+_CORPUS_TYPES = {"messages": pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])),
+                 "text": pa.string()}
+_CORPUS_ROWS = 1024  # rows per row group of corpus.parquet: the expanded rows held before they are written
+# Records of a Parquet or Arrow corpus made Python objects at a time: with the images inline, what is held
+# besides the image at hand.
+_FILE_ROWS = 64
+_JSON_BLOCK = 2**20  # bytes of JSON Lines parsed at a time
+# As prepack.formats.common.open_regular opens a build's files: a FIFO or device must neither block nor feed.
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_PATH_RULE = ("an image path is relative to the corpus file's directory and stays inside it, symbolic links "
+              "included (or give --images-root DIR, the one directory images come from)")
+
+
+def _mapping(config: dict, file: Path, key: str) -> dict:
+    value = config.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InputError(f"{file}: {key} is {value!r}; expected an object.")
+    return value
+
+
+def _positive(config: dict, file: Path, key: str, default: int | None, prefix: str = "") -> int | None:
+    """`config[key]`, a positive integer, or `default` when it is absent or null."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if type(value) is not int or value < 1:
+        raise InputError(f"{file}: {prefix}{key} is {value!r}; expected a positive integer.")
+    return value
+
+
+def _text(config: dict, file: Path, key: str, default: str) -> str:
+    value = config.get(key, default)
+    if not isinstance(value, str):
+        raise InputError(f"{file}: {key} is {value!r}; expected a string.")
+    return value
 
 
 def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
@@ -80,49 +146,66 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     or CLIP's, as LLaVA uses) and its sizes; `processor_config.json` (optional) may name the tokens
     (`image_token`, `boi_token`, `eoi_token`) and, for fixed-size towers, the count (`image_seq_length`,
     or LLaVA's `patch_size` and `vision_feature_select_strategy`). The placeholder must be one token of
-    the directory's `tokenizer.json`.
+    the directory's `tokenizer.json`. A size that is not a positive integer, or sizes that give no
+    placeholder, are refused by file and field.
     """
     directory = Path(directory)
-    config = _json(directory / "preprocessor_config.json")
-    processor = _json(directory / "processor_config.json") if (directory / "processor_config.json").exists() else {}
-    kind = config.get("image_processor_type", "").removesuffix("Fast").removesuffix("Pil")
+    config_file, processor_file = directory / "preprocessor_config.json", directory / "processor_config.json"
+    config = _json(config_file)
+    processor = _json(processor_file) if processor_file.exists() else {}
+    named = config.get("image_processor_type")
+    kind = named.removesuffix("Fast").removesuffix("Pil") if isinstance(named, str) else None
     if kind not in _PLACEHOLDERS:
         raise InputError(
-            f"{directory / 'preprocessor_config.json'}: image_processor_type {config.get('image_processor_type')!r} "
+            f"{config_file}: image_processor_type {named!r} "
             f"is not one prepack counts placeholders for ({', '.join(_PLACEHOLDERS)})."
         )
     start, placeholder, end = _PLACEHOLDERS[kind]
-    start = processor.get("boi_token", start) if kind == "Gemma3ImageProcessor" else start
-    end = processor.get("eoi_token", end) if kind == "Gemma3ImageProcessor" else end
-    placeholder = processor.get("image_token", placeholder)
+    if kind == "Gemma3ImageProcessor":
+        start = _text(processor, processor_file, "boi_token", start)
+        end = _text(processor, processor_file, "eoi_token", end)
+    placeholder = _text(processor, processor_file, "image_token", placeholder)
     if kind == "Qwen2VLImageProcessor":
-        size = config.get("size") or {}
-        rule = ImageRule(
-            kind="grid",
-            placeholder=placeholder,
-            start=start,
-            end=end,
-            patch_size=config.get("patch_size", 14),
-            merge_size=config.get("merge_size", 2),
-            min_pixels=size.get("shortest_edge", config.get("min_pixels", 56 * 56)),
-            max_pixels=size.get("longest_edge", config.get("max_pixels", 28 * 28 * 1280)),
-        )
+        size = _mapping(config, config_file, "size")
+        pixels = {}
+        for bound, size_key, key, default in (("min", "shortest_edge", "min_pixels", 56 * 56),
+                                              ("max", "longest_edge", "max_pixels", 28 * 28 * 1280)):
+            if size.get(size_key) is not None:
+                pixels[bound] = (_positive(size, config_file, size_key, default, "size."), f"size.{size_key}")
+            else:
+                pixels[bound] = (_positive(config, config_file, key, default), key)
+        (min_pixels, min_name), (max_pixels, max_name) = pixels["min"], pixels["max"]
+        if min_pixels > max_pixels:
+            raise InputError(f"{config_file}: {min_name} {min_pixels} is more than {max_name} {max_pixels}.")
+        fields = {
+            "kind": "grid", "patch_size": _positive(config, config_file, "patch_size", 14),
+            "merge_size": _positive(config, config_file, "merge_size", 2), "min_pixels": min_pixels,
+            "max_pixels": max_pixels,
+        }
     elif kind == "Gemma3ImageProcessor":
-        rule = ImageRule(kind="fixed", placeholder=placeholder, start=start, end=end,
-                         tokens=processor.get("image_seq_length", 256))
+        fields = {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
     else:
-        side = (config.get("crop_size") or {}).get("height") or (config.get("size") or {}).get("shortest_edge")
-        patch = processor.get("patch_size")
+        crop, size = _mapping(config, config_file, "crop_size"), _mapping(config, config_file, "size")
+        side = _positive(crop, config_file, "height", None, "crop_size.") or _positive(
+            size, config_file, "shortest_edge", None, "size.")
+        patch = _positive(processor, processor_file, "patch_size", None)
         if not side or not patch:
             raise InputError(
                 f"{directory}: a CLIP (LLaVA) processor needs crop_size and processor_config.json's patch_size."
             )
         with_cls = processor.get("vision_feature_select_strategy") == "full"  # "default" drops the CLS token
         extra = processor.get("num_additional_image_tokens", 1) if with_cls else 0
-        rule = ImageRule(
-            kind="fixed", placeholder=placeholder, start=start, end=end, tokens=(side // patch) ** 2 + extra
-        )
-    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        if type(extra) is not int or extra < 0:
+            raise InputError(f"{processor_file}: num_additional_image_tokens is {extra!r}; expected a count.")
+        tokens = (side // patch) ** 2 + extra
+        if tokens < 1:
+            raise InputError(f"{directory}: an image side of {side} in patches of {patch} gives no image tokens.")
+        fields = {"kind": "fixed", "tokens": tokens}
+    try:
+        rule = ImageRule(placeholder=placeholder, start=start, end=end, **fields)
+    except ValueError as exc:  # pydantic's upper bounds
+        raise InputError(f"{config_file}: the processor's sizes are out of range ({exc}).") from None
+    tokenizer = load_tokenizer(directory).tokenizer
     placeholder_id = tokenizer.token_to_id(placeholder)
     encoded = tokenizer.encode(placeholder * 2, add_special_tokens=False).ids
     if placeholder_id is None or encoded != [placeholder_id, placeholder_id]:
@@ -149,6 +232,22 @@ def image_header(data: bytes, where: str, limits: ImageLimits) -> tuple[int, int
     return width, height
 
 
+def decode_failure(data: bytes) -> str | None:
+    """Why Pillow cannot decode the encoded image `data` as the training loader does (`convert("RGB")`,
+    `prepack.training.vision_collate`), after its own integrity check (`verify`), or None when it can.
+    Call it on an image whose header is within the pixel limit (`image_header`): this decodes every pixel."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.verify()
+        with Image.open(io.BytesIO(data)) as image:  # verify() leaves the image unusable: open it again
+            image.convert("RGB")
+    # Pillow's decoders raise more than OSError on hostile bytes (SyntaxError, EOFError, struct.error,
+    # IndexError...), and every one of them means the same: the loader would fail on this image.
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 @dataclass(frozen=True)
 class ImageCorpusSummary:
     documents: int
@@ -159,57 +258,151 @@ class ImageCorpusSummary:
     image_set: Path
 
 
+@dataclass(frozen=True)
+class _ImageRoot:
+    """The real path of the directory images may come from; `explicit` when the caller named it
+    (`images_root`), where an absolute path inside it is taken too."""
+
+    directory: Path
+    explicit: bool
+
+
 def prepare_image_chat(
     corpus: str | os.PathLike,
     processor: str | os.PathLike,
     out: str | os.PathLike,
     *,
     limits: ImageLimits | None = None,
+    images_root: str | os.PathLike | None = None,
 ) -> ImageCorpusSummary:
     """Write `out/corpus.parquet` (the chats, images as placeholder text) and `out/images` (the image set)
-    from an image-chat corpus file (.jsonl or .parquet). `out` must not exist; it appears complete or not
-    at all. Same input, same bytes."""
+    from an image-chat corpus (see the module's docstring). Image paths resolve inside each corpus file's
+    directory, or inside `images_root` when given. `out` must not exist (its missing parents are made);
+    it appears complete or not at all, and a second run to it while one runs is refused (OutputError).
+    Same input, same bytes."""
     corpus, out, limits = Path(corpus), Path(out), limits or ImageLimits()
     rule, placeholder_id = processor_rule(processor)
-    if out.exists():
+    explicit = None if images_root is None else _ImageRoot(_real_directory(images_root), explicit=True)
+    if os.path.lexists(out):
         raise OutputError(f"{out} exists; prepack writes a new directory and never replaces one.")
-    images: dict[bytes, int] = {}  # sha256 -> number
-    columns: dict[str, list] = {name: [] for name in IMAGES_SCHEMA.names}
-    rows, references, column = [], [], None
-    for row, record in enumerate(_records(corpus)):
-        where = f"{corpus}, row {row}"
-        kind = "messages" if isinstance(record, dict) and "messages" in record else "text"
-        if column not in (None, kind):
-            raise InputError(f"{where}: a {kind} record in a corpus of {column} records; one kind per corpus.")
-        column = kind
-        expanded, numbers = _expanded(record, where, corpus.parent, rule, limits, images, columns)
-        rows.append(expanded)
-        references.append(numbers)
-    temporary = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        pq.write_table(pa.table({column or "messages": rows}), temporary / "corpus.parquet")
-        image_dir = temporary / "images"
-        image_dir.mkdir()
-        image_arrays = [pa.array(columns[name], IMAGES_SCHEMA.field(name).type) for name in IMAGES_SCHEMA.names]
-        document_arrays = [pa.array(references, DOCUMENTS_SCHEMA.field(0).type)]
+    references: list[list[int]] = []
+    roots: dict[str, _ImageRoot] = {}
+    with staged_directory(out, overwrite=False) as staging:
+        image_dir = staging.build / "images"
+        with output_errors(image_dir, "create"):
+            image_dir.mkdir()
+        scratch = staging.scratch / "images.data"
+        with output_file(scratch) as scratch_file, _CorpusWriter(staging.build / "corpus.parquet") as rows:
+            images = _ImageWriter(scratch_file, scratch, rule, limits)
+            for file, row, record in _corpus_records(corpus):
+                where = f"{file}, row {row}"
+                if explicit is None and str(file) not in roots:
+                    roots[str(file)] = _ImageRoot(Path(os.path.realpath(Path(file).parent)), explicit=False)
+                root = explicit or roots[str(file)]
+                kind, turns = _turns(record, where)
+                expanded, numbers = _expanded(kind, turns, record, where, root, images)
+                rows.add(kind, expanded, where)
+                references.append(numbers)
         files = (
-            _write_batch(image_dir / IMAGES_FILE, pa.record_batch(image_arrays, schema=IMAGES_SCHEMA)),
-            _write_batch(image_dir / DOCUMENTS_FILE, pa.record_batch(document_arrays, schema=DOCUMENTS_SCHEMA)),
+            _write_batch(image_dir / IMAGES_FILE, images.batch()),
+            _write_batch(image_dir / DOCUMENTS_FILE, pa.record_batch(
+                [pa.array(references, DOCUMENTS_SCHEMA.field(0).type)], schema=DOCUMENTS_SCHEMA)),
         )
         manifest = ImageSetManifest(
             image_set_version=IMAGE_SET_VERSION, rule=rule, placeholder_id=placeholder_id, limits=limits,
-            documents=len(references), images=len(images), references=sum(map(len, references)),
-            image_tokens=sum(columns["tokens"][n] for numbers in references for n in numbers), files=files,
+            documents=len(references), images=len(images.tokens), references=sum(map(len, references)),
+            image_tokens=sum(images.tokens[n] for numbers in references for n in numbers), files=files,
         )
-        (image_dir / IMAGE_SET_MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
-        os.rename(temporary, out)
-    except BaseException:
-        for path in sorted(temporary.rglob("*"), reverse=True):  # only what this call wrote
-            path.rmdir() if path.is_dir() else path.unlink()
-        temporary.rmdir()
-        raise
+        with output_errors(image_dir / IMAGE_SET_MANIFEST):
+            (image_dir / IMAGE_SET_MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
     return ImageCorpusSummary(manifest.documents, manifest.images, manifest.references, manifest.image_tokens,
                               out / "corpus.parquet", out / "images")
+
+
+class _ImageWriter:
+    """The distinct images of a corpus: each one's bytes appended to a scratch file as it is first met,
+    its other columns kept (a few bytes an image); `batch()` is images.arrow's one record batch, its
+    `data` column a memory map of the scratch file, so no image is held in memory."""
+
+    def __init__(self, file: BinaryIO, scratch: Path, rule: ImageRule, limits: ImageLimits) -> None:
+        self.file, self.scratch, self.rule, self.limits = file, scratch, rule, limits
+        self.numbers: dict[bytes, int] = {}  # sha256 -> number
+        self.sha256: list[bytes] = []
+        self.widths: list[int] = []
+        self.heights: list[int] = []
+        self.tokens: list[int] = []
+        self.offsets = [0]
+
+    def number(self, data: bytes, where: str) -> int:
+        """The number of the image `data` in the set, after it is checked and written when first met."""
+        digest = hashlib.sha256(data).digest()
+        if digest in self.numbers:
+            return self.numbers[digest]
+        width, height = image_header(data, where, self.limits)
+        try:
+            tokens = self.rule.placeholders(width, height)
+        except ValueError as exc:
+            raise InputError(f"{where}: the processor cannot resize the image: {exc}.") from None
+        if (why := decode_failure(data)) is not None:
+            raise InputError(f"{where}: the image cannot be decoded ({why}); the training loader would fail on it.")
+        with output_errors(self.scratch):
+            self.file.write(data)
+        self.numbers[digest] = len(self.sha256)
+        self.sha256.append(digest)
+        self.widths.append(width)
+        self.heights.append(height)
+        self.tokens.append(tokens)
+        self.offsets.append(self.offsets[-1] + len(data))
+        return self.numbers[digest]
+
+    def batch(self) -> pa.RecordBatch:
+        """Once the scratch file is closed."""
+        if not self.sha256:
+            data = pa.array([], pa.large_binary())
+        else:
+            with output_errors(self.scratch, "read"), pa.memory_map(os.fspath(self.scratch)) as source:
+                values = source.read_buffer()  # zero-copy: the map outlives the file object
+            offsets = pa.array(self.offsets, pa.int64()).buffers()[1]
+            data = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(self.sha256), [None, offsets, values])
+        columns = (self.sha256, data, self.widths, self.heights, self.tokens)
+        arrays = [column if isinstance(column, pa.Array) else pa.array(column, field.type)
+                  for column, field in zip(columns, IMAGES_SCHEMA)]
+        return pa.record_batch(arrays, schema=IMAGES_SCHEMA)
+
+
+class _CorpusWriter:
+    """corpus.parquet, written _CORPUS_ROWS rows at a time: a `messages` or a `text` column, whichever
+    the first record is (one kind per corpus); a corpus without records is an empty `messages` one."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.kind, self.rows, self.writer = path, None, [], None
+
+    def __enter__(self) -> _CorpusWriter:
+        return self
+
+    def add(self, kind: str, row: Any, where: str) -> None:
+        if self.kind not in (None, kind):
+            raise InputError(f"{where}: a {kind} record in a corpus of {self.kind} records; one kind per corpus.")
+        self.kind = kind
+        self.rows.append(row)
+        if len(self.rows) == _CORPUS_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        kind = self.kind or "messages"
+        schema = pa.schema([pa.field(kind, _CORPUS_TYPES[kind])])
+        with output_errors(self.path):
+            if self.writer is None:
+                self.writer = pq.ParquetWriter(self.path, schema)
+            self.writer.write_table(pa.table({kind: pa.array(self.rows, _CORPUS_TYPES[kind])}, schema=schema))
+        self.rows = []
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None and (self.rows or self.writer is None):
+            self._flush()
+        if self.writer is not None:
+            with output_errors(self.path):
+                self.writer.close()
 
 
 def _write_batch(path: Path, batch: pa.RecordBatch) -> ImageSetFile:
@@ -218,62 +411,154 @@ def _write_batch(path: Path, batch: pa.RecordBatch) -> ImageSetFile:
 
 
 def _json(path: Path) -> dict:
+    with _regular_file(path, str(path)) as (file, size):
+        data = _read_whole(file, str(path), size)
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        value = parse_json(data.decode("utf-8"))
+    except ValueError as exc:  # also UnicodeDecodeError
         raise InputError(f"{path}: cannot be read as JSON ({exc}).") from None
     if not isinstance(value, dict):
         raise InputError(f"{path}: expected a JSON object.")
     return value
 
 
-def _records(corpus: Path):
-    if corpus.suffix == ".parquet":
-        for batch in pq.ParquetFile(corpus).iter_batches(batch_size=256):
-            yield from batch.to_pylist()
-    elif corpus.suffix in (".jsonl", ".json"):
-        with open(corpus, encoding="utf-8") as lines:
-            for row, line in enumerate(lines):
-                if line.strip():
-                    try:
-                        yield json.loads(line)
-                    except ValueError as exc:
-                        raise InputError(f"{corpus}, line {row + 1}: not JSON ({exc}).") from None
-    else:
-        raise InputError(f"{corpus}: an image-chat corpus is a .jsonl or .parquet file.")
+def _real_directory(directory: str | os.PathLike) -> Path:
+    real = Path(os.path.realpath(directory))
+    if not real.is_dir():
+        raise InputError(f"--images-root {directory}: not a directory.")
+    return real
 
 
-def _expanded(record: Any, where: str, root: Path, rule: ImageRule, limits: ImageLimits, images: dict, columns: dict):
+@contextmanager
+def _regular_file(path: Path, named: str, limit: int | None = None) -> Iterator[tuple[BinaryIO, int]]:
+    """`path` opened to read, refused (InputError starting with `named`) unless it is a regular file (of at
+    most `limit` bytes, when given): opened without blocking and checked by its descriptor, so that a FIFO, a device or
+    an oversized file is refused before a byte of it is read. Yields the file and its size."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        raise InputError(f"{named} cannot be read ({exc.strerror}).") from None
+    with os.fdopen(fd, "rb") as file:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise InputError(f"{named} is not a regular file ({file_type_name(status.st_mode)}).")
+        if limit is not None and status.st_size > limit:
+            raise InputError(f"{named} has {status.st_size} bytes, more than the limit {limit}.")
+        yield file, status.st_size
+
+
+def _read_whole(file: BinaryIO, named: str, size: int) -> bytes:
+    """The `size` bytes of an open file measured by `_regular_file` (a file that grew since is refused)."""
+    try:
+        data = file.read(size + 1)
+    except OSError as exc:
+        raise InputError(f"{named} cannot be read ({exc.strerror}).") from None
+    if len(data) != size:
+        raise InputError(f"{named} changed while it was read.")
+    return data
+
+
+def _corpus_records(spec: Path) -> Iterator[tuple[Path, int, Any]]:
+    """(file, row in its file, record) for every record of the corpus `spec`, in order."""
+    if spec.name.lower().endswith(".json") and not spec.is_dir():
+        yield from _json_file_records(spec)
+        return
+    for path in find_corpus(spec).files:
+        kind = file_kind(Path(path))
+        if kind == "jsonl":
+            for row0, records, _ in json_object_blocks(Path(path), _JSON_BLOCK):
+                for row, record in enumerate(records, row0):
+                    yield path, row, record
+            continue
+        row = 0
+        for batch in record_batches(Path(path), kind, list(file_columns(Path(path), kind)), _FILE_ROWS):
+            for start in range(0, batch.num_rows, _FILE_ROWS):
+                for record in batch.slice(start, _FILE_ROWS).to_pylist():
+                    yield path, row, record
+                    row += 1
+
+
+def _json_file_records(path: Path) -> Iterator[tuple[Path, int, Any]]:
+    """A .json corpus: one JSON array of records (LlamaFactory's files), read whole up to
+    MAX_RECORD_BYTES, or JSON Lines."""
+    with _regular_file(path, str(path)) as (file, size):
+        is_array = file.read(64).lstrip()[:1] == b"["
+        if is_array:
+            if size > MAX_RECORD_BYTES:
+                raise InputError(f"{path}: a JSON array of {size} bytes, more than the {MAX_RECORD_BYTES} prepack "
+                                 "reads whole; write the records as JSON Lines (.jsonl), one a line.")
+            file.seek(0)
+            data = _read_whole(file, str(path), size)
+    if not is_array:
+        for row0, records, _ in json_object_blocks(path, _JSON_BLOCK):
+            for row, record in enumerate(records, row0):
+                yield path, row, record
+        return
+    try:
+        records = parse_json(data)
+    except ValueError as exc:  # also UnicodeDecodeError
+        raise InputError(f"{path}: not valid JSON ({exc}).") from None
+    del data
+    for row, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise InputError(f"{path}, row {row}: a record must be a JSON object.")
+        yield path, row, record
+
+
+def _turns(record: dict, where: str) -> tuple[str, list[tuple[Any, Any, str]]]:
+    """The corpus kind of a record ("messages" or "text") and its turns: (role, content, column)."""
+    if isinstance(record.get("messages"), list):
+        turns = []
+        for index, message in enumerate(record["messages"]):
+            if not isinstance(message, dict):
+                raise InputError(f"{where}, column messages[{index}]: expected an object with role and content.")
+            role = message.get("role")
+            if role is not None and not isinstance(role, str):
+                raise InputError(f"{where}, column messages[{index}].role: {role!r}; expected a string.")
+            turns.append((role, message.get("content"), f"messages[{index}].content"))
+        return "messages", turns
+    if isinstance(record.get("conversations"), list):  # ShareGPT, as LlamaFactory writes it
+        system = record.get("system")
+        if system is not None and not isinstance(system, str):
+            raise InputError(f"{where}, column system: {system!r}; expected a string.")
+        turns = [("system", system, "system")] if system else []
+        for index, turn in enumerate(record["conversations"]):
+            column = f"conversations[{index}]"
+            if not isinstance(turn, dict):
+                raise InputError(f"{where}, column {column}: expected an object with from and value.")
+            if turn.get("from") not in _SHAREGPT_ROLES:
+                raise InputError(f"{where}, column {column}.from: {turn.get('from')!r} is not a speaker of "
+                                 f"ShareGPT records as LlamaFactory writes them ({', '.join(_SHAREGPT_ROLES)}).")
+            turns.append((_SHAREGPT_ROLES[turn["from"]], turn.get("value"), f"{column}.value"))
+        return "messages", turns
+    if isinstance(record.get("text"), str):
+        return "text", [(None, record["text"], "text")]
+    raise InputError(
+        f"{where}: expected messages (a Hugging Face chat), conversations (ShareGPT, as LlamaFactory writes "
+        f"it) or a text string; the record has {', '.join(map(str, record)) or 'no fields'}."
+    )
+
+
+def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot, images: _ImageWriter):
     """The record's messages with string contents, or its text, images as placeholder text; its image numbers."""
-    if isinstance(record, dict) and "messages" not in record and isinstance(record.get("text"), str):
-        record = {**record, "messages": [{"role": "text", "content": record["text"]}]}
-        text_only = True
-    else:
-        text_only = False
-    if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
-        raise InputError(f"{where}, column messages: expected a list of messages (or a text column).")
-    pending = list(record.get("images") or [])
+    pending = record.get("images")
+    if pending is None:
+        pending = []
+    if not isinstance(pending, list):
+        raise InputError(f"{where}, column images: {type(pending).__name__}; expected a list of images.")
+    pending = list(pending)
     numbers: list[int] = []
+    rule, limits = images.rule, images.limits
 
     def image_text(source: Any, column: str) -> str:
         if len(numbers) >= limits.max_images_per_document:
             raise InputError(
                 f"{where}, column {column}: more than {limits.max_images_per_document} images in a record."
             )
-        data = _image_bytes(source, f"{where}, column {column}", root)
-        digest = hashlib.sha256(data).digest()
-        if digest not in images:
-            width, height = image_header(data, f"{where}, column {column}", limits)
-            try:
-                tokens = rule.placeholders(width, height)
-            except ValueError as exc:
-                raise InputError(f"{where}, column {column}: the processor cannot resize the image: {exc}.") from None
-            images[digest] = len(images)
-            for name, value in zip(IMAGES_SCHEMA.names, (digest, data, width, height, tokens)):
-                columns[name].append(value)
-        number = images[digest]
+        at = f"{where}, column {column}"
+        number = images.number(_image_bytes(source, at, root, limits), at)
         numbers.append(number)
-        return rule.start + rule.placeholder * columns["tokens"][number] + rule.end
+        return rule.start + rule.placeholder * images.tokens[number] + rule.end
 
     def next_pending(column: str) -> Any:
         if not pending:
@@ -281,35 +566,32 @@ def _expanded(record: Any, where: str, root: Path, rule: ImageRule, limits: Imag
         return pending.pop(0)
 
     messages = []
-    for index, message in enumerate(record["messages"]):
-        column = "text" if text_only else f"messages[{index}].content"
-        if not isinstance(message, dict):
-            raise InputError(f"{where}, column messages[{index}]: expected an object with role and content.")
-        content = message.get("content")
+    for role, content, column in turns:
         if isinstance(content, str):
             pieces = content.split(LLAVA_MARKER)
             text = pieces[0] + "".join(image_text(next_pending("images"), "images") + piece for piece in pieces[1:])
         elif isinstance(content, list):
             parts = []
             for item in content:
-                kind = item.get("type") if isinstance(item, dict) else None
-                if kind == "text":
+                item_kind = item.get("type") if isinstance(item, dict) else None
+                if item_kind == "text":
                     parts.append(str(item.get("text") or ""))
-                elif kind == "image":
+                elif item_kind == "image":
                     source = next((item[key] for key in ("image", "path", "bytes") if item.get(key)), None)
                     parts.append(image_text(source if source is not None else next_pending("images"), column))
                 else:
-                    raise InputError(f"{where}, column {column}: an item of type {kind!r}; expected text or image.")
+                    raise InputError(
+                        f"{where}, column {column}: an item of type {item_kind!r}; expected text or image.")
             text = "".join(parts)
         else:
             raise InputError(f"{where}, column {column}: expected a string or a list of items.")
-        messages.append({"role": message.get("role"), "content": text})
+        messages.append({"role": role, "content": text})
     if pending:
         raise InputError(f"{where}, column images: {len(pending)} images that no message places.")
-    return (messages[0]["content"] if text_only else messages), numbers
+    return (messages[0]["content"] if kind == "text" else messages), numbers
 
 
-def _image_bytes(source: Any, where: str, root: Path) -> bytes:
+def _image_bytes(source: Any, where: str, root: _ImageRoot, limits: ImageLimits) -> bytes:
     if isinstance(source, dict):  # datasets' Image feature: {"bytes": ..., "path": ...}
         source = source.get("bytes") or source.get("path")
     if isinstance(source, (bytes, bytearray)):
@@ -318,8 +600,26 @@ def _image_bytes(source: Any, where: str, root: Path) -> bytes:
         raise InputError(f"{where}: an image is a path or encoded bytes, not {type(source).__name__}.")
     if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", source) and not source.startswith("file://"):
         raise InputError(f"{where}: {source!r} is a URI; prepack reads local images only (nothing is downloaded).")
-    path = root / source.removeprefix("file://")
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise InputError(f"{where}: the image {path} cannot be read ({exc.strerror}).") from None
+    path = _confined(source, where, root)
+    named = f"{where}: the image {source!r}"
+    with _regular_file(path, named, limits.max_image_bytes) as (file, size):
+        return _read_whole(file, named, size)
+
+
+def _confined(source: str, where: str, root: _ImageRoot) -> Path:
+    """The real path of the image file `source` names, when it lies inside `root`; else InputError, decided
+    before anything outside is opened, and worded alike whether a file is there or not."""
+    if "\0" in source:
+        raise InputError(f"{where}: the image path {source!r} holds a NUL character, which no file name holds.")
+    name = source.removeprefix("file://")
+    if os.path.isabs(name) and not root.explicit:
+        raise InputError(f"{where}: the image path {source!r} is absolute; {_PATH_RULE}.")
+    leaves = f"{where}: the image path {source!r} leads out of {root.directory}; {_PATH_RULE}."
+    # The path as written first, so that one plainly outside is refused without a look at the file system;
+    # then with its symbolic links resolved, so that none leads out.
+    if not Path(os.path.normpath(root.directory / name)).is_relative_to(root.directory):
+        raise InputError(leaves)
+    real = Path(os.path.realpath(root.directory / name))
+    if not real.is_relative_to(root.directory):
+        raise InputError(leaves)
+    return real

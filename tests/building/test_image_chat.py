@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -113,12 +114,18 @@ def test_images_as_bytes_in_a_parquet_column(processor, tmp_path):
         ({"messages": [{"role": "user", "content": "<image>"}], "images": []}, None, "images column has no more"),
         ({"messages": [{"role": "user", "content": "no marker"}], "images": [f"p/{PHOTOS[0]}"]}, None,
          "1 images that no message places"),
+        # A header Pillow reads, pixels it cannot: refused here, not in the training DataLoader.
+        (with_image("p/truncated.png"), None, "row 0, column messages\\[0\\].content: the image cannot be decoded"),
+        (with_image("p/truncated.jpg"), None, "row 0, column messages\\[0\\].content: the image cannot be decoded"),
     ],
 )
 def test_bad_images_are_refused_by_row_and_column(processor, tmp_path, record, limits, message):
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / PHOTOS[0]).write_bytes((SAMPLE_DATA / PHOTOS[0]).read_bytes())
     (tmp_path / "p" / "not-an-image.png").write_text("hello")
+    png, jpeg = (SAMPLE_DATA / PHOTOS[1]).read_bytes(), (SAMPLE_DATA / PHOTOS[0]).read_bytes()
+    (tmp_path / "p" / "truncated.png").write_bytes(png[: len(png) // 2])
+    (tmp_path / "p" / "truncated.jpg").write_bytes(jpeg[: len(jpeg) // 2])
     corpus = chats(tmp_path, [record])
     with pytest.raises(InputError, match=message):
         prepare_image_chat(corpus, processor, tmp_path / "out", limits=limits)
@@ -285,3 +292,188 @@ def test_the_prepare_images_command(processor, tmp_path):
     too_large = run_prepack("prepare-images", good, "--processor", processor, "--out", tmp_path / "x",
                             "--max-images", 10**6, env=WIDE)
     assert "A limit is out of range" in failure(too_large)
+
+
+def edited_processor(processor, tmp_path, file: str, edit) -> object:
+    """A copy of the processor directory whose `file` (a JSON config) `edit` changed in place."""
+    import shutil
+
+    other = tmp_path / "edited"
+    shutil.copytree(processor, other)
+    config = json.loads((other / file).read_text())
+    edit(config)
+    (other / file).write_text(json.dumps(config))
+    return other
+
+
+@pytest.mark.parametrize(
+    ("file", "edit", "message"),
+    [
+        ("preprocessor_config.json", lambda c: c["size"].update(shortest_edge=0), "size.shortest_edge is 0"),
+        ("preprocessor_config.json", lambda c: c["size"].update(longest_edge=-5), "size.longest_edge is -5"),
+        ("preprocessor_config.json", lambda c: c.update(patch_size=0), "patch_size is 0"),
+        ("preprocessor_config.json", lambda c: c.update(merge_size=-2), "merge_size is -2"),
+        ("preprocessor_config.json", lambda c: c.update(patch_size="14"), "patch_size is '14'"),
+        ("preprocessor_config.json", lambda c: c.update(size="large"), "size is 'large'"),
+        ("preprocessor_config.json", lambda c: c.update(image_processor_type=7), "image_processor_type 7"),
+        ("preprocessor_config.json", lambda c: c["size"].update(shortest_edge=10**7), "more than size.longest_edge"),
+    ],
+)
+def test_a_processor_config_with_an_unusable_size_is_a_named_error(processor, tmp_path, file, edit, message):
+    edited = edited_processor(processor, tmp_path, file, edit)
+    with pytest.raises(InputError, match=re.escape(f"{edited / file}: ") + ".*" + re.escape(message)):
+        processor_rule(edited)
+
+
+@pytest.mark.parametrize(
+    ("processor_config", "message"),
+    [({"patch_size": 0}, "patch_size is 0"), ({"patch_size": 1000}, "no image tokens"),
+     ({"image_seq_length": 0}, "image_seq_length is 0")],
+)
+def test_a_fixed_size_processor_config_with_an_unusable_size_is_a_named_error(tmp_path, processor_config, message):
+    from tests.demo_inputs import CHATML, gpt2_directory
+
+    model_type = "gemma3" if "image_seq_length" in processor_config else "llava"
+    directory = gpt2_directory(tmp_path / "proc", CHATML)
+    image_processor(model_type).save_pretrained(directory)
+    (directory / "processor_config.json").write_text(json.dumps(processor_config))
+    with pytest.raises(InputError, match=re.escape(message)):
+        processor_rule(directory)
+
+
+@pytest.mark.parametrize("tokenizer", [None, "{not json", '{"version": "1.0"}'], ids=["missing", "broken", "not-one"])
+def test_a_processor_without_a_usable_tokenizer_is_a_named_error(processor, tmp_path, tokenizer):
+    import shutil
+
+    other = shutil.copytree(processor, tmp_path / "proc")
+    if tokenizer is None:
+        (other / "tokenizer.json").unlink()
+    else:
+        (other / "tokenizer.json").write_text(tokenizer)
+    with pytest.raises(InputError, match="tokenizer.json"):
+        processor_rule(other)
+
+
+def test_a_corpus_that_is_not_utf8_is_refused_by_row(processor, tmp_path):
+    corpus = tmp_path / "chats.jsonl"
+    corpus.write_bytes(json.dumps(with_image("a.png")).encode() + b"\n" + b'{"text": "caf\xe9 <image>"}\n')
+    with pytest.raises(InputError, match=re.escape(f"{corpus}, row 1: not valid JSON")):
+        prepare_image_chat(corpus, processor, tmp_path / "out")
+
+
+def test_out_under_a_missing_directory_is_made(processor, tmp_path):
+    good = chats(tmp_path, [{"text": "no image"}])
+    summary = prepare_image_chat(good, processor, tmp_path / "not" / "yet" / "out")
+    assert summary.documents == 1 and (tmp_path / "not" / "yet" / "out" / "images" / "images.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_second_run_to_the_same_out_is_refused_by_name(processor, tmp_path):
+    """Exclusive: while one run holds --out, another is refused at once; after it, --out exists."""
+    from prepack.storage.output import output_lock
+
+    good = chats(tmp_path, [{"text": "no image"}])
+    with output_lock(tmp_path / "out"):
+        with pytest.raises(OutputError, match="another prepack build is writing"):
+            prepare_image_chat(good, processor, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    prepare_image_chat(good, processor, tmp_path / "out")
+    with pytest.raises(OutputError, match="exists"):
+        prepare_image_chat(good, processor, tmp_path / "out")
+
+
+def sharegpt(images: list[str], system: str | None = None) -> dict:
+    """A LlamaFactory (ShareGPT-style) multimodal record."""
+    record = {"conversations": [{"from": "human", "value": "<image>" * len(images) + "What is it?"},
+                                {"from": "gpt", "value": "A photo."}], "images": images}
+    return record if system is None else {**record, "system": system}
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "json-array"])
+def test_llamafactory_sharegpt_records_are_read_as_chats(processor, tmp_path, layout):
+    for name in PHOTOS[:2]:
+        (tmp_path / name).write_bytes((SAMPLE_DATA / name).read_bytes())
+    records = [sharegpt([PHOTOS[0]], system="Be brief."), sharegpt([PHOTOS[0], PHOTOS[1]]), sharegpt([])]
+    if layout == "jsonl":
+        corpus = chats(tmp_path, records)
+    else:  # LlamaFactory's own files (mllm_demo.json): one JSON array
+        corpus = tmp_path / "mllm_demo.json"
+        corpus.write_text(json.dumps(records, indent=2))
+    summary = prepare_image_chat(corpus, processor, tmp_path / "out")
+    assert (summary.documents, summary.references, summary.images) == (3, 3, 2)
+    image_set = read_image_set(summary.image_set, verify=True)
+    rule, _ = processor_rule(processor)
+    rows = pq.read_table(summary.corpus).column("messages").to_pylist()
+    assert [message["role"] for message in rows[0]] == ["system", "user", "assistant"]
+    assert rows[0][0]["content"] == "Be brief." and rows[0][2]["content"] == "A photo."
+    expected = rule.start + rule.placeholder * int(image_set.tokens[0]) + rule.end
+    assert rows[0][1]["content"] == expected + "What is it?"
+    assert [message["role"] for message in rows[2]] == ["user", "assistant"]
+
+
+def test_an_unknown_sharegpt_speaker_is_refused_by_row_and_column(processor, tmp_path):
+    record = {"conversations": [{"from": "human", "value": "hi"}, {"from": "narrator", "value": "x"}]}
+    corpus = chats(tmp_path, [record])
+    with pytest.raises(InputError, match=re.escape(f"{corpus}, row 0, column conversations[1].from: 'narrator'")):
+        prepare_image_chat(corpus, processor, tmp_path / "out")
+
+
+def test_a_hugging_face_save_to_disk_folder_is_read(processor, tmp_path):
+    """`datasets`' Image feature: stored as {bytes, path} structs in the folder's Arrow files."""
+    import datasets
+
+    for name in PHOTOS:
+        (tmp_path / name).write_bytes((SAMPLE_DATA / name).read_bytes())
+    features = datasets.Features({
+        "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+        "images": datasets.Sequence(datasets.Image()),
+    })
+    chat = [{"role": "user", "content": "<image> what?"}, {"role": "assistant", "content": "a photo"}]
+    rows = {"messages": [chat] * 3, "images": [[str(tmp_path / name)] for name in PHOTOS]}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(tmp_path / "saved")
+    summary = prepare_image_chat(tmp_path / "saved", processor, tmp_path / "out")
+    assert (summary.documents, summary.images) == (3, 3)
+    image_set = read_image_set(summary.image_set, verify=True)
+    assert {image_set.data(n) for n in range(3)} == set(photo_bytes())
+
+
+@pytest.mark.slow
+def test_memory_holds_one_image_not_all_of_them(processor, tmp_path):
+    """Each image goes to the output as it is read: the Python heap's peak stays near one image's size,
+    not the sum of the images' (tracemalloc; Pillow's pixels and Arrow's buffers are outside it, and an
+    image's bytes are the part that grows with the corpus)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    names = []
+    for number in range(24):  # noise does not compress: ~300 kB each
+        name = f"noise-{number}.png"
+        Image.fromarray(rng.integers(0, 256, size=(320, 320, 3), dtype=np.uint8)).save(tmp_path / name)
+        names.append(name)
+    one = max((tmp_path / name).stat().st_size for name in names)
+    corpus = chats(tmp_path, [with_image(name) for name in names])
+    processor_rule(processor)  # the tokenizer's own allocations, once, outside the measure
+    tracemalloc.start()
+    try:
+        summary = prepare_image_chat(corpus, processor, tmp_path / "out")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert summary.images == 24
+    assert peak < 4 * one + 4 * 2**20, (peak, one)  # the images together are 24 * one
+
+
+@pytest.mark.slow
+def test_prepare_images_refuses_by_name_from_the_command_line(processor, tmp_path):
+    """The command's refusals (exit 2, one line, no traceback) for each kind of input that crashed it."""
+    from tests.cli import WIDE, failure, run_prepack
+
+    bad_utf8 = tmp_path / "bad.jsonl"
+    bad_utf8.write_bytes(b'{"text": "caf\xe9"}\n')
+    nul = chats(tmp_path, [with_image("a\0b.png")])
+    zero = edited_processor(processor, tmp_path, "preprocessor_config.json", lambda c: c.update(patch_size=0))
+    cases = [(bad_utf8, processor, "row 0: not valid JSON"), (nul, processor, "NUL"), (nul, zero, "patch_size is 0")]
+    for corpus, directory, message in cases:
+        result = run_prepack("prepare-images", corpus, "--processor", directory, "--out", tmp_path / "out", env=WIDE)
+        assert message in failure(result)
+        assert not (tmp_path / "out").exists()

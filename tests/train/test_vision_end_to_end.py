@@ -9,6 +9,7 @@ tiny random Qwen2.5-VL in float64 with the tokenizer's vocabulary.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import shutil
@@ -263,3 +264,34 @@ def test_an_index_build_of_a_store_serves_the_same_packs_and_images(prepared, tm
     assert [r.returncode for r in reports] == [0, 0], [r.stderr for r in reports]
     full_images, index_images = (json.loads(r.stdout)["images"] for r in reports)
     assert index_images == full_images and index_images["image_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_verify_says_what_it_checked_and_decodes_with_decode(prepared, tmp_path):
+    """A clean `verify --images` names its counts and whether it decoded; an image whose header and sha256
+    are sound but whose pixels are cut off passes without --decode and is found by row with it."""
+    from tests.building.test_image_chat import rewrite_images
+
+    processor, summary, build = prepared
+    counts = read_image_set(summary.image_set).manifest
+    clean = run_prepack("verify", build, "--images", summary.image_set, env=WIDE)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    said = " ".join(clean.stdout.split())
+    assert f"{counts.images:,} images" in said and f"{counts.references:,} references" in said
+    assert f"{counts.image_tokens:,} placeholder tokens matched pack by pack" in said
+    assert "no image decoded (--decode decodes them)" in said
+    decoded = run_prepack("verify", build, "--images", summary.image_set, "--decode", env=WIDE)
+    assert decoded.returncode == 0 and "every image decoded" in " ".join(decoded.stdout.split())
+
+    forged = shutil.copytree(summary.image_set, tmp_path / "images")
+    image_set = read_image_set(forged)
+    number = next(n for n in range(counts.images) if image_set.data(n).startswith(b"\x89PNG"))
+    cut = image_set.data(number)[: len(image_set.data(number)) // 2]
+    rewrite_images(forged, "data", number, cut)
+    rewrite_images(forged, "sha256", number, hashlib.sha256(cut).digest())
+    assert run_prepack("verify", build, "--images", forged).returncode == 0  # headers only
+    found = run_prepack("verify", build, "--images", forged, "--decode", env=WIDE)
+    assert found.returncode == 1
+    assert f"problem: {forged / 'images.arrow'}, row {number}, column 'data': the image cannot be decoded" in found.stdout
+    alone = run_prepack("verify", build, "--decode", env=WIDE)
+    assert "--decode decodes the images of an image set" in failure(alone)
