@@ -65,6 +65,7 @@ __all__ = [
     "MixtureSpec",
     "SourceSelection",
     "check_memory",
+    "field_path",
     "is_mixture_file",
     "load_mixture",
     "mixture_flags",
@@ -160,7 +161,7 @@ def is_mixture_file(spec: str | os.PathLike) -> bool:
     return str(spec).lower().endswith(MIXTURE_SUFFIXES) and not Path(spec).is_dir()
 
 
-def _field(location: tuple) -> str:
+def field_path(location: tuple) -> str:
     """A pydantic error location as a field path: `sources[1].weight`."""
     out = ""
     for part in location:
@@ -210,7 +211,7 @@ def load_mixture(path: str | os.PathLike) -> MixtureSpec:
     try:
         return MixtureSpec.model_validate(data)
     except ValidationError as exc:
-        raise InputError(f"{path}: invalid mixture: {_problems(exc, _field)}.") from None
+        raise InputError(f"{path}: invalid mixture: {_problems(exc, field_path)}.") from None
 
 
 def read_mixture(path: str | os.PathLike) -> Mixture:
@@ -250,7 +251,7 @@ def mixture_flags(
 
     def where(location: tuple) -> str:
         if location and location[0] == "sources" and len(location) > 1 and isinstance(location[1], int):
-            field = _field(location[2:])
+            field = field_path(location[2:])
             return f"--source {sources[location[1]]!r}" + (f": {field}" if field != "(top level)" else "")
         return _FLAGS.get(location[0], "--source") if location else "--source"
 

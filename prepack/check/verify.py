@@ -73,6 +73,7 @@ from prepack.formats.shards import (
     shard_file_problems,
     shard_sha256,
 )
+from prepack.building.mixture import packable_tokens
 from prepack.building.pair_plan import pair_pieces
 from prepack.building.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.sources.documents import Documents, Reading, open_documents, store_documents
@@ -333,9 +334,10 @@ def _problems(
     packs = _Packs(segments, shards, manifest, complete)
     yield from _provenance_problems(packs)
     if manifest.mixture is not None:
-        found = mixture_pack_problems(
-            segments.rows, segments.pieces, segments.lengths, segments.source, manifest, packs.where, complete
-        )
+        pack_numbers = (segments.shard.astype(np.int64) << 40) | segments.pack  # a shard holds fewer than 2**40 packs
+        packable = _store_packable(store, manifest) if manifest.index_of is not None and store is not None and len(
+            store_columns) == len(store.manifest.shards) else None
+        found = mixture_pack_problems(segments, pack_numbers, manifest, packs.where, complete, packable)
         yield from (Problem(**problem) for problem in found)
     if store is not None:
         yield from _reference_problems(packs, store, store_columns)
@@ -574,6 +576,19 @@ def _stores_problems(chain: StoreChain, manifest: Manifest):
             "are damaged (above): the packs were not checked against those shards' documents."
         )
     return columns
+
+
+def _store_packable(chain: StoreChain, manifest: Manifest) -> list[np.ndarray]:
+    """Each source's documents' packable tokens, from its store as the build read it (`Store.shard_lengths`,
+    `packable_tokens`), for a mixture's index build whose stores' shards are sound."""
+    o = manifest.options
+    packable = []
+    for store in chain.stores:
+        parts = [store.shard_lengths(shard) for shard in store.manifest.shards]
+        lengths = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+        untrained = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, bool)
+        packable.append(packable_tokens(lengths, untrained, o.max_len, o.overflow, o.drop_untrained))
+    return packable
 
 
 def _reference_problems(packs: _Packs, store: Store, columns: _Columns) -> Iterator[Problem]:
