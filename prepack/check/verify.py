@@ -58,6 +58,7 @@ import pyarrow as pa
 
 from prepack.storage.cache import ShardCache, build_cache
 from prepack.check.mixture import copy_numbers, mixture_manifest_problems, mixture_pack_problems
+from prepack.check.pairs import PairCounts, pair_count_problems, shard_pairs
 from prepack.sources.mixture_stores import StoreChain, open_mixture_stores
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import Fingerprint, StrictModel, list_column
@@ -317,9 +318,12 @@ def _problems(
             store_columns = yield from _stores_problems(store, manifest)
     readable = yield from (_directory_problems(build, manifest) if local else _download_problems(build))
     shards: dict[int, _Shard] = {}
+    pairs: PairCounts | None = PairCounts(0, 0, 0, 0) if manifest.pairs is not None else None
     for index, (file, check_sha256) in readable.items():
         shard = yield from _shard_problems(file, index, manifest, check_sha256)
         if shard is not None:
+            if pairs is not None:
+                pairs = yield from _pair_problems(shard, manifest, pairs)
             if source is None:  # only the source check reads tokens again: unmap the shard now
                 shard.ids = shard.labels = None
             shards[index] = shard
@@ -330,6 +334,9 @@ def _problems(
             "rows (above); the checks that need every pack (documents missing from the packs, piece "
             "numbering, document counts) were skipped."
         )
+    elif pairs is not None:
+        for field, message in pair_count_problems(manifest.pairs, pairs, manifest.options.overflow):
+            yield Problem(file=MANIFEST_NAME, column=f"pairs.{field}", message=message)
     segments = _concatenate([s.segments for s in shards.values()], manifest.mixture is not None)
     packs = _Packs(segments, shards, manifest, complete)
     yield from _provenance_problems(packs)
@@ -451,6 +458,20 @@ def _pair_count_problems(manifest: Manifest) -> Iterator[Problem]:
             yield Problem(file=MANIFEST_NAME, column=f"pairs.{name}", message=f"is {getattr(p, name)}, but {rule}: {said}.")
     if manifest.options.overflow == "split":
         yield Problem(file=MANIFEST_NAME, column="options.overflow", message="is 'split', which never applies to pairs.")
+
+
+def _pair_problems(shard: _Shard, manifest: Manifest, counts: PairCounts):
+    """Yield the problems of a pair build's shard that only its tokens show (`shard_pairs`: each document a
+    prompt labelled -100 then its completion, the two of a pair sharing their prompt tokens); return
+    `counts` with the shard's added, or None when the shard carries no labels to count them by (its
+    manifest's has_labels is then reported)."""
+    if shard.ids is None or shard.labels is None:
+        return None
+    seg = shard.segments
+    found, problems = shard_pairs(shard.ids, shard.labels, seg.starts, seg.lengths, manifest.options.max_len)
+    for document, column, message in problems:
+        yield Problem(file=shard.name, row=int(seg.pack[document]), column=column, message=f"document {seg.number[document]} {message}")
+    return counts.add(found)
 
 
 # 2. The directory ---------------------------------------------------------------------------------
@@ -856,6 +877,7 @@ def _source_problems(source: Documents, packs: _Packs, tokens: _Tokens | None) -
             "labels are not compared.",
         )
     counts = Counter(documents=0, **document_pieces([], o.max_len, o.overflow).counts)  # every key, at 0
+    pairs = Counter()  # a pair build's `PairTotals` fields
     rows_per_file = {path: 0 for path in corpus.files}
     row0 = 0
     for batch in batches:
@@ -863,7 +885,8 @@ def _source_problems(source: Documents, packs: _Packs, tokens: _Tokens | None) -
         untrained = untrained_documents(batch.offsets, batch.labels if manifest.has_labels else None)
         if source.pairs is not None:  # pairs are cut as units (`prepack.building.pair_plan`)
             prompts = source.pairs.latest_prompt_lengths()
-            expected = pair_pieces(np.diff(batch.offsets), prompts, o.max_len, o.overflow, untrained)
+            expected, pair_counts = pair_pieces(np.diff(batch.offsets), prompts, o.max_len, o.overflow, untrained)
+            pairs.update(pair_counts)
         else:
             expected = document_pieces(np.diff(batch.offsets), o.max_len, o.overflow, untrained, o.drop_untrained)
         counts.update(documents=m, **expected.counts)
@@ -884,12 +907,14 @@ def _source_problems(source: Documents, packs: _Packs, tokens: _Tokens | None) -
             column="inputs",
             message=f"lists (file, rows) {listed}, the source has {inputs}.",
         )
-    for key, value in counts.items():
-        said = getattr(manifest.totals, key)
+    said_pairs = manifest.pairs.model_dump() if manifest.pairs is not None and source.pairs is not None else {}
+    for key, value in [*((f"totals.{k}", v) for k, v in counts.items()), *((f"pairs.{k}", pairs[k]) for k in said_pairs)]:
+        section, name = key.split(".")
+        said = getattr(manifest.totals, name) if section == "totals" else said_pairs[name]
         if said != value:
             yield Problem(
                 file=MANIFEST_NAME,
-                column=f"totals.{key}",
+                column=key,
                 message=f"is {said}, but the source with max_len {o.max_len} and overflow {o.overflow!r} "
                 f"gives {value}.",
             )
