@@ -13,33 +13,19 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-import prepack
 from prepack.check.report import inspect_build
 from prepack.check.verify import verify_build
 from prepack.errors import FormatError
 from tests.cli import WIDE, run_prepack
-from tests.corpus import edit_json, record_shard
-from tests.demo_inputs import CHATML, chitchat, gpt2_directory
-
-MAX_LEN = 40  # some pairs longer: their chosen completions are cut
+from tests.corpus import edit_json, preference_pairs, record_shard
 
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory) -> Path:
     """A text pair build (`packed/`), its corpus (`pairs.jsonl`) and tokenizer (`gpt2/`)."""
-    root = tmp_path_factory.mktemp("pair-checks")
-    tokenizer = gpt2_directory(root / "gpt2", CHATML)
-    rows = [
-        {"prompt": f"Q: {turns[0]} A:", "chosen": f" {turns[1]}", "rejected": " no idea"}
-        for turns in chitchat()
-        if len(turns) >= 2 and len(turns[0]) < 50  # prompts short enough to truncate the pair around
-    ][:40]
-    (root / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    manifest = prepack.build(
-        root / "pairs.jsonl", root / "packed", max_len=MAX_LEN, tokenizer=tokenizer, pairs=True, overflow="truncate", num_proc=1
-    )
-    assert manifest.pairs.truncated > 1
-    return root / "packed"
+    packed = preference_pairs(tmp_path_factory.mktemp("pair-checks"))
+    assert json.loads((packed / "manifest.json").read_text())["pairs"]["truncated"] > 1
+    return packed
 
 
 @pytest.fixture
