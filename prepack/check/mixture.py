@@ -168,6 +168,9 @@ def mixture_pack_problems(
     mixture = manifest.mixture
     sources = mixture.sources
     first_rows = np.array([s.first_row for s in sources], dtype=np.int64)
+    source_rows = np.array([s.rows for s in sources], dtype=np.int64)
+    if (first_rows != np.cumsum(source_rows) - source_rows).any():
+        return  # which source a row is of is unknown: `mixture_manifest_problems` names the first_row
     owner = np.searchsorted(first_rows, rows, "right") - 1
     for i in np.flatnonzero(source_ids.astype(np.int64) != owner)[:1]:
         yield {**where(int(i)), "column": "source_ids", "message": f"is {source_ids[i]}, but row {rows[i]} is of source {owner[i]} "

@@ -225,9 +225,24 @@ def test_every_mixture_claim_is_recomputed(packed, forged):
         assert checked.returncode == 1 and "mixture.pack_within_source" in checked.stdout + checked.stderr
 
 
-def test_a_pack_within_source_build_verifies(clean, tmp_path):
-    prepack.build(write_mixture(clean.parent, "within.yaml", within=True), tmp_path / "within", max_len=128)
-    assert verify_build(tmp_path / "within", all_problems=True) == []
+KINDS = {
+    "packed within sources": None,
+    "in epochs": "seed: 5\nsources:\n  - {name: web, path: web.parquet}\n  - {name: math, path: math-store, epochs: 2.5}\n",
+    "epochs and weights": "tokens: 9000\nseed: 1\nsources:\n  - {name: web, path: web.parquet, weight: 2, max_epochs: 3}\n"
+    "  - {name: code, path: code.jsonl, epochs: 0.5}\n  - {name: math, path: math-store, weight: 1}\n",
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_mixture_of_every_kind_verifies(clean, tmp_path, kind):
+    """The claims verify recomputes are the build's: every request, selection and packing holds them."""
+    if KINDS[kind] is None:
+        mixture = write_mixture(clean.parent, "within.yaml", within=True)
+    else:
+        mixture = clean.parent / f"{kind.replace(' ', '-')}.yaml"
+        mixture.write_text(KINDS[kind])
+    prepack.build(mixture, tmp_path / "out", max_len=128)
+    assert verify_build(tmp_path / "out", all_problems=True) == []
 
 
 @pytest.mark.parametrize(
