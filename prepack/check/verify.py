@@ -14,7 +14,8 @@ What is checked, in this order (each problem names the file, row and column it w
    pack. Problems come from those checks as fields (`FormatError.problem`), never parsed from text;
 4. across shards: every (corpus row, piece) in one pack only, pieces numbered 0, 1, … without gaps,
    every piece but a document's last holding max_len tokens, and the counts of documents, splits and
-   segments against the manifest;
+   segments against the manifest; a mixture's every claim (`prepack.check.mixture`) and a pair build's
+   `pairs`, counted from its tokens (`prepack.check.pairs`);
 5. with `source`: the corpus is read as the build read it (`open_documents`): streamed, or tokenized
    again with the given tokenizer when the build tokenized it, or read from a document store made
    from it (memory bounded by its batches), and every document must come out of the packs exactly as the manifest's max_len
