@@ -157,3 +157,23 @@ def write_mixture(root: Path, name: str = "mix.yaml", tokens: int = 20000, withi
     path = root / name
     path.write_text(MIXTURE.format(tokens=tokens, within=str(within).lower()))
     return path
+
+
+PAIRS_MAX_LEN = 40  # some pairs of `preference_pairs` are longer: their chosen completions are cut
+
+
+def preference_pairs(root: Path) -> Path:
+    """A preference-pair build (`root / "packed"`, max_len PAIRS_MAX_LEN, overflow truncate) of 40 text pairs
+    (`root / "pairs.jsonl"`) made from examples/chitchat's conversations, tokenized with `root / "gpt2"`."""
+    from prepack import build
+    from tests.demo_inputs import CHATML, chitchat, gpt2_directory
+
+    tokenizer = gpt2_directory(root / "gpt2", CHATML)
+    rows = [
+        {"prompt": f"Q: {turns[0]} A:", "chosen": f" {turns[1]}", "rejected": " no idea"}
+        for turns in chitchat()
+        if len(turns) >= 2 and len(turns[0]) < 50  # prompts short enough to truncate the pair around
+    ][:40]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    build(root / "pairs.jsonl", root / "packed", max_len=PAIRS_MAX_LEN, tokenizer=tokenizer, pairs=True, overflow="truncate", num_proc=1)
+    return root / "packed"

@@ -25,15 +25,16 @@ being the weight; it is the text after PATH's last ':' unless that text holds a 
 A weighted source takes `weight / (sum of weights)` of what the budget leaves after the sources given
 in epochs; a source given in epochs takes that many times its tokens; without a budget every source is
 given in epochs (1 when it says neither). `load_mixture` checks the file strictly: an unknown key, a
-value of the wrong type or out of range, two sources of one name, a weight without a budget, each
-refused by file and field.
+value of the wrong type or out of range, a key given twice (in JSON as in YAML), two sources of one
+name, a weight without a budget, weights that overflow a float, each refused by file and field.
 
 Selection (`select_source`): a source's packable tokens E (its documents' tokens as the overflow
 policy leaves them) are repeated k = floor(T / E) times whole, and the rest of its request T is a
 seeded random subset of its documents: the shortest prefix of a seeded permutation whose tokens come
 nearest to the rest. So realized tokens are within one document of T (the permutation's boundary
 document), and a source asked for less than E is downsampled by that subset alone. A source asked
-for more than `max_epochs` copies of a document is refused.
+for more than `max_epochs` (and `MAX_COPIES`) copies of a document is refused, and so is a selection
+whose plan needs more than the machine's memory (`check_memory`), before either is allocated.
 
 Copies of a document are planned apart (`mixture_parts`): the documents are cut into R parts (R the
 most copies of any document), each packed on its own, and the copies of one document go into
@@ -57,11 +58,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from prepack.errors import InputError
 
 __all__ = [
+    "MAX_COPIES",
     "MIXTURE_SUFFIXES",
     "Mixture",
     "MixtureSource",
     "MixtureSpec",
     "SourceSelection",
+    "check_memory",
+    "field_path",
     "is_mixture_file",
     "load_mixture",
     "mixture_flags",
@@ -77,6 +81,14 @@ MIXTURE_SUFFIXES = (".yaml", ".yml", ".json")
 SOURCE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 # Source ids are stored as uint16 (`prepack.formats.mixture.SOURCE_ID_TYPE`).
 MAX_SOURCES = 2**16 - 1
+# The most copies of a document a mixture takes. Each round of copies is planned on its own
+# (`mixture_parts`), so rounds cost time beyond their documents': without a cap, `epochs: 100000` of a
+# small source plans 100,000 parts.
+MAX_COPIES = 10_000
+# What planning holds per packed document, at least: its row in its part (4 bytes, `mixture_parts`), its
+# length there (2, `compact_lengths`), its pack slot (4) and the planner's working copy (4)
+# (`prepack.building.plan`'s docstring). A request needing more than the machine's memory is refused.
+PLAN_BYTES_PER_DOCUMENT = 14
 
 
 class _Spec(BaseModel):
@@ -93,8 +105,11 @@ class MixtureSource(_Spec):
     name: str = Field(pattern=SOURCE_NAME, description="Unique; names the source in the manifest and reports.")
     path: str = Field(min_length=1, description="A corpus or a document store: a path (relative to the mixture file) or a URI.")
     weight: _Positive | None = Field(default=None, description="Share of the output tokens (normalized over the weighted sources).")
-    epochs: _Positive | None = Field(default=None, description="Instead of a weight: this many times the source's tokens.")
-    max_epochs: int | None = Field(default=None, ge=1, description="With a weight: the most copies of any document.")
+    epochs: Annotated[_Positive, Field(le=MAX_COPIES)] | None = Field(
+        default=None, description="Instead of a weight: this many times the source's tokens."
+    )
+    # The manifest's bound (`prepack.formats.mixture.SourceCounts`): a larger cap is none.
+    max_epochs: int | None = Field(default=None, ge=1, le=2**31 - 1, description="With a weight: the most copies of any document.")
 
     @model_validator(mode="after")
     def _one_amount(self) -> MixtureSource:
@@ -123,6 +138,21 @@ class MixtureSpec(_Spec):
             raise ValueError(f"source names must be unique; {', '.join(map(repr, twice))} appear twice or more")
         if self.tokens == "all" and any(source.weight is not None for source in self.sources):
             raise ValueError("a weight is a share of a token budget: give 'tokens' (--tokens), or epochs instead of weights")
+        weighted = [source for source in self.sources if source.weight is not None]
+        # `requested_tokens` shares the budget as budget x weight / (sum of weights), in floats: both must be finite.
+        for source in weighted:
+            if not math.isfinite(self.tokens * source.weight):
+                raise ValueError(
+                    f"source {source.name!r}: weight {source.weight:g} times the budget of {self.tokens:,} tokens is past the "
+                    "largest float: weights are shares, give them smaller, in proportion"
+                )
+        try:
+            math.fsum(source.weight for source in weighted)
+        except OverflowError:
+            raise ValueError(
+                f"the weights of sources {', '.join(repr(source.name) for source in weighted)} sum past the largest float: "
+                "weights are shares, give them smaller, in proportion"
+            ) from None
         return self
 
 
@@ -131,7 +161,7 @@ def is_mixture_file(spec: str | os.PathLike) -> bool:
     return str(spec).lower().endswith(MIXTURE_SUFFIXES) and not Path(spec).is_dir()
 
 
-def _field(location: tuple) -> str:
+def field_path(location: tuple) -> str:
     """A pydantic error location as a field path: `sources[1].weight`."""
     out = ""
     for part in location:
@@ -170,7 +200,10 @@ def load_mixture(path: str | os.PathLike) -> MixtureSpec:
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read the mixture file ({exc}).") from None
     try:
-        data = json.loads(text) if str(path).lower().endswith(".json") else yaml.load(text, Loader=_unique_key_loader())
+        if str(path).lower().endswith(".json"):
+            data = json.loads(text, object_pairs_hook=_unique_keys)
+        else:
+            data = yaml.load(text, Loader=_unique_key_loader())
     except (ValueError, yaml.YAMLError) as exc:
         raise InputError(f"{path}: not a valid mixture file ({str(exc).splitlines()[0]}).") from None
     if not isinstance(data, dict):
@@ -178,7 +211,7 @@ def load_mixture(path: str | os.PathLike) -> MixtureSpec:
     try:
         return MixtureSpec.model_validate(data)
     except ValidationError as exc:
-        raise InputError(f"{path}: invalid mixture: {_problems(exc, _field)}.") from None
+        raise InputError(f"{path}: invalid mixture: {_problems(exc, field_path)}.") from None
 
 
 def read_mixture(path: str | os.PathLike) -> Mixture:
@@ -218,7 +251,7 @@ def mixture_flags(
 
     def where(location: tuple) -> str:
         if location and location[0] == "sources" and len(location) > 1 and isinstance(location[1], int):
-            field = _field(location[2:])
+            field = field_path(location[2:])
             return f"--source {sources[location[1]]!r}" + (f": {field}" if field != "(top level)" else "")
         return _FLAGS.get(location[0], "--source") if location else "--source"
 
@@ -257,6 +290,17 @@ def _scalar(text: str):
         return yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's keys and values, refusing a key given twice (json keeps the last one silently), as
+    `_unique_key_loader` does for YAML."""
+    data = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"key {key!r} appears twice")
+        data[key] = value
+    return data
 
 
 def _unique_key_loader() -> type:
@@ -335,6 +379,7 @@ class SourceSelection:
     partial: np.ndarray  # rows within the source, as `eligible`
     requested: int  # tokens asked for
     realized: int  # tokens selected
+    available: int  # packable tokens of the eligible documents: one epoch
 
     @property
     def documents(self) -> int:
@@ -355,24 +400,66 @@ def select_source(name: str, tokens: np.ndarray, requested: int, seed: int, max_
     """Select whole documents of one source (`tokens`: each document's packable tokens) worth
     `requested` tokens: whole epochs, then the prefix of a seeded permutation of the eligible
     documents whose tokens come nearest to what is left (the shorter prefix on a tie). The realized
-    tokens differ from `requested` by at most the tokens of one document."""
+    tokens differ from `requested` by at most the tokens of one document. Raises InputError when that
+    takes more copies of a document than `max_epochs` or `MAX_COPIES` allow: before anything is
+    allocated when the whole epochs alone do."""
     tokens = np.asarray(tokens)
-    eligible = _rows(np.flatnonzero(tokens > 0), len(tokens))
     available = int(tokens.sum(dtype=np.int64))
     if available == 0:
         raise InputError(f"source {name!r}: no document has a token to pack.")
     epochs, rest = divmod(int(requested), available)
+    limit = MAX_COPIES if max_epochs is None else min(max_epochs, MAX_COPIES)
+    if epochs > limit:
+        raise InputError(_copies_refused(name, requested, available, epochs, max_epochs, exact=False))
+    eligible = _rows(np.flatnonzero(tokens > 0), len(tokens))
     order = _rng(seed, name).permutation(eligible)
     running = np.concatenate(([0], np.cumsum(tokens[order], dtype=np.int64)))
     above = int(np.searchsorted(running, rest, "left"))  # the first prefix with at least `rest` tokens
     take = above if above == 0 or running[above] - rest < rest - running[above - 1] else above - 1
     copies = epochs + (take > 0)
-    if max_epochs is not None and copies > max_epochs:
-        raise InputError(
-            f"source {name!r}: its weight asks for {requested:,} tokens, {requested / available:.3g} times its "
-            f"{available:,}, which needs {copies} copies of some documents; its max_epochs is {max_epochs}."
-        )
-    return SourceSelection(eligible, epochs, np.sort(order[:take]), int(requested), epochs * available + int(running[take]))
+    if copies > limit:
+        raise InputError(_copies_refused(name, requested, available, copies, max_epochs, exact=True))
+    realized = epochs * available + int(running[take])
+    return SourceSelection(eligible, epochs, np.sort(order[:take]), int(requested), realized, available)
+
+
+def _copies_refused(name: str, requested: int, available: int, copies: int, max_epochs: int | None, *, exact: bool) -> str:
+    """Why a source's request is refused: the copies of some documents it needs (at least, unless
+    `exact`), against its limit."""
+    if max_epochs is not None and max_epochs <= MAX_COPIES:
+        limit = f"its max_epochs is {max_epochs}"
+    else:
+        limit = f"a mixture takes at most {MAX_COPIES:,} copies of a document (MAX_COPIES)"
+    return (
+        f"source {name!r}: asked for {requested:,} tokens, {requested / available:.3g} times its {available:,} packable "
+        f"tokens, which needs {'' if exact else 'at least '}{copies:,} copies of some documents; {limit}."
+    )
+
+
+def _physical_memory() -> int | None:
+    """The machine's memory in bytes, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_memory(spec: MixtureSpec, selections: list[SourceSelection], memory: int | None = None) -> None:
+    """Refuse selections whose documents need more memory to plan (`PLAN_BYTES_PER_DOCUMENT` each, at
+    least) than `memory` bytes (None: the machine's, `_physical_memory`), before the plan allocates them,
+    naming the source selecting the most with its request."""
+    memory = _physical_memory() if memory is None else memory
+    documents = sum(s.documents for s in selections)
+    if memory is None or documents * PLAN_BYTES_PER_DOCUMENT <= memory:
+        return
+    most = max(range(len(selections)), key=lambda i: selections[i].documents)
+    name, selected = spec.sources[most].name, selections[most]
+    raise InputError(
+        f"the mixture selects {documents:,} documents, which need at least {documents * PLAN_BYTES_PER_DOCUMENT:,} bytes "
+        f"of memory to plan ({PLAN_BYTES_PER_DOCUMENT} a document), and this machine has {memory:,} bytes of memory; "
+        f"source {name!r} selects {selected.documents:,} of them: asked for {selected.requested:,} tokens, "
+        f"{selected.requested / selected.available:.3g} times its {selected.available:,} packable tokens. Ask for fewer tokens."
+    )
 
 
 def mixture_parts(

@@ -29,7 +29,16 @@ from prepack.building.engines.base import FirstPass, locate_row
 from prepack.building.engines.local import LocalEngine
 from prepack.errors import DISTRIBUTION, InputError
 from prepack.formats.shards import MANIFEST_NAME, InputFile, Manifest, Totals, write_manifest
-from prepack.building.mixture import Mixture, MixtureSpec, mixture_parts, packable_tokens, requested_tokens, select_source, source_location
+from prepack.building.mixture import (
+    Mixture,
+    MixtureSpec,
+    check_memory,
+    mixture_parts,
+    packable_tokens,
+    requested_tokens,
+    select_source,
+    source_location,
+)
 from prepack.formats.mixture import MixtureInfo, SourceCounts, mixture_fingerprint
 from prepack.building.mixture_plan import MixturePlan, plan_mixture
 from prepack.building.plan import compact_lengths
@@ -181,7 +190,9 @@ class SourceTally:
 def plan_sources(spec: MixtureSpec, firsts: list[FirstPass], packing) -> tuple[MixturePlan, list[SourceTally]]:
     """The selection of every source (`firsts`: their lengths and untrained flags) and the plan of the
     mixture's documents; the plan has no token starts yet (`with_row_starts`). Memory beyond the
-    sources' lengths: the selection's rows (4 bytes a selected document) and the parts' plans."""
+    sources' lengths: the selection's rows (4 bytes a selected document) and the parts' plans. Raises
+    InputError for a request beyond the copies allowed (`select_source`) or the machine's memory
+    (`check_memory`), before the parts are allocated."""
     packable = [
         packable_tokens(f.lengths, f.untrained, packing.max_len, packing.overflow, packing.drop_untrained) for f in firsts
     ]
@@ -194,7 +205,7 @@ def plan_sources(spec: MixtureSpec, firsts: list[FirstPass], packing) -> tuple[M
         tallies.append(
             SourceTally(
                 eligible_documents=len(selection.eligible),
-                eligible_tokens=int(tokens.sum(dtype=np.int64)),
+                eligible_tokens=selection.available,
                 requested=selection.requested,
                 realized=selection.realized,
                 full_epochs=selection.epochs,
@@ -207,6 +218,7 @@ def plan_sources(spec: MixtureSpec, firsts: list[FirstPass], packing) -> tuple[M
     del packable, pieces
     if not any(t.documents for t in tallies):
         raise InputError("the mixture selects no document: every source was asked for no token.")
+    check_memory(spec, selections)  # before the parts and their plans are allocated
     rows = np.array([len(f.lengths) for f in firsts], dtype=np.int64)
     first_rows = np.cumsum(rows) - rows
     parts = mixture_parts(selections, first_rows, int(rows.sum()), spec.pack_within_source, spec.seed)

@@ -163,14 +163,14 @@ def _overflowed(
 
 def pair_pieces(
     lengths: np.ndarray, prompt_lengths: np.ndarray, max_len: int, overflow: str, untrained: np.ndarray | None = None
-) -> DocumentPieces:
+) -> tuple[DocumentPieces, dict[str, int]]:
     """The segments that pairs' documents become (`prepack.building.plan.document_pieces` for a pair build, which
-    `verify` holds it to): each kept document one piece of its first `kept_lengths` tokens."""
+    `verify` holds it to): each kept document one piece of its first `kept_lengths` tokens; and `PairTotals`' fields."""
     lengths = np.asarray(lengths, np.int64)
-    kept, dropped, counts, _ = _overflowed(lengths, prompt_lengths, max_len, overflow, untrained)
+    kept, dropped, counts, pair_counts = _overflowed(lengths, prompt_lengths, max_len, overflow, untrained)
     rows = np.flatnonzero(~np.repeat(dropped, 2))
     starts = np.cumsum(lengths) - lengths
-    return DocumentPieces(rows, np.zeros(len(rows), np.int64), starts[rows], kept[rows], counts)
+    return DocumentPieces(rows, np.zeros(len(rows), np.int64), starts[rows], kept[rows], counts), pair_counts
 
 
 def plan_pairs(

@@ -1,6 +1,19 @@
 """What `verify` checks of a mixture build beyond any build's rules (`schemas/shard-format.md`,
-"Mixtures"): the manifest's `mixture` against its own arithmetic and the totals, and the packs'
-`source_ids` and per-source counts against it.
+"Mixtures"): every claim of the manifest's `mixture` recomputed, from its own arithmetic, the request
+(`prepack.building.mixture`, as the build computes it), the totals, `inputs`, the packs and, where
+they are at hand (an index build's stores), the sources.
+
+- `mixture_manifest_problems`, the manifest alone: the build's `fingerprint` is the hash of the
+  sources' ones; `inputs` are named SOURCE/… in source order with each source's rows; the request is
+  a valid mixture (`MixtureSpec`: one of weight or epochs, …) whose `requested_tokens` (and weights)
+  are each source's; the repeats follow from them (`full_epochs` = requested // eligible tokens, the
+  copies within max_epochs).
+- `mixture_pack_problems`, the packs: `source_ids`; with `pack_within_source` no pack of two sources;
+  per source its documents, segments, tokens and repeats; and its selection made again
+  (`select_source`, seeded by `seed` and its name) from its packable tokens: its store's (an index
+  build), else the packs' when it takes a full epoch (every eligible document is then packed). A full
+  build's source taking no full epoch gives its eligible documents only to its source: they are held
+  to the packs' as bounds.
 
 Each finding is a dict of `prepack.check.verify.Problem`'s fields (this module does not import verify).
 """
@@ -10,7 +23,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import numpy as np
+from pydantic import ValidationError
 
+from prepack.building.mixture import MAX_COPIES, MixtureSpec, field_path, requested_tokens, select_source
+from prepack.errors import InputError
+from prepack.formats.mixture import mixture_fingerprint
 from prepack.formats.shards import MANIFEST_NAME, Manifest
 
 __all__ = ["copy_numbers", "mixture_manifest_problems", "mixture_pack_problems"]
@@ -59,27 +76,116 @@ def mixture_manifest_problems(manifest: Manifest) -> Iterator[dict]:
         summed = sum(getattr(s, name) for s in mixture.sources)
         if summed != getattr(t, name):
             yield _manifest(f"totals.{name}", f"is {getattr(t, name)}, but the sum over mixture.sources is {summed}.")
+    if (digest := mixture_fingerprint([s.fingerprint for s in mixture.sources])) != manifest.fingerprint:
+        yield _manifest("fingerprint", f"is {manifest.fingerprint}, but the hash of mixture.sources[].fingerprint is {digest}.")
+    yield from _input_problems(manifest)
+    yield from _request_problems(manifest)
+
+
+def _input_problems(manifest: Manifest) -> Iterator[dict]:
+    """`inputs` are the sources' files in source order, each named `SOURCE/…`, holding each source's rows."""
+    sources = manifest.mixture.sources
+    number = {s.name: i for i, s in enumerate(sources)}
+    rows, last, ordered = [0] * len(sources), 0, True
+    for entry in manifest.inputs:
+        owner = number.get(entry.path.split("/", 1)[0])
+        if ordered and (owner is None or owner < last):
+            ordered = False  # one finding says it; each source's rows below say more
+            yield _manifest(
+                "inputs",
+                f"list {entry.path!r} where a file of source {sources[last].name!r} or a later one is due: each "
+                "is named SOURCE/… by its source, in source order.",
+            )
+        if owner is not None:
+            last = max(last, owner)
+            rows[owner] += entry.rows
+    for i, s in enumerate(sources):
+        if rows[i] != s.rows:
+            yield _manifest(f"mixture.sources[{i}].name", f"is {s.name!r}, whose files in inputs hold {rows[i]} rows, but the source {s.rows}.")
+
+
+def _request_problems(manifest: Manifest) -> Iterator[dict]:
+    """The request as the build read it (a `MixtureSpec`), and what it asks of each source."""
+    mixture = manifest.mixture
+    for i, s in enumerate(mixture.sources):
+        if (s.weight is None) == (s.epochs is None):
+            yield _manifest(f"mixture.sources[{i}]", f"gives weight {s.weight} and epochs {s.epochs}: a source gives one of them.")
+            return
+    try:
+        spec = MixtureSpec.model_validate(
+            {
+                "tokens": "all" if mixture.tokens is None else mixture.tokens,
+                "seed": mixture.seed,
+                "pack_within_source": mixture.pack_within_source,
+                "sources": [s.model_dump(include={"name", "path", "weight", "epochs", "max_epochs"}) for s in mixture.sources],
+            }
+        )
+    except ValidationError as exc:
+        for error in exc.errors(include_url=False):
+            yield _manifest(f"mixture.{field_path(error['loc'])}".removesuffix(".(top level)"), f"is not a mixture the build reads: {error['msg']}.")
+        return
+    try:
+        expected = requested_tokens(spec, [s.eligible_tokens for s in mixture.sources])
+    except InputError as exc:
+        yield _manifest("mixture.tokens", str(exc))
+        return
+    asked = max(sum(s.requested_tokens for s in mixture.sources), 1)
+    for i, (s, want) in enumerate(zip(mixture.sources, expected)):
+        where = f"mixture.sources[{i}]"
+        how = f"epochs {s.epochs} x eligible_tokens" if s.weight is None else f"weight {s.weight} of the budget {mixture.tokens}"
+        if s.requested_tokens != want:
+            yield _manifest(f"{where}.requested_tokens", f"is {s.requested_tokens}, but {how} asks for {want}.")
+        if abs(s.requested_weight - s.requested_tokens / asked) > _WEIGHT_TOLERANCE:
+            yield _manifest(f"{where}.requested_weight", f"is {s.requested_weight}, but requested_tokens / their sum is {s.requested_tokens / asked}.")
+        if s.eligible_tokens == 0:
+            yield _manifest(f"{where}.eligible_tokens", "is 0: a source without a token to pack is refused.")
+            continue
+        if s.full_epochs != s.requested_tokens // s.eligible_tokens:
+            yield _manifest(f"{where}.full_epochs", f"is {s.full_epochs}, but requested_tokens // eligible_tokens is {s.requested_tokens // s.eligible_tokens}.")
+        copies = s.full_epochs + (s.partial_documents > 0)
+        limit = MAX_COPIES if s.max_epochs is None else min(s.max_epochs, MAX_COPIES)
+        if copies > limit:
+            field = "max_epochs" if s.max_epochs is not None and s.max_epochs <= MAX_COPIES else "full_epochs"
+            yield _manifest(f"{where}.{field}", f"takes {copies} copies of some documents, more than {limit} (max_epochs {s.max_epochs}, MAX_COPIES {MAX_COPIES}).")
 
 
 def mixture_pack_problems(
-    rows: np.ndarray,
-    pieces: np.ndarray,
-    lengths: np.ndarray,
-    source_ids: np.ndarray,
+    segments,
+    packs: np.ndarray,
     manifest: Manifest,
     where: Callable[[int], dict],
     complete: bool,
+    packable: list[np.ndarray] | None = None,
 ) -> Iterator[dict]:
-    """The packs' segments (sorted by row, copy, piece) against the mixture: each segment's source is
-    the one whose rows hold its row; with every pack read (`complete`), per source the documents,
-    segments and tokens are the manifest's, and its repeats too: every document it packs is packed
-    full_epochs or full_epochs + 1 times, partial_documents of them the latter."""
-    sources = manifest.mixture.sources
+    """The packs' segments (verify's `_Segments`: rows, pieces, lengths, copy, source; sorted by row,
+    copy, piece; `packs` each one's pack, as a number unique to it) against the mixture: each segment's
+    source is the one whose rows hold its row; with `pack_within_source` a pack holds one source; with
+    every pack read (`complete`), per source the documents, segments and tokens are the manifest's, and
+    its repeats too: every document it packs is packed full_epochs or full_epochs + 1 times,
+    partial_documents of them the latter, and they are its selection made again (`_selection_problems`)
+    from `packable` (each source's packable tokens, from its store), else from the packs."""
+    rows, pieces, lengths, source_ids = segments.rows, segments.pieces, segments.lengths, segments.source
+    mixture = manifest.mixture
+    sources = mixture.sources
     first_rows = np.array([s.first_row for s in sources], dtype=np.int64)
+    source_rows = np.array([s.rows for s in sources], dtype=np.int64)
+    if (first_rows != np.cumsum(source_rows) - source_rows).any():
+        return  # which source a row is of is unknown: `mixture_manifest_problems` names the first_row
     owner = np.searchsorted(first_rows, rows, "right") - 1
     for i in np.flatnonzero(source_ids.astype(np.int64) != owner)[:1]:
         yield {**where(int(i)), "column": "source_ids", "message": f"is {source_ids[i]}, but row {rows[i]} is of source {owner[i]} "
                f"({sources[owner[i]].name!r})."}
+    if mixture.pack_within_source and len(packs):
+        order = np.lexsort((owner, packs))
+        same_pack = packs[order][1:] == packs[order][:-1]
+        for k in np.flatnonzero(same_pack & (owner[order][1:] != owner[order][:-1]))[:1]:
+            a, b = order[k], order[k + 1]
+            place = where(int(a))
+            yield _manifest(
+                "mixture.pack_within_source",
+                f"is true, but {place['file']} row {place['row']} holds documents of sources {sources[owner[a]].name!r} and "
+                f"{sources[owner[b]].name!r}.",
+            )
     if not complete:
         return
     first_piece = pieces == 0
@@ -106,3 +212,45 @@ def mixture_pack_problems(
                 f"more, but the packs hold {len(taken)} of its documents, taken {sorted(set(taken.tolist()))} times, "
                 f"{extra} of them full_epochs + 1 times.",
             )
+        if len(per_row) != s.rows:  # rows past the source: `source_ids` and the rows' checks said so
+            continue
+        once = mine & (segments.copy == 0)  # a document's packable tokens: its first copy's pieces
+        in_packs = np.bincount(rows[once] - s.first_row, weights=lengths[once], minlength=s.rows).astype(np.int64)
+        if packable is not None:
+            yield from _selection_problems(number, manifest, packable[number], per_row, "its store")
+        elif s.full_epochs:  # every eligible document is in the packs
+            yield from _selection_problems(number, manifest, in_packs, per_row, "the packs")
+        else:
+            for name, value in (("eligible_documents", int((per_row > 0).sum())), ("eligible_tokens", int(in_packs.sum()))):
+                if value > getattr(s, name):
+                    yield _manifest(f"mixture.sources[{number}].{name}", f"is {getattr(s, name)}, but the packs hold {value} of source {s.name!r}'s.")
+
+
+def _selection_problems(number: int, manifest: Manifest, tokens: np.ndarray, per_row: np.ndarray, given: str) -> Iterator[dict]:
+    """Source `number`'s selection made again (`select_source`) from `tokens`, its documents' packable
+    tokens as `given` says them, against its counts and the copies of each document in the packs (`per_row`)."""
+    s, seed = manifest.mixture.sources[number], manifest.mixture.seed
+    where = f"mixture.sources[{number}]"
+    if len(tokens) != s.rows:
+        yield _manifest(f"{where}.rows", f"is {s.rows}, but {given} hold {len(tokens)} documents of source {s.name!r}.")
+        return
+    for name, value in (("eligible_documents", int(np.count_nonzero(tokens))), ("eligible_tokens", int(tokens.sum(dtype=np.int64)))):
+        if value != getattr(s, name):
+            yield _manifest(f"{where}.{name}", f"is {getattr(s, name)}, but {given} give {value} (with max_len, overflow and drop_untrained).")
+    try:
+        selection = select_source(s.name, tokens, s.requested_tokens, seed, s.max_epochs)
+    except InputError as exc:
+        yield _manifest(where, f"the build would have refused it: {exc}")
+        return
+    expected = np.zeros(s.rows, np.int64)
+    expected[selection.eligible] = selection.epochs
+    expected[selection.partial] += 1
+    if (differ := np.flatnonzero(expected != per_row)).size:
+        row = int(differ[0])
+        yield _manifest(
+            "mixture.seed",
+            f"is {seed}, but the selection of source {s.name!r} made with it (seeded by the seed and the source's name, for "
+            f"requested_tokens {s.requested_tokens}, its documents as {given} give them) is not what the packs hold: {differ.size} "
+            "of its documents differ, the first "
+            f"its row {row}, packed {per_row[row]} times, selected {expected[row]} times.",
+        )

@@ -2,7 +2,10 @@
 
 Only `cu_seqlens`, `max_seqlen`, `source_rows` and `source_pieces` are read, from memory-mapped
 shards: the pages of `input_ids`, `segment_ids` and `labels` (nearly all of a shard's bytes) are never
-touched, so a report on a billion-token build costs about as much as one on its document count.
+touched, so a report on a billion-token build costs about as much as one on its document count. A
+preference-pair build is the exception: its prompt and completion tokens are counted from its `labels`
+(and its prompts checked in `input_ids`: `prepack.check.pairs`), so the split it prints is the shards',
+never the manifest's alone.
 
     report = inspect_build("packed/", batch_size=8, seed=0)
     report.fill, report.cost.pad_to_max_len.ratio
@@ -31,7 +34,8 @@ from prepack.training.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_c
 from prepack.storage.cache import ShardCache, build_cache
 from prepack.errors import FormatError, InputError, PrepackError, optional_imports
 from prepack.formats.common import StrictModel, list_column
-from prepack.formats.shards import Manifest, check_layout, read_manifest, shard_path
+from prepack.check.pairs import PairCounts, pair_count_problems, shard_pairs
+from prepack.formats.shards import Manifest, check_layout, check_shard, read_manifest, shard_path
 from prepack.storage.output import output_errors
 from prepack.storage.remote import is_uri
 
@@ -232,10 +236,30 @@ def _shard_columns(batch, where: str, max_len: int) -> tuple[np.ndarray, ...]:
     return layout.tokens, layout.documents, layout.lengths, rows, flat("source_pieces"), sources
 
 
-def _read_columns(build: Path | ShardCache, manifest: Manifest) -> tuple[list[ShardSummary], dict[str, np.ndarray]]:
+def _shard_pairs(batch, where: str, max_len: int, documents: np.ndarray, lengths: np.ndarray) -> PairCounts:
+    """A pair build's shard counted from its tokens (`shard_pairs`; `documents` per pack, `lengths` per
+    document), checked in full first (`check_shard`)."""
+    if "labels" not in batch.schema.names:
+        raise FormatError(f"{where}: a preference-pair build's shard has labels, its prompts' and completions'; run `prepack verify`.")
+    check_shard(batch, max_len, where)
+    ids_offsets, ids = list_column(batch, "input_ids", where)
+    label_offsets, labels = list_column(batch, "labels", where)
+    starts = np.cumsum(lengths) - lengths  # the documents back to back, as check_shard found them
+    found, problems = shard_pairs(ids[ids_offsets[0] :], labels[label_offsets[0] :], starts, lengths, max_len)
+    for document, column, message in problems[:1]:
+        row = int(np.searchsorted(np.cumsum(documents), document, "right"))
+        raise FormatError(f"{where}, row {row}, column {column!r}: a document {message[:-1]}; run `prepack verify`.")
+    return found
+
+
+def _read_columns(
+    build: Path | ShardCache, manifest: Manifest
+) -> tuple[list[ShardSummary], dict[str, np.ndarray], PairCounts | None]:
     """The shards' summaries and columns, read from the directory `build` or, for a build in object
-    storage, from the copies in the cache `build` (problems name the shards' URIs)."""
+    storage, from the copies in the cache `build` (problems name the shards' URIs); a pair build's
+    counts (`_shard_pairs`)."""
     max_len = manifest.options.max_len
+    pairs = PairCounts(0, 0, 0, 0) if manifest.pairs is not None else None
     summaries, parts = [], {"tokens": [], "docs": [], "lengths": [], "rows": [], "pieces": [], "sources": []}
     for index, info in enumerate(manifest.shards):
         if isinstance(build, Path):
@@ -249,6 +273,8 @@ def _read_columns(build: Path | ShardCache, manifest: Manifest) -> tuple[list[Sh
         columns = _shard_columns(batch, where, max_len)
         for key, values in zip(parts, columns):
             parts[key].append(values)
+        if pairs is not None:
+            pairs = pairs.add(_shard_pairs(batch, where, max_len, columns[1], columns[2]))
         tokens = int(columns[0].sum())
         summaries.append(
             ShardSummary(
@@ -262,7 +288,7 @@ def _read_columns(build: Path | ShardCache, manifest: Manifest) -> tuple[list[Sh
         )
     dtypes = {"tokens": np.int64, "docs": np.int64, "lengths": np.int64, "rows": np.int64, "pieces": np.int32, "sources": np.uint16}
     flat = {k: np.concatenate(v) if v else np.empty(0, dtypes[k]) for k, v in parts.items()}
-    return summaries, flat
+    return summaries, flat, pairs
 
 
 def _random_batch_cost(lengths: np.ndarray, batch_size: int, seed: int) -> int:
@@ -334,7 +360,7 @@ def inspect_build(
     with ExitStack() as stack:
         build = stack.enter_context(build_cache(str(path), cache_dir)) if is_uri(path) else Path(path)
         manifest = build.manifest if isinstance(build, ShardCache) else read_manifest(build)
-        summaries, columns = _read_columns(build, manifest)
+        summaries, columns, pairs = _read_columns(build, manifest)
     path = build.uri if isinstance(build, ShardCache) else build
     t, max_len = manifest.totals, manifest.options.max_len
     lengths = columns["lengths"]
@@ -398,22 +424,26 @@ def inspect_build(
         else _step_balance(pack_costs(columns["docs"], lengths, token_cost), world_size, batch_size, token_cost, seed),
         per_shard=summaries,
         sources=sources,
-        pairs=None if manifest.pairs is None else _pair_report(manifest, lengths[order], batch_size, seed, cost),
+        pairs=None if pairs is None else _pair_report(manifest, pairs, lengths[order], batch_size, seed, cost, path),
     )
 
 
-def _pair_report(manifest: Manifest, lengths: np.ndarray, batch_size: int, seed: int, cost) -> PairReport:
-    """`lengths`: the documents' lengths in corpus order, pair after pair (chosen, then rejected)."""
+def _pair_report(manifest: Manifest, found: PairCounts, lengths: np.ndarray, batch_size: int, seed: int, cost, path) -> PairReport:
+    """`found`: the pairs as the shards hold them (`_shard_pairs`); `lengths`: the documents' lengths in
+    corpus order, pair after pair (chosen, then rejected). The manifest's figures the shards disagree
+    with are refused (FormatError: `verify` says more)."""
     p = manifest.pairs
+    for field, message in pair_count_problems(p, found, manifest.options.overflow)[:1]:
+        raise FormatError(f"{path}: the manifest's pairs.{field} {message[:-1]}; run `prepack verify`.")
     pair_lengths = lengths.reshape(-1, 2)
     return PairReport(
         pairs=len(pair_lengths),
         read=p.pairs,
         truncated=p.truncated,
         dropped=p.dropped,
-        prompt_tokens=p.prompt_tokens,
-        completion_tokens=p.completion_tokens,
-        shared_prompt_saves=p.prompt_tokens // 2,
+        prompt_tokens=found.prompt_tokens,
+        completion_tokens=found.completion_tokens,
+        shared_prompt_saves=found.prompt_tokens // 2,
         trl_padded=cost(_trl_pair_cost(pair_lengths, batch_size, seed)),
     )
 

@@ -14,7 +14,8 @@ What is checked, in this order (each problem names the file, row and column it w
    pack. Problems come from those checks as fields (`FormatError.problem`), never parsed from text;
 4. across shards: every (corpus row, piece) in one pack only, pieces numbered 0, 1, … without gaps,
    every piece but a document's last holding max_len tokens, and the counts of documents, splits and
-   segments against the manifest;
+   segments against the manifest; a mixture's every claim (`prepack.check.mixture`) and a pair build's
+   `pairs`, counted from its tokens (`prepack.check.pairs`);
 5. with `source`: the corpus is read as the build read it (`open_documents`): streamed, or tokenized
    again with the given tokenizer when the build tokenized it, or read from a document store made
    from it (memory bounded by its batches), and every document must come out of the packs exactly as the manifest's max_len
@@ -58,6 +59,7 @@ import pyarrow as pa
 
 from prepack.storage.cache import ShardCache, build_cache
 from prepack.check.mixture import copy_numbers, mixture_manifest_problems, mixture_pack_problems
+from prepack.check.pairs import PairCounts, pair_count_problems, shard_pairs
 from prepack.sources.mixture_stores import StoreChain, open_mixture_stores
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import Fingerprint, StrictModel, list_column
@@ -73,6 +75,7 @@ from prepack.formats.shards import (
     shard_file_problems,
     shard_sha256,
 )
+from prepack.building.mixture import packable_tokens
 from prepack.building.pair_plan import pair_pieces
 from prepack.building.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.sources.documents import Documents, Reading, open_documents, store_documents
@@ -316,9 +319,12 @@ def _problems(
             store_columns = yield from _stores_problems(store, manifest)
     readable = yield from (_directory_problems(build, manifest) if local else _download_problems(build))
     shards: dict[int, _Shard] = {}
+    pairs: PairCounts | None = PairCounts(0, 0, 0, 0) if manifest.pairs is not None else None
     for index, (file, check_sha256) in readable.items():
         shard = yield from _shard_problems(file, index, manifest, check_sha256)
         if shard is not None:
+            if pairs is not None:
+                pairs = yield from _pair_problems(shard, manifest, pairs)
             if source is None:  # only the source check reads tokens again: unmap the shard now
                 shard.ids = shard.labels = None
             shards[index] = shard
@@ -329,13 +335,17 @@ def _problems(
             "rows (above); the checks that need every pack (documents missing from the packs, piece "
             "numbering, document counts) were skipped."
         )
+    elif pairs is not None:
+        for field, message in pair_count_problems(manifest.pairs, pairs, manifest.options.overflow):
+            yield Problem(file=MANIFEST_NAME, column=f"pairs.{field}", message=message)
     segments = _concatenate([s.segments for s in shards.values()], manifest.mixture is not None)
     packs = _Packs(segments, shards, manifest, complete)
     yield from _provenance_problems(packs)
     if manifest.mixture is not None:
-        found = mixture_pack_problems(
-            segments.rows, segments.pieces, segments.lengths, segments.source, manifest, packs.where, complete
-        )
+        pack_numbers = (segments.shard.astype(np.int64) << 40) | segments.pack  # a shard holds fewer than 2**40 packs
+        packable = _store_packable(store, manifest) if manifest.index_of is not None and store is not None and len(
+            store_columns) == len(store.manifest.shards) else None
+        found = mixture_pack_problems(segments, pack_numbers, manifest, packs.where, complete, packable)
         yield from (Problem(**problem) for problem in found)
     if store is not None:
         yield from _reference_problems(packs, store, store_columns)
@@ -449,6 +459,20 @@ def _pair_count_problems(manifest: Manifest) -> Iterator[Problem]:
             yield Problem(file=MANIFEST_NAME, column=f"pairs.{name}", message=f"is {getattr(p, name)}, but {rule}: {said}.")
     if manifest.options.overflow == "split":
         yield Problem(file=MANIFEST_NAME, column="options.overflow", message="is 'split', which never applies to pairs.")
+
+
+def _pair_problems(shard: _Shard, manifest: Manifest, counts: PairCounts):
+    """Yield the problems of a pair build's shard that only its tokens show (`shard_pairs`: each document a
+    prompt labelled -100 then its completion, the two of a pair sharing their prompt tokens); return
+    `counts` with the shard's added, or None when the shard carries no labels to count them by (its
+    manifest's has_labels is then reported)."""
+    if shard.ids is None or shard.labels is None:
+        return None
+    seg = shard.segments
+    found, problems = shard_pairs(shard.ids, shard.labels, seg.starts, seg.lengths, manifest.options.max_len)
+    for document, column, message in problems:
+        yield Problem(file=shard.name, row=int(seg.pack[document]), column=column, message=f"document {seg.number[document]} {message}")
+    return counts.add(found)
 
 
 # 2. The directory ---------------------------------------------------------------------------------
@@ -574,6 +598,19 @@ def _stores_problems(chain: StoreChain, manifest: Manifest):
             "are damaged (above): the packs were not checked against those shards' documents."
         )
     return columns
+
+
+def _store_packable(chain: StoreChain, manifest: Manifest) -> list[np.ndarray]:
+    """Each source's documents' packable tokens, from its store as the build read it (`Store.shard_lengths`,
+    `packable_tokens`), for a mixture's index build whose stores' shards are sound."""
+    o = manifest.options
+    packable = []
+    for store in chain.stores:
+        parts = [store.shard_lengths(shard) for shard in store.manifest.shards]
+        lengths = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+        untrained = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, bool)
+        packable.append(packable_tokens(lengths, untrained, o.max_len, o.overflow, o.drop_untrained))
+    return packable
 
 
 def _reference_problems(packs: _Packs, store: Store, columns: _Columns) -> Iterator[Problem]:
@@ -841,6 +878,7 @@ def _source_problems(source: Documents, packs: _Packs, tokens: _Tokens | None) -
             "labels are not compared.",
         )
     counts = Counter(documents=0, **document_pieces([], o.max_len, o.overflow).counts)  # every key, at 0
+    pairs = Counter()  # a pair build's `PairTotals` fields
     rows_per_file = {path: 0 for path in corpus.files}
     row0 = 0
     for batch in batches:
@@ -848,7 +886,8 @@ def _source_problems(source: Documents, packs: _Packs, tokens: _Tokens | None) -
         untrained = untrained_documents(batch.offsets, batch.labels if manifest.has_labels else None)
         if source.pairs is not None:  # pairs are cut as units (`prepack.building.pair_plan`)
             prompts = source.pairs.latest_prompt_lengths()
-            expected = pair_pieces(np.diff(batch.offsets), prompts, o.max_len, o.overflow, untrained)
+            expected, pair_counts = pair_pieces(np.diff(batch.offsets), prompts, o.max_len, o.overflow, untrained)
+            pairs.update(pair_counts)
         else:
             expected = document_pieces(np.diff(batch.offsets), o.max_len, o.overflow, untrained, o.drop_untrained)
         counts.update(documents=m, **expected.counts)
@@ -869,12 +908,14 @@ def _source_problems(source: Documents, packs: _Packs, tokens: _Tokens | None) -
             column="inputs",
             message=f"lists (file, rows) {listed}, the source has {inputs}.",
         )
-    for key, value in counts.items():
-        said = getattr(manifest.totals, key)
+    said_pairs = manifest.pairs.model_dump() if manifest.pairs is not None and source.pairs is not None else {}
+    for key, value in [*((f"totals.{k}", v) for k, v in counts.items()), *((f"pairs.{k}", pairs[k]) for k in said_pairs)]:
+        section, name = key.split(".")
+        said = getattr(manifest.totals, name) if section == "totals" else said_pairs[name]
         if said != value:
             yield Problem(
                 file=MANIFEST_NAME,
-                column=f"totals.{key}",
+                column=key,
                 message=f"is {said}, but the source with max_len {o.max_len} and overflow {o.overflow!r} "
                 f"gives {value}.",
             )

@@ -369,3 +369,76 @@ def test_the_cli_refuses_bad_mixture_flags(sources, tmp_path, args, message):
     _mixture(root, "mix.yaml")
     assert message in failure(run_prepack("build", *args, "--max-len", "256", "--out", tmp_path / "out", cwd=root, env=WIDE))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('{"tokens": 10, "tokens": 20, "sources": [{"name": "a", "path": "a", "weight": 1}]}', "'tokens'"),
+        ('{"tokens": 10, "sources": [{"name": "a", "path": "a", "weight": 1, "weight": 3}]}', "'weight'"),
+    ],
+)
+def test_a_json_mixture_file_refuses_a_key_given_twice_as_yaml_does(tmp_path, text, key):
+    """One rule for both formats: json.loads alone would keep the last of the two values."""
+    with pytest.raises(InputError) as refused:
+        load_mixture_text(text, "mix.json", tmp_path)
+    message = str(refused.value)
+    assert str(tmp_path / "mix.json") in message and f"key {key} appears twice" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        # their sum is past the largest float (math.fsum raised OverflowError)
+        ("tokens: 1\nsources:\n  - {name: a, path: a, weight: 1.0e+308}\n  - {name: b, path: b, weight: 1.0e+308}\n",
+         "the weights of sources 'a', 'b' sum past the largest float"),
+        # one weight times the budget is past it
+        ("tokens: 1000000\nsources:\n  - {name: a, path: a, weight: 1.0e+305}\n  - {name: b, path: b, weight: 1}\n",
+         "source 'a': weight 1e+305 times the budget"),
+    ],
+)
+def test_weights_that_overflow_are_refused_by_file_and_source(tmp_path, text, named):
+    with pytest.raises(InputError) as refused:
+        load_mixture_text(text, directory=tmp_path)
+    message = str(refused.value)
+    assert str(tmp_path / "mix.yaml") in message and named in message
+
+
+def test_large_weights_in_proportion_share_the_budget_as_small_ones_do():
+    big = load_mixture_text("tokens: 1000\nsources:\n  - {name: a, path: a, weight: 3.0e+300}\n  - {name: b, path: b, weight: 1.0e+300}\n")
+    assert requested_tokens(big, [100, 100]) == [750, 250]
+
+
+@pytest.mark.parametrize(
+    ("amount", "limit"),
+    [
+        ("weight: 1", "at most 10,000 copies of a document"),  # with --tokens 10**12: no max_epochs
+        ("weight: 1, max_epochs: 3", "its max_epochs is 3"),
+        ("epochs: 100000", "sources[0].epochs"),  # refused with the file, before a source is read
+    ],
+)
+def test_a_request_beyond_the_copies_allowed_is_refused_before_planning(sources, tmp_path, amount, limit):
+    root, docs, _ = sources
+    mixture = root / f"huge-{amount.replace(' ', '').replace(':', '').replace(',', '')}.yaml"
+    mixture.write_text(f"tokens: 1000000000000\nsources:\n  - {{name: math, path: math-store, {amount}}}\n")
+    with pytest.raises(InputError) as refused:
+        prepack.build(mixture, tmp_path / "out", max_len=128)
+    message = str(refused.value)
+    assert limit in message
+    if "epochs:" not in amount:  # the request, what the source gives, the limit
+        available = sum(len(d) for d in docs["math"])
+        assert "source 'math'" in message and "1,000,000,000,000 tokens" in message and f"its {available:,} packable tokens" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_request_beyond_memory_is_refused_with_its_numbers():
+    from prepack.building.mixture import check_memory
+
+    spec = load_mixture_text("tokens: 100000000\nsources:\n  - {name: a, path: a, weight: 1}\n")
+    selection = select_source("a", np.full(1000, 10, np.int64), 100_000_000, 0)  # 10,000 copies of 1,000 documents
+    check_memory(spec, [selection], memory=10**9)  # 10**7 documents fit in 1 GB
+    with pytest.raises(InputError) as refused:
+        check_memory(spec, [selection], memory=10**7)
+    message = str(refused.value)
+    assert "source 'a'" in message and "10,000,000 documents" in message and "10,000,000 bytes of memory" in message
+    assert "100,000,000 tokens" in message and "its 10,000 packable tokens" in message

@@ -169,3 +169,89 @@ def test_every_overflow_policy_gives_a_mixture_verify_accepts(clean, tmp_path, o
     else:
         assert code.segments == code.documents
     assert inspect_build(tmp_path / "out").sources[1].segments == code.segments
+
+
+def _swap(raw: dict, key: str, first: int = 0, second: int = 1) -> None:
+    sources = raw["mixture"]["sources"]
+    sources[first][key], sources[second][key] = sources[second][key], sources[first][key]
+
+
+def _rename_inputs(raw: dict) -> None:
+    """web's and code's names swapped in `inputs` too, as a careful forger would."""
+    rename = {"web": "code", "code": "web"}
+    for entry in raw["inputs"]:
+        name, rest = entry["path"].split("/", 1)
+        entry["path"] = f"{rename.get(name, name)}/{rest}"
+
+
+def _set(path: str, value):
+    def edit(raw: dict) -> None:
+        *parents, last = path.split(".")
+        target = raw["mixture"]
+        for step in parents:
+            target = target[int(step)] if step.isdigit() else target[step]
+        target[last] = value(target[last]) if callable(value) else value
+
+    return edit
+
+
+# web: one full epoch and a seeded subset; code: a seeded subset (no full epoch); math: 9 copies and more
+FORGED = {
+    "packs mix sources": (_set("pack_within_source", True), "mixture.pack_within_source"),
+    "names swapped": (lambda raw: _swap(raw, "name"), "mixture.sources[0].name"),
+    "names swapped, inputs too": (lambda raw: (_swap(raw, "name"), _rename_inputs(raw)), "mixture.seed"),
+    "fingerprints swapped": (lambda raw: _swap(raw, "fingerprint"), "fingerprint"),
+    "a fingerprint changed": (_set("sources.2.fingerprint", "0" * 64), "fingerprint"),
+    "another seed": (_set("seed", lambda seed: seed + 1), "mixture.seed"),
+    "another budget": (_set("tokens", lambda tokens: tokens + 5000), "mixture.sources[0].requested_tokens"),
+    "another weight": (_set("sources.0.weight", 0.6), "mixture.sources[0].requested_tokens"),
+    "requested tokens": (_set("sources.1.requested_tokens", lambda n: n + 1), "mixture.sources[1].requested_tokens"),
+    "requested weight": (_set("sources.1.requested_weight", lambda w: w / 2), "mixture.sources[1].requested_weight"),
+    "eligible tokens": (_set("sources.0.eligible_tokens", lambda n: n + 1), "mixture.sources[0].eligible_tokens"),
+    "a cap the copies exceed": (_set("sources.2.max_epochs", 2), "mixture.sources[2].max_epochs"),
+    "a weight and epochs": (_set("sources.0.epochs", 1.0), "mixture.sources[0]"),
+    "no weight and no epochs": (_set("sources.1.weight", None), "mixture.sources[1]"),
+}
+
+
+@pytest.mark.parametrize("forged", FORGED)
+def test_every_mixture_claim_is_recomputed(packed, forged):
+    edit, column = FORGED[forged]
+    edit_json(packed / "manifest.json", edit)
+    problems = verify_build(packed, all_problems=True)
+    assert column in [p.column for p in problems], problems
+    checked = run_prepack("verify", packed) if forged == "packs mix sources" else None
+    if checked is not None:
+        assert checked.returncode == 1 and "mixture.pack_within_source" in checked.stdout + checked.stderr
+
+
+KINDS = {
+    "packed within sources": None,
+    "in epochs": "seed: 5\nsources:\n  - {name: web, path: web.parquet}\n  - {name: math, path: math-store, epochs: 2.5}\n",
+    "epochs and weights": "tokens: 9000\nseed: 1\nsources:\n  - {name: web, path: web.parquet, weight: 2, max_epochs: 3}\n"
+    "  - {name: code, path: code.jsonl, epochs: 0.5}\n  - {name: math, path: math-store, weight: 1}\n",
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_mixture_of_every_kind_verifies(clean, tmp_path, kind):
+    """The claims verify recomputes are the build's: every request, selection and packing holds them."""
+    if KINDS[kind] is None:
+        mixture = write_mixture(clean.parent, "within.yaml", within=True)
+    else:
+        mixture = clean.parent / f"{kind.replace(' ', '-')}.yaml"
+        mixture.write_text(KINDS[kind])
+    prepack.build(mixture, tmp_path / "out", max_len=128)
+    assert verify_build(tmp_path / "out", all_problems=True) == []
+
+
+@pytest.mark.parametrize(
+    ("source", "field", "change"),
+    [(1, "eligible_tokens", 1), (1, "eligible_documents", -1), (2, "eligible_tokens", -1)],
+)
+def test_an_index_builds_selection_is_recomputed_from_its_stores(indexed, tmp_path, source, field, change):
+    """code takes no full epoch: its eligible documents are not all in the packs, only its store knows them."""
+    root = shutil.copytree(indexed, tmp_path / "copy")
+    edit_json(root / "index" / "manifest.json", _set(f"sources.{source}.{field}", lambda n: n + change))
+    problems = verify_build(root / "index", all_problems=True)
+    assert f"mixture.sources[{source}].{field}" in [p.column for p in problems], problems
