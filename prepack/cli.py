@@ -273,6 +273,7 @@ def build_command(
     seed: Annotated[int, typer.Option(help="Seed of the pack-order shuffle.")] = 0,
     drop_untrained: Annotated[bool, typer.Option("--drop-untrained", help="Leave out documents with no trained token (every label -100); they are counted either way.")] = False,
     index_only: Annotated[bool, typer.Option("--index-only", help="A document store only: write which documents each pack holds, no token; the build reads them from the store.")] = False,
+    max_docs_per_pack: Annotated[int | None, typer.Option("--max-docs-per-pack", metavar="K", show_default=False, help="At most K documents a pack (a preference pair counts as two), planned exactly with --max-len: fixed-shape batches for torch.compile and CUDA graphs (README, \"Compiled training\"). `prepack inspect` shows what a cap costs.")] = None,
     shard_size: _ShardSizeOption = _DEFAULT_SHARD_SIZE,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing build at --out.")] = False,
     engine: _EngineOption = Engine.local,
@@ -292,6 +293,7 @@ def build_command(
         seed=seed,
         drop_untrained=drop_untrained,
         index_only=index_only,
+        max_docs_per_pack=max_docs_per_pack,
     )
     try:
         mixture = mixture_flags(corpus, source or [], tokens, mix_seed, pack_within_source)

@@ -42,12 +42,13 @@ def reference_segments(lengths, max_len, overflow, untrained=None, drop_untraine
     return rows, pieces, starts, segment_lengths, counts
 
 
-def reference_plan(lengths, max_len, *, algorithm, overflow, seed, untrained=None, drop_untrained=False):
+def reference_plan(lengths, max_len, *, algorithm, overflow, seed, untrained=None, drop_untrained=False, max_documents=None):
     """pack_offsets, starts, lengths, rows, pieces of every pack in written order, and the counts."""
     rows, pieces, starts, segment_lengths, counts = reference_segments(
         lengths, max_len, overflow, untrained, drop_untrained
     )
-    pack_of = np.array(reference_placement(segment_lengths.tolist(), max_len, algorithm), dtype=np.int64)
+    placement = reference_placement(segment_lengths.tolist(), max_len, algorithm, max_documents)
+    pack_of = np.array(placement, dtype=np.int64)
     packs = int(pack_of.max()) + 1 if len(pack_of) else 0
     position = np.empty(packs, dtype=np.int64)
     position[np.random.default_rng(seed).permutation(packs)] = np.arange(packs)

@@ -75,7 +75,8 @@ class Packing:
     `max_len` tokens a pack, by `algorithm` ("ffd", "bfd"), documents longer than it handled by
     `overflow` ("split", "truncate", "drop", "error"), the packs shuffled with `seed`; with
     `drop_untrained`, documents with no trained token left out; with `index_only` (a store only),
-    index shards written instead of token shards."""
+    index shards written instead of token shards; with `max_docs_per_pack`, at most that many documents
+    (segments; a preference pair counts as its two) a pack, for fixed-shape batches."""
 
     max_len: int
     algorithm: str = "ffd"
@@ -83,6 +84,7 @@ class Packing:
     seed: int = 0
     drop_untrained: bool = False
     index_only: bool = False
+    max_docs_per_pack: int | None = None
 
     def manifest_options(self, shard_size: int, column: str, labels_column: str | None) -> BuildOptions:
         """The manifest's `options` for these packing options and the shards' size, the documents read
@@ -96,6 +98,7 @@ class Packing:
             column=column,
             labels_column=labels_column,
             drop_untrained=self.drop_untrained,
+            max_docs_per_pack=self.max_docs_per_pack,
         )
 
 
@@ -228,6 +231,7 @@ def build(
     shard_size: int = DEFAULT_SHARD_SIZE,
     drop_untrained: bool = False,
     index_only: bool = False,
+    max_docs_per_pack: int | None = None,
     overwrite: bool = False,
     engine: str = "local",
     ray_address: str | None = None,
@@ -248,6 +252,11 @@ def build(
 
     Documents with no trained token (every label after the first -100) are counted in the
     manifest's totals (`untrained`) and, with `drop_untrained`, left out of the packs.
+
+    `max_docs_per_pack` caps the documents (segments) of a pack beside `max_len`, planned exactly by the
+    same algorithm under both limits, so that every batch of `prepack.training.collate.PackedCollator` with
+    `fixed_shape=True` has the same shapes (`torch.compile`, CUDA graphs). A preference pair counts as its two
+    documents. Recorded in the manifest and held by `verify`; without it the build is that of before.
 
     Without `tokenizer` the corpus holds token ids in `column`, and `labels_column` is carried into
     the shards when every corpus file has it. With `tokenizer` (a local directory or tokenizer.json)
@@ -333,6 +342,7 @@ def build_packs(
                     seed=packing.seed,
                     untrained=first.untrained,
                     drop_untrained=packing.drop_untrained,
+                    max_documents=packing.max_docs_per_pack,
                     without_numba=without_numba,
                 )
             bar.update(planning, total=1, completed=1)
@@ -379,6 +389,8 @@ def _check_pair_options(packing: Packing, output: Output) -> None:
         )
     if packing.drop_untrained:
         raise InputError("--drop-untrained would break pairs apart: leave it out with --pairs.")
+    if packing.max_docs_per_pack == 1:
+        raise InputError("--max-docs-per-pack 1 leaves no room for a pair's two documents: give 2 or more with --pairs.")
     if output.engine != "local":
         raise InputError("--pairs builds run on the local engine: leave out --engine ray.")
 
@@ -410,6 +422,7 @@ def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> Pai
         overflow=packing.overflow,
         seed=packing.seed,
         untrained=first.untrained,
+        max_pairs=None if packing.max_docs_per_pack is None else packing.max_docs_per_pack // 2,
     )
 
 

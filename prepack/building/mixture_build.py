@@ -234,6 +234,7 @@ def plan_sources(spec: MixtureSpec, firsts: list[FirstPass], packing) -> tuple[M
         overflow=packing.overflow,
         seed=packing.seed,
         drop_untrained=packing.drop_untrained,
+        max_documents=packing.max_docs_per_pack,
     )
     return plan, tallies
 

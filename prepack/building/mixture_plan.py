@@ -106,9 +106,10 @@ def plan_mixture(
     overflow: str,
     seed: int,
     drop_untrained: bool,
+    max_documents: int | None = None,
 ) -> MixturePlan:
     """Plan each part (the build rows of its documents, `lengths` and `untrained` indexed by build row)
-    on its own, and shuffle all their packs with `seed`."""
+    on its own, at most `max_documents` segments a pack when given, and shuffle all their packs with `seed`."""
     plans, rows = [], []
     for part in parts:
         plans.append(
@@ -119,6 +120,7 @@ def plan_mixture(
                 overflow=overflow,
                 untrained=untrained[part],
                 drop_untrained=drop_untrained,
+                max_documents=max_documents,
             )
         )
         rows.append(part)

@@ -182,13 +182,17 @@ def plan_pairs(
     overflow: str = "truncate",
     seed: int = 0,
     untrained: np.ndarray | None = None,
+    max_pairs: int | None = None,
 ) -> PairPlan:
     """Plan the pairs of documents `lengths` (two a pair) with their `prompt_lengths` (one a pair): each
     pair one item for `plan_packs`, after `overflow` ("truncate", "drop"; "error" is the caller's, as is
-    refusing `overlong_prompts` under "truncate"). `untrained` (one flag a document) is counted only."""
+    refusing `overlong_prompts` under "truncate"), at most `max_pairs` a pack when given. `untrained` (one
+    flag a document) is counted only."""
     lengths = np.asarray(lengths, np.int64)
     kept, _, counts, pair_counts = _overflowed(lengths, prompt_lengths, max_len, overflow, untrained)
     # The planner drops what is still longer than max_len, as `_overflowed` counted.
-    units = plan_packs(kept[0::2] + kept[1::2], max_len, algorithm=algorithm, overflow="drop", seed=seed)
+    units = plan_packs(
+        kept[0::2] + kept[1::2], max_len, algorithm=algorithm, overflow="drop", seed=seed, max_documents=max_pairs
+    )
     starts = np.cumsum(lengths) - lengths
     return PairPlan(units=units, starts=starts, kept=kept, counts=counts, pair_counts=pair_counts)

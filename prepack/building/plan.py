@@ -29,6 +29,11 @@ best-fit-decreasing ("bfd")
     capacity: a min segment tree over the capacities a pack can have left finds the smallest non-empty bucket
     >= length, and each bucket is a pairing heap of pack numbers whose root is the lowest one.
 
+A cap on documents per pack (`max_documents`, K) is a second limit beside max_len, for fixed-shape
+batches (`prepack.training.collate`): a pack with K segments has no room left, for either algorithm.
+ffd sets its slot's remaining capacity to 0, bfd takes it out of the buckets as it does a full pack.
+Without a cap, K is the number of segments and the plan is the uncapped one, byte for byte.
+
 Packs are numbered 0, 1, ... in the order they are opened. The whole plan is O(n log packs) time
 (the counting is O(n + L)) and O(n + L) memory, with L the longest segment: the histogram and bfd's
 capacity buckets follow the documents, never max_len (`--max-len 2147483647` plans in the memory of
@@ -106,6 +111,15 @@ def _check_options(max_len: int, algorithm: str) -> int:
     return max_len
 
 
+def _check_cap(max_documents: int | None) -> int | None:
+    if max_documents is None:
+        return None
+    max_documents = operator.index(max_documents)
+    if not 1 <= max_documents < 2**31:  # counts are kept in int32
+        raise ValueError(f"max_documents must be in [1, 2**31), got {max_documents}")
+    return max_documents
+
+
 def _overflow_code(overflow: str) -> int:
     if overflow not in _OVERFLOWS:
         raise ValueError(f"unknown overflow {overflow!r}")
@@ -122,36 +136,54 @@ def _flags(untrained: np.ndarray | None, documents: int) -> np.ndarray:
     return untrained
 
 
-def assign_packs(lengths: np.ndarray, max_len: int, algorithm: str = "ffd") -> np.ndarray:
-    """Pack number (int32, 0-based, in the order packs are opened) of every document.
+def assign_packs(
+    lengths: np.ndarray, max_len: int, algorithm: str = "ffd", max_documents: int | None = None
+) -> np.ndarray:
+    """Pack number (int32, 0-based, in the order packs are opened) of every document, at most
+    `max_documents` documents a pack when given.
 
     `lengths` is a 1-D integer array with every value in [1, max_len]; the caller has already
     split, truncated or dropped the documents that do not fit, so anything else is a bug and
     raises ValueError.
     """
     max_len = _check_options(max_len, algorithm)
+    max_documents = _check_cap(max_documents)
     lengths = compact_lengths(lengths)
     if len(lengths) == 0:
         return np.empty(0, np.int32)
     if lengths.min() < 1 or lengths.max() > max_len:
         raise ValueError(f"every length must be in [1, {max_len}], got [{lengths.min()}, {lengths.max()}]")
     histogram = np.bincount(lengths)  # as long as the longest document, never max_len
-    pack_of_sorted, _ = _assign_sorted(histogram, max_len, algorithm)
+    pack_of_sorted, _ = _assign_sorted(histogram, max_len, algorithm, max_documents)
     return _unsort(lengths, histogram, pack_of_sorted)
 
 
-def _assign_sorted(histogram: np.ndarray, max_len: int, algorithm: str) -> tuple[np.ndarray, int]:
+def _assign_sorted(
+    histogram: np.ndarray, max_len: int, algorithm: str, max_documents: int | None = None, vectorized: bool = False
+) -> tuple[np.ndarray, int]:
     """Pack number (int32) of every segment in the planner's order, longest first, and the pack count,
     from the histogram of segment lengths (`histogram[x]` segments of x tokens, x in 1..len(histogram) - 1,
-    the longest segment, at most max_len)."""
+    the longest segment, at most max_len), at most `max_documents` segments a pack when given; in numpy
+    when `vectorized` (ffd only), else by the kernels."""
     segments = int(histogram.sum())
     tokens = int(np.dot(histogram, np.arange(len(histogram), dtype=np.int64)))
-    # Any-fit algorithms leave no two packs that together fit in one (the later one's first
-    # segment did not fit in the earlier), so at most 2*ceil(total/max_len) - 1 packs open.
-    max_packs = min(segments, 2 * -(-tokens // max_len) + 1)
+    cap = min(segments, max_documents or segments, 2**31 - 1)  # no cap: as many as there are segments
+    bound = _pack_bound(segments, tokens, max_len, cap)
+    if vectorized:
+        return plan_vectorized.assign_ffd(histogram, max_len, cap, bound)
     assign = _ffd if algorithm == "ffd" else _bfd
-    pack_of_sorted, packs = assign(histogram, max_len, max_packs, tokens)
+    pack_of_sorted, packs = assign(histogram, max_len, bound, tokens, cap)
     return pack_of_sorted, int(packs)
+
+
+def _pack_bound(segments: int, tokens: int, max_len: int, cap: int) -> int:
+    """How many packs an any-fit algorithm can open for `segments` segments of `tokens` tokens in all, at
+    most `cap` a pack. Packs holding fewer than `cap` at the end had fewer whenever a later pack opened,
+    so the later one's first segment did not fit in the earlier by tokens: no two of them together fit
+    in one, so at most 2*ceil(tokens/max_len) - 1 of them. The others hold `cap` segments each."""
+    if segments == 0:
+        return 0
+    return min(segments, 2 * -(-tokens // max_len) + 1 + segments // cap)
 
 
 @kernel(cache=True)
@@ -180,13 +212,15 @@ def _unsort(lengths, histogram, pack_of_sorted):
 
 
 @kernel(cache=True)
-def _ffd(histogram, max_len, max_packs, tokens):
+def _ffd(histogram, max_len, max_packs, tokens, cap):
     size = 1
     while size < max_packs:
         size *= 2
     # Implicit binary tree: leaves size..2*size-1 are pack slots holding remaining capacity,
     # each inner node the max of its children. The bound on max_packs guarantees a free slot.
+    # A slot holding `cap` segments has no room left: capacity 0, which no segment fits.
     tree = np.full(2 * size, max_len, np.int32)
+    held = np.zeros(size, np.int32)
     out = np.empty(histogram.sum(), np.int32)
     at, packs = 0, 0
     for need in range(len(histogram) - 1, 0, -1):
@@ -207,7 +241,8 @@ def _ffd(histogram, max_len, max_packs, tokens):
             out[at] = node - size
             at += 1
             packs = max(packs, node - size + 1)
-            tree[node] -= need
+            held[node - size] += 1
+            tree[node] = tree[node] - need if held[node - size] < cap else 0
             up = node // 2
             while up >= 1:  # stop as soon as an ancestor's max is unaffected
                 m = max(tree[2 * up], tree[2 * up + 1])
@@ -281,7 +316,7 @@ def _pop(root, child, sibling, stack):
 
 
 @kernel(cache=True)
-def _bfd(histogram, max_len, max_packs, tokens):
+def _bfd(histogram, max_len, max_packs, tokens, cap):
     # A pack holds at most `fill` = min(max_len, tokens) tokens, so its remaining capacity lies in
     # [max_len - fill, max_len]: the buckets are that range, numbered from `base`, so that memory follows
     # the corpus and not max_len (2**31 - 1 would take gigabytes).
@@ -297,6 +332,7 @@ def _bfd(histogram, max_len, max_packs, tokens):
     child = np.full(max_packs, -1, np.int32)
     sibling = np.full(max_packs, -1, np.int32)
     stack = np.empty(max_packs, np.int32)
+    held = np.zeros(max_packs, np.int32)
     out = np.empty(histogram.sum(), np.int32)
     at, packs = 0, 0
     for need in range(len(histogram) - 1, 0, -1):
@@ -314,7 +350,9 @@ def _bfd(histogram, max_len, max_packs, tokens):
             out[at] = pack
             at += 1
             left -= need
-            if base + left > 0:  # a full pack can never be chosen again, so it leaves the structure
+            held[pack] += 1
+            # A full pack, by tokens or by segments, can never be chosen again, so it leaves the structure.
+            if base + left > 0 and held[pack] < cap:
                 child[pack] = -1
                 if heap[left] < 0:
                     heap[left] = pack
@@ -627,11 +665,12 @@ def plan_packs(
     seed: int = 0,
     untrained: np.ndarray | None = None,
     drop_untrained: bool = False,
+    max_documents: int | None = None,
     without_numba: bool = False,
 ) -> PackingPlan:
     """Plan the whole corpus: cut overlong documents as `overflow` says and leave out untrained ones
     as `drop_untrained` says (`document_pieces`), assign the segments to packs (`assign_packs`'s
-    algorithms), then shuffle the pack order with `seed`.
+    algorithms, at most `max_documents` segments a pack when given), then shuffle the pack order with `seed`.
 
     `lengths` are the token counts of the corpus rows, whose tokens lie back to back in the token
     store; the plan keeps them, so pass them through `compact_lengths` to keep no copy.
@@ -642,18 +681,16 @@ def plan_packs(
     same plan, to the byte).
     """
     max_len = _check_options(max_len, algorithm)
+    max_documents = _check_cap(max_documents)
     code = _overflow_code(overflow)
     lengths = compact_lengths(lengths)
     untrained = _flags(untrained, len(lengths))
     vectorized = without_numba and plan_vectorized.suits(len(lengths), algorithm)
     histogram, counts = (plan_vectorized.tally if vectorized else _tally)(lengths, untrained, drop_untrained, max_len, code)
-    vectorized = vectorized and plan_vectorized.assign_suits(histogram, max_len)
-    if vectorized:
-        pack_of_sorted, packs = plan_vectorized.assign_ffd(histogram, max_len)
-        segments_per_pack, tokens_per_pack = plan_vectorized.pack_contents(histogram, pack_of_sorted, packs)
-    else:
-        pack_of_sorted, packs = _assign_sorted(histogram, max_len, algorithm)
-        segments_per_pack, tokens_per_pack = _pack_contents(histogram, pack_of_sorted, packs)
+    vectorized = vectorized and plan_vectorized.assign_suits(histogram, max_len, max_documents)
+    pack_of_sorted, packs = _assign_sorted(histogram, max_len, algorithm, max_documents, vectorized)
+    contents = plan_vectorized.pack_contents if vectorized else _pack_contents
+    segments_per_pack, tokens_per_pack = contents(histogram, pack_of_sorted, packs)
     slot_offsets = np.zeros(packs + 1, dtype=np.int64)
     np.cumsum(segments_per_pack, out=slot_offsets[1:])
     del segments_per_pack

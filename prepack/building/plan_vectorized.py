@@ -47,10 +47,12 @@ def scans(tokens: int) -> bool:
     return tokens <= _LABELS
 
 
-def assign_suits(histogram: np.ndarray, max_len: int) -> bool:
-    """Whether `assign_ffd` places the segments of `histogram` faster than numba would start."""
+def assign_suits(histogram: np.ndarray, max_len: int, max_documents: int | None = None) -> bool:
+    """Whether `assign_ffd` places the segments of `histogram` (at most `max_documents` a pack) faster
+    than numba would start."""
     tokens = int(np.dot(histogram, np.arange(len(histogram), dtype=np.int64)))
-    return np.count_nonzero(histogram) * -(-tokens // max_len) <= _ASSIGN_WORK
+    packs = max(-(-tokens // max_len), -(-int(histogram.sum()) // (max_documents or 1 << 62)))
+    return np.count_nonzero(histogram) * packs <= _ASSIGN_WORK
 
 
 def pieces_of(lengths: np.ndarray, left_out: np.ndarray, max_len: int, overflow: int) -> np.ndarray:
@@ -84,18 +86,19 @@ def tally(lengths: np.ndarray, untrained: np.ndarray, drop_untrained: bool, max_
     return histogram.astype(np.int64, copy=False), counts
 
 
-def assign_ffd(histogram: np.ndarray, max_len: int) -> tuple[np.ndarray, int]:
-    """`prepack.building.plan._ffd`: the pack (int32) of every segment in the planner's order, and the pack count."""
+def assign_ffd(histogram: np.ndarray, max_len: int, cap: int, bound: int) -> tuple[np.ndarray, int]:
+    """`prepack.building.plan._ffd`: the pack (int32) of every segment in the planner's order, and the pack
+    count, at most `cap` segments a pack, in at most `bound` packs (`prepack.building.plan._pack_bound`)."""
     segments = int(histogram.sum())
-    tokens = int(np.dot(histogram, np.arange(len(histogram), dtype=np.int64)))
-    left = np.empty(min(segments, 2 * -(-tokens // max_len) + 1), np.int32)  # room in every pack, as `_assign_sorted` bounds them
+    left = np.empty(bound, np.int32)  # room in every pack
+    held = np.empty(bound, np.int64)  # segments in every pack
     out = np.empty(segments, np.int32)
     at, packs = 0, 0
     for need in np.flatnonzero(histogram[1:])[::-1] + 1:
         run = int(histogram[need])
-        roomy = np.flatnonzero(left[:packs] >= need)  # in pack order
+        roomy = np.flatnonzero((left[:packs] >= need) & (held[:packs] < cap))  # in pack order
         if len(roomy):
-            fits = left[roomy] // need
+            fits = np.minimum(left[roomy] // need, cap - held[roomy])
             placed = np.cumsum(fits)
             if placed[-1] >= run:  # the run ends in roomy[last]
                 last = int(np.searchsorted(placed, run))
@@ -103,14 +106,18 @@ def assign_ffd(histogram: np.ndarray, max_len: int) -> tuple[np.ndarray, int]:
                 fits[last] -= placed[last] - run
             taken = int(fits.sum())
             out[at : at + taken] = np.repeat(roomy, fits)
-            left[roomy] -= fits * need
+            left[roomy] -= (fits * need).astype(np.int32)
+            held[roomy] += fits
             at, run = at + taken, run - taken
         if run:
-            per_pack = max_len // need
+            per_pack = min(max_len // need, cap)
             opened = -(-run // per_pack)
             out[at : at + run] = packs + np.arange(run, dtype=np.int32) // per_pack
             left[packs : packs + opened] = max_len - per_pack * need
-            left[packs + opened - 1] = max_len - (run - (opened - 1) * per_pack) * need
+            held[packs : packs + opened] = per_pack
+            last = run - (opened - 1) * per_pack
+            left[packs + opened - 1] = max_len - last * need
+            held[packs + opened - 1] = last
             at, packs = at + run, packs + opened
     return out, packs
 

@@ -767,6 +767,15 @@ def _value_problems(shard: _Shard, manifest: Manifest) -> Iterator[Problem]:
             f"(row {seg.rows[i - 1]}, piece {seg.pieces[i - 1]}); documents in a pack are in (row, piece) "
             "order.",
         )
+    if (cap := manifest.options.max_docs_per_pack) is not None:
+        held = np.bincount(seg.pack, minlength=1)
+        for pack in np.flatnonzero(held > cap):
+            yield Problem(
+                file=name,
+                row=int(pack),
+                column="cu_seqlens",
+                message=f"{held[pack]} documents, more than the manifest's max_docs_per_pack = {cap}.",
+            )
 
 
 # 4. Across shards ---------------------------------------------------------------------------------

@@ -209,6 +209,12 @@ class BuildOptions(StrictModel):
     pairs: PairOptions | None = Field(
         default=None, description="Set for a preference-pair build; absent from every other build's manifest."
     )
+    max_docs_per_pack: int | None = Field(
+        default=None,
+        ge=1,
+        le=INT32_MAX,
+        description="Most documents (segments) a pack holds, beside max_len; absent from a build without a cap.",
+    )
 
 
 _PATH_MAX, _NAME_MAX = 4096, 255  # bytes of a path and of each of its parts (Linux's PATH_MAX, NAME_MAX)
@@ -380,8 +386,10 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     # A full build's manifest has no `store` key at all, so its bytes are those of before index builds;
     # likewise no `mixture` key outside a mixture, and no `pairs` keys outside a preference-pair build.
     exclude: dict = {name: True for name in ("store", "mixture", "pairs") if getattr(manifest, name) is None}
-    if manifest.options.pairs is None:
-        exclude["options"] = {"pairs": True}
+    # Likewise no `options.max_docs_per_pack` key in a build without a cap.
+    unset = {name: True for name in ("pairs", "max_docs_per_pack") if getattr(manifest.options, name) is None}
+    if unset:
+        exclude["options"] = unset
     fields = manifest.model_dump(mode="json", exclude=exclude or None)
     text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     if len(text.encode()) > MANIFEST_MAX_BYTES:  # readers would refuse it

@@ -20,8 +20,9 @@ transformers isolates natively or raises `IsolationError`:
 - `cu_seq_lens_*`/`max_length_*` are checked before they reach a kernel, where a bad offset is an
   out-of-bounds read: int32, 1-D, on the tokens' device, q equal to k, from 0 to B·L, never
   decreasing (an empty segment is harmless, and lets a collator keep the tensor's length fixed),
-  starting a segment exactly where `position_ids` restart, and `max_length_*` Python ints equal to the
-  longest segment;
+  starting a segment exactly where `position_ids` restart, and `max_length_*` Python ints from the
+  longest segment to a row's length (a fixed-shape batch pins them to the row length, an upper bound the
+  kernels accept);
 - for the few families whose forward builds its masks without `position_ids` (the table's "layer
   masks" and "block mask"), the masks transformers' public `create_causal_mask` and
   `create_sliding_window_causal_mask` build from them are passed in, which those models take as given;
@@ -277,6 +278,12 @@ class _PackedBatchGuard:
         if flash:
             _require_rows_within_a_chunk(config, attn, tokens.shape[1])
         if self.per_document is not None:
+            if torch.compiler.is_compiling():
+                raise IsolationError(
+                    f"{self.family.model_type}: its sequence-state layers run one document per row "
+                    "(docs/model-support.md), in shapes that follow the batch's documents, which torch.compile cannot "
+                    "trace as one graph: with fullgraph=False the model's forward runs uncompiled (isolated), as without torch.compile."
+                )
             self.per_document.segments = _document_segments(kwargs, tokens)
         if verdict is not None and verdict.how in ("layer masks", "block mask"):
             masks = _masks_from_positions(module, config, kwargs["position_ids"], tokens.shape[:2])
@@ -548,7 +555,10 @@ def _offsets_problem(kwargs: dict[str, Any], shape: torch.Size) -> str | None:
         f"end at the batch's {total} tokens": cu_q[-1] == total,
         "never decrease": (lengths >= 0).all(),
         "be equal": cu_q is cu_k or (cu_q == cu_k).all(),
-        f"have a longest segment equal to max_length_q/_k ({max_length})": lengths.max() == max_length,
+        f"have a longest segment of at most max_length_q/_k ({max_length}), itself at most a row ({shape[1]})": (
+            lengths.max() <= max_length
+        )
+        & (max_length <= shape[1]),
         "start a segment exactly where position_ids restart": starts_agree.all(),
     }
     kept = torch.stack([torch.as_tensor(rule, device=cu_q.device) for rule in rules.values()]).tolist()

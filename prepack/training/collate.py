@@ -12,6 +12,10 @@ the form transformers 5.x isolates natively:
     max_length_q/_k   int             the longest segment
     use_cache         False           sdpa/eager isolate documents only when the model makes no cache
 
+With `max_docs_per_pack=K` (fixed-shape batches, for `torch.compile(dynamic=False)` and CUDA graphs), every
+shape and Python value depends on (B, L, K) alone: `cu_seq_lens_q/_k` has B·(K + 1) + 1 offsets, the segments
+not used repeating the last offset (zero-length segments at the end), and `max_length_q/_k` is L.
+
 There is no `attention_mask`: a 2-D mask turns off transformers' own packed-sequence handling.
 `use_cache=False` travels in the batch so that `model(**batch)` is isolated on the families that
 isolate natively even where nobody called `enable_packing` (a model's config defaults to a cache).
@@ -119,6 +123,14 @@ class PackedCollator:
       shorter than the pack by one prompt a pair, and the saving is the layout's point, so its `padded` rows are
       as long as the batch's longest re-laid pack unless `pad_to="max_len"` asks for fixed rows (which compute
       as many positions as the two-sequence layout).
+    - `max_docs_per_pack=K` (the `padded` layout, rows of `max_len`): fixed-shape batches. Each row holds at
+      most K documents and a padding tail, so B rows have at most B·(K + 1) segments: `cu_seq_lens_q/_k` always
+      has B·(K + 1) + 1 offsets, the unused ones repeating B·L (segments of no token, which every backend
+      prepack supports skips: tests/model/test_compile.py measures it), and `max_length_q/_k` is L, an upper
+      bound of every segment. Nothing the model receives then changes from batch to batch but the values of
+      tensors, so `torch.compile(model, dynamic=False)` traces once (a smaller last batch is another shape:
+      drop it, `drop_last=True` / `dataloader_drop_last=True`). A pack of more than K documents is refused
+      by name: build with `--max-docs-per-pack K` (`for_dataset(..., fixed_shape=True)` takes K from the build).
     - `pad_token_id`: the token id written at padding (its label is always -100). By default each row's
       padding repeats the row's last token: padding is a segment of its own and never trained on, but
       its gradient still flows through the model as 0 times the local derivative, and a token whose
@@ -127,7 +139,7 @@ class PackedCollator:
       is never degenerate.
 
     Every layout also carries `use_cache=False` (see the module docstring). `for_dataset` takes
-    `max_len` from the build.
+    `max_len` from the build, and with `fixed_shape=True` its `max_docs_per_pack`.
     """
 
     def __init__(
@@ -142,6 +154,7 @@ class PackedCollator:
         cp_size: int | None = None,
         source_ids: bool = False,
         shared_prompt: bool = False,
+        max_docs_per_pack: int | None = None,
     ):
         if layout not in _LAYOUTS:
             raise UsageError(f"layout must be one of {_LAYOUTS}, not {layout!r}.")
@@ -161,6 +174,15 @@ class PackedCollator:
             raise UsageError(
                 "shared_prompt takes the padded or padding_free layout, without cp_size, seq_idx or source_ids."
             )
+        if max_docs_per_pack is not None:
+            if type(max_docs_per_pack) is not int or max_docs_per_pack < 1:
+                raise UsageError(f"max_docs_per_pack must be an int of at least 1, not {max_docs_per_pack!r}.")
+            if layout != "padded" or pad_to != "max_len" or max_len is None or cp_size is not None or shared_prompt:
+                raise UsageError(
+                    "max_docs_per_pack (fixed-shape batches) takes the padded layout with rows of max_len "
+                    "(pad_to='max_len'), without cp_size or shared_prompt: any other shape follows the batch."
+                )
+        self.max_docs_per_pack = max_docs_per_pack
         self.shared_prompt = shared_prompt
         self.cp_size = cp_size
         self.max_len = max_len
@@ -172,22 +194,34 @@ class PackedCollator:
         self.source_ids = source_ids
 
     @classmethod
-    def for_dataset(cls, dataset: PackedDataset | Any | str | os.PathLike, **options: Any) -> PackedCollator:
+    def for_dataset(
+        cls, dataset: PackedDataset | Any | str | os.PathLike, *, fixed_shape: bool = False, **options: Any
+    ) -> PackedCollator:
         """A collator for the packs of `dataset` (a `PackedDataset`, a `datasets.Dataset` from
         `open_hf_dataset`, or a build directory): `max_len` is the build's, so that it is never typed
-        twice; `options` are the other arguments."""
+        twice, and with `fixed_shape` its `max_docs_per_pack` (a build without one is refused); `options`
+        are the other arguments."""
         if isinstance(dataset, (str, os.PathLike)):
-            return cls(read_manifest(dataset).options.max_len, **options)
-        if hasattr(dataset, "manifest"):  # a PackedDataset
-            return cls(dataset.manifest.options.max_len, **options)
-        from prepack.training.dataset import hf_dataset_max_len  # a datasets.Dataset: the build's max_len is in its info
+            build_options = read_manifest(dataset).options
+            max_len, cap = build_options.max_len, build_options.max_docs_per_pack
+        elif hasattr(dataset, "manifest"):  # a PackedDataset
+            max_len, cap = dataset.manifest.options.max_len, dataset.manifest.options.max_docs_per_pack
+        else:
+            from prepack.training.dataset import hf_dataset_options  # a datasets.Dataset: the build's options are in its info
 
-        max_len = hf_dataset_max_len(dataset) if hasattr(dataset, "info") else None
-        if max_len is None:
-            raise ArgumentTypeError(
-                f"PackedCollator.for_dataset takes a PackedDataset, a build directory or a dataset from "
-                f"prepack.open_hf_dataset, not {type(dataset).__name__}; give max_len: PackedCollator(max_len)."
-            )
+            max_len, cap = hf_dataset_options(dataset) if hasattr(dataset, "info") else (None, None)
+            if max_len is None:
+                raise ArgumentTypeError(
+                    f"PackedCollator.for_dataset takes a PackedDataset, a build directory or a dataset from "
+                    f"prepack.open_hf_dataset, not {type(dataset).__name__}; give max_len: PackedCollator(max_len)."
+                )
+        if fixed_shape:
+            if cap is None:
+                raise UsageError(
+                    "fixed_shape=True needs a build with --max-docs-per-pack K: without a cap a pack may hold up to "
+                    "max_len documents, and batches sized for that would be mostly empty segments."
+                )
+            options["max_docs_per_pack"] = cap
         return cls(max_len, **options)
 
     def __call__(self, packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor | int | bool]:
@@ -196,8 +230,12 @@ class PackedCollator:
             raise UsageError("Cannot collate an empty list of packs.")
         if self.shared_prompt:
             return self._shared_prompt_batch(checked)
+        if self.max_docs_per_pack is not None:
+            _require_at_most(checked, self.max_docs_per_pack)
         input_ids, labels, segment_ids, sources = self._fill_rows(checked)
         fields = segment_fields(segment_ids)
+        if self.max_docs_per_pack is not None:
+            fields = _fixed_shape(fields, len(checked) * (self.max_docs_per_pack + 1))
         # A document's first token is predicted by the end of the previous document: never train on it.
         labels[(fields.position_ids == 0) | (segment_ids == 0)] = IGNORE_INDEX
         batch: dict[str, torch.Tensor | int | bool] = {
@@ -324,6 +362,23 @@ def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.
     _require_whole_pairs(packs)
     documents = np.flatnonzero(segment_ids.reshape(-1)[cu_seq_lens[:-1]] != 0)  # not a padding tail
     return documents.astype(np.int64).reshape(-1, 2)
+
+
+def _require_at_most(packs: list[_Pack], cap: int) -> None:
+    for number, pack in enumerate(packs):
+        if (documents := len(pack.cu_seqlens) - 1) > cap:
+            raise UsageError(
+                f"Pack {number} holds {documents} documents, more than max_docs_per_pack={cap}: a fixed-shape batch "
+                "never splits or truncates a pack. Build with --max-docs-per-pack, at most this collator's."
+            )
+
+
+def _fixed_shape(fields: SegmentFields, segments: int) -> SegmentFields:
+    """`fields` with `segments` segments in all, the ones not used of no token at the end (each a repeat of the
+    last offset), and the longest segment taken as the row length: values that never change with the batch."""
+    cu_seq_lens = np.full(segments + 1, fields.cu_seq_lens[-1], dtype=np.int32)
+    cu_seq_lens[: len(fields.cu_seq_lens)] = fields.cu_seq_lens
+    return fields._replace(cu_seq_lens=cu_seq_lens, max_length=fields.position_ids.shape[1])
 
 
 def _require_whole_pairs(packs: list[_Pack]) -> None:

@@ -400,7 +400,7 @@ def open_hf_dataset(
     Rows hold the same columns as `PackedDataset` rows, as int64 arrays (`datasets` hands out a full
     build's rows as int64 copies): input_ids, cu_seqlens, segment_ids, labels when the build has them, and a
     preference-pair build's pair_roles.
-    The dataset's `info.description` names the build's max_len, for `PackedCollator.for_dataset`.
+    The dataset's `info.description` names the build's max_len (and cap), for `PackedCollator.for_dataset`.
 
     `reference`: a preference-pair build's stored reference log-probabilities, as `PackedDataset` takes
     them (`ReferenceLogps`: of this build and complete, else FormatError; every file checked against its
@@ -441,7 +441,9 @@ def open_hf_dataset(
     optional = {"labels": packed.manifest.has_labels, PAIR_ROLES: packed.manifest.pairs is not None}
     columns = [*_ROW_COLUMNS, *(name for name, present in optional.items() if present)]
     files = packed.shard_paths if packed.store is None else _gathered_shards(packed, _rows_directory(cache_dir))
-    info = DatasetInfo(description=_HF_DESCRIPTION.format(max_len=packed.manifest.options.max_len))
+    options = packed.manifest.options
+    cap = "" if options.max_docs_per_pack is None else _HF_CAP.format(cap=options.max_docs_per_pack)
+    info = DatasetInfo(description=_HF_DESCRIPTION.format(max_len=options.max_len, cap=cap))
     dataset = concatenate_datasets([HFDataset.from_file(str(file), info=info) for file in files]).select_columns(columns)
     if packed.reference is None:
         return dataset.with_format("numpy")
@@ -449,18 +451,22 @@ def open_hf_dataset(
     return dataset.with_format("numpy", columns=columns, output_all_columns=True)  # reference_logps: float64
 
 
-# What `open_hf_dataset` writes into a dataset's `info.description`, read back by `hf_dataset_max_len`.
-_HF_DESCRIPTION = "Packs of a prepack build, max_len {max_len}."
-_HF_MAX_LEN = re.compile(r"Packs of a prepack build, max_len (\d+)\.")
+# What `open_hf_dataset` writes into a dataset's `info.description`, read back by `hf_dataset_options`.
+_HF_DESCRIPTION = "Packs of a prepack build, max_len {max_len}{cap}."
+_HF_CAP = ", max_docs_per_pack {cap}"
+_HF_OPTIONS = re.compile(r"Packs of a prepack build, max_len (\d+)(?:, max_docs_per_pack (\d+))?\.")
 # The most bytes of tokens, labels and segment ids that one gathered file of an index build holds.
 _ROWS_FILE_BYTES = 64 << 20
 
 
-def hf_dataset_max_len(dataset) -> int | None:
-    """The max_len of the build a `datasets.Dataset` from `open_hf_dataset` holds (kept through `map`,
-    `select`, `with_format`, …, which carry `info` along), or None for any other dataset."""
-    match = _HF_MAX_LEN.search(dataset.info.description or "")
-    return None if match is None else int(match.group(1))
+def hf_dataset_options(dataset) -> tuple[int | None, int | None]:
+    """The max_len and max_docs_per_pack (None without a cap) of the build a `datasets.Dataset` from
+    `open_hf_dataset` holds (kept through `map`, `select`, `with_format`, …, which carry `info` along), or
+    (None, None) for any other dataset."""
+    match = _HF_OPTIONS.search(dataset.info.description or "")
+    if match is None:
+        return None, None
+    return int(match.group(1)), None if match.group(2) is None else int(match.group(2))
 
 
 def _rows_directory(cache_dir: str | os.PathLike | None) -> Path:

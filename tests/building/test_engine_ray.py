@@ -91,7 +91,7 @@ def _conversations(directory: Path, mode: str, parts: int, per_part: int) -> Pat
 @pytest.mark.slow
 def test_a_token_corpus_builds_and_stores_the_same_bytes(tmp_path, local_ray):
     corpus = _token_corpus(tmp_path / "c")
-    options = {"max_len": 512, "shard_size": 60_000, "algorithm": "bfd", "seed": 2, "drop_untrained": True}
+    options = {"max_len": 512, "shard_size": 60_000, "algorithm": "bfd", "seed": 2, "drop_untrained": True, "max_docs_per_pack": 3}
     local = build(corpus, tmp_path / "local", **options)
     on_ray = build(corpus, tmp_path / "ray", engine="ray", **options)
     assert on_ray == local and len(local.shards) > 3 and local.totals.empty > 0

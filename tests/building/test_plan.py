@@ -34,6 +34,28 @@ def test_matches_reference(algorithm, corpus):
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+@settings(max_examples=300, deadline=None)
+@given(corpora(), st.integers(1, 12))
+def test_a_cap_on_documents_matches_the_capped_reference(algorithm, corpus, cap):
+    lengths, max_len = corpus
+    got = assign_packs(lengths, max_len, algorithm, max_documents=cap)
+    assert got.tolist() == reference_placement(lengths.tolist(), max_len, algorithm, max_documents=cap)
+    if len(lengths):
+        assert np.bincount(got).max() <= cap  # every document once (one pack each), no pack over the cap ...
+        assert np.bincount(got, weights=lengths).max() <= max_len  # ... or over max_len
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_cap_at_or_above_the_largest_pack_changes_nothing(algorithm):
+    lengths = np.random.default_rng(0).integers(1, 40, 2000)
+    plain = assign_packs(lengths, 256, algorithm)
+    largest = int(np.bincount(plain).max())
+    assert np.array_equal(assign_packs(lengths, 256, algorithm, max_documents=largest), plain)
+    capped = assign_packs(lengths, 256, algorithm, max_documents=largest - 1)
+    assert not np.array_equal(capped, plain) and np.bincount(capped).max() == largest - 1
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 512).flatmap(lambda m: st.tuples(st.just(m), st.lists(st.integers(1, m), max_size=3000))))
 def test_invariants(algorithm, case):
@@ -105,6 +127,12 @@ def test_empty_and_dtypes():
 def test_bad_input(lengths, max_len, algorithm):
     with pytest.raises(ValueError):
         assign_packs(lengths, max_len, algorithm)
+
+
+@pytest.mark.parametrize("cap", [0, -1, 2**31, 1.5])
+def test_a_cap_below_one_or_past_int32_is_refused(cap):
+    with pytest.raises((ValueError, TypeError)):
+        assign_packs(np.array([1, 2]), 8, "ffd", max_documents=cap)
 
 
 # Documents of 0, 3, 10 and 25 tokens with max_len 10: one empty, one short, one exactly max_len, one long.

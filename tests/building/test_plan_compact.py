@@ -32,6 +32,7 @@ def plans(draw):
         "seed": draw(st.integers(0, 2**32)),
         "untrained": None if untrained is None else np.array(untrained),
         "drop_untrained": draw(st.booleans()),
+        "max_documents": draw(st.none() | st.integers(1, 8)),
     }
     return np.array(lengths, dtype=np.int64), max_len, options
 
