@@ -15,6 +15,7 @@ from prepack.errors import InputError, optional_imports
 with optional_imports("prepack.model.loading"):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
 __all__ = ["load_local_model", "torch_device"]
 
@@ -50,11 +51,13 @@ def load_local_model(
     device: torch.device,
     *,
     random_weights_seed: int | None = None,
+    progress: bool = True,
 ):
     """The causal language model of the local model directory `path` (config.json and weights), on
     the attention implementation `attn`, in `dtype` (None: the checkpoint's), moved to `device` (from `torch_device`).
 
-    With `random_weights_seed`, `path` may also be a config.json alone: random weights, seeded so. Refused
+    With `random_weights_seed`, `path` may also be a config.json alone: random weights, seeded so. Without
+    `progress`, transformers' own bar of the weights loaded is not shown. Refused
     (InputError): a path that does not exist, or is not a directory where weights are needed; a model
     transformers cannot build or load (a corrupt weights file, shapes its config does not give them); and
     a config that does not match its weights, which transformers would load anyway, filling the weights
@@ -68,6 +71,9 @@ def load_local_model(
         raise InputError(f"{path}: no such model directory{' or config.json' if config_alone else ''}.")
     if path.is_file() and not config_alone:
         raise InputError(f"{path} is not a directory; give a local model directory (config.json and weights).")
+    bar_shown = transformers_logging.is_progress_bar_enabled()
+    if not progress:
+        transformers_logging.disable_progress_bar()
     try:
         if path.is_file():
             torch.manual_seed(random_weights_seed)
@@ -82,6 +88,9 @@ def load_local_model(
         raise InputError(
             f"{path}: no causal language model loads from it{hint}: {type(exc).__name__}: {first_line}"
         ) from exc
+    finally:
+        if bar_shown:
+            transformers_logging.enable_progress_bar()
     if unmatched:
         raise InputError(f"{path}: its config does not match its weights: {unmatched}.")
     return loaded.to(device)
