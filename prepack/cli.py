@@ -468,38 +468,33 @@ Dtype = _choices("Dtype", ("float32", "float64", "bfloat16", "float16"))
 def reference_logps_command(
     path: Annotated[Path, typer.Argument(help="A preference-pair build directory (prepack build --pairs).")],
     model: Annotated[Path, typer.Option("--model", help="The frozen reference: a local model directory (config.json and weights). Nothing is downloaded.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Where the values go: a new or empty directory, or one a stopped run left (it goes on).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Where the values go: a new directory, which appears when every value is computed (a stopped run is taken up by the next run to it).")],
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Packs per forward.")] = 8,
     attn: Annotated[Attention, typer.Option("--attn", metavar="IMPLEMENTATION", help="Attention implementation, as check-isolation takes it.")] = Attention.sdpa,
     dtype: Annotated[Dtype | None, typer.Option("--dtype", help="Model dtype.", show_default="the checkpoint's")] = None,
     device: Annotated[str | None, typer.Option("--device", help="Torch device, e.g. cpu or cuda:1.", show_default="cuda if there is one, else cpu")] = None,
+    quiet: _QuietOption = False,
 ) -> None:
     """Run a frozen reference model once over a pair build and store every document's summed completion
     log-probability, so that DPO needs no reference model while training (resumable: run it again after a
     stop; needs prepack-llm[train])."""
     try:
-        transformers = require("transformers", "prepack reference-logps")
+        require("transformers", "prepack reference-logps")
         torch = require("torch", "prepack reference-logps")
+        from prepack.model.loading import load_local_model, torch_device
         from prepack.model.packing import enable_packing
         from prepack.training.reference import write_reference_logps
 
-        if not model.is_dir():
-            raise InputError(f"--model {model} is not a directory; give a local model directory (config.json and weights).")
-        try:
-            loaded = transformers.AutoModelForCausalLM.from_pretrained(
-                model, attn_implementation=attn.value, dtype=getattr(torch, dtype.value) if dtype else "auto",
-                local_files_only=True,
-            )
-        except (OSError, ValueError) as exc:
-            raise InputError(f"cannot load --model {model}: {exc}") from None
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        loaded = enable_packing(loaded).to(device).eval()
-        reference = write_reference_logps(path, loaded, out, batch_size=batch_size, name=model.name)
+        shown = not quiet and _stderr().is_terminal  # progress on a terminal only: piped, rich prints the final bar
+        loaded = load_local_model(model, attn.value, getattr(torch, dtype.value) if dtype else None, torch_device(device),
+                                  progress=shown)
+        reference = write_reference_logps(path, enable_packing(loaded).eval(), out, batch_size=batch_size, name=model.name,
+                                          progress=shown, console=_stderr())
     except PrepackError as exc:
         _fail(exc)
-    rows = sum(file.rows for file in reference.files)
-    _stdout().print(f"stored the reference log-probabilities of {rows:,} packs ({len(reference.files)} files) of {model.name} under {out}")
-
+    if not quiet:
+        rows = sum(file.rows for file in reference.files)
+        _stdout().print(f"stored the reference log-probabilities of {rows:,} packs ({len(reference.files)} files) of {model.name} under {out}")
 
 
 @app.command("check-isolation", cls=_Command)

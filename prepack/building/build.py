@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
 
-__all__ = ["DEFAULT_SHARD_SIZE", "Output", "Packing", "build", "build_document_store", "build_packs", "build_store"]
+__all__ = ["DEFAULT_SHARD_SIZE", "Output", "Packing", "build", "build_document_store", "build_packs", "build_store", "progress_bars"]
 
 # Bytes. ~1,300 full 8k-token packs. Each of the local engine's shard writers holds a shard's columns while it
 # writes it, and those pages are new to the process: at 256 MiB the shard pass took half as long
@@ -189,8 +189,8 @@ class _NoProgress:
     advance = update
 
 
-def _progress_bars(enabled: bool, console: Console | None) -> Progress:
-    """The progress bars of a command that reads a corpus (`build`, `build_store`), when `enabled`."""
+def progress_bars(enabled: bool, console: Console | None) -> Progress:
+    """The progress bars of a long command (`build`, `build_store`, `write_reference_logps`), when `enabled`."""
     if not enabled:
         return _NoProgress()  # type: ignore[return-value]  # what the engines call of a Progress
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -296,11 +296,11 @@ def build_packs(
             raise InputError(f"{corpus}: a mixture of preference-pair corpora is not supported; build each on its own.")
         from prepack.building.mixture_build import build_mixture
 
-        with _progress_bars(output.progress, output.console) as bar:
+        with progress_bars(output.progress, output.console) as bar:
             return build_mixture(mixture, out, reading, packing, output, bar, _store_path)
     if reading.pairs:
         _check_pair_options(packing, output)
-    with _progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
+    with progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if index_only and not is_store(source.spec):
             raise InputError(
                 f"{corpus}: --index-only packs a document store, and this is a corpus: make one with "
@@ -475,7 +475,7 @@ def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, read
     if output.shard_size < 1:
         raise InputError(f"invalid shard size {output.shard_size}: at least 1 byte.")
     _check_engine(output.engine, output.ray_address, reading)
-    with _progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
+    with progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if is_store(source.spec):
             raise InputError(f"{corpus} is a document store already: build from it (prepack build {corpus} ...).")
         documents = open_documents(source.spec, reading, out, bar, source.location)

@@ -23,6 +23,7 @@ from prepack.formats.reference import (
     check_reference_file,
     open_reference_file,
     read_reference_manifest,
+    unfinished,
 )
 from prepack.formats.shards import read_manifest, shard_path
 from prepack.storage.remote import is_uri
@@ -43,9 +44,7 @@ def verify_reference(build: str | os.PathLike, directory: str | os.PathLike) -> 
         return [_problem(exc.problem)]
     problems = []
     if not reference.complete:
-        problems.append(Problem(file=str(directory / REFERENCE_MANIFEST), column="files", message=(
-            f"lists {len(reference.files)} of the build's {reference.shards} shards: the run that writes it stopped; "
-            "run write_reference_logps into it again to finish it.")))
+        problems.append(Problem(file=str(directory / REFERENCE_MANIFEST), column="files", message=f"{unfinished(reference)}."))
     for index, file in enumerate(reference.files):
         info = manifest.shards[index]
         try:

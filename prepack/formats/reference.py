@@ -46,6 +46,7 @@ __all__ = [
     "open_reference_file",
     "read_reference_manifest",
     "reference_file_name",
+    "unfinished",
 ]
 
 REFERENCE_VERSION = 1
@@ -93,6 +94,12 @@ class ReferenceManifest(StrictModel):
     @property
     def complete(self) -> bool:
         return len(self.files) == self.shards
+
+
+def unfinished(manifest: ReferenceManifest) -> str:
+    """What a reader and a writer say of a directory whose manifest lists fewer files than the build has shards."""
+    return (f"lists {len(manifest.files)} of the build's {manifest.shards} shards: not a finished reference directory "
+            "(write_reference_logps publishes one only when every value is computed)")
 
 
 def read_reference_manifest(directory: str | os.PathLike) -> ReferenceManifest:
@@ -185,8 +192,7 @@ class ReferenceLogps:
         where = self.directory / REFERENCE_MANIFEST
         check_against_build(self.manifest, build, where)
         if not self.manifest.complete:
-            refuse(where, f"lists {len(self.manifest.files)} of the build's {self.manifest.shards} shards: the run "
-                   "that writes it stopped; run write_reference_logps into it again to finish it.", column="files")
+            refuse(where, f"{unfinished(self.manifest)}.", column="files")
 
     def shard(self, index: int, documents: np.ndarray, *, check_sha256: bool = False) -> tuple[np.ndarray, np.ndarray]:
         file = self.manifest.files[index]

@@ -23,10 +23,10 @@ from prepack.errors import InputError, IsolationError, PrepackError, optional_im
 with optional_imports("check_isolation"):
     import torch
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_flash_attn_4_available
 
 from prepack.model import families
+from prepack.model.loading import load_local_model, torch_device
 from prepack.model.packing import FLASH_ATTENTION, SUPPORTED_ATTENTION, enable_packing
 from prepack.training.collate import PackedCollator
 from prepack.formats.shards import IGNORE_INDEX
@@ -256,14 +256,15 @@ def check_isolation(
     flash-attn (flash-attn-3, flash-attn-4) package and dtype "bfloat16" or "float16".
 
     A model type that `prepack.model.families` lacks is measured (`enable_packing(..., allow_unlisted=True)`):
-    that is how to check one. Raises InputError for a path that holds no loadable model, an unknown
-    `attn`, `dtype` or `device`, or a flash backend that cannot run here; IsolationError for a family
+    that is how to check one. Raises InputError for a path that holds no loadable model (or one whose config
+    does not match its weights: `prepack.model.loading`), an unknown `attn` or `dtype`, a device that cannot
+    run it here, or a flash backend that cannot run here; IsolationError for a family
     prepack refuses on this backend (with the reason), and for a model that fails on the packed batch
     or a document alone.
     """
     dtypes = {str(known).removeprefix("torch."): known for known in _TOLERANCES}
     flash = attn in FLASH_ATTENTION
-    target = _device(device)
+    target = torch_device(device)
     flex_on_cpu = attn == "flex_attention" and target.type == "cpu"
     dtype = dtype or ("bfloat16" if flash else "float32" if target.type == "cuda" or flex_on_cpu else "float64")
     gradients = gradients and not flex_on_cpu  # torch's flex_attention has no backward on a CPU
@@ -274,7 +275,7 @@ def check_isolation(
         )
     if flash:
         _require_flash_kernels(attn, dtype, target)
-    loaded = _load_local_model(Path(model), attn, dtypes[dtype], target, seed)
+    loaded = load_local_model(model, attn, dtypes[dtype], target, random_weights_seed=seed)
     enable_packing(loaded, allow_unlisted=True)
     config = loaded.config.get_text_config()
     placeholders = _placeholder_ids(loaded.config) | _placeholder_ids(config)
@@ -315,18 +316,6 @@ def _placeholder_ids(config) -> set[int]:
     }
 
 
-def _device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise InputError(f"device {name!r} is not a torch device such as cpu, cuda or cuda:1.") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"device {name!r}: this torch ({torch.__version__}) sees no CUDA device.")
-    return device
-
-
 def _require_flash_kernels(attn: str, dtype: str, device: torch.device) -> None:
     """Refuse before loading: transformers would fail later, or (with the `kernels` package installed
     and no flash-attn) try to download a kernel from the Hub."""
@@ -346,28 +335,6 @@ def _require_flash_kernels(attn: str, dtype: str, device: torch.device) -> None:
         )
     if dtype not in ("bfloat16", "float16"):
         raise InputError(f"{attn}: flash-attn kernels take bfloat16 or float16, not {dtype}.")
-
-
-def _load_local_model(path: Path, attn: str, dtype: torch.dtype, device: torch.device, seed: int):
-    options = {"attn_implementation": attn, "dtype": dtype}
-    if dtype == torch.float64:
-        options["experts_implementation"] = "eager"  # grouped_mm, the default, has no float64 kernel
-    if not path.exists():
-        raise InputError(f"{path}: no such model directory or config.json.")
-    try:
-        if path.is_file():
-            torch.manual_seed(seed)
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
-            loaded = AutoModelForCausalLM.from_config(config, **options)
-        else:
-            loaded = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **options)
-    except Exception as exc:  # noqa: BLE001 (a model's own code fails in any way: AttributeError, ImportError, ...)
-        hint = " (to check random weights, pass its config.json)" if (path / "config.json").is_file() else ""
-        first_line = str(exc).strip().partition("\n")[0]  # some messages go on to list every known model
-        raise InputError(
-            f"{path}: no causal language model loads from it{hint}: {type(exc).__name__}: {first_line}"
-        ) from exc
-    return loaded.to(device)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,10 @@ Everything a build to `out` touches lies beside `out`, in its parent directory:
 - Publishing renames `build/` to `out` without replacing anything that appeared there meanwhile; with
   `overwrite` it first checks that what is at `out` is still the build found at the start, then
   exchanges the two in one rename, and deletes the replaced build by the file names its manifest gives.
+
+An output written a file at a time that a stopped run may go on with (reference log-probabilities,
+`resumable_staging`) is staged the same way, but a stopped run's staging directory is kept, not deleted, when
+it holds something, and the next run to `out` takes it up.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple, TypeVar
 
 from prepack.errors import FormatError, OutputError
 from prepack.formats.shards import MANIFEST_NAME, OUTPUT_KINDS, Manifest, read_manifest, shard_name
@@ -40,6 +44,7 @@ __all__ = [
     "output_lock",
     "output_file",
     "replaceable_build",
+    "resumable_staging",
     "staged_directory",
 ]
 
@@ -206,14 +211,17 @@ def _publish(built: Path, out: Path, replacing: _Found | None, kind: str) -> Non
         with output_errors(out, "replace"):
             _exchange(built, out)
         return  # `built` now holds the replaced build, deleted with the staging directory
+    _publish_new(built, out, f"{out} appeared while this build ran; it was left as it is, and this build discarded.")
+
+
+def _publish_new(built: Path, out: Path, appeared: str) -> None:
+    """Rename `built` to `out`, which must not exist: OutputError `appeared` when something is there."""
     try:
         _rename_no_replace(built, out)
     except OSError as exc:
         if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
             raise OutputError(f"cannot create {out}: {exc.strerror}.") from exc
-        raise OutputError(
-            f"{out} appeared while this build ran; it was left as it is, and this build discarded."
-        ) from None
+        raise OutputError(appeared) from None
 
 
 @contextmanager
@@ -264,17 +272,60 @@ def is_staging(directory: Path, out_name: str | None = None) -> bool:
     return re.fullmatch(pattern, directory.name) is not None and (directory / STAGING_MARK).is_file()
 
 
-def _remove_stale_staging(out: Path) -> None:
-    """Delete the staging directories that killed builds to `out` left behind. Called under the lock,
-    so no build that still runs owns one; a directory without prepack's mark is not looked into."""
+def _stale_staging(out: Path) -> list[Path]:
+    """The staging directories that killed (or stopped) runs to `out` left behind, in name order. Called under
+    the lock, so no run that still goes owns one; a directory without prepack's mark is not looked into."""
     with output_errors(out.parent, "read"), os.scandir(out.parent) as entries:
-        stale = [
+        return sorted(
             Path(entry.path)
             for entry in entries
             if entry.is_dir(follow_symlinks=False) and is_staging(Path(entry.path), out.name)
-        ]
-    for staging in stale:
+        )
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Delete the staging directories that killed builds to `out` left behind (see `_stale_staging`)."""
+    for staging in _stale_staging(out):
         _remove_staging(staging)
+
+
+_TakenUp = TypeVar("_TakenUp")
+
+
+@contextmanager
+def resumable_staging(out: Path, take_up: Callable[[Path], _TakenUp | None]) -> Iterator[tuple[Path, _TakenUp | None]]:
+    """For an output written a file at a time, which a stopped run's successor goes on with: yield
+    (`directory`, `found`), where the output is written, and publish `directory` as `out` (a rename that
+    replaces nothing) when the block ends without an error.
+
+    `directory` is the `build` of the first staging directory a stopped run to `out` left whose `build`
+    `take_up` returns something for (`found`: what it returned), else of a new staging directory (`found`
+    None); every other staging directory of `out` is deleted. When the block raises, its staging directory
+    is kept for the next run if `directory` holds anything, else deleted. The caller holds
+    `output_lock(out)` and has found nothing at `out`; OutputError if something appeared there meanwhile."""
+    staging, found = None, None
+    for stale in _stale_staging(out):
+        if staging is None and (stale / "build").is_dir() and (found := take_up(stale / "build")) is not None:
+            staging = stale
+        else:
+            _remove_staging(stale)
+    if staging is None:
+        staging = out.parent / f".{out.name}{_STAGING_SUFFIX}{uuid.uuid4().hex[:8]}"
+        with output_errors(staging, "create"):
+            staging.mkdir()
+            (staging / STAGING_MARK).write_text(f"A run writing {out.name} writes here; the next run to it goes on with it.\n")
+            (staging / "build").mkdir()
+    try:
+        yield staging / "build", found
+    except BaseException:
+        with output_errors(staging, "read"):
+            kept = any((staging / "build").iterdir())
+        if not kept:
+            _remove_staging(staging)
+        raise
+    _publish_new(staging / "build", out, f"{out} appeared while this run wrote; it was left as it is, and what this "
+                 f"run wrote is kept beside it ({staging.name}) for a run to {out.name}.")
+    _remove_staging(staging)
 
 
 def _remove_staging(staging: Path) -> None:

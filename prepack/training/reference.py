@@ -9,12 +9,15 @@
 
 `write_reference_logps` runs the frozen model over every pack of the build, shard by shard, in the
 build's order, and writes each document's summed completion log-probability (`sequence_logps`, float64)
-as one file per build shard (`prepack.formats.reference`, `schemas/reference-logps.md`). Each file is
-written whole under a temporary name and linked into place without replacing anything, then
-`reference.json` is rewritten to list it: a run that stops leaves finished files listed, and the next
-run into the same directory with the same build and model checks them (sha256, rows, documents per
-pack, values) and computes only the rest, ending with the bytes an uninterrupted run writes. A directory
-holding anything prepack does not write there, another build's values or another model's is refused.
+as one file per build shard (`prepack.formats.reference`, `schemas/reference-logps.md`). The directory
+appears whole, in one rename, when every value is computed, or not at all: the files are written into a
+hidden staging directory beside it (`prepack.storage.output.resumable_staging`), each whole under a
+temporary name and linked into place without replacing anything, then `reference.json` rewritten to list
+it. A run that stops keeps that staging directory when it finished a file, and the next run to the same
+directory with the same build and model checks those files (sha256, rows, documents per pack, values) and
+computes only the rest, ending with the bytes an uninterrupted run writes. A directory that exists is taken
+only when it holds this build's and model's finished values (checked, none computed); anything else there is
+refused, never replaced.
 
 This module imports torch; `import prepack` does not load it.
 """
@@ -25,15 +28,17 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
 import numpy as np
 import pyarrow as pa
 
-from prepack.errors import FormatError, InputError, OutputError, UsageError, optional_imports
-from prepack.formats.common import list_array
+from prepack.building.build import progress_bars
+from prepack.errors import FormatError, InputError, OutputError, PrepackError, UsageError, optional_imports
+from prepack.formats.common import FormatProblem, first_index, list_array, list_column
 from prepack.formats.reference import (
     REFERENCE_MANIFEST,
     REFERENCE_SCHEMA,
@@ -46,10 +51,11 @@ from prepack.formats.reference import (
     open_reference_file,
     read_reference_manifest,
     reference_file_name,
+    unfinished,
 )
 from prepack.formats.shards import Manifest
 from prepack.storage.files import write_record_batch
-from prepack.storage.output import output_errors, output_lock
+from prepack.storage.output import output_errors, output_lock, resumable_staging
 from prepack.training.collate import Layout, PackedCollator
 from prepack.training.dataset import PackedDataset
 from prepack.training.preference import PairLogps, model_inputs, sequence_logps, trained_tokens
@@ -57,10 +63,13 @@ from prepack.training.preference import PairLogps, model_inputs, sequence_logps,
 with optional_imports("prepack.training.reference"):
     import torch
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 __all__ = ["describe_model", "stored_reference", "write_reference_logps"]
 
 # What a run writes into a reference directory besides `reference.json`: finished files, and the
-# temporary ones a stopped run leaves behind (deleted by the next run, under the lock).
+# temporary ones a killed run leaves behind in its staging directory (deleted by the next run, under the lock).
 _FINISHED = re.compile(r"reference-\d{5,}\.arrow")
 _TEMPORARY = re.compile(r"\.reference-\d{5,}\.arrow\.tmp-[0-9a-f]{8}|\.reference\.json\.tmp")
 
@@ -93,42 +102,58 @@ def write_reference_logps(
     batch_size: int = 8,
     name: str | None = None,
     layout: Layout = "padded",
+    progress: bool = False,
+    console: Console | None = None,
 ) -> ReferenceManifest:
     """Compute, with the frozen `model` (in eval mode, ready for packed batches: `enable_packing`), every
     document's summed completion log-probability over the preference-pair build `build`, and write them
     into the directory `out` (see the module docstring); return its finished manifest.
 
     `batch_size` packs go through the model at once (`layout` as `PackedCollator`'s), never two shards'
-    packs together. `out` is created, or taken up where a run with this build and model stopped.
-    Raises InputError for a build without pairs, UsageError for a model in training mode, OutputError
-    when `out` holds anything else, FormatError when a file listed there no longer checks."""
+    packs together; with `progress`, a bar of the packs done on `console` (stderr when None). Raises
+    InputError for a build without pairs, a build holding a token id past the model's vocabulary (before the
+    model runs), and a model that fails on a batch or gives no finite value; UsageError for a model in
+    training mode or on the meta device; OutputError when `out` exists and does not hold this build's and
+    model's finished values; FormatError when a file listed there no longer checks."""
     if getattr(model, "training", False):
         raise UsageError("The reference model is in training mode (dropout would make its values random): call model.eval().")
+    if any(parameter.is_meta for parameter in model.parameters()):
+        raise UsageError("The reference model's weights are on the meta device (shapes without values): load them first.")
     if batch_size < 1:
         raise UsageError(f"batch_size must be at least 1, not {batch_size}.")
     dataset = PackedDataset(build)
     manifest = dataset.manifest
     if manifest.pairs is None:
         raise InputError(f"{build} is not a preference-pair build (prepack build --pairs): it has no reference log-probabilities.")
+    description = describe_model(model, name)
+    _check_token_ids(dataset, model, description.name)
     out = Path(out)
     if out.is_symlink() or out.name in ("", ".."):
         raise OutputError(f"{out} is a symbolic link or names no directory; give a directory path such as ./pairs-reference.")
     with output_errors(out.parent, "create"):
         out.parent.mkdir(parents=True, exist_ok=True)
-    description = describe_model(model, name)
-    with output_lock(out):
-        reference = _started(out, manifest, description)
-        collate = PackedCollator.for_dataset(dataset, layout=layout)
-        first_pack = 0
-        for index, info in enumerate(manifest.shards):
-            documents = build_shard_documents(manifest, dataset.shard_paths[index], info)
-            if index < len(reference.files):  # finished by an earlier run: checked, not computed
-                listed = reference.files[index]
-                batch = open_reference_file(out, listed, check_sha256=True)
-                check_reference_file(batch, documents, str(out / listed.name))
-            else:
+    with output_lock(out), progress_bars(progress, console) as bar:
+        task = bar.add_task("reference log-probabilities", total=len(dataset))
+        if os.path.lexists(out):
+            reference = _held(out, manifest, description)
+            if not reference.complete:
+                raise OutputError(f"{out / REFERENCE_MANIFEST} {unfinished(reference)}; prepack will not write into it: "
+                                  "choose a new directory.")
+            _check_listed(out, reference, dataset)
+            bar.update(task, completed=len(dataset))
+            return reference
+        with resumable_staging(out, lambda directory: _stopped_run(directory, dataset, description)) as (directory, found):
+            reference = found or ReferenceManifest(build_fingerprint=manifest.fingerprint, shards=len(manifest.shards),
+                                                   model=description, files=[])
+            first_pack = sum(info.rows for info in manifest.shards[: len(reference.files)])
+            bar.update(task, completed=first_pack)
+            collate = PackedCollator.for_dataset(dataset, layout=layout)
+            for index in range(len(reference.files), len(manifest.shards)):
+                info = manifest.shards[index]
+                documents = build_shard_documents(manifest, dataset.shard_paths[index], info)
                 packs = range(first_pack, first_pack + info.rows)
-                values = _shard_logps(dataset, collate, model, packs, batch_size)
+                values = _shard_logps(dataset, collate, model, packs, batch_size, description.name,
+                                      lambda done: bar.advance(task, done))
                 if not np.isfinite(values).all():
                     document = int(np.flatnonzero(~np.isfinite(values))[0])
                     pack = int(np.searchsorted(np.cumsum(documents), document, side="right"))
@@ -136,59 +161,121 @@ def write_reference_logps(
                                      f"log-probability {values[document]}: a reference must give every trained token a finite one.")
                 offsets = np.append(0, np.cumsum(documents))
                 batch = pa.RecordBatch.from_arrays([list_array(offsets, values)], schema=REFERENCE_SCHEMA)
-                size, sha256 = _publish(out, index, batch)
+                size, sha256 = _publish(directory, index, batch)
                 file = ReferenceFile(name=reference_file_name(index), shard_sha256=info.sha256, rows=info.rows,
                                      bytes=size, sha256=sha256)
                 reference = reference.model_copy(update={"files": [*reference.files, file]})
-                _write_manifest(out, reference)
-            first_pack += info.rows
+                _write_manifest(directory, reference)
+                first_pack += info.rows
+            _write_manifest(directory, reference)  # a build of no shard has no file to list
     return reference
 
 
-def _shard_logps(dataset: PackedDataset, collate: PackedCollator, model: Any, packs: range, batch_size: int) -> np.ndarray:
-    """Every document's summed log-probability over `packs`, in pack and document order, float64."""
+def _vocabulary_size(model: Any) -> int | None:
+    """The token ids `model` takes: the fewer of its input embeddings' and its output layer's rows, where
+    it has them (None for a module that has neither: its own forward is then what refuses an id)."""
+    sizes = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            layer = getattr(model, getter, lambda: None)()
+        except (NotImplementedError, AttributeError):  # transformers' default for a model without such a layer
+            layer = None
+        weight = getattr(layer, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            sizes.append(int(weight.shape[0]))
+    return min(sizes, default=None)
+
+
+def _check_token_ids(dataset: PackedDataset, model: Any, name: str) -> None:
+    """Refuse (InputError naming the shard, row and column) a build holding a token id the model's
+    vocabulary lacks, before it runs: its embedding would fail on it, or read another table's row."""
+    vocabulary = _vocabulary_size(model)
+    if vocabulary is None:
+        return
+    manifest = dataset.manifest
+    for path, info in zip(dataset.shard_paths, manifest.shards):
+        batch = manifest.open_shard(path)
+        for column in ("input_ids", "labels") if manifest.has_labels else ("input_ids",):
+            offsets, values = list_column(batch, column, info.name)
+            if len(values) and (beyond := values >= vocabulary).any():
+                at = first_index(beyond)
+                row = int(np.searchsorted(offsets, at, side="right")) - 1
+                raise InputError(str(FormatProblem(str(path), (
+                    f"holds token id {int(values[at])}; the reference model {name} has {vocabulary} ids in its vocabulary "
+                    "(its embeddings' rows): was the build tokenized with this model's tokenizer?"), row, column)))
+
+
+def _shard_logps(dataset: PackedDataset, collate: PackedCollator, model: Any, packs: range, batch_size: int, name: str,
+                 advance: Callable[[int], object]) -> np.ndarray:
+    """Every document's summed log-probability over `packs`, in pack and document order, float64; `advance`
+    is called with the packs of each batch done. The model's own failure on a batch is an InputError naming it."""
     device = next(model.parameters()).device
     values = []
     for start in range(packs.start, packs.stop, batch_size):
-        batch = collate([dataset[i] for i in range(start, min(start + batch_size, packs.stop))])
+        stop = min(start + batch_size, packs.stop)
+        batch = collate([dataset[i] for i in range(start, stop)])
         batch = {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
-        with torch.no_grad():
-            sums, _ = sequence_logps(model(**model_inputs(batch)).logits, batch)
+        try:
+            with torch.no_grad():
+                logits = model(**model_inputs(batch)).logits
+        except PrepackError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (the model's own code fails in any way)
+            first_line = str(exc).strip().partition("\n")[0]
+            raise InputError(f"{name} fails on packs {start} to {stop - 1} of the build: {type(exc).__name__}: {first_line}") from exc
+        sums, _ = sequence_logps(logits, batch)
         # Every pack holds whole pairs, in document order: pair_segments, flattened, are its documents.
         values.append(sums[batch["pair_segments"].reshape(-1)].to("cpu", torch.float64).numpy())
+        advance(stop - start)
     return np.concatenate(values) if values else np.zeros(0, np.float64)
 
 
-def _started(out: Path, build: Manifest, model: ReferenceModel) -> ReferenceManifest:
-    """The manifest to go on from: a new one in a new or empty directory, else the one there, when it is
-    of this build and model and the directory holds nothing prepack does not write there. Temporary
-    files of a stopped run are deleted (the caller holds the lock)."""
-    fresh = ReferenceManifest(build_fingerprint=build.fingerprint, shards=len(build.shards), model=model, files=[])
-    with output_errors(out, "create"):
-        out.mkdir(exist_ok=True)
-    if not out.is_dir() or out.is_symlink():
-        raise OutputError(f"{out} is not a directory.")
-    with output_errors(out, "read"):
-        names = sorted(os.listdir(out))
+def _held(directory: Path, build: Manifest, model: ReferenceModel) -> ReferenceManifest:
+    """The manifest of `directory` when it holds reference values of `build` and `model` (finished or not)
+    and nothing prepack does not write there, else OutputError saying what it holds."""
+    refusal = f"{directory} already exists and is not a directory of this build's reference log-probabilities by this model"
+    if not directory.is_dir() or directory.is_symlink():
+        raise OutputError(f"{refusal}: it is not a directory; choose another path.")
+    with output_errors(directory, "read"):
+        names = sorted(os.listdir(directory))
     if not names:
-        _write_manifest(out, fresh)
-        return fresh
-    refusal = f"{out} is not a directory of reference log-probabilities prepack can go on writing"
+        raise OutputError(f"{refusal}: it is empty. Give a new path: the directory appears when every value is computed.")
     foreign = [n for n in names if n != REFERENCE_MANIFEST and not (_FINISHED.fullmatch(n) or _TEMPORARY.fullmatch(n))]
     if foreign or REFERENCE_MANIFEST not in names:
         what = f"it holds {', '.join(foreign)}" if foreign else f"it holds files but no {REFERENCE_MANIFEST}"
         raise OutputError(f"{refusal}: {what}, which prepack did not write; choose another directory.")
     try:
-        found = read_reference_manifest(out)
-        check_against_build(found, build, out / REFERENCE_MANIFEST)
+        found = read_reference_manifest(directory)
+        check_against_build(found, build, directory / REFERENCE_MANIFEST)
     except FormatError as exc:
         raise OutputError(f"{refusal}: {exc}") from None
     if (found.model.config_sha256, found.model.weights_sha256) != (model.config_sha256, model.weights_sha256):
         raise OutputError(f"{refusal}: its values are of the model {found.model.model_dump()}, not of this one "
                           f"{model.model_dump()}; choose another directory.")
-    with output_errors(out, "delete"):
-        for temporary in (n for n in names if _TEMPORARY.fullmatch(n)):
-            (out / temporary).unlink()
+    return found
+
+
+def _check_listed(directory: Path, reference: ReferenceManifest, dataset: PackedDataset) -> None:
+    """Check each file `reference` lists (sha256, and as the loader does) against the build: FormatError."""
+    manifest = dataset.manifest
+    for index, listed in enumerate(reference.files):
+        documents = build_shard_documents(manifest, dataset.shard_paths[index], manifest.shards[index])
+        batch = open_reference_file(directory, listed, check_sha256=True)
+        check_reference_file(batch, documents, str(directory / listed.name))
+
+
+def _stopped_run(directory: Path, dataset: PackedDataset, model: ReferenceModel) -> ReferenceManifest | None:
+    """The manifest to go on from in a stopped run's staging `directory`: when it holds values of this build
+    and model, every listed file checks, and nothing else is there but finished and temporary files (the
+    temporary ones are deleted: the caller holds the lock). None otherwise: the caller deletes it."""
+    try:
+        found = _held(directory, dataset.manifest, model)
+        _check_listed(directory, found, dataset)
+    except (OutputError, FormatError):
+        return None
+    with output_errors(directory, "delete"):
+        for temporary in (n for n in os.listdir(directory) if _TEMPORARY.fullmatch(n)):
+            (directory / temporary).unlink()
     return found
 
 

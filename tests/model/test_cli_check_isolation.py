@@ -7,9 +7,12 @@ is downloaded.
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,6 +85,28 @@ def test_a_missing_path_exits_2_and_names_it(tmp_path):
     assert result.exit_code == 2
     # Whitespace dropped: the error console wraps long lines, even inside a path.
     assert str(missing) in "".join(result.output.split())
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("junk", "device 'junk' is not a torch device"),
+    ("cuda", "device 'cuda': this torch ("),
+    ("meta", "device 'meta' holds no values"),
+])
+def test_a_device_it_cannot_run_on_exits_2_with_the_reason(saved, monkeypatch, device, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without CUDA, here too
+    result = check("--model", str(saved / "config.json"), "--device", device, "--no-gradients")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert message in " ".join(result.output.split())
+
+
+def test_a_model_whose_config_does_not_match_its_weights_exits_2(saved, tmp_path):
+    """A config of more layers than the weights hold: transformers would fill the missing ones at random."""
+    model = Path(shutil.copytree(saved / "llama", tmp_path / "llama"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    result = check("--model", str(model), "--no-gradients")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "its config does not match its weights" in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_4"])

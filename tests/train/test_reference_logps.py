@@ -12,6 +12,7 @@ into four shards, so that a run has shards to stop between.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import pickle
 import runpy
@@ -147,25 +148,103 @@ def _snapshot(directory: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
 
 
-def test_a_stopped_run_goes_on_to_the_bytes_of_an_uninterrupted_one(build, reference, tmp_path):
+def _staging(out: Path) -> Path:
+    """The one hidden directory a stopped run to `out` left beside it, holding what it finished in `build/`."""
+    [staging] = [path for path in out.parent.iterdir() if path.name.startswith(f".{out.name}.tmp-")]
+    return staging
+
+
+def test_a_stopped_run_publishes_nothing_and_the_next_goes_on_to_the_bytes_of_an_uninterrupted_one(build, reference, tmp_path):
     shards = prepack.formats.shards.read_manifest(build).shards
     out = tmp_path / "values"
     # batch_size 1: forward number rows(shard 0) + 1 is the first of shard 1.
     with pytest.raises(KeyboardInterrupt):
         write_reference_logps(build, TinyReference(fail_at=shards[0].rows + 1).eval(), out, batch_size=1)
-    assert [file.name for file in read_reference_manifest(out).files] == ["reference-00000.arrow"]
-    problems = verify_reference(build, out)
-    assert [p.column for p in problems] == ["files"] and "1 of the build's" in problems[0].message
-    with pytest.raises(FormatError, match="run write_reference_logps into it again"):
+    assert not out.exists()  # the directory appears whole or not at all
+    staging = _staging(out)
+    assert [p.name for p in tmp_path.iterdir()] == [staging.name]  # no lock left behind
+    assert [file.name for file in read_reference_manifest(staging / "build").files] == ["reference-00000.arrow"]
+    with pytest.raises(FormatError, match="does not exist"):
         PackedDataset(build, reference=out)
-    # As if a run had also written shard 1's file and stopped before listing it, and another left a temporary file.
-    shutil.copyfile(reference / "reference-00001.arrow", out / "reference-00001.arrow")
-    (out / ".reference-00002.arrow.tmp-0123abcd").write_bytes(b"partial")
+    # As if the run had also written shard 1's file and stopped before listing it, and left a temporary file.
+    shutil.copyfile(reference / "reference-00001.arrow", staging / "build" / "reference-00001.arrow")
+    (staging / "build" / ".reference-00002.arrow.tmp-0123abcd").write_bytes(b"partial")
     model = TinyReference().eval()
     write_reference_logps(build, model, out, batch_size=1)
     assert model.calls == sum(shard.rows for shard in shards[1:])  # shard 0 checked, not computed again
     assert _snapshot(out) == _snapshot(reference)
+    assert [p.name for p in tmp_path.iterdir()] == ["values"]  # the stopped run's directory was the one published
     assert verify_reference(build, out) == []
+
+
+@pytest.mark.slow  # two runs over the build: ~10 s
+@pytest.mark.parametrize("stopped", ["of another model", "with a damaged file"])
+def test_a_stopped_run_of_another_model_or_with_a_damaged_file_is_deleted_not_taken_up(build, reference, tmp_path, stopped):
+    out = tmp_path / "values"
+    other = TinyReference(fail_at=3).eval()
+    if stopped == "of another model":
+        with torch.no_grad():
+            other.model.model.embed_tokens.weight[0, 0] += 1
+    with pytest.raises(KeyboardInterrupt):
+        write_reference_logps(build, other, out, batch_size=1)
+    assert read_reference_manifest(_staging(out) / "build").files  # it finished a file
+    if stopped == "with a damaged file":
+        _flip_a_byte(_staging(out) / "build", "reference-00000.arrow")
+    model = TinyReference().eval()
+    write_reference_logps(build, model, out, batch_size=1)
+    assert model.calls == 6 and _snapshot(out) == _snapshot(reference)
+    assert [p.name for p in tmp_path.iterdir()] == ["values"]
+
+
+def test_an_existing_directory_is_taken_only_when_it_holds_this_model_s_finished_values(build, reference, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(OutputError, match="empty already exists"):
+        write_reference_logps(build, TinyReference().eval(), tmp_path / "empty")
+    assert list((tmp_path / "empty").iterdir()) == []
+    finished = Path(shutil.copytree(reference, tmp_path / "finished"))
+    model = TinyReference().eval()
+    assert write_reference_logps(build, model, finished) == read_reference_manifest(reference)
+    assert model.calls == 0 and _snapshot(finished) == _snapshot(reference)  # checked, not computed
+    unfinished = Path(shutil.copytree(reference, tmp_path / "unfinished"))
+    manifest = json.loads((unfinished / REFERENCE_MANIFEST).read_text())
+    manifest["files"] = manifest["files"][:1]
+    (unfinished / REFERENCE_MANIFEST).write_text(json.dumps(manifest))
+    before = _snapshot(unfinished)
+    with pytest.raises(OutputError, match="lists 1 of the build's 4 shards: not a finished reference directory"):
+        write_reference_logps(build, TinyReference().eval(), unfinished)
+    assert _snapshot(unfinished) == before
+
+
+def test_a_model_whose_vocabulary_is_smaller_than_the_build_s_ids_is_refused_before_it_runs(build, tmp_path):
+    largest = max(int(pack["input_ids"].max()) for pack in PackedDataset(build))
+
+    class SmallVocabulary(TinyReference):
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.model = enable_packing(preference_tiny_llama(1, largest)).eval()  # ids 0 .. largest - 1
+            self.fail_at, self.calls = None, 0
+
+        def get_input_embeddings(self):
+            return self.model.get_input_embeddings()
+
+    model = SmallVocabulary().eval()
+    with pytest.raises(InputError, match=rf"column 'input_ids': holds token id {largest}; the reference model .* has {largest} ids in its vocabulary"):
+        write_reference_logps(build, model, tmp_path / "values")
+    assert model.calls == 0 and list(tmp_path.iterdir()) == []
+
+
+def test_progress_shows_packs_done_on_the_console_given(build, reference, tmp_path):
+    """On finished values, checked and not computed (the command's test shows them computed)."""
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=120)
+    finished = shutil.copytree(reference, tmp_path / "values")
+    write_reference_logps(build, TinyReference().eval(), finished, progress=True, console=console)
+    shown = console.file.getvalue()
+    assert "reference log-probabilities" in shown and "6/6" in shown
+    quiet = Console(file=io.StringIO(), force_terminal=True, width=120)
+    write_reference_logps(build, TinyReference().eval(), finished, console=quiet)
+    assert quiet.file.getvalue() == ""
 
 
 def test_a_run_refuses_another_model_foreign_files_and_a_differing_file(build, reference, tmp_path):
@@ -194,16 +273,18 @@ def test_a_run_refuses_another_model_foreign_files_and_a_differing_file(build, r
 
     with pytest.raises(InputError, match="the log-probability nan: a reference must give every trained token a finite one"):
         write_reference_logps(build, NotFinite().eval(), tmp_path / "nan")
-    assert sorted(p.name for p in (tmp_path / "nan").iterdir()) == [REFERENCE_MANIFEST]
-    assert read_reference_manifest(tmp_path / "nan").files == []
-    # An unlisted file under a reference file's name that holds other values is not replaced.
-    manifest = json.loads((out / REFERENCE_MANIFEST).read_text())
-    manifest["files"] = manifest["files"][:1]
-    (out / REFERENCE_MANIFEST).write_text(json.dumps(manifest))
-    (out / "reference-00001.arrow").write_bytes(b"not these values")
+    assert not (tmp_path / "nan").exists() and not list(tmp_path.glob(".nan*"))
+    # An unlisted file under a reference file's name that holds other values is not replaced: a stopped run's
+    # file, left under the name shard 1's would take.
+    stopped = tmp_path / "stopped"
+    with pytest.raises(KeyboardInterrupt):
+        write_reference_logps(build, TinyReference(fail_at=prepack.formats.shards.read_manifest(build).shards[0].rows + 1).eval(),
+                              stopped, batch_size=1)
+    unlisted = _staging(stopped) / "build" / "reference-00001.arrow"
+    unlisted.write_bytes(b"not these values")
     with pytest.raises(OutputError, match="reference-00001.arrow exists, is not listed"):
-        write_reference_logps(build, TinyReference().eval(), out, batch_size=1)
-    assert (out / "reference-00001.arrow").read_bytes() == b"not these values"
+        write_reference_logps(build, TinyReference().eval(), stopped, batch_size=1)
+    assert unlisted.read_bytes() == b"not these values" and not stopped.exists()
 
 
 def _rewrite(directory: Path, name: str, offsets: np.ndarray, values: np.ndarray) -> None:
@@ -316,7 +397,101 @@ def test_reference_logps_command_writes_the_library_s_values(build, reference, t
     again = run_prepack("reference-logps", build, "--model", tmp_path / "moved", "--out", out, "--device", "cpu", env=WIDE)
     assert again.returncode == 0, again.stderr
     message = failure(run_prepack("reference-logps", build, "--model", tmp_path / "nowhere", "--out", out, env=WIDE))
-    assert "--model" in message and "nowhere is not a directory" in message
+    assert "nowhere: no such model directory." in message
+
+
+# --- the command on bad models and devices: a named error (exit 2), nothing written ----------------------
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory) -> Path:
+    """tiny_llama(1), the reference of the tests above, saved as a model directory."""
+    directory = tmp_path_factory.mktemp("models") / "ref-model"
+    tiny_llama(1).save_pretrained(directory)
+    return directory
+
+
+def _config_edit(**fields):
+    def edit(directory: Path) -> None:
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, **fields}))
+
+    return edit
+
+
+def _truncate_weights(directory: Path) -> None:
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _small_vocabulary(directory: Path) -> None:
+    shutil.rmtree(directory)
+    preference_tiny_llama(1, 1000).save_pretrained(directory)
+
+
+BAD_MODELS = {
+    "vocabulary smaller than the build's ids": (_small_vocabulary, "column 'input_ids': holds token id"),
+    "truncated weights": (_truncate_weights, "no causal language model loads from it: SafetensorError"),
+    "config of more layers than the weights hold": (_config_edit(num_hidden_layers=3), "its config does not match its weights: 9 weights it needs are missing"),
+    "config of fewer layers than the weights hold": (_config_edit(num_hidden_layers=1), "its config does not match its weights: 9 weights it holds are not used"),
+    "config of another width": (_config_edit(hidden_size=64), "no causal language model loads from it"),
+}
+
+
+def _reference_logps(*args):
+    from typer.testing import CliRunner
+
+    from prepack.cli import app
+
+    return CliRunner().invoke(app, ["reference-logps", *map(str, args)], env={"COLUMNS": "1000"})
+
+
+def _refused(result) -> str:
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+    return " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_MODELS))
+def test_reference_logps_command_refuses_a_bad_model_with_a_named_error_and_writes_nothing(build, saved_model, tmp_path, bad):
+    model = Path(shutil.copytree(saved_model, tmp_path / "model"))
+    corrupt, message = BAD_MODELS[bad]
+    corrupt(model)
+    assert message in _refused(_reference_logps(build, "--model", model, "--out", tmp_path / "values", "--device", "cpu"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("junk", "device 'junk' is not a torch device"),
+    ("cuda", "device 'cuda': this torch (" ),
+    ("cuda:1", "device 'cuda:1': this torch ("),
+    ("meta", "device 'meta' holds no values"),
+])
+def test_reference_logps_command_refuses_a_device_it_cannot_run_on(build, saved_model, tmp_path, monkeypatch, device, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without CUDA, here too
+    output = _refused(_reference_logps(build, "--model", saved_model, "--out", tmp_path / "values", "--device", device))
+    assert message in output
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow  # two runs over the build: ~3 s
+def test_reference_logps_command_shows_progress_on_a_terminal_only(build, saved_model, tmp_path, monkeypatch):
+    from rich.console import Console
+
+    import prepack.cli
+
+    piped = _reference_logps(build, "--model", saved_model, "--out", tmp_path / "piped", "--device", "cpu")
+    assert piped.exit_code == 0 and "━" not in piped.output and "6/6" not in piped.output, piped.output
+    assert "reference log-probabilities of 6 packs" in piped.output
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=120)
+    monkeypatch.setattr(prepack.cli, "_stderr", lambda: terminal)
+    shown = _reference_logps(build, "--model", saved_model, "--out", tmp_path / "shown", "--device", "cpu")
+    assert shown.exit_code == 0 and "reference log-probabilities" in terminal.file.getvalue()
+    assert "6/6" in terminal.file.getvalue()
+    terminal.file.truncate(0)
+    quiet = _reference_logps(build, "--model", saved_model, "--out", tmp_path / "quiet", "--device", "cpu", "--quiet")
+    assert quiet.exit_code == 0 and quiet.output == "" and terminal.file.getvalue() == ""
+    assert _snapshot(tmp_path / "quiet") == _snapshot(tmp_path / "shown") == _snapshot(tmp_path / "piped")
 
 
 # --- open_hf_dataset and the TRL recipe on stored values ----------------------------------------------
