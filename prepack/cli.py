@@ -193,6 +193,14 @@ def _byte_size(text: str) -> int:
         raise typer.BadParameter(f"{text!r} is not a size such as 256MiB or 1GB") from None
 
 
+def _integers(flag: str, text: str) -> list[int]:
+    """A comma-separated list of integers given to `flag`; anything else is an InputError."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise InputError(f"{flag} {text!r}: give comma-separated integers, such as 8,16,32.") from None
+
+
 def _fail(exc: PrepackError) -> None:
     # Escaped: messages quote paths, values and commands such as "pip install 'prepack-llm[train]'", whose
     # brackets rich would otherwise take for markup and drop.
@@ -376,6 +384,7 @@ def inspect_command(
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Also draw the distributions and costs, e.g. report.png (needs prepack-llm[plot]).")] = None,
     cache_dir: _CacheDirOption = None,
     images: Annotated[Path | None, typer.Option("--images", help="The image set prepared with its corpus: also report image and text tokens and the padding saved.")] = None,
+    caps: Annotated[str | None, typer.Option("--caps", metavar="K,K,...", show_default=False, help="The --max-docs-per-pack values to price (packs and fill, planned again); default 2, 4, ..., 128 below the fullest pack.")] = None,
 ) -> None:
     """Report fill, padding, distributions and the cost of not packing, from the manifest and the
     per-pack columns (no token is read)."""
@@ -384,6 +393,8 @@ def inspect_command(
 
     try:
         costs = {} if token_cost is None else {"token_cost": token_cost}
+        if caps is not None:
+            costs["caps"] = _integers("--caps", caps)
         report = inspect_build(path, batch_size=batch_size, seed=seed, world_size=world_size, cache_dir=cache_dir, **costs)
         if plot_path is not None:
             plot(report, plot_path)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from prepack.building.plan import assign_packs
 from prepack.training.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs, validated_token_cost
 from prepack.storage.cache import ShardCache, build_cache
 from prepack.errors import FormatError, InputError, PrepackError, optional_imports
@@ -110,6 +112,20 @@ class StepBalance(StrictModel):
     balanced_waiting_share: float
 
 
+class CapCost(StrictModel):
+    """What `prepack build --max-docs-per-pack K` makes of the build's documents: planned again from the packs'
+    segment lengths with the build's algorithm (a plan depends on nothing else; a pair is one unit of two)."""
+
+    max_docs_per_pack: int
+    packs: int
+    fill: float  # tokens / (packs * max_len)
+    more_packs_percent: float  # 100 * (packs - the build's packs) / the build's packs
+
+
+# The caps `inspect` prices by default: those below the build's fullest pack.
+DEFAULT_CAPS = (2, 4, 8, 16, 32, 64, 128)
+
+
 class PairReport(StrictModel):
     """A preference-pair build's pairs (`Manifest.pairs`), and what TRL's DPOTrainer would pad them to."""
 
@@ -186,6 +202,7 @@ class InspectReport(StrictModel):
     per_shard: list[ShardSummary]
     sources: list[SourceSummary] | None = None  # a mixture build's
     pairs: PairReport | None = None  # only for a preference-pair build
+    caps: list[CapCost] | None = None  # None for a mixture, whose packs are planned per round of copies
 
     def to_json(self) -> str:
         """What `prepack inspect --json` prints: strict JSON, never a NaN or Infinity token (which JSON
@@ -329,6 +346,7 @@ def inspect_build(
     world_size: int | None = None,
     token_cost: float = DEFAULT_TOKEN_COST,
     cache_dir: str | os.PathLike | None = None,
+    caps: Sequence[int] | None = None,
 ) -> InspectReport:
     """Report on the build at `path`, reading the manifest and the per-pack columns only.
 
@@ -341,6 +359,8 @@ def inspect_build(
     "Documents" are the segments the packs hold: corpus documents after split/truncate/drop.
     With `world_size`, `steps` compares the ranks' work per step of `batch_size` packs each, as
     `PackedSampler(seed=seed, drop_last=True)` deals epoch 0, without and with `balance="attention"`.
+    `caps` prices a few `--max-docs-per-pack K` (`CapCost`; default `DEFAULT_CAPS` below the build's fullest
+    pack), so that a user can pick K for fixed-shape batches without building again.
 
     `path` may be a URI (`s3://bucket/packed`, needs `prepack-llm[s3]`): its shards are then downloaded
     into `cache_dir` and checked against the manifest's sha256 (`prepack.storage.cache`; when None, a
@@ -353,6 +373,8 @@ def inspect_build(
         raise InputError(f"batch_size must be at least 1, got {batch_size}.")
     if world_size is not None and world_size < 1:
         raise InputError(f"world_size must be at least 1, got {world_size}.")
+    if caps is not None and any(type(k) is not int or not 1 <= k < 2**31 for k in caps):
+        raise InputError(f"every cap must be an integer in [1, 2**31), got {list(caps)}.")
     try:
         token_cost = validated_token_cost(token_cost)
     except ValueError as exc:
@@ -425,7 +447,33 @@ def inspect_build(
         per_shard=summaries,
         sources=sources,
         pairs=None if pairs is None else _pair_report(manifest, pairs, lengths[order], batch_size, seed, cost, path),
+        caps=None if manifest.mixture is not None else _cap_costs(manifest, lengths[order], columns["docs"], caps),
     )
+
+
+def _cap_costs(manifest: Manifest, lengths: np.ndarray, documents: np.ndarray, caps: Sequence[int] | None) -> list[CapCost]:
+    """`CapCost` of each cap (`DEFAULT_CAPS` below the fullest pack when None), from the segment `lengths` in
+    corpus order (a pair build's: chosen, rejected, pair after pair) and the build's `documents` per pack."""
+    o, pairs = manifest.options, manifest.pairs is not None
+    if caps is None:
+        caps = [k for k in DEFAULT_CAPS if k < int(documents.max()) and (k % 2 == 0 or not pairs)]
+    units = lengths.reshape(-1, 2).sum(axis=1) if pairs else lengths
+    out = []
+    for k in sorted(set(caps)):
+        # A pair is two documents: K // 2 pairs a pack, as the build plans them (K = 1 fits none).
+        cap = k // 2 if pairs else k
+        if cap < 1:
+            continue
+        packs = int(assign_packs(units, o.max_len, o.algorithm, max_documents=cap).max()) + 1
+        out.append(
+            CapCost(
+                max_docs_per_pack=k,
+                packs=packs,
+                fill=int(lengths.sum()) / (packs * o.max_len),
+                more_packs_percent=100 * (packs - len(documents)) / len(documents),
+            )
+        )
+    return out
 
 
 def _pair_report(manifest: Manifest, found: PairCounts, lengths: np.ndarray, batch_size: int, seed: int, cost, path) -> PairReport:
@@ -582,6 +630,13 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
         style="dim",
     )
     parts = [summary, distributions, histograms, costs]
+    if r.caps:
+        capped = Table(title="--max-docs-per-pack K (fixed-shape batches), planned again", title_justify="left", box=box.SIMPLE_HEAD)
+        for name in ("K", "packs", "fill", "more packs"):
+            capped.add_column(name, justify="right")
+        for c in r.caps:
+            capped.add_row(f"{c.max_docs_per_pack:,}", f"{c.packs:,}", f"{c.fill:.2%}", f"{c.more_packs_percent:+.2f}%")
+        parts.append(capped)
     if (s := r.steps) is not None:
         steps = Table(
             title=f"steps: {s.world_size} ranks × {s.batch_size} packs, cost Σ l² + {s.token_cost:,.0f} × tokens³",

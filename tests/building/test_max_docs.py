@@ -108,3 +108,33 @@ def test_the_cli_records_the_cap(corpus, tmp_path):
     assert result.returncode == 0, result.stderr
     assert read_manifest(tmp_path / "out").options.max_docs_per_pack == 3
     assert max(documents_per_pack(tmp_path / "out")) == 3
+
+
+def test_inspect_prices_a_cap_as_the_capped_build_packs(corpus, tmp_path):
+    from prepack.check.report import inspect_build
+
+    build(corpus, tmp_path / "plain", max_len=MAX_LEN, algorithm="bfd")
+    report = inspect_build(tmp_path / "plain", caps=[3, 8])
+    for priced in report.caps:
+        capped = build(corpus, tmp_path / f"k{priced.max_docs_per_pack}", max_len=MAX_LEN, algorithm="bfd",
+                       max_docs_per_pack=priced.max_docs_per_pack)
+        assert priced.packs == capped.totals.packs > report.packs
+        assert priced.fill == pytest.approx(capped.totals.tokens / (capped.totals.packs * MAX_LEN))
+    fullest = report.documents_per_pack.max
+    assert [c.max_docs_per_pack for c in inspect_build(tmp_path / "plain").caps] == [k for k in (2, 4, 8, 16, 32, 64, 128) if k < fullest]
+    shown = run_prepack("inspect", tmp_path / "plain", "--caps", "3,8", env=WIDE)
+    assert shown.returncode == 0 and "--max-docs-per-pack K" in shown.stdout, shown.stderr
+    assert "give comma-separated integers" in failure(run_prepack("inspect", tmp_path / "plain", "--caps", "8,x", env=WIDE))
+
+
+def test_inspect_prices_a_pair_build_in_whole_pairs(tmp_path):
+    from prepack.check.report import inspect_build
+
+    gpt2 = gpt2_directory(tmp_path / "gpt2")
+    rows = [{"prompt": f"Q{i}:", "chosen": " yes" * (i % 5 + 1), "rejected": " no"} for i in range(60)]
+    corpus = tmp_path / "pairs.jsonl"
+    corpus.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    build(corpus, tmp_path / "plain", max_len=MAX_LEN, tokenizer=gpt2, pairs=True, overflow="drop")
+    [priced] = inspect_build(tmp_path / "plain", caps=[4]).caps
+    capped = build(corpus, tmp_path / "k4", max_len=MAX_LEN, tokenizer=gpt2, pairs=True, overflow="drop", max_docs_per_pack=4)
+    assert priced.packs == capped.totals.packs
