@@ -314,19 +314,15 @@ class _Gradients(TrainerCallback):
         self.gradients = gradients(model)
 
 
-@pytest.mark.slow  # ~5 s: a float64 TRL step of two micro-batches
-def test_trl_recipe_under_gradient_accumulation_weighs_every_pair_the_same(step_build, tmp_path, monkeypatch):
-    """examples/train_dpo_trl.py's trainer, gradient accumulation 2 over packs of 4 and 6 pairs: the step's
-    gradient is that of the mean over its 10 pairs, not the mean of the two micro-batches' means."""
-    monkeypatch.syspath_prepend(str(EXAMPLES))  # the recipe's `from tiny_model import ...`
-    recipe = runpy.run_path(str(EXAMPLES / "train_dpo_trl.py"))
-    step = [0, 3]
-    assert [pairs_per_pack(step_build)[i] for i in step] == [4, 6]
-    args = argparse.Namespace(data=str(step_build), model=None, steps=1, batch_size=1, accumulation=2, lr=1e-3,
-                              workers=0, reference=None)
+def trl_recipe_step(recipe: dict, build: str, step: list[int], out: str) -> tuple[object, list[int], "_Gradients"]:
+    """examples/train_dpo_trl.py's trainer set for one step over the packs `step` (one a micro-batch, accumulation
+    2), its ids folded into the tiny vocabulary, unclipped: the trainer, the pairs each micro-batch held (filled
+    as it trains) and the callback that records the gradients at the optimizer step."""
+    args = argparse.Namespace(data=build, model=None, steps=1, batch_size=1, accumulation=2, lr=1e-3, workers=0,
+                              reference=None)
     model, reference = enable_packing(tiny_llama(0)), enable_packing(tiny_llama(1)).eval().requires_grad_(False)
-    trainer = recipe["packed_dpo_trainer"](args, model, reference, str(tmp_path))
-    trainer.train_dataset = trainer.train_dataset.select(step)  # one step: both packs, one a micro-batch
+    trainer = recipe["packed_dpo_trainer"](args, model, reference, out)
+    trainer.train_dataset = trainer.train_dataset.select(step)
     trainer.args.max_grad_norm = 0  # the gradient as the loss gives it, unclipped
     collate, pairs = trainer.data_collator, []
 
@@ -339,6 +335,18 @@ def test_trl_recipe_under_gradient_accumulation_weighs_every_pair_the_same(step_
     trainer.data_collator = in_tiny_vocabulary
     recorded = _Gradients()
     trainer.add_callback(recorded)
+    return trainer, pairs, recorded
+
+
+@pytest.mark.slow  # ~5 s: a float64 TRL step of two micro-batches
+def test_trl_recipe_under_gradient_accumulation_weighs_every_pair_the_same(step_build, tmp_path, monkeypatch):
+    """examples/train_dpo_trl.py's trainer, gradient accumulation 2 over packs of 4 and 6 pairs: the step's
+    gradient is that of the mean over its 10 pairs, not the mean of the two micro-batches' means."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # the recipe's `from tiny_model import ...`
+    recipe = runpy.run_path(str(EXAMPLES / "train_dpo_trl.py"))
+    step = [0, 3]
+    assert [pairs_per_pack(step_build)[i] for i in step] == [4, 6]
+    trainer, pairs, recorded = trl_recipe_step(recipe, str(step_build), step, str(tmp_path))
     trainer.train()
     assert sorted(pairs) == [4, 6] and trainer.state.global_step == 1
     assert_gradients_equal(recorded.gradients, equal_weight_step(step_build, step)[1], "TRL, accumulation 2")
@@ -352,28 +360,12 @@ def trl_ddp_worker(rank: int, port: int, out: str, build: str) -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, str(EXAMPLES))  # the recipe's `from tiny_model import ...`
     recipe = runpy.run_path(str(EXAMPLES / "train_dpo_trl.py"))
-    args = argparse.Namespace(data=build, model=None, steps=1, batch_size=1, accumulation=2, lr=1e-3, workers=0,
-                              reference=None)
-    model, reference = enable_packing(tiny_llama(0)), enable_packing(tiny_llama(1)).eval().requires_grad_(False)
-    trainer = recipe["packed_dpo_trainer"](args, model, reference, f"{out}/trainer{rank}")
     step = [pack for packs in RANK_PACKS for pack in packs]
-    trainer.train_dataset = trainer.train_dataset.select(step)
-    trainer.args.max_grad_norm = 0
-    collate, pairs = trainer.data_collator, []
-
-    def in_tiny_vocabulary(rows):
-        batch = collate(rows)
-        batch["input_ids"], batch["labels"] = small(batch["input_ids"]), small(batch["labels"])
-        pairs.append(len(batch["pair_segments"]))
-        return batch
-
-    trainer.data_collator = in_tiny_vocabulary
-    recorded = _Gradients()
-    trainer.add_callback(recorded)
+    trainer, pairs, recorded = trl_recipe_step(recipe, build, step, f"{out}/trainer{rank}")
     trainer.train()
     torch.save({"gradients": recorded.gradients, "pairs": pairs, "processes": trainer.accelerator.num_processes,
                 "steps": trainer.state.global_step}, f"{out}/trl{rank}.pt")
-    del trainer, model  # DDP's reducer before the process group, both ranks here (tests/train/test_loss.py)
+    del trainer  # its model, DDP's reducer before the process group, both ranks here (tests/train/test_loss.py)
     dist.barrier()
     dist.destroy_process_group()
 
