@@ -347,7 +347,7 @@ def prepare_images_command(
     processor: Annotated[Path, typer.Option("--processor", help="A local processor directory: tokenizer.json with the image tokens, preprocessor_config.json.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="New directory: corpus.parquet to build, and images/ (the image set).")],
     max_image_bytes: Annotated[int | None, typer.Option("--max-image-bytes", min=1, help="Largest encoded image (default 32 MiB).")] = None,
-    max_pixels: Annotated[int | None, typer.Option("--max-pixels", min=1, help="Largest width x height (default Pillow's limit).")] = None,
+    max_pixels: Annotated[int | None, typer.Option("--max-pixels", min=1, help="Largest width x height (default 32Mi pixels, VisionCollator's per-image limit too).")] = None,
     max_images: Annotated[int | None, typer.Option("--max-images", min=1, help="Most images in one record (default 64).")] = None,
     images_root: Annotated[Path | None, typer.Option("--images-root", help="The one directory images come from (default: each corpus file's own); paths must resolve inside it.")] = None,
 ) -> None:

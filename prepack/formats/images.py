@@ -42,6 +42,7 @@ __all__ = [
     "ImageSet",
     "ImageSetFile",
     "ImageSetManifest",
+    "MAX_IMAGE_PIXELS",
     "read_image_set",
     "smart_resize",
 ]
@@ -118,10 +119,16 @@ class ImageRule(StrictModel):
         return self.start + self.placeholder * self.placeholders(width, height) + self.end
 
 
+# The most pixels (width x height) an image may decode to by default, in `prepare-images` and in the training
+# `VisionCollator` alike, so that an image set never holds an image training refuses: well below Pillow's
+# decompression-bomb warning (89,478,485), as four such images already take 512 MiB decoded.
+MAX_IMAGE_PIXELS = 32 * 2**20
+
+
 class ImageLimits(StrictModel):
     max_image_bytes: int = Field(default=32 * 2**20, ge=1, le=2**31, description="Largest encoded image.")
     max_pixels: int = Field(
-        default=89_478_485, ge=1, le=2**31, description="Largest width x height (Pillow's bomb limit)."
+        default=MAX_IMAGE_PIXELS, ge=1, le=2**31, description="Largest width x height (VisionCollator's default too)."
     )
     max_images_per_document: int = Field(default=64, ge=1, le=65_536)
 

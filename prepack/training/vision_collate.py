@@ -39,6 +39,7 @@ import numpy as np
 
 from prepack.training.collate import PackedCollator
 from prepack.errors import InputError, UsageError, optional_imports
+from prepack.formats.images import MAX_IMAGE_PIXELS
 from prepack.formats.shards import IGNORE_INDEX
 from prepack.model.vision_families import ImageStyle, image_style
 
@@ -48,9 +49,8 @@ with optional_imports("VisionCollator"):
 
 __all__ = ["MAX_BATCH_PIXELS", "MAX_IMAGE_PIXELS", "VisionCollator", "VisionSpec", "rotary_3d_positions"]
 
-# Decoded pixels the collator accepts, by the images' headers: per image (well below Pillow's bomb warning,
-# 89,478,485) and per batch, whose images are all decoded before the image processor takes them.
-MAX_IMAGE_PIXELS = 32 * 2**20
+# Decoded pixels the collator accepts, by the images' headers: per image, `prepare-images`' own limit
+# (prepack.formats.images), and per batch, whose images are all decoded before the image processor takes them.
 MAX_BATCH_PIXELS = 128 * 2**20
 
 
