@@ -40,12 +40,12 @@ import numpy as np
 
 from prepack.errors import InputError
 from prepack.formats.shards import IGNORE_INDEX, PairOptions, TokenizeOptions
+from prepack.sources.chat_templates import render_chat
 from prepack.sources.corpus import Corpus, DocumentBatch, file_columns, file_kind, json_object_blocks, record_batches
 from prepack.sources.tokenize import (
     LocalTokenizer,
     resolve_chat_template,
     checked_messages,
-    compile_template,
     encoded_in_order,
     eos_to_append,
     usable_cores,
@@ -85,6 +85,7 @@ class _PairEncoder:
     options: PairOptions
     chat: bool
     template: str | None
+    template_file: str | None  # where the template was read, named in errors
     special_tokens: dict[str, str]
     eos_id: int | None
 
@@ -92,9 +93,9 @@ class _PairEncoder:
         prompts, fulls, where = [], [], []
         for i, record in enumerate(records):
             prompt, chosen, rejected = self._parts(path, row0 + i, record)
-            prompts.append(self._text(path, row0 + i, prompt, None, add_generation_prompt=True))
+            prompts.append(self._text(f"{path}, row {row0 + i}", prompt, None))
             for column, completion in ((self.options.chosen_column, chosen), (self.options.rejected_column, rejected)):
-                fulls.append(self._text(path, row0 + i, prompt, completion, add_generation_prompt=False))
+                fulls.append(self._text(f"{path}, row {row0 + i}, column {column!r}", prompt, completion))
                 where.append((row0 + i, column))
         special = not self.chat  # chat templates write their own special tokens
         prompt_ids = [e.ids for e in self.tokenizer.encode_batch_fast(prompts, add_special_tokens=special)]
@@ -160,15 +161,13 @@ class _PairEncoder:
             )
         return prompt, chosen, rejected
 
-    def _text(self, path: Path, row: int, prompt, completion, add_generation_prompt: bool) -> str:
+    def _text(self, where: str, prompt, completion) -> str:
+        """The prompt alone (completion None; chat: with the generation prompt), or prompt + completion."""
         if not self.chat:
             return prompt if completion is None else prompt + completion
         messages = prompt if completion is None else prompt + completion
-        context = dict(self.special_tokens, tools=None, documents=None)
-        try:
-            return compile_template(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
-        except Exception as exc:  # jinja2's TemplateError, or TypeError from a template's arithmetic
-            raise InputError(f"{path}, row {row}: the chat template failed on this pair: {exc}") from None
+        return render_chat(self.template, self.template_file, where, messages,
+                           add_generation_prompt=completion is None, special_tokens=self.special_tokens)[0]
 
 
 def _file_records(path: Path, columns: list[str]) -> Iterator[tuple[int, list[dict], int]]:
@@ -228,7 +227,7 @@ def pair_documents(
     num_proc = num_proc or usable_cores()
     if num_proc < 1:
         raise InputError(f"num_proc must be at least 1, not {num_proc}.")
-    template = resolve_chat_template(tokenizer, chat_template) if chat else None
+    template, template_file = resolve_chat_template(tokenizer, chat_template) if chat else (None, None)
     columns = [options.prompt_column, options.chosen_column, options.rejected_column]
     for path in corpus.files:
         kind = file_kind(path) or "arrow"
@@ -246,6 +245,7 @@ def pair_documents(
         options=options,
         chat=chat,
         template=template,
+        template_file=template_file,
         special_tokens=tokenizer.special_tokens,
         eos_id=eos_to_append(tokenizer) if eos and not chat else None,
     )

@@ -11,7 +11,8 @@ The batches are `DocumentBatch`es, in row order, as `read_documents` yields them
 - Text: each document is `tokenizer.encode(text)` (so BOS is whatever the tokenizer's post-processor
   adds), then EOS, unless the post-processor already ends every encoding with it.
 - Chat: the conversation is rendered with the chat template the way transformers renders it (same
-  sandboxed jinja environment and variables), then encoded without special tokens, since templates
+  sandboxed jinja environment and variables), within the time and size limits of
+  `prepack.sources.chat_templates`, then encoded without special tokens, since templates
   write their own. A token keeps its label when its characters overlap an assistant turn; the rest
   get -100. An assistant turn is what the template marks with `{% generation %}` (the transformers and
   TRL convention) or, for templates without that tag, the text that rendering the conversation up to
@@ -27,7 +28,6 @@ The batches are `DocumentBatch`es, in row order, as `read_documents` yields them
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import time
@@ -36,8 +36,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from datetime import datetime
-from functools import lru_cache
 from itertools import chain
 from pathlib import Path
 
@@ -57,12 +55,11 @@ from prepack.sources.corpus import (
     parse_json,
     record_batches,
 )
+from prepack.sources.chat_templates import compile_template, render_chat
 from prepack.sources.tokenizer_workers import encoded_by_workers
 
 with optional_imports("tokenizing (--tokenizer)"):
     import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
     from tokenizers import Encoding, Tokenizer
 
 __all__ = [
@@ -94,16 +91,17 @@ class LocalTokenizer:
     special_tokens: dict[str, str]  # bos_token, eos_token, …: the strings chat templates see
     chat_template: str | None
     info: TokenizerInfo  # name and sha256, recorded in the manifest
+    chat_template_file: str | None = None  # the file the chat template was read from, named in errors
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path, contents: bytes) -> dict:
     try:
-        data = parse_json(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        data = parse_json(contents.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
         raise InputError(f"{path}: cannot be read as JSON ({exc}).") from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a JSON object.")
@@ -151,10 +149,10 @@ def load_tokenizer(path: str | os.PathLike) -> LocalTokenizer:
         files = {"tokenizer.json": path}
     else:
         raise InputError(f"{path}: no such tokenizer directory or tokenizer.json file.")
-    digest = hashlib.sha256()
-    for file in sorted(files.values(), key=lambda file: file.name):
+    digest, contents = hashlib.sha256(), {}
+    for name, file in sorted(files.items()):
         try:
-            data = file.read_bytes()
+            contents[name] = data = file.read_bytes()
         except OSError as exc:
             raise InputError(f"{file}: cannot be read ({exc}).") from None
         digest.update(f"{file.name}\0{len(data)}\0".encode())
@@ -163,71 +161,29 @@ def load_tokenizer(path: str | os.PathLike) -> LocalTokenizer:
         tokenizer = Tokenizer.from_file(str(files["tokenizer.json"]))
     except Exception as exc:  # tokenizers raises a bare Exception for any file it cannot parse
         raise InputError(f"{files['tokenizer.json']}: not a readable tokenizer.json ({exc}).") from None
-    config = {}
+    config, template_file = {}, None
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins
         if name in files:
-            config |= _read_json(files[name])
-    template = _config_template(config, files.get("tokenizer_config.json", path))
+            settings = _read_json(files[name], contents[name])
+            config |= settings
+            template_file = files[name] if "chat_template" in settings else template_file
+    template = _config_template(config, template_file or path)
     if "chat_template.jinja" in files:  # transformers saves templates there and prefers it
-        template = files["chat_template.jinja"].read_text(encoding="utf-8")
+        template_file = files["chat_template.jinja"]
+        try:
+            template = contents["chat_template.jinja"].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(
+                f"{template_file}: the chat template is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                f"{exc.start})."
+            ) from None
     return LocalTokenizer(
         tokenizer=tokenizer,
         special_tokens=_special_tokens(config),
         chat_template=template,
         info=TokenizerInfo(name=path.name, sha256=digest.hexdigest()),
+        chat_template_file=None if template is None else str(template_file),
     )
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}…{% endgeneration %}` marks assistant output; its character span is recorded.
-
-    `_render_marked` consumes the template as a generator, so when a block runs, `blocks` holds
-    everything rendered before it (the mechanism of transformers' `return_assistant_tokens_mask`).
-    """
-
-    tags = {"generation"}
-
-    def __init__(self, environment: jinja2.Environment):
-        super().__init__(environment)
-        self.blocks: list[str] = []
-        self.spans: list[tuple[int, int]] = []
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_record"), [], [], body).set_lineno(lineno)
-
-    def _record(self, caller) -> str:
-        text = caller()
-        start = sum(map(len, self.blocks))
-        self.spans.append((start, start + len(text)))
-        return text
-
-
-def _raise_exception(message: str):
-    raise jinja2.TemplateError(message)
-
-
-@lru_cache(maxsize=4)
-def compile_template(source: str) -> jinja2.Template:
-    """A sandbox set up as transformers' `apply_chat_template` sets it up, so templates render the same."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
-    return env.from_string(source)
-
-
-def _render_marked(template: jinja2.Template, **context) -> tuple[str, list[tuple[int, int]]]:
-    tracker = template.environment.extensions[_GenerationTag.identifier]
-    tracker.blocks, tracker.spans = [], []
-    for block in template.generate(**context):
-        tracker.blocks.append(block)
-    return "".join(tracker.blocks), tracker.spans
 
 
 def type_name(value) -> str:
@@ -263,6 +219,7 @@ class _Encoder:
     chat: bool
     eos_id: int | None  # appended to every text document
     template: str | None
+    template_file: str | None  # where the template was read, named in errors
     special_tokens: dict[str, str]
     assistant_only: bool
 
@@ -323,34 +280,32 @@ class _Encoder:
 
     def _render(self, where: str, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its assistant turns."""
-        template = compile_template(self.template)
-        context = dict(self.special_tokens, tools=None, documents=None)
-        try:
-            if _GENERATION_TAG.search(self.template):
-                return _render_marked(template, messages=messages, add_generation_prompt=False, **context)
-            text = template.render(messages=messages, add_generation_prompt=False, **context)
-            if not self.assistant_only:
-                return text, []
-            spans = []
-            for i, message in enumerate(messages):
-                if message["role"] != "assistant":
-                    continue
-                through = template.render(messages=messages[: i + 1], add_generation_prompt=False, **context)
-                if not text.startswith(through):
-                    raise InputError(
-                        f"{where}: the chat template renders messages 0-{i} differently once later messages "
-                        "follow, so the assistant turns cannot be found by rendering prefixes; mark them with "
-                        "{% generation %}…{% endgeneration %} in the template, or train on all tokens."
-                    )
-                prompt = template.render(messages=messages[:i], add_generation_prompt=True, **context)
-                # Usually the generation prompt is the start of the turn; some templates put more in it
-                # (an empty <think></think>), so the turn starts where the two differ. commonprefix is
-                # a Python loop over characters: only called then.
-                start = len(prompt) if through.startswith(prompt) else len(os.path.commonprefix([prompt, through]))
-                spans.append((start, len(through)))
-            return text, spans
-        except (jinja2.TemplateError, TypeError) as exc:
-            raise InputError(f"{where}: the chat template failed on this conversation: {exc}") from None
+
+        def render(messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
+            return render_chat(self.template, self.template_file, where, messages,
+                               add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens)
+
+        text, marked = render(messages, False)
+        if _GENERATION_TAG.search(self.template) or not self.assistant_only:
+            return text, marked
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            through = render(messages[: i + 1], False)[0]
+            if not text.startswith(through):
+                raise InputError(
+                    f"{where}: the chat template renders messages 0-{i} differently once later messages "
+                    "follow, so the assistant turns cannot be found by rendering prefixes; mark them with "
+                    "{% generation %}…{% endgeneration %} in the template, or train on all tokens."
+                )
+            prompt = render(messages[:i], True)[0]
+            # Usually the generation prompt is the start of the turn; some templates put more in it
+            # (an empty <think></think>), so the turn starts where the two differ. commonprefix is
+            # a Python loop over characters: only called then.
+            start = len(prompt) if through.startswith(prompt) else len(os.path.commonprefix([prompt, through]))
+            spans.append((start, len(through)))
+        return text, spans
 
 
 def _assistant_labels(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
@@ -504,7 +459,7 @@ def tokenize_corpus(
     num_proc = num_proc or usable_cores()
     if num_proc < 1:
         raise InputError(f"num_proc must be at least 1, not {num_proc}.")
-    template = resolve_chat_template(tokenizer, chat_template) if chat else None
+    template, template_file = resolve_chat_template(tokenizer, chat_template) if chat else (None, None)
     eos_id = eos_to_append(tokenizer) if eos and not chat else None
     _check_columns(corpus, column, chat)
     encoder = _Encoder(
@@ -514,6 +469,7 @@ def tokenize_corpus(
         chat=chat,
         eos_id=eos_id,
         template=template,
+        template_file=template_file,
         special_tokens=tokenizer.special_tokens,
         assistant_only=chat and train_on == "assistant",
     )
@@ -532,8 +488,11 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def resolve_chat_template(tokenizer: LocalTokenizer, path: str | os.PathLike | None) -> str:
+def resolve_chat_template(tokenizer: LocalTokenizer, path: str | os.PathLike | None) -> tuple[str, str]:
+    """The chat template (the file `path`, or the tokenizer's), compiled once to check it, and the file
+    it was read from."""
     if path is not None:
+        template_file = str(path)
         try:
             template = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -544,12 +503,14 @@ def resolve_chat_template(tokenizer: LocalTokenizer, path: str | os.PathLike | N
             "'chat_template' in tokenizer_config.json); pass one with --chat-template FILE."
         )
     else:
-        template = tokenizer.chat_template
+        template, template_file = tokenizer.chat_template, tokenizer.chat_template_file or tokenizer.info.name
     try:
         compile_template(template)
     except jinja2.TemplateSyntaxError as exc:
-        raise InputError(f"chat template {path or tokenizer.info.name}, line {exc.lineno}: {exc.message}") from None
-    return template
+        raise InputError(f"chat template {template_file}, line {exc.lineno}: {exc.message}") from None
+    except Exception as exc:  # noqa: BLE001 (a hostile template can break the compiler: RecursionError, SyntaxError, ...)
+        raise InputError(f"chat template {template_file}: cannot be compiled ({type(exc).__name__}: {exc}).") from None
+    return template, template_file
 
 
 def eos_to_append(tokenizer: LocalTokenizer) -> int | None:
