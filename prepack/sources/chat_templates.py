@@ -47,6 +47,7 @@ __all__ = [
     "RENDER_MAX_CHARS",
     "RENDER_MAX_INT_BITS",
     "RENDER_SECONDS",
+    "check_template",
     "compile_template",
     "render_chat",
 ]
@@ -304,6 +305,16 @@ def compile_template(source: str) -> jinja2.Template:
     tree.set_environment(env)
     env.budget = _Budget([])  # jinja evaluates constant expressions as it compiles: within limits too
     return env.from_string(tree)
+
+
+def check_template(template: str, template_file: str) -> None:
+    """Compiles `template` (cached for `render_chat`); an InputError naming `template_file` when it cannot."""
+    try:
+        compile_template(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InputError(f"chat template {template_file}, line {exc.lineno}: {exc.message}") from None
+    except Exception as exc:  # noqa: BLE001 (a hostile template can break the compiler: RecursionError, SyntaxError, ...)
+        raise InputError(f"chat template {template_file}: cannot be compiled ({type(exc).__name__}: {exc}).") from None
 
 
 def _input_chars(messages: list[dict]) -> int:

@@ -55,11 +55,10 @@ from prepack.sources.corpus import (
     parse_json,
     record_batches,
 )
-from prepack.sources.chat_templates import compile_template, render_chat
+from prepack.sources.chat_templates import check_template, compile_template, render_chat
 from prepack.sources.tokenizer_workers import encoded_by_workers
 
 with optional_imports("tokenizing (--tokenizer)"):
-    import jinja2
     from tokenizers import Encoding, Tokenizer
 
 __all__ = [
@@ -504,12 +503,7 @@ def resolve_chat_template(tokenizer: LocalTokenizer, path: str | os.PathLike | N
         )
     else:
         template, template_file = tokenizer.chat_template, tokenizer.chat_template_file or tokenizer.info.name
-    try:
-        compile_template(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise InputError(f"chat template {template_file}, line {exc.lineno}: {exc.message}") from None
-    except Exception as exc:  # noqa: BLE001 (a hostile template can break the compiler: RecursionError, SyntaxError, ...)
-        raise InputError(f"chat template {template_file}: cannot be compiled ({type(exc).__name__}: {exc}).") from None
+    check_template(template, template_file)
     return template, template_file
 
 
