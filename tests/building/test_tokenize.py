@@ -414,7 +414,8 @@ prepack.build("store/", "packed/", max_len=512)
 @pytest.mark.slow
 def test_unguarded_script_with_chat_workers_fails_named_instead_of_hanging(tmp_path, gpt2_chat):
     """Each spawned worker re-runs the script, meets the build's lock and dies before it reads its
-    start-up data; the parent used to block for ever writing that data (megabytes of tokenizer)."""
+    start-up data; the parent used to block for ever writing that data (megabytes of tokenizer), then
+    printed each worker's traceback before its own."""
     parquet(tmp_path / "chats.parquet", messages=[as_chat(t) for t in chitchat()[:400]])
     shutil.copytree(gpt2_chat, tmp_path / "my-tokenizer")
     (tmp_path / "script.py").write_text(UNGUARDED_SCRIPT)
@@ -425,6 +426,8 @@ def test_unguarded_script_with_chat_workers_fails_named_instead_of_hanging(tmp_p
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("prepack.errors.EngineError: a chat tokenizer worker process ended abruptly"), result.stderr
     assert 'if __name__ == "__main__":' in last
+    # The one message: the script's own traceback ending in the EngineError, none from the workers.
+    assert result.stderr.count("Traceback") == 1 and "spawn_main" not in result.stderr, result.stderr
     # The lock released and the staging directory deleted, as for any failed build; nothing published.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.parquet", "my-tokenizer", "script.py"]
 
