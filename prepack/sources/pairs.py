@@ -8,8 +8,8 @@ The corpus holds TRL's preference formats, one pair a row:
 
 - explicit prompt: `prompt`, `chosen`, `rejected` columns;
 - implicit prompt: `chosen` and `rejected` only, the prompt being their longest common prefix (whole
-  messages of a conversation, or characters of a string, backed off before a trailing space), as
-  TRL's `extract_prompt` finds it;
+  messages of a conversation, or characters of a string, backed off before a trailing space; when one
+  starts the other, less its last message or character), as TRL's `extract_prompt` finds it;
 - conversational (`chat=True`: lists of {role, content} messages, rendered with the chat template) or
   plain text (strings).
 
@@ -58,14 +58,16 @@ _CHUNK_BYTES = 1 << 18  # input per task: pairs are rendered three times each, s
 
 
 def split_prompt(chosen, rejected) -> tuple[object, object, object]:
-    """(prompt, chosen completion, rejected completion) of an implicit-prompt pair: the longest common
-    prefix of two message lists (whole messages) or of two strings, where a string's prefix is backed off
-    before the space that precedes the first difference (TRL's `extract_prompt`)."""
-    end = 0
-    for end in range(min(len(chosen), len(rejected)) + 1):
-        if end == min(len(chosen), len(rejected)) or chosen[end] != rejected[end]:
-            break
-    if isinstance(chosen, str) and 0 < end < min(len(chosen), len(rejected)) and chosen[end - 1] == " ":
+    """(prompt, chosen completion, rejected completion) of an implicit-prompt pair, as TRL's `extract_prompt`
+    splits it: the longest common prefix of two message lists (whole messages) or of two strings, where a
+    string's prefix is backed off before the space that precedes the first difference. When one of them
+    starts the other, TRL's loop ends on the shorter one's last index, leaving its last message or character
+    to the completions: so does this."""
+    shorter = min(len(chosen), len(rejected))
+    end = next((i for i in range(shorter) if chosen[i] != rejected[i]), None)
+    if end is None:
+        end = max(shorter - 1, 0)
+    elif isinstance(chosen, str) and end > 0 and chosen[end - 1] == " ":
         end -= 1
     return chosen[:end], chosen[end:], rejected[end:]
 
