@@ -33,7 +33,6 @@ import hashlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +54,7 @@ from prepack.sources.tokenize import (
 __all__ = ["PairDocuments", "pair_documents", "split_prompt"]
 
 _CHUNK_BYTES = 1 << 18  # input per task: pairs are rendered three times each, so chunks are smaller than --chat's
+_ENCODE_BATCH_CHARS = 1 << 20  # text per call of the tokenizer: a chunk's texts in one call, a long text alone
 
 
 def split_prompt(chosen, rejected) -> tuple[object, object, object]:
@@ -99,39 +99,54 @@ class _PairEncoder:
             for column, completion in ((self.options.chosen_column, chosen), (self.options.rejected_column, rejected)):
                 fulls.append(self._text(f"{path}, row {row0 + i}, column {column!r}", prompt, completion))
                 where.append((row0 + i, column))
-        special = not self.chat  # chat templates write their own special tokens
-        prompt_ids = [e.ids for e in self.tokenizer.encode_batch_fast(prompts, add_special_tokens=special)]
-        full_ids = [e.ids for e in self.tokenizer.encode_batch_fast(fulls, add_special_tokens=special)]
+        prompt_ids, full_ids = self._ids(prompts), self._ids(fulls)
         documents, labels, prompt_lengths = [], [], []
         for i, prompt in enumerate(prompt_ids):
             chosen, rejected = full_ids[2 * i], full_ids[2 * i + 1]
             # Where the completion starts: where prompt and prompt + completion diverge (TRL's rule: tokens
             # may merge across the boundary), the same for both documents of the pair.
             length = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
-            if chosen == rejected:
+            if np.array_equal(chosen, rejected):
                 raise InputError(
                     f"{path}, row {row0 + i}: chosen and rejected are the same tokens; a preference pair needs two "
                     "different completions."
                 )
             for (row, column), ids in zip(where[2 * i : 2 * i + 2], (chosen, rejected)):
-                ids = ids + [self.eos_id] if self.eos_id is not None else ids
+                ids = np.append(ids, self.eos_id) if self.eos_id is not None else ids
                 if len(ids) == length:
                     raise InputError(f"{path}, row {row}, column {column!r}: the completion is empty (no token after the prompt).")
                 documents.append(ids)
-                labels.append([IGNORE_INDEX] * length + ids[length:])
+                trained = ids.copy()
+                trained[:length] = IGNORE_INDEX
+                labels.append(trained)
             prompt_lengths.append(length)
         lengths = np.fromiter(map(len, documents), np.int64, len(documents))
         offsets = np.zeros(len(documents) + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        ids = np.fromiter(chain.from_iterable(documents), np.int64, int(offsets[-1]))
+        ids = np.concatenate(documents)
         if (bad := ids >= self.vocab_size).any():
             document = int(np.searchsorted(offsets, int(np.flatnonzero(bad)[0]), "right")) - 1
             raise InputError(
                 f"{path}, row {row0 + document // 2}, column {where[document][1]!r}: token id {ids[bad][0]} is not "
                 f"below the tokenizer's vocabulary size {self.vocab_size}; is tokenizer.json consistent?"
             )
-        label_values = np.fromiter(chain.from_iterable(labels), np.int64, int(offsets[-1]))
-        return offsets, ids.astype(np.int32), label_values.astype(np.int32), np.asarray(prompt_lengths, np.int64)
+        return offsets, ids.astype(np.int32), np.concatenate(labels).astype(np.int32), np.asarray(prompt_lengths, np.int64)
+
+    def _ids(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text's token ids, encoded in batches of about _ENCODE_BATCH_CHARS characters whose encodings
+        are dropped once their ids are copied out: a pair of long texts holds one encoding at a time, not
+        all three (a 20 MB row, as text, costs one)."""
+        ids, start = [], 0
+        while start < len(texts):
+            end, size = start + 1, len(texts[start])
+            while end < len(texts) and size + len(texts[end]) <= _ENCODE_BATCH_CHARS:
+                size += len(texts[end])
+                end += 1
+            # Chat templates write their own special tokens.
+            for encoding in self.tokenizer.encode_batch_fast(texts[start:end], add_special_tokens=not self.chat):
+                ids.append(np.array(encoding.ids, np.int64))
+            start = end
+        return ids
 
     def _parts(self, path: Path, row: int, record: dict) -> tuple[object, object, object]:
         """The pair's prompt and completions, checked: messages in chat mode, strings otherwise. A row
