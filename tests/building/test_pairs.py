@@ -9,6 +9,7 @@ path (tokenizers + jinja2) is checked against an independent implementation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,8 +23,11 @@ from prepack import PackedDataset
 from prepack.building.pair_plan import kept_lengths
 from prepack.building.plan import assign_packs
 from prepack.errors import FormatError, InputError
-from prepack.formats.shards import check_shard, open_shard, read_manifest
-from prepack.sources.pairs import split_prompt
+from prepack.formats.shards import PairOptions, check_shard, open_shard, read_manifest
+from prepack.sources.corpus import find_corpus
+from prepack.sources import pairs
+from prepack.sources.pairs import pair_documents, split_prompt
+from prepack.sources.tokenize import load_tokenizer
 from tests.cli import WIDE, failure, run_prepack
 from tests.demo_inputs import CHATML, chitchat, chitchat_pairs, gpt2_directory
 
@@ -279,6 +283,39 @@ def test_pair_options_are_refused_where_they_mean_nothing(tmp_path, gpt2):
             prepack.build(corpus, tmp_path / "out", max_len=64, tokenizer=gpt2, **options)
     # The command exits 2 with the message, as for any bad input.
     assert "not preference pairs" in refused("tokenize", corpus, "--tokenizer", gpt2, "--pairs", "--out", tmp_path / "store")
+
+
+class RecordingTokenizer:
+    """A tokenizer that records the length of each text of each `encode_batch_fast` call."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def encode_batch_fast(self, texts, add_special_tokens):
+        self.calls.append([len(text) for text in texts])
+        return self.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.mark.slow  # a megabyte encoded by prepack and by transformers: ~2 s
+def test_a_long_pair_is_encoded_one_text_at_a_time(tmp_path, gpt2, hf_tokenizer):
+    """A long row is encoded three times (TRL's rule: the prompt alone and with each completion); with its
+    encodings alive one at a time it costs about what the same row as text does (benchmarks/bench_pair_memory.py)."""
+    rows = [{"prompt": "Q: " + "word " * 120_000 + "A:", "chosen": " yes", "rejected": " no"}, *text_pairs(3)]
+    tokenizer = load_tokenizer(gpt2)
+    recording = RecordingTokenizer(tokenizer.tokenizer)
+    documents = pair_documents(find_corpus(write_jsonl(tmp_path / "pairs.jsonl", rows)),
+                               dataclasses.replace(tokenizer, tokenizer=recording),
+                               PairOptions(prompt_column="prompt", chosen_column="chosen", rejected_column="rejected"), chat=False,
+                               num_proc=1)
+    batches = list(documents.batches)
+    longest = pairs._ENCODE_BATCH_CHARS  # a call holds one text, or texts of at most that many characters
+    assert recording.calls and all(len(call) == 1 or sum(call) <= longest for call in recording.calls), recording.calls
+    ids = np.concatenate([batch.ids for batch in batches])
+    expected = [ids for row in rows for ids in trl_pair(hf_tokenizer, row)[:2]]
+    assert ids.tolist() == [token for document in expected for token in document]
 
 
 def test_parquet_pairs_with_columns_named_otherwise(tmp_path, gpt2, hf_tokenizer):
