@@ -6,8 +6,10 @@
 The batches are `DocumentBatch`es, in row order, as `read_documents` yields them for a tokenized corpus.
 
 - Only `tokenizers` and `jinja2` are used, never `transformers`: nothing can be downloaded and no
-  repository code runs. A directory needs a `tokenizer.json`; `tokenizer_config.json`,
-  `special_tokens_map.json` and `chat_template.jinja` are read when present.
+  repository code runs. A directory needs a `tokenizer.json`, or GPT-2's `vocab.json` and `merges.txt`
+  (built into the tokenizer transformers' GPT2Tokenizer builds; anything else without a tokenizer.json,
+  a SentencePiece `tokenizer.model` included, is refused with the command that writes one);
+  `tokenizer_config.json`, `special_tokens_map.json` and `chat_template.jinja` are read when present.
 - Text: each document is `tokenizer.encode(text)` (so BOS is whatever the tokenizer's post-processor
   adds), then EOS, unless the post-processor already ends every encoding with it.
 - Chat: the conversation is rendered with the chat template the way transformers renders it (same
@@ -59,7 +61,7 @@ from prepack.sources.chat_templates import check_template, compile_template, ren
 from prepack.sources.tokenizer_workers import encoded_by_workers
 
 with optional_imports("tokenizing (--tokenizer)"):
-    from tokenizers import Encoding, Tokenizer
+    from tokenizers import AddedToken, ByteLevelBPETokenizer, Encoding, Tokenizer
 
 __all__ = [
     "LocalTokenizer",
@@ -76,6 +78,9 @@ __all__ = [
 
 # The files of a tokenizer directory that prepack reads, and hashes into the tokenizer's identity.
 _TOKENIZER_FILES = ("chat_template.jinja", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json")
+# A directory without tokenizer.json: GPT-2's BPE files, and what transformers saves beside them.
+_GPT2_FILES = ("added_tokens.json", "chat_template.jinja", "merges.txt", "special_tokens_map.json", "tokenizer_config.json", "vocab.json")
+_GPT2_CLASSES = (None, "GPT2Tokenizer", "GPT2TokenizerFast")
 _ROLES = ("assistant", "developer", "system", "tool", "user")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _CHUNK_BYTES = 1 << 20  # input per thread or process and task: amortizes the hand-over, still balances
@@ -131,19 +136,34 @@ def _config_template(config: dict, path: Path) -> str | None:
 
 
 def load_tokenizer(path: str | os.PathLike) -> LocalTokenizer:
-    """Read a tokenizer directory (with a `tokenizer.json`) or a single `tokenizer.json` file.
+    """Read a tokenizer directory or a single `tokenizer.json` file.
 
-    Its identity is the directory's or file's name and a sha256 over the files read, in name order
-    (each as name, NUL, byte length, NUL, bytes). A bare file has no config: no EOS, no template.
+    A directory holds a `tokenizer.json`, or GPT-2's `vocab.json` and `merges.txt`, built here into the
+    tokenizer transformers' GPT2Tokenizer builds from them (`_gpt2_bpe`). Its identity is the
+    directory's or file's name and a sha256 over the files read, in name order (each as name, NUL, byte
+    length, NUL, bytes): the two kinds of directory read different files. A bare file has no config: no
+    EOS, no template.
     """
     path = Path(path)
     if path.is_dir():
-        files = {name: path / name for name in _TOKENIZER_FILES if (path / name).is_file()}
-        if "tokenizer.json" not in files:
+        if (path / "tokenizer.json").is_file():
+            names = _TOKENIZER_FILES
+        elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+            names = _GPT2_FILES
+        elif (path / "tokenizer.model").is_file():
             raise InputError(
-                f"{path}: no tokenizer.json in this tokenizer directory; prepack reads fast tokenizers only "
-                "(save one with transformers' AutoTokenizer.from_pretrained(...).save_pretrained(dir))."
+                f"{path}: a SentencePiece tokenizer (tokenizer.model) without a tokenizer.json. prepack reads fast "
+                "tokenizers only and does not convert this one itself (how depends on its tokenizer class, and on "
+                f"the versions of transformers and sentencepiece); write its tokenizer.json once with "
+                f"{_conversion(path)} (needs transformers and sentencepiece), then pass --tokenizer {path}-fast."
             )
+        else:
+            raise InputError(
+                f"{path}: no tokenizer.json (nor GPT-2's vocab.json and merges.txt) in this tokenizer directory; "
+                "prepack reads fast tokenizers only (save one with transformers' "
+                "AutoTokenizer.from_pretrained(...).save_pretrained(dir))."
+            )
+        files = {name: path / name for name in names if (path / name).is_file()}
     elif path.is_file():
         files = {"tokenizer.json": path}
     else:
@@ -156,16 +176,19 @@ def load_tokenizer(path: str | os.PathLike) -> LocalTokenizer:
             raise InputError(f"{file}: cannot be read ({exc}).") from None
         digest.update(f"{file.name}\0{len(data)}\0".encode())
         digest.update(data)
-    try:
-        tokenizer = Tokenizer.from_file(str(files["tokenizer.json"]))
-    except Exception as exc:  # tokenizers raises a bare Exception for any file it cannot parse
-        raise InputError(f"{files['tokenizer.json']}: not a readable tokenizer.json ({exc}).") from None
     config, template_file = {}, None
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins
         if name in files:
             settings = _read_json(files[name], contents[name])
             config |= settings
             template_file = files[name] if "chat_template" in settings else template_file
+    if "tokenizer.json" in files:
+        try:
+            tokenizer = Tokenizer.from_file(str(files["tokenizer.json"]))
+        except Exception as exc:  # tokenizers raises a bare Exception for any file it cannot parse
+            raise InputError(f"{files['tokenizer.json']}: not a readable tokenizer.json ({exc}).") from None
+    else:
+        tokenizer = _gpt2_bpe(path, files, contents, config)
     template = _config_template(config, template_file or path)
     if "chat_template.jinja" in files:  # transformers saves templates there and prefers it
         template_file = files["chat_template.jinja"]
@@ -183,6 +206,64 @@ def load_tokenizer(path: str | os.PathLike) -> LocalTokenizer:
         info=TokenizerInfo(name=path.name, sha256=digest.hexdigest()),
         chat_template_file=None if template is None else str(template_file),
     )
+
+
+def _conversion(path: Path) -> str:
+    """The command that writes a tokenizer directory's tokenizer.json, into a copy beside it."""
+    return (
+        f"python -c \"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained('{path}')"
+        f".save_pretrained('{path}-fast')\""
+    )
+
+
+def _gpt2_bpe(path: Path, files: dict[str, Path], contents: dict[str, bytes], config: dict) -> Tokenizer:
+    """GPT-2's byte-level BPE from `vocab.json` and `merges.txt`, built as transformers' GPT2Tokenizer builds
+    it: byte-level pre-tokenizer and decoder (`add_prefix_space` as configured), the tokens of
+    tokenizer_config.json's `added_tokens_decoder` at their ids, the named special tokens unsplit. Only
+    what it builds exactly so; a directory that needs more (another tokenizer class, a BOS or EOS the
+    tokenizer adds, added tokens elsewhere) is refused with the command that writes its tokenizer.json."""
+
+    def refused(why: str) -> InputError:
+        return InputError(
+            f"{path}: {why}; prepack builds a tokenizer from vocab.json and merges.txt only for GPT-2's own "
+            f"BPE. Write its tokenizer.json once with {_conversion(path)}, then pass --tokenizer {path}-fast."
+        )
+
+    kind = config.get("tokenizer_class")
+    if kind not in _GPT2_CLASSES:
+        raise refused(f"vocab.json and merges.txt of a {kind}, not a GPT2Tokenizer")
+    for option in ("add_bos_token", "add_eos_token"):
+        if config.get(option):
+            raise refused(f"tokenizer_config.json sets {option}")
+    added = config.get("added_tokens_decoder", {})
+    if not isinstance(added, dict) or not all(
+        isinstance(token, dict) and isinstance(token.get("content"), str) and index.isdigit() for index, token in added.items()
+    ):
+        raise InputError(f"{files['tokenizer_config.json']}: 'added_tokens_decoder' must map token ids to {{\"content\": ...}}.")
+    if "added_tokens.json" in contents:
+        listed = _read_json(files["added_tokens.json"], contents["added_tokens.json"])
+        if any(added.get(str(index), {}).get("content") != token for token, index in listed.items()):
+            raise refused("added_tokens.json holds added tokens that tokenizer_config.json's added_tokens_decoder does not")
+    try:
+        bpe = ByteLevelBPETokenizer(
+            str(files["vocab.json"]), str(files["merges.txt"]), add_prefix_space=bool(config.get("add_prefix_space"))
+        )
+        tokenizer = Tokenizer.from_str(bpe.to_str())
+    except Exception as exc:  # tokenizers raises a bare Exception for files it cannot parse
+        raise InputError(f"{path}: vocab.json and merges.txt are not a readable BPE vocabulary ({exc}).") from None
+    for index, token in sorted(((int(index), token) for index, token in added.items())):
+        special = bool(token.get("special", False))
+        options = {option: bool(token[option]) for option in ("single_word", "lstrip", "rstrip", "normalized") if option in token}
+        (tokenizer.add_special_tokens if special else tokenizer.add_tokens)([AddedToken(token["content"], special=special, **options)])
+        if tokenizer.token_to_id(token["content"]) != index:
+            raise refused(
+                f"tokenizer_config.json gives the added token {token['content']!r} the id {index}, but it comes after "
+                f"the vocabulary as {tokenizer.token_to_id(token['content'])}"
+            )
+    listed = {token["content"] for token in added.values()}
+    named = [*_special_tokens(config).values(), *config.get("additional_special_tokens", [])]
+    tokenizer.add_special_tokens([token for token in named if isinstance(token, str) and token not in listed])
+    return tokenizer
 
 
 def type_name(value) -> str:
