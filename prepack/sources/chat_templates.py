@@ -15,7 +15,8 @@ and each rendering (one template, one conversation) is bounded:
   characters (the string fields of its messages): the text the template writes (counted where it is
   written, inside macros and `{% set %}` blocks too) and every string, list or mapping that `+`, `~`,
   `*`, `%`, a call or a filter makes (a chain `a + b + c + …` every _CHAIN_TERMS terms). An integer
-  argument past that size (a width, a count) is refused before the call runs, and `*` before it repeats;
+  argument past that size (a width, a count), or such a number in a format string, is refused before
+  the call or `%` runs, and `*` before it repeats;
 - integers, by RENDER_MAX_INT_BITS: `*` and `**` are refused before they compute a larger one.
 
 A real template writes each message once with a few tokens around it: far inside these limits. A
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from collections.abc import Iterable, Iterator
 from datetime import datetime
@@ -60,6 +62,7 @@ RENDER_MAX_INT_BITS = 1 << 16  # about 19,700 digits; Python prints at most 4,30
 # Names of the filters that the bounding pass wraps around loops, `+`, `~` and kept output (`_Bounding`).
 _STEPS, _SIZED, _WRITTEN = "prepack_render_steps", "prepack_render_sized", "prepack_render_written"
 _SHORT_LOOP = 1000  # steps of a loop whose time is checked only as it starts
+_NUMBER = re.compile(r"\d+")
 _CHAIN_TERMS = 4  # terms of a `+` or `~` chain between two size checks: the most it makes unchecked is 4 values
 
 
@@ -120,6 +123,18 @@ class _Budget:
             count, repeated = (left, right) if isinstance(left, int) else (right, left)
             if isinstance(repeated, (str, list, tuple)) and self._past(len(repeated) * count):
                 raise self._too_long(repeated, len(repeated) * count)
+        elif operator == "%" and isinstance(left, str):
+            self.check_format(left)
+            self.check_arguments(right if isinstance(right, tuple) else (right,), {})
+
+    def check_format(self, text: str) -> None:
+        """Refuses a format string with a number past the size limit in it (a width: `%9999999999s`)."""
+        for digits in _NUMBER.findall(text):
+            if int(digits) > self.max_size and self._past(int(digits)):
+                raise _LimitExceeded(
+                    f"formats with the number {int(digits):,}, more than prepack's size limit of {self.max_size:,} for "
+                    "one rendering"
+                )
 
     def written(self, text: str) -> None:
         self.written_chars += len(text)
@@ -156,14 +171,24 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         self.budget.check_binop(operator, left, right)
         return self.budget.sized(self.binop_table[operator](left, right))
 
-    def bounded_filter(self, function):
-        """`function` as a filter that checks the time, its arguments (not the value it filters) and its result."""
+    def wrap_str_format(self, value):
+        """`str.format` as the sandbox wraps it, once its format string is checked."""
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None:
+            self.budget.check_format(value.__self__)
+        return wrapped
+
+    def bounded_filter(self, name: str, function):
+        """`function` as a filter that checks the time, its arguments (not the value it filters; that of
+        `format`, a format string, too) and its result."""
         skipped = 2 if hasattr(function, "jinja_pass_arg") else 1  # the context or environment, and the value
 
         @functools.wraps(function)  # keeps jinja_pass_arg
         def bounded(*args, **kwargs):
             self.budget.check_time()
             self.budget.check_arguments(args[skipped:], kwargs)
+            if name == "format" and isinstance(args[skipped - 1], str):
+                self.budget.check_format(args[skipped - 1])
             return self.budget.sized(function(*args, **kwargs))
 
         return bounded
@@ -297,7 +322,7 @@ def compile_template(source: str) -> jinja2.Template:
     TemplateSyntaxError, or whatever else compiling a hostile template raises (RecursionError, ...)."""
     env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
-    env.filters = {name: env.bounded_filter(function) for name, function in env.filters.items()}
+    env.filters = {name: env.bounded_filter(name, function) for name, function in env.filters.items()}
     env.filters |= {_STEPS: _steps, _SIZED: _sized, _WRITTEN: _written}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)

@@ -79,6 +79,10 @@ PAST_LIMITS = {
         "wrote more than 67,108,864 characters",
     ),
     "10 GB by a width": ("{{ 'x'|center(10 ** 10) }}", "10,000,000,000"),
+    "10 GB by a format width": ("{{ '%9999999999s' % '' }}", "9,999,999,999"),
+    "10 GB by a format filter's width": ("{{ '%9999999999s'|format('') }}", "9,999,999,999"),
+    "10 GB by str.format's width": ("{{ '{:>9999999999}'.format('') }}", "9,999,999,999"),
+    "10 GB by a width given to format": ("{{ '%*s' % (9999999999, '') }}", "9,999,999,999"),
     "huge power": ("{{ 7 ** (10 ** 9) }}", "an integer of more than 65,536 bits"),
     "output": ("{% for i in range(30000) %}{{ 'y' * 3000 }}{% endfor %}", "wrote more than 67,108,864 characters"),
 }
