@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from prepack import build
 from prepack.errors import InputError
 from prepack.sources import chat_templates
 from prepack.sources.corpus import find_corpus
@@ -97,6 +98,20 @@ def test_a_failing_template_is_an_input_error_naming_the_row_and_the_template(tm
     assert "chats.jsonl, row 1, column 'messages'" in message, message
     assert f"{tmp_path / 'tok' / 'chat_template.jinja'}" in message, message
     assert says in message, message
+
+
+def test_a_template_failing_on_a_preference_pair_names_its_row_column_and_file(tmp_path):
+    failing = "{% for m in messages %}{% if m.content == 'boom' %}{{ 1/0 }}{% endif %}{% endfor %}" + CHAT
+    tokenizer = tokenizer_directory(tmp_path / "tok", failing)
+    pairs = [{"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": answer}],
+              "rejected": [{"role": "assistant", "content": "hi"}]} for answer in ("yo", "boom")]
+    corpus = tmp_path / "pairs.jsonl"
+    corpus.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    with pytest.raises(InputError) as error:
+        build(corpus, tmp_path / "out", max_len=64, tokenizer=tokenizer, chat=True, pairs=True, overflow="drop", num_proc=1)
+    message = str(error.value)
+    assert "pairs.jsonl, row 1, column 'chosen'" in message and "ZeroDivisionError" in message, message
+    assert f"{tmp_path / 'tok' / 'chat_template.jinja'}" in message and not (tmp_path / "out").exists()
 
 
 def test_a_template_that_runs_too_long_is_stopped_at_the_time_limit(tmp_path, monkeypatch):
