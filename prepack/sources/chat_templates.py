@@ -111,7 +111,7 @@ class _Budget:
                 )
 
     def check_binop(self, operator: str, left, right) -> None:
-        """Refuses `*` and `**` that would make a value past the limits, before they compute it."""
+        """Refuses `*`, `**` and `%` that would make a value past the limits, before they compute it."""
         ints = isinstance(left, int) and isinstance(right, int)
         if operator == "**" and ints and right > 0 and abs(left) > 1:
             if (abs(left).bit_length() - 1) * right > RENDER_MAX_INT_BITS:  # the power has more bits than that
@@ -357,7 +357,9 @@ def render_chat(
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its `{% generation %}` blocks (none when
     the template has no such tag), with the variables transformers passes. An InputError naming `where`
-    (the conversation) and `template_file` when the template fails on it or goes past a limit."""
+    (the conversation) and `template_file` when the template fails on it or goes past a limit. A compiled
+    template holds the state of its current rendering: one rendering at a time per template (a worker
+    process, or the one helper thread, renders them in turn)."""
     compiled = compile_template(template)
     environment = compiled.environment
     tracker = environment.extensions[_GenerationTag.identifier]
