@@ -31,7 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory  # noqa: E402
 
-from prepack.sources.tokenize import compile_template, load_tokenizer  # noqa: E402
+from prepack.sources.chat_templates import render_chat  # noqa: E402
+from prepack.sources.tokenize import load_tokenizer  # noqa: E402
 from prepack.sources.tokenizer_workers import encoded_by_workers  # noqa: E402
 
 CHUNK = 1000  # conversations a task
@@ -50,9 +51,12 @@ class ChatEncoder:
     def __call__(self, index: int, conversations: list) -> tuple[np.ndarray, np.ndarray]:
         if self._loaded is None:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
-            self._loaded = (load_tokenizer(self.directory).tokenizer, compile_template(CHATML))
-        tokenizer, template = self._loaded
-        texts = [template.render(messages=messages, add_generation_prompt=False) for messages in conversations]
+            self._loaded = load_tokenizer(self.directory).tokenizer
+        tokenizer = self._loaded
+        texts = [
+            render_chat(CHATML, "ChatML", f"conversation {index}", messages, add_generation_prompt=False, special_tokens={})[0]
+            for messages in conversations
+        ]
         documents = [encoding.ids for encoding in tokenizer.encode_batch(texts, add_special_tokens=False)]
         offsets = np.zeros(len(documents) + 1, np.int64)
         np.cumsum([len(ids) for ids in documents], out=offsets[1:])

@@ -15,6 +15,7 @@ imports torch or transformers, and numba loads when a command first runs one of 
 of a small store runs none: `prepack.building.kernels`).
 """
 
+import sys
 from importlib import import_module
 
 from prepack.errors import (
@@ -80,6 +81,14 @@ __all__ = sorted(
         *_LAZY,
     ]
 )
+
+
+# A chat tokenizer worker that is starting re-runs the script that started the build; when that fails (a
+# script calling prepack unguarded), the build's EngineError is the one message, not a traceback per worker.
+if "multiprocessing" in sys.modules:
+    from prepack.sources.tokenizer_workers import quiet_failing_start
+
+    quiet_failing_start()
 
 
 def __getattr__(name: str):

@@ -8,8 +8,8 @@ The corpus holds TRL's preference formats, one pair a row:
 
 - explicit prompt: `prompt`, `chosen`, `rejected` columns;
 - implicit prompt: `chosen` and `rejected` only, the prompt being their longest common prefix (whole
-  messages of a conversation, or characters of a string, backed off before a trailing space), as
-  TRL's `extract_prompt` finds it;
+  messages of a conversation, or characters of a string, backed off before a trailing space; when one
+  starts the other, less its last message or character), as TRL's `extract_prompt` finds it;
 - conversational (`chat=True`: lists of {role, content} messages, rendered with the chat template) or
   plain text (strings).
 
@@ -33,19 +33,18 @@ import hashlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
 
 from prepack.errors import InputError
 from prepack.formats.shards import IGNORE_INDEX, PairOptions, TokenizeOptions
+from prepack.sources.chat_templates import render_chat
 from prepack.sources.corpus import Corpus, DocumentBatch, file_columns, file_kind, json_object_blocks, record_batches
 from prepack.sources.tokenize import (
     LocalTokenizer,
     resolve_chat_template,
     checked_messages,
-    compile_template,
     encoded_in_order,
     eos_to_append,
     usable_cores,
@@ -55,17 +54,20 @@ from prepack.sources.tokenize import (
 __all__ = ["PairDocuments", "pair_documents", "split_prompt"]
 
 _CHUNK_BYTES = 1 << 18  # input per task: pairs are rendered three times each, so chunks are smaller than --chat's
+_ENCODE_BATCH_CHARS = 1 << 20  # text per call of the tokenizer: a chunk's texts in one call, a long text alone
 
 
 def split_prompt(chosen, rejected) -> tuple[object, object, object]:
-    """(prompt, chosen completion, rejected completion) of an implicit-prompt pair: the longest common
-    prefix of two message lists (whole messages) or of two strings, where a string's prefix is backed off
-    before the space that precedes the first difference (TRL's `extract_prompt`)."""
-    end = 0
-    for end in range(min(len(chosen), len(rejected)) + 1):
-        if end == min(len(chosen), len(rejected)) or chosen[end] != rejected[end]:
-            break
-    if isinstance(chosen, str) and 0 < end < min(len(chosen), len(rejected)) and chosen[end - 1] == " ":
+    """(prompt, chosen completion, rejected completion) of an implicit-prompt pair, as TRL's `extract_prompt`
+    splits it: the longest common prefix of two message lists (whole messages) or of two strings, where a
+    string's prefix is backed off before the space that precedes the first difference. When one of them
+    starts the other, TRL's loop ends on the shorter one's last index, leaving its last message or character
+    to the completions: so does this."""
+    shorter = min(len(chosen), len(rejected))
+    end = next((i for i in range(shorter) if chosen[i] != rejected[i]), None)
+    if end is None:
+        end = max(shorter - 1, 0)
+    elif isinstance(chosen, str) and end > 0 and chosen[end - 1] == " ":
         end -= 1
     return chosen[:end], chosen[end:], rejected[end:]
 
@@ -85,6 +87,7 @@ class _PairEncoder:
     options: PairOptions
     chat: bool
     template: str | None
+    template_file: str | None  # where the template was read, named in errors
     special_tokens: dict[str, str]
     eos_id: int | None
 
@@ -92,43 +95,58 @@ class _PairEncoder:
         prompts, fulls, where = [], [], []
         for i, record in enumerate(records):
             prompt, chosen, rejected = self._parts(path, row0 + i, record)
-            prompts.append(self._text(path, row0 + i, prompt, None, add_generation_prompt=True))
+            prompts.append(self._text(f"{path}, row {row0 + i}", prompt, None))
             for column, completion in ((self.options.chosen_column, chosen), (self.options.rejected_column, rejected)):
-                fulls.append(self._text(path, row0 + i, prompt, completion, add_generation_prompt=False))
+                fulls.append(self._text(f"{path}, row {row0 + i}, column {column!r}", prompt, completion))
                 where.append((row0 + i, column))
-        special = not self.chat  # chat templates write their own special tokens
-        prompt_ids = [e.ids for e in self.tokenizer.encode_batch_fast(prompts, add_special_tokens=special)]
-        full_ids = [e.ids for e in self.tokenizer.encode_batch_fast(fulls, add_special_tokens=special)]
+        prompt_ids, full_ids = self._ids(prompts), self._ids(fulls)
         documents, labels, prompt_lengths = [], [], []
         for i, prompt in enumerate(prompt_ids):
             chosen, rejected = full_ids[2 * i], full_ids[2 * i + 1]
             # Where the completion starts: where prompt and prompt + completion diverge (TRL's rule: tokens
             # may merge across the boundary), the same for both documents of the pair.
             length = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
-            if chosen == rejected:
+            if np.array_equal(chosen, rejected):
                 raise InputError(
                     f"{path}, row {row0 + i}: chosen and rejected are the same tokens; a preference pair needs two "
                     "different completions."
                 )
             for (row, column), ids in zip(where[2 * i : 2 * i + 2], (chosen, rejected)):
-                ids = ids + [self.eos_id] if self.eos_id is not None else ids
+                ids = np.append(ids, self.eos_id) if self.eos_id is not None else ids
                 if len(ids) == length:
                     raise InputError(f"{path}, row {row}, column {column!r}: the completion is empty (no token after the prompt).")
                 documents.append(ids)
-                labels.append([IGNORE_INDEX] * length + ids[length:])
+                trained = ids.copy()
+                trained[:length] = IGNORE_INDEX
+                labels.append(trained)
             prompt_lengths.append(length)
         lengths = np.fromiter(map(len, documents), np.int64, len(documents))
         offsets = np.zeros(len(documents) + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        ids = np.fromiter(chain.from_iterable(documents), np.int64, int(offsets[-1]))
+        ids = np.concatenate(documents)
         if (bad := ids >= self.vocab_size).any():
             document = int(np.searchsorted(offsets, int(np.flatnonzero(bad)[0]), "right")) - 1
             raise InputError(
                 f"{path}, row {row0 + document // 2}, column {where[document][1]!r}: token id {ids[bad][0]} is not "
                 f"below the tokenizer's vocabulary size {self.vocab_size}; is tokenizer.json consistent?"
             )
-        label_values = np.fromiter(chain.from_iterable(labels), np.int64, int(offsets[-1]))
-        return offsets, ids.astype(np.int32), label_values.astype(np.int32), np.asarray(prompt_lengths, np.int64)
+        return offsets, ids.astype(np.int32), np.concatenate(labels).astype(np.int32), np.asarray(prompt_lengths, np.int64)
+
+    def _ids(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text's token ids, encoded in batches of about _ENCODE_BATCH_CHARS characters whose encodings
+        are dropped once their ids are copied out: a pair of long texts holds one encoding at a time, not
+        all three (a 20 MB row, as text, costs one)."""
+        ids, start = [], 0
+        while start < len(texts):
+            end, size = start + 1, len(texts[start])
+            while end < len(texts) and size + len(texts[end]) <= _ENCODE_BATCH_CHARS:
+                size += len(texts[end])
+                end += 1
+            # Chat templates write their own special tokens.
+            for encoding in self.tokenizer.encode_batch_fast(texts[start:end], add_special_tokens=not self.chat):
+                ids.append(np.array(encoding.ids, np.int64))
+            start = end
+        return ids
 
     def _parts(self, path: Path, row: int, record: dict) -> tuple[object, object, object]:
         """The pair's prompt and completions, checked: messages in chat mode, strings otherwise. A row
@@ -160,15 +178,13 @@ class _PairEncoder:
             )
         return prompt, chosen, rejected
 
-    def _text(self, path: Path, row: int, prompt, completion, add_generation_prompt: bool) -> str:
+    def _text(self, where: str, prompt, completion) -> str:
+        """The prompt alone (completion None; chat: with the generation prompt), or prompt + completion."""
         if not self.chat:
             return prompt if completion is None else prompt + completion
         messages = prompt if completion is None else prompt + completion
-        context = dict(self.special_tokens, tools=None, documents=None)
-        try:
-            return compile_template(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
-        except Exception as exc:  # jinja2's TemplateError, or TypeError from a template's arithmetic
-            raise InputError(f"{path}, row {row}: the chat template failed on this pair: {exc}") from None
+        return render_chat(self.template, self.template_file, where, messages,
+                           add_generation_prompt=completion is None, special_tokens=self.special_tokens)[0]
 
 
 def _file_records(path: Path, columns: list[str]) -> Iterator[tuple[int, list[dict], int]]:
@@ -228,7 +244,7 @@ def pair_documents(
     num_proc = num_proc or usable_cores()
     if num_proc < 1:
         raise InputError(f"num_proc must be at least 1, not {num_proc}.")
-    template = resolve_chat_template(tokenizer, chat_template) if chat else None
+    template, template_file = resolve_chat_template(tokenizer, chat_template) if chat else (None, None)
     columns = [options.prompt_column, options.chosen_column, options.rejected_column]
     for path in corpus.files:
         kind = file_kind(path) or "arrow"
@@ -246,6 +262,7 @@ def pair_documents(
         options=options,
         chat=chat,
         template=template,
+        template_file=template_file,
         special_tokens=tokenizer.special_tokens,
         eos_id=eos_to_append(tokenizer) if eos and not chat else None,
     )

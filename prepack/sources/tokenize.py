@@ -6,12 +6,15 @@
 The batches are `DocumentBatch`es, in row order, as `read_documents` yields them for a tokenized corpus.
 
 - Only `tokenizers` and `jinja2` are used, never `transformers`: nothing can be downloaded and no
-  repository code runs. A directory needs a `tokenizer.json`; `tokenizer_config.json`,
-  `special_tokens_map.json` and `chat_template.jinja` are read when present.
+  repository code runs. A directory needs a `tokenizer.json`, or GPT-2's `vocab.json` and `merges.txt`
+  (built into the tokenizer transformers' GPT2Tokenizer builds; anything else without a tokenizer.json,
+  a SentencePiece `tokenizer.model` included, is refused with the command that writes one);
+  `tokenizer_config.json`, `special_tokens_map.json` and `chat_template.jinja` are read when present.
 - Text: each document is `tokenizer.encode(text)` (so BOS is whatever the tokenizer's post-processor
   adds), then EOS, unless the post-processor already ends every encoding with it.
 - Chat: the conversation is rendered with the chat template the way transformers renders it (same
-  sandboxed jinja environment and variables), then encoded without special tokens, since templates
+  sandboxed jinja environment and variables), within the time and size limits of
+  `prepack.sources.chat_templates`, then encoded without special tokens, since templates
   write their own. A token keeps its label when its characters overlap an assistant turn; the rest
   get -100. An assistant turn is what the template marks with `{% generation %}` (the transformers and
   TRL convention) or, for templates without that tag, the text that rendering the conversation up to
@@ -27,7 +30,6 @@ The batches are `DocumentBatch`es, in row order, as `read_documents` yields them
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import time
@@ -36,8 +38,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from datetime import datetime
-from functools import lru_cache
 from itertools import chain
 from pathlib import Path
 
@@ -57,13 +57,11 @@ from prepack.sources.corpus import (
     parse_json,
     record_batches,
 )
+from prepack.sources.chat_templates import check_template, compile_template, render_chat
 from prepack.sources.tokenizer_workers import encoded_by_workers
 
 with optional_imports("tokenizing (--tokenizer)"):
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from tokenizers import Encoding, Tokenizer
+    from tokenizers import AddedToken, ByteLevelBPETokenizer, Encoding, Tokenizer
 
 __all__ = [
     "LocalTokenizer",
@@ -80,6 +78,9 @@ __all__ = [
 
 # The files of a tokenizer directory that prepack reads, and hashes into the tokenizer's identity.
 _TOKENIZER_FILES = ("chat_template.jinja", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json")
+# A directory without tokenizer.json: GPT-2's BPE files, and what transformers saves beside them.
+_GPT2_FILES = ("added_tokens.json", "chat_template.jinja", "merges.txt", "special_tokens_map.json", "tokenizer_config.json", "vocab.json")
+_GPT2_CLASSES = (None, "GPT2Tokenizer", "GPT2TokenizerFast")
 _ROLES = ("assistant", "developer", "system", "tool", "user")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _CHUNK_BYTES = 1 << 20  # input per thread or process and task: amortizes the hand-over, still balances
@@ -94,16 +95,17 @@ class LocalTokenizer:
     special_tokens: dict[str, str]  # bos_token, eos_token, …: the strings chat templates see
     chat_template: str | None
     info: TokenizerInfo  # name and sha256, recorded in the manifest
+    chat_template_file: str | None = None  # the file the chat template was read from, named in errors
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path, contents: bytes) -> dict:
     try:
-        data = parse_json(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        data = parse_json(contents.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
         raise InputError(f"{path}: cannot be read as JSON ({exc}).") from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a JSON object.")
@@ -134,100 +136,134 @@ def _config_template(config: dict, path: Path) -> str | None:
 
 
 def load_tokenizer(path: str | os.PathLike) -> LocalTokenizer:
-    """Read a tokenizer directory (with a `tokenizer.json`) or a single `tokenizer.json` file.
+    """Read a tokenizer directory or a single `tokenizer.json` file.
 
-    Its identity is the directory's or file's name and a sha256 over the files read, in name order
-    (each as name, NUL, byte length, NUL, bytes). A bare file has no config: no EOS, no template.
+    A directory holds a `tokenizer.json`, or GPT-2's `vocab.json` and `merges.txt`, built here into the
+    tokenizer transformers' GPT2Tokenizer builds from them (`_gpt2_bpe`). Its identity is the
+    directory's or file's name and a sha256 over the files read, in name order (each as name, NUL, byte
+    length, NUL, bytes): the two kinds of directory read different files. A bare file has no config: no
+    EOS, no template.
     """
     path = Path(path)
     if path.is_dir():
-        files = {name: path / name for name in _TOKENIZER_FILES if (path / name).is_file()}
-        if "tokenizer.json" not in files:
+        if (path / "tokenizer.json").is_file():
+            names = _TOKENIZER_FILES
+        elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+            names = _GPT2_FILES
+        elif (path / "tokenizer.model").is_file():
             raise InputError(
-                f"{path}: no tokenizer.json in this tokenizer directory; prepack reads fast tokenizers only "
-                "(save one with transformers' AutoTokenizer.from_pretrained(...).save_pretrained(dir))."
+                f"{path}: a SentencePiece tokenizer (tokenizer.model) without a tokenizer.json. prepack reads fast "
+                "tokenizers only and does not convert this one itself (how depends on its tokenizer class, and on "
+                f"the versions of transformers and sentencepiece); write its tokenizer.json once with "
+                f"{_conversion(path)} (needs transformers and sentencepiece), then pass --tokenizer {path}-fast."
             )
+        else:
+            raise InputError(
+                f"{path}: no tokenizer.json (nor GPT-2's vocab.json and merges.txt) in this tokenizer directory; "
+                "prepack reads fast tokenizers only (save one with transformers' "
+                "AutoTokenizer.from_pretrained(...).save_pretrained(dir))."
+            )
+        files = {name: path / name for name in names if (path / name).is_file()}
     elif path.is_file():
         files = {"tokenizer.json": path}
     else:
         raise InputError(f"{path}: no such tokenizer directory or tokenizer.json file.")
-    digest = hashlib.sha256()
-    for file in sorted(files.values(), key=lambda file: file.name):
+    digest, contents = hashlib.sha256(), {}
+    for name, file in sorted(files.items()):
         try:
-            data = file.read_bytes()
+            contents[name] = data = file.read_bytes()
         except OSError as exc:
             raise InputError(f"{file}: cannot be read ({exc}).") from None
         digest.update(f"{file.name}\0{len(data)}\0".encode())
         digest.update(data)
-    try:
-        tokenizer = Tokenizer.from_file(str(files["tokenizer.json"]))
-    except Exception as exc:  # tokenizers raises a bare Exception for any file it cannot parse
-        raise InputError(f"{files['tokenizer.json']}: not a readable tokenizer.json ({exc}).") from None
-    config = {}
+    config, template_file = {}, None
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins
         if name in files:
-            config |= _read_json(files[name])
-    template = _config_template(config, files.get("tokenizer_config.json", path))
+            settings = _read_json(files[name], contents[name])
+            config |= settings
+            template_file = files[name] if "chat_template" in settings else template_file
+    if "tokenizer.json" in files:
+        try:
+            tokenizer = Tokenizer.from_file(str(files["tokenizer.json"]))
+        except Exception as exc:  # tokenizers raises a bare Exception for any file it cannot parse
+            raise InputError(f"{files['tokenizer.json']}: not a readable tokenizer.json ({exc}).") from None
+    else:
+        tokenizer = _gpt2_bpe(path, files, contents, config)
+    template = _config_template(config, template_file or path)
     if "chat_template.jinja" in files:  # transformers saves templates there and prefers it
-        template = files["chat_template.jinja"].read_text(encoding="utf-8")
+        template_file = files["chat_template.jinja"]
+        try:
+            template = contents["chat_template.jinja"].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(
+                f"{template_file}: the chat template is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                f"{exc.start})."
+            ) from None
     return LocalTokenizer(
         tokenizer=tokenizer,
         special_tokens=_special_tokens(config),
         chat_template=template,
         info=TokenizerInfo(name=path.name, sha256=digest.hexdigest()),
+        chat_template_file=None if template is None else str(template_file),
     )
 
 
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}…{% endgeneration %}` marks assistant output; its character span is recorded.
-
-    `_render_marked` consumes the template as a generator, so when a block runs, `blocks` holds
-    everything rendered before it (the mechanism of transformers' `return_assistant_tokens_mask`).
-    """
-
-    tags = {"generation"}
-
-    def __init__(self, environment: jinja2.Environment):
-        super().__init__(environment)
-        self.blocks: list[str] = []
-        self.spans: list[tuple[int, int]] = []
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_record"), [], [], body).set_lineno(lineno)
-
-    def _record(self, caller) -> str:
-        text = caller()
-        start = sum(map(len, self.blocks))
-        self.spans.append((start, start + len(text)))
-        return text
-
-
-def _raise_exception(message: str):
-    raise jinja2.TemplateError(message)
-
-
-@lru_cache(maxsize=4)
-def compile_template(source: str) -> jinja2.Template:
-    """A sandbox set up as transformers' `apply_chat_template` sets it up, so templates render the same."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+def _conversion(path: Path) -> str:
+    """The command that writes a tokenizer directory's tokenizer.json, into a copy beside it."""
+    return (
+        f"python -c \"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained('{path}')"
+        f".save_pretrained('{path}-fast')\""
     )
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
-    return env.from_string(source)
 
 
-def _render_marked(template: jinja2.Template, **context) -> tuple[str, list[tuple[int, int]]]:
-    tracker = template.environment.extensions[_GenerationTag.identifier]
-    tracker.blocks, tracker.spans = [], []
-    for block in template.generate(**context):
-        tracker.blocks.append(block)
-    return "".join(tracker.blocks), tracker.spans
+def _gpt2_bpe(path: Path, files: dict[str, Path], contents: dict[str, bytes], config: dict) -> Tokenizer:
+    """GPT-2's byte-level BPE from `vocab.json` and `merges.txt`, built as transformers' GPT2Tokenizer builds
+    it: byte-level pre-tokenizer and decoder (`add_prefix_space` as configured), the tokens of
+    tokenizer_config.json's `added_tokens_decoder` at their ids, the named special tokens unsplit. Only
+    what it builds exactly so; a directory that needs more (another tokenizer class, a BOS or EOS the
+    tokenizer adds, added tokens elsewhere) is refused with the command that writes its tokenizer.json."""
+
+    def refused(why: str) -> InputError:
+        return InputError(
+            f"{path}: {why}; prepack builds a tokenizer from vocab.json and merges.txt only for GPT-2's own "
+            f"BPE. Write its tokenizer.json once with {_conversion(path)}, then pass --tokenizer {path}-fast."
+        )
+
+    kind = config.get("tokenizer_class")
+    if kind not in _GPT2_CLASSES:
+        raise refused(f"vocab.json and merges.txt of a {kind}, not a GPT2Tokenizer")
+    for option in ("add_bos_token", "add_eos_token"):
+        if config.get(option):
+            raise refused(f"tokenizer_config.json sets {option}")
+    added = config.get("added_tokens_decoder", {})
+    if not isinstance(added, dict) or not all(
+        isinstance(token, dict) and isinstance(token.get("content"), str) and index.isdigit() for index, token in added.items()
+    ):
+        raise InputError(f"{files['tokenizer_config.json']}: 'added_tokens_decoder' must map token ids to {{\"content\": ...}}.")
+    if "added_tokens.json" in contents:
+        listed = _read_json(files["added_tokens.json"], contents["added_tokens.json"])
+        if any(added.get(str(index), {}).get("content") != token for token, index in listed.items()):
+            raise refused("added_tokens.json holds added tokens that tokenizer_config.json's added_tokens_decoder does not")
+    try:
+        bpe = ByteLevelBPETokenizer(
+            str(files["vocab.json"]), str(files["merges.txt"]), add_prefix_space=bool(config.get("add_prefix_space"))
+        )
+        tokenizer = Tokenizer.from_str(bpe.to_str())
+    except Exception as exc:  # tokenizers raises a bare Exception for files it cannot parse
+        raise InputError(f"{path}: vocab.json and merges.txt are not a readable BPE vocabulary ({exc}).") from None
+    for index, token in sorted(((int(index), token) for index, token in added.items())):
+        special = bool(token.get("special", False))
+        options = {option: bool(token[option]) for option in ("single_word", "lstrip", "rstrip", "normalized") if option in token}
+        (tokenizer.add_special_tokens if special else tokenizer.add_tokens)([AddedToken(token["content"], special=special, **options)])
+        if tokenizer.token_to_id(token["content"]) != index:
+            raise refused(
+                f"tokenizer_config.json gives the added token {token['content']!r} the id {index}, but it comes after "
+                f"the vocabulary as {tokenizer.token_to_id(token['content'])}"
+            )
+    listed = {token["content"] for token in added.values()}
+    named = [*_special_tokens(config).values(), *config.get("additional_special_tokens", [])]
+    tokenizer.add_special_tokens([token for token in named if isinstance(token, str) and token not in listed])
+    return tokenizer
 
 
 def type_name(value) -> str:
@@ -263,6 +299,7 @@ class _Encoder:
     chat: bool
     eos_id: int | None  # appended to every text document
     template: str | None
+    template_file: str | None  # where the template was read, named in errors
     special_tokens: dict[str, str]
     assistant_only: bool
 
@@ -323,34 +360,32 @@ class _Encoder:
 
     def _render(self, where: str, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its assistant turns."""
-        template = compile_template(self.template)
-        context = dict(self.special_tokens, tools=None, documents=None)
-        try:
-            if _GENERATION_TAG.search(self.template):
-                return _render_marked(template, messages=messages, add_generation_prompt=False, **context)
-            text = template.render(messages=messages, add_generation_prompt=False, **context)
-            if not self.assistant_only:
-                return text, []
-            spans = []
-            for i, message in enumerate(messages):
-                if message["role"] != "assistant":
-                    continue
-                through = template.render(messages=messages[: i + 1], add_generation_prompt=False, **context)
-                if not text.startswith(through):
-                    raise InputError(
-                        f"{where}: the chat template renders messages 0-{i} differently once later messages "
-                        "follow, so the assistant turns cannot be found by rendering prefixes; mark them with "
-                        "{% generation %}…{% endgeneration %} in the template, or train on all tokens."
-                    )
-                prompt = template.render(messages=messages[:i], add_generation_prompt=True, **context)
-                # Usually the generation prompt is the start of the turn; some templates put more in it
-                # (an empty <think></think>), so the turn starts where the two differ. commonprefix is
-                # a Python loop over characters: only called then.
-                start = len(prompt) if through.startswith(prompt) else len(os.path.commonprefix([prompt, through]))
-                spans.append((start, len(through)))
-            return text, spans
-        except (jinja2.TemplateError, TypeError) as exc:
-            raise InputError(f"{where}: the chat template failed on this conversation: {exc}") from None
+
+        def render(messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
+            return render_chat(self.template, self.template_file, where, messages,
+                               add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens)
+
+        text, marked = render(messages, False)
+        if _GENERATION_TAG.search(self.template) or not self.assistant_only:
+            return text, marked
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            through = render(messages[: i + 1], False)[0]
+            if not text.startswith(through):
+                raise InputError(
+                    f"{where}: the chat template renders messages 0-{i} differently once later messages "
+                    "follow, so the assistant turns cannot be found by rendering prefixes; mark them with "
+                    "{% generation %}…{% endgeneration %} in the template, or train on all tokens."
+                )
+            prompt = render(messages[:i], True)[0]
+            # Usually the generation prompt is the start of the turn; some templates put more in it
+            # (an empty <think></think>), so the turn starts where the two differ. commonprefix is
+            # a Python loop over characters: only called then.
+            start = len(prompt) if through.startswith(prompt) else len(os.path.commonprefix([prompt, through]))
+            spans.append((start, len(through)))
+        return text, spans
 
 
 def _assistant_labels(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
@@ -504,7 +539,7 @@ def tokenize_corpus(
     num_proc = num_proc or usable_cores()
     if num_proc < 1:
         raise InputError(f"num_proc must be at least 1, not {num_proc}.")
-    template = resolve_chat_template(tokenizer, chat_template) if chat else None
+    template, template_file = resolve_chat_template(tokenizer, chat_template) if chat else (None, None)
     eos_id = eos_to_append(tokenizer) if eos and not chat else None
     _check_columns(corpus, column, chat)
     encoder = _Encoder(
@@ -514,6 +549,7 @@ def tokenize_corpus(
         chat=chat,
         eos_id=eos_id,
         template=template,
+        template_file=template_file,
         special_tokens=tokenizer.special_tokens,
         assistant_only=chat and train_on == "assistant",
     )
@@ -532,8 +568,11 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def resolve_chat_template(tokenizer: LocalTokenizer, path: str | os.PathLike | None) -> str:
+def resolve_chat_template(tokenizer: LocalTokenizer, path: str | os.PathLike | None) -> tuple[str, str]:
+    """The chat template (the file `path`, or the tokenizer's), compiled once to check it, and the file
+    it was read from."""
     if path is not None:
+        template_file = str(path)
         try:
             template = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -544,12 +583,9 @@ def resolve_chat_template(tokenizer: LocalTokenizer, path: str | os.PathLike | N
             "'chat_template' in tokenizer_config.json); pass one with --chat-template FILE."
         )
     else:
-        template = tokenizer.chat_template
-    try:
-        compile_template(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise InputError(f"chat template {path or tokenizer.info.name}, line {exc.lineno}: {exc.message}") from None
-    return template
+        template, template_file = tokenizer.chat_template, tokenizer.chat_template_file or tokenizer.info.name
+    check_template(template, template_file)
+    return template, template_file
 
 
 def eos_to_append(tokenizer: LocalTokenizer) -> int | None:

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import threading
 from collections import deque
@@ -29,14 +30,32 @@ from typing import Any
 
 from prepack.errors import EngineError
 
-__all__ = ["encoded_by_workers"]
+__all__ = ["encoded_by_workers", "quiet_failing_start"]
 
 # Chunks sent ahead to each worker: one to encode while the next travels.
 _CHUNKS_IN_FLIGHT_PER_WORKER = 2
+_WORKER_NAME = "prepack-chat-tokenizer"  # each worker's process name begins so
+
+
+def quiet_failing_start() -> None:
+    """In a worker that is still starting, an error that ends it ends it without a traceback.
+
+    A spawned worker starts by re-running the script that started the build, as its `__mp_main__`; a
+    script that calls prepack unguarded fails there, in every worker. The parent's EngineError says
+    why and what to do: it should be the one message, not one traceback per worker before it. `import
+    prepack` calls this (spawn names the process before it re-runs the script); `_serve` puts the
+    usual hook back once the worker is running."""
+    if multiprocessing.current_process().name.startswith(_WORKER_NAME):
+        sys.excepthook = _end_quietly
+
+
+def _end_quietly(kind, value, traceback) -> None:
+    """An excepthook that prints nothing: the process still exits with status 1."""
 
 
 def _serve(encoder_file: str, tasks: Connection, results: Connection) -> None:
     """A worker: encode each chunk `tasks` brings, send back (True, result) or (False, exception)."""
+    sys.excepthook = sys.__excepthook__  # started: its own errors print as usual (`quiet_failing_start`)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one of num_proc processes: one core each
     with open(encoder_file, "rb") as file:
         encoder = pickle.load(file)
@@ -93,12 +112,14 @@ def _start(encoder_file: str, num_proc: int, workers: list[_Worker]) -> None:
     """Starts `num_proc` workers, appending each to `workers` as it starts: those started are stopped even if
     a later one fails to start."""
     context = multiprocessing.get_context("spawn")  # safe beside the threads of the parent
-    for _ in range(num_proc):
+    for index in range(num_proc):
         task_reader, task_writer = context.Pipe(duplex=False)
         result_reader, result_writer = context.Pipe(duplex=False)
         # Start-up data stays a few bytes (a path, not the encoder): a spawned child that dies before
         # reading it all would otherwise block the parent, which writes it holding the read end.
-        process = context.Process(target=_serve, args=(encoder_file, task_reader, result_writer), daemon=True)
+        process = context.Process(
+            target=_serve, args=(encoder_file, task_reader, result_writer), name=f"{_WORKER_NAME}-{index}", daemon=True
+        )
         process.start()
         task_reader.close()  # the worker's ends now live only in the worker: its death closes them
         result_writer.close()

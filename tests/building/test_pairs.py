@@ -9,18 +9,25 @@ path (tokenizers + jinja2) is checked against an independent implementation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import prepack
 from prepack import PackedDataset
 from prepack.building.pair_plan import kept_lengths
 from prepack.building.plan import assign_packs
 from prepack.errors import FormatError, InputError
-from prepack.formats.shards import check_shard, open_shard, read_manifest
+from prepack.formats.shards import PairOptions, check_shard, open_shard, read_manifest
+from prepack.sources.corpus import find_corpus
+from prepack.sources import pairs
+from prepack.sources.pairs import pair_documents, split_prompt
+from prepack.sources.tokenize import load_tokenizer
 from tests.cli import WIDE, failure, run_prepack
 from tests.demo_inputs import CHATML, chitchat, chitchat_pairs, gpt2_directory
 
@@ -58,6 +65,9 @@ def trl_pair(tokenizer, example: dict) -> tuple[list[int], list[int], int]:
         rejected_ids = trl_data._tokenize(tokenizer, prompt + rejected + eos)["input_ids"]
     length = min(trl_data.common_prefix_length(prompt_ids, chosen_ids), trl_data.common_prefix_length(prompt_ids, rejected_ids))
     return chosen_ids, rejected_ids, length
+
+
+MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "and?"}]
 
 
 def chat_pairs(count: int) -> list[dict]:
@@ -114,9 +124,8 @@ def documents_of(build: Path) -> dict[int, tuple[np.ndarray, np.ndarray, int]]:
     return found
 
 
-@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
-def test_pairs_are_trls_tokens_with_labels_on_the_completions(tmp_path, gpt2, hf_tokenizer, chat):
-    rows = chat_pairs(60) if chat else text_pairs(60)
+def assert_built_as_trl_tokenizes(tmp_path: Path, gpt2: Path, hf_tokenizer, rows: list[dict], chat: bool) -> None:
+    """`rows` built as pairs: every document has TRL's ids, and labels on TRL's completion only."""
     corpus = write_jsonl(tmp_path / "pairs.jsonl", rows)
     manifest = prepack.build(corpus, tmp_path / "out", max_len=1024, tokenizer=gpt2, chat=chat, pairs=True,
                              overflow="error", num_proc=1)  # the slow tests below tokenize with a worker pool
@@ -129,11 +138,48 @@ def test_pairs_are_trls_tokens_with_labels_on_the_completions(tmp_path, gpt2, hf
         for document, expected in ((2 * r, chosen), (2 * r + 1, rejected)):
             ids, labels, pack = found[document]
             assert ids.tolist() == expected, (r, document)
-            assert labels.tolist() == [-100] * length + expected[length:]
+            assert labels.tolist() == [-100] * length + expected[length:], (r, document)
         assert found[2 * r][2] == found[2 * r + 1][2]  # one pack
         prompt_tokens += 2 * length
     assert manifest.pairs.prompt_tokens == prompt_tokens
     assert manifest.pairs.completion_tokens == manifest.totals.tokens - prompt_tokens
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_pairs_are_trls_tokens_with_labels_on_the_completions(tmp_path, gpt2, hf_tokenizer, chat):
+    assert_built_as_trl_tokenizes(tmp_path, gpt2, hf_tokenizer, chat_pairs(60) if chat else text_pairs(60), chat)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_an_implicit_prompt_where_one_completion_starts_the_other_is_trls(tmp_path, gpt2, hf_tokenizer, chat):
+    """chosen a prefix of rejected (or the other way): TRL's extract_prompt leaves the last message or
+    character of the shorter one to the completions, so its prompt is one shorter than the common prefix."""
+    if chat:
+        rows = [{"chosen": pair["prompt"] + pair["chosen"], "rejected": pair["prompt"] + pair["chosen"] + pair["prompt"]}
+                for pair in chitchat_pairs()[:10]]
+        rows += [{"chosen": row["rejected"], "rejected": row["chosen"]} for row in rows[:3]]
+    else:
+        rows = [{"chosen": f"Q: {turns[0]} A: {turns[1]}", "rejected": f"Q: {turns[0]} A: {turns[1]} Or not."}
+                for turns in [c for c in chitchat() if len(c) >= 2][:10]]
+        rows += [{"chosen": "Q: yes", "rejected": "Q: yes "}, {"chosen": "Q: yes no", "rejected": "Q: yes"}]
+    assert_built_as_trl_tokenizes(tmp_path, gpt2, hf_tokenizer, rows, chat)
+
+
+def sharing_a_start(parts: st.SearchStrategy) -> st.SearchStrategy:
+    """Two strings or message lists that start alike (or not: the start may be empty)."""
+    return st.tuples(parts, parts, parts).map(lambda p: (p[0] + p[1], p[0] + p[2]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(pair=st.one_of(sharing_a_start(st.text("ab ", max_size=4)), sharing_a_start(st.lists(st.sampled_from(MESSAGES), max_size=3))))
+def test_split_prompt_is_trls_extract_prompt(pair):
+    chosen, rejected = pair
+    prompt, chosen_part, rejected_part = split_prompt(chosen, rejected)
+    # prepack refuses a pair with no prompt; TRL then gives an empty one, fails (an empty side), or, when the
+    # first characters differ and chosen ends with a space, takes chosen[:-1] (its index -1): not compared.
+    assume(prompt)
+    expected = trl_data.extract_prompt({"chosen": chosen, "rejected": rejected})
+    assert (prompt, chosen_part, rejected_part) == (expected["prompt"], expected["chosen"], expected["rejected"])
 
 
 @pytest.mark.slow  # verify --source (or three builds) in subprocesses: ~5-9 s
@@ -237,6 +283,39 @@ def test_pair_options_are_refused_where_they_mean_nothing(tmp_path, gpt2):
             prepack.build(corpus, tmp_path / "out", max_len=64, tokenizer=gpt2, **options)
     # The command exits 2 with the message, as for any bad input.
     assert "not preference pairs" in refused("tokenize", corpus, "--tokenizer", gpt2, "--pairs", "--out", tmp_path / "store")
+
+
+class RecordingTokenizer:
+    """A tokenizer that records the length of each text of each `encode_batch_fast` call."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def encode_batch_fast(self, texts, add_special_tokens):
+        self.calls.append([len(text) for text in texts])
+        return self.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.mark.slow  # a megabyte encoded by prepack and by transformers: ~2 s
+def test_a_long_pair_is_encoded_one_text_at_a_time(tmp_path, gpt2, hf_tokenizer):
+    """A long row is encoded three times (TRL's rule: the prompt alone and with each completion); with its
+    encodings alive one at a time it costs about what the same row as text does (benchmarks/bench_pair_memory.py)."""
+    rows = [{"prompt": "Q: " + "word " * 120_000 + "A:", "chosen": " yes", "rejected": " no"}, *text_pairs(3)]
+    tokenizer = load_tokenizer(gpt2)
+    recording = RecordingTokenizer(tokenizer.tokenizer)
+    documents = pair_documents(find_corpus(write_jsonl(tmp_path / "pairs.jsonl", rows)),
+                               dataclasses.replace(tokenizer, tokenizer=recording),
+                               PairOptions(prompt_column="prompt", chosen_column="chosen", rejected_column="rejected"), chat=False,
+                               num_proc=1)
+    batches = list(documents.batches)
+    longest = pairs._ENCODE_BATCH_CHARS  # a call holds one text, or texts of at most that many characters
+    assert recording.calls and all(len(call) == 1 or sum(call) <= longest for call in recording.calls), recording.calls
+    ids = np.concatenate([batch.ids for batch in batches])
+    expected = [ids for row in rows for ids in trl_pair(hf_tokenizer, row)[:2]]
+    assert ids.tolist() == [token for document in expected for token in document]
 
 
 def test_parquet_pairs_with_columns_named_otherwise(tmp_path, gpt2, hf_tokenizer):

