@@ -10,7 +10,8 @@ Training: chitchat's lines as text documents (GPT-2 tokenized; ids folded into -
 --max-len with `--max-docs-per-pack --cap` (every collator gets the same packs, so the same documents in every
 step). A random Llama (--hidden, --layers, sdpa, float32, CPU) trains --steps steps of --batch packs with
 `enable_packing` and prepack's token-weighted loss, eagerly and under `torch.compile` (inductor) with
-`dynamic=False` (what CUDA graphs and `mode="reduce-overhead"` need) and with the default `dynamic=None`:
+`dynamic=False` (what CUDA graphs and `mode="reduce-overhead"` need) and with the default `dynamic=None`
+(HF's batches on the model as transformers gives it, which isolates them on sdpa from their position ids):
 - prepack fixed: `PackedCollator(max_len, max_docs_per_pack=cap)`: [B, L] rows, B·(cap + 1) + 1 offsets;
 - prepack default: `PackedCollator(max_len)`: [B, L] rows, offsets as many as the batch's segments;
 - HF flattening: `DataCollatorWithFlattening` on the same documents: one row of the batch's tokens.
@@ -70,12 +71,13 @@ def flattening_batches(packs: list[dict], batch: int) -> list[dict]:
     return out
 
 
-def model(vocab: int, hidden: int, layers: int, max_len: int) -> LlamaForCausalLM:
+def model(vocab: int, hidden: int, layers: int, max_len: int, packing: bool) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                          num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128 or 1,
                          max_position_embeddings=max_len, attn_implementation="sdpa")
     torch.manual_seed(0)
-    return enable_packing(LlamaForCausalLM(config)).train()
+    net = LlamaForCausalLM(config).train()
+    return enable_packing(net) if packing else net
 
 
 def train(batches: list[dict], net: LlamaForCausalLM, compile_options: dict | None) -> tuple[int, list[float]]:
@@ -116,7 +118,8 @@ def training_table(args: argparse.Namespace) -> None:
     for name, batches in collators.items():
         eager_rate = None
         for mode, options in modes.items():
-            graphs, seconds = train(batches, model(args.vocab, args.hidden, args.layers, args.max_len), options)
+            net = model(args.vocab, args.hidden, args.layers, args.max_len, packing=name.startswith("prepack"))
+            graphs, seconds = train(batches, net, options)
             overall = sum(real) / sum(seconds)
             steady = sum(real[half:]) / sum(seconds[half:])
             eager_rate = eager_rate or steady
