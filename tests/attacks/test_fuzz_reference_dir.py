@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -105,18 +106,33 @@ def _leaves(value, path=()):
             yield from _leaves(item, path + (index,))
 
 
+def _read(path: Path) -> bytes:
+    """The bytes of a regular file. One that an earlier corruption made a link, a FIFO or a directory is an
+    OSError, "not applicable" to `_corrupt`: read, a FIFO would block and /dev/zero fill the memory."""
+    if not stat.S_ISREG(path.lstat().st_mode):
+        raise OSError(f"{path.name} is no longer a regular file")
+    return path.read_bytes()
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Write a regular file, or a new one: into a FIFO an earlier corruption made, the write would block."""
+    if os.path.lexists(path):
+        _read(path)
+    path.write_bytes(data)
+
+
 def _manifest(copy: Path) -> dict:
-    return json.loads((copy / REFERENCE_MANIFEST).read_text())
+    return json.loads(_read(copy / REFERENCE_MANIFEST))
 
 
 def _write_manifest(copy: Path, raw) -> None:
-    (copy / REFERENCE_MANIFEST).write_text(json.dumps(raw))
+    _write(copy / REFERENCE_MANIFEST, json.dumps(raw).encode())
 
 
 def _record(copy: Path, name: str) -> None:
     """Update `name`'s entry (bytes, sha256) to the file as it now is: a consistent rewrite."""
     raw = _manifest(copy)
-    data = (copy / name).read_bytes()
+    data = _read(copy / name)
     for entry in raw["files"]:
         if entry["name"] == name:
             entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
@@ -146,7 +162,7 @@ def _field(copy, at, kind, odd, nudge) -> bool:
 
 
 def _text(copy, kind, at) -> bool:
-    text = (copy / REFERENCE_MANIFEST).read_bytes()
+    text = _read(copy / REFERENCE_MANIFEST)
     if kind == "truncate":
         text = text[: at % len(text)]
     elif kind == "flip":
@@ -157,7 +173,7 @@ def _text(copy, kind, at) -> bool:
         text = text.replace(b'"rows": ', b'"rows": ' + b"9" * 5000, 1)
     else:
         text = text.rstrip()[:-1] + b', "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    (copy / REFERENCE_MANIFEST).write_bytes(text)
+    _write(copy / REFERENCE_MANIFEST, text)
     return False
 
 
@@ -184,7 +200,7 @@ def _count(copy, kind, index, delta) -> bool:
 
 def _bytes(copy, index, kind, at, record) -> bool:
     path = _file(copy, index)
-    data = bytearray(path.read_bytes())
+    data = bytearray(_read(path))
     if kind == "truncate":
         data = data[: at % len(data)]
     elif kind == "flip":
@@ -197,7 +213,7 @@ def _bytes(copy, index, kind, at, record) -> bool:
         data[values.address - buffer.address + 8 * (at % (values.size // 8))] ^= 1
     else:
         data[at % len(data) : at % len(data) + 8] = b"\xff" * 8
-    path.write_bytes(bytes(data))
+    _write(path, bytes(data))
     if record:
         _record(copy, path.name)
     return record
@@ -206,7 +222,7 @@ def _bytes(copy, index, kind, at, record) -> bool:
 def _values(copy, index, kind, at, odd, record) -> bool:
     """Rewrite a file's values as a valid Arrow stream of the schema, changed: then maybe record it."""
     path = _file(copy, index)
-    batch = pa.ipc.open_stream(path.read_bytes()).read_next_batch()
+    batch = pa.ipc.open_stream(_read(path)).read_next_batch()
     offsets, values = (array.copy() for array in list_column(batch, "logps"))
     if kind == "value" and len(values):
         values[at % len(values)] = odd
@@ -235,7 +251,7 @@ def _files(copy, index, kind, other) -> bool:
     elif kind == "rename":
         path.rename(_file(copy, 4 + other))
     elif kind == "extra":
-        shutil.copy(path, _file(copy, 4 + other))
+        _write(_file(copy, 4 + other), _read(path))
     elif kind == "symlink":
         moved = copy.parent / f"moved-{path.name}"
         path.rename(moved)
@@ -250,9 +266,9 @@ def _files(copy, index, kind, other) -> bool:
         path.unlink()
         path.symlink_to("/dev/zero")
     elif kind == "empty":
-        path.write_bytes(b"")
+        _write(path, b"")
     elif kind == "copy-other":
-        shutil.copy(other_path, path)
+        _write(path, _read(other_path))
     elif kind == "manifest-gone":
         (copy / REFERENCE_MANIFEST).unlink()
     elif kind == "manifest-symlink":
