@@ -340,7 +340,11 @@ class RayEngine:
         window: deque[ray.ObjectRef] = deque()
 
         def first_result():
-            result = _result(window[0])
+            try:
+                result = _result(window[0])
+            except Exception:  # the task ended, with an error: done, it is neither cancelled nor awaited
+                window.popleft()
+                raise
             window.popleft()
             return result
 
@@ -352,9 +356,12 @@ class RayEngine:
             while window:
                 yield first_result()
         finally:
-            for ref in window:
-                ray.cancel(ref)
             if window:
+                # Only tasks not finished yet are cancelled: Ray 2.x's driver aborts on a check when a task it
+                # is told to cancel completes meanwhile ("Tried to complete task that was not pending").
+                _, running = ray.wait(list(window), num_returns=len(window), timeout=0)
+                for ref in running:
+                    ray.cancel(ref)
                 ray.wait(list(window), num_returns=len(window))
 
     def first_pass(self, documents: Documents, reading: Reading, progress: Progress) -> FirstPass:
