@@ -9,9 +9,9 @@
 Training: chitchat's lines as text documents (GPT-2 tokenized; ids folded into --vocab), built into packs of
 --max-len with `--max-docs-per-pack --cap` (every collator gets the same packs, so the same documents in every
 step). A random Llama (--hidden, --layers, sdpa, float32, CPU) trains --steps steps of --batch packs with
-`enable_packing` and prepack's token-weighted loss, eagerly and under `torch.compile` (inductor) with
-`dynamic=False` (what CUDA graphs and `mode="reduce-overhead"` need) and with the default `dynamic=None`
-(HF's batches on the model as transformers gives it, which isolates them on sdpa from their position ids):
+prepack's token-weighted loss (prepack's batches with `enable_packing`; HF's on the model as transformers gives
+it, which isolates them on sdpa from their position ids), eagerly and under `torch.compile` (inductor) with
+`dynamic=False` (what CUDA graphs and `mode="reduce-overhead"` need) and with the default `dynamic=None`:
 - prepack fixed: `PackedCollator(max_len, max_docs_per_pack=cap)`: [B, L] rows, B·(cap + 1) + 1 offsets;
 - prepack default: `PackedCollator(max_len)`: [B, L] rows, offsets as many as the batch's segments;
 - HF flattening: `DataCollatorWithFlattening` on the same documents: one row of the batch's tokens.
@@ -20,7 +20,8 @@ recompile; dynamo stops compiling a function after 8 and runs it uncompiled), re
 step (compilation included) and over the second half (compiled steps), and the ratio to eager.
 
 The cost of K: packs and fill of a first-fit-decreasing plan capped at K documents, against the uncapped plan,
-on a long-tail synthetic corpus (lognormal lengths, median --median, sigma --sigma, up to --max-len) and, with
+on a long-tail synthetic corpus (--documents lognormal lengths, median --median, sigma --sigma, up to
+--caps-max-len, which is also its max-len) and, with
 --build, on an existing build (`prepack inspect --caps`, the same numbers). Prints markdown.
 """
 

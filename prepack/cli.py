@@ -387,7 +387,7 @@ def inspect_command(
     caps: Annotated[str | None, typer.Option("--caps", metavar="K,K,...", show_default=False, help="The --max-docs-per-pack values to price (packs and fill, planned again); default 2, 4, ..., 128 below the fullest pack.")] = None,
 ) -> None:
     """Report fill, padding, distributions and the cost of not packing, from the manifest and the
-    per-pack columns (no token is read)."""
+    per-pack columns (a preference-pair build's tokens and labels are read too, to count its pairs)."""
 
     from prepack.check.report import inspect_build, plot, render
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -181,3 +182,24 @@ def preference_pairs(root: Path) -> Path:
     (root / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     build(root / "pairs.jsonl", root / "packed", max_len=PAIRS_MAX_LEN, tokenizer=tokenizer, pairs=True, overflow="truncate", num_proc=1)
     return root / "packed"
+
+
+# What a fuzzer turns a build's file into when it is no longer a file (tests/attacks/test_fuzz_*.py).
+NOT_A_FILE = ("symlink", "fifo", "directory", "dev-zero")
+
+
+def make_not_a_file(path: Path, kind: str) -> None:
+    """Replace the regular file `path` by what `kind` (one of `NOT_A_FILE`) names: a symbolic link to its bytes,
+    moved beside its directory ("symlink"), a FIFO, a directory, or a symbolic link to /dev/zero."""
+    if kind == "symlink":
+        moved = path.parent.parent / f"moved-{path.name}"
+        path.rename(moved)
+        path.symlink_to(moved)
+        return
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")

@@ -348,7 +348,8 @@ def inspect_build(
     cache_dir: str | os.PathLike | None = None,
     caps: Sequence[int] | None = None,
 ) -> InspectReport:
-    """Report on the build at `path`, reading the manifest and the per-pack columns only.
+    """Report on the build at `path`, reading the manifest and the per-pack columns (and a preference-pair
+    build's tokens and labels, whose pairs it counts: `prepack.check.pairs`).
 
     Costs, in token positions of compute (see `COST_NOTE`):
     - packed: packs * max_len;

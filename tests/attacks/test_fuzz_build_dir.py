@@ -25,7 +25,7 @@ from prepack import build, inspect_build, open_hf_dataset, read_manifest, verify
 from prepack.training.collate import PackedCollator
 from prepack.errors import PrepackError
 from prepack.training.dataset import PackedDataset
-from tests.corpus import corpus_table, record_shard, write_corpus
+from tests.corpus import NOT_A_FILE, make_not_a_file, corpus_table, record_shard, write_corpus
 
 MAX_LEN = 16
 CASES = int(os.environ.get("FUZZ_CASES", 2000))
@@ -169,19 +169,8 @@ def _files(copy: Path, rng: random.Random) -> str:
         (copy / "tmp").rename(other)
     elif kind == "extra":
         shutil.copy(shard, copy / f"shard-{len(shards) + rng.randrange(3):05d}.arrow")
-    elif kind == "symlink":  # the same bytes, from elsewhere
-        moved = copy.parent / f"moved-{shard.name}"
-        shard.rename(moved)
-        shard.symlink_to(moved)
-    elif kind == "fifo":
-        shard.unlink()
-        os.mkfifo(shard)
-    elif kind == "directory":
-        shard.unlink()
-        shard.mkdir()
-    elif kind == "dev-zero":
-        shard.unlink()
-        shard.symlink_to("/dev/zero")
+    elif kind in NOT_A_FILE:
+        make_not_a_file(shard, kind)
     elif kind == "manifest-gone":
         (copy / "manifest.json").unlink()
     elif kind == "manifest-symlink":

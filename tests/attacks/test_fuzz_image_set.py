@@ -27,6 +27,7 @@ from prepack.errors import PrepackError
 from prepack.formats.images import DOCUMENTS_FILE, IMAGE_SET_MANIFEST, IMAGES_FILE, read_image_set
 from prepack.sources.images import prepare_image_chat
 from tests.attacks.test_fuzz_build_dir import _ODD_INTS, _PATHS, _leaves
+from tests.corpus import make_not_a_file
 from tests.vision_inputs import processor_directory
 from tests.train.test_vision_end_to_end import image_chat_corpus
 
@@ -140,19 +141,8 @@ def corruptions(draw, directory: Path) -> str:
     elif how == "empty":
         path.write_bytes(b"")
         _record(directory, name)
-    elif how == "symlink":  # the same bytes, from elsewhere
-        moved = directory.parent / f"moved-{name}"
-        path.rename(moved)
-        path.symlink_to(moved)
-    elif how == "fifo":
-        path.unlink()
-        os.mkfifo(path)
-    elif how == "directory":
-        path.unlink()
-        path.mkdir()
     else:
-        path.unlink()
-        path.symlink_to("/dev/zero")
+        make_not_a_file(path, how)
     return f"{name}: {how}"
 
 

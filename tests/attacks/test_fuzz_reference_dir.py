@@ -38,6 +38,7 @@ from prepack.formats.reference import REFERENCE_MANIFEST, REFERENCE_SCHEMA, read
 from prepack.model.packing import enable_packing
 from prepack.storage.files import write_record_batch
 from prepack.training.reference import write_reference_logps
+from tests.corpus import NOT_A_FILE, make_not_a_file
 from tests.train.test_preference import MAX_LEN, pair_build
 
 CASES = int(os.environ.get("FUZZ_REFERENCE_CASES", 150))
@@ -252,19 +253,8 @@ def _files(copy, index, kind, other) -> bool:
         path.rename(_file(copy, 4 + other))
     elif kind == "extra":
         _write(_file(copy, 4 + other), _read(path))
-    elif kind == "symlink":
-        moved = copy.parent / f"moved-{path.name}"
-        path.rename(moved)
-        path.symlink_to(moved)
-    elif kind == "fifo":
-        path.unlink()
-        os.mkfifo(path)
-    elif kind == "directory":
-        path.unlink()
-        path.mkdir()
-    elif kind == "dev-zero":
-        path.unlink()
-        path.symlink_to("/dev/zero")
+    elif kind in NOT_A_FILE:
+        make_not_a_file(path, kind)
     elif kind == "empty":
         _write(path, b"")
     elif kind == "copy-other":
