@@ -103,7 +103,7 @@ class _SigtermStop:
     def _stop(self, signum: int, frame: object) -> None:
         self.received = True
         signal.signal(signal.SIGTERM, lambda *_: None)  # a second SIGTERM does not cut that cleanup short
-        _stderr().print("[bold red]error:[/] stopped by SIGTERM; the command's unfinished output and temporary files are deleted.", markup=True, highlight=False)
+        _stderr().print("[bold red]error:[/] stopped by SIGTERM; its output is cleaned up as after any error.", markup=True, highlight=False)
         raise SystemExit(128 + signum)
 
     def close(self) -> None:

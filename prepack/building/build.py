@@ -40,7 +40,6 @@ from prepack.formats.shards import (
     PairTotals,
     StoreReference,
     Totals,
-    store_location_problem,
     store_path_problem,
     write_manifest,
 )
@@ -119,15 +118,13 @@ class Output:
 def _store_path(store: str | os.PathLike, out: str | os.PathLike) -> str:
     """How an index build at `out` names its store: relative to `out`, so that moving both together
     keeps the build readable. Refused (InputError), before anything is read or written, unless readers
-    accept it: the store must lie in the build's parent directory (prefix); a local one where it really
-    is, through no symbolic link (`store_location_problem`), so its real path is what is recorded."""
+    accept it: the store must lie in the build's parent directory (prefix); a local one by its real path,
+    which passes through no symbolic link (readers refuse one: `store_location_problem`)."""
     if is_uri(store) or is_uri(out):
         relative = relative_location(str(store), str(out))
-        problem = store_path_problem(relative)
     else:
         relative = Path(os.path.relpath(os.path.realpath(store), os.path.realpath(out))).as_posix()
-        problem = store_location_problem(out, relative)
-    if problem is not None:
+    if (problem := store_path_problem(relative)) is not None:
         raise InputError(
             f"{out}: an index build must lie beside its store, in the directory (or prefix) that holds "
             f"{store}, as readers refuse a store elsewhere; its path from the build would be {relative!r}, which "

@@ -355,7 +355,7 @@ def test_a_build_stopped_by_sigterm_exits_143_and_leaves_nothing(tmp_path, corpu
 
 def test_the_command_run_in_process_and_the_library_leave_the_callers_sigterm_handler(tmp_path):
     """Only the command sets a SIGTERM handler, and only while it runs: `app()` called in a process of
-    the caller's (a notebook, a test) and `build` leave the caller's."""
+    the caller's (a notebook, a test) leaves the caller's."""
 
     def callers(signum, frame):
         raise AssertionError("not called")
@@ -364,8 +364,6 @@ def test_the_command_run_in_process_and_the_library_leave_the_callers_sigterm_ha
     try:
         result = CliRunner().invoke(app, ["build", str(corpus(tmp_path)), "--max-len", "4", "--out", str(tmp_path / "cli"), "-q"])
         assert result.exit_code == 0, result.output
-        assert signal.getsignal(signal.SIGTERM) is callers
-        build(corpus(tmp_path), tmp_path / "library", max_len=4)
         assert signal.getsignal(signal.SIGTERM) is callers
     finally:
         signal.signal(signal.SIGTERM, previous)
