@@ -32,7 +32,10 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     parser.add_argument("--checkpoint", help="loops: save the loader's position here, and resume from it")
     if extra is not None:
         extra(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if getattr(args, "accumulation", 1) < 1:  # a window of no batch would never fill
+        parser.error("--accumulation must be at least 1")
+    return args
 
 
 def trainer_arguments(args: argparse.Namespace, output_dir: str) -> dict:

@@ -135,7 +135,7 @@ class _PairEncoder:
     def _ids(self, texts: list[str]) -> list[np.ndarray]:
         """Each text's token ids, encoded in batches of about _ENCODE_BATCH_CHARS characters whose encodings
         are dropped once their ids are copied out: a pair of long texts holds one encoding at a time, not
-        all three (a 20 MB row, as text, costs one)."""
+        all three (`python benchmarks/bench_pair_memory.py --mb 8`)."""
         ids, start = [], 0
         while start < len(texts):
             end, size = start + 1, len(texts[start])

@@ -57,7 +57,7 @@ from prepack.sources.corpus import (
     parse_json,
     record_batches,
 )
-from prepack.sources.chat_templates import check_template, compile_template, render_chat
+from prepack.sources.chat_templates import check_template, render_chat
 from prepack.sources.tokenizer_workers import encoded_by_workers
 
 with optional_imports("tokenizing (--tokenizer)"):
@@ -66,7 +66,6 @@ with optional_imports("tokenizing (--tokenizer)"):
 __all__ = [
     "LocalTokenizer",
     "checked_messages",
-    "compile_template",
     "encoded_in_order",
     "eos_to_append",
     "load_tokenizer",

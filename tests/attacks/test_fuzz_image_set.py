@@ -162,7 +162,8 @@ def _serve_every_pack(build_dir: Path, images: Path) -> None:
 def test_a_corrupted_image_set_is_a_named_error_or_a_finding(valid, data):
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(shutil.copytree(valid / "prepared" / "images", Path(tmp) / "images"))
-        done = [data.draw(corruptions(copy), label="corruption") for _ in range(data.draw(st.integers(1, 3)))]
+        for _ in range(data.draw(st.integers(1, 3))):
+            data.draw(corruptions(copy), label="corruption")  # hypothesis reports each with a failure
         readers = {
             "read_image_set": lambda: read_image_set(copy),
             "read_image_set(verify)": lambda: read_image_set(copy, verify=True),
@@ -171,12 +172,10 @@ def test_a_corrupted_image_set_is_a_named_error_or_a_finding(valid, data):
         }
         faulthandler.dump_traceback_later(60, exit=True)  # a reader that hangs fails the run
         try:
-            for name, reader in readers.items():
+            for reader in readers.values():  # each ends in its result or a PrepackError, nothing else
                 try:
-                    outcome = reader()
+                    reader()
                 except PrepackError:
-                    continue
-                if name == "verify_images(decode)":
-                    assert isinstance(outcome, list), (name, done)
+                    pass
         finally:
             faulthandler.cancel_dump_traceback_later()
