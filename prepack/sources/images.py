@@ -84,8 +84,6 @@ from prepack.storage.output import output_errors, output_file, staged_directory
 with optional_imports("prepare_image_chat"):
     from PIL import Image
 
-    from prepack.sources.tokenize import load_tokenizer
-
 __all__ = ["ImageCorpusSummary", "decode_failure", "image_header", "prepare_image_chat", "processor_rule"]
 
 LLAVA_MARKER = "<image>"
@@ -205,6 +203,8 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         rule = ImageRule(placeholder=placeholder, start=start, end=end, **fields)
     except ValueError as exc:  # pydantic's upper bounds
         raise InputError(f"{config_file}: the processor's sizes are out of range ({exc}).") from None
+    from prepack.sources.tokenize import load_tokenizer  # here: `verify --images` reads images, no tokenizer
+
     tokenizer = load_tokenizer(directory).tokenizer
     placeholder_id = tokenizer.token_to_id(placeholder)
     encoded = tokenizer.encode(placeholder * 2, add_special_tokens=False).ids

@@ -132,3 +132,10 @@ def test_only_missing_optional_dependencies_are_translated():
 def test_every_extra_named_is_one_of_pyproject():
     extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert set(EXTRAS.values()) <= set(extras)
+
+
+def test_the_image_checks_need_no_tokenize_extra(tmp_path):
+    # `verify --images` reads images (Pillow), no tokenizer: the module that prepares them loads one only there.
+    code = "from prepack.check.images import verify_images\nimport prepack.sources.images\nprint('imported')"
+    result = _without(["tokenizers", "jinja2"], code, tmp_path)
+    assert result.stdout.strip() == "imported", result.stderr
