@@ -57,6 +57,7 @@ __all__ = [
     "ShardPacks",
     "PackingPlan",
     "assign_packs",
+    "checked_cap",
     "compact_lengths",
     "document_pieces",
     "plan_packs",
@@ -111,7 +112,8 @@ def _check_options(max_len: int, algorithm: str) -> int:
     return max_len
 
 
-def _check_cap(max_documents: int | None) -> int | None:
+def checked_cap(max_documents: int | None) -> int | None:
+    """`max_documents` as an int in [1, 2**31), or None; ValueError (TypeError for a non-integer) otherwise."""
     if max_documents is None:
         return None
     max_documents = operator.index(max_documents)
@@ -147,7 +149,7 @@ def assign_packs(
     raises ValueError.
     """
     max_len = _check_options(max_len, algorithm)
-    max_documents = _check_cap(max_documents)
+    max_documents = checked_cap(max_documents)
     lengths = compact_lengths(lengths)
     if len(lengths) == 0:
         return np.empty(0, np.int32)
@@ -681,7 +683,7 @@ def plan_packs(
     same plan, to the byte).
     """
     max_len = _check_options(max_len, algorithm)
-    max_documents = _check_cap(max_documents)
+    max_documents = checked_cap(max_documents)
     code = _overflow_code(overflow)
     lengths = compact_lengths(lengths)
     untrained = _flags(untrained, len(lengths))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -31,7 +32,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from prepack.building.plan import assign_packs
+from prepack.building.plan import assign_packs, checked_cap
 from prepack.training.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs, validated_token_cost
 from prepack.storage.cache import ShardCache, build_cache
 from prepack.errors import FormatError, InputError, PrepackError, optional_imports
@@ -374,8 +375,10 @@ def inspect_build(
         raise InputError(f"batch_size must be at least 1, got {batch_size}.")
     if world_size is not None and world_size < 1:
         raise InputError(f"world_size must be at least 1, got {world_size}.")
-    if caps is not None and any(type(k) is not int or not 1 <= k < 2**31 for k in caps):
-        raise InputError(f"every cap must be an integer in [1, 2**31), got {list(caps)}.")
+    try:
+        caps = None if caps is None else [checked_cap(operator.index(k)) for k in caps]  # the planner's own rule
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"caps {list(caps)}: {exc}.") from None
     try:
         token_cost = validated_token_cost(token_cost)
     except ValueError as exc:
