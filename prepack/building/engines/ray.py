@@ -358,7 +358,8 @@ class RayEngine:
         finally:
             if window:
                 # Only tasks not finished yet are cancelled: Ray 2.x's driver aborts on a check when a task it
-                # is told to cancel completes meanwhile ("Tried to complete task that was not pending").
+                # is told to cancel has completed ("Tried to complete task that was not pending"). This narrows
+                # the window to a task that finishes between the wait and its cancel; it does not close it.
                 _, running = ray.wait(list(window), num_returns=len(window), timeout=0)
                 for ref in running:
                     ray.cancel(ref)
