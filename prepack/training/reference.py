@@ -126,7 +126,6 @@ def write_reference_logps(
     if manifest.pairs is None:
         raise InputError(f"{build} is not a preference-pair build (prepack build --pairs): it has no reference log-probabilities.")
     description = describe_model(model, name)
-    _check_token_ids(dataset, model, description.name)
     out = Path(out)
     if out.is_symlink() or out.name in ("", ".."):
         raise OutputError(f"{out} is a symbolic link or names no directory; give a directory path such as ./pairs-reference.")
@@ -145,6 +144,7 @@ def write_reference_logps(
         with resumable_staging(out, lambda directory: _stopped_run(directory, dataset, description)) as (directory, found):
             reference = found or ReferenceManifest(build_fingerprint=manifest.fingerprint, shards=len(manifest.shards),
                                                    model=description, files=[])
+            _check_token_ids(dataset, model, description.name, first_shard=len(reference.files))
             first_pack = sum(info.rows for info in manifest.shards[: len(reference.files)])
             bar.update(task, completed=first_pack)
             collate = PackedCollator.for_dataset(dataset, layout=layout)
@@ -186,14 +186,15 @@ def _vocabulary_size(model: Any) -> int | None:
     return min(sizes, default=None)
 
 
-def _check_token_ids(dataset: PackedDataset, model: Any, name: str) -> None:
-    """Refuse (InputError naming the shard, row and column) a build holding a token id the model's
-    vocabulary lacks, before it runs: its embedding would fail on it, or read another table's row."""
+def _check_token_ids(dataset: PackedDataset, model: Any, name: str, first_shard: int = 0) -> None:
+    """Refuse (InputError naming the shard, row and column) a build holding, from shard `first_shard` on (those
+    still to compute), a token id the model's vocabulary lacks, before it runs: its embedding would fail on it,
+    or read another table's row."""
     vocabulary = _vocabulary_size(model)
     if vocabulary is None:
         return
     manifest = dataset.manifest
-    for path, info in zip(dataset.shard_paths, manifest.shards):
+    for path, info in zip(dataset.shard_paths[first_shard:], manifest.shards[first_shard:]):
         batch = manifest.open_shard(path)
         for column in ("input_ids", "labels") if manifest.has_labels else ("input_ids",):
             offsets, values = list_column(batch, column, info.name)
