@@ -13,7 +13,7 @@ the starting model) over the packed batch give every completion's summed log-pro
 is --accumulation batches on every rank, and every pair of it weighs the same: each batch's pair losses
 are summed and divided by the pairs of the whole step (`dpo_step`: `loss_weights(batch, "pair")` and
 `weighted_sum` of `prepack.training.loss`, the count all-reduced over the ranks), as that module does for
-tokens. Packs hold 2 to 57 chitchat pairs (`prepack inspect pairs-packed`: 4 to 114 documents a pack), so
+tokens. Packs hold different numbers of pairs (`prepack.training.loss` gives the chitchat build's), so
 a mean per batch would weigh a pair by how few share its batch and rank. With --reference DIR the reference's log-probabilities are computed once, into DIR
 (`prepack.training.reference.write_reference_logps`, by rank 0: a later run reuses them, a stopped one
 goes on), and served with the packs: no reference model is held or run while training. Without --model

@@ -14,8 +14,8 @@ overrides (`PackedDPOTrainer`):
 - `_get_num_items_in_batch` counts the pairs of the optimizer step, over its accumulated micro-batches and
   every rank, where Trainer counts trained tokens: `compute_loss` divides each micro-batch's summed pair
   losses by that count (`prepack.training.loss`, `loss_weights(batch, "pair")`), so every pair of a step
-  weighs the same. Packs hold 2 to 57 chitchat pairs (`prepack inspect pairs-packed`: 4 to 114 documents a
-  pack); TRL's own mean per micro-batch, averaged over --accumulation micro-batches and the ranks, would
+  weighs the same. Packs hold different numbers of pairs (`prepack.training.loss` gives the chitchat build's);
+  TRL's own mean per micro-batch, averaged over --accumulation micro-batches and the ranks, would
   weigh a pair by how few share its micro-batch.
 `PackedCollator` is the data collator (it adds `pair_segments`), `remove_unused_columns=False` lets the
 packs' columns reach it, and the reference is passed as a frozen copy of the starting model.
