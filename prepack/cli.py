@@ -275,6 +275,7 @@ def build_command(
     tokens: Annotated[str | None, typer.Option("--tokens", metavar="N|all", show_default=False, help="With --source: the mixture's output tokens, or all (every source its epochs; the default).")] = None,
     mix_seed: Annotated[str | None, typer.Option("--mix-seed", metavar="N", show_default=False, help="With --source: seed of the mixture's document selection (default 0; --seed shuffles the packs).")] = None,
     pack_within_source: Annotated[bool, typer.Option("--pack-within-source", help="With --source: no pack holds documents of two sources.")] = False,
+    mix_count: Annotated[str | None, typer.Option("--mix-count", metavar="tokens|trained", show_default=False, help="With --source: what --tokens, weights and epochs count: every token (default) or trained tokens (labels other than -100).")] = None,
     reading: Reading,
     algorithm: Annotated[Algorithm, typer.Option(help="First-fit or best-fit decreasing.")] = Algorithm.ffd,
     overflow: Annotated[Overflow, typer.Option(help="Documents longer than --max-len.")] = Overflow.split,
@@ -304,7 +305,7 @@ def build_command(
         max_docs_per_pack=max_docs_per_pack,
     )
     try:
-        mixture = mixture_flags(corpus, source or [], tokens, mix_seed, pack_within_source)
+        mixture = mixture_flags(corpus, source or [], tokens, mix_seed, pack_within_source, mix_count)
         manifest = build_packs(mixture or corpus, out, reading, packing, _output(shard_size, overwrite, engine, ray_address, quiet))
     except PrepackError as exc:
         _fail(exc)

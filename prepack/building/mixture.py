@@ -1,11 +1,13 @@
 """Mixtures: one build from several corpora or document stores, each source a share of the output
-tokens (or a number of epochs), selected in whole documents, deterministically with a seed.
+tokens (or a number of epochs), selected in whole documents (or pieces of split ones), deterministically
+with a seed.
 
 A mixture file (YAML or JSON; `prepack build MIX.yaml`) reads:
 
     tokens: 50000000          # the output's token budget; or "all" (the default): every source's epochs
     seed: 0                   # seed of the document selection
     pack_within_source: false # true: no pack holds documents of two sources
+    count: tokens             # or trained: the amounts count trained tokens (labels other than -100)
     sources:
       - {name: web, path: corpora/web/, weight: 0.6, max_epochs: 2}
       - {name: code, path: stores/code, weight: 0.3}
@@ -15,7 +17,7 @@ A mixture file (YAML or JSON; `prepack build MIX.yaml`) reads:
 `prepack build` takes the same mixture as flags (`mixture_flags`), read into the same `MixtureSpec`:
 
     --source web=corpora/web/:0.6,max_epochs=2 --source code=stores/code:weight=0.3
-    --source math=s3://bucket/math/:epochs=2 --tokens 50000000 --mix-seed 0 [--pack-within-source]
+    --source math=s3://bucket/math/:epochs=2 --tokens 50000000 --mix-seed 0 [--pack-within-source] [--mix-count trained]
 
 `--source NAME=PATH[:AMOUNT]`, once per source in order (a relative PATH from the working directory):
 AMOUNT is comma-separated `weight=W`, `epochs=E`, `max_epochs=N` (the file's keys), a bare number
@@ -32,7 +34,11 @@ Selection (`select_source`): a source's packable tokens E (its documents' tokens
 policy leaves them) are repeated k = floor(T / E) times whole, and the rest of its request T is a
 seeded random subset of its documents: the shortest prefix of a seeded permutation whose tokens come
 nearest to the rest. So realized tokens are within one document of T (the permutation's boundary
-document), and a source asked for less than E is downsampled by that subset alone. A source asked
+document), and a source asked for less than E is downsampled by that subset alone. Where documents are
+split anyway (`--overflow split`), the boundary document is cut after the piece that comes nearest, so
+within one piece (max_len tokens); with other overflow policies documents stay whole. With `count:
+trained` every amount counts trained tokens (`PieceCounts`: labels other than -100, a segment's first
+token never) in place of tokens, and so does the selection, by documents or by pieces alike. A source asked
 for more than `max_epochs` (and `MAX_COPIES`) copies of a document is refused, and so is a selection
 whose plan needs more than the machine's memory (`check_memory`), before either is allocated.
 
@@ -48,6 +54,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -56,6 +63,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from prepack.errors import InputError
+from prepack.formats.shards import IGNORE_INDEX
 
 __all__ = [
     "MAX_COPIES",
@@ -63,6 +71,7 @@ __all__ = [
     "Mixture",
     "MixtureSource",
     "MixtureSpec",
+    "PieceCounts",
     "SourceSelection",
     "check_memory",
     "field_path",
@@ -74,6 +83,8 @@ __all__ = [
     "read_mixture",
     "requested_tokens",
     "select_source",
+    "split_pieces",
+    "trained_segments",
 ]
 
 MIXTURE_SUFFIXES = (".yaml", ".yml", ".json")
@@ -129,6 +140,10 @@ class MixtureSpec(_Spec):
     )
     seed: int = Field(default=0, ge=0, le=2**63 - 1, description="Seed of the document selection.")
     pack_within_source: bool = Field(default=False, description="No pack holds documents of two sources.")
+    count: Literal["tokens", "trained"] = Field(
+        default="tokens",
+        description="What the budget, weights and epochs count: every packed token, or the trained ones (labels other than -100).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> MixtureSpec:
@@ -220,17 +235,23 @@ def read_mixture(path: str | os.PathLike) -> Mixture:
 
 
 # The file's top-level keys as `prepack build` spells them.
-_FLAGS = {"sources": "--source", "tokens": "--tokens", "seed": "--mix-seed", "pack_within_source": "--pack-within-source"}
+_FLAGS = {
+    "sources": "--source",
+    "tokens": "--tokens",
+    "seed": "--mix-seed",
+    "pack_within_source": "--pack-within-source",
+    "count": "--mix-count",
+}
 SOURCE_SYNTAX = "NAME=PATH[:AMOUNT]"
 
 
 def mixture_flags(
-    corpus: str | None, sources: list[str], tokens: str | None, seed: str | None, pack_within_source: bool
+    corpus: str | None, sources: list[str], tokens: str | None, seed: str | None, pack_within_source: bool, count: str | None = None
 ) -> Mixture | None:
     """The mixture that `prepack build`'s flags give (module docstring), checked by `MixtureSpec` as
     a file is; None for a build of `corpus` (a corpus, store or mixture file) without them. Raises
     InputError naming the flag: a bad value, or mixture flags beside a corpus or a mixture file."""
-    values = {"sources": sources, "tokens": tokens, "seed": seed, "pack_within_source": pack_within_source or None}
+    values = {"sources": sources, "tokens": tokens, "seed": seed, "pack_within_source": pack_within_source or None, "count": count}
     given = ", ".join(_FLAGS[key] for key, value in values.items() if value)
     if corpus is not None and given:
         if is_mixture_file(corpus):
@@ -348,6 +369,54 @@ def packable_tokens(
     return tokens
 
 
+def split_pieces(tokens: np.ndarray, max_len: int) -> Callable[[int], np.ndarray]:
+    """`select_source`'s `pieces` for documents of `tokens` packable tokens split into max_len pieces:
+    a document's pieces' tokens, all max_len but a shorter last one."""
+
+    def pieces(row: int) -> np.ndarray:
+        length = int(tokens[row])
+        return np.minimum(length - np.arange(0, length, max_len, dtype=np.int64), max_len)
+
+    return pieces
+
+
+@dataclass(frozen=True)
+class PieceCounts:
+    """A source's trained tokens as packed (a mixture counting trained tokens): every segment its
+    documents become under the overflow policy (`prepack.building.plan.document_pieces`), in (row,
+    piece) order, and its trained tokens: labels other than -100, each segment's first token never
+    (the collator masks it), every other token of a source without labels."""
+
+    offsets: np.ndarray  # int64 [documents + 1]: each document's first segment
+    trained: np.ndarray  # int32 [segments]
+
+    def of(self, row: int) -> np.ndarray:
+        """The trained tokens of each segment of document `row` (`select_source`'s `pieces`)."""
+        return self.trained[self.offsets[row] : self.offsets[row + 1]]
+
+    def documents(self, packable: np.ndarray) -> np.ndarray:
+        """Every document's trained tokens (int64), 0 where it has no packable token (`packable_tokens`)."""
+        running = np.concatenate(([0], np.cumsum(self.trained, dtype=np.int64)))
+        per_document = running[self.offsets[1:]] - running[self.offsets[:-1]]
+        per_document[packable == 0] = 0
+        return per_document
+
+
+def trained_segments(offsets: np.ndarray, labels: np.ndarray | None, max_len: int, overflow: str) -> tuple[np.ndarray, np.ndarray]:
+    """(segments per document, trained tokens per segment: int32) of the documents `labels[offsets[i]:offsets[i+1]]`
+    (None: no labels) as `PieceCounts` counts them."""
+    from prepack.building.plan import document_pieces  # numba's kernels: for the builds that count trained tokens
+
+    offsets = np.asarray(offsets, dtype=np.int64)
+    segments = document_pieces(np.diff(offsets), max_len, overflow)
+    per_document = np.bincount(segments.rows, minlength=len(offsets) - 1)
+    if labels is None:
+        return per_document, np.maximum(segments.lengths - 1, 0).astype(np.int32)
+    running = np.concatenate(([0], np.cumsum(np.asarray(labels)[offsets[0] : offsets[-1]] != IGNORE_INDEX, dtype=np.int64)))
+    starts = segments.starts + np.minimum(segments.lengths, 1)  # past each segment's first token
+    return per_document, (running[segments.starts + segments.lengths] - running[starts]).astype(np.int32)
+
+
 def requested_tokens(spec: MixtureSpec, available: list[int]) -> list[int]:
     """What each source is asked for, in tokens, given each one's packable tokens `available`.
     Raises InputError when the sources in epochs leave nothing of the budget for the weighted ones."""
@@ -372,7 +441,8 @@ def requested_tokens(spec: MixtureSpec, available: list[int]) -> list[int]:
 class SourceSelection:
     """The documents a source puts into the mixture: every row of `eligible` (its documents with
     packable tokens, ascending) `epochs` times, then the rows of `partial` (a seeded subset,
-    ascending) once more."""
+    ascending) once more; of that last copy, row `cut_row` only its first `cut_pieces` pieces (0:
+    whole), where selection is by pieces (`select_source`)."""
 
     eligible: np.ndarray  # rows within the source (uint32 while they fit)
     epochs: int
@@ -380,6 +450,8 @@ class SourceSelection:
     requested: int  # tokens asked for
     realized: int  # tokens selected
     available: int  # packable tokens of the eligible documents: one epoch
+    cut_row: int = -1
+    cut_pieces: int = 0
 
     @property
     def documents(self) -> int:
@@ -396,13 +468,34 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, *name.encode()])
 
 
-def select_source(name: str, tokens: np.ndarray, requested: int, seed: int, max_epochs: int | None = None) -> SourceSelection:
+def _nearest(running: np.ndarray, target: int) -> int:
+    """The index of `running` (non-decreasing, from 0) nearest to `target`, the lower one on a tie."""
+    above = int(np.searchsorted(running, target, "left"))  # the first with at least `target`
+    if above == len(running):
+        return above - 1
+    return above if above == 0 or running[above] - target < target - running[above - 1] else above - 1
+
+
+def select_source(
+    name: str,
+    tokens: np.ndarray,
+    requested: int,
+    seed: int,
+    max_epochs: int | None = None,
+    pieces: Callable[[int], np.ndarray] | None = None,
+) -> SourceSelection:
     """Select whole documents of one source (`tokens`: each document's packable tokens) worth
     `requested` tokens: whole epochs, then the prefix of a seeded permutation of the eligible
     documents whose tokens come nearest to what is left (the shorter prefix on a tie). The realized
-    tokens differ from `requested` by at most the tokens of one document. Raises InputError when that
-    takes more copies of a document than `max_epochs` or `MAX_COPIES` allow: before anything is
-    allocated when the whole epochs alone do."""
+    tokens differ from `requested` by at most the tokens of one document.
+
+    With `pieces` (documents split into max_len pieces: `pieces(row)` the tokens of each piece of
+    document `row`, summing to `tokens[row]`), the prefix is cut inside the document at its boundary,
+    after the piece that comes nearest: the realized tokens are then within one piece of `requested`.
+    (`tokens` and the pieces may count anything additive: trained tokens, say.)
+
+    Raises InputError when that takes more copies of a document than `max_epochs` or `MAX_COPIES`
+    allow: before anything is allocated when the whole epochs alone do."""
     tokens = np.asarray(tokens)
     available = int(tokens.sum(dtype=np.int64))
     if available == 0:
@@ -414,13 +507,27 @@ def select_source(name: str, tokens: np.ndarray, requested: int, seed: int, max_
     eligible = _rows(np.flatnonzero(tokens > 0), len(tokens))
     order = _rng(seed, name).permutation(eligible)
     running = np.concatenate(([0], np.cumsum(tokens[order], dtype=np.int64)))
-    above = int(np.searchsorted(running, rest, "left"))  # the first prefix with at least `rest` tokens
-    take = above if above == 0 or running[above] - rest < rest - running[above - 1] else above - 1
+    cut_row, cut_pieces = -1, 0
+    if pieces is None:
+        take = _nearest(running, rest)
+        selected = int(running[take])
+    else:
+        take = int(np.searchsorted(running, rest, "left"))  # the boundary document is order[take - 1]
+        selected = int(running[take])
+        if take > 0:
+            boundary = int(order[take - 1])
+            within = np.concatenate(([0], np.cumsum(pieces(boundary), dtype=np.int64)))
+            kept = _nearest(within, rest - int(running[take - 1]))
+            selected = int(running[take - 1]) + int(within[kept])
+            if kept == 0:
+                take -= 1
+            elif kept < len(within) - 1:
+                cut_row, cut_pieces = boundary, kept
     copies = epochs + (take > 0)
     if copies > limit:
         raise InputError(_copies_refused(name, requested, available, copies, max_epochs, exact=True))
-    realized = epochs * available + int(running[take])
-    return SourceSelection(eligible, epochs, np.sort(order[:take]), int(requested), realized, available)
+    realized = epochs * available + selected
+    return SourceSelection(eligible, epochs, np.sort(order[:take]), int(requested), realized, available, cut_row, cut_pieces)
 
 
 def _copies_refused(name: str, requested: int, available: int, copies: int, max_epochs: int | None, *, exact: bool) -> str:
@@ -464,15 +571,17 @@ def check_memory(spec: MixtureSpec, selections: list[SourceSelection], memory: i
 
 def mixture_parts(
     selections: list[SourceSelection], first_rows: np.ndarray, rows: int, within_source: bool, seed: int
-) -> list[np.ndarray]:
+) -> tuple[list[np.ndarray], list[dict[int, int]]]:
     """The mixture's documents, as the global rows (source's first row + its row; `rows` in all) of each part that
     is packed on its own: R parts, R the most copies any document has, copy c of a document going into
     part (c + its seeded offset) mod R, so no part holds two copies of one document and each copy has
     other company; with `within_source`, each part per source too. Each part's rows are in a seeded
-    order (the planner's order among equal lengths)."""
+    order (the planner's order among equal lengths). Beside each part, the documents of it that are
+    cut (a selection's `cut_row`, in its last copy): global row → pieces kept."""
     rounds = max(s.epochs + (len(s.partial) > 0) for s in selections)
     rng = np.random.default_rng([seed, rounds])
     grouped: list[list[np.ndarray]] = [[] for _ in range(rounds * (len(selections) if within_source else 1))]
+    cut: list[dict[int, int]] = [{} for _ in grouped]
     for number, (s, first) in enumerate(zip(selections, first_rows)):
         offset = rng.integers(rounds, size=len(s.eligible), dtype=np.uint16 if rounds < 2**15 else np.int64)
         extra = np.isin(s.eligible, s.partial, assume_unique=True)  # the documents taken once more
@@ -482,8 +591,12 @@ def mixture_parts(
             copies = _rows(s.eligible[taken], rows) + _rows(np.asarray(first), rows)
             for index in np.unique(part):
                 grouped[index * (len(selections) if within_source else 1) + (number if within_source else 0)].append(copies[part == index])
-    parts = []
+        if s.cut_pieces:
+            index = (int(offset[np.searchsorted(s.eligible, s.cut_row)]) + s.epochs) % rounds
+            cut[index * (len(selections) if within_source else 1) + (number if within_source else 0)][int(first) + s.cut_row] = s.cut_pieces
+    parts, cuts = [], []
     for number, pieces in enumerate(grouped):
         if pieces:
             parts.append(np.random.default_rng([seed, rounds, number]).permutation(np.concatenate(pieces)))
-    return parts
+            cuts.append(cut[number])
+    return parts, cuts

@@ -32,12 +32,15 @@ from prepack.formats.shards import MANIFEST_NAME, InputFile, Manifest, Totals, w
 from prepack.building.mixture import (
     Mixture,
     MixtureSpec,
+    PieceCounts,
     check_memory,
     mixture_parts,
     packable_tokens,
     requested_tokens,
     select_source,
     source_location,
+    split_pieces,
+    trained_segments,
 )
 from prepack.formats.mixture import MixtureInfo, SourceCounts, mixture_fingerprint
 from prepack.building.mixture_plan import MixturePlan, plan_mixture
@@ -121,14 +124,18 @@ def build_mixture(
         _tokenizer_check(spec, documents)
         staged = staged_prefix if is_uri(out) else staged_directory
         staging = stack.enter_context(staged(out, output.overwrite))
-        firsts = []
+        firsts, trained = [], [] if spec.count == "trained" else None
         for number, (source, docs) in enumerate(zip(spec.sources, documents)):
             scratch = staging.scratch / f"source-{number:05d}"
             scratch.mkdir()
-            first = LocalEngine(Staging(staging.build, scratch), index_only).first_pass(docs, reading, bar)
+            counts: list[tuple[np.ndarray, np.ndarray]] = []
+            observe = None if trained is None else lambda offsets, labels: counts.append(trained_segments(offsets, labels, max_len, packing.overflow))
+            first = LocalEngine(Staging(staging.build, scratch), index_only).first_pass(docs, reading, bar, observe)
             _check_lengths(source.name, docs, first, max_len, packing.overflow)
             firsts.append(first)
-        plan, tallies = plan_sources(spec, firsts, packing)
+            if trained is not None:
+                trained.append(_piece_counts(counts))
+        plan, tallies = plan_sources(spec, firsts, packing, trained)
         has_labels = any(first.has_labels for first in firsts)
         whole = FirstPass(
             lengths=np.concatenate([first.lengths for first in firsts]),
@@ -162,6 +169,13 @@ def build_mixture(
     return manifest
 
 
+def _piece_counts(batches: list[tuple[np.ndarray, np.ndarray]]) -> PieceCounts:
+    """A source's `PieceCounts` from its batches' `trained_segments`, in row order."""
+    per_document = np.concatenate([segments for segments, _ in batches]) if batches else np.zeros(0, np.int64)
+    trained = np.concatenate([values for _, values in batches]) if batches else np.zeros(0, np.int32)
+    return PieceCounts(np.concatenate(([0], np.cumsum(per_document, dtype=np.int64))), trained)
+
+
 def _check_lengths(name: str, docs: Documents, first: FirstPass, max_len: int, overflow: str) -> None:
     """`--overflow error`: refuse a source's first document longer than max_len, by file, row and column."""
     if overflow == "error" and (first.lengths > max_len).any():
@@ -185,23 +199,40 @@ class SourceTally:
     partial_documents: int
     documents: int
     segments: int
+    tokens: int  # packed: `realized`, unless the selection counts trained tokens
 
 
-def plan_sources(spec: MixtureSpec, firsts: list[FirstPass], packing) -> tuple[MixturePlan, list[SourceTally]]:
+def plan_sources(
+    spec: MixtureSpec, firsts: list[FirstPass], packing, trained: list[PieceCounts] | None = None
+) -> tuple[MixturePlan, list[SourceTally]]:
     """The selection of every source (`firsts`: their lengths and untrained flags) and the plan of the
-    mixture's documents; the plan has no token starts yet (`with_row_starts`). Memory beyond the
-    sources' lengths: the selection's rows (4 bytes a selected document) and the parts' plans. Raises
-    InputError for a request beyond the copies allowed (`select_source`) or the machine's memory
-    (`check_memory`), before the parts are allocated."""
-    packable = [
-        packable_tokens(f.lengths, f.untrained, packing.max_len, packing.overflow, packing.drop_untrained) for f in firsts
-    ]
-    requested = requested_tokens(spec, [int(tokens.sum(dtype=np.int64)) for tokens in packable])
+    mixture's documents; the plan has no token starts yet (`with_row_starts`). Where documents are split
+    (--overflow split), selection cuts the last document of a subset after a piece (`select_source`'s
+    `pieces`). With `trained` (a mixture counting trained tokens: each source's `PieceCounts`), the
+    request and the selection count trained tokens. Memory beyond the sources' lengths: the selection's
+    rows (4 bytes a selected document) and the parts' plans. Raises InputError for a request beyond the
+    copies allowed (`select_source`) or the machine's memory (`check_memory`), before the parts are
+    allocated."""
+    max_len, split = packing.max_len, packing.overflow in ("split", "error")
+    packable = [packable_tokens(f.lengths, f.untrained, max_len, packing.overflow, packing.drop_untrained) for f in firsts]
+    counted = packable if trained is None else [counts.documents(tokens) for counts, tokens in zip(trained, packable)]
+    requested = requested_tokens(spec, [int(amounts.sum(dtype=np.int64)) for amounts in counted])
     selections, tallies = [], []
-    for source, tokens, asked in zip(spec.sources, packable, requested):
-        selection = select_source(source.name, tokens, asked, spec.seed, source.max_epochs)
+    for number, (source, tokens, amounts, asked) in enumerate(zip(spec.sources, packable, counted, requested)):
+        if not split:
+            pieces = None
+        elif trained is None:
+            pieces = split_pieces(tokens, max_len)
+        else:
+            pieces = trained[number].of
+        selection = select_source(source.name, amounts, asked, spec.seed, source.max_epochs, pieces)
         # Pieces of each document as packed: a split document's ceil(length / max_len), else one.
-        pieces = -(-tokens.astype(np.int64) // packing.max_len) if packing.overflow in ("split", "error") else np.minimum(tokens, 1)
+        per_document = -(-tokens.astype(np.int64) // max_len) if split else np.minimum(tokens, 1)
+        taken = selection.epochs * int(tokens[selection.eligible].sum(dtype=np.int64)) + int(tokens[selection.partial].sum(dtype=np.int64))
+        segments = selection.epochs * int(per_document[selection.eligible].sum()) + int(per_document[selection.partial].sum())
+        if selection.cut_pieces:  # the cut document's pieces left out
+            taken -= int(tokens[selection.cut_row]) - selection.cut_pieces * max_len
+            segments -= int(per_document[selection.cut_row]) - selection.cut_pieces
         tallies.append(
             SourceTally(
                 eligible_documents=len(selection.eligible),
@@ -211,25 +242,27 @@ def plan_sources(spec: MixtureSpec, firsts: list[FirstPass], packing) -> tuple[M
                 full_epochs=selection.epochs,
                 partial_documents=len(selection.partial),
                 documents=selection.documents,
-                segments=selection.epochs * int(pieces[selection.eligible].sum()) + int(pieces[selection.partial].sum()),
+                segments=segments,
+                tokens=taken,
             )
         )
         selections.append(selection)
-    del packable, pieces
+    del packable, counted, per_document
     if not any(t.documents for t in tallies):
         raise InputError("the mixture selects no document: every source was asked for no token.")
     check_memory(spec, selections)  # before the parts and their plans are allocated
     rows = np.array([len(f.lengths) for f in firsts], dtype=np.int64)
     first_rows = np.cumsum(rows) - rows
-    parts = mixture_parts(selections, first_rows, int(rows.sum()), spec.pack_within_source, spec.seed)
+    parts, cuts = mixture_parts(selections, first_rows, int(rows.sum()), spec.pack_within_source, spec.seed)
     del selections
     plan = plan_mixture(
         parts,
+        cuts,
         compact_lengths(np.concatenate([f.lengths for f in firsts])),
         np.concatenate([f.untrained for f in firsts]),
         first_rows,
         None,
-        packing.max_len,
+        max_len,
         algorithm=packing.algorithm,
         overflow=packing.overflow,
         seed=packing.seed,
@@ -271,8 +304,9 @@ def _mixture_info(
                 partial_documents=tally.partial_documents,
                 documents=tally.documents,
                 segments=tally.segments,
-                tokens=tally.realized,
-                weight_realized=tally.realized / total_tokens,
+                tokens=tally.tokens,
+                weight_realized=tally.tokens / total_tokens,
+                trained_tokens=tally.realized if spec.count == "trained" else None,
                 store=store,
             )
         )
@@ -282,4 +316,5 @@ def _mixture_info(
         seed=spec.seed,
         pack_within_source=spec.pack_within_source,
         sources=sources,
+        count="trained" if spec.count == "trained" else None,
     )

@@ -96,6 +96,7 @@ class MixturePlan:
 
 def plan_mixture(
     parts: list[np.ndarray],
+    cuts: list[dict[int, int]],
     lengths: np.ndarray,
     untrained: np.ndarray,
     first_rows: np.ndarray,
@@ -109,12 +110,17 @@ def plan_mixture(
     max_documents: int | None = None,
 ) -> MixturePlan:
     """Plan each part (the build rows of its documents, `lengths` and `untrained` indexed by build row)
-    on its own, at most `max_documents` segments a pack when given, and shuffle all their packs with `seed`."""
+    on its own, at most `max_documents` segments a pack when given, and shuffle all their packs with `seed`.
+    A document cut in a part (`cuts`: its build row → pieces kept, `mixture_parts`) is planned as its
+    first pieces, of max_len tokens each."""
     plans, rows = [], []
-    for part in parts:
+    for part, cut in zip(parts, cuts):
+        part_lengths = lengths[part]
+        for row, kept in cut.items():
+            part_lengths[np.flatnonzero(part == row)] = kept * max_len
         plans.append(
             plan_packs(
-                compact_lengths(lengths[part]),
+                compact_lengths(part_lengths),
                 max_len,
                 algorithm=algorithm,
                 overflow=overflow,

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from pydantic import ValidationError
 
-from prepack.building.mixture import MAX_COPIES, MixtureSpec, field_path, requested_tokens, select_source
+from prepack.building.mixture import MAX_COPIES, MixtureSpec, field_path, requested_tokens, select_source, split_pieces
 from prepack.errors import InputError
 from prepack.formats.mixture import mixture_fingerprint
 from prepack.formats.shards import MANIFEST_NAME, Manifest
@@ -214,22 +214,29 @@ def mixture_pack_problems(
             )
         if len(per_row) != s.rows:  # rows past the source: `source_ids` and the rows' checks said so
             continue
+        if mixture.count is not None:
+            continue  # its selection counted trained tokens, which neither the packs' lengths nor the store's give
         once = mine & (segments.copy == 0)  # a document's packable tokens: its first copy's pieces
         in_packs = np.bincount(rows[once] - s.first_row, weights=lengths[once], minlength=s.rows).astype(np.int64)
+        pieces_per_row = np.bincount(rows[mine] - s.first_row, minlength=s.rows)
         if packable is not None:
-            yield from _selection_problems(number, manifest, packable[number], per_row, "its store")
+            yield from _selection_problems(number, manifest, packable[number], per_row, pieces_per_row, "its store")
         elif s.full_epochs:  # every eligible document is in the packs
-            yield from _selection_problems(number, manifest, in_packs, per_row, "the packs")
+            yield from _selection_problems(number, manifest, in_packs, per_row, pieces_per_row, "the packs")
         else:
             for name, value in (("eligible_documents", int((per_row > 0).sum())), ("eligible_tokens", int(in_packs.sum()))):
                 if value > getattr(s, name):
                     yield _manifest(f"mixture.sources[{number}].{name}", f"is {getattr(s, name)}, but the packs hold {value} of source {s.name!r}'s.")
 
 
-def _selection_problems(number: int, manifest: Manifest, tokens: np.ndarray, per_row: np.ndarray, given: str) -> Iterator[dict]:
-    """Source `number`'s selection made again (`select_source`) from `tokens`, its documents' packable
-    tokens as `given` says them, against its counts and the copies of each document in the packs (`per_row`)."""
+def _selection_problems(
+    number: int, manifest: Manifest, tokens: np.ndarray, per_row: np.ndarray, segments_per_row: np.ndarray, given: str
+) -> Iterator[dict]:
+    """Source `number`'s selection made again (`select_source`, by pieces where documents are split) from
+    `tokens`, its documents' packable tokens as `given` says them, against its counts, the copies of each
+    document in the packs (`per_row`), and the segments there of the document it cuts (`segments_per_row`)."""
     s, seed = manifest.mixture.sources[number], manifest.mixture.seed
+    max_len, split = manifest.options.max_len, manifest.options.overflow in ("split", "error")
     where = f"mixture.sources[{number}]"
     if len(tokens) != s.rows:
         yield _manifest(f"{where}.rows", f"is {s.rows}, but {given} hold {len(tokens)} documents of source {s.name!r}.")
@@ -238,7 +245,7 @@ def _selection_problems(number: int, manifest: Manifest, tokens: np.ndarray, per
         if value != getattr(s, name):
             yield _manifest(f"{where}.{name}", f"is {getattr(s, name)}, but {given} give {value} (with max_len, overflow and drop_untrained).")
     try:
-        selection = select_source(s.name, tokens, s.requested_tokens, seed, s.max_epochs)
+        selection = select_source(s.name, tokens, s.requested_tokens, seed, s.max_epochs, split_pieces(tokens, max_len) if split else None)
     except InputError as exc:
         yield _manifest(where, f"the build would have refused it: {exc}")
         return
@@ -254,3 +261,12 @@ def _selection_problems(number: int, manifest: Manifest, tokens: np.ndarray, per
             "of its documents differ, the first "
             f"its row {row}, packed {per_row[row]} times, selected {expected[row]} times.",
         )
+    if selection.cut_pieces:
+        row = selection.cut_row
+        whole = -(-int(tokens[row]) // max_len)
+        if (want := selection.epochs * whole + selection.cut_pieces) != segments_per_row[row]:
+            yield _manifest(
+                "mixture.seed",
+                f"is {seed}, but the selection of source {s.name!r} made with it cuts its row {row} after {selection.cut_pieces} of "
+                f"its {whole} pieces in its last copy ({want} segments in all), and the packs hold {segments_per_row[row]} of it.",
+            )

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Literal
 
 import pyarrow as pa
 from pydantic import Field, model_validator
@@ -36,8 +37,19 @@ class SourceCounts(StrictModel):
     partial_documents: int = Field(ge=0, le=COUNT_MAX, description="Documents of the seeded subset taken once more.")
     documents: int = Field(ge=0, le=COUNT_MAX, description="Documents packed: full_epochs x eligible_documents + partial_documents.")
     segments: int = Field(ge=0, le=COUNT_MAX, description="Segments packed (documents, split ones counted per piece).")
-    tokens: int = Field(ge=0, le=COUNT_MAX, description="Tokens packed: within one document of requested_tokens.")
+    tokens: int = Field(
+        ge=0,
+        le=COUNT_MAX,
+        description="Tokens packed: within one document of requested_tokens (one piece, with overflow split), where the mixture counts tokens.",
+    )
     weight_realized: float = Field(ge=0, le=1, description="tokens / totals.tokens.")
+    trained_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        le=COUNT_MAX,
+        description="Where the mixture counts trained tokens (`count`): those packed, within one document (one piece, "
+        "with overflow split) of requested_tokens; absent otherwise.",
+    )
     store: str | None = Field(
         default=None,
         description="An index build's: the source's document store, relative to the build ('../' and a path "
@@ -52,11 +64,18 @@ class MixtureInfo(StrictModel):
     seed: int = Field(ge=0, le=COUNT_MAX, description="Seed of the document selection.")
     pack_within_source: bool = Field(description="Whether each pack holds documents of one source only.")
     sources: list[SourceCounts] = Field(min_length=1, max_length=2**16 - 1)
+    count: Literal["trained"] | None = Field(
+        default=None,
+        description="'trained': the budget, weights, epochs, eligible_tokens and requested_tokens count trained tokens "
+        "(labels other than -100; a segment's first token never); absent: every token.",
+    )
 
     @model_validator(mode="after")
     def _all_stores_or_none(self) -> MixtureInfo:
         if len({source.store is None for source in self.sources}) > 1:
             raise ValueError("either every source names its store (an index build) or none does")
+        if any((source.trained_tokens is None) != (self.count is None) for source in self.sources):
+            raise ValueError("every source gives trained_tokens where the mixture counts trained tokens, and none does otherwise")
         return self
 
     @property

@@ -386,6 +386,8 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     # A full build's manifest has no `store` key at all, so its bytes are those of before index builds;
     # likewise no `mixture` key outside a mixture, and no `pairs` keys outside a preference-pair build.
     exclude: dict = {name: True for name in ("store", "mixture", "pairs") if getattr(manifest, name) is None}
+    if manifest.mixture is not None and manifest.mixture.count is None:  # a mixture counting every token: as before
+        exclude["mixture"] = {"count": True, "sources": {"__all__": {"trained_tokens": True}}}
     # Likewise no `options.max_docs_per_pack` key in a build without a cap.
     unset = {name: True for name in ("pairs", "max_docs_per_pack") if getattr(manifest.options, name) is None}
     if unset:

@@ -321,6 +321,10 @@ def test_the_flags_parse_into_the_files_spec(tmp_path):
     assert mixture.base == str(Path.cwd())
     assert mixture_flags(None, ["a=x"], None, None, False).spec == load_mixture_text("sources:\n  - {name: a, path: x}\n", directory=tmp_path)
     assert mixture_flags("corpus.parquet", [], None, None, False) is None
+    counted = mixture_flags(None, ["a=x:1"], "10", None, False, "trained").spec
+    assert counted == load_mixture_text("tokens: 10\ncount: trained\nsources:\n  - {name: a, path: x, weight: 1}\n", directory=tmp_path)
+    with pytest.raises(InputError, match="--mix-count: Input should be 'tokens' or 'trained'"):
+        mixture_flags(None, ["a=x:1"], "10", None, False, "labels")
 
 
 @pytest.mark.parametrize(
@@ -442,3 +446,102 @@ def test_a_request_beyond_memory_is_refused_with_its_numbers():
     message = str(refused.value)
     assert "source 'a'" in message and "10,000,000 documents" in message and "10,000,000 bytes of memory" in message
     assert "100,000,000 tokens" in message and "its 10,000 packable tokens" in message
+
+
+def _segment_values(lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each document's pieces under --overflow split: (offsets per document, tokens per piece)."""
+    pieces = -(-lengths // max_len)
+    offsets = np.concatenate([[0], np.cumsum(pieces)])
+    values = np.concatenate([[min(max_len, n - j * max_len) for j in range(p)] for n, p in zip(lengths, pieces)] or [np.zeros(0, np.int64)])
+    return offsets, np.asarray(values, dtype=np.int64)
+
+
+@given(
+    lengths=st.lists(st.integers(0, 3000), min_size=1, max_size=30),
+    max_len=st.integers(16, 512),
+    share=st.floats(0.0, 3.0, allow_nan=False),
+    seed=st.integers(0, 2**32),
+    trained=st.booleans(),
+)
+@settings(max_examples=150, deadline=None)
+def test_split_selection_is_within_one_piece_of_the_request(lengths, max_len, share, seed, trained):
+    """With --overflow split, the document at the subset's boundary is cut at a piece boundary: the realized
+    amount (tokens, or trained tokens per piece) is within one piece of the request, not one document."""
+    tokens = np.array(lengths, dtype=np.int64)
+    offsets, values = _segment_values(tokens, max_len)
+    if trained:  # a piece's trained tokens: fewer than its tokens (its first token is never trained), some none
+        values = np.maximum(values - 1 - (np.arange(len(values)) % 3 == 0) * values // 2, 0)
+    per_document = np.bincount(np.repeat(np.arange(len(tokens)), np.diff(offsets)), weights=values, minlength=len(tokens)).astype(np.int64)
+    available = int(per_document.sum())
+    assume(available > 0)
+    requested = round(share * available)
+    selection = select_source("s", per_document, requested, seed, pieces=lambda row: values[offsets[row] : offsets[row + 1]])
+    counted = selection.epochs * available + int(per_document[selection.partial].sum())
+    if selection.cut_pieces:
+        row = selection.cut_row
+        assert row in selection.partial.tolist() and 0 < selection.cut_pieces < offsets[row + 1] - offsets[row]
+        counted -= int(values[offsets[row] + selection.cut_pieces : offsets[row + 1]].sum())
+    assert selection.realized == counted
+    assert abs(selection.realized - requested) <= int(values.max())  # within one piece
+    assert selection.epochs == requested // available
+
+
+@pytest.fixture(scope="module")
+def plays(tmp_path_factory) -> Path:
+    """Short summaries beside long plays (labels: a prompt of -100, then trained), plays also as a store."""
+    from tests.corpus import corpus_table, write_corpus
+
+    root = tmp_path_factory.mktemp("plays")
+    rng = np.random.default_rng(11)
+    for name, count, low, high in (("summaries", 300, 20, 120), ("plays", 12, 1500, 4000)):
+        docs = [rng.integers(1, 500, size=rng.integers(low, high)).tolist() for _ in range(count)]
+        labels = [[-100] * (len(d) // 3) + d[len(d) // 3 :] for d in docs]
+        write_corpus(root / f"{name}.parquet", corpus_table(docs, labels))
+    prepack.build_store(root / "summaries.parquet", root / "summaries-store")
+    prepack.build_store(root / "plays.parquet", root / "plays-store")
+    return root
+
+
+def _plays_mixture(root: Path, count: str, stores: bool = False) -> Path:
+    suffix = "-store" if stores else ".parquet"
+    path = root / f"plays-{count}{'-stores' if stores else ''}.yaml"
+    path.write_text(
+        f"tokens: 40000\nseed: 5\ncount: {count}\nsources:\n"
+        f"  - {{name: summaries, path: summaries{suffix}, weight: 0.8}}\n"
+        f"  - {{name: plays, path: plays{suffix}, weight: 0.2}}\n"
+    )
+    return path
+
+
+def _trained_in_packs(packs: list[dict], manifest: dict) -> list[int]:
+    """Each source's trained tokens in the packs: labels other than -100, a segment's first token never."""
+    trained = [0] * len(manifest["mixture"]["sources"])
+    for pack in packs:
+        cu = pack["cu_seqlens"]
+        for d, source in enumerate(pack["source_ids"]):
+            trained[source] += sum(1 for label in pack["labels"][cu[d] + 1 : cu[d + 1]] if label != -100)
+    return trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("count", ["tokens", "trained"])
+def test_a_split_mixture_of_plays_realizes_its_shares_within_one_piece(plays, tmp_path, count):
+    """The issue's case: a 0.2 share of plays (one play ~3 % of the budget) lands within one piece of
+    its request, counted in tokens or in trained tokens; `verify` passes on the full and the index build."""
+    from prepack.check.verify import verify_build
+
+    max_len = 256
+    manifest = prepack.build(_plays_mixture(plays, count), tmp_path / "full", max_len=max_len)
+    on_disk, packs = read_build(tmp_path / "full")
+    realized = _trained_in_packs(packs, on_disk) if count == "trained" else [s.tokens for s in manifest.mixture.sources]
+    for source, got in zip(manifest.mixture.sources, realized):
+        assert abs(got - source.requested_tokens) <= max_len, (source.name, got, source.requested_tokens)
+        assert (source.trained_tokens == got) if count == "trained" else source.trained_tokens is None
+    plays_source = manifest.mixture.sources[1]
+    assert plays_source.full_epochs == 0 and plays_source.partial_documents < 12  # a subset of plays, one of them cut
+    assert verify_build(tmp_path / "full", all_problems=True) == []
+    if count == "tokens":
+        assert "count" not in on_disk["mixture"] and "trained_tokens" not in on_disk["mixture"]["sources"][0]
+    index = prepack.build(_plays_mixture(plays, count, stores=True), plays / f"index-{count}", max_len=max_len, index_only=True)
+    assert [s.tokens for s in index.mixture.sources] == [s.tokens for s in manifest.mixture.sources]
+    assert verify_build(plays / f"index-{count}", all_problems=True) == []

@@ -13,7 +13,7 @@ shard by shard as its documents are read (`StoreShardWriter`), with no scratch f
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,7 +36,10 @@ from prepack.storage.files import write_in_pieces
 if TYPE_CHECKING:  # rich for annotations only: a build without progress bars does not import it
     from rich.progress import Progress
 
-__all__ = ["LocalEngine"]
+__all__ = ["LocalEngine", "Observer"]
+
+# What a first pass may show each batch to: its token offsets and labels (None without labels).
+Observer = Callable[[np.ndarray, np.ndarray | None], None]
 
 # Shards written at once; each writer holds one shard's columns in memory. The gathering, hashing and
 # writing of a shard all release the GIL: on the benchmark machine (2 cores), before shards were
@@ -50,6 +53,7 @@ def _store_documents(
     batches: Iterator[DocumentBatch],
     scratch: Path,
     progress: Progress,
+    observe: Observer | None = None,
 ) -> FirstPass:
     rows_per_file = {path: 0 for path in corpus.files}
     lengths, untrained = [], []
@@ -76,6 +80,8 @@ def _store_documents(
         stored = None
         for batch in batches:
             batch_lengths = np.diff(batch.offsets)
+            if observe is not None:
+                observe(batch.offsets, batch.labels)
             lengths.append(compact_lengths(batch_lengths))  # int64 would be 8 bytes a document
             untrained.append(untrained_documents(batch.offsets, batch.labels))
             rows_per_file[batch.file] += len(batch_lengths)
@@ -98,7 +104,7 @@ def _store_documents(
     )
 
 
-def _index_documents(store: Store, progress: Progress) -> FirstPass:
+def _index_documents(store: Store, progress: Progress, observe: Observer | None = None) -> FirstPass:
     """An index build's first pass: what `_store_documents` keeps, from the store's offsets and labels
     alone (`Store.shard_lengths`: no token copied, no shard hashed), and the fingerprint the store
     manifest records (the same `Fingerprint` of the same documents, computed when the store was
@@ -108,6 +114,9 @@ def _index_documents(store: Store, progress: Progress) -> FirstPass:
     without_numba = plan_vectorized.scans(m.tokens)  # a small store's labels are read in numpy: no kernel
     task = progress.add_task("read", total=len(m.shards), unit="shards")
     for shard in m.shards:
+        if observe is not None:  # it reads every label: the shard's columns, checked whole
+            offsets, _, labels = store.shard_columns(shard)
+            observe(offsets, labels)
         shard_lengths, shard_untrained = store.shard_lengths(shard, without_numba)
         lengths.append(compact_lengths(shard_lengths))
         untrained.append(shard_untrained)
@@ -162,10 +171,11 @@ class LocalEngine:
     def __init__(self, staging: Staging, index_only: bool = False) -> None:
         self.staging, self.index_only = staging, index_only
 
-    def first_pass(self, documents: Documents, reading: Reading, progress: Progress) -> FirstPass:
+    def first_pass(self, documents: Documents, reading: Reading, progress: Progress, observe: Observer | None = None) -> FirstPass:
+        """`Engine.first_pass`; `observe` is given every batch's (offsets, labels) in row order, when given."""
         if self.index_only:
-            return _index_documents(documents.store, progress)
-        return _store_documents(documents.corpus, documents.has_labels, documents.batches, self.staging.scratch, progress)
+            return _index_documents(documents.store, progress, observe)
+        return _store_documents(documents.corpus, documents.has_labels, documents.batches, self.staging.scratch, progress, observe)
 
     def write_packs(self, plan: PackingPlan, first: FirstPass, shard_size: int, progress: Progress) -> list[ShardInfo]:
         index_of = IndexOf(len(first.lengths), first.fingerprint) if self.index_only else None
