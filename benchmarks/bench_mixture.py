@@ -77,7 +77,7 @@ def synthetic_child(n: int, lengths_file: Path, peer: bool) -> dict:
     })
     packing = SimpleNamespace(max_len=MAX_LEN, overflow="split", drop_untrained=False, algorithm="ffd", seed=0)
     before, start = status_kib("VmRSS"), time.perf_counter()
-    plan, tallies = plan_sources(spec, firsts, packing)
+    plan, tallies, _ = plan_sources(spec, firsts, packing)
     seconds, peak, totals = time.perf_counter() - start, status_kib("VmHWM"), plan.totals()
     every = np.concatenate([f.lengths for f in firsts])
     np.save(lengths_file, compact_lengths(np.concatenate([every[rows] for rows in plan.rows])))

@@ -1,10 +1,12 @@
 """`prepack build MIX.yaml` (or `--source` flags): a build from a mixture (`prepack.building.mixture`).
 
 Each source is read as `build` reads a corpus or a store (`open_documents`, the same reading options
-for every corpus source) and its first pass kept in a scratch directory of its own
-(`LocalEngine.first_pass`); then the selection (`select_source`) and the plan (`plan_mixture`) are
-computed from the sources' lengths, and the packs written by the local engine as for any build, from
-the sources' token files laid back to back. With `--index-only` every source is a store beside the
+for every corpus source), twice: first for its lengths alone (`LocalEngine.read_lengths`: a store's
+offsets, a corpus read and hashed, no token kept); then the selection (`select_source`) and the plan
+(`plan_mixture`) are computed from the sources' lengths; then each source is read again and only its
+selected documents' tokens copied into a scratch directory of its own (`LocalEngine.write_selected`),
+so that scratch disk follows what is selected, not the sources' size; and the packs are written by
+the local engine as for any build, from the sources' token files laid back to back. With `--index-only` every source is a store beside the
 build: the first passes read only the stores' offsets, the shards hold the plan, and the manifest
 names each source's store (`prepack.sources.mixture_stores` reads them back as one). The manifest's `inputs` are every source's files, named
 `SOURCE/FILE`, in source order, and a pack's `source_rows` count over them (so a source's rows start
@@ -33,6 +35,7 @@ from prepack.building.mixture import (
     Mixture,
     MixtureSpec,
     PieceCounts,
+    SourceSelection,
     check_memory,
     mixture_parts,
     packable_tokens,
@@ -79,17 +82,11 @@ def _tokenizer_check(spec: MixtureSpec, documents: list[Documents]) -> None:
         )
 
 
-def _label_files(firsts: list[FirstPass]) -> TokenFiles | None:
+def _label_files(firsts: list[FirstPass], token_firsts: np.ndarray) -> TokenFiles | None:
     """The sources' labels back to back: a source without labels is trained on every token."""
     if not any(first.has_labels for first in firsts):
         return None
-    paths = tuple((first.labels or first.tokens).paths[0] for first in firsts)
-    return TokenFiles(paths, _token_firsts(firsts))
-
-
-def _token_firsts(firsts: list[FirstPass]) -> np.ndarray:
-    tokens = [int(first.lengths.sum(dtype=np.int64)) for first in firsts]
-    return np.concatenate([[0], np.cumsum(tokens)[:-1]]).astype(np.int64)
+    return TokenFiles(tuple((first.labels or first.tokens).paths[0] for first in firsts), token_firsts)
 
 
 def build_mixture(
@@ -110,7 +107,7 @@ def build_mixture(
     _check_options(mixture.origin, out, packing, output)
     max_len, index_only = packing.max_len, packing.index_only
     with ExitStack() as stack:
-        documents, store_paths = [], []
+        documents, store_paths, inputs = [], [], []
         for source in spec.sources:
             location = source_location(mixture, source)
             if index_only and (is_uri(location) or not is_store(location)):
@@ -120,22 +117,33 @@ def build_mixture(
                 )
             store_paths.append(index_store_path(location, out) if index_only else None)  # refuses a store the build cannot name
             given = stack.enter_context(local_input(location))
+            inputs.append(given)
             documents.append(open_documents(given.spec, reading, out, bar, given.location))
         _tokenizer_check(spec, documents)
         staged = staged_prefix if is_uri(out) else staged_directory
         staging = stack.enter_context(staged(out, output.overwrite))
-        firsts, trained = [], [] if spec.count == "trained" else None
+        firsts, engines, trained = [], [], [] if spec.count == "trained" else None
         for number, (source, docs) in enumerate(zip(spec.sources, documents)):
             scratch = staging.scratch / f"source-{number:05d}"
             scratch.mkdir()
             counts: list[tuple[np.ndarray, np.ndarray]] = []
             observe = None if trained is None else lambda offsets, labels: counts.append(trained_segments(offsets, labels, max_len, packing.overflow))
-            first = LocalEngine(Staging(staging.build, scratch), index_only).first_pass(docs, reading, bar, observe)
+            engines.append(LocalEngine(Staging(staging.build, scratch)))
+            first = engines[-1].read_lengths(docs, bar, observe)  # no token kept yet: the selection is not known
             _check_lengths(source.name, docs, first, max_len, packing.overflow)
             firsts.append(first)
             if trained is not None:
                 trained.append(_piece_counts(counts))
-        plan, tallies = plan_sources(spec, firsts, packing, trained)
+        plan, tallies, kept = plan_sources(spec, firsts, packing, trained)
+        if not index_only:  # the second pass: each source's selected documents' tokens into its scratch
+            firsts = [
+                engine.write_selected(open_documents(given.spec, reading, out, bar, given.location), first, keep, bar)
+                for engine, given, first, keep in zip(engines, inputs, firsts, kept)
+            ]
+            plan = with_row_starts(plan, firsts, kept)
+            selected = [int(first.lengths[keep].sum(dtype=np.int64)) for first, keep in zip(firsts, kept)]
+            token_firsts = np.cumsum([0, *selected[:-1]], dtype=np.int64)  # each source's scratch file among them all
+        del kept
         has_labels = any(first.has_labels for first in firsts)
         whole = FirstPass(
             lengths=np.concatenate([first.lengths for first in firsts]),
@@ -143,11 +151,9 @@ def build_mixture(
             rows_per_file=[],
             fingerprint=mixture_fingerprint([first.fingerprint for first in firsts]),
             has_labels=has_labels,
-            tokens=None if index_only else TokenFiles(tuple(first.tokens.paths[0] for first in firsts), _token_firsts(firsts)),
-            labels=None if index_only else _label_files(firsts),
+            tokens=None if index_only else TokenFiles(tuple(first.tokens.paths[0] for first in firsts), token_firsts),
+            labels=None if index_only else _label_files(firsts, token_firsts),
         )
-        if not index_only:
-            plan = with_row_starts(plan, firsts)
         shards = LocalEngine(staging, index_only).write_packs(plan, whole, output.shard_size, bar)
         totals = plan.totals()
         manifest = Manifest(
@@ -204,9 +210,10 @@ class SourceTally:
 
 def plan_sources(
     spec: MixtureSpec, firsts: list[FirstPass], packing, trained: list[PieceCounts] | None = None
-) -> tuple[MixturePlan, list[SourceTally]]:
+) -> tuple[MixturePlan, list[SourceTally], list[np.ndarray]]:
     """The selection of every source (`firsts`: their lengths and untrained flags) and the plan of the
-    mixture's documents; the plan has no token starts yet (`with_row_starts`). Where documents are split
+    mixture's documents, and which rows of each source it packs (bool); the plan has no token starts yet
+    (`with_row_starts`). Where documents are split
     (--overflow split), selection cuts the last document of a subset after a piece (`select_source`'s
     `pieces`). With `trained` (a mixture counting trained tokens: each source's `PieceCounts`), the
     request and the selection count trained tokens. Memory beyond the sources' lengths: the selection's
@@ -254,6 +261,7 @@ def plan_sources(
     rows = np.array([len(f.lengths) for f in firsts], dtype=np.int64)
     first_rows = np.cumsum(rows) - rows
     parts, cuts = mixture_parts(selections, first_rows, int(rows.sum()), spec.pack_within_source, spec.seed)
+    kept = [_selected_rows(s, len(f.lengths)) for s, f in zip(selections, firsts)]
     del selections
     plan = plan_mixture(
         parts,
@@ -269,13 +277,21 @@ def plan_sources(
         drop_untrained=packing.drop_untrained,
         max_documents=packing.max_docs_per_pack,
     )
-    return plan, tallies
+    return plan, tallies, kept
 
 
-def with_row_starts(plan: MixturePlan, firsts: list[FirstPass]) -> MixturePlan:
-    """`plan` with every row's first token in the sources' token files laid back to back (8 bytes a
-    source document, held while shards are written)."""
-    lengths = np.concatenate([f.lengths for f in firsts]).astype(np.int64)
+def _selected_rows(selection: SourceSelection, rows: int) -> np.ndarray:
+    """Which of a source's `rows` its selection packs at least once (bool)."""
+    selected = np.zeros(rows, dtype=bool)
+    selected[selection.eligible if selection.epochs else selection.partial] = True
+    return selected
+
+
+def with_row_starts(plan: MixturePlan, firsts: list[FirstPass], kept: list[np.ndarray]) -> MixturePlan:
+    """`plan` with every row's first token in the sources' scratch files laid back to back, where each
+    source's file holds the rows it `kept` (8 bytes a source document, held while shards are written).
+    A row kept by none starts where the next kept one does: no pack holds it."""
+    lengths = np.concatenate([np.where(keep, f.lengths, 0) for f, keep in zip(firsts, kept)]).astype(np.int64)
     return replace(plan, row_starts=np.cumsum(lengths) - lengths)
 
 

@@ -545,3 +545,59 @@ def test_a_split_mixture_of_plays_realizes_its_shares_within_one_piece(plays, tm
     index = prepack.build(_plays_mixture(plays, count, stores=True), plays / f"index-{count}", max_len=max_len, index_only=True)
     assert [s.tokens for s in index.mixture.sources] == [s.tokens for s in manifest.mixture.sources]
     assert verify_build(plays / f"index-{count}", all_problems=True) == []
+
+
+def test_the_scratch_holds_only_the_selected_documents(plays, tmp_path, monkeypatch):
+    """Sources are read for their lengths first, and only their selected documents' tokens are copied to
+    scratch: its bytes follow the selection (a sixth of a corpus, a few plays of a store), not the sources."""
+    from prepack.building.engines.local import LocalEngine
+
+    scratch = {}
+    write_packs = LocalEngine.write_packs
+
+    def measured(self, plan, first, shard_size, progress):
+        scratch.update({path.parent.name: path.stat().st_size for path in first.tokens.paths})
+        return write_packs(self, plan, first, shard_size, progress)
+
+    monkeypatch.setattr(LocalEngine, "write_packs", measured)
+    mixture = tmp_path / "small.yaml"
+    mixture.write_text(
+        "tokens: 4000\nsources:\n  - {name: summaries, path: " + str(plays / "summaries.parquet") + ", weight: 0.9}\n"
+        "  - {name: plays, path: " + str(plays / "plays-store") + ", weight: 0.1}\n"
+    )
+    manifest = prepack.build(mixture, tmp_path / "out", max_len=256)
+    on_disk, packs = read_build(tmp_path / "out")
+    for number, source in enumerate(manifest.mixture.sources):
+        assert source.full_epochs == 0
+        rows = {row for pack in packs for row, s in zip(pack["source_rows"], pack["source_ids"]) if s == number}
+        whole_tokens = source.eligible_tokens
+        selected_tokens = sum(len(d) for d in _documents_of(plays, source.name, [row - source.first_row for row in rows]))
+        assert scratch[f"source-{number:05d}"] == 4 * selected_tokens < 4 * whole_tokens / 3
+
+
+def _documents_of(root: Path, name: str, rows: list[int]) -> list[list[int]]:
+    import pyarrow.parquet as pq
+
+    column = pq.read_table(root / f"{name}.parquet", columns=["input_ids"]).column("input_ids").to_pylist()
+    return [column[row] for row in rows]
+
+
+def test_a_corpus_that_changes_between_the_two_reads_is_refused(plays, tmp_path, monkeypatch):
+    from prepack.building.engines.local import LocalEngine
+    from tests.corpus import corpus_table, write_corpus
+
+    corpus = tmp_path / "changing.parquet"
+    write_corpus(corpus, corpus_table([[1, 2, 3], [4, 5, 6, 7]]))
+    read_lengths = LocalEngine.read_lengths
+
+    def then_changed(self, documents, progress, observe=None):
+        first = read_lengths(self, documents, progress, observe)
+        write_corpus(corpus, corpus_table([[1, 2, 3], [4, 5, 6, 8]]))  # the same lengths, another token
+        return first
+
+    monkeypatch.setattr(LocalEngine, "read_lengths", then_changed)
+    mixture = tmp_path / "changing.yaml"
+    mixture.write_text(f"sources:\n  - {{name: a, path: {corpus}}}\n")
+    with pytest.raises(InputError, match="read a second time, the corpus gives other documents"):
+        prepack.build(mixture, tmp_path / "out", max_len=16)
+    assert not (tmp_path / "out").exists()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +24,7 @@ import numpy as np
 
 from prepack.sources.documents import Documents, Reading
 from prepack.building.engines.base import FirstPass, WrittenStore, pack_shard_bounds
+from prepack.errors import InputError
 from prepack.formats.common import Fingerprint
 from prepack.formats.shards import IndexOf, ShardInfo
 from prepack.storage.output import Staging, output_errors, output_file
@@ -51,33 +54,43 @@ def _store_documents(
     corpus: Corpus,
     has_labels: bool,
     batches: Iterator[DocumentBatch],
-    scratch: Path,
+    scratch: Path | None,
     progress: Progress,
     observe: Observer | None = None,
+    keep: np.ndarray | None = None,
 ) -> FirstPass:
+    """Read the documents of `batches` once: their lengths, untrained flags and fingerprint, and their
+    tokens (and labels) copied into `scratch` back to back; with `keep` (bool, one per row), only the
+    rows it keeps; with no `scratch`, none (`tokens` None)."""
     rows_per_file = {path: 0 for path in corpus.files}
     lengths, untrained = [], []
     fingerprint = Fingerprint()
     task = progress.add_task("read", total=len(corpus.files), unit="files")
     done_files: set[Path] = set()
-    ids_path, labels_path = scratch / "ids.bin", scratch / "labels.bin"
+    ids_path, labels_path = (None, None) if scratch is None else (scratch / "ids.bin", scratch / "labels.bin")
     with (
-        output_file(ids_path) as ids_file,
-        output_file(labels_path) as labels_file,
+        output_file(ids_path) if scratch is not None else nullcontext() as ids_file,
+        output_file(labels_path) if scratch is not None else nullcontext() as labels_file,
         # hashlib and file writes release the GIL: a second thread hashes and stores each batch while
         # this one decodes and checks the next (pyarrow releases it too).
         ThreadPoolExecutor(1) as worker,
     ):
 
-        def store(batch: DocumentBatch, batch_lengths: np.ndarray) -> None:
+        def store(batch: DocumentBatch, batch_lengths: np.ndarray, kept: np.ndarray | None) -> None:
             fingerprint.update(batch_lengths, batch.ids, batch.labels)
+            if scratch is None:
+                return
+            ids, labels = batch.ids, batch.labels
+            if kept is not None and not kept.all():
+                tokens = np.repeat(kept, batch_lengths)
+                ids, labels = ids[tokens], None if labels is None else labels[tokens]
             with output_errors(ids_path):
-                write_in_pieces(ids_file, batch.ids.data)
-            if batch.labels is not None:
+                write_in_pieces(ids_file, ids.data)
+            if labels is not None:
                 with output_errors(labels_path):
-                    write_in_pieces(labels_file, batch.labels.data)
+                    write_in_pieces(labels_file, labels.data)
 
-        stored = None
+        stored, row = None, 0
         for batch in batches:
             batch_lengths = np.diff(batch.offsets)
             if observe is not None:
@@ -87,7 +100,9 @@ def _store_documents(
             rows_per_file[batch.file] += len(batch_lengths)
             if stored is not None:
                 stored.result()  # one batch in flight, so memory holds two batches at most
-            stored = worker.submit(store, batch, batch_lengths)
+            kept = None if keep is None else keep[row : row + len(batch_lengths)]
+            stored = worker.submit(store, batch, batch_lengths, kept)
+            row += len(batch_lengths)
             done_files.add(batch.file)
             progress.update(task, completed=len(done_files) - 1, description=f"read {batch.file.name}")
         if stored is not None:
@@ -99,9 +114,31 @@ def _store_documents(
         rows_per_file=[rows_per_file[path] for path in corpus.files],
         fingerprint=fingerprint.hexdigest(),
         has_labels=has_labels,
-        tokens=TokenFiles.single(ids_path),
-        labels=TokenFiles.single(labels_path) if has_labels else None,
+        tokens=None if scratch is None else TokenFiles.single(ids_path),
+        labels=TokenFiles.single(labels_path) if has_labels and scratch is not None else None,
     )
+
+
+def _stored_rows(store: Store, keep: np.ndarray, scratch: Path, progress: Progress) -> tuple[TokenFiles, TokenFiles | None]:
+    """The tokens (and labels) of the store's documents that `keep` keeps (bool, one per document),
+    copied into `scratch` back to back, read from the shards that hold any (each checked whole:
+    `Store.shard_columns`)."""
+    ids_path, labels_path = scratch / "ids.bin", scratch / "labels.bin"
+    ends = np.cumsum([shard.documents for shard in store.manifest.shards])
+    task = progress.add_task("select", total=len(ends), unit="shards")
+    with output_file(ids_path) as ids_file, output_file(labels_path) as labels_file:
+        for shard, end, kept in zip(store.manifest.shards, ends, np.split(keep, ends[:-1])):
+            progress.advance(task)
+            if not kept.any():
+                continue
+            offsets, ids, labels = store.shard_columns(shard)
+            tokens = np.repeat(kept, np.diff(offsets))
+            with output_errors(ids_path):
+                write_in_pieces(ids_file, ids[offsets[0] : offsets[-1]][tokens].data)
+            if labels is not None:
+                with output_errors(labels_path):
+                    write_in_pieces(labels_file, labels[offsets[0] : offsets[-1]][tokens].data)
+    return TokenFiles.single(ids_path), TokenFiles.single(labels_path) if store.manifest.has_labels else None
 
 
 def _index_documents(store: Store, progress: Progress, observe: Observer | None = None) -> FirstPass:
@@ -176,6 +213,29 @@ class LocalEngine:
         if self.index_only:
             return _index_documents(documents.store, progress, observe)
         return _store_documents(documents.corpus, documents.has_labels, documents.batches, self.staging.scratch, progress, observe)
+
+    def read_lengths(self, documents: Documents, progress: Progress, observe: Observer | None = None) -> FirstPass:
+        """What `first_pass` hands back, its tokens copied nowhere (`tokens` None): a store's from its offsets
+        and labels alone (`_index_documents`), a corpus's read whole (and tokenized). A mixture's first pass."""
+        if documents.store is not None:
+            return _index_documents(documents.store, progress, observe)
+        return _store_documents(documents.corpus, documents.has_labels, documents.batches, None, progress, observe)
+
+    def write_selected(self, documents: Documents, first: FirstPass, keep: np.ndarray, progress: Progress) -> FirstPass:
+        """`first` (from `read_lengths` of the same documents, opened again as `documents`) with the tokens of
+        the rows that `keep` keeps (bool, one per row) copied into the scratch directory, back to back: a
+        mixture's second pass, whose scratch holds what it selected. A corpus is read (and tokenized) again,
+        and refused (InputError) unless it gives the documents of the first pass (its fingerprint)."""
+        if documents.store is not None:
+            tokens, labels = _stored_rows(documents.store, keep, self.staging.scratch, progress)
+            return replace(first, tokens=tokens, labels=labels)
+        again = _store_documents(documents.corpus, documents.has_labels, documents.batches, self.staging.scratch, progress, keep=keep)
+        if again.fingerprint != first.fingerprint or len(again.lengths) != len(first.lengths):
+            raise InputError(
+                f"{documents.corpus.root}: read a second time, the corpus gives other documents "
+                f"(fingerprint {again.fingerprint[:12]}, first {first.fingerprint[:12]}): it changed while the build ran."
+            )
+        return replace(first, tokens=again.tokens, labels=again.labels)
 
     def write_packs(self, plan: PackingPlan, first: FirstPass, shard_size: int, progress: Progress) -> list[ShardInfo]:
         index_of = IndexOf(len(first.lengths), first.fingerprint) if self.index_only else None
