@@ -296,7 +296,7 @@ def build_packs(
         with progress_bars(output.progress, output.console) as bar:
             return build_mixture(mixture, out, reading, packing, output, bar, _store_path)
     if reading.pairs:
-        _check_pair_options(packing, output)
+        _check_pair_options(packing)
     with progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if index_only and not is_store(source.spec):
             raise InputError(
@@ -377,7 +377,7 @@ def build_packs(
     return manifest
 
 
-def _check_pair_options(packing: Packing, output: Output) -> None:
+def _check_pair_options(packing: Packing) -> None:
     """Refuse, before anything is read, the options a preference-pair build cannot honour."""
     if packing.overflow == "split":
         raise InputError(
@@ -388,8 +388,6 @@ def _check_pair_options(packing: Packing, output: Output) -> None:
         raise InputError("--drop-untrained would break pairs apart: leave it out with --pairs.")
     if packing.max_docs_per_pack == 1:
         raise InputError("--max-docs-per-pack 1 leaves no room for a pair's two documents: give 2 or more with --pairs.")
-    if output.engine != "local":
-        raise InputError("--pairs builds run on the local engine: leave out --engine ray.")
 
 
 def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> PairPlan:

@@ -224,6 +224,10 @@ class PairDocuments:
         """int64, one per pair read so far, in corpus order."""
         return np.concatenate(self._prompt_lengths) if self._prompt_lengths else np.empty(0, np.int64)
 
+    def add_prompt_lengths(self, lengths: np.ndarray) -> None:
+        """Record the prompt lengths of the next pairs, read elsewhere (`--engine ray`'s tasks), in corpus order."""
+        self._prompt_lengths.append(np.asarray(lengths, dtype=np.int64))
+
     def latest_prompt_lengths(self) -> np.ndarray:
         """The prompt lengths of the pairs of the batch yielded last (whose documents are its pairs')."""
         return self._prompt_lengths[-1]

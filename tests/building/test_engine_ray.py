@@ -125,6 +125,23 @@ def test_a_tokenized_corpus_builds_and_stores_the_same_bytes(tmp_path, local_ray
 
 
 @pytest.mark.slow
+def test_preference_pairs_build_the_same_bytes(tmp_path, local_ray, gpt2):
+    """Pairs read and tokenized by a task per file, their prompt lengths gathered on the driver in corpus order."""
+    turns = [t for t in chitchat() if len(t) >= 2 and len(t[0]) < 50][:90]  # prompts short enough to cut around
+    corpus = tmp_path / "pairs"
+    corpus.mkdir()
+    for part in range(3):
+        rows = turns[part * 30 : (part + 1) * 30]
+        lines = [json.dumps({"prompt": f"Q: {t[0]} A:", "chosen": f" {t[1]}", "rejected": " no idea"}) for t in rows]
+        (corpus / f"{part}.jsonl").write_text("\n".join(lines) + "\n")
+    options = {"max_len": 40, "tokenizer": gpt2, "pairs": True, "overflow": "truncate", "shard_size": 4_000, "seed": 1}
+    local = build(corpus, tmp_path / "local", num_proc=1, **options)
+    on_ray = build(corpus, tmp_path / "ray", engine="ray", **options)
+    assert on_ray == local and len(local.shards) > 1 and local.pairs.truncated > 0
+    _same(tmp_path / "local", tmp_path / "ray")
+
+
+@pytest.mark.slow
 def test_workers_serving_a_second_build_read_the_tokenizer_files_as_they_are_now(tmp_path, local_ray, gpt2):
     corpus = _conversations(tmp_path / "c", "text", parts=2, per_part=50)
     tokenizer = Path(shutil.copytree(gpt2, tmp_path / "tok"))

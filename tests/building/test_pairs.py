@@ -277,7 +277,6 @@ def test_pair_options_are_refused_where_they_mean_nothing(tmp_path, gpt2):
         ({"prompt_column": "question"}, "add --pairs"),
         ({"pairs": True, "overflow": "drop", "train_on": "all"}, "leave out --train-on"),
         ({"pairs": True, "overflow": "drop", "drop_untrained": True}, "--drop-untrained would break pairs"),
-        ({"pairs": True, "overflow": "drop", "engine": "ray"}, "run on the local engine"),
     ):
         with pytest.raises(InputError, match=says):
             prepack.build(corpus, tmp_path / "out", max_len=64, tokenizer=gpt2, **options)

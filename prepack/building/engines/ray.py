@@ -142,6 +142,7 @@ def _scratch_file(location: Path | str, directory: Path) -> Path:
 class _UnitRead:
     lengths: np.ndarray  # `compact_lengths`, one per document of the unit
     untrained: np.ndarray  # bool, one per document
+    prompt_lengths: np.ndarray | None = None  # a preference-pair corpus's: one per pair of the unit
 
 
 _tokenizers: dict[tuple[str, str], LocalTokenizer] = {}  # by (path, sha256)
@@ -161,9 +162,12 @@ def _tokenizer(path: str | os.PathLike, sha256: str) -> LocalTokenizer:
     return _tokenizers[key]
 
 
-def _unit_arrays(source: _Source, unit: _Unit, directory: Path) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
-    """(offsets, ids, labels) of the unit's documents, batch by batch, in row order. A unit in object
-    storage is fetched into `directory` first, and named by its URI still."""
+def _unit_arrays(
+    source: _Source, unit: _Unit, directory: Path, prompts: list[np.ndarray]
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    """(offsets, ids, labels) of the unit's documents, batch by batch, in row order; a preference-pair
+    corpus's prompt lengths appended to `prompts` as they are read. A unit in object storage is fetched
+    into `directory` first, and named by its URI still."""
     store = source.store
     if unit.shard is not None:
         if store.location is not None:
@@ -185,12 +189,14 @@ def _unit_arrays(source: _Source, unit: _Unit, directory: Path) -> Iterator[tupl
             "template or the file changed while the build ran, or they differ between nodes)."
         )
     for batch in found.batches:
+        if found.pairs is not None:
+            prompts.append(found.pairs.latest_prompt_lengths())
         yield batch.offsets, batch.ids, batch.labels
 
 
 @ray.remote(max_retries=_RETRIES)
 def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
-    lengths, untrained = [], []
+    lengths, untrained, prompts = [], [], []
     with _working_directory(source.cwd), _node_directory() as directory:
         ids_path = _scratch_file(unit.ids, directory)
         labels_path = None if unit.labels is None else _scratch_file(unit.labels, directory)
@@ -198,7 +204,7 @@ def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
             with ExitStack() as files:
                 ids_file = files.enter_context(output_file(ids_path))
                 labels_file = files.enter_context(output_file(labels_path)) if labels_path is not None else None
-                for offsets, ids, labels in _unit_arrays(source, unit, directory):
+                for offsets, ids, labels in _unit_arrays(source, unit, directory, prompts):
                     lengths.append(np.diff(offsets))
                     untrained.append(untrained_documents(offsets, labels))
                     with output_errors(ids_path):
@@ -214,6 +220,7 @@ def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
     return _UnitRead(
         lengths=compact_lengths(np.concatenate(lengths) if lengths else _NO_DOCUMENTS),
         untrained=np.concatenate(untrained) if untrained else np.empty(0, bool),
+        prompt_lengths=None if source.documents.pairs is None else np.concatenate(prompts or [_NO_DOCUMENTS]),
     )
 
 
@@ -369,7 +376,9 @@ class RayEngine:
         """Phase 1 over the corpus (or document store) whose documents the driver found as
         `documents`."""
         store = documents.store
-        source = ray.put(_Source(reading, replace(documents, batches=iter(())), store, self.cwd))
+        # What workers must find, without the driver's streams (a generator does not pickle).
+        pairs = None if documents.pairs is None else replace(documents.pairs, batches=iter(()), _prompt_lengths=[])
+        source = ray.put(_Source(reading, replace(documents, batches=iter(()), pairs=pairs), store, self.cwd))
         if store is not None:
             parts = [(None, shard) for shard in store.manifest.shards]
         else:
@@ -397,6 +406,8 @@ class RayEngine:
                     hashed.result()
                 lengths.append(read.lengths)
                 untrained.append(read.untrained)
+                if documents.pairs is not None:
+                    documents.pairs.add_prompt_lengths(read.prompt_lengths)
                 firsts.append(tokens)
                 tokens += int(read.lengths.sum(dtype=np.int64))
                 progress.update(task, advance=1, description=f"read {unit.file.name if unit.file else unit.shard.name}")
