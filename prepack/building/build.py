@@ -294,7 +294,7 @@ def build_packs(
         from prepack.building.mixture_build import build_mixture
 
         with progress_bars(output.progress, output.console) as bar:
-            return build_mixture(mixture, out, reading, packing, output, bar, _store_path)
+            return build_mixture(mixture, out, reading, packing, output, bar, _store_path, _engine)
     if reading.pairs:
         _check_pair_options(packing)
     with progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:

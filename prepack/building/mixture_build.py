@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, replace
+from functools import partial
 from importlib.metadata import version
 
 import numpy as np
 
 from prepack.sources.documents import Documents, Reading, open_documents
 from prepack.building.engines.base import FirstPass, locate_row
-from prepack.building.engines.local import LocalEngine
 from prepack.errors import DISTRIBUTION, InputError
 from prepack.formats.shards import MANIFEST_NAME, InputFile, Manifest, Totals, write_manifest
 from prepack.building.mixture import (
@@ -48,7 +48,7 @@ from prepack.building.mixture import (
 from prepack.formats.mixture import MixtureInfo, SourceCounts, mixture_fingerprint
 from prepack.building.mixture_plan import MixturePlan, plan_mixture
 from prepack.building.plan import compact_lengths
-from prepack.storage.output import Staging, output_errors, staged_directory
+from prepack.storage.output import output_errors, staged_directory
 from prepack.sources.store import is_store
 from prepack.storage.remote import is_uri, local_input, staged_prefix
 from prepack.building.write_shards import TokenFiles
@@ -58,10 +58,6 @@ __all__ = ["SourceTally", "build_mixture", "plan_sources", "with_row_starts"]
 
 def _check_options(origin: str, out: str | os.PathLike, packing, output) -> None:
     """Refuse what a mixture build does not do, by name, before anything is read."""
-    if output.engine != "local":
-        raise InputError(
-            f"{origin}: a mixture builds with the local engine only (--engine ray reads one corpus or store)."
-        )
     if packing.index_only and is_uri(out):
         raise InputError(
             f"{origin}: a mixture's index build is written to a local directory only (its readers open "
@@ -86,7 +82,15 @@ def _label_files(firsts: list[FirstPass], token_firsts: np.ndarray) -> TokenFile
     """The sources' labels back to back: a source without labels is trained on every token."""
     if not any(first.has_labels for first in firsts):
         return None
-    return TokenFiles(tuple((first.labels or first.tokens).paths[0] for first in firsts), token_firsts)
+    return _back_to_back([first.labels or first.tokens for first in firsts], token_firsts)
+
+
+def _back_to_back(files: list[TokenFiles], token_firsts: np.ndarray) -> TokenFiles:
+    """The sources' token files as one `TokenFiles`, source i's from token `token_firsts[i]` on."""
+    return TokenFiles(
+        tuple(path for f in files for path in f.paths),
+        np.concatenate([f.firsts + first for f, first in zip(files, token_firsts)]).astype(np.int64),
+    )
 
 
 def build_mixture(
@@ -97,11 +101,13 @@ def build_mixture(
     output,
     bar,
     index_store_path: Callable[[str | os.PathLike, str | os.PathLike], str],
+    engine_for: Callable[..., AbstractContextManager],
 ) -> Manifest:
     """Build `mixture` (read from a file or from flags) into `out` (`packing` and `output` as for
     `prepack.building.build.build_packs`, which calls this; `packing.seed` shuffles the packs, the
     mixture's `seed` selects the documents). `index_store_path` is build_packs' rule for how an index build names
-    its store (passed in: this module is imported by it). Raises InputError for a bad mixture file or
+    its store, and `engine_for` its engine for an output (`_engine`: the local one, or for `--engine ray` the
+    Ray engine; an index build's on the driver), both passed in: this module is imported by it. Raises InputError for a bad mixture file or
     source, as `build` does for a corpus."""
     spec = mixture.spec
     _check_options(mixture.origin, out, packing, output)
@@ -123,26 +129,24 @@ def build_mixture(
         staged = staged_prefix if is_uri(out) else staged_directory
         staging = stack.enter_context(staged(out, output.overwrite))
         firsts, engines, trained = [], [], [] if spec.count == "trained" else None
+        observe = None if trained is None else partial(trained_segments, max_len=max_len, overflow=packing.overflow)
+        engine = stack.enter_context(engine_for(output.engine, output.ray_address, staging, index_only))
         for number, (source, docs) in enumerate(zip(spec.sources, documents)):
-            scratch = staging.scratch / f"source-{number:05d}"
-            scratch.mkdir()
-            counts: list[tuple[np.ndarray, np.ndarray]] = []
-            observe = None if trained is None else lambda offsets, labels: counts.append(trained_segments(offsets, labels, max_len, packing.overflow))
-            engines.append(LocalEngine(Staging(staging.build, scratch)))
-            first = engines[-1].read_lengths(docs, bar, observe)  # no token kept yet: the selection is not known
+            engines.append(engine.for_source(number))
+            first, observed = engines[-1].read_lengths(docs, reading, bar, observe)  # no token kept: the selection is not known
             _check_lengths(source.name, docs, first, max_len, packing.overflow)
             firsts.append(first)
             if trained is not None:
-                trained.append(_piece_counts(counts))
+                trained.append(_piece_counts(observed))
         plan, tallies, kept = plan_sources(spec, firsts, packing, trained)
         if not index_only:  # the second pass: each source's selected documents' tokens into its scratch
             firsts = [
-                engine.write_selected(open_documents(given.spec, reading, out, bar, given.location), first, keep, bar)
-                for engine, given, first, keep in zip(engines, inputs, firsts, kept)
+                source_engine.write_selected(open_documents(given.spec, reading, out, bar, given.location), reading, first, keep, bar)
+                for source_engine, given, first, keep in zip(engines, inputs, firsts, kept)
             ]
             plan = with_row_starts(plan, firsts, kept)
             selected = [int(first.lengths[keep].sum(dtype=np.int64)) for first, keep in zip(firsts, kept)]
-            token_firsts = np.cumsum([0, *selected[:-1]], dtype=np.int64)  # each source's scratch file among them all
+            token_firsts = np.cumsum([0, *selected[:-1]], dtype=np.int64)  # each source's scratch files among them all
         del kept
         has_labels = any(first.has_labels for first in firsts)
         whole = FirstPass(
@@ -151,10 +155,10 @@ def build_mixture(
             rows_per_file=[],
             fingerprint=mixture_fingerprint([first.fingerprint for first in firsts]),
             has_labels=has_labels,
-            tokens=None if index_only else TokenFiles(tuple(first.tokens.paths[0] for first in firsts), token_firsts),
+            tokens=None if index_only else _back_to_back([first.tokens for first in firsts], token_firsts),
             labels=None if index_only else _label_files(firsts, token_firsts),
         )
-        shards = LocalEngine(staging, index_only).write_packs(plan, whole, output.shard_size, bar)
+        shards = engine.write_packs(plan, whole, output.shard_size, bar)
         totals = plan.totals()
         manifest = Manifest(
             prepack_version=version(DISTRIBUTION),

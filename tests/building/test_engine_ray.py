@@ -142,6 +142,48 @@ def test_preference_pairs_build_the_same_bytes(tmp_path, local_ray, gpt2):
 
 
 @pytest.mark.slow
+def test_a_mixture_builds_the_same_bytes(tmp_path, local_ray):
+    """Two corpora (files of three formats, one without labels) and a store, mixed with a cut at a piece and
+    copies, in tokens and in trained tokens: a task per file or store shard reads each pass; a changed file is
+    refused by its second read as on the local engine."""
+    corpus = _token_corpus(tmp_path / "labelled")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    rng = np.random.default_rng(3)
+    for part in range(2):
+        write_corpus(plain / f"{part}.parquet", corpus_table([rng.integers(0, 900, rng.integers(1, 1500)).tolist() for _ in range(40)]))
+    build_store(plain, tmp_path / "plain-store", shard_size=20_000)
+    for count in ("tokens", "trained"):
+        mixture = tmp_path / f"mix-{count}.yaml"
+        mixture.write_text(
+            f"tokens: 150000\nseed: 4\ncount: {count}\nsources:\n  - {{name: a, path: labelled, weight: 0.5}}\n"
+            "  - {name: b, path: plain, epochs: 1.5}\n  - {name: c, path: plain-store, weight: 0.2}\n"
+        )
+        options = {"max_len": 256, "shard_size": 40_000, "seed": 2}
+        local = build(mixture, tmp_path / f"local-{count}", **options)
+        on_ray = build(mixture, tmp_path / f"ray-{count}", engine="ray", **options)
+        assert on_ray == local and len(local.shards) > 2
+        assert local.mixture.sources[1].full_epochs >= 1 and local.mixture.sources[2].partial_documents > 0
+        _same(tmp_path / f"local-{count}", tmp_path / f"ray-{count}")
+    from prepack.building.engines.ray import RayEngine
+
+    read_lengths = RayEngine.read_lengths
+
+    def then_changed(self, documents, reading, progress, observe=None):
+        read = read_lengths(self, documents, reading, progress, observe)
+        if documents.store is None and documents.corpus.root.name == "plain":  # the same lengths, other tokens
+            table = pq.read_table(plain / "1.parquet")
+            write_corpus(plain / "1.parquet", corpus_table([[t + 1 for t in d] for d in table.column("input_ids").to_pylist()]))
+        return read
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RayEngine, "read_lengths", then_changed)
+        with pytest.raises(InputError, match="1.parquet: read a second time, the corpus gives other documents"):
+            build(tmp_path / "mix-tokens.yaml", tmp_path / "changed", engine="ray", max_len=256)
+    assert not (tmp_path / "changed").exists() and _leftovers(tmp_path) == []
+
+
+@pytest.mark.slow
 def test_workers_serving_a_second_build_read_the_tokenizer_files_as_they_are_now(tmp_path, local_ray, gpt2):
     corpus = _conversations(tmp_path / "c", "text", parts=2, per_part=50)
     tokenizer = Path(shutil.copytree(gpt2, tmp_path / "tok"))

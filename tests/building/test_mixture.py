@@ -199,13 +199,6 @@ def test_max_epochs_refuses_more_copies(sources, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_ray_is_refused_by_name(sources, tmp_path):
-    root, _, _ = sources
-    with pytest.raises(InputError, match="local engine only"):
-        prepack.build(_mixture(root, "mix.yaml"), tmp_path / "out", max_len=256, engine="ray")
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.fixture(scope="module")
 def stores(sources) -> Path:
     """The mixture with every source a document store, beside which index builds lie."""
@@ -590,10 +583,10 @@ def test_a_corpus_that_changes_between_the_two_reads_is_refused(plays, tmp_path,
     write_corpus(corpus, corpus_table([[1, 2, 3], [4, 5, 6, 7]]))
     read_lengths = LocalEngine.read_lengths
 
-    def then_changed(self, documents, progress, observe=None):
-        first = read_lengths(self, documents, progress, observe)
+    def then_changed(self, documents, reading, progress, observe=None):
+        read = read_lengths(self, documents, reading, progress, observe)
         write_corpus(corpus, corpus_table([[1, 2, 3], [4, 5, 6, 8]]))  # the same lengths, another token
-        return first
+        return read
 
     monkeypatch.setattr(LocalEngine, "read_lengths", then_changed)
     mixture = tmp_path / "changing.yaml"

@@ -39,7 +39,7 @@ from prepack.storage.files import write_in_pieces
 if TYPE_CHECKING:  # rich for annotations only: a build without progress bars does not import it
     from rich.progress import Progress
 
-__all__ = ["LocalEngine", "Observer"]
+__all__ = ["LocalEngine", "Observer", "read_store_lengths"]
 
 # What a first pass may show each batch to: its token offsets and labels (None without labels).
 Observer = Callable[[np.ndarray, np.ndarray | None], None]
@@ -117,6 +117,13 @@ def _store_documents(
         tokens=None if scratch is None else TokenFiles.single(ids_path),
         labels=TokenFiles.single(labels_path) if has_labels and scratch is not None else None,
     )
+
+
+def read_store_lengths(store: Store, progress: Progress, observe=None) -> tuple[FirstPass, list]:
+    """`LocalEngine.read_lengths` of a store (`_index_documents`), with `observe`'s results batch by batch."""
+    observed: list = []
+    collect = None if observe is None else lambda offsets, labels: observed.append(observe(offsets, labels))
+    return _index_documents(store, progress, collect), observed
 
 
 def _stored_rows(store: Store, keep: np.ndarray, scratch: Path, progress: Progress) -> tuple[TokenFiles, TokenFiles | None]:
@@ -208,20 +215,30 @@ class LocalEngine:
     def __init__(self, staging: Staging, index_only: bool = False) -> None:
         self.staging, self.index_only = staging, index_only
 
-    def first_pass(self, documents: Documents, reading: Reading, progress: Progress, observe: Observer | None = None) -> FirstPass:
-        """`Engine.first_pass`; `observe` is given every batch's (offsets, labels) in row order, when given."""
+    def first_pass(self, documents: Documents, reading: Reading, progress: Progress) -> FirstPass:
         if self.index_only:
-            return _index_documents(documents.store, progress, observe)
-        return _store_documents(documents.corpus, documents.has_labels, documents.batches, self.staging.scratch, progress, observe)
+            return _index_documents(documents.store, progress)
+        return _store_documents(documents.corpus, documents.has_labels, documents.batches, self.staging.scratch, progress)
 
-    def read_lengths(self, documents: Documents, progress: Progress, observe: Observer | None = None) -> FirstPass:
+    def for_source(self, number: int) -> LocalEngine:
+        """An engine for a mixture's source `number`: this one's, its scratch files in a directory of their own."""
+        scratch = self.staging.scratch / f"source-{number:05d}"
+        scratch.mkdir()
+        return LocalEngine(Staging(self.staging.build, scratch), self.index_only)
+
+    def read_lengths(self, documents: Documents, reading: Reading, progress: Progress, observe=None) -> tuple[FirstPass, list]:
         """What `first_pass` hands back, its tokens copied nowhere (`tokens` None): a store's from its offsets
-        and labels alone (`_index_documents`), a corpus's read whole (and tokenized). A mixture's first pass."""
+        and labels alone (`read_store_lengths`), a corpus's read whole (and tokenized), and the results of
+        `observe` (a function of a batch's offsets and labels, None without labels), batch by batch in row
+        order. A mixture's first pass."""
         if documents.store is not None:
-            return _index_documents(documents.store, progress, observe)
-        return _store_documents(documents.corpus, documents.has_labels, documents.batches, None, progress, observe)
+            return read_store_lengths(documents.store, progress, observe)
+        observed: list = []
+        collect = None if observe is None else lambda offsets, labels: observed.append(observe(offsets, labels))
+        first = _store_documents(documents.corpus, documents.has_labels, documents.batches, None, progress, collect)
+        return first, observed
 
-    def write_selected(self, documents: Documents, first: FirstPass, keep: np.ndarray, progress: Progress) -> FirstPass:
+    def write_selected(self, documents: Documents, reading: Reading, first: FirstPass, keep: np.ndarray, progress: Progress) -> FirstPass:
         """`first` (from `read_lengths` of the same documents, opened again as `documents`) with the tokens of
         the rows that `keep` keeps (bool, one per row) copied into the scratch directory, back to back: a
         mixture's second pass, whose scratch holds what it selected. A corpus is read (and tokenized) again,

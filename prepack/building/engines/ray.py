@@ -14,6 +14,12 @@ tasks across a cluster, and write the local engine's bytes.
 3. Write: one task per shard writes it from the scratch files (`write_shard`, `write_store_shard`)
    into the staging directory and returns its manifest entry; the driver writes the manifest.
 
+A mixture (`prepack.building.mixture_build`) reads each source twice, as the local engine does: phase 1
+with each unit's scratch files deleted once the driver has hashed them (`read_lengths`; a store's
+lengths on the driver, from its offsets), then, once the selection is known, a task per unit holding a
+selected document writes the selected documents' tokens alone (`write_selected`; a corpus file's second
+read held to its first by a digest of all its tokens and labels), and phase 3 writes the packs.
+
 Tasks are Ray core tasks, a few per CPU in flight, their results taken in row order, so that memory
 on the driver stays bounded and the first error in row order is the one reported. Not Ray Data: its
 datasets are made of their items up front, and the items of the write phase are the shards' resolved
@@ -37,6 +43,7 @@ uploaded and its scratch objects.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -45,7 +52,7 @@ import socket
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, replace
@@ -124,6 +131,9 @@ class _Unit:
     shard: StoreShard | None  # a shard of the source's store
     ids: Path | str  # the scratch files it writes: local paths, or URIs of objects
     labels: Path | str | None
+    keep: np.ndarray | None = None  # bool, one per document of the unit: those whose tokens it writes (None: all)
+    observe: Callable[[np.ndarray, np.ndarray | None], object] | None = None  # called on every batch, its results returned
+    digest: bool = False  # return `_UnitRead.digest`
 
 
 @contextmanager
@@ -143,6 +153,8 @@ class _UnitRead:
     lengths: np.ndarray  # `compact_lengths`, one per document of the unit
     untrained: np.ndarray  # bool, one per document
     prompt_lengths: np.ndarray | None = None  # a preference-pair corpus's: one per pair of the unit
+    digest: str = ""  # with `_Unit.digest`: sha256 of the unit's token ids, then of its labels, every document's, kept or not
+    observed: list | None = None  # `_Unit.observe`'s results, batch by batch
 
 
 _tokenizers: dict[tuple[str, str], LocalTokenizer] = {}  # by (path, sha256)
@@ -196,7 +208,8 @@ def _unit_arrays(
 
 @ray.remote(max_retries=_RETRIES)
 def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
-    lengths, untrained, prompts = [], [], []
+    lengths, untrained, prompts, observed = [], [], [], []
+    ids_hash, labels_hash = hashlib.sha256(), hashlib.sha256()
     with _working_directory(source.cwd), _node_directory() as directory:
         ids_path = _scratch_file(unit.ids, directory)
         labels_path = None if unit.labels is None else _scratch_file(unit.labels, directory)
@@ -204,9 +217,22 @@ def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
             with ExitStack() as files:
                 ids_file = files.enter_context(output_file(ids_path))
                 labels_file = files.enter_context(output_file(labels_path)) if labels_path is not None else None
+                row = 0
                 for offsets, ids, labels in _unit_arrays(source, unit, directory, prompts):
-                    lengths.append(np.diff(offsets))
+                    batch_lengths = np.diff(offsets)
+                    lengths.append(batch_lengths)
                     untrained.append(untrained_documents(offsets, labels))
+                    if unit.observe is not None:
+                        observed.append(unit.observe(offsets, labels))
+                    ids, labels = ids[offsets[0] : offsets[-1]], None if labels is None else labels[offsets[0] : offsets[-1]]
+                    if unit.digest:  # a mixture's: its second read of the unit is held to its first
+                        ids_hash.update(ids.data)
+                        if labels is not None:
+                            labels_hash.update(labels.data)
+                    if unit.keep is not None:
+                        kept = np.repeat(unit.keep[row : row + len(batch_lengths)], batch_lengths)
+                        ids, labels = ids[kept], None if labels is None else labels[kept]
+                    row += len(batch_lengths)
                     with output_errors(ids_path):
                         write_in_pieces(ids_file, ids.data)
                     if labels_file is not None:
@@ -221,6 +247,8 @@ def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
         lengths=compact_lengths(np.concatenate(lengths) if lengths else _NO_DOCUMENTS),
         untrained=np.concatenate(untrained) if untrained else np.empty(0, bool),
         prompt_lengths=None if source.documents.pairs is None else np.concatenate(prompts or [_NO_DOCUMENTS]),
+        digest=ids_hash.hexdigest() + labels_hash.hexdigest() if unit.digest else "",
+        observed=observed if unit.observe is not None else None,
     )
 
 
@@ -315,6 +343,18 @@ def _write_store_shard(
             return exc
 
 
+def _discard(location: Path | str | None) -> None:
+    """Delete a scratch file (or object) of this build, if there is one."""
+    if location is None:
+        return
+    if isinstance(location, str):
+        fs, path = filesystem(location)
+        with output_errors(location, "delete"):
+            fs.rm(path)
+    else:
+        location.unlink(missing_ok=True)
+
+
 def _hash_file(update, location: Path | str) -> None:
     """Feed a scratch file (or object) to a fingerprint stream (`update`), a piece at a time."""
     if isinstance(location, str):
@@ -375,10 +415,21 @@ class RayEngine:
     def first_pass(self, documents: Documents, reading: Reading, progress: Progress) -> FirstPass:
         """Phase 1 over the corpus (or document store) whose documents the driver found as
         `documents`."""
-        store = documents.store
-        # What workers must find, without the driver's streams (a generator does not pickle).
+        return self._read_all(documents, reading, progress)[0]
+
+    def _source(self, documents: Documents, reading: Reading) -> ray.ObjectRef:
+        """What workers must find (`_Source`), without the driver's streams (a generator does not pickle)."""
         pairs = None if documents.pairs is None else replace(documents.pairs, batches=iter(()), _prompt_lengths=[])
-        source = ray.put(_Source(reading, replace(documents, batches=iter(()), pairs=pairs), store, self.cwd))
+        return ray.put(_Source(reading, replace(documents, batches=iter(()), pairs=pairs), documents.store, self.cwd))
+
+    def _read_all(
+        self, documents: Documents, reading: Reading, progress: Progress, observe=None, lengths_only: bool = False
+    ) -> tuple[FirstPass, list, list[str]]:
+        """Phase 1, and what a mixture's first pass asks of it besides: every batch's `observe` results in
+        row order, each unit's digest, and with `lengths_only` each unit's scratch files deleted once hashed
+        (`tokens` None): scratch holds the units in flight, not the corpus."""
+        store = documents.store
+        source = self._source(documents, reading)
         if store is not None:
             parts = [(None, shard) for shard in store.manifest.shards]
         else:
@@ -389,12 +440,14 @@ class RayEngine:
                 shard=shard,
                 ids=self._scratch(f"ids-{index:05d}.bin"),
                 labels=self._scratch(f"labels-{index:05d}.bin") if documents.has_labels else None,
+                observe=observe,
+                digest=lengths_only,
             )
             for index, (path, shard) in enumerate(parts)
         ]
         task = progress.add_task("read", total=len(units), unit="files")
         fingerprint = Fingerprint()
-        lengths, untrained, firsts, tokens = [], [], [], 0
+        lengths, untrained, firsts, tokens, observed, digests = [], [], [], 0, [], []
         submitted = (_read_unit.remote(source, unit) for unit in units)
         # The labels are hashed by a second thread while this one hashes the ids.
         with closing(self._in_order(submitted)) as results, ThreadPoolExecutor(1) as labels_hasher:
@@ -404,8 +457,13 @@ class RayEngine:
                 _hash_file(fingerprint.update_ids, unit.ids)
                 if hashed is not None:
                     hashed.result()
+                if lengths_only:
+                    for location in (unit.ids, unit.labels):
+                        _discard(location)
                 lengths.append(read.lengths)
                 untrained.append(read.untrained)
+                observed.extend(read.observed or ())
+                digests.append(read.digest)
                 if documents.pairs is not None:
                     documents.pairs.add_prompt_lengths(read.prompt_lengths)
                 firsts.append(tokens)
@@ -417,14 +475,77 @@ class RayEngine:
         else:
             rows_per_file = [len(part) for part in lengths]
         starts = np.array(firsts, np.int64)
-        return FirstPass(
-            lengths=compact_lengths(np.concatenate(lengths)),
-            untrained=np.concatenate(untrained),
+        first = FirstPass(
+            lengths=compact_lengths(np.concatenate(lengths) if lengths else _NO_DOCUMENTS),
+            untrained=np.concatenate(untrained) if untrained else np.empty(0, bool),
             rows_per_file=rows_per_file,
             fingerprint=fingerprint.hexdigest(),
             has_labels=documents.has_labels,
-            tokens=TokenFiles(tuple(u.ids for u in units), starts),
-            labels=TokenFiles(tuple(u.labels for u in units), starts) if documents.has_labels else None,
+            tokens=None if lengths_only else TokenFiles(tuple(u.ids for u in units), starts),
+            labels=TokenFiles(tuple(u.labels for u in units), starts) if documents.has_labels and not lengths_only else None,
+        )
+        return first, observed, digests
+
+    def for_source(self, number: int) -> RayEngine:
+        """An engine for a mixture's source `number`: this one's, its scratch files in a place of their own."""
+        scratch = self._scratch(f"source-{number:05d}")
+        if isinstance(scratch, Path):
+            scratch.mkdir()
+        return RayEngine(self.staging, scratch)
+
+    def read_lengths(self, documents: Documents, reading: Reading, progress: Progress, observe=None) -> tuple[FirstPass, list]:
+        """A mixture's first pass (`LocalEngine.read_lengths`): a store's on the driver from its offsets, a
+        corpus's by a task per file, each file's scratch deleted once the driver has hashed it."""
+        if documents.store is not None:
+            from prepack.building.engines.local import read_store_lengths
+
+            return read_store_lengths(documents.store, progress, observe)
+        first, observed, self._digests = self._read_all(documents, reading, progress, observe, lengths_only=True)
+        return first, observed
+
+    def write_selected(self, documents: Documents, reading: Reading, first: FirstPass, keep: np.ndarray, progress: Progress) -> FirstPass:
+        """A mixture's second pass (`LocalEngine.write_selected`): a task per corpus file or store shard that
+        holds a kept row writes the kept rows' tokens; a corpus file is read again and refused unless it
+        gives what its first read gave (its digest: every document's tokens and labels)."""
+        store = documents.store
+        if store is not None:
+            rows = [shard.documents for shard in store.manifest.shards]
+            parts = [(None, shard) for shard in store.manifest.shards]
+        else:
+            rows = first.rows_per_file
+            parts = [(path, None) for path in documents.corpus.files]
+        ends = np.cumsum(rows, dtype=np.int64)
+        chosen = [
+            (index, _Unit(
+                file=path,
+                shard=shard,
+                ids=self._scratch(f"selected-ids-{index:05d}.bin"),
+                labels=self._scratch(f"selected-labels-{index:05d}.bin") if documents.has_labels else None,
+                keep=kept,
+                digest=store is None,
+            ))
+            for index, ((path, shard), kept) in enumerate(zip(parts, np.split(keep, ends[:-1])))
+            if kept.any()
+        ]
+        source = self._source(documents, reading)
+        task = progress.add_task("select", total=len(chosen), unit="files")
+        firsts, tokens, lengths = [], 0, first.lengths.astype(np.int64)
+        submitted = (_read_unit.remote(source, unit) for _, unit in chosen)
+        with closing(self._in_order(submitted)) as results:
+            for (index, unit), read in zip(chosen, results):
+                begin = int(ends[index] - rows[index])
+                if store is None and (read.digest != self._digests[index] or not np.array_equal(read.lengths, lengths[begin : ends[index]])):
+                    raise InputError(
+                        f"{unit.file}: read a second time, the corpus gives other documents: it changed while the build ran."
+                    )
+                firsts.append(tokens)
+                tokens += int(lengths[begin : ends[index]][unit.keep].sum())
+                progress.update(task, advance=1)
+        starts = np.array(firsts, np.int64)
+        return replace(
+            first,
+            tokens=TokenFiles(tuple(unit.ids for _, unit in chosen), starts),
+            labels=TokenFiles(tuple(unit.labels for _, unit in chosen), starts) if documents.has_labels else None,
         )
 
     def _scratch(self, name: str) -> Path | str:
