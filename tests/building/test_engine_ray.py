@@ -184,6 +184,34 @@ def test_a_mixture_builds_the_same_bytes(tmp_path, local_ray):
 
 
 @pytest.mark.slow
+def test_an_image_chat_corpus_builds_the_same_bytes_and_serves_its_images(tmp_path, local_ray):
+    """An image-chat corpus prepared here (`prepare_image_chat`: its image set written once, locally), then
+    built by tasks, tokenized with the processor's placeholders as on the local engine."""
+    from prepack.sources.images import prepare_image_chat
+    from prepack.training.vision_dataset import ImagePackedDataset
+    from tests.vision_inputs import PHOTOS, SAMPLE_DATA, processor_directory
+
+    processor = processor_directory(tmp_path / "processor")
+    (tmp_path / "p").mkdir()
+    for name in PHOTOS:
+        (tmp_path / "p" / name).write_bytes((SAMPLE_DATA / name).read_bytes())
+    records = [
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": f"p/{PHOTOS[row % 3]}"}, {"type": "text", "text": f"what is {row}?"}]},
+                      {"role": "assistant", "content": "a photo " * (row % 5 + 1)}]}
+        for row in range(40)
+    ]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    prepared = prepare_image_chat(tmp_path / "chats.jsonl", processor, tmp_path / "prepared")
+    options = {"tokenizer": processor, "chat": True, "max_len": 4096, "shard_size": 40_000}
+    local = build(prepared.corpus, tmp_path / "local", num_proc=1, **options)
+    on_ray = build(prepared.corpus, tmp_path / "ray", engine="ray", **options)
+    assert on_ray == local and local.totals.tokens > 40 * prepared.image_tokens // prepared.references
+    _same(tmp_path / "local", tmp_path / "ray")
+    served = ImagePackedDataset(tmp_path / "ray", prepared.image_set)
+    assert sum(len(served[i]["images"]) for i in range(len(served))) == 40
+
+
+@pytest.mark.slow
 def test_workers_serving_a_second_build_read_the_tokenizer_files_as_they_are_now(tmp_path, local_ray, gpt2):
     corpus = _conversations(tmp_path / "c", "text", parts=2, per_part=50)
     tokenizer = Path(shutil.copytree(gpt2, tmp_path / "tok"))
