@@ -163,6 +163,7 @@ class SourceSummary(StrictModel):
     segments: int
     tokens: int
     weight: float  # tokens / the build's tokens
+    trained_tokens: int | None = None  # a mixture counting trained tokens (`mixture.count`): the manifest's, as requested_tokens counts
 
 
 class InspectReport(StrictModel):
@@ -532,6 +533,7 @@ def _source_summaries(manifest: Manifest, columns: dict[str, np.ndarray], path) 
                 segments=int(found["segments"][number]),
                 tokens=int(found["tokens"][number]),
                 weight=int(found["tokens"][number]) / total,
+                trained_tokens=s.trained_tokens,
             )
         )
     return out
@@ -654,12 +656,15 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
         parts.append(steps)
     if r.sources is not None:
         table = Table(title="sources (mixture)", title_justify="left", box=box.SIMPLE_HEAD)
-        for name in ("source", "requested tokens", "tokens", "requested weight", "weight", "documents", "epochs"):
+        trained = r.sources[0].trained_tokens is not None  # the request counts trained tokens
+        requested = ("requested trained tokens", "trained tokens") if trained else ("requested tokens",)
+        for name in ("source", *requested, "tokens", "requested weight", "weight", "documents", "epochs"):
             table.add_column(name, justify="left" if name == "source" else "right")
         for s in r.sources:
             epochs = f"{s.full_epochs} + {s.partial_documents:,} docs"
+            amounts = (f"{s.requested_tokens:,}", f"{s.trained_tokens:,}") if trained else (f"{s.requested_tokens:,}",)
             table.add_row(
-                s.name, f"{s.requested_tokens:,}", f"{s.tokens:,}", f"{s.requested_weight:.4f}", f"{s.weight:.4f}",
+                s.name, *amounts, f"{s.tokens:,}", f"{s.requested_weight:.4f}", f"{s.weight:.4f}",
                 f"{s.documents:,}", epochs,
             )
         parts.append(table)

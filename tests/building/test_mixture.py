@@ -594,3 +594,14 @@ def test_a_corpus_that_changes_between_the_two_reads_is_refused(plays, tmp_path,
     with pytest.raises(InputError, match="read a second time, the corpus gives other documents"):
         prepack.build(mixture, tmp_path / "out", max_len=16)
     assert not (tmp_path / "out").exists()
+
+
+def test_inspect_shows_a_trained_count_mixtures_trained_tokens(plays, tmp_path):
+    from prepack.check.report import inspect_build
+
+    manifest = prepack.build(_plays_mixture(plays, "trained"), tmp_path / "out", max_len=256)
+    report = inspect_build(tmp_path / "out")
+    assert [s.trained_tokens for s in report.sources] == [s.trained_tokens for s in manifest.mixture.sources]
+    shown = run_prepack("inspect", tmp_path / "out", env=WIDE)
+    assert shown.returncode == 0, shown.stderr
+    assert "requested trained tokens" in shown.stdout and f"{manifest.mixture.sources[1].trained_tokens:,}" in shown.stdout
