@@ -80,6 +80,7 @@ __all__ = [
     "mixture_flags",
     "mixture_parts",
     "packable_tokens",
+    "piece_counts",
     "read_mixture",
     "requested_tokens",
     "select_source",
@@ -400,6 +401,13 @@ class PieceCounts:
         per_document = running[self.offsets[1:]] - running[self.offsets[:-1]]
         per_document[packable == 0] = 0
         return per_document
+
+
+def piece_counts(batches: list[tuple[np.ndarray, np.ndarray]]) -> PieceCounts:
+    """A source's `PieceCounts` from its batches' `trained_segments`, in row order."""
+    per_document = np.concatenate([segments for segments, _ in batches]) if batches else np.zeros(0, np.int64)
+    trained = np.concatenate([values for _, values in batches]) if batches else np.zeros(0, np.int32)
+    return PieceCounts(np.concatenate(([0], np.cumsum(per_document, dtype=np.int64))), trained)
 
 
 def trained_segments(offsets: np.ndarray, labels: np.ndarray | None, max_len: int, overflow: str) -> tuple[np.ndarray, np.ndarray]:

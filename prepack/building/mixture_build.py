@@ -42,6 +42,7 @@ from prepack.building.mixture import (
     requested_tokens,
     select_source,
     source_location,
+    piece_counts,
     split_pieces,
     trained_segments,
 )
@@ -137,7 +138,7 @@ def build_mixture(
             _check_lengths(source.name, docs, first, max_len, packing.overflow)
             firsts.append(first)
             if trained is not None:
-                trained.append(_piece_counts(observed))
+                trained.append(piece_counts(observed))
         plan, tallies, kept = plan_sources(spec, firsts, packing, trained)
         if not index_only:  # the second pass: each source's selected documents' tokens into its scratch
             firsts = [
@@ -177,13 +178,6 @@ def build_mixture(
         with output_errors(staging.build / MANIFEST_NAME):
             write_manifest(staging.build, manifest)
     return manifest
-
-
-def _piece_counts(batches: list[tuple[np.ndarray, np.ndarray]]) -> PieceCounts:
-    """A source's `PieceCounts` from its batches' `trained_segments`, in row order."""
-    per_document = np.concatenate([segments for segments, _ in batches]) if batches else np.zeros(0, np.int64)
-    trained = np.concatenate([values for _, values in batches]) if batches else np.zeros(0, np.int32)
-    return PieceCounts(np.concatenate(([0], np.cumsum(per_document, dtype=np.int64))), trained)
 
 
 def _check_lengths(name: str, docs: Documents, first: FirstPass, max_len: int, overflow: str) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from pydantic import ValidationError
 
-from prepack.building.mixture import MAX_COPIES, MixtureSpec, field_path, requested_tokens, select_source, split_pieces
+from prepack.building.mixture import MAX_COPIES, MixtureSpec, PieceCounts, field_path, requested_tokens, select_source, split_pieces
 from prepack.errors import InputError
 from prepack.formats.mixture import mixture_fingerprint
 from prepack.formats.shards import MANIFEST_NAME, Manifest
@@ -156,6 +156,7 @@ def mixture_pack_problems(
     where: Callable[[int], dict],
     complete: bool,
     packable: list[np.ndarray] | None = None,
+    trained: list[PieceCounts] | None = None,
 ) -> Iterator[dict]:
     """The packs' segments (verify's `_Segments`: rows, pieces, lengths, copy, source; sorted by row,
     copy, piece; `packs` each one's pack, as a number unique to it) against the mixture: each segment's
@@ -163,7 +164,8 @@ def mixture_pack_problems(
     every pack read (`complete`), per source the documents, segments and tokens are the manifest's, and
     its repeats too: every document it packs is packed full_epochs or full_epochs + 1 times,
     partial_documents of them the latter, and they are its selection made again (`_selection_problems`)
-    from `packable` (each source's packable tokens, from its store), else from the packs."""
+    from `packable` (each source's packable tokens, from its store), else from the packs; where the
+    mixture counts trained tokens, from `trained` (each source's `PieceCounts`, from its store) alone."""
     rows, pieces, lengths, source_ids = segments.rows, segments.pieces, segments.lengths, segments.source
     mixture = manifest.mixture
     sources = mixture.sources
@@ -214,11 +216,13 @@ def mixture_pack_problems(
             )
         if len(per_row) != s.rows:  # rows past the source: `source_ids` and the rows' checks said so
             continue
-        if mixture.count is not None:
-            continue  # its selection counted trained tokens, which neither the packs' lengths nor the store's give
+        pieces_per_row = np.bincount(rows[mine] - s.first_row, minlength=s.rows)
+        if mixture.count is not None:  # its selection counted trained tokens: the store's labels give them
+            if trained is not None and packable is not None:
+                yield from _selection_problems(number, manifest, packable[number], per_row, pieces_per_row, "its store", trained[number])
+            continue
         once = mine & (segments.copy == 0)  # a document's packable tokens: its first copy's pieces
         in_packs = np.bincount(rows[once] - s.first_row, weights=lengths[once], minlength=s.rows).astype(np.int64)
-        pieces_per_row = np.bincount(rows[mine] - s.first_row, minlength=s.rows)
         if packable is not None:
             yield from _selection_problems(number, manifest, packable[number], per_row, pieces_per_row, "its store")
         elif s.full_epochs:  # every eligible document is in the packs
@@ -230,13 +234,23 @@ def mixture_pack_problems(
 
 
 def _selection_problems(
-    number: int, manifest: Manifest, tokens: np.ndarray, per_row: np.ndarray, segments_per_row: np.ndarray, given: str
+    number: int,
+    manifest: Manifest,
+    tokens: np.ndarray,
+    per_row: np.ndarray,
+    segments_per_row: np.ndarray,
+    given: str,
+    trained: PieceCounts | None = None,
 ) -> Iterator[dict]:
     """Source `number`'s selection made again (`select_source`, by pieces where documents are split) from
-    `tokens`, its documents' packable tokens as `given` says them, against its counts, the copies of each
-    document in the packs (`per_row`), and the segments there of the document it cuts (`segments_per_row`)."""
+    `tokens`, its documents' packable tokens as `given` says them (counted by `trained` where the mixture
+    counts trained tokens), against its counts, the copies of each document in the packs (`per_row`), and
+    the segments there of the document it cuts (`segments_per_row`)."""
     s, seed = manifest.mixture.sources[number], manifest.mixture.seed
     max_len, split = manifest.options.max_len, manifest.options.overflow in ("split", "error")
+    packable = tokens
+    if trained is not None:
+        tokens = trained.documents(packable)
     where = f"mixture.sources[{number}]"
     if len(tokens) != s.rows:
         yield _manifest(f"{where}.rows", f"is {s.rows}, but {given} hold {len(tokens)} documents of source {s.name!r}.")
@@ -245,7 +259,8 @@ def _selection_problems(
         if value != getattr(s, name):
             yield _manifest(f"{where}.{name}", f"is {getattr(s, name)}, but {given} give {value} (with max_len, overflow and drop_untrained).")
     try:
-        selection = select_source(s.name, tokens, s.requested_tokens, seed, s.max_epochs, split_pieces(tokens, max_len) if split else None)
+        pieces = None if not split else split_pieces(tokens, max_len) if trained is None else trained.of
+        selection = select_source(s.name, tokens, s.requested_tokens, seed, s.max_epochs, pieces)
     except InputError as exc:
         yield _manifest(where, f"the build would have refused it: {exc}")
         return
@@ -263,7 +278,7 @@ def _selection_problems(
         )
     if selection.cut_pieces:
         row = selection.cut_row
-        whole = -(-int(tokens[row]) // max_len)
+        whole = -(-int(packable[row]) // max_len)
         if (want := selection.epochs * whole + selection.cut_pieces) != segments_per_row[row]:
             yield _manifest(
                 "mixture.seed",

@@ -75,7 +75,7 @@ from prepack.formats.shards import (
     shard_file_problems,
     shard_sha256,
 )
-from prepack.building.mixture import packable_tokens
+from prepack.building.mixture import PieceCounts, packable_tokens, piece_counts, trained_segments
 from prepack.building.pair_plan import pair_pieces
 from prepack.building.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.sources.documents import Documents, Reading, open_documents, store_documents
@@ -343,9 +343,9 @@ def _problems(
     yield from _provenance_problems(packs)
     if manifest.mixture is not None:
         pack_numbers = (segments.shard.astype(np.int64) << 40) | segments.pack  # a shard holds fewer than 2**40 packs
-        packable = _store_packable(store, manifest) if manifest.index_of is not None and store is not None and len(
-            store_columns) == len(store.manifest.shards) else None
-        found = mixture_pack_problems(segments, pack_numbers, manifest, packs.where, complete, packable)
+        packable, trained = _store_packable(store, manifest) if manifest.index_of is not None and store is not None and len(
+            store_columns) == len(store.manifest.shards) else (None, None)
+        found = mixture_pack_problems(segments, pack_numbers, manifest, packs.where, complete, packable, trained)
         yield from (Problem(**problem) for problem in found)
     if store is not None:
         yield from _reference_problems(packs, store, store_columns)
@@ -600,17 +600,21 @@ def _stores_problems(chain: StoreChain, manifest: Manifest):
     return columns
 
 
-def _store_packable(chain: StoreChain, manifest: Manifest) -> list[np.ndarray]:
+def _store_packable(chain: StoreChain, manifest: Manifest) -> tuple[list[np.ndarray], list[PieceCounts] | None]:
     """Each source's documents' packable tokens, from its store as the build read it (`Store.shard_lengths`,
-    `packable_tokens`), for a mixture's index build whose stores' shards are sound."""
+    `packable_tokens`), for a mixture's index build whose stores' shards are sound; and where the mixture
+    counts trained tokens, each source's `PieceCounts`, from its stores' labels (`trained_segments`)."""
     o = manifest.options
-    packable = []
+    packable, trained = [], [] if manifest.mixture.count is not None else None
     for store in chain.stores:
         parts = [store.shard_lengths(shard) for shard in store.manifest.shards]
         lengths = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
         untrained = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, bool)
         packable.append(packable_tokens(lengths, untrained, o.max_len, o.overflow, o.drop_untrained))
-    return packable
+        if trained is not None:
+            counted = [trained_segments(*store.shard_columns(shard)[::2], o.max_len, o.overflow) for shard in store.manifest.shards]
+            trained.append(piece_counts(counted))
+    return packable, trained
 
 
 def _reference_problems(packs: _Packs, store: Store, columns: _Columns) -> Iterator[Problem]:

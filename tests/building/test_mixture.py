@@ -19,7 +19,7 @@ from prepack.building.mixture import load_mixture, mixture_flags, requested_toke
 from prepack.errors import InputError
 from prepack.training.dataset import PackedDataset
 from tests.cli import WIDE, failure, run_prepack
-from tests.corpus import MIXTURE, mixture_sources, read_build, write_mixture
+from tests.corpus import MIXTURE, edit_json, mixture_sources, read_build, write_mixture
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
@@ -538,6 +538,9 @@ def test_a_split_mixture_of_plays_realizes_its_shares_within_one_piece(plays, tm
     index = prepack.build(_plays_mixture(plays, count, stores=True), plays / f"index-{count}", max_len=max_len, index_only=True)
     assert [s.tokens for s in index.mixture.sources] == [s.tokens for s in manifest.mixture.sources]
     assert verify_build(plays / f"index-{count}", all_problems=True) == []
+    # verify makes the selection again from the stores (trained tokens from their labels): another seed differs
+    edit_json(plays / f"index-{count}" / "manifest.json", lambda raw: raw["mixture"].update(seed=6))
+    assert "mixture.seed" in {problem.column for problem in verify_build(plays / f"index-{count}", all_problems=True)}
 
 
 def test_the_scratch_holds_only_the_selected_documents(plays, tmp_path, monkeypatch):
