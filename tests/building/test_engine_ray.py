@@ -421,6 +421,29 @@ def test_labelled_tokens_with_empty_documents_and_files_in_s3_build_and_store_th
 
 
 @pytest.mark.slow
+def test_a_mixture_of_sources_in_s3_builds_into_s3_the_local_bytes(tmp_path, s3_ray, fs, s3_bucket):
+    """Its scratch objects (each file's first read deleted once hashed, then the selected documents') under the
+    build's scratch prefix, which is gone when the build is."""
+    corpus = _token_corpus(tmp_path / "c")
+    _put(fs, corpus, f"{s3_bucket}/corpus")
+    build_store(corpus, tmp_path / "store", shard_size=40_000)
+    _put(fs, tmp_path / "store", f"{s3_bucket}/store")
+    text = "tokens: 120000\nseed: 1\nsources:\n  - {{name: a, path: {a}, weight: 0.7}}\n  - {{name: b, path: {b}, weight: 0.3}}\n"
+    (tmp_path / "local.yaml").write_text(text.format(a="c", b="store"))
+    (tmp_path / "remote.yaml").write_text(text.format(a=f"{s3_bucket}/corpus", b=f"{s3_bucket}/store"))
+    options = dict(max_len=256, shard_size=30_000, seed=2)
+    local = build(tmp_path / "local.yaml", tmp_path / "packed", **options)
+    on_ray = build(tmp_path / "remote.yaml", f"{s3_bucket}/packed", engine="ray", **options)
+    assert [s.tokens for s in on_ray.mixture.sources] == [s.tokens for s in local.mixture.sources]
+    expected = files(tmp_path / "packed")
+    expected.pop("manifest.json")  # the sources' paths differ: the rest is the local build's
+    found = _objects(fs, f"{s3_bucket}/packed")
+    assert len(expected) > 3 and {name: found[name] for name in expected} == expected
+    assert sorted(found) == sorted([*expected, "manifest.json"])
+    assert {key.split("/")[0] for key in _objects(fs, s3_bucket)} == {"corpus", "store", "packed"}
+
+
+@pytest.mark.slow
 def test_a_bad_row_in_a_later_object_is_the_local_error_and_leaves_no_object(tmp_path, s3_ray, fs, s3_bucket):
     corpus = _token_corpus(tmp_path / "c")
     write_corpus(corpus / "6.jsonl", corpus_table([[1, 2], [3, -4]], [[-100, 2], [-100, 4]]))
