@@ -9,6 +9,10 @@ An engine runs the steps that touch tokens; the commands (`prepack.build`) do ev
 2. `write_packs`: write the plan's packs as shards.
 3. `write_store`: read every document once and write it into a document store's shards (`WrittenStore`).
 
+A mixture (`prepack.building.mixture_build`) reads each source twice instead of `first_pass`, with an
+engine of the source's own (`for_source`): `read_lengths` (what planning needs, no token kept), then,
+once the selection is known, `write_selected` (the selected documents' tokens alone).
+
 `prepack.building.engines.local.LocalEngine` runs them in this process, `prepack.building.engines.ray.RayEngine` as Ray
 tasks across a cluster; both write the same bytes.
 """
@@ -74,6 +78,20 @@ class Engine(Protocol):
 
     def write_store(self, documents: Documents, reading: Reading, shard_size: int, progress: Progress) -> WrittenStore:
         """Read the documents found as `documents` and write them as a document store's shards."""
+        ...
+
+    def for_source(self, number: int) -> Engine:
+        """This engine for a mixture's source `number`, its scratch files apart from the other sources'."""
+        ...
+
+    def read_lengths(self, documents: Documents, reading: Reading, progress: Progress, observe=None) -> tuple[FirstPass, list]:
+        """`first_pass` keeping no token (`tokens` None), and the results of `observe` (a picklable function of a
+        batch's offsets and labels) batch by batch in row order."""
+        ...
+
+    def write_selected(self, documents: Documents, reading: Reading, first: FirstPass, keep: np.ndarray, progress: Progress) -> FirstPass:
+        """`first` with the tokens of the rows `keep` keeps (bool per row) written to scratch, read again from
+        `documents` (opened again), and refused unless they are what `read_lengths` read."""
         ...
 
 
