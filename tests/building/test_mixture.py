@@ -456,7 +456,7 @@ def _segment_values(lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.n
     seed=st.integers(0, 2**32),
     trained=st.booleans(),
 )
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 def test_split_selection_is_within_one_piece_of_the_request(lengths, max_len, share, seed, trained):
     """With --overflow split, the document at the subset's boundary is cut at a piece boundary: the realized
     amount (tokens, or trained tokens per piece) is within one piece of the request, not one document."""
@@ -599,6 +599,7 @@ def test_a_corpus_that_changes_between_the_two_reads_is_refused(plays, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_inspect_shows_a_trained_count_mixtures_trained_tokens(plays, tmp_path):
     from prepack.check.report import inspect_build
 
@@ -608,3 +609,51 @@ def test_inspect_shows_a_trained_count_mixtures_trained_tokens(plays, tmp_path):
     shown = run_prepack("inspect", tmp_path / "out", env=WIDE)
     assert shown.returncode == 0, shown.stderr
     assert "requested trained tokens" in shown.stdout and f"{manifest.mixture.sources[1].trained_tokens:,}" in shown.stdout
+
+
+@given(
+    documents=st.lists(st.lists(st.integers(1, 2000), min_size=1, max_size=12), min_size=2, max_size=3),
+    weights=st.lists(st.floats(0.1, 1.0), min_size=3, max_size=3),
+    budget_share=st.floats(0.05, 2.5),
+    max_len=st.integers(32, 300),
+    trained=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=25, deadline=None)
+def test_a_split_mixtures_plan_realizes_every_share_within_one_piece(documents, weights, budget_share, max_len, trained, seed):
+    """Selection, parts and plans together (`plan_sources`): every source's packed tokens (or trained tokens,
+    counted per piece from its labels) are within one piece of its request, and the plan packs exactly them."""
+    from prepack.building.engines.base import FirstPass
+    from prepack.building.mixture import MixtureSpec, piece_counts, trained_segments
+    from prepack.building.mixture_build import plan_sources
+    from prepack.building.build import Packing
+
+    rng = np.random.default_rng(seed)
+    firsts, counts = [], []
+    for lengths in documents:
+        lengths = np.array(lengths, dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        labels = np.where(rng.random(int(offsets[-1])) < 0.4, -100, 1).astype(np.int32)
+        firsts.append(FirstPass(lengths.astype(np.int32), np.zeros(len(lengths), bool), [len(lengths)], "0" * 64, True, None, None))
+        counts.append(piece_counts([trained_segments(offsets, labels, max_len, "split")]))
+    amounts = [int(c.trained.sum()) if trained else int(f.lengths.sum()) for c, f in zip(counts, firsts)]
+    assume(all(amounts))
+    spec = MixtureSpec.model_validate({
+        "tokens": max(1, round(budget_share * sum(amounts))),
+        "count": "trained" if trained else "tokens",
+        "sources": [{"name": f"s{i}", "path": "x", "weight": weights[i]} for i in range(len(documents))],
+    })
+    try:
+        plan, tallies, _ = plan_sources(spec, firsts, Packing(max_len=max_len), counts if trained else None)
+    except InputError as exc:  # a budget so small that every source is asked for no token
+        assume("selects no document" not in str(exc))
+        raise
+    packed = plan.slice(0, plan.packs)
+    for number, (tally, c) in enumerate(zip(tallies, counts)):
+        assert abs(tally.realized - tally.requested) <= (int(c.trained.max()) if trained else max_len)
+        mine = packed.source_ids == number
+        assert int(packed.lengths[mine].sum()) == tally.tokens
+        if trained:  # the pieces packed, counted again
+            per_piece = {(row, piece): value for row in range(len(c.offsets) - 1) for piece, value in enumerate(c.of(row))}
+            first_row = int(plan.first_rows[number])
+            assert sum(per_piece[(int(r) - first_row, int(p))] for r, p in zip(packed.rows[mine], packed.pieces[mine])) == tally.realized
