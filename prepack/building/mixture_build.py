@@ -1,13 +1,13 @@
 """`prepack build MIX.yaml` (or `--source` flags): a build from a mixture (`prepack.building.mixture`).
 
 Each source is read as `build` reads a corpus or a store (`open_documents`, the same reading options
-for every corpus source), twice: first for its lengths alone (`LocalEngine.read_lengths`: a store's
-offsets, a corpus read and hashed, no token kept); then the selection (`select_source`) and the plan
-(`plan_mixture`) are computed from the sources' lengths; then each source is read again and only its
-selected documents' tokens copied into a scratch directory of its own (`LocalEngine.write_selected`),
-so that scratch disk follows what is selected, not the sources' size; and the packs are written by
-the local engine as for any build, from the sources' token files laid back to back. With `--index-only` every source is a store beside the
-build: the first passes read only the stores' offsets, the shards hold the plan, and the manifest
+for every corpus source), twice, by the build's engine (`prepack.building.engines.base.Engine`: local,
+or Ray tasks): first for its lengths alone (`read_lengths`: a store's offsets, a corpus read and
+hashed, no token kept); then the selection (`select_source`) and the plan (`plan_mixture`) are
+computed from the sources' lengths; then each source is read again and only its selected documents'
+tokens copied into scratch files of its own (`write_selected`), so that scratch disk follows what is
+selected, not the sources' size; and the engine writes the packs as for any build, from the sources'
+token files laid back to back. With `--index-only` every source is a store beside the build: the first passes read only the stores' offsets, the shards hold the plan, and the manifest
 names each source's store (`prepack.sources.mixture_stores` reads them back as one). The manifest's `inputs` are every source's files, named
 `SOURCE/FILE`, in source order, and a pack's `source_rows` count over them (so a source's rows start
 at its `first_row`); `mixture` records the request and what each source put into the packs.
@@ -39,10 +39,10 @@ from prepack.building.mixture import (
     check_memory,
     mixture_parts,
     packable_tokens,
+    piece_counts,
     requested_tokens,
     select_source,
     source_location,
-    piece_counts,
     split_pieces,
     trained_segments,
 )
@@ -57,7 +57,7 @@ from prepack.building.write_shards import TokenFiles
 __all__ = ["SourceTally", "build_mixture", "plan_sources", "with_row_starts"]
 
 
-def _check_options(origin: str, out: str | os.PathLike, packing, output) -> None:
+def _check_options(origin: str, out: str | os.PathLike, packing) -> None:
     """Refuse what a mixture build does not do, by name, before anything is read."""
     if packing.index_only and is_uri(out):
         raise InputError(
@@ -107,11 +107,11 @@ def build_mixture(
     """Build `mixture` (read from a file or from flags) into `out` (`packing` and `output` as for
     `prepack.building.build.build_packs`, which calls this; `packing.seed` shuffles the packs, the
     mixture's `seed` selects the documents). `index_store_path` is build_packs' rule for how an index build names
-    its store, and `engine_for` its engine for an output (`_engine`: the local one, or for `--engine ray` the
-    Ray engine; an index build's on the driver), both passed in: this module is imported by it. Raises InputError for a bad mixture file or
-    source, as `build` does for a corpus."""
+    its store, and `engine_for` its engine for an output (`_engine`: the local one, or for `--engine ray`
+    the Ray engine; an index build's on the driver), both passed in: this module is imported by it.
+    Raises InputError for a bad mixture file or source, as `build` does for a corpus."""
     spec = mixture.spec
-    _check_options(mixture.origin, out, packing, output)
+    _check_options(mixture.origin, out, packing)
     max_len, index_only = packing.max_len, packing.index_only
     with ExitStack() as stack:
         documents, store_paths, inputs = [], [], []
@@ -211,9 +211,8 @@ def plan_sources(
 ) -> tuple[MixturePlan, list[SourceTally], list[np.ndarray]]:
     """The selection of every source (`firsts`: their lengths and untrained flags) and the plan of the
     mixture's documents, and which rows of each source it packs (bool); the plan has no token starts yet
-    (`with_row_starts`). Where documents are split
-    (--overflow split), selection cuts the last document of a subset after a piece (`select_source`'s
-    `pieces`). With `trained` (a mixture counting trained tokens: each source's `PieceCounts`), the
+    (`with_row_starts`). Where documents are split (--overflow split), selection cuts the last document
+    of a subset after a piece (`select_source`'s `pieces`). With `trained` (a mixture counting trained tokens: each source's `PieceCounts`), the
     request and the selection count trained tokens. Memory beyond the sources' lengths: the selection's
     rows (4 bytes a selected document) and the parts' plans. Raises InputError for a request beyond the
     copies allowed (`select_source`) or the machine's memory (`check_memory`), before the parts are
