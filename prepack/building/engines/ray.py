@@ -65,6 +65,7 @@ from rich.progress import Progress
 
 from prepack.sources.documents import Documents, Reading, corpus_documents
 from prepack.building.engines.base import FirstPass, WrittenStore, locate_row, pack_shard_bounds
+from prepack.building.engines.local import read_store_lengths
 from prepack.errors import EngineError, InputError, OutputError, PrepackError
 from prepack.formats.common import INT32_MAX, Fingerprint
 from prepack.formats.shards import ShardInfo, shard_name
@@ -376,6 +377,7 @@ class RayEngine:
         for a build to object storage, a prefix of objects (tasks on any node read them)."""
         self.staging, self.scratch = staging, scratch
         self.cwd = os.getcwd()
+        self._digests: list[str] = []  # a mixture source's: each unit's digest as `read_lengths` read it
         self.in_flight = max(1, int(ray.cluster_resources().get("CPU", 1))) * _IN_FLIGHT_PER_CPU
 
     def _in_order(self, submitted: Iterator[ray.ObjectRef]) -> Iterator:
@@ -497,8 +499,6 @@ class RayEngine:
         """A mixture's first pass (`LocalEngine.read_lengths`): a store's on the driver from its offsets, a
         corpus's by a task per file, each file's scratch deleted once the driver has hashed it."""
         if documents.store is not None:
-            from prepack.building.engines.local import read_store_lengths
-
             return read_store_lengths(documents.store, progress, observe)
         first, observed, self._digests = self._read_all(documents, reading, progress, observe, lengths_only=True)
         return first, observed
