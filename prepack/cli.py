@@ -491,8 +491,8 @@ def export_command(
         _fail(exc)
     if not quiet:
         size = sum(file.bytes for file in result.manifest.files)
-        _stdout().print(f"exported {result.manifest.build.packs:,} packs of {path} as {to} into {out} "
-                        f"({len(result.manifest.files)} files, {size:,} bytes)", highlight=False)
+        typer.echo(f"exported {result.manifest.build.packs:,} packs of {path} as {to} into {out} "
+                   f"({len(result.manifest.files)} files, {size:,} bytes)")
 
 
 # prepack.model.packing.SUPPORTED_ATTENTION, spelled out: importing it would import torch for every command.

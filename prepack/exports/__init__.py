@@ -171,7 +171,7 @@ def verify_export(export: str | os.PathLike, build: str | os.PathLike) -> list[s
         if not stat.S_ISREG(status.st_mode):
             problems.append(f"{path}: not a regular file; prepack exports regular files only.")
         elif status.st_size != file.bytes:
-            problems.append(f"{path}: {status.st_size} bytes, but {EXPORT_MANIFEST_NAME} says {file.bytes}.")
+            problems.append(f"{path}: {status.st_size} bytes, but {EXPORT_MANIFEST_NAME} says {file.bytes}: the file changed.")
         elif (digest := shard_sha256(path)) != file.sha256:
             problems.append(f"{path}: sha256 {digest}, but {EXPORT_MANIFEST_NAME} says {file.sha256}: the file changed.")
     for path in sorted(export.rglob("*")):
