@@ -35,7 +35,7 @@ from prepack.sources.mixture_stores import open_mixture_stores
 from prepack.sources.store import open_build_store
 from prepack.storage.remote import is_uri
 
-__all__ = ["ExportBuild", "open_export_build", "pack_batches", "training_rows", "training_schema"]
+__all__ = ["ExportBuild", "open_export_build", "pack_batches", "training_rows", "training_rows_per_group", "training_schema"]
 
 # The most bytes of token columns one gathered batch of an index build holds (a full build's batches are
 # its shards, memory-mapped).
@@ -126,6 +126,12 @@ def training_schema(build: ExportBuild) -> pa.Schema:
     if m.pairs is not None:
         fields.append(pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False))
     return pa.schema(fields)
+
+
+def training_rows_per_group(build: ExportBuild) -> int:
+    """Packs per row group of a table of `training_rows`: 32 MiB of its int32 token columns (input_ids, labels,
+    position_ids) at max_len, the unit a reader reads and a writer buffers."""
+    return max(1, (32 << 20) // (12 * build.manifest.options.max_len))
 
 
 def training_rows(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:

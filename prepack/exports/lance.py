@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from prepack.errors import optional_imports
-from prepack.exports.common import ExportBuild, training_rows, training_schema
+from prepack.exports.common import ExportBuild, training_rows, training_rows_per_group, training_schema
 
 __all__ = ["DATASET_NAME", "write"]
 
@@ -35,4 +35,6 @@ def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild
         import lance
     schema = training_schema(build)
     rows = pa.RecordBatchReader.from_batches(schema, (training_rows(batch, schema) for batch in batches))
-    lance.write_dataset(rows, directory / DATASET_NAME, schema, mode="create", data_storage_version=_STORAGE_VERSION)
+    # Lance buffers a row group: 1,024 rows by default, 100 MiB of tokens at max_len 8192.
+    lance.write_dataset(rows, directory / DATASET_NAME, schema, mode="create", data_storage_version=_STORAGE_VERSION,
+                        max_rows_per_group=training_rows_per_group(build))

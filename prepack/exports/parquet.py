@@ -7,7 +7,7 @@ Layout (version 1):
     data/train-00000-of-0000N.parquet   the packs, in pack order: `training_rows`'s columns (input_ids,
                                         labels, position_ids, cu_seqlens; a mixture's source_ids, a
                                         preference-pair build's pair_roles), zstd, row groups of
-                                        `_ROW_GROUP_BYTES` of tokens, `_GROUPS_PER_FILE` groups a file
+                                        `training_rows_per_group` packs, `_GROUPS_PER_FILE` groups a file
     README.md                           the card: the Hub's YAML header, and what `prepack inspect` says
     pack_statistics.png                 `prepack inspect --plot`'s figure of the build
 
@@ -25,12 +25,11 @@ import pyarrow.parquet as pq
 import yaml
 
 from prepack.check.report import InspectReport, plot
-from prepack.exports.common import ExportBuild, training_rows, training_schema
+from prepack.exports.common import ExportBuild, training_rows, training_rows_per_group, training_schema
 from prepack.storage.output import output_errors
 
 __all__ = ["write"]
 
-_ROW_GROUP_BYTES = 32 << 20  # of int32 token columns (input_ids, labels, position_ids) at max_len: one read unit
 _GROUPS_PER_FILE = 16
 IMAGE_NAME = "pack_statistics.png"
 _SPLIT = "train"
@@ -44,7 +43,7 @@ def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild
     """Write the packs `batches` as Parquet files under `directory / "data"`, then the card and its figure."""
     schema = training_schema(build)
     packs = build.manifest.totals.packs
-    rows_per_group = max(1, _ROW_GROUP_BYTES // (12 * build.manifest.options.max_len))
+    rows_per_group = training_rows_per_group(build)
     rows_per_file = rows_per_group * _GROUPS_PER_FILE
     files = max(1, -(-packs // rows_per_file))
     (directory / "data").mkdir()
@@ -55,7 +54,7 @@ def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild
         if writer is None:
             path = directory / _file_name(written // rows_per_file, files)
             with output_errors(path):
-                writer = pq.ParquetWriter(path, schema, compression="zstd")
+                writer = pq.ParquetWriter(path, schema, compression="zstd", write_statistics=False)  # list min/max: read by no one
         writer.write_table(rows, row_group_size=rows_per_group)
         written += rows.num_rows
         if written % rows_per_file == 0:
