@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from prepack.check.report import InspectReport, plot
+from prepack.errors import require
 from prepack.exports.common import ExportBuild, training_rows, training_rows_per_group, training_schema
 from prepack.storage.output import output_errors
 
@@ -41,6 +42,7 @@ def _file_name(index: int, files: int) -> str:
 
 def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild) -> None:
     """Write the packs `batches` as Parquet files under `directory / "data"`, then the card and its figure."""
+    require("matplotlib", "prepack export --to parquet (its card's figure)")  # before any pack is read
     schema = training_schema(build)
     packs = build.manifest.totals.packs
     rows_per_group = training_rows_per_group(build)
