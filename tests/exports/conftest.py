@@ -10,14 +10,15 @@ import pyarrow.parquet as pq
 import pytest
 
 import prepack
-from tests.corpus import MIXTURE, mixture_sources
+from tests.corpus import MIXTURE, mixture_sources, preference_pairs
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory
 
 
 @pytest.fixture(scope="session")
 def builds(tmp_path_factory) -> dict[str, Path]:
     """name -> build directory: "chat" (full, labels, several shards), "chat-index" (the same packs from its
-    store), "mixture" (three sources, two with labels) and "mixture-index" (its sources' stores)."""
+    store), "mixture" (three sources, two with labels), "mixture-index" (its sources' stores) and "pairs" (a
+    preference-pair build, whose packs carry pair_roles)."""
     root = tmp_path_factory.mktemp("export-builds")
     tokenizer = gpt2_directory(root / "gpt2", CHATML)
     pq.write_table(pa.table({"messages": [as_chat(turns) for turns in chitchat()[:300]]}), root / "chat.parquet")
@@ -32,4 +33,6 @@ def builds(tmp_path_factory) -> dict[str, Path]:
     prepack.build(root / "mix.yaml", root / "mixture", max_len=128)
     (root / "stores.yaml").write_text(MIXTURE.format(tokens=20000, within="false").replace("web.parquet", "web-store").replace("code.jsonl", "code-store"))
     prepack.build(root / "stores.yaml", root / "mixture-index", max_len=128, index_only=True)
-    return {name: root / name for name in ("chat", "chat-index", "mixture", "mixture-index")}
+    (root / "pairs").mkdir()
+    builds = {name: root / name for name in ("chat", "chat-index", "mixture", "mixture-index")}
+    return {**builds, "pairs": preference_pairs(root / "pairs")}

@@ -22,8 +22,9 @@ def expected_row(pack: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     labels = np.array(pack.get("labels", pack["input_ids"]), np.int64)
     labels[cu[:-1]] = IGNORE_INDEX
     row = {"input_ids": pack["input_ids"], "labels": labels, "position_ids": positions, "cu_seqlens": cu}
-    if "source_ids" in pack:
-        row["source_ids"] = pack["source_ids"]
+    for name in ("source_ids", "pair_roles"):  # a mixture's, a preference-pair build's
+        if name in pack:
+            row[name] = pack[name]
     return row
 
 

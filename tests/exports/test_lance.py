@@ -23,7 +23,7 @@ def _rows(export: Path):
     return [{name: np.asarray(values[row]) for name, values in columns.items()} for row in range(table.num_rows)]
 
 
-@pytest.mark.parametrize("name", ["chat", "chat-index", "mixture", "mixture-index"])
+@pytest.mark.parametrize("name", ["chat", "chat-index", "mixture", "mixture-index", "pairs"])
 def test_lance_reads_every_pack_of_the_build(builds, tmp_path, name):
     export_build(builds[name], "lance", tmp_path / "export")
     assert first_difference(_rows(tmp_path / "export"), builds[name]) is None

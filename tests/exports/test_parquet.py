@@ -30,7 +30,7 @@ def _load(export: Path, cache: Path):
     return load_dataset("parquet", data_files=files, split="train", cache_dir=str(cache))
 
 
-@pytest.mark.parametrize("name", ["chat", "chat-index", "mixture", "mixture-index"])
+@pytest.mark.parametrize("name", ["chat", "chat-index", "mixture", "mixture-index", "pairs"])
 def test_datasets_loads_every_pack_of_the_build(builds, tmp_path, name):
     export_build(builds[name], "parquet", tmp_path / "export")
     dataset = _load(tmp_path / "export", tmp_path / "cache").with_format("numpy")
