@@ -2,8 +2,7 @@
 
     python benchmarks/bench_export.py --docs 200000
 
-Builds the corpus of `bench_build.py` (lognormal "SFT" lengths, median ~350, random ids; `--docs`
-documents) with `max_len` 8192, once in full and once as an index build of its document store, then runs,
+For each `--docs` size, builds the corpus of `bench_build.py` (lognormal "SFT" lengths, median ~350, random ids) with `max_len` 8192, once in full and once as an index build of its document store, then runs,
 each in a fresh subprocess so that its peak memory is its own, `--repeat` times interleaved (fastest shown,
 highest peak RSS):
 
@@ -14,8 +13,9 @@ highest peak RSS):
 - `export FORMAT` for every format `prepack.exports.FORMATS` lists, from the full build and (`index`) from
   the index build, whose packs are gathered from the store.
 
-Prints a markdown table: wall seconds, tokens/s, peak RSS, output bytes and the throughput as a share of
-`copy`'s (and of `copy parquet`'s).
+Prints a markdown table per size: wall seconds, tokens/s, peak RSS, output bytes and the throughput as a
+share of `copy`'s (and of `copy parquet`'s). Peak RSS counts the build's memory-mapped shard pages read;
+two sizes show whether it grows with the build.
 """
 
 from __future__ import annotations
@@ -86,36 +86,44 @@ def measure(method: str, build: Path, scratch: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--docs", type=int, default=200_000)
+    parser.add_argument("--docs", type=int, nargs="+", default=[200_000])
     parser.add_argument("--repeat", type=int, default=2, help="runs of each method, interleaved (fastest shown)")
     parser.add_argument("--child", nargs=3, metavar=("METHOD", "BUILD", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(*args.child)
-    import prepack
     from prepack.exports import FORMATS
 
     print(f"machine: {machine()}\n")
+    for docs in args.docs:
+        run_size(docs, args.repeat, FORMATS)
+
+
+def run_size(docs: int, repeat: int, formats) -> None:
+    """Build a corpus of `docs` documents, run every method `repeat` times, print its table."""
+    import prepack
+
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         root = Path(tmp)
-        tokens = write_corpus(root / "corpus.parquet", args.docs)
+        tokens = write_corpus(root / "corpus.parquet", docs)
         prepack.build(root / "corpus.parquet", root / "full", max_len=MAX_LEN)
         prepack.build_store(root / "corpus.parquet", root / "store")
         prepack.build(root / "store", root / "index", max_len=MAX_LEN, index_only=True)
         runs = [("copy", "full"), ("copy parquet", "full")]
-        runs += [(f"export {name}", build) for name in FORMATS for build in ("full", "index")]
+        runs += [(f"export {name}", build) for name in formats for build in ("full", "index")]
         results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
-        for _ in range(args.repeat):
+        for _ in range(repeat):
             for method, build in runs:
                 results[method, build].append(measure(method, root / build, root))
     best = {run: min(found, key=lambda r: r["wall"]) | {"peak_kib": max(r["peak_kib"] for r in found)} for run, found in results.items()}
     copy, copy_parquet = best["copy", "full"]["wall"], best["copy parquet", "full"]["wall"]
-    print(f"{args.docs:,} documents, {tokens:,} tokens, max_len {MAX_LEN}; fastest of {args.repeat}\n")
+    print(f"{docs:,} documents, {tokens:,} tokens, max_len {MAX_LEN}; fastest of {repeat}\n")
     print("| method | build | time (s) | tokens/s | peak RSS (MiB) | output (MiB) | vs copy | vs copy parquet |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for (method, build), r in best.items():
         print(f"| {method} | {build} | {r['wall']:.2f} | {tokens / r['wall'] / 1e6:.1f} M | {r['peak_kib'] / 1024:,.0f} | "
               f"{r['bytes'] / 2**20:,.0f} | {copy / r['wall']:.2f}× | {copy_parquet / r['wall']:.2f}× |")
+    print()
 
 
 if __name__ == "__main__":
