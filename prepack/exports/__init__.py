@@ -95,6 +95,8 @@ def export_build(build: str | os.PathLike, to: str, out: str | os.PathLike) -> E
     if os.path.lexists(out):
         raise OutputError(f"{out} already exists; an export writes a new directory: remove it or choose another --out.")
     source = open_export_build(build)
+    if out.resolve().is_relative_to(source.path.resolve()):
+        raise InputError(f"--out {out} lies inside the build {build}, which holds prepack's files alone; choose a directory beside it.")
     chosen = FORMATS[to]
     writer = import_module(chosen.module)
     with staged_directory(out, overwrite=False) as staging:

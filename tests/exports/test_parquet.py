@@ -138,6 +138,9 @@ def test_an_unknown_format_and_a_uri_are_refused_by_name(builds, tmp_path):
     with pytest.raises(InputError, match="local build"):
         export_build("s3://bucket/packed", "parquet", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    with pytest.raises(InputError, match="inside the build"):
+        export_build(builds["chat"], "parquet", builds["chat"] / "parquet")
+    assert sorted(p.name for p in builds["chat"].iterdir() if not p.name.startswith("shard-")) == ["manifest.json"]
 
 
 def test_verify_reports_a_changed_build_a_missing_file_and_a_stray_one(builds, tmp_path):
