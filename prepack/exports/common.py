@@ -59,7 +59,7 @@ class ExportBuild:
 
     @property
     def kind(self) -> str:
-        """"full", "index", "mixture" or "mixture index": what `export.json` and a format's refusals say."""
+        """"full", "index", "mixture full" or "mixture index": what `export.json` records and a format may refuse by name."""
         m = self.manifest
         return ("mixture " if m.mixture is not None else "") + ("index" if m.index_of is not None else "full")
 
