@@ -37,9 +37,8 @@ from prepack.storage.remote import is_uri
 
 __all__ = ["ExportBuild", "open_export_build", "pack_batches", "training_rows", "training_rows_per_group", "training_schema"]
 
-# The most bytes of token columns one gathered batch of an index build holds (a full build's batches are
-# its shards, memory-mapped).
-GATHER_BATCH_BYTES = 64 << 20
+# The most bytes of token columns (ids, segment ids, labels) one batch holds: what a format's writer holds at once.
+BATCH_BYTES = 64 << 20
 
 
 @dataclass
@@ -81,9 +80,10 @@ def open_export_build(path: str | os.PathLike) -> ExportBuild:
 
 def pack_batches(build: ExportBuild) -> Iterator[pa.RecordBatch]:
     """The build's packs in pack order as record batches of the full shard format, each checked
-    (`check_shard`): a full build's shards as they are (memory-mapped), an index build's (a mixture's too)
-    gathered from its store(s) by the loader's gather (`IndexGather`), at most `GATHER_BATCH_BYTES` of
-    tokens at a time, so that memory stays bounded whatever the build's size."""
+    (`check_shard`), each of at most `BATCH_BYTES` of tokens (or one pack), so that memory stays
+    bounded whatever the build's size and shard size: a full build's shards memory-mapped, checked whole and
+    cut into batches that share their memory; an index build's (a mixture's too) gathered from its store(s)
+    by the loader's gather (`IndexGather`). Every list column's offsets start at 0."""
     m, max_len = build.manifest, build.manifest.options.max_len
     gather = None
     if m.mixture is not None and m.mixture.index_only:
@@ -91,7 +91,7 @@ def pack_batches(build: ExportBuild) -> Iterator[pa.RecordBatch]:
     elif m.store is not None:
         gather = IndexGather(open_build_store(build.path, m), max_len)
     bytes_per_pack = max_len * (8 + (4 if m.has_labels else 0))
-    per_batch = max(1, GATHER_BATCH_BYTES // bytes_per_pack)
+    per_batch = max(1, BATCH_BYTES // bytes_per_pack)
     for index, info in enumerate(m.shards):
         file = shard_path(build.path, index, info)
         where = str(file)
@@ -100,7 +100,8 @@ def pack_batches(build: ExportBuild) -> Iterator[pa.RecordBatch]:
             raise FormatError(f"{where}: {batch.num_rows} packs, but the manifest says {info.rows}.")
         if gather is None:
             check_shard(batch, max_len, where)
-            yield batch
+            for first in range(0, batch.num_rows, per_batch):
+                yield _rebased(batch.slice(first, per_batch))
             continue
         check_index_shard(batch, max_len, where)
         names = [*INDEX_COLUMNS, *(["source_ids"] if "source_ids" in batch.schema.names else [])]
@@ -109,6 +110,18 @@ def pack_batches(build: ExportBuild) -> Iterator[pa.RecordBatch]:
             gathered = gather.batch(columns, first, min(first + per_batch, batch.num_rows), m.has_labels, where)
             check_shard(gathered, max_len, where)
             yield gathered
+
+
+def _rebased(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """`batch`, a slice of a shard, with every list column's offsets starting at 0: new offsets (one per
+    pack), the values shared with the shard, not copied."""
+    arrays = []
+    for name, column in zip(batch.schema.names, batch.columns):
+        if isinstance(column, pa.ListArray):
+            offsets, values = list_column(batch, name)
+            column = list_array(offsets - offsets[0], values[offsets[0] : offsets[-1]])
+        arrays.append(column)
+    return pa.RecordBatch.from_arrays(arrays, schema=batch.schema)
 
 
 def training_schema(build: ExportBuild) -> pa.Schema:
