@@ -42,7 +42,6 @@ from prepack.formats.shards import (
     shard_file_problems,
     segment_id_type,
     shard_path,
-    shard_schema,
     shard_sha256,
 )
 from prepack.storage.remote import is_uri

@@ -9,7 +9,6 @@ import sys
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
