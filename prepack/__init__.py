@@ -61,6 +61,8 @@ _LAZY = {
     "check_isolation": "prepack.model.isolation",
     "inspect_build": "prepack.check.report",
     "verify_build": "prepack.check.verify",
+    "export_build": "prepack.exports",
+    "verify_export": "prepack.exports",
 }
 
 __all__ = sorted(

@@ -432,6 +432,7 @@ def verify_command(
     images: Annotated[Path | None, typer.Option("--images", help="The image set prepared with its corpus: check it, and every pack's image tokens.")] = None,
     decode: Annotated[bool, typer.Option("--decode", help="With --images: also decode every image, as training will (slower).")] = False,
     reference: Annotated[Path | None, typer.Option("--reference", help="A pair build's stored reference log-probabilities: check them against their manifest and the build.")] = None,
+    export: Annotated[Path | None, typer.Option("--export", help="An export of this build (prepack export): check that its files are intact and the build is still the one it was written from.")] = None,
 ) -> None:
     """Check shards against the manifest and the format (and every token against --source).
     Exit 0: sound; 1: problems found (printed); 2: not a build, or an unreadable --source."""
@@ -456,6 +457,10 @@ def verify_command(
             from prepack.check.reference import verify_reference
 
             problems = [*problems, *verify_reference(path, reference)]
+        if export is not None:
+            from prepack.exports import verify_export
+
+            problems = [*problems, *verify_export(export, path)]
     except PrepackError as exc:
         _fail(exc)
     for problem in problems:
@@ -465,7 +470,30 @@ def verify_command(
     checked = f" {reference}: the reference log-probabilities checked." if reference is not None else ""
     if images is not None:
         checked += " " + images_line
+    if export is not None:
+        checked += f" {export}: the export's files and build checked."
     typer.echo(checked_summary(path, source) + checked)
+
+
+@app.command("export", cls=_Command)
+def export_command(
+    path: Annotated[str, typer.Argument(help="A local build directory (holding manifest.json): full, index or mixture.")],
+    to: Annotated[str, typer.Option("--to", help="The format: parquet (with a Hugging Face dataset card) or lance; an unknown name is refused with the list.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="A new directory (created atomically; an existing one is never replaced).")],
+    quiet: _QuietOption = False,
+) -> None:
+    """Write a build in a format another training stack reads as its own, with export.json recording the
+    build it came from (`prepack verify BUILD --export DIR` checks it later)."""
+    from prepack.exports import export_build
+
+    try:
+        result = export_build(path, to, out)
+    except PrepackError as exc:
+        _fail(exc)
+    if not quiet:
+        size = sum(file.bytes for file in result.manifest.files)
+        typer.echo(f"exported {result.manifest.build.packs:,} packs of {path} as {to} into {out} "
+                   f"({len(result.manifest.files)} files, {size:,} bytes)")
 
 
 # prepack.model.packing.SUPPORTED_ATTENTION, spelled out: importing it would import torch for every command.

@@ -65,6 +65,7 @@ EXTRAS = {
     "trl": "trl",
     "flash_attn": "flash",
     "PIL": "images",
+    "lance": "export",
 }
 
 

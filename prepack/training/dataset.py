@@ -8,7 +8,7 @@ elsewhere end up indexing GPU memory; and only the build's own regular files are
 
 An index build (`Manifest.store`) holds no token: its rows are gathered from the document store it
 names (`open_build_store` refuses a store whose fingerprint changed), one copy per pack by one numba
-kernel call (`_gather_pack`) that checks every reference it follows, and come out identical to the
+kernel call (`prepack.sources.gather.IndexGather`) that checks every reference it follows, and come out identical to the
 rows of the full build of that store with the same options. `open_hf_dataset` writes them once as
 full shards (`_gathered_shards`), so that `datasets` works on a real Arrow table there too.
 """
@@ -21,12 +21,10 @@ import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-import numba
 import numpy as np
 import pyarrow as pa
-from numba.typed import List as TypedList
 
 from prepack.storage.cache import ShardCache, cache_directory
 from prepack.errors import FormatError, InputError, PackIndexError, optional_imports
@@ -44,13 +42,12 @@ from prepack.formats.shards import (
     shard_file_problems,
     segment_id_type,
     shard_path,
-    shard_schema,
     shard_sha256,
 )
 from prepack.storage.remote import is_uri
+from prepack.sources.gather import INDEX_COLUMNS, IndexGather
 from prepack.sources.mixture_stores import StoreChain, open_mixture_stores
 from prepack.sources.store import Store, open_build_store
-from prepack.formats.common import list_array
 from prepack.storage.files import record_batch_sha256, write_record_batch
 
 with optional_imports("PackedDataset"):
@@ -60,8 +57,6 @@ __all__ = ["PackedDataset", "open_hf_dataset"]
 
 # Columns served per row; the per-document bookkeeping columns stay in the file.
 _ROW_COLUMNS = ("input_ids", "cu_seqlens", "segment_ids")
-# What an index shard's rows are gathered from.
-_INDEX_COLUMNS = ("cu_seqlens", "source_rows", "source_pieces")
 
 _ListColumn = tuple[np.ndarray, np.ndarray]  # (offsets, values): row r is values[offsets[r]:offsets[r + 1]]
 
@@ -133,9 +128,7 @@ class PackedDataset(Dataset):
         elif self.manifest.store is not None:
             local = self.cache is None or store is not None
             self.store = open_build_store(self.path, self.manifest, store) if local else self.cache.store()
-        if self.store is not None:
-            self._store_ends = np.cumsum([s.documents for s in self.store.manifest.shards], dtype=np.int64)
-            self._store_tokens: _StoreTokens | None = None  # made on the first gather, in each worker
+        self._gather = None if self.store is None else IndexGather(self.store, self.manifest.options.max_len)
 
     @property
     def shard_paths(self) -> list[Path]:
@@ -169,7 +162,7 @@ class PackedDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers reopen (and recheck) shards themselves; a memory map does not survive pickling anyway.
-        return {**self.__dict__, "_open": {}, **({"_store_tokens": None} if self.store is not None else {})}
+        return {**self.__dict__, "_open": {}}  # `IndexGather` drops its store maps itself
 
     def check_all(self) -> None:
         """Open and check every shard now instead of on first use."""
@@ -184,59 +177,19 @@ class PackedDataset(Dataset):
             yield layout.documents.astype(np.int32), layout.lengths.astype(np.int32)
 
     def _gathered(self, shard: int, row: int, columns: dict[str, _ListColumn]) -> dict[str, np.ndarray]:
-        """An index build's pack: its documents' tokens (and labels) copied out of the store, in order,
-        by one kernel call (a store shard the pack is the first to need is opened, and the call made again)."""
-        store_tokens = self._store_tokens or self._open_store_tokens()
-        max_len = self.manifest.options.max_len
-        while True:
-            problem, at, ids, labels, segment_ids = _gather_pack(
-                row, *columns["cu_seqlens"], *columns["source_rows"], *columns["source_pieces"], max_len,
-                self._store_ends, store_tokens.offsets, store_tokens.ids, store_tokens.labels,
-                self.store.manifest.has_labels,
-            )
-            if problem != _STORE_SHARD_CLOSED:
-                break
-            store_tokens.open(at)
-        if problem != _GATHERED:
-            self._refuse_reference(shard, row, columns, problem, at)
+        """An index build's pack: its documents' tokens (and labels) copied out of the store, in order
+        (`IndexGather.pack`)."""
+        where = f"{self.path}/{self.manifest.shards[shard].name}"  # self.path: a directory or a URI
+        ids, labels, segment_ids = self._gather.pack(columns, row, where)
         cu_off, cu = columns["cu_seqlens"]
         packed = {"input_ids": ids, "cu_seqlens": cu[cu_off[row] : cu_off[row + 1]], "segment_ids": segment_ids}
-        if self.store.manifest.has_labels:
+        if labels is not None:
             packed["labels"] = labels
         for name in ("source_ids", "reference_logps"):  # a mixture's; stored reference log-probabilities
             if name in columns:
                 offsets, values = columns[name]
                 packed[name] = values[offsets[row] : offsets[row + 1]]
         return packed
-
-    def _open_store_tokens(self) -> _StoreTokens:
-        self._store_tokens = _StoreTokens(self.store)
-        return self._store_tokens
-
-    def _refuse_reference(
-        self, shard: int, row: int, columns: dict[str, _ListColumn], problem: int, number: int
-    ) -> NoReturn:
-        """Raise the FormatError for what `_gather_pack` found wrong with document `number` of a pack."""
-        (cu_off, cu), (row_off, rows), (piece_off, pieces) = (columns[name] for name in _INDEX_COLUMNS)
-        if problem == _BAD_LAYOUT:  # only without `validate`: check_index_shard refuses these first
-            documents, max_len = row_off[row + 1] - row_off[row], self.manifest.options.max_len
-            self._refuse(shard, row, "cu_seqlens", f"{cu[cu_off[row] : cu_off[row + 1]].tolist()} are not the bounds "
-                         f"of {documents} documents within max_len {max_len}.")
-        document, piece = int(rows[row_off[row] + number]), int(pieces[piece_off[row] + number])
-        if problem == _NO_SUCH_DOCUMENT:
-            self._refuse(shard, row, "source_rows", f"document {number + 1} is store document {document}; "
-                         f"the store has {int(self._store_ends[-1])}.")
-        length = int(cu[cu_off[row] + number + 1] - cu[cu_off[row] + number])
-        store_shard = int(np.searchsorted(self._store_ends, document, "right"))
-        offsets = self._store_tokens.offsets[store_shard]
-        local = document - int(self._store_ends[store_shard]) + self.store.manifest.shards[store_shard].documents
-        where = "starts before" if piece < 0 else "runs past"  # a negative piece only without `validate`
-        self._refuse(shard, row, "source_pieces", f"document {number + 1} (store document {document}, piece {piece}, "
-                     f"{length} tokens) {where} that document's {offsets[local + 1] - offsets[local]} tokens.")
-
-    def _refuse(self, shard: int, row: int, column: str, message: str) -> NoReturn:
-        path = f"{self.path}/{self.manifest.shards[shard].name}"  # self.path: a directory or a URI
-        raise FormatError(f"{path}: row {row}, column {column!r}: {message}")
 
     def _locate(self, index: int) -> tuple[int, int]:
         """Global pack index → (shard, row in shard)."""
@@ -275,96 +228,6 @@ class PackedDataset(Dataset):
         return batch
 
 
-class _StoreTokens:
-    """The store's shards as `_gather_pack` reads them: three typed lists indexed by store shard (token
-    offsets as int64, token ids, labels), each shard's entries empty until `open` checks and maps it.
-    Numba lists, so that one kernel call reaches every shard a pack needs; never pickled."""
-
-    def __init__(self, store: Store):
-        self.store = store
-        count = len(store.manifest.shards)
-        self.offsets = _typed_list(count, _read_only(np.zeros(0, np.int64)))
-        self.ids = _typed_list(count, _read_only(np.zeros(0, np.int32)))
-        self.labels = _typed_list(count, _read_only(np.zeros(0, np.int32))) if store.manifest.has_labels else self.ids
-
-    def open(self, index: int) -> None:
-        offsets, ids, labels = self.store.shard_columns(self.store.manifest.shards[index])
-        # One type per list (C-contiguous, read-only) whatever the arrays came as.
-        _put(self.offsets, index, _read_only(np.ascontiguousarray(offsets, np.int64)))
-        _put(self.ids, index, _read_only(np.ascontiguousarray(ids, np.int32)))
-        if labels is not None:
-            _put(self.labels, index, _read_only(np.ascontiguousarray(labels, np.int32)))
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    view = array.view()
-    view.flags.writeable = False
-    return view
-
-
-@numba.njit(cache=True)
-def _typed_list(count, fill):
-    # Built in a cached function: a typed list made from Python compiles its methods in every process.
-    out = TypedList()
-    for _ in range(count):
-        out.append(fill)
-    return out
-
-
-@numba.njit(cache=True)
-def _put(items, index, value):
-    items[index] = value
-
-
-# What `_gather_pack` found: the pack gathered, a store shard to open first, or what is wrong with it.
-_GATHERED, _STORE_SHARD_CLOSED, _BAD_LAYOUT, _NO_SUCH_DOCUMENT, _OUTSIDE_DOCUMENT = range(5)
-
-
-@numba.njit(cache=True, nogil=True)
-def _gather_pack(row, cu_offsets, cu_values, row_offsets, row_values, piece_offsets, piece_values, max_len,
-                 store_ends, store_offsets, store_ids, store_labels, has_labels):
-    """Row `row` of an index shard, gathered: (problem, at, input_ids, labels, segment_ids).
-
-    `problem` is `_GATHERED`, or `_STORE_SHARD_CLOSED` with `at` the store shard to open before calling
-    again, or a reference that does not hold with `at` the pack's document (0-based). Every value read
-    from the index shard is checked before it sizes, indexes or bounds a copy, validated or not (the
-    index shard's list offsets are, by `open_shard`); `store_ends` is the store's cumulative document
-    counts."""
-    cu = cu_values[cu_offsets[row] : cu_offsets[row + 1]]
-    documents = len(cu) - 1
-    rows = row_values[row_offsets[row] : row_offsets[row + 1]]
-    pieces = piece_values[piece_offsets[row] : piece_offsets[row + 1]]
-    none = np.empty(0, np.int32)
-    if documents < 1 or len(rows) != documents or len(pieces) != documents or cu[0] != 0:
-        return _BAD_LAYOUT, 0, none, none, none
-    tokens = np.int64(cu[documents])
-    if not 0 <= tokens <= max_len:
-        return _BAD_LAYOUT, 0, none, none, none
-    ids = np.empty(tokens, np.int32)
-    labels = np.empty(tokens if has_labels else 0, np.int32)
-    segment_ids = np.empty(tokens, np.int32)
-    for number in range(documents):
-        start, end = np.int64(cu[number]), np.int64(cu[number + 1])
-        if not start <= end <= tokens:
-            return _BAD_LAYOUT, number, none, none, none
-        document = np.int64(rows[number])
-        if not 0 <= document < store_ends[-1]:
-            return _NO_SUCH_DOCUMENT, number, none, none, none
-        store_shard = np.searchsorted(store_ends, document, side="right")
-        offsets = store_offsets[store_shard]
-        if len(offsets) == 0:
-            return _STORE_SHARD_CLOSED, store_shard, none, none, none
-        local = document - (store_ends[store_shard - 1] if store_shard > 0 else 0)
-        first = offsets[local] + np.int64(pieces[number]) * max_len
-        if pieces[number] < 0 or first + (end - start) > offsets[local + 1]:
-            return _OUTSIDE_DOCUMENT, number, none, none, none
-        ids[start:end] = store_ids[store_shard][first : first + end - start]
-        if has_labels:
-            labels[start:end] = store_labels[store_shard][first : first + end - start]
-        segment_ids[start:end] = number + 1
-    return _GATHERED, 0, ids, labels, segment_ids
-
-
 def _check_directory(path: Path, manifest: Manifest) -> None:
     """What the manifest promises about the files, checked with `stat` only (no shard is read)."""
     if (problem := next(shard_file_problems(path, manifest), None)) is not None:
@@ -376,7 +239,7 @@ def _check_directory(path: Path, manifest: Manifest) -> None:
 
 def _index_columns(batch: pa.RecordBatch) -> list[str]:
     """The list columns an index shard's rows are gathered from (and a mixture's `source_ids`, served)."""
-    return [*_INDEX_COLUMNS, *(["source_ids"] if "source_ids" in batch.schema.names else [])]
+    return [*INDEX_COLUMNS, *(["source_ids"] if "source_ids" in batch.schema.names else [])]
 
 
 def _row_columns(batch: pa.RecordBatch) -> list[str]:
@@ -525,27 +388,8 @@ def _gathered_shards(packed: PackedDataset, directory: Path) -> list[Path]:
 
 def _gathered_batch(packed: PackedDataset, shard: int, first: int, stop: int) -> pa.RecordBatch:
     """Packs `first` to `stop` of index shard `shard`, gathered, as one full shard's record batch."""
-    columns = packed._columns(shard)
-    rows = [packed._gathered(shard, row, columns) for row in range(first, stop)]
-    lengths = np.array([len(row["input_ids"]) for row in rows], np.int64)
-    token_offsets = np.concatenate([[0], np.cumsum(lengths)])
-    cu = [row["cu_seqlens"] for row in rows]
-    cu_offsets = np.concatenate([[0], np.cumsum([len(bounds) for bounds in cu])])
-    (row_off, source_rows), (piece_off, source_pieces) = columns["source_rows"], columns["source_pieces"]
-    manifest = packed.manifest
-    schema = shard_schema(manifest.has_labels, manifest.options.max_len)
-    segment_type = schema.field("segment_ids").type.value_type.to_pandas_dtype()
-    arrays = [
-        list_array(token_offsets, np.concatenate([row["input_ids"] for row in rows])),
-        list_array(token_offsets, np.concatenate([row["segment_ids"] for row in rows]).astype(segment_type)),
-        list_array(cu_offsets, np.concatenate(cu)),
-        pa.array(np.array([np.diff(bounds).max() for bounds in cu], np.int32)),
-        list_array(row_off[first : stop + 1] - row_off[first], source_rows[row_off[first] : row_off[stop]].astype(np.int64)),
-        list_array(piece_off[first : stop + 1] - piece_off[first], source_pieces[piece_off[first] : piece_off[stop]]),
-    ]
-    if manifest.has_labels:
-        arrays.append(list_array(token_offsets, np.concatenate([row["labels"] for row in rows])))
-    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+    where = f"{packed.path}/{packed.manifest.shards[shard].name}"
+    return packed._gather.batch(packed._columns(shard), first, stop, packed.manifest.has_labels, where)
 
 
 def _write_gathered(batch: pa.RecordBatch, file: Path) -> None:

@@ -349,5 +349,5 @@ def test_an_index_dataset_pickles_for_workers(store, tmp_path):
     dataset = PackedDataset(tmp_path / "index")
     first = dataset[0]  # maps an index shard and a store shard
     again = pickle.loads(pickle.dumps(dataset))
-    assert again._open == {} and again._store_tokens is None
+    assert again._open == {} and again._gather.tokens is None
     assert all(np.array_equal(again[0][name], first[name]) for name in first)

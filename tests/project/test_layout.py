@@ -20,7 +20,7 @@ _DYNAMIC_IMPORTS = {"import_module", "require"}  # importlib's, and prepack.erro
 
 
 # The two wings (README, "Where things are"): building never imports torch, so it never imports training.
-_BUILDING = ("prepack.sources", "prepack.building", "prepack.formats", "prepack.storage")
+_BUILDING = ("prepack.sources", "prepack.building", "prepack.formats", "prepack.storage", "prepack.exports")
 _TRAINING = ("prepack.training", "prepack.model")
 
 

@@ -103,6 +103,16 @@ def test_plot_without_matplotlib(packed):
     assert not (packed / "report.png").exists()
 
 
+@pytest.mark.parametrize(("to", "module", "extra", "needed_by"), [
+    ("parquet", "matplotlib", "plot", "prepack export --to parquet (its card's figure)"),
+    ("lance", "lance", "export", "prepack export --to lance"),
+])
+def test_an_export_without_its_writer(packed, to, module, extra, needed_by):
+    message = _cli([module], ["export", "packed", "--to", to, "--out", "exported"], packed)
+    assert message == f"error: {needed_by} needs {module}, which is not installed: {_install_line(extra)}"
+    assert not [path.name for path in packed.iterdir() if "exported" in path.name]  # no export, staging or lock
+
+
 @pytest.mark.parametrize("module", ["torch", "transformers"])
 def test_check_isolation_without_the_train_extra(tmp_path, module):
     message = _cli([module], ["check-isolation", "--model", str(tmp_path)], tmp_path)

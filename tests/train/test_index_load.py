@@ -68,7 +68,7 @@ def test_packs_span_store_shards_and_each_is_checked_once(builds, monkeypatch):
     monkeypatch.setattr(Store, "shard_columns", counted)
     dataset, reference = PackedDataset(index), PackedDataset(full)
     assert len(dataset.store.manifest.shards) > 2
-    ends = dataset._store_ends
+    ends = dataset._gather.store_ends
     spanning = 0
     for _ in range(2):
         for i in range(len(dataset)):
@@ -88,7 +88,7 @@ def test_rows_come_out_of_dataloader_workers_the_same(builds):
         dataset = PackedDataset(path)
         dataset[0]  # the parent's maps and typed lists must not travel to the workers
         again = pickle.loads(pickle.dumps(dataset))
-        assert again._open == {} and (name == "full" or again._store_tokens is None)
+        assert again._open == {} and (name == "full" or again._gather.tokens is None)
         loader = torch.utils.data.DataLoader(again, batch_size=3, collate_fn=collate, num_workers=2)
         batches[name] = list(loader)
     assert len(batches["full"]) == len(batches["index"]) > 1

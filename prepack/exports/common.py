@@ -1,0 +1,191 @@
+"""What every export format is written from: the source build (`ExportBuild`), its packs as record batches of
+prepack's own shard format (`pack_batches`), and the columns a generic table reader trains on
+(`training_rows`, which the Parquet and Lance exports hold).
+
+A format is a module `prepack.exports.<name>` with one function,
+
+    write(batches: Iterable[pyarrow.RecordBatch], directory: pathlib.Path, build: ExportBuild) -> None
+
+that writes its files into `directory` (a private staging directory, published whole by `export_build`).
+`batches` are the build's packs in pack order, whole packs, in the shard schema
+(`prepack.formats.shards.shard_schema`, `schemas/shard-format.md` "Shards"): `input_ids`, `segment_ids`,
+`cu_seqlens`, `max_seqlen`, `source_rows`, `source_pieces`, then `source_ids` (a mixture's), `labels` (a build
+with labels), `pair_roles` (a preference-pair build's). Each batch is checked (`check_shard`) before it is
+handed on, and its list offsets start at 0. A format that cannot hold what a build carries raises
+InputError naming it; nothing is published then.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from prepack.check.report import InspectReport, inspect_build
+from prepack.errors import FormatError, InputError
+from prepack.formats.common import list_array, list_column
+from prepack.formats.shards import IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, check_index_shard, check_shard, read_manifest, shard_path, shard_sha256
+from prepack.sources.gather import INDEX_COLUMNS, IndexGather
+from prepack.sources.mixture_stores import open_mixture_stores
+from prepack.sources.store import open_build_store
+from prepack.storage.remote import is_uri
+
+__all__ = ["ExportBuild", "open_export_build", "pack_batches", "training_rows", "training_rows_per_group", "training_schema"]
+
+# The most bytes of token columns (ids, segment ids, labels) one batch holds: what a format's writer holds at once.
+BATCH_BYTES = 64 << 20
+
+
+@dataclass
+class ExportBuild:
+    """The build an export is written from: its directory, manifest, and the sha256 of its manifest.json
+    (`manifest_sha256`: the build's fingerprint as an export records it; the manifest lists every shard's
+    sha256, and an index build's its store's fingerprint, so the same value means the same packs)."""
+
+    path: Path
+    manifest: Manifest
+    manifest_sha256: str
+
+    @property
+    def name(self) -> str:
+        """The build directory's name (what a card calls it: never the path, which is the writer's machine's)."""
+        return self.path.resolve().name
+
+    @property
+    def kind(self) -> str:
+        """"full", "index", "mixture full" or "mixture index": what `export.json` records and a format may refuse by name."""
+        m = self.manifest
+        return ("mixture " if m.mixture is not None else "") + ("index" if m.index_of is not None else "full")
+
+    @cached_property
+    def report(self) -> InspectReport:
+        """`prepack inspect --json`'s report of the build (default options), computed once."""
+        return inspect_build(self.path)
+
+
+def open_export_build(path: str | os.PathLike) -> ExportBuild:
+    """The local build at `path`, its manifest read and checked (`read_manifest`). InputError for a URI:
+    an export reads a local build (download it first, or export where it was built)."""
+    if is_uri(path):
+        raise InputError(f"{path}: prepack export reads a local build directory; copy the build here first.")
+    path = Path(path)
+    manifest = read_manifest(path)
+    return ExportBuild(path, manifest, shard_sha256(path / MANIFEST_NAME))
+
+
+def pack_batches(build: ExportBuild) -> Iterator[pa.RecordBatch]:
+    """The build's packs in pack order as record batches of the full shard format, each checked
+    (`check_shard`), each of at most `BATCH_BYTES` of tokens (or one pack), so that memory stays
+    bounded whatever the build's size and shard size: a full build's shards memory-mapped, checked whole and
+    cut into batches that share their memory; an index build's (a mixture's too) gathered from its store(s)
+    by the loader's gather (`IndexGather`). Every list column's offsets start at 0."""
+    m, max_len = build.manifest, build.manifest.options.max_len
+    gather = None
+    if m.mixture is not None and m.mixture.index_only:
+        gather = IndexGather(open_mixture_stores(build.path, m), max_len)
+    elif m.store is not None:
+        gather = IndexGather(open_build_store(build.path, m), max_len)
+    bytes_per_pack = max_len * (8 + (4 if m.has_labels else 0))
+    per_batch = max(1, BATCH_BYTES // bytes_per_pack)
+    for index, info in enumerate(m.shards):
+        file = shard_path(build.path, index, info)
+        where = str(file)
+        batch = m.open_shard(file, where)
+        if batch.num_rows != info.rows:
+            raise FormatError(f"{where}: {batch.num_rows} packs, but the manifest says {info.rows}.")
+        if gather is None:
+            check_shard(batch, max_len, where)
+            for first in range(0, batch.num_rows, per_batch):
+                yield _rebased(batch.slice(first, per_batch))
+            continue
+        check_index_shard(batch, max_len, where)
+        names = [*INDEX_COLUMNS, *(["source_ids"] if "source_ids" in batch.schema.names else [])]
+        columns = {name: list_column(batch, name, where) for name in names}
+        for first in range(0, batch.num_rows, per_batch):
+            gathered = gather.batch(columns, first, min(first + per_batch, batch.num_rows), m.has_labels, where)
+            check_shard(gathered, max_len, where)
+            yield gathered
+
+
+def _rebased(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """`batch`, a slice of a shard, with every list column's offsets starting at 0: new offsets (one per
+    pack), the values shared with the shard, not copied."""
+    arrays = []
+    for name, column in zip(batch.schema.names, batch.columns):
+        if isinstance(column, pa.ListArray):
+            offsets, values = list_column(batch, name)
+            column = list_array(offsets - offsets[0], values[offsets[0] : offsets[-1]])
+        arrays.append(column)
+    return pa.RecordBatch.from_arrays(arrays, schema=batch.schema)
+
+
+def training_schema(build: ExportBuild) -> pa.Schema:
+    """The columns of `training_rows`: input_ids, labels, position_ids, cu_seqlens, and a mixture's
+    source_ids and a preference-pair build's pair_roles."""
+    m = build.manifest
+    fields = [
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("labels", pa.list_(pa.int32()), nullable=False),
+        pa.field("position_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("cu_seqlens", pa.list_(pa.int32()), nullable=False),
+    ]
+    if m.mixture is not None:
+        fields.append(pa.field("source_ids", pa.list_(pa.uint16()), nullable=False))
+    if m.pairs is not None:
+        fields.append(pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False))
+    return pa.schema(fields)
+
+
+def training_rows_per_group(build: ExportBuild) -> int:
+    """Packs per row group of a table of `training_rows`: 32 MiB of its int32 token columns (input_ids, labels,
+    position_ids) at max_len, the unit a reader reads and a writer buffers."""
+    return max(1, (32 << 20) // (12 * build.manifest.options.max_len))
+
+
+def training_rows(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """Packs of the shard format as a generic trainer reads them (`training_schema`), one row a pack:
+
+    - `input_ids` as stored;
+    - `labels`: the build's labels (a build without labels: the token ids), -100 at each document's first
+      token, so that no document is trained to predict from the one before it: exactly what
+      `PackedCollator` trains on, ready for a model that shifts labels itself;
+    - `position_ids`: 0, 1, ... restarting at each document, from which transformers' flash-attention
+      path finds the documents' bounds (as with `DataCollatorWithFlattening`);
+    - `cu_seqlens`: the documents' bounds, [0, ..., tokens];
+    - `source_ids` (a mixture's: each document's source, numbered as the card and manifest list them) and
+      `pair_roles` (0 chosen, 1 rejected) as stored."""
+    ids_off, ids = list_column(batch, "input_ids")
+    ids = ids[ids_off[0] : ids_off[-1]]
+    offsets = (ids_off - ids_off[0]).astype(np.int64)
+    cu_off, cu = list_column(batch, "cu_seqlens")
+    cu_offsets = (cu_off - cu_off[0]).astype(np.int64)
+    cu = cu[cu_off[0] : cu_off[-1]].astype(np.int64)
+    documents = np.diff(cu_offsets) - 1
+    last = cu_offsets[1:] - 1  # each pack's last bound: its length, not a document's start
+    is_start = np.ones(len(cu), bool)
+    is_start[last] = False
+    starts = cu[is_start]
+    lengths = np.diff(cu)[is_start[:-1]]
+    pack_start = np.repeat(offsets[:-1], documents)  # each document's pack's first token, in the flat tokens
+    position_ids = np.arange(len(ids), dtype=np.int64) - np.repeat(pack_start + starts, lengths)
+    if "labels" in batch.schema.names:
+        lab_off, labels = list_column(batch, "labels")
+        labels = np.array(labels[lab_off[0] : lab_off[-1]], np.int32)
+    else:
+        labels = np.array(ids, np.int32)
+    labels[position_ids == 0] = IGNORE_INDEX
+    arrays = [
+        list_array(offsets, np.ascontiguousarray(ids, np.int32)),
+        list_array(offsets, labels),
+        list_array(offsets, position_ids.astype(np.int32)),
+        list_array(cu_offsets, cu.astype(np.int32)),
+    ]
+    for name in schema.names[4:]:
+        column_offsets, values = list_column(batch, name)
+        arrays.append(list_array(column_offsets - column_offsets[0], values[column_offsets[0] : column_offsets[-1]]))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
