@@ -52,7 +52,9 @@ class TrainedPacks(NamedTuple):
 def refuse_pair_build(is_pair_build: bool, export: str) -> None:
     """Refuse a preference-pair build before anything is written."""
     if is_pair_build:
-        raise InputError(f"This is a preference-pair build: the {export} export has no place for {_HELD_BY[PAIR_ROLES]}.")
+        raise InputError(
+            f"This is a preference-pair build: the {export} export has no place for {_HELD_BY[PAIR_ROLES]}."
+        )
 
 
 def trained_packs(batches: Iterable[pa.RecordBatch], has_labels: bool, export: str) -> Iterator[TrainedPacks]:
