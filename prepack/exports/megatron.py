@@ -75,7 +75,7 @@ def write(batches: Iterable[pa.RecordBatch], directory: Path, build) -> None:
             pq.ParquetWriter(directory / PACKED, _bridge_schema(sources)) as bridge,
         ):
             sequences = 0
-            for packs in trained_packs(batches, build.has_labels, _EXPORT):
+            for packs in trained_packs(batches, build.has_labels, sources, _EXPORT):
                 loss_mask = _next_token_mask(packs.trained)
                 tokens_bin.write(packs.tokens.astype("<i4", copy=False).tobytes())
                 mask_bin.write(loss_mask.tobytes())

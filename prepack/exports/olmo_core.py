@@ -58,7 +58,7 @@ def write(batches: Iterable[pa.RecordBatch], directory: Path, build) -> None:
         # no file name and time in the gzip header: the same packs give the same bytes
         gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as documents,
     ):
-        for packs in trained_packs(batches, build.has_labels, _EXPORT):
+        for packs in trained_packs(batches, build.has_labels, build.mixture is not None, _EXPORT):
             padded_tokens, padded_mask = _padded(packs, max_len)
             tokens.write(padded_tokens.tobytes())
             label_mask.write(padded_mask.tobytes())

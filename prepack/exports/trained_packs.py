@@ -57,19 +57,24 @@ def refuse_pair_build(is_pair_build: bool, export: str) -> None:
         )
 
 
-def trained_packs(batches: Iterable[pa.RecordBatch], has_labels: bool, export: str) -> Iterator[TrainedPacks]:
-    """Decode `batches` (whole packs, in pack order) for the `export` format (its name, for refusals)."""
+def trained_packs(
+    batches: Iterable[pa.RecordBatch], has_labels: bool, sources: bool, export: str
+) -> Iterator[TrainedPacks]:
+    """Decode `batches` (whole packs, in pack order) of a build with labels or not, a mixture (`sources`) or
+    not, for the `export` format (its name, for refusals)."""
+    by_kind = {name for name, present in (("labels", has_labels), ("source_ids", sources)) if present}
+    known = _SHARD_COLUMNS - {"labels", "source_ids"} | by_kind
+    needed = {"input_ids", "cu_seqlens"} | by_kind
     first_pack = 0
     for batch in batches:
         names = batch.schema.names
         for name in names:
             if name in _HELD_BY:
                 raise InputError(f"Column {name!r}: the {export} export has no place for {_HELD_BY[name]}.")
-            if name not in _SHARD_COLUMNS:
-                raise InputError(f"Column {name!r} is not a column of prepack's shards the {export} export knows.")
-        if ("labels" in names) != has_labels:
-            raise InputError(f"Packs {first_pack}-: the build {'has' if has_labels else 'has no'} labels, but its "
-                             f"packs {'lack' if has_labels else 'carry'} the column 'labels'.")
+            if name not in known:
+                raise InputError(f"Column {name!r} is not a column of this build's shards the {export} export knows.")
+        if missing := sorted(needed - set(names)):
+            raise InputError(f"Packs from {first_pack} on lack the column {missing[0]!r}, which this build has.")
         offsets, values = list_column(batch, "input_ids")
         tokens = values[offsets[0] : offsets[-1]]
         pack_offsets = offsets.astype(np.int64) - offsets[0]
@@ -91,7 +96,7 @@ def trained_packs(batches: Iterable[pa.RecordBatch], has_labels: bool, export: s
                 "that are -100 or the token ids."
             )
         source_ids = None
-        if "source_ids" in names:
+        if sources:
             id_offsets, id_values = list_column(batch, "source_ids")
             source_ids = id_values[id_offsets[0] : id_offsets[-1]]
         yield TrainedPacks(first_pack, tokens, pack_offsets, layout, trained, source_ids)

@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
@@ -18,7 +19,9 @@ from prepack.errors import InputError
 from prepack.exports import olmo_core
 from prepack.formats.shards import read_manifest
 from tests.corpus import preference_pairs
-from tests.exports.trainer_builds import KINDS, Expected, files, labelled_corpus_build, pack_batches, real_build
+from tests.exports.trainer_builds import (
+    GPT2_EOS, KINDS, Expected, files, labelled_corpus_build, pack_batches, real_build,
+)
 
 UNUSED_ID = 2**31 - 1  # the EOS and padding OLMo-core's readers are given: no token of a build has this id
 
@@ -112,6 +115,27 @@ def test_olmo_core_packing_again_keeps_every_document_and_its_mask(exported, tmp
 
 
 @pytest.mark.slow
+def test_fsl_doc_lens_found_by_eos_are_the_boundaries_of_a_text_build_tokenized_with_eos(tmp_path):
+    # docs/exports.md: NumpyFSLDataset's own doc_lens (an EOS scan) are exact where every document ends
+    # with the EOS and holds no other; the padding is one segment more
+    from olmo_core.data.numpy_dataset import NumpyFSLDataset
+
+    build_dir = real_build("text")
+    expected = Expected(build_dir)
+    max_len = expected.manifest.options.max_len
+    out = export(build_dir, tmp_path / "out")
+    dataset = NumpyFSLDataset(
+        str(out / olmo_core.TOKENS), sequence_length=max_len, pad_token_id=olmo_core.PAD_TOKEN_ID,
+        eos_token_id=GPT2_EOS, vocab_size=GPT2_EOS + 1, dtype=np.uint32, generate_doc_lengths=True,
+    )
+    assert any(len(expected.cu_seqlens(p)) > 2 for p in range(len(expected)))
+    for p in range(len(expected)):
+        lengths = np.diff(expected.cu_seqlens(p))
+        padding = max_len - lengths.sum()
+        assert dataset[p]["doc_lens"].tolist() == lengths.tolist() + ([padding] if padding else [])
+
+
+@pytest.mark.slow
 def test_the_comparison_sees_a_changed_label_mask_token_or_boundary(tmp_path):
     build_dir = real_build("chat")
     expected = Expected(build_dir)
@@ -148,6 +172,14 @@ def test_labels_other_than_the_token_ids_are_refused(tmp_path):
     build_dir = labelled_corpus_build(tmp_path, lambda doc: [-100, -100] + [t * 2 for t in doc[2:]])
     with pytest.raises(InputError, match=r"Pack \d+, token \d+, column .labels.*OLMo-core export.*token id"):
         export(build_dir, tmp_path / "out")
+
+
+def test_a_column_the_files_cannot_hold_is_refused_by_name(tmp_path):
+    build_dir = labelled_corpus_build(tmp_path, lambda doc: doc)
+    (batch,) = pack_batches(build_dir)
+    images = batch.append_column("images", pa.array([[0]] * batch.num_rows, pa.list_(pa.uint32())))
+    with pytest.raises(InputError, match="Column 'images'.*OLMo-core export.*image"):
+        olmo_core.write([images], tmp_path, read_manifest(build_dir))
 
 
 @pytest.mark.slow

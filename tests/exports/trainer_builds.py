@@ -25,6 +25,7 @@ from tests.corpus import corpus_table, mixture_sources, write_corpus, write_mixt
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory
 
 KINDS = ("chat", "index", "mixture")
+GPT2_EOS = 50256  # <|endoftext|>, which a text build appends to every document
 
 
 @lru_cache
@@ -36,7 +37,7 @@ def _root() -> Path:
 
 @lru_cache
 def real_build(kind: str) -> Path:
-    """The build of `kind` (one of KINDS), made on first use."""
+    """The build of `kind` (one of KINDS, or "text": chitchat texts tokenized with EOS), made on first use."""
     root = _root() / kind
     root.mkdir()
     if kind == "chat":  # conversations longer than 256 tokens are split into pieces
@@ -44,6 +45,11 @@ def real_build(kind: str) -> Path:
         corpus = root / "chat.jsonl"
         corpus.write_text("".join(json.dumps({"messages": as_chat(turns)}) + "\n" for turns in chitchat()[:200]))
         build(corpus, root / "packed", max_len=256, tokenizer=tokenizer, chat=True, num_proc=1)
+    elif kind == "text":
+        tokenizer = gpt2_directory(root / "gpt2", None)
+        corpus = root / "text.jsonl"
+        corpus.write_text("".join(json.dumps({"text": "\n".join(turns)}) + "\n" for turns in chitchat()[:150]))
+        build(corpus, root / "packed", max_len=256, tokenizer=tokenizer, num_proc=1)
     elif kind == "index":
         rng = np.random.default_rng(5)
         ids = [rng.integers(1, 1000, int(n)).tolist() for n in rng.integers(1, 41, 150)]
