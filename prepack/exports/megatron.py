@@ -20,7 +20,7 @@ Written into the export directory (checked against megatron-core 0.16.1 and Mega
 
 megatron-core's own `IndexedDatasetBuilder` imports torch, which the building wing never does, so the
 `.idx` layout (its `_IndexWriter`) is written here with numpy; the tests read it back with megatron-core's
-`IndexedDataset`. Sequence lengths and document ends are spooled to files while the `.bin` files stream,
+`IndexedDataset` and find the `.bin` and `.idx` files byte for byte those its builder writes. Sequence lengths and document ends are spooled to files while the `.bin` files stream,
 then copied into the `.idx` files in bounded chunks.
 """
 

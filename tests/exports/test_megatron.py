@@ -117,6 +117,26 @@ def test_bridge_packed_parquet_holds_every_pack(exported):
 
 
 @pytest.mark.slow
+def test_the_indexed_datasets_are_the_bytes_megatron_cores_own_builder_writes(exported, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    build_dir, out = exported
+    expected = Expected(build_dir)
+    for name, dtype in (("tokens", np.int32), ("loss_mask", np.uint8)):
+        builder = IndexedDatasetBuilder(str(tmp_path / f"{name}.bin"), dtype=dtype)
+        for p in range(len(expected)):
+            ids, cu = expected.ids(p), expected.cu_seqlens(p)
+            if name == "tokens":
+                values = ids
+            else:  # 1 where the next token of the same document is trained
+                values = np.append(expected.targets(p)[1:] != -100, False)
+            builder.add_document(values, np.diff(cu).tolist())
+        builder.finalize(str(tmp_path / f"{name}.idx"))
+        for suffix in (".bin", ".idx"):
+            assert (out / f"{name}{suffix}").read_bytes() == (tmp_path / f"{name}{suffix}").read_bytes(), name + suffix
+
+
+@pytest.mark.slow
 def test_the_comparisons_see_a_changed_loss_mask_token_or_boundary(tmp_path):
     build_dir = real_build("chat")
     expected = Expected(build_dir)
