@@ -13,7 +13,7 @@ Written into the export directory (checked against megatron-core 0.16.1 and Mega
 - `packed.idx.parquet` and `packed_metadata.json`: Megatron-Bridge's packed sequences
   (`GPTSFTPackedParquetDataset`): one row per pack, `input_ids` list<int32>, `loss_mask` list<int8> (as above),
   `seq_start_id` list<int32> (each document's first token: `cu_seqlens` without its end), in row groups
-  of 500 packs as Bridge's own writer makes them; a mixture's rows also carry `source_ids` (each
+  of at most 500 packs as Bridge's own writer makes them; a mixture's rows also carry `source_ids` (each
   document's source, numbered as the manifest's `mixture.sources`), a column Bridge does not read. The
   metadata is the list of one dict Bridge's packing writes (`max_samples_per_bin`, `dataset_max_seqlen`,
   `min_packed_seqlen` are what its `pad_cu_seqlens` reads).
