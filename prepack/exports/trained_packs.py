@@ -20,11 +20,10 @@ import pyarrow as pa
 
 from prepack.errors import InputError
 from prepack.formats.common import first_index, list_column
-from prepack.formats.shards import PAIR_ROLES, PackLayout, pack_layout
+from prepack.formats.shards import IGNORE_INDEX, PAIR_ROLES, PackLayout, pack_layout
 
 __all__ = ["TrainedPacks", "trained_packs", "refuse_pair_build"]
 
-IGNORE_INDEX = -100
 _SHARD_COLUMNS = frozenset(
     {"input_ids", "segment_ids", "cu_seqlens", "max_seqlen", "source_rows", "source_pieces", "source_ids", "labels"}
 )
