@@ -1,0 +1,102 @@
+"""The packs as the trainer-format exports (`megatron`, `olmo_core`) write them: per record batch of packs
+(shard schema, `schemas/shard-format.md`), the tokens, the documents' boundaries and which tokens are
+trained targets, decoded once and vectorized.
+
+Megatron(-Bridge) and OLMo-core take every target from the token ids themselves (the next token, under a
+loss mask), so a token is a *trained target* when prepack's collator trains on it
+(`prepack.training.collate.PackedCollator`): its label is not -100 (every token without labels), and it
+is not its document's first token, which would be predicted across a document boundary. A build whose
+labels differ from its token ids where trained is refused: those formats have no place for such a label.
+So is a column they cannot hold (a preference-pair build's `pair_roles`, an image build's `images`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
+from prepack.errors import InputError
+from prepack.formats.common import first_index, list_column
+from prepack.formats.shards import IGNORE_INDEX, PAIR_ROLES, PackLayout, pack_layout
+
+__all__ = ["TrainedPacks", "trained_packs", "refuse_pair_build"]
+
+_SHARD_COLUMNS = frozenset(
+    {"input_ids", "segment_ids", "cu_seqlens", "max_seqlen", "source_rows", "source_pieces", "source_ids", "labels"}
+)
+# Columns of other build kinds, by what they hold.
+_HELD_BY = {PAIR_ROLES: "a preference-pair build's pair roles (which document is chosen, which rejected)",
+            "images": "an image+text build's images"}
+
+
+class TrainedPacks(NamedTuple):
+    """One batch of packs. `first_pack` is the number of its first pack in the build."""
+
+    first_pack: int
+    tokens: np.ndarray  # int32: the packs' tokens back to back
+    pack_offsets: np.ndarray  # int64 [packs + 1]: pack p is tokens[pack_offsets[p]:pack_offsets[p + 1]]
+    layout: PackLayout  # per document: its pack, its start inside the pack, its length
+    trained: np.ndarray  # bool per token: a target of the loss
+    source_ids: np.ndarray | None  # per document, a mixture's (uint16); None for other builds
+
+    @property
+    def document_offsets(self) -> np.ndarray:
+        """int64 [packs + 1]: pack p's documents are documents document_offsets[p]:document_offsets[p + 1]."""
+        return np.concatenate([[0], np.cumsum(self.layout.documents)])
+
+
+def refuse_pair_build(is_pair_build: bool, export: str) -> None:
+    """Refuse a preference-pair build before anything is written."""
+    if is_pair_build:
+        raise InputError(
+            f"This is a preference-pair build: the {export} export has no place for {_HELD_BY[PAIR_ROLES]}."
+        )
+
+
+def trained_packs(
+    batches: Iterable[pa.RecordBatch], has_labels: bool, sources: bool, export: str
+) -> Iterator[TrainedPacks]:
+    """Decode `batches` (whole packs, in pack order) of a build with labels or not, a mixture (`sources`) or
+    not, for the `export` format (its name, for refusals)."""
+    by_kind = {name for name, present in (("labels", has_labels), ("source_ids", sources)) if present}
+    known = _SHARD_COLUMNS - {"labels", "source_ids"} | by_kind
+    needed = {"input_ids", "cu_seqlens"} | by_kind
+    first_pack = 0
+    for batch in batches:
+        names = batch.schema.names
+        for name in names:
+            if name in _HELD_BY:
+                raise InputError(f"Column {name!r}: the {export} export has no place for {_HELD_BY[name]}.")
+            if name not in known:
+                raise InputError(f"Column {name!r} is not a column of this build's shards the {export} export knows.")
+        if missing := sorted(needed - set(names)):
+            raise InputError(f"Packs from {first_pack} on lack the column {missing[0]!r}, which this build has.")
+        offsets, values = list_column(batch, "input_ids")
+        tokens = values[offsets[0] : offsets[-1]]
+        pack_offsets = offsets.astype(np.int64) - offsets[0]
+        layout = pack_layout(*list_column(batch, "cu_seqlens"))
+        if has_labels:
+            label_offsets, label_values = list_column(batch, "labels")
+            labels = label_values[label_offsets[0] : label_offsets[-1]]
+            trained = labels != IGNORE_INDEX
+        else:
+            trained = np.ones(len(tokens), bool)
+        trained[pack_offsets[layout.pack] + layout.starts] = False  # each document's first token
+        if has_labels and (other := trained & (labels != tokens)).any():
+            token = first_index(other)
+            pack = int(np.searchsorted(pack_offsets, token, "right")) - 1
+            raise InputError(
+                f"Pack {first_pack + pack}, token {token - pack_offsets[pack]}, column 'labels': the label "
+                f"{labels[token]} is trained but is not the token id {tokens[token]}; the {export} export takes "
+                "every target from the token ids (the next token under a loss mask), so it holds only labels "
+                "that are -100 or the token ids."
+            )
+        source_ids = None
+        if sources:
+            id_offsets, id_values = list_column(batch, "source_ids")
+            source_ids = id_values[id_offsets[0] : id_offsets[-1]]
+        yield TrainedPacks(first_pack, tokens, pack_offsets, layout, trained, source_ids)
+        first_pack += batch.num_rows
