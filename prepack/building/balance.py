@@ -10,7 +10,8 @@ in units of one attention token pair (up to a constant). Training FLOPs of a dec
 attention scores and values cost 4·d FLOPs per token pair per layer forward, ×3 with the backward
 pass, over l²/2 pairs: 6·L·d·l². Dividing by 6·L·d, `token_cost = N / (L·d)`, which is about 12·d for
 the usual N ≈ 12·L·d². `DEFAULT_TOKEN_COST` is 12 × 4096 = 49,152, a 7–8B model (Llama-3-8B:
-N ≈ 7.0e9, L = 32, d = 4096 gives 53,000); 0 balances attention alone. Pass your model's value.
+N ≈ 7.0e9, L = 32, d = 4096 gives 53,000); 0 balances attention alone. Pass your model's value:
+`model_token_cost(config)` reads it from a transformers config.
 `token_cost` must be finite and at most `MAX_TOKEN_COST` (1e15, far above any model's N / (L·d), and
 low enough that every sum of costs stays finite in float64): a NaN or infinite cost would order
 nothing and turn every figure of `prepack inspect` into NaN.
@@ -44,6 +45,7 @@ __all__ = [
     "epoch_imbalance",
     "epoch_order",
     "imbalance",
+    "model_token_cost",
     "pack_costs",
     "step_costs",
     "validated_token_cost",
@@ -62,6 +64,24 @@ def validated_token_cost(token_cost: object) -> float:
     if not 0 <= token_cost <= MAX_TOKEN_COST:  # False for NaN too
         raise UsageError(f"token_cost must be finite, in [0, {MAX_TOKEN_COST:g}], got {token_cost!r}")
     return float(token_cost)
+
+
+def model_token_cost(config: object) -> float:
+    """`token_cost` = N / (L·d) of a decoder from its transformers config (or its `text_config`): per layer,
+    the attention projections (q and o of heads × head_dim, k and v of key-value heads × head_dim, each by d)
+    and a gated MLP of three d × intermediate matrices, the routed experts' (`num_experts_per_tok` of
+    `moe_intermediate_size`) when it has them, divided by d. Reads attributes only, so needs no torch."""
+    config = getattr(config, "text_config", None) or config
+    try:
+        d, heads = int(config.hidden_size), int(config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or d // heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        experts = getattr(config, "num_experts_per_tok", None)
+        width = int(config.moe_intermediate_size) * int(experts) if experts else int(config.intermediate_size)
+    except AttributeError as exc:
+        raise UsageError(f"model_token_cost reads a decoder's config, and this one has no {exc.name!r}") from None
+    per_layer = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim + 3 * d * width
+    return validated_token_cost(per_layer / d)
 
 
 def epoch_order(size: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
