@@ -31,6 +31,7 @@ from prepack.errors import (
     PackIndexError,
     PrepackError,
     SamplerStateError,
+    SequenceTooLongError,
     UsageError,
 )
 
@@ -61,6 +62,8 @@ _LAZY = {
     "check_isolation": "prepack.model.isolation",
     "inspect_build": "prepack.check.report",
     "verify_build": "prepack.check.verify",
+    "plan_rollouts": "prepack.building.rollouts",
+    "rollout_micro_batches": "prepack.training.rollouts",
 }
 
 __all__ = sorted(
@@ -77,6 +80,7 @@ __all__ = sorted(
         "PackIndexError",
         "PrepackError",
         "SamplerStateError",
+        "SequenceTooLongError",
         "UsageError",
         *_LAZY,
     ]

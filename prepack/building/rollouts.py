@@ -70,25 +70,26 @@ class RolloutPlan:
         first = self._number(rank, 0)
         return self.sequences[self.offsets[first] : self.offsets[first + self.micro_batches]]
 
-    def restoring_index(self, rank: int | None = None) -> np.ndarray:
+    def restoring_index(self, rank: int | None = None, results: Sequence[object] | None = None) -> np.ndarray:
         """int64 positions that put per-sequence results back in the caller's order: with `values` the results
         of every micro-batch concatenated in plan order (all ranks' for `rank=None`, else `rank`'s own),
-        `values[index]` is in the caller's order (for one rank: its sequences by ascending index)."""
+        `values[index]` is in the caller's order (for one rank: its sequences by ascending index). Given the
+        `results` (one per micro-batch, a row per sequence), refuses them unless they are that many and rows."""
         held = self.sequences if rank is None else self.rank_sequences(rank)
+        if results is not None:
+            expected = self.world_size * self.micro_batches if rank is None else self.micro_batches
+            rows = sum(len(result) for result in results)  # type: ignore[arg-type]
+            if len(results) != expected or rows != len(held):
+                raise UsageError(f"unpacking takes {expected} micro-batches' results with {len(held)} rows in all, got "
+                                 f"{len(results)} with {rows}")
         return np.argsort(held, kind="stable")
 
     def unpack(self, values: Sequence[np.ndarray], rank: int | None = None) -> np.ndarray:
         """Per-sequence results (log-probabilities, values...) of the micro-batches, one array a micro-batch with
         a row per sequence in collated order, back in the caller's order: all R·M micro-batches for
-        `rank=None`, else `rank`'s M, giving its sequences by ascending index (`np.sort(rank_sequences(rank))`)."""
-        held = self.sequences if rank is None else self.rank_sequences(rank)
-        expected = self.world_size * self.micro_batches if rank is None else self.micro_batches
-        if len(values) != expected or sum(len(value) for value in values) != len(held):
-            raise UsageError(
-                f"unpack takes {expected} micro-batches' results with {len(held)} rows in all, got {len(values)} "
-                f"with {sum(len(value) for value in values)}"
-            )
-        return np.concatenate(values)[self.restoring_index(rank)]
+        `rank=None`, else `rank`'s M, giving its sequences by ascending index (`np.sort(rank_sequences(rank))`).
+        `prepack.training.rollouts.unpack_sequences` does the same for tensors."""
+        return np.concatenate(values)[self.restoring_index(rank, values)]
 
     def _number(self, rank: int, number: int) -> int:
         if not (0 <= rank < self.world_size and 0 <= number < self.micro_batches):

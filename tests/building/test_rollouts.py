@@ -157,7 +157,7 @@ def test_bad_arguments_are_refused_by_name(arguments, message):
 
 def test_unpack_refuses_results_that_are_not_the_plans():
     plan = plan_rollouts([3, 4, 5, 6], 8, world_size=2)
-    with pytest.raises(UsageError, match=r"unpack takes 2 micro-batches' results with 2 rows in all, got 1"):
+    with pytest.raises(UsageError, match=r"unpacking takes 2 micro-batches' results with 2 rows in all, got 1"):
         plan.unpack([np.zeros(2)], rank=0)
     with pytest.raises(UsageError, match="no micro-batch 5 of rank 0"):
         plan.micro_batch(0, 5)
