@@ -1,7 +1,8 @@
 """Rollouts in memory: which micro-batch of which data-parallel rank every sequence of an RL step goes into.
 
 An RL step (GRPO, PPO, RLOO) trains on sequences generated a moment ago, never written to disk. `plan_rollouts`
-plans them from their lengths alone (numpy; no file, no Arrow, no torch), and every rank given the same lengths
+plans them from their lengths alone (numpy and numba; no file, no Arrow, no torch: importing this module loads
+neither pyarrow nor torch), and every rank given the same lengths
 computes the same plan without talking to the others, so the old-policy, reference and new-policy forwards see
 identical micro-batches. Each micro-batch is one pack: at most `max_len` tokens (a hard cap, never exceeded; a
 sequence longer is `SequenceTooLongError`) and at most `max_documents` sequences; every rank gets the same
@@ -37,7 +38,6 @@ import numpy as np
 
 from prepack.building.balance import DEFAULT_TOKEN_COST, balanced_order, pack_costs, validated_token_cost
 from prepack.building.kernels import kernel
-from prepack.building.plan import checked_cap
 from prepack.errors import SequenceTooLongError, UsageError
 
 __all__ = ["Cost", "RolloutPlan", "plan_rollouts"]
@@ -117,10 +117,7 @@ def plan_rollouts(
     lengths = _lengths(lengths)
     max_len = _positive(max_len, "max_len")
     world_size = _positive(world_size, "world_size")
-    try:
-        max_documents = checked_cap(max_documents)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
+    max_documents = None if max_documents is None else _positive(max_documents, "max_documents")
     if cost not in _COSTS:
         raise UsageError(f"cost must be one of {_COSTS}, not {cost!r}")
     token_cost = validated_token_cost(token_cost)
@@ -140,10 +137,10 @@ def plan_rollouts(
     least = max(-(-int(item_tokens.sum()) // max_len), -(-len(lengths) // cap))
     bin_of_sorted, bins = _fill(item_tokens[order], sizes[order], item_costs[order], -(-least // world_size) * world_size,
                                 world_size, max_len, cap)
-    if bin_of_sorted[-1] < 0:
+    if bins > items or bin_of_sorted[-1] < 0:
         raise UsageError(
-            f"{items} {'groups' if group_sizes is not None else 'sequences'} of {int(lengths.sum())} tokens need more "
-            f"than {bins // world_size - 1} micro-batches on each of {world_size} ranks under max_len={max_len}"
+            f"{items} {'groups' if group_sizes is not None else 'sequences'} of {int(lengths.sum())} tokens need at least "
+            f"{bins // world_size} micro-batches on each of {world_size} ranks under max_len={max_len}"
             f"{'' if max_documents is None else f' and max_documents={max_documents}'}, more than they can fill "
             "(no micro-batch may be empty)"
         )
@@ -254,7 +251,7 @@ def _by_micro_batch(number_of_item, sizes, bins):
 def _fill(tokens, sizes, costs, bins, grow, max_len, cap):
     """(bin of every item, bins used): the items (given heaviest first) filled longest-processing-time first
     under both caps into `bins` bins, `grow` more opened whenever an item finds no bin with room; the items from
-    one that would open more bins than there are items keep bin -1 (some bin would stay empty).
+    one that would open more bins than there are items left to fill them keep bin -1 (a bin would stay empty).
 
     Three trees over the bins (leaves size..size+bins-1; a leaf not open never fits): the most tokens and
     documents any bin below a node has room for, and its least cost. The bin of least cost with room is found
@@ -293,7 +290,7 @@ def _fill(tokens, sizes, costs, bins, grow, max_len, cap):
             stack[depth], stack[depth + 1] = right, left
             depth += 2
         if best < 0:  # no bin has room: open `grow` more, the first of them takes the item
-            if bins + grow > len(tokens):
+            if len(tokens) - item < grow:  # too few items left to put one in each
                 return out, bins + grow
             best = size + bins
             for leaf in range(size + bins, size + bins + grow):

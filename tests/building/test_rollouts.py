@@ -141,7 +141,9 @@ def test_a_sequence_or_group_over_the_cap_is_refused_by_name():
         (([1.5], 8), "1-D sequence of integers"),
         (([1, 2], 0), "max_len must be in"),
         (([1, 2], 8, {"world_size": 3}), "2 sequences cannot give each of 3 ranks a micro-batch"),
-        (([5, 5, 5], 8, {"world_size": 2}), "need more than 1 micro-batches on each of 2 ranks"),
+        (([5, 5, 5], 8, {"world_size": 2}), "3 sequences of 15 tokens need at least 2 micro-batches on each of 2 ranks"),
+        # 257 tokens do not fit 4 micro-batches of 64, and 6 sequences cannot fill 8 (found by hypothesis)
+        (([1, 1, 63, 64, 64, 64], 64, {"world_size": 4}), "6 sequences of 257 tokens need at least 2 micro-batches"),
         (([1, 2], 8, {"cost": "flops"}), "cost must be one of"),
         (([1, 2], 8, {"token_cost": float("nan")}), "token_cost must be finite"),
         (([1, 2], 8, {"max_documents": 0}), "max_documents must be in"),
@@ -175,3 +177,10 @@ def test_model_token_cost_reads_a_decoders_config():
     assert model_token_cost(moe) == (2 * 2048 * 32 * 128 + 2 * 2048 * 4 * 128 + 3 * 2048 * 768 * 8) / 2048
     with pytest.raises(UsageError, match="has no 'hidden_size'"):
         model_token_cost(object())
+
+
+def test_the_planner_imports_neither_torch_nor_pyarrow():
+    code = ("import sys, prepack.building.rollouts; "
+            "print(sorted(name for name in ('torch', 'pyarrow', 'transformers') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
