@@ -1,13 +1,13 @@
 """Rollouts in memory: which micro-batch of which data-parallel rank every sequence of an RL step goes into.
 
 An RL step (GRPO, PPO, RLOO) trains on sequences generated a moment ago, never written to disk. `plan_rollouts`
-plans them from their lengths alone (numpy and numba; no file, no Arrow, no torch: importing this module loads
-neither pyarrow nor torch), and every rank given the same lengths
-computes the same plan without talking to the others, so the old-policy, reference and new-policy forwards see
-identical micro-batches. Each micro-batch is one pack: at most `max_len` tokens (a hard cap, never exceeded; a
-sequence longer is `SequenceTooLongError`) and at most `max_documents` sequences; every rank gets the same
-number M of them (what FSDP and DDP with accumulation need), none empty. `prepack.training.rollouts` collates
-them with `PackedCollator` and gives per-sequence results back in the caller's order (`RolloutPlan.unpack`).
+plans them from their lengths alone (numpy and numba: no file, no Arrow, no torch, and importing this module loads
+neither pyarrow nor torch), and every rank given the same lengths computes the same plan without talking to the
+others, so the old-policy, reference and new-policy forwards see identical micro-batches. Each micro-batch is one
+pack: at most `max_len` tokens (a hard cap, never exceeded; a sequence longer is `SequenceTooLongError`) and at most
+`max_documents` sequences; every rank gets the same number M of them (what FSDP and DDP with accumulation need),
+none empty. `prepack.training.rollouts` collates them with `PackedCollator` and gives per-sequence results back in
+the caller's order (`RolloutPlan.unpack`).
 
 The plan has two stages, deterministic to the bit:
 
@@ -123,7 +123,7 @@ def plan_rollouts(
     token_cost = validated_token_cost(token_cost)
     sizes = _group_sizes(group_sizes, len(lengths))
     item_starts = np.concatenate(([0], np.cumsum(sizes)))
-    item_tokens = np.add.reduceat(lengths, item_starts[:-1]) if len(lengths) else np.zeros(0, np.int64)
+    item_tokens = np.add.reduceat(lengths, item_starts[:-1])
     _refuse_over_caps(lengths, item_tokens, item_starts, sizes, max_len, max_documents, group_sizes is not None)
     items = len(sizes)
     if items < world_size:

@@ -113,7 +113,8 @@ def _check_collator(collator: PackedCollator, plan: RolloutPlan) -> None:
 def _rollout(rollouts: Sequence[Mapping[str, Any]], index: int, token_fields: Sequence[str]) -> Mapping[str, Any]:
     rollout = rollouts[index]
     length = len(rollout["input_ids"]) if "input_ids" in rollout else None
-    for name in ("input_ids", *token_fields):
+    labels = ("labels",) if rollout.get("labels") is not None else ()
+    for name in ("input_ids", *labels, *token_fields):
         if name not in rollout:
             raise UsageError(f"rollout {index} has no {name!r} (keys: {sorted(rollout)})")
         if len(rollout[name]) != length:

@@ -183,6 +183,9 @@ def test_rollouts_that_do_not_fit_the_plan_or_collator_are_refused_by_name():
     broken[5]["advantages"] = broken[5]["advantages"][:-1]
     with pytest.raises(UsageError, match=f"rollout 5: advantages has {lengths[5] - 1} values for {lengths[5]} tokens"):
         rollout_micro_batches(broken, plan, 0, token_fields=("advantages",))
+    broken[5] = dict(rollouts[5], labels=rollouts[5]["labels"][1:])
+    with pytest.raises(UsageError, match=f"rollout 5: labels has {lengths[5] - 1} values for {lengths[5]} tokens"):
+        rollout_micro_batches(broken, plan, 0)
     with pytest.raises(UsageError, match="the plan is of 8 sequences, not of 7 rollouts"):
         rollout_micro_batches(rollouts[:7], plan, 0)
     longer = [dict(r, input_ids=np.append(r["input_ids"], 1), labels=np.append(r["labels"], 1)) for r in rollouts]
