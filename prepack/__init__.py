@@ -31,6 +31,7 @@ from prepack.errors import (
     PackIndexError,
     PrepackError,
     SamplerStateError,
+    SequenceTooLongError,
     UsageError,
 )
 
@@ -63,6 +64,8 @@ _LAZY = {
     "verify_build": "prepack.check.verify",
     "export_build": "prepack.exports",
     "verify_export": "prepack.exports",
+    "plan_rollouts": "prepack.building.rollouts",
+    "rollout_micro_batches": "prepack.training.rollouts",
 }
 
 __all__ = sorted(
@@ -79,6 +82,7 @@ __all__ = sorted(
         "PackIndexError",
         "PrepackError",
         "SamplerStateError",
+        "SequenceTooLongError",
         "UsageError",
         *_LAZY,
     ]

@@ -12,6 +12,7 @@
     ├── UsageError               the training API is called wrongly: an argument out of range or not one of
     │   │                        its choices, a batch without the fields the call needs (also a ValueError)
     │   ├── ArgumentTypeError    an argument of a type the call cannot use (also a TypeError)
+    │   ├── SequenceTooLongError a rollout sequence (or GRPO group) longer than the micro-batch token cap
     │   └── PackIndexError       a pack index out of range of a PackedDataset (also an IndexError)
     └── MissingExtraError        an optional dependency is not installed: names the extra and its install line
                                  (also an ImportError)
@@ -39,6 +40,7 @@ __all__ = [
     "PackIndexError",
     "PrepackError",
     "SamplerStateError",
+    "SequenceTooLongError",
     "UsageError",
     "optional_imports",
     "require",
@@ -125,6 +127,12 @@ class UsageError(PrepackError, ValueError):
 class ArgumentTypeError(UsageError, TypeError):
     """An argument of a type the call cannot use: a dataset `PackedCollator.for_dataset` cannot size, one
     `PackedSampler` cannot balance. A TypeError too, as raised before."""
+
+
+class SequenceTooLongError(UsageError):
+    """A rollout sequence, or a group kept whole, has more tokens than a micro-batch may hold
+    (`prepack.building.rollouts.plan_rollouts`): no plan keeps it whole under the cap, and cutting it would
+    change its log-probabilities."""
 
 
 class PackIndexError(UsageError, IndexError):

@@ -1,0 +1,186 @@
+"""The rollout planner (prepack.building.rollouts): every sequence in exactly one micro-batch, no micro-batch over
+its caps, groups whole, the same plan wherever it is computed, and results unpacked to the caller's order."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from prepack.building.balance import imbalance, model_token_cost, pack_costs
+from prepack.building.rollouts import plan_rollouts
+from prepack.errors import PrepackError, SequenceTooLongError, UsageError
+
+
+@st.composite
+def rollouts(draw):
+    lengths = draw(st.lists(st.integers(1, 64), min_size=1, max_size=60))
+    grouped = draw(st.booleans())
+    sizes = None
+    if grouped:
+        sizes, left = [], len(lengths)
+        while left:
+            sizes.append(draw(st.integers(1, min(left, 5))))
+            left -= sizes[-1]
+    options = {
+        "max_len": draw(st.integers(64, 200)),
+        "world_size": draw(st.integers(1, 4)),
+        "max_documents": draw(st.none() | st.integers(5, 8)),
+        "cost": draw(st.sampled_from(["tokens", "attention"])),
+        "token_cost": draw(st.sampled_from([0.0, 7.0, 49152.0])),
+    }
+    return np.array(lengths), sizes, options
+
+
+def planned(lengths, sizes, options):
+    try:
+        return plan_rollouts(lengths, group_sizes=sizes, **options)
+    except UsageError as exc:  # too few sequences for the ranks or micro-batches: a refusal of its own
+        assert "micro-batch" in str(exc), exc
+        assume(False)
+
+
+@pytest.mark.slow  # ~2 s of CPU
+@settings(max_examples=60, deadline=None)
+@given(rollouts())
+def test_every_sequence_lies_in_exactly_one_micro_batch_under_both_caps(case):
+    lengths, sizes, options = case
+    plan = planned(lengths, sizes, options)
+    assert sorted(plan.sequences.tolist()) == list(range(len(lengths)))
+    assert plan.offsets[0] == 0 and plan.offsets[-1] == len(lengths)
+    assert len(plan.offsets) == plan.world_size * plan.micro_batches + 1 == options["world_size"] * plan.micro_batches + 1
+    costs = pack_costs(np.ones(len(lengths), np.int64), lengths, options["token_cost"])
+    for rank in range(plan.world_size):
+        for number in range(plan.micro_batches):
+            held = plan.micro_batch(rank, number)
+            assert len(held) >= 1 and list(held) == sorted(held)
+            assert lengths[held].sum() <= options["max_len"]
+            assert options["max_documents"] is None or len(held) <= options["max_documents"]
+            assert plan.tokens[rank, number] == lengths[held].sum()
+            expected = lengths[held].sum() if options["cost"] == "tokens" else costs[held].sum()
+            assert plan.costs[rank, number] == pytest.approx(expected, rel=1e-12)
+    if sizes is not None:  # each group whole, in one micro-batch, its sequences one after the other
+        number = np.empty(len(lengths), np.int64)
+        for k in range(len(plan.offsets) - 1):
+            number[plan.sequences[plan.offsets[k] : plan.offsets[k + 1]]] = k
+        position = np.argsort(plan.sequences)
+        for start, size in zip(np.cumsum([0, *sizes[:-1]]), sizes):
+            assert len(set(number[start : start + size])) == 1
+            assert np.all(np.diff(position[start : start + size]) == 1)
+
+
+@pytest.mark.slow  # ~2 s of CPU
+@settings(max_examples=40, deadline=None)
+@given(rollouts(), st.randoms(use_true_random=False))
+def test_the_plan_is_a_function_of_the_inputs_and_unpacking_restores_the_callers_order(case, random):
+    lengths, sizes, options = case
+    plan = planned(lengths, sizes, options)
+    again = plan_rollouts(lengths.astype(np.int32).tolist(), group_sizes=sizes, **options)
+    for field in ("sequences", "offsets", "tokens", "costs"):
+        assert np.array_equal(getattr(plan, field), getattr(again, field)), field
+    assert plan.micro_batches == again.micro_batches
+    values = np.array([[random.random(), i] for i in range(len(lengths))])  # one result per sequence, two columns
+    results = [values[plan.micro_batch(r, m)] for r in range(plan.world_size) for m in range(plan.micro_batches)]
+    assert np.array_equal(plan.unpack(results), values)
+    for rank in range(plan.world_size):
+        own = [values[plan.micro_batch(rank, m)] for m in range(plan.micro_batches)]
+        assert np.array_equal(plan.unpack(own, rank=rank), values[np.sort(plan.rank_sequences(rank))])
+
+
+@pytest.mark.slow  # two Python processes
+def test_ranks_in_separate_processes_compute_the_same_plan():
+    code = (
+        "import hashlib, numpy as np; from prepack.building.rollouts import plan_rollouts; "
+        "lengths = np.random.default_rng(7).integers(1, 4097, 1000); "
+        "p = plan_rollouts(lengths, 8192, world_size=4, cost='attention', max_documents=16); "
+        "print(hashlib.sha256(p.sequences.tobytes() + p.offsets.tobytes() + p.costs.tobytes()).hexdigest())"
+    )
+    digests = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env=os.environ | {"PYTHONHASHSEED": str(seed)}).stdout
+        for seed in (1, 2)
+    }
+    lengths = np.random.default_rng(7).integers(1, 4097, 1000)
+    here = plan_rollouts(lengths, 8192, world_size=4, cost="attention", max_documents=16)
+    assert digests == {hashlib.sha256(here.sequences.tobytes() + here.offsets.tobytes() + here.costs.tobytes()).hexdigest() + "\n"}
+
+
+@pytest.mark.parametrize("cost", ["tokens", "attention"])
+def test_four_thousand_rollouts_balance_ranks_and_micro_batches_within_two_percent(cost):
+    lengths = np.random.default_rng(0).integers(1, 32769, 4096)
+    plan = plan_rollouts(lengths, 65536, world_size=8, cost=cost)
+    # per step: each rank's whole step; per micro-batch: micro-batch m of every rank, for ranks that wait at each
+    assert imbalance(plan.costs.sum(axis=1)[None]).max_over_mean <= 1.02
+    assert imbalance(plan.costs.T).max_over_mean <= 1.02
+    assert plan.micro_batches <= -(-(-(-lengths.sum() // 65536)) // 8) + 1  # at most one above the token bound
+
+
+def test_a_sequence_or_group_over_the_cap_is_refused_by_name():
+    with pytest.raises(SequenceTooLongError, match="sequence 2 has 300 tokens, more than a micro-batch's max_len=256"):
+        plan_rollouts([10, 20, 300, 5], 256)
+    with pytest.raises(SequenceTooLongError, match=r"group 1 \(sequences 2..3\) has 260 tokens"):
+        plan_rollouts([10, 20, 130, 130], 256, group_sizes=[2, 2])
+    with pytest.raises(UsageError, match="group 0 has 3 sequences, more than max_documents=2"):
+        plan_rollouts([1, 1, 1, 1], 256, group_sizes=[3, 1], max_documents=2)
+    assert issubclass(SequenceTooLongError, PrepackError)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (([3, 0, 2], 8), "sequence 1 has 0 tokens"),
+        (([], 8), "at least one sequence"),
+        (([[1, 2]], 8), "1-D sequence of integers"),
+        (([1.5], 8), "1-D sequence of integers"),
+        (([1, 2], 0), "max_len must be in"),
+        (([1, 2], 8, {"world_size": 3}), "2 sequences cannot give each of 3 ranks a micro-batch"),
+        (([5, 5, 5], 8, {"world_size": 2}), "3 sequences of 15 tokens need at least 2 micro-batches on each of 2 ranks"),
+        # 257 tokens do not fit 4 micro-batches of 64, and 6 sequences cannot fill 8 (found by hypothesis)
+        (([1, 1, 63, 64, 64, 64], 64, {"world_size": 4}), "6 sequences of 257 tokens need at least 2 micro-batches"),
+        (([1, 2], 8, {"cost": "flops"}), "cost must be one of"),
+        (([1, 2], 8, {"token_cost": float("nan")}), "token_cost must be finite"),
+        (([1, 2], 8, {"max_documents": 0}), "max_documents must be in"),
+        (([1, 2], 8, {"group_sizes": [1, 2]}), "group_sizes sum to 3, not to the 2 sequences"),
+        (([1, 2], 8, {"group_sizes": [2, 0]}), "positive integers"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(arguments, message):
+    lengths, max_len, *options = arguments
+    with pytest.raises(UsageError, match=message):
+        plan_rollouts(lengths, max_len, **(options[0] if options else {}))
+
+
+def test_unpack_refuses_results_that_are_not_the_plans():
+    plan = plan_rollouts([3, 4, 5, 6], 8, world_size=2)
+    with pytest.raises(UsageError, match=r"unpacking takes 2 micro-batches' results with 2 rows in all, got 1"):
+        plan.unpack([np.zeros(2)], rank=0)
+    with pytest.raises(UsageError, match="no micro-batch 5 of rank 0"):
+        plan.micro_batch(0, 5)
+
+
+def test_model_token_cost_reads_a_decoders_config():
+    # Llama-3-8B's config.json fields (what transformers' LlamaConfig holds), under a multimodal text_config too
+    llama = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=8, head_dim=None)
+    # per layer 2·4096·4096 (q, o) + 2·4096·1024 (k, v) + 3·4096·14336 (gated MLP), over d = 4096
+    assert model_token_cost(llama) == (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) / 4096 == 53248
+    assert model_token_cost(SimpleNamespace(text_config=llama)) == 53248
+    moe = SimpleNamespace(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,  # Qwen3-30B-A3B
+                          moe_intermediate_size=768, num_experts_per_tok=8, intermediate_size=6144)
+    assert model_token_cost(moe) == (2 * 2048 * 32 * 128 + 2 * 2048 * 4 * 128 + 3 * 2048 * 768 * 8) / 2048
+    with pytest.raises(UsageError, match="has no 'hidden_size'"):
+        model_token_cost(object())
+
+
+def test_the_planner_imports_neither_torch_nor_pyarrow():
+    code = ("import sys, prepack.building.rollouts; "
+            "print(sorted(name for name in ('torch', 'pyarrow', 'transformers') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
