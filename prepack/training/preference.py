@@ -44,8 +44,8 @@ with optional_imports("prepack.training.preference"):
     import torch.nn.functional as F
 
 __all__ = [
-    "PAIR_FIELDS", "PairLogps", "dpo_loss", "ipo_loss", "model_inputs", "pair_count", "pair_logps", "sequence_logps", "shared_pair_logps",
-    "simpo_loss", "trained_tokens",
+    "PAIR_FIELDS", "PairLogps", "chosen_nll", "cpo_loss", "dpo_loss", "ipo_loss", "model_inputs", "orpo_loss", "pair_count",
+    "pair_logps", "prompt_logps", "sequence_logps", "shared_pair_logps", "simpo_loss", "trained_tokens",
 ]
 
 # What a batch of pairs carries besides the model's inputs (reference_logps: a build's stored reference
@@ -139,6 +139,29 @@ def pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:
 def shared_pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:
     """`PairLogps` of a shared-prompt batch: each completion's trained tokens, the first one predicted from
     its pair's last prompt position, every other from the position before it (same part)."""
+    layout = _shared_layout(logits, batch)
+    trained = (layout.labels != IGNORE_INDEX) & (layout.part > 0)  # padding and prompts are part 0
+    logp = _token_logps(logits, layout.predictor, torch.where(trained, layout.labels, IGNORE_INDEX))
+    slot = completion_slots(layout.pair, layout.part, trained)
+    pairs = layout.pairs
+    sums = torch.zeros(2 * pairs, dtype=logp.dtype, device=logits.device).index_add(0, slot, logp * trained).view(pairs, 2)
+    counts = shared_trained_tokens(batch).to(logits.device)
+    return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])
+
+
+class _SharedLayout(NamedTuple):
+    """A shared-prompt batch's tokens, flattened: labels, pair (from 1; 0 padding) and part of each, the
+    position whose logits predict it, whether it starts its part, and the batch's pair count."""
+
+    labels: torch.Tensor
+    pair: torch.Tensor
+    part: torch.Tensor
+    predictor: torch.Tensor
+    first: torch.Tensor
+    pairs: int
+
+
+def _shared_layout(logits: torch.Tensor, batch: Mapping[str, Any]) -> _SharedLayout:
     labels, ids = batch["labels"], batch["shared_prompt_ids"]
     if logits.shape[:2] != labels.shape or ids.shape != labels.shape:
         raise UsageError(f"logits of shape {tuple(logits.shape)} do not match labels of shape {tuple(labels.shape)}")
@@ -155,17 +178,40 @@ def shared_pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLog
     previous = (token - 1).clamp(min=0)
     first = (token % width == 0) | (ids[previous] != ids)
     predictor = torch.where(first & (part > 0), prompt_end[pair], previous)
-    trained = (labels != IGNORE_INDEX) & (part > 0)  # padding and prompts are part 0
-    targets = torch.where(trained, labels, IGNORE_INDEX)
+    return _SharedLayout(labels, pair, part, predictor, first, pairs)
+
+
+def _token_logps(logits: torch.Tensor, predictor: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The log-probability of each target (flat; 0 at -100) under the logits at its predictor position."""
     predicting = logits.flatten(0, 1)[predictor]
-    logp = -F.cross_entropy(
+    return -F.cross_entropy(
         predicting.to(torch.promote_types(predicting.dtype, torch.float32)), targets, ignore_index=IGNORE_INDEX,
         reduction="none",
     )
-    slot = completion_slots(pair, part, trained)
-    sums = torch.zeros(2 * pairs, dtype=logp.dtype, device=device).index_add(0, slot, logp * trained).view(pairs, 2)
-    counts = shared_trained_tokens(batch).to(device)
-    return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])
+
+
+def prompt_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probabilities [P], token counts [P] int64) of each pair's prompt tokens, every one but its
+    first (which nothing in its document predicts): what TRL's ORPOTrainer adds to the chosen completion in its
+    NLL term (`chosen_nll`). Read from the chosen document (`pair_segments`), or from the prompt, stored once,
+    of a shared-prompt batch; the same forward as `pair_logps`."""
+    if "shared_prompt_ids" in batch:
+        layout = _shared_layout(logits, batch)
+        tokens = batch["input_ids"].to(logits.device).flatten()
+        in_prompt = (layout.pair > 0) & (layout.part == 0) & ~layout.first
+        logp = _token_logps(logits, layout.predictor, torch.where(in_prompt, tokens, IGNORE_INDEX))
+        pair = torch.where(in_prompt, layout.pair - 1, 0)
+        zeros = torch.zeros(layout.pairs, dtype=logp.dtype, device=logits.device)
+        counts = torch.bincount(pair, weights=in_prompt.to(torch.float64), minlength=layout.pairs).to(torch.int64)
+        return zeros.index_add(0, pair, logp * in_prompt), counts
+    if "pair_segments" not in batch or "position_ids" not in batch:
+        raise UsageError("prompt_logps needs pair_segments and position_ids: collate packs of a preference-pair build")
+    # A document's untrained tokens past its first are its prompt (the collator masks the first token).
+    labels, positions = batch["labels"], batch["position_ids"].to(batch["labels"].device)
+    prompt = torch.where((labels == IGNORE_INDEX) & (positions > 0), batch["input_ids"].to(labels.device), IGNORE_INDEX)
+    sums, tokens = sequence_logps(logits, {**batch, "labels": prompt})
+    chosen = batch["pair_segments"][:, 0].to(sums.device)
+    return sums[chosen], tokens[chosen]
 
 
 def _margins(policy: PairLogps, reference: PairLogps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,3 +237,38 @@ def simpo_loss(policy: PairLogps, beta: float = 2.0, gamma: float = 0.5) -> torc
     CPOTrainer computes it."""
     delta = policy.chosen / policy.chosen_tokens.clamp(min=1) - policy.rejected / policy.rejected_tokens.clamp(min=1)
     return -F.logsigmoid(beta * delta - gamma)
+
+
+def chosen_nll(policy: PairLogps, prompt: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The batch's negative log-likelihood per chosen token, the supervised term of CPO (the chosen completions'
+    tokens) and, given `prompt` (`prompt_logps` of the same forward), of ORPO as TRL's ORPOTrainer computes it
+    (prompt and chosen completion). A scalar: a mean over the batch's tokens, as TRL's `nn.CrossEntropyLoss`;
+    over several micro-batches, sum -logps and tokens over the step instead."""
+    summed, tokens = policy.chosen.sum(), policy.chosen_tokens.sum()
+    if prompt is not None:
+        summed, tokens = summed + prompt[0].sum(), tokens + prompt[1].sum()
+    return -summed / tokens.clamp(min=1)
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, by the branch that does not cancel (Mächler 2012), as TRL's ORPO computes it."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_loss(policy: PairLogps, beta: float = 0.1) -> torch.Tensor:
+    """Per pair: -β log σ(log odds(chosen) - log odds(rejected)), odds(y) = P / (1 - P) of each completion's
+    mean log-probability per token, ORPO's odds-ratio term (Hong et al. 2024, eq. 6-7; TRL's
+    `ORPOTrainer.odds_ratio_loss`, without its cast to float32). ORPO's objective on a batch is
+    `chosen_nll(policy, prompt_logps(...)) + orpo_loss(policy).mean()`."""
+    chosen = policy.chosen / policy.chosen_tokens.clamp(min=1)
+    rejected = policy.rejected / policy.rejected_tokens.clamp(min=1)
+    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+    return -beta * F.logsigmoid(log_odds)
+
+
+def cpo_loss(policy: PairLogps, beta: float = 0.1, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per pair: -(1 - ε) log σ(β (πc - πr)) - ε log σ(-β (πc - πr)) of the summed log-probabilities, CPO's
+    preference term (Xu et al. 2024, eq. 3; TRL's CPOTrainer "sigmoid"; its "simpo" is `simpo_loss`). CPO's
+    objective on a batch is `cpo_loss(policy).mean() + alpha * chosen_nll(policy)`."""
+    logits = beta * (policy.chosen - policy.rejected)
+    return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
