@@ -37,14 +37,14 @@ from typing import Any, NamedTuple
 
 from prepack.errors import UsageError, optional_imports
 from prepack.formats.shards import IGNORE_INDEX
-from prepack.training.shared_prompt import PARTS, completion_slots, shared_trained_tokens
+from prepack.training.shared_prompt import completion_slots, group_parts, shared_trained_tokens
 
 with optional_imports("prepack.training.preference"):
     import torch
     import torch.nn.functional as F
 
 __all__ = [
-    "PAIR_FIELDS", "PairLogps", "chosen_nll", "cpo_loss", "dpo_loss", "ipo_loss", "model_inputs", "orpo_loss", "pair_count",
+    "GroupLogps", "PAIR_FIELDS", "PairLogps", "chosen_nll", "cpo_loss", "dpo_loss", "group_logps", "ipo_loss", "model_inputs", "orpo_loss", "pair_count",
     "pair_logps", "prompt_logps", "sequence_logps", "shared_pair_logps", "simpo_loss", "trained_tokens",
 ]
 
@@ -115,50 +115,69 @@ def _count(segment: torch.Tensor, trained: torch.Tensor, segments: int) -> torch
 
 
 def pair_count(batch: Mapping[str, Any]) -> int:
-    """The pairs of `batch`, as many as `pair_logps` gives: its `pair_segments`, or the pairs numbered in a
-    shared-prompt batch's `shared_prompt_ids`."""
+    """The pairs (or groups) of `batch`, as many as `pair_logps` and `group_logps` give: its `pair_segments`, or
+    the groups numbered in a shared-prompt batch's `shared_prompt_ids`."""
     if "shared_prompt_ids" in batch:
-        return int(batch["shared_prompt_ids"].max()) // PARTS
+        return int(batch["shared_prompt_ids"].max()) // group_parts(batch)
     if "pair_segments" not in batch:
         raise UsageError("a batch of pairs needs pair_segments: collate packs of a preference-pair build (prepack build --pairs)")
     return len(batch["pair_segments"])
 
 
-def pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:
-    """`sequence_logps` of each pair's chosen and rejected document (`batch["pair_segments"]`), or on a
-    shared-prompt batch (`shared_prompt_ids`) `shared_pair_logps`."""
+class GroupLogps(NamedTuple):
+    """Per group and completion [P, G]: the summed log-probability of its trained tokens (float64 for a float64
+    model) and their count (int64). A shared-prompt batch whose groups differ in size has G of its largest, the
+    missing completions 0 tokens."""
+
+    logps: torch.Tensor
+    tokens: torch.Tensor
+
+
+def group_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> GroupLogps:
+    """`sequence_logps` of each group's documents (`batch["pair_segments"]`, [P, G]), or on a shared-prompt
+    batch (`shared_prompt_ids`) each completion's trained tokens, the first one predicted from its group's last
+    prompt position, every other from the position before it (same part)."""
     if "shared_prompt_ids" in batch:
-        return shared_pair_logps(logits, batch)
+        layout = _shared_layout(logits, batch)
+        trained = (layout.labels != IGNORE_INDEX) & (layout.part > 0)  # padding and prompts are part 0
+        logp = _token_logps(logits, layout.predictor, torch.where(trained, layout.labels, IGNORE_INDEX))
+        slot = completion_slots(layout.group, layout.part, trained, layout.parts)
+        size = layout.parts - 1
+        sums = torch.zeros(size * layout.groups, dtype=logp.dtype, device=logits.device).index_add(0, slot, logp * trained)
+        return GroupLogps(sums.view(layout.groups, size), shared_trained_tokens(batch).to(logits.device))
     if "pair_segments" not in batch:
-        raise UsageError("pair_logps needs pair_segments: collate packs of a preference-pair build (prepack build --pairs)")
+        raise UsageError("group_logps needs pair_segments: collate packs of a preference-pair or group build (prepack build --pairs, --groups)")
     sums, tokens = sequence_logps(logits, batch)
-    pairs = batch["pair_segments"].to(sums.device)
-    return PairLogps(sums[pairs[:, 0]], sums[pairs[:, 1]], tokens[pairs[:, 0]], tokens[pairs[:, 1]])
+    segments = batch["pair_segments"].to(sums.device)
+    return GroupLogps(sums[segments], tokens[segments])
+
+
+def pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:
+    """`group_logps` of a batch of pairs (groups of 2: chosen, rejected), as `PairLogps`."""
+    logps, tokens = group_logps(logits, batch)
+    if logps.shape[1] != 2:
+        raise UsageError(f"pair_logps takes a batch of pairs, not of groups of {logps.shape[1]}: use group_logps.")
+    return PairLogps(logps[:, 0], logps[:, 1], tokens[:, 0], tokens[:, 1])
 
 
 def shared_pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:
-    """`PairLogps` of a shared-prompt batch: each completion's trained tokens, the first one predicted from
-    its pair's last prompt position, every other from the position before it (same part)."""
-    layout = _shared_layout(logits, batch)
-    trained = (layout.labels != IGNORE_INDEX) & (layout.part > 0)  # padding and prompts are part 0
-    logp = _token_logps(logits, layout.predictor, torch.where(trained, layout.labels, IGNORE_INDEX))
-    slot = completion_slots(layout.pair, layout.part, trained)
-    pairs = layout.pairs
-    sums = torch.zeros(2 * pairs, dtype=logp.dtype, device=logits.device).index_add(0, slot, logp * trained).view(pairs, 2)
-    counts = shared_trained_tokens(batch).to(logits.device)
-    return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])
+    """`pair_logps` of a shared-prompt batch of pairs."""
+    if "shared_prompt_ids" not in batch:
+        raise UsageError("shared_pair_logps takes a shared-prompt batch: PackedCollator(shared_prompt=True)")
+    return pair_logps(logits, batch)
 
 
 class _SharedLayout(NamedTuple):
-    """A shared-prompt batch's tokens, flattened: labels, pair (from 1; 0 padding) and part of each, the
-    position whose logits predict it, whether it starts its part, and the batch's pair count."""
+    """A shared-prompt batch's tokens, flattened: labels, group (from 1; 0 padding) and part of each, the
+    position whose logits predict it, whether it starts its part, the batch's group count and id stride."""
 
     labels: torch.Tensor
-    pair: torch.Tensor
+    group: torch.Tensor
     part: torch.Tensor
     predictor: torch.Tensor
     first: torch.Tensor
-    pairs: int
+    groups: int
+    parts: int
 
 
 def _shared_layout(logits: torch.Tensor, batch: Mapping[str, Any]) -> _SharedLayout:
@@ -169,16 +188,17 @@ def _shared_layout(logits: torch.Tensor, batch: Mapping[str, Any]) -> _SharedLay
     ids, labels = ids.to(device).flatten(), labels.to(device).flatten()
     width = batch["labels"].shape[1]
     token = torch.arange(len(ids), device=device)
-    pair, part = ids // PARTS, ids % PARTS
-    pairs = int(pair.max())
-    # Each pair's last prompt token predicts the first token of both completions.
-    prompt_end = torch.zeros(pairs + 1, dtype=torch.int64, device=device).scatter_reduce(
-        0, pair, torch.where(part == 0, token, 0), "amax"
+    parts = group_parts(batch)
+    group, part = ids // parts, ids % parts
+    groups = int(group.max())
+    # Each group's last prompt token predicts the first token of every completion.
+    prompt_end = torch.zeros(groups + 1, dtype=torch.int64, device=device).scatter_reduce(
+        0, group, torch.where(part == 0, token, 0), "amax"
     )
     previous = (token - 1).clamp(min=0)
     first = (token % width == 0) | (ids[previous] != ids)
-    predictor = torch.where(first & (part > 0), prompt_end[pair], previous)
-    return _SharedLayout(labels, pair, part, predictor, first, pairs)
+    predictor = torch.where(first & (part > 0), prompt_end[group], previous)
+    return _SharedLayout(labels, group, part, predictor, first, groups, parts)
 
 
 def _token_logps(logits: torch.Tensor, predictor: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -198,12 +218,12 @@ def prompt_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torch.
     if "shared_prompt_ids" in batch:
         layout = _shared_layout(logits, batch)
         tokens = batch["input_ids"].to(logits.device).flatten()
-        in_prompt = (layout.pair > 0) & (layout.part == 0) & ~layout.first
+        in_prompt = (layout.group > 0) & (layout.part == 0) & ~layout.first
         logp = _token_logps(logits, layout.predictor, torch.where(in_prompt, tokens, IGNORE_INDEX))
-        pair = torch.where(in_prompt, layout.pair - 1, 0)
-        zeros = torch.zeros(layout.pairs, dtype=logp.dtype, device=logits.device)
-        counts = torch.bincount(pair, weights=in_prompt.to(torch.float64), minlength=layout.pairs).to(torch.int64)
-        return zeros.index_add(0, pair, logp * in_prompt), counts
+        group = torch.where(in_prompt, layout.group - 1, 0)
+        zeros = torch.zeros(layout.groups, dtype=logp.dtype, device=logits.device)
+        counts = torch.bincount(group, weights=in_prompt.to(torch.float64), minlength=layout.groups).to(torch.int64)
+        return zeros.index_add(0, group, logp * in_prompt), counts
     if "pair_segments" not in batch or "position_ids" not in batch:
         raise UsageError("prompt_logps needs pair_segments and position_ids: collate packs of a preference-pair build")
     # A document's untrained tokens past its first are its prompt (the collator masks the first token).
