@@ -44,7 +44,7 @@ with optional_imports("prepack.training.preference"):
     import torch.nn.functional as F
 
 __all__ = [
-    "GroupLogps", "PAIR_FIELDS", "PairLogps", "chosen_nll", "cpo_loss", "dpo_loss", "group_logps", "ipo_loss", "model_inputs", "orpo_loss", "pair_count",
+    "GroupLogps", "PAIR_FIELDS", "PairLogps", "chosen_nll", "cpo_loss", "dpo_loss", "group_logps", "ipo_loss", "kto_loss", "model_inputs", "orpo_loss", "pair_count",
     "pair_logps", "prompt_logps", "sequence_logps", "shared_pair_logps", "simpo_loss", "trained_tokens",
 ]
 
@@ -292,3 +292,34 @@ def cpo_loss(policy: PairLogps, beta: float = 0.1, label_smoothing: float = 0.0)
     objective on a batch is `cpo_loss(policy).mean() + alpha * chosen_nll(policy)`."""
     logits = beta * (policy.chosen - policy.rejected)
     return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+
+
+def kto_loss(
+    policy: GroupLogps,
+    reference: GroupLogps,
+    desirable: torch.Tensor,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> torch.Tensor:
+    """Per example [N]: KTO's loss (Ethayarajh et al. 2024, eq. 7; TRL's KTOTrainer "kto"), the desirable
+    ones' w_d (1 - σ(β (r - z))), the undesirable ones' w_u (1 - σ(β (z - r))), r = π - ref of the example's
+    completion and z the KL estimate, the mean over the examples given of π - ref of their mismatched KL
+    completions, detached and at least 0.
+
+    `policy` and `reference` are `group_logps` of examples laid out as groups of 2 (the completion, then the
+    KL completion after the same prompt: `logps[:, 0]`, `logps[:, 1]`); `desirable` [N] bool, each example's
+    label. z is the mean over these N examples: TRL's over its batch (and ranks); pass a step's examples
+    together to estimate it over the step."""
+    if policy.logps.shape[1] != 2 or reference.logps.shape != policy.logps.shape:
+        raise UsageError("kto_loss takes group_logps of examples laid out as (completion, KL completion) pairs.")
+    desirable = desirable.to(device=policy.logps.device, dtype=torch.bool)
+    if desirable.shape != policy.logps.shape[:1]:
+        raise UsageError(f"{tuple(desirable.shape)} labels for {policy.logps.shape[0]} examples.")
+    kl = (policy.logps[:, 1] - reference.logps[:, 1]).mean().detach().clamp(min=0)
+    logratios = policy.logps[:, 0] - reference.logps[:, 0]
+    return torch.where(
+        desirable,
+        desirable_weight * (1 - torch.sigmoid(beta * (logratios - kl))),
+        undesirable_weight * (1 - torch.sigmoid(beta * (kl - logratios))),
+    )
