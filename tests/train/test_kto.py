@@ -23,7 +23,11 @@ from prepack.training.preference import GroupLogps, group_logps, kto_loss, model
 from tests.train.test_groups import group_pack
 from tests.train.test_preference import VOCAB, _Float64Head, gradients, tiny_llama
 from tests.train.test_shared_prompt import _rms_norm_in_its_dtype
+from prepack.errors import UsageError
 from prepack.training.shared_prompt import Group
+from prepack.training.unpaired import kl_partners, kto_groups
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.models.llama import modeling_llama
 
 BETA, EXAMPLES = 0.1, 10
@@ -42,14 +46,48 @@ def examples() -> list[dict]:
     return rows
 
 
+def test_kl_partners_cycle_each_batch_as_trls_kto_trainer_does():
+    """TRL's `add_kl_completion_ids` (its `_prepare_dataset`, mapped in batches of the per-device batch size),
+    on completions that name their example."""
+    datasets = pytest.importorskip("datasets")
+    for count, batch_size in ((10, 10), (10, 4), (9, 3), (8, 2)):
+        dataset = datasets.Dataset.from_dict({"completion_ids": [[i] for i in range(count)]}).map(
+            lambda examples: {"KL_completion_ids": [examples["completion_ids"][-1]] + examples["completion_ids"][:-1]},
+            batched=True, batch_size=batch_size)
+        assert kl_partners(count, batch_size=batch_size).tolist() == [ids[0] for ids in dataset["KL_completion_ids"]]
+    with pytest.raises(UsageError, match="alone in its batch"):
+        kl_partners(9, batch_size=4)
+
+
+@settings(max_examples=50, deadline=None)
+@given(count=st.integers(2, 300), seed=st.integers(0, 2**32 - 1))
+def test_seeded_kl_partners_are_one_cycle_and_repeat_from_their_seed(count, seed):
+    partners = kl_partners(count, seed=seed)
+    assert partners.tolist() == kl_partners(count, seed=seed).tolist()
+    assert sorted(partners.tolist()) == list(range(count))  # a permutation
+    seen, at = set(), 0
+    while at not in seen:  # following partners from 0 visits every example once: one cycle, so none is its own
+        seen.add(at)
+        at = int(partners[at])
+    assert len(seen) == count and at == 0
+
+
+def test_kto_groups_put_each_partners_completion_after_the_examples_prompt():
+    rows = examples()
+    groups = kto_groups([r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows], kl_partners(EXAMPLES, batch_size=EXAMPLES))
+    for group, row in zip(groups, rows, strict=True):
+        assert (list(group.prompt), [list(c) for c in group.completions]) == (
+            row["prompt_ids"], [row["completion_ids"], row["KL_completion_ids"]])
+
+
 def packed_batch(rows: list[dict], kl_prompt_shift: int = 0, **options) -> dict:
     """The examples as groups of 2 (completion, KL completion after the same prompt), five to a pack; with
     `kl_prompt_shift`, each KL completion after another example's prompt (the leak control)."""
-    groups = []
-    for i, row in enumerate(rows):
-        other = rows[(i + kl_prompt_shift) % len(rows)]["prompt_ids"]
-        groups.append([Group(row["prompt_ids"], [row["completion_ids"]]), Group(other, [row["KL_completion_ids"]])]
-                      if kl_prompt_shift else [Group(row["prompt_ids"], [row["completion_ids"], row["KL_completion_ids"]])])
+    partners = kl_partners(len(rows), batch_size=len(rows))
+    groups = [[g] for g in kto_groups([r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows], partners)]
+    if kl_prompt_shift:
+        groups = [[Group(g.prompt, g.completions[:1]), Group(rows[(i + kl_prompt_shift) % len(rows)]["prompt_ids"], g.completions[1:])]
+                  for i, (g,) in enumerate(groups)]
     if kl_prompt_shift:  # two documents with different prompts: laid out as documents, not a shared group
         packs = []
         for start in (0, 5):
