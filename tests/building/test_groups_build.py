@@ -148,3 +148,32 @@ def test_collated_groups_give_each_completion_its_prompt_and_it_alone(group_buil
             expected += alone(model, Group(docs[0][0][:start].tolist(), [d[0][start:].tolist() for d in docs]))
     assert got.logps.shape[1] == SIZE
     torch.testing.assert_close(got.logps.flatten(), torch.stack([e for e, _ in expected]), rtol=0, atol=1e-10)
+
+
+@pytest.mark.slow  # a reference pass over the build with a tiny model of the tokenizer's vocabulary: ~5 s
+def test_stored_reference_log_probabilities_cover_a_group_build(group_build, tmp_path):
+    """`prepack.training.reference.write_reference_logps` on a group build: every completion's stored value is
+    the reference's own `group_logps` of it, in the two-sequence and shared-prompt layouts (`stored_group_reference`),
+    and `stored_reference` (pairs) refuses groups by name."""
+    from prepack.errors import UsageError
+    from prepack.model.packing import enable_packing
+    from prepack.training.collate import PackedCollator
+    from prepack.training.preference import group_logps, model_inputs
+    from prepack.training.reference import stored_group_reference, stored_reference, write_reference_logps
+    from tests.train.test_reference_logps import tiny_llama
+
+    root, _ = group_build
+    model = enable_packing(tiny_llama(1)).eval()
+    write_reference_logps(root / "out", model, tmp_path / "values", batch_size=2)
+    dataset = PackedDataset(root / "out", reference=tmp_path / "values")
+    packs = [dataset[i] for i in range(len(dataset))]
+    for shared_prompt in (False, True):
+        batch = PackedCollator.for_dataset(dataset, shared_prompt=shared_prompt)(packs)
+        stored = stored_group_reference(batch)
+        with torch.no_grad():
+            computed = group_logps(model(**model_inputs(batch)).logits, batch)
+        assert stored.logps.shape == (read_manifest(root / "out").pairs.pairs - read_manifest(root / "out").pairs.dropped, SIZE)
+        torch.testing.assert_close(stored.logps, computed.logps, rtol=0, atol=1e-10)
+        assert torch.equal(stored.tokens, computed.tokens)
+        with pytest.raises(UsageError, match="not of groups of 4"):
+            stored_reference(batch)
