@@ -24,6 +24,11 @@ prompt and the token ids on the completion (what TRL's `completion_mask` trains 
 completion is empty, or whose chosen and rejected are the same, is refused with its file, row and
 column.
 
+Unpaired feedback (KTO) in TRL's format, a `prompt`, a `completion` and a boolean `label` a row, is read by
+`unpaired_examples` and tokenized as TRL 1.16's KTOTrainer `_prepare_dataset` tokenizes it, which is how pairs
+are: the prompt alone and prompt + completion (text: EOS after it), the completion from where they diverge;
+`prepack.training.unpaired` plans each example's KL completion (`kl_partners`) and lays them out (`kto_groups`).
+
 A group corpus (`PairOptions.completions_column`, `--groups`) holds a prompt and a list of G completions a
 row (every row G, its first row's), each group G documents, prompt + completion k, tokenized as pairs are;
 its completions may be equal (samples of one prompt).
@@ -39,6 +44,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,7 +62,7 @@ from prepack.sources.tokenize import (
     type_name,
 )
 
-__all__ = ["PairDocuments", "first_group_size", "pair_documents", "split_prompt"]
+__all__ = ["PairDocuments", "UnpairedExamples", "first_group_size", "pair_documents", "split_prompt", "unpaired_examples"]
 
 _CHUNK_BYTES = 1 << 18  # input per task: pairs are rendered three times each, so chunks are smaller than --chat's
 _ENCODE_BATCH_CHARS = 1 << 20  # text per call of the tokenizer: a chunk's texts in one call, a long text alone
@@ -325,3 +331,64 @@ def _stream(corpus: Corpus, columns: list[str], encoder: _PairEncoder, num_proc:
     for (path, row0, _), (offsets, ids, labels, prompts) in encoded_in_order(_chunks(corpus, columns), encoder, num_proc):
         prompt_lengths.append(prompts)
         yield DocumentBatch(file=path, first_row=encoder.options.size * row0, offsets=offsets, ids=ids, labels=labels)
+
+
+class UnpairedExamples(NamedTuple):
+    """Every example of the corpus, in corpus order: its prompt's and completion's token ids, and its label."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    desirable: np.ndarray  # bool [N]
+
+
+def unpaired_examples(
+    corpus: Corpus,
+    tokenizer: LocalTokenizer,
+    *,
+    chat: bool,
+    prompt_column: str = "prompt",
+    completion_column: str = "completion",
+    label_column: str = "label",
+    eos: bool = True,
+    chat_template: str | os.PathLike | None = None,
+) -> UnpairedExamples:
+    """The corpus's examples, tokenized; InputError (file, row, column) for a bad row."""
+    template, template_file = resolve_chat_template(tokenizer, chat_template) if chat else (None, None)
+    # The pair encoder renders, checks and encodes prompts and completions; its options are not read here.
+    encoder = _PairEncoder(
+        tokenizer=tokenizer.tokenizer, vocab_size=tokenizer.vocab_size,
+        options=PairOptions(prompt_column=prompt_column, completions_column=completion_column, group_size=2),
+        chat=chat, template=template, template_file=template_file, special_tokens=tokenizer.special_tokens,
+        eos_id=eos_to_append(tokenizer) if eos and not chat else None,
+    )
+    prompts, completions, desirable = [], [], []
+    columns = [prompt_column, completion_column, label_column]
+    for path in corpus.files:
+        for row0, records, _ in _file_records(path, columns):
+            texts, fulls, rows = [], [], []
+            for row, record in enumerate(records, row0):
+                values = {}
+                for column in columns:
+                    if record.get(column) is None:
+                        present = ", ".join(key for key, value in record.items() if value is not None) or "none"
+                        raise InputError(f"{path}, row {row}: the record has no {column!r} (fields: {present}).")
+                    values[column] = record[column]
+                if not isinstance(values[label_column], bool):
+                    raise InputError(f"{path}, row {row}, column {label_column!r}: expected a boolean (true: desirable), "
+                                     f"found {type_name(values[label_column])}.")
+                prompt = encoder._value(f"{path}, row {row}, column {prompt_column!r}", values[prompt_column])
+                completion = encoder._value(f"{path}, row {row}, column {completion_column!r}", values[completion_column])
+                texts.append(encoder._text(f"{path}, row {row}", prompt, None))
+                fulls.append(encoder._text(f"{path}, row {row}, column {completion_column!r}", prompt, completion))
+                rows.append(row)
+                desirable.append(values[label_column])
+            for row, prompt_ids, full_ids in zip(rows, encoder._ids(texts), encoder._ids(fulls)):
+                if encoder.eos_id is not None:
+                    full_ids = np.append(full_ids, encoder.eos_id)
+                start = _common_prefix(prompt_ids, full_ids)
+                if start == len(full_ids):
+                    raise InputError(f"{path}, row {row}, column {completion_column!r}: the completion is empty (no token "
+                                     "after the prompt).")
+                prompts.append(full_ids[:start].tolist())
+                completions.append(full_ids[start:].tolist())
+    return UnpairedExamples(prompts, completions, np.array(desirable, bool))

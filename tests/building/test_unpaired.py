@@ -1,4 +1,4 @@
-"""`prepack.sources.unpaired`: TRL's unpaired (KTO) format read and tokenized as TRL 1.16's KTOTrainer
+"""`prepack.sources.pairs.unpaired_examples`: TRL's unpaired (KTO) format read and tokenized as TRL 1.16's KTOTrainer
 `_prepare_dataset` tokenizes it (text with EOS, and chat with the generation prompt), rows refused by file, row
 and column; with `prepack.training.unpaired` the examples lay out so that every KL completion follows its own
 example's prompt.
@@ -12,7 +12,7 @@ import pytest
 from prepack.errors import InputError
 from prepack.sources.corpus import find_corpus
 from prepack.sources.tokenize import load_tokenizer
-from prepack.sources.unpaired import unpaired_examples
+from prepack.sources.pairs import unpaired_examples
 from prepack.training.unpaired import kl_partners, kto_groups
 from tests.building.test_pairs import gpt2, hf_tokenizer, write_jsonl  # noqa: F401 (fixtures)
 from tests.demo_inputs import chitchat, chitchat_pairs
