@@ -58,14 +58,19 @@ def trainer_arguments(args: argparse.Namespace, output_dir: str) -> dict:
 def load_model(name: str | None, dataset: PackedDataset) -> PreTrainedModel:
     if name:
         return AutoModelForCausalLM.from_pretrained(name)
+    return tiny_llama(largest_token_id(dataset) + 1, dataset.manifest.options.max_len)
+
+
+def tiny_llama(vocab_size: int, max_len: int) -> LlamaForCausalLM:
+    """The tiny random Llama (seed 0) of `vocab_size` token ids and `max_len` positions."""
     config = LlamaConfig(
-        vocab_size=largest_token_id(dataset) + 1,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=dataset.manifest.options.max_len,
+        max_position_embeddings=max_len,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)

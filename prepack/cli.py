@@ -142,6 +142,8 @@ _READING_OPTIONS: dict[str, tuple[object, object]] = {
     "prompt_column": (Annotated[str, typer.Option("--prompt-column", help="--pairs: the prompt column; a row without one takes the common prefix of chosen and rejected as its prompt.")], "prompt"),
     "chosen_column": (Annotated[str, typer.Option("--chosen-column", help="--pairs: the chosen completion column.")], "chosen"),
     "rejected_column": (Annotated[str, typer.Option("--rejected-column", help="--pairs: the rejected completion column.")], "rejected"),
+    "groups": (Annotated[bool, typer.Option("--groups", help="The corpus holds groups: a prompt (--prompt-column) and a list of G completions (--completions-column; G its first row's, every row's), each group packed whole as G documents; needs --tokenizer and --overflow truncate, drop or error.")], False),
+    "completions_column": (Annotated[str, typer.Option("--completions-column", help="--groups: the column of completions, a list a row.")], "completions"),
 }
 
 
@@ -227,11 +229,12 @@ def _summary(manifest: Manifest, out: str) -> Table:
         ("labels", "in the shards" if manifest.has_labels else "none"),
         ("untrained (no trained token)", _untrained(t.untrained, t.untrained_tokens, o.drop_untrained)),
     ]
+    units = "pairs" if o.pairs is None or o.pairs.group_size is None else f"groups of {o.pairs.group_size}"
     if (p := manifest.pairs) is not None:
-        rows.insert(1, ("pairs", f"{p.pairs:,} read, {p.truncated:,} truncated, {p.dropped:,} dropped; "
-                                 f"prompt / completion tokens {p.prompt_tokens:,} / {p.completion_tokens:,}"))
+        rows.insert(1, (units, f"{p.pairs:,} read, {p.truncated:,} truncated, {p.dropped:,} dropped; "
+                               f"prompt / completion tokens {p.prompt_tokens:,} / {p.completion_tokens:,}"))
     if o.tokenize is not None and o.pairs is not None:
-        rows.insert(0, ("tokenized", f"{o.tokenize.tokenizer.name} ({o.tokenize.mode} pairs, labels on the completions)"))
+        rows.insert(0, ("tokenized", f"{o.tokenize.tokenizer.name} ({o.tokenize.mode} {units.split()[0]}, labels on the completions)"))
     elif o.tokenize is not None:
         how = "chat, labels on " + o.tokenize.train_on if o.tokenize.mode == "chat" else "text" + (" + EOS" if o.tokenize.eos else "")
         rows.insert(0, ("tokenized", f"{o.tokenize.tokenizer.name} ({how}), column {o.tokenize.column!r}"))

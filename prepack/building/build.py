@@ -222,6 +222,8 @@ def build(
     prompt_column: str = "prompt",
     chosen_column: str = "chosen",
     rejected_column: str = "rejected",
+    groups: bool = False,
+    completions_column: str = "completions",
     algorithm: str = "ffd",
     overflow: str = "split",
     seed: int = 0,
@@ -262,6 +264,8 @@ def build(
     `num_proc`). With `pairs`, the corpus holds preference pairs (`prepack.sources.pairs`: `prompt_column`,
     `chosen_column`, `rejected_column`), text or with `chat` conversations, each pair packed as a unit
     (`prepack.building.pair_plan`; `overflow` "truncate", "drop" or "error"), its shards carrying `pair_roles`.
+    With `groups`, a prompt (`prompt_column`) and a list of G completions (`completions_column`) a row, each group
+    packed as a unit of G documents the same way (roles 0 … G - 1).
 
     `engine="ray"` reads, tokenizes and writes shards as Ray tasks (`prepack.building.engines.ray`; needs
     `prepack-llm[ray]`), on the cluster at `ray_address` ("auto", "ray://…"), or on the Ray instance this
@@ -289,14 +293,14 @@ def build_packs(
     _check_engine(output.engine, output.ray_address, reading)
     if isinstance(corpus, Mixture) or is_mixture_file(corpus):  # several corpora or stores, weighted (prepack.building.mixture)
         mixture = corpus if isinstance(corpus, Mixture) else read_mixture(corpus)
-        if reading.pairs:
-            raise InputError(f"{corpus}: a mixture of preference-pair corpora is not supported; build each on its own.")
+        if reading.pairs or reading.groups:
+            raise InputError(f"{corpus}: a mixture of preference-pair or group corpora is not supported; build each on its own.")
         from prepack.building.mixture_build import build_mixture
 
         with progress_bars(output.progress, output.console) as bar:
             return build_mixture(mixture, out, reading, packing, output, bar, _store_path, _engine)
-    if reading.pairs:
-        _check_pair_options(packing)
+    if reading.pairs or reading.groups:
+        _check_pair_options(packing, output, "--groups" if reading.groups else "--pairs")
     with progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if index_only and not is_store(source.spec):
             raise InputError(
@@ -377,38 +381,48 @@ def build_packs(
     return manifest
 
 
-def _check_pair_options(packing: Packing) -> None:
-    """Refuse, before anything is read, the options a preference-pair build cannot honour."""
+def _check_pair_options(packing: Packing, output: Output, flag: str) -> None:
+    """Refuse, before anything is read, the options a preference-pair (`flag` --pairs) or group (--groups) build
+    cannot honour."""
     if packing.overflow == "split":
+        what = "a pair (both documents go" if flag == "--pairs" else "a group (its documents all go"
         raise InputError(
-            "--pairs never splits a pair (both documents go into one pack): choose --overflow truncate (cut the "
+            f"{flag} never splits {what} into one pack): choose --overflow truncate (cut the "
             "completions), drop or error."
         )
     if packing.drop_untrained:
-        raise InputError("--drop-untrained would break pairs apart: leave it out with --pairs.")
+        raise InputError(f"--drop-untrained would break {flag[2:]} apart: leave it out with {flag}.")
     if packing.max_docs_per_pack == 1:
-        raise InputError("--max-docs-per-pack 1 leaves no room for a pair's two documents: give 2 or more with --pairs.")
+        raise InputError(f"--max-docs-per-pack 1 leaves no room for a pair's two documents: give 2 or more with {flag}.")
+    if flag == "--groups" and output.engine != "local":
+        raise InputError("--groups builds run on the local engine (pairs run on Ray too): leave out --engine ray.")
 
 
 def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> PairPlan:
     """The plan of a preference-pair build, after refusing what `packing.overflow` refuses, by file and row."""
     prompt_lengths, max_len = documents.pairs.prompt_lengths(), packing.max_len
+    size = documents.pairs.options.size
+    if packing.max_docs_per_pack is not None and packing.max_docs_per_pack < size:
+        raise InputError(f"--max-docs-per-pack {packing.max_docs_per_pack} leaves no room for a group's {size} documents: "
+                         f"give {size} or more.")
     refused = None
-    if packing.overflow == "error" and (pair := first_overlong_pair(first.lengths, max_len)) is not None:
-        tokens = int(first.lengths[2 * pair]) + int(first.lengths[2 * pair + 1])
+    if packing.overflow == "error" and (pair := first_overlong_pair(first.lengths, max_len, size)) is not None:
+        tokens = int(first.lengths[size * pair : size * (pair + 1)].sum())
+        what = "the pair's {} tokens (prompt + chosen, prompt + rejected)" if size == 2 else "the group's {} tokens (prompt + each completion)"
         refused = pair, (
-            f"the pair's {tokens} tokens (prompt + chosen, prompt + rejected) are longer than --max-len {max_len} "
+            f"{what.format(tokens)} are longer than --max-len {max_len} "
             "(choose --overflow truncate or drop)"
         )
-    elif packing.overflow == "truncate" and len(over := overlong_prompts(first.lengths, prompt_lengths, max_len)):
+    elif packing.overflow == "truncate" and len(over := overlong_prompts(first.lengths, prompt_lengths, max_len, size)):
+        times = "twice" if size == 2 else f"{size} times"
         refused = int(over[0]), (
-            f"the pair's prompt of {int(prompt_lengths[over[0]])} tokens, twice, leaves no room in --max-len {max_len} "
+            f"the {'pair' if size == 2 else 'group'}'s prompt of {int(prompt_lengths[over[0]])} tokens, {times}, leaves no room in --max-len {max_len} "
             "for one completion token each (choose --overflow drop, or a larger --max-len)"
         )
     if refused is not None:
         pair, why = refused
-        path, row = locate_row(documents.corpus, first.rows_per_file, 2 * pair)
-        raise InputError(f"{path}, row {row // 2}: {why}.")
+        path, row = locate_row(documents.corpus, first.rows_per_file, size * pair)
+        raise InputError(f"{path}, row {row // size}: {why}.")
     return plan_pairs(
         first.lengths,
         prompt_lengths,
@@ -417,7 +431,8 @@ def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> Pai
         overflow=packing.overflow,
         seed=packing.seed,
         untrained=first.untrained,
-        max_pairs=None if packing.max_docs_per_pack is None else packing.max_docs_per_pack // 2,
+        max_pairs=None if packing.max_docs_per_pack is None else packing.max_docs_per_pack // size,
+        size=size,
     )
 
 
@@ -439,6 +454,8 @@ def build_store(
     prompt_column: str = "prompt",
     chosen_column: str = "chosen",
     rejected_column: str = "rejected",
+    groups: bool = False,
+    completions_column: str = "completions",
     shard_size: int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     engine: str = "local",
@@ -465,8 +482,8 @@ def build_store(
 
 def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, reading: Reading, output: Output) -> StoreManifest:
     """`build_store`, with its options gathered (what `prepack tokenize` parses its flags into)."""
-    if reading.pairs:
-        raise InputError("a document store holds documents, not preference pairs: build the pairs from the corpus (prepack build CORPUS --pairs ...).")
+    if reading.pairs or reading.groups:
+        raise InputError("a document store holds documents, not preference pairs or groups: build the pairs from the corpus (prepack build CORPUS --pairs ...).")
     if output.shard_size < 1:
         raise InputError(f"invalid shard size {output.shard_size}: at least 1 byte.")
     _check_engine(output.engine, output.ray_address, reading)

@@ -1,4 +1,5 @@
-"""Plan a preference-pair build: pairs are the units packed, never split.
+"""Plan a preference-pair build: pairs are the units packed, never split. A group of G completions of one
+prompt is planned the same way, G documents a unit (`size`); a pair is the group of 2.
 
 Pair r is documents 2r (prompt + chosen) and 2r + 1 (prompt + rejected), back to back in the token
 store. The planner (`prepack.building.plan.plan_packs`, first- or best-fit-decreasing) packs each pair as one
@@ -27,41 +28,52 @@ from prepack.building.plan import DocumentPieces, PackingPlan, ShardPacks, plan_
 __all__ = ["PairPlan", "first_overlong_pair", "kept_lengths", "overlong_prompts", "pair_pieces", "plan_pairs"]
 
 
-def _pair_lengths(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _group_lengths(lengths: np.ndarray, size: int) -> np.ndarray:
+    """[units, size]: each unit's documents' lengths."""
     lengths = np.asarray(lengths, np.int64)
-    if len(lengths) % 2:
-        raise ValueError(f"a pair build has two documents a pair, not {len(lengths)} documents")
-    return lengths[0::2], lengths[1::2]
+    if size < 2 or len(lengths) % size:
+        raise ValueError(f"a build of groups of {size} has {size} documents a group, not {len(lengths)} documents")
+    return lengths.reshape(-1, size)
 
 
-def first_overlong_pair(lengths: np.ndarray, max_len: int) -> int | None:
-    """The first pair whose two documents together are longer than `max_len`, or None."""
-    chosen, rejected = _pair_lengths(lengths)
-    over = np.flatnonzero(chosen + rejected > max_len)
+def first_overlong_pair(lengths: np.ndarray, max_len: int, size: int = 2) -> int | None:
+    """The first pair (or group of `size` documents) whose documents together are longer than `max_len`, or None."""
+    over = np.flatnonzero(_group_lengths(lengths, size).sum(1) > max_len)
     return int(over[0]) if len(over) else None
 
 
-def overlong_prompts(lengths: np.ndarray, prompt_lengths: np.ndarray, max_len: int) -> np.ndarray:
-    """The pairs too long for `max_len` whose prompt, twice, leaves less than one completion token each."""
-    chosen, rejected = _pair_lengths(lengths)
-    return np.flatnonzero((chosen + rejected > max_len) & (2 * np.asarray(prompt_lengths, np.int64) + 2 > max_len))
+def overlong_prompts(lengths: np.ndarray, prompt_lengths: np.ndarray, max_len: int, size: int = 2) -> np.ndarray:
+    """The pairs (groups) too long for `max_len` whose prompt, once a document, leaves less than one
+    completion token each."""
+    over = _group_lengths(lengths, size).sum(1) > max_len
+    return np.flatnonzero(over & (size * np.asarray(prompt_lengths, np.int64) + size > max_len))
 
 
-def kept_lengths(lengths: np.ndarray, prompt_lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens each document of each pair keeps under "truncate": all of a pair that fits; else its prompt
-    and completions cut to share the room left, `max_len` - 2 x prompt. The shorter completion is kept
-    whole when it takes at most half of the room; otherwise each gets half, the chosen one the odd token.
-    Pairs refused by `overlong_prompts` keep everything (the caller refuses them)."""
-    chosen, rejected = _pair_lengths(lengths)
+def kept_lengths(lengths: np.ndarray, prompt_lengths: np.ndarray, max_len: int, size: int = 2) -> tuple[np.ndarray, ...]:
+    """Tokens each document of each pair (group of `size`) keeps under "truncate", one array a member (a pair:
+    chosen, rejected): all of a unit that fits; else its prompt and completions cut to share the room left,
+    `max_len` - size x prompt, by water-filling: the shortest completions kept whole while the others can have
+    as many tokens, the rest cut to one level, the tokens the level leaves over going one each to the first
+    members cut. A pair's shorter completion is so kept whole when it takes at most half of the room;
+    otherwise each gets half, the chosen one the odd token. Units refused by `overlong_prompts` keep
+    everything (the caller refuses them)."""
+    full = _group_lengths(lengths, size)
     prompt = np.asarray(prompt_lengths, np.int64)
-    room = max_len - 2 * prompt
-    c, r = chosen - prompt, rejected - prompt
-    short = np.minimum(c, r)
-    keep_short = 2 * short <= room
-    c_kept = np.where(keep_short, np.where(c <= r, c, room - r), room - room // 2)
-    r_kept = np.where(keep_short, np.where(c <= r, room - c, r), room // 2)
-    cut = (chosen + rejected > max_len) & (room >= 2)
-    return np.where(cut, prompt + c_kept, chosen), np.where(cut, prompt + r_kept, rejected)
+    room = max_len - size * prompt
+    completions = full - prompt[:, None]
+    ordered = np.sort(completions, axis=1)
+    before = np.cumsum(ordered, axis=1) - ordered  # the completions shorter than each, kept whole
+    # A sorted completion is kept whole when the level at its length fits the room; `whole` of them are.
+    whole = ((before + (size - np.arange(size)) * ordered) <= room[:, None]).sum(1)
+    kept_sum = np.take_along_axis(np.append(before, ordered.sum(1, keepdims=True), 1), whole[:, None], 1)[:, 0]
+    level = (room - kept_sum) // np.maximum(size - whole, 1)
+    kept = np.minimum(completions, level[:, None])
+    cut = completions > level[:, None]
+    spare = room - kept.sum(1)
+    kept += cut & (np.cumsum(cut, axis=1) <= spare[:, None])
+    truncate = (full.sum(1) > max_len) & (room >= size)
+    result = np.where(truncate[:, None], prompt[:, None] + kept, full)
+    return tuple(result[:, member] for member in range(size))
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,7 @@ class PairPlan:
     kept: np.ndarray  # int64 [documents]: tokens each document keeps in its pack
     counts: dict[str, int]  # Totals' overflow and untrained fields, in documents
     pair_counts: dict[str, int]  # `PairTotals`' fields
+    size: int = 2  # documents a unit: 2 a pair, G a group
 
     @property
     def packs(self) -> int:
@@ -85,17 +98,17 @@ class PairPlan:
 
     def pack_sizes(self) -> tuple[np.ndarray, np.ndarray]:
         pairs, tokens = self.units.pack_sizes()
-        return 2 * pairs, tokens
+        return self.size * pairs, tokens
 
     def slice(self, first: int, end: int) -> ShardPacks:
-        """Written packs first..end-1, each pair as its chosen document and then its rejected one."""
+        """Written packs first..end-1, each pair as its chosen document and then its rejected one (each group
+        as its documents in order, roles 0 … G - 1)."""
         units = self.units.slice(first, end)
-        documents = np.empty(2 * len(units.rows), np.int64)
-        documents[0::2], documents[1::2] = 2 * units.rows, 2 * units.rows + 1
-        roles = np.tile(np.array([0, 1], np.uint8), len(units.rows))
+        documents = (self.size * units.rows[:, None] + np.arange(self.size)).reshape(-1)
+        roles = np.tile(np.arange(self.size, dtype=np.uint8), len(units.rows))
         return ShardPacks(
             max_len=units.max_len,
-            pack_offsets=2 * units.pack_offsets,
+            pack_offsets=self.size * units.pack_offsets,
             starts=self.starts[documents],
             lengths=self.kept[documents],
             rows=documents,
@@ -108,7 +121,7 @@ class PairPlan:
         return {
             **self.counts,
             "tokens": unit_totals["tokens"],
-            "segments": 2 * unit_totals["segments"],
+            "segments": self.size * unit_totals["segments"],
             "packs": unit_totals["packs"],
             "padding_tokens": unit_totals["padding_tokens"],
             "lower_bound": unit_totals["lower_bound"],
@@ -116,59 +129,60 @@ class PairPlan:
 
 
 def _overflowed(
-    lengths: np.ndarray, prompt_lengths: np.ndarray, max_len: int, overflow: str, untrained: np.ndarray | None
+    lengths: np.ndarray, prompt_lengths: np.ndarray, max_len: int, overflow: str, untrained: np.ndarray | None, size: int
 ) -> tuple[np.ndarray, np.ndarray, dict[str, int], dict[str, int]]:
-    """What `overflow` makes of the pairs: tokens each document keeps (int64, one a document), which pairs
-    are dropped (bool, one a pair), Totals' overflow and untrained counts (in documents) and PairTotals'."""
+    """What `overflow` makes of the pairs (groups of `size`): tokens each document keeps (int64, one a document),
+    which units are dropped (bool, one a unit), Totals' overflow and untrained counts (in documents) and
+    PairTotals'."""
     if overflow not in ("truncate", "drop", "error"):
         raise ValueError(f"pairs are never split: overflow must be truncate, drop or error, not {overflow!r}")
     lengths = np.asarray(lengths, np.int64)
-    chosen, rejected = _pair_lengths(lengths)
+    full = _group_lengths(lengths, size)
     prompt_lengths = np.asarray(prompt_lengths, np.int64)
-    if len(prompt_lengths) != len(chosen):
-        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(chosen)} pairs")
+    if len(prompt_lengths) != len(full):
+        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(full)} units")
     if overflow == "truncate":
-        kept_chosen, kept_rejected = kept_lengths(lengths, prompt_lengths, max_len)
+        kept = np.stack(kept_lengths(lengths, prompt_lengths, max_len, size), 1)
     else:
-        kept_chosen, kept_rejected = chosen, rejected
-    kept = np.empty_like(lengths)
-    kept[0::2], kept[1::2] = kept_chosen, kept_rejected
-    # Still longer than max_len: every such pair under "drop" (and "error", refused by the caller), none
+        kept = full
+    # Still longer than max_len: every such unit under "drop" (and "error", refused by the caller), none
     # under "truncate" once the caller refused `overlong_prompts`.
-    dropped = kept_chosen + kept_rejected > max_len
-    cut_chosen, cut_rejected = ~dropped & (kept_chosen < chosen), ~dropped & (kept_rejected < rejected)
+    dropped = kept.sum(1) > max_len
+    cut = ~dropped[:, None] & (kept < full)
     flags = np.zeros(len(lengths), bool) if untrained is None else np.asarray(untrained, bool)
     counts = {
         "input_tokens": int(lengths.sum()),
         "empty": 0,
         "split": 0,
         "split_pieces": 0,
-        "truncated": int(cut_chosen.sum() + cut_rejected.sum()),
-        "truncated_tokens": int(((chosen - kept_chosen) + (rejected - kept_rejected))[~dropped].sum()),
-        "dropped": 2 * int(dropped.sum()),
-        "dropped_tokens": int((chosen + rejected)[dropped].sum()),
+        "truncated": int(cut.sum()),
+        "truncated_tokens": int((full - kept)[~dropped].sum()),
+        "dropped": size * int(dropped.sum()),
+        "dropped_tokens": int(full[dropped].sum()),
         "untrained": int(flags.sum()),
         "untrained_tokens": int(lengths[flags].sum()),
     }
-    prompt_tokens = int(2 * prompt_lengths[~dropped].sum())
+    prompt_tokens = int(size * prompt_lengths[~dropped].sum())
     pair_counts = {
-        "pairs": len(chosen),
-        "truncated": int((cut_chosen | cut_rejected).sum()),
+        "pairs": len(full),
+        "truncated": int(cut.any(1).sum()),
         "dropped": int(dropped.sum()),
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": int((kept_chosen + kept_rejected)[~dropped].sum()) - prompt_tokens,
+        "completion_tokens": int(kept[~dropped].sum()) - prompt_tokens,
     }
-    return kept, dropped, counts, pair_counts
+    return kept.reshape(-1), dropped, counts, pair_counts
 
 
 def pair_pieces(
-    lengths: np.ndarray, prompt_lengths: np.ndarray, max_len: int, overflow: str, untrained: np.ndarray | None = None
+    lengths: np.ndarray, prompt_lengths: np.ndarray, max_len: int, overflow: str, untrained: np.ndarray | None = None,
+    size: int = 2,
 ) -> tuple[DocumentPieces, dict[str, int]]:
-    """The segments that pairs' documents become (`prepack.building.plan.document_pieces` for a pair build, which
-    `verify` holds it to): each kept document one piece of its first `kept_lengths` tokens; and `PairTotals`' fields."""
+    """The segments that pairs' (groups') documents become (`prepack.building.plan.document_pieces` for a pair
+    build, which `verify` holds it to): each kept document one piece of its first `kept_lengths` tokens; and
+    `PairTotals`' fields."""
     lengths = np.asarray(lengths, np.int64)
-    kept, dropped, counts, pair_counts = _overflowed(lengths, prompt_lengths, max_len, overflow, untrained)
-    rows = np.flatnonzero(~np.repeat(dropped, 2))
+    kept, dropped, counts, pair_counts = _overflowed(lengths, prompt_lengths, max_len, overflow, untrained, size)
+    rows = np.flatnonzero(~np.repeat(dropped, size))
     starts = np.cumsum(lengths) - lengths
     return DocumentPieces(rows, np.zeros(len(rows), np.int64), starts[rows], kept[rows], counts), pair_counts
 
@@ -183,16 +197,17 @@ def plan_pairs(
     seed: int = 0,
     untrained: np.ndarray | None = None,
     max_pairs: int | None = None,
+    size: int = 2,
 ) -> PairPlan:
-    """Plan the pairs of documents `lengths` (two a pair) with their `prompt_lengths` (one a pair): each
-    pair one item for `plan_packs`, after `overflow` ("truncate", "drop"; "error" is the caller's, as is
-    refusing `overlong_prompts` under "truncate"), at most `max_pairs` a pack when given. `untrained` (one
-    flag a document) is counted only."""
+    """Plan the pairs of documents `lengths` (`size` a unit: two a pair, G a group) with their `prompt_lengths`
+    (one a unit): each unit one item for `plan_packs`, after `overflow` ("truncate", "drop"; "error" is the
+    caller's, as is refusing `overlong_prompts` under "truncate"), at most `max_pairs` units a pack when given.
+    `untrained` (one flag a document) is counted only."""
     lengths = np.asarray(lengths, np.int64)
-    kept, _, counts, pair_counts = _overflowed(lengths, prompt_lengths, max_len, overflow, untrained)
+    kept, _, counts, pair_counts = _overflowed(lengths, prompt_lengths, max_len, overflow, untrained, size)
     # The planner drops what is still longer than max_len, as `_overflowed` counted.
     units = plan_packs(
-        kept[0::2] + kept[1::2], max_len, algorithm=algorithm, overflow="drop", seed=seed, max_documents=max_pairs
+        kept.reshape(-1, size).sum(1), max_len, algorithm=algorithm, overflow="drop", seed=seed, max_documents=max_pairs
     )
     starts = np.cumsum(lengths) - lengths
-    return PairPlan(units=units, starts=starts, kept=kept, counts=counts, pair_counts=pair_counts)
+    return PairPlan(units=units, starts=starts, kept=kept, counts=counts, pair_counts=pair_counts, size=size)

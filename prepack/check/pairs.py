@@ -34,34 +34,36 @@ class PairCounts(NamedTuple):
 
 
 def shard_pairs(
-    ids: np.ndarray, labels: np.ndarray, starts: np.ndarray, lengths: np.ndarray, max_len: int
+    ids: np.ndarray, labels: np.ndarray, starts: np.ndarray, lengths: np.ndarray, max_len: int, size: int = 2
 ) -> tuple[PairCounts, list[tuple[int, str, str]]]:
     """Count and check the documents of one pair shard: `starts`, `lengths` (one a document, chosen then
-    rejected, back to back in `ids` and `labels`, as a shard that passed `check_shard` lays them).
+    rejected, back to back in `ids` and `labels`, as a shard that passed `check_shard` lays them); of a group
+    shard, `size` documents a group (its counts' `pairs` are groups).
     Returns the counts and, of each kind of problem, the first: (its document's index among the shard's,
     the column, what the document does: "has …")."""
     count = len(lengths)
     prompt = np.zeros(count, np.int64)
     problems: dict[str, tuple[int, str, str]] = {}
+    units = lengths.reshape(-1, size).sum(1)
     if count:  # whole pairs per chunk, about _CHUNK_TOKENS tokens each
-        chunk_of = (np.cumsum(lengths[0::2] + lengths[1::2]) - 1) // _CHUNK_TOKENS
+        chunk_of = (np.cumsum(units) - 1) // _CHUNK_TOKENS
         first = 0
-        for end in np.append(np.flatnonzero(np.diff(chunk_of)) + 1, count // 2):
-            _check_chunk(ids, labels, starts, lengths, 2 * first, 2 * int(end), prompt, problems)
+        for end in np.append(np.flatnonzero(np.diff(chunk_of)) + 1, count // size):
+            _check_chunk(ids, labels, starts, lengths, size * first, size * int(end), prompt, problems, size)
             first = int(end)
     for document in np.flatnonzero(prompt >= lengths)[:1]:
         problems.setdefault(
             "empty", (int(document), "labels", "has every label -100: a pair's document has a completion.")
         )
     total = int(lengths.sum())
-    filling = int((lengths[0::2] + lengths[1::2] == max_len).sum())
-    counts = PairCounts(count // 2, int(prompt.sum()), total - int(prompt.sum()), filling)
+    filling = int((units == max_len).sum())
+    counts = PairCounts(count // size, int(prompt.sum()), total - int(prompt.sum()), filling)
     return counts, sorted(problems.values())
 
 
-def _check_chunk(ids, labels, starts, lengths, lo: int, hi: int, prompt: np.ndarray, problems: dict) -> None:
-    """Documents lo..hi-1 (whole pairs, back to back from starts[lo]): their prompt lengths into `prompt`,
-    the first problem of each kind into `problems`."""
+def _check_chunk(ids, labels, starts, lengths, lo: int, hi: int, prompt: np.ndarray, problems: dict, size: int) -> None:
+    """Documents lo..hi-1 (whole pairs or groups of `size`, back to back from starts[lo]): their prompt lengths
+    into `prompt`, the first problem of each kind into `problems`."""
     part = lengths[lo:hi]
     first_token = int(starts[lo])
     tokens = ids[first_token : first_token + int(part.sum())]
@@ -80,23 +82,29 @@ def _check_chunk(ids, labels, starts, lengths, lo: int, hi: int, prompt: np.ndar
         document = lo + int(np.searchsorted(doc_starts, bad[0], "right")) - 1
         problems.setdefault("label", (document, "labels", f"has label {said[bad[0]]} on token {tokens[bad[0]]}: a "
                                       "completion's labels are its token ids."))
-    chosen, rejected = prompt[lo:hi:2], prompt[lo + 1 : hi : 2]
-    if (bad := np.flatnonzero(chosen != rejected)).size:
-        document = lo + 2 * int(bad[0]) + 1
-        problems.setdefault("prompt", (document, "labels", f"(rejected) has a prompt of {rejected[bad[0]]} tokens, its chosen "
-                                       f"document one of {chosen[bad[0]]}: a pair's documents share their prompt."))
-    # Where both documents of a pair have the same prompt length, their prompt tokens line up one to one.
-    same = np.repeat(np.repeat(chosen == rejected, 2), part) & is_prompt
-    role = np.repeat(np.arange(hi - lo) % 2, part)
-    chosen_prompts, rejected_prompts = tokens[same & (role == 0)], tokens[same & (role == 1)]
-    if (bad := np.flatnonzero(chosen_prompts != rejected_prompts)).size:
-        shared_ends = np.cumsum(np.where(chosen == rejected, chosen, 0))
-        pair = int(np.searchsorted(shared_ends, bad[0], "right"))
-        within = int(bad[0] - (shared_ends[pair] - chosen[pair]))
-        document = lo + 2 * pair + 1
-        problems.setdefault("tokens", (document, "input_ids", f"(rejected) has token {rejected_prompts[bad[0]]} at {within} in its "
-                                       f"prompt, its chosen document {chosen_prompts[bad[0]]}: a pair's documents share their "
-                                       "prompt tokens."))
+    # Every later document of a pair (group) against its first: the same prompt length, the same prompt tokens.
+    first_prompt = prompt[lo:hi:size]
+    for member in range(1, size):
+        name = "(rejected)" if size == 2 else f"(completion {member})"
+        first_name = "its chosen document" if size == 2 else "its group's first document"
+        unit = "pair" if size == 2 else "group"
+        other = prompt[lo + member : hi : size]
+        if (bad := np.flatnonzero(first_prompt != other)).size:
+            document = lo + size * int(bad[0]) + member
+            problems.setdefault("prompt", (document, "labels", f"{name} has a prompt of {other[bad[0]]} tokens, {first_name} "
+                                           f"one of {first_prompt[bad[0]]}: a {unit}'s documents share their prompt."))
+        # Where both documents have the same prompt length, their prompt tokens line up one to one.
+        same = np.repeat(np.repeat(first_prompt == other, size), part) & is_prompt
+        role = np.repeat(np.arange(hi - lo) % size, part)
+        first_prompts, member_prompts = tokens[same & (role == 0)], tokens[same & (role == member)]
+        if (bad := np.flatnonzero(first_prompts != member_prompts)).size:
+            shared_ends = np.cumsum(np.where(first_prompt == other, first_prompt, 0))
+            group = int(np.searchsorted(shared_ends, bad[0], "right"))
+            within = int(bad[0] - (shared_ends[group] - first_prompt[group]))
+            document = lo + size * group + member
+            problems.setdefault("tokens", (document, "input_ids", f"{name} has token {member_prompts[bad[0]]} at {within} in its "
+                                           f"prompt, {first_name} {first_prompts[bad[0]]}: a {unit}'s documents share their "
+                                           "prompt tokens."))
 
 
 def pair_count_problems(said: PairTotals, found: PairCounts, overflow: str) -> list[tuple[str, str]]:

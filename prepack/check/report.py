@@ -137,8 +137,10 @@ class PairReport(StrictModel):
     prompt_tokens: int  # in the packs: each pair's prompt twice, once per document
     completion_tokens: int
     shared_prompt_saves: int  # prompt tokens a layout storing each prompt once would not compute: half of them
+    #                           (of a group build's: G - 1 of every G)
     trl_padded: Cost  # TRL's DataCollatorForPreference: random batches of `batch_size` pairs, chosen and
-    #                   rejected together padded to the batch's longest document
+    #                   rejected together padded to the batch's longest document (a group build: its G documents)
+    group_size: int | None = None  # a group build's G; None for pairs
 
 
 class ShardSummary(StrictModel):
@@ -255,7 +257,7 @@ def _shard_columns(batch, where: str, max_len: int) -> tuple[np.ndarray, ...]:
     return layout.tokens, layout.documents, layout.lengths, rows, flat("source_pieces"), sources
 
 
-def _shard_pairs(batch, where: str, max_len: int, documents: np.ndarray, lengths: np.ndarray) -> PairCounts:
+def _shard_pairs(batch, where: str, max_len: int, documents: np.ndarray, lengths: np.ndarray, size: int) -> PairCounts:
     """A pair build's shard counted from its tokens (`shard_pairs`; `documents` per pack, `lengths` per
     document), checked in full first (`check_shard`)."""
     if "labels" not in batch.schema.names:
@@ -264,7 +266,7 @@ def _shard_pairs(batch, where: str, max_len: int, documents: np.ndarray, lengths
     ids_offsets, ids = list_column(batch, "input_ids", where)
     label_offsets, labels = list_column(batch, "labels", where)
     starts = np.cumsum(lengths) - lengths  # the documents back to back, as check_shard found them
-    found, problems = shard_pairs(ids[ids_offsets[0] :], labels[label_offsets[0] :], starts, lengths, max_len)
+    found, problems = shard_pairs(ids[ids_offsets[0] :], labels[label_offsets[0] :], starts, lengths, max_len, size)
     for document, column, message in problems[:1]:
         row = int(np.searchsorted(np.cumsum(documents), document, "right"))
         raise FormatError(f"{where}, row {row}, column {column!r}: a document {message[:-1]}; run `prepack verify`.")
@@ -293,7 +295,7 @@ def _read_columns(
         for key, values in zip(parts, columns):
             parts[key].append(values)
         if pairs is not None:
-            pairs = pairs.add(_shard_pairs(batch, where, max_len, columns[1], columns[2]))
+            pairs = pairs.add(_shard_pairs(batch, where, max_len, columns[1], columns[2], manifest.options.pairs.size))
         tokens = int(columns[0].sum())
         summaries.append(
             ShardSummary(
@@ -320,11 +322,12 @@ def _random_batch_cost(lengths: np.ndarray, batch_size: int, seed: int) -> int:
 
 def _trl_pair_cost(pair_lengths: np.ndarray, batch_size: int, seed: int) -> int:
     """TRL's DPOTrainer batch of `batch_size` pairs: its 2 × batch_size documents padded to the longest of
-    them (`DataCollatorForPreference`); batches drawn as a seeded shuffle of the pairs in corpus order."""
+    them (`DataCollatorForPreference`); batches drawn as a seeded shuffle of the pairs in corpus order. Groups
+    ([N, G] lengths): G × batch_size documents so."""
     shuffled = pair_lengths[np.random.default_rng(seed).permutation(len(pair_lengths))]
     starts = np.arange(0, len(shuffled), batch_size)
     sizes = np.diff(np.append(starts, len(shuffled)))
-    return int((np.maximum.reduceat(shuffled.max(axis=1), starts) * 2 * sizes).sum())
+    return int((np.maximum.reduceat(shuffled.max(axis=1), starts) * pair_lengths.shape[1] * sizes).sum())
 
 
 def _step_balance(costs: np.ndarray, world_size: int, batch_size: int, token_cost: float, seed: int) -> StepBalance:
@@ -460,13 +463,14 @@ def _cap_costs(manifest: Manifest, lengths: np.ndarray, documents: np.ndarray, c
     """`CapCost` of each cap (`DEFAULT_CAPS` below the fullest pack when None), from the segment `lengths` in
     corpus order (a pair build's: chosen, rejected, pair after pair) and the build's `documents` per pack."""
     o, pairs = manifest.options, manifest.pairs is not None
+    size = o.pairs.size if pairs else 1
     if caps is None:
-        caps = [k for k in DEFAULT_CAPS if k < int(documents.max()) and (k % 2 == 0 or not pairs)]
-    units = lengths.reshape(-1, 2).sum(axis=1) if pairs else lengths
+        caps = [k for k in DEFAULT_CAPS if k < int(documents.max()) and k % size == 0]
+    units = lengths.reshape(-1, size).sum(axis=1) if pairs else lengths
     out = []
     for k in sorted(set(caps)):
-        # A pair is two documents: K // 2 pairs a pack, as the build plans them (K = 1 fits none).
-        cap = k // 2 if pairs else k
+        # A pair is two documents: K // 2 pairs a pack, as the build plans them (K = 1 fits none); a group G.
+        cap = k // size
         if cap < 1:
             continue
         packs = int(assign_packs(units, o.max_len, o.algorithm, max_documents=cap).max()) + 1
@@ -488,7 +492,8 @@ def _pair_report(manifest: Manifest, found: PairCounts, lengths: np.ndarray, bat
     p = manifest.pairs
     for field, message in pair_count_problems(p, found, manifest.options.overflow)[:1]:
         raise FormatError(f"{path}: the manifest's pairs.{field} {message[:-1]}; run `prepack verify`.")
-    pair_lengths = lengths.reshape(-1, 2)
+    size = manifest.options.pairs.size
+    pair_lengths = lengths.reshape(-1, size)
     return PairReport(
         pairs=len(pair_lengths),
         read=p.pairs,
@@ -496,8 +501,9 @@ def _pair_report(manifest: Manifest, found: PairCounts, lengths: np.ndarray, bat
         dropped=p.dropped,
         prompt_tokens=found.prompt_tokens,
         completion_tokens=found.completion_tokens,
-        shared_prompt_saves=found.prompt_tokens // 2,
+        shared_prompt_saves=found.prompt_tokens // size * (size - 1),
         trl_padded=cost(_trl_pair_cost(pair_lengths, batch_size, seed)),
+        group_size=manifest.options.pairs.group_size,
     )
 
 
@@ -618,9 +624,11 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
         costs.add_row(name, f"{c.tokens:,}", f"{c.padding_tokens:,}", f"{c.ratio:.2f}")
     if (pr := r.pairs) is not None:
         c = pr.trl_padded
-        costs.add_row(f"TRL DPOTrainer, random batches of {r.batch_size} pairs", f"{c.tokens:,}", f"{c.padding_tokens:,}", f"{c.ratio:.2f}")
+        units = "pairs" if pr.group_size is None else f"groups of {pr.group_size}"
+        padded = "TRL DPOTrainer" if pr.group_size is None else "padded"
+        costs.add_row(f"{padded}, random batches of {r.batch_size} {units}", f"{c.tokens:,}", f"{c.padding_tokens:,}", f"{c.ratio:.2f}")
         summary.add_row(
-            "pairs",
+            units,
             f"{pr.pairs:,} in the packs of {pr.read:,} read (truncated {pr.truncated:,}, dropped {pr.dropped:,}); "
             f"prompt tokens {pr.prompt_tokens:,}, completion tokens {pr.completion_tokens:,}; a prompt stored once "
             f"would save {pr.shared_prompt_saves:,}",

@@ -278,12 +278,16 @@ def _source_documents(
         )
     else:
         chat = o.tokenize.mode == "chat"
-        if o.pairs is not None:
-            columns = o.pairs.model_dump()
+        if o.pairs is not None and o.pairs.group_size is not None:  # a group build: its G is found in the source again
+            columns = {"prompt_column": o.pairs.prompt_column, "completions_column": o.pairs.completions_column}
+        elif o.pairs is not None:
+            columns = o.pairs.model_dump(exclude={"completions_column", "group_size"})
         else:
             columns = {"train_on": o.tokenize.train_on, "messages_column" if chat else "text_column": o.tokenize.column}
         reading = Reading(
-            tokenizer=tokenizer, chat=chat, eos=o.tokenize.eos, chat_template=chat_template, pairs=o.pairs is not None, **columns
+            tokenizer=tokenizer, chat=chat, eos=o.tokenize.eos, chat_template=chat_template,
+            pairs=o.pairs is not None and o.pairs.group_size is None, groups=o.pairs is not None and o.pairs.group_size is not None,
+            **columns
         )
     documents = open_documents(source.spec, reading, None, None, source.location)
     if documents.store is None and o.tokenize is not None:
@@ -447,11 +451,14 @@ def _pair_count_problems(manifest: Manifest) -> Iterator[Problem]:
         return
     if p is None:
         return
+    size = manifest.options.pairs.size
+    times, unit = ("twice", "pair") if size == 2 else (f"{size} times", "group")
     rules = {
-        "pairs": (2 * p.pairs, t.documents, "twice the pairs are totals.documents"),
-        "dropped": (2 * p.dropped, t.dropped, "twice the dropped pairs are totals.dropped"),
+        "pairs": (size * p.pairs, t.documents, f"{times} the {unit}s are totals.documents"),
+        "dropped": (size * p.dropped, t.dropped, f"{times} the dropped {unit}s are totals.dropped"),
         "prompt_tokens": (p.prompt_tokens + p.completion_tokens, t.tokens, "prompt and completion tokens make totals.tokens"),
-        "truncated": (min(max(t.truncated, p.truncated), 2 * p.truncated), t.truncated,
+        "truncated": (min(max(t.truncated, p.truncated), size * p.truncated), t.truncated,
+                      f"each truncated {unit} cuts one or more of its documents (totals.truncated)" if size > 2 else
                       "each truncated pair cuts one or both of its documents (totals.truncated)"),
     }
     for name, (found, said, rule) in rules.items():
@@ -469,7 +476,8 @@ def _pair_problems(shard: _Shard, manifest: Manifest, counts: PairCounts):
     if shard.ids is None or shard.labels is None:
         return None
     seg = shard.segments
-    found, problems = shard_pairs(shard.ids, shard.labels, seg.starts, seg.lengths, manifest.options.max_len)
+    found, problems = shard_pairs(shard.ids, shard.labels, seg.starts, seg.lengths, manifest.options.max_len,
+                                  manifest.options.pairs.size)
     for document, column, message in problems:
         yield Problem(file=shard.name, row=int(seg.pack[document]), column=column, message=f"document {seg.number[document]} {message}")
     return counts.add(found)
@@ -899,7 +907,8 @@ def _source_problems(source: Documents, packs: _Packs, tokens: _Tokens | None) -
         untrained = untrained_documents(batch.offsets, batch.labels if manifest.has_labels else None)
         if source.pairs is not None:  # pairs are cut as units (`prepack.building.pair_plan`)
             prompts = source.pairs.latest_prompt_lengths()
-            expected, pair_counts = pair_pieces(np.diff(batch.offsets), prompts, o.max_len, o.overflow, untrained)
+            expected, pair_counts = pair_pieces(np.diff(batch.offsets), prompts, o.max_len, o.overflow, untrained,
+                                                source.pairs.options.size)
             pairs.update(pair_counts)
         else:
             expected = document_pieces(np.diff(batch.offsets), o.max_len, o.overflow, untrained, o.drop_untrained)

@@ -171,17 +171,40 @@ class TokenizeOptions(StrictModel):
 
 class PairOptions(StrictModel):
     """How a preference-pair build (`--pairs`) read its pairs: pair r of the corpus is documents 2r
-    (prompt + chosen) and 2r + 1 (prompt + rejected)."""
+    (prompt + chosen) and 2r + 1 (prompt + rejected). A group build (`--groups`) is the same with G
+    completions a row: group r is documents Gr … Gr + G - 1 (prompt + each completion)."""
 
     prompt_column: str = Field(description="The prompt column; a row without one (or null) takes the common prefix of chosen and rejected.")
-    chosen_column: str
-    rejected_column: str
+    chosen_column: str | None = Field(default=None, description="A pair build's chosen column; absent from a group build's.")
+    rejected_column: str | None = Field(default=None, description="A pair build's rejected column; absent from a group build's.")
+    completions_column: str | None = Field(
+        default=None, description="A group build's column of completions (a list a row); absent from a pair build's."
+    )
+    group_size: int | None = Field(
+        default=None, ge=2, le=255, description="A group build's completions a row (G); absent from a pair build's (2)."
+    )
+
+    @model_validator(mode="after")
+    def _pairs_or_groups(self) -> PairOptions:
+        pair = self.chosen_column is not None and self.rejected_column is not None
+        group = self.completions_column is not None and self.group_size is not None
+        if pair == group or (pair and (self.completions_column, self.group_size) != (None, None)) or (
+            group and (self.chosen_column, self.rejected_column) != (None, None)
+        ):
+            raise ValueError("pairs name chosen_column and rejected_column; groups completions_column and group_size")
+        return self
+
+    @property
+    def size(self) -> int:
+        """Documents a unit: 2 a pair, G a group."""
+        return self.group_size or 2
 
 
 class PairTotals(StrictModel):
-    """What a preference-pair build did with its pairs (the documents' counts are in `Totals`)."""
+    """What a preference-pair build did with its pairs (the documents' counts are in `Totals`); in a group
+    build, with its groups (every field counting groups where it says pairs)."""
 
-    pairs: int = Field(ge=0, le=COUNT_MAX, description="Pairs read: half of totals.documents.")
+    pairs: int = Field(ge=0, le=COUNT_MAX, description="Pairs (groups) read: totals.documents / 2 (/ G).")
     truncated: int = Field(ge=0, le=COUNT_MAX, description="Pairs whose completions were cut to fit max_len.")
     dropped: int = Field(ge=0, le=COUNT_MAX, description="Pairs longer than max_len left out.")
     prompt_tokens: int = Field(ge=0, le=COUNT_MAX, description="Prompt tokens in the packs (each pair's twice).")
@@ -389,7 +412,11 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     if manifest.mixture is not None and manifest.mixture.count is None:  # a mixture counting every token: as before
         exclude["mixture"] = {"count": True, "sources": {"__all__": {"trained_tokens": True}}}
     # Likewise no `options.max_docs_per_pack` key in a build without a cap.
-    unset = {name: True for name in ("pairs", "max_docs_per_pack") if getattr(manifest.options, name) is None}
+    unset: dict = {name: True for name in ("pairs", "max_docs_per_pack") if getattr(manifest.options, name) is None}
+    if manifest.options.pairs is not None:  # a pair build's options name chosen and rejected, a group build's not
+        unset["pairs"] = {name: True for name, value in manifest.options.pairs if value is None} or None
+        if unset["pairs"] is None:
+            del unset["pairs"]
     if unset:
         exclude["options"] = unset
     fields = manifest.model_dump(mode="json", exclude=exclude or None)
@@ -685,30 +712,41 @@ def check_layout(
 
 def _check_pairs(batch: pa.RecordBatch, where: str, documents: np.ndarray) -> None:
     """A preference-pair shard's pairing: every pack holds whole pairs, each its chosen document (role 0,
-    corpus row 2r) and right after it its rejected one (role 1, row 2r + 1)."""
+    corpus row 2r) and right after it its rejected one (role 1, row 2r + 1). A group build's shard likewise
+    holds whole groups of G documents (roles 0 … G - 1, rows Gr … Gr + G - 1), G the largest role + 1 (the
+    manifest's `pairs.group_size`, which `verify` holds the shards' counts to)."""
     offsets, roles = _list_checked(batch, PAIR_ROLES, where)
     if (bad := np.diff(offsets) != documents).any():
         r = first_index(bad)
         refuse(where, f"{np.diff(offsets)[r]} values for {documents[r]} documents", r, PAIR_ROLES)
-    if (bad := documents % 2 != 0).any():
-        r = first_index(bad)
-        refuse(where, f"{documents[r]} documents: a pack of a preference-pair build holds whole pairs", r, "cu_seqlens")
     roles = roles[offsets[0] : offsets[-1]]
+    size = max(int(roles.max(initial=1)) + 1, 2)
+    unit, units = ("pair", "pairs") if size == 2 else ("group", f"groups of {size}")
+    if (bad := documents % size != 0).any():
+        r = first_index(bad)
+        refuse(where, f"{documents[r]} documents: a pack of a preference-pair build holds whole {units}", r, "cu_seqlens")
     row_off, rows = list_column(batch, "source_rows", where)
     rows = rows[row_off[0] : row_off[-1]].astype(np.int64)
-    # Within a pack, documents alternate chosen, rejected: position j of the pack has role j % 2.
+    # Within a pack, documents follow their roles: position j of the pack has role j % size.
     position = np.arange(len(roles)) - np.repeat(offsets[:-1] - offsets[0], documents)
-    expected_role = position % 2
+    expected_role = position % size
     if (bad := roles != expected_role).any():
         token = first_index(bad)
-        refuse(where, f"document {position[token] + 1} has role {roles[token]}, but a pack holds whole pairs, each "
-              "chosen (0) then rejected (1)", _row_of(offsets, token), PAIR_ROLES)
-    chosen = expected_role == 0
-    partner = np.append(rows[1:], -1)
-    if (bad := chosen & ((rows % 2 != 0) | (partner != rows + 1))).any():
+        order = "chosen (0) then rejected (1)" if size == 2 else f"its completions 0 to {size - 1} in order"
+        refuse(where, f"document {position[token] + 1} has role {roles[token]}, but a pack holds whole {units}, each "
+              f"{order}", _row_of(offsets, token), PAIR_ROLES)
+    first = rows - expected_role  # each document's group's first row
+    leader = np.repeat(first[expected_role == 0], size) if len(rows) else rows
+    if (bad := (first % size != 0) | (first != leader)).any():
         index = first_index(bad)
-        refuse(where, f"document {position[index] + 1} (chosen, corpus document {rows[index]}) is not followed by its "
-              f"rejected document {rows[index] + 1}: a pair is documents 2r and 2r + 1", _row_of(row_off, index), "source_rows")
+        index -= int(expected_role[index])
+        if size == 2:
+            why = (f"document {position[index] + 1} (chosen, corpus document {rows[index]}) is not followed by its "
+                   f"rejected document {rows[index] + 1}: a pair is documents 2r and 2r + 1")
+        else:
+            why = (f"document {position[index] + 1} (corpus document {rows[index]}) does not start its group of {size} "
+                   f"consecutive documents: a {unit} is documents {size}r to {size}r + {size - 1}")
+        refuse(where, why, _row_of(row_off, index), "source_rows")
 
 
 def check_shard(batch: pa.RecordBatch, max_len: int, where: str) -> PackLayout:

@@ -1,9 +1,10 @@
 """The attention of the shared-prompt layout (`prepack.training.shared_prompt`), for sdpa, eager and flex_attention.
 
-A batch's `shared_prompt_ids` ([B, L]: 3 * pair + part, part 0 prompt, 1 chosen, 2 rejected; 0 a row's padding
-tail) say who sees whom, by one rule (`_sees`): a token attends to the earlier tokens of its own part and of its
-pair's prompt, never to the other completion or another pair (padding, pair 0, sees the padding before it, so
-its row stays finite; its labels are -100). Two forms of that rule, which transformers takes as given:
+A batch's `shared_prompt_ids` ([B, L]: parts * group + part, part 0 the prompt, k the k-th completion, parts
+its `shared_prompt_parts`, 3 for pairs: 1 chosen, 2 rejected; 0 a row's padding tail) say who sees whom, by one
+rule (`_sees`): a token attends to the earlier tokens of its own part and of its group's prompt, never to a
+sibling completion or another group (padding, group 0, sees the padding before it, so its row stays finite;
+its labels are -100). Two forms of that rule, which transformers takes as given:
 
 - `shared_prompt_mask`: the additive 4-D mask [B, 1, L, L], for sdpa and eager;
 - `shared_prompt_block_mask`: flex_attention's `BlockMask`, built with `create_block_mask` from a mask_mod
@@ -50,23 +51,23 @@ def require_shared_prompt_support(attn: str | None, config, how: str | None) -> 
         )
 
 
-def _sees(query_id: torch.Tensor, key_id: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+def _sees(query_id: torch.Tensor, key_id: torch.Tensor, query: torch.Tensor, key: torch.Tensor, parts: int) -> torch.Tensor:
     """Whether the query token at `query` (its shared_prompt_id `query_id`) may attend to the key at `key`:
-    causal, same pair, and the key is the pair's prompt or in the query's own part (the same id)."""
-    return (key <= query) & (query_id // PARTS == key_id // PARTS) & ((key_id % PARTS == 0) | (query_id == key_id))
+    causal, same group, and the key is the group's prompt or in the query's own part (the same id)."""
+    return (key <= query) & (query_id // parts == key_id // parts) & ((key_id % parts == 0) | (query_id == key_id))
 
 
-def shared_prompt_mask(shared_prompt_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def shared_prompt_mask(shared_prompt_ids: torch.Tensor, dtype: torch.dtype, parts: int = PARTS) -> torch.Tensor:
     """[B, 1, L, L] additive mask in `dtype`: 0 where a query (row) may attend to a key (column), else the
     dtype's minimum (eager adds it to the scores; sdpa takes a float mask the same way)."""
     ids = shared_prompt_ids
     index = torch.arange(ids.shape[-1], device=ids.device)
-    allowed = _sees(ids[:, :, None], ids[:, None, :], index[:, None], index[None, :])
+    allowed = _sees(ids[:, :, None], ids[:, None, :], index[:, None], index[None, :], parts)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
 
 
-def shared_prompt_block_mask(shared_prompt_ids: torch.Tensor) -> BlockMask:
+def shared_prompt_block_mask(shared_prompt_ids: torch.Tensor, parts: int = PARTS) -> BlockMask:
     """flex_attention's BlockMask [B, 1, L, L] of the same rule, its mask_mod reading the ids.
 
     Compiled, as transformers builds its own flex masks, except on a CPU, where compiling it costs more than
@@ -75,7 +76,7 @@ def shared_prompt_block_mask(shared_prompt_ids: torch.Tensor) -> BlockMask:
     ids = shared_prompt_ids
 
     def mask_mod(batch, head, query, key):
-        return _sees(ids[batch, query], ids[batch, key], query, key)
+        return _sees(ids[batch, query], ids[batch, key], query, key, parts)
 
     batch, width = ids.shape
     return create_block_mask(mask_mod, batch, None, width, width, device=ids.device, _compile=ids.device.type != "cpu")
@@ -85,7 +86,7 @@ def shared_prompt_kwargs(kwargs: dict, config, attn: str | None, how: str | None
     """The forward's keyword arguments with `shared_prompt_ids` replaced by its mask (a BlockMask on
     flex_attention, a 4-D tensor in `dtype` on sdpa and eager), or IsolationError."""
     kwargs = dict(kwargs)
-    ids = kwargs.pop("shared_prompt_ids")
+    ids, parts = kwargs.pop("shared_prompt_ids"), int(kwargs.pop("shared_prompt_parts", PARTS))
     require_shared_prompt_support(attn, config, how)
     given = [key for key in ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k") if kwargs.get(key) is not None]
     tokens = kwargs.get("input_ids")
@@ -98,5 +99,5 @@ def shared_prompt_kwargs(kwargs: dict, config, attn: str | None, how: str | None
         )
     ids = ids.to(tokens.device)
     flex = attn == "flex_attention"
-    kwargs["attention_mask"] = shared_prompt_block_mask(ids) if flex else shared_prompt_mask(ids, dtype)
+    kwargs["attention_mask"] = shared_prompt_block_mask(ids, parts) if flex else shared_prompt_mask(ids, dtype, parts)
     return kwargs

@@ -45,12 +45,16 @@ class Reading:
     prompt_column: str = "prompt"  # pairs: the prompt column; a row without one: the common prefix of chosen and rejected
     chosen_column: str = "chosen"
     rejected_column: str = "rejected"
+    groups: bool = False  # groups of completions (`prepack.sources.pairs`): a prompt and a list of G completions a row
+    completions_column: str = "completions"
 
     @property
     def read_column(self) -> str:
         """The corpus column the documents come from."""
         if self.tokenizer is None:
             return self.column
+        if self.groups:
+            return self.completions_column
         if self.pairs:
             return self.chosen_column
         return self.messages_column if self.chat else self.text_column
@@ -123,10 +127,14 @@ def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None
     and options checked now; `tokenizer`, when given, is `reading.tokenizer` loaded already
     (`prepack.sources.tokenize.load_tokenizer`). `open_documents` reads a whole corpus so; `--engine ray`
     reads each corpus file so on a worker. With `reading.pairs`, preference pairs (`prepack.sources.pairs`)."""
-    if reading.pairs:
+    if reading.pairs and reading.groups:
+        raise InputError("--pairs and --groups are two kinds of corpus: give one.")
+    if reading.pairs or reading.groups:
         return _pair_documents(corpus, reading, tokenizer)
     if given := _given(reading, _PAIR_FIELDS):
         raise InputError(f"{', '.join(given)} name the columns of preference pairs: add --pairs.")
+    if given := _given(reading, ("completions_column",)):
+        raise InputError(f"{', '.join(given)} names the completions of groups: add --groups.")
     if reading.tokenizer is None:
         used_labels, batches = read_documents(corpus, reading.column, reading.labels_column)
         return Documents(corpus, reading.column, used_labels, None, used_labels is not None, batches)
@@ -159,21 +167,29 @@ def _given(reading: Reading, names: Sequence[str]) -> list[str]:
 
 
 def _pair_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documents:
-    """A preference-pair corpus's documents: pair r is documents 2r (chosen) and 2r + 1 (rejected)."""
+    """A preference-pair corpus's documents: pair r is documents 2r (chosen) and 2r + 1 (rejected); a group
+    corpus's (`reading.groups`): group r is documents Gr … Gr + G - 1."""
+    flag = "--groups" if reading.groups else "--pairs"
     if reading.tokenizer is None:
-        raise InputError("--pairs tokenizes its pairs: give --tokenizer (and --chat for conversations).")
-    if given := _given(reading, _NOT_FOR_PAIRS):
+        raise InputError(f"{flag} tokenizes its {flag[2:]}: give --tokenizer (and --chat for conversations).")
+    if reading.groups and (given := _given(reading, (*_NOT_FOR_PAIRS, "chosen_column", "rejected_column"))):
+        raise InputError(f"--groups reads --prompt-column and --completions-column and labels the completions: leave out {', '.join(given)}.")
+    if given := _given(reading, (*_NOT_FOR_PAIRS, *(() if reading.groups else ("completions_column",)))):
         raise InputError(
             f"--pairs reads --prompt-column, --chosen-column and --rejected-column and labels the completions: "
             f"leave out {', '.join(given)}."
         )
     from prepack.formats.shards import PairOptions
-    from prepack.sources.pairs import pair_documents
+    from prepack.sources.pairs import first_group_size, pair_documents
     from prepack.sources.tokenize import load_tokenizer
 
-    options = PairOptions(
-        prompt_column=reading.prompt_column, chosen_column=reading.chosen_column, rejected_column=reading.rejected_column
-    )
+    if reading.groups:
+        options = PairOptions(prompt_column=reading.prompt_column, completions_column=reading.completions_column,
+                              group_size=first_group_size(corpus, reading.completions_column))
+    else:
+        options = PairOptions(
+            prompt_column=reading.prompt_column, chosen_column=reading.chosen_column, rejected_column=reading.rejected_column
+        )
     pairs = pair_documents(
         corpus,
         tokenizer or load_tokenizer(reading.tokenizer),

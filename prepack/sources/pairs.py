@@ -1,4 +1,5 @@
-"""Read preference pairs (DPO and its relatives) and tokenize them: two documents a pair.
+"""Read preference pairs (DPO and its relatives), or groups of completions, and tokenize them: two documents a
+pair, G a group.
 
     pairs = pair_documents(find_corpus("prefs.jsonl"), load_tokenizer("./tok"), chat=True)
     for batch in pairs.batches: ...        # DocumentBatches: pair r is documents 2r (chosen), 2r+1 (rejected)
@@ -23,6 +24,15 @@ prompt and the token ids on the completion (what TRL's `completion_mask` trains 
 completion is empty, or whose chosen and rejected are the same, is refused with its file, row and
 column.
 
+Unpaired feedback (KTO) in TRL's format, a `prompt`, a `completion` and a boolean `label` a row, is read by
+`unpaired_examples` and tokenized as TRL 1.16's KTOTrainer `_prepare_dataset` tokenizes it, which is how pairs
+are: the prompt alone and prompt + completion (text: EOS after it), the completion from where they diverge;
+`prepack.training.unpaired` plans each example's KL completion (`kl_partners`) and lays them out (`kto_groups`).
+
+A group corpus (`PairOptions.completions_column`, `--groups`) holds a prompt and a list of G completions a
+row (every row G, its first row's), each group G documents, prompt + completion k, tokenized as pairs are;
+its completions may be equal (samples of one prompt).
+
 Chat pairs are rendered in `num_proc` spawned processes, text in tokenizers' threads, as
 `prepack.sources.tokenize` does; the output does not depend on `num_proc`.
 """
@@ -34,6 +44,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,7 +62,7 @@ from prepack.sources.tokenize import (
     type_name,
 )
 
-__all__ = ["PairDocuments", "pair_documents", "split_prompt"]
+__all__ = ["PairDocuments", "UnpairedExamples", "first_group_size", "pair_documents", "split_prompt", "unpaired_examples"]
 
 _CHUNK_BYTES = 1 << 18  # input per task: pairs are rendered three times each, so chunks are smaller than --chat's
 _ENCODE_BATCH_CHARS = 1 << 20  # text per call of the tokenizer: a chunk's texts in one call, a long text alone
@@ -92,29 +103,30 @@ class _PairEncoder:
     eos_id: int | None
 
     def __call__(self, path: Path, row0: int, records: list[dict]):
+        size = self.options.size
         prompts, fulls, where = [], [], []
         for i, record in enumerate(records):
-            prompt, chosen, rejected = self._parts(path, row0 + i, record)
+            prompt, completions, columns = self._parts(path, row0 + i, record)
             prompts.append(self._text(f"{path}, row {row0 + i}", prompt, None))
-            for column, completion in ((self.options.chosen_column, chosen), (self.options.rejected_column, rejected)):
-                fulls.append(self._text(f"{path}, row {row0 + i}, column {column!r}", prompt, completion))
+            for column, completion in zip(columns, completions):
+                fulls.append(self._text(f"{path}, row {row0 + i}, column {column}", prompt, completion))
                 where.append((row0 + i, column))
         prompt_ids, full_ids = self._ids(prompts), self._ids(fulls)
         documents, labels, prompt_lengths = [], [], []
         for i, prompt in enumerate(prompt_ids):
-            chosen, rejected = full_ids[2 * i], full_ids[2 * i + 1]
+            group = full_ids[size * i : size * (i + 1)]
             # Where the completion starts: where prompt and prompt + completion diverge (TRL's rule: tokens
-            # may merge across the boundary), the same for both documents of the pair.
-            length = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
-            if np.array_equal(chosen, rejected):
+            # may merge across the boundary), the same for every document of the pair or group.
+            length = min(_common_prefix(prompt, full) for full in group)
+            if size == 2 and self.options.completions_column is None and np.array_equal(group[0], group[1]):
                 raise InputError(
                     f"{path}, row {row0 + i}: chosen and rejected are the same tokens; a preference pair needs two "
                     "different completions."
                 )
-            for (row, column), ids in zip(where[2 * i : 2 * i + 2], (chosen, rejected)):
+            for (row, column), ids in zip(where[size * i : size * (i + 1)], group):
                 ids = np.append(ids, self.eos_id) if self.eos_id is not None else ids
                 if len(ids) == length:
-                    raise InputError(f"{path}, row {row}, column {column!r}: the completion is empty (no token after the prompt).")
+                    raise InputError(f"{path}, row {row}, column {column}: the completion is empty (no token after the prompt).")
                 documents.append(ids)
                 trained = ids.copy()
                 trained[:length] = IGNORE_INDEX
@@ -127,7 +139,7 @@ class _PairEncoder:
         if (bad := ids >= self.vocab_size).any():
             document = int(np.searchsorted(offsets, int(np.flatnonzero(bad)[0]), "right")) - 1
             raise InputError(
-                f"{path}, row {row0 + document // 2}, column {where[document][1]!r}: token id {ids[bad][0]} is not "
+                f"{path}, row {row0 + document // size}, column {where[document][1]}: token id {ids[bad][0]} is not "
                 f"below the tokenizer's vocabulary size {self.vocab_size}; is tokenizer.json consistent?"
             )
         return offsets, ids.astype(np.int32), np.concatenate(labels).astype(np.int32), np.asarray(prompt_lengths, np.int64)
@@ -148,35 +160,50 @@ class _PairEncoder:
             start = end
         return ids
 
-    def _parts(self, path: Path, row: int, record: dict) -> tuple[object, object, object]:
-        """The pair's prompt and completions, checked: messages in chat mode, strings otherwise. A row
-        whose prompt column is missing or null has an implicit prompt (`split_prompt`)."""
+    def _parts(self, path: Path, row: int, record: dict) -> tuple[object, list, list[str]]:
+        """The row's prompt and completions, checked (messages in chat mode, strings otherwise), and each
+        completion's column as errors name it. A pair row whose prompt column is missing or null has an
+        implicit prompt (`split_prompt`); a group row has a prompt and a list of `group_size` completions."""
         o = self.options
-        explicit = record.get(o.prompt_column) is not None
-        columns = [o.chosen_column, o.rejected_column] + ([o.prompt_column] if explicit else [])
+        group = o.completions_column is not None
+        explicit = group or record.get(o.prompt_column) is not None
+        columns = ([o.completions_column] if group else [o.chosen_column, o.rejected_column]) + ([o.prompt_column] if explicit else [])
         values = {}
         for column in columns:
-            where = f"{path}, row {row}, column {column!r}"
             value = record.get(column)
             if value is None:
                 present = ", ".join(key for key, value in record.items() if value is not None) or "none"
                 raise InputError(f"{path}, row {row}: the record has no {column!r} (fields: {present}).")
-            if self.chat:
-                values[column] = checked_messages(where, value)
-            elif isinstance(value, str):
-                values[column] = value
+            if column == o.completions_column:
+                if not isinstance(value, list) or len(value) != o.size:
+                    found = f"{len(value)} completions" if isinstance(value, list) else type_name(value)
+                    raise InputError(f"{path}, row {row}, column {column!r}: expected a list of {o.size} completions (the "
+                                     f"build's group size, its first row's), found {found}.")
+                values[column] = [self._value(f"{path}, row {row}, column {column!r}[{k}]", v) for k, v in enumerate(value)]
             else:
-                hint = "; --chat reads messages" if isinstance(value, list) else ""
-                raise InputError(f"{where}: expected a string (plain-text pairs), found {type_name(value)}{hint}.")
+                values[column] = self._value(f"{path}, row {row}, column {column!r}", value)
+        if group:
+            completions = values[o.completions_column]
+            return values[o.prompt_column], completions, [f"{o.completions_column!r}[{k}]" for k in range(o.size)]
+        names = [repr(o.chosen_column), repr(o.rejected_column)]
         if explicit:
-            return values[o.prompt_column], values[o.chosen_column], values[o.rejected_column]
+            return values[o.prompt_column], [values[o.chosen_column], values[o.rejected_column]], names
         prompt, chosen, rejected = split_prompt(values[o.chosen_column], values[o.rejected_column])
         if not prompt:
             raise InputError(
                 f"{path}, row {row}: no {o.prompt_column!r}, and {o.chosen_column!r} and {o.rejected_column!r} share "
                 "no prompt (no common prefix); give the prompt (--prompt-column names its column)."
             )
-        return prompt, chosen, rejected
+        return prompt, [chosen, rejected], names
+
+    def _value(self, where: str, value):
+        """A prompt or completion: messages in chat mode, a string otherwise."""
+        if self.chat:
+            return checked_messages(where, value)
+        if isinstance(value, str):
+            return value
+        hint = "; --chat reads messages" if isinstance(value, list) else ""
+        raise InputError(f"{where}: expected a string (plain-text pairs), found {type_name(value)}{hint}.")
 
     def _text(self, where: str, prompt, completion) -> str:
         """The prompt alone (completion None; chat: with the generation prompt), or prompt + completion."""
@@ -233,6 +260,20 @@ class PairDocuments:
         return self._prompt_lengths[-1]
 
 
+def first_group_size(corpus: Corpus, column: str) -> int:
+    """The completions of the corpus's first row (`column`, a list): a group build's G, which every row must have."""
+    for path in corpus.files:
+        for row0, records, _ in _file_records(path, [column]):
+            for row, record in enumerate(records, row0):
+                value = record.get(column)
+                if not isinstance(value, list) or len(value) < 2:
+                    found = f"{len(value)} completion(s)" if isinstance(value, list) else type_name(value)
+                    raise InputError(f"{path}, row {row}, column {column!r}: expected a list of two completions or more "
+                                     f"(a group), found {found}.")
+                return len(value)
+    raise InputError(f"{corpus.files[0] if corpus.files else 'the corpus'}: the corpus has no rows.")
+
+
 def pair_documents(
     corpus: Corpus,
     tokenizer: LocalTokenizer,
@@ -249,11 +290,17 @@ def pair_documents(
     if num_proc < 1:
         raise InputError(f"num_proc must be at least 1, not {num_proc}.")
     template, template_file = resolve_chat_template(tokenizer, chat_template) if chat else (None, None)
-    columns = [options.prompt_column, options.chosen_column, options.rejected_column]
+    group = options.completions_column is not None
+    columns = [options.prompt_column, *((options.completions_column,) if group else (options.chosen_column, options.rejected_column))]
     for path in corpus.files:
         kind = file_kind(path) or "arrow"
         if kind != "jsonl":
             found = file_columns(path, kind)
+            if group and (missing := [c for c in columns if c not in found]):
+                raise InputError(
+                    f"{path}: there is no column {missing[0]!r} (columns: {', '.join(found) or 'none'}); a group corpus "
+                    "has a prompt column (--prompt-column) and a column of completions (--completions-column)."
+                )
             if missing := [c for c in columns[1:] if c not in found]:
                 raise InputError(
                     f"{path}: there is no column {missing[0]!r} (columns: {', '.join(found) or 'none'}); a preference "
@@ -273,7 +320,7 @@ def pair_documents(
     tokenize = TokenizeOptions(
         tokenizer=tokenizer.info,
         mode="chat" if chat else "text",
-        column=options.chosen_column,
+        column=options.completions_column if group else options.chosen_column,
         chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if chat else None,
         train_on="assistant" if chat else "all",
         eos=eos and not chat,
@@ -287,4 +334,65 @@ def _stream(corpus: Corpus, columns: list[str], encoder: _PairEncoder, num_proc:
     os.environ["RAYON_NUM_THREADS"] = str(num_proc)
     for (path, row0, _), (offsets, ids, labels, prompts) in encoded_in_order(_chunks(corpus, columns), encoder, num_proc):
         prompt_lengths.append(prompts)
-        yield DocumentBatch(file=path, first_row=2 * row0, offsets=offsets, ids=ids, labels=labels)
+        yield DocumentBatch(file=path, first_row=encoder.options.size * row0, offsets=offsets, ids=ids, labels=labels)
+
+
+class UnpairedExamples(NamedTuple):
+    """Every example of the corpus, in corpus order: its prompt's and completion's token ids, and its label."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    desirable: np.ndarray  # bool [N]
+
+
+def unpaired_examples(
+    corpus: Corpus,
+    tokenizer: LocalTokenizer,
+    *,
+    chat: bool,
+    prompt_column: str = "prompt",
+    completion_column: str = "completion",
+    label_column: str = "label",
+    eos: bool = True,
+    chat_template: str | os.PathLike | None = None,
+) -> UnpairedExamples:
+    """The corpus's examples, tokenized; InputError (file, row, column) for a bad row."""
+    template, template_file = resolve_chat_template(tokenizer, chat_template) if chat else (None, None)
+    # The pair encoder renders, checks and encodes prompts and completions; its options are not read here.
+    encoder = _PairEncoder(
+        tokenizer=tokenizer.tokenizer, vocab_size=tokenizer.vocab_size,
+        options=PairOptions(prompt_column=prompt_column, completions_column=completion_column, group_size=2),
+        chat=chat, template=template, template_file=template_file, special_tokens=tokenizer.special_tokens,
+        eos_id=eos_to_append(tokenizer) if eos and not chat else None,
+    )
+    prompts, completions, desirable = [], [], []
+    columns = [prompt_column, completion_column, label_column]
+    for path in corpus.files:
+        for row0, records, _ in _file_records(path, columns):
+            texts, fulls, rows = [], [], []
+            for row, record in enumerate(records, row0):
+                values = {}
+                for column in columns:
+                    if record.get(column) is None:
+                        present = ", ".join(key for key, value in record.items() if value is not None) or "none"
+                        raise InputError(f"{path}, row {row}: the record has no {column!r} (fields: {present}).")
+                    values[column] = record[column]
+                if not isinstance(values[label_column], bool):
+                    raise InputError(f"{path}, row {row}, column {label_column!r}: expected a boolean (true: desirable), "
+                                     f"found {type_name(values[label_column])}.")
+                prompt = encoder._value(f"{path}, row {row}, column {prompt_column!r}", values[prompt_column])
+                completion = encoder._value(f"{path}, row {row}, column {completion_column!r}", values[completion_column])
+                texts.append(encoder._text(f"{path}, row {row}", prompt, None))
+                fulls.append(encoder._text(f"{path}, row {row}, column {completion_column!r}", prompt, completion))
+                rows.append(row)
+                desirable.append(values[label_column])
+            for row, prompt_ids, full_ids in zip(rows, encoder._ids(texts), encoder._ids(fulls)):
+                if encoder.eos_id is not None:
+                    full_ids = np.append(full_ids, encoder.eos_id)
+                start = _common_prefix(prompt_ids, full_ids)
+                if start == len(full_ids):
+                    raise InputError(f"{path}, row {row}, column {completion_column!r}: the completion is empty (no token "
+                                     "after the prompt).")
+                prompts.append(full_ids[:start].tolist())
+                completions.append(full_ids[start:].tolist())
+    return UnpairedExamples(prompts, completions, np.array(desirable, bool))

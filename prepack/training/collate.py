@@ -115,10 +115,12 @@ class PackedCollator:
       `prepack.training.preference.pair_logps` reads (every pack must hold whole pairs); packs with stored
       reference log-probabilities (`PackedDataset` or `open_hf_dataset` with `reference=DIR`; float64, else
       refused) also give `reference_logps` [P, 2] float64, each pair's chosen and rejected value, for
-      `prepack.training.reference.stored_reference`.
-    - `shared_prompt=True` (packs of a preference-pair build; `padded` or `padding_free`): each pair's prompt
-      once, then both completions, their position ids continuing from the prompt's end; the batch carries
-      `shared_prompt_ids` instead of offsets and `pair_segments` (`prepack.training.shared_prompt`). Only a
+      `prepack.training.reference.stored_reference`. Packs of a group build (`--groups`: roles 0 … G - 1)
+      give the same fields [P, G], a group's G completions (`prepack.training.preference.group_logps`).
+    - `shared_prompt=True` (packs of a preference-pair or group build; `padded` or `padding_free`): each pair's
+      or group's prompt once, then its completions, their position ids continuing from the prompt's end; the
+      batch carries `shared_prompt_ids` and `shared_prompt_parts` instead of offsets and `pair_segments`
+      (`prepack.training.shared_prompt`). Only a
       model passed to `prepack.enable_packing`, on sdpa, eager or flex_attention, masks it. A re-laid pack is
       shorter than the pack by one prompt a pair, and the saving is the layout's point, so its `padded` rows are
       as long as the batch's longest re-laid pack unless `pad_to="max_len"` asks for fixed rows (which compute
@@ -259,9 +261,10 @@ class PackedCollator:
         if self.seq_idx:
             batch["seq_idx"] = torch.from_numpy(fields.seq_idx)
         if any(pack.pair_roles is not None for pack in checked):
-            batch["pair_segments"] = torch.from_numpy(_pair_segments(checked, segment_ids, fields.cu_seq_lens))
+            segments = _pair_segments(checked, segment_ids, fields.cu_seq_lens)
+            batch["pair_segments"] = torch.from_numpy(segments)
             if any(pack.reference_logps is not None for pack in checked):
-                batch["reference_logps"] = torch.from_numpy(_reference_logps(checked))
+                batch["reference_logps"] = torch.from_numpy(_reference_logps(checked, segments.shape[1]))
         if self.cp_size is not None:
             lengths = np.concatenate([np.diff(pack.cu_seqlens) for pack in checked])
             batch["cu_seqlens"] = torch.from_numpy(np.append(0, np.cumsum(lengths)).astype(np.int32))
@@ -269,45 +272,23 @@ class PackedCollator:
         return batch
 
     def _shared_prompt_batch(self, packs: list[_Pack]) -> dict[str, torch.Tensor | int | bool]:
-        """The batch of `shared_prompt=True`: each pack re-laid (`prepack.training.shared_prompt`), in rows."""
-        from prepack.training.shared_prompt import shared_prompt_pack
+        """The batch of `shared_prompt=True`: each pack's groups re-laid (`prepack.training.shared_prompt`), in rows."""
+        from prepack.training.shared_prompt import pack_groups, shared_prompt_layout
 
-        _require_whole_pairs(packs)
-        laid, first_pair = [], 1
+        size = _require_whole_groups(packs)
+        rows = []
         for number, pack in enumerate(packs):
             if pack.labels is None:
                 raise UsageError(
-                    f"Pack {number} has no labels: shared_prompt finds each pair's prompt by its -100 labels."
+                    f"Pack {number} has no labels: shared_prompt finds each group's prompt by its -100 labels."
                 )
-            laid.append(shared_prompt_pack(pack.input_ids, pack.cu_seqlens, pack.labels, number, first_pair))
-            first_pair += (len(pack.cu_seqlens) - 1) // 2
-        lengths = [len(pack.input_ids) for pack in laid]
-        if self.layout == "padding_free":
-            shape, starts = (1, sum(lengths)), [(0, start) for start in np.cumsum([0, *lengths[:-1]])]
-        else:
-            shape, starts = (len(laid), self._row_length(laid)), [(row, 0) for row in range(len(laid))]
-        input_ids = np.full(shape, self.pad_token_id or 0, dtype=np.int64)
-        labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
-        # A row's padding tail: a segment of its own (shared_prompt_ids 0), positions from 0.
-        position_ids = np.tile(np.arange(shape[1], dtype=np.int64), (shape[0], 1))
-        shared_prompt_ids = np.zeros(shape, dtype=np.int64)
-        for pack, (row, start) in zip(laid, starts):
-            end = start + len(pack.input_ids)
-            input_ids[row, start:end], labels[row, start:end] = pack.input_ids, pack.labels
-            position_ids[row, start:end], shared_prompt_ids[row, start:end] = pack.position_ids, pack.shared_prompt_ids
-            if self.layout != "padding_free":
-                position_ids[row, end:] -= end
-                if self.pad_token_id is None:
-                    input_ids[row, end:] = pack.input_ids[-1]  # a real token's embedding (see pad_token_id)
-        batch: dict[str, torch.Tensor | int | bool] = {
-            "input_ids": torch.from_numpy(input_ids),
-            "labels": torch.from_numpy(labels),
-            "position_ids": torch.from_numpy(position_ids),
-            "shared_prompt_ids": torch.from_numpy(shared_prompt_ids),
-            "use_cache": False,
-        }
+            rows.append(pack_groups(pack.input_ids, pack.cu_seqlens, pack.labels, size, number))
+        lengths = [sum(len(g.prompt) + sum(map(len, g.completions)) for g in row) for row in rows]
+        padding_free = self.layout == "padding_free"
+        batch = shared_prompt_layout(rows, padding_free=padding_free, pad_token_id=self.pad_token_id,
+                                     row_length=None if padding_free else self._row_length(lengths))
         if any(pack.reference_logps is not None for pack in packs):
-            batch["reference_logps"] = torch.from_numpy(_reference_logps(packs))
+            batch["reference_logps"] = torch.from_numpy(_reference_logps(packs, size))
         return batch
 
     def _fill_rows(self, packs: list[_Pack]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
@@ -317,7 +298,7 @@ class PackedCollator:
         if self.cp_size is not None:
             packs = [_cp_padded(pack, 2 * self.cp_size, self.pad_token_id) for pack in packs]
         total = sum(len(pack.input_ids) for pack in packs)
-        shape = (1, total) if padding_free else (len(packs), self._row_length(packs))
+        shape = (1, total) if padding_free else (len(packs), self._row_length([len(pack.input_ids) for pack in packs]))
         input_ids = np.full(shape, self.pad_token_id or 0, dtype=np.int64)
         labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
         segment_ids = np.zeros(shape, dtype=np.int32)
@@ -340,8 +321,8 @@ class PackedCollator:
                 row += 1
         return input_ids, labels, segment_ids, sources
 
-    def _row_length(self, packs: Sequence[_Pack | Any]) -> int:
-        length = self.max_len if self.pad_to == "max_len" else max(len(pack.input_ids) for pack in packs)
+    def _row_length(self, lengths: Sequence[int]) -> int:
+        length = self.max_len if self.pad_to == "max_len" else max(lengths)
         multiple = self.pad_to_multiple_of or 1
         return -(-length // multiple) * multiple
 
@@ -356,12 +337,12 @@ class _Pack(NamedTuple):
 
 
 def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.ndarray) -> np.ndarray:
-    """[P, 2] int64: for each pair of the batch, in pack order, the numbers of its chosen and its rejected
-    document among the batch's segments (those of `cu_seq_lens_q`; padding tails are segments too).
-    Every pack must hold whole pairs, each chosen then rejected (`pair_roles` 0, 1, 0, 1, ...)."""
-    _require_whole_pairs(packs)
+    """[P, G] int64: for each group of the batch, in pack order, the numbers of its G documents among the
+    batch's segments (those of `cu_seq_lens_q`; padding tails are segments too): a pair's chosen and rejected
+    (G = 2). Every pack must hold whole groups of one size (`pair_roles` 0, 1, …, G - 1, 0, 1, …)."""
+    size = _require_whole_groups(packs)
     documents = np.flatnonzero(segment_ids.reshape(-1)[cu_seq_lens[:-1]] != 0)  # not a padding tail
-    return documents.astype(np.int64).reshape(-1, 2)
+    return documents.astype(np.int64).reshape(-1, size)
 
 
 def _require_at_most(packs: list[_Pack], cap: int) -> None:
@@ -381,26 +362,32 @@ def _fixed_shape(fields: SegmentFields, segments: int) -> SegmentFields:
     return fields._replace(cu_seq_lens=cu_seq_lens, max_length=fields.position_ids.shape[1])
 
 
-def _require_whole_pairs(packs: list[_Pack]) -> None:
+def _require_whole_groups(packs: list[_Pack]) -> int:
+    """The batch's group size G (2: pairs), every pack holding whole groups: `pair_roles` 0, 1, …, G - 1 repeated."""
+    sizes = {int(pack.pair_roles.max()) + 1 for pack in packs if pack.pair_roles is not None and len(pack.pair_roles)}
+    size = min(sizes, default=2)
     for number, pack in enumerate(packs):
         roles = pack.pair_roles
         documents = len(pack.cu_seqlens) - 1
-        if roles is None or roles.tolist() != [0, 1] * (documents // 2) or documents % 2:
+        if roles is None or roles.tolist() != list(range(size)) * (documents // size) or documents % size or len(sizes) > 1:
+            whole = "pairs" if size == 2 else f"groups of {size}"
+            first = "chosen 0, then rejected 1" if size == 2 else f"completions 0 to {size - 1} in order"
             raise IsolationError(
-                f"Pack {number}: pair_roles {None if roles is None else roles.tolist()} do not make whole pairs of "
-                f"its {documents} documents (chosen 0, then rejected 1); a batch of pairs takes packs of a "
-                "preference-pair build only."
+                f"Pack {number}: pair_roles {None if roles is None else roles.tolist()} do not make whole {whole} of "
+                f"its {documents} documents ({first}); a batch of pairs or groups takes packs of one preference-pair "
+                "or group build only."
             )
+    return size
 
 
-def _reference_logps(packs: list[_Pack]) -> np.ndarray:
-    """[P, 2] float64: the stored reference log-probabilities of each pair's chosen and rejected document,
-    in the order of `_pair_segments` (every pack's documents, in order, make whole pairs)."""
+def _reference_logps(packs: list[_Pack], size: int = 2) -> np.ndarray:
+    """[P, G] float64: the stored reference log-probabilities of each group's documents (a pair's chosen and
+    rejected), in the order of `_pair_segments` (every pack's documents, in order, make whole groups)."""
     missing = [number for number, pack in enumerate(packs) if pack.reference_logps is None]
     if missing:
         raise UsageError(f"Pack {missing[0]} has no 'reference_logps' while others of the batch have: collate packs "
                          "of one PackedDataset(build, reference=DIR).")
-    return np.concatenate([pack.reference_logps for pack in packs]).astype(np.float64).reshape(-1, 2)
+    return np.concatenate([pack.reference_logps for pack in packs]).astype(np.float64).reshape(-1, size)
 
 
 def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:

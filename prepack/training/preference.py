@@ -37,15 +37,15 @@ from typing import Any, NamedTuple
 
 from prepack.errors import UsageError, optional_imports
 from prepack.formats.shards import IGNORE_INDEX
-from prepack.training.shared_prompt import PARTS, completion_slots, shared_trained_tokens
+from prepack.training.shared_prompt import completion_slots, group_parts, shared_trained_tokens
 
 with optional_imports("prepack.training.preference"):
     import torch
     import torch.nn.functional as F
 
 __all__ = [
-    "PAIR_FIELDS", "PairLogps", "dpo_loss", "ipo_loss", "model_inputs", "pair_count", "pair_logps", "sequence_logps", "shared_pair_logps",
-    "simpo_loss", "trained_tokens",
+    "GroupLogps", "PAIR_FIELDS", "PairLogps", "chosen_nll", "cpo_loss", "dpo_loss", "group_logps", "ipo_loss", "kto_loss", "model_inputs", "orpo_loss", "pair_count",
+    "pair_logps", "prompt_logps", "sequence_logps", "shared_pair_logps", "simpo_loss", "trained_tokens",
 ]
 
 # What a batch of pairs carries besides the model's inputs (reference_logps: a build's stored reference
@@ -115,30 +115,72 @@ def _count(segment: torch.Tensor, trained: torch.Tensor, segments: int) -> torch
 
 
 def pair_count(batch: Mapping[str, Any]) -> int:
-    """The pairs of `batch`, as many as `pair_logps` gives: its `pair_segments`, or the pairs numbered in a
-    shared-prompt batch's `shared_prompt_ids`."""
+    """The pairs (or groups) of `batch`, as many as `pair_logps` and `group_logps` give: its `pair_segments`, or
+    the groups numbered in a shared-prompt batch's `shared_prompt_ids`."""
     if "shared_prompt_ids" in batch:
-        return int(batch["shared_prompt_ids"].max()) // PARTS
+        return int(batch["shared_prompt_ids"].max()) // group_parts(batch)
     if "pair_segments" not in batch:
         raise UsageError("a batch of pairs needs pair_segments: collate packs of a preference-pair build (prepack build --pairs)")
     return len(batch["pair_segments"])
 
 
-def pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:
-    """`sequence_logps` of each pair's chosen and rejected document (`batch["pair_segments"]`), or on a
-    shared-prompt batch (`shared_prompt_ids`) `shared_pair_logps`."""
+class GroupLogps(NamedTuple):
+    """Per group and completion [P, G]: the summed log-probability of its trained tokens (float64 for a float64
+    model) and their count (int64). A shared-prompt batch whose groups differ in size has G of its largest, the
+    missing completions 0 tokens."""
+
+    logps: torch.Tensor
+    tokens: torch.Tensor
+
+
+def group_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> GroupLogps:
+    """`sequence_logps` of each group's documents (`batch["pair_segments"]`, [P, G]), or on a shared-prompt
+    batch (`shared_prompt_ids`) each completion's trained tokens, the first one predicted from its group's last
+    prompt position, every other from the position before it (same part)."""
     if "shared_prompt_ids" in batch:
-        return shared_pair_logps(logits, batch)
+        layout = _shared_layout(logits, batch)
+        trained = (layout.labels != IGNORE_INDEX) & (layout.part > 0)  # padding and prompts are part 0
+        logp = _token_logps(logits, layout.predictor, torch.where(trained, layout.labels, IGNORE_INDEX))
+        slot = completion_slots(layout.group, layout.part, trained, layout.parts)
+        size = layout.parts - 1
+        sums = torch.zeros(size * layout.groups, dtype=logp.dtype, device=logits.device).index_add(0, slot, logp * trained)
+        return GroupLogps(sums.view(layout.groups, size), shared_trained_tokens(batch).to(logits.device))
     if "pair_segments" not in batch:
-        raise UsageError("pair_logps needs pair_segments: collate packs of a preference-pair build (prepack build --pairs)")
+        raise UsageError("group_logps needs pair_segments: collate packs of a preference-pair or group build (prepack build --pairs, --groups)")
     sums, tokens = sequence_logps(logits, batch)
-    pairs = batch["pair_segments"].to(sums.device)
-    return PairLogps(sums[pairs[:, 0]], sums[pairs[:, 1]], tokens[pairs[:, 0]], tokens[pairs[:, 1]])
+    segments = batch["pair_segments"].to(sums.device)
+    return GroupLogps(sums[segments], tokens[segments])
+
+
+def pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:
+    """`group_logps` of a batch of pairs (groups of 2: chosen, rejected), as `PairLogps`."""
+    logps, tokens = group_logps(logits, batch)
+    if logps.shape[1] != 2:
+        raise UsageError(f"pair_logps takes a batch of pairs, not of groups of {logps.shape[1]}: use group_logps.")
+    return PairLogps(logps[:, 0], logps[:, 1], tokens[:, 0], tokens[:, 1])
 
 
 def shared_pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:
-    """`PairLogps` of a shared-prompt batch: each completion's trained tokens, the first one predicted from
-    its pair's last prompt position, every other from the position before it (same part)."""
+    """`pair_logps` of a shared-prompt batch of pairs."""
+    if "shared_prompt_ids" not in batch:
+        raise UsageError("shared_pair_logps takes a shared-prompt batch: PackedCollator(shared_prompt=True)")
+    return pair_logps(logits, batch)
+
+
+class _SharedLayout(NamedTuple):
+    """A shared-prompt batch's tokens, flattened: labels, group (from 1; 0 padding) and part of each, the
+    position whose logits predict it, whether it starts its part, the batch's group count and id stride."""
+
+    labels: torch.Tensor
+    group: torch.Tensor
+    part: torch.Tensor
+    predictor: torch.Tensor
+    first: torch.Tensor
+    groups: int
+    parts: int
+
+
+def _shared_layout(logits: torch.Tensor, batch: Mapping[str, Any]) -> _SharedLayout:
     labels, ids = batch["labels"], batch["shared_prompt_ids"]
     if logits.shape[:2] != labels.shape or ids.shape != labels.shape:
         raise UsageError(f"logits of shape {tuple(logits.shape)} do not match labels of shape {tuple(labels.shape)}")
@@ -146,26 +188,50 @@ def shared_pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLog
     ids, labels = ids.to(device).flatten(), labels.to(device).flatten()
     width = batch["labels"].shape[1]
     token = torch.arange(len(ids), device=device)
-    pair, part = ids // PARTS, ids % PARTS
-    pairs = int(pair.max())
-    # Each pair's last prompt token predicts the first token of both completions.
-    prompt_end = torch.zeros(pairs + 1, dtype=torch.int64, device=device).scatter_reduce(
-        0, pair, torch.where(part == 0, token, 0), "amax"
+    parts = group_parts(batch)
+    group, part = ids // parts, ids % parts
+    groups = int(group.max())
+    # Each group's last prompt token predicts the first token of every completion.
+    prompt_end = torch.zeros(groups + 1, dtype=torch.int64, device=device).scatter_reduce(
+        0, group, torch.where(part == 0, token, 0), "amax"
     )
     previous = (token - 1).clamp(min=0)
     first = (token % width == 0) | (ids[previous] != ids)
-    predictor = torch.where(first & (part > 0), prompt_end[pair], previous)
-    trained = (labels != IGNORE_INDEX) & (part > 0)  # padding and prompts are part 0
-    targets = torch.where(trained, labels, IGNORE_INDEX)
+    predictor = torch.where(first & (part > 0), prompt_end[group], previous)
+    return _SharedLayout(labels, group, part, predictor, first, groups, parts)
+
+
+def _token_logps(logits: torch.Tensor, predictor: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The log-probability of each target (flat; 0 at -100) under the logits at its predictor position."""
     predicting = logits.flatten(0, 1)[predictor]
-    logp = -F.cross_entropy(
+    return -F.cross_entropy(
         predicting.to(torch.promote_types(predicting.dtype, torch.float32)), targets, ignore_index=IGNORE_INDEX,
         reduction="none",
     )
-    slot = completion_slots(pair, part, trained)
-    sums = torch.zeros(2 * pairs, dtype=logp.dtype, device=device).index_add(0, slot, logp * trained).view(pairs, 2)
-    counts = shared_trained_tokens(batch).to(device)
-    return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])
+
+
+def prompt_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probabilities [P], token counts [P] int64) of each pair's prompt tokens, every one but its
+    first (which nothing in its document predicts): what TRL's ORPOTrainer adds to the chosen completion in its
+    NLL term (`chosen_nll`). Read from the chosen document (`pair_segments`), or from the prompt, stored once,
+    of a shared-prompt batch; the same forward as `pair_logps`."""
+    if "shared_prompt_ids" in batch:
+        layout = _shared_layout(logits, batch)
+        tokens = batch["input_ids"].to(logits.device).flatten()
+        in_prompt = (layout.group > 0) & (layout.part == 0) & ~layout.first
+        logp = _token_logps(logits, layout.predictor, torch.where(in_prompt, tokens, IGNORE_INDEX))
+        group = torch.where(in_prompt, layout.group - 1, 0)
+        zeros = torch.zeros(layout.groups, dtype=logp.dtype, device=logits.device)
+        counts = torch.bincount(group, weights=in_prompt.to(torch.float64), minlength=layout.groups).to(torch.int64)
+        return zeros.index_add(0, group, logp * in_prompt), counts
+    if "pair_segments" not in batch or "position_ids" not in batch:
+        raise UsageError("prompt_logps needs pair_segments and position_ids: collate packs of a preference-pair build")
+    # A document's untrained tokens past its first are its prompt (the collator masks the first token).
+    labels, positions = batch["labels"], batch["position_ids"].to(batch["labels"].device)
+    prompt = torch.where((labels == IGNORE_INDEX) & (positions > 0), batch["input_ids"].to(labels.device), IGNORE_INDEX)
+    sums, tokens = sequence_logps(logits, {**batch, "labels": prompt})
+    chosen = batch["pair_segments"][:, 0].to(sums.device)
+    return sums[chosen], tokens[chosen]
 
 
 def _margins(policy: PairLogps, reference: PairLogps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,3 +257,69 @@ def simpo_loss(policy: PairLogps, beta: float = 2.0, gamma: float = 0.5) -> torc
     CPOTrainer computes it."""
     delta = policy.chosen / policy.chosen_tokens.clamp(min=1) - policy.rejected / policy.rejected_tokens.clamp(min=1)
     return -F.logsigmoid(beta * delta - gamma)
+
+
+def chosen_nll(policy: PairLogps, prompt: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The batch's negative log-likelihood per chosen token, the supervised term of CPO (the chosen completions'
+    tokens) and, given `prompt` (`prompt_logps` of the same forward), of ORPO as TRL's ORPOTrainer computes it
+    (prompt and chosen completion). A scalar: a mean over the batch's tokens, as TRL's `nn.CrossEntropyLoss`;
+    over several micro-batches, sum -logps and tokens over the step instead."""
+    summed, tokens = policy.chosen.sum(), policy.chosen_tokens.sum()
+    if prompt is not None:
+        summed, tokens = summed + prompt[0].sum(), tokens + prompt[1].sum()
+    return -summed / tokens.clamp(min=1)
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, by the branch that does not cancel (Mächler 2012), as TRL's ORPO computes it."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_loss(policy: PairLogps, beta: float = 0.1) -> torch.Tensor:
+    """Per pair: -β log σ(log odds(chosen) - log odds(rejected)), odds(y) = P / (1 - P) of each completion's
+    mean log-probability per token, ORPO's odds-ratio term (Hong et al. 2024, eq. 6-7; TRL's
+    `ORPOTrainer.odds_ratio_loss`, without its cast to float32). ORPO's objective on a batch is
+    `chosen_nll(policy, prompt_logps(...)) + orpo_loss(policy).mean()`."""
+    chosen = policy.chosen / policy.chosen_tokens.clamp(min=1)
+    rejected = policy.rejected / policy.rejected_tokens.clamp(min=1)
+    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+    return -beta * F.logsigmoid(log_odds)
+
+
+def cpo_loss(policy: PairLogps, beta: float = 0.1, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per pair: -(1 - ε) log σ(β (πc - πr)) - ε log σ(-β (πc - πr)) of the summed log-probabilities, CPO's
+    preference term (Xu et al. 2024, eq. 3; TRL's CPOTrainer "sigmoid"; its "simpo" is `simpo_loss`). CPO's
+    objective on a batch is `cpo_loss(policy).mean() + alpha * chosen_nll(policy)`."""
+    logits = beta * (policy.chosen - policy.rejected)
+    return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+
+
+def kto_loss(
+    policy: GroupLogps,
+    reference: GroupLogps,
+    desirable: torch.Tensor,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> torch.Tensor:
+    """Per example [N]: KTO's loss (Ethayarajh et al. 2024, eq. 7; TRL's KTOTrainer "kto"), the desirable
+    ones' w_d (1 - σ(β (r - z))), the undesirable ones' w_u (1 - σ(β (z - r))), r = π - ref of the example's
+    completion and z the KL estimate, the mean over the examples given of π - ref of their mismatched KL
+    completions, detached and at least 0.
+
+    `policy` and `reference` are `group_logps` of examples laid out as groups of 2 (the completion, then the
+    KL completion after the same prompt: `logps[:, 0]`, `logps[:, 1]`); `desirable` [N] bool, each example's
+    label. z is the mean over these N examples: TRL's over its batch (and ranks); pass a step's examples
+    together to estimate it over the step."""
+    if policy.logps.shape[1] != 2 or reference.logps.shape != policy.logps.shape:
+        raise UsageError("kto_loss takes group_logps of examples laid out as (completion, KL completion) pairs.")
+    desirable = desirable.to(device=policy.logps.device, dtype=torch.bool)
+    if desirable.shape != policy.logps.shape[:1]:
+        raise UsageError(f"{tuple(desirable.shape)} labels for {policy.logps.shape[0]} examples.")
+    kl = (policy.logps[:, 1] - reference.logps[:, 1]).mean().detach().clamp(min=0)
+    logratios = policy.logps[:, 0] - reference.logps[:, 0]
+    return torch.where(
+        desirable,
+        desirable_weight * (1 - torch.sigmoid(beta * (logratios - kl))),
+        undesirable_weight * (1 - torch.sigmoid(beta * (kl - logratios))),
+    )

@@ -58,7 +58,7 @@ from prepack.storage.files import write_record_batch
 from prepack.storage.output import output_errors, output_lock, resumable_staging
 from prepack.training.collate import Layout, PackedCollator
 from prepack.training.dataset import PackedDataset
-from prepack.training.preference import PairLogps, model_inputs, sequence_logps, trained_tokens
+from prepack.training.preference import GroupLogps, PairLogps, model_inputs, sequence_logps, trained_tokens
 
 with optional_imports("prepack.training.reference"):
     import torch
@@ -66,7 +66,7 @@ with optional_imports("prepack.training.reference"):
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["describe_model", "stored_reference", "write_reference_logps"]
+__all__ = ["describe_model", "stored_group_reference", "stored_reference", "write_reference_logps"]
 
 # What a run writes into a reference directory besides `reference.json`: finished files, and the
 # temporary ones a killed run leaves behind in its staging directory (deleted by the next run, under the lock).
@@ -124,7 +124,7 @@ def write_reference_logps(
     dataset = PackedDataset(build)
     manifest = dataset.manifest
     if manifest.pairs is None:
-        raise InputError(f"{build} is not a preference-pair build (prepack build --pairs): it has no reference log-probabilities.")
+        raise InputError(f"{build} is not a preference-pair or group build (prepack build --pairs, --groups): it has no reference log-probabilities.")
     description = describe_model(model, name)
     out = Path(out)
     if out.is_symlink() or out.name in ("", ".."):
@@ -316,16 +316,26 @@ def _write_manifest(out: Path, manifest: ReferenceManifest) -> None:
         os.replace(temporary, out / REFERENCE_MANIFEST)
 
 
-def stored_reference(batch: dict[str, Any]) -> PairLogps:
-    """The reference `PairLogps` of a batch collated from a `PackedDataset(..., reference=DIR)`: the stored
-    values (`batch["reference_logps"]`, [P, 2]) and each completion's trained tokens, from the labels."""
+def stored_group_reference(batch: dict[str, Any]) -> GroupLogps:
+    """The reference `GroupLogps` [P, G] of a batch collated from a `PackedDataset(..., reference=DIR)` of a
+    pair or group build: the stored values (`batch["reference_logps"]`) and each completion's trained tokens,
+    from the labels."""
     if "reference_logps" not in batch:
         raise UsageError("stored_reference needs reference_logps: open the build as PackedDataset(build, reference=DIR).")
     values = batch["reference_logps"]
-    if "shared_prompt_ids" in batch:  # PackedCollator(shared_prompt=True): no segments, each pair's parts
+    if "shared_prompt_ids" in batch:  # PackedCollator(shared_prompt=True): no segments, each group's parts
         from prepack.training.shared_prompt import shared_trained_tokens
 
         tokens = shared_trained_tokens(batch).to(values.device)
     else:
         tokens = trained_tokens(batch)[batch["pair_segments"].to(values.device)]
-    return PairLogps(values[:, 0], values[:, 1], tokens[:, 0].to(values.device), tokens[:, 1].to(values.device))
+    return GroupLogps(values, tokens.to(values.device))
+
+
+def stored_reference(batch: dict[str, Any]) -> PairLogps:
+    """The reference `PairLogps` of a batch of pairs collated from a `PackedDataset(..., reference=DIR)`
+    (`stored_group_reference`, of 2)."""
+    values, tokens = stored_group_reference(batch)
+    if values.shape[1] != 2:
+        raise UsageError(f"stored_reference takes a batch of pairs, not of groups of {values.shape[1]}: use stored_group_reference.")
+    return PairLogps(values[:, 0], values[:, 1], tokens[:, 0], tokens[:, 1])

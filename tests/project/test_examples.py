@@ -100,3 +100,43 @@ def test_dpo_example_trains_on_a_pair_build(pairs_packed, script, tmp_path):
     assert float(first[0] or first[1]) == pytest.approx(math.log(2), abs=1e-4)
     found = re.findall(r"^final loss (\S+)$", result.stdout, flags=re.MULTILINE)
     assert found and math.isfinite(float(found[-1])), result.stdout[-2000:]
+
+
+@pytest.fixture(scope="module")
+def group_inputs(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """A group build of chitchat exchanges (the real answer first, three others after), its tokenizer, and the
+    same exchanges as unpaired feedback in TRL's format (the real answer desirable, another not)."""
+    import json
+
+    import prepack
+    from tests.demo_inputs import CHATML, chitchat, gpt2_directory
+
+    root = tmp_path_factory.mktemp("groups")
+    tokenizer = gpt2_directory(root / "gpt2", CHATML)
+    turns = [c for c in chitchat() if len(c) >= 2][:24]
+    others = [" no idea", " maybe", " yes"]
+    corpus = root / "groups.jsonl"
+    corpus.write_text("".join(json.dumps({"prompt": f"Q: {t[0]} A:", "completions": [f" {t[1]}", *others]}) + "\n" for t in turns))
+    prepack.build(corpus, root / "packed", max_len=256, tokenizer=tokenizer, groups=True, overflow="drop", num_proc=1)
+    feedback = root / "feedback.jsonl"
+    feedback.write_text("".join(
+        json.dumps({"prompt": f"Q: {t[0]} A:", "completion": f" {t[1]}" if i % 2 else others[i % 3], "label": bool(i % 2)}) + "\n"
+        for i, t in enumerate(turns)))
+    return root / "packed", tokenizer, feedback
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("script", "first_loss"), [("train_groups_plain_loop.py", math.log(2)), ("train_kto_plain_loop.py", 0.5)])
+def test_group_and_kto_examples_train(group_inputs, script, first_loss, tmp_path):
+    """The group recipe (shared-prompt layout of a --groups build) starts at log 2, the KTO one (TRL's unpaired
+    format, KL completions planned from a seed) at 0.5, policy == reference; both print a finite final loss."""
+    build, tokenizer, feedback = group_inputs
+    data = ["--data", str(build)] if script.startswith("train_groups") else ["--data", str(feedback), "--tokenizer", str(tokenizer)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, str(EXAMPLES / script), *data, "--steps", "3", "--workers", "0", "--batch-size", "4"],
+                            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    first = re.findall(r"^step 1 loss (\S+)", result.stdout, flags=re.MULTILINE)
+    assert first and float(first[0]) == pytest.approx(first_loss, abs=1e-4), result.stdout[-2000:]
+    found = re.findall(r"^final loss (\S+)$", result.stdout, flags=re.MULTILINE)
+    assert found and math.isfinite(float(found[-1])), result.stdout[-2000:]
