@@ -343,7 +343,7 @@ def _problems(
     yield from _provenance_problems(packs)
     if manifest.mixture is not None:
         pack_numbers = (segments.shard.astype(np.int64) << 40) | segments.pack  # a shard holds fewer than 2**40 packs
-        packable, trained = _store_packable(store, manifest) if manifest.index_of is not None and store is not None and len(
+        packable, trained = _store_packable(store, manifest, store_columns) if manifest.index_of is not None and store is not None and len(
             store_columns) == len(store.manifest.shards) else (None, None)
         found = mixture_pack_problems(segments, pack_numbers, manifest, packs.where, complete, packable, trained)
         yield from (Problem(**problem) for problem in found)
@@ -600,20 +600,24 @@ def _stores_problems(chain: StoreChain, manifest: Manifest):
     return columns
 
 
-def _store_packable(chain: StoreChain, manifest: Manifest) -> tuple[list[np.ndarray], list[PieceCounts] | None]:
-    """Each source's documents' packable tokens, from its store as the build read it (`Store.shard_lengths`,
-    `packable_tokens`), for a mixture's index build whose stores' shards are sound; and where the mixture
-    counts trained tokens, each source's `PieceCounts`, from its stores' labels (`trained_segments`)."""
+def _store_packable(chain: StoreChain, manifest: Manifest, columns: _Columns) -> tuple[list[np.ndarray], list[PieceCounts] | None]:
+    """Each source's documents' packable tokens, from its store as the build read it (`packable_tokens` of
+    its lengths and untrained flags), for a mixture's index build whose stores' shards are sound (`columns`:
+    every chain shard's, checked by `_stores_problems`); and where the mixture counts trained tokens, each
+    source's `PieceCounts`, from its stores' labels (`trained_segments`)."""
     o = manifest.options
     packable, trained = [], [] if manifest.mixture.count is not None else None
+    first = 0
     for store in chain.stores:
-        parts = [store.shard_lengths(shard) for shard in store.manifest.shards]
-        lengths = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
-        untrained = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, bool)
+        shards = range(first, first + len(store.manifest.shards))
+        first = shards.stop
+        # The store's own labels: the chain serves a store without labels its token ids as labels.
+        parts = [(columns[k][0], columns[k][2] if store.manifest.has_labels else None) for k in shards]
+        lengths = np.concatenate([np.diff(offsets) for offsets, _ in parts]) if parts else np.zeros(0, np.int64)
+        untrained = np.concatenate([untrained_documents(offsets, labels) for offsets, labels in parts]) if parts else np.zeros(0, bool)
         packable.append(packable_tokens(lengths, untrained, o.max_len, o.overflow, o.drop_untrained))
         if trained is not None:
-            counted = [trained_segments(*store.shard_columns(shard)[::2], o.max_len, o.overflow) for shard in store.manifest.shards]
-            trained.append(piece_counts(counted))
+            trained.append(piece_counts([trained_segments(offsets, labels, o.max_len, o.overflow) for offsets, labels in parts]))
     return packable, trained
 
 
