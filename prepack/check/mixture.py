@@ -9,7 +9,9 @@ they are at hand (an index build's stores), the sources.
   are each source's; the repeats follow from them (`full_epochs` = requested // eligible tokens, the
   copies within max_epochs).
 - `mixture_pack_problems`, the packs: `source_ids`; with `pack_within_source` no pack of two sources;
-  per source its documents, segments, tokens and repeats; and its selection made again
+  per source its documents, segments, tokens (and, where the mixture counts trained tokens, its
+  `trained_tokens`: a full build's from the packs' labels, an index build's from its selection made
+  again) and repeats; and its selection made again
   (`select_source`, seeded by `seed` and its name) from its packable tokens: its store's (an index
   build), else the packs' when it takes a full epoch (every eligible document is then packed). A full
   build's source taking no full epoch gives its eligible documents only to its source: they are held
@@ -158,10 +160,11 @@ def mixture_pack_problems(
     packable: list[np.ndarray] | None = None,
     trained: list[PieceCounts] | None = None,
 ) -> Iterator[dict]:
-    """The packs' segments (verify's `_Segments`: rows, pieces, lengths, copy, source; sorted by row,
+    """The packs' segments (verify's `_Segments`: rows, pieces, lengths, copy, source, trained; sorted by row,
     copy, piece; `packs` each one's pack, as a number unique to it) against the mixture: each segment's
     source is the one whose rows hold its row; with `pack_within_source` a pack holds one source; with
-    every pack read (`complete`), per source the documents, segments and tokens are the manifest's, and
+    every pack read (`complete`), per source the documents, segments and tokens (a full build's trained
+    tokens too, where the mixture counts them) are the manifest's, and
     its repeats too: every document it packs is packed full_epochs or full_epochs + 1 times,
     partial_documents of them the latter, and they are its selection made again (`_selection_problems`)
     from `packable` (each source's packable tokens, from its store), else from the packs; where the
@@ -198,6 +201,8 @@ def mixture_pack_problems(
             "segments": int(mine.sum()),
             "tokens": int(lengths[mine].sum()),
         }
+        if mixture.count is not None and manifest.index_of is None:  # the packs' labels give each segment's (`segments.trained`)
+            found["trained_tokens"] = int(segments.trained[mine].sum())
         for name, value in found.items():
             if value != getattr(s, name):
                 yield _manifest(f"mixture.sources[{number}].{name}", f"is {getattr(s, name)}, but the packs hold {value} of source {s.name!r}.")
@@ -264,6 +269,8 @@ def _selection_problems(
     except InputError as exc:
         yield _manifest(where, f"the build would have refused it: {exc}")
         return
+    if trained is not None and selection.realized != s.trained_tokens:
+        yield _manifest(f"{where}.trained_tokens", f"is {s.trained_tokens}, but the selection made again from {given} realizes {selection.realized}.")
     expected = np.zeros(s.rows, np.int64)
     expected[selection.eligible] = selection.epochs
     expected[selection.partial] += 1

@@ -75,7 +75,7 @@ from prepack.formats.shards import (
     shard_file_problems,
     shard_sha256,
 )
-from prepack.building.mixture import PieceCounts, packable_tokens, piece_counts, trained_segments
+from prepack.building.mixture import PieceCounts, packable_tokens, piece_counts, segment_trained_tokens, trained_segments
 from prepack.building.pair_plan import pair_pieces
 from prepack.building.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.sources.documents import Documents, Reading, open_documents, store_documents
@@ -222,6 +222,8 @@ class _Segments:
     source: np.ndarray  # uint16 a mixture's source (`source_ids`), else 0
     # Which copy of its (row, piece) it is: a mixture packs a document up to once per epoch (`_concatenate`).
     copy: np.ndarray  # int64
+    # Its trained tokens (`segment_trained_tokens`) in a full build of a mixture counting them, else 0.
+    trained: np.ndarray  # int64
     # Where its tokens lie: its shard (a full build) or its store shard (an index build, once
     # `_reference_problems` found it inside its store document: `readable`), by index.
     holder: np.ndarray  # int32
@@ -684,7 +686,8 @@ def _shard_problems(file: Path, index: int, manifest: Manifest, check_sha256: bo
         yield problem
     if not sound:
         return None
-    shard = _read_segments(batch, name, index)
+    counts_trained = manifest.mixture is not None and manifest.mixture.count is not None and not index_only
+    shard = _read_segments(batch, name, index, counts_trained)
     if index_only and (tokens := int(shard.segments.lengths.sum())) != info.tokens:
         yield Problem(file=name, column="cu_seqlens", message=f"{tokens} tokens, but the manifest says {info.tokens}.")
     yield from _value_problems(shard, manifest)
@@ -718,17 +721,21 @@ def _list_values(batch: pa.RecordBatch, column: str) -> tuple[np.ndarray, np.nda
     return offsets.astype(np.int64), values
 
 
-def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
+def _read_segments(batch: pa.RecordBatch, name: str, index: int, counts_trained: bool = False) -> _Shard:
+    """The shard's segments; with `counts_trained` (a full build of a mixture counting trained tokens), each
+    one's trained tokens from the labels (`_Segments.trained`)."""
     src_off, rows = _list_values(batch, "source_rows")
     piece_off, pieces = _list_values(batch, "source_pieces")
     layout: PackLayout = pack_layout(*list_column(batch, "cu_seqlens"))
     # input_ids' offsets run from 0 (open_shard) with the packs' lengths (check_shard): they are these.
     pack_starts = np.cumsum(layout.tokens) - layout.tokens
     names = batch.schema.names
+    labels = list_column(batch, "labels")[1] if "labels" in names else None
+    starts = pack_starts[layout.pack] + layout.starts
     return _Shard(
         name=name,
         ids=list_column(batch, "input_ids")[1] if "input_ids" in names else None,
-        labels=list_column(batch, "labels")[1] if "labels" in names else None,
+        labels=labels,
         segments=_Segments(
             source=(
                 list_column(batch, "source_ids")[1][src_off[0] : src_off[-1]]
@@ -736,10 +743,15 @@ def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
                 else np.zeros(src_off[-1] - src_off[0], np.uint16)
             ),
             copy=np.zeros(src_off[-1] - src_off[0], np.int64),
+            trained=(
+                segment_trained_tokens(labels, starts, layout.lengths).astype(np.int64)
+                if counts_trained
+                else np.zeros(len(layout.pack), np.int64)
+            ),
             rows=rows[src_off[0] : src_off[-1]].astype(np.int64),
             pieces=pieces[piece_off[0] : piece_off[-1]].astype(np.int64),
             lengths=layout.lengths,
-            starts=pack_starts[layout.pack] + layout.starts,
+            starts=starts,
             offset=layout.starts,
             shard=np.full(len(layout.pack), index, dtype=np.int32),
             pack=layout.pack,
