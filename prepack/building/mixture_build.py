@@ -213,7 +213,8 @@ def plan_sources(
     mixture's documents, and which rows of each source it packs (bool); the plan has no token starts yet
     (`with_row_starts`). Where documents are split (--overflow split), selection cuts the last document
     of a subset after a piece (`select_source`'s `pieces`). With `trained` (a mixture counting trained tokens: each source's `PieceCounts`), the
-    request and the selection count trained tokens. Memory beyond the sources' lengths: the selection's
+    request and the selection count trained tokens, and a document without one is not eligible (it adds
+    nothing to the budget). Memory beyond the sources' lengths: the selection's
     rows (4 bytes a selected document) and the parts' plans. Raises InputError for a request beyond the
     copies allowed (`select_source`) or the machine's memory (`check_memory`), before the parts are
     allocated."""

@@ -691,6 +691,28 @@ def test_a_trained_count_index_build_and_its_verify_read_each_store_shard_once(t
     assert len(reads) == 6 and set(reads.values()) == {1}
 
 
+@pytest.mark.parametrize("count", ["tokens", "trained"])
+def test_a_trained_token_budget_never_selects_a_document_without_a_trained_token(tmp_path, count):
+    """With `count: trained` a document whose packed pieces hold no trained token (all -100, or its one
+    trained token a segment's first) adds nothing to the budget: it is not eligible and never packed,
+    where counting tokens packs it."""
+    from tests.corpus import corpus_table, write_corpus
+
+    docs = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [10, 11, 12]]
+    labels = [[1, 2, 3, 4], [-100, -100, -100], [8, -100], [-100, 11, 12]]
+    write_corpus(tmp_path / "sft.parquet", corpus_table(docs, labels))
+    mixture = tmp_path / "sft.yaml"
+    mixture.write_text(f"count: {count}\nsources:\n  - {{name: sft, path: {tmp_path / 'sft.parquet'}}}\n")
+    manifest = prepack.build(mixture, tmp_path / "out", max_len=8)
+    _, packs = read_build(tmp_path / "out")
+    packed = sorted(row for pack in packs for row in pack["source_rows"])
+    source = manifest.mixture.sources[0]
+    if count == "trained":
+        assert packed == [0, 3] and source.eligible_documents == 2 and source.trained_tokens == source.eligible_tokens == 5
+    else:
+        assert packed == [0, 1, 2, 3] and source.eligible_documents == 4 and source.eligible_tokens == 12
+
+
 @pytest.mark.slow
 def test_inspect_shows_a_trained_count_mixtures_trained_tokens(plays, tmp_path):
     from prepack.check.report import inspect_build
