@@ -83,7 +83,9 @@ __all__ = [
     "piece_counts",
     "read_mixture",
     "requested_tokens",
+    "segment_trained_tokens",
     "select_source",
+    "selection_pieces",
     "split_pieces",
     "trained_segments",
 ]
@@ -379,6 +381,17 @@ def split_pieces(tokens: np.ndarray, max_len: int) -> Callable[[int], np.ndarray
         return np.minimum(length - np.arange(0, length, max_len, dtype=np.int64), max_len)
 
     return pieces
+
+
+def selection_pieces(
+    tokens: np.ndarray, max_len: int, overflow: str, trained: PieceCounts | None
+) -> Callable[[int], np.ndarray] | None:
+    """`select_source`'s `pieces` for a source (`tokens`: its documents' packable tokens): None where the
+    overflow policy keeps documents whole; where it splits them (split, error), each max_len piece's
+    tokens (`split_pieces`), or its trained tokens (`trained`, a mixture counting them)."""
+    if overflow not in ("split", "error"):
+        return None
+    return split_pieces(tokens, max_len) if trained is None else trained.of
 
 
 @dataclass(frozen=True)

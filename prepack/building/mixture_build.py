@@ -43,8 +43,8 @@ from prepack.building.mixture import (
     piece_counts,
     requested_tokens,
     select_source,
+    selection_pieces,
     source_location,
-    split_pieces,
     trained_segments,
 )
 from prepack.formats.mixture import MixtureInfo, SourceCounts, mixture_fingerprint
@@ -224,12 +224,7 @@ def plan_sources(
     requested = requested_tokens(spec, [int(amounts.sum(dtype=np.int64)) for amounts in counted])
     selections, tallies = [], []
     for number, (source, tokens, amounts, asked) in enumerate(zip(spec.sources, packable, counted, requested)):
-        if not split:
-            pieces = None
-        elif trained is None:
-            pieces = split_pieces(tokens, max_len)
-        else:
-            pieces = trained[number].of
+        pieces = selection_pieces(tokens, max_len, packing.overflow, None if trained is None else trained[number])
         selection = select_source(source.name, amounts, asked, spec.seed, source.max_epochs, pieces)
         # Pieces of each document as packed: a split document's ceil(length / max_len), else one.
         per_document = -(-tokens.astype(np.int64) // max_len) if split else np.minimum(tokens, 1)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from pydantic import ValidationError
 
-from prepack.building.mixture import MAX_COPIES, MixtureSpec, PieceCounts, field_path, requested_tokens, select_source, split_pieces
+from prepack.building.mixture import MAX_COPIES, MixtureSpec, PieceCounts, field_path, requested_tokens, select_source, selection_pieces
 from prepack.errors import InputError
 from prepack.formats.mixture import mixture_fingerprint
 from prepack.formats.shards import MANIFEST_NAME, Manifest
@@ -252,7 +252,7 @@ def _selection_problems(
     counts trained tokens), against its counts, the copies of each document in the packs (`per_row`), and
     the segments there of the document it cuts (`segments_per_row`)."""
     s, seed = manifest.mixture.sources[number], manifest.mixture.seed
-    max_len, split = manifest.options.max_len, manifest.options.overflow in ("split", "error")
+    max_len = manifest.options.max_len
     packable = tokens
     if trained is not None:
         tokens = trained.documents(packable)
@@ -264,7 +264,7 @@ def _selection_problems(
         if value != getattr(s, name):
             yield _manifest(f"{where}.{name}", f"is {getattr(s, name)}, but {given} give {value} (with max_len, overflow and drop_untrained).")
     try:
-        pieces = None if not split else split_pieces(tokens, max_len) if trained is None else trained.of
+        pieces = selection_pieces(tokens, max_len, manifest.options.overflow, trained)
         selection = select_source(s.name, tokens, s.requested_tokens, seed, s.max_epochs, pieces)
     except InputError as exc:
         yield _manifest(where, f"the build would have refused it: {exc}")
