@@ -16,9 +16,10 @@ tasks across a cluster, and write the local engine's bytes.
 
 A mixture (`prepack.building.mixture_build`) reads each source twice, as the local engine does: phase 1
 with each unit's scratch files deleted once the driver has hashed them (`read_lengths`; a store's
-lengths on the driver, from its offsets), then, once the selection is known, a task per unit holding a
-selected document writes the selected documents' tokens alone (`write_selected`; a corpus file's second
-read held to its first by a digest of all its tokens and labels), and phase 3 writes the packs.
+lengths on the driver, each shard checked against its sha256), then, once the selection is known, a task
+per unit of the first pass's (its files, its store's manifest) holding a selected document writes the
+selected documents' tokens alone (`write_selected`; a corpus file's second read held to its first by a
+digest of all its tokens and labels, a store shard to the first pass's manifest), and phase 3 writes the packs.
 
 Tasks are Ray core tasks, a few per CPU in flight, their results taken in row order, so that memory
 on the driver stays bounded and the first error in row order is the one reported. Not Ray Data: its
@@ -496,8 +497,8 @@ class RayEngine:
         return RayEngine(self.staging, scratch)
 
     def read_lengths(self, documents: Documents, reading: Reading, progress: Progress, observe=None) -> tuple[FirstPass, list]:
-        """A mixture's first pass (`LocalEngine.read_lengths`): a store's on the driver from its offsets, a
-        corpus's by a task per file, each file's scratch deleted once the driver has hashed it."""
+        """A mixture's first pass (`LocalEngine.read_lengths`): a store's on the driver, each shard checked
+        against its sha256, a corpus's by a task per file, each file's scratch deleted once the driver has hashed it."""
         if documents.store is not None:
             return read_store_lengths(documents.store, progress, observe, hashed=True)
         first, observed, self._digests = self._read_all(documents, reading, progress, observe, lengths_only=True)
