@@ -145,8 +145,8 @@ def test_preference_pairs_build_the_same_bytes(tmp_path, local_ray, gpt2):
 def test_a_mixture_builds_the_same_bytes(tmp_path, local_ray):
     """Two corpora (files of three formats, one without labels) and a store, mixed with a cut at a piece and
     copies, in tokens and in trained tokens: a task per file or store shard reads each pass; a file changed
-    or grown between the passes is refused by its second read as on the local engine, a store put in the
-    place of one by its changed shards."""
+    or grown between the passes is refused by its second read as on the local engine, a deleted one by
+    name, a store put in the place of one by its changed shards."""
     corpus = _token_corpus(tmp_path / "labelled")
     plain = tmp_path / "plain"
     plain.mkdir()
@@ -183,6 +183,7 @@ def test_a_mixture_builds_the_same_bytes(tmp_path, local_ray):
     changes = [  # made once every source's first pass is done (the store's is the last)
         (lambda: shutil.copy(other / "1.parquet", plain / "1.parquet"), InputError, "1.parquet: read a second time, the corpus gives other documents"),
         (lambda: write_corpus(plain / "1.parquet", corpus_table([*original, [5, 6, 7]])), InputError, "1.parquet: read a second time, the corpus gives other documents"),
+        (lambda: (plain / "1.parquet").unlink(), InputError, r"1.parquet: cannot be read"),  # the last file: read, not dropped
         (replace_the_store, FormatError, r"plain-store/documents-\d+\.arrow: its sha256 is not the store manifest's: the shard changed"),
     ]
     for number, (change, error, message) in enumerate(changes):
