@@ -9,7 +9,8 @@ of `--share` of their tokens (both downsampled), max-len 4096; the Parquet files
 documents. Each build runs in a fresh process; a thread there samples the bytes under the build's
 staging `scratch/` and the process's anonymous memory (`RssAnon`: what is not file pages, which the
 kernel can drop) every 10 ms, keeping the peaks, and the process reports its peak RSS (`VmHWM`, file
-pages mapped included: a store shard is mapped whole while it is hashed). Compares the tree on `PYTHONPATH` against another given with
+pages mapped included: a store shard is mapped whole while it is hashed), and the peak of Arrow's
+default memory pool (`max_memory`: what the Parquet reader allocates). Compares the tree on `PYTHONPATH` against another given with
 `--peer PATH` (a checkout, e.g. before mixtures streamed their sources). Prints markdown.
 """
 
@@ -26,6 +27,7 @@ from pathlib import Path
 _CHILD = r"""
 import json, os, sys, threading, time
 from pathlib import Path
+import pyarrow as pa
 import prepack
 
 mixture, out = sys.argv[1], Path(sys.argv[2])
@@ -46,7 +48,8 @@ manifest = prepack.build(mixture, out, max_len=4096)
 seconds = time.perf_counter() - start
 done.set(); thread.join()
 rss = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
-print(json.dumps({"seconds": seconds, "scratch": peak[0], "rss": rss, "anon": anon[0], "tokens": manifest.totals.tokens, "prepack": prepack.__file__}))
+arrow = pa.default_memory_pool().max_memory()
+print(json.dumps({"seconds": seconds, "scratch": peak[0], "rss": rss, "anon": anon[0], "arrow": arrow, "tokens": manifest.totals.tokens, "prepack": prepack.__file__}))
 """
 
 
@@ -81,8 +84,8 @@ def main() -> None:
         trees = [("this tree", os.environ.get("PYTHONPATH", ""))] + ([("peer", str(args.peer))] if args.peer else [])
         source_bytes = 2 * 4 * args.tokens
         print(f"Two sources of {args.tokens:,} tokens each ({source_bytes:,} bytes as int32), a budget of {budget:,} tokens, max-len 4096.\n")
-        print("| tree | sources | scratch peak (bytes) | scratch / sources' int32 bytes | peak RSS (MiB) | peak RssAnon (MiB) | seconds |")
-        print("|---|---|---:|---:|---:|---:|---:|")
+        print("| tree | sources | scratch peak (bytes) | scratch / sources' int32 bytes | peak RSS (MiB) | peak RssAnon (MiB) | Arrow pool peak (MiB) | seconds |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
         for tree, path in trees:
             for case, (first, second) in cases.items():
                 mixture = root / "mix.yaml"
@@ -91,7 +94,7 @@ def main() -> None:
                 env = {**os.environ, "PYTHONPATH": path}
                 result = subprocess.run([sys.executable, "-c", _CHILD, str(mixture), str(out)], capture_output=True, text=True, env=env, check=True, cwd=root)
                 r = json.loads(result.stdout.strip().splitlines()[-1])
-                print(f"| {tree} | {case} | {r['scratch']:,} | {r['scratch'] / source_bytes:.3f} | {r['rss'] / 2**20:.0f} | {r['anon'] / 2**20:.0f} | {r['seconds']:.2f} |")
+                print(f"| {tree} | {case} | {r['scratch']:,} | {r['scratch'] / source_bytes:.3f} | {r['rss'] / 2**20:.0f} | {r['anon'] / 2**20:.0f} | {r['arrow'] / 2**20:.0f} | {r['seconds']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,9 @@ __all__ = [
     "piece_counts",
     "read_mixture",
     "requested_tokens",
+    "segment_trained_tokens",
     "select_source",
+    "selection_pieces",
     "split_pieces",
     "trained_segments",
 ]
@@ -381,6 +383,17 @@ def split_pieces(tokens: np.ndarray, max_len: int) -> Callable[[int], np.ndarray
     return pieces
 
 
+def selection_pieces(
+    tokens: np.ndarray, max_len: int, overflow: str, trained: PieceCounts | None
+) -> Callable[[int], np.ndarray] | None:
+    """`select_source`'s `pieces` for a source (`tokens`: its documents' packable tokens): None where the
+    overflow policy keeps documents whole; where it splits them (split, error), each max_len piece's
+    tokens (`split_pieces`), or its trained tokens (`trained`, a mixture counting them)."""
+    if overflow not in ("split", "error"):
+        return None
+    return split_pieces(tokens, max_len) if trained is None else trained.of
+
+
 @dataclass(frozen=True)
 class PieceCounts:
     """A source's trained tokens as packed (a mixture counting trained tokens): every segment its
@@ -418,11 +431,19 @@ def trained_segments(offsets: np.ndarray, labels: np.ndarray | None, max_len: in
     offsets = np.asarray(offsets, dtype=np.int64)
     segments = document_pieces(np.diff(offsets), max_len, overflow)
     per_document = np.bincount(segments.rows, minlength=len(offsets) - 1)
+    documents = None if labels is None else np.asarray(labels)[offsets[0] : offsets[-1]]
+    return per_document, segment_trained_tokens(documents, segments.starts, segments.lengths)
+
+
+def segment_trained_tokens(labels: np.ndarray | None, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The trained tokens (int32) of the segments `labels[starts[i] : starts[i] + lengths[i]]` as `PieceCounts`
+    counts them: labels other than -100, a segment's first token never; without labels (None), every token
+    but the first. `verify` counts a full build's packs so."""
     if labels is None:
-        return per_document, np.maximum(segments.lengths - 1, 0).astype(np.int32)
-    running = np.concatenate(([0], np.cumsum(np.asarray(labels)[offsets[0] : offsets[-1]] != IGNORE_INDEX, dtype=np.int64)))
-    starts = segments.starts + np.minimum(segments.lengths, 1)  # past each segment's first token
-    return per_document, (running[segments.starts + segments.lengths] - running[starts]).astype(np.int32)
+        return np.maximum(lengths - 1, 0).astype(np.int32)
+    running = np.concatenate(([0], np.cumsum(np.asarray(labels) != IGNORE_INDEX, dtype=np.int64)))
+    past_first = starts + np.minimum(lengths, 1)
+    return (running[starts + lengths] - running[past_first]).astype(np.int32)
 
 
 def requested_tokens(spec: MixtureSpec, available: list[int]) -> list[int]:

@@ -2,10 +2,11 @@
 
 Each source is read as `build` reads a corpus or a store (`open_documents`, the same reading options
 for every corpus source), twice, by the build's engine (`prepack.building.engines.base.Engine`: local,
-or Ray tasks): first for its lengths alone (`read_lengths`: a store's offsets, a corpus read and
-hashed, no token kept); then the selection (`select_source`) and the plan (`plan_mixture`) are
-computed from the sources' lengths; then each source is read again and only its selected documents'
-tokens copied into scratch files of its own (`write_selected`), so that scratch disk follows what is
+or Ray tasks): first for its lengths alone (`read_lengths`: a store's shards read and checked against its
+manifest's sha256, a corpus read and hashed, no token kept); then the selection (`select_source`) and the
+plan (`plan_mixture`) are computed from the sources' lengths; then each source the first pass opened (its
+corpus files, its store's manifest) is read again and only its selected documents' tokens copied into
+scratch files of its own (`write_selected`, which refuses a source that changed meanwhile), so that scratch disk follows what is
 selected, not the sources' size; and the engine writes the packs as for any build, from the sources'
 token files laid back to back. With `--index-only` every source is a store beside the build: the first passes read only the stores' offsets, the shards hold the plan, and the manifest
 names each source's store (`prepack.sources.mixture_stores` reads them back as one). The manifest's `inputs` are every source's files, named
@@ -42,8 +43,8 @@ from prepack.building.mixture import (
     piece_counts,
     requested_tokens,
     select_source,
+    selection_pieces,
     source_location,
-    split_pieces,
     trained_segments,
 )
 from prepack.formats.mixture import MixtureInfo, SourceCounts, mixture_fingerprint
@@ -114,7 +115,7 @@ def build_mixture(
     _check_options(mixture.origin, out, packing)
     max_len, index_only = packing.max_len, packing.index_only
     with ExitStack() as stack:
-        documents, store_paths, inputs = [], [], []
+        documents, store_paths = [], []
         for source in spec.sources:
             location = source_location(mixture, source)
             if index_only and (is_uri(location) or not is_store(location)):
@@ -124,7 +125,6 @@ def build_mixture(
                 )
             store_paths.append(index_store_path(location, out) if index_only else None)  # refuses a store the build cannot name
             given = stack.enter_context(local_input(location))
-            inputs.append(given)
             documents.append(open_documents(given.spec, reading, out, bar, given.location))
         _tokenizer_check(spec, documents)
         staged = staged_prefix if is_uri(out) else staged_directory
@@ -140,10 +140,10 @@ def build_mixture(
             if trained is not None:
                 trained.append(piece_counts(observed))
         plan, tallies, kept = plan_sources(spec, firsts, packing, trained)
-        if not index_only:  # the second pass: each source's selected documents' tokens into its scratch
+        if not index_only:  # the second pass, of what the first opened: each source's selected documents' tokens into its scratch
             firsts = [
-                source_engine.write_selected(open_documents(given.spec, reading, out, bar, given.location), reading, first, keep, bar)
-                for source_engine, given, first, keep in zip(engines, inputs, firsts, kept)
+                source_engine.write_selected(docs, reading, first, keep, bar)
+                for source_engine, docs, first, keep in zip(engines, documents, firsts, kept)
             ]
             plan = with_row_starts(plan, firsts, kept)
             selected = [int(first.lengths[keep].sum(dtype=np.int64)) for first, keep in zip(firsts, kept)]
@@ -213,7 +213,8 @@ def plan_sources(
     mixture's documents, and which rows of each source it packs (bool); the plan has no token starts yet
     (`with_row_starts`). Where documents are split (--overflow split), selection cuts the last document
     of a subset after a piece (`select_source`'s `pieces`). With `trained` (a mixture counting trained tokens: each source's `PieceCounts`), the
-    request and the selection count trained tokens. Memory beyond the sources' lengths: the selection's
+    request and the selection count trained tokens, and a document without one is not eligible (it adds
+    nothing to the budget). Memory beyond the sources' lengths: the selection's
     rows (4 bytes a selected document) and the parts' plans. Raises InputError for a request beyond the
     copies allowed (`select_source`) or the machine's memory (`check_memory`), before the parts are
     allocated."""
@@ -223,12 +224,7 @@ def plan_sources(
     requested = requested_tokens(spec, [int(amounts.sum(dtype=np.int64)) for amounts in counted])
     selections, tallies = [], []
     for number, (source, tokens, amounts, asked) in enumerate(zip(spec.sources, packable, counted, requested)):
-        if not split:
-            pieces = None
-        elif trained is None:
-            pieces = split_pieces(tokens, max_len)
-        else:
-            pieces = trained[number].of
+        pieces = selection_pieces(tokens, max_len, packing.overflow, None if trained is None else trained[number])
         selection = select_source(source.name, amounts, asked, spec.seed, source.max_epochs, pieces)
         # Pieces of each document as packed: a split document's ceil(length / max_len), else one.
         per_document = -(-tokens.astype(np.int64) // max_len) if split else np.minimum(tokens, 1)

@@ -9,7 +9,9 @@ they are at hand (an index build's stores), the sources.
   are each source's; the repeats follow from them (`full_epochs` = requested // eligible tokens, the
   copies within max_epochs).
 - `mixture_pack_problems`, the packs: `source_ids`; with `pack_within_source` no pack of two sources;
-  per source its documents, segments, tokens and repeats; and its selection made again
+  per source its documents, segments, tokens (and, where the mixture counts trained tokens, its
+  `trained_tokens`: a full build's from the packs' labels, an index build's from its selection made
+  again) and repeats; and its selection made again
   (`select_source`, seeded by `seed` and its name) from its packable tokens: its store's (an index
   build), else the packs' when it takes a full epoch (every eligible document is then packed). A full
   build's source taking no full epoch gives its eligible documents only to its source: they are held
@@ -25,7 +27,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from pydantic import ValidationError
 
-from prepack.building.mixture import MAX_COPIES, MixtureSpec, PieceCounts, field_path, requested_tokens, select_source, split_pieces
+from prepack.building.mixture import MAX_COPIES, MixtureSpec, PieceCounts, field_path, requested_tokens, select_source, selection_pieces
 from prepack.errors import InputError
 from prepack.formats.mixture import mixture_fingerprint
 from prepack.formats.shards import MANIFEST_NAME, Manifest
@@ -158,10 +160,11 @@ def mixture_pack_problems(
     packable: list[np.ndarray] | None = None,
     trained: list[PieceCounts] | None = None,
 ) -> Iterator[dict]:
-    """The packs' segments (verify's `_Segments`: rows, pieces, lengths, copy, source; sorted by row,
+    """The packs' segments (verify's `_Segments`: rows, pieces, lengths, copy, source, trained; sorted by row,
     copy, piece; `packs` each one's pack, as a number unique to it) against the mixture: each segment's
     source is the one whose rows hold its row; with `pack_within_source` a pack holds one source; with
-    every pack read (`complete`), per source the documents, segments and tokens are the manifest's, and
+    every pack read (`complete`), per source the documents, segments and tokens (a full build's trained
+    tokens too, where the mixture counts them) are the manifest's, and
     its repeats too: every document it packs is packed full_epochs or full_epochs + 1 times,
     partial_documents of them the latter, and they are its selection made again (`_selection_problems`)
     from `packable` (each source's packable tokens, from its store), else from the packs; where the
@@ -198,6 +201,8 @@ def mixture_pack_problems(
             "segments": int(mine.sum()),
             "tokens": int(lengths[mine].sum()),
         }
+        if mixture.count is not None and manifest.index_of is None:  # the packs' labels give each segment's (`segments.trained`)
+            found["trained_tokens"] = int(segments.trained[mine].sum())
         for name, value in found.items():
             if value != getattr(s, name):
                 yield _manifest(f"mixture.sources[{number}].{name}", f"is {getattr(s, name)}, but the packs hold {value} of source {s.name!r}.")
@@ -247,7 +252,7 @@ def _selection_problems(
     counts trained tokens), against its counts, the copies of each document in the packs (`per_row`), and
     the segments there of the document it cuts (`segments_per_row`)."""
     s, seed = manifest.mixture.sources[number], manifest.mixture.seed
-    max_len, split = manifest.options.max_len, manifest.options.overflow in ("split", "error")
+    max_len = manifest.options.max_len
     packable = tokens
     if trained is not None:
         tokens = trained.documents(packable)
@@ -259,11 +264,13 @@ def _selection_problems(
         if value != getattr(s, name):
             yield _manifest(f"{where}.{name}", f"is {getattr(s, name)}, but {given} give {value} (with max_len, overflow and drop_untrained).")
     try:
-        pieces = None if not split else split_pieces(tokens, max_len) if trained is None else trained.of
+        pieces = selection_pieces(tokens, max_len, manifest.options.overflow, trained)
         selection = select_source(s.name, tokens, s.requested_tokens, seed, s.max_epochs, pieces)
     except InputError as exc:
         yield _manifest(where, f"the build would have refused it: {exc}")
         return
+    if trained is not None and selection.realized != s.trained_tokens:
+        yield _manifest(f"{where}.trained_tokens", f"is {s.trained_tokens}, but the selection made again from {given} realizes {selection.realized}.")
     expected = np.zeros(s.rows, np.int64)
     expected[selection.eligible] = selection.epochs
     expected[selection.partial] += 1

@@ -75,7 +75,7 @@ from prepack.formats.shards import (
     shard_file_problems,
     shard_sha256,
 )
-from prepack.building.mixture import PieceCounts, packable_tokens, piece_counts, trained_segments
+from prepack.building.mixture import PieceCounts, packable_tokens, piece_counts, segment_trained_tokens, trained_segments
 from prepack.building.pair_plan import pair_pieces
 from prepack.building.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.sources.documents import Documents, Reading, open_documents, store_documents
@@ -222,6 +222,8 @@ class _Segments:
     source: np.ndarray  # uint16 a mixture's source (`source_ids`), else 0
     # Which copy of its (row, piece) it is: a mixture packs a document up to once per epoch (`_concatenate`).
     copy: np.ndarray  # int64
+    # Its trained tokens (`segment_trained_tokens`) in a full build of a mixture counting them, else 0.
+    trained: np.ndarray  # int64
     # Where its tokens lie: its shard (a full build) or its store shard (an index build, once
     # `_reference_problems` found it inside its store document: `readable`), by index.
     holder: np.ndarray  # int32
@@ -347,7 +349,7 @@ def _problems(
     yield from _provenance_problems(packs)
     if manifest.mixture is not None:
         pack_numbers = (segments.shard.astype(np.int64) << 40) | segments.pack  # a shard holds fewer than 2**40 packs
-        packable, trained = _store_packable(store, manifest) if manifest.index_of is not None and store is not None and len(
+        packable, trained = _store_packable(store, manifest, store_columns) if manifest.index_of is not None and store is not None and len(
             store_columns) == len(store.manifest.shards) else (None, None)
         found = mixture_pack_problems(segments, pack_numbers, manifest, packs.where, complete, packable, trained)
         yield from (Problem(**problem) for problem in found)
@@ -608,20 +610,24 @@ def _stores_problems(chain: StoreChain, manifest: Manifest):
     return columns
 
 
-def _store_packable(chain: StoreChain, manifest: Manifest) -> tuple[list[np.ndarray], list[PieceCounts] | None]:
-    """Each source's documents' packable tokens, from its store as the build read it (`Store.shard_lengths`,
-    `packable_tokens`), for a mixture's index build whose stores' shards are sound; and where the mixture
-    counts trained tokens, each source's `PieceCounts`, from its stores' labels (`trained_segments`)."""
+def _store_packable(chain: StoreChain, manifest: Manifest, columns: _Columns) -> tuple[list[np.ndarray], list[PieceCounts] | None]:
+    """Each source's documents' packable tokens, from its store as the build read it (`packable_tokens` of
+    its lengths and untrained flags), for a mixture's index build whose stores' shards are sound (`columns`:
+    every chain shard's, checked by `_stores_problems`); and where the mixture counts trained tokens, each
+    source's `PieceCounts`, from its stores' labels (`trained_segments`)."""
     o = manifest.options
     packable, trained = [], [] if manifest.mixture.count is not None else None
+    first = 0
     for store in chain.stores:
-        parts = [store.shard_lengths(shard) for shard in store.manifest.shards]
-        lengths = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
-        untrained = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, bool)
+        shards = range(first, first + len(store.manifest.shards))
+        first = shards.stop
+        # The store's own labels: the chain serves a store without labels its token ids as labels.
+        parts = [(columns[k][0], columns[k][2] if store.manifest.has_labels else None) for k in shards]
+        lengths = np.concatenate([np.diff(offsets) for offsets, _ in parts]) if parts else np.zeros(0, np.int64)
+        untrained = np.concatenate([untrained_documents(offsets, labels) for offsets, labels in parts]) if parts else np.zeros(0, bool)
         packable.append(packable_tokens(lengths, untrained, o.max_len, o.overflow, o.drop_untrained))
         if trained is not None:
-            counted = [trained_segments(*store.shard_columns(shard)[::2], o.max_len, o.overflow) for shard in store.manifest.shards]
-            trained.append(piece_counts(counted))
+            trained.append(piece_counts([trained_segments(offsets, labels, o.max_len, o.overflow) for offsets, labels in parts]))
     return packable, trained
 
 
@@ -688,7 +694,8 @@ def _shard_problems(file: Path, index: int, manifest: Manifest, check_sha256: bo
         yield problem
     if not sound:
         return None
-    shard = _read_segments(batch, name, index)
+    counts_trained = manifest.mixture is not None and manifest.mixture.count is not None and not index_only
+    shard = _read_segments(batch, name, index, counts_trained)
     if index_only and (tokens := int(shard.segments.lengths.sum())) != info.tokens:
         yield Problem(file=name, column="cu_seqlens", message=f"{tokens} tokens, but the manifest says {info.tokens}.")
     yield from _value_problems(shard, manifest)
@@ -722,17 +729,21 @@ def _list_values(batch: pa.RecordBatch, column: str) -> tuple[np.ndarray, np.nda
     return offsets.astype(np.int64), values
 
 
-def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
+def _read_segments(batch: pa.RecordBatch, name: str, index: int, counts_trained: bool = False) -> _Shard:
+    """The shard's segments; with `counts_trained` (a full build of a mixture counting trained tokens), each
+    one's trained tokens from the labels (`_Segments.trained`)."""
     src_off, rows = _list_values(batch, "source_rows")
     piece_off, pieces = _list_values(batch, "source_pieces")
     layout: PackLayout = pack_layout(*list_column(batch, "cu_seqlens"))
     # input_ids' offsets run from 0 (open_shard) with the packs' lengths (check_shard): they are these.
     pack_starts = np.cumsum(layout.tokens) - layout.tokens
     names = batch.schema.names
+    labels = list_column(batch, "labels")[1] if "labels" in names else None
+    starts = pack_starts[layout.pack] + layout.starts
     return _Shard(
         name=name,
         ids=list_column(batch, "input_ids")[1] if "input_ids" in names else None,
-        labels=list_column(batch, "labels")[1] if "labels" in names else None,
+        labels=labels,
         segments=_Segments(
             source=(
                 list_column(batch, "source_ids")[1][src_off[0] : src_off[-1]]
@@ -740,10 +751,15 @@ def _read_segments(batch: pa.RecordBatch, name: str, index: int) -> _Shard:
                 else np.zeros(src_off[-1] - src_off[0], np.uint16)
             ),
             copy=np.zeros(src_off[-1] - src_off[0], np.int64),
+            trained=(
+                segment_trained_tokens(labels, starts, layout.lengths).astype(np.int64)
+                if counts_trained
+                else np.zeros(len(layout.pack), np.int64)
+            ),
             rows=rows[src_off[0] : src_off[-1]].astype(np.int64),
             pieces=pieces[piece_off[0] : piece_off[-1]].astype(np.int64),
             lengths=layout.lengths,
-            starts=pack_starts[layout.pack] + layout.starts,
+            starts=starts,
             offset=layout.starts,
             shard=np.full(len(layout.pack), index, dtype=np.int32),
             pack=layout.pack,

@@ -29,8 +29,13 @@ class SourceCounts(StrictModel):
     max_epochs: int | None = Field(ge=1, le=2**31 - 1, description="The most copies of a document allowed.")
     first_row: int = Field(ge=0, le=COUNT_MAX, description="Its row 0 among the build's rows (`source_rows` = first_row + its own row).")
     rows: int = Field(ge=0, le=COUNT_MAX, description="Documents read from it.")
-    eligible_documents: int = Field(ge=0, le=COUNT_MAX, description="Documents with tokens to pack (after overflow and drop_untrained).")
-    eligible_tokens: int = Field(ge=0, le=COUNT_MAX, description="Their tokens: one epoch.")
+    eligible_documents: int = Field(
+        ge=0,
+        le=COUNT_MAX,
+        description="Documents with tokens to pack (after overflow and drop_untrained); where the mixture counts trained "
+        "tokens (`count`), with trained tokens to pack: a document without one adds nothing to the budget and is never selected.",
+    )
+    eligible_tokens: int = Field(ge=0, le=COUNT_MAX, description="Their tokens (trained tokens, where the mixture counts them): one epoch.")
     requested_tokens: int = Field(ge=0, le=COUNT_MAX, description="Tokens asked of it.")
     requested_weight: float = Field(ge=0, le=1, description="requested_tokens / the sum over sources.")
     full_epochs: int = Field(ge=0, le=COUNT_MAX, description="Times every eligible document was taken whole.")

@@ -144,8 +144,9 @@ def test_preference_pairs_build_the_same_bytes(tmp_path, local_ray, gpt2):
 @pytest.mark.slow
 def test_a_mixture_builds_the_same_bytes(tmp_path, local_ray):
     """Two corpora (files of three formats, one without labels) and a store, mixed with a cut at a piece and
-    copies, in tokens and in trained tokens: a task per file or store shard reads each pass; a changed file is
-    refused by its second read as on the local engine."""
+    copies, in tokens and in trained tokens: a task per file or store shard reads each pass; a file changed
+    or grown between the passes is refused by its second read as on the local engine, a deleted one by
+    name, a store put in the place of one by its changed shards."""
     corpus = _token_corpus(tmp_path / "labelled")
     plain = tmp_path / "plain"
     plain.mkdir()
@@ -168,19 +169,37 @@ def test_a_mixture_builds_the_same_bytes(tmp_path, local_ray):
     from prepack.building.engines.ray import RayEngine
 
     read_lengths = RayEngine.read_lengths
+    original = pq.read_table(plain / "1.parquet").column("input_ids").to_pylist()
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(plain / "0.parquet", other / "0.parquet")
+    write_corpus(other / "1.parquet", corpus_table([[t + 1 for t in d] for d in original]))  # the same lengths, other tokens
+    build_store(other, tmp_path / "other-store", shard_size=20_000)
 
-    def then_changed(self, documents, reading, progress, observe=None):
-        read = read_lengths(self, documents, reading, progress, observe)
-        if documents.store is None and documents.corpus.root.name == "plain":  # the same lengths, other tokens
-            table = pq.read_table(plain / "1.parquet")
-            write_corpus(plain / "1.parquet", corpus_table([[t + 1 for t in d] for d in table.column("input_ids").to_pylist()]))
-        return read
+    def replace_the_store():
+        (tmp_path / "plain-store").rename(tmp_path / "plain-store-was")
+        (tmp_path / "other-store").rename(tmp_path / "plain-store")
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(RayEngine, "read_lengths", then_changed)
-        with pytest.raises(InputError, match="1.parquet: read a second time, the corpus gives other documents"):
-            build(tmp_path / "mix-tokens.yaml", tmp_path / "changed", engine="ray", max_len=256)
-    assert not (tmp_path / "changed").exists() and _leftovers(tmp_path) == []
+    changes = [  # made once every source's first pass is done (the store's is the last)
+        (lambda: shutil.copy(other / "1.parquet", plain / "1.parquet"), InputError, "1.parquet: read a second time, the corpus gives other documents"),
+        (lambda: write_corpus(plain / "1.parquet", corpus_table([*original, [5, 6, 7]])), InputError, "1.parquet: read a second time, the corpus gives other documents"),
+        (lambda: (plain / "1.parquet").unlink(), InputError, r"1.parquet: cannot be read"),  # the last file: read, not dropped
+        (replace_the_store, FormatError, r"plain-store/documents-\d+\.arrow: its sha256 is not the store manifest's: the shard changed"),
+    ]
+    for number, (change, error, message) in enumerate(changes):
+
+        def then_changed(self, documents, reading, progress, observe=None, change=change):
+            read = read_lengths(self, documents, reading, progress, observe)
+            if documents.store is not None:
+                change()
+            return read
+
+        write_corpus(plain / "1.parquet", corpus_table(original))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(RayEngine, "read_lengths", then_changed)
+            with pytest.raises(error, match=message):
+                build(tmp_path / "mix-tokens.yaml", tmp_path / f"changed-{number}", engine="ray", max_len=256)
+        assert not (tmp_path / f"changed-{number}").exists() and _leftovers(tmp_path) == []
 
 
 @pytest.mark.slow

@@ -578,7 +578,12 @@ def _documents_of(root: Path, name: str, rows: list[int]) -> list[list[int]]:
     return [column[row] for row in rows]
 
 
-def test_a_corpus_that_changes_between_the_two_reads_is_refused(plays, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "changed",
+    [[[1, 2, 3], [4, 5, 6, 8]], [[1, 2, 3], [4, 5, 6, 7], [9, 9]]],
+    ids=["the same lengths, another token", "a row more"],
+)
+def test_a_corpus_that_changes_between_the_two_reads_is_refused(plays, tmp_path, monkeypatch, changed):
     from prepack.building.engines.local import LocalEngine
     from tests.corpus import corpus_table, write_corpus
 
@@ -588,15 +593,124 @@ def test_a_corpus_that_changes_between_the_two_reads_is_refused(plays, tmp_path,
 
     def then_changed(self, documents, reading, progress, observe=None):
         read = read_lengths(self, documents, reading, progress, observe)
-        write_corpus(corpus, corpus_table([[1, 2, 3], [4, 5, 6, 8]]))  # the same lengths, another token
+        write_corpus(corpus, corpus_table(changed))
         return read
 
     monkeypatch.setattr(LocalEngine, "read_lengths", then_changed)
     mixture = tmp_path / "changing.yaml"
-    mixture.write_text(f"sources:\n  - {{name: a, path: {corpus}}}\n")
+    mixture.write_text(f"tokens: 3\nsources:\n  - {{name: a, path: {corpus}, weight: 1.0}}\n")  # one of the two rows
     with pytest.raises(InputError, match="read a second time, the corpus gives other documents"):
         prepack.build(mixture, tmp_path / "out", max_len=16)
     assert not (tmp_path / "out").exists()
+
+
+def _two_stores(root: Path, shift: int, extra: int = 0) -> None:
+    """A store `root`/store-SHIFT-EXTRA of six documents of 40 tokens in three shards, its tokens `shift` above
+    the first's, `extra` tokens more in its last document."""
+    from tests.corpus import corpus_table, write_corpus
+
+    docs = [[shift + 7 * d + t for t in range(40 + (extra if d == 5 else 0))] for d in range(6)]
+    write_corpus(root / f"corpus-{shift}-{extra}.parquet", corpus_table(docs))
+    prepack.build_store(root / f"corpus-{shift}-{extra}.parquet", root / f"store-{shift}-{extra}", shard_size=400)
+
+
+@pytest.mark.parametrize("extra", [0, 5], ids=["the same lengths", "other lengths"])
+def test_a_store_replaced_between_the_two_reads_is_refused(tmp_path, monkeypatch, extra):
+    """The second pass reads the store the first one opened (its manifest, its shards' sha256): a store
+    put in its place meanwhile is refused by its changed shard, never packed under the first's fingerprint."""
+    from prepack.building.engines.local import LocalEngine
+    from prepack.errors import FormatError
+
+    _two_stores(tmp_path, 0)
+    _two_stores(tmp_path, 1, extra)
+    read_lengths = LocalEngine.read_lengths
+
+    def then_replaced(self, documents, reading, progress, observe=None):
+        read = read_lengths(self, documents, reading, progress, observe)
+        (tmp_path / "store-0-0").rename(tmp_path / "was")
+        (tmp_path / f"store-1-{extra}").rename(tmp_path / "store-0-0")
+        return read
+
+    monkeypatch.setattr(LocalEngine, "read_lengths", then_replaced)
+    mixture = tmp_path / "replaced.yaml"
+    mixture.write_text(f"sources:\n  - {{name: a, path: {tmp_path / 'store-0-0'}}}\n")
+    with pytest.raises(FormatError, match="store-0-0/documents-00000.arrow: its sha256 is not the store manifest's: the shard changed"):
+        prepack.build(mixture, tmp_path / "out", max_len=64)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_changed_store_shard_that_holds_no_selected_document_is_refused(tmp_path):
+    """A full build's selection depends on every document's length: every store shard is checked (its
+    sha256) before the selection, not only those holding a selected document."""
+    from prepack.errors import FormatError
+
+    _two_stores(tmp_path, 0)
+    store = tmp_path / "store-0-0"
+    shards = json.loads((store / "store.json").read_text())["shards"]
+    assert len(shards) == 3 and [s["documents"] for s in shards] == [2, 2, 2]
+    mixture = tmp_path / "few.yaml"
+    mixture.write_text(f"tokens: 40\nseed: 1\nsources:\n  - {{name: a, path: {store}, weight: 1.0}}\n")
+    prepack.build(mixture, tmp_path / "before", max_len=64)
+    _, packs = read_build(tmp_path / "before")
+    selected = {row for pack in packs for row in pack["source_rows"]}
+    assert len(selected) == 1
+    unselected = next(s["name"] for number, s in enumerate(shards) if not {2 * number, 2 * number + 1} & selected)
+    data = bytearray((store / unselected).read_bytes())
+    data[-9] ^= 1  # a byte near the end: a token of its last document, not its offsets
+    (store / unselected).write_bytes(bytes(data))
+    with pytest.raises(FormatError, match=f"{unselected}: its sha256 is not the store manifest's: the shard changed"):
+        prepack.build(mixture, tmp_path / "after", max_len=64)
+    assert not (tmp_path / "after").exists()
+
+
+def test_a_trained_count_index_build_and_its_verify_read_each_store_shard_once(tmp_path, monkeypatch):
+    """Counting trained tokens needs every label: the index build's first pass and `verify` each read a
+    store shard's columns once (hashed once), and take its lengths from them."""
+    from prepack.check.verify import verify_build
+    from prepack.sources.store import Store
+
+    _two_stores(tmp_path, 0)
+    _two_stores(tmp_path, 1)
+    mixture = tmp_path / "trained.yaml"
+    mixture.write_text(
+        f"tokens: 200\ncount: trained\nsources:\n  - {{name: a, path: {tmp_path / 'store-0-0'}, weight: 1}}\n"
+        f"  - {{name: b, path: {tmp_path / 'store-1-0'}, weight: 1}}\n"
+    )
+    reads = Counter()
+    batch = Store._batch
+
+    def counted(self, shard, whole):
+        reads[(self.root.name, shard.name)] += 1
+        return batch(self, shard, whole)
+
+    monkeypatch.setattr(Store, "_batch", counted)
+    prepack.build(mixture, tmp_path / "index", max_len=64, index_only=True)
+    assert len(reads) == 6 and set(reads.values()) == {1}
+    reads.clear()
+    assert verify_build(tmp_path / "index", all_problems=True) == []
+    assert len(reads) == 6 and set(reads.values()) == {1}
+
+
+@pytest.mark.parametrize("count", ["tokens", "trained"])
+def test_a_trained_token_budget_never_selects_a_document_without_a_trained_token(tmp_path, count):
+    """With `count: trained` a document whose packed pieces hold no trained token (all -100, or its one
+    trained token a segment's first) adds nothing to the budget: it is not eligible and never packed,
+    where counting tokens packs it."""
+    from tests.corpus import corpus_table, write_corpus
+
+    docs = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [10, 11, 12]]
+    labels = [[1, 2, 3, 4], [-100, -100, -100], [8, -100], [-100, 11, 12]]
+    write_corpus(tmp_path / "sft.parquet", corpus_table(docs, labels))
+    mixture = tmp_path / "sft.yaml"
+    mixture.write_text(f"count: {count}\nsources:\n  - {{name: sft, path: {tmp_path / 'sft.parquet'}}}\n")
+    manifest = prepack.build(mixture, tmp_path / "out", max_len=8)
+    _, packs = read_build(tmp_path / "out")
+    packed = sorted(row for pack in packs for row in pack["source_rows"])
+    source = manifest.mixture.sources[0]
+    if count == "trained":
+        assert packed == [0, 3] and source.eligible_documents == 2 and source.trained_tokens == source.eligible_tokens == 5
+    else:
+        assert packed == [0, 1, 2, 3] and source.eligible_documents == 4 and source.eligible_tokens == 12
 
 
 @pytest.mark.slow

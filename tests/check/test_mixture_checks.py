@@ -255,3 +255,20 @@ def test_an_index_builds_selection_is_recomputed_from_its_stores(indexed, tmp_pa
     edit_json(root / "index" / "manifest.json", _set(f"sources.{source}.{field}", lambda n: n + change))
     problems = verify_build(root / "index", all_problems=True)
     assert f"mixture.sources[{source}].{field}" in [p.column for p in problems], problems
+
+
+@pytest.mark.parametrize("index_only", [False, True], ids=["full", "index"])
+def test_a_trained_count_mixtures_trained_tokens_are_recomputed(indexed, tmp_path, index_only):
+    """`trained_tokens` (a mixture counting trained tokens) is each source's trained tokens in the packs:
+    from the packs' labels in a full build, from the selection made again from the stores in an index build."""
+    root = shutil.copytree(indexed, tmp_path / "copy", ignore=shutil.ignore_patterns("index"))
+    mixture = write_mixture(root, "trained.yaml", tokens=9000)
+    text = "count: trained\n" + mixture.read_text()
+    mixture.write_text(text.replace("web.parquet", "web-store").replace("code.jsonl", "code-store") if index_only else text)
+    prepack.build(mixture, root / "out", max_len=128, index_only=index_only)
+    assert verify_build(root / "out", all_problems=True) == []
+    for source in range(3):
+        edit_json(root / "out" / "manifest.json", _set(f"sources.{source}.trained_tokens", lambda n: n + 1))
+        problems = verify_build(root / "out", all_problems=True)
+        assert [p.column for p in problems] == [f"mixture.sources[{source}].trained_tokens"], problems
+        edit_json(root / "out" / "manifest.json", _set(f"sources.{source}.trained_tokens", lambda n: n - 1))

@@ -95,6 +95,28 @@ GOLDEN = {
             "376a892a6f9d88ecf6e10776013e64f635f5ee7dfbecf869dd123b9f18d9d041",
         ],
     },
+    # MIXTURE of the plain corpus (weighted, upsampled) and the labelled store (in epochs), --overflow
+    # truncate: selection by whole documents. Recorded at 273db52, before mixtures selected by pieces
+    # (--overflow split) and read their sources twice; those left such a build's bytes as they were.
+    "mixture": {
+        "manifest": "e527bd89cb1b7aba20462dcab9e42a84e0ff46a5a7cc7935d2cf48262fc16f95",
+        "shards": [
+            "de5c4a853bbdae355d4f23bddec3ed57f64c5f1c8297f816bf07a89ee5d5bb13",
+            "5f4c72ea5ff6447d740e8b6d89b1fe987c25027c4a94781fe6025c9167eb76b9",
+            "64ea50a2a7bd7f6747264db9793e74853cb5bb6bdfb2076fdb7ab8f7b4c58507",
+            "826ebf448b7a5d937c615ff04941b7a6efb577345435d036fd27125b9a7ab9df",
+            "e80a107358c5339a8541d124723f55ced8c837f6437f97bc21b83048440ef881",
+            "94050befd4bd4c20f3509746032480f2cd5c20063e7d4d80138daff0f27cc83d",
+            "8c1a177bc4ddf041836369b473d8cddda07703519a958f1cd5cfa77b52bb6961",
+            "0ab0ef0fd9bdfe4ad8f62ecc255392ebae268925059970fd787e8969f606d28e",
+            "d2078c29244f9b2ae1133e0e807ede3ec65f3e0002c214b2e7daf7d1d2fa9260",
+            "99805b14a2398ed4f3345ea7391c4be7e5098d4c00fd58a2b48505e6c61a161f",
+            "10b28c4cf418180d811c3f7f4b615ecf1032e9a7c3e7a7f1f6bd99d8d2905f36",
+            "6c0d933a20513e39333cd8495e346e3666265d8337e92dcb1e5c514dfc9c43dc",
+            "0152a4002ebd78e1d8ef67fcd519e354bf26c4bc8c84796518b3995021135874",
+            "b81f1c784aa21923da79f000141d3fb2f54018977123c365f9538feb234efc30",
+        ],
+    },
 }
 
 BUMP = (
@@ -107,6 +129,8 @@ BUMP = (
 LENGTHS = [3, 5, 0, 8, 11, 2, 6, 1, 4, 7, 9, 5]
 DOCUMENTS = [[(7 * row + 3 * i) % 50 for i in range(length)] for row, length in enumerate(LENGTHS)]
 LABELS = [[-100 if i % 3 == 0 else token for i, token in enumerate(document)] for document in DOCUMENTS]
+# Paths relative to the mixture file: a source's `path` is recorded as given.
+MIXTURE = "tokens: 150\nseed: 2\nsources:\n  - {name: plain, path: plain.parquet, weight: 1}\n  - {name: labelled, path: store, epochs: 1.5}\n"
 
 
 def _fields(value, prefix: str = "") -> list[str]:
@@ -131,6 +155,9 @@ def golden_builds(tmp_path_factory) -> dict[str, Path]:
     build_store(tmp / "labelled.parquet", tmp / "store")
     builds["index"] = tmp / "index"
     build(tmp / "store", builds["index"], max_len=8, shard_size=200, seed=3, index_only=True)
+    (tmp / "mix.yaml").write_text(MIXTURE)
+    builds["mixture"] = tmp / "mixture"
+    build(tmp / "mix.yaml", builds["mixture"], max_len=8, shard_size=200, seed=3, overflow="truncate")
     return builds
 
 
@@ -157,7 +184,7 @@ def test_golden_manifest_fields(golden_builds, name):
     assert not added and not removed, f"manifest fields added {added}, removed {removed}: {BUMP}"
 
 
-@pytest.mark.parametrize("name", ["plain", "labelled", "index"])
+@pytest.mark.parametrize("name", ["plain", "labelled", "index", "mixture"])
 def test_golden_bytes(golden_builds, name):
     found = _digests(golden_builds[name])
     assert len(found["shards"]) >= 2

@@ -35,7 +35,7 @@ from prepack.building.write_shards import TokenFiles, shard_bounds
 if TYPE_CHECKING:  # rich for annotations only: a build without progress bars does not import it
     from rich.progress import Progress
 
-__all__ = ["ENGINES", "Engine", "FirstPass", "WrittenStore", "locate_row", "pack_shard_bounds"]
+__all__ = ["ENGINES", "Engine", "FirstPass", "WrittenStore", "kept_rows", "locate_row", "pack_shard_bounds"]
 
 ENGINES = ("local", "ray")
 
@@ -91,8 +91,19 @@ class Engine(Protocol):
 
     def write_selected(self, documents: Documents, reading: Reading, first: FirstPass, keep: np.ndarray, progress: Progress) -> FirstPass:
         """`first` with the tokens of the rows `keep` keeps (bool per row) written to scratch, read again from
-        `documents` (opened again), and refused unless they are what `read_lengths` read."""
+        `documents`, the very `Documents` that `read_lengths` read (its files, its store's manifest), and refused
+        unless they are what `read_lengths` read."""
         ...
+
+
+def kept_rows(keep: np.ndarray, row: int, count: int) -> np.ndarray:
+    """Which of `count` rows from `row` on a second read keeps (`keep`: bool, one per row of the first
+    read). Rows past the first read's (a corpus that grew meanwhile) are kept by none: the comparison of
+    the two reads then refuses the corpus by name."""
+    kept = np.zeros(count, dtype=bool)
+    within = keep[row : row + count]
+    kept[: len(within)] = within
+    return kept
 
 
 def locate_row(corpus: Corpus, rows_per_file: list[int], row: int) -> tuple[Path, int]:

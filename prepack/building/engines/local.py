@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prepack.sources.documents import Documents, Reading
-from prepack.building.engines.base import FirstPass, WrittenStore, pack_shard_bounds
+from prepack.sources.documents import Documents, Reading, corpus_documents
+from prepack.building.engines.base import FirstPass, WrittenStore, kept_rows, pack_shard_bounds
 from prepack.errors import InputError
 from prepack.formats.common import Fingerprint
 from prepack.formats.shards import IndexOf, ShardInfo
@@ -100,7 +100,7 @@ def _store_documents(
             rows_per_file[batch.file] += len(batch_lengths)
             if stored is not None:
                 stored.result()  # one batch in flight, so memory holds two batches at most
-            kept = None if keep is None else keep[row : row + len(batch_lengths)]
+            kept = None if keep is None else kept_rows(keep, row, len(batch_lengths))
             stored = worker.submit(store, batch, batch_lengths, kept)
             row += len(batch_lengths)
             done_files.add(batch.file)
@@ -119,11 +119,17 @@ def _store_documents(
     )
 
 
-def read_store_lengths(store: Store, progress: Progress, observe=None) -> tuple[FirstPass, list]:
-    """`LocalEngine.read_lengths` of a store (`_index_documents`), with `observe`'s results batch by batch."""
+def _collecting(observe) -> tuple[Observer | None, list]:
+    """`observe` (None: nothing observed) made to append each of its results to a list, and that list."""
     observed: list = []
-    collect = None if observe is None else lambda offsets, labels: observed.append(observe(offsets, labels))
-    return _index_documents(store, progress, collect), observed
+    return (None if observe is None else lambda offsets, labels: observed.append(observe(offsets, labels))), observed
+
+
+def read_store_lengths(store: Store, progress: Progress, observe=None, hashed: bool = False) -> tuple[FirstPass, list]:
+    """`LocalEngine.read_lengths` of a store (`_index_documents`, `hashed` as it takes it), with `observe`'s
+    results batch by batch."""
+    collect, observed = _collecting(observe)
+    return _index_documents(store, progress, collect, hashed), observed
 
 
 def _stored_rows(store: Store, keep: np.ndarray, scratch: Path, progress: Progress) -> tuple[TokenFiles, TokenFiles | None]:
@@ -148,20 +154,25 @@ def _stored_rows(store: Store, keep: np.ndarray, scratch: Path, progress: Progre
     return TokenFiles.single(ids_path), TokenFiles.single(labels_path) if store.manifest.has_labels else None
 
 
-def _index_documents(store: Store, progress: Progress, observe: Observer | None = None) -> FirstPass:
+def _index_documents(store: Store, progress: Progress, observe: Observer | None = None, hashed: bool = False) -> FirstPass:
     """An index build's first pass: what `_store_documents` keeps, from the store's offsets and labels
     alone (`Store.shard_lengths`: no token copied, no shard hashed), and the fingerprint the store
     manifest records (the same `Fingerprint` of the same documents, computed when the store was
-    written; the loader and `verify` check the shards' sha256 where the tokens are used)."""
+    written; the loader and `verify` check the shards' sha256 where the tokens are used). With `hashed`
+    (a full build from the store, whose fingerprint is the store's: every length it plans from is held to
+    it) or `observe` (which reads every label), each shard is read whole and checked (`Store.shard_columns`)."""
     m = store.manifest
     lengths, untrained = [], []
     without_numba = plan_vectorized.scans(m.tokens)  # a small store's labels are read in numpy: no kernel
     task = progress.add_task("read", total=len(m.shards), unit="shards")
     for shard in m.shards:
-        if observe is not None:  # it reads every label: the shard's columns, checked whole
+        if hashed or observe is not None:
             offsets, _, labels = store.shard_columns(shard)
-            observe(offsets, labels)
-        shard_lengths, shard_untrained = store.shard_lengths(shard, without_numba)
+            shard_lengths, shard_untrained = np.diff(offsets), untrained_documents(offsets, labels, without_numba)
+            if observe is not None:
+                observe(offsets, labels)
+        else:
+            shard_lengths, shard_untrained = store.shard_lengths(shard, without_numba)
         lengths.append(compact_lengths(shard_lengths))
         untrained.append(shard_untrained)
         progress.advance(task)
@@ -232,21 +243,23 @@ class LocalEngine:
         `observe` (a function of a batch's offsets and labels, None without labels), batch by batch in row
         order. A mixture's first pass."""
         if documents.store is not None:
-            return read_store_lengths(documents.store, progress, observe)
-        observed: list = []
-        collect = None if observe is None else lambda offsets, labels: observed.append(observe(offsets, labels))
+            return read_store_lengths(documents.store, progress, observe, hashed=not self.index_only)
+        collect, observed = _collecting(observe)
         first = _store_documents(documents.corpus, documents.has_labels, documents.batches, None, progress, collect)
         return first, observed
 
     def write_selected(self, documents: Documents, reading: Reading, first: FirstPass, keep: np.ndarray, progress: Progress) -> FirstPass:
-        """`first` (from `read_lengths` of the same documents, opened again as `documents`) with the tokens of
-        the rows that `keep` keeps (bool, one per row) copied into the scratch directory, back to back: a
-        mixture's second pass, whose scratch holds what it selected. A corpus is read (and tokenized) again,
-        and refused (InputError) unless it gives the documents of the first pass (its fingerprint)."""
+        """`first` (from `read_lengths` of `documents`) with the tokens of the rows that `keep` keeps (bool, one
+        per row) copied into the scratch directory, back to back: a mixture's second pass, whose scratch holds
+        what it selected. A store's shards are checked against the manifest the first pass read
+        (`Store.shard_columns`: a shard changed since is refused, FormatError); the corpus files the first
+        pass found are read (and tokenized) again, and refused (InputError) unless they give its documents
+        (its fingerprint and rows)."""
         if documents.store is not None:
             tokens, labels = _stored_rows(documents.store, keep, self.staging.scratch, progress)
             return replace(first, tokens=tokens, labels=labels)
-        again = _store_documents(documents.corpus, documents.has_labels, documents.batches, self.staging.scratch, progress, keep=keep)
+        reread = corpus_documents(documents.corpus, reading, progress)
+        again = _store_documents(reread.corpus, reread.has_labels, reread.batches, self.staging.scratch, progress, keep=keep)
         if again.fingerprint != first.fingerprint or len(again.lengths) != len(first.lengths):
             raise InputError(
                 f"{documents.corpus.root}: read a second time, the corpus gives other documents "

@@ -16,9 +16,10 @@ tasks across a cluster, and write the local engine's bytes.
 
 A mixture (`prepack.building.mixture_build`) reads each source twice, as the local engine does: phase 1
 with each unit's scratch files deleted once the driver has hashed them (`read_lengths`; a store's
-lengths on the driver, from its offsets), then, once the selection is known, a task per unit holding a
-selected document writes the selected documents' tokens alone (`write_selected`; a corpus file's second
-read held to its first by a digest of all its tokens and labels), and phase 3 writes the packs.
+lengths on the driver, each shard checked against its sha256), then, once the selection is known, a task
+per unit of the first pass's (its files, its store's manifest) holding a selected document writes the
+selected documents' tokens alone (`write_selected`; a corpus file's second read held to its first by a
+digest of all its tokens and labels, a store shard to the first pass's manifest), and phase 3 writes the packs.
 
 Tasks are Ray core tasks, a few per CPU in flight, their results taken in row order, so that memory
 on the driver stays bounded and the first error in row order is the one reported. Not Ray Data: its
@@ -64,7 +65,7 @@ import ray
 from rich.progress import Progress
 
 from prepack.sources.documents import Documents, Reading, corpus_documents
-from prepack.building.engines.base import FirstPass, WrittenStore, locate_row, pack_shard_bounds
+from prepack.building.engines.base import FirstPass, WrittenStore, kept_rows, locate_row, pack_shard_bounds
 from prepack.building.engines.local import read_store_lengths
 from prepack.errors import EngineError, InputError, OutputError, PrepackError
 from prepack.formats.common import INT32_MAX, Fingerprint
@@ -231,7 +232,7 @@ def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
                         if labels is not None:
                             labels_hash.update(labels.data)
                     if unit.keep is not None:
-                        kept = np.repeat(unit.keep[row : row + len(batch_lengths)], batch_lengths)
+                        kept = np.repeat(kept_rows(unit.keep, row, len(batch_lengths)), batch_lengths)
                         ids, labels = ids[kept], None if labels is None else labels[kept]
                     row += len(batch_lengths)
                     with output_errors(ids_path):
@@ -496,17 +497,18 @@ class RayEngine:
         return RayEngine(self.staging, scratch)
 
     def read_lengths(self, documents: Documents, reading: Reading, progress: Progress, observe=None) -> tuple[FirstPass, list]:
-        """A mixture's first pass (`LocalEngine.read_lengths`): a store's on the driver from its offsets, a
-        corpus's by a task per file, each file's scratch deleted once the driver has hashed it."""
+        """A mixture's first pass (`LocalEngine.read_lengths`): a store's on the driver, each shard checked
+        against its sha256, a corpus's by a task per file, each file's scratch deleted once the driver has hashed it."""
         if documents.store is not None:
-            return read_store_lengths(documents.store, progress, observe)
+            return read_store_lengths(documents.store, progress, observe, hashed=True)
         first, observed, self._digests = self._read_all(documents, reading, progress, observe, lengths_only=True)
         return first, observed
 
     def write_selected(self, documents: Documents, reading: Reading, first: FirstPass, keep: np.ndarray, progress: Progress) -> FirstPass:
         """A mixture's second pass (`LocalEngine.write_selected`): a task per corpus file or store shard that
-        holds a kept row writes the kept rows' tokens; a corpus file is read again and refused unless it
-        gives what its first read gave (its digest: every document's tokens and labels)."""
+        holds a kept row writes the kept rows' tokens, the units those of `documents` as `read_lengths` read
+        them (its files, its store's manifest: a shard changed since is refused); a corpus file is read again
+        and refused unless it gives what its first read gave (its digest: every document's tokens and labels)."""
         store = documents.store
         if store is not None:
             rows = [shard.documents for shard in store.manifest.shards]
@@ -524,7 +526,7 @@ class RayEngine:
                 keep=kept,
                 digest=store is None,
             ))
-            for index, ((path, shard), kept) in enumerate(zip(parts, np.split(keep, ends[:-1])))
+            for index, ((path, shard), kept) in enumerate(zip(parts, np.split(keep, ends[:-1]), strict=True))
             if kept.any()
         ]
         source = self._source(documents, reading)
