@@ -82,6 +82,7 @@ from prepack.sources.documents import Documents, Reading, open_documents, store_
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.storage.remote import LocalInput, is_uri, join, list_input, local_input, read_output_manifest
 from prepack.sources.store import ShardColumns, Store, is_store, open_build_store
+from prepack.formats.store import StoreFingerprint
 
 __all__ = ["Problem", "checked_summary", "verify_build"]
 
@@ -540,7 +541,7 @@ def _store_problems(store: Store, manifest: Manifest):
     if [(f.path, f.rows) for f in m.inputs] != [(f.path, f.rows) for f in manifest.inputs]:
         yield Problem(file=MANIFEST_NAME, column="inputs", message=f"are not the corpus files of its store {where!r}.")
     columns: _Columns = {}
-    fingerprint = Fingerprint()
+    fingerprint = StoreFingerprint(m)  # of a grown store: chained over its generations
     for index, shard in enumerate(m.shards):
         try:
             offsets, ids, labels = columns[index] = store.shard_columns(shard)
