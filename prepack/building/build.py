@@ -609,7 +609,7 @@ def _check_same_reading(documents: Documents, store: StoreManifest, out: str | o
     if (difference := _first_difference(stored, read)) is not None:
         name, was, now = difference
         raise InputError(
-            f"{out} was tokenized with {name} {was!r}, and this corpus is read with {now!r}: an append reads its "
+            f"{out} was read with {name} {was!r}, and this corpus is read with {now!r}: an append reads its "
             "documents as the store's were read (give the same --tokenizer, --chat, --chat-template, --train-on, "
             "--eos and columns)."
         )
