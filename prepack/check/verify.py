@@ -65,6 +65,7 @@ from prepack.errors import FormatError, InputError
 from prepack.formats.common import Fingerprint, StrictModel, list_column
 from prepack.formats.shards import (
     MANIFEST_NAME,
+    SHARD_STORE_KEY,
     STORE_MANIFEST_NAME,
     Manifest,
     PackLayout,
@@ -659,6 +660,7 @@ def _shard_problems(file: Path, index: int, manifest: Manifest, check_sha256: bo
         index_only = manifest.index_of is not None
         batch = manifest.open_shard(file)
         batch.validate(full=True)
+        yield from _generation_problems(batch, index, manifest)
     except FormatError as exc:
         yield Problem(file=name, row=exc.problem.row, column=exc.problem.column, message=exc.problem.message)
         return None
@@ -682,6 +684,21 @@ def _shard_problems(file: Path, index: int, manifest: Manifest, check_sha256: bo
         yield Problem(file=name, column="cu_seqlens", message=f"{tokens} tokens, but the manifest says {info.tokens}.")
     yield from _value_problems(shard, manifest)
     return shard
+
+
+def _generation_problems(batch: pa.RecordBatch, index: int, manifest: Manifest) -> Iterator[Problem]:
+    """An index shard of a build grown by appends names the store fingerprint of its own generation
+    (`open_shard` accepts any of the build's)."""
+    if manifest.store is None or manifest.generations is None:
+        return
+    generation = manifest.generation_of_shard(index)
+    planned = batch.schema.metadata[SHARD_STORE_KEY.encode()].decode()
+    if planned != (wanted := manifest.generations[generation].fingerprint):
+        yield Problem(
+            file=manifest.shards[index].name,
+            message=f"was planned from the store of fingerprint {planned}, but it is a shard of generation "
+            f"{generation}, planned from {wanted}.",
+        )
 
 
 def _row_problems(batch: pa.RecordBatch, max_len: int, name: str, index_only: bool) -> Iterator[Problem]:

@@ -23,13 +23,14 @@ from prepack import build, build_store
 from prepack.check.report import REBUILD_GAIN_PP, inspect_build
 from prepack.check.verify import verify_build
 from prepack.errors import InputError, OutputError
-from prepack.formats.shards import read_manifest
+from prepack.formats.shards import SHARD_STORE_KEY, read_manifest
 from prepack.formats.store import read_store_manifest
 from prepack.sources.store import open_store
 from prepack.training.dataset import PackedDataset
 from prepack.training.sampler import PackedSampler
 from tests.cli import WIDE, run_prepack
-from tests.corpus import corpus_table, write_corpus
+from prepack.storage.files import write_record_batch
+from tests.corpus import corpus_table, record_shard, write_corpus
 
 MAX_LEN = 64
 
@@ -209,6 +210,27 @@ def test_a_build_appended_k_times_holds_every_document_once_and_keeps_its_shards
     assert report.appends.appends == 3 and report.appends.rebuild_packs == rebuilt.totals.packs
     assert report.appends.gap_pp == pytest.approx(100 * grown.totals.tokens / MAX_LEN * (1 / rebuilt.totals.packs - 1 / grown.totals.packs))
     assert report.appends.rebuild_advised == (report.appends.gap_pp > REBUILD_GAIN_PP)
+
+
+def test_verify_names_an_index_shard_that_claims_another_generation_of_the_store(tmp_path):
+    store, out = tmp_path / "store", tmp_path / "index"
+    build_store(_batch(tmp_path, "a", _documents(0, 40)), store)
+    build(store, out, max_len=MAX_LEN, index_only=True)
+    build_store(_batch(tmp_path, "b", _documents(1, 10)), store, append=True)
+    grown = build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+    assert verify_build(out) == []
+    # Shard 0 (generation 0) rewritten to claim generation 1's store, its size and sha256 recorded.
+    shard = out / "shard-00000.arrow"
+    with pa.ipc.open_stream(pa.BufferReader(shard.read_bytes())) as reader:  # a copy: the file is rewritten
+        batch = reader.read_next_batch()
+    metadata = {**batch.schema.metadata, SHARD_STORE_KEY.encode(): grown.generations[1].fingerprint.encode()}
+    write_record_batch(shard, batch.replace_schema_metadata(metadata))
+    record_shard(out / "manifest.json", shard)
+    problems = verify_build(out, all_problems=True)
+    assert [(p.file, p.message) for p in problems] == [
+        ("shard-00000.arrow", f"was planned from the store of fingerprint {grown.generations[1].fingerprint}, but it is "
+         f"a shard of generation 0, planned from {grown.generations[0].fingerprint}.")
+    ]
 
 
 def test_an_append_with_nothing_new_leaves_the_build_as_it_is(tmp_path):
