@@ -95,6 +95,7 @@ def test_an_append_leaves_every_shard_of_the_store_byte_for_byte_and_records_a_g
     assert read_store_manifest(store) == grown
 
 
+@pytest.mark.slow
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     sizes=st.lists(st.integers(1, 25), min_size=2, max_size=4),
@@ -180,6 +181,7 @@ def test_an_index_build_of_an_earlier_generation_still_loads_and_verifies(tmp_pa
 # A build grows -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index_only", [False, True])
 def test_a_build_appended_k_times_holds_every_document_once_and_keeps_its_shards(tmp_path, index_only):
     store, out = tmp_path / "store", tmp_path / "packed"
@@ -210,6 +212,38 @@ def test_a_build_appended_k_times_holds_every_document_once_and_keeps_its_shards
     assert report.appends.appends == 3 and report.appends.rebuild_packs == rebuilt.totals.packs
     assert report.appends.gap_pp == pytest.approx(100 * grown.totals.tokens / MAX_LEN * (1 / rebuilt.totals.packs - 1 / grown.totals.packs))
     assert report.appends.rebuild_advised == (report.appends.gap_pp > REBUILD_GAIN_PP)
+
+
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 30), min_size=2, max_size=4),
+    max_len=st.sampled_from([16, 50]),
+    overflow=st.sampled_from(["split", "truncate", "drop"]),
+    algorithm=st.sampled_from(["ffd", "bfd"]),
+    index_only=st.booleans(),
+)
+def test_any_build_grown_in_k_appends_packs_each_document_as_a_build_of_it_at_once(sizes, max_len, overflow, algorithm, index_only):
+    with tempfile.TemporaryDirectory() as directory:
+        root = Path(directory)
+        documents = _documents(len(sizes), sum(sizes), longest=70)
+        options = dict(max_len=max_len, overflow=overflow, algorithm=algorithm, index_only=index_only)
+        start = 0
+        for number, size in enumerate(sizes):
+            build_store(_batch(root, f"part{number}", documents[start : start + size]), root / "store", append=number > 0)
+            start += size
+            if number == 0:
+                build(root / "store", root / "grown", **options)
+            else:
+                grown = build(root / "store", root / "grown", **options, append=True)
+        once = build(root / "store", root / "at-once", **options)
+        grown_pieces = sorted(piece for pack in _packs(root / "grown") for piece in pack)
+        assert grown_pieces == sorted(piece for pack in _packs(root / "at-once") for piece in pack)
+        assert len(set(grown_pieces)) == len(grown_pieces)
+        counts = ("documents", "tokens", "segments", "split", "truncated", "dropped", "empty", "input_tokens")
+        assert {c: getattr(grown.totals, c) for c in counts} == {c: getattr(once.totals, c) for c in counts}
+        assert grown.generations[-1].rebuild_packs == once.totals.packs
+        assert verify_build(root / "grown") == []
 
 
 def test_verify_names_an_index_shard_that_claims_another_generation_of_the_store(tmp_path):
