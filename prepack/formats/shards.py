@@ -615,7 +615,7 @@ def open_shard(
         nonlocal expected
         planned = (schema.metadata or {}).get(SHARD_STORE_KEY.encode())
         generation = store.planned_from(planned) if store is not None and planned is not None else None
-        if generation is not None and generation != store[:2]:  # a grown build's shard of an earlier generation
+        if generation is not None and generation.fingerprint != store.fingerprint:  # an earlier generation's shard
             expected = shard_schema(has_labels, max_len, generation, sources=sources, pairs=pairs)
         if store is not None and planned is not None and generation is None:
             refuse(

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prepack import build, build_store
@@ -96,7 +96,7 @@ def test_an_append_leaves_every_shard_of_the_store_byte_for_byte_and_records_a_g
 
 
 @pytest.mark.slow
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=5, deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 25), min_size=2, max_size=4),
     shard_size=st.sampled_from([64, 300, 5000]),
