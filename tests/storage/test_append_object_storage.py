@@ -85,6 +85,14 @@ def pause():
 if phase == "planning":
     plan = build_module.plan_packs
     build_module.plan_packs = lambda *a, **k: (pause(), plan(*a, **k))[1]
+elif phase == "published":  # the manifest is up, the staging marker not deleted yet
+    import s3fs
+    remove = s3fs.S3FileSystem.rm_file
+    def rm_file(self, path, *a, **k):
+        if str(path).endswith(".prepack-staging"):
+            pause()
+        return remove(self, path, *a, **k)
+    s3fs.S3FileSystem.rm_file = rm_file
 else:  # "uploaded": the new shards are up, the manifest not yet
     check = remote.Publication.check_claim
     def check_claim(self, thorough=False):
@@ -112,7 +120,10 @@ def _paused(tmp_path: Path, phase: str, *args) -> tuple[subprocess.Popen, Path]:
 
 @pytest.mark.slow
 # A store append plans nothing: its shards go up at its end, before its manifest ("uploaded").
-@pytest.mark.parametrize(("kind", "phase"), [("store", "uploaded"), ("build", "planning"), ("build", "uploaded")])
+@pytest.mark.parametrize(
+    ("kind", "phase"),
+    [("store", "uploaded"), ("store", "published"), ("build", "planning"), ("build", "uploaded"), ("build", "published")],
+)
 def test_a_killed_append_in_s3_leaves_the_previous_generation_and_the_next_append_succeeds(tmp_path, fs, s3_bucket, kind, phase):
     store, out = f"{s3_bucket}/store", f"{s3_bucket}/packed"
     build_store(_batch(tmp_path, "a", 0, 60), store, shard_size=800)
@@ -126,18 +137,22 @@ def test_a_killed_append_in_s3_leaves_the_previous_generation_and_the_next_appen
     process.wait()
     process.stdout.close()
     process.stderr.close()
-    # The previous generation is still the one published, and reads.
+    # Killed before its manifest went up, the previous generation is still the one published, and reads;
+    # killed after, the append is published (its marker left for the next append to delete).
+    published = phase == "published"
     now = _objects(fs, target)
-    assert {name: now[name] for name in before} == before
+    manifest = "store.json" if kind == "store" else "manifest.json"
+    assert {name: now[name] for name in before if name != manifest} == {n: d for n, d in before.items() if n != manifest}
+    assert (now[manifest] == before[manifest]) != published
     assert len(PackedDataset(out, cache_dir=tmp_path / "cache")) == read_output_manifest(out).totals.packs
     # Object storage has no staging directory: a shard the killed append uploaded lies under the prefix,
     # unlisted (and listed in its staging marker), until the next append deletes it; verify names it.
     leftovers = {p.file for p in verify_build(out, all_problems=True)}
     assert all(p.message == "a shard file the manifest does not list." for p in verify_build(out, all_problems=True))
-    assert leftovers == (set() if kind == "store" or phase == "planning" else {"shard-00001.arrow"})
+    assert leftovers == ({"shard-00001.arrow"} if (kind, phase) == ("build", "uploaded") else set())
     # The next append clears what the killed one left and publishes.
     if kind == "store":
-        assert build_store(tmp_path / "batch-c", store, shard_size=800, append=True).documents == 90
+        assert build_store(_batch(tmp_path, "d", 3, 10), store, shard_size=800, append=True).documents == (100 if published else 90)
     else:
         assert build(store, out, max_len=MAX_LEN, append=True).totals.documents == 80
     assert verify_build(out) == []
