@@ -351,7 +351,8 @@ def build_packs(
             # An index build's other steps run no numba kernel (`prepack.building.kernels`), unless its first
             # pass found the untrained documents of a large store with one: then numba is loaded anyway.
             tokens = int(first.lengths.sum(dtype=np.int64))
-            without_numba = index_only and (not has_labels or plan_vectorized.scans(tokens))
+            # An append counts a rebuild's packs with the kernels (`pack_count`), so plans with them too.
+            without_numba = index_only and appending is None and (not has_labels or plan_vectorized.scans(tokens))
             planning = bar.add_task("plan", total=None)
             if documents.pairs is not None:
                 plan = _plan_pairs(documents, first, packing)
@@ -434,14 +435,22 @@ def _planned_generation(build: Manifest, store: Store, options: BuildOptions, in
 
 def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing) -> int:
     """The packs a build of the whole grown store at once would take: the store's documents of
-    generation `planned` and before, from its shards' offsets (no token read), then those of `first`."""
-    parts = [store.shard_lengths(shard) for shard in store.manifest.at_generation(planned).shards]
+    generation `planned` and before, from its shards' offsets (no token read; their labels only when
+    untrained documents are left out, as only then do they change the packs), then those of `first`."""
+    shards = store.manifest.at_generation(planned).shards
+    untrained = None
+    if packing.drop_untrained:
+        parts = [store.shard_lengths(shard) for shard in shards]
+        lengths = [p[0] for p in parts]
+        untrained = np.concatenate([*(p[1] for p in parts), first.untrained])
+    else:
+        lengths = [store.shard_document_lengths(shard) for shard in shards]
     return pack_count(
-        np.concatenate([*(p[0] for p in parts), first.lengths]),
+        np.concatenate([*lengths, first.lengths]),
         packing.max_len,
         algorithm=packing.algorithm,
         overflow=packing.overflow,
-        untrained=np.concatenate([*(p[1] for p in parts), first.untrained]),
+        untrained=untrained,
         drop_untrained=packing.drop_untrained,
         max_documents=packing.max_docs_per_pack,
     )
@@ -641,4 +650,4 @@ def _stored_lengths(staging: Staging, store: StoreManifest) -> np.ndarray:
         for shard in store.shards:
             fetch(staging.publication.shard_uri(shard.name), root / shard.name)
     stored = Store(root, store)
-    return np.concatenate([stored.shard_lengths(shard)[0] for shard in store.shards])
+    return np.concatenate([stored.shard_document_lengths(shard) for shard in store.shards])

@@ -116,6 +116,12 @@ class Store:
         offsets = check_store_offsets(batch, shard, self.manifest.has_labels, where)
         return np.diff(offsets), untrained_documents(offsets, self._labels(batch), without_numba)
 
+    def shard_document_lengths(self, shard: StoreShard) -> np.ndarray:
+        """Every document's length (int64) of one of the store's shards, from its offsets alone,
+        checked as `shard_lengths` checks them, no label read."""
+        batch, where = self._batch(shard, whole=False)
+        return np.diff(check_store_offsets(batch, shard, self.manifest.has_labels, where))
+
     def _batch(self, shard: StoreShard, whole: bool) -> tuple[pa.RecordBatch, str]:
         """(the one record batch of one of the store's shards, memory-mapped, what its problems name it
         by). Its buffers are validated: as long as their lengths say, and, when `whole`, in full

@@ -222,15 +222,21 @@ def test_a_build_appended_k_times_holds_every_document_once_and_keeps_its_shards
     overflow=st.sampled_from(["split", "truncate", "drop"]),
     algorithm=st.sampled_from(["ffd", "bfd"]),
     index_only=st.booleans(),
+    drop_untrained=st.booleans(),
 )
-def test_any_build_grown_in_k_appends_packs_each_document_as_a_build_of_it_at_once(sizes, max_len, overflow, algorithm, index_only):
+def test_any_build_grown_in_k_appends_packs_each_document_as_a_build_of_it_at_once(sizes, max_len, overflow, algorithm, index_only, drop_untrained):
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
         documents = _documents(len(sizes), sum(sizes), longest=70)
-        options = dict(max_len=max_len, overflow=overflow, algorithm=algorithm, index_only=index_only)
+        # Every third document untrained (all its labels -100), so that --drop-untrained leaves some out.
+        labels = [[-100] * len(d) if row % 3 == 0 else [-100, *d[1:]] for row, d in enumerate(documents)]
+        options = dict(max_len=max_len, overflow=overflow, algorithm=algorithm, index_only=index_only, drop_untrained=drop_untrained)
         start = 0
         for number, size in enumerate(sizes):
-            build_store(_batch(root, f"part{number}", documents[start : start + size]), root / "store", append=number > 0)
+            (root / f"part{number}").mkdir()
+            table = corpus_table(documents[start : start + size], labels[start : start + size])
+            write_corpus(root / f"part{number}" / f"part{number}.parquet", table)
+            build_store(root / f"part{number}", root / "store", append=number > 0)
             start += size
             if number == 0:
                 build(root / "store", root / "grown", **options)
@@ -240,7 +246,7 @@ def test_any_build_grown_in_k_appends_packs_each_document_as_a_build_of_it_at_on
         grown_pieces = sorted(piece for pack in _packs(root / "grown") for piece in pack)
         assert grown_pieces == sorted(piece for pack in _packs(root / "at-once") for piece in pack)
         assert len(set(grown_pieces)) == len(grown_pieces)
-        counts = ("documents", "tokens", "segments", "split", "truncated", "dropped", "empty", "input_tokens")
+        counts = ("documents", "tokens", "segments", "split", "truncated", "dropped", "empty", "input_tokens", "untrained")
         assert {c: getattr(grown.totals, c) for c in counts} == {c: getattr(once.totals, c) for c in counts}
         assert grown.generations[-1].rebuild_packs == once.totals.packs
         assert verify_build(root / "grown") == []
