@@ -273,6 +273,27 @@ def test_verify_names_an_index_shard_that_claims_another_generation_of_the_store
     ]
 
 
+@pytest.mark.slow
+def test_the_loaders_serve_a_grown_index_build_as_the_grown_full_build(tmp_path):
+    from prepack import open_hf_dataset
+
+    store = tmp_path / "store"
+    build_store(_batch(tmp_path, "a", _documents(0, 60), labels=True), store, shard_size=700)
+    for index_only in (False, True):
+        build(store, tmp_path / f"packed-{index_only}", max_len=MAX_LEN, index_only=index_only, shard_size=1500)
+    for name, seed in (("b", 1), ("c", 2)):
+        build_store(_batch(tmp_path, name, _documents(seed, 15), labels=True), store, shard_size=700, append=True)
+        for index_only in (False, True):
+            build(store, tmp_path / f"packed-{index_only}", max_len=MAX_LEN, index_only=index_only, shard_size=1500, append=True)
+    full, index = PackedDataset(tmp_path / "packed-False"), PackedDataset(tmp_path / "packed-True")
+    assert len(full) == len(index) == read_manifest(tmp_path / "packed-True").totals.packs
+    assert len(read_manifest(tmp_path / "packed-True").shards) >= 3
+    for i in range(len(full)):
+        assert {k: v.tolist() for k, v in full[i].items()} == {k: v.tolist() for k, v in index[i].items()}
+    gathered = open_hf_dataset(tmp_path / "packed-True", cache_dir=tmp_path / "hf-cache")
+    assert [[int(t) for t in row] for row in gathered["input_ids"]] == [full[i]["input_ids"].tolist() for i in range(len(full))]
+
+
 def test_an_append_with_nothing_new_leaves_the_build_as_it_is(tmp_path):
     store = tmp_path / "store"
     build_store(_batch(tmp_path, "a", _documents(0, 30)), store)
