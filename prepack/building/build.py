@@ -40,6 +40,7 @@ from prepack.formats.shards import (
     Manifest,
     PairTotals,
     StoreReference,
+    TokenizeOptions,
     Totals,
     store_path_problem,
     write_manifest,
@@ -611,10 +612,13 @@ def _check_append(output: Output, index_only: bool) -> None:
 def _check_same_reading(documents: Documents, store: StoreManifest, out: str | os.PathLike) -> None:
     """Refuse (InputError, naming the first option that differs) documents read otherwise than those of
     the store at `out`, which an append adds them to."""
-    read = {"column": documents.column, "labels_column": documents.labels_column, "has_labels": documents.has_labels,
-            "tokenize": documents.tokenize.model_dump() if documents.tokenize is not None else None}
-    stored = {"column": store.column, "labels_column": store.labels_column, "has_labels": store.has_labels,
-              "tokenize": store.tokenize.model_dump() if store.tokenize is not None else None}
+    def options(column: str, labels_column: str | None, has_labels: bool, tokenize: TokenizeOptions | None) -> dict:
+        # The tokenizer's name is informative (shard-format.md): the same files under another name read alike.
+        how = None if tokenize is None else tokenize.model_dump(exclude={"tokenizer": {"name"}})
+        return {"column": column, "labels_column": labels_column, "has_labels": has_labels, "tokenize": how}
+
+    read = options(documents.column, documents.labels_column, documents.has_labels, documents.tokenize)
+    stored = options(store.column, store.labels_column, store.has_labels, store.tokenize)
     if (difference := _first_difference(stored, read)) is not None:
         name, was, now = difference
         raise InputError(

@@ -183,7 +183,7 @@ def finish_store(
         prepack_version=version(DISTRIBUTION),
         column=documents.column,
         labels_column=documents.labels_column,
-        tokenize=documents.tokenize,
+        tokenize=documents.tokenize if appending is None else appending.tokenize,  # as recorded (its tokenizer's name)
         has_labels=documents.has_labels,
         fingerprint=fingerprint,
         inputs=inputs,
