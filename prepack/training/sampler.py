@@ -77,6 +77,8 @@ class _State(BaseModel):
             raise ValueError(f"used {self.used} is more than the {self.size} packs")
         if self.grown is not None and (any(a >= b for a, b in zip(self.grown, [*self.grown[1:], self.size]))):
             raise ValueError(f"grown {self.grown} must rise strictly, below size {self.size}")
+        if self.grown is not None and self.balance is not None:
+            raise ValueError("grown is never in a balanced state (a balanced run takes a grown build at an epoch's start)")
         balanced = self.balance is not None
         if (self.token_cost is not None) != balanced or (self.passes is not None) != balanced:
             raise ValueError("balance, token_cost and passes come together (a balanced state) or not at all")
@@ -304,6 +306,11 @@ class PackedSampler(Sampler[int]):
         saved = _validated_state(state)
         grew = self._grew_from(saved)
         grown = [*(saved.grown or []), saved.size] if grew else saved.grown or []
+        if not set(grown) <= self._generation_ends:
+            raise SamplerStateError(
+                f"the sampler state's epoch began on {grown[0]} packs, which no generation of this dataset ends at "
+                f"(its generations end at {sorted(self._generation_ends) or 'none'}): its order would not match."
+            )
         mismatched = [key for key, value in self._identity().items() if getattr(saved, key) != value and not (key == "size" and grew)]
         if saved.balance is not None and self.balance is None:
             mismatched += ["balance", "token_cost"]  # a balanced state is another order

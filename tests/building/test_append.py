@@ -378,6 +378,12 @@ def test_a_state_of_another_size_that_is_no_generation_is_still_refused(tmp_path
     state = {**PackedSampler(len(grown) - 1, rank=0, world_size=1).state_dict()}
     with pytest.raises(ValueError, match="another setup: size"):
         sampler.load_state_dict(state)
+    # A state that says its epoch began on a generation this dataset does not have is refused too.
+    with pytest.raises(ValueError, match="which no generation of this dataset ends at"):
+        sampler.load_state_dict({**sampler.state_dict(), "grown": [len(grown) - 3]})
+    with pytest.raises(ValueError, match="grown is never in a balanced state"):
+        balanced = PackedSampler(grown, rank=0, world_size=1, batch_size=2, drop_last=True, balance="attention")
+        balanced.load_state_dict({**balanced.state_dict(), "grown": [3]})
 
 
 # The command line ----------------------------------------------------------------------------------
