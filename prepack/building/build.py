@@ -340,7 +340,8 @@ def build_packs(
             first = engine_steps.first_pass(documents, reading, bar)
             if len(first.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")
-            if not first.lengths.any():
+            # An append whose documents give no pack still records them (a generation of no new shard).
+            if not first.lengths.any() and appending is None:
                 raise InputError(f"{corpus}: all {len(first.lengths)} documents are empty.")
             if documents.pairs is None and overflow == "error" and (first.lengths > max_len).any():
                 row = int(np.flatnonzero(first.lengths > max_len)[0])
@@ -370,13 +371,13 @@ def build_packs(
                     without_numba=without_numba,
                 )
             bar.update(planning, total=1, completed=1)
-            if plan.packs == 0:  # every non-empty document was left out
+            if plan.packs == 0 and appending is None:  # every non-empty document was left out
                 raise InputError(
                     f"{corpus}: no document is left to pack: of the non-empty documents, "
                     f"{plan.counts['dropped']:,} are longer than --max-len {max_len} (--overflow drop) and "
                     f"{plan.counts['untrained']:,} have no trained token (--drop-untrained)."
                 )
-            shards = engine_steps.write_packs(plan, first, output.shard_size, bar)
+            shards = engine_steps.write_packs(plan, first, output.shard_size, bar) if plan.packs else []
             manifest = Manifest(
                 prepack_version=version(DISTRIBUTION),
                 # How the documents were read: as asked, or as the store was written.
