@@ -56,8 +56,10 @@ def test_a_store_and_a_build_grown_in_s3_equal_their_local_twins(tmp_path, fs, s
         build_store(a, store, shard_size=800)
         build(store, out, **options)
     old_store, old_build = _objects(fs, f"{s3_bucket}/store"), _objects(fs, f"{s3_bucket}/packed")
-    for store, out in ((tmp_path / "store", tmp_path / "packed"), (f"{s3_bucket}/store", f"{s3_bucket}/packed")):
+    for where, (store, out) in enumerate(((tmp_path / "store", tmp_path / "packed"), (f"{s3_bucket}/store", f"{s3_bucket}/packed"))):
         build_store(b, store, shard_size=800, append=True)
+        # The build of the store's first generation still reads and verifies (in S3, its store through the cache).
+        assert verify_build(out) == [] and len(PackedDataset(out, cache_dir=tmp_path / f"cache-{where}"))
         build(store, out, **options, append=True)
     grown_store, grown_build = _objects(fs, f"{s3_bucket}/store"), _objects(fs, f"{s3_bucket}/packed")
     assert grown_store == _files(tmp_path / "store") and grown_build == _files(tmp_path / "packed")
