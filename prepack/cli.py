@@ -253,13 +253,14 @@ def _untrained(documents: int, tokens: int, dropped: bool) -> str:
     return f"{documents:,} ({tokens:,} tokens, {'left out' if dropped else 'packed; --drop-untrained leaves them out'})"
 
 
-def _output(shard_size: str, overwrite: bool, engine: Engine, ray_address: str | None, quiet: bool) -> Output:
+def _output(shard_size: str, overwrite: bool, engine: Engine, ray_address: str | None, quiet: bool, append: bool = False) -> Output:
     """How `build` and `tokenize` write what they write, from their flags."""
     from prepack.building.build import Output
 
     return Output(
         shard_size=_byte_size(shard_size),
         overwrite=overwrite,
+        append=append,
         engine=engine.value,
         ray_address=ray_address,
         progress=not quiet,
@@ -288,6 +289,7 @@ def build_command(
     max_docs_per_pack: Annotated[int | None, typer.Option("--max-docs-per-pack", metavar="K", show_default=False, help="At most K documents a pack (a preference pair counts as two), planned exactly with --max-len: fixed-shape batches for torch.compile and CUDA graphs (README, \"Compiled training\"). `prepack inspect` shows what a cap costs.")] = None,
     shard_size: _ShardSizeOption = _DEFAULT_SHARD_SIZE,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing build at --out.")] = False,
+    append: Annotated[bool, typer.Option("--append", help="Grow the build at --out by the documents appended to its store since (same options as the build); its shards stay as they are (README, \"Growing a corpus\").")] = False,
     engine: _EngineOption = Engine.local,
     ray_address: _RayAddressOption = None,
     quiet: _QuietOption = False,
@@ -309,7 +311,7 @@ def build_command(
     )
     try:
         mixture = mixture_flags(corpus, source or [], tokens, mix_seed, pack_within_source, mix_count)
-        manifest = build_packs(mixture or corpus, out, reading, packing, _output(shard_size, overwrite, engine, ray_address, quiet))
+        manifest = build_packs(mixture or corpus, out, reading, packing, _output(shard_size, overwrite, engine, ray_address, quiet, append))
     except PrepackError as exc:
         _fail(exc)
     if not quiet:
@@ -325,6 +327,7 @@ def tokenize_command(
     reading: Reading,
     shard_size: _ShardSizeOption = _DEFAULT_SHARD_SIZE,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing store at --out.")] = False,
+    append: Annotated[bool, typer.Option("--append", help="Add the corpus's documents to the store at --out, read as the store records (same tokenizer and options); its shards stay as they are.")] = False,
     engine: _EngineOption = Engine.local,
     ray_address: _RayAddressOption = None,
     quiet: _QuietOption = False,
@@ -334,7 +337,7 @@ def tokenize_command(
     from prepack.building.build import build_document_store
 
     try:
-        manifest = build_document_store(corpus, out, reading, _output(shard_size, overwrite, engine, ray_address, quiet))
+        manifest = build_document_store(corpus, out, reading, _output(shard_size, overwrite, engine, ray_address, quiet, append))
     except PrepackError as exc:
         _fail(exc)
     if not quiet:

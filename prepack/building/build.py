@@ -20,36 +20,38 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from prepack.sources.documents import Documents, Reading, open_documents
+from prepack.sources.documents import Documents, Reading, open_documents, store_documents
 from prepack.building.engines.base import ENGINES, Engine, FirstPass, locate_row
 from prepack.building.engines.local import LocalEngine
 from prepack.errors import DISTRIBUTION, InputError, require
 from prepack.formats.shards import (
     MANIFEST_NAME,
     STORE_MANIFEST_NAME,
+    BuildGeneration,
     BuildOptions,
     InputFile,
     Manifest,
     PairTotals,
     StoreReference,
+    TokenizeOptions,
     Totals,
     store_path_problem,
     write_manifest,
 )
-from prepack.storage.output import Staging, output_errors, staged_directory
+from prepack.storage.output import Staging, output_errors, staged_append, staged_directory
 from prepack.building.pair_plan import PairPlan, first_overlong_pair, overlong_prompts, plan_pairs
 from prepack.building import plan_vectorized
-from prepack.building.plan import plan_packs
-from prepack.storage.remote import is_uri, local_input, relative_location, staged_prefix
+from prepack.building.plan import pack_count, plan_packs
+from prepack.storage.remote import fetch, is_uri, local_input, relative_location, staged_prefix
 from prepack.formats.store import StoreManifest
-from prepack.sources.store import is_store
+from prepack.sources.store import Store, is_store
 from prepack.building.write_store import finish_store
 from prepack.building.mixture import Mixture, is_mixture_file, read_mixture
 
@@ -105,10 +107,12 @@ class Packing:
 class Output:
     """How `build` and `build_store` write their output: shards of about `shard_size` bytes, replacing
     what is at the output with `overwrite`, by the engine named `engine` ("local", or "ray" on the
-    cluster at `ray_address`), with progress bars on `console` (stderr when None) when `progress`."""
+    cluster at `ray_address`), with progress bars on `console` (stderr when None) when `progress`. With
+    `append`, the output at `out` is grown instead (`build_packs`, `build_document_store`)."""
 
     shard_size: int = DEFAULT_SHARD_SIZE
     overwrite: bool = False
+    append: bool = False
     engine: str = "local"
     ray_address: str | None = None
     progress: bool = False
@@ -232,6 +236,7 @@ def build(
     index_only: bool = False,
     max_docs_per_pack: int | None = None,
     overwrite: bool = False,
+    append: bool = False,
     engine: str = "local",
     ray_address: str | None = None,
     progress: bool = False,
@@ -271,6 +276,11 @@ def build(
     `prepack-llm[ray]`), on the cluster at `ray_address` ("auto", "ray://…"), or on the Ray instance this
     process is connected to, or at `RAY_ADDRESS`, or on a new local one; the output is byte for byte
     the local engine's.
+    With `append` (`corpus` a document store grown since the build at `out` was made from it: `build_store`'s
+    `append`), only the store's documents the build does not hold yet are planned and packed, into new
+    shards after the build's, which stay byte for byte as they are; the options must be the build's. The
+    manifest's `generations` record each append and the packs a rebuild would take.
+
     Raises `InputError` for bad input, and `OutputError` when `out` cannot be written as
     asked (see `prepack.storage.output.staged_directory`: it exists without `overwrite`, it is not a prepack
     build, another build to it runs, a disk is full); in every case nothing is published.
@@ -291,7 +301,10 @@ def build_packs(
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
     _check_engine(output.engine, output.ray_address, reading)
+    _check_append(output, index_only)
     if isinstance(corpus, Mixture) or is_mixture_file(corpus):  # several corpora or stores, weighted (prepack.building.mixture)
+        if output.append:
+            raise InputError(f"{corpus}: --append grows the build of one document store; a mixture is built whole.")
         mixture = corpus if isinstance(corpus, Mixture) else read_mixture(corpus)
         if reading.pairs or reading.groups:
             raise InputError(f"{corpus}: a mixture of preference-pair or group corpora is not supported; build each on its own.")
@@ -307,18 +320,32 @@ def build_packs(
                 f"{corpus}: --index-only packs a document store, and this is a corpus: make one with "
                 f"`prepack tokenize {corpus} --out STORE`, then `prepack build STORE --index-only`."
             )
+        if output.append and not is_store(source.spec):
+            raise InputError(
+                f"{corpus}: --append grows the build of a document store by the documents added to it since; this is "
+                f"a corpus: tokenize it into a store (prepack tokenize), grow that with `prepack tokenize NEW --out "
+                "STORE --append`, and build from the store."
+            )
         store_path = _store_path(corpus, out) if index_only else None  # refuses a store the build cannot name
         documents = open_documents(source.spec, reading, out, bar, source.location)
-        found, has_labels, read_column = documents.corpus, documents.has_labels, documents.column
-        staged = staged_prefix if is_uri(out) else staged_directory
+        store = documents.store
         with (
-            staged(out, output.overwrite) as staging,
+            _staged(out, output) as staging,
             _engine(output.engine, output.ray_address, staging, index_only) as engine_steps,
         ):
+            if (appending := staging.appending) is not None:
+                planned = _planned_generation(appending, store, options, index_only, out)
+                if planned == len(store.manifest.generations or [None]) - 1:  # nothing added since
+                    with output_errors(staging.build / MANIFEST_NAME):
+                        write_manifest(staging.build, appending)
+                    return appending
+                documents = store_documents(replace(store, manifest=store.manifest.since_generation(planned)))
+            found, has_labels, read_column = documents.corpus, documents.has_labels, documents.column
             first = engine_steps.first_pass(documents, reading, bar)
             if len(first.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")
-            if not first.lengths.any():
+            # An append whose documents give no pack still records them (a generation of no new shard).
+            if not first.lengths.any() and appending is None:
                 raise InputError(f"{corpus}: all {len(first.lengths)} documents are empty.")
             if documents.pairs is None and overflow == "error" and (first.lengths > max_len).any():
                 row = int(np.flatnonzero(first.lengths > max_len)[0])
@@ -330,7 +357,8 @@ def build_packs(
             # An index build's other steps run no numba kernel (`prepack.building.kernels`), unless its first
             # pass found the untrained documents of a large store with one: then numba is loaded anyway.
             tokens = int(first.lengths.sum(dtype=np.int64))
-            without_numba = index_only and (not has_labels or plan_vectorized.scans(tokens))
+            # An append counts a rebuild's packs with the kernels (`pack_count`), so plans with them too.
+            without_numba = index_only and appending is None and (not has_labels or plan_vectorized.scans(tokens))
             planning = bar.add_task("plan", total=None)
             if documents.pairs is not None:
                 plan = _plan_pairs(documents, first, packing)
@@ -347,13 +375,13 @@ def build_packs(
                     without_numba=without_numba,
                 )
             bar.update(planning, total=1, completed=1)
-            if plan.packs == 0:  # every non-empty document was left out
+            if plan.packs == 0 and appending is None:  # every non-empty document was left out
                 raise InputError(
                     f"{corpus}: no document is left to pack: of the non-empty documents, "
                     f"{plan.counts['dropped']:,} are longer than --max-len {max_len} (--overflow drop) and "
                     f"{plan.counts['untrained']:,} have no trained token (--drop-untrained)."
                 )
-            shards = engine_steps.write_packs(plan, first, output.shard_size, bar)
+            shards = engine_steps.write_packs(plan, first, output.shard_size, bar) if plan.packs else []
             manifest = Manifest(
                 prepack_version=version(DISTRIBUTION),
                 # How the documents were read: as asked, or as the store was written.
@@ -366,7 +394,8 @@ def build_packs(
                     }
                 ),
                 has_labels=has_labels,
-                fingerprint=first.fingerprint,
+                # A grown store's fingerprint chains its generations' (`chained_fingerprint`): a build of it records that.
+                fingerprint=first.fingerprint if store is None or store.manifest.generations is None else store.manifest.fingerprint,
                 inputs=[
                     InputFile(path=found.name(path), rows=rows)
                     for path, rows in zip(found.files, first.rows_per_file)
@@ -376,9 +405,79 @@ def build_packs(
                 store=StoreReference(path=store_path, fingerprint=first.fingerprint) if index_only else None,
                 pairs=PairTotals(**plan.pair_counts) if documents.pairs is not None else None,
             )
+            if appending is not None:
+                manifest = _grown_manifest(appending, manifest, _rebuild_packs(store, planned, first, packing))
             with output_errors(staging.build / MANIFEST_NAME):
                 write_manifest(staging.build, manifest)
     return manifest
+
+
+# The options an append must share with the build it grows, by the flag that sets each.
+_APPEND_OPTIONS = {"max_len": "--max-len", "algorithm": "--algorithm", "overflow": "--overflow", "seed": "--seed",
+                   "shard_size": "--shard-size", "drop_untrained": "--drop-untrained", "max_docs_per_pack": "--max-docs-per-pack"}
+
+
+def _planned_generation(build: Manifest, store: Store, options: BuildOptions, index_only: bool, out: str | os.PathLike) -> int:
+    """The generation of `store` that the build at `out` (its manifest `build`) holds the documents of,
+    after refusing (InputError) an append with other options than the build's, or to a build that is
+    not one of this store."""
+    if build.mixture is not None or build.pairs is not None:
+        raise InputError(f"{out} is a {'mixture' if build.mixture is not None else 'preference-pair'} build, which is built whole: --append grows the build of one document store.")
+    if (build.store is not None) != index_only:
+        raise InputError(f"{out} is {'an index' if build.store is not None else 'a full'} build: append to it {'with' if build.store is not None else 'without'} --index-only.")
+    for name, flag in _APPEND_OPTIONS.items():
+        if getattr(options, name) != (was := getattr(build.options, name)):
+            raise InputError(f"{flag} {getattr(options, name)!r}, but {out} was built with {was!r}: an append packs as the build did.")
+    m = store.manifest
+    generation = m.generation_of(build.fingerprint)
+    at = m.at_generation(generation) if generation is not None else None
+    if at is None or [(f.path, f.rows) for f in at.inputs] != [(f.path, f.rows) for f in build.inputs]:
+        raise InputError(
+            f"{out} was not built from this store (or from any generation of it: fingerprint {build.fingerprint}); "
+            f"--append grows a build by the documents appended to its own store since."
+        )
+    return generation
+
+
+def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing) -> int:
+    """The packs a build of the whole grown store at once would take: the store's documents of
+    generation `planned` and before, from its shards' offsets (no token read; their labels only when
+    untrained documents are left out, as only then do they change the packs), then those of `first`."""
+    shards = store.manifest.at_generation(planned).shards
+    untrained = None
+    if packing.drop_untrained:
+        parts = [store.shard_lengths(shard) for shard in shards]
+        lengths = [p[0] for p in parts]
+        untrained = np.concatenate([*(p[1] for p in parts), first.untrained])
+    else:
+        lengths = [store.shard_document_lengths(shard) for shard in shards]
+    return pack_count(
+        np.concatenate([*lengths, first.lengths]),
+        packing.max_len,
+        algorithm=packing.algorithm,
+        overflow=packing.overflow,
+        untrained=untrained,
+        drop_untrained=packing.drop_untrained,
+        max_documents=packing.max_docs_per_pack,
+    )
+
+
+def _grown_manifest(build: Manifest, added: Manifest, rebuild_packs: int) -> Manifest:
+    """The manifest of the build `build` grown by `added` (the manifest of the new shards alone): its
+    inputs, shards and totals after the build's, the fingerprint and store of `added`, one more generation."""
+    totals = {name: getattr(build.totals, name) + getattr(added.totals, name) for name in Totals.model_fields}
+    totals["lower_bound"] = -(-totals["tokens"] // build.options.max_len)
+    inputs, shards = [*build.inputs, *added.inputs], [*build.shards, *added.shards]
+    first = BuildGeneration(
+        documents=build.totals.documents, inputs=len(build.inputs), shards=len(build.shards), packs=build.totals.packs,
+        tokens=build.totals.tokens, rebuild_packs=build.totals.packs, fingerprint=build.fingerprint,
+    )
+    grown = BuildGeneration(
+        documents=totals["documents"], inputs=len(inputs), shards=len(shards), packs=totals["packs"],
+        tokens=totals["tokens"], rebuild_packs=rebuild_packs, fingerprint=added.fingerprint,
+    )
+    generations = [*(build.generations or [first]), grown]
+    return Manifest(**{**dict(added), "inputs": inputs, "shards": shards, "totals": Totals(**totals), "generations": generations})
 
 
 def _check_pair_options(packing: Packing, output: Output, flag: str) -> None:
@@ -458,6 +557,7 @@ def build_store(
     completions_column: str = "completions",
     shard_size: int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
+    append: bool = False,
     engine: str = "local",
     ray_address: str | None = None,
     progress: bool = False,
@@ -472,7 +572,11 @@ def build_store(
 
     The reading and tokenizing options (`column` to `num_proc`) are `build`'s; `shard_size` bounds the
     bytes of tokens (and labels) per shard. `engine` and `ray_address` as for `build`: with "ray", the
-    store is written by Ray tasks, byte for byte as the local engine writes it. Raises `InputError` for
+    store is written by Ray tasks, byte for byte as the local engine writes it. With `append`, the corpus's
+    documents are added to the store at `out` (read and tokenized as the store records: other options are
+    refused by name), in new shards after its own, which stay byte for byte as they are; the store's
+    `generations` record which documents each append added, so that index builds of an earlier generation
+    keep reading it (`prepack.formats.store.StoreManifest.at_generation`). Raises `InputError` for
     bad input (a store given as the corpus among it), and `OutputError` as `build` does; in every case
     nothing is published.
     """
@@ -487,14 +591,83 @@ def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, read
     if output.shard_size < 1:
         raise InputError(f"invalid shard size {output.shard_size}: at least 1 byte.")
     _check_engine(output.engine, output.ray_address, reading)
+    _check_append(output, index_only=False)
     with progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if is_store(source.spec):
             raise InputError(f"{corpus} is a document store already: build from it (prepack build {corpus} ...).")
         documents = open_documents(source.spec, reading, out, bar, source.location)
-        staged = staged_prefix if is_uri(out) else staged_directory
         with (
-            staged(out, output.overwrite, STORE_MANIFEST_NAME) as staging,
+            _staged(out, output, STORE_MANIFEST_NAME) as staging,
             _engine(output.engine, output.ray_address, staging) as engine_steps,
         ):
+            if (appending := staging.appending) is not None:
+                _check_same_reading(documents, appending, out)
             written = engine_steps.write_store(documents, reading, output.shard_size, bar)
-            return finish_store(documents, staging.build, written)
+            stored = None if appending is None else _stored_lengths(staging, appending)
+            return finish_store(documents, staging.build, written, appending, stored)
+
+
+def _staged(out: str | os.PathLike, output: Output, kind: str = MANIFEST_NAME):
+    """Where a build or store is written (`kind`): staged beside a local `out`, or for a prefix in object
+    storage; with `output.append`, grown from the one there (`staged_append`, `staged_prefix`)."""
+    if is_uri(out):
+        return staged_prefix(str(out), output.overwrite, kind, append=output.append)
+    return staged_append(out, kind) if output.append else staged_directory(out, output.overwrite, kind)
+
+
+def _check_append(output: Output, index_only: bool) -> None:
+    """Refuse, before anything is read, what an append cannot honour."""
+    if not output.append:
+        return
+    if output.overwrite:
+        raise InputError("--append grows the output at --out and --overwrite replaces it: give one of them.")
+    if output.engine != "local" and not index_only:
+        raise InputError("--append runs on the local engine: leave out --engine ray.")
+
+
+def _check_same_reading(documents: Documents, store: StoreManifest, out: str | os.PathLike) -> None:
+    """Refuse (InputError, naming the first option that differs) documents read otherwise than those of
+    the store at `out`, which an append adds them to."""
+    def options(column: str, labels_column: str | None, has_labels: bool, tokenize: TokenizeOptions | None) -> dict:
+        # The tokenizer's name is informative (shard-format.md): the same files under another name read alike.
+        how = None if tokenize is None else tokenize.model_dump(exclude={"tokenizer": {"name"}})
+        return {"column": column, "labels_column": labels_column, "has_labels": has_labels, "tokenize": how}
+
+    read = options(documents.column, documents.labels_column, documents.has_labels, documents.tokenize)
+    stored = options(store.column, store.labels_column, store.has_labels, store.tokenize)
+    if (difference := _first_difference(stored, read)) is not None:
+        name, was, now = difference
+        raise InputError(
+            f"{out} was read with {name} {was!r}, and this corpus is read with {now!r}: an append reads its "
+            "documents as the store's were read (give the same --tokenizer, --chat, --chat-template, --train-on, "
+            "--eos and columns)."
+        )
+    named = {f.path for f in store.inputs}
+    if taken := [name for path in documents.corpus.files if (name := documents.corpus.name(path)) in named]:
+        raise InputError(
+            f"{documents.corpus.root}: the store at {out} holds a corpus file named {taken[0]!r} already, and it names "
+            "each document's file by that name (its provenance): rename this batch's files, such as week-48.parquet."
+        )
+
+
+def _first_difference(was: dict, now: dict, prefix: str = "") -> tuple[str, object, object] | None:
+    """(dotted name, value in `was`, value in `now`) of the first field of two nested dicts that differs."""
+    for key in was:
+        if isinstance(was[key], dict) and isinstance(now[key], dict):
+            if (found := _first_difference(was[key], now[key], f"{prefix}{key}.")) is not None:
+                return found
+        elif was[key] != now[key]:
+            return f"{prefix}{key}", was[key], now[key]
+    return None
+
+
+def _stored_lengths(staging: Staging, store: StoreManifest) -> np.ndarray:
+    """The lengths of the documents of the store being appended to, from its shards' offsets (no token
+    read): those staged beside the new ones, or, in object storage, downloaded into scratch."""
+    root = staging.build
+    if staging.publication is not None:
+        root = staging.scratch
+        for shard in store.shards:
+            fetch(staging.publication.shard_uri(shard.name), root / shard.name)
+    stored = Store(root, store)
+    return np.concatenate([stored.shard_document_lengths(shard) for shard in store.shards])

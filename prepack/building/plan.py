@@ -60,6 +60,7 @@ __all__ = [
     "checked_cap",
     "compact_lengths",
     "document_pieces",
+    "pack_count",
     "plan_packs",
     "untrained_documents",
 ]
@@ -656,6 +657,24 @@ def document_pieces(
     left_out = untrained if drop_untrained else np.zeros(0, dtype=bool)
     rows, pieces, starts, segment_lengths = _expand(lengths, left_out, max_len, code, int(histogram.sum()))
     return DocumentPieces(rows, pieces, starts, segment_lengths, dict(zip(_COUNTS, map(int, counts))))
+
+
+def pack_count(
+    lengths: np.ndarray,
+    max_len: int,
+    *,
+    algorithm: str = "ffd",
+    overflow: str = "split",
+    untrained: np.ndarray | None = None,
+    drop_untrained: bool = False,
+    max_documents: int | None = None,
+) -> int:
+    """The packs `plan_packs` makes of these documents with these options, without laying them out:
+    what a build appended to reports its packs against (a rebuild of the same documents at once)."""
+    max_len, max_documents = _check_options(max_len, algorithm), checked_cap(max_documents)
+    lengths = compact_lengths(lengths)
+    histogram, _ = _tally(lengths, _flags(untrained, len(lengths)), drop_untrained, max_len, _overflow_code(overflow))
+    return _assign_sorted(histogram, max_len, algorithm, max_documents)[1]
 
 
 def plan_packs(

@@ -24,10 +24,14 @@ from prepack.formats.shards import STORE_MANIFEST_NAME, InputFile
 from prepack.storage.output import output_errors
 from prepack.sources.corpus import DocumentBatch
 from prepack.formats.store import (
+    GROWN_STORE_VERSION,
+    STORE_VERSION,
     LengthSummary,
+    StoreGeneration,
     StoreManifest,
     StoreShard,
     store_schema,
+    chained_fingerprint,
     store_shard_name,
     write_store_manifest,
 )
@@ -92,10 +96,11 @@ def write_store_shard(directory: Path, index: int, lengths: np.ndarray, ids: np.
 class StoreShardWriter:
     """Gathers documents in row order and writes them as store shards of at most `shard_size` bytes
     of tokens (and labels); a document larger than that is a shard of its own. Where shards end
-    depends only on the documents' lengths, never on how they arrive in batches."""
+    depends only on the documents' lengths, never on how they arrive in batches. Shards are numbered
+    from `first_shard` (an append's: after the store's)."""
 
-    def __init__(self, directory: Path, has_labels: bool, shard_size: int) -> None:
-        self.directory, self.has_labels = directory, has_labels
+    def __init__(self, directory: Path, has_labels: bool, shard_size: int, first_shard: int = 0) -> None:
+        self.directory, self.has_labels, self.first_shard = directory, has_labels, first_shard
         self.capacity = store_shard_capacity(has_labels, shard_size)
         self.pending: list[DocumentBatch] = []
         self.tokens = 0
@@ -131,7 +136,7 @@ class StoreShardWriter:
         lengths = np.concatenate([np.diff(p.offsets) for p in self.pending])
         ids = np.concatenate([p.ids for p in self.pending])
         labels = np.concatenate([p.labels for p in self.pending]) if self.has_labels else None
-        self.shards.append(write_store_shard(self.directory, len(self.shards), lengths, ids, labels))
+        self.shards.append(write_store_shard(self.directory, self.first_shard + len(self.shards), lengths, ids, labels))
         self.pending, self.tokens = [], 0
 
 
@@ -149,22 +154,44 @@ def _summary(lengths: np.ndarray, untrained: int) -> LengthSummary:
     )
 
 
-def finish_store(documents: Documents, directory: Path, written: WrittenStore) -> StoreManifest:
-    """Write `store.json` for the shards an engine wrote into `directory` and return it."""
+def finish_store(
+    documents: Documents,
+    directory: Path,
+    written: WrittenStore,
+    appending: StoreManifest | None = None,
+    stored_lengths: np.ndarray | None = None,
+) -> StoreManifest:
+    """Write `store.json` for the shards an engine wrote into `directory` and return it. With `appending`
+    (the manifest of the store appended to, and `stored_lengths` its documents' lengths, for the summary),
+    the store's shards and inputs go first, the new ones after, and a generation records the append."""
     if not written.shards:
         raise InputError(f"{documents.corpus.root}: the corpus has no documents.")
+    inputs = [InputFile(path=documents.corpus.name(path), rows=rows) for path, rows in zip(documents.corpus.files, written.rows_per_file)]
+    lengths, fingerprint, untrained, generations = written.lengths, written.fingerprint, written.untrained, None
+    if appending is not None:
+        inputs, shards = [*appending.inputs, *inputs], [*appending.shards, *written.shards]
+        lengths = np.concatenate([stored_lengths.astype(np.int32), written.lengths])
+        fingerprint = chained_fingerprint(appending.fingerprint, written.fingerprint)
+        untrained += appending.lengths.untrained
+        generations = [
+            *(appending.generations or [StoreGeneration(documents=appending.documents, inputs=len(appending.inputs),
+                                                        shards=len(appending.shards), fingerprint=appending.fingerprint)]),
+            StoreGeneration(documents=len(lengths), inputs=len(inputs), shards=len(shards), fingerprint=fingerprint),
+        ]
     manifest = StoreManifest(
+        store_version=STORE_VERSION if generations is None else GROWN_STORE_VERSION,
         prepack_version=version(DISTRIBUTION),
         column=documents.column,
         labels_column=documents.labels_column,
-        tokenize=documents.tokenize,
+        tokenize=documents.tokenize if appending is None else appending.tokenize,  # as recorded (its tokenizer's name)
         has_labels=documents.has_labels,
-        fingerprint=written.fingerprint,
-        inputs=[InputFile(path=documents.corpus.name(path), rows=rows) for path, rows in zip(documents.corpus.files, written.rows_per_file)],
-        documents=len(written.lengths),
-        tokens=int(written.lengths.sum(dtype=np.int64)),
-        lengths=_summary(written.lengths, written.untrained),
-        shards=written.shards,
+        fingerprint=fingerprint,
+        inputs=inputs,
+        documents=len(lengths),
+        tokens=int(lengths.sum(dtype=np.int64)),
+        lengths=_summary(lengths, untrained),
+        shards=written.shards if appending is None else shards,
+        generations=generations,
     )
     with output_errors(directory / STORE_MANIFEST_NAME):
         write_store_manifest(directory, manifest)

@@ -168,6 +168,23 @@ class SourceSummary(StrictModel):
     trained_tokens: int | None = None  # a mixture counting trained tokens (`mixture.count`): the manifest's, as requested_tokens counts
 
 
+# Percentage points of fill a rebuild must gain over a build grown by appends for `inspect` to advise one.
+# A point of fill is a point of training compute spent on padding, which on any run worth resuming costs
+# more than a build pass; below it, a rebuild's cost (a new pack order, which a resumed run cannot follow
+# mid-epoch) outweighs the gain. Appends of 10 % lose far less (`benchmarks/bench_append.py`).
+REBUILD_GAIN_PP = 1.0
+
+
+class AppendReport(StrictModel):
+    """A build grown by appends (`Manifest.generations`): its fill against a build of the same documents at once."""
+
+    appends: int
+    rebuild_packs: int  # the packs a build of the same documents at once takes
+    rebuild_fill: float  # tokens / (rebuild_packs * max_len)
+    gap_pp: float  # 100 * (rebuild_fill - fill): what a rebuild gains, in percentage points
+    rebuild_advised: bool  # gap_pp > REBUILD_GAIN_PP
+
+
 class InspectReport(StrictModel):
     """Everything `prepack inspect` shows; `to_json()` is what `--json` prints."""
 
@@ -207,6 +224,7 @@ class InspectReport(StrictModel):
     sources: list[SourceSummary] | None = None  # a mixture build's
     pairs: PairReport | None = None  # only for a preference-pair build
     caps: list[CapCost] | None = None  # None for a mixture, whose packs are planned per round of copies
+    appends: AppendReport | None = None  # only for a build grown by appends
 
     def to_json(self) -> str:
         """What `prepack inspect --json` prints: strict JSON, never a NaN or Infinity token (which JSON
@@ -456,6 +474,20 @@ def inspect_build(
         sources=sources,
         pairs=None if pairs is None else _pair_report(manifest, pairs, lengths[order], batch_size, seed, cost, path),
         caps=None if manifest.mixture is not None else _cap_costs(manifest, lengths[order], columns["docs"], caps),
+        appends=_append_report(manifest, tokens / packed),
+    )
+
+
+def _append_report(manifest: Manifest, fill: float) -> AppendReport | None:
+    """A grown build's fill against a rebuild's (`REBUILD_GAIN_PP`), from its manifest's last generation."""
+    if manifest.generations is None:
+        return None
+    last = manifest.generations[-1]
+    rebuild_fill = last.tokens / (last.rebuild_packs * manifest.options.max_len)
+    gap = 100 * (rebuild_fill - fill)
+    return AppendReport(
+        appends=len(manifest.generations) - 1, rebuild_packs=last.rebuild_packs, rebuild_fill=rebuild_fill,
+        gap_pp=gap, rebuild_advised=gap > REBUILD_GAIN_PP,
     )
 
 
@@ -582,6 +614,17 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
         f"ceil(tokens / max_len) = {r.lower_bound:,})",
     )
     summary.add_row("fill", f"{r.fill:.3%} ({r.padding_tokens:,} padding tokens)")
+    if (a := r.appends) is not None:
+        advice = (
+            f"more than {REBUILD_GAIN_PP} points: rebuild (prepack build STORE --out NEW with the same options)"
+            if a.rebuild_advised
+            else f"within {REBUILD_GAIN_PP} points: keep appending"
+        )
+        summary.add_row(
+            "appends",
+            f"{a.appends:,}; a rebuild would take {a.rebuild_packs:,} packs, fill {a.rebuild_fill:.3%} "
+            f"({a.gap_pp:+.3f} points), {advice}",
+        )
     summary.add_row(
         "overflow",
         f"split {r.split:,} (into {r.split_pieces:,} pieces), truncated {r.truncated:,} "

@@ -65,6 +65,7 @@ from prepack.errors import FormatError, InputError
 from prepack.formats.common import Fingerprint, StrictModel, list_column
 from prepack.formats.shards import (
     MANIFEST_NAME,
+    SHARD_STORE_KEY,
     STORE_MANIFEST_NAME,
     Manifest,
     PackLayout,
@@ -82,6 +83,7 @@ from prepack.sources.documents import Documents, Reading, open_documents, store_
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.storage.remote import LocalInput, is_uri, join, list_input, local_input, read_output_manifest
 from prepack.sources.store import ShardColumns, Store, is_store, open_build_store
+from prepack.formats.store import StoreFingerprint
 
 __all__ = ["Problem", "checked_summary", "verify_build"]
 
@@ -550,7 +552,7 @@ def _store_problems(store: Store, manifest: Manifest):
     if [(f.path, f.rows) for f in m.inputs] != [(f.path, f.rows) for f in manifest.inputs]:
         yield Problem(file=MANIFEST_NAME, column="inputs", message=f"are not the corpus files of its store {where!r}.")
     columns: _Columns = {}
-    fingerprint = Fingerprint()
+    fingerprint = StoreFingerprint(m)  # of a grown store: chained over its generations
     for index, shard in enumerate(m.shards):
         try:
             offsets, ids, labels = columns[index] = store.shard_columns(shard)
@@ -676,6 +678,7 @@ def _shard_problems(file: Path, index: int, manifest: Manifest, check_sha256: bo
         index_only = manifest.index_of is not None
         batch = manifest.open_shard(file)
         batch.validate(full=True)
+        yield from _generation_problems(batch, index, manifest)
     except FormatError as exc:
         yield Problem(file=name, row=exc.problem.row, column=exc.problem.column, message=exc.problem.message)
         return None
@@ -700,6 +703,21 @@ def _shard_problems(file: Path, index: int, manifest: Manifest, check_sha256: bo
         yield Problem(file=name, column="cu_seqlens", message=f"{tokens} tokens, but the manifest says {info.tokens}.")
     yield from _value_problems(shard, manifest)
     return shard
+
+
+def _generation_problems(batch: pa.RecordBatch, index: int, manifest: Manifest) -> Iterator[Problem]:
+    """An index shard of a build grown by appends names the store fingerprint of its own generation
+    (`open_shard` accepts any of the build's)."""
+    if manifest.store is None or manifest.generations is None:
+        return
+    generation = manifest.generation_of_shard(index)
+    planned = batch.schema.metadata[SHARD_STORE_KEY.encode()].decode()
+    if planned != (wanted := manifest.generations[generation].fingerprint):
+        yield Problem(
+            file=manifest.shards[index].name,
+            message=f"was planned from the store of fingerprint {planned}, but it is a shard of generation "
+            f"{generation}, planned from {wanted}.",
+        )
 
 
 def _row_problems(batch: pa.RecordBatch, max_len: int, name: str, index_only: bool) -> Iterator[Problem]:

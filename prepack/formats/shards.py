@@ -47,6 +47,7 @@ __all__ = [
     "SHARD_VERSION_KEY",
     "STORE_MANIFEST_NAME",
     "TOKEN_TYPE",
+    "BuildGeneration",
     "BuildOptions",
     "IndexOf",
     "InputFile",
@@ -118,10 +119,21 @@ def _pack_fields(source_row: pa.DataType, sources: bool) -> list[pa.Field]:
 
 
 class IndexOf(NamedTuple):
-    """The store an index shard points into: its document count and fingerprint (`Manifest.index_of`)."""
+    """The store an index shard points into: its document count and fingerprint (`Manifest.index_of`).
+    `earlier`: of a build grown by appends, the (documents, fingerprint) of the store its earlier
+    generations were planned from, whose shards carry those."""
 
     documents: int
     fingerprint: str
+    earlier: tuple[tuple[int, str], ...] = ()
+
+    def planned_from(self, fingerprint: bytes) -> IndexOf | None:
+        """The store a shard whose metadata names `fingerprint` points into: this one or an earlier
+        generation's; None when it is neither."""
+        for documents, known in ((self.documents, self.fingerprint), *self.earlier):
+            if fingerprint == known.encode():
+                return IndexOf(documents, known)
+        return None
 
 
 def shard_schema(
@@ -348,6 +360,24 @@ class StoreReference(StrictModel):
     fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$", description="The store's fingerprint: readers refuse another.")
 
 
+class BuildGeneration(StrictModel):
+    """A build as it stood after its first build (generation 0) or after an append (`prepack build
+    STORE --out DIR --append`): each count up to and including this generation, whose packs are its
+    shards after the generation before's."""
+
+    documents: int = Field(ge=1, le=COUNT_MAX, description="Store documents planned from up to this generation.")
+    inputs: int = Field(ge=1, le=COUNT_MAX, description="inputs[] up to this generation.")
+    shards: int = Field(ge=1, le=COUNT_MAX, description="Shards up to this generation.")
+    packs: int = Field(ge=1, le=COUNT_MAX, description="Packs up to this generation.")
+    tokens: int = Field(ge=1, le=COUNT_MAX, description="Tokens in those packs.")
+    rebuild_packs: int = Field(
+        ge=1, le=COUNT_MAX, description="Packs a build of the same documents at once, with the same options, takes."
+    )
+    fingerprint: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="The store's fingerprint at the generation this one was planned from."
+    )
+
+
 class Manifest(StrictModel):
     """`manifest.json`: written last; a directory without one is not a finished build."""
 
@@ -376,6 +406,12 @@ class Manifest(StrictModel):
         default=None,
         description="Set for a preference-pair build (options.pairs): its shards carry pair_roles. Absent otherwise.",
     )
+    generations: list[BuildGeneration] | None = Field(
+        default=None,
+        min_length=2,
+        description="Only in a build grown by appends: the build after its first build and after each append, "
+        "in order. Absent from every other build's manifest.",
+    )
 
     @model_validator(mode="after")
     def _mixture_stores_beside_the_build(self) -> Manifest:
@@ -386,6 +422,37 @@ class Manifest(StrictModel):
                 raise ValueError(f"mixture.sources[{number}].store {reprlib.repr(source.store)} {problem}")
         return self
 
+    @model_validator(mode="after")
+    def _generations_cut_the_build(self) -> Manifest:
+        """A grown build's generations: counts that rise, cut the shards and inputs where their packs
+        and documents end, the last one the whole build, planned from the store the build names."""
+        if self.generations is None:
+            return self
+        if self.mixture is not None or self.pairs is not None:
+            raise ValueError("generations: a mixture or preference-pair build is never appended to")
+        before = (0, 0, 0, 0)
+        for number, g in enumerate(self.generations):
+            # Each adds documents (in files of their own); an append whose documents all are left out adds no pack.
+            rising = g.documents > before[0] and g.inputs > before[1] and g.shards >= before[2] and g.packs >= before[3]
+            if not rising:
+                raise ValueError(f"generations[{number}] adds no document or input to the one before, or fewer shards or packs")
+            if g.shards > len(self.shards) or g.inputs > len(self.inputs):
+                raise ValueError(f"generations[{number}] names more shards or inputs than the build has")
+            counted = (sum(f.rows for f in self.inputs[: g.inputs]), sum(s.rows for s in self.shards[: g.shards]),
+                       sum(s.tokens for s in self.shards[: g.shards]))
+            if counted != (g.documents, g.packs, g.tokens):
+                raise ValueError(f"generations[{number}]'s documents, packs and tokens are not those of its first inputs and shards")
+            before = (g.documents, g.inputs, g.shards, g.packs)
+        last = self.generations[-1]
+        if (last.inputs, last.shards, last.fingerprint) != (len(self.inputs), len(self.shards), self.fingerprint):
+            raise ValueError("generations: the last one is not the whole build (inputs, shards and fingerprint)")
+        return self
+
+    def generation_of_shard(self, index: int) -> int:
+        """The generation that wrote shard `index` (0 in a build never appended to)."""
+        ends = [g.shards for g in self.generations or []]
+        return next((number for number, end in enumerate(ends) if index < end), 0)
+
     @property
     def index_of(self) -> IndexOf | None:
         """What `shard_schema` and `open_shard` take to describe this build's shards: for an index
@@ -393,7 +460,10 @@ class Manifest(StrictModel):
         its stores' documents, and its own fingerprint), else None."""
         if self.mixture is not None and self.mixture.index_only:  # the sources' stores, one after the other
             return IndexOf(sum(f.rows for f in self.inputs), self.fingerprint)
-        return None if self.store is None else IndexOf(self.totals.documents, self.store.fingerprint)
+        if self.store is None:
+            return None
+        earlier = tuple((g.documents, g.fingerprint) for g in self.generations[:-1]) if self.generations is not None else ()
+        return IndexOf(self.totals.documents, self.store.fingerprint, earlier)
 
     def open_shard(self, path: Path, where: str | None = None) -> pa.RecordBatch:
         """`open_shard` of one of this build's shards, with the columns this manifest says its shards
@@ -408,7 +478,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write `manifest.json` atomically (temporary file + rename), keys sorted."""
     # A full build's manifest has no `store` key at all, so its bytes are those of before index builds;
     # likewise no `mixture` key outside a mixture, and no `pairs` keys outside a preference-pair build.
-    exclude: dict = {name: True for name in ("store", "mixture", "pairs") if getattr(manifest, name) is None}
+    exclude: dict = {name: True for name in ("store", "mixture", "pairs", "generations") if getattr(manifest, name) is None}
     if manifest.mixture is not None and manifest.mixture.count is None:  # a mixture counting every token: as before
         exclude["mixture"] = {"count": True, "sources": {"__all__": {"trained_tokens": True}}}
     # Likewise no `options.max_docs_per_pack` key in a build without a cap.
@@ -573,8 +643,12 @@ def open_shard(
     expected = shard_schema(has_labels, max_len, store, sources=sources, pairs=pairs)
 
     def check_schema(schema: pa.Schema) -> None:
+        nonlocal expected
         planned = (schema.metadata or {}).get(SHARD_STORE_KEY.encode())
-        if store is not None and planned is not None and planned != store.fingerprint.encode():
+        generation = store.planned_from(planned) if store is not None and planned is not None else None
+        if generation is not None and generation.fingerprint != store.fingerprint:  # an earlier generation's shard
+            expected = shard_schema(has_labels, max_len, generation, sources=sources, pairs=pairs)
+        if store is not None and planned is not None and generation is None:
             refuse(
                 where,
                 f"this index shard was planned from the store with fingerprint {planned.decode(errors='replace')!r}, "

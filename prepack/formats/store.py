@@ -9,6 +9,7 @@ A store holds a corpus's documents once, tokenized, in corpus row order, so that
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -19,7 +20,7 @@ import pyarrow as pa
 from pydantic import Field, ValidationError, model_validator
 
 from prepack.errors import FormatError
-from prepack.formats.common import INT32_MAX, StrictModel, format_error, load_manifest_json, numpy_view
+from prepack.formats.common import INT32_MAX, Fingerprint, StrictModel, format_error, load_manifest_json, numpy_view
 from prepack.formats.shards import (
     IGNORE_INDEX,
     MANIFEST_NAME,
@@ -31,12 +32,16 @@ from prepack.formats.shards import (
 )
 
 __all__ = [
+    "GROWN_STORE_VERSION",
     "STORE_MANIFEST_NAME",
     "STORE_VERSION",
     "STORE_VERSION_KEY",
     "LengthSummary",
+    "StoreFingerprint",
+    "StoreGeneration",
     "StoreManifest",
     "StoreShard",
+    "chained_fingerprint",
     "check_store_files",
     "check_store_offsets",
     "check_store_shard",
@@ -49,6 +54,9 @@ __all__ = [
 
 STORE_VERSION = 1
 STORE_VERSION_KEY = "prepack.store_version"  # schema metadata of every store shard: marks it as a store's
+# `store_version` of the manifest of a store grown by appends (`generations`); its shards are those of
+# version 1, metadata included, so that an append leaves every shard written before byte for byte as it was.
+GROWN_STORE_VERSION = 2
 
 
 def store_schema(has_labels: bool) -> pa.Schema:
@@ -86,10 +94,31 @@ class LengthSummary(StrictModel):
     )
 
 
+class StoreGeneration(StrictModel):
+    """The store as it stood after its tokenizing (generation 0) or after an append: each count up to
+    and including this generation, so generation g's documents are those after generation g - 1's."""
+
+    documents: int = Field(ge=1, description="Documents of the store up to this generation.")
+    inputs: int = Field(ge=1, description="Corpus files (inputs[]) up to this generation.")
+    shards: int = Field(ge=1, description="Shards up to this generation.")
+    fingerprint: str = Field(
+        pattern=r"^[0-9a-f]{64}$",
+        description="The store's fingerprint as of this generation: generation 0's the documents' fingerprint, "
+        "each later one chained (`chained_fingerprint`) with the fingerprint of the documents it added.",
+    )
+
+
+def chained_fingerprint(previous: str, added: str) -> str:
+    """The fingerprint of a store grown by documents of fingerprint `added` (`Fingerprint`, of those
+    documents alone) from one of fingerprint `previous`: hex sha256 of the two 32-byte digests. An
+    append so hashes only what it adds, and each generation's fingerprint stays checkable."""
+    return hashlib.sha256(bytes.fromhex(previous) + bytes.fromhex(added)).hexdigest()
+
+
 class StoreManifest(StrictModel):
     """`store.json`: written last; a directory without one is not a finished store."""
 
-    store_version: Literal[1] = STORE_VERSION
+    store_version: Literal[1, 2] = STORE_VERSION
     prepack_version: str
     column: str = Field(description="The corpus column read: token ids, or text / messages when tokenized.")
     labels_column: str | None = Field(description="The labels column read from the corpus, if any (never when tokenized).")
@@ -104,11 +133,37 @@ class StoreManifest(StrictModel):
     tokens: int = Field(ge=0)
     lengths: LengthSummary
     shards: list[StoreShard] = Field(min_length=1)
+    generations: list[StoreGeneration] | None = Field(
+        default=None,
+        min_length=2,
+        description="Only in a store grown by appends (store_version 2): the store after its tokenizing and "
+        "after each append, in order. Absent from a store never appended to.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> StoreManifest:
         """What the manifest says agrees with itself: shard names the format's (so none leaves the
-        store), counts that add up."""
+        store), counts that add up, generations that cut the shards and inputs where their documents end."""
+        if (self.store_version == GROWN_STORE_VERSION) != (self.generations is not None):
+            raise ValueError(f"store_version {self.store_version} with{'out' if self.generations is None else ''} generations")
+        before = (0, 0, 0)  # documents, inputs and shards up to the generation before
+        for number, g in enumerate(self.generations or []):
+            if not all(now > then for now, then in zip((g.documents, g.inputs, g.shards), before)):
+                raise ValueError(f"generation {number} adds no document, input or shard to the one before")
+            in_shards = sum(s.documents for s in self.shards[: g.shards])
+            in_inputs = sum(f.rows for f in self.inputs[: g.inputs])
+            if g.shards > len(self.shards) or g.inputs > len(self.inputs) or not in_shards == in_inputs == g.documents:
+                raise ValueError(
+                    f"generation {number}'s {g.documents} documents are not those of its first {g.shards} shards and {g.inputs} inputs"
+                )
+            before = (g.documents, g.inputs, g.shards)
+        if self.generations is not None and len({f.path for f in self.inputs}) < len(self.inputs):
+            raise ValueError("two inputs of a grown store have one name: a document's file would be ambiguous")
+        last = self.generations[-1] if self.generations is not None else None
+        if last is not None and (last.documents, last.inputs, last.shards, last.fingerprint) != (
+            self.documents, len(self.inputs), len(self.shards), self.fingerprint
+        ):
+            raise ValueError("its last generation is not the whole store (documents, inputs, shards and fingerprint)")
         for index, shard in enumerate(self.shards):
             if shard.name != store_shard_name(index):
                 raise ValueError(f"shard {index} is named {shard.name!r}, not {store_shard_name(index)!r}")
@@ -122,9 +177,70 @@ class StoreManifest(StrictModel):
         return self  # input names: `InputFile` checks them
 
 
+    def generation_of(self, fingerprint: str) -> int | None:
+        """The generation whose fingerprint is `fingerprint` (0 for a store never appended to whose
+        fingerprint it is), or None when the store never had it."""
+        found = [g.fingerprint for g in self.generations] if self.generations is not None else [self.fingerprint]
+        return found.index(fingerprint) if fingerprint in found else None
+
+    def at_generation(self, number: int) -> StoreManifest:
+        """The manifest of the store as it stood at generation `number` (its first shards and inputs,
+        the fingerprint it had then); `lengths` stays the whole store's, being only a summary."""
+        if self.generations is None or number == len(self.generations) - 1:
+            return self
+        g = self.generations[number]
+        return self.model_copy(update={
+            "store_version": GROWN_STORE_VERSION if number else STORE_VERSION,
+            "fingerprint": g.fingerprint,
+            "inputs": self.inputs[: g.inputs],
+            "documents": g.documents,
+            "tokens": sum(s.tokens for s in self.shards[: g.shards]),
+            "shards": self.shards[: g.shards],
+            "generations": self.generations[: number + 1] if number else None,
+        })
+
+    def since_generation(self, number: int) -> StoreManifest:
+        """The documents added after generation `number`: a manifest of the later shards and inputs
+        alone (what an append to a build reads), not a store's on its own."""
+        g = self.generations[number]
+        return self.model_copy(update={
+            "inputs": self.inputs[g.inputs :],
+            "documents": self.documents - g.documents,
+            "tokens": self.tokens - sum(s.tokens for s in self.shards[: g.shards]),
+            "shards": self.shards[g.shards :],
+        })
+
+
+class StoreFingerprint:
+    """A store's fingerprint recomputed from its documents, fed shard by shard in order (`update`):
+    of a store never appended to, the documents' `Fingerprint`; of a grown one, each generation's
+    documents hashed alone and chained (`chained_fingerprint`). `found` holds each generation's."""
+
+    def __init__(self, manifest: StoreManifest) -> None:
+        generations = manifest.generations or []
+        self._ends = [g.shards for g in generations] or [len(manifest.shards)]
+        self._shards, self._documents = 0, Fingerprint()
+        self.found: list[str] = []
+
+    def update(self, lengths: np.ndarray, ids: np.ndarray, labels: np.ndarray | None) -> None:
+        """Add the next shard's documents."""
+        self._documents.update(lengths, ids, labels)
+        self._shards += 1
+        if self._shards == self._ends[len(self.found)]:
+            added = self._documents.hexdigest()
+            self.found.append(chained_fingerprint(self.found[-1], added) if self.found else added)
+            self._documents = Fingerprint()
+
+    def hexdigest(self) -> str:
+        """The fingerprint of every shard fed (all of them: `update` ends a generation at its last)."""
+        return self.found[-1]
+
+
 def write_store_manifest(directory: Path, manifest: StoreManifest) -> None:
-    """Write `store.json` atomically (temporary file + rename), keys sorted."""
-    text = json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+    """Write `store.json` atomically (temporary file + rename), keys sorted. A store never appended to
+    has no `generations` key, so its bytes are those of before appends."""
+    fields = manifest.model_dump(mode="json", exclude={"generations"} if manifest.generations is None else None)
+    text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     tmp = directory / f".{STORE_MANIFEST_NAME}.tmp"
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, directory / STORE_MANIFEST_NAME)
@@ -144,9 +260,9 @@ def read_store_manifest(directory: str | os.PathLike | bytes, name: str = STORE_
             else f"{Path(directory) / STORE_MANIFEST_NAME} does not exist: {directory} is not a finished prepack document store."
         ) from None
     version = raw.get("store_version") if isinstance(raw, dict) else None
-    if version != STORE_VERSION:
+    if type(version) is not int or version not in (STORE_VERSION, GROWN_STORE_VERSION):
         raise FormatError(
-            f"{path} has store_version {version!r}; this prepack reads version {STORE_VERSION}. "
+            f"{path} has store_version {version!r}; this prepack reads versions {STORE_VERSION} and {GROWN_STORE_VERSION}. "
             "Tokenize the corpus again or use the prepack version that wrote the store."
         )
     try:

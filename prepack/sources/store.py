@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +116,12 @@ class Store:
         offsets = check_store_offsets(batch, shard, self.manifest.has_labels, where)
         return np.diff(offsets), untrained_documents(offsets, self._labels(batch), without_numba)
 
+    def shard_document_lengths(self, shard: StoreShard) -> np.ndarray:
+        """Every document's length (int64) of one of the store's shards, from its offsets alone,
+        checked as `shard_lengths` checks them, no label read."""
+        batch, where = self._batch(shard, whole=False)
+        return np.diff(check_store_offsets(batch, shard, self.manifest.has_labels, where))
+
     def _batch(self, shard: StoreShard, whole: bool) -> tuple[pa.RecordBatch, str]:
         """(the one record batch of one of the store's shards, memory-mapped, what its problems name it
         by). Its buffers are validated: as long as their lengths say, and, when `whole`, in full
@@ -190,12 +196,14 @@ def store_location(build: str, manifest: Manifest) -> str:
 
 
 def check_build_store(store: Store, build: str | os.PathLike, manifest: Manifest) -> Store:
-    """`store`, refused (FormatError) unless it is the store the index build at `build` (whose manifest
-    is `manifest`) was planned from: same fingerprint, labels as the build's."""
+    """`store` as it stood when the index build at `build` (whose manifest is `manifest`) was planned
+    from it (`StoreManifest.at_generation`: a store appended to since keeps serving the build its first
+    documents), refused (FormatError) unless it ever had the build's fingerprint and labels as the build's."""
     reference = manifest.store
-    if store.manifest.fingerprint != reference.fingerprint or store.manifest.has_labels != manifest.has_labels:
+    generation = store.manifest.generation_of(reference.fingerprint)
+    if generation is None or store.manifest.has_labels != manifest.has_labels:
         raise FormatError(
             f"{store.location or store.root}: the store's fingerprint is {store.manifest.fingerprint}, but the index "
             f"build {build} was planned from {reference.fingerprint}: the store changed; build the index again."
         )
-    return store
+    return replace(store, manifest=store.manifest.at_generation(generation))

@@ -45,6 +45,7 @@ __all__ = [
     "output_file",
     "replaceable_build",
     "resumable_staging",
+    "staged_append",
     "staged_directory",
 ]
 
@@ -142,6 +143,9 @@ class Staging(NamedTuple):
     # When `build` goes to object storage: its `prepack.storage.remote.Publication`, through which an engine's
     # workers upload shards themselves.
     publication: Any = None
+    # When appending (`staged_append`, `prepack.storage.remote.staged_prefix`): the manifest of the output
+    # appended to, as found under the lock (or marker); `build` then receives the new shards and manifest.
+    appending: Manifest | StoreManifest | None = None
 
 
 class _Found(NamedTuple):
@@ -185,18 +189,65 @@ def staged_directory(out: str | os.PathLike, overwrite: bool, kind: str = MANIFE
         replacing = _found(out, kind)
         if replacing is not None and not overwrite:
             raise OutputError(f"{out} already exists; pass --overwrite to replace it.")
-        staging = out.parent / f".{out.name}{_STAGING_SUFFIX}{uuid.uuid4().hex[:8]}"
-        with output_errors(staging, "create"):
-            staging.mkdir()
-        try:
-            with output_errors(staging, "create"):
-                (staging / STAGING_MARK).write_text(f"A build to {out.name} writes here; deleted by the next build to it.\n")
-                (staging / "build").mkdir()
-                (staging / "scratch").mkdir()
+        with _new_staging(out) as staging:
             yield Staging(staging / "build", staging / "scratch")
             _publish(staging / "build", out, replacing, kind)
-        finally:
-            _remove_staging(staging)
+
+
+@contextmanager
+def _new_staging(out: Path) -> Iterator[Path]:
+    """A new staging directory beside `out` (its mark, `build/` and `scratch/` in it), deleted when the
+    block ends, whatever happens. The caller holds `out`'s lock."""
+    staging = out.parent / f".{out.name}{_STAGING_SUFFIX}{uuid.uuid4().hex[:8]}"
+    with output_errors(staging, "create"):
+        staging.mkdir()
+    try:
+        with output_errors(staging, "create"):
+            (staging / STAGING_MARK).write_text(f"A build to {out.name} writes here; deleted by the next build to it.\n")
+            (staging / "build").mkdir()
+            (staging / "scratch").mkdir()
+        yield staging
+    finally:
+        _remove_staging(staging)
+
+
+@contextmanager
+def staged_append(out: str | os.PathLike, kind: str = MANIFEST_NAME) -> Iterator[Staging]:
+    """`staged_directory` for an append to the prepack output of `kind` at `out`: under `out`'s lock,
+    yield a staging directory holding the output's shards already (hard links to the same files, so
+    they stay byte for byte as they are, copied where the file system has no hard links), with
+    `appending` its manifest; the block writes the new shards and the manifest into `build`, which then
+    replaces `out` in one exchange, after checking that `out` is still what was found.
+
+    A killed append leaves `out` as it was (its staging directory is cleared by the next run to
+    `out`); a second append (or build) to `out` while one runs is refused. Raises OutputError when
+    `out` is not a prepack output of `kind`, or holds none."""
+    out = Path(out)
+    if out.is_symlink():
+        raise OutputError(f"{out} is a symbolic link; prepack neither follows nor replaces links at --out.")
+    with output_lock(out):
+        _remove_stale_staging(out)
+        found = _found(out, kind)
+        if found is None or found.manifest is None:
+            raise OutputError(
+                f"{out} holds no prepack {OUTPUT_KINDS[kind]} to append to; leave out --append to write a new one."
+            )
+        with _new_staging(out) as staging:
+            for shard in found.manifest.shards:
+                with output_errors(staging / "build" / shard.name, "create"):
+                    _link_or_copy(out / shard.name, staging / "build" / shard.name)
+            yield Staging(staging / "build", staging / "scratch", appending=found.manifest)
+            _publish(staging / "build", out, found, kind)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link `target` to the file `source`, or, where the file system has none, a copy."""
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        shutil.copyfile(source, target, follow_symlinks=False)
 
 
 def _publish(built: Path, out: Path, replacing: _Found | None, kind: str) -> None:

@@ -285,7 +285,7 @@ def _parse_manifest(text: bytes, uri: str, kind: str) -> Manifest | StoreManifes
 
 
 @contextmanager
-def staged_prefix(uri: str, overwrite: bool, kind: str = MANIFEST_NAME) -> Iterator[Staging]:
+def staged_prefix(uri: str, overwrite: bool, kind: str = MANIFEST_NAME, append: bool = False) -> Iterator[Staging]:
     """`prepack.storage.output.staged_directory` for a prefix in object storage: yield a local staging
     directory (in `TMPDIR`) and, when the block ends without an error, upload its `build` to `uri`, the
     manifest last (`Publication`); the staging directory is deleted whatever happens. An engine whose
@@ -297,10 +297,15 @@ def staged_prefix(uri: str, overwrite: bool, kind: str = MANIFEST_NAME) -> Itera
     build to it starts at the same moment; and, with nothing of another build's touched, when another
     build took the prefix over or published to it while the block ran, or an upload fails (what this
     build uploaded is deleted, also when the block fails).
+
+    With `append`, the prefix must hold an output of `kind`, whose manifest `Staging.appending` is: the
+    block writes only the new shards and the manifest into `build`; they go up without the output being
+    unpublished meanwhile (its manifest is replaced last, in one PUT), so a killed append leaves it as it was.
     """
-    publication = Publication(uri, overwrite, kind)
+    publication = Publication(uri, overwrite, kind, append)
     with tempfile.TemporaryDirectory(prefix="prepack-build-") as directory:
-        staging = Staging(Path(directory, "build"), Path(directory, "scratch"), publication)
+        appending = publication.replacing[1] if append else None
+        staging = Staging(Path(directory, "build"), Path(directory, "scratch"), publication, appending)
         staging.build.mkdir()
         staging.scratch.mkdir()
         try:
@@ -376,13 +381,15 @@ class Publication:
     or took over, except what a manifest published meanwhile or another build's marker names.
     """
 
-    def __init__(self, uri: str, overwrite: bool, kind: str) -> None:
-        self.uri, self.kind = uri, kind
+    def __init__(self, uri: str, overwrite: bool, kind: str, append: bool = False) -> None:
+        self.uri, self.kind, self.append = uri, kind, append
         self.fs, self.prefix = _output_prefix(uri)
         self.parent, self.name = posixpath.split(self.prefix)
         self.marker = f"{self.parent}/.{self.name}{STAGING_MARK}"
         _clear_leftovers(self.fs, self.uri, self.prefix, self.marker)
-        self.replacing = _replaceable_prefix(self.fs, uri, self.prefix, kind, overwrite)
+        self.replacing = _replaceable_prefix(self.fs, uri, self.prefix, kind, overwrite or append)
+        if append and self.replacing is None:
+            raise OutputError(f"{uri} holds no prepack {OUTPUT_KINDS[kind]} to append to; leave out --append to write a new one.")
         self.build_id = uuid.uuid4().hex
         self.opened = False
         self.uploaded: list[str] = []  # names under the prefix this build may have written
@@ -422,7 +429,7 @@ class Publication:
         if now != (None if self.replacing is None else self.replacing[0]):
             raise OutputError(f"{self.uri} changed while this build ran; it was left as it is, and this build discarded.")
         self.opened = True
-        if self.replacing is not None:  # unpublish it: its shards are about to be overwritten
+        if self.replacing is not None and not self.append:  # unpublish it: its shards are about to be overwritten
             self._record(lambda: self.taken.extend([self.kind, *(s.name for s in self.replacing[1].shards)]))
             self._writing(lambda: self.fs.rm_file(f"{self.prefix}/{self.kind}"))
 
@@ -430,9 +437,12 @@ class Publication:
         """Upload the files of `built` (the manifest last), then delete the replaced output's other
         shards and the marker."""
         shards = sorted(p.name for p in built.iterdir() if p.name != self.kind)
+        if self.append and (named := sorted(set(shards) & {s.name for s in self.replacing[1].shards})):
+            raise ValueError(f"an append re-uploads shards of the output it appends to: {named}")
         self.uploading([*shards, self.kind])
+        expected = self.replacing[0] if self.append else None  # the manifest an append replaces; else none
         try:  # a manifest that went up meanwhile (a writer that ignored the marker): its shards stay as they are
-            published = _manifest_text(self.fs, self.uri, self.prefix, self.kind) is not None
+            published = _manifest_text(self.fs, self.uri, self.prefix, self.kind) != expected
         except (*storage_errors(), FormatError):
             published = True
         if published:
@@ -441,7 +451,9 @@ class Publication:
         self.check_claim(thorough=True)
         manifest, target = (built / self.kind).read_bytes(), f"{self.prefix}/{self.kind}"
         try:
-            self.fs.pipe_file(target, manifest, mode="create")
+            # An append's manifest replaces the one its shards extend (the marker, created exclusively,
+            # keeps other writers out); a new output's is created exclusively.
+            self.fs.pipe_file(target, manifest, **({} if self.append else {"mode": "create"}))
             published = _manifest_text(self.fs, self.uri, self.prefix, self.kind) == manifest
         except FileExistsError:
             published = False
@@ -450,7 +462,7 @@ class Publication:
         if not published:  # another build's manifest went up first, or replaced this one's
             self._give_up(f"another prepack build published {self.uri} while this one ran; that build was left as it is")
         ours, self.uploaded, self.taken = set(self.uploaded), [], []  # published: nothing to discard any more
-        if self.replacing is not None:
+        if self.replacing is not None and not self.append:
             try:
                 _delete(self.fs, [f"{self.prefix}/{s.name}" for s in self.replacing[1].shards if s.name not in ours])
             except storage_errors() as exc:

@@ -67,11 +67,18 @@ class _State(BaseModel):
     balance: Literal["attention"] | None = None
     token_cost: float | None = Field(default=None, ge=0, le=MAX_TOKEN_COST, allow_inf_nan=False)
     passes: list[_Pass] | None = Field(default=None, min_length=1, max_length=MAX_PASSES)
+    # The epoch's earlier pack counts, when the build grew by appends while it ran (`PackedSampler`'s
+    # "Growing builds"): strictly rising, each below `size`. Absent from a state of a build that did not.
+    grown: list[Annotated[int, Field(ge=1, le=_INT_MAX)]] | None = Field(default=None, min_length=1, max_length=MAX_PASSES)
 
     @model_validator(mode="after")
     def _consistent(self) -> _State:  # ValueError is how a pydantic validator fails: SamplerStateError below
         if self.used > self.size:
             raise ValueError(f"used {self.used} is more than the {self.size} packs")
+        if self.grown is not None and (any(a >= b for a, b in zip(self.grown, [*self.grown[1:], self.size]))):
+            raise ValueError(f"grown {self.grown} must rise strictly, below size {self.size}")
+        if self.grown is not None and self.balance is not None:
+            raise ValueError("grown is never in a balanced state (a balanced run takes a grown build at an epoch's start)")
         balanced = self.balance is not None
         if (self.token_cost is not None) != balanced or (self.passes is not None) != balanced:
             raise ValueError("balance, token_cost and passes come together (a balanced state) or not at all")
@@ -139,6 +146,15 @@ class PackedSampler(Sampler[int]):
     read), so `dataset_or_len` must be a `PackedDataset`. The epoch is still one seeded shuffle, each
     pack once across the ranks; the state also records the world and batch sizes the epoch was dealt
     for, and a run resumed on others rebalances the rest of the epoch (module docstring).
+
+    Growing builds: a build grown by appends (`prepack build STORE --out DIR --append`) is one dataset
+    whose old packs keep their indices and whose new packs come after them. A state saved before the
+    append loads into a sampler over the grown `PackedDataset` (its manifest's `generations` must end a
+    generation where the state's packs end): the rest of the saved epoch is its order over the old packs,
+    from where it stopped, then the new packs in a seeded shuffle of their own (`grown` in the state), so
+    no old pack is repeated or skipped and every new pack is trained once; the next epoch shuffles all.
+    A balanced sampler (`balance`) takes the grown build from the next epoch on: its state loads only
+    into a sampler of the same size.
     """
 
     def __init__(
@@ -166,6 +182,11 @@ class PackedSampler(Sampler[int]):
         self.balance = balance
         self.token_cost = validated_token_cost(token_cost)
         self._costs = self._pack_costs(dataset_or_len) if balance is not None else None
+        # Where the build's generations end (a build grown by appends), so that a state saved on its
+        # earlier packs can resume over the grown build; none for a dataset given by its length.
+        generations = getattr(getattr(dataset_or_len, "manifest", None), "generations", None) or []
+        self._generation_ends = {g.packs for g in generations}
+        self._grown: list[int] = []  # this epoch's earlier pack counts, after resuming on a grown build
         self.num_samples = self.size // self.world_size if drop_last else math.ceil(self.size / self.world_size)
         self.epoch = 0
         self._start = 0  # packs of the epoch's order used before this pass began (a resumed run's)
@@ -200,7 +221,7 @@ class PackedSampler(Sampler[int]):
             raise UsageError(f"epoch must be non-negative, got {epoch}")
         if epoch != self.epoch:
             self.epoch, self._start, self._position, self._resume_pending = epoch, 0, 0, False
-            self._passes = self._first_pass()
+            self._passes, self._grown = self._first_pass(), []
 
     def __iter__(self) -> Iterator[int]:
         """The epoch from its beginning, as DistributedSampler; right after `load_state_dict`, the rest."""
@@ -219,7 +240,7 @@ class PackedSampler(Sampler[int]):
         """This rank's indices for the packs of the epoch from `_start` on, dealt round-robin."""
         if self.balance is not None:
             return self._balanced_pass(self.epoch, self._passes)[self._start :][self.rank :: self.world_size]
-        order = epoch_order(self.size, self.seed, self.epoch, self.shuffle)
+        order = self._epoch_order()
         rest = order[self._start :]
         if self.drop_last:
             rest = rest[: len(rest) - len(rest) % self.world_size]
@@ -227,6 +248,16 @@ class PackedSampler(Sampler[int]):
             # DistributedSampler's padding: the first packs of the epoch again (repeated if fewer).
             rest = np.concatenate([rest, np.resize(order, padding)])
         return rest[self.rank :: self.world_size]
+
+    def _epoch_order(self) -> np.ndarray:
+        """The epoch's order: of all packs, or, resumed on a grown build (`_grown`), the epoch's order of
+        the packs it began with, then each generation's new packs, shuffled among themselves."""
+        sizes = [*self._grown, self.size]
+        order = [epoch_order(sizes[0], self.seed, self.epoch, self.shuffle)]
+        for low, high in zip(sizes, sizes[1:]):
+            added = np.random.default_rng([self.seed, self.epoch, low]).permutation(high - low) if self.shuffle else np.arange(high - low)
+            order.append(low + added)
+        return np.concatenate(order)
 
     def _balanced_pass(self, epoch: int, passes: list[list[int]]) -> np.ndarray:
         """The order of the last of `passes` in `epoch`: the packs used before it began, then the rest
@@ -263,6 +294,8 @@ class PackedSampler(Sampler[int]):
             raise SamplerStateError(f"consumed must be an int in [0, {length}], got {consumed!r}")
         used = min(self._start + position * self.world_size, self.size)  # padding is not a pack of its own
         state = {"epoch": self.epoch, "used": used, **self._identity()}
+        if self._grown:
+            state["grown"] = list(self._grown)
         if self.balance is not None:
             state["passes"] = [list(entry) for entry in self._passes]
         return state
@@ -271,7 +304,14 @@ class PackedSampler(Sampler[int]):
         """Resume from `state_dict()` of any rank. Raises SamplerStateError (a ValueError) for a state that
         is malformed (`_State`) or from another dataset size or order, before anything changes."""
         saved = _validated_state(state)
-        mismatched = [key for key, value in self._identity().items() if getattr(saved, key) != value]
+        grew = self._grew_from(saved)
+        grown = [*(saved.grown or []), saved.size] if grew else saved.grown or []
+        if not set(grown) <= self._generation_ends:
+            raise SamplerStateError(
+                f"the sampler state's epoch began on {grown[0]} packs, which no generation of this dataset ends at "
+                f"(its generations end at {sorted(self._generation_ends) or 'none'}): its order would not match."
+            )
+        mismatched = [key for key, value in self._identity().items() if getattr(saved, key) != value and not (key == "size" and grew)]
         if saved.balance is not None and self.balance is None:
             mismatched += ["balance", "token_cost"]  # a balanced state is another order
         if mismatched:
@@ -286,7 +326,12 @@ class PackedSampler(Sampler[int]):
                     f"{len(order)} packs, {passes[-1][1]} a step from {passes[-1][0]} on)."
                 )
         self.epoch, self._start, self._position, self._passes = saved.epoch, saved.used, 0, passes
-        self._resume_pending = True
+        self._grown, self._resume_pending = grown, True
+
+    def _grew_from(self, saved: _State) -> bool:
+        """Whether `saved` is a state of this build before it grew by appends: fewer packs, ending where
+        one of its generations ends, and not balanced (see the class docstring)."""
+        return saved.size < self.size and saved.size in self._generation_ends and self.balance is None
 
     def _resumed_passes(self, passes: list[list[int]], used: int) -> list[list[int]]:
         """The saved passes, and a new one from `used` on when this sampler's sizes differ."""

@@ -194,7 +194,11 @@ def _write_shards(
     shard_size: int,
     progress: Progress,
     store: IndexOf | None,
+    first_shard: int = 0,
+    first_row: int = 0,
 ) -> list[ShardInfo]:
+    """Write the plan's packs as shards numbered from `first_shard`, their documents' rows counted from
+    `first_row` (an append's: after the build's shards and documents)."""
     bounds, largest_shard = pack_shard_bounds(plan, first.has_labels, shard_size, index_only=store is not None)
     idle_buffers: queue.SimpleQueue[ShardBuffers] = queue.SimpleQueue()
     for _ in range(_SHARD_WRITERS):
@@ -203,7 +207,10 @@ def _write_shards(
     def write(index: int, start: int, end: int) -> ShardInfo:
         buffers = idle_buffers.get()  # never waits: no more tasks than buffers run at once
         try:
-            return write_shard(staging, index, plan.slice(start, end), first.tokens, first.labels, buffers, store)
+            layout = plan.slice(start, end)
+            if first_row:
+                layout = replace(layout, rows=layout.rows + first_row)
+            return write_shard(staging, first_shard + index, layout, first.tokens, first.labels, buffers, store)
         finally:
             idle_buffers.put(buffers)
 
@@ -268,8 +275,11 @@ class LocalEngine:
         return replace(first, tokens=again.tokens, labels=again.labels)
 
     def write_packs(self, plan: PackingPlan, first: FirstPass, shard_size: int, progress: Progress) -> list[ShardInfo]:
-        index_of = IndexOf(len(first.lengths), first.fingerprint) if self.index_only else None
-        return _write_shards(plan, self.staging.build, first, shard_size, progress, index_of)
+        # An append (`first` holds the documents after the build's) numbers on from the build's shards and rows.
+        appending = self.staging.appending
+        first_shard, first_row = (len(appending.shards), appending.totals.documents) if appending is not None else (0, 0)
+        index_of = IndexOf(first_row + len(first.lengths), first.fingerprint) if self.index_only else None
+        return _write_shards(plan, self.staging.build, first, shard_size, progress, index_of, first_shard, first_row)
 
     def write_store(self, documents: Documents, reading: Reading, shard_size: int, progress: Progress) -> WrittenStore:
         files = documents.corpus.files
@@ -277,7 +287,9 @@ class LocalEngine:
         position = {path: index for index, path in enumerate(files)}
         lengths, untrained = [], 0  # lengths as int32: 4 bytes per document, for the summary
         fingerprint = Fingerprint()
-        writer = StoreShardWriter(self.staging.build, documents.has_labels, shard_size)
+        # An append numbers its shards on from the store's (`Staging.appending`).
+        appending = self.staging.appending
+        writer = StoreShardWriter(self.staging.build, documents.has_labels, shard_size, len(appending.shards) if appending else 0)
         task = progress.add_task("store", total=len(files), unit="files")
         for batch in documents.batches:
             batch_lengths = np.diff(batch.offsets)

@@ -1,0 +1,516 @@
+"""Growing without repacking: `prepack tokenize NEW --out STORE --append` adds documents to a store, and
+`prepack build STORE --out DIR --append` packs only the documents its build does not hold yet. Every
+shard written before stays byte for byte as it was; index builds of an earlier generation keep reading
+the grown store; an append is as atomic and exclusive as a build; the sampler sees one dataset."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from prepack import build, build_store
+from prepack.check.report import REBUILD_GAIN_PP, inspect_build
+from prepack.check.verify import verify_build
+from prepack.errors import InputError, OutputError
+from prepack.formats.shards import SHARD_STORE_KEY, read_manifest
+from prepack.formats.store import read_store_manifest
+from prepack.sources.store import open_store
+from prepack.training.dataset import PackedDataset
+from prepack.training.sampler import PackedSampler
+from tests.cli import WIDE, run_prepack
+from prepack.storage.files import write_record_batch
+from tests.corpus import corpus_table, record_shard, write_corpus
+
+MAX_LEN = 64
+
+
+def _documents(seed: int, count: int, longest: int = 90) -> list[list[int]]:
+    """Documents of 1..longest tokens, some longer than MAX_LEN (split)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 500, size=int(rng.integers(1, longest))).tolist() for _ in range(count)]
+
+
+def _batch(root: Path, name: str, documents: list[list[int]], labels: bool = False) -> Path:
+    """A corpus of one file, `name`.parquet, in its own directory (an append's batch of documents)."""
+    directory = root / f"batch-{name}"
+    directory.mkdir()
+    table = corpus_table(documents, [[-100, *d[1:]] for d in documents] if labels else None)
+    write_corpus(directory / f"{name}.parquet", table)
+    return directory
+
+
+def _sha256s(directory: Path, manifest_name: str) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir() if p.name != manifest_name}
+
+
+def _store_documents(store: Path) -> list[tuple[list[int], list[int] | None]]:
+    """Every document of a store, in order, as (ids, labels)."""
+    opened = open_store(store)
+    out = []
+    for batch in opened.documents():
+        for d in range(len(batch.offsets) - 1):
+            ids = batch.ids[batch.offsets[d] : batch.offsets[d + 1]].tolist()
+            labels = None if batch.labels is None else batch.labels[batch.offsets[d] : batch.offsets[d + 1]].tolist()
+            out.append((ids, labels))
+    return out
+
+
+def _packs(build_dir: Path) -> list[list[tuple[int, int]]]:
+    """The (store document, piece) pairs of every pack of a build, in pack order (shard by shard)."""
+    packs = []
+    for shard in read_manifest(build_dir).shards:
+        with pa.ipc.open_stream(build_dir / shard.name) as reader:
+            table = reader.read_all()
+        packs += [list(zip(rows, pieces)) for rows, pieces in zip(table["source_rows"].to_pylist(), table["source_pieces"].to_pylist())]
+    return packs
+
+
+# A store grows -------------------------------------------------------------------------------------
+
+
+def test_an_append_leaves_every_shard_of_the_store_byte_for_byte_and_records_a_generation(tmp_path):
+    store = tmp_path / "store"
+    first = build_store(_batch(tmp_path, "a", _documents(0, 120)), store, shard_size=600)
+    before = _sha256s(store, "store.json")
+    grown = build_store(_batch(tmp_path, "b", _documents(1, 30)), store, shard_size=600, append=True)
+    after = _sha256s(store, "store.json")
+    assert {name: after[name] for name in before} == before
+    assert {s.name: s.sha256 for s in grown.shards[: len(first.shards)]} == before
+    assert len(after) > len(before)
+    assert grown.store_version == 2 and [g.documents for g in grown.generations] == [120, 150]
+    assert grown.generations[0].fingerprint == first.fingerprint
+    assert grown.fingerprint == grown.generations[1].fingerprint != first.fingerprint
+    assert [f.path for f in grown.inputs] == ["a.parquet", "b.parquet"]
+    assert read_store_manifest(store) == grown
+
+
+@pytest.mark.slow
+@settings(max_examples=5, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 25), min_size=2, max_size=4),
+    shard_size=st.sampled_from([64, 300, 5000]),
+    labels=st.booleans(),
+)
+def test_a_store_grown_in_k_appends_holds_the_documents_of_the_store_of_the_whole_corpus(sizes, shard_size, labels):
+    with tempfile.TemporaryDirectory() as directory:
+        root = Path(directory)
+        documents = _documents(sum(sizes), sum(sizes), longest=40)
+        parts, start = [], 0
+        for number, size in enumerate(sizes):
+            parts.append(_batch(root, f"part{number}", documents[start : start + size], labels))
+            start += size
+        build_store(parts[0], root / "grown", shard_size=shard_size)
+        for part in parts[1:]:
+            build_store(part, root / "grown", shard_size=shard_size, append=True)
+        whole = root / "whole"
+        whole.mkdir()
+        table = corpus_table(documents, [[-100, *d[1:]] for d in documents] if labels else None)
+        write_corpus(whole / "all.parquet", table)
+        build_store(whole, root / "at-once", shard_size=shard_size)
+        assert _store_documents(root / "grown") == _store_documents(root / "at-once")
+        grown = read_store_manifest(root / "grown")
+        assert len(grown.generations) == len(sizes) and grown.documents == sum(sizes)
+        assert grown.tokens == read_store_manifest(root / "at-once").tokens
+
+
+def test_an_append_is_read_as_the_store_was_and_refused_otherwise_by_name(tmp_path):
+    store = tmp_path / "store"
+    build_store(_batch(tmp_path, "a", _documents(0, 20), labels=True), store)
+    before = {p.name: p.read_bytes() for p in store.iterdir()}
+    with pytest.raises(InputError, match=r"store was read with labels_column 'labels', and this corpus is read with None"):
+        build_store(_batch(tmp_path, "b", _documents(1, 5)), store, append=True)
+    (tmp_path / "again").mkdir()
+    with pytest.raises(InputError, match=r"holds a corpus file named 'a.parquet' already"):
+        build_store(_batch(tmp_path / "again", "a", _documents(2, 5), labels=True), store, append=True)
+    with pytest.raises(InputError, match="--append grows the output at --out and --overwrite replaces it"):
+        build_store(tmp_path / "batch-b", store, append=True, overwrite=True)
+    with pytest.raises(OutputError, match="holds no prepack document store to append to"):
+        build_store(tmp_path / "batch-b", tmp_path / "nothing", append=True)
+    assert {p.name: p.read_bytes() for p in store.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "batch-a", "batch-b", "store"]
+
+
+@pytest.mark.slow
+def test_a_text_append_with_another_tokenizing_option_is_refused_by_its_name(tmp_path):
+    from tests.demo_inputs import gpt2_directory
+
+    tokenizer = gpt2_directory(tmp_path / "gpt2")
+    for name, rows in (("a", ["one line", "two lines here"]), ("b", ["three"])):
+        (tmp_path / name).mkdir()
+        pq.write_table(pa.table({"text": rows}), tmp_path / name / f"{name}.parquet")
+    build_store(tmp_path / "a", tmp_path / "store", tokenizer=tokenizer)
+    with pytest.raises(InputError, match=r"was read with tokenize.eos True, and this corpus is read with False"):
+        build_store(tmp_path / "b", tmp_path / "store", tokenizer=tokenizer, eos=False, append=True)
+    # The same tokenizer files under another name read alike: the name is informative.
+    renamed = tmp_path / "same-files"
+    renamed.mkdir()
+    for file in tokenizer.iterdir():
+        (renamed / file.name).write_bytes(file.read_bytes())
+    grown = build_store(tmp_path / "b", tmp_path / "store", tokenizer=renamed, append=True)
+    assert grown.documents == 3 and grown.tokenize.tokenizer.name == tokenizer.name
+
+
+# An index build of an earlier generation ------------------------------------------------------------
+
+
+def test_an_index_build_of_an_earlier_generation_still_loads_and_verifies(tmp_path):
+    store = tmp_path / "store"
+    build_store(_batch(tmp_path, "a", _documents(0, 80)), store, shard_size=500)
+    build(store, tmp_path / "old-index", max_len=MAX_LEN, index_only=True)
+    before = PackedDataset(tmp_path / "old-index")
+    packs = [before[i]["input_ids"].tolist() for i in range(len(before))]
+    for name, seed in (("b", 1), ("c", 2)):
+        build_store(_batch(tmp_path, name, _documents(seed, 20)), store, shard_size=500, append=True)
+    assert verify_build(tmp_path / "old-index") == []
+    after = PackedDataset(tmp_path / "old-index")
+    assert [after[i]["input_ids"].tolist() for i in range(len(after))] == packs
+    # A store whose earlier shard changed no longer serves it: its fingerprint of that generation is checked.
+    shard = store / "documents-00000.arrow"
+    data = bytearray(shard.read_bytes())
+    data[-20] ^= 1
+    shard.write_bytes(bytes(data))
+    assert any("sha256" in p.message for p in verify_build(tmp_path / "old-index"))
+
+
+# A build grows -------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index_only", [False, True])
+def test_a_build_appended_k_times_holds_every_document_once_and_keeps_its_shards(tmp_path, index_only):
+    store, out = tmp_path / "store", tmp_path / "packed"
+    batches = [_documents(0, 150), _documents(1, 15), _documents(2, 20), _documents(3, 10)]
+    build_store(_batch(tmp_path, "b0", batches[0]), store, shard_size=2000)
+    build(store, out, max_len=MAX_LEN, index_only=index_only, shard_size=3000, seed=5)
+    for number, documents in enumerate(batches[1:], start=1):
+        before = _sha256s(out, "manifest.json")
+        build_store(_batch(tmp_path, f"b{number}", documents), store, shard_size=2000, append=True)
+        grown = build(store, out, max_len=MAX_LEN, index_only=index_only, shard_size=3000, seed=5, append=True)
+        after = _sha256s(out, "manifest.json")
+        assert {name: after[name] for name in before} == before and len(after) > len(before)
+    assert verify_build(out) == [] and verify_build(out, store) == []
+    assert len(grown.generations) == 4
+    # Every piece of every document exactly once, the old packs first.
+    packs = _packs(out)
+    pieces = [piece for pack in packs for piece in pack]
+    total = sum(map(len, batches))
+    expected = [(row, piece) for row, doc in enumerate(d for b in batches for d in b) for piece in range(-(-len(doc) // MAX_LEN))]
+    assert sorted(pieces) == expected and len(set(pieces)) == len(pieces)
+    first = grown.generations[0]
+    assert {row for pack in packs[: first.packs] for row, _ in pack} == set(range(first.documents))
+    assert grown.totals.documents == total
+    # The fill is reported against a build of the same documents at once, which packs them no worse.
+    rebuilt = build(store, tmp_path / "rebuilt", max_len=MAX_LEN, index_only=index_only, shard_size=3000, seed=5)
+    assert grown.generations[-1].rebuild_packs == rebuilt.totals.packs <= grown.totals.packs
+    report = inspect_build(out)
+    assert report.appends.appends == 3 and report.appends.rebuild_packs == rebuilt.totals.packs
+    assert report.appends.gap_pp == pytest.approx(100 * grown.totals.tokens / MAX_LEN * (1 / rebuilt.totals.packs - 1 / grown.totals.packs))
+    assert report.appends.rebuild_advised == (report.appends.gap_pp > REBUILD_GAIN_PP)
+
+
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 30), min_size=2, max_size=4),
+    max_len=st.sampled_from([16, 50]),
+    overflow=st.sampled_from(["split", "truncate", "drop"]),
+    algorithm=st.sampled_from(["ffd", "bfd"]),
+    index_only=st.booleans(),
+    drop_untrained=st.booleans(),
+)
+def test_any_build_grown_in_k_appends_packs_each_document_as_a_build_of_it_at_once(sizes, max_len, overflow, algorithm, index_only, drop_untrained):
+    with tempfile.TemporaryDirectory() as directory:
+        root = Path(directory)
+        documents = _documents(len(sizes), sum(sizes), longest=70)
+        # Every third document untrained (all its labels -100), so that --drop-untrained leaves some out.
+        labels = [[-100] * len(d) if row % 3 == 0 else [-100, *d[1:]] for row, d in enumerate(documents)]
+        options = dict(max_len=max_len, overflow=overflow, algorithm=algorithm, index_only=index_only, drop_untrained=drop_untrained)
+        start = 0
+        for number, size in enumerate(sizes):
+            (root / f"part{number}").mkdir()
+            table = corpus_table(documents[start : start + size], labels[start : start + size])
+            write_corpus(root / f"part{number}" / f"part{number}.parquet", table)
+            build_store(root / f"part{number}", root / "store", append=number > 0)
+            start += size
+            if number == 0:
+                try:
+                    build(root / "store", root / "grown", **options)
+                except InputError as exc:  # a first build of nothing to pack is refused; an append of it is not
+                    assume("no document is left to pack" not in str(exc))
+                    raise
+            else:
+                grown = build(root / "store", root / "grown", **options, append=True)
+        once = build(root / "store", root / "at-once", **options)
+        grown_pieces = sorted(piece for pack in _packs(root / "grown") for piece in pack)
+        assert grown_pieces == sorted(piece for pack in _packs(root / "at-once") for piece in pack)
+        assert len(set(grown_pieces)) == len(grown_pieces)
+        counts = ("documents", "tokens", "segments", "split", "truncated", "dropped", "empty", "input_tokens", "untrained")
+        assert {c: getattr(grown.totals, c) for c in counts} == {c: getattr(once.totals, c) for c in counts}
+        assert grown.generations[-1].rebuild_packs == once.totals.packs
+        assert verify_build(root / "grown") == []
+
+
+def test_verify_names_an_index_shard_that_claims_another_generation_of_the_store(tmp_path):
+    store, out = tmp_path / "store", tmp_path / "index"
+    build_store(_batch(tmp_path, "a", _documents(0, 40)), store)
+    build(store, out, max_len=MAX_LEN, index_only=True)
+    build_store(_batch(tmp_path, "b", _documents(1, 10)), store, append=True)
+    grown = build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+    assert verify_build(out) == []
+    # Shard 0 (generation 0) rewritten to claim generation 1's store, its size and sha256 recorded.
+    shard = out / "shard-00000.arrow"
+    with pa.ipc.open_stream(pa.BufferReader(shard.read_bytes())) as reader:  # a copy: the file is rewritten
+        batch = reader.read_next_batch()
+    metadata = {**batch.schema.metadata, SHARD_STORE_KEY.encode(): grown.generations[1].fingerprint.encode()}
+    write_record_batch(shard, batch.replace_schema_metadata(metadata))
+    record_shard(out / "manifest.json", shard)
+    problems = verify_build(out, all_problems=True)
+    assert [(p.file, p.message) for p in problems] == [
+        ("shard-00000.arrow", f"was planned from the store of fingerprint {grown.generations[1].fingerprint}, but it is "
+         f"a shard of generation 0, planned from {grown.generations[0].fingerprint}.")
+    ]
+
+
+@pytest.mark.slow
+def test_the_loaders_serve_a_grown_index_build_as_the_grown_full_build(tmp_path):
+    from prepack import open_hf_dataset
+
+    store = tmp_path / "store"
+    build_store(_batch(tmp_path, "a", _documents(0, 60), labels=True), store, shard_size=700)
+    for index_only in (False, True):
+        build(store, tmp_path / f"packed-{index_only}", max_len=MAX_LEN, index_only=index_only, shard_size=1500)
+    for name, seed in (("b", 1), ("c", 2)):
+        build_store(_batch(tmp_path, name, _documents(seed, 15), labels=True), store, shard_size=700, append=True)
+        for index_only in (False, True):
+            build(store, tmp_path / f"packed-{index_only}", max_len=MAX_LEN, index_only=index_only, shard_size=1500, append=True)
+    full, index = PackedDataset(tmp_path / "packed-False"), PackedDataset(tmp_path / "packed-True")
+    assert len(full) == len(index) == read_manifest(tmp_path / "packed-True").totals.packs
+    assert len(read_manifest(tmp_path / "packed-True").shards) >= 3
+    for i in range(len(full)):
+        assert {k: v.tolist() for k, v in full[i].items()} == {k: v.tolist() for k, v in index[i].items()}
+    gathered = open_hf_dataset(tmp_path / "packed-True", cache_dir=tmp_path / "hf-cache")
+    assert [[int(t) for t in row] for row in gathered["input_ids"]] == [full[i]["input_ids"].tolist() for i in range(len(full))]
+
+
+def test_an_append_of_documents_that_give_no_pack_records_them_in_a_generation_without_shards(tmp_path):
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 30), labels=True), store)
+    first = build(store, out, max_len=MAX_LEN, drop_untrained=True)
+    (tmp_path / "untrained").mkdir()
+    write_corpus(tmp_path / "untrained" / "u.parquet", corpus_table([[1, 2, 3], [4]], [[-100] * 3, [-100]]))
+    build_store(tmp_path / "untrained", store, append=True)
+    grown = build(store, out, max_len=MAX_LEN, drop_untrained=True, append=True)
+    assert grown.shards == first.shards and grown.totals.packs == first.totals.packs
+    assert grown.totals.documents == 32 and grown.totals.untrained == first.totals.untrained + 2
+    assert [(g.documents, g.shards, g.packs) for g in grown.generations] == [(30, 1, first.totals.packs), (32, 1, first.totals.packs)]
+    assert verify_build(out) == [] and verify_build(out, store) == []
+
+
+def test_an_append_with_nothing_new_leaves_the_build_as_it_is(tmp_path):
+    store = tmp_path / "store"
+    build_store(_batch(tmp_path, "a", _documents(0, 30)), store)
+    manifest = build(store, tmp_path / "packed", max_len=MAX_LEN)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "packed").iterdir()}
+    assert build(store, tmp_path / "packed", max_len=MAX_LEN, append=True) == manifest
+    assert {p.name: p.read_bytes() for p in (tmp_path / "packed").iterdir()} == before
+
+
+def test_an_append_packs_as_the_build_did_and_only_a_build_of_its_store(tmp_path):
+    store = tmp_path / "store"
+    build_store(_batch(tmp_path, "a", _documents(0, 30)), store)
+    build(store, tmp_path / "packed", max_len=MAX_LEN)
+    build_store(_batch(tmp_path, "b", _documents(1, 5)), store, append=True)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "packed").iterdir()}
+    with pytest.raises(InputError, match=r"--max-len 128, but .* was built with 64: an append packs as the build did"):
+        build(store, tmp_path / "packed", max_len=128, append=True)
+    with pytest.raises(InputError, match=r"--seed 1, but .* was built with 0"):
+        build(store, tmp_path / "packed", max_len=MAX_LEN, seed=1, append=True)
+    with pytest.raises(InputError, match="is a full build: append to it without --index-only"):
+        build(store, tmp_path / "packed", max_len=MAX_LEN, index_only=True, append=True)
+    build_store(_batch(tmp_path, "c", _documents(2, 30)), tmp_path / "other")
+    with pytest.raises(InputError, match="was not built from this store"):
+        build(tmp_path / "other", tmp_path / "packed", max_len=MAX_LEN, append=True)
+    with pytest.raises(InputError, match="this is a corpus"):
+        build(tmp_path / "batch-b", tmp_path / "packed", max_len=MAX_LEN, append=True)
+    with pytest.raises(InputError, match="--append runs on the local engine: leave out --engine ray"):
+        build(store, tmp_path / "packed", max_len=MAX_LEN, append=True, engine="ray")
+    with pytest.raises(InputError, match="--append runs on the local engine: leave out --engine ray"):
+        build_store(tmp_path / "batch-c", store, append=True, engine="ray")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "packed").iterdir()} == before
+
+
+# The sampler ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_run_resumed_after_an_append_trains_every_old_pack_once_then_the_new_ones(tmp_path, drop_last):
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 120)), store)
+    build(store, out, max_len=MAX_LEN, index_only=True)
+    old = PackedDataset(out)
+    samplers = [PackedSampler(old, rank=rank, world_size=2, seed=7, drop_last=drop_last) for rank in range(2)]
+    iterators = [iter(s) for s in samplers]
+    trained = [next(it) for _ in range(9) for it in iterators]
+    state = samplers[0].state_dict()
+    build_store(_batch(tmp_path, "b", _documents(1, 40)), store, append=True)
+    build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+    grown = PackedDataset(out)
+    assert len(grown) > len(old)
+    resumed = [PackedSampler(grown, rank=rank, world_size=2, seed=7, drop_last=drop_last) for rank in range(2)]
+    for sampler in resumed:
+        sampler.load_state_dict(state)
+    rest = [list(sampler) for sampler in resumed]
+    dealt = [index for step in zip(*rest) for index in step]  # in the order the ranks' steps take them
+    # Every old pack once over both runs, then every new pack once (with drop_last, but the last one
+    # dealt when the rest is odd; else padding after: the epoch's first packs again).
+    left = len(grown) - len(trained)
+    packs = trained + dealt[: left - left % 2 if drop_last else left]
+    assert len(set(packs)) == len(packs) and set(range(len(old))) <= set(packs) <= set(range(len(grown)))
+    assert len(packs) == (len(grown) - left % 2 if drop_last else len(grown))
+    assert max(dealt[: len(old) - len(trained)]) < len(old) <= min(dealt[len(old) - len(trained) : len(packs) - len(trained)])
+    # Saved again on the grown build, the run resumes there too.
+    again = PackedSampler(grown, rank=0, world_size=2, seed=7, drop_last=drop_last)
+    again.load_state_dict(resumed[0].state_dict(consumed=3))
+    assert list(again) == rest[0][3:]
+
+
+def test_a_state_of_another_size_that_is_no_generation_is_still_refused(tmp_path):
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 120)), store)
+    build(store, out, max_len=MAX_LEN, index_only=True)
+    build_store(_batch(tmp_path, "b", _documents(1, 40)), store, append=True)
+    build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+    grown = PackedDataset(out)
+    sampler = PackedSampler(grown, rank=0, world_size=1)
+    state = {**PackedSampler(len(grown) - 1, rank=0, world_size=1).state_dict()}
+    with pytest.raises(ValueError, match="another setup: size"):
+        sampler.load_state_dict(state)
+    # A state that says its epoch began on a generation this dataset does not have is refused too.
+    with pytest.raises(ValueError, match="which no generation of this dataset ends at"):
+        sampler.load_state_dict({**sampler.state_dict(), "grown": [len(grown) - 3]})
+    with pytest.raises(ValueError, match="grown is never in a balanced state"):
+        balanced = PackedSampler(grown, rank=0, world_size=1, batch_size=2, drop_last=True, balance="attention")
+        balanced.load_state_dict({**balanced.state_dict(), "grown": [3]})
+
+
+# The command line ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_cli_appends_to_a_store_and_a_build(tmp_path):
+    store, out = tmp_path / "store", tmp_path / "packed"
+    assert run_prepack("tokenize", _batch(tmp_path, "a", _documents(0, 60)), "--out", store, "-q").returncode == 0
+    assert run_prepack("build", store, "--out", out, "--max-len", MAX_LEN, "-q").returncode == 0
+    appended = run_prepack("tokenize", _batch(tmp_path, "b", _documents(1, 10)), "--out", store, "--append", env=WIDE)
+    assert appended.returncode == 0 and "stored 70 documents" in appended.stdout, appended.stderr
+    grown = run_prepack("build", store, "--out", out, "--max-len", MAX_LEN, "--append", env=WIDE)
+    assert grown.returncode == 0 and "documents" in grown.stdout, grown.stderr
+    assert read_manifest(out).totals.documents == 70
+    inspected = run_prepack("inspect", out, env=WIDE)
+    assert inspected.returncode == 0 and "a rebuild would take" in inspected.stdout
+    refused = run_prepack("build", store, "--out", out, "--max-len", "32", "--append", env=WIDE)
+    assert refused.returncode == 2 and "--max-len 32, but" in refused.stderr and "Traceback" not in refused.stderr
+
+
+# Killed and concurrent appends ---------------------------------------------------------------------
+
+# Runs an append with one function replaced by a pause (the phase it is killed in), so that the test can
+# SIGKILL it there: argv = module, function, then "store" CORPUS STORE or "build" STORE OUT INDEX_ONLY.
+PAUSED_APPEND = """
+import importlib, sys, time
+
+module, function, kind, *args = sys.argv[1:]
+original = getattr(importlib.import_module(module), function)
+
+def pause(*a, **k):
+    result = original(*a, **k) if function == "_remove_staging" else None  # after publishing: pause after it
+    print("paused", flush=True)
+    time.sleep(600)
+
+setattr(importlib.import_module(module), function, pause)
+from prepack import build, build_store
+if kind == "store":
+    build_store(args[0], args[1], shard_size=500, append=True)
+else:
+    build(args[0], args[1], max_len=64, index_only=args[2] == "1", append=True)
+"""
+
+_STORE_PHASES = [
+    ("prepack.building.write_store", "write_store_shard"),  # writing the new shards
+    ("prepack.building.write_store", "write_store_manifest"),  # the shards written, not the manifest
+    ("prepack.storage.output", "_remove_staging"),  # published, its staging not yet deleted
+]
+_BUILD_PHASES = [
+    ("prepack.building.build", "plan_packs"),  # planning
+    ("prepack.building.build", "write_manifest"),  # the shards written, not the manifest
+    ("prepack.storage.output", "_remove_staging"),
+]
+
+
+def _paused(phase: tuple[str, str], *args) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-c", PAUSED_APPEND, *phase, *map(str, args)], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "paused\n"
+    return process
+
+
+def _kill(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    process.stdout.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", range(3))
+def test_a_killed_store_append_leaves_the_store_readable_and_the_next_append_succeeds(tmp_path, phase):
+    store = tmp_path / "store"
+    build_store(_batch(tmp_path, "a", _documents(0, 60)), store, shard_size=500)
+    build(store, tmp_path / "index", max_len=MAX_LEN, index_only=True)
+    before = {p.name: p.read_bytes() for p in store.iterdir()}
+    paused = _paused(_STORE_PHASES[phase], "store", _batch(tmp_path, "b", _documents(1, 20)), store)
+    try:
+        refused = run_prepack("tokenize", _batch(tmp_path, "c", _documents(2, 5)), "--out", store, "--append", env=WIDE)
+        assert refused.returncode == 2 and "another prepack build is writing" in refused.stderr
+    finally:
+        _kill(paused)
+    published = phase == 2  # killed after publishing: the append is there
+    assert read_store_manifest(store).documents == (80 if published else 60)
+    if not published:
+        assert {p.name: p.read_bytes() for p in store.iterdir()} == before
+    assert verify_build(tmp_path / "index") == []
+    grown = build_store(tmp_path / "batch-c", store, shard_size=500, append=True)
+    assert grown.documents == (85 if published else 65)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["batch-a", "batch-b", "batch-c", "index", "store"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index_only", [False, True])
+@pytest.mark.parametrize("phase", range(3))
+def test_a_killed_build_append_leaves_the_build_readable_and_the_next_append_succeeds(tmp_path, phase, index_only):
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 60)), store, shard_size=500)
+    first = build(store, out, max_len=MAX_LEN, index_only=index_only)
+    build_store(_batch(tmp_path, "b", _documents(1, 20)), store, shard_size=500, append=True)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    paused = _paused(_BUILD_PHASES[phase], "build", store, out, int(index_only))
+    try:
+        with pytest.raises(OutputError, match="another prepack build is writing"):
+            build(store, out, max_len=MAX_LEN, index_only=index_only, append=True)
+    finally:
+        _kill(paused)
+    if phase < 2:
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert verify_build(out) == [] and len(PackedDataset(out)) >= first.totals.packs
+    grown = build(store, out, max_len=MAX_LEN, index_only=index_only, append=True)
+    assert grown.totals.documents == 80 and verify_build(out) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["batch-a", "batch-b", "packed", "store"]
