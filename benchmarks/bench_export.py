@@ -10,12 +10,14 @@ highest peak RSS):
   the floor of any tool that reads and writes these bytes;
 - `copy parquet`: every shard's table written with `pyarrow.parquet.write_table` (zstd): the floor of a
   Parquet writer;
-- `export FORMAT` for every format `prepack.exports.FORMATS` lists, from the full build and (`index`) from
-  the index build, whose packs are gathered from the store.
+- `export FORMAT` for every format `prepack.exports.FORMATS` lists (parquet, lance, megatron, olmo-core; or
+  `--formats`), from the full build and (`index`) from the index build, whose packs are gathered from the
+  store (or `--builds`).
 
 Prints a markdown table per size: wall seconds, tokens/s, peak RSS (VmHWM, which counts the build's and
 store's memory-mapped pages), the peak anonymous memory the method added (RssAnon, sampled every 5 ms: what
-it holds itself), output bytes and the throughput as a share of `copy`'s (and of `copy parquet`'s). Two
+it holds itself), the peak of pyarrow's memory pool (what pyarrow itself allocated: Parquet writing,
+Arrow copies; not numpy's arrays nor Lance's Rust writer), output bytes and the throughput as a share of `copy`'s (and of `copy parquet`'s). Two
 sizes show whether memory grows with the build.
 """
 
@@ -90,8 +92,12 @@ def child(method: str, build: str, out: str) -> None:
     running[0] = False
     sampler.join()
     peak_kib = _status_kib("VmHWM")  # not ru_maxrss, which carries over from the parent
+    import pyarrow as pa
+
+    arrow_kib = pa.default_memory_pool().max_memory() // 1024  # pyarrow's own allocations (not numpy's, not Lance's)
     size = sum(path.stat().st_size for path in Path(out).rglob("*") if path.is_file())
-    print(json.dumps({"wall": wall, "imports": imports, "peak_kib": peak_kib, "anon_kib": peak_anon[0] - before, "bytes": size}))
+    print(json.dumps({"wall": wall, "imports": imports, "peak_kib": peak_kib, "anon_kib": peak_anon[0] - before,
+                      "arrow_kib": arrow_kib, "bytes": size}))
 
 
 def measure(method: str, build: Path, scratch: Path) -> dict:
@@ -107,6 +113,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, nargs="+", default=[200_000])
     parser.add_argument("--repeat", type=int, default=2, help="runs of each method, interleaved (fastest shown)")
+    parser.add_argument("--formats", nargs="+", help="the export formats to run (default: every one in FORMATS)")
+    parser.add_argument("--builds", nargs="+", choices=["full", "index"], default=["full", "index"],
+                        help="export from the full build, the index build or both")
     parser.add_argument("--child", nargs=3, metavar=("METHOD", "BUILD", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -114,11 +123,14 @@ def main() -> None:
     from prepack.exports import FORMATS
 
     print(f"machine: {machine()}\n")
+    formats = args.formats or list(FORMATS)
+    if unknown := sorted(set(formats) - set(FORMATS)):
+        parser.error(f"--formats: {', '.join(unknown)} not in {', '.join(FORMATS)}")
     for docs in args.docs:
-        run_size(docs, args.repeat, FORMATS)
+        run_size(docs, args.repeat, formats, args.builds)
 
 
-def run_size(docs: int, repeat: int, formats) -> None:
+def run_size(docs: int, repeat: int, formats: list[str], builds: list[str]) -> None:
     """Build a corpus of `docs` documents, run every method `repeat` times, print its table."""
     import prepack
 
@@ -126,23 +138,25 @@ def run_size(docs: int, repeat: int, formats) -> None:
         root = Path(tmp)
         tokens = write_corpus(root / "corpus.parquet", docs)
         prepack.build(root / "corpus.parquet", root / "full", max_len=MAX_LEN)
-        prepack.build_store(root / "corpus.parquet", root / "store")
-        prepack.build(root / "store", root / "index", max_len=MAX_LEN, index_only=True)
+        if "index" in builds:
+            prepack.build_store(root / "corpus.parquet", root / "store")
+            prepack.build(root / "store", root / "index", max_len=MAX_LEN, index_only=True)
         runs = [("copy", "full"), ("copy parquet", "full")]
-        runs += [(f"export {name}", build) for name in formats for build in ("full", "index")]
+        runs += [(f"export {name}", build) for name in formats for build in builds]
         results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
         for _ in range(repeat):
             for method, build in runs:
                 results[method, build].append(measure(method, root / build, root))
-    best = {run: min(found, key=lambda r: r["wall"]) | {key: max(r[key] for r in found) for key in ("peak_kib", "anon_kib")}
+    best = {run: min(found, key=lambda r: r["wall"]) | {key: max(r[key] for r in found) for key in ("peak_kib", "anon_kib", "arrow_kib")}
             for run, found in results.items()}
     copy, copy_parquet = best["copy", "full"]["wall"], best["copy parquet", "full"]["wall"]
     print(f"{docs:,} documents, {tokens:,} tokens, max_len {MAX_LEN}; fastest of {repeat}\n")
-    print("| method | build | time (s) | tokens/s | peak RSS (MiB) | anonymous memory added (MiB) | output (MiB) | vs copy | vs copy parquet |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| method | build | time (s) | tokens/s | peak RSS (MiB) | anonymous memory added (MiB) | pyarrow pool peak (MiB) "
+          "| output (MiB) | vs copy | vs copy parquet |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (method, build), r in best.items():
         print(f"| {method} | {build} | {r['wall']:.2f} | {tokens / r['wall'] / 1e6:.1f} M | {r['peak_kib'] / 1024:,.0f} | "
-              f"{r['anon_kib'] / 1024:,.0f} | "
+              f"{r['anon_kib'] / 1024:,.0f} | {r['arrow_kib'] / 1024:,.0f} | "
               f"{r['bytes'] / 2**20:,.0f} | {copy / r['wall']:.2f}× | {copy_parquet / r['wall']:.2f}× |")
     print()
 

@@ -484,7 +484,7 @@ def verify_command(
 @app.command("export", cls=_Command)
 def export_command(
     path: Annotated[str, typer.Argument(help="A local build directory (holding manifest.json): full, index or mixture.")],
-    to: Annotated[str, typer.Option("--to", help="The format: parquet (with a Hugging Face dataset card) or lance; an unknown name is refused with the list.")],
+    to: Annotated[str, typer.Option("--to", help="The format: parquet (with a Hugging Face dataset card), lance, megatron (indexed dataset and Megatron-Bridge packed Parquet) or olmo-core (token, label-mask and document files); an unknown name is refused with the list.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="A new directory (created atomically; an existing one is never replaced).")],
     quiet: _QuietOption = False,
 ) -> None:

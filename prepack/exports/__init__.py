@@ -43,6 +43,8 @@ class ExportFormat(NamedTuple):
 FORMATS: dict[str, ExportFormat] = {
     "parquet": ExportFormat("prepack.exports.parquet", 1),
     "lance": ExportFormat("prepack.exports.lance", 1),
+    "megatron": ExportFormat("prepack.exports.megatron", 1),
+    "olmo-core": ExportFormat("prepack.exports.olmo_core", 1),
 }
 
 

@@ -1,6 +1,7 @@
 """What every export format is written from: the source build (`ExportBuild`), its packs as record batches of
 prepack's own shard format (`pack_batches`), and the columns a generic table reader trains on
-(`training_rows`, which the Parquet and Lance exports hold).
+(`training_rows`, which the Parquet and Lance exports hold), and which tokens are trained (`training_tokens`,
+the one definition every format writes: labels, or a loss mask).
 
 A format is a module `prepack.exports.<name>` with one function,
 
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -29,13 +31,19 @@ import pyarrow as pa
 from prepack.check.report import InspectReport, inspect_build
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import list_array, list_column
-from prepack.formats.shards import IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, check_index_shard, check_shard, read_manifest, shard_path, shard_sha256
+from prepack.formats.shards import (
+    IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, PackLayout, check_index_shard, check_shard, pack_layout, read_manifest,
+    shard_path, shard_sha256,
+)
 from prepack.sources.gather import INDEX_COLUMNS, IndexGather
 from prepack.sources.mixture_stores import open_mixture_stores
 from prepack.sources.store import open_build_store
 from prepack.storage.remote import is_uri
 
-__all__ = ["ExportBuild", "open_export_build", "pack_batches", "training_rows", "training_rows_per_group", "training_schema"]
+__all__ = [
+    "ExportBuild", "TrainingTokens", "open_export_build", "pack_batches", "training_rows", "training_rows_per_group",
+    "training_schema", "training_tokens",
+]
 
 # The most bytes of token columns (ids, segment ids, labels) one batch holds: what a format's writer holds at once.
 BATCH_BYTES = 64 << 20
@@ -147,43 +155,60 @@ def training_rows_per_group(build: ExportBuild) -> int:
     return max(1, (32 << 20) // (12 * build.manifest.options.max_len))
 
 
+class TrainingTokens(NamedTuple):
+    """A batch of packs' tokens as prepack trains on them (`training_tokens`), flat: pack p is
+    `[pack_offsets[p], pack_offsets[p + 1])` of each per-token array."""
+
+    tokens: np.ndarray  # the packs' token ids back to back (a view of the batch's values)
+    pack_offsets: np.ndarray  # int64 [packs + 1]
+    layout: PackLayout  # per document: its pack, its start inside the pack, its length
+    labels: np.ndarray  # int32 per token: the training label, IGNORE_INDEX where no loss is taken
+    position_ids: np.ndarray  # int64 per token: 0, 1, ... restarting at each document
+
+    @property
+    def trained(self) -> np.ndarray:
+        """bool per token: a target of the loss (what a loss mask holds)."""
+        return self.labels != IGNORE_INDEX
+
+
+def training_tokens(batch: pa.RecordBatch) -> TrainingTokens:
+    """The one definition of which tokens prepack trains on, for every export format: a token's label is the
+    build's label (a build without labels: the token id), and IGNORE_INDEX at each document's first token,
+    which would be predicted from the document before it. It is `PackedCollator`'s rule (there in torch,
+    tested equal on real builds in tests/exports/test_trained_tokens.py), ready for a model that shifts
+    labels itself. `batch`: packs in the shard schema, checked (`check_shard`)."""
+    offsets, values = list_column(batch, "input_ids")
+    tokens = values[offsets[0] : offsets[-1]]
+    pack_offsets = offsets.astype(np.int64) - offsets[0]
+    layout = pack_layout(*list_column(batch, "cu_seqlens"))
+    document_starts = pack_offsets[layout.pack] + layout.starts
+    position_ids = np.arange(len(tokens), dtype=np.int64) - np.repeat(document_starts, layout.lengths)
+    if "labels" in batch.schema.names:
+        label_offsets, label_values = list_column(batch, "labels")
+        labels = np.array(label_values[label_offsets[0] : label_offsets[-1]], np.int32)
+    else:
+        labels = np.array(tokens, np.int32)
+    labels[document_starts] = IGNORE_INDEX
+    return TrainingTokens(tokens, pack_offsets, layout, labels, position_ids)
+
+
 def training_rows(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
     """Packs of the shard format as a generic trainer reads them (`training_schema`), one row a pack:
 
     - `input_ids` as stored;
-    - `labels`: the build's labels (a build without labels: the token ids), -100 at each document's first
-      token, so that no document is trained to predict from the one before it: exactly what
-      `PackedCollator` trains on, ready for a model that shifts labels itself;
-    - `position_ids`: 0, 1, ... restarting at each document, from which transformers' flash-attention
-      path finds the documents' bounds (as with `DataCollatorWithFlattening`);
+    - `labels` and `position_ids`: `training_tokens`'s (-100 at each document's first token; positions
+      restarting at each document, from which transformers' flash-attention path finds the documents'
+      bounds, as with `DataCollatorWithFlattening`);
     - `cu_seqlens`: the documents' bounds, [0, ..., tokens];
     - `source_ids` (a mixture's: each document's source, numbered as the card and manifest list them) and
       `pair_roles` (0 chosen, 1 rejected) as stored."""
-    ids_off, ids = list_column(batch, "input_ids")
-    ids = ids[ids_off[0] : ids_off[-1]]
-    offsets = (ids_off - ids_off[0]).astype(np.int64)
+    packs = training_tokens(batch)
     cu_off, cu = list_column(batch, "cu_seqlens")
-    cu_offsets = (cu_off - cu_off[0]).astype(np.int64)
-    cu = cu[cu_off[0] : cu_off[-1]].astype(np.int64)
-    documents = np.diff(cu_offsets) - 1
-    last = cu_offsets[1:] - 1  # each pack's last bound: its length, not a document's start
-    is_start = np.ones(len(cu), bool)
-    is_start[last] = False
-    starts = cu[is_start]
-    lengths = np.diff(cu)[is_start[:-1]]
-    pack_start = np.repeat(offsets[:-1], documents)  # each document's pack's first token, in the flat tokens
-    position_ids = np.arange(len(ids), dtype=np.int64) - np.repeat(pack_start + starts, lengths)
-    if "labels" in batch.schema.names:
-        lab_off, labels = list_column(batch, "labels")
-        labels = np.array(labels[lab_off[0] : lab_off[-1]], np.int32)
-    else:
-        labels = np.array(ids, np.int32)
-    labels[position_ids == 0] = IGNORE_INDEX
     arrays = [
-        list_array(offsets, np.ascontiguousarray(ids, np.int32)),
-        list_array(offsets, labels),
-        list_array(offsets, position_ids.astype(np.int32)),
-        list_array(cu_offsets, cu.astype(np.int32)),
+        list_array(packs.pack_offsets, np.ascontiguousarray(packs.tokens, np.int32)),
+        list_array(packs.pack_offsets, packs.labels),
+        list_array(packs.pack_offsets, packs.position_ids.astype(np.int32)),
+        list_array(cu_off - cu_off[0], np.ascontiguousarray(cu[cu_off[0] : cu_off[-1]], np.int32)),
     ]
     for name in schema.names[4:]:
         column_offsets, values = list_column(batch, name)

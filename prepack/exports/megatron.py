@@ -35,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from prepack.exports.common import ExportBuild
 from prepack.exports.trained_packs import TrainedPacks, refuse_pair_build, trained_packs
 from prepack.formats.common import list_array
 from prepack.formats.mixture import SOURCE_ID_TYPE
@@ -55,16 +56,16 @@ _SPOOL_CHUNK = 1 << 20  # values copied from a spool into an .idx file at a time
 _EXPORT = "Megatron"
 
 
-def write(batches: Iterable[pa.RecordBatch], directory: Path, build) -> None:
+def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild) -> None:
     """Write the build's packs (`batches`, whole packs in pack order) into `directory`.
 
-    Reads of `build` (the build's manifest): `options.max_len`, `options.pairs`, `has_labels`, `mixture`.
     Raises `InputError` for a preference-pair build (before writing anything) and for labels other than
     the token ids where trained.
     """
-    refuse_pair_build(build.options.pairs is not None, _EXPORT)
+    m = build.manifest
+    refuse_pair_build(m.options.pairs is not None, _EXPORT)
     lengths_spool, ends_spool = directory / ".sequence-lengths.spool", directory / ".document-ends.spool"
-    sources = build.mixture is not None
+    sources = m.mixture is not None
     stats = _PackStats()
     try:
         with (
@@ -75,7 +76,7 @@ def write(batches: Iterable[pa.RecordBatch], directory: Path, build) -> None:
             pq.ParquetWriter(directory / PACKED, _bridge_schema(sources)) as bridge,
         ):
             sequences = 0
-            for packs in trained_packs(batches, build.has_labels, sources, _EXPORT):
+            for packs in trained_packs(batches, m.has_labels, sources, _EXPORT):
                 loss_mask = _next_token_mask(packs.trained)
                 tokens_bin.write(packs.tokens.astype("<i4", copy=False).tobytes())
                 mask_bin.write(loss_mask.tobytes())
@@ -89,7 +90,7 @@ def write(batches: Iterable[pa.RecordBatch], directory: Path, build) -> None:
     finally:
         lengths_spool.unlink(missing_ok=True)
         ends_spool.unlink(missing_ok=True)
-    metadata = [stats.bridge_metadata(build.options.max_len)]
+    metadata = [stats.bridge_metadata(m.options.max_len)]
     (directory / PACKED_METADATA).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
 
 

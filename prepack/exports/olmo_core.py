@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from prepack.exports.common import ExportBuild
 from prepack.exports.trained_packs import TrainedPacks, refuse_pair_build, trained_packs
 
 __all__ = ["write", "TOKENS", "LABEL_MASK", "DOCUMENTS", "TOKEN_DTYPE", "PAD_TOKEN_ID"]
@@ -42,15 +43,15 @@ PAD_TOKEN_ID = 0
 _EXPORT = "OLMo-core"
 
 
-def write(batches: Iterable[pa.RecordBatch], directory: Path, build) -> None:
+def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild) -> None:
     """Write the build's packs (`batches`, whole packs in pack order) into `directory`.
 
-    Reads of `build` (the build's manifest): `options.max_len`, `options.pairs`, `has_labels`.
     Raises `InputError` for a preference-pair build (before writing anything) and for labels other than
     the token ids where trained.
     """
-    refuse_pair_build(build.options.pairs is not None, _EXPORT)
-    max_len = build.options.max_len
+    m = build.manifest
+    refuse_pair_build(m.options.pairs is not None, _EXPORT)
+    max_len = m.options.max_len
     with (
         open(directory / TOKENS, "wb") as tokens,
         open(directory / LABEL_MASK, "wb") as label_mask,
@@ -58,7 +59,7 @@ def write(batches: Iterable[pa.RecordBatch], directory: Path, build) -> None:
         # no file name and time in the gzip header: the same packs give the same bytes
         gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as documents,
     ):
-        for packs in trained_packs(batches, build.has_labels, build.mixture is not None, _EXPORT):
+        for packs in trained_packs(batches, m.has_labels, m.mixture is not None, _EXPORT):
             padded_tokens, padded_mask = _padded(packs, max_len)
             tokens.write(padded_tokens.tobytes())
             label_mask.write(padded_mask.tobytes())

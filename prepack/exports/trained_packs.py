@@ -3,10 +3,10 @@
 trained targets, decoded once and vectorized.
 
 Megatron(-Bridge) and OLMo-core take every target from the token ids themselves (the next token, under a
-loss mask), so a token is a *trained target* when prepack's collator trains on it
-(`prepack.training.collate.PackedCollator`): its label is not -100 (every token without labels), and it
-is not its document's first token, which would be predicted across a document boundary. A build whose
-labels differ from its token ids where trained is refused: those formats have no place for such a label.
+loss mask), so their masks hold `prepack.exports.common.training_tokens`'s trained tokens (the one
+definition all exports share, `PackedCollator`'s): a label not -100, never a document's first token. A
+build whose labels differ from its token ids where trained is refused: those formats have no place for
+such a label.
 So is a column they cannot hold (a preference-pair build's `pair_roles`, an image build's `images`).
 """
 
@@ -19,8 +19,9 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.errors import InputError
+from prepack.exports.common import training_tokens
 from prepack.formats.common import first_index, list_column
-from prepack.formats.shards import IGNORE_INDEX, PAIR_ROLES, PackLayout, pack_layout
+from prepack.formats.shards import PAIR_ROLES, PackLayout
 
 __all__ = ["TrainedPacks", "trained_packs", "refuse_pair_build"]
 
@@ -74,23 +75,14 @@ def trained_packs(
                 raise InputError(f"Column {name!r} is not a column of this build's shards the {export} export knows.")
         if missing := sorted(needed - set(names)):
             raise InputError(f"Packs from {first_pack} on lack the column {missing[0]!r}, which this build has.")
-        offsets, values = list_column(batch, "input_ids")
-        tokens = values[offsets[0] : offsets[-1]]
-        pack_offsets = offsets.astype(np.int64) - offsets[0]
-        layout = pack_layout(*list_column(batch, "cu_seqlens"))
-        if has_labels:
-            label_offsets, label_values = list_column(batch, "labels")
-            labels = label_values[label_offsets[0] : label_offsets[-1]]
-            trained = labels != IGNORE_INDEX
-        else:
-            trained = np.ones(len(tokens), bool)
-        trained[pack_offsets[layout.pack] + layout.starts] = False  # each document's first token
-        if has_labels and (other := trained & (labels != tokens)).any():
+        packs = training_tokens(batch)
+        tokens, pack_offsets, trained = packs.tokens, packs.pack_offsets, packs.trained
+        if has_labels and (other := trained & (packs.labels != tokens)).any():
             token = first_index(other)
             pack = int(np.searchsorted(pack_offsets, token, "right")) - 1
             raise InputError(
                 f"Pack {first_pack + pack}, token {token - pack_offsets[pack]}, column 'labels': the label "
-                f"{labels[token]} is trained but is not the token id {tokens[token]}; the {export} export takes "
+                f"{packs.labels[token]} is trained but is not the token id {tokens[token]}; the {export} export takes "
                 "every target from the token ids (the next token under a loss mask), so it holds only labels "
                 "that are -100 or the token ids."
             )
@@ -98,5 +90,5 @@ def trained_packs(
         if sources:
             id_offsets, id_values = list_column(batch, "source_ids")
             source_ids = id_values[id_offsets[0] : id_offsets[-1]]
-        yield TrainedPacks(first_pack, tokens, pack_offsets, layout, trained, source_ids)
+        yield TrainedPacks(first_pack, tokens, pack_offsets, packs.layout, trained, source_ids)
         first_pack += batch.num_rows

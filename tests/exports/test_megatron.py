@@ -14,17 +14,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from prepack.errors import InputError
-from prepack.exports import megatron
-from prepack.formats.shards import read_manifest
+from prepack.exports import export_build, verify_export
+from tests.cli import run_prepack
 from tests.corpus import preference_pairs
 from tests.exports.trainer_builds import (
-    KINDS, Expected, files, labelled_corpus_build, pack_batches, real_build, targets_from_next_token_mask,
+    KINDS, Expected, files, labelled_corpus_build, real_build, targets_from_next_token_mask,
 )
 
 
 def export(build_dir: Path, out: Path) -> Path:
-    out.mkdir()
-    megatron.write(pack_batches(build_dir), out, read_manifest(build_dir))
+    export_build(build_dir, "megatron", out)
     return out
 
 
@@ -180,4 +179,25 @@ def test_a_preference_pair_build_is_refused_by_name(tmp_path):
     build_dir = preference_pairs(tmp_path)
     with pytest.raises(InputError, match="preference-pair build"):
         export(build_dir, tmp_path / "out")
-    assert list((tmp_path / "out").iterdir()) == []
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_the_command_line_exports_and_verifies(tmp_path):
+    build_dir, out = real_build("index"), tmp_path / "export"
+    result = run_prepack("export", str(build_dir), "--to", "megatron", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert indexed_dataset_mismatches(out, Expected(build_dir)) == []
+    record = json.loads((out / "export.json").read_text())
+    assert record["format"] == "megatron" and record["build"]["kind"] == "index"
+    assert [f["path"] for f in record["files"]] == [
+        "loss_mask.bin", "loss_mask.idx", "packed.idx.parquet", "packed_metadata.json", "tokens.bin", "tokens.idx"]
+    checked = run_prepack("verify", str(build_dir), "--export", str(out))
+    assert checked.returncode == 0 and "the export's files and build checked" in checked.stdout
+    data = bytearray((out / "loss_mask.bin").read_bytes())
+    data[data.index(1)] = 0
+    (out / "loss_mask.bin").write_bytes(bytes(data))
+    (problem,) = verify_export(out, build_dir)
+    assert problem.startswith(f"{out / 'loss_mask.bin'}: sha256 ") and problem.endswith("the file changed.")
+    tampered = run_prepack("verify", str(build_dir), "--export", str(out))
+    assert tampered.returncode == 1 and "loss_mask.bin" in tampered.stdout and "the file changed" in tampered.stdout

@@ -7,6 +7,7 @@ each one whole with its label mask and exact `doc_lens`."""
 from __future__ import annotations
 
 import gzip
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -16,19 +17,19 @@ import pytest
 import torch
 
 from prepack.errors import InputError
-from prepack.exports import olmo_core
-from prepack.formats.shards import read_manifest
+from prepack.exports import export_build, olmo_core, verify_export
+from prepack.exports.common import open_export_build, pack_batches
+from tests.cli import run_prepack
 from tests.corpus import preference_pairs
 from tests.exports.trainer_builds import (
-    GPT2_EOS, KINDS, Expected, files, labelled_corpus_build, pack_batches, real_build,
+    GPT2_EOS, KINDS, Expected, files, labelled_corpus_build, real_build,
 )
 
 UNUSED_ID = 2**31 - 1  # the EOS and padding OLMo-core's readers are given: no token of a build has this id
 
 
 def export(build_dir: Path, out: Path) -> Path:
-    out.mkdir()
-    olmo_core.write(pack_batches(build_dir), out, read_manifest(build_dir))
+    export_build(build_dir, "olmo-core", out)
     return out
 
 
@@ -175,15 +176,36 @@ def test_labels_other_than_the_token_ids_are_refused(tmp_path):
 
 
 def test_a_column_the_files_cannot_hold_is_refused_by_name(tmp_path):
-    build_dir = labelled_corpus_build(tmp_path, lambda doc: doc)
-    (batch,) = pack_batches(build_dir)
+    build = open_export_build(labelled_corpus_build(tmp_path, lambda doc: doc))
+    (batch,) = pack_batches(build)
     images = batch.append_column("images", pa.array([[0]] * batch.num_rows, pa.list_(pa.uint32())))
+    (tmp_path / "out").mkdir()
     with pytest.raises(InputError, match="Column 'images'.*OLMo-core export.*image"):
-        olmo_core.write([images], tmp_path, read_manifest(build_dir))
+        olmo_core.write([images], tmp_path / "out", build)
 
 
 @pytest.mark.slow
 def test_a_preference_pair_build_is_refused_by_name(tmp_path):
     with pytest.raises(InputError, match="preference-pair build.*OLMo-core"):
         export(preference_pairs(tmp_path), tmp_path / "out")
-    assert list((tmp_path / "out").iterdir()) == []
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_the_command_line_exports_and_verifies(tmp_path):
+    build_dir, out = real_build("mixture"), tmp_path / "export"
+    result = run_prepack("export", str(build_dir), "--to", "olmo-core", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert fsl_mismatches(out, Expected(build_dir)) == []
+    record = json.loads((out / "export.json").read_text())
+    assert record["format"] == "olmo-core" and record["build"]["kind"] == "mixture full"
+    assert [f["path"] for f in record["files"]] == [olmo_core.LABEL_MASK, olmo_core.DOCUMENTS, olmo_core.TOKENS]
+    checked = run_prepack("verify", str(build_dir), "--export", str(out))
+    assert checked.returncode == 0 and "the export's files and build checked" in checked.stdout
+    tokens = np.fromfile(out / olmo_core.TOKENS, np.uint32)
+    tokens[0] += 1
+    tokens.tofile(out / olmo_core.TOKENS)
+    (problem,) = verify_export(out, build_dir)
+    assert problem.startswith(f"{out / olmo_core.TOKENS}: sha256 ") and problem.endswith("the file changed.")
+    tampered = run_prepack("verify", str(build_dir), "--export", str(out))
+    assert tampered.returncode == 1 and olmo_core.TOKENS in tampered.stdout and "the file changed" in tampered.stdout

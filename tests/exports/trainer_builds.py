@@ -1,7 +1,7 @@
 """Real builds the trainer-format export tests (Megatron, OLMo-core) write out, each built once per test
 process: a chitchat chat build with assistant labels, an index build over a labelled document store, and
-a mixture (one source with labels, one without, one a store). Also: their packs as the record batches an
-export is handed, and what prepack trains on in each pack, from `PackedDataset` and `PackedCollator`."""
+a mixture (one source with labels, one without, one a store). Also: what prepack trains on in each pack,
+from `PackedDataset` and `PackedCollator`."""
 
 from __future__ import annotations
 
@@ -9,16 +9,12 @@ import atexit
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 from prepack import build, build_store
-from prepack.formats.shards import read_manifest, shard_path
-from prepack.training import dataset as dataset_module
 from prepack.training.collate import PackedCollator
 from prepack.training.dataset import PackedDataset
 from tests.corpus import corpus_table, mixture_sources, write_corpus, write_mixture
@@ -70,20 +66,6 @@ def labelled_corpus_build(root: Path, labels_of) -> Path:
     write_corpus(root / "corpus.parquet", corpus_table(ids, [labels_of(doc) for doc in ids]))
     build(root / "corpus.parquet", root / "packed", max_len=64)
     return root / "packed"
-
-
-def pack_batches(directory: Path) -> Iterator[pa.RecordBatch]:
-    """The build's packs in shard schema, in pack order, as an export is handed them: a full build's shards
-    read with pyarrow; an index build's gathered from its store."""
-    manifest = read_manifest(directory)
-    if manifest.store is None:
-        for index, info in enumerate(manifest.shards):
-            with pa.memory_map(str(shard_path(directory, index, info))) as source:
-                yield from pa.ipc.open_stream(source).read_all().to_batches()
-    else:
-        packed = PackedDataset(directory)
-        for index, info in enumerate(manifest.shards):
-            yield dataset_module._gathered_batch(packed, index, 0, info.rows)
 
 
 class Expected:
