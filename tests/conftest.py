@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# `pytest -n N` (pytest-xdist, the default in pyproject.toml): N workers share the machine's cores, so each gives
+# torch's (OpenMP's) kernels its share of them, set before any test imports torch; more threads than cores
+# would leave every worker spinning on the others' (a process started by a test inherits it).
+if (workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT")) is not None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(workers))))
 
 
 @pytest.fixture(scope="session")

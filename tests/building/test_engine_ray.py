@@ -33,6 +33,10 @@ from tests.cli import WIDE, failure, run_prepack, running, stopped_by_sigterm  #
 from tests.corpus import corpus_table, files, random_token_corpus, write_corpus  # noqa: E402
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory  # noqa: E402
 
+# One worker runs every test of this module, one after another (`--dist loadgroup`): each starts Ray instances that
+# take the machine's cores (num_cpus), and one test stops the Ray processes it started.
+pytestmark = pytest.mark.xdist_group("ray")
+
 # "local": an instance of this test run, never another run's cluster that ray_current_cluster names.
 QUIET_RAY = {"address": "local", "include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
 
