@@ -159,7 +159,7 @@ class PackedCollator:
         if layout not in _LAYOUTS:
             raise UsageError(f"layout must be one of {_LAYOUTS}, not {layout!r}.")
         if pad_to is None:
-            pad_to = "longest" if shared_prompt else "max_len"
+            pad_to = "longest" if shared_prompt and max_docs_per_pack is None else "max_len"
         if pad_to not in ("max_len", "longest"):
             raise UsageError(f"pad_to must be 'max_len' or 'longest', not {pad_to!r}.")
         if pad_to == "max_len" and max_len is None and layout != "padding_free":
@@ -177,10 +177,10 @@ class PackedCollator:
         if max_docs_per_pack is not None:
             if type(max_docs_per_pack) is not int or max_docs_per_pack < 1:
                 raise UsageError(f"max_docs_per_pack must be an int of at least 1, not {max_docs_per_pack!r}.")
-            if layout != "padded" or pad_to != "max_len" or max_len is None or cp_size is not None or shared_prompt:
+            if layout != "padded" or pad_to != "max_len" or max_len is None or cp_size is not None:
                 raise UsageError(
                     "max_docs_per_pack (fixed-shape batches) takes the padded layout with rows of max_len "
-                    "(pad_to='max_len'), without cp_size or shared_prompt: any other shape follows the batch."
+                    "(pad_to='max_len'), without cp_size: any other shape follows the batch."
                 )
         self.max_docs_per_pack = max_docs_per_pack
         self.shared_prompt = shared_prompt
@@ -228,10 +228,10 @@ class PackedCollator:
         checked = [_checked_pack(pack, number, self.max_len, self.source_ids) for number, pack in enumerate(packs)]
         if not checked:
             raise UsageError("Cannot collate an empty list of packs.")
-        if self.shared_prompt:
-            return self._shared_prompt_batch(checked)
         if self.max_docs_per_pack is not None:
             _require_at_most(checked, self.max_docs_per_pack)
+        if self.shared_prompt:
+            return self._shared_prompt_batch(checked)
         input_ids, labels, segment_ids, sources = self._fill_rows(checked)
         fields = segment_fields(segment_ids)
         if self.max_docs_per_pack is not None:
@@ -360,7 +360,9 @@ def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.
     document among the batch's segments (those of `cu_seq_lens_q`; padding tails are segments too).
     Every pack must hold whole pairs, each chosen then rejected (`pair_roles` 0, 1, 0, 1, ...)."""
     _require_whole_pairs(packs)
-    documents = np.flatnonzero(segment_ids.reshape(-1)[cu_seq_lens[:-1]] != 0)  # not a padding tail
+    starts = cu_seq_lens[:-1]
+    starts = starts[starts < segment_ids.size]  # a fixed-shape batch's unused segments: at the end, of no token
+    documents = np.flatnonzero(segment_ids.reshape(-1)[starts] != 0)  # not a padding tail
     return documents.astype(np.int64).reshape(-1, 2)
 
 
