@@ -24,7 +24,7 @@ from prepack import PackedCollator, PackedDataset, enable_packing
 from prepack.errors import UsageError
 from prepack.training.preference import PairLogps, dpo_loss, model_inputs, pair_logps
 from tests.model.test_compile import GraphCount, assert_one_graph, compiled
-from tests.train.test_preference import BETA, pair_build, small, tiny_llama
+from tests.train.test_preference import BETA, VOCAB, pair_build, small, tiny_llama
 
 pytestmark = pytest.mark.slow  # each test traces a model: seconds of CPU
 
@@ -184,3 +184,19 @@ def test_default_shared_prompt_rows_recompile_per_width(packs):
             fast(**model_inputs(batch))
             widths.add(batch["input_ids"].shape[1])
     assert len(widths) > 1 and counters["stats"]["unique_graphs"] == len(widths), (widths, dict(counters["stats"]))
+
+
+def test_the_pair_loss_follows_the_pair_count(packs):
+    """`pair_logps` compiled on its own: its [P, 2] outputs follow the batch's pairs, so it is traced again for
+    each new pair count (the shared-prompt one also reads the count from the ids, a graph break). The model is
+    what compiles once; the pair loss runs after it."""
+    for layout, options in LAYOUTS.items():
+        graphs = GraphCount()
+        torch._dynamo.reset()
+        counters.clear()
+        loss = torch.compile(pair_logps, backend=graphs.backend, dynamic=False)
+        pair_counts = set()
+        for batch in batches(packs[: 20 * BATCH], PackedCollator(MAX_LEN, max_docs_per_pack=CAP, **options)):
+            logits = torch.randn(*batch["labels"].shape, VOCAB, dtype=torch.float64)
+            pair_counts.add(len(loss(logits, batch).chosen))
+        assert len(pair_counts) > 1 and counters["stats"]["unique_graphs"] >= len(pair_counts), (layout, dict(counters["stats"]))
