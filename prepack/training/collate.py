@@ -131,6 +131,9 @@ class PackedCollator:
       tensors, so `torch.compile(model, dynamic=False)` traces once (a smaller last batch is another shape:
       drop it, `drop_last=True` / `dataloader_drop_last=True`). A pack of more than K documents is refused
       by name: build with `--max-docs-per-pack K` (`for_dataset(..., fixed_shape=True)` takes K from the build).
+      Pairs count as two documents; `pair_segments` and `reference_logps` stay one row a pair (the loss's, not the
+      model's). With `shared_prompt` it refuses packs over K and pads rows to `max_len` (its default then), the
+      rows being the only shapes that layout gives the model.
     - `pad_token_id`: the token id written at padding (its label is always -100). By default each row's
       padding repeats the row's last token: padding is a segment of its own and never trained on, but
       its gradient still flows through the model as 0 times the local derivative, and a token whose
