@@ -95,12 +95,13 @@ def test_the_gpu_session_script_runs_end_to_end_on_a_cpu(tmp_path):
     env = {
         **os.environ, "OUT": str(out), "PYTHON": sys.executable, "SITE": str(tmp_path / "no-site"),
         "BENCH_ARGS": "--cpu-smoke --warmup 1 --steps 1", "PYTHONPATH": str(ROOT),
+        "COMPILED_ARGS": "--cpu-smoke --warmup 1 --steps 1 --methods prepack-fixed --compile default",
     }
     result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], env=env, capture_output=True,
                             text=True, timeout=600)
     log = (out / "session.log").read_text()
     assert result.returncode == 0, log + result.stdout[-3000:] + result.stderr[-3000:]
-    for part in ("probe", "gpu-tests", "benchmark"):
+    for part in ("probe", "gpu-tests", "benchmark", "compiled"):
         assert f"{part}: exit 0" in log, log
     assert "cuda False" in (out / "probe.txt").read_text()
     assert "<testsuite" in (out / "pytest-junit.xml").read_text()
@@ -110,4 +111,7 @@ def test_the_gpu_session_script_runs_end_to_end_on_a_cpu(tmp_path):
     by_method = {row["method"]: row for row in rows}
     assert by_method["padded-random"]["padding_fraction"] > by_method["prepack"]["padding_fraction"]
     assert by_method["hf-flattening"]["padding_fraction"] == 0
-    assert "| sdpa | prepack |" in (out / "bench" / "results.md").read_text()
+    assert "| sdpa | prepack | none |" in (out / "bench" / "results.md").read_text()
+    compiled = [json.loads(line) for line in (out / "bench-compiled" / "results.jsonl").read_text().splitlines()]
+    assert [(row["method"], row["compile"], row["graphs"], row["error"]) for row in compiled] == [
+        ("prepack-fixed", "default", 1, None)]
