@@ -74,7 +74,8 @@ def checked_image_batch(
 
 
 def _require_text_positions(position_ids: torch.Tensor) -> None:
-    if position_ids.ndim == 3 and position_ids.shape[0] == 3 and bool((position_ids[..., 1:] < position_ids[..., :-1]).any()):
+    restarts = position_ids.ndim == 3 and bool((position_ids[..., 1:] < position_ids[..., :-1]).any())
+    if position_ids.ndim == 3 and position_ids.shape[0] == 3 and restarts:
         raise IsolationError(
             "Packed rows with 3-D rotary position_ids of shape [3, B, L]: transformers builds the per-sample mask "
             "only from a fourth row of text positions put first ([4, B, L]), and attends over the whole row "

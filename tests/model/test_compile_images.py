@@ -94,5 +94,6 @@ def test_qwen2_vl_image_batches_cannot_be_traced_whole():
     model = enable_packing(tiny_vision_model("qwen2_vl", "sdpa", dtype=torch.float32)).eval()
     batch = image_batches("qwen2_vl", model)[0]
     model(**batch)
-    with torch.no_grad(), pytest.raises(Exception, match="data-dependent"):
+    # In the tower (its attention splits by the grids' lengths), not in enable_packing's guard.
+    with torch.no_grad(), pytest.raises(Exception, match=r"(?s)data-dependent.*Caused by: [^\n]*modeling_qwen2_vl\.py"):
         compiled(model, GraphCount())(**batch)
