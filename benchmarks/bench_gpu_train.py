@@ -3,6 +3,7 @@ attention kernel, in real (non-padding) tokens a second and model FLOPs utilizat
 
     python benchmarks/bench_gpu_train.py --out results/          # any CUDA machine
     python benchmarks/bench_gpu_train.py --cpu-smoke --out tmp/  # a tiny model on the CPU (the test suite runs it)
+    python benchmarks/bench_gpu_train.py --compile none default reduce-overhead --methods hf-flattening prepack prepack-fixed
     python benchmarks/bench_gpu_train.py --write-lengths         # regenerate benchmarks/data/chitchat_lengths.json
 
 The model is Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads, 8 kv heads, intermediate 8192, vocab 128256,
@@ -24,7 +25,17 @@ Contenders, each for `--warmup` untimed steps and then `--steps` timed ones, on 
   transformers' `DataCollatorWithFlattening` into one row (flash kwargs on flash kernels);
 - `prepack`: conversations packed first-fit-decreasing into rows of `--max-len` (`prepack.building.plan.assign_packs`),
   packs in a seeded random order, `--tokens-per-step // --max-len` rows a step, `PackedCollator`, and
-  `enable_packing(model)`.
+  `enable_packing(model)`;
+- `prepack-fixed`: the same, at most `--max-docs-per-pack` K conversations a pack (`build --max-docs-per-pack`'s
+  planner), collated by `PackedCollator(max_len, max_docs_per_pack=K)`: every step's shapes and Python values are
+  the same (docs/model-support.md, "Compiled training").
+
+`--compile` runs each contender once per mode: `none` (eager), and `default` / `reduce-overhead` (CUDA graphs):
+`torch.compile(model, mode=..., dynamic=False)`, the setting CUDA graphs need. A compiled contender's table row
+also counts the graphs dynamo traced over its warm-up and timed steps and its graph breaks (dynamo's own
+`counters["stats"]["unique_graphs"]` and `counters["graph_break"]`, as tests/model/test_compile.py reads them):
+one graph is no recompile; a batch of a new shape is a recompile, timed with the step it happens in, and
+after 8 (dynamo's limit) the model runs uncompiled.
 
 Batches are collated before the timed loop (a trainer overlaps collation with the GPU in its DataLoader
 workers). Reported per contender: real tokens/s, padding fraction (1 - real tokens / batch slots), mean real
@@ -54,7 +65,8 @@ import numpy as np
 import torch
 
 LENGTHS_FILE = Path(__file__).resolve().parent / "data" / "chitchat_lengths.json"
-METHODS = ("padded-random", "padded-grouped", "hf-flattening", "prepack")
+METHODS = ("padded-random", "padded-grouped", "hf-flattening", "prepack", "prepack-fixed")
+COMPILE_MODES = ("none", "default", "reduce-overhead")
 ATTENTIONS = ("sdpa", "flash_attention_4", "flex_attention")  # the order they run in
 SHAPES = {
     "llama-3.2-1b": dict(
@@ -124,11 +136,14 @@ def flattened_steps(lengths: np.ndarray, tokens_per_step: int, seed: int) -> lis
     return steps
 
 
-def prepack_steps(lengths: np.ndarray, max_len: int, rows: int, seed: int) -> list[list[list[int]]]:
-    """Packs (conversation indices) first-fit-decreasing, in a seeded random order, `rows` packs a step."""
+def prepack_steps(
+    lengths: np.ndarray, max_len: int, rows: int, seed: int, max_documents: int | None = None
+) -> list[list[list[int]]]:
+    """Packs (conversation indices) first-fit-decreasing, at most `max_documents` a pack when given, in a seeded
+    random order, `rows` packs a step."""
     from prepack.building.plan import assign_packs
 
-    pack_of = assign_packs(lengths, max_len)
+    pack_of = assign_packs(lengths, max_len, max_documents=max_documents)
     packs = [list(np.flatnonzero(pack_of == pack)) for pack in range(int(pack_of.max()) + 1)]
     order = np.random.default_rng(seed).permutation(len(packs))
     return [[packs[p] for p in order[start : start + rows]] for start in range(0, len(order) - rows + 1, rows)]
@@ -166,10 +181,11 @@ def collated_steps(method: str, attn: str, lengths: np.ndarray, tokens: list[np.
                 for step in chosen]
     from prepack.training.collate import PackedCollator
 
-    collate = PackedCollator(args.max_len)
+    cap = args.max_docs_per_pack if method == "prepack-fixed" else None
+    collate = PackedCollator(args.max_len, max_docs_per_pack=cap)
     rows = max(1, args.tokens_per_step // args.max_len)
     steps = []
-    for step in prepack_steps(lengths, args.max_len, rows, args.seed)[:count]:
+    for step in prepack_steps(lengths, args.max_len, rows, args.seed, cap)[:count]:
         packs = [_pack([tokens[i] for i in pack]) for pack in step]
         steps.append(_step(collate(packs), [lengths[i] for pack in step for i in pack]))
     return steps
@@ -190,6 +206,7 @@ def _step(batch: dict, documents: list) -> Step:
 class Result:
     attn: str
     method: str
+    compile: str = "none"
     real_tokens_per_s: float | None = None
     padding_fraction: float | None = None
     tokens_per_step: float | None = None
@@ -197,6 +214,8 @@ class Result:
     mfu: float | None = None
     steps: int = 0
     seconds: float | None = None
+    graphs: int | None = None  # compiled: graphs dynamo traced over every step (1 = no recompile)
+    graph_breaks: int | None = None
     error: str | None = None
 
 
@@ -214,14 +233,23 @@ def matmul_parameters(model) -> int:
     return sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
 
 
-def run_contender(model, method: str, attn: str, steps: list[Step], args, device: torch.device, peak: float | None):
+def run_contender(
+    model, method: str, attn: str, steps: list[Step], args, device: torch.device, peak: float | None, mode: str = "none"
+):
+    from torch._dynamo.utils import counters
+
     from prepack.model.packing import disable_packing, enable_packing
 
-    result = Result(attn, method)
+    result = Result(attn, method, mode)
     optimizer = None
     try:
-        if method == "prepack":
+        if method.startswith("prepack"):
             enable_packing(model)
+        forward = model
+        if mode != "none":
+            torch._dynamo.reset()
+            counters.clear()
+            forward = torch.compile(model, mode=mode, dynamic=False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -232,7 +260,7 @@ def run_contender(model, method: str, attn: str, steps: list[Step], args, device
             if index == args.warmup:
                 _sync(device)
                 start = time.perf_counter()
-            model(**batch).loss.backward()
+            forward(**batch).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         _sync(device)
@@ -254,9 +282,14 @@ def run_contender(model, method: str, attn: str, steps: list[Step], args, device
         result.mfu = round(flops / seconds / (peak * 1e12), 4) if peak else None
         if device.type == "cuda":
             result.peak_memory_gib = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        if mode != "none":
+            result.graphs = counters["stats"]["unique_graphs"]
+            result.graph_breaks = sum(counters["graph_break"].values())
     except Exception as exc:  # noqa: BLE001 (an out-of-memory or a refused kernel is a row of the table, not the end)
         result.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
     finally:
+        if mode != "none":
+            torch._dynamo.reset()  # the next contender's graphs are its own
         disable_packing(model)
         del optimizer
         model.zero_grad(set_to_none=True)
@@ -295,24 +328,28 @@ def peak_tflops(device: torch.device, given: float | None) -> float | None:
     return next((peak for piece, peak in PEAK_BF16_TFLOPS if piece in name), None)
 
 
-def contenders(attentions: list[str], methods: list[str]) -> list[tuple[str, str]]:
-    """(attn, method) in running order; flex's shape-changing contenders last (see the module docstring)."""
-    ordered = [(attn, method) for attn in ATTENTIONS if attn in attentions for method in methods]
-    late = [(attn, method) for attn, method in ordered if attn == "flex_attention" and method != "prepack"]
-    return [pair for pair in ordered if pair not in late] + late
+def contenders(
+    attentions: list[str], methods: list[str], modes: list[str] = ("none",)
+) -> list[tuple[str, str, str]]:
+    """(attn, method, compile mode) in running order; flex's shape-changing contenders last (see the module
+    docstring)."""
+    ordered = [(attn, method, mode) for attn in ATTENTIONS if attn in attentions for method in methods for mode in modes]
+    late = [row for row in ordered if row[0] == "flex_attention" and not row[1].startswith("prepack")]
+    return [row for row in ordered if row not in late] + late
 
 
 def markdown(results: list[Result], header: list[str]) -> str:
-    lines = [*header, "", "| kernel | batches | real tokens/s | padding | real tokens/step | peak GiB | MFU |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [*header, "", "| kernel | batches | compile | real tokens/s | padding | real tokens/step | peak GiB | MFU | "
+             "graphs (breaks) |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if r.error:
-            lines.append(f"| {r.attn} | {r.method} | – | – | – | – | {r.error} |")
+            lines.append(f"| {r.attn} | {r.method} | {r.compile} | – | – | – | – | – | {r.error} |")
             continue
         mfu = f"{r.mfu:.1%}" if r.mfu is not None else "–"
         memory = f"{r.peak_memory_gib:.1f}" if r.peak_memory_gib is not None else "–"
-        lines.append(f"| {r.attn} | {r.method} | {r.real_tokens_per_s:,.0f} | {r.padding_fraction:.1%} | "
-                     f"{r.tokens_per_step:,.0f} | {memory} | {mfu} |")
+        graphs = f"{r.graphs} ({r.graph_breaks})" if r.graphs is not None else "–"
+        lines.append(f"| {r.attn} | {r.method} | {r.compile} | {r.real_tokens_per_s:,.0f} | {r.padding_fraction:.1%} | "
+                     f"{r.tokens_per_step:,.0f} | {memory} | {mfu} | {graphs} |")
     return "\n".join(lines) + "\n"
 
 
@@ -323,6 +360,10 @@ def parse_args(argv=None):
     parser.add_argument("--attn", nargs="+", choices=ATTENTIONS, help="kernels to run (default: every one installed)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--max-len", type=int, default=4096, help="prepack's row length; longer conversations are cut")
+    parser.add_argument("--max-docs-per-pack", type=int, default=64,
+                        help="prepack-fixed's K: at most K conversations a pack (the header prints what it costs in packs)")
+    parser.add_argument("--compile", nargs="+", choices=COMPILE_MODES, default=["none"],
+                        help="torch.compile modes to run each contender in (none: eager)")
     parser.add_argument("--tokens-per-step", type=int, default=16384)
     parser.add_argument("--padded-batch", type=int, default=8, help="conversations a step in the padded contenders")
     parser.add_argument("--warmup", type=int, default=2)
@@ -339,6 +380,8 @@ def parse_args(argv=None):
         args.warmup, args.steps = min(args.warmup, 2), min(args.steps, 2)
     if args.max_len < 1 or args.tokens_per_step < args.max_len or args.padded_batch < 1 or args.steps < 1:
         parser.error("need max-len >= 1, tokens-per-step >= max-len, padded-batch >= 1 and steps >= 1")
+    if args.max_docs_per_pack < 1:
+        parser.error("need max-docs-per-pack >= 1")
     return args
 
 
@@ -356,6 +399,11 @@ def main(argv=None) -> None:
     conversations = np.asarray(json.loads(LENGTHS_FILE.read_text())["lengths"], dtype=np.int64)
     lengths = np.minimum(conversations, args.max_len)
     tokens = random_tokens(lengths, SHAPES[args.shape]["vocab_size"], args.seed)
+    from prepack.building.plan import assign_packs
+
+    def pack_count(cap: int | None) -> int:
+        return int(assign_packs(lengths, args.max_len, max_documents=cap).max()) + 1
+
     import transformers
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
@@ -369,6 +417,8 @@ def main(argv=None) -> None:
         f"{args.tokens_per_step} tokens a step (prepack, hf-flattening), "
         f"{args.padded_batch} conversations a step (padded); {args.warmup} warm-up + {args.steps} timed steps; "
         f"peak {peak or '?'} TFLOP/s bf16",
+        f"prepack-fixed: at most {args.max_docs_per_pack} conversations a pack, {pack_count(args.max_docs_per_pack)} packs "
+        f"against {pack_count(None)} uncapped; compile modes: {', '.join(args.compile)} (dynamic=False)",
         f"command: python benchmarks/bench_gpu_train.py {' '.join(sys.argv[1:] if argv is None else argv)}",
     ]
     print("\n".join(header), flush=True)
@@ -376,16 +426,16 @@ def main(argv=None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.jsonl").write_text("")
     started, results, model, model_attn = time.perf_counter(), [], None, None
-    for attn, method in contenders(attentions, args.methods):
+    for attn, method, mode in contenders(attentions, args.methods, args.compile):
         if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
-            results.append(Result(attn, method, error=f"not run: past the {args.budget_s:.0f} s budget"))
+            results.append(Result(attn, method, mode, error=f"not run: past the {args.budget_s:.0f} s budget"))
         else:
             if model is None or model_attn != attn:
                 model = None
                 gc.collect()
                 model, model_attn = build_model(args.shape, attn, dtype, device), attn
             steps = collated_steps(method, attn, lengths, tokens, args)
-            results.append(run_contender(model, method, attn, steps, args, device, peak))
+            results.append(run_contender(model, method, attn, steps, args, device, peak, mode))
         print(json.dumps(asdict(results[-1])), flush=True)
         if args.out:
             with open(args.out / "results.jsonl", "a") as jsonl:

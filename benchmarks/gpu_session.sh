@@ -8,16 +8,20 @@
 # beforehand. $SITE goes on PYTHONPATH, and every Python here starts through a launcher that calls
 # site.addsitedir($SITE) first, so that its .pth files are read (the CuTe DSL's `cutlass` frontend needs one).
 #
-# Time budget, 6.5 minutes at most, every part bounded by `timeout`:
+# Time budget, 10.5 minutes at most, every part bounded by `timeout`:
 #    30 s  probe: versions, the device, which kernels import                  -> $OUT/probe.txt
 #   180 s  pytest -m gpu (tests/model/test_gpu_*.py; FA4 compiles each kernel shape on first use, flex each
 #          shape of each model: flex is most of it)
 #                                                                              -> $OUT/pytest.txt, pytest-junit.xml
 #   180 s  benchmarks/bench_gpu_train.py (--budget-s 120: no contender starts after that, the one running
 #          finishes)                                                           -> $OUT/bench/results.jsonl, results.md
+#   240 s  the compiled columns: bench_gpu_train.py on FA4, HF flattening against prepack's fixed-shape batches,
+#          eager, compiled (`default`) and CUDA-graphed (`reduce-overhead`), graphs counted (--budget-s 180)
+#                                                                              -> $OUT/bench-compiled/results.jsonl, results.md
 # The script's own log is $OUT/session.log; it exits 0 when every part ran, else the first failing part's code.
 # BENCH_ARGS replaces the benchmark's arguments (e.g. "--cpu-smoke" to try the whole script on a CPU);
-# TESTS_LIMIT and BENCH_LIMIT replace the two parts' limits in seconds, PYTEST_ARGS adds to pytest's
+# COMPILED_ARGS the compiled part's (e.g. without --attn for every kernel, when the lease is long);
+# TESTS_LIMIT, BENCH_LIMIT and COMPILED_LIMIT replace the parts' limits in seconds, PYTEST_ARGS adds to pytest's
 # arguments (e.g. -k to leave cases out when the lease is short); PYTHON picks the interpreter (default python3).
 set -u
 cd "$(dirname "$0")/.."
@@ -27,8 +31,10 @@ PYTHON=${PYTHON:-python3}
 BENCH_ARGS=${BENCH_ARGS:---warmup 2 --steps 8 --budget-s 120}
 TESTS_LIMIT=${TESTS_LIMIT:-180}
 BENCH_LIMIT=${BENCH_LIMIT:-180}
+COMPILED_ARGS=${COMPILED_ARGS:---attn flash_attention_4 --methods hf-flattening prepack-fixed --compile none default reduce-overhead --warmup 3 --steps 8 --budget-s 180}
+COMPILED_LIMIT=${COMPILED_LIMIT:-240}
 PYTEST_ARGS=${PYTEST_ARGS:-}
-mkdir -p "$OUT/bench"
+mkdir -p "$OUT/bench" "$OUT/bench-compiled"
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 WORK=$(mktemp -d)
@@ -103,10 +109,16 @@ bench() {
     py "$BENCH_LIMIT" benchmarks/bench_gpu_train.py --out "$OUT/bench" $BENCH_ARGS 2>&1 | tee "$OUT/bench/bench.txt"
     return "${PIPESTATUS[0]}"
 }
+bench_compiled() {
+    # shellcheck disable=SC2086 (COMPILED_ARGS is a list of arguments)
+    py "$COMPILED_LIMIT" benchmarks/bench_gpu_train.py --out "$OUT/bench-compiled" $COMPILED_ARGS 2>&1 | tee "$OUT/bench-compiled/bench.txt"
+    return "${PIPESTATUS[0]}"
+}
 
-log "gpu session: OUT=$OUT SITE=$SITE PYTHON=$PYTHON BENCH_ARGS=$BENCH_ARGS"
+log "gpu session: OUT=$OUT SITE=$SITE PYTHON=$PYTHON BENCH_ARGS=$BENCH_ARGS COMPILED_ARGS=$COMPILED_ARGS"
 part probe 30 probe
 part gpu-tests "$TESTS_LIMIT" gpu_tests
 part benchmark "$BENCH_LIMIT" bench
+part compiled "$COMPILED_LIMIT" bench_compiled
 log "gpu session: done in $SECONDS s, status $status"
 exit "$status"

@@ -526,8 +526,19 @@ def markdown() -> str:
             "- *per document* (the families listed above): their sequence-state layers run one document per row, in",
             "  shapes that follow the batch's documents. With `fullgraph=True` `enable_packing` refuses by name; without",
             "  it the forward runs uncompiled, and isolated.",
-            "- Pairs (plain and shared-prompt) and images: their batches carry per-pair or per-image fields whose",
-            "  shapes follow the batch (`pair_segments`, `pixel_values`), and are not fixed-shape yet.",
+            "- *pairs*: with `max_docs_per_pack=K` (a pair is two documents) the two-sequence layout and the shared-prompt",
+            "  one (`shared_prompt=True`, rows of max-len; its [B, 1, L, L] mask never follows the pairs) compile once,",
+            "  measured on sdpa, and on eager for the shared-prompt mask (`tests/model/test_compile_pairs.py`: 50 steps",
+            "  of 1 to 3 pairs a pack, every completion's log-probability equal to the uncompiled model's).",
+            "  `pair_segments`, `reference_logps` and the pair losses are [P, 2], one row a pair: compiled, `pair_logps`",
+            "  is traced again per pair count. Compile the model; the loss runs after it. The shared-prompt layout is",
+            "  refused by name on flash (a completion that sees its pair's prompt but not the other is no varlen segment).",
+            "- *images* (`VisionCollator`): `pixel_values` follows the batch's images, and no option fixes it (a padding",
+            "  image would need placeholder tokens of its own). Measured on sdpa (`tests/model/test_compile_images.py`):",
+            "  LLaVA traces with no graph break, one forward and one backward graph per distinct image count in a batch;",
+            "  Qwen2-VL's vision tower derives its shapes from `image_grid_thw`'s values, and `fullgraph=True` raises.",
+            "  transformers installs its output-capturing hooks on a model's first call, under a lock dynamo cannot",
+            "  enter: run one batch uncompiled first.",
         ]
     ) + "\n"
 

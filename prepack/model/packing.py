@@ -485,6 +485,10 @@ def _is_packed(kwargs: dict[str, Any], shape: torch.Size) -> bool:
         return True
     position_ids = kwargs.get("position_ids")
     starts = None if position_ids is None else _segment_starts(position_ids, shape)
+    if starts is not None and kwargs.get("use_cache") is False and torch.compiler.is_compiling():
+        # A collator's rows (no cache): reading whether their positions restart would be a host sync and a
+        # graph break, so they are taken as packed; a row whose positions never restart is one segment, exact so.
+        return True
     return starts is not None and bool(starts[:, 1:].any())
 
 

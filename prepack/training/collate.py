@@ -133,6 +133,9 @@ class PackedCollator:
       tensors, so `torch.compile(model, dynamic=False)` traces once (a smaller last batch is another shape:
       drop it, `drop_last=True` / `dataloader_drop_last=True`). A pack of more than K documents is refused
       by name: build with `--max-docs-per-pack K` (`for_dataset(..., fixed_shape=True)` takes K from the build).
+      Pairs count as two documents; `pair_segments` and `reference_logps` stay one row a pair (the loss's, not the
+      model's). With `shared_prompt` it refuses packs over K and pads rows to `max_len` (its default then), the
+      rows being the only shapes that layout gives the model.
     - `pad_token_id`: the token id written at padding (its label is always -100). By default each row's
       padding repeats the row's last token: padding is a segment of its own and never trained on, but
       its gradient still flows through the model as 0 times the local derivative, and a token whose
@@ -161,7 +164,7 @@ class PackedCollator:
         if layout not in _LAYOUTS:
             raise UsageError(f"layout must be one of {_LAYOUTS}, not {layout!r}.")
         if pad_to is None:
-            pad_to = "longest" if shared_prompt else "max_len"
+            pad_to = "longest" if shared_prompt and max_docs_per_pack is None else "max_len"
         if pad_to not in ("max_len", "longest"):
             raise UsageError(f"pad_to must be 'max_len' or 'longest', not {pad_to!r}.")
         if pad_to == "max_len" and max_len is None and layout != "padding_free":
@@ -179,10 +182,10 @@ class PackedCollator:
         if max_docs_per_pack is not None:
             if type(max_docs_per_pack) is not int or max_docs_per_pack < 1:
                 raise UsageError(f"max_docs_per_pack must be an int of at least 1, not {max_docs_per_pack!r}.")
-            if layout != "padded" or pad_to != "max_len" or max_len is None or cp_size is not None or shared_prompt:
+            if layout != "padded" or pad_to != "max_len" or max_len is None or cp_size is not None:
                 raise UsageError(
                     "max_docs_per_pack (fixed-shape batches) takes the padded layout with rows of max_len "
-                    "(pad_to='max_len'), without cp_size or shared_prompt: any other shape follows the batch."
+                    "(pad_to='max_len'), without cp_size: any other shape follows the batch."
                 )
         self.max_docs_per_pack = max_docs_per_pack
         self.shared_prompt = shared_prompt
@@ -230,10 +233,10 @@ class PackedCollator:
         checked = [_checked_pack(pack, number, self.max_len, self.source_ids) for number, pack in enumerate(packs)]
         if not checked:
             raise UsageError("Cannot collate an empty list of packs.")
-        if self.shared_prompt:
-            return self._shared_prompt_batch(checked)
         if self.max_docs_per_pack is not None:
             _require_at_most(checked, self.max_docs_per_pack)
+        if self.shared_prompt:
+            return self._shared_prompt_batch(checked)
         input_ids, labels, segment_ids, sources = self._fill_rows(checked)
         fields = segment_fields(segment_ids)
         if self.max_docs_per_pack is not None:
@@ -341,7 +344,9 @@ def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.
     batch's segments (those of `cu_seq_lens_q`; padding tails are segments too): a pair's chosen and rejected
     (G = 2). Every pack must hold whole groups of one size (`pair_roles` 0, 1, …, G - 1, 0, 1, …)."""
     size = _require_whole_groups(packs)
-    documents = np.flatnonzero(segment_ids.reshape(-1)[cu_seq_lens[:-1]] != 0)  # not a padding tail
+    starts = cu_seq_lens[:-1]
+    starts = starts[starts < segment_ids.size]  # a fixed-shape batch's unused segments: at the end, of no token
+    documents = np.flatnonzero(segment_ids.reshape(-1)[starts] != 0)  # not a padding tail
     return documents.astype(np.int64).reshape(-1, size)
 
 
