@@ -98,7 +98,8 @@ def tiny_vision_config(
 # Vision sizes the text shrinking (`tiny_config`) leaves large, by name: the tower's own widths, its image side
 # (set from its patch), its position table, and the widths that must be the text model's.
 _VISION_WIDTHS = {"embed_dim": HIDDEN, "out_hidden_size": HIDDEN, "projection_dim": HIDDEN,
-                  "text_hidden_size": HIDDEN, "num_position_embeddings": 16, "depth": 2}
+                  "text_hidden_size": HIDDEN, "num_position_embeddings": 16, "depth": 2, "vision_output_dim": HIDDEN,
+                  "projector_input_dim": HIDDEN, "projector_output_dim": HIDDEN}
 _PATCHES_PER_SIDE = 4
 
 
@@ -111,9 +112,13 @@ def _generic_vision_sizes(config: dict[str, Any]) -> dict[str, Any]:
         shrunk = {key: value for key, value in _VISION_WIDTHS.items() if type(vision.get(key)) is int}
         patch = vision.get("patch_size")
         if type(vision.get("image_size")) is int and type(patch) is int:
-            shrunk["image_size"] = patch * _PATCHES_PER_SIDE
+            side = shrunk["image_size"] = patch * _PATCHES_PER_SIDE
+            if config.get("image_grid_pinpoints"):  # LLaVA-NeXT's tiling: resolutions in whole tiles of the side
+                sizes["image_grid_pinpoints"] = [[side, side], [side, 2 * side], [2 * side, side]]
         if vision.get("deepstack_visual_indexes"):
             shrunk["deepstack_visual_indexes"] = [0]
+        if vision.get("pixel_shuffle_ratio"):  # Llama 4: its adapter's MLP takes the shuffled patches' width
+            shrunk["intermediate_size"] = int(HIDDEN / vision["pixel_shuffle_ratio"] ** 2)
         sizes["vision_config"] = shrunk
     text = config.get("text_config")
     text = text if isinstance(text, dict) else config

@@ -160,6 +160,11 @@ def _image_token_id(config) -> int:
     raise ValueError("its config names no image placeholder (image_token_id or image_token_index)")
 
 
+def _inner(model):
+    """The multimodal model inside the conditional-generation head (Llama 4 has none: the head itself)."""
+    return getattr(model, "model", model)
+
+
 def _takes(model, name: str) -> bool:
     return name in inspect.signature(model.forward).parameters
 
@@ -171,7 +176,8 @@ def _requires(function, name: str) -> bool:
 
 def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
     """Random pixels for `images` images in the tower's input layout: Qwen-style patch rows with their grids
-    (a forward that takes image_grid_thw), else square images of the tower's image_size."""
+    (a forward that takes image_grid_thw), else square images of the tower's image_size: one row each, or
+    Idefics' row of images, or LLaVA-NeXT's whole image and one tile, with the image sizes a family requires."""
     vision = model.config.vision_config
     generator = torch.Generator().manual_seed(seed)
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None) or 3
@@ -189,7 +195,10 @@ def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
     pixel_values = torch.rand(images, channels, side, side, generator=generator, dtype=torch.float64)
     if _takes(model, "pixel_attention_mask"):  # Idefics-style: [rows, images of the row, C, H, W]
         return {"pixel_values": pixel_values[None]}
-    if _requires(model.model.get_image_features, "image_sizes"):  # each image's own size: the tower's side
+    if getattr(model.config, "image_grid_pinpoints", None):  # LLaVA-NeXT's tiles: the whole image, then one tile
+        return {"pixel_values": torch.stack([pixel_values, pixel_values.flip(-1)], dim=1),
+                "image_sizes": torch.tensor([[side, side]] * images)}
+    if _requires(_inner(model).get_image_features, "image_sizes"):  # each image's own size: the tower's side
         return {"pixel_values": pixel_values, "image_sizes": torch.tensor([[side, side]] * images)}
     return {"pixel_values": pixel_values}
 
@@ -197,7 +206,7 @@ def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
 def _features_per_image(model, pixels: dict[str, torch.Tensor], images: int) -> list[int]:
     """How many placeholders each image takes: the tower's features per image, by the model's get_image_features."""
     with torch.no_grad():
-        features = model.model.get_image_features(**pixels)
+        features = _inner(model).get_image_features(**pixels)
     if isinstance(features, transformers.utils.ModelOutput):
         features = features.pooler_output if getattr(features, "pooler_output", None) is not None else features[0]
     width = model.config.get_text_config().hidden_size
@@ -233,7 +242,7 @@ def _packed(model, samples: list[_Sample]) -> dict:
     batch = _batch(model, input_ids, pixels)
     text = torch.cat([torch.arange(len(sample.input_ids)) for sample in samples])[None]
     batch["position_ids"] = text
-    rope_index = getattr(model.model, "get_rope_index", None)
+    rope_index = getattr(_inner(model), "get_rope_index", None)
     if rope_index is not None and "image_grid_thw" in pixels:
         rows = []
         for sample in samples:

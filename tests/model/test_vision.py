@@ -33,7 +33,7 @@ from prepack.training.vision_collate import VisionCollator, VisionSpec, rotary_3
 from tests.flash_reference import enable_flash_attention, use_flash_reference, use_flex_reference
 from tests.vision_inputs import image_processor, photo_bytes
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "llava", "gemma3")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
 TOLERANCE = 1e-9
@@ -367,13 +367,28 @@ def test_qwen_vl_has_no_flex_attention(model_type):
 
 
 def test_every_refusal_of_the_vision_table_is_run():
-    """The two tests above run the styled families' refusals: a refusal of another kind needs a test of its own
+    """The tests above run the styled families' refusals: a refusal of another kind needs a test of its own
     (the families without a style are measured by tests/model/test_vision_sweep.py)."""
     gemma3_on_flash = {("gemma3", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
     qwen_on_flex = {
-        (model_type, "flex_attention") for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+        (model_type, "flex_attention")
+        for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen4_exp")
     }
-    assert set(verdict_pairs(isolated=False)) == gemma3_on_flash | qwen_on_flex
+    qwen4_exp_on_flash = {("qwen4_exp", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
+    assert set(verdict_pairs(isolated=False)) == gemma3_on_flash | qwen_on_flex | qwen4_exp_on_flash
+
+
+@pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_4"])
+@pytest.mark.usefixtures("use_flash_reference")
+def test_qwen4_exp_is_refused_on_flash(attn):
+    """Its text is refused on flash (docs/model-support.md: its sparse indexer reads a mask the flash path has
+    not), and so are its images: enable_packing refuses the model there, with that reason."""
+    from prepack.model.families import QWEN4_EXP_ON_FLASH
+
+    model = enable_flash_attention(tiny_vision_model("qwen4_exp"), attn)
+    assert VISION_FAMILIES["qwen4_exp"].verdicts[BACKENDS.index(backend_of(attn))] == QWEN4_EXP_ON_FLASH
+    with pytest.raises(IsolationError, match=re.escape(QWEN4_EXP_ON_FLASH.reason)):
+        enable_packing(model)
 
 
 def test_gemma3_image_batch_with_a_mask_is_refused():
