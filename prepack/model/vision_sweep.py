@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForImageTextToText
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from prepack.errors import IsolationError
@@ -67,6 +66,7 @@ class VisionCheck:
 
 
 def check_family(model_type: str, attn: str, switch: Callable | None = None) -> VisionCheck:
+    """`measure_family` against the table's verdict for the family on `attn`."""
     family = VISION_FAMILIES.get(model_type)
     table = None if family is None else family.verdicts[BACKENDS.index(backend_of(attn))]
     return VisionCheck(model_type, attn, table, measure_family(model_type, attn, switch))
@@ -115,7 +115,7 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
     expected = VISION_FAMILIES[model_type].verdicts[BACKENDS.index(backend_of(attn))]
     try:
         enable_packing(model)
-        protected = _isolated(model, packed, alone, tolerance, raise_refusal=True)
+        protected = _isolated(model, packed, alone, tolerance)
     except IsolationError:
         # Refused: the refusal must be needed (let through, natively, the batch leaks or fails).
         return expected if native is not True else vision_families.NATIVE
@@ -256,24 +256,22 @@ def _packed(model, samples: list[_Sample]) -> dict:
     return batch
 
 
-def _isolated(model, packed: dict, alone: list[torch.Tensor], tolerance: float, raise_refusal: bool = False):
-    """True/False: the packed logits equal each sample's alone (within `tolerance`); an exception: it failed."""
+def _isolated(model, packed: dict, alone: list[torch.Tensor], tolerance: float):
+    """True/False: the packed logits equal each sample's alone (within `tolerance`); an exception: transformers'
+    own code failed on the packed batch. enable_packing's refusal (IsolationError) is raised."""
     try:
         with torch.no_grad():
             logits = model(**packed).logits[0]
     except IsolationError:
-        if raise_refusal:
-            raise
-        return IsolationError
+        raise
     except Exception as exc:  # noqa: BLE001 (transformers' own failure on a packed batch is a finding)
         return exc
     expected = torch.cat(alone)
     return bool((logits - expected).abs().max() <= tolerance)
 
 
-def _described(exc: BaseException | type) -> str:
-    if isinstance(exc, type):
-        return exc.__name__
+def _described(exc: BaseException) -> str:
+    """The exception's type and message, on one line, as the table states it."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [""]
     # A message that goes on after a colon (pydantic's validators, "install it with pip:") needs its next line.
     said = " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]

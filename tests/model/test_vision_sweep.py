@@ -20,7 +20,7 @@ import transformers
 from prepack import enable_packing
 from prepack.errors import IsolationError
 from prepack.model import families, vision_families, vision_sweep
-from prepack.model.families import BACKENDS, implementation
+from prepack.model.families import implementation
 from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.model.vision_families import VISION_FAMILIES
 from prepack.model.vision_sweep import IMAGE_TEXT_TYPES, check_family, measure_family
