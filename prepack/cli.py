@@ -547,7 +547,7 @@ def reference_logps_command(
 def check_isolation_command(
     model: Annotated[Path | None, typer.Option("--model", help="A local model directory (config.json and weights), or a config.json alone: random weights. Nothing is downloaded.")] = None,
     attn: Annotated[Attention, typer.Option("--attn", metavar="IMPLEMENTATION", help="Attention implementation: sdpa, eager, flash_attention_2, flash_attention_3, flash_attention_4 or flex_attention; the flash ones need a CUDA device and flash-attn (-3, -4).")] = Attention.sdpa,
-    sweep: Annotated[bool, typer.Option("--sweep", help="Instead of --model: a tiny random model of every causal LM family the installed transformers registers, compared with prepack's table.")] = False,
+    sweep: Annotated[bool, typer.Option("--sweep", help="Instead of --model: a tiny random model of every causal LM family the installed transformers registers, compared with prepack's table (on sdpa and eager also every image-text-to-text family, with packed images).")] = False,
     dtype: Annotated[Dtype | None, typer.Option("--dtype", help="Model dtype.", show_default="float64 on cpu, float32 on cuda, bfloat16 on flash")] = None,
     device: Annotated[str | None, typer.Option("--device", help="Torch device, e.g. cpu or cuda:1.", show_default="cuda if there is one, else cpu")] = None,
     packs: Annotated[int, typer.Option("--packs", min=1, help="Random packs in the batch, 1-4 documents each.")] = 2,
@@ -619,7 +619,22 @@ def _sweep(attn: str, device: str | None) -> None:
         typer.echo(f"{check.model_type:<28}table: {check.table:<34}measured: {check.measured[:100]}{mark}")
         if not check.agrees:
             differ.append(check.model_type)
+    if attn in ("sdpa", "eager"):  # the vision sweep's backends on a CPU (prepack.model.vision_sweep)
+        from prepack.model.vision_sweep import sweep as vision_sweep
+
+        for image_check in vision_sweep(attn):
+            mark = "" if image_check.agrees else "  DIFFERS"
+            table, measured = _verdict_text(image_check.table), _verdict_text(image_check.measured, reason=True)
+            typer.echo(f"{image_check.model_type + ' (images)':<28}table: {table:<34}measured: {measured[:100]}{mark}")
+            if not image_check.agrees:
+                differ.append(f"{image_check.model_type} (images)")
     if differ:
         typer.echo(f"{len(differ)} families differ from prepack's table on {attn}: {', '.join(differ)}.")
         raise typer.Exit(1)
     typer.echo(f"every family gives prepack's table's verdict on {attn}.")
+
+
+def _verdict_text(found, reason: bool = False) -> str:
+    if found is None:
+        return "not measured on this version"
+    return f"isolated ({found.label})" if found.isolated else f"refused: {found.reason}" if reason else "refused"

@@ -269,6 +269,10 @@ class _PackedBatchGuard:
             if style == "3-D rotary" and flash:
                 kwargs = _with_text_offsets(kwargs, tokens)
             if style != "restart":
+                positions = kwargs.get("position_ids")
+                if self.per_document is not None and positions is not None:  # Qwen3.5's gated delta rule layers
+                    text = {**kwargs, "position_ids": positions[0] if positions.ndim == 3 else positions}
+                    self._segment_the_sequence_state(text, tokens)
                 return (), _without_cache(kwargs, flash)
         kwargs = _resolve_attention_mask(kwargs, config, flash, tokens.shape[:2])
         # A mask still there describes no packed rows (or is the caller's own 4-D mask): transformers applies it.
@@ -278,17 +282,22 @@ class _PackedBatchGuard:
         if flash:
             _require_rows_within_a_chunk(config, attn, tokens.shape[1])
         if self.per_document is not None:
-            if torch.compiler.is_compiling():
-                raise IsolationError(
-                    f"{self.family.model_type}: its sequence-state layers run one document per row "
-                    "(docs/model-support.md), in shapes that follow the batch's documents, which torch.compile cannot "
-                    "trace as one graph: with fullgraph=False the model's forward runs uncompiled (isolated), as without torch.compile."
-                )
-            self.per_document.segments = _document_segments(kwargs, tokens)
+            self._segment_the_sequence_state(kwargs, tokens)
         if verdict is not None and verdict.how in ("layer masks", "block mask"):
             masks = _masks_from_positions(module, config, kwargs["position_ids"], tokens.shape[:2])
             kwargs["attention_mask"] = masks["full_attention"] if verdict.how == "block mask" else masks
         return (), _without_cache(kwargs, flash)
+
+
+    def _segment_the_sequence_state(self, kwargs: dict[str, Any], tokens: torch.Tensor) -> None:
+        """Tell the per-document layers the batch's documents (from its offsets or its 2-D position_ids)."""
+        if torch.compiler.is_compiling():
+            raise IsolationError(
+                f"{self.family.model_type}: its sequence-state layers run one document per row "
+                "(docs/model-support.md), in shapes that follow the batch's documents, which torch.compile cannot "
+                "trace as one graph: with fullgraph=False the model's forward runs uncompiled (isolated), as without torch.compile."
+            )
+        self.per_document.segments = _document_segments(kwargs, tokens)
 
 
 def _with_offsets(kwargs: dict[str, Any], tokens: torch.Tensor, flash: bool) -> dict[str, Any]:

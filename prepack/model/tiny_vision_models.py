@@ -34,7 +34,7 @@ from transformers import AutoModelForImageTextToText
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from prepack.errors import OutputError, UsageError
-from prepack.model.tiny_models import HIDDEN, MAX_PARAMETERS, VOCAB, tiny_config
+from prepack.model.tiny_models import HEAD_DIM, HIDDEN, MAX_PARAMETERS, VOCAB, tiny_config
 from prepack.model.vision_families import image_style
 
 __all__ = [
@@ -49,6 +49,12 @@ IMAGE_SIZE = {"llava": 28, "gemma3": 32}  # fixed-size towers: the side of the s
 QWEN_PIXELS = {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}
 # The special tokens of a Qwen-VL processor (start, placeholder, end), as `prepack prepare-images` writes them.
 QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+_QWEN3_VL = {
+    "vision_config": {"depth": 2, "hidden_size": HIDDEN, "intermediate_size": 64, "num_heads": 4,
+                      "out_hidden_size": HIDDEN, "patch_size": 14, "spatial_merge_size": 2,
+                      "temporal_patch_size": 2, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+    "text_config": {"rope_parameters": MROPE},
+}
 # Per family: the vision tower's sizes, and the top-level settings that must agree with them.
 VISION_SIZES: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": {
@@ -62,12 +68,8 @@ VISION_SIZES: dict[str, dict[str, Any]] = {
                           "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
         "text_config": {"rope_parameters": MROPE},
     },
-    "qwen3_vl": {
-        "vision_config": {"depth": 2, "hidden_size": HIDDEN, "intermediate_size": 64, "num_heads": 4,
-                          "out_hidden_size": HIDDEN, "patch_size": 14, "spatial_merge_size": 2,
-                          "temporal_patch_size": 2, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
-        "text_config": {"rope_parameters": MROPE},
-    },
+    "qwen3_vl": _QWEN3_VL,
+    "qwen3_vl_moe": _QWEN3_VL,  # Qwen3-VL's tower and rotary positions, before a decoder of MoE layers
     "llava": {
         "vision_config": {"image_size": IMAGE_SIZE["llava"], "patch_size": 14, "projection_dim": HIDDEN},
     },
@@ -83,13 +85,57 @@ def tiny_vision_config(
 ) -> transformers.PreTrainedConfig:
     """The family's tiny config; `tokens` sets special token ids (a real tokenizer's image placeholder)."""
     config = tiny_config(model_type).to_dict() | (tokens or {})
-    for key, value in VISION_SIZES[model_type].items():
+    sizes = VISION_SIZES.get(model_type) or _generic_vision_sizes(config)
+    for key, value in sizes.items():
         config[key] = {**config[key], **value} if isinstance(value, dict) else value
     if vocab_size is not None:
         config["text_config"]["vocab_size"] = vocab_size
     for key in ("model_type", "transformers_version", "architectures"):
         config.pop(key, None)
     return CONFIG_MAPPING[model_type](**config)
+
+
+# Vision sizes the text shrinking (`tiny_config`) leaves large, by name: the tower's own widths, its image side
+# (set from its patch), its position table, and the widths that must be the text model's.
+_VISION_WIDTHS = {"embed_dim": HIDDEN, "out_hidden_size": HIDDEN, "projection_dim": HIDDEN,
+                  "text_hidden_size": HIDDEN, "num_position_embeddings": 16, "depth": 2, "vision_output_dim": HIDDEN,
+                  "projector_input_dim": HIDDEN, "projector_output_dim": HIDDEN}
+_PATCHES_PER_SIDE = 4
+
+
+def _generic_vision_sizes(config: dict[str, Any]) -> dict[str, Any]:
+    """The sizes of a family without its own entry in `VISION_SIZES`: its vision tower's widths and image side
+    shrunk by name, 3-D rotary sections fitted to the tiny heads (the vision sweep's families)."""
+    sizes: dict[str, Any] = {}
+    vision = config.get("vision_config")
+    if isinstance(vision, dict):
+        shrunk = {key: value for key, value in _VISION_WIDTHS.items() if type(vision.get(key)) is int}
+        patch = vision.get("patch_size")
+        if type(vision.get("image_size")) is int and type(patch) is int:
+            side = shrunk["image_size"] = patch * _PATCHES_PER_SIDE
+            if config.get("image_grid_pinpoints"):  # LLaVA-NeXT's tiling: resolutions in whole tiles of the side
+                sizes["image_grid_pinpoints"] = [[side, side], [side, 2 * side], [2 * side, side]]
+        if vision.get("deepstack_visual_indexes"):
+            shrunk["deepstack_visual_indexes"] = [0]
+        if vision.get("pixel_shuffle_ratio"):  # Llama 4: its adapter's MLP takes the shuffled patches' width
+            shrunk["intermediate_size"] = int(HIDDEN / vision["pixel_shuffle_ratio"] ** 2)
+        sizes["vision_config"] = shrunk
+    text = config.get("text_config")
+    text = text if isinstance(text, dict) else config
+    rope = text.get("rope_parameters")
+    # 3-D rotary positions (Qwen-style towers merge patches; the sections may sit in the defaults or the code)
+    merging = isinstance(vision, dict) and vision.get("spatial_merge_size")
+    if isinstance(rope, dict) and (rope.get("mrope_section") or merging) and "rope_theta" in rope:
+        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor")) or 1
+        half = int(HEAD_DIM * partial) // 2
+        temporal = half // 4
+        height = (half - temporal) // 2
+        rotary = {**rope, "mrope_section": [temporal, height, half - temporal - height]}
+        if text is config:
+            sizes["rope_parameters"] = rotary
+        else:
+            sizes["text_config"] = {"rope_parameters": rotary}
+    return sizes
 
 
 def tiny_vision_model(
@@ -102,14 +148,22 @@ def tiny_vision_model(
 ) -> transformers.PreTrainedModel:
     """A seeded random vision-language model of the family, in eval mode (see `tiny_vision_config`)."""
     config = tiny_vision_config(model_type, vocab_size, tokens)
-    options = dict(attn_implementation=attn, dtype=dtype)
+    # MoE expert kernels other than the eager loop (grouped_mm) have no float64 on a CPU.
+    options = dict(attn_implementation=attn, experts_implementation="eager", dtype=dtype)
     with torch.device("meta"):
         parameters = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config, **options).parameters())
     limit = MAX_PARAMETERS + 64 * (vocab_size or VOCAB) * HIDDEN  # a real tokenizer's embeddings come on top
     if parameters > limit:
         raise AssertionError(f"{model_type}: the tiny model has {parameters:,} parameters; a size was not shrunk.")
     torch.manual_seed(0)
-    return AutoModelForImageTextToText.from_config(config, **options).eval()
+    model = AutoModelForImageTextToText.from_config(config, **options).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            # A matrix initialised to zeros (Gemma 3's image projection) would cut the images off: no image
+            # features reach the decoder and no gradient reaches the tower, so neither could show a leak.
+            if parameter.ndim >= 2 and not parameter.any():
+                parameter.normal_(0.0, 0.02)
+    return model
 
 
 def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict[str, int] = QWEN_PIXELS):

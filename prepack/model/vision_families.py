@@ -1,7 +1,7 @@
 """Which vision-language families `enable_packing` keeps isolated on image+text batches, how, and why not.
 
 The image+text companion of `prepack.model.families` (which covers text-only batches, Gemma 3's
-included). One row per vision-language model type: the style of packing (what
+included). One row per image-text-to-text model type that transformers registers: the style of packing (what
 `prepack.training.vision_collate.VisionCollator` emits for it), how its vision tower keeps patches inside
 their image, and one verdict per backend of `prepack.model.families.BACKENDS`. The rows marked isolated
 are measured by `tests/model/test_vision.py`: tiny random models (`prepack.model.tiny_vision_models`) in
@@ -13,15 +13,18 @@ on logits and loss (it has no backward on a CPU). On flash the text's offsets co
 and reach the decoder only, never the vision tower (`prepack.model.packing`). No torch here.
 
 Styles:
-- 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): `position_ids` [4, B, L], text positions restarting per sample (from
+- 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): `position_ids` [4, B, L], text positions restarting per sample (from
   which transformers builds the per-sample mask) over the three rotary rows, restarting per sample too;
 - restart (LLaVA): `position_ids` [B, L] restarting per sample, as for text;
 - image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
   from which prepack builds the layer masks (`prepack.model.vision_packing`: transformers' own sliding
   mask misplaces the image blocks of a packed row).
 
-Every other image-text-to-text model type is refused by name for image batches ("not measured").
-`python -m prepack.model.vision_families` prints the table as docs/vision-support.md.
+Every other image-text-to-text model type has no style (VisionCollator does not batch it) and is refused for
+image batches on every backend, with the reason the vision sweep (`prepack.model.vision_sweep`) measured on sdpa
+and eager; a model type the table lacks is refused by name. tests/model/test_vision_sweep.py fails when a row
+differs from a fresh measurement. `python -m prepack.model.vision_families` prints the table as
+docs/vision-support.md.
 """
 
 from __future__ import annotations
@@ -32,9 +35,14 @@ from typing import Literal
 
 from prepack.model.families import (
     BACKENDS,
+    GATED_DELTA_RULE,
     LAYER_MASKS,
+    MEASURED_WITH,
     NATIVE,
     NO_FLEX,
+    NO_SDPA,
+    QWEN4_EXP_ON_FLASH,
+    SWEEP_COMMAND,
     Verdict,
     backend_of,
     implementation,
@@ -55,9 +63,43 @@ GEMMA3_IMAGES_ON_FLASH = Verdict(
 
 @dataclass(frozen=True)
 class VisionFamily:
-    style: ImageStyle
+    style: ImageStyle | None  # None: VisionCollator does not batch the family (refused on every backend)
     vision_tower: str  # how the tower keeps each image's patches to themselves
     verdicts: tuple[Verdict, Verdict, Verdict, Verdict, Verdict]  # per backend, in BACKENDS order
+
+
+# The refusals the vision sweep (prepack.model.vision_sweep) measures for a family, by kind.
+def _not_built(detail: str) -> Verdict:
+    return Verdict("refused", f"not measured: could not build a tiny model: {detail}")
+
+
+def _not_run(detail: str) -> Verdict:
+    return Verdict("refused", f"not measured: the sweep could not form or run its image samples ({detail})")
+
+
+def _fails_packed(detail: str) -> Verdict:
+    return Verdict("refused", f"transformers' own code fails on a packed image batch ({detail})")
+
+
+LEAKS = Verdict("refused", "packed image samples see each other with position_ids restarting at every sample")
+NO_DATA_SIDE = Verdict(
+    "refused",
+    "isolated natively with position_ids restarting at every sample (measured), but prepack has no data side for it "
+    "yet: no placeholder rule in prepare-images and no VisionCollator style",
+)
+# The flash and flex columns of a family without a style: the sweep measures those on sdpa and eager.
+NOT_SWEPT = Verdict(
+    "refused",
+    "not measured with images on this backend: prepack has no data side for the family, and the vision sweep "
+    "measures such families on sdpa and eager",
+)
+
+
+def measured_refusal(kind: str, detail: str = "") -> Verdict:
+    """The refusal the vision sweep states for a family measured as `kind`: "build", "alone", "packed" (with
+    the failure), "leaks" or "no data side"."""
+    made = {"build": _not_built, "alone": _not_run, "packed": _fails_packed}
+    return made[kind](detail) if kind in made else {"leaks": LEAKS, "no data side": NO_DATA_SIDE}[kind]
 
 
 _MEASURED = (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE)
@@ -72,6 +114,15 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_vl": VisionFamily("3-D rotary", _GRID_TOWER, _MEASURED_NO_FLEX),
     "qwen2_5_vl": VisionFamily("3-D rotary", _GRID_TOWER, _MEASURED_NO_FLEX),
     "qwen3_vl": VisionFamily("3-D rotary", _GRID_TOWER_DEEPSTACK, _MEASURED_NO_FLEX),
+    "qwen3_vl_moe": VisionFamily("3-D rotary", _GRID_TOWER_DEEPSTACK, _MEASURED),
+    # A Qwen-VL tower before a hybrid decoder: its gated delta rule layers run one sample per row.
+    "qwen3_5": VisionFamily("3-D rotary", _GRID_TOWER, (GATED_DELTA_RULE,) * 4 + (NO_FLEX,)),
+    "qwen3_5_moe": VisionFamily("3-D rotary", _GRID_TOWER, (GATED_DELTA_RULE,) * 4 + (NO_FLEX,)),
+    "qwen4_exp": VisionFamily(
+        "3-D rotary",
+        _GRID_TOWER,
+        (GATED_DELTA_RULE, GATED_DELTA_RULE, QWEN4_EXP_ON_FLASH, QWEN4_EXP_ON_FLASH, NO_FLEX),
+    ),
     "llava": VisionFamily("restart", "one image per row of pixel_values (CLIP)", _MEASURED),
     # Its own sliding mask misplaces the image blocks of packed rows: prepack builds the layer masks.
     "gemma3": VisionFamily(
@@ -82,12 +133,199 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
 }
 
 
+def _swept(sdpa: Verdict, eager: Verdict | None = None) -> VisionFamily:
+    """The row of a family without a style: refused on sdpa and eager as the sweep measured it."""
+    return VisionFamily(None, "", (sdpa, eager or sdpa, NOT_SWEPT, NOT_SWEPT, NOT_SWEPT))
+
+
+# Every other image-text-to-text type of transformers, refused for image batches as the vision sweep measured it on
+# sdpa and eager (written from a sweep run; tests/model/test_vision_sweep.py fails on a row that differs from it).
+VISION_FAMILIES |= {
+    'apertus1p5': _swept(
+        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: WavTokenizer uses no projections around the quantizer, so `codebook_dim` (512) must eq"),
+    ),
+    'aria': _swept(
+        _not_run("KeyError: 'Number of patches 16 not found in patch_to_query_dict amongst possible values dict_keys([1225, 4900]).'"),
+    ),
+    'aya_vision': _swept(NO_DATA_SIDE),
+    'blip': _swept(
+        NO_SDPA,
+        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+    'blip-2': _swept(
+        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+    'chameleon': _swept(_not_built("AttributeError: 'NoneType' object has no attribute 'get'")),
+    'cohere2_vision': _swept(NO_DATA_SIDE),
+    'cohere_compass': _swept(_not_built("KeyError: 'full_attention'")),
+    'cosmos3_edge': _swept(
+        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `rope_parameters.mrope_section` must contain three sections whose sum equals half of `"),
+    ),
+    'cosmos3_omni': _swept(NO_DATA_SIDE),
+    'deepseek_ocr2': _swept(_not_built("TypeError: 'NoneType' object is not subscriptable")),
+    'deepseek_vl': _swept(NO_DATA_SIDE),
+    'deepseek_vl_hybrid': _swept(
+        _not_run("TypeError: DeepseekVLHybridModel.get_image_features() missing 1 required positional argument: 'high_res_pixel_values'"),
+    ),
+    'diffusion_gemma': _swept(
+        _not_built("TypeError: empty(): argument 'size' (position 1) must be tuple of ints, but found element of type NoneType at pos 0"),
+    ),
+    'dots3_note': _swept(
+        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: vision adapter output width must match the text hidden size"),
+    ),
+    'emu3': _swept(_not_built("AttributeError: 'NoneType' object has no attribute 'get'")),
+    'ernie4_5_vl_moe': _swept(NO_DATA_SIDE),
+    'evolla': _swept(
+        _not_built("ValueError: Unrecognized configuration class <class 'transformers.models.evolla.configuration_evolla.EvollaConfig'> for this kind of AutoModel: AutoModelForImageTextToText."),
+    ),
+    'exaone4_5': _swept(_not_run('ZeroDivisionError: integer modulo by zero')),
+    'fast_vlm': _swept(
+        _not_built('ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may n'),
+    ),
+    'florence2': _swept(
+        _not_built('AssertionError: florence2: the tiny model has 90,587,200 parameters; a size was not shrunk.'),
+    ),
+    'fuyu': _swept(_not_run("AttributeError: 'FuyuConfig' object has no attribute 'vision_config'")),
+    'gemma3n': _swept(
+        _not_built('ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may n'),
+    ),
+    'gemma4': _swept(_not_run('ValueError: its vision config (NoneType) has no image_size')),
+    'gemma4_unified': _swept(_not_run('ValueError: its vision config (NoneType) has no image_size')),
+    'git': _swept(
+        NO_SDPA,
+        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+    'glm46v': _swept(NO_DATA_SIDE),
+    'glm4v': _swept(NO_DATA_SIDE),
+    'glm4v_moe': _swept(NO_DATA_SIDE),
+    'glm5_next': _swept(
+        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: index_topk (4) must be divisible by index_kpool (16)."),
+    ),
+    'glm_ocr': _swept(NO_DATA_SIDE),
+    'glmga': _swept(NO_DATA_SIDE),
+    'got_ocr2': _swept(NO_SDPA, NO_DATA_SIDE),
+    'granite4_vision': _swept(_not_built("TypeError: object of type 'NoneType' has no len()")),
+    'granite_docling': _swept(
+        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: vision_config.out_hidden_size (1024) must equal text_config.hidden_size (32)."),
+    ),
+    'hunyuan_vl': _swept(
+        _fails_packed('ValueError: Expected 3 multimodal RoPE channels, got position_ids with shape (4, 1, 47).'),
+    ),
+    'hy_v4_vl': _swept(
+        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `mrope_section` must have three entries (time, height, width) summing to `qk_rope_head"),
+    ),
+    'hyperclovax_vision_v2': _swept(_not_run('ZeroDivisionError: integer modulo by zero')),
+    'idefics': _swept(
+        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+    'idefics2': _swept(NO_DATA_SIDE),
+    'idefics3': _swept(NO_DATA_SIDE),
+    'inkling2': _swept(
+        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `vision_config.text_hidden_size` (4608) must match `text_config.hidden_size` (32)."),
+    ),
+    'inkling2_loop': _swept(
+        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `vision_config.text_hidden_size` (2304) must match `text_config.hidden_size` (32)."),
+    ),
+    'inkling_mm_model': _swept(_not_built("ModuleNotFoundError: No module named 'scipy'")),
+    'instructblip': _swept(
+        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+    'instructblipvideo': _swept(
+        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+    'internvl': _swept(NO_DATA_SIDE),
+    'janus': _swept(
+        _not_built('AssertionError: janus: the tiny model has 114,071,819 parameters; a size was not shrunk.'),
+    ),
+    'kimi_k25': _swept(
+        _not_run('RuntimeError: Expected 3D (unbatched) or 4D (batched) input to conv2d, but got input of size: [4, 588]'),
+    ),
+    'kosmos-2': _swept(
+        _not_built('AssertionError: kosmos-2: the tiny model has 426,776,832 parameters; a size was not shrunk.'),
+    ),
+    'kosmos-2.5': _swept(
+        _not_built('AssertionError: kosmos-2.5: the tiny model has 244,697,280 parameters; a size was not shrunk.'),
+    ),
+    'lfm2_vl': _swept(_not_run('ValueError: its vision config (Siglip2VisionConfig) has no image_size')),
+    'lfm3_vl': _swept(LEAKS),
+    'lighton_ocr': _swept(NO_DATA_SIDE),
+    'llama4': _swept(_not_run("AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'")),
+    'llava_next': _swept(NO_DATA_SIDE),
+    'llava_next_video': _swept(NO_DATA_SIDE),
+    'llava_onevision': _swept(NO_DATA_SIDE),
+    'minicpm_ocr': _swept(
+        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+    'minicpmv4_6': _swept(
+        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+    'minicpmv4_7': _swept(
+        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+    'minimax_m3_vl': _swept(NO_DATA_SIDE),
+    'mistral3': _swept(NO_DATA_SIDE),
+    'mistral4': _swept(
+        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+    'mistral_large4': _swept(LEAKS),
+    'mllama': _swept(_not_run("AttributeError: 'MllamaModel' object has no attribute 'get_image_features'")),
+    'molmo2': _swept(
+        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `adapter_config.vision_feature_layer` [24, 18] must index the 2 layers of `vision_conf"),
+    ),
+    'muse_glimmer': _swept(
+        _not_built('AssertionError: muse_glimmer: the tiny model has 42,190,688 parameters; a size was not shrunk.'),
+    ),
+    'muse_spark': _swept(
+        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `audio_config.out_hidden_size` (8192) must match `text_config.hidden_size` (32): the a"),
+    ),
+    'nemotron_h_omni': _swept(
+        _not_built('AssertionError: nemotron_h_omni: the tiny model has 21,759,612 parameters; a size was not shrunk.'),
+    ),
+    'ovis2': _swept(NO_DATA_SIDE),
+    'paddleocr_vl': _swept(_not_run('ValueError: not enough values to unpack (expected 5, got 3)')),
+    'paligemma': _swept(NO_DATA_SIDE),
+    'perception_lm': _swept(
+        _not_built('ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may n'),
+    ),
+    'pi0': _swept(_not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)')),
+    'pix2struct': _swept(
+        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+    'pp_chart2table': _swept(NO_SDPA, NO_DATA_SIDE),
+    'pp_formulanet': _swept(
+        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+    'qianfan_ocr': _swept(NO_DATA_SIDE),
+    'qwen2_5_omni_thinker': _swept(_not_run('ZeroDivisionError: integer modulo by zero')),
+    'qwen3_omni_moe_thinker': _swept(
+        _not_run("TypeError: Qwen3OmniMoePreTrainedModelForConditionalGeneration.get_rope_index() got an unexpected keyword argument 'mm_token_type_ids'"),
+    ),
+    'shieldgemma2': _swept(_not_run('RuntimeError: stride should not be zero')),
+    'smolvlm': _swept(NO_DATA_SIDE),
+    'step3p7': _swept(
+        _not_run('ValueError: Could not find a `sliding_window` argument in the config, or it is not set'),
+    ),
+    't5gemma2': _swept(_not_run("AttributeError: 'T5Gemma2Config' object has no attribute 'vision_config'")),
+    'udop': _swept(_not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)')),
+    'unlimited_ocr': _swept(_not_run('ValueError: its vision config (UnlimitedOcrVisionConfig) has no image_size')),
+    'video_llama_3': _swept(
+        _not_run("TypeError: VideoLlama3Model.get_image_features() missing 1 required positional argument: 'image_merge_sizes'"),
+    ),
+    'video_llava': _swept(NO_DATA_SIDE),
+    'vipllava': _swept(_not_run('IndexError: tuple index out of range')),
+    'vision-encoder-decoder': _swept(
+        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+}
+
+
 def image_style(model_type: str) -> ImageStyle:
+    """The style VisionCollator batches the family in; IsolationError for a family it does not batch."""
     family = VISION_FAMILIES.get(model_type)
-    if family is None:
+    if family is None or family.style is None:
         from prepack.errors import IsolationError
 
-        raise IsolationError(_unmeasured(model_type))
+        raise IsolationError(_unmeasured(model_type) if family is None else image_refusal(model_type, "", "sdpa"))
     return family.style
 
 
@@ -100,19 +338,23 @@ def image_refusal(model_type: str, model_class: str, attn: str) -> str | None:
     if found.isolated:
         return None
     isolated = [repr(implementation(backend)) for backend, ok in zip(BACKENDS, family.verdicts) if ok.isolated]
-    return (
-        f"prepack cannot keep packed image+text samples apart in {model_type} ({model_class}) on {attn}: "
-        f"{found.reason}. Load it with attn_implementation={' or '.join(isolated)}, where prepack isolates it."
+    instead = (
+        f"Load it with attn_implementation={' or '.join(isolated)}, where prepack isolates it."
+        if isolated
+        else "Train its image samples without packing (one sample per row)."
     )
+    named = f" ({model_class})" if model_class else ""
+    return f"prepack cannot keep packed image+text samples apart in {model_type}{named} on {attn}: {found.reason}. {instead}"
 
 
 def _unmeasured(model_type: str, model_class: str = "") -> str:
-    measured = ", ".join(sorted(VISION_FAMILIES))
+    isolated = ", ".join(sorted(name for name, family in VISION_FAMILIES.items() if family.style is not None))
     named = f" ({model_class})" if model_class else ""
     return (
-        f"prepack has not measured packed image+text batches for model type {model_type!r}{named}: its vision "
-        f"tower or its positions may let samples see each other. Packed image batches are measured for {measured}; "
-        "train this family without packing (one sample per row)."
+        f"prepack has not measured packed image+text batches for model type {model_type!r}{named}: it is not in "
+        f"the vision table of {MEASURED_WITH} (a newer transformers, or remote code), and its vision tower or its "
+        f"positions may let samples see each other. Packed image batches are isolated for {isolated}; train this "
+        f"family without packing (one sample per row), or re-measure this transformers: {SWEEP_COMMAND}."
     )
 
 
@@ -120,24 +362,38 @@ def markdown() -> str:
     """docs/vision-support.md: the table and its legend."""
     table, legend = verdict_table(
         ["model type", "style", "vision tower"],
-        {model_type: ([family.style, family.vision_tower], family.verdicts) for model_type, family in VISION_FAMILIES.items()},
+        {
+            model_type: ([family.style or "-", family.vision_tower or "-"], family.verdicts)
+            for model_type, family in VISION_FAMILIES.items()
+        },
     )
+    counts = {
+        backend: sum(family.verdicts[column].isolated for family in VISION_FAMILIES.values())
+        for column, backend in enumerate(BACKENDS)
+    }
     return "\n".join(
         [
             "# Vision-language model support (packed image+text batches)",
             "",
             "<!-- Generated by `python -m prepack.model.vision_families > docs/vision-support.md`; "
-            "tests/model/test_vision.py fails when it is out of date. -->",
+            "tests/model/test_vision_sweep.py fails when it is out of date. -->",
             "",
-            "Each family whose packed image+text batches `enable_packing` keeps apart, with the style of batch that",
-            "`prepack.training.vision_collate.VisionCollator` emits for it and how its vision tower keeps patches",
-            "inside their image.",
-            "**isolated**: a packed batch gives the logits, loss and gradients of each sample run alone through",
-            "transformers' own path (`tests/model/test_vision.py`: tiny random models in float64, real photographs;",
-            "flash attention through pure-torch stand-ins of flash-attn 2 and FlashAttention-4, flex_attention on",
-            "logits and loss, uncompiled on a CPU).",
-            "Any other vision-language model type is refused for image batches, by name. Text-only batches of these",
-            "families follow docs/model-support.md.",
+            f"Every image-text-to-text model type that {MEASURED_WITH} registers, on each attention backend:",
+            "**isolated** (a packed batch gives the logits, loss and gradients of each sample run alone through",
+            "transformers' own path) or **refused** (`enable_packing` raises `IsolationError` for an image batch, with",
+            "the reason). The table is measured by the vision sweep (`prepack.model.vision_sweep`,",
+            "`tests/model/test_vision_sweep.py`, which fails when a row differs from a fresh measurement): a tiny",
+            "random model of each family in float64, packed image+text samples against each sample alone. The",
+            "isolated families, with the style of batch that `prepack.training.vision_collate.VisionCollator` emits",
+            "for them, are measured further by `tests/model/test_vision.py`: real photographs, logits, loss and every",
+            "parameter's gradient (language model, projector, vision tower), flash attention through pure-torch",
+            "stand-ins of flash-attn 2 and FlashAttention-4, flex_attention on logits and loss (uncompiled on a CPU).",
+            "A model type missing here (a newer transformers, remote code) is refused for image batches, by name;",
+            f"`{SWEEP_COMMAND}` re-measures the installed release. Text-only batches follow docs/model-support.md.",
+            "",
+            "| backend | isolated | refused |",
+            "|---|---:|---:|",
+            *(f"| {backend} | {counts[backend]} | {len(VISION_FAMILIES) - counts[backend]} |" for backend in BACKENDS),
             "",
             *table,
             "",

@@ -26,6 +26,7 @@ from prepack.model import families
 from prepack.model import isolation
 
 from prepack.model import tiny_models
+from prepack.model import vision_sweep
 from prepack.cli import Attention, Dtype, app
 from tests.model.test_isolation import LEAK, tiny_model
 from tests.tiny_models import tiny_config
@@ -216,18 +217,25 @@ def test_the_measured_release_is_not_flagged(saved, monkeypatch):
 
 
 def test_the_sweep_checks_every_family_against_the_table(monkeypatch):
-    """Two families stand for all (the whole sweep takes minutes): qwen3 isolated, zaya refused."""
+    """Two families stand for all (the whole sweep takes minutes): qwen3 isolated, zaya refused; with images,
+    llava isolated and gemma3n refused (no tiny model without timm)."""
     monkeypatch.setattr(tiny_models, "CAUSAL_LM_TYPES", ("qwen3", "zaya"))
+    monkeypatch.setattr(vision_sweep, "IMAGE_TEXT_TYPES", ("gemma3n", "llava"))
     result = CliRunner().invoke(app, ["check-isolation", "--sweep"])
     assert result.exit_code == 0, result.output
     assert re.search(r"^qwen3 +table: isolated \(native\) +measured: isolated$", result.output, flags=re.MULTILINE)
     assert re.search(r"^zaya +table: refused +measured: refused: ", result.output, flags=re.MULTILINE)
+    assert re.search(r"^llava \(images\) +table: isolated \(native\) +measured: isolated \(native\)$", result.output,
+                     flags=re.MULTILINE)
+    assert re.search(r"^gemma3n \(images\) +table: refused +measured: refused: not measured: could not build a tiny "
+                     r"model: ImportError", result.output, flags=re.MULTILINE)
     assert "every family gives prepack's table's verdict on sdpa." in result.output
 
 
 def test_the_sweep_exits_1_on_a_family_the_table_lacks(monkeypatch):
     """A family a newer release registers: measured, and reported as not in the table."""
     monkeypatch.setattr(tiny_models, "CAUSAL_LM_TYPES", ("qwen3",))
+    monkeypatch.setattr(vision_sweep, "IMAGE_TEXT_TYPES", ())
     monkeypatch.delitem(families.FAMILIES, "qwen3")
     result = CliRunner().invoke(app, ["check-isolation", "--sweep"])
     assert result.exit_code == 1, result.output

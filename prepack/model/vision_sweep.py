@@ -1,0 +1,278 @@
+"""The vision sweep: a tiny random model of every image-text-to-text family the installed transformers registers,
+fed packed image+text samples and each sample alone, and a verdict per family and backend measured from that.
+
+`measure_family(model_type, attn)` builds the family's tiny model (`prepack.model.tiny_vision_models.
+tiny_vision_config`: every size shrunk, the image placeholder and special tokens at the top of the vocabulary
+as the text sweep places them, nothing downloaded), makes three image+text samples (one image, two images,
+text only; random pixels in the tower's own input layout) and runs them alone, then packed into one row with
+`position_ids` restarting at every sample (and, for 3-D rotary families, each sample's own rotary rows from
+the model's `get_rope_index`, the text row first: what `VisionCollator` emits). float64, logits compared.
+
+The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` must hold for that backend:
+- a family the table gives a style (VisionCollator batches it): `enable_packing` on, the packed batch must
+  equal the samples alone; its verdict is "native" when the batch is isolated without what `enable_packing`
+  adds, "layer masks" when only with it (Gemma 3's image blocks). Where the table refuses, `enable_packing`
+  must raise, and the refusal must be needed: the batch let through leaks or fails;
+- any other family is refused, with the reason measured here: no tiny model could be built, transformers has
+  no such attention for it, the sweep could not run an image sample alone (the family takes image inputs
+  the sweep does not form), transformers' own code fails on the packed batch, the packed samples see each
+  other, or they are isolated natively but prepack has no data side (placeholder rule, collator style) for
+  the family yet.
+`sweep()` runs it for every family (`prepack check-isolation --sweep` on sdpa or eager) and says where the
+table and the measurement disagree. The flash and flex columns are measured by tests/model/test_vision_sweep.py
+with the pure-torch stand-ins of the kernels (tests/flash_reference.py), for the families the table gives a
+style; the others are refused there as not measured.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+from prepack.errors import IsolationError
+from prepack.model.families import NO_FLASH, NO_FLEX, NO_SDPA, BACKENDS, Verdict, backend_of
+from prepack.model.isolation import default_tolerances
+from prepack.model.packing import enable_packing
+from prepack.model.tiny_models import DOCUMENT_VOCAB
+from prepack.model import families, vision_families
+from prepack.model.vision_families import VISION_FAMILIES, measured_refusal
+
+__all__ = ["IMAGE_TEXT_TYPES", "VisionCheck", "measure_family", "sweep"]
+
+IMAGE_TEXT_TYPES = tuple(sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
+# Which of the pixel inputs each sample holds: one image, two, none.
+SAMPLE_IMAGES = (1, 2, 0)
+_UNSUPPORTED = {"sdpa": NO_SDPA, "flash": NO_FLASH, "fa4": NO_FLASH, "flex": NO_FLEX}
+
+
+@dataclass(frozen=True)
+class VisionCheck:
+    """One family on one backend: the table's verdict against the one measured."""
+
+    model_type: str
+    attn_implementation: str
+    table: Verdict | None  # None: the table lacks the family
+    measured: Verdict
+
+    @property
+    def agrees(self) -> bool:
+        return self.table == self.measured
+
+
+def check_family(model_type: str, attn: str, switch: Callable | None = None) -> VisionCheck:
+    """`measure_family` against the table's verdict for the family on `attn`."""
+    family = VISION_FAMILIES.get(model_type)
+    table = None if family is None else family.verdicts[BACKENDS.index(backend_of(attn))]
+    return VisionCheck(model_type, attn, table, measure_family(model_type, attn, switch))
+
+
+def sweep(attn: str = "sdpa") -> Iterator[VisionCheck]:
+    """`check_family` for every image-text-to-text family the installed transformers registers, in name order."""
+    for model_type in IMAGE_TEXT_TYPES:
+        yield check_family(model_type, attn)
+
+
+def measure_family(model_type: str, attn: str, switch: Callable | None = None) -> Verdict:
+    """The measured verdict of `model_type` on `attn` (see the module docstring). `switch(model, attn)` puts
+    a model built on sdpa onto `attn` after its samples ran alone on sdpa (the tests' flash and flex
+    stand-ins); by default it is built on `attn`."""
+    from prepack.model.tiny_vision_models import tiny_vision_model
+
+    try:
+        model = tiny_vision_model(model_type, "sdpa" if switch else attn, dtype=torch.float64)
+    except Exception as exc:  # noqa: BLE001 (a family that does not build is a finding the table states)
+        if "does not support an attention implementation" in str(exc):
+            return _UNSUPPORTED.get(backend_of(attn), measured_refusal("build", _described(exc)))
+        return measured_refusal("build", _described(exc))
+    try:
+        samples = _samples(model)
+        # With `switch`, each sample alone runs on sdpa, the model as its family means it (Gemma 3's flash path
+        # would run its image blocks causally alone too).
+        alone = [_logits(model, sample) for sample in samples]
+        packed = _packed(model, samples)
+    except Exception as exc:  # noqa: BLE001 (inputs the sweep does not form for this family)
+        return measured_refusal("alone", _described(exc))
+    if switch:
+        try:
+            switch(model, attn)
+        except Exception as exc:  # noqa: BLE001
+            if "does not support an attention implementation" in str(exc):
+                return _UNSUPPORTED[backend_of(attn)]
+            return measured_refusal("build", _described(exc))
+    tolerance, _ = default_tolerances(torch.float64, attn)
+    styled = model_type in VISION_FAMILIES and VISION_FAMILIES[model_type].style is not None
+    native = _isolated(model, packed, alone, tolerance)
+    if not styled:
+        if isinstance(native, Exception):
+            return measured_refusal("packed", _described(native))
+        return measured_refusal("no data side" if native else "leaks")
+    expected = VISION_FAMILIES[model_type].verdicts[BACKENDS.index(backend_of(attn))]
+    try:
+        enable_packing(model)
+        protected = _isolated(model, packed, alone, tolerance)
+    except IsolationError:
+        # Refused: the refusal must be needed (let through, natively, the batch leaks or fails).
+        return expected if native is not True else vision_families.NATIVE
+    if protected is not True:
+        return measured_refusal("leaks" if protected is False else "packed", _described(protected) if protected else "")
+    # The sequence-state layers enable_packing runs one sample per row (Qwen3.5's), as for text.
+    text_verdict = families.verdict(model_type, attn)
+    if text_verdict is not None and text_verdict.per_document:
+        return text_verdict
+    # On flash, transformers isolates from the offsets enable_packing derives, as for text: "native" there too.
+    flash = backend_of(attn) in ("flash", "fa4")
+    return vision_families.NATIVE if native is True or flash else vision_families.LAYER_MASKS
+
+
+@dataclass
+class _Sample:
+    input_ids: torch.Tensor  # [n]
+    pixels: dict[str, torch.Tensor]  # the image inputs of its images (none for a text-only sample)
+
+
+def _samples(model) -> list[_Sample]:
+    """Three samples: text, each image's placeholders (as many as the tower makes features), text."""
+    config = model.config
+    image_token = _image_token_id(config)
+    rng = np.random.default_rng(0)
+    made = []
+    for images in SAMPLE_IMAGES:
+        pixels = _pixels(model, images, seed=len(made)) if images else {}
+        per_image = _features_per_image(model, pixels, images) if images else []
+        tokens = list(rng.integers(2, DOCUMENT_VOCAB, 4))
+        for count in per_image:
+            tokens += [image_token] * count + list(rng.integers(2, DOCUMENT_VOCAB, 3))
+        made.append(_Sample(torch.tensor(tokens), pixels))
+    return made
+
+
+def _image_token_id(config) -> int:
+    for key in ("image_token_id", "image_token_index", "image_token"):
+        value = getattr(config, key, None)
+        if type(value) is int:
+            return value
+    raise ValueError("its config names no image placeholder (image_token_id or image_token_index)")
+
+
+def _inner(model):
+    """The multimodal model inside the conditional-generation head (Llama 4 has none: the head itself)."""
+    return getattr(model, "model", model)
+
+
+def _takes(model, name: str) -> bool:
+    return name in inspect.signature(model.forward).parameters
+
+
+def _requires(function, name: str) -> bool:
+    parameter = inspect.signature(function).parameters.get(name)
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random pixels for `images` images in the tower's input layout: Qwen-style patch rows with their grids
+    (a forward that takes image_grid_thw), else square images of the tower's image_size: one row each, or
+    Idefics' row of images, or LLaVA-NeXT's whole image and one tile, with the image sizes a family requires."""
+    vision = model.config.vision_config
+    generator = torch.Generator().manual_seed(seed)
+    channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None) or 3
+    if _takes(model, "image_grid_thw"):
+        patch, merge = vision.patch_size, getattr(vision, "spatial_merge_size", 1)
+        temporal = getattr(vision, "temporal_patch_size", 1) or 1
+        grids = torch.tensor([[1, 2 * merge, (2 + index) * merge] for index in range(images)])
+        rows = int(grids.prod(-1).sum())
+        pixel_values = torch.rand(rows, channels * temporal * patch * patch, generator=generator, dtype=torch.float64)
+        return {"pixel_values": pixel_values, "image_grid_thw": grids}
+    side = getattr(vision, "image_size", None)
+    if side is None:
+        raise ValueError(f"its vision config ({type(vision).__name__}) has no image_size")
+    side = side if isinstance(side, int) else side[0]
+    pixel_values = torch.rand(images, channels, side, side, generator=generator, dtype=torch.float64)
+    if _takes(model, "pixel_attention_mask"):  # Idefics-style: [rows, images of the row, C, H, W]
+        return {"pixel_values": pixel_values[None]}
+    if getattr(model.config, "image_grid_pinpoints", None):  # LLaVA-NeXT's tiles: the whole image, then one tile
+        return {"pixel_values": torch.stack([pixel_values, pixel_values.flip(-1)], dim=1),
+                "image_sizes": torch.tensor([[side, side]] * images)}
+    if _requires(_inner(model).get_image_features, "image_sizes"):  # each image's own size: the tower's side
+        return {"pixel_values": pixel_values, "image_sizes": torch.tensor([[side, side]] * images)}
+    return {"pixel_values": pixel_values}
+
+
+def _features_per_image(model, pixels: dict[str, torch.Tensor], images: int) -> list[int]:
+    """How many placeholders each image takes: the tower's features per image, by the model's get_image_features."""
+    with torch.no_grad():
+        features = _inner(model).get_image_features(**pixels)
+    if isinstance(features, transformers.utils.ModelOutput):
+        features = features.pooler_output if getattr(features, "pooler_output", None) is not None else features[0]
+    width = model.config.get_text_config().hidden_size
+    if isinstance(features, (list, tuple)):
+        return [part.numel() // width for part in features]
+    total = features.numel() // width
+    if total % images:
+        raise ValueError(f"its tower made {total} features of {images} images")
+    return [total // images] * images
+
+
+def _batch(model, input_ids: torch.Tensor, pixels: dict[str, torch.Tensor]) -> dict:
+    batch = {"input_ids": input_ids[None], "use_cache": False, **pixels}
+    is_image = (input_ids == _image_token_id(model.config)).long()[None]
+    for name in ("token_type_ids", "mm_token_type_ids"):
+        if _takes(model, name):
+            batch[name] = is_image
+    return batch
+
+
+def _logits(model, sample: _Sample) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**_batch(model, sample.input_ids, sample.pixels)).logits[0]
+
+
+def _packed(model, samples: list[_Sample]) -> dict:
+    """The samples in one row, positions restarting at each (3-D rotary: each sample's own rotary rows)."""
+    input_ids = torch.cat([sample.input_ids for sample in samples])
+    with_images = [sample.pixels for sample in samples if sample.pixels]
+    # Idefics-style pixel_values hold a row's images on their second axis.
+    pixels = {key: torch.cat([part[key] for part in with_images], dim=1 if key == "pixel_values" and _takes(
+        model, "pixel_attention_mask") else 0) for key in with_images[0]}
+    batch = _batch(model, input_ids, pixels)
+    text = torch.cat([torch.arange(len(sample.input_ids)) for sample in samples])[None]
+    batch["position_ids"] = text
+    rope_index = getattr(_inner(model), "get_rope_index", None)
+    if rope_index is not None and "image_grid_thw" in pixels:
+        rows = []
+        for sample in samples:
+            alone = _batch(model, sample.input_ids, sample.pixels)
+            grids = sample.pixels.get("image_grid_thw")
+            positions, _ = rope_index(alone["input_ids"], mm_token_type_ids=alone.get("mm_token_type_ids",
+                                      (alone["input_ids"] == _image_token_id(model.config)).int()),
+                                      image_grid_thw=grids)
+            rows.append(positions)
+        batch["position_ids"] = torch.cat([text[None], torch.cat(rows, dim=-1)])
+    return batch
+
+
+def _isolated(model, packed: dict, alone: list[torch.Tensor], tolerance: float):
+    """True/False: the packed logits equal each sample's alone (within `tolerance`); an exception: transformers'
+    own code failed on the packed batch. enable_packing's refusal (IsolationError) is raised."""
+    try:
+        with torch.no_grad():
+            logits = model(**packed).logits[0]
+    except IsolationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (transformers' own failure on a packed batch is a finding)
+        return exc
+    expected = torch.cat(alone)
+    return bool((logits - expected).abs().max() <= tolerance)
+
+
+def _described(exc: BaseException) -> str:
+    """The exception's type and message, on one line, as the table states it."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [""]
+    # A message that goes on after a colon (pydantic's validators, "install it with pip:") needs its next line.
+    said = " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return f"{type(exc).__name__}: {said[:160]}"

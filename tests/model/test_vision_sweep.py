@@ -1,0 +1,120 @@
+"""The vision sweep: `prepack.model.vision_families` is measured, not claimed, for every image-text-to-text type.
+
+`prepack.model.vision_sweep.measure_family` builds a tiny random model of the family (float64, CPU), runs three
+image+text samples alone and packed in one row, and gives the verdict the table must hold. Here it runs for every
+family the installed transformers registers on sdpa and eager (slow), for a few families in the fast lane, and for
+the styled families on flash (flash-attn 2 and FlashAttention-4 through tests/flash_reference.py's stand-ins) and
+flex (uncompiled). The test fails on any row that differs from a fresh measurement, and the sweep itself can fail:
+its leak control (positions counting on over the row) is measured as a leak. Regenerate docs/vision-support.md
+with `python -m prepack.model.vision_families > docs/vision-support.md`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from prepack import enable_packing
+from prepack.errors import IsolationError
+from prepack.model import families, vision_families, vision_sweep
+from prepack.model.families import implementation
+from prepack.model.tiny_vision_models import tiny_vision_model
+from prepack.model.vision_families import VISION_FAMILIES
+from prepack.model.vision_sweep import IMAGE_TEXT_TYPES, check_family, measure_family
+from tests.flash_reference import enable_flash_attention, use_flash_reference, use_flex_reference  # noqa: F401
+
+# The fast lane: an isolated family, one transformers has no sdpa for, one without a tiny model (timm missing).
+FAST = ("llava", "blip", "gemma3n")
+STYLED = tuple(sorted(name for name, family in VISION_FAMILIES.items() if family.style is not None))
+MEASURED_RELEASE = transformers.__version__ == families.MEASURED_VERSION
+
+
+def agrees(model_type: str, attn: str, switch=None) -> None:
+    check = check_family(model_type, attn, switch)
+    assert check.agrees, f"{model_type} on {attn}: table {check.table}, measured {check.measured}"
+
+
+@pytest.mark.parametrize("model_type", FAST)
+def test_the_table_agrees_with_a_fresh_measurement_fast_lane(model_type):
+    agrees(model_type, "sdpa")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_type", IMAGE_TEXT_TYPES)
+def test_the_table_agrees_with_a_fresh_measurement(model_type, attn):
+    if not MEASURED_RELEASE and model_type not in VISION_FAMILIES:
+        pytest.fail(f"{model_type}: transformers {transformers.__version__} registers it; run the sweep, add its row")
+    agrees(model_type, attn)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["flash", "fa4", "flex"])
+@pytest.mark.parametrize("model_type", STYLED)
+def test_the_styled_families_on_flash_and_flex(model_type, backend, request):
+    """flash and fa4 through the stand-ins of the kernels, flex uncompiled: the model is built on sdpa and
+    switched, as tests/model/test_vision.py does."""
+    request.getfixturevalue("use_flex_reference" if backend == "flex" else "use_flash_reference")
+
+    def switch(model, attn):
+        if attn == "flex_attention":
+            model.set_attn_implementation(attn)
+        else:
+            enable_flash_attention(model, attn)
+
+    agrees(model_type, implementation(backend), switch)
+
+
+def test_families_without_a_style_are_refused_on_flash_and_flex_as_not_measured():
+    for model_type, family in VISION_FAMILIES.items():
+        if family.style is None:
+            assert family.verdicts[2:] == (vision_families.NOT_SWEPT,) * 3, model_type
+
+
+def test_every_registered_type_is_in_the_table():
+    missing = set(IMAGE_TEXT_TYPES) - set(VISION_FAMILIES)
+    assert MEASURED_RELEASE or missing, "another release: its new types are refused by name (next test)"
+    if MEASURED_RELEASE:
+        assert not missing and len(IMAGE_TEXT_TYPES) == len(VISION_FAMILIES), missing
+
+
+@pytest.mark.slow
+def test_the_sweep_measures_a_leak(monkeypatch):
+    """The leak control: positions counting on over the packed row (not restarting) let LLaVA's samples see
+    each other, and the sweep says so, which the table (isolated) does not."""
+    restarting = vision_sweep._packed
+
+    def counting_on(model, samples):
+        batch = restarting(model, samples)
+        return batch | {"position_ids": torch.arange(batch["input_ids"].shape[1])[None]}
+
+    monkeypatch.setattr(vision_sweep, "_packed", counting_on)
+    assert measure_family("llava", "sdpa") == vision_families.LEAKS
+    assert not check_family("llava", "sdpa").agrees
+
+
+def test_a_family_the_table_does_not_know_is_refused_by_name(monkeypatch):
+    """An image-text-to-text type the vision table lacks (a newer transformers, remote code): its image batches
+    are refused by name, with the command that re-measures; enable_packing refuses the model itself first."""
+    model = tiny_vision_model("llava")
+    monkeypatch.delitem(VISION_FAMILIES, "llava")
+    message = vision_families.image_refusal("llava", "LlavaForConditionalGeneration", "sdpa")
+    assert "image+text batches for model type 'llava'" in message and families.SWEEP_COMMAND in message
+    with pytest.raises(IsolationError, match="model type 'llava'"):
+        enable_packing(model)
+
+
+def test_a_measured_refusal_is_raised_for_an_image_batch():
+    """A family without a style: enable_packing raises the table's measured reason for its image batches."""
+    reason = VISION_FAMILIES["gemma3n"].verdicts[0].reason
+    message = vision_families.image_refusal("gemma3n", "Gemma3nForConditionalGeneration", "sdpa")
+    assert reason.startswith("not measured: could not build a tiny model") and reason in message
+    assert "without packing" in message
+
+
+def test_vision_support_document_is_current():
+    document = Path(__file__).parents[2] / "docs" / "vision-support.md"
+    assert document.read_text() == vision_families.markdown()
