@@ -23,17 +23,18 @@ of B·R (packs of similar cost), each group one step, spread over the ranks long
 first in B rounds (each round's heaviest pack to the lightest rank so far, one pack per rank a round). The window's steps are then put in a seeded
 random order, so no order by length appears, even within a window.
 
-This module is numpy and numba only: `prepack inspect` and the rollout planner (`prepack.building.rollouts`)
-use it without torch; `prepack.training.balance` offers the same names to the training API.
+This module is numpy and numba only (numba imported by the first of its kernels that runs): `prepack inspect`
+and the rollout planner (`prepack.building.rollouts`) use it without torch, and so does
+`PackedSampler(balance="attention")` of the training API.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import numba
 import numpy as np
 
+from prepack.building.kernels import kernel
 from prepack.errors import UsageError
 
 __all__ = [
@@ -102,7 +103,7 @@ def pack_costs(documents: np.ndarray, lengths: np.ndarray, token_cost: float) ->
     return _pack_costs(np.asarray(documents), np.asarray(lengths), token_cost)
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _pack_costs(documents, lengths, token_cost):
     # One pass, no temporaries (at 10M packs, numpy's would be GBs); Σ l² <= max_len² < 2**53 is exact.
     costs = np.empty(len(documents), np.float64)
@@ -139,7 +140,7 @@ def balanced_order(
     return _balance_windows(order, np.ascontiguousarray(costs, dtype=np.float64), world_size, batch_size, step_order)
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _balance_windows(order, costs, world_size, batch_size, step_order):
     step_packs = world_size * batch_size
     window_packs = WINDOW_STEPS * step_packs
