@@ -198,6 +198,21 @@ def test_model_token_cost_reads_a_decoders_config():
         model_token_cost(object())
 
 
+def test_model_token_cost_reads_mixture_of_experts_configs_of_transformers():
+    transformers = pytest.importorskip("transformers")
+    shape = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+    attention = 2 * 64 * 4 * 16 + 2 * 64 * 2 * 16  # q, o and k, v of head_dim 16
+    dense = transformers.LlamaConfig(**shape, intermediate_size=96)
+    assert model_token_cost(dense) == (attention + 3 * 64 * 96) / 64
+    # Mixtral's experts are intermediate_size wide (it has no moe_intermediate_size): 2 of them a token
+    mixtral = transformers.MixtralConfig(**shape, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)
+    assert model_token_cost(mixtral) == (attention + 3 * 64 * 96 * 2) / 64
+    # Qwen2-MoE: 3 routed experts of 32 a token, and the shared expert of 80 every token goes through
+    qwen = transformers.Qwen2MoeConfig(**shape, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                       num_experts_per_tok=3, shared_expert_intermediate_size=80)
+    assert model_token_cost(qwen) == (attention + 3 * 64 * (32 * 3 + 80)) / 64
+
+
 def test_the_planner_imports_neither_torch_nor_pyarrow_nor_numba():
     # numba is imported by the first kernel that runs (prepack.building.kernels), not by importing the planner
     code = ("import sys, prepack.building.rollouts; "
