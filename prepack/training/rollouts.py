@@ -6,7 +6,7 @@ per-token and per-sequence arithmetic of a GRPO/PPO step on them.
         logits = model(**micro.batch).logits                       # documents isolated as for SFT
         logps = token_logps(logits, micro.batch)                   # [B, L], 0 where nothing is trained
         loss_per_token = policy_loss(logps, micro.fields["old_logps"], micro.fields["advantages"], micro.batch)
-        per_sequence = sequence_sums(loss_per_token, micro) / sequence_sums(trained(micro.batch), micro)
+        per_sequence = sequence_sums(loss_per_token, micro) / sequence_sums(trained(micro.batch), micro).clamp(min=1)
 
 A rollout is a mapping with `input_ids` (1-D), optional `labels` (-100 on the prompt; without them every token
 is trained, as the collator does), and any per-token fields named in `token_fields` (advantages, old or reference
@@ -158,7 +158,12 @@ def policy_loss(
     logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, batch: Mapping[str, Any], clip: float = 0.2
 ) -> torch.Tensor:
     """[B, L]: the clipped surrogate of PPO (and GRPO) at every trained token, 0 elsewhere:
-    −min(ρ·A, clip(ρ, 1 − clip, 1 + clip)·A) with ρ = exp(logp − old_logp)."""
+    −min(ρ·A, clip(ρ, 1 − clip, 1 + clip)·A) with ρ = exp(logp − old_logp).
+
+    The reduction is the caller's. The sequence-level mean (the GRPO paper's, examples/rollouts_grpo_plain.py):
+    `sequence_sums(loss, micro) / sequence_sums(trained(batch), micro).clamp(min=1)` summed and divided by the
+    step's sequences. The token-level mean (verl's default "token-mean", DAPO): `loss.sum()` divided by the step's
+    trained tokens. Under DDP, multiply by the world size before `backward`, as DDP averages the ranks' gradients."""
     ratio = torch.exp(logps - old_logps.to(logps))
     advantages = advantages.to(logps)
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
