@@ -41,7 +41,7 @@ from prepack.building.rollouts import RolloutPlan
 from prepack.errors import UsageError, optional_imports
 from prepack.formats.shards import IGNORE_INDEX
 from prepack.training.collate import PackedCollator
-from prepack.training.preference import _shared_layout, _token_logps
+from prepack.training.preference import shared_token_logps
 from prepack.training.shared_prompt import Group, completion_slots, group_parts, shared_prompt_layout
 
 with optional_imports("prepack.training.rollouts"):
@@ -184,12 +184,9 @@ def token_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
     """[B, L]: at every trained label t, its log-probability from the logits of position t - 1 (the tokens before it in
     its own sequence), 0 elsewhere. Half precision is upcast to float32 as transformers' losses do; float64 stays.
     In a shared-prompt batch a completion's first token is predicted from its group's last prompt position."""
-    labels = batch["labels"].to(logits.device)
     if "shared_prompt_ids" in batch:
-        layout = _shared_layout(logits, batch)
-        completion = (layout.labels != IGNORE_INDEX) & (layout.part > 0)
-        logp = _token_logps(logits, layout.predictor, torch.where(completion, layout.labels, IGNORE_INDEX))
-        return logp.view(labels.shape)
+        return shared_token_logps(logits, batch)
+    labels = batch["labels"].to(logits.device)
     if logits.shape[:2] != labels.shape:
         raise UsageError(f"logits of shape {tuple(logits.shape)} do not match labels of shape {tuple(labels.shape)}")
     predicting = logits[:, :-1]
