@@ -10,7 +10,7 @@ Two corpora of synthetic lengths, packed to --max-len with prepack's planner (FF
 For R ∈ {8, 64} ranks and B ∈ {1, 4} packs per rank per step (and R=8, B=2, the issue's setting), epoch 0
 of the sampler's shuffled order and of its balanced order: the mean over steps of slowest rank /
 mean rank cost, and the share of step time lost to waiting, step time taken proportional to cost
-(`prepack.training.balance.epoch_imbalance`, what `prepack inspect --world-size` prints). token_cost 0 (attention
+(`prepack.building.balance.epoch_imbalance`, what `prepack inspect --world-size` prints). token_cost 0 (attention
 alone) and the default (a 7-8B model).
 
 Sampler cost: a `PackedSampler` over --packs packs (the SFT packs' cu_seqlens repeated, in shards of
@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from prepack.training.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs
+from prepack.building.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs
 from prepack.training.dataset import PackedDataset
 from prepack.building.plan import assign_packs
 from prepack.training.sampler import PackedSampler

@@ -22,7 +22,7 @@ step cost is measured in one cost model: verl's `calculate_workload`, 24,576·l 
 - first-fit: each sequence in arrival order into the first micro-batch with room, micro-batch i to rank i mod R.
 
 Columns: plan time (CPU of one thread, median of repeats; prepack's only: verl's is Python of another shape);
-micro-batches per rank (the most of any rank); micro-batches over the cap; step: slowest rank's step cost / mean
+micro-batches per rank (the most of any rank); micro-batches over the cap (and their share of all); step: slowest rank's step cost / mean
 rank's (ranks that meet once a step, DDP with accumulation); micro-batch: the same for micro-batch m of every rank,
 the mean over m (ranks that meet at every micro-batch, FSDP), and the share of step time lost waiting then.
 These are cost-model figures, not measured step times. Prints markdown.
@@ -161,7 +161,7 @@ def measured(plan: list[list[np.ndarray]], lengths: np.ndarray, cap: int) -> dic
     assert sorted(np.concatenate([p for rank in plan for p in rank]).tolist()) == list(range(len(lengths)))
     step = imbalance(costs.sum(axis=1)[None])
     per_micro = imbalance(costs.T)
-    return {"micro": micro, "over": over, "step": step.max_over_mean, "micro_ratio": per_micro.max_over_mean,
+    return {"micro": micro, "over": over, "over_share": over / sum(len(rank) for rank in plan), "step": step.max_over_mean, "micro_ratio": per_micro.max_over_mean,
             "waiting": per_micro.waiting_share}
 
 
@@ -186,7 +186,7 @@ def main() -> None:
                 row = measured(plan(lengths, args.world_size, args.cap), lengths, args.cap)
                 time_cell = f"{timed:.2f}" if name == "prepack" else "—"
                 print(f"| {shape} | {n:,} | {name} | {time_cell} | {row['micro']} (bound {-(-bound // args.world_size)}) "
-                      f"| {row['over']} | {row['step']:.4f} | {row['micro_ratio']:.4f} | {100 * row['waiting']:.2f}% |",
+                      f"| {row['over']} ({100 * row['over_share']:.1f} %) | {row['step']:.4f} | {row['micro_ratio']:.4f} | {100 * row['waiting']:.2f}% |",
                       flush=True)
 
 

@@ -13,8 +13,10 @@ the attention cost model with the model's own token cost (`model_token_cost`), a
 --whole-groups. Each rank then trains on its own micro-batches (`rollout_micro_batches`, PackedCollator's
 padding-free rows, every sequence isolated).
 
-The old policy's log-probabilities come from a no-grad forward over the very micro-batches the update uses, so the
-first update's ratio is exactly 1 (printed as `ratio error`: its largest distance from 1). A sequence's loss is the
+The old policy's log-probabilities come from a no-grad forward over the plan's micro-batches, are stored with each
+rollout as a per-token field (as a rollout engine's would be), and the update plans and collates again: the same
+lengths give the same plan, so the first update's ratio is exactly 1 (printed as `ratio error`: its largest distance
+from 1). Each rank prints a digest of each of its plans (`rank r step s plans ...`): equal on all ranks. A sequence's loss is the
 mean clipped surrogate over its completion tokens (`policy_loss`), and the step's loss their mean over all N
 sequences: every rank knows N, so no count is all-reduced. --iterations is GRPO's μ, updates on one generation.
 """
@@ -22,6 +24,7 @@ sequences: every rank knows N, so no count is all-reduced. --iterations is GRPO'
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 
 import numpy as np
@@ -74,6 +77,20 @@ def sample_rollouts(model, prompts: int, group: int, max_new_tokens: int, genera
     return rollouts
 
 
+def plan_digest(plan) -> str:
+    return hashlib.sha256(plan.sequences.tobytes() + plan.offsets.tobytes()).hexdigest()[:16]
+
+
+def store_old_logps(model, rollouts: list[dict], micro_batches) -> None:
+    """Each of the micro-batches' rollouts gets `old_logps`, its tokens' log-probabilities under `model` now."""
+    with torch.no_grad():
+        for micro in micro_batches:
+            logps = token_logps(model(**micro.batch).logits, micro.batch)[0]
+            cu = micro.batch["cu_seq_lens_q"].tolist()
+            for j, index in enumerate(micro.sequences):
+                rollouts[index]["old_logps"] = logps[cu[j] : cu[j + 1]].numpy()
+
+
 def main() -> None:
     args = parse_args()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -95,17 +112,22 @@ def main() -> None:
         if distributed:
             dist.all_gather_object(gathered, own)
         rollouts = [rollout for part in (gathered if distributed else [own]) for rollout in part]
-        plan = plan_rollouts([len(r["input_ids"]) for r in rollouts], args.max_len, world_size=world_size,
-                             cost="attention", token_cost=token_cost,
-                             group_sizes=[args.group] * (len(rollouts) // args.group) if args.whole_groups else None)
-        micro_batches = rollout_micro_batches(rollouts, plan, rank, token_fields=("advantages",))
+        def plan():  # every rank, from the lengths alone
+            return plan_rollouts([len(r["input_ids"]) for r in rollouts], args.max_len, world_size=world_size,
+                                 cost="attention", token_cost=token_cost,
+                                 group_sizes=[args.group] * (len(rollouts) // args.group) if args.whole_groups else None)
+
         policy.train()
-        with torch.no_grad():  # the old policy: the same micro-batches, before any update of this generation
-            old = [token_logps(model(**micro.batch).logits, micro.batch) for micro in micro_batches]
+        old_plan = plan()  # the old policy: before any update of this generation
+        store_old_logps(model, rollouts, rollout_micro_batches(rollouts, old_plan, rank))
+        update_plan = plan()
+        print(f"rank {rank} step {step} plans {plan_digest(old_plan)} {plan_digest(update_plan)}", flush=True)
+        micro_batches = rollout_micro_batches(rollouts, update_plan, rank, token_fields=("advantages", "old_logps"))
         for iteration in range(args.iterations):
             optimizer.zero_grad()
             total, ratio_error = torch.zeros((), dtype=torch.float64), 0.0
-            for number, (micro, old_logps) in enumerate(zip(micro_batches, old)):
+            for number, micro in enumerate(micro_batches):
+                old_logps = micro.fields["old_logps"]
                 last = number == len(micro_batches) - 1
                 sync = model.no_sync() if distributed and not last else torch.enable_grad()
                 with sync:
@@ -123,7 +145,7 @@ def main() -> None:
                 dist.all_reduce(total)
             if rank == 0:
                 reward = np.mean([r["reward"] for r in rollouts])
-                print(f"step {step}.{iteration + 1} sequences {len(rollouts)} micro-batches {plan.micro_batches} a rank "
+                print(f"step {step}.{iteration + 1} sequences {len(rollouts)} micro-batches {update_plan.micro_batches} a rank "
                       f"reward {reward:.4f} loss {float(total):.6f}"
                       + (f" ratio error {ratio_error:.3g}" if iteration == 0 else ""), flush=True)
     if rank == 0:

@@ -385,7 +385,7 @@ def inspect_command(
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Batch size of the pad-to-longest baseline, and packs per rank per step with --world-size.")] = 8,
     seed: Annotated[int, typer.Option(help="Seed of the baseline's random batches and of the sampler's order.")] = 0,
     world_size: Annotated[int | None, typer.Option("--world-size", min=1, help="Also report the ranks' imbalance per step, with and without PackedSampler(balance='attention').")] = None,
-    token_cost: Annotated[float | None, typer.Option("--token-cost", min=0, help="Cost of a token in units of one attention token pair (default: prepack.training.balance.DEFAULT_TOKEN_COST, a 7-8B model; 0: attention alone).")] = None,
+    token_cost: Annotated[float | None, typer.Option("--token-cost", min=0, help="Cost of a token in units of one attention token pair (default: prepack.building.balance.DEFAULT_TOKEN_COST, a 7-8B model; 0: attention alone).")] = None,
     shards: Annotated[bool, typer.Option("--shards", help="Add a per-shard table.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON instead.")] = False,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Also draw the distributions and costs, e.g. report.png (needs prepack-llm[plot]).")] = None,

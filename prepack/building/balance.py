@@ -23,17 +23,18 @@ of B·R (packs of similar cost), each group one step, spread over the ranks long
 first in B rounds (each round's heaviest pack to the lightest rank so far, one pack per rank a round). The window's steps are then put in a seeded
 random order, so no order by length appears, even within a window.
 
-This module is numpy and numba only: `prepack inspect` and the rollout planner (`prepack.building.rollouts`)
-use it without torch; `prepack.training.balance` offers the same names to the training API.
+This module is numpy and numba only (numba imported by the first of its kernels that runs): `prepack inspect`
+and the rollout planner (`prepack.building.rollouts`) use it without torch, and so does
+`PackedSampler(balance="attention")` of the training API.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import numba
 import numpy as np
 
+from prepack.building.kernels import kernel
 from prepack.errors import UsageError
 
 __all__ = [
@@ -69,15 +70,19 @@ def validated_token_cost(token_cost: object) -> float:
 def model_token_cost(config: object) -> float:
     """`token_cost` = N / (L·d) of a decoder from its transformers config (or its `text_config`): per layer,
     the attention projections (q and o of heads × head_dim, k and v of key-value heads × head_dim, each by d)
-    and a gated MLP of three d × intermediate matrices, the routed experts' (`num_experts_per_tok` of
-    `moe_intermediate_size`) when it has them, divided by d. Reads attributes only, so needs no torch."""
+    and a gated MLP of three d × intermediate matrices, divided by d. In a mixture of experts a token goes
+    through `num_experts_per_tok` routed experts, each `moe_intermediate_size` wide (Qwen-MoE) or, without it,
+    `intermediate_size` (Mixtral), and a shared expert of `shared_expert_intermediate_size` where there is one
+    (Qwen2-MoE). Reads attributes only, so needs no torch."""
     config = getattr(config, "text_config", None) or config
     try:
         d, heads = int(config.hidden_size), int(config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or d // heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         experts = getattr(config, "num_experts_per_tok", None)
-        width = int(config.moe_intermediate_size) * int(experts) if experts else int(config.intermediate_size)
+        expert = getattr(config, "moe_intermediate_size", None) if experts else None
+        width = int(expert or config.intermediate_size) * int(experts or 1)
+        width += int(getattr(config, "shared_expert_intermediate_size", None) or 0)
     except AttributeError as exc:
         raise UsageError(f"model_token_cost reads a decoder's config, and this one has no {exc.name!r}") from None
     per_layer = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim + 3 * d * width
@@ -102,7 +107,7 @@ def pack_costs(documents: np.ndarray, lengths: np.ndarray, token_cost: float) ->
     return _pack_costs(np.asarray(documents), np.asarray(lengths), token_cost)
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _pack_costs(documents, lengths, token_cost):
     # One pass, no temporaries (at 10M packs, numpy's would be GBs); Σ l² <= max_len² < 2**53 is exact.
     costs = np.empty(len(documents), np.float64)
@@ -139,7 +144,7 @@ def balanced_order(
     return _balance_windows(order, np.ascontiguousarray(costs, dtype=np.float64), world_size, batch_size, step_order)
 
 
-@numba.njit(cache=True)
+@kernel(cache=True)
 def _balance_windows(order, costs, world_size, batch_size, step_order):
     step_packs = world_size * batch_size
     window_packs = WINDOW_STEPS * step_packs

@@ -14,7 +14,8 @@ The plan has two stages, deterministic to the bit:
 1. Micro-batches. M starts as the fewest the caps allow (all tokens over max_len, all sequences over
    max_documents, shared by R ranks), and the R·M micro-batches are filled longest-processing-time first under
    both caps: sequences by cost, heaviest first (ties by index), each into the micro-batch of least cost so far
-   with room for it. A sequence that finds no room opens R more (M grows by one) and goes into the first.
+   with room for it. If a sequence finds no room, M grows by one and the fill starts over (the R·M heaviest
+   seed one micro-batch each), up to as many micro-batches as there are sequences.
 2. Ranks. The R·M micro-batches are dealt as `PackedSampler(balance="attention")` deals one step of packs
    (`prepack.building.balance.balanced_order`, with batch size M): by cost, the heaviest R first, round after
    round, each round's heaviest to the rank lightest so far. Micro-batch m of every rank is then of similar
@@ -133,17 +134,24 @@ def plan_rollouts(
     # Heaviest first, ties by index. A cost that grows with the tokens sorts as they do, by a radix sort.
     order = _heaviest_first(item_costs if cost == "attention" and group_sizes is not None else item_tokens)
     cap = max_documents if max_documents is not None else len(lengths)
-    # As many micro-batches as the caps need at least; the fill opens more, R at a time, while some item finds no room.
-    least = max(-(-int(item_tokens.sum()) // max_len), -(-len(lengths) // cap))
-    bin_of_sorted, bins = _fill(item_tokens[order], sizes[order], item_costs[order], -(-least // world_size) * world_size,
-                                world_size, max_len, cap)
-    if bins > items or bin_of_sorted[-1] < 0:
-        raise UsageError(
-            f"{items} {'groups' if group_sizes is not None else 'sequences'} of {int(lengths.sum())} tokens need at least "
-            f"{bins // world_size} micro-batches on each of {world_size} ranks under max_len={max_len}"
-            f"{'' if max_documents is None else f' and max_documents={max_documents}'}, more than they can fill "
-            "(no micro-batch may be empty)"
-        )
+    # As many micro-batches as the caps need at least; while some item finds no room, R more, filled afresh.
+    least = -(-max(-(-int(item_tokens.sum()) // max_len), -(-len(lengths) // cap)) // world_size) * world_size
+    bins = least
+    while bins <= items:
+        bin_of_sorted = _fill(item_tokens[order], sizes[order], item_costs[order], bins, max_len, cap)
+        if bin_of_sorted[-1] >= 0:
+            break
+        bins += world_size
+    else:
+        what = f"{items} {'groups' if group_sizes is not None else 'sequences'} of {int(lengths.sum())} tokens"
+        caps = f"max_len={max_len}{'' if max_documents is None else f' and max_documents={max_documents}'}"
+        if least > items:
+            raise UsageError(f"{what} need at least {least // world_size} micro-batches on each of {world_size} "
+                             f"ranks under {caps}, more than they can fill (no micro-batch may be empty)")
+        tried = " to ".join(dict.fromkeys(str(count // world_size) for count in (least, items)))
+        raise UsageError(f"{what} found no plan of {tried} micro-batches on "
+                         f"each of {world_size} ranks under {caps} (filled heaviest first, each into the least "
+                         "costly with room), and more would leave one empty")
     micro_batches = bins // world_size
     bin_of_item = np.empty(items, np.int64)
     bin_of_item[order] = bin_of_sorted
@@ -248,10 +256,10 @@ def _by_micro_batch(number_of_item, sizes, bins):
 
 
 @kernel(cache=True)
-def _fill(tokens, sizes, costs, bins, grow, max_len, cap):
-    """(bin of every item, bins used): the items (given heaviest first) filled longest-processing-time first
-    under both caps into `bins` bins, `grow` more opened whenever an item finds no bin with room; the items from
-    one that would open more bins than there are items left to fill them keep bin -1 (a bin would stay empty).
+def _fill(tokens, sizes, costs, bins, max_len, cap):
+    """The bin of every item: the items (given heaviest first, at least `bins` of them) filled
+    longest-processing-time first under both caps into `bins` bins, the first `bins` items one in each (an empty
+    bin costs least); from the first item that finds no bin with room, the rest keep bin -1.
 
     Three trees over the bins (leaves size..size+bins-1; a leaf not open never fits): the most tokens and
     documents any bin below a node has room for, and its least cost. The bin of least cost with room is found
@@ -289,20 +297,14 @@ def _fill(tokens, sizes, costs, bins, grow, max_len, cap):
                 left, right = right, left
             stack[depth], stack[depth + 1] = right, left
             depth += 2
-        if best < 0:  # no bin has room: open `grow` more, the first of them takes the item
-            if len(tokens) - item < grow:  # too few items left to put one in each
-                return out, bins + grow
-            best = size + bins
-            for leaf in range(size + bins, size + bins + grow):
-                room[leaf], documents[leaf], least[leaf] = max_len, cap, 0.0
-                _update_above(room, documents, least, leaf)
-            bins += grow
+        if best < 0:  # no bin has room: the caller tries more bins
+            return out
         out[item] = best - size
         room[best] -= need
         documents[best] -= held
         least[best] += costs[item]
         _update_above(room, documents, least, best)
-    return out, bins
+    return out
 
 
 @kernel(cache=True)

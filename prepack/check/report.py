@@ -33,7 +33,7 @@ from rich.table import Table
 from rich.text import Text
 
 from prepack.building.plan import assign_packs, checked_cap
-from prepack.training.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs, validated_token_cost
+from prepack.building.balance import DEFAULT_TOKEN_COST, epoch_imbalance, pack_costs, validated_token_cost
 from prepack.storage.cache import ShardCache, build_cache
 from prepack.errors import FormatError, InputError, PrepackError, optional_imports
 from prepack.formats.common import StrictModel, list_column
@@ -102,7 +102,7 @@ class Costs(StrictModel):
 
 class StepBalance(StrictModel):
     """How unequal the ranks' work is in the steps `PackedSampler` deals (epoch 0, --seed), without and
-    with `balance="attention"`; cost model and figures from `prepack.training.balance`."""
+    with `balance="attention"`; cost model and figures from `prepack.building.balance`."""
 
     world_size: int
     batch_size: int

@@ -45,7 +45,7 @@ with optional_imports("prepack.training.preference"):
 
 __all__ = [
     "GroupLogps", "PAIR_FIELDS", "PairLogps", "chosen_nll", "cpo_loss", "dpo_loss", "group_logps", "ipo_loss", "kto_loss", "model_inputs", "orpo_loss", "pair_count",
-    "pair_logps", "prompt_logps", "sequence_logps", "shared_pair_logps", "simpo_loss", "trained_tokens",
+    "pair_logps", "prompt_logps", "sequence_logps", "shared_pair_logps", "shared_token_logps", "simpo_loss", "trained_tokens",
 ]
 
 # What a batch of pairs carries besides the model's inputs (reference_logps: a build's stored reference
@@ -140,7 +140,7 @@ def group_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> GroupLogps:
     if "shared_prompt_ids" in batch:
         layout = _shared_layout(logits, batch)
         trained = (layout.labels != IGNORE_INDEX) & (layout.part > 0)  # padding and prompts are part 0
-        logp = _token_logps(logits, layout.predictor, torch.where(trained, layout.labels, IGNORE_INDEX))
+        logp = shared_token_logps(logits, batch).flatten()
         slot = completion_slots(layout.group, layout.part, trained, layout.parts)
         size = layout.parts - 1
         sums = torch.zeros(size * layout.groups, dtype=logp.dtype, device=logits.device).index_add(0, slot, logp * trained)
@@ -150,6 +150,15 @@ def group_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> GroupLogps:
     sums, tokens = sequence_logps(logits, batch)
     segments = batch["pair_segments"].to(sums.device)
     return GroupLogps(sums[segments], tokens[segments])
+
+
+def shared_token_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+    """[B, L]: in a shared-prompt batch, each trained completion token's log-probability, a completion's first token
+    predicted from its group's last prompt position, every other from the position before it; 0 elsewhere."""
+    layout = _shared_layout(logits, batch)
+    trained = (layout.labels != IGNORE_INDEX) & (layout.part > 0)  # padding and prompts are part 0
+    logp = _token_logps(logits, layout.predictor, torch.where(trained, layout.labels, IGNORE_INDEX))
+    return logp.view(batch["labels"].shape)
 
 
 def pair_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> PairLogps:

@@ -6,7 +6,7 @@ per-token and per-sequence arithmetic of a GRPO/PPO step on them.
         logits = model(**micro.batch).logits                       # documents isolated as for SFT
         logps = token_logps(logits, micro.batch)                   # [B, L], 0 where nothing is trained
         loss_per_token = policy_loss(logps, micro.fields["old_logps"], micro.fields["advantages"], micro.batch)
-        per_sequence = sequence_sums(loss_per_token, micro) / sequence_sums(trained(micro.batch), micro)
+        per_sequence = sequence_sums(loss_per_token, micro) / sequence_sums(trained(micro.batch), micro).clamp(min=1)
 
 A rollout is a mapping with `input_ids` (1-D), optional `labels` (-100 on the prompt; without them every token
 is trained, as the collator does), and any per-token fields named in `token_fields` (advantages, old or reference
@@ -20,6 +20,12 @@ it in its own sequence (`token_logps` puts the log-probability of label t there,
 forward of the same plan are). `sequence_sums` adds a [B, L] tensor over each sequence of the micro-batch, in
 collated order, and `unpack_sequences` puts per-sequence results of a rank (or of all ranks) back in the caller's
 order, so `old_logps` from the rollout engine, a reference model's, and the policy's line up exactly.
+
+A GRPO group (one prompt, G completions) can also go in the shared-prompt layout
+(`prepack.training.shared_prompt`): `shared_prompt_micro_batches` packs each group as [prompt][c1]…[cG], the prompt
+computed once and every completion seeing it and itself only, planned as one unit of prompt + Σ completions tokens
+(`shared_prompt_lengths`). `token_logps` reads such a batch too (a completion's first token from its prompt's last
+position) and `completion_sums` adds per-token values over each completion, so the loss is the plain layout's.
 
 This module imports torch; the plan (`prepack.building.rollouts`) does not.
 """
@@ -35,13 +41,15 @@ from prepack.building.rollouts import RolloutPlan
 from prepack.errors import UsageError, optional_imports
 from prepack.formats.shards import IGNORE_INDEX
 from prepack.training.collate import PackedCollator
+from prepack.training.preference import shared_token_logps
+from prepack.training.shared_prompt import Group, completion_slots, group_parts, shared_prompt_layout
 
 with optional_imports("prepack.training.rollouts"):
     import torch
     import torch.nn.functional as F
 
-__all__ = ["RolloutMicroBatch", "policy_loss", "rollout_micro_batches", "sequence_sums", "token_logps", "trained",
-           "unpack_sequences"]
+__all__ = ["RolloutMicroBatch", "completion_sums", "policy_loss", "rollout_micro_batches", "sequence_sums",
+           "shared_prompt_lengths", "shared_prompt_micro_batches", "token_logps", "trained", "unpack_sequences"]
 
 
 class RolloutMicroBatch(NamedTuple):
@@ -98,6 +106,51 @@ def rollout_micro_batches(
     return micro_batches
 
 
+def shared_prompt_lengths(groups: Sequence[Mapping[str, Any]]) -> np.ndarray:
+    """The planner's unit of each GRPO group in the shared-prompt layout: its prompt's tokens plus its completions'."""
+    return np.array([len(group["prompt"]) + sum(len(c) for c in group["completions"]) for group in groups], np.int64)
+
+
+def shared_prompt_micro_batches(
+    groups: Sequence[Mapping[str, Any]], plan: RolloutPlan, rank: int, *, token_fields: Sequence[str] = ()
+) -> list[RolloutMicroBatch]:
+    """`rank`'s micro-batches of `plan`, made over `shared_prompt_lengths(groups)`, each one padding-free row of
+    its groups in the shared-prompt layout (`shared_prompt_layout`): [prompt][c1]…[cG] a group. A group is a mapping
+    with `prompt` (token ids), `completions` (a list of token ids), optional `labels` (one list a completion, -100:
+    not trained) and each of `token_fields` as one array a completion, as long as it; `micro.fields` lays them out
+    as the tokens, 0 on the prompts. `micro.sequences` are the groups' indices in collated order."""
+    if len(groups) != len(plan.sequences):
+        raise UsageError(f"the plan is of {len(plan.sequences)} units, not of {len(groups)} groups")
+    micro_batches = []
+    for number in range(plan.micro_batches):
+        sequences = plan.micro_batch(rank, number)
+        taken = [_group(groups, int(index), token_fields) for index in sequences]
+        if int(shared_prompt_lengths(taken).sum()) != plan.tokens[rank, number]:
+            raise UsageError(f"groups {sequences.tolist()} do not hold the {plan.tokens[rank, number]} tokens the plan "
+                             "was made for: plan from shared_prompt_lengths(groups)")
+        batch = shared_prompt_layout([[Group(g["prompt"], g["completions"], g.get("labels")) for g in taken]],
+                                     padding_free=True)
+        fields = {}
+        for name in token_fields:
+            values = np.concatenate([np.concatenate([np.zeros(len(g["prompt"])), *map(np.asarray, g[name])])
+                                     for g in taken])
+            fields[name] = torch.from_numpy(values[None])
+        micro_batches.append(RolloutMicroBatch(batch, fields, sequences))
+    return micro_batches
+
+
+def _group(groups: Sequence[Mapping[str, Any]], index: int, token_fields: Sequence[str]) -> Mapping[str, Any]:
+    group = groups[index]
+    for name in ("prompt", "completions", *token_fields):
+        if name not in group:
+            raise UsageError(f"group {index} has no {name!r} (keys: {sorted(group)})")
+    lengths = [len(c) for c in group["completions"]]
+    for name in ("labels", *token_fields) if group.get("labels") is not None else token_fields:
+        if [len(v) for v in group[name]] != lengths:
+            raise UsageError(f"group {index}: {name} must be one array a completion, as long as it ({lengths} tokens)")
+    return group
+
+
 def _check_collator(collator: PackedCollator, plan: RolloutPlan) -> None:
     if collator.layout == "indexed_mask" or collator.cp_size is not None or collator.shared_prompt or collator.source_ids:
         raise UsageError("rollout micro-batches take a PackedCollator of the padded or padding_free layout, without "
@@ -129,7 +182,10 @@ def trained(batch: Mapping[str, Any]) -> torch.Tensor:
 
 def token_logps(logits: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
     """[B, L]: at every trained label t, its log-probability from the logits of position t - 1 (the tokens before it in
-    its own sequence), 0 elsewhere. Half precision is upcast to float32 as transformers' losses do; float64 stays."""
+    its own sequence), 0 elsewhere. Half precision is upcast to float32 as transformers' losses do; float64 stays.
+    In a shared-prompt batch a completion's first token is predicted from its group's last prompt position."""
+    if "shared_prompt_ids" in batch:
+        return shared_token_logps(logits, batch)
     labels = batch["labels"].to(logits.device)
     if logits.shape[:2] != labels.shape:
         raise UsageError(f"logits of shape {tuple(logits.shape)} do not match labels of shape {tuple(labels.shape)}")
@@ -154,11 +210,32 @@ def sequence_sums(values: torch.Tensor, micro: RolloutMicroBatch) -> torch.Tenso
     return sums.index_add(0, segment, values.flatten().to(sums.dtype))[: len(micro.sequences)]
 
 
+def completion_sums(values: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+    """[groups, G]: `values` ([B, L], laid out as a shared-prompt batch's tokens) summed over each completion of each
+    group, groups in collated order (`micro.sequences`); 0 for the slots of a group of fewer than G."""
+    ids = batch["shared_prompt_ids"].to(values.device).flatten()
+    if values.shape[:2] != batch["shared_prompt_ids"].shape:
+        raise UsageError(f"values of shape {tuple(values.shape)} are not laid out as the batch's tokens")
+    parts = group_parts(batch)
+    group, part = ids // parts, ids % parts
+    completion = (group > 0) & (part > 0)
+    slots = completion_slots(group, part, completion, parts)
+    sums = torch.zeros(int(group.max()) * (parts - 1), dtype=values.dtype if values.is_floating_point() else torch.float64,
+                       device=values.device)
+    flat = values.flatten().to(sums.dtype)
+    return sums.index_add(0, slots, torch.where(completion, flat, 0)).view(-1, parts - 1)
+
+
 def policy_loss(
     logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, batch: Mapping[str, Any], clip: float = 0.2
 ) -> torch.Tensor:
     """[B, L]: the clipped surrogate of PPO (and GRPO) at every trained token, 0 elsewhere:
-    −min(ρ·A, clip(ρ, 1 − clip, 1 + clip)·A) with ρ = exp(logp − old_logp)."""
+    −min(ρ·A, clip(ρ, 1 − clip, 1 + clip)·A) with ρ = exp(logp − old_logp).
+
+    The reduction is the caller's. The sequence-level mean (the GRPO paper's, examples/rollouts_grpo_plain.py):
+    `sequence_sums(loss, micro) / sequence_sums(trained(batch), micro).clamp(min=1)` summed and divided by the
+    step's sequences. The token-level mean (verl's default "token-mean", DAPO): `loss.sum()` divided by the step's
+    trained tokens. Under DDP, multiply by the world size before `backward`, as DDP averages the ranks' gradients."""
     ratio = torch.exp(logps - old_logps.to(logps))
     advantages = advantages.to(logps)
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)

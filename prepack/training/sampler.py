@@ -7,7 +7,7 @@ of the epoch's order: the state records that prefix, and a resumed job deals out
 epoch over however many ranks it now has.
 
 With `balance="attention"` the order dealt out is the epoch's permutation regrouped within windows of
-steps for this world size and batch size (`prepack.training.balance`), so the used prefix depends on the world
+steps for this world size and batch size (`prepack.building.balance`), so the used prefix depends on the world
 size it was dealt for. The state then also records the job's passes over the epoch, `[start, world
 size, batch size]` each: the order of a pass is the packs used before its start, then the rest of the
 epoch's permutation balanced for its world and batch size. A run resumed on the same world and batch
@@ -25,7 +25,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from prepack.training.balance import (
+from prepack.building.balance import (
     DEFAULT_TOKEN_COST,
     MAX_TOKEN_COST,
     balanced_order,
@@ -139,10 +139,10 @@ class PackedSampler(Sampler[int]):
 
     `balance="attention"` (with `batch_size`, the DataLoader's, and `drop_last=True`) evens out the
     ranks' work in every step: each rank's consecutive `batch_size` indices are its micro-batch of a
-    step, and the packs are regrouped, only within windows of `prepack.training.balance.WINDOW_STEPS` (64)
+    step, and the packs are regrouped, only within windows of `prepack.building.balance.WINDOW_STEPS` (64)
     consecutive steps, so that the ranks' costs in each step are as equal as possible. A pack's cost
     is Σ l² over its documents plus `token_cost` × its tokens (default and its derivation in
-    `prepack.training.balance`; 0 balances attention alone), read from the build's `cu_seqlens` (no token is
+    `prepack.building.balance`; 0 balances attention alone), read from the build's `cu_seqlens` (no token is
     read), so `dataset_or_len` must be a `PackedDataset`. The epoch is still one seeded shuffle, each
     pack once across the ranks; the state also records the world and batch sizes the epoch was dealt
     for, and a run resumed on others rebalances the rest of the epoch (module docstring).

@@ -40,9 +40,15 @@ def rollouts(draw):
 
 
 def planned(lengths, sizes, options):
+    items = len(lengths) if sizes is None else len(sizes)
     try:
         return plan_rollouts(lengths, group_sizes=sizes, **options)
-    except UsageError as exc:  # too few sequences for the ranks or micro-batches: a refusal of its own
+    except SequenceTooLongError:  # a group over max_len: refused by name (test_a_sequence_or_group_over_...)
+        assume(False)
+    except UsageError as exc:
+        # Fewer items than ranks is a refusal of its own. With items a multiple of the ranks, one item in each
+        # micro-batch is a plan (every item is within both caps), so a refusal there is the planner's failure.
+        assert items % options["world_size"] != 0, f"a plan with one item per micro-batch exists, refused: {exc}"
         assert "micro-batch" in str(exc), exc
         assume(False)
 
@@ -141,7 +147,7 @@ def test_a_sequence_or_group_over_the_cap_is_refused_by_name():
         (([1.5], 8), "1-D sequence of integers"),
         (([1, 2], 0), "max_len must be in"),
         (([1, 2], 8, {"world_size": 3}), "2 sequences cannot give each of 3 ranks a micro-batch"),
-        (([5, 5, 5], 8, {"world_size": 2}), "3 sequences of 15 tokens need at least 2 micro-batches on each of 2 ranks"),
+        (([5, 5, 5], 8, {"world_size": 2}), "3 sequences of 15 tokens found no plan of 1 micro-batches on each of 2 ranks"),
         # 257 tokens do not fit 4 micro-batches of 64, and 6 sequences cannot fill 8 (found by hypothesis)
         (([1, 1, 63, 64, 64, 64], 64, {"world_size": 4}), "6 sequences of 257 tokens need at least 2 micro-batches"),
         (([1, 2], 8, {"cost": "flops"}), "cost must be one of"),
@@ -155,6 +161,19 @@ def test_bad_arguments_are_refused_by_name(arguments, message):
     lengths, max_len, *options = arguments
     with pytest.raises(UsageError, match=message):
         plan_rollouts(lengths, max_len, **(options[0] if options else {}))
+
+
+@pytest.mark.parametrize(
+    ("lengths", "max_len", "world_size"),
+    [
+        ([8, 3, 5, 5, 8, 1], 10, 3),  # M=1 has no room; M=2 (8+1, 8, 5+5 | 5+3 ...) fits
+        *[(np.random.default_rng(seed).integers(1, 32769, 16), 32768, 8) for seed in range(40)],  # M=2: one each
+    ],
+)
+def test_a_plan_is_found_where_more_micro_batches_make_room(lengths, max_len, world_size):
+    plan = plan_rollouts(lengths, max_len, world_size=world_size)
+    assert sorted(plan.sequences.tolist()) == list(range(len(lengths)))
+    assert plan.tokens.max() <= max_len and np.all(np.diff(plan.offsets) >= 1)
 
 
 def test_unpack_refuses_results_that_are_not_the_plans():
@@ -179,8 +198,24 @@ def test_model_token_cost_reads_a_decoders_config():
         model_token_cost(object())
 
 
-def test_the_planner_imports_neither_torch_nor_pyarrow():
+def test_model_token_cost_reads_mixture_of_experts_configs_of_transformers():
+    transformers = pytest.importorskip("transformers")
+    shape = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+    attention = 2 * 64 * 4 * 16 + 2 * 64 * 2 * 16  # q, o and k, v of head_dim 16
+    dense = transformers.LlamaConfig(**shape, intermediate_size=96)
+    assert model_token_cost(dense) == (attention + 3 * 64 * 96) / 64
+    # Mixtral's experts are intermediate_size wide (it has no moe_intermediate_size): 2 of them a token
+    mixtral = transformers.MixtralConfig(**shape, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)
+    assert model_token_cost(mixtral) == (attention + 3 * 64 * 96 * 2) / 64
+    # Qwen2-MoE: 3 routed experts of 32 a token, and the shared expert of 80 every token goes through
+    qwen = transformers.Qwen2MoeConfig(**shape, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                       num_experts_per_tok=3, shared_expert_intermediate_size=80)
+    assert model_token_cost(qwen) == (attention + 3 * 64 * (32 * 3 + 80)) / 64
+
+
+def test_the_planner_imports_neither_torch_nor_pyarrow_nor_numba():
+    # numba is imported by the first kernel that runs (prepack.building.kernels), not by importing the planner
     code = ("import sys, prepack.building.rollouts; "
-            "print(sorted(name for name in ('torch', 'pyarrow', 'transformers') if name in sys.modules))")
+            "print(sorted(name for name in ('torch', 'pyarrow', 'transformers', 'numba') if name in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

@@ -1,5 +1,6 @@
-"""examples/rollouts_grpo_plain.py runs as its docstring says, on one process and on two ranks: every first update of
-a generation has a ratio of exactly 1 (the old and new forwards see the same micro-batches), and its loss is finite."""
+"""examples/rollouts_grpo_plain.py runs as its docstring says, on one process and on two ranks: every rank computes
+the same plans, every first update of a generation has a ratio of exactly 1 (the old log-probabilities, stored with
+the rollouts, line up with the update's re-planned and re-collated micro-batches), and its loss is finite."""
 
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ def steps(stdout: str) -> list[tuple[str, int, float, str | None]]:
     return [(step, int(sequences), float(loss), error or None) for step, sequences, loss, error in found]
 
 
+def plan_digests(stdout: str) -> dict[str, dict[str, tuple[str, str]]]:
+    """{step: {rank: (old plan's digest, update plan's digest)}} of the lines every rank printed."""
+    digests = {}
+    for rank, step, old, update in re.findall(r"^rank (\d+) step (\d+) plans (\w+) (\w+)$", stdout, flags=re.MULTILINE):
+        digests.setdefault(step, {})[rank] = (old, update)
+    return digests
+
+
 @pytest.mark.slow  # sampling and training a tiny model: seconds
 def test_the_grpo_example_trains_with_whole_groups_and_an_exact_first_ratio(tmp_path):
     stdout = run([sys.executable, str(EXAMPLE), *SMALL, "--whole-groups", "--iterations", "2"], tmp_path)
@@ -41,6 +50,7 @@ def test_the_grpo_example_trains_with_whole_groups_and_an_exact_first_ratio(tmp_
     assert all(math.isfinite(loss) for _, _, loss, _ in printed)
     assert any(abs(loss) > 1e-6 for step, _, loss, _ in printed if step.endswith(".2"))  # the second update moved
     assert re.search(r"^final loss \S+$", stdout, flags=re.MULTILINE)
+    assert [(step, list(ranks)) for step, ranks in plan_digests(stdout).items()] == [("1", ["0"]), ("2", ["0"])]
 
 
 @pytest.mark.slow  # two processes under torchrun
@@ -52,3 +62,6 @@ def test_the_grpo_example_on_two_ranks_plans_the_gathered_rollouts_alike(tmp_pat
     stdout = run([*torchrun, str(EXAMPLE), "--steps", "1", *SMALL[2:]], tmp_path)
     printed = steps(stdout)
     assert [(step, sequences, error) for step, sequences, _, error in printed] == [("1.1", 12, "0")], stdout
+    digests = plan_digests(stdout)
+    assert sorted(digests) == ["1"] and sorted(digests["1"]) == ["0", "1"], stdout
+    assert len({digest for pair in digests["1"].values() for digest in pair}) == 1, digests  # one plan, all ranks

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from prepack import build
 from prepack.errors import InputError, PrepackError
-from prepack.training.balance import WINDOW_STEPS, balanced_order, epoch_order, imbalance, pack_costs, step_costs
+from prepack.building.balance import WINDOW_STEPS, balanced_order, epoch_order, imbalance, pack_costs, step_costs
 from prepack.training.dataset import PackedDataset
 from prepack.check.report import inspect_build
 from prepack.building.plan import assign_packs

@@ -16,9 +16,12 @@ from prepack.model.packing import enable_packing
 from prepack.training.collate import PackedCollator
 from prepack.training.preference import sequence_logps
 from prepack.training.rollouts import (
+    completion_sums,
     policy_loss,
     rollout_micro_batches,
     sequence_sums,
+    shared_prompt_lengths,
+    shared_prompt_micro_batches,
     token_logps,
     trained,
     unpack_sequences,
@@ -27,10 +30,10 @@ from prepack.training.rollouts import (
 VOCAB, MAX_LEN, GROUP = 64, 160, 4
 
 
-def tiny_llama(seed: int) -> LlamaForCausalLM:
+def tiny_llama(seed: int, attention: str = "sdpa") -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
-                         attn_implementation="sdpa")
+                         attn_implementation=attention)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(torch.float64)
 
@@ -199,3 +202,82 @@ def test_rollouts_that_do_not_fit_the_plan_or_collator_are_refused_by_name():
         rollout_micro_batches(rollouts, plan, 0, PackedCollator(MAX_LEN, layout="indexed_mask"))
     with pytest.raises(UsageError, match="unpacking takes 2 micro-batches' results with 8 rows in all, got 1 with 3"):
         unpack_sequences(plan, [torch.zeros(3)], rank=0)
+
+
+def shared_prompt_groups(rollouts: list[dict]) -> list[dict]:
+    """`grpo_rollouts` as GRPO groups for the shared-prompt layout: each prompt once, its GROUP completions, and the
+    per-token fields of the completions' tokens."""
+    groups = []
+    for first in range(0, len(rollouts), GROUP):
+        members = rollouts[first : first + GROUP]
+        prompt = int((members[0]["labels"] == IGNORE_INDEX).sum())
+        groups.append({"prompt": members[0]["input_ids"][:prompt],
+                       **{name: [m[name][prompt:] for m in members]
+                          for name in ("labels", "advantages", "old_logps")},
+                       "completions": [m["input_ids"][prompt:] for m in members]})
+    return groups
+
+
+def shared_prompt_grpo(model, groups, plan, leak=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GRPO's loss, per-completion log-probabilities [groups, GROUP] in the caller's order) over every rank's
+    shared-prompt micro-batches; `leak` runs the forward with every completion of a group as one part (each sees the
+    siblings before it), while reading the results with the true layout."""
+    losses, logps_of = [], torch.zeros(len(groups), GROUP, dtype=torch.float64)
+    for rank in range(plan.world_size):
+        for micro in shared_prompt_micro_batches(groups, plan, rank, token_fields=("advantages", "old_logps")):
+            inputs = dict(micro.batch)
+            if leak:
+                parts = micro.batch["shared_prompt_parts"]
+                ids = micro.batch["shared_prompt_ids"]
+                inputs["shared_prompt_ids"] = ids // parts * parts + (ids % parts > 0).long()
+            logps = token_logps(model(**inputs).logits, micro.batch)
+            per_token = policy_loss(logps, micro.fields["old_logps"], micro.fields["advantages"], micro.batch)
+            counts = completion_sums(trained(micro.batch), micro.batch).clamp(min=1)
+            losses.append(completion_sums(per_token, micro.batch) / counts)
+            logps_of[torch.from_numpy(micro.sequences)] = completion_sums(logps, micro.batch)
+    return torch.cat(losses).sum() / (len(groups) * GROUP), logps_of
+
+
+@pytest.mark.slow  # float64 forwards and backwards of a tiny Llama, two attentions: seconds
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompt_groups_give_each_completion_its_log_probabilities_and_loss_alone(attention):
+    rollouts = grpo_rollouts(seed=2)
+    groups = shared_prompt_groups(rollouts)
+    plan = plan_rollouts(shared_prompt_lengths(groups), 96, world_size=2, cost="attention")
+    assert plan.micro_batches >= 2 and any(len(plan.micro_batch(0, m)) > 1 for m in range(plan.micro_batches))
+    model = enable_packing(tiny_llama(0, attention))
+    expected_logps = torch.stack([alone(model, rollout)[0].sum() for rollout in rollouts]).view(len(groups), GROUP)
+    expected = grpo_loss_alone(model, rollouts)
+    loss, logps = shared_prompt_grpo(model, groups, plan)
+    # eager's softmax runs in float32 whatever the model's dtype (transformers' eager_attention_forward)
+    tolerance = {"sdpa": 1e-10, "eager": 1e-6}[attention]
+    torch.testing.assert_close(logps, expected_logps, rtol=0, atol=tolerance)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=tolerance)
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    wanted = torch.autograd.grad(expected, list(model.parameters()))
+    for (name, _), a, b in zip(model.named_parameters(), got, wanted):
+        # A row of the embeddings' gradient sums terms of opposite signs from every use of its token, each prompt's
+        # once here and G times alone: it agrees within 1e-6 of the largest entry (1e-7 seen, as the plain layout's)
+        torch.testing.assert_close(a, b, rtol=0, atol=max(1e-6 * float(b.abs().max()), tolerance), msg=name)
+    with torch.no_grad():  # the control: a completion that sees its siblings is caught
+        leaked_loss, leaked = shared_prompt_grpo(model, groups, plan, leak=True)
+    torch.testing.assert_close(leaked[:, 0], expected_logps[:, 0], rtol=0, atol=tolerance)  # the first sees no sibling
+    assert not torch.isclose(leaked[:, 1:], expected_logps[:, 1:], rtol=0, atol=100 * tolerance).any()
+    assert not torch.isclose(leaked_loss, expected.detach(), rtol=0, atol=100 * tolerance)
+
+
+def test_shared_prompt_micro_batches_lay_the_completions_fields_out_as_their_tokens():
+    groups = shared_prompt_groups(grpo_rollouts(groups=3))
+    plan = plan_rollouts(shared_prompt_lengths(groups), MAX_LEN)
+    micro = shared_prompt_micro_batches(groups, plan, 0, token_fields=("advantages",))[0]
+    expected_ids = np.concatenate([np.concatenate([groups[g]["prompt"], *groups[g]["completions"]])
+                                   for g in micro.sequences])
+    expected = np.concatenate([np.concatenate([np.zeros(len(groups[g]["prompt"])), *groups[g]["advantages"]])
+                               for g in micro.sequences])
+    assert micro.batch["input_ids"][0].tolist() == expected_ids.tolist()
+    assert np.array_equal(micro.fields["advantages"][0].numpy(), expected)
+    with pytest.raises(UsageError, match="plan from shared_prompt_lengths"):
+        shared_prompt_micro_batches(groups, plan_rollouts([len(g["prompt"]) for g in groups], MAX_LEN), 0)
+    broken = [{**groups[0], "advantages": groups[0]["advantages"][:-1]}, *groups[1:]]
+    with pytest.raises(UsageError, match="group 0: advantages must be one array a completion"):
+        shared_prompt_micro_batches(broken, plan, 0, token_fields=("advantages",))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import prepack
-from prepack.training.balance import balanced_order, pack_costs, validated_token_cost
+from prepack.building.balance import balanced_order, pack_costs, validated_token_cost
 from prepack.training.collate import PackedCollator
 from prepack.training.context_parallel import cp_indices, split_for_cp
 from prepack.errors import ArgumentTypeError, PackIndexError, PrepackError, UsageError
@@ -94,7 +94,7 @@ MISUSES: list[tuple[str, type[PrepackError], str, type[Exception], Callable[[], 
      lambda: batch_tokens({"labels": torch.zeros(1, 4)})),
     ("batch of 1-D input_ids", UsageError, "of shape [rows, width]", ValueError,
      lambda: batch_tokens({"input_ids": torch.zeros(4)})),
-    # prepack.training.balance
+    # prepack.building.balance
     ("token_cost of a bool", UsageError, "token_cost must be a number, not True", ValueError,
      lambda: validated_token_cost(True)),
     ("pack without documents", UsageError, "every pack needs at least one document", ValueError,
