@@ -32,8 +32,8 @@ from prepack.check.report import InspectReport, inspect_build
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import list_array, list_column
 from prepack.formats.shards import (
-    IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, PackLayout, check_index_shard, check_shard, pack_layout, read_manifest,
-    shard_path, shard_sha256,
+    IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, PackLayout, check_index_shard, check_shard, check_shard_sha256,
+    pack_layout, read_manifest, shard_path, shard_sha256,
 )
 from prepack.sources.gather import INDEX_COLUMNS, IndexGather
 from prepack.sources.mixture_stores import open_mixture_stores
@@ -88,7 +88,7 @@ def open_export_build(path: str | os.PathLike) -> ExportBuild:
 
 def pack_batches(build: ExportBuild) -> Iterator[pa.RecordBatch]:
     """The build's packs in pack order as record batches of the full shard format, each checked
-    (`check_shard`), each of at most `BATCH_BYTES` of tokens (or one pack), so that memory stays
+    (`check_shard`; each shard's sha256 against the manifest's first: FormatError naming it), each of at most `BATCH_BYTES` of tokens (or one pack), so that memory stays
     bounded whatever the build's size and shard size: a full build's shards memory-mapped, checked whole and
     cut into batches that share their memory; an index build's (a mixture's too) gathered from its store(s)
     by the loader's gather (`IndexGather`). Every list column's offsets start at 0."""
@@ -103,6 +103,7 @@ def pack_batches(build: ExportBuild) -> Iterator[pa.RecordBatch]:
     for index, info in enumerate(m.shards):
         file = shard_path(build.path, index, info)
         where = str(file)
+        check_shard_sha256(file, info)  # the packs the manifest (and so export.json) vouches for
         batch = m.open_shard(file, where)
         if batch.num_rows != info.rows:
             raise FormatError(f"{where}: {batch.num_rows} packs, but the manifest says {info.rows}.")

@@ -36,6 +36,7 @@ from prepack.formats.shards import (
     Manifest,
     check_index_shard,
     check_shard,
+    check_shard_sha256,
     open_shard,
     pack_layout,
     read_manifest,
@@ -216,8 +217,8 @@ class PackedDataset(Dataset):
         info = self.manifest.shards[shard]
         path = shard_path(self.path, shard, info) if self.cache is None else self.cache.shard(info)
         where = str(path) if self.cache is None else self.cache.name(info)  # a cached copy is named by its URI
-        if self.verify_checksums and self.cache is None and (digest := shard_sha256(path)) != info.sha256:
-            raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
+        if self.verify_checksums and self.cache is None:
+            check_shard_sha256(path, info)
         index_only = self.store is not None
         m = self.manifest
         batch = m.open_shard(path, where)

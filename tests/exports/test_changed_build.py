@@ -1,0 +1,38 @@
+"""A build whose shard changed after it was built (same size, same manifest) is never exported as if it were
+that build, and an export of it no longer verifies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from prepack.errors import FormatError
+from prepack.exports import export_build
+from prepack.exports.common import open_export_build, pack_batches
+from prepack.formats.shards import read_manifest
+from tests.exports.trainer_builds import labelled_corpus_build
+
+
+def change_one_token(build_dir) -> str:
+    """Change the first token of the first shard in place (same size, a valid shard still); its name."""
+    shard = read_manifest(build_dir).shards[0].name
+    (batch,) = pack_batches(open_export_build(build_dir))
+    ids = np.asarray(batch.column("input_ids").values)
+    data = (build_dir / shard).read_bytes()
+    at = data.find(ids[:8].tobytes())  # input_ids, the first column (the labels, equal, come after)
+    assert at >= 0
+    changed = ids[:1].copy()
+    changed[0] += 1
+    (build_dir / shard).write_bytes(data[:at] + changed.tobytes() + data[at + changed.nbytes :])
+    return shard
+
+
+def test_a_shard_changed_in_place_is_refused_by_name(tmp_path):
+    build_dir = labelled_corpus_build(tmp_path, lambda doc: doc)
+    shard = change_one_token(build_dir)
+    with pytest.raises(FormatError, match=rf"{shard}: sha256 [0-9a-f]{{64}} does not match the manifest's"):
+        list(pack_batches(open_export_build(build_dir)))
+    with pytest.raises(FormatError, match=shard):
+        export_build(build_dir, "parquet", tmp_path / "export")
+    assert not (tmp_path / "export").exists()
+
