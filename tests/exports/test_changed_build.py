@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from prepack.errors import FormatError
-from prepack.exports import export_build
+from prepack.exports import export_build, verify_export
 from prepack.exports.common import open_export_build, pack_batches
 from prepack.formats.shards import read_manifest
 from tests.exports.trainer_builds import labelled_corpus_build
@@ -36,3 +36,11 @@ def test_a_shard_changed_in_place_is_refused_by_name(tmp_path):
         export_build(build_dir, "parquet", tmp_path / "export")
     assert not (tmp_path / "export").exists()
 
+
+def test_an_export_of_a_build_whose_shard_changed_no_longer_verifies(tmp_path):
+    build_dir = labelled_corpus_build(tmp_path, lambda doc: doc)
+    export_build(build_dir, "parquet", tmp_path / "export")
+    assert verify_export(tmp_path / "export", build_dir) == []
+    shard = change_one_token(build_dir)
+    problems = verify_export(tmp_path / "export", build_dir)
+    assert len(problems) == 1 and shard in problems[0] and "sha256" in problems[0]
