@@ -12,13 +12,11 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 
 from prepack.errors import InputError
 from prepack.exports import export_build, olmo_core, verify_export
-from prepack.exports.common import open_export_build, pack_batches
 from tests.cli import run_prepack
 from tests.corpus import preference_pairs
 from tests.exports.trainer_builds import (
@@ -173,15 +171,6 @@ def test_labels_other_than_the_token_ids_are_refused(tmp_path):
     build_dir = labelled_corpus_build(tmp_path, lambda doc: [-100, -100] + [t * 2 for t in doc[2:]])
     with pytest.raises(InputError, match=r"Pack \d+, token \d+, column .labels.*OLMo-core export.*token id"):
         export(build_dir, tmp_path / "out")
-
-
-def test_a_column_the_files_cannot_hold_is_refused_by_name(tmp_path):
-    build = open_export_build(labelled_corpus_build(tmp_path, lambda doc: doc))
-    (batch,) = pack_batches(build)
-    images = batch.append_column("images", pa.array([[0]] * batch.num_rows, pa.list_(pa.uint32())))
-    (tmp_path / "out").mkdir()
-    with pytest.raises(InputError, match="Column 'images'.*OLMo-core export.*image"):
-        olmo_core.write([images], tmp_path / "out", build)
 
 
 @pytest.mark.slow
