@@ -77,12 +77,12 @@ def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild
         ):
             sequences = 0
             for packs in trained_packs(batches, m.has_labels, sources, _EXPORT):
-                loss_mask = _next_token_mask(packs.trained)
-                tokens_bin.write(packs.tokens.astype("<i4", copy=False).tobytes())
+                loss_mask = _next_token_mask(packs.training.trained)
+                tokens_bin.write(packs.training.tokens.astype("<i4", copy=False).tobytes())
                 mask_bin.write(loss_mask.tobytes())
-                lengths.write(packs.layout.lengths.astype("<i4").tobytes())
-                ends.write((sequences + np.cumsum(packs.layout.documents)).astype("<i8").tobytes())
-                sequences += len(packs.layout.lengths)
+                lengths.write(packs.training.layout.lengths.astype("<i4").tobytes())
+                ends.write((sequences + np.cumsum(packs.training.layout.documents)).astype("<i8").tobytes())
+                sequences += len(packs.training.layout.lengths)
                 bridge.write_batch(_bridge_batch(packs, loss_mask, sources), row_group_size=_BRIDGE_ROW_GROUP)
                 stats.add(packs)
         for name, dtype in ((TOKENS, np.int32), (LOSS_MASK, np.uint8)):
@@ -116,9 +116,9 @@ def _bridge_schema(sources: bool) -> pa.Schema:
 def _bridge_batch(packs: TrainedPacks, loss_mask: np.ndarray, sources: bool) -> pa.RecordBatch:
     document_offsets = packs.document_offsets
     arrays = [
-        list_array(packs.pack_offsets, packs.tokens.astype(np.int32, copy=False)),
-        list_array(packs.pack_offsets, loss_mask.view(np.int8)),
-        list_array(document_offsets, packs.layout.starts.astype(np.int32)),
+        list_array(packs.training.pack_offsets, packs.training.tokens.astype(np.int32, copy=False)),
+        list_array(packs.training.pack_offsets, loss_mask.view(np.int8)),
+        list_array(document_offsets, packs.training.layout.starts.astype(np.int32)),
     ]
     if sources:
         arrays.append(list_array(document_offsets, packs.source_ids))
@@ -134,14 +134,15 @@ class _PackStats:
         self.fewest_tokens: int | None = None
 
     def add(self, packs: TrainedPacks) -> None:
-        pack_tokens = np.diff(packs.pack_offsets)
+        pack_tokens = np.diff(packs.training.pack_offsets)
         if not len(pack_tokens):
             return
         self.packs += len(pack_tokens)
-        self.documents += len(packs.layout.lengths)
+        layout = packs.training.layout
+        self.documents += len(layout.lengths)
         self.tokens += int(pack_tokens.sum())
-        self.longest_document = max(self.longest_document, int(packs.layout.lengths.max()))
-        self.most_documents = max(self.most_documents, int(packs.layout.documents.max()))
+        self.longest_document = max(self.longest_document, int(layout.lengths.max()))
+        self.most_documents = max(self.most_documents, int(layout.documents.max()))
         fewest = int(pack_tokens.min())
         self.fewest_tokens = fewest if self.fewest_tokens is None else min(self.fewest_tokens, fewest)
 

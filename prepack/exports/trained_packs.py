@@ -19,27 +19,24 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.errors import InputError
-from prepack.exports.common import training_tokens
+from prepack.exports.common import TrainingTokens, training_tokens
 from prepack.formats.common import first_index, list_column
-from prepack.formats.shards import PackLayout
 
 __all__ = ["TrainedPacks", "trained_packs", "refuse_pair_build"]
 
 
 class TrainedPacks(NamedTuple):
-    """One batch of packs. `first_pack` is the number of its first pack in the build."""
+    """One batch of packs: their tokens as prepack trains on them, with the number of the batch's first pack
+    in the build and a mixture's source ids."""
 
     first_pack: int
-    tokens: np.ndarray  # int32: the packs' tokens back to back
-    pack_offsets: np.ndarray  # int64 [packs + 1]: pack p is tokens[pack_offsets[p]:pack_offsets[p + 1]]
-    layout: PackLayout  # per document: its pack, its start inside the pack, its length
-    trained: np.ndarray  # bool per token: a target of the loss
+    training: TrainingTokens  # tokens, pack offsets, layout, labels and `trained` (`training_tokens`)
     source_ids: np.ndarray | None  # per document, a mixture's (uint16); None for other builds
 
     @property
     def document_offsets(self) -> np.ndarray:
         """int64 [packs + 1]: pack p's documents are documents document_offsets[p]:document_offsets[p + 1]."""
-        return np.concatenate([[0], np.cumsum(self.layout.documents)])
+        return np.concatenate([[0], np.cumsum(self.training.layout.documents)])
 
 
 def refuse_pair_build(is_pair_build: bool, export: str) -> None:
@@ -73,5 +70,5 @@ def trained_packs(
         if sources:
             id_offsets, id_values = list_column(batch, "source_ids")
             source_ids = id_values[id_offsets[0] : id_offsets[-1]]
-        yield TrainedPacks(first_pack, tokens, pack_offsets, packs.layout, trained, source_ids)
+        yield TrainedPacks(first_pack, packs, source_ids)
         first_pack += batch.num_rows
