@@ -118,7 +118,7 @@ def pack_batches(build: ExportBuild) -> Iterator[pa.RecordBatch]:
         names = [*INDEX_COLUMNS, *(["source_ids"] if "source_ids" in batch.schema.names else [])]
         columns = {name: list_column(batch, name, where) for name in names}
         for first in range(0, batch.num_rows, per_batch):
-            gathered = gather.batch(columns, first, min(first + per_batch, batch.num_rows), m.has_labels, where)
+            gathered = gather.batch(columns, first, min(first + per_batch, batch.num_rows), where)
             _check_packs(gathered, first, max_len, where)
             yield gathered
 

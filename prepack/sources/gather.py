@@ -61,10 +61,12 @@ class IndexGather:
             self._refuse(columns, row, where, problem, at)
         return ids, labels if has_labels else None, segment_ids
 
-    def batch(self, columns: dict[str, ListColumn], first: int, stop: int, has_labels: bool, where: str) -> pa.RecordBatch:
+    def batch(self, columns: dict[str, ListColumn], first: int, stop: int, where: str) -> pa.RecordBatch:
         """Packs `first` to `stop` of the index shard `where` whose list columns are `columns`, gathered, as one
-        record batch of the full shard format (`shard_schema`; with `source_ids` when `columns` has them,
-        a mixture's), so that they are the rows the full build of the same documents holds."""
+        record batch of the full shard format (`shard_schema`; with labels when the store has them, and
+        `source_ids` when `columns` has them, a mixture's), so that they are the rows the full build of the
+        same documents holds."""
+        has_labels = self.store.manifest.has_labels
         rows = [self.pack(columns, row, where) for row in range(first, stop)]
         lengths = np.array([len(ids) for ids, _, _ in rows], np.int64)
         token_offsets = np.concatenate([[0], np.cumsum(lengths)])

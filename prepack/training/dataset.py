@@ -390,7 +390,7 @@ def _gathered_shards(packed: PackedDataset, directory: Path) -> list[Path]:
 def _gathered_batch(packed: PackedDataset, shard: int, first: int, stop: int) -> pa.RecordBatch:
     """Packs `first` to `stop` of index shard `shard`, gathered, as one full shard's record batch."""
     where = f"{packed.path}/{packed.manifest.shards[shard].name}"
-    return packed._gather.batch(packed._columns(shard), first, stop, packed.manifest.has_labels, where)
+    return packed._gather.batch(packed._columns(shard), first, stop, where)
 
 
 def _write_gathered(batch: pa.RecordBatch, file: Path) -> None:
