@@ -35,7 +35,7 @@ from prepack.formats.shards import (
     IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, PackLayout, check_index_shard, check_shard, check_shard_sha256,
     pack_layout, read_manifest, shard_path, shard_sha256,
 )
-from prepack.sources.gather import INDEX_COLUMNS, IndexGather
+from prepack.sources.gather import IndexGather, index_columns
 from prepack.sources.mixture_stores import open_mixture_stores
 from prepack.sources.store import open_build_store
 from prepack.storage.remote import is_uri
@@ -115,8 +115,7 @@ def pack_batches(build: ExportBuild) -> Iterator[pa.RecordBatch]:
                 yield packs
             continue
         check_index_shard(batch, max_len, where)
-        names = [*INDEX_COLUMNS, *(["source_ids"] if "source_ids" in batch.schema.names else [])]
-        columns = {name: list_column(batch, name, where) for name in names}
+        columns = {name: list_column(batch, name, where) for name in index_columns(batch)}
         for first in range(0, batch.num_rows, per_batch):
             gathered = gather.batch(columns, first, min(first + per_batch, batch.num_rows), where)
             _check_packs(gathered, first, max_len, where)

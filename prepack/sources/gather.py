@@ -21,12 +21,17 @@ from prepack.formats.shards import shard_schema
 from prepack.sources.mixture_stores import StoreChain
 from prepack.sources.store import Store
 
-__all__ = ["INDEX_COLUMNS", "IndexGather"]
+__all__ = ["INDEX_COLUMNS", "IndexGather", "index_columns"]
 
 # What an index shard's rows are gathered from.
 INDEX_COLUMNS = ("cu_seqlens", "source_rows", "source_pieces")
 
 ListColumn = tuple[np.ndarray, np.ndarray]  # (offsets, values): row r is values[offsets[r]:offsets[r + 1]]
+
+
+def index_columns(batch: pa.RecordBatch) -> list[str]:
+    """The list columns an index shard's rows are gathered from (and a mixture's `source_ids`, served)."""
+    return [*INDEX_COLUMNS, *(["source_ids"] if "source_ids" in batch.schema.names else [])]
 
 
 class IndexGather:

@@ -46,7 +46,7 @@ from prepack.formats.shards import (
     shard_sha256,
 )
 from prepack.storage.remote import is_uri
-from prepack.sources.gather import INDEX_COLUMNS, IndexGather
+from prepack.sources.gather import IndexGather, index_columns
 from prepack.sources.mixture_stores import StoreChain, open_mixture_stores
 from prepack.sources.store import Store, open_build_store
 from prepack.storage.files import record_batch_sha256, write_record_batch
@@ -205,7 +205,7 @@ class PackedDataset(Dataset):
     def _columns(self, shard: int) -> dict[str, _ListColumn]:
         if shard not in self._open:
             batch, where = self._open_checked(shard), self.manifest.shards[shard].name
-            names = _index_columns(batch) if self.store is not None else [*_row_columns(batch), "source_rows"]
+            names = index_columns(batch) if self.store is not None else [*_row_columns(batch), "source_rows"]
             columns = {name: list_column(batch, name, where) for name in names}
             if self.reference is not None:  # a value per document of each pack, checked against cu_seqlens
                 documents = np.diff(columns["cu_seqlens"][0]).astype(np.int64) - 1
@@ -236,11 +236,6 @@ def _check_directory(path: Path, manifest: Manifest) -> None:
     rows = sum(info.rows for info in manifest.shards)
     if rows != manifest.totals.packs:
         raise FormatError(f"{path}: the shards hold {rows} packs, but the manifest totals say {manifest.totals.packs}.")
-
-
-def _index_columns(batch: pa.RecordBatch) -> list[str]:
-    """The list columns an index shard's rows are gathered from (and a mixture's `source_ids`, served)."""
-    return [*INDEX_COLUMNS, *(["source_ids"] if "source_ids" in batch.schema.names else [])]
 
 
 def _row_columns(batch: pa.RecordBatch) -> list[str]:
