@@ -94,15 +94,16 @@ def pack_batches(build: ExportBuild) -> Iterator[pa.RecordBatch]:
     memory, each batch checked on its own; an index build's (a mixture's too) gathered from its store(s)
     by the loader's gather (`IndexGather`). Every list column's offsets start at 0."""
     m, max_len = build.manifest, build.manifest.options.max_len
-    gather = None
+    files = [shard_path(build.path, index, info) for index, info in enumerate(m.shards)]
+    store = None
     if m.mixture is not None and m.mixture.index_only:
-        gather = IndexGather(open_mixture_stores(build.path, m), max_len)
+        store = open_mixture_stores(build.path, m)
     elif m.store is not None:
-        gather = IndexGather(open_build_store(build.path, m), max_len)
+        store = open_build_store(build.path, m)
+    gather = None if store is None else IndexGather(store, max_len, [str(file) for file in files])
     bytes_per_pack = max_len * (8 + (4 if m.has_labels else 0))
     per_batch = max(1, BATCH_BYTES // bytes_per_pack)
-    for index, info in enumerate(m.shards):
-        file = shard_path(build.path, index, info)
+    for index, (info, file) in enumerate(zip(m.shards, files)):
         where = str(file)
         check_shard_sha256(file, info)  # the packs the manifest (and so export.json) vouches for
         batch = m.open_shard(file, where)
@@ -117,7 +118,7 @@ def pack_batches(build: ExportBuild) -> Iterator[pa.RecordBatch]:
         check_index_shard(batch, max_len, where)
         columns = {name: list_column(batch, name, where) for name in index_columns(batch)}
         for first in range(0, batch.num_rows, per_batch):
-            gathered = gather.batch(columns, first, min(first + per_batch, batch.num_rows), where)
+            gathered = gather.batch(columns, first, min(first + per_batch, batch.num_rows), index)
             _check_packs(gathered, first, max_len, where)
             yield gathered
 

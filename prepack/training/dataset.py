@@ -129,7 +129,11 @@ class PackedDataset(Dataset):
         elif self.manifest.store is not None:
             local = self.cache is None or store is not None
             self.store = open_build_store(self.path, self.manifest, store) if local else self.cache.store()
-        self._gather = None if self.store is None else IndexGather(self.store, self.manifest.options.max_len)
+        if self.store is not None:
+            index_shards = [f"{self.path}/{info.name}" for info in self.manifest.shards]  # self.path: a directory or a URI
+            self._gather = IndexGather(self.store, self.manifest.options.max_len, index_shards)
+        else:
+            self._gather = None
 
     @property
     def shard_paths(self) -> list[Path]:
@@ -180,8 +184,7 @@ class PackedDataset(Dataset):
     def _gathered(self, shard: int, row: int, columns: dict[str, _ListColumn]) -> dict[str, np.ndarray]:
         """An index build's pack: its documents' tokens (and labels) copied out of the store, in order
         (`IndexGather.pack`)."""
-        where = f"{self.path}/{self.manifest.shards[shard].name}"  # self.path: a directory or a URI
-        ids, labels, segment_ids = self._gather.pack(columns, row, where)
+        ids, labels, segment_ids = self._gather.pack(columns, row, shard)
         cu_off, cu = columns["cu_seqlens"]
         packed = {"input_ids": ids, "cu_seqlens": cu[cu_off[row] : cu_off[row + 1]], "segment_ids": segment_ids}
         if labels is not None:
@@ -384,8 +387,7 @@ def _gathered_shards(packed: PackedDataset, directory: Path) -> list[Path]:
 
 def _gathered_batch(packed: PackedDataset, shard: int, first: int, stop: int) -> pa.RecordBatch:
     """Packs `first` to `stop` of index shard `shard`, gathered, as one full shard's record batch."""
-    where = f"{packed.path}/{packed.manifest.shards[shard].name}"
-    return packed._gather.batch(packed._columns(shard), first, stop, where)
+    return packed._gather.batch(packed._columns(shard), first, stop, shard)
 
 
 def _write_gathered(batch: pa.RecordBatch, file: Path) -> None:
