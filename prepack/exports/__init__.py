@@ -4,7 +4,7 @@
     problems = verify_export("packed-parquet/", "packed/")     # [] while it is still that build's export
 
 Each format is a module of this package named in `FORMATS`, with one function `write(batches, directory,
-build)` (`prepack.exports.common` says what it gets). `export_build` reads the build (full, index, mixture:
+build, scratch)` (`prepack.exports.common` says what it gets). `export_build` reads the build (full, index, mixture:
 `pack_batches`), has the format write into a staging directory beside `out`, records `export.json` (format,
 its version, the build's fingerprint, options, every file's size and sha256) and publishes the directory in
 one rename, as a build is published (`prepack.storage.output.staged_directory`): whole, or not at all, and
@@ -102,7 +102,7 @@ def export_build(build: str | os.PathLike, to: str, out: str | os.PathLike) -> E
     chosen = FORMATS[to]
     writer = import_module(chosen.module)
     with staged_directory(out, overwrite=False) as staging:
-        writer.write(pack_batches(source), staging.build, source)
+        writer.write(pack_batches(source), staging.build, source, staging.scratch)
         manifest = ExportManifest(
             prepack_version=version(DISTRIBUTION),
             format=to,

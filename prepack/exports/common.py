@@ -5,9 +5,11 @@ the one definition every format writes: labels, or a loss mask).
 
 A format is a module `prepack.exports.<name>` with one function,
 
-    write(batches: Iterable[pyarrow.RecordBatch], directory: pathlib.Path, build: ExportBuild) -> None
+    write(batches: Iterable[pyarrow.RecordBatch], directory: pathlib.Path, build: ExportBuild, scratch: pathlib.Path) -> None
 
-that writes its files into `directory` (a private staging directory, published whole by `export_build`).
+that writes its files into `directory` (a private staging directory, published whole by `export_build`);
+`scratch` is an empty directory beside it for what the format needs only while it writes (never published,
+deleted with the staging).
 `batches` are the build's packs in pack order, whole packs, in the shard schema
 (`prepack.formats.shards.shard_schema`, `schemas/shard-format.md` "Shards"): `input_ids`, `segment_ids`,
 `cu_seqlens`, `max_seqlen`, `source_rows`, `source_pieces`, then `source_ids` (a mixture's), `labels` (a build

@@ -43,7 +43,7 @@ PAD_TOKEN_ID = 0
 _EXPORT = "OLMo-core"
 
 
-def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild) -> None:
+def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild, scratch: Path) -> None:
     """Write the build's packs (`batches`, whole packs in pack order) into `directory`.
 
     Raises `InputError` for a preference-pair build (before writing anything) and for labels other than

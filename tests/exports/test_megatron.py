@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from prepack.errors import InputError
-from prepack.exports import export_build, verify_export
+from prepack.exports import export_build, megatron, verify_export
+from prepack.exports.common import open_export_build, pack_batches
 from tests.cli import run_prepack
 from tests.corpus import preference_pairs
 from tests.exports.trainer_builds import (
@@ -201,3 +202,23 @@ def test_the_command_line_exports_and_verifies(tmp_path):
     assert problem.startswith(f"{out / 'loss_mask.bin'}: sha256 ") and problem.endswith("the file changed.")
     tampered = run_prepack("verify", str(build_dir), "--export", str(out))
     assert tampered.returncode == 1 and "loss_mask.bin" in tampered.stdout and "the file changed" in tampered.stdout
+
+
+def test_the_spools_are_written_to_scratch_never_into_the_export(tmp_path):
+    build = open_export_build(labelled_corpus_build(tmp_path, lambda doc: doc))
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    out.mkdir()
+    scratch.mkdir()
+    seen = []
+
+    def batches():
+        for batch in pack_batches(build):
+            yield batch
+            seen.append(({path.name for path in out.iterdir()}, {path.name for path in scratch.iterdir()}))
+
+    megatron.write(batches(), out, build, scratch)
+    assert seen and all(exported.isdisjoint(spools) and spools for exported, spools in seen)
+    assert sorted(path.name for path in out.iterdir()) == sorted(
+        [f"{megatron.TOKENS}.bin", f"{megatron.TOKENS}.idx", f"{megatron.LOSS_MASK}.bin", f"{megatron.LOSS_MASK}.idx",
+         megatron.PACKED, megatron.PACKED_METADATA]
+    )
