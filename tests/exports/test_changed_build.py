@@ -28,6 +28,7 @@ def change_one_token(build_dir) -> str:
     return shard
 
 
+@pytest.mark.slow  # the export stages a directory and fails
 def test_a_shard_changed_in_place_is_refused_by_name(tmp_path):
     build_dir = labelled_corpus_build(tmp_path, lambda doc: doc)
     shard = change_one_token(build_dir)
@@ -38,6 +39,7 @@ def test_a_shard_changed_in_place_is_refused_by_name(tmp_path):
     assert not (tmp_path / "export").exists()
 
 
+@pytest.mark.slow  # an export and two verifies
 def test_an_export_of_a_build_whose_shard_changed_no_longer_verifies(tmp_path):
     build_dir = labelled_corpus_build(tmp_path, lambda doc: doc)
     export_build(build_dir, "parquet", tmp_path / "export")
