@@ -466,7 +466,7 @@ def verify_command(
         if export is not None:
             from prepack.exports import verify_export
 
-            problems = [*problems, *verify_export(export, path)]
+            problems = [*problems, *verify_export(export, path, check_build=False)]  # verify_build checked the build
     except PrepackError as exc:
         _fail(exc)
     for problem in problems:

@@ -4,7 +4,7 @@
     problems = verify_export("packed-parquet/", "packed/")     # [] while it is still that build's export
 
 Each format is a module of this package named in `FORMATS`, with one function `write(batches, directory,
-build)` (`prepack.exports.common` says what it gets). `export_build` reads the build (full, index, mixture:
+build, scratch)` (`prepack.exports.common` says what it gets). `export_build` reads the build (full, index, mixture:
 `pack_batches`), has the format write into a staging directory beside `out`, records `export.json` (format,
 its version, the build's fingerprint, options, every file's size and sha256) and publishes the directory in
 one rename, as a build is published (`prepack.storage.output.staged_directory`): whole, or not at all, and
@@ -26,7 +26,7 @@ from pydantic import Field, ValidationError
 from prepack.errors import DISTRIBUTION, FormatError, InputError, OutputError
 from prepack.exports.common import ExportBuild, open_export_build, pack_batches
 from prepack.formats.common import StrictModel, load_manifest_json
-from prepack.formats.shards import shard_sha256
+from prepack.formats.shards import check_shard_sha256, shard_file_problems, shard_sha256
 from prepack.storage.output import output_errors, staged_directory
 
 __all__ = ["EXPORT_MANIFEST_NAME", "FORMATS", "ExportFile", "ExportManifest", "ExportResult", "export_build", "verify_export"]
@@ -102,7 +102,7 @@ def export_build(build: str | os.PathLike, to: str, out: str | os.PathLike) -> E
     chosen = FORMATS[to]
     writer = import_module(chosen.module)
     with staged_directory(out, overwrite=False) as staging:
-        writer.write(pack_batches(source), staging.build, source)
+        writer.write(pack_batches(source), staging.build, source, staging.scratch)
         manifest = ExportManifest(
             prepack_version=version(DISTRIBUTION),
             format=to,
@@ -149,15 +149,17 @@ def read_export_manifest(directory: str | os.PathLike) -> ExportManifest:
         raise FormatError(f"{path} is not a valid prepack export record:\n{exc}") from None
 
 
-def verify_export(export: str | os.PathLike, build: str | os.PathLike) -> list[str]:
+def verify_export(export: str | os.PathLike, build: str | os.PathLike, *, check_build: bool = True) -> list[str]:
     """The ways the export at `export` is no longer the export of the build at `build`, as messages ([] when
-    it still is): the build's manifest changed (other packs, options or shards); a file the record lists is
-    missing, not a regular file, or of another size or sha256; a file is there that the record does not
-    list. FormatError when `export` has no valid export.json or `build` is not a build."""
+    it still is): the build's manifest changed (other packs, options or shards); a shard of the build is
+    missing, not a regular file, or of another size or sha256 than its manifest lists (`check_build`; the
+    CLI, which has just verified the build, passes False); a file the record lists is missing, not a regular
+    file, or of another size or sha256; a file is there that the record does not list. FormatError when
+    `export` has no valid export.json or `build` is not a build."""
     export = Path(export)
     record = read_export_manifest(export)
     source = open_export_build(build)
-    problems = []
+    problems = list(_changed_shards(source)) if check_build else []
     if source.manifest_sha256 != record.build.manifest_sha256:
         problems.append(
             f"{export / EXPORT_MANIFEST_NAME}: written from the build whose manifest.json has sha256 "
@@ -183,3 +185,18 @@ def verify_export(export: str | os.PathLike, build: str | os.PathLike) -> list[s
         if name != EXPORT_MANIFEST_NAME and name not in listed and not path.is_dir():
             problems.append(f"{path}: not listed in {EXPORT_MANIFEST_NAME}; the export did not write it.")
     return problems
+
+
+def _changed_shards(source: ExportBuild):
+    """The build's shard files that are not those its manifest lists (`shard_file_problems`, then each
+    sound one's sha256, `check_shard_sha256`), as messages."""
+    damaged = set()
+    for problem in shard_file_problems(source.path, source.manifest):
+        damaged.add(problem.index)
+        yield f"{source.path / problem.file}: {problem.message}"
+    for index, info in enumerate(source.manifest.shards):
+        if index not in damaged:
+            try:
+                check_shard_sha256(source.path / info.name, info)
+            except FormatError as exc:
+                yield f"{exc} The build is no longer the one exported: export it again."

@@ -5,9 +5,11 @@ the one definition every format writes: labels, or a loss mask).
 
 A format is a module `prepack.exports.<name>` with one function,
 
-    write(batches: Iterable[pyarrow.RecordBatch], directory: pathlib.Path, build: ExportBuild) -> None
+    write(batches: Iterable[pyarrow.RecordBatch], directory: pathlib.Path, build: ExportBuild, scratch: pathlib.Path) -> None
 
-that writes its files into `directory` (a private staging directory, published whole by `export_build`).
+that writes its files into `directory` (a private staging directory, published whole by `export_build`);
+`scratch` is an empty directory beside it for what the format needs only while it writes (never published,
+deleted with the staging).
 `batches` are the build's packs in pack order, whole packs, in the shard schema
 (`prepack.formats.shards.shard_schema`, `schemas/shard-format.md` "Shards"): `input_ids`, `segment_ids`,
 `cu_seqlens`, `max_seqlen`, `source_rows`, `source_pieces`, then `source_ids` (a mixture's), `labels` (a build
@@ -30,12 +32,12 @@ import pyarrow as pa
 
 from prepack.check.report import InspectReport, inspect_build
 from prepack.errors import FormatError, InputError
-from prepack.formats.common import list_array, list_column
+from prepack.formats.common import format_error, list_array, list_column
 from prepack.formats.shards import (
-    IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, PackLayout, check_index_shard, check_shard, pack_layout, read_manifest,
-    shard_path, shard_sha256,
+    IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, PackLayout, check_index_shard, check_shard, check_shard_sha256,
+    pack_layout, read_manifest, shard_path, shard_sha256,
 )
-from prepack.sources.gather import INDEX_COLUMNS, IndexGather
+from prepack.sources.gather import IndexGather, index_columns
 from prepack.sources.mixture_stores import open_mixture_stores
 from prepack.sources.store import open_build_store
 from prepack.storage.remote import is_uri
@@ -88,36 +90,51 @@ def open_export_build(path: str | os.PathLike) -> ExportBuild:
 
 def pack_batches(build: ExportBuild) -> Iterator[pa.RecordBatch]:
     """The build's packs in pack order as record batches of the full shard format, each checked
-    (`check_shard`), each of at most `BATCH_BYTES` of tokens (or one pack), so that memory stays
-    bounded whatever the build's size and shard size: a full build's shards memory-mapped, checked whole and
-    cut into batches that share their memory; an index build's (a mixture's too) gathered from its store(s)
+    (`check_shard`; each shard's sha256 against the manifest's first, FormatError naming it), each of at
+    most `BATCH_BYTES` of tokens (or one pack), so that memory stays bounded by the batch whatever the
+    build's size and shard size: a full build's shards memory-mapped and cut into batches that share their
+    memory, each batch checked on its own; an index build's (a mixture's too) gathered from its store(s)
     by the loader's gather (`IndexGather`). Every list column's offsets start at 0."""
     m, max_len = build.manifest, build.manifest.options.max_len
-    gather = None
+    files = [shard_path(build.path, index, info) for index, info in enumerate(m.shards)]
+    store = None
     if m.mixture is not None and m.mixture.index_only:
-        gather = IndexGather(open_mixture_stores(build.path, m), max_len)
+        store = open_mixture_stores(build.path, m)
     elif m.store is not None:
-        gather = IndexGather(open_build_store(build.path, m), max_len)
+        store = open_build_store(build.path, m)
+    gather = None if store is None else IndexGather(store, max_len, [str(file) for file in files])
     bytes_per_pack = max_len * (8 + (4 if m.has_labels else 0))
     per_batch = max(1, BATCH_BYTES // bytes_per_pack)
-    for index, info in enumerate(m.shards):
-        file = shard_path(build.path, index, info)
+    for index, (info, file) in enumerate(zip(m.shards, files)):
         where = str(file)
+        check_shard_sha256(file, info)  # the packs the manifest (and so export.json) vouches for
         batch = m.open_shard(file, where)
         if batch.num_rows != info.rows:
             raise FormatError(f"{where}: {batch.num_rows} packs, but the manifest says {info.rows}.")
         if gather is None:
-            check_shard(batch, max_len, where)
             for first in range(0, batch.num_rows, per_batch):
-                yield _rebased(batch.slice(first, per_batch))
+                packs = _rebased(batch.slice(first, per_batch))
+                _check_packs(packs, first, max_len, where)
+                yield packs
             continue
         check_index_shard(batch, max_len, where)
-        names = [*INDEX_COLUMNS, *(["source_ids"] if "source_ids" in batch.schema.names else [])]
-        columns = {name: list_column(batch, name, where) for name in names}
+        columns = {name: list_column(batch, name, where) for name in index_columns(batch)}
         for first in range(0, batch.num_rows, per_batch):
-            gathered = gather.batch(columns, first, min(first + per_batch, batch.num_rows), m.has_labels, where)
-            check_shard(gathered, max_len, where)
+            gathered = gather.batch(columns, first, min(first + per_batch, batch.num_rows), index)
+            _check_packs(gathered, first, max_len, where)
             yield gathered
+
+
+def _check_packs(packs: pa.RecordBatch, first: int, max_len: int, where: str) -> None:
+    """`check_shard` of the packs `first` onwards of the shard `where` (a batch at a time, so that the check's
+    arrays are a batch's size, not a shard's): a FormatError names the shard's row."""
+    try:
+        check_shard(packs, max_len, where)
+    except FormatError as exc:
+        found = exc.problem
+        if found is None or found.row is None:
+            raise
+        raise format_error(found.file, found.message, found.row + first, found.column) from None
 
 
 def _rebased(batch: pa.RecordBatch) -> pa.RecordBatch:

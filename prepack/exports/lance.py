@@ -29,7 +29,7 @@ DATASET_NAME = "packs.lance"
 _STORAGE_VERSION = "2.1"  # Lance's file format version, pinned: what the export's readers need to read
 
 
-def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild) -> None:
+def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild, scratch: Path) -> None:
     """Write the packs `batches` as the Lance dataset `directory / DATASET_NAME`."""
     with optional_imports("prepack export --to lance"):
         import lance

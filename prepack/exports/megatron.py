@@ -56,40 +56,39 @@ _SPOOL_CHUNK = 1 << 20  # values copied from a spool into an .idx file at a time
 _EXPORT = "Megatron"
 
 
-def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild) -> None:
-    """Write the build's packs (`batches`, whole packs in pack order) into `directory`.
+def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild, scratch: Path) -> None:
+    """Write the build's packs (`batches`, whole packs in pack order) into `directory` (the .idx files'
+    arrays spooled in `scratch` meanwhile).
 
     Raises `InputError` for a preference-pair build (before writing anything) and for labels other than
     the token ids where trained.
     """
     m = build.manifest
     refuse_pair_build(m.options.pairs is not None, _EXPORT)
-    lengths_spool, ends_spool = directory / ".sequence-lengths.spool", directory / ".document-ends.spool"
+    # The .idx files' per-sequence and per-document arrays, spooled while the .bin files stream: into `scratch`,
+    # which is never published (and deleted with the staging directory).
+    lengths_spool, ends_spool = scratch / "sequence-lengths.spool", scratch / "document-ends.spool"
     sources = m.mixture is not None
     stats = _PackStats()
-    try:
-        with (
-            open(directory / f"{TOKENS}.bin", "wb") as tokens_bin,
-            open(directory / f"{LOSS_MASK}.bin", "wb") as mask_bin,
-            open(lengths_spool, "wb") as lengths,
-            open(ends_spool, "wb") as ends,
-            pq.ParquetWriter(directory / PACKED, _bridge_schema(sources)) as bridge,
-        ):
-            sequences = 0
-            for packs in trained_packs(batches, m.has_labels, sources, _EXPORT):
-                loss_mask = _next_token_mask(packs.trained)
-                tokens_bin.write(packs.tokens.astype("<i4", copy=False).tobytes())
-                mask_bin.write(loss_mask.tobytes())
-                lengths.write(packs.layout.lengths.astype("<i4").tobytes())
-                ends.write((sequences + np.cumsum(packs.layout.documents)).astype("<i8").tobytes())
-                sequences += len(packs.layout.lengths)
-                bridge.write_batch(_bridge_batch(packs, loss_mask, sources), row_group_size=_BRIDGE_ROW_GROUP)
-                stats.add(packs)
-        for name, dtype in ((TOKENS, np.int32), (LOSS_MASK, np.uint8)):
-            _write_index(directory / f"{name}.idx", np.dtype(dtype), lengths_spool, ends_spool)
-    finally:
-        lengths_spool.unlink(missing_ok=True)
-        ends_spool.unlink(missing_ok=True)
+    with (
+        open(directory / f"{TOKENS}.bin", "wb") as tokens_bin,
+        open(directory / f"{LOSS_MASK}.bin", "wb") as mask_bin,
+        open(lengths_spool, "wb") as lengths,
+        open(ends_spool, "wb") as ends,
+        pq.ParquetWriter(directory / PACKED, _bridge_schema(sources)) as bridge,
+    ):
+        sequences = 0
+        for packs in trained_packs(batches, m.has_labels, sources, _EXPORT):
+            loss_mask = _next_token_mask(packs.training.trained)
+            tokens_bin.write(packs.training.tokens.astype("<i4", copy=False).tobytes())
+            mask_bin.write(loss_mask.tobytes())
+            lengths.write(packs.training.layout.lengths.astype("<i4").tobytes())
+            ends.write((sequences + np.cumsum(packs.training.layout.documents)).astype("<i8").tobytes())
+            sequences += len(packs.training.layout.lengths)
+            bridge.write_batch(_bridge_batch(packs, loss_mask, sources), row_group_size=_BRIDGE_ROW_GROUP)
+            stats.add(packs)
+    for name, dtype in ((TOKENS, np.int32), (LOSS_MASK, np.uint8)):
+        _write_index(directory / f"{name}.idx", np.dtype(dtype), lengths_spool, ends_spool)
     metadata = [stats.bridge_metadata(m.options.max_len)]
     (directory / PACKED_METADATA).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
 
@@ -116,9 +115,9 @@ def _bridge_schema(sources: bool) -> pa.Schema:
 def _bridge_batch(packs: TrainedPacks, loss_mask: np.ndarray, sources: bool) -> pa.RecordBatch:
     document_offsets = packs.document_offsets
     arrays = [
-        list_array(packs.pack_offsets, packs.tokens.astype(np.int32, copy=False)),
-        list_array(packs.pack_offsets, loss_mask.view(np.int8)),
-        list_array(document_offsets, packs.layout.starts.astype(np.int32)),
+        list_array(packs.training.pack_offsets, packs.training.tokens.astype(np.int32, copy=False)),
+        list_array(packs.training.pack_offsets, loss_mask.view(np.int8)),
+        list_array(document_offsets, packs.training.layout.starts.astype(np.int32)),
     ]
     if sources:
         arrays.append(list_array(document_offsets, packs.source_ids))
@@ -134,14 +133,15 @@ class _PackStats:
         self.fewest_tokens: int | None = None
 
     def add(self, packs: TrainedPacks) -> None:
-        pack_tokens = np.diff(packs.pack_offsets)
+        pack_tokens = np.diff(packs.training.pack_offsets)
         if not len(pack_tokens):
             return
         self.packs += len(pack_tokens)
-        self.documents += len(packs.layout.lengths)
+        layout = packs.training.layout
+        self.documents += len(layout.lengths)
         self.tokens += int(pack_tokens.sum())
-        self.longest_document = max(self.longest_document, int(packs.layout.lengths.max()))
-        self.most_documents = max(self.most_documents, int(packs.layout.documents.max()))
+        self.longest_document = max(self.longest_document, int(layout.lengths.max()))
+        self.most_documents = max(self.most_documents, int(layout.documents.max()))
         fewest = int(pack_tokens.min())
         self.fewest_tokens = fewest if self.fewest_tokens is None else min(self.fewest_tokens, fewest)
 

@@ -43,7 +43,7 @@ PAD_TOKEN_ID = 0
 _EXPORT = "OLMo-core"
 
 
-def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild) -> None:
+def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild, scratch: Path) -> None:
     """Write the build's packs (`batches`, whole packs in pack order) into `directory`.
 
     Raises `InputError` for a preference-pair build (before writing anything) and for labels other than
@@ -68,20 +68,22 @@ def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild
 
 def _padded(packs: TrainedPacks, max_len: int) -> tuple[np.ndarray, np.ndarray]:
     """The packs' tokens and trained-target mask, each pack padded to `max_len`."""
-    count = len(packs.pack_offsets) - 1
-    pack_of_token = np.repeat(np.arange(count, dtype=np.int64), np.diff(packs.pack_offsets))
-    slot = pack_of_token * max_len + np.arange(len(packs.tokens), dtype=np.int64) - packs.pack_offsets[pack_of_token]
+    training = packs.training
+    count = len(training.pack_offsets) - 1
+    pack_of_token = np.repeat(np.arange(count, dtype=np.int64), np.diff(training.pack_offsets))
+    slot = pack_of_token * max_len + np.arange(len(training.tokens), dtype=np.int64) - training.pack_offsets[pack_of_token]
     tokens = np.full(count * max_len, PAD_TOKEN_ID, TOKEN_DTYPE)
-    tokens[slot] = packs.tokens
+    tokens[slot] = training.tokens
     mask = np.zeros(count * max_len, np.bool_)
-    mask[slot] = packs.trained
+    mask[slot] = training.trained
     return tokens, mask
 
 
 def _document_lines(packs: TrainedPacks, max_len: int) -> str:
     """The Dolma metadata lines of the packs' documents: `start,end` (and a mixture's source id)."""
-    starts = (packs.first_pack + packs.layout.pack) * max_len + packs.layout.starts
-    fields = [starts.tolist(), (starts + packs.layout.lengths).tolist()]
+    layout = packs.training.layout
+    starts = (packs.first_pack + layout.pack) * max_len + layout.starts
+    fields = [starts.tolist(), (starts + layout.lengths).tolist()]
     if packs.source_ids is not None:
         fields.append(packs.source_ids.tolist())
     return "".join(",".join(map(str, line)) + "\n" for line in zip(*fields))

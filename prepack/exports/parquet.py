@@ -40,7 +40,7 @@ def _file_name(index: int, files: int) -> str:
     return f"data/{_SPLIT}-{index:05d}-of-{files:05d}.parquet"
 
 
-def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild) -> None:
+def write(batches: Iterable[pa.RecordBatch], directory: Path, build: ExportBuild, scratch: Path) -> None:
     """Write the packs `batches` as Parquet files under `directory / "data"`, then the card and its figure."""
     require("matplotlib", "prepack export --to parquet (its card's figure)")  # before any pack is read
     schema = training_schema(build)

@@ -6,8 +6,8 @@ Megatron(-Bridge) and OLMo-core take every target from the token ids themselves 
 loss mask), so their masks hold `prepack.exports.common.training_tokens`'s trained tokens (the one
 definition all exports share, `PackedCollator`'s): a label not -100, never a document's first token. A
 build whose labels differ from its token ids where trained is refused: those formats have no place for
-such a label.
-So is a column they cannot hold (a preference-pair build's `pair_roles`, an image build's `images`).
+such a label, and so is a preference-pair build (its `pair_roles`). An image build is exported as any
+other: its image tokens are in `input_ids`, its images stay in the image set beside the build.
 """
 
 from __future__ import annotations
@@ -19,41 +19,32 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.errors import InputError
-from prepack.exports.common import training_tokens
+from prepack.exports.common import TrainingTokens, training_tokens
 from prepack.formats.common import first_index, list_column
-from prepack.formats.shards import PAIR_ROLES, PackLayout
 
 __all__ = ["TrainedPacks", "trained_packs", "refuse_pair_build"]
 
-_SHARD_COLUMNS = frozenset(
-    {"input_ids", "segment_ids", "cu_seqlens", "max_seqlen", "source_rows", "source_pieces", "source_ids", "labels"}
-)
-# Columns of other build kinds, by what they hold.
-_HELD_BY = {PAIR_ROLES: "a preference-pair build's pair roles (which document is chosen, which rejected)",
-            "images": "an image+text build's images"}
-
 
 class TrainedPacks(NamedTuple):
-    """One batch of packs. `first_pack` is the number of its first pack in the build."""
+    """One batch of packs: their tokens as prepack trains on them, with the number of the batch's first pack
+    in the build and a mixture's source ids."""
 
     first_pack: int
-    tokens: np.ndarray  # int32: the packs' tokens back to back
-    pack_offsets: np.ndarray  # int64 [packs + 1]: pack p is tokens[pack_offsets[p]:pack_offsets[p + 1]]
-    layout: PackLayout  # per document: its pack, its start inside the pack, its length
-    trained: np.ndarray  # bool per token: a target of the loss
+    training: TrainingTokens  # tokens, pack offsets, layout, labels and `trained` (`training_tokens`)
     source_ids: np.ndarray | None  # per document, a mixture's (uint16); None for other builds
 
     @property
     def document_offsets(self) -> np.ndarray:
         """int64 [packs + 1]: pack p's documents are documents document_offsets[p]:document_offsets[p + 1]."""
-        return np.concatenate([[0], np.cumsum(self.layout.documents)])
+        return np.concatenate([[0], np.cumsum(self.training.layout.documents)])
 
 
 def refuse_pair_build(is_pair_build: bool, export: str) -> None:
     """Refuse a preference-pair build before anything is written."""
     if is_pair_build:
         raise InputError(
-            f"This is a preference-pair build: the {export} export has no place for {_HELD_BY[PAIR_ROLES]}."
+            f"This is a preference-pair build: the {export} export has no place for its pair roles (which "
+            "document is chosen, which rejected)."
         )
 
 
@@ -62,19 +53,8 @@ def trained_packs(
 ) -> Iterator[TrainedPacks]:
     """Decode `batches` (whole packs, in pack order) of a build with labels or not, a mixture (`sources`) or
     not, for the `export` format (its name, for refusals)."""
-    by_kind = {name for name, present in (("labels", has_labels), ("source_ids", sources)) if present}
-    known = _SHARD_COLUMNS - {"labels", "source_ids"} | by_kind
-    needed = {"input_ids", "cu_seqlens"} | by_kind
     first_pack = 0
     for batch in batches:
-        names = batch.schema.names
-        for name in names:
-            if name in _HELD_BY:
-                raise InputError(f"Column {name!r}: the {export} export has no place for {_HELD_BY[name]}.")
-            if name not in known:
-                raise InputError(f"Column {name!r} is not a column of this build's shards the {export} export knows.")
-        if missing := sorted(needed - set(names)):
-            raise InputError(f"Packs from {first_pack} on lack the column {missing[0]!r}, which this build has.")
         packs = training_tokens(batch)
         tokens, pack_offsets, trained = packs.tokens, packs.pack_offsets, packs.trained
         if has_labels and (other := trained & (packs.labels != tokens)).any():
@@ -90,5 +70,5 @@ def trained_packs(
         if sources:
             id_offsets, id_values = list_column(batch, "source_ids")
             source_ids = id_values[id_offsets[0] : id_offsets[-1]]
-        yield TrainedPacks(first_pack, tokens, pack_offsets, packs.layout, trained, source_ids)
+        yield TrainedPacks(first_pack, packs, source_ids)
         first_pack += batch.num_rows

@@ -65,6 +65,7 @@ __all__ = [
     "check_shard_names",
     "check_index_shard",
     "check_shard",
+    "check_shard_sha256",
     "open_shard",
     "pack_layout",
     "read_manifest",
@@ -620,6 +621,13 @@ def shard_sha256(path: Path) -> str:
         while chunk := file.read(2**22):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def check_shard_sha256(path: Path, info: ShardInfo) -> None:
+    """Refuse (FormatError naming `path`) a shard file whose sha256 is not its manifest entry's `info.sha256`:
+    the file changed after the build."""
+    if (digest := shard_sha256(path)) != info.sha256:
+        refuse(path, f"sha256 {digest} does not match the manifest's {info.sha256}: the file changed after the build.")
 
 
 def open_shard(

@@ -21,7 +21,7 @@ from prepack.formats.shards import shard_schema
 from prepack.sources.mixture_stores import StoreChain
 from prepack.sources.store import Store
 
-__all__ = ["INDEX_COLUMNS", "IndexGather"]
+__all__ = ["INDEX_COLUMNS", "IndexGather", "index_columns"]
 
 # What an index shard's rows are gathered from.
 INDEX_COLUMNS = ("cu_seqlens", "source_rows", "source_pieces")
@@ -29,24 +29,30 @@ INDEX_COLUMNS = ("cu_seqlens", "source_rows", "source_pieces")
 ListColumn = tuple[np.ndarray, np.ndarray]  # (offsets, values): row r is values[offsets[r]:offsets[r + 1]]
 
 
+def index_columns(batch: pa.RecordBatch) -> list[str]:
+    """The list columns an index shard's rows are gathered from (and a mixture's `source_ids`, served)."""
+    return [*INDEX_COLUMNS, *(["source_ids"] if "source_ids" in batch.schema.names else [])]
+
+
 class IndexGather:
     """The packs of an index build whose store is `store` and whose max_len is `max_len`, gathered.
+    `index_shards`: what a refusal calls each of the build's index shards (its path or URI), by number.
 
     Store shards are checked in full (sha256, contents: `Store.shard_columns`) and mapped when a pack
     first needs them, in each process separately: pickling carries the store, never a memory map."""
 
-    def __init__(self, store: Store | StoreChain, max_len: int) -> None:
-        self.store, self.max_len = store, max_len
+    def __init__(self, store: Store | StoreChain, max_len: int, index_shards: list[str]) -> None:
+        self.store, self.max_len, self.index_shards = store, max_len, index_shards
         self.store_ends = np.cumsum([s.documents for s in store.manifest.shards], dtype=np.int64)
         self.tokens: _StoreTokens | None = None  # made on the first gather, in each worker
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "tokens": None}
 
-    def pack(self, columns: dict[str, ListColumn], row: int, where: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """Row `row` of the index shard whose list columns are `columns` (at least `INDEX_COLUMNS`):
+    def pack(self, columns: dict[str, ListColumn], row: int, shard: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """Row `row` of index shard number `shard`, whose list columns are `columns` (at least `INDEX_COLUMNS`):
         (input_ids, labels or None, segment_ids), new int32 arrays. A reference that does not hold raises
-        FormatError naming `where` (the index shard), the row and the column."""
+        FormatError naming the index shard (`index_shards`), the row and the column."""
         tokens = self.tokens or self._open_tokens()
         has_labels = self.store.manifest.has_labels
         while True:
@@ -58,14 +64,16 @@ class IndexGather:
                 break
             tokens.open(at)
         if problem != _GATHERED:
-            self._refuse(columns, row, where, problem, at)
+            self._refuse(columns, row, self.index_shards[shard], problem, at)
         return ids, labels if has_labels else None, segment_ids
 
-    def batch(self, columns: dict[str, ListColumn], first: int, stop: int, has_labels: bool, where: str) -> pa.RecordBatch:
-        """Packs `first` to `stop` of the index shard `where` whose list columns are `columns`, gathered, as one
-        record batch of the full shard format (`shard_schema`; with `source_ids` when `columns` has them,
-        a mixture's), so that they are the rows the full build of the same documents holds."""
-        rows = [self.pack(columns, row, where) for row in range(first, stop)]
+    def batch(self, columns: dict[str, ListColumn], first: int, stop: int, shard: int) -> pa.RecordBatch:
+        """Packs `first` to `stop` of index shard number `shard`, whose list columns are `columns`, gathered, as one
+        record batch of the full shard format (`shard_schema`; with labels when the store has them, and
+        `source_ids` when `columns` has them, a mixture's), so that they are the rows the full build of the
+        same documents holds."""
+        has_labels = self.store.manifest.has_labels
+        rows = [self.pack(columns, row, shard) for row in range(first, stop)]
         lengths = np.array([len(ids) for ids, _, _ in rows], np.int64)
         token_offsets = np.concatenate([[0], np.cumsum(lengths)])
         cu_off, cu_values = columns["cu_seqlens"]

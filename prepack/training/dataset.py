@@ -36,6 +36,7 @@ from prepack.formats.shards import (
     Manifest,
     check_index_shard,
     check_shard,
+    check_shard_sha256,
     open_shard,
     pack_layout,
     read_manifest,
@@ -45,7 +46,7 @@ from prepack.formats.shards import (
     shard_sha256,
 )
 from prepack.storage.remote import is_uri
-from prepack.sources.gather import INDEX_COLUMNS, IndexGather
+from prepack.sources.gather import IndexGather, index_columns
 from prepack.sources.mixture_stores import StoreChain, open_mixture_stores
 from prepack.sources.store import Store, open_build_store
 from prepack.storage.files import record_batch_sha256, write_record_batch
@@ -128,7 +129,11 @@ class PackedDataset(Dataset):
         elif self.manifest.store is not None:
             local = self.cache is None or store is not None
             self.store = open_build_store(self.path, self.manifest, store) if local else self.cache.store()
-        self._gather = None if self.store is None else IndexGather(self.store, self.manifest.options.max_len)
+        if self.store is not None:
+            index_shards = [f"{self.path}/{info.name}" for info in self.manifest.shards]  # self.path: a directory or a URI
+            self._gather = IndexGather(self.store, self.manifest.options.max_len, index_shards)
+        else:
+            self._gather = None
 
     @property
     def shard_paths(self) -> list[Path]:
@@ -179,8 +184,7 @@ class PackedDataset(Dataset):
     def _gathered(self, shard: int, row: int, columns: dict[str, _ListColumn]) -> dict[str, np.ndarray]:
         """An index build's pack: its documents' tokens (and labels) copied out of the store, in order
         (`IndexGather.pack`)."""
-        where = f"{self.path}/{self.manifest.shards[shard].name}"  # self.path: a directory or a URI
-        ids, labels, segment_ids = self._gather.pack(columns, row, where)
+        ids, labels, segment_ids = self._gather.pack(columns, row, shard)
         cu_off, cu = columns["cu_seqlens"]
         packed = {"input_ids": ids, "cu_seqlens": cu[cu_off[row] : cu_off[row + 1]], "segment_ids": segment_ids}
         if labels is not None:
@@ -204,7 +208,7 @@ class PackedDataset(Dataset):
     def _columns(self, shard: int) -> dict[str, _ListColumn]:
         if shard not in self._open:
             batch, where = self._open_checked(shard), self.manifest.shards[shard].name
-            names = _index_columns(batch) if self.store is not None else [*_row_columns(batch), "source_rows"]
+            names = index_columns(batch) if self.store is not None else [*_row_columns(batch), "source_rows"]
             columns = {name: list_column(batch, name, where) for name in names}
             if self.reference is not None:  # a value per document of each pack, checked against cu_seqlens
                 documents = np.diff(columns["cu_seqlens"][0]).astype(np.int64) - 1
@@ -216,8 +220,8 @@ class PackedDataset(Dataset):
         info = self.manifest.shards[shard]
         path = shard_path(self.path, shard, info) if self.cache is None else self.cache.shard(info)
         where = str(path) if self.cache is None else self.cache.name(info)  # a cached copy is named by its URI
-        if self.verify_checksums and self.cache is None and (digest := shard_sha256(path)) != info.sha256:
-            raise FormatError(f"{path}: sha256 {digest} does not match the manifest's {info.sha256}.")
+        if self.verify_checksums and self.cache is None:
+            check_shard_sha256(path, info)
         index_only = self.store is not None
         m = self.manifest
         batch = m.open_shard(path, where)
@@ -235,11 +239,6 @@ def _check_directory(path: Path, manifest: Manifest) -> None:
     rows = sum(info.rows for info in manifest.shards)
     if rows != manifest.totals.packs:
         raise FormatError(f"{path}: the shards hold {rows} packs, but the manifest totals say {manifest.totals.packs}.")
-
-
-def _index_columns(batch: pa.RecordBatch) -> list[str]:
-    """The list columns an index shard's rows are gathered from (and a mixture's `source_ids`, served)."""
-    return [*INDEX_COLUMNS, *(["source_ids"] if "source_ids" in batch.schema.names else [])]
 
 
 def _row_columns(batch: pa.RecordBatch) -> list[str]:
@@ -388,8 +387,7 @@ def _gathered_shards(packed: PackedDataset, directory: Path) -> list[Path]:
 
 def _gathered_batch(packed: PackedDataset, shard: int, first: int, stop: int) -> pa.RecordBatch:
     """Packs `first` to `stop` of index shard `shard`, gathered, as one full shard's record batch."""
-    where = f"{packed.path}/{packed.manifest.shards[shard].name}"
-    return packed._gather.batch(packed._columns(shard), first, stop, packed.manifest.has_labels, where)
+    return packed._gather.batch(packed._columns(shard), first, stop, shard)
 
 
 def _write_gathered(batch: pa.RecordBatch, file: Path) -> None:

@@ -14,12 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from prepack.errors import InputError
-from prepack.exports import export_build, verify_export
+from prepack.exports import export_build, megatron, verify_export
+from prepack.exports.common import open_export_build, pack_batches
 from tests.cli import run_prepack
 from tests.corpus import preference_pairs
-from tests.exports.trainer_builds import (
-    KINDS, Expected, files, labelled_corpus_build, real_build, targets_from_next_token_mask,
-)
+from tests.exports.rows import Expected
+from tests.exports.trainer_builds import KINDS, files, labelled_corpus_build, targets_from_next_token_mask
 
 
 def export(build_dir: Path, out: Path) -> Path:
@@ -86,8 +86,8 @@ def bridge_mismatches(out: Path, expected: Expected) -> list[str]:
 
 
 @pytest.fixture(scope="module", params=KINDS)
-def exported(request, tmp_path_factory) -> tuple[Path, Path]:
-    build_dir = real_build(request.param)
+def exported(request, builds, tmp_path_factory) -> tuple[Path, Path]:
+    build_dir = builds[request.param]
     return build_dir, export(build_dir, tmp_path_factory.mktemp("megatron") / "out")
 
 
@@ -136,8 +136,8 @@ def test_the_indexed_datasets_are_the_bytes_megatron_cores_own_builder_writes(ex
 
 
 @pytest.mark.slow
-def test_the_comparisons_see_a_changed_loss_mask_token_or_boundary(tmp_path):
-    build_dir = real_build("chat")
+def test_the_comparisons_see_a_changed_loss_mask_token_or_boundary(builds, tmp_path):
+    build_dir = builds["chat"]
     expected = Expected(build_dir)
     out = export(build_dir, tmp_path / "out")
     mask = out / "loss_mask.bin"
@@ -162,8 +162,8 @@ def test_the_comparisons_see_a_changed_loss_mask_token_or_boundary(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rerun_writes_the_same_bytes(tmp_path):
-    build_dir = real_build("mixture")
+def test_a_rerun_writes_the_same_bytes(builds, tmp_path):
+    build_dir = builds["mixture"]
     assert files(export(build_dir, tmp_path / "a")) == files(export(build_dir, tmp_path / "b"))
 
 
@@ -183,8 +183,8 @@ def test_a_preference_pair_build_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_command_line_exports_and_verifies(tmp_path):
-    build_dir, out = real_build("index"), tmp_path / "export"
+def test_the_command_line_exports_and_verifies(builds, tmp_path):
+    build_dir, out = builds["chat-index"], tmp_path / "export"
     result = run_prepack("export", str(build_dir), "--to", "megatron", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert indexed_dataset_mismatches(out, Expected(build_dir)) == []
@@ -201,3 +201,23 @@ def test_the_command_line_exports_and_verifies(tmp_path):
     assert problem.startswith(f"{out / 'loss_mask.bin'}: sha256 ") and problem.endswith("the file changed.")
     tampered = run_prepack("verify", str(build_dir), "--export", str(out))
     assert tampered.returncode == 1 and "loss_mask.bin" in tampered.stdout and "the file changed" in tampered.stdout
+
+
+def test_the_spools_are_written_to_scratch_never_into_the_export(tmp_path):
+    build = open_export_build(labelled_corpus_build(tmp_path, lambda doc: doc))
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    out.mkdir()
+    scratch.mkdir()
+    seen = []
+
+    def batches():
+        for batch in pack_batches(build):
+            yield batch
+            seen.append(({path.name for path in out.iterdir()}, {path.name for path in scratch.iterdir()}))
+
+    megatron.write(batches(), out, build, scratch)
+    assert seen and all(exported.isdisjoint(spools) and spools for exported, spools in seen)
+    assert sorted(path.name for path in out.iterdir()) == sorted(
+        [f"{megatron.TOKENS}.bin", f"{megatron.TOKENS}.idx", f"{megatron.LOSS_MASK}.bin", f"{megatron.LOSS_MASK}.idx",
+         megatron.PACKED, megatron.PACKED_METADATA]
+    )

@@ -12,18 +12,15 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 
 from prepack.errors import InputError
 from prepack.exports import export_build, olmo_core, verify_export
-from prepack.exports.common import open_export_build, pack_batches
 from tests.cli import run_prepack
 from tests.corpus import preference_pairs
-from tests.exports.trainer_builds import (
-    GPT2_EOS, KINDS, Expected, files, labelled_corpus_build, real_build,
-)
+from tests.exports.rows import Expected
+from tests.exports.trainer_builds import GPT2_EOS, KINDS, files, labelled_corpus_build
 
 UNUSED_ID = 2**31 - 1  # the EOS and padding OLMo-core's readers are given: no token of a build has this id
 
@@ -69,8 +66,8 @@ def fsl_mismatches(out: Path, expected: Expected) -> list[str]:
 
 
 @pytest.fixture(scope="module", params=KINDS)
-def exported(request, tmp_path_factory) -> tuple[Path, Path]:
-    build_dir = real_build(request.param)
+def exported(request, builds, tmp_path_factory) -> tuple[Path, Path]:
+    build_dir = builds[request.param]
     return build_dir, export(build_dir, tmp_path_factory.mktemp("olmo-core") / "out")
 
 
@@ -116,12 +113,12 @@ def test_olmo_core_packing_again_keeps_every_document_and_its_mask(exported, tmp
 
 
 @pytest.mark.slow
-def test_fsl_doc_lens_found_by_eos_are_the_boundaries_of_a_text_build_tokenized_with_eos(tmp_path):
+def test_fsl_doc_lens_found_by_eos_are_the_boundaries_of_a_text_build_tokenized_with_eos(builds, tmp_path):
     # docs/exports.md: NumpyFSLDataset's own doc_lens (an EOS scan) are exact where every document ends
     # with the EOS and holds no other; the padding is one segment more
     from olmo_core.data.numpy_dataset import NumpyFSLDataset
 
-    build_dir = real_build("text")
+    build_dir = builds["text"]
     expected = Expected(build_dir)
     max_len = expected.manifest.options.max_len
     out = export(build_dir, tmp_path / "out")
@@ -137,8 +134,8 @@ def test_fsl_doc_lens_found_by_eos_are_the_boundaries_of_a_text_build_tokenized_
 
 
 @pytest.mark.slow
-def test_the_comparison_sees_a_changed_label_mask_token_or_boundary(tmp_path):
-    build_dir = real_build("chat")
+def test_the_comparison_sees_a_changed_label_mask_token_or_boundary(builds, tmp_path):
+    build_dir = builds["chat"]
     expected = Expected(build_dir)
     out = export(build_dir, tmp_path / "out")
     mask = np.fromfile(out / olmo_core.LABEL_MASK, np.bool_)
@@ -164,8 +161,8 @@ def test_the_comparison_sees_a_changed_label_mask_token_or_boundary(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rerun_writes_the_same_bytes(tmp_path):
-    build_dir = real_build("mixture")
+def test_a_rerun_writes_the_same_bytes(builds, tmp_path):
+    build_dir = builds["mixture"]
     assert files(export(build_dir, tmp_path / "a")) == files(export(build_dir, tmp_path / "b"))
 
 
@@ -173,15 +170,6 @@ def test_labels_other_than_the_token_ids_are_refused(tmp_path):
     build_dir = labelled_corpus_build(tmp_path, lambda doc: [-100, -100] + [t * 2 for t in doc[2:]])
     with pytest.raises(InputError, match=r"Pack \d+, token \d+, column .labels.*OLMo-core export.*token id"):
         export(build_dir, tmp_path / "out")
-
-
-def test_a_column_the_files_cannot_hold_is_refused_by_name(tmp_path):
-    build = open_export_build(labelled_corpus_build(tmp_path, lambda doc: doc))
-    (batch,) = pack_batches(build)
-    images = batch.append_column("images", pa.array([[0]] * batch.num_rows, pa.list_(pa.uint32())))
-    (tmp_path / "out").mkdir()
-    with pytest.raises(InputError, match="Column 'images'.*OLMo-core export.*image"):
-        olmo_core.write([images], tmp_path / "out", build)
 
 
 @pytest.mark.slow
@@ -192,8 +180,8 @@ def test_a_preference_pair_build_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_command_line_exports_and_verifies(tmp_path):
-    build_dir, out = real_build("mixture"), tmp_path / "export"
+def test_the_command_line_exports_and_verifies(builds, tmp_path):
+    build_dir, out = builds["mixture"], tmp_path / "export"
     result = run_prepack("export", str(build_dir), "--to", "olmo-core", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert fsl_mismatches(out, Expected(build_dir)) == []

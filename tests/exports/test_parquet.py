@@ -119,7 +119,7 @@ def test_an_existing_out_is_refused_and_left_as_it_is(builds, tmp_path):
 def test_a_format_that_fails_midway_publishes_nothing(builds, tmp_path, monkeypatch):
     module = tmp_path / "failing_format.py"
     module.write_text(
-        "def write(batches, directory, build):\n"
+        "def write(batches, directory, build, scratch):\n"
         "    next(iter(batches))\n"
         "    (directory / 'part').write_text('half')\n"
         "    raise OSError('disk full')\n"

@@ -7,32 +7,27 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prepack import PackedDataset
 from prepack.exports.common import open_export_build, pack_batches, training_tokens
-from prepack.training.collate import PackedCollator
+from tests.exports.rows import Expected
 
 pytestmark = pytest.mark.slow  # the session's builds take seconds
 
 
 @pytest.mark.parametrize("name", ["chat", "chat-index", "mixture", "mixture-index"])
 def test_the_exports_train_the_tokens_the_collator_trains(builds, name):
-    build = open_export_build(builds[name])
-    rows = PackedDataset(builds[name])
-    collate = PackedCollator(build.manifest.options.max_len, source_ids=build.manifest.mixture is not None)
+    build, expected = open_export_build(builds[name]), Expected(builds[name])
     pack, first_tokens_masked = 0, 0
     for batch in pack_batches(build):
         packs = training_tokens(batch)
         for p in range(batch.num_rows):
-            row = rows[pack]
             start, stop = packs.pack_offsets[p], packs.pack_offsets[p + 1]
-            collated = collate([row])
-            n = len(row["input_ids"])
+            row = expected.row(pack)
             assert np.array_equal(packs.tokens[start:stop], row["input_ids"]), pack
-            assert np.array_equal(packs.labels[start:stop], collated["labels"][0, :n].numpy()), pack
-            assert np.array_equal(packs.position_ids[start:stop], collated["position_ids"][0, :n].numpy()), pack
-            stored = np.asarray(row.get("labels", row["input_ids"]))
+            assert np.array_equal(packs.labels[start:stop], row["labels"]), pack
+            assert np.array_equal(packs.position_ids[start:stop], row["position_ids"]), pack
+            stored = np.asarray(expected.rows[pack].get("labels", row["input_ids"]))
             first_tokens_masked += int((stored[row["cu_seqlens"][:-1]] != -100).sum())
             pack += 1
-    assert pack == len(rows)
+    assert pack == len(expected)
     if name.startswith("mixture"):  # a source without labels: its documents' first tokens are masked here alone
         assert first_tokens_masked > 0
