@@ -208,6 +208,7 @@ def _new_staging(out: Path) -> Iterator[Path]:
             (staging / "scratch").mkdir()
         yield staging
     finally:
+        _put_back_replaced(staging, out)
         _remove_staging(staging)
 
 
@@ -335,9 +336,20 @@ def _stale_staging(out: Path) -> list[Path]:
 
 
 def _remove_stale_staging(out: Path) -> None:
-    """Delete the staging directories that killed builds to `out` left behind (see `_stale_staging`)."""
+    """Delete the staging directories that killed builds to `out` left behind (see `_stale_staging`),
+    first putting back the build at `out` that one of them was exchanging (see `_put_back_replaced`)."""
     for staging in _stale_staging(out):
+        _put_back_replaced(staging, out)
         _remove_staging(staging)
+
+
+def _put_back_replaced(staging: Path, out: Path) -> None:
+    """Where a run was stopped between the second and third rename of `_exchange`'s fallback, `out` is
+    missing, `build` holds the build it replaced and `build-new` the new one: rename `build` back to `out`,
+    so that the stopped run leaves `out` as it was rather than deleting both builds with its staging."""
+    with output_errors(out, "restore"):
+        if not os.path.lexists(out) and (staging / _SWAPPING).is_dir() and (staging / "build").is_dir():
+            _rename_no_replace(staging / "build", out)
 
 
 _TakenUp = TypeVar("_TakenUp")
@@ -423,11 +435,16 @@ def _rename_no_replace(source: Path, target: Path) -> None:
         os.rename(source, target)
 
 
+# Where `_exchange`'s fallback moves a staging directory's `build` while `out` takes its place.
+_SWAPPING = "build-new"
+
+
 def _exchange(built: Path, out: Path) -> None:
-    """Swap directories `built` and `out` in one rename where the file system can; elsewhere move
-    `out` to `built`'s place in two renames (between which `out` does not exist)."""
+    """Swap directories `built` (a staging directory's `build`) and `out` in one rename where the file
+    system can; elsewhere in three renames, between the second and third of which `out` does not exist
+    (a run stopped there is undone by `_put_back_replaced`)."""
     if not _renameat2_flags(built, out, _RENAME_EXCHANGE):
-        swapping = built.with_name(f"{built.name}-new")
+        swapping = built.with_name(_SWAPPING)
         os.rename(built, swapping)
         os.rename(out, built)
         _rename_no_replace(swapping, out)

@@ -514,3 +514,35 @@ def test_a_killed_build_append_leaves_the_build_readable_and_the_next_append_suc
     grown = build(store, out, max_len=MAX_LEN, index_only=index_only, append=True)
     assert grown.totals.documents == 80 and verify_build(out) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["batch-a", "batch-b", "packed", "store"]
+
+
+class _Killed(BaseException):
+    """Stands for a SIGKILL: raised where the process dies, with the cleanup a kill skips patched out."""
+
+
+def test_an_append_killed_between_the_renames_of_an_exchange_without_renameat2_keeps_the_store(tmp_path, monkeypatch):
+    """Where the file system has no atomic exchange (NFS), publishing takes three renames, and between the
+    second and third `out` does not exist: the next run puts the old store back rather than deleting it."""
+    from prepack.storage import output
+
+    store = tmp_path / "store"
+    build_store(_batch(tmp_path, "a", _documents(0, 60)), store, shard_size=500)
+    before = {p.name: p.read_bytes() for p in store.iterdir()}
+    exchange_or_not = output._renameat2_flags
+    monkeypatch.setattr(output, "_renameat2_flags", lambda s, t, flags: flags != output._RENAME_EXCHANGE and exchange_or_not(s, t, flags))
+
+    def killed(*args):
+        raise _Killed
+
+    with monkeypatch.context() as dying:
+        dying.setattr(output, "_rename_no_replace", killed)  # the third rename
+        dying.setattr(output, "_remove_staging", lambda staging: None)  # a kill runs no cleanup
+        with pytest.raises(_Killed):
+            build_store(_batch(tmp_path, "b", _documents(1, 20)), store, shard_size=500, append=True)
+    assert not store.exists()
+    grown = build_store(_batch(tmp_path, "c", _documents(2, 5)), store, shard_size=500, append=True)
+    assert grown.documents == 65
+    assert {name: (store / name).read_bytes() for name in before if name != "store.json"} == {
+        name: data for name, data in before.items() if name != "store.json"
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["batch-a", "batch-b", "batch-c", "store"]
