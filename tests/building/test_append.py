@@ -282,6 +282,34 @@ def test_verify_names_an_index_shard_that_claims_another_generation_of_the_store
     ]
 
 
+def test_verify_names_a_generation_fingerprint_of_store_json_or_the_build_that_its_documents_do_not_give(tmp_path):
+    import json
+
+    store, out = tmp_path / "store", tmp_path / "index"
+    build_store(_batch(tmp_path, "a", _documents(0, 40)), store)
+    build(store, out, max_len=MAX_LEN, index_only=True)
+    build_store(_batch(tmp_path, "b", _documents(1, 10)), store, append=True)
+    build_store(_batch(tmp_path, "c", _documents(2, 10)), store, append=True)
+    build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+    assert verify_build(out) == []
+    forged = "ab" * 32
+    # Generation 1 of store.json (not the last, so the chained fingerprint still matches) and of the build.
+    recorded = json.loads((store / "store.json").read_text())
+    true_fingerprint = recorded["generations"][1]["fingerprint"]
+    recorded["generations"][1]["fingerprint"] = forged
+    (store / "store.json").write_text(json.dumps(recorded))
+    problems = verify_build(out, all_problems=True)
+    assert [(p.file, p.column) for p in problems] == [("../store/store.json", "generations[1].fingerprint")]
+    assert true_fingerprint in problems[0].message and forged in problems[0].message
+    recorded["generations"][1]["fingerprint"] = true_fingerprint
+    (store / "store.json").write_text(json.dumps(recorded))
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["generations"][0]["fingerprint"] = recorded["generations"][1]["fingerprint"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    problems = verify_build(out, all_problems=True)
+    assert ("manifest.json", "generations[0].fingerprint") in [(p.file, p.column) for p in problems]
+
+
 @pytest.mark.slow
 def test_the_loaders_serve_a_grown_index_build_as_the_grown_full_build(tmp_path):
     from prepack import open_hf_dataset
