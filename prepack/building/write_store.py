@@ -89,7 +89,8 @@ def write_store_shard(directory: Path, index: int, lengths: np.ndarray, ids: np.
         columns.append(labels.astype(np.int32, copy=False))
     arrays = [pa.ListArray.from_arrays(arrow_array(offsets), arrow_array(values)) for values in columns]
     batch = pa.RecordBatch.from_arrays(arrays, schema=store_schema(labels is not None))
-    size, sha256 = write_record_batch(path, batch)
+    # A new file: an append's staging directory holds the published shards as hard links, never written through.
+    size, sha256 = write_record_batch(path, batch, mode="xb")
     return StoreShard(name=path.name, documents=len(lengths), tokens=int(offsets[-1]), bytes=size, sha256=sha256)
 
 

@@ -65,11 +65,11 @@ def output_errors(path: Path, doing: str = "write") -> Iterator[None]:
 
 
 @contextmanager
-def output_file(path: Path) -> Iterator[BinaryIO]:
-    """`open(path, "wb")`, with an OSError from opening or closing it (which writes what is still
+def output_file(path: Path, mode: str = "wb") -> Iterator[BinaryIO]:
+    """`open(path, mode)`, with an OSError from opening or closing it (which writes what is still
     buffered) reported as `output_errors` does. Errors of the writes themselves are the caller's."""
     with output_errors(path):
-        file = open(path, "wb")
+        file = open(path, mode)
     try:
         yield file
     finally:

@@ -6,6 +6,7 @@ the grown store; an append is as atomic and exclusive as a build; the sampler se
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 import subprocess
 import sys
@@ -574,3 +575,16 @@ def test_an_append_killed_between_the_renames_of_an_exchange_without_renameat2_k
         name: data for name, data in before.items() if name != "store.json"
     }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["batch-a", "batch-b", "batch-c", "store"]
+
+
+def test_a_new_shard_never_writes_through_a_staged_hard_link_to_a_published_one(tmp_path):
+    """Staged shards of an append are hard links to the published ones: a new shard that took such a name
+    would truncate the published file through the link, so new shard files are created exclusively."""
+    from prepack.building.write_store import write_store_shard
+
+    published = tmp_path / "published.arrow"
+    published.write_bytes(b"a published shard")
+    os.link(published, tmp_path / "documents-00000.arrow")
+    with pytest.raises(OutputError, match="documents-00000.arrow"):
+        write_store_shard(tmp_path, 0, np.array([2]), np.array([1, 2]), None)
+    assert published.read_bytes() == b"a published shard"

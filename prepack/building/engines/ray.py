@@ -28,7 +28,7 @@ packs (~40 bytes a document in all), which the driver makes one shard at a time 
 broadcasting the plan to every node instead would cost each node ~8 bytes a document of object
 store. A bad row is the local engine's `PrepackError`, returned by the task as a value and raised on
 the driver (Ray would print the worker's traceback). Ray retries a task whose worker died; a task writes its files from the
-start, so a retry changes no byte. A failure of Ray's own (a task that raised something else, or was
+start (its partial file deleted first), so a retry changes no byte. A failure of Ray's own (a task that raised something else, or was
 lost after its retries; a cluster that cannot be joined) is an `EngineError`.
 
 Workers open the local paths the driver names, from the driver's working directory where the node has
@@ -313,6 +313,7 @@ def _write_pack_shard(
         try:
             (tokens, labels), starts = _local_tokens([tokens, labels], layout.starts, layout.lengths, local)
             written = local if target is not None else directory
+            (written / shard_name(index)).unlink(missing_ok=True)  # a retried task's partial file (shards are new files)
             shard = write_shard(written, index, replace(layout, starts=starts), tokens, labels, ShardBuffers(int(layout.lengths.sum())))
             _publish_shard(written, shard.name, target)
             return shard
@@ -338,6 +339,7 @@ def _write_store_shard(
             (tokens, labels), starts = _local_tokens([tokens, labels], starts[stored], lengths[stored], local)
             label_values = None if labels is None else gathered(labels, starts)
             written = local if target is not None else directory
+            (written / store_shard_name(index)).unlink(missing_ok=True)  # a retried task's partial file (shards are new files)
             shard = write_store_shard(written, index, lengths, gathered(tokens, starts), label_values)
             _publish_shard(written, shard.name, target)
             return shard
