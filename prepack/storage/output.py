@@ -164,6 +164,20 @@ def _found(out: Path, kind: str) -> _Found | None:
     return _Found(stat.st_dev, stat.st_ino, replaceable_build(out, kind))
 
 
+def _output_path(out: str | os.PathLike) -> Path:
+    """`out` as a Path, refused (OutputError) when it has no name to put the lock and staging directory
+    beside ("." or "..") or is a symbolic link: what a build and an append check before anything else."""
+    out = Path(out)
+    if out.name in ("", ".."):  # "." or "..": no name to put the lock and staging directory beside
+        raise OutputError(f"--out {out} does not name a directory; give a path such as ./packed.")
+    if out.is_symlink():
+        raise OutputError(
+            f"{out} is a symbolic link; prepack neither follows nor replaces links at --out. "
+            f"Pass the directory it points to ({os.readlink(out)}) or another path."
+        )
+    return out
+
+
 @contextmanager
 def staged_directory(out: str | os.PathLike, overwrite: bool, kind: str = MANIFEST_NAME) -> Iterator[Staging]:
     """Hold the lock of `out`, yield a new staging directory beside it, and publish its `build` as
@@ -174,14 +188,7 @@ def staged_directory(out: str | os.PathLike, overwrite: bool, kind: str = MANIFE
     (see `replaceable_build`); and, with
     the build discarded and `out` left as it is, when `out` appeared or changed while the block ran.
     """
-    out = Path(out)
-    if out.name in ("", ".."):  # "." or "..": no name to put the lock and staging directory beside
-        raise OutputError(f"--out {out} does not name a directory; give a path such as ./packed.")
-    if out.is_symlink():
-        raise OutputError(
-            f"{out} is a symbolic link; prepack neither follows nor replaces links at --out. "
-            f"Pass the directory it points to ({os.readlink(out)}) or another path."
-        )
+    out = _output_path(out)
     with output_errors(out.parent, "create"):
         out.parent.mkdir(parents=True, exist_ok=True)
     with output_lock(out):
@@ -223,9 +230,7 @@ def staged_append(out: str | os.PathLike, kind: str = MANIFEST_NAME) -> Iterator
     A killed append leaves `out` as it was (its staging directory is cleared by the next run to
     `out`); a second append (or build) to `out` while one runs is refused. Raises OutputError when
     `out` is not a prepack output of `kind`, or holds none."""
-    out = Path(out)
-    if out.is_symlink():
-        raise OutputError(f"{out} is a symbolic link; prepack neither follows nor replaces links at --out.")
+    out = _output_path(out)
     with output_lock(out):
         _remove_stale_staging(out)
         found = _found(out, kind)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -588,3 +589,14 @@ def test_a_new_shard_never_writes_through_a_staged_hard_link_to_a_published_one(
     with pytest.raises(OutputError, match="documents-00000.arrow"):
         write_store_shard(tmp_path, 0, np.array([2]), np.array([1, 2]), None)
     assert published.read_bytes() == b"a published shard"
+
+
+@pytest.mark.parametrize("out", [".", ".."])
+def test_an_append_to_dot_or_dot_dot_is_refused_as_a_build_to_it_is_and_writes_nothing(tmp_path, monkeypatch, out):
+    store = tmp_path / "inner" / "store"
+    build_store(_batch(tmp_path, "a", _documents(0, 10)), store)
+    monkeypatch.chdir(store)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(OutputError, match=f"--out {re.escape(out)} does not name a directory"):
+        build_store(tmp_path / "batch-a", out, append=True)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
