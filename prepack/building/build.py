@@ -48,7 +48,7 @@ from prepack.formats.shards import (
 from prepack.storage.output import Staging, output_errors, staged_append, staged_directory
 from prepack.building.pair_plan import PairPlan, first_overlong_pair, overlong_prompts, plan_pairs
 from prepack.building import plan_vectorized
-from prepack.building.plan import pack_count, plan_packs
+from prepack.building.plan import compact_lengths, pack_count, plan_packs
 from prepack.storage.remote import fetch, is_uri, local_input, relative_location, staged_prefix
 from prepack.formats.store import StoreManifest
 from prepack.sources.store import Store, is_store
@@ -447,12 +447,13 @@ def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packin
     untrained = None
     if packing.drop_untrained:
         parts = [store.shard_lengths(shard) for shard in shards]
-        lengths = [p[0] for p in parts]
+        lengths = [compact_lengths(p[0]) for p in parts]
         untrained = np.concatenate([*(p[1] for p in parts), first.untrained])
     else:
-        lengths = [store.shard_document_lengths(shard) for shard in shards]
+        # Each shard's lengths compacted as read (`_index_documents` does the same): not 8 bytes a document.
+        lengths = [compact_lengths(store.shard_document_lengths(shard)) for shard in shards]
     return pack_count(
-        np.concatenate([*lengths, first.lengths]),
+        compact_lengths(np.concatenate([*lengths, first.lengths])),
         packing.max_len,
         algorithm=packing.algorithm,
         overflow=packing.overflow,

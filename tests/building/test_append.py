@@ -600,3 +600,17 @@ def test_an_append_to_dot_or_dot_dot_is_refused_as_a_build_to_it_is_and_writes_n
     with pytest.raises(OutputError, match=f"--out {re.escape(out)} does not name a directory"):
         build_store(tmp_path / "batch-a", out, append=True)
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_an_append_counts_a_rebuild_from_compact_lengths(tmp_path, monkeypatch):
+    """The rebuild count reads every store document's length: 2 bytes each here (uint16), not 8."""
+    from prepack.building import build as build_module
+
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 30)), store)
+    build(store, out, max_len=MAX_LEN, index_only=True)
+    build_store(_batch(tmp_path, "b", _documents(1, 10)), store, append=True)
+    counted, count = [], build_module.pack_count
+    monkeypatch.setattr(build_module, "pack_count", lambda lengths, *a, **k: counted.append(lengths.dtype) or count(lengths, *a, **k))
+    build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+    assert counted == [np.uint16]
