@@ -342,6 +342,8 @@ def build_packs(
                 documents = store_documents(replace(store, manifest=store.manifest.since_generation(planned)))
             found, has_labels, read_column = documents.corpus, documents.has_labels, documents.column
             first = engine_steps.first_pass(documents, reading, bar)
+            if store is not None and first.fingerprint != store.manifest.fingerprint:
+                _refuse_store_fingerprint(store, first.fingerprint)
             if len(first.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")
             # An append whose documents give no pack still records them (a generation of no new shard).
@@ -394,8 +396,8 @@ def build_packs(
                     }
                 ),
                 has_labels=has_labels,
-                # A grown store's fingerprint chains its generations' (`chained_fingerprint`): a build of it records that.
-                fingerprint=first.fingerprint if store is None or store.manifest.generations is None else store.manifest.fingerprint,
+                # A store's as its first pass recomputed it (a grown one's chained: `StoreFingerprint`), held to store.json's above.
+                fingerprint=first.fingerprint,
                 inputs=[
                     InputFile(path=found.name(path), rows=rows)
                     for path, rows in zip(found.files, first.rows_per_file)
@@ -437,6 +439,16 @@ def _planned_generation(build: Manifest, store: Store, options: BuildOptions, in
             f"--append grows a build by the documents appended to its own store since."
         )
     return generation
+
+
+def _refuse_store_fingerprint(store: Store, found: str) -> None:
+    """InputError: the store's documents give the fingerprint `found`, not the one its store.json records."""
+    m = store.manifest
+    field = "fingerprint" if m.generations is None else f"generations[{len(m.generations) - 1}].fingerprint"
+    raise InputError(
+        f"{store.location or store.root}/{STORE_MANIFEST_NAME}: {field} is {m.fingerprint}, but the store's documents "
+        f"give {found}: its documents or store.json changed after the store was written."
+    )
 
 
 def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing) -> int:

@@ -212,24 +212,38 @@ class StoreManifest(StrictModel):
 
 
 class StoreFingerprint:
-    """A store's fingerprint recomputed from its documents, fed shard by shard in order (`update`):
-    of a store never appended to, the documents' `Fingerprint`; of a grown one, each generation's
-    documents hashed alone and chained (`chained_fingerprint`). `found` holds each generation's."""
+    """A store's fingerprint recomputed from its documents, fed in row order in batches that no
+    generation's end falls inside (shards, or parts of them: `update`): of a store never appended to,
+    the documents' `Fingerprint`; of a grown one, each generation's documents hashed alone and chained
+    (`chained_fingerprint`). `found` holds each generation's. Of the manifest of the documents added
+    after a generation (`StoreManifest.since_generation`), the generations up to it are taken as
+    recorded, and the chain goes on from there."""
 
     def __init__(self, manifest: StoreManifest) -> None:
         generations = manifest.generations or []
-        self._ends = [g.shards for g in generations] or [len(manifest.shards)]
-        self._shards, self._documents = 0, Fingerprint()
-        self.found: list[str] = []
+        before = generations[-1].documents - manifest.documents if generations else 0
+        self.found: list[str] = [g.fingerprint for g in generations if g.documents <= before]
+        self._ends = [g.documents - before for g in generations if g.documents > before] or [manifest.documents]
+        self._fed, self._ended, self._documents = 0, 0, Fingerprint()
 
     def update(self, lengths: np.ndarray, ids: np.ndarray, labels: np.ndarray | None) -> None:
-        """Add the next shard's documents."""
+        """Add the next documents."""
         self._documents.update(lengths, ids, labels)
-        self._shards += 1
-        if self._shards == self._ends[len(self.found)]:
+        self._count(len(lengths))
+
+    def update_ids(self, ids: np.ndarray) -> None:
+        """`Fingerprint.update_ids` of the next documents, whose lengths `update` (with no ids) adds last."""
+        self._documents.update_ids(ids)
+
+    def update_labels(self, labels: np.ndarray) -> None:
+        self._documents.update_labels(labels)
+
+    def _count(self, documents: int) -> None:
+        self._fed += documents
+        if self._fed == self._ends[self._ended]:
             added = self._documents.hexdigest()
             self.found.append(chained_fingerprint(self.found[-1], added) if self.found else added)
-            self._documents = Fingerprint()
+            self._documents, self._ended = Fingerprint(), self._ended + 1
 
     def hexdigest(self) -> str:
         """The fingerprint of every shard fed (all of them: `update` ends a generation at its last)."""

@@ -614,3 +614,19 @@ def test_an_append_counts_a_rebuild_from_compact_lengths(tmp_path, monkeypatch):
     monkeypatch.setattr(build_module, "pack_count", lambda lengths, *a, **k: counted.append(lengths.dtype) or count(lengths, *a, **k))
     build(store, out, max_len=MAX_LEN, index_only=True, append=True)
     assert counted == [np.uint16]
+
+
+def test_a_full_build_of_a_grown_store_refuses_a_fingerprint_its_documents_do_not_give(tmp_path):
+    import json
+
+    store = tmp_path / "store"
+    build_store(_batch(tmp_path, "a", _documents(0, 30)), store)
+    grown = build_store(_batch(tmp_path, "b", _documents(1, 10)), store, append=True)
+    recorded = json.loads((store / "store.json").read_text())
+    forged, generation = "cd" * 32, 1
+    recorded["generations"][generation]["fingerprint"] = recorded["fingerprint"] = forged  # the last's is the store's
+    (store / "store.json").write_text(json.dumps(recorded))
+    with pytest.raises(InputError, match=rf"store\.json: generations\[{generation}\]\.fingerprint is {forged}, but the "
+                       rf"store's documents give {grown.generations[generation].fingerprint}"):
+        build(store, tmp_path / "packed", max_len=MAX_LEN)
+    assert not (tmp_path / "packed").exists()

@@ -74,7 +74,7 @@ from prepack.storage.output import Staging, output_errors, output_file
 from prepack.building.plan import PackingPlan, ShardPacks, compact_lengths, untrained_documents
 from prepack.sources.corpus import Corpus, LocalCopy
 from prepack.storage.remote import fetch, filesystem, scratch_prefix, upload
-from prepack.formats.store import StoreShard, store_shard_name
+from prepack.formats.store import StoreFingerprint, StoreShard, store_shard_name
 from prepack.sources.store import Store
 from prepack.building.write_store import store_shard_bounds, store_shard_capacity, too_long_for_a_shard, write_store_shard
 from prepack.building.write_shards import ShardBuffers, TokenFiles, gather_tokens, write_shard
@@ -451,17 +451,18 @@ class RayEngine:
             for index, (path, shard) in enumerate(parts)
         ]
         task = progress.add_task("read", total=len(units), unit="files")
-        fingerprint = Fingerprint()
+        # A store's chained over its generations (a unit is a shard: no generation ends inside one).
+        fingerprint = Fingerprint() if store is None else StoreFingerprint(store.manifest)
         lengths, untrained, firsts, tokens, observed, digests = [], [], [], 0, [], []
         submitted = (_read_unit.remote(source, unit) for unit in units)
         # The labels are hashed by a second thread while this one hashes the ids.
         with closing(self._in_order(submitted)) as results, ThreadPoolExecutor(1) as labels_hasher:
             for unit, read in zip(units, results):
-                fingerprint.update(read.lengths, _NO_TOKENS, None)
                 hashed = labels_hasher.submit(_hash_file, fingerprint.update_labels, unit.labels) if unit.labels else None
                 _hash_file(fingerprint.update_ids, unit.ids)
                 if hashed is not None:
                     hashed.result()
+                fingerprint.update(read.lengths, _NO_TOKENS, None)  # last: a StoreFingerprint may end a generation
                 if lengths_only:
                     for location in (unit.ids, unit.labels):
                         _discard(location)
