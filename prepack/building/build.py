@@ -616,7 +616,8 @@ def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, read
             if (appending := staging.appending) is not None:
                 _check_same_reading(documents, appending, out)
             written = engine_steps.write_store(documents, reading, output.shard_size, bar)
-            stored = None if appending is None else _stored_lengths(staging, appending)
+            # Only a store that records no length_counts (one never appended to) has its lengths read.
+            stored = None if appending is None or appending.length_counts else _stored_lengths(staging, appending)
             return finish_store(documents, staging.build, written, appending, stored)
 
 

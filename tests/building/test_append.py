@@ -124,6 +124,7 @@ def test_a_store_grown_in_k_appends_holds_the_documents_of_the_store_of_the_whol
         grown = read_store_manifest(root / "grown")
         assert len(grown.generations) == len(sizes) and grown.documents == sum(sizes)
         assert grown.tokens == read_store_manifest(root / "at-once").tokens
+        assert grown.lengths == read_store_manifest(root / "at-once").lengths
 
 
 def test_an_append_is_read_as_the_store_was_and_refused_otherwise_by_name(tmp_path):
@@ -630,3 +631,25 @@ def test_a_full_build_of_a_grown_store_refuses_a_fingerprint_its_documents_do_no
                        rf"store's documents give {grown.generations[generation].fingerprint}"):
         build(store, tmp_path / "packed", max_len=MAX_LEN)
     assert not (tmp_path / "packed").exists()
+
+
+def test_an_append_to_a_grown_store_summarises_its_lengths_without_reading_its_shards(tmp_path, monkeypatch):
+    from prepack.sources.store import Store
+
+    store = tmp_path / "store"
+    documents = _documents(5, 70, longest=120)
+    build_store(_batch(tmp_path, "a", documents[:40]), store, shard_size=500)
+    build_store(_batch(tmp_path, "b", documents[40:55]), store, shard_size=500, append=True)  # reads them once
+
+    def unread(*args, **kwargs):
+        raise AssertionError("an old shard was read")
+
+    monkeypatch.setattr(Store, "shard_document_lengths", unread)
+    monkeypatch.setattr(Store, "shard_columns", unread)
+    grown = build_store(_batch(tmp_path, "c", documents[55:]), store, shard_size=500, append=True)
+    monkeypatch.undo()
+    (tmp_path / "whole").mkdir()
+    write_corpus(tmp_path / "whole" / "all.parquet", corpus_table(documents))
+    at_once = build_store(tmp_path / "whole", tmp_path / "at-once", shard_size=500)
+    assert grown.lengths == at_once.lengths and grown.documents == 70
+    assert sum(count for _, count in grown.length_counts) == 70
