@@ -102,6 +102,8 @@ def main() -> None:
             args.repeat, lambda: shutil.rmtree(root / "store-whole", ignore_errors=True),
             lambda: prepack.build_store(root / "all", root / "store-whole"),
         )
+        old = _shards(root / "store-0")
+        assert {name: data for name, data in _shards(root / "store").items() if name in old} == old, "an old store shard changed"
         rows.append(("store", seconds, rebuild, None, None))
         for kind, index_only in (("full build", False), ("index build", True)):
             # Each kind's own copy of the store, grown after its first build (an index build lies beside it).

@@ -48,7 +48,7 @@ from prepack.formats.shards import (
 from prepack.storage.output import Staging, output_errors, staged_append, staged_directory
 from prepack.building.pair_plan import PairPlan, first_overlong_pair, overlong_prompts, plan_pairs
 from prepack.building import plan_vectorized
-from prepack.building.plan import pack_count, plan_packs
+from prepack.building.plan import compact_lengths, pack_count, plan_packs
 from prepack.storage.remote import fetch, is_uri, local_input, relative_location, staged_prefix
 from prepack.formats.store import StoreManifest
 from prepack.sources.store import Store, is_store
@@ -342,6 +342,8 @@ def build_packs(
                 documents = store_documents(replace(store, manifest=store.manifest.since_generation(planned)))
             found, has_labels, read_column = documents.corpus, documents.has_labels, documents.column
             first = engine_steps.first_pass(documents, reading, bar)
+            if store is not None and first.fingerprint != store.manifest.fingerprint:
+                _refuse_store_fingerprint(store, first.fingerprint)
             if len(first.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")
             # An append whose documents give no pack still records them (a generation of no new shard).
@@ -394,8 +396,8 @@ def build_packs(
                     }
                 ),
                 has_labels=has_labels,
-                # A grown store's fingerprint chains its generations' (`chained_fingerprint`): a build of it records that.
-                fingerprint=first.fingerprint if store is None or store.manifest.generations is None else store.manifest.fingerprint,
+                # A store's as its first pass recomputed it (a grown one's chained: `StoreFingerprint`), held to store.json's above.
+                fingerprint=first.fingerprint,
                 inputs=[
                     InputFile(path=found.name(path), rows=rows)
                     for path, rows in zip(found.files, first.rows_per_file)
@@ -439,6 +441,16 @@ def _planned_generation(build: Manifest, store: Store, options: BuildOptions, in
     return generation
 
 
+def _refuse_store_fingerprint(store: Store, found: str) -> None:
+    """InputError: the store's documents give the fingerprint `found`, not the one its store.json records."""
+    m = store.manifest
+    field = "fingerprint" if m.generations is None else f"generations[{len(m.generations) - 1}].fingerprint"
+    raise InputError(
+        f"{store.location or store.root}/{STORE_MANIFEST_NAME}: {field} is {m.fingerprint}, but the store's documents "
+        f"give {found}: its documents or store.json changed after the store was written."
+    )
+
+
 def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing) -> int:
     """The packs a build of the whole grown store at once would take: the store's documents of
     generation `planned` and before, from its shards' offsets (no token read; their labels only when
@@ -447,12 +459,13 @@ def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packin
     untrained = None
     if packing.drop_untrained:
         parts = [store.shard_lengths(shard) for shard in shards]
-        lengths = [p[0] for p in parts]
+        lengths = [compact_lengths(p[0]) for p in parts]
         untrained = np.concatenate([*(p[1] for p in parts), first.untrained])
     else:
-        lengths = [store.shard_document_lengths(shard) for shard in shards]
+        # Each shard's lengths compacted as read (`_index_documents` does the same): not 8 bytes a document.
+        lengths = [compact_lengths(store.shard_document_lengths(shard)) for shard in shards]
     return pack_count(
-        np.concatenate([*lengths, first.lengths]),
+        compact_lengths(np.concatenate([*lengths, first.lengths])),
         packing.max_len,
         algorithm=packing.algorithm,
         overflow=packing.overflow,
@@ -603,7 +616,8 @@ def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, read
             if (appending := staging.appending) is not None:
                 _check_same_reading(documents, appending, out)
             written = engine_steps.write_store(documents, reading, output.shard_size, bar)
-            stored = None if appending is None else _stored_lengths(staging, appending)
+            # Only a store that records no length_counts (one never appended to) has its lengths read.
+            stored = None if appending is None or appending.length_counts else _stored_lengths(staging, appending)
             return finish_store(documents, staging.build, written, appending, stored)
 
 

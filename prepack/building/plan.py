@@ -671,10 +671,36 @@ def pack_count(
 ) -> int:
     """The packs `plan_packs` makes of these documents with these options, without laying them out:
     what a build appended to reports its packs against (a rebuild of the same documents at once)."""
-    max_len, max_documents = _check_options(max_len, algorithm), checked_cap(max_documents)
+    return _assigned(lengths, max_len, algorithm, overflow, untrained, drop_untrained, max_documents).packs
+
+
+class _Assigned(NamedTuple):
+    """The first half of `plan_packs`, which `pack_count` stops after: its checked options and
+    inputs, the segments' histogram and counts, and the pack of each sorted segment."""
+
+    max_len: int
+    max_documents: int | None
+    code: int
+    lengths: np.ndarray
+    untrained: np.ndarray
+    histogram: np.ndarray
+    counts: np.ndarray
+    pack_of_sorted: np.ndarray
+    packs: int
+    vectorized: bool
+
+
+def _assigned(lengths, max_len, algorithm, overflow, untrained, drop_untrained, max_documents, without_numba=False) -> _Assigned:
+    max_len = _check_options(max_len, algorithm)
+    max_documents = checked_cap(max_documents)
+    code = _overflow_code(overflow)
     lengths = compact_lengths(lengths)
-    histogram, _ = _tally(lengths, _flags(untrained, len(lengths)), drop_untrained, max_len, _overflow_code(overflow))
-    return _assign_sorted(histogram, max_len, algorithm, max_documents)[1]
+    untrained = _flags(untrained, len(lengths))
+    vectorized = without_numba and plan_vectorized.suits(len(lengths), algorithm)
+    histogram, counts = (plan_vectorized.tally if vectorized else _tally)(lengths, untrained, drop_untrained, max_len, code)
+    vectorized = vectorized and plan_vectorized.assign_suits(histogram, max_len, max_documents)
+    pack_of_sorted, packs = _assign_sorted(histogram, max_len, algorithm, max_documents, vectorized)
+    return _Assigned(max_len, max_documents, code, lengths, untrained, histogram, counts, pack_of_sorted, packs, vectorized)
 
 
 def plan_packs(
@@ -701,15 +727,9 @@ def plan_packs(
     to be made in numpy in less time than numba takes to start is (`prepack.building.plan_vectorized`: the
     same plan, to the byte).
     """
-    max_len = _check_options(max_len, algorithm)
-    max_documents = checked_cap(max_documents)
-    code = _overflow_code(overflow)
-    lengths = compact_lengths(lengths)
-    untrained = _flags(untrained, len(lengths))
-    vectorized = without_numba and plan_vectorized.suits(len(lengths), algorithm)
-    histogram, counts = (plan_vectorized.tally if vectorized else _tally)(lengths, untrained, drop_untrained, max_len, code)
-    vectorized = vectorized and plan_vectorized.assign_suits(histogram, max_len, max_documents)
-    pack_of_sorted, packs = _assign_sorted(histogram, max_len, algorithm, max_documents, vectorized)
+    max_len, max_documents, code, lengths, untrained, histogram, counts, pack_of_sorted, packs, vectorized = _assigned(
+        lengths, max_len, algorithm, overflow, untrained, drop_untrained, max_documents, without_numba
+    )
     contents = plan_vectorized.pack_contents if vectorized else _pack_contents
     segments_per_pack, tokens_per_pack = contents(histogram, pack_of_sorted, packs)
     slot_offsets = np.zeros(packs + 1, dtype=np.int64)

@@ -183,7 +183,8 @@ def write_shard(
     else:
         batch = _full_batch(layout, lengths, tokens, labels, buffers)
     name = shard_name(index)
-    size, sha256 = write_record_batch(directory / name, batch)
+    # A new file: an append's staging directory holds the published shards as hard links, never written through.
+    size, sha256 = write_record_batch(directory / name, batch, mode="xb")
     return ShardInfo(name=name, rows=packs, tokens=total, bytes=size, sha256=sha256)
 
 

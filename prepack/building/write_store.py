@@ -89,7 +89,8 @@ def write_store_shard(directory: Path, index: int, lengths: np.ndarray, ids: np.
         columns.append(labels.astype(np.int32, copy=False))
     arrays = [pa.ListArray.from_arrays(arrow_array(offsets), arrow_array(values)) for values in columns]
     batch = pa.RecordBatch.from_arrays(arrays, schema=store_schema(labels is not None))
-    size, sha256 = write_record_batch(path, batch)
+    # A new file: an append's staging directory holds the published shards as hard links, never written through.
+    size, sha256 = write_record_batch(path, batch, mode="xb")
     return StoreShard(name=path.name, documents=len(lengths), tokens=int(offsets[-1]), bytes=size, sha256=sha256)
 
 
@@ -140,18 +141,34 @@ class StoreShardWriter:
         self.pending, self.tokens = [], 0
 
 
-def _summary(lengths: np.ndarray, untrained: int) -> LengthSummary:
-    p50, p90, p99 = np.percentile(lengths, [50, 90, 99], method="lower")
+def _summary(counts: np.ndarray, untrained: int) -> LengthSummary:
+    """The summary of documents whose lengths `counts` tallies ([length, count] rows by rising length):
+    the percentiles numpy's 'lower' method gives of the lengths themselves (its index, floor(q (n - 1)),
+    computed as numpy computes it), so a grown store's equals that of the store of its corpus at once."""
+    documents = int(counts[:, 1].sum())
+    quantiles = np.array([0.50, 0.90, 0.99])
+    below = np.floor((documents - 1) * quantiles).astype(np.int64)  # numpy's index for 'lower', as numpy computes it
+    p50, p90, p99 = counts[np.searchsorted(np.cumsum(counts[:, 1]), below, side="right"), 0]
     return LengthSummary(
-        min=int(lengths.min()),
-        max=int(lengths.max()),
-        mean=round(float(lengths.mean(dtype=np.float64)), 3),
+        min=int(counts[0, 0]),
+        max=int(counts[-1, 0]),
+        mean=round(int((counts[:, 0] * counts[:, 1]).sum()) / documents, 3),
         p50=int(p50),
         p90=int(p90),
         p99=int(p99),
-        empty=int((lengths == 0).sum()),
+        empty=int(counts[0, 1]) if counts[0, 0] == 0 else 0,
         untrained=untrained,
     )
+
+
+def _length_counts(lengths: np.ndarray) -> np.ndarray:
+    """[length, count] rows by rising length (int64) of documents of `lengths`."""
+    return np.stack(np.unique(lengths, return_counts=True), axis=1).astype(np.int64)
+
+
+def _merged_counts(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    lengths, where = np.unique(np.concatenate([a[:, 0], b[:, 0]]), return_inverse=True)
+    return np.stack([lengths, np.bincount(where, weights=np.concatenate([a[:, 1], b[:, 1]])).astype(np.int64)], axis=1)
 
 
 def finish_store(
@@ -162,21 +179,24 @@ def finish_store(
     stored_lengths: np.ndarray | None = None,
 ) -> StoreManifest:
     """Write `store.json` for the shards an engine wrote into `directory` and return it. With `appending`
-    (the manifest of the store appended to, and `stored_lengths` its documents' lengths, for the summary),
-    the store's shards and inputs go first, the new ones after, and a generation records the append."""
+    (the manifest of the store appended to, and `stored_lengths` its documents' lengths where it records no
+    `length_counts`, for the summary), the store's shards and inputs go first, the new ones after, and a
+    generation records the append."""
     if not written.shards:
         raise InputError(f"{documents.corpus.root}: the corpus has no documents.")
     inputs = [InputFile(path=documents.corpus.name(path), rows=rows) for path, rows in zip(documents.corpus.files, written.rows_per_file)]
     lengths, fingerprint, untrained, generations = written.lengths, written.fingerprint, written.untrained, None
+    counts = _length_counts(lengths)
     if appending is not None:
         inputs, shards = [*appending.inputs, *inputs], [*appending.shards, *written.shards]
-        lengths = np.concatenate([stored_lengths.astype(np.int32), written.lengths])
+        stored = np.array(appending.length_counts, np.int64).reshape(-1, 2) if appending.length_counts else _length_counts(stored_lengths)
+        counts = _merged_counts(stored, counts)
         fingerprint = chained_fingerprint(appending.fingerprint, written.fingerprint)
         untrained += appending.lengths.untrained
         generations = [
             *(appending.generations or [StoreGeneration(documents=appending.documents, inputs=len(appending.inputs),
                                                         shards=len(appending.shards), fingerprint=appending.fingerprint)]),
-            StoreGeneration(documents=len(lengths), inputs=len(inputs), shards=len(shards), fingerprint=fingerprint),
+            StoreGeneration(documents=int(counts[:, 1].sum()), inputs=len(inputs), shards=len(shards), fingerprint=fingerprint),
         ]
     manifest = StoreManifest(
         store_version=STORE_VERSION if generations is None else GROWN_STORE_VERSION,
@@ -187,11 +207,12 @@ def finish_store(
         has_labels=documents.has_labels,
         fingerprint=fingerprint,
         inputs=inputs,
-        documents=len(lengths),
-        tokens=int(lengths.sum(dtype=np.int64)),
-        lengths=_summary(lengths, untrained),
+        documents=int(counts[:, 1].sum()),
+        tokens=int((counts[:, 0] * counts[:, 1]).sum()),
+        lengths=_summary(counts, untrained),
         shards=written.shards if appending is None else shards,
         generations=generations,
+        length_counts=None if generations is None else counts.tolist(),
     )
     with output_errors(directory / STORE_MANIFEST_NAME):
         write_store_manifest(directory, manifest)

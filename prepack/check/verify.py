@@ -83,7 +83,7 @@ from prepack.sources.documents import Documents, Reading, open_documents, store_
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.storage.remote import LocalInput, is_uri, join, list_input, local_input, read_output_manifest
 from prepack.sources.store import ShardColumns, Store, is_store, open_build_store
-from prepack.formats.store import StoreFingerprint
+from prepack.formats.store import StoreFingerprint, StoreManifest
 
 __all__ = ["Problem", "checked_summary", "verify_build"]
 
@@ -574,7 +574,32 @@ def _store_problems(store: Store, manifest: Manifest):
             message=f"is {m.fingerprint}, but the store's documents give {digest}: they changed after the store "
             "was written.",
         )
+    else:
+        yield from _generation_fingerprint_problems(fingerprint.found, m, manifest, where)
     return columns
+
+
+def _generation_fingerprint_problems(found: list[str], m: StoreManifest, manifest: Manifest, where: str):
+    """Yield each generation fingerprint that a grown store's `store.json` (`m`) or its grown build
+    (`manifest`) records and the store's documents (`found`: each generation's, recomputed) do not give:
+    the chained last one checks none of those before it."""
+    for number, generation in enumerate((m.generations or [])[:-1]):
+        if generation.fingerprint != found[number]:
+            yield Problem(
+                file=f"{where}/{STORE_MANIFEST_NAME}",
+                column=f"generations[{number}].fingerprint",
+                message=f"is {generation.fingerprint}, but the documents of generation {number} give {found[number]}.",
+            )
+    ends = [g.documents for g in m.generations] if m.generations is not None else [m.documents]
+    for number, generation in enumerate(manifest.generations or []):
+        given = found[ends.index(generation.documents)] if generation.documents in ends else None
+        if generation.fingerprint != given:
+            yield Problem(
+                file=MANIFEST_NAME,
+                column=f"generations[{number}].fingerprint",
+                message=f"is {generation.fingerprint}, but the store's documents up to its {generation.documents} "
+                f"give {given or 'no generation of the store'}.",
+            )
 
 
 def _stores_problems(chain: StoreChain, manifest: Manifest):

@@ -139,6 +139,11 @@ class StoreManifest(StrictModel):
         description="Only in a store grown by appends (store_version 2): the store after its tokenizing and "
         "after each append, in order. Absent from a store never appended to.",
     )
+    length_counts: list[list[int]] | None = Field(
+        default=None,
+        description="Only in a store grown by appends: how many documents have each length, as [length, count] "
+        "pairs by rising length, from which the next append summarises `lengths` without reading the shards.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> StoreManifest:
@@ -157,6 +162,15 @@ class StoreManifest(StrictModel):
                     f"generation {number}'s {g.documents} documents are not those of its first {g.shards} shards and {g.inputs} inputs"
                 )
             before = (g.documents, g.inputs, g.shards)
+        if self.length_counts is not None:
+            if self.generations is None or not self.length_counts or any(len(pair) != 2 for pair in self.length_counts):
+                raise ValueError("length_counts are not [length, count] pairs in a grown store")
+            lengths = [length for length, _ in self.length_counts]
+            if lengths[0] < 0 or any(b <= a for a, b in zip(lengths, lengths[1:])) or any(c < 1 for _, c in self.length_counts):
+                raise ValueError("length_counts are not [length, count] pairs by rising length in a grown store")
+            # Python's integers: a forged count cannot overflow the sums.
+            if (sum(c for _, c in self.length_counts), sum(l * c for l, c in self.length_counts)) != (self.documents, self.tokens):
+                raise ValueError("its length_counts are not its documents and tokens")
         if self.generations is not None and len({f.path for f in self.inputs}) < len(self.inputs):
             raise ValueError("two inputs of a grown store have one name: a document's file would be ambiguous")
         last = self.generations[-1] if self.generations is not None else None
@@ -197,6 +211,7 @@ class StoreManifest(StrictModel):
             "tokens": sum(s.tokens for s in self.shards[: g.shards]),
             "shards": self.shards[: g.shards],
             "generations": self.generations[: number + 1] if number else None,
+            "length_counts": None,  # the whole store's
         })
 
     def since_generation(self, number: int) -> StoreManifest:
@@ -208,28 +223,43 @@ class StoreManifest(StrictModel):
             "documents": self.documents - g.documents,
             "tokens": self.tokens - sum(s.tokens for s in self.shards[: g.shards]),
             "shards": self.shards[g.shards :],
+            "length_counts": None,  # the whole store's
         })
 
 
 class StoreFingerprint:
-    """A store's fingerprint recomputed from its documents, fed shard by shard in order (`update`):
-    of a store never appended to, the documents' `Fingerprint`; of a grown one, each generation's
-    documents hashed alone and chained (`chained_fingerprint`). `found` holds each generation's."""
+    """A store's fingerprint recomputed from its documents, fed in row order in batches that no
+    generation's end falls inside (shards, or parts of them: `update`): of a store never appended to,
+    the documents' `Fingerprint`; of a grown one, each generation's documents hashed alone and chained
+    (`chained_fingerprint`). `found` holds each generation's. Of the manifest of the documents added
+    after a generation (`StoreManifest.since_generation`), the generations up to it are taken as
+    recorded, and the chain goes on from there."""
 
     def __init__(self, manifest: StoreManifest) -> None:
         generations = manifest.generations or []
-        self._ends = [g.shards for g in generations] or [len(manifest.shards)]
-        self._shards, self._documents = 0, Fingerprint()
-        self.found: list[str] = []
+        before = generations[-1].documents - manifest.documents if generations else 0
+        self.found: list[str] = [g.fingerprint for g in generations if g.documents <= before]
+        self._ends = [g.documents - before for g in generations if g.documents > before] or [manifest.documents]
+        self._fed, self._ended, self._documents = 0, 0, Fingerprint()
 
     def update(self, lengths: np.ndarray, ids: np.ndarray, labels: np.ndarray | None) -> None:
-        """Add the next shard's documents."""
+        """Add the next documents."""
         self._documents.update(lengths, ids, labels)
-        self._shards += 1
-        if self._shards == self._ends[len(self.found)]:
+        self._count(len(lengths))
+
+    def update_ids(self, ids: np.ndarray) -> None:
+        """`Fingerprint.update_ids` of the next documents, whose lengths `update` (with no ids) adds last."""
+        self._documents.update_ids(ids)
+
+    def update_labels(self, labels: np.ndarray) -> None:
+        self._documents.update_labels(labels)
+
+    def _count(self, documents: int) -> None:
+        self._fed += documents
+        if self._fed == self._ends[self._ended]:
             added = self._documents.hexdigest()
             self.found.append(chained_fingerprint(self.found[-1], added) if self.found else added)
-            self._documents = Fingerprint()
+            self._documents, self._ended = Fingerprint(), self._ended + 1
 
     def hexdigest(self) -> str:
         """The fingerprint of every shard fed (all of them: `update` ends a generation at its last)."""
@@ -239,7 +269,7 @@ class StoreFingerprint:
 def write_store_manifest(directory: Path, manifest: StoreManifest) -> None:
     """Write `store.json` atomically (temporary file + rename), keys sorted. A store never appended to
     has no `generations` key, so its bytes are those of before appends."""
-    fields = manifest.model_dump(mode="json", exclude={"generations"} if manifest.generations is None else None)
+    fields = manifest.model_dump(mode="json", exclude={name for name in ("generations", "length_counts") if getattr(manifest, name) is None})
     text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     tmp = directory / f".{STORE_MANIFEST_NAME}.tmp"
     tmp.write_text(text, encoding="utf-8")

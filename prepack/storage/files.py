@@ -82,10 +82,10 @@ class _HashingSink:
         return self.out.write(data)
 
 
-def write_record_batch(path: Path, batch: pa.RecordBatch) -> tuple[int, str]:
+def write_record_batch(path: Path, batch: pa.RecordBatch, mode: str = "wb") -> tuple[int, str]:
     """Write `batch` as an uncompressed Arrow IPC stream of that one batch, synced as it goes, and
-    return the file's size and hex sha256."""
-    with output_file(path) as f, output_errors(path):
+    return the file's size and hex sha256; `mode` "xb": into a new file only (OutputError if one is there)."""
+    with output_file(path, mode) as f, output_errors(path):
         sink = _HashingSink(f)
         _write_stream(pa.PythonFile(sink, mode="w"), batch)
         sink.out.sync()

@@ -65,11 +65,11 @@ def output_errors(path: Path, doing: str = "write") -> Iterator[None]:
 
 
 @contextmanager
-def output_file(path: Path) -> Iterator[BinaryIO]:
-    """`open(path, "wb")`, with an OSError from opening or closing it (which writes what is still
+def output_file(path: Path, mode: str = "wb") -> Iterator[BinaryIO]:
+    """`open(path, mode)`, with an OSError from opening or closing it (which writes what is still
     buffered) reported as `output_errors` does. Errors of the writes themselves are the caller's."""
     with output_errors(path):
-        file = open(path, "wb")
+        file = open(path, mode)
     try:
         yield file
     finally:
@@ -164,6 +164,20 @@ def _found(out: Path, kind: str) -> _Found | None:
     return _Found(stat.st_dev, stat.st_ino, replaceable_build(out, kind))
 
 
+def _output_path(out: str | os.PathLike) -> Path:
+    """`out` as a Path, refused (OutputError) when it has no name to put the lock and staging directory
+    beside ("." or "..") or is a symbolic link: what a build and an append check before anything else."""
+    out = Path(out)
+    if out.name in ("", ".."):  # "." or "..": no name to put the lock and staging directory beside
+        raise OutputError(f"--out {out} does not name a directory; give a path such as ./packed.")
+    if out.is_symlink():
+        raise OutputError(
+            f"{out} is a symbolic link; prepack neither follows nor replaces links at --out. "
+            f"Pass the directory it points to ({os.readlink(out)}) or another path."
+        )
+    return out
+
+
 @contextmanager
 def staged_directory(out: str | os.PathLike, overwrite: bool, kind: str = MANIFEST_NAME) -> Iterator[Staging]:
     """Hold the lock of `out`, yield a new staging directory beside it, and publish its `build` as
@@ -174,14 +188,7 @@ def staged_directory(out: str | os.PathLike, overwrite: bool, kind: str = MANIFE
     (see `replaceable_build`); and, with
     the build discarded and `out` left as it is, when `out` appeared or changed while the block ran.
     """
-    out = Path(out)
-    if out.name in ("", ".."):  # "." or "..": no name to put the lock and staging directory beside
-        raise OutputError(f"--out {out} does not name a directory; give a path such as ./packed.")
-    if out.is_symlink():
-        raise OutputError(
-            f"{out} is a symbolic link; prepack neither follows nor replaces links at --out. "
-            f"Pass the directory it points to ({os.readlink(out)}) or another path."
-        )
+    out = _output_path(out)
     with output_errors(out.parent, "create"):
         out.parent.mkdir(parents=True, exist_ok=True)
     with output_lock(out):
@@ -208,6 +215,7 @@ def _new_staging(out: Path) -> Iterator[Path]:
             (staging / "scratch").mkdir()
         yield staging
     finally:
+        _put_back_replaced(staging, out)
         _remove_staging(staging)
 
 
@@ -222,9 +230,7 @@ def staged_append(out: str | os.PathLike, kind: str = MANIFEST_NAME) -> Iterator
     A killed append leaves `out` as it was (its staging directory is cleared by the next run to
     `out`); a second append (or build) to `out` while one runs is refused. Raises OutputError when
     `out` is not a prepack output of `kind`, or holds none."""
-    out = Path(out)
-    if out.is_symlink():
-        raise OutputError(f"{out} is a symbolic link; prepack neither follows nor replaces links at --out.")
+    out = _output_path(out)
     with output_lock(out):
         _remove_stale_staging(out)
         found = _found(out, kind)
@@ -335,9 +341,20 @@ def _stale_staging(out: Path) -> list[Path]:
 
 
 def _remove_stale_staging(out: Path) -> None:
-    """Delete the staging directories that killed builds to `out` left behind (see `_stale_staging`)."""
+    """Delete the staging directories that killed builds to `out` left behind (see `_stale_staging`),
+    first putting back the build at `out` that one of them was exchanging (see `_put_back_replaced`)."""
     for staging in _stale_staging(out):
+        _put_back_replaced(staging, out)
         _remove_staging(staging)
+
+
+def _put_back_replaced(staging: Path, out: Path) -> None:
+    """Where a run was stopped between the second and third rename of `_exchange`'s fallback, `out` is
+    missing, `build` holds the build it replaced and `build-new` the new one: rename `build` back to `out`,
+    so that the stopped run leaves `out` as it was rather than deleting both builds with its staging."""
+    with output_errors(out, "restore"):
+        if not os.path.lexists(out) and (staging / _SWAPPING).is_dir() and (staging / "build").is_dir():
+            _rename_no_replace(staging / "build", out)
 
 
 _TakenUp = TypeVar("_TakenUp")
@@ -423,11 +440,16 @@ def _rename_no_replace(source: Path, target: Path) -> None:
         os.rename(source, target)
 
 
+# Where `_exchange`'s fallback moves a staging directory's `build` while `out` takes its place.
+_SWAPPING = "build-new"
+
+
 def _exchange(built: Path, out: Path) -> None:
-    """Swap directories `built` and `out` in one rename where the file system can; elsewhere move
-    `out` to `built`'s place in two renames (between which `out` does not exist)."""
+    """Swap directories `built` (a staging directory's `build`) and `out` in one rename where the file
+    system can; elsewhere in three renames, between the second and third of which `out` does not exist
+    (a run stopped there is undone by `_put_back_replaced`)."""
     if not _renameat2_flags(built, out, _RENAME_EXCHANGE):
-        swapping = built.with_name(f"{built.name}-new")
+        swapping = built.with_name(_SWAPPING)
         os.rename(built, swapping)
         os.rename(out, built)
         _rename_no_replace(swapping, out)

@@ -441,7 +441,10 @@ class Publication:
             raise ValueError(f"an append re-uploads shards of the output it appends to: {named}")
         self.uploading([*shards, self.kind])
         expected = self.replacing[0] if self.append else None  # the manifest an append replaces; else none
+        target = f"{self.prefix}/{self.kind}"
         try:  # a manifest that went up meanwhile (a writer that ignored the marker): its shards stay as they are
+            # Taken before the manifest is read, so that it names that manifest or one that went up later.
+            replaced_etag = _s3_etag(self.fs, target) if self.append else None
             published = _manifest_text(self.fs, self.uri, self.prefix, self.kind) != expected
         except (*storage_errors(), FormatError):
             published = True
@@ -449,16 +452,20 @@ class Publication:
             self._give_up(f"another prepack build published {self.uri} while this one ran; that build was left as it is")
         self._writing(lambda: self.fs.put([str(built / name) for name in shards], [f"{self.prefix}/{name}" for name in shards]))
         self.check_claim(thorough=True)
-        manifest, target = (built / self.kind).read_bytes(), f"{self.prefix}/{self.kind}"
+        manifest = (built / self.kind).read_bytes()
         try:
-            # An append's manifest replaces the one its shards extend (the marker, created exclusively,
-            # keeps other writers out); a new output's is created exclusively.
-            self.fs.pipe_file(target, manifest, **({} if self.append else {"mode": "create"}))
+            # An append's manifest replaces the one its shards extend, and in S3 only that one (If-Match its
+            # ETag): a build that took the prefix over after the check above (deleting this one's shards)
+            # and published is not replaced. A new output's manifest is created exclusively.
+            condition = {"IfMatch": replaced_etag} if replaced_etag is not None else {}
+            self.fs.pipe_file(target, manifest, **(condition if self.append else {"mode": "create"}))
             published = _manifest_text(self.fs, self.uri, self.prefix, self.kind) == manifest
         except FileExistsError:
             published = False
         except storage_errors() as exc:
-            self._give_up(f"cannot write {self.uri}: {exc}")
+            if not (self.append and _manifest_text(self.fs, self.uri, self.prefix, self.kind) != expected):
+                self._give_up(f"cannot write {self.uri}: {exc}")
+            published = False  # the If-Match failed: another build's manifest is there
         if not published:  # another build's manifest went up first, or replaced this one's
             self._give_up(f"another prepack build published {self.uri} while this one ran; that build was left as it is")
         ours, self.uploaded, self.taken = set(self.uploaded), [], []  # published: nothing to discard any more
@@ -528,6 +535,18 @@ class Publication:
             except storage_errors() as cleanup:
                 raise OutputError(f"cannot write {self.uri}: {exc}; nor delete what this build uploaded: {cleanup}.") from None
             raise OutputError(f"cannot write {self.uri}: {exc}; what this build uploaded was deleted.") from None
+
+
+def _s3_etag(fs: Any, path: str) -> str | None:
+    """The ETag of the object `path` in S3, for a PUT conditional on it (If-Match); None elsewhere (a
+    conditional PUT is S3's) or when there is no object."""
+    if "s3" not in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol):
+        return None
+    fs.invalidate_cache(path)
+    try:
+        return fs.info(path).get("ETag")
+    except FileNotFoundError:
+        return None
 
 
 def _object_version(fs: Any, path: str) -> tuple | None:

@@ -6,6 +6,8 @@ the grown store; an append is as atomic and exclusive as a build; the sampler se
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -122,6 +124,7 @@ def test_a_store_grown_in_k_appends_holds_the_documents_of_the_store_of_the_whol
         grown = read_store_manifest(root / "grown")
         assert len(grown.generations) == len(sizes) and grown.documents == sum(sizes)
         assert grown.tokens == read_store_manifest(root / "at-once").tokens
+        assert grown.lengths == read_store_manifest(root / "at-once").lengths
 
 
 def test_an_append_is_read_as_the_store_was_and_refused_otherwise_by_name(tmp_path):
@@ -280,6 +283,34 @@ def test_verify_names_an_index_shard_that_claims_another_generation_of_the_store
         ("shard-00000.arrow", f"was planned from the store of fingerprint {grown.generations[1].fingerprint}, but it is "
          f"a shard of generation 0, planned from {grown.generations[0].fingerprint}.")
     ]
+
+
+def test_verify_names_a_generation_fingerprint_of_store_json_or_the_build_that_its_documents_do_not_give(tmp_path):
+    import json
+
+    store, out = tmp_path / "store", tmp_path / "index"
+    build_store(_batch(tmp_path, "a", _documents(0, 40)), store)
+    build(store, out, max_len=MAX_LEN, index_only=True)
+    build_store(_batch(tmp_path, "b", _documents(1, 10)), store, append=True)
+    build_store(_batch(tmp_path, "c", _documents(2, 10)), store, append=True)
+    build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+    assert verify_build(out) == []
+    forged = "ab" * 32
+    # Generation 1 of store.json (not the last, so the chained fingerprint still matches) and of the build.
+    recorded = json.loads((store / "store.json").read_text())
+    true_fingerprint = recorded["generations"][1]["fingerprint"]
+    recorded["generations"][1]["fingerprint"] = forged
+    (store / "store.json").write_text(json.dumps(recorded))
+    problems = verify_build(out, all_problems=True)
+    assert [(p.file, p.column) for p in problems] == [("../store/store.json", "generations[1].fingerprint")]
+    assert true_fingerprint in problems[0].message and forged in problems[0].message
+    recorded["generations"][1]["fingerprint"] = true_fingerprint
+    (store / "store.json").write_text(json.dumps(recorded))
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["generations"][0]["fingerprint"] = recorded["generations"][1]["fingerprint"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    problems = verify_build(out, all_problems=True)
+    assert ("manifest.json", "generations[0].fingerprint") in [(p.file, p.column) for p in problems]
 
 
 @pytest.mark.slow
@@ -514,3 +545,111 @@ def test_a_killed_build_append_leaves_the_build_readable_and_the_next_append_suc
     grown = build(store, out, max_len=MAX_LEN, index_only=index_only, append=True)
     assert grown.totals.documents == 80 and verify_build(out) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["batch-a", "batch-b", "packed", "store"]
+
+
+class _Killed(BaseException):
+    """Stands for a SIGKILL: raised where the process dies, with the cleanup a kill skips patched out."""
+
+
+def test_an_append_killed_between_the_renames_of_an_exchange_without_renameat2_keeps_the_store(tmp_path, monkeypatch):
+    """Where the file system has no atomic exchange (NFS), publishing takes three renames, and between the
+    second and third `out` does not exist: the next run puts the old store back rather than deleting it."""
+    from prepack.storage import output
+
+    store = tmp_path / "store"
+    build_store(_batch(tmp_path, "a", _documents(0, 60)), store, shard_size=500)
+    before = {p.name: p.read_bytes() for p in store.iterdir()}
+    exchange_or_not = output._renameat2_flags
+    monkeypatch.setattr(output, "_renameat2_flags", lambda s, t, flags: flags != output._RENAME_EXCHANGE and exchange_or_not(s, t, flags))
+
+    def killed(*args):
+        raise _Killed
+
+    with monkeypatch.context() as dying:
+        dying.setattr(output, "_rename_no_replace", killed)  # the third rename
+        dying.setattr(output, "_remove_staging", lambda staging: None)  # a kill runs no cleanup
+        with pytest.raises(_Killed):
+            build_store(_batch(tmp_path, "b", _documents(1, 20)), store, shard_size=500, append=True)
+    assert not store.exists()
+    grown = build_store(_batch(tmp_path, "c", _documents(2, 5)), store, shard_size=500, append=True)
+    assert grown.documents == 65
+    assert {name: (store / name).read_bytes() for name in before if name != "store.json"} == {
+        name: data for name, data in before.items() if name != "store.json"
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["batch-a", "batch-b", "batch-c", "store"]
+
+
+def test_a_new_shard_never_writes_through_a_staged_hard_link_to_a_published_one(tmp_path):
+    """Staged shards of an append are hard links to the published ones: a new shard that took such a name
+    would truncate the published file through the link, so new shard files are created exclusively."""
+    from prepack.building.write_store import write_store_shard
+
+    published = tmp_path / "published.arrow"
+    published.write_bytes(b"a published shard")
+    os.link(published, tmp_path / "documents-00000.arrow")
+    with pytest.raises(OutputError, match="documents-00000.arrow"):
+        write_store_shard(tmp_path, 0, np.array([2]), np.array([1, 2]), None)
+    assert published.read_bytes() == b"a published shard"
+
+
+@pytest.mark.parametrize("out", [".", ".."])
+def test_an_append_to_dot_or_dot_dot_is_refused_as_a_build_to_it_is_and_writes_nothing(tmp_path, monkeypatch, out):
+    store = tmp_path / "inner" / "store"
+    build_store(_batch(tmp_path, "a", _documents(0, 10)), store)
+    monkeypatch.chdir(store)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(OutputError, match=f"--out {re.escape(out)} does not name a directory"):
+        build_store(tmp_path / "batch-a", out, append=True)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_an_append_counts_a_rebuild_from_compact_lengths(tmp_path, monkeypatch):
+    """The rebuild count reads every store document's length: 2 bytes each here (uint16), not 8."""
+    from prepack.building import build as build_module
+
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 30)), store)
+    build(store, out, max_len=MAX_LEN, index_only=True)
+    build_store(_batch(tmp_path, "b", _documents(1, 10)), store, append=True)
+    counted, count = [], build_module.pack_count
+    monkeypatch.setattr(build_module, "pack_count", lambda lengths, *a, **k: counted.append(lengths.dtype) or count(lengths, *a, **k))
+    build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+    assert counted == [np.uint16]
+
+
+def test_a_full_build_of_a_grown_store_refuses_a_fingerprint_its_documents_do_not_give(tmp_path):
+    import json
+
+    store = tmp_path / "store"
+    build_store(_batch(tmp_path, "a", _documents(0, 30)), store)
+    grown = build_store(_batch(tmp_path, "b", _documents(1, 10)), store, append=True)
+    recorded = json.loads((store / "store.json").read_text())
+    forged, generation = "cd" * 32, 1
+    recorded["generations"][generation]["fingerprint"] = recorded["fingerprint"] = forged  # the last's is the store's
+    (store / "store.json").write_text(json.dumps(recorded))
+    with pytest.raises(InputError, match=rf"store\.json: generations\[{generation}\]\.fingerprint is {forged}, but the "
+                       rf"store's documents give {grown.generations[generation].fingerprint}"):
+        build(store, tmp_path / "packed", max_len=MAX_LEN)
+    assert not (tmp_path / "packed").exists()
+
+
+def test_an_append_to_a_grown_store_summarises_its_lengths_without_reading_its_shards(tmp_path, monkeypatch):
+    from prepack.sources.store import Store
+
+    store = tmp_path / "store"
+    documents = _documents(5, 70, longest=120)
+    build_store(_batch(tmp_path, "a", documents[:40]), store, shard_size=500)
+    build_store(_batch(tmp_path, "b", documents[40:55]), store, shard_size=500, append=True)  # reads them once
+
+    def unread(*args, **kwargs):
+        raise AssertionError("an old shard was read")
+
+    monkeypatch.setattr(Store, "shard_document_lengths", unread)
+    monkeypatch.setattr(Store, "shard_columns", unread)
+    grown = build_store(_batch(tmp_path, "c", documents[55:]), store, shard_size=500, append=True)
+    monkeypatch.undo()
+    (tmp_path / "whole").mkdir()
+    write_corpus(tmp_path / "whole" / "all.parquet", corpus_table(documents))
+    at_once = build_store(tmp_path / "whole", tmp_path / "at-once", shard_size=500)
+    assert grown.lengths == at_once.lengths and grown.documents == 70
+    assert sum(count for _, count in grown.length_counts) == 70

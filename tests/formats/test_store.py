@@ -85,9 +85,9 @@ def test_golden_store(tmp_path):
             {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
             {"input_ids": [], "labels": []},
         ]
-    # The store.json is what its model writes, keys sorted (no `generations` key: never appended to);
+    # The store.json is what its model writes, keys sorted (no `generations` nor `length_counts` key: never appended to);
     # written twice, the same bytes.
-    assert json.loads(stored["store.json"]) == manifest.model_dump(mode="json", exclude={"generations"})
+    assert json.loads(stored["store.json"]) == manifest.model_dump(mode="json", exclude={"generations", "length_counts"})
     (tmp_path / "again").mkdir()
     build_store(_golden_corpus(tmp_path / "again"), tmp_path / "again" / "store", shard_size=64)
     assert files(tmp_path / "again" / "store") == stored

@@ -182,3 +182,29 @@ def test_of_two_appends_in_s3_at_once_one_publishes_and_the_other_is_refused(tmp
     assert _objects(fs, out) == published and verify_build(out) == []
     with pytest.raises(OutputError, match="holds no prepack build to append to"):
         build(store, f"{s3_bucket}/nothing", max_len=MAX_LEN, append=True)
+
+
+@pytest.mark.slow
+def test_an_append_whose_prefix_is_taken_over_and_published_after_its_last_check_does_not_replace_that_manifest(tmp_path, fs, s3_bucket, monkeypatch):
+    """Another append takes the prefix over (deleting this one's shards) and publishes between this one's
+    last check of its marker and its manifest's PUT: the PUT, conditional on the manifest it replaces, fails."""
+    from prepack.storage import remote
+
+    store = f"{s3_bucket}/store"
+    build_store(_batch(tmp_path, "a", 0, 60), store, shard_size=800)
+    second = _batch(tmp_path, "c", 2, 10)
+    check, taken_over = remote.Publication.check_claim, []
+
+    def check_then_be_taken_over(publication, thorough=False):
+        check(publication, thorough)
+        if thorough and not taken_over:
+            taken_over.append(None)  # the taker's own checks pass through
+            taken_over[0] = build_store(second, store, shard_size=800, append=True)
+
+    monkeypatch.setattr(remote.Publication, "check_claim", check_then_be_taken_over)
+    with pytest.raises(OutputError, match="another prepack build published"):
+        build_store(_batch(tmp_path, "b", 1, 20), store, shard_size=800, append=True)
+    assert read_output_manifest(store, "store.json") == taken_over[0]
+    assert taken_over[0].documents == 70
+    published = _objects(fs, store)
+    assert sorted(published) == sorted(["store.json", *(s.name for s in taken_over[0].shards)])

@@ -27,6 +27,7 @@ from prepack.building.engines.base import FirstPass, WrittenStore, kept_rows, pa
 from prepack.errors import InputError
 from prepack.formats.common import Fingerprint
 from prepack.formats.shards import IndexOf, ShardInfo
+from prepack.formats.store import StoreFingerprint
 from prepack.storage.output import Staging, output_errors, output_file
 from prepack.building import plan_vectorized
 from prepack.building.plan import PackingPlan, compact_lengths, untrained_documents
@@ -58,13 +59,15 @@ def _store_documents(
     progress: Progress,
     observe: Observer | None = None,
     keep: np.ndarray | None = None,
+    fingerprint: Fingerprint | StoreFingerprint | None = None,
 ) -> FirstPass:
-    """Read the documents of `batches` once: their lengths, untrained flags and fingerprint, and their
-    tokens (and labels) copied into `scratch` back to back; with `keep` (bool, one per row), only the
-    rows it keeps; with no `scratch`, none (`tokens` None)."""
+    """Read the documents of `batches` once: their lengths, untrained flags and fingerprint (`fingerprint`
+    fed, a store's `StoreFingerprint`: chained over its generations), and their tokens (and labels) copied
+    into `scratch` back to back; with `keep` (bool, one per row), only the rows it keeps; with no
+    `scratch`, none (`tokens` None)."""
     rows_per_file = {path: 0 for path in corpus.files}
     lengths, untrained = [], []
-    fingerprint = Fingerprint()
+    fingerprint = fingerprint or Fingerprint()
     task = progress.add_task("read", total=len(corpus.files), unit="files")
     done_files: set[Path] = set()
     ids_path, labels_path = (None, None) if scratch is None else (scratch / "ids.bin", scratch / "labels.bin")
@@ -236,7 +239,10 @@ class LocalEngine:
     def first_pass(self, documents: Documents, reading: Reading, progress: Progress) -> FirstPass:
         if self.index_only:
             return _index_documents(documents.store, progress)
-        return _store_documents(documents.corpus, documents.has_labels, documents.batches, self.staging.scratch, progress)
+        fingerprint = None if documents.store is None else StoreFingerprint(documents.store.manifest)
+        return _store_documents(
+            documents.corpus, documents.has_labels, documents.batches, self.staging.scratch, progress, fingerprint=fingerprint
+        )
 
     def for_source(self, number: int) -> LocalEngine:
         """An engine for a mixture's source `number`: this one's, its scratch files in a directory of their own."""

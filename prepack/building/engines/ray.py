@@ -28,7 +28,7 @@ packs (~40 bytes a document in all), which the driver makes one shard at a time 
 broadcasting the plan to every node instead would cost each node ~8 bytes a document of object
 store. A bad row is the local engine's `PrepackError`, returned by the task as a value and raised on
 the driver (Ray would print the worker's traceback). Ray retries a task whose worker died; a task writes its files from the
-start, so a retry changes no byte. A failure of Ray's own (a task that raised something else, or was
+start (its partial file deleted first), so a retry changes no byte. A failure of Ray's own (a task that raised something else, or was
 lost after its retries; a cluster that cannot be joined) is an `EngineError`.
 
 Workers open the local paths the driver names, from the driver's working directory where the node has
@@ -74,7 +74,7 @@ from prepack.storage.output import Staging, output_errors, output_file
 from prepack.building.plan import PackingPlan, ShardPacks, compact_lengths, untrained_documents
 from prepack.sources.corpus import Corpus, LocalCopy
 from prepack.storage.remote import fetch, filesystem, scratch_prefix, upload
-from prepack.formats.store import StoreShard, store_shard_name
+from prepack.formats.store import StoreFingerprint, StoreShard, store_shard_name
 from prepack.sources.store import Store
 from prepack.building.write_store import store_shard_bounds, store_shard_capacity, too_long_for_a_shard, write_store_shard
 from prepack.building.write_shards import ShardBuffers, TokenFiles, gather_tokens, write_shard
@@ -313,6 +313,7 @@ def _write_pack_shard(
         try:
             (tokens, labels), starts = _local_tokens([tokens, labels], layout.starts, layout.lengths, local)
             written = local if target is not None else directory
+            (written / shard_name(index)).unlink(missing_ok=True)  # a retried task's partial file (shards are new files)
             shard = write_shard(written, index, replace(layout, starts=starts), tokens, labels, ShardBuffers(int(layout.lengths.sum())))
             _publish_shard(written, shard.name, target)
             return shard
@@ -338,6 +339,7 @@ def _write_store_shard(
             (tokens, labels), starts = _local_tokens([tokens, labels], starts[stored], lengths[stored], local)
             label_values = None if labels is None else gathered(labels, starts)
             written = local if target is not None else directory
+            (written / store_shard_name(index)).unlink(missing_ok=True)  # a retried task's partial file (shards are new files)
             shard = write_store_shard(written, index, lengths, gathered(tokens, starts), label_values)
             _publish_shard(written, shard.name, target)
             return shard
@@ -449,17 +451,18 @@ class RayEngine:
             for index, (path, shard) in enumerate(parts)
         ]
         task = progress.add_task("read", total=len(units), unit="files")
-        fingerprint = Fingerprint()
+        # A store's chained over its generations (a unit is a shard: no generation ends inside one).
+        fingerprint = Fingerprint() if store is None else StoreFingerprint(store.manifest)
         lengths, untrained, firsts, tokens, observed, digests = [], [], [], 0, [], []
         submitted = (_read_unit.remote(source, unit) for unit in units)
         # The labels are hashed by a second thread while this one hashes the ids.
         with closing(self._in_order(submitted)) as results, ThreadPoolExecutor(1) as labels_hasher:
             for unit, read in zip(units, results):
-                fingerprint.update(read.lengths, _NO_TOKENS, None)
                 hashed = labels_hasher.submit(_hash_file, fingerprint.update_labels, unit.labels) if unit.labels else None
                 _hash_file(fingerprint.update_ids, unit.ids)
                 if hashed is not None:
                     hashed.result()
+                fingerprint.update(read.lengths, _NO_TOKENS, None)  # last: a StoreFingerprint may end a generation
                 if lengths_only:
                     for location in (unit.ids, unit.labels):
                         _discard(location)
