@@ -18,7 +18,7 @@ from prepack.sources import chat_templates
 
 SECONDS = 0.05
 MAX_CHARS = 4096
-SLACK = 2.0  # seconds beyond the limit: the check comes between two steps, on a shared 2-core machine
+SLACK = 2.0  # CPU seconds beyond the limit: the check comes between two steps
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
 
 LEAVES = st.sampled_from([
@@ -84,7 +84,9 @@ def test_a_random_template_renders_within_the_limits_or_is_an_input_error(templa
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(chat_templates, "RENDER_SECONDS", SECONDS)
         patch.setattr(chat_templates, "RENDER_MAX_CHARS", MAX_CHARS)
-        start = time.monotonic()
+        # CPU time, not wall time: a render's cost is what the limit bounds, and a loaded machine (other
+        # test workers, other work) stretches the wall clock, not the CPU a render takes.
+        start = time.process_time()
         try:
             chat_templates.check_template(template, "fuzz.jinja")
             text, _ = chat_templates.render_chat(
@@ -97,4 +99,4 @@ def test_a_random_template_renders_within_the_limits_or_is_an_input_error(templa
                 assert "chats.jsonl, row 0" in str(error), str(error)
         else:
             assert len(text) <= MAX_CHARS
-        assert time.monotonic() - start < SECONDS + SLACK, template
+        assert time.process_time() - start < SECONDS + SLACK, template
