@@ -12,7 +12,9 @@ The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` m
 - a family the table gives a style (VisionCollator batches it): `enable_packing` on, the packed batch must
   equal the samples alone; its verdict is "native" when the batch is isolated without what `enable_packing`
   adds, "layer masks" when only with it (Gemma 3's image blocks). Where the table refuses, `enable_packing`
-  must raise, and the refusal must be needed: the batch let through leaks or fails;
+  must raise, and the refusal must be needed: the batch let through leaks or fails; the refusal's reason is then
+  prepack's own (the table's, raised by its IsolationError), not measured. Where the table isolates and
+  `enable_packing` or the packed forward raises IsolationError, the family is measured as refused;
 - any other family is refused, with the reason measured here: no tiny model could be built, transformers has
   no such attention for it, the sweep could not run an image sample alone (the family takes image inputs
   the sweep does not form), transformers' own code fails on the packed batch, the packed samples see each
@@ -116,9 +118,13 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
     try:
         enable_packing(model)
         protected = _isolated(model, packed, alone, tolerance)
-    except IsolationError:
-        # Refused: the refusal must be needed (let through, natively, the batch leaks or fails).
-        return expected if native is not True else vision_families.NATIVE
+    except IsolationError as exc:
+        if expected.isolated:  # a family the table isolates, refused: measured as refused, with prepack's reason
+            return measured_refusal("packed", _described(exc))
+        # Refused as the table says: the refusal must be needed (let through, natively, the batch leaks or fails).
+        if native is True:
+            return vision_families.NATIVE
+        return expected
     if protected is not True:
         return measured_refusal("leaks" if protected is False else "packed", _described(protected) if protected else "")
     # The sequence-state layers enable_packing runs one sample per row (Qwen3.5's), as for text.

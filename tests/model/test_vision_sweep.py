@@ -96,6 +96,19 @@ def test_the_sweep_measures_a_leak(monkeypatch):
     assert not check_family("llava", "sdpa").agrees
 
 
+def test_the_sweep_catches_a_wrongly_refused_family(monkeypatch):
+    """enable_packing refusing a family the table isolates is measured as a refusal, with prepack's own reason,
+    not the table's verdict copied back."""
+
+    def refusing(model):
+        raise IsolationError("refused for the test")
+
+    monkeypatch.setattr(vision_sweep, "enable_packing", refusing)
+    measured = measure_family("llava", "sdpa")
+    assert measured == vision_families.measured_refusal("packed", "IsolationError: refused for the test")
+    assert VISION_FAMILIES["llava"].verdicts[0].isolated
+
+
 def test_a_family_the_table_does_not_know_is_refused_by_name(monkeypatch):
     """An image-text-to-text type the vision table lacks (a newer transformers, remote code): its image batches
     are refused by name, with the command that re-measures; enable_packing refuses the model itself first."""
