@@ -14,7 +14,11 @@ The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` m
   adds, "layer masks" when only with it (Gemma 3's image blocks). Where the table refuses, `enable_packing`
   must raise, and the refusal must be needed: the batch let through leaks or fails; the refusal's reason is then
   prepack's own (the table's, raised by its IsolationError), not measured. Where the table isolates and
-  `enable_packing` or the packed forward raises IsolationError, the family is measured as refused;
+  `enable_packing` or the packed forward raises IsolationError, the family is measured as refused. Of an
+  isolated batch, the sweep measures whether it is isolated, not how: a family whose text verdict runs
+  sequence-state layers one document per row (Qwen3.5's gated delta rule) is given that text verdict, read from
+  `prepack.model.families`, and on flash every isolated family is given "native" (transformers isolates from
+  the offsets enable_packing derives), neither measured apart;
 - any other family is refused, with the reason measured here: no tiny model could be built, transformers has
   no such attention for it, the sweep could not run an image sample alone (the family takes image inputs
   the sweep does not form), transformers' own code fails on the packed batch, the packed samples see each
