@@ -19,7 +19,7 @@ import transformers
 
 from prepack import enable_packing
 from prepack.errors import IsolationError
-from prepack.model import families, vision_families, vision_sweep
+from prepack.model import families, packing, vision_families, vision_sweep
 from prepack.model.families import implementation
 from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.model.vision_families import VISION_FAMILIES
@@ -94,6 +94,16 @@ def test_the_sweep_measures_a_leak(monkeypatch):
     monkeypatch.setattr(vision_sweep, "_packed", counting_on)
     assert measure_family("llava", "sdpa") == vision_families.LEAKS
     assert not check_family("llava", "sdpa").agrees
+
+
+@pytest.mark.parametrize(
+    "model_type", ["qwen3_5", *(pytest.param(name, marks=pytest.mark.slow) for name in ("qwen3_5_moe", "qwen4_exp"))]
+)
+def test_the_sweep_measures_the_sequence_state_segments(model_type, monkeypatch):
+    """The leak control of the 3-D rotary image batches' gated delta rule segments: without them (the layers
+    run the packed row as one sequence) the samples see each other, and the sweep says so."""
+    monkeypatch.setattr(packing._PackedBatchGuard, "_segment_the_sequence_state", lambda self, kwargs, tokens: None)
+    assert measure_family(model_type, "sdpa") == vision_families.LEAKS
 
 
 def test_the_sweep_catches_a_wrongly_refused_family(monkeypatch):
