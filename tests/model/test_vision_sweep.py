@@ -26,8 +26,9 @@ from prepack.model.vision_families import VISION_FAMILIES
 from prepack.model.vision_sweep import IMAGE_TEXT_TYPES, check_family, measure_family
 from tests.flash_reference import enable_flash_attention, use_flash_reference, use_flex_reference  # noqa: F401
 
-# The fast lane: an isolated family, one transformers has no sdpa for, one without a tiny model (timm missing).
-FAST = ("llava", "blip", "gemma3n")
+# The fast lane: isolated families (restart; 3-D rotary with deepstack and MoE; 3-D rotary before gated delta rule
+# layers), one transformers has no sdpa for, one without a tiny model (timm missing).
+FAST = ("llava", "qwen3_vl_moe", "qwen3_5", "blip", "gemma3n")
 STYLED = tuple(sorted(name for name, family in VISION_FAMILIES.items() if family.style is not None))
 MEASURED_RELEASE = transformers.__version__ == families.MEASURED_VERSION
 
