@@ -76,10 +76,12 @@ def test_families_without_a_style_are_refused_on_flash_and_flex_as_not_measured(
 
 
 def test_every_registered_type_is_in_the_table():
+    """On the release the table was measured with; on another, its new types are refused by name
+    (test_a_family_the_table_does_not_know_is_refused_by_name)."""
+    if not MEASURED_RELEASE:
+        pytest.skip(f"transformers {transformers.__version__}: the table was measured with {families.MEASURED_VERSION}")
     missing = set(IMAGE_TEXT_TYPES) - set(VISION_FAMILIES)
-    assert MEASURED_RELEASE or missing, "another release: its new types are refused by name (next test)"
-    if MEASURED_RELEASE:
-        assert not missing and len(IMAGE_TEXT_TYPES) == len(VISION_FAMILIES), missing
+    assert not missing and len(IMAGE_TEXT_TYPES) == len(VISION_FAMILIES), missing
 
 
 @pytest.mark.slow
