@@ -49,7 +49,7 @@ from prepack.model.families import (
     verdict_table,
 )
 
-__all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "image_refusal", "image_style", "markdown"]
+__all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "image_refusal", "image_style", "markdown", "needs"]
 
 ImageStyle = Literal["3-D rotary", "restart", "image blocks"]
 
@@ -79,6 +79,12 @@ def _not_run(detail: str) -> Verdict:
 
 def _fails_packed(detail: str) -> Verdict:
     return Verdict("refused", f"transformers' own code fails on a packed image batch ({detail})")
+
+
+def needs(package: str) -> Verdict:
+    """A family whose tiny model needs a package the sweep's environment lacked (where the package is installed,
+    the sweep measures the family itself: its tests skip the row there)."""
+    return Verdict("refused", f"not measured: its tiny model needs the {package} package, which the sweep ran without")
 
 
 LEAKS = Verdict("refused", "packed image samples see each other with position_ids restarting at every sample")
@@ -179,16 +185,12 @@ VISION_FAMILIES |= {
         _not_built("ValueError: Unrecognized configuration class <class 'transformers.models.evolla.configuration_evolla.EvollaConfig'> for this kind of AutoModel: AutoModelForImageTextToText."),
     ),
     'exaone4_5': _swept(_not_run('ZeroDivisionError: integer modulo by zero')),
-    'fast_vlm': _swept(
-        _not_built('ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may n'),
-    ),
+    'fast_vlm': _swept(needs("timm")),
     'florence2': _swept(
         _not_built('AssertionError: florence2: the tiny model has 90,587,200 parameters; a size was not shrunk.'),
     ),
     'fuyu': _swept(_not_run("AttributeError: 'FuyuConfig' object has no attribute 'vision_config'")),
-    'gemma3n': _swept(
-        _not_built('ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may n'),
-    ),
+    'gemma3n': _swept(needs("timm")),
     'gemma4': _swept(_not_run('ValueError: its vision config (NoneType) has no image_size')),
     'gemma4_unified': _swept(_not_run('ValueError: its vision config (NoneType) has no image_size')),
     'git': _swept(
@@ -226,7 +228,7 @@ VISION_FAMILIES |= {
     'inkling2_loop': _swept(
         _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `vision_config.text_hidden_size` (2304) must match `text_config.hidden_size` (32)."),
     ),
-    'inkling_mm_model': _swept(_not_built("ModuleNotFoundError: No module named 'scipy'")),
+    'inkling_mm_model': _swept(needs("scipy")),
     'instructblip': _swept(
         _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
@@ -284,9 +286,7 @@ VISION_FAMILIES |= {
     'ovis2': _swept(NO_DATA_SIDE),
     'paddleocr_vl': _swept(_not_run('ValueError: not enough values to unpack (expected 5, got 3)')),
     'paligemma': _swept(NO_DATA_SIDE),
-    'perception_lm': _swept(
-        _not_built('ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may n'),
-    ),
+    'perception_lm': _swept(needs("timm")),
     'pi0': _swept(_not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)')),
     'pix2struct': _swept(
         _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),

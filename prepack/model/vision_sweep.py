@@ -19,11 +19,11 @@ The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` m
   sequence-state layers one document per row (Qwen3.5's gated delta rule) is given that text verdict, read from
   `prepack.model.families`, and on flash every isolated family is given "native" (transformers isolates from
   the offsets enable_packing derives), neither measured apart;
-- any other family is refused, with the reason measured here: no tiny model could be built, transformers has
-  no such attention for it, the sweep could not run an image sample alone (the family takes image inputs
-  the sweep does not form), transformers' own code fails on the packed batch, the packed samples see each
-  other, or they are isolated natively but prepack has no data side (placeholder rule, collator style) for
-  the family yet.
+- any other family is refused, with the reason measured here: no tiny model could be built (or it needs a
+  package that is not installed, such as timm), transformers has no such attention for it, the sweep could not
+  run an image sample alone (the family takes image inputs the sweep does not form), transformers' own code
+  fails on the packed batch, the packed samples see each other, or they are isolated natively but prepack has
+  no data side (placeholder rule, collator style) for the family yet.
 `sweep()` runs it for every family (`prepack check-isolation --sweep` on sdpa or eager) and says where the
 table and the measurement disagree. The flash and flex columns are measured by tests/model/test_vision_sweep.py
 with the pure-torch stand-ins of the kernels (tests/flash_reference.py), for the families the table gives a
@@ -33,6 +33,7 @@ style; the others are refused there as not measured.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -95,6 +96,8 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
     except Exception as exc:  # noqa: BLE001 (a family that does not build is a finding the table states)
         if "does not support an attention implementation" in str(exc):
             return _UNSUPPORTED.get(backend_of(attn), measured_refusal("build", _described(exc)))
+        if (package := _missing_package(exc)) is not None:
+            return vision_families.needs(package)
         return measured_refusal("build", _described(exc))
     try:
         samples = _samples(model)
@@ -278,6 +281,14 @@ def _isolated(model, packed: dict, alone: list[torch.Tensor], tolerance: float):
         return exc
     expected = torch.cat(alone)
     return bool((logits - expected).abs().max() <= tolerance)
+
+
+def _missing_package(exc: BaseException) -> str | None:
+    """The package whose absence failed the build (an import, or transformers' "requires the timm library"), or None."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        return exc.name.partition(".")[0]
+    required = re.search(r"requires the (\S+) library but it was not found", str(exc))
+    return required[1] if required else None
 
 
 def _described(exc: BaseException) -> str:
