@@ -48,7 +48,7 @@ from prepack.model.isolation import default_tolerances
 from prepack.model.packing import enable_packing
 from prepack.model.tiny_models import DOCUMENT_VOCAB
 from prepack.model import families, vision_families
-from prepack.model.vision_families import VISION_FAMILIES, measured_refusal
+from prepack.model.vision_families import LEAKS, NO_DATA_SIDE, VISION_FAMILIES, fails_packed, not_built, not_run
 
 __all__ = ["IMAGE_TEXT_TYPES", "VisionCheck", "measure_family", "sweep"]
 
@@ -63,7 +63,6 @@ class VisionCheck:
     """One family on one backend: the table's verdict against the one measured."""
 
     model_type: str
-    attn_implementation: str
     table: Verdict | None  # None: the table lacks the family
     measured: Verdict
 
@@ -76,7 +75,7 @@ def check_family(model_type: str, attn: str, switch: Callable | None = None) -> 
     """`measure_family` against the table's verdict for the family on `attn`."""
     family = VISION_FAMILIES.get(model_type)
     table = None if family is None else family.verdicts[BACKENDS.index(backend_of(attn))]
-    return VisionCheck(model_type, attn, table, measure_family(model_type, attn, switch))
+    return VisionCheck(model_type, table, measure_family(model_type, attn, switch))
 
 
 def sweep(attn: str = "sdpa") -> Iterator[VisionCheck]:
@@ -94,11 +93,7 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
     try:
         model = tiny_vision_model(model_type, "sdpa" if switch else attn, dtype=torch.float64)
     except Exception as exc:  # noqa: BLE001 (a family that does not build is a finding the table states)
-        if "does not support an attention implementation" in str(exc):
-            return _UNSUPPORTED.get(backend_of(attn), measured_refusal("build", _described(exc)))
-        if (package := _missing_package(exc)) is not None:
-            return vision_families.needs(package)
-        return measured_refusal("build", _described(exc))
+        return _not_built_on(attn, exc)
     try:
         samples = _samples(model)
         # With `switch`, each sample alone runs on sdpa, the model as its family means it (Gemma 3's flash path
@@ -106,34 +101,34 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
         alone = [_logits(model, sample) for sample in samples]
         packed = _packed(model, samples)
     except Exception as exc:  # noqa: BLE001 (inputs the sweep does not form for this family)
-        return measured_refusal("alone", _described(exc))
+        return not_run(_described(exc))
     if switch:
         try:
             switch(model, attn)
         except Exception as exc:  # noqa: BLE001
-            if "does not support an attention implementation" in str(exc):
-                return _UNSUPPORTED[backend_of(attn)]
-            return measured_refusal("build", _described(exc))
+            return _not_built_on(attn, exc)
     tolerance, _ = default_tolerances(torch.float64, attn)
     styled = model_type in VISION_FAMILIES and VISION_FAMILIES[model_type].style is not None
     native = _isolated(model, packed, alone, tolerance)
     if not styled:
         if isinstance(native, Exception):
-            return measured_refusal("packed", _described(native))
-        return measured_refusal("no data side" if native else "leaks")
+            return fails_packed(_described(native))
+        return NO_DATA_SIDE if native else LEAKS
     expected = VISION_FAMILIES[model_type].verdicts[BACKENDS.index(backend_of(attn))]
     try:
         enable_packing(model)
         protected = _isolated(model, packed, alone, tolerance)
     except IsolationError as exc:
         if expected.isolated:  # a family the table isolates, refused: measured as refused, with prepack's reason
-            return measured_refusal("packed", _described(exc))
+            return fails_packed(_described(exc))
         # Refused as the table says: the refusal must be needed (let through, natively, the batch leaks or fails).
         if native is True:
             return vision_families.NATIVE
         return expected
+    if protected is False:
+        return LEAKS
     if protected is not True:
-        return measured_refusal("leaks" if protected is False else "packed", _described(protected) if protected else "")
+        return fails_packed(_described(protected))
     # The sequence-state layers enable_packing runs one sample per row (Qwen3.5's), as for text.
     text_verdict = families.verdict(model_type, attn)
     if text_verdict is not None and text_verdict.per_document:
@@ -281,6 +276,15 @@ def _isolated(model, packed: dict, alone: list[torch.Tensor], tolerance: float):
         return exc
     expected = torch.cat(alone)
     return bool((logits - expected).abs().max() <= tolerance)
+
+
+def _not_built_on(attn: str, exc: Exception) -> Verdict:
+    """The refusal of a family whose model could not be built on (or switched to) `attn`."""
+    if "does not support an attention implementation" in str(exc):
+        return _UNSUPPORTED.get(backend_of(attn), not_built(_described(exc)))
+    if (package := _missing_package(exc)) is not None:
+        return vision_families.needs(package)
+    return not_built(_described(exc))
 
 
 def _missing_package(exc: BaseException) -> str | None:

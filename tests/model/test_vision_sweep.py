@@ -129,7 +129,7 @@ def test_the_sweep_catches_a_wrongly_refused_family(monkeypatch):
 
     monkeypatch.setattr(vision_sweep, "enable_packing", refusing)
     measured = measure_family("llava", "sdpa")
-    assert measured == vision_families.measured_refusal("packed", "IsolationError: refused for the test")
+    assert measured == vision_families.fails_packed("IsolationError: refused for the test")
     assert VISION_FAMILIES["llava"].verdicts[0].isolated
 
 
