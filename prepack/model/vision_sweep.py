@@ -4,9 +4,11 @@ fed packed image+text samples and each sample alone, and a verdict per family an
 `measure_family(model_type, attn)` builds the family's tiny model (`prepack.model.tiny_vision_models.
 tiny_vision_config`: every size shrunk, the image placeholder and special tokens at the top of the vocabulary
 as the text sweep places them, nothing downloaded), makes three image+text samples (one image, two images,
-text only; random pixels in the tower's own input layout) and runs them alone, then packed into one row with
-`position_ids` restarting at every sample (and, for 3-D rotary families, each sample's own rotary rows from
-the model's `get_rope_index`, the text row first: what `VisionCollator` emits). float64, logits compared.
+text only; random pixels in the tower's own input layout) and runs them alone (the image sample's logits must
+change with its pixels, inverted, or the family is not measured: isolation on images the logits do not see would
+be vacuous), then packed into one row with `position_ids` restarting at every sample (and, for 3-D rotary
+families, each sample's own rotary rows from the model's `get_rope_index`, the text row first: what
+`VisionCollator` emits). float64, logits compared.
 
 The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` must hold for that backend:
 - a family the table gives a style (VisionCollator batches it): `enable_packing` on, the packed batch must
@@ -94,11 +96,13 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
         model = tiny_vision_model(model_type, "sdpa" if switch else attn, dtype=torch.float64)
     except Exception as exc:  # noqa: BLE001 (a family that does not build is a finding the table states)
         return _not_built_on(attn, exc)
+    tolerance, _ = default_tolerances(torch.float64, attn)
     try:
         samples = _samples(model)
         # With `switch`, each sample alone runs on sdpa, the model as its family means it (Gemma 3's flash path
         # would run its image blocks causally alone too).
         alone = [_logits(model, sample) for sample in samples]
+        _require_pixels_seen(model, samples[0], alone[0], tolerance)
         packed = _packed(model, samples)
     except Exception as exc:  # noqa: BLE001 (inputs the sweep does not form for this family)
         return not_run(_described(exc))
@@ -107,7 +111,6 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
             switch(model, attn)
         except Exception as exc:  # noqa: BLE001
             return _not_built_on(attn, exc)
-    tolerance, _ = default_tolerances(torch.float64, attn)
     styled = model_type in VISION_FAMILIES and VISION_FAMILIES[model_type].style is not None
     native = _isolated(model, packed, alone, tolerance)
     if not styled:
@@ -238,6 +241,14 @@ def _batch(model, input_ids: torch.Tensor, pixels: dict[str, torch.Tensor]) -> d
 def _logits(model, sample: _Sample) -> torch.Tensor:
     with torch.no_grad():
         return model(**_batch(model, sample.input_ids, sample.pixels)).logits[0]
+
+
+def _require_pixels_seen(model, sample: _Sample, logits: torch.Tensor, tolerance: float) -> None:
+    """The sample's logits change with its pixels (inverted) by more than `tolerance`: else an isolation measured
+    on its images would be vacuous (a tower that does not reach the logits cannot leak)."""
+    inverted = _Sample(sample.input_ids, {**sample.pixels, "pixel_values": 1 - sample.pixels["pixel_values"]})
+    if not (_logits(model, inverted) - logits).abs().max() > tolerance:
+        raise ValueError("an image sample's logits do not change with its pixels")
 
 
 def _packed(model, samples: list[_Sample]) -> dict:

@@ -133,6 +133,18 @@ def test_the_sweep_catches_a_wrongly_refused_family(monkeypatch):
     assert VISION_FAMILIES["llava"].verdicts[0].isolated
 
 
+def test_a_family_blind_to_its_pixels_is_not_measured(monkeypatch):
+    """Isolation measured on images the model does not see would be vacuous: a tower that ignores its pixels
+    (LLaVA's, made to see zeros) is refused as not measured."""
+    from transformers.models.llava.modeling_llava import LlavaModel
+
+    seeing = LlavaModel.get_image_features
+    monkeypatch.setattr(LlavaModel, "get_image_features",
+                        lambda self, pixel_values, **kwargs: seeing(self, torch.zeros_like(pixel_values), **kwargs))
+    assert measure_family("llava", "sdpa") == vision_families.not_run(
+        "ValueError: an image sample's logits do not change with its pixels")
+
+
 def test_a_family_the_table_does_not_know_is_refused_by_name(monkeypatch):
     """An image-text-to-text type the vision table lacks (a newer transformers, remote code): its image batches
     are refused by name, with the command that re-measures; enable_packing refuses the model itself first."""
