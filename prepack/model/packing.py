@@ -288,7 +288,6 @@ class _PackedBatchGuard:
             kwargs["attention_mask"] = masks["full_attention"] if verdict.how == "block mask" else masks
         return (), _without_cache(kwargs, flash)
 
-
     def _segment_the_sequence_state(self, kwargs: dict[str, Any], tokens: torch.Tensor) -> None:
         """Tell the per-document layers the batch's documents (from its offsets or its 2-D position_ids)."""
         if torch.compiler.is_compiling():

@@ -49,7 +49,8 @@ from prepack.model.families import (
     verdict_table,
 )
 
-__all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "image_refusal", "image_style", "markdown"]
+__all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_packed", "image_refusal", "image_style", "markdown",
+           "needs", "not_built", "not_run"]
 
 ImageStyle = Literal["3-D rotary", "restart", "image blocks"]
 
@@ -69,16 +70,22 @@ class VisionFamily:
 
 
 # The refusals the vision sweep (prepack.model.vision_sweep) measures for a family, by kind.
-def _not_built(detail: str) -> Verdict:
+def not_built(detail: str) -> Verdict:
     return Verdict("refused", f"not measured: could not build a tiny model: {detail}")
 
 
-def _not_run(detail: str) -> Verdict:
+def not_run(detail: str) -> Verdict:
     return Verdict("refused", f"not measured: the sweep could not form or run its image samples ({detail})")
 
 
-def _fails_packed(detail: str) -> Verdict:
+def fails_packed(detail: str) -> Verdict:
     return Verdict("refused", f"transformers' own code fails on a packed image batch ({detail})")
+
+
+def needs(package: str) -> Verdict:
+    """A family whose tiny model needs a package the sweep's environment lacked (where the package is installed,
+    the sweep measures the family itself: its tests skip the row there)."""
+    return Verdict("refused", f"not measured: its tiny model needs the {package} package, which the sweep ran without")
 
 
 LEAKS = Verdict("refused", "packed image samples see each other with position_ids restarting at every sample")
@@ -93,13 +100,6 @@ NOT_SWEPT = Verdict(
     "not measured with images on this backend: prepack has no data side for the family, and the vision sweep "
     "measures such families on sdpa and eager",
 )
-
-
-def measured_refusal(kind: str, detail: str = "") -> Verdict:
-    """The refusal the vision sweep states for a family measured as `kind`: "build", "alone", "packed" (with
-    the failure), "leaks" or "no data side"."""
-    made = {"build": _not_built, "alone": _not_run, "packed": _fails_packed}
-    return made[kind](detail) if kind in made else {"leaks": LEAKS, "no data side": NO_DATA_SIDE}[kind]
 
 
 _MEASURED = (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE)
@@ -142,179 +142,173 @@ def _swept(sdpa: Verdict, eager: Verdict | None = None) -> VisionFamily:
 # sdpa and eager (written from a sweep run; tests/model/test_vision_sweep.py fails on a row that differs from it).
 VISION_FAMILIES |= {
     'apertus1p5': _swept(
-        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: WavTokenizer uses no projections around the quantizer, so `codebook_dim` (512) must eq"),
+        not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: WavTokenizer uses no projections around the quantizer, so `codebook_dim` (512) must eq"),
     ),
     'aria': _swept(
-        _not_run("KeyError: 'Number of patches 16 not found in patch_to_query_dict amongst possible values dict_keys([1225, 4900]).'"),
+        not_run("KeyError: 'Number of patches 16 not found in patch_to_query_dict amongst possible values dict_keys([1225, 4900]).'"),
     ),
     'aya_vision': _swept(NO_DATA_SIDE),
     'blip': _swept(
         NO_SDPA,
-        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+        not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'blip-2': _swept(
-        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+        not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
-    'chameleon': _swept(_not_built("AttributeError: 'NoneType' object has no attribute 'get'")),
+    'chameleon': _swept(not_built("AttributeError: 'NoneType' object has no attribute 'get'")),
     'cohere2_vision': _swept(NO_DATA_SIDE),
-    'cohere_compass': _swept(_not_built("KeyError: 'full_attention'")),
+    'cohere_compass': _swept(not_built("KeyError: 'full_attention'")),
     'cosmos3_edge': _swept(
-        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `rope_parameters.mrope_section` must contain three sections whose sum equals half of `"),
+        not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `rope_parameters.mrope_section` must contain three sections whose sum equals half of `"),
     ),
     'cosmos3_omni': _swept(NO_DATA_SIDE),
-    'deepseek_ocr2': _swept(_not_built("TypeError: 'NoneType' object is not subscriptable")),
+    'deepseek_ocr2': _swept(not_built("TypeError: 'NoneType' object is not subscriptable")),
     'deepseek_vl': _swept(NO_DATA_SIDE),
     'deepseek_vl_hybrid': _swept(
-        _not_run("TypeError: DeepseekVLHybridModel.get_image_features() missing 1 required positional argument: 'high_res_pixel_values'"),
+        not_run("TypeError: DeepseekVLHybridModel.get_image_features() missing 1 required positional argument: 'high_res_pixel_values'"),
     ),
     'diffusion_gemma': _swept(
-        _not_built("TypeError: empty(): argument 'size' (position 1) must be tuple of ints, but found element of type NoneType at pos 0"),
+        not_built("TypeError: empty(): argument 'size' (position 1) must be tuple of ints, but found element of type NoneType at pos 0"),
     ),
     'dots3_note': _swept(
-        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: vision adapter output width must match the text hidden size"),
+        not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: vision adapter output width must match the text hidden size"),
     ),
-    'emu3': _swept(_not_built("AttributeError: 'NoneType' object has no attribute 'get'")),
+    'emu3': _swept(not_built("AttributeError: 'NoneType' object has no attribute 'get'")),
     'ernie4_5_vl_moe': _swept(NO_DATA_SIDE),
     'evolla': _swept(
-        _not_built("ValueError: Unrecognized configuration class <class 'transformers.models.evolla.configuration_evolla.EvollaConfig'> for this kind of AutoModel: AutoModelForImageTextToText."),
+        not_built("ValueError: Unrecognized configuration class <class 'transformers.models.evolla.configuration_evolla.EvollaConfig'> for this kind of AutoModel: AutoModelForImageTextToText."),
     ),
-    'exaone4_5': _swept(_not_run('ZeroDivisionError: integer modulo by zero')),
-    'fast_vlm': _swept(
-        _not_built('ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may n'),
-    ),
+    'exaone4_5': _swept(not_run('ZeroDivisionError: integer modulo by zero')),
+    'fast_vlm': _swept(needs("timm")),
     'florence2': _swept(
-        _not_built('AssertionError: florence2: the tiny model has 90,587,200 parameters; a size was not shrunk.'),
+        not_built('AssertionError: florence2: the tiny model has 90,587,200 parameters; a size was not shrunk.'),
     ),
-    'fuyu': _swept(_not_run("AttributeError: 'FuyuConfig' object has no attribute 'vision_config'")),
-    'gemma3n': _swept(
-        _not_built('ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may n'),
-    ),
-    'gemma4': _swept(_not_run('ValueError: its vision config (NoneType) has no image_size')),
-    'gemma4_unified': _swept(_not_run('ValueError: its vision config (NoneType) has no image_size')),
+    'fuyu': _swept(not_run("AttributeError: 'FuyuConfig' object has no attribute 'vision_config'")),
+    'gemma3n': _swept(needs("timm")),
+    'gemma4': _swept(not_run('ValueError: its vision config (NoneType) has no image_size')),
+    'gemma4_unified': _swept(not_run('ValueError: its vision config (NoneType) has no image_size')),
     'git': _swept(
         NO_SDPA,
-        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+        not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'glm46v': _swept(NO_DATA_SIDE),
     'glm4v': _swept(NO_DATA_SIDE),
     'glm4v_moe': _swept(NO_DATA_SIDE),
     'glm5_next': _swept(
-        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: index_topk (4) must be divisible by index_kpool (16)."),
+        not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: index_topk (4) must be divisible by index_kpool (16)."),
     ),
     'glm_ocr': _swept(NO_DATA_SIDE),
     'glmga': _swept(NO_DATA_SIDE),
     'got_ocr2': _swept(NO_SDPA, NO_DATA_SIDE),
-    'granite4_vision': _swept(_not_built("TypeError: object of type 'NoneType' has no len()")),
+    'granite4_vision': _swept(not_built("TypeError: object of type 'NoneType' has no len()")),
     'granite_docling': _swept(
-        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: vision_config.out_hidden_size (1024) must equal text_config.hidden_size (32)."),
+        not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: vision_config.out_hidden_size (1024) must equal text_config.hidden_size (32)."),
     ),
     'hunyuan_vl': _swept(
-        _fails_packed('ValueError: Expected 3 multimodal RoPE channels, got position_ids with shape (4, 1, 47).'),
+        fails_packed('ValueError: Expected 3 multimodal RoPE channels, got position_ids with shape (4, 1, 47).'),
     ),
     'hy_v4_vl': _swept(
-        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `mrope_section` must have three entries (time, height, width) summing to `qk_rope_head"),
+        not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `mrope_section` must have three entries (time, height, width) summing to `qk_rope_head"),
     ),
-    'hyperclovax_vision_v2': _swept(_not_run('ZeroDivisionError: integer modulo by zero')),
+    'hyperclovax_vision_v2': _swept(not_run('ZeroDivisionError: integer modulo by zero')),
     'idefics': _swept(
-        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+        not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'idefics2': _swept(NO_DATA_SIDE),
     'idefics3': _swept(NO_DATA_SIDE),
     'inkling2': _swept(
-        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `vision_config.text_hidden_size` (4608) must match `text_config.hidden_size` (32)."),
+        not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `vision_config.text_hidden_size` (4608) must match `text_config.hidden_size` (32)."),
     ),
     'inkling2_loop': _swept(
-        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `vision_config.text_hidden_size` (2304) must match `text_config.hidden_size` (32)."),
+        not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `vision_config.text_hidden_size` (2304) must match `text_config.hidden_size` (32)."),
     ),
-    'inkling_mm_model': _swept(_not_built("ModuleNotFoundError: No module named 'scipy'")),
+    'inkling_mm_model': _swept(needs("scipy")),
     'instructblip': _swept(
-        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+        not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'instructblipvideo': _swept(
-        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+        not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'internvl': _swept(NO_DATA_SIDE),
     'janus': _swept(
-        _not_built('AssertionError: janus: the tiny model has 114,071,819 parameters; a size was not shrunk.'),
+        not_built('AssertionError: janus: the tiny model has 114,071,819 parameters; a size was not shrunk.'),
     ),
     'kimi_k25': _swept(
-        _not_run('RuntimeError: Expected 3D (unbatched) or 4D (batched) input to conv2d, but got input of size: [4, 588]'),
+        not_run('RuntimeError: Expected 3D (unbatched) or 4D (batched) input to conv2d, but got input of size: [4, 588]'),
     ),
     'kosmos-2': _swept(
-        _not_built('AssertionError: kosmos-2: the tiny model has 426,776,832 parameters; a size was not shrunk.'),
+        not_built('AssertionError: kosmos-2: the tiny model has 426,776,832 parameters; a size was not shrunk.'),
     ),
     'kosmos-2.5': _swept(
-        _not_built('AssertionError: kosmos-2.5: the tiny model has 244,697,280 parameters; a size was not shrunk.'),
+        not_built('AssertionError: kosmos-2.5: the tiny model has 244,697,280 parameters; a size was not shrunk.'),
     ),
-    'lfm2_vl': _swept(_not_run('ValueError: its vision config (Siglip2VisionConfig) has no image_size')),
+    'lfm2_vl': _swept(not_run('ValueError: its vision config (Siglip2VisionConfig) has no image_size')),
     'lfm3_vl': _swept(LEAKS),
     'lighton_ocr': _swept(NO_DATA_SIDE),
-    'llama4': _swept(_not_run("AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'")),
+    'llama4': _swept(not_run("AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'")),
     'llava_next': _swept(NO_DATA_SIDE),
     'llava_next_video': _swept(NO_DATA_SIDE),
     'llava_onevision': _swept(NO_DATA_SIDE),
     'minicpm_ocr': _swept(
-        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+        not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'minicpmv4_6': _swept(
-        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+        not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'minicpmv4_7': _swept(
-        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+        not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'minimax_m3_vl': _swept(NO_DATA_SIDE),
     'mistral3': _swept(NO_DATA_SIDE),
     'mistral4': _swept(
-        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+        not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'mistral_large4': _swept(LEAKS),
-    'mllama': _swept(_not_run("AttributeError: 'MllamaModel' object has no attribute 'get_image_features'")),
+    'mllama': _swept(not_run("AttributeError: 'MllamaModel' object has no attribute 'get_image_features'")),
     'molmo2': _swept(
-        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `adapter_config.vision_feature_layer` [24, 18] must index the 2 layers of `vision_conf"),
+        not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `adapter_config.vision_feature_layer` [24, 18] must index the 2 layers of `vision_conf"),
     ),
     'muse_glimmer': _swept(
-        _not_built('AssertionError: muse_glimmer: the tiny model has 42,190,688 parameters; a size was not shrunk.'),
+        not_built('AssertionError: muse_glimmer: the tiny model has 42,190,688 parameters; a size was not shrunk.'),
     ),
     'muse_spark': _swept(
-        _not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `audio_config.out_hidden_size` (8192) must match `text_config.hidden_size` (32): the a"),
+        not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `audio_config.out_hidden_size` (8192) must match `text_config.hidden_size` (32): the a"),
     ),
     'nemotron_h_omni': _swept(
-        _not_built('AssertionError: nemotron_h_omni: the tiny model has 21,759,612 parameters; a size was not shrunk.'),
+        not_built('AssertionError: nemotron_h_omni: the tiny model has 21,759,612 parameters; a size was not shrunk.'),
     ),
     'ovis2': _swept(NO_DATA_SIDE),
-    'paddleocr_vl': _swept(_not_run('ValueError: not enough values to unpack (expected 5, got 3)')),
+    'paddleocr_vl': _swept(not_run('ValueError: not enough values to unpack (expected 5, got 3)')),
     'paligemma': _swept(NO_DATA_SIDE),
-    'perception_lm': _swept(
-        _not_built('ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may n'),
-    ),
-    'pi0': _swept(_not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)')),
+    'perception_lm': _swept(needs("timm")),
+    'pi0': _swept(not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)')),
     'pix2struct': _swept(
-        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+        not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'pp_chart2table': _swept(NO_SDPA, NO_DATA_SIDE),
     'pp_formulanet': _swept(
-        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+        not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'qianfan_ocr': _swept(NO_DATA_SIDE),
-    'qwen2_5_omni_thinker': _swept(_not_run('ZeroDivisionError: integer modulo by zero')),
+    'qwen2_5_omni_thinker': _swept(not_run('ZeroDivisionError: integer modulo by zero')),
     'qwen3_omni_moe_thinker': _swept(
-        _not_run("TypeError: Qwen3OmniMoePreTrainedModelForConditionalGeneration.get_rope_index() got an unexpected keyword argument 'mm_token_type_ids'"),
+        not_run("TypeError: Qwen3OmniMoePreTrainedModelForConditionalGeneration.get_rope_index() got an unexpected keyword argument 'mm_token_type_ids'"),
     ),
-    'shieldgemma2': _swept(_not_run('RuntimeError: stride should not be zero')),
+    'shieldgemma2': _swept(not_run('RuntimeError: stride should not be zero')),
     'smolvlm': _swept(NO_DATA_SIDE),
     'step3p7': _swept(
-        _not_run('ValueError: Could not find a `sliding_window` argument in the config, or it is not set'),
+        not_run('ValueError: Could not find a `sliding_window` argument in the config, or it is not set'),
     ),
-    't5gemma2': _swept(_not_run("AttributeError: 'T5Gemma2Config' object has no attribute 'vision_config'")),
-    'udop': _swept(_not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)')),
-    'unlimited_ocr': _swept(_not_run('ValueError: its vision config (UnlimitedOcrVisionConfig) has no image_size')),
+    't5gemma2': _swept(not_run("AttributeError: 'T5Gemma2Config' object has no attribute 'vision_config'")),
+    'udop': _swept(not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)')),
+    'unlimited_ocr': _swept(not_run('ValueError: its vision config (UnlimitedOcrVisionConfig) has no image_size')),
     'video_llama_3': _swept(
-        _not_run("TypeError: VideoLlama3Model.get_image_features() missing 1 required positional argument: 'image_merge_sizes'"),
+        not_run("TypeError: VideoLlama3Model.get_image_features() missing 1 required positional argument: 'image_merge_sizes'"),
     ),
     'video_llava': _swept(NO_DATA_SIDE),
-    'vipllava': _swept(_not_run('IndexError: tuple index out of range')),
+    'vipllava': _swept(not_run('IndexError: tuple index out of range')),
     'vision-encoder-decoder': _swept(
-        _not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+        not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
 }
 

@@ -4,20 +4,28 @@ fed packed image+text samples and each sample alone, and a verdict per family an
 `measure_family(model_type, attn)` builds the family's tiny model (`prepack.model.tiny_vision_models.
 tiny_vision_config`: every size shrunk, the image placeholder and special tokens at the top of the vocabulary
 as the text sweep places them, nothing downloaded), makes three image+text samples (one image, two images,
-text only; random pixels in the tower's own input layout) and runs them alone, then packed into one row with
-`position_ids` restarting at every sample (and, for 3-D rotary families, each sample's own rotary rows from
-the model's `get_rope_index`, the text row first: what `VisionCollator` emits). float64, logits compared.
+text only; random pixels in the tower's own input layout) and runs them alone (the image sample's logits must
+change with its pixels, inverted, or the family is not measured: isolation on images the logits do not see would
+be vacuous), then packed into one row with `position_ids` restarting at every sample (and, for 3-D rotary
+families, each sample's own rotary rows from the model's `get_rope_index`, the text row first: what
+`VisionCollator` emits). float64, logits compared.
 
 The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` must hold for that backend:
 - a family the table gives a style (VisionCollator batches it): `enable_packing` on, the packed batch must
   equal the samples alone; its verdict is "native" when the batch is isolated without what `enable_packing`
   adds, "layer masks" when only with it (Gemma 3's image blocks). Where the table refuses, `enable_packing`
-  must raise, and the refusal must be needed: the batch let through leaks or fails;
-- any other family is refused, with the reason measured here: no tiny model could be built, transformers has
-  no such attention for it, the sweep could not run an image sample alone (the family takes image inputs
-  the sweep does not form), transformers' own code fails on the packed batch, the packed samples see each
-  other, or they are isolated natively but prepack has no data side (placeholder rule, collator style) for
-  the family yet.
+  must raise, and the refusal must be needed: the batch let through leaks or fails; the refusal's reason is then
+  prepack's own (the table's, raised by its IsolationError), not measured. Where the table isolates and
+  `enable_packing` or the packed forward raises IsolationError, the family is measured as refused. Of an
+  isolated batch, the sweep measures whether it is isolated, not how: a family whose text verdict runs
+  sequence-state layers one document per row (Qwen3.5's gated delta rule) is given that text verdict, read from
+  `prepack.model.families`, and on flash every isolated family is given "native" (transformers isolates from
+  the offsets enable_packing derives), neither measured apart;
+- any other family is refused, with the reason measured here: no tiny model could be built (or it needs a
+  package that is not installed, such as timm), transformers has no such attention for it, the sweep could not
+  run an image sample alone (the family takes image inputs the sweep does not form), transformers' own code
+  fails on the packed batch, the packed samples see each other, or they are isolated natively but prepack has
+  no data side (placeholder rule, collator style) for the family yet.
 `sweep()` runs it for every family (`prepack check-isolation --sweep` on sdpa or eager) and says where the
 table and the measurement disagree. The flash and flex columns are measured by tests/model/test_vision_sweep.py
 with the pure-torch stand-ins of the kernels (tests/flash_reference.py), for the families the table gives a
@@ -27,6 +35,7 @@ style; the others are refused there as not measured.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -41,7 +50,7 @@ from prepack.model.isolation import default_tolerances
 from prepack.model.packing import enable_packing
 from prepack.model.tiny_models import DOCUMENT_VOCAB
 from prepack.model import families, vision_families
-from prepack.model.vision_families import VISION_FAMILIES, measured_refusal
+from prepack.model.vision_families import LEAKS, NO_DATA_SIDE, VISION_FAMILIES, fails_packed, not_built, not_run
 
 __all__ = ["IMAGE_TEXT_TYPES", "VisionCheck", "measure_family", "sweep"]
 
@@ -56,7 +65,6 @@ class VisionCheck:
     """One family on one backend: the table's verdict against the one measured."""
 
     model_type: str
-    attn_implementation: str
     table: Verdict | None  # None: the table lacks the family
     measured: Verdict
 
@@ -69,7 +77,7 @@ def check_family(model_type: str, attn: str, switch: Callable | None = None) -> 
     """`measure_family` against the table's verdict for the family on `attn`."""
     family = VISION_FAMILIES.get(model_type)
     table = None if family is None else family.verdicts[BACKENDS.index(backend_of(attn))]
-    return VisionCheck(model_type, attn, table, measure_family(model_type, attn, switch))
+    return VisionCheck(model_type, table, measure_family(model_type, attn, switch))
 
 
 def sweep(attn: str = "sdpa") -> Iterator[VisionCheck]:
@@ -87,40 +95,43 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
     try:
         model = tiny_vision_model(model_type, "sdpa" if switch else attn, dtype=torch.float64)
     except Exception as exc:  # noqa: BLE001 (a family that does not build is a finding the table states)
-        if "does not support an attention implementation" in str(exc):
-            return _UNSUPPORTED.get(backend_of(attn), measured_refusal("build", _described(exc)))
-        return measured_refusal("build", _described(exc))
+        return _not_built_on(attn, exc)
+    tolerance, _ = default_tolerances(torch.float64, attn)
     try:
         samples = _samples(model)
         # With `switch`, each sample alone runs on sdpa, the model as its family means it (Gemma 3's flash path
         # would run its image blocks causally alone too).
         alone = [_logits(model, sample) for sample in samples]
+        _require_pixels_seen(model, samples[0], alone[0], tolerance)
         packed = _packed(model, samples)
     except Exception as exc:  # noqa: BLE001 (inputs the sweep does not form for this family)
-        return measured_refusal("alone", _described(exc))
+        return not_run(_described(exc))
     if switch:
         try:
             switch(model, attn)
         except Exception as exc:  # noqa: BLE001
-            if "does not support an attention implementation" in str(exc):
-                return _UNSUPPORTED[backend_of(attn)]
-            return measured_refusal("build", _described(exc))
-    tolerance, _ = default_tolerances(torch.float64, attn)
+            return _not_built_on(attn, exc)
     styled = model_type in VISION_FAMILIES and VISION_FAMILIES[model_type].style is not None
     native = _isolated(model, packed, alone, tolerance)
     if not styled:
         if isinstance(native, Exception):
-            return measured_refusal("packed", _described(native))
-        return measured_refusal("no data side" if native else "leaks")
+            return fails_packed(_described(native))
+        return NO_DATA_SIDE if native else LEAKS
     expected = VISION_FAMILIES[model_type].verdicts[BACKENDS.index(backend_of(attn))]
     try:
         enable_packing(model)
         protected = _isolated(model, packed, alone, tolerance)
-    except IsolationError:
-        # Refused: the refusal must be needed (let through, natively, the batch leaks or fails).
-        return expected if native is not True else vision_families.NATIVE
+    except IsolationError as exc:
+        if expected.isolated:  # a family the table isolates, refused: measured as refused, with prepack's reason
+            return fails_packed(_described(exc))
+        # Refused as the table says: the refusal must be needed (let through, natively, the batch leaks or fails).
+        if native is True:
+            return vision_families.NATIVE
+        return expected
+    if protected is False:
+        return LEAKS
     if protected is not True:
-        return measured_refusal("leaks" if protected is False else "packed", _described(protected) if protected else "")
+        return fails_packed(_described(protected))
     # The sequence-state layers enable_packing runs one sample per row (Qwen3.5's), as for text.
     text_verdict = families.verdict(model_type, attn)
     if text_verdict is not None and text_verdict.per_document:
@@ -232,6 +243,14 @@ def _logits(model, sample: _Sample) -> torch.Tensor:
         return model(**_batch(model, sample.input_ids, sample.pixels)).logits[0]
 
 
+def _require_pixels_seen(model, sample: _Sample, logits: torch.Tensor, tolerance: float) -> None:
+    """The sample's logits change with its pixels (inverted) by more than `tolerance`: else an isolation measured
+    on its images would be vacuous (a tower that does not reach the logits cannot leak)."""
+    inverted = _Sample(sample.input_ids, {**sample.pixels, "pixel_values": 1 - sample.pixels["pixel_values"]})
+    if not (_logits(model, inverted) - logits).abs().max() > tolerance:
+        raise ValueError("an image sample's logits do not change with its pixels")
+
+
 def _packed(model, samples: list[_Sample]) -> dict:
     """The samples in one row, positions restarting at each (3-D rotary: each sample's own rotary rows)."""
     input_ids = torch.cat([sample.input_ids for sample in samples])
@@ -268,6 +287,23 @@ def _isolated(model, packed: dict, alone: list[torch.Tensor], tolerance: float):
         return exc
     expected = torch.cat(alone)
     return bool((logits - expected).abs().max() <= tolerance)
+
+
+def _not_built_on(attn: str, exc: Exception) -> Verdict:
+    """The refusal of a family whose model could not be built on (or switched to) `attn`."""
+    if "does not support an attention implementation" in str(exc):
+        return _UNSUPPORTED.get(backend_of(attn), not_built(_described(exc)))
+    if (package := _missing_package(exc)) is not None:
+        return vision_families.needs(package)
+    return not_built(_described(exc))
+
+
+def _missing_package(exc: BaseException) -> str | None:
+    """The package whose absence failed the build (an import, or transformers' "requires the timm library"), or None."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        return exc.name.partition(".")[0]
+    required = re.search(r"requires the (\S+) library but it was not found", str(exc))
+    return required[1] if required else None
 
 
 def _described(exc: BaseException) -> str:

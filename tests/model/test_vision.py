@@ -19,6 +19,8 @@ import re
 import numpy as np
 import pytest
 import torch
+from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
 from prepack import enable_packing
 from prepack.errors import InputError, IsolationError
@@ -34,6 +36,7 @@ from tests.flash_reference import enable_flash_attention, use_flash_reference, u
 from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3")
+ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
 TOLERANCE = 1e-9
@@ -302,9 +305,17 @@ def test_gemma3_image_blocks_are_needed():
     assert logit_diff > 1e-3
 
 
-def test_rotary_positions_equal_transformers_get_rope_index():
-    """prepack's numpy positions (computed in DataLoader workers) are transformers' own, sample by sample."""
-    model, _, made, collator = setup("qwen2_5_vl")
+@pytest.mark.parametrize("model_type", ROTARY_3D)
+def test_rotary_positions_equal_transformers_get_rope_index(model_type):
+    """prepack's numpy positions (computed in DataLoader workers) are transformers' own, sample by sample, for
+    every 3-D rotary family; and AutoImageProcessor gives each the Qwen2-VL image processor that prepare-images'
+    placeholder rule is keyed on (Qwen3-VL-MoE has no entry of its own: the one of Qwen3-VL, whose processor it
+    shares)."""
+    shares = [name for name, processor in PROCESSOR_MAPPING_NAMES.items()
+              if processor == PROCESSOR_MAPPING_NAMES[model_type] and name in IMAGE_PROCESSOR_MAPPING_NAMES]
+    mapped = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or IMAGE_PROCESSOR_MAPPING_NAMES[shares[0]]
+    assert set(mapped.values()) == {"Qwen2VLImageProcessor", "Qwen2VLImageProcessorPil"}, mapped
+    model, _, made, collator = setup(model_type)
     for sample in made:
         if not sample["images"]:
             continue
@@ -313,7 +324,8 @@ def test_rotary_positions_equal_transformers_get_rope_index():
         expected, _ = model.model.get_rope_index(
             ids, mm_token_type_ids=(ids == collator.spec.image_token_id).int(), image_grid_thw=grids
         )
-        got = rotary_3d_positions(sample["input_ids"], grids.numpy(), collator.spec.image_token_id, 2)
+        merge = model.config.vision_config.spatial_merge_size
+        got = rotary_3d_positions(sample["input_ids"], grids.numpy(), collator.spec.image_token_id, merge)
         np.testing.assert_array_equal(got, expected[:, 0].numpy())
 
 
