@@ -330,7 +330,7 @@ def _keep_text_offsets_from_the_tower(model: transformers.PreTrainedModel):
     if model.config.model_type not in VISION_FAMILIES:
         return None
     tower = model.get_encoder(modality="image")
-    if tower is model or tower is model.base_model:
+    if tower is None or tower is model or tower is model.base_model:  # a text-only model of a vision family's type
         return None
 
     def drop_text_offsets(module, args, kwargs):
