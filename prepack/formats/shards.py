@@ -470,7 +470,7 @@ class Manifest(StrictModel):
         have (labels, a mixture's `source_ids`, a pair build's `pair_roles`, an index build's)."""
         return open_shard(
             path, self.has_labels, self.options.max_len, self.index_of, where=where,
-            sources=self.mixture is not None, pairs=self.pairs is not None,
+            sources=self.mixture is not None, pairs=None if self.options.pairs is None else self.options.pairs.size,
         )
 
 
@@ -630,24 +630,25 @@ def open_shard(
     *,
     where: str | None = None,
     sources: bool = False,
-    pairs: bool = False,
+    pairs: int | None = None,
 ) -> pa.RecordBatch:
     """Memory-map one shard (zero-copy) and check its structure: a regular file holding an Arrow IPC
     stream of the format's schema (metadata included) and one uncompressed record batch
     (`read_one_batch`), whose buffers hold what their lengths say and whose list offsets start at 0 and
     end at their values' length. The row contents are checked by `check_shard`. Problems with the
     contents name `where` (default: `path`; the shard's URI when `path` is a cached copy, `prepack.storage.cache`).
-    `sources`: a mixture's shard, with `source_ids`; `pairs`: a preference-pair build's (`Manifest.pairs`),
-    with `pair_roles`."""
+    `sources`: a mixture's shard, with `source_ids`; `pairs`: a preference-pair or group build's group size
+    (`PairOptions.size`, 2 for pairs), with `pair_roles`, whose packs' largest role must be that size - 1
+    (`check_shard` holds each document's role to that stride)."""
     where = str(path) if where is None else where
-    expected = shard_schema(has_labels, max_len, store, sources=sources, pairs=pairs)
+    expected = shard_schema(has_labels, max_len, store, sources=sources, pairs=pairs is not None)
 
     def check_schema(schema: pa.Schema) -> None:
         nonlocal expected
         planned = (schema.metadata or {}).get(SHARD_STORE_KEY.encode())
         generation = store.planned_from(planned) if store is not None and planned is not None else None
         if generation is not None and generation.fingerprint != store.fingerprint:  # an earlier generation's shard
-            expected = shard_schema(has_labels, max_len, generation, sources=sources, pairs=pairs)
+            expected = shard_schema(has_labels, max_len, generation, sources=sources, pairs=pairs is not None)
         if store is not None and planned is not None and generation is None:
             refuse(
                 where,
@@ -677,7 +678,21 @@ def open_shard(
             if offsets[0] != 0 or offsets[-1] != len(values):
                 refuse(where, f"offsets run from {offsets[0]} to {offsets[-1]}, not from 0 to its {len(values)} "
                       "values.", column=column)
+    if pairs is not None:
+        _check_group_size(batch, where, pairs)
     return batch
+
+
+def _check_group_size(batch: pa.RecordBatch, where: str, size: int) -> None:
+    """Every pack's largest `pair_roles` value is the manifest's group size - 1: roles 0, 1, 0, 1 … in a build of
+    groups of 4 are whole pairs on their own, and a reader taking G from them would lay out the wrong groups."""
+    offsets, roles = list_column(batch, PAIR_ROLES, where)
+    filled = np.flatnonzero(np.diff(offsets) > 0)
+    largest = np.maximum.reduceat(roles, offsets[filled]) if len(filled) else roles[:0]
+    if (bad := largest != size - 1).any():
+        unit = "pairs (roles 0 and 1)" if size == 2 else f"groups of {size} (roles 0 to {size - 1})"
+        refuse(where, f"its largest role is {largest[first_index(bad)]}, but the manifest's build holds {unit}",
+               int(filled[first_index(bad)]), PAIR_ROLES)
 
 
 class PackLayout(NamedTuple):

@@ -177,3 +177,34 @@ def test_stored_reference_log_probabilities_cover_a_group_build(group_build, tmp
         assert torch.equal(stored.tokens, computed.tokens)
         with pytest.raises(UsageError, match="not of groups of 4"):
             stored_reference(batch)
+
+
+def test_a_shard_whose_roles_make_smaller_groups_than_the_manifest_is_refused(group_build, tmp_path):
+    """Roles 0, 1, 0, 1 … in a G = 4 build's shard are whole pairs, sound on their own: the manifest's G is what
+    they are held to, by the reader and by the collator of the build."""
+    import shutil
+
+    import pyarrow as pa
+
+    from prepack.errors import FormatError, IsolationError
+    from prepack.training.collate import PackedCollator
+    from tests.corpus import record_shard
+
+    root, _ = group_build
+    build = shutil.copytree(root / "out", tmp_path / "out")
+    path = build / read_manifest(build).shards[0].name
+    batch = pa.ipc.open_stream(path.read_bytes()).read_next_batch()
+    field = batch.schema.field("pair_roles")
+    roles = [[j % 2 for j in range(len(row))] for row in batch.column("pair_roles").to_pylist()]
+    batch = batch.set_column(batch.schema.get_field_index("pair_roles"), field, pa.array(roles, field.type))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    path.write_bytes(sink.getvalue().to_pybytes())
+    record_shard(build / "manifest.json", path)
+    with pytest.raises(FormatError, match=f"pair_roles.*groups of {SIZE}|groups of {SIZE}.*pair_roles"):
+        PackedDataset(build)[0]
+    pack = PackedDataset(root / "out")[0]
+    pairs = pack | {"pair_roles": np.arange(len(pack["pair_roles"])) % 2}
+    with pytest.raises(IsolationError, match=f"groups of {SIZE}"):
+        PackedCollator.for_dataset(root / "out")([pairs])
