@@ -181,6 +181,17 @@ class TokenizeOptions(StrictModel):
     eos: bool = Field(description="Whether EOS was appended to every text document.")
 
 
+GROUP_SIZE_MAX = 255  # a group's documents: its roles 0 … G - 1 are `pair_roles`' uint8 values
+
+
+def unit_name(size: int, plural: bool = False) -> str:
+    """What every message calls one prompt's `size` documents: a "pair" (2, from --pairs or --groups alike) or a
+    "group"; `plural`: "pairs" or "groups of G"."""
+    if size == 2:
+        return "pairs" if plural else "pair"
+    return f"groups of {size}" if plural else "group"
+
+
 class PairOptions(StrictModel):
     """How a preference-pair build (`--pairs`) read its pairs: pair r of the corpus is documents 2r
     (prompt + chosen) and 2r + 1 (prompt + rejected). A group build (`--groups`) is the same with G
@@ -193,7 +204,7 @@ class PairOptions(StrictModel):
         default=None, description="A group build's column of completions (a list a row); absent from a pair build's."
     )
     group_size: int | None = Field(
-        default=None, ge=2, le=255, description="A group build's completions a row (G); absent from a pair build's (2)."
+        default=None, ge=2, le=GROUP_SIZE_MAX, description="A group build's completions a row (G); absent from a pair build's (2)."
     )
 
     @model_validator(mode="after")
@@ -210,6 +221,11 @@ class PairOptions(StrictModel):
     def size(self) -> int:
         """Documents a unit: 2 a pair, G a group."""
         return self.group_size or 2
+
+    @property
+    def unit(self) -> str:
+        """What messages call a unit (`unit_name`)."""
+        return unit_name(self.size)
 
 
 class PairTotals(StrictModel):
@@ -484,9 +500,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     # Likewise no `options.max_docs_per_pack` key in a build without a cap.
     unset: dict = {name: True for name in ("pairs", "max_docs_per_pack") if getattr(manifest.options, name) is None}
     if manifest.options.pairs is not None:  # a pair build's options name chosen and rejected, a group build's not
-        unset["pairs"] = {name: True for name, value in manifest.options.pairs if value is None} or None
-        if unset["pairs"] is None:
-            del unset["pairs"]
+        unset["pairs"] = {name: True for name, value in manifest.options.pairs if value is None}  # never empty
     if unset:
         exclude["options"] = unset
     fields = manifest.model_dump(mode="json", exclude=exclude or None)
@@ -690,8 +704,8 @@ def _check_group_size(batch: pa.RecordBatch, where: str, size: int) -> None:
     filled = np.flatnonzero(np.diff(offsets) > 0)
     largest = np.maximum.reduceat(roles, offsets[filled]) if len(filled) else roles[:0]
     if (bad := largest != size - 1).any():
-        unit = "pairs (roles 0 and 1)" if size == 2 else f"groups of {size} (roles 0 to {size - 1})"
-        refuse(where, f"its largest role is {largest[first_index(bad)]}, but the manifest's build holds {unit}",
+        refuse(where, f"its largest role is {largest[first_index(bad)]}, but the manifest's build holds "
+               f"{unit_name(size, plural=True)} (roles 0 to {size - 1})",
                int(filled[first_index(bad)]), PAIR_ROLES)
 
 
@@ -810,7 +824,7 @@ def _check_pairs(batch: pa.RecordBatch, where: str, documents: np.ndarray) -> No
         refuse(where, f"{np.diff(offsets)[r]} values for {documents[r]} documents", r, PAIR_ROLES)
     roles = roles[offsets[0] : offsets[-1]]
     size = max(int(roles.max(initial=1)) + 1, 2)
-    unit, units = ("pair", "pairs") if size == 2 else ("group", f"groups of {size}")
+    unit, units = unit_name(size), unit_name(size, plural=True)
     if (bad := documents % size != 0).any():
         r = first_index(bad)
         refuse(where, f"{documents[r]} documents: a pack of a preference-pair build holds whole {units}", r, "cu_seqlens")

@@ -49,7 +49,7 @@ from typing import NamedTuple
 import numpy as np
 
 from prepack.errors import InputError
-from prepack.formats.shards import IGNORE_INDEX, PairOptions, TokenizeOptions
+from prepack.formats.shards import GROUP_SIZE_MAX, IGNORE_INDEX, PairOptions, TokenizeOptions
 from prepack.sources.chat_templates import render_chat
 from prepack.sources.corpus import Corpus, DocumentBatch, file_columns, file_kind, json_object_blocks, record_batches
 from prepack.sources.tokenize import (
@@ -301,6 +301,9 @@ def first_group_size(corpus: Corpus, column: str) -> int:
                     found = f"{len(value)} completion(s)" if isinstance(value, list) else type_name(value)
                     raise InputError(f"{path}, row {row}, column {column!r}: expected a list of two completions or more "
                                      f"(a group), found {found}.")
+                if len(value) > GROUP_SIZE_MAX:
+                    raise InputError(f"{path}, row {row}, column {column!r}: {len(value)} completions, more than "
+                                     f"{GROUP_SIZE_MAX} (a group's documents are numbered by one byte).")
                 return len(value)
     raise InputError(f"{corpus.files[0] if corpus.files else 'the corpus'}: the corpus has no rows.")
 

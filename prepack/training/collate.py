@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import numpy as np
 
 from prepack.errors import ArgumentTypeError, IsolationError, UsageError, optional_imports
-from prepack.formats.shards import IGNORE_INDEX, read_manifest
+from prepack.formats.shards import IGNORE_INDEX, read_manifest, unit_name
 
 with optional_imports("PackedCollator"):
     import torch
@@ -388,7 +388,7 @@ def _require_whole_groups(packs: list[_Pack], group_size: int | None) -> int:
         roles = pack.pair_roles
         documents = len(pack.cu_seqlens) - 1
         if roles is None or roles.tolist() != list(range(size)) * (documents // size) or documents % size or len(sizes) > 1:
-            whole = "pairs" if size == 2 else f"groups of {size}"
+            whole = unit_name(size, plural=True)
             first = "chosen 0, then rejected 1" if size == 2 else f"completions 0 to {size - 1} in order"
             raise IsolationError(
                 f"Pack {number}: pair_roles {None if roles is None else roles.tolist()} do not make whole {whole} of "
@@ -398,7 +398,7 @@ def _require_whole_groups(packs: list[_Pack], group_size: int | None) -> int:
     return size
 
 
-def _reference_logps(packs: list[_Pack], size: int = 2) -> np.ndarray:
+def _reference_logps(packs: list[_Pack], size: int) -> np.ndarray:
     """[P, G] float64: the stored reference log-probabilities of each group's documents (a pair's chosen and
     rejected), in the order of `_pair_segments` (every pack's documents, in order, make whole groups)."""
     missing = [number for number, pack in enumerate(packs) if pack.reference_logps is None]

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from prepack.errors import UsageError, optional_imports
-from prepack.formats.shards import IGNORE_INDEX
+from prepack.formats.shards import IGNORE_INDEX, unit_name
 
 with optional_imports("prepack.training.shared_prompt"):
     import torch
@@ -72,7 +72,7 @@ def pack_groups(input_ids: np.ndarray, cu_seqlens: np.ndarray, labels: np.ndarra
     as its prompt (the first document's leading -100 labels) and its completions with their labels. A group
     whose documents do not all start with the same prompt (same length of leading -100 labels, same tokens),
     or has no prompt, is refused by pack and group."""
-    unit = "pair" if size == 2 else "group"
+    unit = unit_name(size)
     groups = []
     for first in range(0, len(cu_seqlens) - 1, size):
         spans = [slice(cu_seqlens[d], cu_seqlens[d + 1]) for d in range(first, first + size)]
