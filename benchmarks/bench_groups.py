@@ -9,14 +9,15 @@ Llama (2 layers, --hidden, float32, sdpa, CPU): the policy's forward and backwar
 forward, and prints the token positions the model computes and the median wall time over --repeats.
 
 - Groups: packs of whole groups (first-fit, --max-len tokens), --pack-batch packs a batch, collated by
-  `PackedCollator` as G documents a group (`padded`, rows of max_len) and in the shared-prompt layout (each
-  prompt once; rows of the batch's longest re-laid pack); the loss is DPO of the first completion against each
+  `PackedCollator` as G documents a group (`padded`, rows of the batch's longest pack) and in the shared-prompt
+  layout (each prompt once; rows of the batch's longest re-laid pack): like for like; the loss is DPO of the first completion against each
   other (examples/train_groups_plain_loop.py).
 - KTO: TRL 1.16's KTOTrainer data path, batches of --batch-size examples each padded by
   `DataCollatorForUnpairedPreference` (the completion batch and the KL batch, each to its longest, TRL's KL
   completions cycled in the batch), against the same examples and KL completions packed as groups of 2 in the
-  shared-prompt layout (`kto_groups`, `shared_prompt_layout`, rows of up to --max-len tokens), one forward for
-  both; `kto_loss` on both. Prints markdown.
+  shared-prompt layout (`kto_groups`, `shared_prompt_layout`), one forward for both: each TRL batch's examples
+  first-fit into rows of up to --max-len tokens, one layout a TRL batch, so that `kto_loss`'s KL estimate z is
+  taken over the same examples as TRL's and the loss is TRL's (`tests/train/test_kto.py`). Prints markdown.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def main() -> None:
     print(f"## Groups: {len(groups)} groups of {args.size}, {len(packs)} packs of up to {args.max_len} tokens, "
           f"{args.pack_batch} a batch\n")
     print("| layout | positions computed | step (s) |\n|---|---:|---:|")
-    for name, options in (("G documents a group (padded, rows of max_len)", {}),
+    for name, options in (("G documents a group (padded, the batch's longest row)", {"pad_to": "longest"}),
                           ("shared prompt (padded, the batch's longest row)", {"shared_prompt": True})):
         batches = [PackedCollator(args.max_len, **options)(chunk) for chunk in chunks]
         positions = sum(b["input_ids"].numel() for b in batches)
@@ -173,15 +174,21 @@ def main() -> None:
                             for i in range(s, min(s + args.batch_size, args.examples))])
                    for s in range(0, args.examples, args.batch_size)]
     kto = kto_groups(prompts, completions, partners)
-    rows = first_fit(list(range(args.examples)), [len(g.prompt) + sum(map(len, g.completions)) for g in kto], args.max_len)
-    packed = [(shared_prompt_layout([[kto[i] for i in row]]), torch.as_tensor(labels[row])) for row in rows]
+    lengths = [len(g.prompt) + sum(map(len, g.completions)) for g in kto]
+    packed, row_count = [], 0
+    for start in range(0, args.examples, args.batch_size):  # one layout a TRL batch: z over the same examples
+        batch = list(range(start, min(start + args.batch_size, args.examples)))
+        rows = first_fit(batch, [lengths[i] for i in batch], args.max_len)
+        order = [i for row in rows for i in row]  # group_logps' order: the layout's rows, in order
+        packed.append((shared_prompt_layout([[kto[i] for i in row] for row in rows]), torch.as_tensor(labels[order])))
+        row_count += len(rows)
     trl_positions = sum(b["input_ids"].numel() + b["KL_input_ids"].numel() for b in trl_batches)
     packed_positions = sum(b["input_ids"].numel() for b, _ in packed)
     print(f"\n## KTO: {args.examples} examples, TRL batches of {args.batch_size} (KL completions cycled in each)\n")
     print("| path | positions computed (a model's forward) | step (s) |\n|---|---:|---:|")
     print(f"| TRL KTOTrainer, padded completion and KL batches | {trl_positions:,} | "
           f"{timed(lambda: trl_kto_step(model, reference, trl_batches), args.repeats):.3f} |")
-    print(f"| packed, shared prompt (completion and KL completion after one prompt), {len(rows)} rows | "
+    print(f"| packed, shared prompt (completion and KL completion after one prompt), {row_count} rows | "
           f"{packed_positions:,} | {timed(lambda: packed_kto_step(model, reference, packed), args.repeats):.3f} |")
 
 

@@ -215,6 +215,8 @@ def _fail(exc: PrepackError) -> None:
 def _summary(manifest: Manifest, out: str) -> Table:
     from rich.table import Table
 
+    from prepack.formats.shards import unit_name
+
     t, o = manifest.totals, manifest.options
     table = Table(title=f"packed into {out}", show_header=False, title_justify="left")
     fill = t.tokens / (t.packs * o.max_len)
@@ -229,7 +231,7 @@ def _summary(manifest: Manifest, out: str) -> Table:
         ("labels", "in the shards" if manifest.has_labels else "none"),
         ("untrained (no trained token)", _untrained(t.untrained, t.untrained_tokens, o.drop_untrained)),
     ]
-    units = "pairs" if o.pairs is None or o.pairs.group_size is None else f"groups of {o.pairs.group_size}"
+    units = unit_name(2 if o.pairs is None else o.pairs.size, plural=True)
     if (p := manifest.pairs) is not None:
         rows.insert(1, (units, f"{p.pairs:,} read, {p.truncated:,} truncated, {p.dropped:,} dropped; "
                                f"prompt / completion tokens {p.prompt_tokens:,} / {p.completion_tokens:,}"))

@@ -38,11 +38,13 @@ from prepack.formats.shards import (
     BuildOptions,
     InputFile,
     Manifest,
+    PairOptions,
     PairTotals,
     StoreReference,
     TokenizeOptions,
     Totals,
     store_path_problem,
+    unit_name,
     write_manifest,
 )
 from prepack.storage.output import Staging, output_errors, staged_append, staged_directory
@@ -328,6 +330,8 @@ def build_packs(
             )
         store_path = _store_path(corpus, out) if index_only else None  # refuses a store the build cannot name
         documents = open_documents(source.spec, reading, out, bar, source.location)
+        if documents.pairs is not None:  # its group size is known now (a group corpus's first row), before any row is read
+            _check_pairs_cap(documents.pairs.options, packing.max_docs_per_pack)
         store = documents.store
         with (
             _staged(out, output) as staging,
@@ -504,19 +508,21 @@ def _check_pair_options(packing: Packing, output: Output, flag: str) -> None:
         )
     if packing.drop_untrained:
         raise InputError(f"--drop-untrained would break {flag[2:]} apart: leave it out with {flag}.")
-    if packing.max_docs_per_pack == 1:
-        raise InputError(f"--max-docs-per-pack 1 leaves no room for a pair's two documents: give 2 or more with {flag}.")
     if flag == "--groups" and output.engine != "local":
         raise InputError("--groups builds run on the local engine (pairs run on Ray too): leave out --engine ray.")
+
+
+def _check_pairs_cap(options: PairOptions, cap: int | None) -> None:
+    """Refuse a --max-docs-per-pack below the documents of one pair or group, which no pack could hold."""
+    if cap is not None and cap < options.size:
+        raise InputError(f"--max-docs-per-pack {cap} leaves no room for a {options.unit}'s {options.size} documents: "
+                         f"give {options.size} or more.")
 
 
 def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> PairPlan:
     """The plan of a preference-pair build, after refusing what `packing.overflow` refuses, by file and row."""
     prompt_lengths, max_len = documents.pairs.prompt_lengths(), packing.max_len
     size = documents.pairs.options.size
-    if packing.max_docs_per_pack is not None and packing.max_docs_per_pack < size:
-        raise InputError(f"--max-docs-per-pack {packing.max_docs_per_pack} leaves no room for a group's {size} documents: "
-                         f"give {size} or more.")
     refused = None
     if packing.overflow == "error" and (pair := first_overlong_pair(first.lengths, max_len, size)) is not None:
         tokens = int(first.lengths[size * pair : size * (pair + 1)].sum())
@@ -528,7 +534,7 @@ def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> Pai
     elif packing.overflow == "truncate" and len(over := overlong_prompts(first.lengths, prompt_lengths, max_len, size)):
         times = "twice" if size == 2 else f"{size} times"
         refused = int(over[0]), (
-            f"the {'pair' if size == 2 else 'group'}'s prompt of {int(prompt_lengths[over[0]])} tokens, {times}, leaves no room in --max-len {max_len} "
+            f"the {unit_name(size)}'s prompt of {int(prompt_lengths[over[0]])} tokens, {times}, leaves no room in --max-len {max_len} "
             "for one completion token each (choose --overflow drop, or a larger --max-len)"
         )
     if refused is not None:

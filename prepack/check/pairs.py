@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from prepack.formats.shards import IGNORE_INDEX, PairTotals
+from prepack.formats.shards import IGNORE_INDEX, PairTotals, unit_name
 
 __all__ = ["PairCounts", "pair_count_problems", "shard_pairs"]
 
@@ -87,7 +87,7 @@ def _check_chunk(ids, labels, starts, lengths, lo: int, hi: int, prompt: np.ndar
     for member in range(1, size):
         name = "(rejected)" if size == 2 else f"(completion {member})"
         first_name = "its chosen document" if size == 2 else "its group's first document"
-        unit = "pair" if size == 2 else "group"
+        unit = unit_name(size)
         other = prompt[lo + member : hi : size]
         if (bad := np.flatnonzero(first_prompt != other)).size:
             document = lo + size * int(bad[0]) + member

@@ -38,7 +38,7 @@ from prepack.storage.cache import ShardCache, build_cache
 from prepack.errors import FormatError, InputError, PrepackError, optional_imports
 from prepack.formats.common import StrictModel, list_column
 from prepack.check.pairs import PairCounts, pair_count_problems, shard_pairs
-from prepack.formats.shards import Manifest, check_layout, check_shard, read_manifest, shard_path
+from prepack.formats.shards import Manifest, check_layout, check_shard, read_manifest, shard_path, unit_name
 from prepack.storage.output import output_errors
 from prepack.storage.remote import is_uri
 
@@ -667,7 +667,7 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
         costs.add_row(name, f"{c.tokens:,}", f"{c.padding_tokens:,}", f"{c.ratio:.2f}")
     if (pr := r.pairs) is not None:
         c = pr.trl_padded
-        units = "pairs" if pr.group_size is None else f"groups of {pr.group_size}"
+        units = unit_name(pr.group_size or 2, plural=True)
         padded = "TRL DPOTrainer" if pr.group_size is None else "padded"
         costs.add_row(f"{padded}, random batches of {r.batch_size} {units}", f"{c.tokens:,}", f"{c.padding_tokens:,}", f"{c.ratio:.2f}")
         summary.add_row(

@@ -75,6 +75,7 @@ from prepack.formats.shards import (
     read_manifest,
     shard_file_problems,
     shard_sha256,
+    unit_name,
 )
 from prepack.building.mixture import PieceCounts, packable_tokens, piece_counts, segment_trained_tokens, trained_segments
 from prepack.building.pair_plan import pair_pieces
@@ -456,7 +457,7 @@ def _pair_count_problems(manifest: Manifest) -> Iterator[Problem]:
     if p is None:
         return
     size = manifest.options.pairs.size
-    times, unit = ("twice", "pair") if size == 2 else (f"{size} times", "group")
+    times, unit = "twice" if size == 2 else f"{size} times", unit_name(size)
     rules = {
         "pairs": (size * p.pairs, t.documents, f"{times} the {unit}s are totals.documents"),
         "dropped": (size * p.dropped, t.dropped, f"{times} the dropped {unit}s are totals.dropped"),

@@ -182,6 +182,17 @@ class TokenizeOptions(StrictModel):
     eos: bool = Field(description="Whether EOS was appended to every text document.")
 
 
+GROUP_SIZE_MAX = 255  # a group's documents: its roles 0 … G - 1 are `pair_roles`' uint8 values
+
+
+def unit_name(size: int, plural: bool = False) -> str:
+    """What every message calls one prompt's `size` documents: a "pair" (2, from --pairs or --groups alike) or a
+    "group"; `plural`: "pairs" or "groups of G"."""
+    if size == 2:
+        return "pairs" if plural else "pair"
+    return f"groups of {size}" if plural else "group"
+
+
 class PairOptions(StrictModel):
     """How a preference-pair build (`--pairs`) read its pairs: pair r of the corpus is documents 2r
     (prompt + chosen) and 2r + 1 (prompt + rejected). A group build (`--groups`) is the same with G
@@ -194,7 +205,7 @@ class PairOptions(StrictModel):
         default=None, description="A group build's column of completions (a list a row); absent from a pair build's."
     )
     group_size: int | None = Field(
-        default=None, ge=2, le=255, description="A group build's completions a row (G); absent from a pair build's (2)."
+        default=None, ge=2, le=GROUP_SIZE_MAX, description="A group build's completions a row (G); absent from a pair build's (2)."
     )
 
     @model_validator(mode="after")
@@ -211,6 +222,11 @@ class PairOptions(StrictModel):
     def size(self) -> int:
         """Documents a unit: 2 a pair, G a group."""
         return self.group_size or 2
+
+    @property
+    def unit(self) -> str:
+        """What messages call a unit (`unit_name`)."""
+        return unit_name(self.size)
 
 
 class PairTotals(StrictModel):
@@ -471,7 +487,7 @@ class Manifest(StrictModel):
         have (labels, a mixture's `source_ids`, a pair build's `pair_roles`, an index build's)."""
         return open_shard(
             path, self.has_labels, self.options.max_len, self.index_of, where=where,
-            sources=self.mixture is not None, pairs=self.pairs is not None,
+            sources=self.mixture is not None, pairs=None if self.options.pairs is None else self.options.pairs.size,
         )
 
 
@@ -485,9 +501,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     # Likewise no `options.max_docs_per_pack` key in a build without a cap.
     unset: dict = {name: True for name in ("pairs", "max_docs_per_pack") if getattr(manifest.options, name) is None}
     if manifest.options.pairs is not None:  # a pair build's options name chosen and rejected, a group build's not
-        unset["pairs"] = {name: True for name, value in manifest.options.pairs if value is None} or None
-        if unset["pairs"] is None:
-            del unset["pairs"]
+        unset["pairs"] = {name: True for name, value in manifest.options.pairs if value is None}  # never empty
     if unset:
         exclude["options"] = unset
     fields = manifest.model_dump(mode="json", exclude=exclude or None)
@@ -638,24 +652,25 @@ def open_shard(
     *,
     where: str | None = None,
     sources: bool = False,
-    pairs: bool = False,
+    pairs: int | None = None,
 ) -> pa.RecordBatch:
     """Memory-map one shard (zero-copy) and check its structure: a regular file holding an Arrow IPC
     stream of the format's schema (metadata included) and one uncompressed record batch
     (`read_one_batch`), whose buffers hold what their lengths say and whose list offsets start at 0 and
     end at their values' length. The row contents are checked by `check_shard`. Problems with the
     contents name `where` (default: `path`; the shard's URI when `path` is a cached copy, `prepack.storage.cache`).
-    `sources`: a mixture's shard, with `source_ids`; `pairs`: a preference-pair build's (`Manifest.pairs`),
-    with `pair_roles`."""
+    `sources`: a mixture's shard, with `source_ids`; `pairs`: a preference-pair or group build's group size
+    (`PairOptions.size`, 2 for pairs), with `pair_roles`, whose packs' largest role must be that size - 1
+    (`check_shard` holds each document's role to that stride)."""
     where = str(path) if where is None else where
-    expected = shard_schema(has_labels, max_len, store, sources=sources, pairs=pairs)
+    expected = shard_schema(has_labels, max_len, store, sources=sources, pairs=pairs is not None)
 
     def check_schema(schema: pa.Schema) -> None:
         nonlocal expected
         planned = (schema.metadata or {}).get(SHARD_STORE_KEY.encode())
         generation = store.planned_from(planned) if store is not None and planned is not None else None
         if generation is not None and generation.fingerprint != store.fingerprint:  # an earlier generation's shard
-            expected = shard_schema(has_labels, max_len, generation, sources=sources, pairs=pairs)
+            expected = shard_schema(has_labels, max_len, generation, sources=sources, pairs=pairs is not None)
         if store is not None and planned is not None and generation is None:
             refuse(
                 where,
@@ -685,7 +700,21 @@ def open_shard(
             if offsets[0] != 0 or offsets[-1] != len(values):
                 refuse(where, f"offsets run from {offsets[0]} to {offsets[-1]}, not from 0 to its {len(values)} "
                       "values.", column=column)
+    if pairs is not None:
+        _check_group_size(batch, where, pairs)
     return batch
+
+
+def _check_group_size(batch: pa.RecordBatch, where: str, size: int) -> None:
+    """Every pack's largest `pair_roles` value is the manifest's group size - 1: roles 0, 1, 0, 1 … in a build of
+    groups of 4 are whole pairs on their own, and a reader taking G from them would lay out the wrong groups."""
+    offsets, roles = list_column(batch, PAIR_ROLES, where)
+    filled = np.flatnonzero(np.diff(offsets) > 0)
+    largest = np.maximum.reduceat(roles, offsets[filled]) if len(filled) else roles[:0]
+    if (bad := largest != size - 1).any():
+        refuse(where, f"its largest role is {largest[first_index(bad)]}, but the manifest's build holds "
+               f"{unit_name(size, plural=True)} (roles 0 to {size - 1})",
+               int(filled[first_index(bad)]), PAIR_ROLES)
 
 
 class PackLayout(NamedTuple):
@@ -803,7 +832,7 @@ def _check_pairs(batch: pa.RecordBatch, where: str, documents: np.ndarray) -> No
         refuse(where, f"{np.diff(offsets)[r]} values for {documents[r]} documents", r, PAIR_ROLES)
     roles = roles[offsets[0] : offsets[-1]]
     size = max(int(roles.max(initial=1)) + 1, 2)
-    unit, units = ("pair", "pairs") if size == 2 else ("group", f"groups of {size}")
+    unit, units = unit_name(size), unit_name(size, plural=True)
     if (bad := documents % size != 0).any():
         r = first_index(bad)
         refuse(where, f"{documents[r]} documents: a pack of a preference-pair build holds whole {units}", r, "cu_seqlens")

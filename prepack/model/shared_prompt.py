@@ -19,7 +19,7 @@ other completion is not; sliding-window layers would need a mask of their own: t
 from __future__ import annotations
 
 from prepack.errors import IsolationError, optional_imports
-from prepack.training.shared_prompt import PARTS
+from prepack.training.shared_prompt import group_parts
 
 with optional_imports("enable_packing"):
     import torch
@@ -57,7 +57,7 @@ def _sees(query_id: torch.Tensor, key_id: torch.Tensor, query: torch.Tensor, key
     return (key <= query) & (query_id // parts == key_id // parts) & ((key_id % parts == 0) | (query_id == key_id))
 
 
-def shared_prompt_mask(shared_prompt_ids: torch.Tensor, dtype: torch.dtype, parts: int = PARTS) -> torch.Tensor:
+def shared_prompt_mask(shared_prompt_ids: torch.Tensor, dtype: torch.dtype, parts: int) -> torch.Tensor:
     """[B, 1, L, L] additive mask in `dtype`: 0 where a query (row) may attend to a key (column), else the
     dtype's minimum (eager adds it to the scores; sdpa takes a float mask the same way)."""
     ids = shared_prompt_ids
@@ -67,7 +67,7 @@ def shared_prompt_mask(shared_prompt_ids: torch.Tensor, dtype: torch.dtype, part
     return mask[:, None]
 
 
-def shared_prompt_block_mask(shared_prompt_ids: torch.Tensor, parts: int = PARTS) -> BlockMask:
+def shared_prompt_block_mask(shared_prompt_ids: torch.Tensor, parts: int) -> BlockMask:
     """flex_attention's BlockMask [B, 1, L, L] of the same rule, its mask_mod reading the ids.
 
     Compiled, as transformers builds its own flex masks, except on a CPU, where compiling it costs more than
@@ -86,7 +86,9 @@ def shared_prompt_kwargs(kwargs: dict, config, attn: str | None, how: str | None
     """The forward's keyword arguments with `shared_prompt_ids` replaced by its mask (a BlockMask on
     flex_attention, a 4-D tensor in `dtype` on sdpa and eager), or IsolationError."""
     kwargs = dict(kwargs)
-    ids, parts = kwargs.pop("shared_prompt_ids"), int(kwargs.pop("shared_prompt_parts", PARTS))
+    parts = group_parts(kwargs)
+    ids = kwargs.pop("shared_prompt_ids")
+    kwargs.pop("shared_prompt_parts")
     require_shared_prompt_support(attn, config, how)
     given = [key for key in ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k") if kwargs.get(key) is not None]
     tokens = kwargs.get("input_ids")

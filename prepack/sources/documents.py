@@ -174,7 +174,7 @@ def _pair_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documen
         raise InputError(f"{flag} tokenizes its {flag[2:]}: give --tokenizer (and --chat for conversations).")
     if reading.groups and (given := _given(reading, (*_NOT_FOR_PAIRS, "chosen_column", "rejected_column"))):
         raise InputError(f"--groups reads --prompt-column and --completions-column and labels the completions: leave out {', '.join(given)}.")
-    if given := _given(reading, (*_NOT_FOR_PAIRS, *(() if reading.groups else ("completions_column",)))):
+    if not reading.groups and (given := _given(reading, (*_NOT_FOR_PAIRS, "completions_column"))):
         raise InputError(
             f"--pairs reads --prompt-column, --chosen-column and --rejected-column and labels the completions: "
             f"leave out {', '.join(given)}."

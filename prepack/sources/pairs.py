@@ -49,7 +49,7 @@ from typing import NamedTuple
 import numpy as np
 
 from prepack.errors import InputError
-from prepack.formats.shards import IGNORE_INDEX, PairOptions, TokenizeOptions
+from prepack.formats.shards import GROUP_SIZE_MAX, IGNORE_INDEX, PairOptions, TokenizeOptions
 from prepack.sources.chat_templates import render_chat
 from prepack.sources.corpus import Corpus, DocumentBatch, file_columns, file_kind, json_object_blocks, record_batches
 from prepack.sources.tokenize import (
@@ -90,59 +90,52 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 @dataclass(frozen=True)
-class _PairEncoder:
-    """Turns a chunk of pair records into documents; pickled once per worker process (chat)."""
+class _Encoder:
+    """Tokenizes prompts and their completions as TRL's trainers do; pickled once per worker process (chat)."""
 
     tokenizer: object  # tokenizers.Tokenizer
     vocab_size: int
-    options: PairOptions
     chat: bool
     template: str | None
     template_file: str | None  # where the template was read, named in errors
     special_tokens: dict[str, str]
     eos_id: int | None
 
-    def __call__(self, path: Path, row0: int, records: list[dict]):
-        size = self.options.size
-        prompts, fulls, where = [], [], []
-        for i, record in enumerate(records):
-            prompt, completions, columns = self._parts(path, row0 + i, record)
-            prompts.append(self._text(f"{path}, row {row0 + i}", prompt, None))
-            for column, completion in zip(columns, completions):
-                fulls.append(self._text(f"{path}, row {row0 + i}, column {column}", prompt, completion))
-                where.append((row0 + i, column))
+    def _encoded(self, path: Path, groups: list[tuple[int, object, list[tuple[str, object]]]]) -> tuple[list[np.ndarray], list[int]]:
+        """Each group (row, prompt, [(column, completion), …]) as its documents' token ids, prompt + completion
+        (+ EOS), in order, and each group's prompt length: where the prompt alone and prompt + completion diverge
+        (TRL's rule: tokens may merge across the boundary), the same for every document of the group. EOS is
+        TRL's: appended to a text completion unless it already ends with the EOS text. InputError (file, row,
+        column) for an empty completion or a token id not below the vocabulary size."""
+        prompts, fulls, where, appends = [], [], [], []
+        eos_text = self.special_tokens.get("eos_token")
+        for row, prompt, completions in groups:
+            prompts.append(self._text(f"{path}, row {row}", prompt, None))
+            for column, completion in completions:
+                fulls.append(self._text(f"{path}, row {row}, column {column}", prompt, completion))
+                where.append((row, column))
+                appends.append(self.eos_id is not None and not (isinstance(completion, str) and completion.endswith(eos_text)))
         prompt_ids, full_ids = self._ids(prompts), self._ids(fulls)
-        documents, labels, prompt_lengths = [], [], []
-        for i, prompt in enumerate(prompt_ids):
-            group = full_ids[size * i : size * (i + 1)]
-            # Where the completion starts: where prompt and prompt + completion diverge (TRL's rule: tokens
-            # may merge across the boundary), the same for every document of the pair or group.
-            length = min(_common_prefix(prompt, full) for full in group)
-            if size == 2 and self.options.completions_column is None and np.array_equal(group[0], group[1]):
-                raise InputError(
-                    f"{path}, row {row0 + i}: chosen and rejected are the same tokens; a preference pair needs two "
-                    "different completions."
-                )
-            for (row, column), ids in zip(where[size * i : size * (i + 1)], group):
-                ids = np.append(ids, self.eos_id) if self.eos_id is not None else ids
+        documents, prompt_lengths, first = [], [], 0
+        for (_, _, completions), prompt in zip(groups, prompt_ids):
+            members = range(first, first + len(completions))
+            length = min(_common_prefix(prompt, full_ids[d]) for d in members)
+            for d in members:
+                ids = np.append(full_ids[d], self.eos_id) if appends[d] else full_ids[d]
                 if len(ids) == length:
-                    raise InputError(f"{path}, row {row}, column {column}: the completion is empty (no token after the prompt).")
+                    raise InputError(f"{path}, row {where[d][0]}, column {where[d][1]}: the completion is empty (no token "
+                                     "after the prompt).")
                 documents.append(ids)
-                trained = ids.copy()
-                trained[:length] = IGNORE_INDEX
-                labels.append(trained)
             prompt_lengths.append(length)
-        lengths = np.fromiter(map(len, documents), np.int64, len(documents))
-        offsets = np.zeros(len(documents) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        ids = np.concatenate(documents)
-        if (bad := ids >= self.vocab_size).any():
-            document = int(np.searchsorted(offsets, int(np.flatnonzero(bad)[0]), "right")) - 1
+            first += len(completions)
+        if documents and (bad := (ids := np.concatenate(documents)) >= self.vocab_size).any():
+            offsets = np.cumsum([0, *map(len, documents)])
+            d = int(np.searchsorted(offsets, int(np.flatnonzero(bad)[0]), "right")) - 1
             raise InputError(
-                f"{path}, row {row0 + document // size}, column {where[document][1]}: token id {ids[bad][0]} is not "
-                f"below the tokenizer's vocabulary size {self.vocab_size}; is tokenizer.json consistent?"
+                f"{path}, row {where[d][0]}, column {where[d][1]}: token id {ids[bad][0]} is not below the tokenizer's "
+                f"vocabulary size {self.vocab_size}; is tokenizer.json consistent?"
             )
-        return offsets, ids.astype(np.int32), np.concatenate(labels).astype(np.int32), np.asarray(prompt_lengths, np.int64)
+        return documents, prompt_lengths
 
     def _ids(self, texts: list[str]) -> list[np.ndarray]:
         """Each text's token ids, encoded in batches of about _ENCODE_BATCH_CHARS characters whose encodings
@@ -160,6 +153,55 @@ class _PairEncoder:
             start = end
         return ids
 
+    def _value(self, where: str, value):
+        """A prompt or completion: messages in chat mode, a string otherwise."""
+        if self.chat:
+            return checked_messages(where, value)
+        if isinstance(value, str):
+            return value
+        hint = "; --chat reads messages" if isinstance(value, list) else ""
+        raise InputError(f"{where}: expected a string (plain-text pairs), found {type_name(value)}{hint}.")
+
+    def _text(self, where: str, prompt, completion) -> str:
+        """The prompt alone (completion None; chat: with the generation prompt), or prompt + completion."""
+        if not self.chat:
+            return prompt if completion is None else prompt + completion
+        messages = prompt if completion is None else prompt + completion
+        return render_chat(self.template, self.template_file, where, messages,
+                           add_generation_prompt=completion is None, special_tokens=self.special_tokens)[0]
+
+
+@dataclass(frozen=True)
+class _PairEncoder(_Encoder):
+    """Turns a chunk of pair (or group) records into documents."""
+
+    options: PairOptions
+
+    def __call__(self, path: Path, row0: int, records: list[dict]):
+        size = self.options.size
+        groups = []
+        for i, record in enumerate(records):
+            prompt, completions, columns = self._parts(path, row0 + i, record)
+            groups.append((row0 + i, prompt, list(zip(columns, completions))))
+        documents, prompt_lengths = self._encoded(path, groups)
+        labels = []
+        for i, length in enumerate(prompt_lengths):
+            group = documents[size * i : size * (i + 1)]
+            if size == 2 and self.options.completions_column is None and np.array_equal(group[0], group[1]):
+                raise InputError(
+                    f"{path}, row {row0 + i}: chosen and rejected are the same tokens; a preference pair needs two "
+                    "different completions."
+                )
+            for ids in group:
+                trained = ids.copy()
+                trained[:length] = IGNORE_INDEX
+                labels.append(trained)
+        lengths = np.fromiter(map(len, documents), np.int64, len(documents))
+        offsets = np.zeros(len(documents) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        ids = np.concatenate(documents).astype(np.int32)
+        return offsets, ids, np.concatenate(labels).astype(np.int32), np.asarray(prompt_lengths, np.int64)
+
     def _parts(self, path: Path, row: int, record: dict) -> tuple[object, list, list[str]]:
         """The row's prompt and completions, checked (messages in chat mode, strings otherwise), and each
         completion's column as errors name it. A pair row whose prompt column is missing or null has an
@@ -170,10 +212,7 @@ class _PairEncoder:
         columns = ([o.completions_column] if group else [o.chosen_column, o.rejected_column]) + ([o.prompt_column] if explicit else [])
         values = {}
         for column in columns:
-            value = record.get(column)
-            if value is None:
-                present = ", ".join(key for key, value in record.items() if value is not None) or "none"
-                raise InputError(f"{path}, row {row}: the record has no {column!r} (fields: {present}).")
+            value = _required(path, row, record, column)
             if column == o.completions_column:
                 if not isinstance(value, list) or len(value) != o.size:
                     found = f"{len(value)} completions" if isinstance(value, list) else type_name(value)
@@ -196,22 +235,14 @@ class _PairEncoder:
             )
         return prompt, [chosen, rejected], names
 
-    def _value(self, where: str, value):
-        """A prompt or completion: messages in chat mode, a string otherwise."""
-        if self.chat:
-            return checked_messages(where, value)
-        if isinstance(value, str):
-            return value
-        hint = "; --chat reads messages" if isinstance(value, list) else ""
-        raise InputError(f"{where}: expected a string (plain-text pairs), found {type_name(value)}{hint}.")
 
-    def _text(self, where: str, prompt, completion) -> str:
-        """The prompt alone (completion None; chat: with the generation prompt), or prompt + completion."""
-        if not self.chat:
-            return prompt if completion is None else prompt + completion
-        messages = prompt if completion is None else prompt + completion
-        return render_chat(self.template, self.template_file, where, messages,
-                           add_generation_prompt=completion is None, special_tokens=self.special_tokens)[0]
+def _required(path: Path, row: int, record: dict, column: str):
+    """The record's value in `column`, or InputError naming the fields it has."""
+    value = record.get(column)
+    if value is None:
+        present = ", ".join(key for key, value in record.items() if value is not None) or "none"
+        raise InputError(f"{path}, row {row}: the record has no {column!r} (fields: {present}).")
+    return value
 
 
 def _file_records(path: Path, columns: list[str]) -> Iterator[tuple[int, list[dict], int]]:
@@ -270,6 +301,9 @@ def first_group_size(corpus: Corpus, column: str) -> int:
                     found = f"{len(value)} completion(s)" if isinstance(value, list) else type_name(value)
                     raise InputError(f"{path}, row {row}, column {column!r}: expected a list of two completions or more "
                                      f"(a group), found {found}.")
+                if len(value) > GROUP_SIZE_MAX:
+                    raise InputError(f"{path}, row {row}, column {column!r}: {len(value)} completions, more than "
+                                     f"{GROUP_SIZE_MAX} (a group's documents are numbered by one byte).")
                 return len(value)
     raise InputError(f"{corpus.files[0] if corpus.files else 'the corpus'}: the corpus has no rows.")
 
@@ -358,41 +392,27 @@ def unpaired_examples(
 ) -> UnpairedExamples:
     """The corpus's examples, tokenized; InputError (file, row, column) for a bad row."""
     template, template_file = resolve_chat_template(tokenizer, chat_template) if chat else (None, None)
-    # The pair encoder renders, checks and encodes prompts and completions; its options are not read here.
-    encoder = _PairEncoder(
-        tokenizer=tokenizer.tokenizer, vocab_size=tokenizer.vocab_size,
-        options=PairOptions(prompt_column=prompt_column, completions_column=completion_column, group_size=2),
-        chat=chat, template=template, template_file=template_file, special_tokens=tokenizer.special_tokens,
+    encoder = _Encoder(
+        tokenizer=tokenizer.tokenizer, vocab_size=tokenizer.vocab_size, chat=chat, template=template,
+        template_file=template_file, special_tokens=tokenizer.special_tokens,
         eos_id=eos_to_append(tokenizer) if eos and not chat else None,
     )
     prompts, completions, desirable = [], [], []
     columns = [prompt_column, completion_column, label_column]
     for path in corpus.files:
         for row0, records, _ in _file_records(path, columns):
-            texts, fulls, rows = [], [], []
+            examples = []
             for row, record in enumerate(records, row0):
-                values = {}
-                for column in columns:
-                    if record.get(column) is None:
-                        present = ", ".join(key for key, value in record.items() if value is not None) or "none"
-                        raise InputError(f"{path}, row {row}: the record has no {column!r} (fields: {present}).")
-                    values[column] = record[column]
+                values = {column: _required(path, row, record, column) for column in columns}
                 if not isinstance(values[label_column], bool):
                     raise InputError(f"{path}, row {row}, column {label_column!r}: expected a boolean (true: desirable), "
                                      f"found {type_name(values[label_column])}.")
                 prompt = encoder._value(f"{path}, row {row}, column {prompt_column!r}", values[prompt_column])
                 completion = encoder._value(f"{path}, row {row}, column {completion_column!r}", values[completion_column])
-                texts.append(encoder._text(f"{path}, row {row}", prompt, None))
-                fulls.append(encoder._text(f"{path}, row {row}, column {completion_column!r}", prompt, completion))
-                rows.append(row)
+                examples.append((row, prompt, [(repr(completion_column), completion)]))
                 desirable.append(values[label_column])
-            for row, prompt_ids, full_ids in zip(rows, encoder._ids(texts), encoder._ids(fulls)):
-                if encoder.eos_id is not None:
-                    full_ids = np.append(full_ids, encoder.eos_id)
-                start = _common_prefix(prompt_ids, full_ids)
-                if start == len(full_ids):
-                    raise InputError(f"{path}, row {row}, column {completion_column!r}: the completion is empty (no token "
-                                     "after the prompt).")
-                prompts.append(full_ids[:start].tolist())
-                completions.append(full_ids[start:].tolist())
+            documents, starts = encoder._encoded(path, examples)
+            for ids, start in zip(documents, starts):
+                prompts.append(ids[:start].tolist())
+                completions.append(ids[start:].tolist())
     return UnpairedExamples(prompts, completions, np.array(desirable, bool))

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import numpy as np
 
 from prepack.errors import ArgumentTypeError, IsolationError, UsageError, optional_imports
-from prepack.formats.shards import IGNORE_INDEX, read_manifest
+from prepack.formats.shards import IGNORE_INDEX, read_manifest, unit_name
 
 with optional_imports("PackedCollator"):
     import torch
@@ -142,9 +142,11 @@ class PackedCollator:
       embedding is all zeros (a model's own pad id, initialised to zeros) makes some normalisations
       divide 0 by 0 (measured: Gemma 3n's gradients turn NaN with pad id 0). A real token's embedding
       is never degenerate.
+    - `group_size=G`: the packs' groups have G documents (2: pairs); packs whose `pair_roles` make other
+      groups are refused (without it G is read from the roles). `for_dataset` takes it from a pair or group build.
 
     Every layout also carries `use_cache=False` (see the module docstring). `for_dataset` takes
-    `max_len` from the build, and with `fixed_shape=True` its `max_docs_per_pack`.
+    `max_len` from the build, with `fixed_shape=True` its `max_docs_per_pack`, and its group size.
     """
 
     def __init__(
@@ -160,6 +162,7 @@ class PackedCollator:
         source_ids: bool = False,
         shared_prompt: bool = False,
         max_docs_per_pack: int | None = None,
+        group_size: int | None = None,
     ):
         if layout not in _LAYOUTS:
             raise UsageError(f"layout must be one of {_LAYOUTS}, not {layout!r}.")
@@ -187,6 +190,9 @@ class PackedCollator:
                     "max_docs_per_pack (fixed-shape batches) takes the padded layout with rows of max_len "
                     "(pad_to='max_len'), without cp_size: any other shape follows the batch."
                 )
+        if group_size is not None and (type(group_size) is not int or group_size < 2):
+            raise UsageError(f"group_size must be an int of at least 2, not {group_size!r}.")
+        self.group_size = group_size
         self.max_docs_per_pack = max_docs_per_pack
         self.shared_prompt = shared_prompt
         self.cp_size = cp_size
@@ -206,11 +212,15 @@ class PackedCollator:
         `open_hf_dataset`, or a build directory): `max_len` is the build's, so that it is never typed
         twice, and with `fixed_shape` its `max_docs_per_pack` (a build without one is refused); `options`
         are the other arguments."""
+        build_options = None
         if isinstance(dataset, (str, os.PathLike)):
             build_options = read_manifest(dataset).options
-            max_len, cap = build_options.max_len, build_options.max_docs_per_pack
         elif hasattr(dataset, "manifest"):  # a PackedDataset
-            max_len, cap = dataset.manifest.options.max_len, dataset.manifest.options.max_docs_per_pack
+            build_options = dataset.manifest.options
+        if build_options is not None:
+            max_len, cap = build_options.max_len, build_options.max_docs_per_pack
+            if build_options.pairs is not None:
+                options.setdefault("group_size", build_options.pairs.size)
         else:
             from prepack.training.dataset import hf_dataset_options  # a datasets.Dataset: the build's options are in its info
 
@@ -264,7 +274,7 @@ class PackedCollator:
         if self.seq_idx:
             batch["seq_idx"] = torch.from_numpy(fields.seq_idx)
         if any(pack.pair_roles is not None for pack in checked):
-            segments = _pair_segments(checked, segment_ids, fields.cu_seq_lens)
+            segments = _pair_segments(checked, segment_ids, fields.cu_seq_lens, self.group_size)
             batch["pair_segments"] = torch.from_numpy(segments)
             if any(pack.reference_logps is not None for pack in checked):
                 batch["reference_logps"] = torch.from_numpy(_reference_logps(checked, segments.shape[1]))
@@ -278,7 +288,7 @@ class PackedCollator:
         """The batch of `shared_prompt=True`: each pack's groups re-laid (`prepack.training.shared_prompt`), in rows."""
         from prepack.training.shared_prompt import pack_groups, shared_prompt_layout
 
-        size = _require_whole_groups(packs)
+        size = _require_whole_groups(packs, self.group_size)
         rows = []
         for number, pack in enumerate(packs):
             if pack.labels is None:
@@ -339,11 +349,11 @@ class _Pack(NamedTuple):
     reference_logps: np.ndarray | None = None  # its stored reference log-probabilities, per document
 
 
-def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.ndarray) -> np.ndarray:
+def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.ndarray, group_size: int | None) -> np.ndarray:
     """[P, G] int64: for each group of the batch, in pack order, the numbers of its G documents among the
     batch's segments (those of `cu_seq_lens_q`; padding tails are segments too): a pair's chosen and rejected
     (G = 2). Every pack must hold whole groups of one size (`pair_roles` 0, 1, …, G - 1, 0, 1, …)."""
-    size = _require_whole_groups(packs)
+    size = _require_whole_groups(packs, group_size)
     starts = cu_seq_lens[:-1]
     starts = starts[starts < segment_ids.size]  # a fixed-shape batch's unused segments: at the end, of no token
     documents = np.flatnonzero(segment_ids.reshape(-1)[starts] != 0)  # not a padding tail
@@ -367,15 +377,18 @@ def _fixed_shape(fields: SegmentFields, segments: int) -> SegmentFields:
     return fields._replace(cu_seq_lens=cu_seq_lens, max_length=fields.position_ids.shape[1])
 
 
-def _require_whole_groups(packs: list[_Pack]) -> int:
-    """The batch's group size G (2: pairs), every pack holding whole groups: `pair_roles` 0, 1, …, G - 1 repeated."""
+def _require_whole_groups(packs: list[_Pack], group_size: int | None) -> int:
+    """The batch's group size G (2: pairs), every pack holding whole groups: `pair_roles` 0, 1, …, G - 1 repeated.
+    G is `group_size` (the build's, `for_dataset`) where given, else the packs' largest role + 1."""
     sizes = {int(pack.pair_roles.max()) + 1 for pack in packs if pack.pair_roles is not None and len(pack.pair_roles)}
-    size = min(sizes, default=2)
+    if group_size is not None:
+        sizes.add(group_size)
+    size = max(sizes, default=2)
     for number, pack in enumerate(packs):
         roles = pack.pair_roles
         documents = len(pack.cu_seqlens) - 1
         if roles is None or roles.tolist() != list(range(size)) * (documents // size) or documents % size or len(sizes) > 1:
-            whole = "pairs" if size == 2 else f"groups of {size}"
+            whole = unit_name(size, plural=True)
             first = "chosen 0, then rejected 1" if size == 2 else f"completions 0 to {size - 1} in order"
             raise IsolationError(
                 f"Pack {number}: pair_roles {None if roles is None else roles.tolist()} do not make whole {whole} of "
@@ -385,7 +398,7 @@ def _require_whole_groups(packs: list[_Pack]) -> int:
     return size
 
 
-def _reference_logps(packs: list[_Pack], size: int = 2) -> np.ndarray:
+def _reference_logps(packs: list[_Pack], size: int) -> np.ndarray:
     """[P, G] float64: the stored reference log-probabilities of each group's documents (a pair's chosen and
     rejected), in the order of `_pair_segments` (every pack's documents, in order, make whole groups)."""
     missing = [number for number, pack in enumerate(packs) if pack.reference_logps is None]

@@ -321,7 +321,8 @@ def stored_group_reference(batch: dict[str, Any]) -> GroupLogps:
     pair or group build: the stored values (`batch["reference_logps"]`) and each completion's trained tokens,
     from the labels."""
     if "reference_logps" not in batch:
-        raise UsageError("stored_reference needs reference_logps: open the build as PackedDataset(build, reference=DIR).")
+        raise UsageError("The batch has no reference_logps to take the stored reference from: open the build as "
+                         "PackedDataset(build, reference=DIR).")
     values = batch["reference_logps"]
     if "shared_prompt_ids" in batch:  # PackedCollator(shared_prompt=True): no segments, each group's parts
         from prepack.training.shared_prompt import shared_trained_tokens

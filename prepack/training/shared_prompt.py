@@ -10,7 +10,8 @@ position ids continue from the prompt's end, and the batch carries
     shared_prompt_ids    [B, L] int64   parts * group + part: group numbered from 1 over the batch (in pack
                                         order, the order of `pair_segments` and `reference_logps`), part 0
                                         the prompt, k the k-th completion; 0 at a row's padding tail
-    shared_prompt_parts  int            parts = 1 + the batch's largest group (3 for pairs, `PARTS`)
+    shared_prompt_parts  int            parts = 1 + the batch's largest group (3 for pairs); required: read
+                                        with another stride, one completion would see its sibling
 
 from which `prepack.model.shared_prompt` builds the attention (`shared_prompt_mask` for sdpa and eager,
 `shared_prompt_block_mask` for flex_attention): a token sees the earlier tokens of its own part and its group's
@@ -30,16 +31,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from prepack.errors import UsageError, optional_imports
-from prepack.formats.shards import IGNORE_INDEX
+from prepack.formats.shards import IGNORE_INDEX, unit_name
 
 with optional_imports("prepack.training.shared_prompt"):
     import torch
 
 __all__ = [
-    "PARTS", "Group", "completion_slots", "group_parts", "pack_groups", "shared_prompt_layout", "shared_trained_tokens",
+    "Group", "completion_slots", "group_parts", "pack_groups", "shared_prompt_layout", "shared_trained_tokens",
 ]
-
-PARTS = 3  # a pair's parts: prompt, chosen, rejected; a batch without `shared_prompt_parts` is one of pairs
 
 
 class Group(NamedTuple):
@@ -52,8 +51,15 @@ class Group(NamedTuple):
 
 
 def group_parts(batch: Mapping[str, Any]) -> int:
-    """The stride of a shared-prompt batch's ids: its `shared_prompt_parts`, or `PARTS` (pairs)."""
-    return int(batch.get("shared_prompt_parts", PARTS))
+    """The stride of a shared-prompt batch's ids, its `shared_prompt_parts`; a batch without it is refused:
+    no stride can be assumed (a G = 4 batch read as pairs would let completions see a sibling)."""
+    if batch.get("shared_prompt_parts") is None:
+        raise UsageError(
+            "A shared-prompt batch (shared_prompt_ids) without 'shared_prompt_parts', the stride of its ids: pass "
+            "the batch of PackedCollator(shared_prompt=True) or shared_prompt_layout whole (with a Hugging Face "
+            "Trainer, remove_unused_columns=False)."
+        )
+    return int(batch["shared_prompt_parts"])
 
 
 def _prompt_length(labels: np.ndarray) -> int:
@@ -66,7 +72,7 @@ def pack_groups(input_ids: np.ndarray, cu_seqlens: np.ndarray, labels: np.ndarra
     as its prompt (the first document's leading -100 labels) and its completions with their labels. A group
     whose documents do not all start with the same prompt (same length of leading -100 labels, same tokens),
     or has no prompt, is refused by pack and group."""
-    unit = "pair" if size == 2 else "group"
+    unit = unit_name(size)
     groups = []
     for first in range(0, len(cu_seqlens) - 1, size):
         spans = [slice(cu_seqlens[d], cu_seqlens[d + 1]) for d in range(first, first + size)]
@@ -174,6 +180,6 @@ def shared_trained_tokens(batch: Mapping[str, Any]) -> torch.Tensor:
     return counts.to(torch.int64).view(groups, parts - 1)
 
 
-def completion_slots(group: torch.Tensor, part: torch.Tensor, trained: torch.Tensor, parts: int = PARTS) -> torch.Tensor:
+def completion_slots(group: torch.Tensor, part: torch.Tensor, trained: torch.Tensor, parts: int) -> torch.Tensor:
     """Each token's place among the batch's completions, (group - 1) * (parts - 1) + part - 1; 0 where not trained."""
     return torch.where(trained, (group - 1) * (parts - 1) + part - 1, 0)

@@ -13,7 +13,8 @@ are planned once, from the examples' indices (`kl_partners`), so that they can b
 Each KL completion then sees its own example's prompt and nothing else (the shared-prompt mask, or its own
 document), and the KL estimate is TRL's on the same mismatches (`tests/train/test_kto.py`).
 
-Token lists and numpy only; the loss imports torch.
+The planning is numpy over indices and token lists; the module imports torch through `Group`
+(`prepack.training.shared_prompt`), so it belongs to the training wing, as the loss does.
 """
 
 from __future__ import annotations

@@ -177,3 +177,56 @@ def test_stored_reference_log_probabilities_cover_a_group_build(group_build, tmp
         assert torch.equal(stored.tokens, computed.tokens)
         with pytest.raises(UsageError, match="not of groups of 4"):
             stored_reference(batch)
+
+
+def test_a_shard_whose_roles_make_smaller_groups_than_the_manifest_is_refused(group_build, tmp_path):
+    """Roles 0, 1, 0, 1 … in a G = 4 build's shard are whole pairs, sound on their own: the manifest's G is what
+    they are held to, by the reader and by the collator of the build."""
+    import shutil
+
+    import pyarrow as pa
+
+    from prepack.errors import FormatError, IsolationError
+    from prepack.training.collate import PackedCollator
+    from tests.corpus import record_shard
+
+    root, _ = group_build
+    build = shutil.copytree(root / "out", tmp_path / "out")
+    path = build / read_manifest(build).shards[0].name
+    batch = pa.ipc.open_stream(path.read_bytes()).read_next_batch()
+    field = batch.schema.field("pair_roles")
+    roles = [[j % 2 for j in range(len(row))] for row in batch.column("pair_roles").to_pylist()]
+    batch = batch.set_column(batch.schema.get_field_index("pair_roles"), field, pa.array(roles, field.type))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    path.write_bytes(sink.getvalue().to_pybytes())
+    record_shard(build / "manifest.json", path)
+    with pytest.raises(FormatError, match=f"pair_roles.*groups of {SIZE}|groups of {SIZE}.*pair_roles"):
+        PackedDataset(build)[0]
+    pack = PackedDataset(root / "out")[0]
+    pairs = pack | {"pair_roles": np.arange(len(pack["pair_roles"])) % 2}
+    with pytest.raises(IsolationError, match=f"groups of {SIZE}"):
+        PackedCollator.for_dataset(root / "out")([pairs])
+
+
+def test_a_cap_below_the_group_size_is_refused_before_the_corpus_is_read(tmp_path, gpt2):  # noqa: F811
+    """The group size is known once the corpus is opened (its first row): a cap of fewer documents is refused
+    then, not after every row is tokenized (row 2 here is bad, and is never reached)."""
+    rows = text_groups(3)
+    rows[2]["completions"] = rows[2]["completions"][:3]
+    corpus = write_jsonl(tmp_path / "short.jsonl", rows)
+    with pytest.raises(InputError, match=f"--max-docs-per-pack 3 leaves no room for a group's {SIZE} documents"):
+        prepack.build(corpus, tmp_path / "a", max_len=256, tokenizer=gpt2, groups=True, overflow="drop",
+                      max_docs_per_pack=3, num_proc=1)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Q:", "chosen": " a", "rejected": " b"}])
+    with pytest.raises(InputError, match="--max-docs-per-pack 1 leaves no room for a pair's 2 documents"):
+        prepack.build(pairs, tmp_path / "b", max_len=256, tokenizer=gpt2, pairs=True, overflow="drop",
+                      max_docs_per_pack=1, num_proc=1)
+
+
+def test_a_group_of_more_than_255_completions_is_refused_by_row(tmp_path, gpt2):  # noqa: F811
+    """`pair_roles` are one byte: G is at most 255, refused by file, row and column (not a schema error)."""
+    corpus = write_jsonl(tmp_path / "big.jsonl", [{"prompt": "Q:", "completions": [f" {k}" for k in range(256)]}])
+    with pytest.raises(InputError, match=r"big.jsonl, row 0, column 'completions': 256 completions, more than 255"):
+        prepack.build(corpus, tmp_path / "a", max_len=4096, tokenizer=gpt2, groups=True, overflow="drop", num_proc=1)

@@ -111,7 +111,7 @@ def documents_of(build: Path) -> dict[int, tuple[np.ndarray, np.ndarray, int]]:
     """Every document of a build by its corpus row: (ids, labels, pack), checking the pairing as it goes."""
     found = {}
     dataset = PackedDataset(build)
-    shards = [open_shard(path, True, dataset.manifest.options.max_len, pairs=True) for path in dataset.shard_paths]
+    shards = [open_shard(path, True, dataset.manifest.options.max_len, pairs=2) for path in dataset.shard_paths]
     rows = np.concatenate([np.asarray(shard.column("source_rows").values) for shard in shards])
     at = 0
     for index in range(len(dataset)):
@@ -341,7 +341,7 @@ def test_a_shard_with_broken_pairing_is_refused(tmp_path, gpt2):
     corpus = write_jsonl(tmp_path / "pairs.jsonl", text_pairs(40))
     manifest = prepack.build(corpus, tmp_path / "out", max_len=300, tokenizer=gpt2, pairs=True, overflow="drop")
     path = tmp_path / "out" / manifest.shards[0].name
-    batch = open_shard(path, True, 300, pairs=True)
+    batch = open_shard(path, True, 300, pairs=2)
     check_shard(batch, 300, "shard")  # as written: whole pairs
 
     def replaced(column: str, values: np.ndarray) -> pa.RecordBatch:

@@ -77,3 +77,22 @@ def test_each_kl_completion_follows_its_own_examples_prompt(tmp_path, gpt2):  # 
         assert group.prompt == examples.prompts[i] and int(partners[i]) != i
         assert [list(c) for c in group.completions] == [examples.completions[i], examples.completions[int(partners[i])]]
     assert np.array_equal(partners, kl_partners(9, seed=3))
+
+
+def test_a_completion_that_ends_with_eos_gets_no_second_one_as_in_trls_trainer(tmp_path, gpt2, hf_tokenizer):  # noqa: F811
+    """TRL's KTOTrainer appends the EOS text only to a completion that does not end with it: its own
+    `_prepare_dataset` (bound to a stand-in for the trainer) tokenizes the rows, one completion ending in EOS."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+    from trl.trainer.kto_trainer import KTOTrainer
+
+    rows = text_rows(4)
+    rows[1]["completion"] += hf_tokenizer.eos_token
+    examples = unpaired_examples(find_corpus(write_jsonl(tmp_path / "kto.jsonl", rows)), load_tokenizer(gpt2), chat=False)
+    trainer = SimpleNamespace(_tokenizer=hf_tokenizer, calculate_KL=False)
+    args = SimpleNamespace(dataset_num_proc=None, max_length=None, per_device_train_batch_size=4)
+    trl = KTOTrainer._prepare_dataset(trainer, Dataset.from_list(rows), hf_tokenizer, args, "eval")
+    assert examples.prompts == trl["prompt_ids"]
+    assert examples.completions == trl["completion_ids"]
+    assert examples.completions[1][-2:] != [hf_tokenizer.eos_token_id] * 2

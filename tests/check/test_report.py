@@ -340,7 +340,7 @@ def _shard_rows(build_dir: Path):
 
     manifest = read_manifest(build_dir)
     for info in manifest.shards:
-        batch = open_shard(build_dir / info.name, True, manifest.options.max_len, pairs=True)
+        batch = open_shard(build_dir / info.name, True, manifest.options.max_len, pairs=2)
         offsets = np.asarray(batch.column("source_rows").offsets)
         values = np.asarray(batch.column("source_rows").values)
         yield from (values[offsets[i] : offsets[i + 1]] for i in range(batch.num_rows))

@@ -88,7 +88,7 @@ def test_fixed_shape_shared_prompt_batches_depend_only_on_batch_size_and_max_len
         ("labels", (BATCH, MAX_LEN)),
         ("position_ids", (BATCH, MAX_LEN)),
         ("shared_prompt_ids", (BATCH, MAX_LEN)),
-        ("shared_prompt_parts", 3),  # the build's constant: a prompt and G = 2 completions, never the batch's
+        ("shared_prompt_parts", 3),
         ("use_cache", False),
     )}
     default = batches(packs, PackedCollator(MAX_LEN, shared_prompt=True))  # rows of the batch's longest re-laid pack

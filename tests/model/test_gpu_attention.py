@@ -122,7 +122,7 @@ def leak_control(model, window: list[dict], alone_logits: list[torch.Tensor], to
         for batch in window:
             ids = batch["shared_prompt_ids"]
             rows, width = ids.shape
-            mask_mod = or_masks(shared_prompt_block_mask(ids).mask_mod, rejected_sees_chosen(ids))
+            mask_mod = or_masks(shared_prompt_block_mask(ids, batch["shared_prompt_parts"]).mask_mod, rejected_sees_chosen(ids))
             mask = create_block_mask(mask_mod, rows, None, width, width, device=ids.device)
             logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=mask,
                            use_cache=False).logits

@@ -181,3 +181,17 @@ def test_packs_of_broken_groups_are_refused():
     other = group_pack([Group([1, 2], [[3], [4]])])
     with pytest.raises(IsolationError, match="do not make whole"):
         PackedCollator(64)([pack, other])  # groups of 3 and pairs in one batch
+
+
+def test_a_batch_without_its_parts_is_refused():
+    """A G = 4 batch whose `shared_prompt_parts` went missing (a collator that drops unknown keys): read with
+    parts = 3 its completions 2 and 3 would see completion 1 and not the prompt, so the model and
+    `group_logps` refuse it by the key's name."""
+    rng = np.random.default_rng(1)
+    rows = [[Group(rng.integers(0, VOCAB, 6).tolist(), [rng.integers(0, VOCAB, 5).tolist() for _ in range(4)])]]
+    batch = shared_prompt_layout(rows)
+    del batch["shared_prompt_parts"]
+    with pytest.raises(UsageError, match="shared_prompt_parts"), torch.no_grad():
+        model_on("sdpa")(**batch)
+    with pytest.raises(UsageError, match="shared_prompt_parts"):
+        group_logps(torch.zeros(*batch["input_ids"].shape, VOCAB, dtype=torch.float64), batch)

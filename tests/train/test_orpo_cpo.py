@@ -164,18 +164,23 @@ def test_orpo_and_cpo_equal_trls_trainers(build):
     ours.backward()
     for (name, a), b in zip(trl_model.named_parameters(), packed_model.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-9, atol=1e-12, msg=f"cpo: {name}")
-    # ORPO: its forward's float64 pieces to 1e-12, its float32 odds ratio to float32's precision.
+    # ORPO: its forward's float64 pieces to 1e-12, its float32 odds ratio (loss and gradients) to float32's precision.
     trainer_class, trainer = trl_trainer("orpo")
-    model = tiny_llama(0)
+    trl_model, packed_model = tiny_llama(0), enable_packing(tiny_llama(0))
     with torch.no_grad():
-        chosen, rejected, _, _, nll = trainer.concatenated_forward(model, batch)
-        trl_loss, _ = trainer_class.get_batch_loss_metrics(trainer, model, batch)
-        policy, prompt = packed(enable_packing(tiny_llama(0)), window)
-    torch.testing.assert_close(policy.chosen / policy.chosen_tokens, chosen, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(policy.rejected / policy.rejected_tokens, rejected, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(chosen_nll(policy, prompt), nll, rtol=1e-12, atol=1e-12)
+        chosen, rejected, _, _, nll = trainer.concatenated_forward(trl_model, batch)
+    trl_loss, _ = trainer_class.get_batch_loss_metrics(trainer, trl_model, batch)
+    policy, prompt = packed(packed_model, window)
+    torch.testing.assert_close(policy.chosen.detach() / policy.chosen_tokens, chosen, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(policy.rejected.detach() / policy.rejected_tokens, rejected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(chosen_nll(policy, prompt).detach(), nll, rtol=1e-12, atol=1e-12)
     assert trl_loss.dtype == torch.float64  # the NLL's dtype; the odds-ratio term went through float32
-    torch.testing.assert_close(prepack_orpo(policy, prompt), trl_loss, rtol=1e-6, atol=1e-7)
+    ours = prepack_orpo(policy, prompt)
+    torch.testing.assert_close(ours.detach(), trl_loss.detach(), rtol=1e-6, atol=1e-7)
+    trl_loss.backward()
+    ours.backward()
+    for (name, a), b in zip(trl_model.named_parameters(), packed_model.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=f"orpo: {name}")
 
 
 @pytest.mark.slow  # ~3 s
@@ -186,7 +191,7 @@ def test_documents_that_see_other_pairs_move_orpo_and_cpo(build):
         exact = packed(enable_packing(tiny_llama(0)), window)
         plain, policies, prompts = tiny_llama(0), [], []
         for batch in window:
-            logits = plain(input_ids=batch["input_ids"]).logits
+            logits = plain(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
             policies.append(pair_logps(logits, batch))
             prompts.append(prompt_logps(logits, batch))
         leaky = PairLogps(*(torch.cat(f) for f in zip(*policies))), tuple(torch.cat(f) for f in zip(*prompts))

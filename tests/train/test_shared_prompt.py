@@ -98,7 +98,7 @@ def test_a_mask_letting_rejected_see_chosen_fails_the_comparison(build):
             parts = []
             for batch in window:
                 ids = batch["shared_prompt_ids"]
-                mask = shared_prompt_mask(ids, torch.float64)
+                mask = shared_prompt_mask(ids, torch.float64, 3)
                 if leak:  # a rejected token (part 2) also sees its pair's chosen completion (part 1)
                     pair, part = ids // 3, ids % 3
                     sees = (pair[:, :, None] == pair[:, None, :]) & (part[:, :, None] == 2) & (part[:, None, :] == 1)
@@ -136,7 +136,7 @@ def test_a_block_mask_letting_rejected_see_chosen_fails_the_flex_comparison(buil
             parts = []
             for batch in window:
                 ids = batch["shared_prompt_ids"]
-                mask = shared_prompt_block_mask(ids)
+                mask = shared_prompt_block_mask(ids, 3)
                 if leak:
                     rows, width = ids.shape
                     mask = create_block_mask(or_masks(mask.mask_mod, rejected_sees_chosen(ids)), rows, None, width, width,
