@@ -23,11 +23,11 @@ def run_prepack(
 ) -> subprocess.CompletedProcess:
     """Run `prepack ARGS...` (in `cwd`, default this process's) and capture its output as text. `env`
     changes this process's environment as it is at the call (so the variables a fixture set, the S3
-    server's, reach the command): a value sets a variable, None removes it."""
+    server's, reach the command): a value sets a variable, None removes it. Messages are not wrapped (`WIDE`)
+    unless `env` names COLUMNS: a test's paths are as long as its temporary directory (longer under xdist)."""
     assert PREPACK, "the prepack console script is not installed beside this Python"
-    environment = None
-    if env is not None:
-        environment = {name: value for name, value in {**os.environ, **env}.items() if value is not None}
+    given = {**os.environ, **WIDE, **(env or {})}
+    environment = {name: value for name, value in given.items() if value is not None}
     return subprocess.run(
         [PREPACK, *map(str, args)],
         capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn, env=environment, cwd=cwd,
