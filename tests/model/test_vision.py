@@ -413,13 +413,13 @@ def test_gemma3_image_batch_with_a_mask_is_refused():
 
 
 def test_a_family_without_a_style_is_refused_for_image_batches_with_its_measured_reason():
-    """GOT-OCR2 is isolated on text (docs/model-support.md); with images the vision sweep measured it isolated
-    natively, but prepack has no data side for it: its image batches are refused with that reason."""
+    """GOT-OCR2 is isolated on text (docs/model-support.md); with images prepack has no data side for it, and the
+    vision sweep's eager verdict (its tiny model's logits do not move with its pixels) is the refusal's reason."""
     from prepack.model.tiny_models import tiny_model
-    from prepack.model.vision_families import NO_DATA_SIDE
 
     model = enable_packing(tiny_model("got_ocr2", "eager"))
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
-    assert VISION_FAMILIES["got_ocr2"].verdicts[BACKENDS.index("eager")] == NO_DATA_SIDE
-    with pytest.raises(IsolationError, match=f"apart in got_ocr2 .*eager: {re.escape(NO_DATA_SIDE.reason)}"):
+    verdict = VISION_FAMILIES["got_ocr2"].verdicts[BACKENDS.index("eager")]
+    assert VISION_FAMILIES["got_ocr2"].style is None and not verdict.isolated
+    with pytest.raises(IsolationError, match=f"apart in got_ocr2 .*eager: {re.escape(verdict.reason)}"):
         model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), pixel_values=torch.zeros(1, 3, 8, 8))
