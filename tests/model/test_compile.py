@@ -119,19 +119,25 @@ def assert_one_graph(graphs: GraphCount, backward: bool = True) -> None:
 # --- the batches ------------------------------------------------------------------------------------
 
 
+def fixed_shape(batch_size: int, max_len: int, cap: int) -> tuple:
+    """Every shape and Python value a fixed-shape padding-free batch gives the model, in the collator's order:
+    (batch size, max-len, K) alone decide them."""
+    return (
+        ("input_ids", (batch_size, max_len)),
+        ("labels", (batch_size, max_len)),
+        ("use_cache", False),
+        ("position_ids", (batch_size, max_len)),
+        ("cu_seq_lens_q", (batch_size * (cap + 1) + 1,)),
+        ("cu_seq_lens_k", (batch_size * (cap + 1) + 1,)),
+        ("max_length_q", max_len),
+        ("max_length_k", max_len),
+    )
+
+
 def test_fixed_shape_batches_depend_only_on_batch_size_max_len_and_k(packs):
     fixed = batches(packs, PackedCollator(MAX_LEN, max_docs_per_pack=CAP))
     shapes = {tuple((key, tuple(v.shape) if isinstance(v, torch.Tensor) else v) for key, v in b.items()) for b in fixed}
-    assert shapes == {(
-        ("input_ids", (BATCH, MAX_LEN)),
-        ("labels", (BATCH, MAX_LEN)),
-        ("use_cache", False),
-        ("position_ids", (BATCH, MAX_LEN)),
-        ("cu_seq_lens_q", (BATCH * (CAP + 1) + 1,)),
-        ("cu_seq_lens_k", (BATCH * (CAP + 1) + 1,)),
-        ("max_length_q", MAX_LEN),
-        ("max_length_k", MAX_LEN),
-    )}
+    assert shapes == {fixed_shape(BATCH, MAX_LEN, CAP)}
     default = batches(packs, PackedCollator(MAX_LEN))
     assert len({len(b["cu_seq_lens_q"]) for b in default}) > 3 and len({b["max_length_q"] for b in default}) > 1
     for a, b in zip(fixed, default):  # the same segments, then segments of no token up to the fixed count
