@@ -115,6 +115,7 @@ def test_a_packed_kto_builds_loss_and_gradients_equal_trls_kto_trainer(unpaired,
     collate = PackedCollator(MAX_LEN * len(packs) if options.get("layout") == "padding_free" else MAX_LEN, **options)
     batch = collate(packs)
     assert batch["desirable"].tolist() == [unpaired.rows[i]["label"] for i in order]
+    assert "desirable" not in model_inputs(batch)  # a label, not a model input
     with torch.no_grad():
         reference = group_logps(enable_packing(tiny_llama(REFERENCE_SEED))(**model_inputs(batch)).logits, batch)
     model = enable_packing(tiny_llama(0))
