@@ -149,3 +149,16 @@ def test_an_example_too_long_is_refused_or_dropped_whole(tmp_path, gpt2):  # noq
     assert manifest.pairs.dropped == 2
     kept = [row["label"] for r, row in enumerate(rows) if r not in long]
     assert (manifest.pairs.desirable, manifest.pairs.undesirable) == (sum(kept), len(kept) - sum(kept))
+
+
+@pytest.mark.slow  # a build and an export: ~3 s
+def test_a_parquet_export_keeps_each_examples_label(tmp_path, gpt2):  # noqa: F811
+    from prepack.exports import export_build
+
+    _, build = unpaired_build(tmp_path, gpt2, max_len=128)
+    export_build(build, "parquet", tmp_path / "exported")
+    table = pq.read_table(sorted((tmp_path / "exported").rglob("*.parquet")))
+    stored = [list_column(read_manifest(build).open_shard(build / info.name), "desirable") for info in read_manifest(build).shards]
+    expected = [[bool(v) for v in values[offsets[p] : offsets[p + 1]]] for offsets, values in stored for p in range(len(offsets) - 1)]
+    assert table.column("desirable").to_pylist() == expected
+    assert "| `desirable` |" in (tmp_path / "exported" / "README.md").read_text()
