@@ -162,3 +162,19 @@ def test_a_parquet_export_keeps_each_examples_label(tmp_path, gpt2):  # noqa: F8
     expected = [[bool(v) for v in values[offsets[p] : offsets[p + 1]]] for offsets, values in stored for p in range(len(offsets) - 1)]
     assert table.column("desirable").to_pylist() == expected
     assert "| `desirable` |" in (tmp_path / "exported" / "README.md").read_text()
+
+
+def test_options_an_unpaired_build_cannot_honour_are_refused_before_reading(tmp_path, gpt2):  # noqa: F811
+    corpus = write_jsonl(tmp_path / "kto.jsonl", text_rows(3))
+    for options, says in (
+        ({"unpaired": True, "overflow": "drop", "engine": "ray"}, "--unpaired builds run on the local engine"),
+        ({"unpaired": True, "overflow": "drop", "drop_untrained": True}, "--drop-untrained would break unpaired"),
+        ({"unpaired": True, "overflow": "drop", "chosen_column": "good"}, "--unpaired reads --prompt-column, --completion-column and --label-column"),
+        ({"unpaired": True, "groups": True, "overflow": "drop"}, "--groups and --unpaired are different kinds of corpus"),
+        ({"label_column": "thumbs_up"}, "--label-column names the columns and plan of unpaired feedback: add --unpaired"),
+    ):
+        with pytest.raises(InputError, match=says):
+            prepack.build(corpus, tmp_path / "out", max_len=64, tokenizer=gpt2, **options)
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(InputError, match="not preference pairs, groups or unpaired examples"):
+        prepack.build_store(corpus, tmp_path / "store", tokenizer=gpt2, unpaired=True)
