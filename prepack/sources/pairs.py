@@ -358,17 +358,24 @@ def pair_documents(
         special_tokens=tokenizer.special_tokens,
         eos_id=eos_to_append(tokenizer) if eos and not chat else None,
     )
-    tokenize = TokenizeOptions(
+    tokenize = _tokenize_options(tokenizer, options.completions_column if group else options.chosen_column, template, eos)
+    documents = PairDocuments(tokenize, options, iter(()))
+    documents.batches = _stream(corpus, columns, encoder, num_proc, documents._prompt_lengths)
+    return documents
+
+
+def _tokenize_options(tokenizer: LocalTokenizer, column: str, template: str | None, eos: bool) -> TokenizeOptions:
+    """How a pair, group or unpaired build tokenized its corpus (chat when it has a `template`), as its manifest
+    records it: labels on the completions, EOS after a text completion when `eos`."""
+    chat = template is not None
+    return TokenizeOptions(
         tokenizer=tokenizer.info,
         mode="chat" if chat else "text",
-        column=options.completions_column if group else options.chosen_column,
+        column=column,
         chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if chat else None,
         train_on="assistant" if chat else "all",
         eos=eos and not chat,
     )
-    documents = PairDocuments(tokenize, options, iter(()))
-    documents.batches = _stream(corpus, columns, encoder, num_proc, documents._prompt_lengths)
-    return documents
 
 
 def _stream(corpus: Corpus, columns: list[str], encoder: _PairEncoder, num_proc: int, prompt_lengths: list) -> Iterator[DocumentBatch]:
@@ -461,14 +468,7 @@ def unpaired_documents(
                          "term pairs each example's prompt with another example's completion: give two or more.")
     partners = kl_partners(len(examples.prompts), seed=options.kl_seed)
     template = resolve_chat_template(tokenizer, chat_template)[0] if chat else None
-    tokenize = TokenizeOptions(
-        tokenizer=tokenizer.info,
-        mode="chat" if chat else "text",
-        column=options.completion_column,
-        chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if chat else None,
-        train_on="assistant" if chat else "all",
-        eos=eos and not chat,
-    )
+    tokenize = _tokenize_options(tokenizer, options.completion_column, template, eos)
     documents = PairDocuments(tokenize, options, iter(()), desirable=examples.desirable)
     documents.batches = _unpaired_batches(corpus, examples, partners, documents._prompt_lengths)
     return documents
