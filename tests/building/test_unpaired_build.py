@@ -78,6 +78,7 @@ def test_each_example_packs_with_its_planned_kl_completion_and_label(tmp_path, g
     assert (manifest.pairs.pairs, manifest.pairs.desirable, manifest.pairs.undesirable) == (EXAMPLES, sum(said), EXAMPLES - sum(said))
 
 
+@pytest.mark.slow  # a build and three collations: ~1 s
 def test_the_collator_passes_each_examples_label_in_pair_order(tmp_path, gpt2):  # noqa: F811
     torch = pytest.importorskip("torch")
     from prepack.training.collate import PackedCollator
