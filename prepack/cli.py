@@ -144,6 +144,10 @@ _READING_OPTIONS: dict[str, tuple[object, object]] = {
     "rejected_column": (Annotated[str, typer.Option("--rejected-column", help="--pairs: the rejected completion column.")], "rejected"),
     "groups": (Annotated[bool, typer.Option("--groups", help="The corpus holds groups: a prompt (--prompt-column) and a list of G completions (--completions-column; G its first row's, every row's), each group packed whole as G documents; needs --tokenizer and --overflow truncate, drop or error.")], False),
     "completions_column": (Annotated[str, typer.Option("--completions-column", help="--groups: the column of completions, a list a row.")], "completions"),
+    "unpaired": (Annotated[bool, typer.Option("--unpaired", help="The corpus holds unpaired feedback for KTO (TRL's format: a prompt, a completion and a boolean label a row), each example packed whole with its KL completion, another example's completion planned from --kl-seed; needs --tokenizer and --overflow truncate, drop or error.")], False),
+    "completion_column": (Annotated[str, typer.Option("--completion-column", help="--unpaired: the completion column.")], "completion"),
+    "label_column": (Annotated[str, typer.Option("--label-column", help="--unpaired: the label column, true for a desirable completion.")], "label"),
+    "kl_seed": (Annotated[int, typer.Option("--kl-seed", min=0, help="--unpaired: seed of the plan of KL completions (one seeded cycle through the examples).")], 0),
 }
 
 
@@ -232,9 +236,11 @@ def _summary(manifest: Manifest, out: str) -> Table:
         ("untrained (no trained token)", _untrained(t.untrained, t.untrained_tokens, o.drop_untrained)),
     ]
     units = unit_name(2 if o.pairs is None else o.pairs.size, plural=True)
+    units = "examples" if o.pairs is not None and o.pairs.kind == "unpaired" else units
     if (p := manifest.pairs) is not None:
+        labels = "" if p.desirable is None else f"; desirable / undesirable {p.desirable:,} / {p.undesirable:,}"
         rows.insert(1, (units, f"{p.pairs:,} read, {p.truncated:,} truncated, {p.dropped:,} dropped; "
-                               f"prompt / completion tokens {p.prompt_tokens:,} / {p.completion_tokens:,}"))
+                               f"prompt / completion tokens {p.prompt_tokens:,} / {p.completion_tokens:,}{labels}"))
     if o.tokenize is not None and o.pairs is not None:
         rows.insert(0, ("tokenized", f"{o.tokenize.tokenizer.name} ({o.tokenize.mode} {units.split()[0]}, labels on the completions)"))
     elif o.tokenize is not None:

@@ -230,6 +230,10 @@ def build(
     rejected_column: str = "rejected",
     groups: bool = False,
     completions_column: str = "completions",
+    unpaired: bool = False,
+    completion_column: str = "completion",
+    label_column: str = "label",
+    kl_seed: int = 0,
     algorithm: str = "ffd",
     overflow: str = "split",
     seed: int = 0,
@@ -272,7 +276,10 @@ def build(
     `chosen_column`, `rejected_column`), text or with `chat` conversations, each pair packed as a unit
     (`prepack.building.pair_plan`; `overflow` "truncate", "drop" or "error"), its shards carrying `pair_roles`.
     With `groups`, a prompt (`prompt_column`) and a list of G completions (`completions_column`) a row, each group
-    packed as a unit of G documents the same way (roles 0 … G - 1).
+    packed as a unit of G documents the same way (roles 0 … G - 1). With `unpaired`, unpaired feedback (KTO, TRL's
+    format: `prompt_column`, `completion_column`, `label_column` a boolean, true for desirable) is packed as units of
+    2 documents, the example's completion and its KL completion (another example's, planned from `kl_seed`:
+    `prepack.sources.pairs.unpaired_documents`), the shards carrying each example's label (`desirable`).
 
     `engine="ray"` reads, tokenizes and writes shards as Ray tasks (`prepack.building.engines.ray`; needs
     `prepack-llm[ray]`), on the cluster at `ray_address` ("auto", "ray://…"), or on the Ray instance this
@@ -308,14 +315,14 @@ def build_packs(
         if output.append:
             raise InputError(f"{corpus}: --append grows the build of one document store; a mixture is built whole.")
         mixture = corpus if isinstance(corpus, Mixture) else read_mixture(corpus)
-        if reading.pairs or reading.groups:
-            raise InputError(f"{corpus}: a mixture of preference-pair or group corpora is not supported; build each on its own.")
+        if reading.pairs or reading.groups or reading.unpaired:
+            raise InputError(f"{corpus}: a mixture of preference-pair, group or unpaired corpora is not supported; build each on its own.")
         from prepack.building.mixture_build import build_mixture
 
         with progress_bars(output.progress, output.console) as bar:
             return build_mixture(mixture, out, reading, packing, output, bar, _store_path, _engine)
-    if reading.pairs or reading.groups:
-        _check_pair_options(packing, output, "--groups" if reading.groups else "--pairs")
+    if reading.pairs or reading.groups or reading.unpaired:
+        _check_pair_options(packing, output, "--groups" if reading.groups else "--unpaired" if reading.unpaired else "--pairs")
     with progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if index_only and not is_store(source.spec):
             raise InputError(
@@ -501,15 +508,16 @@ def _check_pair_options(packing: Packing, output: Output, flag: str) -> None:
     """Refuse, before anything is read, the options a preference-pair (`flag` --pairs) or group (--groups) build
     cannot honour."""
     if packing.overflow == "split":
-        what = "a pair (both documents go" if flag == "--pairs" else "a group (its documents all go"
+        what = {"--pairs": "a pair (both documents go", "--groups": "a group (its documents all go",
+                "--unpaired": "an example (its completion and KL completion go"}[flag]
         raise InputError(
             f"{flag} never splits {what} into one pack): choose --overflow truncate (cut the "
             "completions), drop or error."
         )
     if packing.drop_untrained:
         raise InputError(f"--drop-untrained would break {flag[2:]} apart: leave it out with {flag}.")
-    if flag == "--groups" and output.engine != "local":
-        raise InputError("--groups builds run on the local engine (pairs run on Ray too): leave out --engine ray.")
+    if flag in ("--groups", "--unpaired") and output.engine != "local":
+        raise InputError(f"{flag} builds run on the local engine (pairs run on Ray too): leave out --engine ray.")
 
 
 def _check_pairs_cap(options: PairOptions, cap: int | None) -> None:
@@ -526,7 +534,8 @@ def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> Pai
     refused = None
     if packing.overflow == "error" and (pair := first_overlong_pair(first.lengths, max_len, size)) is not None:
         tokens = int(first.lengths[size * pair : size * (pair + 1)].sum())
-        what = "the pair's {} tokens (prompt + chosen, prompt + rejected)" if size == 2 else "the group's {} tokens (prompt + each completion)"
+        what = {"pairs": "the pair's {} tokens (prompt + chosen, prompt + rejected)", "groups": "the group's {} tokens (prompt + each completion)",
+                "unpaired": "the example's {} tokens (prompt + completion, prompt + KL completion)"}[documents.pairs.options.kind]
         refused = pair, (
             f"{what.format(tokens)} are longer than --max-len {max_len} "
             "(choose --overflow truncate or drop)"
@@ -551,6 +560,7 @@ def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> Pai
         untrained=first.untrained,
         max_pairs=None if packing.max_docs_per_pack is None else packing.max_docs_per_pack // size,
         size=size,
+        desirable=documents.pairs.desirable,
     )
 
 
@@ -574,6 +584,10 @@ def build_store(
     rejected_column: str = "rejected",
     groups: bool = False,
     completions_column: str = "completions",
+    unpaired: bool = False,
+    completion_column: str = "completion",
+    label_column: str = "label",
+    kl_seed: int = 0,
     shard_size: int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     append: bool = False,
@@ -605,8 +619,8 @@ def build_store(
 
 def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, reading: Reading, output: Output) -> StoreManifest:
     """`build_store`, with its options gathered (what `prepack tokenize` parses its flags into)."""
-    if reading.pairs or reading.groups:
-        raise InputError("a document store holds documents, not preference pairs or groups: build the pairs from the corpus (prepack build CORPUS --pairs ...).")
+    if reading.pairs or reading.groups or reading.unpaired:
+        raise InputError("a document store holds documents, not preference pairs, groups or unpaired examples: build the pairs from the corpus (prepack build CORPUS --pairs ...).")
     if output.shard_size < 1:
         raise InputError(f"invalid shard size {output.shard_size}: at least 1 byte.")
     _check_engine(output.engine, output.ray_address, reading)

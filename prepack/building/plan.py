@@ -518,6 +518,7 @@ class ShardPacks:
     pieces: np.ndarray  # int32 [segments]: piece number of a split document
     source_ids: np.ndarray | None = None  # uint16 [segments]: a mixture's source of each (`prepack.building.mixture_plan`)
     pair_roles: np.ndarray | None = None  # uint8 [segments]: a preference-pair build's (`prepack.building.pair_plan`)
+    desirable: np.ndarray | None = None  # bool [segments / 2]: an unpaired build's label of each example (2 segments)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,10 @@ class Reading:
     rejected_column: str = "rejected"
     groups: bool = False  # groups of completions (`prepack.sources.pairs`): a prompt and a list of G completions a row
     completions_column: str = "completions"
+    unpaired: bool = False  # unpaired feedback (KTO, `prepack.sources.pairs.unpaired_documents`): a prompt, completion and label a row
+    completion_column: str = "completion"
+    label_column: str = "label"
+    kl_seed: int = 0  # unpaired: seed of each example's KL completion (`prepack.building.kl_plan.kl_partners`)
 
     @property
     def read_column(self) -> str:
@@ -55,6 +59,8 @@ class Reading:
             return self.column
         if self.groups:
             return self.completions_column
+        if self.unpaired:
+            return self.completion_column
         if self.pairs:
             return self.chosen_column
         return self.messages_column if self.chat else self.text_column
@@ -127,8 +133,13 @@ def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None
     and options checked now; `tokenizer`, when given, is `reading.tokenizer` loaded already
     (`prepack.sources.tokenize.load_tokenizer`). `open_documents` reads a whole corpus so; `--engine ray`
     reads each corpus file so on a worker. With `reading.pairs`, preference pairs (`prepack.sources.pairs`)."""
-    if reading.pairs and reading.groups:
-        raise InputError("--pairs and --groups are two kinds of corpus: give one.")
+    if reading.pairs + reading.groups + reading.unpaired > 1:
+        kinds = [flag for flag, given in (("--pairs", reading.pairs), ("--groups", reading.groups), ("--unpaired", reading.unpaired)) if given]
+        raise InputError(f"{' and '.join(kinds)} are different kinds of corpus: give one.")
+    if reading.unpaired:
+        return _unpaired_documents(corpus, reading, tokenizer)
+    if given := _given(reading, _UNPAIRED_FIELDS):
+        raise InputError(f"{', '.join(given)} name{'s' * (len(given) == 1)} the columns and plan of unpaired feedback: add --unpaired.")
     if reading.pairs or reading.groups:
         return _pair_documents(corpus, reading, tokenizer)
     if given := _given(reading, _PAIR_FIELDS):
@@ -156,6 +167,7 @@ def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None
 
 
 _PAIR_FIELDS = ("prompt_column", "chosen_column", "rejected_column")
+_UNPAIRED_FIELDS = ("completion_column", "label_column", "kl_seed")
 # Reading options that a pair build has no use for: its labels are the completions, its columns its own.
 _NOT_FOR_PAIRS = ("column", "labels_column", "text_column", "messages_column", "train_on")
 
@@ -199,4 +211,25 @@ def _pair_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documen
         chat_template=reading.chat_template,
         num_proc=reading.num_proc,
     )
+    return Documents(corpus, reading.read_column, None, pairs.tokenize, True, pairs.batches, pairs=pairs)
+
+
+def _unpaired_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documents:
+    """An unpaired (KTO) corpus's documents: example r is documents 2r (its completion) and 2r + 1 (its KL
+    completion), as `prepack.sources.pairs.unpaired_documents` lays them out."""
+    if reading.tokenizer is None:
+        raise InputError("--unpaired tokenizes its examples: give --tokenizer (and --chat for conversations).")
+    if given := _given(reading, (*_NOT_FOR_PAIRS, "chosen_column", "rejected_column", "completions_column")):
+        raise InputError(
+            "--unpaired reads --prompt-column, --completion-column and --label-column and labels the completions: "
+            f"leave out {', '.join(given)}."
+        )
+    from prepack.formats.shards import PairOptions
+    from prepack.sources.pairs import unpaired_documents
+    from prepack.sources.tokenize import load_tokenizer
+
+    options = PairOptions(prompt_column=reading.prompt_column, completion_column=reading.completion_column,
+                          label_column=reading.label_column, kl_seed=reading.kl_seed)
+    pairs = unpaired_documents(corpus, tokenizer or load_tokenizer(reading.tokenizer), options, chat=reading.chat,
+                               eos=reading.eos, chat_template=reading.chat_template)
     return Documents(corpus, reading.read_column, None, pairs.tokenize, True, pairs.batches, pairs=pairs)
