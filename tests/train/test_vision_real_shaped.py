@@ -145,6 +145,8 @@ def test_packed_logits_equal_each_sample_alone_and_spans_are_its_images(real):
         spans = batch.pop("image_spans")
         with torch.no_grad():
             logits = model(**batch).logits
+        if first == 0:
+            first_batch, first_logits = batch, logits
         span = 0
         for row, pack in enumerate(packs):
             rows = dataset.packs.source_rows(first + row)
@@ -164,3 +166,11 @@ def test_packed_logits_equal_each_sample_alone_and_spans_are_its_images(real):
                 samples += 1
         assert span == len(spans)
     assert samples == ROWS and worst < TOLERANCE
+    # Leak control: the first batch with text positions that never restart lets each sample see those before it
+    # in its row, which moves its logits (and so the comparison above would fail).
+    assert max(len(dataset[index]["cu_seqlens"]) for index in range(2)) > 2  # a row of several samples
+    first_batch["position_ids"] = first_batch["position_ids"].clone()
+    first_batch["position_ids"][0] = torch.arange(first_batch["position_ids"].shape[-1])
+    with torch.no_grad():
+        leaked = model(**first_batch).logits
+    assert float((leaked - first_logits).abs().max()) > 1e-3
