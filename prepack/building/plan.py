@@ -42,7 +42,7 @@ segments, so the plan takes each segment's image count in the planner's order (`
 segment), a second max tree over the packs' image room (searched with the first: a subtree whose largest
 rooms fit may hold no pack that fits both, and the search then moves right), and resumes a run of equal
 lengths only after a segment with no more images than the one before it (a pack left of it lacked tokens or
-room for more images). Its packs are bounded by the segments. Without the image cap nothing of this runs.
+room for more images). Without the image cap nothing of this runs.
 
 Packs are numbered 0, 1, ... in the order they are opened. The whole plan is O(n log packs) time
 (the counting is O(n + L)) and O(n + L) memory, with L the longest segment: the histogram and bfd's
@@ -224,8 +224,12 @@ def _assign_sorted(
     segments = int(histogram.sum())
     tokens = int(np.dot(histogram, np.arange(len(histogram), dtype=np.int64)))
     cap = min(segments, max_documents or segments, 2**31 - 1)  # no cap: as many as there are segments
-    # An image cap opens a pack whenever images fill the open ones: at most one a segment.
-    bound = segments if len(images) else _pack_bound(segments, tokens, max_len, cap)
+    bound = _pack_bound(segments, tokens, max_len, cap)
+    if len(images):
+        # Of the packs under `cap` segments, at most one holds at most half max_len and half max_images (a
+        # later one's first segment would have fitted an earlier one), and fewer than 2*tokens/max_len hold
+        # more tokens, fewer than 2*images/max_images more images.
+        bound = min(segments, bound + 2 * -(-int(images.sum(dtype=np.int64)) // max_images))
     if vectorized:
         return plan_vectorized.assign_ffd(histogram, max_len, cap, bound)
     if algorithm == "ffd":

@@ -18,7 +18,8 @@ def pictured(draw):
     """A corpus of `corpora` with 0-4 images a document (mostly none, as in an SFT mix), and a cap."""
     lengths, max_len = draw(corpora())
     images = draw(st.lists(st.sampled_from([0, 0, 0, 1, 1, 2, 3, 4]), min_size=len(lengths), max_size=len(lengths)))
-    return lengths, max_len, np.array(images, dtype=np.int64), draw(st.integers(4, 9))
+    cap = draw(st.integers(1, 9))
+    return lengths, max_len, np.minimum(np.array(images, dtype=np.int64), cap), cap
 
 
 @settings(max_examples=60, deadline=None)
