@@ -295,6 +295,8 @@ def build_command(
     drop_untrained: Annotated[bool, typer.Option("--drop-untrained", help="Leave out documents with no trained token (every label -100); they are counted either way.")] = False,
     index_only: Annotated[bool, typer.Option("--index-only", help="A document store only: write which documents each pack holds, no token; the build reads them from the store.")] = False,
     max_docs_per_pack: Annotated[int | None, typer.Option("--max-docs-per-pack", metavar="K", show_default=False, help="At most K documents a pack (a preference pair counts as two), planned exactly with --max-len: fixed-shape batches for torch.compile and CUDA graphs (README, \"Compiled training\"). `prepack inspect` shows what a cap costs.")] = None,
+    max_images_per_pack: Annotated[int | None, typer.Option("--max-images-per-pack", metavar="M", show_default=False, help="At most M images a pack (a vision tower's memory follows its images), each row counting its images in --images; a row with more is refused by file and row.")] = None,
+    images: Annotated[str | None, typer.Option("--images", metavar="DIR", show_default=False, help="With --max-images-per-pack: the image set prepare-images wrote with this corpus.")] = None,
     shard_size: _ShardSizeOption = _DEFAULT_SHARD_SIZE,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing build at --out.")] = False,
     append: Annotated[bool, typer.Option("--append", help="Grow the build at --out by the documents appended to its store since (same options as the build); its shards stay as they are (README, \"Growing a corpus\").")] = False,
@@ -316,6 +318,8 @@ def build_command(
         drop_untrained=drop_untrained,
         index_only=index_only,
         max_docs_per_pack=max_docs_per_pack,
+        max_images_per_pack=max_images_per_pack,
+        images=images,
     )
     try:
         mixture = mixture_flags(corpus, source or [], tokens, mix_seed, pack_within_source, mix_count)

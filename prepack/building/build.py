@@ -17,6 +17,7 @@ docstrings say what memory their steps hold.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -79,7 +80,9 @@ class Packing:
     `overflow` ("split", "truncate", "drop", "error"), the packs shuffled with `seed`; with
     `drop_untrained`, documents with no trained token left out; with `index_only` (a store only),
     index shards written instead of token shards; with `max_docs_per_pack`, at most that many documents
-    (segments; a preference pair counts as its two) a pack, for fixed-shape batches."""
+    (segments; a preference pair counts as its two) a pack, for fixed-shape batches; with
+    `max_images_per_pack`, at most that many images a pack, each corpus row counting its images in the image
+    set at `images` (`prepack prepare-images`), by first-fit-decreasing."""
 
     max_len: int
     algorithm: str = "ffd"
@@ -88,8 +91,10 @@ class Packing:
     drop_untrained: bool = False
     index_only: bool = False
     max_docs_per_pack: int | None = None
+    max_images_per_pack: int | None = None
+    images: str | os.PathLike | None = None
 
-    def manifest_options(self, shard_size: int, column: str, labels_column: str | None) -> BuildOptions:
+    def manifest_options(self, shard_size: int, column: str, labels_column: str | None, image_set: str | None = None) -> BuildOptions:
         """The manifest's `options` for these packing options and the shards' size, the documents read
         from `column` (and labels from `labels_column`). Raises pydantic's ValidationError (a ValueError)."""
         return BuildOptions(
@@ -102,6 +107,8 @@ class Packing:
             labels_column=labels_column,
             drop_untrained=self.drop_untrained,
             max_docs_per_pack=self.max_docs_per_pack,
+            max_images_per_pack=self.max_images_per_pack,
+            image_set=image_set,
         )
 
 
@@ -241,6 +248,8 @@ def build(
     drop_untrained: bool = False,
     index_only: bool = False,
     max_docs_per_pack: int | None = None,
+    max_images_per_pack: int | None = None,
+    images: str | os.PathLike | None = None,
     overwrite: bool = False,
     append: bool = False,
     engine: str = "local",
@@ -267,6 +276,11 @@ def build(
     same algorithm under both limits, so that every batch of `prepack.training.collate.PackedCollator` with
     `fixed_shape=True` has the same shapes (`torch.compile`, CUDA graphs). A preference pair counts as its two
     documents. Recorded in the manifest and held by `verify`; without it the build is that of before.
+    `max_images_per_pack` caps the images of a pack the same way (first-fit-decreasing only), each corpus row
+    counting its images in `images`, the image set `prepack.sources.images.prepare_image_chat` wrote with the
+    corpus (a vision tower's memory follows its images, not the text tokens). A row with more images than the
+    cap is refused by file and row: no pack could hold it, and splitting or truncating it would cut images from
+    their placeholders. Recorded in the manifest with the image set's sha256, held by `verify --images`.
 
     Without `tokenizer` the corpus holds token ids in `column`, and `labels_column` is carried into
     the shards when every corpus file has it. With `tokenizer` (a local directory or tokenizer.json)
@@ -305,8 +319,9 @@ def build_packs(
     how the shards are written (what `prepack build` parses its flags into). `corpus` may be a
     mixture file or a `Mixture` (`prepack build --source …`)."""
     max_len, overflow, index_only = packing.max_len, packing.overflow, packing.index_only
+    image_counts, image_set_sha256 = _image_cap(corpus, reading, packing, output)
     try:
-        options = packing.manifest_options(output.shard_size, reading.read_column, reading.labels_column)
+        options = packing.manifest_options(output.shard_size, reading.read_column, reading.labels_column, image_set_sha256)
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
     _check_engine(output.engine, output.ray_address, reading)
@@ -360,6 +375,8 @@ def build_packs(
             # An append whose documents give no pack still records them (a generation of no new shard).
             if not first.lengths.any() and appending is None:
                 raise InputError(f"{corpus}: all {len(first.lengths)} documents are empty.")
+            if image_counts is not None:
+                _check_image_counts(image_counts, packing, documents, first)
             if documents.pairs is None and overflow == "error" and (first.lengths > max_len).any():
                 row = int(np.flatnonzero(first.lengths > max_len)[0])
                 path, file_row = locate_row(found, first.rows_per_file, row)
@@ -386,6 +403,8 @@ def build_packs(
                     drop_untrained=packing.drop_untrained,
                     max_documents=packing.max_docs_per_pack,
                     without_numba=without_numba,
+                    images=image_counts,
+                    max_images=packing.max_images_per_pack,
                 )
             bar.update(planning, total=1, completed=1)
             if plan.packs == 0 and appending is None:  # every non-empty document was left out
@@ -502,6 +521,49 @@ def _grown_manifest(build: Manifest, added: Manifest, rebuild_packs: int) -> Man
     )
     generations = [*(build.generations or [first]), grown]
     return Manifest(**{**dict(added), "inputs": inputs, "shards": shards, "totals": Totals(**totals), "generations": generations})
+
+
+def _image_cap(corpus, reading: Reading, packing: Packing, output: Output) -> tuple[np.ndarray | None, str | None]:
+    """The image count of every corpus row and the sha256 of the image set's images.json, when the build caps
+    images a pack (else None, None); before anything else is read, refused (InputError) where the cap cannot be
+    planned: without its image set, with options it does not combine with."""
+    cap, images = packing.max_images_per_pack, packing.images
+    if cap is None:
+        if images is not None:
+            raise InputError("--images names the image set whose image counts --max-images-per-pack caps: give both, or neither.")
+        return None, None
+    if type(cap) is not int or not 1 <= cap < 2**31:
+        raise InputError(f"--max-images-per-pack {cap!r}: give an integer in [1, 2**31).")
+    if images is None:
+        raise InputError(f"--max-images-per-pack {cap} counts every row's images in the corpus's image set "
+                         "(prepack prepare-images wrote it as images/ beside corpus.parquet): give it with --images DIR.")
+    refused = [flag for flag, given in (("--algorithm bfd", packing.algorithm == "bfd"), ("--append", output.append),
+               ("--pairs", reading.pairs), ("--groups", reading.groups),
+               ("a mixture", isinstance(corpus, Mixture) or is_mixture_file(corpus))) if given]
+    if refused:
+        raise InputError(f"--max-images-per-pack plans one image-chat corpus by first-fit-decreasing, whole: leave out {refused[0]}.")
+    if is_uri(images):
+        raise InputError(f"--images {images}: an image set is a local directory.")
+    from prepack.formats.images import IMAGE_SET_MANIFEST, read_image_set
+
+    image_set = read_image_set(images)  # FormatError naming file, row and column
+    counts = image_set.row_images()
+    return counts, hashlib.sha256((Path(images) / IMAGE_SET_MANIFEST).read_bytes()).hexdigest()
+
+
+def _check_image_counts(counts: np.ndarray, packing: Packing, documents: Documents, first: FirstPass) -> None:
+    """Refuse (InputError) an image set that is not the corpus's, and a row with more images than the cap, by file and row."""
+    if len(counts) != len(first.lengths):
+        raise InputError(f"--images {packing.images} describes {len(counts)} corpus rows; the corpus has {len(first.lengths)}: "
+                         "not the image set of this corpus.")
+    if (counts > packing.max_images_per_pack).any():
+        row = int(np.argmax(counts > packing.max_images_per_pack))
+        path, file_row = locate_row(documents.corpus, first.rows_per_file, row)
+        raise InputError(
+            f"{path}, row {file_row}: {counts[row]} images (in --images {packing.images}), more than "
+            f"--max-images-per-pack {packing.max_images_per_pack}: no pack can hold it, and splitting or truncating the "
+            "sample would cut images from their placeholders; raise the cap or leave the row out of the corpus."
+        )
 
 
 def _check_pair_options(packing: Packing, output: Output, flag: str) -> None:

@@ -170,6 +170,10 @@ class ImageSet:
     def data(self, number: int) -> bytes:
         return self._data[number].as_py()
 
+    def row_images(self) -> np.ndarray:
+        """Images (repeats counted) per corpus row, int64."""
+        return np.diff(self._offsets).astype(np.int64)
+
     def row_tokens(self) -> np.ndarray:
         """Placeholder tokens per corpus row."""
         per_reference = self.tokens[self._numbers].astype(np.int64)

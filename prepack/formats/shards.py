@@ -299,6 +299,25 @@ class BuildOptions(StrictModel):
         le=INT32_MAX,
         description="Most documents (segments) a pack holds, beside max_len; absent from a build without a cap.",
     )
+    max_images_per_pack: int | None = Field(
+        default=None,
+        ge=1,
+        le=INT32_MAX,
+        description="Most images a pack holds (`--max-images-per-pack`), each document counting its image set's "
+        "images (every piece of a split one); absent from a build without an image cap.",
+    )
+    image_set: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="With max_images_per_pack: the sha256 of the images.json of the image set whose image counts were "
+        "planned with (it records its files' sha256); `verify --images` and `inspect --images` refuse another.",
+    )
+
+    @model_validator(mode="after")
+    def _image_cap_and_its_set(self) -> BuildOptions:
+        if (self.max_images_per_pack is None) != (self.image_set is None):
+            raise ValueError("max_images_per_pack and image_set go together: the image cap and the image set it counted")
+        return self
 
 
 _PATH_MAX, _NAME_MAX = 4096, 255  # bytes of a path and of each of its parts (Linux's PATH_MAX, NAME_MAX)
@@ -531,8 +550,12 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     exclude: dict = {name: True for name in ("store", "mixture", "pairs", "generations") if getattr(manifest, name) is None}
     if manifest.mixture is not None and manifest.mixture.count is None:  # a mixture counting every token: as before
         exclude["mixture"] = {"count": True, "sources": {"__all__": {"trained_tokens": True}}}
-    # Likewise no `options.max_docs_per_pack` key in a build without a cap.
-    unset: dict = {name: True for name in ("pairs", "max_docs_per_pack") if getattr(manifest.options, name) is None}
+    # Likewise no `options.max_docs_per_pack` key in a build without a cap, nor image cap keys without one.
+    unset: dict = {
+        name: True
+        for name in ("pairs", "max_docs_per_pack", "max_images_per_pack", "image_set")
+        if getattr(manifest.options, name) is None
+    }
     if manifest.options.pairs is not None:  # a pair build's options name chosen and rejected, a group build's not
         unset["pairs"] = {name: True for name, value in manifest.options.pairs if value is None}  # never empty
     if unset:

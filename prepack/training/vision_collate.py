@@ -19,6 +19,14 @@ model's image processor (in DataLoader workers) and emits, by the family's style
     token_type_ids [B, L] int64  (image blocks) 1 at image placeholders: Gemma 3's bidirectional image
                                  blocks, kept inside their sample by the layer masks enable_packing builds
     use_cache     False
+    image_spans   [N, 3] int64   (with `image_spans=True`) one row per image, in the order of `pixel_values`
+                                 (and `image_grid_thw`): (row, start, end), the image's placeholder tokens being
+                                 `input_ids[row, start:end]` (end exclusive), every one of them and nothing
+                                 else; for users who weight image and text tokens differently. The triple
+                                 indexes whatever [rows, L] layout the tokens are in: a padding-free layout
+                                 ([1, T], samples back to back) has row 0 and flat positions, and
+                                 `row * L + start` is the image's first token in `input_ids.flatten()`. Pop it
+                                 from the batch before the forward: models take no such argument.
 
 There is no attention mask and no `cu_seq_lens_*`: transformers builds the block-diagonal mask from
 `position_ids` on sdpa and eager (the backends `prepack.model.vision_families` measured; Gemma 3's image
@@ -128,6 +136,8 @@ class VisionCollator:
       decode to (by default `MAX_IMAGE_PIXELS`, 32·2²⁰, and `MAX_BATCH_PIXELS`, 128·2²⁰). Every image's size
       is read from its header first; an image or a batch over its limit is refused (InputError naming the
       pack and the image) before any image of the batch is decoded.
+    - `image_spans`: also emit `image_spans` (see the module docstring); off by default, as the model's
+      forward would be handed a field it does not take.
     """
 
     def __init__(
@@ -140,6 +150,7 @@ class VisionCollator:
         image_processor_options: Mapping[str, Any] | None = None,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
         max_batch_pixels: int = MAX_BATCH_PIXELS,
+        image_spans: bool = False,
     ):
         if pad_token_id == spec.image_token_id:
             raise UsageError(f"pad_token_id {pad_token_id} is the image placeholder; pick another id.")
@@ -149,6 +160,7 @@ class VisionCollator:
                 f"({max_batch_pixels}): a batch must hold the largest image."
             )
         self.max_image_pixels, self.max_batch_pixels = max_image_pixels, max_batch_pixels
+        self.image_spans = image_spans
         self.spec, self.image_processor = spec, image_processor
         self.image_processor_options = dict(image_processor_options or {})
         # The text side is every pack's: checked, padded, labels and restarting positions as for text.
@@ -173,6 +185,9 @@ class VisionCollator:
         if self.spec.style == "image blocks":
             batch["token_type_ids"] = is_image.long()
         batch["use_cache"] = False
+        if self.image_spans:
+            grids = batch["image_grid_thw"].numpy() if "image_grid_thw" in batch else None
+            batch["image_spans"] = torch.from_numpy(_image_spans(checked, grids, self.spec))
         return batch
 
     def _preprocessed(self, images_by_pack: Sequence[Sequence[bytes]]) -> dict[str, Any]:
@@ -222,6 +237,26 @@ class VisionCollator:
                 first_image += count
             positions[:, row, len(pack.input_ids) :] = np.arange(width - len(pack.input_ids))
         return positions
+
+
+def _image_spans(packs: list[_VisionPack], grids: np.ndarray | None, spec: VisionSpec) -> np.ndarray:
+    """[N, 3] (row, start, end) of every image's placeholders, images in the order of `pixel_values`: the packs'
+    images in pack order, each pack's in token order. An image takes the next `count` placeholders of its row
+    (by its grid, or the fixed count: adjacent images' runs touch in the fixed styles), which must be one run."""
+    spans = np.zeros((sum(len(pack.images) for pack in packs), 3), dtype=np.int64)
+    image = 0
+    for row, pack in enumerate(packs):
+        positions = np.flatnonzero(pack.input_ids == spec.image_token_id)
+        at = 0
+        for _ in pack.images:
+            count = spec.tokens_per_image if grids is None else int(np.prod(grids[image])) // spec.merge_size**2
+            start = int(positions[at]) if at < len(positions) else -1
+            if at + count > len(positions) or positions[at + count - 1] != start + count - 1:
+                raise InputError(f"Pack {row}'s image {image} has {count} placeholders, but the pack's next run of "
+                                 "placeholders is shorter: its placeholders and images disagree.")
+            spans[image] = row, start, start + count
+            at, image = at + count, image + 1
+    return spans
 
 
 def _image_runs(is_image: np.ndarray, grids: np.ndarray, merge_size: int) -> int:
