@@ -597,7 +597,9 @@ def build_store(
     documents are added to the store at `out` (read and tokenized as the store records: other options are
     refused by name), in new shards after its own, which stay byte for byte as they are; the store's
     `generations` record which documents each append added, so that index builds of an earlier generation
-    keep reading it (`prepack.formats.store.StoreManifest.at_generation`). Raises `InputError` for
+    keep reading it (`prepack.formats.store.StoreManifest.at_generation`). With `pairs` or `groups`, the store
+    holds each pair's (group's) documents as a pair build reads them, in shards of whole groups, and records how
+    they were read (`StoreManifest.pairs`): its builds are those of the corpus with `pairs` (`groups`). Raises `InputError` for
     bad input (a store given as the corpus among it), and `OutputError` as `build` does; in every case
     nothing is published.
     """
@@ -607,6 +609,8 @@ def build_store(
 
 def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, reading: Reading, output: Output) -> StoreManifest:
     """`build_store`, with its options gathered (what `prepack tokenize` parses its flags into)."""
+    if reading.groups and output.engine != "local":  # as a --groups build (`_check_pair_options`)
+        raise InputError("--groups stores are written on the local engine (pairs on Ray too): leave out --engine ray.")
     if output.shard_size < 1:
         raise InputError(f"invalid shard size {output.shard_size}: at least 1 byte.")
     _check_engine(output.engine, output.ray_address, reading)

@@ -315,6 +315,9 @@ def test_options_the_engine_would_ignore_are_refused_before_anything_runs(tmp_pa
             build(corpus, tmp_path / "out", max_len=8, **options)
     with pytest.raises(InputError, match="unknown engine"):
         build_store(corpus, tmp_path / "out", engine="dask")
+    # Groups are read on the local engine only, into a build or into a store.
+    with pytest.raises(InputError, match="--groups .* the local engine"):
+        build_store(corpus, tmp_path / "out", tokenizer=tmp_path, groups=True, engine="ray")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
 
 

@@ -139,7 +139,10 @@ def test_options_other_than_the_stores_are_refused_by_name(stored, tmp_path):
         prepack.build(store, tmp_path / "b", **BUILD, **{k: v for k, v in reading.items() if k != "tokenizer"}, prompt_column="q")
     with pytest.raises(InputError, match="never splits"):
         prepack.build(store, tmp_path / "c", **{**BUILD, "overflow": "split"})
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    if size != 2:  # groups are packed on the local engine, from a corpus or a store
+        with pytest.raises(InputError, match="--groups builds run on the local engine"):
+            prepack.build(store, tmp_path / "d", **BUILD, engine="ray")
+    assert not any((tmp_path / name).exists() for name in "abcd")
 
 
 def test_a_changed_pair_store_shard_is_refused_by_build_and_found_by_verify(stored, tmp_path):
