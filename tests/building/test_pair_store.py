@@ -221,3 +221,13 @@ def test_pairs_appended_to_a_pair_store_equal_a_store_of_the_whole_corpus(tmp_pa
     assert found.totals == expected.totals and found.pairs == expected.pairs
     for a, b in zip(PackedDataset(tmp_path / "expected"), PackedDataset(tmp_path / "found")):
         assert all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
+
+
+def test_a_pair_store_in_a_mixture_is_refused_by_its_source(stored, tmp_path):
+    """A mixture selects documents, which would split the store's groups: its pair store is refused by name."""
+    _, _, store, _, _ = stored
+    mixture = tmp_path / "mix.yaml"
+    mixture.write_text(f"tokens: 2000\nsources:\n  - {{name: prefs, path: {store}, weight: 1.0}}\n")
+    with pytest.raises(InputError, match=r"source 'prefs'.*preference pairs or groups"):
+        prepack.build(mixture, tmp_path / "out", max_len=64, overflow="truncate")
+    assert not (tmp_path / "out").exists()
