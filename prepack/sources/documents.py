@@ -127,7 +127,7 @@ def _check_store_reading(store: Store, reading: Reading, where: str | os.PathLik
         recorded.update({name: getattr(pairs, name) for name in named})
     given = {f.name: getattr(reading, f.name) for f in fields(Reading) if getattr(reading, f.name) != f.default}
     if other := [name for name, value in given.items() if name in recorded and value != recorded[name]]:
-        stored = ", ".join(f"--{name.replace('_', '-')} {recorded[name]!r}" for name in other)
+        stored = ", ".join(f"{_flag(name)} {recorded[name]!r}" for name in other)
         raise InputError(f"{where} is a document store tokenized with {stored}: leave out {', '.join(_flag(n) for n in other)} "
                          "or give the store's.")
     if other := [name for name in given if name not in recorded]:
@@ -141,7 +141,8 @@ def _flag(name: str) -> str:
 def store_documents(store: Store, checked: Sequence[ShardColumns] | None = None) -> Documents:
     """The documents of a document store, read as it was written (`Store.documents`, which takes
     `checked`, the shards' columns checked already); a store of pairs or groups with its groups' prompt
-    lengths (`Store.prompt_lengths`), as `prepack.sources.pairs` reads them from their corpus."""
+    lengths recorded batch by batch (`_with_prompt_lengths`), as `prepack.sources.pairs` records them from
+    their corpus."""
     m = store.manifest
     documents = Documents(store.corpus, m.column, m.labels_column, m.tokenize, m.has_labels, store.documents(checked), store)
     if m.pairs is None:

@@ -196,7 +196,15 @@ def test_a_pair_store_refuses_what_it_cannot_hold(tmp_path, gpt2):  # noqa: F811
     text = write_jsonl(tmp_path / "text.jsonl", [{"text": "hello there"}])
     with pytest.raises(InputError, match="pairs"):
         prepack.build_store(text, tmp_path / "store", tokenizer=gpt2, append=True)
-    assert failure(run_prepack("tokenize", corpus, "--tokenizer", gpt2, "--groups", "--out", tmp_path / "g", env=WIDE))
+    # The command line: a group corpus read as pairs exits 2 by its row; pairs stored, then built, as the library does.
+    message = failure(run_prepack("tokenize", corpus, "--tokenizer", gpt2, "--groups", "--out", tmp_path / "g", env=WIDE))
+    assert "row 0, column 'completions'" in message and not (tmp_path / "g").exists()
+    cli = run_prepack("tokenize", corpus, "--tokenizer", gpt2, "--pairs", "--num-proc", "1", "--out", tmp_path / "cli-store", env=WIDE)
+    assert cli.returncode == 0, cli.stderr
+    cli = run_prepack("build", tmp_path / "cli-store", "--max-len", "96", "--overflow", "truncate", "--out", tmp_path / "cli", env=WIDE)
+    assert cli.returncode == 0, cli.stderr
+    prepack.build(tmp_path / "store", tmp_path / "library", max_len=96, overflow="truncate")
+    assert files(tmp_path / "cli") == files(tmp_path / "library")
 
 
 def test_pairs_appended_to_a_pair_store_equal_a_store_of_the_whole_corpus(tmp_path, gpt2):  # noqa: F811
