@@ -116,6 +116,7 @@ def test_an_index_build_of_a_pair_store_gives_the_full_builds_packs_and_batches(
             assert np.array_equal(np.asarray(x[key]), np.asarray(y[key])), key
 
 
+@pytest.mark.slow  # three verify runs and an inspect, each a process
 def test_verify_and_inspect_read_builds_of_a_pair_store(stored, tmp_path):
     root, corpus, store, reading, size = stored
     index = root / f"index-{size}"
@@ -145,6 +146,7 @@ def test_options_other_than_the_stores_are_refused_by_name(stored, tmp_path):
     assert not any((tmp_path / name).exists() for name in "abcd")
 
 
+@pytest.mark.slow  # an index build, and verify in a process
 def test_a_changed_pair_store_shard_is_refused_by_build_and_found_by_verify(stored, tmp_path):
     root, _, store, _, size = stored
     copy = tmp_path / "store"
@@ -189,7 +191,8 @@ def test_a_pair_store_whose_labels_split_a_groups_prompt_is_refused(stored, tmp_
         prepack.build(copy, tmp_path / "out", index_only=True, **BUILD)
 
 
-def test_a_pair_store_refuses_what_it_cannot_hold(tmp_path, gpt2):  # noqa: F811
+@pytest.mark.slow  # a store, and three commands in processes
+def test_a_pair_store_refuses_another_kind_appended_and_works_from_the_command_line(tmp_path, gpt2):  # noqa: F811
     corpus = write_jsonl(tmp_path / "pairs.jsonl", short_pairs(6))
     prepack.build_store(corpus, tmp_path / "store", tokenizer=gpt2, pairs=True, num_proc=1)
     # A text corpus appended to a pair store reads otherwise: refused by the option that differs.
