@@ -129,6 +129,9 @@ def test_verify_and_inspect_read_builds_of_a_pair_store(stored, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     result = run_prepack("inspect", index, env=WIDE)
     assert result.returncode == 0 and ("pairs" if size == 2 else f"groups of {size}") in result.stdout
+    # The index build's pairs, their prompts read from the store's labels, are those the full build's tokens hold.
+    reports = [json.loads(run_prepack("inspect", build, "--json").stdout) for build in (root / "from-corpus", index)]
+    assert reports[0]["pairs"] == reports[1]["pairs"] and reports[0]["pairs"]["prompt_tokens"] > 0
 
 
 def test_options_other_than_the_stores_are_refused_by_name(stored, tmp_path):
