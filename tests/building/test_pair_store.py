@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import prepack
 from prepack import PackedCollator, PackedDataset
@@ -245,3 +247,35 @@ def test_a_pair_store_in_a_mixture_is_refused_by_its_source(stored, tmp_path):
     with pytest.raises(InputError, match=r"source 'prefs'.*preference pairs or groups"):
         prepack.build(mixture, tmp_path / "out", max_len=64, overflow="truncate")
     assert not (tmp_path / "out").exists()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(2, 4).flatmap(lambda g: st.tuples(st.just(g), st.lists(st.lists(st.integers(0, 9), min_size=g, max_size=g), min_size=1, max_size=12))),
+    st.integers(1, 30),
+    st.lists(st.integers(1, 5), min_size=1, max_size=6),
+)
+def test_store_shards_hold_whole_groups_however_the_groups_arrive(tmp_path_factory, groups, capacity, cuts):
+    """`StoreShardWriter` (the local engine) and `store_shard_bounds` (Ray's plan) cut a pair store's documents at
+    the same places, between groups only, whatever batches of whole groups they arrive in; a shard holds at most
+    `capacity` tokens unless it is one group."""
+    from prepack.building.write_store import StoreShardWriter, store_shard_bounds
+    from prepack.sources.corpus import DocumentBatch
+
+    size, lengths = groups[0], np.array([length for group in groups[1] for length in group], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    writer = StoreShardWriter(tmp_path_factory.mktemp("shards"), has_labels=False, shard_size=4 * capacity, group=size)
+    start, count = 0, len(lengths) // size
+    for cut in [*cuts, count]:  # batches of `cut` groups, then the rest
+        end = min(count, start + cut)
+        first, last = offsets[size * start], offsets[size * end]
+        writer.add(DocumentBatch(Path("f"), size * start, offsets[size * start : size * end + 1] - first,
+                                 np.zeros(last - first, np.int32), None))
+        start = end
+    writer.flush()
+    written = [shard.documents for shard in writer.shards]
+    bounds, _ = store_shard_bounds(lengths, capacity, size)
+    assert written == np.diff(bounds).tolist() and sum(written) == len(lengths)
+    for shard, (a, b) in zip(writer.shards, zip(bounds[:-1], bounds[1:])):
+        assert shard.documents % size == 0 and (shard.tokens <= capacity or shard.documents == size)
+        assert shard.tokens == int(lengths[a:b].sum())
