@@ -5,7 +5,8 @@ Every store is untrusted: the manifest is validated strictly and every shard mus
 the manifest's size. Where tokens are used (`Store.documents`, `Store.shard_columns`) a shard's sha256
 is checked and its one record batch validated in full (offsets inside their buffers, ids non-negative,
 labels valid) before a value is used. An index build needs only the documents' lengths and untrained
-flags (`Store.shard_lengths`): the offsets are checked, no shard is hashed and no token id is read.
+flags (`Store.shard_lengths`): the offsets are checked, no shard is hashed and no token id is read; of a
+store of pairs or groups, its groups' prompt lengths too, from the labels (`Store.shard_prompt_lengths`).
 """
 
 from __future__ import annotations
