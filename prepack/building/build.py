@@ -353,6 +353,8 @@ def build_packs(
         store_path = _store_path(corpus, out) if index_only else None  # refuses a store the build cannot name
         documents = open_documents(source.spec, reading, out, bar, source.location)
         if documents.pairs is not None:  # its group size is known now (a group corpus's first row), before any row is read
+            if documents.store is not None:  # a pair store's options, as --pairs's or --groups's
+                _check_pair_options(packing, output, "--pairs" if documents.pairs.options.group_size is None else "--groups")
             _check_pairs_cap(documents.pairs.options, packing.max_docs_per_pack)
         store = documents.store
         with (
@@ -671,7 +673,9 @@ def build_store(
     documents are added to the store at `out` (read and tokenized as the store records: other options are
     refused by name), in new shards after its own, which stay byte for byte as they are; the store's
     `generations` record which documents each append added, so that index builds of an earlier generation
-    keep reading it (`prepack.formats.store.StoreManifest.at_generation`). Raises `InputError` for
+    keep reading it (`prepack.formats.store.StoreManifest.at_generation`). With `pairs` or `groups`, the store
+    holds each pair's (group's) documents as a pair build reads them, in shards of whole groups, and records how
+    they were read (`StoreManifest.pairs`): its builds are those of the corpus with `pairs` (`groups`). Raises `InputError` for
     bad input (a store given as the corpus among it), and `OutputError` as `build` does; in every case
     nothing is published.
     """
@@ -681,8 +685,10 @@ def build_store(
 
 def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, reading: Reading, output: Output) -> StoreManifest:
     """`build_store`, with its options gathered (what `prepack tokenize` parses its flags into)."""
-    if reading.pairs or reading.groups or reading.unpaired:
-        raise InputError("a document store holds documents, not preference pairs, groups or unpaired examples: build the pairs from the corpus (prepack build CORPUS --pairs ...).")
+    if reading.unpaired:  # each example's KL completion is planned over the whole corpus, at build time
+        raise InputError("a document store holds documents, pairs or groups, not unpaired examples: build them from the corpus (prepack build CORPUS --unpaired ...).")
+    if reading.groups and output.engine != "local":  # as a --groups build (`_check_pair_options`)
+        raise InputError("--groups stores are written on the local engine (pairs on Ray too): leave out --engine ray.")
     if output.shard_size < 1:
         raise InputError(f"invalid shard size {output.shard_size}: at least 1 byte.")
     _check_engine(output.engine, output.ray_address, reading)
@@ -724,19 +730,22 @@ def _check_append(output: Output, index_only: bool) -> None:
 def _check_same_reading(documents: Documents, store: StoreManifest, out: str | os.PathLike) -> None:
     """Refuse (InputError, naming the first option that differs) documents read otherwise than those of
     the store at `out`, which an append adds them to."""
-    def options(column: str, labels_column: str | None, has_labels: bool, tokenize: TokenizeOptions | None) -> dict:
+    def options(column: str, labels_column: str | None, has_labels: bool, tokenize: TokenizeOptions | None, pairs: PairOptions | None) -> dict:
         # The tokenizer's name is informative (shard-format.md): the same files under another name read alike.
         how = None if tokenize is None else tokenize.model_dump(exclude={"tokenizer": {"name"}})
-        return {"column": column, "labels_column": labels_column, "has_labels": has_labels, "tokenize": how}
+        # Pairs first: a pair corpus and a text one differ in their column too, but their kind is the cause.
+        kind = None if pairs is None else pairs.model_dump()
+        return {"pairs": kind, "column": column, "labels_column": labels_column, "has_labels": has_labels, "tokenize": how}
 
-    read = options(documents.column, documents.labels_column, documents.has_labels, documents.tokenize)
-    stored = options(store.column, store.labels_column, store.has_labels, store.tokenize)
+    read = options(documents.column, documents.labels_column, documents.has_labels, documents.tokenize,
+                   None if documents.pairs is None else documents.pairs.options)
+    stored = options(store.column, store.labels_column, store.has_labels, store.tokenize, store.pairs)
     if (difference := _first_difference(stored, read)) is not None:
         name, was, now = difference
         raise InputError(
             f"{out} was read with {name} {was!r}, and this corpus is read with {now!r}: an append reads its "
             "documents as the store's were read (give the same --tokenizer, --chat, --chat-template, --train-on, "
-            "--eos and columns)."
+            "--eos, --pairs or --groups and columns)."
         )
     named = {f.path for f in store.inputs}
     if taken := [name for path in documents.corpus.files if (name := documents.corpus.name(path)) in named]:

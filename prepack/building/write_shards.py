@@ -178,8 +178,10 @@ def write_shard(
     packs = len(layout.pack_offsets) - 1
     total = int(lengths.sum())
     if tokens is None:
-        schema = shard_schema(False, layout.max_len, store, sources=layout.source_ids is not None)
-        batch = pa.RecordBatch.from_arrays(_pack_columns(layout, lengths, schema), schema=schema)
+        pairs = layout.pair_roles is not None
+        schema = shard_schema(False, layout.max_len, store, sources=layout.source_ids is not None, pairs=pairs)
+        roles = [list_array(layout.pack_offsets, layout.pair_roles)] if pairs else []
+        batch = pa.RecordBatch.from_arrays([*_pack_columns(layout, lengths, schema), *roles], schema=schema)
     else:
         batch = _full_batch(layout, lengths, tokens, labels, buffers)
     name = shard_name(index)

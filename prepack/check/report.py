@@ -41,6 +41,7 @@ from prepack.check.pairs import PairCounts, pair_count_problems, shard_pairs
 from prepack.formats.shards import DESIRABLE, Manifest, check_layout, check_shard, read_manifest, shard_path, unit_name
 from prepack.storage.output import output_errors
 from prepack.storage.remote import is_uri
+from prepack.sources.store import open_build_store
 
 __all__ = [
     "Cost",
@@ -320,7 +321,7 @@ def _read_columns(
         if DESIRABLE in batch.schema.names:  # an unpaired build's labels (check_shard below holds them to its pairs)
             offsets, values = list_column(batch, DESIRABLE, where)
             parts["desirable"].append(np.asarray(values[offsets[0] : offsets[-1]], bool))
-        if pairs is not None:
+        if pairs is not None and manifest.store is None:
             pairs = pairs.add(_shard_pairs(batch, where, max_len, columns[1], columns[2], manifest.options.pairs.size))
         tokens = int(columns[0].sum())
         summaries.append(
@@ -336,7 +337,22 @@ def _read_columns(
     dtypes = {"tokens": np.int64, "docs": np.int64, "lengths": np.int64, "rows": np.int64, "pieces": np.int32, "sources": np.uint16,
               "desirable": bool}
     flat = {k: np.concatenate(v) if v else np.empty(0, dtypes[k]) for k, v in parts.items()}
+    if pairs is not None and manifest.store is not None:
+        pairs = _index_pairs(build, manifest, flat["rows"], flat["lengths"])
     return summaries, flat, pairs
+
+
+def _index_pairs(build: Path | ShardCache, manifest: Manifest, rows: np.ndarray, lengths: np.ndarray) -> PairCounts:
+    """The counts of an index build of a pair store (`rows`, `lengths`: its packed documents', in pack order,
+    groups whole): each document's prompt its group's in the store (`Store.prompt_lengths`, from the labels'
+    offsets: no token is read), the rest of it its completion (truncation cuts completions alone)."""
+    store = open_build_store(build, manifest) if isinstance(build, Path) else build.store()
+    size = manifest.options.pairs.size
+    if len(rows) and int(rows.max()) >= store.manifest.documents:
+        raise FormatError(f"{build}: a pack holds store row {int(rows.max())}, but the store has {store.manifest.documents}; run `prepack verify`.")
+    prompt = int(store.prompt_lengths()[rows // size].sum())
+    units = lengths.reshape(-1, size).sum(axis=1)
+    return PairCounts(len(lengths) // size, prompt, int(lengths.sum()) - prompt, int((units == manifest.options.max_len).sum()))
 
 
 def _random_batch_cost(lengths: np.ndarray, batch_size: int, seed: int) -> int:

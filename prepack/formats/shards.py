@@ -148,13 +148,14 @@ def shard_schema(
     only in a mixture's (`sources`), `pair_roles` only in a preference-pair build's (`pairs`), `desirable`
     (last) only in an unpaired build's (`unpaired`).
 
-    With `store`, an index shard's: the per-pack columns alone, its tokens staying in that store,
-    whose fingerprint its metadata carries. Its `source_rows` are uint32 while the store's document
+    With `store`, an index shard's: the per-pack columns alone (and `pair_roles`, last, in a build of a pair
+    store), its tokens staying in that store, whose fingerprint its metadata carries. Its `source_rows` are uint32 while the store's document
     numbers fit, which keeps an index build near 12 bytes a document (int64 above)."""
     if store is not None:
         source_row = pa.uint32() if store.documents <= np.iinfo(np.uint32).max + 1 else pa.int64()
         metadata = {SHARD_VERSION_KEY: str(FORMAT_VERSION), SHARD_KIND_KEY: "index", SHARD_STORE_KEY: store.fingerprint}
-        return pa.schema(_pack_fields(source_row, sources), metadata=metadata)
+        roles = [pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False)] if pairs else []
+        return pa.schema([*_pack_fields(source_row, sources), *roles], metadata=metadata)
     fields = [
         pa.field("input_ids", pa.list_(TOKEN_TYPE), nullable=False),
         pa.field("segment_ids", pa.list_(segment_id_type(max_len)), nullable=False),

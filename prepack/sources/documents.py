@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from prepack.errors import InputError
 from prepack.formats.shards import TokenizeOptions
@@ -102,10 +104,8 @@ def open_documents(
     `location`: the URI that `spec` is a local copy of (`prepack.storage.remote.local_input`); its files are
     named by it, and the copy is not compared with `out`."""
     store = open_store(spec, location) if is_store(spec) else None
-    given = [f"--{f.name.replace('_', '-')}" for f in fields(Reading) if getattr(reading, f.name) != f.default]
-    if store is not None and given:
-        # A store is read as it was written; an option that asks otherwise would be silently ignored.
-        raise InputError(f"{location or spec} is a document store, tokenized already: leave out {', '.join(given)}.")
+    if store is not None:
+        _check_store_reading(store, reading, location or spec)
     local = out is not None and location is None and not is_uri(out)
     if store is not None and local:
         root, target = _real(store.root), _real(out)
@@ -121,11 +121,58 @@ def open_documents(
     return corpus_documents(corpus, reading, progress)
 
 
+def _check_store_reading(store: Store, reading: Reading, where: str | os.PathLike) -> None:
+    """Refuse reading options given with a store, which is read as it was written: an option that asks
+    otherwise would be silently ignored. A store of pairs or groups takes its own kind and columns given
+    again alike (`--pairs --prompt-column q`, as its build from the corpus was asked); given otherwise,
+    each is refused with the store's value."""
+    recorded = {}
+    if (pairs := store.manifest.pairs) is not None:
+        recorded = {"groups" if pairs.group_size is not None else "pairs": True, "prompt_column": pairs.prompt_column}
+        named = ("completions_column",) if pairs.group_size is not None else ("chosen_column", "rejected_column")
+        recorded.update({name: getattr(pairs, name) for name in named})
+    given = {f.name: getattr(reading, f.name) for f in fields(Reading) if getattr(reading, f.name) != f.default}
+    if other := [name for name, value in given.items() if name in recorded and value != recorded[name]]:
+        stored = ", ".join(f"{_flag(name)} {recorded[name]!r}" for name in other)
+        raise InputError(f"{where} is a document store tokenized with {stored}: leave out {', '.join(_flag(n) for n in other)} "
+                         "or give the store's.")
+    if other := [name for name in given if name not in recorded]:
+        raise InputError(f"{where} is a document store, tokenized already: leave out {', '.join(map(_flag, other))}.")
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
 def store_documents(store: Store, checked: Sequence[ShardColumns] | None = None) -> Documents:
     """The documents of a document store, read as it was written (`Store.documents`, which takes
-    `checked`, the shards' columns checked already)."""
+    `checked`, the shards' columns checked already); a store of pairs or groups with its groups' prompt
+    lengths recorded batch by batch (`_with_prompt_lengths`), as `prepack.sources.pairs` records them from
+    their corpus."""
     m = store.manifest
-    return Documents(store.corpus, m.column, m.labels_column, m.tokenize, m.has_labels, store.documents(checked), store)
+    documents = Documents(store.corpus, m.column, m.labels_column, m.tokenize, m.has_labels, store.documents(checked), store)
+    if m.pairs is None:
+        return documents
+    from prepack.sources.pairs import PairDocuments
+
+    pairs = PairDocuments(m.tokenize, m.pairs, iter(()))
+    pairs.batches = _with_prompt_lengths(store, documents.batches, pairs)
+    return replace(documents, batches=pairs.batches, pairs=pairs)
+
+
+def _with_prompt_lengths(store: Store, batches: Iterator[DocumentBatch], pairs: PairDocuments) -> Iterator[DocumentBatch]:
+    """The batches of a store of pairs or groups, each one's groups' prompt lengths recorded in `pairs` before
+    it is yielded, as a pair corpus's stream records them: read from each shard (`Store.shard_prompt_lengths`)
+    once `batches` has read and checked it (`Store.documents`), so that a changed shard is refused as such."""
+    size, shards = pairs.options.size, iter(store.manifest.shards)
+    prompts = np.empty(0, np.int64)  # those of the shard being read, from the next batch's on
+    for batch in batches:  # whole groups: a store's batches end at shards and files, which hold whole groups
+        groups = (len(batch.offsets) - 1) // size
+        while len(prompts) < groups:
+            prompts = np.concatenate([prompts, store.shard_prompt_lengths(next(shards))])
+        pairs.add_prompt_lengths(prompts[:groups])
+        prompts = prompts[groups:]
+        yield batch
 
 
 def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None, tokenizer=None) -> Documents:
@@ -175,7 +222,7 @@ _NOT_FOR_PAIRS = ("column", "labels_column", "text_column", "messages_column", "
 def _given(reading: Reading, names: Sequence[str]) -> list[str]:
     """The options among the `Reading` fields `names` that differ from their defaults, as flags."""
     defaults = {f.name: f.default for f in fields(Reading)}
-    return [f"--{name.replace('_', '-')}" for name in names if getattr(reading, name) != defaults[name]]
+    return [_flag(name) for name in names if getattr(reading, name) != defaults[name]]
 
 
 def _pair_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documents:

@@ -190,7 +190,7 @@ class PackedDataset(Dataset):
         packed = {"input_ids": ids, "cu_seqlens": cu[cu_off[row] : cu_off[row + 1]], "segment_ids": segment_ids}
         if labels is not None:
             packed["labels"] = labels
-        for name in ("source_ids", "reference_logps"):  # a mixture's; stored reference log-probabilities
+        for name in ("source_ids", PAIR_ROLES, "reference_logps"):  # a mixture's; a pair build's; stored reference log-probabilities
             if name in columns:
                 offsets, values = columns[name]
                 packed[name] = values[offsets[row] : offsets[row + 1]]

@@ -146,6 +146,30 @@ def test_preference_pairs_build_the_same_bytes(tmp_path, local_ray, gpt2):
 
 
 @pytest.mark.slow
+def test_a_pair_store_is_stored_and_built_the_same_bytes(tmp_path, local_ray, gpt2):
+    """A pair corpus tokenized into a store by Ray tasks (shards cut at pair boundaries) is the local engine's
+    store, and a build of it on Ray, each task reading a store shard and its pairs' prompt lengths, the local
+    build's, which is the build of the corpus itself."""
+    turns = [t for t in chitchat() if len(t) >= 2 and len(t[0]) < 50][:60]
+    corpus = tmp_path / "pairs"
+    corpus.mkdir()
+    for part in range(2):
+        rows = turns[part * 30 : (part + 1) * 30]
+        lines = [json.dumps({"prompt": f"Q: {t[0]} A:", "chosen": f" {t[1]}", "rejected": " no idea"}) for t in rows]
+        (corpus / f"{part}.jsonl").write_text("\n".join(lines) + "\n")
+    build_store(corpus, tmp_path / "store", tokenizer=gpt2, pairs=True, shard_size=1_000, num_proc=1)
+    build_store(corpus, tmp_path / "store-ray", tokenizer=gpt2, pairs=True, shard_size=1_000, engine="ray")
+    assert _same(tmp_path / "store", tmp_path / "store-ray") > 3
+    options = {"max_len": 40, "overflow": "truncate", "shard_size": 4_000, "seed": 1}
+    local = build(tmp_path / "store", tmp_path / "local", **options)
+    on_ray = build(tmp_path / "store", tmp_path / "ray", engine="ray", **options)
+    assert on_ray == local and len(local.shards) > 1 and local.pairs.truncated > 0
+    _same(tmp_path / "local", tmp_path / "ray")
+    build(corpus, tmp_path / "from-corpus", tokenizer=gpt2, pairs=True, num_proc=1, **options)
+    _same(tmp_path / "local", tmp_path / "from-corpus")
+
+
+@pytest.mark.slow
 def test_a_mixture_builds_the_same_bytes(tmp_path, local_ray):
     """Two corpora (files of three formats, one without labels) and a store, mixed with a cut at a piece and
     copies, in tokens and in trained tokens: a task per file or store shard reads each pass; a file changed
@@ -291,6 +315,9 @@ def test_options_the_engine_would_ignore_are_refused_before_anything_runs(tmp_pa
             build(corpus, tmp_path / "out", max_len=8, **options)
     with pytest.raises(InputError, match="unknown engine"):
         build_store(corpus, tmp_path / "out", engine="dask")
+    # Groups are read on the local engine only, into a build or into a store.
+    with pytest.raises(InputError, match="--groups .* the local engine"):
+        build_store(corpus, tmp_path / "out", tokenizer=tmp_path, groups=True, engine="ray")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
 
 

@@ -177,5 +177,5 @@ def test_options_an_unpaired_build_cannot_honour_are_refused_before_reading(tmp_
         with pytest.raises(InputError, match=says):
             prepack.build(corpus, tmp_path / "out", max_len=64, tokenizer=gpt2, **options)
         assert not (tmp_path / "out").exists()
-    with pytest.raises(InputError, match="not preference pairs, groups or unpaired examples"):
+    with pytest.raises(InputError, match="not unpaired examples"):
         prepack.build_store(corpus, tmp_path / "store", tokenizer=gpt2, unpaired=True)

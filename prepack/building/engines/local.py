@@ -238,6 +238,8 @@ class LocalEngine:
 
     def first_pass(self, documents: Documents, reading: Reading, progress: Progress) -> FirstPass:
         if self.index_only:
+            if documents.pairs is not None:  # a pair store's, which its batches (not read here) would record
+                documents.pairs.add_prompt_lengths(documents.store.prompt_lengths())
             return _index_documents(documents.store, progress)
         fingerprint = None if documents.store is None else StoreFingerprint(documents.store.manifest)
         return _store_documents(
@@ -295,7 +297,8 @@ class LocalEngine:
         fingerprint = Fingerprint()
         # An append numbers its shards on from the store's (`Staging.appending`).
         appending = self.staging.appending
-        writer = StoreShardWriter(self.staging.build, documents.has_labels, shard_size, len(appending.shards) if appending else 0)
+        group = 1 if documents.pairs is None else documents.pairs.options.size  # a pair store's shards hold whole groups
+        writer = StoreShardWriter(self.staging.build, documents.has_labels, shard_size, len(appending.shards) if appending else 0, group)
         task = progress.add_task("store", total=len(files), unit="files")
         for batch in documents.batches:
             batch_lengths = np.diff(batch.offsets)

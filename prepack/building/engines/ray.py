@@ -187,7 +187,10 @@ def _unit_arrays(
         if store.location is not None:
             fetch(f"{store.location}/{unit.shard.name}", directory / unit.shard.name)
             store = replace(store, root=directory)
-        yield store.shard_columns(unit.shard)
+        columns = store.shard_columns(unit.shard)
+        if store.manifest.pairs is not None:  # a pair store's groups, whole in each shard
+            prompts.append(store.shard_prompt_lengths(unit.shard))
+        yield columns
         return
     file = unit.file
     if isinstance(file, LocalCopy):
@@ -596,7 +599,8 @@ class RayEngine:
         if len(lengths) and lengths.max() > INT32_MAX:
             row = int(np.argmax(lengths > INT32_MAX))
             raise too_long_for_a_shard(*locate_row(documents.corpus, first.rows_per_file, row), int(lengths[row]))
-        bounds, first_tokens = store_shard_bounds(lengths, store_shard_capacity(first.has_labels, shard_size))
+        group = 1 if documents.pairs is None else documents.pairs.options.size  # a pair store's shards hold whole groups
+        bounds, first_tokens = store_shard_bounds(lengths, store_shard_capacity(first.has_labels, shard_size), group)
         self._recording([store_shard_name(index) for index in range(len(bounds) - 1)])
         tokens, labels = ray.put(first.tokens), ray.put(first.labels)
         submitted = (
