@@ -361,10 +361,10 @@ def build_packs(
                     f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
                 )
             # An index build's other steps run no numba kernel (`prepack.building.kernels`), unless its first
-            # pass found the untrained documents of a large store with one: then numba is loaded anyway.
-            tokens = int(first.lengths.sum(dtype=np.int64))
-            # An append counts a rebuild's packs with the kernels (`pack_count`), so plans with them too.
-            without_numba = index_only and appending is None and (not has_labels or plan_vectorized.scans(tokens))
+            # pass found the untrained documents of a large store with one: then numba is loaded anyway. An
+            # append decides as a build of the whole store would, as it also counts that build's packs.
+            tokens = int(first.lengths.sum(dtype=np.int64)) if appending is None else store.manifest.tokens
+            without_numba = index_only and (not has_labels or plan_vectorized.scans(tokens))
             planning = bar.add_task("plan", total=None)
             if documents.pairs is not None:
                 plan = _plan_pairs(documents, first, packing)
@@ -412,7 +412,7 @@ def build_packs(
                 pairs=PairTotals(**plan.pair_counts) if documents.pairs is not None else None,
             )
             if appending is not None:
-                manifest = _grown_manifest(appending, manifest, _rebuild_packs(store, planned, first, packing))
+                manifest = _grown_manifest(appending, manifest, _rebuild_packs(store, planned, first, packing, without_numba))
             with output_errors(staging.build / MANIFEST_NAME):
                 write_manifest(staging.build, manifest)
     return manifest
@@ -455,14 +455,15 @@ def _refuse_store_fingerprint(store: Store, found: str) -> None:
     )
 
 
-def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing) -> int:
+def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing, without_numba: bool) -> int:
     """The packs a build of the whole grown store at once would take: the store's documents of
     generation `planned` and before, from its shards' offsets (no token read; their labels only when
-    untrained documents are left out, as only then do they change the packs), then those of `first`."""
+    untrained documents are left out, as only then do they change the packs), then those of `first`.
+    `without_numba`: as `plan_packs` takes it (an index append of a store a build plans in numpy)."""
     shards = store.manifest.at_generation(planned).shards
     untrained = None
     if packing.drop_untrained:
-        parts = [store.shard_lengths(shard) for shard in shards]
+        parts = [store.shard_lengths(shard, without_numba) for shard in shards]
         lengths = [compact_lengths(p[0]) for p in parts]
         untrained = np.concatenate([*(p[1] for p in parts), first.untrained])
     else:
@@ -476,6 +477,7 @@ def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packin
         untrained=untrained,
         drop_untrained=packing.drop_untrained,
         max_documents=packing.max_docs_per_pack,
+        without_numba=without_numba,
     )
 
 

@@ -617,6 +617,29 @@ def test_an_append_counts_a_rebuild_from_compact_lengths(tmp_path, monkeypatch):
     assert counted == [np.uint16]
 
 
+@pytest.mark.parametrize("drop_untrained", [False, True])
+def test_an_index_append_of_a_small_store_loads_no_kernel_as_its_rebuild_loads_none(tmp_path, drop_untrained):
+    """numba's start-up (0.5-0.7 CPU s) is what an index build of a small store saves by planning in
+    numpy; an append, planning less, must not pay it (its count of a rebuild's packs included)."""
+    store, out = tmp_path / "store", tmp_path / "index"
+    build_store(_batch(tmp_path, "a", _documents(0, 60), labels=True), store)
+    build(store, out, max_len=MAX_LEN, index_only=True, drop_untrained=drop_untrained)
+    build_store(_batch(tmp_path, "b", _documents(1, 9), labels=True), store, append=True)
+    code = f"""
+import sys
+import prepack
+prepack.build({str(store)!r}, {str(out)!r}, max_len={MAX_LEN}, index_only=True, drop_untrained={drop_untrained}, append=True)
+print("numba" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False"]
+    grown = read_manifest(out)
+    rebuilt = build(store, tmp_path / "rebuilt", max_len=MAX_LEN, index_only=True, drop_untrained=drop_untrained)
+    assert grown.generations[-1].rebuild_packs == rebuilt.totals.packs and grown.totals.documents == 69
+    assert verify_build(out) == []
+
+
 def test_a_full_build_of_a_grown_store_refuses_a_fingerprint_its_documents_do_not_give(tmp_path):
     import json
 
