@@ -49,7 +49,7 @@ from prepack.formats.shards import (
 )
 from prepack.storage.output import Staging, output_errors, staged_append, staged_directory
 from prepack.building.pair_plan import PairPlan, first_overlong_pair, overlong_prompts, plan_pairs
-from prepack.building import plan_vectorized
+from prepack.building import kernels, plan_vectorized
 from prepack.building.plan import compact_lengths, pack_count, plan_packs
 from prepack.storage.remote import fetch, is_uri, local_input, relative_location, staged_prefix
 from prepack.formats.store import StoreManifest
@@ -361,10 +361,11 @@ def build_packs(
                     f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
                 )
             # An index build's other steps run no numba kernel (`prepack.building.kernels`), unless its first
-            # pass found the untrained documents of a large store with one: then numba is loaded anyway. An
-            # append decides as a build of the whole store would, as it also counts that build's packs.
+            # pass found the untrained documents of a large store with one, or a kernel ran in this process
+            # before: then numba's start-up is paid anyway. An append decides as a build of the whole store
+            # would, as it also counts that build's packs.
             tokens = int(first.lengths.sum(dtype=np.int64)) if appending is None else store.manifest.tokens
-            without_numba = index_only and (not has_labels or plan_vectorized.scans(tokens))
+            without_numba = index_only and not kernels.started() and (not has_labels or plan_vectorized.scans(tokens))
             planning = bar.add_task("plan", total=None)
             if documents.pairs is not None:
                 plan = _plan_pairs(documents, first, packing)

@@ -29,7 +29,7 @@ from prepack.formats.common import Fingerprint
 from prepack.formats.shards import IndexOf, ShardInfo
 from prepack.formats.store import StoreFingerprint
 from prepack.storage.output import Staging, output_errors, output_file
-from prepack.building import plan_vectorized
+from prepack.building import kernels, plan_vectorized
 from prepack.building.plan import PackingPlan, compact_lengths, untrained_documents
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.sources.store import Store
@@ -166,7 +166,8 @@ def _index_documents(store: Store, progress: Progress, observe: Observer | None 
     it) or `observe` (which reads every label), each shard is read whole and checked (`Store.shard_columns`)."""
     m = store.manifest
     lengths, untrained = [], []
-    without_numba = plan_vectorized.scans(m.tokens)  # a small store's labels are read in numpy: no kernel
+    # A small store's labels are read in numpy, no kernel: unless one ran here before (numba's start-up paid).
+    without_numba = plan_vectorized.scans(m.tokens) and not kernels.started()
     task = progress.add_task("read", total=len(m.shards), unit="shards")
     for shard in m.shards:
         if hashed or observe is not None:
