@@ -346,8 +346,8 @@ def build_packs(
                 documents = store_documents(replace(store, manifest=store.manifest.since_generation(planned)))
             found, has_labels, read_column = documents.corpus, documents.has_labels, documents.column
             first = engine_steps.first_pass(documents, reading, bar)
-            if store is not None and first.fingerprint != store.manifest.fingerprint:
-                _refuse_store_fingerprint(store, first.fingerprint)
+            if store is not None:
+                _check_store_fingerprints(store, first)
             if len(first.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")
             # An append whose documents give no pack still records them (a generation of no new shard).
@@ -446,14 +446,22 @@ def _planned_generation(build: Manifest, store: Store, options: BuildOptions, in
     return generation
 
 
-def _refuse_store_fingerprint(store: Store, found: str) -> None:
-    """InputError: the store's documents give the fingerprint `found`, not the one its store.json records."""
+def _check_store_fingerprints(store: Store, first: FirstPass) -> None:
+    """Refuse (InputError) a store whose documents do not give a fingerprint its store.json records: at
+    each generation the first pass hashed (`FirstPass.generations`), else (an index build's, which
+    hashes nothing) the last. Each link, not the last alone: a generation's shard swapped under a last
+    link recomputed for the swap leaves the chain ending right, and that generation's index builds
+    reading other tokens than they were planned from."""
     m = store.manifest
-    field = "fingerprint" if m.generations is None else f"generations[{len(m.generations) - 1}].fingerprint"
-    raise InputError(
-        f"{store.location or store.root}/{STORE_MANIFEST_NAME}: {field} is {m.fingerprint}, but the store's documents "
-        f"give {found}: its documents or store.json changed after the store was written."
-    )
+    recorded = [g.fingerprint for g in m.generations] if m.generations is not None else [m.fingerprint]
+    found = first.generations or (first.fingerprint,)
+    for number, (was, now) in enumerate(zip(recorded[-len(found):], found), start=len(recorded) - len(found)):
+        if was != now:
+            field = "fingerprint" if m.generations is None else f"generations[{number}].fingerprint"
+            raise InputError(
+                f"{store.location or store.root}/{STORE_MANIFEST_NAME}: {field} is {was}, but the store's documents "
+                f"give {now}: its documents or store.json changed after the store was written."
+            )
 
 
 def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing, without_numba: bool) -> int:

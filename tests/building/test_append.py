@@ -656,6 +656,57 @@ def test_a_full_build_of_a_grown_store_refuses_a_fingerprint_its_documents_do_no
     assert not (tmp_path / "packed").exists()
 
 
+@pytest.mark.parametrize("append", [False, True])
+def test_a_full_build_refuses_an_earlier_generation_swapped_under_a_chain_that_still_ends_right(tmp_path, append):
+    """The shard of the first generation a full build reads (generation 0; an append to a build of generation
+    0: generation 1) swapped for one of other tokens of the same lengths, store.json's shard entry and last
+    fingerprint brought in line with the swap, the swapped generation's recorded fingerprint left as it was.
+    The chain then ends where the documents' does, so only a check of every link it hashed finds the swap."""
+    import json
+
+    from prepack.formats.store import StoreFingerprint, chained_fingerprint
+
+    store, out = tmp_path / "store", tmp_path / "packed"
+    parts = {"a": _documents(0, 30), "b": _documents(1, 10), "c": _documents(2, 10)}
+    swapped = 1 if append else 0
+    for number, (name, documents) in enumerate(parts.items()):
+        build_store(_batch(tmp_path, name, documents), store, append=number > 0)
+        if append and number == 0:
+            build(store, out, max_len=MAX_LEN)
+
+    def alone(name: str, documents: list[list[int]]):
+        """The store of one part alone (its shard's bytes are the part's shard in the grown store)."""
+        (tmp_path / f"alone-{name}").mkdir(exist_ok=True)
+        return build_store(_batch(tmp_path / f"alone-{name}", name, documents), tmp_path / f"alone-{name}" / "store")
+
+    name = list(parts)[swapped]
+    shard = store / f"documents-{swapped:05d}.arrow"
+    alone(name, parts[name])
+    assert shard.read_bytes() == (tmp_path / f"alone-{name}" / "store" / "documents-00000.arrow").read_bytes()
+    (tmp_path / "alone-swap").mkdir()
+    swap = build_store(_batch(tmp_path / "alone-swap", name, [[(t + 1) % 500 for t in d] for d in parts[name]]), tmp_path / "alone-swap" / "store")
+    shard.write_bytes((tmp_path / "alone-swap" / "store" / "documents-00000.arrow").read_bytes())
+    record_shard(store / "store.json", shard)
+    chain = []
+    for number, (part, documents) in enumerate(parts.items()):
+        added = swap.fingerprint if number == swapped else alone(part, documents).fingerprint
+        chain.append(chained_fingerprint(chain[-1], added) if chain else added)
+    recorded = json.loads((store / "store.json").read_text())
+    recorded["generations"][-1]["fingerprint"] = recorded["fingerprint"] = chain[-1]
+    (store / "store.json").write_text(json.dumps(recorded))
+    # The chain ends right: the documents give the last link recorded, and the swapped link another.
+    grown = open_store(store)
+    hashed = StoreFingerprint(grown.manifest)
+    for batch in grown.documents():
+        hashed.update(np.diff(batch.offsets), batch.ids, batch.labels)
+    assert hashed.hexdigest() == recorded["fingerprint"] and hashed.found[swapped] != (was := recorded["generations"][swapped]["fingerprint"])
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(InputError, match=rf"store\.json: generations\[{swapped}\]\.fingerprint is {was}, but the store's "
+                       rf"documents give {chain[swapped]}: its documents or store\.json changed"):
+        build(store, out if append else tmp_path / "rebuilt", max_len=MAX_LEN, append=append)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
 def test_an_append_to_a_grown_store_summarises_its_lengths_without_reading_its_shards(tmp_path, monkeypatch):
     from prepack.sources.store import Store
 

@@ -52,6 +52,9 @@ class FirstPass:
     has_labels: bool
     tokens: TokenFiles | None
     labels: TokenFiles | None
+    # Of a store's documents hashed (a full build's): its fingerprint at each generation, as hashed or, for
+    # the generations before the documents read (an append's), as recorded (`StoreFingerprint.found`).
+    generations: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

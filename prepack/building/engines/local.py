@@ -119,6 +119,7 @@ def _store_documents(
         has_labels=has_labels,
         tokens=None if scratch is None else TokenFiles.single(ids_path),
         labels=TokenFiles.single(labels_path) if has_labels and scratch is not None else None,
+        generations=tuple(fingerprint.found) if isinstance(fingerprint, StoreFingerprint) else (),
     )
 
 

@@ -489,6 +489,7 @@ class RayEngine:
             has_labels=documents.has_labels,
             tokens=None if lengths_only else TokenFiles(tuple(u.ids for u in units), starts),
             labels=TokenFiles(tuple(u.labels for u in units), starts) if documents.has_labels and not lengths_only else None,
+            generations=tuple(fingerprint.found) if store is not None else (),
         )
         return first, observed, digests
 
