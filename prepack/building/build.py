@@ -303,7 +303,7 @@ def build_packs(
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
     _check_engine(output.engine, output.ray_address, reading)
-    _check_append(output, index_only)
+    _check_append(output)
     if isinstance(corpus, Mixture) or is_mixture_file(corpus):  # several corpora or stores, weighted (prepack.building.mixture)
         if output.append:
             raise InputError(f"{corpus}: --append grows the build of one document store; a mixture is built whole.")
@@ -621,7 +621,7 @@ def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, read
     if output.shard_size < 1:
         raise InputError(f"invalid shard size {output.shard_size}: at least 1 byte.")
     _check_engine(output.engine, output.ray_address, reading)
-    _check_append(output, index_only=False)
+    _check_append(output)
     with progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if is_store(source.spec):
             raise InputError(f"{corpus} is a document store already: build from it (prepack build {corpus} ...).")
@@ -646,14 +646,12 @@ def _staged(out: str | os.PathLike, output: Output, kind: str = MANIFEST_NAME):
     return staged_append(out, kind) if output.append else staged_directory(out, output.overwrite, kind)
 
 
-def _check_append(output: Output, index_only: bool) -> None:
+def _check_append(output: Output) -> None:
     """Refuse, before anything is read, what an append cannot honour."""
     if not output.append:
         return
     if output.overwrite:
         raise InputError("--append grows the output at --out and --overwrite replaces it: give one of them.")
-    if output.engine != "local" and not index_only:
-        raise InputError("--append runs on the local engine: leave out --engine ray.")
 
 
 def _check_same_reading(documents: Documents, store: StoreManifest, out: str | os.PathLike) -> None:

@@ -374,10 +374,6 @@ def test_an_append_packs_as_the_build_did_and_only_a_build_of_its_store(tmp_path
         build(tmp_path / "other", tmp_path / "packed", max_len=MAX_LEN, append=True)
     with pytest.raises(InputError, match="this is a corpus"):
         build(tmp_path / "batch-b", tmp_path / "packed", max_len=MAX_LEN, append=True)
-    with pytest.raises(InputError, match="--append runs on the local engine: leave out --engine ray"):
-        build(store, tmp_path / "packed", max_len=MAX_LEN, append=True, engine="ray")
-    with pytest.raises(InputError, match="--append runs on the local engine: leave out --engine ray"):
-        build_store(tmp_path / "batch-c", store, append=True, engine="ray")
     assert {p.name: p.read_bytes() for p in (tmp_path / "packed").iterdir()} == before
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from prepack.sources.documents import Documents, Reading, corpus_documents
-from prepack.building.engines.base import FirstPass, WrittenStore, kept_rows, pack_shard_bounds
+from prepack.building.engines.base import FirstPass, WrittenStore, kept_rows, numbered_on, pack_shard_bounds, rows_from
 from prepack.errors import InputError
 from prepack.formats.common import Fingerprint
 from prepack.formats.shards import IndexOf, ShardInfo
@@ -212,10 +212,7 @@ def _write_shards(
     def write(index: int, start: int, end: int) -> ShardInfo:
         buffers = idle_buffers.get()  # never waits: no more tasks than buffers run at once
         try:
-            layout = plan.slice(start, end)
-            if first_row:
-                layout = replace(layout, rows=layout.rows + first_row)
-            return write_shard(staging, first_shard + index, layout, first.tokens, first.labels, buffers, store)
+            return write_shard(staging, first_shard + index, rows_from(plan.slice(start, end), first_row), first.tokens, first.labels, buffers, store)
         finally:
             idle_buffers.put(buffers)
 
@@ -284,8 +281,7 @@ class LocalEngine:
 
     def write_packs(self, plan: PackingPlan, first: FirstPass, shard_size: int, progress: Progress) -> list[ShardInfo]:
         # An append (`first` holds the documents after the build's) numbers on from the build's shards and rows.
-        appending = self.staging.appending
-        first_shard, first_row = (len(appending.shards), appending.totals.documents) if appending is not None else (0, 0)
+        first_shard, first_row = numbered_on(self.staging.appending)
         index_of = IndexOf(first_row + len(first.lengths), first.fingerprint) if self.index_only else None
         return _write_shards(plan, self.staging.build, first, shard_size, progress, index_of, first_shard, first_row)
 
@@ -296,8 +292,7 @@ class LocalEngine:
         lengths, untrained = [], 0  # lengths as int32: 4 bytes per document, for the summary
         fingerprint = Fingerprint()
         # An append numbers its shards on from the store's (`Staging.appending`).
-        appending = self.staging.appending
-        writer = StoreShardWriter(self.staging.build, documents.has_labels, shard_size, len(appending.shards) if appending else 0)
+        writer = StoreShardWriter(self.staging.build, documents.has_labels, shard_size, numbered_on(self.staging.appending)[0])
         task = progress.add_task("store", total=len(files), unit="files")
         for batch in documents.batches:
             batch_lengths = np.diff(batch.offsets)
