@@ -599,6 +599,29 @@ def test_an_append_to_dot_or_dot_dot_is_refused_as_a_build_to_it_is_and_writes_n
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("index_only", [False, True])
+def test_an_append_counts_a_rebuild_from_the_stores_length_counts_reading_no_old_shard(tmp_path, monkeypatch, index_only):
+    """A rebuild's packs depend on the documents' lengths, not their order: store.json's length_counts
+    give them, so an append reads only the shards it packs (unless untrained documents are left out)."""
+    from prepack.sources.store import Store
+
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 60)), store, shard_size=600)
+    build(store, out, max_len=MAX_LEN, index_only=index_only)
+    build_store(_batch(tmp_path, "b", _documents(1, 15)), store, shard_size=600, append=True)
+    old = {shard.name for shard in read_store_manifest(store).at_generation(0).shards}
+    assert len(old) > 1
+    for name in ("shard_columns", "shard_lengths", "shard_document_lengths"):
+        def read(self, shard, *args, _read=getattr(Store, name), **kwargs):
+            assert shard.name not in old, f"an old shard was read: {shard.name}"
+            return _read(self, shard, *args, **kwargs)
+
+        monkeypatch.setattr(Store, name, read)
+    grown = build(store, out, max_len=MAX_LEN, index_only=index_only, append=True)
+    monkeypatch.undo()
+    assert grown.generations[-1].rebuild_packs == build(store, tmp_path / "rebuilt", max_len=MAX_LEN, index_only=index_only).totals.packs
+
+
 def test_an_append_counts_a_rebuild_from_compact_lengths(tmp_path, monkeypatch):
     """The rebuild count reads every store document's length: 2 bytes each here (uint16), not 8."""
     from prepack.building import build as build_module
