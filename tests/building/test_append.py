@@ -431,6 +431,32 @@ def test_a_state_of_another_size_that_is_no_generation_is_still_refused(tmp_path
         balanced.load_state_dict({**balanced.state_dict(), "grown": [3]})
 
 
+def test_a_balanced_state_does_not_resume_across_an_append_as_documented(tmp_path):
+    """A balanced sampler's steps are dealt over the packs it began with: the grown build's refuses its
+    state by size, at an epoch's end too; a new sampler takes the grown build from an epoch's start."""
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 120)), store)
+    build(store, out, max_len=MAX_LEN, index_only=True)
+    options = dict(rank=0, world_size=1, batch_size=2, drop_last=True, balance="attention")
+    packs = len(PackedDataset(out))
+    old = PackedSampler(PackedDataset(out), **options)
+    steps = iter(old)
+    for _ in range(4):
+        next(steps)
+    mid_epoch = old.state_dict(consumed=4)
+    old.set_epoch(1)
+    build_store(_batch(tmp_path, "b", _documents(1, 40)), store, append=True)
+    build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+    grown = PackedDataset(out)
+    for state in (mid_epoch, old.state_dict()):
+        with pytest.raises(ValueError, match=rf"another setup: size {packs} \(now {len(grown)}\)"):
+            PackedSampler(grown, **options).load_state_dict(state)
+    fresh = PackedSampler(grown, **options)
+    fresh.set_epoch(1)
+    dealt = list(fresh)
+    assert sorted(dealt) == list(range(len(grown))) and len(grown) > packs  # every pack, the new ones among them
+
+
 # The command line ----------------------------------------------------------------------------------
 
 
