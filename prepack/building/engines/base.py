@@ -35,7 +35,7 @@ from prepack.building.write_shards import TokenFiles, shard_bounds
 if TYPE_CHECKING:  # rich for annotations only: a build without progress bars does not import it
     from rich.progress import Progress
 
-__all__ = ["ENGINES", "Engine", "FirstPass", "WrittenStore", "kept_rows", "locate_row", "numbered_on", "pack_shard_bounds"]
+__all__ = ["ENGINES", "Engine", "FirstPass", "WrittenStore", "kept_rows", "locate_row", "numbered_on", "pack_shard_bounds", "rows_from"]
 
 ENGINES = ("local", "ray")
 
