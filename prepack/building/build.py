@@ -50,7 +50,7 @@ from prepack.formats.shards import (
 )
 from prepack.storage.output import Staging, output_errors, staged_append, staged_directory
 from prepack.building.pair_plan import PairPlan, first_overlong_pair, overlong_prompts, plan_pairs
-from prepack.building import plan_vectorized
+from prepack.building import kernels, plan_vectorized
 from prepack.building.plan import compact_lengths, pack_count, plan_packs
 from prepack.storage.remote import fetch, is_uri, local_input, relative_location, staged_prefix
 from prepack.formats.store import StoreManifest
@@ -325,7 +325,7 @@ def build_packs(
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
     _check_engine(output.engine, output.ray_address, reading)
-    _check_append(output, index_only)
+    _check_append(output)
     if isinstance(corpus, Mixture) or is_mixture_file(corpus):  # several corpora or stores, weighted (prepack.building.mixture)
         if output.append:
             raise InputError(f"{corpus}: --append grows the build of one document store; a mixture is built whole.")
@@ -370,8 +370,8 @@ def build_packs(
                 documents = store_documents(replace(store, manifest=store.manifest.since_generation(planned)))
             found, has_labels, read_column = documents.corpus, documents.has_labels, documents.column
             first = engine_steps.first_pass(documents, reading, bar)
-            if store is not None and first.fingerprint != store.manifest.fingerprint:
-                _refuse_store_fingerprint(store, first.fingerprint)
+            if store is not None:
+                _check_store_fingerprints(store, first)
             if len(first.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")
             # An append whose documents give no pack still records them (a generation of no new shard).
@@ -387,10 +387,11 @@ def build_packs(
                     f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
                 )
             # An index build's other steps run no numba kernel (`prepack.building.kernels`), unless its first
-            # pass found the untrained documents of a large store with one: then numba is loaded anyway.
-            tokens = int(first.lengths.sum(dtype=np.int64))
-            # An append counts a rebuild's packs with the kernels (`pack_count`), so plans with them too.
-            without_numba = index_only and appending is None and (not has_labels or plan_vectorized.scans(tokens))
+            # pass found the untrained documents of a large store with one, or a kernel ran in this process
+            # before: then numba's start-up is paid anyway. An append decides as a build of the whole store
+            # would, as it also counts that build's packs.
+            tokens = int(first.lengths.sum(dtype=np.int64)) if appending is None else store.manifest.tokens
+            without_numba = index_only and not kernels.started() and (not has_labels or plan_vectorized.scans(tokens))
             planning = bar.add_task("plan", total=None)
             if documents.pairs is not None:
                 plan = _plan_pairs(documents, first, packing)
@@ -440,7 +441,7 @@ def build_packs(
                 pairs=PairTotals(**plan.pair_counts) if documents.pairs is not None else None,
             )
             if appending is not None:
-                manifest = _grown_manifest(appending, manifest, _rebuild_packs(store, planned, first, packing))
+                manifest = _grown_manifest(appending, manifest, _rebuild_packs(store, planned, first, packing, without_numba))
             with output_errors(staging.build / MANIFEST_NAME):
                 write_manifest(staging.build, manifest)
     return manifest
@@ -473,37 +474,55 @@ def _planned_generation(build: Manifest, store: Store, options: BuildOptions, in
     return generation
 
 
-def _refuse_store_fingerprint(store: Store, found: str) -> None:
-    """InputError: the store's documents give the fingerprint `found`, not the one its store.json records."""
+def _check_store_fingerprints(store: Store, first: FirstPass) -> None:
+    """Refuse (InputError) a store whose documents do not give a fingerprint its store.json records: at
+    each generation the first pass hashed (`FirstPass.generations`), else (an index build's, which
+    hashes nothing) the last. Each link, not the last alone: a generation's shard swapped under a last
+    link recomputed for the swap leaves the chain ending right, and that generation's index builds
+    reading other tokens than they were planned from."""
     m = store.manifest
-    field = "fingerprint" if m.generations is None else f"generations[{len(m.generations) - 1}].fingerprint"
-    raise InputError(
-        f"{store.location or store.root}/{STORE_MANIFEST_NAME}: {field} is {m.fingerprint}, but the store's documents "
-        f"give {found}: its documents or store.json changed after the store was written."
-    )
+    recorded = [g.fingerprint for g in m.generations] if m.generations is not None else [m.fingerprint]
+    found = first.generations or (first.fingerprint,)
+    for number, (was, now) in enumerate(zip(recorded[-len(found):], found), start=len(recorded) - len(found)):
+        if was != now:
+            field = "fingerprint" if m.generations is None else f"generations[{number}].fingerprint"
+            raise InputError(
+                f"{store.location or store.root}/{STORE_MANIFEST_NAME}: {field} is {was}, but the store's documents "
+                f"give {now}: its documents or store.json changed after the store was written."
+            )
 
 
-def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing) -> int:
+def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing, without_numba: bool) -> int:
     """The packs a build of the whole grown store at once would take: the store's documents of
-    generation `planned` and before, from its shards' offsets (no token read; their labels only when
-    untrained documents are left out, as only then do they change the packs), then those of `first`."""
-    shards = store.manifest.at_generation(planned).shards
+    generation `planned` and before, then those of `first`. They depend on the documents' lengths alone,
+    not on their order: as store.json's `length_counts` sum them up for the whole store, when it has them
+    and untrained documents are kept (no shard read); else from the old shards' offsets (no token read;
+    their labels only when untrained documents are left out, as only then do they change the packs).
+    `without_numba`: as `plan_packs` takes it (an index append of a store a build plans in numpy)."""
+    m = store.manifest
     untrained = None
-    if packing.drop_untrained:
-        parts = [store.shard_lengths(shard) for shard in shards]
-        lengths = [compact_lengths(p[0]) for p in parts]
-        untrained = np.concatenate([*(p[1] for p in parts), first.untrained])
+    if m.length_counts and not packing.drop_untrained:
+        counts = np.array(m.length_counts, np.int64)
+        lengths = np.repeat(compact_lengths(counts[:, 0]), counts[:, 1])  # every document's, `first`'s among them
     else:
-        # Each shard's lengths compacted as read (`_index_documents` does the same): not 8 bytes a document.
-        lengths = [compact_lengths(store.shard_document_lengths(shard)) for shard in shards]
+        shards = m.at_generation(planned).shards
+        if packing.drop_untrained:
+            parts = [store.shard_lengths(shard, without_numba) for shard in shards]
+            old = [compact_lengths(p[0]) for p in parts]
+            untrained = np.concatenate([*(p[1] for p in parts), first.untrained])
+        else:
+            # Each shard's lengths compacted as read (`_index_documents` does the same): not 8 bytes a document.
+            old = [compact_lengths(store.shard_document_lengths(shard)) for shard in shards]
+        lengths = np.concatenate([*old, first.lengths])
     return pack_count(
-        compact_lengths(np.concatenate([*lengths, first.lengths])),
+        compact_lengths(lengths),
         packing.max_len,
         algorithm=packing.algorithm,
         overflow=packing.overflow,
         untrained=untrained,
         drop_untrained=packing.drop_untrained,
         max_documents=packing.max_docs_per_pack,
+        without_numba=without_numba,
     )
 
 
@@ -692,7 +711,7 @@ def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, read
     if output.shard_size < 1:
         raise InputError(f"invalid shard size {output.shard_size}: at least 1 byte.")
     _check_engine(output.engine, output.ray_address, reading)
-    _check_append(output, index_only=False)
+    _check_append(output)
     with progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if is_store(source.spec):
             raise InputError(f"{corpus} is a document store already: build from it (prepack build {corpus} ...).")
@@ -717,14 +736,12 @@ def _staged(out: str | os.PathLike, output: Output, kind: str = MANIFEST_NAME):
     return staged_append(out, kind) if output.append else staged_directory(out, output.overwrite, kind)
 
 
-def _check_append(output: Output, index_only: bool) -> None:
+def _check_append(output: Output) -> None:
     """Refuse, before anything is read, what an append cannot honour."""
     if not output.append:
         return
     if output.overwrite:
         raise InputError("--append grows the output at --out and --overwrite replaces it: give one of them.")
-    if output.engine != "local" and not index_only:
-        raise InputError("--append runs on the local engine: leave out --engine ray.")
 
 
 def _check_same_reading(documents: Documents, store: StoreManifest, out: str | os.PathLike) -> None:

@@ -790,10 +790,12 @@ def pack_count(
     untrained: np.ndarray | None = None,
     drop_untrained: bool = False,
     max_documents: int | None = None,
+    without_numba: bool = False,
 ) -> int:
     """The packs `plan_packs` makes of these documents with these options, without laying them out:
-    what a build appended to reports its packs against (a rebuild of the same documents at once)."""
-    return _assigned(lengths, max_len, algorithm, overflow, untrained, drop_untrained, max_documents).packs
+    what a build appended to reports its packs against (a rebuild of the same documents at once).
+    `without_numba`: as `plan_packs` takes it."""
+    return _assigned(lengths, max_len, algorithm, overflow, untrained, drop_untrained, max_documents, without_numba).packs
 
 
 class _Assigned(NamedTuple):

@@ -570,6 +570,47 @@ def test_an_index_build_runs_on_the_driver_with_the_local_bytes(tmp_path, local_
     assert _same(tmp_path / "local", tmp_path / "ray") >= 2
 
 
+@pytest.mark.slow
+def test_appends_to_a_store_and_to_its_builds_write_the_local_bytes(tmp_path, local_ray):
+    """`--append` on the Ray engine: a store grown by a corpus, then its full and index builds grown by the
+    documents added, every shard numbered on from the output's, byte for byte as the local engine grows them."""
+    rng = np.random.default_rng(7)
+    for part, count in (("old", 900), ("new", 300)):
+        documents = [rng.integers(0, 1000, rng.integers(0, 300)).tolist() for _ in range(count)]
+        (tmp_path / part).mkdir()
+        write_corpus(tmp_path / part / f"{part}.parquet", corpus_table(documents, [[-100, *d[1:]] if d else [] for d in documents]))
+    for engine in ("local", "ray"):
+        root = tmp_path / engine
+        build_store(tmp_path / "old", root / "store", shard_size=30_000, engine=engine)
+        build(root / "store", root / "full", max_len=512, shard_size=40_000, engine=engine)
+        build(root / "store", root / "index", max_len=512, index_only=True, engine=engine)
+        build_store(tmp_path / "new", root / "store", shard_size=30_000, append=True, engine=engine)
+        grown = build(root / "store", root / "full", max_len=512, shard_size=40_000, append=True, engine=engine)
+        build(root / "store", root / "index", max_len=512, index_only=True, append=True, engine=engine)
+        assert len(grown.generations) == 2 and grown.generations[0].shards < len(grown.shards)
+    for output in ("store", "full", "index"):
+        assert _same(tmp_path / "local" / output, tmp_path / "ray" / output) >= 3, output
+
+
+@pytest.mark.slow
+def test_appends_in_s3_on_the_ray_engine_write_the_local_bytes(tmp_path, s3_ray, fs, s3_bucket):
+    """The object-storage append (new shard objects first, the manifest last on its ETag) on Ray tasks:
+    a store and its full build grown in S3, object for object the local engine's appends."""
+    rng = np.random.default_rng(8)
+    for part, count in (("old", 600), ("new", 200)):
+        documents = [rng.integers(0, 1000, rng.integers(0, 300)).tolist() for _ in range(count)]
+        (tmp_path / part).mkdir()
+        write_corpus(tmp_path / part / f"{part}.parquet", corpus_table(documents, [[-100, *d[1:]] if d else [] for d in documents]))
+    for root, engine in ((tmp_path / "local", "local"), (f"{s3_bucket}/grown", "ray")):
+        build_store(tmp_path / "old", f"{root}/store", shard_size=30_000, engine=engine)
+        build(f"{root}/store", f"{root}/full", max_len=512, shard_size=40_000, engine=engine)
+        build_store(tmp_path / "new", f"{root}/store", shard_size=30_000, append=True, engine=engine)
+        build(f"{root}/store", f"{root}/full", max_len=512, shard_size=40_000, append=True, engine=engine)
+    for output in ("store", "full"):
+        expected = files(tmp_path / "local" / output)
+        assert len(expected) >= 3 and _objects(fs, f"{s3_bucket}/grown/{output}") == expected, output
+
+
 def _closed_port() -> int:
     with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
         probe.bind(("127.0.0.1", 0))
