@@ -43,6 +43,7 @@ __all__ = [
     "ImageSetFile",
     "ImageSetManifest",
     "MAX_IMAGE_PIXELS",
+    "VideoRule",
     "read_image_set",
     "smart_resize",
 ]
@@ -117,6 +118,85 @@ class ImageRule(StrictModel):
 
     def text(self, width: int, height: int) -> str:
         return self.start + self.placeholder * self.placeholders(width, height) + self.end
+
+
+def _whole_video_resize(frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int,
+                        max_pixels: int) -> tuple[int, int]:
+    """Qwen3-VL's video resize rule (transformers' `qwen3_vl.video_processing_qwen3_vl.smart_resize`): the
+    pixel bounds hold for all frames together (frames rounded to a multiple of `temporal`), and a frame
+    narrower than `factor` is first scaled up. `tests/formats/test_video_rule.py` runs transformers' own text."""
+    if frames < temporal:
+        raise ValueError(f"{frames} frames, fewer than the temporal patch of {temporal}")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"an aspect ratio of more than 200 ({width}x{height})")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+class VideoRule(StrictModel):
+    """How many placeholder tokens a video of `frames` frames of one size becomes, as the Qwen-VL video
+    processors count them, and its text before tokenizing.
+
+    The frames are taken as given (already sampled; no decoder here): `temporal_patch_size` frames make one
+    temporal grid step (the last frame repeated to fill the last step), and each step holds h·w/merge² tokens.
+    `qwen2` (Qwen2-VL's and Qwen2.5-VL's `Qwen2VLVideoProcessor`): each frame resized by `smart_resize`
+    within [min_pixels, max_pixels]; the text is `start + placeholder × N + end`. `qwen3` (Qwen3-VL's
+    `Qwen3VLVideoProcessor`): the bounds hold for the whole video; each temporal step is its own
+    `<{seconds:.1f} seconds>` + start + placeholders + end, its time the mean of its first and last frame's
+    (frame i at i / fps), as `Qwen3VLProcessor` writes it. Both as transformers 5.24 counts them with
+    `cap_pixels_per_frame` unset (its default there)."""
+
+    kind: Literal["qwen2", "qwen3"]
+    placeholder: str = Field(default="<|video_pad|>", min_length=1)
+    start: str = "<|vision_start|>"
+    end: str = "<|vision_end|>"
+    patch_size: int = Field(ge=1, le=4096)
+    merge_size: int = Field(ge=1, le=64)
+    temporal_patch_size: int = Field(ge=1, le=64)
+    min_pixels: int = Field(ge=1, le=2**40)
+    max_pixels: int = Field(ge=1, le=2**40)
+
+    def grid(self, frames: int, width: int, height: int) -> tuple[int, int, int]:
+        """(t, h, w): the video's patch grid, `video_grid_thw` of the processor. ValueError if none."""
+        if frames < 1:
+            raise ValueError("a video without frames")
+        factor = self.patch_size * self.merge_size
+        if self.kind == "qwen2":
+            resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+        else:
+            resized_h, resized_w = _whole_video_resize(frames, height, width, self.temporal_patch_size, factor,
+                                                       self.min_pixels, self.max_pixels)
+        steps = -(-frames // self.temporal_patch_size)
+        return steps, resized_h // self.patch_size, resized_w // self.patch_size
+
+    def placeholders(self, frames: int, width: int, height: int) -> int:
+        t, h, w = self.grid(frames, width, height)
+        return t * h * w // self.merge_size**2
+
+    def step_seconds(self, frames: int, fps: float) -> list[float]:
+        """Qwen3-VL's time of each temporal step: frame i at i / fps, the mean of a step's first and last
+        frame (the last frame repeated to fill the last step), as `Qwen3VLProcessor._calculate_timestamps`."""
+        step = self.temporal_patch_size
+        indices = list(range(frames)) + [frames - 1] * (-frames % step)
+        return [(indices[i] / fps + indices[i + step - 1] / fps) / 2 for i in range(0, len(indices), step)]
+
+    def text(self, frames: int, width: int, height: int, fps: float) -> str:
+        t, h, w = self.grid(frames, width, height)
+        if self.kind == "qwen2":
+            return self.start + self.placeholder * (t * h * w // self.merge_size**2) + self.end
+        per_step = self.start + self.placeholder * (h * w // self.merge_size**2) + self.end
+        return "".join(f"<{seconds:.1f} seconds>" + per_step for seconds in self.step_seconds(frames, fps))
 
 
 # The most pixels (width x height) an image may decode to by default, in `prepare-images` and in the training
