@@ -2,17 +2,13 @@
 processors make of a video's frames.
 
 transformers' video processors need torchvision, which this environment does not have (importing their module
-fails), so their counting code is run from transformers' own source text: `get_num_of_video_patches` and the
-module's `smart_resize`, taken out of the installed file with `ast` and run on their class defaults. The
+fails), so their counting code is run from transformers' own source text (`tests.video_inputs.transformers_source`):
+`get_num_of_video_patches` and the module's `smart_resize`, run on their class defaults. The
 processors' texts (Qwen3-VL's timestamps) come from the processor classes, which import without torchvision.
 """
 
 from __future__ import annotations
 
-import ast
-import functools
-import importlib.util
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -21,41 +17,13 @@ from hypothesis import strategies as st
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
 from prepack.formats.images import VideoRule
+from tests.video_inputs import transformers_source
 
 # (module, class) of transformers' video processors, by prepack's rule kind.
 PROCESSORS = {
     "qwen2": ("transformers.models.qwen2_vl.video_processing_qwen2_vl", "Qwen2VLVideoProcessor"),
     "qwen3": ("transformers.models.qwen3_vl.video_processing_qwen3_vl", "Qwen3VLVideoProcessor"),
 }
-
-
-@functools.cache
-def transformers_source(module: str, class_name: str) -> SimpleNamespace:
-    """The module's `smart_resize`, and of its class the methods and the plain class attributes (its
-    defaults), run from the installed file's text without importing it."""
-    path = importlib.util.find_spec(module).origin
-    with open(path, encoding="utf-8") as file:
-        tree = ast.parse(file.read())
-    namespace: dict = {"math": math}
-    found = SimpleNamespace()
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == "smart_resize":
-            node.decorator_list, node.returns = [], None
-            for argument in node.args.args:
-                argument.annotation = None
-            exec(compile(ast.Module([node], []), path, "exec"), namespace)
-        if isinstance(node, ast.ClassDef) and node.name == class_name:
-            for item in node.body:
-                if isinstance(item, ast.Assign) and isinstance(item.targets[0], ast.Name):
-                    value = compile(ast.Expression(item.value), path, "eval")
-                    try:  # constants and their arithmetic (`128 * 28 * 28`), nothing named
-                        setattr(found, item.targets[0].id, eval(value, {"__builtins__": {}}))
-                    except NameError:  # a default that names something (a mean, a resample mode)
-                        pass
-                if isinstance(item, ast.FunctionDef) and item.name == "get_num_of_video_patches":
-                    item.decorator_list = []
-                    exec(compile(ast.Module([item], []), path, "exec"), namespace)
-    return SimpleNamespace(defaults=found, count=namespace["get_num_of_video_patches"])
 
 
 def rule_of(kind: str, defaults: SimpleNamespace) -> VideoRule:
@@ -71,7 +39,7 @@ def rule_of(kind: str, defaults: SimpleNamespace) -> VideoRule:
 def test_video_placeholders_are_the_video_processors_count(kind, frames, height, width, small):
     """Frame counts, sizes and (`small`) the tiny towers' bounds: the count is transformers' own, and a video
     transformers refuses (too few frames for Qwen3-VL, an extreme aspect ratio) is refused too."""
-    source = transformers_source(*PROCESSORS[kind])
+    source = transformers_source(*PROCESSORS[kind], methods=("get_num_of_video_patches",))
     assert source.defaults.cap_pixels_per_frame is None  # the uncapped count, transformers' default, is prepack's
     defaults = SimpleNamespace(**vars(source.defaults))
     if small:
@@ -79,7 +47,7 @@ def test_video_placeholders_are_the_video_processors_count(kind, frames, height,
         defaults.patch_size = 14
     rule = rule_of(kind, defaults)
     try:
-        expected = source.count(defaults, frames, height, width, {}) // defaults.merge_size**2
+        expected = source.get_num_of_video_patches(defaults, frames, height, width, {}) // defaults.merge_size**2
     except ValueError:
         with pytest.raises(ValueError):
             rule.placeholders(frames, width, height)
