@@ -22,7 +22,7 @@ from PIL import Image
 
 from tests.vision_inputs import photo_bytes
 
-__all__ = ["VIDEOS", "transformers_source", "video_bytes", "video_frames"]
+__all__ = ["QWEN_VIDEO_TOKEN", "VIDEOS", "transformers_source", "video_bytes", "video_frames", "video_processor_directory"]
 
 # (photograph, frames, crop width, crop height, shift per frame in pixels): an even and two odd frame counts
 # (the last temporal step filled by repeating the last frame), frames of three sizes.
@@ -81,3 +81,30 @@ def transformers_source(module: str, class_name: str, methods: tuple[str, ...] =
                 if isinstance(item, ast.FunctionDef) and item.name in methods:
                     define(item)
     return SimpleNamespace(defaults=defaults, **{name: namespace[name] for name in methods})
+
+
+# The video placeholder token of the Qwen-VL processors, added to the test processor's tokenizer.
+QWEN_VIDEO_TOKEN = "<|video_pad|>"
+
+
+def video_processor_directory(directory, kind: str = "qwen2", size: dict[str, int] | None = None):
+    """`tests.vision_inputs.processor_directory` with `QWEN_VIDEO_TOKEN` added to its tokenizer and a
+    `video_preprocessor_config.json` of transformers' Qwen2-VL (`kind` qwen2) or Qwen3-VL video processor, with
+    the tiny towers' patch, merge and temporal sizes and `size` (by default the tiny towers' image bounds), in
+    the fields transformers writes. (transformers cannot write it here: its video processors need torchvision.)"""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from prepack.model.tiny_vision_models import QWEN_PIXELS
+    from tests.vision_inputs import processor_directory
+
+    processor = processor_directory(directory)
+    tokenizer = Tokenizer.from_file(str(processor / "tokenizer.json"))
+    tokenizer.add_special_tokens([QWEN_VIDEO_TOKEN])
+    tokenizer.save(str(processor / "tokenizer.json"))
+    config = {"video_processor_type": {"qwen2": "Qwen2VLVideoProcessor", "qwen3": "Qwen3VLVideoProcessor"}[kind],
+              "size": dict(size or QWEN_PIXELS), "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+              "do_sample_frames": False}
+    (processor / "video_preprocessor_config.json").write_text(json.dumps(config, indent=2))
+    return processor

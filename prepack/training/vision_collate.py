@@ -39,7 +39,7 @@ import numpy as np
 
 from prepack.training.collate import PackedCollator
 from prepack.errors import InputError, UsageError, optional_imports
-from prepack.formats.images import MAX_IMAGE_PIXELS
+from prepack.formats.images import DEFAULT_VIDEO_FPS, MAX_IMAGE_PIXELS
 from prepack.formats.shards import IGNORE_INDEX
 from prepack.model.vision_families import VIDEO_RULES, ImageStyle, image_style
 
@@ -53,9 +53,6 @@ __all__ = ["DEFAULT_VIDEO_FPS", "MAX_BATCH_PIXELS", "MAX_IMAGE_PIXELS", "VisionC
 # Decoded pixels the collator accepts, by the images' headers: per image, `prepare-images`' own limit
 # (prepack.formats.images), and per batch, whose images are all decoded before the image processor takes them.
 MAX_BATCH_PIXELS = 128 * 2**20
-# Frames per second of a video whose pack does not say (`video_fps`): qwen-vl-utils' sampling rate (FPS = 2.0),
-# which Qwen2.5-VL's `second_per_grid_ts` and Qwen3-VL's step times are written for.
-DEFAULT_VIDEO_FPS = 2.0
 
 
 @dataclass(frozen=True)

@@ -61,4 +61,22 @@ class ImagePackedDataset:
                 f"{rows.tolist()[:8]}) have images of {expected}: a document's images were cut (keep image "
                 "documents within max_len: --overflow drop), or the build is not of this image set's corpus."
             )
-        return {**pack, "images": [self.image_set.data(number) for number in numbers]}
+        served = {**pack, "images": [self.image_set.data(number) for number in numbers]}
+        if self.image_set.manifest.video_rule is not None:
+            served |= self._videos(index, pack, rows)
+        return served
+
+    def _videos(self, index: int, pack: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+        """The pack's `videos` (each its encoded frames) and `video_fps`, its video placeholders checked as its
+        image placeholders are."""
+        videos = [video for row in rows for video in self.image_set.videos_of(int(row))]
+        expected = sum(tokens for _, _, tokens in videos)
+        found = int(np.count_nonzero(pack["input_ids"] == self.image_set.manifest.video_placeholder_id))
+        if found != expected:
+            raise InputError(
+                f"Pack {index} holds {found} video placeholder tokens, but its documents (corpus rows "
+                f"{rows.tolist()[:8]}) have videos of {expected}: a document's videos were cut (keep video "
+                "documents within max_len: --overflow drop), or the build is not of this image set's corpus."
+            )
+        return {"videos": [[self.image_set.data(int(frame)) for frame in frames] for frames, _, _ in videos],
+                "video_fps": [fps for _, fps, _ in videos]}
