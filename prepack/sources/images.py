@@ -752,6 +752,8 @@ def _video_frames(source: Any, where: str, root: _ImageRoot, limits: ImageLimits
         return [_image_bytes(frame, f"{where}, frame {index}", root, limits) for index, frame in enumerate(source)]
     if isinstance(source, str) and source and not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", source):
         directory = _confined(source, where, root)
+        if not directory.exists():
+            raise InputError(f"{where}: the video {source!r} cannot be read (no such file or directory).")
         if directory.is_dir():
             names = sorted(entry.name for entry in os.scandir(directory)
                            if entry.name.lower().endswith(_FRAME_SUFFIXES) and not entry.name.startswith("."))

@@ -9,6 +9,7 @@ or a directory of frames. A video file (mp4) is refused by name: prepack has no 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -23,7 +24,7 @@ from prepack.sources.images import prepare_image_chat, video_processor_rule
 from prepack.training.video_frames import FrameVideoProcessor
 from prepack.training.vision_collate import VisionCollator, VisionSpec
 from prepack.training.vision_dataset import ImagePackedDataset
-from tests.cli import run_prepack
+from tests.cli import WIDE, failure, run_prepack
 from tests.model.test_vision import LOSS_TOLERANCE, TOLERANCE, run, targets
 from tests.video_inputs import QWEN_VIDEO_TOKEN, VIDEOS, video_bytes, video_processor_directory
 from tests.vision_inputs import PHOTOS, QWEN_IMAGE_TOKENS, SAMPLE_DATA
@@ -132,9 +133,10 @@ def test_a_set_without_videos_has_no_video_fields(processor, tmp_path):
         ("clips/empty", "holds no frame images"),
         (["clips/v0/frame000.png", "clips/v1/frame000.png"], r"frames are of 2 sizes"),
         ("../outside", "leads out of"),
+        ("clips/v9", r"the video 'clips/v9' cannot be read \(no such file or directory\)"),
         ([], "a video without frames"),
     ],
-    ids=["mp4", "empty directory", "two sizes", "outside", "no frames"],
+    ids=["mp4", "empty directory", "two sizes", "outside", "missing", "no frames"],
 )
 def test_bad_videos_are_refused_by_row_and_column(processor, tmp_path, video, message):
     write_videos(tmp_path)
@@ -185,7 +187,16 @@ def test_a_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(proce
     from tests.model.test_video import alone_batch
 
     paths = write_videos(tmp_path)
-    summary = prepare_image_chat(corpus_file(tmp_path, video_records(paths)), processor, tmp_path / "prepared")
+    corpus = corpus_file(tmp_path, video_records(paths))
+    done = run_prepack("prepare-images", corpus, "--processor", processor, "--out", tmp_path / "prepared", env=WIDE)
+    assert done.returncode == 0 and ", 4 videos (their frames among the images)" in done.stdout, done.stderr
+    summary = SimpleNamespace(corpus=tmp_path / "prepared" / "corpus.parquet", image_set=tmp_path / "prepared" / "images")
+    mp4 = {"messages": [{"role": "user", "content": "<video>"}, {"role": "assistant", "content": "x"}],
+           "videos": ["clip.mp4"]}
+    (tmp_path / "clips" / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    refused = run_prepack("prepare-images", corpus_file(tmp_path / "clips", [mp4]), "--processor", processor, "--out",
+                          tmp_path / "refused", env=WIDE)
+    assert refused.returncode == 2 and "it has no video decoder" in failure(refused)
     build = tmp_path / "build"
     result = run_prepack("build", summary.corpus, "--tokenizer", processor, "--chat", "--max-len", MAX_LEN,
                          "--overflow", "error", "--out", build)
@@ -227,3 +238,13 @@ def test_a_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(proce
     grad_diff = max(float((grads[name] - alone_grads[name]).abs().max()) for name in grads) / largest
     assert logit_diff < TOLERANCE
     assert abs(float(loss) - weighted / counted) < LOSS_TOLERANCE and grad_diff < LOSS_TOLERANCE
+    # verify --images: clean, and a set whose video placeholder is another token fails pack by pack
+    from prepack.check.images import verify_images
+
+    assert verify_images(build, summary.image_set) == []
+    manifest_file = summary.image_set / IMAGE_SET_MANIFEST
+    manifest = json.loads(manifest_file.read_text())
+    manifest["video_placeholder_id"] = image
+    manifest_file.write_text(json.dumps(manifest))
+    problems = verify_images(build, summary.image_set)
+    assert problems and all("video placeholder tokens" in problem.message for problem in problems)
