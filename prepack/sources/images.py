@@ -34,7 +34,13 @@ true length. The images go into an image set (`schemas/image-set.md`): each dist
 encoded bytes with its sha256, and per corpus row the numbers of its images. Images are written out as
 they are read, so memory holds one image (and a few rows of a Parquet or Arrow corpus), not all of them.
 
-Limits (`ImageLimits`): encoded size, pixels, images per record; an image over one is refused (InputError
+Videos (Qwen-VL, `video_processor_rule`) are read as their frames, never decoded from a video file: a record's
+`videos` column (each a list of frames, or a directory of frame images) placed by `<video>` markers, or
+`{"type": "video", ...}` items; `video_fps` their rates. Every frame is an image of the set (stored once by
+sha256); a video becomes its `VideoRule` text, and `videos.arrow` records per row its videos' frames, rates and
+placeholder counts (`schemas/image-set.md`). A corpus without videos gives the image set of before, byte for byte.
+
+Limits (`ImageLimits`): encoded size, pixels, images per record (a video's frames counted); an image over one is refused (InputError
 naming file, row and column), as is an unreadable or unsupported one. Nothing is downloaded: a URI that is
 not a local path is refused.
 """
