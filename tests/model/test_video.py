@@ -26,7 +26,9 @@ from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.model.vision_families import VIDEO_RULES
 from prepack.training.video_frames import FrameVideoProcessor
 from prepack.training.vision_collate import VisionCollator, VisionSpec, rotary_3d_positions
+from tests.flash_reference import enable_flash_attention, use_flash_reference  # noqa: F401 (a fixture)
 from tests.model.test_vision import (
+    EAGER_TOLERANCE,
     LANGUAGE_MODEL,
     LOSS_TOLERANCE,
     PROJECTOR,
@@ -110,8 +112,10 @@ def packs_of(made: list[dict], rows: tuple[tuple[int, ...], ...]) -> list[dict]:
     return packs
 
 
-def setup(model_type: str, layout=SAMPLES):
-    model = tiny_vision_model(model_type)
+def setup(model_type: str, layout=SAMPLES, attn: str = "sdpa"):
+    model = tiny_vision_model(model_type, "eager" if attn == "eager" else "sdpa")
+    if attn.startswith("flash"):
+        enable_flash_attention(model, attn)
     processor = image_processor(model_type)
     frames = video_processor(model_type, processor)
     made = samples(model, processor, frames, layout)
@@ -186,6 +190,34 @@ def test_packed_video_batch_equals_each_sample_alone(model_type, rows):
     print(f"{model_type} videos, {rows} rows: {report}")
     assert groups.keys() == {PROJECTOR, VISION_TOWER, LANGUAGE_MODEL}, report
     assert logit_diff < TOLERANCE and loss_diff < LOSS_TOLERANCE, report
+    assert all(value < LOSS_TOLERANCE for value in groups.values()), report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model_type", "attn"),
+    [("qwen3_vl_moe", "sdpa"), ("qwen2_5_vl", "eager"), ("qwen2_5_vl", "flash_attention_2"),
+     ("qwen3_vl", "flash_attention_4")],
+)
+def test_packed_video_batch_on_other_backends_and_families(model_type, attn, request):
+    """Qwen3-VL-MoE (VIDEO_RULES' fourth family) on sdpa, and videos on eager and on flash through
+    tests/flash_reference.py's stand-ins (the text's offsets derived by enable_packing, kept from the tower)."""
+    if attn.startswith("flash"):
+        request.getfixturevalue("use_flash_reference")
+    model, collator, made = setup(model_type, attn=attn)
+    packs = packs_of(made, ROWS[2])
+    batch = collator(packs)
+    if attn.startswith("flash"):  # the control: without enable_packing flash runs dense over each row
+        logit_diff, _, _ = compare(model, collator, made, packs, batch)
+        assert logit_diff > 1e-3, f"the leak control did not leak ({logit_diff}), so the test could not fail"
+    enable_packing(model)
+    logit_diff, loss_diff, groups = compare(model, collator, made, packs, batch)
+    report = f"logits {logit_diff:.1e}, loss {loss_diff:.1e}, gradients " + ", ".join(
+        f"{group} {value:.1e}" for group, value in sorted(groups.items()))
+    print(f"{model_type} videos on {attn}: {report}")
+    tolerance = EAGER_TOLERANCE if attn == "eager" else TOLERANCE
+    assert groups.keys() == {PROJECTOR, VISION_TOWER, LANGUAGE_MODEL}, report
+    assert logit_diff < tolerance and loss_diff < LOSS_TOLERANCE, report
     assert all(value < LOSS_TOLERANCE for value in groups.values()), report
 
 
