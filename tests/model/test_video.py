@@ -332,3 +332,16 @@ def test_a_video_of_frames_of_two_sizes_is_refused():
                           max_pixels=2**20)
     with pytest.raises(InputError, match="1 frames, fewer than the temporal patch of 2"):
         FrameVideoProcessor(image_processor("qwen3_vl"), one_frame)(videos=[video_frames(0)[:1]])
+
+
+def test_video_frames_count_against_the_pixel_limits():
+    """A video's frames are checked by their headers with the batch's images, before any is decoded."""
+    model, collator, made = setup("qwen2_vl")
+    pack = packs_of(made, ((0,),))[0]  # one video: 4 frames of 120x90
+    options = dict(pad_token_id=1, video_processor=collator.video_processor)
+    assert len(VisionCollator(collator.spec, collator.image_processor, **options)([pack])["video_grid_thw"]) == 1
+    for limits, message in (({"max_image_pixels": 120 * 90 - 1}, "max_image_pixels"),
+                            ({"max_image_pixels": 120 * 90, "max_batch_pixels": 120 * 90 * 3}, "max_batch_pixels")):
+        limited = VisionCollator(collator.spec, collator.image_processor, **options, **limits)
+        with pytest.raises(InputError, match=message):
+            limited([pack])
