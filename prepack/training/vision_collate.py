@@ -11,6 +11,8 @@ model's image processor (in DataLoader workers) and emits, by the family's style
     labels        [B, L] int64   -100 at padding, at each sample's first token and at image placeholders
     pixel_values  what the image processor gives for the batch's images, in token order
     image_grid_thw [N, 3] int64  (3-D rotary) each image's patch grid, from the image processor
+    pixel_values_videos, video_grid_thw  (3-D rotary, packs with `videos`) what the video processor gives
+    second_per_grid_ts [V] float32 (Qwen2.5-VL, packs with `videos`) temporal_patch_size / each video's fps
     position_ids  [B, L] int64   (restart, image blocks) 0, 1, ... restarting at every sample
                   [4, B, L] int64 (3-D rotary) row 0 the text positions restarting at every sample (what
                                  transformers builds the per-sample mask from), rows 1-3 the temporal,

@@ -345,3 +345,70 @@ def test_video_frames_count_against_the_pixel_limits():
         limited = VisionCollator(collator.spec, collator.image_processor, **options, **limits)
         with pytest.raises(InputError, match=message):
             limited([pack])
+
+
+@pytest.mark.slow
+def test_llava_next_video_is_isolated_natively_on_videos_and_refused_for_want_of_a_data_side():
+    """The other video family, measured: a tiny LLaVA-NeXT-Video fed two videos (4 frames each, crops of the
+    photographs) and a text-only sample packed in one row with position_ids restarting per sample gives the
+    logits, loss and every gradient of each sample alone (its CLIP tower takes frames one by one, its pooling is
+    per frame, its decoder's mask comes from the positions); counting on over the row leaks. prepack still
+    refuses it, with the vision table's measured reason: it has no data side for the family (no placeholder
+    rule, no collator style; transformers also takes a batch's videos as one [videos, frames, C, H, W] tensor,
+    so every video of a batch would need the same frame count)."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from prepack.errors import IsolationError
+    from prepack.model.families import BACKENDS
+    from prepack.model.vision_families import VISION_FAMILIES
+
+    model = tiny_vision_model("llava_next_video")
+    config = model.config
+    side = config.vision_config.image_size
+    processor = CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    per_frame = (side // config.vision_config.patch_size // config.spatial_pool_stride) ** 2
+    rng = np.random.default_rng(0)
+    made = []
+    for video in (0, 2, None):
+        ids = list(rng.integers(2, DOCUMENT_VOCAB, 4))
+        pixels = None
+        if video is not None:
+            frames = video_frames(video)[:4]
+            pixels = processor(images=frames, return_tensors="pt")["pixel_values"].to(torch.float64)[None]
+            ids += [config.video_token_index] * (len(frames) * per_frame)
+        ids += list(rng.integers(2, DOCUMENT_VOCAB, 5))
+        made.append((torch.tensor(ids), pixels))
+    ids = torch.cat([sample for sample, _ in made])[None]
+    labels = ids.clone()
+    labels[ids == config.video_token_index] = -100
+    starts = np.cumsum([0] + [len(sample) for sample, _ in made])
+    for start in starts[:-1]:
+        labels[0, start] = -100  # a sample's first token is no target of the one before
+    packed = {"input_ids": ids, "labels": labels, "use_cache": False,
+              "position_ids": torch.cat([torch.arange(len(sample)) for sample, _ in made])[None],
+              "pixel_values_videos": torch.cat([pixels for _, pixels in made if pixels is not None])}
+
+    def differences(batch):
+        logits, loss, grads = run(model, batch)
+        logit_diff, weighted, counted, alone_grads = 0.0, 0.0, 0, {}
+        for (sample, pixels), start, end in zip(made, starts[:-1], starts[1:]):
+            alone = {"input_ids": sample[None], "labels": labels[:, start:end], "use_cache": False}
+            if pixels is not None:
+                alone["pixel_values_videos"] = pixels
+            alone_logits, alone_loss, sample_grads = run(model, alone)
+            logit_diff = max(logit_diff, float((logits[0, start:end] - alone_logits[0]).abs().max()))
+            weighted, counted = weighted + float(alone_loss) * targets(alone["labels"]), counted + targets(alone["labels"])
+            for name, grad in sample_grads.items():
+                alone_grads[name] = alone_grads.get(name, 0) + grad
+        return logit_diff, abs(float(loss) - weighted / counted), group_differences(grads, alone_grads)
+
+    logit_diff, loss_diff, groups = differences(packed)
+    assert groups.keys() == {PROJECTOR, VISION_TOWER, LANGUAGE_MODEL}, groups
+    assert logit_diff < TOLERANCE and loss_diff < LOSS_TOLERANCE, (logit_diff, loss_diff)
+    assert all(value < LOSS_TOLERANCE for value in groups.values()), groups
+    leaking, _, _ = differences({**packed, "position_ids": torch.arange(ids.shape[1])[None]})
+    assert leaking > 1e-3
+    verdict = VISION_FAMILIES["llava_next_video"].verdicts[BACKENDS.index("sdpa")]
+    assert not verdict.isolated and "no data side" in verdict.reason
+    with pytest.raises(IsolationError, match=re.escape(verdict.reason)):
+        enable_packing(model)
