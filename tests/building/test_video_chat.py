@@ -75,6 +75,7 @@ def corpus_file(directory, records) -> object:
     return corpus
 
 
+@pytest.mark.slow
 def test_videos_are_prepared_with_their_frames_stored_once(processor, tmp_path):
     paths = write_videos(tmp_path)
     corpus = corpus_file(tmp_path, video_records(paths))
@@ -100,6 +101,7 @@ def test_videos_are_prepared_with_their_frames_stored_once(processor, tmp_path):
     assert image_set.row_video_tokens().tolist() == [texts[row].count(QWEN_VIDEO_TOKEN) for row in range(4)]
 
 
+@pytest.mark.slow
 def test_a_qwen3_video_is_one_run_a_step_after_its_time(tmp_path):
     processor = video_processor_directory(tmp_path / "processor", "qwen3",
                                           {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 24})
@@ -149,6 +151,7 @@ def test_bad_videos_are_refused_by_row_and_column(processor, tmp_path, video, me
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_video_needs_a_video_processor_and_a_place(tmp_path):
     from tests.vision_inputs import processor_directory
 

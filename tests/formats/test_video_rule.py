@@ -33,7 +33,7 @@ def rule_of(kind: str, defaults: SimpleNamespace) -> VideoRule:
 
 
 @pytest.mark.parametrize("kind", PROCESSORS)
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(frames=st.integers(1, 40), height=st.integers(1, 2000), width=st.integers(1, 2000),
        small=st.booleans())
 def test_video_placeholders_are_the_video_processors_count(kind, frames, height, width, small):
@@ -55,7 +55,7 @@ def test_video_placeholders_are_the_video_processors_count(kind, frames, height,
     assert rule.placeholders(frames, width, height) == expected
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(frames=st.integers(1, 40), fps=st.sampled_from([0.5, 1.0, 2.0, 24.0, 29.97]), step=st.integers(1, 4))
 def test_qwen3_step_times_are_the_processors(frames, fps, step):
     rule = VideoRule(kind="qwen3", patch_size=16, merge_size=2, temporal_patch_size=step, min_pixels=1,
