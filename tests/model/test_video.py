@@ -35,6 +35,7 @@ from tests.model.test_vision import (
     TOLERANCE,
     VISION_TOWER,
     group_differences,
+    image_tokens,
     run,
     targets,
 )
@@ -70,16 +71,6 @@ def video_tokens(model, frames: FrameVideoProcessor, video: int, rng) -> list[in
         tokens += [*rng.integers(2, DOCUMENT_VOCAB, 3), config.vision_start_token_id,
                    *[config.video_token_id] * per_step, config.vision_end_token_id]
     return tokens
-
-
-def image_tokens(model, processor, photo: bytes) -> list[int]:
-    from PIL import Image
-    import io
-
-    grid = processor(images=[Image.open(io.BytesIO(photo)).convert("RGB")])["image_grid_thw"][0]
-    count = int(np.prod(grid)) // model.config.vision_config.spatial_merge_size**2
-    config = model.config
-    return [config.vision_start_token_id, *[config.image_token_id] * count, config.vision_end_token_id]
 
 
 def samples(model, processor, frames: FrameVideoProcessor, layout=SAMPLES, seed: int = 0) -> list[dict]:
