@@ -1,5 +1,6 @@
 """Serve a build of an image-chat corpus with its images: each pack gets `images`, the encoded bytes of
-its documents' images in token order, from the image set written beside the build
+its documents' images in token order (and, for a set with videos, `videos`, each its encoded frames, and
+`video_fps`), from the image set written beside the build
 (`prepack.sources.images.prepare_image_chat`, `schemas/image-set.md`). `VisionCollator` decodes them.
 
 Every pack is checked against the image set before it is served: its image placeholder tokens must be

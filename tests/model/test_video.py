@@ -330,7 +330,10 @@ def test_video_frames_count_against_the_pixel_limits():
     model, collator, made = setup("qwen2_vl")
     pack = packs_of(made, ((0,),))[0]  # one video: 4 frames of 120x90
     options = dict(pad_token_id=1, video_processor=collator.video_processor)
-    assert len(VisionCollator(collator.spec, collator.image_processor, **options)([pack])["video_grid_thw"]) == 1
+    batch = VisionCollator(collator.spec, collator.image_processor, **options)([pack])
+    assert len(batch["video_grid_thw"]) == 1
+    is_video = batch["input_ids"] == collator.spec.video_token_id
+    assert is_video.any() and (batch["labels"][is_video] == -100).all()  # a placeholder is never a target
     for limits, message in (({"max_image_pixels": 120 * 90 - 1}, "max_image_pixels"),
                             ({"max_image_pixels": 120 * 90, "max_batch_pixels": 120 * 90 * 3}, "max_batch_pixels")):
         limited = VisionCollator(collator.spec, collator.image_processor, **options, **limits)
