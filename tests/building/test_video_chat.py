@@ -251,3 +251,28 @@ def test_a_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(proce
     manifest_file.write_text(json.dumps(manifest))
     problems = verify_images(build, summary.image_set)
     assert problems and all("video placeholder tokens" in problem.message for problem in problems)
+
+
+@pytest.mark.parametrize(("processor_type", "module"), [
+    ("Qwen2VLVideoProcessor", "transformers.models.qwen2_vl.video_processing_qwen2_vl"),
+    ("Qwen3VLVideoProcessor", "transformers.models.qwen3_vl.video_processing_qwen3_vl"),
+])
+def test_a_video_config_that_names_only_its_processor_takes_transformers_defaults(processor, tmp_path, processor_type,
+                                                                                   module):
+    """A config may leave out any size: prepack's defaults are the class defaults in transformers' own source."""
+    import shutil
+
+    from tests.video_inputs import transformers_source
+
+    copy = tmp_path / "processor"
+    shutil.copytree(processor, copy)
+    (copy / "video_preprocessor_config.json").write_text(json.dumps({"video_processor_type": processor_type}))
+    rule, _ = video_processor_rule(copy)
+    defaults = transformers_source(module, processor_type).defaults
+    assert (rule.patch_size, rule.merge_size, rule.temporal_patch_size, rule.min_pixels, rule.max_pixels) == (
+        defaults.patch_size, defaults.merge_size, defaults.temporal_patch_size, defaults.size["shortest_edge"],
+        defaults.size["longest_edge"])
+    (copy / "video_preprocessor_config.json").write_text(json.dumps({"video_processor_type": processor_type,
+                                                                     "cap_pixels_per_frame": True}))
+    with pytest.raises(InputError, match="cap_pixels_per_frame is set"):
+        video_processor_rule(copy)
