@@ -317,10 +317,11 @@ VISION_FAMILIES |= {
 # by (`prepack.formats.images.VideoRule`): qwen2, one run of placeholders a video (Qwen2VLVideoProcessor);
 # qwen3, one run a temporal step, each after its time as text, which transformers' `get_rope_index` positions as
 # that many one-step videos (Qwen3VLVideoProcessor). tests/model/test_video.py measures each against each
-# video sample alone; tests/model/test_video.py also holds the qwen3 set to the families whose get_rope_index
-# splits videos by step.
+# video sample alone, and holds every family's kind to transformers' source (the video processor its auto
+# mapping names, and whether its get_rope_index splits videos by step).
 VIDEO_RULES: dict[str, Literal["qwen2", "qwen3"]] = {
-    "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3",
+    "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3", "qwen3_5": "qwen3",
+    "qwen3_5_moe": "qwen3", "qwen4_exp": "qwen3",
 }
 
 

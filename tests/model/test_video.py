@@ -187,7 +187,7 @@ def test_packed_video_batch_equals_each_sample_alone(model_type, rows):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model_type", "attn"),
-    [("qwen3_vl_moe", "sdpa"), ("qwen2_5_vl", "eager"), ("qwen2_5_vl", "flash_attention_2"),
+    [("qwen3_vl_moe", "sdpa"), ("qwen3_5", "sdpa"), ("qwen3_5_moe", "sdpa"), ("qwen4_exp", "sdpa"), ("qwen2_5_vl", "eager"), ("qwen2_5_vl", "flash_attention_2"),
      ("qwen3_vl", "flash_attention_4")],
 )
 def test_packed_video_batch_on_other_backends_and_families(model_type, attn, request):
@@ -213,7 +213,7 @@ def test_packed_video_batch_on_other_backends_and_families(model_type, attn, req
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", [*FAMILIES, "qwen3_5"])
 def test_video_positions_not_restarted_leak(model_type):
     """The control: positions counting on over each row let the samples see each other."""
     model, collator, made = setup(model_type)
@@ -226,7 +226,7 @@ def test_video_positions_not_restarted_leak(model_type):
     assert logit_diff > 1e-3
 
 
-@pytest.mark.parametrize("model_type", [*FAMILIES, "qwen3_vl_moe"])
+@pytest.mark.parametrize("model_type", list(VIDEO_RULES))
 def test_video_rotary_positions_equal_transformers_get_rope_index(model_type):
     """The collator's rotary rows for a sample with videos (and an image) are transformers' own, sample by sample:
     Qwen2.5-VL's temporal positions scaled by tokens_per_second x second_per_grid_ts at three frame rates,
@@ -257,13 +257,24 @@ def test_video_rotary_positions_equal_transformers_get_rope_index(model_type):
 
 def test_the_video_families_are_those_whose_positions_transformers_splits_by_step():
     """VIDEO_RULES' qwen3 families are the ones whose get_rope_index positions each temporal step as a one-step
-    video (transformers' source repeats their video grids by their steps); the qwen2 ones do not."""
+    video (transformers' source repeats their video grids by their steps), the qwen2 ones do not; and each
+    family's rule is that of the video processor transformers maps it to (read from the auto mapping's source, or
+    the family's own video processing module, which transformers infers it from: without torchvision the mapping
+    itself holds None)."""
     import importlib.util
 
+    with open(importlib.util.find_spec("transformers.models.auto.video_processing_auto").origin) as file:
+        mapped = dict(re.findall(r'\("(\w+)", \{"torchvision": "(\w+)"\}\)', file.read()))
+    processors = {"qwen2": "Qwen2VLVideoProcessor", "qwen3": "Qwen3VLVideoProcessor"}
     for model_type, kind in VIDEO_RULES.items():
         with open(importlib.util.find_spec(f"transformers.models.{model_type}.modeling_{model_type}").origin) as file:
             splits = "torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)" in file.read()
         assert splits == (kind == "qwen3"), model_type
+        if model_type not in mapped:  # inferred by transformers from the family's own video processing module
+            own = importlib.util.find_spec(f"transformers.models.{model_type}.video_processing_{model_type}").origin
+            with open(own) as file:
+                mapped[model_type] = re.search(r"class (\w+)\(BaseVideoProcessor\)", file.read()).group(1)
+        assert mapped[model_type] == processors[kind], model_type
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
