@@ -385,9 +385,10 @@ def prepare_images_command(
         summary = prepare_image_chat(corpus, processor, out, limits=limits, images_root=images_root)
     except PrepackError as exc:
         _fail(exc)
+    videos = f", {summary.videos:,} videos (their frames among the images)" if summary.videos else ""
     _stdout().print(
         f"prepared {summary.documents:,} records, {summary.references:,} images ({summary.images:,} distinct, "
-        f"{summary.image_tokens:,} placeholder tokens): build {summary.corpus}, train with {summary.image_set}"
+        f"{summary.image_tokens:,} placeholder tokens){videos}: build {summary.corpus}, train with {summary.image_set}"
     )
 
 

@@ -134,7 +134,20 @@ def verify_images(build: str | os.PathLike, images: str | os.PathLike, *, decode
             problems.append(Problem(file=info.name, row=int(row), column="input_ids", message=(
                 f"the pack holds {int(found[row])} image placeholder tokens; its documents' images make "
                 f"{int(expected[row])} (a document's images cut, or another corpus).")))
+        if image_set.manifest.video_rule is not None:
+            problems += _video_problems(image_set, info.name, token_offsets, ids, row_offsets, rows)
     return problems
+
+
+def _video_problems(image_set: ImageSet, shard: str, token_offsets, ids, row_offsets, rows) -> list[Problem]:
+    """The packs of one shard whose video placeholder tokens are not those of their documents' videos."""
+    is_placeholder = np.append(0, np.cumsum(ids == image_set.manifest.video_placeholder_id))
+    found = is_placeholder[token_offsets[1:]] - is_placeholder[token_offsets[:-1]]
+    per_pack = np.append(0, np.cumsum(image_set.row_video_tokens()[rows]))
+    expected = per_pack[row_offsets[1:]] - per_pack[row_offsets[:-1]]
+    return [Problem(file=shard, row=int(row), column="input_ids", message=(
+        f"the pack holds {int(found[row])} video placeholder tokens; its documents' videos make {int(expected[row])} "
+        "(a document's videos cut, or another corpus).")) for row in np.flatnonzero(found != expected)]
 
 
 def images_checked(build: str | os.PathLike, images: str | os.PathLike, *, decode: bool = False) -> str:
