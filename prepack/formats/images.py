@@ -13,7 +13,7 @@ import hashlib
 import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -44,6 +44,7 @@ __all__ = [
     "ImageSetManifest",
     "MAX_IMAGE_PIXELS",
     "read_image_set",
+    "select_best_resolution",
     "smart_resize",
 ]
 
@@ -82,11 +83,43 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def select_best_resolution(height: int, width: int, resolutions) -> tuple[int, int]:
+    """LLaVA-NeXT's choice of tiling (transformers' `select_best_resolution`): of the (height, width)
+    resolutions, the one that keeps most of the image's pixels when it is scaled to fit, then wastes least."""
+    best, most_kept, least_wasted = None, 0, float("inf")
+    for tiled_height, tiled_width in resolutions:
+        scale = min(tiled_width / width, tiled_height / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        wasted = tiled_width * tiled_height - kept
+        if kept > most_kept or (kept == most_kept and wasted < least_wasted):
+            best, most_kept, least_wasted = (tiled_height, tiled_width), kept, wasted
+    return best
+
+
+def _unpadded_features(height: int, width: int, rows: int, columns: int) -> tuple[int, int]:
+    """(features, newlines) of a tiled image's feature grid of `rows` x `columns` once the padding its tiling added
+    is cut off (transformers' `_get_unpadded_features` of LLaVA-NeXT's processor)."""
+    current_height, current_width = rows, columns
+    if width / height > current_width / current_height:
+        new_height = int(round(height * (current_width / width), 7))
+        current_height -= (current_height - new_height) // 2 * 2
+    else:
+        new_width = int(round(width * (current_height / height), 7))
+        current_width -= (current_width - new_width) // 2 * 2
+    features, newlines = current_height * current_width, current_height
+    return features, newlines
+
+
+_Side = Annotated[int, Field(ge=1, le=65_536)]
+
+
 class ImageRule(StrictModel):
     """How many placeholder tokens an image becomes, and the text that stands for it before tokenizing."""
 
-    kind: Literal["grid", "fixed"] = Field(
-        description="grid: Qwen2-VL's resize rule, one token per merge_size² patches; fixed: `tokens` per image."
+    kind: Literal["grid", "fixed", "anyres"] = Field(
+        description="grid: Qwen2-VL's resize rule, one token per merge_size² patches; fixed: `tokens` per image; "
+        "anyres: LLaVA-NeXT's tiling, the image's tiles (by `pinpoints`) unpadded with a newline per row, then "
+        "`tokens` for the whole image."
     )
     placeholder: str = Field(min_length=1, description="The placeholder token's text, repeated once per token.")
     start: str = Field(description="Text before an image's placeholders (may be empty).")
@@ -96,11 +129,23 @@ class ImageRule(StrictModel):
     min_pixels: int | None = Field(default=None, ge=1, le=INT32_MAX)
     max_pixels: int | None = Field(default=None, ge=1, le=INT32_MAX)
     tokens: int | None = Field(default=None, ge=1, le=65_536)
+    # anyres: the (height, width) resolutions an image is tiled to, a tile's sides in pixels, and its features
+    # per side (tile side over patch size); `tokens` then counts the whole image's features (the processor's count
+    # with its extra tokens, CLS or not).
+    pinpoints: tuple[tuple[_Side, _Side], ...] | None = Field(default=None, min_length=1, max_length=1024)
+    tile_height: int | None = Field(default=None, ge=1, le=65_536)
+    tile_width: int | None = Field(default=None, ge=1, le=65_536)
+    feature_rows: int | None = Field(default=None, ge=1, le=4096)
+    feature_columns: int | None = Field(default=None, ge=1, le=4096)
 
     @model_validator(mode="after")
     def _complete(self) -> ImageRule:
         """The fields its kind counts with are there (a manifest may leave out any field)."""
-        needed = ("patch_size", "merge_size", "min_pixels", "max_pixels") if self.kind == "grid" else ("tokens",)
+        needed = {
+            "grid": ("patch_size", "merge_size", "min_pixels", "max_pixels"),
+            "fixed": ("tokens",),
+            "anyres": ("tokens", "pinpoints", "tile_height", "tile_width", "feature_rows", "feature_columns"),
+        }[self.kind]
         missing = [name for name in needed if getattr(self, name) is None]
         if missing:
             raise ValueError(f"a {self.kind} rule needs {', '.join(missing)}")
@@ -111,6 +156,14 @@ class ImageRule(StrictModel):
     def placeholders(self, width: int, height: int) -> int:
         if self.kind == "fixed":
             return self.tokens
+        if self.kind == "anyres":
+            tiled_height, tiled_width = select_best_resolution(height, width, self.pinpoints)
+            rows = self.feature_rows * (tiled_height // self.tile_height)
+            columns = self.feature_columns * (tiled_width // self.tile_width)
+            if not rows or not columns:
+                raise ValueError(f"a tiling of {tiled_width}x{tiled_height} is less than one tile")
+            features, newlines = _unpadded_features(height, width, rows, columns)
+            return features + newlines + self.tokens
         factor = self.patch_size * self.merge_size
         resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
         return (resized_h // self.patch_size) * (resized_w // self.patch_size) // self.merge_size**2

@@ -168,7 +168,8 @@ def tiny_vision_model(
 
 def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict[str, int] = QWEN_PIXELS):
     """transformers' PIL image processor for the tower of `config` (Qwen-VL's from its patch, merge and
-    temporal sizes, `qwen_pixels` per image; CLIP's, as LLaVA uses, and Gemma 3's at the tower's image size)."""
+    temporal sizes, `qwen_pixels` per image; CLIP's, as LLaVA uses, LLaVA-NeXT's tiling one, and Gemma 3's at the
+    tower's image size)."""
     vision = config.vision_config
     if image_style(config.model_type) == "3-D rotary":
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -177,6 +178,11 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
                                         merge_size=vision.spatial_merge_size,
                                         temporal_patch_size=vision.temporal_patch_size)
     side = vision.image_size
+    if config.model_type == "llava_next":  # its tiles: the whole image, then the image tiled by the pinpoints
+        from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+        return LlavaNextImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+                                          image_grid_pinpoints=config.image_grid_pinpoints)
     if config.model_type == "llava":
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 

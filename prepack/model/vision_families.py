@@ -15,7 +15,8 @@ and reach the decoder only, never the vision tower (`prepack.model.packing`). No
 Styles:
 - 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): `position_ids` [4, B, L], text positions restarting per sample (from
   which transformers builds the per-sample mask) over the three rotary rows, restarting per sample too;
-- restart (LLaVA): `position_ids` [B, L] restarting per sample, as for text;
+- restart (LLaVA, LLaVA-NeXT): `position_ids` [B, L] restarting per sample, as for text (LLaVA-NeXT's tiles with
+  each image's `image_sizes`);
 - image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
   from which prepack builds the layer masks (`prepack.model.vision_packing`: transformers' own sliding
   mask misplaces the image blocks of a packed row).
@@ -124,6 +125,10 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         (GATED_DELTA_RULE, GATED_DELTA_RULE, QWEN4_EXP_ON_FLASH, QWEN4_EXP_ON_FLASH, NO_FLEX),
     ),
     "llava": VisionFamily("restart", "one image per row of pixel_values (CLIP)", _MEASURED),
+    "llava_next": VisionFamily(
+        "restart", "each image's tiles on a row of pixel_values (CLIP, a tile per pass), cut to its own by image_sizes",
+        _MEASURED,
+    ),
     # Its own sliding mask misplaces the image blocks of packed rows: prepack builds the layer masks.
     "gemma3": VisionFamily(
         "image blocks",
@@ -246,7 +251,6 @@ VISION_FAMILIES |= {
     'lfm3_vl': _swept(LEAKS),
     'lighton_ocr': _swept(NO_DATA_SIDE),
     'llama4': _swept(not_run("AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'")),
-    'llava_next': _swept(NO_DATA_SIDE),
     'llava_next_video': _swept(NO_DATA_SIDE),
     'llava_onevision': _swept(NO_DATA_SIDE),
     'minicpm_ocr': _swept(

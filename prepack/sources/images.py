@@ -93,6 +93,7 @@ _PLACEHOLDERS = {
     "Qwen2VLImageProcessor": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
     "Gemma3ImageProcessor": ("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
     "CLIPImageProcessor": ("", "<image>", ""),
+    "LlavaNextImageProcessor": ("", "<image>", ""),
 }
 # LlamaFactory's ShareGPT speakers (its default `tags`), as chat roles.
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool",
@@ -182,6 +183,8 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         }
     elif kind == "Gemma3ImageProcessor":
         fields = {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
+    elif kind == "LlavaNextImageProcessor":
+        fields = _anyres_fields(config, config_file, processor, processor_file)
     else:
         crop, size = _mapping(config, config_file, "crop_size"), _mapping(config, config_file, "size")
         side = _positive(crop, config_file, "height", None, "crop_size.") or _positive(
@@ -214,6 +217,41 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
             "tokenizer; add it (tokenizers: tokenizer.add_special_tokens([...])) so that each image token is one id."
         )
     return rule, placeholder_id
+
+
+def _anyres_fields(config: dict, config_file: Path, processor: dict, processor_file: Path) -> dict:
+    """LLaVA-NeXT's tiling rule, as its processor counts (transformers' `LlavaNextProcessor._get_number_of_features`):
+    a tile is the processed image's shape (the crop, or the resized size without one), its features per side the
+    tile over processor_config.json's patch_size, the whole image that many features plus
+    `num_additional_image_tokens` (default 0), less one where `vision_feature_select_strategy` is "default"."""
+    pinpoints = config.get("image_grid_pinpoints")
+    if not isinstance(pinpoints, list) or not pinpoints or not all(
+        isinstance(pair, list) and len(pair) == 2 and all(type(side) is int and side >= 1 for side in pair)
+        for pair in pinpoints
+    ):
+        raise InputError(f"{config_file}: image_grid_pinpoints is {pinpoints!r}; expected [[height, width], ...].")
+    if config.get("do_center_crop", True):
+        crop = _mapping(config, config_file, "crop_size")
+        tile = [_positive(crop, config_file, side, None, "crop_size.") for side in ("height", "width")]
+    else:
+        size = _mapping(config, config_file, "size")
+        edge = _positive(size, config_file, "shortest_edge", None, "size.")
+        tile = [_positive(size, config_file, side, edge, "size.") for side in ("height", "width")]
+    patch = _positive(processor, processor_file, "patch_size", None)
+    if None in tile or patch is None:
+        raise InputError(
+            f"{config_file.parent}: a LLaVA-NeXT processor needs crop_size (or size) and processor_config.json's "
+            "patch_size."
+        )
+    extra = processor.get("num_additional_image_tokens", 0)
+    if type(extra) is not int or extra < 0:
+        raise InputError(f"{processor_file}: num_additional_image_tokens is {extra!r}; expected a count.")
+    rows, columns = tile[0] // patch, tile[1] // patch
+    if not rows or not columns:
+        raise InputError(f"{config_file.parent}: a tile of {tile[1]}x{tile[0]} in patches of {patch} has no features.")
+    without_cls = processor.get("vision_feature_select_strategy") == "default"
+    return {"kind": "anyres", "pinpoints": pinpoints, "tile_height": tile[0], "tile_width": tile[1],
+            "feature_rows": rows, "feature_columns": columns, "tokens": rows * columns + extra - without_cls}
 
 
 def image_header(data: bytes, where: str, limits: ImageLimits) -> tuple[int, int]:

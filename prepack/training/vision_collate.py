@@ -11,6 +11,8 @@ model's image processor (in DataLoader workers) and emits, by the family's style
     labels        [B, L] int64   -100 at padding, at each sample's first token and at image placeholders
     pixel_values  what the image processor gives for the batch's images, in token order
     image_grid_thw [N, 3] int64  (3-D rotary) each image's patch grid, from the image processor
+    image_sizes   [N, 2] int64   (tiled, LLaVA-NeXT) each image's (height, width), from which the model finds how
+                                 many of the image's padded row of tiles in pixel_values [N, tiles, C, H, W] are its own
     position_ids  [B, L] int64   (restart, image blocks) 0, 1, ... restarting at every sample
                   [4, B, L] int64 (3-D rotary) row 0 the text positions restarting at every sample (what
                                  transformers builds the per-sample mask from), rows 1-3 the temporal,
@@ -61,7 +63,9 @@ class VisionSpec:
     style: ImageStyle
     image_token_id: int
     merge_size: int = 1  # 3-D rotary: patches merged per side into one token (Qwen's spatial_merge_size)
-    tokens_per_image: int | None = None  # restart, image blocks: the fixed number of placeholders per image
+    # restart, image blocks: the fixed number of placeholders per image (None for a tiled tower, LLaVA-NeXT's,
+    # whose count follows each image's size)
+    tokens_per_image: int | None = None
 
     @classmethod
     def of(cls, config) -> VisionSpec:
@@ -73,6 +77,8 @@ class VisionSpec:
             return cls(style, image_token_id, merge_size=config.vision_config.spatial_merge_size)
         if style == "image blocks":
             return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
+        if getattr(config, "image_grid_pinpoints", None):  # tiled (LLaVA-NeXT): the count follows the image's size
+            return cls(style, image_token_id)
         vision = config.vision_config
         patches = (vision.image_size // vision.patch_size) ** 2
         # "default" drops the CLS token of CLIP's output, "full" keeps it.
@@ -200,7 +206,7 @@ class VisionCollator:
             for index, image in enumerate(images)
         ]
         out = self.image_processor(images=decoded, return_tensors="pt", **self.image_processor_options)
-        kept = {key: out[key] for key in ("pixel_values", "image_grid_thw") if key in out}
+        kept = {key: out[key] for key in ("pixel_values", "image_grid_thw", "image_sizes") if key in out}
         if self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(decoded):
             raise UsageError(
                 f"The image processor made {len(kept['pixel_values'])} crops of {len(decoded)} images; prepack "

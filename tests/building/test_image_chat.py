@@ -477,3 +477,55 @@ def test_prepare_images_refuses_by_name_from_the_command_line(processor, tmp_pat
         result = run_prepack("prepare-images", corpus, "--processor", directory, "--out", tmp_path / "out", env=WIDE)
         assert message in failure(result)
         assert not (tmp_path / "out").exists()
+
+
+# LLaVA-NeXT's tiling (llava-hf/llava-v1.6-*'s processor sizes): the resolutions images are tiled to, 336-pixel tiles.
+LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+# (width, height): photographs' shapes, square, just off a tile, and extreme aspect ratios both ways.
+TILED_SIZES = ((640, 480), (480, 640), (336, 336), (337, 335), (1008, 336), (2000, 20), (20, 2000), (3000, 7),
+               (7, 3000), (1, 1), (5, 999), (1500, 1499))
+
+
+@pytest.fixture(scope="module")
+def llava_next_directory(tmp_path_factory):
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    from tests.vision_inputs import transformers_processor_directory
+
+    images = LlavaNextImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
+                                        image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    processor = {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1}
+    return transformers_processor_directory(tmp_path_factory.mktemp("llava-next") / "processor", images, processor,
+                                            ("<image>",))
+
+
+@pytest.mark.slow
+def test_llava_next_placeholders_and_text_are_its_processors_own(llava_next_directory):
+    """The tiling rule read from a LLaVA-NeXT processor directory expands an image as transformers' LlavaNextProcessor
+    (loaded from the same directory) does: the same tokens, from the header alone, at every aspect ratio."""
+    from transformers import LlavaNextProcessor
+
+    rule, placeholder_id = processor_rule(llava_next_directory)
+    reference = LlavaNextProcessor.from_pretrained(llava_next_directory)
+    assert rule.kind == "anyres" and placeholder_id == reference.image_token_id
+    for width, height in TILED_SIZES:
+        expected = reference(text="a<image>b", images=[Image.new("RGB", (width, height), "gray")])["input_ids"][0]
+        got = reference.tokenizer("a" + rule.text(width, height) + "b")["input_ids"]
+        assert got == list(expected), (width, height)
+        assert rule.placeholders(width, height) == list(expected).count(placeholder_id), (width, height)
+
+
+def test_llava_next_counts_equal_its_processors_at_any_size(llava_next_directory):
+    """Without pixels: the processor's own count (`_get_num_multimodal_tokens`) for any size."""
+    from transformers import LlavaNextProcessor
+
+    rule, _ = processor_rule(llava_next_directory)
+    reference = LlavaNextProcessor.from_pretrained(llava_next_directory)
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.integers(1, 5000), st.integers(1, 5000))
+    def counts_agree(width, height):
+        expected = reference._get_num_multimodal_tokens(image_sizes=[(height, width)])["num_image_tokens"][0]
+        assert rule.placeholders(width, height) == expected
+
+    counts_agree()

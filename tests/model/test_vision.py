@@ -35,7 +35,8 @@ from prepack.training.vision_collate import VisionCollator, VisionSpec, rotary_3
 from tests.flash_reference import enable_flash_attention, use_flash_reference, use_flex_reference
 from tests.vision_inputs import image_processor, photo_bytes
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3",
+            "llava_next")
 ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
@@ -64,6 +65,14 @@ def image_tokens(model, processor, image: bytes) -> list[int]:
         return [config.vision_start_token_id, *[spec.image_token_id] * count, config.vision_end_token_id]
     if spec.style == "image blocks":
         return [config.boi_token_index, *[spec.image_token_id] * spec.tokens_per_image, config.eoi_token_index]
+    if spec.tokens_per_image is None:  # tiled (LLaVA-NeXT): as many as the model makes features of the image
+        from PIL import Image
+        import io
+
+        pixels = processor(images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
+        with torch.no_grad():
+            features = model.model.get_image_features(pixels["pixel_values"], pixels["image_sizes"]).pooler_output
+        return [spec.image_token_id] * len(features[0])
     return [spec.image_token_id] * spec.tokens_per_image
 
 
