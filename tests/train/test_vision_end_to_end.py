@@ -99,6 +99,12 @@ def test_image_chat_corpus_builds_and_a_worker_batch_equals_each_sample_alone(pr
     batch = next(iter(loader))  # decoded and preprocessed in a worker process
     assert int((batch["input_ids"] == model.config.image_token_id).sum()) > 0
     assert all(len(dataset[row]["cu_seqlens"]) > 2 for row in range(2))  # several samples in each pack
+    assert_equals_each_sample_alone(model, collator, dataset, image_set, batch)
+
+
+def assert_equals_each_sample_alone(model, collator, dataset, image_set, batch) -> None:
+    """The batch of the dataset's first two packs gives the logits, loss and gradients of each sample alone (its
+    images preprocessed alone; Qwen's token types as transformers takes them unpacked)."""
     logits, loss, grads = run(model, batch)
     alone_logits_diff, weighted, alone_grads, counted = 0.0, 0.0, {}, 0
     for row in range(2):
@@ -106,8 +112,9 @@ def test_image_chat_corpus_builds_and_a_worker_batch_equals_each_sample_alone(pr
         for document, (start, end) in enumerate(zip(pack["cu_seqlens"][:-1], pack["cu_seqlens"][1:])):
             numbers = image_set.images_of(int(dataset.packs.source_rows(row)[document]))
             ids = torch.from_numpy(pack["input_ids"][start:end].astype(np.int64))[None]
-            alone = {"input_ids": ids, "labels": batch["labels"][row, start:end][None], "use_cache": False,
-                     "mm_token_type_ids": (ids == model.config.image_token_id).int()}
+            alone = {"input_ids": ids, "labels": batch["labels"][row, start:end][None], "use_cache": False}
+            if collator.spec.style == "3-D rotary":
+                alone["mm_token_type_ids"] = (ids == collator.spec.image_token_id).int()
             if len(numbers):
                 alone |= collator._preprocessed([[image_set.data(int(n)) for n in numbers]])
             alone_logits, alone_loss, sample_grads = run(model, alone)
