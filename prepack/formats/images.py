@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import Field, model_validator
+from pydantic import Field, model_serializer, model_validator
 
 from prepack.formats.common import (
     COUNT_MAX,
@@ -96,9 +96,12 @@ def select_best_resolution(height: int, width: int, resolutions) -> tuple[int, i
     return best
 
 
-def _unpadded_features(height: int, width: int, rows: int, columns: int) -> tuple[int, int]:
+def _unpadded_features(
+    height: int, width: int, rows: int, columns: int, tile_rows: int, max_tiles: int | None
+) -> tuple[int, int]:
     """(features, newlines) of a tiled image's feature grid of `rows` x `columns` once the padding its tiling added
-    is cut off (transformers' `_get_unpadded_features` of LLaVA-NeXT's processor)."""
+    is cut off (transformers' `_get_unpadded_features` of LLaVA-NeXT's and LLaVA-OneVision's processors); the
+    latter's `anyres_max_N` then scales a grid of more than about N tiles of `tile_rows`² features down to that."""
     current_height, current_width = rows, columns
     if width / height > current_width / current_height:
         new_height = int(round(height * (current_width / width), 7))
@@ -107,10 +110,13 @@ def _unpadded_features(height: int, width: int, rows: int, columns: int) -> tupl
         new_width = int(round(width * (current_height / height), 7))
         current_width -= (current_width - new_width) // 2 * 2
     features, newlines = current_height * current_width, current_height
+    if max_tiles is not None and (ratio := math.sqrt(features / (max_tiles * tile_rows**2))) > 1.1:
+        features, newlines = int(current_height // ratio) * int(current_width // ratio), int(current_height // ratio)
     return features, newlines
 
 
 _Side = Annotated[int, Field(ge=1, le=65_536)]
+_TILING_FIELDS = ("pinpoints", "tile_height", "tile_width", "feature_rows", "feature_columns", "max_tiles")
 
 
 class ImageRule(StrictModel):
@@ -118,8 +124,8 @@ class ImageRule(StrictModel):
 
     kind: Literal["grid", "fixed", "anyres"] = Field(
         description="grid: Qwen2-VL's resize rule, one token per merge_size² patches; fixed: `tokens` per image; "
-        "anyres: LLaVA-NeXT's tiling, the image's tiles (by `pinpoints`) unpadded with a newline per row, then "
-        "`tokens` for the whole image."
+        "anyres: LLaVA-NeXT's (and LLaVA-OneVision's) tiling, the image's tiles (by `pinpoints`) unpadded with a "
+        "newline per row, then `tokens` for the whole image."
     )
     placeholder: str = Field(min_length=1, description="The placeholder token's text, repeated once per token.")
     start: str = Field(description="Text before an image's placeholders (may be empty).")
@@ -137,6 +143,9 @@ class ImageRule(StrictModel):
     tile_width: int | None = Field(default=None, ge=1, le=65_536)
     feature_rows: int | None = Field(default=None, ge=1, le=4096)
     feature_columns: int | None = Field(default=None, ge=1, le=4096)
+    max_tiles: int | None = Field(
+        default=None, ge=1, le=65_536, description="anyres: LLaVA-OneVision's anyres_max_N, the N; None for LLaVA-NeXT."
+    )
 
     @model_validator(mode="after")
     def _complete(self) -> ImageRule:
@@ -153,6 +162,16 @@ class ImageRule(StrictModel):
             raise ValueError(f"min_pixels {self.min_pixels} is more than max_pixels {self.max_pixels}")
         return self
 
+    @model_serializer(mode="wrap")
+    def _without_tiling_fields(self, handler):
+        """A rule of another kind is written without the tiling fields, as before they existed: an image set
+        prepared with the same options keeps its bytes."""
+        data = handler(self)
+        if self.kind != "anyres":
+            for name in _TILING_FIELDS:
+                data.pop(name, None)
+        return data
+
     def placeholders(self, width: int, height: int) -> int:
         if self.kind == "fixed":
             return self.tokens
@@ -162,7 +181,7 @@ class ImageRule(StrictModel):
             columns = self.feature_columns * (tiled_width // self.tile_width)
             if not rows or not columns:
                 raise ValueError(f"a tiling of {tiled_width}x{tiled_height} is less than one tile")
-            features, newlines = _unpadded_features(height, width, rows, columns)
+            features, newlines = _unpadded_features(height, width, rows, columns, self.feature_rows, self.max_tiles)
             return features + newlines + self.tokens
         factor = self.patch_size * self.merge_size
         resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)

@@ -15,8 +15,8 @@ and reach the decoder only, never the vision tower (`prepack.model.packing`). No
 Styles:
 - 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): `position_ids` [4, B, L], text positions restarting per sample (from
   which transformers builds the per-sample mask) over the three rotary rows, restarting per sample too;
-- restart (LLaVA, LLaVA-NeXT): `position_ids` [B, L] restarting per sample, as for text (LLaVA-NeXT's tiles with
-  each image's `image_sizes`);
+- restart (LLaVA, LLaVA-NeXT, LLaVA-OneVision): `position_ids` [B, L] restarting per sample, as for text (the
+  tiled towers' tiles with each image's `image_sizes`);
 - image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
   from which prepack builds the layer masks (`prepack.model.vision_packing`: transformers' own sliding
   mask misplaces the image blocks of a packed row).
@@ -127,6 +127,10 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
     "llava": VisionFamily("restart", "one image per row of pixel_values (CLIP)", _MEASURED),
     "llava_next": VisionFamily(
         "restart", "each image's tiles on a row of pixel_values (CLIP, a tile per pass), cut to its own by image_sizes",
+        _MEASURED,
+    ),
+    "llava_onevision": VisionFamily(
+        "restart", "each image's tiles on a row of pixel_values (SigLIP, a tile per pass), cut to its own by image_sizes",
         _MEASURED,
     ),
     # Its own sliding mask misplaces the image blocks of packed rows: prepack builds the layer masks.
@@ -252,7 +256,6 @@ VISION_FAMILIES |= {
     'lighton_ocr': _swept(NO_DATA_SIDE),
     'llama4': _swept(not_run("AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'")),
     'llava_next_video': _swept(NO_DATA_SIDE),
-    'llava_onevision': _swept(NO_DATA_SIDE),
     'minicpm_ocr': _swept(
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),

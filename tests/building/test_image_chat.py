@@ -529,3 +529,81 @@ def test_llava_next_counts_equal_its_processors_at_any_size(llava_next_directory
         assert rule.placeholders(width, height) == expected
 
     counts_agree()
+
+
+# LLaVA-OneVision's tiling (llava-hf/llava-onevision-qwen2-*'s processor): 384-pixel tiles of 729 features, at most
+# about 9 tiles' worth of features kept, pinpoints up to 6x6 tiles.
+ONEVISION_PINPOINTS = [[384 * rows, 384 * columns] for rows in range(1, 7) for columns in range(1, 7)]
+
+
+@pytest.fixture(scope="module")
+def onevision_directory(tmp_path_factory):
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
+
+    from tests.vision_inputs import transformers_processor_directory
+
+    images = LlavaOnevisionImageProcessorPil(size={"height": 384, "width": 384}, image_grid_pinpoints=ONEVISION_PINPOINTS)
+    processor = {"num_image_tokens": 729, "vision_aspect_ratio": "anyres_max_9", "vision_feature_select_strategy": "full"}
+    return transformers_processor_directory(tmp_path_factory.mktemp("onevision") / "processor", images, processor,
+                                            ("<image>", "<video>"))
+
+
+def onevision_processor(directory):
+    """transformers' LlavaOnevisionProcessor with the directory's image processor and processor_config.json, and
+    no tokenizer or video processor (its __init__ wants a video processor, which needs torchvision): its own
+    counting and expansion methods, which read only these."""
+    from transformers import LlavaOnevisionProcessor
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
+
+    processor = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)
+    processor.image_processor = LlavaOnevisionImageProcessorPil.from_pretrained(directory)
+    processor.image_token = "<image>"
+    for key, value in json.loads((directory / "processor_config.json").read_text()).items():
+        setattr(processor, key, value)
+    return processor
+
+
+@pytest.mark.slow
+def test_llava_onevision_placeholders_and_text_are_its_processors_own(onevision_directory):
+    """As for LLaVA-NeXT: transformers' LlavaOnevisionProcessor expands one image of a single-image prompt
+    (`replace_image_token` on its image processor's output) into the text the rule writes."""
+    rule, _ = processor_rule(onevision_directory)
+    reference = onevision_processor(onevision_directory)
+    assert rule.kind == "anyres"
+    for width, height in TILED_SIZES:
+        inputs = reference.image_processor(images=[Image.new("RGB", (width, height), "gray")])
+        assert reference.replace_image_token(inputs, 0) == rule.text(width, height), (width, height)
+
+
+def test_llava_onevision_counts_equal_its_processors_at_any_size(onevision_directory):
+    """Without pixels: the processor's own count (`_get_number_of_features`; its strategy here is "full", so
+    nothing is taken off) for any size."""
+    rule, _ = processor_rule(onevision_directory)
+    reference = onevision_processor(onevision_directory)
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.integers(1, 8000), st.integers(1, 8000))
+    def counts_agree(width, height):
+        assert rule.placeholders(width, height) == reference._get_number_of_features(height, width, 384, 384)
+
+    counts_agree()
+
+
+def test_llava_onevision_refuses_a_record_of_several_images(onevision_directory, tmp_path):
+    """Its processor expands an image of a multi-image prompt to the base features only: refused by row, not
+    counted as tiles."""
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / PHOTOS[0]).write_bytes((SAMPLE_DATA / PHOTOS[0]).read_bytes())
+    record = {"messages": [{"role": "user", "content": "<image><image>"}], "images": [f"p/{PHOTOS[0]}"] * 2}
+    with pytest.raises(InputError, match="row 0: 2 images in one record. LLaVA-OneVision's processor"):
+        prepare_image_chat(chats(tmp_path, [record]), onevision_directory, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_rule_without_tiles_is_written_as_before_tiling_existed(processor, llava_next_directory):
+    """images.json of a Qwen (or Gemma 3, LLaVA) processor keeps its bytes: no tiling fields, not even as null."""
+    rule, _ = processor_rule(processor)
+    assert list(json.loads(rule.model_dump_json())) == [
+        "kind", "placeholder", "start", "end", "patch_size", "merge_size", "min_pixels", "max_pixels", "tokens"]
+    tiled, _ = processor_rule(llava_next_directory)
+    assert json.loads(tiled.model_dump_json())["pinpoints"] == LLAVA_NEXT_PINPOINTS

@@ -23,20 +23,22 @@ from tests.vision_inputs import transformers_processor_directory
 
 MAX_LEN = 320
 # Per family: processor_config.json as the family's published processors write it (sized for the tiny tower),
-# and the tokens its tokenizer adds.
+# the tokens its tokenizer adds, and the most images a record holds (LLaVA-OneVision's rule counts one).
 TILED = {
     "llava_next": ({"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1},
-                   ("<image>",)),
+                   ("<image>",), 2),
+    "llava_onevision": ({"num_image_tokens": 16, "vision_aspect_ratio": "anyres_max_9",
+                         "vision_feature_select_strategy": "full"}, ("<image>",), 1),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(TILED))
 def prepared(request, tmp_path_factory):
     model_type, root = request.param, tmp_path_factory.mktemp(request.param)
-    processor_config, tokens = TILED[model_type]
+    processor_config, tokens, most_images = TILED[model_type]
     images = image_processor_for(tiny_vision_config(model_type))
     processor = transformers_processor_directory(root / "processor", images, processor_config, tokens)
-    summary = prepare_image_chat(image_chat_corpus(root / "corpus"), processor, root / "prepared")
+    summary = prepare_image_chat(image_chat_corpus(root / "corpus", most_images=most_images), processor, root / "prepared")
     build = root / "build"
     result = run_prepack("build", summary.corpus, "--tokenizer", processor, "--chat", "--max-len", MAX_LEN,
                          "--overflow", "error", "--out", build)

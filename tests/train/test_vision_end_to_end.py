@@ -34,8 +34,8 @@ from tests.vision_inputs import PHOTOS, QWEN_IMAGE_TOKENS, SAMPLE_DATA, processo
 MAX_LEN = 160
 
 
-def image_chat_corpus(directory, rows: int = 12) -> object:
-    """`rows` chats, 0-2 images each, written as jsonl with image paths relative to it."""
+def image_chat_corpus(directory, rows: int = 12, most_images: int = 2) -> object:
+    """`rows` chats, 0 to `most_images` images each, written as jsonl with image paths relative to it."""
     (directory / "photos").mkdir(parents=True)
     for name in PHOTOS:
         shutil.copy(SAMPLE_DATA / name, directory / "photos" / name)
@@ -43,7 +43,7 @@ def image_chat_corpus(directory, rows: int = 12) -> object:
     words = "the a photo of blue pack logo person shows what is in this picture describe it".split()
     records = []
     for row in range(rows):
-        images = [f"photos/{PHOTOS[i]}" for i in rng.choice(len(PHOTOS), size=row % 3, replace=False)]
+        images = [f"photos/{PHOTOS[i]}" for i in rng.choice(len(PHOTOS), size=row % (most_images + 1), replace=False)]
         answer = " ".join(rng.choice(words, size=rng.integers(3, 12)))
         if row % 2:  # LLaVA style: <image> markers and an images column
             question = "<image> " * len(images) + "What is this?"
