@@ -23,8 +23,11 @@ from prepack.model.tiny_vision_models import (
 from tests.demo_inputs import CHATML, gpt2_directory
 
 SAMPLE_DATA = Path(matplotlib.get_data_path()) / "sample_data"
+# The tokens Idefics3's and SmolVLM's tokenizers add for images (their processors' text of tiles).
+SPLIT_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+                *(f"<row_{row}_col_{column}>" for row in range(1, 7) for column in range(1, 7)))
 PHOTOS = ("grace_hopper.jpg", "Minduka_Present_Blue_Pack.png", "logo2.png")
-__all__ = ["PHOTOS", "QWEN_IMAGE_TOKENS", "SAMPLE_DATA", "image_processor", "photo_bytes", "processor_directory",
+__all__ = ["PHOTOS", "QWEN_IMAGE_TOKENS", "SAMPLE_DATA", "SPLIT_TOKENS", "image_processor", "photo_bytes", "processor_directory",
            "transformers_processor_directory"]
 
 

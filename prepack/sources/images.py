@@ -96,7 +96,11 @@ _PLACEHOLDERS = {
     "CLIPImageProcessor": ("", "<image>", ""),
     "LlavaNextImageProcessor": ("", "<image>", ""),
     "LlavaOnevisionImageProcessor": ("", "<image>", ""),
+    "Idefics3ImageProcessor": ("<fake_token_around_image>", "<image>", "<fake_token_around_image>"),
+    "SmolVLMImageProcessor": ("<fake_token_around_image>", "<image>", "<fake_token_around_image>"),
 }
+# Idefics3's and SmolVLM's mark of the whole image after its tiles (their processors' `global_image_tag`).
+_GLOBAL_IMAGE = "<global-img>"
 # LlamaFactory's ShareGPT speakers (its default `tags`), as chat roles.
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool",
                    "function_call": "assistant"}
@@ -188,6 +192,17 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         fields = {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
     elif kind in ("LlavaNextImageProcessor", "LlavaOnevisionImageProcessor"):
         fields = _anyres_fields(config, config_file, processor, processor_file, kind == "LlavaOnevisionImageProcessor")
+    elif kind in ("Idefics3ImageProcessor", "SmolVLMImageProcessor"):
+        size, tile = _mapping(config, config_file, "size"), _mapping(config, config_file, "max_image_size")
+        resize = config.get("do_resize", True)
+        edge = _positive(tile, config_file, "longest_edge", None, "max_image_size.")
+        longest = _positive(size, config_file, "longest_edge", None, "size.") if resize else None
+        if edge is None or (resize and longest is None):
+            raise InputError(f"{config_file}: an Idefics3 or SmolVLM image processor needs max_image_size.longest_edge "
+                             "and (resizing) size.longest_edge.")
+        fields = {"kind": "split", "tokens": _positive(processor, processor_file, "image_seq_len", 169),
+                  "tile_height": edge, "tile_width": edge, "resize_edge": longest,
+                  "splitting": bool(config.get("do_image_splitting", True)), "global_token": _GLOBAL_IMAGE}
     else:
         crop, size = _mapping(config, config_file, "crop_size"), _mapping(config, config_file, "size")
         side = _positive(crop, config_file, "height", None, "crop_size.") or _positive(
@@ -611,7 +626,7 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
         at = f"{where}, column {column}"
         number = images.number(_image_bytes(source, at, root, limits), at)
         numbers.append(number)
-        return rule.start + rule.placeholder * images.tokens[number] + rule.end
+        return rule.text(images.widths[number], images.heights[number])
 
     def next_pending(column: str) -> Any:
         if not pending:

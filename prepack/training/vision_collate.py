@@ -13,6 +13,8 @@ model's image processor (in DataLoader workers) and emits, by the family's style
     image_grid_thw [N, 3] int64  (3-D rotary) each image's patch grid, from the image processor
     image_sizes   [N, 2] int64   (tiled, LLaVA-NeXT) each image's (height, width), from which the model finds how
                                  many of the image's padded row of tiles in pixel_values [N, tiles, C, H, W] are its own
+    pixel_attention_mask         (split, Idefics3, SmolVLM) the image processor's mask of real pixels beside
+                                 pixel_values [rows, tiles, C, H, W], the tiles of the batch's images in token order
     position_ids  [B, L] int64   (restart, image blocks) 0, 1, ... restarting at every sample
                   [4, B, L] int64 (3-D rotary) row 0 the text positions restarting at every sample (what
                                  transformers builds the per-sample mask from), rows 1-3 the temporal,
@@ -51,6 +53,9 @@ with optional_imports("VisionCollator"):
 
 __all__ = ["MAX_BATCH_PIXELS", "MAX_IMAGE_PIXELS", "VisionCollator", "VisionSpec", "rotary_3d_positions"]
 
+# Families whose image processor splits an image into tiles plus the whole image (Idefics3's), all of a batch's
+# tiles in one row of pixel_values [1, tiles, C, H, W] with pixel_attention_mask, the model dropping the padding.
+SPLITTING_FAMILIES = ("idefics3", "smolvlm")
 # Decoded pixels the collator accepts, by the images' headers: per image, `prepare-images`' own limit
 # (prepack.formats.images), and per batch, whose images are all decoded before the image processor takes them.
 MAX_BATCH_PIXELS = 128 * 2**20
@@ -77,8 +82,8 @@ class VisionSpec:
             return cls(style, image_token_id, merge_size=config.vision_config.spatial_merge_size)
         if style == "image blocks":
             return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
-        if getattr(config, "image_grid_pinpoints", None):  # tiled (LLaVA-NeXT): the count follows the image's size
-            return cls(style, image_token_id)
+        if getattr(config, "image_grid_pinpoints", None) or config.model_type in SPLITTING_FAMILIES:
+            return cls(style, image_token_id)  # tiled: the count follows the image's size
         vision = config.vision_config
         patches = (vision.image_size // vision.patch_size) ** 2
         # "default" drops the CLS token of CLIP's output, "full" keeps it.
@@ -206,7 +211,9 @@ class VisionCollator:
             for index, image in enumerate(images)
         ]
         out = self.image_processor(images=decoded, return_tensors="pt", **self.image_processor_options)
-        kept = {key: out[key] for key in ("pixel_values", "image_grid_thw", "image_sizes") if key in out}
+        kept = {
+            key: out[key] for key in ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask") if key in out
+        }
         if self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(decoded):
             raise UsageError(
                 f"The image processor made {len(kept['pixel_values'])} crops of {len(decoded)} images; prepack "

@@ -607,3 +607,78 @@ def test_a_rule_without_tiles_is_written_as_before_tiling_existed(processor, lla
         "kind", "placeholder", "start", "end", "patch_size", "merge_size", "min_pixels", "max_pixels", "tokens"]
     tiled, _ = processor_rule(llava_next_directory)
     assert json.loads(tiled.model_dump_json())["pinpoints"] == LLAVA_NEXT_PINPOINTS
+
+
+# Idefics3's (HuggingFaceM4/Idefics3-8B-Llama3) and SmolVLM's (SmolVLM-256M) splitting: images resized to a longest
+# side, then split into tiles of a side, each tile and the whole image `image_seq_len` placeholders.
+SPLITTING = {
+    "idefics3": ({"longest_edge": 4 * 364}, {"longest_edge": 364}, 169),
+    "smolvlm": ({"longest_edge": 4 * 512}, {"longest_edge": 512}, 64),
+}
+
+
+def splitting_directory(directory, model_type: str):
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    from tests.vision_inputs import SPLIT_TOKENS, transformers_processor_directory
+
+    size, max_image_size, image_seq_len = SPLITTING[model_type]
+    kind = Idefics3ImageProcessorPil if model_type == "idefics3" else SmolVLMImageProcessorPil
+    return transformers_processor_directory(directory, kind(size=size, max_image_size=max_image_size),
+                                            {"image_seq_len": image_seq_len}, SPLIT_TOKENS)
+
+
+@pytest.mark.slow
+def test_idefics3_placeholders_and_text_are_its_processors_own(tmp_path):
+    """transformers' Idefics3Processor, loaded from the directory prepare-images reads, tokenizes a prompt with an
+    image of each size (extreme aspect ratios, smaller than a tile, 1x1) as the rule's text tokenizes."""
+    from transformers import Idefics3Processor
+
+    directory = splitting_directory(tmp_path / "processor", "idefics3")
+    rule, placeholder_id = processor_rule(directory)
+    reference = Idefics3Processor.from_pretrained(directory)
+    assert rule.kind == "split" and placeholder_id == reference.image_token_id
+    for width, height in TILED_SIZES:
+        expected = reference(text="a<image>b", images=[Image.new("RGB", (width, height), "gray")])["input_ids"][0]
+        assert reference.tokenizer("a" + rule.text(width, height) + "b")["input_ids"] == list(expected), (width, height)
+        assert rule.placeholders(width, height) == list(expected).count(placeholder_id)
+
+
+@pytest.mark.slow
+def test_smolvlm_text_is_its_processors_own(tmp_path):
+    """SmolVLM's processor needs num2words and torchvision (its video processor), so its own expansion
+    (`get_image_prompt_string`) is run on the rows and columns its image processor gives, for each size."""
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    directory = splitting_directory(tmp_path / "processor", "smolvlm")
+    rule, _ = processor_rule(directory)
+    images = SmolVLMImageProcessorPil.from_pretrained(directory)
+    for width, height in TILED_SIZES:
+        out = images(images=[Image.new("RGB", (width, height), "gray")], return_row_col_info=True)
+        expected = get_image_prompt_string(out["rows"][0][0], out["cols"][0][0], 64, "<fake_token_around_image>",
+                                           "<image>", "<global-img>")
+        assert rule.text(width, height) == expected, (width, height)
+
+
+@pytest.mark.slow
+def test_split_tiles_equal_the_image_processors_at_any_size(tmp_path):
+    """At sizes drawn at random (small tiles, so that the processor's pixels are cheap): the rule's tiles are the
+    rows and columns Idefics3's image processor makes, its count the processor's."""
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from tests.vision_inputs import SPLIT_TOKENS, transformers_processor_directory
+
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 4 * 24}, max_image_size={"longest_edge": 24})
+    directory = transformers_processor_directory(tmp_path / "processor", images, {"image_seq_len": 5}, SPLIT_TOKENS)
+    rule, _ = processor_rule(directory)
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.integers(1, 700), st.integers(1, 700))
+    def tiles_agree(width, height):
+        out = images(images=[Image.new("RGB", (width, height))], return_row_col_info=True)
+        rows, columns = out["rows"][0][0], out["cols"][0][0]
+        assert rule.placeholders(width, height) == (rows * columns + 1) * 5 == 5 * len(out["pixel_values"][0])
+
+    tiles_agree()

@@ -19,7 +19,7 @@ from prepack.training.vision_collate import VisionCollator, VisionSpec
 from prepack.training.vision_dataset import ImagePackedDataset
 from tests.cli import run_prepack
 from tests.train.test_vision_end_to_end import assert_equals_each_sample_alone, image_chat_corpus
-from tests.vision_inputs import transformers_processor_directory
+from tests.vision_inputs import SPLIT_TOKENS, transformers_processor_directory
 
 MAX_LEN = 320
 # Per family: processor_config.json as the family's published processors write it (sized for the tiny tower),
@@ -29,6 +29,9 @@ TILED = {
                    ("<image>",), 2),
     "llava_onevision": ({"num_image_tokens": 16, "vision_aspect_ratio": "anyres_max_9",
                          "vision_feature_select_strategy": "full"}, ("<image>",), 1),
+    # 128-pixel tiles of 4x4 patches, pixel-shuffled by 2: 4 placeholders a tile
+    "idefics3": ({"image_seq_len": 4}, SPLIT_TOKENS, 2),
+    "smolvlm": ({"image_seq_len": 4}, SPLIT_TOKENS, 2),
 }
 
 
