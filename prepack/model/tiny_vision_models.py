@@ -168,8 +168,8 @@ def tiny_vision_model(
 
 def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict[str, int] = QWEN_PIXELS):
     """transformers' PIL image processor for the tower of `config` (Qwen-VL's from its patch, merge and
-    temporal sizes, `qwen_pixels` per image; CLIP's, as LLaVA uses, LLaVA-NeXT's, -OneVision's, Idefics3's and SmolVLM's tiling ones, and Gemma 3's at the
-    tower's image size)."""
+    temporal sizes, `qwen_pixels` per image; CLIP's, as LLaVA uses, LLaVA-NeXT's, -OneVision's, Idefics3's and
+    SmolVLM's tiling ones, and Gemma 3's at the tower's image size)."""
     vision = config.vision_config
     if image_style(config.model_type) == "3-D rotary":
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil

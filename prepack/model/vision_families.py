@@ -134,7 +134,8 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
     "idefics3": VisionFamily("restart", _SPLIT_TOWER, _MEASURED),
     "smolvlm": VisionFamily("restart", _SPLIT_TOWER, _MEASURED),
     "llava_onevision": VisionFamily(
-        "restart", "each image's tiles on a row of pixel_values (SigLIP, a tile per pass), cut to its own by image_sizes",
+        "restart",
+        "each image's tiles on a row of pixel_values (SigLIP, a tile per pass), cut to its own by image_sizes",
         _MEASURED,
     ),
     # Its own sliding mask misplaces the image blocks of packed rows: prepack builds the layer masks.

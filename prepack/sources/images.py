@@ -147,13 +147,13 @@ def _text(config: dict, file: Path, key: str, default: str) -> str:
 def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     """The resize rule of a local processor directory and its placeholder's token id.
 
-    `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's, Gemma 3's,
-    CLIP's as LLaVA uses, LLaVA-NeXT's or LLaVA-OneVision's tiling ones) and its sizes; `processor_config.json`
-    (optional) may name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for fixed-size and tiled towers,
-    the count (`image_seq_length`, or LLaVA's `patch_size` and `vision_feature_select_strategy`, LLaVA-NeXT's
-    `num_additional_image_tokens`, LLaVA-OneVision's `num_image_tokens` and `vision_aspect_ratio`). The placeholder must be one token of
-    the directory's `tokenizer.json`. A size that is not a positive integer, or sizes that give no
-    placeholder, are refused by file and field.
+    `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's, Gemma 3's, CLIP's as
+    LLaVA uses, LLaVA-NeXT's or LLaVA-OneVision's tiling ones) and its sizes; `processor_config.json` (optional) may
+    name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for fixed-size and tiled towers, the count
+    (`image_seq_length`, or LLaVA's `patch_size` and `vision_feature_select_strategy`, LLaVA-NeXT's
+    `num_additional_image_tokens`, LLaVA-OneVision's `num_image_tokens` and `vision_aspect_ratio`). The placeholder
+    must be one token of the directory's `tokenizer.json`. A size that is not a positive integer, or sizes that give
+    no placeholder, are refused by file and field.
     """
     directory = Path(directory)
     config_file, processor_file = directory / "preprocessor_config.json", directory / "processor_config.json"

@@ -211,9 +211,8 @@ class VisionCollator:
             for index, image in enumerate(images)
         ]
         out = self.image_processor(images=decoded, return_tensors="pt", **self.image_processor_options)
-        kept = {
-            key: out[key] for key in ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask") if key in out
-        }
+        fields = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
+        kept = {key: out[key] for key in fields if key in out}
         if self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(decoded):
             raise UsageError(
                 f"The image processor made {len(kept['pixel_values'])} crops of {len(decoded)} images; prepack "
