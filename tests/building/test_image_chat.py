@@ -682,3 +682,32 @@ def test_split_tiles_equal_the_image_processors_at_any_size(tmp_path):
         assert rule.placeholders(width, height) == (rows * columns + 1) * 5 == 5 * len(out["pixel_values"][0])
 
     tiles_agree()
+
+
+@pytest.mark.parametrize(
+    ("family", "file", "edit", "message"),
+    [
+        ("llava_next", "preprocessor_config.json", lambda c: c.update(image_grid_pinpoints=[[336]]),
+         "image_grid_pinpoints is [[336]]; expected [[height, width], ...]"),
+        ("llava_next", "preprocessor_config.json", lambda c: c.update(image_grid_pinpoints=[[0, 336]]),
+         "image_grid_pinpoints is [[0, 336]]"),
+        ("llava_next", "preprocessor_config.json", lambda c: c["crop_size"].update(height=0), "crop_size.height is 0"),
+        ("llava_next", "processor_config.json", lambda c: c.pop("patch_size"), "a LLaVA-NeXT processor needs patch_size"),
+        ("llava_next", "processor_config.json", lambda c: c.update(patch_size=1000), "has no features"),
+        ("llava_next", "processor_config.json", lambda c: c.update(num_additional_image_tokens=-1),
+         "num_additional_image_tokens is -1"),
+        ("onevision", "processor_config.json", lambda c: c.update(vision_aspect_ratio="pad"),
+         "vision_aspect_ratio of anyres_max_N (found 'pad')"),
+        ("onevision", "processor_config.json", lambda c: c.pop("num_image_tokens"), "needs num_image_tokens"),
+        ("idefics3", "preprocessor_config.json", lambda c: c.pop("max_image_size"), "needs max_image_size.longest_edge"),
+        ("idefics3", "processor_config.json", lambda c: c.update(image_seq_len=0), "image_seq_len is 0"),
+    ],
+)
+def test_a_tiling_processor_config_that_cannot_count_is_a_named_error(
+    request, tmp_path, family, file, edit, message
+):
+    directory = (splitting_directory(tmp_path / "processor", "idefics3") if family == "idefics3"
+                 else request.getfixturevalue(f"{family}_directory"))
+    edited = edited_processor(directory, tmp_path, file, edit)
+    with pytest.raises(InputError, match=re.escape(message)):
+        processor_rule(edited)
