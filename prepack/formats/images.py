@@ -44,7 +44,6 @@ __all__ = [
     "ImageSetManifest",
     "MAX_IMAGE_PIXELS",
     "read_image_set",
-    "select_best_resolution",
     "smart_resize",
 ]
 

@@ -14,7 +14,7 @@ model's image processor (in DataLoader workers) and emits, by the family's style
     image_sizes   [N, 2] int64   (tiled, LLaVA-NeXT) each image's (height, width), from which the model finds how
                                  many of the image's padded row of tiles in pixel_values [N, tiles, C, H, W] are its own
     pixel_attention_mask         (split, Idefics3, SmolVLM) the image processor's mask of real pixels beside
-                                 pixel_values [rows, tiles, C, H, W], the tiles of the batch's images in token order
+                                 pixel_values [1, tiles, C, H, W], every tile of the batch's images in token order
     position_ids  [B, L] int64   (restart, image blocks) 0, 1, ... restarting at every sample
                   [4, B, L] int64 (3-D rotary) row 0 the text positions restarting at every sample (what
                                  transformers builds the per-sample mask from), rows 1-3 the temporal,
@@ -68,8 +68,8 @@ class VisionSpec:
     style: ImageStyle
     image_token_id: int
     merge_size: int = 1  # 3-D rotary: patches merged per side into one token (Qwen's spatial_merge_size)
-    # restart, image blocks: the fixed number of placeholders per image (None for a tiled tower, LLaVA-NeXT's,
-    # whose count follows each image's size)
+    # restart, image blocks: the fixed number of placeholders per image (None for a tiled tower, LLaVA-NeXT's or
+    # Idefics3's, whose count follows each image's size)
     tokens_per_image: int | None = None
 
     @classmethod
