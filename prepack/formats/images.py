@@ -13,11 +13,11 @@ import hashlib
 import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import Field, model_validator
+from pydantic import Field, model_serializer, model_validator
 
 from prepack.formats.common import (
     COUNT_MAX,
@@ -100,11 +100,78 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def select_best_resolution(height: int, width: int, resolutions) -> tuple[int, int]:
+    """LLaVA-NeXT's choice of tiling (transformers' `select_best_resolution`): of the (height, width)
+    resolutions, the one that keeps most of the image's pixels when it is scaled to fit, then wastes least."""
+    best, most_kept, least_wasted = None, 0, float("inf")
+    for tiled_height, tiled_width in resolutions:
+        scale = min(tiled_width / width, tiled_height / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        wasted = tiled_width * tiled_height - kept
+        if kept > most_kept or (kept == most_kept and wasted < least_wasted):
+            best, most_kept, least_wasted = (tiled_height, tiled_width), kept, wasted
+    return best
+
+
+def _unpadded_features(
+    height: int, width: int, rows: int, columns: int, tile_rows: int, max_tiles: int | None
+) -> tuple[int, int]:
+    """(features, newlines) of a tiled image's feature grid of `rows` x `columns` once the padding its tiling added
+    is cut off (transformers' `_get_unpadded_features` of LLaVA-NeXT's and LLaVA-OneVision's processors); the
+    latter's `anyres_max_N` then scales a grid of more than about N tiles of `tile_rows`² features down to that."""
+    current_height, current_width = rows, columns
+    if width / height > current_width / current_height:
+        new_height = int(round(height * (current_width / width), 7))
+        current_height -= (current_height - new_height) // 2 * 2
+    else:
+        new_width = int(round(width * (current_height / height), 7))
+        current_width -= (current_width - new_width) // 2 * 2
+    features, newlines = current_height * current_width, current_height
+    if max_tiles is not None and (ratio := math.sqrt(features / (max_tiles * tile_rows**2))) > 1.1:
+        features, newlines = int(current_height // ratio) * int(current_width // ratio), int(current_height // ratio)
+    return features, newlines
+
+
+_Side = Annotated[int, Field(ge=1, le=65_536)]
+_TILING_FIELDS = ("pinpoints", "tile_height", "tile_width", "feature_rows", "feature_columns", "max_tiles",
+                  "resize_edge", "splitting", "global_token")
+
+
+# Idefics3's and SmolVLM's image processors never make a side longer than this (their MAX_IMAGE_SIZE).
+_SPLIT_MAX_SIDE = 4096
+
+
+def _longest_edge_size(height: int, width: int, longest_edge: int) -> tuple[int, int]:
+    """Idefics3's and SmolVLM's first resize (transformers' `get_resize_output_image_size`): the longest side to
+    `longest_edge`, the other by the aspect ratio (int(), rounded up to even), then both within 4096."""
+    aspect_ratio = width / height
+    if width >= height:
+        width = longest_edge
+        height = int(width / aspect_ratio)
+        height += height % 2
+    else:
+        height = longest_edge
+        width = int(height * aspect_ratio)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect_ratio = width / height
+    if width >= height and width > _SPLIT_MAX_SIDE:
+        width = _SPLIT_MAX_SIDE
+        height = int(width / aspect_ratio)
+    elif height > width and height > _SPLIT_MAX_SIDE:
+        height = _SPLIT_MAX_SIDE
+        width = int(height * aspect_ratio)
+    return max(height, 1), max(width, 1)
+
+
 class ImageRule(StrictModel):
     """How many placeholder tokens an image becomes, and the text that stands for it before tokenizing."""
 
-    kind: Literal["grid", "fixed"] = Field(
-        description="grid: Qwen2-VL's resize rule, one token per merge_size² patches; fixed: `tokens` per image."
+    kind: Literal["grid", "fixed", "anyres", "split"] = Field(
+        description="grid: Qwen2-VL's resize rule, one token per merge_size² patches; fixed: `tokens` per image; "
+        "anyres: LLaVA-NeXT's (and LLaVA-OneVision's) tiling, the image's tiles (by `pinpoints`) unpadded with a "
+        "newline per row, then `tokens` for the whole image; split: Idefics3's and SmolVLM's, the image resized to "
+        "whole tiles, `tokens` per tile and for the whole image, in the processor's text of rows and columns."
     )
     placeholder: str = Field(min_length=1, description="The placeholder token's text, repeated once per token.")
     start: str = Field(description="Text before an image's placeholders (may be empty).")
@@ -114,11 +181,32 @@ class ImageRule(StrictModel):
     min_pixels: int | None = Field(default=None, ge=1, le=INT32_MAX)
     max_pixels: int | None = Field(default=None, ge=1, le=INT32_MAX)
     tokens: int | None = Field(default=None, ge=1, le=65_536)
+    # anyres: the (height, width) resolutions an image is tiled to, a tile's sides in pixels, and its features
+    # per side (tile side over patch size); `tokens` then counts the whole image's features (the processor's count
+    # with its extra tokens, CLS or not).
+    pinpoints: tuple[tuple[_Side, _Side], ...] | None = Field(default=None, min_length=1, max_length=1024)
+    tile_height: int | None = Field(default=None, ge=1, le=65_536)
+    tile_width: int | None = Field(default=None, ge=1, le=65_536)
+    feature_rows: int | None = Field(default=None, ge=1, le=4096)
+    feature_columns: int | None = Field(default=None, ge=1, le=4096)
+    max_tiles: int | None = Field(
+        default=None, ge=1, le=65_536, description="anyres: LLaVA-OneVision's anyres_max_N, the N; None for LLaVA-NeXT."
+    )
+    # split: the longest side images are first resized to (None: not resized), whether they are split into tiles
+    # of tile_height (= tile_width) pixels, and the text that marks the whole image after its tiles.
+    resize_edge: int | None = Field(default=None, ge=1, le=65_536)
+    splitting: bool | None = None
+    global_token: str | None = None
 
     @model_validator(mode="after")
     def _complete(self) -> ImageRule:
         """The fields its kind counts with are there (a manifest may leave out any field)."""
-        needed = ("patch_size", "merge_size", "min_pixels", "max_pixels") if self.kind == "grid" else ("tokens",)
+        needed = {
+            "grid": ("patch_size", "merge_size", "min_pixels", "max_pixels"),
+            "fixed": ("tokens",),
+            "anyres": ("tokens", "pinpoints", "tile_height", "tile_width", "feature_rows", "feature_columns"),
+            "split": ("tokens", "tile_height", "splitting", "global_token"),
+        }[self.kind]
         missing = [name for name in needed if getattr(self, name) is None]
         if missing:
             raise ValueError(f"a {self.kind} rule needs {', '.join(missing)}")
@@ -126,15 +214,64 @@ class ImageRule(StrictModel):
             raise ValueError(f"min_pixels {self.min_pixels} is more than max_pixels {self.max_pixels}")
         return self
 
+    @model_serializer(mode="wrap")
+    def _without_tiling_fields(self, handler):
+        """A rule of another kind is written without the tiling fields, as before they existed: an image set
+        prepared with the same options keeps its bytes."""
+        data = handler(self)
+        if self.kind not in ("anyres", "split"):
+            for name in _TILING_FIELDS:
+                data.pop(name, None)
+        return data
+
     def placeholders(self, width: int, height: int) -> int:
         if self.kind == "fixed":
             return self.tokens
+        if self.kind == "anyres":
+            tiled_height, tiled_width = select_best_resolution(height, width, self.pinpoints)
+            rows = self.feature_rows * (tiled_height // self.tile_height)
+            columns = self.feature_columns * (tiled_width // self.tile_width)
+            if not rows or not columns:
+                raise ValueError(f"a tiling of {tiled_width}x{tiled_height} is less than one tile")
+            features, newlines = _unpadded_features(height, width, rows, columns, self.feature_rows, self.max_tiles)
+            return features + newlines + self.tokens
+        if self.kind == "split":
+            rows, columns = self._tiles(width, height)
+            return (rows * columns + 1) * self.tokens
         factor = self.patch_size * self.merge_size
         resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
         return (resized_h // self.patch_size) * (resized_w // self.patch_size) // self.merge_size**2
 
     def text(self, width: int, height: int) -> str:
-        return self.start + self.placeholder * self.placeholders(width, height) + self.end
+        if self.kind != "split":
+            return self.start + self.placeholder * self.placeholders(width, height) + self.end
+        # Idefics3's and SmolVLM's processors (`replace_image_token`): each tile after its row and column, a line
+        # per row of tiles, then the whole image.
+        rows, columns = self._tiles(width, height)
+        tile = self.placeholder * self.tokens
+        tiles = "".join(
+            "".join(f"{self.start}<row_{row}_col_{column}>{tile}" for column in range(1, columns + 1)) + "\n"
+            for row in range(1, rows + 1)
+        )
+        return tiles + ("\n" if rows else "") + self.start + self.global_token + tile + self.end
+
+    def _tiles(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, columns) of tiles an Idefics3 or SmolVLM image processor splits the image into, (0, 0) for none
+        (transformers' `resize`, `resize_for_vision_encoder` and `split_images`, int() and ceil as there)."""
+        if self.resize_edge is not None:
+            height, width = _longest_edge_size(height, width, self.resize_edge)
+        if not self.splitting:
+            return 0, 0
+        edge, aspect_ratio = self.tile_height, width / height
+        if width >= height:
+            width = math.ceil(width / edge) * edge
+            height = math.ceil(int(width / aspect_ratio) / edge) * edge
+        else:
+            height = math.ceil(height / edge) * edge
+            width = math.ceil(int(height * aspect_ratio) / edge) * edge
+        if height > edge or width > edge:
+            return (height - edge) // edge + 1, (width - edge) // edge + 1
+        return 0, 0
 
 
 def _whole_video_resize(frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int,

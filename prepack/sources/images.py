@@ -115,7 +115,13 @@ _PLACEHOLDERS = {
     "Qwen2VLImageProcessor": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
     "Gemma3ImageProcessor": ("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
     "CLIPImageProcessor": ("", "<image>", ""),
+    "LlavaNextImageProcessor": ("", "<image>", ""),
+    "LlavaOnevisionImageProcessor": ("", "<image>", ""),
+    "Idefics3ImageProcessor": ("<fake_token_around_image>", "<image>", "<fake_token_around_image>"),
+    "SmolVLMImageProcessor": ("<fake_token_around_image>", "<image>", "<fake_token_around_image>"),
 }
+# Idefics3's and SmolVLM's mark of the whole image after its tiles (their processors' `global_image_tag`).
+_GLOBAL_IMAGE = "<global-img>"
 # LlamaFactory's ShareGPT speakers (its default `tags`), as chat roles.
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool",
                    "function_call": "assistant"}
@@ -162,12 +168,13 @@ def _text(config: dict, file: Path, key: str, default: str) -> str:
 def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     """The resize rule of a local processor directory and its placeholder's token id.
 
-    `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's, Gemma 3's
-    or CLIP's, as LLaVA uses) and its sizes; `processor_config.json` (optional) may name the tokens
-    (`image_token`, `boi_token`, `eoi_token`) and, for fixed-size towers, the count (`image_seq_length`,
-    or LLaVA's `patch_size` and `vision_feature_select_strategy`). The placeholder must be one token of
-    the directory's `tokenizer.json`. A size that is not a positive integer, or sizes that give no
-    placeholder, are refused by file and field.
+    `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's, Gemma 3's, CLIP's as
+    LLaVA uses, LLaVA-NeXT's or LLaVA-OneVision's tiling ones) and its sizes; `processor_config.json` (optional) may
+    name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for fixed-size and tiled towers, the count
+    (`image_seq_length`, or LLaVA's `patch_size` and `vision_feature_select_strategy`, LLaVA-NeXT's
+    `num_additional_image_tokens`, LLaVA-OneVision's `num_image_tokens` and `vision_aspect_ratio`). The placeholder
+    must be one token of the directory's `tokenizer.json`. A size that is not a positive integer, or sizes that give
+    no placeholder, are refused by file and field.
     """
     directory = Path(directory)
     config_file, processor_file = directory / "preprocessor_config.json", directory / "processor_config.json"
@@ -204,6 +211,19 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         }
     elif kind == "Gemma3ImageProcessor":
         fields = {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
+    elif kind in ("LlavaNextImageProcessor", "LlavaOnevisionImageProcessor"):
+        fields = _anyres_fields(config, config_file, processor, processor_file, kind == "LlavaOnevisionImageProcessor")
+    elif kind in ("Idefics3ImageProcessor", "SmolVLMImageProcessor"):
+        size, tile = _mapping(config, config_file, "size"), _mapping(config, config_file, "max_image_size")
+        resize = config.get("do_resize", True)
+        edge = _positive(tile, config_file, "longest_edge", None, "max_image_size.")
+        longest = _positive(size, config_file, "longest_edge", None, "size.") if resize else None
+        if edge is None or (resize and longest is None):
+            raise InputError(f"{config_file}: an Idefics3 or SmolVLM image processor needs max_image_size.longest_edge "
+                             "and (resizing) size.longest_edge.")
+        fields = {"kind": "split", "tokens": _positive(processor, processor_file, "image_seq_len", 169),
+                  "tile_height": edge, "tile_width": edge, "resize_edge": longest,
+                  "splitting": bool(config.get("do_image_splitting", True)), "global_token": _GLOBAL_IMAGE}
     else:
         crop, size = _mapping(config, config_file, "crop_size"), _mapping(config, config_file, "size")
         side = _positive(crop, config_file, "height", None, "crop_size.") or _positive(
@@ -279,6 +299,53 @@ def video_processor_rule(directory: str | os.PathLike) -> tuple[VideoRule, int] 
     except ValueError as exc:  # pydantic's bounds
         raise InputError(f"{config_file}: the video processor's sizes are out of range ({exc}).") from None
     return rule, _placeholder_id(directory, rule.placeholder, "video")
+
+
+def _anyres_fields(config: dict, config_file: Path, processor: dict, processor_file: Path, onevision: bool) -> dict:
+    """LLaVA-NeXT's tiling rule, as its processor counts (transformers' `LlavaNextProcessor._get_number_of_features`):
+    a tile is the processed image's shape (the crop, or the resized size without one), its features per side the
+    tile over processor_config.json's patch_size, the whole image that many features plus
+    `num_additional_image_tokens` (default 0), less one where `vision_feature_select_strategy` is "default".
+    LLaVA-OneVision's (`onevision`): `num_image_tokens` features per tile and for the whole image (a square of them),
+    the tiles' grid scaled down to about N tiles by `vision_aspect_ratio` "anyres_max_N"; no crop unless asked."""
+    pinpoints = config.get("image_grid_pinpoints")
+    if not isinstance(pinpoints, list) or not pinpoints or not all(
+        isinstance(pair, list) and len(pair) == 2 and all(type(side) is int and side >= 1 for side in pair)
+        for pair in pinpoints
+    ):
+        raise InputError(f"{config_file}: image_grid_pinpoints is {pinpoints!r}; expected [[height, width], ...].")
+    if config.get("do_center_crop", not onevision):
+        crop = _mapping(config, config_file, "crop_size")
+        tile = [_positive(crop, config_file, side, None, "crop_size.") for side in ("height", "width")]
+    else:
+        size = _mapping(config, config_file, "size")
+        edge = _positive(size, config_file, "shortest_edge", None, "size.")
+        tile = [_positive(size, config_file, side, edge, "size.") for side in ("height", "width")]
+    if None in tile:
+        raise InputError(f"{config_file}: a LLaVA-NeXT or -OneVision processor needs crop_size (or size).")
+    without_cls = processor.get("vision_feature_select_strategy") == "default"
+    if onevision:
+        tokens = _positive(processor, processor_file, "num_image_tokens", None)
+        aspect = _text(processor, processor_file, "vision_aspect_ratio", "anyres_max_9")
+        max_tiles = re.fullmatch(r"anyres_max_([1-9][0-9]{0,4})", aspect)
+        if tokens is None or max_tiles is None:
+            raise InputError(f"{processor_file}: LLaVA-OneVision's processor needs num_image_tokens and a "
+                             f"vision_aspect_ratio of anyres_max_N (found {aspect!r}).")
+        rows = columns = math.isqrt(tokens)
+        return {"kind": "anyres", "pinpoints": pinpoints, "tile_height": tile[0], "tile_width": tile[1],
+                "feature_rows": rows, "feature_columns": columns, "tokens": tokens - without_cls,
+                "max_tiles": int(max_tiles[1])}
+    patch = _positive(processor, processor_file, "patch_size", None)
+    if patch is None:
+        raise InputError(f"{processor_file}: a LLaVA-NeXT processor needs patch_size.")
+    extra = processor.get("num_additional_image_tokens", 0)
+    if type(extra) is not int or extra < 0:
+        raise InputError(f"{processor_file}: num_additional_image_tokens is {extra!r}; expected a count.")
+    rows, columns = tile[0] // patch, tile[1] // patch
+    if not rows or not columns:
+        raise InputError(f"{config_file.parent}: a tile of {tile[1]}x{tile[0]} in patches of {patch} has no features.")
+    return {"kind": "anyres", "pinpoints": pinpoints, "tile_height": tile[0], "tile_width": tile[1],
+            "feature_rows": rows, "feature_columns": columns, "tokens": rows * columns + extra - without_cls}
 
 
 def image_header(data: bytes, where: str, limits: ImageLimits) -> tuple[int, int]:
@@ -647,7 +714,7 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
         at = f"{where}, column {column}"
         number = images.number(_image_bytes(source, at, root, limits), at)
         numbers.append(number)
-        return rule.start + rule.placeholder * images.tokens[number] + rule.end
+        return rule.text(images.widths[number], images.heights[number])
 
     def next_pending(column: str) -> Any:
         if not pending:
@@ -726,6 +793,12 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
         raise InputError(f"{where}, column images: {len(pending)} images that no message places.")
     if pending_videos:
         raise InputError(f"{where}, column videos: {len(pending_videos)} videos that no message places.")
+    if len(numbers) > 1 and rule.max_tiles is not None:
+        raise InputError(
+            f"{where}: {len(numbers)} images in one record. LLaVA-OneVision's processor gives an image of a "
+            "multi-image sample its base features only, not its tiles (and the model must then be told each sample's "
+            "image count); prepack counts the tiled single image only: one image per record for this processor."
+        )
     return (messages[0]["content"] if kind == "text" else messages), numbers, videos
 
 

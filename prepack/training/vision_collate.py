@@ -13,6 +13,10 @@ model's image processor (in DataLoader workers) and emits, by the family's style
     image_grid_thw [N, 3] int64  (3-D rotary) each image's patch grid, from the image processor
     pixel_values_videos, video_grid_thw  (3-D rotary, packs with `videos`) what the video processor gives
     second_per_grid_ts [V] float32 (Qwen2.5-VL, packs with `videos`) temporal_patch_size / each video's fps
+    image_sizes   [N, 2] int64   (tiled, LLaVA-NeXT) each image's (height, width), from which the model finds how
+                                 many of the image's padded row of tiles in pixel_values [N, tiles, C, H, W] are its own
+    pixel_attention_mask         (split, Idefics3, SmolVLM) the image processor's mask of real pixels beside
+                                 pixel_values [1, tiles, C, H, W], every tile of the batch's images in token order
     position_ids  [B, L] int64   (restart, image blocks) 0, 1, ... restarting at every sample
                   [4, B, L] int64 (3-D rotary) row 0 the text positions restarting at every sample (what
                                  transformers builds the per-sample mask from), rows 1-3 the temporal,
@@ -60,6 +64,9 @@ with optional_imports("VisionCollator"):
 __all__ = ["DEFAULT_VIDEO_FPS", "MAX_BATCH_PIXELS", "MAX_IMAGE_PIXELS", "VisionCollator", "VisionSpec",
            "rotary_3d_positions"]
 
+# Families whose image processor splits an image into tiles plus the whole image (Idefics3's), all of a batch's
+# tiles in one row of pixel_values [1, tiles, C, H, W] with pixel_attention_mask, the model dropping the padding.
+SPLITTING_FAMILIES = ("idefics3", "smolvlm")
 # Decoded pixels the collator accepts, by the images' headers: per image, `prepare-images`' own limit
 # (prepack.formats.images), and per batch, whose images are all decoded before the image processor takes them.
 MAX_BATCH_PIXELS = 128 * 2**20
@@ -72,7 +79,9 @@ class VisionSpec:
     style: ImageStyle
     image_token_id: int
     merge_size: int = 1  # 3-D rotary: patches merged per side into one token (Qwen's spatial_merge_size)
-    tokens_per_image: int | None = None  # restart, image blocks: the fixed number of placeholders per image
+    # restart, image blocks: the fixed number of placeholders per image (None for a tiled tower, LLaVA-NeXT's or
+    # Idefics3's, whose count follows each image's size)
+    tokens_per_image: int | None = None
     # Videos (3-D rotary families of VIDEO_RULES): the video placeholder; whether each temporal step is its own
     # run of placeholders, positioned as a one-step video (Qwen3-VL); Qwen2.5-VL's temporal position scale.
     video_token_id: int | None = None
@@ -94,6 +103,8 @@ class VisionSpec:
             return cls(style, image_token_id, merge_size=config.vision_config.spatial_merge_size, **video)
         if style == "image blocks":
             return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
+        if getattr(config, "image_grid_pinpoints", None) or config.model_type in SPLITTING_FAMILIES:
+            return cls(style, image_token_id)  # tiled: the count follows the image's size
         vision = config.vision_config
         patches = (vision.image_size // vision.patch_size) ** 2
         # "default" drops the CLS token of CLIP's output, "full" keeps it.
@@ -258,7 +269,8 @@ class VisionCollator:
             for index, image in enumerate(images)
         ]
         out = self.image_processor(images=decoded, return_tensors="pt", **self.image_processor_options)
-        kept = {key: out[key] for key in ("pixel_values", "image_grid_thw") if key in out}
+        fields = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
+        kept = {key: out[key] for key in fields if key in out}
         if self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(decoded):
             raise UsageError(
                 f"The image processor made {len(kept['pixel_values'])} crops of {len(decoded)} images; prepack "
