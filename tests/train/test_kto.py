@@ -123,6 +123,20 @@ def trl_kto_loss(model, rows: list[dict], reference: GroupLogps, gather_kl=lambd
 LAYOUTS = [{"layout": "padded"}, {"layout": "padding_free"}, {"shared_prompt": True}]
 
 
+@pytest.mark.parametrize("options", LAYOUTS, ids=str)
+def test_a_pack_with_labels_not_one_every_two_documents_is_refused(options):
+    """One label too many in a pack and one too few in the next: the batch's total is right, its alignment not."""
+    rows = examples()
+    groups = kto_groups([r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows], kl_partners(EXAMPLES, batch_size=EXAMPLES))
+    packs = [group_pack(groups[:5]), group_pack(groups[5:])]
+    labels = [row["label"] for row in rows]
+    packs[0]["desirable"], packs[1]["desirable"] = np.array(labels[:6], np.uint8), np.array(labels[6:], np.uint8)
+    with pytest.raises(UsageError, match=r"Pack 0: 6 'desirable' labels for 10 documents"):
+        PackedCollator(256, **options)(packs)
+    packs[0]["desirable"], packs[1]["desirable"] = np.array(labels[:5], np.uint8), np.array(labels[5:], np.uint8)
+    assert PackedCollator(256, **options)(packs)["desirable"].tolist() == labels
+
+
 @pytest.mark.slow  # float64 forwards and backwards, per layout: ~3 s
 @pytest.mark.parametrize("options", LAYOUTS, ids=str)
 def test_kto_loss_and_gradients_equal_trls_kto_trainer(options, monkeypatch):
