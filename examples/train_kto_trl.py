@@ -118,7 +118,7 @@ def packed_kto_trainer(args, model, ref_model, output_dir: str) -> PackedKTOTrai
 def main() -> None:
     args = parse_args(__doc__, options)
     packed = PackedDataset(args.data)
-    if packed.manifest.options.pairs is None or packed.manifest.options.pairs.kind != "unpaired":
+    if not packed.manifest.options.unpaired:
         raise SystemExit(f"{args.data} is not an unpaired build: build it with prepack build ... --unpaired")
     model = enable_packing(load_model(args.model, packed))
     if args.reference:  # one pass of the starting model over the build; no copy of it is made

@@ -320,6 +320,11 @@ class BuildOptions(StrictModel):
             raise ValueError("max_images_per_pack and image_set go together: the image cap and the image set it counted")
         return self
 
+    @property
+    def unpaired(self) -> bool:
+        """Whether the build read unpaired (KTO) examples (`prepack build --unpaired`)."""
+        return self.pairs is not None and self.pairs.kind == "unpaired"
+
 
 _PATH_MAX, _NAME_MAX = 4096, 255  # bytes of a path and of each of its parts (Linux's PATH_MAX, NAME_MAX)
 
@@ -540,7 +545,7 @@ class Manifest(StrictModel):
         return open_shard(
             path, self.has_labels, self.options.max_len, self.index_of, where=where,
             sources=self.mixture is not None, pairs=None if self.options.pairs is None else self.options.pairs.size,
-            unpaired=self.options.pairs is not None and self.options.pairs.kind == "unpaired",
+            unpaired=self.options.unpaired,
         )
 
 

@@ -77,7 +77,7 @@ def test_an_unpaired_build_verifies_and_inspect_counts_its_examples(clean):
     assert verify_build(clean, all_problems=True, **_source(clean)) == []
     report = inspect_build(clean)
     said = json.loads((clean / "manifest.json").read_text())["pairs"]
-    assert (report.pairs.examples, report.pairs.desirable, report.pairs.undesirable) == (
+    assert (report.pairs.pairs, report.pairs.desirable, report.pairs.undesirable) == (
         EXAMPLES, said["desirable"], said["undesirable"])
     assert said["desirable"] == sum(row["label"] for row in text_rows(EXAMPLES))
 
