@@ -64,7 +64,7 @@ def packs_of(build: Path, reference: Path | None = None) -> list[dict]:
 
 def example_order(packs: list[dict], examples) -> list[int]:
     """The corpus example of each pair of the packs, in order, found by its completion document's tokens."""
-    index = {tuple(small(p + c).tolist()): i for i, (p, c) in enumerate(zip(examples.prompts, examples.completions))}
+    index = {tuple(small(np.concatenate([p, c])).tolist()): i for i, (p, c) in enumerate(zip(examples.prompts, examples.completions))}
     order = []
     for pack in packs:
         cu = pack["cu_seqlens"]
@@ -154,7 +154,7 @@ def test_stored_reference_logps_of_an_unpaired_build_are_each_sequence_run_alone
     with torch.no_grad():
         for i in order:
             for completion in (e.completions[i], e.completions[int(partners[i])]):
-                ids = torch.tensor([e.prompts[i] + completion])
+                ids = torch.tensor(np.concatenate([e.prompts[i], completion]), dtype=torch.long)[None]
                 logp = torch.log_softmax(reference(input_ids=ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
                 alone.append(logp[len(e.prompts[i]) - 1 :].sum())
     torch.testing.assert_close(batch["reference_logps"], torch.stack(alone).reshape(-1, 2), rtol=1e-12, atol=1e-10)
