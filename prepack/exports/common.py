@@ -164,7 +164,7 @@ def training_schema(build: ExportBuild) -> pa.Schema:
     if m.pairs is not None:
         fields.append(pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False))
     if m.options.unpaired:
-        fields.append(pa.field(DESIRABLE, pa.list_(pa.bool_()), nullable=False))
+        fields.append(pa.field(DESIRABLE, pa.list_(pa.uint8()), nullable=False))
     return pa.schema(fields)
 
 
