@@ -35,7 +35,7 @@ def options(parser) -> None:
 def main() -> None:
     args = parse_args(__doc__, options)
     dataset = PackedDataset(args.data)
-    if dataset.manifest.options.pairs is None or dataset.manifest.options.pairs.kind != "unpaired":
+    if not dataset.manifest.options.unpaired:
         raise SystemExit(f"{args.data} is not an unpaired build: build it with prepack build ... --unpaired")
     model = enable_packing(load_model(args.model, dataset)).train()
     reference = copy.deepcopy(model).eval().requires_grad_(False)

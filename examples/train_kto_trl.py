@@ -14,8 +14,9 @@ three overrides (`PackedKTOTrainer`), as examples/train_dpo_trl.py is for DPO:
 - `compute_loss` runs the policy and the reference over the packed batch and takes KTO's loss from
   `prepack.training.preference.kto_loss`: each example's completion and KL completion log-probabilities (exactly
   those of the sequences run alone), its label from the batch (`desirable`), TRL's desirable and undesirable terms
-  and its KL estimate over the micro-batch's examples, as TRL takes it over its batch (tests/train/test_kto_build.py:
-  equal to TRL's own loss code in float64);
+  and its KL estimate over the micro-batch's examples averaged over the ranks, as TRL takes it over its batch and
+  ranks (tests/train/test_kto_build.py: equal to TRL's own loss code in float64; tests/train/test_kto.py: over two
+  simulated ranks);
 - `_get_num_items_in_batch` counts the examples of the optimizer step, over its accumulated micro-batches and
   every rank: `compute_loss` divides each micro-batch's summed example losses by that count
   (`loss_weights(batch, "pair")`: an example is a pair of documents), so every example of a step weighs the same,
@@ -78,7 +79,8 @@ class PackedKTOTrainer(KTOTrainer):
         else:
             with torch.no_grad():
                 reference = group_logps(self.ref_model(**model_inputs(inputs)).logits, inputs)
-        losses = kto_loss(policy, reference, inputs["desirable"], self.beta, self.desirable_weight, self.undesirable_weight)
+        losses = kto_loss(policy, reference, inputs["desirable"], self.beta, self.desirable_weight, self.undesirable_weight,
+                          kl_reduce=lambda z: self.accelerator.gather(z).mean())  # TRL's: the ranks' estimates' mean
         if num_items_in_batch is None:  # evaluation: this batch's mean
             loss = losses.mean()
         else:  # this micro-batch's share of the step's mean, times the ranks, whose gradients DDP averages
@@ -116,7 +118,7 @@ def packed_kto_trainer(args, model, ref_model, output_dir: str) -> PackedKTOTrai
 def main() -> None:
     args = parse_args(__doc__, options)
     packed = PackedDataset(args.data)
-    if packed.manifest.options.pairs is None or packed.manifest.options.pairs.kind != "unpaired":
+    if not packed.manifest.options.unpaired:
         raise SystemExit(f"{args.data} is not an unpaired build: build it with prepack build ... --unpaired")
     model = enable_packing(load_model(args.model, packed))
     if args.reference:  # one pass of the starting model over the build; no copy of it is made

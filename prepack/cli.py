@@ -236,7 +236,7 @@ def _summary(manifest: Manifest, out: str) -> Table:
         ("untrained (no trained token)", _untrained(t.untrained, t.untrained_tokens, o.drop_untrained)),
     ]
     units = unit_name(2 if o.pairs is None else o.pairs.size, plural=True)
-    units = "examples" if o.pairs is not None and o.pairs.kind == "unpaired" else units
+    units = "examples" if o.unpaired else units
     if (p := manifest.pairs) is not None:
         labels = "" if p.desirable is None else f"; desirable / undesirable {p.desirable:,} / {p.undesirable:,}"
         rows.insert(1, (units, f"{p.pairs:,} read, {p.truncated:,} truncated, {p.dropped:,} dropped; "

@@ -213,7 +213,7 @@ def _full_batch(
     if layout.pair_roles is not None:
         columns.append(list_array(layout.pack_offsets, layout.pair_roles))
     if layout.desirable is not None:  # one label an example, each example 2 segments
-        columns.append(list_array(layout.pack_offsets // 2, layout.desirable))
+        columns.append(list_array(layout.pack_offsets // 2, layout.desirable.astype(np.uint8)))
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 

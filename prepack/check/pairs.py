@@ -9,8 +9,8 @@ prompt and completion tokens, and the pairs filling max_len (the only ones "trun
 
 An unpaired (KTO) build's examples are pairs of a completion (role 0) and a KL completion (role 1) after the same
 prompt: `UnpairedFound` gathers each example's label (the shards' `desirable`), completion and KL completion
-across shards, and holds the labels' counts to the manifest's and each KL completion to the completion of the
-example `kl_partners` planned for it.
+across shards, and holds each KL completion to the completion of the example `kl_partners` planned for it and
+each label to the source's; `shard_pairs` counts the labels, `pair_count_problems` holds them to the manifest's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from prepack.building.kl_plan import kl_partners
-from prepack.formats.shards import IGNORE_INDEX, MANIFEST_NAME, Manifest, PairTotals, unit_name
+from prepack.formats.shards import IGNORE_INDEX, Manifest, PairTotals, unit_name
 
 __all__ = ["PairCounts", "UnpairedFound", "pair_count_problems", "shard_pairs"]
 
@@ -34,17 +34,21 @@ class PairCounts(NamedTuple):
     prompt_tokens: int  # each pair's prompt twice, once per document
     completion_tokens: int
     filling: int  # pairs of exactly max_len tokens: a truncated pair is one of them
+    desirable: int = 0  # an unpaired build's examples labelled desirable in the shards' `desirable` column
+    undesirable: int = 0
 
     def add(self, other: PairCounts) -> PairCounts:
         return PairCounts(*(a + b for a, b in zip(self, other)))
 
 
 def shard_pairs(
-    ids: np.ndarray, labels: np.ndarray, starts: np.ndarray, lengths: np.ndarray, max_len: int, size: int = 2
+    ids: np.ndarray, labels: np.ndarray, starts: np.ndarray, lengths: np.ndarray, max_len: int, size: int = 2,
+    desirable: np.ndarray | None = None,
 ) -> tuple[PairCounts, list[tuple[int, str, str]]]:
     """Count and check the documents of one pair shard: `starts`, `lengths` (one a document, chosen then
     rejected, back to back in `ids` and `labels`, as a shard that passed `check_shard` lays them); of a group
-    shard, `size` documents a group (its counts' `pairs` are groups).
+    shard, `size` documents a group (its counts' `pairs` are groups); of an unpaired shard, its `desirable`
+    column's labels (bool, one a pair) counted too.
     Returns the counts and, of each kind of problem, the first: (its document's index among the shard's,
     the column, what the document does: "has …")."""
     count = len(lengths)
@@ -63,7 +67,9 @@ def shard_pairs(
         )
     total = int(lengths.sum())
     filling = int((units == max_len).sum())
-    counts = PairCounts(count // size, int(prompt.sum()), total - int(prompt.sum()), filling)
+    liked = 0 if desirable is None else int(np.count_nonzero(desirable))
+    disliked = 0 if desirable is None else len(desirable) - liked
+    counts = PairCounts(count // size, int(prompt.sum()), total - int(prompt.sum()), filling, liked, disliked)
     return counts, sorted(problems.values())
 
 
@@ -121,6 +127,10 @@ def pair_count_problems(said: PairTotals, found: PairCounts, overflow: str) -> l
             problems.append((name, f"is {getattr(said, name)}, but the shards hold {getattr(found, name)}."))
     if said.pairs - said.dropped != found.pairs:
         problems.append(("pairs", f"is {said.pairs} with {said.dropped} dropped, but the shards hold {found.pairs} pairs."))
+    for name in ("desirable", "undesirable"):  # an unpaired build's labels
+        if getattr(said, name) is not None and getattr(said, name) != getattr(found, name):
+            problems.append((name, f"is {getattr(said, name)}, but the shards' desirable column labels {getattr(found, name)} "
+                                   "examples so."))
     if said.truncated > (found.filling if overflow == "truncate" else 0):
         problems.append(("truncated", f"is {said.truncated}, but the shards hold {found.filling} pairs of max_len tokens, "
                                       "the only ones truncation leaves (none but with overflow 'truncate')."))
@@ -152,13 +162,11 @@ class UnpairedFound:
             self.where[example, role] = (name, pack, number)
 
     def problems(self, manifest: Manifest) -> list[tuple[str, int | None, str, str]]:
-        """(file, row, column, message) of each count of `manifest.pairs` the labels found contradict, and of each
-        KL completion that is not its planned partner's completion (as far as both were kept: truncation cuts
-        them apart, "drop" may leave the partner out)."""
-        said, options = manifest.pairs, manifest.options.pairs
-        found = {"desirable": int((self.label == 1).sum()), "undesirable": int((self.label == 0).sum())}
-        problems = [(MANIFEST_NAME, None, f"pairs.{name}", f"is {getattr(said, name)}, but the shards' desirable column "
-                     f"labels {value} examples so.") for name, value in found.items() if getattr(said, name) != value]
+        """(file, row, column, message) of each KL completion that is not its planned partner's completion (as far
+        as both were kept: truncation cuts them apart, "drop" may leave the partner out). The labels' counts are
+        `pair_count_problems`'."""
+        options = manifest.options.pairs
+        problems = []
         if len(self.label) < 2:
             return problems
         partners = kl_partners(len(self.label), seed=options.kl_seed)

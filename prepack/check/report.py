@@ -142,9 +142,8 @@ class PairReport(StrictModel):
     trl_padded: Cost  # TRL's DataCollatorForPreference: random batches of `batch_size` pairs, chosen and
     #                   rejected together padded to the batch's longest document (a group build: its G documents)
     group_size: int | None = None  # a group build's G; None for pairs
-    # An unpaired (KTO) build's examples in the packs (each a pair of completion and KL completion: `pairs` too), and
-    # of them those labelled desirable and undesirable, counted from the shards' `desirable`; None for other builds.
-    examples: int | None = None
+    # An unpaired (KTO) build's examples in the packs (each a pair of completion and KL completion: `pairs`) labelled
+    # desirable and undesirable, counted from the shards' `desirable`; None for other builds.
     desirable: int | None = None
     undesirable: int | None = None
 
@@ -290,7 +289,11 @@ def _shard_pairs(batch, where: str, max_len: int, documents: np.ndarray, lengths
     ids_offsets, ids = list_column(batch, "input_ids", where)
     label_offsets, labels = list_column(batch, "labels", where)
     starts = np.cumsum(lengths) - lengths  # the documents back to back, as check_shard found them
-    found, problems = shard_pairs(ids[ids_offsets[0] :], labels[label_offsets[0] :], starts, lengths, max_len, size)
+    desirable = None
+    if DESIRABLE in batch.schema.names:  # an unpaired build's labels (check_shard holds them to its pairs)
+        offsets, values = list_column(batch, DESIRABLE, where)
+        desirable = values[offsets[0] : offsets[-1]]
+    found, problems = shard_pairs(ids[ids_offsets[0] :], labels[label_offsets[0] :], starts, lengths, max_len, size, desirable)
     for document, column, message in problems[:1]:
         row = int(np.searchsorted(np.cumsum(documents), document, "right"))
         raise FormatError(f"{where}, row {row}, column {column!r}: a document {message[:-1]}; run `prepack verify`.")
@@ -305,7 +308,7 @@ def _read_columns(
     counts (`_shard_pairs`)."""
     max_len = manifest.options.max_len
     pairs = PairCounts(0, 0, 0, 0) if manifest.pairs is not None else None
-    summaries, parts = [], {"tokens": [], "docs": [], "lengths": [], "rows": [], "pieces": [], "sources": [], "desirable": []}
+    summaries, parts = [], {"tokens": [], "docs": [], "lengths": [], "rows": [], "pieces": [], "sources": []}
     for index, info in enumerate(manifest.shards):
         if isinstance(build, Path):
             file = shard_path(build, index, info)
@@ -318,9 +321,6 @@ def _read_columns(
         columns = _shard_columns(batch, where, max_len)
         for key, values in zip(parts, columns):
             parts[key].append(values)
-        if DESIRABLE in batch.schema.names:  # an unpaired build's labels (check_shard below holds them to its pairs)
-            offsets, values = list_column(batch, DESIRABLE, where)
-            parts["desirable"].append(np.asarray(values[offsets[0] : offsets[-1]], bool))
         if pairs is not None and manifest.store is None:
             pairs = pairs.add(_shard_pairs(batch, where, max_len, columns[1], columns[2], manifest.options.pairs.size))
         tokens = int(columns[0].sum())
@@ -334,8 +334,7 @@ def _read_columns(
                 fill=tokens / (info.rows * max_len) if info.rows else 0.0,
             )
         )
-    dtypes = {"tokens": np.int64, "docs": np.int64, "lengths": np.int64, "rows": np.int64, "pieces": np.int32, "sources": np.uint16,
-              "desirable": bool}
+    dtypes = {"tokens": np.int64, "docs": np.int64, "lengths": np.int64, "rows": np.int64, "pieces": np.int32, "sources": np.uint16}
     flat = {k: np.concatenate(v) if v else np.empty(0, dtypes[k]) for k, v in parts.items()}
     if pairs is not None and manifest.store is not None:
         pairs = _index_pairs(build, manifest, flat["rows"], flat["lengths"])
@@ -497,7 +496,7 @@ def inspect_build(
         else _step_balance(pack_costs(columns["docs"], lengths, token_cost), world_size, batch_size, token_cost, seed),
         per_shard=summaries,
         sources=sources,
-        pairs=None if pairs is None else _pair_report(manifest, pairs, lengths[order], batch_size, seed, cost, path, columns["desirable"]),
+        pairs=None if pairs is None else _pair_report(manifest, pairs, lengths[order], batch_size, seed, cost, path),
         caps=None if manifest.mixture is not None else _cap_costs(manifest, lengths[order], columns["docs"], caps),
         appends=_append_report(manifest, tokens / packed),
     )
@@ -542,24 +541,16 @@ def _cap_costs(manifest: Manifest, lengths: np.ndarray, documents: np.ndarray, c
     return out
 
 
-def _pair_report(manifest: Manifest, found: PairCounts, lengths: np.ndarray, batch_size: int, seed: int, cost, path,
-                 desirable: np.ndarray) -> PairReport:
-    """`found`: the pairs as the shards hold them (`_shard_pairs`); `lengths`: the documents' lengths in
-    corpus order, pair after pair (chosen, then rejected); `desirable`: an unpaired build's labels as the shards
-    hold them (empty for other builds). The manifest's figures the shards disagree with are refused
-    (FormatError: `verify` says more)."""
+def _pair_report(manifest: Manifest, found: PairCounts, lengths: np.ndarray, batch_size: int, seed: int, cost, path) -> PairReport:
+    """`found`: the pairs as the shards hold them (`_shard_pairs`; an unpaired build's labels counted too);
+    `lengths`: the documents' lengths in corpus order, pair after pair (chosen, then rejected). The manifest's
+    figures the shards disagree with are refused (FormatError: `verify` says more)."""
     p = manifest.pairs
     for field, message in pair_count_problems(p, found, manifest.options.overflow)[:1]:
         raise FormatError(f"{path}: the manifest's pairs.{field} {message[:-1]}; run `prepack verify`.")
     size = manifest.options.pairs.size
     pair_lengths = lengths.reshape(-1, size)
-    unpaired = {}
-    if manifest.options.pairs.kind == "unpaired":
-        unpaired = {"examples": len(pair_lengths), "desirable": int(desirable.sum()), "undesirable": int((~desirable).sum())}
-        for field in ("desirable", "undesirable"):
-            if getattr(p, field) != unpaired[field]:
-                raise FormatError(f"{path}: the manifest's pairs.{field} is {getattr(p, field)}, but the shards' desirable "
-                                  f"column labels {unpaired[field]} examples so; run `prepack verify`.")
+    unpaired = {"desirable": found.desirable, "undesirable": found.undesirable} if manifest.options.unpaired else {}
     return PairReport(
         **unpaired,
         pairs=len(pair_lengths),
@@ -705,9 +696,9 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
         units = unit_name(pr.group_size or 2, plural=True)
         padded = "TRL DPOTrainer" if pr.group_size is None else "padded"
         costs.add_row(f"{padded}, random batches of {r.batch_size} {units}", f"{c.tokens:,}", f"{c.padding_tokens:,}", f"{c.ratio:.2f}")
-        if pr.examples is not None:  # an unpaired build: examples, each a completion and a KL completion
+        if pr.desirable is not None:  # an unpaired build: examples, each a completion and a KL completion
             units = "examples"
-            summary.add_row("unpaired (KTO)", f"{pr.examples:,} examples in the packs: {pr.desirable:,} desirable, "
+            summary.add_row("unpaired (KTO)", f"{pr.pairs:,} examples in the packs: {pr.desirable:,} desirable, "
                                               f"{pr.undesirable:,} undesirable; each with its KL completion")
         summary.add_row(
             units,

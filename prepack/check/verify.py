@@ -334,7 +334,7 @@ def _problems(
     readable = yield from (_directory_problems(build, manifest) if local else _download_problems(build))
     shards: dict[int, _Shard] = {}
     pairs: PairCounts | None = PairCounts(0, 0, 0, 0) if manifest.pairs is not None else None
-    unpaired = UnpairedFound(manifest.totals.documents // 2) if manifest.pairs is not None and manifest.pairs.desirable is not None else None
+    unpaired = UnpairedFound(manifest.totals.documents // 2) if manifest.options.unpaired else None
     for index, (file, check_sha256) in readable.items():
         shard = yield from _shard_problems(file, index, manifest, check_sha256)
         if shard is not None:
@@ -484,7 +484,7 @@ def _pair_count_problems(manifest: Manifest) -> Iterator[Problem]:
             yield Problem(file=MANIFEST_NAME, column=f"pairs.{name}", message=f"is {getattr(p, name)}, but {rule}: {said}.")
     if manifest.options.overflow == "split":
         yield Problem(file=MANIFEST_NAME, column="options.overflow", message="is 'split', which never applies to pairs.")
-    unpaired = manifest.options.pairs.kind == "unpaired"
+    unpaired = manifest.options.unpaired
     if (p.desirable is not None, p.undesirable is not None) != (unpaired, unpaired):
         yield Problem(file=MANIFEST_NAME, column="pairs.desirable", message="and pairs.undesirable are set in an unpaired "
                       "build's manifest (options.pairs.label_column), and only there.")
@@ -502,7 +502,7 @@ def _pair_problems(shard: _Shard, manifest: Manifest, counts: PairCounts):
         return None
     seg = shard.segments
     found, problems = shard_pairs(shard.ids, shard.labels, seg.starts, seg.lengths, manifest.options.max_len,
-                                  manifest.options.pairs.size)
+                                  manifest.options.pairs.size, shard.desirable)
     for document, column, message in problems:
         yield Problem(file=shard.name, row=int(seg.pack[document]), column=column, message=f"document {seg.number[document]} {message}")
     return counts.add(found)

@@ -163,8 +163,8 @@ def training_schema(build: ExportBuild) -> pa.Schema:
         fields.append(pa.field("source_ids", pa.list_(pa.uint16()), nullable=False))
     if m.pairs is not None:
         fields.append(pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False))
-    if m.options.pairs is not None and m.options.pairs.kind == "unpaired":
-        fields.append(pa.field(DESIRABLE, pa.list_(pa.bool_()), nullable=False))
+    if m.options.unpaired:
+        fields.append(pa.field(DESIRABLE, pa.list_(pa.uint8()), nullable=False))
     return pa.schema(fields)
 
 

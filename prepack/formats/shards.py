@@ -105,8 +105,9 @@ def segment_id_type(max_len: int) -> pa.DataType:
 # A preference-pair build's shards (`Manifest.pairs`) carry one more per-pack column: each document's
 # role in its pair, 0 chosen and 1 rejected (`check_shard` checks the pairing).
 PAIR_ROLES = "pair_roles"
-# An unpaired (KTO) build's shards (`PairOptions.label_column`) carry one more: each example's label, true for a
-# desirable completion, one value per example (2 documents) of the pack.
+# An unpaired (KTO) build's shards (`PairOptions.label_column`) carry one more: each example's label, 1 for a
+# desirable completion and 0 for an undesirable one, one value per example (2 documents) of the pack. uint8, not
+# bool: Arrow packs bools as bits, which no numpy view shares (`list_column` would copy them through pandas).
 DESIRABLE = "desirable"
 
 
@@ -166,7 +167,7 @@ def shard_schema(
     if pairs:
         fields.append(pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False))
     if unpaired:
-        fields.append(pa.field(DESIRABLE, pa.list_(pa.bool_()), nullable=False))
+        fields.append(pa.field(DESIRABLE, pa.list_(pa.uint8()), nullable=False))
     return pa.schema(fields, metadata={SHARD_VERSION_KEY: str(FORMAT_VERSION)})
 
 
@@ -319,6 +320,11 @@ class BuildOptions(StrictModel):
         if (self.max_images_per_pack is None) != (self.image_set is None):
             raise ValueError("max_images_per_pack and image_set go together: the image cap and the image set it counted")
         return self
+
+    @property
+    def unpaired(self) -> bool:
+        """Whether the build read unpaired (KTO) examples (`prepack build --unpaired`)."""
+        return self.pairs is not None and self.pairs.kind == "unpaired"
 
 
 _PATH_MAX, _NAME_MAX = 4096, 255  # bytes of a path and of each of its parts (Linux's PATH_MAX, NAME_MAX)
@@ -540,7 +546,7 @@ class Manifest(StrictModel):
         return open_shard(
             path, self.has_labels, self.options.max_len, self.index_of, where=where,
             sources=self.mixture is not None, pairs=None if self.options.pairs is None else self.options.pairs.size,
-            unpaired=self.options.pairs is not None and self.options.pairs.kind == "unpaired",
+            unpaired=self.options.unpaired,
         )
 
 
@@ -879,11 +885,14 @@ def check_layout(
     if PAIR_ROLES in batch.schema.names:
         _check_pairs(batch, where, documents)
     if DESIRABLE in batch.schema.names:
-        offsets, _ = _list_checked(batch, DESIRABLE, where)
+        offsets, labels = _list_checked(batch, DESIRABLE, where)
         if (bad := 2 * np.diff(offsets) != documents).any():
             r = first_index(bad)
             refuse(where, f"{np.diff(offsets)[r]} labels for {documents[r]} documents: an unpaired build's pack holds one "
                    "label an example, 2 documents each", r, DESIRABLE)
+        if (bad := labels[offsets[0] : offsets[-1]] > 1).any():
+            at = first_index(bad)
+            refuse(where, f"label {labels[offsets[0] + at]}: 1 is desirable, 0 undesirable", _row_of(offsets, at), DESIRABLE)
     return layout
 
 

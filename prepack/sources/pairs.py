@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from prepack.building.kl_plan import kl_partners
 from prepack.errors import InputError
 from prepack.formats.shards import GROUP_SIZE_MAX, IGNORE_INDEX, PairOptions, TokenizeOptions
 from prepack.sources.chat_templates import render_chat
@@ -251,6 +252,15 @@ def _required(path: Path, row: int, record: dict, column: str):
     return value
 
 
+def _require_columns(corpus: Corpus, columns: list[str], why: str) -> None:
+    """InputError naming the first file (Arrow or Parquet: a JSONL file's rows are checked as they are read) that
+    lacks one of `columns`, and `why` the corpus needs them; every file is checked before any is read."""
+    for path in corpus.files:
+        kind = file_kind(path) or "arrow"
+        if kind != "jsonl" and (missing := [c for c in columns if c not in (found := file_columns(path, kind))]):
+            raise InputError(f"{path}: there is no column {missing[0]!r} (columns: {', '.join(found) or 'none'}); {why}")
+
+
 def _file_records(path: Path, columns: list[str]) -> Iterator[tuple[int, list[dict], int]]:
     """(first row, records, bytes) per block of a file, each record holding `columns` (those present)."""
     kind = file_kind(path) or "arrow"
@@ -333,21 +343,12 @@ def pair_documents(
     template, template_file = resolve_chat_template(tokenizer, chat_template) if chat else (None, None)
     group = options.completions_column is not None
     columns = [options.prompt_column, *((options.completions_column,) if group else (options.chosen_column, options.rejected_column))]
-    for path in corpus.files:
-        kind = file_kind(path) or "arrow"
-        if kind != "jsonl":
-            found = file_columns(path, kind)
-            if group and (missing := [c for c in columns if c not in found]):
-                raise InputError(
-                    f"{path}: there is no column {missing[0]!r} (columns: {', '.join(found) or 'none'}); a group corpus "
-                    "has a prompt column (--prompt-column) and a column of completions (--completions-column)."
-                )
-            if missing := [c for c in columns[1:] if c not in found]:
-                raise InputError(
-                    f"{path}: there is no column {missing[0]!r} (columns: {', '.join(found) or 'none'}); a preference "
-                    "corpus has chosen and rejected columns (--chosen-column, --rejected-column) and, unless the prompt "
-                    "is their common prefix, a prompt column (--prompt-column)."
-                )
+    if group:
+        _require_columns(corpus, columns, "a group corpus has a prompt column (--prompt-column) and a column of "
+                         "completions (--completions-column).")
+    else:
+        _require_columns(corpus, columns[1:], "a preference corpus has chosen and rejected columns (--chosen-column, "
+                         "--rejected-column) and, unless the prompt is their common prefix, a prompt column (--prompt-column).")
     encoder = _PairEncoder(
         tokenizer=tokenizer.tokenizer,
         vocab_size=tokenizer.vocab_size,
@@ -388,8 +389,8 @@ def _stream(corpus: Corpus, columns: list[str], encoder: _PairEncoder, num_proc:
 class UnpairedExamples(NamedTuple):
     """Every example of the corpus, in corpus order: its prompt's and completion's token ids, and its label."""
 
-    prompts: list[list[int]]
-    completions: list[list[int]]
+    prompts: list[np.ndarray]
+    completions: list[np.ndarray]
     desirable: np.ndarray  # bool [N]
     rows_per_file: list[int]  # examples of each corpus file, in order
 
@@ -414,13 +415,9 @@ def unpaired_examples(
     )
     prompts, completions, desirable, rows_per_file = [], [], [], []
     columns = [prompt_column, completion_column, label_column]
+    _require_columns(corpus, columns, "unpaired feedback has a prompt, a completion and a label column (--prompt-column, "
+                     "--completion-column, --label-column).")
     for path in corpus.files:
-        kind = file_kind(path) or "arrow"
-        if kind != "jsonl" and (missing := [c for c in columns if c not in (found := file_columns(path, kind))]):
-            raise InputError(
-                f"{path}: there is no column {missing[0]!r} (columns: {', '.join(found) or 'none'}); unpaired feedback "
-                "has a prompt, a completion and a label column (--prompt-column, --completion-column, --label-column)."
-            )
         before = len(prompts)
         for row0, records, _ in _file_records(path, columns):
             examples = []
@@ -435,8 +432,8 @@ def unpaired_examples(
                 desirable.append(values[label_column])
             documents, starts = encoder._encoded(path, examples)
             for ids, start in zip(documents, starts):
-                prompts.append(ids[:start].tolist())
-                completions.append(ids[start:].tolist())
+                prompts.append(ids[:start])
+                completions.append(ids[start:])
         rows_per_file.append(len(prompts) - before)
     return UnpairedExamples(prompts, completions, np.array(desirable, bool), rows_per_file)
 
@@ -456,9 +453,6 @@ def unpaired_documents(
     -100 on the prompt; its labels in `desirable`. The plan needs every example's index, so the corpus is read and
     tokenized here, whole, in one process; the batches (one a file) are laid out as they are consumed. InputError
     (file, row, column) for a bad row, or for fewer than two examples (no mismatch to make)."""
-    # Imported here: the plan is the building wing's, which imports this module's neighbours.
-    from prepack.building.kl_plan import kl_partners
-
     examples = unpaired_examples(
         corpus, tokenizer, chat=chat, prompt_column=options.prompt_column, completion_column=options.completion_column,
         label_column=options.label_column, eos=eos, chat_template=chat_template,
@@ -476,22 +470,24 @@ def unpaired_documents(
 
 def _unpaired_batches(corpus: Corpus, examples: UnpairedExamples, partners: np.ndarray, prompt_lengths: list) -> Iterator[DocumentBatch]:
     """One DocumentBatch a corpus file: each example's document and its KL document (`unpaired_documents`)."""
+    count_all = len(examples.prompts)
+    prompt_length = np.fromiter(map(len, examples.prompts), np.int64, count_all)
+    completion_length = np.fromiter(map(len, examples.completions), np.int64, count_all)
+    # Example i's documents: its prompt + its completion, its prompt + its partner's completion.
+    lengths = np.stack([prompt_length + completion_length, prompt_length + completion_length[partners]], axis=1).ravel()
     first = 0
     for path, count in zip(corpus.files, examples.rows_per_file):
-        ids, labels, lengths, prompts = [], [], [], []
+        empty = np.empty(0, np.int32)  # a file of no example still concatenates
+        ids, labels = [empty], [empty]
         for i in range(first, first + count):
             prompt = examples.prompts[i]
-            prompts.append(len(prompt))
+            masked = np.full(len(prompt), IGNORE_INDEX, np.int32)
             for completion in (examples.completions[i], examples.completions[int(partners[i])]):
                 ids += (prompt, completion)
-                labels += ([IGNORE_INDEX] * len(prompt), completion)
-                lengths.append(len(prompt) + len(completion))
-        offsets = np.zeros(len(lengths) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        prompt_lengths.append(np.asarray(prompts, np.int64))
-        yield DocumentBatch(
-            file=path, first_row=0, offsets=offsets,
-            ids=np.fromiter((t for part in ids for t in part), np.int32, int(offsets[-1])),
-            labels=np.fromiter((t for part in labels for t in part), np.int32, int(offsets[-1])),
-        )
+                labels += (masked, completion)
+        offsets = np.zeros(2 * count + 1, np.int64)
+        np.cumsum(lengths[2 * first : 2 * (first + count)], out=offsets[1:])
+        prompt_lengths.append(prompt_length[first : first + count])
+        yield DocumentBatch(file=path, first_row=0, offsets=offsets, ids=np.concatenate(ids, dtype=np.int32),
+                            labels=np.concatenate(labels, dtype=np.int32))
         first += count

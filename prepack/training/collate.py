@@ -281,7 +281,7 @@ class PackedCollator:
             if any(pack.reference_logps is not None for pack in checked):
                 batch["reference_logps"] = torch.from_numpy(_reference_logps(checked, segments.shape[1]))
             if any(pack.desirable is not None for pack in checked):
-                batch["desirable"] = torch.from_numpy(_desirable(checked, len(segments)))
+                batch["desirable"] = torch.from_numpy(_desirable(checked))
         if self.cp_size is not None:
             lengths = np.concatenate([np.diff(pack.cu_seqlens) for pack in checked])
             batch["cu_seqlens"] = torch.from_numpy(np.append(0, np.cumsum(lengths)).astype(np.int32))
@@ -307,7 +307,7 @@ class PackedCollator:
         if any(pack.reference_logps is not None for pack in packs):
             batch["reference_logps"] = torch.from_numpy(_reference_logps(packs, size))
         if any(pack.desirable is not None for pack in packs):
-            batch["desirable"] = torch.from_numpy(_desirable(packs, sum(len(row) for row in rows)))
+            batch["desirable"] = torch.from_numpy(_desirable(packs))
         return batch
 
     def _fill_rows(self, packs: list[_Pack]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
@@ -415,18 +415,14 @@ def _reference_logps(packs: list[_Pack], size: int) -> np.ndarray:
     return np.concatenate([pack.reference_logps for pack in packs]).astype(np.float64).reshape(-1, size)
 
 
-def _desirable(packs: list[_Pack], examples: int) -> np.ndarray:
+def _desirable(packs: list[_Pack]) -> np.ndarray:
     """[P] bool: each example's label, in the order of the batch's groups (every pack's documents make whole pairs,
-    `_require_whole_groups`), `examples` of them."""
+    `_require_whole_groups`, each with its label, `_checked_pack`)."""
     missing = [number for number, pack in enumerate(packs) if pack.desirable is None]
     if missing:
         raise UsageError(f"Pack {missing[0]} has no 'desirable' while others of the batch have: collate packs of one "
                          "unpaired build.")
-    desirable = np.concatenate([pack.desirable for pack in packs]).astype(bool)
-    if len(desirable) != examples:
-        raise UsageError(f"{len(desirable)} 'desirable' labels for the batch's {examples} examples: a pack of an unpaired "
-                         "build has one label every 2 documents.")
-    return desirable
+    return np.concatenate([pack.desirable for pack in packs]).astype(bool)
 
 
 def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
@@ -489,4 +485,7 @@ def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sou
         raise UsageError(f"Pack {number}: reference_logps are {reference.dtype}, not the stored float64 (datasets' numpy "
                          "and torch formats make floats float32: keep the column as open_hf_dataset formats it).")
     desirable = np.asarray(pack["desirable"]) if pack.get("desirable") is not None else None
+    if desirable is not None and (desirable.ndim != 1 or 2 * desirable.size != len(cu_seqlens) - 1):
+        raise UsageError(f"Pack {number}: {desirable.size} 'desirable' labels for {len(cu_seqlens) - 1} documents: a pack "
+                         "of an unpaired build has one label every 2 documents.")
     return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles, reference, desirable)

@@ -301,8 +301,8 @@ def open_hf_dataset(
             "sources' column): use PackedDataset, or build the mixture in full."
         )
     packed.check_all()  # and, with a reference, each of its files against its shard
-    unpaired = packed.manifest.options.pairs is not None and packed.manifest.options.pairs.kind == "unpaired"
-    optional = {"labels": packed.manifest.has_labels, PAIR_ROLES: packed.manifest.pairs is not None, DESIRABLE: unpaired}
+    optional = {"labels": packed.manifest.has_labels, PAIR_ROLES: packed.manifest.pairs is not None,
+                DESIRABLE: packed.manifest.options.unpaired}
     columns = [*_ROW_COLUMNS, *(name for name, present in optional.items() if present)]
     files = packed.shard_paths if packed.store is None else _gathered_shards(packed, _rows_directory(cache_dir))
     options = packed.manifest.options

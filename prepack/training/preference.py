@@ -32,7 +32,7 @@ This module imports torch; `import prepack` does not load it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from prepack.errors import UsageError, optional_imports
@@ -310,6 +310,7 @@ def kto_loss(
     beta: float = 0.1,
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
+    kl_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Per example [N]: KTO's loss (Ethayarajh et al. 2024, eq. 7; TRL's KTOTrainer "kto"), the desirable
     ones' w_d (1 - σ(β (r - z))), the undesirable ones' w_u (1 - σ(β (z - r))), r = π - ref of the example's
@@ -318,14 +319,18 @@ def kto_loss(
 
     `policy` and `reference` are `group_logps` of examples laid out as groups of 2 (the completion, then the
     KL completion after the same prompt: `logps[:, 0]`, `logps[:, 1]`); `desirable` [N] bool, each example's
-    label. z is the mean over these N examples: TRL's over its batch (and ranks); pass a step's examples
-    together to estimate it over the step."""
+    label. z is the mean over these N examples, TRL's over its batch; `kl_reduce`, given, takes that mean to the
+    estimate used (before the clamp), e.g. `lambda z: accelerator.gather(z).mean()` for TRL's mean over the
+    ranks' estimates. Pass a step's examples together to estimate it over the step."""
     if policy.logps.shape[1] != 2 or reference.logps.shape != policy.logps.shape:
         raise UsageError("kto_loss takes group_logps of examples laid out as (completion, KL completion) pairs.")
     desirable = desirable.to(device=policy.logps.device, dtype=torch.bool)
     if desirable.shape != policy.logps.shape[:1]:
         raise UsageError(f"{tuple(desirable.shape)} labels for {policy.logps.shape[0]} examples.")
-    kl = (policy.logps[:, 1] - reference.logps[:, 1]).mean().detach().clamp(min=0)
+    kl = (policy.logps[:, 1] - reference.logps[:, 1]).mean().detach()
+    if kl_reduce is not None:
+        kl = kl_reduce(kl)
+    kl = kl.clamp(min=0)
     logratios = policy.logps[:, 0] - reference.logps[:, 0]
     return torch.where(
         desirable,

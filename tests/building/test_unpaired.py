@@ -51,7 +51,7 @@ def test_examples_are_tokenized_as_trls_kto_trainer_does(tmp_path, gpt2, hf_toke
     examples = unpaired_examples(find_corpus(corpus), load_tokenizer(gpt2), chat=chat)
     assert examples.desirable.tolist() == [row["label"] for row in rows]
     for i, row in enumerate(rows):
-        assert (examples.prompts[i], examples.completions[i]) == trl_kto_example(hf_tokenizer, row), i
+        assert (examples.prompts[i].tolist(), examples.completions[i].tolist()) == trl_kto_example(hf_tokenizer, row), i
 
 
 def test_bad_rows_are_refused_by_file_row_and_column(tmp_path, gpt2):  # noqa: F811
@@ -68,14 +68,29 @@ def test_bad_rows_are_refused_by_file_row_and_column(tmp_path, gpt2):  # noqa: F
             unpaired_examples(find_corpus(corpus), tokenizer, chat=False)
 
 
+def test_every_files_columns_are_checked_before_any_row_is_read(tmp_path, gpt2):  # noqa: F811
+    """A file without the label column is named, not a bad row of a file before it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = text_rows(3)
+    rows[1]["label"] = None  # a bad row in the first file
+    (corpus := tmp_path / "kto").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), corpus / "a.parquet")
+    pq.write_table(pa.Table.from_pylist([{"prompt": r["prompt"], "completion": r["completion"]} for r in text_rows(3)]),
+                   corpus / "b.parquet")
+    with pytest.raises(InputError, match=r"b\.parquet: there is no column 'label'"):
+        unpaired_examples(find_corpus(corpus), load_tokenizer(gpt2), chat=False)
+
+
 def test_each_kl_completion_follows_its_own_examples_prompt(tmp_path, gpt2):  # noqa: F811
     corpus = write_jsonl(tmp_path / "kto.jsonl", text_rows(9))
     examples = unpaired_examples(find_corpus(corpus), load_tokenizer(gpt2), chat=False)
     partners = kl_partners(9, seed=3)
     groups = kto_groups(examples.prompts, examples.completions, partners)
     for i, group in enumerate(groups):
-        assert group.prompt == examples.prompts[i] and int(partners[i]) != i
-        assert [list(c) for c in group.completions] == [examples.completions[i], examples.completions[int(partners[i])]]
+        assert list(group.prompt) == examples.prompts[i].tolist() and int(partners[i]) != i
+        assert [list(c) for c in group.completions] == [examples.completions[i].tolist(), examples.completions[int(partners[i])].tolist()]
     assert np.array_equal(partners, kl_partners(9, seed=3))
 
 
@@ -93,6 +108,6 @@ def test_a_completion_that_ends_with_eos_gets_no_second_one_as_in_trls_trainer(t
     trainer = SimpleNamespace(_tokenizer=hf_tokenizer, calculate_KL=False)
     args = SimpleNamespace(dataset_num_proc=None, max_length=None, per_device_train_batch_size=4)
     trl = KTOTrainer._prepare_dataset(trainer, Dataset.from_list(rows), hf_tokenizer, args, "eval")
-    assert examples.prompts == trl["prompt_ids"]
-    assert examples.completions == trl["completion_ids"]
-    assert examples.completions[1][-2:] != [hf_tokenizer.eos_token_id] * 2
+    assert [p.tolist() for p in examples.prompts] == trl["prompt_ids"]
+    assert [c.tolist() for c in examples.completions] == trl["completion_ids"]
+    assert examples.completions[1][-2:].tolist() != [hf_tokenizer.eos_token_id] * 2

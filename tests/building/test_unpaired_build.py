@@ -69,8 +69,8 @@ def test_each_example_packs_with_its_planned_kl_completion_and_label(tmp_path, g
         prompt = examples.prompts[r]
         for document, completion in ((2 * r, examples.completions[r]), (2 * r + 1, examples.completions[int(partners[r])])):
             ids, labels, label = documents[document]
-            assert ids == prompt + completion, (r, document)
-            assert labels == [-100] * len(prompt) + completion
+            assert ids == [*prompt.tolist(), *completion.tolist()], (r, document)
+            assert labels == [-100] * len(prompt) + completion.tolist()
             assert label == rows[r]["label"]
     manifest = read_manifest(build)
     assert manifest.options.pairs.kind == "unpaired" and manifest.options.pairs.kl_seed == 5

@@ -77,7 +77,7 @@ def test_an_unpaired_build_verifies_and_inspect_counts_its_examples(clean):
     assert verify_build(clean, all_problems=True, **_source(clean)) == []
     report = inspect_build(clean)
     said = json.loads((clean / "manifest.json").read_text())["pairs"]
-    assert (report.pairs.examples, report.pairs.desirable, report.pairs.undesirable) == (
+    assert (report.pairs.pairs, report.pairs.desirable, report.pairs.undesirable) == (
         EXAMPLES, said["desirable"], said["undesirable"])
     assert said["desirable"] == sum(row["label"] for row in text_rows(EXAMPLES))
 
@@ -85,7 +85,7 @@ def test_an_unpaired_build_verifies_and_inspect_counts_its_examples(clean):
 @pytest.mark.slow  # verify with the source: ~2 s
 def test_a_flipped_label_is_found(clean, packed):
     pack = _first_pack(packed)
-    flipped = [not pack["desirable"][0], *pack["desirable"][1:]]
+    flipped = [1 - pack["desirable"][0], *pack["desirable"][1:]]
     name = _rewrite_first_pack(packed, {"desirable": flipped})
     alone = verify_build(packed, all_problems=True)  # the counts no longer hold
     assert {("manifest.json", None, "pairs.desirable"), ("manifest.json", None, "pairs.undesirable")} <= _where(alone), alone
@@ -93,6 +93,13 @@ def test_a_flipped_label_is_found(clean, packed):
     label = [p for p in sourced if p.column == "desirable"]
     example = pack["source_rows"][0] // 2
     assert [(p.file, p.row, p.source_file, p.source_row) for p in label] == [(name, 0, "kto.jsonl", example)], sourced
+
+
+def test_a_label_neither_0_nor_1_is_refused(packed):
+    pack = _first_pack(packed)
+    name = _rewrite_first_pack(packed, {"desirable": [2, *pack["desirable"][1:]]})
+    problems = verify_build(packed, all_problems=True)
+    assert [(p.file, p.row, p.column) for p in problems if "label 2" in p.message] == [(name, 0, "desirable")], problems
 
 
 def test_a_wrong_count_is_found(packed):

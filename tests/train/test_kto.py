@@ -100,16 +100,17 @@ def packed_batch(rows: list[dict], kl_prompt_shift: int = 0, **options) -> dict:
     return PackedCollator(256, **options)([group_pack([g[0] for g in groups[s : s + 5]]) for s in (0, 5)])
 
 
-def trl_kto_loss(model, rows: list[dict], reference: GroupLogps) -> torch.Tensor:
+def trl_kto_loss(model, rows: list[dict], reference: GroupLogps, gather_kl=lambda kl: kl) -> torch.Tensor:
     """TRL 1.16's KTO loss of `rows` from `KTOTrainer._compute_loss` on its collator's batch, the reference
-    log-probabilities given as precomputed."""
+    log-probabilities given as precomputed; `gather_kl` stands in for `accelerator.gather_for_metrics` of the
+    KL estimate (one process: the identity)."""
     from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference, KTOTrainer
 
     inputs = DataCollatorForUnpairedPreference(pad_token_id=0)(
         [dict(row, ref_logps=float(reference.logps[i, 0]), ref_KL_logps=float(reference.logps[i, 1]))
          for i, row in enumerate(rows)])
     inputs["ref_logps"], inputs["ref_KL_logps"] = reference.logps[:, 0], reference.logps[:, 1]
-    accelerator = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x)
+    accelerator = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=gather_kl)
     trainer = SimpleNamespace(
         model=model, accelerator=accelerator, calculate_KL=True, aux_loss_enabled=False, precompute_ref_logps=True,
         loss_type="kto", beta=BETA, desirable_weight=1.0, undesirable_weight=1.0,
@@ -120,6 +121,20 @@ def trl_kto_loss(model, rows: list[dict], reference: GroupLogps) -> torch.Tensor
 
 
 LAYOUTS = [{"layout": "padded"}, {"layout": "padding_free"}, {"shared_prompt": True}]
+
+
+@pytest.mark.parametrize("options", LAYOUTS, ids=str)
+def test_a_pack_with_labels_not_one_every_two_documents_is_refused(options):
+    """One label too many in a pack and one too few in the next: the batch's total is right, its alignment not."""
+    rows = examples()
+    groups = kto_groups([r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows], kl_partners(EXAMPLES, batch_size=EXAMPLES))
+    packs = [group_pack(groups[:5]), group_pack(groups[5:])]
+    labels = [row["label"] for row in rows]
+    packs[0]["desirable"], packs[1]["desirable"] = np.array(labels[:6], np.uint8), np.array(labels[6:], np.uint8)
+    with pytest.raises(UsageError, match=r"Pack 0: 6 'desirable' labels for 10 documents"):
+        PackedCollator(256, **options)(packs)
+    packs[0]["desirable"], packs[1]["desirable"] = np.array(labels[:5], np.uint8), np.array(labels[5:], np.uint8)
+    assert PackedCollator(256, **options)(packs)["desirable"].tolist() == labels
 
 
 @pytest.mark.slow  # float64 forwards and backwards, per layout: ~3 s
@@ -146,6 +161,33 @@ def test_kto_loss_and_gradients_equal_trls_kto_trainer(options, monkeypatch):
     expected = gradients(head.model)
     for name, grad in gradients(model).items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.slow  # float64 forwards: ~2 s
+def test_kto_loss_reduces_the_kl_estimate_over_ranks_as_trls_kto_trainer_does():
+    """Two simulated ranks, each with five of the examples: TRL averages their KL estimates
+    (`accelerator.gather_for_metrics(kl).mean()`) before the clamp; kto_loss does with its `kl_reduce` hook."""
+    pytest.importorskip("trl.trainer.kto_trainer")
+    rows = examples()
+    batch = packed_batch(rows)
+    desirable = torch.tensor([row["label"] for row in rows])
+    with torch.no_grad():
+        reference = group_logps(enable_packing(tiny_llama(REFERENCE_SEED))(**model_inputs(batch)).logits, batch)
+        policy = group_logps(enable_packing(tiny_llama(0))(**model_inputs(batch)).logits, batch)
+        ranks = [slice(0, 5), slice(5, 10)]
+        z = [(policy.logps[r, 1] - reference.logps[r, 1]).mean() for r in ranks]
+        assert (z[0] - z[1]).abs() > 0.05  # the ranks' estimates differ: a rank's own one gives another loss
+        head = _Float64Head(tiny_llama(0))
+        for rank, r in enumerate(ranks):
+            def both_ranks(kl, rank=rank):  # this rank's estimate in its place among both ranks'
+                return torch.stack([kl if i == rank else z[i] for i in range(len(ranks))])
+
+            part = lambda logps: GroupLogps(logps.logps[r], logps.tokens[r])  # noqa: E731
+            ours = kto_loss(part(policy), part(reference), desirable[r], BETA, kl_reduce=lambda kl: both_ranks(kl).mean())
+            theirs = trl_kto_loss(head, rows[r], part(reference), gather_kl=both_ranks)
+            torch.testing.assert_close(ours.mean(), theirs, rtol=1e-12, atol=1e-12)
+            alone = kto_loss(part(policy), part(reference), desirable[r], BETA).mean()
+            assert (alone - theirs).abs() > 1e-6  # this rank's own estimate is not TRL's
 
 
 @pytest.mark.slow  # ~3 s

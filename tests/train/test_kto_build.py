@@ -64,7 +64,7 @@ def packs_of(build: Path, reference: Path | None = None) -> list[dict]:
 
 def example_order(packs: list[dict], examples) -> list[int]:
     """The corpus example of each pair of the packs, in order, found by its completion document's tokens."""
-    index = {tuple(small(p + c).tolist()): i for i, (p, c) in enumerate(zip(examples.prompts, examples.completions))}
+    index = {tuple(small(np.concatenate([p, c])).tolist()): i for i, (p, c) in enumerate(zip(examples.prompts, examples.completions))}
     order = []
     for pack in packs:
         cu = pack["cu_seqlens"]
@@ -131,11 +131,22 @@ def test_a_packed_kto_builds_loss_and_gradients_equal_trls_kto_trainer(unpaired,
     expected = gradients(head.model)
     for name, grad in gradients(model).items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-9, atol=1e-12, msg=name)
-    # The leak control: each KL completion after another example's prompt, the reference unchanged.
+
+
+@pytest.mark.slow  # float64 forwards per layout: ~3 s
+@pytest.mark.parametrize("options", LAYOUTS[:2], ids=str)  # shared_prompt lays out no KL completion after another prompt
+def test_a_kl_completion_after_another_examples_prompt_moves_the_loss(unpaired, options):
+    """The leak control of the test above, in each layout that can hold the leak: each KL completion after the
+    next example's prompt, the reference unchanged."""
+    packs = packs_of(unpaired.build)
+    collate = PackedCollator(MAX_LEN * len(packs), **options)  # a bound: the leaked documents are longer or shorter
+    batch, leaky = collate(packs), collate([kl_leak(p) for p in packs])
     with torch.no_grad():
-        leaky = PackedCollator(MAX_LEN * len(packs), layout="padding_free")([kl_leak(p) for p in packs])
+        reference = group_logps(enable_packing(tiny_llama(REFERENCE_SEED))(**model_inputs(batch)).logits, batch)
+        model = enable_packing(tiny_llama(0))
+        ours = kto_loss(group_logps(model(**model_inputs(batch)).logits, batch), reference, batch["desirable"], BETA).mean()
         leaked = kto_loss(group_logps(model(**model_inputs(leaky)).logits, leaky), reference, leaky["desirable"], BETA).mean()
-        assert (leaked - theirs).abs() > 1e-6
+    assert (leaked - ours).abs() > 1e-6
 
 
 @pytest.mark.slow  # the reference model run over a 50k-token vocabulary: ~3 s
@@ -154,7 +165,7 @@ def test_stored_reference_logps_of_an_unpaired_build_are_each_sequence_run_alone
     with torch.no_grad():
         for i in order:
             for completion in (e.completions[i], e.completions[int(partners[i])]):
-                ids = torch.tensor([e.prompts[i] + completion])
+                ids = torch.tensor(np.concatenate([e.prompts[i], completion]), dtype=torch.long)[None]
                 logp = torch.log_softmax(reference(input_ids=ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
                 alone.append(logp[len(e.prompts[i]) - 1 :].sum())
     torch.testing.assert_close(batch["reference_logps"], torch.stack(alone).reshape(-1, 2), rtol=1e-12, atol=1e-10)
