@@ -494,26 +494,22 @@ def _check_store_fingerprints(store: Store, first: FirstPass) -> None:
 
 def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing, without_numba: bool) -> int:
     """The packs a build of the whole grown store at once would take: the store's documents of
-    generation `planned` and before, then those of `first`. They depend on the documents' lengths alone,
-    not on their order: as store.json's `length_counts` sum them up for the whole store, when it has them
-    and untrained documents are kept (no shard read); else from the old shards' offsets (no token read;
-    their labels only when untrained documents are left out, as only then do they change the packs).
-    `without_numba`: as `plan_packs` takes it (an index append of a store a build plans in numpy)."""
-    m = store.manifest
+    generation `planned` and before, then those of `first`. They depend on the documents' lengths alone:
+    the old shards' offsets give them (no token read; their labels only when untrained documents are left
+    out, as only then do they change the packs), each shard's checked against its store.json entry
+    (`check_store_offsets`). Not store.json's `length_counts`, which nothing ties to the shards (verify
+    holds them to the offsets). `without_numba`: as `plan_packs` takes it (an index append of a store a
+    build plans in numpy)."""
+    shards = store.manifest.at_generation(planned).shards
     untrained = None
-    if m.length_counts and not packing.drop_untrained:
-        counts = np.array(m.length_counts, np.int64)
-        lengths = np.repeat(compact_lengths(counts[:, 0]), counts[:, 1])  # every document's, `first`'s among them
+    if packing.drop_untrained:
+        parts = [store.shard_lengths(shard, without_numba) for shard in shards]
+        old = [compact_lengths(p[0]) for p in parts]
+        untrained = np.concatenate([*(p[1] for p in parts), first.untrained])
     else:
-        shards = m.at_generation(planned).shards
-        if packing.drop_untrained:
-            parts = [store.shard_lengths(shard, without_numba) for shard in shards]
-            old = [compact_lengths(p[0]) for p in parts]
-            untrained = np.concatenate([*(p[1] for p in parts), first.untrained])
-        else:
-            # Each shard's lengths compacted as read (`_index_documents` does the same): not 8 bytes a document.
-            old = [compact_lengths(store.shard_document_lengths(shard)) for shard in shards]
-        lengths = np.concatenate([*old, first.lengths])
+        # Each shard's lengths compacted as read (`_index_documents` does the same): not 8 bytes a document.
+        old = [compact_lengths(store.shard_document_lengths(shard)) for shard in shards]
+    lengths = np.concatenate([*old, first.lengths])
     return pack_count(
         compact_lengths(lengths),
         packing.max_len,
