@@ -805,3 +805,24 @@ def test_an_append_to_a_grown_store_summarises_its_lengths_without_reading_its_s
     at_once = build_store(tmp_path / "whole", tmp_path / "at-once", shard_size=500)
     assert grown.lengths == at_once.lengths and grown.documents == 70
     assert sum(count for _, count in grown.length_counts) == 70
+
+
+def test_an_index_append_reads_labels_as_it_plans_by_the_whole_stores_tokens(tmp_path, monkeypatch):
+    """An index append's first pass (its new documents' labels) decides numpy or kernels as its planning
+    does, on the whole grown store's tokens: both kernels here, the store over the numpy bound and its new
+    documents under it."""
+    from prepack.building import build as build_module, kernels, plan_vectorized
+    from prepack.sources.store import Store
+
+    store, out = tmp_path / "store", tmp_path / "index"
+    build_store(_batch(tmp_path, "a", _documents(0, 60), labels=True), store)
+    build(store, out, max_len=MAX_LEN, index_only=True)
+    grown = build_store(_batch(tmp_path, "b", _documents(1, 9), labels=True), store, append=True)
+    monkeypatch.setattr(plan_vectorized, "_LABELS", grown.tokens - 1)
+    monkeypatch.setattr(kernels, "started", lambda: False)  # as in a process of its own
+    read, planned = [], []
+    shard_lengths, plan_packs = Store.shard_lengths, build_module.plan_packs
+    monkeypatch.setattr(Store, "shard_lengths", lambda self, shard, without_numba=False: read.append(without_numba) or shard_lengths(self, shard, without_numba))
+    monkeypatch.setattr(build_module, "plan_packs", lambda *a, **k: planned.append(k["without_numba"]) or plan_packs(*a, **k))
+    build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+    assert planned == [False] and set(read) == {False}
