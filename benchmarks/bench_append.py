@@ -11,7 +11,7 @@ one process, each the median of --repeat runs on copies: the store append of the
 the full and the index build, the build append and a build of the grown store from nothing (the
 "rebuild"). A small corpus is tokenized and built once first, untimed, so that no step pays for
 loading numba's compiled kernels or a reader's first call. Checked: each append's old shards keep their bytes and its packs hold every
-document piece once (`verify_build`). Prints a markdown table: seconds, the append's share of the
+document piece once (`verify_build`), the own-process rows' outputs too. Prints a markdown table: seconds, the append's share of the
 rebuild's time (goal <= 15 %), and the fill of each (tokens / (packs x max-len)) with their gap in
 percentage points (goal <= 0.3).
 
@@ -88,6 +88,17 @@ def _shards(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in directory.iterdir() if p.suffix == ".arrow"}
 
 
+def _checked_fills(first: Path, grown_out: Path, rebuilt_out: Path) -> tuple[float, float]:
+    """The fill of the grown build and of the rebuild, after checking that the grown one kept the first
+    build's shards byte for byte, verifies, and recorded the rebuild's pack count."""
+    grown, rebuilt = prepack.read_manifest(grown_out), prepack.read_manifest(rebuilt_out)
+    old = _shards(first)
+    assert {name: data for name, data in _shards(grown_out).items() if name in old} == old, "an old shard changed"
+    assert verify_build(grown_out) == [], "the grown build does not verify"
+    assert grown.generations[-1].rebuild_packs == rebuilt.totals.packs
+    return grown.totals.tokens / (grown.totals.packs * MAX_LEN), rebuilt.totals.tokens / (rebuilt.totals.packs * MAX_LEN)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=100_000)
@@ -137,14 +148,7 @@ def main() -> None:
                 args.repeat, lambda: shutil.rmtree(rebuilt_out, ignore_errors=True),
                 lambda: prepack.build(store, rebuilt_out, max_len=MAX_LEN, index_only=index_only),
             )
-            grown, rebuilt = prepack.read_manifest(grown_out), prepack.read_manifest(rebuilt_out)
-            old = _shards(first)
-            assert {name: data for name, data in _shards(grown_out).items() if name in old} == old, "an old shard changed"
-            assert verify_build(grown_out) == [], "the grown build does not verify"
-            assert grown.generations[-1].rebuild_packs == rebuilt.totals.packs
-            fill = grown.totals.tokens / (grown.totals.packs * MAX_LEN)
-            rebuilt_fill = rebuilt.totals.tokens / (rebuilt.totals.packs * MAX_LEN)
-            rows.append((kind, seconds, rebuild, fill, rebuilt_fill))
+            rows.append((kind, seconds, rebuild, *_checked_fills(first, grown_out, rebuilt_out)))
             if index_only:
                 call = f"prepack.build({str(store)!r}, {{!r}}, max_len={MAX_LEN}, index_only=True{{}})"
                 seconds = _own_process_seconds(
@@ -153,7 +157,8 @@ def main() -> None:
                 rebuild = _own_process_seconds(
                     args.repeat, lambda: shutil.rmtree(rebuilt_out, ignore_errors=True), call.format(str(rebuilt_out), "")
                 )
-                rows.append((f"{kind}, own process", seconds, rebuild, fill, rebuilt_fill))
+                # The outputs of the last own-process runs, checked as the in-process ones are.
+                rows.append((f"{kind}, own process", seconds, rebuild, *_checked_fills(first, grown_out, rebuilt_out)))
     added = int(args.docs * args.added)
     print(f"{args.docs:,} documents + {added:,} appended ({args.added:.0%}), max-len {MAX_LEN}; {platform.machine()}, "
           f"median of {args.repeat}\n")

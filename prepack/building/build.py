@@ -50,7 +50,7 @@ from prepack.formats.shards import (
 )
 from prepack.storage.output import Staging, output_errors, staged_append, staged_directory
 from prepack.building.pair_plan import PairPlan, first_overlong_pair, overlong_prompts, plan_pairs
-from prepack.building import kernels, plan_vectorized
+from prepack.building import plan_vectorized
 from prepack.building.plan import compact_lengths, pack_count, plan_packs
 from prepack.storage.remote import fetch, is_uri, local_input, relative_location, staged_prefix
 from prepack.formats.store import StoreManifest
@@ -166,12 +166,12 @@ def _check_engine(engine: str, ray_address: str | None, reading: Reading) -> Non
 
 
 @contextmanager
-def _engine(engine: str, ray_address: str | None, staging: Staging, index_only: bool = False) -> Iterator[Engine]:
+def _engine(engine: str, ray_address: str | None, staging: Staging, index_only: bool = False, store_tokens: int | None = None) -> Iterator[Engine]:
     """The engine named `engine` (checked by `_check_engine`) for the output written into `staging`:
     for "ray", a `prepack.building.engines.ray.RayEngine` connected for it. An index build reads no token and
-    writes small shards, planning only: every engine runs it here, with a `LocalEngine`."""
+    writes small shards, planning only: every engine runs it here, with a `LocalEngine` (`store_tokens`: as it takes them)."""
     if engine == "local" or index_only:
-        yield LocalEngine(staging, index_only)
+        yield LocalEngine(staging, index_only, store_tokens)
         return
     from prepack.building.engines.ray import ray_engine
 
@@ -359,7 +359,7 @@ def build_packs(
         store = documents.store
         with (
             _staged(out, output) as staging,
-            _engine(output.engine, output.ray_address, staging, index_only) as engine_steps,
+            _engine(output.engine, output.ray_address, staging, index_only, store.manifest.tokens if index_only else None) as engine_steps,
         ):
             if (appending := staging.appending) is not None:
                 planned = _planned_generation(appending, store, options, index_only, out)
@@ -386,12 +386,9 @@ def build_packs(
                     f"{path}, row {file_row}, column {read_column!r}: {first.lengths[row]} tokens, "
                     f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
                 )
-            # An index build's other steps run no numba kernel (`prepack.building.kernels`), unless its first
-            # pass found the untrained documents of a large store with one, or a kernel ran in this process
-            # before: then numba's start-up is paid anyway. An append decides as a build of the whole store
-            # would, as it also counts that build's packs.
-            tokens = int(first.lengths.sum(dtype=np.int64)) if appending is None else store.manifest.tokens
-            without_numba = index_only and not kernels.started() and (not has_labels or plan_vectorized.scans(tokens))
+            # An index build plans as its first pass read (`plans_in_numpy`, on the whole store's tokens: an
+            # append decides as a build of the whole store would, as it also counts that build's packs).
+            without_numba = index_only and plan_vectorized.plans_in_numpy(store.manifest.tokens, has_labels)
             planning = bar.add_task("plan", total=None)
             if documents.pairs is not None:
                 plan = _plan_pairs(documents, first, packing)
@@ -494,26 +491,22 @@ def _check_store_fingerprints(store: Store, first: FirstPass) -> None:
 
 def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing, without_numba: bool) -> int:
     """The packs a build of the whole grown store at once would take: the store's documents of
-    generation `planned` and before, then those of `first`. They depend on the documents' lengths alone,
-    not on their order: as store.json's `length_counts` sum them up for the whole store, when it has them
-    and untrained documents are kept (no shard read); else from the old shards' offsets (no token read;
-    their labels only when untrained documents are left out, as only then do they change the packs).
-    `without_numba`: as `plan_packs` takes it (an index append of a store a build plans in numpy)."""
-    m = store.manifest
+    generation `planned` and before, then those of `first`. They depend on the documents' lengths alone:
+    the old shards' offsets give them (no token read; their labels only when untrained documents are left
+    out, as only then do they change the packs), each shard's checked against its store.json entry
+    (`check_store_offsets`). Not store.json's `length_counts`, which nothing ties to the shards (verify
+    holds them to the offsets). `without_numba`: as `plan_packs` takes it (an index append of a store a
+    build plans in numpy)."""
+    shards = store.manifest.at_generation(planned).shards
     untrained = None
-    if m.length_counts and not packing.drop_untrained:
-        counts = np.array(m.length_counts, np.int64)
-        lengths = np.repeat(compact_lengths(counts[:, 0]), counts[:, 1])  # every document's, `first`'s among them
+    if packing.drop_untrained:
+        parts = [store.shard_lengths(shard, without_numba) for shard in shards]
+        old = [compact_lengths(p[0]) for p in parts]
+        untrained = np.concatenate([*(p[1] for p in parts), first.untrained])
     else:
-        shards = m.at_generation(planned).shards
-        if packing.drop_untrained:
-            parts = [store.shard_lengths(shard, without_numba) for shard in shards]
-            old = [compact_lengths(p[0]) for p in parts]
-            untrained = np.concatenate([*(p[1] for p in parts), first.untrained])
-        else:
-            # Each shard's lengths compacted as read (`_index_documents` does the same): not 8 bytes a document.
-            old = [compact_lengths(store.shard_document_lengths(shard)) for shard in shards]
-        lengths = np.concatenate([*old, first.lengths])
+        # Each shard's lengths compacted as read (`_index_documents` does the same): not 8 bytes a document.
+        old = [compact_lengths(store.shard_document_lengths(shard)) for shard in shards]
+    lengths = np.concatenate([*old, first.lengths])
     return pack_count(
         compact_lengths(lengths),
         packing.max_len,

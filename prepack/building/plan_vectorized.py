@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from prepack.building import kernels
 from prepack.formats.shards import IGNORE_INDEX
 
 __all__ = ["assign_ffd", "assign_suits", "pack_contents", "pieces_of", "resolve", "scans", "scatter", "slots_of", "suits", "tally", "untrained"]
@@ -45,6 +46,14 @@ def suits(documents: int, algorithm: str) -> bool:
 def scans(tokens: int) -> bool:
     """Whether `untrained` reads `tokens` labels faster than numba would start."""
     return tokens <= _LABELS
+
+
+def plans_in_numpy(store_tokens: int, has_labels: bool) -> bool:
+    """Whether an index build of a store of `store_tokens` tokens (an append's: the whole grown store's,
+    as a build of it would decide) reads its labels and plans in numpy, no numba kernel: when it has no
+    labels or numpy scans them faster than numba would start, and no kernel ran in this process before
+    (then numba's start-up is paid anyway). Its first pass and its planning ask this alike."""
+    return not kernels.started() and (not has_labels or scans(store_tokens))
 
 
 def assign_suits(histogram: np.ndarray, max_len: int, max_documents: int | None = None) -> bool:

@@ -574,6 +574,7 @@ def _store_problems(store: Store, manifest: Manifest):
         yield Problem(file=MANIFEST_NAME, column="inputs", message=f"are not the corpus files of its store {where!r}.")
     columns: _Columns = {}
     fingerprint = StoreFingerprint(m)  # of a grown store: chained over its generations
+    length_counts = []  # each shard's (lengths, how many documents have each)
     for index, shard in enumerate(m.shards):
         try:
             offsets, ids, labels = columns[index] = store.shard_columns(shard)
@@ -581,7 +582,8 @@ def _store_problems(store: Store, manifest: Manifest):
             found = exc.problem
             yield Problem(file=f"{where}/{shard.name}", row=found.row, column=found.column, message=found.message)
         else:
-            fingerprint.update(np.diff(offsets), ids, labels)
+            fingerprint.update(lengths := np.diff(offsets), ids, labels)
+            length_counts.append(np.unique(lengths, return_counts=True))
     if len(columns) < len(m.shards):
         yield Problem(
             message=f"{len(m.shards) - len(columns)} shard(s) of the store {where!r} could not be read or are "
@@ -597,7 +599,25 @@ def _store_problems(store: Store, manifest: Manifest):
         )
     else:
         yield from _generation_fingerprint_problems(fingerprint.found, m, manifest, where)
+        yield from _length_counts_problems(length_counts, m, where)
     return columns
+
+
+def _length_counts_problems(shard_counts: list[tuple[np.ndarray, np.ndarray]], m: StoreManifest, where: str):
+    """Yield a problem when a grown store's `store.json` (`m`) records other `length_counts` than its
+    shards' documents give (`shard_counts`: each shard's lengths and their counts): its model holds them to
+    the store's documents and tokens only, and the next store append summarises its lengths from them."""
+    if m.length_counts is None:
+        return
+    lengths, where_in = np.unique(np.concatenate([values for values, _ in shard_counts]), return_inverse=True)
+    counts = np.zeros(len(lengths), np.int64)
+    np.add.at(counts, where_in, np.concatenate([c for _, c in shard_counts]))
+    if np.column_stack([lengths, counts]).tolist() != m.length_counts:
+        yield Problem(
+            file=f"{where}/{STORE_MANIFEST_NAME}",
+            column="length_counts",
+            message="are not the lengths of the store's documents (how many documents have each, by rising length).",
+        )
 
 
 def _generation_fingerprint_problems(found: list[str], m: StoreManifest, manifest: Manifest, where: str):

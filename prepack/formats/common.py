@@ -9,6 +9,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import stat
 import struct
 from collections.abc import Callable
@@ -141,15 +142,15 @@ def _no_constant(name: str) -> NoReturn:
 _MAX_DIGITS = 100  # of an integer in the manifest: counts are int64 (19 digits); a seed may be longer
 
 
+_TOO_MANY_DIGITS = re.compile(rb"[0-9]{%d}" % (_MAX_DIGITS + 1))
+
+
 def _integers_fit(data: bytes) -> bool:
     """Whether no integer in the JSON text `data` can have more than _MAX_DIGITS digits: it is ASCII
-    (so every digit is one of 0-9) with no longer run of them. Only where one might is every integer
-    parsed through `_integer`, a Python call each: most of the parse of a grown store's length_counts."""
-    codes = np.frombuffer(data, np.uint8)
-    if (codes >= 0x80).any():
-        return False
-    non_digits = np.flatnonzero((codes - np.uint8(48)) > 9)  # uint8 wraps: 0-9 are the digits alone
-    return int(np.diff(non_digits, prepend=-1, append=len(codes)).max()) - 1 <= _MAX_DIGITS
+    (so every digit is one of 0-9) with no longer run of them; checked without a copy of `data`. Only
+    where one might is every integer parsed through `_integer`, a Python call each: most of the parse
+    of a grown store's length_counts."""
+    return data.isascii() and _TOO_MANY_DIGITS.search(data) is None
 
 
 def _integer(text: str) -> int:

@@ -625,27 +625,60 @@ def test_an_append_to_dot_or_dot_dot_is_refused_as_a_build_to_it_is_and_writes_n
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
+def _tamper_store_json(store: Path, change) -> None:
+    """Rewrite store.json after `change(recorded)` edits its parsed fields (what a hand or a bug could do)."""
+    import json
+
+    recorded = json.loads((store / "store.json").read_text())
+    change(recorded)
+    (store / "store.json").write_text(json.dumps(recorded))
+
+
 @pytest.mark.parametrize("index_only", [False, True])
-def test_an_append_counts_a_rebuild_from_the_stores_length_counts_reading_no_old_shard(tmp_path, monkeypatch, index_only):
-    """A rebuild's packs depend on the documents' lengths, not their order: store.json's length_counts
-    give them, so an append reads only the shards it packs (unless untrained documents are left out)."""
-    from prepack.sources.store import Store
+def test_an_append_counts_a_rebuild_from_the_old_shards_offsets_not_the_unchecked_length_counts(tmp_path, index_only):
+    """store.json's length_counts sum to its documents and tokens, but nothing ties them to the shards:
+    lengths that do (documents of 1 token and one long one) give another rebuild count. The append reads
+    the old shards' offsets (checked against their entries) and counts what a rebuild takes; verify names
+    the length_counts its store's shards do not give."""
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 60)), store, shard_size=600)
+    build(store, out, max_len=MAX_LEN, index_only=index_only)
+    build_store(_batch(tmp_path, "b", _documents(1, 15)), store, shard_size=600, append=True)
+    m = read_store_manifest(store)
+
+    def one_long(recorded):
+        recorded["length_counts"] = [[1, m.documents - 1], [m.tokens - m.documents + 1, 1]]
+
+    _tamper_store_json(store, one_long)
+    grown = build(store, out, max_len=MAX_LEN, index_only=index_only, append=True)
+    assert grown.generations[-1].rebuild_packs == build(store, tmp_path / "rebuilt", max_len=MAX_LEN, index_only=index_only).totals.packs
+    if index_only:  # a full build's verify reads no store (without --source)
+        problems = verify_build(out)
+        assert [(p.file, p.column) for p in problems] == [("../store/store.json", "length_counts")], problems
+
+
+@pytest.mark.parametrize("index_only", [False, True])
+def test_an_append_refuses_a_shard_whose_tokens_store_json_inflated_before_it_allocates(tmp_path, index_only):
+    """A shard entry and the store's totals grown by 1e9 tokens, with length_counts to match: the old
+    shard's offsets are read against its entry and refused (FormatError), no rebuild of 1e9 tokens counted."""
+    from prepack.errors import FormatError
 
     store, out = tmp_path / "store", tmp_path / "packed"
     build_store(_batch(tmp_path, "a", _documents(0, 60)), store, shard_size=600)
     build(store, out, max_len=MAX_LEN, index_only=index_only)
     build_store(_batch(tmp_path, "b", _documents(1, 15)), store, shard_size=600, append=True)
-    old = {shard.name for shard in read_store_manifest(store).at_generation(0).shards}
-    assert len(old) > 1
-    for name in ("shard_columns", "shard_lengths", "shard_document_lengths"):
-        def read(self, shard, *args, _read=getattr(Store, name), **kwargs):
-            assert shard.name not in old, f"an old shard was read: {shard.name}"
-            return _read(self, shard, *args, **kwargs)
+    extra = 10**9
 
-        monkeypatch.setattr(Store, name, read)
-    grown = build(store, out, max_len=MAX_LEN, index_only=index_only, append=True)
-    monkeypatch.undo()
-    assert grown.generations[-1].rebuild_packs == build(store, tmp_path / "rebuilt", max_len=MAX_LEN, index_only=index_only).totals.packs
+    def inflate(recorded):
+        recorded["shards"][0]["tokens"] += extra
+        recorded["tokens"] += extra
+        length, count = recorded["length_counts"][-1]
+        recorded["length_counts"][-1:] = [[length, count - 1], [length + extra, 1]] if count > 1 else [[length + extra, 1]]
+
+    _tamper_store_json(store, inflate)
+    read_store_manifest(store)  # store.json itself still parses
+    with pytest.raises(FormatError, match=r"documents-00000\.arrow: .* tokens, but the store manifest says"):
+        build(store, out, max_len=MAX_LEN, index_only=index_only, append=True)
 
 
 def test_an_append_counts_a_rebuild_from_compact_lengths(tmp_path, monkeypatch):
@@ -772,3 +805,24 @@ def test_an_append_to_a_grown_store_summarises_its_lengths_without_reading_its_s
     at_once = build_store(tmp_path / "whole", tmp_path / "at-once", shard_size=500)
     assert grown.lengths == at_once.lengths and grown.documents == 70
     assert sum(count for _, count in grown.length_counts) == 70
+
+
+def test_an_index_append_reads_labels_as_it_plans_by_the_whole_stores_tokens(tmp_path, monkeypatch):
+    """An index append's first pass (its new documents' labels) decides numpy or kernels as its planning
+    does, on the whole grown store's tokens: both kernels here, the store over the numpy bound and its new
+    documents under it."""
+    from prepack.building import build as build_module, kernels, plan_vectorized
+    from prepack.sources.store import Store
+
+    store, out = tmp_path / "store", tmp_path / "index"
+    build_store(_batch(tmp_path, "a", _documents(0, 60), labels=True), store)
+    build(store, out, max_len=MAX_LEN, index_only=True)
+    grown = build_store(_batch(tmp_path, "b", _documents(1, 9), labels=True), store, append=True)
+    monkeypatch.setattr(plan_vectorized, "_LABELS", grown.tokens - 1)
+    monkeypatch.setattr(kernels, "started", lambda: False)  # as in a process of its own
+    read, planned = [], []
+    shard_lengths, plan_packs = Store.shard_lengths, build_module.plan_packs
+    monkeypatch.setattr(Store, "shard_lengths", lambda self, shard, without_numba=False: read.append(without_numba) or shard_lengths(self, shard, without_numba))
+    monkeypatch.setattr(build_module, "plan_packs", lambda *a, **k: planned.append(k["without_numba"]) or plan_packs(*a, **k))
+    build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+    assert planned == [False] and set(read) == {False}

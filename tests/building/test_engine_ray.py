@@ -588,7 +588,9 @@ def test_appends_to_a_store_and_to_its_builds_write_the_local_bytes(tmp_path, lo
         grown = build(root / "store", root / "full", max_len=512, shard_size=40_000, append=True, engine=engine)
         build(root / "store", root / "index", max_len=512, index_only=True, append=True, engine=engine)
         assert len(grown.generations) == 2 and grown.generations[0].shards < len(grown.shards)
-    for output in ("store", "full", "index"):
+    # Not "index": every index build runs on the LocalEngine (`build._engine`), with --engine ray too; its
+    # append is accepted here, and tests/building/test_append.py checks what it writes.
+    for output in ("store", "full"):
         assert _same(tmp_path / "local" / output, tmp_path / "ray" / output) >= 3, output
 
 

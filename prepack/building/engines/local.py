@@ -29,7 +29,7 @@ from prepack.formats.common import Fingerprint
 from prepack.formats.shards import IndexOf, ShardInfo
 from prepack.formats.store import StoreFingerprint
 from prepack.storage.output import Staging, output_errors, output_file
-from prepack.building import kernels, plan_vectorized
+from prepack.building import plan_vectorized
 from prepack.building.plan import PackingPlan, compact_lengths, untrained_documents
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.sources.store import Store
@@ -158,17 +158,20 @@ def _stored_rows(store: Store, keep: np.ndarray, scratch: Path, progress: Progre
     return TokenFiles.single(ids_path), TokenFiles.single(labels_path) if store.manifest.has_labels else None
 
 
-def _index_documents(store: Store, progress: Progress, observe: Observer | None = None, hashed: bool = False) -> FirstPass:
+def _index_documents(
+    store: Store, progress: Progress, observe: Observer | None = None, hashed: bool = False, store_tokens: int | None = None
+) -> FirstPass:
     """An index build's first pass: what `_store_documents` keeps, from the store's offsets and labels
     alone (`Store.shard_lengths`: no token copied, no shard hashed), and the fingerprint the store
     manifest records (the same `Fingerprint` of the same documents, computed when the store was
     written; the loader and `verify` check the shards' sha256 where the tokens are used). With `hashed`
     (a full build from the store, whose fingerprint is the store's: every length it plans from is held to
-    it) or `observe` (which reads every label), each shard is read whole and checked (`Store.shard_columns`)."""
+    it) or `observe` (which reads every label), each shard is read whole and checked (`Store.shard_columns`).
+    `store_tokens`: the whole store's, when `store` holds an append's documents alone
+    (`StoreManifest.since_generation`): its labels are read as the build plans (`plans_in_numpy`)."""
     m = store.manifest
     lengths, untrained = [], []
-    # A small store's labels are read in numpy, no kernel: unless one ran here before (numba's start-up paid).
-    without_numba = plan_vectorized.scans(m.tokens) and not kernels.started()
+    without_numba = plan_vectorized.plans_in_numpy(m.tokens if store_tokens is None else store_tokens, m.has_labels)
     task = progress.add_task("read", total=len(m.shards), unit="shards")
     for shard in m.shards:
         if hashed or observe is not None:
@@ -232,14 +235,15 @@ class LocalEngine:
     """The engine's steps in this process, for the output staged in `staging`. With `index_only` (a
     store's build), the first pass reads no token and the packs are written as index shards."""
 
-    def __init__(self, staging: Staging, index_only: bool = False) -> None:
-        self.staging, self.index_only = staging, index_only
+    def __init__(self, staging: Staging, index_only: bool = False, store_tokens: int | None = None) -> None:
+        # store_tokens: the whole store's, of an index build (`_index_documents`, which takes them)
+        self.staging, self.index_only, self.store_tokens = staging, index_only, store_tokens
 
     def first_pass(self, documents: Documents, reading: Reading, progress: Progress) -> FirstPass:
         if self.index_only:
             if documents.pairs is not None:  # a pair store's, which its batches (not read here) would record
                 documents.pairs.add_prompt_lengths(documents.store.prompt_lengths())
-            return _index_documents(documents.store, progress)
+            return _index_documents(documents.store, progress, store_tokens=self.store_tokens)
         fingerprint = None if documents.store is None else StoreFingerprint(documents.store.manifest)
         return _store_documents(
             documents.corpus, documents.has_labels, documents.batches, self.staging.scratch, progress, fingerprint=fingerprint
