@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lance
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 import prepack
 from prepack import PackedCollator, PackedDataset
 from prepack.errors import FormatError, InputError
+from prepack.exports import export_build
 from prepack.formats.common import read_one_batch
 from prepack.formats.shards import read_manifest
 from prepack.formats.store import read_store_manifest
@@ -96,6 +98,7 @@ def _batches(build: Path, size: int) -> list[dict]:
     return [collate([dataset[i], dataset[i + 1]]) for i in range(0, len(dataset) - 1, 2)]
 
 
+@pytest.mark.slow  # two index builds, four exports and two datasets opened
 def test_an_index_build_of_a_pair_store_gives_the_full_builds_packs_and_batches(stored):
     root, _, store, _, size = stored
     index = root / f"index-{size}"
@@ -116,6 +119,21 @@ def test_an_index_build_of_a_pair_store_gives_the_full_builds_packs_and_batches(
         assert sorted(x) == sorted(y) and "pair_segments" in x
         for key in x:
             assert np.array_equal(np.asarray(x[key]), np.asarray(y[key])), key
+    # Exported and opened as a `datasets.Dataset`, the index build's packs (pair_roles with them) are the full build's.
+    for build, name in ((root / "from-corpus", "full"), (index, "index")):
+        export_build(build, "parquet", root / f"{name}-{size}.parquet")
+        export_build(build, "lance", root / f"{name}-{size}.lance")
+    data = lambda export: {p.name: p.read_bytes() for p in (export / "data").iterdir()}  # noqa: E731
+    assert data(root / f"full-{size}.parquet") == data(root / f"index-{size}.parquet")
+    lanced = [lance.dataset(str(root / f"{name}-{size}.lance" / "packs.lance")).to_table() for name in ("full", "index")]
+    assert lanced[0].equals(lanced[1]) and "pair_roles" in lanced[1].column_names
+    full_rows = prepack.open_hf_dataset(root / "from-corpus", cache_dir=root / "hf")
+    index_rows = prepack.open_hf_dataset(index, cache_dir=root / "hf")
+    assert full_rows.column_names == index_rows.column_names and "pair_roles" in index_rows.column_names
+    for i in range(len(full_rows)):
+        left, right = full_rows[i], index_rows[i]
+        for key in left:
+            assert np.array_equal(left[key], right[key]), (i, key)
 
 
 @pytest.mark.slow  # three verify runs and an inspect, each a process
