@@ -17,11 +17,13 @@ from hypothesis import strategies as st
 
 import prepack
 from prepack import PackedCollator, PackedDataset
+from prepack.building.plan import first_trained_labels
 from prepack.errors import FormatError, InputError
 from prepack.exports import export_build
 from prepack.formats.common import read_one_batch
 from prepack.formats.shards import read_manifest
 from prepack.formats.store import read_store_manifest
+from prepack.sources.store import Store
 from prepack.storage.files import write_record_batch
 from tests.building.test_pairs import gpt2, write_jsonl  # noqa: F401 (fixture)
 from tests.cli import WIDE, failure, run_prepack
@@ -212,6 +214,8 @@ def test_a_pair_store_whose_labels_split_a_groups_prompt_is_refused(stored, tmp_
     (copy / "store.json").write_text(json.dumps(raw))
     with pytest.raises(FormatError, match=r"documents-00000.arrow.*row 1"):
         prepack.build(copy, tmp_path / "out", index_only=True, **BUILD)
+    with pytest.raises(FormatError, match=r"documents-00000.arrow.*row 1"):  # its batches' prompts, read in a full build
+        prepack.build(copy, tmp_path / "full", **BUILD)
 
 
 @pytest.mark.slow  # a store, and three commands in processes
@@ -255,6 +259,37 @@ def test_pairs_appended_to_a_pair_store_equal_a_store_of_the_whole_corpus(tmp_pa
     assert found.totals == expected.totals and found.pairs == expected.pairs
     for a, b in zip(PackedDataset(tmp_path / "expected"), PackedDataset(tmp_path / "found")):
         assert all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
+
+
+@pytest.mark.parametrize("index_only", [False, True])
+def test_a_build_of_a_pair_store_reads_each_shard_once(stored, monkeypatch, index_only):
+    """Its groups' prompt lengths come from the offsets and labels the build reads anyway (a full build's
+    `Store.shard_columns`, an index build's lengths and untrained flags): no shard is mapped a second time."""
+    root, _, store, _, size = stored
+    out = root / f"read-once-{index_only}-{size}"  # an index build lies beside its store
+    opened = []
+    batch = Store._batch
+
+    def counted(self, shard, whole):
+        opened.append(shard.name)
+        return batch(self, shard, whole)
+
+    monkeypatch.setattr(Store, "_batch", counted)
+    prepack.build(store, out, index_only=index_only, **BUILD)
+    shards = [shard.name for shard in read_store_manifest(store).shards]
+    assert len(shards) > 1 and sorted(opened) == shards
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([-100, -100, 5]), max_size=6), max_size=10))
+def test_first_trained_labels_are_each_documents_untrained_tokens_with_numba_or_without(documents):
+    """Each document's tokens before its first trained label (all of them when none is), alike from the kernel
+    that stops there and from numpy."""
+    offsets = np.concatenate([[0], np.cumsum([len(d) for d in documents])]).astype(np.int64)
+    labels = np.array([label for d in documents for label in d], np.int32)
+    expected = [next((i for i, label in enumerate(d) if label != -100), len(d)) for d in documents]
+    for without_numba in (False, True):
+        assert first_trained_labels(offsets, labels, without_numba).tolist() == expected
 
 
 def test_a_pair_store_in_a_mixture_is_refused_by_its_source(stored, tmp_path):
