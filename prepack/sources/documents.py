@@ -127,8 +127,8 @@ def _check_store_reading(store: Store, reading: Reading, where: str | os.PathLik
     each is refused with the store's value."""
     recorded = {}
     if (pairs := store.manifest.pairs) is not None:
-        recorded = {"groups" if pairs.group_size is not None else "pairs": True, "prompt_column": pairs.prompt_column}
-        named = ("completions_column",) if pairs.group_size is not None else ("chosen_column", "rejected_column")
+        recorded = {pairs.kind: True, "prompt_column": pairs.prompt_column}
+        named = ("completions_column",) if pairs.kind == "groups" else ("chosen_column", "rejected_column")
         recorded.update({name: getattr(pairs, name) for name in named})
     given = {f.name: getattr(reading, f.name) for f in fields(Reading) if getattr(reading, f.name) != f.default}
     if other := [name for name, value in given.items() if name in recorded and value != recorded[name]]:
