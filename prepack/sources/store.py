@@ -24,6 +24,7 @@ import pyarrow as pa
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import map_regular, numpy_view, read_one_batch
 from prepack.formats.shards import MANIFEST_NAME, Manifest, store_location_problem
+from prepack.building import kernels, plan_vectorized
 from prepack.building.plan import first_trained_labels, untrained_documents
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.storage.remote import join
@@ -128,15 +129,16 @@ class Store:
         batch, where = self._batch(shard, whole=False)
         return np.diff(check_store_offsets(batch, shard, self.manifest.has_labels, where))
 
-    def shard_prompt_lengths(self, shard: StoreShard) -> np.ndarray:
-        """`group_prompt_lengths` of one of the shards of a store of pairs or groups (`StoreManifest.pairs`; a
-        shard holds whole groups), read for them (`shard_labels`): for a shard whose labels are not in hand."""
-        offsets, labels = self.shard_labels(shard)
-        return group_prompt_lengths(offsets, labels, self.manifest.pairs.size, self.shard_where(shard))
-
     def prompt_lengths(self) -> np.ndarray:
-        """`shard_prompt_lengths` of every shard, in order."""
-        return np.concatenate([self.shard_prompt_lengths(shard) for shard in self.manifest.shards])
+        """`group_prompt_lengths` of every shard of a store of pairs or groups (`StoreManifest.pairs`; a shard holds
+        whole groups), in order, each read for them (`shard_labels`): for a store whose labels are not in hand.
+        A small store's labels are read in numpy, as an index build reads them (`_index_documents`)."""
+        without_numba = plan_vectorized.scans(self.manifest.tokens) and not kernels.started()
+        return np.concatenate([
+            group_prompt_lengths(*self.shard_labels(shard), self.manifest.pairs.size, self.shard_where(shard),
+                                 without_numba=without_numba)
+            for shard in self.manifest.shards
+        ])
 
     def _batch(self, shard: StoreShard, whole: bool) -> tuple[pa.RecordBatch, str]:
         """(the one record batch of one of the store's shards, memory-mapped, what its problems name it
