@@ -261,6 +261,7 @@ def test_pairs_appended_to_a_pair_store_equal_a_store_of_the_whole_corpus(tmp_pa
         assert all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
 
 
+@pytest.mark.slow  # a build each
 @pytest.mark.parametrize("index_only", [False, True])
 def test_a_build_of_a_pair_store_reads_each_shard_once(stored, monkeypatch, index_only):
     """Its groups' prompt lengths come from the offsets and labels the build reads anyway (a full build's
