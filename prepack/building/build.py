@@ -354,7 +354,7 @@ def build_packs(
         documents = open_documents(source.spec, reading, out, bar, source.location)
         if documents.pairs is not None:  # its group size is known now (a group corpus's first row), before any row is read
             if documents.store is not None:  # a pair store's options, as --pairs's or --groups's
-                _check_pair_options(packing, output, "--pairs" if documents.pairs.options.group_size is None else "--groups")
+                _check_pair_options(packing, output, f"--{documents.pairs.options.kind}")
             _check_pairs_cap(documents.pairs.options, packing.max_docs_per_pack)
         store = documents.store
         with (
@@ -592,8 +592,14 @@ def _check_pair_options(packing: Packing, output: Output, flag: str) -> None:
         )
     if packing.drop_untrained:
         raise InputError(f"--drop-untrained would break {flag[2:]} apart: leave it out with {flag}.")
-    if flag in ("--groups", "--unpaired") and output.engine != "local":
-        raise InputError(f"{flag} builds run on the local engine (pairs run on Ray too): leave out --engine ray.")
+    _check_kind_engine(flag, output.engine, "builds")
+
+
+def _check_kind_engine(flag: str, engine: str, made: str) -> None:
+    """Refuse an engine other than the local one for `flag`'s corpus (--groups, --unpaired), which only the local
+    engine reads (pairs run on Ray too), into `made` ("builds" or "stores")."""
+    if flag in ("--groups", "--unpaired") and engine != "local":
+        raise InputError(f"{flag} {made} run on the local engine (pairs run on Ray too): leave out --engine ray.")
 
 
 def _check_pairs_cap(options: PairOptions, cap: int | None) -> None:
@@ -699,8 +705,8 @@ def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, read
     """`build_store`, with its options gathered (what `prepack tokenize` parses its flags into)."""
     if reading.unpaired:  # each example's KL completion is planned over the whole corpus, at build time
         raise InputError("a document store holds documents, pairs or groups, not unpaired examples: build them from the corpus (prepack build CORPUS --unpaired ...).")
-    if reading.groups and output.engine != "local":  # as a --groups build (`_check_pair_options`)
-        raise InputError("--groups stores are written on the local engine (pairs on Ray too): leave out --engine ray.")
+    if reading.groups:
+        _check_kind_engine("--groups", output.engine, "stores")
     if output.shard_size < 1:
         raise InputError(f"invalid shard size {output.shard_size}: at least 1 byte.")
     _check_engine(output.engine, output.ray_address, reading)

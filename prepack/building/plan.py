@@ -70,6 +70,7 @@ __all__ = [
     "checked_cap",
     "compact_lengths",
     "document_pieces",
+    "first_trained_labels",
     "pack_count",
     "plan_packs",
     "untrained_documents",
@@ -742,10 +743,26 @@ def untrained_documents(offsets: np.ndarray, labels: np.ndarray | None, without_
     lengths = np.diff(offsets)
     if labels is None:
         return np.zeros(len(lengths), dtype=bool)
-    labels = np.asarray(labels)
-    if len(offsets) and (offsets[0] < 0 or offsets[-1] > len(labels) or (lengths < 0).any()):
-        raise ValueError(f"offsets {offsets[0]}..{offsets[-1]} do not slice {len(labels)} labels in order")
+    labels = _slicing(offsets, labels)
     return plan_vectorized.untrained(offsets, labels) if without_numba else _untrained(offsets, labels)
+
+
+def first_trained_labels(offsets: np.ndarray, labels: np.ndarray, without_numba: bool = False) -> np.ndarray:
+    """Each document's (`labels[offsets[i]:offsets[i+1]]`) tokens before its first trained label (int64; its
+    length when it has none): a pair document's prompt (`prepack.sources.pairs` labels the prompt -100). As
+    `untrained_documents` reads them, each document's labels only up to its first trained one;
+    `without_numba`, all of them, in numpy."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    labels = _slicing(offsets, labels)
+    return plan_vectorized.first_trained(offsets, labels) if without_numba else _first_trained(offsets, labels)
+
+
+def _slicing(offsets: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """`labels` as an array, once int64 `offsets` are known to slice it in order (ValueError otherwise)."""
+    labels = np.asarray(labels)
+    if len(offsets) and (offsets[0] < 0 or offsets[-1] > len(labels) or (np.diff(offsets) < 0).any()):
+        raise ValueError(f"offsets {offsets[0]}..{offsets[-1]} do not slice {len(labels)} labels in order")
+    return labels
 
 
 @kernel(cache=True)
@@ -759,6 +776,18 @@ def _untrained(offsets, labels):
                 if labels[token] != IGNORE_INDEX:
                     out[document] = False
                     break
+    return out
+
+
+@kernel(cache=True)
+def _first_trained(offsets, labels):
+    out = np.empty(len(offsets) - 1, np.int64)
+    for document in range(len(offsets) - 1):
+        start, end = offsets[document], offsets[document + 1]
+        token = start
+        while token < end and labels[token] == IGNORE_INDEX:
+            token += 1
+        out[document] = token - start
     return out
 
 

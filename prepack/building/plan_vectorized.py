@@ -219,3 +219,12 @@ def untrained(offsets: np.ndarray, labels: np.ndarray) -> np.ndarray:
         out[first:end] = (ends > starts) & ~any_trained
         first = end
     return out
+
+
+def first_trained(offsets: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """`prepack.building.plan._first_trained`: each document's tokens before its first trained label (its
+    length when none), from every label's place."""
+    trained = np.flatnonzero(labels[offsets[0] : offsets[-1]] != IGNORE_INDEX) + offsets[0]
+    # Each document's first trained token; a document with none finds the next one's, or the end: its own end at most.
+    first = np.append(trained, offsets[-1])[np.searchsorted(trained, offsets[:-1])]
+    return np.minimum(first, offsets[1:]) - offsets[:-1]

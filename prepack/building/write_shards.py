@@ -161,6 +161,12 @@ def _pack_columns(layout: ShardPacks, lengths: np.ndarray, schema: pa.Schema) ->
     ]
 
 
+def _role_column(layout: ShardPacks) -> list[pa.Array]:
+    """A pair or group build's `pair_roles` column (each document's role, a list a pack), after the labels of a
+    full shard and the per-pack columns of an index shard (`shard_schema`); nothing in another build's."""
+    return [] if layout.pair_roles is None else [list_array(layout.pack_offsets, layout.pair_roles)]
+
+
 def write_shard(
     directory: Path,
     index: int,
@@ -178,10 +184,8 @@ def write_shard(
     packs = len(layout.pack_offsets) - 1
     total = int(lengths.sum())
     if tokens is None:
-        pairs = layout.pair_roles is not None
-        schema = shard_schema(False, layout.max_len, store, sources=layout.source_ids is not None, pairs=pairs)
-        roles = [list_array(layout.pack_offsets, layout.pair_roles)] if pairs else []
-        batch = pa.RecordBatch.from_arrays([*_pack_columns(layout, lengths, schema), *roles], schema=schema)
+        schema = shard_schema(False, layout.max_len, store, sources=layout.source_ids is not None, pairs=layout.pair_roles is not None)
+        batch = pa.RecordBatch.from_arrays([*_pack_columns(layout, lengths, schema), *_role_column(layout)], schema=schema)
     else:
         batch = _full_batch(layout, lengths, tokens, labels, buffers)
     name = shard_name(index)
@@ -210,8 +214,7 @@ def _full_batch(
         label_values = buffers.column("labels", total)
         gather_tokens(labels, layout.starts, lengths, label_values)
         columns.append(list_array(pack_token_offsets, label_values))
-    if layout.pair_roles is not None:
-        columns.append(list_array(layout.pack_offsets, layout.pair_roles))
+    columns.extend(_role_column(layout))
     if layout.desirable is not None:  # one label an example, each example 2 segments
         columns.append(list_array(layout.pack_offsets // 2, layout.desirable.astype(np.uint8)))
     return pa.RecordBatch.from_arrays(columns, schema=schema)

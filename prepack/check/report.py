@@ -343,8 +343,9 @@ def _read_columns(
 
 def _index_pairs(build: Path | ShardCache, manifest: Manifest, rows: np.ndarray, lengths: np.ndarray) -> PairCounts:
     """The counts of an index build of a pair store (`rows`, `lengths`: its packed documents', in pack order,
-    groups whole): each document's prompt its group's in the store (`Store.prompt_lengths`, from the labels'
-    offsets: no token is read), the rest of it its completion (truncation cuts completions alone)."""
+    groups whole): each document's prompt its group's in the store (`Store.prompt_lengths`, from the offsets and
+    labels: no token id is read, and each document's labels only up to its first trained one), the rest of it
+    its completion (truncation cuts completions alone)."""
     store = open_build_store(build, manifest) if isinstance(build, Path) else build.store()
     size = manifest.options.pairs.size
     if len(rows) and int(rows.max()) >= store.manifest.documents:

@@ -11,13 +11,12 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 
 from prepack.errors import InputError
 from prepack.formats.shards import TokenizeOptions
 from prepack.sources.corpus import Corpus, DocumentBatch, find_corpus, read_documents
 from prepack.storage.remote import is_uri
-from prepack.sources.store import ShardColumns, Store, is_store, open_store
+from prepack.sources.store import ShardColumns, Store, group_prompt_lengths, is_store, open_store
 
 if TYPE_CHECKING:  # rich for annotations only: a build without progress bars does not import it
     from rich.progress import Progress
@@ -128,8 +127,8 @@ def _check_store_reading(store: Store, reading: Reading, where: str | os.PathLik
     each is refused with the store's value."""
     recorded = {}
     if (pairs := store.manifest.pairs) is not None:
-        recorded = {"groups" if pairs.group_size is not None else "pairs": True, "prompt_column": pairs.prompt_column}
-        named = ("completions_column",) if pairs.group_size is not None else ("chosen_column", "rejected_column")
+        recorded = {pairs.kind: True, "prompt_column": pairs.prompt_column}
+        named = ("completions_column",) if pairs.kind == "groups" else ("chosen_column", "rejected_column")
         recorded.update({name: getattr(pairs, name) for name in named})
     given = {f.name: getattr(reading, f.name) for f in fields(Reading) if getattr(reading, f.name) != f.default}
     if other := [name for name, value in given.items() if name in recorded and value != recorded[name]]:
@@ -162,16 +161,17 @@ def store_documents(store: Store, checked: Sequence[ShardColumns] | None = None)
 
 def _with_prompt_lengths(store: Store, batches: Iterator[DocumentBatch], pairs: PairDocuments) -> Iterator[DocumentBatch]:
     """The batches of a store of pairs or groups, each one's groups' prompt lengths recorded in `pairs` before
-    it is yielded, as a pair corpus's stream records them: read from each shard (`Store.shard_prompt_lengths`)
-    once `batches` has read and checked it (`Store.documents`), so that a changed shard is refused as such."""
-    size, shards = pairs.options.size, iter(store.manifest.shards)
-    prompts = np.empty(0, np.int64)  # those of the shard being read, from the next batch's on
-    for batch in batches:  # whole groups: a store's batches end at shards and files, which hold whole groups
-        groups = (len(batch.offsets) - 1) // size
-        while len(prompts) < groups:
-            prompts = np.concatenate([prompts, store.shard_prompt_lengths(next(shards))])
-        pairs.add_prompt_lengths(prompts[:groups])
-        prompts = prompts[groups:]
+    it is yielded, as a pair corpus's stream records them: from the batch's own offsets and labels
+    (`group_prompt_lengths`; whole groups: a store's batches end at shards and files, which hold whole groups),
+    read and checked by `Store.documents`. A refusal names the batch's shard and row there, counted here."""
+    shards = iter(store.manifest.shards)
+    shard, row = None, 0  # the shard the next batch starts in, and that batch's first row there
+    for batch in batches:
+        while shard is None or row == shard.documents:
+            shard, row = next(shards), 0
+        where = store.shard_where(shard)
+        pairs.add_prompt_lengths(group_prompt_lengths(batch.offsets, batch.labels, pairs.options.size, where, row))
+        row += len(batch.offsets) - 1
         yield batch
 
 

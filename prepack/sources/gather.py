@@ -70,8 +70,8 @@ class IndexGather:
 
     def batch(self, columns: dict[str, ListColumn], first: int, stop: int, shard: int) -> pa.RecordBatch:
         """Packs `first` to `stop` of index shard number `shard`, whose list columns are `columns`, gathered, as one
-        record batch of the full shard format (`shard_schema`; with labels when the store has them, and
-        `source_ids` when `columns` has them, a mixture's), so that they are the rows the full build of the
+        record batch of the full shard format (`shard_schema`; with labels when the store has them,
+        `source_ids` when `columns` has them, a mixture's, and `pair_roles` when they have those, a pair store's), so that they are the rows the full build of the
         same documents holds."""
         has_labels = self.store.manifest.has_labels
         rows = [self.pack(columns, row, shard) for row in range(first, stop)]
@@ -80,8 +80,8 @@ class IndexGather:
         cu_off, cu_values = columns["cu_seqlens"]
         cu = [cu_values[cu_off[row] : cu_off[row + 1]] for row in range(first, stop)]
         cu_offsets = np.concatenate([[0], np.cumsum([len(bounds) for bounds in cu])])
-        sources = "source_ids" in columns
-        schema = shard_schema(has_labels, self.max_len, sources=sources)
+        sources, pairs = "source_ids" in columns, PAIR_ROLES in columns
+        schema = shard_schema(has_labels, self.max_len, sources=sources, pairs=pairs)
         segment_type = schema.field("segment_ids").type.value_type.to_pandas_dtype()
 
         def per_document(name: str, dtype: type) -> pa.Array:
@@ -99,6 +99,8 @@ class IndexGather:
         ]
         if has_labels:
             arrays.append(list_array(token_offsets, np.concatenate([labels for _, labels, _ in rows])))
+        if pairs:  # after the labels, where the full build's schema puts it
+            arrays.append(per_document(PAIR_ROLES, np.uint8))
         return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
     def _open_tokens(self) -> _StoreTokens:

@@ -6,7 +6,8 @@ the manifest's size. Where tokens are used (`Store.documents`, `Store.shard_colu
 is checked and its one record batch validated in full (offsets inside their buffers, ids non-negative,
 labels valid) before a value is used. An index build needs only the documents' lengths and untrained
 flags (`Store.shard_lengths`): the offsets are checked, no shard is hashed and no token id is read; of a
-store of pairs or groups, its groups' prompt lengths too, from the labels (`Store.shard_prompt_lengths`).
+store of pairs or groups, its groups' prompt lengths too, from the same labels (`group_prompt_lengths`), each
+document's read up to its first trained one.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import pyarrow as pa
 
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import map_regular, numpy_view, read_one_batch
-from prepack.formats.shards import IGNORE_INDEX, MANIFEST_NAME, Manifest, store_location_problem
-from prepack.building.plan import untrained_documents
+from prepack.formats.shards import MANIFEST_NAME, Manifest, store_location_problem
+from prepack.building import kernels, plan_vectorized
+from prepack.building.plan import first_trained_labels, untrained_documents
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.storage.remote import join
 from prepack.formats.store import (
@@ -37,7 +39,7 @@ from prepack.formats.store import (
     store_error,
 )
 
-__all__ = ["ShardColumns", "Store", "check_build_store", "is_store", "open_build_store", "open_store", "store_location"]
+__all__ = ["ShardColumns", "Store", "check_build_store", "group_prompt_lengths", "is_store", "open_build_store", "open_store", "store_location"]
 
 ShardColumns = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # `Store.shard_columns`: offsets, ids, labels
 
@@ -107,15 +109,19 @@ class Store:
         offsets = check_store_shard(batch, shard, self.manifest.has_labels, where)
         return offsets, numpy_view(batch.column("input_ids").values), self._labels(batch)
 
+    def shard_labels(self, shard: StoreShard) -> tuple[np.ndarray, np.ndarray | None]:
+        """(token offsets as int64, labels or None) of one of the store's shards, views of its memory map: no
+        hash, no token id read. The offsets are checked (`check_store_offsets`); the tokens are checked where
+        they are used (`shard_columns`)."""
+        batch, where = self._batch(shard, whole=False)
+        return check_store_offsets(batch, shard, self.manifest.has_labels, where), self._labels(batch)
+
     def shard_lengths(self, shard: StoreShard, without_numba: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(every document's length as int64, whether it is untrained: `untrained_documents`) of one
-        of the store's shards, from its offsets and labels alone: no hash, no token id read, and of the
-        labels only each document's first up to its first trained one. What is read is checked
-        (`check_store_offsets`); the tokens are checked where they are used (`shard_columns`).
-        `without_numba`: as `untrained_documents` takes it."""
-        batch, where = self._batch(shard, whole=False)
-        offsets = check_store_offsets(batch, shard, self.manifest.has_labels, where)
-        return np.diff(offsets), untrained_documents(offsets, self._labels(batch), without_numba)
+        of the store's shards, from its offsets and labels alone (`shard_labels`), and of the labels only
+        each document's first up to its first trained one. `without_numba`: as `untrained_documents` takes it."""
+        offsets, labels = self.shard_labels(shard)
+        return np.diff(offsets), untrained_documents(offsets, labels, without_numba)
 
     def shard_document_lengths(self, shard: StoreShard) -> np.ndarray:
         """Every document's length (int64) of one of the store's shards, from its offsets alone,
@@ -123,32 +129,16 @@ class Store:
         batch, where = self._batch(shard, whole=False)
         return np.diff(check_store_offsets(batch, shard, self.manifest.has_labels, where))
 
-    def shard_prompt_lengths(self, shard: StoreShard) -> np.ndarray:
-        """Every group's prompt tokens (int64, one a group in row order) of one of the shards of a store of
-        pairs or groups (`StoreManifest.pairs`; a shard holds whole groups): where its documents' labels start
-        training, as a pair build labels them (`prepack.sources.pairs`: -100 on the prompt, the ids on the
-        completion). From the shard's offsets and labels, checked as `shard_lengths` checks them (no hash: the
-        tokens are checked where they are used). Raises FormatError naming the shard and row of a document
-        with no trained token, or of a group whose documents start training at different tokens (a prompt
-        they do not share)."""
-        batch, where = self._batch(shard, whole=False)
-        offsets = check_store_offsets(batch, shard, True, where)
-        trained = np.flatnonzero(self._labels(batch) != IGNORE_INDEX)
-        # Each document's first trained token; a document with none finds the next one's, or the end.
-        first = np.append(trained, offsets[-1])[np.searchsorted(trained, offsets[:-1])]
-        if (none := np.flatnonzero(first >= offsets[1:])).size:
-            raise store_error(where, "a document of a pair store with no trained token (no completion).", int(none[0]), "labels")
-        prompts = (first - offsets[:-1]).reshape(-1, self.manifest.pairs.size)
-        if (apart := np.flatnonzero((prompts != prompts[:, :1]).any(axis=1))).size:
-            group = int(apart[0])
-            row = len(prompts[group]) * group + int(np.flatnonzero(prompts[group] != prompts[group, 0])[0])
-            raise store_error(where, f"the documents of one group start training at tokens {prompts[group].tolist()}, "
-                              "but they share their prompt.", row, "labels")
-        return prompts[:, 0]
-
     def prompt_lengths(self) -> np.ndarray:
-        """`shard_prompt_lengths` of every shard, in order."""
-        return np.concatenate([self.shard_prompt_lengths(shard) for shard in self.manifest.shards])
+        """`group_prompt_lengths` of every shard of a store of pairs or groups (`StoreManifest.pairs`; a shard holds
+        whole groups), in order, each read for them (`shard_labels`): for a store whose labels are not in hand.
+        A small store's labels are read in numpy, as an index build reads them (`_index_documents`)."""
+        without_numba = plan_vectorized.scans(self.manifest.tokens) and not kernels.started()
+        return np.concatenate([
+            group_prompt_lengths(*self.shard_labels(shard), self.manifest.pairs.size, self.shard_where(shard),
+                                 without_numba=without_numba)
+            for shard in self.manifest.shards
+        ])
 
     def _batch(self, shard: StoreShard, whole: bool) -> tuple[pa.RecordBatch, str]:
         """(the one record batch of one of the store's shards, memory-mapped, what its problems name it
@@ -168,6 +158,28 @@ class Store:
 
     def _labels(self, batch: pa.RecordBatch) -> np.ndarray | None:
         return numpy_view(batch.column("labels").values) if self.manifest.has_labels else None
+
+
+def group_prompt_lengths(
+    offsets: np.ndarray, labels: np.ndarray, size: int, where: str, first_row: int = 0, without_numba: bool = False
+) -> np.ndarray:
+    """Every group's prompt tokens (int64, one a group in row order) of documents of a store of pairs or groups
+    (whole groups of `size`), their token offsets and labels in hand: where its documents' labels start training,
+    as a pair build labels them (`prepack.sources.pairs`: -100 on the prompt, the ids on the completion), each
+    document's labels read only up to there (`first_trained_labels`, which takes `without_numba`). Raises
+    FormatError naming `where` and the row (the first document's being `first_row`) of a document with no
+    trained token, or of a group whose documents start training at different tokens (a prompt they do not share)."""
+    first = first_trained_labels(offsets, labels, without_numba)
+    if (none := np.flatnonzero(first == np.diff(offsets))).size:
+        raise store_error(where, "a document of a pair store with no trained token (no completion).",
+                          first_row + int(none[0]), "labels")
+    prompts = first.reshape(-1, size)
+    if (apart := np.flatnonzero((prompts != prompts[:, :1]).any(axis=1))).size:
+        group = int(apart[0])
+        row = first_row + size * group + int(np.flatnonzero(prompts[group] != prompts[group, 0])[0])
+        raise store_error(where, f"the documents of one group start training at tokens {prompts[group].tolist()}, "
+                          "but they share their prompt.", row, "labels")
+    return prompts[:, 0]
 
 
 def open_store(path: str | os.PathLike, location: str | None = None) -> Store:

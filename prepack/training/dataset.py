@@ -357,6 +357,7 @@ def _gathered_shards(packed: PackedDataset, directory: Path) -> list[Path]:
     of its name is there already, and opened and checked as a full build's shard before it is used."""
     manifest, store_fingerprint = packed.manifest, packed.manifest.store.fingerprint
     has_labels, max_len = manifest.has_labels, manifest.options.max_len
+    pairs = None if manifest.options.pairs is None else manifest.options.pairs.size
     bytes_per_token = 8 + (4 if has_labels else 0) + segment_id_type(max_len).byte_width
     per_file = max(1, _ROWS_FILE_BYTES // (bytes_per_token * max_len))
     files = []
@@ -377,7 +378,7 @@ def _gathered_shards(packed: PackedDataset, directory: Path) -> list[Path]:
                         f"{info.name}): its sha256 is {found}, theirs {expected}; the cached file changed after it was "
                         "gathered. Delete it to gather it again."
                     )
-            batch = open_shard(file, has_labels, max_len, where=str(file))
+            batch = open_shard(file, has_labels, max_len, where=str(file), pairs=pairs)
             if batch.num_rows != stop - first:
                 raise FormatError(f"{file}: {batch.num_rows} rows, but packs {first}-{stop - 1} of "
                                   f"{packed.path}/{info.name} are {stop - first}.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lance
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -16,10 +17,13 @@ from hypothesis import strategies as st
 
 import prepack
 from prepack import PackedCollator, PackedDataset
+from prepack.building.plan import first_trained_labels
 from prepack.errors import FormatError, InputError
+from prepack.exports import export_build
 from prepack.formats.common import read_one_batch
 from prepack.formats.shards import read_manifest
 from prepack.formats.store import read_store_manifest
+from prepack.sources.store import Store
 from prepack.storage.files import write_record_batch
 from tests.building.test_pairs import gpt2, write_jsonl  # noqa: F401 (fixture)
 from tests.cli import WIDE, failure, run_prepack
@@ -96,6 +100,7 @@ def _batches(build: Path, size: int) -> list[dict]:
     return [collate([dataset[i], dataset[i + 1]]) for i in range(0, len(dataset) - 1, 2)]
 
 
+@pytest.mark.slow  # two index builds, four exports and two datasets opened
 def test_an_index_build_of_a_pair_store_gives_the_full_builds_packs_and_batches(stored):
     root, _, store, _, size = stored
     index = root / f"index-{size}"
@@ -116,6 +121,21 @@ def test_an_index_build_of_a_pair_store_gives_the_full_builds_packs_and_batches(
         assert sorted(x) == sorted(y) and "pair_segments" in x
         for key in x:
             assert np.array_equal(np.asarray(x[key]), np.asarray(y[key])), key
+    # Exported and opened as a `datasets.Dataset`, the index build's packs (pair_roles with them) are the full build's.
+    for build, name in ((root / "from-corpus", "full"), (index, "index")):
+        export_build(build, "parquet", root / f"{name}-{size}.parquet")
+        export_build(build, "lance", root / f"{name}-{size}.lance")
+    data = lambda export: {p.name: p.read_bytes() for p in (export / "data").iterdir()}  # noqa: E731
+    assert data(root / f"full-{size}.parquet") == data(root / f"index-{size}.parquet")
+    lanced = [lance.dataset(str(root / f"{name}-{size}.lance" / "packs.lance")).to_table() for name in ("full", "index")]
+    assert lanced[0].equals(lanced[1]) and "pair_roles" in lanced[1].column_names
+    full_rows = prepack.open_hf_dataset(root / "from-corpus", cache_dir=root / "hf")
+    index_rows = prepack.open_hf_dataset(index, cache_dir=root / "hf")
+    assert full_rows.column_names == index_rows.column_names and "pair_roles" in index_rows.column_names
+    for i in range(len(full_rows)):
+        left, right = full_rows[i], index_rows[i]
+        for key in left:
+            assert np.array_equal(left[key], right[key]), (i, key)
 
 
 @pytest.mark.slow  # three verify runs and an inspect, each a process
@@ -194,6 +214,8 @@ def test_a_pair_store_whose_labels_split_a_groups_prompt_is_refused(stored, tmp_
     (copy / "store.json").write_text(json.dumps(raw))
     with pytest.raises(FormatError, match=r"documents-00000.arrow.*row 1"):
         prepack.build(copy, tmp_path / "out", index_only=True, **BUILD)
+    with pytest.raises(FormatError, match=r"documents-00000.arrow.*row 1"):  # its batches' prompts, read in a full build
+        prepack.build(copy, tmp_path / "full", **BUILD)
 
 
 @pytest.mark.slow  # a store, and three commands in processes
@@ -237,6 +259,38 @@ def test_pairs_appended_to_a_pair_store_equal_a_store_of_the_whole_corpus(tmp_pa
     assert found.totals == expected.totals and found.pairs == expected.pairs
     for a, b in zip(PackedDataset(tmp_path / "expected"), PackedDataset(tmp_path / "found")):
         assert all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
+
+
+@pytest.mark.slow  # a build each
+@pytest.mark.parametrize("index_only", [False, True])
+def test_a_build_of_a_pair_store_reads_each_shard_once(stored, monkeypatch, index_only):
+    """Its groups' prompt lengths come from the offsets and labels the build reads anyway (a full build's
+    `Store.shard_columns`, an index build's lengths and untrained flags): no shard is mapped a second time."""
+    root, _, store, _, size = stored
+    out = root / f"read-once-{index_only}-{size}"  # an index build lies beside its store
+    opened = []
+    batch = Store._batch
+
+    def counted(self, shard, whole):
+        opened.append(shard.name)
+        return batch(self, shard, whole)
+
+    monkeypatch.setattr(Store, "_batch", counted)
+    prepack.build(store, out, index_only=index_only, **BUILD)
+    shards = [shard.name for shard in read_store_manifest(store).shards]
+    assert len(shards) > 1 and sorted(opened) == shards
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([-100, -100, 5]), max_size=6), max_size=10))
+def test_first_trained_labels_are_each_documents_untrained_tokens_with_numba_or_without(documents):
+    """Each document's tokens before its first trained label (all of them when none is), alike from the kernel
+    that stops there and from numpy."""
+    offsets = np.concatenate([[0], np.cumsum([len(d) for d in documents])]).astype(np.int64)
+    labels = np.array([label for d in documents for label in d], np.int32)
+    expected = [next((i for i, label in enumerate(d) if label != -100), len(d)) for d in documents]
+    for without_numba in (False, True):
+        assert first_trained_labels(offsets, labels, without_numba).tolist() == expected
 
 
 def test_a_pair_store_in_a_mixture_is_refused_by_its_source(stored, tmp_path):

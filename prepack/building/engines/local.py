@@ -32,13 +32,15 @@ from prepack.storage.output import Staging, output_errors, output_file
 from prepack.building import plan_vectorized
 from prepack.building.plan import PackingPlan, compact_lengths, untrained_documents
 from prepack.sources.corpus import Corpus, DocumentBatch
-from prepack.sources.store import Store
+from prepack.sources.store import Store, group_prompt_lengths
 from prepack.building.write_store import StoreShardWriter
 from prepack.building.write_shards import ShardBuffers, TokenFiles, write_shard
 from prepack.storage.files import write_in_pieces
 
 if TYPE_CHECKING:  # rich for annotations only: a build without progress bars does not import it
     from rich.progress import Progress
+
+    from prepack.sources.pairs import PairDocuments
 
 __all__ = ["LocalEngine", "Observer", "read_store_lengths"]
 
@@ -159,16 +161,23 @@ def _stored_rows(store: Store, keep: np.ndarray, scratch: Path, progress: Progre
 
 
 def _index_documents(
-    store: Store, progress: Progress, observe: Observer | None = None, hashed: bool = False, store_tokens: int | None = None
+    store: Store,
+    progress: Progress,
+    observe: Observer | None = None,
+    hashed: bool = False,
+    store_tokens: int | None = None,
+    pairs: PairDocuments | None = None,
 ) -> FirstPass:
     """An index build's first pass: what `_store_documents` keeps, from the store's offsets and labels
-    alone (`Store.shard_lengths`: no token copied, no shard hashed), and the fingerprint the store
+    alone (`Store.shard_labels`: no token copied, no shard hashed), and the fingerprint the store
     manifest records (the same `Fingerprint` of the same documents, computed when the store was
     written; the loader and `verify` check the shards' sha256 where the tokens are used). With `hashed`
     (a full build from the store, whose fingerprint is the store's: every length it plans from is held to
     it) or `observe` (which reads every label), each shard is read whole and checked (`Store.shard_columns`).
     `store_tokens`: the whole store's, when `store` holds an append's documents alone
-    (`StoreManifest.since_generation`): its labels are read as the build plans (`plans_in_numpy`)."""
+    (`StoreManifest.since_generation`): its labels are read as the build plans (`plans_in_numpy`).
+    `pairs`: a pair store's, its groups' prompt lengths recorded there shard by shard, from the same labels
+    (`group_prompt_lengths`)."""
     m = store.manifest
     lengths, untrained = [], []
     without_numba = plan_vectorized.plans_in_numpy(m.tokens if store_tokens is None else store_tokens, m.has_labels)
@@ -176,13 +185,15 @@ def _index_documents(
     for shard in m.shards:
         if hashed or observe is not None:
             offsets, _, labels = store.shard_columns(shard)
-            shard_lengths, shard_untrained = np.diff(offsets), untrained_documents(offsets, labels, without_numba)
             if observe is not None:
                 observe(offsets, labels)
         else:
-            shard_lengths, shard_untrained = store.shard_lengths(shard, without_numba)
-        lengths.append(compact_lengths(shard_lengths))
-        untrained.append(shard_untrained)
+            offsets, labels = store.shard_labels(shard)
+        lengths.append(compact_lengths(np.diff(offsets)))
+        untrained.append(untrained_documents(offsets, labels, without_numba))
+        if pairs is not None:
+            pairs.add_prompt_lengths(group_prompt_lengths(offsets, labels, pairs.options.size, store.shard_where(shard),
+                                                          without_numba=without_numba))
         progress.advance(task)
     return FirstPass(
         lengths=compact_lengths(np.concatenate(lengths)),
@@ -241,9 +252,8 @@ class LocalEngine:
 
     def first_pass(self, documents: Documents, reading: Reading, progress: Progress) -> FirstPass:
         if self.index_only:
-            if documents.pairs is not None:  # a pair store's, which its batches (not read here) would record
-                documents.pairs.add_prompt_lengths(documents.store.prompt_lengths())
-            return _index_documents(documents.store, progress, store_tokens=self.store_tokens)
+            # A pair store's prompt lengths, which its batches (not read here) would record, from the labels read here.
+            return _index_documents(documents.store, progress, store_tokens=self.store_tokens, pairs=documents.pairs)
         fingerprint = None if documents.store is None else StoreFingerprint(documents.store.manifest)
         return _store_documents(
             documents.corpus, documents.has_labels, documents.batches, self.staging.scratch, progress, fingerprint=fingerprint

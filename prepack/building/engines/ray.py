@@ -75,7 +75,7 @@ from prepack.building.plan import PackingPlan, ShardPacks, compact_lengths, untr
 from prepack.sources.corpus import Corpus, LocalCopy
 from prepack.storage.remote import fetch, filesystem, scratch_prefix, upload
 from prepack.formats.store import StoreFingerprint, StoreShard, store_shard_name
-from prepack.sources.store import Store
+from prepack.sources.store import Store, group_prompt_lengths
 from prepack.building.write_store import store_shard_bounds, store_shard_capacity, too_long_for_a_shard, write_store_shard
 from prepack.building.write_shards import ShardBuffers, TokenFiles, gather_tokens, write_shard
 from prepack.storage.files import write_in_pieces
@@ -187,9 +187,9 @@ def _unit_arrays(
         if store.location is not None:
             fetch(f"{store.location}/{unit.shard.name}", directory / unit.shard.name)
             store = replace(store, root=directory)
-        columns = store.shard_columns(unit.shard)
+        offsets, _, labels = columns = store.shard_columns(unit.shard)
         if store.manifest.pairs is not None:  # a pair store's groups, whole in each shard
-            prompts.append(store.shard_prompt_lengths(unit.shard))
+            prompts.append(group_prompt_lengths(offsets, labels, store.manifest.pairs.size, store.shard_where(unit.shard)))
         yield columns
         return
     file = unit.file
