@@ -812,7 +812,7 @@ def test_an_index_append_reads_labels_as_it_plans_by_the_whole_stores_tokens(tmp
     does, on the whole grown store's tokens: both kernels here, the store over the numpy bound and its new
     documents under it."""
     from prepack.building import build as build_module, kernels, plan_vectorized
-    from prepack.sources.store import Store
+    from prepack.building.engines import local
 
     store, out = tmp_path / "store", tmp_path / "index"
     build_store(_batch(tmp_path, "a", _documents(0, 60), labels=True), store)
@@ -821,8 +821,8 @@ def test_an_index_append_reads_labels_as_it_plans_by_the_whole_stores_tokens(tmp
     monkeypatch.setattr(plan_vectorized, "_LABELS", grown.tokens - 1)
     monkeypatch.setattr(kernels, "started", lambda: False)  # as in a process of its own
     read, planned = [], []
-    shard_lengths, plan_packs = Store.shard_lengths, build_module.plan_packs
-    monkeypatch.setattr(Store, "shard_lengths", lambda self, shard, without_numba=False: read.append(without_numba) or shard_lengths(self, shard, without_numba))
+    untrained, plan_packs = local.untrained_documents, build_module.plan_packs
+    monkeypatch.setattr(local, "untrained_documents", lambda offsets, labels, without_numba: read.append(without_numba) or untrained(offsets, labels, without_numba))
     monkeypatch.setattr(build_module, "plan_packs", lambda *a, **k: planned.append(k["without_numba"]) or plan_packs(*a, **k))
     build(store, out, max_len=MAX_LEN, index_only=True, append=True)
     assert planned == [False] and set(read) == {False}
