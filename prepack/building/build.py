@@ -559,7 +559,7 @@ def _image_cap(corpus, reading: Reading, packing: Packing, output: Output) -> tu
         raise InputError(f"--max-images-per-pack {cap} counts every row's images in the corpus's image set "
                          "(prepack prepare-images wrote it as images/ beside corpus.parquet): give it with --images DIR.")
     refused = [flag for flag, given in (("--algorithm bfd", packing.algorithm == "bfd"), ("--append", output.append),
-               ("--pairs", reading.pairs), ("--groups", reading.groups),
+               ("--pairs", reading.pairs), ("--groups", reading.groups), ("--unpaired", reading.unpaired),
                ("a mixture", isinstance(corpus, Mixture) or is_mixture_file(corpus))) if given]
     if refused:
         raise InputError(f"--max-images-per-pack plans one image-chat corpus by first-fit-decreasing, whole: leave out {refused[0]}.")
