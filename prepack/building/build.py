@@ -17,7 +17,6 @@ docstrings say what memory their steps hold.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -565,11 +564,10 @@ def _image_cap(corpus, reading: Reading, packing: Packing, output: Output) -> tu
         raise InputError(f"--max-images-per-pack plans one image-chat corpus by first-fit-decreasing, whole: leave out {refused[0]}.")
     if is_uri(images):
         raise InputError(f"--images {images}: an image set is a local directory.")
-    from prepack.formats.images import IMAGE_SET_MANIFEST, read_image_set
+    from prepack.formats.images import read_image_set
 
     image_set = read_image_set(images)  # FormatError naming file, row and column
-    counts = image_set.row_images()
-    return counts, hashlib.sha256((Path(images) / IMAGE_SET_MANIFEST).read_bytes()).hexdigest()
+    return image_set.row_images(), image_set.manifest_sha256
 
 
 def _check_image_counts(counts: np.ndarray, packing: Packing, documents: Documents, first: FirstPass) -> None:

@@ -26,6 +26,7 @@ from prepack.formats.common import (
     list_column,
     load_manifest_json,
     map_regular,
+    read_manifest_bytes,
     read_one_batch,
     refuse,
 )
@@ -152,10 +153,13 @@ class ImageSetManifest(StrictModel):
 
 
 class ImageSet:
-    """A read image set: the manifest, and per corpus row the numbers of its images (`images_of`)."""
+    """A read image set: the manifest (and the sha256 of the images.json bytes it was read from, which names the
+    set: a build's image cap records it), and per corpus row the numbers of its images (`images_of`)."""
 
-    def __init__(self, directory: Path, manifest: ImageSetManifest, images: pa.RecordBatch, documents: pa.RecordBatch):
-        self.directory, self.manifest = directory, manifest
+    def __init__(
+        self, directory: Path, manifest: ImageSetManifest, manifest_sha256: str, images: pa.RecordBatch, documents: pa.RecordBatch
+    ):
+        self.directory, self.manifest, self.manifest_sha256 = directory, manifest, manifest_sha256
         self._data = images.column("data")
         self.sha256 = images.column("sha256")
         self.widths = images.column("width").to_numpy()
@@ -185,9 +189,10 @@ def read_image_set(directory: str | os.PathLike, *, verify: bool = False) -> Ima
     files and every image, and recounts every image's placeholders by the rule; Pillow is not needed."""
     directory = Path(directory)
     try:
-        where, value = load_manifest_json(directory, IMAGE_SET_MANIFEST, IMAGE_SET_MANIFEST)
+        manifest_bytes = read_manifest_bytes(directory / IMAGE_SET_MANIFEST)
     except FileNotFoundError:
         refuse(directory, f"no {IMAGE_SET_MANIFEST}: not an image set.")
+    where, value = load_manifest_json(manifest_bytes, IMAGE_SET_MANIFEST, str(directory / IMAGE_SET_MANIFEST))
     if isinstance(value, dict) and value.get("image_set_version") != IMAGE_SET_VERSION:
         found = value.get("image_set_version")
         refuse(where, f"image_set_version {found!r} is not one this prepack reads ({IMAGE_SET_VERSION}).")
@@ -214,7 +219,7 @@ def read_image_set(directory: str | os.PathLike, *, verify: bool = False) -> Ima
             refuse(path, f"its columns are not valid Arrow data ({exc}).")
         batches[file.name] = batch
     images, documents = batches[IMAGES_FILE], batches[DOCUMENTS_FILE]
-    image_set = ImageSet(directory, manifest, images, documents)
+    image_set = ImageSet(directory, manifest, hashlib.sha256(manifest_bytes).hexdigest(), images, documents)
     _check_counts(image_set, images, documents)
     if verify:
         _verify_images(image_set)
