@@ -134,3 +134,12 @@ def test_a_split_run_of_placeholders_is_refused_by_pack_and_image():
     pack = {"input_ids": np.array([1, IMAGE_ID, 5, IMAGE_ID, 3]), "cu_seqlens": np.array([0, 5]), "images": [png(20, 20, 0)]}
     with pytest.raises(InputError, match="Pack 0's image 0 has 2 placeholders"):
         collator([pack])
+
+
+def test_a_qwen_pack_with_an_image_its_placeholders_lack_is_refused(qwen):
+    processor, images, counts = qwen
+    collator = VisionCollator(VisionSpec("3-D rotary", IMAGE_ID, merge_size=2), processor, image_spans=True)
+    ids = np.array([1, START_ID, *[IMAGE_ID] * counts[0], END_ID, 5])  # image 1 has no placeholders
+    pack = {"input_ids": ids, "cu_seqlens": np.array([0, len(ids)]), "images": images[:2]}
+    with pytest.raises(InputError, match=f"Pack 0 has {counts[0]} image placeholders; its 2 images make {counts[0] + counts[1]}"):
+        collator([pack])
