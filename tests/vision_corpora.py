@@ -36,7 +36,7 @@ _WORDS = ("the a photo of blue pack logo person shows what is in this picture de
           "detail background woman uniform text box small large").split()
 
 
-def _images(directory: Path, rng: np.random.Generator) -> list[str]:
+def _images(directory: Path) -> list[str]:
     """The photographs as they are, and each resized to the sizes above (PNG, or JPEG for RGB), by path."""
     directory.mkdir(parents=True)
     names = []
@@ -106,7 +106,7 @@ def _record(rng: np.random.Generator, paths: list[str]) -> dict:
 def real_shaped_corpus(directory: Path, rows: int = 40, seed: int = 0) -> tuple[Path, list[dict]]:
     """`rows` records of the shapes above as `directory/chats.jsonl`, their images under `directory/photos`."""
     rng = np.random.default_rng(seed)
-    paths = _images(Path(directory) / "photos", rng)
+    paths = _images(Path(directory) / "photos")
     records = [_record(rng, paths) for _ in range(rows)]
     corpus = Path(directory) / "chats.jsonl"
     corpus.write_text("".join(json.dumps(record) + "\n" for record in records))

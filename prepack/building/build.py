@@ -17,7 +17,6 @@ docstrings say what memory their steps hold.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -552,17 +551,16 @@ def _image_cap(corpus, reading: Reading, packing: Packing, output: Output) -> tu
         raise InputError(f"--max-images-per-pack {cap} counts every row's images in the corpus's image set "
                          "(prepack prepare-images wrote it as images/ beside corpus.parquet): give it with --images DIR.")
     refused = [flag for flag, given in (("--algorithm bfd", packing.algorithm == "bfd"), ("--append", output.append),
-               ("--pairs", reading.pairs), ("--groups", reading.groups),
+               ("--pairs", reading.pairs), ("--groups", reading.groups), ("--unpaired", reading.unpaired),
                ("a mixture", isinstance(corpus, Mixture) or is_mixture_file(corpus))) if given]
     if refused:
         raise InputError(f"--max-images-per-pack plans one image-chat corpus by first-fit-decreasing, whole: leave out {refused[0]}.")
     if is_uri(images):
         raise InputError(f"--images {images}: an image set is a local directory.")
-    from prepack.formats.images import IMAGE_SET_MANIFEST, read_image_set
+    from prepack.formats.images import read_image_set
 
     image_set = read_image_set(images)  # FormatError naming file, row and column
-    counts = image_set.row_images()
-    return counts, hashlib.sha256((Path(images) / IMAGE_SET_MANIFEST).read_bytes()).hexdigest()
+    return image_set.row_images(), image_set.manifest_sha256
 
 
 def _check_image_counts(counts: np.ndarray, packing: Packing, documents: Documents, first: FirstPass) -> None:

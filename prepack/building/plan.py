@@ -39,12 +39,17 @@ its images, not the text tokens) is a third limit, for first-fit-decreasing only
 document's images (a split document's every piece, which overcounts and so never breaks the cap), and it goes
 into the lowest-numbered pack with room for both its tokens and its images. Equal lengths no longer make equal
 segments, so the plan takes each segment's image count in the planner's order (`_images_in_order`, 4 bytes a
-segment), a second max tree over the packs' image room (searched with the first: a subtree whose largest
-rooms fit may hold no pack that fits both, and the search then moves right), and resumes a run of equal
-lengths only after a segment with no more images than the one before it (a pack left of it lacked tokens or
-room for more images). Without the image cap nothing of this runs.
+segment) and a second max tree over the packs' image room, searched with the first (`_ffd_pictured`): a subtree
+whose largest rooms fit may hold no pack that fits both, and the search then moves right. A run of equal lengths
+resumes from the previous segment's pack when this segment has at least the previous one's images (the packs left
+of that pack lacked the tokens, or the room for the previous one's images and so for these), else searches from
+the first pack. The search takes O(log packs) while the packs with token room for a segment are the ones with
+image room for it. Where they part it walks pack by pack: packs alternately short of tokens and short of images,
+then segments that fit none of them, make each search O(packs) and the plan O(n * packs) in the worst case (one
+token tree per level of image room would bound a search by O(log packs) and an update by O(M log packs), at M
+times the trees' memory). Without the image cap nothing of this runs.
 
-Packs are numbered 0, 1, ... in the order they are opened. The whole plan is O(n log packs) time
+Packs are numbered 0, 1, ... in the order they are opened. Without the image cap the whole plan is O(n log packs) time
 (the counting is O(n + L)) and O(n + L) memory, with L the longest segment: the histogram and bfd's
 capacity buckets follow the documents, never max_len (`--max-len 2147483647` plans in the memory of
 `--max-len 8192`).
@@ -233,10 +238,11 @@ def _assign_sorted(
         bound = min(segments, bound + 2 * -(-int(images.sum(dtype=np.int64)) // max_images))
     if vectorized:
         return plan_vectorized.assign_ffd(histogram, max_len, cap, bound)
-    if algorithm == "ffd":
-        pack_of_sorted, packs = _ffd(histogram, max_len, bound, tokens, cap, images, max_images)
+    if len(images):  # chosen here, so that a plan without the cap never compiles the capped kernel
+        pack_of_sorted, packs = _ffd_pictured(histogram, max_len, bound, cap, images, max_images)
     else:
-        pack_of_sorted, packs = _bfd(histogram, max_len, bound, tokens, cap)
+        assign = _ffd if algorithm == "ffd" else _bfd
+        pack_of_sorted, packs = assign(histogram, max_len, bound, tokens, cap)
     return pack_of_sorted, int(packs)
 
 
@@ -300,7 +306,7 @@ def _fits(tree, room, node, need, pictured):
 
 
 @kernel(cache=True)
-def _ffd(histogram, max_len, max_packs, tokens, cap, images, max_images):
+def _ffd(histogram, max_len, max_packs, tokens, cap):
     size = 1
     while size < max_packs:
         size *= 2
@@ -311,9 +317,6 @@ def _ffd(histogram, max_len, max_packs, tokens, cap, images, max_images):
     held = np.zeros(size, np.int32)
     out = np.empty(histogram.sum(), np.int32)
     at, packs = 0, 0
-    if len(images):  # the image cap: `room` is the same tree over the packs' image room
-        room = np.full(2 * size, max_images, np.int32)
-        return _ffd_pictured(histogram, size, tree, room, held, out, cap, images)
     for need in range(len(histogram) - 1, 0, -1):
         node = 1
         for repeat in range(histogram[need]):
@@ -345,14 +348,23 @@ def _ffd(histogram, max_len, max_packs, tokens, cap, images, max_images):
 
 
 @kernel(cache=True)
-def _ffd_pictured(histogram, size, tree, room, held, out, cap, images):
-    """`_ffd` under the image cap: the leftmost pack with room for a segment's tokens and its images."""
+def _ffd_pictured(histogram, max_len, max_packs, cap, images, max_images):
+    """`_ffd` under the image cap: the leftmost pack with room for a segment's tokens and its images. `room` is
+    a second max tree, over the packs' image room, beside `_ffd`'s over their token room."""
+    size = 1
+    while size < max_packs:
+        size *= 2
+    tree = np.full(2 * size, max_len, np.int32)
+    room = np.full(2 * size, max_images, np.int32)
+    held = np.zeros(size, np.int32)
+    out = np.empty(histogram.sum(), np.int32)
     at, packs = 0, 0
     for need in range(len(histogram) - 1, 0, -1):
         node = 1
         for repeat in range(histogram[need]):
             pictured = images[at]
-            # After a segment with as many images or more, the packs left of its pack cannot take this one.
+            # A segment with at least the previous one's images resumes from the previous one's pack: the packs
+            # left of it lacked the tokens (equal in a run) or the room for the previous one's images, so for these.
             if repeat == 0 or pictured < images[at - 1]:
                 node = 1
             while not (node >= size and _fits(tree, room, node, need, pictured)):

@@ -16,7 +16,6 @@ reports the images per pack (most and mean) of any build.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 from pathlib import Path
@@ -49,12 +48,15 @@ class ImageReport(StrictModel):
 
 
 def image_report(build: str | os.PathLike, images: str | os.PathLike, report: InspectReport) -> ImageReport:
-    """The image lines of `inspect` for a local build, full or index, and its image set (read, not verified)."""
+    """The image lines of `inspect` for a local build, full or index, and its image set (read, not verified);
+    refused (InputError) when the set is not the build's: another row count, or another set than its image cap counted."""
     build, image_set = Path(build), read_image_set(images)
     manifest = read_manifest(build)
     if (mismatch := _rows_mismatch(image_set, manifest)) is not None:
         raise InputError(f"{Path(images) / IMAGE_SET_MANIFEST}, column 'documents': {mismatch}")
-    row_tokens = image_set.row_tokens()
+    if (other := _other_set(image_set, manifest)) is not None:
+        raise InputError(f"{other.file}, column '{other.column}': {other.message}")
+    row_tokens, row_images = image_set.row_tokens(), image_set.row_images()
     image_tokens = 0
     per_pack = []
     for index, info in enumerate(manifest.shards):
@@ -62,7 +64,7 @@ def image_report(build: str | os.PathLike, images: str | os.PathLike, report: In
         batch = manifest.open_shard(shard_path(build, index, info))
         row_offsets, rows = list_column(batch, "source_rows", info.name)
         image_tokens += int(row_tokens[rows].sum())
-        per_pack.append(_images_per_pack(image_set, row_offsets, rows))
+        per_pack.append(_per_pack(row_images, row_offsets, rows))
     per_pack = np.concatenate(per_pack) if per_pack else np.zeros(0, np.int64)
     cost = report.cost
     return ImageReport(
@@ -78,30 +80,19 @@ def image_report(build: str | os.PathLike, images: str | os.PathLike, report: In
     )
 
 
-def _images_per_pack(image_set: ImageSet, row_offsets: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Images of every pack of a shard (its `source_rows` offsets and rows), each document counting its row's."""
-    counted = np.append(0, np.cumsum(image_set.row_images()[rows]))
+def _per_pack(per_row: np.ndarray, row_offsets: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Sum of `per_row` over every pack of a shard (its `source_rows` offsets and rows), each document counting its row's."""
+    counted = np.append(0, np.cumsum(per_row[rows]))
     return counted[row_offsets[1:]] - counted[row_offsets[:-1]]
 
 
-def _cap_problems(build: Path, images: Path, image_set: ImageSet, manifest: Manifest) -> list[Problem]:
-    """A build's image cap against this image set: the set it counted, and no pack over the cap."""
-    cap = manifest.options.max_images_per_pack
-    if cap is None:
-        return []
-    found = hashlib.sha256((images / IMAGE_SET_MANIFEST).read_bytes()).hexdigest()
-    if found != manifest.options.image_set:
-        return [Problem(file=str(images / IMAGE_SET_MANIFEST), column="image_set", message=(
-            f"its sha256 is {found}; the build's image cap counted the image set of {manifest.options.image_set}: "
-            "not the image set this build was planned with."))]
-    problems = []
-    for index, info in enumerate(manifest.shards):
-        batch = manifest.open_shard(shard_path(build, index, info))
-        per_pack = _images_per_pack(image_set, *list_column(batch, "source_rows", info.name))
-        for row in np.flatnonzero(per_pack > cap):
-            problems.append(Problem(file=info.name, row=int(row), column="source_rows", message=(
-                f"{int(per_pack[row])} images, more than the manifest's max_images_per_pack = {cap}.")))
-    return problems
+def _other_set(image_set: ImageSet, manifest: Manifest) -> Problem | None:
+    """The problem of an image set that is not the one a build's image cap counted (none for a build without the cap)."""
+    if manifest.options.max_images_per_pack is None or image_set.manifest_sha256 == manifest.options.image_set:
+        return None
+    return Problem(file=str(image_set.directory / IMAGE_SET_MANIFEST), column="image_set", message=(
+        f"its sha256 is {image_set.manifest_sha256}; the build's image cap counted the image set of "
+        f"{manifest.options.image_set}: not the image set this build was planned with."))
 
 
 def verify_images(build: str | os.PathLike, images: str | os.PathLike, *, decode: bool = False) -> list[Problem]:
@@ -118,18 +109,26 @@ def verify_images(build: str | os.PathLike, images: str | os.PathLike, *, decode
     if (mismatch := _rows_mismatch(image_set, manifest)) is not None:
         problems.append(Problem(file=str(images / IMAGE_SET_MANIFEST), column="documents", message=mismatch))
         return problems
-    problems += _cap_problems(build, images, image_set, manifest)
-    if manifest.store is not None:
+    if (other := _other_set(image_set, manifest)) is not None:
+        return [*problems, other]
+    cap, full = manifest.options.max_images_per_pack, manifest.store is None
+    if cap is None and not full:
         return problems
-    row_tokens = image_set.row_tokens()
+    row_tokens, row_images = image_set.row_tokens(), image_set.row_images()
     for index, info in enumerate(manifest.shards):
         batch = manifest.open_shard(shard_path(build, index, info))
-        token_offsets, ids = list_column(batch, "input_ids", info.name)
         row_offsets, rows = list_column(batch, "source_rows", info.name)
+        if cap is not None:
+            per_pack = _per_pack(row_images, row_offsets, rows)
+            for row in np.flatnonzero(per_pack > cap):
+                problems.append(Problem(file=info.name, row=int(row), column="source_rows", message=(
+                    f"{int(per_pack[row])} images, more than the manifest's max_images_per_pack = {cap}.")))
+        if not full:  # an index build's tokens lie in its store
+            continue
+        token_offsets, ids = list_column(batch, "input_ids", info.name)
         is_placeholder = np.append(0, np.cumsum(ids == image_set.manifest.placeholder_id))
         found = is_placeholder[token_offsets[1:]] - is_placeholder[token_offsets[:-1]]
-        per_pack = np.append(0, np.cumsum(row_tokens[rows]))
-        expected = per_pack[row_offsets[1:]] - per_pack[row_offsets[:-1]]
+        expected = _per_pack(row_tokens, row_offsets, rows)
         for row in np.flatnonzero(found != expected):
             problems.append(Problem(file=info.name, row=int(row), column="input_ids", message=(
                 f"the pack holds {int(found[row])} image placeholder tokens; its documents' images make "

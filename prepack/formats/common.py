@@ -166,6 +166,20 @@ def check_manifest_size(size: int, where: str | os.PathLike) -> None:
         refuse(where, f"is larger than {MANIFEST_MAX_BYTES} bytes, the most a prepack manifest may hold.")
 
 
+def read_manifest_bytes(where: Path) -> bytes:
+    """The bytes of the manifest file `where`, read as `load_manifest_json` reads one: a regular file
+    (`open_regular`), no more than one byte over MANIFEST_MAX_BYTES read (FormatError, after reading, when
+    over). Raises FileNotFoundError when the file is missing, else FormatError."""
+    fd = open_regular(where)
+    try:
+        with os.fdopen(fd, "rb") as file:
+            data = file.read(MANIFEST_MAX_BYTES + 1)
+    except OSError as exc:
+        refuse(where, f"cannot be read ({exc.strerror}).")
+    check_manifest_size(len(data), where)
+    return data
+
+
 def load_manifest_json(
     directory: str | os.PathLike | bytes, kind: str, name: str
 ) -> tuple[str | os.PathLike, object]:
@@ -177,15 +191,10 @@ def load_manifest_json(
     the file is missing, else FormatError."""
     if isinstance(directory, bytes):
         where, data = name, directory
+        check_manifest_size(len(data), where)
     else:
         where = Path(directory) / kind
-        fd = open_regular(where)
-        try:
-            with os.fdopen(fd, "rb") as file:
-                data = file.read(MANIFEST_MAX_BYTES + 1)
-        except OSError as exc:
-            refuse(where, f"cannot be read ({exc.strerror}).")
-    check_manifest_size(len(data), where)
+        data = read_manifest_bytes(where)
     try:
         parse_int = None if _integers_fit(data) else _integer
         return where, json.loads(data.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_int=parse_int)

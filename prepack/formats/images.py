@@ -26,6 +26,7 @@ from prepack.formats.common import (
     list_column,
     load_manifest_json,
     map_regular,
+    read_manifest_bytes,
     read_one_batch,
     refuse,
 )
@@ -405,11 +406,12 @@ class ImageSetManifest(StrictModel):
 
 
 class ImageSet:
-    """A read image set: the manifest, and per corpus row the numbers of its images (`images_of`)."""
+    """A read image set: the manifest (and the sha256 of the images.json bytes it was read from, which names the
+    set: a build's image cap records it), and per corpus row the numbers of its images (`images_of`)."""
 
-    def __init__(self, directory: Path, manifest: ImageSetManifest, images: pa.RecordBatch, documents: pa.RecordBatch,
-                 videos: pa.RecordBatch | None = None):
-        self.directory, self.manifest = directory, manifest
+    def __init__(self, directory: Path, manifest: ImageSetManifest, manifest_sha256: str, images: pa.RecordBatch,
+                 documents: pa.RecordBatch, videos: pa.RecordBatch | None = None):
+        self.directory, self.manifest, self.manifest_sha256 = directory, manifest, manifest_sha256
         # Per corpus row (videos.arrow, when the set has videos): its frames, frames per video, rates and counts.
         self._videos = {
             column: list_column(videos, column, str(directory / VIDEOS_FILE)) for column in VIDEOS_SCHEMA.names
@@ -463,9 +465,10 @@ def read_image_set(directory: str | os.PathLike, *, verify: bool = False) -> Ima
     files and every image, and recounts every image's placeholders by the rule; Pillow is not needed."""
     directory = Path(directory)
     try:
-        where, value = load_manifest_json(directory, IMAGE_SET_MANIFEST, IMAGE_SET_MANIFEST)
+        manifest_bytes = read_manifest_bytes(directory / IMAGE_SET_MANIFEST)
     except FileNotFoundError:
         refuse(directory, f"no {IMAGE_SET_MANIFEST}: not an image set.")
+    where, value = load_manifest_json(manifest_bytes, IMAGE_SET_MANIFEST, str(directory / IMAGE_SET_MANIFEST))
     if isinstance(value, dict) and value.get("image_set_version") != IMAGE_SET_VERSION:
         found = value.get("image_set_version")
         refuse(where, f"image_set_version {found!r} is not one this prepack reads ({IMAGE_SET_VERSION}).")
@@ -494,7 +497,8 @@ def read_image_set(directory: str | os.PathLike, *, verify: bool = False) -> Ima
             refuse(path, f"its columns are not valid Arrow data ({exc}).")
         batches[file.name] = batch
     images, documents = batches[IMAGES_FILE], batches[DOCUMENTS_FILE]
-    image_set = ImageSet(directory, manifest, images, documents, batches.get(VIDEOS_FILE))
+    image_set = ImageSet(directory, manifest, hashlib.sha256(manifest_bytes).hexdigest(), images, documents,
+                         batches.get(VIDEOS_FILE))
     _check_counts(image_set, images, documents)
     if VIDEOS_FILE in batches:
         _check_videos(image_set, batches[VIDEOS_FILE])

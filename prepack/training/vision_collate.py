@@ -28,11 +28,12 @@ model's image processor (in DataLoader workers) and emits, by the family's style
     image_spans   [N, 3] int64   (with `image_spans=True`) one row per image, in the order of `pixel_values`
                                  (and `image_grid_thw`): (row, start, end), the image's placeholder tokens being
                                  `input_ids[row, start:end]` (end exclusive), every one of them and nothing
-                                 else; for users who weight image and text tokens differently. The triple
-                                 indexes whatever [rows, L] layout the tokens are in: a padding-free layout
-                                 ([1, T], samples back to back) has row 0 and flat positions, and
+                                 else; for users who weight image and text tokens differently.
                                  `row * L + start` is the image's first token in `input_ids.flatten()`. Pop it
-                                 from the batch before the forward: models take no such argument.
+                                 from the batch before the forward: models take no such argument. In the fixed
+                                 styles (restart, image blocks) each image's placeholders must then be one run
+                                 (a pack with an image's run split is refused by pack and image); without
+                                 `image_spans` the collator leaves the runs to the model.
 
 There is no attention mask and no `cu_seq_lens_*`: transformers builds the block-diagonal mask from
 `position_ids` on sdpa and eager (the backends `prepack.model.vision_families` measured; Gemma 3's image
@@ -367,22 +368,27 @@ class VisionCollator:
 
 def _image_spans(packs: list[_VisionPack], grids: np.ndarray | None, spec: VisionSpec) -> np.ndarray:
     """[N, 3] (row, start, end) of every image's placeholders, images in the order of `pixel_values`: the packs'
-    images in pack order, each pack's in token order. An image takes the next `count` placeholders of its row
-    (by its grid, or the fixed count: adjacent images' runs touch in the fixed styles), which must be one run."""
-    spans = np.zeros((sum(len(pack.images) for pack in packs), 3), dtype=np.int64)
-    image = 0
+    images in pack order, each pack's in token order. An image takes the next `count` placeholders of its row, by
+    its grid (3-D rotary: `rotary_3d_positions` has checked each image's run, so a pack's placeholders need only
+    add up) or the fixed count (where adjacent images' runs touch, so each image's count must be one run)."""
+    spans, image = [], 0
     for row, pack in enumerate(packs):
         positions = np.flatnonzero(pack.input_ids == spec.image_token_id)
-        at = 0
-        for _ in pack.images:
-            count = spec.tokens_per_image if grids is None else int(np.prod(grids[image])) // spec.merge_size**2
-            start = int(positions[at]) if at < len(positions) else -1
-            if at + count > len(positions) or positions[at + count - 1] != start + count - 1:
-                raise InputError(f"Pack {row}'s image {image} has {count} placeholders, but the pack's next run of "
-                                 "placeholders is shorter: its placeholders and images disagree.")
-            spans[image] = row, start, start + count
-            at, image = at + count, image + 1
-    return spans
+        if grids is None:
+            counts = np.full(len(pack.images), spec.tokens_per_image, dtype=np.int64)
+        else:
+            grid = grids[image : image + len(pack.images)].astype(np.int64)
+            counts = grid[:, 0] * (grid[:, 1] // spec.merge_size) * (grid[:, 2] // spec.merge_size)
+        image += len(pack.images)
+        if counts.sum() != len(positions):
+            raise InputError(f"Pack {row} has {len(positions)} image placeholders; its {len(counts)} images make "
+                             f"{counts.sum()}: its placeholders and images disagree.")
+        starts = positions[np.cumsum(counts) - counts]
+        if grids is None and len(counts) and (broken := np.flatnonzero(positions[np.cumsum(counts) - 1] != starts + counts - 1)).size:
+            raise InputError(f"Pack {row}'s image {broken[0]} has {counts[broken[0]]} placeholders, but the pack's next run "
+                             "of placeholders is shorter: its placeholders and images disagree.")
+        spans.append(np.stack([np.full(len(counts), row), starts, starts + counts], axis=1))
+    return np.concatenate(spans).astype(np.int64) if spans else np.zeros((0, 3), dtype=np.int64)
 
 
 def _image_runs(is_image: np.ndarray, grids: np.ndarray, merge_size: int) -> int:

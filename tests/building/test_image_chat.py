@@ -172,6 +172,13 @@ def test_verify_catches_a_tampered_image_set(image_set_dir, column, value, messa
         read_image_set(image_set_dir, verify=True)
 
 
+def test_the_set_keeps_the_sha256_of_the_images_json_it_read(image_set_dir):
+    import hashlib
+
+    expected = hashlib.sha256((image_set_dir / "images.json").read_bytes()).hexdigest()
+    assert read_image_set(image_set_dir).manifest_sha256 == expected
+
+
 def test_verify_catches_a_changed_file(image_set_dir):
     path = image_set_dir / IMAGES_FILE
     data = bytearray(path.read_bytes())

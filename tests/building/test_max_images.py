@@ -3,6 +3,10 @@ planner beside max_len and the document cap, held to a plain-Python FFD with the
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -73,6 +77,17 @@ def test_bad_image_options_are_refused(options, message):
 def test_best_fit_with_an_image_cap_is_refused_by_name():
     with pytest.raises(ValueError, match="first-fit-decreasing"):
         assign_packs(np.array([3, 4]), 8, "bfd", images=np.array([1, 1]), max_images=1)
+
+
+@pytest.mark.slow  # a fresh interpreter compiling the planner's kernels: ~5-10 s
+def test_an_uncapped_plan_compiles_nothing_of_the_image_cap(tmp_path):
+    # Kernels compile on first use (numba's cache empty: seconds each): a plan without the cap must not pay for it.
+    # (A kernel loaded from numba's cache resolves none of the kernels it calls: hence an empty cache.)
+    code = ("import numpy as np; from prepack.building import plan; plan.assign_packs(np.array([3, 4, 5]), 8, 'ffd'); "
+            "print([k.__name__ for k in (plan._ffd, plan._ffd_pictured, plan._images_in_order) if 'dispatcher' in vars(k)])")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert result.stdout.split() == ["['_ffd']"], result.stderr
 
 
 # Builds of a real-shaped image-chat corpus ------------------------------------------------------------------
@@ -163,6 +178,7 @@ def test_verify_refuses_another_image_set_than_the_one_the_cap_counted(prepared,
     import shutil
 
     from prepack.check.images import verify_images
+    from tests.cli import failure, run_prepack
 
     processor, summary = prepared
     build_of(prepared, tmp_path / "capped", max_images_per_pack=3, images=summary.image_set)
@@ -171,6 +187,8 @@ def test_verify_refuses_another_image_set_than_the_one_the_cap_counted(prepared,
     (other / "images.json").write_text((other / "images.json").read_text() + " ")
     problems = verify_images(tmp_path / "capped", other)
     assert [p.column for p in problems] == ["image_set"] and "not the image set this build was planned with" in problems[0].message
+    inspected = run_prepack("inspect", tmp_path / "capped", "--images", other)
+    assert inspected.returncode == 2 and "not the image set this build was planned with" in failure(inspected)
 
 
 @pytest.mark.slow
@@ -193,6 +211,7 @@ def test_a_row_with_more_images_than_the_cap_is_refused_by_file_and_row(prepared
         (["--images", "IMAGES"], "--images names the image set whose image counts --max-images-per-pack caps"),
         (["--max-images-per-pack", "0", "--images", "IMAGES"], "--max-images-per-pack 0: give an integer in [1, 2**31)"),
         (["--max-images-per-pack", "2", "--images", "IMAGES", "--algorithm", "bfd"], "leave out --algorithm bfd"),
+        (["--max-images-per-pack", "2", "--images", "IMAGES", "--unpaired"], "leave out --unpaired"),
     ],
 )
 def test_the_cli_refuses_an_image_cap_it_cannot_plan(tmp_path, flags, message):

@@ -1,6 +1,7 @@
 """`VisionCollator(image_spans=True)`: one (row, start, end) per image, in the order of `pixel_values`, covering
 exactly that image's placeholder tokens and nothing else (issue 34 item 5), for the 3-D rotary style (Qwen2-VL:
-a counted run between start and end tokens) and the fixed styles (LLaVA: runs of adjacent images touch)."""
+a counted run between start and end tokens) and the fixed styles (LLaVA: runs of adjacent images touch; Gemma 3's
+image blocks: a fixed run between begin and end tokens)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from prepack.training.vision_collate import VisionCollator, VisionSpec
 from tests.vision_inputs import image_processor
 
 IMAGE_ID, START_ID, END_ID, PAD_ID = 7, 8, 9, 0
-LLAVA_TOKENS = 3
+FIXED_TOKENS = 3
 # Sizes whose Qwen2-VL placeholder counts differ, so that a span given to the wrong image has the wrong length.
 SIZES = ((20, 20), (60, 30), (30, 90), (200, 12), (112, 56))
 
@@ -98,25 +99,29 @@ def test_qwen_spans_cover_each_images_placeholders_in_pixel_order(qwen, batch):
     check(out, expected, [counts[n] for n in in_order])
 
 
+@pytest.mark.parametrize(
+    ("style", "model_type", "separated"),
+    [("restart", "llava", False), ("image blocks", "gemma3", True)],  # Gemma 3: begin and end tokens around an image
+)
 @settings(max_examples=8, deadline=None)
-@given(batches, st.sampled_from([None, 96]))
-def test_llava_spans_split_adjacent_images(batch, max_len):
-    counts = [LLAVA_TOKENS] * len(SIZES)
-    packs, expected = laid_out(batch, counts, separated=False)
+@given(batch=batches, max_len=st.sampled_from([None, 96]))
+def test_fixed_count_spans_split_adjacent_images(style, model_type, separated, batch, max_len):
+    counts = [FIXED_TOKENS] * len(SIZES)
+    packs, expected = laid_out(batch, counts, separated=separated)
     lengths = max(len(ids) for ids, _, _ in packs)
     if max_len is not None and lengths > max_len:
         max_len = None
-    collator = VisionCollator(VisionSpec("restart", IMAGE_ID, tokens_per_image=LLAVA_TOKENS), image_processor("llava"),
+    collator = VisionCollator(VisionSpec(style, IMAGE_ID, tokens_per_image=FIXED_TOKENS), image_processor(model_type),
                               pad_token_id=PAD_ID, max_len=max_len, image_spans=True)
     images = [png(w, h, 40 * n) for n, (w, h) in enumerate(SIZES)]
     out = collator([{"input_ids": ids, "cu_seqlens": cu, "images": [images[n] for n in numbers]}
                     for ids, cu, numbers in packs])
     assert len(out["image_spans"]) == (0 if "pixel_values" not in out else len(out["pixel_values"]))
-    check(out, expected, [LLAVA_TOKENS] * len(expected))
+    check(out, expected, [FIXED_TOKENS] * len(expected))
 
 
 def test_spans_are_off_by_default_and_empty_without_images():
-    collator = VisionCollator(VisionSpec("restart", IMAGE_ID, tokens_per_image=LLAVA_TOKENS), image_processor("llava"))
+    collator = VisionCollator(VisionSpec("restart", IMAGE_ID, tokens_per_image=FIXED_TOKENS), image_processor("llava"))
     pack = {"input_ids": np.array([1, 2, 3]), "cu_seqlens": np.array([0, 3])}
     assert "image_spans" not in collator([pack])
     collator.image_spans = True
@@ -128,4 +133,13 @@ def test_a_split_run_of_placeholders_is_refused_by_pack_and_image():
                               image_spans=True)
     pack = {"input_ids": np.array([1, IMAGE_ID, 5, IMAGE_ID, 3]), "cu_seqlens": np.array([0, 5]), "images": [png(20, 20, 0)]}
     with pytest.raises(InputError, match="Pack 0's image 0 has 2 placeholders"):
+        collator([pack])
+
+
+def test_a_qwen_pack_with_an_image_its_placeholders_lack_is_refused(qwen):
+    processor, images, counts = qwen
+    collator = VisionCollator(VisionSpec("3-D rotary", IMAGE_ID, merge_size=2), processor, image_spans=True)
+    ids = np.array([1, START_ID, *[IMAGE_ID] * counts[0], END_ID, 5])  # image 1 has no placeholders
+    pack = {"input_ids": ids, "cu_seqlens": np.array([0, len(ids)]), "images": images[:2]}
+    with pytest.raises(InputError, match=f"Pack 0 has {counts[0]} image placeholders; its 2 images make {counts[0] + counts[1]}"):
         collator([pack])
