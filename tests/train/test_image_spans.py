@@ -129,3 +129,18 @@ def test_a_split_run_of_placeholders_is_refused_by_pack_and_image():
     pack = {"input_ids": np.array([1, IMAGE_ID, 5, IMAGE_ID, 3]), "cu_seqlens": np.array([0, 5]), "images": [png(20, 20, 0)]}
     with pytest.raises(InputError, match="Pack 0's image 0 has 2 placeholders"):
         collator([pack])
+
+
+@pytest.mark.parametrize("model_type", ["llava_next", "llava_onevision", "idefics3", "smolvlm"])
+def test_spans_are_refused_up_front_for_tiled_families(model_type):
+    """A tiled tower's image is not one run of a known count (Idefics3's and SmolVLM's tiles are runs apart,
+    LLaVA-NeXT's and OneVision's adjacent runs touch at a count only the image's size gives): refused at
+    construction, not a TypeError in the first batch."""
+    from prepack.errors import UsageError
+    from prepack.model.tiny_vision_models import tiny_vision_config
+
+    spec = VisionSpec.of(tiny_vision_config(model_type))
+    assert spec.tokens_per_image is None
+    with pytest.raises(UsageError, match="image_spans"):
+        VisionCollator(spec, image_processor(model_type), image_spans=True)
+    VisionCollator(spec, image_processor(model_type))  # without spans the family is batched as before
