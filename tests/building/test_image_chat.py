@@ -701,6 +701,9 @@ def test_split_tiles_equal_the_image_processors_at_any_size(tmp_path):
         ("onevision", "processor_config.json", lambda c: c.pop("num_image_tokens"), "needs num_image_tokens"),
         ("idefics3", "preprocessor_config.json", lambda c: c.pop("max_image_size"), "needs max_image_size.longest_edge"),
         ("idefics3", "processor_config.json", lambda c: c.update(image_seq_len=0), "image_seq_len is 0"),
+        # A pinpoint smaller than a tile: refused once for the config, not for each image that picks it.
+        ("llava_next", "preprocessor_config.json", lambda c: c.update(image_grid_pinpoints=[[336, 672], [100, 336]]),
+         "pinpoint (100, 336) (height, width) is smaller than a tile of 336x336"),
     ],
 )
 def test_a_tiling_processor_config_that_cannot_count_is_a_named_error(
@@ -711,3 +714,64 @@ def test_a_tiling_processor_config_that_cannot_count_is_a_named_error(
     edited = edited_processor(directory, tmp_path, file, edit)
     with pytest.raises(InputError, match=re.escape(message)):
         processor_rule(edited)
+
+
+ANYRES = dict(kind="anyres", placeholder="<image>", start="", end="", tokens=1, pinpoints=((32, 32),), tile_height=16,
+              tile_width=16, feature_rows=2, feature_columns=2)
+SPLIT = dict(kind="split", placeholder="<image>", start="", end="", tokens=1, tile_height=16, splitting=True,
+             global_token="<global-img>")
+GRID = dict(kind="grid", placeholder="<|image_pad|>", start="", end="", patch_size=14, merge_size=2, min_pixels=3136,
+            max_pixels=12845056)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({**GRID, "pinpoints": ((336, 336),)}, "a rule of kind grid has no pinpoints"),
+        ({**GRID, "splitting": False}, "a rule of kind grid has no splitting"),
+        ({"kind": "fixed", "placeholder": "<image>", "start": "", "end": "", "tokens": 5, "tile_height": 16},
+         "a rule of kind fixed has no tile_height"),
+        ({**SPLIT, "tile_width": 16}, "a rule of kind split has no tile_width"),
+        ({**SPLIT, "pinpoints": ((32, 32),)}, "a rule of kind split has no pinpoints"),
+        ({**ANYRES, "resize_edge": 64}, "a rule of kind anyres has no resize_edge"),
+        ({**ANYRES, "pinpoints": ((32, 32), (32, 8))}, "pinpoint (32, 8) (height, width) is smaller than a tile"),
+        ({**ANYRES, "pinpoints": ((65536, 65536),), "feature_rows": 16, "feature_columns": 16},
+         "its largest pinpoint gives up to 4295032833 placeholders"),
+    ],
+)
+def test_a_rule_with_fields_it_does_not_count_with_is_refused(fields, message):
+    """A manifest's rule is whole and nothing more: another kind's fields are refused (not silently dropped when
+    written), and an anyres rule's pinpoints are each at least a tile and at most an image's placeholder limit."""
+    from prepack.formats.images import ImageRule
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ImageRule(**fields)
+
+
+def png_bytes(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), "gray").save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {**SPLIT, "tile_height": 1, "tokens": 65536},  # no resize_edge: tiles grow with the image's pixels
+        {**GRID, "patch_size": 1, "merge_size": 1, "min_pixels": 2**31 - 1, "max_pixels": 2**31 - 1},
+    ],
+)
+def test_an_image_of_more_placeholders_than_the_limit_is_refused_before_its_text(tmp_path, fields):
+    """Each field of a rule within bounds, their product not: the image is refused by name before its text (a string
+    of that many placeholders) is built or its count overflows the int32 tokens column, and nothing is written."""
+    from prepack.formats.images import MAX_IMAGE_TOKENS, ImageRule
+    from prepack.sources.images import _ImageWriter
+
+    rule = ImageRule(**fields)
+    with open(tmp_path / "scratch", "wb") as scratch:
+        writer = _ImageWriter(scratch, tmp_path / "scratch", rule, ImageLimits())
+        with pytest.raises(InputError, match=re.escape(f"c.jsonl, row 3, column images: the image (30x30) stands for "
+                                                       f"{rule.placeholders(30, 30)} placeholder tokens, more than")):
+            writer.number(png_bytes(30, 30), "c.jsonl, row 3, column images")
+    assert rule.placeholders(30, 30) > MAX_IMAGE_TOKENS and (tmp_path / "scratch").stat().st_size == 0
+    assert writer.tokens == []
