@@ -269,9 +269,12 @@ class ImageRule(StrictModel):
         resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
         return (resized_h // self.patch_size) * (resized_w // self.patch_size) // self.merge_size**2
 
-    def text(self, width: int, height: int) -> str:
+    def text(self, width: int, height: int, count: int | None = None) -> str:
+        """The image's text; `count`, its `placeholders` already counted (not recounted; a split rule's text
+        follows its tiles, a few operations)."""
         if self.kind != "split":
-            return self.start + self.placeholder * self.placeholders(width, height) + self.end
+            count = self.placeholders(width, height) if count is None else count
+            return self.start + self.placeholder * count + self.end
         # Idefics3's and SmolVLM's processors (`replace_image_token`): each tile after its row and column, a line
         # per row of tiles, then the whole image.
         rows, columns = self._tiles(width, height)

@@ -717,9 +717,15 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
                 f"{where}, column {column}: more than {limits.max_images_per_document} images in a record."
             )
         at = f"{where}, column {column}"
+        if numbers and rule.max_tiles is not None:  # before the second image is read
+            raise InputError(
+                f"{at}: a second image in one record. LLaVA-OneVision's processor gives an image of a multi-image "
+                "sample its base features only, not its tiles (and the model must then be told each sample's image "
+                "count); prepack counts the tiled single image only: one image per record for this processor."
+            )
         number = images.number(_image_bytes(source, at, root, limits), at)
         numbers.append(number)
-        return rule.text(images.widths[number], images.heights[number])
+        return rule.text(images.widths[number], images.heights[number], images.tokens[number])
 
     def next_pending(column: str) -> Any:
         if not pending:
@@ -798,12 +804,6 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
         raise InputError(f"{where}, column images: {len(pending)} images that no message places.")
     if pending_videos:
         raise InputError(f"{where}, column videos: {len(pending_videos)} videos that no message places.")
-    if len(numbers) > 1 and rule.max_tiles is not None:
-        raise InputError(
-            f"{where}: {len(numbers)} images in one record. LLaVA-OneVision's processor gives an image of a "
-            "multi-image sample its base features only, not its tiles (and the model must then be told each sample's "
-            "image count); prepack counts the tiled single image only: one image per record for this processor."
-        )
     return (messages[0]["content"] if kind == "text" else messages), numbers, videos
 
 

@@ -591,13 +591,27 @@ def test_llava_onevision_counts_equal_its_processors_at_any_size(onevision_direc
 
 def test_llava_onevision_refuses_a_record_of_several_images(onevision_directory, tmp_path):
     """Its processor expands an image of a multi-image prompt to the base features only: refused by row, not
-    counted as tiles."""
+    counted as tiles, at the second image, before it is read (here it does not even exist)."""
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / PHOTOS[0]).write_bytes((SAMPLE_DATA / PHOTOS[0]).read_bytes())
-    record = {"messages": [{"role": "user", "content": "<image><image>"}], "images": [f"p/{PHOTOS[0]}"] * 2}
-    with pytest.raises(InputError, match="row 0: 2 images in one record. LLaVA-OneVision's processor"):
+    record = {"messages": [{"role": "user", "content": "<image><image>"}], "images": [f"p/{PHOTOS[0]}", "p/absent.png"]}
+    with pytest.raises(InputError, match="row 0, column images: a second image in one record. LLaVA-OneVision's"):
         prepare_image_chat(chats(tmp_path, [record]), onevision_directory, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_each_image_is_counted_once_however_often_it_is_placed(llava_next_directory, tmp_path, monkeypatch):
+    """An image placed three times: its tiling chosen once (when first met), its text written from that count."""
+    import prepack.formats.images as image_formats
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / PHOTOS[0]).write_bytes((SAMPLE_DATA / PHOTOS[0]).read_bytes())
+    choices = []
+    select = image_formats.select_best_resolution
+    monkeypatch.setattr(image_formats, "select_best_resolution", lambda *args: choices.append(args) or select(*args))
+    record = {"messages": [{"role": "user", "content": "<image>a<image>b<image>"}], "images": [f"p/{PHOTOS[0]}"] * 3}
+    summary = prepare_image_chat(chats(tmp_path, [record]), llava_next_directory, tmp_path / "out")
+    assert len(choices) == 1 and summary.references == 3
 
 
 def test_a_rule_without_tiles_is_written_as_before_tiling_existed(processor, llava_next_directory):
