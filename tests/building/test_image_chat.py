@@ -575,16 +575,20 @@ def test_llava_onevision_placeholders_and_text_are_its_processors_own(onevision_
         assert reference.replace_image_token(inputs, 0) == rule.text(width, height), (width, height)
 
 
-def test_llava_onevision_counts_equal_its_processors_at_any_size(onevision_directory):
-    """Without pixels: the processor's own count (`_get_number_of_features`; its strategy here is "full", so
-    nothing is taken off) for any size."""
-    rule, _ = processor_rule(onevision_directory)
-    reference = onevision_processor(onevision_directory)
+@pytest.mark.parametrize("strategy", ["full", "default"])
+def test_llava_onevision_counts_equal_its_processors_at_any_size(onevision_directory, tmp_path, strategy):
+    """Without pixels: the processor's own count (`_get_num_multimodal_tokens`: "full" keeps the CLS feature,
+    "default" takes one off) for any size."""
+    directory = edited_processor(onevision_directory, tmp_path, "processor_config.json",
+                                 lambda config: config.update(vision_feature_select_strategy=strategy))
+    rule, _ = processor_rule(directory)
+    reference = onevision_processor(directory)
 
-    @settings(max_examples=100, deadline=None)
+    @settings(max_examples=50, deadline=None)
     @given(st.integers(1, 8000), st.integers(1, 8000))
     def counts_agree(width, height):
-        assert rule.placeholders(width, height) == reference._get_number_of_features(height, width, 384, 384)
+        expected = reference._get_num_multimodal_tokens(image_sizes=[(height, width)])["num_image_tokens"][0]
+        assert rule.placeholders(width, height) == expected
 
     counts_agree()
 
@@ -676,21 +680,38 @@ def test_smolvlm_text_is_its_processors_own(tmp_path):
         assert rule.text(width, height) == expected, (width, height)
 
 
+# Idefics3 image processor setups (24-pixel tiles) and the sizes drawn for each: resized to 4 tiles' side; not
+# resized (tiles grow with the image); resized past 4096 at extreme aspect ratios, so the 4096 bound cuts in; unsplit.
+EXTREME = st.tuples(st.integers(1, 3), st.integers(500, 1000)).flatmap(lambda sides: st.sampled_from([sides, sides[::-1]]))
+SPLIT_SETUPS = {
+    "resized": ({"size": {"longest_edge": 4 * 24}}, st.tuples(st.integers(1, 700), st.integers(1, 700))),
+    "not resized": ({"do_resize": False}, st.tuples(st.integers(1, 700), st.integers(1, 700))),
+    "within 4096": ({"size": {"longest_edge": 5000}}, EXTREME),
+    "not split": ({"size": {"longest_edge": 4 * 24}, "do_image_splitting": False},
+                  st.tuples(st.integers(1, 700), st.integers(1, 700))),
+}
+
+
 @pytest.mark.slow
-def test_split_tiles_equal_the_image_processors_at_any_size(tmp_path):
+@pytest.mark.parametrize("setup", list(SPLIT_SETUPS))
+def test_split_tiles_equal_the_image_processors_at_any_size(tmp_path, setup):
     """At sizes drawn at random (small tiles, so that the processor's pixels are cheap): the rule's tiles are the
-    rows and columns Idefics3's image processor makes, its count the processor's."""
+    rows and columns Idefics3's image processor makes, its count the processor's, for each setup the rule reads."""
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     from tests.vision_inputs import SPLIT_TOKENS, transformers_processor_directory
 
-    images = Idefics3ImageProcessorPil(size={"longest_edge": 4 * 24}, max_image_size={"longest_edge": 24})
+    options, sizes = SPLIT_SETUPS[setup]
+    images = Idefics3ImageProcessorPil(max_image_size={"longest_edge": 24}, **options)
     directory = transformers_processor_directory(tmp_path / "processor", images, {"image_seq_len": 5}, SPLIT_TOKENS)
     rule, _ = processor_rule(directory)
+    assert (rule.resize_edge, rule.splitting) == (options.get("size", {}).get("longest_edge"),
+                                                  options.get("do_image_splitting", True))
 
-    @settings(max_examples=60, deadline=None)
-    @given(st.integers(1, 700), st.integers(1, 700))
-    def tiles_agree(width, height):
+    @settings(max_examples=30, deadline=None)
+    @given(sizes)
+    def tiles_agree(size):
+        width, height = size
         out = images(images=[Image.new("RGB", (width, height))], return_row_col_info=True)
         rows, columns = out["rows"][0][0], out["cols"][0][0]
         assert rule.placeholders(width, height) == (rows * columns + 1) * 5 == 5 * len(out["pixel_values"][0])
