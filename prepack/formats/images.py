@@ -45,6 +45,7 @@ __all__ = [
     "ImageSetFile",
     "ImageSetManifest",
     "MAX_IMAGE_PIXELS",
+    "MAX_IMAGE_TOKENS",
     "VIDEOS_FILE",
     "VIDEOS_SCHEMA",
     "VideoRule",
@@ -134,8 +135,19 @@ def _unpadded_features(
 
 
 _Side = Annotated[int, Field(ge=1, le=65_536)]
+# The tiling fields each kind counts with; a rule carrying another's is refused (`_complete`).
+_KIND_TILING_FIELDS = {
+    "grid": (),
+    "fixed": (),
+    "anyres": ("pinpoints", "tile_height", "tile_width", "feature_rows", "feature_columns", "max_tiles"),
+    "split": ("tile_height", "resize_edge", "splitting", "global_token"),
+}
 _TILING_FIELDS = ("pinpoints", "tile_height", "tile_width", "feature_rows", "feature_columns", "max_tiles",
                   "resize_edge", "splitting", "global_token")
+# The most placeholder tokens one image may stand for: one per pixel of the largest image prepack decodes by default
+# (MAX_IMAGE_PIXELS), well within the int32 `tokens` column, so that an image's text (its placeholders repeated) is
+# never built past a few hundred MiB, and a rule whose fields are each in range but whose product is not is refused.
+MAX_IMAGE_TOKENS = 32 * 2**20
 
 
 # Idefics3's and SmolVLM's image processors never make a side longer than this (their MAX_IMAGE_SIZE).
@@ -211,8 +223,25 @@ class ImageRule(StrictModel):
         missing = [name for name in needed if getattr(self, name) is None]
         if missing:
             raise ValueError(f"a {self.kind} rule needs {', '.join(missing)}")
+        foreign = [name for name in _TILING_FIELDS
+                   if name not in _KIND_TILING_FIELDS[self.kind] and getattr(self, name) is not None]
+        if foreign:
+            raise ValueError(f"a rule of kind {self.kind} has no {', '.join(foreign)}")
         if self.kind == "grid" and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels {self.min_pixels} is more than max_pixels {self.max_pixels}")
+        if self.kind == "anyres":
+            for height, width in self.pinpoints:
+                if height < self.tile_height or width < self.tile_width:
+                    raise ValueError(f"pinpoint ({height}, {width}) (height, width) is smaller than a tile of "
+                                     f"{self.tile_width}x{self.tile_height}")
+            # An image's count is at most its pinpoint's whole feature grid, a newline per row, and `tokens`.
+            most = self.tokens + max(
+                self.feature_rows * (height // self.tile_height) * (self.feature_columns * (width // self.tile_width) + 1)
+                for height, width in self.pinpoints
+            )
+            if most > MAX_IMAGE_TOKENS:
+                raise ValueError(f"its largest pinpoint gives up to {most} placeholders an image, more than the "
+                                 f"{MAX_IMAGE_TOKENS} prepack lets one image stand for")
         return self
 
     @model_serializer(mode="wrap")
@@ -230,10 +259,8 @@ class ImageRule(StrictModel):
             return self.tokens
         if self.kind == "anyres":
             tiled_height, tiled_width = select_best_resolution(height, width, self.pinpoints)
-            rows = self.feature_rows * (tiled_height // self.tile_height)
+            rows = self.feature_rows * (tiled_height // self.tile_height)  # at least one tile: `_complete`
             columns = self.feature_columns * (tiled_width // self.tile_width)
-            if not rows or not columns:
-                raise ValueError(f"a tiling of {tiled_width}x{tiled_height} is less than one tile")
             features, newlines = _unpadded_features(height, width, rows, columns, self.feature_rows, self.max_tiles)
             return features + newlines + self.tokens
         if self.kind == "split":
@@ -243,9 +270,12 @@ class ImageRule(StrictModel):
         resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
         return (resized_h // self.patch_size) * (resized_w // self.patch_size) // self.merge_size**2
 
-    def text(self, width: int, height: int) -> str:
+    def text(self, width: int, height: int, count: int | None = None) -> str:
+        """The image's text; `count`, its `placeholders` already counted (not recounted; a split rule's text
+        follows its tiles, a few operations)."""
         if self.kind != "split":
-            return self.start + self.placeholder * self.placeholders(width, height) + self.end
+            count = self.placeholders(width, height) if count is None else count
+            return self.start + self.placeholder * count + self.end
         # Idefics3's and SmolVLM's processors (`replace_image_token`): each tile after its row and column, a line
         # per row of tiles, then the whole image.
         rows, columns = self._tiles(width, height)

@@ -72,6 +72,7 @@ from prepack.formats.images import (
     IMAGE_SET_VERSION,
     IMAGES_FILE,
     IMAGES_SCHEMA,
+    MAX_IMAGE_TOKENS,
     ImageLimits,
     ImageRule,
     ImageSetFile,
@@ -222,7 +223,7 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
             raise InputError(f"{config_file}: an Idefics3 or SmolVLM image processor needs max_image_size.longest_edge "
                              "and (resizing) size.longest_edge.")
         fields = {"kind": "split", "tokens": _positive(processor, processor_file, "image_seq_len", 169),
-                  "tile_height": edge, "tile_width": edge, "resize_edge": longest,
+                  "tile_height": edge, "resize_edge": longest,
                   "splitting": bool(config.get("do_image_splitting", True)), "global_token": _GLOBAL_IMAGE}
     else:
         crop, size = _mapping(config, config_file, "crop_size"), _mapping(config, config_file, "size")
@@ -497,6 +498,10 @@ class _ImageWriter:
             tokens = self.rule.placeholders(width, height)
         except ValueError as exc:
             raise InputError(f"{where}: the processor cannot resize the image: {exc}.") from None
+        if tokens > MAX_IMAGE_TOKENS:  # before its text, that many placeholders, is built
+            raise InputError(f"{where}: the image ({width}x{height}) stands for {tokens} placeholder tokens, more than "
+                             f"the {MAX_IMAGE_TOKENS} prepack lets one image stand for; the processor's sizes are not "
+                             "ones a model is trained with.")
         if (why := decode_failure(data)) is not None:
             raise InputError(f"{where}: the image cannot be decoded ({why}); the training loader would fail on it.")
         with output_errors(self.scratch):
@@ -712,9 +717,15 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
                 f"{where}, column {column}: more than {limits.max_images_per_document} images in a record."
             )
         at = f"{where}, column {column}"
+        if numbers and rule.max_tiles is not None:  # before the second image is read
+            raise InputError(
+                f"{at}: a second image in one record. LLaVA-OneVision's processor gives an image of a multi-image "
+                "sample its base features only, not its tiles (and the model must then be told each sample's image "
+                "count); prepack counts the tiled single image only: one image per record for this processor."
+            )
         number = images.number(_image_bytes(source, at, root, limits), at)
         numbers.append(number)
-        return rule.text(images.widths[number], images.heights[number])
+        return rule.text(images.widths[number], images.heights[number], images.tokens[number])
 
     def next_pending(column: str) -> Any:
         if not pending:
@@ -793,12 +804,6 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
         raise InputError(f"{where}, column images: {len(pending)} images that no message places.")
     if pending_videos:
         raise InputError(f"{where}, column videos: {len(pending_videos)} videos that no message places.")
-    if len(numbers) > 1 and rule.max_tiles is not None:
-        raise InputError(
-            f"{where}: {len(numbers)} images in one record. LLaVA-OneVision's processor gives an image of a "
-            "multi-image sample its base features only, not its tiles (and the model must then be told each sample's "
-            "image count); prepack counts the tiled single image only: one image per record for this processor."
-        )
     return (messages[0]["content"] if kind == "text" else messages), numbers, videos
 
 

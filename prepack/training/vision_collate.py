@@ -186,7 +186,8 @@ class VisionCollator:
       is read from its header first; an image or a batch over its limit is refused (InputError naming the
       pack and the image) before any image of the batch is decoded. A video's frames count as images.
     - `image_spans`: also emit `image_spans` (see the module docstring); off by default, as the model's
-      forward would be handed a field it does not take.
+      forward would be handed a field it does not take. Refused (UsageError) for a tiled tower (a spec
+      without `tokens_per_image` outside the 3-D rotary style: LLaVA-NeXT, OneVision, Idefics3, SmolVLM).
     - `video_processor`: for packs with `videos` (Qwen-VL families, `VIDEO_RULES`), called on the batch's videos
       (each a list of decoded RGB frames) as transformers' video processors are, giving `pixel_values_videos`
       and `video_grid_thw`: transformers' own Qwen2VLVideoProcessor/Qwen3VLVideoProcessor (with
@@ -220,6 +221,13 @@ class VisionCollator:
             raise UsageError(
                 f"max_image_pixels ({max_image_pixels}) must be at least 1 and at most max_batch_pixels "
                 f"({max_batch_pixels}): a batch must hold the largest image."
+            )
+        if image_spans and spec.tokens_per_image is None and spec.style != "3-D rotary":
+            # A tiled tower's image is no one run of a count the collator knows: Idefics3's and SmolVLM's tiles are
+            # runs apart, and LLaVA-NeXT's and OneVision's adjacent runs touch at counts only the images' sizes give.
+            raise UsageError(
+                f"image_spans is for the 3-D rotary style and towers of a fixed count per image; this {spec.style} "
+                "spec's count follows each image's size (a tiled tower), so its images have no spans."
             )
         self.max_image_pixels, self.max_batch_pixels = max_image_pixels, max_batch_pixels
         self.image_spans = image_spans

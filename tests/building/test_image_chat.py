@@ -582,29 +582,47 @@ def test_llava_onevision_placeholders_and_text_are_its_processors_own(onevision_
         assert reference.replace_image_token(inputs, 0) == rule.text(width, height), (width, height)
 
 
-def test_llava_onevision_counts_equal_its_processors_at_any_size(onevision_directory):
-    """Without pixels: the processor's own count (`_get_number_of_features`; its strategy here is "full", so
-    nothing is taken off) for any size."""
-    rule, _ = processor_rule(onevision_directory)
-    reference = onevision_processor(onevision_directory)
+@pytest.mark.parametrize("strategy", ["full", "default"])
+def test_llava_onevision_counts_equal_its_processors_at_any_size(onevision_directory, tmp_path, strategy):
+    """Without pixels: the processor's own count (`_get_num_multimodal_tokens`: "full" keeps the CLS feature,
+    "default" takes one off) for any size."""
+    directory = edited_processor(onevision_directory, tmp_path, "processor_config.json",
+                                 lambda config: config.update(vision_feature_select_strategy=strategy))
+    rule, _ = processor_rule(directory)
+    reference = onevision_processor(directory)
 
-    @settings(max_examples=100, deadline=None)
+    @settings(max_examples=50, deadline=None)
     @given(st.integers(1, 8000), st.integers(1, 8000))
     def counts_agree(width, height):
-        assert rule.placeholders(width, height) == reference._get_number_of_features(height, width, 384, 384)
+        expected = reference._get_num_multimodal_tokens(image_sizes=[(height, width)])["num_image_tokens"][0]
+        assert rule.placeholders(width, height) == expected
 
     counts_agree()
 
 
 def test_llava_onevision_refuses_a_record_of_several_images(onevision_directory, tmp_path):
     """Its processor expands an image of a multi-image prompt to the base features only: refused by row, not
-    counted as tiles."""
+    counted as tiles, at the second image, before it is read (here it does not even exist)."""
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / PHOTOS[0]).write_bytes((SAMPLE_DATA / PHOTOS[0]).read_bytes())
-    record = {"messages": [{"role": "user", "content": "<image><image>"}], "images": [f"p/{PHOTOS[0]}"] * 2}
-    with pytest.raises(InputError, match="row 0: 2 images in one record. LLaVA-OneVision's processor"):
+    record = {"messages": [{"role": "user", "content": "<image><image>"}], "images": [f"p/{PHOTOS[0]}", "p/absent.png"]}
+    with pytest.raises(InputError, match="row 0, column images: a second image in one record. LLaVA-OneVision's"):
         prepare_image_chat(chats(tmp_path, [record]), onevision_directory, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_each_image_is_counted_once_however_often_it_is_placed(llava_next_directory, tmp_path, monkeypatch):
+    """An image placed three times: its tiling chosen once (when first met), its text written from that count."""
+    import prepack.formats.images as image_formats
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / PHOTOS[0]).write_bytes((SAMPLE_DATA / PHOTOS[0]).read_bytes())
+    choices = []
+    select = image_formats.select_best_resolution
+    monkeypatch.setattr(image_formats, "select_best_resolution", lambda *args: choices.append(args) or select(*args))
+    record = {"messages": [{"role": "user", "content": "<image>a<image>b<image>"}], "images": [f"p/{PHOTOS[0]}"] * 3}
+    summary = prepare_image_chat(chats(tmp_path, [record]), llava_next_directory, tmp_path / "out")
+    assert len(choices) == 1 and summary.references == 3
 
 
 def test_a_rule_without_tiles_is_written_as_before_tiling_existed(processor, llava_next_directory):
@@ -669,21 +687,38 @@ def test_smolvlm_text_is_its_processors_own(tmp_path):
         assert rule.text(width, height) == expected, (width, height)
 
 
+# Idefics3 image processor setups (24-pixel tiles) and the sizes drawn for each: resized to 4 tiles' side; not
+# resized (tiles grow with the image); resized past 4096 at extreme aspect ratios, so the 4096 bound cuts in; unsplit.
+EXTREME = st.tuples(st.integers(1, 3), st.integers(500, 1000)).flatmap(lambda sides: st.sampled_from([sides, sides[::-1]]))
+SPLIT_SETUPS = {
+    "resized": ({"size": {"longest_edge": 4 * 24}}, st.tuples(st.integers(1, 700), st.integers(1, 700))),
+    "not resized": ({"do_resize": False}, st.tuples(st.integers(1, 700), st.integers(1, 700))),
+    "within 4096": ({"size": {"longest_edge": 5000}}, EXTREME),
+    "not split": ({"size": {"longest_edge": 4 * 24}, "do_image_splitting": False},
+                  st.tuples(st.integers(1, 700), st.integers(1, 700))),
+}
+
+
 @pytest.mark.slow
-def test_split_tiles_equal_the_image_processors_at_any_size(tmp_path):
+@pytest.mark.parametrize("setup", list(SPLIT_SETUPS))
+def test_split_tiles_equal_the_image_processors_at_any_size(tmp_path, setup):
     """At sizes drawn at random (small tiles, so that the processor's pixels are cheap): the rule's tiles are the
-    rows and columns Idefics3's image processor makes, its count the processor's."""
+    rows and columns Idefics3's image processor makes, its count the processor's, for each setup the rule reads."""
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     from tests.vision_inputs import SPLIT_TOKENS, transformers_processor_directory
 
-    images = Idefics3ImageProcessorPil(size={"longest_edge": 4 * 24}, max_image_size={"longest_edge": 24})
+    options, sizes = SPLIT_SETUPS[setup]
+    images = Idefics3ImageProcessorPil(max_image_size={"longest_edge": 24}, **options)
     directory = transformers_processor_directory(tmp_path / "processor", images, {"image_seq_len": 5}, SPLIT_TOKENS)
     rule, _ = processor_rule(directory)
+    assert (rule.resize_edge, rule.splitting) == (options.get("size", {}).get("longest_edge"),
+                                                  options.get("do_image_splitting", True))
 
-    @settings(max_examples=60, deadline=None)
-    @given(st.integers(1, 700), st.integers(1, 700))
-    def tiles_agree(width, height):
+    @settings(max_examples=30, deadline=None)
+    @given(sizes)
+    def tiles_agree(size):
+        width, height = size
         out = images(images=[Image.new("RGB", (width, height))], return_row_col_info=True)
         rows, columns = out["rows"][0][0], out["cols"][0][0]
         assert rule.placeholders(width, height) == (rows * columns + 1) * 5 == 5 * len(out["pixel_values"][0])
@@ -708,6 +743,9 @@ def test_split_tiles_equal_the_image_processors_at_any_size(tmp_path):
         ("onevision", "processor_config.json", lambda c: c.pop("num_image_tokens"), "needs num_image_tokens"),
         ("idefics3", "preprocessor_config.json", lambda c: c.pop("max_image_size"), "needs max_image_size.longest_edge"),
         ("idefics3", "processor_config.json", lambda c: c.update(image_seq_len=0), "image_seq_len is 0"),
+        # A pinpoint smaller than a tile: refused once for the config, not for each image that picks it.
+        ("llava_next", "preprocessor_config.json", lambda c: c.update(image_grid_pinpoints=[[336, 672], [100, 336]]),
+         "pinpoint (100, 336) (height, width) is smaller than a tile of 336x336"),
     ],
 )
 def test_a_tiling_processor_config_that_cannot_count_is_a_named_error(
@@ -718,3 +756,64 @@ def test_a_tiling_processor_config_that_cannot_count_is_a_named_error(
     edited = edited_processor(directory, tmp_path, file, edit)
     with pytest.raises(InputError, match=re.escape(message)):
         processor_rule(edited)
+
+
+ANYRES = dict(kind="anyres", placeholder="<image>", start="", end="", tokens=1, pinpoints=((32, 32),), tile_height=16,
+              tile_width=16, feature_rows=2, feature_columns=2)
+SPLIT = dict(kind="split", placeholder="<image>", start="", end="", tokens=1, tile_height=16, splitting=True,
+             global_token="<global-img>")
+GRID = dict(kind="grid", placeholder="<|image_pad|>", start="", end="", patch_size=14, merge_size=2, min_pixels=3136,
+            max_pixels=12845056)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({**GRID, "pinpoints": ((336, 336),)}, "a rule of kind grid has no pinpoints"),
+        ({**GRID, "splitting": False}, "a rule of kind grid has no splitting"),
+        ({"kind": "fixed", "placeholder": "<image>", "start": "", "end": "", "tokens": 5, "tile_height": 16},
+         "a rule of kind fixed has no tile_height"),
+        ({**SPLIT, "tile_width": 16}, "a rule of kind split has no tile_width"),
+        ({**SPLIT, "pinpoints": ((32, 32),)}, "a rule of kind split has no pinpoints"),
+        ({**ANYRES, "resize_edge": 64}, "a rule of kind anyres has no resize_edge"),
+        ({**ANYRES, "pinpoints": ((32, 32), (32, 8))}, "pinpoint (32, 8) (height, width) is smaller than a tile"),
+        ({**ANYRES, "pinpoints": ((65536, 65536),), "feature_rows": 16, "feature_columns": 16},
+         "its largest pinpoint gives up to 4295032833 placeholders"),
+    ],
+)
+def test_a_rule_with_fields_it_does_not_count_with_is_refused(fields, message):
+    """A manifest's rule is whole and nothing more: another kind's fields are refused (not silently dropped when
+    written), and an anyres rule's pinpoints are each at least a tile and at most an image's placeholder limit."""
+    from prepack.formats.images import ImageRule
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ImageRule(**fields)
+
+
+def png_bytes(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), "gray").save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {**SPLIT, "tile_height": 1, "tokens": 65536},  # no resize_edge: tiles grow with the image's pixels
+        {**GRID, "patch_size": 1, "merge_size": 1, "min_pixels": 2**31 - 1, "max_pixels": 2**31 - 1},
+    ],
+)
+def test_an_image_of_more_placeholders_than_the_limit_is_refused_before_its_text(tmp_path, fields):
+    """Each field of a rule within bounds, their product not: the image is refused by name before its text (a string
+    of that many placeholders) is built or its count overflows the int32 tokens column, and nothing is written."""
+    from prepack.formats.images import MAX_IMAGE_TOKENS, ImageRule
+    from prepack.sources.images import _ImageWriter
+
+    rule = ImageRule(**fields)
+    with open(tmp_path / "scratch", "wb") as scratch:
+        writer = _ImageWriter(scratch, tmp_path / "scratch", rule, ImageLimits())
+        with pytest.raises(InputError, match=re.escape(f"c.jsonl, row 3, column images: the image (30x30) stands for "
+                                                       f"{rule.placeholders(30, 30)} placeholder tokens, more than")):
+            writer.number(png_bytes(30, 30), "c.jsonl, row 3, column images")
+    assert rule.placeholders(30, 30) > MAX_IMAGE_TOKENS and (tmp_path / "scratch").stat().st_size == 0
+    assert writer.tokens == []

@@ -143,3 +143,16 @@ def test_a_qwen_pack_with_an_image_its_placeholders_lack_is_refused(qwen):
     pack = {"input_ids": ids, "cu_seqlens": np.array([0, len(ids)]), "images": images[:2]}
     with pytest.raises(InputError, match=f"Pack 0 has {counts[0]} image placeholders; its 2 images make {counts[0] + counts[1]}"):
         collator([pack])
+@pytest.mark.parametrize("model_type", ["llava_next", "llava_onevision", "idefics3", "smolvlm"])
+def test_spans_are_refused_up_front_for_tiled_families(model_type):
+    """A tiled tower's image is not one run of a known count (Idefics3's and SmolVLM's tiles are runs apart,
+    LLaVA-NeXT's and OneVision's adjacent runs touch at a count only the image's size gives): refused at
+    construction, not a TypeError in the first batch."""
+    from prepack.errors import UsageError
+    from prepack.model.tiny_vision_models import tiny_vision_config
+
+    spec = VisionSpec.of(tiny_vision_config(model_type))
+    assert spec.tokens_per_image is None
+    with pytest.raises(UsageError, match="image_spans"):
+        VisionCollator(spec, image_processor(model_type), image_spans=True)
+    VisionCollator(spec, image_processor(model_type))  # without spans the family is batched as before
