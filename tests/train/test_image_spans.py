@@ -143,6 +143,8 @@ def test_a_qwen_pack_with_an_image_its_placeholders_lack_is_refused(qwen):
     pack = {"input_ids": ids, "cu_seqlens": np.array([0, len(ids)]), "images": images[:2]}
     with pytest.raises(InputError, match=f"Pack 0 has {counts[0]} image placeholders; its 2 images make {counts[0] + counts[1]}"):
         collator([pack])
+
+
 @pytest.mark.parametrize("model_type", ["llava_next", "llava_onevision", "idefics3", "smolvlm"])
 def test_spans_are_refused_up_front_for_tiled_families(model_type):
     """A tiled tower's image is not one run of a known count (Idefics3's and SmolVLM's tiles are runs apart,
