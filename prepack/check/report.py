@@ -580,6 +580,12 @@ def _source_summaries(manifest: Manifest, columns: dict[str, np.ndarray], path) 
 _BLOCKS = " ▁▂▃▄▅▆▇█"
 
 
+def _as_pairs(pairs: PairReport) -> bool:
+    """Whether messages call the build's units pairs (`unit_name`: a --pairs build, or a --groups build of 2),
+    which TRL's DPOTrainer pads as `_trl_pair_cost` counts."""
+    return unit_name(pairs.group_size or 2) == "pair"
+
+
 def _sparkline(counts: list[int]) -> str:
     """One block per bin, each repeated so that every histogram is about _BINS characters wide."""
     top, repeat = max(counts) or 1, max(1, _BINS // len(counts))
@@ -668,7 +674,7 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
     if (pr := r.pairs) is not None:
         c = pr.trl_padded
         units = unit_name(pr.group_size or 2, plural=True)
-        padded = "TRL DPOTrainer" if pr.group_size is None else "padded"
+        padded = "TRL DPOTrainer" if _as_pairs(pr) else "padded"
         costs.add_row(f"{padded}, random batches of {r.batch_size} {units}", f"{c.tokens:,}", f"{c.padding_tokens:,}", f"{c.ratio:.2f}")
         summary.add_row(
             units,
@@ -683,7 +689,7 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
         + ("\n³ PackedSampler's steps in epoch 0, mean over steps; time taken as proportional to cost." if r.steps else "")
         + (f"\nTRL DPOTrainer: the pairs in corpus order, shuffled with --seed, in batches of {r.batch_size} pairs whose "
            "chosen and rejected documents are padded together to the batch's longest (DataCollatorForPreference)."
-           if r.pairs else ""),
+           if r.pairs is not None and _as_pairs(r.pairs) else ""),
         style="dim",
     )
     parts = [summary, distributions, histograms, costs]

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import AfterValidator, Field, ValidationError, model_validator
 
-from prepack.errors import OutputError
+from prepack.errors import ArgumentTypeError, OutputError
 from prepack.formats.common import (
     COUNT_MAX,
     INT32_MAX,
@@ -662,6 +662,8 @@ def open_shard(
     `sources`: a mixture's shard, with `source_ids`; `pairs`: a preference-pair or group build's group size
     (`PairOptions.size`, 2 for pairs), with `pair_roles`, whose packs' largest role must be that size - 1
     (`check_shard` holds each document's role to that stride)."""
+    if pairs is not None and (type(pairs) is not int or pairs < 2):  # a bool is an int, and True == 1
+        raise ArgumentTypeError(f"pairs must be a group size, an int of at least 2, not {pairs!r}.")
     where = str(path) if where is None else where
     expected = shard_schema(has_labels, max_len, store, sources=sources, pairs=pairs is not None)
 
