@@ -144,6 +144,8 @@ _READING_OPTIONS: dict[str, tuple[object, object]] = {
     "rejected_column": (Annotated[str, typer.Option("--rejected-column", help="--pairs: the rejected completion column.")], "rejected"),
     "groups": (Annotated[bool, typer.Option("--groups", help="The corpus holds groups: a prompt (--prompt-column) and a list of G completions (--completions-column; G its first row's, every row's), each group packed whole as G documents; needs --tokenizer and --overflow truncate, drop or error.")], False),
     "completions_column": (Annotated[str, typer.Option("--completions-column", help="--groups: the column of completions, a list a row.")], "completions"),
+    "scores_column": (Annotated[str | None, typer.Option("--scores-column", help="--groups: a column of G scores a row (finite numbers, one a completion), stored beside each completion and collated as group_scores.")], None),
+    "ranks_column": (Annotated[str | None, typer.Option("--ranks-column", help="--groups: a column of G ranks a row (integers, 1 the best; ties share a rank, as 1, 2, 2, 4), stored beside each completion and collated as group_ranks.")], None),
 }
 
 

@@ -230,6 +230,8 @@ def build(
     rejected_column: str = "rejected",
     groups: bool = False,
     completions_column: str = "completions",
+    scores_column: str | None = None,
+    ranks_column: str | None = None,
     algorithm: str = "ffd",
     overflow: str = "split",
     seed: int = 0,
@@ -272,7 +274,9 @@ def build(
     `chosen_column`, `rejected_column`), text or with `chat` conversations, each pair packed as a unit
     (`prepack.building.pair_plan`; `overflow` "truncate", "drop" or "error"), its shards carrying `pair_roles`.
     With `groups`, a prompt (`prompt_column`) and a list of G completions (`completions_column`) a row, each group
-    packed as a unit of G documents the same way (roles 0 … G - 1).
+    packed as a unit of G documents the same way (roles 0 … G - 1). A group build with `scores_column` (a list of G
+    finite numbers a row) or `ranks_column` (G integers, 1 the best, a competition ranking: ties allowed) stores each
+    completion's value beside its document (`group_scores`, `group_ranks`), which `PackedCollator` hands on.
 
     `engine="ray"` reads, tokenizes and writes shards as Ray tasks (`prepack.building.engines.ray`; needs
     `prepack-llm[ray]`), on the cluster at `ray_address` ("auto", "ray://…"), or on the Ray instance this
@@ -541,7 +545,7 @@ def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> Pai
         pair, why = refused
         path, row = locate_row(documents.corpus, first.rows_per_file, size * pair)
         raise InputError(f"{path}, row {row // size}: {why}.")
-    return plan_pairs(
+    plan = plan_pairs(
         first.lengths,
         prompt_lengths,
         max_len,
@@ -552,6 +556,8 @@ def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> Pai
         max_pairs=None if packing.max_docs_per_pack is None else packing.max_docs_per_pack // size,
         size=size,
     )
+    values = documents.pairs.group_values()  # a group build's scores and ranks, one a document, stored beside it
+    return replace(plan, scores=values.scores, ranks=values.ranks)
 
 
 def build_store(
@@ -574,6 +580,8 @@ def build_store(
     rejected_column: str = "rejected",
     groups: bool = False,
     completions_column: str = "completions",
+    scores_column: str | None = None,
+    ranks_column: str | None = None,
     shard_size: int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     append: bool = False,

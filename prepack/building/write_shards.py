@@ -200,15 +200,17 @@ def _full_batch(
     segment_ids = buffers.column("segment_ids", total, segment_id_type(layout.max_len).to_pandas_dtype())
     _segment_ids(lengths, layout.pack_offsets, segment_ids)
     schema = shard_schema(
-        labels is not None, layout.max_len, sources=layout.source_ids is not None, pairs=layout.pair_roles is not None
+        labels is not None, layout.max_len, sources=layout.source_ids is not None, pairs=layout.pair_roles is not None,
+        scores=layout.group_scores is not None, ranks=layout.group_ranks is not None,
     )
     columns = [list_array(pack_token_offsets, ids), list_array(pack_token_offsets, segment_ids), *_pack_columns(layout, lengths, schema)]
     if labels is not None:
         label_values = buffers.column("labels", total)
         gather_tokens(labels, layout.starts, lengths, label_values)
         columns.append(list_array(pack_token_offsets, label_values))
-    if layout.pair_roles is not None:
-        columns.append(list_array(layout.pack_offsets, layout.pair_roles))
+    for values in (layout.pair_roles, layout.group_scores, layout.group_ranks):  # shard_schema's order
+        if values is not None:
+            columns.append(list_array(layout.pack_offsets, values))
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 

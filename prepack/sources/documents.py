@@ -47,6 +47,8 @@ class Reading:
     rejected_column: str = "rejected"
     groups: bool = False  # groups of completions (`prepack.sources.pairs`): a prompt and a list of G completions a row
     completions_column: str = "completions"
+    scores_column: str | None = None  # groups: a list of G scores a row, one a completion (stored as group_scores)
+    ranks_column: str | None = None  # groups: a list of G ranks a row, 1 the best (stored as group_ranks)
 
     @property
     def read_column(self) -> str:
@@ -135,6 +137,8 @@ def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None
         raise InputError(f"{', '.join(given)} name the columns of preference pairs: add --pairs.")
     if given := _given(reading, ("completions_column",)):
         raise InputError(f"{', '.join(given)} names the completions of groups: add --groups.")
+    if given := _given(reading, _GROUP_FIELDS[1:]):
+        raise InputError(f"{', '.join(given)}: scores and ranks are a group's, one a completion: add --groups.")
     if reading.tokenizer is None:
         used_labels, batches = read_documents(corpus, reading.column, reading.labels_column)
         return Documents(corpus, reading.column, used_labels, None, used_labels is not None, batches)
@@ -156,6 +160,7 @@ def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None
 
 
 _PAIR_FIELDS = ("prompt_column", "chosen_column", "rejected_column")
+_GROUP_FIELDS = ("completions_column", "scores_column", "ranks_column")
 # Reading options that a pair build has no use for: its labels are the completions, its columns its own.
 _NOT_FOR_PAIRS = ("column", "labels_column", "text_column", "messages_column", "train_on")
 
@@ -174,7 +179,7 @@ def _pair_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documen
         raise InputError(f"{flag} tokenizes its {flag[2:]}: give --tokenizer (and --chat for conversations).")
     if reading.groups and (given := _given(reading, (*_NOT_FOR_PAIRS, "chosen_column", "rejected_column"))):
         raise InputError(f"--groups reads --prompt-column and --completions-column and labels the completions: leave out {', '.join(given)}.")
-    if not reading.groups and (given := _given(reading, (*_NOT_FOR_PAIRS, "completions_column"))):
+    if not reading.groups and (given := _given(reading, (*_NOT_FOR_PAIRS, *_GROUP_FIELDS))):
         raise InputError(
             f"--pairs reads --prompt-column, --chosen-column and --rejected-column and labels the completions: "
             f"leave out {', '.join(given)}."
@@ -185,7 +190,8 @@ def _pair_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documen
 
     if reading.groups:
         options = PairOptions(prompt_column=reading.prompt_column, completions_column=reading.completions_column,
-                              group_size=first_group_size(corpus, reading.completions_column))
+                              group_size=first_group_size(corpus, reading.completions_column),
+                              scores_column=reading.scores_column, ranks_column=reading.ranks_column)
     else:
         options = PairOptions(
             prompt_column=reading.prompt_column, chosen_column=reading.chosen_column, rejected_column=reading.rejected_column

@@ -116,7 +116,9 @@ class PackedCollator:
       reference log-probabilities (`PackedDataset` or `open_hf_dataset` with `reference=DIR`; float64, else
       refused) also give `reference_logps` [P, 2] float64, each pair's chosen and rejected value, for
       `prepack.training.reference.stored_reference`. Packs of a group build (`--groups`: roles 0 … G - 1)
-      give the same fields [P, G], a group's G completions (`prepack.training.preference.group_logps`).
+      give the same fields [P, G], a group's G completions (`prepack.training.preference.group_logps`), and a
+      group build's with scores or ranks (`--scores-column`, `--ranks-column`) `group_scores` [P, G] float64 and
+      `group_ranks` [P, G] int64 (1 the best), each completion's value, in the rows of `group_logps`, in every layout.
     - `shared_prompt=True` (packs of a preference-pair or group build; `padded` or `padding_free`): each pair's
       or group's prompt once, then its completions, their position ids continuing from the prompt's end; the
       batch carries `shared_prompt_ids` and `shared_prompt_parts` instead of offsets and `pair_segments`
@@ -278,6 +280,7 @@ class PackedCollator:
             batch["pair_segments"] = torch.from_numpy(segments)
             if any(pack.reference_logps is not None for pack in checked):
                 batch["reference_logps"] = torch.from_numpy(_reference_logps(checked, segments.shape[1]))
+            batch |= _group_values(checked, segments.shape[1])
         if self.cp_size is not None:
             lengths = np.concatenate([np.diff(pack.cu_seqlens) for pack in checked])
             batch["cu_seqlens"] = torch.from_numpy(np.append(0, np.cumsum(lengths)).astype(np.int32))
@@ -302,7 +305,7 @@ class PackedCollator:
                                      row_length=None if padding_free else self._row_length(lengths))
         if any(pack.reference_logps is not None for pack in packs):
             batch["reference_logps"] = torch.from_numpy(_reference_logps(packs, size))
-        return batch
+        return batch | _group_values(packs, size)
 
     def _fill_rows(self, packs: list[_Pack]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """input_ids, labels (before masking), segment ids (0 = padding) and, with `source_ids`, each
@@ -347,6 +350,8 @@ class _Pack(NamedTuple):
     source_ids: np.ndarray | None = None  # one per document
     pair_roles: np.ndarray | None = None  # a preference-pair build's pack: 0 chosen, 1 rejected, per document
     reference_logps: np.ndarray | None = None  # its stored reference log-probabilities, per document
+    group_scores: np.ndarray | None = None  # a group build's scores (float64), per document
+    group_ranks: np.ndarray | None = None  # a group build's ranks (1 the best), per document
 
 
 def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.ndarray, group_size: int | None) -> np.ndarray:
@@ -408,6 +413,23 @@ def _reference_logps(packs: list[_Pack], size: int) -> np.ndarray:
     return np.concatenate([pack.reference_logps for pack in packs]).astype(np.float64).reshape(-1, size)
 
 
+def _group_values(packs: list[_Pack], size: int) -> dict[str, torch.Tensor]:
+    """`group_scores` [P, G] float64 and `group_ranks` [P, G] int64 where the packs carry them: each group's
+    values, its completions' in order, in the order of `_pair_segments` and of the shared-prompt layout's groups
+    (the packs' groups, in pack order), so that row p is row p of `group_logps`."""
+    fields = {}
+    for name in ("group_scores", "group_ranks"):
+        values = [getattr(pack, name) for pack in packs]
+        if all(v is None for v in values):
+            continue
+        if (missing := next((n for n, v in enumerate(values) if v is None), None)) is not None:
+            raise UsageError(f"Pack {missing} has no {name!r} while others of the batch have: collate packs of one group "
+                             "build (prepack build --groups with --scores-column or --ranks-column).")
+        joined = np.concatenate(values).reshape(-1, size)
+        fields[name] = torch.from_numpy(joined.astype(np.float64 if name == "group_scores" else np.int64))
+    return fields
+
+
 def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
     """The pack with every document padded to a multiple of `multiple` (pad id, else the document's
     last token, as a row's padding), labels -100 there; the padding belongs to its document."""
@@ -421,7 +443,7 @@ def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
     labels = np.full(cu_padded[-1], IGNORE_INDEX, dtype=np.int64)
     input_ids[destination] = pack.input_ids
     labels[destination] = pack.input_ids if pack.labels is None else pack.labels
-    return _Pack(input_ids, cu_padded, labels, pack.source_ids, pack.pair_roles, pack.reference_logps)
+    return pack._replace(input_ids=input_ids, cu_seqlens=cu_padded, labels=labels)
 
 
 def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sources: bool = False) -> _Pack:
@@ -467,4 +489,15 @@ def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sou
     if reference is not None and reference.dtype != np.float64:  # a float32 copy has lost the stored values' precision
         raise UsageError(f"Pack {number}: reference_logps are {reference.dtype}, not the stored float64 (datasets' numpy "
                          "and torch formats make floats float32: keep the column as open_hf_dataset formats it).")
-    return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles, reference)
+    scores = np.asarray(pack["group_scores"]) if pack.get("group_scores") is not None else None
+    ranks = np.asarray(pack["group_ranks"]) if pack.get("group_ranks") is not None else None
+    for name, values in (("group_scores", scores), ("group_ranks", ranks)):
+        if values is not None and values.shape != (len(cu_seqlens) - 1,):
+            raise UsageError(f"Pack {number}: {values.shape} {name} for {len(cu_seqlens) - 1} documents.")
+    if scores is not None and (scores.dtype != np.float64 or not np.isfinite(scores).all()):
+        raise UsageError(f"Pack {number}: group_scores must be finite float64 values as stored, not {scores.dtype} "
+                         f"{scores.tolist()} (datasets' numpy and torch formats make floats float32: keep the column as "
+                         "open_hf_dataset formats it).")
+    if ranks is not None and ranks.dtype.kind not in "iu":
+        raise UsageError(f"Pack {number}: group_ranks must be integers, not {ranks.dtype}.")
+    return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles, reference, scores, ranks)

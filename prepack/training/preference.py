@@ -49,8 +49,8 @@ __all__ = [
 ]
 
 # What a batch of pairs carries besides the model's inputs (reference_logps: a build's stored reference
-# log-probabilities, `prepack.training.reference`).
-PAIR_FIELDS = ("pair_segments", "reference_logps")
+# log-probabilities, `prepack.training.reference`; group_scores, group_ranks: a group build's values per completion).
+PAIR_FIELDS = ("pair_segments", "reference_logps", "group_scores", "group_ranks")
 
 
 class PairLogps(NamedTuple):
