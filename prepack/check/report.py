@@ -141,6 +141,8 @@ class PairReport(StrictModel):
     trl_padded: Cost  # TRL's DataCollatorForPreference: random batches of `batch_size` pairs, chosen and
     #                   rejected together padded to the batch's longest document (a group build: its G documents)
     group_size: int | None = None  # a group build's G; None for pairs
+    scores_column: str | None = None  # a group build's column of scores, stored per completion (group_scores)
+    ranks_column: str | None = None  # a group build's column of ranks, stored per completion (group_ranks)
 
 
 class ShardSummary(StrictModel):
@@ -536,6 +538,8 @@ def _pair_report(manifest: Manifest, found: PairCounts, lengths: np.ndarray, bat
         shared_prompt_saves=found.prompt_tokens // size * (size - 1),
         trl_padded=cost(_trl_pair_cost(pair_lengths, batch_size, seed)),
         group_size=manifest.options.pairs.group_size,
+        scores_column=manifest.options.pairs.scores_column,
+        ranks_column=manifest.options.pairs.ranks_column,
     )
 
 
@@ -682,6 +686,10 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
             f"prompt tokens {pr.prompt_tokens:,}, completion tokens {pr.completion_tokens:,}; a prompt stored once "
             f"would save {pr.shared_prompt_saves:,}",
         )
+        values = [f"{kind} from column {column!r} ({field})" for kind, column, field in (
+            ("scores", pr.scores_column, "group_scores"), ("ranks, 1 the best,", pr.ranks_column, "group_ranks")) if column is not None]
+        if values:
+            summary.add_row("per completion", "; ".join(values))
 
     notes = Text(
         "¹ documents are the segments in the packs (np.diff of cu_seqlens): corpus documents after split, "

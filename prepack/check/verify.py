@@ -284,9 +284,10 @@ def _source_documents(
     else:
         chat = o.tokenize.mode == "chat"
         if o.pairs is not None and o.pairs.group_size is not None:  # a group build: its G is found in the source again
-            columns = {"prompt_column": o.pairs.prompt_column, "completions_column": o.pairs.completions_column}
+            columns = {"prompt_column": o.pairs.prompt_column, "completions_column": o.pairs.completions_column,
+                       "scores_column": o.pairs.scores_column, "ranks_column": o.pairs.ranks_column}
         elif o.pairs is not None:
-            columns = o.pairs.model_dump(exclude={"completions_column", "group_size"})
+            columns = o.pairs.model_dump(exclude={"completions_column", "group_size", "scores_column", "ranks_column"})
         else:
             columns = {"train_on": o.tokenize.train_on, "messages_column" if chat else "text_column": o.tokenize.column}
         reading = Reading(
