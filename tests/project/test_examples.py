@@ -105,7 +105,8 @@ def test_dpo_example_trains_on_a_pair_build(pairs_packed, script, tmp_path):
 @pytest.fixture(scope="module")
 def group_inputs(tmp_path_factory) -> tuple[Path, Path, Path]:
     """A group build of chitchat exchanges (the real answer first, three others after), its tokenizer, and the
-    same exchanges as unpaired feedback in TRL's format (the real answer desirable, another not)."""
+    same exchanges as unpaired feedback in TRL's format (the real answer desirable, another not); beside them
+    (`ranked`) a build of the same groups, the answer last, with ranks (`--ranks-column`)."""
     import json
 
     import prepack
@@ -118,6 +119,11 @@ def group_inputs(tmp_path_factory) -> tuple[Path, Path, Path]:
     corpus = root / "groups.jsonl"
     corpus.write_text("".join(json.dumps({"prompt": f"Q: {t[0]} A:", "completions": [f" {t[1]}", *others]}) + "\n" for t in turns))
     prepack.build(corpus, root / "packed", max_len=256, tokenizer=tokenizer, groups=True, overflow="drop", num_proc=1)
+    ranked = root / "ranked.jsonl"
+    ranked.write_text("".join(json.dumps({"prompt": f"Q: {t[0]} A:", "completions": [*others, f" {t[1]}"], "ranks": [3, 2, 4, 1]})
+                              + "\n" for t in turns))
+    prepack.build(ranked, root / "ranked", max_len=256, tokenizer=tokenizer, groups=True, overflow="drop", num_proc=1,
+                  ranks_column="ranks")
     feedback = root / "feedback.jsonl"
     feedback.write_text("".join(
         json.dumps({"prompt": f"Q: {t[0]} A:", "completion": f" {t[1]}" if i % 2 else others[i % 3], "label": bool(i % 2)}) + "\n"
@@ -126,12 +132,16 @@ def group_inputs(tmp_path_factory) -> tuple[Path, Path, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("script", "first_loss"), [("train_groups_plain_loop.py", math.log(2)), ("train_kto_plain_loop.py", 0.5)])
+@pytest.mark.parametrize(("script", "first_loss"), [("train_groups_plain_loop.py", math.log(2)), ("train_kto_plain_loop.py", 0.5),
+                                                   ("train_groups_plain_loop.py ranked", math.log(24))])
 def test_group_and_kto_examples_train(group_inputs, script, first_loss, tmp_path):
-    """The group recipe (shared-prompt layout of a --groups build) starts at log 2, the KTO one (TRL's unpaired
-    format, KL completions planned from a seed) at 0.5, policy == reference; both print a finite final loss."""
+    """The group recipe (shared-prompt layout of a --groups build) starts at log 2, and on a build with ranks
+    (Plackett-Luce over groups of 4) at log 4!, the KTO one (TRL's unpaired format, KL completions planned from a
+    seed) at 0.5, policy == reference; all print a finite final loss."""
     build, tokenizer, feedback = group_inputs
-    data = ["--data", str(build)] if script.startswith("train_groups") else ["--data", str(feedback), "--tokenizer", str(tokenizer)]
+    script, _, ranked = script.partition(" ")
+    data = (["--data", str(build.parent / "ranked" if ranked else build)] if script.startswith("train_groups")
+            else ["--data", str(feedback), "--tokenizer", str(tokenizer)])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run([sys.executable, str(EXAMPLES / script), *data, "--steps", "3", "--workers", "0", "--batch-size", "4"],
                             capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
