@@ -271,7 +271,7 @@ def test_a_tampered_value_is_a_verify_finding_and_refused_by_the_reader(scored_b
     assert result.returncode == 1 and column in result.stdout and message in " ".join(result.stdout.split()), result.stdout
 
 
-@pytest.mark.slow  # verify against the source, inspect, verify again: ~12 s
+@pytest.mark.slow  # verify against the source twice, inspect, verify twice: ~20 s
 def test_verify_and_inspect_read_a_scored_build(scored_build, gpt2):  # noqa: F811
     root, corpus = scored_build
     result = run_prepack("verify", root / "out", "--source", corpus, "--tokenizer", gpt2)
@@ -289,3 +289,8 @@ def test_verify_and_inspect_read_a_scored_build(scored_build, gpt2):  # noqa: F8
     path.write_bytes(bytes(data))
     result = run_prepack("verify", build)
     assert result.returncode == 1 and "sha256" in result.stdout and "the file changed after the build" in result.stdout
+    record_shard(build / "manifest.json", path)  # now only the source can tell
+    assert run_prepack("verify", build).returncode == 0
+    result = run_prepack("verify", build, "--source", corpus, "--tokenizer", gpt2)
+    found = " ".join(result.stdout.split())
+    assert result.returncode == 1 and "group_scores" in found and "holds 7.0, but the source gives" in found, found
