@@ -34,8 +34,8 @@ from prepack.check.report import InspectReport, inspect_build
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import format_error, list_array, list_column
 from prepack.formats.shards import (
-    IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, PackLayout, check_index_shard, check_shard, check_shard_sha256,
-    pack_layout, read_manifest, shard_path, shard_sha256,
+    GROUP_RANKS, GROUP_SCORES, IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, PackLayout, check_index_shard, check_shard,
+    check_shard_sha256, pack_layout, read_manifest, shard_path, shard_schema, shard_sha256,
 )
 from prepack.sources.gather import IndexGather, index_columns
 from prepack.sources.mixture_stores import open_mixture_stores
@@ -151,7 +151,7 @@ def _rebased(batch: pa.RecordBatch) -> pa.RecordBatch:
 
 def training_schema(build: ExportBuild) -> pa.Schema:
     """The columns of `training_rows`: input_ids, labels, position_ids, cu_seqlens, and a mixture's
-    source_ids and a preference-pair build's pair_roles."""
+    source_ids and a preference-pair build's pair_roles (and a group build's group_scores, group_ranks)."""
     m = build.manifest
     fields = [
         pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
@@ -163,6 +163,10 @@ def training_schema(build: ExportBuild) -> pa.Schema:
         fields.append(pa.field("source_ids", pa.list_(pa.uint16()), nullable=False))
     if m.pairs is not None:
         fields.append(pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False))
+        # A group build's values, as its shards carry them (`shard_schema`'s types).
+        shards = shard_schema(False, 1, pairs=True, scores=m.options.pairs.scores_column is not None,
+                              ranks=m.options.pairs.ranks_column is not None)
+        fields += [shards.field(name) for name in (GROUP_SCORES, GROUP_RANKS) if name in shards.names]
     return pa.schema(fields)
 
 

@@ -294,3 +294,15 @@ def test_verify_and_inspect_read_a_scored_build(scored_build, gpt2):  # noqa: F8
     result = run_prepack("verify", build, "--source", corpus, "--tokenizer", gpt2)
     found = " ".join(result.stdout.split())
     assert result.returncode == 1 and "group_scores" in found and "holds 7.0, but the source gives" in found, found
+
+
+@pytest.mark.slow  # a build exported: ~3 s
+def test_a_parquet_export_carries_the_values(scored_build, tmp_path):
+    """`prepack export --to parquet` keeps each completion's score and rank beside its document, as stored."""
+    root, _ = scored_build
+    prepack.export_build(root / "out", "parquet", tmp_path / "export")
+    table = pa.concat_tables(pq.read_table(path) for path in sorted((tmp_path / "export").rglob("*.parquet")))
+    dataset = PackedDataset(root / "out")
+    for column in ("group_scores", "group_ranks"):
+        assert table.column(column).to_pylist() == [dataset[i][column].tolist() for i in range(len(dataset))]
+    assert "`group_scores` | document | each completion's score, from column `scores`" in (tmp_path / "export" / "README.md").read_text()
