@@ -31,7 +31,9 @@ are: the prompt alone and prompt + completion (text: EOS after it), the completi
 
 A group corpus (`PairOptions.completions_column`, `--groups`) holds a prompt and a list of G completions a
 row (every row G, its first row's), each group G documents, prompt + completion k, tokenized as pairs are;
-its completions may be equal (samples of one prompt).
+its completions may be equal (samples of one prompt). With `PairOptions.scores_column` / `ranks_column` a row also
+holds a list of G scores (finite numbers) or ranks (integers, 1 the best, a competition ranking: 1, 2, 2, 4), one a
+completion, checked as read (file, row, column) and collected per document (`PairDocuments.group_values`).
 
 Chat pairs are rendered in `num_proc` spawned processes, text in tokenizers' threads, as
 `prepack.sources.tokenize` does; the output does not depend on `num_proc`.
