@@ -406,11 +406,7 @@ def _require_whole_groups(packs: list[_Pack], group_size: int | None) -> int:
 def _reference_logps(packs: list[_Pack], size: int) -> np.ndarray:
     """[P, G] float64: the stored reference log-probabilities of each group's documents (a pair's chosen and
     rejected), in the order of `_pair_segments` (every pack's documents, in order, make whole groups)."""
-    missing = [number for number, pack in enumerate(packs) if pack.reference_logps is None]
-    if missing:
-        raise UsageError(f"Pack {missing[0]} has no 'reference_logps' while others of the batch have: collate packs "
-                         "of one PackedDataset(build, reference=DIR).")
-    return np.concatenate([pack.reference_logps for pack in packs]).astype(np.float64).reshape(-1, size)
+    return _per_group(packs, "reference_logps", size, "one PackedDataset(build, reference=DIR)").astype(np.float64)
 
 
 def _group_values(packs: list[_Pack], size: int) -> dict[str, torch.Tensor]:
@@ -418,16 +414,19 @@ def _group_values(packs: list[_Pack], size: int) -> dict[str, torch.Tensor]:
     values, its completions' in order, in the order of `_pair_segments` and of the shared-prompt layout's groups
     (the packs' groups, in pack order), so that row p is row p of `group_logps`."""
     fields = {}
-    for name in ("group_scores", "group_ranks"):
-        values = [getattr(pack, name) for pack in packs]
-        if all(v is None for v in values):
-            continue
-        if (missing := next((n for n, v in enumerate(values) if v is None), None)) is not None:
-            raise UsageError(f"Pack {missing} has no {name!r} while others of the batch have: collate packs of one group "
-                             "build (prepack build --groups with --scores-column or --ranks-column).")
-        joined = np.concatenate(values).reshape(-1, size)
-        fields[name] = torch.from_numpy(joined.astype(np.float64 if name == "group_scores" else np.int64))
+    for name, dtype in (("group_scores", np.float64), ("group_ranks", np.int64)):
+        if any(getattr(pack, name) is not None for pack in packs):
+            build = "one group build (prepack build --groups with --scores-column or --ranks-column)"
+            fields[name] = torch.from_numpy(_per_group(packs, name, size, build).astype(dtype))
     return fields
+
+
+def _per_group(packs: list[_Pack], name: str, size: int, source: str) -> np.ndarray:
+    """[P, G]: the packs' per-document values `name` (a `_Pack` field), a row a group, in the order of
+    `_pair_segments` (every pack's documents, in order, make whole groups); UsageError when a pack has none."""
+    if (missing := next((n for n, pack in enumerate(packs) if getattr(pack, name) is None), None)) is not None:
+        raise UsageError(f"Pack {missing} has no {name!r} while others of the batch have: collate packs of {source}.")
+    return np.concatenate([getattr(pack, name) for pack in packs]).reshape(-1, size)
 
 
 def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:

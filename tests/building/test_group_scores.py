@@ -121,6 +121,9 @@ def test_scores_and_ranks_reach_the_batch_in_the_rows_of_group_logps(scored_buil
         assert batch["group_ranks"].tolist() == [rows[r]["ranks"] for r in order], options
         assert len(batch["group_scores"]) == pair_count(batch)
         assert not {"group_scores", "group_ranks"} & set(model_inputs(batch))
+    bare = {key: value for key, value in packs[1].items() if key != "group_scores"}
+    with pytest.raises(UsageError, match="Pack 1 has no 'group_scores' while others of the batch have: collate packs of one group build"):
+        PackedCollator.for_dataset(dataset)([packs[0], bare])
 
 
 def test_open_hf_dataset_keeps_the_scores_float64(scored_build):
