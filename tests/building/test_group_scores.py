@@ -28,7 +28,7 @@ from prepack.errors import ArgumentTypeError, FormatError, InputError, UsageErro
 from prepack.formats.shards import open_shard, read_manifest
 from tests.building.test_groups_build import text_groups
 from tests.building.test_pairs import gpt2, write_jsonl  # noqa: F401 (fixtures)
-from tests.cli import WIDE, failure, run_prepack
+from tests.cli import failure, run_prepack
 from tests.corpus import record_shard
 
 SIZE = 4
@@ -80,17 +80,6 @@ def test_a_group_build_of_two_is_worded_as_pairs_are(tmp_path, gpt2):  # noqa: F
     assert "TRL DPOTrainer, random batches of 8 pairs" in text and "padded, random batches" not in text
 
 
-def test_open_shard_refuses_a_bool_group_size(tmp_path, gpt2):  # noqa: F811
-    """`pairs` is the group size: True == 1 would pass an int check and be read as G = 1."""
-    corpus = write_jsonl(tmp_path / "g.jsonl", text_groups(4))
-    manifest = prepack.build(corpus, tmp_path / "out", max_len=256, tokenizer=gpt2, groups=True, overflow="drop", num_proc=1)
-    path = tmp_path / "out" / manifest.shards[0].name
-    for size in (True, 1, 2.0):
-        with pytest.raises(ArgumentTypeError, match=rf"pairs must be a group size, an int of at least 2, not {size!r}"):
-            open_shard(path, True, 256, pairs=size)
-    assert open_shard(path, True, 256, pairs=4).num_rows == manifest.shards[0].rows
-
-
 @pytest.fixture(scope="module")
 def scored_build(tmp_path_factory, gpt2):  # noqa: F811
     root = tmp_path_factory.mktemp("scored")
@@ -98,6 +87,19 @@ def scored_build(tmp_path_factory, gpt2):  # noqa: F811
     prepack.build(corpus, root / "out", max_len=256, tokenizer=gpt2, groups=True, overflow="drop", num_proc=1,
                   scores_column="scores", ranks_column="ranks", max_docs_per_pack=2 * SIZE)
     return root, corpus
+
+
+def test_open_shard_refuses_a_bool_group_size(scored_build):
+    """`pairs` is the group size: True == 1 would pass an int check and be read as G = 1."""
+    root, _ = scored_build
+    info = read_manifest(root / "out").shards[0]
+    path = root / "out" / info.name
+    for size in (True, 1, 2.0):
+        with pytest.raises(ArgumentTypeError, match=rf"pairs must be a group size, an int of at least 2, not {size!r}"):
+            open_shard(path, True, 256, pairs=size, scores=True, ranks=True)
+    with pytest.raises(ArgumentTypeError, match=r"scores and ranks are a group build's: give its group size \(pairs\)"):
+        open_shard(path, True, 256, scores=True)
+    assert open_shard(path, True, 256, pairs=SIZE, scores=True, ranks=True).num_rows == info.rows
 
 
 def test_scores_and_ranks_reach_the_batch_in_the_rows_of_group_logps(scored_build):
@@ -114,8 +116,17 @@ def test_scores_and_ranks_reach_the_batch_in_the_rows_of_group_logps(scored_buil
     packs = [dataset[i] for i in range(len(dataset))]
     order = batch_rows(dataset, SIZE)
     assert len(set(order)) == len(order) == 30 - manifest.pairs.dropped > 1
+    documents = {}  # corpus document -> its tokens
+    for i, pack in enumerate(packs):
+        cu = pack["cu_seqlens"]
+        documents |= {int(r): pack["input_ids"][cu[j] : cu[j + 1]].tolist() for j, r in enumerate(dataset.source_rows(i))}
     for options in layouts(manifest.options.max_docs_per_pack):
         batch = PackedCollator.for_dataset(dataset, **options)(packs)
+        if "pair_segments" in batch:  # row p's values are those of the documents group_logps' row p reads
+            flat, cu = batch["input_ids"].flatten().tolist(), batch["cu_seq_lens_q"].tolist()
+            for p, row in enumerate(order):
+                read = [flat[cu[s] : cu[s + 1]] for s in batch["pair_segments"][p].tolist()]
+                assert read == [documents[SIZE * row + k] for k in range(SIZE)], (options, p)
         assert batch["group_scores"].dtype == torch.float64 and batch["group_ranks"].dtype == torch.int64
         assert batch["group_scores"].tolist() == [rows[r]["scores"] for r in order], options
         assert batch["group_ranks"].tolist() == [rows[r]["ranks"] for r in order], options
@@ -176,6 +187,7 @@ def test_round_trip_from_corpus_to_batch(gpt2, data):  # noqa: F811
             assert batch["group_ranks"].tolist() == [corpus[r]["ranks"] for r in order], options
 
 
+@pytest.mark.slow  # three builds: ~1 s
 def test_a_scored_build_is_deterministic_and_an_unscored_one_unchanged(tmp_path, gpt2):  # noqa: F811
     corpus = write_jsonl(tmp_path / "scored.jsonl", scored_groups(12))
     for out in ("a", "b"):
