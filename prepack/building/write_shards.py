@@ -178,8 +178,10 @@ def write_shard(
     packs = len(layout.pack_offsets) - 1
     total = int(lengths.sum())
     if tokens is None:
-        schema = shard_schema(False, layout.max_len, store, sources=layout.source_ids is not None)
-        batch = pa.RecordBatch.from_arrays(_pack_columns(layout, lengths, schema), schema=schema)
+        pairs = layout.pair_roles is not None
+        schema = shard_schema(False, layout.max_len, store, sources=layout.source_ids is not None, pairs=pairs)
+        roles = [list_array(layout.pack_offsets, layout.pair_roles)] if pairs else []
+        batch = pa.RecordBatch.from_arrays([*_pack_columns(layout, lengths, schema), *roles], schema=schema)
     else:
         batch = _full_batch(layout, lengths, tokens, labels, buffers)
     name = shard_name(index)
@@ -201,7 +203,7 @@ def _full_batch(
     _segment_ids(lengths, layout.pack_offsets, segment_ids)
     schema = shard_schema(
         labels is not None, layout.max_len, sources=layout.source_ids is not None, pairs=layout.pair_roles is not None,
-        scores=layout.group_scores is not None, ranks=layout.group_ranks is not None,
+        scores=layout.group_scores is not None, ranks=layout.group_ranks is not None, unpaired=layout.desirable is not None,
     )
     columns = [list_array(pack_token_offsets, ids), list_array(pack_token_offsets, segment_ids), *_pack_columns(layout, lengths, schema)]
     if labels is not None:
@@ -211,6 +213,8 @@ def _full_batch(
     for values in (layout.pair_roles, layout.group_scores, layout.group_ranks):  # shard_schema's order
         if values is not None:
             columns.append(list_array(layout.pack_offsets, values))
+    if layout.desirable is not None:  # one label an example, each example 2 segments
+        columns.append(list_array(layout.pack_offsets // 2, layout.desirable))
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 

@@ -143,6 +143,8 @@ def dataset_card(build: ExportBuild, report: InspectReport, files: int, arrow_by
             lines.append(f"| `group_scores` | document | each completion's score, from column `{m.options.pairs.scores_column}` |")
         if m.options.pairs.ranks_column is not None:
             lines.append(f"| `group_ranks` | document | each completion's rank in its group, 1 the best, from column `{m.options.pairs.ranks_column}` |")
+    if m.options.pairs is not None and m.options.pairs.kind == "unpaired":
+        lines.append("| `desirable` | example (2 documents) | KTO: each example's label, true = desirable; role 0 its completion, role 1 its KL completion |")
     lines += [
         "",
         "```python",

@@ -50,7 +50,7 @@ from prepack.model.families import (
 )
 
 __all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_packed", "image_refusal", "image_style", "markdown",
-           "needs", "not_built", "not_run"]
+           "needs", "not_built", "not_run", "VIDEO_RULES"]
 
 ImageStyle = Literal["3-D rotary", "restart", "image blocks"]
 
@@ -310,6 +310,18 @@ VISION_FAMILIES |= {
     'vision-encoder-decoder': _swept(
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
+}
+
+
+# The families whose video inputs VisionCollator batches, and the video processor's rule they count placeholders
+# by (`prepack.formats.images.VideoRule`): qwen2, one run of placeholders a video (Qwen2VLVideoProcessor);
+# qwen3, one run a temporal step, each after its time as text, which transformers' `get_rope_index` positions as
+# that many one-step videos (Qwen3VLVideoProcessor). tests/model/test_video.py measures each against each
+# video sample alone, and holds every family's kind to transformers' source (the video processor its auto
+# mapping names, and whether its get_rope_index splits videos by step).
+VIDEO_RULES: dict[str, Literal["qwen2", "qwen3"]] = {
+    "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3", "qwen3_5": "qwen3",
+    "qwen3_5_moe": "qwen3", "qwen4_exp": "qwen3",
 }
 
 

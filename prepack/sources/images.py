@@ -34,7 +34,13 @@ true length. The images go into an image set (`schemas/image-set.md`): each dist
 encoded bytes with its sha256, and per corpus row the numbers of its images. Images are written out as
 they are read, so memory holds one image (and a few rows of a Parquet or Arrow corpus), not all of them.
 
-Limits (`ImageLimits`): encoded size, pixels, images per record; an image over one is refused (InputError
+Videos (Qwen-VL, `video_processor_rule`) are read as their frames, never decoded from a video file: a record's
+`videos` column (each a list of frames, or a directory of frame images) placed by `<video>` markers, or
+`{"type": "video", ...}` items; `video_fps` their rates. Every frame is an image of the set (stored once by
+sha256); a video becomes its `VideoRule` text, and `videos.arrow` records per row its videos' frames, rates and
+placeholder counts (`schemas/image-set.md`). A corpus without videos gives the image set of before, byte for byte.
+
+Limits (`ImageLimits`): encoded size, pixels, images per record (a video's frames counted); an image over one is refused (InputError
 naming file, row and column), as is an unreadable or unsupported one. Nothing is downloaded: a URI that is
 not a local path is refused.
 """
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import os
 import re
 import stat
@@ -58,6 +65,7 @@ import pyarrow.parquet as pq
 from prepack.errors import InputError, OutputError, optional_imports
 from prepack.formats.common import file_type_name
 from prepack.formats.images import (
+    DEFAULT_VIDEO_FPS,
     DOCUMENTS_FILE,
     DOCUMENTS_SCHEMA,
     IMAGE_SET_MANIFEST,
@@ -68,6 +76,9 @@ from prepack.formats.images import (
     ImageRule,
     ImageSetFile,
     ImageSetManifest,
+    VIDEOS_FILE,
+    VIDEOS_SCHEMA,
+    VideoRule,
 )
 from prepack.sources.corpus import (
     MAX_RECORD_BYTES,
@@ -84,9 +95,20 @@ from prepack.storage.output import output_errors, output_file, staged_directory
 with optional_imports("prepare_image_chat"):
     from PIL import Image
 
-__all__ = ["ImageCorpusSummary", "decode_failure", "image_header", "prepare_image_chat", "processor_rule"]
+__all__ = ["ImageCorpusSummary", "decode_failure", "image_header", "prepare_image_chat", "processor_rule",
+           "video_processor_rule"]
 
 LLAVA_MARKER = "<image>"
+VIDEO_MARKER = "<video>"  # LlamaFactory's, in a record with a `videos` column
+# transformers' Qwen-VL video processors, by `video_processor_type`: prepack's rule kind and the class defaults
+# (patch size, size.shortest_edge, size.longest_edge) a config may leave out.
+_VIDEO_PROCESSORS = {
+    "Qwen2VLVideoProcessor": ("qwen2", 14, 128 * 28 * 28, 28 * 28 * 768),
+    "Qwen3VLVideoProcessor": ("qwen3", 16, 128 * 32 * 32, 32 * 32 * 768),
+}
+_FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff")
+_VIDEO_AS_FRAMES = ("prepack reads a video as its frames (it has no video decoder): a list of image paths or encoded "
+                    "images, or a directory of frame images taken in name order")
 _FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF")
 # The placeholder texts of each image processor, by its `image_processor_type` (transformers' names).
 _PLACEHOLDERS = {
@@ -203,6 +225,11 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         rule = ImageRule(placeholder=placeholder, start=start, end=end, **fields)
     except ValueError as exc:  # pydantic's upper bounds
         raise InputError(f"{config_file}: the processor's sizes are out of range ({exc}).") from None
+    return rule, _placeholder_id(directory, placeholder, "image")
+
+
+def _placeholder_id(directory: Path, placeholder: str, kind: str) -> int:
+    """The id of `placeholder`, which must be one special token of the directory's tokenizer."""
     from prepack.sources.tokenize import load_tokenizer  # here: `verify --images` reads images, no tokenizer
 
     tokenizer = load_tokenizer(directory).tokenizer
@@ -210,10 +237,48 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     encoded = tokenizer.encode(placeholder * 2, add_special_tokens=False).ids
     if placeholder_id is None or encoded != [placeholder_id, placeholder_id]:
         raise InputError(
-            f"{directory / 'tokenizer.json'}: the image placeholder {placeholder!r} is not one special token of the "
-            "tokenizer; add it (tokenizers: tokenizer.add_special_tokens([...])) so that each image token is one id."
+            f"{directory / 'tokenizer.json'}: the {kind} placeholder {placeholder!r} is not one special token of the "
+            f"tokenizer; add it (tokenizers: tokenizer.add_special_tokens([...])) so that each {kind} token is one id."
         )
-    return rule, placeholder_id
+    return placeholder_id
+
+
+def video_processor_rule(directory: str | os.PathLike) -> tuple[VideoRule, int] | None:
+    """The video rule of a local processor directory and its video placeholder's id, from its
+    `video_preprocessor_config.json` (transformers' Qwen2-VL or Qwen3-VL video processor: `size`, `patch_size`,
+    `merge_size`, `temporal_patch_size`; the class defaults where absent) and `processor_config.json`'s
+    `video_token` (default `<|video_pad|>`); None when the directory has no video processor."""
+    directory = Path(directory)
+    config_file, processor_file = directory / "video_preprocessor_config.json", directory / "processor_config.json"
+    if not config_file.exists():
+        return None
+    config = _json(config_file)
+    processor = _json(processor_file) if processor_file.exists() else {}
+    named = config.get("video_processor_type")
+    found = _VIDEO_PROCESSORS.get(named.removesuffix("Fast") if isinstance(named, str) else None)
+    if found is None:
+        raise InputError(f"{config_file}: video_processor_type {named!r} is not one prepack counts placeholders for "
+                         f"({', '.join(_VIDEO_PROCESSORS)}).")
+    if config.get("cap_pixels_per_frame"):
+        raise InputError(f"{config_file}: cap_pixels_per_frame is set; prepack counts a video's placeholders as "
+                         "transformers does without it (its default), so a capped count would not match.")
+    kind, patch, min_default, max_default = found
+    size = _mapping(config, config_file, "size")
+    min_pixels = _positive(size, config_file, "shortest_edge", min_default, "size.")
+    max_pixels = _positive(size, config_file, "longest_edge", max_default, "size.")
+    if min_pixels > max_pixels:
+        raise InputError(f"{config_file}: size.shortest_edge {min_pixels} is more than size.longest_edge {max_pixels}.")
+    try:
+        rule = VideoRule(
+            kind=kind, placeholder=_text(processor, processor_file, "video_token", "<|video_pad|>"),
+            patch_size=_positive(config, config_file, "patch_size", patch),
+            merge_size=_positive(config, config_file, "merge_size", 2),
+            temporal_patch_size=_positive(config, config_file, "temporal_patch_size", 2),
+            min_pixels=min_pixels, max_pixels=max_pixels,
+        )
+    except ValueError as exc:  # pydantic's bounds
+        raise InputError(f"{config_file}: the video processor's sizes are out of range ({exc}).") from None
+    return rule, _placeholder_id(directory, rule.placeholder, "video")
 
 
 def image_header(data: bytes, where: str, limits: ImageLimits) -> tuple[int, int]:
@@ -256,6 +321,7 @@ class ImageCorpusSummary:
     image_tokens: int
     corpus: Path  # the chat corpus to build
     image_set: Path
+    videos: int = 0  # video references over all rows (their frames are among `images`)
 
 
 @dataclass(frozen=True)
@@ -282,10 +348,12 @@ def prepare_image_chat(
     Same input, same bytes."""
     corpus, out, limits = Path(corpus), Path(out), limits or ImageLimits()
     rule, placeholder_id = processor_rule(processor)
+    video_side = video_processor_rule(processor)
     explicit = None if images_root is None else _ImageRoot(_real_directory(images_root), explicit=True)
     if os.path.lexists(out):
         raise OutputError(f"{out} exists; prepack writes a new directory and never replaces one.")
     references: list[list[int]] = []
+    row_videos: list[list[tuple[list[int], float, int]]] = []  # per row: (frame numbers, fps, placeholders)
     roots: dict[str, _ImageRoot] = {}
     with staged_directory(out, overwrite=False) as staging:
         image_dir = staging.build / "images"
@@ -300,23 +368,42 @@ def prepare_image_chat(
                     roots[str(file)] = _ImageRoot(Path(os.path.realpath(Path(file).parent)), explicit=False)
                 root = explicit or roots[str(file)]
                 kind, turns = _turns(record, where)
-                expanded, numbers = _expanded(kind, turns, record, where, root, images)
+                expanded, numbers, videos = _expanded(kind, turns, record, where, root, images, video_side)
                 rows.add(kind, expanded, where)
                 references.append(numbers)
+                row_videos.append(videos)
         files = (
             _write_batch(image_dir / IMAGES_FILE, images.batch()),
             _write_batch(image_dir / DOCUMENTS_FILE, pa.record_batch(
                 [pa.array(references, DOCUMENTS_SCHEMA.field(0).type)], schema=DOCUMENTS_SCHEMA)),
         )
+        video_fields = {}
+        if any(row_videos):  # a corpus without videos: the image set of before, byte for byte
+            files += (_write_batch(image_dir / VIDEOS_FILE, _videos_batch(row_videos)),)
+            video_fields = dict(video_rule=video_side[0], video_placeholder_id=video_side[1],
+                                video_references=sum(map(len, row_videos)),
+                                video_tokens=sum(tokens for videos in row_videos for _, _, tokens in videos))
         manifest = ImageSetManifest(
             image_set_version=IMAGE_SET_VERSION, rule=rule, placeholder_id=placeholder_id, limits=limits,
             documents=len(references), images=len(images.tokens), references=sum(map(len, references)),
             image_tokens=sum(images.tokens[n] for numbers in references for n in numbers), files=files,
+            **video_fields,
         )
         with output_errors(image_dir / IMAGE_SET_MANIFEST):
-            (image_dir / IMAGE_SET_MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+            (image_dir / IMAGE_SET_MANIFEST).write_text(manifest.json_text())
     return ImageCorpusSummary(manifest.documents, manifest.images, manifest.references, manifest.image_tokens,
-                              out / "corpus.parquet", out / "images")
+                              out / "corpus.parquet", out / "images", manifest.video_references or 0)
+
+
+def _videos_batch(row_videos: list[list[tuple[list[int], float, int]]]) -> pa.RecordBatch:
+    columns = (
+        [[frame for frames, _, _ in videos for frame in frames] for videos in row_videos],
+        [[len(frames) for frames, _, _ in videos] for videos in row_videos],
+        [[fps for _, fps, _ in videos] for videos in row_videos],
+        [[tokens for _, _, tokens in videos] for videos in row_videos],
+    )
+    return pa.record_batch([pa.array(column, field.type) for column, field in zip(columns, VIDEOS_SCHEMA)],
+                           schema=VIDEOS_SCHEMA)
 
 
 class _ImageWriter:
@@ -539,8 +626,10 @@ def _turns(record: dict, where: str) -> tuple[str, list[tuple[Any, Any, str]]]:
     )
 
 
-def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot, images: _ImageWriter):
-    """The record's messages with string contents, or its text, images as placeholder text; its image numbers."""
+def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot, images: _ImageWriter,
+              video_side: tuple[VideoRule, int] | None = None):
+    """The record's messages with string contents, or its text, images and videos as placeholder text; its image
+    numbers; its videos as (frame numbers, fps, placeholders)."""
     pending = record.get("images")
     if pending is None:
         pending = []
@@ -565,11 +654,55 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
             raise InputError(f"{where}, column {column}: an image without a source, and the images column has no more.")
         return pending.pop(0)
 
+    pending_videos = record.get("videos")
+    has_videos = pending_videos is not None
+    if has_videos and not isinstance(pending_videos, list):
+        raise InputError(f"{where}, column videos: {type(pending_videos).__name__}; expected a list of videos.")
+    pending_videos = list(pending_videos or [])
+    videos: list[tuple[list[int], float, int]] = []
+    rates = _video_rates(record.get("video_fps"), where)
+
+    def video_text(source: Any, column: str) -> str:
+        at = f"{where}, column {column}"
+        if video_side is None:
+            raise InputError(f"{at}: a video, and the processor directory has no video processor "
+                             "(video_preprocessor_config.json of a Qwen2-VL or Qwen3-VL video processor).")
+        video_rule = video_side[0]
+        frames = _video_frames(source, at, root, limits)
+        if len(numbers) + sum(len(frames) for frames, _, _ in videos) + len(frames) > limits.max_images_per_document:
+            raise InputError(f"{at}: more than {limits.max_images_per_document} images in a record (a video's frames "
+                             "count as images).")
+        frame_numbers = [images.number(data, f"{at}, frame {index}") for index, data in enumerate(frames)]
+        sizes = sorted({(images.widths[number], images.heights[number]) for number in frame_numbers})
+        if len(sizes) != 1:
+            raise InputError(f"{at}: the video's frames are of {len(sizes)} sizes ({sizes}); a video's frames are of "
+                             "one size.")
+        ((width, height),) = sizes
+        fps = rates(len(videos), at)
+        try:
+            text = video_rule.text(len(frames), width, height, fps)
+        except ValueError as exc:
+            raise InputError(f"{at}: the video processor cannot take the video: {exc}.") from None
+        videos.append((frame_numbers, fps, video_rule.placeholders(len(frames), width, height)))
+        return text
+
+    def next_video(column: str) -> Any:
+        if not pending_videos:
+            raise InputError(f"{where}, column {column}: a video without a source, and the videos column has no more.")
+        return pending_videos.pop(0)
+
+    # `<video>` is a marker only in a record with a videos column (LlamaFactory's), so texts of before read alike.
+    markers = f"({re.escape(LLAVA_MARKER)}|{re.escape(VIDEO_MARKER)})" if has_videos else f"({re.escape(LLAVA_MARKER)})"
     messages = []
     for role, content, column in turns:
         if isinstance(content, str):
-            pieces = content.split(LLAVA_MARKER)
-            text = pieces[0] + "".join(image_text(next_pending("images"), "images") + piece for piece in pieces[1:])
+            pieces = re.split(markers, content)
+            text = "".join(
+                piece if index % 2 == 0
+                else image_text(next_pending("images"), "images") if piece == LLAVA_MARKER
+                else video_text(next_video("videos"), "videos")
+                for index, piece in enumerate(pieces)
+            )
         elif isinstance(content, list):
             parts = []
             for item in content:
@@ -579,16 +712,63 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
                 elif item_kind == "image":
                     source = next((item[key] for key in ("image", "path", "bytes") if item.get(key)), None)
                     parts.append(image_text(source if source is not None else next_pending("images"), column))
+                elif item_kind == "video":
+                    source = next((item[key] for key in ("video", "path") if item.get(key)), None)
+                    parts.append(video_text(source if source is not None else next_video("videos"), column))
                 else:
                     raise InputError(
-                        f"{where}, column {column}: an item of type {item_kind!r}; expected text or image.")
+                        f"{where}, column {column}: an item of type {item_kind!r}; expected text, image or video.")
             text = "".join(parts)
         else:
             raise InputError(f"{where}, column {column}: expected a string or a list of items.")
         messages.append({"role": role, "content": text})
     if pending:
         raise InputError(f"{where}, column images: {len(pending)} images that no message places.")
-    return (messages[0]["content"] if kind == "text" else messages), numbers
+    if pending_videos:
+        raise InputError(f"{where}, column videos: {len(pending_videos)} videos that no message places.")
+    return (messages[0]["content"] if kind == "text" else messages), numbers, videos
+
+
+def _video_rates(value: Any, where: str):
+    """`rate(index, at)`: the frames per second of the record's video `index`, from its `video_fps` (one number
+    for every video, or a list of one per video; DEFAULT_VIDEO_FPS without it)."""
+    if value is None:
+        return lambda index, at: DEFAULT_VIDEO_FPS
+    single = not isinstance(value, list)
+    for rate in [value] if single else value:
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+            raise InputError(f"{where}, column video_fps: {rate!r}; a frame rate is a positive number.")
+
+    def rate(index: int, at: str) -> float:
+        if single:
+            return float(value)
+        if index >= len(value):
+            raise InputError(f"{at}: video {index} of the record has no rate in video_fps ({len(value)} rates).")
+        return float(value[index])
+
+    return rate
+
+
+def _video_frames(source: Any, where: str, root: _ImageRoot, limits: ImageLimits) -> list[bytes]:
+    """A video's encoded frames, from a list of frames (paths or encoded images) or a directory of frame images
+    (confined as an image path is; its image files in name order). A video file is refused: no decoder."""
+    if isinstance(source, list):
+        if not source:
+            raise InputError(f"{where}: a video without frames.")
+        return [_image_bytes(frame, f"{where}, frame {index}", root, limits) for index, frame in enumerate(source)]
+    if isinstance(source, str) and source and not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", source):
+        directory = _confined(source, where, root)
+        if not directory.exists():
+            raise InputError(f"{where}: the video {source!r} cannot be read (no such file or directory).")
+        if directory.is_dir():
+            names = sorted(entry.name for entry in os.scandir(directory)
+                           if entry.name.lower().endswith(_FRAME_SUFFIXES) and not entry.name.startswith("."))
+            if not names:
+                raise InputError(f"{where}: the video directory {source!r} holds no frame images "
+                                 f"({', '.join(_FRAME_SUFFIXES)}).")
+            return [_image_bytes(f"{source.rstrip('/')}/{name}", f"{where}, frame {name}", root, limits)
+                    for name in names]
+    raise InputError(f"{where}: {str(source)[:80]!r} is not a list of frames or a directory of them; {_VIDEO_AS_FRAMES}.")
 
 
 def _image_bytes(source: Any, where: str, root: _ImageRoot, limits: ImageLimits) -> bytes:

@@ -119,6 +119,8 @@ class PackedCollator:
       give the same fields [P, G], a group's G completions (`prepack.training.preference.group_logps`), and a
       group build's with scores or ranks (`--scores-column`, `--ranks-column`) `group_scores` [P, G] float64 and
       `group_ranks` [P, G] int64 (1 the best), each completion's value, in the rows of `group_logps`, in every layout.
+      Packs of an unpaired (KTO) build (`--unpaired`, pairs of completion and KL completion) also give `desirable`
+      [P] bool, each example's label, in the order of `pair_segments` (`prepack.training.preference.kto_loss` takes it).
     - `shared_prompt=True` (packs of a preference-pair or group build; `padded` or `padding_free`): each pair's
       or group's prompt once, then its completions, their position ids continuing from the prompt's end; the
       batch carries `shared_prompt_ids` and `shared_prompt_parts` instead of offsets and `pair_segments`
@@ -281,6 +283,8 @@ class PackedCollator:
             if any(pack.reference_logps is not None for pack in checked):
                 batch["reference_logps"] = torch.from_numpy(_reference_logps(checked, segments.shape[1]))
             batch |= _group_values(checked, segments.shape[1])
+            if any(pack.desirable is not None for pack in checked):
+                batch["desirable"] = torch.from_numpy(_desirable(checked, len(segments)))
         if self.cp_size is not None:
             lengths = np.concatenate([np.diff(pack.cu_seqlens) for pack in checked])
             batch["cu_seqlens"] = torch.from_numpy(np.append(0, np.cumsum(lengths)).astype(np.int32))
@@ -305,6 +309,8 @@ class PackedCollator:
                                      row_length=None if padding_free else self._row_length(lengths))
         if any(pack.reference_logps is not None for pack in packs):
             batch["reference_logps"] = torch.from_numpy(_reference_logps(packs, size))
+        if any(pack.desirable is not None for pack in packs):
+            batch["desirable"] = torch.from_numpy(_desirable(packs, sum(len(row) for row in rows)))
         return batch | _group_values(packs, size)
 
     def _fill_rows(self, packs: list[_Pack]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
@@ -352,6 +358,7 @@ class _Pack(NamedTuple):
     reference_logps: np.ndarray | None = None  # its stored reference log-probabilities, per document
     group_scores: np.ndarray | None = None  # a group build's scores (float64), per document
     group_ranks: np.ndarray | None = None  # a group build's ranks (1 the best), per document
+    desirable: np.ndarray | None = None  # an unpaired build's pack: each example's label (2 documents an example)
 
 
 def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.ndarray, group_size: int | None) -> np.ndarray:
@@ -429,6 +436,16 @@ def _per_group(packs: list[_Pack], name: str, size: int, source: str) -> np.ndar
     return np.concatenate([getattr(pack, name) for pack in packs]).reshape(-1, size)
 
 
+def _desirable(packs: list[_Pack], examples: int) -> np.ndarray:
+    """[P] bool: each example's label, in the order of the batch's groups (every pack's documents make whole pairs,
+    `_require_whole_groups`), `examples` of them."""
+    desirable = _per_group(packs, "desirable", 1, "one unpaired build").reshape(-1).astype(bool)
+    if len(desirable) != examples:
+        raise UsageError(f"{len(desirable)} 'desirable' labels for the batch's {examples} examples: a pack of an unpaired "
+                         "build has one label every 2 documents.")
+    return desirable
+
+
 def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
     """The pack with every document padded to a multiple of `multiple` (pad id, else the document's
     last token, as a row's padding), labels -100 there; the padding belongs to its document."""
@@ -499,4 +516,5 @@ def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sou
                          "open_hf_dataset formats it).")
     if ranks is not None and ranks.dtype.kind not in "iu":
         raise UsageError(f"Pack {number}: group_ranks must be integers, not {ranks.dtype}.")
-    return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles, reference, scores, ranks)
+    desirable = np.asarray(pack["desirable"]) if pack.get("desirable") is not None else None
+    return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles, reference, scores, ranks, desirable)

@@ -31,6 +31,7 @@ from prepack.errors import FormatError, InputError, PackIndexError, optional_imp
 from prepack.formats.common import list_column
 from prepack.formats.reference import ReferenceLogps
 from prepack.formats.shards import (
+    DESIRABLE,
     FORMAT_VERSION,
     GROUP_RANKS,
     GROUP_SCORES,
@@ -193,7 +194,7 @@ class PackedDataset(Dataset):
         packed = {"input_ids": ids, "cu_seqlens": cu[cu_off[row] : cu_off[row + 1]], "segment_ids": segment_ids}
         if labels is not None:
             packed["labels"] = labels
-        for name in ("source_ids", "reference_logps"):  # a mixture's; stored reference log-probabilities
+        for name in ("source_ids", PAIR_ROLES, "reference_logps"):  # a mixture's; a pair build's; stored reference log-probabilities
             if name in columns:
                 offsets, values = columns[name]
                 packed[name] = values[offsets[row] : offsets[row + 1]]
@@ -247,7 +248,8 @@ def _check_directory(path: Path, manifest: Manifest) -> None:
 
 def _row_columns(batch: pa.RecordBatch) -> list[str]:
     """The list columns a full shard serves (as zero-copy views)."""
-    return [*_ROW_COLUMNS, *(name for name in ("labels", "source_ids", PAIR_ROLES, GROUP_SCORES, GROUP_RANKS) if name in batch.schema.names)]
+    return [*_ROW_COLUMNS, *(name for name in ("labels", "source_ids", PAIR_ROLES, GROUP_SCORES, GROUP_RANKS, DESIRABLE)
+                             if name in batch.schema.names)]
 
 
 def open_hf_dataset(
@@ -266,7 +268,8 @@ def open_hf_dataset(
     Rows hold the same columns as `PackedDataset` rows, as int64 arrays (`datasets` hands out a full
     build's rows as int64 copies): input_ids, cu_seqlens, segment_ids, labels when the build has them, and a
     preference-pair build's pair_roles, and a group build's group_scores (Python floats, float64 as stored: the
-    numpy format would make them float32) and group_ranks when it was built with them.
+    numpy format would make them float32) and group_ranks when it was built with them (and an unpaired build's
+    desirable, one label an example).
     The dataset's `info.description` names the build's max_len (and cap), for `PackedCollator.for_dataset`.
 
     `reference`: a preference-pair build's stored reference log-probabilities, as `PackedDataset` takes
@@ -308,7 +311,8 @@ def open_hf_dataset(
     pairs = packed.manifest.options.pairs
     optional = {"labels": packed.manifest.has_labels, PAIR_ROLES: packed.manifest.pairs is not None,
                 GROUP_SCORES: pairs is not None and pairs.scores_column is not None,
-                GROUP_RANKS: pairs is not None and pairs.ranks_column is not None}
+                GROUP_RANKS: pairs is not None and pairs.ranks_column is not None,
+                DESIRABLE: pairs is not None and pairs.kind == "unpaired"}
     columns = [*_ROW_COLUMNS, *(name for name, present in optional.items() if present)]
     # numpy's format makes floats float32: a group build's scores stay out of it, Python floats, float64 as stored.
     numeric = [name for name in columns if name != GROUP_SCORES]

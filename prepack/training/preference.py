@@ -49,8 +49,9 @@ __all__ = [
 ]
 
 # What a batch of pairs carries besides the model's inputs (reference_logps: a build's stored reference
-# log-probabilities, `prepack.training.reference`; group_scores, group_ranks: a group build's values per completion).
-PAIR_FIELDS = ("pair_segments", "reference_logps", "group_scores", "group_ranks")
+# log-probabilities, `prepack.training.reference`; group_scores, group_ranks: a group build's values per completion;
+# desirable: an unpaired build's labels).
+PAIR_FIELDS = ("pair_segments", "reference_logps", "group_scores", "group_ranks", "desirable")
 
 
 class PairLogps(NamedTuple):

@@ -26,6 +26,7 @@ import prepack
 from prepack import PackedDataset
 from prepack.errors import ArgumentTypeError, FormatError, InputError, UsageError
 from prepack.formats.shards import open_shard, read_manifest
+from prepack.formats.store import read_store_manifest
 from tests.building.test_groups_build import text_groups
 from tests.building.test_pairs import gpt2, write_jsonl  # noqa: F401 (fixtures)
 from tests.cli import failure, run_prepack
@@ -99,6 +100,8 @@ def test_open_shard_refuses_a_bool_group_size(scored_build):
             open_shard(path, True, 256, pairs=size, scores=True, ranks=True)
     with pytest.raises(ArgumentTypeError, match=r"scores and ranks are a group build's: give its group size \(pairs\)"):
         open_shard(path, True, 256, scores=True)
+    with pytest.raises(ArgumentTypeError, match=r"scores and ranks are a group build's, desirable an unpaired build's: not both"):
+        open_shard(path, True, 256, pairs=SIZE, ranks=True, unpaired=True)
     assert open_shard(path, True, 256, pairs=SIZE, scores=True, ranks=True).num_rows == info.rows
 
 
@@ -250,6 +253,30 @@ def test_scores_and_ranks_are_refused_outside_a_group_build_and_a_missing_column
                                   "--tokenizer", gpt2, "--groups", "--overflow", "drop", "--scores-column", "scores"))
     assert "nan.parquet, row 1, column 'scores'[0]: expected a finite number, found nan" in message
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.slow  # a store tokenized, two refused command lines: ~4 s
+def test_scores_and_ranks_are_refused_for_unpaired_examples_and_for_a_store_by_name(tmp_path, gpt2):  # noqa: F811
+    """An unpaired (KTO) build has labels, not scores; a document store holds a group's documents, with no column for
+    their scores or ranks: `prepack tokenize --groups` refuses them, and so does a build from a store."""
+    from tests.building.test_unpaired import text_rows
+
+    feedback = write_jsonl(tmp_path / "kto.jsonl", text_rows(3))
+    with pytest.raises(InputError, match="--unpaired reads .* leave out --scores-column, --ranks-column"):
+        prepack.build(feedback, tmp_path / "a", max_len=64, tokenizer=gpt2, unpaired=True, overflow="drop",
+                      scores_column="scores", ranks_column="ranks")
+    corpus = write_jsonl(tmp_path / "scored.jsonl", scored_groups(3))
+    message = failure(run_prepack("tokenize", corpus, "--out", tmp_path / "store", "--tokenizer", gpt2, "--groups",
+                                  "--ranks-column", "ranks"))
+    assert "a document store holds the groups' documents, not their scores or ranks: leave out --ranks-column" in message
+    assert not (tmp_path / "store").exists()
+    prepack.build_store(corpus, tmp_path / "store", tokenizer=gpt2, groups=True, num_proc=1)
+    with pytest.raises(InputError, match=r"store is a document store, which holds no scores or ranks: leave out --scores-column"):
+        prepack.build(tmp_path / "store", tmp_path / "b", max_len=256, overflow="drop", scores_column="scores")
+    manifest = json.loads((tmp_path / "store" / "store.json").read_text())
+    manifest["pairs"]["scores_column"] = "scores"  # a store.json that claims scores its shards cannot hold
+    with pytest.raises(FormatError, match="a store of groups holds no scores or ranks"):
+        read_store_manifest(json.dumps(manifest).encode())
 
 
 def rewritten(build: Path, column: str, change) -> Path:
