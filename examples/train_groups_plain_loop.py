@@ -1,15 +1,23 @@
-"""Groups of completions (best-of-N samples, rejection sampling) in the shared-prompt layout, a plain PyTorch loop.
+"""Groups of completions (best-of-N samples, rejection sampling, ranked responses) in the shared-prompt layout, a
+plain PyTorch loop.
 
     prepack build samples.jsonl --tokenizer ./tok --groups --overflow truncate --max-len 2048 --out groups-packed
     python examples/train_groups_plain_loop.py --data groups-packed --steps 3
+    prepack build ranked.jsonl --tokenizer ./tok --groups --ranks-column ranks --overflow drop --max-len 2048 --out ranked
+    python examples/train_groups_plain_loop.py --data ranked --steps 3
 
 The corpus holds a prompt and a list of G completions a row, the first the best (the one kept by rejection
 sampling); `prepack build --groups` packs each group whole. `PackedCollator(shared_prompt=True)` lays every
 group out as [prompt][c1]…[cG]: the prompt computed once, each completion seeing it and itself only, so that
 `group_logps` gives each completion's summed log-probability exactly as prompt + completion run alone. The
 loss here is DPO of the first completion against each of the others, the mean over a step's (group, other)
-pairs, against a frozen copy of the starting model (so the first step's loss is log 2). Without --model it
-trains a tiny random Llama built from a config (nothing is downloaded).
+pairs, against a frozen copy of the starting model (so the first step's loss is log 2).
+
+A build with ranks (`--ranks-column`: G integers a row, 1 the best, each once) gives every batch `group_ranks`
+[groups, G], in the rows of `group_logps`; the loss is then `plackett_luce_loss`, DPO under the Plackett-Luce
+model of each group's whole ranking (the DPO paper's Appendix A.3), whose first step is log G!. (A build with
+`--scores-column` gives `group_scores` the same way, for a loss of your own.) Without --model it trains a tiny
+random Llama built from a config (nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from prepack import PackedCollator, PackedDataset, PackedSampler, enable_packing
-from prepack.training.preference import group_logps, model_inputs
+from prepack.training.preference import group_logps, model_inputs, plackett_luce_loss
 from tiny_model import load_model, parse_args  # examples/tiny_model.py
 
 
@@ -50,7 +58,10 @@ def main() -> None:
         policy = group_logps(model(**inputs).logits, batch)
         with torch.no_grad():
             reference_logps = group_logps(reference(**inputs).logits, batch)
-        loss = best_against_others(policy, reference_logps, args.beta).mean()
+        if "group_ranks" in batch:  # a build with --ranks-column: learn each group's whole ranking
+            loss = plackett_luce_loss(policy, reference_logps, batch["group_ranks"], args.beta).mean()
+        else:
+            loss = best_against_others(policy, reference_logps, args.beta).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

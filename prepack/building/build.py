@@ -236,6 +236,8 @@ def build(
     rejected_column: str = "rejected",
     groups: bool = False,
     completions_column: str = "completions",
+    scores_column: str | None = None,
+    ranks_column: str | None = None,
     unpaired: bool = False,
     completion_column: str = "completion",
     label_column: str = "label",
@@ -289,10 +291,13 @@ def build(
     `chosen_column`, `rejected_column`), text or with `chat` conversations, each pair packed as a unit
     (`prepack.building.pair_plan`; `overflow` "truncate", "drop" or "error"), its shards carrying `pair_roles`.
     With `groups`, a prompt (`prompt_column`) and a list of G completions (`completions_column`) a row, each group
-    packed as a unit of G documents the same way (roles 0 … G - 1). With `unpaired`, unpaired feedback (KTO, TRL's
-    format: `prompt_column`, `completion_column`, `label_column` a boolean, true for desirable) is packed as units of
-    2 documents, the example's completion and its KL completion (another example's, planned from `kl_seed`:
-    `prepack.sources.pairs.unpaired_documents`), the shards carrying each example's label (`desirable`).
+    packed as a unit of G documents the same way (roles 0 … G - 1). A group build with `scores_column` (a list of G
+    finite numbers a row) or `ranks_column` (G integers, 1 the best, a competition ranking: ties allowed) stores each
+    completion's value beside its document (`group_scores`, `group_ranks`), which `PackedCollator` hands on. With
+    `unpaired`, unpaired feedback (KTO, TRL's format: `prompt_column`, `completion_column`, `label_column` a boolean,
+    true for desirable) is packed as units of 2 documents, the example's completion and its KL completion (another
+    example's, planned from `kl_seed`: `prepack.sources.pairs.unpaired_documents`), the shards carrying each example's
+    label (`desirable`).
 
     `engine="ray"` reads, tokenizes and writes shards as Ray tasks (`prepack.building.engines.ray`; needs
     `prepack-llm[ray]`), on the cluster at `ray_address` ("auto", "ray://…"), or on the Ray instance this
@@ -630,7 +635,7 @@ def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> Pai
         pair, why = refused
         path, row = locate_row(documents.corpus, first.rows_per_file, size * pair)
         raise InputError(f"{path}, row {row // size}: {why}.")
-    return plan_pairs(
+    plan = plan_pairs(
         first.lengths,
         prompt_lengths,
         max_len,
@@ -642,6 +647,8 @@ def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> Pai
         size=size,
         desirable=documents.pairs.desirable,
     )
+    values = documents.pairs.group_values()  # a group build's scores and ranks, one a document, stored beside it
+    return replace(plan, scores=values.scores, ranks=values.ranks)
 
 
 def build_store(
@@ -664,6 +671,8 @@ def build_store(
     rejected_column: str = "rejected",
     groups: bool = False,
     completions_column: str = "completions",
+    scores_column: str | None = None,
+    ranks_column: str | None = None,
     unpaired: bool = False,
     completion_column: str = "completion",
     label_column: str = "label",
@@ -703,6 +712,10 @@ def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, read
     """`build_store`, with its options gathered (what `prepack tokenize` parses its flags into)."""
     if reading.unpaired:  # each example's KL completion is planned over the whole corpus, at build time
         raise InputError("a document store holds documents, pairs or groups, not unpaired examples: build them from the corpus (prepack build CORPUS --unpaired ...).")
+    if given := [flag for flag, column in (("--scores-column", reading.scores_column), ("--ranks-column", reading.ranks_column))
+                 if column is not None]:  # a store's shards hold tokens and labels, with no column for them
+        raise InputError(f"a document store holds the groups' documents, not their scores or ranks: leave out {' and '.join(given)}, "
+                         "or build with them from the corpus (prepack build CORPUS --groups ...).")
     if reading.groups:
         _check_kind_engine("--groups", output.engine, "stores")
     if output.shard_size < 1:

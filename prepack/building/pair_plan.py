@@ -87,6 +87,8 @@ class PairPlan:
     counts: dict[str, int]  # Totals' overflow and untrained fields, in documents
     pair_counts: dict[str, int]  # `PairTotals`' fields
     size: int = 2  # documents a unit: 2 a pair, G a group
+    scores: np.ndarray | None = None  # float64 [documents]: a group build's scores, written as `group_scores`
+    ranks: np.ndarray | None = None  # uint8 [documents]: a group build's ranks, written as `group_ranks`
     desirable: np.ndarray | None = None  # bool [units]: an unpaired build's labels, one an example
 
     @property
@@ -115,6 +117,8 @@ class PairPlan:
             rows=documents,
             pieces=np.zeros(len(documents), np.int32),
             pair_roles=roles,
+            group_scores=None if self.scores is None else self.scores[documents],
+            group_ranks=None if self.ranks is None else self.ranks[documents],
             desirable=None if self.desirable is None else self.desirable[units.rows],
         )
 

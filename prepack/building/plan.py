@@ -652,6 +652,8 @@ class ShardPacks:
     pieces: np.ndarray  # int32 [segments]: piece number of a split document
     source_ids: np.ndarray | None = None  # uint16 [segments]: a mixture's source of each (`prepack.building.mixture_plan`)
     pair_roles: np.ndarray | None = None  # uint8 [segments]: a preference-pair build's (`prepack.building.pair_plan`)
+    group_scores: np.ndarray | None = None  # float64 [segments]: a group build's scores, read with --scores-column
+    group_ranks: np.ndarray | None = None  # uint8 [segments]: a group build's ranks, read with --ranks-column
     desirable: np.ndarray | None = None  # bool [segments / 2]: an unpaired build's label of each example (2 segments)
 
 

@@ -161,10 +161,12 @@ def _pack_columns(layout: ShardPacks, lengths: np.ndarray, schema: pa.Schema) ->
     ]
 
 
-def _role_column(layout: ShardPacks) -> list[pa.Array]:
-    """A pair or group build's `pair_roles` column (each document's role, a list a pack), after the labels of a
-    full shard and the per-pack columns of an index shard (`shard_schema`); nothing in another build's."""
-    return [] if layout.pair_roles is None else [list_array(layout.pack_offsets, layout.pair_roles)]
+def _group_columns(layout: ShardPacks) -> list[pa.Array]:
+    """A pair or group build's per-document columns (`pair_roles`, and a group build's `group_scores` and
+    `group_ranks` where it has them: a list a pack), after the labels of a full shard and the per-pack columns of an
+    index shard, in `shard_schema`'s order; nothing in another build's."""
+    values = (layout.pair_roles, layout.group_scores, layout.group_ranks)
+    return [list_array(layout.pack_offsets, column) for column in values if column is not None]
 
 
 def write_shard(
@@ -185,7 +187,7 @@ def write_shard(
     total = int(lengths.sum())
     if tokens is None:
         schema = shard_schema(False, layout.max_len, store, sources=layout.source_ids is not None, pairs=layout.pair_roles is not None)
-        batch = pa.RecordBatch.from_arrays([*_pack_columns(layout, lengths, schema), *_role_column(layout)], schema=schema)
+        batch = pa.RecordBatch.from_arrays([*_pack_columns(layout, lengths, schema), *_group_columns(layout)], schema=schema)
     else:
         batch = _full_batch(layout, lengths, tokens, labels, buffers)
     name = shard_name(index)
@@ -207,14 +209,14 @@ def _full_batch(
     _segment_ids(lengths, layout.pack_offsets, segment_ids)
     schema = shard_schema(
         labels is not None, layout.max_len, sources=layout.source_ids is not None, pairs=layout.pair_roles is not None,
-        unpaired=layout.desirable is not None,
+        scores=layout.group_scores is not None, ranks=layout.group_ranks is not None, unpaired=layout.desirable is not None,
     )
     columns = [list_array(pack_token_offsets, ids), list_array(pack_token_offsets, segment_ids), *_pack_columns(layout, lengths, schema)]
     if labels is not None:
         label_values = buffers.column("labels", total)
         gather_tokens(labels, layout.starts, lengths, label_values)
         columns.append(list_array(pack_token_offsets, label_values))
-    columns.extend(_role_column(layout))
+    columns.extend(_group_columns(layout))
     if layout.desirable is not None:  # one label an example, each example 2 segments
         columns.append(list_array(layout.pack_offsets // 2, layout.desirable.astype(np.uint8)))
     return pa.RecordBatch.from_arrays(columns, schema=schema)

@@ -142,6 +142,8 @@ class PairReport(StrictModel):
     trl_padded: Cost  # TRL's DataCollatorForPreference: random batches of `batch_size` pairs, chosen and
     #                   rejected together padded to the batch's longest document (a group build: its G documents)
     group_size: int | None = None  # a group build's G; None for pairs
+    scores_column: str | None = None  # a group build's column of scores, stored per completion (group_scores)
+    ranks_column: str | None = None  # a group build's column of ranks, stored per completion (group_ranks)
     # An unpaired (KTO) build's examples in the packs (each a pair of completion and KL completion: `pairs`) labelled
     # desirable and undesirable, counted from the shards' `desirable`; None for other builds.
     desirable: int | None = None
@@ -563,6 +565,8 @@ def _pair_report(manifest: Manifest, found: PairCounts, lengths: np.ndarray, bat
         shared_prompt_saves=found.prompt_tokens // size * (size - 1),
         trl_padded=cost(_trl_pair_cost(pair_lengths, batch_size, seed)),
         group_size=manifest.options.pairs.group_size,
+        scores_column=manifest.options.pairs.scores_column,
+        ranks_column=manifest.options.pairs.ranks_column,
     )
 
 
@@ -605,6 +609,12 @@ def _source_summaries(manifest: Manifest, columns: dict[str, np.ndarray], path) 
 
 
 _BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+def _as_pairs(pairs: PairReport) -> bool:
+    """Whether messages call the build's units pairs (`unit_name`: a --pairs build, or a --groups build of 2),
+    which TRL's DPOTrainer pads as `_trl_pair_cost` counts."""
+    return unit_name(pairs.group_size or 2) == "pair"
 
 
 def _sparkline(counts: list[int]) -> str:
@@ -695,7 +705,7 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
     if (pr := r.pairs) is not None:
         c = pr.trl_padded
         units = unit_name(pr.group_size or 2, plural=True)
-        padded = "TRL DPOTrainer" if pr.group_size is None else "padded"
+        padded = "TRL DPOTrainer" if _as_pairs(pr) else "padded"
         costs.add_row(f"{padded}, random batches of {r.batch_size} {units}", f"{c.tokens:,}", f"{c.padding_tokens:,}", f"{c.ratio:.2f}")
         if pr.desirable is not None:  # an unpaired build: examples, each a completion and a KL completion
             units = "examples"
@@ -707,6 +717,10 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
             f"prompt tokens {pr.prompt_tokens:,}, completion tokens {pr.completion_tokens:,}; a prompt stored once "
             f"would save {pr.shared_prompt_saves:,}",
         )
+        values = [f"{kind} from column {column!r} ({field})" for kind, column, field in (
+            ("scores", pr.scores_column, "group_scores"), ("ranks, 1 the best,", pr.ranks_column, "group_ranks")) if column is not None]
+        if values:
+            summary.add_row("per completion", "; ".join(values))
 
     notes = Text(
         "¹ documents are the segments in the packs (np.diff of cu_seqlens): corpus documents after split, "
@@ -714,7 +728,7 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
         + ("\n³ PackedSampler's steps in epoch 0, mean over steps; time taken as proportional to cost." if r.steps else "")
         + (f"\nTRL DPOTrainer: the pairs in corpus order, shuffled with --seed, in batches of {r.batch_size} pairs whose "
            "chosen and rejected documents are padded together to the batch's longest (DataCollatorForPreference)."
-           if r.pairs else ""),
+           if r.pairs is not None and _as_pairs(r.pairs) else ""),
         style="dim",
     )
     parts = [summary, distributions, histograms, costs]

@@ -22,7 +22,7 @@ What is checked, in this order (each problem names the file, row and column it w
    and overflow say (`document_pieces`, the definition the build plans with): its pieces all
    present, same lengths, same tokens and labels; rows and tokens the build left out must be the
    manifest's empty, truncated, dropped and (with drop_untrained) untrained counts, and the corpus
-   files its `inputs`.
+   files its `inputs`; a group build's stored scores and ranks those of each document's corpus row.
 
 An index build (`Manifest.store`) is checked the same way, its packs' tokens read from its store
 (the one its manifest names inside the build's parent directory, or the caller's `store`): its
@@ -49,10 +49,11 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from itertools import islice
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -65,6 +66,8 @@ from prepack.errors import FormatError, InputError
 from prepack.formats.common import Fingerprint, StrictModel, list_column
 from prepack.formats.shards import (
     DESIRABLE,
+    GROUP_RANKS,
+    GROUP_SCORES,
     MANIFEST_NAME,
     SHARD_STORE_KEY,
     STORE_MANIFEST_NAME,
@@ -85,6 +88,9 @@ from prepack.sources.documents import Documents, Reading, open_documents, store_
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.storage.remote import LocalInput, is_uri, join, list_input, local_input, read_output_manifest
 from prepack.sources.store import ShardColumns, Store, is_store, open_build_store
+
+if TYPE_CHECKING:  # tokenizers and jinja2 load only when a source is tokenized again
+    from prepack.sources.pairs import GroupValues
 from prepack.formats.store import StoreFingerprint, StoreManifest
 
 __all__ = ["Problem", "checked_summary", "verify_build"]
@@ -240,6 +246,7 @@ class _Shard:
     ids: np.ndarray | None  # the input_ids values, memory-mapped (kept only for the source check)
     labels: np.ndarray | None  # aligned with ids
     segments: _Segments
+    group_values: dict[str, np.ndarray] = field(default_factory=dict)  # a group build's scores, ranks: per segment
     desirable: np.ndarray | None = None  # an unpaired build's labels, one a pair of its segments, in order
 
 
@@ -287,7 +294,8 @@ def _source_documents(
         chat = o.tokenize.mode == "chat"
         kind = None if o.pairs is None else o.pairs.kind
         if kind == "groups":  # a group build: its G is found in the source again
-            columns = {"prompt_column": o.pairs.prompt_column, "completions_column": o.pairs.completions_column}
+            columns = {"prompt_column": o.pairs.prompt_column, "completions_column": o.pairs.completions_column,
+                       "scores_column": o.pairs.scores_column, "ranks_column": o.pairs.ranks_column}
         elif kind == "unpaired":
             columns = {"unpaired": True, **o.pairs.model_dump(include={"prompt_column", "completion_column", "label_column", "kl_seed"})}
         elif o.pairs is not None:
@@ -383,6 +391,8 @@ def _problems(
             else {index: (shard.ids, shard.labels) for index, shard in shards.items()}
         )
         yield from _source_problems(source, packs, tokens, unpaired)
+        if source.pairs is not None:  # consumed by now: the source's scores and ranks, one a document
+            yield from _group_value_problems(source.pairs.group_values(), shards)
 
 
 # 1. The manifest's arithmetic ---------------------------------------------------------------------
@@ -827,10 +837,15 @@ def _read_segments(batch: pa.RecordBatch, name: str, index: int, counts_trained:
     names = batch.schema.names
     labels = list_column(batch, "labels")[1] if "labels" in names else None
     starts = pack_starts[layout.pack] + layout.starts
+    group_values = {}  # a group build's, one a segment in shard order, as source_rows
+    for column in (c for c in (GROUP_SCORES, GROUP_RANKS) if c in names):
+        offsets, found = _list_values(batch, column)
+        group_values[column] = found[offsets[0] : offsets[-1]]
     return _Shard(
         name=name,
         ids=list_column(batch, "input_ids")[1] if "input_ids" in names else None,
         labels=labels,
+        group_values=group_values,
         segments=_Segments(
             source=(
                 list_column(batch, "source_ids")[1][src_off[0] : src_off[-1]]
@@ -1050,6 +1065,20 @@ def _source_problems(source: Documents, packs: _Packs, tokens: _Tokens | None, u
                 message=f"is {said}, but the source with max_len {o.max_len} and overflow {o.overflow!r} "
                 f"gives {value}.",
             )
+
+
+def _group_value_problems(values: GroupValues, shards: dict[int, _Shard]) -> Iterator[Problem]:
+    """A group build's stored scores and ranks against the source's (`values`, `GroupValues`: one a corpus
+    document): each document's must be its corpus row's. A finite value changed in a shard whose sha256 was
+    recorded again passes every format check; only the source tells it."""
+    for column, expected in ((GROUP_SCORES, values.scores), (GROUP_RANKS, values.ranks)):
+        for shard in (s for s in shards.values() if expected is not None and column in s.group_values):
+            seg, stored = shard.segments, shard.group_values[column]
+            inside = np.flatnonzero(seg.rows < len(expected))  # a row past the source is a problem of its own
+            for i in inside[stored[inside] != expected[seg.rows[inside]]]:
+                yield Problem(file=shard.name, row=int(seg.pack[i]), column=column,
+                              message=f"document {seg.number[i]} (corpus document {seg.rows[i]}) holds {stored[i]}, "
+                              f"but the source gives {expected[seg.rows[i]]}.")
 
 
 def _batch_problems(

@@ -34,8 +34,8 @@ from prepack.check.report import InspectReport, inspect_build
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import format_error, list_array, list_column
 from prepack.formats.shards import (
-    DESIRABLE, IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, PackLayout, check_index_shard, check_shard, check_shard_sha256,
-    pack_layout, read_manifest, shard_path, shard_sha256,
+    DESIRABLE, GROUP_RANKS, GROUP_SCORES, IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, PackLayout, check_index_shard,
+    check_shard, check_shard_sha256, pack_layout, read_manifest, shard_path, shard_schema, shard_sha256,
 )
 from prepack.sources.gather import IndexGather, index_columns
 from prepack.sources.mixture_stores import open_mixture_stores
@@ -151,7 +151,8 @@ def _rebased(batch: pa.RecordBatch) -> pa.RecordBatch:
 
 def training_schema(build: ExportBuild) -> pa.Schema:
     """The columns of `training_rows`: input_ids, labels, position_ids, cu_seqlens, and a mixture's
-    source_ids, a preference-pair build's pair_roles and an unpaired build's desirable."""
+    source_ids, a preference-pair build's pair_roles (and a group build's group_scores, group_ranks) and an unpaired
+    build's desirable."""
     m = build.manifest
     fields = [
         pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
@@ -163,8 +164,11 @@ def training_schema(build: ExportBuild) -> pa.Schema:
         fields.append(pa.field("source_ids", pa.list_(pa.uint16()), nullable=False))
     if m.pairs is not None:
         fields.append(pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False))
-    if m.options.unpaired:
-        fields.append(pa.field(DESIRABLE, pa.list_(pa.uint8()), nullable=False))
+    if m.options.pairs is not None:  # a group build's values or an unpaired build's labels, as its shards carry them
+        p = m.options.pairs
+        shards = shard_schema(False, 1, pairs=True, scores=p.scores_column is not None, ranks=p.ranks_column is not None,
+                              unpaired=m.options.unpaired)
+        fields += [shards.field(name) for name in (GROUP_SCORES, GROUP_RANKS, DESIRABLE) if name in shards.names]
     return pa.schema(fields)
 
 
@@ -220,7 +224,8 @@ def training_rows(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
       bounds, as with `DataCollatorWithFlattening`);
     - `cu_seqlens`: the documents' bounds, [0, ..., tokens];
     - `source_ids` (a mixture's: each document's source, numbered as the card and manifest list them) and
-      `pair_roles` (0 chosen, 1 rejected) and an unpaired build's `desirable` (one label an example) as stored."""
+      `pair_roles` (0 chosen, 1 rejected), a group build's `group_scores` and `group_ranks` and an unpaired build's
+      `desirable` (one label an example) as stored."""
     packs = training_tokens(batch)
     cu_off, cu = list_column(batch, "cu_seqlens")
     arrays = [

@@ -139,6 +139,10 @@ def dataset_card(build: ExportBuild, report: InspectReport, files: int, arrow_by
         lines.append(f"| `source_ids` | document | each document's source: {names} |")
     if m.pairs is not None:
         lines.append("| `pair_roles` | document | 0 chosen, 1 rejected: each pair's chosen document, then its rejected one |")
+        if m.options.pairs.scores_column is not None:
+            lines.append(f"| `group_scores` | document | each completion's score, from column `{m.options.pairs.scores_column}` |")
+        if m.options.pairs.ranks_column is not None:
+            lines.append(f"| `group_ranks` | document | each completion's rank in its group, 1 the best, from column `{m.options.pairs.ranks_column}` |")
     if m.options.unpaired:
         lines.append("| `desirable` | example (2 documents) | KTO: each example's label, 1 desirable, 0 undesirable; role 0 its completion, role 1 its KL completion |")
     lines += [

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import AfterValidator, Field, ValidationError, model_validator
 
-from prepack.errors import OutputError
+from prepack.errors import ArgumentTypeError, OutputError
 from prepack.formats.common import (
     COUNT_MAX,
     INT32_MAX,
@@ -40,6 +40,8 @@ from prepack.formats.mixture import SOURCE_ID_TYPE, MixtureInfo
 
 __all__ = [
     "FORMAT_VERSION",
+    "GROUP_RANKS",
+    "GROUP_SCORES",
     "IGNORE_INDEX",
     "MANIFEST_NAME",
     "OUTPUT_KINDS",
@@ -66,6 +68,7 @@ __all__ = [
     "check_index_shard",
     "check_shard",
     "check_shard_sha256",
+    "group_ranking_problems",
     "open_shard",
     "pack_layout",
     "read_manifest",
@@ -105,6 +108,12 @@ def segment_id_type(max_len: int) -> pa.DataType:
 # A preference-pair build's shards (`Manifest.pairs`) carry one more per-pack column: each document's
 # role in its pair, 0 chosen and 1 rejected (`check_shard` checks the pairing).
 PAIR_ROLES = "pair_roles"
+# A group build read with scores or ranks (`PairOptions.scores_column`, `ranks_column`) carries, after `pair_roles`,
+# each completion document's value from the corpus: `group_scores` float64, finite (reward-model scores, say), and
+# `group_ranks` uint8, 1 the best, each group's ranks a standard competition ranking ("1224": ties share a rank, and
+# a rank r says that r - 1 of its group rank better; what scipy's `rankdata(method="min")` gives).
+GROUP_SCORES = "group_scores"
+GROUP_RANKS = "group_ranks"
 # An unpaired (KTO) build's shards (`PairOptions.label_column`) carry one more: each example's label, 1 for a
 # desirable completion and 0 for an undesirable one, one value per example (2 documents) of the pack. uint8, not
 # bool: Arrow packs bools as bits, which no numpy view shares (`list_column` would copy them through pandas).
@@ -143,11 +152,12 @@ class IndexOf(NamedTuple):
 
 def shard_schema(
     has_labels: bool, max_len: int, store: IndexOf | None = None, *, sources: bool = False, pairs: bool = False,
-    unpaired: bool = False,
+    scores: bool = False, ranks: bool = False, unpaired: bool = False,
 ) -> pa.Schema:
     """The Arrow schema of every shard of a build; `labels` only when the corpus had them, `source_ids`
-    only in a mixture's (`sources`), `pair_roles` only in a preference-pair build's (`pairs`), `desirable`
-    (last) only in an unpaired build's (`unpaired`).
+    only in a mixture's (`sources`), `pair_roles` only in a preference-pair build's (`pairs`), then
+    `group_scores` and `group_ranks` only in a group build's read with them (`scores`, `ranks`), `desirable`
+    only in an unpaired build's (`unpaired`).
 
     With `store`, an index shard's: the per-pack columns alone (and `pair_roles`, last, in a build of a pair
     store), its tokens staying in that store, whose fingerprint its metadata carries. Its `source_rows` are uint32 while the store's document
@@ -166,6 +176,10 @@ def shard_schema(
         fields.append(pa.field("labels", pa.list_(TOKEN_TYPE), nullable=False))
     if pairs:
         fields.append(pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False))
+    if scores:
+        fields.append(pa.field(GROUP_SCORES, pa.list_(pa.float64()), nullable=False))
+    if ranks:
+        fields.append(pa.field(GROUP_RANKS, pa.list_(pa.uint8()), nullable=False))
     if unpaired:
         fields.append(pa.field(DESIRABLE, pa.list_(pa.uint8()), nullable=False))
     return pa.schema(fields, metadata={SHARD_VERSION_KEY: str(FORMAT_VERSION)})
@@ -218,6 +232,12 @@ class PairOptions(StrictModel):
     group_size: int | None = Field(
         default=None, ge=2, le=GROUP_SIZE_MAX, description="A group build's completions a row (G); absent from a pair build's (2)."
     )
+    scores_column: str | None = Field(
+        default=None, description="A group build's column of G scores a row, stored as `group_scores`; absent without one."
+    )
+    ranks_column: str | None = Field(
+        default=None, description="A group build's column of G ranks a row (1 the best), stored as `group_ranks`; absent without one."
+    )
     completion_column: str | None = Field(default=None, description="An unpaired build's completion column; absent otherwise.")
     label_column: str | None = Field(
         default=None, description="An unpaired build's label column (true: desirable); absent otherwise."
@@ -237,6 +257,8 @@ class PairOptions(StrictModel):
         if len(given) != 1 or any(value is None for value in kinds[given[0]]):
             raise ValueError("pairs name chosen_column and rejected_column; groups completions_column and group_size; "
                              "unpaired examples completion_column, label_column and kl_seed")
+        if given[0] != "groups" and (self.scores_column, self.ranks_column) != (None, None):
+            raise ValueError("scores_column and ranks_column belong to a group build (completions_column)")
         return self
 
     @property
@@ -543,9 +565,12 @@ class Manifest(StrictModel):
     def open_shard(self, path: Path, where: str | None = None) -> pa.RecordBatch:
         """`open_shard` of one of this build's shards, with the columns this manifest says its shards
         have (labels, a mixture's `source_ids`, a pair build's `pair_roles`, an index build's)."""
+        pairs = self.options.pairs
         return open_shard(
             path, self.has_labels, self.options.max_len, self.index_of, where=where,
-            sources=self.mixture is not None, pairs=None if self.options.pairs is None else self.options.pairs.size,
+            sources=self.mixture is not None, pairs=None if pairs is None else pairs.size,
+            scores=pairs is not None and pairs.scores_column is not None,
+            ranks=pairs is not None and pairs.ranks_column is not None,
             unpaired=self.options.unpaired,
         )
 
@@ -718,6 +743,8 @@ def open_shard(
     where: str | None = None,
     sources: bool = False,
     pairs: int | None = None,
+    scores: bool = False,
+    ranks: bool = False,
     unpaired: bool = False,
 ) -> pa.RecordBatch:
     """Memory-map one shard (zero-copy) and check its structure: a regular file holding an Arrow IPC
@@ -727,16 +754,29 @@ def open_shard(
     contents name `where` (default: `path`; the shard's URI when `path` is a cached copy, `prepack.storage.cache`).
     `sources`: a mixture's shard, with `source_ids`; `pairs`: a preference-pair or group build's group size
     (`PairOptions.size`, 2 for pairs), with `pair_roles`, whose packs' largest role must be that size - 1
-    (`check_shard` holds each document's role to that stride); `unpaired`: an unpaired build's, with `desirable`."""
+    (`check_shard` holds each document's role to that stride); `scores`, `ranks`: a group build's, with
+    `group_scores`, `group_ranks` (`check_shard` checks their values); `unpaired`: an unpaired build's, with
+    `desirable`."""
+    if pairs is not None and (type(pairs) is not int or pairs < 2):  # a bool is an int, and True == 1
+        raise ArgumentTypeError(f"pairs must be a group size, an int of at least 2, not {pairs!r}.")
     where = str(path) if where is None else where
-    expected = shard_schema(has_labels, max_len, store, sources=sources, pairs=pairs is not None, unpaired=unpaired)
+    if (scores or ranks) and pairs is None:
+        raise ArgumentTypeError("scores and ranks are a group build's: give its group size (pairs).")
+    if (scores or ranks) and unpaired:
+        raise ArgumentTypeError("scores and ranks are a group build's, desirable an unpaired build's: not both.")
+    expected = shard_schema(
+        has_labels, max_len, store, sources=sources, pairs=pairs is not None, scores=scores, ranks=ranks, unpaired=unpaired
+    )
 
     def check_schema(schema: pa.Schema) -> None:
         nonlocal expected
         planned = (schema.metadata or {}).get(SHARD_STORE_KEY.encode())
         generation = store.planned_from(planned) if store is not None and planned is not None else None
         if generation is not None and generation.fingerprint != store.fingerprint:  # an earlier generation's shard
-            expected = shard_schema(has_labels, max_len, generation, sources=sources, pairs=pairs is not None, unpaired=unpaired)
+            expected = shard_schema(
+                has_labels, max_len, generation, sources=sources, pairs=pairs is not None, scores=scores, ranks=ranks,
+                unpaired=unpaired,
+            )
         if store is not None and planned is not None and generation is None:
             refuse(
                 where,
@@ -933,6 +973,36 @@ def _check_pairs(batch: pa.RecordBatch, where: str, documents: np.ndarray) -> No
             why = (f"document {position[index] + 1} (corpus document {rows[index]}) does not start its group of {size} "
                    f"consecutive documents: a {unit} is documents {size}r to {size}r + {size - 1}")
         refuse(where, why, _row_of(row_off, index), "source_rows")
+    _check_group_values(batch, where, documents, size)
+
+
+def _check_group_values(batch: pa.RecordBatch, where: str, documents: np.ndarray, size: int) -> None:
+    """A group shard's `group_scores` and `group_ranks`, where it has them: one value a document, scores finite,
+    and each group's ranks (its `size` documents, in order: `_check_pairs` checked them whole) a competition
+    ranking of 1 to `size` (`group_ranking_problems`)."""
+    for column in (c for c in (GROUP_SCORES, GROUP_RANKS) if c in batch.schema.names):
+        offsets, values = _list_checked(batch, column, where)
+        if (bad := np.diff(offsets) != documents).any():
+            r = first_index(bad)
+            refuse(where, f"{np.diff(offsets)[r]} values for {documents[r]} documents", r, column)
+        values = values[offsets[0] : offsets[-1]]
+        if column == GROUP_SCORES and (bad := ~np.isfinite(values)).any():
+            token = first_index(bad)
+            refuse(where, f"score {values[token]} is not a finite number", _row_of(offsets, token), column)
+        if column == GROUP_RANKS and (bad := group_ranking_problems(values.reshape(-1, size))).any():
+            group = first_index(bad)
+            refuse(where, f"ranks {values.reshape(-1, size)[group].tolist()} are not a competition ranking of 1 to "
+                   f"{size} (1 the best, ties sharing a rank, as 1, 2, 2, 4)", _row_of(offsets, group * size), column)
+
+
+def group_ranking_problems(ranks: np.ndarray) -> np.ndarray:
+    """bool [N]: which rows of `ranks` [N, G] are not a standard competition ranking of 1 to G, the ranking
+    scipy's `rankdata(method="min")` gives: sorted, it starts at 1, and each value is the one before it (a tie)
+    or its own 1-based place (r - 1 members rank better)."""
+    ordered = np.sort(np.asarray(ranks, np.int64), axis=1)
+    place = np.arange(1, ordered.shape[1] + 1)
+    ties_or_places = (ordered[:, 1:] == ordered[:, :-1]) | (ordered[:, 1:] == place[1:])
+    return (ordered[:, 0] != 1) | ~ties_or_places.all(axis=1)
 
 
 def check_shard(batch: pa.RecordBatch, max_len: int, where: str) -> PackLayout:

@@ -173,6 +173,8 @@ class StoreManifest(StrictModel):
             raise ValueError(f"store_version {self.store_version}{with_pairs} with{'out' if self.generations is None else ''} generations")
         if self.pairs is not None and (not self.has_labels or self.tokenize is None):
             raise ValueError("a store of pairs or groups is tokenized and has labels")
+        if self.pairs is not None and (self.pairs.scores_column, self.pairs.ranks_column) != (None, None):
+            raise ValueError("a store of groups holds no scores or ranks (scores_column, ranks_column)")
         size = 1 if self.pairs is None else self.pairs.size
         for what, counts in (("shard", [s.documents for s in self.shards]), ("input", [f.rows for f in self.inputs])):
             if (split := next((i for i, count in enumerate(counts) if count % size), None)) is not None:

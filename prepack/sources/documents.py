@@ -48,6 +48,8 @@ class Reading:
     rejected_column: str = "rejected"
     groups: bool = False  # groups of completions (`prepack.sources.pairs`): a prompt and a list of G completions a row
     completions_column: str = "completions"
+    scores_column: str | None = None  # groups: a list of G scores a row, one a completion (stored as group_scores)
+    ranks_column: str | None = None  # groups: a list of G ranks a row, 1 the best (stored as group_ranks)
     unpaired: bool = False  # unpaired feedback (KTO, `prepack.sources.pairs.unpaired_documents`): a prompt, completion and label a row
     completion_column: str = "completion"
     label_column: str = "label"
@@ -130,6 +132,9 @@ def _check_store_reading(store: Store, reading: Reading, where: str | os.PathLik
         recorded = {pairs.kind: True, "prompt_column": pairs.prompt_column}
         named = ("completions_column",) if pairs.kind == "groups" else ("chosen_column", "rejected_column")
         recorded.update({name: getattr(pairs, name) for name in named})
+    if scored := _given(reading, _GROUP_FIELDS[1:]):  # `build_document_store` refuses them
+        raise InputError(f"{where} is a document store, which holds no scores or ranks: leave out {', '.join(scored)}, or "
+                         "build with them from the corpus (prepack build CORPUS --groups ...).")
     given = {f.name: getattr(reading, f.name) for f in fields(Reading) if getattr(reading, f.name) != f.default}
     if other := [name for name, value in given.items() if name in recorded and value != recorded[name]]:
         stored = ", ".join(f"{_flag(name)} {recorded[name]!r}" for name in other)
@@ -193,6 +198,8 @@ def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None
         raise InputError(f"{', '.join(given)} name the columns of preference pairs: add --pairs.")
     if given := _given(reading, ("completions_column",)):
         raise InputError(f"{', '.join(given)} names the completions of groups: add --groups.")
+    if given := _given(reading, _GROUP_FIELDS[1:]):
+        raise InputError(f"{', '.join(given)}: scores and ranks are a group's, one a completion: add --groups.")
     if reading.tokenizer is None:
         used_labels, batches = read_documents(corpus, reading.column, reading.labels_column)
         return Documents(corpus, reading.column, used_labels, None, used_labels is not None, batches)
@@ -214,6 +221,7 @@ def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None
 
 
 _PAIR_FIELDS = ("prompt_column", "chosen_column", "rejected_column")
+_GROUP_FIELDS = ("completions_column", "scores_column", "ranks_column")
 _UNPAIRED_FIELDS = ("completion_column", "label_column", "kl_seed")
 # Reading options that a pair build has no use for: its labels are the completions, its columns its own.
 _NOT_FOR_PAIRS = ("column", "labels_column", "text_column", "messages_column", "train_on")
@@ -233,7 +241,7 @@ def _pair_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documen
         raise InputError(f"{flag} tokenizes its {flag[2:]}: give --tokenizer (and --chat for conversations).")
     if reading.groups and (given := _given(reading, (*_NOT_FOR_PAIRS, "chosen_column", "rejected_column"))):
         raise InputError(f"--groups reads --prompt-column and --completions-column and labels the completions: leave out {', '.join(given)}.")
-    if not reading.groups and (given := _given(reading, (*_NOT_FOR_PAIRS, "completions_column"))):
+    if not reading.groups and (given := _given(reading, (*_NOT_FOR_PAIRS, *_GROUP_FIELDS))):
         raise InputError(
             f"--pairs reads --prompt-column, --chosen-column and --rejected-column and labels the completions: "
             f"leave out {', '.join(given)}."
@@ -244,7 +252,8 @@ def _pair_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documen
 
     if reading.groups:
         options = PairOptions(prompt_column=reading.prompt_column, completions_column=reading.completions_column,
-                              group_size=first_group_size(corpus, reading.completions_column))
+                              group_size=first_group_size(corpus, reading.completions_column),
+                              scores_column=reading.scores_column, ranks_column=reading.ranks_column)
     else:
         options = PairOptions(
             prompt_column=reading.prompt_column, chosen_column=reading.chosen_column, rejected_column=reading.rejected_column
@@ -266,7 +275,7 @@ def _unpaired_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Doc
     completion), as `prepack.sources.pairs.unpaired_documents` lays them out."""
     if reading.tokenizer is None:
         raise InputError("--unpaired tokenizes its examples: give --tokenizer (and --chat for conversations).")
-    if given := _given(reading, (*_NOT_FOR_PAIRS, "chosen_column", "rejected_column", "completions_column")):
+    if given := _given(reading, (*_NOT_FOR_PAIRS, "chosen_column", "rejected_column", *_GROUP_FIELDS)):
         raise InputError(
             "--unpaired reads --prompt-column, --completion-column and --label-column and labels the completions: "
             f"leave out {', '.join(given)}."

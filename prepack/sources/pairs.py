@@ -34,7 +34,9 @@ its completion) and 2r + 1 (prompt + its KL completion, planned by `prepack.buil
 
 A group corpus (`PairOptions.completions_column`, `--groups`) holds a prompt and a list of G completions a
 row (every row G, its first row's), each group G documents, prompt + completion k, tokenized as pairs are;
-its completions may be equal (samples of one prompt).
+its completions may be equal (samples of one prompt). With `PairOptions.scores_column` / `ranks_column` a row also
+holds a list of G scores (finite numbers) or ranks (integers, 1 the best, a competition ranking: 1, 2, 2, 4), one a
+completion, checked as read (file, row, column) and collected per document (`PairDocuments.group_values`).
 
 Chat pairs are rendered in `num_proc` spawned processes, text in tokenizers' threads, as
 `prepack.sources.tokenize` does; the output does not depend on `num_proc`.
@@ -43,7 +45,9 @@ Chat pairs are rendered in `num_proc` spawned processes, text in tokenizers' thr
 from __future__ import annotations
 
 import hashlib
+import math
 import os
+import reprlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +57,7 @@ import numpy as np
 
 from prepack.building.kl_plan import kl_partners
 from prepack.errors import InputError
-from prepack.formats.shards import GROUP_SIZE_MAX, IGNORE_INDEX, PairOptions, TokenizeOptions
+from prepack.formats.shards import GROUP_SIZE_MAX, IGNORE_INDEX, PairOptions, TokenizeOptions, group_ranking_problems
 from prepack.sources.chat_templates import render_chat
 from prepack.sources.corpus import Corpus, DocumentBatch, file_columns, file_kind, json_object_blocks, record_batches
 from prepack.sources.tokenize import (
@@ -185,11 +189,15 @@ class _PairEncoder(_Encoder):
     options: PairOptions
 
     def __call__(self, path: Path, row0: int, records: list[dict]):
-        size = self.options.size
-        groups = []
+        size, o = self.options.size, self.options
+        groups, scores, ranks = [], [], []
         for i, record in enumerate(records):
             prompt, completions, columns = self._parts(path, row0 + i, record)
             groups.append((row0 + i, prompt, list(zip(columns, completions))))
+            if o.scores_column is not None:
+                scores += _group_numbers(path, row0 + i, record, o.scores_column, size, ranks=False)
+            if o.ranks_column is not None:
+                ranks += _group_numbers(path, row0 + i, record, o.ranks_column, size, ranks=True)
         documents, prompt_lengths = self._encoded(path, groups)
         labels = []
         for i, length in enumerate(prompt_lengths):
@@ -207,7 +215,9 @@ class _PairEncoder(_Encoder):
         offsets = np.zeros(len(documents) + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
         ids = np.concatenate(documents).astype(np.int32)
-        return offsets, ids, np.concatenate(labels).astype(np.int32), np.asarray(prompt_lengths, np.int64)
+        values = GroupValues(np.array(scores, np.float64) if o.scores_column is not None else None,
+                             np.array(ranks, np.uint8) if o.ranks_column is not None else None)
+        return offsets, ids, np.concatenate(labels).astype(np.int32), np.asarray(prompt_lengths, np.int64), values
 
     def _parts(self, path: Path, row: int, record: dict) -> tuple[object, list, list[str]]:
         """The row's prompt and completions, checked (messages in chat mode, strings otherwise), and each
@@ -241,6 +251,37 @@ class _PairEncoder(_Encoder):
                 "no prompt (no common prefix); give the prompt (--prompt-column names its column)."
             )
         return prompt, [chosen, rejected], names
+
+
+class GroupValues(NamedTuple):
+    """A group build's per-completion values, one a document in corpus order (None: the build reads none)."""
+
+    scores: np.ndarray | None  # float64, finite
+    ranks: np.ndarray | None  # uint8, each group's a competition ranking of 1 to G (`group_ranking_problems`)
+
+
+def _group_numbers(path: Path, row: int, record: dict, column: str, size: int, *, ranks: bool) -> list:
+    """The row's list of `size` scores (finite numbers, as floats) or `ranks` (integers, each group's a competition
+    ranking of 1 to `size`) in `column`, one a completion; InputError naming file, row and column otherwise."""
+    where, kind = f"{path}, row {row}, column {column!r}", "ranks" if ranks else "scores"
+    value = _required(path, row, record, column)
+    if not isinstance(value, list) or len(value) != size:
+        found = f"{len(value)} values" if isinstance(value, list) else type_name(value)
+        raise InputError(f"{where}: expected a list of {size} {kind}, one a completion, found {found}.")
+    numbers = []
+    for k, number in enumerate(value):
+        try:  # a bool is an int to Python, not a number here; an int past float's range is no finite score
+            usable = not isinstance(number, bool) and (type(number) is int if ranks else math.isfinite(number))
+        except (TypeError, OverflowError):
+            usable = False
+        if not usable:
+            expected = "an integer rank (1 the best)" if ranks else "a finite number"
+            raise InputError(f"{where}[{k}]: expected {expected}, found {reprlib.repr(number)}.")
+        numbers.append(number if ranks else float(number))
+    if ranks and (not all(1 <= r <= size for r in numbers) or group_ranking_problems(np.array([numbers]))[0]):
+        raise InputError(f"{where}: ranks {numbers} are not a competition ranking of 1 to {size} (1 the best; tied "
+                         "completions share a rank and the next rank skips their places, as in 1, 2, 2, 4).")
+    return numbers
 
 
 def _required(path: Path, row: int, record: dict, column: str):
@@ -293,7 +334,17 @@ class PairDocuments:
     options: PairOptions
     batches: Iterator[DocumentBatch]
     _prompt_lengths: list[np.ndarray] = field(default_factory=list)
+    _values: list[GroupValues] = field(default_factory=list)  # a group build's scores and ranks, per batch
     desirable: np.ndarray | None = None  # bool, one an example: an unpaired corpus's labels (`unpaired_documents`)
+
+    def group_values(self) -> GroupValues:
+        """Once consumed: every document's score and rank (`GroupValues`, one a document in corpus order; None
+        for what the build does not read)."""
+        def joined(column: str | None, kind: str, dtype) -> np.ndarray | None:
+            return None if column is None else np.concatenate([np.empty(0, dtype), *(getattr(v, kind) for v in self._values)])
+
+        o = self.options
+        return GroupValues(joined(o.scores_column, "scores", np.float64), joined(o.ranks_column, "ranks", np.uint8))
 
     def prompt_lengths(self) -> np.ndarray:
         """int64, one per pair read so far, in corpus order."""
@@ -343,12 +394,16 @@ def pair_documents(
     template, template_file = resolve_chat_template(tokenizer, chat_template) if chat else (None, None)
     group = options.completions_column is not None
     columns = [options.prompt_column, *((options.completions_column,) if group else (options.chosen_column, options.rejected_column))]
+    columns += [c for c in (options.scores_column, options.ranks_column) if c is not None]
     if group:
-        _require_columns(corpus, columns, "a group corpus has a prompt column (--prompt-column) and a column of "
+        _require_columns(corpus, columns[:2], "a group corpus has a prompt column (--prompt-column) and a column of "
                          "completions (--completions-column).")
     else:
-        _require_columns(corpus, columns[1:], "a preference corpus has chosen and rejected columns (--chosen-column, "
+        _require_columns(corpus, columns[1:3], "a preference corpus has chosen and rejected columns (--chosen-column, "
                          "--rejected-column) and, unless the prompt is their common prefix, a prompt column (--prompt-column).")
+    for column, flag in ((options.scores_column, "--scores-column"), (options.ranks_column, "--ranks-column")):
+        if column is not None:
+            _require_columns(corpus, [column], f"{flag} names it.")
     encoder = _PairEncoder(
         tokenizer=tokenizer.tokenizer,
         vocab_size=tokenizer.vocab_size,
@@ -361,7 +416,7 @@ def pair_documents(
     )
     tokenize = _tokenize_options(tokenizer, options.completions_column if group else options.chosen_column, template, eos)
     documents = PairDocuments(tokenize, options, iter(()))
-    documents.batches = _stream(corpus, columns, encoder, num_proc, documents._prompt_lengths)
+    documents.batches = _stream(corpus, columns, encoder, num_proc, documents._prompt_lengths, documents._values)
     return documents
 
 
@@ -379,10 +434,13 @@ def _tokenize_options(tokenizer: LocalTokenizer, column: str, template: str | No
     )
 
 
-def _stream(corpus: Corpus, columns: list[str], encoder: _PairEncoder, num_proc: int, prompt_lengths: list) -> Iterator[DocumentBatch]:
+def _stream(
+    corpus: Corpus, columns: list[str], encoder: _PairEncoder, num_proc: int, prompt_lengths: list, values: list
+) -> Iterator[DocumentBatch]:
     os.environ["RAYON_NUM_THREADS"] = str(num_proc)
-    for (path, row0, _), (offsets, ids, labels, prompts) in encoded_in_order(_chunks(corpus, columns), encoder, num_proc):
+    for (path, row0, _), (offsets, ids, labels, prompts, found) in encoded_in_order(_chunks(corpus, columns), encoder, num_proc):
         prompt_lengths.append(prompts)
+        values.append(found)
         yield DocumentBatch(file=path, first_row=encoder.options.size * row0, offsets=offsets, ids=ids, labels=labels)
 
 

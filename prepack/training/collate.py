@@ -116,9 +116,11 @@ class PackedCollator:
       reference log-probabilities (`PackedDataset` or `open_hf_dataset` with `reference=DIR`; float64, else
       refused) also give `reference_logps` [P, 2] float64, each pair's chosen and rejected value, for
       `prepack.training.reference.stored_reference`. Packs of a group build (`--groups`: roles 0 … G - 1)
-      give the same fields [P, G], a group's G completions (`prepack.training.preference.group_logps`). Packs of an
-      unpaired (KTO) build (`--unpaired`, pairs of completion and KL completion) also give `desirable` [P] bool,
-      each example's label, in the order of `pair_segments` (`prepack.training.preference.kto_loss` takes it).
+      give the same fields [P, G], a group's G completions (`prepack.training.preference.group_logps`), and a
+      group build's with scores or ranks (`--scores-column`, `--ranks-column`) `group_scores` [P, G] float64 and
+      `group_ranks` [P, G] int64 (1 the best), each completion's value, in the rows of `group_logps`, in every layout.
+      Packs of an unpaired (KTO) build (`--unpaired`, pairs of completion and KL completion) also give `desirable`
+      [P] bool, each example's label, in the order of `pair_segments` (`prepack.training.preference.kto_loss` takes it).
     - `shared_prompt=True` (packs of a preference-pair or group build; `padded` or `padding_free`): each pair's
       or group's prompt once, then its completions, their position ids continuing from the prompt's end; the
       batch carries `shared_prompt_ids` and `shared_prompt_parts` instead of offsets and `pair_segments`
@@ -280,6 +282,7 @@ class PackedCollator:
             batch["pair_segments"] = torch.from_numpy(segments)
             if any(pack.reference_logps is not None for pack in checked):
                 batch["reference_logps"] = torch.from_numpy(_reference_logps(checked, segments.shape[1]))
+            batch |= _group_values(checked, segments.shape[1])
             if any(pack.desirable is not None for pack in checked):
                 batch["desirable"] = torch.from_numpy(_desirable(checked))
         if self.cp_size is not None:
@@ -308,7 +311,7 @@ class PackedCollator:
             batch["reference_logps"] = torch.from_numpy(_reference_logps(packs, size))
         if any(pack.desirable is not None for pack in packs):
             batch["desirable"] = torch.from_numpy(_desirable(packs))
-        return batch
+        return batch | _group_values(packs, size)
 
     def _fill_rows(self, packs: list[_Pack]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """input_ids, labels (before masking), segment ids (0 = padding) and, with `source_ids`, each
@@ -353,6 +356,8 @@ class _Pack(NamedTuple):
     source_ids: np.ndarray | None = None  # one per document
     pair_roles: np.ndarray | None = None  # a preference-pair build's pack: 0 chosen, 1 rejected, per document
     reference_logps: np.ndarray | None = None  # its stored reference log-probabilities, per document
+    group_scores: np.ndarray | None = None  # a group build's scores (float64), per document
+    group_ranks: np.ndarray | None = None  # a group build's ranks (1 the best), per document
     desirable: np.ndarray | None = None  # an unpaired build's pack: each example's label (2 documents an example)
 
 
@@ -408,21 +413,33 @@ def _require_whole_groups(packs: list[_Pack], group_size: int | None) -> int:
 def _reference_logps(packs: list[_Pack], size: int) -> np.ndarray:
     """[P, G] float64: the stored reference log-probabilities of each group's documents (a pair's chosen and
     rejected), in the order of `_pair_segments` (every pack's documents, in order, make whole groups)."""
-    missing = [number for number, pack in enumerate(packs) if pack.reference_logps is None]
-    if missing:
-        raise UsageError(f"Pack {missing[0]} has no 'reference_logps' while others of the batch have: collate packs "
-                         "of one PackedDataset(build, reference=DIR).")
-    return np.concatenate([pack.reference_logps for pack in packs]).astype(np.float64).reshape(-1, size)
+    return _per_group(packs, "reference_logps", size, "one PackedDataset(build, reference=DIR)").astype(np.float64)
+
+
+def _group_values(packs: list[_Pack], size: int) -> dict[str, torch.Tensor]:
+    """`group_scores` [P, G] float64 and `group_ranks` [P, G] int64 where the packs carry them: each group's
+    values, its completions' in order, in the order of `_pair_segments` and of the shared-prompt layout's groups
+    (the packs' groups, in pack order), so that row p is row p of `group_logps`."""
+    fields = {}
+    for name, dtype in (("group_scores", np.float64), ("group_ranks", np.int64)):
+        if any(getattr(pack, name) is not None for pack in packs):
+            build = "one group build (prepack build --groups with --scores-column or --ranks-column)"
+            fields[name] = torch.from_numpy(_per_group(packs, name, size, build).astype(dtype))
+    return fields
+
+
+def _per_group(packs: list[_Pack], name: str, size: int, source: str) -> np.ndarray:
+    """[P, G]: the packs' per-document values `name` (a `_Pack` field), a row a group, in the order of
+    `_pair_segments` (every pack's documents, in order, make whole groups); UsageError when a pack has none."""
+    if (missing := next((n for n, pack in enumerate(packs) if getattr(pack, name) is None), None)) is not None:
+        raise UsageError(f"Pack {missing} has no {name!r} while others of the batch have: collate packs of {source}.")
+    return np.concatenate([getattr(pack, name) for pack in packs]).reshape(-1, size)
 
 
 def _desirable(packs: list[_Pack]) -> np.ndarray:
     """[P] bool: each example's label, in the order of the batch's groups (every pack's documents make whole pairs,
     `_require_whole_groups`, each with its label, `_checked_pack`)."""
-    missing = [number for number, pack in enumerate(packs) if pack.desirable is None]
-    if missing:
-        raise UsageError(f"Pack {missing[0]} has no 'desirable' while others of the batch have: collate packs of one "
-                         "unpaired build.")
-    return np.concatenate([pack.desirable for pack in packs]).astype(bool)
+    return _per_group(packs, "desirable", 1, "one unpaired build").reshape(-1).astype(bool)
 
 
 def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
@@ -438,7 +455,7 @@ def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
     labels = np.full(cu_padded[-1], IGNORE_INDEX, dtype=np.int64)
     input_ids[destination] = pack.input_ids
     labels[destination] = pack.input_ids if pack.labels is None else pack.labels
-    return _Pack(input_ids, cu_padded, labels, pack.source_ids, pack.pair_roles, pack.reference_logps, pack.desirable)
+    return pack._replace(input_ids=input_ids, cu_seqlens=cu_padded, labels=labels)
 
 
 def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sources: bool = False) -> _Pack:
@@ -484,8 +501,19 @@ def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sou
     if reference is not None and reference.dtype != np.float64:  # a float32 copy has lost the stored values' precision
         raise UsageError(f"Pack {number}: reference_logps are {reference.dtype}, not the stored float64 (datasets' numpy "
                          "and torch formats make floats float32: keep the column as open_hf_dataset formats it).")
+    scores = np.asarray(pack["group_scores"]) if pack.get("group_scores") is not None else None
+    ranks = np.asarray(pack["group_ranks"]) if pack.get("group_ranks") is not None else None
+    for name, values in (("group_scores", scores), ("group_ranks", ranks)):
+        if values is not None and values.shape != (len(cu_seqlens) - 1,):
+            raise UsageError(f"Pack {number}: {values.shape} {name} for {len(cu_seqlens) - 1} documents.")
+    if scores is not None and (scores.dtype != np.float64 or not np.isfinite(scores).all()):
+        raise UsageError(f"Pack {number}: group_scores must be finite float64 values as stored, not {scores.dtype} "
+                         f"{scores.tolist()} (datasets' numpy and torch formats make floats float32: keep the column as "
+                         "open_hf_dataset formats it).")
+    if ranks is not None and ranks.dtype.kind not in "iu":
+        raise UsageError(f"Pack {number}: group_ranks must be integers, not {ranks.dtype}.")
     desirable = np.asarray(pack["desirable"]) if pack.get("desirable") is not None else None
     if desirable is not None and (desirable.ndim != 1 or 2 * desirable.size != len(cu_seqlens) - 1):
         raise UsageError(f"Pack {number}: {desirable.size} 'desirable' labels for {len(cu_seqlens) - 1} documents: a pack "
                          "of an unpaired build has one label every 2 documents.")
-    return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles, reference, desirable)
+    return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles, reference, scores, ranks, desirable)

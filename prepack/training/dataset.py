@@ -33,6 +33,8 @@ from prepack.formats.reference import ReferenceLogps
 from prepack.formats.shards import (
     DESIRABLE,
     FORMAT_VERSION,
+    GROUP_RANKS,
+    GROUP_SCORES,
     PAIR_ROLES,
     Manifest,
     check_index_shard,
@@ -70,7 +72,9 @@ class PackedDataset(Dataset):
     when the build has them): read-only views of the memory-mapped shard, except `segment_ids`, stored
     in 16 bits and widened into a copy (torch has few uint16 kernels); a mixture's rows also carry
     `source_ids` [k], each document's source (uint16, numbered as `manifest.mixture.sources`), which
-    `PackedCollator(source_ids=True)` passes on. Shards are opened on first use,
+    `PackedCollator(source_ids=True)` passes on; a pair or group build's carry `pair_roles` [k], and a group
+    build's read with scores or ranks `group_scores` [k] float64 and `group_ranks` [k] uint8, each completion's
+    value, which `PackedCollator` hands on per group. Shards are opened on first use,
     in each DataLoader worker separately: pickling the dataset carries paths, never memory maps.
 
     `validate` (default) checks the manifest against the directory (shard names, sizes, row counts)
@@ -244,7 +248,8 @@ def _check_directory(path: Path, manifest: Manifest) -> None:
 
 def _row_columns(batch: pa.RecordBatch) -> list[str]:
     """The list columns a full shard serves (as zero-copy views)."""
-    return [*_ROW_COLUMNS, *(name for name in ("labels", "source_ids", PAIR_ROLES, DESIRABLE) if name in batch.schema.names)]
+    return [*_ROW_COLUMNS, *(name for name in ("labels", "source_ids", PAIR_ROLES, GROUP_SCORES, GROUP_RANKS, DESIRABLE)
+                             if name in batch.schema.names)]
 
 
 def open_hf_dataset(
@@ -262,7 +267,9 @@ def open_hf_dataset(
 
     Rows hold the same columns as `PackedDataset` rows, as int64 arrays (`datasets` hands out a full
     build's rows as int64 copies): input_ids, cu_seqlens, segment_ids, labels when the build has them, and a
-    preference-pair build's pair_roles (and an unpaired build's desirable, one label an example).
+    preference-pair build's pair_roles, and a group build's group_scores (Python floats, float64 as stored: the
+    numpy format would make them float32) and group_ranks when it was built with them (and an unpaired build's
+    desirable, one label an example).
     The dataset's `info.description` names the build's max_len (and cap), for `PackedCollator.for_dataset`.
 
     `reference`: a preference-pair build's stored reference log-probabilities, as `PackedDataset` takes
@@ -301,18 +308,23 @@ def open_hf_dataset(
             "sources' column): use PackedDataset, or build the mixture in full."
         )
     packed.check_all()  # and, with a reference, each of its files against its shard
+    pairs = packed.manifest.options.pairs
     optional = {"labels": packed.manifest.has_labels, PAIR_ROLES: packed.manifest.pairs is not None,
+                GROUP_SCORES: pairs is not None and pairs.scores_column is not None,
+                GROUP_RANKS: pairs is not None and pairs.ranks_column is not None,
                 DESIRABLE: packed.manifest.options.unpaired}
     columns = [*_ROW_COLUMNS, *(name for name, present in optional.items() if present)]
+    # numpy's format makes floats float32: a group build's scores stay out of it, Python floats, float64 as stored.
+    numeric = [name for name in columns if name != GROUP_SCORES]
     files = packed.shard_paths if packed.store is None else _gathered_shards(packed, _rows_directory(cache_dir))
     options = packed.manifest.options
     cap = "" if options.max_docs_per_pack is None else _HF_CAP.format(cap=options.max_docs_per_pack)
     info = DatasetInfo(description=_HF_DESCRIPTION.format(max_len=options.max_len, cap=cap))
     dataset = concatenate_datasets([HFDataset.from_file(str(file), info=info) for file in files]).select_columns(columns)
-    if packed.reference is None:
+    if packed.reference is None and numeric == columns:
         return dataset.with_format("numpy")
-    dataset = _with_reference(dataset, packed.reference)
-    return dataset.with_format("numpy", columns=columns, output_all_columns=True)  # reference_logps: float64
+    dataset = dataset if packed.reference is None else _with_reference(dataset, packed.reference)
+    return dataset.with_format("numpy", columns=numeric, output_all_columns=True)  # reference_logps, group_scores: float64
 
 
 # What `open_hf_dataset` writes into a dataset's `info.description`, read back by `hf_dataset_options`.

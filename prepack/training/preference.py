@@ -44,13 +44,14 @@ with optional_imports("prepack.training.preference"):
     import torch.nn.functional as F
 
 __all__ = [
-    "GroupLogps", "PAIR_FIELDS", "PairLogps", "chosen_nll", "cpo_loss", "dpo_loss", "group_logps", "ipo_loss", "kto_loss", "model_inputs", "orpo_loss", "pair_count",
+    "GroupLogps", "PAIR_FIELDS", "PairLogps", "chosen_nll", "cpo_loss", "dpo_loss", "group_logps", "ipo_loss", "kto_loss", "model_inputs", "orpo_loss", "pair_count", "plackett_luce_loss",
     "pair_logps", "prompt_logps", "sequence_logps", "shared_pair_logps", "shared_token_logps", "simpo_loss", "trained_tokens",
 ]
 
 # What a batch of pairs carries besides the model's inputs (reference_logps: a build's stored reference
-# log-probabilities, `prepack.training.reference`).
-PAIR_FIELDS = ("pair_segments", "reference_logps", "desirable")  # an unpaired build's labels too
+# log-probabilities, `prepack.training.reference`; group_scores, group_ranks: a group build's values per completion;
+# desirable: an unpaired build's labels).
+PAIR_FIELDS = ("pair_segments", "reference_logps", "group_scores", "group_ranks", "desirable")
 
 
 class PairLogps(NamedTuple):
@@ -259,6 +260,27 @@ def ipo_loss(policy: PairLogps, reference: PairLogps, beta: float = 0.1) -> torc
     chosen, rejected = _margins(policy, reference)
     delta = chosen / policy.chosen_tokens.clamp(min=1) - rejected / policy.rejected_tokens.clamp(min=1)
     return (delta - 1 / (2 * beta)) ** 2
+
+
+def plackett_luce_loss(policy: GroupLogps, reference: GroupLogps, ranks: torch.Tensor, beta: float = 0.1) -> torch.Tensor:
+    """Per group [P]: DPO under the Plackett-Luce model of a ranking (Rafailov et al. 2023, "Direct Preference
+    Optimization", Appendix A.3). With h = β (π - ref) each completion's implicit reward and τ the group's order by
+    `ranks` ([P, G], 1 the best: a group build's `batch["group_ranks"]`, in the rows of `group_logps`),
+    -Σₖ log(exp(h_τ(k)) / Σ_{j ≥ k} exp(h_τ(j))); at G = 2 it is `dpo_loss` of the better against the worse.
+    The model ranks strictly: a group whose ranks are not 1 … G, each once (ties), is refused (UsageError)."""
+    ranks = torch.as_tensor(ranks, device=policy.logps.device)
+    if ranks.shape != policy.logps.shape or ranks.shape != reference.logps.shape:
+        raise UsageError(f"ranks of shape {tuple(ranks.shape)} for log-probabilities of shape {tuple(policy.logps.shape)} "
+                         f"and {tuple(reference.logps.shape)}: one rank a completion, [groups, G].")
+    order = ranks.argsort(dim=1)  # each group's completions, best first
+    strict = torch.arange(1, ranks.shape[1] + 1, device=ranks.device)
+    if (bad := (ranks.gather(1, order) != strict).any(dim=1)).any():
+        group = int(bad.nonzero()[0])
+        raise UsageError(f"group {group} has ranks {ranks[group].tolist()}: the Plackett-Luce model takes a strict "
+                         f"ranking, 1 to {ranks.shape[1]} each once (tied completions have no order to learn).")
+    rewards = (beta * (policy.logps - reference.logps)).gather(1, order)
+    below = torch.logcumsumexp(rewards.flip(1), dim=1).flip(1)  # log Σ_{j ≥ k} exp(h_τ(j))
+    return (below - rewards).sum(dim=1)
 
 
 def simpo_loss(policy: PairLogps, beta: float = 2.0, gamma: float = 0.5) -> torch.Tensor:

@@ -103,9 +103,10 @@ def test_dpo_example_trains_on_a_pair_build(pairs_packed, script, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def group_inputs(tmp_path_factory) -> tuple[Path, Path]:
-    """A group build of chitchat exchanges (the real answer first, three others after), and an unpaired build of
-    the same exchanges as feedback in TRL's format (the real answer desirable, another not)."""
+def group_inputs(tmp_path_factory) -> Path:
+    """A directory of builds of chitchat exchanges: a group build (`packed`: the real answer first, three others
+    after), a build of the same groups, the answer last, with ranks (`ranked`: --ranks-column), and an unpaired
+    build (`kto`) of the same exchanges as feedback in TRL's format (the real answer desirable, another not)."""
     import json
 
     import prepack
@@ -118,24 +119,30 @@ def group_inputs(tmp_path_factory) -> tuple[Path, Path]:
     corpus = root / "groups.jsonl"
     corpus.write_text("".join(json.dumps({"prompt": f"Q: {t[0]} A:", "completions": [f" {t[1]}", *others]}) + "\n" for t in turns))
     prepack.build(corpus, root / "packed", max_len=256, tokenizer=tokenizer, groups=True, overflow="drop", num_proc=1)
+    ranked = root / "ranked.jsonl"
+    ranked.write_text("".join(json.dumps({"prompt": f"Q: {t[0]} A:", "completions": [*others, f" {t[1]}"], "ranks": [3, 2, 4, 1]})
+                              + "\n" for t in turns))
+    prepack.build(ranked, root / "ranked", max_len=256, tokenizer=tokenizer, groups=True, overflow="drop", num_proc=1,
+                  ranks_column="ranks")
     feedback = root / "feedback.jsonl"
     feedback.write_text("".join(
         json.dumps({"prompt": f"Q: {t[0]} A:", "completion": f" {t[1]}" if i % 2 else others[i % 3], "label": bool(i % 2)}) + "\n"
         for i, t in enumerate(turns)))
     prepack.build(feedback, root / "kto", max_len=256, tokenizer=tokenizer, unpaired=True, overflow="drop", num_proc=1)
-    return root / "packed", root / "kto"
+    return root
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("script", "first_loss"), [
-    ("train_groups_plain_loop.py", math.log(2)), ("train_kto_plain_loop.py", 0.5), ("train_kto_trl.py", 0.5),
-    ("train_kto_trl.py --reference ref", 0.5)])
-def test_group_and_kto_examples_train(group_inputs, script, first_loss, tmp_path):
-    """The group recipe (shared-prompt layout of a --groups build) starts at log 2, the KTO ones (an --unpaired
-    build: TRL's unpaired format, KL completions planned from a seed; a plain loop, and TRL's KTOTrainer with a
-    reference model or stored reference log-probabilities) at 0.5, policy == reference; all print a finite final loss."""
+@pytest.mark.parametrize(("script", "data", "first_loss"), [
+    ("train_groups_plain_loop.py", "packed", math.log(2)), ("train_groups_plain_loop.py", "ranked", math.log(24)),
+    ("train_kto_plain_loop.py", "kto", 0.5), ("train_kto_trl.py", "kto", 0.5), ("train_kto_trl.py --reference ref", "kto", 0.5)])
+def test_group_and_kto_examples_train(group_inputs, script, data, first_loss, tmp_path):
+    """The group recipe (shared-prompt layout of a --groups build) starts at log 2, and on a build with ranks
+    (Plackett-Luce over groups of 4) at log 4!, the KTO ones (an --unpaired build: TRL's unpaired format, KL
+    completions planned from a seed; a plain loop, and TRL's KTOTrainer with a reference model or stored reference
+    log-probabilities) at 0.5, policy == reference; all print a finite final loss."""
     script, *options = script.split()
-    build = group_inputs[0] if script.startswith("train_groups") else group_inputs[1]
+    build = group_inputs / data
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run([sys.executable, str(EXAMPLES / script), "--data", str(build), "--steps", "3", "--workers", "0",
                              "--batch-size", "4", *options], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
