@@ -47,13 +47,14 @@ not a local path is refused.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import math
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -415,7 +416,8 @@ def prepare_image_chat(
     Same input, same bytes."""
     corpus, out, limits = Path(corpus), Path(out), limits or ImageLimits()
     rule, placeholder_id = processor_rule(processor)
-    video_side = video_processor_rule(processor)
+    # Read at the first video only: an image corpus prepares whatever video processor the folder carries.
+    video_side = functools.cache(functools.partial(video_processor_rule, processor))
     explicit = None if images_root is None else _ImageRoot(_real_directory(images_root), explicit=True)
     if os.path.lexists(out):
         raise OutputError(f"{out} exists; prepack writes a new directory and never replaces one.")
@@ -447,7 +449,8 @@ def prepare_image_chat(
         video_fields = {}
         if any(row_videos):  # a corpus without videos: the image set of before, byte for byte
             files += (_write_batch(image_dir / VIDEOS_FILE, _videos_batch(row_videos)),)
-            video_fields = dict(video_rule=video_side[0], video_placeholder_id=video_side[1],
+            video_rule, video_placeholder_id = video_side()
+            video_fields = dict(video_rule=video_rule, video_placeholder_id=video_placeholder_id,
                                 video_references=sum(map(len, row_videos)),
                                 video_tokens=sum(tokens for videos in row_videos for _, _, tokens in videos))
         manifest = ImageSetManifest(
@@ -694,9 +697,10 @@ def _turns(record: dict, where: str) -> tuple[str, list[tuple[Any, Any, str]]]:
 
 
 def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot, images: _ImageWriter,
-              video_side: tuple[VideoRule, int] | None = None):
+              video_side: Callable[[], tuple[VideoRule, int] | None]):
     """The record's messages with string contents, or its text, images and videos as placeholder text; its image
-    numbers; its videos as (frame numbers, fps, placeholders)."""
+    numbers; its videos as (frame numbers, fps, placeholders). `video_side()`: the video rule and placeholder id
+    (`video_processor_rule`), asked for at the record's first video."""
     pending = record.get("images")
     if pending is None:
         pending = []
@@ -731,10 +735,11 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
 
     def video_text(source: Any, column: str) -> str:
         at = f"{where}, column {column}"
-        if video_side is None:
+        side = video_side()
+        if side is None:
             raise InputError(f"{at}: a video, and the processor directory has no video processor "
                              "(video_preprocessor_config.json of a Qwen2-VL or Qwen3-VL video processor).")
-        video_rule = video_side[0]
+        video_rule = side[0]
         frames = _video_frames(source, at, root, limits)
         if len(numbers) + sum(len(frames) for frames, _, _ in videos) + len(frames) > limits.max_images_per_document:
             raise InputError(f"{at}: more than {limits.max_images_per_document} images in a record (a video's frames "

@@ -127,6 +127,32 @@ def test_a_set_without_videos_has_no_video_fields(processor, tmp_path):
     assert not (summary.image_set / VIDEOS_FILE).exists() and summary.videos == 0
 
 
+@pytest.mark.parametrize("video_config", [{"video_processor_type": "LlavaOnevisionVideoProcessor"},
+                                          {"video_processor_type": "Qwen3VLVideoProcessor", "cap_pixels_per_frame": True}],
+                         ids=["unsupported processor", "capped frames"])
+def test_an_image_corpus_ignores_a_video_processor_it_never_needs(tmp_path, video_config):
+    """A processor folder whose video processor prepack cannot count for (LLaVA-OneVision's, SmolVLM's, a capped
+    Qwen one) still prepares an image corpus: the video rule is read at the first video only."""
+    from tests.vision_inputs import processor_directory
+
+    write_videos(tmp_path)
+    record = {"messages": [{"role": "user", "content": "<image> hi"}, {"role": "assistant", "content": "x"}],
+              "images": [f"photos/{PHOTOS[0]}"]}
+    corpus = corpus_file(tmp_path, [record])
+    plain = prepare_image_chat(corpus, processor_directory(tmp_path / "plain"), tmp_path / "plain-out")
+    with_video = processor_directory(tmp_path / "with-video")
+    (with_video / "video_preprocessor_config.json").write_text(json.dumps(video_config))
+    summary = prepare_image_chat(corpus, with_video, tmp_path / "out")
+    for name in ("corpus.parquet", "images/images.arrow", "images/documents.arrow", f"images/{IMAGE_SET_MANIFEST}"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "plain-out" / name).read_bytes(), name
+    assert summary.videos == plain.videos == 0
+    video = {"messages": [{"role": "user", "content": "<video>?"}, {"role": "assistant", "content": "x"}],
+             "videos": ["clips/v0"]}
+    with pytest.raises(InputError, match="video_preprocessor_config.json: "):
+        prepare_image_chat(corpus_file(tmp_path, [record, video]), with_video, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+
 @pytest.mark.parametrize(
     ("video", "message"),
     [
