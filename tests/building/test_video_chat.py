@@ -32,9 +32,14 @@ from tests.vision_inputs import PHOTOS, QWEN_IMAGE_TOKENS, SAMPLE_DATA
 MAX_LEN = 200
 
 
+# The video processor's pixel bounds differ from the image processor's (QWEN_PIXELS), as in real checkpoints: a
+# frame is counted with the video processor's.
+VIDEO_PIXELS = {"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 4}
+
+
 @pytest.fixture(scope="module")
 def processor(tmp_path_factory):
-    return video_processor_directory(tmp_path_factory.mktemp("proc") / "processor")
+    return video_processor_directory(tmp_path_factory.mktemp("proc") / "processor", size=VIDEO_PIXELS)
 
 
 def write_videos(directory) -> list[list[str]]:
@@ -236,8 +241,9 @@ def test_a_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(proce
               "video_token_id": tokenizer.token_to_id(QWEN_VIDEO_TOKEN)}
     model = enable_packing(tiny_vision_model("qwen2_5_vl", vocab_size=tokenizer.get_vocab_size(), tokens=tokens))
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(processor)
+    image_set = read_image_set(summary.image_set)
     collator = VisionCollator(VisionSpec.of(model.config), image_processor, max_len=MAX_LEN, pad_token_id=50256,
-                              video_processor=FrameVideoProcessor.of(image_processor, "qwen2"))
+                              video_processor=FrameVideoProcessor(image_processor, image_set.manifest.video_rule))
     dataset = ImagePackedDataset(build, summary.image_set)
     packs = [dataset[index] for index in range(len(dataset))]
     assert sum(len(pack["videos"]) for pack in packs) == 4 and sum(len(p["cu_seqlens"]) - 1 for p in packs) == 4
@@ -245,7 +251,6 @@ def test_a_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(proce
     assert any(len(pack["cu_seqlens"]) > 2 for pack in packs)  # samples packed together
     batch = collator(packs)
     assert batch["second_per_grid_ts"].tolist() == [2 / rate for pack in packs for rate in pack["video_fps"]]
-    image_set = read_image_set(summary.image_set)
     logits, loss, grads = run(model, batch)
     logit_diff, weighted, counted, alone_grads = 0.0, 0.0, 0, {}
     for row, pack in enumerate(packs):

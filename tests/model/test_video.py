@@ -49,12 +49,14 @@ SAMPLES = (((), (0,)), ((1,), (1,)), ((), ()), ((), (2,)))
 VIDEO_FPS = (2.0, 1.0, 0.5)
 # Qwen3-VL's rule bounds the pixels of the whole video: a larger budget than one image's, so a step is a few tokens.
 QWEN3_VIDEO_SIZE = {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 24}
+# Qwen2-VL's bounds one frame, by the video processor's own bounds: not the image processor's (QWEN_PIXELS).
+QWEN2_VIDEO_SIZE = {"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 4}
 MODALITY = {"text": 0, "image": 1, "video": 2}  # transformers' mm_token_type_ids
 
 
 def video_processor(model_type: str, processor) -> FrameVideoProcessor:
     kind = VIDEO_RULES[model_type]
-    return FrameVideoProcessor.of(processor, kind, QWEN3_VIDEO_SIZE if kind == "qwen3" else None)
+    return FrameVideoProcessor.of(processor, kind, QWEN3_VIDEO_SIZE if kind == "qwen3" else QWEN2_VIDEO_SIZE)
 
 
 def video_tokens(model, frames: FrameVideoProcessor, video: int, rng) -> list[int]:
@@ -282,7 +284,7 @@ def test_frame_pixels_are_laid_out_as_transformers_patchify(kind):
     """FrameVideoProcessor's temporal patches are transformers' own layout: Qwen2VLVideoProcessor.patchify (run from
     its source) of the frames the image processor resized and normalised, the last frame repeated to fill a step."""
     processor = image_processor("qwen2_vl")
-    frames = FrameVideoProcessor.of(processor, kind, QWEN3_VIDEO_SIZE if kind == "qwen3" else None)
+    frames = FrameVideoProcessor.of(processor, kind, QWEN3_VIDEO_SIZE if kind == "qwen3" else QWEN2_VIDEO_SIZE)
     source = transformers_source("transformers.models.qwen2_vl.video_processing_qwen2_vl", "Qwen2VLVideoProcessor",
                                  methods=("patchify",))
     for video in range(len(VIDEOS)):
@@ -327,7 +329,7 @@ def test_a_video_for_a_family_without_a_video_side_is_refused():
 
 
 def test_a_video_of_frames_of_two_sizes_is_refused():
-    frames = FrameVideoProcessor.of(image_processor("qwen2_vl"), "qwen2")
+    frames = FrameVideoProcessor.of(image_processor("qwen2_vl"), "qwen2", QWEN2_VIDEO_SIZE)
     with pytest.raises(InputError, match="frames of 2 sizes"):
         frames(videos=[[*video_frames(0)[:2], video_frames(1)[0]]])
     one_frame = VideoRule(kind="qwen3", patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=1,
