@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from prepack.errors import InputError, optional_imports
+from prepack.errors import InputError, UsageError, optional_imports
 from prepack.formats.images import VideoRule
 
 with optional_imports("FrameVideoProcessor"):
@@ -49,7 +49,14 @@ class FrameVideoProcessor:
                          min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
         return cls(image_processor, rule)
 
-    def __call__(self, videos: Sequence[Sequence], return_tensors: str = "pt") -> dict[str, torch.Tensor]:
+    def __call__(self, videos: Sequence[Sequence], return_tensors: str = "pt", do_sample_frames: bool = False,
+                 cap_pixels_per_frame: bool = False) -> dict[str, torch.Tensor]:
+        """The videos' patches and grids; the options transformers' video processors take are accepted as
+        `VisionCollator` passes them (off): this class takes every frame at the rule's size."""
+        for option, value in (("do_sample_frames", do_sample_frames), ("cap_pixels_per_frame", cap_pixels_per_frame)):
+            if value:
+                raise UsageError(f"FrameVideoProcessor was given {option}=True; it neither samples frames nor caps a "
+                                 "frame's pixels (the image set counted every frame at its video rule's size).")
         patches, grids = [], []
         for number, frames in enumerate(videos):
             video_patches, grid = self._video(frames, number)

@@ -291,7 +291,10 @@ class VisionCollator:
             for number, pack in enumerate(packs)
             for video in pack.videos
         ]
-        out = self.video_processor(videos=videos, return_tensors="pt")
+        # The frames are the samples, each counted at the rule's size: transformers' Qwen3-VL processor would
+        # sample them by default, and its announced default caps a frame's pixels.
+        out = self.video_processor(videos=videos, return_tensors="pt", do_sample_frames=False,
+                                   cap_pixels_per_frame=False)
         kept = {key: out[key] for key in ("pixel_values_videos", "video_grid_thw")}
         if len(kept["video_grid_thw"]) != len(videos):
             raise UsageError(f"The video processor made {len(kept['video_grid_thw'])} grids of {len(videos)} videos.")

@@ -354,6 +354,27 @@ def test_video_frames_count_against_the_pixel_limits():
             limited([pack])
 
 
+def test_the_collator_tells_the_video_processor_to_take_the_frames_as_they_are():
+    """transformers' Qwen3VLVideoProcessor samples frames by default (do_sample_frames=True) and announces capped
+    frame pixels as its coming default: the collator turns both off at the call, as the set counted every frame at
+    the rule's size; FrameVideoProcessor, which does neither, refuses to be asked to."""
+    model, collator, made = setup("qwen2_vl")
+    pack = packs_of(made, ((0,),))[0]
+    calls = []
+
+    class Recording(FrameVideoProcessor):
+        def __call__(self, videos, **options):
+            calls.append(options)
+            return super().__call__(videos, **options)
+
+    recording = Recording(collator.image_processor, collator.video_processor.rule)
+    VisionCollator(collator.spec, collator.image_processor, pad_token_id=1, video_processor=recording)([pack])
+    assert calls == [{"return_tensors": "pt", "do_sample_frames": False, "cap_pixels_per_frame": False}]
+    for option in ("do_sample_frames", "cap_pixels_per_frame"):
+        with pytest.raises(UsageError, match=f"{option}=True"):
+            recording(videos=[video_frames(0)[:2]], **{option: True})
+
+
 @pytest.mark.slow
 def test_llava_next_video_is_isolated_natively_on_videos_and_refused_for_want_of_a_data_side():
     """The other video family, measured: a tiny LLaVA-NeXT-Video fed two videos (4 frames each, crops of the
