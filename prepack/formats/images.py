@@ -429,8 +429,12 @@ class ImageSet:
         return self._data[number].as_py()
 
     def row_images(self) -> np.ndarray:
-        """Images (repeats counted) per corpus row, int64."""
-        return np.diff(self._offsets).astype(np.int64)
+        """Images (repeats counted) per corpus row, int64, a video's frames among them: as the collator's pixel
+        limits and prepare-images' max_images_per_document count them."""
+        images = np.diff(self._offsets).astype(np.int64)
+        if self._videos is not None:
+            images += np.diff(self._videos["frames"][0]).astype(np.int64)
+        return images
 
     def row_tokens(self) -> np.ndarray:
         """Placeholder tokens per corpus row."""
@@ -498,6 +502,10 @@ def read_image_set(directory: str | os.PathLike, *, verify: bool = False) -> Ima
     _check_counts(image_set, images, documents)
     if VIDEOS_FILE in batches:
         _check_videos(image_set, batches[VIDEOS_FILE])
+    per_row = image_set.row_images()  # a video's frames counted, once videos.arrow is checked
+    if len(per_row) and int(per_row.max()) > manifest.limits.max_images_per_document:
+        refuse(directory / DOCUMENTS_FILE, f"holds {int(per_row.max())} images (a video's frames counted), more than "
+               f"the limit {manifest.limits.max_images_per_document}.", row=int(np.argmax(per_row)), column="images")
     if verify:
         _verify_images(image_set)
         if VIDEOS_FILE in batches:
@@ -524,10 +532,6 @@ def _check_counts(image_set: ImageSet, images: pa.RecordBatch, documents: pa.Rec
         row = int(np.searchsorted(image_set._offsets, int(np.argmax(numbers >= manifest.images)), side="right")) - 1
         refuse(documents_file, f"refers to image {int(numbers.max())}; the set holds {manifest.images}.", row=row,
                column="images")
-    per_row = np.diff(image_set._offsets)
-    if len(per_row) and int(per_row.max()) > manifest.limits.max_images_per_document:
-        refuse(documents_file, f"holds {int(per_row.max())} images, more than the limit "
-               f"{manifest.limits.max_images_per_document}.", row=int(np.argmax(per_row)), column="images")
     if int(image_set.tokens[numbers].astype(np.int64).sum()) != manifest.image_tokens:
         refuse(manifest_file, "image_tokens is not the sum of the rows' placeholder tokens.", column="image_tokens")
 

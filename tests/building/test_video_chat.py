@@ -307,3 +307,35 @@ def test_a_video_config_that_names_only_its_processor_takes_transformers_default
                                                                      "cap_pixels_per_frame": True}))
     with pytest.raises(InputError, match="cap_pixels_per_frame is set"):
         video_processor_rule(copy)
+
+
+@pytest.mark.slow
+def test_the_image_cap_counts_a_videos_frames(processor, tmp_path):
+    """--max-images-per-pack counts a video's frames as images, as the collator's pixel limits and the set's
+    max_images_per_document do: planner, verify and the per-row count agree."""
+    from prepack import build
+    from prepack.check.images import verify_images
+    from prepack.training.dataset import PackedDataset
+
+    paths = write_videos(tmp_path)
+    summary = prepare_image_chat(corpus_file(tmp_path, video_records(paths)), processor, tmp_path / "prepared")
+    image_set = read_image_set(summary.image_set)
+    frames = [count for _, count, _, _, _ in VIDEOS]
+    per_row = [frames[0], 1 + frames[1], 0, frames[2] + frames[0]]  # images and frames of video_records' rows
+    assert image_set.row_images().tolist() == per_row
+    cap = max(per_row)
+    build(summary.corpus, tmp_path / "capped", max_len=MAX_LEN, tokenizer=processor, chat=True, overflow="error",
+          max_images_per_pack=cap, images=summary.image_set)
+    dataset = PackedDataset(tmp_path / "capped")
+    packed = [sum(per_row[row] for row in dataset.source_rows(pack)) for pack in range(len(dataset))]
+    assert max(packed) <= cap and sum(packed) == sum(per_row)
+    assert verify_images(tmp_path / "capped", summary.image_set) == []
+    with pytest.raises(InputError, match=f"row 3: {cap} images .* more than --max-images-per-pack {cap - 1}"):
+        build(summary.corpus, tmp_path / "refused", max_len=MAX_LEN, tokenizer=processor, chat=True,
+              overflow="error", max_images_per_pack=cap - 1, images=summary.image_set)
+    manifest_file = summary.image_set / IMAGE_SET_MANIFEST
+    manifest = json.loads(manifest_file.read_text())
+    manifest["limits"]["max_images_per_document"] = cap - 1
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match=f"row 3, column 'images': holds {cap} images .*more than the limit {cap - 1}"):
+        read_image_set(summary.image_set)
