@@ -12,11 +12,13 @@ agree to float64 rounding; the leak control (positions counting on over each row
 
 from __future__ import annotations
 
+import io
 import re
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from prepack import enable_packing
 from prepack.errors import InputError, UsageError
@@ -373,6 +375,25 @@ def test_the_collator_tells_the_video_processor_to_take_the_frames_as_they_are()
     for option in ("do_sample_frames", "cap_pixels_per_frame"):
         with pytest.raises(UsageError, match=f"{option}=True"):
             recording(videos=[video_frames(0)[:2]], **{option: True})
+
+
+def test_a_batch_over_its_pixels_with_frames_is_refused_before_any_image_is_decoded():
+    """The pixel limits count the batch's images and frames at once, by their headers: an image whose body would
+    not decode is never reached; a frame that cannot be decoded is named by its video and frame."""
+    model, collator, made = setup("qwen2_vl")
+    pack = packs_of(made, ((1,),))[0]  # an image and a video
+    sizes = [Image.open(io.BytesIO(data)).size for data in [*pack["images"], *pack["videos"][0]]]
+    pixels = sum(width * height for width, height in sizes)
+    truncated = {**pack, "images": [image[: len(image) // 2] for image in pack["images"]]}  # headers intact
+    options = dict(pad_token_id=1, video_processor=collator.video_processor)
+    limited = VisionCollator(collator.spec, collator.image_processor, **options,
+                             max_image_pixels=max(width * height for width, height in sizes), max_batch_pixels=pixels - 1)
+    with pytest.raises(InputError, match="max_batch_pixels"):
+        limited([truncated])
+    broken = {**pack, "videos": [[*video[:-1], video[-1][: len(video[-1]) // 2]] for video in pack["videos"]]}
+    last = len(pack["videos"][0]) - 1
+    with pytest.raises(InputError, match=f"Pack 0's video 0, frame {last} cannot be decoded"):
+        VisionCollator(collator.spec, collator.image_processor, **options)([broken])
 
 
 @pytest.mark.slow
