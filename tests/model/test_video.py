@@ -47,8 +47,9 @@ from tests.vision_inputs import image_processor, photo_bytes
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # Per sample: (photographs, videos), indices into photo_bytes() and VIDEOS; the third is text only.
 SAMPLES = (((), (0,)), ((1,), (1,)), ((), ()), ((), (2,)))
-# Frames per second of each video (different, so that Qwen2.5-VL's temporal positions scale three ways).
-VIDEO_FPS = (2.0, 1.0, 0.5)
+# Frames per second of each video (different, so that Qwen2.5-VL's temporal positions scale three ways; none
+# making tokens_per_second x temporal_patch_size / fps a whole number, so that its float32 truncation is exercised).
+VIDEO_FPS = (3.0, 29.97, 0.7)
 # Qwen3-VL's rule bounds the pixels of the whole video: a larger budget than one image's, so a step is a few tokens.
 QWEN3_VIDEO_SIZE = {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 24}
 # Qwen2-VL's bounds one frame, by the video processor's own bounds: not the image processor's (QWEN_PIXELS).
@@ -255,8 +256,10 @@ def test_video_rotary_positions_equal_transformers_get_rope_index(model_type):
                                   video_token_id=spec.video_token_id, video_grids=video_grids,
                                   video_intervals=intervals)
         np.testing.assert_array_equal(got, expected[:, 0].numpy())
-    if model_type == "qwen2_5_vl":  # the scale is there: a video's second temporal step is not at 1
-        assert spec.tokens_per_second == 4 and collator._video_runs(alone)[1].tolist() == [4 * 2 / 0.5]
+    if model_type == "qwen2_5_vl":  # the scale is there, a fraction: a video's second temporal step is not at 1
+        scale = np.float32(4) * np.float32(2 / VIDEO_FPS[2])  # float32, as Qwen2.5-VL computes it
+        assert spec.tokens_per_second == 4 and collator._video_runs(alone)[1].tolist() == [float(scale)]
+        assert scale != int(scale)
 
 
 def test_the_video_families_are_those_whose_positions_transformers_splits_by_step():
