@@ -740,11 +740,13 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
             raise InputError(f"{at}: a video, and the processor directory has no video processor "
                              "(video_preprocessor_config.json of a Qwen2-VL or Qwen3-VL video processor).")
         video_rule = side[0]
-        frames = _video_frames(source, at, root, limits)
+        frames = _video_frames(source, at, root)
+        # Counted before any frame is read, as an image is; then each frame is read and stored in turn.
         if len(numbers) + sum(len(frames) for frames, _, _ in videos) + len(frames) > limits.max_images_per_document:
             raise InputError(f"{at}: more than {limits.max_images_per_document} images in a record (a video's frames "
                              "count as images).")
-        frame_numbers = [images.number(data, f"{at}, frame {index}") for index, data in enumerate(frames)]
+        frame_numbers = [images.number(_image_bytes(frame, frame_at, root, limits), frame_at)
+                         for frame, frame_at in frames]
         sizes = sorted({(images.widths[number], images.heights[number]) for number in frame_numbers})
         if len(sizes) != 1:
             raise InputError(f"{at}: the video's frames are of {len(sizes)} sizes ({sizes}); a video's frames are of "
@@ -827,13 +829,14 @@ def _video_rates(value: Any, where: str):
     return rate
 
 
-def _video_frames(source: Any, where: str, root: _ImageRoot, limits: ImageLimits) -> list[bytes]:
-    """A video's encoded frames, from a list of frames (paths or encoded images) or a directory of frame images
-    (confined as an image path is; its image files in name order). A video file is refused: no decoder."""
+def _video_frames(source: Any, where: str, root: _ImageRoot) -> list[tuple[Any, str]]:
+    """A video's frames, each an image source for `_image_bytes` and where it is, unread: from a list of frames
+    (paths or encoded images) or a directory of frame images (confined as an image path is; its image files in
+    name order). A video file is refused: no decoder."""
     if isinstance(source, list):
         if not source:
             raise InputError(f"{where}: a video without frames.")
-        return [_image_bytes(frame, f"{where}, frame {index}", root, limits) for index, frame in enumerate(source)]
+        return [(frame, f"{where}, frame {index}") for index, frame in enumerate(source)]
     if isinstance(source, str) and source and not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", source):
         directory = _confined(source, where, root)
         if not directory.exists():
@@ -844,8 +847,7 @@ def _video_frames(source: Any, where: str, root: _ImageRoot, limits: ImageLimits
             if not names:
                 raise InputError(f"{where}: the video directory {source!r} holds no frame images "
                                  f"({', '.join(_FRAME_SUFFIXES)}).")
-            return [_image_bytes(f"{source.rstrip('/')}/{name}", f"{where}, frame {name}", root, limits)
-                    for name in names]
+            return [(f"{source.rstrip('/')}/{name}", f"{where}, frame {name}") for name in names]
     raise InputError(f"{where}: {str(source)[:80]!r} is not a list of frames or a directory of them; {_VIDEO_AS_FRAMES}.")
 
 

@@ -201,6 +201,20 @@ def test_a_video_needs_a_video_processor_and_a_place(tmp_path):
         prepare_image_chat(corpus_file(tmp_path, [bad_rate]), processor, tmp_path / "out")
 
 
+def test_a_video_over_the_images_per_record_is_refused_before_its_frames_are_read(processor, tmp_path):
+    """The count is checked against the record's allowance first: a frame past it (here one that does not exist)
+    is never opened, as an image past it is not."""
+    from prepack.sources.images import ImageLimits
+
+    paths = write_videos(tmp_path)
+    record = {"messages": [{"role": "user", "content": "<image><video>?"}, {"role": "assistant", "content": "x"}],
+              "images": [f"photos/{PHOTOS[0]}"], "videos": [[*paths[0][:2], "clips/v0/missing.png"]]}
+    with pytest.raises(InputError, match="row 0, column videos: more than 3 images in a record"):
+        prepare_image_chat(corpus_file(tmp_path, [record]), processor, tmp_path / "out",
+                           limits=ImageLimits(max_images_per_document=3))
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_tampered_video_count_is_caught(processor, tmp_path):
     paths = write_videos(tmp_path)
     summary = prepare_image_chat(corpus_file(tmp_path, video_records(paths)), processor, tmp_path / "out")
