@@ -800,6 +800,10 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
         raise InputError(f"{where}, column images: {len(pending)} images that no message places.")
     if pending_videos:
         raise InputError(f"{where}, column videos: {len(pending_videos)} videos that no message places.")
+    given_rates = record.get("video_fps")
+    if isinstance(given_rates, list) and len(given_rates) > len(videos):
+        raise InputError(f"{where}, column video_fps: {len(given_rates)} rates for {len(videos)} videos; give one rate "
+                         "a video (or one number for all).")
     if len(numbers) > 1 and rule.max_tiles is not None:
         raise InputError(
             f"{where}: {len(numbers)} images in one record. LLaVA-OneVision's processor gives an image of a "

@@ -215,6 +215,15 @@ def test_a_video_over_the_images_per_record_is_refused_before_its_frames_are_rea
     assert not (tmp_path / "out").exists()
 
 
+def test_more_rates_than_videos_are_refused(processor, tmp_path):
+    paths = write_videos(tmp_path)
+    record = {"messages": [{"role": "user", "content": "<video>?"}, {"role": "assistant", "content": "x"}],
+              "videos": [paths[0]], "video_fps": [1.0, 2.0]}
+    with pytest.raises(InputError, match="row 0, column video_fps: 2 rates for 1 videos; give one rate a video"):
+        prepare_image_chat(corpus_file(tmp_path, [record]), processor, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_tampered_video_count_is_caught(processor, tmp_path):
     paths = write_videos(tmp_path)
     summary = prepare_image_chat(corpus_file(tmp_path, video_records(paths)), processor, tmp_path / "out")
