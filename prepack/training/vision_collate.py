@@ -185,7 +185,8 @@ class VisionCollator:
       is read from its header first; an image or a batch over its limit is refused (InputError naming the
       pack and the image) before any image of the batch is decoded. A video's frames count as images.
     - `image_spans`: also emit `image_spans` (see the module docstring); off by default, as the model's
-      forward would be handed a field it does not take.
+      forward would be handed a field it does not take. Images only: a video's placeholders have no spans
+      (find them as `input_ids == spec.video_token_id`).
     - `video_processor`: for packs with `videos` (Qwen-VL families, `VIDEO_RULES`), called on the batch's videos
       (each a list of decoded RGB frames) as transformers' video processors are, giving `pixel_values_videos`
       and `video_grid_thw`: transformers' own Qwen2VLVideoProcessor/Qwen3VLVideoProcessor (with
