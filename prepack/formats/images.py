@@ -566,7 +566,7 @@ def _check_videos(image_set: ImageSet, videos: pa.RecordBatch) -> None:
 def _verify_videos(image_set: ImageSet) -> None:
     """Every video's frames of one size and its placeholder count by the video rule."""
     where, rule = image_set.directory / VIDEOS_FILE, image_set.manifest.video_rule
-    for row in range(image_set.manifest.documents):
+    for row in np.flatnonzero(np.diff(image_set._videos["frame_counts"][0])).tolist():  # the rows with videos
         for frames, fps, tokens in image_set.videos_of(row):
             sizes = set(zip(image_set.widths[frames].tolist(), image_set.heights[frames].tolist()))
             if len(sizes) != 1:
