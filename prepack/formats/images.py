@@ -83,19 +83,30 @@ VIDEOS_SCHEMA = pa.schema(
 DEFAULT_VIDEO_FPS = 2.0
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, *, frames: int = 1,
+                 temporal: int = 1, upscale: bool = False) -> tuple[int, int]:
     """Qwen2-VL's resize rule (transformers' `smart_resize`): sides rounded to multiples of `factor`,
     the area brought within [min_pixels, max_pixels] keeping the aspect ratio. Python's round() (half to
-    even), floor and ceil, as there; `tests/formats/test_images.py` compares it with transformers'."""
+    even), floor and ceil, as there; `tests/building/test_image_chat.py` compares it with transformers'.
+    With `frames`, `temporal` and `upscale`, Qwen3-VL's video rule (transformers'
+    `qwen3_vl.video_processing_qwen3_vl.smart_resize`, run by `tests/formats/test_video_rule.py`): the bounds
+    hold for all frames together (their count rounded to a multiple of `temporal`), and a frame narrower than
+    `factor` is first scaled up. The defaults (one frame, no upscaling) are the image rule."""
+    if frames < temporal:
+        raise ValueError(f"{frames} frames, fewer than the temporal patch of {temporal}")
+    if upscale and (height < factor or width < factor):
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"an aspect ratio of more than 200 ({width}x{height})")
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    t_bar = round(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
 
@@ -274,30 +285,6 @@ class ImageRule(StrictModel):
         return 0, 0
 
 
-def _whole_video_resize(frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int,
-                        max_pixels: int) -> tuple[int, int]:
-    """Qwen3-VL's video resize rule (transformers' `qwen3_vl.video_processing_qwen3_vl.smart_resize`): the
-    pixel bounds hold for all frames together (frames rounded to a multiple of `temporal`), and a frame
-    narrower than `factor` is first scaled up. `tests/formats/test_video_rule.py` runs transformers' own text."""
-    if frames < temporal:
-        raise ValueError(f"{frames} frames, fewer than the temporal patch of {temporal}")
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"an aspect ratio of more than 200 ({width}x{height})")
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    t_bar = round(frames / temporal) * temporal
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (frames * height * width))
-        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
 class VideoRule(StrictModel):
     """How many placeholder tokens a video of `frames` frames of one size becomes, as the Qwen-VL video
     processors count them, and its text before tokenizing.
@@ -329,8 +316,8 @@ class VideoRule(StrictModel):
         if self.kind == "qwen2":
             resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
         else:
-            resized_h, resized_w = _whole_video_resize(frames, height, width, self.temporal_patch_size, factor,
-                                                       self.min_pixels, self.max_pixels)
+            resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels, frames=frames,
+                                                temporal=self.temporal_patch_size, upscale=True)
         steps = -(-frames // self.temporal_patch_size)
         return steps, resized_h // self.patch_size, resized_w // self.patch_size
 
