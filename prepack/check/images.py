@@ -115,6 +115,7 @@ def verify_images(build: str | os.PathLike, images: str | os.PathLike, *, decode
     if cap is None and not full:
         return problems
     row_tokens, row_images = image_set.row_tokens(), image_set.row_images()
+    video_tokens = image_set.row_video_tokens() if image_set.manifest.video_rule is not None else None
     for index, info in enumerate(manifest.shards):
         batch = manifest.open_shard(shard_path(build, index, info))
         row_offsets, rows = list_column(batch, "source_rows", info.name)
@@ -126,27 +127,23 @@ def verify_images(build: str | os.PathLike, images: str | os.PathLike, *, decode
         if not full:  # an index build's tokens lie in its store
             continue
         token_offsets, ids = list_column(batch, "input_ids", info.name)
-        is_placeholder = np.append(0, np.cumsum(ids == image_set.manifest.placeholder_id))
-        found = is_placeholder[token_offsets[1:]] - is_placeholder[token_offsets[:-1]]
-        expected = _per_pack(row_tokens, row_offsets, rows)
-        for row in np.flatnonzero(found != expected):
-            problems.append(Problem(file=info.name, row=int(row), column="input_ids", message=(
-                f"the pack holds {int(found[row])} image placeholder tokens; its documents' images make "
-                f"{int(expected[row])} (a document's images cut, or another corpus).")))
-        if image_set.manifest.video_rule is not None:
-            problems += _video_problems(image_set, info.name, token_offsets, ids, row_offsets, rows)
+        packs = (info.name, token_offsets, ids, row_offsets, rows)
+        problems += _placeholder_problems(*packs, image_set.manifest.placeholder_id, row_tokens, "image")
+        if video_tokens is not None:
+            problems += _placeholder_problems(*packs, image_set.manifest.video_placeholder_id, video_tokens, "video")
     return problems
 
 
-def _video_problems(image_set: ImageSet, shard: str, token_offsets, ids, row_offsets, rows) -> list[Problem]:
-    """The packs of one shard whose video placeholder tokens are not those of their documents' videos."""
-    is_placeholder = np.append(0, np.cumsum(ids == image_set.manifest.video_placeholder_id))
+def _placeholder_problems(shard: str, token_offsets, ids, row_offsets, rows, placeholder_id: int,
+                          row_tokens: np.ndarray, what: str) -> list[Problem]:
+    """The packs of one shard whose `placeholder_id` tokens are not `row_tokens` of their documents (`what`:
+    image or video)."""
+    is_placeholder = np.append(0, np.cumsum(ids == placeholder_id))
     found = is_placeholder[token_offsets[1:]] - is_placeholder[token_offsets[:-1]]
-    per_pack = np.append(0, np.cumsum(image_set.row_video_tokens()[rows]))
-    expected = per_pack[row_offsets[1:]] - per_pack[row_offsets[:-1]]
+    expected = _per_pack(row_tokens, row_offsets, rows)
     return [Problem(file=shard, row=int(row), column="input_ids", message=(
-        f"the pack holds {int(found[row])} video placeholder tokens; its documents' videos make {int(expected[row])} "
-        "(a document's videos cut, or another corpus).")) for row in np.flatnonzero(found != expected)]
+        f"the pack holds {int(found[row])} {what} placeholder tokens; its documents' {what}s make {int(expected[row])} "
+        f"(a document's {what}s cut, or another corpus).")) for row in np.flatnonzero(found != expected)]
 
 
 def images_checked(build: str | os.PathLike, images: str | os.PathLike, *, decode: bool = False) -> str:

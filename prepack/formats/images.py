@@ -85,19 +85,30 @@ VIDEOS_SCHEMA = pa.schema(
 DEFAULT_VIDEO_FPS = 2.0
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, *, frames: int = 1,
+                 temporal: int = 1, upscale: bool = False) -> tuple[int, int]:
     """Qwen2-VL's resize rule (transformers' `smart_resize`): sides rounded to multiples of `factor`,
     the area brought within [min_pixels, max_pixels] keeping the aspect ratio. Python's round() (half to
-    even), floor and ceil, as there; `tests/formats/test_images.py` compares it with transformers'."""
+    even), floor and ceil, as there; `tests/building/test_image_chat.py` compares it with transformers'.
+    With `frames`, `temporal` and `upscale`, Qwen3-VL's video rule (transformers'
+    `qwen3_vl.video_processing_qwen3_vl.smart_resize`, run by `tests/formats/test_video_rule.py`): the bounds
+    hold for all frames together (their count rounded to a multiple of `temporal`), and a frame narrower than
+    `factor` is first scaled up. The defaults (one frame, no upscaling) are the image rule."""
+    if frames < temporal:
+        raise ValueError(f"{frames} frames, fewer than the temporal patch of {temporal}")
+    if upscale and (height < factor or width < factor):
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"an aspect ratio of more than 200 ({width}x{height})")
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    t_bar = round(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
 
@@ -305,30 +316,6 @@ class ImageRule(StrictModel):
         return 0, 0
 
 
-def _whole_video_resize(frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int,
-                        max_pixels: int) -> tuple[int, int]:
-    """Qwen3-VL's video resize rule (transformers' `qwen3_vl.video_processing_qwen3_vl.smart_resize`): the
-    pixel bounds hold for all frames together (frames rounded to a multiple of `temporal`), and a frame
-    narrower than `factor` is first scaled up. `tests/formats/test_video_rule.py` runs transformers' own text."""
-    if frames < temporal:
-        raise ValueError(f"{frames} frames, fewer than the temporal patch of {temporal}")
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"an aspect ratio of more than 200 ({width}x{height})")
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    t_bar = round(frames / temporal) * temporal
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (frames * height * width))
-        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
 class VideoRule(StrictModel):
     """How many placeholder tokens a video of `frames` frames of one size becomes, as the Qwen-VL video
     processors count them, and its text before tokenizing.
@@ -360,8 +347,8 @@ class VideoRule(StrictModel):
         if self.kind == "qwen2":
             resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
         else:
-            resized_h, resized_w = _whole_video_resize(frames, height, width, self.temporal_patch_size, factor,
-                                                       self.min_pixels, self.max_pixels)
+            resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels, frames=frames,
+                                                temporal=self.temporal_patch_size, upscale=True)
         steps = -(-frames // self.temporal_patch_size)
         return steps, resized_h // self.patch_size, resized_w // self.patch_size
 
@@ -461,8 +448,12 @@ class ImageSet:
         return self._data[number].as_py()
 
     def row_images(self) -> np.ndarray:
-        """Images (repeats counted) per corpus row, int64."""
-        return np.diff(self._offsets).astype(np.int64)
+        """Images (repeats counted) per corpus row, int64, a video's frames among them: as the collator's pixel
+        limits and prepare-images' max_images_per_document count them."""
+        images = np.diff(self._offsets).astype(np.int64)
+        if self._videos is not None:
+            images += np.diff(self._videos["frames"][0]).astype(np.int64)
+        return images
 
     def row_tokens(self) -> np.ndarray:
         """Placeholder tokens per corpus row."""
@@ -532,6 +523,10 @@ def read_image_set(directory: str | os.PathLike, *, verify: bool = False) -> Ima
     _check_counts(image_set, images, documents)
     if VIDEOS_FILE in batches:
         _check_videos(image_set, batches[VIDEOS_FILE])
+    per_row = image_set.row_images()  # a video's frames counted, once videos.arrow is checked
+    if len(per_row) and int(per_row.max()) > manifest.limits.max_images_per_document:
+        refuse(directory / DOCUMENTS_FILE, f"holds {int(per_row.max())} images (a video's frames counted), more than "
+               f"the limit {manifest.limits.max_images_per_document}.", row=int(np.argmax(per_row)), column="images")
     if verify:
         _verify_images(image_set)
         if VIDEOS_FILE in batches:
@@ -558,10 +553,6 @@ def _check_counts(image_set: ImageSet, images: pa.RecordBatch, documents: pa.Rec
         row = int(np.searchsorted(image_set._offsets, int(np.argmax(numbers >= manifest.images)), side="right")) - 1
         refuse(documents_file, f"refers to image {int(numbers.max())}; the set holds {manifest.images}.", row=row,
                column="images")
-    per_row = np.diff(image_set._offsets)
-    if len(per_row) and int(per_row.max()) > manifest.limits.max_images_per_document:
-        refuse(documents_file, f"holds {int(per_row.max())} images, more than the limit "
-               f"{manifest.limits.max_images_per_document}.", row=int(np.argmax(per_row)), column="images")
     if int(image_set.tokens[numbers].astype(np.int64).sum()) != manifest.image_tokens:
         refuse(manifest_file, "image_tokens is not the sum of the rows' placeholder tokens.", column="image_tokens")
 
@@ -596,7 +587,7 @@ def _check_videos(image_set: ImageSet, videos: pa.RecordBatch) -> None:
 def _verify_videos(image_set: ImageSet) -> None:
     """Every video's frames of one size and its placeholder count by the video rule."""
     where, rule = image_set.directory / VIDEOS_FILE, image_set.manifest.video_rule
-    for row in range(image_set.manifest.documents):
+    for row in np.flatnonzero(np.diff(image_set._videos["frame_counts"][0])).tolist():  # the rows with videos
         for frames, fps, tokens in image_set.videos_of(row):
             sizes = set(zip(image_set.widths[frames].tolist(), image_set.heights[frames].tolist()))
             if len(sizes) != 1:

@@ -47,13 +47,14 @@ not a local path is refused.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import math
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -416,7 +417,8 @@ def prepare_image_chat(
     Same input, same bytes."""
     corpus, out, limits = Path(corpus), Path(out), limits or ImageLimits()
     rule, placeholder_id = processor_rule(processor)
-    video_side = video_processor_rule(processor)
+    # Read at the first video only: an image corpus prepares whatever video processor the folder carries.
+    video_side = functools.cache(functools.partial(video_processor_rule, processor))
     explicit = None if images_root is None else _ImageRoot(_real_directory(images_root), explicit=True)
     if os.path.lexists(out):
         raise OutputError(f"{out} exists; prepack writes a new directory and never replaces one.")
@@ -448,7 +450,8 @@ def prepare_image_chat(
         video_fields = {}
         if any(row_videos):  # a corpus without videos: the image set of before, byte for byte
             files += (_write_batch(image_dir / VIDEOS_FILE, _videos_batch(row_videos)),)
-            video_fields = dict(video_rule=video_side[0], video_placeholder_id=video_side[1],
+            video_rule, video_placeholder_id = video_side()
+            video_fields = dict(video_rule=video_rule, video_placeholder_id=video_placeholder_id,
                                 video_references=sum(map(len, row_videos)),
                                 video_tokens=sum(tokens for videos in row_videos for _, _, tokens in videos))
         manifest = ImageSetManifest(
@@ -699,9 +702,10 @@ def _turns(record: dict, where: str) -> tuple[str, list[tuple[Any, Any, str]]]:
 
 
 def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot, images: _ImageWriter,
-              video_side: tuple[VideoRule, int] | None = None):
+              video_side: Callable[[], tuple[VideoRule, int] | None]):
     """The record's messages with string contents, or its text, images and videos as placeholder text; its image
-    numbers; its videos as (frame numbers, fps, placeholders)."""
+    numbers; its videos as (frame numbers, fps, placeholders). `video_side()`: the video rule and placeholder id
+    (`video_processor_rule`), asked for at the record's first video."""
     pending = record.get("images")
     if pending is None:
         pending = []
@@ -742,15 +746,18 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
 
     def video_text(source: Any, column: str) -> str:
         at = f"{where}, column {column}"
-        if video_side is None:
+        side = video_side()
+        if side is None:
             raise InputError(f"{at}: a video, and the processor directory has no video processor "
                              "(video_preprocessor_config.json of a Qwen2-VL or Qwen3-VL video processor).")
-        video_rule = video_side[0]
-        frames = _video_frames(source, at, root, limits)
+        video_rule = side[0]
+        frames = _video_frames(source, at, root)
+        # Counted before any frame is read, as an image is; then each frame is read and stored in turn.
         if len(numbers) + sum(len(frames) for frames, _, _ in videos) + len(frames) > limits.max_images_per_document:
             raise InputError(f"{at}: more than {limits.max_images_per_document} images in a record (a video's frames "
                              "count as images).")
-        frame_numbers = [images.number(data, f"{at}, frame {index}") for index, data in enumerate(frames)]
+        frame_numbers = [images.number(_image_bytes(frame, frame_at, root, limits), frame_at)
+                         for frame, frame_at in frames]
         sizes = sorted({(images.widths[number], images.heights[number]) for number in frame_numbers})
         if len(sizes) != 1:
             raise InputError(f"{at}: the video's frames are of {len(sizes)} sizes ({sizes}); a video's frames are of "
@@ -804,6 +811,10 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
         raise InputError(f"{where}, column images: {len(pending)} images that no message places.")
     if pending_videos:
         raise InputError(f"{where}, column videos: {len(pending_videos)} videos that no message places.")
+    given_rates = record.get("video_fps")
+    if isinstance(given_rates, list) and len(given_rates) > len(videos):
+        raise InputError(f"{where}, column video_fps: {len(given_rates)} rates for {len(videos)} videos; give one rate "
+                         "a video (or one number for all).")
     return (messages[0]["content"] if kind == "text" else messages), numbers, videos
 
 
@@ -827,13 +838,14 @@ def _video_rates(value: Any, where: str):
     return rate
 
 
-def _video_frames(source: Any, where: str, root: _ImageRoot, limits: ImageLimits) -> list[bytes]:
-    """A video's encoded frames, from a list of frames (paths or encoded images) or a directory of frame images
-    (confined as an image path is; its image files in name order). A video file is refused: no decoder."""
+def _video_frames(source: Any, where: str, root: _ImageRoot) -> list[tuple[Any, str]]:
+    """A video's frames, each an image source for `_image_bytes` and where it is, unread: from a list of frames
+    (paths or encoded images) or a directory of frame images (confined as an image path is; its image files in
+    name order). A video file is refused: no decoder."""
     if isinstance(source, list):
         if not source:
             raise InputError(f"{where}: a video without frames.")
-        return [_image_bytes(frame, f"{where}, frame {index}", root, limits) for index, frame in enumerate(source)]
+        return [(frame, f"{where}, frame {index}") for index, frame in enumerate(source)]
     if isinstance(source, str) and source and not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", source):
         directory = _confined(source, where, root)
         if not directory.exists():
@@ -844,8 +856,7 @@ def _video_frames(source: Any, where: str, root: _ImageRoot, limits: ImageLimits
             if not names:
                 raise InputError(f"{where}: the video directory {source!r} holds no frame images "
                                  f"({', '.join(_FRAME_SUFFIXES)}).")
-            return [_image_bytes(f"{source.rstrip('/')}/{name}", f"{where}, frame {name}", root, limits)
-                    for name in names]
+            return [(f"{source.rstrip('/')}/{name}", f"{where}, frame {name}") for name in names]
     raise InputError(f"{where}: {str(source)[:80]!r} is not a list of frames or a directory of them; {_VIDEO_AS_FRAMES}.")
 
 

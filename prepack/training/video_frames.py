@@ -3,11 +3,13 @@
 transformers' Qwen2-VL and Qwen3-VL video processors need torchvision (their module does not import without
 it). `FrameVideoProcessor` makes the same two outputs from a video given as decoded frames of one size:
 
-    video_processor = FrameVideoProcessor.of(image_processor, "qwen2")   # "qwen3" for Qwen3-VL's rule
+    video_processor = FrameVideoProcessor(image_processor, image_set.manifest.video_rule)
     out = video_processor(videos=[[frame0, frame1, ...], ...])           # PIL images, RGB
     out["pixel_values_videos"], out["video_grid_thw"]
 
-The video's grid is `prepack.formats.images.VideoRule`'s (the video processor's count); every frame is resized
+The video's grid is `prepack.formats.images.VideoRule`'s: the rule the image set recorded (or
+`prepack.sources.images.video_processor_rule(processor_directory)[0]`), so a frame is sized by the video
+processor's pixel bounds, which a real checkpoint sets apart from its image processor's; every frame is resized
 to that grid's size with the image processor's resampling, rescaled and normalised by the image processor
 itself (`do_resize=False`), and `temporal_patch_size` consecutive frames (the last repeated to fill the last
 step) are laid into one temporal patch as `Qwen2VLVideoProcessor.patchify` lays them
@@ -21,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from prepack.errors import InputError, optional_imports
+from prepack.errors import InputError, UsageError, optional_imports
 from prepack.formats.images import VideoRule
 
 with optional_imports("FrameVideoProcessor"):
@@ -38,17 +40,23 @@ class FrameVideoProcessor:
         self.temporal_patch_size = rule.temporal_patch_size  # as transformers' video processors name it
 
     @classmethod
-    def of(cls, image_processor, kind: Literal["qwen2", "qwen3"], size: dict[str, int] | None = None):
-        """The processor for `kind`'s rule with the Qwen-VL image processor's patch, merge and temporal sizes, and
-        its pixel bounds (or `size`: {"shortest_edge", "longest_edge"}, the video processor's own)."""
-        size = dict(size) if size is not None else {"shortest_edge": image_processor.size.shortest_edge,
-                                                    "longest_edge": image_processor.size.longest_edge}
+    def of(cls, image_processor, kind: Literal["qwen2", "qwen3"], size: dict[str, int]):
+        """The processor for `kind`'s rule with the Qwen-VL image processor's patch, merge and temporal sizes and
+        the video processor's pixel bounds `size` ({"shortest_edge", "longest_edge"}; never the image
+        processor's: a real checkpoint's differ)."""
         rule = VideoRule(kind=kind, patch_size=image_processor.patch_size, merge_size=image_processor.merge_size,
                          temporal_patch_size=image_processor.temporal_patch_size,
                          min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
         return cls(image_processor, rule)
 
-    def __call__(self, videos: Sequence[Sequence], return_tensors: str = "pt") -> dict[str, torch.Tensor]:
+    def __call__(self, videos: Sequence[Sequence], return_tensors: str = "pt", do_sample_frames: bool = False,
+                 cap_pixels_per_frame: bool = False) -> dict[str, torch.Tensor]:
+        """The videos' patches and grids; the options transformers' video processors take are accepted as
+        `VisionCollator` passes them (off): this class takes every frame at the rule's size."""
+        for option, value in (("do_sample_frames", do_sample_frames), ("cap_pixels_per_frame", cap_pixels_per_frame)):
+            if value:
+                raise UsageError(f"FrameVideoProcessor was given {option}=True; it neither samples frames nor caps a "
+                                 "frame's pixels (the image set counted every frame at its video rule's size).")
         patches, grids = [], []
         for number, frames in enumerate(videos):
             video_patches, grid = self._video(frames, number)

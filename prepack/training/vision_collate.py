@@ -187,7 +187,8 @@ class VisionCollator:
       pack and the image) before any image of the batch is decoded. A video's frames count as images.
     - `image_spans`: also emit `image_spans` (see the module docstring); off by default, as the model's
       forward would be handed a field it does not take. Refused (UsageError) for a tiled tower (a spec
-      without `tokens_per_image` outside the 3-D rotary style: LLaVA-NeXT, OneVision, Idefics3, SmolVLM).
+      without `tokens_per_image` outside the 3-D rotary style: LLaVA-NeXT, OneVision, Idefics3, SmolVLM). Images
+      only: a video's placeholders have no spans (find them as `input_ids == spec.video_token_id`).
     - `video_processor`: for packs with `videos` (Qwen-VL families, `VIDEO_RULES`), called on the batch's videos
       (each a list of decoded RGB frames) as transformers' video processors are, giving `pixel_values_videos`
       and `video_grid_thw`: transformers' own Qwen2VLVideoProcessor/Qwen3VLVideoProcessor (with
@@ -248,6 +249,7 @@ class VisionCollator:
         if self.spec.video_token_id is not None:
             text["labels"][input_ids == self.spec.video_token_id] = IGNORE_INDEX
         batch: dict[str, Any] = {"input_ids": input_ids, "labels": text["labels"]}
+        self._check_pixels(checked)  # every image and frame of the batch, by its header, before any is decoded
         images = [pack.images for pack in checked]
         if any(images):
             batch |= self._preprocessed(images)
@@ -269,11 +271,10 @@ class VisionCollator:
         return batch
 
     def _preprocessed(self, images_by_pack: Sequence[Sequence[bytes]]) -> dict[str, Any]:
-        """What the image processor makes of the packs' images (encoded, in token order), each checked
-        against the pixel limits by its header before any is decoded, then decoded one by one."""
-        self._check_pixels(images_by_pack)
+        """What the image processor makes of the packs' images (encoded, in token order; their pixels checked
+        already), decoded one by one."""
         decoded = [
-            _opened(image, number, index, lambda opened: opened.convert("RGB"))
+            _opened(image, f"Pack {number}'s image {index}", lambda opened: opened.convert("RGB"))
             for number, images in enumerate(images_by_pack)
             for index, image in enumerate(images)
         ]
@@ -288,19 +289,21 @@ class VisionCollator:
         return kept
 
     def _preprocessed_videos(self, packs: list[_VisionPack]) -> dict[str, Any]:
-        """What the video processor makes of the packs' videos (frames checked against the pixel limits with the
-        batch's images, by their headers, before any is decoded), and Qwen2.5-VL's `second_per_grid_ts`."""
+        """What the video processor makes of the packs' videos (their frames' pixels checked already with the
+        batch's images), and Qwen2.5-VL's `second_per_grid_ts`."""
         if self.video_processor is None:
             raise UsageError("Packs with videos need VisionCollator(video_processor=...): transformers' Qwen-VL video "
                              "processor, or prepack.training.video_frames.FrameVideoProcessor.")
-        frames_by_pack = [[frame for video in pack.videos for frame in video] for pack in packs]
-        self._check_pixels([[*pack.images, *frames] for pack, frames in zip(packs, frames_by_pack)])
         videos = [
-            [_opened(frame, number, index, lambda opened: opened.convert("RGB")) for index, frame in enumerate(video)]
+            [_opened(frame, f"Pack {number}'s video {video}, frame {index}", lambda opened: opened.convert("RGB"))
+             for index, frame in enumerate(frames)]
             for number, pack in enumerate(packs)
-            for video in pack.videos
+            for video, frames in enumerate(pack.videos)
         ]
-        out = self.video_processor(videos=videos, return_tensors="pt")
+        # The frames are the samples, each counted at the rule's size: transformers' Qwen3-VL processor would
+        # sample them by default, and its announced default caps a frame's pixels.
+        out = self.video_processor(videos=videos, return_tensors="pt", do_sample_frames=False,
+                                   cap_pixels_per_frame=False)
         kept = {key: out[key] for key in ("pixel_values_videos", "video_grid_thw")}
         if len(kept["video_grid_thw"]) != len(videos):
             raise UsageError(f"The video processor made {len(kept['video_grid_thw'])} grids of {len(videos)} videos.")
@@ -326,21 +329,25 @@ class VisionCollator:
             grids[:, 0] = 1
         return grids, intervals
 
-    def _check_pixels(self, images_by_pack: Sequence[Sequence[bytes]]) -> None:
-        """Every image within max_image_pixels and all of them within max_batch_pixels, by their headers."""
+    def _check_pixels(self, packs: Sequence[_VisionPack]) -> None:
+        """Every image and video frame within max_image_pixels and all of them within max_batch_pixels, by their
+        headers."""
         batch_pixels = 0
-        for number, images in enumerate(images_by_pack):
-            for index, image in enumerate(images):
-                width, height = _opened(image, number, index, lambda opened: opened.size)
+        for number, pack in enumerate(packs):
+            named = [(f"Pack {number}'s image {index}", image) for index, image in enumerate(pack.images)]
+            named += [(f"Pack {number}'s video {video}, frame {index}", frame)
+                      for video, frames in enumerate(pack.videos) for index, frame in enumerate(frames)]
+            for name, image in named:
+                width, height = _opened(image, name, lambda opened: opened.size)
                 if width * height > self.max_image_pixels:
                     raise InputError(
-                        f"Pack {number}'s image {index} is {width}x{height} = {width * height:,} pixels, more than "
+                        f"{name} is {width}x{height} = {width * height:,} pixels, more than "
                         f"max_image_pixels={self.max_image_pixels:,} of VisionCollator: refused before decoding."
                     )
                 batch_pixels += width * height
                 if batch_pixels > self.max_batch_pixels:
                     raise InputError(
-                        f"The batch's images come to {batch_pixels:,} pixels by pack {number}'s image {index}, more "
+                        f"The batch's images come to {batch_pixels:,} pixels by p{name[1:]}, more "
                         f"than max_batch_pixels={self.max_batch_pixels:,} of VisionCollator: refused before "
                         "decoding; collate fewer packs a batch, or raise max_batch_pixels."
                     )
@@ -447,10 +454,11 @@ def _vision_pack(pack: Mapping[str, Any], number: int, spec: VisionSpec) -> _Vis
     return _VisionPack(input_ids, cu_seqlens, images, videos, video_fps)
 
 
-def _opened(image: bytes, number: int, index: int, read):
-    """`read(opened)` of the encoded image, opened lazily (its header only until `read` asks for pixels)."""
+def _opened(image: bytes, name: str, read):
+    """`read(opened)` of the encoded image (`name`: "Pack N's image I"), opened lazily (its header only until
+    `read` asks for pixels)."""
     try:
         with Image.open(io.BytesIO(image)) as opened:
             return read(opened)
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise InputError(f"Pack {number}'s image {index} cannot be decoded: {exc}") from None
+        raise InputError(f"{name} cannot be decoded: {exc}") from None

@@ -55,13 +55,7 @@ class ImagePackedDataset:
         rows = self.packs.source_rows(index)
         numbers = [int(number) for row in rows for number in self.image_set.images_of(int(row))]
         expected = int(self.image_set.tokens[numbers].sum()) if numbers else 0
-        found = int(np.count_nonzero(pack["input_ids"] == self.placeholder_id))
-        if found != expected:
-            raise InputError(
-                f"Pack {index} holds {found} image placeholder tokens, but its documents (corpus rows "
-                f"{rows.tolist()[:8]}) have images of {expected}: a document's images were cut (keep image "
-                "documents within max_len: --overflow drop), or the build is not of this image set's corpus."
-            )
+        _check_placeholders(index, pack, rows, self.placeholder_id, expected, "image")
         served = {**pack, "images": [self.image_set.data(number) for number in numbers]}
         if self.image_set.manifest.video_rule is not None:
             served |= self._videos(index, pack, rows)
@@ -72,12 +66,19 @@ class ImagePackedDataset:
         image placeholders are."""
         videos = [video for row in rows for video in self.image_set.videos_of(int(row))]
         expected = sum(tokens for _, _, tokens in videos)
-        found = int(np.count_nonzero(pack["input_ids"] == self.image_set.manifest.video_placeholder_id))
-        if found != expected:
-            raise InputError(
-                f"Pack {index} holds {found} video placeholder tokens, but its documents (corpus rows "
-                f"{rows.tolist()[:8]}) have videos of {expected}: a document's videos were cut (keep video "
-                "documents within max_len: --overflow drop), or the build is not of this image set's corpus."
-            )
+        _check_placeholders(index, pack, rows, self.image_set.manifest.video_placeholder_id, expected, "video")
         return {"videos": [[self.image_set.data(int(frame)) for frame in frames] for frames, _, _ in videos],
                 "video_fps": [fps for _, fps, _ in videos]}
+
+
+def _check_placeholders(index: int, pack: dict[str, Any], rows: np.ndarray, placeholder_id: int, expected: int,
+                        what: str) -> None:
+    """Refuse pack `index` unless it holds `expected` `placeholder_id` tokens, its documents' (`what`: image or
+    video)."""
+    found = int(np.count_nonzero(pack["input_ids"] == placeholder_id))
+    if found != expected:
+        raise InputError(
+            f"Pack {index} holds {found} {what} placeholder tokens, but its documents (corpus rows "
+            f"{rows.tolist()[:8]}) have {what}s of {expected}: a document's {what}s were cut (keep {what} "
+            "documents within max_len: --overflow drop), or the build is not of this image set's corpus."
+        )

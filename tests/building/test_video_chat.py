@@ -32,9 +32,14 @@ from tests.vision_inputs import PHOTOS, QWEN_IMAGE_TOKENS, SAMPLE_DATA
 MAX_LEN = 200
 
 
+# The video processor's pixel bounds differ from the image processor's (QWEN_PIXELS), as in real checkpoints: a
+# frame is counted with the video processor's.
+VIDEO_PIXELS = {"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 4}
+
+
 @pytest.fixture(scope="module")
 def processor(tmp_path_factory):
-    return video_processor_directory(tmp_path_factory.mktemp("proc") / "processor")
+    return video_processor_directory(tmp_path_factory.mktemp("proc") / "processor", size=VIDEO_PIXELS)
 
 
 def write_videos(directory) -> list[list[str]]:
@@ -127,6 +132,32 @@ def test_a_set_without_videos_has_no_video_fields(processor, tmp_path):
     assert not (summary.image_set / VIDEOS_FILE).exists() and summary.videos == 0
 
 
+@pytest.mark.parametrize("video_config", [{"video_processor_type": "LlavaOnevisionVideoProcessor"},
+                                          {"video_processor_type": "Qwen3VLVideoProcessor", "cap_pixels_per_frame": True}],
+                         ids=["unsupported processor", "capped frames"])
+def test_an_image_corpus_ignores_a_video_processor_it_never_needs(tmp_path, video_config):
+    """A processor folder whose video processor prepack cannot count for (LLaVA-OneVision's, SmolVLM's, a capped
+    Qwen one) still prepares an image corpus: the video rule is read at the first video only."""
+    from tests.vision_inputs import processor_directory
+
+    write_videos(tmp_path)
+    record = {"messages": [{"role": "user", "content": "<image> hi"}, {"role": "assistant", "content": "x"}],
+              "images": [f"photos/{PHOTOS[0]}"]}
+    corpus = corpus_file(tmp_path, [record])
+    plain = prepare_image_chat(corpus, processor_directory(tmp_path / "plain"), tmp_path / "plain-out")
+    with_video = processor_directory(tmp_path / "with-video")
+    (with_video / "video_preprocessor_config.json").write_text(json.dumps(video_config))
+    summary = prepare_image_chat(corpus, with_video, tmp_path / "out")
+    for name in ("corpus.parquet", "images/images.arrow", "images/documents.arrow", f"images/{IMAGE_SET_MANIFEST}"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "plain-out" / name).read_bytes(), name
+    assert summary.videos == plain.videos == 0
+    video = {"messages": [{"role": "user", "content": "<video>?"}, {"role": "assistant", "content": "x"}],
+             "videos": ["clips/v0"]}
+    with pytest.raises(InputError, match="video_preprocessor_config.json: "):
+        prepare_image_chat(corpus_file(tmp_path, [record, video]), with_video, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+
 @pytest.mark.parametrize(
     ("video", "message"),
     [
@@ -170,6 +201,29 @@ def test_a_video_needs_a_video_processor_and_a_place(tmp_path):
         prepare_image_chat(corpus_file(tmp_path, [bad_rate]), processor, tmp_path / "out")
 
 
+def test_a_video_over_the_images_per_record_is_refused_before_its_frames_are_read(processor, tmp_path):
+    """The count is checked against the record's allowance first: a frame past it (here one that does not exist)
+    is never opened, as an image past it is not."""
+    from prepack.sources.images import ImageLimits
+
+    paths = write_videos(tmp_path)
+    record = {"messages": [{"role": "user", "content": "<image><video>?"}, {"role": "assistant", "content": "x"}],
+              "images": [f"photos/{PHOTOS[0]}"], "videos": [[*paths[0][:2], "clips/v0/missing.png"]]}
+    with pytest.raises(InputError, match="row 0, column videos: more than 3 images in a record"):
+        prepare_image_chat(corpus_file(tmp_path, [record]), processor, tmp_path / "out",
+                           limits=ImageLimits(max_images_per_document=3))
+    assert not (tmp_path / "out").exists()
+
+
+def test_more_rates_than_videos_are_refused(processor, tmp_path):
+    paths = write_videos(tmp_path)
+    record = {"messages": [{"role": "user", "content": "<video>?"}, {"role": "assistant", "content": "x"}],
+              "videos": [paths[0]], "video_fps": [1.0, 2.0]}
+    with pytest.raises(InputError, match="row 0, column video_fps: 2 rates for 1 videos; give one rate a video"):
+        prepare_image_chat(corpus_file(tmp_path, [record]), processor, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_tampered_video_count_is_caught(processor, tmp_path):
     paths = write_videos(tmp_path)
     summary = prepare_image_chat(corpus_file(tmp_path, video_records(paths)), processor, tmp_path / "out")
@@ -210,8 +264,9 @@ def test_a_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(proce
               "video_token_id": tokenizer.token_to_id(QWEN_VIDEO_TOKEN)}
     model = enable_packing(tiny_vision_model("qwen2_5_vl", vocab_size=tokenizer.get_vocab_size(), tokens=tokens))
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(processor)
+    image_set = read_image_set(summary.image_set)
     collator = VisionCollator(VisionSpec.of(model.config), image_processor, max_len=MAX_LEN, pad_token_id=50256,
-                              video_processor=FrameVideoProcessor.of(image_processor, "qwen2"))
+                              video_processor=FrameVideoProcessor(image_processor, image_set.manifest.video_rule))
     dataset = ImagePackedDataset(build, summary.image_set)
     packs = [dataset[index] for index in range(len(dataset))]
     assert sum(len(pack["videos"]) for pack in packs) == 4 and sum(len(p["cu_seqlens"]) - 1 for p in packs) == 4
@@ -219,7 +274,6 @@ def test_a_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(proce
     assert any(len(pack["cu_seqlens"]) > 2 for pack in packs)  # samples packed together
     batch = collator(packs)
     assert batch["second_per_grid_ts"].tolist() == [2 / rate for pack in packs for rate in pack["video_fps"]]
-    image_set = read_image_set(summary.image_set)
     logits, loss, grads = run(model, batch)
     logit_diff, weighted, counted, alone_grads = 0.0, 0.0, 0, {}
     for row, pack in enumerate(packs):
@@ -276,3 +330,35 @@ def test_a_video_config_that_names_only_its_processor_takes_transformers_default
                                                                      "cap_pixels_per_frame": True}))
     with pytest.raises(InputError, match="cap_pixels_per_frame is set"):
         video_processor_rule(copy)
+
+
+@pytest.mark.slow
+def test_the_image_cap_counts_a_videos_frames(processor, tmp_path):
+    """--max-images-per-pack counts a video's frames as images, as the collator's pixel limits and the set's
+    max_images_per_document do: planner, verify and the per-row count agree."""
+    from prepack import build
+    from prepack.check.images import verify_images
+    from prepack.training.dataset import PackedDataset
+
+    paths = write_videos(tmp_path)
+    summary = prepare_image_chat(corpus_file(tmp_path, video_records(paths)), processor, tmp_path / "prepared")
+    image_set = read_image_set(summary.image_set)
+    frames = [count for _, count, _, _, _ in VIDEOS]
+    per_row = [frames[0], 1 + frames[1], 0, frames[2] + frames[0]]  # images and frames of video_records' rows
+    assert image_set.row_images().tolist() == per_row
+    cap = max(per_row)
+    build(summary.corpus, tmp_path / "capped", max_len=MAX_LEN, tokenizer=processor, chat=True, overflow="error",
+          max_images_per_pack=cap, images=summary.image_set)
+    dataset = PackedDataset(tmp_path / "capped")
+    packed = [sum(per_row[row] for row in dataset.source_rows(pack)) for pack in range(len(dataset))]
+    assert max(packed) <= cap and sum(packed) == sum(per_row)
+    assert verify_images(tmp_path / "capped", summary.image_set) == []
+    with pytest.raises(InputError, match=f"row 3: {cap} images .* more than --max-images-per-pack {cap - 1}"):
+        build(summary.corpus, tmp_path / "refused", max_len=MAX_LEN, tokenizer=processor, chat=True,
+              overflow="error", max_images_per_pack=cap - 1, images=summary.image_set)
+    manifest_file = summary.image_set / IMAGE_SET_MANIFEST
+    manifest = json.loads(manifest_file.read_text())
+    manifest["limits"]["max_images_per_document"] = cap - 1
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match=f"row 3, column 'images': holds {cap} images .*more than the limit {cap - 1}"):
+        read_image_set(summary.image_set)

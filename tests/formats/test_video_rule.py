@@ -37,10 +37,12 @@ def rule_of(kind: str, defaults: SimpleNamespace) -> VideoRule:
 @given(frames=st.integers(1, 40), height=st.integers(1, 2000), width=st.integers(1, 2000),
        small=st.booleans())
 def test_video_placeholders_are_the_video_processors_count(kind, frames, height, width, small):
-    """Frame counts, sizes and (`small`) the tiny towers' bounds: the count is transformers' own, and a video
-    transformers refuses (too few frames for Qwen3-VL, an extreme aspect ratio) is refused too."""
-    source = transformers_source(*PROCESSORS[kind], methods=("get_num_of_video_patches",))
-    assert source.defaults.cap_pixels_per_frame is None  # the uncapped count, transformers' default, is prepack's
+    """Frame counts, sizes and (`small`) the tiny towers' bounds: the count is transformers' own, both by
+    `get_num_of_video_patches` and by the path the pixels take (`resize`'s smart_resize call with
+    cap_pixels_per_frame off, as VisionCollator pins it at the call whatever the class default; then
+    `patchify`'s grid, the frames padded by the last to whole temporal steps), and a video transformers refuses
+    (too few frames for Qwen3-VL, an extreme aspect ratio) is refused too."""
+    source = transformers_source(*PROCESSORS[kind], methods=("get_num_of_video_patches", "smart_resize"))
     defaults = SimpleNamespace(**vars(source.defaults))
     if small:
         defaults.size = {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}
@@ -53,6 +55,13 @@ def test_video_placeholders_are_the_video_processors_count(kind, frames, height,
             rule.placeholders(frames, width, height)
         return
     assert rule.placeholders(frames, width, height) == expected
+    whole_video = dict(num_frames=frames, temporal_factor=defaults.temporal_patch_size) if kind == "qwen3" else {}
+    resized_h, resized_w = source.smart_resize(
+        height=height, width=width, factor=defaults.patch_size * defaults.merge_size,
+        min_pixels=defaults.size["shortest_edge"], max_pixels=defaults.size["longest_edge"], **whole_video)
+    steps = -(-frames // defaults.temporal_patch_size)
+    grid = (steps, resized_h // defaults.patch_size, resized_w // defaults.patch_size)
+    assert rule.grid(frames, width, height) == grid
 
 
 @settings(max_examples=40, deadline=None)

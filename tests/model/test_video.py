@@ -12,11 +12,13 @@ agree to float64 rounding; the leak control (positions counting on over each row
 
 from __future__ import annotations
 
+import io
 import re
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from prepack import enable_packing
 from prepack.errors import InputError, UsageError
@@ -45,16 +47,19 @@ from tests.vision_inputs import image_processor, photo_bytes
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # Per sample: (photographs, videos), indices into photo_bytes() and VIDEOS; the third is text only.
 SAMPLES = (((), (0,)), ((1,), (1,)), ((), ()), ((), (2,)))
-# Frames per second of each video (different, so that Qwen2.5-VL's temporal positions scale three ways).
-VIDEO_FPS = (2.0, 1.0, 0.5)
+# Frames per second of each video (different, so that Qwen2.5-VL's temporal positions scale three ways; none
+# making tokens_per_second x temporal_patch_size / fps a whole number, so that its float32 truncation is exercised).
+VIDEO_FPS = (3.0, 29.97, 0.7)
 # Qwen3-VL's rule bounds the pixels of the whole video: a larger budget than one image's, so a step is a few tokens.
 QWEN3_VIDEO_SIZE = {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 24}
+# Qwen2-VL's bounds one frame, by the video processor's own bounds: not the image processor's (QWEN_PIXELS).
+QWEN2_VIDEO_SIZE = {"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 4}
 MODALITY = {"text": 0, "image": 1, "video": 2}  # transformers' mm_token_type_ids
 
 
 def video_processor(model_type: str, processor) -> FrameVideoProcessor:
     kind = VIDEO_RULES[model_type]
-    return FrameVideoProcessor.of(processor, kind, QWEN3_VIDEO_SIZE if kind == "qwen3" else None)
+    return FrameVideoProcessor.of(processor, kind, QWEN3_VIDEO_SIZE if kind == "qwen3" else QWEN2_VIDEO_SIZE)
 
 
 def video_tokens(model, frames: FrameVideoProcessor, video: int, rng) -> list[int]:
@@ -251,8 +256,10 @@ def test_video_rotary_positions_equal_transformers_get_rope_index(model_type):
                                   video_token_id=spec.video_token_id, video_grids=video_grids,
                                   video_intervals=intervals)
         np.testing.assert_array_equal(got, expected[:, 0].numpy())
-    if model_type == "qwen2_5_vl":  # the scale is there: a video's second temporal step is not at 1
-        assert spec.tokens_per_second == 4 and collator._video_runs(alone)[1].tolist() == [4 * 2 / 0.5]
+    if model_type == "qwen2_5_vl":  # the scale is there, a fraction: a video's second temporal step is not at 1
+        scale = np.float32(4) * np.float32(2 / VIDEO_FPS[2])  # float32, as Qwen2.5-VL computes it
+        assert spec.tokens_per_second == 4 and collator._video_runs(alone)[1].tolist() == [float(scale)]
+        assert scale != int(scale)
 
 
 def test_the_video_families_are_those_whose_positions_transformers_splits_by_step():
@@ -282,7 +289,7 @@ def test_frame_pixels_are_laid_out_as_transformers_patchify(kind):
     """FrameVideoProcessor's temporal patches are transformers' own layout: Qwen2VLVideoProcessor.patchify (run from
     its source) of the frames the image processor resized and normalised, the last frame repeated to fill a step."""
     processor = image_processor("qwen2_vl")
-    frames = FrameVideoProcessor.of(processor, kind, QWEN3_VIDEO_SIZE if kind == "qwen3" else None)
+    frames = FrameVideoProcessor.of(processor, kind, QWEN3_VIDEO_SIZE if kind == "qwen3" else QWEN2_VIDEO_SIZE)
     source = transformers_source("transformers.models.qwen2_vl.video_processing_qwen2_vl", "Qwen2VLVideoProcessor",
                                  methods=("patchify",))
     for video in range(len(VIDEOS)):
@@ -327,7 +334,7 @@ def test_a_video_for_a_family_without_a_video_side_is_refused():
 
 
 def test_a_video_of_frames_of_two_sizes_is_refused():
-    frames = FrameVideoProcessor.of(image_processor("qwen2_vl"), "qwen2")
+    frames = FrameVideoProcessor.of(image_processor("qwen2_vl"), "qwen2", QWEN2_VIDEO_SIZE)
     with pytest.raises(InputError, match="frames of 2 sizes"):
         frames(videos=[[*video_frames(0)[:2], video_frames(1)[0]]])
     one_frame = VideoRule(kind="qwen3", patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=1,
@@ -350,6 +357,46 @@ def test_video_frames_count_against_the_pixel_limits():
         limited = VisionCollator(collator.spec, collator.image_processor, **options, **limits)
         with pytest.raises(InputError, match=message):
             limited([pack])
+
+
+def test_the_collator_tells_the_video_processor_to_take_the_frames_as_they_are():
+    """transformers' Qwen3VLVideoProcessor samples frames by default (do_sample_frames=True) and announces capped
+    frame pixels as its coming default: the collator turns both off at the call, as the set counted every frame at
+    the rule's size; FrameVideoProcessor, which does neither, refuses to be asked to."""
+    model, collator, made = setup("qwen2_vl")
+    pack = packs_of(made, ((0,),))[0]
+    calls = []
+
+    class Recording(FrameVideoProcessor):
+        def __call__(self, videos, **options):
+            calls.append(options)
+            return super().__call__(videos, **options)
+
+    recording = Recording(collator.image_processor, collator.video_processor.rule)
+    VisionCollator(collator.spec, collator.image_processor, pad_token_id=1, video_processor=recording)([pack])
+    assert calls == [{"return_tensors": "pt", "do_sample_frames": False, "cap_pixels_per_frame": False}]
+    for option in ("do_sample_frames", "cap_pixels_per_frame"):
+        with pytest.raises(UsageError, match=f"{option}=True"):
+            recording(videos=[video_frames(0)[:2]], **{option: True})
+
+
+def test_a_batch_over_its_pixels_with_frames_is_refused_before_any_image_is_decoded():
+    """The pixel limits count the batch's images and frames at once, by their headers: an image whose body would
+    not decode is never reached; a frame that cannot be decoded is named by its video and frame."""
+    model, collator, made = setup("qwen2_vl")
+    pack = packs_of(made, ((1,),))[0]  # an image and a video
+    sizes = [Image.open(io.BytesIO(data)).size for data in [*pack["images"], *pack["videos"][0]]]
+    pixels = sum(width * height for width, height in sizes)
+    truncated = {**pack, "images": [image[: len(image) // 2] for image in pack["images"]]}  # headers intact
+    options = dict(pad_token_id=1, video_processor=collator.video_processor)
+    limited = VisionCollator(collator.spec, collator.image_processor, **options,
+                             max_image_pixels=max(width * height for width, height in sizes), max_batch_pixels=pixels - 1)
+    with pytest.raises(InputError, match="max_batch_pixels"):
+        limited([truncated])
+    broken = {**pack, "videos": [[*video[:-1], video[-1][: len(video[-1]) // 2]] for video in pack["videos"]]}
+    last = len(pack["videos"][0]) - 1
+    with pytest.raises(InputError, match=f"Pack 0's video 0, frame {last} cannot be decoded"):
+        VisionCollator(collator.spec, collator.image_processor, **options)([broken])
 
 
 @pytest.mark.slow
