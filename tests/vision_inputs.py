@@ -23,7 +23,8 @@ from tests.demo_inputs import CHATML, gpt2_directory
 
 SAMPLE_DATA = Path(matplotlib.get_data_path()) / "sample_data"
 PHOTOS = ("grace_hopper.jpg", "Minduka_Present_Blue_Pack.png", "logo2.png")
-__all__ = ["PHOTOS", "QWEN_IMAGE_TOKENS", "SAMPLE_DATA", "image_processor", "photo_bytes", "processor_directory"]
+__all__ = ["PHOTOS", "QWEN_IMAGE_TOKENS", "SAMPLE_DATA", "family_processor_directory", "image_processor", "internvl_processor",
+           "photo_bytes", "processor_directory", "images_of_many_sizes"]
 
 
 def photo_bytes() -> list[bytes]:
@@ -45,3 +46,48 @@ def processor_directory(directory: Path, qwen_pixels: dict[str, int] = QWEN_PIXE
 
 
 assert all(os.path.exists(SAMPLE_DATA / name) for name in PHOTOS), "matplotlib's sample images are missing"
+
+
+def family_processor_directory(directory: Path, tokens: dict[str, str], image_processor, processor_config: dict):
+    """A local processor directory for a family whose processor transformers builds from parts: the demo's GPT-2
+    tokenizer with ChatML and the image `tokens` (name -> text, as the family's tokenizer names them) added as
+    special tokens, `image_processor` saved beside it, and `processor_config`. Returns the directory and the
+    transformers tokenizer (the image tokens as its named attributes, as the family's processor reads them)."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    gpt2_directory(directory, CHATML)
+    text = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    text.add_special_tokens(list(tokens.values()))
+    text.save(str(directory / "tokenizer.json"))
+    image_processor.save_pretrained(directory)
+    (directory / "processor_config.json").write_text(json.dumps(processor_config))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), extra_special_tokens=tokens)
+    return directory, tokenizer
+
+
+def internvl_processor(image_processor, tokenizer, image_seq_length: int):
+    """transformers' own InternVLProcessor over these parts, without its video processor (which needs torchvision)."""
+    from transformers.models.internvl.processing_internvl import InternVLProcessor
+
+    class ImagesOnly(InternVLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, image_seq_length=256, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, image_seq_length, chat_template, **kwargs)
+
+    return ImagesOnly(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=image_seq_length)
+
+
+def images_of_many_sizes() -> list[bytes]:
+    """Encoded images of awkward sizes beside the photographs: a tall strip, a wide one, a tiny one, a large square."""
+    import io
+
+    from PIL import Image
+
+    made = []
+    for width, height in ((30, 700), (900, 41), (9, 13), (1000, 1000)):
+        buffer = io.BytesIO()
+        Image.new("RGB", (width, height), (width % 256, height % 256, 90)).save(buffer, format="PNG")
+        made.append(buffer.getvalue())
+    return photo_bytes() + made

@@ -44,7 +44,7 @@ __all__ = [
 
 # The rotary halves of the 8-wide heads split over time, height and width (the defaults give all to time).
 MROPE = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [1, 1, 2]}
-IMAGE_SIZE = {"llava": 28, "gemma3": 32}  # fixed-size towers: the side of the square image they take
+IMAGE_SIZE = {"llava": 28, "gemma3": 32, "internvl": 56}  # fixed-size towers: the side of the square image they take
 # Qwen's image processor for the tiny towers: between 2 and 8 merged tokens (28x28 pixels each) per image.
 QWEN_PIXELS = {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}
 # The special tokens of a Qwen-VL processor (start, placeholder, end), as `prepack prepare-images` writes them.
@@ -77,6 +77,8 @@ VISION_SIZES: dict[str, dict[str, Any]] = {
         "vision_config": {"image_size": IMAGE_SIZE["gemma3"], "patch_size": 8},
         "mm_tokens_per_image": 4,
     },
+    # InternViT at 4x4 patches, pixel-shuffled 2x2: 4 tokens per image.
+    "internvl": {"vision_config": {"image_size": [IMAGE_SIZE["internvl"]] * 2, "patch_size": [14, 14]}},
 }
 
 
@@ -177,6 +179,10 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
                                         merge_size=vision.spatial_merge_size,
                                         temporal_patch_size=vision.temporal_patch_size)
     side = vision.image_size
+    if config.model_type == "internvl":  # GOT-OCR2's image processor, untiled (as prepare-images counts it)
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+        return GotOcr2ImageProcessorPil(size={"height": side[0], "width": side[1]}, crop_to_patches=False)
     if config.model_type == "llava":
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 

@@ -15,7 +15,7 @@ and reach the decoder only, never the vision tower (`prepack.model.packing`). No
 Styles:
 - 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): `position_ids` [4, B, L], text positions restarting per sample (from
   which transformers builds the per-sample mask) over the three rotary rows, restarting per sample too;
-- restart (LLaVA): `position_ids` [B, L] restarting per sample, as for text;
+- restart (LLaVA, InternVL): `position_ids` [B, L] restarting per sample, as for text;
 - image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
   from which prepack builds the layer masks (`prepack.model.vision_packing`: transformers' own sliding
   mask misplaces the image blocks of a packed row).
@@ -229,7 +229,6 @@ VISION_FAMILIES |= {
     'instructblipvideo': _swept(
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
-    'internvl': _swept(NO_DATA_SIDE),
     'janus': _swept(
         not_built('AssertionError: janus: the tiny model has 114,071,819 parameters; a size was not shrunk.'),
     ),
@@ -309,6 +308,14 @@ VISION_FAMILIES |= {
     'vipllava': _swept(not_run('IndexError: tuple index out of range')),
     'vision-encoder-decoder': _swept(
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+}
+
+
+# Families given a data side after the sweep (appended: the rows above stay as the sweep wrote them).
+VISION_FAMILIES |= {
+    "internvl": VisionFamily(
+        "restart", "one image per row of pixel_values (InternViT), its patches pixel-shuffled per image", _MEASURED
     ),
 }
 

@@ -93,6 +93,7 @@ _PLACEHOLDERS = {
     "Qwen2VLImageProcessor": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
     "Gemma3ImageProcessor": ("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
     "CLIPImageProcessor": ("", "<image>", ""),
+    "GotOcr2ImageProcessor": ("<img>", "<IMG_CONTEXT>", "</img>"),  # as InternVLProcessor uses it
 }
 # LlamaFactory's ShareGPT speakers (its default `tags`), as chat roles.
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool",
@@ -140,10 +141,10 @@ def _text(config: dict, file: Path, key: str, default: str) -> str:
 def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     """The resize rule of a local processor directory and its placeholder's token id.
 
-    `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's, Gemma 3's
-    or CLIP's, as LLaVA uses) and its sizes; `processor_config.json` (optional) may name the tokens
-    (`image_token`, `boi_token`, `eoi_token`) and, for fixed-size towers, the count (`image_seq_length`,
-    or LLaVA's `patch_size` and `vision_feature_select_strategy`). The placeholder must be one token of
+    `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's, Gemma 3's,
+    CLIP's, as LLaVA uses, or GOT-OCR2's, as InternVL uses it untiled) and its sizes; `processor_config.json`
+    (optional) may name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for fixed-size towers, the
+    count (`image_seq_length`, or LLaVA's `patch_size` and `vision_feature_select_strategy`). The placeholder must be one token of
     the directory's `tokenizer.json`. A size that is not a positive integer, or sizes that give no
     placeholder, are refused by file and field.
     """
@@ -182,6 +183,8 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         }
     elif kind == "Gemma3ImageProcessor":
         fields = {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
+    elif kind == "GotOcr2ImageProcessor":
+        fields = _internvl_fields(config, config_file, processor, processor_file)
     else:
         crop, size = _mapping(config, config_file, "crop_size"), _mapping(config, config_file, "size")
         side = _positive(crop, config_file, "height", None, "crop_size.") or _positive(
@@ -214,6 +217,21 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
             "tokenizer; add it (tokenizers: tokenizer.add_special_tokens([...])) so that each image token is one id."
         )
     return rule, placeholder_id
+
+
+def _internvl_fields(config: dict, config_file: Path, processor: dict, processor_file: Path) -> dict:
+    """InternVL's count: image_seq_length per image, untiled (one 448-pixel view, pixel-shuffled). GOT-OCR2's
+    image processor serves GOT-OCR2 too, whose placeholders are others: only InternVLProcessor's are counted."""
+    named = processor.get("processor_class", "InternVLProcessor")
+    if named != "InternVLProcessor":
+        raise InputError(f"{processor_file}: processor_class {named!r}; prepack counts GOT-OCR2's image processor as "
+                         "InternVLProcessor uses it.")
+    if config.get("crop_to_patches"):
+        raise InputError(
+            f"{config_file}: crop_to_patches is true: tiled InternVL images take a count that follows their shape, "
+            "which prepack does not count; set it false (one view per image, image_seq_length placeholders)."
+        )
+    return {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
 
 
 def image_header(data: bytes, where: str, limits: ImageLimits) -> tuple[int, int]:

@@ -74,6 +74,9 @@ class VisionSpec:
         if style == "image blocks":
             return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
         vision = config.vision_config
+        if config.model_type == "internvl":  # InternViT's patches less its CLS token, pixel-shuffled
+            side = vision.image_size[0] // vision.patch_size[0]
+            return cls(style, image_token_id, tokens_per_image=int(side * config.downsample_ratio) ** 2)
         patches = (vision.image_size // vision.patch_size) ** 2
         # "default" drops the CLS token of CLIP's output, "full" keeps it.
         with_cls = config.vision_feature_select_strategy == "full"

@@ -219,10 +219,12 @@ def test_a_text_corpus_with_an_images_column_builds_and_serves_its_images(proces
     [
         ("gemma3", {"image_seq_length": 4}, ("<start_of_image>", "<image_soft_token>", "<end_of_image>")),
         ("llava", {"patch_size": 14, "vision_feature_select_strategy": "default"}, ("<image>",)),
+        ("internvl", {"image_seq_length": 4, "processor_class": "InternVLProcessor"},
+         ("<img>", "<IMG_CONTEXT>", "</img>")),
     ],
 )
 def test_fixed_size_processors_count_what_the_tiny_towers_take(tmp_path, model_type, processor_config, tokens):
-    """Gemma 3's and LLaVA's processor directories give the placeholder count their towers make
+    """Gemma 3's, LLaVA's and InternVL's processor directories give the placeholder count their towers make
     (`VisionSpec.of` on the tiny model's config), whatever the image's size."""
     from tokenizers import Tokenizer
 
@@ -477,3 +479,51 @@ def test_prepare_images_refuses_by_name_from_the_command_line(processor, tmp_pat
         result = run_prepack("prepare-images", corpus, "--processor", directory, "--out", tmp_path / "out", env=WIDE)
         assert message in failure(result)
         assert not (tmp_path / "out").exists()
+
+
+def internvl_directory(directory, image_seq_length: int = 4, **image_options):
+    """An InternVL processor directory (InternVLProcessor's tokens, GOT-OCR2's image processor at 56 pixels) and
+    transformers' own InternVLProcessor over the same parts."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    from tests.vision_inputs import family_processor_directory, internvl_processor
+
+    parts = GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, **image_options)
+    tokens = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+              "video_token": "<video>"}
+    directory, tokenizer = family_processor_directory(
+        directory, tokens, parts, {"image_seq_length": image_seq_length, "processor_class": "InternVLProcessor"})
+    return directory, internvl_processor(parts, tokenizer, image_seq_length)
+
+
+def test_internvl_placeholders_and_text_are_the_processors_own(tmp_path):
+    """InternVL untiled (crop_to_patches false, as its image processor's config says): `<img>`, image_seq_length
+    `<IMG_CONTEXT>`, `</img>` per image, whatever its size; the expanded text tokenizes to the ids
+    InternVLProcessor gives the same prompt."""
+    from tests.vision_inputs import images_of_many_sizes
+
+    directory, processor = internvl_directory(tmp_path / "proc", crop_to_patches=False)
+    rule, placeholder_id = processor_rule(directory)
+    assert placeholder_id == processor.image_token_id
+    for data in images_of_many_sizes():
+        with Image.open(io.BytesIO(data)) as image:
+            picture, size = image.convert("RGB"), image.size
+        out = processor(images=[picture], text=["a <IMG_CONTEXT> b"], crop_to_patches=False, return_tensors="np")
+        expected = out["input_ids"][0].tolist()
+        assert processor.tokenizer.decode(expected) == "a " + rule.text(*size) + " b"
+        assert processor.tokenizer("a " + rule.text(*size) + " b")["input_ids"] == expected
+        assert rule.placeholders(*size) == expected.count(placeholder_id) == 4
+        assert len(out["pixel_values"]) == 1
+
+
+def test_internvl_tiling_and_other_got_ocr2_processors_are_refused(tmp_path):
+    """Tiling (crop_to_patches true) makes the count follow the image's shape: refused by its field, as is
+    GOT-OCR2's own processor, which shares the image processor."""
+    directory, _ = internvl_directory(tmp_path / "tiled", crop_to_patches=True)
+    with pytest.raises(InputError, match="preprocessor_config.json: crop_to_patches"):
+        processor_rule(directory)
+    other, _ = internvl_directory(tmp_path / "got", crop_to_patches=False)
+    config = json.loads((other / "processor_config.json").read_text())
+    (other / "processor_config.json").write_text(json.dumps(config | {"processor_class": "GotOcr2Processor"}))
+    with pytest.raises(InputError, match="GotOcr2Processor"):
+        processor_rule(other)

@@ -35,7 +35,8 @@ from prepack.training.vision_collate import VisionCollator, VisionSpec, rotary_3
 from tests.flash_reference import enable_flash_attention, use_flash_reference, use_flex_reference
 from tests.vision_inputs import image_processor, photo_bytes
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3",
+            "internvl")
 ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
@@ -64,7 +65,15 @@ def image_tokens(model, processor, image: bytes) -> list[int]:
         return [config.vision_start_token_id, *[spec.image_token_id] * count, config.vision_end_token_id]
     if spec.style == "image blocks":
         return [config.boi_token_index, *[spec.image_token_id] * spec.tokens_per_image, config.eoi_token_index]
+    if config.model_type in IMAGE_BRACKETS:
+        start, end = IMAGE_BRACKETS[config.model_type]
+        return [start, *[spec.image_token_id] * spec.tokens_per_image, end]
     return [spec.image_token_id] * spec.tokens_per_image
+
+
+# The ids that stand for the text around an image's placeholders where the tiny config names none (InternVL's
+# `<img>` and `</img>`): above the documents' ids, below the config's special ones.
+IMAGE_BRACKETS = {"internvl": (DOCUMENT_VOCAB, DOCUMENT_VOCAB + 1)}
 
 
 def samples(model, processor, seed: int = 0) -> list[dict]:
