@@ -24,7 +24,7 @@ from tests.demo_inputs import CHATML, gpt2_directory
 SAMPLE_DATA = Path(matplotlib.get_data_path()) / "sample_data"
 PHOTOS = ("grace_hopper.jpg", "Minduka_Present_Blue_Pack.png", "logo2.png")
 __all__ = ["PHOTOS", "QWEN_IMAGE_TOKENS", "SAMPLE_DATA", "family_processor_directory", "image_processor", "internvl_processor",
-           "photo_bytes", "processor_directory", "images_of_many_sizes"]
+           "photo_bytes", "pixtral_processor", "processor_directory", "images_of_many_sizes"]
 
 
 def photo_bytes() -> list[bytes]:
@@ -80,14 +80,31 @@ def internvl_processor(image_processor, tokenizer, image_seq_length: int):
 
 
 def images_of_many_sizes() -> list[bytes]:
-    """Encoded images of awkward sizes beside the photographs: a tall strip, a wide one, a tiny one, a large square."""
+    """Encoded images of awkward sizes beside the photographs: a tall strip, a wide one, a tiny one, a small one, a large square."""
     import io
 
     from PIL import Image
 
     made = []
-    for width, height in ((30, 700), (900, 41), (9, 13), (1000, 1000)):
+    for width, height in ((30, 700), (900, 41), (9, 13), (60, 90), (1000, 1000)):
         buffer = io.BytesIO()
         Image.new("RGB", (width, height), (width % 256, height % 256, 90)).save(buffer, format="PNG")
         made.append(buffer.getvalue())
     return photo_bytes() + made
+
+
+def pixtral_processor(image_processor, tokenizer, patch_size: int, spatial_merge_size: int):
+    """transformers' own PixtralProcessor (Mistral 3's) over these parts. Its module imports the resize rule from the
+    torchvision image processor's module; the PIL one's module defines the same function, and stands in for it
+    where torchvision is not installed (the processor itself runs on the PIL image processor given)."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("torchvision") is None:
+        import transformers.models.pixtral.image_processing_pil_pixtral as pil
+
+        sys.modules.setdefault("transformers.models.pixtral.image_processing_pixtral", pil)
+    from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+
+    return PixtralProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
+                            spatial_merge_size=spatial_merge_size)

@@ -43,6 +43,7 @@ __all__ = [
     "ImageSetFile",
     "ImageSetManifest",
     "MAX_IMAGE_PIXELS",
+    "pixtral_grid",
     "read_image_set",
     "smart_resize",
 ]
@@ -82,11 +83,29 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def pixtral_grid(height: int, width: int, cell: int, longest_edge: int) -> tuple[int, int]:
+    """(rows, columns) of `cell`-pixel cells Pixtral's image processor makes of an image (transformers'
+    `get_resize_output_image_size`): scaled down, floored, to fit `longest_edge` (never up), then each side
+    rounded up to whole cells. The same float operations as there; `tests/building/test_image_chat.py` compares it
+    with transformers' PixtralProcessor."""
+    ratio = max(height / longest_edge, width / longest_edge)
+    if ratio > 1:
+        height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+    return (height - 1) // cell + 1, (width - 1) // cell + 1
+
+
+def _unless_set(value) -> bool:
+    """A field later kinds added is left out of the manifest when unset, so that earlier kinds' bytes stay."""
+    return value is None
+
+
 class ImageRule(StrictModel):
     """How many placeholder tokens an image becomes, and the text that stands for it before tokenizing."""
 
-    kind: Literal["grid", "fixed"] = Field(
-        description="grid: Qwen2-VL's resize rule, one token per merge_size² patches; fixed: `tokens` per image."
+    kind: Literal["grid", "fixed", "rows"] = Field(
+        description="grid: Qwen2-VL's resize rule, one token per merge_size² patches; fixed: `tokens` per image; "
+        "rows: Pixtral's (Mistral 3's) resize within longest_edge, one token per patch_size² cell, each row of cells "
+        "followed by `row_end` but the last, followed by `end`."
     )
     placeholder: str = Field(min_length=1, description="The placeholder token's text, repeated once per token.")
     start: str = Field(description="Text before an image's placeholders (may be empty).")
@@ -96,11 +115,15 @@ class ImageRule(StrictModel):
     min_pixels: int | None = Field(default=None, ge=1, le=INT32_MAX)
     max_pixels: int | None = Field(default=None, ge=1, le=INT32_MAX)
     tokens: int | None = Field(default=None, ge=1, le=65_536)
+    longest_edge: int | None = Field(default=None, ge=1, le=65_536, exclude_if=_unless_set)
+    row_end: str | None = Field(default=None, min_length=1, exclude_if=_unless_set,
+                                description="rows: the text after each row of placeholders but the last.")
 
     @model_validator(mode="after")
     def _complete(self) -> ImageRule:
         """The fields its kind counts with are there (a manifest may leave out any field)."""
-        needed = ("patch_size", "merge_size", "min_pixels", "max_pixels") if self.kind == "grid" else ("tokens",)
+        needed = {"grid": ("patch_size", "merge_size", "min_pixels", "max_pixels"), "fixed": ("tokens",),
+                  "rows": ("patch_size", "longest_edge", "row_end")}[self.kind]
         missing = [name for name in needed if getattr(self, name) is None]
         if missing:
             raise ValueError(f"a {self.kind} rule needs {', '.join(missing)}")
@@ -111,11 +134,17 @@ class ImageRule(StrictModel):
     def placeholders(self, width: int, height: int) -> int:
         if self.kind == "fixed":
             return self.tokens
+        if self.kind == "rows":
+            rows, columns = pixtral_grid(height, width, self.patch_size, self.longest_edge)
+            return rows * columns
         factor = self.patch_size * self.merge_size
         resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
         return (resized_h // self.patch_size) * (resized_w // self.patch_size) // self.merge_size**2
 
     def text(self, width: int, height: int) -> str:
+        if self.kind == "rows":
+            rows, columns = pixtral_grid(height, width, self.patch_size, self.longest_edge)
+            return self.start + self.row_end.join([self.placeholder * columns] * rows) + self.end
         return self.start + self.placeholder * self.placeholders(width, height) + self.end
 
 

@@ -44,7 +44,7 @@ __all__ = [
 
 # The rotary halves of the 8-wide heads split over time, height and width (the defaults give all to time).
 MROPE = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [1, 1, 2]}
-IMAGE_SIZE = {"llava": 28, "gemma3": 32, "internvl": 56}  # fixed-size towers: the side of the square image they take
+IMAGE_SIZE = {"llava": 28, "gemma3": 32, "internvl": 56, "mistral3": 112}  # fixed-size towers: the side of the square image they take
 # Qwen's image processor for the tiny towers: between 2 and 8 merged tokens (28x28 pixels each) per image.
 QWEN_PIXELS = {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}
 # The special tokens of a Qwen-VL processor (start, placeholder, end), as `prepack prepare-images` writes them.
@@ -79,6 +79,8 @@ VISION_SIZES: dict[str, dict[str, Any]] = {
     },
     # InternViT at 4x4 patches, pixel-shuffled 2x2: 4 tokens per image.
     "internvl": {"vision_config": {"image_size": [IMAGE_SIZE["internvl"]] * 2, "patch_size": [14, 14]}},
+    # Pixtral up to 8x8 patches, merged 2x2: up to 4 rows of 4 tokens per image, by its shape.
+    "mistral3": {"vision_config": {"image_size": IMAGE_SIZE["mistral3"], "patch_size": 14}},
 }
 
 
@@ -183,6 +185,11 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
         return GotOcr2ImageProcessorPil(size={"height": side[0], "width": side[1]}, crop_to_patches=False)
+    if config.model_type == "mistral3":  # the tower's own patch, as a real preprocessor_config.json has it
+        from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+        patch = {"height": vision.patch_size, "width": vision.patch_size}
+        return PixtralImageProcessorPil(size={"longest_edge": side}, patch_size=patch)
     if config.model_type == "llava":
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 

@@ -15,7 +15,8 @@ and reach the decoder only, never the vision tower (`prepack.model.packing`). No
 Styles:
 - 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): `position_ids` [4, B, L], text positions restarting per sample (from
   which transformers builds the per-sample mask) over the three rotary rows, restarting per sample too;
-- restart (LLaVA, InternVL): `position_ids` [B, L] restarting per sample, as for text;
+- restart (LLaVA, InternVL, Mistral 3): `position_ids` [B, L] restarting per sample, as for text (Mistral 3's
+  `image_sizes` beside its padded `pixel_values`);
 - image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
   from which prepack builds the layer masks (`prepack.model.vision_packing`: transformers' own sliding
   mask misplaces the image blocks of a packed row).
@@ -258,7 +259,6 @@ VISION_FAMILIES |= {
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'minimax_m3_vl': _swept(NO_DATA_SIDE),
-    'mistral3': _swept(NO_DATA_SIDE),
     'mistral4': _swept(
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
@@ -316,6 +316,12 @@ VISION_FAMILIES |= {
 VISION_FAMILIES |= {
     "internvl": VisionFamily(
         "restart", "one image per row of pixel_values (InternViT), its patches pixel-shuffled per image", _MEASURED
+    ),
+    "mistral3": VisionFamily(
+        "restart",
+        "each image's patches one attention block, from image_sizes (Pixtral; on flash its own offsets), merged 2x2 "
+        "per image",
+        _MEASURED,
     ),
 }
 

@@ -94,6 +94,7 @@ _PLACEHOLDERS = {
     "Gemma3ImageProcessor": ("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
     "CLIPImageProcessor": ("", "<image>", ""),
     "GotOcr2ImageProcessor": ("<img>", "<IMG_CONTEXT>", "</img>"),  # as InternVLProcessor uses it
+    "PixtralImageProcessor": ("", "[IMG]", "[IMG_END]"),  # as PixtralProcessor (Mistral 3's) uses it
 }
 # LlamaFactory's ShareGPT speakers (its default `tags`), as chat roles.
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool",
@@ -185,6 +186,9 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         fields = {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
     elif kind == "GotOcr2ImageProcessor":
         fields = _internvl_fields(config, config_file, processor, processor_file)
+    elif kind == "PixtralImageProcessor":
+        end = _text(processor, processor_file, "image_end_token", end)
+        fields = _pixtral_fields(config, config_file, processor, processor_file)
     else:
         crop, size = _mapping(config, config_file, "crop_size"), _mapping(config, config_file, "size")
         side = _positive(crop, config_file, "height", None, "crop_size.") or _positive(
@@ -232,6 +236,19 @@ def _internvl_fields(config: dict, config_file: Path, processor: dict, processor
             "which prepack does not count; set it false (one view per image, image_seq_length placeholders)."
         )
     return {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
+
+
+def _pixtral_fields(config: dict, config_file: Path, processor: dict, processor_file: Path) -> dict:
+    """Mistral 3's rows: cells of the tower's patch times its spatial merge (processor_config.json, as
+    PixtralProcessor hands them to the image processor), within the image processor's longest edge."""
+    size = _mapping(config, config_file, "size")
+    longest_edge = _positive(size, config_file, "longest_edge", None, "size.")
+    if longest_edge is None:
+        raise InputError(f"{config_file}: size.longest_edge is missing; prepack counts Pixtral's images within it.")
+    cell = _positive(processor, processor_file, "patch_size", 16) * _positive(
+        processor, processor_file, "spatial_merge_size", 1)
+    return {"kind": "rows", "patch_size": cell, "longest_edge": longest_edge,
+            "row_end": _text(processor, processor_file, "image_break_token", "[IMG_BREAK]")}
 
 
 def image_header(data: bytes, where: str, limits: ImageLimits) -> tuple[int, int]:
@@ -576,7 +593,7 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
         at = f"{where}, column {column}"
         number = images.number(_image_bytes(source, at, root, limits), at)
         numbers.append(number)
-        return rule.start + rule.placeholder * images.tokens[number] + rule.end
+        return rule.text(images.widths[number], images.heights[number])
 
     def next_pending(column: str) -> Any:
         if not pending:

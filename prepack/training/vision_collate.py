@@ -62,6 +62,9 @@ class VisionSpec:
     image_token_id: int
     merge_size: int = 1  # 3-D rotary: patches merged per side into one token (Qwen's spatial_merge_size)
     tokens_per_image: int | None = None  # restart, image blocks: the fixed number of placeholders per image
+    # Mistral 3: the pixels one placeholder covers per side (the tower's patch x its spatial merge), handed to the
+    # image processor as its patch_size as PixtralProcessor does; each image then takes (h / cell) x (w / cell).
+    image_cell: int | None = None
 
     @classmethod
     def of(cls, config) -> VisionSpec:
@@ -74,6 +77,8 @@ class VisionSpec:
         if style == "image blocks":
             return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
         vision = config.vision_config
+        if config.model_type == "mistral3":
+            return cls(style, image_token_id, image_cell=vision.patch_size * config.spatial_merge_size)
         if config.model_type == "internvl":  # InternViT's patches less its CLS token, pixel-shuffled
             side = vision.image_size[0] // vision.patch_size[0]
             return cls(style, image_token_id, tokens_per_image=int(side * config.downsample_ratio) ** 2)
@@ -167,6 +172,8 @@ class VisionCollator:
         images = [pack.images for pack in checked]
         if any(images):
             batch |= self._preprocessed(images)
+            if self.spec.image_cell is not None:
+                _check_cells(checked, batch["image_sizes"], self.spec.image_token_id, self.spec.image_cell)
         if self.spec.style == "3-D rotary":
             grids = batch["image_grid_thw"].numpy() if any(images) else np.zeros((0, 3), dtype=np.int64)
             rotary = self._rotary_positions(checked, grids, input_ids.shape[1])
@@ -202,8 +209,11 @@ class VisionCollator:
             for number, images in enumerate(images_by_pack)
             for index, image in enumerate(images)
         ]
-        out = self.image_processor(images=decoded, return_tensors="pt", **self.image_processor_options)
-        kept = {key: out[key] for key in ("pixel_values", "image_grid_thw") if key in out}
+        options = self.image_processor_options
+        if self.spec.image_cell is not None:
+            options = {"patch_size": {"height": self.spec.image_cell, "width": self.spec.image_cell}} | options
+        out = self.image_processor(images=decoded, return_tensors="pt", **options)
+        kept = {key: out[key] for key in ("pixel_values", "image_grid_thw", "image_sizes") if key in out}
         if self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(decoded):
             raise UsageError(
                 f"The image processor made {len(kept['pixel_values'])} crops of {len(decoded)} images; prepack "
@@ -257,6 +267,24 @@ def _vision_pack(pack: Mapping[str, Any], number: int, spec: VisionSpec) -> _Vis
     if spec.tokens_per_image is None and bool(placeholders) != bool(images):
         raise InputError(f"Pack {number} has {placeholders} image placeholders and {len(images)} images.")
     return _VisionPack(input_ids, cu_seqlens, images)
+
+
+def _check_cells(packs: list[_VisionPack], image_sizes, image_token_id: int, cell: int) -> None:
+    """Each pack holds as many placeholders as its images' cells, by the sizes the image processor made them:
+    transformers checks the batch's total only, so a pack counted for other sizes would pass its image features to
+    another pack's placeholders."""
+    cells = [int(height) // cell * (int(width) // cell) for height, width in image_sizes.tolist()]
+    first = 0
+    for number, pack in enumerate(packs):
+        placeholders = int((pack.input_ids == image_token_id).sum())
+        made = sum(cells[first : first + len(pack.images)])
+        if placeholders != made:
+            raise InputError(
+                f"Pack {number} has {placeholders} image placeholders; the image processor made its "
+                f"{len(pack.images)} images {made} cells of {cell} pixels. Prepare the images with the processor "
+                "the collator uses (its size.longest_edge, patch_size and spatial_merge_size)."
+            )
+        first += len(pack.images)
 
 
 def _opened(image: bytes, number: int, index: int, read):

@@ -527,3 +527,72 @@ def test_internvl_tiling_and_other_got_ocr2_processors_are_refused(tmp_path):
     (other / "processor_config.json").write_text(json.dumps(config | {"processor_class": "GotOcr2Processor"}))
     with pytest.raises(InputError, match="GotOcr2Processor"):
         processor_rule(other)
+
+
+def mistral3_directory(directory, longest_edge: int = 112):
+    """A Mistral 3 processor directory (PixtralProcessor's tokens, patch 14 merged 2x2, Pixtral's image processor up
+    to `longest_edge` pixels) and transformers' own PixtralProcessor over the same parts."""
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    from tests.vision_inputs import family_processor_directory, pixtral_processor
+
+    parts = PixtralImageProcessorPil(size={"longest_edge": longest_edge}, patch_size={"height": 14, "width": 14})
+    tokens = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
+    directory, tokenizer = family_processor_directory(
+        directory, tokens, parts, {"patch_size": 14, "spatial_merge_size": 2, "processor_class": "PixtralProcessor"})
+    return directory, pixtral_processor(parts, tokenizer, 14, 2)
+
+
+@pytest.mark.parametrize("longest_edge", [112, 1540])
+def test_mistral3_placeholders_and_text_are_the_processors_own(tmp_path, longest_edge):
+    """Mistral 3 (Pixtral's image processor): an image resized within longest_edge to whole 28-pixel cells becomes a
+    row of `[IMG]` per cell row, each row but the last closed by `[IMG_BREAK]`, the last by `[IMG_END]`; the count
+    is the `[IMG]` tokens, which the tower fills. The expanded text and its ids are PixtralProcessor's own, and the
+    count is what its image processor's image_sizes give."""
+    from tests.vision_inputs import images_of_many_sizes
+
+    directory, processor = mistral3_directory(tmp_path / "proc", longest_edge)
+    rule, placeholder_id = processor_rule(directory)
+    assert placeholder_id == processor.image_token_id
+    counts = set()
+    for data in images_of_many_sizes():
+        with Image.open(io.BytesIO(data)) as image:
+            picture, size = image.convert("RGB"), image.size
+        out = processor(images=[picture], text=["a [IMG] b"], return_tensors="np")
+        expected = out["input_ids"][0].tolist()
+        assert processor.tokenizer.decode(expected) == "a " + rule.text(*size) + " b"
+        assert processor.tokenizer("a " + rule.text(*size) + " b")["input_ids"] == expected
+        height, width = out["image_sizes"][0]
+        assert rule.placeholders(*size) == expected.count(placeholder_id) == (height // 28) * (width // 28)
+        counts.add(rule.placeholders(*size))
+    assert len(counts) > 2  # the sizes exercise more than one grid
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 5000), st.sampled_from([(28, 112), (28, 1540), (16, 1024)]))
+def test_pixtral_grid_is_transformers_own(height, width, cell_and_edge):
+    from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_output_image_size
+
+    from prepack.formats.images import pixtral_grid
+
+    cell, edge = cell_and_edge
+    resized = get_resize_output_image_size(np.zeros((3, height, width)), (edge, edge), (cell, cell), "channels_first")
+    assert pixtral_grid(height, width, cell, edge) == (resized[0] // cell, resized[1] // cell)
+
+
+def test_a_rows_rule_leaves_the_earlier_kinds_manifests_as_they_were(processor, tmp_path):
+    """Fields the rows kind added (longest_edge, row_end) are written for it only: a grid rule's manifest is
+    byte-identical to what earlier releases wrote."""
+    rule, _ = processor_rule(processor)
+    assert {"longest_edge", "row_end"}.isdisjoint(json.loads(rule.model_dump_json()))
+    rows, _ = processor_rule(mistral3_directory(tmp_path / "proc")[0])
+    assert json.loads(rows.model_dump_json())["row_end"] == "[IMG_BREAK]"
+
+
+def test_a_pixtral_processor_without_a_longest_edge_is_refused(tmp_path):
+    directory, _ = mistral3_directory(tmp_path / "proc")
+    config = json.loads((directory / "preprocessor_config.json").read_text())
+    config["size"] = {"height": 112, "width": 112}
+    (directory / "preprocessor_config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="preprocessor_config.json: size.longest_edge is missing"):
+        processor_rule(directory)

@@ -36,7 +36,7 @@ from tests.flash_reference import enable_flash_attention, use_flash_reference, u
 from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3",
-            "internvl")
+            "internvl", "mistral3")
 ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
@@ -65,6 +65,15 @@ def image_tokens(model, processor, image: bytes) -> list[int]:
         return [config.vision_start_token_id, *[spec.image_token_id] * count, config.vision_end_token_id]
     if spec.style == "image blocks":
         return [config.boi_token_index, *[spec.image_token_id] * spec.tokens_per_image, config.eoi_token_index]
+    if spec.image_cell is not None:  # Mistral 3: rows of placeholders, each closed by a break, the last by the end
+        from PIL import Image
+        import io
+
+        height, width = processor(images=[Image.open(io.BytesIO(image)).convert("RGB")],
+                                  patch_size={"height": spec.image_cell, "width": spec.image_cell})["image_sizes"][0]
+        row_end, end = IMAGE_BRACKETS[config.model_type]
+        rows = [[spec.image_token_id] * (int(width) // spec.image_cell) + [row_end]] * (int(height) // spec.image_cell)
+        return [token for tokens in rows for token in tokens][:-1] + [end]
     if config.model_type in IMAGE_BRACKETS:
         start, end = IMAGE_BRACKETS[config.model_type]
         return [start, *[spec.image_token_id] * spec.tokens_per_image, end]
@@ -72,8 +81,9 @@ def image_tokens(model, processor, image: bytes) -> list[int]:
 
 
 # The ids that stand for the text around an image's placeholders where the tiny config names none (InternVL's
-# `<img>` and `</img>`): above the documents' ids, below the config's special ones.
-IMAGE_BRACKETS = {"internvl": (DOCUMENT_VOCAB, DOCUMENT_VOCAB + 1)}
+# `<img>` and `</img>`, Mistral 3's `[IMG_BREAK]` and `[IMG_END]`): above the documents' ids, below the config's
+# special ones.
+IMAGE_BRACKETS = {"internvl": (DOCUMENT_VOCAB, DOCUMENT_VOCAB + 1), "mistral3": (DOCUMENT_VOCAB, DOCUMENT_VOCAB + 1)}
 
 
 def samples(model, processor, seed: int = 0) -> list[dict]:
@@ -432,3 +442,17 @@ def test_a_family_without_a_style_is_refused_for_image_batches_with_its_measured
     assert VISION_FAMILIES["got_ocr2"].style is None and not verdict.isolated
     with pytest.raises(IsolationError, match=f"apart in got_ocr2 .*eager: {re.escape(verdict.reason)}"):
         model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), pixel_values=torch.zeros(1, 3, 8, 8))
+
+
+def test_mistral3_images_the_processor_sizes_otherwise_are_refused():
+    """Mistral 3's placeholders follow each image's size: a collator whose image processor resizes them otherwise
+    than the packs were counted for (another longest edge) refuses the pack, before transformers would move one
+    sample's image features into another's placeholders."""
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    model, processor, made, collator = setup("mistral3")
+    assert collator(packs_of(made))["image_sizes"].shape == (4, 2)
+    smaller = PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=processor.patch_size)
+    other = VisionCollator(collator.spec, smaller, pad_token_id=1)
+    with pytest.raises(InputError, match="Pack 0 has .* image placeholders; the image processor"):
+        other(packs_of(made))
