@@ -24,7 +24,7 @@ from tests.demo_inputs import CHATML, gpt2_directory
 SAMPLE_DATA = Path(matplotlib.get_data_path()) / "sample_data"
 PHOTOS = ("grace_hopper.jpg", "Minduka_Present_Blue_Pack.png", "logo2.png")
 __all__ = ["PHOTOS", "QWEN_IMAGE_TOKENS", "SAMPLE_DATA", "family_processor_directory", "image_processor", "internvl_processor",
-           "photo_bytes", "pixtral_processor", "processor_directory", "images_of_many_sizes"]
+           "glm4v_processor", "photo_bytes", "pixtral_processor", "processor_directory", "images_of_many_sizes"]
 
 
 def photo_bytes() -> list[bytes]:
@@ -108,3 +108,14 @@ def pixtral_processor(image_processor, tokenizer, patch_size: int, spatial_merge
 
     return PixtralProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
                             spatial_merge_size=spatial_merge_size)
+
+
+def glm4v_processor(image_processor, tokenizer):
+    """transformers' own Glm4vProcessor over these parts, without its video processor (which needs torchvision)."""
+    from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
+
+    class ImagesOnly(Glm4vProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template, **kwargs)
+
+    return ImagesOnly(image_processor=image_processor, tokenizer=tokenizer)

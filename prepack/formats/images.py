@@ -43,6 +43,7 @@ __all__ = [
     "ImageSetFile",
     "ImageSetManifest",
     "MAX_IMAGE_PIXELS",
+    "glm4v_resize",
     "pixtral_grid",
     "read_image_set",
     "smart_resize",
@@ -66,21 +67,34 @@ DOCUMENTS_SCHEMA = pa.schema(
 )
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int = 1
+) -> tuple[int, int]:
     """Qwen2-VL's resize rule (transformers' `smart_resize`): sides rounded to multiples of `factor`,
     the area brought within [min_pixels, max_pixels] keeping the aspect ratio. Python's round() (half to
-    even), floor and ceil, as there; `tests/formats/test_images.py` compares it with transformers'."""
+    even), floor and ceil, as there; `tests/formats/test_images.py` compares it with transformers'.
+    `frames`: the area counted over that many frames (GLM-4V's, `glm4v_resize`; 1 leaves Qwen's rule as it is)."""
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"an aspect ratio of more than 200 ({width}x{height})")
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    if frames * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif frames * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def glm4v_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int) -> tuple[int, int]:
+    """GLM-4V's resize rule (transformers' glm4v `smart_resize` for one image, which it takes as `frames` frames,
+    its temporal_patch_size): a side under `factor` scales the image up first (truncated to whole pixels), then
+    Qwen2-VL's rule over the frames' area. `tests/building/test_image_chat.py` compares it with transformers'."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    return smart_resize(height, width, factor, min_pixels, max_pixels, frames)
 
 
 def pixtral_grid(height: int, width: int, cell: int, longest_edge: int) -> tuple[int, int]:
@@ -102,10 +116,11 @@ def _unless_set(value) -> bool:
 class ImageRule(StrictModel):
     """How many placeholder tokens an image becomes, and the text that stands for it before tokenizing."""
 
-    kind: Literal["grid", "fixed", "rows"] = Field(
+    kind: Literal["grid", "fixed", "rows", "glm4v_grid"] = Field(
         description="grid: Qwen2-VL's resize rule, one token per merge_size² patches; fixed: `tokens` per image; "
         "rows: Pixtral's (Mistral 3's) resize within longest_edge, one token per patch_size² cell, each row of cells "
-        "followed by `row_end` but the last, followed by `end`."
+        "followed by `row_end` but the last, followed by `end`; glm4v_grid: GLM-4V's resize rule over `frames` "
+        "frames, one token per merge_size² patches."
     )
     placeholder: str = Field(min_length=1, description="The placeholder token's text, repeated once per token.")
     start: str = Field(description="Text before an image's placeholders (may be empty).")
@@ -118,16 +133,19 @@ class ImageRule(StrictModel):
     longest_edge: int | None = Field(default=None, ge=1, le=65_536, exclude_if=_unless_set)
     row_end: str | None = Field(default=None, min_length=1, exclude_if=_unless_set,
                                 description="rows: the text after each row of placeholders but the last.")
+    frames: int | None = Field(default=None, ge=1, le=64, exclude_if=_unless_set,
+                               description="glm4v_grid: the frames an image counts as (its temporal_patch_size).")
 
     @model_validator(mode="after")
     def _complete(self) -> ImageRule:
         """The fields its kind counts with are there (a manifest may leave out any field)."""
         needed = {"grid": ("patch_size", "merge_size", "min_pixels", "max_pixels"), "fixed": ("tokens",),
-                  "rows": ("patch_size", "longest_edge", "row_end")}[self.kind]
+                  "rows": ("patch_size", "longest_edge", "row_end"),
+                  "glm4v_grid": ("patch_size", "merge_size", "min_pixels", "max_pixels", "frames")}[self.kind]
         missing = [name for name in needed if getattr(self, name) is None]
         if missing:
             raise ValueError(f"a {self.kind} rule needs {', '.join(missing)}")
-        if self.kind == "grid" and self.min_pixels > self.max_pixels:
+        if self.kind in ("grid", "glm4v_grid") and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels {self.min_pixels} is more than max_pixels {self.max_pixels}")
         return self
 
@@ -138,7 +156,10 @@ class ImageRule(StrictModel):
             rows, columns = pixtral_grid(height, width, self.patch_size, self.longest_edge)
             return rows * columns
         factor = self.patch_size * self.merge_size
-        resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+        if self.kind == "glm4v_grid":
+            resized_h, resized_w = glm4v_resize(height, width, factor, self.min_pixels, self.max_pixels, self.frames)
+        else:
+            resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
         return (resized_h // self.patch_size) * (resized_w // self.patch_size) // self.merge_size**2
 
     def text(self, width: int, height: int) -> str:

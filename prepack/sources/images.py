@@ -95,6 +95,7 @@ _PLACEHOLDERS = {
     "CLIPImageProcessor": ("", "<image>", ""),
     "GotOcr2ImageProcessor": ("<img>", "<IMG_CONTEXT>", "</img>"),  # as InternVLProcessor uses it
     "PixtralImageProcessor": ("", "[IMG]", "[IMG_END]"),  # as PixtralProcessor (Mistral 3's) uses it
+    "Glm4vImageProcessor": ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>"),  # as GLM-4V's chat template writes
 }
 # LlamaFactory's ShareGPT speakers (its default `tags`), as chat roles.
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool",
@@ -165,11 +166,12 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         start = _text(processor, processor_file, "boi_token", start)
         end = _text(processor, processor_file, "eoi_token", end)
     placeholder = _text(processor, processor_file, "image_token", placeholder)
-    if kind == "Qwen2VLImageProcessor":
+    if kind in ("Qwen2VLImageProcessor", "Glm4vImageProcessor"):
         size = _mapping(config, config_file, "size")
         pixels = {}
-        for bound, size_key, key, default in (("min", "shortest_edge", "min_pixels", 56 * 56),
-                                              ("max", "longest_edge", "max_pixels", 28 * 28 * 1280)):
+        defaults = (56 * 56, 28 * 28 * 1280) if kind == "Qwen2VLImageProcessor" else (112 * 112, 28 * 28 * 15000)
+        for bound, size_key, key, default in (("min", "shortest_edge", "min_pixels", defaults[0]),
+                                              ("max", "longest_edge", "max_pixels", defaults[1])):
             if size.get(size_key) is not None:
                 pixels[bound] = (_positive(size, config_file, size_key, default, "size."), f"size.{size_key}")
             else:
@@ -182,6 +184,8 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
             "merge_size": _positive(config, config_file, "merge_size", 2), "min_pixels": min_pixels,
             "max_pixels": max_pixels,
         }
+        if kind == "Glm4vImageProcessor":  # an image counts as temporal_patch_size frames
+            fields |= {"kind": "glm4v_grid", "frames": _positive(config, config_file, "temporal_patch_size", 2)}
     elif kind == "Gemma3ImageProcessor":
         fields = {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
     elif kind == "GotOcr2ImageProcessor":

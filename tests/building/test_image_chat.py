@@ -596,3 +596,61 @@ def test_a_pixtral_processor_without_a_longest_edge_is_refused(tmp_path):
     (directory / "preprocessor_config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match="preprocessor_config.json: size.longest_edge is missing"):
         processor_rule(directory)
+
+
+GLM4V_TOKENS = {"image_token": "<|image|>", "begin_image": "<|begin_of_image|>", "end_image": "<|end_of_image|>"}
+
+
+def glm4v_directory(directory, size: dict):
+    """A GLM-4V processor directory (its image tokens, its image processor with patch 14 merged 2x2 over 2 frames,
+    `size` in pixels) and transformers' own Glm4vProcessor over the same parts."""
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    from tests.vision_inputs import family_processor_directory, glm4v_processor
+
+    parts = Glm4vImageProcessorPil(size=size, patch_size=14, merge_size=2, temporal_patch_size=2)
+    directory, tokenizer = family_processor_directory(directory, GLM4V_TOKENS, parts,
+                                                      {"processor_class": "Glm4vProcessor"})
+    return directory, glm4v_processor(parts, tokenizer)
+
+
+@pytest.mark.parametrize("size", [{"shortest_edge": 112 * 112, "longest_edge": 28 * 28 * 15000},
+                                  {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}])
+def test_glm4v_placeholders_and_text_are_the_processors_own(tmp_path, size):
+    """GLM-4V's image processor resizes by its own rule (a small side scaled up first, the area counted over two
+    frames): `<|begin_of_image|>`, the grid's `<|image|>` tokens, `<|end_of_image|>`, as its chat template writes
+    them and Glm4vProcessor expands them; the count is its image_grid_thw's over the 2x2 merge."""
+    from tests.vision_inputs import images_of_many_sizes
+
+    directory, processor = glm4v_directory(tmp_path / "proc", size)
+    rule, placeholder_id = processor_rule(directory)
+    assert placeholder_id == processor.image_token_id
+    counts = set()
+    for data in images_of_many_sizes():
+        with Image.open(io.BytesIO(data)) as image:
+            picture, image_size = image.convert("RGB"), image.size
+        out = processor(images=[picture], text=["a <|begin_of_image|><|image|><|end_of_image|> b"],
+                        return_tensors="np")
+        expected = out["input_ids"][0].tolist()
+        assert processor.tokenizer.decode(expected) == "a " + rule.text(*image_size) + " b"
+        assert processor.tokenizer("a " + rule.text(*image_size) + " b")["input_ids"] == expected
+        grid = out["image_grid_thw"][0]
+        assert rule.placeholders(*image_size) == expected.count(placeholder_id) == int(np.prod(grid)) // 4
+        counts.add(rule.placeholders(*image_size))
+    assert len(counts) > 2  # the sizes exercise more than one grid
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4000), st.integers(1, 4000), st.sampled_from([(28 * 28 * 2, 28 * 28 * 8), (112 * 112, 28 * 28 * 15000)]))
+def test_glm4v_resize_is_transformers_own(height, width, bounds):
+    from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize as reference
+
+    from prepack.formats.images import glm4v_resize
+
+    try:
+        expected = reference(2, height, width, 2, 28, *bounds)
+    except ValueError:
+        with pytest.raises(ValueError):
+            glm4v_resize(height, width, 28, *bounds, 2)
+        return
+    assert glm4v_resize(height, width, 28, *bounds, 2) == expected

@@ -36,7 +36,7 @@ from tests.flash_reference import enable_flash_attention, use_flash_reference, u
 from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3",
-            "internvl", "mistral3")
+            "internvl", "mistral3", "glm4v")
 ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
@@ -62,6 +62,8 @@ def image_tokens(model, processor, image: bytes) -> list[int]:
 
         grid = processor(images=[Image.open(io.BytesIO(image)).convert("RGB")])["image_grid_thw"][0]
         count = int(np.prod(grid)) // spec.merge_size**2
+        if config.model_type == "glm4v":  # <|begin_of_image|>, <|end_of_image|>
+            return [config.image_start_token_id, *[spec.image_token_id] * count, config.image_end_token_id]
         return [config.vision_start_token_id, *[spec.image_token_id] * count, config.vision_end_token_id]
     if spec.style == "image blocks":
         return [config.boi_token_index, *[spec.image_token_id] * spec.tokens_per_image, config.eoi_token_index]
@@ -330,10 +332,11 @@ def test_rotary_positions_equal_transformers_get_rope_index(model_type):
     every 3-D rotary family; and AutoImageProcessor gives each the Qwen2-VL image processor that prepare-images'
     placeholder rule is keyed on (Qwen3-VL-MoE has no entry of its own: the one of Qwen3-VL, whose processor it
     shares)."""
-    shares = [name for name, processor in PROCESSOR_MAPPING_NAMES.items()
-              if processor == PROCESSOR_MAPPING_NAMES[model_type] and name in IMAGE_PROCESSOR_MAPPING_NAMES]
-    mapped = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or IMAGE_PROCESSOR_MAPPING_NAMES[shares[0]]
-    assert set(mapped.values()) == {"Qwen2VLImageProcessor", "Qwen2VLImageProcessorPil"}, mapped
+    if model_type != "glm4v":  # its own image processor, compared with prepare-images' rule in test_image_chat.py
+        shares = [name for name, processor in PROCESSOR_MAPPING_NAMES.items()
+                  if processor == PROCESSOR_MAPPING_NAMES[model_type] and name in IMAGE_PROCESSOR_MAPPING_NAMES]
+        mapped = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or IMAGE_PROCESSOR_MAPPING_NAMES[shares[0]]
+        assert set(mapped.values()) == {"Qwen2VLImageProcessor", "Qwen2VLImageProcessorPil"}, mapped
     model, _, made, collator = setup(model_type)
     for sample in made:
         if not sample["images"]:
@@ -391,7 +394,7 @@ def test_gemma3_images_run_causally_on_flash_and_are_refused(attn, request):
     "model_type", [model_type for model_type, attn in verdict_pairs(isolated=False) if attn == "flex_attention"]
 )
 def test_qwen_vl_has_no_flex_attention(model_type):
-    """The table's flex refusals for Qwen-VL: transformers has no flex path to switch them to."""
+    """The table's flex refusals for Qwen-VL and GLM-4V: transformers has no flex path to switch them to."""
     model = tiny_vision_model(model_type)
     with pytest.raises(ValueError, match="does not support an attention implementation through torch's flex"):
         model.set_attn_implementation("flex_attention")
@@ -403,7 +406,7 @@ def test_every_refusal_of_the_vision_table_is_run():
     gemma3_on_flash = {("gemma3", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
     qwen_on_flex = {
         (model_type, "flex_attention")
-        for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen4_exp")
+        for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "glm4v")
     }
     qwen4_exp_on_flash = {("qwen4_exp", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
     assert set(verdict_pairs(isolated=False)) == gemma3_on_flash | qwen_on_flex | qwen4_exp_on_flash
