@@ -48,11 +48,13 @@ def processor_directory(directory: Path, qwen_pixels: dict[str, int] = QWEN_PIXE
 assert all(os.path.exists(SAMPLE_DATA / name) for name in PHOTOS), "matplotlib's sample images are missing"
 
 
-def family_processor_directory(directory: Path, tokens: dict[str, str], image_processor, processor_config: dict):
+def family_processor_directory(directory: Path, tokens: dict[str, str], image_processor, processor_config: dict,
+                               roles: dict[str, str] | None = None):
     """A local processor directory for a family whose processor transformers builds from parts: the demo's GPT-2
     tokenizer with ChatML and the image `tokens` (name -> text, as the family's tokenizer names them) added as
     special tokens, `image_processor` saved beside it, and `processor_config`. Returns the directory and the
-    transformers tokenizer (the image tokens as its named attributes, as the family's processor reads them)."""
+    transformers tokenizer (the image tokens as its named attributes, as the family's processor reads them;
+    `roles` such as bos_token and eos_token added too, and given that role)."""
     import json
 
     from tokenizers import Tokenizer
@@ -60,11 +62,12 @@ def family_processor_directory(directory: Path, tokens: dict[str, str], image_pr
 
     gpt2_directory(directory, CHATML)
     text = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    text.add_special_tokens(list(tokens.values()))
+    text.add_special_tokens([*tokens.values(), *(roles or {}).values()])
     text.save(str(directory / "tokenizer.json"))
     image_processor.save_pretrained(directory)
     (directory / "processor_config.json").write_text(json.dumps(processor_config))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), extra_special_tokens=tokens)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), extra_special_tokens=tokens,
+                                        **(roles or {}))
     return directory, tokenizer
 
 

@@ -81,6 +81,8 @@ VISION_SIZES: dict[str, dict[str, Any]] = {
     "internvl": {"vision_config": {"image_size": [IMAGE_SIZE["internvl"]] * 2, "patch_size": [14, 14]}},
     # Pixtral up to 8x8 patches, merged 2x2: up to 4 rows of 4 tokens per image, by its shape.
     "mistral3": {"vision_config": {"image_size": IMAGE_SIZE["mistral3"], "patch_size": 14}},
+    # SigLIP at 4x4 patches; its projection to the text width is set at the top (PaliGemma copies it down).
+    "paligemma": {"vision_config": {"image_size": 56, "patch_size": 14}, "projection_dim": HIDDEN},
 }
 
 
@@ -196,6 +198,10 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
 
         patch = {"height": vision.patch_size, "width": vision.patch_size}
         return PixtralImageProcessorPil(size={"longest_edge": side}, patch_size=patch)
+    if config.model_type == "paligemma":
+        from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+        return SiglipImageProcessorPil(size={"height": side, "width": side})
     if config.model_type == "llava":
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 

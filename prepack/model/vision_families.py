@@ -19,7 +19,11 @@ Styles:
   `image_sizes` beside its padded `pixel_values`);
 - image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
   from which prepack builds the layer masks (`prepack.model.vision_packing`: transformers' own sliding
-  mask misplaces the image blocks of a packed row).
+  mask misplaces the image blocks of a packed row);
+- prefix blocks (PaliGemma): `position_ids` restarting at 1 at every sample (PaliGemma's numbering: from 0, its
+  float32 rotary angles differ from the sample alone's beyond float64 rounding, measured in tests/model/test_vision.py)
+  and `token_type_ids` 0 on each sample's prefix (its tokens before its first target), which transformers attends
+  both ways, within the sample.
 
 Every other image-text-to-text model type has no style (VisionCollator does not batch it) and is refused for
 image batches on every backend, with the reason the vision sweep (`prepack.model.vision_sweep`) measured on sdpa
@@ -53,13 +57,21 @@ from prepack.model.families import (
 __all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_packed", "image_refusal", "image_style", "markdown",
            "needs", "not_built", "not_run"]
 
-ImageStyle = Literal["3-D rotary", "restart", "image blocks"]
+ImageStyle = Literal["3-D rotary", "restart", "image blocks", "prefix blocks"]
 
 # Measured (tests/model/test_vision.py): on the flash stand-in a sample alone runs its images causally, unlike sdpa.
 GEMMA3_IMAGES_ON_FLASH = Verdict(
     "refused",
     "flash attention cannot hold its bidirectional image blocks: transformers gives Gemma3ForConditionalGeneration "
     "no flash attention, and its flash path runs the images causally",
+)
+
+
+# Measured (tests/model/test_vision.py): on the flash stand-in a packed batch differs from its samples alone.
+PALIGEMMA_ON_FLASH = Verdict(
+    "refused",
+    "flash attention cannot hold its bidirectional prefix blocks: transformers gives PaliGemmaForConditionalGeneration "
+    "no flash attention, and its flash path runs the prefixes causally",
 )
 
 
@@ -277,7 +289,6 @@ VISION_FAMILIES |= {
     ),
     'ovis2': _swept(NO_DATA_SIDE),
     'paddleocr_vl': _swept(not_run('ValueError: not enough values to unpack (expected 5, got 3)')),
-    'paligemma': _swept(NO_DATA_SIDE),
     'perception_lm': _swept(needs("timm")),
     'pi0': _swept(not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)')),
     'pix2struct': _swept(
@@ -324,6 +335,13 @@ VISION_FAMILIES |= {
     ),
     # Its get_rope_index places an image's positions as Qwen2-VL's does (tests/model/test_vision.py compares them).
     "glm4v": VisionFamily("3-D rotary", _GRID_TOWER, _MEASURED_NO_FLEX),
+    # Its prefix blocks (block_sequence_ids) span every sample's prefix in a row; transformers' per-sample mask from
+    # the restarting positions cuts them at each sample (measured).
+    "paligemma": VisionFamily(
+        "prefix blocks",
+        "one image per row of pixel_values (SigLIP)",
+        (NATIVE, NATIVE, PALIGEMMA_ON_FLASH, PALIGEMMA_ON_FLASH, NATIVE),
+    ),
 }
 
 

@@ -96,6 +96,7 @@ _PLACEHOLDERS = {
     "GotOcr2ImageProcessor": ("<img>", "<IMG_CONTEXT>", "</img>"),  # as InternVLProcessor uses it
     "PixtralImageProcessor": ("", "[IMG]", "[IMG_END]"),  # as PixtralProcessor (Mistral 3's) uses it
     "Glm4vImageProcessor": ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>"),  # as GLM-4V's chat template writes
+    "SiglipImageProcessor": ("", "<image>", ""),  # as PaliGemmaProcessor uses it
 }
 # LlamaFactory's ShareGPT speakers (its default `tags`), as chat roles.
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool",
@@ -190,6 +191,8 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         fields = {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
     elif kind == "GotOcr2ImageProcessor":
         fields = _internvl_fields(config, config_file, processor, processor_file)
+    elif kind == "SiglipImageProcessor":
+        fields = _paligemma_fields(config, config_file, processor, processor_file)
     elif kind == "PixtralImageProcessor":
         end = _text(processor, processor_file, "image_end_token", end)
         fields = _pixtral_fields(config, config_file, processor, processor_file)
@@ -253,6 +256,19 @@ def _pixtral_fields(config: dict, config_file: Path, processor: dict, processor_
         processor, processor_file, "spatial_merge_size", 1)
     return {"kind": "rows", "patch_size": cell, "longest_edge": longest_edge,
             "row_end": _text(processor, processor_file, "image_break_token", "[IMG_BREAK]")}
+
+
+def _paligemma_fields(config: dict, config_file: Path, processor: dict, processor_file: Path) -> dict:
+    """PaliGemma's count: the image_seq_length its image processor's config records (what PaliGemmaProcessor
+    reads), per image. SigLIP's image processor serves other processors: only PaliGemma's is counted."""
+    named = processor.get("processor_class", config.get("processor_class", "PaliGemmaProcessor"))
+    if named != "PaliGemmaProcessor":
+        raise InputError(f"{processor_file}: processor_class {named!r}; prepack counts SigLIP's image processor as "
+                         "PaliGemmaProcessor uses it.")
+    tokens = _positive(config, config_file, "image_seq_length", None)
+    if tokens is None:
+        raise InputError(f"{config_file}: image_seq_length is missing; PaliGemma's processor reads its count there.")
+    return {"kind": "fixed", "tokens": tokens}
 
 
 def image_header(data: bytes, where: str, limits: ImageLimits) -> tuple[int, int]:

@@ -77,6 +77,8 @@ class VisionSpec:
         if style == "image blocks":
             return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
         vision = config.vision_config
+        if style == "prefix blocks":  # PaliGemma: SigLIP's patches, one token each
+            return cls(style, image_token_id, tokens_per_image=config.text_config.num_image_tokens)
         if config.model_type == "mistral3":
             return cls(style, image_token_id, image_cell=vision.patch_size * config.spatial_merge_size)
         if config.model_type == "internvl":  # InternViT's patches less its CLS token, pixel-shuffled
@@ -182,6 +184,9 @@ class VisionCollator:
             batch["position_ids"] = position_ids
         if self.spec.style == "image blocks":
             batch["token_type_ids"] = is_image.long()
+        if self.spec.style == "prefix blocks":
+            batch["position_ids"] = position_ids + 1  # PaliGemma numbers a sequence's positions from 1
+            batch["token_type_ids"] = _suffixes(checked, text["labels"])
         batch["use_cache"] = False
         return batch
 
@@ -267,6 +272,17 @@ def _vision_pack(pack: Mapping[str, Any], number: int, spec: VisionSpec) -> _Vis
     if spec.tokens_per_image is None and bool(placeholders) != bool(images):
         raise InputError(f"Pack {number} has {placeholders} image placeholders and {len(images)} images.")
     return _VisionPack(input_ids, cu_seqlens, images)
+
+
+def _suffixes(packs: list[_VisionPack], labels: torch.Tensor) -> torch.Tensor:
+    """[B, L] PaliGemma's token types: 0 on each sample's prefix (its tokens before its first target: its images and
+    prompt, which attend to each other both ways), 1 on the rest of the sample and on padding (causal)."""
+    types = torch.ones_like(labels)
+    for row, pack in enumerate(packs):
+        for start, end in zip(pack.cu_seqlens[:-1].tolist(), pack.cu_seqlens[1:].tolist()):
+            targets = (labels[row, start:end] != IGNORE_INDEX).nonzero()
+            types[row, start : start + (int(targets[0]) if len(targets) else end - start)] = 0
+    return types
 
 
 def _check_cells(packs: list[_VisionPack], image_sizes, image_token_id: int, cell: int) -> None:

@@ -654,3 +654,45 @@ def test_glm4v_resize_is_transformers_own(height, width, bounds):
             glm4v_resize(height, width, 28, *bounds, 2)
         return
     assert glm4v_resize(height, width, 28, *bounds, 2) == expected
+
+
+def paligemma_directory(directory):
+    """A PaliGemma processor directory (its `<image>` token, BOS and EOS; SigLIP's image processor at 56 pixels with
+    image_seq_length 16) and transformers' own PaliGemmaProcessor over the same parts."""
+    from transformers.models.paligemma.processing_paligemma import PaliGemmaProcessor
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    from tests.vision_inputs import family_processor_directory
+
+    parts = SiglipImageProcessorPil(size={"height": 56, "width": 56})
+    parts.image_seq_length = 16  # as PaliGemma's preprocessor_config.json records it
+    directory, tokenizer = family_processor_directory(directory, {"image_token": "<image>"}, parts,
+                                                      {"processor_class": "PaliGemmaProcessor"},
+                                                      {"bos_token": "<bos>", "eos_token": "<eos>"})
+    return directory, PaliGemmaProcessor(image_processor=parts, tokenizer=tokenizer)
+
+
+def test_paligemma_placeholders_text_and_token_types_are_the_processors_own(tmp_path):
+    """PaliGemma: image_seq_length `<image>` per image whatever its size, then PaliGemmaProcessor's BOS, prompt and
+    newline (a corpus writes those itself); with a suffix, the token types VisionCollator derives from the labels
+    (0 before the first target) are the processor's own."""
+    from prepack.training.vision_collate import VisionCollator, VisionSpec
+    from tests.vision_inputs import images_of_many_sizes
+
+    directory, processor = paligemma_directory(tmp_path / "proc")
+    rule, placeholder_id = processor_rule(directory)
+    assert placeholder_id == processor.image_token_id
+    collator = VisionCollator(VisionSpec("prefix blocks", placeholder_id, tokens_per_image=16),
+                              processor.image_processor, pad_token_id=0)
+    for data in images_of_many_sizes():
+        with Image.open(io.BytesIO(data)) as image:
+            picture, size = image.convert("RGB"), image.size
+        out = processor(images=[picture], text=["<image>caption es"], suffix=["a cat"], return_tensors="np")
+        expected = out["input_ids"][0].tolist()
+        prompt = rule.text(*size) + "<bos>caption es\n"
+        assert processor.tokenizer.decode(expected) == prompt + "a cat<eos>"
+        assert processor.tokenizer(prompt)["input_ids"] == expected[: len(processor.tokenizer(prompt)["input_ids"])]
+        assert rule.placeholders(*size) == expected.count(placeholder_id) == 16
+        pack = {"input_ids": out["input_ids"][0], "cu_seqlens": np.array([0, len(expected)]),
+                "labels": out["labels"][0], "images": [data]}
+        assert collator([pack])["token_type_ids"][0].tolist() == out["token_type_ids"][0].tolist()

@@ -36,7 +36,7 @@ from tests.flash_reference import enable_flash_attention, use_flash_reference, u
 from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3",
-            "internvl", "mistral3", "glm4v")
+            "internvl", "mistral3", "glm4v", "paligemma")
 ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
@@ -97,7 +97,10 @@ def samples(model, processor, seed: int = 0) -> list[dict]:
         tokens = list(rng.integers(2, DOCUMENT_VOCAB, rng.integers(3, 7)))
         for image in images:
             tokens += image_tokens(model, processor, photos[image]) + list(rng.integers(2, DOCUMENT_VOCAB, 3))
-        made.append({"input_ids": np.array(tokens, dtype=np.int64), "images": [photos[i] for i in images]})
+        sample = {"input_ids": np.array(tokens, dtype=np.int64), "images": [photos[i] for i in images]}
+        if VisionSpec.of(model.config).style == "prefix blocks":  # PaliGemma: a suffix of 4 targets after its prefix
+            sample["labels"] = np.where(np.arange(len(tokens)) < len(tokens) - 4, -100, sample["input_ids"])
+        made.append(sample)
     return made
 
 
@@ -113,6 +116,8 @@ def packs_of(made: list[dict]) -> list[dict]:
                 "images": [image for sample in group for image in sample["images"]],
             }
         )
+        if "labels" in group[0]:
+            packs[-1]["labels"] = np.concatenate([sample["labels"] for sample in group])
     return packs
 
 
@@ -142,6 +147,8 @@ def alone_batch(model, collator: VisionCollator, sample: dict, labels: torch.Ten
         batch["mm_token_type_ids"] = is_image
     if collator.spec.style == "image blocks":
         batch["token_type_ids"] = is_image
+    if collator.spec.style == "prefix blocks":  # as PaliGemmaProcessor marks a suffix: from the first target on
+        batch["token_type_ids"] = ((labels != -100).cumsum(0) > 0).long()[None]
     return batch
 
 
@@ -409,7 +416,8 @@ def test_every_refusal_of_the_vision_table_is_run():
         for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "glm4v")
     }
     qwen4_exp_on_flash = {("qwen4_exp", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
-    assert set(verdict_pairs(isolated=False)) == gemma3_on_flash | qwen_on_flex | qwen4_exp_on_flash
+    paligemma_on_flash = {("paligemma", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
+    assert set(verdict_pairs(isolated=False)) == gemma3_on_flash | qwen_on_flex | qwen4_exp_on_flash | paligemma_on_flash
 
 
 @pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_4"])
@@ -459,3 +467,38 @@ def test_mistral3_images_the_processor_sizes_otherwise_are_refused():
     other = VisionCollator(collator.spec, smaller, pad_token_id=1)
     with pytest.raises(InputError, match="Pack 0 has .* image placeholders; the image processor"):
         other(packs_of(made))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_paligemma_needs_its_prefix_blocks_and_positions_from_one(attn):
+    """The controls of PaliGemma's style: without token_type_ids each prefix runs causally, not both ways as alone;
+    with positions from 0 (not PaliGemma's 1) its float32 rotary angles move the logits beyond float64 rounding."""
+    model, _, made, collator = setup("paligemma", attn)
+    enable_packing(model)
+    batch = collator(packs_of(made))
+    assert set(batch["token_type_ids"].unique().tolist()) == {0, 1}  # prefixes and suffixes both there
+    tolerance = EAGER_TOLERANCE if attn == "eager" else TOLERANCE
+    changes = [{"token_type_ids": torch.ones_like(batch["token_type_ids"])}]
+    if attn == "sdpa":  # eager's own float32 softmax hides a difference of this size (EAGER_TOLERANCE)
+        changes.append({"position_ids": batch["position_ids"] - 1})
+    for changed in changes:
+        logit_diff, _, _ = compare(model, collator, made, batch | changed, gradients=False)
+        assert logit_diff > tolerance, changed.keys()
+
+
+@pytest.mark.parametrize("attn", [attn for model_type, attn in verdict_pairs(isolated=False) if model_type == "paligemma"])
+def test_paligemma_prefixes_run_causally_on_flash_and_are_refused(attn, request):
+    """transformers gives PaliGemmaForConditionalGeneration no flash attention: forced onto it, a sample alone runs its
+    prefix causally, not both ways as on sdpa. Its packed image batches are refused there with that reason."""
+    stand_in(request, attn)
+    model, _, made, collator = setup("paligemma")
+    sample, batch = made[0], collator(packs_of(made))
+    start, end = next(spans(packs_of(made)))[1:]
+    alone = alone_batch(model, collator, sample, batch["labels"][0, start:end])
+    sdpa_logits, _, _ = run(model, alone, gradients=False)
+    flash_logits, _, _ = run(enable_flash_attention(model, attn), alone, gradients=False)
+    assert float((sdpa_logits - flash_logits).abs().max()) > 1e-3
+    reason = VISION_FAMILIES["paligemma"].verdicts[BACKENDS.index(backend_of(attn))].reason
+    with pytest.raises(IsolationError, match=f"paligemma .*{attn}: {re.escape(reason)}. .*'sdpa' or 'eager'"):
+        enable_packing(model)(**batch)  # refused when packing is enabled (no text verdict lets the model through)
