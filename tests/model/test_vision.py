@@ -502,3 +502,16 @@ def test_paligemma_prefixes_run_causally_on_flash_and_are_refused(attn, request)
     reason = VISION_FAMILIES["paligemma"].verdicts[BACKENDS.index(backend_of(attn))].reason
     with pytest.raises(IsolationError, match=f"paligemma .*{attn}: {re.escape(reason)}. .*'sdpa' or 'eager'"):
         enable_packing(model)(**batch)  # refused when packing is enabled (no text verdict lets the model through)
+
+
+def test_paligemma_image_batch_with_a_mask_is_refused():
+    """With an attention_mask transformers builds no per-sample mask from the positions, and PaliGemma's prefix
+    blocks (one group over every prefix of the row) would join the samples: refused."""
+    model, _, made, collator = setup("paligemma")
+    enable_packing(model)
+    batch = collator(packs_of(made))
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    logit_diff, _, _ = compare(model, collator, made, batch | {"attention_mask": None}, gradients=False)
+    assert logit_diff < TOLERANCE
+    with pytest.raises(IsolationError, match="attention_mask"):
+        model(**batch)
