@@ -176,7 +176,7 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
     """transformers' PIL image processor for the tower of `config` (Qwen-VL's from its patch, merge and
     temporal sizes, `qwen_pixels` per image; CLIP's, as LLaVA uses, and Gemma 3's at the tower's image size)."""
     vision = config.vision_config
-    if config.model_type == "glm4v":  # a Qwen2-VL-like grid by GLM-4V's own resize rule
+    if config.model_type in ("glm4v", "glm4v_moe"):  # a Qwen2-VL-like grid by GLM-4V's own resize rule
         from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
         return Glm4vImageProcessorPil(size=qwen_pixels, patch_size=vision.patch_size,

@@ -13,7 +13,7 @@ on logits and loss (it has no backward on a CPU). On flash the text's offsets co
 and reach the decoder only, never the vision tower (`prepack.model.packing`). No torch here.
 
 Styles:
-- 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V): `position_ids` [4, B, L], text positions restarting per sample (from
+- 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V, GLM-4V-MoE): `position_ids` [4, B, L], text positions restarting per sample (from
   which transformers builds the per-sample mask) over the three rotary rows, restarting per sample too;
 - restart (LLaVA, InternVL, Mistral 3): `position_ids` [B, L] restarting per sample, as for text (Mistral 3's
   `image_sizes` beside its padded `pixel_values`);
@@ -205,7 +205,6 @@ VISION_FAMILIES |= {
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'glm46v': _swept(NO_DATA_SIDE),
-    'glm4v_moe': _swept(NO_DATA_SIDE),
     'glm5_next': _swept(
         not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: index_topk (4) must be divisible by index_kpool (16)."),
     ),
@@ -335,6 +334,8 @@ VISION_FAMILIES |= {
     ),
     # Its get_rope_index places an image's positions as Qwen2-VL's does (tests/model/test_vision.py compares them).
     "glm4v": VisionFamily("3-D rotary", _GRID_TOWER, _MEASURED_NO_FLEX),
+    # GLM-4V's tower, processor and rotary positions before a decoder of MoE layers.
+    "glm4v_moe": VisionFamily("3-D rotary", _GRID_TOWER, _MEASURED),
     # Its prefix blocks (block_sequence_ids) span every sample's prefix in a row; transformers' per-sample mask from
     # the restarting positions cuts them at each sample (measured).
     "paligemma": VisionFamily(

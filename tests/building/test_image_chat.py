@@ -619,8 +619,13 @@ def glm4v_directory(directory, size: dict):
 def test_glm4v_placeholders_and_text_are_the_processors_own(tmp_path, size):
     """GLM-4V's image processor resizes by its own rule (a small side scaled up first, the area counted over two
     frames): `<|begin_of_image|>`, the grid's `<|image|>` tokens, `<|end_of_image|>`, as its chat template writes
-    them and Glm4vProcessor expands them; the count is its image_grid_thw's over the 2x2 merge."""
+    them and Glm4vProcessor expands them; the count is its image_grid_thw's over the 2x2 merge. GLM-4V-MoE's
+    processor is the same."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
     from tests.vision_inputs import images_of_many_sizes
+
+    assert PROCESSOR_MAPPING_NAMES["glm4v_moe"] == "Glm4vProcessor"
 
     directory, processor = glm4v_directory(tmp_path / "proc", size)
     rule, placeholder_id = processor_rule(directory)

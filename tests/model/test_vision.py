@@ -36,7 +36,7 @@ from tests.flash_reference import enable_flash_attention, use_flash_reference, u
 from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3",
-            "internvl", "mistral3", "glm4v", "paligemma")
+            "internvl", "mistral3", "glm4v", "glm4v_moe", "paligemma")
 ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
@@ -62,7 +62,7 @@ def image_tokens(model, processor, image: bytes) -> list[int]:
 
         grid = processor(images=[Image.open(io.BytesIO(image)).convert("RGB")])["image_grid_thw"][0]
         count = int(np.prod(grid)) // spec.merge_size**2
-        if config.model_type == "glm4v":  # <|begin_of_image|>, <|end_of_image|>
+        if config.model_type in ("glm4v", "glm4v_moe"):  # <|begin_of_image|>, <|end_of_image|>
             return [config.image_start_token_id, *[spec.image_token_id] * count, config.image_end_token_id]
         return [config.vision_start_token_id, *[spec.image_token_id] * count, config.vision_end_token_id]
     if spec.style == "image blocks":
@@ -339,7 +339,7 @@ def test_rotary_positions_equal_transformers_get_rope_index(model_type):
     every 3-D rotary family; and AutoImageProcessor gives each the Qwen2-VL image processor that prepare-images'
     placeholder rule is keyed on (Qwen3-VL-MoE has no entry of its own: the one of Qwen3-VL, whose processor it
     shares)."""
-    if model_type != "glm4v":  # its own image processor, compared with prepare-images' rule in test_image_chat.py
+    if model_type not in ("glm4v", "glm4v_moe"):  # GLM-4V's own, compared with prepare-images' in test_image_chat.py
         shares = [name for name, processor in PROCESSOR_MAPPING_NAMES.items()
                   if processor == PROCESSOR_MAPPING_NAMES[model_type] and name in IMAGE_PROCESSOR_MAPPING_NAMES]
         mapped = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or IMAGE_PROCESSOR_MAPPING_NAMES[shares[0]]
