@@ -47,6 +47,7 @@ __all__ = [
     "pixtral_grid",
     "read_image_set",
     "smart_resize",
+    "tiled_canvas",
 ]
 
 IMAGE_SET_VERSION = 1
@@ -108,6 +109,27 @@ def pixtral_grid(height: int, width: int, cell: int, longest_edge: int) -> tuple
     return (height - 1) // cell + 1, (width - 1) // cell + 1
 
 
+def tiled_canvas(height: int, width: int, tile: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
+    """(columns, rows) of the square `tile`-pixel tiles GOT-OCR2's image processor crops an image into (transformers'
+    `get_optimal_tiled_canvas`, as InternVL tiles): of the arrangements of min_tiles to max_tiles tiles, by tile
+    count, the one whose aspect ratio is nearest the image's; a tie goes to the later one while the image's area is
+    more than half the tiles'. `tests/building/test_image_chat.py` compares it with transformers' processor."""
+    arrangements = sorted(
+        ((columns, rows) for columns in range(1, max_tiles + 1) for rows in range(1, max_tiles + 1)
+         if min_tiles <= columns * rows <= max_tiles),
+        key=lambda grid: grid[0] * grid[1],
+    )
+    aspect, area = width / height, width * height
+    nearest, best = float("inf"), (1, 1)
+    for columns, rows in arrangements:
+        difference = abs(aspect - columns / rows)
+        if difference < nearest:
+            nearest, best = difference, (columns, rows)
+        elif difference == nearest and area > 0.5 * tile * tile * columns * rows:
+            best = (columns, rows)
+    return best
+
+
 def _unless_set(value) -> bool:
     """A field later kinds added is left out of the manifest when unset, so that earlier kinds' bytes stay."""
     return value is None
@@ -116,11 +138,12 @@ def _unless_set(value) -> bool:
 class ImageRule(StrictModel):
     """How many placeholder tokens an image becomes, and the text that stands for it before tokenizing."""
 
-    kind: Literal["grid", "fixed", "rows", "glm4v_grid"] = Field(
+    kind: Literal["grid", "fixed", "rows", "glm4v_grid", "tiles"] = Field(
         description="grid: Qwen2-VL's resize rule, one token per merge_size² patches; fixed: `tokens` per image; "
         "rows: Pixtral's (Mistral 3's) resize within longest_edge, one token per patch_size² cell, each row of cells "
         "followed by `row_end` but the last, followed by `end`; glm4v_grid: GLM-4V's resize rule over `frames` "
-        "frames, one token per merge_size² patches."
+        "frames, one token per merge_size² patches; tiles: GOT-OCR2's tiling (InternVL's), `tokens` per view: "
+        "each patch_size tile of the nearest canvas of min_tiles to max_tiles tiles, and a thumbnail when more than one."
     )
     placeholder: str = Field(min_length=1, description="The placeholder token's text, repeated once per token.")
     start: str = Field(description="Text before an image's placeholders (may be empty).")
@@ -135,16 +158,21 @@ class ImageRule(StrictModel):
                                 description="rows: the text after each row of placeholders but the last.")
     frames: int | None = Field(default=None, ge=1, le=64, exclude_if=_unless_set,
                                description="glm4v_grid: the frames an image counts as (its temporal_patch_size).")
+    min_tiles: int | None = Field(default=None, ge=1, le=64, exclude_if=_unless_set)
+    max_tiles: int | None = Field(default=None, ge=1, le=64, exclude_if=_unless_set)
 
     @model_validator(mode="after")
     def _complete(self) -> ImageRule:
         """The fields its kind counts with are there (a manifest may leave out any field)."""
         needed = {"grid": ("patch_size", "merge_size", "min_pixels", "max_pixels"), "fixed": ("tokens",),
                   "rows": ("patch_size", "longest_edge", "row_end"),
-                  "glm4v_grid": ("patch_size", "merge_size", "min_pixels", "max_pixels", "frames")}[self.kind]
+                  "glm4v_grid": ("patch_size", "merge_size", "min_pixels", "max_pixels", "frames"),
+                  "tiles": ("tokens", "patch_size", "min_tiles", "max_tiles")}[self.kind]
         missing = [name for name in needed if getattr(self, name) is None]
         if missing:
             raise ValueError(f"a {self.kind} rule needs {', '.join(missing)}")
+        if self.kind == "tiles" and self.min_tiles > self.max_tiles:
+            raise ValueError(f"min_tiles {self.min_tiles} is more than max_tiles {self.max_tiles}")
         if self.kind in ("grid", "glm4v_grid") and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels {self.min_pixels} is more than max_pixels {self.max_pixels}")
         return self
@@ -155,6 +183,10 @@ class ImageRule(StrictModel):
         if self.kind == "rows":
             rows, columns = pixtral_grid(height, width, self.patch_size, self.longest_edge)
             return rows * columns
+        if self.kind == "tiles":
+            columns, rows = tiled_canvas(height, width, self.patch_size, self.min_tiles, self.max_tiles)
+            tiles = columns * rows if self.max_tiles > 1 else 1
+            return self.tokens * (tiles + 1 if tiles > 1 else 1)  # the thumbnail after several tiles
         factor = self.patch_size * self.merge_size
         if self.kind == "glm4v_grid":
             resized_h, resized_w = glm4v_resize(height, width, factor, self.min_pixels, self.max_pixels, self.frames)

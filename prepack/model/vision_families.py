@@ -324,7 +324,8 @@ VISION_FAMILIES |= {
 # Families given a data side after the sweep (appended: the rows above stay as the sweep wrote them).
 VISION_FAMILIES |= {
     "internvl": VisionFamily(
-        "restart", "one image per row of pixel_values (InternViT), its patches pixel-shuffled per image", _MEASURED
+        "restart", "one view per row of pixel_values (InternViT: an image, or its tiles and thumbnail), its patches "
+        "pixel-shuffled per view", _MEASURED
     ),
     "mistral3": VisionFamily(
         "restart",

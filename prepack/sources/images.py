@@ -145,7 +145,7 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     """The resize rule of a local processor directory and its placeholder's token id.
 
     `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's, Gemma 3's,
-    CLIP's, as LLaVA uses, or GOT-OCR2's, as InternVL uses it untiled) and its sizes; `processor_config.json`
+    CLIP's, as LLaVA uses, or GOT-OCR2's, as InternVL uses it, tiled or not) and its sizes; `processor_config.json`
     (optional) may name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for fixed-size towers, the
     count (`image_seq_length`, or LLaVA's `patch_size` and `vision_feature_select_strategy`). The placeholder must be one token of
     the directory's `tokenizer.json`. A size that is not a positive integer, or sizes that give no
@@ -231,18 +231,25 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
 
 
 def _internvl_fields(config: dict, config_file: Path, processor: dict, processor_file: Path) -> dict:
-    """InternVL's count: image_seq_length per image, untiled (one 448-pixel view, pixel-shuffled). GOT-OCR2's
-    image processor serves GOT-OCR2 too, whose placeholders are others: only InternVLProcessor's are counted."""
+    """InternVL's count: image_seq_length per view. Untiled (crop_to_patches false) one view; tiled, the tiles
+    of GOT-OCR2's canvas and a thumbnail (`ImageRule` kind tiles), as the image processor's config says, which
+    the training collator's image processor reads too. GOT-OCR2's image processor serves GOT-OCR2 too, whose
+    placeholders are others: only InternVLProcessor's are counted."""
     named = processor.get("processor_class", "InternVLProcessor")
     if named != "InternVLProcessor":
         raise InputError(f"{processor_file}: processor_class {named!r}; prepack counts GOT-OCR2's image processor as "
                          "InternVLProcessor uses it.")
-    if config.get("crop_to_patches"):
-        raise InputError(
-            f"{config_file}: crop_to_patches is true: tiled InternVL images take a count that follows their shape, "
-            "which prepack does not count; set it false (one view per image, image_seq_length placeholders)."
-        )
-    return {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
+    tokens = _positive(processor, processor_file, "image_seq_length", 256)
+    if not config.get("crop_to_patches"):
+        return {"kind": "fixed", "tokens": tokens}
+    size = _mapping(config, config_file, "size")
+    side = _positive(size, config_file, "height", None, "size.")
+    if side is None or size.get("width") != side:
+        raise InputError(f"{config_file}: size is {size!r}; prepack counts InternVL's tiles when they are square "
+                         "(height equal to width).")
+    return {"kind": "tiles", "tokens": tokens, "patch_size": side,
+            "min_tiles": _positive(config, config_file, "min_patches", 1),
+            "max_tiles": _positive(config, config_file, "max_patches", 12)}
 
 
 def _pixtral_fields(config: dict, config_file: Path, processor: dict, processor_file: Path) -> dict:

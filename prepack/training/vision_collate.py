@@ -161,12 +161,16 @@ class VisionCollator:
         self.max_image_pixels, self.max_batch_pixels = max_image_pixels, max_batch_pixels
         self.spec, self.image_processor = spec, image_processor
         self.image_processor_options = dict(image_processor_options or {})
+        # InternVL's tiles (GOT-OCR2's crop_to_patches): tokens_per_image placeholders per view, views per image by
+        # its shape, checked per pack against the views the image processor makes.
+        self.tiled = spec.tokens_per_image is not None and bool(
+            self.image_processor_options.get("crop_to_patches", getattr(image_processor, "crop_to_patches", False)))
         # The text side is every pack's: checked, padded, labels and restarting positions as for text.
         self.text = PackedCollator(max_len, pad_to="max_len" if max_len else "longest", pad_token_id=pad_token_id)
 
     def __call__(self, packs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         text = self.text(packs)
-        checked = [_vision_pack(pack, number, self.spec) for number, pack in enumerate(packs)]
+        checked = [_vision_pack(pack, number, self.spec, self.tiled) for number, pack in enumerate(packs)]
         input_ids, position_ids = text["input_ids"], text["position_ids"]
         is_image = input_ids == self.spec.image_token_id
         text["labels"][is_image] = IGNORE_INDEX  # a placeholder is never a target
@@ -175,7 +179,15 @@ class VisionCollator:
         if any(images):
             batch |= self._preprocessed(images)
             if self.spec.image_cell is not None:
-                _check_cells(checked, batch["image_sizes"], self.spec.image_token_id, self.spec.image_cell)
+                cell = self.spec.image_cell
+                cells = [int(height) // cell * (int(width) // cell) for height, width in batch["image_sizes"].tolist()]
+                _check_image_tokens(checked, cells, self.spec.image_token_id, f"cells of {cell} pixels",
+                                    "its size.longest_edge, patch_size and spatial_merge_size")
+            if self.tiled:
+                views = [int(count) * self.spec.tokens_per_image for count in batch.pop("num_patches")]
+                _check_image_tokens(checked, views, self.spec.image_token_id,
+                                    f"placeholders, {self.spec.tokens_per_image} per view",
+                                    "its crop_to_patches, min_patches, max_patches and size")
         if self.spec.style == "3-D rotary":
             grids = batch["image_grid_thw"].numpy() if any(images) else np.zeros((0, 3), dtype=np.int64)
             rotary = self._rotary_positions(checked, grids, input_ids.shape[1])
@@ -219,7 +231,9 @@ class VisionCollator:
             options = {"patch_size": {"height": self.spec.image_cell, "width": self.spec.image_cell}} | options
         out = self.image_processor(images=decoded, return_tensors="pt", **options)
         kept = {key: out[key] for key in ("pixel_values", "image_grid_thw", "image_sizes") if key in out}
-        if self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(decoded):
+        if self.tiled:  # views per image, for the check of each pack's placeholders (not a model input)
+            kept["num_patches"] = out["num_patches"]
+        elif self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(decoded):
             raise UsageError(
                 f"The image processor made {len(kept['pixel_values'])} crops of {len(decoded)} images; prepack "
                 "counted one per image (turn off crops such as Gemma 3's pan-and-scan)."
@@ -258,18 +272,18 @@ class _VisionPack:
     images: list[bytes]
 
 
-def _vision_pack(pack: Mapping[str, Any], number: int, spec: VisionSpec) -> _VisionPack:
+def _vision_pack(pack: Mapping[str, Any], number: int, spec: VisionSpec, tiled: bool = False) -> _VisionPack:
     """The pack's tokens, offsets and images (its tokens and offsets already checked by PackedCollator),
     refused where its placeholders and its images disagree."""
     input_ids, cu_seqlens = np.asarray(pack["input_ids"]), np.asarray(pack["cu_seqlens"])
     images = list(pack.get("images") or [])
     placeholders = int((input_ids == spec.image_token_id).sum())
-    if spec.tokens_per_image is not None and placeholders != spec.tokens_per_image * len(images):
+    if spec.tokens_per_image is not None and not tiled and placeholders != spec.tokens_per_image * len(images):
         raise InputError(
             f"Pack {number} has {placeholders} image placeholders for {len(images)} images of "
             f"{spec.tokens_per_image} tokens each."
         )
-    if spec.tokens_per_image is None and bool(placeholders) != bool(images):
+    if (spec.tokens_per_image is None or tiled) and bool(placeholders) != bool(images):
         raise InputError(f"Pack {number} has {placeholders} image placeholders and {len(images)} images.")
     return _VisionPack(input_ids, cu_seqlens, images)
 
@@ -285,20 +299,20 @@ def _suffixes(packs: list[_VisionPack], labels: torch.Tensor) -> torch.Tensor:
     return types
 
 
-def _check_cells(packs: list[_VisionPack], image_sizes, image_token_id: int, cell: int) -> None:
-    """Each pack holds as many placeholders as its images' cells, by the sizes the image processor made them:
-    transformers checks the batch's total only, so a pack counted for other sizes would pass its image features to
-    another pack's placeholders."""
-    cells = [int(height) // cell * (int(width) // cell) for height, width in image_sizes.tolist()]
+def _check_image_tokens(packs: list[_VisionPack], per_image: list[int], image_token_id: int, unit: str,
+                        settings: str) -> None:
+    """Each pack holds as many placeholders as its images take by what the image processor made of them (`per_image`,
+    in the batch's order: Mistral 3's cells, InternVL's tiled views): transformers checks the batch's total only,
+    so a pack counted for other sizes would pass its image features to another pack's placeholders."""
     first = 0
     for number, pack in enumerate(packs):
         placeholders = int((pack.input_ids == image_token_id).sum())
-        made = sum(cells[first : first + len(pack.images)])
+        made = sum(per_image[first : first + len(pack.images)])
         if placeholders != made:
             raise InputError(
                 f"Pack {number} has {placeholders} image placeholders; the image processor made its "
-                f"{len(pack.images)} images {made} cells of {cell} pixels. Prepare the images with the processor "
-                "the collator uses (its size.longest_edge, patch_size and spatial_merge_size)."
+                f"{len(pack.images)} images {made} {unit}. Prepare the images with the processor the collator uses "
+                f"({settings})."
             )
         first += len(pack.images)
 

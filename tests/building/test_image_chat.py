@@ -516,11 +516,36 @@ def test_internvl_placeholders_and_text_are_the_processors_own(tmp_path):
         assert len(out["pixel_values"]) == 1
 
 
-def test_internvl_tiling_and_other_got_ocr2_processors_are_refused(tmp_path):
-    """Tiling (crop_to_patches true) makes the count follow the image's shape: refused by its field, as is
-    GOT-OCR2's own processor, which shares the image processor."""
+@pytest.mark.parametrize("patches", [(1, 12), (1, 4), (2, 6)])
+def test_internvl_tiled_placeholders_and_text_are_the_processors_own(tmp_path, patches):
+    """InternVL tiled (crop_to_patches true, InternVLProcessor's default): image_seq_length placeholders per view, the
+    views being the tiles of the canvas nearest the image's shape (min_patches to max_patches tiles) and, when there
+    is more than one tile, a thumbnail; the expanded text tokenizes to InternVLProcessor's ids."""
+    from tests.vision_inputs import images_of_many_sizes
+
+    min_patches, max_patches = patches
+    directory, processor = internvl_directory(tmp_path / "proc", crop_to_patches=True, min_patches=min_patches,
+                                              max_patches=max_patches)
+    rule, placeholder_id = processor_rule(directory)
+    views = set()
+    for data in images_of_many_sizes():
+        with Image.open(io.BytesIO(data)) as image:
+            picture, size = image.convert("RGB"), image.size
+        out = processor(images=[picture], text=["a <IMG_CONTEXT> b"], return_tensors="np")
+        expected = out["input_ids"][0].tolist()
+        assert processor.tokenizer("a " + rule.text(*size) + " b")["input_ids"] == expected
+        assert rule.placeholders(*size) == expected.count(placeholder_id) == 4 * len(out["pixel_values"])
+        views.add(len(out["pixel_values"]))
+    assert len(views) > 1  # the sizes exercise several canvases
+
+
+def test_non_square_internvl_tiles_and_other_got_ocr2_processors_are_refused(tmp_path):
+    """Tiles of another shape than square are refused by their field, as is GOT-OCR2's own processor, which shares
+    the image processor."""
     directory, _ = internvl_directory(tmp_path / "tiled", crop_to_patches=True)
-    with pytest.raises(InputError, match="preprocessor_config.json: crop_to_patches"):
+    config = json.loads((directory / "preprocessor_config.json").read_text())
+    (directory / "preprocessor_config.json").write_text(json.dumps(config | {"size": {"height": 56, "width": 84}}))
+    with pytest.raises(InputError, match="preprocessor_config.json: size"):
         processor_rule(directory)
     other, _ = internvl_directory(tmp_path / "got", crop_to_patches=False)
     config = json.loads((other / "processor_config.json").read_text())
@@ -701,3 +726,13 @@ def test_paligemma_placeholders_text_and_token_types_are_the_processors_own(tmp_
         pack = {"input_ids": out["input_ids"][0], "cu_seqlens": np.array([0, len(expected)]),
                 "labels": out["labels"][0], "images": [data]}
         assert collator([pack])["token_type_ids"][0].tolist() == out["token_type_ids"][0].tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 5000), st.sampled_from([(1, 12), (1, 4), (2, 6), (1, 1), (3, 40)]))
+def test_tiled_canvas_is_transformers_own(height, width, tiles):
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
+
+    from prepack.formats.images import tiled_canvas
+
+    assert tiled_canvas(height, width, 448, *tiles) == get_optimal_tiled_canvas((height, width), (448, 448), *tiles)

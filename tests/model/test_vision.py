@@ -78,7 +78,13 @@ def image_tokens(model, processor, image: bytes) -> list[int]:
         return [token for tokens in rows for token in tokens][:-1] + [end]
     if config.model_type in IMAGE_BRACKETS:
         start, end = IMAGE_BRACKETS[config.model_type]
-        return [start, *[spec.image_token_id] * spec.tokens_per_image, end]
+        views = 1  # InternVL tiled: its tiles and a thumbnail, as many as its image processor makes
+        if getattr(processor, "crop_to_patches", False):
+            from PIL import Image
+            import io
+
+            views = int(processor(images=[Image.open(io.BytesIO(image)).convert("RGB")])["num_patches"][0])
+        return [start, *[spec.image_token_id] * spec.tokens_per_image * views, end]
     return [spec.image_token_id] * spec.tokens_per_image
 
 
@@ -141,7 +147,7 @@ def alone_batch(model, collator: VisionCollator, sample: dict, labels: torch.Ten
     ids = torch.from_numpy(sample["input_ids"])[None]
     batch = {"input_ids": ids, "labels": labels[None], "use_cache": False}
     if sample["images"]:
-        batch |= collator._preprocessed([sample["images"]])
+        batch |= {key: value for key, value in collator._preprocessed([sample["images"]]).items() if key != "num_patches"}
     is_image = (ids == collator.spec.image_token_id).long()
     if collator.spec.style == "3-D rotary":
         batch["mm_token_type_ids"] = is_image
@@ -515,3 +521,47 @@ def test_paligemma_image_batch_with_a_mask_is_refused():
     assert logit_diff < TOLERANCE
     with pytest.raises(IsolationError, match="attention_mask"):
         model(**batch)
+
+
+def tiled_internvl(attn: str, max_patches: int = 4):
+    """InternVL with its images tiled (GOT-OCR2's crop_to_patches, up to `max_patches` tiles and a thumbnail)."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    model = tiny_vision_model("internvl", attn)
+    side = model.config.vision_config.image_size[0]
+    processor = GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=True,
+                                         max_patches=max_patches)
+    made = samples(model, processor)
+    return model, processor, made, VisionCollator(VisionSpec.of(model.config), processor, pad_token_id=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_internvl_tiled_batch_equals_each_sample_alone(attn):
+    """Tiled InternVL images (InternVLProcessor's default): each view one row of pixel_values, image_seq_length
+    placeholders each; packed equals each sample alone on logits, loss and every parameter group's gradients. The
+    control: positions counting on over the row leak."""
+    model, _, made, collator = tiled_internvl(attn)
+    batch = collator(packs_of(made))
+    images = sum(len(sample["images"]) for sample in made)
+    assert len(batch["pixel_values"]) > images  # tiles, not one view per image
+    enable_packing(model)
+    logit_diff, loss_diff, groups = compare_groups(model, collator, made, batch)
+    report = f"logits {logit_diff:.1e}, loss {loss_diff:.1e}, gradients {groups}"
+    assert groups.keys() == {PROJECTOR, VISION_TOWER, LANGUAGE_MODEL}, report
+    tolerance = EAGER_TOLERANCE if attn == "eager" else TOLERANCE
+    assert logit_diff < tolerance and loss_diff < LOSS_TOLERANCE, report
+    assert all(value < LOSS_TOLERANCE for value in groups.values()), report
+    counting = batch | {"position_ids": torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"])}
+    assert compare(model, collator, made, counting, gradients=False)[0] > 1e-3
+
+
+def test_internvl_tiles_the_processor_makes_otherwise_are_refused():
+    """A collator whose image processor tiles otherwise than the packs were counted for (fewer tiles) refuses the
+    pack: transformers checks the batch's total only."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    _, processor, made, collator = tiled_internvl("sdpa")
+    fewer = GotOcr2ImageProcessorPil(size=processor.size, crop_to_patches=True, max_patches=2)
+    with pytest.raises(InputError, match="Pack 0 has .* image placeholders; the image processor made its"):
+        VisionCollator(collator.spec, fewer, pad_token_id=1)(packs_of(made))
