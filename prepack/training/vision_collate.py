@@ -11,6 +11,9 @@ model's image processor (in DataLoader workers) and emits, by the family's style
     labels        [B, L] int64   -100 at padding, at each sample's first token and at image placeholders
     pixel_values  what the image processor gives for the batch's images, in token order
     image_grid_thw [N, 3] int64  (3-D rotary) each image's patch grid, from the image processor
+    image_sizes   [N, 2] int64   (Mistral 3) each image's resized (height, width), from the image processor; each
+                                 pack's placeholders are checked against its images' cells (and, InternVL tiled,
+                                 against the views the image processor made of its images)
     position_ids  [B, L] int64   (restart, image blocks) 0, 1, ... restarting at every sample
                   [4, B, L] int64 (3-D rotary) row 0 the text positions restarting at every sample (what
                                  transformers builds the per-sample mask from), rows 1-3 the temporal,
@@ -18,6 +21,8 @@ model's image processor (in DataLoader workers) and emits, by the family's style
                                  for each sample alone, so they restart at 0 at every sample
     token_type_ids [B, L] int64  (image blocks) 1 at image placeholders: Gemma 3's bidirectional image
                                  blocks, kept inside their sample by the layer masks enable_packing builds
+                  [B, L] int64  (prefix blocks) PaliGemma's: 0 on each sample's prefix (before its first target),
+                                 1 after it and on padding; its position_ids then count from 1, as PaliGemma's do
     use_cache     False
 
 There is no attention mask and no `cu_seq_lens_*`: transformers builds the block-diagonal mask from
