@@ -144,6 +144,10 @@ _READING_OPTIONS: dict[str, tuple[object, object]] = {
     "rejected_column": (Annotated[str, typer.Option("--rejected-column", help="--pairs: the rejected completion column.")], "rejected"),
     "groups": (Annotated[bool, typer.Option("--groups", help="The corpus holds groups: a prompt (--prompt-column) and a list of G completions (--completions-column; G its first row's, every row's), each group packed whole as G documents; needs --tokenizer and --overflow truncate, drop or error.")], False),
     "completions_column": (Annotated[str, typer.Option("--completions-column", help="--groups: the column of completions, a list a row.")], "completions"),
+    "unpaired": (Annotated[bool, typer.Option("--unpaired", help="The corpus holds unpaired feedback for KTO (TRL's format: a prompt, a completion and a boolean label a row), each example packed whole with its KL completion, another example's completion planned from --kl-seed; needs --tokenizer and --overflow truncate, drop or error.")], False),
+    "completion_column": (Annotated[str, typer.Option("--completion-column", help="--unpaired: the completion column.")], "completion"),
+    "label_column": (Annotated[str, typer.Option("--label-column", help="--unpaired: the label column, true for a desirable completion.")], "label"),
+    "kl_seed": (Annotated[int, typer.Option("--kl-seed", min=0, help="--unpaired: seed of the plan of KL completions (one seeded cycle through the examples).")], 0),
 }
 
 
@@ -232,9 +236,11 @@ def _summary(manifest: Manifest, out: str) -> Table:
         ("untrained (no trained token)", _untrained(t.untrained, t.untrained_tokens, o.drop_untrained)),
     ]
     units = unit_name(2 if o.pairs is None else o.pairs.size, plural=True)
+    units = "examples" if o.pairs is not None and o.pairs.kind == "unpaired" else units
     if (p := manifest.pairs) is not None:
+        labels = "" if p.desirable is None else f"; desirable / undesirable {p.desirable:,} / {p.undesirable:,}"
         rows.insert(1, (units, f"{p.pairs:,} read, {p.truncated:,} truncated, {p.dropped:,} dropped; "
-                               f"prompt / completion tokens {p.prompt_tokens:,} / {p.completion_tokens:,}"))
+                               f"prompt / completion tokens {p.prompt_tokens:,} / {p.completion_tokens:,}{labels}"))
     if o.tokenize is not None and o.pairs is not None:
         rows.insert(0, ("tokenized", f"{o.tokenize.tokenizer.name} ({o.tokenize.mode} {units.split()[0]}, labels on the completions)"))
     elif o.tokenize is not None:
@@ -289,6 +295,8 @@ def build_command(
     drop_untrained: Annotated[bool, typer.Option("--drop-untrained", help="Leave out documents with no trained token (every label -100); they are counted either way.")] = False,
     index_only: Annotated[bool, typer.Option("--index-only", help="A document store only: write which documents each pack holds, no token; the build reads them from the store.")] = False,
     max_docs_per_pack: Annotated[int | None, typer.Option("--max-docs-per-pack", metavar="K", show_default=False, help="At most K documents a pack (a preference pair counts as two), planned exactly with --max-len: fixed-shape batches for torch.compile and CUDA graphs (README, \"Compiled training\"). `prepack inspect` shows what a cap costs.")] = None,
+    max_images_per_pack: Annotated[int | None, typer.Option("--max-images-per-pack", metavar="M", show_default=False, help="At most M images a pack (a vision tower's memory follows its images), each row counting its images in --images; a row with more is refused by file and row.")] = None,
+    images: Annotated[str | None, typer.Option("--images", metavar="DIR", show_default=False, help="With --max-images-per-pack: the image set prepare-images wrote with this corpus.")] = None,
     shard_size: _ShardSizeOption = _DEFAULT_SHARD_SIZE,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing build at --out.")] = False,
     append: Annotated[bool, typer.Option("--append", help="Grow the build at --out by the documents appended to its store since (same options as the build); its shards stay as they are (README, \"Growing a corpus\").")] = False,
@@ -310,6 +318,8 @@ def build_command(
         drop_untrained=drop_untrained,
         index_only=index_only,
         max_docs_per_pack=max_docs_per_pack,
+        max_images_per_pack=max_images_per_pack,
+        images=images,
     )
     try:
         mixture = mixture_flags(corpus, source or [], tokens, mix_seed, pack_within_source, mix_count)
@@ -375,9 +385,10 @@ def prepare_images_command(
         summary = prepare_image_chat(corpus, processor, out, limits=limits, images_root=images_root)
     except PrepackError as exc:
         _fail(exc)
+    videos = f", {summary.videos:,} videos (their frames among the images)" if summary.videos else ""
     _stdout().print(
         f"prepared {summary.documents:,} records, {summary.references:,} images ({summary.images:,} distinct, "
-        f"{summary.image_tokens:,} placeholder tokens): build {summary.corpus}, train with {summary.image_set}"
+        f"{summary.image_tokens:,} placeholder tokens){videos}: build {summary.corpus}, train with {summary.image_set}"
     )
 
 

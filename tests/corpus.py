@@ -78,22 +78,30 @@ def read_build(directory: Path) -> tuple[dict, list[dict]]:
     return manifest, packs
 
 
-def reference_placement(lengths: list[int], max_len: int, algorithm: str, max_documents: int | None = None) -> list[int]:
+def reference_placement(
+    lengths: list[int], max_len: int, algorithm: str, max_documents: int | None = None,
+    images: list[int] | None = None, max_images: int | None = None,
+) -> list[int]:
     """Straightforward O(n·packs) first-/best-fit decreasing: pack number of every segment, at most
-    `max_documents` segments a pack when given."""
+    `max_documents` segments a pack when given, and at most `max_images` of the segments' `images` a pack."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    images = images or [0] * len(lengths)
     remaining: list[int] = []
     held: list[int] = []
+    pictured: list[int] = []
     pack_of = [0] * len(lengths)
     for i in order:
-        fits = [p for p, room in enumerate(remaining) if room >= lengths[i] and held[p] != max_documents]
+        fits = [p for p, room in enumerate(remaining) if room >= lengths[i] and held[p] != max_documents
+                and (max_images is None or pictured[p] + images[i] <= max_images)]
         if not fits:
             remaining.append(max_len)
             held.append(0)
+            pictured.append(0)
             fits = [len(remaining) - 1]
         p = fits[0] if algorithm == "ffd" else min(fits, key=lambda q: (remaining[q], q))
         remaining[p] -= lengths[i]
         held[p] += 1
+        pictured[p] += images[i]
         pack_of[i] = p
     return pack_of
 

@@ -7,6 +7,7 @@ processor directory.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -22,9 +23,13 @@ from prepack.model.tiny_vision_models import (
 from tests.demo_inputs import CHATML, gpt2_directory
 
 SAMPLE_DATA = Path(matplotlib.get_data_path()) / "sample_data"
+# The tokens Idefics3's and SmolVLM's tokenizers add for images (their processors' text of tiles).
+SPLIT_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+                *(f"<row_{row}_col_{column}>" for row in range(1, 7) for column in range(1, 7)))
 PHOTOS = ("grace_hopper.jpg", "Minduka_Present_Blue_Pack.png", "logo2.png")
-__all__ = ["PHOTOS", "QWEN_IMAGE_TOKENS", "SAMPLE_DATA", "family_processor_directory", "image_processor", "internvl_processor",
-           "glm4v_processor", "photo_bytes", "pixtral_processor", "processor_directory", "images_of_many_sizes"]
+__all__ = ["PHOTOS", "QWEN_IMAGE_TOKENS", "SAMPLE_DATA", "SPLIT_TOKENS", "family_processor_directory", "glm4v_processor",
+           "image_processor", "images_of_many_sizes", "internvl_processor", "photo_bytes", "pixtral_processor",
+           "processor_directory", "transformers_processor_directory"]
 
 
 def photo_bytes() -> list[bytes]:
@@ -48,6 +53,19 @@ def processor_directory(directory: Path, qwen_pixels: dict[str, int] = QWEN_PIXE
 assert all(os.path.exists(SAMPLE_DATA / name) for name in PHOTOS), "matplotlib's sample images are missing"
 
 
+def transformers_processor_directory(directory: Path, image_processor, processor_config: dict, tokens: tuple[str, ...]):
+    """A local processor directory for a family transformers has a processor class for: the demo's GPT-2 tokenizer
+    with `tokens` added as special tokens, the image processor's `preprocessor_config.json` and
+    `processor_config.json`. Loads with transformers' AutoProcessor, and is what `prepack prepare-images` reads."""
+    from tokenizers import Tokenizer
+
+    gpt2_directory(directory, CHATML)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens(list(tokens))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    image_processor.save_pretrained(directory)
+    (directory / "processor_config.json").write_text(json.dumps(processor_config))
+    return directory
 def family_processor_directory(directory: Path, tokens: dict[str, str], image_processor, processor_config: dict,
                                roles: dict[str, str] | None = None):
     """A local processor directory for a family whose processor transformers builds from parts: the demo's GPT-2
@@ -55,17 +73,10 @@ def family_processor_directory(directory: Path, tokens: dict[str, str], image_pr
     special tokens, `image_processor` saved beside it, and `processor_config`. Returns the directory and the
     transformers tokenizer (the image tokens as its named attributes, as the family's processor reads them;
     `roles` such as bos_token and eos_token added too, and given that role)."""
-    import json
-
-    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    gpt2_directory(directory, CHATML)
-    text = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    text.add_special_tokens([*tokens.values(), *(roles or {}).values()])
-    text.save(str(directory / "tokenizer.json"))
-    image_processor.save_pretrained(directory)
-    (directory / "processor_config.json").write_text(json.dumps(processor_config))
+    transformers_processor_directory(directory, image_processor, processor_config,
+                                     (*tokens.values(), *(roles or {}).values()))
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), extra_special_tokens=tokens,
                                         **(roles or {}))
     return directory, tokenizer

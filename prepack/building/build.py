@@ -17,6 +17,7 @@ docstrings say what memory their steps hold.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,7 +50,7 @@ from prepack.formats.shards import (
 )
 from prepack.storage.output import Staging, output_errors, staged_append, staged_directory
 from prepack.building.pair_plan import PairPlan, first_overlong_pair, overlong_prompts, plan_pairs
-from prepack.building import plan_vectorized
+from prepack.building import kernels, plan_vectorized
 from prepack.building.plan import compact_lengths, pack_count, plan_packs
 from prepack.storage.remote import fetch, is_uri, local_input, relative_location, staged_prefix
 from prepack.formats.store import StoreManifest
@@ -79,7 +80,9 @@ class Packing:
     `overflow` ("split", "truncate", "drop", "error"), the packs shuffled with `seed`; with
     `drop_untrained`, documents with no trained token left out; with `index_only` (a store only),
     index shards written instead of token shards; with `max_docs_per_pack`, at most that many documents
-    (segments; a preference pair counts as its two) a pack, for fixed-shape batches."""
+    (segments; a preference pair counts as its two) a pack, for fixed-shape batches; with
+    `max_images_per_pack`, at most that many images a pack, each corpus row counting its images in the image
+    set at `images` (`prepack prepare-images`), by first-fit-decreasing."""
 
     max_len: int
     algorithm: str = "ffd"
@@ -88,8 +91,10 @@ class Packing:
     drop_untrained: bool = False
     index_only: bool = False
     max_docs_per_pack: int | None = None
+    max_images_per_pack: int | None = None
+    images: str | os.PathLike | None = None
 
-    def manifest_options(self, shard_size: int, column: str, labels_column: str | None) -> BuildOptions:
+    def manifest_options(self, shard_size: int, column: str, labels_column: str | None, image_set: str | None = None) -> BuildOptions:
         """The manifest's `options` for these packing options and the shards' size, the documents read
         from `column` (and labels from `labels_column`). Raises pydantic's ValidationError (a ValueError)."""
         return BuildOptions(
@@ -102,6 +107,8 @@ class Packing:
             labels_column=labels_column,
             drop_untrained=self.drop_untrained,
             max_docs_per_pack=self.max_docs_per_pack,
+            max_images_per_pack=self.max_images_per_pack,
+            image_set=image_set,
         )
 
 
@@ -230,6 +237,10 @@ def build(
     rejected_column: str = "rejected",
     groups: bool = False,
     completions_column: str = "completions",
+    unpaired: bool = False,
+    completion_column: str = "completion",
+    label_column: str = "label",
+    kl_seed: int = 0,
     algorithm: str = "ffd",
     overflow: str = "split",
     seed: int = 0,
@@ -237,6 +248,8 @@ def build(
     drop_untrained: bool = False,
     index_only: bool = False,
     max_docs_per_pack: int | None = None,
+    max_images_per_pack: int | None = None,
+    images: str | os.PathLike | None = None,
     overwrite: bool = False,
     append: bool = False,
     engine: str = "local",
@@ -263,6 +276,11 @@ def build(
     same algorithm under both limits, so that every batch of `prepack.training.collate.PackedCollator` with
     `fixed_shape=True` has the same shapes (`torch.compile`, CUDA graphs). A preference pair counts as its two
     documents. Recorded in the manifest and held by `verify`; without it the build is that of before.
+    `max_images_per_pack` caps the images of a pack the same way (first-fit-decreasing only), each corpus row
+    counting its images in `images`, the image set `prepack.sources.images.prepare_image_chat` wrote with the
+    corpus (a vision tower's memory follows its images, not the text tokens). A row with more images than the
+    cap is refused by file and row: no pack could hold it, and splitting or truncating it would cut images from
+    their placeholders. Recorded in the manifest with the image set's sha256, held by `verify --images`.
 
     Without `tokenizer` the corpus holds token ids in `column`, and `labels_column` is carried into
     the shards when every corpus file has it. With `tokenizer` (a local directory or tokenizer.json)
@@ -272,7 +290,10 @@ def build(
     `chosen_column`, `rejected_column`), text or with `chat` conversations, each pair packed as a unit
     (`prepack.building.pair_plan`; `overflow` "truncate", "drop" or "error"), its shards carrying `pair_roles`.
     With `groups`, a prompt (`prompt_column`) and a list of G completions (`completions_column`) a row, each group
-    packed as a unit of G documents the same way (roles 0 … G - 1).
+    packed as a unit of G documents the same way (roles 0 … G - 1). With `unpaired`, unpaired feedback (KTO, TRL's
+    format: `prompt_column`, `completion_column`, `label_column` a boolean, true for desirable) is packed as units of
+    2 documents, the example's completion and its KL completion (another example's, planned from `kl_seed`:
+    `prepack.sources.pairs.unpaired_documents`), the shards carrying each example's label (`desirable`).
 
     `engine="ray"` reads, tokenizes and writes shards as Ray tasks (`prepack.building.engines.ray`; needs
     `prepack-llm[ray]`), on the cluster at `ray_address` ("auto", "ray://…"), or on the Ray instance this
@@ -298,24 +319,25 @@ def build_packs(
     how the shards are written (what `prepack build` parses its flags into). `corpus` may be a
     mixture file or a `Mixture` (`prepack build --source …`)."""
     max_len, overflow, index_only = packing.max_len, packing.overflow, packing.index_only
+    image_counts, image_set_sha256 = _image_cap(corpus, reading, packing, output)
     try:
-        options = packing.manifest_options(output.shard_size, reading.read_column, reading.labels_column)
+        options = packing.manifest_options(output.shard_size, reading.read_column, reading.labels_column, image_set_sha256)
     except ValueError as exc:
         raise InputError(f"invalid build options:\n{exc}") from None
     _check_engine(output.engine, output.ray_address, reading)
-    _check_append(output, index_only)
+    _check_append(output)
     if isinstance(corpus, Mixture) or is_mixture_file(corpus):  # several corpora or stores, weighted (prepack.building.mixture)
         if output.append:
             raise InputError(f"{corpus}: --append grows the build of one document store; a mixture is built whole.")
         mixture = corpus if isinstance(corpus, Mixture) else read_mixture(corpus)
-        if reading.pairs or reading.groups:
-            raise InputError(f"{corpus}: a mixture of preference-pair or group corpora is not supported; build each on its own.")
+        if reading.pairs or reading.groups or reading.unpaired:
+            raise InputError(f"{corpus}: a mixture of preference-pair, group or unpaired corpora is not supported; build each on its own.")
         from prepack.building.mixture_build import build_mixture
 
         with progress_bars(output.progress, output.console) as bar:
             return build_mixture(mixture, out, reading, packing, output, bar, _store_path, _engine)
-    if reading.pairs or reading.groups:
-        _check_pair_options(packing, output, "--groups" if reading.groups else "--pairs")
+    if reading.pairs or reading.groups or reading.unpaired:
+        _check_pair_options(packing, output, "--groups" if reading.groups else "--unpaired" if reading.unpaired else "--pairs")
     with progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if index_only and not is_store(source.spec):
             raise InputError(
@@ -331,6 +353,8 @@ def build_packs(
         store_path = _store_path(corpus, out) if index_only else None  # refuses a store the build cannot name
         documents = open_documents(source.spec, reading, out, bar, source.location)
         if documents.pairs is not None:  # its group size is known now (a group corpus's first row), before any row is read
+            if documents.store is not None:  # a pair store's options, as --pairs's or --groups's
+                _check_pair_options(packing, output, "--pairs" if documents.pairs.options.group_size is None else "--groups")
             _check_pairs_cap(documents.pairs.options, packing.max_docs_per_pack)
         store = documents.store
         with (
@@ -346,13 +370,15 @@ def build_packs(
                 documents = store_documents(replace(store, manifest=store.manifest.since_generation(planned)))
             found, has_labels, read_column = documents.corpus, documents.has_labels, documents.column
             first = engine_steps.first_pass(documents, reading, bar)
-            if store is not None and first.fingerprint != store.manifest.fingerprint:
-                _refuse_store_fingerprint(store, first.fingerprint)
+            if store is not None:
+                _check_store_fingerprints(store, first)
             if len(first.lengths) == 0:
                 raise InputError(f"{corpus}: the corpus has no documents.")
             # An append whose documents give no pack still records them (a generation of no new shard).
             if not first.lengths.any() and appending is None:
                 raise InputError(f"{corpus}: all {len(first.lengths)} documents are empty.")
+            if image_counts is not None:
+                _check_image_counts(image_counts, packing, documents, first)
             if documents.pairs is None and overflow == "error" and (first.lengths > max_len).any():
                 row = int(np.flatnonzero(first.lengths > max_len)[0])
                 path, file_row = locate_row(found, first.rows_per_file, row)
@@ -361,10 +387,11 @@ def build_packs(
                     f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
                 )
             # An index build's other steps run no numba kernel (`prepack.building.kernels`), unless its first
-            # pass found the untrained documents of a large store with one: then numba is loaded anyway.
-            tokens = int(first.lengths.sum(dtype=np.int64))
-            # An append counts a rebuild's packs with the kernels (`pack_count`), so plans with them too.
-            without_numba = index_only and appending is None and (not has_labels or plan_vectorized.scans(tokens))
+            # pass found the untrained documents of a large store with one, or a kernel ran in this process
+            # before: then numba's start-up is paid anyway. An append decides as a build of the whole store
+            # would, as it also counts that build's packs.
+            tokens = int(first.lengths.sum(dtype=np.int64)) if appending is None else store.manifest.tokens
+            without_numba = index_only and not kernels.started() and (not has_labels or plan_vectorized.scans(tokens))
             planning = bar.add_task("plan", total=None)
             if documents.pairs is not None:
                 plan = _plan_pairs(documents, first, packing)
@@ -379,6 +406,8 @@ def build_packs(
                     drop_untrained=packing.drop_untrained,
                     max_documents=packing.max_docs_per_pack,
                     without_numba=without_numba,
+                    images=image_counts,
+                    max_images=packing.max_images_per_pack,
                 )
             bar.update(planning, total=1, completed=1)
             if plan.packs == 0 and appending is None:  # every non-empty document was left out
@@ -412,7 +441,7 @@ def build_packs(
                 pairs=PairTotals(**plan.pair_counts) if documents.pairs is not None else None,
             )
             if appending is not None:
-                manifest = _grown_manifest(appending, manifest, _rebuild_packs(store, planned, first, packing))
+                manifest = _grown_manifest(appending, manifest, _rebuild_packs(store, planned, first, packing, without_numba))
             with output_errors(staging.build / MANIFEST_NAME):
                 write_manifest(staging.build, manifest)
     return manifest
@@ -445,37 +474,55 @@ def _planned_generation(build: Manifest, store: Store, options: BuildOptions, in
     return generation
 
 
-def _refuse_store_fingerprint(store: Store, found: str) -> None:
-    """InputError: the store's documents give the fingerprint `found`, not the one its store.json records."""
+def _check_store_fingerprints(store: Store, first: FirstPass) -> None:
+    """Refuse (InputError) a store whose documents do not give a fingerprint its store.json records: at
+    each generation the first pass hashed (`FirstPass.generations`), else (an index build's, which
+    hashes nothing) the last. Each link, not the last alone: a generation's shard swapped under a last
+    link recomputed for the swap leaves the chain ending right, and that generation's index builds
+    reading other tokens than they were planned from."""
     m = store.manifest
-    field = "fingerprint" if m.generations is None else f"generations[{len(m.generations) - 1}].fingerprint"
-    raise InputError(
-        f"{store.location or store.root}/{STORE_MANIFEST_NAME}: {field} is {m.fingerprint}, but the store's documents "
-        f"give {found}: its documents or store.json changed after the store was written."
-    )
+    recorded = [g.fingerprint for g in m.generations] if m.generations is not None else [m.fingerprint]
+    found = first.generations or (first.fingerprint,)
+    for number, (was, now) in enumerate(zip(recorded[-len(found):], found), start=len(recorded) - len(found)):
+        if was != now:
+            field = "fingerprint" if m.generations is None else f"generations[{number}].fingerprint"
+            raise InputError(
+                f"{store.location or store.root}/{STORE_MANIFEST_NAME}: {field} is {was}, but the store's documents "
+                f"give {now}: its documents or store.json changed after the store was written."
+            )
 
 
-def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing) -> int:
+def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing, without_numba: bool) -> int:
     """The packs a build of the whole grown store at once would take: the store's documents of
-    generation `planned` and before, from its shards' offsets (no token read; their labels only when
-    untrained documents are left out, as only then do they change the packs), then those of `first`."""
-    shards = store.manifest.at_generation(planned).shards
+    generation `planned` and before, then those of `first`. They depend on the documents' lengths alone,
+    not on their order: as store.json's `length_counts` sum them up for the whole store, when it has them
+    and untrained documents are kept (no shard read); else from the old shards' offsets (no token read;
+    their labels only when untrained documents are left out, as only then do they change the packs).
+    `without_numba`: as `plan_packs` takes it (an index append of a store a build plans in numpy)."""
+    m = store.manifest
     untrained = None
-    if packing.drop_untrained:
-        parts = [store.shard_lengths(shard) for shard in shards]
-        lengths = [compact_lengths(p[0]) for p in parts]
-        untrained = np.concatenate([*(p[1] for p in parts), first.untrained])
+    if m.length_counts and not packing.drop_untrained:
+        counts = np.array(m.length_counts, np.int64)
+        lengths = np.repeat(compact_lengths(counts[:, 0]), counts[:, 1])  # every document's, `first`'s among them
     else:
-        # Each shard's lengths compacted as read (`_index_documents` does the same): not 8 bytes a document.
-        lengths = [compact_lengths(store.shard_document_lengths(shard)) for shard in shards]
+        shards = m.at_generation(planned).shards
+        if packing.drop_untrained:
+            parts = [store.shard_lengths(shard, without_numba) for shard in shards]
+            old = [compact_lengths(p[0]) for p in parts]
+            untrained = np.concatenate([*(p[1] for p in parts), first.untrained])
+        else:
+            # Each shard's lengths compacted as read (`_index_documents` does the same): not 8 bytes a document.
+            old = [compact_lengths(store.shard_document_lengths(shard)) for shard in shards]
+        lengths = np.concatenate([*old, first.lengths])
     return pack_count(
-        compact_lengths(np.concatenate([*lengths, first.lengths])),
+        compact_lengths(lengths),
         packing.max_len,
         algorithm=packing.algorithm,
         overflow=packing.overflow,
         untrained=untrained,
         drop_untrained=packing.drop_untrained,
         max_documents=packing.max_docs_per_pack,
+        without_numba=without_numba,
     )
 
 
@@ -497,19 +544,63 @@ def _grown_manifest(build: Manifest, added: Manifest, rebuild_packs: int) -> Man
     return Manifest(**{**dict(added), "inputs": inputs, "shards": shards, "totals": Totals(**totals), "generations": generations})
 
 
+def _image_cap(corpus, reading: Reading, packing: Packing, output: Output) -> tuple[np.ndarray | None, str | None]:
+    """The image count of every corpus row and the sha256 of the image set's images.json, when the build caps
+    images a pack (else None, None); before anything else is read, refused (InputError) where the cap cannot be
+    planned: without its image set, with options it does not combine with."""
+    cap, images = packing.max_images_per_pack, packing.images
+    if cap is None:
+        if images is not None:
+            raise InputError("--images names the image set whose image counts --max-images-per-pack caps: give both, or neither.")
+        return None, None
+    if type(cap) is not int or not 1 <= cap < 2**31:
+        raise InputError(f"--max-images-per-pack {cap!r}: give an integer in [1, 2**31).")
+    if images is None:
+        raise InputError(f"--max-images-per-pack {cap} counts every row's images in the corpus's image set "
+                         "(prepack prepare-images wrote it as images/ beside corpus.parquet): give it with --images DIR.")
+    refused = [flag for flag, given in (("--algorithm bfd", packing.algorithm == "bfd"), ("--append", output.append),
+               ("--pairs", reading.pairs), ("--groups", reading.groups),
+               ("a mixture", isinstance(corpus, Mixture) or is_mixture_file(corpus))) if given]
+    if refused:
+        raise InputError(f"--max-images-per-pack plans one image-chat corpus by first-fit-decreasing, whole: leave out {refused[0]}.")
+    if is_uri(images):
+        raise InputError(f"--images {images}: an image set is a local directory.")
+    from prepack.formats.images import IMAGE_SET_MANIFEST, read_image_set
+
+    image_set = read_image_set(images)  # FormatError naming file, row and column
+    counts = image_set.row_images()
+    return counts, hashlib.sha256((Path(images) / IMAGE_SET_MANIFEST).read_bytes()).hexdigest()
+
+
+def _check_image_counts(counts: np.ndarray, packing: Packing, documents: Documents, first: FirstPass) -> None:
+    """Refuse (InputError) an image set that is not the corpus's, and a row with more images than the cap, by file and row."""
+    if len(counts) != len(first.lengths):
+        raise InputError(f"--images {packing.images} describes {len(counts)} corpus rows; the corpus has {len(first.lengths)}: "
+                         "not the image set of this corpus.")
+    if (counts > packing.max_images_per_pack).any():
+        row = int(np.argmax(counts > packing.max_images_per_pack))
+        path, file_row = locate_row(documents.corpus, first.rows_per_file, row)
+        raise InputError(
+            f"{path}, row {file_row}: {counts[row]} images (in --images {packing.images}), more than "
+            f"--max-images-per-pack {packing.max_images_per_pack}: no pack can hold it, and splitting or truncating the "
+            "sample would cut images from their placeholders; raise the cap or leave the row out of the corpus."
+        )
+
+
 def _check_pair_options(packing: Packing, output: Output, flag: str) -> None:
     """Refuse, before anything is read, the options a preference-pair (`flag` --pairs) or group (--groups) build
     cannot honour."""
     if packing.overflow == "split":
-        what = "a pair (both documents go" if flag == "--pairs" else "a group (its documents all go"
+        what = {"--pairs": "a pair (both documents go", "--groups": "a group (its documents all go",
+                "--unpaired": "an example (its completion and KL completion go"}[flag]
         raise InputError(
             f"{flag} never splits {what} into one pack): choose --overflow truncate (cut the "
             "completions), drop or error."
         )
     if packing.drop_untrained:
         raise InputError(f"--drop-untrained would break {flag[2:]} apart: leave it out with {flag}.")
-    if flag == "--groups" and output.engine != "local":
-        raise InputError("--groups builds run on the local engine (pairs run on Ray too): leave out --engine ray.")
+    if flag in ("--groups", "--unpaired") and output.engine != "local":
+        raise InputError(f"{flag} builds run on the local engine (pairs run on Ray too): leave out --engine ray.")
 
 
 def _check_pairs_cap(options: PairOptions, cap: int | None) -> None:
@@ -526,7 +617,8 @@ def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> Pai
     refused = None
     if packing.overflow == "error" and (pair := first_overlong_pair(first.lengths, max_len, size)) is not None:
         tokens = int(first.lengths[size * pair : size * (pair + 1)].sum())
-        what = "the pair's {} tokens (prompt + chosen, prompt + rejected)" if size == 2 else "the group's {} tokens (prompt + each completion)"
+        what = {"pairs": "the pair's {} tokens (prompt + chosen, prompt + rejected)", "groups": "the group's {} tokens (prompt + each completion)",
+                "unpaired": "the example's {} tokens (prompt + completion, prompt + KL completion)"}[documents.pairs.options.kind]
         refused = pair, (
             f"{what.format(tokens)} are longer than --max-len {max_len} "
             "(choose --overflow truncate or drop)"
@@ -551,6 +643,7 @@ def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> Pai
         untrained=first.untrained,
         max_pairs=None if packing.max_docs_per_pack is None else packing.max_docs_per_pack // size,
         size=size,
+        desirable=documents.pairs.desirable,
     )
 
 
@@ -574,6 +667,10 @@ def build_store(
     rejected_column: str = "rejected",
     groups: bool = False,
     completions_column: str = "completions",
+    unpaired: bool = False,
+    completion_column: str = "completion",
+    label_column: str = "label",
+    kl_seed: int = 0,
     shard_size: int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     append: bool = False,
@@ -595,7 +692,9 @@ def build_store(
     documents are added to the store at `out` (read and tokenized as the store records: other options are
     refused by name), in new shards after its own, which stay byte for byte as they are; the store's
     `generations` record which documents each append added, so that index builds of an earlier generation
-    keep reading it (`prepack.formats.store.StoreManifest.at_generation`). Raises `InputError` for
+    keep reading it (`prepack.formats.store.StoreManifest.at_generation`). With `pairs` or `groups`, the store
+    holds each pair's (group's) documents as a pair build reads them, in shards of whole groups, and records how
+    they were read (`StoreManifest.pairs`): its builds are those of the corpus with `pairs` (`groups`). Raises `InputError` for
     bad input (a store given as the corpus among it), and `OutputError` as `build` does; in every case
     nothing is published.
     """
@@ -605,12 +704,14 @@ def build_store(
 
 def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, reading: Reading, output: Output) -> StoreManifest:
     """`build_store`, with its options gathered (what `prepack tokenize` parses its flags into)."""
-    if reading.pairs or reading.groups:
-        raise InputError("a document store holds documents, not preference pairs or groups: build the pairs from the corpus (prepack build CORPUS --pairs ...).")
+    if reading.unpaired:  # each example's KL completion is planned over the whole corpus, at build time
+        raise InputError("a document store holds documents, pairs or groups, not unpaired examples: build them from the corpus (prepack build CORPUS --unpaired ...).")
+    if reading.groups and output.engine != "local":  # as a --groups build (`_check_pair_options`)
+        raise InputError("--groups stores are written on the local engine (pairs on Ray too): leave out --engine ray.")
     if output.shard_size < 1:
         raise InputError(f"invalid shard size {output.shard_size}: at least 1 byte.")
     _check_engine(output.engine, output.ray_address, reading)
-    _check_append(output, index_only=False)
+    _check_append(output)
     with progress_bars(output.progress, output.console) as bar, local_input(corpus) as source:
         if is_store(source.spec):
             raise InputError(f"{corpus} is a document store already: build from it (prepack build {corpus} ...).")
@@ -635,32 +736,33 @@ def _staged(out: str | os.PathLike, output: Output, kind: str = MANIFEST_NAME):
     return staged_append(out, kind) if output.append else staged_directory(out, output.overwrite, kind)
 
 
-def _check_append(output: Output, index_only: bool) -> None:
+def _check_append(output: Output) -> None:
     """Refuse, before anything is read, what an append cannot honour."""
     if not output.append:
         return
     if output.overwrite:
         raise InputError("--append grows the output at --out and --overwrite replaces it: give one of them.")
-    if output.engine != "local" and not index_only:
-        raise InputError("--append runs on the local engine: leave out --engine ray.")
 
 
 def _check_same_reading(documents: Documents, store: StoreManifest, out: str | os.PathLike) -> None:
     """Refuse (InputError, naming the first option that differs) documents read otherwise than those of
     the store at `out`, which an append adds them to."""
-    def options(column: str, labels_column: str | None, has_labels: bool, tokenize: TokenizeOptions | None) -> dict:
+    def options(column: str, labels_column: str | None, has_labels: bool, tokenize: TokenizeOptions | None, pairs: PairOptions | None) -> dict:
         # The tokenizer's name is informative (shard-format.md): the same files under another name read alike.
         how = None if tokenize is None else tokenize.model_dump(exclude={"tokenizer": {"name"}})
-        return {"column": column, "labels_column": labels_column, "has_labels": has_labels, "tokenize": how}
+        # Pairs first: a pair corpus and a text one differ in their column too, but their kind is the cause.
+        kind = None if pairs is None else pairs.model_dump()
+        return {"pairs": kind, "column": column, "labels_column": labels_column, "has_labels": has_labels, "tokenize": how}
 
-    read = options(documents.column, documents.labels_column, documents.has_labels, documents.tokenize)
-    stored = options(store.column, store.labels_column, store.has_labels, store.tokenize)
+    read = options(documents.column, documents.labels_column, documents.has_labels, documents.tokenize,
+                   None if documents.pairs is None else documents.pairs.options)
+    stored = options(store.column, store.labels_column, store.has_labels, store.tokenize, store.pairs)
     if (difference := _first_difference(stored, read)) is not None:
         name, was, now = difference
         raise InputError(
             f"{out} was read with {name} {was!r}, and this corpus is read with {now!r}: an append reads its "
             "documents as the store's were read (give the same --tokenizer, --chat, --chat-template, --train-on, "
-            "--eos and columns)."
+            "--eos, --pairs or --groups and columns)."
         )
     named = {f.path for f in store.inputs}
     if taken := [name for path in documents.corpus.files if (name := documents.corpus.name(path)) in named]:

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Kernel", "kernel"]
+__all__ = ["Kernel", "kernel", "started"]
 
 
 class Kernel:
@@ -36,6 +36,11 @@ class Kernel:
 def kernel(**options: Any) -> Callable[[Callable[..., Any]], Kernel]:
     """`@kernel(cache=True, nogil=True)`: `@numba.njit(...)`, without importing numba until the kernel runs."""
     return lambda function: Kernel(function, options)
+
+
+def started() -> bool:
+    """Whether a kernel has run in this process: numba's start-up is paid, so numpy saves it no more."""
+    return _numba.cache_info().currsize > 0
 
 
 @functools.cache

@@ -126,6 +126,11 @@ def build_mixture(
             store_paths.append(index_store_path(location, out) if index_only else None)  # refuses a store the build cannot name
             given = stack.enter_context(local_input(location))
             documents.append(open_documents(given.spec, reading, out, bar, given.location))
+            if documents[-1].pairs is not None:  # selecting documents would split its groups
+                raise InputError(
+                    f"{mixture.origin}: source {source.name!r} ({source.path}) is a store of preference pairs or groups, "
+                    "which a mixture does not select from; build it on its own."
+                )
         _tokenizer_check(spec, documents)
         staged = staged_prefix if is_uri(out) else staged_directory
         staging = stack.enter_context(staged(out, output.overwrite))

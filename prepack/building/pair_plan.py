@@ -87,6 +87,7 @@ class PairPlan:
     counts: dict[str, int]  # Totals' overflow and untrained fields, in documents
     pair_counts: dict[str, int]  # `PairTotals`' fields
     size: int = 2  # documents a unit: 2 a pair, G a group
+    desirable: np.ndarray | None = None  # bool [units]: an unpaired build's labels, one an example
 
     @property
     def packs(self) -> int:
@@ -114,6 +115,7 @@ class PairPlan:
             rows=documents,
             pieces=np.zeros(len(documents), np.int32),
             pair_roles=roles,
+            desirable=None if self.desirable is None else self.desirable[units.rows],
         )
 
     def totals(self) -> dict[str, int]:
@@ -198,16 +200,22 @@ def plan_pairs(
     untrained: np.ndarray | None = None,
     max_pairs: int | None = None,
     size: int = 2,
+    desirable: np.ndarray | None = None,
 ) -> PairPlan:
     """Plan the pairs of documents `lengths` (`size` a unit: two a pair, G a group) with their `prompt_lengths`
     (one a unit): each unit one item for `plan_packs`, after `overflow` ("truncate", "drop"; "error" is the
     caller's, as is refusing `overlong_prompts` under "truncate"), at most `max_pairs` units a pack when given.
-    `untrained` (one flag a document) is counted only."""
+    `untrained` (one flag a document) is counted only. `desirable` (an unpaired build's labels, one an example
+    of 2 documents) goes with each example into its pack, and `PairTotals`' desirable and undesirable count the
+    packed ones."""
     lengths = np.asarray(lengths, np.int64)
-    kept, _, counts, pair_counts = _overflowed(lengths, prompt_lengths, max_len, overflow, untrained, size)
+    kept, dropped, counts, pair_counts = _overflowed(lengths, prompt_lengths, max_len, overflow, untrained, size)
+    if desirable is not None:
+        desirable = np.asarray(desirable, bool)
+        pair_counts |= {"desirable": int(desirable[~dropped].sum()), "undesirable": int((~desirable[~dropped]).sum())}
     # The planner drops what is still longer than max_len, as `_overflowed` counted.
     units = plan_packs(
         kept.reshape(-1, size).sum(1), max_len, algorithm=algorithm, overflow="drop", seed=seed, max_documents=max_pairs
     )
     starts = np.cumsum(lengths) - lengths
-    return PairPlan(units=units, starts=starts, kept=kept, counts=counts, pair_counts=pair_counts, size=size)
+    return PairPlan(units=units, starts=starts, kept=kept, counts=counts, pair_counts=pair_counts, size=size, desirable=desirable)

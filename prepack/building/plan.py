@@ -34,6 +34,16 @@ batches (`prepack.training.collate`): a pack with K segments has no room left, f
 ffd sets its slot's remaining capacity to 0, bfd takes it out of the buckets as it does a full pack.
 Without a cap, K is the number of segments and the plan is the uncapped one, byte for byte.
 
+A cap on images per pack (`max_images`, M, with every document's image count: a vision tower's memory follows
+its images, not the text tokens) is a third limit, for first-fit-decreasing only: each segment counts its
+document's images (a split document's every piece, which overcounts and so never breaks the cap), and it goes
+into the lowest-numbered pack with room for both its tokens and its images. Equal lengths no longer make equal
+segments, so the plan takes each segment's image count in the planner's order (`_images_in_order`, 4 bytes a
+segment), a second max tree over the packs' image room (searched with the first: a subtree whose largest
+rooms fit may hold no pack that fits both, and the search then moves right), and resumes a run of equal
+lengths only after a segment with no more images than the one before it (a pack left of it lacked tokens or
+room for more images). Without the image cap nothing of this runs.
+
 Packs are numbered 0, 1, ... in the order they are opened. The whole plan is O(n log packs) time
 (the counting is O(n + L)) and O(n + L) memory, with L the longest segment: the histogram and bfd's
 capacity buckets follow the documents, never max_len (`--max-len 2147483647` plans in the memory of
@@ -140,10 +150,16 @@ def _flags(untrained: np.ndarray | None, documents: int) -> np.ndarray:
 
 
 def assign_packs(
-    lengths: np.ndarray, max_len: int, algorithm: str = "ffd", max_documents: int | None = None
+    lengths: np.ndarray,
+    max_len: int,
+    algorithm: str = "ffd",
+    max_documents: int | None = None,
+    *,
+    images: np.ndarray | None = None,
+    max_images: int | None = None,
 ) -> np.ndarray:
     """Pack number (int32, 0-based, in the order packs are opened) of every document, at most
-    `max_documents` documents a pack when given.
+    `max_documents` documents a pack when given, and at most `max_images` of the documents' `images`.
 
     `lengths` is a 1-D integer array with every value in [1, max_len]; the caller has already
     split, truncated or dropped the documents that do not fit, so anything else is a bug and
@@ -152,30 +168,74 @@ def assign_packs(
     max_len = _check_options(max_len, algorithm)
     max_documents = checked_cap(max_documents)
     lengths = compact_lengths(lengths)
+    images, max_images = _checked_images(images, max_images, len(lengths), algorithm)
     if len(lengths) == 0:
         return np.empty(0, np.int32)
     if lengths.min() < 1 or lengths.max() > max_len:
         raise ValueError(f"every length must be in [1, {max_len}], got [{lengths.min()}, {lengths.max()}]")
     histogram = np.bincount(lengths)  # as long as the longest document, never max_len
-    pack_of_sorted, _ = _assign_sorted(histogram, max_len, algorithm, max_documents)
+    in_order = _images_in_order(lengths, _NONE_LEFT_OUT, max_len, _SPLIT, histogram, images) if len(images) else images
+    pack_of_sorted, _ = _assign_sorted(histogram, max_len, algorithm, max_documents, images=in_order, max_images=max_images)
     return _unsort(lengths, histogram, pack_of_sorted)
 
 
+_NONE_LEFT_OUT = np.zeros(0, dtype=bool)
+_NO_IMAGES = np.zeros(0, dtype=np.int32)  # no image cap
+
+
+def _checked_images(images: np.ndarray | None, max_images: int | None, documents: int, algorithm: str) -> tuple[np.ndarray, int]:
+    """The image counts as int32 (empty without a cap) and the cap (0 without one), after refusing
+    (ValueError) what the image cap cannot plan: a document over the cap, counts that are not one per document."""
+    if images is None and max_images is None:
+        return _NO_IMAGES, 0
+    if images is None or max_images is None:
+        raise ValueError("images and max_images go together: the image counts of the documents and the cap on them")
+    max_images = operator.index(max_images)
+    if not 1 <= max_images < 2**31:
+        raise ValueError(f"max_images must be in [1, 2**31), got {max_images}")
+    if algorithm != "ffd":
+        raise ValueError("an image cap is planned by first-fit-decreasing (algorithm 'ffd')")
+    images = np.asarray(images)
+    if images.shape != (documents,) or not np.issubdtype(images.dtype, np.integer):
+        raise ValueError(f"images must hold one image count per document ({documents}), got {images.dtype} of shape {images.shape}")
+    if documents and images.min() < 0:
+        raise ValueError(f"image counts must not be negative, got {images.min()}")
+    if documents and images.max() > max_images:
+        row = int(np.argmax(images > max_images))
+        raise ValueError(f"document {row} has {images[row]} images, more than max_images {max_images}")
+    return images.astype(np.int32), max_images
+
+
 def _assign_sorted(
-    histogram: np.ndarray, max_len: int, algorithm: str, max_documents: int | None = None, vectorized: bool = False
+    histogram: np.ndarray,
+    max_len: int,
+    algorithm: str,
+    max_documents: int | None = None,
+    vectorized: bool = False,
+    *,
+    images: np.ndarray = _NO_IMAGES,
+    max_images: int = 0,
 ) -> tuple[np.ndarray, int]:
     """Pack number (int32) of every segment in the planner's order, longest first, and the pack count,
     from the histogram of segment lengths (`histogram[x]` segments of x tokens, x in 1..len(histogram) - 1,
-    the longest segment, at most max_len), at most `max_documents` segments a pack when given; in numpy
-    when `vectorized` (ffd only), else by the kernels."""
+    the longest segment, at most max_len), at most `max_documents` segments a pack when given, and with
+    `images` (each segment's image count in the planner's order, `_images_in_order`; empty without) at most
+    `max_images` images a pack; in numpy when `vectorized` (ffd without images only), else by the kernels."""
     segments = int(histogram.sum())
     tokens = int(np.dot(histogram, np.arange(len(histogram), dtype=np.int64)))
     cap = min(segments, max_documents or segments, 2**31 - 1)  # no cap: as many as there are segments
     bound = _pack_bound(segments, tokens, max_len, cap)
+    if len(images):
+        # Of the packs under `cap` segments, at most one holds at most half max_len and half max_images (a
+        # later one's first segment would have fitted an earlier one), and fewer than 2*tokens/max_len hold
+        # more tokens, fewer than 2*images/max_images more images.
+        bound = min(segments, bound + 2 * -(-int(images.sum(dtype=np.int64)) // max_images))
     if vectorized:
         return plan_vectorized.assign_ffd(histogram, max_len, cap, bound)
-    assign = _ffd if algorithm == "ffd" else _bfd
-    pack_of_sorted, packs = assign(histogram, max_len, bound, tokens, cap)
+    if algorithm == "ffd":
+        pack_of_sorted, packs = _ffd(histogram, max_len, bound, tokens, cap, images, max_images)
+    else:
+        pack_of_sorted, packs = _bfd(histogram, max_len, bound, tokens, cap)
     return pack_of_sorted, int(packs)
 
 
@@ -215,7 +275,31 @@ def _unsort(lengths, histogram, pack_of_sorted):
 
 
 @kernel(cache=True)
-def _ffd(histogram, max_len, max_packs, tokens, cap):
+def _images_in_order(lengths, left_out, max_len, overflow, histogram, images):
+    """The image count (int32) of every segment in the planner's order: each of a document's segments
+    counts the document's `images`; the k-th segment of length x in (row, piece) order is the k-th of
+    length x in the planner's (as in `_unsort`)."""
+    cursor = _first_of_length(histogram)
+    out = np.empty(histogram.sum(), np.int32)
+    for i in range(len(lengths)):
+        length = np.int64(lengths[i])
+        for piece in range(_pieces_of(length, max_len, overflow, len(left_out) > 0 and left_out[i])):
+            need = min(length - piece * max_len, max_len)
+            k = cursor[need]
+            cursor[need] = k + 1
+            out[k] = images[i]
+    return out
+
+
+@kernel(cache=True)
+def _fits(tree, room, node, need, pictured):
+    """Whether some pack under `node` may hold `need` tokens and `pictured` images, by the subtree's maxima
+    (at a leaf: whether that pack does)."""
+    return tree[node] >= need and room[node] >= pictured
+
+
+@kernel(cache=True)
+def _ffd(histogram, max_len, max_packs, tokens, cap, images, max_images):
     size = 1
     while size < max_packs:
         size *= 2
@@ -226,6 +310,9 @@ def _ffd(histogram, max_len, max_packs, tokens, cap):
     held = np.zeros(size, np.int32)
     out = np.empty(histogram.sum(), np.int32)
     at, packs = 0, 0
+    if len(images):  # the image cap: `room` is the same tree over the packs' image room
+        room = np.full(2 * size, max_images, np.int32)
+        return _ffd_pictured(histogram, size, tree, room, held, out, cap, images)
     for need in range(len(histogram) - 1, 0, -1):
         node = 1
         for repeat in range(histogram[need]):
@@ -252,6 +339,40 @@ def _ffd(histogram, max_len, max_packs, tokens, cap):
                 if tree[up] == m:
                     break
                 tree[up] = m
+                up //= 2
+    return out, packs
+
+
+@kernel(cache=True)
+def _ffd_pictured(histogram, size, tree, room, held, out, cap, images):
+    """`_ffd` under the image cap: the leftmost pack with room for a segment's tokens and its images."""
+    at, packs = 0, 0
+    for need in range(len(histogram) - 1, 0, -1):
+        node = 1
+        for repeat in range(histogram[need]):
+            pictured = images[at]
+            # After a segment with as many images or more, the packs left of its pack cannot take this one.
+            if repeat == 0 or pictured < images[at - 1]:
+                node = 1
+            while not (node >= size and _fits(tree, room, node, need, pictured)):
+                if node < size and _fits(tree, room, node, need, pictured):
+                    node *= 2  # descend, leftmost first
+                    continue
+                while node & 1:  # no pack here: climb until there is a right sibling ...
+                    node //= 2
+                node += 1  # ... and move onto it (a fresh slot to the right always fits)
+            out[at] = node - size
+            packs = max(packs, node - size + 1)
+            held[node - size] += 1
+            tree[node] = tree[node] - need if held[node - size] < cap else 0
+            room[node] -= pictured
+            at += 1
+            up = node // 2
+            while up >= 1:  # stop as soon as neither ancestor max is affected
+                m, r = max(tree[2 * up], tree[2 * up + 1]), max(room[2 * up], room[2 * up + 1])
+                if tree[up] == m and room[up] == r:
+                    break
+                tree[up], room[up] = m, r
                 up //= 2
     return out, packs
 
@@ -518,6 +639,7 @@ class ShardPacks:
     pieces: np.ndarray  # int32 [segments]: piece number of a split document
     source_ids: np.ndarray | None = None  # uint16 [segments]: a mixture's source of each (`prepack.building.mixture_plan`)
     pair_roles: np.ndarray | None = None  # uint8 [segments]: a preference-pair build's (`prepack.building.pair_plan`)
+    desirable: np.ndarray | None = None  # bool [segments / 2]: an unpaired build's label of each example (2 segments)
 
 
 @dataclass(frozen=True)
@@ -668,10 +790,12 @@ def pack_count(
     untrained: np.ndarray | None = None,
     drop_untrained: bool = False,
     max_documents: int | None = None,
+    without_numba: bool = False,
 ) -> int:
     """The packs `plan_packs` makes of these documents with these options, without laying them out:
-    what a build appended to reports its packs against (a rebuild of the same documents at once)."""
-    return _assigned(lengths, max_len, algorithm, overflow, untrained, drop_untrained, max_documents).packs
+    what a build appended to reports its packs against (a rebuild of the same documents at once).
+    `without_numba`: as `plan_packs` takes it."""
+    return _assigned(lengths, max_len, algorithm, overflow, untrained, drop_untrained, max_documents, without_numba).packs
 
 
 class _Assigned(NamedTuple):
@@ -690,16 +814,22 @@ class _Assigned(NamedTuple):
     vectorized: bool
 
 
-def _assigned(lengths, max_len, algorithm, overflow, untrained, drop_untrained, max_documents, without_numba=False) -> _Assigned:
+def _assigned(
+    lengths, max_len, algorithm, overflow, untrained, drop_untrained, max_documents, without_numba=False, images=None, max_images=None
+) -> _Assigned:
     max_len = _check_options(max_len, algorithm)
     max_documents = checked_cap(max_documents)
     code = _overflow_code(overflow)
     lengths = compact_lengths(lengths)
     untrained = _flags(untrained, len(lengths))
-    vectorized = without_numba and plan_vectorized.suits(len(lengths), algorithm)
+    images, max_images = _checked_images(images, max_images, len(lengths), algorithm)
+    vectorized = without_numba and not len(images) and plan_vectorized.suits(len(lengths), algorithm)
     histogram, counts = (plan_vectorized.tally if vectorized else _tally)(lengths, untrained, drop_untrained, max_len, code)
     vectorized = vectorized and plan_vectorized.assign_suits(histogram, max_len, max_documents)
-    pack_of_sorted, packs = _assign_sorted(histogram, max_len, algorithm, max_documents, vectorized)
+    if len(images):
+        left_out = untrained if drop_untrained else _NONE_LEFT_OUT
+        images = _images_in_order(lengths, left_out, max_len, code, histogram, images)
+    pack_of_sorted, packs = _assign_sorted(histogram, max_len, algorithm, max_documents, vectorized, images=images, max_images=max_images)
     return _Assigned(max_len, max_documents, code, lengths, untrained, histogram, counts, pack_of_sorted, packs, vectorized)
 
 
@@ -714,10 +844,13 @@ def plan_packs(
     drop_untrained: bool = False,
     max_documents: int | None = None,
     without_numba: bool = False,
+    images: np.ndarray | None = None,
+    max_images: int | None = None,
 ) -> PackingPlan:
     """Plan the whole corpus: cut overlong documents as `overflow` says and leave out untrained ones
     as `drop_untrained` says (`document_pieces`), assign the segments to packs (`assign_packs`'s
-    algorithms, at most `max_documents` segments a pack when given), then shuffle the pack order with `seed`.
+    algorithms, at most `max_documents` segments a pack when given, and with `images` (every document's image
+    count) at most `max_images` images a pack, by ffd), then shuffle the pack order with `seed`.
 
     `lengths` are the token counts of the corpus rows, whose tokens lie back to back in the token
     store; the plan keeps them, so pass them through `compact_lengths` to keep no copy.
@@ -728,7 +861,7 @@ def plan_packs(
     same plan, to the byte).
     """
     max_len, max_documents, code, lengths, untrained, histogram, counts, pack_of_sorted, packs, vectorized = _assigned(
-        lengths, max_len, algorithm, overflow, untrained, drop_untrained, max_documents, without_numba
+        lengths, max_len, algorithm, overflow, untrained, drop_untrained, max_documents, without_numba, images, max_images
     )
     contents = plan_vectorized.pack_contents if vectorized else _pack_contents
     segments_per_pack, tokens_per_pack = contents(histogram, pack_of_sorted, packs)

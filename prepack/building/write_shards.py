@@ -178,8 +178,10 @@ def write_shard(
     packs = len(layout.pack_offsets) - 1
     total = int(lengths.sum())
     if tokens is None:
-        schema = shard_schema(False, layout.max_len, store, sources=layout.source_ids is not None)
-        batch = pa.RecordBatch.from_arrays(_pack_columns(layout, lengths, schema), schema=schema)
+        pairs = layout.pair_roles is not None
+        schema = shard_schema(False, layout.max_len, store, sources=layout.source_ids is not None, pairs=pairs)
+        roles = [list_array(layout.pack_offsets, layout.pair_roles)] if pairs else []
+        batch = pa.RecordBatch.from_arrays([*_pack_columns(layout, lengths, schema), *roles], schema=schema)
     else:
         batch = _full_batch(layout, lengths, tokens, labels, buffers)
     name = shard_name(index)
@@ -200,7 +202,8 @@ def _full_batch(
     segment_ids = buffers.column("segment_ids", total, segment_id_type(layout.max_len).to_pandas_dtype())
     _segment_ids(lengths, layout.pack_offsets, segment_ids)
     schema = shard_schema(
-        labels is not None, layout.max_len, sources=layout.source_ids is not None, pairs=layout.pair_roles is not None
+        labels is not None, layout.max_len, sources=layout.source_ids is not None, pairs=layout.pair_roles is not None,
+        unpaired=layout.desirable is not None,
     )
     columns = [list_array(pack_token_offsets, ids), list_array(pack_token_offsets, segment_ids), *_pack_columns(layout, lengths, schema)]
     if labels is not None:
@@ -209,6 +212,8 @@ def _full_batch(
         columns.append(list_array(pack_token_offsets, label_values))
     if layout.pair_roles is not None:
         columns.append(list_array(layout.pack_offsets, layout.pair_roles))
+    if layout.desirable is not None:  # one label an example, each example 2 segments
+        columns.append(list_array(layout.pack_offsets // 2, layout.desirable))
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 

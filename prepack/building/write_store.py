@@ -24,8 +24,6 @@ from prepack.formats.shards import STORE_MANIFEST_NAME, InputFile
 from prepack.storage.output import output_errors
 from prepack.sources.corpus import DocumentBatch
 from prepack.formats.store import (
-    GROWN_STORE_VERSION,
-    STORE_VERSION,
     LengthSummary,
     StoreGeneration,
     StoreManifest,
@@ -33,6 +31,7 @@ from prepack.formats.store import (
     store_schema,
     chained_fingerprint,
     store_shard_name,
+    store_version_of,
     write_store_manifest,
 )
 from prepack.storage.files import write_record_batch
@@ -52,23 +51,25 @@ def store_shard_capacity(has_labels: bool, shard_size: int) -> int:
     return min(max(1, shard_size // (8 if has_labels else 4)), INT32_MAX)
 
 
-def _shard_end(offsets: np.ndarray, start: int, room: int, empty: bool) -> int:
+def _shard_end(offsets: np.ndarray, start: int, room: int, empty: bool, group: int = 1) -> int:
     """The end of the documents from `start` (token `offsets` of consecutive documents) that the
-    shard being filled takes: those that still fit its `room` tokens, and at least one when it is
-    `empty` (a document larger than a shard is a shard of its own)."""
+    shard being filled takes: those that still fit its `room` tokens, in whole groups of `group`
+    documents (a pair store's: `start` begins one), and at least one group when it is `empty` (a
+    group larger than a shard is a shard of its own)."""
     end = max(start, int(np.searchsorted(offsets, offsets[start] + room, "right")) - 1)
-    return start + 1 if end == start and empty else end
+    end -= (end - start) % group
+    return start + group if end == start and empty else end
 
 
-def store_shard_bounds(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+def store_shard_bounds(lengths: np.ndarray, capacity: int, group: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """The first document of every store shard, plus the end, and the token each of them starts at:
     where `StoreShardWriter` cuts the documents of `lengths`, computed from the lengths alone
-    (`--engine ray` plans shards so). 8 bytes a document while it runs."""
+    (`--engine ray` plans shards so), in whole groups of `group` documents. 8 bytes a document while it runs."""
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     bounds = [0]
     while bounds[-1] < len(lengths):
-        bounds.append(_shard_end(offsets, bounds[-1], capacity, empty=True))
+        bounds.append(_shard_end(offsets, bounds[-1], capacity, empty=True, group=group))
     return np.array(bounds, np.int64), offsets[bounds]
 
 
@@ -98,10 +99,11 @@ class StoreShardWriter:
     """Gathers documents in row order and writes them as store shards of at most `shard_size` bytes
     of tokens (and labels); a document larger than that is a shard of its own. Where shards end
     depends only on the documents' lengths, never on how they arrive in batches. Shards are numbered
-    from `first_shard` (an append's: after the store's)."""
+    from `first_shard` (an append's: after the store's). A pair store's (`group`: its G) are cut only
+    between groups, which its batches hold whole."""
 
-    def __init__(self, directory: Path, has_labels: bool, shard_size: int, first_shard: int = 0) -> None:
-        self.directory, self.has_labels, self.first_shard = directory, has_labels, first_shard
+    def __init__(self, directory: Path, has_labels: bool, shard_size: int, first_shard: int = 0, group: int = 1) -> None:
+        self.directory, self.has_labels, self.first_shard, self.group = directory, has_labels, first_shard, group
         self.capacity = store_shard_capacity(has_labels, shard_size)
         self.pending: list[DocumentBatch] = []
         self.tokens = 0
@@ -111,7 +113,7 @@ class StoreShardWriter:
         offsets, documents = batch.offsets, len(batch.offsets) - 1
         start = 0
         while start < documents:
-            end = _shard_end(offsets, start, self.capacity - self.tokens, empty=not self.pending)
+            end = _shard_end(offsets, start, self.capacity - self.tokens, empty=not self.pending, group=self.group)
             if end > start:
                 first, last = offsets[start], offsets[end]
                 self.pending.append(
@@ -198,8 +200,9 @@ def finish_store(
                                                         shards=len(appending.shards), fingerprint=appending.fingerprint)]),
             StoreGeneration(documents=int(counts[:, 1].sum()), inputs=len(inputs), shards=len(shards), fingerprint=fingerprint),
         ]
+    pairs = None if documents.pairs is None else documents.pairs.options  # an append's: the store's (`_check_same_reading`)
     manifest = StoreManifest(
-        store_version=STORE_VERSION if generations is None else GROWN_STORE_VERSION,
+        store_version=store_version_of(pairs is not None, generations is not None),
         prepack_version=version(DISTRIBUTION),
         column=documents.column,
         labels_column=documents.labels_column,
@@ -213,6 +216,7 @@ def finish_store(
         shards=written.shards if appending is None else shards,
         generations=generations,
         length_counts=None if generations is None else counts.tolist(),
+        pairs=pairs,
     )
     with output_errors(directory / STORE_MANIFEST_NAME):
         write_store_manifest(directory, manifest)

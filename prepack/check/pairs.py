@@ -6,6 +6,11 @@ the two documents of a pair (chosen, then rejected: `check_shard` holds every pa
 start with the same prompt tokens. `shard_pairs` checks that of one shard's documents and counts their
 prompt and completion tokens, and the pairs filling max_len (the only ones "truncate" may have cut);
 `pair_count_problems` holds the manifest's figures to those counts.
+
+An unpaired (KTO) build's examples are pairs of a completion (role 0) and a KL completion (role 1) after the same
+prompt: `UnpairedFound` gathers each example's label (the shards' `desirable`), completion and KL completion
+across shards, and holds the labels' counts to the manifest's and each KL completion to the completion of the
+example `kl_partners` planned for it.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from prepack.formats.shards import IGNORE_INDEX, PairTotals, unit_name
+from prepack.building.kl_plan import kl_partners
+from prepack.formats.shards import IGNORE_INDEX, MANIFEST_NAME, Manifest, PairTotals, unit_name
 
-__all__ = ["PairCounts", "pair_count_problems", "shard_pairs"]
+__all__ = ["PairCounts", "UnpairedFound", "pair_count_problems", "shard_pairs"]
 
 _CHUNK_TOKENS = 2**22  # tokens checked per step: a few bytes each in the masks below
 
@@ -119,3 +125,66 @@ def pair_count_problems(said: PairTotals, found: PairCounts, overflow: str) -> l
         problems.append(("truncated", f"is {said.truncated}, but the shards hold {found.filling} pairs of max_len tokens, "
                                       "the only ones truncation leaves (none but with overflow 'truncate')."))
     return problems
+
+
+class UnpairedFound:
+    """What the packs of an unpaired build hold of each of its `examples` examples (the corpus's), gathered shard
+    by shard (`add`): its label (-1 while not found), its completion's and its KL completion's tokens as kept,
+    and where its documents lie (shard name, pack row, document number). Holds the completion tokens of the whole
+    build in memory: an unpaired build's examples are planned in memory too (`unpaired_documents`)."""
+
+    def __init__(self, examples: int):
+        self.label = np.full(examples, -1, np.int8)
+        self.completions: dict[int, np.ndarray] = {}
+        self.kl_completions: dict[int, np.ndarray] = {}
+        self.where: dict[tuple[int, int], tuple[str, int, int]] = {}  # (example, role) -> (shard, pack, document)
+
+    def add(self, name: str, rows: np.ndarray, packs: np.ndarray, numbers: np.ndarray, ids: np.ndarray,
+            labels: np.ndarray, starts: np.ndarray, lengths: np.ndarray, desirable: np.ndarray) -> None:
+        """One shard's documents (corpus `rows`, their `packs`, 1-based `numbers`, `starts` and `lengths` in `ids`
+        and `labels`, whole pairs as `check_shard` holds them) and its `desirable` values, one a pair in order."""
+        examples = rows[rows % 2 == 0] // 2
+        self.label[examples[examples < len(self.label)]] = np.asarray(desirable, bool)[examples < len(self.label)]
+        for row, pack, number, start, length in zip(rows.tolist(), packs.tolist(), numbers.tolist(), starts.tolist(), lengths.tolist()):
+            example, role = divmod(row, 2)
+            completion = ids[start : start + length][labels[start : start + length] != IGNORE_INDEX]
+            (self.kl_completions if role else self.completions)[example] = completion
+            self.where[example, role] = (name, pack, number)
+
+    def problems(self, manifest: Manifest) -> list[tuple[str, int | None, str, str]]:
+        """(file, row, column, message) of each count of `manifest.pairs` the labels found contradict, and of each
+        KL completion that is not its planned partner's completion (as far as both were kept: truncation cuts
+        them apart, "drop" may leave the partner out)."""
+        said, options = manifest.pairs, manifest.options.pairs
+        found = {"desirable": int((self.label == 1).sum()), "undesirable": int((self.label == 0).sum())}
+        problems = [(MANIFEST_NAME, None, f"pairs.{name}", f"is {getattr(said, name)}, but the shards' desirable column "
+                     f"labels {value} examples so.") for name, value in found.items() if getattr(said, name) != value]
+        if len(self.label) < 2:
+            return problems
+        partners = kl_partners(len(self.label), seed=options.kl_seed)
+        for example, kl in sorted(self.kl_completions.items()):
+            partner = int(partners[example]) if example < len(partners) else -1
+            own = self.completions.get(partner)
+            if own is None:
+                continue
+            kept = min(len(kl), len(own))
+            cut = manifest.options.overflow == "truncate"
+            if not np.array_equal(kl[:kept], own[:kept]) or (not cut and len(kl) != len(own)):
+                name, pack, number = self.where[example, 1]
+                problems.append((name, pack, "input_ids", f"document {number} (example {example}'s KL completion) is not the "
+                                 f"completion of example {partner}, which kl_partners({len(self.label)}, seed="
+                                 f"{options.kl_seed}) plans for it."))
+        return problems
+
+    def label_problems(self, first: int, desirable: np.ndarray) -> list[tuple[int, str, int, str, str]]:
+        """(example, file, row, column, message) of each packed example among `first`, `first` + 1, … whose label is
+        not the source's (`desirable`, one a source example from `first`)."""
+        problems = []
+        found = self.label[first : first + len(desirable)]
+        for offset in np.flatnonzero((found >= 0) & (found != np.asarray(desirable, np.int8))).tolist():
+            example = first + offset
+            name, pack, number = self.where[example, 0]
+            problems.append((example, name, pack, "desirable", f"labels example {example} (document {number}) "
+                             f"{'desirable' if found[offset] else 'undesirable'}, but the source says "
+                             f"{'desirable' if desirable[offset] else 'undesirable'}."))
+        return problems

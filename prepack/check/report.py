@@ -38,9 +38,10 @@ from prepack.storage.cache import ShardCache, build_cache
 from prepack.errors import FormatError, InputError, PrepackError, optional_imports
 from prepack.formats.common import StrictModel, list_column
 from prepack.check.pairs import PairCounts, pair_count_problems, shard_pairs
-from prepack.formats.shards import Manifest, check_layout, check_shard, read_manifest, shard_path, unit_name
+from prepack.formats.shards import DESIRABLE, Manifest, check_layout, check_shard, read_manifest, shard_path, unit_name
 from prepack.storage.output import output_errors
 from prepack.storage.remote import is_uri
+from prepack.sources.store import open_build_store
 
 __all__ = [
     "Cost",
@@ -141,6 +142,11 @@ class PairReport(StrictModel):
     trl_padded: Cost  # TRL's DataCollatorForPreference: random batches of `batch_size` pairs, chosen and
     #                   rejected together padded to the batch's longest document (a group build: its G documents)
     group_size: int | None = None  # a group build's G; None for pairs
+    # An unpaired (KTO) build's examples in the packs (each a pair of completion and KL completion: `pairs` too), and
+    # of them those labelled desirable and undesirable, counted from the shards' `desirable`; None for other builds.
+    examples: int | None = None
+    desirable: int | None = None
+    undesirable: int | None = None
 
 
 class ShardSummary(StrictModel):
@@ -299,7 +305,7 @@ def _read_columns(
     counts (`_shard_pairs`)."""
     max_len = manifest.options.max_len
     pairs = PairCounts(0, 0, 0, 0) if manifest.pairs is not None else None
-    summaries, parts = [], {"tokens": [], "docs": [], "lengths": [], "rows": [], "pieces": [], "sources": []}
+    summaries, parts = [], {"tokens": [], "docs": [], "lengths": [], "rows": [], "pieces": [], "sources": [], "desirable": []}
     for index, info in enumerate(manifest.shards):
         if isinstance(build, Path):
             file = shard_path(build, index, info)
@@ -312,7 +318,10 @@ def _read_columns(
         columns = _shard_columns(batch, where, max_len)
         for key, values in zip(parts, columns):
             parts[key].append(values)
-        if pairs is not None:
+        if DESIRABLE in batch.schema.names:  # an unpaired build's labels (check_shard below holds them to its pairs)
+            offsets, values = list_column(batch, DESIRABLE, where)
+            parts["desirable"].append(np.asarray(values[offsets[0] : offsets[-1]], bool))
+        if pairs is not None and manifest.store is None:
             pairs = pairs.add(_shard_pairs(batch, where, max_len, columns[1], columns[2], manifest.options.pairs.size))
         tokens = int(columns[0].sum())
         summaries.append(
@@ -325,9 +334,25 @@ def _read_columns(
                 fill=tokens / (info.rows * max_len) if info.rows else 0.0,
             )
         )
-    dtypes = {"tokens": np.int64, "docs": np.int64, "lengths": np.int64, "rows": np.int64, "pieces": np.int32, "sources": np.uint16}
+    dtypes = {"tokens": np.int64, "docs": np.int64, "lengths": np.int64, "rows": np.int64, "pieces": np.int32, "sources": np.uint16,
+              "desirable": bool}
     flat = {k: np.concatenate(v) if v else np.empty(0, dtypes[k]) for k, v in parts.items()}
+    if pairs is not None and manifest.store is not None:
+        pairs = _index_pairs(build, manifest, flat["rows"], flat["lengths"])
     return summaries, flat, pairs
+
+
+def _index_pairs(build: Path | ShardCache, manifest: Manifest, rows: np.ndarray, lengths: np.ndarray) -> PairCounts:
+    """The counts of an index build of a pair store (`rows`, `lengths`: its packed documents', in pack order,
+    groups whole): each document's prompt its group's in the store (`Store.prompt_lengths`, from the labels'
+    offsets: no token is read), the rest of it its completion (truncation cuts completions alone)."""
+    store = open_build_store(build, manifest) if isinstance(build, Path) else build.store()
+    size = manifest.options.pairs.size
+    if len(rows) and int(rows.max()) >= store.manifest.documents:
+        raise FormatError(f"{build}: a pack holds store row {int(rows.max())}, but the store has {store.manifest.documents}; run `prepack verify`.")
+    prompt = int(store.prompt_lengths()[rows // size].sum())
+    units = lengths.reshape(-1, size).sum(axis=1)
+    return PairCounts(len(lengths) // size, prompt, int(lengths.sum()) - prompt, int((units == manifest.options.max_len).sum()))
 
 
 def _random_batch_cost(lengths: np.ndarray, batch_size: int, seed: int) -> int:
@@ -472,7 +497,7 @@ def inspect_build(
         else _step_balance(pack_costs(columns["docs"], lengths, token_cost), world_size, batch_size, token_cost, seed),
         per_shard=summaries,
         sources=sources,
-        pairs=None if pairs is None else _pair_report(manifest, pairs, lengths[order], batch_size, seed, cost, path),
+        pairs=None if pairs is None else _pair_report(manifest, pairs, lengths[order], batch_size, seed, cost, path, columns["desirable"]),
         caps=None if manifest.mixture is not None else _cap_costs(manifest, lengths[order], columns["docs"], caps),
         appends=_append_report(manifest, tokens / packed),
     )
@@ -517,16 +542,26 @@ def _cap_costs(manifest: Manifest, lengths: np.ndarray, documents: np.ndarray, c
     return out
 
 
-def _pair_report(manifest: Manifest, found: PairCounts, lengths: np.ndarray, batch_size: int, seed: int, cost, path) -> PairReport:
+def _pair_report(manifest: Manifest, found: PairCounts, lengths: np.ndarray, batch_size: int, seed: int, cost, path,
+                 desirable: np.ndarray) -> PairReport:
     """`found`: the pairs as the shards hold them (`_shard_pairs`); `lengths`: the documents' lengths in
-    corpus order, pair after pair (chosen, then rejected). The manifest's figures the shards disagree
-    with are refused (FormatError: `verify` says more)."""
+    corpus order, pair after pair (chosen, then rejected); `desirable`: an unpaired build's labels as the shards
+    hold them (empty for other builds). The manifest's figures the shards disagree with are refused
+    (FormatError: `verify` says more)."""
     p = manifest.pairs
     for field, message in pair_count_problems(p, found, manifest.options.overflow)[:1]:
         raise FormatError(f"{path}: the manifest's pairs.{field} {message[:-1]}; run `prepack verify`.")
     size = manifest.options.pairs.size
     pair_lengths = lengths.reshape(-1, size)
+    unpaired = {}
+    if manifest.options.pairs.kind == "unpaired":
+        unpaired = {"examples": len(pair_lengths), "desirable": int(desirable.sum()), "undesirable": int((~desirable).sum())}
+        for field in ("desirable", "undesirable"):
+            if getattr(p, field) != unpaired[field]:
+                raise FormatError(f"{path}: the manifest's pairs.{field} is {getattr(p, field)}, but the shards' desirable "
+                                  f"column labels {unpaired[field]} examples so; run `prepack verify`.")
     return PairReport(
+        **unpaired,
         pairs=len(pair_lengths),
         read=p.pairs,
         truncated=p.truncated,
@@ -670,6 +705,10 @@ def render(report: InspectReport, *, shards: bool = False) -> Group:
         units = unit_name(pr.group_size or 2, plural=True)
         padded = "TRL DPOTrainer" if pr.group_size is None else "padded"
         costs.add_row(f"{padded}, random batches of {r.batch_size} {units}", f"{c.tokens:,}", f"{c.padding_tokens:,}", f"{c.ratio:.2f}")
+        if pr.examples is not None:  # an unpaired build: examples, each a completion and a KL completion
+            units = "examples"
+            summary.add_row("unpaired (KTO)", f"{pr.examples:,} examples in the packs: {pr.desirable:,} desirable, "
+                                              f"{pr.undesirable:,} undesirable; each with its KL completion")
         summary.add_row(
             units,
             f"{pr.pairs:,} in the packs of {pr.read:,} read (truncated {pr.truncated:,}, dropped {pr.dropped:,}); "

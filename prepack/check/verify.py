@@ -59,11 +59,12 @@ import pyarrow as pa
 
 from prepack.storage.cache import ShardCache, build_cache
 from prepack.check.mixture import copy_numbers, mixture_manifest_problems, mixture_pack_problems
-from prepack.check.pairs import PairCounts, pair_count_problems, shard_pairs
+from prepack.check.pairs import PairCounts, UnpairedFound, pair_count_problems, shard_pairs
 from prepack.sources.mixture_stores import StoreChain, open_mixture_stores
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import Fingerprint, StrictModel, list_column
 from prepack.formats.shards import (
+    DESIRABLE,
     MANIFEST_NAME,
     SHARD_STORE_KEY,
     STORE_MANIFEST_NAME,
@@ -239,6 +240,7 @@ class _Shard:
     ids: np.ndarray | None  # the input_ids values, memory-mapped (kept only for the source check)
     labels: np.ndarray | None  # aligned with ids
     segments: _Segments
+    desirable: np.ndarray | None = None  # an unpaired build's labels, one a pair of its segments, in order
 
 
 @dataclass(frozen=True)
@@ -283,15 +285,18 @@ def _source_documents(
         )
     else:
         chat = o.tokenize.mode == "chat"
-        if o.pairs is not None and o.pairs.group_size is not None:  # a group build: its G is found in the source again
+        kind = None if o.pairs is None else o.pairs.kind
+        if kind == "groups":  # a group build: its G is found in the source again
             columns = {"prompt_column": o.pairs.prompt_column, "completions_column": o.pairs.completions_column}
+        elif kind == "unpaired":
+            columns = {"unpaired": True, **o.pairs.model_dump(include={"prompt_column", "completion_column", "label_column", "kl_seed"})}
         elif o.pairs is not None:
-            columns = o.pairs.model_dump(exclude={"completions_column", "group_size"})
+            columns = o.pairs.model_dump(include={"prompt_column", "chosen_column", "rejected_column"})
         else:
             columns = {"train_on": o.tokenize.train_on, "messages_column" if chat else "text_column": o.tokenize.column}
         reading = Reading(
             tokenizer=tokenizer, chat=chat, eos=o.tokenize.eos, chat_template=chat_template,
-            pairs=o.pairs is not None and o.pairs.group_size is None, groups=o.pairs is not None and o.pairs.group_size is not None,
+            pairs=kind == "pairs", groups=kind == "groups",
             **columns
         )
     documents = open_documents(source.spec, reading, None, None, source.location)
@@ -329,11 +334,16 @@ def _problems(
     readable = yield from (_directory_problems(build, manifest) if local else _download_problems(build))
     shards: dict[int, _Shard] = {}
     pairs: PairCounts | None = PairCounts(0, 0, 0, 0) if manifest.pairs is not None else None
+    unpaired = UnpairedFound(manifest.totals.documents // 2) if manifest.pairs is not None and manifest.pairs.desirable is not None else None
     for index, (file, check_sha256) in readable.items():
         shard = yield from _shard_problems(file, index, manifest, check_sha256)
         if shard is not None:
             if pairs is not None:
                 pairs = yield from _pair_problems(shard, manifest, pairs)
+            if unpaired is not None and shard.ids is not None and shard.labels is not None and shard.desirable is not None:
+                seg = shard.segments
+                unpaired.add(shard.name, seg.rows, seg.pack, seg.number, shard.ids, shard.labels, seg.starts, seg.lengths,
+                             shard.desirable)
             if source is None:  # only the source check reads tokens again: unmap the shard now
                 shard.ids = shard.labels = None
             shards[index] = shard
@@ -347,6 +357,9 @@ def _problems(
     elif pairs is not None:
         for field, message in pair_count_problems(manifest.pairs, pairs, manifest.options.overflow):
             yield Problem(file=MANIFEST_NAME, column=f"pairs.{field}", message=message)
+        if unpaired is not None:
+            yield from (Problem(file=file, row=row, column=column, message=message)
+                        for file, row, column, message in unpaired.problems(manifest))
     segments = _concatenate([s.segments for s in shards.values()], manifest.mixture is not None)
     packs = _Packs(segments, shards, manifest, complete)
     yield from _provenance_problems(packs)
@@ -369,7 +382,7 @@ def _problems(
             if manifest.store is not None
             else {index: (shard.ids, shard.labels) for index, shard in shards.items()}
         )
-        yield from _source_problems(source, packs, tokens)
+        yield from _source_problems(source, packs, tokens, unpaired)
 
 
 # 1. The manifest's arithmetic ---------------------------------------------------------------------
@@ -471,6 +484,13 @@ def _pair_count_problems(manifest: Manifest) -> Iterator[Problem]:
             yield Problem(file=MANIFEST_NAME, column=f"pairs.{name}", message=f"is {getattr(p, name)}, but {rule}: {said}.")
     if manifest.options.overflow == "split":
         yield Problem(file=MANIFEST_NAME, column="options.overflow", message="is 'split', which never applies to pairs.")
+    unpaired = manifest.options.pairs.kind == "unpaired"
+    if (p.desirable is not None, p.undesirable is not None) != (unpaired, unpaired):
+        yield Problem(file=MANIFEST_NAME, column="pairs.desirable", message="and pairs.undesirable are set in an unpaired "
+                      "build's manifest (options.pairs.label_column), and only there.")
+    elif unpaired and p.desirable + p.undesirable != p.pairs - p.dropped:
+        yield Problem(file=MANIFEST_NAME, column="pairs.desirable", message=f"is {p.desirable} and pairs.undesirable "
+                      f"{p.undesirable}, but the examples packed are pairs - dropped: {p.pairs - p.dropped}.")
 
 
 def _pair_problems(shard: _Shard, manifest: Manifest, counts: PairCounts):
@@ -725,6 +745,9 @@ def _shard_problems(file: Path, index: int, manifest: Manifest, check_sha256: bo
         return None
     counts_trained = manifest.mixture is not None and manifest.mixture.count is not None and not index_only
     shard = _read_segments(batch, name, index, counts_trained)
+    if DESIRABLE in batch.schema.names:
+        offsets, values = list_column(batch, DESIRABLE, name)
+        shard.desirable = np.asarray(values[offsets[0] : offsets[-1]], bool)
     if index_only and (tokens := int(shard.segments.lengths.sum())) != info.tokens:
         yield Problem(file=name, column="cu_seqlens", message=f"{tokens} tokens, but the manifest says {info.tokens}.")
     yield from _value_problems(shard, manifest)
@@ -946,8 +969,9 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
-def _source_problems(source: Documents, packs: _Packs, tokens: _Tokens | None) -> Iterator[Problem]:
-    """The packs against the source's documents; their tokens too, read from `tokens`, unless None."""
+def _source_problems(source: Documents, packs: _Packs, tokens: _Tokens | None, unpaired: UnpairedFound | None = None) -> Iterator[Problem]:
+    """The packs against the source's documents; their tokens too, read from `tokens`, unless None; an unpaired
+    build's labels (`unpaired`, as its shards hold them) against the source's."""
     seg, manifest = packs.segments, packs.manifest
     o = manifest.options
     corpus, batches = source.corpus, source.batches
@@ -974,6 +998,10 @@ def _source_problems(source: Documents, packs: _Packs, tokens: _Tokens | None) -
             expected = document_pieces(np.diff(batch.offsets), o.max_len, o.overflow, untrained, o.drop_untrained)
         counts.update(documents=m, **expected.counts)
         yield from _batch_problems(corpus, batch, expected, row0, packs, tokens)
+        if unpaired is not None and source.pairs is not None and source.pairs.desirable is not None:
+            for example, file, row, column, message in unpaired.label_problems(row0 // 2, source.pairs.desirable[row0 // 2 : (row0 + m) // 2]):
+                yield Problem(file=file, row=row, column=column, message=message, source_file=corpus.name(batch.file),
+                              source_row=example - (row0 - rows_per_file[batch.file]) // 2)
         rows_per_file[batch.file] += m
         row0 += m
     for i in np.flatnonzero(seg.rows >= row0):
@@ -990,7 +1018,8 @@ def _source_problems(source: Documents, packs: _Packs, tokens: _Tokens | None) -
             column="inputs",
             message=f"lists (file, rows) {listed}, the source has {inputs}.",
         )
-    said_pairs = manifest.pairs.model_dump() if manifest.pairs is not None and source.pairs is not None else {}
+    # An unpaired build's label counts are held to its shards' labels, and those to the source's (above).
+    said_pairs = manifest.pairs.model_dump(exclude={"desirable", "undesirable"}) if manifest.pairs is not None and source.pairs is not None else {}
     for key, value in [*((f"totals.{k}", v) for k, v in counts.items()), *((f"pairs.{k}", pairs[k]) for k in said_pairs)]:
         section, name = key.split(".")
         said = getattr(manifest.totals, name) if section == "totals" else said_pairs[name]

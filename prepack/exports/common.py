@@ -34,7 +34,7 @@ from prepack.check.report import InspectReport, inspect_build
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import format_error, list_array, list_column
 from prepack.formats.shards import (
-    IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, PackLayout, check_index_shard, check_shard, check_shard_sha256,
+    DESIRABLE, IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, PackLayout, check_index_shard, check_shard, check_shard_sha256,
     pack_layout, read_manifest, shard_path, shard_sha256,
 )
 from prepack.sources.gather import IndexGather, index_columns
@@ -151,7 +151,7 @@ def _rebased(batch: pa.RecordBatch) -> pa.RecordBatch:
 
 def training_schema(build: ExportBuild) -> pa.Schema:
     """The columns of `training_rows`: input_ids, labels, position_ids, cu_seqlens, and a mixture's
-    source_ids and a preference-pair build's pair_roles."""
+    source_ids, a preference-pair build's pair_roles and an unpaired build's desirable."""
     m = build.manifest
     fields = [
         pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
@@ -163,6 +163,8 @@ def training_schema(build: ExportBuild) -> pa.Schema:
         fields.append(pa.field("source_ids", pa.list_(pa.uint16()), nullable=False))
     if m.pairs is not None:
         fields.append(pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False))
+    if m.options.pairs is not None and m.options.pairs.kind == "unpaired":
+        fields.append(pa.field(DESIRABLE, pa.list_(pa.bool_()), nullable=False))
     return pa.schema(fields)
 
 
@@ -218,7 +220,7 @@ def training_rows(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
       bounds, as with `DataCollatorWithFlattening`);
     - `cu_seqlens`: the documents' bounds, [0, ..., tokens];
     - `source_ids` (a mixture's: each document's source, numbered as the card and manifest list them) and
-      `pair_roles` (0 chosen, 1 rejected) as stored."""
+      `pair_roles` (0 chosen, 1 rejected) and an unpaired build's `desirable` (one label an example) as stored."""
     packs = training_tokens(batch)
     cu_off, cu = list_column(batch, "cu_seqlens")
     arrays = [

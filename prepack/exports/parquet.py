@@ -139,6 +139,8 @@ def dataset_card(build: ExportBuild, report: InspectReport, files: int, arrow_by
         lines.append(f"| `source_ids` | document | each document's source: {names} |")
     if m.pairs is not None:
         lines.append("| `pair_roles` | document | 0 chosen, 1 rejected: each pair's chosen document, then its rejected one |")
+    if m.options.pairs is not None and m.options.pairs.kind == "unpaired":
+        lines.append("| `desirable` | example (2 documents) | KTO: each example's label, true = desirable; role 0 its completion, role 1 its KL completion |")
     lines += [
         "",
         "```python",

@@ -13,11 +13,11 @@ import hashlib
 import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import Field, model_validator
+from pydantic import Field, model_serializer, model_validator
 
 from prepack.formats.common import (
     COUNT_MAX,
@@ -31,6 +31,7 @@ from prepack.formats.common import (
 )
 
 __all__ = [
+    "DEFAULT_VIDEO_FPS",
     "DOCUMENTS_FILE",
     "IMAGES_FILE",
     "IMAGE_SET_MANIFEST",
@@ -43,6 +44,9 @@ __all__ = [
     "ImageSetFile",
     "ImageSetManifest",
     "MAX_IMAGE_PIXELS",
+    "VIDEOS_FILE",
+    "VIDEOS_SCHEMA",
+    "VideoRule",
     "glm4v_resize",
     "pixtral_grid",
     "read_image_set",
@@ -66,36 +70,44 @@ IMAGES_SCHEMA = pa.schema(
 DOCUMENTS_SCHEMA = pa.schema(
     [pa.field("images", pa.list_(pa.field("item", pa.uint32(), nullable=False)), nullable=False)]
 )
+# An image set with videos: per corpus row its videos in token order, each its frames (image numbers), its frame
+# rate and its placeholder count (`schemas/image-set.md`).
+VIDEOS_FILE = "videos.arrow"
+VIDEOS_SCHEMA = pa.schema(
+    [
+        pa.field("frames", pa.list_(pa.field("item", pa.uint32(), nullable=False)), nullable=False),
+        pa.field("frame_counts", pa.list_(pa.field("item", pa.uint32(), nullable=False)), nullable=False),
+        pa.field("fps", pa.list_(pa.field("item", pa.float64(), nullable=False)), nullable=False),
+        pa.field("tokens", pa.list_(pa.field("item", pa.int32(), nullable=False)), nullable=False),
+    ]
+)
+# Frames per second of a video whose corpus record does not say: qwen-vl-utils' sampling rate (FPS = 2.0), which
+# Qwen2.5-VL's `second_per_grid_ts` and Qwen3-VL's step times are written for.
+DEFAULT_VIDEO_FPS = 2.0
 
 
-def smart_resize(
-    height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int = 1
-) -> tuple[int, int]:
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen2-VL's resize rule (transformers' `smart_resize`): sides rounded to multiples of `factor`,
     the area brought within [min_pixels, max_pixels] keeping the aspect ratio. Python's round() (half to
-    even), floor and ceil, as there; `tests/formats/test_images.py` compares it with transformers'.
-    `frames`: the area counted over that many frames (GLM-4V's, `glm4v_resize`; 1 leaves Qwen's rule as it is)."""
+    even), floor and ceil, as there; `tests/formats/test_images.py` compares it with transformers'."""
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"an aspect ratio of more than 200 ({width}x{height})")
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if frames * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((frames * height * width) / max_pixels)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif frames * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (frames * height * width))
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
         h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
 
 
 def glm4v_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int) -> tuple[int, int]:
-    """GLM-4V's resize rule (transformers' glm4v `smart_resize` for one image, which it takes as `frames` frames,
-    its temporal_patch_size): a side under `factor` scales the image up first (truncated to whole pixels), then
-    Qwen2-VL's rule over the frames' area. `tests/building/test_image_chat.py` compares it with transformers'."""
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    return smart_resize(height, width, factor, min_pixels, max_pixels, frames)
+    """GLM-4V's resize rule for one image (transformers' glm4v `smart_resize`, which takes the image as `frames`
+    frames, its temporal_patch_size): the same rule as Qwen3-VL's for a whole video, here of `frames` frames in one
+    temporal step. `tests/building/test_image_chat.py` compares it with transformers'."""
+    return _whole_video_resize(frames, height, width, frames, factor, min_pixels, max_pixels)
 
 
 def pixtral_grid(height: int, width: int, cell: int, longest_edge: int) -> tuple[int, int]:
@@ -128,18 +140,87 @@ def tiled_canvas(height: int, width: int, tile: int, min_tiles: int, max_tiles: 
         elif difference == nearest and area > 0.5 * tile * tile * columns * rows:
             best = (columns, rows)
     return best
+def select_best_resolution(height: int, width: int, resolutions) -> tuple[int, int]:
+    """LLaVA-NeXT's choice of tiling (transformers' `select_best_resolution`): of the (height, width)
+    resolutions, the one that keeps most of the image's pixels when it is scaled to fit, then wastes least."""
+    best, most_kept, least_wasted = None, 0, float("inf")
+    for tiled_height, tiled_width in resolutions:
+        scale = min(tiled_width / width, tiled_height / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        wasted = tiled_width * tiled_height - kept
+        if kept > most_kept or (kept == most_kept and wasted < least_wasted):
+            best, most_kept, least_wasted = (tiled_height, tiled_width), kept, wasted
+    return best
 
 
-def _unless_set(value) -> bool:
-    """A field later kinds added is left out of the manifest when unset, so that earlier kinds' bytes stay."""
-    return value is None
+def _unpadded_features(
+    height: int, width: int, rows: int, columns: int, tile_rows: int, max_tiles: int | None
+) -> tuple[int, int]:
+    """(features, newlines) of a tiled image's feature grid of `rows` x `columns` once the padding its tiling added
+    is cut off (transformers' `_get_unpadded_features` of LLaVA-NeXT's and LLaVA-OneVision's processors); the
+    latter's `anyres_max_N` then scales a grid of more than about N tiles of `tile_rows`² features down to that."""
+    current_height, current_width = rows, columns
+    if width / height > current_width / current_height:
+        new_height = int(round(height * (current_width / width), 7))
+        current_height -= (current_height - new_height) // 2 * 2
+    else:
+        new_width = int(round(width * (current_height / height), 7))
+        current_width -= (current_width - new_width) // 2 * 2
+    features, newlines = current_height * current_width, current_height
+    if max_tiles is not None and (ratio := math.sqrt(features / (max_tiles * tile_rows**2))) > 1.1:
+        features, newlines = int(current_height // ratio) * int(current_width // ratio), int(current_height // ratio)
+    return features, newlines
+
+
+_Side = Annotated[int, Field(ge=1, le=65_536)]
+# The rule fields later kinds added, each with the kinds that write it: a rule of any other kind is written
+# without it, as before it existed, so that an image set prepared with the same options keeps its bytes.
+_TILING = ("anyres", "split")
+_KIND_FIELDS = {
+    "pinpoints": _TILING, "tile_height": _TILING, "tile_width": _TILING, "feature_rows": _TILING,
+    "feature_columns": _TILING, "max_tiles": (*_TILING, "tiles"), "resize_edge": _TILING, "splitting": _TILING,
+    "global_token": _TILING, "longest_edge": ("rows",), "row_end": ("rows",), "frames": ("glm4v_grid",),
+    "min_tiles": ("tiles",),
+}
+# The most tiles GOT-OCR2's canvas may have (its arrangements are searched in full: max_tiles² of them).
+_MAX_CANVAS_TILES = 64
+
+
+# Idefics3's and SmolVLM's image processors never make a side longer than this (their MAX_IMAGE_SIZE).
+_SPLIT_MAX_SIDE = 4096
+
+
+def _longest_edge_size(height: int, width: int, longest_edge: int) -> tuple[int, int]:
+    """Idefics3's and SmolVLM's first resize (transformers' `get_resize_output_image_size`): the longest side to
+    `longest_edge`, the other by the aspect ratio (int(), rounded up to even), then both within 4096."""
+    aspect_ratio = width / height
+    if width >= height:
+        width = longest_edge
+        height = int(width / aspect_ratio)
+        height += height % 2
+    else:
+        height = longest_edge
+        width = int(height * aspect_ratio)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect_ratio = width / height
+    if width >= height and width > _SPLIT_MAX_SIDE:
+        width = _SPLIT_MAX_SIDE
+        height = int(width / aspect_ratio)
+    elif height > width and height > _SPLIT_MAX_SIDE:
+        height = _SPLIT_MAX_SIDE
+        width = int(height * aspect_ratio)
+    return max(height, 1), max(width, 1)
 
 
 class ImageRule(StrictModel):
     """How many placeholder tokens an image becomes, and the text that stands for it before tokenizing."""
 
-    kind: Literal["grid", "fixed", "rows", "glm4v_grid", "tiles"] = Field(
+    kind: Literal["grid", "fixed", "anyres", "split", "rows", "glm4v_grid", "tiles"] = Field(
         description="grid: Qwen2-VL's resize rule, one token per merge_size² patches; fixed: `tokens` per image; "
+        "anyres: LLaVA-NeXT's (and LLaVA-OneVision's) tiling, the image's tiles (by `pinpoints`) unpadded with a "
+        "newline per row, then `tokens` for the whole image; split: Idefics3's and SmolVLM's, the image resized to "
+        "whole tiles, `tokens` per tile and for the whole image, in the processor's text of rows and columns; "
         "rows: Pixtral's (Mistral 3's) resize within longest_edge, one token per patch_size² cell, each row of cells "
         "followed by `row_end` but the last, followed by `end`; glm4v_grid: GLM-4V's resize rule over `frames` "
         "frames, one token per merge_size² patches; tiles: GOT-OCR2's tiling (InternVL's), `tokens` per view: "
@@ -153,29 +234,62 @@ class ImageRule(StrictModel):
     min_pixels: int | None = Field(default=None, ge=1, le=INT32_MAX)
     max_pixels: int | None = Field(default=None, ge=1, le=INT32_MAX)
     tokens: int | None = Field(default=None, ge=1, le=65_536)
-    longest_edge: int | None = Field(default=None, ge=1, le=65_536, exclude_if=_unless_set)
-    row_end: str | None = Field(default=None, min_length=1, exclude_if=_unless_set,
+    # anyres: the (height, width) resolutions an image is tiled to, a tile's sides in pixels, and its features
+    # per side (tile side over patch size); `tokens` then counts the whole image's features (the processor's count
+    # with its extra tokens, CLS or not).
+    pinpoints: tuple[tuple[_Side, _Side], ...] | None = Field(default=None, min_length=1, max_length=1024)
+    tile_height: int | None = Field(default=None, ge=1, le=65_536)
+    tile_width: int | None = Field(default=None, ge=1, le=65_536)
+    feature_rows: int | None = Field(default=None, ge=1, le=4096)
+    feature_columns: int | None = Field(default=None, ge=1, le=4096)
+    max_tiles: int | None = Field(
+        default=None, ge=1, le=65_536,
+        description="anyres: LLaVA-OneVision's anyres_max_N, the N (None for LLaVA-NeXT); tiles: the most tiles of "
+        f"GOT-OCR2's canvas (at most {_MAX_CANVAS_TILES}).",
+    )
+    # split: the longest side images are first resized to (None: not resized), whether they are split into tiles
+    # of tile_height (= tile_width) pixels, and the text that marks the whole image after its tiles.
+    resize_edge: int | None = Field(default=None, ge=1, le=65_536)
+    splitting: bool | None = None
+    global_token: str | None = None
+    longest_edge: int | None = Field(default=None, ge=1, le=65_536)
+    row_end: str | None = Field(default=None, min_length=1,
                                 description="rows: the text after each row of placeholders but the last.")
-    frames: int | None = Field(default=None, ge=1, le=64, exclude_if=_unless_set,
+    frames: int | None = Field(default=None, ge=1, le=64,
                                description="glm4v_grid: the frames an image counts as (its temporal_patch_size).")
-    min_tiles: int | None = Field(default=None, ge=1, le=64, exclude_if=_unless_set)
-    max_tiles: int | None = Field(default=None, ge=1, le=64, exclude_if=_unless_set)
+    min_tiles: int | None = Field(default=None, ge=1, le=_MAX_CANVAS_TILES)
 
     @model_validator(mode="after")
     def _complete(self) -> ImageRule:
         """The fields its kind counts with are there (a manifest may leave out any field)."""
-        needed = {"grid": ("patch_size", "merge_size", "min_pixels", "max_pixels"), "fixed": ("tokens",),
-                  "rows": ("patch_size", "longest_edge", "row_end"),
-                  "glm4v_grid": ("patch_size", "merge_size", "min_pixels", "max_pixels", "frames"),
-                  "tiles": ("tokens", "patch_size", "min_tiles", "max_tiles")}[self.kind]
+        needed = {
+            "grid": ("patch_size", "merge_size", "min_pixels", "max_pixels"),
+            "fixed": ("tokens",),
+            "anyres": ("tokens", "pinpoints", "tile_height", "tile_width", "feature_rows", "feature_columns"),
+            "split": ("tokens", "tile_height", "splitting", "global_token"),
+            "rows": ("patch_size", "longest_edge", "row_end"),
+            "glm4v_grid": ("patch_size", "merge_size", "min_pixels", "max_pixels", "frames"),
+            "tiles": ("tokens", "patch_size", "min_tiles", "max_tiles"),
+        }[self.kind]
         missing = [name for name in needed if getattr(self, name) is None]
         if missing:
             raise ValueError(f"a {self.kind} rule needs {', '.join(missing)}")
+        if self.kind == "tiles" and self.max_tiles > _MAX_CANVAS_TILES:
+            raise ValueError(f"max_tiles {self.max_tiles} is more than {_MAX_CANVAS_TILES}")
         if self.kind == "tiles" and self.min_tiles > self.max_tiles:
             raise ValueError(f"min_tiles {self.min_tiles} is more than max_tiles {self.max_tiles}")
         if self.kind in ("grid", "glm4v_grid") and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels {self.min_pixels} is more than max_pixels {self.max_pixels}")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_other_kinds_fields(self, handler):
+        """Written without the fields later kinds added that its kind does not write (`_KIND_FIELDS`)."""
+        data = handler(self)
+        for name, kinds in _KIND_FIELDS.items():
+            if self.kind not in kinds:
+                data.pop(name, None)
+        return data
 
     def placeholders(self, width: int, height: int) -> int:
         if self.kind == "fixed":
@@ -187,6 +301,17 @@ class ImageRule(StrictModel):
             columns, rows = tiled_canvas(height, width, self.patch_size, self.min_tiles, self.max_tiles)
             tiles = columns * rows if self.max_tiles > 1 else 1
             return self.tokens * (tiles + 1 if tiles > 1 else 1)  # the thumbnail after several tiles
+        if self.kind == "anyres":
+            tiled_height, tiled_width = select_best_resolution(height, width, self.pinpoints)
+            rows = self.feature_rows * (tiled_height // self.tile_height)
+            columns = self.feature_columns * (tiled_width // self.tile_width)
+            if not rows or not columns:
+                raise ValueError(f"a tiling of {tiled_width}x{tiled_height} is less than one tile")
+            features, newlines = _unpadded_features(height, width, rows, columns, self.feature_rows, self.max_tiles)
+            return features + newlines + self.tokens
+        if self.kind == "split":
+            rows, columns = self._tiles(width, height)
+            return (rows * columns + 1) * self.tokens
         factor = self.patch_size * self.merge_size
         if self.kind == "glm4v_grid":
             resized_h, resized_w = glm4v_resize(height, width, factor, self.min_pixels, self.max_pixels, self.frames)
@@ -198,7 +323,114 @@ class ImageRule(StrictModel):
         if self.kind == "rows":
             rows, columns = pixtral_grid(height, width, self.patch_size, self.longest_edge)
             return self.start + self.row_end.join([self.placeholder * columns] * rows) + self.end
-        return self.start + self.placeholder * self.placeholders(width, height) + self.end
+        if self.kind != "split":
+            return self.start + self.placeholder * self.placeholders(width, height) + self.end
+        # Idefics3's and SmolVLM's processors (`replace_image_token`): each tile after its row and column, a line
+        # per row of tiles, then the whole image.
+        rows, columns = self._tiles(width, height)
+        tile = self.placeholder * self.tokens
+        tiles = "".join(
+            "".join(f"{self.start}<row_{row}_col_{column}>{tile}" for column in range(1, columns + 1)) + "\n"
+            for row in range(1, rows + 1)
+        )
+        return tiles + ("\n" if rows else "") + self.start + self.global_token + tile + self.end
+
+    def _tiles(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, columns) of tiles an Idefics3 or SmolVLM image processor splits the image into, (0, 0) for none
+        (transformers' `resize`, `resize_for_vision_encoder` and `split_images`, int() and ceil as there)."""
+        if self.resize_edge is not None:
+            height, width = _longest_edge_size(height, width, self.resize_edge)
+        if not self.splitting:
+            return 0, 0
+        edge, aspect_ratio = self.tile_height, width / height
+        if width >= height:
+            width = math.ceil(width / edge) * edge
+            height = math.ceil(int(width / aspect_ratio) / edge) * edge
+        else:
+            height = math.ceil(height / edge) * edge
+            width = math.ceil(int(height * aspect_ratio) / edge) * edge
+        if height > edge or width > edge:
+            return (height - edge) // edge + 1, (width - edge) // edge + 1
+        return 0, 0
+
+
+def _whole_video_resize(frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int,
+                        max_pixels: int) -> tuple[int, int]:
+    """Qwen3-VL's video resize rule (transformers' `qwen3_vl.video_processing_qwen3_vl.smart_resize`): the
+    pixel bounds hold for all frames together (frames rounded to a multiple of `temporal`), and a frame
+    narrower than `factor` is first scaled up. `tests/formats/test_video_rule.py` runs transformers' own text."""
+    if frames < temporal:
+        raise ValueError(f"{frames} frames, fewer than the temporal patch of {temporal}")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"an aspect ratio of more than 200 ({width}x{height})")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+class VideoRule(StrictModel):
+    """How many placeholder tokens a video of `frames` frames of one size becomes, as the Qwen-VL video
+    processors count them, and its text before tokenizing.
+
+    The frames are taken as given (already sampled; no decoder here): `temporal_patch_size` frames make one
+    temporal grid step (the last frame repeated to fill the last step), and each step holds h·w/merge² tokens.
+    `qwen2` (Qwen2-VL's and Qwen2.5-VL's `Qwen2VLVideoProcessor`): each frame resized by `smart_resize`
+    within [min_pixels, max_pixels]; the text is `start + placeholder × N + end`. `qwen3` (Qwen3-VL's
+    `Qwen3VLVideoProcessor`): the bounds hold for the whole video; each temporal step is its own
+    `<{seconds:.1f} seconds>` + start + placeholders + end, its time the mean of its first and last frame's
+    (frame i at i / fps), as `Qwen3VLProcessor` writes it. Both as transformers 5.24 counts them with
+    `cap_pixels_per_frame` unset (its default there)."""
+
+    kind: Literal["qwen2", "qwen3"]
+    placeholder: str = Field(default="<|video_pad|>", min_length=1)
+    start: str = "<|vision_start|>"
+    end: str = "<|vision_end|>"
+    patch_size: int = Field(ge=1, le=4096)
+    merge_size: int = Field(ge=1, le=64)
+    temporal_patch_size: int = Field(ge=1, le=64)
+    min_pixels: int = Field(ge=1, le=2**40)
+    max_pixels: int = Field(ge=1, le=2**40)
+
+    def grid(self, frames: int, width: int, height: int) -> tuple[int, int, int]:
+        """(t, h, w): the video's patch grid, `video_grid_thw` of the processor. ValueError if none."""
+        if frames < 1:
+            raise ValueError("a video without frames")
+        factor = self.patch_size * self.merge_size
+        if self.kind == "qwen2":
+            resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+        else:
+            resized_h, resized_w = _whole_video_resize(frames, height, width, self.temporal_patch_size, factor,
+                                                       self.min_pixels, self.max_pixels)
+        steps = -(-frames // self.temporal_patch_size)
+        return steps, resized_h // self.patch_size, resized_w // self.patch_size
+
+    def placeholders(self, frames: int, width: int, height: int) -> int:
+        t, h, w = self.grid(frames, width, height)
+        return t * h * w // self.merge_size**2
+
+    def step_seconds(self, frames: int, fps: float) -> list[float]:
+        """Qwen3-VL's time of each temporal step: frame i at i / fps, the mean of a step's first and last
+        frame (the last frame repeated to fill the last step), as `Qwen3VLProcessor._calculate_timestamps`."""
+        step = self.temporal_patch_size
+        indices = list(range(frames)) + [frames - 1] * (-frames % step)
+        return [(indices[i] / fps + indices[i + step - 1] / fps) / 2 for i in range(0, len(indices), step)]
+
+    def text(self, frames: int, width: int, height: int, fps: float) -> str:
+        t, h, w = self.grid(frames, width, height)
+        if self.kind == "qwen2":
+            return self.start + self.placeholder * (t * h * w // self.merge_size**2) + self.end
+        per_step = self.start + self.placeholder * (h * w // self.merge_size**2) + self.end
+        return "".join(f"<{seconds:.1f} seconds>" + per_step for seconds in self.step_seconds(frames, fps))
 
 
 # The most pixels (width x height) an image may decode to by default, in `prepare-images` and in the training
@@ -216,7 +448,7 @@ class ImageLimits(StrictModel):
 
 
 class ImageSetFile(StrictModel):
-    name: Literal["images.arrow", "documents.arrow"]
+    name: Literal["images.arrow", "documents.arrow", "videos.arrow"]
     bytes: int = Field(ge=1, le=COUNT_MAX)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
@@ -230,14 +462,38 @@ class ImageSetManifest(StrictModel):
     images: int = Field(ge=0, le=COUNT_MAX, description="Distinct images (by sha256).")
     references: int = Field(ge=0, le=COUNT_MAX, description="Images over all rows, repeats counted.")
     image_tokens: int = Field(ge=0, le=COUNT_MAX, description="Placeholder tokens over all rows.")
-    files: tuple[ImageSetFile, ImageSetFile]
+    files: tuple[ImageSetFile, ImageSetFile] | tuple[ImageSetFile, ImageSetFile, ImageSetFile]
+    # Only in a set with videos (absent from the JSON of one without: its bytes are those of before videos).
+    video_rule: VideoRule | None = Field(default=None, description="How a video's placeholder count follows.")
+    video_placeholder_id: int | None = Field(default=None, ge=0, le=INT32_MAX, description="The video placeholder's id.")
+    video_references: int | None = Field(default=None, ge=0, le=COUNT_MAX, description="Videos over all rows.")
+    video_tokens: int | None = Field(default=None, ge=0, le=COUNT_MAX, description="Video placeholder tokens.")
+
+    @model_validator(mode="after")
+    def _videos_complete(self) -> ImageSetManifest:
+        fields = (self.video_rule, self.video_placeholder_id, self.video_references, self.video_tokens)
+        if any(field is None for field in fields) != all(field is None for field in fields):
+            raise ValueError("video_rule, video_placeholder_id, video_references and video_tokens go together")
+        if (self.video_rule is not None) != (len(self.files) == 3):
+            raise ValueError(f"a set with videos lists {VIDEOS_FILE} as its third file, and only such a set does")
+        return self
+
+    def json_text(self) -> str:
+        """images.json: a set without videos leaves the video fields out."""
+        video_fields = {"video_rule", "video_placeholder_id", "video_references", "video_tokens"}
+        return self.model_dump_json(indent=2, exclude=video_fields if self.video_rule is None else None) + "\n"
 
 
 class ImageSet:
     """A read image set: the manifest, and per corpus row the numbers of its images (`images_of`)."""
 
-    def __init__(self, directory: Path, manifest: ImageSetManifest, images: pa.RecordBatch, documents: pa.RecordBatch):
+    def __init__(self, directory: Path, manifest: ImageSetManifest, images: pa.RecordBatch, documents: pa.RecordBatch,
+                 videos: pa.RecordBatch | None = None):
         self.directory, self.manifest = directory, manifest
+        # Per corpus row (videos.arrow, when the set has videos): its frames, frames per video, rates and counts.
+        self._videos = {
+            column: list_column(videos, column, str(directory / VIDEOS_FILE)) for column in VIDEOS_SCHEMA.names
+        } if videos is not None else None
         self._data = images.column("data")
         self.sha256 = images.column("sha256")
         self.widths = images.column("width").to_numpy()
@@ -252,10 +508,34 @@ class ImageSet:
     def data(self, number: int) -> bytes:
         return self._data[number].as_py()
 
+    def row_images(self) -> np.ndarray:
+        """Images (repeats counted) per corpus row, int64."""
+        return np.diff(self._offsets).astype(np.int64)
+
     def row_tokens(self) -> np.ndarray:
         """Placeholder tokens per corpus row."""
         per_reference = self.tokens[self._numbers].astype(np.int64)
         return np.add.reduceat(np.append(per_reference, 0), self._offsets[:-1]) * (np.diff(self._offsets) > 0)
+
+    def videos_of(self, row: int) -> list[tuple[np.ndarray, float, int]]:
+        """Corpus row `row`'s videos in token order: (frame image numbers, frames per second, placeholders)."""
+        if self._videos is None:
+            return []
+        (frame_offsets, frames), (offsets, counts) = self._videos["frames"], self._videos["frame_counts"]
+        fps, tokens = self._videos["fps"][1], self._videos["tokens"][1]
+        first, videos = int(frame_offsets[row]), []
+        for video in range(int(offsets[row]), int(offsets[row + 1])):
+            videos.append((frames[first : first + int(counts[video])], float(fps[video]), int(tokens[video])))
+            first += int(counts[video])
+        return videos
+
+    def row_video_tokens(self) -> np.ndarray:
+        """Video placeholder tokens per corpus row (zeros in a set without videos)."""
+        if self._videos is None:
+            return np.zeros(self.manifest.documents, np.int64)
+        offsets, tokens = self._videos["tokens"]
+        sums = np.append(0, np.cumsum(tokens.astype(np.int64)))
+        return sums[offsets[1:]] - sums[offsets[:-1]]
 
 
 def read_image_set(directory: str | os.PathLike, *, verify: bool = False) -> ImageSet:
@@ -273,10 +553,12 @@ def read_image_set(directory: str | os.PathLike, *, verify: bool = False) -> Ima
         manifest = ImageSetManifest.model_validate(value)
     except ValueError as exc:
         refuse(where, f"is not a valid image set manifest: {exc}")
-    if [file.name for file in manifest.files] != [IMAGES_FILE, DOCUMENTS_FILE]:
-        refuse(where, f"files must list {IMAGES_FILE} and {DOCUMENTS_FILE}, in that order.", column="files")
+    if [file.name for file in manifest.files] not in ([IMAGES_FILE, DOCUMENTS_FILE],
+                                                      [IMAGES_FILE, DOCUMENTS_FILE, VIDEOS_FILE]):
+        refuse(where, f"files must list {IMAGES_FILE} and {DOCUMENTS_FILE} (then {VIDEOS_FILE} in a set with videos), "
+               "in that order.", column="files")
     batches = {}
-    for file, schema in zip(manifest.files, (IMAGES_SCHEMA, DOCUMENTS_SCHEMA)):
+    for file, schema in zip(manifest.files, (IMAGES_SCHEMA, DOCUMENTS_SCHEMA, VIDEOS_SCHEMA)):
         path = directory / file.name
         data = map_regular(path, "image set file")
         if data.size != file.bytes:
@@ -292,10 +574,14 @@ def read_image_set(directory: str | os.PathLike, *, verify: bool = False) -> Ima
             refuse(path, f"its columns are not valid Arrow data ({exc}).")
         batches[file.name] = batch
     images, documents = batches[IMAGES_FILE], batches[DOCUMENTS_FILE]
-    image_set = ImageSet(directory, manifest, images, documents)
+    image_set = ImageSet(directory, manifest, images, documents, batches.get(VIDEOS_FILE))
     _check_counts(image_set, images, documents)
+    if VIDEOS_FILE in batches:
+        _check_videos(image_set, batches[VIDEOS_FILE])
     if verify:
         _verify_images(image_set)
+        if VIDEOS_FILE in batches:
+            _verify_videos(image_set)
     return image_set
 
 
@@ -324,6 +610,52 @@ def _check_counts(image_set: ImageSet, images: pa.RecordBatch, documents: pa.Rec
                f"{manifest.limits.max_images_per_document}.", row=int(np.argmax(per_row)), column="images")
     if int(image_set.tokens[numbers].astype(np.int64).sum()) != manifest.image_tokens:
         refuse(manifest_file, "image_tokens is not the sum of the rows' placeholder tokens.", column="image_tokens")
+
+
+def _check_videos(image_set: ImageSet, videos: pa.RecordBatch) -> None:
+    """videos.arrow against the manifest: a row per corpus row, the per-video lists of one length, the frame counts
+    adding up to the frames, every frame an image of the set, rates positive and finite, the counts' sums."""
+    manifest, where = image_set.manifest, image_set.directory / VIDEOS_FILE
+    manifest_file = image_set.directory / IMAGE_SET_MANIFEST
+    if videos.num_rows != manifest.documents:
+        refuse(where, f"has {videos.num_rows} rows; the set describes {manifest.documents} corpus rows.")
+    (frame_offsets, frames), (offsets, counts) = image_set._videos["frames"], image_set._videos["frame_counts"]
+    for column in ("fps", "tokens"):
+        if not np.array_equal(image_set._videos[column][0], offsets):
+            row = int(np.argmax(image_set._videos[column][0] != offsets))
+            refuse(where, "does not hold one value per video of the row.", row=max(row - 1, 0), column=column)
+    per_row = np.append(0, np.cumsum(counts.astype(np.int64)))
+    if not np.array_equal(per_row[offsets], frame_offsets.astype(np.int64)) or (len(counts) and counts.min() < 1):
+        refuse(where, "its frame counts do not add up to its rows' frames (or a video has none).",
+               column="frame_counts")
+    if len(frames) and int(frames.max()) >= manifest.images:
+        refuse(where, f"refers to image {int(frames.max())}; the set holds {manifest.images}.", column="frames")
+    fps = image_set._videos["fps"][1]
+    if len(fps) and not (np.isfinite(fps).all() and fps.min() > 0):
+        refuse(where, "a frame rate is not a positive number.", column="fps")
+    tokens = image_set._videos["tokens"][1]
+    if len(counts) != manifest.video_references or int(tokens.astype(np.int64).sum()) != manifest.video_tokens:
+        refuse(manifest_file, f"counts {manifest.video_references} videos of {manifest.video_tokens} placeholders; "
+               f"{VIDEOS_FILE} holds {len(counts)} of {int(tokens.astype(np.int64).sum())}.", column="video_tokens")
+
+
+def _verify_videos(image_set: ImageSet) -> None:
+    """Every video's frames of one size and its placeholder count by the video rule."""
+    where, rule = image_set.directory / VIDEOS_FILE, image_set.manifest.video_rule
+    for row in range(image_set.manifest.documents):
+        for frames, fps, tokens in image_set.videos_of(row):
+            sizes = set(zip(image_set.widths[frames].tolist(), image_set.heights[frames].tolist()))
+            if len(sizes) != 1:
+                refuse(where, f"a video's frames are of {len(sizes)} sizes; a video's frames are of one size.",
+                       row=row, column="frames")
+            ((width, height),) = sizes
+            try:
+                expected = rule.placeholders(len(frames), width, height)
+            except ValueError as exc:
+                refuse(where, f"no placeholder count for a video: {exc}.", row=row, column="frames")
+            if tokens != expected:
+                refuse(where, f"records {tokens} placeholder tokens for a video; the rule gives {expected} for "
+                       f"{len(frames)} frames of {width}x{height}.", row=row, column="tokens")
 
 
 def _verify_images(image_set: ImageSet) -> None:

@@ -105,6 +105,9 @@ def segment_id_type(max_len: int) -> pa.DataType:
 # A preference-pair build's shards (`Manifest.pairs`) carry one more per-pack column: each document's
 # role in its pair, 0 chosen and 1 rejected (`check_shard` checks the pairing).
 PAIR_ROLES = "pair_roles"
+# An unpaired (KTO) build's shards (`PairOptions.label_column`) carry one more: each example's label, true for a
+# desirable completion, one value per example (2 documents) of the pack.
+DESIRABLE = "desirable"
 
 
 def _pack_fields(source_row: pa.DataType, sources: bool) -> list[pa.Field]:
@@ -138,18 +141,21 @@ class IndexOf(NamedTuple):
 
 
 def shard_schema(
-    has_labels: bool, max_len: int, store: IndexOf | None = None, *, sources: bool = False, pairs: bool = False
+    has_labels: bool, max_len: int, store: IndexOf | None = None, *, sources: bool = False, pairs: bool = False,
+    unpaired: bool = False,
 ) -> pa.Schema:
     """The Arrow schema of every shard of a build; `labels` only when the corpus had them, `source_ids`
-    only in a mixture's (`sources`), `pair_roles` (last) only in a preference-pair build's (`pairs`).
+    only in a mixture's (`sources`), `pair_roles` only in a preference-pair build's (`pairs`), `desirable`
+    (last) only in an unpaired build's (`unpaired`).
 
-    With `store`, an index shard's: the per-pack columns alone, its tokens staying in that store,
-    whose fingerprint its metadata carries. Its `source_rows` are uint32 while the store's document
+    With `store`, an index shard's: the per-pack columns alone (and `pair_roles`, last, in a build of a pair
+    store), its tokens staying in that store, whose fingerprint its metadata carries. Its `source_rows` are uint32 while the store's document
     numbers fit, which keeps an index build near 12 bytes a document (int64 above)."""
     if store is not None:
         source_row = pa.uint32() if store.documents <= np.iinfo(np.uint32).max + 1 else pa.int64()
         metadata = {SHARD_VERSION_KEY: str(FORMAT_VERSION), SHARD_KIND_KEY: "index", SHARD_STORE_KEY: store.fingerprint}
-        return pa.schema(_pack_fields(source_row, sources), metadata=metadata)
+        roles = [pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False)] if pairs else []
+        return pa.schema([*_pack_fields(source_row, sources), *roles], metadata=metadata)
     fields = [
         pa.field("input_ids", pa.list_(TOKEN_TYPE), nullable=False),
         pa.field("segment_ids", pa.list_(segment_id_type(max_len)), nullable=False),
@@ -159,6 +165,8 @@ def shard_schema(
         fields.append(pa.field("labels", pa.list_(TOKEN_TYPE), nullable=False))
     if pairs:
         fields.append(pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False))
+    if unpaired:
+        fields.append(pa.field(DESIRABLE, pa.list_(pa.bool_()), nullable=False))
     return pa.schema(fields, metadata={SHARD_VERSION_KEY: str(FORMAT_VERSION)})
 
 
@@ -196,7 +204,9 @@ def unit_name(size: int, plural: bool = False) -> str:
 class PairOptions(StrictModel):
     """How a preference-pair build (`--pairs`) read its pairs: pair r of the corpus is documents 2r
     (prompt + chosen) and 2r + 1 (prompt + rejected). A group build (`--groups`) is the same with G
-    completions a row: group r is documents Gr … Gr + G - 1 (prompt + each completion)."""
+    completions a row: group r is documents Gr … Gr + G - 1 (prompt + each completion). An unpaired build
+    (`--unpaired`, KTO) has one completion and a label a row: example r is documents 2r (prompt + its completion)
+    and 2r + 1 (prompt + its KL completion, the completion of example `kl_partners(N, seed=kl_seed)[r]`)."""
 
     prompt_column: str = Field(description="The prompt column; a row without one (or null) takes the common prefix of chosen and rejected.")
     chosen_column: str | None = Field(default=None, description="A pair build's chosen column; absent from a group build's.")
@@ -207,16 +217,33 @@ class PairOptions(StrictModel):
     group_size: int | None = Field(
         default=None, ge=2, le=GROUP_SIZE_MAX, description="A group build's completions a row (G); absent from a pair build's (2)."
     )
+    completion_column: str | None = Field(default=None, description="An unpaired build's completion column; absent otherwise.")
+    label_column: str | None = Field(
+        default=None, description="An unpaired build's label column (true: desirable); absent otherwise."
+    )
+    kl_seed: int | None = Field(
+        default=None, ge=0, le=COUNT_MAX, description="An unpaired build's seed of its KL completions' plan; absent otherwise."
+    )
 
     @model_validator(mode="after")
     def _pairs_or_groups(self) -> PairOptions:
-        pair = self.chosen_column is not None and self.rejected_column is not None
-        group = self.completions_column is not None and self.group_size is not None
-        if pair == group or (pair and (self.completions_column, self.group_size) != (None, None)) or (
-            group and (self.chosen_column, self.rejected_column) != (None, None)
-        ):
-            raise ValueError("pairs name chosen_column and rejected_column; groups completions_column and group_size")
+        kinds = {
+            "pairs": (self.chosen_column, self.rejected_column),
+            "groups": (self.completions_column, self.group_size),
+            "unpaired": (self.completion_column, self.label_column, self.kl_seed),
+        }
+        given = [kind for kind, values in kinds.items() if any(value is not None for value in values)]
+        if len(given) != 1 or any(value is None for value in kinds[given[0]]):
+            raise ValueError("pairs name chosen_column and rejected_column; groups completions_column and group_size; "
+                             "unpaired examples completion_column, label_column and kl_seed")
         return self
+
+    @property
+    def kind(self) -> Literal["pairs", "groups", "unpaired"]:
+        """Which corpus the build read: preference pairs, groups of completions or unpaired (KTO) examples."""
+        if self.label_column is not None:
+            return "unpaired"
+        return "pairs" if self.group_size is None else "groups"
 
     @property
     def size(self) -> int:
@@ -225,8 +252,8 @@ class PairOptions(StrictModel):
 
     @property
     def unit(self) -> str:
-        """What messages call a unit (`unit_name`)."""
-        return unit_name(self.size)
+        """What messages call a unit (`unit_name`; an unpaired build's: an example)."""
+        return "example" if self.kind == "unpaired" else unit_name(self.size)
 
 
 class PairTotals(StrictModel):
@@ -238,6 +265,12 @@ class PairTotals(StrictModel):
     dropped: int = Field(ge=0, le=COUNT_MAX, description="Pairs longer than max_len left out.")
     prompt_tokens: int = Field(ge=0, le=COUNT_MAX, description="Prompt tokens in the packs (each pair's twice).")
     completion_tokens: int = Field(ge=0, le=COUNT_MAX, description="Completion tokens in the packs.")
+    desirable: int | None = Field(
+        default=None, ge=0, le=COUNT_MAX, description="An unpaired build's examples in the packs labelled desirable; absent otherwise."
+    )
+    undesirable: int | None = Field(
+        default=None, ge=0, le=COUNT_MAX, description="An unpaired build's examples in the packs labelled undesirable; absent otherwise."
+    )
 
 
 class BuildOptions(StrictModel):
@@ -267,6 +300,25 @@ class BuildOptions(StrictModel):
         le=INT32_MAX,
         description="Most documents (segments) a pack holds, beside max_len; absent from a build without a cap.",
     )
+    max_images_per_pack: int | None = Field(
+        default=None,
+        ge=1,
+        le=INT32_MAX,
+        description="Most images a pack holds (`--max-images-per-pack`), each document counting its image set's "
+        "images (every piece of a split one); absent from a build without an image cap.",
+    )
+    image_set: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="With max_images_per_pack: the sha256 of the images.json of the image set whose image counts were "
+        "planned with (it records its files' sha256); `verify --images` and `inspect --images` refuse another.",
+    )
+
+    @model_validator(mode="after")
+    def _image_cap_and_its_set(self) -> BuildOptions:
+        if (self.max_images_per_pack is None) != (self.image_set is None):
+            raise ValueError("max_images_per_pack and image_set go together: the image cap and the image set it counted")
+        return self
 
 
 _PATH_MAX, _NAME_MAX = 4096, 255  # bytes of a path and of each of its parts (Linux's PATH_MAX, NAME_MAX)
@@ -488,6 +540,7 @@ class Manifest(StrictModel):
         return open_shard(
             path, self.has_labels, self.options.max_len, self.index_of, where=where,
             sources=self.mixture is not None, pairs=None if self.options.pairs is None else self.options.pairs.size,
+            unpaired=self.options.pairs is not None and self.options.pairs.kind == "unpaired",
         )
 
 
@@ -498,12 +551,18 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     exclude: dict = {name: True for name in ("store", "mixture", "pairs", "generations") if getattr(manifest, name) is None}
     if manifest.mixture is not None and manifest.mixture.count is None:  # a mixture counting every token: as before
         exclude["mixture"] = {"count": True, "sources": {"__all__": {"trained_tokens": True}}}
-    # Likewise no `options.max_docs_per_pack` key in a build without a cap.
-    unset: dict = {name: True for name in ("pairs", "max_docs_per_pack") if getattr(manifest.options, name) is None}
+    # Likewise no `options.max_docs_per_pack` key in a build without a cap, nor image cap keys without one.
+    unset: dict = {
+        name: True
+        for name in ("pairs", "max_docs_per_pack", "max_images_per_pack", "image_set")
+        if getattr(manifest.options, name) is None
+    }
     if manifest.options.pairs is not None:  # a pair build's options name chosen and rejected, a group build's not
         unset["pairs"] = {name: True for name, value in manifest.options.pairs if value is None}  # never empty
     if unset:
         exclude["options"] = unset
+    if manifest.pairs is not None and manifest.pairs.desirable is None:  # a pair or group build's: as before
+        exclude["pairs"] = {"desirable": True, "undesirable": True}
     fields = manifest.model_dump(mode="json", exclude=exclude or None)
     text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     if len(text.encode()) > MANIFEST_MAX_BYTES:  # readers would refuse it
@@ -653,6 +712,7 @@ def open_shard(
     where: str | None = None,
     sources: bool = False,
     pairs: int | None = None,
+    unpaired: bool = False,
 ) -> pa.RecordBatch:
     """Memory-map one shard (zero-copy) and check its structure: a regular file holding an Arrow IPC
     stream of the format's schema (metadata included) and one uncompressed record batch
@@ -661,16 +721,16 @@ def open_shard(
     contents name `where` (default: `path`; the shard's URI when `path` is a cached copy, `prepack.storage.cache`).
     `sources`: a mixture's shard, with `source_ids`; `pairs`: a preference-pair or group build's group size
     (`PairOptions.size`, 2 for pairs), with `pair_roles`, whose packs' largest role must be that size - 1
-    (`check_shard` holds each document's role to that stride)."""
+    (`check_shard` holds each document's role to that stride); `unpaired`: an unpaired build's, with `desirable`."""
     where = str(path) if where is None else where
-    expected = shard_schema(has_labels, max_len, store, sources=sources, pairs=pairs is not None)
+    expected = shard_schema(has_labels, max_len, store, sources=sources, pairs=pairs is not None, unpaired=unpaired)
 
     def check_schema(schema: pa.Schema) -> None:
         nonlocal expected
         planned = (schema.metadata or {}).get(SHARD_STORE_KEY.encode())
         generation = store.planned_from(planned) if store is not None and planned is not None else None
         if generation is not None and generation.fingerprint != store.fingerprint:  # an earlier generation's shard
-            expected = shard_schema(has_labels, max_len, generation, sources=sources, pairs=pairs is not None)
+            expected = shard_schema(has_labels, max_len, generation, sources=sources, pairs=pairs is not None, unpaired=unpaired)
         if store is not None and planned is not None and generation is None:
             refuse(
                 where,
@@ -818,6 +878,12 @@ def check_layout(
             refuse(where, "negative piece number", _row_of(offsets, first_index(bad)), column)
     if PAIR_ROLES in batch.schema.names:
         _check_pairs(batch, where, documents)
+    if DESIRABLE in batch.schema.names:
+        offsets, _ = _list_checked(batch, DESIRABLE, where)
+        if (bad := 2 * np.diff(offsets) != documents).any():
+            r = first_index(bad)
+            refuse(where, f"{np.diff(offsets)[r]} labels for {documents[r]} documents: an unpaired build's pack holds one "
+                   "label an example, 2 documents each", r, DESIRABLE)
     return layout
 
 

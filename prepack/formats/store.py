@@ -27,12 +27,14 @@ from prepack.formats.shards import (
     STORE_MANIFEST_NAME,
     TOKEN_TYPE,
     InputFile,
+    PairOptions,
     TokenizeOptions,
     shard_file_problems,
 )
 
 __all__ = [
     "GROWN_STORE_VERSION",
+    "PAIR_STORE_VERSION",
     "STORE_MANIFEST_NAME",
     "STORE_VERSION",
     "STORE_VERSION_KEY",
@@ -49,6 +51,7 @@ __all__ = [
     "store_error",
     "store_schema",
     "store_shard_name",
+    "store_version_of",
     "write_store_manifest",
 ]
 
@@ -57,6 +60,15 @@ STORE_VERSION_KEY = "prepack.store_version"  # schema metadata of every store sh
 # `store_version` of the manifest of a store grown by appends (`generations`); its shards are those of
 # version 1, metadata included, so that an append leaves every shard written before byte for byte as it was.
 GROWN_STORE_VERSION = 2
+# `store_version` of the manifest of a store of preference pairs or groups (`pairs`), grown by appends or not: a
+# reader that knows only versions 1 and 2 refuses it by its version, instead of reading its groups as documents.
+# Its shards are those of version 1 too, cut at group boundaries.
+PAIR_STORE_VERSION = 3
+
+
+def store_version_of(pairs: bool, grown: bool) -> int:
+    """The `store_version` of a store's manifest: of pairs or groups (`pairs`), grown by appends (`grown`)."""
+    return PAIR_STORE_VERSION if pairs else GROWN_STORE_VERSION if grown else STORE_VERSION
 
 
 def store_schema(has_labels: bool) -> pa.Schema:
@@ -118,7 +130,7 @@ def chained_fingerprint(previous: str, added: str) -> str:
 class StoreManifest(StrictModel):
     """`store.json`: written last; a directory without one is not a finished store."""
 
-    store_version: Literal[1, 2] = STORE_VERSION
+    store_version: Literal[1, 2, 3] = STORE_VERSION
     prepack_version: str
     column: str = Field(description="The corpus column read: token ids, or text / messages when tokenized.")
     labels_column: str | None = Field(description="The labels column read from the corpus, if any (never when tokenized).")
@@ -136,7 +148,7 @@ class StoreManifest(StrictModel):
     generations: list[StoreGeneration] | None = Field(
         default=None,
         min_length=2,
-        description="Only in a store grown by appends (store_version 2): the store after its tokenizing and "
+        description="Only in a store grown by appends (store_version 2, or 3 of pairs): the store after its tokenizing and "
         "after each append, in order. Absent from a store never appended to.",
     )
     length_counts: list[list[int]] | None = Field(
@@ -144,13 +156,27 @@ class StoreManifest(StrictModel):
         description="Only in a store grown by appends: how many documents have each length, as [length, count] "
         "pairs by rising length, from which the next append summarises `lengths` without reading the shards.",
     )
+    pairs: PairOptions | None = Field(
+        default=None,
+        description="Only in a store of preference pairs or groups (store_version 3, `--pairs`, `--groups`): how "
+        "they were read. Group r is documents Gr … Gr + G - 1 (G = 2 a pair: chosen, rejected), each prompt + "
+        "completion, labelled -100 on the prompt (the group's prompt length: the same in each of its documents) and "
+        "with its ids on the completion; every shard and input holds whole groups. Absent from a store of documents.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> StoreManifest:
         """What the manifest says agrees with itself: shard names the format's (so none leaves the
         store), counts that add up, generations that cut the shards and inputs where their documents end."""
-        if (self.store_version == GROWN_STORE_VERSION) != (self.generations is not None):
-            raise ValueError(f"store_version {self.store_version} with{'out' if self.generations is None else ''} generations")
+        if self.store_version != store_version_of(self.pairs is not None, self.generations is not None):
+            with_pairs = "" if self.pairs is None else " of pairs or groups"
+            raise ValueError(f"store_version {self.store_version}{with_pairs} with{'out' if self.generations is None else ''} generations")
+        if self.pairs is not None and (not self.has_labels or self.tokenize is None):
+            raise ValueError("a store of pairs or groups is tokenized and has labels")
+        size = 1 if self.pairs is None else self.pairs.size
+        for what, counts in (("shard", [s.documents for s in self.shards]), ("input", [f.rows for f in self.inputs])):
+            if (split := next((i for i, count in enumerate(counts) if count % size), None)) is not None:
+                raise ValueError(f"{what} {split} holds {counts[split]} documents, not whole groups of {size}")
         before = (0, 0, 0)  # documents, inputs and shards up to the generation before
         for number, g in enumerate(self.generations or []):
             if not all(now > then for now, then in zip((g.documents, g.inputs, g.shards), before)):
@@ -204,7 +230,7 @@ class StoreManifest(StrictModel):
             return self
         g = self.generations[number]
         return self.model_copy(update={
-            "store_version": GROWN_STORE_VERSION if number else STORE_VERSION,
+            "store_version": store_version_of(self.pairs is not None, number > 0),
             "fingerprint": g.fingerprint,
             "inputs": self.inputs[: g.inputs],
             "documents": g.documents,
@@ -269,7 +295,8 @@ class StoreFingerprint:
 def write_store_manifest(directory: Path, manifest: StoreManifest) -> None:
     """Write `store.json` atomically (temporary file + rename), keys sorted. A store never appended to
     has no `generations` key, so its bytes are those of before appends."""
-    fields = manifest.model_dump(mode="json", exclude={name for name in ("generations", "length_counts") if getattr(manifest, name) is None})
+    optional = ("generations", "length_counts", "pairs")
+    fields = manifest.model_dump(mode="json", exclude={name for name in optional if getattr(manifest, name) is None})
     text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     tmp = directory / f".{STORE_MANIFEST_NAME}.tmp"
     tmp.write_text(text, encoding="utf-8")
@@ -290,9 +317,9 @@ def read_store_manifest(directory: str | os.PathLike | bytes, name: str = STORE_
             else f"{Path(directory) / STORE_MANIFEST_NAME} does not exist: {directory} is not a finished prepack document store."
         ) from None
     version = raw.get("store_version") if isinstance(raw, dict) else None
-    if type(version) is not int or version not in (STORE_VERSION, GROWN_STORE_VERSION):
+    if type(version) is not int or version not in (STORE_VERSION, GROWN_STORE_VERSION, PAIR_STORE_VERSION):
         raise FormatError(
-            f"{path} has store_version {version!r}; this prepack reads versions {STORE_VERSION} and {GROWN_STORE_VERSION}. "
+            f"{path} has store_version {version!r}; this prepack reads versions {STORE_VERSION} to {PAIR_STORE_VERSION}. "
             "Tokenize the corpus again or use the prepack version that wrote the store."
         )
     try:

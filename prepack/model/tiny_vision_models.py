@@ -174,7 +174,8 @@ def tiny_vision_model(
 
 def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict[str, int] = QWEN_PIXELS):
     """transformers' PIL image processor for the tower of `config` (Qwen-VL's from its patch, merge and
-    temporal sizes, `qwen_pixels` per image; CLIP's, as LLaVA uses, and Gemma 3's at the tower's image size)."""
+    temporal sizes, `qwen_pixels` per image; CLIP's, as LLaVA uses, LLaVA-NeXT's, -OneVision's, Idefics3's and
+    SmolVLM's tiling ones, and Gemma 3's at the tower's image size)."""
     vision = config.vision_config
     if config.model_type in ("glm4v", "glm4v_moe"):  # a Qwen2-VL-like grid by GLM-4V's own resize rule
         from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
@@ -202,6 +203,24 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
         from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
         return SiglipImageProcessorPil(size={"height": side, "width": side})
+    if config.model_type == "llava_next":  # its tiles: the whole image, then the image tiled by the pinpoints
+        from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+        return LlavaNextImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+                                          image_grid_pinpoints=config.image_grid_pinpoints)
+    if config.model_type in ("idefics3", "smolvlm"):  # tiles of the tower's side, images first resized to 2 by 2
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+        kind = Idefics3ImageProcessorPil if config.model_type == "idefics3" else SmolVLMImageProcessorPil
+        return kind(size={"longest_edge": 2 * side}, max_image_size={"longest_edge": side})
+    if config.model_type == "llava_onevision":  # its tiles at the tower's side, no crop
+        from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+            LlavaOnevisionImageProcessorPil,
+        )
+
+        return LlavaOnevisionImageProcessorPil(size={"height": side, "width": side},
+                                               image_grid_pinpoints=config.image_grid_pinpoints)
     if config.model_type == "llava":
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 

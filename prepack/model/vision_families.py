@@ -15,8 +15,9 @@ and reach the decoder only, never the vision tower (`prepack.model.packing`). No
 Styles:
 - 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V, GLM-4V-MoE): `position_ids` [4, B, L], text positions restarting per sample (from
   which transformers builds the per-sample mask) over the three rotary rows, restarting per sample too;
-- restart (LLaVA, InternVL, Mistral 3): `position_ids` [B, L] restarting per sample, as for text (Mistral 3's
-  `image_sizes` beside its padded `pixel_values`);
+- restart (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Mistral 3): `position_ids` [B, L]
+  restarting per sample, as for text (LLaVA-NeXT's and -OneVision's tiles with each image's `image_sizes`, Idefics3's
+  and SmolVLM's with `pixel_attention_mask`, Mistral 3's `image_sizes` beside its padded `pixel_values`);
 - image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
   from which prepack builds the layer masks (`prepack.model.vision_packing`: transformers' own sliding
   mask misplaces the image blocks of a packed row);
@@ -55,7 +56,7 @@ from prepack.model.families import (
 )
 
 __all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_packed", "image_refusal", "image_style", "markdown",
-           "needs", "not_built", "not_run"]
+           "needs", "not_built", "not_run", "VIDEO_RULES"]
 
 ImageStyle = Literal["3-D rotary", "restart", "image blocks", "prefix blocks"]
 
@@ -117,6 +118,7 @@ NOT_SWEPT = Verdict(
 
 _MEASURED = (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE)
 _MEASURED_NO_FLEX = (NATIVE, NATIVE, NATIVE, NATIVE, NO_FLEX)
+_SPLIT_TOWER = "each image's tiles and whole image on a row of pixel_values (SigLIP, one per pass), padding dropped"
 _GRID_TOWER = "one attention segment per image, from image_grid_thw (its windowed blocks within that segment)"
 _GRID_TOWER_DEEPSTACK = (
     "one attention segment per image, from image_grid_thw; its deepstack features join the decoder at each "
@@ -137,6 +139,17 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         (GATED_DELTA_RULE, GATED_DELTA_RULE, QWEN4_EXP_ON_FLASH, QWEN4_EXP_ON_FLASH, NO_FLEX),
     ),
     "llava": VisionFamily("restart", "one image per row of pixel_values (CLIP)", _MEASURED),
+    "llava_next": VisionFamily(
+        "restart", "each image's tiles on a row of pixel_values (CLIP, a tile per pass), cut to its own by image_sizes",
+        _MEASURED,
+    ),
+    "idefics3": VisionFamily("restart", _SPLIT_TOWER, _MEASURED),
+    "smolvlm": VisionFamily("restart", _SPLIT_TOWER, _MEASURED),
+    "llava_onevision": VisionFamily(
+        "restart",
+        "each image's tiles on a row of pixel_values (SigLIP, a tile per pass), cut to its own by image_sizes",
+        _MEASURED,
+    ),
     # Its own sliding mask misplaces the image blocks of packed rows: prepack builds the layer masks.
     "gemma3": VisionFamily(
         "image blocks",
@@ -226,7 +239,6 @@ VISION_FAMILIES |= {
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'idefics2': _swept(NO_DATA_SIDE),
-    'idefics3': _swept(NO_DATA_SIDE),
     'inkling2': _swept(
         not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `vision_config.text_hidden_size` (4608) must match `text_config.hidden_size` (32)."),
     ),
@@ -256,9 +268,7 @@ VISION_FAMILIES |= {
     'lfm3_vl': _swept(LEAKS),
     'lighton_ocr': _swept(NO_DATA_SIDE),
     'llama4': _swept(not_run("AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'")),
-    'llava_next': _swept(NO_DATA_SIDE),
     'llava_next_video': _swept(NO_DATA_SIDE),
-    'llava_onevision': _swept(NO_DATA_SIDE),
     'minicpm_ocr': _swept(
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
@@ -303,7 +313,6 @@ VISION_FAMILIES |= {
         not_run("TypeError: Qwen3OmniMoePreTrainedModelForConditionalGeneration.get_rope_index() got an unexpected keyword argument 'mm_token_type_ids'"),
     ),
     'shieldgemma2': _swept(not_run('RuntimeError: stride should not be zero')),
-    'smolvlm': _swept(NO_DATA_SIDE),
     'step3p7': _swept(
         not_run('ValueError: Could not find a `sliding_window` argument in the config, or it is not set'),
     ),
@@ -344,6 +353,18 @@ VISION_FAMILIES |= {
         "one image per row of pixel_values (SigLIP)",
         (NATIVE, NATIVE, PALIGEMMA_ON_FLASH, PALIGEMMA_ON_FLASH, NATIVE),
     ),
+}
+
+
+# The families whose video inputs VisionCollator batches, and the video processor's rule they count placeholders
+# by (`prepack.formats.images.VideoRule`): qwen2, one run of placeholders a video (Qwen2VLVideoProcessor);
+# qwen3, one run a temporal step, each after its time as text, which transformers' `get_rope_index` positions as
+# that many one-step videos (Qwen3VLVideoProcessor). tests/model/test_video.py measures each against each
+# video sample alone, and holds every family's kind to transformers' source (the video processor its auto
+# mapping names, and whether its get_rope_index splits videos by step).
+VIDEO_RULES: dict[str, Literal["qwen2", "qwen3"]] = {
+    "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3", "qwen3_5": "qwen3",
+    "qwen3_5_moe": "qwen3", "qwen4_exp": "qwen3",
 }
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from prepack.errors import InputError
 from prepack.formats.shards import TokenizeOptions
@@ -47,6 +49,10 @@ class Reading:
     rejected_column: str = "rejected"
     groups: bool = False  # groups of completions (`prepack.sources.pairs`): a prompt and a list of G completions a row
     completions_column: str = "completions"
+    unpaired: bool = False  # unpaired feedback (KTO, `prepack.sources.pairs.unpaired_documents`): a prompt, completion and label a row
+    completion_column: str = "completion"
+    label_column: str = "label"
+    kl_seed: int = 0  # unpaired: seed of each example's KL completion (`prepack.building.kl_plan.kl_partners`)
 
     @property
     def read_column(self) -> str:
@@ -55,6 +61,8 @@ class Reading:
             return self.column
         if self.groups:
             return self.completions_column
+        if self.unpaired:
+            return self.completion_column
         if self.pairs:
             return self.chosen_column
         return self.messages_column if self.chat else self.text_column
@@ -96,10 +104,8 @@ def open_documents(
     `location`: the URI that `spec` is a local copy of (`prepack.storage.remote.local_input`); its files are
     named by it, and the copy is not compared with `out`."""
     store = open_store(spec, location) if is_store(spec) else None
-    given = [f"--{f.name.replace('_', '-')}" for f in fields(Reading) if getattr(reading, f.name) != f.default]
-    if store is not None and given:
-        # A store is read as it was written; an option that asks otherwise would be silently ignored.
-        raise InputError(f"{location or spec} is a document store, tokenized already: leave out {', '.join(given)}.")
+    if store is not None:
+        _check_store_reading(store, reading, location or spec)
     local = out is not None and location is None and not is_uri(out)
     if store is not None and local:
         root, target = _real(store.root), _real(out)
@@ -115,11 +121,58 @@ def open_documents(
     return corpus_documents(corpus, reading, progress)
 
 
+def _check_store_reading(store: Store, reading: Reading, where: str | os.PathLike) -> None:
+    """Refuse reading options given with a store, which is read as it was written: an option that asks
+    otherwise would be silently ignored. A store of pairs or groups takes its own kind and columns given
+    again alike (`--pairs --prompt-column q`, as its build from the corpus was asked); given otherwise,
+    each is refused with the store's value."""
+    recorded = {}
+    if (pairs := store.manifest.pairs) is not None:
+        recorded = {"groups" if pairs.group_size is not None else "pairs": True, "prompt_column": pairs.prompt_column}
+        named = ("completions_column",) if pairs.group_size is not None else ("chosen_column", "rejected_column")
+        recorded.update({name: getattr(pairs, name) for name in named})
+    given = {f.name: getattr(reading, f.name) for f in fields(Reading) if getattr(reading, f.name) != f.default}
+    if other := [name for name, value in given.items() if name in recorded and value != recorded[name]]:
+        stored = ", ".join(f"{_flag(name)} {recorded[name]!r}" for name in other)
+        raise InputError(f"{where} is a document store tokenized with {stored}: leave out {', '.join(_flag(n) for n in other)} "
+                         "or give the store's.")
+    if other := [name for name in given if name not in recorded]:
+        raise InputError(f"{where} is a document store, tokenized already: leave out {', '.join(map(_flag, other))}.")
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
 def store_documents(store: Store, checked: Sequence[ShardColumns] | None = None) -> Documents:
     """The documents of a document store, read as it was written (`Store.documents`, which takes
-    `checked`, the shards' columns checked already)."""
+    `checked`, the shards' columns checked already); a store of pairs or groups with its groups' prompt
+    lengths recorded batch by batch (`_with_prompt_lengths`), as `prepack.sources.pairs` records them from
+    their corpus."""
     m = store.manifest
-    return Documents(store.corpus, m.column, m.labels_column, m.tokenize, m.has_labels, store.documents(checked), store)
+    documents = Documents(store.corpus, m.column, m.labels_column, m.tokenize, m.has_labels, store.documents(checked), store)
+    if m.pairs is None:
+        return documents
+    from prepack.sources.pairs import PairDocuments
+
+    pairs = PairDocuments(m.tokenize, m.pairs, iter(()))
+    pairs.batches = _with_prompt_lengths(store, documents.batches, pairs)
+    return replace(documents, batches=pairs.batches, pairs=pairs)
+
+
+def _with_prompt_lengths(store: Store, batches: Iterator[DocumentBatch], pairs: PairDocuments) -> Iterator[DocumentBatch]:
+    """The batches of a store of pairs or groups, each one's groups' prompt lengths recorded in `pairs` before
+    it is yielded, as a pair corpus's stream records them: read from each shard (`Store.shard_prompt_lengths`)
+    once `batches` has read and checked it (`Store.documents`), so that a changed shard is refused as such."""
+    size, shards = pairs.options.size, iter(store.manifest.shards)
+    prompts = np.empty(0, np.int64)  # those of the shard being read, from the next batch's on
+    for batch in batches:  # whole groups: a store's batches end at shards and files, which hold whole groups
+        groups = (len(batch.offsets) - 1) // size
+        while len(prompts) < groups:
+            prompts = np.concatenate([prompts, store.shard_prompt_lengths(next(shards))])
+        pairs.add_prompt_lengths(prompts[:groups])
+        prompts = prompts[groups:]
+        yield batch
 
 
 def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None, tokenizer=None) -> Documents:
@@ -127,8 +180,13 @@ def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None
     and options checked now; `tokenizer`, when given, is `reading.tokenizer` loaded already
     (`prepack.sources.tokenize.load_tokenizer`). `open_documents` reads a whole corpus so; `--engine ray`
     reads each corpus file so on a worker. With `reading.pairs`, preference pairs (`prepack.sources.pairs`)."""
-    if reading.pairs and reading.groups:
-        raise InputError("--pairs and --groups are two kinds of corpus: give one.")
+    if reading.pairs + reading.groups + reading.unpaired > 1:
+        kinds = [flag for flag, given in (("--pairs", reading.pairs), ("--groups", reading.groups), ("--unpaired", reading.unpaired)) if given]
+        raise InputError(f"{' and '.join(kinds)} are different kinds of corpus: give one.")
+    if reading.unpaired:
+        return _unpaired_documents(corpus, reading, tokenizer)
+    if given := _given(reading, _UNPAIRED_FIELDS):
+        raise InputError(f"{', '.join(given)} name{'s' * (len(given) == 1)} the columns and plan of unpaired feedback: add --unpaired.")
     if reading.pairs or reading.groups:
         return _pair_documents(corpus, reading, tokenizer)
     if given := _given(reading, _PAIR_FIELDS):
@@ -156,6 +214,7 @@ def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None
 
 
 _PAIR_FIELDS = ("prompt_column", "chosen_column", "rejected_column")
+_UNPAIRED_FIELDS = ("completion_column", "label_column", "kl_seed")
 # Reading options that a pair build has no use for: its labels are the completions, its columns its own.
 _NOT_FOR_PAIRS = ("column", "labels_column", "text_column", "messages_column", "train_on")
 
@@ -163,7 +222,7 @@ _NOT_FOR_PAIRS = ("column", "labels_column", "text_column", "messages_column", "
 def _given(reading: Reading, names: Sequence[str]) -> list[str]:
     """The options among the `Reading` fields `names` that differ from their defaults, as flags."""
     defaults = {f.name: f.default for f in fields(Reading)}
-    return [f"--{name.replace('_', '-')}" for name in names if getattr(reading, name) != defaults[name]]
+    return [_flag(name) for name in names if getattr(reading, name) != defaults[name]]
 
 
 def _pair_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documents:
@@ -199,4 +258,25 @@ def _pair_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documen
         chat_template=reading.chat_template,
         num_proc=reading.num_proc,
     )
+    return Documents(corpus, reading.read_column, None, pairs.tokenize, True, pairs.batches, pairs=pairs)
+
+
+def _unpaired_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documents:
+    """An unpaired (KTO) corpus's documents: example r is documents 2r (its completion) and 2r + 1 (its KL
+    completion), as `prepack.sources.pairs.unpaired_documents` lays them out."""
+    if reading.tokenizer is None:
+        raise InputError("--unpaired tokenizes its examples: give --tokenizer (and --chat for conversations).")
+    if given := _given(reading, (*_NOT_FOR_PAIRS, "chosen_column", "rejected_column", "completions_column")):
+        raise InputError(
+            "--unpaired reads --prompt-column, --completion-column and --label-column and labels the completions: "
+            f"leave out {', '.join(given)}."
+        )
+    from prepack.formats.shards import PairOptions
+    from prepack.sources.pairs import unpaired_documents
+    from prepack.sources.tokenize import load_tokenizer
+
+    options = PairOptions(prompt_column=reading.prompt_column, completion_column=reading.completion_column,
+                          label_column=reading.label_column, kl_seed=reading.kl_seed)
+    pairs = unpaired_documents(corpus, tokenizer or load_tokenizer(reading.tokenizer), options, chat=reading.chat,
+                               eos=reading.eos, chat_template=reading.chat_template)
     return Documents(corpus, reading.read_column, None, pairs.tokenize, True, pairs.batches, pairs=pairs)

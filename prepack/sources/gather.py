@@ -17,7 +17,7 @@ from numba.typed import List as TypedList
 
 from prepack.errors import FormatError
 from prepack.formats.common import list_array
-from prepack.formats.shards import shard_schema
+from prepack.formats.shards import PAIR_ROLES, shard_schema
 from prepack.sources.mixture_stores import StoreChain
 from prepack.sources.store import Store
 
@@ -30,8 +30,9 @@ ListColumn = tuple[np.ndarray, np.ndarray]  # (offsets, values): row r is values
 
 
 def index_columns(batch: pa.RecordBatch) -> list[str]:
-    """The list columns an index shard's rows are gathered from (and a mixture's `source_ids`, served)."""
-    return [*INDEX_COLUMNS, *(["source_ids"] if "source_ids" in batch.schema.names else [])]
+    """The list columns an index shard's rows are gathered from (and a mixture's `source_ids` and a pair
+    build's `pair_roles`, served)."""
+    return [*INDEX_COLUMNS, *(name for name in ("source_ids", PAIR_ROLES) if name in batch.schema.names)]
 
 
 class IndexGather:

@@ -34,7 +34,13 @@ true length. The images go into an image set (`schemas/image-set.md`): each dist
 encoded bytes with its sha256, and per corpus row the numbers of its images. Images are written out as
 they are read, so memory holds one image (and a few rows of a Parquet or Arrow corpus), not all of them.
 
-Limits (`ImageLimits`): encoded size, pixels, images per record; an image over one is refused (InputError
+Videos (Qwen-VL, `video_processor_rule`) are read as their frames, never decoded from a video file: a record's
+`videos` column (each a list of frames, or a directory of frame images) placed by `<video>` markers, or
+`{"type": "video", ...}` items; `video_fps` their rates. Every frame is an image of the set (stored once by
+sha256); a video becomes its `VideoRule` text, and `videos.arrow` records per row its videos' frames, rates and
+placeholder counts (`schemas/image-set.md`). A corpus without videos gives the image set of before, byte for byte.
+
+Limits (`ImageLimits`): encoded size, pixels, images per record (a video's frames counted); an image over one is refused (InputError
 naming file, row and column), as is an unreadable or unsupported one. Nothing is downloaded: a URI that is
 not a local path is refused.
 """
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import os
 import re
 import stat
@@ -58,6 +65,7 @@ import pyarrow.parquet as pq
 from prepack.errors import InputError, OutputError, optional_imports
 from prepack.formats.common import file_type_name
 from prepack.formats.images import (
+    DEFAULT_VIDEO_FPS,
     DOCUMENTS_FILE,
     DOCUMENTS_SCHEMA,
     IMAGE_SET_MANIFEST,
@@ -68,6 +76,9 @@ from prepack.formats.images import (
     ImageRule,
     ImageSetFile,
     ImageSetManifest,
+    VIDEOS_FILE,
+    VIDEOS_SCHEMA,
+    VideoRule,
 )
 from prepack.sources.corpus import (
     MAX_RECORD_BYTES,
@@ -84,9 +95,20 @@ from prepack.storage.output import output_errors, output_file, staged_directory
 with optional_imports("prepare_image_chat"):
     from PIL import Image
 
-__all__ = ["ImageCorpusSummary", "decode_failure", "image_header", "prepare_image_chat", "processor_rule"]
+__all__ = ["ImageCorpusSummary", "decode_failure", "image_header", "prepare_image_chat", "processor_rule",
+           "video_processor_rule"]
 
 LLAVA_MARKER = "<image>"
+VIDEO_MARKER = "<video>"  # LlamaFactory's, in a record with a `videos` column
+# transformers' Qwen-VL video processors, by `video_processor_type`: prepack's rule kind and the class defaults
+# (patch size, size.shortest_edge, size.longest_edge) a config may leave out.
+_VIDEO_PROCESSORS = {
+    "Qwen2VLVideoProcessor": ("qwen2", 14, 128 * 28 * 28, 28 * 28 * 768),
+    "Qwen3VLVideoProcessor": ("qwen3", 16, 128 * 32 * 32, 32 * 32 * 768),
+}
+_FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff")
+_VIDEO_AS_FRAMES = ("prepack reads a video as its frames (it has no video decoder): a list of image paths or encoded "
+                    "images, or a directory of frame images taken in name order")
 _FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF")
 # The placeholder texts of each image processor, by its `image_processor_type` (transformers' names).
 _PLACEHOLDERS = {
@@ -97,7 +119,13 @@ _PLACEHOLDERS = {
     "PixtralImageProcessor": ("", "[IMG]", "[IMG_END]"),  # as PixtralProcessor (Mistral 3's) uses it
     "Glm4vImageProcessor": ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>"),  # as GLM-4V's chat template writes
     "SiglipImageProcessor": ("", "<image>", ""),  # as PaliGemmaProcessor uses it
+    "LlavaNextImageProcessor": ("", "<image>", ""),
+    "LlavaOnevisionImageProcessor": ("", "<image>", ""),
+    "Idefics3ImageProcessor": ("<fake_token_around_image>", "<image>", "<fake_token_around_image>"),
+    "SmolVLMImageProcessor": ("<fake_token_around_image>", "<image>", "<fake_token_around_image>"),
 }
+# Idefics3's and SmolVLM's mark of the whole image after its tiles (their processors' `global_image_tag`).
+_GLOBAL_IMAGE = "<global-img>"
 # LlamaFactory's ShareGPT speakers (its default `tags`), as chat roles.
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool",
                    "function_call": "assistant"}
@@ -144,12 +172,15 @@ def _text(config: dict, file: Path, key: str, default: str) -> str:
 def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     """The resize rule of a local processor directory and its placeholder's token id.
 
-    `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's, Gemma 3's,
-    CLIP's, as LLaVA uses, or GOT-OCR2's, as InternVL uses it, tiled or not) and its sizes; `processor_config.json`
-    (optional) may name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for fixed-size towers, the
-    count (`image_seq_length`, or LLaVA's `patch_size` and `vision_feature_select_strategy`). The placeholder must be one token of
-    the directory's `tokenizer.json`. A size that is not a positive integer, or sizes that give no
-    placeholder, are refused by file and field.
+    `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's or GLM-4V's, Gemma 3's,
+    CLIP's as LLaVA uses, LLaVA-NeXT's or LLaVA-OneVision's tiling ones, Idefics3's or SmolVLM's, GOT-OCR2's as
+    InternVL uses it, tiled or not, Pixtral's as Mistral 3 uses it, SigLIP's as PaliGemma uses it) and its sizes;
+    `processor_config.json` (optional) may name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for
+    fixed-size and tiled towers, the count (`image_seq_length`, or LLaVA's `patch_size` and
+    `vision_feature_select_strategy`, LLaVA-NeXT's `num_additional_image_tokens`, LLaVA-OneVision's
+    `num_image_tokens` and `vision_aspect_ratio`). The placeholder must be one token of the directory's
+    `tokenizer.json`. A size that is not a positive integer, or sizes that give no placeholder, are refused by file
+    and field.
     """
     directory = Path(directory)
     config_file, processor_file = directory / "preprocessor_config.json", directory / "processor_config.json"
@@ -196,6 +227,19 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     elif kind == "PixtralImageProcessor":
         end = _text(processor, processor_file, "image_end_token", end)
         fields = _pixtral_fields(config, config_file, processor, processor_file)
+    elif kind in ("LlavaNextImageProcessor", "LlavaOnevisionImageProcessor"):
+        fields = _anyres_fields(config, config_file, processor, processor_file, kind == "LlavaOnevisionImageProcessor")
+    elif kind in ("Idefics3ImageProcessor", "SmolVLMImageProcessor"):
+        size, tile = _mapping(config, config_file, "size"), _mapping(config, config_file, "max_image_size")
+        resize = config.get("do_resize", True)
+        edge = _positive(tile, config_file, "longest_edge", None, "max_image_size.")
+        longest = _positive(size, config_file, "longest_edge", None, "size.") if resize else None
+        if edge is None or (resize and longest is None):
+            raise InputError(f"{config_file}: an Idefics3 or SmolVLM image processor needs max_image_size.longest_edge "
+                             "and (resizing) size.longest_edge.")
+        fields = {"kind": "split", "tokens": _positive(processor, processor_file, "image_seq_len", 169),
+                  "tile_height": edge, "tile_width": edge, "resize_edge": longest,
+                  "splitting": bool(config.get("do_image_splitting", True)), "global_token": _GLOBAL_IMAGE}
     else:
         crop, size = _mapping(config, config_file, "crop_size"), _mapping(config, config_file, "size")
         side = _positive(crop, config_file, "height", None, "crop_size.") or _positive(
@@ -217,6 +261,11 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         rule = ImageRule(placeholder=placeholder, start=start, end=end, **fields)
     except ValueError as exc:  # pydantic's upper bounds
         raise InputError(f"{config_file}: the processor's sizes are out of range ({exc}).") from None
+    return rule, _placeholder_id(directory, placeholder, "image")
+
+
+def _placeholder_id(directory: Path, placeholder: str, kind: str) -> int:
+    """The id of `placeholder`, which must be one special token of the directory's tokenizer."""
     from prepack.sources.tokenize import load_tokenizer  # here: `verify --images` reads images, no tokenizer
 
     tokenizer = load_tokenizer(directory).tokenizer
@@ -224,10 +273,95 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     encoded = tokenizer.encode(placeholder * 2, add_special_tokens=False).ids
     if placeholder_id is None or encoded != [placeholder_id, placeholder_id]:
         raise InputError(
-            f"{directory / 'tokenizer.json'}: the image placeholder {placeholder!r} is not one special token of the "
-            "tokenizer; add it (tokenizers: tokenizer.add_special_tokens([...])) so that each image token is one id."
+            f"{directory / 'tokenizer.json'}: the {kind} placeholder {placeholder!r} is not one special token of the "
+            f"tokenizer; add it (tokenizers: tokenizer.add_special_tokens([...])) so that each {kind} token is one id."
         )
-    return rule, placeholder_id
+    return placeholder_id
+
+
+def video_processor_rule(directory: str | os.PathLike) -> tuple[VideoRule, int] | None:
+    """The video rule of a local processor directory and its video placeholder's id, from its
+    `video_preprocessor_config.json` (transformers' Qwen2-VL or Qwen3-VL video processor: `size`, `patch_size`,
+    `merge_size`, `temporal_patch_size`; the class defaults where absent) and `processor_config.json`'s
+    `video_token` (default `<|video_pad|>`); None when the directory has no video processor."""
+    directory = Path(directory)
+    config_file, processor_file = directory / "video_preprocessor_config.json", directory / "processor_config.json"
+    if not config_file.exists():
+        return None
+    config = _json(config_file)
+    processor = _json(processor_file) if processor_file.exists() else {}
+    named = config.get("video_processor_type")
+    found = _VIDEO_PROCESSORS.get(named.removesuffix("Fast") if isinstance(named, str) else None)
+    if found is None:
+        raise InputError(f"{config_file}: video_processor_type {named!r} is not one prepack counts placeholders for "
+                         f"({', '.join(_VIDEO_PROCESSORS)}).")
+    if config.get("cap_pixels_per_frame"):
+        raise InputError(f"{config_file}: cap_pixels_per_frame is set; prepack counts a video's placeholders as "
+                         "transformers does without it (its default), so a capped count would not match.")
+    kind, patch, min_default, max_default = found
+    size = _mapping(config, config_file, "size")
+    min_pixels = _positive(size, config_file, "shortest_edge", min_default, "size.")
+    max_pixels = _positive(size, config_file, "longest_edge", max_default, "size.")
+    if min_pixels > max_pixels:
+        raise InputError(f"{config_file}: size.shortest_edge {min_pixels} is more than size.longest_edge {max_pixels}.")
+    try:
+        rule = VideoRule(
+            kind=kind, placeholder=_text(processor, processor_file, "video_token", "<|video_pad|>"),
+            patch_size=_positive(config, config_file, "patch_size", patch),
+            merge_size=_positive(config, config_file, "merge_size", 2),
+            temporal_patch_size=_positive(config, config_file, "temporal_patch_size", 2),
+            min_pixels=min_pixels, max_pixels=max_pixels,
+        )
+    except ValueError as exc:  # pydantic's bounds
+        raise InputError(f"{config_file}: the video processor's sizes are out of range ({exc}).") from None
+    return rule, _placeholder_id(directory, rule.placeholder, "video")
+
+
+def _anyres_fields(config: dict, config_file: Path, processor: dict, processor_file: Path, onevision: bool) -> dict:
+    """LLaVA-NeXT's tiling rule, as its processor counts (transformers' `LlavaNextProcessor._get_number_of_features`):
+    a tile is the processed image's shape (the crop, or the resized size without one), its features per side the
+    tile over processor_config.json's patch_size, the whole image that many features plus
+    `num_additional_image_tokens` (default 0), less one where `vision_feature_select_strategy` is "default".
+    LLaVA-OneVision's (`onevision`): `num_image_tokens` features per tile and for the whole image (a square of them),
+    the tiles' grid scaled down to about N tiles by `vision_aspect_ratio` "anyres_max_N"; no crop unless asked."""
+    pinpoints = config.get("image_grid_pinpoints")
+    if not isinstance(pinpoints, list) or not pinpoints or not all(
+        isinstance(pair, list) and len(pair) == 2 and all(type(side) is int and side >= 1 for side in pair)
+        for pair in pinpoints
+    ):
+        raise InputError(f"{config_file}: image_grid_pinpoints is {pinpoints!r}; expected [[height, width], ...].")
+    if config.get("do_center_crop", not onevision):
+        crop = _mapping(config, config_file, "crop_size")
+        tile = [_positive(crop, config_file, side, None, "crop_size.") for side in ("height", "width")]
+    else:
+        size = _mapping(config, config_file, "size")
+        edge = _positive(size, config_file, "shortest_edge", None, "size.")
+        tile = [_positive(size, config_file, side, edge, "size.") for side in ("height", "width")]
+    if None in tile:
+        raise InputError(f"{config_file}: a LLaVA-NeXT or -OneVision processor needs crop_size (or size).")
+    without_cls = processor.get("vision_feature_select_strategy") == "default"
+    if onevision:
+        tokens = _positive(processor, processor_file, "num_image_tokens", None)
+        aspect = _text(processor, processor_file, "vision_aspect_ratio", "anyres_max_9")
+        max_tiles = re.fullmatch(r"anyres_max_([1-9][0-9]{0,4})", aspect)
+        if tokens is None or max_tiles is None:
+            raise InputError(f"{processor_file}: LLaVA-OneVision's processor needs num_image_tokens and a "
+                             f"vision_aspect_ratio of anyres_max_N (found {aspect!r}).")
+        rows = columns = math.isqrt(tokens)
+        return {"kind": "anyres", "pinpoints": pinpoints, "tile_height": tile[0], "tile_width": tile[1],
+                "feature_rows": rows, "feature_columns": columns, "tokens": tokens - without_cls,
+                "max_tiles": int(max_tiles[1])}
+    patch = _positive(processor, processor_file, "patch_size", None)
+    if patch is None:
+        raise InputError(f"{processor_file}: a LLaVA-NeXT processor needs patch_size.")
+    extra = processor.get("num_additional_image_tokens", 0)
+    if type(extra) is not int or extra < 0:
+        raise InputError(f"{processor_file}: num_additional_image_tokens is {extra!r}; expected a count.")
+    rows, columns = tile[0] // patch, tile[1] // patch
+    if not rows or not columns:
+        raise InputError(f"{config_file.parent}: a tile of {tile[1]}x{tile[0]} in patches of {patch} has no features.")
+    return {"kind": "anyres", "pinpoints": pinpoints, "tile_height": tile[0], "tile_width": tile[1],
+            "feature_rows": rows, "feature_columns": columns, "tokens": rows * columns + extra - without_cls}
 
 
 def _internvl_fields(config: dict, config_file: Path, processor: dict, processor_file: Path) -> dict:
@@ -318,6 +452,7 @@ class ImageCorpusSummary:
     image_tokens: int
     corpus: Path  # the chat corpus to build
     image_set: Path
+    videos: int = 0  # video references over all rows (their frames are among `images`)
 
 
 @dataclass(frozen=True)
@@ -344,10 +479,12 @@ def prepare_image_chat(
     Same input, same bytes."""
     corpus, out, limits = Path(corpus), Path(out), limits or ImageLimits()
     rule, placeholder_id = processor_rule(processor)
+    video_side = video_processor_rule(processor)
     explicit = None if images_root is None else _ImageRoot(_real_directory(images_root), explicit=True)
     if os.path.lexists(out):
         raise OutputError(f"{out} exists; prepack writes a new directory and never replaces one.")
     references: list[list[int]] = []
+    row_videos: list[list[tuple[list[int], float, int]]] = []  # per row: (frame numbers, fps, placeholders)
     roots: dict[str, _ImageRoot] = {}
     with staged_directory(out, overwrite=False) as staging:
         image_dir = staging.build / "images"
@@ -362,23 +499,42 @@ def prepare_image_chat(
                     roots[str(file)] = _ImageRoot(Path(os.path.realpath(Path(file).parent)), explicit=False)
                 root = explicit or roots[str(file)]
                 kind, turns = _turns(record, where)
-                expanded, numbers = _expanded(kind, turns, record, where, root, images)
+                expanded, numbers, videos = _expanded(kind, turns, record, where, root, images, video_side)
                 rows.add(kind, expanded, where)
                 references.append(numbers)
+                row_videos.append(videos)
         files = (
             _write_batch(image_dir / IMAGES_FILE, images.batch()),
             _write_batch(image_dir / DOCUMENTS_FILE, pa.record_batch(
                 [pa.array(references, DOCUMENTS_SCHEMA.field(0).type)], schema=DOCUMENTS_SCHEMA)),
         )
+        video_fields = {}
+        if any(row_videos):  # a corpus without videos: the image set of before, byte for byte
+            files += (_write_batch(image_dir / VIDEOS_FILE, _videos_batch(row_videos)),)
+            video_fields = dict(video_rule=video_side[0], video_placeholder_id=video_side[1],
+                                video_references=sum(map(len, row_videos)),
+                                video_tokens=sum(tokens for videos in row_videos for _, _, tokens in videos))
         manifest = ImageSetManifest(
             image_set_version=IMAGE_SET_VERSION, rule=rule, placeholder_id=placeholder_id, limits=limits,
             documents=len(references), images=len(images.tokens), references=sum(map(len, references)),
             image_tokens=sum(images.tokens[n] for numbers in references for n in numbers), files=files,
+            **video_fields,
         )
         with output_errors(image_dir / IMAGE_SET_MANIFEST):
-            (image_dir / IMAGE_SET_MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+            (image_dir / IMAGE_SET_MANIFEST).write_text(manifest.json_text())
     return ImageCorpusSummary(manifest.documents, manifest.images, manifest.references, manifest.image_tokens,
-                              out / "corpus.parquet", out / "images")
+                              out / "corpus.parquet", out / "images", manifest.video_references or 0)
+
+
+def _videos_batch(row_videos: list[list[tuple[list[int], float, int]]]) -> pa.RecordBatch:
+    columns = (
+        [[frame for frames, _, _ in videos for frame in frames] for videos in row_videos],
+        [[len(frames) for frames, _, _ in videos] for videos in row_videos],
+        [[fps for _, fps, _ in videos] for videos in row_videos],
+        [[tokens for _, _, tokens in videos] for videos in row_videos],
+    )
+    return pa.record_batch([pa.array(column, field.type) for column, field in zip(columns, VIDEOS_SCHEMA)],
+                           schema=VIDEOS_SCHEMA)
 
 
 class _ImageWriter:
@@ -601,8 +757,10 @@ def _turns(record: dict, where: str) -> tuple[str, list[tuple[Any, Any, str]]]:
     )
 
 
-def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot, images: _ImageWriter):
-    """The record's messages with string contents, or its text, images as placeholder text; its image numbers."""
+def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot, images: _ImageWriter,
+              video_side: tuple[VideoRule, int] | None = None):
+    """The record's messages with string contents, or its text, images and videos as placeholder text; its image
+    numbers; its videos as (frame numbers, fps, placeholders)."""
     pending = record.get("images")
     if pending is None:
         pending = []
@@ -627,11 +785,55 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
             raise InputError(f"{where}, column {column}: an image without a source, and the images column has no more.")
         return pending.pop(0)
 
+    pending_videos = record.get("videos")
+    has_videos = pending_videos is not None
+    if has_videos and not isinstance(pending_videos, list):
+        raise InputError(f"{where}, column videos: {type(pending_videos).__name__}; expected a list of videos.")
+    pending_videos = list(pending_videos or [])
+    videos: list[tuple[list[int], float, int]] = []
+    rates = _video_rates(record.get("video_fps"), where)
+
+    def video_text(source: Any, column: str) -> str:
+        at = f"{where}, column {column}"
+        if video_side is None:
+            raise InputError(f"{at}: a video, and the processor directory has no video processor "
+                             "(video_preprocessor_config.json of a Qwen2-VL or Qwen3-VL video processor).")
+        video_rule = video_side[0]
+        frames = _video_frames(source, at, root, limits)
+        if len(numbers) + sum(len(frames) for frames, _, _ in videos) + len(frames) > limits.max_images_per_document:
+            raise InputError(f"{at}: more than {limits.max_images_per_document} images in a record (a video's frames "
+                             "count as images).")
+        frame_numbers = [images.number(data, f"{at}, frame {index}") for index, data in enumerate(frames)]
+        sizes = sorted({(images.widths[number], images.heights[number]) for number in frame_numbers})
+        if len(sizes) != 1:
+            raise InputError(f"{at}: the video's frames are of {len(sizes)} sizes ({sizes}); a video's frames are of "
+                             "one size.")
+        ((width, height),) = sizes
+        fps = rates(len(videos), at)
+        try:
+            text = video_rule.text(len(frames), width, height, fps)
+        except ValueError as exc:
+            raise InputError(f"{at}: the video processor cannot take the video: {exc}.") from None
+        videos.append((frame_numbers, fps, video_rule.placeholders(len(frames), width, height)))
+        return text
+
+    def next_video(column: str) -> Any:
+        if not pending_videos:
+            raise InputError(f"{where}, column {column}: a video without a source, and the videos column has no more.")
+        return pending_videos.pop(0)
+
+    # `<video>` is a marker only in a record with a videos column (LlamaFactory's), so texts of before read alike.
+    markers = f"({re.escape(LLAVA_MARKER)}|{re.escape(VIDEO_MARKER)})" if has_videos else f"({re.escape(LLAVA_MARKER)})"
     messages = []
     for role, content, column in turns:
         if isinstance(content, str):
-            pieces = content.split(LLAVA_MARKER)
-            text = pieces[0] + "".join(image_text(next_pending("images"), "images") + piece for piece in pieces[1:])
+            pieces = re.split(markers, content)
+            text = "".join(
+                piece if index % 2 == 0
+                else image_text(next_pending("images"), "images") if piece == LLAVA_MARKER
+                else video_text(next_video("videos"), "videos")
+                for index, piece in enumerate(pieces)
+            )
         elif isinstance(content, list):
             parts = []
             for item in content:
@@ -641,16 +843,69 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
                 elif item_kind == "image":
                     source = next((item[key] for key in ("image", "path", "bytes") if item.get(key)), None)
                     parts.append(image_text(source if source is not None else next_pending("images"), column))
+                elif item_kind == "video":
+                    source = next((item[key] for key in ("video", "path") if item.get(key)), None)
+                    parts.append(video_text(source if source is not None else next_video("videos"), column))
                 else:
                     raise InputError(
-                        f"{where}, column {column}: an item of type {item_kind!r}; expected text or image.")
+                        f"{where}, column {column}: an item of type {item_kind!r}; expected text, image or video.")
             text = "".join(parts)
         else:
             raise InputError(f"{where}, column {column}: expected a string or a list of items.")
         messages.append({"role": role, "content": text})
     if pending:
         raise InputError(f"{where}, column images: {len(pending)} images that no message places.")
-    return (messages[0]["content"] if kind == "text" else messages), numbers
+    if pending_videos:
+        raise InputError(f"{where}, column videos: {len(pending_videos)} videos that no message places.")
+    if len(numbers) > 1 and rule.max_tiles is not None:
+        raise InputError(
+            f"{where}: {len(numbers)} images in one record. LLaVA-OneVision's processor gives an image of a "
+            "multi-image sample its base features only, not its tiles (and the model must then be told each sample's "
+            "image count); prepack counts the tiled single image only: one image per record for this processor."
+        )
+    return (messages[0]["content"] if kind == "text" else messages), numbers, videos
+
+
+def _video_rates(value: Any, where: str):
+    """`rate(index, at)`: the frames per second of the record's video `index`, from its `video_fps` (one number
+    for every video, or a list of one per video; DEFAULT_VIDEO_FPS without it)."""
+    if value is None:
+        return lambda index, at: DEFAULT_VIDEO_FPS
+    single = not isinstance(value, list)
+    for rate in [value] if single else value:
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+            raise InputError(f"{where}, column video_fps: {rate!r}; a frame rate is a positive number.")
+
+    def rate(index: int, at: str) -> float:
+        if single:
+            return float(value)
+        if index >= len(value):
+            raise InputError(f"{at}: video {index} of the record has no rate in video_fps ({len(value)} rates).")
+        return float(value[index])
+
+    return rate
+
+
+def _video_frames(source: Any, where: str, root: _ImageRoot, limits: ImageLimits) -> list[bytes]:
+    """A video's encoded frames, from a list of frames (paths or encoded images) or a directory of frame images
+    (confined as an image path is; its image files in name order). A video file is refused: no decoder."""
+    if isinstance(source, list):
+        if not source:
+            raise InputError(f"{where}: a video without frames.")
+        return [_image_bytes(frame, f"{where}, frame {index}", root, limits) for index, frame in enumerate(source)]
+    if isinstance(source, str) and source and not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", source):
+        directory = _confined(source, where, root)
+        if not directory.exists():
+            raise InputError(f"{where}: the video {source!r} cannot be read (no such file or directory).")
+        if directory.is_dir():
+            names = sorted(entry.name for entry in os.scandir(directory)
+                           if entry.name.lower().endswith(_FRAME_SUFFIXES) and not entry.name.startswith("."))
+            if not names:
+                raise InputError(f"{where}: the video directory {source!r} holds no frame images "
+                                 f"({', '.join(_FRAME_SUFFIXES)}).")
+            return [_image_bytes(f"{source.rstrip('/')}/{name}", f"{where}, frame {name}", root, limits)
+                    for name in names]
+    raise InputError(f"{where}: {str(source)[:80]!r} is not a list of frames or a directory of them; {_VIDEO_AS_FRAMES}.")
 
 
 def _image_bytes(source: Any, where: str, root: _ImageRoot, limits: ImageLimits) -> bytes:

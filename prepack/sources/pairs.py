@@ -28,6 +28,9 @@ Unpaired feedback (KTO) in TRL's format, a `prompt`, a `completion` and a boolea
 `unpaired_examples` and tokenized as TRL 1.16's KTOTrainer `_prepare_dataset` tokenizes it, which is how pairs
 are: the prompt alone and prompt + completion (text: EOS after it), the completion from where they diverge;
 `prepack.training.unpaired` plans each example's KL completion (`kl_partners`) and lays them out (`kto_groups`).
+`unpaired_documents` makes them an unpaired build's documents (`--unpaired`): example r is documents 2r (prompt +
+its completion) and 2r + 1 (prompt + its KL completion, planned by `prepack.building.kl_plan.kl_partners` from
+`PairOptions.kl_seed`), packed as pairs are, its label in `PairDocuments.desirable`.
 
 A group corpus (`PairOptions.completions_column`, `--groups`) holds a prompt and a list of G completions a
 row (every row G, its first row's), each group G documents, prompt + completion k, tokenized as pairs are;
@@ -62,7 +65,10 @@ from prepack.sources.tokenize import (
     type_name,
 )
 
-__all__ = ["PairDocuments", "UnpairedExamples", "first_group_size", "pair_documents", "split_prompt", "unpaired_examples"]
+__all__ = [
+    "PairDocuments", "UnpairedExamples", "first_group_size", "pair_documents", "split_prompt", "unpaired_documents",
+    "unpaired_examples",
+]
 
 _CHUNK_BYTES = 1 << 18  # input per task: pairs are rendered three times each, so chunks are smaller than --chat's
 _ENCODE_BATCH_CHARS = 1 << 20  # text per call of the tokenizer: a chunk's texts in one call, a long text alone
@@ -277,6 +283,7 @@ class PairDocuments:
     options: PairOptions
     batches: Iterator[DocumentBatch]
     _prompt_lengths: list[np.ndarray] = field(default_factory=list)
+    desirable: np.ndarray | None = None  # bool, one an example: an unpaired corpus's labels (`unpaired_documents`)
 
     def prompt_lengths(self) -> np.ndarray:
         """int64, one per pair read so far, in corpus order."""
@@ -351,17 +358,24 @@ def pair_documents(
         special_tokens=tokenizer.special_tokens,
         eos_id=eos_to_append(tokenizer) if eos and not chat else None,
     )
-    tokenize = TokenizeOptions(
+    tokenize = _tokenize_options(tokenizer, options.completions_column if group else options.chosen_column, template, eos)
+    documents = PairDocuments(tokenize, options, iter(()))
+    documents.batches = _stream(corpus, columns, encoder, num_proc, documents._prompt_lengths)
+    return documents
+
+
+def _tokenize_options(tokenizer: LocalTokenizer, column: str, template: str | None, eos: bool) -> TokenizeOptions:
+    """How a pair, group or unpaired build tokenized its corpus (chat when it has a `template`), as its manifest
+    records it: labels on the completions, EOS after a text completion when `eos`."""
+    chat = template is not None
+    return TokenizeOptions(
         tokenizer=tokenizer.info,
         mode="chat" if chat else "text",
-        column=options.completions_column if group else options.chosen_column,
+        column=column,
         chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if chat else None,
         train_on="assistant" if chat else "all",
         eos=eos and not chat,
     )
-    documents = PairDocuments(tokenize, options, iter(()))
-    documents.batches = _stream(corpus, columns, encoder, num_proc, documents._prompt_lengths)
-    return documents
 
 
 def _stream(corpus: Corpus, columns: list[str], encoder: _PairEncoder, num_proc: int, prompt_lengths: list) -> Iterator[DocumentBatch]:
@@ -377,6 +391,7 @@ class UnpairedExamples(NamedTuple):
     prompts: list[list[int]]
     completions: list[list[int]]
     desirable: np.ndarray  # bool [N]
+    rows_per_file: list[int]  # examples of each corpus file, in order
 
 
 def unpaired_examples(
@@ -397,9 +412,16 @@ def unpaired_examples(
         template_file=template_file, special_tokens=tokenizer.special_tokens,
         eos_id=eos_to_append(tokenizer) if eos and not chat else None,
     )
-    prompts, completions, desirable = [], [], []
+    prompts, completions, desirable, rows_per_file = [], [], [], []
     columns = [prompt_column, completion_column, label_column]
     for path in corpus.files:
+        kind = file_kind(path) or "arrow"
+        if kind != "jsonl" and (missing := [c for c in columns if c not in (found := file_columns(path, kind))]):
+            raise InputError(
+                f"{path}: there is no column {missing[0]!r} (columns: {', '.join(found) or 'none'}); unpaired feedback "
+                "has a prompt, a completion and a label column (--prompt-column, --completion-column, --label-column)."
+            )
+        before = len(prompts)
         for row0, records, _ in _file_records(path, columns):
             examples = []
             for row, record in enumerate(records, row0):
@@ -415,4 +437,61 @@ def unpaired_examples(
             for ids, start in zip(documents, starts):
                 prompts.append(ids[:start].tolist())
                 completions.append(ids[start:].tolist())
-    return UnpairedExamples(prompts, completions, np.array(desirable, bool))
+        rows_per_file.append(len(prompts) - before)
+    return UnpairedExamples(prompts, completions, np.array(desirable, bool), rows_per_file)
+
+
+def unpaired_documents(
+    corpus: Corpus,
+    tokenizer: LocalTokenizer,
+    options: PairOptions,
+    *,
+    chat: bool,
+    eos: bool = True,
+    chat_template: str | os.PathLike | None = None,
+) -> PairDocuments:
+    """An unpaired corpus's examples as an unpaired build's documents: example r is documents 2r (prompt + its
+    completion) and 2r + 1 (the same prompt tokens + the completion tokens of example
+    `kl_partners(N, seed=options.kl_seed)[r]`, TRL's KL completion, concatenated as TRL concatenates them), labelled
+    -100 on the prompt; its labels in `desirable`. The plan needs every example's index, so the corpus is read and
+    tokenized here, whole, in one process; the batches (one a file) are laid out as they are consumed. InputError
+    (file, row, column) for a bad row, or for fewer than two examples (no mismatch to make)."""
+    # Imported here: the plan is the building wing's, which imports this module's neighbours.
+    from prepack.building.kl_plan import kl_partners
+
+    examples = unpaired_examples(
+        corpus, tokenizer, chat=chat, prompt_column=options.prompt_column, completion_column=options.completion_column,
+        label_column=options.label_column, eos=eos, chat_template=chat_template,
+    )
+    if len(examples.prompts) < 2:
+        raise InputError(f"{corpus.files[0] if corpus.files else 'the corpus'}: {len(examples.prompts)} example(s); KTO's KL "
+                         "term pairs each example's prompt with another example's completion: give two or more.")
+    partners = kl_partners(len(examples.prompts), seed=options.kl_seed)
+    template = resolve_chat_template(tokenizer, chat_template)[0] if chat else None
+    tokenize = _tokenize_options(tokenizer, options.completion_column, template, eos)
+    documents = PairDocuments(tokenize, options, iter(()), desirable=examples.desirable)
+    documents.batches = _unpaired_batches(corpus, examples, partners, documents._prompt_lengths)
+    return documents
+
+
+def _unpaired_batches(corpus: Corpus, examples: UnpairedExamples, partners: np.ndarray, prompt_lengths: list) -> Iterator[DocumentBatch]:
+    """One DocumentBatch a corpus file: each example's document and its KL document (`unpaired_documents`)."""
+    first = 0
+    for path, count in zip(corpus.files, examples.rows_per_file):
+        ids, labels, lengths, prompts = [], [], [], []
+        for i in range(first, first + count):
+            prompt = examples.prompts[i]
+            prompts.append(len(prompt))
+            for completion in (examples.completions[i], examples.completions[int(partners[i])]):
+                ids += (prompt, completion)
+                labels += ([IGNORE_INDEX] * len(prompt), completion)
+                lengths.append(len(prompt) + len(completion))
+        offsets = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        prompt_lengths.append(np.asarray(prompts, np.int64))
+        yield DocumentBatch(
+            file=path, first_row=0, offsets=offsets,
+            ids=np.fromiter((t for part in ids for t in part), np.int32, int(offsets[-1])),
+            labels=np.fromiter((t for part in labels for t in part), np.int32, int(offsets[-1])),
+        )
+        first += count

@@ -5,7 +5,8 @@ Every store is untrusted: the manifest is validated strictly and every shard mus
 the manifest's size. Where tokens are used (`Store.documents`, `Store.shard_columns`) a shard's sha256
 is checked and its one record batch validated in full (offsets inside their buffers, ids non-negative,
 labels valid) before a value is used. An index build needs only the documents' lengths and untrained
-flags (`Store.shard_lengths`): the offsets are checked, no shard is hashed and no token id is read.
+flags (`Store.shard_lengths`): the offsets are checked, no shard is hashed and no token id is read; of a
+store of pairs or groups, its groups' prompt lengths too, from the labels (`Store.shard_prompt_lengths`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pyarrow as pa
 
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import map_regular, numpy_view, read_one_batch
-from prepack.formats.shards import MANIFEST_NAME, Manifest, store_location_problem
+from prepack.formats.shards import IGNORE_INDEX, MANIFEST_NAME, Manifest, store_location_problem
 from prepack.building.plan import untrained_documents
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.storage.remote import join
@@ -121,6 +122,33 @@ class Store:
         checked as `shard_lengths` checks them, no label read."""
         batch, where = self._batch(shard, whole=False)
         return np.diff(check_store_offsets(batch, shard, self.manifest.has_labels, where))
+
+    def shard_prompt_lengths(self, shard: StoreShard) -> np.ndarray:
+        """Every group's prompt tokens (int64, one a group in row order) of one of the shards of a store of
+        pairs or groups (`StoreManifest.pairs`; a shard holds whole groups): where its documents' labels start
+        training, as a pair build labels them (`prepack.sources.pairs`: -100 on the prompt, the ids on the
+        completion). From the shard's offsets and labels, checked as `shard_lengths` checks them (no hash: the
+        tokens are checked where they are used). Raises FormatError naming the shard and row of a document
+        with no trained token, or of a group whose documents start training at different tokens (a prompt
+        they do not share)."""
+        batch, where = self._batch(shard, whole=False)
+        offsets = check_store_offsets(batch, shard, True, where)
+        trained = np.flatnonzero(self._labels(batch) != IGNORE_INDEX)
+        # Each document's first trained token; a document with none finds the next one's, or the end.
+        first = np.append(trained, offsets[-1])[np.searchsorted(trained, offsets[:-1])]
+        if (none := np.flatnonzero(first >= offsets[1:])).size:
+            raise store_error(where, "a document of a pair store with no trained token (no completion).", int(none[0]), "labels")
+        prompts = (first - offsets[:-1]).reshape(-1, self.manifest.pairs.size)
+        if (apart := np.flatnonzero((prompts != prompts[:, :1]).any(axis=1))).size:
+            group = int(apart[0])
+            row = len(prompts[group]) * group + int(np.flatnonzero(prompts[group] != prompts[group, 0])[0])
+            raise store_error(where, f"the documents of one group start training at tokens {prompts[group].tolist()}, "
+                              "but they share their prompt.", row, "labels")
+        return prompts[:, 0]
+
+    def prompt_lengths(self) -> np.ndarray:
+        """`shard_prompt_lengths` of every shard, in order."""
+        return np.concatenate([self.shard_prompt_lengths(shard) for shard in self.manifest.shards])
 
     def _batch(self, shard: StoreShard, whole: bool) -> tuple[pa.RecordBatch, str]:
         """(the one record batch of one of the store's shards, memory-mapped, what its problems name it

@@ -116,7 +116,9 @@ class PackedCollator:
       reference log-probabilities (`PackedDataset` or `open_hf_dataset` with `reference=DIR`; float64, else
       refused) also give `reference_logps` [P, 2] float64, each pair's chosen and rejected value, for
       `prepack.training.reference.stored_reference`. Packs of a group build (`--groups`: roles 0 … G - 1)
-      give the same fields [P, G], a group's G completions (`prepack.training.preference.group_logps`).
+      give the same fields [P, G], a group's G completions (`prepack.training.preference.group_logps`). Packs of an
+      unpaired (KTO) build (`--unpaired`, pairs of completion and KL completion) also give `desirable` [P] bool,
+      each example's label, in the order of `pair_segments` (`prepack.training.preference.kto_loss` takes it).
     - `shared_prompt=True` (packs of a preference-pair or group build; `padded` or `padding_free`): each pair's
       or group's prompt once, then its completions, their position ids continuing from the prompt's end; the
       batch carries `shared_prompt_ids` and `shared_prompt_parts` instead of offsets and `pair_segments`
@@ -278,6 +280,8 @@ class PackedCollator:
             batch["pair_segments"] = torch.from_numpy(segments)
             if any(pack.reference_logps is not None for pack in checked):
                 batch["reference_logps"] = torch.from_numpy(_reference_logps(checked, segments.shape[1]))
+            if any(pack.desirable is not None for pack in checked):
+                batch["desirable"] = torch.from_numpy(_desirable(checked, len(segments)))
         if self.cp_size is not None:
             lengths = np.concatenate([np.diff(pack.cu_seqlens) for pack in checked])
             batch["cu_seqlens"] = torch.from_numpy(np.append(0, np.cumsum(lengths)).astype(np.int32))
@@ -302,6 +306,8 @@ class PackedCollator:
                                      row_length=None if padding_free else self._row_length(lengths))
         if any(pack.reference_logps is not None for pack in packs):
             batch["reference_logps"] = torch.from_numpy(_reference_logps(packs, size))
+        if any(pack.desirable is not None for pack in packs):
+            batch["desirable"] = torch.from_numpy(_desirable(packs, sum(len(row) for row in rows)))
         return batch
 
     def _fill_rows(self, packs: list[_Pack]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
@@ -347,6 +353,7 @@ class _Pack(NamedTuple):
     source_ids: np.ndarray | None = None  # one per document
     pair_roles: np.ndarray | None = None  # a preference-pair build's pack: 0 chosen, 1 rejected, per document
     reference_logps: np.ndarray | None = None  # its stored reference log-probabilities, per document
+    desirable: np.ndarray | None = None  # an unpaired build's pack: each example's label (2 documents an example)
 
 
 def _pair_segments(packs: list[_Pack], segment_ids: np.ndarray, cu_seq_lens: np.ndarray, group_size: int | None) -> np.ndarray:
@@ -408,6 +415,20 @@ def _reference_logps(packs: list[_Pack], size: int) -> np.ndarray:
     return np.concatenate([pack.reference_logps for pack in packs]).astype(np.float64).reshape(-1, size)
 
 
+def _desirable(packs: list[_Pack], examples: int) -> np.ndarray:
+    """[P] bool: each example's label, in the order of the batch's groups (every pack's documents make whole pairs,
+    `_require_whole_groups`), `examples` of them."""
+    missing = [number for number, pack in enumerate(packs) if pack.desirable is None]
+    if missing:
+        raise UsageError(f"Pack {missing[0]} has no 'desirable' while others of the batch have: collate packs of one "
+                         "unpaired build.")
+    desirable = np.concatenate([pack.desirable for pack in packs]).astype(bool)
+    if len(desirable) != examples:
+        raise UsageError(f"{len(desirable)} 'desirable' labels for the batch's {examples} examples: a pack of an unpaired "
+                         "build has one label every 2 documents.")
+    return desirable
+
+
 def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
     """The pack with every document padded to a multiple of `multiple` (pad id, else the document's
     last token, as a row's padding), labels -100 there; the padding belongs to its document."""
@@ -421,7 +442,7 @@ def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
     labels = np.full(cu_padded[-1], IGNORE_INDEX, dtype=np.int64)
     input_ids[destination] = pack.input_ids
     labels[destination] = pack.input_ids if pack.labels is None else pack.labels
-    return _Pack(input_ids, cu_padded, labels, pack.source_ids, pack.pair_roles, pack.reference_logps)
+    return _Pack(input_ids, cu_padded, labels, pack.source_ids, pack.pair_roles, pack.reference_logps, pack.desirable)
 
 
 def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sources: bool = False) -> _Pack:
@@ -467,4 +488,5 @@ def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sou
     if reference is not None and reference.dtype != np.float64:  # a float32 copy has lost the stored values' precision
         raise UsageError(f"Pack {number}: reference_logps are {reference.dtype}, not the stored float64 (datasets' numpy "
                          "and torch formats make floats float32: keep the column as open_hf_dataset formats it).")
-    return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles, reference)
+    desirable = np.asarray(pack["desirable"]) if pack.get("desirable") is not None else None
+    return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles, reference, desirable)

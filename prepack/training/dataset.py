@@ -31,6 +31,7 @@ from prepack.errors import FormatError, InputError, PackIndexError, optional_imp
 from prepack.formats.common import list_column
 from prepack.formats.reference import ReferenceLogps
 from prepack.formats.shards import (
+    DESIRABLE,
     FORMAT_VERSION,
     PAIR_ROLES,
     Manifest,
@@ -189,7 +190,7 @@ class PackedDataset(Dataset):
         packed = {"input_ids": ids, "cu_seqlens": cu[cu_off[row] : cu_off[row + 1]], "segment_ids": segment_ids}
         if labels is not None:
             packed["labels"] = labels
-        for name in ("source_ids", "reference_logps"):  # a mixture's; stored reference log-probabilities
+        for name in ("source_ids", PAIR_ROLES, "reference_logps"):  # a mixture's; a pair build's; stored reference log-probabilities
             if name in columns:
                 offsets, values = columns[name]
                 packed[name] = values[offsets[row] : offsets[row + 1]]
@@ -243,7 +244,7 @@ def _check_directory(path: Path, manifest: Manifest) -> None:
 
 def _row_columns(batch: pa.RecordBatch) -> list[str]:
     """The list columns a full shard serves (as zero-copy views)."""
-    return [*_ROW_COLUMNS, *(name for name in ("labels", "source_ids", PAIR_ROLES) if name in batch.schema.names)]
+    return [*_ROW_COLUMNS, *(name for name in ("labels", "source_ids", PAIR_ROLES, DESIRABLE) if name in batch.schema.names)]
 
 
 def open_hf_dataset(
@@ -261,7 +262,7 @@ def open_hf_dataset(
 
     Rows hold the same columns as `PackedDataset` rows, as int64 arrays (`datasets` hands out a full
     build's rows as int64 copies): input_ids, cu_seqlens, segment_ids, labels when the build has them, and a
-    preference-pair build's pair_roles.
+    preference-pair build's pair_roles (and an unpaired build's desirable, one label an example).
     The dataset's `info.description` names the build's max_len (and cap), for `PackedCollator.for_dataset`.
 
     `reference`: a preference-pair build's stored reference log-probabilities, as `PackedDataset` takes
@@ -300,7 +301,8 @@ def open_hf_dataset(
             "sources' column): use PackedDataset, or build the mixture in full."
         )
     packed.check_all()  # and, with a reference, each of its files against its shard
-    optional = {"labels": packed.manifest.has_labels, PAIR_ROLES: packed.manifest.pairs is not None}
+    unpaired = packed.manifest.options.pairs is not None and packed.manifest.options.pairs.kind == "unpaired"
+    optional = {"labels": packed.manifest.has_labels, PAIR_ROLES: packed.manifest.pairs is not None, DESIRABLE: unpaired}
     columns = [*_ROW_COLUMNS, *(name for name, present in optional.items() if present)]
     files = packed.shard_paths if packed.store is None else _gathered_shards(packed, _rows_directory(cache_dir))
     options = packed.manifest.options

@@ -50,7 +50,7 @@ __all__ = [
 
 # What a batch of pairs carries besides the model's inputs (reference_logps: a build's stored reference
 # log-probabilities, `prepack.training.reference`).
-PAIR_FIELDS = ("pair_segments", "reference_logps")
+PAIR_FIELDS = ("pair_segments", "reference_logps", "desirable")  # an unpaired build's labels too
 
 
 class PairLogps(NamedTuple):

@@ -124,7 +124,7 @@ def write_reference_logps(
     dataset = PackedDataset(build)
     manifest = dataset.manifest
     if manifest.pairs is None:
-        raise InputError(f"{build} is not a preference-pair or group build (prepack build --pairs, --groups): it has no reference log-probabilities.")
+        raise InputError(f"{build} is not a preference-pair, group or unpaired build (prepack build --pairs, --groups, --unpaired): it has no reference log-probabilities.")
     description = describe_model(model, name)
     out = Path(out)
     if out.is_symlink() or out.name in ("", ".."):

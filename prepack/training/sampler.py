@@ -153,8 +153,10 @@ class PackedSampler(Sampler[int]):
     generation where the state's packs end): the rest of the saved epoch is its order over the old packs,
     from where it stopped, then the new packs in a seeded shuffle of their own (`grown` in the state), so
     no old pack is repeated or skipped and every new pack is trained once; the next epoch shuffles all.
-    A balanced sampler (`balance`) takes the grown build from the next epoch on: its state loads only
-    into a sampler of the same size.
+    A balanced sampler (`balance`) does not resume across an append: its steps were dealt over the old
+    packs, so its state loads only into a sampler of the same size (the grown build's refuses it,
+    SamplerStateError naming the sizes, even at an epoch's end); a balanced run takes a grown build with a
+    new sampler from an epoch's start (`set_epoch`), the rest of an interrupted epoch not trained.
     """
 
     def __init__(

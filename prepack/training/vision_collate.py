@@ -11,9 +11,15 @@ model's image processor (in DataLoader workers) and emits, by the family's style
     labels        [B, L] int64   -100 at padding, at each sample's first token and at image placeholders
     pixel_values  what the image processor gives for the batch's images, in token order
     image_grid_thw [N, 3] int64  (3-D rotary) each image's patch grid, from the image processor
-    image_sizes   [N, 2] int64   (Mistral 3) each image's resized (height, width), from the image processor; each
-                                 pack's placeholders are checked against its images' cells (and, InternVL tiled,
-                                 against the views the image processor made of its images)
+    image_sizes   [N, 2] int64   each image's (height, width), from the image processor: (tiled, LLaVA-NeXT) from
+                                 which the model finds how many of the image's padded row of tiles in pixel_values
+                                 [N, tiles, C, H, W] are its own; (Mistral 3) its resized size beside the padded
+                                 pixel_values, each pack's placeholders checked against its images' cells (and,
+                                 InternVL tiled, against the views the image processor made of its images)
+    pixel_values_videos, video_grid_thw  (3-D rotary, packs with `videos`) what the video processor gives
+    second_per_grid_ts [V] float32 (Qwen2.5-VL, packs with `videos`) temporal_patch_size / each video's fps
+    pixel_attention_mask         (split, Idefics3, SmolVLM) the image processor's mask of real pixels beside
+                                 pixel_values [1, tiles, C, H, W], every tile of the batch's images in token order
     position_ids  [B, L] int64   (restart, image blocks) 0, 1, ... restarting at every sample
                   [4, B, L] int64 (3-D rotary) row 0 the text positions restarting at every sample (what
                                  transformers builds the per-sample mask from), rows 1-3 the temporal,
@@ -24,6 +30,14 @@ model's image processor (in DataLoader workers) and emits, by the family's style
                   [B, L] int64  (prefix blocks) PaliGemma's: 0 on each sample's prefix (before its first target),
                                  1 after it and on padding; its position_ids then count from 1, as PaliGemma's do
     use_cache     False
+    image_spans   [N, 3] int64   (with `image_spans=True`) one row per image, in the order of `pixel_values`
+                                 (and `image_grid_thw`): (row, start, end), the image's placeholder tokens being
+                                 `input_ids[row, start:end]` (end exclusive), every one of them and nothing
+                                 else; for users who weight image and text tokens differently. The triple
+                                 indexes whatever [rows, L] layout the tokens are in: a padding-free layout
+                                 ([1, T], samples back to back) has row 0 and flat positions, and
+                                 `row * L + start` is the image's first token in `input_ids.flatten()`. Pop it
+                                 from the batch before the forward: models take no such argument.
 
 There is no attention mask and no `cu_seq_lens_*`: transformers builds the block-diagonal mask from
 `position_ids` on sdpa and eager (the backends `prepack.model.vision_families` measured; Gemma 3's image
@@ -44,16 +58,20 @@ import numpy as np
 
 from prepack.training.collate import PackedCollator
 from prepack.errors import InputError, UsageError, optional_imports
-from prepack.formats.images import MAX_IMAGE_PIXELS
+from prepack.formats.images import DEFAULT_VIDEO_FPS, MAX_IMAGE_PIXELS
 from prepack.formats.shards import IGNORE_INDEX
-from prepack.model.vision_families import ImageStyle, image_style
+from prepack.model.vision_families import VIDEO_RULES, ImageStyle, image_style
 
 with optional_imports("VisionCollator"):
     import torch
     from PIL import Image
 
-__all__ = ["MAX_BATCH_PIXELS", "MAX_IMAGE_PIXELS", "VisionCollator", "VisionSpec", "rotary_3d_positions"]
+__all__ = ["DEFAULT_VIDEO_FPS", "MAX_BATCH_PIXELS", "MAX_IMAGE_PIXELS", "VisionCollator", "VisionSpec",
+           "rotary_3d_positions"]
 
+# Families whose image processor splits an image into tiles plus the whole image (Idefics3's), all of a batch's
+# tiles in one row of pixel_values [1, tiles, C, H, W] with pixel_attention_mask, the model dropping the padding.
+SPLITTING_FAMILIES = ("idefics3", "smolvlm")
 # Decoded pixels the collator accepts, by the images' headers: per image, `prepare-images`' own limit
 # (prepack.formats.images), and per batch, whose images are all decoded before the image processor takes them.
 MAX_BATCH_PIXELS = 128 * 2**20
@@ -66,10 +84,17 @@ class VisionSpec:
     style: ImageStyle
     image_token_id: int
     merge_size: int = 1  # 3-D rotary: patches merged per side into one token (Qwen's spatial_merge_size)
-    tokens_per_image: int | None = None  # restart, image blocks: the fixed number of placeholders per image
+    # restart, image blocks, prefix blocks: the fixed number of placeholders per image (None for a tiled tower,
+    # LLaVA-NeXT's or Idefics3's, and Mistral 3's, whose count follows each image's size)
+    tokens_per_image: int | None = None
     # Mistral 3: the pixels one placeholder covers per side (the tower's patch x its spatial merge), handed to the
     # image processor as its patch_size as PixtralProcessor does; each image then takes (h / cell) x (w / cell).
     image_cell: int | None = None
+    # Videos (3-D rotary families of VIDEO_RULES): the video placeholder; whether each temporal step is its own
+    # run of placeholders, positioned as a one-step video (Qwen3-VL); Qwen2.5-VL's temporal position scale.
+    video_token_id: int | None = None
+    video_steps_apart: bool = False
+    tokens_per_second: float | None = None
 
     @classmethod
     def of(cls, config) -> VisionSpec:
@@ -78,9 +103,16 @@ class VisionSpec:
         image_token_id = getattr(config, "image_token_id", None)
         image_token_id = config.image_token_index if image_token_id is None else image_token_id
         if style == "3-D rotary":
-            return cls(style, image_token_id, merge_size=config.vision_config.spatial_merge_size)
+            video = {}
+            if config.model_type in VIDEO_RULES:
+                video = dict(video_token_id=config.video_token_id,
+                             video_steps_apart=VIDEO_RULES[config.model_type] == "qwen3",
+                             tokens_per_second=getattr(config.vision_config, "tokens_per_second", None))
+            return cls(style, image_token_id, merge_size=config.vision_config.spatial_merge_size, **video)
         if style == "image blocks":
             return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
+        if getattr(config, "image_grid_pinpoints", None) or config.model_type in SPLITTING_FAMILIES:
+            return cls(style, image_token_id)  # tiled: the count follows the image's size
         vision = config.vision_config
         if style == "prefix blocks":  # PaliGemma: SigLIP's patches, one token each
             return cls(style, image_token_id, tokens_per_image=config.text_config.num_image_tokens)
@@ -95,40 +127,64 @@ class VisionSpec:
         return cls(style, image_token_id, tokens_per_image=patches + with_cls)
 
 
-def rotary_3d_positions(input_ids: np.ndarray, grids: np.ndarray, image_token_id: int, merge_size: int) -> np.ndarray:
+def rotary_3d_positions(
+    input_ids: np.ndarray,
+    grids: np.ndarray,
+    image_token_id: int,
+    merge_size: int,
+    *,
+    video_token_id: int | None = None,
+    video_grids: np.ndarray | None = None,
+    video_intervals: np.ndarray | None = None,
+) -> np.ndarray:
     """[3, n] temporal/height/width rotary positions of one sample, as Qwen2-VL's `get_rope_index` gives them.
 
     Text tokens count on in all three rows; an image of patch grid (t, h, w) is t·h·w/merge² placeholders,
     positioned over its merged grid from where the text stood, after which the text goes on from the
     largest merged side. `grids` [k, 3]: the sample's images in order; the placeholders must add up.
+    Videos likewise, by their placeholder `video_token_id` and `video_grids` (one row per run of video
+    placeholders: Qwen3-VL's steps as one-step videos), the temporal positions scaled by `video_intervals`
+    (float32, one per row: Qwen2.5-VL's tokens_per_second x second_per_grid_ts; 1 elsewhere) and truncated,
+    as transformers does in float32.
     """
     positions = np.empty((3, len(input_ids)), dtype=np.int64)
-    is_image = input_ids == image_token_id
-    token, current, image = 0, 0, 0
+    kinds = [("image", image_token_id, grids, None)]
+    if video_token_id is not None:
+        intervals = np.ones(len(video_grids), np.float32) if video_intervals is None else video_intervals
+        kinds.append(("video", video_token_id, video_grids, np.asarray(intervals, np.float32)))
+    is_vision = np.isin(input_ids, [token_id for _, token_id, _, _ in kinds])
+    token, current, used = 0, 0, [0] * len(kinds)
     while token < len(input_ids):
-        if not is_image[token]:
-            run = token + int(np.argmax(is_image[token:])) if is_image[token:].any() else len(input_ids)
+        if not is_vision[token]:
+            run = token + int(np.argmax(is_vision[token:])) if is_vision[token:].any() else len(input_ids)
             positions[:, token:run] = np.arange(current, current + run - token)
             current += run - token
             token = run
             continue
-        if image >= len(grids):
-            raise InputError(f"More image placeholders than images ({len(grids)}) in a sample.")
-        t, h, w = (int(side) for side in grids[image])
+        kind = 0 if input_ids[token] == image_token_id else 1
+        name, token_id, kind_grids, intervals = kinds[kind]
+        number = used[kind]
+        if number >= len(kind_grids):
+            raise InputError(f"More {name} placeholders than {name}s ({len(kind_grids)}) in a sample.")
+        t, h, w = (int(side) for side in kind_grids[number])
         merged_h, merged_w = h // merge_size, w // merge_size
         count = t * merged_h * merged_w
-        if not is_image[token : token + count].all() or token + count > len(input_ids):
+        if token + count > len(input_ids) or not (input_ids[token : token + count] == token_id).all():
             raise InputError(
-                f"Image {image} of a sample has {count} placeholders by its grid {(t, h, w)}, but the sample's "
-                "run of placeholders is shorter."
+                f"{name.capitalize()} {number} of a sample has {count} placeholders by its grid {(t, h, w)}, but the "
+                "sample's run of placeholders is shorter."
             )
-        grid_t, grid_h, grid_w = np.meshgrid(np.arange(t), np.arange(merged_h), np.arange(merged_w), indexing="ij")
+        temporal = np.arange(t)
+        if intervals is not None:
+            temporal = (temporal.astype(np.float32) * intervals[number]).astype(np.int64)
+        grid_t, grid_h, grid_w = np.meshgrid(temporal, np.arange(merged_h), np.arange(merged_w), indexing="ij")
         positions[:, token : token + count] = np.stack([grid_t, grid_h, grid_w]).reshape(3, -1) + current
         current += max(merged_h, merged_w)
         token += count
-        image += 1
-    if image != len(grids):
-        raise InputError(f"A sample has {len(grids)} images but placeholders for {image}.")
+        used[kind] += 1
+    for (name, _, kind_grids, _), number in zip(kinds, used):
+        if number != len(kind_grids):
+            raise InputError(f"A sample has {len(kind_grids)} {name}s but placeholders for {number}.")
     return positions
 
 
@@ -142,7 +198,21 @@ class VisionCollator:
     - `max_image_pixels`, `max_batch_pixels`: the most pixels one image, and all the images of a batch, may
       decode to (by default `MAX_IMAGE_PIXELS`, 32·2²⁰, and `MAX_BATCH_PIXELS`, 128·2²⁰). Every image's size
       is read from its header first; an image or a batch over its limit is refused (InputError naming the
-      pack and the image) before any image of the batch is decoded.
+      pack and the image) before any image of the batch is decoded. A video's frames count as images.
+    - `image_spans`: also emit `image_spans` (see the module docstring); off by default, as the model's
+      forward would be handed a field it does not take. Refused (UsageError) for towers whose images are not one
+      run of placeholders each: LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's and SmolVLM's tiles, Mistral 3's rows.
+    - `video_processor`: for packs with `videos` (Qwen-VL families, `VIDEO_RULES`), called on the batch's videos
+      (each a list of decoded RGB frames) as transformers' video processors are, giving `pixel_values_videos`
+      and `video_grid_thw`: transformers' own Qwen2VLVideoProcessor/Qwen3VLVideoProcessor (with
+      `do_sample_frames=False`: the frames are the samples) where torchvision is installed, or
+      `prepack.training.video_frames.FrameVideoProcessor` (the image processor per frame, no torchvision).
+    - `video_fps`: the frame rate of a video whose pack gives none in `video_fps` (default 2.0, qwen-vl-utils');
+      Qwen2.5-VL's `second_per_grid_ts` is temporal_patch_size / fps, as its processor computes it.
+
+    A pack's `videos` are its videos in token order, each a list of encoded frames (images of one size); its
+    optional `video_fps`, one rate per video. The batch then also holds `pixel_values_videos`, `video_grid_thw`
+    and, for Qwen2.5-VL, `second_per_grid_ts`; the rotary rows position each video as `get_rope_index` does.
     """
 
     def __init__(
@@ -155,6 +225,9 @@ class VisionCollator:
         image_processor_options: Mapping[str, Any] | None = None,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
         max_batch_pixels: int = MAX_BATCH_PIXELS,
+        image_spans: bool = False,
+        video_processor=None,
+        video_fps: float = DEFAULT_VIDEO_FPS,
     ):
         if pad_token_id == spec.image_token_id:
             raise UsageError(f"pad_token_id {pad_token_id} is the image placeholder; pick another id.")
@@ -164,12 +237,22 @@ class VisionCollator:
                 f"({max_batch_pixels}): a batch must hold the largest image."
             )
         self.max_image_pixels, self.max_batch_pixels = max_image_pixels, max_batch_pixels
+        if image_spans and spec.tokens_per_image is None and spec.style != "3-D rotary":
+            raise UsageError(
+                "image_spans are given where each image is one run of placeholders of a fixed count, a grid's or "
+                "InternVL's views; this model's images (LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's and SmolVLM's "
+                "tiles, Mistral 3's rows broken by [IMG_BREAK]) are counted by their size in the processor's text."
+            )
+        self.image_spans = image_spans
         self.spec, self.image_processor = spec, image_processor
         self.image_processor_options = dict(image_processor_options or {})
         # InternVL's tiles (GOT-OCR2's crop_to_patches): tokens_per_image placeholders per view, views per image by
         # its shape, checked per pack against the views the image processor makes.
         self.tiled = spec.tokens_per_image is not None and bool(
             self.image_processor_options.get("crop_to_patches", getattr(image_processor, "crop_to_patches", False)))
+        if not video_fps > 0:
+            raise UsageError(f"video_fps is {video_fps!r}; a frame rate is a positive number of frames a second.")
+        self.video_processor, self.video_fps = video_processor, float(video_fps)
         # The text side is every pack's: checked, padded, labels and restarting positions as for text.
         self.text = PackedCollator(max_len, pad_to="max_len" if max_len else "longest", pad_token_id=pad_token_id)
 
@@ -179,8 +262,11 @@ class VisionCollator:
         input_ids, position_ids = text["input_ids"], text["position_ids"]
         is_image = input_ids == self.spec.image_token_id
         text["labels"][is_image] = IGNORE_INDEX  # a placeholder is never a target
+        if self.spec.video_token_id is not None:
+            text["labels"][input_ids == self.spec.video_token_id] = IGNORE_INDEX
         batch: dict[str, Any] = {"input_ids": input_ids, "labels": text["labels"]}
         images = [pack.images for pack in checked]
+        image_tokens: list[int] = []  # per image its placeholders, where the image processor decides them
         if any(images):
             batch |= self._preprocessed(images)
             if self.spec.image_cell is not None:
@@ -189,13 +275,16 @@ class VisionCollator:
                 _check_image_tokens(checked, cells, self.spec.image_token_id, f"cells of {cell} pixels",
                                     "its size.longest_edge, patch_size and spatial_merge_size")
             if self.tiled:
-                views = [int(count) * self.spec.tokens_per_image for count in batch.pop("num_patches")]
-                _check_image_tokens(checked, views, self.spec.image_token_id,
+                image_tokens = [int(count) * self.spec.tokens_per_image for count in batch.pop("num_patches")]
+                _check_image_tokens(checked, image_tokens, self.spec.image_token_id,
                                     f"placeholders, {self.spec.tokens_per_image} per view",
                                     "its crop_to_patches, min_patches, max_patches and size")
+        videos = [pack.videos for pack in checked]
+        if any(videos):
+            batch |= self._preprocessed_videos(checked)
         if self.spec.style == "3-D rotary":
             grids = batch["image_grid_thw"].numpy() if any(images) else np.zeros((0, 3), dtype=np.int64)
-            rotary = self._rotary_positions(checked, grids, input_ids.shape[1])
+            rotary = self._rotary_positions(checked, grids, input_ids.shape[1], self._video_runs(batch))
             batch["position_ids"] = torch.cat([position_ids[None], torch.from_numpy(rotary)])
         else:
             batch["position_ids"] = position_ids
@@ -205,11 +294,80 @@ class VisionCollator:
             batch["position_ids"] = position_ids + 1  # PaliGemma numbers a sequence's positions from 1
             batch["token_type_ids"] = _suffixes(checked, text["labels"])
         batch["use_cache"] = False
+        if self.image_spans:
+            if "image_grid_thw" in batch:
+                merged = self.spec.merge_size**2
+                image_tokens = [int(np.prod(grid)) // merged for grid in batch["image_grid_thw"].numpy()]
+            elif not self.tiled:
+                image_tokens = [self.spec.tokens_per_image] * sum(len(pack.images) for pack in checked)
+            batch["image_spans"] = torch.from_numpy(_image_spans(checked, image_tokens, self.spec.image_token_id))
         return batch
 
     def _preprocessed(self, images_by_pack: Sequence[Sequence[bytes]]) -> dict[str, Any]:
         """What the image processor makes of the packs' images (encoded, in token order), each checked
         against the pixel limits by its header before any is decoded, then decoded one by one."""
+        self._check_pixels(images_by_pack)
+        decoded = [
+            _opened(image, number, index, lambda opened: opened.convert("RGB"))
+            for number, images in enumerate(images_by_pack)
+            for index, image in enumerate(images)
+        ]
+        options = self.image_processor_options
+        if self.spec.image_cell is not None:
+            options = {"patch_size": {"height": self.spec.image_cell, "width": self.spec.image_cell}} | options
+        out = self.image_processor(images=decoded, return_tensors="pt", **options)
+        fields = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
+        kept = {key: out[key] for key in fields if key in out}
+        if self.tiled:  # views per image, for the check of each pack's placeholders (not a model input)
+            kept["num_patches"] = out["num_patches"]
+        elif self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(decoded):
+            raise UsageError(
+                f"The image processor made {len(kept['pixel_values'])} crops of {len(decoded)} images; prepack "
+                "counted one per image (turn off crops such as Gemma 3's pan-and-scan)."
+            )
+        return kept
+
+    def _preprocessed_videos(self, packs: list[_VisionPack]) -> dict[str, Any]:
+        """What the video processor makes of the packs' videos (frames checked against the pixel limits with the
+        batch's images, by their headers, before any is decoded), and Qwen2.5-VL's `second_per_grid_ts`."""
+        if self.video_processor is None:
+            raise UsageError("Packs with videos need VisionCollator(video_processor=...): transformers' Qwen-VL video "
+                             "processor, or prepack.training.video_frames.FrameVideoProcessor.")
+        frames_by_pack = [[frame for video in pack.videos for frame in video] for pack in packs]
+        self._check_pixels([[*pack.images, *frames] for pack, frames in zip(packs, frames_by_pack)])
+        videos = [
+            [_opened(frame, number, index, lambda opened: opened.convert("RGB")) for index, frame in enumerate(video)]
+            for number, pack in enumerate(packs)
+            for video in pack.videos
+        ]
+        out = self.video_processor(videos=videos, return_tensors="pt")
+        kept = {key: out[key] for key in ("pixel_values_videos", "video_grid_thw")}
+        if len(kept["video_grid_thw"]) != len(videos):
+            raise UsageError(f"The video processor made {len(kept['video_grid_thw'])} grids of {len(videos)} videos.")
+        if self.spec.tokens_per_second is not None:
+            fps = [rate for pack in packs for rate in pack.video_fps or [self.video_fps] * len(pack.videos)]
+            # temporal_patch_size / fps, as Qwen2_5_VLProcessor computes it (a float32 tensor there too)
+            size = self.video_processor.temporal_patch_size
+            kept["second_per_grid_ts"] = torch.tensor([size / rate for rate in fps])
+        return kept
+
+    def _video_runs(self, batch: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """Per run of video placeholders its grid (a Qwen3-VL step a one-step video, as get_rope_index splits
+        them) and its temporal position scale (float32: tokens_per_second x second_per_grid_ts, or 1)."""
+        if "video_grid_thw" not in batch:
+            return np.zeros((0, 3), dtype=np.int64), np.zeros(0, np.float32)
+        grids = batch["video_grid_thw"].numpy()
+        intervals = np.ones(len(grids), np.float32)
+        if "second_per_grid_ts" in batch:
+            intervals = np.float32(self.spec.tokens_per_second) * batch["second_per_grid_ts"].numpy().astype(np.float32)
+        if self.spec.video_steps_apart:
+            intervals = np.repeat(intervals, grids[:, 0])
+            grids = np.repeat(grids, grids[:, 0], axis=0)
+            grids[:, 0] = 1
+        return grids, intervals
+
+    def _check_pixels(self, images_by_pack: Sequence[Sequence[bytes]]) -> None:
+        """Every image within max_image_pixels and all of them within max_batch_pixels, by their headers."""
         batch_pixels = 0
         for number, images in enumerate(images_by_pack):
             for index, image in enumerate(images):
@@ -226,39 +384,55 @@ class VisionCollator:
                         f"than max_batch_pixels={self.max_batch_pixels:,} of VisionCollator: refused before "
                         "decoding; collate fewer packs a batch, or raise max_batch_pixels."
                     )
-        decoded = [
-            _opened(image, number, index, lambda opened: opened.convert("RGB"))
-            for number, images in enumerate(images_by_pack)
-            for index, image in enumerate(images)
-        ]
-        options = self.image_processor_options
-        if self.spec.image_cell is not None:
-            options = {"patch_size": {"height": self.spec.image_cell, "width": self.spec.image_cell}} | options
-        out = self.image_processor(images=decoded, return_tensors="pt", **options)
-        kept = {key: out[key] for key in ("pixel_values", "image_grid_thw", "image_sizes") if key in out}
-        if self.tiled:  # views per image, for the check of each pack's placeholders (not a model input)
-            kept["num_patches"] = out["num_patches"]
-        elif self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(decoded):
-            raise UsageError(
-                f"The image processor made {len(kept['pixel_values'])} crops of {len(decoded)} images; prepack "
-                "counted one per image (turn off crops such as Gemma 3's pan-and-scan)."
-            )
-        return kept
 
-    def _rotary_positions(self, packs: list[_VisionPack], grids: np.ndarray, width: int) -> np.ndarray:
-        """[3, B, L]: each sample's own rotary positions; a row's padding tail counts from 0 as a sample."""
+    def _rotary_positions(
+        self, packs: list[_VisionPack], grids: np.ndarray, width: int, video_runs: tuple[np.ndarray, np.ndarray]
+    ) -> np.ndarray:
+        """[3, B, L]: each sample's own rotary positions; a row's padding tail counts from 0 as a sample.
+        `video_runs`: `_video_runs`' grids and temporal scales of the batch's runs of video placeholders."""
         positions = np.zeros((3, len(packs), width), dtype=np.int64)
-        first_image = 0
+        video_grids, video_intervals = video_runs
+        first_image = first_video = 0
         for row, pack in enumerate(packs):
             for start, end in zip(pack.cu_seqlens[:-1], pack.cu_seqlens[1:]):
                 sample = pack.input_ids[start:end]
                 count = _image_runs(sample == self.spec.image_token_id, grids[first_image:], self.spec.merge_size)
+                videos = {}
+                if self.spec.video_token_id is not None:
+                    runs = _image_runs(sample == self.spec.video_token_id, video_grids[first_video:],
+                                       self.spec.merge_size)
+                    videos = dict(video_token_id=self.spec.video_token_id,
+                                  video_grids=video_grids[first_video : first_video + runs],
+                                  video_intervals=video_intervals[first_video : first_video + runs])
+                    first_video += runs
                 positions[:, row, start:end] = rotary_3d_positions(
-                    sample, grids[first_image : first_image + count], self.spec.image_token_id, self.spec.merge_size
+                    sample, grids[first_image : first_image + count], self.spec.image_token_id, self.spec.merge_size,
+                    **videos
                 )
                 first_image += count
             positions[:, row, len(pack.input_ids) :] = np.arange(width - len(pack.input_ids))
         return positions
+
+
+def _image_spans(packs: list[_VisionPack], image_tokens: list[int], image_token_id: int) -> np.ndarray:
+    """[N, 3] (row, start, end) of every image's placeholders, images in the order of `pixel_values`: the packs'
+    images in pack order, each pack's in token order. An image takes the next `count` placeholders of its row
+    (`image_tokens`: by its grid, its views or the fixed count; adjacent images' runs touch in the fixed styles),
+    which must be one run."""
+    spans = np.zeros((sum(len(pack.images) for pack in packs), 3), dtype=np.int64)
+    image = 0
+    for row, pack in enumerate(packs):
+        positions = np.flatnonzero(pack.input_ids == image_token_id)
+        at = 0
+        for _ in pack.images:
+            count = image_tokens[image]
+            start = int(positions[at]) if at < len(positions) else -1
+            if at + count > len(positions) or positions[at + count - 1] != start + count - 1:
+                raise InputError(f"Pack {row}'s image {image} has {count} placeholders, but the pack's next run of "
+                                 "placeholders is shorter: its placeholders and images disagree.")
+            spans[image] = row, start, start + count
+            at, image = at + count, image + 1
+    return spans
 
 
 def _image_runs(is_image: np.ndarray, grids: np.ndarray, merge_size: int) -> int:
@@ -275,6 +449,8 @@ class _VisionPack:
     input_ids: np.ndarray
     cu_seqlens: np.ndarray
     images: list[bytes]
+    videos: list[list[bytes]] = ()  # each video its encoded frames, in token order
+    video_fps: list[float] | None = None  # one frame rate per video, when the pack gives them
 
 
 def _vision_pack(pack: Mapping[str, Any], number: int, spec: VisionSpec, tiled: bool = False) -> _VisionPack:
@@ -290,7 +466,21 @@ def _vision_pack(pack: Mapping[str, Any], number: int, spec: VisionSpec, tiled: 
         )
     if (spec.tokens_per_image is None or tiled) and bool(placeholders) != bool(images):
         raise InputError(f"Pack {number} has {placeholders} image placeholders and {len(images)} images.")
-    return _VisionPack(input_ids, cu_seqlens, images)
+    videos = [list(video) for video in pack.get("videos") or []]
+    if videos and spec.video_token_id is None:
+        raise UsageError(f"Pack {number} has videos, and prepack batches videos only for {', '.join(VIDEO_RULES)}.")
+    video_placeholders = int((input_ids == spec.video_token_id).sum()) if spec.video_token_id is not None else 0
+    if bool(video_placeholders) != bool(videos):
+        raise InputError(f"Pack {number} has {video_placeholders} video placeholders and {len(videos)} videos.")
+    if any(not video for video in videos):
+        raise InputError(f"Pack {number} has a video without frames.")
+    video_fps = pack.get("video_fps")
+    if video_fps is not None:
+        video_fps = [float(rate) for rate in video_fps]
+        if len(video_fps) != len(videos) or not all(rate > 0 for rate in video_fps):
+            raise InputError(f"Pack {number}'s video_fps {video_fps} is not one positive rate per video "
+                             f"({len(videos)}).")
+    return _VisionPack(input_ids, cu_seqlens, images, videos, video_fps)
 
 
 def _suffixes(packs: list[_VisionPack], labels: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Serve a build of an image-chat corpus with its images: each pack gets `images`, the encoded bytes of
-its documents' images in token order, from the image set written beside the build
+its documents' images in token order (and, for a set with videos, `videos`, each its encoded frames, and
+`video_fps`), from the image set written beside the build
 (`prepack.sources.images.prepare_image_chat`, `schemas/image-set.md`). `VisionCollator` decodes them.
 
 Every pack is checked against the image set before it is served: its image placeholder tokens must be
@@ -61,4 +62,22 @@ class ImagePackedDataset:
                 f"{rows.tolist()[:8]}) have images of {expected}: a document's images were cut (keep image "
                 "documents within max_len: --overflow drop), or the build is not of this image set's corpus."
             )
-        return {**pack, "images": [self.image_set.data(number) for number in numbers]}
+        served = {**pack, "images": [self.image_set.data(number) for number in numbers]}
+        if self.image_set.manifest.video_rule is not None:
+            served |= self._videos(index, pack, rows)
+        return served
+
+    def _videos(self, index: int, pack: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+        """The pack's `videos` (each its encoded frames) and `video_fps`, its video placeholders checked as its
+        image placeholders are."""
+        videos = [video for row in rows for video in self.image_set.videos_of(int(row))]
+        expected = sum(tokens for _, _, tokens in videos)
+        found = int(np.count_nonzero(pack["input_ids"] == self.image_set.manifest.video_placeholder_id))
+        if found != expected:
+            raise InputError(
+                f"Pack {index} holds {found} video placeholder tokens, but its documents (corpus rows "
+                f"{rows.tolist()[:8]}) have videos of {expected}: a document's videos were cut (keep video "
+                "documents within max_len: --overflow drop), or the build is not of this image set's corpus."
+            )
+        return {"videos": [[self.image_set.data(int(frame)) for frame in frames] for frames, _, _ in videos],
+                "video_fps": [fps for _, fps, _ in videos]}

@@ -238,6 +238,9 @@ def test_manifest_values_must_have_their_json_type(copy, edit, message):
         ('{"format_version": 2, "format_version": 2}', "'format_version' appears twice"),
         ('{"format_version": NaN}', "NaN is not a JSON number"),
         ('{"format_version": 2, "seed": ' + "9" * 5000 + "}", "5000 digits"),
+        # One digit over the bound, alone and in a manifest with non-ASCII text (each integer then parsed by a hook).
+        ('{"format_version": 2, "seed": -' + "9" * 101 + "}", "101 digits"),
+        ('{"format_version": 2, "x": "\u00e9", "seed": ' + "9" * 101 + "}", "101 digits"),
         ('{"format_version": 2, "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests too deeply"),
         ('{"format_version": 2, "x": "\udcff"}'.encode("utf-8", "surrogateescape"), "cannot be read as JSON"),
     ],
@@ -247,6 +250,13 @@ def test_manifests_that_break_json_parsers_are_format_errors(tmp_path, text, mes
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(FormatError, match=message):
         read_manifest(tmp_path)
+
+
+@pytest.mark.parametrize("text", ['[1, -22, ' + "9" * 100 + "]", '["\u00e9", 1, -22, ' + "9" * 100 + "]"])
+def test_integers_up_to_the_bound_parse_whatever_the_text_around_them(text):
+    from prepack.formats.common import load_manifest_json
+
+    assert load_manifest_json(text.encode(), "manifest.json", "m.json")[1][-3:] == [1, -22, int("9" * 100)]
 
 
 def test_a_manifest_over_the_size_cap_is_refused_unread(copy, monkeypatch):

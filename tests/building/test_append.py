@@ -374,10 +374,6 @@ def test_an_append_packs_as_the_build_did_and_only_a_build_of_its_store(tmp_path
         build(tmp_path / "other", tmp_path / "packed", max_len=MAX_LEN, append=True)
     with pytest.raises(InputError, match="this is a corpus"):
         build(tmp_path / "batch-b", tmp_path / "packed", max_len=MAX_LEN, append=True)
-    with pytest.raises(InputError, match="--append runs on the local engine: leave out --engine ray"):
-        build(store, tmp_path / "packed", max_len=MAX_LEN, append=True, engine="ray")
-    with pytest.raises(InputError, match="--append runs on the local engine: leave out --engine ray"):
-        build_store(tmp_path / "batch-c", store, append=True, engine="ray")
     assert {p.name: p.read_bytes() for p in (tmp_path / "packed").iterdir()} == before
 
 
@@ -433,6 +429,32 @@ def test_a_state_of_another_size_that_is_no_generation_is_still_refused(tmp_path
     with pytest.raises(ValueError, match="grown is never in a balanced state"):
         balanced = PackedSampler(grown, rank=0, world_size=1, batch_size=2, drop_last=True, balance="attention")
         balanced.load_state_dict({**balanced.state_dict(), "grown": [3]})
+
+
+def test_a_balanced_state_does_not_resume_across_an_append_as_documented(tmp_path):
+    """A balanced sampler's steps are dealt over the packs it began with: the grown build's refuses its
+    state by size, at an epoch's end too; a new sampler takes the grown build from an epoch's start."""
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 120)), store)
+    build(store, out, max_len=MAX_LEN, index_only=True)
+    options = dict(rank=0, world_size=1, batch_size=2, drop_last=True, balance="attention")
+    packs = len(PackedDataset(out))
+    old = PackedSampler(PackedDataset(out), **options)
+    steps = iter(old)
+    for _ in range(4):
+        next(steps)
+    mid_epoch = old.state_dict(consumed=4)
+    old.set_epoch(1)
+    build_store(_batch(tmp_path, "b", _documents(1, 40)), store, append=True)
+    build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+    grown = PackedDataset(out)
+    for state in (mid_epoch, old.state_dict()):
+        with pytest.raises(ValueError, match=rf"another setup: size {packs} \(now {len(grown)}\)"):
+            PackedSampler(grown, **options).load_state_dict(state)
+    fresh = PackedSampler(grown, **options)
+    fresh.set_epoch(1)
+    dealt = list(fresh)
+    assert sorted(dealt) == list(range(len(grown))) and len(grown) > packs  # every pack, the new ones among them
 
 
 # The command line ----------------------------------------------------------------------------------
@@ -603,6 +625,29 @@ def test_an_append_to_dot_or_dot_dot_is_refused_as_a_build_to_it_is_and_writes_n
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("index_only", [False, True])
+def test_an_append_counts_a_rebuild_from_the_stores_length_counts_reading_no_old_shard(tmp_path, monkeypatch, index_only):
+    """A rebuild's packs depend on the documents' lengths, not their order: store.json's length_counts
+    give them, so an append reads only the shards it packs (unless untrained documents are left out)."""
+    from prepack.sources.store import Store
+
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 60)), store, shard_size=600)
+    build(store, out, max_len=MAX_LEN, index_only=index_only)
+    build_store(_batch(tmp_path, "b", _documents(1, 15)), store, shard_size=600, append=True)
+    old = {shard.name for shard in read_store_manifest(store).at_generation(0).shards}
+    assert len(old) > 1
+    for name in ("shard_columns", "shard_lengths", "shard_document_lengths"):
+        def read(self, shard, *args, _read=getattr(Store, name), **kwargs):
+            assert shard.name not in old, f"an old shard was read: {shard.name}"
+            return _read(self, shard, *args, **kwargs)
+
+        monkeypatch.setattr(Store, name, read)
+    grown = build(store, out, max_len=MAX_LEN, index_only=index_only, append=True)
+    monkeypatch.undo()
+    assert grown.generations[-1].rebuild_packs == build(store, tmp_path / "rebuilt", max_len=MAX_LEN, index_only=index_only).totals.packs
+
+
 def test_an_append_counts_a_rebuild_from_compact_lengths(tmp_path, monkeypatch):
     """The rebuild count reads every store document's length: 2 bytes each here (uint16), not 8."""
     from prepack.building import build as build_module
@@ -615,6 +660,29 @@ def test_an_append_counts_a_rebuild_from_compact_lengths(tmp_path, monkeypatch):
     monkeypatch.setattr(build_module, "pack_count", lambda lengths, *a, **k: counted.append(lengths.dtype) or count(lengths, *a, **k))
     build(store, out, max_len=MAX_LEN, index_only=True, append=True)
     assert counted == [np.uint16]
+
+
+@pytest.mark.parametrize("drop_untrained", [False, True])
+def test_an_index_append_of_a_small_store_loads_no_kernel_as_its_rebuild_loads_none(tmp_path, drop_untrained):
+    """numba's start-up (0.5-0.7 CPU s) is what an index build of a small store saves by planning in
+    numpy; an append, planning less, must not pay it (its count of a rebuild's packs included)."""
+    store, out = tmp_path / "store", tmp_path / "index"
+    build_store(_batch(tmp_path, "a", _documents(0, 60), labels=True), store)
+    build(store, out, max_len=MAX_LEN, index_only=True, drop_untrained=drop_untrained)
+    build_store(_batch(tmp_path, "b", _documents(1, 9), labels=True), store, append=True)
+    code = f"""
+import sys
+import prepack
+prepack.build({str(store)!r}, {str(out)!r}, max_len={MAX_LEN}, index_only=True, drop_untrained={drop_untrained}, append=True)
+print("numba" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False"]
+    grown = read_manifest(out)
+    rebuilt = build(store, tmp_path / "rebuilt", max_len=MAX_LEN, index_only=True, drop_untrained=drop_untrained)
+    assert grown.generations[-1].rebuild_packs == rebuilt.totals.packs and grown.totals.documents == 69
+    assert verify_build(out) == []
 
 
 def test_a_full_build_of_a_grown_store_refuses_a_fingerprint_its_documents_do_not_give(tmp_path):
@@ -631,6 +699,57 @@ def test_a_full_build_of_a_grown_store_refuses_a_fingerprint_its_documents_do_no
                        rf"store's documents give {grown.generations[generation].fingerprint}"):
         build(store, tmp_path / "packed", max_len=MAX_LEN)
     assert not (tmp_path / "packed").exists()
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_a_full_build_refuses_an_earlier_generation_swapped_under_a_chain_that_still_ends_right(tmp_path, append):
+    """The shard of the first generation a full build reads (generation 0; an append to a build of generation
+    0: generation 1) swapped for one of other tokens of the same lengths, store.json's shard entry and last
+    fingerprint brought in line with the swap, the swapped generation's recorded fingerprint left as it was.
+    The chain then ends where the documents' does, so only a check of every link it hashed finds the swap."""
+    import json
+
+    from prepack.formats.store import StoreFingerprint, chained_fingerprint
+
+    store, out = tmp_path / "store", tmp_path / "packed"
+    parts = {"a": _documents(0, 30), "b": _documents(1, 10), "c": _documents(2, 10)}
+    swapped = 1 if append else 0
+    for number, (name, documents) in enumerate(parts.items()):
+        build_store(_batch(tmp_path, name, documents), store, append=number > 0)
+        if append and number == 0:
+            build(store, out, max_len=MAX_LEN)
+
+    def alone(name: str, documents: list[list[int]]):
+        """The store of one part alone (its shard's bytes are the part's shard in the grown store)."""
+        (tmp_path / f"alone-{name}").mkdir(exist_ok=True)
+        return build_store(_batch(tmp_path / f"alone-{name}", name, documents), tmp_path / f"alone-{name}" / "store")
+
+    name = list(parts)[swapped]
+    shard = store / f"documents-{swapped:05d}.arrow"
+    alone(name, parts[name])
+    assert shard.read_bytes() == (tmp_path / f"alone-{name}" / "store" / "documents-00000.arrow").read_bytes()
+    (tmp_path / "alone-swap").mkdir()
+    swap = build_store(_batch(tmp_path / "alone-swap", name, [[(t + 1) % 500 for t in d] for d in parts[name]]), tmp_path / "alone-swap" / "store")
+    shard.write_bytes((tmp_path / "alone-swap" / "store" / "documents-00000.arrow").read_bytes())
+    record_shard(store / "store.json", shard)
+    chain = []
+    for number, (part, documents) in enumerate(parts.items()):
+        added = swap.fingerprint if number == swapped else alone(part, documents).fingerprint
+        chain.append(chained_fingerprint(chain[-1], added) if chain else added)
+    recorded = json.loads((store / "store.json").read_text())
+    recorded["generations"][-1]["fingerprint"] = recorded["fingerprint"] = chain[-1]
+    (store / "store.json").write_text(json.dumps(recorded))
+    # The chain ends right: the documents give the last link recorded, and the swapped link another.
+    grown = open_store(store)
+    hashed = StoreFingerprint(grown.manifest)
+    for batch in grown.documents():
+        hashed.update(np.diff(batch.offsets), batch.ids, batch.labels)
+    assert hashed.hexdigest() == recorded["fingerprint"] and hashed.found[swapped] != (was := recorded["generations"][swapped]["fingerprint"])
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(InputError, match=rf"store\.json: generations\[{swapped}\]\.fingerprint is {was}, but the store's "
+                       rf"documents give {chain[swapped]}: its documents or store\.json changed"):
+        build(store, out if append else tmp_path / "rebuilt", max_len=MAX_LEN, append=append)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
 def test_an_append_to_a_grown_store_summarises_its_lengths_without_reading_its_shards(tmp_path, monkeypatch):

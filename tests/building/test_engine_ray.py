@@ -146,6 +146,30 @@ def test_preference_pairs_build_the_same_bytes(tmp_path, local_ray, gpt2):
 
 
 @pytest.mark.slow
+def test_a_pair_store_is_stored_and_built_the_same_bytes(tmp_path, local_ray, gpt2):
+    """A pair corpus tokenized into a store by Ray tasks (shards cut at pair boundaries) is the local engine's
+    store, and a build of it on Ray, each task reading a store shard and its pairs' prompt lengths, the local
+    build's, which is the build of the corpus itself."""
+    turns = [t for t in chitchat() if len(t) >= 2 and len(t[0]) < 50][:60]
+    corpus = tmp_path / "pairs"
+    corpus.mkdir()
+    for part in range(2):
+        rows = turns[part * 30 : (part + 1) * 30]
+        lines = [json.dumps({"prompt": f"Q: {t[0]} A:", "chosen": f" {t[1]}", "rejected": " no idea"}) for t in rows]
+        (corpus / f"{part}.jsonl").write_text("\n".join(lines) + "\n")
+    build_store(corpus, tmp_path / "store", tokenizer=gpt2, pairs=True, shard_size=1_000, num_proc=1)
+    build_store(corpus, tmp_path / "store-ray", tokenizer=gpt2, pairs=True, shard_size=1_000, engine="ray")
+    assert _same(tmp_path / "store", tmp_path / "store-ray") > 3
+    options = {"max_len": 40, "overflow": "truncate", "shard_size": 4_000, "seed": 1}
+    local = build(tmp_path / "store", tmp_path / "local", **options)
+    on_ray = build(tmp_path / "store", tmp_path / "ray", engine="ray", **options)
+    assert on_ray == local and len(local.shards) > 1 and local.pairs.truncated > 0
+    _same(tmp_path / "local", tmp_path / "ray")
+    build(corpus, tmp_path / "from-corpus", tokenizer=gpt2, pairs=True, num_proc=1, **options)
+    _same(tmp_path / "local", tmp_path / "from-corpus")
+
+
+@pytest.mark.slow
 def test_a_mixture_builds_the_same_bytes(tmp_path, local_ray):
     """Two corpora (files of three formats, one without labels) and a store, mixed with a cut at a piece and
     copies, in tokens and in trained tokens: a task per file or store shard reads each pass; a file changed
@@ -291,6 +315,9 @@ def test_options_the_engine_would_ignore_are_refused_before_anything_runs(tmp_pa
             build(corpus, tmp_path / "out", max_len=8, **options)
     with pytest.raises(InputError, match="unknown engine"):
         build_store(corpus, tmp_path / "out", engine="dask")
+    # Groups are read on the local engine only, into a build or into a store.
+    with pytest.raises(InputError, match="--groups .* the local engine"):
+        build_store(corpus, tmp_path / "out", tokenizer=tmp_path, groups=True, engine="ray")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
 
 
@@ -541,6 +568,47 @@ def test_an_index_build_runs_on_the_driver_with_the_local_bytes(tmp_path, local_
     local = build(tmp_path / "store", tmp_path / "local", max_len=512, index_only=True)
     assert build(tmp_path / "store", tmp_path / "ray", max_len=512, index_only=True, engine="ray") == local
     assert _same(tmp_path / "local", tmp_path / "ray") >= 2
+
+
+@pytest.mark.slow
+def test_appends_to_a_store_and_to_its_builds_write_the_local_bytes(tmp_path, local_ray):
+    """`--append` on the Ray engine: a store grown by a corpus, then its full and index builds grown by the
+    documents added, every shard numbered on from the output's, byte for byte as the local engine grows them."""
+    rng = np.random.default_rng(7)
+    for part, count in (("old", 900), ("new", 300)):
+        documents = [rng.integers(0, 1000, rng.integers(0, 300)).tolist() for _ in range(count)]
+        (tmp_path / part).mkdir()
+        write_corpus(tmp_path / part / f"{part}.parquet", corpus_table(documents, [[-100, *d[1:]] if d else [] for d in documents]))
+    for engine in ("local", "ray"):
+        root = tmp_path / engine
+        build_store(tmp_path / "old", root / "store", shard_size=30_000, engine=engine)
+        build(root / "store", root / "full", max_len=512, shard_size=40_000, engine=engine)
+        build(root / "store", root / "index", max_len=512, index_only=True, engine=engine)
+        build_store(tmp_path / "new", root / "store", shard_size=30_000, append=True, engine=engine)
+        grown = build(root / "store", root / "full", max_len=512, shard_size=40_000, append=True, engine=engine)
+        build(root / "store", root / "index", max_len=512, index_only=True, append=True, engine=engine)
+        assert len(grown.generations) == 2 and grown.generations[0].shards < len(grown.shards)
+    for output in ("store", "full", "index"):
+        assert _same(tmp_path / "local" / output, tmp_path / "ray" / output) >= 3, output
+
+
+@pytest.mark.slow
+def test_appends_in_s3_on_the_ray_engine_write_the_local_bytes(tmp_path, s3_ray, fs, s3_bucket):
+    """The object-storage append (new shard objects first, the manifest last on its ETag) on Ray tasks:
+    a store and its full build grown in S3, object for object the local engine's appends."""
+    rng = np.random.default_rng(8)
+    for part, count in (("old", 600), ("new", 200)):
+        documents = [rng.integers(0, 1000, rng.integers(0, 300)).tolist() for _ in range(count)]
+        (tmp_path / part).mkdir()
+        write_corpus(tmp_path / part / f"{part}.parquet", corpus_table(documents, [[-100, *d[1:]] if d else [] for d in documents]))
+    for root, engine in ((tmp_path / "local", "local"), (f"{s3_bucket}/grown", "ray")):
+        build_store(tmp_path / "old", f"{root}/store", shard_size=30_000, engine=engine)
+        build(f"{root}/store", f"{root}/full", max_len=512, shard_size=40_000, engine=engine)
+        build_store(tmp_path / "new", f"{root}/store", shard_size=30_000, append=True, engine=engine)
+        build(f"{root}/store", f"{root}/full", max_len=512, shard_size=40_000, append=True, engine=engine)
+    for output in ("store", "full"):
+        expected = files(tmp_path / "local" / output)
+        assert len(expected) >= 3 and _objects(fs, f"{s3_bucket}/grown/{output}") == expected, output
 
 
 def _closed_port() -> int:

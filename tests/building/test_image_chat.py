@@ -736,3 +736,252 @@ def test_tiled_canvas_is_transformers_own(height, width, tiles):
     from prepack.formats.images import tiled_canvas
 
     assert tiled_canvas(height, width, 448, *tiles) == get_optimal_tiled_canvas((height, width), (448, 448), *tiles)
+# LLaVA-NeXT's tiling (llava-hf/llava-v1.6-*'s processor sizes): the resolutions images are tiled to, 336-pixel tiles.
+LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+# (width, height): photographs' shapes, square, just off a tile, and extreme aspect ratios both ways.
+TILED_SIZES = ((640, 480), (480, 640), (336, 336), (337, 335), (1008, 336), (2000, 20), (20, 2000), (3000, 7),
+               (7, 3000), (1, 1), (5, 999), (1500, 1499))
+
+
+@pytest.fixture(scope="module")
+def llava_next_directory(tmp_path_factory):
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    from tests.vision_inputs import transformers_processor_directory
+
+    images = LlavaNextImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
+                                        image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    processor = {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1}
+    return transformers_processor_directory(tmp_path_factory.mktemp("llava-next") / "processor", images, processor,
+                                            ("<image>",))
+
+
+@pytest.mark.slow
+def test_llava_next_placeholders_and_text_are_its_processors_own(llava_next_directory):
+    """The tiling rule read from a LLaVA-NeXT processor directory expands an image as transformers' LlavaNextProcessor
+    (loaded from the same directory) does: the same tokens, from the header alone, at every aspect ratio."""
+    from transformers import LlavaNextProcessor
+
+    rule, placeholder_id = processor_rule(llava_next_directory)
+    reference = LlavaNextProcessor.from_pretrained(llava_next_directory)
+    assert rule.kind == "anyres" and placeholder_id == reference.image_token_id
+    for width, height in TILED_SIZES:
+        expected = reference(text="a<image>b", images=[Image.new("RGB", (width, height), "gray")])["input_ids"][0]
+        got = reference.tokenizer("a" + rule.text(width, height) + "b")["input_ids"]
+        assert got == list(expected), (width, height)
+        assert rule.placeholders(width, height) == list(expected).count(placeholder_id), (width, height)
+
+
+def test_llava_next_counts_equal_its_processors_at_any_size(llava_next_directory):
+    """Without pixels: the processor's own count (`_get_num_multimodal_tokens`) for any size."""
+    from transformers import LlavaNextProcessor
+
+    rule, _ = processor_rule(llava_next_directory)
+    reference = LlavaNextProcessor.from_pretrained(llava_next_directory)
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.integers(1, 5000), st.integers(1, 5000))
+    def counts_agree(width, height):
+        expected = reference._get_num_multimodal_tokens(image_sizes=[(height, width)])["num_image_tokens"][0]
+        assert rule.placeholders(width, height) == expected
+
+    counts_agree()
+
+
+# LLaVA-OneVision's tiling (llava-hf/llava-onevision-qwen2-*'s processor): 384-pixel tiles of 729 features, at most
+# about 9 tiles' worth of features kept, pinpoints up to 6x6 tiles.
+ONEVISION_PINPOINTS = [[384 * rows, 384 * columns] for rows in range(1, 7) for columns in range(1, 7)]
+
+
+@pytest.fixture(scope="module")
+def onevision_directory(tmp_path_factory):
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
+
+    from tests.vision_inputs import transformers_processor_directory
+
+    images = LlavaOnevisionImageProcessorPil(size={"height": 384, "width": 384}, image_grid_pinpoints=ONEVISION_PINPOINTS)
+    processor = {"num_image_tokens": 729, "vision_aspect_ratio": "anyres_max_9", "vision_feature_select_strategy": "full"}
+    return transformers_processor_directory(tmp_path_factory.mktemp("onevision") / "processor", images, processor,
+                                            ("<image>", "<video>"))
+
+
+def onevision_processor(directory):
+    """transformers' LlavaOnevisionProcessor with the directory's image processor and processor_config.json, and
+    no tokenizer or video processor (its __init__ wants a video processor, which needs torchvision): its own
+    counting and expansion methods, which read only these."""
+    from transformers import LlavaOnevisionProcessor
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
+
+    processor = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)
+    processor.image_processor = LlavaOnevisionImageProcessorPil.from_pretrained(directory)
+    processor.image_token = "<image>"
+    for key, value in json.loads((directory / "processor_config.json").read_text()).items():
+        setattr(processor, key, value)
+    return processor
+
+
+@pytest.mark.slow
+def test_llava_onevision_placeholders_and_text_are_its_processors_own(onevision_directory):
+    """As for LLaVA-NeXT: transformers' LlavaOnevisionProcessor expands one image of a single-image prompt
+    (`replace_image_token` on its image processor's output) into the text the rule writes."""
+    rule, _ = processor_rule(onevision_directory)
+    reference = onevision_processor(onevision_directory)
+    assert rule.kind == "anyres"
+    for width, height in TILED_SIZES:
+        inputs = reference.image_processor(images=[Image.new("RGB", (width, height), "gray")])
+        assert reference.replace_image_token(inputs, 0) == rule.text(width, height), (width, height)
+
+
+def test_llava_onevision_counts_equal_its_processors_at_any_size(onevision_directory):
+    """Without pixels: the processor's own count (`_get_number_of_features`; its strategy here is "full", so
+    nothing is taken off) for any size."""
+    rule, _ = processor_rule(onevision_directory)
+    reference = onevision_processor(onevision_directory)
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.integers(1, 8000), st.integers(1, 8000))
+    def counts_agree(width, height):
+        assert rule.placeholders(width, height) == reference._get_number_of_features(height, width, 384, 384)
+
+    counts_agree()
+
+
+def test_llava_onevision_refuses_a_record_of_several_images(onevision_directory, tmp_path):
+    """Its processor expands an image of a multi-image prompt to the base features only: refused by row, not
+    counted as tiles."""
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / PHOTOS[0]).write_bytes((SAMPLE_DATA / PHOTOS[0]).read_bytes())
+    record = {"messages": [{"role": "user", "content": "<image><image>"}], "images": [f"p/{PHOTOS[0]}"] * 2}
+    with pytest.raises(InputError, match="row 0: 2 images in one record. LLaVA-OneVision's processor"):
+        prepare_image_chat(chats(tmp_path, [record]), onevision_directory, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_rule_without_tiles_is_written_as_before_tiling_existed(processor, llava_next_directory):
+    """images.json of a Qwen (or Gemma 3, LLaVA) processor keeps its bytes: no tiling fields, not even as null."""
+    rule, _ = processor_rule(processor)
+    assert list(json.loads(rule.model_dump_json())) == [
+        "kind", "placeholder", "start", "end", "patch_size", "merge_size", "min_pixels", "max_pixels", "tokens"]
+    tiled, _ = processor_rule(llava_next_directory)
+    assert json.loads(tiled.model_dump_json())["pinpoints"] == LLAVA_NEXT_PINPOINTS
+
+
+# Idefics3's (HuggingFaceM4/Idefics3-8B-Llama3) and SmolVLM's (SmolVLM-256M) splitting: images resized to a longest
+# side, then split into tiles of a side, each tile and the whole image `image_seq_len` placeholders.
+SPLITTING = {
+    "idefics3": ({"longest_edge": 4 * 364}, {"longest_edge": 364}, 169),
+    "smolvlm": ({"longest_edge": 4 * 512}, {"longest_edge": 512}, 64),
+}
+
+
+def splitting_directory(directory, model_type: str):
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    from tests.vision_inputs import SPLIT_TOKENS, transformers_processor_directory
+
+    size, max_image_size, image_seq_len = SPLITTING[model_type]
+    kind = Idefics3ImageProcessorPil if model_type == "idefics3" else SmolVLMImageProcessorPil
+    return transformers_processor_directory(directory, kind(size=size, max_image_size=max_image_size),
+                                            {"image_seq_len": image_seq_len}, SPLIT_TOKENS)
+
+
+@pytest.mark.slow
+def test_idefics3_placeholders_and_text_are_its_processors_own(tmp_path):
+    """transformers' Idefics3Processor, loaded from the directory prepare-images reads, tokenizes a prompt with an
+    image of each size (extreme aspect ratios, smaller than a tile, 1x1) as the rule's text tokenizes."""
+    from transformers import Idefics3Processor
+
+    directory = splitting_directory(tmp_path / "processor", "idefics3")
+    rule, placeholder_id = processor_rule(directory)
+    reference = Idefics3Processor.from_pretrained(directory)
+    assert rule.kind == "split" and placeholder_id == reference.image_token_id
+    for width, height in TILED_SIZES:
+        expected = reference(text="a<image>b", images=[Image.new("RGB", (width, height), "gray")])["input_ids"][0]
+        assert reference.tokenizer("a" + rule.text(width, height) + "b")["input_ids"] == list(expected), (width, height)
+        assert rule.placeholders(width, height) == list(expected).count(placeholder_id)
+
+
+@pytest.mark.slow
+def test_smolvlm_text_is_its_processors_own(tmp_path):
+    """SmolVLM's processor needs num2words and torchvision (its video processor), so its own expansion
+    (`get_image_prompt_string`) is run on the rows and columns its image processor gives, for each size."""
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    directory = splitting_directory(tmp_path / "processor", "smolvlm")
+    rule, _ = processor_rule(directory)
+    images = SmolVLMImageProcessorPil.from_pretrained(directory)
+    for width, height in TILED_SIZES:
+        out = images(images=[Image.new("RGB", (width, height), "gray")], return_row_col_info=True)
+        expected = get_image_prompt_string(out["rows"][0][0], out["cols"][0][0], 64, "<fake_token_around_image>",
+                                           "<image>", "<global-img>")
+        assert rule.text(width, height) == expected, (width, height)
+
+
+@pytest.mark.slow
+def test_split_tiles_equal_the_image_processors_at_any_size(tmp_path):
+    """At sizes drawn at random (small tiles, so that the processor's pixels are cheap): the rule's tiles are the
+    rows and columns Idefics3's image processor makes, its count the processor's."""
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from tests.vision_inputs import SPLIT_TOKENS, transformers_processor_directory
+
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 4 * 24}, max_image_size={"longest_edge": 24})
+    directory = transformers_processor_directory(tmp_path / "processor", images, {"image_seq_len": 5}, SPLIT_TOKENS)
+    rule, _ = processor_rule(directory)
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.integers(1, 700), st.integers(1, 700))
+    def tiles_agree(width, height):
+        out = images(images=[Image.new("RGB", (width, height))], return_row_col_info=True)
+        rows, columns = out["rows"][0][0], out["cols"][0][0]
+        assert rule.placeholders(width, height) == (rows * columns + 1) * 5 == 5 * len(out["pixel_values"][0])
+
+    tiles_agree()
+
+
+@pytest.mark.parametrize(
+    ("family", "file", "edit", "message"),
+    [
+        ("llava_next", "preprocessor_config.json", lambda c: c.update(image_grid_pinpoints=[[336]]),
+         "image_grid_pinpoints is [[336]]; expected [[height, width], ...]"),
+        ("llava_next", "preprocessor_config.json", lambda c: c.update(image_grid_pinpoints=[[0, 336]]),
+         "image_grid_pinpoints is [[0, 336]]"),
+        ("llava_next", "preprocessor_config.json", lambda c: c["crop_size"].update(height=0), "crop_size.height is 0"),
+        ("llava_next", "processor_config.json", lambda c: c.pop("patch_size"), "a LLaVA-NeXT processor needs patch_size"),
+        ("llava_next", "processor_config.json", lambda c: c.update(patch_size=1000), "has no features"),
+        ("llava_next", "processor_config.json", lambda c: c.update(num_additional_image_tokens=-1),
+         "num_additional_image_tokens is -1"),
+        ("onevision", "processor_config.json", lambda c: c.update(vision_aspect_ratio="pad"),
+         "vision_aspect_ratio of anyres_max_N (found 'pad')"),
+        ("onevision", "processor_config.json", lambda c: c.pop("num_image_tokens"), "needs num_image_tokens"),
+        ("idefics3", "preprocessor_config.json", lambda c: c.pop("max_image_size"), "needs max_image_size.longest_edge"),
+        ("idefics3", "processor_config.json", lambda c: c.update(image_seq_len=0), "image_seq_len is 0"),
+    ],
+)
+def test_a_tiling_processor_config_that_cannot_count_is_a_named_error(
+    request, tmp_path, family, file, edit, message
+):
+    directory = (splitting_directory(tmp_path / "processor", "idefics3") if family == "idefics3"
+                 else request.getfixturevalue(f"{family}_directory"))
+    edited = edited_processor(directory, tmp_path, file, edit)
+    with pytest.raises(InputError, match=re.escape(message)):
+        processor_rule(edited)
+
+
+def test_max_tiles_serves_both_tiling_kinds_within_what_each_searches():
+    """`max_tiles` is InternVL's canvas bound (its arrangements searched in full, so at most 64) and LLaVA-OneVision's
+    anyres_max_N (any count); each kind writes it, and no other kind's fields."""
+    from prepack.formats.images import ImageRule
+
+    tiles = dict(kind="tiles", placeholder="<I>", start="", end="", tokens=4, patch_size=28, min_tiles=1)
+    with pytest.raises(ValueError, match="max_tiles 65 is more than 64"):
+        ImageRule(**tiles, max_tiles=65)
+    assert list(json.loads(ImageRule(**tiles, max_tiles=64).model_dump_json())) == [
+        "kind", "placeholder", "start", "end", "patch_size", "merge_size", "min_pixels", "max_pixels", "tokens",
+        "max_tiles", "min_tiles"]
+    anyres = ImageRule(kind="anyres", placeholder="<I>", start="", end="", tokens=4, pinpoints=[[56, 56]],
+                       tile_height=28, tile_width=28, feature_rows=2, feature_columns=2, max_tiles=100)
+    written = json.loads(anyres.model_dump_json())
+    assert written["max_tiles"] == 100 and written["splitting"] is None and "min_tiles" not in written

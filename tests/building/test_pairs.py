@@ -281,7 +281,7 @@ def test_pair_options_are_refused_where_they_mean_nothing(tmp_path, gpt2):
         with pytest.raises(InputError, match=says):
             prepack.build(corpus, tmp_path / "out", max_len=64, tokenizer=gpt2, **options)
     # The command exits 2 with the message, as for any bad input.
-    assert "not preference pairs" in refused("tokenize", corpus, "--tokenizer", gpt2, "--pairs", "--out", tmp_path / "store")
+    assert "leave out --train-on" in refused("tokenize", corpus, "--tokenizer", gpt2, "--pairs", "--train-on", "all", "--out", tmp_path / "store")
 
 
 class RecordingTokenizer:

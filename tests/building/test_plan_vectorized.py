@@ -98,6 +98,26 @@ print(*loaded())
     assert index.totals == full.totals and (index.totals.untrained > 0) == labelled
 
 
+def test_an_index_build_in_a_process_that_ran_a_kernel_plans_with_the_kernels(tmp_path, monkeypatch):
+    """numba's start-up is what numpy saves; once a kernel has run here, the kernels are the faster."""
+    from prepack import build
+
+    rng = np.random.default_rng(4)
+    documents = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(1, 90, 200)]
+    labels = [[-100, *doc[1:]] for doc in documents]
+    build_store(write_corpus(tmp_path / "c.parquet", corpus_table(documents, labels)), tmp_path / "store")
+    plan_packs(np.array([3, 5]), 8)  # a kernel runs: numba started
+
+    def numpy_step(*args, **kwargs):
+        raise AssertionError("planned in numpy with numba started")
+
+    for name in ("assign_ffd", "untrained", "tally"):
+        monkeypatch.setattr(plan_vectorized, name, numpy_step)
+    index = build(tmp_path / "store", tmp_path / "index", max_len=64, index_only=True, drop_untrained=True)
+    monkeypatch.undo()
+    assert index.totals == build(tmp_path / "store", tmp_path / "again", max_len=64, index_only=True, drop_untrained=True).totals
+
+
 def test_the_numpy_steps_read_the_planners_codes():
     from prepack.building import plan
 

@@ -60,7 +60,7 @@ def _type_name(dtype: pa.DataType) -> str:
 def test_shard_format_page_lists_the_columns_of_the_code():
     page = (SCHEMAS / "shard-format.md").read_text()
     documented = dict(re.findall(r"^\| `(\w+)` \| `([^`]+)` \|", page, flags=re.MULTILINE))
-    schema = shard_schema(has_labels=True, max_len=65_535, sources=True, pairs=True)  # every column, the optional ones too
+    schema = shard_schema(has_labels=True, max_len=65_535, sources=True, pairs=True, unpaired=True)  # every column, the optional ones too
     assert documented == {field.name: _type_name(field.type) for field in schema}
     # Above 65,535 tokens a pack may hold more documents than uint16 counts: the page says so.
     wide = shard_schema(has_labels=True, max_len=65_536).field("segment_ids").type
@@ -68,7 +68,7 @@ def test_shard_format_page_lists_the_columns_of_the_code():
     assert f"version {FORMAT_VERSION}" in page.splitlines()[0]
     assert f'`prepack.format_version` = `"{FORMAT_VERSION}"`' in page
     assert schema.metadata == {b"prepack.format_version": str(FORMAT_VERSION).encode()}
-    assert shard_schema(has_labels=True, max_len=65_535).names == [n for n in schema.names if n not in ("source_ids", "pair_roles")]
+    assert shard_schema(has_labels=True, max_len=65_535).names == [n for n in schema.names if n not in ("source_ids", "pair_roles", "desirable")]
 
 
 @pytest.fixture(scope="module")

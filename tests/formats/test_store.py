@@ -19,7 +19,7 @@ from prepack import build, build_store
 from prepack.errors import FormatError, InputError, OutputError
 from prepack.formats.shards import read_manifest
 from prepack.formats.store import (
-    GROWN_STORE_VERSION,
+    PAIR_STORE_VERSION,
     STORE_VERSION,
     STORE_VERSION_KEY,
     read_store_manifest,
@@ -52,7 +52,7 @@ def test_store_format_page_lists_the_columns_of_the_code():
     schema = store_schema(has_labels=True)
     assert documented == {field.name: f"list<{field.type.value_type}>" for field in schema}
     # The page's version is the newest store.json's; its shards' (STORE_VERSION) has not changed since 1.
-    assert f"version {GROWN_STORE_VERSION}" in page.splitlines()[0]
+    assert f"version {PAIR_STORE_VERSION}" in page.splitlines()[0]
     assert f"shards: version {STORE_VERSION}" in page.splitlines()[0]
     assert f'`{STORE_VERSION_KEY}` = `"{STORE_VERSION}"`' in page
     assert schema.metadata == {STORE_VERSION_KEY.encode(): str(STORE_VERSION).encode()}
@@ -85,9 +85,10 @@ def test_golden_store(tmp_path):
             {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
             {"input_ids": [], "labels": []},
         ]
-    # The store.json is what its model writes, keys sorted (no `generations` nor `length_counts` key: never appended to);
+    # The store.json is what its model writes, keys sorted (no `generations` nor `length_counts` key: never appended to;
+    # no `pairs`: a store of documents);
     # written twice, the same bytes.
-    assert json.loads(stored["store.json"]) == manifest.model_dump(mode="json", exclude={"generations", "length_counts"})
+    assert json.loads(stored["store.json"]) == manifest.model_dump(mode="json", exclude={"generations", "length_counts", "pairs"})
     (tmp_path / "again").mkdir()
     build_store(_golden_corpus(tmp_path / "again"), tmp_path / "again" / "store", shard_size=64)
     assert files(tmp_path / "again" / "store") == stored
@@ -214,8 +215,8 @@ def test_a_store_manifest_is_read_from_its_bytes_and_named_as_its_caller_says(st
     data = (store / "store.json").read_bytes()
     assert read_store_manifest(data, "s3://bucket/store/store.json") == read_store_manifest(store)
     raw = json.loads(data)
-    raw["store_version"] = GROWN_STORE_VERSION + 1
-    with pytest.raises(FormatError, match=rf"^s3://bucket/store/store.json has store_version {GROWN_STORE_VERSION + 1};"):
+    raw["store_version"] = PAIR_STORE_VERSION + 1
+    with pytest.raises(FormatError, match=rf"^s3://bucket/store/store.json has store_version {PAIR_STORE_VERSION + 1};"):
         read_store_manifest(json.dumps(raw).encode(), "s3://bucket/store/store.json")
 
 
@@ -247,7 +248,7 @@ def test_input_names_outside_the_corpus_root_are_refused(store, name):
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda raw: raw.update(store_version=GROWN_STORE_VERSION + 1), f"store_version {GROWN_STORE_VERSION + 1}"),
+        (lambda raw: raw.update(store_version=PAIR_STORE_VERSION + 1), f"store_version {PAIR_STORE_VERSION + 1}"),
         (lambda raw: raw.update(extra=1), "Extra inputs are not permitted"),
         (lambda raw: raw.update(documents=raw["documents"] + 1), "add up to 5 documents, but it says 6"),
         (lambda raw: raw["shards"][0].update(tokens=4), "add up to 16 tokens, but it says 15"),

@@ -30,13 +30,15 @@ from prepack.model.isolation import default_tolerances
 from prepack.model.packing import FLASH_ATTENTION
 from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.model.vision_families import VISION_FAMILIES
+from prepack.model.vision_sweep import _features_per_image
 from prepack.training.collate import segment_fields
 from prepack.training.vision_collate import VisionCollator, VisionSpec, rotary_3d_positions
 from tests.flash_reference import enable_flash_attention, use_flash_reference, use_flex_reference
 from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3",
-            "internvl", "mistral3", "glm4v", "glm4v_moe", "paligemma")
+            "internvl", "mistral3", "glm4v", "glm4v_moe", "paligemma", "llava_next", "llava_onevision", "idefics3",
+            "smolvlm")
 ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
@@ -85,6 +87,13 @@ def image_tokens(model, processor, image: bytes) -> list[int]:
 
             views = int(processor(images=[Image.open(io.BytesIO(image)).convert("RGB")])["num_patches"][0])
         return [start, *[spec.image_token_id] * spec.tokens_per_image * views, end]
+    if spec.tokens_per_image is None:  # tiled: as many as the model makes features of the image
+        from PIL import Image
+        import io
+
+        out = processor(images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
+        pixels = {key: out[key] for key in ("pixel_values", "image_sizes", "pixel_attention_mask") if key in out}
+        return [spec.image_token_id] * _features_per_image(model, pixels, 1)[0]
     return [spec.image_token_id] * spec.tokens_per_image
 
 
@@ -188,9 +197,9 @@ PROJECTOR, VISION_TOWER, LANGUAGE_MODEL = "projector", "vision tower", "language
 
 
 def parameter_group(name: str) -> str:
-    if "multi_modal_projector" in name or "merger" in name:
+    if "multi_modal_projector" in name or "merger" in name or ".connector." in name:  # Idefics3's: connector
         return PROJECTOR
-    return VISION_TOWER if ".visual." in name or ".vision_tower." in name else LANGUAGE_MODEL
+    return VISION_TOWER if any(tower in name for tower in (".visual.", ".vision_tower.", ".vision_model.")) else LANGUAGE_MODEL
 
 
 def group_differences(grads: dict, alone_grads: dict) -> dict[str, float]:

@@ -103,9 +103,9 @@ def test_dpo_example_trains_on_a_pair_build(pairs_packed, script, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def group_inputs(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """A group build of chitchat exchanges (the real answer first, three others after), its tokenizer, and the
-    same exchanges as unpaired feedback in TRL's format (the real answer desirable, another not)."""
+def group_inputs(tmp_path_factory) -> tuple[Path, Path]:
+    """A group build of chitchat exchanges (the real answer first, three others after), and an unpaired build of
+    the same exchanges as feedback in TRL's format (the real answer desirable, another not)."""
     import json
 
     import prepack
@@ -122,21 +122,26 @@ def group_inputs(tmp_path_factory) -> tuple[Path, Path, Path]:
     feedback.write_text("".join(
         json.dumps({"prompt": f"Q: {t[0]} A:", "completion": f" {t[1]}" if i % 2 else others[i % 3], "label": bool(i % 2)}) + "\n"
         for i, t in enumerate(turns)))
-    return root / "packed", tokenizer, feedback
+    prepack.build(feedback, root / "kto", max_len=256, tokenizer=tokenizer, unpaired=True, overflow="drop", num_proc=1)
+    return root / "packed", root / "kto"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("script", "first_loss"), [("train_groups_plain_loop.py", math.log(2)), ("train_kto_plain_loop.py", 0.5)])
+@pytest.mark.parametrize(("script", "first_loss"), [
+    ("train_groups_plain_loop.py", math.log(2)), ("train_kto_plain_loop.py", 0.5), ("train_kto_trl.py", 0.5),
+    ("train_kto_trl.py --reference ref", 0.5)])
 def test_group_and_kto_examples_train(group_inputs, script, first_loss, tmp_path):
-    """The group recipe (shared-prompt layout of a --groups build) starts at log 2, the KTO one (TRL's unpaired
-    format, KL completions planned from a seed) at 0.5, policy == reference; both print a finite final loss."""
-    build, tokenizer, feedback = group_inputs
-    data = ["--data", str(build)] if script.startswith("train_groups") else ["--data", str(feedback), "--tokenizer", str(tokenizer)]
+    """The group recipe (shared-prompt layout of a --groups build) starts at log 2, the KTO ones (an --unpaired
+    build: TRL's unpaired format, KL completions planned from a seed; a plain loop, and TRL's KTOTrainer with a
+    reference model or stored reference log-probabilities) at 0.5, policy == reference; all print a finite final loss."""
+    script, *options = script.split()
+    build = group_inputs[0] if script.startswith("train_groups") else group_inputs[1]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, str(EXAMPLES / script), *data, "--steps", "3", "--workers", "0", "--batch-size", "4"],
-                            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    result = subprocess.run([sys.executable, str(EXAMPLES / script), "--data", str(build), "--steps", "3", "--workers", "0",
+                             "--batch-size", "4", *options], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
-    first = re.findall(r"^step 1 loss (\S+)", result.stdout, flags=re.MULTILINE)
+    first = re.findall(r"^step 1 loss (\S+)|'loss': '(\S+)'", result.stdout + result.stderr, flags=re.MULTILINE)
+    first = [a or b for a, b in first]
     assert first and float(first[0]) == pytest.approx(first_loss, abs=1e-4), result.stdout[-2000:]
     found = re.findall(r"^final loss (\S+)$", result.stdout, flags=re.MULTILINE)
     assert found and math.isfinite(float(found[-1])), result.stdout[-2000:]

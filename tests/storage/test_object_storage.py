@@ -565,10 +565,10 @@ def test_a_store_in_s3_is_named_by_its_uri_in_refusals_of_its_manifest_and_of_re
     with pytest.raises(InputError, match=f"^{store} is a document store, tokenized already: leave out --tokenizer"):
         verify_build(tmp_path / "packed", store, tokenizer=tmp_path)
     raw = json.loads((tmp_path / "store" / "store.json").read_text())
-    fs.pipe_file(f"{store.removeprefix('s3://')}/store.json", json.dumps({**raw, "store_version": 3}).encode())
+    fs.pipe_file(f"{store.removeprefix('s3://')}/store.json", json.dumps({**raw, "store_version": 4}).encode())
     with pytest.raises(FormatError) as refused:
         prepack.storage.remote.read_output_manifest(store, "store.json")
-    assert str(refused.value).startswith(f"{store}/store.json has store_version 3; this prepack reads versions 1 and 2.")
+    assert str(refused.value).startswith(f"{store}/store.json has store_version 4; this prepack reads versions 1 to 3.")
 
 
 def test_missing_credentials_are_a_named_error_not_a_traceback(tmp_path, s3_server):
@@ -581,3 +581,24 @@ def test_missing_credentials_are_a_named_error_not_a_traceback(tmp_path, s3_serv
     result = run_prepack("build", "s3://bucket/corpus.parquet", "--max-len", "8", "--out", tmp_path / "out", env=no_credentials)
     assert "s3://bucket/corpus.parquet: cannot be listed (Unable to locate credentials)" in failure(result)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # a pair store tokenized twice, four builds, two inspect processes
+def test_a_pair_store_and_its_builds_in_s3_equal_local_ones(tmp_path, fs, s3_bucket, gpt2):
+    """Pairs tokenized into a store in a bucket, and its full and index builds there, are the local ones; `inspect`
+    of the index build reads its pairs' prompts from the store through the cache, as locally."""
+    turns = [t for t in chitchat() if len(t) >= 2 and len(t[0]) < 50][:40]
+    (tmp_path / "prefs.jsonl").write_text("".join(
+        json.dumps({"prompt": f"Q: {t[0]} A:", "chosen": f" {t[1]}", "rejected": " no idea"}) + "\n" for t in turns
+    ))
+    reading = {"tokenizer": gpt2, "pairs": True, "num_proc": 1, "shard_size": 2_000}
+    build_store(tmp_path / "prefs.jsonl", tmp_path / "data" / "store", **reading)
+    build_store(tmp_path / "prefs.jsonl", f"{s3_bucket}/data/store", **reading)
+    assert _files(fs, f"{s3_bucket}/data/store") == _local_files(tmp_path / "data" / "store")
+    for out, extra in (("packed", {}), ("index", {"index_only": True})):
+        build(tmp_path / "data" / "store", tmp_path / "data" / out, max_len=40, overflow="truncate", **extra)
+        build(f"{s3_bucket}/data/store", f"{s3_bucket}/data/{out}", max_len=40, overflow="truncate", **extra)
+        assert _files(fs, f"{s3_bucket}/data/{out}") == _local_files(tmp_path / "data" / out), out
+    remote, here = _inspect_json(f"{s3_bucket}/data/index"), _inspect_json(str(tmp_path / "data" / "index"))
+    assert remote.pop("path") == f"{s3_bucket}/data/index" and here.pop("path") == str(tmp_path / "data" / "index")
+    assert remote == here and here["pairs"]["prompt_tokens"] > 0

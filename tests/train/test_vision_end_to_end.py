@@ -34,8 +34,8 @@ from tests.vision_inputs import PHOTOS, QWEN_IMAGE_TOKENS, SAMPLE_DATA, processo
 MAX_LEN = 160
 
 
-def image_chat_corpus(directory, rows: int = 12) -> object:
-    """`rows` chats, 0-2 images each, written as jsonl with image paths relative to it."""
+def image_chat_corpus(directory, rows: int = 12, most_images: int = 2) -> object:
+    """`rows` chats, 0 to `most_images` images each, written as jsonl with image paths relative to it."""
     (directory / "photos").mkdir(parents=True)
     for name in PHOTOS:
         shutil.copy(SAMPLE_DATA / name, directory / "photos" / name)
@@ -43,7 +43,7 @@ def image_chat_corpus(directory, rows: int = 12) -> object:
     words = "the a photo of blue pack logo person shows what is in this picture describe it".split()
     records = []
     for row in range(rows):
-        images = [f"photos/{PHOTOS[i]}" for i in rng.choice(len(PHOTOS), size=row % 3, replace=False)]
+        images = [f"photos/{PHOTOS[i]}" for i in rng.choice(len(PHOTOS), size=row % (most_images + 1), replace=False)]
         answer = " ".join(rng.choice(words, size=rng.integers(3, 12)))
         if row % 2:  # LLaVA style: <image> markers and an images column
             question = "<image> " * len(images) + "What is this?"
@@ -99,6 +99,12 @@ def test_image_chat_corpus_builds_and_a_worker_batch_equals_each_sample_alone(pr
     batch = next(iter(loader))  # decoded and preprocessed in a worker process
     assert int((batch["input_ids"] == model.config.image_token_id).sum()) > 0
     assert all(len(dataset[row]["cu_seqlens"]) > 2 for row in range(2))  # several samples in each pack
+    assert_equals_each_sample_alone(model, collator, dataset, image_set, batch)
+
+
+def assert_equals_each_sample_alone(model, collator, dataset, image_set, batch) -> None:
+    """The batch of the dataset's first two packs gives the logits, loss and gradients of each sample alone (its
+    images preprocessed alone; Qwen's token types as transformers takes them unpacked)."""
     logits, loss, grads = run(model, batch)
     alone_logits_diff, weighted, alone_grads, counted = 0.0, 0.0, {}, 0
     for row in range(2):
@@ -106,8 +112,9 @@ def test_image_chat_corpus_builds_and_a_worker_batch_equals_each_sample_alone(pr
         for document, (start, end) in enumerate(zip(pack["cu_seqlens"][:-1], pack["cu_seqlens"][1:])):
             numbers = image_set.images_of(int(dataset.packs.source_rows(row)[document]))
             ids = torch.from_numpy(pack["input_ids"][start:end].astype(np.int64))[None]
-            alone = {"input_ids": ids, "labels": batch["labels"][row, start:end][None], "use_cache": False,
-                     "mm_token_type_ids": (ids == model.config.image_token_id).int()}
+            alone = {"input_ids": ids, "labels": batch["labels"][row, start:end][None], "use_cache": False}
+            if collator.spec.style == "3-D rotary":
+                alone["mm_token_type_ids"] = (ids == collator.spec.image_token_id).int()
             if len(numbers):
                 alone |= collator._preprocessed([[image_set.data(int(n)) for n in numbers]])
             alone_logits, alone_loss, sample_grads = run(model, alone)

@@ -19,23 +19,23 @@ tasks across a cluster; both write the same bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from prepack.sources.documents import Documents, Reading
-from prepack.formats.shards import ShardInfo, segment_id_type
-from prepack.building.plan import PackingPlan
+from prepack.formats.shards import Manifest, ShardInfo, segment_id_type
+from prepack.building.plan import PackingPlan, ShardPacks
 from prepack.sources.corpus import Corpus
-from prepack.formats.store import StoreShard
+from prepack.formats.store import StoreManifest, StoreShard
 from prepack.building.write_shards import TokenFiles, shard_bounds
 
 if TYPE_CHECKING:  # rich for annotations only: a build without progress bars does not import it
     from rich.progress import Progress
 
-__all__ = ["ENGINES", "Engine", "FirstPass", "WrittenStore", "kept_rows", "locate_row", "pack_shard_bounds"]
+__all__ = ["ENGINES", "Engine", "FirstPass", "WrittenStore", "kept_rows", "locate_row", "numbered_on", "pack_shard_bounds", "rows_from"]
 
 ENGINES = ("local", "ray")
 
@@ -52,6 +52,9 @@ class FirstPass:
     has_labels: bool
     tokens: TokenFiles | None
     labels: TokenFiles | None
+    # Of a store's documents hashed (a full build's): its fingerprint at each generation, as hashed or, for
+    # the generations before the documents read (an append's), as recorded (`StoreFingerprint.found`).
+    generations: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,19 @@ def locate_row(corpus: Corpus, rows_per_file: list[int], row: int) -> tuple[Path
     ends = np.cumsum(rows_per_file)
     index = int(np.searchsorted(ends, row, "right"))
     return corpus.files[index], row - int(ends[index] - rows_per_file[index])
+
+
+def numbered_on(appending: Manifest | StoreManifest | None) -> tuple[int, int]:
+    """(the number of the first shard an engine writes, the row of the first document it packs): after the
+    shards and documents of the output an append grows (`Staging.appending`), else 0 and 0."""
+    if appending is None:
+        return 0, 0
+    return len(appending.shards), appending.documents if isinstance(appending, StoreManifest) else appending.totals.documents
+
+
+def rows_from(layout: ShardPacks, first_row: int) -> ShardPacks:
+    """A shard's packs (`PackingPlan.slice`) with their documents' rows counted from `first_row` (an append's)."""
+    return replace(layout, rows=layout.rows + first_row) if first_row else layout
 
 
 def pack_shard_bounds(plan: PackingPlan, has_labels: bool, shard_size: int, index_only: bool) -> tuple[np.ndarray, int]:

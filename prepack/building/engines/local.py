@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from prepack.sources.documents import Documents, Reading, corpus_documents
-from prepack.building.engines.base import FirstPass, WrittenStore, kept_rows, pack_shard_bounds
+from prepack.building.engines.base import FirstPass, WrittenStore, kept_rows, numbered_on, pack_shard_bounds, rows_from
 from prepack.errors import InputError
 from prepack.formats.common import Fingerprint
 from prepack.formats.shards import IndexOf, ShardInfo
 from prepack.formats.store import StoreFingerprint
 from prepack.storage.output import Staging, output_errors, output_file
-from prepack.building import plan_vectorized
+from prepack.building import kernels, plan_vectorized
 from prepack.building.plan import PackingPlan, compact_lengths, untrained_documents
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.sources.store import Store
@@ -119,6 +119,7 @@ def _store_documents(
         has_labels=has_labels,
         tokens=None if scratch is None else TokenFiles.single(ids_path),
         labels=TokenFiles.single(labels_path) if has_labels and scratch is not None else None,
+        generations=tuple(fingerprint.found) if isinstance(fingerprint, StoreFingerprint) else (),
     )
 
 
@@ -166,7 +167,8 @@ def _index_documents(store: Store, progress: Progress, observe: Observer | None 
     it) or `observe` (which reads every label), each shard is read whole and checked (`Store.shard_columns`)."""
     m = store.manifest
     lengths, untrained = [], []
-    without_numba = plan_vectorized.scans(m.tokens)  # a small store's labels are read in numpy: no kernel
+    # A small store's labels are read in numpy, no kernel: unless one ran here before (numba's start-up paid).
+    without_numba = plan_vectorized.scans(m.tokens) and not kernels.started()
     task = progress.add_task("read", total=len(m.shards), unit="shards")
     for shard in m.shards:
         if hashed or observe is not None:
@@ -210,10 +212,7 @@ def _write_shards(
     def write(index: int, start: int, end: int) -> ShardInfo:
         buffers = idle_buffers.get()  # never waits: no more tasks than buffers run at once
         try:
-            layout = plan.slice(start, end)
-            if first_row:
-                layout = replace(layout, rows=layout.rows + first_row)
-            return write_shard(staging, first_shard + index, layout, first.tokens, first.labels, buffers, store)
+            return write_shard(staging, first_shard + index, rows_from(plan.slice(start, end), first_row), first.tokens, first.labels, buffers, store)
         finally:
             idle_buffers.put(buffers)
 
@@ -238,6 +237,8 @@ class LocalEngine:
 
     def first_pass(self, documents: Documents, reading: Reading, progress: Progress) -> FirstPass:
         if self.index_only:
+            if documents.pairs is not None:  # a pair store's, which its batches (not read here) would record
+                documents.pairs.add_prompt_lengths(documents.store.prompt_lengths())
             return _index_documents(documents.store, progress)
         fingerprint = None if documents.store is None else StoreFingerprint(documents.store.manifest)
         return _store_documents(
@@ -282,8 +283,7 @@ class LocalEngine:
 
     def write_packs(self, plan: PackingPlan, first: FirstPass, shard_size: int, progress: Progress) -> list[ShardInfo]:
         # An append (`first` holds the documents after the build's) numbers on from the build's shards and rows.
-        appending = self.staging.appending
-        first_shard, first_row = (len(appending.shards), appending.totals.documents) if appending is not None else (0, 0)
+        first_shard, first_row = numbered_on(self.staging.appending)
         index_of = IndexOf(first_row + len(first.lengths), first.fingerprint) if self.index_only else None
         return _write_shards(plan, self.staging.build, first, shard_size, progress, index_of, first_shard, first_row)
 
@@ -293,9 +293,9 @@ class LocalEngine:
         position = {path: index for index, path in enumerate(files)}
         lengths, untrained = [], 0  # lengths as int32: 4 bytes per document, for the summary
         fingerprint = Fingerprint()
+        group = 1 if documents.pairs is None else documents.pairs.options.size  # a pair store's shards hold whole groups
         # An append numbers its shards on from the store's (`Staging.appending`).
-        appending = self.staging.appending
-        writer = StoreShardWriter(self.staging.build, documents.has_labels, shard_size, len(appending.shards) if appending else 0)
+        writer = StoreShardWriter(self.staging.build, documents.has_labels, shard_size, numbered_on(self.staging.appending)[0], group)
         task = progress.add_task("store", total=len(files), unit="files")
         for batch in documents.batches:
             batch_lengths = np.diff(batch.offsets)

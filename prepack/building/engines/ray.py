@@ -65,7 +65,7 @@ import ray
 from rich.progress import Progress
 
 from prepack.sources.documents import Documents, Reading, corpus_documents
-from prepack.building.engines.base import FirstPass, WrittenStore, kept_rows, locate_row, pack_shard_bounds
+from prepack.building.engines.base import FirstPass, WrittenStore, kept_rows, locate_row, numbered_on, pack_shard_bounds, rows_from
 from prepack.building.engines.local import read_store_lengths
 from prepack.errors import EngineError, InputError, OutputError, PrepackError
 from prepack.formats.common import INT32_MAX, Fingerprint
@@ -187,7 +187,10 @@ def _unit_arrays(
         if store.location is not None:
             fetch(f"{store.location}/{unit.shard.name}", directory / unit.shard.name)
             store = replace(store, root=directory)
-        yield store.shard_columns(unit.shard)
+        columns = store.shard_columns(unit.shard)
+        if store.manifest.pairs is not None:  # a pair store's groups, whole in each shard
+            prompts.append(store.shard_prompt_lengths(unit.shard))
+        yield columns
         return
     file = unit.file
     if isinstance(file, LocalCopy):
@@ -489,6 +492,7 @@ class RayEngine:
             has_labels=documents.has_labels,
             tokens=None if lengths_only else TokenFiles(tuple(u.ids for u in units), starts),
             labels=TokenFiles(tuple(u.labels for u in units), starts) if documents.has_labels and not lengths_only else None,
+            generations=tuple(fingerprint.found) if store is not None else (),
         )
         return first, observed, digests
 
@@ -574,11 +578,15 @@ class RayEngine:
         """Phase 3 of a build: the plan's packs cut into shards as the local engine cuts them, each
         resolved on the driver (`plan.slice`) as its task starts, and written by the task."""
         bounds, _ = pack_shard_bounds(plan, first.has_labels, shard_size, index_only=False)
-        self._recording([shard_name(index) for index in range(len(bounds) - 1)])
+        # An append (`first` holds the documents after the build's) numbers on from the build's shards and rows.
+        first_shard, first_row = numbered_on(self.staging.appending)
+        self._recording([shard_name(first_shard + index) for index in range(len(bounds) - 1)])
         tokens, labels = ray.put(first.tokens), ray.put(first.labels)
         submitted = (
-            _write_pack_shard.remote(self.cwd, self.staging.build, self._target(shard_name(index)), index, plan.slice(first, end), tokens, labels)
-            for index, (first, end) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+            _write_pack_shard.remote(
+                self.cwd, self.staging.build, self._target(shard_name(number)), number, rows_from(plan.slice(start, end), first_row), tokens, labels
+            )
+            for number, (start, end) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist()), start=first_shard)
         )
         task = progress.add_task("write", total=plan.packs, unit="packs")
         shards = []
@@ -596,14 +604,18 @@ class RayEngine:
         if len(lengths) and lengths.max() > INT32_MAX:
             row = int(np.argmax(lengths > INT32_MAX))
             raise too_long_for_a_shard(*locate_row(documents.corpus, first.rows_per_file, row), int(lengths[row]))
-        bounds, first_tokens = store_shard_bounds(lengths, store_shard_capacity(first.has_labels, shard_size))
-        self._recording([store_shard_name(index) for index in range(len(bounds) - 1)])
+        group = 1 if documents.pairs is None else documents.pairs.options.size  # a pair store's shards hold whole groups
+        bounds, first_tokens = store_shard_bounds(lengths, store_shard_capacity(first.has_labels, shard_size), group)
+        first_shard = numbered_on(self.staging.appending)[0]  # an append's shards after the store's
+        self._recording([store_shard_name(first_shard + index) for index in range(len(bounds) - 1)])
         tokens, labels = ray.put(first.tokens), ray.put(first.labels)
         submitted = (
             _write_store_shard.remote(
-                self.cwd, self.staging.build, self._target(store_shard_name(index)), index, lengths[first:end], first_token, tokens, labels
+                self.cwd, self.staging.build, self._target(store_shard_name(number)), number, lengths[start:end], first_token, tokens, labels
             )
-            for index, (first, end, first_token) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), first_tokens.tolist()))
+            for number, (start, end, first_token) in enumerate(
+                zip(bounds[:-1].tolist(), bounds[1:].tolist(), first_tokens.tolist()), start=first_shard
+            )
         )
         task = progress.add_task("store", total=len(bounds) - 1, unit="shards")
         shards = []

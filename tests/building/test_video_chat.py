@@ -1,0 +1,278 @@
+"""Video+chat corpora: `prepare_image_chat` reads videos given as frames, counts their placeholders by the video
+processor's rule, stores every frame once (sha256) among the image set's images, and the build serves them.
+
+A video is its frames (tests/video_inputs.py: crops panning over a sample photograph, written as PNG files): a
+list of frame paths in LlamaFactory's `videos` column with `<video>` markers, a `{"type": "video"}` content item,
+or a directory of frames. A video file (mp4) is refused by name: prepack has no video decoder.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer
+
+from prepack import enable_packing
+from prepack.errors import FormatError, InputError
+from prepack.formats.images import IMAGE_SET_MANIFEST, VIDEOS_FILE, read_image_set
+from prepack.model.tiny_vision_models import tiny_vision_model
+from prepack.sources.images import prepare_image_chat, video_processor_rule
+from prepack.training.video_frames import FrameVideoProcessor
+from prepack.training.vision_collate import VisionCollator, VisionSpec
+from prepack.training.vision_dataset import ImagePackedDataset
+from tests.cli import WIDE, failure, run_prepack
+from tests.model.test_vision import LOSS_TOLERANCE, TOLERANCE, run, targets
+from tests.video_inputs import QWEN_VIDEO_TOKEN, VIDEOS, video_bytes, video_processor_directory
+from tests.vision_inputs import PHOTOS, QWEN_IMAGE_TOKENS, SAMPLE_DATA
+
+MAX_LEN = 200
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory):
+    return video_processor_directory(tmp_path_factory.mktemp("proc") / "processor")
+
+
+def write_videos(directory) -> list[list[str]]:
+    """Each video of VIDEOS as PNG frame files under directory/clips/vN/, named in frame order; their paths."""
+    paths = []
+    for number in range(len(VIDEOS)):
+        folder = directory / "clips" / f"v{number}"
+        folder.mkdir(parents=True)
+        names = []
+        for index, frame in enumerate(video_bytes(number)):
+            (folder / f"frame{index:03d}.png").write_bytes(frame)
+            names.append(f"clips/v{number}/frame{index:03d}.png")
+        paths.append(names)
+    (directory / "photos").mkdir()
+    for name in PHOTOS:
+        (directory / "photos" / name).write_bytes((SAMPLE_DATA / name).read_bytes())
+    return paths
+
+
+def video_records(paths: list[list[str]]) -> list[dict]:
+    """Videos in the three corpus forms, one video twice (its frames stored once), an image, a text-only chat."""
+    return [
+        {"conversations": [{"from": "human", "value": "<video>What moves?"}, {"from": "gpt", "value": "The view."}],
+         "videos": [paths[0]], "video_fps": 1.0},
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": f"photos/{PHOTOS[1]}"},
+                                                    {"type": "video", "video": "clips/v1"},
+                                                    {"type": "text", "text": "Same?"}]},
+                      {"role": "assistant", "content": "No."}], "video_fps": [0.5]},
+        {"messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi."}]},
+        {"messages": [{"role": "user", "content": "<video> and <video>"}, {"role": "assistant", "content": "Two."}],
+         "videos": [paths[2], paths[0]]},
+    ]
+
+
+def corpus_file(directory, records) -> object:
+    corpus = directory / "chats.jsonl"
+    corpus.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return corpus
+
+
+@pytest.mark.slow
+def test_videos_are_prepared_with_their_frames_stored_once(processor, tmp_path):
+    paths = write_videos(tmp_path)
+    corpus = corpus_file(tmp_path, video_records(paths))
+    summary = prepare_image_chat(corpus, processor, tmp_path / "one")
+    prepare_image_chat(corpus, processor, tmp_path / "two")
+    for name in ("corpus.parquet", "images/images.arrow", "images/documents.arrow", f"images/{VIDEOS_FILE}",
+                 f"images/{IMAGE_SET_MANIFEST}"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+    image_set = read_image_set(summary.image_set, verify=True)
+    frames = sum(count for _, count, _, _, _ in VIDEOS)
+    assert summary.videos == 4 and summary.images == 1 + frames  # video 0 twice, its frames stored once
+    rule, video_id = video_processor_rule(processor)
+    assert image_set.manifest.video_placeholder_id == video_id
+    expected = {0: [(0, 1.0)], 1: [(1, 0.5)], 2: [], 3: [(2, 2.0), (0, 2.0)]}  # (video, fps) per row
+    texts = [str(row) for row in pq.read_table(summary.corpus).column("messages").to_pylist()]
+    for row, videos in expected.items():
+        got = image_set.videos_of(row)
+        assert [(len(frames), fps) for frames, fps, _ in got] == [(VIDEOS[v][1], fps) for v, fps in videos]
+        counts = [rule.placeholders(VIDEOS[v][1], VIDEOS[v][2], VIDEOS[v][3]) for v, _ in videos]
+        assert [tokens for _, _, tokens in got] == counts
+        assert texts[row].count(QWEN_VIDEO_TOKEN) == sum(counts)
+    assert image_set.videos_of(3)[1][0].tolist() == image_set.videos_of(0)[0][0].tolist()
+    assert image_set.row_video_tokens().tolist() == [texts[row].count(QWEN_VIDEO_TOKEN) for row in range(4)]
+
+
+@pytest.mark.slow
+def test_a_qwen3_video_is_one_run_a_step_after_its_time(tmp_path):
+    processor = video_processor_directory(tmp_path / "processor", "qwen3",
+                                          {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 24})
+    paths = write_videos(tmp_path / "corpus")
+    corpus = corpus_file(tmp_path / "corpus", [video_records(paths)[0]])
+    summary = prepare_image_chat(corpus, processor, tmp_path / "out")
+    rule, _ = video_processor_rule(processor)
+    _, frames, width, height, _ = VIDEOS[0]
+    text = pq.read_table(summary.corpus).column("messages").to_pylist()[0][0]["content"]
+    assert text == rule.text(frames, width, height, 1.0) + "What moves?"
+    assert text.startswith("<0.5 seconds><|vision_start|>") and text.count("seconds>") == 2
+
+
+def test_a_set_without_videos_has_no_video_fields(processor, tmp_path):
+    """An image corpus prepared with a processor that has a video processor: the image set of before."""
+    write_videos(tmp_path)
+    record = {"messages": [{"role": "user", "content": "<image> hi"}, {"role": "assistant", "content": "x"}],
+              "images": [f"photos/{PHOTOS[0]}"]}
+    summary = prepare_image_chat(corpus_file(tmp_path, [record]), processor, tmp_path / "out")
+    manifest = json.loads((summary.image_set / IMAGE_SET_MANIFEST).read_text())
+    assert sorted(manifest) == ["documents", "files", "image_set_version", "image_tokens", "images", "limits",
+                                "placeholder_id", "references", "rule"]
+    assert not (summary.image_set / VIDEOS_FILE).exists() and summary.videos == 0
+
+
+@pytest.mark.parametrize(
+    ("video", "message"),
+    [
+        ("clips/clip.mp4", r"'clips/clip.mp4' is not a list of frames or a directory of them; prepack reads a video "
+                           r"as its frames \(it has no video decoder\)"),
+        ("clips/empty", "holds no frame images"),
+        (["clips/v0/frame000.png", "clips/v1/frame000.png"], r"frames are of 2 sizes"),
+        ("../outside", "leads out of"),
+        ("clips/v9", r"the video 'clips/v9' cannot be read \(no such file or directory\)"),
+        ([], "a video without frames"),
+    ],
+    ids=["mp4", "empty directory", "two sizes", "outside", "missing", "no frames"],
+)
+def test_bad_videos_are_refused_by_row_and_column(processor, tmp_path, video, message):
+    write_videos(tmp_path)
+    (tmp_path / "clips" / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    (tmp_path / "clips" / "empty").mkdir()
+    record = {"messages": [{"role": "user", "content": "<video>?"}, {"role": "assistant", "content": "x"}],
+              "videos": [video]}
+    with pytest.raises(InputError, match=f"chats.jsonl, row 0, column videos: .*{message}"):
+        prepare_image_chat(corpus_file(tmp_path, [record]), processor, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_video_needs_a_video_processor_and_a_place(tmp_path):
+    from tests.vision_inputs import processor_directory
+
+    paths = write_videos(tmp_path)
+    images_only = processor_directory(tmp_path / "processor")
+    with pytest.raises(InputError, match="row 0, column videos: a video, and the processor directory has no video "
+                                         "processor"):
+        prepare_image_chat(corpus_file(tmp_path, video_records(paths)[:1]), images_only, tmp_path / "out")
+    processor = video_processor_directory(tmp_path / "with-video")
+    unplaced = {"messages": [{"role": "user", "content": "no marker"}, {"role": "assistant", "content": "x"}],
+                "videos": [paths[0]]}
+    with pytest.raises(InputError, match="row 0, column videos: 1 videos that no message places"):
+        prepare_image_chat(corpus_file(tmp_path, [unplaced]), processor, tmp_path / "out")
+    bad_rate = {**video_records(paths)[0], "video_fps": 0}
+    with pytest.raises(InputError, match="row 0, column video_fps: 0; a frame rate is a positive number"):
+        prepare_image_chat(corpus_file(tmp_path, [bad_rate]), processor, tmp_path / "out")
+
+
+def test_a_tampered_video_count_is_caught(processor, tmp_path):
+    paths = write_videos(tmp_path)
+    summary = prepare_image_chat(corpus_file(tmp_path, video_records(paths)), processor, tmp_path / "out")
+    manifest_file = summary.image_set / IMAGE_SET_MANIFEST
+    manifest = json.loads(manifest_file.read_text())
+    manifest["video_tokens"] += 1
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="video_tokens"):
+        read_image_set(summary.image_set)
+
+
+@pytest.mark.slow
+def test_a_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(processor, tmp_path):
+    """prepare-images, `prepack build`, ImagePackedDataset serving videos and their rates, VisionCollator with
+    FrameVideoProcessor, a tiny Qwen2.5-VL with the tokenizer's ids: each pack's samples equal alone."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tests.model.test_video import alone_batch
+
+    paths = write_videos(tmp_path)
+    corpus = corpus_file(tmp_path, video_records(paths))
+    done = run_prepack("prepare-images", corpus, "--processor", processor, "--out", tmp_path / "prepared", env=WIDE)
+    assert done.returncode == 0 and ", 4 videos (their frames among the images)" in done.stdout, done.stderr
+    summary = SimpleNamespace(corpus=tmp_path / "prepared" / "corpus.parquet", image_set=tmp_path / "prepared" / "images")
+    mp4 = {"messages": [{"role": "user", "content": "<video>"}, {"role": "assistant", "content": "x"}],
+           "videos": ["clip.mp4"]}
+    (tmp_path / "clips" / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    refused = run_prepack("prepare-images", corpus_file(tmp_path / "clips", [mp4]), "--processor", processor, "--out",
+                          tmp_path / "refused", env=WIDE)
+    assert refused.returncode == 2 and "it has no video decoder" in failure(refused)
+    build = tmp_path / "build"
+    result = run_prepack("build", summary.corpus, "--tokenizer", processor, "--chat", "--max-len", MAX_LEN,
+                         "--overflow", "error", "--out", build)
+    assert result.returncode == 0, result.stderr
+    tokenizer = Tokenizer.from_file(str(processor / "tokenizer.json"))
+    start, image, end = (tokenizer.token_to_id(token) for token in QWEN_IMAGE_TOKENS)
+    tokens = {"image_token_id": image, "vision_start_token_id": start, "vision_end_token_id": end,
+              "video_token_id": tokenizer.token_to_id(QWEN_VIDEO_TOKEN)}
+    model = enable_packing(tiny_vision_model("qwen2_5_vl", vocab_size=tokenizer.get_vocab_size(), tokens=tokens))
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(processor)
+    collator = VisionCollator(VisionSpec.of(model.config), image_processor, max_len=MAX_LEN, pad_token_id=50256,
+                              video_processor=FrameVideoProcessor.of(image_processor, "qwen2"))
+    dataset = ImagePackedDataset(build, summary.image_set)
+    packs = [dataset[index] for index in range(len(dataset))]
+    assert sum(len(pack["videos"]) for pack in packs) == 4 and sum(len(p["cu_seqlens"]) - 1 for p in packs) == 4
+    assert sorted(rate for pack in packs for rate in pack["video_fps"]) == [0.5, 1.0, 2.0, 2.0]
+    assert any(len(pack["cu_seqlens"]) > 2 for pack in packs)  # samples packed together
+    batch = collator(packs)
+    assert batch["second_per_grid_ts"].tolist() == [2 / rate for pack in packs for rate in pack["video_fps"]]
+    image_set = read_image_set(summary.image_set)
+    logits, loss, grads = run(model, batch)
+    logit_diff, weighted, counted, alone_grads = 0.0, 0.0, 0, {}
+    for row, pack in enumerate(packs):
+        rows = dataset.packs.source_rows(row)
+        for document, (start_, end_) in enumerate(zip(pack["cu_seqlens"][:-1], pack["cu_seqlens"][1:])):
+            corpus_row = int(rows[document])
+            videos = image_set.videos_of(corpus_row)
+            sample = {"input_ids": pack["input_ids"][start_:end_].astype(np.int64),
+                      "images": [image_set.data(int(n)) for n in image_set.images_of(corpus_row)],
+                      "videos": [[image_set.data(int(f)) for f in frames] for frames, _, _ in videos],
+                      "video_fps": [fps for _, fps, _ in videos]}
+            labels = batch["labels"][row, start_:end_]
+            alone_logits, alone_loss, sample_grads = run(model, alone_batch(collator, sample, labels))
+            logit_diff = max(logit_diff, float((logits[row, start_:end_] - alone_logits[0]).abs().max()))
+            weighted, counted = weighted + float(alone_loss) * targets(labels), counted + targets(labels)
+            for name, grad in sample_grads.items():
+                alone_grads[name] = alone_grads.get(name, 0) + grad
+    largest = max(float(grad.abs().max()) for grad in grads.values())
+    grad_diff = max(float((grads[name] - alone_grads[name]).abs().max()) for name in grads) / largest
+    assert logit_diff < TOLERANCE
+    assert abs(float(loss) - weighted / counted) < LOSS_TOLERANCE and grad_diff < LOSS_TOLERANCE
+    # verify --images: clean, and a set whose video placeholder is another token fails pack by pack
+    from prepack.check.images import verify_images
+
+    assert verify_images(build, summary.image_set) == []
+    manifest_file = summary.image_set / IMAGE_SET_MANIFEST
+    manifest = json.loads(manifest_file.read_text())
+    manifest["video_placeholder_id"] = image
+    manifest_file.write_text(json.dumps(manifest))
+    problems = verify_images(build, summary.image_set)
+    assert problems and all("video placeholder tokens" in problem.message for problem in problems)
+
+
+@pytest.mark.parametrize(("processor_type", "module"), [
+    ("Qwen2VLVideoProcessor", "transformers.models.qwen2_vl.video_processing_qwen2_vl"),
+    ("Qwen3VLVideoProcessor", "transformers.models.qwen3_vl.video_processing_qwen3_vl"),
+])
+def test_a_video_config_that_names_only_its_processor_takes_transformers_defaults(processor, tmp_path, processor_type,
+                                                                                   module):
+    """A config may leave out any size: prepack's defaults are the class defaults in transformers' own source."""
+    import shutil
+
+    from tests.video_inputs import transformers_source
+
+    copy = tmp_path / "processor"
+    shutil.copytree(processor, copy)
+    (copy / "video_preprocessor_config.json").write_text(json.dumps({"video_processor_type": processor_type}))
+    rule, _ = video_processor_rule(copy)
+    defaults = transformers_source(module, processor_type).defaults
+    assert (rule.patch_size, rule.merge_size, rule.temporal_patch_size, rule.min_pixels, rule.max_pixels) == (
+        defaults.patch_size, defaults.merge_size, defaults.temporal_patch_size, defaults.size["shortest_edge"],
+        defaults.size["longest_edge"])
+    (copy / "video_preprocessor_config.json").write_text(json.dumps({"video_processor_type": processor_type,
+                                                                     "cap_pixels_per_frame": True}))
+    with pytest.raises(InputError, match="cap_pixels_per_frame is set"):
+        video_processor_rule(copy)

@@ -1,0 +1,419 @@
+"""Packed video+image+text batches of the Qwen-VL families equal each sample run alone, in float64.
+
+Tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL (`prepack.model.tiny_vision_models`), short videos made from the
+sample photographs (tests/video_inputs.py: crops panning over a photograph, 3 to 5 frames of three sizes), their
+pixels from `FrameVideoProcessor` (the image processor per frame; transformers' video processors need
+torchvision, which is not installed), `VisionCollator` packing four samples (a video; an image and a video; text
+only; a video) into two rows, and `enable_packing` on. The reference is each sample alone through transformers'
+own path: its positions from `get_rope_index` (with Qwen2.5-VL's `second_per_grid_ts` at each video's frame rate),
+its own mask. Logits, loss and every gradient per parameter group (language model, projector, vision tower) must
+agree to float64 rounding; the leak control (positions counting on over each row) must not.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from prepack import enable_packing
+from prepack.errors import InputError, UsageError
+from prepack.formats.images import VideoRule
+from prepack.model.tiny_models import DOCUMENT_VOCAB
+from prepack.model.tiny_vision_models import tiny_vision_model
+from prepack.model.vision_families import VIDEO_RULES
+from prepack.training.video_frames import FrameVideoProcessor
+from prepack.training.vision_collate import VisionCollator, VisionSpec, rotary_3d_positions
+from tests.flash_reference import enable_flash_attention, use_flash_reference  # noqa: F401 (a fixture)
+from tests.model.test_vision import (
+    EAGER_TOLERANCE,
+    LANGUAGE_MODEL,
+    LOSS_TOLERANCE,
+    PROJECTOR,
+    TOLERANCE,
+    VISION_TOWER,
+    group_differences,
+    image_tokens,
+    run,
+    targets,
+)
+from tests.video_inputs import VIDEOS, transformers_source, video_bytes, video_frames
+from tests.vision_inputs import image_processor, photo_bytes
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# Per sample: (photographs, videos), indices into photo_bytes() and VIDEOS; the third is text only.
+SAMPLES = (((), (0,)), ((1,), (1,)), ((), ()), ((), (2,)))
+# Frames per second of each video (different, so that Qwen2.5-VL's temporal positions scale three ways).
+VIDEO_FPS = (2.0, 1.0, 0.5)
+# Qwen3-VL's rule bounds the pixels of the whole video: a larger budget than one image's, so a step is a few tokens.
+QWEN3_VIDEO_SIZE = {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 24}
+MODALITY = {"text": 0, "image": 1, "video": 2}  # transformers' mm_token_type_ids
+
+
+def video_processor(model_type: str, processor) -> FrameVideoProcessor:
+    kind = VIDEO_RULES[model_type]
+    return FrameVideoProcessor.of(processor, kind, QWEN3_VIDEO_SIZE if kind == "qwen3" else None)
+
+
+def video_tokens(model, frames: FrameVideoProcessor, video: int, rng) -> list[int]:
+    """The tokens one video stands for in the family's prompt: one run (Qwen2-VL, Qwen2.5-VL), or one run per
+    temporal step after its time as text (Qwen3-VL; random text ids stand for the `<t seconds>` text)."""
+    config = model.config
+    _, count, width, height, _ = VIDEOS[video]
+    t, h, w = frames.rule.grid(count, width, height)
+    per_step = h * w // frames.rule.merge_size**2
+    if frames.rule.kind == "qwen2":
+        return [config.vision_start_token_id, *[config.video_token_id] * (t * per_step), config.vision_end_token_id]
+    tokens = []
+    for _ in range(t):
+        tokens += [*rng.integers(2, DOCUMENT_VOCAB, 3), config.vision_start_token_id,
+                   *[config.video_token_id] * per_step, config.vision_end_token_id]
+    return tokens
+
+
+def samples(model, processor, frames: FrameVideoProcessor, layout=SAMPLES, seed: int = 0) -> list[dict]:
+    """Samples of text, images and videos in `layout`'s order (images first); random text ids between."""
+    rng = np.random.default_rng(seed)
+    photos = photo_bytes()
+    made = []
+    for images, videos in layout:
+        tokens = list(rng.integers(2, DOCUMENT_VOCAB, rng.integers(3, 7)))
+        for image in images:
+            tokens += image_tokens(model, processor, photos[image]) + list(rng.integers(2, DOCUMENT_VOCAB, 3))
+        for video in videos:
+            tokens += video_tokens(model, frames, video, rng) + list(rng.integers(2, DOCUMENT_VOCAB, 3))
+        made.append({"input_ids": np.array(tokens, dtype=np.int64), "images": [photos[i] for i in images],
+                     "videos": [video_bytes(v) for v in videos], "video_fps": [VIDEO_FPS[v] for v in videos]})
+    return made
+
+
+def packs_of(made: list[dict], rows: tuple[tuple[int, ...], ...]) -> list[dict]:
+    packs = []
+    for row in rows:
+        group = [made[index] for index in row]
+        packs.append({
+            "input_ids": np.concatenate([sample["input_ids"] for sample in group]),
+            "cu_seqlens": np.append(0, np.cumsum([len(sample["input_ids"]) for sample in group])),
+            "images": [image for sample in group for image in sample["images"]],
+            "videos": [video for sample in group for video in sample["videos"]],
+            "video_fps": [rate for sample in group for rate in sample["video_fps"]],
+        })
+    return packs
+
+
+def setup(model_type: str, layout=SAMPLES, attn: str = "sdpa"):
+    model = tiny_vision_model(model_type, "eager" if attn == "eager" else "sdpa")
+    if attn.startswith("flash"):
+        enable_flash_attention(model, attn)
+    processor = image_processor(model_type)
+    frames = video_processor(model_type, processor)
+    made = samples(model, processor, frames, layout)
+    total = sum(len(sample["input_ids"]) for sample in made)
+    collator = VisionCollator(VisionSpec.of(model.config), processor, max_len=total + 3, pad_token_id=1,
+                              video_processor=frames)
+    return model, collator, made
+
+
+def alone_batch(collator: VisionCollator, sample: dict, labels: torch.Tensor) -> dict:
+    """One sample as transformers takes it unpacked: no position_ids (get_rope_index computes them from its grids,
+    its token types and, for Qwen2.5-VL, its second_per_grid_ts)."""
+    ids = torch.from_numpy(sample["input_ids"])[None]
+    batch = {"input_ids": ids, "labels": labels[None], "use_cache": False}
+    if sample["images"]:
+        batch |= collator._preprocessed([sample["images"]])
+    if sample["videos"]:
+        batch |= collator.video_processor(videos=[video_frames_of(video) for video in sample["videos"]])
+        if collator.spec.tokens_per_second is not None:  # as Qwen2_5_VLProcessor computes it
+            size = collator.video_processor.temporal_patch_size
+            batch["second_per_grid_ts"] = torch.tensor([size / rate for rate in sample["video_fps"]])
+    types = torch.zeros_like(ids)
+    types[ids == collator.spec.image_token_id] = MODALITY["image"]
+    types[ids == collator.spec.video_token_id] = MODALITY["video"]
+    batch["mm_token_type_ids"] = types
+    return batch
+
+
+def video_frames_of(encoded: list[bytes]):
+    from PIL import Image
+    import io
+
+    return [Image.open(io.BytesIO(frame)).convert("RGB") for frame in encoded]
+
+
+def compare(model, collator, made, packs, batch) -> tuple[float, float, dict[str, float]]:
+    """(largest logit difference, loss difference, per parameter group the relative gradient difference)."""
+    logits, loss, grads = run(model, batch)
+    logit_diff, alone_losses, alone_grads = 0.0, [], {}
+    spans = [(row, int(start), int(end)) for row, pack in enumerate(packs)
+             for start, end in zip(pack["cu_seqlens"][:-1], pack["cu_seqlens"][1:])]
+    order = [index for row in ROWS[len(packs)] for index in row]
+    for index, (row, start, end) in zip(order, spans):
+        labels = batch["labels"][row, start:end]
+        alone_logits, alone_loss, sample_grads = run(model, alone_batch(collator, made[index], labels))
+        logit_diff = max(logit_diff, float((logits[row, start:end] - alone_logits[0]).abs().max()))
+        alone_losses.append((float(alone_loss), targets(labels)))
+        for name, grad in sample_grads.items():
+            alone_grads[name] = alone_grads.get(name, 0) + grad
+    weighted = sum(value * count for value, count in alone_losses) / sum(count for _, count in alone_losses)
+    assert grads.keys() == alone_grads.keys(), "a parameter has a gradient packed or alone only"
+    return logit_diff, abs(float(loss) - weighted), group_differences(grads, alone_grads)
+
+
+# How the four samples go into rows: two rows of two (video + mixed, text + video), or one row of all four.
+ROWS = {2: ((0, 1), (2, 3)), 1: ((0, 1, 2, 3),)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [2, 1], ids=["two rows", "one row"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_packed_video_batch_equals_each_sample_alone(model_type, rows):
+    model, collator, made = setup(model_type)
+    packs = packs_of(made, ROWS[rows])
+    batch = collator(packs)
+    assert int((batch["input_ids"] == collator.spec.video_token_id).sum()) > 0
+    assert len(batch["video_grid_thw"]) == 3 and len(batch["image_grid_thw"]) == 1
+    enable_packing(model)
+    logit_diff, loss_diff, groups = compare(model, collator, made, packs, batch)
+    report = f"logits {logit_diff:.1e}, loss {loss_diff:.1e}, gradients " + ", ".join(
+        f"{group} {value:.1e}" for group, value in sorted(groups.items()))
+    print(f"{model_type} videos, {rows} rows: {report}")
+    assert groups.keys() == {PROJECTOR, VISION_TOWER, LANGUAGE_MODEL}, report
+    assert logit_diff < TOLERANCE and loss_diff < LOSS_TOLERANCE, report
+    assert all(value < LOSS_TOLERANCE for value in groups.values()), report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model_type", "attn"),
+    [("qwen3_vl_moe", "sdpa"), ("qwen3_5", "sdpa"), ("qwen3_5_moe", "sdpa"), ("qwen4_exp", "sdpa"), ("qwen2_5_vl", "eager"), ("qwen2_5_vl", "flash_attention_2"),
+     ("qwen3_vl", "flash_attention_4")],
+)
+def test_packed_video_batch_on_other_backends_and_families(model_type, attn, request):
+    """Qwen3-VL-MoE (VIDEO_RULES' fourth family) on sdpa, and videos on eager and on flash through
+    tests/flash_reference.py's stand-ins (the text's offsets derived by enable_packing, kept from the tower)."""
+    if attn.startswith("flash"):
+        request.getfixturevalue("use_flash_reference")
+    model, collator, made = setup(model_type, attn=attn)
+    packs = packs_of(made, ROWS[2])
+    batch = collator(packs)
+    if attn.startswith("flash"):  # the control: without enable_packing flash runs dense over each row
+        logit_diff, _, _ = compare(model, collator, made, packs, batch)
+        assert logit_diff > 1e-3, f"the leak control did not leak ({logit_diff}), so the test could not fail"
+    enable_packing(model)
+    logit_diff, loss_diff, groups = compare(model, collator, made, packs, batch)
+    report = f"logits {logit_diff:.1e}, loss {loss_diff:.1e}, gradients " + ", ".join(
+        f"{group} {value:.1e}" for group, value in sorted(groups.items()))
+    print(f"{model_type} videos on {attn}: {report}")
+    tolerance = EAGER_TOLERANCE if attn == "eager" else TOLERANCE
+    assert groups.keys() == {PROJECTOR, VISION_TOWER, LANGUAGE_MODEL}, report
+    assert logit_diff < tolerance and loss_diff < LOSS_TOLERANCE, report
+    assert all(value < LOSS_TOLERANCE for value in groups.values()), report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", [*FAMILIES, "qwen3_5"])
+def test_video_positions_not_restarted_leak(model_type):
+    """The control: positions counting on over each row let the samples see each other."""
+    model, collator, made = setup(model_type)
+    packs = packs_of(made, ROWS[2])
+    enable_packing(model)
+    batch = collator(packs)
+    width = batch["input_ids"].shape[1]
+    batch["position_ids"] = torch.arange(width).expand(batch["position_ids"].shape).clone()
+    logit_diff, _, _ = compare(model, collator, made, packs, batch)
+    assert logit_diff > 1e-3
+
+
+@pytest.mark.parametrize("model_type", list(VIDEO_RULES))
+def test_video_rotary_positions_equal_transformers_get_rope_index(model_type):
+    """The collator's rotary rows for a sample with videos (and an image) are transformers' own, sample by sample:
+    Qwen2.5-VL's temporal positions scaled by tokens_per_second x second_per_grid_ts at three frame rates,
+    Qwen3-VL's steps positioned one by one."""
+    model, collator, made = setup(model_type)
+    spec = collator.spec
+    for sample in made:
+        if not sample["videos"]:
+            continue
+        alone = alone_batch(collator, sample, torch.from_numpy(sample["input_ids"]))
+        expected, _ = model.model.get_rope_index(
+            alone["input_ids"], mm_token_type_ids=alone["mm_token_type_ids"],
+            image_grid_thw=alone.get("image_grid_thw"), video_grid_thw=alone["video_grid_thw"],
+            **({"second_per_grid_ts": alone["second_per_grid_ts"]} if "second_per_grid_ts" in alone else {}),
+        )
+        packed = collator([{**packs_of([sample], ((0,),))[0]}])
+        np.testing.assert_array_equal(packed["position_ids"][1:, 0, : len(sample["input_ids"])].numpy(),
+                                      expected[:, 0].numpy())
+        grids = alone.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.int64)).numpy()
+        video_grids, intervals = collator._video_runs(alone)
+        got = rotary_3d_positions(sample["input_ids"], grids, spec.image_token_id, spec.merge_size,
+                                  video_token_id=spec.video_token_id, video_grids=video_grids,
+                                  video_intervals=intervals)
+        np.testing.assert_array_equal(got, expected[:, 0].numpy())
+    if model_type == "qwen2_5_vl":  # the scale is there: a video's second temporal step is not at 1
+        assert spec.tokens_per_second == 4 and collator._video_runs(alone)[1].tolist() == [4 * 2 / 0.5]
+
+
+def test_the_video_families_are_those_whose_positions_transformers_splits_by_step():
+    """VIDEO_RULES' qwen3 families are the ones whose get_rope_index positions each temporal step as a one-step
+    video (transformers' source repeats their video grids by their steps), the qwen2 ones do not; and each
+    family's rule is that of the video processor transformers maps it to (read from the auto mapping's source, or
+    the family's own video processing module, which transformers infers it from: without torchvision the mapping
+    itself holds None)."""
+    import importlib.util
+
+    with open(importlib.util.find_spec("transformers.models.auto.video_processing_auto").origin) as file:
+        mapped = dict(re.findall(r'\("(\w+)", \{"torchvision": "(\w+)"\}\)', file.read()))
+    processors = {"qwen2": "Qwen2VLVideoProcessor", "qwen3": "Qwen3VLVideoProcessor"}
+    for model_type, kind in VIDEO_RULES.items():
+        with open(importlib.util.find_spec(f"transformers.models.{model_type}.modeling_{model_type}").origin) as file:
+            splits = "torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)" in file.read()
+        assert splits == (kind == "qwen3"), model_type
+        if model_type not in mapped:  # inferred by transformers from the family's own video processing module
+            own = importlib.util.find_spec(f"transformers.models.{model_type}.video_processing_{model_type}").origin
+            with open(own) as file:
+                mapped[model_type] = re.search(r"class (\w+)\(BaseVideoProcessor\)", file.read()).group(1)
+        assert mapped[model_type] == processors[kind], model_type
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_frame_pixels_are_laid_out_as_transformers_patchify(kind):
+    """FrameVideoProcessor's temporal patches are transformers' own layout: Qwen2VLVideoProcessor.patchify (run from
+    its source) of the frames the image processor resized and normalised, the last frame repeated to fill a step."""
+    processor = image_processor("qwen2_vl")
+    frames = FrameVideoProcessor.of(processor, kind, QWEN3_VIDEO_SIZE if kind == "qwen3" else None)
+    source = transformers_source("transformers.models.qwen2_vl.video_processing_qwen2_vl", "Qwen2VLVideoProcessor",
+                                 methods=("patchify",))
+    for video in range(len(VIDEOS)):
+        decoded = video_frames(video)
+        out = frames(videos=[decoded])
+        t, h, w = out["video_grid_thw"][0].tolist()
+        _, count, width, height, _ = VIDEOS[video]
+        assert (t, h, w) == frames.rule.grid(count, width, height) and t == -(-count // 2)
+        resized = [frame.resize((w * 14, h * 14), processor.resample) for frame in decoded]
+        normalised = processor(images=resized, do_resize=False, return_tensors="np")
+        # the image processor's own normalised pixels, back from its (repeated) patches: one [C, H, W] per frame
+        pixels = torch.from_numpy(np.stack([
+            frame_pixels(patches, h, w) for patches in np.split(normalised["pixel_values"], len(resized))]))
+        expected, grid_t, grid_h, grid_w = source.patchify(None, pixels[None], 14, 2, 2)
+        assert (grid_t, grid_h, grid_w) == (t, h, w)
+        torch.testing.assert_close(out["pixel_values_videos"], expected[0], rtol=0, atol=0)
+
+
+def frame_pixels(patches: np.ndarray, h: int, w: int) -> np.ndarray:
+    """[C, h*14, w*14] from one image's Qwen patches [h*w, C*2*14*14] (merge 2): the inverse of its patchify."""
+    grid = patches.reshape(h // 2, w // 2, 2, 2, 3, 2, 14, 14)[..., 0, :, :]  # one of the temporal copies
+    return grid.transpose(4, 0, 2, 5, 1, 3, 6).reshape(3, h * 14, w * 14)
+
+
+def test_a_pack_whose_videos_and_placeholders_disagree_is_refused():
+    model, collator, made = setup("qwen2_vl")
+    pack = packs_of(made, ROWS[2])[0]
+    with pytest.raises(InputError, match="video placeholders and 0 videos"):
+        collator([{**pack, "videos": [], "video_fps": []}])
+    with pytest.raises(InputError, match=re.escape("video_fps [2.0] is not one positive rate per video (2)")):
+        collator([{**pack, "video_fps": [2.0]}])
+    with pytest.raises(UsageError, match="video_processor"):
+        VisionCollator(collator.spec, collator.image_processor, pad_token_id=1)([pack])
+
+
+def test_a_video_for_a_family_without_a_video_side_is_refused():
+    model = tiny_vision_model("llava")
+    collator = VisionCollator(VisionSpec.of(model.config), image_processor("llava"), pad_token_id=1)
+    pack = {"input_ids": np.array([5, 6, 7]), "cu_seqlens": np.array([0, 3]), "videos": [video_bytes(0)]}
+    with pytest.raises(UsageError, match="videos only for qwen2_vl"):
+        collator([pack])
+
+
+def test_a_video_of_frames_of_two_sizes_is_refused():
+    frames = FrameVideoProcessor.of(image_processor("qwen2_vl"), "qwen2")
+    with pytest.raises(InputError, match="frames of 2 sizes"):
+        frames(videos=[[*video_frames(0)[:2], video_frames(1)[0]]])
+    one_frame = VideoRule(kind="qwen3", patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=1,
+                          max_pixels=2**20)
+    with pytest.raises(InputError, match="1 frames, fewer than the temporal patch of 2"):
+        FrameVideoProcessor(image_processor("qwen3_vl"), one_frame)(videos=[video_frames(0)[:1]])
+
+
+def test_video_frames_count_against_the_pixel_limits():
+    """A video's frames are checked by their headers with the batch's images, before any is decoded."""
+    model, collator, made = setup("qwen2_vl")
+    pack = packs_of(made, ((0,),))[0]  # one video: 4 frames of 120x90
+    options = dict(pad_token_id=1, video_processor=collator.video_processor)
+    batch = VisionCollator(collator.spec, collator.image_processor, **options)([pack])
+    assert len(batch["video_grid_thw"]) == 1
+    is_video = batch["input_ids"] == collator.spec.video_token_id
+    assert is_video.any() and (batch["labels"][is_video] == -100).all()  # a placeholder is never a target
+    for limits, message in (({"max_image_pixels": 120 * 90 - 1}, "max_image_pixels"),
+                            ({"max_image_pixels": 120 * 90, "max_batch_pixels": 120 * 90 * 3}, "max_batch_pixels")):
+        limited = VisionCollator(collator.spec, collator.image_processor, **options, **limits)
+        with pytest.raises(InputError, match=message):
+            limited([pack])
+
+
+@pytest.mark.slow
+def test_llava_next_video_is_isolated_natively_on_videos_and_refused_for_want_of_a_data_side():
+    """The other video family, measured: a tiny LLaVA-NeXT-Video fed two videos (4 frames each, crops of the
+    photographs) and a text-only sample packed in one row with position_ids restarting per sample gives the
+    logits, loss and every gradient of each sample alone (its CLIP tower takes frames one by one, its pooling is
+    per frame, its decoder's mask comes from the positions); counting on over the row leaks. prepack still
+    refuses it, with the vision table's measured reason: it has no data side for the family (no placeholder
+    rule, no collator style; transformers also takes a batch's videos as one [videos, frames, C, H, W] tensor,
+    so every video of a batch would need the same frame count)."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from prepack.errors import IsolationError
+    from prepack.model.families import BACKENDS
+    from prepack.model.vision_families import VISION_FAMILIES
+
+    model = tiny_vision_model("llava_next_video")
+    config = model.config
+    side = config.vision_config.image_size
+    processor = CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    per_frame = (side // config.vision_config.patch_size // config.spatial_pool_stride) ** 2
+    rng = np.random.default_rng(0)
+    made = []
+    for video in (0, 2, None):
+        ids = list(rng.integers(2, DOCUMENT_VOCAB, 4))
+        pixels = None
+        if video is not None:
+            frames = video_frames(video)[:4]
+            pixels = processor(images=frames, return_tensors="pt")["pixel_values"].to(torch.float64)[None]
+            ids += [config.video_token_index] * (len(frames) * per_frame)
+        ids += list(rng.integers(2, DOCUMENT_VOCAB, 5))
+        made.append((torch.tensor(ids), pixels))
+    ids = torch.cat([sample for sample, _ in made])[None]
+    labels = ids.clone()
+    labels[ids == config.video_token_index] = -100
+    starts = np.cumsum([0] + [len(sample) for sample, _ in made])
+    for start in starts[:-1]:
+        labels[0, start] = -100  # a sample's first token is no target of the one before
+    packed = {"input_ids": ids, "labels": labels, "use_cache": False,
+              "position_ids": torch.cat([torch.arange(len(sample)) for sample, _ in made])[None],
+              "pixel_values_videos": torch.cat([pixels for _, pixels in made if pixels is not None])}
+
+    def differences(batch):
+        logits, loss, grads = run(model, batch)
+        logit_diff, weighted, counted, alone_grads = 0.0, 0.0, 0, {}
+        for (sample, pixels), start, end in zip(made, starts[:-1], starts[1:]):
+            alone = {"input_ids": sample[None], "labels": labels[:, start:end], "use_cache": False}
+            if pixels is not None:
+                alone["pixel_values_videos"] = pixels
+            alone_logits, alone_loss, sample_grads = run(model, alone)
+            logit_diff = max(logit_diff, float((logits[0, start:end] - alone_logits[0]).abs().max()))
+            weighted, counted = weighted + float(alone_loss) * targets(alone["labels"]), counted + targets(alone["labels"])
+            for name, grad in sample_grads.items():
+                alone_grads[name] = alone_grads.get(name, 0) + grad
+        return logit_diff, abs(float(loss) - weighted / counted), group_differences(grads, alone_grads)
+
+    logit_diff, loss_diff, groups = differences(packed)
+    assert groups.keys() == {PROJECTOR, VISION_TOWER, LANGUAGE_MODEL}, groups
+    assert logit_diff < TOLERANCE and loss_diff < LOSS_TOLERANCE, (logit_diff, loss_diff)
+    assert all(value < LOSS_TOLERANCE for value in groups.values()), groups
+    leaking, _, _ = differences({**packed, "position_ids": torch.arange(ids.shape[1])[None]})
+    assert leaking > 1e-3
+    verdict = VISION_FAMILIES["llava_next_video"].verdicts[BACKENDS.index("sdpa")]
+    assert not verdict.isolated and "no data side" in verdict.reason
+    with pytest.raises(IsolationError, match=re.escape(verdict.reason)):
+        enable_packing(model)
