@@ -27,8 +27,9 @@ SAMPLE_DATA = Path(matplotlib.get_data_path()) / "sample_data"
 SPLIT_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
                 *(f"<row_{row}_col_{column}>" for row in range(1, 7) for column in range(1, 7)))
 PHOTOS = ("grace_hopper.jpg", "Minduka_Present_Blue_Pack.png", "logo2.png")
-__all__ = ["PHOTOS", "QWEN_IMAGE_TOKENS", "SAMPLE_DATA", "SPLIT_TOKENS", "image_processor", "photo_bytes", "processor_directory",
-           "transformers_processor_directory"]
+__all__ = ["PHOTOS", "QWEN_IMAGE_TOKENS", "SAMPLE_DATA", "SPLIT_TOKENS", "family_processor_directory", "glm4v_processor",
+           "image_processor", "images_of_many_sizes", "internvl_processor", "photo_bytes", "pixtral_processor",
+           "processor_directory", "transformers_processor_directory"]
 
 
 def photo_bytes() -> list[bytes]:
@@ -65,3 +66,70 @@ def transformers_processor_directory(directory: Path, image_processor, processor
     image_processor.save_pretrained(directory)
     (directory / "processor_config.json").write_text(json.dumps(processor_config))
     return directory
+def family_processor_directory(directory: Path, tokens: dict[str, str], image_processor, processor_config: dict,
+                               roles: dict[str, str] | None = None):
+    """A local processor directory for a family whose processor transformers builds from parts: the demo's GPT-2
+    tokenizer with ChatML and the image `tokens` (name -> text, as the family's tokenizer names them) added as
+    special tokens, `image_processor` saved beside it, and `processor_config`. Returns the directory and the
+    transformers tokenizer (the image tokens as its named attributes, as the family's processor reads them;
+    `roles` such as bos_token and eos_token added too, and given that role)."""
+    from transformers import PreTrainedTokenizerFast
+
+    transformers_processor_directory(directory, image_processor, processor_config,
+                                     (*tokens.values(), *(roles or {}).values()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), extra_special_tokens=tokens,
+                                        **(roles or {}))
+    return directory, tokenizer
+
+
+def internvl_processor(image_processor, tokenizer, image_seq_length: int):
+    """transformers' own InternVLProcessor over these parts, without its video processor (which needs torchvision)."""
+    from transformers.models.internvl.processing_internvl import InternVLProcessor
+
+    class ImagesOnly(InternVLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, image_seq_length=256, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, image_seq_length, chat_template, **kwargs)
+
+    return ImagesOnly(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=image_seq_length)
+
+
+def images_of_many_sizes() -> list[bytes]:
+    """Encoded images of awkward sizes beside the photographs: a tall strip, a wide one, a tiny one, a small one, a large square."""
+    import io
+
+    from PIL import Image
+
+    made = []
+    for width, height in ((30, 700), (900, 41), (9, 13), (60, 90), (1000, 1000)):
+        buffer = io.BytesIO()
+        Image.new("RGB", (width, height), (width % 256, height % 256, 90)).save(buffer, format="PNG")
+        made.append(buffer.getvalue())
+    return photo_bytes() + made
+
+
+def pixtral_processor(image_processor, tokenizer, patch_size: int, spatial_merge_size: int):
+    """transformers' own PixtralProcessor (Mistral 3's) over these parts. Its module imports the resize rule from the
+    torchvision image processor's module; the PIL one's module defines the same function, and stands in for it
+    where torchvision is not installed (the processor itself runs on the PIL image processor given)."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("torchvision") is None:
+        import transformers.models.pixtral.image_processing_pil_pixtral as pil
+
+        sys.modules.setdefault("transformers.models.pixtral.image_processing_pixtral", pil)
+    from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+
+    return PixtralProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
+                            spatial_merge_size=spatial_merge_size)
+
+
+def glm4v_processor(image_processor, tokenizer):
+    """transformers' own Glm4vProcessor over these parts, without its video processor (which needs torchvision)."""
+    from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
+
+    class ImagesOnly(Glm4vProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template, **kwargs)
+
+    return ImagesOnly(image_processor=image_processor, tokenizer=tokenizer)

@@ -49,8 +49,11 @@ __all__ = [
     "VIDEOS_FILE",
     "VIDEOS_SCHEMA",
     "VideoRule",
+    "glm4v_resize",
+    "pixtral_grid",
     "read_image_set",
     "smart_resize",
+    "tiled_canvas",
 ]
 
 IMAGE_SET_VERSION = 1
@@ -113,6 +116,43 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def glm4v_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int) -> tuple[int, int]:
+    """GLM-4V's resize rule for one image (transformers' glm4v `smart_resize`, which takes the image as `frames`
+    frames, its temporal_patch_size): the same rule as Qwen3-VL's for a whole video, here of `frames` frames in one
+    temporal step. `tests/building/test_image_chat.py` compares it with transformers'."""
+    return smart_resize(height, width, factor, min_pixels, max_pixels, frames=frames, temporal=frames, upscale=True)
+
+
+def pixtral_grid(height: int, width: int, cell: int, longest_edge: int) -> tuple[int, int]:
+    """(rows, columns) of `cell`-pixel cells Pixtral's image processor makes of an image (transformers'
+    `get_resize_output_image_size`): scaled down, floored, to fit `longest_edge` (never up), then each side
+    rounded up to whole cells. The same float operations as there; `tests/building/test_image_chat.py` compares it
+    with transformers' PixtralProcessor."""
+    ratio = max(height / longest_edge, width / longest_edge)
+    if ratio > 1:
+        height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+    return (height - 1) // cell + 1, (width - 1) // cell + 1
+
+
+def tiled_canvas(height: int, width: int, tile: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
+    """(columns, rows) of the square `tile`-pixel tiles GOT-OCR2's image processor crops an image into (transformers'
+    `get_optimal_tiled_canvas`, as InternVL tiles): of the arrangements of min_tiles to max_tiles tiles, by tile
+    count, the one whose aspect ratio is nearest the image's; a tie goes to the later one while the image's area is
+    more than half the tiles'. `tests/building/test_image_chat.py` compares it with transformers' processor."""
+    arrangements = sorted(
+        ((columns, rows) for columns in range(1, max_tiles + 1) for rows in range(1, max_tiles + 1)
+         if min_tiles <= columns * rows <= max_tiles),
+        key=lambda grid: grid[0] * grid[1],
+    )
+    aspect, area = width / height, width * height
+    nearest, best = float("inf"), (1, 1)
+    for columns, rows in arrangements:
+        difference = abs(aspect - columns / rows)
+        if difference < nearest:
+            nearest, best = difference, (columns, rows)
+        elif difference == nearest and area > 0.5 * tile * tile * columns * rows:
+            best = (columns, rows)
+    return best
 def select_best_resolution(height: int, width: int, resolutions) -> tuple[int, int]:
     """LLaVA-NeXT's choice of tiling (transformers' `select_best_resolution`): of the (height, width)
     resolutions, the one that keeps most of the image's pixels when it is scaled to fit, then wastes least."""
@@ -146,19 +186,22 @@ def _unpadded_features(
 
 
 _Side = Annotated[int, Field(ge=1, le=65_536)]
-# The tiling fields each kind counts with; a rule carrying another's is refused (`_complete`).
-_KIND_TILING_FIELDS = {
-    "grid": (),
-    "fixed": (),
-    "anyres": ("pinpoints", "tile_height", "tile_width", "feature_rows", "feature_columns", "max_tiles"),
-    "split": ("tile_height", "resize_edge", "splitting", "global_token"),
+# The rule fields later kinds added, each with the kinds that count with it: a rule of any other kind carrying one
+# is refused (`_complete`), and is written without it, as before it existed, so that an image set prepared with the
+# same options keeps its bytes.
+_TILING = ("anyres", "split")
+_KIND_FIELDS = {
+    "pinpoints": ("anyres",), "tile_height": _TILING, "tile_width": ("anyres",), "feature_rows": ("anyres",),
+    "feature_columns": ("anyres",), "max_tiles": ("anyres", "tiles"), "resize_edge": ("split",),
+    "splitting": ("split",), "global_token": ("split",), "longest_edge": ("rows",), "row_end": ("rows",),
+    "frames": ("glm4v_grid",), "min_tiles": ("tiles",),
 }
-_TILING_FIELDS = ("pinpoints", "tile_height", "tile_width", "feature_rows", "feature_columns", "max_tiles",
-                  "resize_edge", "splitting", "global_token")
 # The most placeholder tokens one image may stand for: one per pixel of the largest image prepack decodes by default
 # (MAX_IMAGE_PIXELS), well within the int32 `tokens` column, so that an image's text (its placeholders repeated) is
 # never built past a few hundred MiB, and a rule whose fields are each in range but whose product is not is refused.
 MAX_IMAGE_TOKENS = 32 * 2**20
+# The most tiles GOT-OCR2's canvas may have (its arrangements are searched in full: max_tiles² of them).
+_MAX_CANVAS_TILES = 64
 
 
 # Idefics3's and SmolVLM's image processors never make a side longer than this (their MAX_IMAGE_SIZE).
@@ -191,11 +234,15 @@ def _longest_edge_size(height: int, width: int, longest_edge: int) -> tuple[int,
 class ImageRule(StrictModel):
     """How many placeholder tokens an image becomes, and the text that stands for it before tokenizing."""
 
-    kind: Literal["grid", "fixed", "anyres", "split"] = Field(
+    kind: Literal["grid", "fixed", "anyres", "split", "rows", "glm4v_grid", "tiles"] = Field(
         description="grid: Qwen2-VL's resize rule, one token per merge_size² patches; fixed: `tokens` per image; "
         "anyres: LLaVA-NeXT's (and LLaVA-OneVision's) tiling, the image's tiles (by `pinpoints`) unpadded with a "
         "newline per row, then `tokens` for the whole image; split: Idefics3's and SmolVLM's, the image resized to "
-        "whole tiles, `tokens` per tile and for the whole image, in the processor's text of rows and columns."
+        "whole tiles, `tokens` per tile and for the whole image, in the processor's text of rows and columns; "
+        "rows: Pixtral's (Mistral 3's) resize within longest_edge, one token per patch_size² cell, each row of cells "
+        "followed by `row_end` but the last, followed by `end`; glm4v_grid: GLM-4V's resize rule over `frames` "
+        "frames, one token per merge_size² patches; tiles: GOT-OCR2's tiling (InternVL's), `tokens` per view: "
+        "each patch_size tile of the nearest canvas of min_tiles to max_tiles tiles, and a thumbnail when more than one."
     )
     placeholder: str = Field(min_length=1, description="The placeholder token's text, repeated once per token.")
     start: str = Field(description="Text before an image's placeholders (may be empty).")
@@ -214,13 +261,21 @@ class ImageRule(StrictModel):
     feature_rows: int | None = Field(default=None, ge=1, le=4096)
     feature_columns: int | None = Field(default=None, ge=1, le=4096)
     max_tiles: int | None = Field(
-        default=None, ge=1, le=65_536, description="anyres: LLaVA-OneVision's anyres_max_N, the N; None for LLaVA-NeXT."
+        default=None, ge=1, le=65_536,
+        description="anyres: LLaVA-OneVision's anyres_max_N, the N (None for LLaVA-NeXT); tiles: the most tiles of "
+        f"GOT-OCR2's canvas (at most {_MAX_CANVAS_TILES}).",
     )
     # split: the longest side images are first resized to (None: not resized), whether they are split into tiles
     # of tile_height (= tile_width) pixels, and the text that marks the whole image after its tiles.
     resize_edge: int | None = Field(default=None, ge=1, le=65_536)
     splitting: bool | None = None
     global_token: str | None = None
+    longest_edge: int | None = Field(default=None, ge=1, le=65_536)
+    row_end: str | None = Field(default=None, min_length=1,
+                                description="rows: the text after each row of placeholders but the last.")
+    frames: int | None = Field(default=None, ge=1, le=64,
+                               description="glm4v_grid: the frames an image counts as (its temporal_patch_size).")
+    min_tiles: int | None = Field(default=None, ge=1, le=_MAX_CANVAS_TILES)
 
     @model_validator(mode="after")
     def _complete(self) -> ImageRule:
@@ -230,15 +285,21 @@ class ImageRule(StrictModel):
             "fixed": ("tokens",),
             "anyres": ("tokens", "pinpoints", "tile_height", "tile_width", "feature_rows", "feature_columns"),
             "split": ("tokens", "tile_height", "splitting", "global_token"),
+            "rows": ("patch_size", "longest_edge", "row_end"),
+            "glm4v_grid": ("patch_size", "merge_size", "min_pixels", "max_pixels", "frames"),
+            "tiles": ("tokens", "patch_size", "min_tiles", "max_tiles"),
         }[self.kind]
         missing = [name for name in needed if getattr(self, name) is None]
         if missing:
             raise ValueError(f"a {self.kind} rule needs {', '.join(missing)}")
-        foreign = [name for name in _TILING_FIELDS
-                   if name not in _KIND_TILING_FIELDS[self.kind] and getattr(self, name) is not None]
+        foreign = [name for name, kinds in _KIND_FIELDS.items() if self.kind not in kinds and getattr(self, name) is not None]
         if foreign:
             raise ValueError(f"a rule of kind {self.kind} has no {', '.join(foreign)}")
-        if self.kind == "grid" and self.min_pixels > self.max_pixels:
+        if self.kind == "tiles" and self.max_tiles > _MAX_CANVAS_TILES:
+            raise ValueError(f"max_tiles {self.max_tiles} is more than {_MAX_CANVAS_TILES}")
+        if self.kind == "tiles" and self.min_tiles > self.max_tiles:
+            raise ValueError(f"min_tiles {self.min_tiles} is more than max_tiles {self.max_tiles}")
+        if self.kind in ("grid", "glm4v_grid") and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels {self.min_pixels} is more than max_pixels {self.max_pixels}")
         if self.kind == "anyres":
             for height, width in self.pinpoints:
@@ -256,18 +317,24 @@ class ImageRule(StrictModel):
         return self
 
     @model_serializer(mode="wrap")
-    def _without_tiling_fields(self, handler):
-        """A rule of another kind is written without the tiling fields, as before they existed: an image set
-        prepared with the same options keeps its bytes."""
+    def _without_other_kinds_fields(self, handler):
+        """Written without the fields later kinds added that its kind does not write (`_KIND_FIELDS`)."""
         data = handler(self)
-        if self.kind not in ("anyres", "split"):
-            for name in _TILING_FIELDS:
+        for name, kinds in _KIND_FIELDS.items():
+            if self.kind not in kinds:
                 data.pop(name, None)
         return data
 
     def placeholders(self, width: int, height: int) -> int:
         if self.kind == "fixed":
             return self.tokens
+        if self.kind == "rows":
+            rows, columns = pixtral_grid(height, width, self.patch_size, self.longest_edge)
+            return rows * columns
+        if self.kind == "tiles":
+            columns, rows = tiled_canvas(height, width, self.patch_size, self.min_tiles, self.max_tiles)
+            tiles = columns * rows
+            return self.tokens * (tiles + 1 if tiles > 1 else 1)  # the thumbnail after several tiles
         if self.kind == "anyres":
             tiled_height, tiled_width = select_best_resolution(height, width, self.pinpoints)
             rows = self.feature_rows * (tiled_height // self.tile_height)  # at least one tile: `_complete`
@@ -278,12 +345,18 @@ class ImageRule(StrictModel):
             rows, columns = self._tiles(width, height)
             return (rows * columns + 1) * self.tokens
         factor = self.patch_size * self.merge_size
-        resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+        if self.kind == "glm4v_grid":
+            resized_h, resized_w = glm4v_resize(height, width, factor, self.min_pixels, self.max_pixels, self.frames)
+        else:
+            resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
         return (resized_h // self.patch_size) * (resized_w // self.patch_size) // self.merge_size**2
 
     def text(self, width: int, height: int, count: int | None = None) -> str:
         """The image's text; `count`, its `placeholders` already counted (not recounted; a split rule's text
-        follows its tiles, a few operations)."""
+        follows its tiles, and a rows rule's its grid, a few operations)."""
+        if self.kind == "rows":
+            rows, columns = pixtral_grid(height, width, self.patch_size, self.longest_edge)
+            return self.start + self.row_end.join([self.placeholder * columns] * rows) + self.end
         if self.kind != "split":
             count = self.placeholders(width, height) if count is None else count
             return self.start + self.placeholder * count + self.end

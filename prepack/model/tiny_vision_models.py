@@ -44,7 +44,7 @@ __all__ = [
 
 # The rotary halves of the 8-wide heads split over time, height and width (the defaults give all to time).
 MROPE = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [1, 1, 2]}
-IMAGE_SIZE = {"llava": 28, "gemma3": 32}  # fixed-size towers: the side of the square image they take
+IMAGE_SIZE = {"llava": 28, "gemma3": 32, "internvl": 56, "mistral3": 112}  # fixed-size towers: the side of the square image they take
 # Qwen's image processor for the tiny towers: between 2 and 8 merged tokens (28x28 pixels each) per image.
 QWEN_PIXELS = {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}
 # The special tokens of a Qwen-VL processor (start, placeholder, end), as `prepack prepare-images` writes them.
@@ -77,6 +77,12 @@ VISION_SIZES: dict[str, dict[str, Any]] = {
         "vision_config": {"image_size": IMAGE_SIZE["gemma3"], "patch_size": 8},
         "mm_tokens_per_image": 4,
     },
+    # InternViT at 4x4 patches, pixel-shuffled 2x2: 4 tokens per image.
+    "internvl": {"vision_config": {"image_size": [IMAGE_SIZE["internvl"]] * 2, "patch_size": [14, 14]}},
+    # Pixtral up to 8x8 patches, merged 2x2: up to 4 rows of 4 tokens per image, by its shape.
+    "mistral3": {"vision_config": {"image_size": IMAGE_SIZE["mistral3"], "patch_size": 14}},
+    # SigLIP at 4x4 patches; its projection to the text width is set at the top (PaliGemma copies it down).
+    "paligemma": {"vision_config": {"image_size": 56, "patch_size": 14}, "projection_dim": HIDDEN},
 }
 
 
@@ -171,6 +177,12 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
     temporal sizes, `qwen_pixels` per image; CLIP's, as LLaVA uses, LLaVA-NeXT's, -OneVision's, Idefics3's and
     SmolVLM's tiling ones, and Gemma 3's at the tower's image size)."""
     vision = config.vision_config
+    if config.model_type in ("glm4v", "glm4v_moe"):  # a Qwen2-VL-like grid by GLM-4V's own resize rule
+        from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+        return Glm4vImageProcessorPil(size=qwen_pixels, patch_size=vision.patch_size,
+                                      merge_size=vision.spatial_merge_size,
+                                      temporal_patch_size=vision.temporal_patch_size)
     if image_style(config.model_type) == "3-D rotary":
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -178,6 +190,19 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
                                         merge_size=vision.spatial_merge_size,
                                         temporal_patch_size=vision.temporal_patch_size)
     side = vision.image_size
+    if config.model_type == "internvl":  # GOT-OCR2's image processor, untiled (as prepare-images counts it)
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+        return GotOcr2ImageProcessorPil(size={"height": side[0], "width": side[1]}, crop_to_patches=False)
+    if config.model_type == "mistral3":  # the tower's own patch, as a real preprocessor_config.json has it
+        from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+        patch = {"height": vision.patch_size, "width": vision.patch_size}
+        return PixtralImageProcessorPil(size={"longest_edge": side}, patch_size=patch)
+    if config.model_type == "paligemma":
+        from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+        return SiglipImageProcessorPil(size={"height": side, "width": side})
     if config.model_type == "llava_next":  # its tiles: the whole image, then the image tiled by the pinpoints
         from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 

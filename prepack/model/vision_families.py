@@ -13,14 +13,18 @@ on logits and loss (it has no backward on a CPU). On flash the text's offsets co
 and reach the decoder only, never the vision tower (`prepack.model.packing`). No torch here.
 
 Styles:
-- 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): `position_ids` [4, B, L], text positions restarting per sample (from
+- 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V, GLM-4V-MoE): `position_ids` [4, B, L], text positions restarting per sample (from
   which transformers builds the per-sample mask) over the three rotary rows, restarting per sample too;
-- restart (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM): `position_ids` [B, L] restarting per sample, as
-  for text (LLaVA-NeXT's and -OneVision's tiles with each image's `image_sizes`, Idefics3's and SmolVLM's with
-  `pixel_attention_mask`);
+- restart (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Mistral 3): `position_ids` [B, L]
+  restarting per sample, as for text (LLaVA-NeXT's and -OneVision's tiles with each image's `image_sizes`, Idefics3's
+  and SmolVLM's with `pixel_attention_mask`, Mistral 3's `image_sizes` beside its padded `pixel_values`);
 - image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
   from which prepack builds the layer masks (`prepack.model.vision_packing`: transformers' own sliding
-  mask misplaces the image blocks of a packed row).
+  mask misplaces the image blocks of a packed row);
+- prefix blocks (PaliGemma): `position_ids` restarting at 1 at every sample (PaliGemma's numbering: from 0, its
+  float32 rotary angles differ from the sample alone's beyond float64 rounding, measured in tests/model/test_vision.py)
+  and `token_type_ids` 0 on each sample's prefix (its tokens before its first target), which transformers attends
+  both ways, within the sample.
 
 Every other image-text-to-text model type has no style (VisionCollator does not batch it) and is refused for
 image batches on every backend, with the reason the vision sweep (`prepack.model.vision_sweep`) measured on sdpa
@@ -54,13 +58,21 @@ from prepack.model.families import (
 __all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_packed", "image_refusal", "image_style", "markdown",
            "needs", "not_built", "not_run", "VIDEO_RULES"]
 
-ImageStyle = Literal["3-D rotary", "restart", "image blocks"]
+ImageStyle = Literal["3-D rotary", "restart", "image blocks", "prefix blocks"]
 
 # Measured (tests/model/test_vision.py): on the flash stand-in a sample alone runs its images causally, unlike sdpa.
 GEMMA3_IMAGES_ON_FLASH = Verdict(
     "refused",
     "flash attention cannot hold its bidirectional image blocks: transformers gives Gemma3ForConditionalGeneration "
     "no flash attention, and its flash path runs the images causally",
+)
+
+
+# Measured (tests/model/test_vision.py): on the flash stand-in a packed batch differs from its samples alone.
+PALIGEMMA_ON_FLASH = Verdict(
+    "refused",
+    "flash attention cannot hold its bidirectional prefix blocks: transformers gives PaliGemmaForConditionalGeneration "
+    "no flash attention, and its flash path runs the prefixes causally",
 )
 
 
@@ -206,8 +218,6 @@ VISION_FAMILIES |= {
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'glm46v': _swept(NO_DATA_SIDE),
-    'glm4v': _swept(NO_DATA_SIDE),
-    'glm4v_moe': _swept(NO_DATA_SIDE),
     'glm5_next': _swept(
         not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: index_topk (4) must be divisible by index_kpool (16)."),
     ),
@@ -242,7 +252,6 @@ VISION_FAMILIES |= {
     'instructblipvideo': _swept(
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
-    'internvl': _swept(NO_DATA_SIDE),
     'janus': _swept(
         not_built('AssertionError: janus: the tiny model has 114,071,819 parameters; a size was not shrunk.'),
     ),
@@ -270,7 +279,6 @@ VISION_FAMILIES |= {
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'minimax_m3_vl': _swept(NO_DATA_SIDE),
-    'mistral3': _swept(NO_DATA_SIDE),
     'mistral4': _swept(
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
@@ -290,7 +298,6 @@ VISION_FAMILIES |= {
     ),
     'ovis2': _swept(NO_DATA_SIDE),
     'paddleocr_vl': _swept(not_run('ValueError: not enough values to unpack (expected 5, got 3)')),
-    'paligemma': _swept(NO_DATA_SIDE),
     'perception_lm': _swept(needs("timm")),
     'pi0': _swept(not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)')),
     'pix2struct': _swept(
@@ -319,6 +326,32 @@ VISION_FAMILIES |= {
     'vipllava': _swept(not_run('IndexError: tuple index out of range')),
     'vision-encoder-decoder': _swept(
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
+    ),
+}
+
+
+# Families given a data side after the sweep (appended: the rows above stay as the sweep wrote them).
+VISION_FAMILIES |= {
+    "internvl": VisionFamily(
+        "restart", "one view per row of pixel_values (InternViT: an image, or its tiles and thumbnail), its patches "
+        "pixel-shuffled per view", _MEASURED
+    ),
+    "mistral3": VisionFamily(
+        "restart",
+        "each image's patches one attention block, from image_sizes (Pixtral; on flash its own offsets), merged 2x2 "
+        "per image",
+        _MEASURED,
+    ),
+    # Its get_rope_index places an image's positions as Qwen2-VL's does (tests/model/test_vision.py compares them).
+    "glm4v": VisionFamily("3-D rotary", _GRID_TOWER, _MEASURED_NO_FLEX),
+    # GLM-4V's tower, processor and rotary positions before a decoder of MoE layers.
+    "glm4v_moe": VisionFamily("3-D rotary", _GRID_TOWER, _MEASURED),
+    # Its prefix blocks (block_sequence_ids) span every sample's prefix in a row; transformers' per-sample mask from
+    # the restarting positions cuts them at each sample (measured).
+    "paligemma": VisionFamily(
+        "prefix blocks",
+        "one image per row of pixel_values (SigLIP)",
+        (NATIVE, NATIVE, PALIGEMMA_ON_FLASH, PALIGEMMA_ON_FLASH, NATIVE),
     ),
 }
 

@@ -15,6 +15,10 @@
   masks itself with transformers' `create_causal_mask`, from absolute token indices: (causal OR same
   image block) AND same sample (AND within the window, counted in positions, on sliding layers). On
   flex_attention the same function builds them as BlockMasks.
+- Prefix blocks (PaliGemma): transformers ORs one block over every token typed 0 in the row (each sample's prefix)
+  into the causal mask and ANDs the per-sample mask it builds from the restarting positions, which keeps each
+  prefix inside its sample (measured); with an attention_mask it builds no per-sample mask (measured: the samples
+  see each other), so a packed batch with one is refused.
 """
 
 from __future__ import annotations
@@ -63,6 +67,12 @@ def checked_image_batch(
     position_ids = kwargs.get("position_ids")
     if style == "3-D rotary" and position_ids is not None:
         _require_text_positions(position_ids)
+    if style == "prefix blocks" and position_ids is not None and kwargs.get("attention_mask") is not None:
+        raise IsolationError(
+            "A packed PaliGemma image batch with an attention_mask: transformers then builds no per-sample mask from "
+            "the restarting position_ids, and one prefix block spans every sample's prefix in the row. Pass "
+            "position_ids and token_type_ids only (VisionCollator's batch)."
+        )
     if style == "image blocks" and position_ids is not None and kwargs.get("token_type_ids") is not None:
         if kwargs.get("attention_mask") is not None:
             raise IsolationError(

@@ -117,6 +117,10 @@ _PLACEHOLDERS = {
     "Qwen2VLImageProcessor": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
     "Gemma3ImageProcessor": ("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
     "CLIPImageProcessor": ("", "<image>", ""),
+    "GotOcr2ImageProcessor": ("<img>", "<IMG_CONTEXT>", "</img>"),  # as InternVLProcessor uses it
+    "PixtralImageProcessor": ("", "[IMG]", "[IMG_END]"),  # as PixtralProcessor (Mistral 3's) uses it
+    "Glm4vImageProcessor": ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>"),  # as GLM-4V's chat template writes
+    "SiglipImageProcessor": ("", "<image>", ""),  # as PaliGemmaProcessor uses it
     "LlavaNextImageProcessor": ("", "<image>", ""),
     "LlavaOnevisionImageProcessor": ("", "<image>", ""),
     "Idefics3ImageProcessor": ("<fake_token_around_image>", "<image>", "<fake_token_around_image>"),
@@ -170,13 +174,15 @@ def _text(config: dict, file: Path, key: str, default: str) -> str:
 def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     """The resize rule of a local processor directory and its placeholder's token id.
 
-    `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's, Gemma 3's, CLIP's as
-    LLaVA uses, LLaVA-NeXT's or LLaVA-OneVision's tiling ones) and its sizes; `processor_config.json` (optional) may
-    name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for fixed-size and tiled towers, the count
-    (`image_seq_length`, or LLaVA's `patch_size` and `vision_feature_select_strategy`, LLaVA-NeXT's
-    `num_additional_image_tokens`, LLaVA-OneVision's `num_image_tokens` and `vision_aspect_ratio`). The placeholder
-    must be one token of the directory's `tokenizer.json`. A size that is not a positive integer, or sizes that give
-    no placeholder, are refused by file and field.
+    `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's or GLM-4V's, Gemma 3's,
+    CLIP's as LLaVA uses, LLaVA-NeXT's or LLaVA-OneVision's tiling ones, Idefics3's or SmolVLM's, GOT-OCR2's as
+    InternVL uses it, tiled or not, Pixtral's as Mistral 3 uses it, SigLIP's as PaliGemma uses it) and its sizes;
+    `processor_config.json` (optional) may name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for
+    fixed-size and tiled towers, the count (`image_seq_length`, or LLaVA's `patch_size` and
+    `vision_feature_select_strategy`, LLaVA-NeXT's `num_additional_image_tokens`, LLaVA-OneVision's
+    `num_image_tokens` and `vision_aspect_ratio`). The placeholder must be one token of the directory's
+    `tokenizer.json`. A size that is not a positive integer, or sizes that give no placeholder, are refused by file
+    and field.
     """
     directory = Path(directory)
     config_file, processor_file = directory / "preprocessor_config.json", directory / "processor_config.json"
@@ -194,11 +200,12 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         start = _text(processor, processor_file, "boi_token", start)
         end = _text(processor, processor_file, "eoi_token", end)
     placeholder = _text(processor, processor_file, "image_token", placeholder)
-    if kind == "Qwen2VLImageProcessor":
+    if kind in ("Qwen2VLImageProcessor", "Glm4vImageProcessor"):
         size = _mapping(config, config_file, "size")
         pixels = {}
-        for bound, size_key, key, default in (("min", "shortest_edge", "min_pixels", 56 * 56),
-                                              ("max", "longest_edge", "max_pixels", 28 * 28 * 1280)):
+        defaults = (56 * 56, 28 * 28 * 1280) if kind == "Qwen2VLImageProcessor" else (112 * 112, 28 * 28 * 15000)
+        for bound, size_key, key, default in (("min", "shortest_edge", "min_pixels", defaults[0]),
+                                              ("max", "longest_edge", "max_pixels", defaults[1])):
             if size.get(size_key) is not None:
                 pixels[bound] = (_positive(size, config_file, size_key, default, "size."), f"size.{size_key}")
             else:
@@ -211,8 +218,17 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
             "merge_size": _positive(config, config_file, "merge_size", 2), "min_pixels": min_pixels,
             "max_pixels": max_pixels,
         }
+        if kind == "Glm4vImageProcessor":  # an image counts as temporal_patch_size frames
+            fields |= {"kind": "glm4v_grid", "frames": _positive(config, config_file, "temporal_patch_size", 2)}
     elif kind == "Gemma3ImageProcessor":
         fields = {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
+    elif kind == "GotOcr2ImageProcessor":
+        fields = _internvl_fields(config, config_file, processor, processor_file)
+    elif kind == "SiglipImageProcessor":
+        fields = _paligemma_fields(config, config_file, processor, processor_file)
+    elif kind == "PixtralImageProcessor":
+        end = _text(processor, processor_file, "image_end_token", end)
+        fields = _pixtral_fields(config, config_file, processor, processor_file)
     elif kind in ("LlavaNextImageProcessor", "LlavaOnevisionImageProcessor"):
         fields = _anyres_fields(config, config_file, processor, processor_file, kind == "LlavaOnevisionImageProcessor")
     elif kind in ("Idefics3ImageProcessor", "SmolVLMImageProcessor"):
@@ -348,6 +364,54 @@ def _anyres_fields(config: dict, config_file: Path, processor: dict, processor_f
         raise InputError(f"{config_file.parent}: a tile of {tile[1]}x{tile[0]} in patches of {patch} has no features.")
     return {"kind": "anyres", "pinpoints": pinpoints, "tile_height": tile[0], "tile_width": tile[1],
             "feature_rows": rows, "feature_columns": columns, "tokens": rows * columns + extra - without_cls}
+
+
+def _internvl_fields(config: dict, config_file: Path, processor: dict, processor_file: Path) -> dict:
+    """InternVL's count: image_seq_length per view. Untiled (crop_to_patches false) one view; tiled, the tiles
+    of GOT-OCR2's canvas and a thumbnail (`ImageRule` kind tiles), as the image processor's config says, which
+    the training collator's image processor reads too. GOT-OCR2's image processor serves GOT-OCR2 too, whose
+    placeholders are others: only InternVLProcessor's are counted."""
+    named = processor.get("processor_class", "InternVLProcessor")
+    if named != "InternVLProcessor":
+        raise InputError(f"{processor_file}: processor_class {named!r}; prepack counts GOT-OCR2's image processor as "
+                         "InternVLProcessor uses it.")
+    tokens = _positive(processor, processor_file, "image_seq_length", 256)
+    if not config.get("crop_to_patches"):
+        return {"kind": "fixed", "tokens": tokens}
+    size = _mapping(config, config_file, "size")
+    side = _positive(size, config_file, "height", None, "size.")
+    if side is None or size.get("width") != side:
+        raise InputError(f"{config_file}: size is {size!r}; prepack counts InternVL's tiles when they are square "
+                         "(height equal to width).")
+    return {"kind": "tiles", "tokens": tokens, "patch_size": side,
+            "min_tiles": _positive(config, config_file, "min_patches", 1),
+            "max_tiles": _positive(config, config_file, "max_patches", 12)}
+
+
+def _pixtral_fields(config: dict, config_file: Path, processor: dict, processor_file: Path) -> dict:
+    """Mistral 3's rows: cells of the tower's patch times its spatial merge (processor_config.json, as
+    PixtralProcessor hands them to the image processor), within the image processor's longest edge."""
+    size = _mapping(config, config_file, "size")
+    longest_edge = _positive(size, config_file, "longest_edge", None, "size.")
+    if longest_edge is None:
+        raise InputError(f"{config_file}: size.longest_edge is missing; prepack counts Pixtral's images within it.")
+    cell = _positive(processor, processor_file, "patch_size", 16) * _positive(
+        processor, processor_file, "spatial_merge_size", 1)
+    return {"kind": "rows", "patch_size": cell, "longest_edge": longest_edge,
+            "row_end": _text(processor, processor_file, "image_break_token", "[IMG_BREAK]")}
+
+
+def _paligemma_fields(config: dict, config_file: Path, processor: dict, processor_file: Path) -> dict:
+    """PaliGemma's count: the image_seq_length its image processor's config records (what PaliGemmaProcessor
+    reads), per image. SigLIP's image processor serves other processors: only PaliGemma's is counted."""
+    named = processor.get("processor_class", config.get("processor_class", "PaliGemmaProcessor"))
+    if named != "PaliGemmaProcessor":
+        raise InputError(f"{processor_file}: processor_class {named!r}; prepack counts SigLIP's image processor as "
+                         "PaliGemmaProcessor uses it.")
+    tokens = _positive(config, config_file, "image_seq_length", None)
+    if tokens is None:
+        raise InputError(f"{config_file}: image_seq_length is missing; PaliGemma's processor reads its count there.")
+    return {"kind": "fixed", "tokens": tokens}
 
 
 def image_header(data: bytes, where: str, limits: ImageLimits) -> tuple[int, int]:

@@ -11,10 +11,13 @@ model's image processor (in DataLoader workers) and emits, by the family's style
     labels        [B, L] int64   -100 at padding, at each sample's first token and at image placeholders
     pixel_values  what the image processor gives for the batch's images, in token order
     image_grid_thw [N, 3] int64  (3-D rotary) each image's patch grid, from the image processor
+    image_sizes   [N, 2] int64   each image's (height, width), from the image processor: (tiled, LLaVA-NeXT) from
+                                 which the model finds how many of the image's padded row of tiles in pixel_values
+                                 [N, tiles, C, H, W] are its own; (Mistral 3) its resized size beside the padded
+                                 pixel_values, each pack's placeholders checked against its images' cells (and,
+                                 InternVL tiled, against the views the image processor made of its images)
     pixel_values_videos, video_grid_thw  (3-D rotary, packs with `videos`) what the video processor gives
     second_per_grid_ts [V] float32 (Qwen2.5-VL, packs with `videos`) temporal_patch_size / each video's fps
-    image_sizes   [N, 2] int64   (tiled, LLaVA-NeXT) each image's (height, width), from which the model finds how
-                                 many of the image's padded row of tiles in pixel_values [N, tiles, C, H, W] are its own
     pixel_attention_mask         (split, Idefics3, SmolVLM) the image processor's mask of real pixels beside
                                  pixel_values [1, tiles, C, H, W], every tile of the batch's images in token order
     position_ids  [B, L] int64   (restart, image blocks) 0, 1, ... restarting at every sample
@@ -24,6 +27,8 @@ model's image processor (in DataLoader workers) and emits, by the family's style
                                  for each sample alone, so they restart at 0 at every sample
     token_type_ids [B, L] int64  (image blocks) 1 at image placeholders: Gemma 3's bidirectional image
                                  blocks, kept inside their sample by the layer masks enable_packing builds
+                  [B, L] int64  (prefix blocks) PaliGemma's: 0 on each sample's prefix (before its first target),
+                                 1 after it and on padding; its position_ids then count from 1, as PaliGemma's do
     use_cache     False
     image_spans   [N, 3] int64   (with `image_spans=True`) one row per image, in the order of `pixel_values`
                                  (and `image_grid_thw`): (row, start, end), the image's placeholder tokens being
@@ -80,9 +85,12 @@ class VisionSpec:
     style: ImageStyle
     image_token_id: int
     merge_size: int = 1  # 3-D rotary: patches merged per side into one token (Qwen's spatial_merge_size)
-    # restart, image blocks: the fixed number of placeholders per image (None for a tiled tower, LLaVA-NeXT's or
-    # Idefics3's, whose count follows each image's size)
+    # restart, image blocks, prefix blocks: the fixed number of placeholders per image (None for a tiled tower,
+    # LLaVA-NeXT's or Idefics3's, and Mistral 3's, whose count follows each image's size)
     tokens_per_image: int | None = None
+    # Mistral 3: the pixels one placeholder covers per side (the tower's patch x its spatial merge), handed to the
+    # image processor as its patch_size as PixtralProcessor does; each image then takes (h / cell) x (w / cell).
+    image_cell: int | None = None
     # Videos (3-D rotary families of VIDEO_RULES): the video placeholder; whether each temporal step is its own
     # run of placeholders, positioned as a one-step video (Qwen3-VL); Qwen2.5-VL's temporal position scale.
     video_token_id: int | None = None
@@ -107,6 +115,13 @@ class VisionSpec:
         if getattr(config, "image_grid_pinpoints", None) or config.model_type in SPLITTING_FAMILIES:
             return cls(style, image_token_id)  # tiled: the count follows the image's size
         vision = config.vision_config
+        if style == "prefix blocks":  # PaliGemma: SigLIP's patches, one token each
+            return cls(style, image_token_id, tokens_per_image=config.text_config.num_image_tokens)
+        if config.model_type == "mistral3":
+            return cls(style, image_token_id, image_cell=vision.patch_size * config.spatial_merge_size)
+        if config.model_type == "internvl":  # InternViT's patches less its CLS token, pixel-shuffled
+            side = vision.image_size[0] // vision.patch_size[0]
+            return cls(style, image_token_id, tokens_per_image=int(side * config.downsample_ratio) ** 2)
         patches = (vision.image_size // vision.patch_size) ** 2
         # "default" drops the CLS token of CLIP's output, "full" keeps it.
         with_cls = config.vision_feature_select_strategy == "full"
@@ -186,9 +201,9 @@ class VisionCollator:
       is read from its header first; an image or a batch over its limit is refused (InputError naming the
       pack and the image) before any image of the batch is decoded. A video's frames count as images.
     - `image_spans`: also emit `image_spans` (see the module docstring); off by default, as the model's
-      forward would be handed a field it does not take. Refused (UsageError) for a tiled tower (a spec
-      without `tokens_per_image` outside the 3-D rotary style: LLaVA-NeXT, OneVision, Idefics3, SmolVLM). Images
-      only: a video's placeholders have no spans (find them as `input_ids == spec.video_token_id`).
+      forward would be handed a field it does not take. Refused (UsageError) for towers whose images are not one
+      run of placeholders each: LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's and SmolVLM's tiles, Mistral 3's rows.
+      Images only: a video's placeholders have no spans (find them as `input_ids == spec.video_token_id`).
     - `video_processor`: for packs with `videos` (Qwen-VL families, `VIDEO_RULES`), called on the batch's videos
       (each a list of decoded RGB frames) as transformers' video processors are, giving `pixel_values_videos`
       and `video_grid_thw`: transformers' own Qwen2VLVideoProcessor/Qwen3VLVideoProcessor (with
@@ -223,17 +238,22 @@ class VisionCollator:
                 f"max_image_pixels ({max_image_pixels}) must be at least 1 and at most max_batch_pixels "
                 f"({max_batch_pixels}): a batch must hold the largest image."
             )
+        self.max_image_pixels, self.max_batch_pixels = max_image_pixels, max_batch_pixels
         if image_spans and spec.tokens_per_image is None and spec.style != "3-D rotary":
             # A tiled tower's image is no one run of a count the collator knows: Idefics3's and SmolVLM's tiles are
             # runs apart, and LLaVA-NeXT's and OneVision's adjacent runs touch at counts only the images' sizes give.
             raise UsageError(
-                f"image_spans is for the 3-D rotary style and towers of a fixed count per image; this {spec.style} "
-                "spec's count follows each image's size (a tiled tower), so its images have no spans."
+                "image_spans are given where each image is one run of placeholders of a fixed count, a grid's or "
+                "InternVL's views; this model's images (LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's and SmolVLM's "
+                "tiles, Mistral 3's rows broken by [IMG_BREAK]) are counted by their size in the processor's text."
             )
-        self.max_image_pixels, self.max_batch_pixels = max_image_pixels, max_batch_pixels
         self.image_spans = image_spans
         self.spec, self.image_processor = spec, image_processor
         self.image_processor_options = dict(image_processor_options or {})
+        # InternVL's tiles (GOT-OCR2's crop_to_patches): tokens_per_image placeholders per view, views per image by
+        # its shape, checked per pack against the views the image processor makes.
+        self.tiled = spec.tokens_per_image is not None and bool(
+            self.image_processor_options.get("crop_to_patches", getattr(image_processor, "crop_to_patches", False)))
         if not video_fps > 0:
             raise UsageError(f"video_fps is {video_fps!r}; a frame rate is a positive number of frames a second.")
         self.video_processor, self.video_fps = video_processor, float(video_fps)
@@ -242,7 +262,7 @@ class VisionCollator:
 
     def __call__(self, packs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         text = self.text(packs)
-        checked = [_vision_pack(pack, number, self.spec) for number, pack in enumerate(packs)]
+        checked = [_vision_pack(pack, number, self.spec, self.tiled) for number, pack in enumerate(packs)]
         input_ids, position_ids = text["input_ids"], text["position_ids"]
         is_image = input_ids == self.spec.image_token_id
         text["labels"][is_image] = IGNORE_INDEX  # a placeholder is never a target
@@ -251,8 +271,19 @@ class VisionCollator:
         batch: dict[str, Any] = {"input_ids": input_ids, "labels": text["labels"]}
         self._check_pixels(checked)  # every image and frame of the batch, by its header, before any is decoded
         images = [pack.images for pack in checked]
+        image_tokens: list[int] = []  # per image its placeholders, where the image processor decides them
         if any(images):
             batch |= self._preprocessed(images)
+            if self.spec.image_cell is not None:
+                cell = self.spec.image_cell
+                cells = [int(height) // cell * (int(width) // cell) for height, width in batch["image_sizes"].tolist()]
+                _check_image_tokens(checked, cells, self.spec.image_token_id, f"cells of {cell} pixels",
+                                    "its size.longest_edge, patch_size and spatial_merge_size")
+            if self.tiled:
+                image_tokens = [int(count) * self.spec.tokens_per_image for count in batch.pop("num_patches")]
+                _check_image_tokens(checked, image_tokens, self.spec.image_token_id,
+                                    f"placeholders, {self.spec.tokens_per_image} per view",
+                                    "its crop_to_patches, min_patches, max_patches and size")
         videos = [pack.videos for pack in checked]
         if any(videos):
             batch |= self._preprocessed_videos(checked)
@@ -264,10 +295,17 @@ class VisionCollator:
             batch["position_ids"] = position_ids
         if self.spec.style == "image blocks":
             batch["token_type_ids"] = is_image.long()
+        if self.spec.style == "prefix blocks":
+            batch["position_ids"] = position_ids + 1  # PaliGemma numbers a sequence's positions from 1
+            batch["token_type_ids"] = _suffixes(checked, text["labels"])
         batch["use_cache"] = False
         if self.image_spans:
-            grids = batch["image_grid_thw"].numpy() if "image_grid_thw" in batch else None
-            batch["image_spans"] = torch.from_numpy(_image_spans(checked, grids, self.spec))
+            if "image_grid_thw" in batch:
+                merged = self.spec.merge_size**2
+                image_tokens = [int(np.prod(grid)) // merged for grid in batch["image_grid_thw"].numpy()]
+            elif not self.tiled:
+                image_tokens = [self.spec.tokens_per_image] * sum(len(pack.images) for pack in checked)
+            batch["image_spans"] = torch.from_numpy(_image_spans(checked, image_tokens, self.spec.image_token_id))
         return batch
 
     def _preprocessed(self, images_by_pack: Sequence[Sequence[bytes]]) -> dict[str, Any]:
@@ -278,10 +316,15 @@ class VisionCollator:
             for number, images in enumerate(images_by_pack)
             for index, image in enumerate(images)
         ]
-        out = self.image_processor(images=decoded, return_tensors="pt", **self.image_processor_options)
+        options = self.image_processor_options
+        if self.spec.image_cell is not None:
+            options = {"patch_size": {"height": self.spec.image_cell, "width": self.spec.image_cell}} | options
+        out = self.image_processor(images=decoded, return_tensors="pt", **options)
         fields = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
         kept = {key: out[key] for key in fields if key in out}
-        if self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(decoded):
+        if self.tiled:  # views per image, for the check of each pack's placeholders (not a model input)
+            kept["num_patches"] = out["num_patches"]
+        elif self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(decoded):
             raise UsageError(
                 f"The image processor made {len(kept['pixel_values'])} crops of {len(decoded)} images; prepack "
                 "counted one per image (turn off crops such as Gemma 3's pan-and-scan)."
@@ -381,25 +424,22 @@ class VisionCollator:
         return positions
 
 
-def _image_spans(packs: list[_VisionPack], grids: np.ndarray | None, spec: VisionSpec) -> np.ndarray:
+def _image_spans(packs: list[_VisionPack], image_tokens: list[int], image_token_id: int) -> np.ndarray:
     """[N, 3] (row, start, end) of every image's placeholders, images in the order of `pixel_values`: the packs'
-    images in pack order, each pack's in token order. An image takes the next `count` placeholders of its row, by
-    its grid (3-D rotary: `rotary_3d_positions` has checked each image's run, so a pack's placeholders need only
-    add up) or the fixed count (where adjacent images' runs touch, so each image's count must be one run)."""
+    images in pack order, each pack's in token order. An image takes the next `count` placeholders of its row
+    (`image_tokens`: by its grid, its views or the fixed count), which must be one run: adjacent images' runs touch
+    in the fixed styles, so a count that only adds up is not enough."""
+    counts_of = np.asarray(image_tokens, dtype=np.int64)
     spans, image = [], 0
     for row, pack in enumerate(packs):
-        positions = np.flatnonzero(pack.input_ids == spec.image_token_id)
-        if grids is None:
-            counts = np.full(len(pack.images), spec.tokens_per_image, dtype=np.int64)
-        else:
-            grid = grids[image : image + len(pack.images)].astype(np.int64)
-            counts = grid[:, 0] * (grid[:, 1] // spec.merge_size) * (grid[:, 2] // spec.merge_size)
+        positions = np.flatnonzero(pack.input_ids == image_token_id)
+        counts = counts_of[image : image + len(pack.images)]
         image += len(pack.images)
         if counts.sum() != len(positions):
             raise InputError(f"Pack {row} has {len(positions)} image placeholders; its {len(counts)} images make "
                              f"{counts.sum()}: its placeholders and images disagree.")
         starts = positions[np.cumsum(counts) - counts]
-        if grids is None and len(counts) and (broken := np.flatnonzero(positions[np.cumsum(counts) - 1] != starts + counts - 1)).size:
+        if len(counts) and (broken := np.flatnonzero(positions[np.cumsum(counts) - 1] != starts + counts - 1)).size:
             raise InputError(f"Pack {row}'s image {broken[0]} has {counts[broken[0]]} placeholders, but the pack's next run "
                              "of placeholders is shorter: its placeholders and images disagree.")
         spans.append(np.stack([np.full(len(counts), row), starts, starts + counts], axis=1))
@@ -424,18 +464,18 @@ class _VisionPack:
     video_fps: list[float] | None = None  # one frame rate per video, when the pack gives them
 
 
-def _vision_pack(pack: Mapping[str, Any], number: int, spec: VisionSpec) -> _VisionPack:
+def _vision_pack(pack: Mapping[str, Any], number: int, spec: VisionSpec, tiled: bool = False) -> _VisionPack:
     """The pack's tokens, offsets and images (its tokens and offsets already checked by PackedCollator),
     refused where its placeholders and its images disagree."""
     input_ids, cu_seqlens = np.asarray(pack["input_ids"]), np.asarray(pack["cu_seqlens"])
     images = list(pack.get("images") or [])
     placeholders = int((input_ids == spec.image_token_id).sum())
-    if spec.tokens_per_image is not None and placeholders != spec.tokens_per_image * len(images):
+    if spec.tokens_per_image is not None and not tiled and placeholders != spec.tokens_per_image * len(images):
         raise InputError(
             f"Pack {number} has {placeholders} image placeholders for {len(images)} images of "
             f"{spec.tokens_per_image} tokens each."
         )
-    if spec.tokens_per_image is None and bool(placeholders) != bool(images):
+    if (spec.tokens_per_image is None or tiled) and bool(placeholders) != bool(images):
         raise InputError(f"Pack {number} has {placeholders} image placeholders and {len(images)} images.")
     videos = [list(video) for video in pack.get("videos") or []]
     if videos and spec.video_token_id is None:
@@ -452,6 +492,35 @@ def _vision_pack(pack: Mapping[str, Any], number: int, spec: VisionSpec) -> _Vis
             raise InputError(f"Pack {number}'s video_fps {video_fps} is not one positive rate per video "
                              f"({len(videos)}).")
     return _VisionPack(input_ids, cu_seqlens, images, videos, video_fps)
+
+
+def _suffixes(packs: list[_VisionPack], labels: torch.Tensor) -> torch.Tensor:
+    """[B, L] PaliGemma's token types: 0 on each sample's prefix (its tokens before its first target: its images and
+    prompt, which attend to each other both ways), 1 on the rest of the sample and on padding (causal)."""
+    types = torch.ones_like(labels)
+    for row, pack in enumerate(packs):
+        for start, end in zip(pack.cu_seqlens[:-1].tolist(), pack.cu_seqlens[1:].tolist()):
+            targets = (labels[row, start:end] != IGNORE_INDEX).nonzero()
+            types[row, start : start + (int(targets[0]) if len(targets) else end - start)] = 0
+    return types
+
+
+def _check_image_tokens(packs: list[_VisionPack], per_image: list[int], image_token_id: int, unit: str,
+                        settings: str) -> None:
+    """Each pack holds as many placeholders as its images take by what the image processor made of them (`per_image`,
+    in the batch's order: Mistral 3's cells, InternVL's tiled views): transformers checks the batch's total only,
+    so a pack counted for other sizes would pass its image features to another pack's placeholders."""
+    first = 0
+    for number, pack in enumerate(packs):
+        placeholders = int((pack.input_ids == image_token_id).sum())
+        made = sum(per_image[first : first + len(pack.images)])
+        if placeholders != made:
+            raise InputError(
+                f"Pack {number} has {placeholders} image placeholders; the image processor made its "
+                f"{len(pack.images)} images {made} {unit}. Prepare the images with the processor the collator uses "
+                f"({settings})."
+            )
+        first += len(pack.images)
 
 
 def _opened(image: bytes, name: str, read):

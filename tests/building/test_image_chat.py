@@ -226,10 +226,12 @@ def test_a_text_corpus_with_an_images_column_builds_and_serves_its_images(proces
     [
         ("gemma3", {"image_seq_length": 4}, ("<start_of_image>", "<image_soft_token>", "<end_of_image>")),
         ("llava", {"patch_size": 14, "vision_feature_select_strategy": "default"}, ("<image>",)),
+        ("internvl", {"image_seq_length": 4, "processor_class": "InternVLProcessor"},
+         ("<img>", "<IMG_CONTEXT>", "</img>")),
     ],
 )
 def test_fixed_size_processors_count_what_the_tiny_towers_take(tmp_path, model_type, processor_config, tokens):
-    """Gemma 3's and LLaVA's processor directories give the placeholder count their towers make
+    """Gemma 3's, LLaVA's and InternVL's processor directories give the placeholder count their towers make
     (`VisionSpec.of` on the tiny model's config), whatever the image's size."""
     from tokenizers import Tokenizer
 
@@ -486,6 +488,261 @@ def test_prepare_images_refuses_by_name_from_the_command_line(processor, tmp_pat
         assert not (tmp_path / "out").exists()
 
 
+def internvl_directory(directory, image_seq_length: int = 4, **image_options):
+    """An InternVL processor directory (InternVLProcessor's tokens, GOT-OCR2's image processor at 56 pixels) and
+    transformers' own InternVLProcessor over the same parts."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    from tests.vision_inputs import family_processor_directory, internvl_processor
+
+    parts = GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, **image_options)
+    tokens = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+              "video_token": "<video>"}
+    directory, tokenizer = family_processor_directory(
+        directory, tokens, parts, {"image_seq_length": image_seq_length, "processor_class": "InternVLProcessor"})
+    return directory, internvl_processor(parts, tokenizer, image_seq_length)
+
+
+def test_internvl_placeholders_and_text_are_the_processors_own(tmp_path):
+    """InternVL untiled (crop_to_patches false, as its image processor's config says): `<img>`, image_seq_length
+    `<IMG_CONTEXT>`, `</img>` per image, whatever its size; the expanded text tokenizes to the ids
+    InternVLProcessor gives the same prompt."""
+    from tests.vision_inputs import images_of_many_sizes
+
+    directory, processor = internvl_directory(tmp_path / "proc", crop_to_patches=False)
+    rule, placeholder_id = processor_rule(directory)
+    assert placeholder_id == processor.image_token_id
+    for data in images_of_many_sizes():
+        with Image.open(io.BytesIO(data)) as image:
+            picture, size = image.convert("RGB"), image.size
+        out = processor(images=[picture], text=["a <IMG_CONTEXT> b"], crop_to_patches=False, return_tensors="np")
+        expected = out["input_ids"][0].tolist()
+        assert processor.tokenizer.decode(expected) == "a " + rule.text(*size) + " b"
+        assert processor.tokenizer("a " + rule.text(*size) + " b")["input_ids"] == expected
+        assert rule.placeholders(*size) == expected.count(placeholder_id) == 4
+        assert len(out["pixel_values"]) == 1
+
+
+@pytest.mark.parametrize("patches", [(1, 12), (1, 4), (2, 6)])
+def test_internvl_tiled_placeholders_and_text_are_the_processors_own(tmp_path, patches):
+    """InternVL tiled (crop_to_patches true, InternVLProcessor's default): image_seq_length placeholders per view, the
+    views being the tiles of the canvas nearest the image's shape (min_patches to max_patches tiles) and, when there
+    is more than one tile, a thumbnail; the expanded text tokenizes to InternVLProcessor's ids."""
+    from tests.vision_inputs import images_of_many_sizes
+
+    min_patches, max_patches = patches
+    directory, processor = internvl_directory(tmp_path / "proc", crop_to_patches=True, min_patches=min_patches,
+                                              max_patches=max_patches)
+    rule, placeholder_id = processor_rule(directory)
+    views = set()
+    for data in images_of_many_sizes():
+        with Image.open(io.BytesIO(data)) as image:
+            picture, size = image.convert("RGB"), image.size
+        out = processor(images=[picture], text=["a <IMG_CONTEXT> b"], return_tensors="np")
+        expected = out["input_ids"][0].tolist()
+        assert processor.tokenizer("a " + rule.text(*size) + " b")["input_ids"] == expected
+        assert rule.placeholders(*size) == expected.count(placeholder_id) == 4 * len(out["pixel_values"])
+        views.add(len(out["pixel_values"]))
+    assert len(views) > 1  # the sizes exercise several canvases
+
+
+def test_non_square_internvl_tiles_and_other_got_ocr2_processors_are_refused(tmp_path):
+    """Tiles of another shape than square are refused by their field, as is GOT-OCR2's own processor, which shares
+    the image processor."""
+    directory, _ = internvl_directory(tmp_path / "tiled", crop_to_patches=True)
+    config = json.loads((directory / "preprocessor_config.json").read_text())
+    (directory / "preprocessor_config.json").write_text(json.dumps(config | {"size": {"height": 56, "width": 84}}))
+    with pytest.raises(InputError, match="preprocessor_config.json: size"):
+        processor_rule(directory)
+    other, _ = internvl_directory(tmp_path / "got", crop_to_patches=False)
+    config = json.loads((other / "processor_config.json").read_text())
+    (other / "processor_config.json").write_text(json.dumps(config | {"processor_class": "GotOcr2Processor"}))
+    with pytest.raises(InputError, match="GotOcr2Processor"):
+        processor_rule(other)
+
+
+def mistral3_directory(directory, longest_edge: int = 112):
+    """A Mistral 3 processor directory (PixtralProcessor's tokens, patch 14 merged 2x2, Pixtral's image processor up
+    to `longest_edge` pixels) and transformers' own PixtralProcessor over the same parts."""
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    from tests.vision_inputs import family_processor_directory, pixtral_processor
+
+    parts = PixtralImageProcessorPil(size={"longest_edge": longest_edge}, patch_size={"height": 14, "width": 14})
+    tokens = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
+    directory, tokenizer = family_processor_directory(
+        directory, tokens, parts, {"patch_size": 14, "spatial_merge_size": 2, "processor_class": "PixtralProcessor"})
+    return directory, pixtral_processor(parts, tokenizer, 14, 2)
+
+
+@pytest.mark.parametrize("longest_edge", [112, 1540])
+def test_mistral3_placeholders_and_text_are_the_processors_own(tmp_path, longest_edge):
+    """Mistral 3 (Pixtral's image processor): an image resized within longest_edge to whole 28-pixel cells becomes a
+    row of `[IMG]` per cell row, each row but the last closed by `[IMG_BREAK]`, the last by `[IMG_END]`; the count
+    is the `[IMG]` tokens, which the tower fills. The expanded text and its ids are PixtralProcessor's own, and the
+    count is what its image processor's image_sizes give."""
+    from tests.vision_inputs import images_of_many_sizes
+
+    directory, processor = mistral3_directory(tmp_path / "proc", longest_edge)
+    rule, placeholder_id = processor_rule(directory)
+    assert placeholder_id == processor.image_token_id
+    counts = set()
+    for data in images_of_many_sizes():
+        with Image.open(io.BytesIO(data)) as image:
+            picture, size = image.convert("RGB"), image.size
+        out = processor(images=[picture], text=["a [IMG] b"], return_tensors="np")
+        expected = out["input_ids"][0].tolist()
+        assert processor.tokenizer.decode(expected) == "a " + rule.text(*size) + " b"
+        assert processor.tokenizer("a " + rule.text(*size) + " b")["input_ids"] == expected
+        height, width = out["image_sizes"][0]
+        assert rule.placeholders(*size) == expected.count(placeholder_id) == (height // 28) * (width // 28)
+        counts.add(rule.placeholders(*size))
+    assert len(counts) > 2  # the sizes exercise more than one grid
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 5000), st.sampled_from([(28, 112), (28, 1540), (16, 1024)]))
+def test_pixtral_grid_is_transformers_own(height, width, cell_and_edge):
+    from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_output_image_size
+
+    from prepack.formats.images import pixtral_grid
+
+    cell, edge = cell_and_edge
+    resized = get_resize_output_image_size(np.zeros((3, height, width)), (edge, edge), (cell, cell), "channels_first")
+    assert pixtral_grid(height, width, cell, edge) == (resized[0] // cell, resized[1] // cell)
+
+
+def test_a_rows_rule_leaves_the_earlier_kinds_manifests_as_they_were(processor, tmp_path):
+    """Fields the rows kind added (longest_edge, row_end) are written for it only: a grid rule's manifest is
+    byte-identical to what earlier releases wrote."""
+    rule, _ = processor_rule(processor)
+    assert {"longest_edge", "row_end"}.isdisjoint(json.loads(rule.model_dump_json()))
+    rows, _ = processor_rule(mistral3_directory(tmp_path / "proc")[0])
+    assert json.loads(rows.model_dump_json())["row_end"] == "[IMG_BREAK]"
+
+
+def test_a_pixtral_processor_without_a_longest_edge_is_refused(tmp_path):
+    directory, _ = mistral3_directory(tmp_path / "proc")
+    config = json.loads((directory / "preprocessor_config.json").read_text())
+    config["size"] = {"height": 112, "width": 112}
+    (directory / "preprocessor_config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="preprocessor_config.json: size.longest_edge is missing"):
+        processor_rule(directory)
+
+
+GLM4V_TOKENS = {"image_token": "<|image|>", "begin_image": "<|begin_of_image|>", "end_image": "<|end_of_image|>"}
+
+
+def glm4v_directory(directory, size: dict):
+    """A GLM-4V processor directory (its image tokens, its image processor with patch 14 merged 2x2 over 2 frames,
+    `size` in pixels) and transformers' own Glm4vProcessor over the same parts."""
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    from tests.vision_inputs import family_processor_directory, glm4v_processor
+
+    parts = Glm4vImageProcessorPil(size=size, patch_size=14, merge_size=2, temporal_patch_size=2)
+    directory, tokenizer = family_processor_directory(directory, GLM4V_TOKENS, parts,
+                                                      {"processor_class": "Glm4vProcessor"})
+    return directory, glm4v_processor(parts, tokenizer)
+
+
+@pytest.mark.parametrize("size", [{"shortest_edge": 112 * 112, "longest_edge": 28 * 28 * 15000},
+                                  {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}])
+def test_glm4v_placeholders_and_text_are_the_processors_own(tmp_path, size):
+    """GLM-4V's image processor resizes by its own rule (a small side scaled up first, the area counted over two
+    frames): `<|begin_of_image|>`, the grid's `<|image|>` tokens, `<|end_of_image|>`, as its chat template writes
+    them and Glm4vProcessor expands them; the count is its image_grid_thw's over the 2x2 merge. GLM-4V-MoE's
+    processor is the same."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    from tests.vision_inputs import images_of_many_sizes
+
+    assert PROCESSOR_MAPPING_NAMES["glm4v_moe"] == "Glm4vProcessor"
+
+    directory, processor = glm4v_directory(tmp_path / "proc", size)
+    rule, placeholder_id = processor_rule(directory)
+    assert placeholder_id == processor.image_token_id
+    counts = set()
+    for data in images_of_many_sizes():
+        with Image.open(io.BytesIO(data)) as image:
+            picture, image_size = image.convert("RGB"), image.size
+        out = processor(images=[picture], text=["a <|begin_of_image|><|image|><|end_of_image|> b"],
+                        return_tensors="np")
+        expected = out["input_ids"][0].tolist()
+        assert processor.tokenizer.decode(expected) == "a " + rule.text(*image_size) + " b"
+        assert processor.tokenizer("a " + rule.text(*image_size) + " b")["input_ids"] == expected
+        grid = out["image_grid_thw"][0]
+        assert rule.placeholders(*image_size) == expected.count(placeholder_id) == int(np.prod(grid)) // 4
+        counts.add(rule.placeholders(*image_size))
+    assert len(counts) > 2  # the sizes exercise more than one grid
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4000), st.integers(1, 4000), st.sampled_from([(28 * 28 * 2, 28 * 28 * 8), (112 * 112, 28 * 28 * 15000)]))
+def test_glm4v_resize_is_transformers_own(height, width, bounds):
+    from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize as reference
+
+    from prepack.formats.images import glm4v_resize
+
+    try:
+        expected = reference(2, height, width, 2, 28, *bounds)
+    except ValueError:
+        with pytest.raises(ValueError):
+            glm4v_resize(height, width, 28, *bounds, 2)
+        return
+    assert glm4v_resize(height, width, 28, *bounds, 2) == expected
+
+
+def paligemma_directory(directory):
+    """A PaliGemma processor directory (its `<image>` token, BOS and EOS; SigLIP's image processor at 56 pixels with
+    image_seq_length 16) and transformers' own PaliGemmaProcessor over the same parts."""
+    from transformers.models.paligemma.processing_paligemma import PaliGemmaProcessor
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    from tests.vision_inputs import family_processor_directory
+
+    parts = SiglipImageProcessorPil(size={"height": 56, "width": 56})
+    parts.image_seq_length = 16  # as PaliGemma's preprocessor_config.json records it
+    directory, tokenizer = family_processor_directory(directory, {"image_token": "<image>"}, parts,
+                                                      {"processor_class": "PaliGemmaProcessor"},
+                                                      {"bos_token": "<bos>", "eos_token": "<eos>"})
+    return directory, PaliGemmaProcessor(image_processor=parts, tokenizer=tokenizer)
+
+
+def test_paligemma_placeholders_text_and_token_types_are_the_processors_own(tmp_path):
+    """PaliGemma: image_seq_length `<image>` per image whatever its size, then PaliGemmaProcessor's BOS, prompt and
+    newline (a corpus writes those itself); with a suffix, the token types VisionCollator derives from the labels
+    (0 before the first target) are the processor's own."""
+    from prepack.training.vision_collate import VisionCollator, VisionSpec
+    from tests.vision_inputs import images_of_many_sizes
+
+    directory, processor = paligemma_directory(tmp_path / "proc")
+    rule, placeholder_id = processor_rule(directory)
+    assert placeholder_id == processor.image_token_id
+    collator = VisionCollator(VisionSpec("prefix blocks", placeholder_id, tokens_per_image=16),
+                              processor.image_processor, pad_token_id=0)
+    for data in images_of_many_sizes():
+        with Image.open(io.BytesIO(data)) as image:
+            picture, size = image.convert("RGB"), image.size
+        out = processor(images=[picture], text=["<image>caption es"], suffix=["a cat"], return_tensors="np")
+        expected = out["input_ids"][0].tolist()
+        prompt = rule.text(*size) + "<bos>caption es\n"
+        assert processor.tokenizer.decode(expected) == prompt + "a cat<eos>"
+        assert processor.tokenizer(prompt)["input_ids"] == expected[: len(processor.tokenizer(prompt)["input_ids"])]
+        assert rule.placeholders(*size) == expected.count(placeholder_id) == 16
+        pack = {"input_ids": out["input_ids"][0], "cu_seqlens": np.array([0, len(expected)]),
+                "labels": out["labels"][0], "images": [data]}
+        assert collator([pack])["token_type_ids"][0].tolist() == out["token_type_ids"][0].tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 5000), st.sampled_from([(1, 12), (1, 4), (2, 6), (1, 1), (3, 40)]))
+def test_tiled_canvas_is_transformers_own(height, width, tiles):
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
+
+    from prepack.formats.images import tiled_canvas
+
+    assert tiled_canvas(height, width, 448, *tiles) == get_optimal_tiled_canvas((height, width), (448, 448), *tiles)
 # LLaVA-NeXT's tiling (llava-hf/llava-v1.6-*'s processor sizes): the resolutions images are tiled to, 336-pixel tiles.
 LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 # (width, height): photographs' shapes, square, just off a tile, and extreme aspect ratios both ways.
@@ -817,3 +1074,20 @@ def test_an_image_of_more_placeholders_than_the_limit_is_refused_before_its_text
             writer.number(png_bytes(30, 30), "c.jsonl, row 3, column images")
     assert rule.placeholders(30, 30) > MAX_IMAGE_TOKENS and (tmp_path / "scratch").stat().st_size == 0
     assert writer.tokens == []
+
+
+def test_max_tiles_serves_both_tiling_kinds_within_what_each_searches():
+    """`max_tiles` is InternVL's canvas bound (its arrangements searched in full, so at most 64) and LLaVA-OneVision's
+    anyres_max_N (any count); each kind writes it, and no other kind's fields."""
+    from prepack.formats.images import ImageRule
+
+    tiles = dict(kind="tiles", placeholder="<I>", start="", end="", tokens=4, patch_size=28, min_tiles=1)
+    with pytest.raises(ValueError, match="max_tiles 65 is more than 64"):
+        ImageRule(**tiles, max_tiles=65)
+    assert list(json.loads(ImageRule(**tiles, max_tiles=64).model_dump_json())) == [
+        "kind", "placeholder", "start", "end", "patch_size", "merge_size", "min_pixels", "max_pixels", "tokens",
+        "max_tiles", "min_tiles"]
+    anyres = ImageRule(kind="anyres", placeholder="<I>", start="", end="", tokens=4, pinpoints=[[56, 56]],
+                       tile_height=28, tile_width=28, feature_rows=2, feature_columns=2, max_tiles=100)
+    written = json.loads(anyres.model_dump_json())
+    assert written["max_tiles"] == 100 and "splitting" not in written and "min_tiles" not in written

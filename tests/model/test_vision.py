@@ -37,7 +37,8 @@ from tests.flash_reference import enable_flash_attention, use_flash_reference, u
 from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3",
-            "llava_next", "llava_onevision", "idefics3", "smolvlm")
+            "internvl", "mistral3", "glm4v", "glm4v_moe", "paligemma", "llava_next", "llava_onevision", "idefics3",
+            "smolvlm")
 ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
@@ -63,9 +64,29 @@ def image_tokens(model, processor, image: bytes) -> list[int]:
 
         grid = processor(images=[Image.open(io.BytesIO(image)).convert("RGB")])["image_grid_thw"][0]
         count = int(np.prod(grid)) // spec.merge_size**2
+        if config.model_type in ("glm4v", "glm4v_moe"):  # <|begin_of_image|>, <|end_of_image|>
+            return [config.image_start_token_id, *[spec.image_token_id] * count, config.image_end_token_id]
         return [config.vision_start_token_id, *[spec.image_token_id] * count, config.vision_end_token_id]
     if spec.style == "image blocks":
         return [config.boi_token_index, *[spec.image_token_id] * spec.tokens_per_image, config.eoi_token_index]
+    if spec.image_cell is not None:  # Mistral 3: rows of placeholders, each closed by a break, the last by the end
+        from PIL import Image
+        import io
+
+        height, width = processor(images=[Image.open(io.BytesIO(image)).convert("RGB")],
+                                  patch_size={"height": spec.image_cell, "width": spec.image_cell})["image_sizes"][0]
+        row_end, end = IMAGE_BRACKETS[config.model_type]
+        rows = [[spec.image_token_id] * (int(width) // spec.image_cell) + [row_end]] * (int(height) // spec.image_cell)
+        return [token for tokens in rows for token in tokens][:-1] + [end]
+    if config.model_type in IMAGE_BRACKETS:
+        start, end = IMAGE_BRACKETS[config.model_type]
+        views = 1  # InternVL tiled: its tiles and a thumbnail, as many as its image processor makes
+        if getattr(processor, "crop_to_patches", False):
+            from PIL import Image
+            import io
+
+            views = int(processor(images=[Image.open(io.BytesIO(image)).convert("RGB")])["num_patches"][0])
+        return [start, *[spec.image_token_id] * spec.tokens_per_image * views, end]
     if spec.tokens_per_image is None:  # tiled: as many as the model makes features of the image
         from PIL import Image
         import io
@@ -74,6 +95,12 @@ def image_tokens(model, processor, image: bytes) -> list[int]:
         pixels = {key: out[key] for key in ("pixel_values", "image_sizes", "pixel_attention_mask") if key in out}
         return [spec.image_token_id] * _features_per_image(model, pixels, 1)[0]
     return [spec.image_token_id] * spec.tokens_per_image
+
+
+# The ids that stand for the text around an image's placeholders where the tiny config names none (InternVL's
+# `<img>` and `</img>`, Mistral 3's `[IMG_BREAK]` and `[IMG_END]`): above the documents' ids, below the config's
+# special ones.
+IMAGE_BRACKETS = {"internvl": (DOCUMENT_VOCAB, DOCUMENT_VOCAB + 1), "mistral3": (DOCUMENT_VOCAB, DOCUMENT_VOCAB + 1)}
 
 
 def samples(model, processor, seed: int = 0) -> list[dict]:
@@ -85,7 +112,10 @@ def samples(model, processor, seed: int = 0) -> list[dict]:
         tokens = list(rng.integers(2, DOCUMENT_VOCAB, rng.integers(3, 7)))
         for image in images:
             tokens += image_tokens(model, processor, photos[image]) + list(rng.integers(2, DOCUMENT_VOCAB, 3))
-        made.append({"input_ids": np.array(tokens, dtype=np.int64), "images": [photos[i] for i in images]})
+        sample = {"input_ids": np.array(tokens, dtype=np.int64), "images": [photos[i] for i in images]}
+        if VisionSpec.of(model.config).style == "prefix blocks":  # PaliGemma: a suffix of 4 targets after its prefix
+            sample["labels"] = np.where(np.arange(len(tokens)) < len(tokens) - 4, -100, sample["input_ids"])
+        made.append(sample)
     return made
 
 
@@ -101,6 +131,8 @@ def packs_of(made: list[dict]) -> list[dict]:
                 "images": [image for sample in group for image in sample["images"]],
             }
         )
+        if "labels" in group[0]:
+            packs[-1]["labels"] = np.concatenate([sample["labels"] for sample in group])
     return packs
 
 
@@ -124,12 +156,14 @@ def alone_batch(model, collator: VisionCollator, sample: dict, labels: torch.Ten
     ids = torch.from_numpy(sample["input_ids"])[None]
     batch = {"input_ids": ids, "labels": labels[None], "use_cache": False}
     if sample["images"]:
-        batch |= collator._preprocessed([sample["images"]])
+        batch |= {key: value for key, value in collator._preprocessed([sample["images"]]).items() if key != "num_patches"}
     is_image = (ids == collator.spec.image_token_id).long()
     if collator.spec.style == "3-D rotary":
         batch["mm_token_type_ids"] = is_image
     if collator.spec.style == "image blocks":
         batch["token_type_ids"] = is_image
+    if collator.spec.style == "prefix blocks":  # as PaliGemmaProcessor marks a suffix: from the first target on
+        batch["token_type_ids"] = ((labels != -100).cumsum(0) > 0).long()[None]
     return batch
 
 
@@ -320,10 +354,11 @@ def test_rotary_positions_equal_transformers_get_rope_index(model_type):
     every 3-D rotary family; and AutoImageProcessor gives each the Qwen2-VL image processor that prepare-images'
     placeholder rule is keyed on (Qwen3-VL-MoE has no entry of its own: the one of Qwen3-VL, whose processor it
     shares)."""
-    shares = [name for name, processor in PROCESSOR_MAPPING_NAMES.items()
-              if processor == PROCESSOR_MAPPING_NAMES[model_type] and name in IMAGE_PROCESSOR_MAPPING_NAMES]
-    mapped = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or IMAGE_PROCESSOR_MAPPING_NAMES[shares[0]]
-    assert set(mapped.values()) == {"Qwen2VLImageProcessor", "Qwen2VLImageProcessorPil"}, mapped
+    if model_type not in ("glm4v", "glm4v_moe"):  # GLM-4V's own, compared with prepare-images' in test_image_chat.py
+        shares = [name for name, processor in PROCESSOR_MAPPING_NAMES.items()
+                  if processor == PROCESSOR_MAPPING_NAMES[model_type] and name in IMAGE_PROCESSOR_MAPPING_NAMES]
+        mapped = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or IMAGE_PROCESSOR_MAPPING_NAMES[shares[0]]
+        assert set(mapped.values()) == {"Qwen2VLImageProcessor", "Qwen2VLImageProcessorPil"}, mapped
     model, _, made, collator = setup(model_type)
     for sample in made:
         if not sample["images"]:
@@ -381,7 +416,7 @@ def test_gemma3_images_run_causally_on_flash_and_are_refused(attn, request):
     "model_type", [model_type for model_type, attn in verdict_pairs(isolated=False) if attn == "flex_attention"]
 )
 def test_qwen_vl_has_no_flex_attention(model_type):
-    """The table's flex refusals for Qwen-VL: transformers has no flex path to switch them to."""
+    """The table's flex refusals for Qwen-VL and GLM-4V: transformers has no flex path to switch them to."""
     model = tiny_vision_model(model_type)
     with pytest.raises(ValueError, match="does not support an attention implementation through torch's flex"):
         model.set_attn_implementation("flex_attention")
@@ -393,10 +428,11 @@ def test_every_refusal_of_the_vision_table_is_run():
     gemma3_on_flash = {("gemma3", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
     qwen_on_flex = {
         (model_type, "flex_attention")
-        for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen4_exp")
+        for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "glm4v")
     }
     qwen4_exp_on_flash = {("qwen4_exp", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
-    assert set(verdict_pairs(isolated=False)) == gemma3_on_flash | qwen_on_flex | qwen4_exp_on_flash
+    paligemma_on_flash = {("paligemma", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
+    assert set(verdict_pairs(isolated=False)) == gemma3_on_flash | qwen_on_flex | qwen4_exp_on_flash | paligemma_on_flash
 
 
 @pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_4"])
@@ -432,3 +468,109 @@ def test_a_family_without_a_style_is_refused_for_image_batches_with_its_measured
     assert VISION_FAMILIES["got_ocr2"].style is None and not verdict.isolated
     with pytest.raises(IsolationError, match=f"apart in got_ocr2 .*eager: {re.escape(verdict.reason)}"):
         model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), pixel_values=torch.zeros(1, 3, 8, 8))
+
+
+def test_mistral3_images_the_processor_sizes_otherwise_are_refused():
+    """Mistral 3's placeholders follow each image's size: a collator whose image processor resizes them otherwise
+    than the packs were counted for (another longest edge) refuses the pack, before transformers would move one
+    sample's image features into another's placeholders."""
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    model, processor, made, collator = setup("mistral3")
+    assert collator(packs_of(made))["image_sizes"].shape == (4, 2)
+    smaller = PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=processor.patch_size)
+    other = VisionCollator(collator.spec, smaller, pad_token_id=1)
+    with pytest.raises(InputError, match="Pack 0 has .* image placeholders; the image processor"):
+        other(packs_of(made))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_paligemma_needs_its_prefix_blocks_and_positions_from_one(attn):
+    """The controls of PaliGemma's style: without token_type_ids each prefix runs causally, not both ways as alone;
+    with positions from 0 (not PaliGemma's 1) its float32 rotary angles move the logits beyond float64 rounding."""
+    model, _, made, collator = setup("paligemma", attn)
+    enable_packing(model)
+    batch = collator(packs_of(made))
+    assert set(batch["token_type_ids"].unique().tolist()) == {0, 1}  # prefixes and suffixes both there
+    tolerance = EAGER_TOLERANCE if attn == "eager" else TOLERANCE
+    changes = [{"token_type_ids": torch.ones_like(batch["token_type_ids"])}]
+    if attn == "sdpa":  # eager's own float32 softmax hides a difference of this size (EAGER_TOLERANCE)
+        changes.append({"position_ids": batch["position_ids"] - 1})
+    for changed in changes:
+        logit_diff, _, _ = compare(model, collator, made, batch | changed, gradients=False)
+        assert logit_diff > tolerance, changed.keys()
+
+
+@pytest.mark.parametrize("attn", [attn for model_type, attn in verdict_pairs(isolated=False) if model_type == "paligemma"])
+def test_paligemma_prefixes_run_causally_on_flash_and_are_refused(attn, request):
+    """transformers gives PaliGemmaForConditionalGeneration no flash attention: forced onto it, a sample alone runs its
+    prefix causally, not both ways as on sdpa. Its packed image batches are refused there with that reason."""
+    stand_in(request, attn)
+    model, _, made, collator = setup("paligemma")
+    sample, batch = made[0], collator(packs_of(made))
+    start, end = next(spans(packs_of(made)))[1:]
+    alone = alone_batch(model, collator, sample, batch["labels"][0, start:end])
+    sdpa_logits, _, _ = run(model, alone, gradients=False)
+    flash_logits, _, _ = run(enable_flash_attention(model, attn), alone, gradients=False)
+    assert float((sdpa_logits - flash_logits).abs().max()) > 1e-3
+    reason = VISION_FAMILIES["paligemma"].verdicts[BACKENDS.index(backend_of(attn))].reason
+    with pytest.raises(IsolationError, match=f"paligemma .*{attn}: {re.escape(reason)}. .*'sdpa' or 'eager'"):
+        enable_packing(model)(**batch)  # refused when packing is enabled (no text verdict lets the model through)
+
+
+def test_paligemma_image_batch_with_a_mask_is_refused():
+    """With an attention_mask transformers builds no per-sample mask from the positions, and PaliGemma's prefix
+    blocks (one group over every prefix of the row) would join the samples: refused."""
+    model, _, made, collator = setup("paligemma")
+    enable_packing(model)
+    batch = collator(packs_of(made))
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    logit_diff, _, _ = compare(model, collator, made, batch | {"attention_mask": None}, gradients=False)
+    assert logit_diff < TOLERANCE
+    with pytest.raises(IsolationError, match="attention_mask"):
+        model(**batch)
+
+
+def tiled_internvl(attn: str, max_patches: int = 4):
+    """InternVL with its images tiled (GOT-OCR2's crop_to_patches, up to `max_patches` tiles and a thumbnail)."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    model = tiny_vision_model("internvl", attn)
+    side = model.config.vision_config.image_size[0]
+    processor = GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=True,
+                                         max_patches=max_patches)
+    made = samples(model, processor)
+    return model, processor, made, VisionCollator(VisionSpec.of(model.config), processor, pad_token_id=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_internvl_tiled_batch_equals_each_sample_alone(attn):
+    """Tiled InternVL images (InternVLProcessor's default): each view one row of pixel_values, image_seq_length
+    placeholders each; packed equals each sample alone on logits, loss and every parameter group's gradients. The
+    control: positions counting on over the row leak."""
+    model, _, made, collator = tiled_internvl(attn)
+    batch = collator(packs_of(made))
+    images = sum(len(sample["images"]) for sample in made)
+    assert len(batch["pixel_values"]) > images  # tiles, not one view per image
+    enable_packing(model)
+    logit_diff, loss_diff, groups = compare_groups(model, collator, made, batch)
+    report = f"logits {logit_diff:.1e}, loss {loss_diff:.1e}, gradients {groups}"
+    assert groups.keys() == {PROJECTOR, VISION_TOWER, LANGUAGE_MODEL}, report
+    tolerance = EAGER_TOLERANCE if attn == "eager" else TOLERANCE
+    assert logit_diff < tolerance and loss_diff < LOSS_TOLERANCE, report
+    assert all(value < LOSS_TOLERANCE for value in groups.values()), report
+    counting = batch | {"position_ids": torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"])}
+    assert compare(model, collator, made, counting, gradients=False)[0] > 1e-3
+
+
+def test_internvl_tiles_the_processor_makes_otherwise_are_refused():
+    """A collator whose image processor tiles otherwise than the packs were counted for (fewer tiles) refuses the
+    pack: transformers checks the batch's total only."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    _, processor, made, collator = tiled_internvl("sdpa")
+    fewer = GotOcr2ImageProcessorPil(size=processor.size, crop_to_patches=True, max_patches=2)
+    with pytest.raises(InputError, match="Pack 0 has .* image placeholders; the image processor made its"):
+        VisionCollator(collator.spec, fewer, pad_token_id=1)(packs_of(made))

@@ -1,7 +1,8 @@
 """`VisionCollator(image_spans=True)`: one (row, start, end) per image, in the order of `pixel_values`, covering
 exactly that image's placeholder tokens and nothing else (issue 34 item 5), for the 3-D rotary style (Qwen2-VL:
-a counted run between start and end tokens) and the fixed styles (LLaVA: runs of adjacent images touch; Gemma 3's
-image blocks: a fixed run between begin and end tokens)."""
+a counted run between start and end tokens), the fixed styles (LLaVA: runs of adjacent images touch; Gemma 3's
+image blocks: a fixed run between begin and end tokens) and InternVL's tiles (views per image by its shape); refused
+by name where an image is not one run of placeholders."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from prepack.errors import InputError
+from prepack.errors import InputError, UsageError
 from prepack.training.vision_collate import VisionCollator, VisionSpec
 from tests.vision_inputs import image_processor
 
@@ -158,3 +159,30 @@ def test_spans_are_refused_up_front_for_tiled_families(model_type):
     with pytest.raises(UsageError, match="image_spans"):
         VisionCollator(spec, image_processor(model_type), image_spans=True)
     VisionCollator(spec, image_processor(model_type))  # without spans the family is batched as before
+
+
+def test_internvl_tiled_spans_count_each_images_views():
+    """InternVL tiled: an image's run is tokens_per_image per view its image processor made (tiles and thumbnail),
+    so images of other shapes take runs of other lengths."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    processor = GotOcr2ImageProcessorPil(size={"height": 28, "width": 28}, crop_to_patches=True, max_patches=4)
+    images = [png(28, 28, 0), png(112, 28, 90), png(56, 56, 180)]
+    views = [int(processor(images=[Image.open(io.BytesIO(image)).convert("RGB")])["num_patches"][0]) for image in images]
+    assert len(set(views)) > 1
+    counts = [2 * count for count in views]
+    packs, expected = laid_out([[[-1, 2, -2]], [[-3]]], counts, separated=True)
+    collator = VisionCollator(VisionSpec("restart", IMAGE_ID, tokens_per_image=2), processor, pad_token_id=PAD_ID,
+                              image_spans=True)
+    out = collator([{"input_ids": ids, "cu_seqlens": cu, "images": [images[n] for n in numbers]}
+                    for ids, cu, numbers in packs])
+    check(out, expected, counts)
+
+
+@pytest.mark.parametrize("spec", [VisionSpec("restart", IMAGE_ID), VisionSpec("restart", IMAGE_ID, image_cell=28)],
+                         ids=["tiled", "rows"])
+def test_spans_are_refused_where_an_image_is_not_one_run(spec):
+    """Tiled towers (LLaVA-NeXT, Idefics3: no fixed count) and Mistral 3's rows broken by [IMG_BREAK]: refused when
+    the collator is made, not by a crash on the first batch."""
+    with pytest.raises(UsageError, match="image_spans .*LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's .* Mistral 3's"):
+        VisionCollator(spec, image_processor("llava"), image_spans=True)
