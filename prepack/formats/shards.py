@@ -39,7 +39,11 @@ from prepack.formats.common import (
 from prepack.formats.mixture import SOURCE_ID_TYPE, MixtureInfo
 
 __all__ = [
+    "DESIRABLE_FIELD",
     "FORMAT_VERSION",
+    "GROUP_RANKS_FIELD",
+    "GROUP_SCORES_FIELD",
+    "PAIR_ROLES_FIELD",
     "GROUP_RANKS",
     "GROUP_SCORES",
     "IGNORE_INDEX",
@@ -118,6 +122,11 @@ GROUP_RANKS = "group_ranks"
 # desirable completion and 0 for an undesirable one, one value per example (2 documents) of the pack. uint8, not
 # bool: Arrow packs bools as bits, which no numpy view shares (`list_column` would copy them through pandas).
 DESIRABLE = "desirable"
+# Their fields, as shards and `prepack.exports.common.training_schema` carry them.
+PAIR_ROLES_FIELD = pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False)
+GROUP_SCORES_FIELD = pa.field(GROUP_SCORES, pa.list_(pa.float64()), nullable=False)
+GROUP_RANKS_FIELD = pa.field(GROUP_RANKS, pa.list_(pa.uint8()), nullable=False)
+DESIRABLE_FIELD = pa.field(DESIRABLE, pa.list_(pa.uint8()), nullable=False)
 
 
 def _pack_fields(source_row: pa.DataType, sources: bool) -> list[pa.Field]:
@@ -165,7 +174,7 @@ def shard_schema(
     if store is not None:
         source_row = pa.uint32() if store.documents <= np.iinfo(np.uint32).max + 1 else pa.int64()
         metadata = {SHARD_VERSION_KEY: str(FORMAT_VERSION), SHARD_KIND_KEY: "index", SHARD_STORE_KEY: store.fingerprint}
-        roles = [pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False)] if pairs else []
+        roles = [PAIR_ROLES_FIELD] if pairs else []
         return pa.schema([*_pack_fields(source_row, sources), *roles], metadata=metadata)
     fields = [
         pa.field("input_ids", pa.list_(TOKEN_TYPE), nullable=False),
@@ -174,14 +183,8 @@ def shard_schema(
     ]
     if has_labels:
         fields.append(pa.field("labels", pa.list_(TOKEN_TYPE), nullable=False))
-    if pairs:
-        fields.append(pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False))
-    if scores:
-        fields.append(pa.field(GROUP_SCORES, pa.list_(pa.float64()), nullable=False))
-    if ranks:
-        fields.append(pa.field(GROUP_RANKS, pa.list_(pa.uint8()), nullable=False))
-    if unpaired:
-        fields.append(pa.field(DESIRABLE, pa.list_(pa.uint8()), nullable=False))
+    fields += [f for f, present in ((PAIR_ROLES_FIELD, pairs), (GROUP_SCORES_FIELD, scores), (GROUP_RANKS_FIELD, ranks),
+                                     (DESIRABLE_FIELD, unpaired)) if present]
     return pa.schema(fields, metadata={SHARD_VERSION_KEY: str(FORMAT_VERSION)})
 
 
