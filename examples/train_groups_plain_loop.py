@@ -13,9 +13,11 @@ group out as [prompt][c1]…[cG]: the prompt computed once, each completion seei
 loss here is DPO of the first completion against each of the others, the mean over a step's (group, other)
 pairs, against a frozen copy of the starting model (so the first step's loss is log 2).
 
-A build with ranks (`--ranks-column`: G integers a row, 1 the best, each once) gives every batch `group_ranks`
-[groups, G], in the rows of `group_logps`; the loss is then `plackett_luce_loss`, DPO under the Plackett-Luce
-model of each group's whole ranking (the DPO paper's Appendix A.3), whose first step is log G!. (A build with
+A build with ranks (`--ranks-column`: G integers a row, 1 the best) gives every batch `group_ranks` [groups, G],
+in the rows of `group_logps`; the loss is then `plackett_luce_loss`, DPO under the Plackett-Luce model of each
+group's whole ranking (the DPO paper's Appendix A.3), whose first step is log G!. That model takes a strict
+ranking: the build accepts ties ("1224"), this example needs ranks without ties (each of 1 … G once) and
+refuses a batch that holds a tie before computing it. (A build with
 `--scores-column` gives `group_scores` the same way, for a loss of your own.) Without --model it trains a tiny
 random Llama built from a config (nothing is downloaded).
 """
@@ -28,7 +30,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from prepack import PackedCollator, PackedDataset, PackedSampler, enable_packing
-from prepack.training.preference import group_logps, model_inputs, plackett_luce_loss
+from prepack.errors import UsageError
+from prepack.training.preference import group_logps, model_inputs, plackett_luce_loss, ranking_order
 from tiny_model import load_model, parse_args  # examples/tiny_model.py
 
 
@@ -54,6 +57,11 @@ def main() -> None:
     loader = DataLoader(dataset, args.batch_size, sampler=sampler, collate_fn=collate, num_workers=args.workers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     for step, batch in zip(range(1, args.steps + 1), loader):
+        if "group_ranks" in batch:  # Plackett-Luce takes no ties: refuse them before the forward passes
+            try:
+                ranking_order(batch["group_ranks"])
+            except UsageError as error:
+                raise SystemExit(f"{args.data}, batch {step}: {error} This example needs ranks without ties.") from None
         inputs = model_inputs(batch)
         policy = group_logps(model(**inputs).logits, batch)
         with torch.no_grad():

@@ -635,7 +635,8 @@ def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> Pai
         pair, why = refused
         path, row = locate_row(documents.corpus, first.rows_per_file, size * pair)
         raise InputError(f"{path}, row {row // size}: {why}.")
-    plan = plan_pairs(
+    values = documents.pairs.group_values()  # a group build's scores and ranks, one a document, stored beside it
+    return plan_pairs(
         first.lengths,
         prompt_lengths,
         max_len,
@@ -646,9 +647,9 @@ def _plan_pairs(documents: Documents, first: FirstPass, packing: Packing) -> Pai
         max_pairs=None if packing.max_docs_per_pack is None else packing.max_docs_per_pack // size,
         size=size,
         desirable=documents.pairs.desirable,
+        scores=values.scores,
+        ranks=values.ranks,
     )
-    values = documents.pairs.group_values()  # a group build's scores and ranks, one a document, stored beside it
-    return replace(plan, scores=values.scores, ranks=values.ranks)
 
 
 def build_store(

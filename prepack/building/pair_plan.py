@@ -205,13 +205,15 @@ def plan_pairs(
     max_pairs: int | None = None,
     size: int = 2,
     desirable: np.ndarray | None = None,
+    scores: np.ndarray | None = None,
+    ranks: np.ndarray | None = None,
 ) -> PairPlan:
     """Plan the pairs of documents `lengths` (`size` a unit: two a pair, G a group) with their `prompt_lengths`
     (one a unit): each unit one item for `plan_packs`, after `overflow` ("truncate", "drop"; "error" is the
     caller's, as is refusing `overlong_prompts` under "truncate"), at most `max_pairs` units a pack when given.
     `untrained` (one flag a document) is counted only. `desirable` (an unpaired build's labels, one an example
     of 2 documents) goes with each example into its pack, and `PairTotals`' desirable and undesirable count the
-    packed ones."""
+    packed ones. `scores` and `ranks` (a group build's, one a document) go with their documents likewise."""
     lengths = np.asarray(lengths, np.int64)
     kept, dropped, counts, pair_counts = _overflowed(lengths, prompt_lengths, max_len, overflow, untrained, size)
     if desirable is not None:
@@ -222,4 +224,5 @@ def plan_pairs(
         kept.reshape(-1, size).sum(1), max_len, algorithm=algorithm, overflow="drop", seed=seed, max_documents=max_pairs
     )
     starts = np.cumsum(lengths) - lengths
-    return PairPlan(units=units, starts=starts, kept=kept, counts=counts, pair_counts=pair_counts, size=size, desirable=desirable)
+    return PairPlan(units=units, starts=starts, kept=kept, counts=counts, pair_counts=pair_counts, size=size, desirable=desirable,
+                    scores=scores, ranks=ranks)

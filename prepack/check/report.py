@@ -612,9 +612,9 @@ _BLOCKS = " ▁▂▃▄▅▆▇█"
 
 
 def _as_pairs(pairs: PairReport) -> bool:
-    """Whether messages call the build's units pairs (`unit_name`: a --pairs build, or a --groups build of 2),
-    which TRL's DPOTrainer pads as `_trl_pair_cost` counts."""
-    return unit_name(pairs.group_size or 2) == "pair"
+    """Whether messages call the build's units pairs (as `unit_name` does: a --pairs build, or a --groups build of
+    2), which TRL's DPOTrainer pads as `_trl_pair_cost` counts."""
+    return pairs.group_size in (None, 2)
 
 
 def _sparkline(counts: list[int]) -> str:

@@ -352,8 +352,9 @@ def _problems(
                 seg = shard.segments
                 unpaired.add(shard.name, seg.rows, seg.pack, seg.number, shard.ids, shard.labels, seg.starts, seg.lengths,
                              shard.desirable)
-            if source is None:  # only the source check reads tokens again: unmap the shard now
+            if source is None:  # only the source check reads tokens and values again: unmap the shard now
                 shard.ids = shard.labels = None
+                shard.group_values = {}
             shards[index] = shard
     complete = len(shards) == len(manifest.shards)
     if not complete:

@@ -34,8 +34,8 @@ from prepack.check.report import InspectReport, inspect_build
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import format_error, list_array, list_column
 from prepack.formats.shards import (
-    DESIRABLE, GROUP_RANKS, GROUP_SCORES, IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES, Manifest, PackLayout, check_index_shard,
-    check_shard, check_shard_sha256, pack_layout, read_manifest, shard_path, shard_schema, shard_sha256,
+    DESIRABLE_FIELD, GROUP_RANKS_FIELD, GROUP_SCORES_FIELD, IGNORE_INDEX, MANIFEST_NAME, PAIR_ROLES_FIELD, Manifest, PackLayout,
+    check_index_shard, check_shard, check_shard_sha256, pack_layout, read_manifest, shard_path, shard_sha256,
 )
 from prepack.sources.gather import IndexGather, index_columns
 from prepack.sources.mixture_stores import open_mixture_stores
@@ -162,13 +162,10 @@ def training_schema(build: ExportBuild) -> pa.Schema:
     ]
     if m.mixture is not None:
         fields.append(pa.field("source_ids", pa.list_(pa.uint16()), nullable=False))
-    if m.pairs is not None:
-        fields.append(pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False))
-    if m.options.pairs is not None:  # a group build's values or an unpaired build's labels, as its shards carry them
-        p = m.options.pairs
-        shards = shard_schema(False, 1, pairs=True, scores=p.scores_column is not None, ranks=p.ranks_column is not None,
-                              unpaired=m.options.unpaired)
-        fields += [shards.field(name) for name in (GROUP_SCORES, GROUP_RANKS, DESIRABLE) if name in shards.names]
+    p = m.options.pairs  # a group build's values or an unpaired build's labels, as its shards carry them
+    fields += [f for f, present in ((PAIR_ROLES_FIELD, m.pairs is not None), (GROUP_SCORES_FIELD, p is not None and p.scores_column
+               is not None), (GROUP_RANKS_FIELD, p is not None and p.ranks_column is not None),
+               (DESIRABLE_FIELD, m.options.unpaired)) if present]
     return pa.schema(fields)
 
 

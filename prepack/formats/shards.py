@@ -39,7 +39,11 @@ from prepack.formats.common import (
 from prepack.formats.mixture import SOURCE_ID_TYPE, MixtureInfo
 
 __all__ = [
+    "DESIRABLE_FIELD",
     "FORMAT_VERSION",
+    "GROUP_RANKS_FIELD",
+    "GROUP_SCORES_FIELD",
+    "PAIR_ROLES_FIELD",
     "GROUP_RANKS",
     "GROUP_SCORES",
     "IGNORE_INDEX",
@@ -118,6 +122,11 @@ GROUP_RANKS = "group_ranks"
 # desirable completion and 0 for an undesirable one, one value per example (2 documents) of the pack. uint8, not
 # bool: Arrow packs bools as bits, which no numpy view shares (`list_column` would copy them through pandas).
 DESIRABLE = "desirable"
+# Their fields, as shards and `prepack.exports.common.training_schema` carry them.
+PAIR_ROLES_FIELD = pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False)
+GROUP_SCORES_FIELD = pa.field(GROUP_SCORES, pa.list_(pa.float64()), nullable=False)
+GROUP_RANKS_FIELD = pa.field(GROUP_RANKS, pa.list_(pa.uint8()), nullable=False)
+DESIRABLE_FIELD = pa.field(DESIRABLE, pa.list_(pa.uint8()), nullable=False)
 
 
 def _pack_fields(source_row: pa.DataType, sources: bool) -> list[pa.Field]:
@@ -165,7 +174,7 @@ def shard_schema(
     if store is not None:
         source_row = pa.uint32() if store.documents <= np.iinfo(np.uint32).max + 1 else pa.int64()
         metadata = {SHARD_VERSION_KEY: str(FORMAT_VERSION), SHARD_KIND_KEY: "index", SHARD_STORE_KEY: store.fingerprint}
-        roles = [pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False)] if pairs else []
+        roles = [PAIR_ROLES_FIELD] if pairs else []
         return pa.schema([*_pack_fields(source_row, sources), *roles], metadata=metadata)
     fields = [
         pa.field("input_ids", pa.list_(TOKEN_TYPE), nullable=False),
@@ -174,14 +183,8 @@ def shard_schema(
     ]
     if has_labels:
         fields.append(pa.field("labels", pa.list_(TOKEN_TYPE), nullable=False))
-    if pairs:
-        fields.append(pa.field(PAIR_ROLES, pa.list_(pa.uint8()), nullable=False))
-    if scores:
-        fields.append(pa.field(GROUP_SCORES, pa.list_(pa.float64()), nullable=False))
-    if ranks:
-        fields.append(pa.field(GROUP_RANKS, pa.list_(pa.uint8()), nullable=False))
-    if unpaired:
-        fields.append(pa.field(DESIRABLE, pa.list_(pa.uint8()), nullable=False))
+    fields += [f for f, present in ((PAIR_ROLES_FIELD, pairs), (GROUP_SCORES_FIELD, scores), (GROUP_RANKS_FIELD, ranks),
+                                     (DESIRABLE_FIELD, unpaired)) if present]
     return pa.schema(fields, metadata={SHARD_VERSION_KEY: str(FORMAT_VERSION)})
 
 
@@ -915,7 +918,8 @@ def check_layout(
     if (bad := layout.tokens > max_len).any():
         r = first_index(bad)
         refuse(where, f"ends at {layout.tokens[r]}, more than max_len {max_len}", r, "cu_seqlens")
-    for column in ("source_rows", "source_pieces", *(["source_ids"] if "source_ids" in batch.schema.names else [])):
+    optional = ("source_ids", PAIR_ROLES, GROUP_SCORES, GROUP_RANKS)  # one value a document, where present
+    for column in ("source_rows", "source_pieces", *(c for c in optional if c in batch.schema.names)):
         offsets, values = _list_checked(batch, column, where)
         if (bad := np.diff(offsets) != documents).any():
             r = first_index(bad)
@@ -941,10 +945,7 @@ def _check_pairs(batch: pa.RecordBatch, where: str, documents: np.ndarray) -> No
     corpus row 2r) and right after it its rejected one (role 1, row 2r + 1). A group build's shard likewise
     holds whole groups of G documents (roles 0 … G - 1, rows Gr … Gr + G - 1), G the largest role + 1 (the
     manifest's `pairs.group_size`, which `verify` holds the shards' counts to)."""
-    offsets, roles = _list_checked(batch, PAIR_ROLES, where)
-    if (bad := np.diff(offsets) != documents).any():
-        r = first_index(bad)
-        refuse(where, f"{np.diff(offsets)[r]} values for {documents[r]} documents", r, PAIR_ROLES)
+    offsets, roles = list_column(batch, PAIR_ROLES, where)  # one a document (check_layout)
     roles = roles[offsets[0] : offsets[-1]]
     size = max(int(roles.max(initial=1)) + 1, 2)
     unit, units = unit_name(size), unit_name(size, plural=True)
@@ -973,18 +974,15 @@ def _check_pairs(batch: pa.RecordBatch, where: str, documents: np.ndarray) -> No
             why = (f"document {position[index] + 1} (corpus document {rows[index]}) does not start its group of {size} "
                    f"consecutive documents: a {unit} is documents {size}r to {size}r + {size - 1}")
         refuse(where, why, _row_of(row_off, index), "source_rows")
-    _check_group_values(batch, where, documents, size)
+    _check_group_values(batch, where, size)
 
 
-def _check_group_values(batch: pa.RecordBatch, where: str, documents: np.ndarray, size: int) -> None:
-    """A group shard's `group_scores` and `group_ranks`, where it has them: one value a document, scores finite,
-    and each group's ranks (its `size` documents, in order: `_check_pairs` checked them whole) a competition
-    ranking of 1 to `size` (`group_ranking_problems`)."""
+def _check_group_values(batch: pa.RecordBatch, where: str, size: int) -> None:
+    """A group shard's `group_scores` and `group_ranks`, where it has them (one value a document: `check_layout`):
+    scores finite, and each group's ranks (its `size` documents, in order: `_check_pairs` checked them whole) a
+    competition ranking of 1 to `size` (`group_ranking_problems`)."""
     for column in (c for c in (GROUP_SCORES, GROUP_RANKS) if c in batch.schema.names):
-        offsets, values = _list_checked(batch, column, where)
-        if (bad := np.diff(offsets) != documents).any():
-            r = first_index(bad)
-            refuse(where, f"{np.diff(offsets)[r]} values for {documents[r]} documents", r, column)
+        offsets, values = list_column(batch, column, where)
         values = values[offsets[0] : offsets[-1]]
         if column == GROUP_SCORES and (bad := ~np.isfinite(values)).any():
             token = first_index(bad)

@@ -293,13 +293,15 @@ def _required(path: Path, row: int, record: dict, column: str):
     return value
 
 
-def _require_columns(corpus: Corpus, columns: list[str], why: str) -> None:
+def _require_columns(corpus: Corpus, flags: dict[str, str]) -> None:
     """InputError naming the first file (Arrow or Parquet: a JSONL file's rows are checked as they are read) that
-    lacks one of `columns`, and `why` the corpus needs them; every file is checked before any is read."""
+    lacks one of the columns `flags` maps to the option naming each, and that option; every file is checked before
+    any is read."""
     for path in corpus.files:
         kind = file_kind(path) or "arrow"
-        if kind != "jsonl" and (missing := [c for c in columns if c not in (found := file_columns(path, kind))]):
-            raise InputError(f"{path}: there is no column {missing[0]!r} (columns: {', '.join(found) or 'none'}); {why}")
+        if kind != "jsonl" and (missing := [c for c in flags if c not in (found := file_columns(path, kind))]):
+            raise InputError(f"{path}: there is no column {missing[0]!r} (columns: {', '.join(found) or 'none'}), which "
+                             f"{flags[missing[0]]} names.")
 
 
 def _file_records(path: Path, columns: list[str]) -> Iterator[tuple[int, list[dict], int]]:
@@ -395,15 +397,12 @@ def pair_documents(
     group = options.completions_column is not None
     columns = [options.prompt_column, *((options.completions_column,) if group else (options.chosen_column, options.rejected_column))]
     columns += [c for c in (options.scores_column, options.ranks_column) if c is not None]
-    if group:
-        _require_columns(corpus, columns[:2], "a group corpus has a prompt column (--prompt-column) and a column of "
-                         "completions (--completions-column).")
-    else:
-        _require_columns(corpus, columns[1:3], "a preference corpus has chosen and rejected columns (--chosen-column, "
-                         "--rejected-column) and, unless the prompt is their common prefix, a prompt column (--prompt-column).")
-    for column, flag in ((options.scores_column, "--scores-column"), (options.ranks_column, "--ranks-column")):
-        if column is not None:
-            _require_columns(corpus, [column], f"{flag} names it.")
+    # A pair's prompt may be its completions' common prefix: only a group corpus must have a prompt column.
+    flags = {options.prompt_column: "--prompt-column", options.completions_column: "--completions-column"} if group else {
+        options.chosen_column: "--chosen-column", options.rejected_column: "--rejected-column"}
+    flags.update({c: f for c, f in ((options.scores_column, "--scores-column"), (options.ranks_column, "--ranks-column"))
+                  if c is not None})
+    _require_columns(corpus, flags)
     encoder = _PairEncoder(
         tokenizer=tokenizer.tokenizer,
         vocab_size=tokenizer.vocab_size,
@@ -473,8 +472,7 @@ def unpaired_examples(
     )
     prompts, completions, desirable, rows_per_file = [], [], [], []
     columns = [prompt_column, completion_column, label_column]
-    _require_columns(corpus, columns, "unpaired feedback has a prompt, a completion and a label column (--prompt-column, "
-                     "--completion-column, --label-column).")
+    _require_columns(corpus, dict(zip(columns, ("--prompt-column", "--completion-column", "--label-column"))))
     for path in corpus.files:
         before = len(prompts)
         for row0, records, _ in _file_records(path, columns):

@@ -458,6 +458,20 @@ def _cp_padded(pack: _Pack, multiple: int, pad_token_id: int | None) -> _Pack:
     return pack._replace(input_ids=input_ids, cu_seqlens=cu_padded, labels=labels)
 
 
+def _per_document(pack: Mapping[str, Any], name: str, number: int, documents: int, float64: bool = False) -> np.ndarray | None:
+    """Pack `number`'s column `name`, one value for each of its `documents`, or None where it has none; with
+    `float64`, refused unless float64 as stored (a float32 copy has lost the stored values' precision)."""
+    if pack.get(name) is None:
+        return None
+    values = np.asarray(pack[name])
+    if values.shape != (documents,):
+        raise UsageError(f"Pack {number}: {values.shape} {name} for {documents} documents.")
+    if float64 and values.dtype != np.float64:
+        raise UsageError(f"Pack {number}: {name} are {values.dtype}, not the stored float64 (datasets' numpy and torch "
+                         "formats make floats float32: keep the column as open_hf_dataset formats it).")
+    return values
+
+
 def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sources: bool = False) -> _Pack:
     """The pack's arrays, refused when its offsets do not describe its tokens (they would mix documents),
     with its `source_ids` when `sources` asks for them."""
@@ -487,33 +501,22 @@ def _checked_pack(pack: Mapping[str, Any], number: int, max_len: int | None, sou
         raise IsolationError(
             f"Pack {number}: cu_seqlens {cu_seqlens.tolist()} must rise strictly from 0 to its {tokens} tokens."
         )
+    documents = len(cu_seqlens) - 1
     source_ids = None
     if sources:
-        if pack.get("source_ids") is None:
+        if (source_ids := _per_document(pack, "source_ids", number, documents)) is None:
             raise UsageError(f"Pack {number} has no 'source_ids': source_ids=True collates the packs of a mixture build.")
-        source_ids = np.asarray(pack["source_ids"]).astype(np.int64)
-        if source_ids.shape != (len(cu_seqlens) - 1,):
-            raise UsageError(f"Pack {number}: {source_ids.shape} source_ids for {len(cu_seqlens) - 1} documents.")
+        source_ids = source_ids.astype(np.int64)
     pair_roles = np.asarray(pack["pair_roles"]) if pack.get("pair_roles") is not None else None
-    reference = np.asarray(pack["reference_logps"]) if pack.get("reference_logps") is not None else None
-    if reference is not None and reference.shape != (len(cu_seqlens) - 1,):
-        raise UsageError(f"Pack {number}: {reference.shape} reference_logps for {len(cu_seqlens) - 1} documents.")
-    if reference is not None and reference.dtype != np.float64:  # a float32 copy has lost the stored values' precision
-        raise UsageError(f"Pack {number}: reference_logps are {reference.dtype}, not the stored float64 (datasets' numpy "
-                         "and torch formats make floats float32: keep the column as open_hf_dataset formats it).")
-    scores = np.asarray(pack["group_scores"]) if pack.get("group_scores") is not None else None
-    ranks = np.asarray(pack["group_ranks"]) if pack.get("group_ranks") is not None else None
-    for name, values in (("group_scores", scores), ("group_ranks", ranks)):
-        if values is not None and values.shape != (len(cu_seqlens) - 1,):
-            raise UsageError(f"Pack {number}: {values.shape} {name} for {len(cu_seqlens) - 1} documents.")
-    if scores is not None and (scores.dtype != np.float64 or not np.isfinite(scores).all()):
-        raise UsageError(f"Pack {number}: group_scores must be finite float64 values as stored, not {scores.dtype} "
-                         f"{scores.tolist()} (datasets' numpy and torch formats make floats float32: keep the column as "
-                         "open_hf_dataset formats it).")
+    reference = _per_document(pack, "reference_logps", number, documents, float64=True)
+    scores = _per_document(pack, "group_scores", number, documents, float64=True)
+    if scores is not None and not np.isfinite(scores).all():
+        raise UsageError(f"Pack {number}: group_scores must be finite, not {scores.tolist()}.")
+    ranks = _per_document(pack, "group_ranks", number, documents)
     if ranks is not None and ranks.dtype.kind not in "iu":
         raise UsageError(f"Pack {number}: group_ranks must be integers, not {ranks.dtype}.")
     desirable = np.asarray(pack["desirable"]) if pack.get("desirable") is not None else None
-    if desirable is not None and (desirable.ndim != 1 or 2 * desirable.size != len(cu_seqlens) - 1):
-        raise UsageError(f"Pack {number}: {desirable.size} 'desirable' labels for {len(cu_seqlens) - 1} documents: a pack "
+    if desirable is not None and (desirable.ndim != 1 or 2 * desirable.size != documents):
+        raise UsageError(f"Pack {number}: {desirable.size} 'desirable' labels for {documents} documents: a pack "
                          "of an unpaired build has one label every 2 documents.")
     return _Pack(input_ids, cu_seqlens, labels, source_ids, pair_roles, reference, scores, ranks, desirable)

@@ -321,7 +321,7 @@ def open_hf_dataset(
     cap = "" if options.max_docs_per_pack is None else _HF_CAP.format(cap=options.max_docs_per_pack)
     info = DatasetInfo(description=_HF_DESCRIPTION.format(max_len=options.max_len, cap=cap))
     dataset = concatenate_datasets([HFDataset.from_file(str(file), info=info) for file in files]).select_columns(columns)
-    if packed.reference is None and numeric == columns:
+    if packed.reference is None and GROUP_SCORES not in columns:
         return dataset.with_format("numpy")
     dataset = dataset if packed.reference is None else _with_reference(dataset, packed.reference)
     return dataset.with_format("numpy", columns=numeric, output_all_columns=True)  # reference_logps, group_scores: float64

@@ -44,7 +44,7 @@ with optional_imports("prepack.training.preference"):
     import torch.nn.functional as F
 
 __all__ = [
-    "GroupLogps", "PAIR_FIELDS", "PairLogps", "chosen_nll", "cpo_loss", "dpo_loss", "group_logps", "ipo_loss", "kto_loss", "model_inputs", "orpo_loss", "pair_count", "plackett_luce_loss",
+    "GroupLogps", "PAIR_FIELDS", "PairLogps", "chosen_nll", "cpo_loss", "dpo_loss", "group_logps", "ipo_loss", "kto_loss", "model_inputs", "orpo_loss", "pair_count", "plackett_luce_loss", "ranking_order",
     "pair_logps", "prompt_logps", "sequence_logps", "shared_pair_logps", "shared_token_logps", "simpo_loss", "trained_tokens",
 ]
 
@@ -262,6 +262,19 @@ def ipo_loss(policy: PairLogps, reference: PairLogps, beta: float = 0.1) -> torc
     return (delta - 1 / (2 * beta)) ** 2
 
 
+def ranking_order(ranks: torch.Tensor) -> torch.Tensor:
+    """[P, G]: each group's completions best first, by `ranks` ([P, G], 1 the best). A group whose ranks are not
+    1 … G, each once (ties), is refused (UsageError): a caller may check a batch with it before the forward."""
+    ranks = torch.as_tensor(ranks)
+    order = ranks.argsort(dim=1)
+    strict = torch.arange(1, ranks.shape[1] + 1, device=ranks.device)
+    if (bad := (ranks.gather(1, order) != strict).any(dim=1)).any():
+        group = int(bad.nonzero()[0])
+        raise UsageError(f"group {group} has ranks {ranks[group].tolist()}: the Plackett-Luce model takes a strict "
+                         f"ranking, 1 to {ranks.shape[1]} each once (tied completions have no order to learn).")
+    return order
+
+
 def plackett_luce_loss(policy: GroupLogps, reference: GroupLogps, ranks: torch.Tensor, beta: float = 0.1) -> torch.Tensor:
     """Per group [P]: DPO under the Plackett-Luce model of a ranking (Rafailov et al. 2023, "Direct Preference
     Optimization", Appendix A.3). With h = β (π - ref) each completion's implicit reward and τ the group's order by
@@ -272,12 +285,7 @@ def plackett_luce_loss(policy: GroupLogps, reference: GroupLogps, ranks: torch.T
     if ranks.shape != policy.logps.shape or ranks.shape != reference.logps.shape:
         raise UsageError(f"ranks of shape {tuple(ranks.shape)} for log-probabilities of shape {tuple(policy.logps.shape)} "
                          f"and {tuple(reference.logps.shape)}: one rank a completion, [groups, G].")
-    order = ranks.argsort(dim=1)  # each group's completions, best first
-    strict = torch.arange(1, ranks.shape[1] + 1, device=ranks.device)
-    if (bad := (ranks.gather(1, order) != strict).any(dim=1)).any():
-        group = int(bad.nonzero()[0])
-        raise UsageError(f"group {group} has ranks {ranks[group].tolist()}: the Plackett-Luce model takes a strict "
-                         f"ranking, 1 to {ranks.shape[1]} each once (tied completions have no order to learn).")
+    order = ranking_order(ranks)
     rewards = (beta * (policy.logps - reference.logps)).gather(1, order)
     below = torch.logcumsumexp(rewards.flip(1), dim=1).flip(1)  # log Σ_{j ≥ k} exp(h_τ(j))
     return (below - rewards).sum(dim=1)

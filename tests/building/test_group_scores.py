@@ -153,7 +153,7 @@ def test_open_hf_dataset_keeps_the_scores_float64(scored_build):
     assert batch["group_scores"].tolist() == [rows[r]["scores"] for r in order]
     assert batch["group_ranks"].tolist() == [rows[r]["ranks"] for r in order]
     pack = PackedDataset(root / "out")[0]
-    with pytest.raises(UsageError, match="group_scores must be finite float64 values as stored, not float32"):
+    with pytest.raises(UsageError, match="group_scores are float32, not the stored float64"):
         PackedCollator.for_dataset(root / "out")([pack | {"group_scores": pack["group_scores"].astype(np.float32)}])
 
 
@@ -348,3 +348,15 @@ def test_a_parquet_export_carries_the_values(scored_build, tmp_path):
     for column in ("group_scores", "group_ranks"):
         assert table.column(column).to_pylist() == [dataset[i][column].tolist() for i in range(len(dataset))]
     assert "`group_scores` | document | each completion's score, from column `scores`" in (tmp_path / "export" / "README.md").read_text()
+
+
+def test_verify_without_a_source_keeps_no_view_into_a_shard(scored_build, monkeypatch):
+    """Without --source nothing reads a shard's tokens or values again: verify drops its views (ids, labels,
+    the group values) as it reads each shard, so that no shard stays mapped for the whole check."""
+    from prepack.check import verify
+
+    root, _ = scored_build
+    kept = []
+    monkeypatch.setattr(verify, "_provenance_problems", lambda packs: kept.extend(packs.shards.values()) or iter(()))
+    assert not list(verify.verify_build(root / "out"))
+    assert kept and all(s.ids is None and s.labels is None and not s.group_values for s in kept)

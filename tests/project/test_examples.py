@@ -105,7 +105,7 @@ def test_dpo_example_trains_on_a_pair_build(pairs_packed, script, tmp_path):
 @pytest.fixture(scope="module")
 def group_inputs(tmp_path_factory) -> Path:
     """A directory of builds of chitchat exchanges: a group build (`packed`: the real answer first, three others
-    after), a build of the same groups, the answer last, with ranks (`ranked`: --ranks-column), and an unpaired
+    after), a build of the same groups, the answer last, with ranks (`ranked`: --ranks-column; `tied`: two tied), and an unpaired
     build (`kto`) of the same exchanges as feedback in TRL's format (the real answer desirable, another not)."""
     import json
 
@@ -123,6 +123,11 @@ def group_inputs(tmp_path_factory) -> Path:
     ranked.write_text("".join(json.dumps({"prompt": f"Q: {t[0]} A:", "completions": [*others, f" {t[1]}"], "ranks": [3, 2, 4, 1]})
                               + "\n" for t in turns))
     prepack.build(ranked, root / "ranked", max_len=256, tokenizer=tokenizer, groups=True, overflow="drop", num_proc=1,
+                  ranks_column="ranks")
+    tied = root / "tied.jsonl"
+    tied.write_text("".join(json.dumps({"prompt": f"Q: {t[0]} A:", "completions": [*others, f" {t[1]}"], "ranks": [2, 2, 4, 1]})
+                            + "\n" for t in turns))
+    prepack.build(tied, root / "tied", max_len=256, tokenizer=tokenizer, groups=True, overflow="drop", num_proc=1,
                   ranks_column="ranks")
     feedback = root / "feedback.jsonl"
     feedback.write_text("".join(
@@ -152,3 +157,16 @@ def test_group_and_kto_examples_train(group_inputs, script, data, first_loss, tm
     assert first and float(first[0]) == pytest.approx(first_loss, abs=1e-4), result.stdout[-2000:]
     found = re.findall(r"^final loss (\S+)$", result.stdout, flags=re.MULTILINE)
     assert found and math.isfinite(float(found[-1])), result.stdout[-2000:]
+
+
+@pytest.mark.slow  # loads a tiny model: ~3 s
+def test_the_group_example_refuses_tied_ranks_by_name(group_inputs, tmp_path):
+    """Plackett-Luce takes a strict ranking; the build accepts ties (competition ranks): the example says so, with
+    the group and its ranks, at the first batch, before any step, and with no traceback."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, str(EXAMPLES / "train_groups_plain_loop.py"), "--data", str(group_inputs / "tied"),
+                             "--steps", "3", "--workers", "0", "--batch-size", "4"], capture_output=True, text=True, timeout=600,
+                            env=env, cwd=tmp_path)
+    assert result.returncode == 1 and "step 1" not in result.stdout, result.stdout[-2000:]
+    assert "Traceback" not in result.stderr and "has ranks [2, 2, 4, 1]" in result.stderr, result.stderr[-4000:]
+    assert "ranks without ties" in result.stderr, result.stderr[-4000:]
