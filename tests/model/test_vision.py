@@ -457,6 +457,30 @@ def test_gemma3_image_batch_with_a_mask_is_refused():
         model(**batch)
 
 
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "glm4v"])
+def test_rotary_image_batch_with_a_binary_mask_is_refused(model_type):
+    """3-D rotary rows with a 2-D binary attention_mask: transformers masks with it only, and the samples of a row
+    see each other. Refused from the text row of the positions, as for text rows."""
+    model, _, made, collator = setup(model_type)
+    enable_packing(model)
+    batch = collator(packs_of(made))
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    with pytest.raises(IsolationError, match="binary attention_mask"):
+        model(**batch)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "paligemma"])
+def test_image_batch_with_an_indexed_mask_is_refused_by_name(model_type):
+    """An indexed mask rebuilds 2-D positions from 0: neither the 3-D rotary positions nor PaliGemma's, from 1."""
+    model, _, made, collator = setup(model_type)
+    enable_packing(model)
+    batch = collator(packs_of(made))
+    rows = batch["position_ids"][0] if batch["position_ids"].ndim == 3 else batch["position_ids"]
+    batch["attention_mask"] = (rows == rows.min()).long().cumsum(1)
+    with pytest.raises(IsolationError, match="indexed attention_mask"):
+        model(**batch)
+
+
 def test_a_family_without_a_style_is_refused_for_image_batches_with_its_measured_reason():
     """GOT-OCR2 is isolated on text (docs/model-support.md); with images prepack has no data side for it, and the
     vision sweep's eager verdict (its tiny model's logits do not move with its pixels) is the refusal's reason."""
