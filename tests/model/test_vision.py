@@ -545,11 +545,14 @@ def test_paligemma_prefixes_run_causally_on_flash_and_are_refused(attn, request)
 
 def test_paligemma_image_batch_with_a_mask_is_refused():
     """With an attention_mask transformers builds no per-sample mask from the positions, and PaliGemma's prefix
-    blocks (one group over every prefix of the row) would join the samples: refused."""
+    blocks (one group over every prefix of the row) would join the samples: refused. The control: without
+    enable_packing, the samples see each other."""
     model, _, made, collator = setup("paligemma")
-    enable_packing(model)
     batch = collator(packs_of(made))
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    leaked, _, _ = compare(model, collator, made, dict(batch), gradients=False)
+    assert leaked > 1e-3
+    enable_packing(model)
     logit_diff, _, _ = compare(model, collator, made, batch | {"attention_mask": None}, gradients=False)
     assert logit_diff < TOLERANCE
     with pytest.raises(IsolationError, match="attention_mask"):
