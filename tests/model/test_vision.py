@@ -512,7 +512,7 @@ def test_mistral3_images_the_processor_sizes_otherwise_are_refused():
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_paligemma_needs_its_prefix_blocks_and_positions_from_one(attn):
     """The controls of PaliGemma's style: without token_type_ids each prefix runs causally, not both ways as alone;
-    with positions from 0 (not the 1 PaliGemma numbers a sample alone from) the logits move beyond float64 rounding.
+    with positions from 0 (not the 1 PaliGemma numbers a sample alone from) the logits move beyond float64 rounding."""
     model, _, made, collator = setup("paligemma", attn)
     enable_packing(model)
     batch = collator(packs_of(made))
