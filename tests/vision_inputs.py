@@ -110,15 +110,22 @@ def images_of_many_sizes() -> list[bytes]:
 def pixtral_processor(image_processor, tokenizer, patch_size: int, spatial_merge_size: int):
     """transformers' own PixtralProcessor (Mistral 3's) over these parts. Its module imports the resize rule from the
     torchvision image processor's module; the PIL one's module defines the same function, and stands in for it
-    where torchvision is not installed (the processor itself runs on the PIL image processor given)."""
+    where torchvision is not installed (the processor itself runs on the PIL image processor given), for that import
+    only: the torchvision module's name is given back afterwards, so that no later import finds the PIL module there."""
     import importlib.util
     import sys
 
-    if importlib.util.find_spec("torchvision") is None:
+    stand_in = "transformers.models.pixtral.image_processing_pixtral"
+    standing_in = importlib.util.find_spec("torchvision") is None and stand_in not in sys.modules
+    if standing_in:
         import transformers.models.pixtral.image_processing_pil_pixtral as pil
 
-        sys.modules.setdefault("transformers.models.pixtral.image_processing_pixtral", pil)
-    from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+        sys.modules[stand_in] = pil
+    try:
+        from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+    finally:
+        if standing_in:
+            del sys.modules[stand_in]
 
     return PixtralProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
                             spatial_merge_size=spatial_merge_size)

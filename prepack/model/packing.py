@@ -269,6 +269,7 @@ class _PackedBatchGuard:
             if style == "3-D rotary" and flash:
                 kwargs = _with_text_offsets(kwargs, tokens)
             if style != "restart":
+                kwargs = _resolve_image_batch_mask(kwargs, config, flash, tokens.shape[:2], style)
                 positions = kwargs.get("position_ids")
                 if self.per_document is not None and positions is not None:  # Qwen3.5's gated delta rule layers
                     text = {**kwargs, "position_ids": positions[0] if positions.ndim == 3 else positions}
@@ -434,6 +435,27 @@ def _resolve_attention_mask(kwargs: dict[str, Any], config, flash: bool, shape: 
             "attention_mask; PackedCollator's default batch has none (padding is a segment of its own)."
         )
     return kwargs
+
+
+def _resolve_image_batch_mask(kwargs: dict[str, Any], config, flash: bool, shape: torch.Size, style: str):
+    """`_resolve_attention_mask` for an image batch: 3-D rotary rows judged by their first (text) row of positions.
+
+    An indexed mask is refused where its conversion (2-D positions from 0) would lose the family's positions: the
+    3-D rotary ones, and PaliGemma's, which count from 1.
+    """
+    mask = kwargs.get("attention_mask")
+    if style in ("3-D rotary", "prefix blocks") and isinstance(mask, torch.Tensor) and mask.ndim == 2:
+        if bool((mask > 1).any()):
+            kept = "3-D rotary position_ids" if style == "3-D rotary" else "PaliGemma's position_ids (from 1)"
+            raise IsolationError(
+                f"An indexed attention_mask on a packed {style} image batch: converting it would rebuild 2-D "
+                f"positions from 0 and lose the {kept}. Pass VisionCollator's batch (position_ids, no mask)."
+            )
+    positions = kwargs.get("position_ids")
+    if style == "3-D rotary" and isinstance(positions, torch.Tensor) and positions.ndim == 3:
+        resolved = _resolve_attention_mask({**kwargs, "position_ids": positions[0]}, config, flash, shape)
+        return {**resolved, "position_ids": positions}
+    return _resolve_attention_mask(kwargs, config, flash, shape)
 
 
 def _from_indexed_mask(kwargs: dict[str, Any], mask: torch.Tensor, flash: bool, shape: torch.Size) -> dict[str, Any]:

@@ -21,9 +21,9 @@ Styles:
 - image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
   from which prepack builds the layer masks (`prepack.model.vision_packing`: transformers' own sliding
   mask misplaces the image blocks of a packed row);
-- prefix blocks (PaliGemma): `position_ids` restarting at 1 at every sample (PaliGemma's numbering: from 0, its
-  float32 rotary angles differ from the sample alone's beyond float64 rounding, measured in tests/model/test_vision.py)
-  and `token_type_ids` 0 on each sample's prefix (its tokens before its first target), which transformers attends
+- prefix blocks (PaliGemma): `position_ids` restarting at 1 at every sample, as PaliGemma numbers a sample alone
+  (transformers' modeling_paligemma.py adds 1 to the positions it builds when given none; the control that
+  positions from 0 differ runs on sdpa only, tests/model/test_vision.py) and `token_type_ids` 0 on each sample's prefix (its tokens before its first target), which transformers attends
   both ways, within the sample.
 
 Every other image-text-to-text model type has no style (VisionCollator does not batch it) and is refused for
@@ -119,7 +119,8 @@ NOT_SWEPT = Verdict(
 _MEASURED = (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE)
 _MEASURED_NO_FLEX = (NATIVE, NATIVE, NATIVE, NATIVE, NO_FLEX)
 _SPLIT_TOWER = "each image's tiles and whole image on a row of pixel_values (SigLIP, one per pass), padding dropped"
-_GRID_TOWER = "one attention segment per image, from image_grid_thw (its windowed blocks within that segment)"
+_GRID_TOWER = "one attention segment per image, from image_grid_thw"
+_GRID_TOWER_WINDOWED = f"{_GRID_TOWER} (its windowed blocks within that segment)"  # Qwen2.5-VL's tower only
 _GRID_TOWER_DEEPSTACK = (
     "one attention segment per image, from image_grid_thw; its deepstack features join the decoder at each "
     "image's own placeholders"
@@ -127,7 +128,7 @@ _GRID_TOWER_DEEPSTACK = (
 
 VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_vl": VisionFamily("3-D rotary", _GRID_TOWER, _MEASURED_NO_FLEX),
-    "qwen2_5_vl": VisionFamily("3-D rotary", _GRID_TOWER, _MEASURED_NO_FLEX),
+    "qwen2_5_vl": VisionFamily("3-D rotary", _GRID_TOWER_WINDOWED, _MEASURED_NO_FLEX),
     "qwen3_vl": VisionFamily("3-D rotary", _GRID_TOWER_DEEPSTACK, _MEASURED_NO_FLEX),
     "qwen3_vl_moe": VisionFamily("3-D rotary", _GRID_TOWER_DEEPSTACK, _MEASURED),
     # A Qwen-VL tower before a hybrid decoder: its gated delta rule layers run one sample per row.

@@ -18,7 +18,8 @@
 - Prefix blocks (PaliGemma): transformers ORs one block over every token typed 0 in the row (each sample's prefix)
   into the causal mask and ANDs the per-sample mask it builds from the restarting positions, which keeps each
   prefix inside its sample (measured); with an attention_mask it builds no per-sample mask (measured: the samples
-  see each other), so a packed batch with one is refused.
+  see each other), so a packed batch with one is refused (`prepack.model.packing` refuses a binary mask over
+  restarting positions for image batches of every style, judging 3-D rotary rows by their text row).
 """
 
 from __future__ import annotations
@@ -67,12 +68,6 @@ def checked_image_batch(
     position_ids = kwargs.get("position_ids")
     if style == "3-D rotary" and position_ids is not None:
         _require_text_positions(position_ids)
-    if style == "prefix blocks" and position_ids is not None and kwargs.get("attention_mask") is not None:
-        raise IsolationError(
-            "A packed PaliGemma image batch with an attention_mask: transformers then builds no per-sample mask from "
-            "the restarting position_ids, and one prefix block spans every sample's prefix in the row. Pass "
-            "position_ids and token_type_ids only (VisionCollator's batch)."
-        )
     if style == "image blocks" and position_ids is not None and kwargs.get("token_type_ids") is not None:
         if kwargs.get("attention_mask") is not None:
             raise IsolationError(

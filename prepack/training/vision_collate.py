@@ -28,7 +28,11 @@ model's image processor (in DataLoader workers) and emits, by the family's style
     token_type_ids [B, L] int64  (image blocks) 1 at image placeholders: Gemma 3's bidirectional image
                                  blocks, kept inside their sample by the layer masks enable_packing builds
                   [B, L] int64  (prefix blocks) PaliGemma's: 0 on each sample's prefix (before its first target),
-                                 1 after it and on padding; its position_ids then count from 1, as PaliGemma's do
+                                 1 after it and on padding; its position_ids then count from 1, as PaliGemma's do.
+                                 The prefix follows the labels: with several turns it ends at the first
+                                 target (later turns' images and prompts run causally); with every token a
+                                 target (`--train-on all`, a text corpus) it holds the leading images and
+                                 the first token only
     use_cache     False
     image_spans   [N, 3] int64   (with `image_spans=True`) one row per image, in the order of `pixel_values`
                                  (and `image_grid_thw`): (row, start, end), the image's placeholder tokens being
@@ -495,8 +499,13 @@ def _vision_pack(pack: Mapping[str, Any], number: int, spec: VisionSpec, tiled: 
 
 
 def _suffixes(packs: list[_VisionPack], labels: torch.Tensor) -> torch.Tensor:
-    """[B, L] PaliGemma's token types: 0 on each sample's prefix (its tokens before its first target: its images and
-    prompt, which attend to each other both ways), 1 on the rest of the sample and on padding (causal)."""
+    """[B, L] PaliGemma's token types: 0 on each sample's prefix (its tokens before its first target, which attend
+    to each other both ways), 1 on the rest of the sample and on padding (causal).
+
+    The prefix follows the labels, not the turns: in a chat of several turns it is the first turn's images and
+    prompt only (later turns' run causally); with every token a target (`--train-on all`, a text corpus) it is
+    the leading images and the first token (the first token is never a target: nothing predicts it).
+    """
     types = torch.ones_like(labels)
     for row, pack in enumerate(packs):
         for start, end in zip(pack.cu_seqlens[:-1].tolist(), pack.cu_seqlens[1:].tolist()):

@@ -575,6 +575,17 @@ def mistral3_directory(directory, longest_edge: int = 112):
     return directory, pixtral_processor(parts, tokenizer, 14, 2)
 
 
+def test_the_pixtral_processors_stand_in_module_is_given_back(tmp_path):
+    """Building transformers' PixtralProcessor without torchvision leaves no PIL module under the torchvision
+    module's name for later imports to find."""
+    import sys
+
+    import transformers.models.pixtral.image_processing_pil_pixtral as pil
+
+    mistral3_directory(tmp_path / "mistral3")
+    assert sys.modules.get("transformers.models.pixtral.image_processing_pixtral") is not pil
+
+
 @pytest.mark.parametrize("longest_edge", [112, 1540])
 def test_mistral3_placeholders_and_text_are_the_processors_own(tmp_path, longest_edge):
     """Mistral 3 (Pixtral's image processor): an image resized within longest_edge to whole 28-pixel cells becomes a

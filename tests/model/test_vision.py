@@ -457,6 +457,30 @@ def test_gemma3_image_batch_with_a_mask_is_refused():
         model(**batch)
 
 
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "glm4v"])
+def test_rotary_image_batch_with_a_binary_mask_is_refused(model_type):
+    """3-D rotary rows with a 2-D binary attention_mask: transformers masks with it only, and the samples of a row
+    see each other. Refused from the text row of the positions, as for text rows."""
+    model, _, made, collator = setup(model_type)
+    enable_packing(model)
+    batch = collator(packs_of(made))
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    with pytest.raises(IsolationError, match="binary attention_mask"):
+        model(**batch)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "paligemma"])
+def test_image_batch_with_an_indexed_mask_is_refused_by_name(model_type):
+    """An indexed mask rebuilds 2-D positions from 0: neither the 3-D rotary positions nor PaliGemma's, from 1."""
+    model, _, made, collator = setup(model_type)
+    enable_packing(model)
+    batch = collator(packs_of(made))
+    rows = batch["position_ids"][0] if batch["position_ids"].ndim == 3 else batch["position_ids"]
+    batch["attention_mask"] = (rows == rows.min()).long().cumsum(1)
+    with pytest.raises(IsolationError, match="indexed attention_mask"):
+        model(**batch)
+
+
 def test_a_family_without_a_style_is_refused_for_image_batches_with_its_measured_reason():
     """GOT-OCR2 is isolated on text (docs/model-support.md); with images prepack has no data side for it, and the
     vision sweep's eager verdict (its tiny model's logits do not move with its pixels) is the refusal's reason."""
@@ -488,7 +512,7 @@ def test_mistral3_images_the_processor_sizes_otherwise_are_refused():
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_paligemma_needs_its_prefix_blocks_and_positions_from_one(attn):
     """The controls of PaliGemma's style: without token_type_ids each prefix runs causally, not both ways as alone;
-    with positions from 0 (not PaliGemma's 1) its float32 rotary angles move the logits beyond float64 rounding."""
+    with positions from 0 (not the 1 PaliGemma numbers a sample alone from) the logits move beyond float64 rounding."""
     model, _, made, collator = setup("paligemma", attn)
     enable_packing(model)
     batch = collator(packs_of(made))
@@ -521,11 +545,14 @@ def test_paligemma_prefixes_run_causally_on_flash_and_are_refused(attn, request)
 
 def test_paligemma_image_batch_with_a_mask_is_refused():
     """With an attention_mask transformers builds no per-sample mask from the positions, and PaliGemma's prefix
-    blocks (one group over every prefix of the row) would join the samples: refused."""
+    blocks (one group over every prefix of the row) would join the samples: refused. The control: without
+    enable_packing, the samples see each other."""
     model, _, made, collator = setup("paligemma")
-    enable_packing(model)
     batch = collator(packs_of(made))
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    leaked, _, _ = compare(model, collator, made, dict(batch), gradients=False)
+    assert leaked > 1e-3
+    enable_packing(model)
     logit_diff, _, _ = compare(model, collator, made, batch | {"attention_mask": None}, gradients=False)
     assert logit_diff < TOLERANCE
     with pytest.raises(IsolationError, match="attention_mask"):
