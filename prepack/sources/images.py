@@ -785,7 +785,7 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
                 f"{where}, column {column}: more than {limits.max_images_per_document} images in a record."
             )
         at = f"{where}, column {column}"
-        if numbers and rule.max_tiles is not None:  # before the second image is read
+        if numbers and rule.kind == "anyres" and rule.max_tiles is not None:  # OneVision; before the second image is read
             raise InputError(
                 f"{at}: a second image in one record. LLaVA-OneVision's processor gives an image of a multi-image "
                 "sample its base features only, not its tiles (and the model must then be told each sample's image "
