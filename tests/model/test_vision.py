@@ -448,24 +448,19 @@ def test_qwen4_exp_is_refused_on_flash(attn):
         enable_packing(model)
 
 
-def test_gemma3_image_batch_with_a_mask_is_refused():
-    model, _, made, collator = setup("gemma3")
-    enable_packing(model)
-    batch = collator(packs_of(made))
-    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-    with pytest.raises(IsolationError, match="attention_mask"):
-        model(**batch)
-
-
-@pytest.mark.parametrize("model_type", ["qwen2_vl", "glm4v"])
-def test_rotary_image_batch_with_a_binary_mask_is_refused(model_type):
-    """3-D rotary rows with a 2-D binary attention_mask: transformers masks with it only, and the samples of a row
-    see each other. Refused from the text row of the positions, as for text rows."""
+@pytest.mark.parametrize(
+    ("model_type", "refusal"),
+    [("gemma3", "attention_mask"), ("qwen2_vl", "binary attention_mask"), ("glm4v", "binary attention_mask")],
+)
+def test_image_batch_with_a_binary_mask_is_refused(model_type, refusal):
+    """A packed image batch with a 2-D binary attention_mask: transformers masks with it only, and the samples of a
+    row see each other. Gemma 3's image blocks refuse any mask; 3-D rotary rows are refused from the text row of the
+    positions, as text rows are."""
     model, _, made, collator = setup(model_type)
     enable_packing(model)
     batch = collator(packs_of(made))
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-    with pytest.raises(IsolationError, match="binary attention_mask"):
+    with pytest.raises(IsolationError, match=refusal):
         model(**batch)
 
 
