@@ -58,8 +58,13 @@ def test_the_grpo_example_on_two_ranks_plans_the_gathered_rollouts_alike(tmp_pat
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
-    stdout = run([*torchrun, str(EXAMPLE), "--steps", "1", *SMALL[2:]], tmp_path)
+    # each rank's stdout to its own file: two processes printing to one pipe can interleave within a line
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+                "--log-dir", str(tmp_path / "logs"), "--redirects", "1"]
+    run([*torchrun, str(EXAMPLE), "--steps", "1", *SMALL[2:]], tmp_path)
+    logs = sorted((tmp_path / "logs").rglob("stdout.log"))
+    assert len(logs) == 2, logs
+    stdout = "".join(log.read_text() for log in logs)
     printed = steps(stdout)
     assert [(step, sequences, error) for step, sequences, _, error in printed] == [("1.1", 12, "0")], stdout
     digests = plan_digests(stdout)
