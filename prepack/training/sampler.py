@@ -12,8 +12,8 @@ size it was dealt for. The state then also records the job's passes over the epo
 size, batch size]` each: the order of a pass is the packs used before its start, then the rest of the
 epoch's permutation balanced for its world and batch size. A run resumed on the same world and batch
 size continues its pass exactly; one on another deals the rest of the epoch, rebalanced, as a new pass.
-An epoch is dealt over the packs it began with: resumed on a build grown by appends (`grown`), its passes
-replay over the old packs alone, and the new ones join from the next epoch.
+A balanced epoch is dealt over the packs it began with: resumed on a build grown by appends (`grown`), its
+passes replay over the old packs alone, and the new ones join from the next epoch.
 """
 
 from __future__ import annotations
@@ -225,16 +225,22 @@ class PackedSampler(Sampler[int]):
         if epoch < 0:
             raise UsageError(f"epoch must be non-negative, got {epoch}")
         if epoch != self.epoch:
-            self.epoch, self._start, self._position, self._resume_pending = epoch, 0, 0, False
-            self._passes, self._grown = self._first_pass(), []
+            self.epoch = epoch
+            self._from_the_start()
 
     def __iter__(self) -> Iterator[int]:
         """The epoch from its beginning, as DistributedSampler; right after `load_state_dict`, the rest."""
         self._refuse_wrong_world()
         if not self._resume_pending:
-            self._start, self._passes = 0, self._first_pass()
+            self._from_the_start()
         self._position, self._resume_pending = 0, False
         return self._iterate(self._pass_indices())
+
+    def _from_the_start(self) -> None:
+        """Deal the epoch from its beginning, on every pack: no loaded state's position, passes or earlier
+        pack counts (a resumed epoch's `grown` ends with it, as its passes do)."""
+        self._start, self._position, self._resume_pending = 0, 0, False
+        self._passes, self._grown = self._first_pass(), []
 
     def _iterate(self, indices: np.ndarray) -> Iterator[int]:
         for position, index in enumerate(indices.tolist(), start=1):

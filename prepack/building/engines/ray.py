@@ -53,7 +53,7 @@ import socket
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, replace
@@ -179,12 +179,12 @@ def _tokenizer(path: str | os.PathLike, sha256: str) -> LocalTokenizer:
 
 
 def _unit_arrays(
-    source: _Source, unit: _Unit, directory: Path, prompts: list[np.ndarray], values: list[GroupValues]
-) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    source: _Source, unit: _Unit, directory: Path, prompts: list[np.ndarray]
+) -> Generator[tuple[np.ndarray, np.ndarray, np.ndarray | None], None, GroupValues | None]:
     """(offsets, ids, labels) of the unit's documents, batch by batch, in row order; a preference-pair
-    corpus's prompt lengths appended to `prompts` as they are read, and a corpus file's group values (scores,
-    ranks) to `values` once it is read. A unit in object storage is fetched into `directory` first, and named
-    by its URI still."""
+    corpus's prompt lengths appended to `prompts` as they are read. Returns a group corpus file's group values
+    (scores, ranks) once it is read; None for any other unit (a store holds no scores or ranks). A unit in
+    object storage is fetched into `directory` first, and named by its URI still."""
     store = source.store
     if unit.shard is not None:
         if store.location is not None:
@@ -194,7 +194,7 @@ def _unit_arrays(
         if store.manifest.pairs is not None:  # a pair store's groups, whole in each shard
             prompts.append(group_prompt_lengths(offsets, labels, store.manifest.pairs.size, store.shard_where(unit.shard)))
         yield columns
-        return
+        return None
     file = unit.file
     if isinstance(file, LocalCopy):
         file = LocalCopy(file.location, directory / file.name)
@@ -213,13 +213,12 @@ def _unit_arrays(
         if found.pairs is not None:
             prompts.append(found.pairs.latest_prompt_lengths())
         yield batch.offsets, batch.ids, batch.labels
-    if found.pairs is not None:
-        values.append(found.pairs.group_values())
+    return None if group_size is None else found.pairs.group_values()
 
 
 @ray.remote(max_retries=_RETRIES)
 def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
-    lengths, untrained, prompts, values, observed = [], [], [], [], []
+    lengths, untrained, prompts, observed = [], [], [], []
     ids_hash, labels_hash = hashlib.sha256(), hashlib.sha256()
     with _working_directory(source.cwd), _node_directory() as directory:
         ids_path = _scratch_file(unit.ids, directory)
@@ -229,7 +228,13 @@ def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
                 ids_file = files.enter_context(output_file(ids_path))
                 labels_file = files.enter_context(output_file(labels_path)) if labels_path is not None else None
                 row = 0
-                for offsets, ids, labels in _unit_arrays(source, unit, directory, prompts, values):
+                arrays = _unit_arrays(source, unit, directory, prompts)
+                while True:
+                    try:
+                        offsets, ids, labels = next(arrays)
+                    except StopIteration as done:  # its return value: a group corpus file's scores and ranks
+                        group_values = done.value
+                        break
                     batch_lengths = np.diff(offsets)
                     lengths.append(batch_lengths)
                     untrained.append(untrained_documents(offsets, labels))
@@ -258,7 +263,7 @@ def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
         lengths=compact_lengths(np.concatenate(lengths) if lengths else _NO_DOCUMENTS),
         untrained=np.concatenate(untrained) if untrained else np.empty(0, bool),
         prompt_lengths=None if source.documents.pairs is None else np.concatenate(prompts or [_NO_DOCUMENTS]),
-        group_values=values[0] if values else None,
+        group_values=group_values,
         digest=ids_hash.hexdigest() + labels_hash.hexdigest() if unit.digest else "",
         observed=observed if unit.observe is not None else None,
     )
@@ -482,7 +487,7 @@ class RayEngine:
                 digests.append(read.digest)
                 if documents.pairs is not None:
                     documents.pairs.add_prompt_lengths(read.prompt_lengths)
-                    if read.group_values is not None:  # a corpus file's (a store holds no scores or ranks)
+                    if read.group_values is not None:  # a group corpus file's (`_unit_arrays`)
                         documents.pairs.add_group_values(read.group_values)
                 firsts.append(tokens)
                 tokens += int(read.lengths.sum(dtype=np.int64))
