@@ -15,9 +15,10 @@ and reach the decoder only, never the vision tower (`prepack.model.packing`). No
 Styles:
 - 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V, GLM-4V-MoE): `position_ids` [4, B, L], text positions restarting per sample (from
   which transformers builds the per-sample mask) over the three rotary rows, restarting per sample too;
-- restart (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Mistral 3): `position_ids` [B, L]
+- restart (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Mistral 3, LFM2-VL): `position_ids` [B, L]
   restarting per sample, as for text (LLaVA-NeXT's and -OneVision's tiles with each image's `image_sizes`, Idefics3's
-  and SmolVLM's with `pixel_attention_mask`, Mistral 3's `image_sizes` beside its padded `pixel_values`);
+  and SmolVLM's with `pixel_attention_mask`, Mistral 3's `image_sizes` beside its padded `pixel_values`, LFM2-VL's
+  NaFlex patch rows with `pixel_attention_mask` and `spatial_shapes`; LFM2's short convolutions run per sample);
 - image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
   from which prepack builds the layer masks (`prepack.model.vision_packing`: transformers' own sliding
   mask misplaces the image blocks of a packed row);
