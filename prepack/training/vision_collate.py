@@ -248,8 +248,9 @@ class VisionCollator:
             # runs apart, and LLaVA-NeXT's and OneVision's adjacent runs touch at counts only the images' sizes give.
             raise UsageError(
                 "image_spans are given where each image is one run of placeholders of a fixed count, a grid's or "
-                "InternVL's views; this model's images (LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's and SmolVLM's "
-                "tiles, Mistral 3's rows broken by [IMG_BREAK]) are counted by their size in the processor's text."
+                "InternVL's views; this model's images (LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's, SmolVLM's and "
+                "LFM2-VL's tiles, Mistral 3's rows broken by [IMG_BREAK]) are counted by their size in the processor's "
+                "text."
             )
         self.image_spans = image_spans
         self.spec, self.image_processor = spec, image_processor
