@@ -17,15 +17,18 @@ The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` m
   must raise, and the refusal must be needed: the batch let through leaks or fails; the refusal's reason is then
   prepack's own (the table's, raised by its IsolationError), not measured. Where the table isolates and
   `enable_packing` or the packed forward raises IsolationError, the family is measured as refused. Of an
-  isolated batch, the sweep measures whether it is isolated, not how: a family whose text verdict runs
-  sequence-state layers one document per row (Qwen3.5's gated delta rule) is given that text verdict, read from
-  `prepack.model.families`, and on flash every isolated family is given "native" (transformers isolates from
-  the offsets enable_packing derives), neither measured apart;
+  isolated batch, the sweep measures whether it is isolated, not how: a family whose text verdict (its own, or its
+  decoder's model type's: LFM2-VL's LFM2) runs sequence-state layers one document per row (Qwen3.5's gated delta
+  rule, LFM2's short convolutions) is given that text verdict, read from `prepack.model.families`, and on flash
+  every isolated family is given "native" (transformers isolates from the offsets enable_packing derives), neither
+  measured apart;
 - any other family is refused, with the reason measured here: no tiny model could be built (or it needs a
   package that is not installed, such as timm), transformers has no such attention for it, the sweep could not
   run an image sample alone (the family takes image inputs the sweep does not form), transformers' own code
   fails on the packed batch, the packed samples see each other, or they are isolated natively but prepack has
-  no data side (placeholder rule, collator style) for the family yet.
+  no data side (placeholder rule, collator style) for the family yet. A family whose decoder runs per document
+  (LFM3-VL's short convolutions) and leaks natively is measured again with those layers run one sample per row,
+  as `enable_packing` would run them: isolated so, it is refused for want of a data side, not as leaking.
 `sweep()` runs it for every family (`prepack check-isolation --sweep` on sdpa or eager) and says where the
 table and the measurement disagree. The flash and flex columns are measured by tests/model/test_vision_sweep.py
 with the pure-torch stand-ins of the kernels (tests/flash_reference.py), for the families the table gives a
@@ -210,7 +213,8 @@ def _requires(function, name: str) -> bool:
 
 def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
     """Random pixels for `images` images in the tower's input layout: Qwen-style patch rows with their grids
-    (a forward that takes image_grid_thw), else square images of the tower's image_size: one row each, or
+    (a forward that takes image_grid_thw), NaFlex patch rows (one that takes spatial_shapes: `_naflex_pixels`),
+    else square images of the tower's image_size: one row each, or
     Idefics' row of images, or LLaVA-NeXT's whole image and one tile, with the image sizes a family requires."""
     vision = model.config.vision_config
     generator = torch.Generator().manual_seed(seed)
