@@ -1169,3 +1169,25 @@ def test_lfm2_vl_placeholders_and_text_are_the_processors_own(tmp_path, setup):
 def test_an_lfm2_vl_processor_config_it_cannot_count_is_a_named_error(tmp_path, options, processor_config, message):
     with pytest.raises(InputError, match=re.escape(message)):
         processor_rule(lfm2_vl_directory(tmp_path / "processor", options, processor_config))
+
+
+@pytest.mark.slow
+def test_lfm2_vl_prepare_images_writes_the_processors_text_and_counts(tmp_path):
+    """prepare-images with an LFM2-VL processor directory (small tiles, so that the photographs split): each image's
+    text in corpus.parquet and its count in the image set are Lfm2VlProcessor's for the image's size."""
+    from tests.vision_inputs import lfm2_vl_image_text
+
+    options = LFM2_VL_SETUPS["small tiles"]
+    directory = lfm2_vl_directory(tmp_path / "processor", options)
+    (tmp_path / "p").mkdir()
+    for name in PHOTOS:
+        (tmp_path / "p" / name).write_bytes((SAMPLE_DATA / name).read_bytes())
+    corpus = chats(tmp_path / "p", [with_image(name) for name in PHOTOS])
+    prepare_image_chat(corpus, directory, tmp_path / "out")
+    expected = lfm2_vl_image_text(options)
+    sizes = [Image.open(SAMPLE_DATA / name).size for name in PHOTOS]
+    contents = [row[0]["content"] for row in pq.read_table(tmp_path / "out" / "corpus.parquet")["messages"].to_pylist()]
+    assert [content.removesuffix("Hi") for content in contents] == [expected(*size) for size in sizes]
+    assert any("<|img_row_1_col_1|>" in content for content in contents)  # a photograph split into tiles
+    image_set = read_image_set(tmp_path / "out" / "images")
+    assert image_set.row_tokens().tolist() == [expected(*size).count("<image>") for size in sizes]
