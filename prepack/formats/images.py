@@ -301,8 +301,8 @@ class ImageRule(StrictModel):
     feature_columns: int | None = Field(default=None, ge=1, le=4096)
     max_tiles: int | None = Field(
         default=None, ge=1, le=65_536,
-        description="anyres: LLaVA-OneVision's anyres_max_N, the N (None for LLaVA-NeXT); tiles: the most tiles of "
-        f"GOT-OCR2's canvas (at most {_MAX_CANVAS_TILES}).",
+        description="anyres: LLaVA-OneVision's anyres_max_N, the N (None for LLaVA-NeXT); tiles, lfm2: the most tiles "
+        f"of GOT-OCR2's canvas, of LFM2-VL's grid (at most {_MAX_CANVAS_TILES}).",
     )
     # split: the longest side images are first resized to (None: not resized), whether they are split into tiles
     # of tile_height (= tile_width) pixels, and the text that marks the whole image after its tiles.
