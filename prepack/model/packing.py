@@ -351,9 +351,17 @@ def _per_document_layers(
     model type it has: `prepack check-isolation` measured it with them.
     """
     if verdict is not None:
-        return install_per_document_layers(model, family.model_type) if verdict.per_document else None
+        return _install_per_document_layers(model, family.model_type) if verdict.per_document else None
     model_type = model.config.model_type
     return install_per_document_layers(model, model_type) if model_type in STATEFUL_LAYERS else None
+
+
+def _install_per_document_layers(model: transformers.PreTrainedModel, model_type: str) -> PerDocumentLayers:
+    """The model's per-document hooks; a vision-language family whose decoder is a text family of
+    `STATEFUL_LAYERS` (LFM2-VL's LFM2) gets its decoder's, whose modeling file defines the layers."""
+    if model_type in STATEFUL_LAYERS:
+        return install_per_document_layers(model, model_type)
+    return install_per_document_layers(model.get_decoder(), model.config.get_text_config().model_type)
 
 
 def _module_that_sees_the_documents(model: transformers.PreTrainedModel) -> torch.nn.Module:

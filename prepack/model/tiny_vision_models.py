@@ -45,6 +45,9 @@ __all__ = [
 # The rotary halves of the 8-wide heads split over time, height and width (the defaults give all to time).
 MROPE = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [1, 1, 2]}
 IMAGE_SIZE = {"llava": 28, "gemma3": 32, "internvl": 56, "mistral3": 112}  # fixed-size towers: the side of the square image they take
+# The most patches of an image SigLIP2's NaFlex processor makes for LFM2-VL's tiny tower (8x8 of 16 pixels: up to
+# 16 placeholders after its 2x2 pixel unshuffle).
+LFM2_VL_PATCHES = 64
 # Qwen's image processor for the tiny towers: between 2 and 8 merged tokens (28x28 pixels each) per image.
 QWEN_PIXELS = {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}
 # The special tokens of a Qwen-VL processor (start, placeholder, end), as `prepack prepare-images` writes them.
@@ -175,7 +178,7 @@ def tiny_vision_model(
 def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict[str, int] = QWEN_PIXELS):
     """transformers' PIL image processor for the tower of `config` (Qwen-VL's from its patch, merge and
     temporal sizes, `qwen_pixels` per image; CLIP's, as LLaVA uses, LLaVA-NeXT's, -OneVision's, Idefics3's and
-    SmolVLM's tiling ones, and Gemma 3's at the tower's image size)."""
+    SmolVLM's tiling ones, Gemma 3's at the tower's image size, and SigLIP2's NaFlex one for LFM2-VL's tower)."""
     vision = config.vision_config
     if config.model_type in ("glm4v", "glm4v_moe"):  # a Qwen2-VL-like grid by GLM-4V's own resize rule
         from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
@@ -189,6 +192,12 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
         return Qwen2VLImageProcessorPil(size=qwen_pixels, patch_size=vision.patch_size,
                                         merge_size=vision.spatial_merge_size,
                                         temporal_patch_size=vision.temporal_patch_size)
+    if config.model_type == "lfm2_vl":
+        # LFM2-VL's own image processor needs torchvision; SigLIP2's PIL one makes its tower's NaFlex input (patch
+        # rows padded to max_num_patches, pixel_attention_mask, spatial_shapes) by SigLIP2's resize rule, untiled.
+        from transformers.models.siglip2.image_processing_pil_siglip2 import Siglip2ImageProcessorPil
+
+        return Siglip2ImageProcessorPil(patch_size=vision.patch_size, max_num_patches=LFM2_VL_PATCHES)
     side = vision.image_size
     if config.model_type == "internvl":  # GOT-OCR2's image processor, untiled (as prepare-images counts it)
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil

@@ -15,9 +15,10 @@ and reach the decoder only, never the vision tower (`prepack.model.packing`). No
 Styles:
 - 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V, GLM-4V-MoE): `position_ids` [4, B, L], text positions restarting per sample (from
   which transformers builds the per-sample mask) over the three rotary rows, restarting per sample too;
-- restart (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Mistral 3): `position_ids` [B, L]
+- restart (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Mistral 3, LFM2-VL): `position_ids` [B, L]
   restarting per sample, as for text (LLaVA-NeXT's and -OneVision's tiles with each image's `image_sizes`, Idefics3's
-  and SmolVLM's with `pixel_attention_mask`, Mistral 3's `image_sizes` beside its padded `pixel_values`);
+  and SmolVLM's with `pixel_attention_mask`, Mistral 3's `image_sizes` beside its padded `pixel_values`, LFM2-VL's
+  NaFlex patch rows with `pixel_attention_mask` and `spatial_shapes`; LFM2's short convolutions run per sample);
 - image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
   from which prepack builds the layer masks (`prepack.model.vision_packing`: transformers' own sliding
   mask misplaces the image blocks of a packed row);
@@ -48,6 +49,7 @@ from prepack.model.families import (
     NO_FLEX,
     NO_SDPA,
     QWEN4_EXP_ON_FLASH,
+    SHORT_CONVOLUTIONS,
     SWEEP_COMMAND,
     Verdict,
     backend_of,
@@ -107,6 +109,12 @@ NO_DATA_SIDE = Verdict(
     "refused",
     "isolated natively with position_ids restarting at every sample (measured), but prepack has no data side for it "
     "yet: no placeholder rule in prepare-images and no VisionCollator style",
+)
+NO_DATA_SIDE_PER_DOCUMENT = Verdict(
+    "refused",
+    "isolated with position_ids restarting at every sample and its decoder's sequence-state layers run one sample "
+    "per row as enable_packing runs them (measured; without them the samples leak through those layers), but "
+    "prepack has no data side for it yet: no placeholder rule in prepare-images and no VisionCollator style",
 )
 # The flash and flex columns of a family without a style: the sweep measures those on sdpa and eager.
 NOT_SWEPT = Verdict(
@@ -265,8 +273,7 @@ VISION_FAMILIES |= {
     'kosmos-2.5': _swept(
         not_built('AssertionError: kosmos-2.5: the tiny model has 244,697,280 parameters; a size was not shrunk.'),
     ),
-    'lfm2_vl': _swept(not_run('ValueError: its vision config (Siglip2VisionConfig) has no image_size')),
-    'lfm3_vl': _swept(LEAKS),
+    'lfm3_vl': _swept(NO_DATA_SIDE_PER_DOCUMENT),
     'lighton_ocr': _swept(NO_DATA_SIDE),
     'llama4': _swept(not_run("AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'")),
     'llava_next_video': _swept(NO_DATA_SIDE),
@@ -355,6 +362,17 @@ VISION_FAMILIES |= {
         (NATIVE, NATIVE, PALIGEMMA_ON_FLASH, PALIGEMMA_ON_FLASH, NATIVE),
     ),
 }
+
+
+# LFM2-VL: a NaFlex SigLIP2 tower (one image or tile a row of pixel_values, its patches kept to themselves by
+# pixel_attention_mask, its positions resized to its own spatial_shapes; measured) before LFM2, whose short
+# convolutions enable_packing runs one sample per row as for text (without that the samples leak through them).
+VISION_FAMILIES["lfm2_vl"] = VisionFamily(
+    "restart",
+    "one image or tile per row of pixel_values (SigLIP2 NaFlex), its padding masked by pixel_attention_mask and its "
+    "positions resized to its spatial_shapes, pixel-unshuffled 2x2",
+    (SHORT_CONVOLUTIONS,) * 4 + (NO_FLEX,),
+)
 
 
 # The families whose video inputs VisionCollator batches, and the video processor's rule they count placeholders

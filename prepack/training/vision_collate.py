@@ -116,8 +116,8 @@ class VisionSpec:
             return cls(style, image_token_id, merge_size=config.vision_config.spatial_merge_size, **video)
         if style == "image blocks":
             return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
-        if getattr(config, "image_grid_pinpoints", None) or config.model_type in SPLITTING_FAMILIES:
-            return cls(style, image_token_id)  # tiled: the count follows the image's size
+        if getattr(config, "image_grid_pinpoints", None) or config.model_type in (*SPLITTING_FAMILIES, "lfm2_vl"):
+            return cls(style, image_token_id)  # tiled (LFM2-VL's NaFlex tiles too): the count follows the image's size
         vision = config.vision_config
         if style == "prefix blocks":  # PaliGemma: SigLIP's patches, one token each
             return cls(style, image_token_id, tokens_per_image=config.text_config.num_image_tokens)
@@ -248,8 +248,9 @@ class VisionCollator:
             # runs apart, and LLaVA-NeXT's and OneVision's adjacent runs touch at counts only the images' sizes give.
             raise UsageError(
                 "image_spans are given where each image is one run of placeholders of a fixed count, a grid's or "
-                "InternVL's views; this model's images (LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's and SmolVLM's "
-                "tiles, Mistral 3's rows broken by [IMG_BREAK]) are counted by their size in the processor's text."
+                "InternVL's views; this model's images (LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's, SmolVLM's and "
+                "LFM2-VL's tiles, Mistral 3's rows broken by [IMG_BREAK]) are counted by their size in the processor's "
+                "text."
             )
         self.image_spans = image_spans
         self.spec, self.image_processor = spec, image_processor
@@ -324,7 +325,7 @@ class VisionCollator:
         if self.spec.image_cell is not None:
             options = {"patch_size": {"height": self.spec.image_cell, "width": self.spec.image_cell}} | options
         out = self.image_processor(images=decoded, return_tensors="pt", **options)
-        fields = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
+        fields = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "spatial_shapes")
         kept = {key: out[key] for key in fields if key in out}
         if self.tiled:  # views per image, for the check of each pack's placeholders (not a model input)
             kept["num_patches"] = out["num_patches"]

@@ -28,9 +28,9 @@ from prepack.model.vision_sweep import IMAGE_TEXT_TYPES, check_family, measure_f
 from tests.flash_reference import enable_flash_attention, use_flash_reference, use_flex_reference  # noqa: F401
 
 # The fast lane: isolated families (restart; 3-D rotary with deepstack and MoE; 3-D rotary before gated delta rule
-# layers; tiled: LLaVA-OneVision's tiles, SmolVLM's split images), one transformers has no sdpa for, one whose tiny
-# model needs timm (skipped where timm is installed).
-FAST = ("llava", "qwen3_vl_moe", "qwen3_5", "blip", "gemma3n", "llava_onevision", "smolvlm")
+# layers; tiled: LLaVA-OneVision's tiles, SmolVLM's split images; NaFlex before short convolutions: LFM2-VL), one
+# transformers has no sdpa for, one whose tiny model needs timm (skipped where timm is installed).
+FAST = ("llava", "qwen3_vl_moe", "qwen3_5", "blip", "gemma3n", "llava_onevision", "smolvlm", "lfm2_vl")
 STYLED = tuple(sorted(name for name, family in VISION_FAMILIES.items() if family.style is not None))
 MEASURED_RELEASE = transformers.__version__ == families.MEASURED_VERSION
 
@@ -112,13 +112,25 @@ def test_the_sweep_measures_a_leak(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "model_type", ["qwen3_5", *(pytest.param(name, marks=pytest.mark.slow) for name in ("qwen3_5_moe", "qwen4_exp"))]
+    "model_type",
+    ["qwen3_5", *(pytest.param(name, marks=pytest.mark.slow) for name in ("qwen3_5_moe", "qwen4_exp", "lfm2_vl"))],
 )
 def test_the_sweep_measures_the_sequence_state_segments(model_type, monkeypatch):
-    """The leak control of the 3-D rotary image batches' gated delta rule segments: without them (the layers
-    run the packed row as one sequence) the samples see each other, and the sweep says so."""
+    """The leak control of the image batches' sequence-state segments (the 3-D rotary families' gated delta rule,
+    LFM2-VL's short convolutions): without them (the layers run the packed row as one sequence) the samples see
+    each other, and the sweep says so."""
     monkeypatch.setattr(packing._PackedBatchGuard, "_segment_the_sequence_state", lambda self, kwargs, tokens: None)
     assert measure_family(model_type, "sdpa") == vision_families.LEAKS
+
+
+@pytest.mark.slow
+def test_lfm3_vl_leaks_through_its_decoders_short_convolutions_only(monkeypatch):
+    """LFM3-VL's row (isolated with its decoder's short convolutions run per sample, no data side) is measured
+    both ways: the bare model's packed samples leak (through those layers), and with them per sample they do not
+    (the table's row agrees with a fresh measurement, test_the_table_agrees_with_a_fresh_measurement)."""
+    assert VISION_FAMILIES["lfm3_vl"].verdicts[0] == vision_families.NO_DATA_SIDE_PER_DOCUMENT
+    monkeypatch.setattr(vision_sweep, "_isolated_per_document", lambda model, packed, alone, tolerance: False)
+    assert measure_family("lfm3_vl", "sdpa") == vision_families.LEAKS
 
 
 def test_the_sweep_catches_a_wrongly_refused_family(monkeypatch):
