@@ -22,8 +22,9 @@ The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` m
   `prepack.model.families`, and on flash every isolated family is given "native" (transformers isolates from
   the offsets enable_packing derives), neither measured apart;
 - any other family is refused, with the reason measured here: no tiny model could be built (or it needs a
-  package that is not installed, such as timm), transformers has no such attention for it, the sweep could not
-  run an image sample alone (the family takes image inputs the sweep does not form), transformers' own code
+  package that is not installed, such as timm), transformers has no such attention for it, transformers' own
+  forward fails on every sample alone (a text-only one as the image ones: nothing of it trains, packed or not),
+  the sweep could not run an image sample alone (the family takes image inputs the sweep does not form), transformers' own code
   fails on the packed batch, the packed samples see each other, or they are isolated natively but prepack has
   no data side (placeholder rule, collator style) for the family yet.
 `sweep()` runs it for every family (`prepack check-isolation --sweep` on sdpa or eager) and says where the
@@ -50,7 +51,9 @@ from prepack.model.isolation import default_tolerances
 from prepack.model.packing import enable_packing
 from prepack.model.tiny_models import DOCUMENT_VOCAB
 from prepack.model import families, vision_families
-from prepack.model.vision_families import LEAKS, NO_DATA_SIDE, VISION_FAMILIES, fails_packed, not_built, not_run
+from prepack.model.vision_families import (
+    LEAKS, NO_DATA_SIDE, VISION_FAMILIES, fails_alone, fails_packed, not_built, not_run,
+)
 
 __all__ = ["IMAGE_TEXT_TYPES", "VisionCheck", "measure_family", "sweep"]
 
@@ -105,7 +108,7 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
         _require_pixels_seen(model, samples[0], alone[0], tolerance)
         packed = _packed(model, samples)
     except Exception as exc:  # noqa: BLE001 (inputs the sweep does not form for this family)
-        return not_run(_described(exc))
+        return fails_alone(_described(exc)) if _fails_without_images(model, exc) else not_run(_described(exc))
     if switch:
         try:
             switch(model, attn)
@@ -241,6 +244,18 @@ def _batch(model, input_ids: torch.Tensor, pixels: dict[str, torch.Tensor]) -> d
 def _logits(model, sample: _Sample) -> torch.Tensor:
     with torch.no_grad():
         return model(**_batch(model, sample.input_ids, sample.pixels)).logits[0]
+
+
+def _fails_without_images(model, exc: Exception) -> bool:
+    """Whether a text-only sample alone fails as the image samples did: transformers' own forward failing on
+    every input (Llama 4's in 5.24 reads an output its language model does not return), not image inputs the
+    sweep did not form."""
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.arange(2, 6)[None], use_cache=False)
+    except Exception as text_only:  # noqa: BLE001
+        return _described(text_only) == _described(exc)
+    return False
 
 
 def _require_pixels_seen(model, sample: _Sample, logits: torch.Tensor, tolerance: float) -> None:

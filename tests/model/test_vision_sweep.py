@@ -146,6 +146,18 @@ def test_a_family_blind_to_its_pixels_is_not_measured(monkeypatch):
         "ValueError: an image sample's logits do not change with its pixels")
 
 
+def test_a_family_whose_forward_fails_on_text_alone_is_refused_as_transformers_own_failure():
+    """Llama 4's forward (transformers 5.24) reads `image_outputs` off its language model's output, which has
+    none: every call fails after its logits, a text-only one too. The sweep says that transformers fails on every
+    sample alone, not that it could not form image samples. This fails once transformers returns its output
+    (then the sweep measures Llama 4's images, and the row changes)."""
+    model = tiny_vision_model("llama4")
+    with pytest.raises(AttributeError, match="image_outputs"):
+        model(input_ids=torch.tensor([[2, 3, 4, 5]]), use_cache=False)
+    failure = "AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'"
+    assert measure_family("llama4", "sdpa") == vision_families.fails_alone(failure)
+
+
 def test_a_family_the_table_does_not_know_is_refused_by_name(monkeypatch):
     """An image-text-to-text type the vision table lacks (a newer transformers, remote code): its image batches
     are refused by name, with the command that re-measures; enable_packing refuses the model itself first."""
