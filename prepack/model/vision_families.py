@@ -277,7 +277,8 @@ VISION_FAMILIES |= {
     'lfm3_vl': _swept(LEAKS),
     'lighton_ocr': _swept(NO_DATA_SIDE),
     # Its forward reads image_outputs off its language model's output, which has none, whatever the config: no
-    # Llama4ForConditionalGeneration call returns (tests/model/test_vision_sweep.py).
+    # Llama4ForConditionalGeneration call returns. The logits it computes before failing are isolated natively for
+    # packed image samples (tests/model/test_vision_sweep.py); a data side waits for a forward that returns.
     'llama4': _swept(fails_alone("AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'")),
     'llava_next_video': _swept(NO_DATA_SIDE),
     'minicpm_ocr': _swept(

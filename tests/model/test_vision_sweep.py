@@ -22,6 +22,7 @@ from prepack import enable_packing
 from prepack.errors import IsolationError
 from prepack.model import families, packing, vision_families, vision_sweep
 from prepack.model.families import implementation
+from prepack.model.isolation import default_tolerances
 from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.model.vision_families import VISION_FAMILIES
 from prepack.model.vision_sweep import IMAGE_TEXT_TYPES, check_family, measure_family
@@ -156,6 +157,32 @@ def test_a_family_whose_forward_fails_on_text_alone_is_refused_as_transformers_o
         model(input_ids=torch.tensor([[2, 3, 4, 5]]), use_cache=False)
     failure = "AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'"
     assert measure_family("llama4", "sdpa") == vision_families.fails_alone(failure)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_llama4_packed_images_are_isolated_up_to_the_logits_it_fails_to_return(attn):
+    """What Llama 4 would give once transformers returns its output: the logits its language model computes
+    (caught on their way out) for the sweep's packed samples equal each sample's alone; its tower runs each tile
+    as a row of its own (2-D rotary, pixel shuffle within the tile) and its chunked layers cut chunks by
+    position_ids. The control: positions counting on over the row leak."""
+    model = tiny_vision_model("llama4", attn)
+    caught = []
+    model.language_model.register_forward_hook(lambda module, args, output: caught.append(output.logits[0]))
+
+    def logits(batch):
+        with torch.no_grad(), pytest.raises(AttributeError, match="image_outputs"):
+            model(**batch)
+        return caught.pop()
+
+    samples = vision_sweep._samples(model)
+    alone = torch.cat([logits(vision_sweep._batch(model, sample.input_ids, sample.pixels)) for sample in samples])
+    packed = vision_sweep._packed(model, samples)
+    counting_on = packed | {"position_ids": torch.arange(packed["input_ids"].shape[1])[None]}
+    tolerance, _ = default_tolerances(torch.float64, attn)
+    assert sum(len(sample.pixels.get("pixel_values", ())) for sample in samples) == 3
+    assert (logits(packed) - alone).abs().max() <= tolerance
+    assert (logits(counting_on) - alone).abs().max() > 1e-2
 
 
 def test_a_family_the_table_does_not_know_is_refused_by_name(monkeypatch):
