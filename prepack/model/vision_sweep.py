@@ -8,7 +8,9 @@ text only; random pixels in the tower's own input layout) and runs them alone (t
 change with its pixels, inverted, or the family is not measured: isolation on images the logits do not see would
 be vacuous), then packed into one row with `position_ids` restarting at every sample (and, for 3-D rotary
 families, each sample's own rotary rows from the model's `get_rope_index`, the text row first: what
-`VisionCollator` emits). float64, logits compared.
+`VisionCollator` emits). A cross-attention family (Mllama: a forward that takes `cross_attention_mask`) gives each
+image one placeholder and one tile, and each sample its own cross-attention mask by Mllama's processor rule,
+placed over that sample's own images in the packed row. float64, logits compared.
 
 The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` must hold for that backend:
 - a family the table gives a style (VisionCollator batches it): `enable_packing` on, the packed batch must
@@ -52,7 +54,7 @@ from prepack.model.packing import enable_packing
 from prepack.model.tiny_models import DOCUMENT_VOCAB
 from prepack.model import families, vision_families
 from prepack.model.vision_families import (
-    LEAKS, NO_DATA_SIDE, VISION_FAMILIES, fails_alone, fails_packed, not_built, not_run,
+    CROSS_ATTENTION_LEAKS, LEAKS, NO_DATA_SIDE, VISION_FAMILIES, fails_alone, fails_packed, not_built, not_run,
 )
 
 __all__ = ["IMAGE_TEXT_TYPES", "VisionCheck", "measure_family", "sweep"]
@@ -119,7 +121,9 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
     if not styled:
         if isinstance(native, Exception):
             return fails_packed(_described(native))
-        return NO_DATA_SIDE if native else LEAKS
+        if native:
+            return NO_DATA_SIDE
+        return CROSS_ATTENTION_LEAKS if "cross_attention_mask" in packed else LEAKS
     expected = VISION_FAMILIES[model_type].verdicts[BACKENDS.index(backend_of(attn))]
     try:
         enable_packing(model)
@@ -162,6 +166,8 @@ def _samples(model) -> list[_Sample]:
         tokens = list(rng.integers(2, DOCUMENT_VOCAB, 4))
         for count in per_image:
             tokens += [image_token] * count + list(rng.integers(2, DOCUMENT_VOCAB, 3))
+        if images and _takes(model, "cross_attention_mask"):
+            pixels["cross_attention_mask"] = _cross_attention_mask(model, tokens, images)
         made.append(_Sample(torch.tensor(tokens), pixels))
     return made
 
@@ -206,6 +212,13 @@ def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
     if side is None:
         raise ValueError(f"its vision config ({type(vision).__name__}) has no image_size")
     side = side if isinstance(side, int) else side[0]
+    if _takes(model, "aspect_ratio_ids"):  # Mllama's: [1, images, tiles, C, H, W], each image one tile (ratio 1:1)
+        tiles = vision.max_num_tiles
+        pixel_values = torch.rand(1, images, tiles, channels, side, side, generator=generator, dtype=torch.float64)
+        one_tile = torch.zeros(1, images, tiles, dtype=torch.long)
+        one_tile[..., 0] = 1
+        return {"pixel_values": pixel_values, "aspect_ratio_ids": torch.ones(1, images, dtype=torch.long),
+                "aspect_ratio_mask": one_tile}
     pixel_values = torch.rand(images, channels, side, side, generator=generator, dtype=torch.float64)
     if _takes(model, "pixel_attention_mask"):  # Idefics-style: [rows, images of the row, C, H, W]
         return {"pixel_values": pixel_values[None]}
@@ -218,7 +231,10 @@ def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _features_per_image(model, pixels: dict[str, torch.Tensor], images: int) -> list[int]:
-    """How many placeholders each image takes: the tower's features per image, by the model's get_image_features."""
+    """How many placeholders each image takes: the tower's features per image, by the model's get_image_features
+    (a cross-attention family's, one: its text attends to the image's features instead of holding them)."""
+    if _takes(model, "cross_attention_mask"):
+        return [1] * images
     with torch.no_grad():
         features = _inner(model).get_image_features(**pixels)
     if isinstance(features, transformers.utils.ModelOutput):
@@ -230,6 +246,19 @@ def _features_per_image(model, pixels: dict[str, torch.Tensor], images: int) -> 
     if total % images:
         raise ValueError(f"its tower made {total} features of {images} images")
     return [total // images] * images
+
+
+def _cross_attention_mask(model, tokens: list[int], images: int) -> torch.Tensor:
+    """Which of its images each token of a sample attends to, [1, tokens, images, tiles], by Mllama's processor
+    (transformers' own rule: from an image's placeholder to the next image's, or to the sample's end)."""
+    from transformers.models.mllama.processing_mllama import (
+        convert_sparse_cross_attention_mask_to_dense,
+        get_cross_attention_token_mask,
+    )
+
+    spans = get_cross_attention_token_mask(tokens, _image_token_id(model.config))
+    tiles = model.config.vision_config.max_num_tiles
+    return torch.from_numpy(convert_sparse_cross_attention_mask_to_dense([spans], [[1] * images], tiles, len(tokens)))
 
 
 def _batch(model, input_ids: torch.Tensor, pixels: dict[str, torch.Tensor]) -> dict:
@@ -270,9 +299,18 @@ def _packed(model, samples: list[_Sample]) -> dict:
     """The samples in one row, positions restarting at each (3-D rotary: each sample's own rotary rows)."""
     input_ids = torch.cat([sample.input_ids for sample in samples])
     with_images = [sample.pixels for sample in samples if sample.pixels]
-    # Idefics-style pixel_values hold a row's images on their second axis.
-    pixels = {key: torch.cat([part[key] for part in with_images], dim=1 if key == "pixel_values" and _takes(
-        model, "pixel_attention_mask") else 0) for key in with_images[0]}
+    # Idefics-style pixel_values hold a row's images on their second axis, as all Mllama's image inputs do.
+    if _takes(model, "aspect_ratio_ids"):
+        on_images_axis = set(with_images[0])
+    else:
+        on_images_axis = {"pixel_values"} if _takes(model, "pixel_attention_mask") else set()
+    pixels = {key: torch.cat([part[key] for part in with_images], dim=1 if key in on_images_axis else 0)
+              for key in with_images[0] if key != "cross_attention_mask"}
+    if "cross_attention_mask" in with_images[0]:  # each sample's own, over its own images
+        pixels["cross_attention_mask"] = torch.block_diag(*(
+            sample.pixels["cross_attention_mask"][0].flatten(1) if sample.pixels else
+            torch.zeros(len(sample.input_ids), 0, dtype=torch.long) for sample in samples
+        )).view(1, len(input_ids), -1, model.config.vision_config.max_num_tiles)
     batch = _batch(model, input_ids, pixels)
     text = torch.cat([torch.arange(len(sample.input_ids)) for sample in samples])[None]
     batch["position_ids"] = text

@@ -185,6 +185,27 @@ def test_llama4_packed_images_are_isolated_up_to_the_logits_it_fails_to_return(a
     assert (logits(counting_on) - alone).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
+def test_mllamas_text_without_an_image_of_its_own_sees_the_rows_images(attn):
+    """Mllama's refusal, pinned to its cause: with each sample's own cross_attention_mask (its processor's rule)
+    over its own images, the packed tokens that have an image to attend to equal their sample's alone, and those
+    with none (before their sample's first image, in a text-only sample) do not: transformers unmasks a
+    cross-attention row masked whole, so they attend to every image of the row. This fails if transformers
+    masks them (then the sweep measures Mllama again)."""
+    model = tiny_vision_model("mllama", attn)
+    samples = vision_sweep._samples(model)
+    alone = torch.cat([vision_sweep._logits(model, sample) for sample in samples])
+    packed = vision_sweep._packed(model, samples)
+    with torch.no_grad():
+        differs = (model(**packed).logits[0] - alone).abs().amax(-1)
+    imageless = packed["cross_attention_mask"][0].flatten(1).sum(-1) == 0
+    tolerance, _ = default_tolerances(torch.float64, attn)
+    assert imageless.any() and (~imageless).any()
+    assert differs[~imageless].max() <= tolerance
+    assert differs[imageless].min() > 10 * tolerance
+    assert VISION_FAMILIES["mllama"].verdicts[:2] == (vision_families.CROSS_ATTENTION_LEAKS,) * 2
+
+
 def test_a_family_the_table_does_not_know_is_refused_by_name(monkeypatch):
     """An image-text-to-text type the vision table lacks (a newer transformers, remote code): its image batches
     are refused by name, with the command that re-measures; enable_packing refuses the model itself first."""
