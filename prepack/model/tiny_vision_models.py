@@ -84,6 +84,10 @@ VISION_SIZES: dict[str, dict[str, Any]] = {
     "internvl": {"vision_config": {"image_size": [IMAGE_SIZE["internvl"]] * 2, "patch_size": [14, 14]}},
     # Pixtral up to 8x8 patches, merged 2x2: up to 4 rows of 4 tokens per image, by its shape.
     "mistral3": {"vision_config": {"image_size": IMAGE_SIZE["mistral3"], "patch_size": 14}},
+    # Its tiles at 4x4 patches, one global layer, one intermediate layer's features beside the last one's (the
+    # projector takes both: twice the tower's width).
+    "mllama": {"vision_config": {"image_size": 56, "patch_size": 14, "num_global_layers": 1,
+                                 "intermediate_layers_indices": [0], "vision_output_dim": 2 * HIDDEN}},
     # SigLIP at 4x4 patches; its projection to the text width is set at the top (PaliGemma copies it down).
     "paligemma": {"vision_config": {"image_size": 56, "patch_size": 14}, "projection_dim": HIDDEN},
 }
@@ -167,11 +171,14 @@ def tiny_vision_model(
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config, **options).eval()
     with torch.no_grad():
-        for parameter in model.parameters():
+        for name, parameter in model.named_parameters():
             # A matrix initialised to zeros (Gemma 3's image projection) would cut the images off: no image
             # features reach the decoder and no gradient reaches the tower, so neither could show a leak.
             if parameter.ndim >= 2 and not parameter.any():
                 parameter.normal_(0.0, 0.02)
+            # So would a tanh gate initialised shut (Mllama's cross-attention layers, its tiles' embeddings).
+            elif name.endswith("gate") and not parameter.any():
+                parameter.fill_(1.0)
     return model
 
 

@@ -57,7 +57,7 @@ from prepack.model.families import (
     verdict_table,
 )
 
-__all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_packed", "image_refusal", "image_style", "markdown",
+__all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_alone", "fails_packed", "image_refusal", "image_style", "markdown",
            "needs", "not_built", "not_run", "VIDEO_RULES"]
 
 ImageStyle = Literal["3-D rotary", "restart", "image blocks", "prefix blocks"]
@@ -94,6 +94,14 @@ def not_run(detail: str) -> Verdict:
     return Verdict("refused", f"not measured: the sweep could not form or run its image samples ({detail})")
 
 
+def fails_alone(detail: str) -> Verdict:
+    return Verdict(
+        "refused",
+        f"transformers' own code fails on every sample of its tiny model alone, a text-only one as those with "
+        f"images ({detail}): there is no sample alone to hold a packed batch to",
+    )
+
+
 def fails_packed(detail: str) -> Verdict:
     return Verdict("refused", f"transformers' own code fails on a packed image batch ({detail})")
 
@@ -105,6 +113,14 @@ def needs(package: str) -> Verdict:
 
 
 LEAKS = Verdict("refused", "packed image samples see each other with position_ids restarting at every sample")
+# Measured (tests/model/test_vision_sweep.py): the tokens of a packed Mllama row with no image of their own differ.
+CROSS_ATTENTION_LEAKS = Verdict(
+    "refused",
+    "packed image samples see each other with position_ids restarting at every sample and each sample's own "
+    "cross_attention_mask: a text token with no image of its own to attend to (before its sample's first image, "
+    "or in a text-only sample) attends to every image of the row, as transformers unmasks a cross-attention row "
+    "masked whole",
+)
 NO_DATA_SIDE = Verdict(
     "refused",
     "isolated natively with position_ids restarting at every sample (measured), but prepack has no data side for it "
@@ -275,7 +291,10 @@ VISION_FAMILIES |= {
     ),
     'lfm3_vl': _swept(NO_DATA_SIDE_PER_DOCUMENT),
     'lighton_ocr': _swept(NO_DATA_SIDE),
-    'llama4': _swept(not_run("AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'")),
+    # Its forward reads image_outputs off its language model's output, which has none, whatever the config: no
+    # Llama4ForConditionalGeneration call returns. The logits it computes before failing are isolated natively for
+    # packed image samples (tests/model/test_vision_sweep.py); a data side waits for a forward that returns.
+    'llama4': _swept(fails_alone("AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'")),
     'llava_next_video': _swept(NO_DATA_SIDE),
     'minicpm_ocr': _swept(
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
@@ -291,7 +310,7 @@ VISION_FAMILIES |= {
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'mistral_large4': _swept(LEAKS),
-    'mllama': _swept(not_run("AttributeError: 'MllamaModel' object has no attribute 'get_image_features'")),
+    'mllama': _swept(CROSS_ATTENTION_LEAKS),
     'molmo2': _swept(
         not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `adapter_config.vision_feature_layer` [24, 18] must index the 2 layers of `vision_conf"),
     ),
@@ -322,7 +341,7 @@ VISION_FAMILIES |= {
     ),
     'shieldgemma2': _swept(not_run('RuntimeError: stride should not be zero')),
     'step3p7': _swept(
-        not_run('ValueError: Could not find a `sliding_window` argument in the config, or it is not set'),
+        fails_alone('ValueError: Could not find a `sliding_window` argument in the config, or it is not set'),
     ),
     't5gemma2': _swept(not_run("AttributeError: 'T5Gemma2Config' object has no attribute 'vision_config'")),
     'udop': _swept(not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)')),

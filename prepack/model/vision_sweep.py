@@ -8,7 +8,9 @@ text only; random pixels in the tower's own input layout) and runs them alone (t
 change with its pixels, inverted, or the family is not measured: isolation on images the logits do not see would
 be vacuous), then packed into one row with `position_ids` restarting at every sample (and, for 3-D rotary
 families, each sample's own rotary rows from the model's `get_rope_index`, the text row first: what
-`VisionCollator` emits). float64, logits compared.
+`VisionCollator` emits). A cross-attention family (Mllama: a forward that takes `cross_attention_mask`) gives each
+image one placeholder and one tile, and each sample its own cross-attention mask by Mllama's processor rule,
+placed over that sample's own images in the packed row. float64, logits compared.
 
 The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` must hold for that backend:
 - a family the table gives a style (VisionCollator batches it): `enable_packing` on, the packed batch must
@@ -23,8 +25,9 @@ The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` m
   every isolated family is given "native" (transformers isolates from the offsets enable_packing derives), neither
   measured apart;
 - any other family is refused, with the reason measured here: no tiny model could be built (or it needs a
-  package that is not installed, such as timm), transformers has no such attention for it, the sweep could not
-  run an image sample alone (the family takes image inputs the sweep does not form), transformers' own code
+  package that is not installed, such as timm), transformers has no such attention for it, transformers' own
+  forward fails on every sample alone (a text-only one as the image ones: nothing of it trains, packed or not),
+  the sweep could not run an image sample alone (the family takes image inputs the sweep does not form), transformers' own code
   fails on the packed batch, the packed samples see each other, or they are isolated natively but prepack has
   no data side (placeholder rule, collator style) for the family yet. A family whose decoder runs per document
   (LFM3-VL's short convolutions) and leaks natively is measured again with those layers run one sample per row,
@@ -54,7 +57,8 @@ from prepack.model.packing import _document_segments, _install_per_document_laye
 from prepack.model.tiny_models import DOCUMENT_VOCAB
 from prepack.model import families, vision_families
 from prepack.model.vision_families import (
-    LEAKS, NO_DATA_SIDE, NO_DATA_SIDE_PER_DOCUMENT, VISION_FAMILIES, fails_packed, not_built, not_run,
+    CROSS_ATTENTION_LEAKS, LEAKS, NO_DATA_SIDE, NO_DATA_SIDE_PER_DOCUMENT, VISION_FAMILIES, fails_alone, fails_packed,
+    not_built, not_run,
 )
 
 __all__ = ["IMAGE_TEXT_TYPES", "VisionCheck", "measure_family", "sweep"]
@@ -110,7 +114,7 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
         _require_pixels_seen(model, samples[0], alone[0], tolerance)
         packed = _packed(model, samples)
     except Exception as exc:  # noqa: BLE001 (inputs the sweep does not form for this family)
-        return not_run(_described(exc))
+        return fails_alone(_described(exc)) if _fails_without_images(model, exc) else not_run(_described(exc))
     if switch:
         try:
             switch(model, attn)
@@ -126,7 +130,9 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
             # A decoder whose sequence-state layers enable_packing runs one sample per row (LFM3-VL's short
             # convolutions) leaks through them natively: measured with them so, the leak left is the images'.
             return NO_DATA_SIDE_PER_DOCUMENT if _isolated_per_document(model, packed, alone, tolerance) else LEAKS
-        return NO_DATA_SIDE if native else LEAKS
+        if native:
+            return NO_DATA_SIDE
+        return CROSS_ATTENTION_LEAKS if "cross_attention_mask" in packed else LEAKS
     expected = VISION_FAMILIES[model_type].verdicts[BACKENDS.index(backend_of(attn))]
     try:
         enable_packing(model)
@@ -186,6 +192,8 @@ def _samples(model) -> list[_Sample]:
         tokens = list(rng.integers(2, DOCUMENT_VOCAB, 4))
         for count in per_image:
             tokens += [image_token] * count + list(rng.integers(2, DOCUMENT_VOCAB, 3))
+        if images and _takes(model, "cross_attention_mask"):
+            pixels["cross_attention_mask"] = _cross_attention_mask(model, tokens, images)
         made.append(_Sample(torch.tensor(tokens), pixels))
     return made
 
@@ -233,6 +241,13 @@ def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
     if side is None:
         raise ValueError(f"its vision config ({type(vision).__name__}) has no image_size")
     side = side if isinstance(side, int) else side[0]
+    if _takes(model, "aspect_ratio_ids"):  # Mllama's: [1, images, tiles, C, H, W], each image one tile (ratio 1:1)
+        tiles = vision.max_num_tiles
+        pixel_values = torch.rand(1, images, tiles, channels, side, side, generator=generator, dtype=torch.float64)
+        one_tile = torch.zeros(1, images, tiles, dtype=torch.long)
+        one_tile[..., 0] = 1
+        return {"pixel_values": pixel_values, "aspect_ratio_ids": torch.ones(1, images, dtype=torch.long),
+                "aspect_ratio_mask": one_tile}
     pixel_values = torch.rand(images, channels, side, side, generator=generator, dtype=torch.float64)
     if _takes(model, "pixel_attention_mask"):  # Idefics-style: [rows, images of the row, C, H, W]
         return {"pixel_values": pixel_values[None]}
@@ -258,7 +273,10 @@ def _naflex_pixels(model, images: int, generator: torch.Generator, channels: int
 
 
 def _features_per_image(model, pixels: dict[str, torch.Tensor], images: int) -> list[int]:
-    """How many placeholders each image takes: the tower's features per image, by the model's get_image_features."""
+    """How many placeholders each image takes: the tower's features per image, by the model's get_image_features
+    (a cross-attention family's, one: its text attends to the image's features instead of holding them)."""
+    if _takes(model, "cross_attention_mask"):
+        return [1] * images
     with torch.no_grad():
         features = _inner(model).get_image_features(**pixels)
     if isinstance(features, transformers.utils.ModelOutput):
@@ -270,6 +288,19 @@ def _features_per_image(model, pixels: dict[str, torch.Tensor], images: int) -> 
     if total % images:
         raise ValueError(f"its tower made {total} features of {images} images")
     return [total // images] * images
+
+
+def _cross_attention_mask(model, tokens: list[int], images: int) -> torch.Tensor:
+    """Which of its images each token of a sample attends to, [1, tokens, images, tiles], by Mllama's processor
+    (transformers' own rule: from an image's placeholder to the next image's, or to the sample's end)."""
+    from transformers.models.mllama.processing_mllama import (
+        convert_sparse_cross_attention_mask_to_dense,
+        get_cross_attention_token_mask,
+    )
+
+    spans = get_cross_attention_token_mask(tokens, _image_token_id(model.config))
+    tiles = model.config.vision_config.max_num_tiles
+    return torch.from_numpy(convert_sparse_cross_attention_mask_to_dense([spans], [[1] * images], tiles, len(tokens)))
 
 
 def _batch(model, input_ids: torch.Tensor, pixels: dict[str, torch.Tensor]) -> dict:
@@ -286,6 +317,18 @@ def _logits(model, sample: _Sample) -> torch.Tensor:
         return model(**_batch(model, sample.input_ids, sample.pixels)).logits[0]
 
 
+def _fails_without_images(model, exc: Exception) -> bool:
+    """Whether a text-only sample alone fails as the image samples did: transformers' own forward failing on
+    every input (Llama 4's in 5.24 reads an output its language model does not return), not image inputs the
+    sweep did not form."""
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.arange(2, 6)[None], use_cache=False)
+    except Exception as text_only:  # noqa: BLE001
+        return _described(text_only) == _described(exc)
+    return False
+
+
 def _require_pixels_seen(model, sample: _Sample, logits: torch.Tensor, tolerance: float) -> None:
     """The sample's logits change with its pixels (inverted) by more than `tolerance`: else an isolation measured
     on its images would be vacuous (a tower that does not reach the logits cannot leak)."""
@@ -298,10 +341,21 @@ def _packed(model, samples: list[_Sample]) -> dict:
     """The samples in one row, positions restarting at each (3-D rotary: each sample's own rotary rows)."""
     input_ids = torch.cat([sample.input_ids for sample in samples])
     with_images = [sample.pixels for sample in samples if sample.pixels]
-    # Idefics-style pixel_values hold a row's images on their second axis (NaFlex's one image a row).
-    idefics = _takes(model, "pixel_attention_mask") and not _takes(model, "spatial_shapes")
-    pixels = {key: torch.cat([part[key] for part in with_images], dim=1 if key == "pixel_values" and idefics else 0)
-              for key in with_images[0]}
+    # Idefics-style pixel_values hold a row's images on their second axis (NaFlex's one image a row), as all
+    # Mllama's image inputs do.
+    if _takes(model, "aspect_ratio_ids"):
+        on_images_axis = set(with_images[0])
+    elif _takes(model, "pixel_attention_mask") and not _takes(model, "spatial_shapes"):
+        on_images_axis = {"pixel_values"}
+    else:
+        on_images_axis = set()
+    pixels = {key: torch.cat([part[key] for part in with_images], dim=1 if key in on_images_axis else 0)
+              for key in with_images[0] if key != "cross_attention_mask"}
+    if "cross_attention_mask" in with_images[0]:  # each sample's own, over its own images
+        pixels["cross_attention_mask"] = torch.block_diag(*(
+            sample.pixels["cross_attention_mask"][0].flatten(1) if sample.pixels else
+            torch.zeros(len(sample.input_ids), 0, dtype=torch.long) for sample in samples
+        )).view(1, len(input_ids), -1, model.config.vision_config.max_num_tiles)
     batch = _batch(model, input_ids, pixels)
     text = torch.cat([torch.arange(len(sample.input_ids)) for sample in samples])[None]
     batch["position_ids"] = text

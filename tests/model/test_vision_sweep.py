@@ -22,6 +22,7 @@ from prepack import enable_packing
 from prepack.errors import IsolationError
 from prepack.model import families, packing, vision_families, vision_sweep
 from prepack.model.families import implementation
+from prepack.model.isolation import default_tolerances
 from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.model.vision_families import VISION_FAMILIES
 from prepack.model.vision_sweep import IMAGE_TEXT_TYPES, check_family, measure_family
@@ -156,6 +157,65 @@ def test_a_family_blind_to_its_pixels_is_not_measured(monkeypatch):
                         lambda self, pixel_values, **kwargs: seeing(self, torch.zeros_like(pixel_values), **kwargs))
     assert measure_family("llava", "sdpa") == vision_families.not_run(
         "ValueError: an image sample's logits do not change with its pixels")
+
+
+def test_a_family_whose_forward_fails_on_text_alone_is_refused_as_transformers_own_failure():
+    """Llama 4's forward (transformers 5.24) reads `image_outputs` off its language model's output, which has
+    none: every call fails after its logits, a text-only one too. The sweep says that transformers fails on every
+    sample alone, not that it could not form image samples. This fails once transformers returns its output
+    (then the sweep measures Llama 4's images, and the row changes)."""
+    model = tiny_vision_model("llama4")
+    with pytest.raises(AttributeError, match="image_outputs"):
+        model(input_ids=torch.tensor([[2, 3, 4, 5]]), use_cache=False)
+    failure = "AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'"
+    assert measure_family("llama4", "sdpa") == vision_families.fails_alone(failure)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_llama4_packed_images_are_isolated_up_to_the_logits_it_fails_to_return(attn):
+    """What Llama 4 would give once transformers returns its output: the logits its language model computes
+    (caught on their way out) for the sweep's packed samples equal each sample's alone; its tower runs each tile
+    as a row of its own (2-D rotary, pixel shuffle within the tile) and its chunked layers cut chunks by
+    position_ids. The control: positions counting on over the row leak."""
+    model = tiny_vision_model("llama4", attn)
+    caught = []
+    model.language_model.register_forward_hook(lambda module, args, output: caught.append(output.logits[0]))
+
+    def logits(batch):
+        with torch.no_grad(), pytest.raises(AttributeError, match="image_outputs"):
+            model(**batch)
+        return caught.pop()
+
+    samples = vision_sweep._samples(model)
+    alone = torch.cat([logits(vision_sweep._batch(model, sample.input_ids, sample.pixels)) for sample in samples])
+    packed = vision_sweep._packed(model, samples)
+    counting_on = packed | {"position_ids": torch.arange(packed["input_ids"].shape[1])[None]}
+    tolerance, _ = default_tolerances(torch.float64, attn)
+    assert sum(len(sample.pixels.get("pixel_values", ())) for sample in samples) == 3
+    assert (logits(packed) - alone).abs().max() <= tolerance
+    assert (logits(counting_on) - alone).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
+def test_mllamas_text_without_an_image_of_its_own_sees_the_rows_images(attn):
+    """Mllama's refusal, pinned to its cause: with each sample's own cross_attention_mask (its processor's rule)
+    over its own images, the packed tokens that have an image to attend to equal their sample's alone, and those
+    with none (before their sample's first image, in a text-only sample) do not: transformers unmasks a
+    cross-attention row masked whole, so they attend to every image of the row. This fails if transformers
+    masks them (then the sweep measures Mllama again)."""
+    model = tiny_vision_model("mllama", attn)
+    samples = vision_sweep._samples(model)
+    alone = torch.cat([vision_sweep._logits(model, sample) for sample in samples])
+    packed = vision_sweep._packed(model, samples)
+    with torch.no_grad():
+        differs = (model(**packed).logits[0] - alone).abs().amax(-1)
+    imageless = packed["cross_attention_mask"][0].flatten(1).sum(-1) == 0
+    tolerance, _ = default_tolerances(torch.float64, attn)
+    assert imageless.any() and (~imageless).any()
+    assert differs[~imageless].max() <= tolerance
+    assert differs[imageless].min() > 10 * tolerance
+    assert VISION_FAMILIES["mllama"].verdicts[:2] == (vision_families.CROSS_ATTENTION_LEAKS,) * 2
 
 
 def test_a_family_the_table_does_not_know_is_refused_by_name(monkeypatch):
