@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from prepack import build_store
 from prepack.building import plan_vectorized
 from prepack.formats.shards import read_manifest
-from prepack.building.plan import plan_packs, untrained_documents
+from prepack.building.plan import pack_count, plan_packs, segment_histogram, untrained_documents
 from tests.building.test_plan_compact import plans
 from tests.corpus import corpus_table, write_corpus
 
@@ -54,6 +54,37 @@ def test_runs_of_many_lengths_fill_many_open_packs_as_the_kernel_does(max_len, d
     assert got.documents.vectorized
     _same_arrays(got, want, PLAN_ARRAYS)
     _same_arrays(got.slice(0, got.packs), want.slice(0, want.packs), LAYOUT_ARRAYS)
+
+
+def _counted(parts, max_len, options):
+    """`pack_count` of the sum of the parts' `segment_histogram`s, as an append counts a rebuild's packs."""
+    histogram = np.zeros(max_len + 1, np.int64)
+    for lengths, untrained in parts:
+        part = segment_histogram(lengths, max_len, overflow=options["overflow"], untrained=untrained,
+                                 drop_untrained=options["drop_untrained"])
+        histogram[: len(part)] += part
+    return pack_count(histogram, max_len, algorithm=options["algorithm"], max_documents=options["max_documents"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.data())
+def test_a_pack_count_from_the_histograms_of_parts_is_the_plans(case, data):
+    # Every overflow, untrained flags left out or not, a cap or none, both algorithms; the documents cut anywhere.
+    lengths, max_len, options = case
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(lengths)), max_size=3)))
+    untrained = options["untrained"]
+    parts = [(lengths[a:b], None if untrained is None else untrained[a:b]) for a, b in zip([0, *cuts], [*cuts, len(lengths)])]
+    options = {name: options[name] for name in ("algorithm", "overflow", "drop_untrained", "max_documents")}
+    assert _counted(parts, max_len, options) == plan_packs(lengths, max_len, untrained=untrained, **options).packs
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 600), st.none() | st.integers(1, 12), st.data())
+def test_first_fit_counted_by_runs_of_equal_packs_is_the_kernels(max_len, cap, data):
+    # Thousands of documents over many distinct lengths: runs split groups of equal packs and fill many of them.
+    lengths = np.array(data.draw(st.lists(st.integers(1, max_len), min_size=1, max_size=3000)))
+    options = {"algorithm": "ffd", "overflow": "split", "drop_untrained": False, "max_documents": cap}
+    assert _counted([(lengths, None)], max_len, options) == plan_packs(lengths, max_len, max_documents=cap).packs
 
 
 def test_packs_past_65536_sort_by_every_digit():
