@@ -843,7 +843,8 @@ def pack_count(histogram: np.ndarray, max_len: int, *, algorithm: str = "ffd", m
     """The packs `plan_packs` makes of documents whose segments `histogram` counts (`segment_histogram`), without
     laying them out: what a build appended to reports its packs against (a rebuild of the same documents at
     once). First-fit-decreasing counts runs of equal packs in numpy (`plan_vectorized.count_ffd`: no kernel, and
-    as long whatever the number of documents); best-fit runs its kernel."""
+    as long whatever the number of documents) unless the kernel places the segments faster, numba started
+    (`plan_vectorized.counts_in_numpy`); best-fit runs its kernel."""
     max_len = _check_options(max_len, algorithm)
     max_documents = checked_cap(max_documents)
     histogram = np.asarray(histogram)
@@ -856,7 +857,7 @@ def pack_count(histogram: np.ndarray, max_len: int, *, algorithm: str = "ffd", m
     segments = int(histogram.sum())
     if segments == 0:
         return 0
-    if algorithm == "bfd":
+    if algorithm == "bfd" or not plan_vectorized.counts_in_numpy(histogram, segments):
         return _assign_sorted(histogram, max_len, algorithm, max_documents)[1]
     return plan_vectorized.count_ffd(histogram, max_len, min(segments, max_documents or segments, 2**31 - 1))
 

@@ -21,8 +21,8 @@ from prepack.building import kernels
 from prepack.formats.shards import IGNORE_INDEX
 
 __all__ = [
-    "assign_ffd", "assign_suits", "count_ffd", "pack_contents", "pieces_of", "resolve", "scans", "scatter", "segment_histogram",
-    "slots_of", "suits", "tally", "untrained",
+    "assign_ffd", "assign_suits", "count_ffd", "counts_in_numpy", "pack_contents", "pieces_of", "resolve", "scans", "scatter",
+    "segment_histogram", "slots_of", "suits", "tally", "untrained",
 ]
 
 # Documents up to which the per-document steps run here (each a few numpy passes over the documents,
@@ -38,8 +38,11 @@ _WINDOW = 2**24
 # `prepack.building.plan`'s overflow codes and bookmark spacing (a test keeps them equal).
 _TRUNCATE, _DROP = 1, 2
 _BLOCK = 32
-# Runs of equal length after which `count_ffd` drops the groups no later run fits.
+# Runs of equal length after which `count_ffd` drops the groups no later run fits; and the segments a
+# distinct length above which it counts faster than the kernel places them (about 10 ns a segment against
+# 10 us a length: `python benchmarks/bench_append.py` prints both).
 _TIDY = 64
+_KERNEL_SEGMENTS = 1000
 
 
 def suits(documents: int, algorithm: str) -> bool:
@@ -59,6 +62,13 @@ def plans_in_numpy(tokens: int, has_labels: bool) -> bool:
     numba would start, and no kernel ran in this process before (then numba's start-up is paid anyway). Its
     first pass and its planning ask this alike."""
     return not kernels.started() and (not has_labels or scans(tokens))
+
+
+def counts_in_numpy(histogram: np.ndarray, segments: int) -> bool:
+    """Whether `count_ffd` counts the packs of `histogram`'s `segments` segments faster than the kernel would
+    place them: always before numba has started, and after, where the segments are more than
+    `_KERNEL_SEGMENTS` for each distinct length (the kernel's cost follows the segments, `count_ffd`'s the lengths)."""
+    return not kernels.started() or segments > _KERNEL_SEGMENTS * np.count_nonzero(histogram)
 
 
 def assign_suits(histogram: np.ndarray, max_len: int, max_documents: int | None = None) -> bool:
@@ -155,18 +165,23 @@ def count_ffd(histogram: np.ndarray, max_len: int, cap: int) -> int:
     groups), whatever the number of segments. Packs that are alike (room left, segments held) and next to each
     other in pack order take alike from every run, so they are kept as one group of several: a run fills the
     groups with room in order, each of its packs taking as many as fit, and splits the group where it ends into
-    the packs that took one more, the one that took the rest, and the packs that took none; the packs it opens are
-    two groups more. A group whose packs no later run fits (room below the shortest segment, or `cap` held) is
-    dropped now and then, as it only lengthens the search."""
+    the packs that took as many, the one that took the rest, and the packs that took none; the packs it opens are
+    two groups more. A run longer than any pack's room searches nothing (the longest half of the lengths, at
+    least, only open packs). A group whose packs no later run fits (room below the shortest segment, or `cap`
+    held) is dropped now and then, as it only lengthens the search."""
     needs = np.flatnonzero(histogram[1:])[::-1] + 1
     if not len(needs):
         return 0
     shortest, capped = int(needs[-1]), cap < int(histogram.sum())
     groups = np.empty((3, 0), np.int64)  # rows: room left in each pack, segments each holds, packs in the group
+    opened_since = []  # the groups opened after `groups`, each (room, held, packs): joined to it before a search
     packs = 0
     most = 0  # at least the most room of any group that may take a segment: a longer run skips the search
     for step, need in enumerate(needs.tolist()):
         run = int(histogram[need])
+        if most >= need and opened_since:
+            groups = np.concatenate([groups, np.array(opened_since, np.int64).T], axis=1)
+            opened_since = []
         roomy = np.flatnonzero(groups[0] >= need) if most >= need else groups[0, :0]
         ended_in = -1  # the group where the run ended, split there; -1: every group with room took all it fits
         if len(roomy):
@@ -195,12 +210,12 @@ def count_ffd(histogram: np.ndarray, max_len: int, cap: int) -> int:
             per_pack = min(max_len // need, cap)
             opened = -(-run // per_pack)
             last_holds = run - (opened - 1) * per_pack
-            new = [(max_len - per_pack * need, per_pack, opened - 1)] if opened > 1 else []
-            new.append((max_len - last_holds * need, last_holds, 1))
-            groups = np.concatenate([groups, np.array(new, np.int64).T], axis=1)
+            if opened > 1:
+                opened_since.append((max_len - per_pack * need, per_pack, opened - 1))
+            opened_since.append((max_len - last_holds * need, last_holds, 1))
             packs += opened
             most = max(most, max_len - last_holds * need)
-        if step % _TIDY == _TIDY - 1:
+        if step % _TIDY == _TIDY - 1 and not opened_since:
             live = groups[0] >= shortest
             if capped:
                 live &= groups[1] < cap
