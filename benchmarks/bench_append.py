@@ -44,7 +44,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import prepack
+from prepack.building import plan, plan_vectorized
 from prepack.check.verify import verify_build
+from prepack.sources.store import open_store
 
 MAX_LEN = 4096
 
@@ -107,12 +109,36 @@ def _checked_fills(first: Path, grown_out: Path, rebuilt_out: Path) -> tuple[flo
     return grown.totals.tokens / (grown.totals.packs * MAX_LEN), rebuilt.totals.tokens / (rebuilt.totals.packs * MAX_LEN)
 
 
-def _measure(root: Path, docs: int, added: float, repeat: int, kinds: set[str]) -> list[tuple]:
-    """The table's rows for a corpus of `docs` documents grown by `added` of them, written under `root`."""
+def _count_costs(store: Path) -> str:
+    """What counting a rebuild's packs costs each way, on the grown store's segments (`prepack.building.plan.pack_count`
+    chooses by these): the kernel's first-fit per segment, and `count_ffd`'s per distinct length (CPU, best of 5)."""
+    opened = open_store(store)
+    histogram = np.zeros(MAX_LEN + 1, np.int64)
+    for shard in opened.manifest.shards:
+        part = plan.segment_histogram(opened.shard_document_lengths(shard), MAX_LEN)
+        histogram[: len(part)] += part
+    segments, lengths = int(histogram.sum()), int(np.count_nonzero(histogram))
+
+    def best(step) -> float:
+        times = []
+        for _ in range(5):
+            start = time.process_time()
+            step()
+            times.append(time.process_time() - start)
+        return min(times)
+
+    kernel = best(lambda: plan._assign_sorted(histogram, MAX_LEN, "ffd"))  # the kernel's placement (warm)
+    runs = best(lambda: plan_vectorized.count_ffd(histogram, MAX_LEN, segments))
+    return (f"rebuild pack count: the kernel {kernel / segments * 1e9:.0f} ns a segment ({segments:,}), runs of equal "
+            f"packs in numpy {runs / lengths * 1e6:.1f} us a distinct length ({lengths:,})")
+
+
+def _measure(root: Path, docs: int, added: float, repeat: int, kinds: set[str]) -> tuple[list[tuple], list[str]]:
+    """The table's rows for a corpus of `docs` documents grown by `added` of them, written under `root`, and notes."""
     _corpus(root / "old" / "old.parquet", docs, 0)
     _corpus(root / "new" / "new.parquet", int(docs * added), 1)
     prepack.build_store(root / "old", root / "store-0")
-    rows = []
+    rows, notes = [], []
     if "store" in kinds:
         (root / "all").mkdir()  # the whole corpus, for the store tokenized at once (links: the same files)
         for name in ("old", "new"):
@@ -148,6 +174,7 @@ def _measure(root: Path, docs: int, added: float, repeat: int, kinds: set[str]) 
         )
         rows.append((kind, *seconds, *rebuild, *_checked_fills(first, grown_out, rebuilt_out)))
         if index_only:
+            notes.append(_count_costs(store))
             call = f"prepack.build({str(store)!r}, {{!r}}, max_len={MAX_LEN}, index_only=True{{}})"
             seconds = _own_process_seconds(repeat, lambda: _copy(first, grown_out), call.format(str(grown_out), ", append=True"))
             rebuild = _own_process_seconds(
@@ -157,7 +184,7 @@ def _measure(root: Path, docs: int, added: float, repeat: int, kinds: set[str]) 
             rows.append((f"{kind}, own process", *seconds, *rebuild, *_checked_fills(first, grown_out, rebuilt_out)))
         for path in (store, first, grown_out, rebuilt_out):
             shutil.rmtree(path)
-    return rows
+    return rows, notes
 
 
 def main() -> None:
@@ -182,7 +209,7 @@ def main() -> None:
         for index_only in (False, True):
             prepack.build(root / "warm-store", root / f"warm-{index_only}", max_len=MAX_LEN, index_only=index_only, append=True)
         for docs in args.docs:
-            rows = _measure(root / f"docs-{docs}", docs, args.added, args.repeat, kinds)
+            rows, notes = _measure(root / f"docs-{docs}", docs, args.added, args.repeat, kinds)
             shutil.rmtree(root / f"docs-{docs}")
             added = int(docs * args.added)
             print(f"{docs:,} documents + {added:,} appended ({args.added:.0%}), max-len {MAX_LEN}; {platform.machine()}, "
@@ -194,7 +221,7 @@ def main() -> None:
                 fills = ("", "", "") if fill is None else (f"{fill:.3%}", f"{rebuilt_fill:.3%}", f"{100 * (rebuilt_fill - fill):.3f}")
                 print(f"| {kind} | {seconds:.2f} | {rebuild:.2f} | {seconds / rebuild:.1%} | {cpu:.2f} | {rebuild_cpu:.2f} "
                       f"| {cpu / rebuild_cpu:.1%} | {' | '.join(fills)} |")
-            print(flush=True)
+            print("", *notes, sep="\n", end="\n\n", flush=True)
 
 
 if __name__ == "__main__":
