@@ -504,11 +504,14 @@ def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packin
     shards (verify holds them to the offsets)."""
     old = store.manifest.at_generation(planned)
     without_numba = plan_vectorized.plans_in_numpy(old.tokens, old.has_labels)
-    histogram = np.zeros(packing.max_len + 1, np.int64)
+    histogram = np.zeros(1, np.int64)  # as long as the longest segment yet: not max_len, which may be 2**31 - 1
 
     def add(lengths: np.ndarray, untrained: np.ndarray | None) -> None:
+        nonlocal histogram
         part = segment_histogram(lengths, packing.max_len, overflow=packing.overflow, untrained=untrained,
                                  drop_untrained=packing.drop_untrained)
+        if len(part) > len(histogram):
+            histogram = np.concatenate([histogram, np.zeros(len(part) - len(histogram), np.int64)])
         histogram[: len(part)] += part
 
     for shard in old.shards:

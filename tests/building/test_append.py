@@ -699,6 +699,34 @@ def test_an_append_counts_a_rebuild_from_one_shards_lengths_at_a_time(tmp_path, 
     assert grown.generations[-1].rebuild_packs == build(store, tmp_path / "rebuilt", max_len=MAX_LEN, index_only=True).totals.packs
 
 
+def test_an_append_counts_a_rebuild_in_memory_that_follows_the_documents_not_max_len(tmp_path, monkeypatch):
+    """A max-len of 2**24 tokens over documents of at most 90: the rebuild count's histogram is as long as the
+    longest segment (a histogram of max_len + 1 counts would be 128 MiB, and its copy as much again)."""
+    import tracemalloc
+
+    from prepack.building import build as build_module
+
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 30)), store)
+    build(store, out, max_len=2**24, index_only=True)
+    build_store(_batch(tmp_path, "b", _documents(1, 10)), store, append=True)
+    peaks, count = [], build_module._rebuild_packs
+
+    def measured(*args):
+        tracemalloc.reset_peak()
+        packs = count(*args)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        return packs
+
+    monkeypatch.setattr(build_module, "_rebuild_packs", measured)
+    tracemalloc.start()
+    try:
+        grown = build(store, out, max_len=2**24, index_only=True, append=True)
+    finally:
+        tracemalloc.stop()
+    assert len(peaks) == 1 and peaks[0] < 2**20 and grown.generations[-1].rebuild_packs == 1
+
+
 @pytest.mark.parametrize("drop_untrained", [False, True])
 def test_an_index_append_of_a_small_store_loads_no_kernel_as_its_rebuild_loads_none(tmp_path, drop_untrained):
     """numba's start-up (0.5-0.7 CPU s) is what an index build of a small store saves by planning in
