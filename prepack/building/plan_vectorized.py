@@ -107,7 +107,7 @@ def tally(lengths: np.ndarray, untrained: np.ndarray, drop_untrained: bool, max_
 
 def segment_histogram(lengths: np.ndarray, left_out: np.ndarray, max_len: int, overflow: int) -> np.ndarray:
     """`prepack.building.plan._tally`'s histogram (int64): `histogram[x]` segments of x tokens, x in 1..min(longest,
-    max_len), of the documents of `lengths` not `left_out` (empty: none). Two bincounts, a few ns a document:
+    max_len), of the documents of `lengths` not `left_out` (empty: none), by two bincounts, no pass per piece:
     what an append counts a rebuild's packs from, one store shard at a time (their histograms add up)."""
     longest = int(lengths.max()) if len(lengths) else 0
     kept = lengths[~left_out] if len(left_out) else lengths
