@@ -74,8 +74,9 @@ def _assert_counted(histogram, max_len, options, packs):
         assert plan_vectorized.count_ffd(histogram, max_len, min(segments, options["max_documents"] or segments)) == packs
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(plans(), st.data())
+@pytest.mark.slow
 def test_a_pack_count_from_the_histograms_of_parts_is_the_plans(case, data):
     # Every overflow, untrained flags left out or not, a cap or none, both algorithms; the documents cut anywhere.
     lengths, max_len, options = case
