@@ -2,7 +2,7 @@
 STORE --out DIR --append`) against building the grown store again, in time and in pack efficiency.
 
     python benchmarks/bench_append.py                       # 100,000 + 10,000 documents, about a minute
-    python benchmarks/bench_append.py --docs 1000000 --added 0.1
+    python benchmarks/bench_append.py --docs 100000 1000000 --kinds index   # the index build at two sizes
 
 The corpus is synthetic token ids with labels (lognormal lengths, median ~350, at most 8192; 20 % of
 labels -100; seed 0) in two Parquet files: the first --docs documents and --added times as many more.
@@ -18,11 +18,18 @@ percentage points (goal <= 0.3).
 The index build is also timed as `prepack build` runs it, each append and rebuild in a process of its own
 ("own process": the build call's time after `import prepack`, so numba's start-up counts where a step
 loads it, and the interpreter's start does not).
+
+Each step's CPU seconds (all its threads', `time.process_time`) are printed beside its wall seconds: on a
+machine shared with other work the wall time moves with the load, the CPU time much less. Several --docs
+make one table each, in one run; --kinds picks the outputs (the store is grown for the builds either way,
+untimed when "store" is not picked), as a store of 1,000,000 documents and its full builds take minutes
+and gigabytes (3 GB a store copy at that size).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import shutil
 import statistics
@@ -37,7 +44,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import prepack
+from prepack.building import plan, plan_vectorized
 from prepack.check.verify import verify_build
+from prepack.sources.store import open_store
 
 MAX_LEN = 4096
 
@@ -56,27 +65,28 @@ def _corpus(path: Path, docs: int, seed: int) -> None:
     }), path)
 
 
-def _median_seconds(repeat: int, prepare, step) -> float:
-    """The median wall time of `step()` over `repeat` runs, each after an untimed `prepare()`."""
+def _median_seconds(repeat: int, prepare, step) -> tuple[float, float]:
+    """The median wall and CPU time of `step()` over `repeat` runs, each after an untimed `prepare()`."""
     times = []
     for _ in range(repeat):
         prepare()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times.append((time.perf_counter() - start, time.process_time() - cpu))
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
-def _own_process_seconds(repeat: int, prepare, call: str) -> float:
-    """The median wall time of `call` (Python source, `prepack` imported) over `repeat` runs, each in a new
-    process after an untimed `prepare()`: what a command pays, numba's start-up included where it runs."""
-    code = f"import time\nimport prepack\nstart = time.perf_counter()\n{call}\nprint(time.perf_counter() - start)"
+def _own_process_seconds(repeat: int, prepare, call: str) -> tuple[float, float]:
+    """The median wall and CPU time of `call` (Python source, `prepack` imported) over `repeat` runs, each in a
+    new process after an untimed `prepare()`: what a command pays, numba's start-up included where it runs."""
+    code = (f"import time\nimport prepack\nstart, cpu = time.perf_counter(), time.process_time()\n{call}\n"
+            "print(time.perf_counter() - start, time.process_time() - cpu)")
     times = []
     for _ in range(repeat):
         prepare()
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        times.append(float(run.stdout))
-    return statistics.median(times)
+        times.append(tuple(map(float, run.stdout.split())))
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
 def _copy(source: Path, target: Path) -> None:
@@ -99,12 +109,94 @@ def _checked_fills(first: Path, grown_out: Path, rebuilt_out: Path) -> tuple[flo
     return grown.totals.tokens / (grown.totals.packs * MAX_LEN), rebuilt.totals.tokens / (rebuilt.totals.packs * MAX_LEN)
 
 
+def _count_costs(store: Path) -> str:
+    """What counting a rebuild's packs costs each way, on the grown store's segments (`prepack.building.plan.pack_count`
+    chooses by these): the kernel's first-fit per segment, and `count_ffd`'s per distinct length (CPU, best of 5)."""
+    opened = open_store(store)
+    histogram = np.zeros(MAX_LEN + 1, np.int64)
+    for shard in opened.manifest.shards:
+        part = plan.segment_histogram(opened.shard_document_lengths(shard), MAX_LEN)
+        histogram[: len(part)] += part
+    segments, lengths = int(histogram.sum()), int(np.count_nonzero(histogram))
+
+    def best(step) -> float:
+        times = []
+        for _ in range(5):
+            start = time.process_time()
+            step()
+            times.append(time.process_time() - start)
+        return min(times)
+
+    kernel = best(lambda: plan._assign_sorted(histogram, MAX_LEN, "ffd"))  # the kernel's placement (warm)
+    runs = best(lambda: plan_vectorized.count_ffd(histogram, MAX_LEN, segments))
+    return (f"rebuild pack count: the kernel {kernel / segments * 1e9:.0f} ns a segment ({segments:,}), runs of equal "
+            f"packs in numpy {runs / lengths * 1e6:.1f} us a distinct length ({lengths:,})")
+
+
+def _measure(root: Path, docs: int, added: float, repeat: int, kinds: set[str]) -> tuple[list[tuple], list[str]]:
+    """The table's rows for a corpus of `docs` documents grown by `added` of them, written under `root`, and notes."""
+    _corpus(root / "old" / "old.parquet", docs, 0)
+    _corpus(root / "new" / "new.parquet", int(docs * added), 1)
+    prepack.build_store(root / "old", root / "store-0")
+    rows, notes = [], []
+    if "store" in kinds:
+        (root / "all").mkdir()  # the whole corpus, for the store tokenized at once (links: the same files)
+        for name in ("old", "new"):
+            os.link(root / name / f"{name}.parquet", root / "all" / f"{name}.parquet")
+        seconds = _median_seconds(
+            repeat, lambda: _copy(root / "store-0", root / "store"),
+            lambda: prepack.build_store(root / "new", root / "store", append=True),
+        )
+        rebuild = _median_seconds(
+            repeat, lambda: shutil.rmtree(root / "store-whole", ignore_errors=True),
+            lambda: prepack.build_store(root / "all", root / "store-whole"),
+        )
+        old = _shards(root / "store-0")
+        assert {name: data for name, data in _shards(root / "store").items() if name in old} == old, "an old store shard changed"
+        rows.append(("store", *seconds, *rebuild, None, None))
+        shutil.rmtree(root / "store-whole")
+        shutil.rmtree(root / "store")
+    for kind, index_only in (("full build", False), ("index build", True)):
+        if kind.split()[0] not in kinds:
+            continue
+        # Each kind's own copy of the store, grown (untimed) after its first build (an index build lies beside it).
+        store, first, grown_out, rebuilt_out = (root / f"{kind} {name}" for name in ("store", "0", "grown", "rebuilt"))
+        _copy(root / "store-0", store)
+        prepack.build(store, first, max_len=MAX_LEN, index_only=index_only)
+        prepack.build_store(root / "new", store, append=True)
+        seconds = _median_seconds(
+            repeat, lambda: _copy(first, grown_out),
+            lambda: prepack.build(store, grown_out, max_len=MAX_LEN, index_only=index_only, append=True),
+        )
+        rebuild = _median_seconds(
+            repeat, lambda: shutil.rmtree(rebuilt_out, ignore_errors=True),
+            lambda: prepack.build(store, rebuilt_out, max_len=MAX_LEN, index_only=index_only),
+        )
+        rows.append((kind, *seconds, *rebuild, *_checked_fills(first, grown_out, rebuilt_out)))
+        if index_only:
+            notes.append(_count_costs(store))
+            call = f"prepack.build({str(store)!r}, {{!r}}, max_len={MAX_LEN}, index_only=True{{}})"
+            seconds = _own_process_seconds(repeat, lambda: _copy(first, grown_out), call.format(str(grown_out), ", append=True"))
+            rebuild = _own_process_seconds(
+                repeat, lambda: shutil.rmtree(rebuilt_out, ignore_errors=True), call.format(str(rebuilt_out), "")
+            )
+            # The outputs of the last own-process runs, checked as the in-process ones are.
+            rows.append((f"{kind}, own process", *seconds, *rebuild, *_checked_fills(first, grown_out, rebuilt_out)))
+        for path in (store, first, grown_out, rebuilt_out):
+            shutil.rmtree(path)
+    return rows, notes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--docs", type=int, default=100_000)
+    parser.add_argument("--docs", type=int, nargs="+", default=[100_000], help="The corpus's documents: one table for each.")
     parser.add_argument("--added", type=float, default=0.1, help="The append's documents, as a share of --docs.")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--kinds", default="store,full,index", help="What is grown and timed: of store, full, index.")
     args = parser.parse_args()
+    kinds = set(args.kinds.split(","))
+    if not kinds or kinds - {"store", "full", "index"}:
+        parser.error(f"--kinds {args.kinds!r}: give some of store, full, index, separated by commas")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         # numba's kernels and the readers' first-call costs paid, untimed, by every kind of step timed below
@@ -116,57 +208,20 @@ def main() -> None:
         prepack.build_store(root / "warm-more", root / "warm-store", append=True)
         for index_only in (False, True):
             prepack.build(root / "warm-store", root / f"warm-{index_only}", max_len=MAX_LEN, index_only=index_only, append=True)
-        _corpus(root / "old" / "old.parquet", args.docs, 0)
-        _corpus(root / "new" / "new.parquet", int(args.docs * args.added), 1)
-        prepack.build_store(root / "old", root / "store-0")
-        (root / "all").mkdir()  # the whole corpus, for the store tokenized at once
-        for name in ("old", "new"):
-            shutil.copyfile(root / name / f"{name}.parquet", root / "all" / f"{name}.parquet")
-        rows = []
-        seconds = _median_seconds(
-            args.repeat, lambda: _copy(root / "store-0", root / "store"),
-            lambda: prepack.build_store(root / "new", root / "store", append=True),
-        )
-        rebuild = _median_seconds(
-            args.repeat, lambda: shutil.rmtree(root / "store-whole", ignore_errors=True),
-            lambda: prepack.build_store(root / "all", root / "store-whole"),
-        )
-        old = _shards(root / "store-0")
-        assert {name: data for name, data in _shards(root / "store").items() if name in old} == old, "an old store shard changed"
-        rows.append(("store", seconds, rebuild, None, None))
-        for kind, index_only in (("full build", False), ("index build", True)):
-            # Each kind's own copy of the store, grown after its first build (an index build lies beside it).
-            store, first, grown_out, rebuilt_out = (root / f"{kind} {name}" for name in ("store", "0", "grown", "rebuilt"))
-            _copy(root / "store-0", store)
-            prepack.build(store, first, max_len=MAX_LEN, index_only=index_only)
-            _copy(root / "store", store)
-            seconds = _median_seconds(
-                args.repeat, lambda: _copy(first, grown_out),
-                lambda: prepack.build(store, grown_out, max_len=MAX_LEN, index_only=index_only, append=True),
-            )
-            rebuild = _median_seconds(
-                args.repeat, lambda: shutil.rmtree(rebuilt_out, ignore_errors=True),
-                lambda: prepack.build(store, rebuilt_out, max_len=MAX_LEN, index_only=index_only),
-            )
-            rows.append((kind, seconds, rebuild, *_checked_fills(first, grown_out, rebuilt_out)))
-            if index_only:
-                call = f"prepack.build({str(store)!r}, {{!r}}, max_len={MAX_LEN}, index_only=True{{}})"
-                seconds = _own_process_seconds(
-                    args.repeat, lambda: _copy(first, grown_out), call.format(str(grown_out), ", append=True")
-                )
-                rebuild = _own_process_seconds(
-                    args.repeat, lambda: shutil.rmtree(rebuilt_out, ignore_errors=True), call.format(str(rebuilt_out), "")
-                )
-                # The outputs of the last own-process runs, checked as the in-process ones are.
-                rows.append((f"{kind}, own process", seconds, rebuild, *_checked_fills(first, grown_out, rebuilt_out)))
-    added = int(args.docs * args.added)
-    print(f"{args.docs:,} documents + {added:,} appended ({args.added:.0%}), max-len {MAX_LEN}; {platform.machine()}, "
-          f"median of {args.repeat}\n")
-    print("| output | append s | rebuild s | append / rebuild | fill appended | fill rebuilt | gap (points) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for kind, seconds, rebuild, fill, rebuilt_fill in rows:
-        fills = ("", "", "") if fill is None else (f"{fill:.3%}", f"{rebuilt_fill:.3%}", f"{100 * (rebuilt_fill - fill):.3f}")
-        print(f"| {kind} | {seconds:.2f} | {rebuild:.2f} | {seconds / rebuild:.1%} | {' | '.join(fills)} |")
+        for docs in args.docs:
+            rows, notes = _measure(root / f"docs-{docs}", docs, args.added, args.repeat, kinds)
+            shutil.rmtree(root / f"docs-{docs}")
+            added = int(docs * args.added)
+            print(f"{docs:,} documents + {added:,} appended ({args.added:.0%}), max-len {MAX_LEN}; {platform.machine()}, "
+                  f"median of {args.repeat}, load {os.getloadavg()[0]:.1f}\n")
+            print("| output | append s | rebuild s | append / rebuild | append CPU s | rebuild CPU s | CPU append / rebuild "
+                  "| fill appended | fill rebuilt | gap (points) |")
+            print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            for kind, seconds, cpu, rebuild, rebuild_cpu, fill, rebuilt_fill in rows:
+                fills = ("", "", "") if fill is None else (f"{fill:.3%}", f"{rebuilt_fill:.3%}", f"{100 * (rebuilt_fill - fill):.3f}")
+                print(f"| {kind} | {seconds:.2f} | {rebuild:.2f} | {seconds / rebuild:.1%} | {cpu:.2f} | {rebuild_cpu:.2f} "
+                      f"| {cpu / rebuild_cpu:.1%} | {' | '.join(fills)} |")
+            print("", *notes, sep="\n", end="\n\n", flush=True)
 
 
 if __name__ == "__main__":

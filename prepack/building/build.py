@@ -50,7 +50,7 @@ from prepack.formats.shards import (
 from prepack.storage.output import Staging, output_errors, staged_append, staged_directory
 from prepack.building.pair_plan import PairPlan, first_overlong_pair, overlong_prompts, plan_pairs
 from prepack.building import plan_vectorized
-from prepack.building.plan import compact_lengths, pack_count, plan_packs
+from prepack.building.plan import pack_count, plan_packs, segment_histogram
 from prepack.storage.remote import fetch, is_uri, local_input, relative_location, staged_prefix
 from prepack.formats.store import StoreManifest
 from prepack.sources.store import Store, is_store
@@ -165,12 +165,12 @@ def _check_engine(engine: str, ray_address: str | None, reading: Reading) -> Non
 
 
 @contextmanager
-def _engine(engine: str, ray_address: str | None, staging: Staging, index_only: bool = False, store_tokens: int | None = None) -> Iterator[Engine]:
+def _engine(engine: str, ray_address: str | None, staging: Staging, index_only: bool = False) -> Iterator[Engine]:
     """The engine named `engine` (checked by `_check_engine`) for the output written into `staging`:
     for "ray", a `prepack.building.engines.ray.RayEngine` connected for it. An index build reads no token and
-    writes small shards, planning only: every engine runs it here, with a `LocalEngine` (`store_tokens`: as it takes them)."""
+    writes small shards, planning only: every engine runs it here, with a `LocalEngine`."""
     if engine == "local" or index_only:
-        yield LocalEngine(staging, index_only, store_tokens)
+        yield LocalEngine(staging, index_only)
         return
     from prepack.building.engines.ray import ray_engine
 
@@ -363,7 +363,7 @@ def build_packs(
         store = documents.store
         with (
             _staged(out, output) as staging,
-            _engine(output.engine, output.ray_address, staging, index_only, store.manifest.tokens if index_only else None) as engine_steps,
+            _engine(output.engine, output.ray_address, staging, index_only) as engine_steps,
         ):
             if (appending := staging.appending) is not None:
                 planned = _planned_generation(appending, store, options, index_only, out)
@@ -390,9 +390,9 @@ def build_packs(
                     f"{path}, row {file_row}, column {read_column!r}: {first.lengths[row]} tokens, "
                     f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
                 )
-            # An index build plans as its first pass read (`plans_in_numpy`, on the whole store's tokens: an
-            # append decides as a build of the whole store would, as it also counts that build's packs).
-            without_numba = index_only and plan_vectorized.plans_in_numpy(store.manifest.tokens, has_labels)
+            # An index build plans as its first pass read (`plans_in_numpy`, on the tokens of the documents it
+            # reads: an append's, the new ones'; it counts a rebuild's packs in numpy whatever the store's size).
+            without_numba = index_only and plan_vectorized.plans_in_numpy(documents.store.manifest.tokens, has_labels)
             planning = bar.add_task("plan", total=None)
             if documents.pairs is not None:
                 plan = _plan_pairs(documents, first, packing)
@@ -442,7 +442,7 @@ def build_packs(
                 pairs=PairTotals(**plan.pair_counts) if documents.pairs is not None else None,
             )
             if appending is not None:
-                manifest = _grown_manifest(appending, manifest, _rebuild_packs(store, planned, first, packing, without_numba))
+                manifest = _grown_manifest(appending, manifest, _rebuild_packs(store, planned, first, packing))
             with output_errors(staging.build / MANIFEST_NAME):
                 write_manifest(staging.build, manifest)
     return manifest
@@ -493,34 +493,34 @@ def _check_store_fingerprints(store: Store, first: FirstPass) -> None:
             )
 
 
-def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing, without_numba: bool) -> int:
+def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing) -> int:
     """The packs a build of the whole grown store at once would take: the store's documents of
-    generation `planned` and before, then those of `first`. They depend on the documents' lengths alone:
-    the old shards' offsets give them (no token read; their labels only when untrained documents are left
-    out, as only then do they change the packs), each shard's checked against its store.json entry
-    (`check_store_offsets`). Not store.json's `length_counts`, which nothing ties to the shards (verify
-    holds them to the offsets). `without_numba`: as `plan_packs` takes it (an index append of a store a
-    build plans in numpy)."""
-    shards = store.manifest.at_generation(planned).shards
-    untrained = None
-    if packing.drop_untrained:
-        parts = [store.shard_lengths(shard, without_numba) for shard in shards]
-        old = [compact_lengths(p[0]) for p in parts]
-        untrained = np.concatenate([*(p[1] for p in parts), first.untrained])
-    else:
-        # Each shard's lengths compacted as read (`_index_documents` does the same): not 8 bytes a document.
-        old = [compact_lengths(store.shard_document_lengths(shard)) for shard in shards]
-    lengths = np.concatenate([*old, first.lengths])
-    return pack_count(
-        compact_lengths(lengths),
-        packing.max_len,
-        algorithm=packing.algorithm,
-        overflow=packing.overflow,
-        untrained=untrained,
-        drop_untrained=packing.drop_untrained,
-        max_documents=packing.max_docs_per_pack,
-        without_numba=without_numba,
-    )
+    generation `planned` and before, then those of `first`. They depend on the documents' segment
+    lengths alone, so they are counted from the segments' histogram (`segment_histogram`, `pack_count`),
+    added up shard by shard: one shard's lengths held at a time. The old shards' offsets give their lengths
+    (no token read; their labels only when untrained documents are left out, as only then do they change
+    the packs, read as an index build of them would: `plans_in_numpy`), each shard's checked against its
+    store.json entry (`check_store_offsets`). Not store.json's `length_counts`, which nothing ties to the
+    shards (verify holds them to the offsets)."""
+    old = store.manifest.at_generation(planned)
+    without_numba = plan_vectorized.plans_in_numpy(old.tokens, old.has_labels)
+    histogram = np.zeros(1, np.int64)  # as long as the longest segment yet: not max_len, which may be 2**31 - 1
+
+    def add(lengths: np.ndarray, untrained: np.ndarray | None) -> None:
+        nonlocal histogram
+        part = segment_histogram(lengths, packing.max_len, overflow=packing.overflow, untrained=untrained,
+                                 drop_untrained=packing.drop_untrained)
+        if len(part) > len(histogram):
+            histogram = np.concatenate([histogram, np.zeros(len(part) - len(histogram), np.int64)])
+        histogram[: len(part)] += part
+
+    for shard in old.shards:
+        if packing.drop_untrained:
+            add(*store.shard_lengths(shard, without_numba))
+        else:
+            add(store.shard_document_lengths(shard), None)
+    add(first.lengths, first.untrained)
+    return pack_count(histogram, packing.max_len, algorithm=packing.algorithm, max_documents=packing.max_docs_per_pack)
 
 
 def _grown_manifest(build: Manifest, added: Manifest, rebuild_packs: int) -> Manifest:

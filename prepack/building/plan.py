@@ -78,6 +78,7 @@ __all__ = [
     "first_trained_labels",
     "pack_count",
     "plan_packs",
+    "segment_histogram",
     "untrained_documents",
 ]
 
@@ -824,26 +825,46 @@ def document_pieces(
     return DocumentPieces(rows, pieces, starts, segment_lengths, dict(zip(_COUNTS, map(int, counts))))
 
 
-def pack_count(
-    lengths: np.ndarray,
-    max_len: int,
-    *,
-    algorithm: str = "ffd",
-    overflow: str = "split",
-    untrained: np.ndarray | None = None,
-    drop_untrained: bool = False,
-    max_documents: int | None = None,
-    without_numba: bool = False,
-) -> int:
-    """The packs `plan_packs` makes of these documents with these options, without laying them out:
-    what a build appended to reports its packs against (a rebuild of the same documents at once).
-    `without_numba`: as `plan_packs` takes it."""
-    return _assigned(lengths, max_len, algorithm, overflow, untrained, drop_untrained, max_documents, without_numba).packs
+def segment_histogram(
+    lengths: np.ndarray, max_len: int, *, overflow: str = "split", untrained: np.ndarray | None = None, drop_untrained: bool = False
+) -> np.ndarray:
+    """The segments `plan_packs` makes of these documents with these options, by length (int64: `histogram[x]`
+    segments of x tokens, as long as the longest, at most max_len + 1): what `pack_count` counts packs from. The
+    histograms of the parts of a corpus, added up, are the whole's: an append counts a rebuild's packs from
+    those of the store's shards, one shard's lengths at a time. In numpy (two bincounts), no kernel."""
+    max_len = _check_options(max_len, "ffd")
+    code = _overflow_code(overflow)
+    lengths = compact_lengths(lengths)
+    untrained = _flags(untrained, len(lengths))
+    return plan_vectorized.segment_histogram(lengths, untrained if drop_untrained else _NONE_LEFT_OUT, max_len, code)
+
+
+def pack_count(histogram: np.ndarray, max_len: int, *, algorithm: str = "ffd", max_documents: int | None = None) -> int:
+    """The packs `plan_packs` makes of documents whose segments `histogram` counts (`segment_histogram`), without
+    laying them out: what a build appended to reports its packs against (a rebuild of the same documents at
+    once). First-fit-decreasing counts runs of equal packs in numpy (`plan_vectorized.count_ffd`: no kernel, and
+    as long whatever the number of documents) unless the kernel places the segments faster, numba started
+    (`plan_vectorized.counts_in_numpy`); best-fit runs its kernel."""
+    max_len = _check_options(max_len, algorithm)
+    max_documents = checked_cap(max_documents)
+    histogram = np.asarray(histogram)
+    if histogram.ndim != 1 or not np.issubdtype(histogram.dtype, np.integer) or len(histogram) > max_len + 1:
+        raise ValueError(f"histogram must be a 1-D integer array of at most max_len + 1 ({max_len + 1}) counts")
+    if len(histogram) and histogram.min() < 0:
+        raise ValueError(f"segment counts must not be negative, got {histogram.min()}")
+    histogram = histogram.astype(np.int64)  # a copy: its count of empty segments (none are placed) set to 0
+    histogram[:1] = 0
+    segments = int(histogram.sum())
+    if segments == 0:
+        return 0
+    if algorithm == "bfd" or not plan_vectorized.counts_in_numpy(histogram, segments):
+        return _assign_sorted(histogram, max_len, algorithm, max_documents)[1]
+    return plan_vectorized.count_ffd(histogram, max_len, min(segments, max_documents or segments, 2**31 - 1))
 
 
 class _Assigned(NamedTuple):
-    """The first half of `plan_packs`, which `pack_count` stops after: its checked options and
-    inputs, the segments' histogram and counts, and the pack of each sorted segment."""
+    """The first half of `plan_packs`: its checked options and inputs, the segments' histogram and
+    counts, and the pack of each sorted segment."""
 
     max_len: int
     max_documents: int | None

@@ -20,7 +20,10 @@ import numpy as np
 from prepack.building import kernels
 from prepack.formats.shards import IGNORE_INDEX
 
-__all__ = ["assign_ffd", "assign_suits", "pack_contents", "pieces_of", "resolve", "scans", "scatter", "slots_of", "suits", "tally", "untrained"]
+__all__ = [
+    "assign_ffd", "assign_suits", "count_ffd", "counts_in_numpy", "pack_contents", "pieces_of", "resolve", "scans", "scatter",
+    "segment_histogram", "slots_of", "suits", "tally", "untrained",
+]
 
 # Documents up to which the per-document steps run here (each a few numpy passes over the documents,
 # against one pass of a kernel), and the (distinct segment lengths x packs) up to which `assign_ffd` does
@@ -35,6 +38,11 @@ _WINDOW = 2**24
 # `prepack.building.plan`'s overflow codes and bookmark spacing (a test keeps them equal).
 _TRUNCATE, _DROP = 1, 2
 _BLOCK = 32
+# Runs of equal length after which `count_ffd` drops the groups no later run fits; and the segments a
+# distinct length above which it counts faster than the kernel places them (about 10 ns a segment against
+# 10 us a length: `python benchmarks/bench_append.py` prints both).
+_TIDY = 64
+_KERNEL_SEGMENTS = 1000
 
 
 def suits(documents: int, algorithm: str) -> bool:
@@ -48,12 +56,19 @@ def scans(tokens: int) -> bool:
     return tokens <= _LABELS
 
 
-def plans_in_numpy(store_tokens: int, has_labels: bool) -> bool:
-    """Whether an index build of a store of `store_tokens` tokens (an append's: the whole grown store's,
-    as a build of it would decide) reads its labels and plans in numpy, no numba kernel: when it has no
-    labels or numpy scans them faster than numba would start, and no kernel ran in this process before
-    (then numba's start-up is paid anyway). Its first pass and its planning ask this alike."""
-    return not kernels.started() and (not has_labels or scans(store_tokens))
+def plans_in_numpy(tokens: int, has_labels: bool) -> bool:
+    """Whether an index build whose documents hold `tokens` tokens (an append's: the new documents') reads
+    their labels and plans in numpy, no numba kernel: when it has no labels or numpy scans them faster than
+    numba would start, and no kernel ran in this process before (then numba's start-up is paid anyway). Its
+    first pass and its planning ask this alike."""
+    return not kernels.started() and (not has_labels or scans(tokens))
+
+
+def counts_in_numpy(histogram: np.ndarray, segments: int) -> bool:
+    """Whether `count_ffd` counts the packs of `histogram`'s `segments` segments faster than the kernel would
+    place them: always before numba has started, and after, where the segments are more than
+    `_KERNEL_SEGMENTS` for each distinct length (the kernel's cost follows the segments, `count_ffd`'s the lengths)."""
+    return not kernels.started() or segments > _KERNEL_SEGMENTS * np.count_nonzero(histogram)
 
 
 def assign_suits(histogram: np.ndarray, max_len: int, max_documents: int | None = None) -> bool:
@@ -87,12 +102,26 @@ def tally(lengths: np.ndarray, untrained: np.ndarray, drop_untrained: bool, max_
     elif overflow == _DROP:
         counts[6:8] = np.count_nonzero(over), lengths[over].sum()
     counts[8:] = np.count_nonzero(flagged), lengths[flagged].sum()
+    return segment_histogram(lengths, flagged if drop_untrained else untrained[:0], max_len, overflow), counts
+
+
+def segment_histogram(lengths: np.ndarray, left_out: np.ndarray, max_len: int, overflow: int) -> np.ndarray:
+    """`prepack.building.plan._tally`'s histogram (int64): `histogram[x]` segments of x tokens, x in 1..min(longest,
+    max_len), of the documents of `lengths` not `left_out` (empty: none), by two bincounts, no pass per piece:
+    what an append counts a rebuild's packs from, one store shard at a time (their histograms add up)."""
     longest = int(lengths.max()) if len(lengths) else 0
-    placed = pieces > 0
-    last = np.minimum(lengths[placed] - (pieces[placed] - 1) * max_len, max_len)  # every document's last piece
-    histogram = np.bincount(last, minlength=min(longest, max_len) + 1)
-    histogram[-1] += (pieces[placed] - 1).sum()  # the full pieces before it; a split makes longest > max_len
-    return histogram.astype(np.int64, copy=False), counts
+    kept = lengths[~left_out] if len(left_out) else lengths
+    over = kept > max_len
+    histogram = np.bincount(kept[~over], minlength=min(longest, max_len) + 1)
+    if overflow != _DROP and over.any():
+        longer = kept[over].astype(np.int64)
+        if overflow == _TRUNCATE:
+            histogram[max_len] += len(longer)
+        else:  # split: whole pieces of max_len, then what is left (an exact multiple leaves none)
+            histogram[max_len] += (longer // max_len).sum()
+            histogram[:max_len] += np.bincount(longer % max_len, minlength=max_len)
+    histogram[0] = 0  # empty documents (and exact multiples' nothing left) make no segment
+    return histogram.astype(np.int64, copy=False)
 
 
 def assign_ffd(histogram: np.ndarray, max_len: int, cap: int, bound: int) -> tuple[np.ndarray, int]:
@@ -129,6 +158,69 @@ def assign_ffd(histogram: np.ndarray, max_len: int, cap: int, bound: int) -> tup
             held[packs + opened - 1] = last
             at, packs = at + run, packs + opened
     return out, packs
+
+
+def count_ffd(histogram: np.ndarray, max_len: int, cap: int) -> int:
+    """The pack count of `assign_ffd` (at most `cap` segments a pack), placing no segment: O(distinct lengths x
+    groups), whatever the number of segments. Packs that are alike (room left, segments held) and next to each
+    other in pack order take alike from every run, so they are kept as one group of several: a run fills the
+    groups with room in order, each of its packs taking as many as fit, and splits the group where it ends into
+    the packs that took as many, the one that took the rest, and the packs that took none; the packs it opens are
+    two groups more. A run longer than any pack's room searches nothing (the longest half of the lengths, at
+    least, only open packs). A group whose packs no later run fits (room below the shortest segment, or `cap`
+    held) is dropped now and then, as it only lengthens the search."""
+    needs = np.flatnonzero(histogram[1:])[::-1] + 1
+    if not len(needs):
+        return 0
+    shortest, capped = int(needs[-1]), cap < int(histogram.sum())
+    groups = np.empty((3, 0), np.int64)  # rows: room left in each pack, segments each holds, packs in the group
+    opened_since = []  # the groups opened after `groups`, each (room, held, packs): joined to it before a search
+    packs = 0
+    most = 0  # at least the most room of any group that may take a segment: a longer run skips the search
+    for step, need in enumerate(needs.tolist()):
+        run = int(histogram[need])
+        if most >= need and opened_since:
+            groups = np.concatenate([groups, np.array(opened_since, np.int64).T], axis=1)
+            opened_since = []
+        roomy = np.flatnonzero(groups[0] >= need) if most >= need else groups[0, :0]
+        ended_in = -1  # the group where the run ended, split there; -1: every group with room took all it fits
+        if len(roomy):
+            fits = groups[0, roomy] // need
+            if capped:
+                fits = np.minimum(fits, cap - groups[1, roomy])
+            placed = np.cumsum(fits * groups[2, roomy])
+            if placed[-1] >= run:
+                last = int(np.searchsorted(placed, run))
+                ended_in, took = int(roomy[last]), int(fits[last])
+                full, rest = divmod(run - (int(placed[last - 1]) if last else 0), took)
+                roomy, fits, run = roomy[:last], fits[:last], 0
+            else:
+                run -= int(placed[-1])
+            groups[0, roomy] -= fits * need
+            groups[1, roomy] += fits
+        if ended_in >= 0:
+            room, held, size = groups[:, ended_in].tolist()
+            split = [(room - took * need, held + took, full), (room - rest * need, held + rest, int(rest > 0)),
+                     (room, held, size - full - int(rest > 0))]
+            split = np.array([group for group in split if group[2]], np.int64).T
+            groups = np.concatenate([groups[:, :ended_in], split, groups[:, ended_in + 1 :]], axis=1)
+        else:
+            most = min(most, need - 1)
+        if run:
+            per_pack = min(max_len // need, cap)
+            opened = -(-run // per_pack)
+            last_holds = run - (opened - 1) * per_pack
+            if opened > 1:
+                opened_since.append((max_len - per_pack * need, per_pack, opened - 1))
+            opened_since.append((max_len - last_holds * need, last_holds, 1))
+            packs += opened
+            most = max(most, max_len - last_holds * need)
+        if step % _TIDY == _TIDY - 1 and not opened_since:
+            live = groups[0] >= shortest
+            if capped:
+                live &= groups[1] < cap
+            groups = groups[:, live]
+    return packs
 
 
 def pack_contents(histogram: np.ndarray, pack_of_sorted: np.ndarray, packs: int) -> tuple[np.ndarray, np.ndarray]:

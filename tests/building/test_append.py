@@ -729,18 +729,49 @@ def test_an_append_refuses_a_shard_whose_tokens_store_json_inflated_before_it_al
         build(store, out, max_len=MAX_LEN, index_only=index_only, append=True)
 
 
-def test_an_append_counts_a_rebuild_from_compact_lengths(tmp_path, monkeypatch):
-    """The rebuild count reads every store document's length: 2 bytes each here (uint16), not 8."""
+def test_an_append_counts_a_rebuild_from_one_shards_lengths_at_a_time(tmp_path, monkeypatch):
+    """The rebuild count adds up the segment histograms of the old store shards, each read alone, and of the
+    new documents: it never holds every store document's length at once."""
+    from prepack.building import build as build_module
+
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 30)), store, shard_size=300)
+    build(store, out, max_len=MAX_LEN, index_only=True)
+    build_store(_batch(tmp_path, "b", _documents(1, 10)), store, shard_size=300, append=True)
+    m = read_store_manifest(store)
+    counted, histogram = [], build_module.segment_histogram
+    monkeypatch.setattr(build_module, "segment_histogram", lambda lengths, *a, **k: counted.append(len(lengths)) or histogram(lengths, *a, **k))
+    build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+    old = m.shards[: m.generations[0].shards]
+    assert len(old) > 1 and counted == [s.documents for s in old] + [m.documents - m.generations[0].documents]
+
+
+def test_an_append_counts_a_rebuild_in_memory_that_follows_the_documents_not_max_len(tmp_path, monkeypatch):
+    """A max-len of 2**24 tokens over documents of at most 90: the rebuild count's histogram is as long as the
+    longest segment (a histogram of max_len + 1 counts would be 128 MiB, and its copy as much again)."""
+    import tracemalloc
+
     from prepack.building import build as build_module
 
     store, out = tmp_path / "store", tmp_path / "packed"
     build_store(_batch(tmp_path, "a", _documents(0, 30)), store)
-    build(store, out, max_len=MAX_LEN, index_only=True)
+    build(store, out, max_len=2**24, index_only=True)
     build_store(_batch(tmp_path, "b", _documents(1, 10)), store, append=True)
-    counted, count = [], build_module.pack_count
-    monkeypatch.setattr(build_module, "pack_count", lambda lengths, *a, **k: counted.append(lengths.dtype) or count(lengths, *a, **k))
-    build(store, out, max_len=MAX_LEN, index_only=True, append=True)
-    assert counted == [np.uint16]
+    peaks, count = [], build_module._rebuild_packs
+
+    def measured(*args):
+        tracemalloc.reset_peak()
+        packs = count(*args)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        return packs
+
+    monkeypatch.setattr(build_module, "_rebuild_packs", measured)
+    tracemalloc.start()
+    try:
+        grown = build(store, out, max_len=2**24, index_only=True, append=True)
+    finally:
+        tracemalloc.stop()
+    assert len(peaks) == 1 and peaks[0] < 2**20 and grown.generations[-1].rebuild_packs == 1
 
 
 @pytest.mark.parametrize("drop_untrained", [False, True])
@@ -855,22 +886,28 @@ def test_an_append_to_a_grown_store_summarises_its_lengths_without_reading_its_s
     assert sum(count for _, count in grown.length_counts) == 70
 
 
-def test_an_index_append_reads_labels_as_it_plans_by_the_whole_stores_tokens(tmp_path, monkeypatch):
+@pytest.mark.parametrize("drop_untrained", [False, True])
+def test_an_index_append_reads_labels_as_it_plans_by_its_new_documents_tokens(tmp_path, monkeypatch, drop_untrained):
     """An index append's first pass (its new documents' labels) decides numpy or kernels as its planning
-    does, on the whole grown store's tokens: both kernels here, the store over the numpy bound and its new
-    documents under it."""
+    does, on the new documents' tokens: numpy both here, the old documents over the numpy bound and the new
+    under it. Its count of a rebuild's packs reads the old shards' labels only with --drop-untrained, and
+    decides on theirs: the kernels here."""
     from prepack.building import build as build_module, kernels, plan_vectorized
     from prepack.building.engines import local
+    from prepack.sources.store import Store
 
     store, out = tmp_path / "store", tmp_path / "index"
     build_store(_batch(tmp_path, "a", _documents(0, 60), labels=True), store)
-    build(store, out, max_len=MAX_LEN, index_only=True)
+    old = build(store, out, max_len=MAX_LEN, index_only=True, drop_untrained=drop_untrained)
     grown = build_store(_batch(tmp_path, "b", _documents(1, 9), labels=True), store, append=True)
-    monkeypatch.setattr(plan_vectorized, "_LABELS", grown.tokens - 1)
+    monkeypatch.setattr(plan_vectorized, "_LABELS", old.totals.input_tokens - 1)
+    assert grown.tokens - old.totals.input_tokens <= plan_vectorized._LABELS
     monkeypatch.setattr(kernels, "started", lambda: False)  # as in a process of its own
-    read, planned = [], []
-    untrained, plan_packs = local.untrained_documents, build_module.plan_packs
+    read, planned, old_read = [], [], []
+    untrained, plan_packs, shard_lengths = local.untrained_documents, build_module.plan_packs, Store.shard_lengths
     monkeypatch.setattr(local, "untrained_documents", lambda offsets, labels, without_numba: read.append(without_numba) or untrained(offsets, labels, without_numba))
     monkeypatch.setattr(build_module, "plan_packs", lambda *a, **k: planned.append(k["without_numba"]) or plan_packs(*a, **k))
-    build(store, out, max_len=MAX_LEN, index_only=True, append=True)
-    assert planned == [False] and set(read) == {False}
+    monkeypatch.setattr(Store, "shard_lengths", lambda self, shard, without_numba: old_read.append(without_numba) or shard_lengths(self, shard, without_numba))
+    build(store, out, max_len=MAX_LEN, index_only=True, append=True, drop_untrained=drop_untrained)
+    assert planned == [True] and set(read) == {True}
+    assert old_read == ([False] * grown.generations[0].shards if drop_untrained else [])

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from prepack import build_store
 from prepack.building import plan_vectorized
 from prepack.formats.shards import read_manifest
-from prepack.building.plan import plan_packs, untrained_documents
+from prepack.building.plan import pack_count, plan_packs, segment_histogram, untrained_documents
 from tests.building.test_plan_compact import plans
 from tests.corpus import corpus_table, write_corpus
 
@@ -54,6 +54,62 @@ def test_runs_of_many_lengths_fill_many_open_packs_as_the_kernel_does(max_len, d
     assert got.documents.vectorized
     _same_arrays(got, want, PLAN_ARRAYS)
     _same_arrays(got.slice(0, got.packs), want.slice(0, want.packs), LAYOUT_ARRAYS)
+
+
+def _histogram(parts, max_len, options):
+    """The sum of the parts' `segment_histogram`s, as an append adds up a rebuild's."""
+    histogram = np.zeros(max_len + 1, np.int64)
+    for lengths, untrained in parts:
+        part = segment_histogram(lengths, max_len, overflow=options["overflow"], untrained=untrained,
+                                 drop_untrained=options["drop_untrained"])
+        histogram[: len(part)] += part
+    return histogram
+
+
+def _assert_counted(histogram, max_len, options, packs):
+    """`pack_count` (kernel or numpy, as it chooses) and, for first-fit, `count_ffd` itself count `packs`."""
+    assert pack_count(histogram, max_len, algorithm=options["algorithm"], max_documents=options["max_documents"]) == packs
+    if options["algorithm"] == "ffd":
+        segments = int(histogram[1:].sum())
+        assert plan_vectorized.count_ffd(histogram, max_len, min(segments, options["max_documents"] or segments)) == packs
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans(), st.data())
+@pytest.mark.slow
+def test_a_pack_count_from_the_histograms_of_parts_is_the_plans(case, data):
+    # Every overflow, untrained flags left out or not, a cap or none, both algorithms; the documents cut anywhere.
+    lengths, max_len, options = case
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(lengths)), max_size=3)))
+    untrained = options["untrained"]
+    parts = [(lengths[a:b], None if untrained is None else untrained[a:b]) for a, b in zip([0, *cuts], [*cuts, len(lengths)])]
+    options = {name: options[name] for name in ("algorithm", "overflow", "drop_untrained", "max_documents")}
+    packs = plan_packs(lengths, max_len, untrained=untrained, **options).packs
+    _assert_counted(_histogram(parts, max_len, options), max_len, options, packs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 600), st.none() | st.integers(1, 12), st.data())
+def test_first_fit_counted_by_runs_of_equal_packs_is_the_kernels(max_len, cap, data):
+    # Thousands of documents over many distinct lengths: runs split groups of equal packs and fill many of them.
+    lengths = np.array(data.draw(st.lists(st.integers(1, max_len), min_size=1, max_size=3000)))
+    options = {"algorithm": "ffd", "overflow": "split", "drop_untrained": False, "max_documents": cap}
+    packs = plan_packs(lengths, max_len, max_documents=cap).packs
+    _assert_counted(_histogram([(lengths, None)], max_len, options), max_len, options, packs)
+
+
+def test_a_pack_count_runs_no_kernel_before_numba_started_and_the_kernel_where_it_is_faster(monkeypatch):
+    from prepack.building import kernels
+
+    histogram = np.zeros(65, np.int64)
+    histogram[[3, 40]] = 1000, 500  # 1,500 segments of 2 lengths: fewer than the kernel places faster
+    assert 1500 <= 2 * plan_vectorized._KERNEL_SEGMENTS
+    packs = pack_count(histogram, 64)
+    monkeypatch.setattr(plan_vectorized, "count_ffd", lambda *args: -1)
+    for started, counted in ((True, packs), (False, -1)):
+        monkeypatch.setattr(kernels, "started", lambda: started)
+        assert plan_vectorized.counts_in_numpy(histogram, 1500) == (not started)
+        assert pack_count(histogram, 64) == counted and pack_count(histogram, 64, algorithm="bfd") > 0
 
 
 def test_packs_past_65536_sort_by_every_digit():

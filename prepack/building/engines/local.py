@@ -165,7 +165,6 @@ def _index_documents(
     progress: Progress,
     observe: Observer | None = None,
     hashed: bool = False,
-    store_tokens: int | None = None,
     pairs: PairDocuments | None = None,
 ) -> FirstPass:
     """An index build's first pass: what `_store_documents` keeps, from the store's offsets and labels
@@ -174,13 +173,13 @@ def _index_documents(
     written; the loader and `verify` check the shards' sha256 where the tokens are used). With `hashed`
     (a full build from the store, whose fingerprint is the store's: every length it plans from is held to
     it) or `observe` (which reads every label), each shard is read whole and checked (`Store.shard_columns`).
-    `store_tokens`: the whole store's, when `store` holds an append's documents alone
-    (`StoreManifest.since_generation`): its labels are read as the build plans (`plans_in_numpy`).
+    Its labels are read as the build plans (`plans_in_numpy`, on the tokens of `store`: an append's, which holds
+    the new documents alone, `StoreManifest.since_generation`, on theirs).
     `pairs`: a pair store's, its groups' prompt lengths recorded there shard by shard, from the same labels
     (`group_prompt_lengths`)."""
     m = store.manifest
     lengths, untrained = [], []
-    without_numba = plan_vectorized.plans_in_numpy(m.tokens if store_tokens is None else store_tokens, m.has_labels)
+    without_numba = plan_vectorized.plans_in_numpy(m.tokens, m.has_labels)
     task = progress.add_task("read", total=len(m.shards), unit="shards")
     for shard in m.shards:
         if hashed or observe is not None:
@@ -246,14 +245,13 @@ class LocalEngine:
     """The engine's steps in this process, for the output staged in `staging`. With `index_only` (a
     store's build), the first pass reads no token and the packs are written as index shards."""
 
-    def __init__(self, staging: Staging, index_only: bool = False, store_tokens: int | None = None) -> None:
-        # store_tokens: the whole store's, of an index build (`_index_documents`, which takes them)
-        self.staging, self.index_only, self.store_tokens = staging, index_only, store_tokens
+    def __init__(self, staging: Staging, index_only: bool = False) -> None:
+        self.staging, self.index_only = staging, index_only
 
     def first_pass(self, documents: Documents, reading: Reading, progress: Progress) -> FirstPass:
         if self.index_only:
             # A pair store's prompt lengths, which its batches (not read here) would record, from the labels read here.
-            return _index_documents(documents.store, progress, store_tokens=self.store_tokens, pairs=documents.pairs)
+            return _index_documents(documents.store, progress, pairs=documents.pairs)
         fingerprint = None if documents.store is None else StoreFingerprint(documents.store.manifest)
         return _store_documents(
             documents.corpus, documents.has_labels, documents.batches, self.staging.scratch, progress, fingerprint=fingerprint
