@@ -83,6 +83,19 @@ VISION_SIZES: dict[str, dict[str, Any]] = {
     "mistral3": {"vision_config": {"image_size": IMAGE_SIZE["mistral3"], "patch_size": 14}},
     # SigLIP at 4x4 patches; its projection to the text width is set at the top (PaliGemma copies it down).
     "paligemma": {"vision_config": {"image_size": 56, "patch_size": 14}, "projection_dim": HIDDEN},
+    # Gemma 4 has no tower by default: one of 4-pixel patches pooled 2x2 (its processor's smallest budget, 70 tokens,
+    # is then 280 patches an image, at most 140 a side), and the image blocks on as the larger checkpoints have them.
+    "gemma4": {
+        "vision_config": {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": HEAD_DIM, "patch_size": 4,
+                          "pooling_kernel_size": 2, "position_embedding_size": 160},
+        "text_config": {"use_bidirectional_attention": "vision"},
+    },
+    # Its encoder-free embedder likewise: patches of 4 pixels merged 2x2, one token each.
+    "gemma4_unified": {
+        "vision_config": {"patch_size": 4, "pooling_kernel_size": 2, "mm_embed_dim": HIDDEN, "mm_posemb_size": 80,
+                          "output_proj_dims": HIDDEN},
+    },
 }
 
 
@@ -93,7 +106,7 @@ def tiny_vision_config(
     config = tiny_config(model_type).to_dict() | (tokens or {})
     sizes = VISION_SIZES.get(model_type) or _generic_vision_sizes(config)
     for key, value in sizes.items():
-        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+        config[key] = {**(config[key] or {}), **value} if isinstance(value, dict) else value  # Gemma 4: no tower by default
     if vocab_size is not None:
         config["text_config"]["vocab_size"] = vocab_size
     for key in ("model_type", "transformers_version", "architectures"):

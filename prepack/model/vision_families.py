@@ -60,20 +60,20 @@ __all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_packed", "ima
 
 ImageStyle = Literal["3-D rotary", "restart", "image blocks", "prefix blocks"]
 
+def _causal_on_flash(blocks: str, model_class: str, held: str) -> Verdict:
+    """The refusal of a family whose `blocks` attend both ways, which flash attention cannot hold."""
+    return Verdict(
+        "refused",
+        f"flash attention cannot hold its bidirectional {blocks}: transformers gives {model_class} no flash attention, "
+        f"and its flash path runs the {held} causally",
+    )
+
+
 # Measured (tests/model/test_vision.py): on the flash stand-in a sample alone runs its images causally, unlike sdpa.
-GEMMA3_IMAGES_ON_FLASH = Verdict(
-    "refused",
-    "flash attention cannot hold its bidirectional image blocks: transformers gives Gemma3ForConditionalGeneration "
-    "no flash attention, and its flash path runs the images causally",
-)
-
-
+GEMMA3_IMAGES_ON_FLASH = _causal_on_flash("image blocks", "Gemma3ForConditionalGeneration", "images")
+GEMMA4_IMAGES_ON_FLASH = _causal_on_flash("image blocks", "Gemma4ForConditionalGeneration", "images")
 # Measured (tests/model/test_vision.py): on the flash stand-in a packed batch differs from its samples alone.
-PALIGEMMA_ON_FLASH = Verdict(
-    "refused",
-    "flash attention cannot hold its bidirectional prefix blocks: transformers gives PaliGemmaForConditionalGeneration "
-    "no flash attention, and its flash path runs the prefixes causally",
-)
+PALIGEMMA_ON_FLASH = _causal_on_flash("prefix blocks", "PaliGemmaForConditionalGeneration", "prefixes")
 
 
 @dataclass(frozen=True)
@@ -212,8 +212,7 @@ VISION_FAMILIES |= {
     ),
     'fuyu': _swept(not_run("AttributeError: 'FuyuConfig' object has no attribute 'vision_config'")),
     'gemma3n': _swept(needs("timm")),
-    'gemma4': _swept(not_run('ValueError: its vision config (NoneType) has no image_size')),
-    'gemma4_unified': _swept(not_run('ValueError: its vision config (NoneType) has no image_size')),
+    'gemma4_unified': _swept(NO_DATA_SIDE),
     'git': _swept(
         NO_SDPA,
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
@@ -353,6 +352,13 @@ VISION_FAMILIES |= {
         "prefix blocks",
         "one image per row of pixel_values (SigLIP)",
         (NATIVE, NATIVE, PALIGEMMA_ON_FLASH, PALIGEMMA_ON_FLASH, NATIVE),
+    ),
+    # Its own sliding mask reads each image block at the wrong tokens of a packed row, as Gemma 3's: prepack builds
+    # the layer masks, image blocks on the sliding layers only (its full layers run causal).
+    "gemma4": VisionFamily(
+        "image blocks",
+        "one image per row of pixel_values (its patches, padding marked -1 in image_position_ids, pooled per image)",
+        (LAYER_MASKS, LAYER_MASKS, GEMMA4_IMAGES_ON_FLASH, GEMMA4_IMAGES_ON_FLASH, LAYER_MASKS),
     ),
 }
 
