@@ -202,6 +202,11 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
         return Qwen2VLImageProcessorPil(size=qwen_pixels, patch_size=vision.patch_size,
                                         merge_size=vision.spatial_merge_size,
                                         temporal_patch_size=vision.temporal_patch_size)
+    if config.model_type == "gemma4":  # its smallest budget: 70 soft tokens an image
+        from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+        return Gemma4ImageProcessorPil(patch_size=vision.patch_size, max_soft_tokens=70,
+                                       pooling_kernel_size=vision.pooling_kernel_size)
     side = vision.image_size
     if config.model_type == "internvl":  # GOT-OCR2's image processor, untiled (as prepare-images counts it)
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil

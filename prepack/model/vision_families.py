@@ -55,7 +55,7 @@ from prepack.model.families import (
     verdict_table,
 )
 
-__all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_packed", "image_refusal", "image_style", "markdown",
+__all__ = ["IMAGE_BLOCK_TOKEN_TYPES", "VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_packed", "image_refusal", "image_style", "markdown",
            "needs", "not_built", "not_run", "VIDEO_RULES"]
 
 ImageStyle = Literal["3-D rotary", "restart", "image blocks", "prefix blocks"]
@@ -373,6 +373,11 @@ VIDEO_RULES: dict[str, Literal["qwen2", "qwen3"]] = {
     "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3", "qwen3_5": "qwen3",
     "qwen3_5_moe": "qwen3", "qwen4_exp": "qwen3",
 }
+
+
+# The image blocks' token types by family, and the types that make a block: Gemma 3's token_type_ids (1 at image
+# placeholders), Gemma 4's mm_token_type_ids (1 at image, 2 at video placeholders: get_block_sequence_ids_for_mask).
+IMAGE_BLOCK_TOKEN_TYPES = {"gemma3": ("token_type_ids", (1,)), "gemma4": ("mm_token_type_ids", (1, 2))}
 
 
 def image_style(model_type: str) -> ImageStyle:

@@ -27,17 +27,13 @@ from __future__ import annotations
 from typing import Any
 
 from prepack.errors import IsolationError, optional_imports
-from prepack.model.vision_families import VISION_FAMILIES, image_refusal
+from prepack.model.vision_families import IMAGE_BLOCK_TOKEN_TYPES, VISION_FAMILIES, image_refusal
 
 with optional_imports("enable_packing"):
     import torch
     from transformers.masking_utils import create_causal_mask
 
-__all__ = ["IMAGE_BLOCK_TOKEN_TYPES", "VISION_TOWER_OVERRIDES", "checked_image_batch"]
-
-# The image blocks' token types by family, and the types that make a block: Gemma 3's token_type_ids (1 at image
-# placeholders), Gemma 4's mm_token_type_ids (1 at image, 2 at video placeholders: get_block_sequence_ids_for_mask).
-IMAGE_BLOCK_TOKEN_TYPES = {"gemma3": ("token_type_ids", (1,)), "gemma4": ("mm_token_type_ids", (1, 2))}
+__all__ = ["VISION_TOWER_OVERRIDES", "checked_image_batch"]
 
 # transformers.vision_utils / utils.generic pop these from the forward's kwargs and use them as given, under
 # their own names or prefixed with a modality (`image_cu_seqlens`: `accepts_precomputed_kwargs` strips it).

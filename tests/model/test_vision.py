@@ -38,7 +38,7 @@ from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3",
             "internvl", "mistral3", "glm4v", "glm4v_moe", "paligemma", "llava_next", "llava_onevision", "idefics3",
-            "smolvlm")
+            "smolvlm", "gemma4")
 ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
@@ -67,6 +67,12 @@ def image_tokens(model, processor, image: bytes) -> list[int]:
         if config.model_type in ("glm4v", "glm4v_moe"):  # <|begin_of_image|>, <|end_of_image|>
             return [config.image_start_token_id, *[spec.image_token_id] * count, config.image_end_token_id]
         return [config.vision_start_token_id, *[spec.image_token_id] * count, config.vision_end_token_id]
+    if spec.image_counts is not None:  # Gemma 4: as many soft tokens as its image processor makes of the image
+        from PIL import Image
+        import io
+
+        count = int(processor(images=[Image.open(io.BytesIO(image)).convert("RGB")])[spec.image_counts][0])
+        return [config.boi_token_id, *[spec.image_token_id] * count, config.eoi_token_id]
     if spec.style == "image blocks":
         return [config.boi_token_index, *[spec.image_token_id] * spec.tokens_per_image, config.eoi_token_index]
     if spec.image_cell is not None:  # Mistral 3: rows of placeholders, each closed by a break, the last by the end
@@ -156,12 +162,13 @@ def alone_batch(model, collator: VisionCollator, sample: dict, labels: torch.Ten
     ids = torch.from_numpy(sample["input_ids"])[None]
     batch = {"input_ids": ids, "labels": labels[None], "use_cache": False}
     if sample["images"]:
-        batch |= {key: value for key, value in collator._preprocessed([sample["images"]]).items() if key != "num_patches"}
+        batch |= {key: value for key, value in collator._preprocessed([sample["images"]]).items()
+                  if key not in ("num_patches", collator.spec.image_counts)}
     is_image = (ids == collator.spec.image_token_id).long()
     if collator.spec.style == "3-D rotary":
         batch["mm_token_type_ids"] = is_image
     if collator.spec.style == "image blocks":
-        batch["token_type_ids"] = is_image
+        batch[collator.spec.token_types] = is_image
     if collator.spec.style == "prefix blocks":  # as PaliGemmaProcessor marks a suffix: from the first target on
         batch["token_type_ids"] = ((labels != -100).cumsum(0) > 0).long()[None]
     return batch
@@ -197,7 +204,8 @@ PROJECTOR, VISION_TOWER, LANGUAGE_MODEL = "projector", "vision tower", "language
 
 
 def parameter_group(name: str) -> str:
-    if "multi_modal_projector" in name or "merger" in name or ".connector." in name:  # Idefics3's: connector
+    # Idefics3's projector: connector; Gemma 4's: embed_vision
+    if "multi_modal_projector" in name or "merger" in name or ".connector." in name or ".embed_vision." in name:
         return PROJECTOR
     return VISION_TOWER if any(tower in name for tower in (".visual.", ".vision_tower.", ".vision_model.")) else LANGUAGE_MODEL
 
