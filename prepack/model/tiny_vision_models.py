@@ -109,6 +109,8 @@ def tiny_vision_config(
         config[key] = {**(config[key] or {}), **value} if isinstance(value, dict) else value  # Gemma 4: no tower by default
     if vocab_size is not None:
         config["text_config"]["vocab_size"] = vocab_size
+        if "vocab_size_per_layer_input" in config["text_config"]:  # Gemma 4's per-layer embeddings read every id too
+            config["text_config"]["vocab_size_per_layer_input"] = vocab_size
     for key in ("model_type", "transformers_version", "architectures"):
         config.pop(key, None)
     return CONFIG_MAPPING[model_type](**config)

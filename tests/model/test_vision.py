@@ -356,6 +356,37 @@ def test_gemma3_image_blocks_are_needed():
     assert logit_diff > 1e-3
 
 
+@pytest.mark.slow
+def test_gemma4_own_sliding_mask_leaks_packed_image_blocks_and_layer_masks_are_needed():
+    """The leak controls of Gemma 4's layer masks: without enable_packing transformers' own sliding mask reads each
+    image block at the positions remapped within each sample, so packed samples differ from each alone (if
+    transformers mends it, this fails and the family may be isolated natively); without mm_token_type_ids its
+    images attend causally only, not as the sample alone gets them."""
+    model, _, made, collator = setup("gemma4")
+    batch = collator(packs_of(made))
+    logit_diff, _, groups = compare_groups(model, collator, made, batch)
+    assert logit_diff > 1e-3 and groups[VISION_TOWER] > 1e-3, (logit_diff, groups)
+    enable_packing(model)
+    del batch["mm_token_type_ids"]
+    logit_diff, _, _ = compare(model, collator, made, batch, gradients=False)
+    assert logit_diff > 1e-3
+
+
+def test_gemma4_image_blocks_follow_its_bidirectional_setting():
+    """Gemma 4's blocks sit on its sliding layers only, and only with use_bidirectional_attention="vision" (its
+    smaller checkpoints attend causally throughout); "all" is refused by name."""
+    from prepack.model.vision_packing import _image_block_layers
+
+    config = tiny_vision_model("gemma4").config.get_text_config()
+    assert _image_block_layers(config, "gemma4") == ("sliding_attention",)
+    assert _image_block_layers(config, "gemma3") == ("full_attention", "sliding_attention")
+    config.use_bidirectional_attention = None
+    assert _image_block_layers(config, "gemma4") == ()
+    config.use_bidirectional_attention = "all"
+    with pytest.raises(IsolationError, match="use_bidirectional_attention='all'"):
+        _image_block_layers(config, "gemma4")
+
+
 @pytest.mark.parametrize("model_type", ROTARY_3D)
 def test_rotary_positions_equal_transformers_get_rope_index(model_type):
     """prepack's numpy positions (computed in DataLoader workers) are transformers' own, sample by sample, for
@@ -401,21 +432,23 @@ def test_rotary_positions_without_the_text_row_leak_and_are_refused():
         model(**batch)
 
 
-@pytest.mark.parametrize("attn", [attn for model_type, attn in verdict_pairs(isolated=False) if model_type == "gemma3"])
-def test_gemma3_images_run_causally_on_flash_and_are_refused(attn, request):
-    """transformers gives Gemma3ForConditionalGeneration no flash attention: forced onto it, a sample alone runs its
-    images causally, not as the bidirectional blocks sdpa gives them. Its packed image batches are refused there
-    with that reason (its text batches are isolated on flash, so enable_packing itself accepts the model)."""
+@pytest.mark.parametrize(("model_type", "attn"), [pair for pair in verdict_pairs(isolated=False)
+                                                   if pair[0] in ("gemma3", "gemma4")])
+def test_gemma_images_run_causally_on_flash_and_are_refused(model_type, attn, request):
+    """transformers gives Gemma3ForConditionalGeneration and Gemma4ForConditionalGeneration no flash attention: forced
+    onto it, a sample alone runs its images causally, not as the bidirectional blocks sdpa gives them (Gemma 4's on
+    its sliding layers). Their packed image batches are refused there with that reason (their text batches are
+    isolated on flash, so enable_packing itself accepts the model)."""
     stand_in(request, attn)
-    model, _, made, collator = setup("gemma3")
+    model, _, made, collator = setup(model_type)
     sample = made[0]
     alone = alone_batch(model, collator, sample, torch.from_numpy(sample["input_ids"]))
     sdpa_logits, _, _ = run(model, alone, gradients=False)
     flash_logits, _, _ = run(enable_flash_attention(model, attn), alone, gradients=False)
     assert float((sdpa_logits - flash_logits).abs().max()) > 1e-3
     enable_packing(model)
-    reason = VISION_FAMILIES["gemma3"].verdicts[BACKENDS.index(backend_of(attn))].reason
-    refusal = f"gemma3 .*{attn}: {re.escape(reason)}. .*'sdpa' or 'eager' or 'flex_attention'"
+    reason = VISION_FAMILIES[model_type].verdicts[BACKENDS.index(backend_of(attn))].reason
+    refusal = f"{model_type} .*{attn}: {re.escape(reason)}. .*'sdpa' or 'eager' or 'flex_attention'"
     with pytest.raises(IsolationError, match=refusal):
         model(**collator(packs_of(made)))
 
@@ -440,7 +473,9 @@ def test_every_refusal_of_the_vision_table_is_run():
     }
     qwen4_exp_on_flash = {("qwen4_exp", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
     paligemma_on_flash = {("paligemma", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
-    assert set(verdict_pairs(isolated=False)) == gemma3_on_flash | qwen_on_flex | qwen4_exp_on_flash | paligemma_on_flash
+    gemma4_on_flash = {("gemma4", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
+    assert set(verdict_pairs(isolated=False)) == (gemma3_on_flash | qwen_on_flex | qwen4_exp_on_flash | paligemma_on_flash
+                                                  | gemma4_on_flash)
 
 
 @pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_4"])
