@@ -18,9 +18,10 @@ Styles:
 - restart (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Mistral 3): `position_ids` [B, L]
   restarting per sample, as for text (LLaVA-NeXT's and -OneVision's tiles with each image's `image_sizes`, Idefics3's
   and SmolVLM's with `pixel_attention_mask`, Mistral 3's `image_sizes` beside its padded `pixel_values`);
-- image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
-  from which prepack builds the layer masks (`prepack.model.vision_packing`: transformers' own sliding
-  mask misplaces the image blocks of a packed row);
+- image blocks (Gemma 3, Gemma 4): restarting `position_ids` and `token_type_ids` (Gemma 4: `mm_token_type_ids`)
+  marking image placeholders, from which prepack builds the layer masks (`prepack.model.vision_packing`:
+  transformers' own sliding mask misplaces the image blocks of a packed row; Gemma 4's blocks sit on its sliding
+  layers only);
 - prefix blocks (PaliGemma): `position_ids` restarting at 1 at every sample, as PaliGemma numbers a sample alone
   (transformers' modeling_paligemma.py adds 1 to the positions it builds when given none; the control that
   positions from 0 differ runs on sdpa only, tests/model/test_vision.py) and `token_type_ids` 0 on each sample's prefix (its tokens before its first target), which transformers attends

@@ -14,7 +14,10 @@
   transformers 5.24 `create_masks_for_vision_model`, measured: 0.18 on logits), so prepack builds both layer
   masks itself with transformers' `create_causal_mask`, from absolute token indices: (causal OR same
   image block) AND same sample (AND within the window, counted in positions, on sliding layers). On
-  flex_attention the same function builds them as BlockMasks.
+  flex_attention the same function builds them as BlockMasks. Gemma 4 (`mm_token_type_ids`) likewise, its
+  image blocks on the sliding layers only and only with `use_bidirectional_attention="vision"`, as its
+  `create_masks_for_vision_model` has them (its own sliding mask misplaces them as Gemma 3's does: measured 0.37 on
+  logits, tests/model/test_vision.py); "all" is refused.
 - Prefix blocks (PaliGemma): transformers ORs one block over every token typed 0 in the row (each sample's prefix)
   into the causal mask and ANDs the per-sample mask it builds from the restarting positions, which keeps each
   prefix inside its sample (measured); with an attention_mask it builds no per-sample mask (measured: the samples
@@ -53,7 +56,8 @@ def _overrides_a_tower(key: str) -> bool:
 def checked_image_batch(
     module: torch.nn.Module, kwargs: dict[str, Any], model_type: str, model_class: str, attn: str
 ) -> dict[str, Any]:
-    """The image batch's kwargs, with Gemma 3's layer masks built; IsolationError where it would leak."""
+    """The image batch's kwargs, with the image blocks' layer masks built (Gemma 3, Gemma 4); IsolationError where it
+    would leak."""
     message = image_refusal(model_type, model_class, attn)
     if message:
         raise IsolationError(message)

@@ -27,6 +27,10 @@ model's image processor (in DataLoader workers) and emits, by the family's style
                                  for each sample alone, so they restart at 0 at every sample
     token_type_ids [B, L] int64  (image blocks) 1 at image placeholders: Gemma 3's bidirectional image
                                  blocks, kept inside their sample by the layer masks enable_packing builds
+    mm_token_type_ids [B, L] int64 (image blocks, Gemma 4) the same, under Gemma 4's name
+    image_position_ids [N, P, 2] int64 (Gemma 4) each image's patch (x, y) beside its padded row of patches in
+                                 pixel_values [N, P, 3·patch²], -1 on the padding; each pack's placeholders checked
+                                 against the soft tokens the image processor made of its images
                   [B, L] int64  (prefix blocks) PaliGemma's: 0 on each sample's prefix (before its first target),
                                  1 after it and on padding; its position_ids then count from 1, as PaliGemma's do.
                                  The prefix follows the labels: with several turns it ends at the first
