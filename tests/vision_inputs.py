@@ -143,7 +143,8 @@ def glm4v_processor(image_processor, tokenizer):
     return ImagesOnly(image_processor=image_processor, tokenizer=tokenizer)
 
 
-# The tokens Gemma4Processor reads from its tokenizer (the audio ones too: it checks they are there; the video one it adds).
+# The tokens Gemma4Processor reads from its tokenizer (the audio ones too: it checks they are there; the video one it
+# adds).
 GEMMA4_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>",
                  "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>", "audio_token": "<audio_soft_token>",
                  "video_token": "<|video|>"}

@@ -174,7 +174,8 @@ def pooled_resize(height: int, width: int, patch_size: int, max_patches: int, ke
     elif target_width == 0:
         target_width, target_height = side, min(int(math.floor(height / width)) * side, longest)
     if target_height * target_width > max_patches * patch_size**2:
-        raise ValueError(f"it resizes to {target_width}x{target_height}, more than {max_patches} patches of {patch_size}")
+        raise ValueError(
+            f"it resizes to {target_width}x{target_height}, more than {max_patches} patches of {patch_size}")
     return target_height, target_width
 
 
@@ -267,9 +268,9 @@ class ImageRule(StrictModel):
         "rows: Pixtral's (Mistral 3's) resize within longest_edge, one token per patch_size² cell, each row of cells "
         "followed by `row_end` but the last, followed by `end`; glm4v_grid: GLM-4V's resize rule over `frames` "
         "frames, one token per merge_size² patches; tiles: GOT-OCR2's tiling (InternVL's), `tokens` per view: "
-        "each patch_size tile of the nearest canvas of min_tiles to max_tiles tiles, and a thumbnail when more than one; "
-        "pooled: Gemma 4's resize keeping the aspect ratio within `tokens` x merge_size² patches of patch_size, each "
-        "side a multiple of merge_size patches, one token per merge_size² patches."
+        "each patch_size tile of the nearest canvas of min_tiles to max_tiles tiles, and a thumbnail when more than "
+        "one; pooled: Gemma 4's resize keeping the aspect ratio within `tokens` x merge_size² patches of patch_size, "
+        "each side a multiple of merge_size patches, one token per merge_size² patches."
     )
     placeholder: str = Field(min_length=1, description="The placeholder token's text, repeated once per token.")
     start: str = Field(description="Text before an image's placeholders (may be empty).")

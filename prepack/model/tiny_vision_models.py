@@ -6,7 +6,8 @@ shrinks the vision tower so that a real photograph becomes a handful of patches:
 and Qwen3-VL's towers to 2-4 blocks with 14-pixel patches merged 2x2 (Qwen2.5-VL keeps windowed and
 full-attention blocks, so both of its vision attentions are exercised; Qwen3-VL a deepstack layer),
 LLaVA's CLIP tower to 28x28 images (4 patches), Gemma 3's SigLIP tower to 32x32 images pooled to 4
-tokens, Gemma 4 given a tower (it has none by default) of 4-pixel patches pooled 2x2. `vocab_size` may be raised to a real tokenizer's. Weights are seeded; nothing is downloaded.
+tokens, Gemma 4 given a tower (it has none by default) of 4-pixel patches pooled 2x2. `vocab_size` may be
+raised to a real tokenizer's. Weights are seeded; nothing is downloaded.
 
 `image_processor_for(config)` is transformers' PIL image processor (no torchvision) sized for a config's
 tower, and `qwen_processor_directory` writes what `prepack prepare-images` and `prepack build --tokenizer`
@@ -105,8 +106,8 @@ def tiny_vision_config(
     """The family's tiny config; `tokens` sets special token ids (a real tokenizer's image placeholder)."""
     config = tiny_config(model_type).to_dict() | (tokens or {})
     sizes = VISION_SIZES.get(model_type) or _generic_vision_sizes(config)
-    for key, value in sizes.items():
-        config[key] = {**(config[key] or {}), **value} if isinstance(value, dict) else value  # Gemma 4: no tower by default
+    for key, value in sizes.items():  # a sub-config may be None (Gemma 4 has no vision tower by default)
+        config[key] = {**(config[key] or {}), **value} if isinstance(value, dict) else value
     if vocab_size is not None:
         config["text_config"]["vocab_size"] = vocab_size
         if "vocab_size_per_layer_input" in config["text_config"]:  # Gemma 4's per-layer embeddings read every id too

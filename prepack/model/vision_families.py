@@ -56,8 +56,8 @@ from prepack.model.families import (
     verdict_table,
 )
 
-__all__ = ["IMAGE_BLOCK_TOKEN_TYPES", "VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_packed", "image_refusal", "image_style", "markdown",
-           "needs", "not_built", "not_run", "VIDEO_RULES"]
+__all__ = ["IMAGE_BLOCK_TOKEN_TYPES", "VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_packed", "image_refusal",
+           "image_style", "markdown", "needs", "not_built", "not_run", "VIDEO_RULES"]
 
 ImageStyle = Literal["3-D rotary", "restart", "image blocks", "prefix blocks"]
 

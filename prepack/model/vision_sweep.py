@@ -218,7 +218,7 @@ def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
 
 def _patch_rows(vision, images: int, channels: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """Gemma 4's variable-resolution layout, as its image processor writes it: one row of patches per image, the
-    image's grid of `kernel` x `kernel` pooling cells (2x3, 3x2, ...) then padding up to the widest image, and
+    image's grid of `kernel` x `kernel` pooling cells (2x3, 3x2, ...) then padding up to the largest image, and
     `image_position_ids` (x, y) per patch, -1 on the padding. The encoder-free tower (Gemma 4 unified) takes
     patches already merged by its kernel, one token each (`model_patch_size`)."""
     merged = getattr(vision, "model_patch_size", None)

@@ -1172,7 +1172,8 @@ def test_gemma4_budgets_are_its_image_processors():
 @pytest.mark.parametrize(
     ("file", "edit", "message"),
     [
-        ("preprocessor_config.json", {"max_soft_tokens": 100}, "max_soft_tokens is 100; Gemma 4's image processor takes"),
+        ("preprocessor_config.json", {"max_soft_tokens": 100},
+         "max_soft_tokens is 100; Gemma 4's image processor takes"),
         ("preprocessor_config.json", {"do_resize": False}, "do_resize is False"),
         ("preprocessor_config.json", {"pooling_kernel_size": 0}, "pooling_kernel_size is 0"),
         ("tokenizer_config.json", {"boi_token": None}, "boi_token is None"),

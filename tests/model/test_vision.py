@@ -474,8 +474,8 @@ def test_every_refusal_of_the_vision_table_is_run():
     qwen4_exp_on_flash = {("qwen4_exp", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
     paligemma_on_flash = {("paligemma", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
     gemma4_on_flash = {("gemma4", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
-    assert set(verdict_pairs(isolated=False)) == (gemma3_on_flash | qwen_on_flex | qwen4_exp_on_flash | paligemma_on_flash
-                                                  | gemma4_on_flash)
+    assert set(verdict_pairs(isolated=False)) == (gemma3_on_flash | gemma4_on_flash | qwen_on_flex | qwen4_exp_on_flash
+                                                  | paligemma_on_flash)
 
 
 @pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_4"])
