@@ -28,7 +28,7 @@ from prepack.model.tiny_models import DOCUMENT_VOCAB
 from prepack.model.families import BACKENDS, backend_of, implementation
 from prepack.model.isolation import default_tolerances
 from prepack.model.packing import FLASH_ATTENTION
-from prepack.model.tiny_vision_models import tiny_vision_model
+from prepack.model.tiny_vision_models import tiny_vision_config, tiny_vision_model
 from prepack.model.vision_families import VISION_FAMILIES
 from prepack.model.vision_sweep import _features_per_image
 from prepack.training.collate import segment_fields
@@ -377,7 +377,7 @@ def test_gemma4_image_blocks_follow_its_bidirectional_setting():
     smaller checkpoints attend causally throughout); "all" is refused by name."""
     from prepack.model.vision_packing import _image_block_layers
 
-    config = tiny_vision_model("gemma4").config.get_text_config()
+    config = tiny_vision_config("gemma4").get_text_config()
     assert _image_block_layers(config, "gemma4") == ("sliding_attention",)
     assert _image_block_layers(config, "gemma3") == ("full_attention", "sliding_attention")
     config.use_bidirectional_attention = None
