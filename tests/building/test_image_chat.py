@@ -1115,8 +1115,13 @@ def gemma4_directory(directory, max_soft_tokens: int = 70):
     return gemma4_processor_directory(directory, parts)
 
 
+@pytest.fixture(scope="module")
+def gemma4_processor(tmp_path_factory):
+    return gemma4_directory(tmp_path_factory.mktemp("gemma4") / "proc")
+
+
 @pytest.mark.parametrize("max_soft_tokens", [70, pytest.param(280, marks=pytest.mark.slow)])
-def test_gemma4_placeholders_text_and_token_types_are_the_processors_own(tmp_path, max_soft_tokens):
+def test_gemma4_placeholders_text_and_token_types_are_the_processors_own(gemma4_processor, tmp_path, max_soft_tokens):
     """Gemma 4: an image resized keeping its aspect ratio within the budget of max_soft_tokens x 2² patches becomes
     `<start_of_image>`, one `<image_soft_token>` per 2x2 patches, `<end_of_image>` (the tokenizer's boi, image and eoi
     tokens, as Gemma4Processor reads them); the expanded text, its ids and the count are Gemma4Processor's own, and
@@ -1124,7 +1129,8 @@ def test_gemma4_placeholders_text_and_token_types_are_the_processors_own(tmp_pat
     from prepack.training.vision_collate import VisionCollator, VisionSpec
     from tests.vision_inputs import images_of_many_sizes
 
-    directory, processor = gemma4_directory(tmp_path / "proc", max_soft_tokens)
+    directory, processor = gemma4_processor if max_soft_tokens == 70 else gemma4_directory(tmp_path / "proc",
+                                                                                           max_soft_tokens)
     rule, placeholder_id = processor_rule(directory)
     assert placeholder_id == processor.image_token_id
     collator = VisionCollator(VisionSpec("image blocks", placeholder_id, token_types="mm_token_type_ids",
@@ -1180,8 +1186,10 @@ def test_gemma4_budgets_are_its_image_processors():
         ("tokenizer_config.json", {"image_token": 7}, "image_token is 7"),
     ],
 )
-def test_a_gemma4_processor_that_cannot_count_is_a_named_error(tmp_path, file, edit, message):
-    directory, _ = gemma4_directory(tmp_path / "proc")
+def test_a_gemma4_processor_that_cannot_count_is_a_named_error(gemma4_processor, tmp_path, file, edit, message):
+    import shutil
+
+    directory = shutil.copytree(gemma4_processor[0], tmp_path / "proc")
     config = json.loads((directory / file).read_text()) | edit
     (directory / file).write_text(json.dumps(config))
     with pytest.raises(InputError, match=re.escape(f"{directory / file}: {message}")):

@@ -432,8 +432,9 @@ def test_rotary_positions_without_the_text_row_leak_and_are_refused():
         model(**batch)
 
 
-@pytest.mark.parametrize(("model_type", "attn"), [pair for pair in verdict_pairs(isolated=False)
-                                                   if pair[0] in ("gemma3", "gemma4")])
+@pytest.mark.parametrize(("model_type", "attn"), [
+    pytest.param(*pair, marks=[pytest.mark.slow] if pair[0] == "gemma4" else [])  # Gemma 4's fast lane: the sweep's row
+    for pair in verdict_pairs(isolated=False) if pair[0] in ("gemma3", "gemma4")])
 def test_gemma_images_run_causally_on_flash_and_are_refused(model_type, attn, request):
     """transformers gives Gemma3ForConditionalGeneration and Gemma4ForConditionalGeneration no flash attention: forced
     onto it, a sample alone runs its images causally, not as the bidirectional blocks sdpa gives them (Gemma 4's on
