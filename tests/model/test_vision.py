@@ -1,7 +1,8 @@
 """Packed image+text batches equal their samples run alone, in float64, for the three styles of packing.
 
 Tiny random vision-language models (`prepack.model.tiny_vision_models`: Qwen2-VL, Qwen2.5-VL and Qwen3-VL
-with 3-D rotary positions, LLaVA with plain restarts, Gemma 3 with bidirectional image blocks), real photographs (matplotlib's
+with 3-D rotary positions, LLaVA with plain restarts, Gemma 3 with bidirectional image blocks, Gemma 4 with them on its
+sliding layers), real photographs (matplotlib's
 sample images) through transformers' own image processors, `VisionCollator` packing four samples (one, two,
 none and one image) into two rows, and `enable_packing` on. The reference is each sample alone through
 transformers' own path: its own rotary positions (`get_rope_index`), its own masks. Logits, loss and

@@ -1,4 +1,5 @@
-"""Image-chat corpora of the families given a data side after Qwen-VL (Mistral 3's rows of cells, InternVL's tiles):
+"""Image-chat corpora of the families given a data side after Qwen-VL (Mistral 3's rows of cells, InternVL's tiles,
+Gemma 4's soft tokens by each image's size):
 prepared by `prepare_image_chat` from a processor directory that transformers' own processor reads, built by the
 CLI, served by ImagePackedDataset, collated by VisionCollator with the directory's image processor, and each pack's
 logits equal to its samples run alone in a tiny model with the tokenizer's vocabulary. Every sample lands in exactly
