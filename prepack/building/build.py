@@ -595,14 +595,9 @@ def _check_pair_options(packing: Packing, output: Output, flag: str) -> None:
         )
     if packing.drop_untrained:
         raise InputError(f"--drop-untrained would break {flag[2:]} apart: leave it out with {flag}.")
-    _check_kind_engine(flag, output.engine, "builds")
-
-
-def _check_kind_engine(flag: str, engine: str, made: str) -> None:
-    """Refuse an engine other than the local one for `flag`'s corpus (--groups, --unpaired), which only the local
-    engine reads (pairs run on Ray too), into `made` ("builds" or "stores")."""
-    if flag in ("--groups", "--unpaired") and engine != "local":
-        raise InputError(f"{flag} {made} run on the local engine (pairs run on Ray too): leave out --engine ray.")
+    if flag == "--unpaired" and output.engine != "local":  # the KL plan pairs examples across the whole corpus
+        raise InputError("--unpaired builds run on the local engine (each example's KL completion is planned over "
+                         "the whole corpus, read in one process; pairs and groups run on Ray too): leave out --engine ray.")
 
 
 def _check_pairs_cap(options: PairOptions, cap: int | None) -> None:
@@ -717,8 +712,6 @@ def build_document_store(corpus: str | os.PathLike, out: str | os.PathLike, read
                  if column is not None]:  # a store's shards hold tokens and labels, with no column for them
         raise InputError(f"a document store holds the groups' documents, not their scores or ranks: leave out {' and '.join(given)}, "
                          "or build with them from the corpus (prepack build CORPUS --groups ...).")
-    if reading.groups:
-        _check_kind_engine("--groups", output.engine, "stores")
     if output.shard_size < 1:
         raise InputError(f"invalid shard size {output.shard_size}: at least 1 byte.")
     _check_engine(output.engine, output.ray_address, reading)

@@ -50,6 +50,8 @@ __all__ = [
     "VIDEOS_SCHEMA",
     "VideoRule",
     "glm4v_resize",
+    "lfm2_grid",
+    "lfm2_resize",
     "pixtral_grid",
     "pooled_resize",
     "read_image_set",
@@ -145,6 +147,12 @@ def tiled_canvas(height: int, width: int, tile: int, min_tiles: int, max_tiles: 
          if min_tiles <= columns * rows <= max_tiles),
         key=lambda grid: grid[0] * grid[1],
     )
+    return _nearest_arrangement(height, width, tile, arrangements)
+
+
+def _nearest_arrangement(height: int, width: int, tile: int, arrangements) -> tuple[int, int]:
+    """Of the (columns, rows) `arrangements` in the processor's order, the one whose aspect ratio is nearest the
+    image's; a tie goes to the later one while the image's area is more than half the tiles'."""
     aspect, area = width / height, width * height
     nearest, best = float("inf"), (1, 1)
     for columns, rows in arrangements:
@@ -177,6 +185,33 @@ def pooled_resize(height: int, width: int, patch_size: int, max_patches: int, ke
         raise ValueError(
             f"it resizes to {target_width}x{target_height}, more than {max_patches} patches of {patch_size}")
     return target_height, target_width
+
+
+def lfm2_grid(height: int, width: int, tile: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
+    """(columns, rows) of the `tile`-pixel tiles LFM2-VL's image processor splits a large image into (transformers'
+    `Lfm2VlImageProcessor._get_grid_layout`): GOT-OCR2's search over its own order of arrangements (a set of them
+    sorted by tile count, as there, which orders ties of one count otherwise)."""
+    arrangements = sorted(
+        {(columns, rows) for n in range(min_tiles, max_tiles + 1) for columns in range(1, n + 1)
+         for rows in range(1, n + 1) if min_tiles <= columns * rows <= max_tiles},
+        key=lambda grid: grid[0] * grid[1],
+    )
+    return _nearest_arrangement(height, width, tile, arrangements)
+
+
+def lfm2_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) LFM2-VL's image processor resizes an image (or its thumbnail) to (transformers'
+    `Lfm2VlImageProcessor.smart_resize`): Qwen2-VL's rule (`smart_resize`) but each side at least `factor` before
+    the area is checked, and no aspect ratio refused."""
+    h_bar, w_bar = max(factor, round(height / factor) * factor), max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
 
 
 def select_best_resolution(height: int, width: int, resolutions) -> tuple[int, int]:
@@ -215,12 +250,12 @@ _Side = Annotated[int, Field(ge=1, le=65_536)]
 # The rule fields later kinds added, each with the kinds that count with it: a rule of any other kind carrying one
 # is refused (`_complete`), and is written without it, as before it existed, so that an image set prepared with the
 # same options keeps its bytes.
-_TILING = ("anyres", "split")
+_TILING = ("anyres", "split", "lfm2")
 _KIND_FIELDS = {
     "pinpoints": ("anyres",), "tile_height": _TILING, "tile_width": ("anyres",), "feature_rows": ("anyres",),
-    "feature_columns": ("anyres",), "max_tiles": ("anyres", "tiles"), "resize_edge": ("split",),
-    "splitting": ("split",), "global_token": ("split",), "longest_edge": ("rows",), "row_end": ("rows",),
-    "frames": ("glm4v_grid",), "min_tiles": ("tiles",),
+    "feature_columns": ("anyres",), "max_tiles": ("anyres", "tiles", "lfm2"), "resize_edge": ("split",),
+    "splitting": ("split", "lfm2"), "global_token": ("split", "lfm2"), "longest_edge": ("rows",),
+    "row_end": ("rows",), "frames": ("glm4v_grid",), "min_tiles": ("tiles", "lfm2"), "tolerance": ("lfm2",),
 }
 # The most placeholder tokens one image may stand for: one per pixel of the largest image prepack decodes by default
 # (MAX_IMAGE_PIXELS), well within the int32 `tokens` column, so that an image's text (its placeholders repeated) is
@@ -260,7 +295,7 @@ def _longest_edge_size(height: int, width: int, longest_edge: int) -> tuple[int,
 class ImageRule(StrictModel):
     """How many placeholder tokens an image becomes, and the text that stands for it before tokenizing."""
 
-    kind: Literal["grid", "fixed", "anyres", "split", "rows", "glm4v_grid", "tiles", "pooled"] = Field(
+    kind: Literal["grid", "fixed", "anyres", "split", "rows", "glm4v_grid", "tiles", "pooled", "lfm2"] = Field(
         description="grid: Qwen2-VL's resize rule, one token per merge_size² patches; fixed: `tokens` per image; "
         "anyres: LLaVA-NeXT's (and LLaVA-OneVision's) tiling, the image's tiles (by `pinpoints`) unpadded with a "
         "newline per row, then `tokens` for the whole image; split: Idefics3's and SmolVLM's, the image resized to "
@@ -270,7 +305,11 @@ class ImageRule(StrictModel):
         "frames, one token per merge_size² patches; tiles: GOT-OCR2's tiling (InternVL's), `tokens` per view: "
         "each patch_size tile of the nearest canvas of min_tiles to max_tiles tiles, and a thumbnail when more than "
         "one; pooled: Gemma 4's resize keeping the aspect ratio within `tokens` x merge_size² patches of patch_size, "
-        "each side a multiple of merge_size patches, one token per merge_size² patches."
+        "each side a multiple of merge_size patches, one token per merge_size² patches; "
+        "lfm2: LFM2-VL's, an image over its pixels (max_pixels x tolerance) split into tile_height tiles (the nearest "
+        "grid of min_tiles to max_tiles), each after its <|img_row_r_col_c|>, then `global_token` and the image "
+        "resized within [min_pixels, max_pixels] in sides of patch_size x merge_size; else that resized image alone; "
+        "a token per merge_size² patches."
     )
     placeholder: str = Field(min_length=1, description="The placeholder token's text, repeated once per token.")
     start: str = Field(description="Text before an image's placeholders (may be empty).")
@@ -290,8 +329,8 @@ class ImageRule(StrictModel):
     feature_columns: int | None = Field(default=None, ge=1, le=4096)
     max_tiles: int | None = Field(
         default=None, ge=1, le=65_536,
-        description="anyres: LLaVA-OneVision's anyres_max_N, the N (None for LLaVA-NeXT); tiles: the most tiles of "
-        f"GOT-OCR2's canvas (at most {_MAX_CANVAS_TILES}).",
+        description="anyres: LLaVA-OneVision's anyres_max_N, the N (None for LLaVA-NeXT); tiles, lfm2: the most tiles "
+        f"of GOT-OCR2's canvas, of LFM2-VL's grid (at most {_MAX_CANVAS_TILES}).",
     )
     # split: the longest side images are first resized to (None: not resized), whether they are split into tiles
     # of tile_height (= tile_width) pixels, and the text that marks the whole image after its tiles.
@@ -304,6 +343,8 @@ class ImageRule(StrictModel):
     frames: int | None = Field(default=None, ge=1, le=64,
                                description="glm4v_grid: the frames an image counts as (its temporal_patch_size).")
     min_tiles: int | None = Field(default=None, ge=1, le=_MAX_CANVAS_TILES)
+    tolerance: float | None = Field(default=None, gt=0, le=1024, allow_inf_nan=False,
+                                    description="lfm2: how many times max_pixels an image may be before it is split.")
 
     @model_validator(mode="after")
     def _complete(self) -> ImageRule:
@@ -317,6 +358,8 @@ class ImageRule(StrictModel):
             "glm4v_grid": ("patch_size", "merge_size", "min_pixels", "max_pixels", "frames"),
             "tiles": ("tokens", "patch_size", "min_tiles", "max_tiles"),
             "pooled": ("tokens", "patch_size", "merge_size"),
+            "lfm2": ("patch_size", "merge_size", "min_pixels", "max_pixels", "tile_height", "min_tiles", "max_tiles",
+                     "splitting", "tolerance"),
         }[self.kind]
         missing = [name for name in needed if getattr(self, name) is None]
         if missing:
@@ -324,10 +367,19 @@ class ImageRule(StrictModel):
         foreign = [name for name, kinds in _KIND_FIELDS.items() if self.kind not in kinds and getattr(self, name) is not None]
         if foreign:
             raise ValueError(f"a rule of kind {self.kind} has no {', '.join(foreign)}")
-        if self.kind == "tiles" and self.max_tiles > _MAX_CANVAS_TILES:
+        if self.kind in ("tiles", "lfm2") and self.max_tiles > _MAX_CANVAS_TILES:
             raise ValueError(f"max_tiles {self.max_tiles} is more than {_MAX_CANVAS_TILES}")
-        if self.kind == "tiles" and self.min_tiles > self.max_tiles:
+        if self.kind in ("tiles", "lfm2") and self.min_tiles > self.max_tiles:
             raise ValueError(f"min_tiles {self.min_tiles} is more than max_tiles {self.max_tiles}")
+        if self.kind == "lfm2":
+            # Its tiles' placeholders, and the resized image's: at most its larger pixel bound over a token's
+            # pixels, four times over for the sides rounded up (an extreme aspect ratio's upscaled thin side).
+            factor = self.patch_size * self.merge_size
+            most = ((self.max_tiles + 1) * self._lfm2_tile_tokens()
+                    + 4 * max(self.min_pixels, self.max_pixels) // factor**2 + 4)
+            if most > MAX_IMAGE_TOKENS:
+                raise ValueError(f"its tiles and pixel bounds give up to {most} placeholders an image, more than the "
+                                 f"{MAX_IMAGE_TOKENS} prepack lets one image stand for")
         if self.kind in ("grid", "glm4v_grid") and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels {self.min_pixels} is more than max_pixels {self.max_pixels}")
         if self.kind == "anyres":
@@ -377,6 +429,12 @@ class ImageRule(StrictModel):
             cells = self.merge_size**2
             resized_h, resized_w = pooled_resize(height, width, self.patch_size, self.tokens * cells, self.merge_size)
             return (resized_h // self.patch_size) * (resized_w // self.patch_size) // cells
+        if self.kind == "lfm2":
+            rows, columns, resized = self._lfm2_layout(width, height)
+            tiles = rows * columns
+            if tiles == 1:
+                return resized
+            return tiles * self._lfm2_tile_tokens() + (resized if self.global_token is not None else 0)
         factor = self.patch_size * self.merge_size
         if self.kind == "glm4v_grid":
             resized_h, resized_w = glm4v_resize(height, width, factor, self.min_pixels, self.max_pixels, self.frames)
@@ -390,6 +448,8 @@ class ImageRule(StrictModel):
         if self.kind == "rows":
             rows, columns = pixtral_grid(height, width, self.patch_size, self.longest_edge)
             return self.start + self.row_end.join([self.placeholder * columns] * rows) + self.end
+        if self.kind == "lfm2":
+            return self._lfm2_text(width, height)
         if self.kind != "split":
             count = self.placeholders(width, height) if count is None else count
             return self.start + self.placeholder * count + self.end
@@ -402,6 +462,38 @@ class ImageRule(StrictModel):
             for row in range(1, rows + 1)
         )
         return tiles + ("\n" if rows else "") + self.start + self.global_token + tile + self.end
+
+    def _lfm2_tile_tokens(self) -> int:
+        """The placeholders of one of LFM2-VL's tiles (`Lfm2VlProcessor._compute_tokens_per_tile`)."""
+        return math.ceil((self.tile_height // self.patch_size) / self.merge_size) ** 2
+
+    def _lfm2_layout(self, width: int, height: int) -> tuple[int, int, int]:
+        """(rows, columns) of LFM2-VL's tiles of an image ((1, 1): not split) and the placeholders of the image
+        resized (alone, or as the thumbnail after its tiles): transformers' `Lfm2VlImageProcessor.resize_and_split`
+        and `Lfm2VlProcessor._compute_tokens_for_image`, int() and ceil as there."""
+        factor = self.patch_size * self.merge_size
+        resized_h, resized_w = lfm2_resize(height, width, factor, self.min_pixels, self.max_pixels)
+        resized = (math.ceil((resized_h // self.patch_size) / self.merge_size)
+                   * math.ceil((resized_w // self.patch_size) / self.merge_size))
+        splits = self.splitting and not self.min_tiles == self.max_tiles == 1
+        rounded_h = max(self.patch_size, round(height / factor) * factor)  # `_is_image_too_large`'s rounding
+        rounded_w = max(self.patch_size, round(width / factor) * factor)
+        if not splits or not rounded_h * rounded_w > self.max_pixels * self.tolerance:
+            return 1, 1, resized
+        columns, rows = lfm2_grid(height, width, self.tile_height, self.min_tiles, self.max_tiles)
+        return rows, columns, resized
+
+    def _lfm2_text(self, width: int, height: int) -> str:
+        """`Lfm2VlProcessor._build_image_tokens` with its image special tokens: each tile after its row and column
+        (from 1), then the thumbnail after `global_token` (none without one), all between `start` and `end`."""
+        rows, columns, resized = self._lfm2_layout(width, height)
+        if rows * columns == 1:
+            return self.start + self.placeholder * resized + self.end
+        tile = self.placeholder * self._lfm2_tile_tokens()
+        tiles = "".join(f"<|img_row_{row}_col_{column}|>{tile}" for row in range(1, rows + 1)
+                        for column in range(1, columns + 1))
+        thumbnail = "" if self.global_token is None else self.global_token + self.placeholder * resized
+        return self.start + tiles + thumbnail + self.end
 
     def _tiles(self, width: int, height: int) -> tuple[int, int]:
         """(rows, columns) of tiles an Idefics3 or SmolVLM image processor splits the image into, (0, 0) for none

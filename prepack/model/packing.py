@@ -28,6 +28,9 @@ transformers isolates natively or raises `IsolationError`:
   `create_sliding_window_causal_mask` build from them are passed in, which those models take as given;
 - on flash attention (flash_attention_2/3/4), rows longer than `attention_chunk_size` (Llama 4's chunked
   layers) are refused: transformers' flash path cannot apply the chunks and raises for them;
+- rows reaching Llama 4's attention temperature floor (`floor_scale`, 8192 in its checkpoints) are refused on
+  every backend: transformers scales its NoPE layers' queries by a token's index in the row, not by
+  `position_ids`, so a document packed from there on would be scaled as it is not alone;
 - a cache is refused for packed rows: sdpa, eager and flex_attention only build the per-document mask
   (flex's BlockMask) from `position_ids` when no cache
   exists, so an explicit `use_cache=True` there raises, in train and eval mode alike, and `use_cache`
@@ -282,6 +285,7 @@ class _PackedBatchGuard:
         kwargs = _with_offsets(kwargs, tokens, flash)
         if flash:
             _require_rows_within_a_chunk(config, attn, tokens.shape[1])
+        _require_rows_below_the_temperature_floor(config, attn, tokens.shape[1])
         if self.per_document is not None:
             self._segment_the_sequence_state(kwargs, tokens)
         if verdict is not None and verdict.how in ("layer masks", "block mask"):
@@ -351,9 +355,17 @@ def _per_document_layers(
     model type it has: `prepack check-isolation` measured it with them.
     """
     if verdict is not None:
-        return install_per_document_layers(model, family.model_type) if verdict.per_document else None
+        return _install_per_document_layers(model, family.model_type) if verdict.per_document else None
     model_type = model.config.model_type
     return install_per_document_layers(model, model_type) if model_type in STATEFUL_LAYERS else None
+
+
+def _install_per_document_layers(model: transformers.PreTrainedModel, model_type: str) -> PerDocumentLayers:
+    """The model's per-document hooks; a vision-language family whose decoder is a text family of
+    `STATEFUL_LAYERS` (LFM2-VL's LFM2) gets its decoder's, whose modeling file defines the layers."""
+    if model_type in STATEFUL_LAYERS:
+        return install_per_document_layers(model, model_type)
+    return install_per_document_layers(model.get_decoder(), model.config.get_text_config().model_type)
 
 
 def _module_that_sees_the_documents(model: transformers.PreTrainedModel) -> torch.nn.Module:
@@ -372,6 +384,20 @@ def _require_rows_within_a_chunk(config, attn: str, width: int) -> None:
             f"Rows of {width} tokens on {attn} for a model with chunked attention layers (attention_chunk_size="
             f"{chunk}, Llama 4): transformers' flash-attention path cannot apply the chunks, and raises for a row "
             f"longer than one. Pack with max_len at most {chunk}, or use sdpa or eager, which apply them."
+        )
+
+
+def _require_rows_below_the_temperature_floor(config, attn: str, width: int) -> None:
+    # Llama 4's NoPE layers (no_rope_layers 0) scale their queries by each token's index in the row (transformers
+    # takes torch.arange, not position_ids), by 1 below index floor_scale - 1 and more from there on.
+    floor = getattr(config, "floor_scale", None)
+    no_rope = 0 in (getattr(config, "no_rope_layers", None) or ())
+    if getattr(config, "attn_temperature_tuning", False) and no_rope and floor and width >= floor:
+        raise IsolationError(
+            f"Rows of {width} tokens on {attn} for a model with attention temperature tuning (Llama 4, "
+            f"floor_scale={floor}): transformers scales its NoPE layers' queries by a token's index in the row, not "
+            f"its position in its document, from index {floor - 1} on, so a document packed there is scaled as it "
+            f"is not alone. Pack with max_len at most {floor - 1}."
         )
 
 

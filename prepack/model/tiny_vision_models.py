@@ -46,6 +46,9 @@ __all__ = [
 # The rotary halves of the 8-wide heads split over time, height and width (the defaults give all to time).
 MROPE = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [1, 1, 2]}
 IMAGE_SIZE = {"llava": 28, "gemma3": 32, "internvl": 56, "mistral3": 112}  # fixed-size towers: the side of the square image they take
+# The most patches of an image SigLIP2's NaFlex processor makes for LFM2-VL's tiny tower (8x8 of 16 pixels: up to
+# 16 placeholders after its 2x2 pixel unshuffle).
+LFM2_VL_PATCHES = 64
 # Qwen's image processor for the tiny towers: between 2 and 8 merged tokens (28x28 pixels each) per image.
 QWEN_PIXELS = {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}
 # The special tokens of a Qwen-VL processor (start, placeholder, end), as `prepack prepare-images` writes them.
@@ -82,6 +85,10 @@ VISION_SIZES: dict[str, dict[str, Any]] = {
     "internvl": {"vision_config": {"image_size": [IMAGE_SIZE["internvl"]] * 2, "patch_size": [14, 14]}},
     # Pixtral up to 8x8 patches, merged 2x2: up to 4 rows of 4 tokens per image, by its shape.
     "mistral3": {"vision_config": {"image_size": IMAGE_SIZE["mistral3"], "patch_size": 14}},
+    # Its tiles at 4x4 patches, one global layer, one intermediate layer's features beside the last one's (the
+    # projector takes both: twice the tower's width).
+    "mllama": {"vision_config": {"image_size": 56, "patch_size": 14, "num_global_layers": 1,
+                                 "intermediate_layers_indices": [0], "vision_output_dim": 2 * HIDDEN}},
     # SigLIP at 4x4 patches; its projection to the text width is set at the top (PaliGemma copies it down).
     "paligemma": {"vision_config": {"image_size": 56, "patch_size": 14}, "projection_dim": HIDDEN},
     # Gemma 4 has no tower by default: one of 4-pixel patches pooled 2x2 (its processor's smallest budget, 70 tokens,
@@ -180,18 +187,22 @@ def tiny_vision_model(
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config, **options).eval()
     with torch.no_grad():
-        for parameter in model.parameters():
+        for name, parameter in model.named_parameters():
             # A matrix initialised to zeros (Gemma 3's image projection) would cut the images off: no image
             # features reach the decoder and no gradient reaches the tower, so neither could show a leak.
             if parameter.ndim >= 2 and not parameter.any():
                 parameter.normal_(0.0, 0.02)
+            # So would a tanh gate initialised shut (Mllama's cross-attention layers, its tiles' embeddings).
+            elif name.endswith("gate") and not parameter.any():
+                parameter.fill_(1.0)
     return model
 
 
 def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict[str, int] = QWEN_PIXELS):
     """transformers' PIL image processor for the tower of `config` (Qwen-VL's from its patch, merge and
     temporal sizes, `qwen_pixels` per image; CLIP's, as LLaVA uses, LLaVA-NeXT's, -OneVision's, Idefics3's and
-    SmolVLM's tiling ones, and Gemma 3's at the tower's image size)."""
+    SmolVLM's tiling ones, Gemma 3's at the tower's image size, Gemma 4's at its smallest budget, and SigLIP2's
+    NaFlex one for LFM2-VL's tower)."""
     vision = config.vision_config
     if config.model_type in ("glm4v", "glm4v_moe"):  # a Qwen2-VL-like grid by GLM-4V's own resize rule
         from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
@@ -210,6 +221,12 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
 
         return Gemma4ImageProcessorPil(patch_size=vision.patch_size, max_soft_tokens=70,
                                        pooling_kernel_size=vision.pooling_kernel_size)
+    if config.model_type == "lfm2_vl":
+        # LFM2-VL's own image processor needs torchvision; SigLIP2's PIL one makes its tower's NaFlex input (patch
+        # rows padded to max_num_patches, pixel_attention_mask, spatial_shapes) by SigLIP2's resize rule, untiled.
+        from transformers.models.siglip2.image_processing_pil_siglip2 import Siglip2ImageProcessorPil
+
+        return Siglip2ImageProcessorPil(patch_size=vision.patch_size, max_num_patches=LFM2_VL_PATCHES)
     side = vision.image_size
     if config.model_type == "internvl":  # GOT-OCR2's image processor, untiled (as prepare-images counts it)
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil

@@ -15,9 +15,10 @@ and reach the decoder only, never the vision tower (`prepack.model.packing`). No
 Styles:
 - 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V, GLM-4V-MoE): `position_ids` [4, B, L], text positions restarting per sample (from
   which transformers builds the per-sample mask) over the three rotary rows, restarting per sample too;
-- restart (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Mistral 3): `position_ids` [B, L]
+- restart (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Mistral 3, LFM2-VL): `position_ids` [B, L]
   restarting per sample, as for text (LLaVA-NeXT's and -OneVision's tiles with each image's `image_sizes`, Idefics3's
-  and SmolVLM's with `pixel_attention_mask`, Mistral 3's `image_sizes` beside its padded `pixel_values`);
+  and SmolVLM's with `pixel_attention_mask`, Mistral 3's `image_sizes` beside its padded `pixel_values`, LFM2-VL's
+  NaFlex patch rows with `pixel_attention_mask` and `spatial_shapes`; LFM2's short convolutions run per sample);
 - image blocks (Gemma 3, Gemma 4): restarting `position_ids` and `token_type_ids` (Gemma 4: `mm_token_type_ids`)
   marking image placeholders, from which prepack builds the layer masks (`prepack.model.vision_packing`:
   transformers' own sliding mask misplaces the image blocks of a packed row; Gemma 4's blocks sit on its sliding
@@ -49,6 +50,7 @@ from prepack.model.families import (
     NO_FLEX,
     NO_SDPA,
     QWEN4_EXP_ON_FLASH,
+    SHORT_CONVOLUTIONS,
     SWEEP_COMMAND,
     Verdict,
     backend_of,
@@ -56,8 +58,8 @@ from prepack.model.families import (
     verdict_table,
 )
 
-__all__ = ["IMAGE_BLOCK_TOKEN_TYPES", "VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_packed", "image_refusal",
-           "image_style", "markdown", "needs", "not_built", "not_run", "VIDEO_RULES"]
+__all__ = ["IMAGE_BLOCK_TOKEN_TYPES", "VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_alone", "fails_packed",
+           "image_refusal", "image_style", "markdown", "needs", "not_built", "not_run", "VIDEO_RULES"]
 
 ImageStyle = Literal["3-D rotary", "restart", "image blocks", "prefix blocks"]
 
@@ -93,6 +95,14 @@ def not_run(detail: str) -> Verdict:
     return Verdict("refused", f"not measured: the sweep could not form or run its image samples ({detail})")
 
 
+def fails_alone(detail: str) -> Verdict:
+    return Verdict(
+        "refused",
+        f"transformers' own code fails on every sample of its tiny model alone, a text-only one as those with "
+        f"images ({detail}): there is no sample alone to hold a packed batch to",
+    )
+
+
 def fails_packed(detail: str) -> Verdict:
     return Verdict("refused", f"transformers' own code fails on a packed image batch ({detail})")
 
@@ -104,10 +114,24 @@ def needs(package: str) -> Verdict:
 
 
 LEAKS = Verdict("refused", "packed image samples see each other with position_ids restarting at every sample")
+# Measured (tests/model/test_vision_sweep.py): the tokens of a packed Mllama row with no image of their own differ.
+CROSS_ATTENTION_LEAKS = Verdict(
+    "refused",
+    "packed image samples see each other with position_ids restarting at every sample and each sample's own "
+    "cross_attention_mask: a text token with no image of its own to attend to (before its sample's first image, "
+    "or in a text-only sample) attends to every image of the row, as transformers unmasks a cross-attention row "
+    "masked whole",
+)
 NO_DATA_SIDE = Verdict(
     "refused",
     "isolated natively with position_ids restarting at every sample (measured), but prepack has no data side for it "
     "yet: no placeholder rule in prepare-images and no VisionCollator style",
+)
+NO_DATA_SIDE_PER_DOCUMENT = Verdict(
+    "refused",
+    "isolated with position_ids restarting at every sample and its decoder's sequence-state layers run one sample "
+    "per row as enable_packing runs them (measured; without them the samples leak through those layers), but "
+    "prepack has no data side for it yet: no placeholder rule in prepare-images and no VisionCollator style",
 )
 # The flash and flex columns of a family without a style: the sweep measures those on sdpa and eager.
 NOT_SWEPT = Verdict(
@@ -265,10 +289,12 @@ VISION_FAMILIES |= {
     'kosmos-2.5': _swept(
         not_built('AssertionError: kosmos-2.5: the tiny model has 244,697,280 parameters; a size was not shrunk.'),
     ),
-    'lfm2_vl': _swept(not_run('ValueError: its vision config (Siglip2VisionConfig) has no image_size')),
-    'lfm3_vl': _swept(LEAKS),
+    'lfm3_vl': _swept(NO_DATA_SIDE_PER_DOCUMENT),
     'lighton_ocr': _swept(NO_DATA_SIDE),
-    'llama4': _swept(not_run("AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'")),
+    # Its forward reads image_outputs off its language model's output, which has none, whatever the config: no
+    # Llama4ForConditionalGeneration call returns. The logits it computes before failing are isolated natively for
+    # packed image samples (tests/model/test_vision_sweep.py); a data side waits for a forward that returns.
+    'llama4': _swept(fails_alone("AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'")),
     'llava_next_video': _swept(NO_DATA_SIDE),
     'minicpm_ocr': _swept(
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
@@ -284,7 +310,7 @@ VISION_FAMILIES |= {
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
     'mistral_large4': _swept(LEAKS),
-    'mllama': _swept(not_run("AttributeError: 'MllamaModel' object has no attribute 'get_image_features'")),
+    'mllama': _swept(CROSS_ATTENTION_LEAKS),
     'molmo2': _swept(
         not_built("StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `adapter_config.vision_feature_layer` [24, 18] must index the 2 layers of `vision_conf"),
     ),
@@ -315,7 +341,7 @@ VISION_FAMILIES |= {
     ),
     'shieldgemma2': _swept(not_run('RuntimeError: stride should not be zero')),
     'step3p7': _swept(
-        not_run('ValueError: Could not find a `sliding_window` argument in the config, or it is not set'),
+        fails_alone('ValueError: Could not find a `sliding_window` argument in the config, or it is not set'),
     ),
     't5gemma2': _swept(not_run("AttributeError: 'T5Gemma2Config' object has no attribute 'vision_config'")),
     'udop': _swept(not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)')),
@@ -362,6 +388,17 @@ VISION_FAMILIES |= {
         (LAYER_MASKS, LAYER_MASKS, GEMMA4_IMAGES_ON_FLASH, GEMMA4_IMAGES_ON_FLASH, LAYER_MASKS),
     ),
 }
+
+
+# LFM2-VL: a NaFlex SigLIP2 tower (one image or tile a row of pixel_values, its patches kept to themselves by
+# pixel_attention_mask, its positions resized to its own spatial_shapes; measured) before LFM2, whose short
+# convolutions enable_packing runs one sample per row as for text (without that the samples leak through them).
+VISION_FAMILIES["lfm2_vl"] = VisionFamily(
+    "restart",
+    "one image or tile per row of pixel_values (SigLIP2 NaFlex), its padding masked by pixel_attention_mask and its "
+    "positions resized to its spatial_shapes, pixel-unshuffled 2x2",
+    (SHORT_CONVOLUTIONS,) * 4 + (NO_FLEX,),
+)
 
 
 # The families whose video inputs VisionCollator batches, and the video processor's rule they count placeholders

@@ -8,7 +8,9 @@ text only; random pixels in the tower's own input layout) and runs them alone (t
 change with its pixels, inverted, or the family is not measured: isolation on images the logits do not see would
 be vacuous), then packed into one row with `position_ids` restarting at every sample (and, for 3-D rotary
 families, each sample's own rotary rows from the model's `get_rope_index`, the text row first: what
-`VisionCollator` emits). float64, logits compared.
+`VisionCollator` emits). A cross-attention family (Mllama: a forward that takes `cross_attention_mask`) gives each
+image one placeholder and one tile, and each sample its own cross-attention mask by Mllama's processor rule,
+placed over that sample's own images in the packed row. float64, logits compared.
 
 The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` must hold for that backend:
 - a family the table gives a style (VisionCollator batches it): `enable_packing` on, the packed batch must
@@ -17,15 +19,19 @@ The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` m
   must raise, and the refusal must be needed: the batch let through leaks or fails; the refusal's reason is then
   prepack's own (the table's, raised by its IsolationError), not measured. Where the table isolates and
   `enable_packing` or the packed forward raises IsolationError, the family is measured as refused. Of an
-  isolated batch, the sweep measures whether it is isolated, not how: a family whose text verdict runs
-  sequence-state layers one document per row (Qwen3.5's gated delta rule) is given that text verdict, read from
-  `prepack.model.families`, and on flash every isolated family is given "native" (transformers isolates from
-  the offsets enable_packing derives), neither measured apart;
+  isolated batch, the sweep measures whether it is isolated, not how: a family whose text verdict (its own, or its
+  decoder's model type's: LFM2-VL's LFM2) runs sequence-state layers one document per row (Qwen3.5's gated delta
+  rule, LFM2's short convolutions) is given that text verdict, read from `prepack.model.families`, and on flash
+  every isolated family is given "native" (transformers isolates from the offsets enable_packing derives), neither
+  measured apart;
 - any other family is refused, with the reason measured here: no tiny model could be built (or it needs a
-  package that is not installed, such as timm), transformers has no such attention for it, the sweep could not
-  run an image sample alone (the family takes image inputs the sweep does not form), transformers' own code
+  package that is not installed, such as timm), transformers has no such attention for it, transformers' own
+  forward fails on every sample alone (a text-only one as the image ones: nothing of it trains, packed or not),
+  the sweep could not run an image sample alone (the family takes image inputs the sweep does not form), transformers' own code
   fails on the packed batch, the packed samples see each other, or they are isolated natively but prepack has
-  no data side (placeholder rule, collator style) for the family yet.
+  no data side (placeholder rule, collator style) for the family yet. A family whose decoder runs per document
+  (LFM3-VL's short convolutions) and leaks natively is measured again with those layers run one sample per row,
+  as `enable_packing` would run them: isolated so, it is refused for want of a data side, not as leaking.
 `sweep()` runs it for every family (`prepack check-isolation --sweep` on sdpa or eager) and says where the
 table and the measurement disagree. The flash and flex columns are measured by tests/model/test_vision_sweep.py
 with the pure-torch stand-ins of the kernels (tests/flash_reference.py), for the families the table gives a
@@ -47,10 +53,13 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 from prepack.errors import IsolationError
 from prepack.model.families import NO_FLASH, NO_FLEX, NO_SDPA, BACKENDS, Verdict, backend_of
 from prepack.model.isolation import default_tolerances
-from prepack.model.packing import enable_packing
+from prepack.model.packing import _document_segments, _install_per_document_layers, enable_packing
 from prepack.model.tiny_models import DOCUMENT_VOCAB
 from prepack.model import families, vision_families
-from prepack.model.vision_families import LEAKS, NO_DATA_SIDE, VISION_FAMILIES, fails_packed, not_built, not_run
+from prepack.model.vision_families import (
+    CROSS_ATTENTION_LEAKS, LEAKS, NO_DATA_SIDE, NO_DATA_SIDE_PER_DOCUMENT, VISION_FAMILIES, fails_alone, fails_packed,
+    not_built, not_run,
+)
 
 __all__ = ["IMAGE_TEXT_TYPES", "VisionCheck", "measure_family", "sweep"]
 
@@ -105,7 +114,7 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
         _require_pixels_seen(model, samples[0], alone[0], tolerance)
         packed = _packed(model, samples)
     except Exception as exc:  # noqa: BLE001 (inputs the sweep does not form for this family)
-        return not_run(_described(exc))
+        return fails_alone(_described(exc)) if _fails_without_images(model, exc) else not_run(_described(exc))
     if switch:
         try:
             switch(model, attn)
@@ -113,10 +122,17 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
             return _not_built_on(attn, exc)
     styled = model_type in VISION_FAMILIES and VISION_FAMILIES[model_type].style is not None
     native = _isolated(model, packed, alone, tolerance)
+    text_verdict = _decoder_verdict(model, attn)
     if not styled:
         if isinstance(native, Exception):
             return fails_packed(_described(native))
-        return NO_DATA_SIDE if native else LEAKS
+        if native is False and text_verdict is not None and text_verdict.per_document:
+            # A decoder whose sequence-state layers enable_packing runs one sample per row (LFM3-VL's short
+            # convolutions) leaks through them natively: measured with them so, the leak left is the images'.
+            return NO_DATA_SIDE_PER_DOCUMENT if _isolated_per_document(model, packed, alone, tolerance) else LEAKS
+        if native:
+            return NO_DATA_SIDE
+        return CROSS_ATTENTION_LEAKS if "cross_attention_mask" in packed else LEAKS
     expected = VISION_FAMILIES[model_type].verdicts[BACKENDS.index(backend_of(attn))]
     try:
         enable_packing(model)
@@ -132,13 +148,30 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
         return LEAKS
     if protected is not True:
         return fails_packed(_described(protected))
-    # The sequence-state layers enable_packing runs one sample per row (Qwen3.5's), as for text.
-    text_verdict = families.verdict(model_type, attn)
+    # The sequence-state layers enable_packing runs one sample per row (Qwen3.5's, LFM2-VL's), as for text.
     if text_verdict is not None and text_verdict.per_document:
         return text_verdict
     # On flash, transformers isolates from the offsets enable_packing derives, as for text: "native" there too.
     flash = backend_of(attn) in ("flash", "fa4")
     return vision_families.NATIVE if native is True or flash else vision_families.LAYER_MASKS
+
+
+def _decoder_verdict(model, attn: str) -> Verdict | None:
+    """The text table's verdict for the family's model type, else for its decoder's (LFM2-VL's: LFM2's)."""
+    found = families.verdict(model.config.model_type, attn)
+    return found if found is not None else families.verdict(model.config.get_text_config().model_type, attn)
+
+
+def _isolated_per_document(model, packed: dict, alone: list[torch.Tensor], tolerance: float):
+    """`_isolated` with the decoder's sequence-state layers run one sample per row, as `enable_packing` runs them
+    (its hooks, told the samples from the packed text positions), and removed afterwards."""
+    text_positions = packed["position_ids"][0] if packed["position_ids"].ndim == 3 else packed["position_ids"]
+    layers = _install_per_document_layers(model, model.config.model_type)
+    try:
+        layers.segments = _document_segments({"position_ids": text_positions}, packed["input_ids"])
+        return _isolated(model, packed, alone, tolerance)
+    finally:
+        layers.remove()
 
 
 @dataclass
@@ -159,6 +192,8 @@ def _samples(model) -> list[_Sample]:
         tokens = list(rng.integers(2, DOCUMENT_VOCAB, 4))
         for count in per_image:
             tokens += [image_token] * count + list(rng.integers(2, DOCUMENT_VOCAB, 3))
+        if images and _takes(model, "cross_attention_mask"):
+            pixels["cross_attention_mask"] = _cross_attention_mask(model, tokens, images)
         made.append(_Sample(torch.tensor(tokens), pixels))
     return made
 
@@ -187,7 +222,9 @@ def _requires(function, name: str) -> bool:
 
 def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
     """Random pixels for `images` images in the tower's input layout: Qwen-style patch rows with their grids
-    (a forward that takes image_grid_thw), else square images of the tower's image_size: one row each, or
+    (a forward that takes image_grid_thw), Gemma 4's patch rows (one that takes image_position_ids: `_patch_rows`),
+    NaFlex patch rows (one that takes spatial_shapes: `_naflex_pixels`),
+    else square images of the tower's image_size: one row each, or
     Idefics' row of images, or LLaVA-NeXT's whole image and one tile, with the image sizes a family requires."""
     vision = model.config.vision_config
     generator = torch.Generator().manual_seed(seed)
@@ -201,10 +238,19 @@ def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
         return {"pixel_values": pixel_values, "image_grid_thw": grids}
     if _takes(model, "image_position_ids"):
         return _patch_rows(vision, images, channels, generator)
+    if _takes(model, "spatial_shapes"):  # NaFlex (SigLIP2): patch rows padded to one length, each image's grid
+        return _naflex_pixels(model, images, generator, channels)
     side = getattr(vision, "image_size", None)
     if side is None:
         raise ValueError(f"its vision config ({type(vision).__name__}) has no image_size")
     side = side if isinstance(side, int) else side[0]
+    if _takes(model, "aspect_ratio_ids"):  # Mllama's: [1, images, tiles, C, H, W], each image one tile (ratio 1:1)
+        tiles = vision.max_num_tiles
+        pixel_values = torch.rand(1, images, tiles, channels, side, side, generator=generator, dtype=torch.float64)
+        one_tile = torch.zeros(1, images, tiles, dtype=torch.long)
+        one_tile[..., 0] = 1
+        return {"pixel_values": pixel_values, "aspect_ratio_ids": torch.ones(1, images, dtype=torch.long),
+                "aspect_ratio_mask": one_tile}
     pixel_values = torch.rand(images, channels, side, side, generator=generator, dtype=torch.float64)
     if _takes(model, "pixel_attention_mask"):  # Idefics-style: [rows, images of the row, C, H, W]
         return {"pixel_values": pixel_values[None]}
@@ -236,8 +282,24 @@ def _patch_rows(vision, images: int, channels: int, generator: torch.Generator) 
     return {"pixel_values": pixel_values, "image_position_ids": positions}
 
 
+def _naflex_pixels(model, images: int, generator: torch.Generator, channels: int) -> dict[str, torch.Tensor]:
+    """A NaFlex tower's input (LFM2-VL): image i is a grid of 2f by (2 + i)f patches (f: the projector's downsample
+    factor), its patch rows padded to one length for every sample, two rows more than the largest grid (as the
+    processor pads every image to its max_num_patches), with `pixel_attention_mask` marking each image's patches."""
+    patch, factor = model.config.vision_config.patch_size, getattr(model.config, "downsample_factor", 1)
+    shapes = torch.tensor([[2 * factor, (2 + index) * factor] for index in range(images)])
+    length = 2 * factor * (1 + max(SAMPLE_IMAGES)) * factor + 2
+    pixel_values = torch.rand(images, length, channels * patch * patch, generator=generator, dtype=torch.float64)
+    mask = torch.arange(length)[None] < shapes.prod(-1)[:, None]
+    return {"pixel_values": pixel_values * mask[..., None], "pixel_attention_mask": mask.long(),
+            "spatial_shapes": shapes}
+
+
 def _features_per_image(model, pixels: dict[str, torch.Tensor], images: int) -> list[int]:
-    """How many placeholders each image takes: the tower's features per image, by the model's get_image_features."""
+    """How many placeholders each image takes: the tower's features per image, by the model's get_image_features
+    (a cross-attention family's, one: its text attends to the image's features instead of holding them)."""
+    if _takes(model, "cross_attention_mask"):
+        return [1] * images
     with torch.no_grad():
         features = _inner(model).get_image_features(**pixels)
     if isinstance(features, transformers.utils.ModelOutput):
@@ -249,6 +311,19 @@ def _features_per_image(model, pixels: dict[str, torch.Tensor], images: int) -> 
     if total % images:
         raise ValueError(f"its tower made {total} features of {images} images")
     return [total // images] * images
+
+
+def _cross_attention_mask(model, tokens: list[int], images: int) -> torch.Tensor:
+    """Which of its images each token of a sample attends to, [1, tokens, images, tiles], by Mllama's processor
+    (transformers' own rule: from an image's placeholder to the next image's, or to the sample's end)."""
+    from transformers.models.mllama.processing_mllama import (
+        convert_sparse_cross_attention_mask_to_dense,
+        get_cross_attention_token_mask,
+    )
+
+    spans = get_cross_attention_token_mask(tokens, _image_token_id(model.config))
+    tiles = model.config.vision_config.max_num_tiles
+    return torch.from_numpy(convert_sparse_cross_attention_mask_to_dense([spans], [[1] * images], tiles, len(tokens)))
 
 
 def _batch(model, input_ids: torch.Tensor, pixels: dict[str, torch.Tensor]) -> dict:
@@ -265,6 +340,18 @@ def _logits(model, sample: _Sample) -> torch.Tensor:
         return model(**_batch(model, sample.input_ids, sample.pixels)).logits[0]
 
 
+def _fails_without_images(model, exc: Exception) -> bool:
+    """Whether a text-only sample alone fails as the image samples did: transformers' own forward failing on
+    every input (Llama 4's in 5.24 reads an output its language model does not return), not image inputs the
+    sweep did not form."""
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.arange(2, 6)[None], use_cache=False)
+    except Exception as text_only:  # noqa: BLE001
+        return _described(text_only) == _described(exc)
+    return False
+
+
 def _require_pixels_seen(model, sample: _Sample, logits: torch.Tensor, tolerance: float) -> None:
     """The sample's logits change with its pixels (inverted) by more than `tolerance`: else an isolation measured
     on its images would be vacuous (a tower that does not reach the logits cannot leak)."""
@@ -277,9 +364,21 @@ def _packed(model, samples: list[_Sample]) -> dict:
     """The samples in one row, positions restarting at each (3-D rotary: each sample's own rotary rows)."""
     input_ids = torch.cat([sample.input_ids for sample in samples])
     with_images = [sample.pixels for sample in samples if sample.pixels]
-    # Idefics-style pixel_values hold a row's images on their second axis.
-    pixels = {key: torch.cat([part[key] for part in with_images], dim=1 if key == "pixel_values" and _takes(
-        model, "pixel_attention_mask") else 0) for key in with_images[0]}
+    # Idefics-style pixel_values hold a row's images on their second axis (NaFlex's one image a row), as all
+    # Mllama's image inputs do.
+    if _takes(model, "aspect_ratio_ids"):
+        on_images_axis = set(with_images[0])
+    elif _takes(model, "pixel_attention_mask") and not _takes(model, "spatial_shapes"):
+        on_images_axis = {"pixel_values"}
+    else:
+        on_images_axis = set()
+    pixels = {key: torch.cat([part[key] for part in with_images], dim=1 if key in on_images_axis else 0)
+              for key in with_images[0] if key != "cross_attention_mask"}
+    if "cross_attention_mask" in with_images[0]:  # each sample's own, over its own images
+        pixels["cross_attention_mask"] = torch.block_diag(*(
+            sample.pixels["cross_attention_mask"][0].flatten(1) if sample.pixels else
+            torch.zeros(len(sample.input_ids), 0, dtype=torch.long) for sample in samples
+        )).view(1, len(input_ids), -1, model.config.vision_config.max_num_tiles)
     batch = _batch(model, input_ids, pixels)
     text = torch.cat([torch.arange(len(sample.input_ids)) for sample in samples])[None]
     batch["position_ids"] = text

@@ -180,11 +180,13 @@ def _with_prompt_lengths(store: Store, batches: Iterator[DocumentBatch], pairs: 
         yield batch
 
 
-def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None, tokenizer=None) -> Documents:
+def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None, tokenizer=None, group_size: int | None = None) -> Documents:
     """The documents of the corpus files `corpus`, read (and tokenized) as `reading` says, its schema
     and options checked now; `tokenizer`, when given, is `reading.tokenizer` loaded already
     (`prepack.sources.tokenize.load_tokenizer`). `open_documents` reads a whole corpus so; `--engine ray`
-    reads each corpus file so on a worker. With `reading.pairs`, preference pairs (`prepack.sources.pairs`)."""
+    reads each corpus file so on a worker, with `group_size` the whole corpus's (its first row's: a group
+    corpus's files are read with G found there, not each file's own). With `reading.pairs`, preference pairs
+    (`prepack.sources.pairs`)."""
     if reading.pairs + reading.groups + reading.unpaired > 1:
         kinds = [flag for flag, given in (("--pairs", reading.pairs), ("--groups", reading.groups), ("--unpaired", reading.unpaired)) if given]
         raise InputError(f"{' and '.join(kinds)} are different kinds of corpus: give one.")
@@ -193,7 +195,7 @@ def corpus_documents(corpus: Corpus, reading: Reading, progress: Progress | None
     if given := _given(reading, _UNPAIRED_FIELDS):
         raise InputError(f"{', '.join(given)} name{'s' * (len(given) == 1)} the columns and plan of unpaired feedback: add --unpaired.")
     if reading.pairs or reading.groups:
-        return _pair_documents(corpus, reading, tokenizer)
+        return _pair_documents(corpus, reading, tokenizer, group_size)
     if given := _given(reading, _PAIR_FIELDS):
         raise InputError(f"{', '.join(given)} name the columns of preference pairs: add --pairs.")
     if given := _given(reading, ("completions_column",)):
@@ -233,9 +235,9 @@ def _given(reading: Reading, names: Sequence[str]) -> list[str]:
     return [_flag(name) for name in names if getattr(reading, name) != defaults[name]]
 
 
-def _pair_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documents:
+def _pair_documents(corpus: Corpus, reading: Reading, tokenizer=None, group_size: int | None = None) -> Documents:
     """A preference-pair corpus's documents: pair r is documents 2r (chosen) and 2r + 1 (rejected); a group
-    corpus's (`reading.groups`): group r is documents Gr … Gr + G - 1."""
+    corpus's (`reading.groups`): group r is documents Gr … Gr + G - 1, G `group_size` or the first row's."""
     flag = "--groups" if reading.groups else "--pairs"
     if reading.tokenizer is None:
         raise InputError(f"{flag} tokenizes its {flag[2:]}: give --tokenizer (and --chat for conversations).")
@@ -252,7 +254,7 @@ def _pair_documents(corpus: Corpus, reading: Reading, tokenizer=None) -> Documen
 
     if reading.groups:
         options = PairOptions(prompt_column=reading.prompt_column, completions_column=reading.completions_column,
-                              group_size=first_group_size(corpus, reading.completions_column),
+                              group_size=group_size or first_group_size(corpus, reading.completions_column),
                               scores_column=reading.scores_column, ranks_column=reading.ranks_column)
     else:
         options = PairOptions(

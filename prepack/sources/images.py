@@ -125,6 +125,7 @@ _PLACEHOLDERS = {
     "LlavaOnevisionImageProcessor": ("", "<image>", ""),
     "Idefics3ImageProcessor": ("<fake_token_around_image>", "<image>", "<fake_token_around_image>"),
     "SmolVLMImageProcessor": ("<fake_token_around_image>", "<image>", "<fake_token_around_image>"),
+    "Lfm2VlImageProcessor": ("<|image_start|>", "<image>", "<|image_end|>"),  # as Lfm2VlProcessor uses it
 }
 # Image processors whose processor takes the placeholder texts from its tokenizer (Gemma4Processor: the tokenizer's
 # boi_token, image_token and eoi_token), by `image_processor_type`.
@@ -181,8 +182,9 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
 
     `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's or GLM-4V's, Gemma 3's,
     CLIP's as LLaVA uses, LLaVA-NeXT's or LLaVA-OneVision's tiling ones, Idefics3's or SmolVLM's, GOT-OCR2's as
-    InternVL uses it, tiled or not, Pixtral's as Mistral 3 uses it, SigLIP's as PaliGemma uses it, Gemma 4's, whose
-    placeholder texts come from `tokenizer_config.json` as Gemma4Processor takes them from its tokenizer) and its sizes;
+    InternVL uses it, tiled or not, Pixtral's as Mistral 3 uses it, SigLIP's as PaliGemma uses it, LFM2-VL's, Gemma
+    4's, whose placeholder texts come from `tokenizer_config.json` as Gemma4Processor takes them from its tokenizer)
+    and its sizes;
     `processor_config.json` (optional) may name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for
     fixed-size and tiled towers, the count (`image_seq_length`, or LLaVA's `patch_size` and
     `vision_feature_select_strategy`, LLaVA-NeXT's `num_additional_image_tokens`, LLaVA-OneVision's
@@ -237,6 +239,8 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         fields = _internvl_fields(config, config_file, processor, processor_file)
     elif kind == "SiglipImageProcessor":
         fields = _paligemma_fields(config, config_file, processor, processor_file)
+    elif kind == "Lfm2VlImageProcessor":
+        fields = _lfm2_fields(config, config_file, processor, processor_file)
     elif kind == "PixtralImageProcessor":
         end = _text(processor, processor_file, "image_end_token", end)
         fields = _pixtral_fields(config, config_file, processor, processor_file)
@@ -397,6 +401,39 @@ def _internvl_fields(config: dict, config_file: Path, processor: dict, processor
     return {"kind": "tiles", "tokens": tokens, "patch_size": side,
             "min_tiles": _positive(config, config_file, "min_patches", 1),
             "max_tiles": _positive(config, config_file, "max_patches", 12)}
+
+
+def _lfm2_fields(config: dict, config_file: Path, processor: dict, processor_file: Path) -> dict:
+    """LFM2-VL's count (`ImageRule` kind lfm2), from its image processor's config with Lfm2VlImageProcessor's
+    defaults: min_image_tokens and max_image_tokens as pixels (a token's pixels: (encoder_patch_size x
+    downsample_factor)²), tiles of tile_size, min_tiles to max_tiles of them when do_image_splitting (1 to 1
+    without, as the processor sets), the thumbnail after them when use_thumbnail. Lfm2VlProcessor's text with its
+    image special tokens (its default) is counted; without them, refused."""
+    if processor.get("use_image_special_tokens", True) is not True:
+        raise InputError(f"{processor_file}: use_image_special_tokens is {processor['use_image_special_tokens']!r}; "
+                         "prepack counts LFM2-VL's images with them, Lfm2VlProcessor's default.")
+    flags = {}
+    for key in ("do_image_splitting", "use_thumbnail"):
+        flags[key] = config.get(key, True)
+        if type(flags[key]) is not bool:
+            raise InputError(f"{config_file}: {key} is {flags[key]!r}; expected true or false.")
+    tolerance = config.get("max_pixels_tolerance", 2.0)
+    if type(tolerance) not in (int, float) or not 0 < tolerance < math.inf:
+        raise InputError(f"{config_file}: max_pixels_tolerance is {tolerance!r}; expected a positive number.")
+    patch = _positive(config, config_file, "encoder_patch_size", 16)
+    token_pixels = (patch * _positive(config, config_file, "downsample_factor", 2)) ** 2
+    min_tiles, max_tiles = (_positive(config, config_file, key, default) for key, default in (("min_tiles", 2),
+                                                                                             ("max_tiles", 10)))
+    if not flags["do_image_splitting"]:
+        min_tiles = max_tiles = 1
+    elif min_tiles > max_tiles:
+        raise InputError(f"{config_file}: min_tiles {min_tiles} is more than max_tiles {max_tiles}.")
+    return {"kind": "lfm2", "patch_size": patch, "merge_size": _positive(config, config_file, "downsample_factor", 2),
+            "min_pixels": _positive(config, config_file, "min_image_tokens", 64) * token_pixels,
+            "max_pixels": _positive(config, config_file, "max_image_tokens", 256) * token_pixels,
+            "tile_height": _positive(config, config_file, "tile_size", 512), "min_tiles": min_tiles,
+            "max_tiles": max_tiles, "splitting": flags["do_image_splitting"], "tolerance": float(tolerance),
+            "global_token": "<|img_thumbnail|>" if flags["use_thumbnail"] else None}
 
 
 def _pixtral_fields(config: dict, config_file: Path, processor: dict, processor_file: Path) -> dict:

@@ -356,6 +356,10 @@ class PairDocuments:
         """Record the prompt lengths of the next pairs, read elsewhere (`--engine ray`'s tasks), in corpus order."""
         self._prompt_lengths.append(np.asarray(lengths, dtype=np.int64))
 
+    def add_group_values(self, values: GroupValues) -> None:
+        """Record the scores and ranks of the next documents, read elsewhere (`--engine ray`'s tasks), in corpus order."""
+        self._values.append(values)
+
     def latest_prompt_lengths(self) -> np.ndarray:
         """The prompt lengths of the pairs of the batch yielded last (whose documents are its pairs')."""
         return self._prompt_lengths[-1]

@@ -12,6 +12,8 @@ size it was dealt for. The state then also records the job's passes over the epo
 size, batch size]` each: the order of a pass is the packs used before its start, then the rest of the
 epoch's permutation balanced for its world and batch size. A run resumed on the same world and batch
 size continues its pass exactly; one on another deals the rest of the epoch, rebalanced, as a new pass.
+A balanced epoch is dealt over the packs it began with: resumed on a build grown by appends (`grown`), its
+passes replay over the old packs alone, and the new ones join from the next epoch.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class _State(BaseModel):
     passes: list[_Pass] | None = Field(default=None, min_length=1, max_length=MAX_PASSES)
     # The epoch's earlier pack counts, when the build grew by appends while it ran (`PackedSampler`'s
     # "Growing builds"): strictly rising, each below `size`. Absent from a state of a build that did not.
+    # A balanced epoch is dealt over the first of them alone.
     grown: list[Annotated[int, Field(ge=1, le=_INT_MAX)]] | None = Field(default=None, min_length=1, max_length=MAX_PASSES)
 
     @model_validator(mode="after")
@@ -77,8 +80,6 @@ class _State(BaseModel):
             raise ValueError(f"used {self.used} is more than the {self.size} packs")
         if self.grown is not None and (any(a >= b for a, b in zip(self.grown, [*self.grown[1:], self.size]))):
             raise ValueError(f"grown {self.grown} must rise strictly, below size {self.size}")
-        if self.grown is not None and self.balance is not None:
-            raise ValueError("grown is never in a balanced state (a balanced run takes a grown build at an epoch's start)")
         balanced = self.balance is not None
         if (self.token_cost is not None) != balanced or (self.passes is not None) != balanced:
             raise ValueError("balance, token_cost and passes come together (a balanced state) or not at all")
@@ -153,10 +154,12 @@ class PackedSampler(Sampler[int]):
     generation where the state's packs end): the rest of the saved epoch is its order over the old packs,
     from where it stopped, then the new packs in a seeded shuffle of their own (`grown` in the state), so
     no old pack is repeated or skipped and every new pack is trained once; the next epoch shuffles all.
-    A balanced sampler (`balance`) does not resume across an append: its steps were dealt over the old
-    packs, so its state loads only into a sampler of the same size (the grown build's refuses it,
-    SamplerStateError naming the sizes, even at an epoch's end); a balanced run takes a grown build with a
-    new sampler from an epoch's start (`set_epoch`), the rest of an interrupted epoch not trained.
+    A balanced sampler (`balance`) resumes across an append too, by another rule: the rest of the saved epoch
+    is dealt over the old packs alone, step for step as it would have been without the append (rebalanced,
+    on other world or batch sizes, as any resume), and the new packs join from the next epoch, which deals
+    every pack once (a state saved before the epoch dealt its first pack begins it on every pack). Its steps
+    were balanced over the old packs, the last of them possibly short: new packs after it would shift every
+    later step against the loader's batches, so none of them would be balanced.
     """
 
     def __init__(
@@ -222,16 +225,22 @@ class PackedSampler(Sampler[int]):
         if epoch < 0:
             raise UsageError(f"epoch must be non-negative, got {epoch}")
         if epoch != self.epoch:
-            self.epoch, self._start, self._position, self._resume_pending = epoch, 0, 0, False
-            self._passes, self._grown = self._first_pass(), []
+            self.epoch = epoch
+            self._from_the_start()
 
     def __iter__(self) -> Iterator[int]:
         """The epoch from its beginning, as DistributedSampler; right after `load_state_dict`, the rest."""
         self._refuse_wrong_world()
         if not self._resume_pending:
-            self._start, self._passes = 0, self._first_pass()
+            self._from_the_start()
         self._position, self._resume_pending = 0, False
         return self._iterate(self._pass_indices())
+
+    def _from_the_start(self) -> None:
+        """Deal the epoch from its beginning, on every pack: no loaded state's position, passes or earlier
+        pack counts (a resumed epoch's `grown` ends with it, as its passes do)."""
+        self._start, self._position, self._resume_pending = 0, 0, False
+        self._passes, self._grown = self._first_pass(), []
 
     def _iterate(self, indices: np.ndarray) -> Iterator[int]:
         for position, index in enumerate(indices.tolist(), start=1):
@@ -241,7 +250,7 @@ class PackedSampler(Sampler[int]):
     def _pass_indices(self) -> np.ndarray:
         """This rank's indices for the packs of the epoch from `_start` on, dealt round-robin."""
         if self.balance is not None:
-            return self._balanced_pass(self.epoch, self._passes)[self._start :][self.rank :: self.world_size]
+            return self._balanced_pass(self.epoch, self._passes, self._grown)[self._start :][self.rank :: self.world_size]
         order = self._epoch_order()
         rest = order[self._start :]
         if self.drop_last:
@@ -261,18 +270,20 @@ class PackedSampler(Sampler[int]):
             order.append(low + added)
         return np.concatenate(order)
 
-    def _balanced_pass(self, epoch: int, passes: list[list[int]]) -> np.ndarray:
+    def _balanced_pass(self, epoch: int, passes: list[list[int]], grown: list[int]) -> np.ndarray:
         """The order of the last of `passes` in `epoch`: the packs used before it began, then the rest
         balanced.
 
         Replays the job's passes: each one's start counts packs of the order before it; the rest of the
-        epoch's permutation, cut to a multiple of the pass's world size, is balanced for its sizes.
+        epoch's permutation, cut to a multiple of the pass's world size, is balanced for its sizes. The
+        permutation is of the packs the epoch began with: the first of `grown` (the build grew since), else all.
         """
-        key = (epoch, tuple(map(tuple, passes)))
+        size = grown[0] if grown else self.size
+        key = (epoch, size, tuple(map(tuple, passes)))
         if self._pass_cache is not None and self._pass_cache[0] == key:  # state_dict() asks for it on every save
             return self._pass_cache[1]
-        order = epoch_order(self.size, self.seed, epoch, self.shuffle)
-        used = np.zeros(self.size, dtype=bool)
+        order = epoch_order(size, self.seed, epoch, self.shuffle)
+        used = np.zeros(size, dtype=bool)
         pass_order = order[:0]
         for start, world_size, batch_size in passes:
             if start > len(pass_order):
@@ -313,6 +324,8 @@ class PackedSampler(Sampler[int]):
                 f"the sampler state's epoch began on {grown[0]} packs, which no generation of this dataset ends at "
                 f"(its generations end at {sorted(self._generation_ends) or 'none'}): its order would not match."
             )
+        if self.balance is not None and saved.used == 0:  # nothing dealt yet: the epoch begins on every pack
+            grown = []
         mismatched = [key for key, value in self._identity().items() if getattr(saved, key) != value and not (key == "size" and grew)]
         if saved.balance is not None and self.balance is None:
             mismatched += ["balance", "token_cost"]  # a balanced state is another order
@@ -321,7 +334,7 @@ class PackedSampler(Sampler[int]):
             raise SamplerStateError(f"the sampler state is for another setup: {details}; its order would not match.")
         passes = self._resumed_passes(saved.passes, saved.used) if self.balance is not None else []
         if passes:  # replayed now, so that a pass starting beyond the packs its order deals out is refused here
-            order = self._balanced_pass(saved.epoch, passes)
+            order = self._balanced_pass(saved.epoch, passes, grown)
             if saved.used > len(order) or (len(order) - saved.used) % self.world_size:
                 raise SamplerStateError(
                     f"used {saved.used} is not where a step of its last pass ends (its order deals out "
@@ -332,8 +345,8 @@ class PackedSampler(Sampler[int]):
 
     def _grew_from(self, saved: _State) -> bool:
         """Whether `saved` is a state of this build before it grew by appends: fewer packs, ending where
-        one of its generations ends, and not balanced (see the class docstring)."""
-        return saved.size < self.size and saved.size in self._generation_ends and self.balance is None
+        one of its generations ends (see the class docstring)."""
+        return saved.size < self.size and saved.size in self._generation_ends
 
     def _resumed_passes(self, passes: list[list[int]], used: int) -> list[list[int]]:
         """The saved passes, and a new one from `used` on when this sampler's sizes differ."""

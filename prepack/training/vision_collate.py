@@ -128,8 +128,8 @@ class VisionSpec:
                        image_counts="num_soft_tokens_per_image")
         if style == "image blocks":
             return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
-        if getattr(config, "image_grid_pinpoints", None) or config.model_type in SPLITTING_FAMILIES:
-            return cls(style, image_token_id)  # tiled: the count follows the image's size
+        if getattr(config, "image_grid_pinpoints", None) or config.model_type in (*SPLITTING_FAMILIES, "lfm2_vl"):
+            return cls(style, image_token_id)  # tiled (LFM2-VL's NaFlex tiles too): the count follows the image's size
         vision = config.vision_config
         if style == "prefix blocks":  # PaliGemma: SigLIP's patches, one token each
             return cls(style, image_token_id, tokens_per_image=config.text_config.num_image_tokens)
@@ -260,8 +260,9 @@ class VisionCollator:
             # runs apart, and LLaVA-NeXT's and OneVision's adjacent runs touch at counts only the images' sizes give.
             raise UsageError(
                 "image_spans are given where each image is one run of placeholders of a fixed count, a grid's or "
-                "InternVL's views; this model's images (LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's and SmolVLM's "
-                "tiles, Mistral 3's rows broken by [IMG_BREAK]) are counted by their size in the processor's text."
+                "InternVL's views; this model's images (LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's, SmolVLM's and "
+                "LFM2-VL's tiles, Mistral 3's rows broken by [IMG_BREAK]) are counted by their size in the processor's "
+                "text."
             )
         self.image_spans = image_spans
         self.spec, self.image_processor = spec, image_processor
@@ -340,7 +341,8 @@ class VisionCollator:
         if self.spec.image_cell is not None:
             options = {"patch_size": {"height": self.spec.image_cell, "width": self.spec.image_cell}} | options
         out = self.image_processor(images=decoded, return_tensors="pt", **options)
-        fields = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_position_ids")
+        fields = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "spatial_shapes",
+                  "image_position_ids")
         kept = {key: out[key] for key in fields if key in out}
         if self.spec.image_counts is not None:  # each image's placeholders, for the check of each pack's
             kept[self.spec.image_counts] = out[self.spec.image_counts]

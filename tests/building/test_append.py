@@ -410,6 +410,14 @@ def test_a_run_resumed_after_an_append_trains_every_old_pack_once_then_the_new_o
     again = PackedSampler(grown, rank=0, world_size=2, seed=7, drop_last=drop_last)
     again.load_state_dict(resumed[0].state_dict(consumed=3))
     assert list(again) == rest[0][3:]
+    # Iterated again without set_epoch: the epoch from its beginning, shuffled over every pack as a sampler
+    # that began on the grown build shuffles it; a state saved at its start resumes to that order.
+    iterators = [iter(sampler) for sampler in resumed]
+    at_start = resumed[0].state_dict()
+    whole = [list(it) for it in iterators]
+    assert whole == [list(PackedSampler(grown, rank=rank, world_size=2, seed=7, drop_last=drop_last)) for rank in range(2)]
+    again.load_state_dict(at_start)
+    assert list(again) == whole[0]
 
 
 def test_a_state_of_another_size_that_is_no_generation_is_still_refused(tmp_path):
@@ -426,35 +434,75 @@ def test_a_state_of_another_size_that_is_no_generation_is_still_refused(tmp_path
     # A state that says its epoch began on a generation this dataset does not have is refused too.
     with pytest.raises(ValueError, match="which no generation of this dataset ends at"):
         sampler.load_state_dict({**sampler.state_dict(), "grown": [len(grown) - 3]})
-    with pytest.raises(ValueError, match="grown is never in a balanced state"):
-        balanced = PackedSampler(grown, rank=0, world_size=1, batch_size=2, drop_last=True, balance="attention")
+    balanced = PackedSampler(grown, rank=0, world_size=1, batch_size=2, drop_last=True, balance="attention")
+    with pytest.raises(ValueError, match="which no generation of this dataset ends at"):
         balanced.load_state_dict({**balanced.state_dict(), "grown": [3]})
 
 
-def test_a_balanced_state_does_not_resume_across_an_append_as_documented(tmp_path):
-    """A balanced sampler's steps are dealt over the packs it began with: the grown build's refuses its
-    state by size, at an epoch's end too; a new sampler takes the grown build from an epoch's start."""
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_balanced_run_resumed_after_an_append_finishes_its_epoch_then_trains_the_new_packs(tmp_path, world):
+    """A balanced state saved mid-epoch on two ranks, loaded into samplers of the grown build (on two ranks, or
+    on three, which rebalances the rest as a resume on other sizes does): the rest of the epoch is dealt over the
+    old packs alone, as the run would have dealt it without the append (on two ranks, step for step), no old pack
+    twice and none left out but the drop_last remainder; iterated again without `set_epoch`, they deal the epoch
+    from its beginning on every pack, as a sampler that began on the grown build does. Saved again in the resumed
+    epoch and resumed after a second append (an epoch begun two generations back), it resumes over the old packs
+    still. The next epoch deals every pack of the grown build once, the new ones among them, as a sampler that
+    began on the grown build deals it (and as a state saved at that epoch's start resumes it)."""
     store, out = tmp_path / "store", tmp_path / "packed"
     build_store(_batch(tmp_path, "a", _documents(0, 120)), store)
     build(store, out, max_len=MAX_LEN, index_only=True)
-    options = dict(rank=0, world_size=1, batch_size=2, drop_last=True, balance="attention")
-    packs = len(PackedDataset(out))
-    old = PackedSampler(PackedDataset(out), **options)
-    steps = iter(old)
-    for _ in range(4):
-        next(steps)
-    mid_epoch = old.state_dict(consumed=4)
-    old.set_epoch(1)
-    build_store(_batch(tmp_path, "b", _documents(1, 40)), store, append=True)
+    old = PackedDataset(out)
+    options = dict(seed=5, batch_size=2, drop_last=True, balance="attention", token_cost=100.0)
+    samplers = [PackedSampler(old, rank=rank, world_size=2, **options) for rank in range(2)]
+    iterators = [iter(s) for s in samplers]
+    trained = [next(it) for _ in range(4) for it in iterators]
+    state = samplers[0].state_dict()
+    uninterrupted = [list(it) for it in iterators]  # the rest of the epoch, had the build not grown
+    build_store(_batch(tmp_path, "b", _documents(1, 41)), store, append=True)
     build(store, out, max_len=MAX_LEN, index_only=True, append=True)
     grown = PackedDataset(out)
-    for state in (mid_epoch, old.state_dict()):
-        with pytest.raises(ValueError, match=rf"another setup: size {packs} \(now {len(grown)}\)"):
-            PackedSampler(grown, **options).load_state_dict(state)
-    fresh = PackedSampler(grown, **options)
-    fresh.set_epoch(1)
-    dealt = list(fresh)
-    assert sorted(dealt) == list(range(len(grown))) and len(grown) > packs  # every pack, the new ones among them
+    assert len(grown) > len(old) and len(grown) % 6 == 0  # every pack dealt in an epoch, on 2 or 3 ranks
+    resumed = [PackedSampler(grown, rank=rank, world_size=world, **options) for rank in range(world)]
+    for sampler in resumed:
+        sampler.load_state_dict(state)
+    rest = [list(sampler) for sampler in resumed]
+    if world == 2:
+        assert rest == uninterrupted
+    packs = trained + [index for part in rest for index in part]
+    assert len(set(packs)) == len(packs) and set(packs) <= set(range(len(old)))
+    assert len(old) - len(packs) < world  # the epoch's last packs short of a step of every rank (drop_last)
+    mid_epoch = resumed[0].state_dict(consumed=2)
+    # Iterated again in the same epoch: from its beginning, on every pack (a state saved there resumes it).
+    iterators = [iter(sampler) for sampler in resumed]
+    at_start = resumed[0].state_dict()
+    whole = [list(it) for it in iterators]
+    assert whole == [list(PackedSampler(grown, rank=rank, world_size=world, **options)) for rank in range(world)]
+    assert sorted(index for part in whole for index in part) == list(range(len(grown)))
+    restarted = [PackedSampler(grown, rank=rank, world_size=world, **options) for rank in range(world)]
+    for sampler in restarted:
+        sampler.load_state_dict(at_start)
+    assert [list(sampler) for sampler in restarted] == whole
+    # Saved mid-way through the resumed epoch, resumed after a second append: over the old packs still.
+    build_store(_batch(tmp_path, "c", _documents(2, 10)), store, append=True)
+    build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+    twice = PackedDataset(out)
+    assert len(twice) > len(grown) and len(twice) % 6 == 0
+    again = [PackedSampler(twice, rank=rank, world_size=world, **options) for rank in range(world)]
+    for sampler in again:
+        sampler.load_state_dict(mid_epoch)
+    assert [list(sampler) for sampler in again] == [part[2:] for part in rest]
+    fresh = [PackedSampler(twice, rank=rank, world_size=world, **options) for rank in range(world)]
+    for sampler in [*again, *fresh]:
+        sampler.set_epoch(1)
+    following = [list(sampler) for sampler in again]
+    assert following == [list(sampler) for sampler in fresh]
+    assert sorted(index for part in following for index in part) == list(range(len(twice)))
+    # A state saved on the old build before its next epoch dealt a pack begins that epoch on every pack.
+    samplers[0].set_epoch(1)
+    for sampler in again:
+        sampler.load_state_dict(samplers[0].state_dict())
+    assert [list(sampler) for sampler in again] == following
 
 
 # The command line ----------------------------------------------------------------------------------

@@ -169,6 +169,57 @@ def test_a_pair_store_is_stored_and_built_the_same_bytes(tmp_path, local_ray, gp
     _same(tmp_path / "local", tmp_path / "from-corpus")
 
 
+def _group_rows(turns: list, size: int) -> list[str]:
+    """JSONL lines of groups: a prompt, `size` completions (its answer, then others), scores and ranks a completion."""
+    others = [" no idea", " perhaps so", " ask again", " never"]
+    return [json.dumps({"prompt": f"Q: {t[0]} A:", "completions": [f" {t[1]}", *others[: size - 1]],
+                        "scores": [float(k) for k in range(size, 0, -1)], "ranks": [1, *[2] * (size - 1)]})
+            for t in turns]
+
+
+@pytest.mark.slow
+def test_groups_are_stored_appended_and_built_the_same_bytes(tmp_path, local_ray, gpt2):
+    """Groups of 3 on the Ray engine: tokenized into a store (shards cut at group boundaries), the store grown by
+    an append, its full and index builds, and a build of the corpus with scores and ranks, each the local
+    engine's bytes; a task reads its file with the driver's group size (the corpus's first row's), so a file of
+    no row is read as the local engine reads it, and a later file of other groups is its error."""
+    turns = [t for t in chitchat() if len(t) >= 2 and len(t[0]) < 50][:80]
+    corpus, new = tmp_path / "groups", tmp_path / "new"
+    corpus.mkdir(), new.mkdir()
+    (corpus / "0.jsonl").write_text("\n".join(_group_rows(turns[:30], 3)) + "\n")
+    (corpus / "1.jsonl").write_text("")  # a file of no group
+    (corpus / "2.jsonl").write_text("\n".join(_group_rows(turns[30:60], 3)) + "\n")
+    (new / "3.jsonl").write_text("\n".join(_group_rows(turns[60:], 3)) + "\n")
+    options = {"max_len": 64, "overflow": "truncate", "shard_size": 4_000, "seed": 1}
+    reading = {"tokenizer": gpt2, "groups": True}
+    for engine in ("local", "ray"):
+        root, cores = tmp_path / engine, {"num_proc": 1} if engine == "local" else {}
+        build_store(corpus, root / "store", shard_size=1_000, engine=engine, **reading, **cores)
+        build_store(new, root / "store", shard_size=1_000, append=True, engine=engine, **reading, **cores)
+        built = build(root / "store", root / "full", engine=engine, **options)
+        assert built.pairs.pairs == 80 and built.pairs.truncated > 0 and len(built.shards) > 1
+        build(root / "store", root / "index", index_only=True, engine=engine, **options)
+        build(corpus, root / "scored", scores_column="scores", ranks_column="ranks", engine=engine, **reading, **cores, **options)
+    for output in ("store", "full", "index", "scored"):
+        assert _same(tmp_path / "local" / output, tmp_path / "ray" / output) >= 2, output
+    both = tmp_path / "both"
+    both.mkdir()
+    for part in (corpus, new):
+        for path in part.iterdir():
+            shutil.copy(path, both / path.name)
+    build(both, tmp_path / "from-corpus", num_proc=1, **reading, **options)
+    shards = lambda build: {name: data for name, data in files(build).items() if name != "manifest.json"}  # noqa: E731
+    assert shards(tmp_path / "ray" / "full") == shards(tmp_path / "from-corpus")  # a grown store's fingerprint is chained
+    (corpus / "2.jsonl").write_text("\n".join(_group_rows(turns[30:60], 4)) + "\n")
+    refusals = []
+    for engine, cores in (("local", {"num_proc": 1}), ("ray", {})):
+        with pytest.raises(InputError) as refused:
+            build_store(corpus, tmp_path / f"bad-{engine}", engine=engine, **reading, **cores)
+        refusals.append(str(refused.value))
+    assert refusals[0] == refusals[1] and "2.jsonl, row 0" in refusals[0] and "expected a list of 3 completions" in refusals[0]
+    assert not any((tmp_path / f"bad-{engine}").exists() for engine in ("local", "ray"))
+
+
 @pytest.mark.slow
 def test_a_mixture_builds_the_same_bytes(tmp_path, local_ray):
     """Two corpora (files of three formats, one without labels) and a store, mixed with a cut at a piece and
@@ -315,9 +366,6 @@ def test_options_the_engine_would_ignore_are_refused_before_anything_runs(tmp_pa
             build(corpus, tmp_path / "out", max_len=8, **options)
     with pytest.raises(InputError, match="unknown engine"):
         build_store(corpus, tmp_path / "out", engine="dask")
-    # Groups are read on the local engine only, into a build or into a store.
-    with pytest.raises(InputError, match="--groups .* the local engine"):
-        build_store(corpus, tmp_path / "out", tokenizer=tmp_path, groups=True, engine="ray")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
 
 

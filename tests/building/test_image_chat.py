@@ -1194,3 +1194,92 @@ def test_a_gemma4_processor_that_cannot_count_is_a_named_error(gemma4_processor,
     (directory / file).write_text(json.dumps(config))
     with pytest.raises(InputError, match=re.escape(f"{directory / file}: {message}")):
         processor_rule(directory)
+
+
+# LFM2-VL's tokens (LiquidAI's tokenizer has them as special tokens): its image's, its thumbnail's, its tiles'.
+LFM2_VL_TOKENS = ("<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>",
+                  *(f"<|img_row_{row}_col_{column}|>" for row in range(1, 11) for column in range(1, 11)))
+LFM2_VL_SETUPS = {
+    "defaults": {},
+    "no thumbnail": {"use_thumbnail": False},
+    "not split": {"do_image_splitting": False},
+    "small tiles": {"tile_size": 256, "min_tiles": 1, "max_tiles": 4, "min_image_tokens": 16, "max_image_tokens": 64},
+    "patch 14": {"encoder_patch_size": 14, "downsample_factor": 3, "max_pixels_tolerance": 1.0, "max_tiles": 6},
+}
+
+
+def lfm2_vl_directory(directory, options: dict, processor_config: dict | None = None):
+    from tests.vision_inputs import transformers_processor_directory
+
+    config = {"image_processor_type": "Lfm2VlImageProcessor", **options}
+    return transformers_processor_directory(directory, config, processor_config or {"processor_class": "Lfm2VlProcessor"},
+                                            LFM2_VL_TOKENS)
+
+
+@pytest.mark.parametrize(
+    "setup", ["defaults", *(pytest.param(name, marks=pytest.mark.slow) for name in LFM2_VL_SETUPS if name != "defaults")]
+)
+def test_lfm2_vl_placeholders_and_text_are_the_processors_own(tmp_path, setup):
+    """At sizes drawn at random, photographs' and extreme ones: the rule read from an LFM2-VL processor directory
+    writes each image's text as transformers' Lfm2VlProcessor does (tiles with their rows and columns, thumbnail,
+    image start and end), from the tiles and size its image processor's own code decides (`lfm2_vl_image_text`)."""
+    from tests.vision_inputs import lfm2_vl_image_text
+
+    options = LFM2_VL_SETUPS[setup]
+    rule, placeholder_id = processor_rule(lfm2_vl_directory(tmp_path / "processor", options))
+    processor_text = lfm2_vl_image_text(options)
+    from tokenizers import Tokenizer
+
+    assert placeholder_id == Tokenizer.from_file(str(tmp_path / "processor" / "tokenizer.json")).token_to_id("<image>")
+    split = set()
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.one_of(st.tuples(st.integers(1, 5000), st.integers(1, 5000)), EXTREME,
+                     st.sampled_from([(640, 480), (1300, 1200), (1024, 1024), (512, 512), (4000, 3000)])))
+    def texts_agree(size):
+        width, height = size
+        expected = processor_text(width, height)
+        assert rule.text(width, height) == expected
+        assert rule.placeholders(width, height) == expected.count("<image>")
+        split.add("<|img_row_1_col_1|>" in expected)
+
+    texts_agree()
+    assert split == ({False} if setup == "not split" else {True, False})  # the sizes exercise both layouts
+
+
+@pytest.mark.parametrize(
+    ("options", "processor_config", "message"),
+    [
+        ({"min_tiles": 5, "max_tiles": 3}, None, "preprocessor_config.json: min_tiles 5 is more than max_tiles 3"),
+        ({"max_pixels_tolerance": "2"}, None, "preprocessor_config.json: max_pixels_tolerance is '2'"),
+        ({"use_thumbnail": 1}, None, "preprocessor_config.json: use_thumbnail is 1"),
+        ({"tile_size": 0}, None, "preprocessor_config.json: tile_size is 0"),
+        ({"max_tiles": 65}, None, "max_tiles 65 is more than 64"),
+        ({}, {"use_image_special_tokens": False}, "processor_config.json: use_image_special_tokens is False"),
+    ],
+)
+def test_an_lfm2_vl_processor_config_it_cannot_count_is_a_named_error(tmp_path, options, processor_config, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        processor_rule(lfm2_vl_directory(tmp_path / "processor", options, processor_config))
+
+
+@pytest.mark.slow
+def test_lfm2_vl_prepare_images_writes_the_processors_text_and_counts(tmp_path):
+    """prepare-images with an LFM2-VL processor directory (small tiles, so that the photographs split): each image's
+    text in corpus.parquet and its count in the image set are Lfm2VlProcessor's for the image's size."""
+    from tests.vision_inputs import lfm2_vl_image_text
+
+    options = LFM2_VL_SETUPS["small tiles"]
+    directory = lfm2_vl_directory(tmp_path / "processor", options)
+    (tmp_path / "p").mkdir()
+    for name in PHOTOS:
+        (tmp_path / "p" / name).write_bytes((SAMPLE_DATA / name).read_bytes())
+    corpus = chats(tmp_path / "p", [with_image(name) for name in PHOTOS])
+    prepare_image_chat(corpus, directory, tmp_path / "out")
+    expected = lfm2_vl_image_text(options)
+    sizes = [Image.open(SAMPLE_DATA / name).size for name in PHOTOS]
+    contents = [row[0]["content"] for row in pq.read_table(tmp_path / "out" / "corpus.parquet")["messages"].to_pylist()]
+    assert [content.removesuffix("Hi") for content in contents] == [expected(*size) for size in sizes]
+    assert any("<|img_row_1_col_1|>" in content for content in contents)  # a photograph split into tiles
+    image_set = read_image_set(tmp_path / "out" / "images")
+    assert image_set.row_tokens().tolist() == [expected(*size).count("<image>") for size in sizes]

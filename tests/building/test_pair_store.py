@@ -165,10 +165,7 @@ def test_options_other_than_the_stores_are_refused_by_name(stored, tmp_path):
         prepack.build(store, tmp_path / "b", **BUILD, **{k: v for k, v in reading.items() if k != "tokenizer"}, prompt_column="q")
     with pytest.raises(InputError, match="never splits"):
         prepack.build(store, tmp_path / "c", **{**BUILD, "overflow": "split"})
-    if size != 2:  # groups are packed on the local engine, from a corpus or a store
-        with pytest.raises(InputError, match="--groups builds run on the local engine"):
-            prepack.build(store, tmp_path / "d", **BUILD, engine="ray")
-    assert not any((tmp_path / name).exists() for name in "abcd")
+    assert not any((tmp_path / name).exists() for name in "abc")
 
 
 @pytest.mark.slow  # an index build, and verify in a process

@@ -26,7 +26,7 @@ from prepack.training.collate import PackedCollator
 from prepack.model.isolation import default_tolerances, measure_isolation
 from tests.flash_reference import use_flash_reference, use_flex_reference  # noqa: F401 (fixtures)
 from tests.model.test_family_sweep import MAX_LEN, packs
-from tests.tiny_models import tiny_model
+from tests.tiny_models import tiny_config, tiny_model
 
 LEAK = 1e-3
 
@@ -188,6 +188,46 @@ def test_rows_longer_than_an_attention_chunk_are_refused_on_flash():
     refusal = rf"Rows of {MAX_LEN} tokens .*attention_chunk_size={chunk}.*max_len at most"
     with pytest.raises(IsolationError, match=refusal):
         model(**PackedCollator(MAX_LEN)(packs()))
+
+
+def temperature_tuned_llama4(attn: str, floor_scale: int) -> transformers.PreTrainedModel:
+    """Llama 4's text model with its attention temperature tuning starting within a tiny row (real checkpoints:
+    floor_scale 8192) and strong enough to show through tiny random weights (attn_scale 1, real ones 0.1); its
+    tiny config has NoPE layers and the tuning on."""
+    config = tiny_config("llama4_text")
+    config.floor_scale, config.attn_scale = floor_scale, 1.0
+    assert config.attn_temperature_tuning and 0 in config.no_rope_layers
+    torch.manual_seed(0)
+    options = dict(attn_implementation=attn, experts_implementation="eager", dtype=torch.float64)
+    return transformers.AutoModelForCausalLM.from_config(config, **options).eval()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_rows_reaching_llama4s_temperature_floor_are_refused(attn):
+    """Llama 4 scales its NoPE layers' queries by each token's index in the row (not its position_ids) from index
+    floor_scale - 1 on: enable_packing refuses packed rows that reach it."""
+    model = enable_packing(temperature_tuned_llama4(attn, floor_scale=MAX_LEN))
+    refusal = rf"Rows of {MAX_LEN} tokens on {attn} .*floor_scale={MAX_LEN}.*max_len at most {MAX_LEN - 1}"
+    with pytest.raises(IsolationError, match=refusal):
+        model(**PackedCollator(MAX_LEN)(packs()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_llama4s_temperature_floor_is_where_packed_documents_stop_being_exact(attn):
+    """The control: let through (no enable_packing), a row reaching floor_scale scales a later document's queries
+    as they are not alone; rows below it are exact with enable_packing."""
+    floor_scale = 8
+    model = temperature_tuned_llama4(attn, floor_scale)
+    sample = packs()
+    tolerance, loss_tolerance = default_tolerances(torch.float64, attn)
+    leaking = measure_isolation(model, sample, PackedCollator(MAX_LEN)(sample), tolerance=tolerance,
+                                loss_tolerance=loss_tolerance, gradients=False)
+    assert leaking.max_logit_diff > LEAK, leaking
+    below = packs(([3, 4], [7], [2, 5]))
+    batch = PackedCollator(floor_scale - 1)(below)
+    exact = measure_isolation(enable_packing(model), below, batch, tolerance=tolerance, loss_tolerance=loss_tolerance)
+    assert exact.passed, exact
 
 
 # The families the GPU measurement named (docs/model-support.md): sliding windows (gemma3, mistral) and sinks

@@ -11,6 +11,11 @@ across images, Gemma 3's image blocks left out, on flash the text's offsets miss
 tower) must not. Every verdict of `prepack.model.vision_families` is run: the isolated ones on their backend
 (flash attention 2 and 4 through tests/flash_reference.py's stand-ins of the kernels, flex_attention uncompiled
 on logits and loss: torch's flex has no backward on a CPU), the refused ones to their refusal.
+
+LFM2-VL's own image processor needs torchvision, which is not installed here: its photographs go through SigLIP2's
+PIL image processor (`prepack.model.tiny_vision_models.image_processor_for`), which makes the same NaFlex input for
+its SigLIP2 tower (patch rows padded to one length, `pixel_attention_mask`, `spatial_shapes`; one row per image,
+where LFM2-VL's processor adds a row per tile, each a row the tower runs alone).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from prepack.errors import InputError, IsolationError
 from prepack.model.tiny_models import DOCUMENT_VOCAB
 from prepack.model.families import BACKENDS, backend_of, implementation
 from prepack.model.isolation import default_tolerances
+from prepack.model import packing
 from prepack.model.packing import FLASH_ATTENTION
 from prepack.model.tiny_vision_models import tiny_vision_config, tiny_vision_model
 from prepack.model.vision_families import VISION_FAMILIES
@@ -39,7 +45,7 @@ from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3",
             "internvl", "mistral3", "glm4v", "glm4v_moe", "paligemma", "llava_next", "llava_onevision", "idefics3",
-            "smolvlm", "gemma4")
+            "smolvlm", "lfm2_vl", "gemma4")
 ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
@@ -99,7 +105,8 @@ def image_tokens(model, processor, image: bytes) -> list[int]:
         import io
 
         out = processor(images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
-        pixels = {key: out[key] for key in ("pixel_values", "image_sizes", "pixel_attention_mask") if key in out}
+        pixels = {key: out[key] for key in ("pixel_values", "image_sizes", "pixel_attention_mask", "spatial_shapes")
+                  if key in out}
         return [spec.image_token_id] * _features_per_image(model, pixels, 1)[0]
     return [spec.image_token_id] * spec.tokens_per_image
 
@@ -348,6 +355,18 @@ def test_patches_across_images_leak_and_are_refused(model_type, field):
 
 
 @pytest.mark.slow
+def test_lfm2_vl_needs_its_short_convolutions_per_sample(monkeypatch):
+    """LFM2-VL's leak control: with the samples withheld from LFM2's short convolutions (they run over the packed
+    row), a sample's last tokens reach the next sample's first through them."""
+    model, _, made, collator = setup("lfm2_vl")
+    enable_packing(model)
+    batch = collator(packs_of(made))
+    monkeypatch.setattr(packing._PackedBatchGuard, "_segment_the_sequence_state", lambda self, kwargs, tokens: None)
+    logit_diff, _, _ = compare(model, collator, made, batch, gradients=False)
+    assert logit_diff > 1e-6
+
+
+@pytest.mark.slow
 def test_gemma3_image_blocks_are_needed():
     """Without token_type_ids Gemma 3's images attend causally only: not what the sample alone gets."""
     model, _, made, collator = setup("gemma3")
@@ -459,7 +478,7 @@ def test_gemma_images_run_causally_on_flash_and_are_refused(model_type, attn, re
     "model_type", [model_type for model_type, attn in verdict_pairs(isolated=False) if attn == "flex_attention"]
 )
 def test_qwen_vl_has_no_flex_attention(model_type):
-    """The table's flex refusals for Qwen-VL and GLM-4V: transformers has no flex path to switch them to."""
+    """The table's flex refusals for Qwen-VL, GLM-4V and LFM2-VL: transformers has no flex path to switch them to."""
     model = tiny_vision_model(model_type)
     with pytest.raises(ValueError, match="does not support an attention implementation through torch's flex"):
         model.set_attn_implementation("flex_attention")
@@ -471,7 +490,7 @@ def test_every_refusal_of_the_vision_table_is_run():
     gemma3_on_flash = {("gemma3", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
     qwen_on_flex = {
         (model_type, "flex_attention")
-        for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "glm4v")
+        for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "glm4v", "lfm2_vl")
     }
     qwen4_exp_on_flash = {("qwen4_exp", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
     paligemma_on_flash = {("paligemma", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}

@@ -22,15 +22,17 @@ from prepack import enable_packing
 from prepack.errors import IsolationError
 from prepack.model import families, packing, vision_families, vision_sweep
 from prepack.model.families import implementation
+from prepack.model.isolation import default_tolerances
 from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.model.vision_families import VISION_FAMILIES
 from prepack.model.vision_sweep import IMAGE_TEXT_TYPES, check_family, measure_family
 from tests.flash_reference import enable_flash_attention, use_flash_reference, use_flex_reference  # noqa: F401
 
 # The fast lane: isolated families (restart; 3-D rotary with deepstack and MoE; 3-D rotary before gated delta rule
-# layers; tiled: LLaVA-OneVision's tiles, SmolVLM's split images; Gemma 4's pooled patches and sliding image blocks),
-# one transformers has no sdpa for, one whose tiny model needs timm (skipped where timm is installed).
-FAST = ("llava", "qwen3_vl_moe", "qwen3_5", "blip", "gemma3n", "llava_onevision", "smolvlm", "gemma4")
+# layers; tiled: LLaVA-OneVision's tiles, SmolVLM's split images; NaFlex before short convolutions: LFM2-VL; Gemma
+# 4's pooled patches and sliding image blocks), one transformers has no sdpa for, one whose tiny model needs timm
+# (skipped where timm is installed).
+FAST = ("llava", "qwen3_vl_moe", "qwen3_5", "blip", "gemma3n", "llava_onevision", "smolvlm", "lfm2_vl", "gemma4")
 STYLED = tuple(sorted(name for name, family in VISION_FAMILIES.items() if family.style is not None))
 MEASURED_RELEASE = transformers.__version__ == families.MEASURED_VERSION
 
@@ -112,13 +114,25 @@ def test_the_sweep_measures_a_leak(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "model_type", ["qwen3_5", *(pytest.param(name, marks=pytest.mark.slow) for name in ("qwen3_5_moe", "qwen4_exp"))]
+    "model_type",
+    ["qwen3_5", *(pytest.param(name, marks=pytest.mark.slow) for name in ("qwen3_5_moe", "qwen4_exp", "lfm2_vl"))],
 )
 def test_the_sweep_measures_the_sequence_state_segments(model_type, monkeypatch):
-    """The leak control of the 3-D rotary image batches' gated delta rule segments: without them (the layers
-    run the packed row as one sequence) the samples see each other, and the sweep says so."""
+    """The leak control of the image batches' sequence-state segments (the 3-D rotary families' gated delta rule,
+    LFM2-VL's short convolutions): without them (the layers run the packed row as one sequence) the samples see
+    each other, and the sweep says so."""
     monkeypatch.setattr(packing._PackedBatchGuard, "_segment_the_sequence_state", lambda self, kwargs, tokens: None)
     assert measure_family(model_type, "sdpa") == vision_families.LEAKS
+
+
+@pytest.mark.slow
+def test_lfm3_vl_leaks_through_its_decoders_short_convolutions_only(monkeypatch):
+    """LFM3-VL's row (isolated with its decoder's short convolutions run per sample, no data side) is measured
+    both ways: the bare model's packed samples leak (through those layers), and with them per sample they do not
+    (the table's row agrees with a fresh measurement, test_the_table_agrees_with_a_fresh_measurement)."""
+    assert VISION_FAMILIES["lfm3_vl"].verdicts[0] == vision_families.NO_DATA_SIDE_PER_DOCUMENT
+    monkeypatch.setattr(vision_sweep, "_isolated_per_document", lambda model, packed, alone, tolerance: False)
+    assert measure_family("lfm3_vl", "sdpa") == vision_families.LEAKS
 
 
 def test_the_sweep_catches_a_wrongly_refused_family(monkeypatch):
@@ -144,6 +158,65 @@ def test_a_family_blind_to_its_pixels_is_not_measured(monkeypatch):
                         lambda self, pixel_values, **kwargs: seeing(self, torch.zeros_like(pixel_values), **kwargs))
     assert measure_family("llava", "sdpa") == vision_families.not_run(
         "ValueError: an image sample's logits do not change with its pixels")
+
+
+def test_a_family_whose_forward_fails_on_text_alone_is_refused_as_transformers_own_failure():
+    """Llama 4's forward (transformers 5.24) reads `image_outputs` off its language model's output, which has
+    none: every call fails after its logits, a text-only one too. The sweep says that transformers fails on every
+    sample alone, not that it could not form image samples. This fails once transformers returns its output
+    (then the sweep measures Llama 4's images, and the row changes)."""
+    model = tiny_vision_model("llama4")
+    with pytest.raises(AttributeError, match="image_outputs"):
+        model(input_ids=torch.tensor([[2, 3, 4, 5]]), use_cache=False)
+    failure = "AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'"
+    assert measure_family("llama4", "sdpa") == vision_families.fails_alone(failure)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_llama4_packed_images_are_isolated_up_to_the_logits_it_fails_to_return(attn):
+    """What Llama 4 would give once transformers returns its output: the logits its language model computes
+    (caught on their way out) for the sweep's packed samples equal each sample's alone; its tower runs each tile
+    as a row of its own (2-D rotary, pixel shuffle within the tile) and its chunked layers cut chunks by
+    position_ids. The control: positions counting on over the row leak."""
+    model = tiny_vision_model("llama4", attn)
+    caught = []
+    model.language_model.register_forward_hook(lambda module, args, output: caught.append(output.logits[0]))
+
+    def logits(batch):
+        with torch.no_grad(), pytest.raises(AttributeError, match="image_outputs"):
+            model(**batch)
+        return caught.pop()
+
+    samples = vision_sweep._samples(model)
+    alone = torch.cat([logits(vision_sweep._batch(model, sample.input_ids, sample.pixels)) for sample in samples])
+    packed = vision_sweep._packed(model, samples)
+    counting_on = packed | {"position_ids": torch.arange(packed["input_ids"].shape[1])[None]}
+    tolerance, _ = default_tolerances(torch.float64, attn)
+    assert sum(len(sample.pixels.get("pixel_values", ())) for sample in samples) == 3
+    assert (logits(packed) - alone).abs().max() <= tolerance
+    assert (logits(counting_on) - alone).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
+def test_mllamas_text_without_an_image_of_its_own_sees_the_rows_images(attn):
+    """Mllama's refusal, pinned to its cause: with each sample's own cross_attention_mask (its processor's rule)
+    over its own images, the packed tokens that have an image to attend to equal their sample's alone, and those
+    with none (before their sample's first image, in a text-only sample) do not: transformers unmasks a
+    cross-attention row masked whole, so they attend to every image of the row. This fails if transformers
+    masks them (then the sweep measures Mllama again)."""
+    model = tiny_vision_model("mllama", attn)
+    samples = vision_sweep._samples(model)
+    alone = torch.cat([vision_sweep._logits(model, sample) for sample in samples])
+    packed = vision_sweep._packed(model, samples)
+    with torch.no_grad():
+        differs = (model(**packed).logits[0] - alone).abs().amax(-1)
+    imageless = packed["cross_attention_mask"][0].flatten(1).sum(-1) == 0
+    tolerance, _ = default_tolerances(torch.float64, attn)
+    assert imageless.any() and (~imageless).any()
+    assert differs[~imageless].max() <= tolerance
+    assert differs[imageless].min() > 10 * tolerance
+    assert VISION_FAMILIES["mllama"].verdicts[:2] == (vision_families.CROSS_ATTENTION_LEAKS,) * 2
 
 
 def test_a_family_the_table_does_not_know_is_refused_by_name(monkeypatch):

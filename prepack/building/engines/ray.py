@@ -53,7 +53,7 @@ import socket
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, replace
@@ -81,6 +81,7 @@ from prepack.building.write_shards import ShardBuffers, TokenFiles, gather_token
 from prepack.storage.files import write_in_pieces
 
 if TYPE_CHECKING:  # tokenizers is needed only for text and chat
+    from prepack.sources.pairs import GroupValues
     from prepack.sources.tokenize import LocalTokenizer
 
 __all__ = ["RayEngine", "check_ray_address", "ray_engine"]
@@ -155,6 +156,7 @@ class _UnitRead:
     lengths: np.ndarray  # `compact_lengths`, one per document of the unit
     untrained: np.ndarray  # bool, one per document
     prompt_lengths: np.ndarray | None = None  # a preference-pair corpus's: one per pair of the unit
+    group_values: GroupValues | None = None  # a group corpus's scores and ranks, one a document of the unit
     digest: str = ""  # with `_Unit.digest`: sha256 of the unit's token ids, then of its labels, every document's, kept or not
     observed: list | None = None  # `_Unit.observe`'s results, batch by batch
 
@@ -178,10 +180,11 @@ def _tokenizer(path: str | os.PathLike, sha256: str) -> LocalTokenizer:
 
 def _unit_arrays(
     source: _Source, unit: _Unit, directory: Path, prompts: list[np.ndarray]
-) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+) -> Generator[tuple[np.ndarray, np.ndarray, np.ndarray | None], None, GroupValues | None]:
     """(offsets, ids, labels) of the unit's documents, batch by batch, in row order; a preference-pair
-    corpus's prompt lengths appended to `prompts` as they are read. A unit in object storage is fetched
-    into `directory` first, and named by its URI still."""
+    corpus's prompt lengths appended to `prompts` as they are read. Returns a group corpus file's group values
+    (scores, ranks) once it is read; None for any other unit (a store holds no scores or ranks). A unit in
+    object storage is fetched into `directory` first, and named by its URI still."""
     store = source.store
     if unit.shard is not None:
         if store.location is not None:
@@ -191,15 +194,16 @@ def _unit_arrays(
         if store.manifest.pairs is not None:  # a pair store's groups, whole in each shard
             prompts.append(group_prompt_lengths(offsets, labels, store.manifest.pairs.size, store.shard_where(unit.shard)))
         yield columns
-        return
+        return None
     file = unit.file
     if isinstance(file, LocalCopy):
         file = LocalCopy(file.location, directory / file.name)
         fetch(file.location, file.copy)
     expected = source.documents
     tokenizer = None if expected.tokenize is None else _tokenizer(source.reading.tokenizer, expected.tokenize.tokenizer.sha256)
-    # One core a task: Ray's tasks are the parallelism.
-    found = corpus_documents(Corpus(Path(file).parent, (file,)), replace(source.reading, num_proc=1), None, tokenizer)
+    # One core a task: Ray's tasks are the parallelism. A group corpus's files are read with its G (its first row's).
+    group_size = None if expected.pairs is None else expected.pairs.options.group_size
+    found = corpus_documents(Corpus(Path(file).parent, (file,)), replace(source.reading, num_proc=1), None, tokenizer, group_size)
     if (found.tokenize, found.has_labels, found.labels_column) != (expected.tokenize, expected.has_labels, expected.labels_column):
         raise InputError(
             f"{unit.file}: read on a worker, it gives other documents than on the driver (the tokenizer, the chat "
@@ -209,6 +213,7 @@ def _unit_arrays(
         if found.pairs is not None:
             prompts.append(found.pairs.latest_prompt_lengths())
         yield batch.offsets, batch.ids, batch.labels
+    return None if group_size is None else found.pairs.group_values()
 
 
 @ray.remote(max_retries=_RETRIES)
@@ -223,7 +228,13 @@ def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
                 ids_file = files.enter_context(output_file(ids_path))
                 labels_file = files.enter_context(output_file(labels_path)) if labels_path is not None else None
                 row = 0
-                for offsets, ids, labels in _unit_arrays(source, unit, directory, prompts):
+                arrays = _unit_arrays(source, unit, directory, prompts)
+                while True:
+                    try:
+                        offsets, ids, labels = next(arrays)
+                    except StopIteration as done:  # its return value: a group corpus file's scores and ranks
+                        group_values = done.value
+                        break
                     batch_lengths = np.diff(offsets)
                     lengths.append(batch_lengths)
                     untrained.append(untrained_documents(offsets, labels))
@@ -252,6 +263,7 @@ def _read_unit(source: _Source, unit: _Unit) -> _UnitRead | PrepackError:
         lengths=compact_lengths(np.concatenate(lengths) if lengths else _NO_DOCUMENTS),
         untrained=np.concatenate(untrained) if untrained else np.empty(0, bool),
         prompt_lengths=None if source.documents.pairs is None else np.concatenate(prompts or [_NO_DOCUMENTS]),
+        group_values=group_values,
         digest=ids_hash.hexdigest() + labels_hash.hexdigest() if unit.digest else "",
         observed=observed if unit.observe is not None else None,
     )
@@ -427,7 +439,7 @@ class RayEngine:
 
     def _source(self, documents: Documents, reading: Reading) -> ray.ObjectRef:
         """What workers must find (`_Source`), without the driver's streams (a generator does not pickle)."""
-        pairs = None if documents.pairs is None else replace(documents.pairs, batches=iter(()), _prompt_lengths=[])
+        pairs = None if documents.pairs is None else replace(documents.pairs, batches=iter(()), _prompt_lengths=[], _values=[])
         return ray.put(_Source(reading, replace(documents, batches=iter(()), pairs=pairs), documents.store, self.cwd))
 
     def _read_all(
@@ -475,6 +487,8 @@ class RayEngine:
                 digests.append(read.digest)
                 if documents.pairs is not None:
                     documents.pairs.add_prompt_lengths(read.prompt_lengths)
+                    if read.group_values is not None:  # a group corpus file's (`_unit_arrays`)
+                        documents.pairs.add_group_values(read.group_values)
                 firsts.append(tokens)
                 tokens += int(read.lengths.sum(dtype=np.int64))
                 progress.update(task, advance=1, description=f"read {unit.file.name if unit.file else unit.shard.name}")
