@@ -27,8 +27,10 @@ SAMPLE_DATA = Path(matplotlib.get_data_path()) / "sample_data"
 SPLIT_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
                 *(f"<row_{row}_col_{column}>" for row in range(1, 7) for column in range(1, 7)))
 PHOTOS = ("grace_hopper.jpg", "Minduka_Present_Blue_Pack.png", "logo2.png")
-__all__ = ["PHOTOS", "QWEN_IMAGE_TOKENS", "SAMPLE_DATA", "SPLIT_TOKENS", "family_processor_directory", "glm4v_processor",
-           "image_processor", "images_of_many_sizes", "internvl_processor", "lfm2_vl_image_text", "photo_bytes", "pixtral_processor",
+__all__ = ["GEMMA4_TOKENS", "PHOTOS", "QWEN_IMAGE_TOKENS", "SAMPLE_DATA", "SPLIT_TOKENS", "family_processor_directory",
+           "gemma4_processor_directory", "glm4v_processor",
+           "image_processor", "images_of_many_sizes", "internvl_processor", "lfm2_vl_image_text", "photo_bytes",
+           "pixtral_processor",
            "processor_directory", "transformers_processor_directory"]
 
 
@@ -205,3 +207,32 @@ def glm4v_processor(image_processor, tokenizer):
             super().__init__(image_processor, tokenizer, None, chat_template, **kwargs)
 
     return ImagesOnly(image_processor=image_processor, tokenizer=tokenizer)
+
+
+# The tokens Gemma4Processor reads from its tokenizer (the audio ones too: it checks they are there; the video one it
+# adds).
+GEMMA4_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>",
+                 "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>", "audio_token": "<audio_soft_token>",
+                 "video_token": "<|video|>"}
+
+
+def gemma4_processor_directory(directory: Path, image_processor):
+    """A Gemma 4 processor directory (the demo tokenizer with GEMMA4_TOKENS, saved by transformers so that its
+    tokenizer_config.json names them as a real one does; `image_processor` beside it) and transformers' own
+    Gemma4Processor over the same parts, without its video processor (which needs torchvision)."""
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+
+    class ImagesOnly(Gemma4Processor):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    directory, tokenizer = family_processor_directory(directory, GEMMA4_TOKENS, image_processor,
+                                                      {"processor_class": "Gemma4Processor"}, {"pad_token": "<pad>"})
+    tokenizer.chat_template = CHATML  # kept: the saved tokenizer config replaces the demo's
+    tokenizer.save_pretrained(directory)
+    processor = ImagesOnly(feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=image_processor,
+                           tokenizer=tokenizer, video_processor=None)
+    return directory, processor

@@ -53,6 +53,7 @@ __all__ = [
     "lfm2_grid",
     "lfm2_resize",
     "pixtral_grid",
+    "pooled_resize",
     "read_image_set",
     "smart_resize",
     "tiled_canvas",
@@ -163,6 +164,29 @@ def _nearest_arrangement(height: int, width: int, tile: int, arrangements) -> tu
     return best
 
 
+def pooled_resize(height: int, width: int, patch_size: int, max_patches: int, kernel: int) -> tuple[int, int]:
+    """(height, width) Gemma 4's image processor resizes an image to (transformers' gemma4
+    `get_aspect_ratio_preserving_size`): the largest keeping the aspect ratio within `max_patches` patches, each side
+    a multiple of `kernel` patches (a side that rounds to none is one kernel, the other its ratio's, bounded).
+    ValueError where it makes no image, as there. The same float operations; `tests/building/test_image_chat.py`
+    compares it with transformers' Gemma4Processor."""
+    factor = math.sqrt(max_patches * patch_size**2 / (height * width))
+    side = kernel * patch_size
+    target_height = int(math.floor(factor * height / side)) * side
+    target_width = int(math.floor(factor * width / side)) * side
+    if target_height == 0 and target_width == 0:
+        raise ValueError(f"it resizes to 0x0 in multiples of {side} pixels")
+    longest = (max_patches // kernel**2) * side
+    if target_height == 0:
+        target_height, target_width = side, min(int(math.floor(width / height)) * side, longest)
+    elif target_width == 0:
+        target_width, target_height = side, min(int(math.floor(height / width)) * side, longest)
+    if target_height * target_width > max_patches * patch_size**2:
+        raise ValueError(
+            f"it resizes to {target_width}x{target_height}, more than {max_patches} patches of {patch_size}")
+    return target_height, target_width
+
+
 def lfm2_grid(height: int, width: int, tile: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
     """(columns, rows) of the `tile`-pixel tiles LFM2-VL's image processor splits a large image into (transformers'
     `Lfm2VlImageProcessor._get_grid_layout`): GOT-OCR2's search over its own order of arrangements (a set of them
@@ -188,6 +212,8 @@ def lfm2_resize(height: int, width: int, factor: int, min_pixels: int, max_pixel
         beta = math.sqrt(min_pixels / (height * width))
         h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
 def select_best_resolution(height: int, width: int, resolutions) -> tuple[int, int]:
     """LLaVA-NeXT's choice of tiling (transformers' `select_best_resolution`): of the (height, width)
     resolutions, the one that keeps most of the image's pixels when it is scaled to fit, then wastes least."""
@@ -269,7 +295,7 @@ def _longest_edge_size(height: int, width: int, longest_edge: int) -> tuple[int,
 class ImageRule(StrictModel):
     """How many placeholder tokens an image becomes, and the text that stands for it before tokenizing."""
 
-    kind: Literal["grid", "fixed", "anyres", "split", "rows", "glm4v_grid", "tiles", "lfm2"] = Field(
+    kind: Literal["grid", "fixed", "anyres", "split", "rows", "glm4v_grid", "tiles", "pooled", "lfm2"] = Field(
         description="grid: Qwen2-VL's resize rule, one token per merge_size² patches; fixed: `tokens` per image; "
         "anyres: LLaVA-NeXT's (and LLaVA-OneVision's) tiling, the image's tiles (by `pinpoints`) unpadded with a "
         "newline per row, then `tokens` for the whole image; split: Idefics3's and SmolVLM's, the image resized to "
@@ -277,7 +303,9 @@ class ImageRule(StrictModel):
         "rows: Pixtral's (Mistral 3's) resize within longest_edge, one token per patch_size² cell, each row of cells "
         "followed by `row_end` but the last, followed by `end`; glm4v_grid: GLM-4V's resize rule over `frames` "
         "frames, one token per merge_size² patches; tiles: GOT-OCR2's tiling (InternVL's), `tokens` per view: "
-        "each patch_size tile of the nearest canvas of min_tiles to max_tiles tiles, and a thumbnail when more than one; "
+        "each patch_size tile of the nearest canvas of min_tiles to max_tiles tiles, and a thumbnail when more than "
+        "one; pooled: Gemma 4's resize keeping the aspect ratio within `tokens` x merge_size² patches of patch_size, "
+        "each side a multiple of merge_size patches, one token per merge_size² patches; "
         "lfm2: LFM2-VL's, an image over its pixels (max_pixels x tolerance) split into tile_height tiles (the nearest "
         "grid of min_tiles to max_tiles), each after its <|img_row_r_col_c|>, then `global_token` and the image "
         "resized within [min_pixels, max_pixels] in sides of patch_size x merge_size; else that resized image alone; "
@@ -329,6 +357,7 @@ class ImageRule(StrictModel):
             "rows": ("patch_size", "longest_edge", "row_end"),
             "glm4v_grid": ("patch_size", "merge_size", "min_pixels", "max_pixels", "frames"),
             "tiles": ("tokens", "patch_size", "min_tiles", "max_tiles"),
+            "pooled": ("tokens", "patch_size", "merge_size"),
             "lfm2": ("patch_size", "merge_size", "min_pixels", "max_pixels", "tile_height", "min_tiles", "max_tiles",
                      "splitting", "tolerance"),
         }[self.kind]
@@ -396,6 +425,10 @@ class ImageRule(StrictModel):
         if self.kind == "split":
             rows, columns = self._tiles(width, height)
             return (rows * columns + 1) * self.tokens
+        if self.kind == "pooled":
+            cells = self.merge_size**2
+            resized_h, resized_w = pooled_resize(height, width, self.patch_size, self.tokens * cells, self.merge_size)
+            return (resized_h // self.patch_size) * (resized_w // self.patch_size) // cells
         if self.kind == "lfm2":
             rows, columns, resized = self._lfm2_layout(width, height)
             tiles = rows * columns

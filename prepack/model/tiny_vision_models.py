@@ -6,7 +6,8 @@ shrinks the vision tower so that a real photograph becomes a handful of patches:
 and Qwen3-VL's towers to 2-4 blocks with 14-pixel patches merged 2x2 (Qwen2.5-VL keeps windowed and
 full-attention blocks, so both of its vision attentions are exercised; Qwen3-VL a deepstack layer),
 LLaVA's CLIP tower to 28x28 images (4 patches), Gemma 3's SigLIP tower to 32x32 images pooled to 4
-tokens. `vocab_size` may be raised to a real tokenizer's. Weights are seeded; nothing is downloaded.
+tokens, Gemma 4 given a tower (it has none by default) of 4-pixel patches pooled 2x2. `vocab_size` may be
+raised to a real tokenizer's. Weights are seeded; nothing is downloaded.
 
 `image_processor_for(config)` is transformers' PIL image processor (no torchvision) sized for a config's
 tower, and `qwen_processor_directory` writes what `prepack prepare-images` and `prepack build --tokenizer`
@@ -90,6 +91,19 @@ VISION_SIZES: dict[str, dict[str, Any]] = {
                                  "intermediate_layers_indices": [0], "vision_output_dim": 2 * HIDDEN}},
     # SigLIP at 4x4 patches; its projection to the text width is set at the top (PaliGemma copies it down).
     "paligemma": {"vision_config": {"image_size": 56, "patch_size": 14}, "projection_dim": HIDDEN},
+    # Gemma 4 has no tower by default: one of 4-pixel patches pooled 2x2 (its processor's smallest budget, 70 tokens,
+    # is then 280 patches an image, at most 140 a side), and the image blocks on as the larger checkpoints have them.
+    "gemma4": {
+        "vision_config": {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": HEAD_DIM, "patch_size": 4,
+                          "pooling_kernel_size": 2, "position_embedding_size": 160},
+        "text_config": {"use_bidirectional_attention": "vision"},
+    },
+    # Its encoder-free embedder likewise: patches of 4 pixels merged 2x2, one token each.
+    "gemma4_unified": {
+        "vision_config": {"patch_size": 4, "pooling_kernel_size": 2, "mm_embed_dim": HIDDEN, "mm_posemb_size": 80,
+                          "output_proj_dims": HIDDEN},
+    },
 }
 
 
@@ -99,10 +113,12 @@ def tiny_vision_config(
     """The family's tiny config; `tokens` sets special token ids (a real tokenizer's image placeholder)."""
     config = tiny_config(model_type).to_dict() | (tokens or {})
     sizes = VISION_SIZES.get(model_type) or _generic_vision_sizes(config)
-    for key, value in sizes.items():
-        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    for key, value in sizes.items():  # a sub-config may be None (Gemma 4 has no vision tower by default)
+        config[key] = {**(config[key] or {}), **value} if isinstance(value, dict) else value
     if vocab_size is not None:
         config["text_config"]["vocab_size"] = vocab_size
+        if "vocab_size_per_layer_input" in config["text_config"]:  # Gemma 4's per-layer embeddings read every id too
+            config["text_config"]["vocab_size_per_layer_input"] = vocab_size
     for key in ("model_type", "transformers_version", "architectures"):
         config.pop(key, None)
     return CONFIG_MAPPING[model_type](**config)
@@ -185,7 +201,8 @@ def tiny_vision_model(
 def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict[str, int] = QWEN_PIXELS):
     """transformers' PIL image processor for the tower of `config` (Qwen-VL's from its patch, merge and
     temporal sizes, `qwen_pixels` per image; CLIP's, as LLaVA uses, LLaVA-NeXT's, -OneVision's, Idefics3's and
-    SmolVLM's tiling ones, Gemma 3's at the tower's image size, and SigLIP2's NaFlex one for LFM2-VL's tower)."""
+    SmolVLM's tiling ones, Gemma 3's at the tower's image size, Gemma 4's at its smallest budget, and SigLIP2's
+    NaFlex one for LFM2-VL's tower)."""
     vision = config.vision_config
     if config.model_type in ("glm4v", "glm4v_moe"):  # a Qwen2-VL-like grid by GLM-4V's own resize rule
         from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
@@ -199,6 +216,11 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
         return Qwen2VLImageProcessorPil(size=qwen_pixels, patch_size=vision.patch_size,
                                         merge_size=vision.spatial_merge_size,
                                         temporal_patch_size=vision.temporal_patch_size)
+    if config.model_type == "gemma4":  # its smallest budget: 70 soft tokens an image
+        from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+        return Gemma4ImageProcessorPil(patch_size=vision.patch_size, max_soft_tokens=70,
+                                       pooling_kernel_size=vision.pooling_kernel_size)
     if config.model_type == "lfm2_vl":
         # LFM2-VL's own image processor needs torchvision; SigLIP2's PIL one makes its tower's NaFlex input (patch
         # rows padded to max_num_patches, pixel_attention_mask, spatial_shapes) by SigLIP2's resize rule, untiled.

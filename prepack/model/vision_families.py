@@ -19,9 +19,10 @@ Styles:
   restarting per sample, as for text (LLaVA-NeXT's and -OneVision's tiles with each image's `image_sizes`, Idefics3's
   and SmolVLM's with `pixel_attention_mask`, Mistral 3's `image_sizes` beside its padded `pixel_values`, LFM2-VL's
   NaFlex patch rows with `pixel_attention_mask` and `spatial_shapes`; LFM2's short convolutions run per sample);
-- image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
-  from which prepack builds the layer masks (`prepack.model.vision_packing`: transformers' own sliding
-  mask misplaces the image blocks of a packed row);
+- image blocks (Gemma 3, Gemma 4): restarting `position_ids` and `token_type_ids` (Gemma 4: `mm_token_type_ids`)
+  marking image placeholders, from which prepack builds the layer masks (`prepack.model.vision_packing`:
+  transformers' own sliding mask misplaces the image blocks of a packed row; Gemma 4's blocks sit on its sliding
+  layers only);
 - prefix blocks (PaliGemma): `position_ids` restarting at 1 at every sample, as PaliGemma numbers a sample alone
   (transformers' modeling_paligemma.py adds 1 to the positions it builds when given none; the control that
   positions from 0 differ runs on sdpa only, tests/model/test_vision.py) and `token_type_ids` 0 on each sample's prefix (its tokens before its first target), which transformers attends
@@ -57,25 +58,25 @@ from prepack.model.families import (
     verdict_table,
 )
 
-__all__ = ["VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_alone", "fails_packed", "image_refusal", "image_style", "markdown",
-           "needs", "not_built", "not_run", "VIDEO_RULES"]
+__all__ = ["IMAGE_BLOCK_TOKEN_TYPES", "VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_alone", "fails_packed",
+           "image_refusal", "image_style", "markdown", "needs", "not_built", "not_run", "VIDEO_RULES"]
 
 ImageStyle = Literal["3-D rotary", "restart", "image blocks", "prefix blocks"]
 
+def _causal_on_flash(blocks: str, model_class: str, held: str) -> Verdict:
+    """The refusal of a family whose `blocks` attend both ways, which flash attention cannot hold."""
+    return Verdict(
+        "refused",
+        f"flash attention cannot hold its bidirectional {blocks}: transformers gives {model_class} no flash attention, "
+        f"and its flash path runs the {held} causally",
+    )
+
+
 # Measured (tests/model/test_vision.py): on the flash stand-in a sample alone runs its images causally, unlike sdpa.
-GEMMA3_IMAGES_ON_FLASH = Verdict(
-    "refused",
-    "flash attention cannot hold its bidirectional image blocks: transformers gives Gemma3ForConditionalGeneration "
-    "no flash attention, and its flash path runs the images causally",
-)
-
-
+GEMMA3_IMAGES_ON_FLASH = _causal_on_flash("image blocks", "Gemma3ForConditionalGeneration", "images")
+GEMMA4_IMAGES_ON_FLASH = _causal_on_flash("image blocks", "Gemma4ForConditionalGeneration", "images")
 # Measured (tests/model/test_vision.py): on the flash stand-in a packed batch differs from its samples alone.
-PALIGEMMA_ON_FLASH = Verdict(
-    "refused",
-    "flash attention cannot hold its bidirectional prefix blocks: transformers gives PaliGemmaForConditionalGeneration "
-    "no flash attention, and its flash path runs the prefixes causally",
-)
+PALIGEMMA_ON_FLASH = _causal_on_flash("prefix blocks", "PaliGemmaForConditionalGeneration", "prefixes")
 
 
 @dataclass(frozen=True)
@@ -236,8 +237,7 @@ VISION_FAMILIES |= {
     ),
     'fuyu': _swept(not_run("AttributeError: 'FuyuConfig' object has no attribute 'vision_config'")),
     'gemma3n': _swept(needs("timm")),
-    'gemma4': _swept(not_run('ValueError: its vision config (NoneType) has no image_size')),
-    'gemma4_unified': _swept(not_run('ValueError: its vision config (NoneType) has no image_size')),
+    'gemma4_unified': _swept(NO_DATA_SIDE),
     'git': _swept(
         NO_SDPA,
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
@@ -380,6 +380,13 @@ VISION_FAMILIES |= {
         "one image per row of pixel_values (SigLIP)",
         (NATIVE, NATIVE, PALIGEMMA_ON_FLASH, PALIGEMMA_ON_FLASH, NATIVE),
     ),
+    # Its own sliding mask reads each image block at the wrong tokens of a packed row, as Gemma 3's: prepack builds
+    # the layer masks, image blocks on the sliding layers only (its full layers run causal).
+    "gemma4": VisionFamily(
+        "image blocks",
+        "one image per row of pixel_values (its patches, padding marked -1 in image_position_ids, pooled per image)",
+        (LAYER_MASKS, LAYER_MASKS, GEMMA4_IMAGES_ON_FLASH, GEMMA4_IMAGES_ON_FLASH, LAYER_MASKS),
+    ),
 }
 
 
@@ -404,6 +411,11 @@ VIDEO_RULES: dict[str, Literal["qwen2", "qwen3"]] = {
     "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3", "qwen3_5": "qwen3",
     "qwen3_5_moe": "qwen3", "qwen4_exp": "qwen3",
 }
+
+
+# The image blocks' token types by family, and the types that make a block: Gemma 3's token_type_ids (1 at image
+# placeholders), Gemma 4's mm_token_type_ids (1 at image, 2 at video placeholders: get_block_sequence_ids_for_mask).
+IMAGE_BLOCK_TOKEN_TYPES = {"gemma3": ("token_type_ids", (1,)), "gemma4": ("mm_token_type_ids", (1, 2))}
 
 
 def image_style(model_type: str) -> ImageStyle:

@@ -14,7 +14,10 @@
   transformers 5.24 `create_masks_for_vision_model`, measured: 0.18 on logits), so prepack builds both layer
   masks itself with transformers' `create_causal_mask`, from absolute token indices: (causal OR same
   image block) AND same sample (AND within the window, counted in positions, on sliding layers). On
-  flex_attention the same function builds them as BlockMasks.
+  flex_attention the same function builds them as BlockMasks. Gemma 4 (`mm_token_type_ids`) likewise, its
+  image blocks on the sliding layers only and only with `use_bidirectional_attention="vision"`, as its
+  `create_masks_for_vision_model` has them (its own sliding mask misplaces them as Gemma 3's does: measured 0.37 on
+  logits, tests/model/test_vision.py); "all" is refused.
 - Prefix blocks (PaliGemma): transformers ORs one block over every token typed 0 in the row (each sample's prefix)
   into the causal mask and ANDs the per-sample mask it builds from the restarting positions, which keeps each
   prefix inside its sample (measured); with an attention_mask it builds no per-sample mask (measured: the samples
@@ -27,7 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from prepack.errors import IsolationError, optional_imports
-from prepack.model.vision_families import VISION_FAMILIES, image_refusal
+from prepack.model.vision_families import IMAGE_BLOCK_TOKEN_TYPES, VISION_FAMILIES, image_refusal
 
 with optional_imports("enable_packing"):
     import torch
@@ -53,7 +56,8 @@ def _overrides_a_tower(key: str) -> bool:
 def checked_image_batch(
     module: torch.nn.Module, kwargs: dict[str, Any], model_type: str, model_class: str, attn: str
 ) -> dict[str, Any]:
-    """The image batch's kwargs, with Gemma 3's layer masks built; IsolationError where it would leak."""
+    """The image batch's kwargs, with the image blocks' layer masks built (Gemma 3, Gemma 4); IsolationError where it
+    would leak."""
     message = image_refusal(model_type, model_class, attn)
     if message:
         raise IsolationError(message)
@@ -68,14 +72,32 @@ def checked_image_batch(
     position_ids = kwargs.get("position_ids")
     if style == "3-D rotary" and position_ids is not None:
         _require_text_positions(position_ids)
-    if style == "image blocks" and position_ids is not None and kwargs.get("token_type_ids") is not None:
+    token_types, block_types = IMAGE_BLOCK_TOKEN_TYPES.get(model_type, (None, ()))
+    if style == "image blocks" and position_ids is not None and kwargs.get(token_types) is not None:
         if kwargs.get("attention_mask") is not None:
             raise IsolationError(
-                "A packed Gemma 3 image batch with an attention_mask: pass position_ids and token_type_ids only "
+                f"A packed {model_type} image batch with an attention_mask: pass position_ids and {token_types} only "
                 "(VisionCollator's batch); prepack builds the masks from them."
             )
-        kwargs = {**kwargs, "attention_mask": _image_block_masks(module, position_ids, kwargs["token_type_ids"])}
+        blocks = _image_block_layers(module.config.get_text_config(), model_type)
+        is_block = torch.isin(kwargs[token_types], torch.tensor(block_types, device=position_ids.device))
+        kwargs = {**kwargs, "attention_mask": _image_block_masks(module, position_ids, is_block, blocks)}
     return kwargs
+
+
+def _image_block_layers(config, model_type: str) -> tuple[str, ...]:
+    """The layer types whose image blocks attend both ways: Gemma 3's every layer; Gemma 4's sliding layers only,
+    and only with `use_bidirectional_attention="vision"` (its `create_masks_for_vision_model` keeps the full layers
+    causal; without the setting transformers' masks are causal throughout)."""
+    if model_type != "gemma4":
+        return ("full_attention", "sliding_attention")
+    bidirectional = config.use_bidirectional_attention
+    if bidirectional == "all":
+        raise IsolationError(
+            "A packed gemma4 image batch with use_bidirectional_attention='all': every token attends both ways, which "
+            "prepack has not measured with images. Train it without packing (one sample per row)."
+        )
+    return ("sliding_attention",) if bidirectional == "vision" else ()
 
 
 def _require_text_positions(position_ids: torch.Tensor) -> None:
@@ -88,14 +110,17 @@ def _require_text_positions(position_ids: torch.Tensor) -> None:
         )
 
 
-def _image_block_masks(module: torch.nn.Module, position_ids: torch.Tensor, token_type_ids: torch.Tensor) -> dict:
+def _image_block_masks(
+    module: torch.nn.Module, position_ids: torch.Tensor, is_image: torch.Tensor, blocks: tuple[str, ...]
+) -> dict:
+    """Both layer masks of a packed row: causal (OR same image block, on the layer types of `blocks`) AND same
+    sample (AND within the window, counted in positions, on sliding layers)."""
     config = module.config.get_text_config()
-    rows, width = token_type_ids.shape
+    rows, width = is_image.shape
     positions = position_ids.expand(rows, width)
     starts = torch.ones((rows, width), dtype=torch.bool, device=positions.device)
     starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
     sample = starts.cumsum(1)
-    is_image = token_type_ids == 1
     new_block = is_image.clone()
     new_block[:, 1:] &= ~is_image[:, :-1] | starts[:, 1:]  # a block never runs on into the next sample
     block = torch.where(is_image, new_block.cumsum(1), -1)
@@ -111,10 +136,11 @@ def _image_block_masks(module: torch.nn.Module, position_ids: torch.Tensor, toke
 
     # position_ids left out: transformers would remap the indices the functions above read.
     shape_only = torch.empty((rows, width, 0), dtype=module.dtype, device=positions.device)
-    arguments = dict(
-        config=config, inputs_embeds=shape_only, attention_mask=None, cache=None, or_mask_function=same_block
-    )
+    arguments = dict(config=config, inputs_embeds=shape_only, attention_mask=None, cache=None)
+    within = {"full_attention": same_sample, "sliding_attention": same_sample_within_window}
     return {
-        "full_attention": create_causal_mask(**arguments, and_mask_function=same_sample),
-        "sliding_attention": create_causal_mask(**arguments, and_mask_function=same_sample_within_window),
+        layer: create_causal_mask(
+            **arguments, or_mask_function=same_block if layer in blocks else None, and_mask_function=kept
+        )
+        for layer, kept in within.items()
     }

@@ -222,7 +222,8 @@ def _requires(function, name: str) -> bool:
 
 def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
     """Random pixels for `images` images in the tower's input layout: Qwen-style patch rows with their grids
-    (a forward that takes image_grid_thw), NaFlex patch rows (one that takes spatial_shapes: `_naflex_pixels`),
+    (a forward that takes image_grid_thw), Gemma 4's patch rows (one that takes image_position_ids: `_patch_rows`),
+    NaFlex patch rows (one that takes spatial_shapes: `_naflex_pixels`),
     else square images of the tower's image_size: one row each, or
     Idefics' row of images, or LLaVA-NeXT's whole image and one tile, with the image sizes a family requires."""
     vision = model.config.vision_config
@@ -235,6 +236,8 @@ def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
         rows = int(grids.prod(-1).sum())
         pixel_values = torch.rand(rows, channels * temporal * patch * patch, generator=generator, dtype=torch.float64)
         return {"pixel_values": pixel_values, "image_grid_thw": grids}
+    if _takes(model, "image_position_ids"):
+        return _patch_rows(vision, images, channels, generator)
     if _takes(model, "spatial_shapes"):  # NaFlex (SigLIP2): patch rows padded to one length, each image's grid
         return _naflex_pixels(model, images, generator, channels)
     side = getattr(vision, "image_size", None)
@@ -257,6 +260,26 @@ def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
     if _requires(_inner(model).get_image_features, "image_sizes"):  # each image's own size: the tower's side
         return {"pixel_values": pixel_values, "image_sizes": torch.tensor([[side, side]] * images)}
     return {"pixel_values": pixel_values}
+
+
+def _patch_rows(vision, images: int, channels: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Gemma 4's variable-resolution layout, as its image processor writes it: one row of patches per image, the
+    image's grid of `kernel` x `kernel` pooling cells (2x3, 3x2, ...) then padding up to the largest image, and
+    `image_position_ids` (x, y) per patch, -1 on the padding. The encoder-free tower (Gemma 4 unified) takes
+    patches already merged by its kernel, one token each (`model_patch_size`)."""
+    merged = getattr(vision, "model_patch_size", None)
+    patch, kernel = (merged, 1) if merged else (vision.patch_size, vision.pooling_kernel_size)
+    grids = [(2 + index % 2, 3 - index % 2 + index // 2) for index in range(images)]  # (width, height) in cells
+    length = max(width * height for width, height in grids) * kernel * kernel
+    pixel_values = torch.zeros(images, length, channels * patch * patch, dtype=torch.float64)
+    positions = torch.full((images, length, 2), -1, dtype=torch.long)
+    for image, (width, height) in enumerate(grids):
+        x, y = torch.meshgrid(torch.arange(width * kernel), torch.arange(height * kernel), indexing="xy")
+        count = x.numel()
+        positions[image, :count] = torch.stack([x.flatten(), y.flatten()], dim=-1)
+        pixel_values[image, :count] = torch.rand(count, channels * patch * patch, generator=generator,
+                                                 dtype=torch.float64)
+    return {"pixel_values": pixel_values, "image_position_ids": positions}
 
 
 def _naflex_pixels(model, images: int, generator: torch.Generator, channels: int) -> dict[str, torch.Tensor]:

@@ -127,6 +127,11 @@ _PLACEHOLDERS = {
     "SmolVLMImageProcessor": ("<fake_token_around_image>", "<image>", "<fake_token_around_image>"),
     "Lfm2VlImageProcessor": ("<|image_start|>", "<image>", "<|image_end|>"),  # as Lfm2VlProcessor uses it
 }
+# Image processors whose processor takes the placeholder texts from its tokenizer (Gemma4Processor: the tokenizer's
+# boi_token, image_token and eoi_token), by `image_processor_type`.
+_TOKENIZER_PLACEHOLDERS = {"Gemma4ImageProcessor": ("boi_token", "image_token", "eoi_token")}
+# The budgets Gemma 4's image processor takes (its _SUPPORTED_SOFT_TOKENS).
+_GEMMA4_SOFT_TOKENS = (70, 140, 280, 560, 1120)
 # Idefics3's and SmolVLM's mark of the whole image after its tiles (their processors' `global_image_tag`).
 _GLOBAL_IMAGE = "<global-img>"
 # LlamaFactory's ShareGPT speakers (its default `tags`), as chat roles.
@@ -177,8 +182,9 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
 
     `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's or GLM-4V's, Gemma 3's,
     CLIP's as LLaVA uses, LLaVA-NeXT's or LLaVA-OneVision's tiling ones, Idefics3's or SmolVLM's, GOT-OCR2's as
-    InternVL uses it, tiled or not, Pixtral's as Mistral 3 uses it, SigLIP's as PaliGemma uses it, LFM2-VL's) and its
-    sizes;
+    InternVL uses it, tiled or not, Pixtral's as Mistral 3 uses it, SigLIP's as PaliGemma uses it, LFM2-VL's, Gemma
+    4's, whose placeholder texts come from `tokenizer_config.json` as Gemma4Processor takes them from its tokenizer)
+    and its sizes;
     `processor_config.json` (optional) may name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for
     fixed-size and tiled towers, the count (`image_seq_length`, or LLaVA's `patch_size` and
     `vision_feature_select_strategy`, LLaVA-NeXT's `num_additional_image_tokens`, LLaVA-OneVision's
@@ -192,16 +198,19 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     processor = _json(processor_file) if processor_file.exists() else {}
     named = config.get("image_processor_type")
     kind = named.removesuffix("Fast").removesuffix("Pil") if isinstance(named, str) else None
-    if kind not in _PLACEHOLDERS:
+    if kind not in _PLACEHOLDERS and kind not in _TOKENIZER_PLACEHOLDERS:
         raise InputError(
             f"{config_file}: image_processor_type {named!r} "
-            f"is not one prepack counts placeholders for ({', '.join(_PLACEHOLDERS)})."
+            f"is not one prepack counts placeholders for ({', '.join([*_PLACEHOLDERS, *_TOKENIZER_PLACEHOLDERS])})."
         )
-    start, placeholder, end = _PLACEHOLDERS[kind]
-    if kind == "Gemma3ImageProcessor":
-        start = _text(processor, processor_file, "boi_token", start)
-        end = _text(processor, processor_file, "eoi_token", end)
-    placeholder = _text(processor, processor_file, "image_token", placeholder)
+    if kind in _TOKENIZER_PLACEHOLDERS:
+        start, placeholder, end = _tokenizer_tokens(directory / "tokenizer_config.json", _TOKENIZER_PLACEHOLDERS[kind])
+    else:
+        start, placeholder, end = _PLACEHOLDERS[kind]
+        if kind == "Gemma3ImageProcessor":
+            start = _text(processor, processor_file, "boi_token", start)
+            end = _text(processor, processor_file, "eoi_token", end)
+        placeholder = _text(processor, processor_file, "image_token", placeholder)
     if kind in ("Qwen2VLImageProcessor", "Glm4vImageProcessor"):
         size = _mapping(config, config_file, "size")
         pixels = {}
@@ -224,6 +233,8 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
             fields |= {"kind": "glm4v_grid", "frames": _positive(config, config_file, "temporal_patch_size", 2)}
     elif kind == "Gemma3ImageProcessor":
         fields = {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
+    elif kind == "Gemma4ImageProcessor":
+        fields = _gemma4_fields(config, config_file)
     elif kind == "GotOcr2ImageProcessor":
         fields = _internvl_fields(config, config_file, processor, processor_file)
     elif kind == "SiglipImageProcessor":
@@ -449,6 +460,36 @@ def _paligemma_fields(config: dict, config_file: Path, processor: dict, processo
     if tokens is None:
         raise InputError(f"{config_file}: image_seq_length is missing; PaliGemma's processor reads its count there.")
     return {"kind": "fixed", "tokens": tokens}
+
+
+def _gemma4_fields(config: dict, config_file: Path) -> dict:
+    """Gemma 4's rule: its image processor's budget of soft tokens an image, patch and pooling kernel."""
+    if config.get("do_resize", True) is not True:
+        raise InputError(f"{config_file}: do_resize is {config['do_resize']!r}; prepack counts Gemma 4's images as its "
+                         "image processor resizes them (do_resize true).")
+    tokens = _positive(config, config_file, "max_soft_tokens", 280)
+    if tokens not in _GEMMA4_SOFT_TOKENS:
+        raise InputError(f"{config_file}: max_soft_tokens is {tokens}; Gemma 4's image processor takes one of "
+                         f"{', '.join(map(str, _GEMMA4_SOFT_TOKENS))}.")
+    return {"kind": "pooled", "tokens": tokens, "patch_size": _positive(config, config_file, "patch_size", 16),
+            "merge_size": _positive(config, config_file, "pooling_kernel_size", 3)}
+
+
+def _tokenizer_tokens(file: Path, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The tokenizer's special token texts of `names`, as transformers' tokenizer sets them from tokenizer_config.json:
+    `model_specific_special_tokens`, then the top-level `*_token` keys, then an `extra_special_tokens` mapping."""
+    config = _json(file) if file.exists() else {}
+    sources = [_mapping(config, file, "model_specific_special_tokens"), config]
+    if isinstance(config.get("extra_special_tokens"), dict):
+        sources.append(config["extra_special_tokens"])
+    found = []
+    for name in names:
+        value = next((source[name] for source in sources if source.get(name) is not None), None)
+        if not isinstance(value, str) or not value:
+            raise InputError(f"{file}: {name} is {value!r}; the processor takes its image tokens from the tokenizer, "
+                             "which needs each as a string.")
+        found.append(value)
+    return tuple(found)
 
 
 def image_header(data: bytes, where: str, limits: ImageLimits) -> tuple[int, int]:

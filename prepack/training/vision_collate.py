@@ -27,6 +27,10 @@ model's image processor (in DataLoader workers) and emits, by the family's style
                                  for each sample alone, so they restart at 0 at every sample
     token_type_ids [B, L] int64  (image blocks) 1 at image placeholders: Gemma 3's bidirectional image
                                  blocks, kept inside their sample by the layer masks enable_packing builds
+    mm_token_type_ids [B, L] int64 (image blocks, Gemma 4) the same, under Gemma 4's name
+    image_position_ids [N, P, 2] int64 (Gemma 4) each image's patch (x, y) beside its padded row of patches in
+                                 pixel_values [N, P, 3·patch²], -1 on the padding; each pack's placeholders checked
+                                 against the soft tokens the image processor made of its images
                   [B, L] int64  (prefix blocks) PaliGemma's: 0 on each sample's prefix (before its first target),
                                  1 after it and on padding; its position_ids then count from 1, as PaliGemma's do.
                                  The prefix follows the labels: with several turns it ends at the first
@@ -65,7 +69,7 @@ from prepack.training.collate import PackedCollator
 from prepack.errors import InputError, UsageError, optional_imports
 from prepack.formats.images import DEFAULT_VIDEO_FPS, MAX_IMAGE_PIXELS
 from prepack.formats.shards import IGNORE_INDEX
-from prepack.model.vision_families import VIDEO_RULES, ImageStyle, image_style
+from prepack.model.vision_families import IMAGE_BLOCK_TOKEN_TYPES, VIDEO_RULES, ImageStyle, image_style
 
 with optional_imports("VisionCollator"):
     import torch
@@ -100,6 +104,11 @@ class VisionSpec:
     video_token_id: int | None = None
     video_steps_apart: bool = False
     tokens_per_second: float | None = None
+    # Image blocks: the field that marks the placeholders (Gemma 3's token_type_ids, Gemma 4's mm_token_type_ids).
+    token_types: str = "token_type_ids"
+    # The image processor's output that gives each image's placeholders (Gemma 4's num_soft_tokens_per_image, by
+    # its size), checked per pack and kept out of the batch.
+    image_counts: str | None = None
 
     @classmethod
     def of(cls, config) -> VisionSpec:
@@ -114,6 +123,9 @@ class VisionSpec:
                              video_steps_apart=VIDEO_RULES[config.model_type] == "qwen3",
                              tokens_per_second=getattr(config.vision_config, "tokens_per_second", None))
             return cls(style, image_token_id, merge_size=config.vision_config.spatial_merge_size, **video)
+        if style == "image blocks" and config.model_type == "gemma4":
+            return cls(style, image_token_id, token_types=IMAGE_BLOCK_TOKEN_TYPES["gemma4"][0],
+                       image_counts="num_soft_tokens_per_image")
         if style == "image blocks":
             return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
         if getattr(config, "image_grid_pinpoints", None) or config.model_type in (*SPLITTING_FAMILIES, "lfm2_vl"):
@@ -243,7 +255,7 @@ class VisionCollator:
                 f"({max_batch_pixels}): a batch must hold the largest image."
             )
         self.max_image_pixels, self.max_batch_pixels = max_image_pixels, max_batch_pixels
-        if image_spans and spec.tokens_per_image is None and spec.style != "3-D rotary":
+        if image_spans and spec.tokens_per_image is None and spec.image_counts is None and spec.style != "3-D rotary":
             # A tiled tower's image is no one run of a count the collator knows: Idefics3's and SmolVLM's tiles are
             # runs apart, and LLaVA-NeXT's and OneVision's adjacent runs touch at counts only the images' sizes give.
             raise UsageError(
@@ -284,6 +296,10 @@ class VisionCollator:
                 cells = [int(height) // cell * (int(width) // cell) for height, width in batch["image_sizes"].tolist()]
                 _check_image_tokens(checked, cells, self.spec.image_token_id, f"cells of {cell} pixels",
                                     "its size.longest_edge, patch_size and spatial_merge_size")
+            if self.spec.image_counts is not None:
+                image_tokens = [int(count) for count in batch.pop(self.spec.image_counts)]
+                _check_image_tokens(checked, image_tokens, self.spec.image_token_id, "soft tokens",
+                                    "its patch_size, max_soft_tokens and pooling_kernel_size")
             if self.tiled:
                 image_tokens = [int(count) * self.spec.tokens_per_image for count in batch.pop("num_patches")]
                 _check_image_tokens(checked, image_tokens, self.spec.image_token_id,
@@ -299,7 +315,7 @@ class VisionCollator:
         else:
             batch["position_ids"] = position_ids
         if self.spec.style == "image blocks":
-            batch["token_type_ids"] = is_image.long()
+            batch[self.spec.token_types] = is_image.long()
         if self.spec.style == "prefix blocks":
             batch["position_ids"] = position_ids + 1  # PaliGemma numbers a sequence's positions from 1
             batch["token_type_ids"] = _suffixes(checked, text["labels"])
@@ -308,7 +324,7 @@ class VisionCollator:
             if "image_grid_thw" in batch:
                 merged = self.spec.merge_size**2
                 image_tokens = [int(np.prod(grid)) // merged for grid in batch["image_grid_thw"].numpy()]
-            elif not self.tiled:
+            elif not self.tiled and self.spec.image_counts is None:
                 image_tokens = [self.spec.tokens_per_image] * sum(len(pack.images) for pack in checked)
             batch["image_spans"] = torch.from_numpy(_image_spans(checked, image_tokens, self.spec.image_token_id))
         return batch
@@ -325,8 +341,11 @@ class VisionCollator:
         if self.spec.image_cell is not None:
             options = {"patch_size": {"height": self.spec.image_cell, "width": self.spec.image_cell}} | options
         out = self.image_processor(images=decoded, return_tensors="pt", **options)
-        fields = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "spatial_shapes")
+        fields = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "spatial_shapes",
+                  "image_position_ids")
         kept = {key: out[key] for key in fields if key in out}
+        if self.spec.image_counts is not None:  # each image's placeholders, for the check of each pack's
+            kept[self.spec.image_counts] = out[self.spec.image_counts]
         if self.tiled:  # views per image, for the check of each pack's placeholders (not a model input)
             kept["num_patches"] = out["num_patches"]
         elif self.spec.tokens_per_image is not None and len(kept["pixel_values"]) != len(decoded):

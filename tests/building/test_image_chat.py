@@ -1104,6 +1104,98 @@ def test_max_tiles_serves_both_tiling_kinds_within_what_each_searches():
     assert written["max_tiles"] == 100 and "splitting" not in written and "min_tiles" not in written
 
 
+def gemma4_directory(directory, max_soft_tokens: int = 70):
+    """A Gemma 4 processor directory (4-pixel patches pooled 2x2, `max_soft_tokens` an image) and transformers' own
+    Gemma4Processor over the same parts."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    from tests.vision_inputs import gemma4_processor_directory
+
+    parts = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=max_soft_tokens, pooling_kernel_size=2)
+    return gemma4_processor_directory(directory, parts)
+
+
+@pytest.fixture(scope="module")
+def gemma4_processor(tmp_path_factory):
+    return gemma4_directory(tmp_path_factory.mktemp("gemma4") / "proc")
+
+
+@pytest.mark.parametrize("max_soft_tokens", [70, pytest.param(280, marks=pytest.mark.slow)])
+def test_gemma4_placeholders_text_and_token_types_are_the_processors_own(gemma4_processor, tmp_path, max_soft_tokens):
+    """Gemma 4: an image resized keeping its aspect ratio within the budget of max_soft_tokens x 2² patches becomes
+    `<start_of_image>`, one `<image_soft_token>` per 2x2 patches, `<end_of_image>` (the tokenizer's boi, image and eoi
+    tokens, as Gemma4Processor reads them); the expanded text, its ids and the count are Gemma4Processor's own, and
+    VisionCollator's mm_token_type_ids are the processor's."""
+    from prepack.training.vision_collate import VisionCollator, VisionSpec
+    from tests.vision_inputs import images_of_many_sizes
+
+    directory, processor = gemma4_processor if max_soft_tokens == 70 else gemma4_directory(tmp_path / "proc",
+                                                                                           max_soft_tokens)
+    rule, placeholder_id = processor_rule(directory)
+    assert placeholder_id == processor.image_token_id
+    collator = VisionCollator(VisionSpec("image blocks", placeholder_id, token_types="mm_token_type_ids",
+                                         image_counts="num_soft_tokens_per_image"), processor.image_processor)
+    counts = set()
+    for data in images_of_many_sizes():
+        with Image.open(io.BytesIO(data)) as image:
+            picture, size = image.convert("RGB"), image.size
+        out = processor(images=[picture], text=["a <image_soft_token> b"], return_tensors="np")
+        expected = out["input_ids"][0].tolist()
+        assert processor.tokenizer.decode(expected) == "a " + rule.text(*size) + " b"
+        assert processor.tokenizer("a " + rule.text(*size) + " b")["input_ids"] == expected
+        assert rule.placeholders(*size) == expected.count(placeholder_id)
+        pack = {"input_ids": out["input_ids"][0], "cu_seqlens": np.array([0, len(expected)]), "images": [data]}
+        assert collator([pack])["mm_token_type_ids"][0].tolist() == out["mm_token_type_ids"][0].tolist()
+        counts.add(rule.placeholders(*size))
+    assert len(counts) > 2  # the sizes exercise more than one grid
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 5000), st.sampled_from([(16, 280, 3), (4, 70, 2), (14, 1120, 3)]))
+def test_pooled_resize_is_transformers_own(height, width, sizes):
+    from transformers.models.gemma4.image_processing_pil_gemma4 import get_aspect_ratio_preserving_size
+
+    from prepack.formats.images import pooled_resize
+
+    patch, tokens, kernel = sizes
+    try:
+        expected = get_aspect_ratio_preserving_size(height, width, patch, tokens * kernel**2, kernel)
+    except ValueError:
+        with pytest.raises(ValueError):
+            pooled_resize(height, width, patch, tokens * kernel**2, kernel)
+        return
+    assert pooled_resize(height, width, patch, tokens * kernel**2, kernel) == expected
+
+
+def test_gemma4_budgets_are_its_image_processors():
+    from transformers.models.gemma4.image_processing_pil_gemma4 import _SUPPORTED_SOFT_TOKENS
+
+    from prepack.sources.images import _GEMMA4_SOFT_TOKENS
+
+    assert _GEMMA4_SOFT_TOKENS == _SUPPORTED_SOFT_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("file", "edit", "message"),
+    [
+        ("preprocessor_config.json", {"max_soft_tokens": 100},
+         "max_soft_tokens is 100; Gemma 4's image processor takes"),
+        ("preprocessor_config.json", {"do_resize": False}, "do_resize is False"),
+        ("preprocessor_config.json", {"pooling_kernel_size": 0}, "pooling_kernel_size is 0"),
+        ("tokenizer_config.json", {"boi_token": None}, "boi_token is None"),
+        ("tokenizer_config.json", {"image_token": 7}, "image_token is 7"),
+    ],
+)
+def test_a_gemma4_processor_that_cannot_count_is_a_named_error(gemma4_processor, tmp_path, file, edit, message):
+    import shutil
+
+    directory = shutil.copytree(gemma4_processor[0], tmp_path / "proc")
+    config = json.loads((directory / file).read_text()) | edit
+    (directory / file).write_text(json.dumps(config))
+    with pytest.raises(InputError, match=re.escape(f"{directory / file}: {message}")):
+        processor_rule(directory)
+
+
 # LFM2-VL's tokens (LiquidAI's tokenizer has them as special tokens): its image's, its thumbnail's, its tiles'.
 LFM2_VL_TOKENS = ("<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>",
                   *(f"<|img_row_{row}_col_{column}|>" for row in range(1, 11) for column in range(1, 11)))

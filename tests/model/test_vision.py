@@ -1,7 +1,8 @@
 """Packed image+text batches equal their samples run alone, in float64, for the three styles of packing.
 
 Tiny random vision-language models (`prepack.model.tiny_vision_models`: Qwen2-VL, Qwen2.5-VL and Qwen3-VL
-with 3-D rotary positions, LLaVA with plain restarts, Gemma 3 with bidirectional image blocks), real photographs (matplotlib's
+with 3-D rotary positions, LLaVA with plain restarts, Gemma 3 with bidirectional image blocks, Gemma 4 with them on its
+sliding layers), real photographs (matplotlib's
 sample images) through transformers' own image processors, `VisionCollator` packing four samples (one, two,
 none and one image) into two rows, and `enable_packing` on. The reference is each sample alone through
 transformers' own path: its own rotary positions (`get_rope_index`), its own masks. Logits, loss and
@@ -34,7 +35,7 @@ from prepack.model.families import BACKENDS, backend_of, implementation
 from prepack.model.isolation import default_tolerances
 from prepack.model import packing
 from prepack.model.packing import FLASH_ATTENTION
-from prepack.model.tiny_vision_models import tiny_vision_model
+from prepack.model.tiny_vision_models import tiny_vision_config, tiny_vision_model
 from prepack.model.vision_families import VISION_FAMILIES
 from prepack.model.vision_sweep import _features_per_image
 from prepack.training.collate import segment_fields
@@ -44,7 +45,7 @@ from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3",
             "internvl", "mistral3", "glm4v", "glm4v_moe", "paligemma", "llava_next", "llava_onevision", "idefics3",
-            "smolvlm", "lfm2_vl")
+            "smolvlm", "lfm2_vl", "gemma4")
 ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
@@ -73,6 +74,12 @@ def image_tokens(model, processor, image: bytes) -> list[int]:
         if config.model_type in ("glm4v", "glm4v_moe"):  # <|begin_of_image|>, <|end_of_image|>
             return [config.image_start_token_id, *[spec.image_token_id] * count, config.image_end_token_id]
         return [config.vision_start_token_id, *[spec.image_token_id] * count, config.vision_end_token_id]
+    if spec.image_counts is not None:  # Gemma 4: as many soft tokens as its image processor makes of the image
+        from PIL import Image
+        import io
+
+        count = int(processor(images=[Image.open(io.BytesIO(image)).convert("RGB")])[spec.image_counts][0])
+        return [config.boi_token_id, *[spec.image_token_id] * count, config.eoi_token_id]
     if spec.style == "image blocks":
         return [config.boi_token_index, *[spec.image_token_id] * spec.tokens_per_image, config.eoi_token_index]
     if spec.image_cell is not None:  # Mistral 3: rows of placeholders, each closed by a break, the last by the end
@@ -163,12 +170,13 @@ def alone_batch(model, collator: VisionCollator, sample: dict, labels: torch.Ten
     ids = torch.from_numpy(sample["input_ids"])[None]
     batch = {"input_ids": ids, "labels": labels[None], "use_cache": False}
     if sample["images"]:
-        batch |= {key: value for key, value in collator._preprocessed([sample["images"]]).items() if key != "num_patches"}
+        batch |= {key: value for key, value in collator._preprocessed([sample["images"]]).items()
+                  if key not in ("num_patches", collator.spec.image_counts)}
     is_image = (ids == collator.spec.image_token_id).long()
     if collator.spec.style == "3-D rotary":
         batch["mm_token_type_ids"] = is_image
     if collator.spec.style == "image blocks":
-        batch["token_type_ids"] = is_image
+        batch[collator.spec.token_types] = is_image
     if collator.spec.style == "prefix blocks":  # as PaliGemmaProcessor marks a suffix: from the first target on
         batch["token_type_ids"] = ((labels != -100).cumsum(0) > 0).long()[None]
     return batch
@@ -204,7 +212,8 @@ PROJECTOR, VISION_TOWER, LANGUAGE_MODEL = "projector", "vision tower", "language
 
 
 def parameter_group(name: str) -> str:
-    if "multi_modal_projector" in name or "merger" in name or ".connector." in name:  # Idefics3's: connector
+    # Idefics3's projector: connector; Gemma 4's: embed_vision
+    if "multi_modal_projector" in name or "merger" in name or ".connector." in name or ".embed_vision." in name:
         return PROJECTOR
     return VISION_TOWER if any(tower in name for tower in (".visual.", ".vision_tower.", ".vision_model.")) else LANGUAGE_MODEL
 
@@ -367,6 +376,37 @@ def test_gemma3_image_blocks_are_needed():
     assert logit_diff > 1e-3
 
 
+@pytest.mark.slow
+def test_gemma4_own_sliding_mask_leaks_packed_image_blocks_and_layer_masks_are_needed():
+    """The leak controls of Gemma 4's layer masks: without enable_packing transformers' own sliding mask reads each
+    image block at the positions remapped within each sample, so packed samples differ from each alone (if
+    transformers mends it, this fails and the family may be isolated natively); without mm_token_type_ids its
+    images attend causally only, not as the sample alone gets them."""
+    model, _, made, collator = setup("gemma4")
+    batch = collator(packs_of(made))
+    logit_diff, _, groups = compare_groups(model, collator, made, batch)
+    assert logit_diff > 1e-3 and groups[VISION_TOWER] > 1e-3, (logit_diff, groups)
+    enable_packing(model)
+    del batch["mm_token_type_ids"]
+    logit_diff, _, _ = compare(model, collator, made, batch, gradients=False)
+    assert logit_diff > 1e-3
+
+
+def test_gemma4_image_blocks_follow_its_bidirectional_setting():
+    """Gemma 4's blocks sit on its sliding layers only, and only with use_bidirectional_attention="vision" (its
+    smaller checkpoints attend causally throughout); "all" is refused by name."""
+    from prepack.model.vision_packing import _image_block_layers
+
+    config = tiny_vision_config("gemma4").get_text_config()
+    assert _image_block_layers(config, "gemma4") == ("sliding_attention",)
+    assert _image_block_layers(config, "gemma3") == ("full_attention", "sliding_attention")
+    config.use_bidirectional_attention = None
+    assert _image_block_layers(config, "gemma4") == ()
+    config.use_bidirectional_attention = "all"
+    with pytest.raises(IsolationError, match="use_bidirectional_attention='all'"):
+        _image_block_layers(config, "gemma4")
+
+
 @pytest.mark.parametrize("model_type", ROTARY_3D)
 def test_rotary_positions_equal_transformers_get_rope_index(model_type):
     """prepack's numpy positions (computed in DataLoader workers) are transformers' own, sample by sample, for
@@ -412,21 +452,24 @@ def test_rotary_positions_without_the_text_row_leak_and_are_refused():
         model(**batch)
 
 
-@pytest.mark.parametrize("attn", [attn for model_type, attn in verdict_pairs(isolated=False) if model_type == "gemma3"])
-def test_gemma3_images_run_causally_on_flash_and_are_refused(attn, request):
-    """transformers gives Gemma3ForConditionalGeneration no flash attention: forced onto it, a sample alone runs its
-    images causally, not as the bidirectional blocks sdpa gives them. Its packed image batches are refused there
-    with that reason (its text batches are isolated on flash, so enable_packing itself accepts the model)."""
+@pytest.mark.parametrize(("model_type", "attn"), [
+    pytest.param(*pair, marks=[pytest.mark.slow] if pair[0] == "gemma4" else [])  # Gemma 4's fast lane: the sweep's row
+    for pair in verdict_pairs(isolated=False) if pair[0] in ("gemma3", "gemma4")])
+def test_gemma_images_run_causally_on_flash_and_are_refused(model_type, attn, request):
+    """transformers gives Gemma3ForConditionalGeneration and Gemma4ForConditionalGeneration no flash attention: forced
+    onto it, a sample alone runs its images causally, not as the bidirectional blocks sdpa gives them (Gemma 4's on
+    its sliding layers). Their packed image batches are refused there with that reason (their text batches are
+    isolated on flash, so enable_packing itself accepts the model)."""
     stand_in(request, attn)
-    model, _, made, collator = setup("gemma3")
+    model, _, made, collator = setup(model_type)
     sample = made[0]
     alone = alone_batch(model, collator, sample, torch.from_numpy(sample["input_ids"]))
     sdpa_logits, _, _ = run(model, alone, gradients=False)
     flash_logits, _, _ = run(enable_flash_attention(model, attn), alone, gradients=False)
     assert float((sdpa_logits - flash_logits).abs().max()) > 1e-3
     enable_packing(model)
-    reason = VISION_FAMILIES["gemma3"].verdicts[BACKENDS.index(backend_of(attn))].reason
-    refusal = f"gemma3 .*{attn}: {re.escape(reason)}. .*'sdpa' or 'eager' or 'flex_attention'"
+    reason = VISION_FAMILIES[model_type].verdicts[BACKENDS.index(backend_of(attn))].reason
+    refusal = f"{model_type} .*{attn}: {re.escape(reason)}. .*'sdpa' or 'eager' or 'flex_attention'"
     with pytest.raises(IsolationError, match=refusal):
         model(**collator(packs_of(made)))
 
@@ -451,7 +494,9 @@ def test_every_refusal_of_the_vision_table_is_run():
     }
     qwen4_exp_on_flash = {("qwen4_exp", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
     paligemma_on_flash = {("paligemma", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
-    assert set(verdict_pairs(isolated=False)) == gemma3_on_flash | qwen_on_flex | qwen4_exp_on_flash | paligemma_on_flash
+    gemma4_on_flash = {("gemma4", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
+    assert set(verdict_pairs(isolated=False)) == (gemma3_on_flash | gemma4_on_flash | qwen_on_flex | qwen4_exp_on_flash
+                                                  | paligemma_on_flash)
 
 
 @pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_4"])

@@ -29,9 +29,10 @@ from prepack.model.vision_sweep import IMAGE_TEXT_TYPES, check_family, measure_f
 from tests.flash_reference import enable_flash_attention, use_flash_reference, use_flex_reference  # noqa: F401
 
 # The fast lane: isolated families (restart; 3-D rotary with deepstack and MoE; 3-D rotary before gated delta rule
-# layers; tiled: LLaVA-OneVision's tiles, SmolVLM's split images; NaFlex before short convolutions: LFM2-VL), one
-# transformers has no sdpa for, one whose tiny model needs timm (skipped where timm is installed).
-FAST = ("llava", "qwen3_vl_moe", "qwen3_5", "blip", "gemma3n", "llava_onevision", "smolvlm", "lfm2_vl")
+# layers; tiled: LLaVA-OneVision's tiles, SmolVLM's split images; NaFlex before short convolutions: LFM2-VL; Gemma
+# 4's pooled patches and sliding image blocks), one transformers has no sdpa for, one whose tiny model needs timm
+# (skipped where timm is installed).
+FAST = ("llava", "qwen3_vl_moe", "qwen3_5", "blip", "gemma3n", "llava_onevision", "smolvlm", "lfm2_vl", "gemma4")
 STYLED = tuple(sorted(name for name, family in VISION_FAMILIES.items() if family.style is not None))
 MEASURED_RELEASE = transformers.__version__ == families.MEASURED_VERSION
 

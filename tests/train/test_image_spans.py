@@ -184,5 +184,48 @@ def test_internvl_tiled_spans_count_each_images_views():
 def test_spans_are_refused_where_an_image_is_not_one_run(spec):
     """Tiled towers (LLaVA-NeXT, Idefics3: no fixed count) and Mistral 3's rows broken by [IMG_BREAK]: refused when
     the collator is made, not by a crash on the first batch."""
-    with pytest.raises(UsageError, match="image_spans .*LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's .* Mistral 3's"):
+    tiles = "LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's, SmolVLM's and LFM2-VL's tiles, Mistral 3's"
+    with pytest.raises(UsageError, match=f"image_spans .*{tiles}"):
         VisionCollator(spec, image_processor("llava"), image_spans=True)
+
+
+@pytest.fixture(scope="module")
+def gemma4():
+    processor = image_processor("gemma4")
+    images = [png(w, h, 40 * n) for n, (w, h) in enumerate(SIZES)]
+    counts = [int(count) for count in processor(images=[Image.open(io.BytesIO(image)).convert("RGB")
+                                                        for image in images])["num_soft_tokens_per_image"]]
+    assert len(set(counts)) > 2  # the sizes give different counts
+    return processor, images, counts
+
+
+GEMMA4 = VisionSpec("image blocks", IMAGE_ID, token_types="mm_token_type_ids", image_counts="num_soft_tokens_per_image")
+
+
+@settings(max_examples=5, deadline=None)
+@given(batches)
+def test_gemma4_spans_cover_each_images_soft_tokens_in_pixel_order(gemma4, batch):
+    """Gemma 4: each image's run of soft tokens, its count by its size (the image processor's), between its begin
+    and end tokens; its mm_token_type_ids mark the placeholders."""
+    processor, images, counts = gemma4
+    packs, expected = laid_out(batch, counts, separated=True)
+    out = VisionCollator(GEMMA4, processor, pad_token_id=PAD_ID, image_spans=True)(
+        [{"input_ids": ids, "cu_seqlens": cu, "images": [images[n] for n in numbers]} for ids, cu, numbers in packs])
+    in_order = [n for _, _, numbers in packs for n in numbers]
+    check(out, expected, [counts[n] for n in in_order])
+    assert out["mm_token_type_ids"].tolist() == (out["input_ids"] == IMAGE_ID).long().tolist()
+    assert "num_soft_tokens_per_image" not in out and ("image_position_ids" in out) == bool(in_order)
+
+
+def test_a_gemma4_pack_counted_for_other_sizes_is_refused_by_pack(gemma4):
+    """Two packs whose images' soft tokens add up over the batch but not per pack (transformers checks the total
+    only, and would hand one pack's image features to the other's placeholders)."""
+    processor, images, counts = gemma4
+    small, large = sorted(range(len(counts)), key=counts.__getitem__)[:: len(counts) - 1]
+    packs = [{"input_ids": np.array([1, *[IMAGE_ID] * counts[large]]), "cu_seqlens": np.array([0, counts[large] + 1]),
+              "images": [images[small]]},
+             {"input_ids": np.array([1, *[IMAGE_ID] * counts[small]]), "cu_seqlens": np.array([0, counts[small] + 1]),
+              "images": [images[large]]}]
+    with pytest.raises(InputError, match=f"Pack 0 has {counts[large]} image placeholders; the image processor made its "
+                                         f"1 images {counts[small]} soft tokens"):
+        VisionCollator(GEMMA4, processor, pad_token_id=PAD_ID)(packs)

@@ -1,4 +1,5 @@
-"""Image-chat corpora of the families given a data side after Qwen-VL (Mistral 3's rows of cells, InternVL's tiles):
+"""Image-chat corpora of the families given a data side after Qwen-VL (Mistral 3's rows of cells, InternVL's tiles,
+Gemma 4's soft tokens by each image's size):
 prepared by `prepare_image_chat` from a processor directory that transformers' own processor reads, built by the
 CLI, served by ImagePackedDataset, collated by VisionCollator with the directory's image processor, and each pack's
 logits equal to its samples run alone in a tiny model with the tokenizer's vocabulary. Every sample lands in exactly
@@ -17,7 +18,7 @@ from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.sources.images import prepare_image_chat, processor_rule
 from prepack.training.vision_collate import VisionCollator, VisionSpec
 from prepack.training.vision_dataset import ImagePackedDataset
-from tests.building.test_image_chat import internvl_directory, mistral3_directory
+from tests.building.test_image_chat import gemma4_directory, internvl_directory, mistral3_directory
 from tests.cli import run_prepack
 from tests.model.test_vision import TOLERANCE, run
 from tests.train.test_vision_end_to_end import image_chat_corpus
@@ -39,8 +40,21 @@ def internvl_tiled_parts(directory):
     return processor, GotOcr2ImageProcessorPil.from_pretrained(processor), "<IMG_CONTEXT>"
 
 
+def gemma4_parts(directory):
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    processor, _ = gemma4_directory(directory)
+    return processor, Gemma4ImageProcessorPil.from_pretrained(processor), "<image_soft_token>"
+
+
+# The model's ids of the tokens the family's config names beside its image placeholder (Gemma 4's video and audio
+# placeholders, which its forward masks out of the text: the tiny config's ids are ordinary text in a real vocabulary).
+OTHER_TOKENS = {"gemma4": {"video_token_id": "<|video|>", "audio_token_id": "<audio_soft_token>"}}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("model_type", "parts"), [("mistral3", mistral3_parts), ("internvl", internvl_tiled_parts)])
+@pytest.mark.parametrize(("model_type", "parts"), [("mistral3", mistral3_parts), ("internvl", internvl_tiled_parts),
+                                                   ("gemma4", gemma4_parts)])
 def test_a_prepared_corpus_packs_every_sample_once_and_each_equals_itself_alone(tmp_path, model_type, parts):
     processor, image_processor, placeholder = parts(tmp_path / "processor")
     corpus = image_chat_corpus(tmp_path / "corpus", rows=10)
@@ -49,8 +63,9 @@ def test_a_prepared_corpus_packs_every_sample_once_and_each_equals_itself_alone(
                          "--overflow", "error", "--out", tmp_path / "build")
     assert result.returncode == 0, result.stderr
     tokenizer = Tokenizer.from_file(str(processor / "tokenizer.json"))
-    model = enable_packing(tiny_vision_model(model_type, vocab_size=tokenizer.get_vocab_size(),
-                                             tokens={"image_token_id": tokenizer.token_to_id(placeholder)}))
+    tokens = {"image_token_id": tokenizer.token_to_id(placeholder)} | {
+        name: tokenizer.token_to_id(text) for name, text in OTHER_TOKENS.get(model_type, {}).items()}
+    model = enable_packing(tiny_vision_model(model_type, vocab_size=tokenizer.get_vocab_size(), tokens=tokens))
     collator = VisionCollator(VisionSpec.of(model.config), image_processor, max_len=MAX_LEN, pad_token_id=50256)
     dataset = ImagePackedDataset(tmp_path / "build", summary.image_set)
     image_set = read_image_set(summary.image_set, verify=True)
@@ -69,9 +84,12 @@ def test_a_prepared_corpus_packs_every_sample_once_and_each_equals_itself_alone(
                 expected = sum(rule.placeholders(int(image_set.widths[n]), int(image_set.heights[n])) for n in numbers)
                 assert int((ids == placeholder_id).sum()) == expected
                 alone = {"input_ids": ids[None], "use_cache": False}
+                if collator.spec.style == "image blocks":  # as the processor marks them: its placeholders
+                    alone[collator.spec.token_types] = (ids == placeholder_id).long()[None]
                 if len(numbers):
                     alone |= {key: value for key, value in collator._preprocessed(
-                        [[image_set.data(int(n)) for n in numbers]]).items() if key != "num_patches"}
+                        [[image_set.data(int(n)) for n in numbers]]).items()
+                        if key not in ("num_patches", collator.spec.image_counts)}
                 alone_logits, _, _ = run(model, alone, gradients=False)
                 worst = max(worst, float((logits[row, start:end] - alone_logits[0]).abs().max()))
     assert summary.references > 0 and worst < TOLERANCE, worst
