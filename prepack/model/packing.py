@@ -46,7 +46,7 @@ per row. There `seq_idx` is dropped (not needed; transformers' torch fallbacks r
 refused on every backend. Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep position_ids from their backbone,
 so their guard sits on the causal LM.
 
-An image batch (one with `pixel_values`) is held to the vision table (`prepack.model.vision_families`,
+An image batch (one with `pixel_values`, or `pixel_values_videos`) is held to the vision table (`prepack.model.vision_families`,
 docs/vision-support.md) and checked by `prepack.model.vision_packing`: families never measured with images
 are refused by name, fields that override a vision tower's per-image segments are refused, Qwen's 3-D rotary
 positions need their text row, and Gemma 3's layer masks are built by prepack. On flash attention the text's
@@ -261,8 +261,10 @@ class _PackedBatchGuard:
             how = None if verdict is None or verdict.label == "native" else verdict.label
             how = "per-document sequence-state layers" if self.per_document is not None else how
             return (), _without_cache(shared_prompt_kwargs(kwargs, config, attn, how, module.dtype), flash)
-        if kwargs.get("pixel_values") is not None and self.family.checked:
-            # Images: the vision table's verdict, the towers' own segments, the family's positions and masks.
+        pixels = kwargs.get("pixel_values") is not None or kwargs.get("pixel_values_videos") is not None
+        if pixels and self.family.checked:
+            # Images or videos (a batch of videos alone has no pixel_values): the vision table's verdict, the
+            # towers' own segments, the family's positions and masks.
             family = self.family
             kwargs = checked_image_batch(module, kwargs, family.model_type, family.model_class, attn)
             style = VISION_FAMILIES[family.model_type].style
