@@ -46,8 +46,8 @@ per row. There `seq_idx` is dropped (not needed; transformers' torch fallbacks r
 refused on every backend. Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep position_ids from their backbone,
 so their guard sits on the causal LM.
 
-An image batch (one with `pixel_values`, or `pixel_values_videos`) is held to the vision table (`prepack.model.vision_families`,
-docs/vision-support.md) and checked by `prepack.model.vision_packing`: families never measured with images
+An image batch (one with `pixel_values`, or `pixel_values_videos`) is held to the vision table
+(`prepack.model.vision_families`, docs/vision-support.md) and checked by `prepack.model.vision_packing`: families never measured with images
 are refused by name, fields that override a vision tower's per-image segments are refused, Qwen's 3-D rotary
 positions need their text row, and Gemma 3's layer masks are built by prepack. On flash attention the text's
 `cu_seq_lens_*` are derived as for text (for Qwen from the text row of its [4, B, L] positions), and a second
