@@ -47,8 +47,8 @@ refused on every backend. Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep posi
 so their guard sits on the causal LM.
 
 An image batch (one with `pixel_values`, or `pixel_values_videos`) is held to the vision table
-(`prepack.model.vision_families`, docs/vision-support.md) and checked by `prepack.model.vision_packing`: families never measured with images
-are refused by name, fields that override a vision tower's per-image segments are refused, Qwen's 3-D rotary
+(`prepack.model.vision_families`, docs/vision-support.md) and checked by `prepack.model.vision_packing`: families
+never measured with images are refused by name, fields that override a vision tower's per-image segments are refused, Qwen's 3-D rotary
 positions need their text row, and Gemma 3's layer masks are built by prepack. On flash attention the text's
 `cu_seq_lens_*` are derived as for text (for Qwen from the text row of its [4, B, L] positions), and a second
 pre-hook on the vision tower drops them from its call: the vision-language models hand their keyword arguments
