@@ -100,6 +100,8 @@ class VisionSpec:
     video_token_id: int | None = None
     video_steps_apart: bool = False
     tokens_per_second: float | None = None
+    # LLaVA-NeXT-Video (VIDEO_RULES' pooled): the placeholders of a frame, the tower's patches pooled per frame.
+    tokens_per_frame: int | None = None
 
     @classmethod
     def of(cls, config) -> VisionSpec:
@@ -117,7 +119,7 @@ class VisionSpec:
         if style == "image blocks":
             return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
         if getattr(config, "image_grid_pinpoints", None) or config.model_type in SPLITTING_FAMILIES:
-            return cls(style, image_token_id)  # tiled: the count follows the image's size
+            return cls(style, image_token_id, **_pooled_video(config))  # tiled: the count follows the image's size
         vision = config.vision_config
         if style == "prefix blocks":  # PaliGemma: SigLIP's patches, one token each
             return cls(style, image_token_id, tokens_per_image=config.text_config.num_image_tokens)
@@ -130,6 +132,15 @@ class VisionSpec:
         # "default" drops the CLS token of CLIP's output, "full" keeps it.
         with_cls = config.vision_feature_select_strategy == "full"
         return cls(style, image_token_id, tokens_per_image=patches + with_cls)
+
+
+def _pooled_video(config) -> dict[str, int]:
+    """LLaVA-NeXT-Video's video fields: its placeholder and a frame's features, the tower's patches per side pooled
+    by spatial_pool_stride (its pooler's kernel and stride, floored); none for other families."""
+    if VIDEO_RULES.get(config.model_type) != "pooled":
+        return {}
+    side = config.vision_config.image_size // config.vision_config.patch_size // config.spatial_pool_stride
+    return {"video_token_id": config.video_token_id, "tokens_per_frame": side**2}
 
 
 def rotary_3d_positions(
@@ -339,14 +350,19 @@ class VisionCollator:
         """What the video processor makes of the packs' videos (their frames' pixels checked already with the
         batch's images), and Qwen2.5-VL's `second_per_grid_ts`."""
         if self.video_processor is None:
-            raise UsageError("Packs with videos need VisionCollator(video_processor=...): transformers' Qwen-VL video "
-                             "processor, or prepack.training.video_frames.FrameVideoProcessor.")
+            raise UsageError("Packs with videos need VisionCollator(video_processor=...): transformers' video "
+                             "processor of the family, or prepack.training.video_frames' FrameVideoProcessor (Qwen-VL) "
+                             "or CroppedFrameVideoProcessor (LLaVA-NeXT-Video).")
+        if self.spec.tokens_per_frame is not None:
+            _check_frame_tokens(packs, self.spec.tokens_per_frame, self.spec.video_token_id)
         videos = [
             [_opened(frame, f"Pack {number}'s video {video}, frame {index}", lambda opened: opened.convert("RGB"))
              for index, frame in enumerate(frames)]
             for number, pack in enumerate(packs)
             for video, frames in enumerate(pack.videos)
         ]
+        if self.spec.tokens_per_frame is not None:
+            return {"pixel_values_videos": self._frames_in_one_row(videos)}
         # The frames are the samples, each counted at the rule's size: transformers' Qwen3-VL processor would
         # sample them by default, and its announced default caps a frame's pixels.
         out = self.video_processor(videos=videos, return_tensors="pt", do_sample_frames=False,
@@ -360,6 +376,22 @@ class VisionCollator:
             size = self.video_processor.temporal_patch_size
             kept["second_per_grid_ts"] = torch.tensor([size / rate for rate in fps])
         return kept
+
+    def _frames_in_one_row(self, videos: list[list]) -> torch.Tensor:
+        """LLaVA-NeXT-Video's `pixel_values_videos` [1, frames, C, H, W]: every frame of the batch's videos in token
+        order, as one video of them all. Its model runs each frame through the tower alone, pools it alone and
+        scatters the features over the video placeholders in order, so the features are each video's own; and
+        videos of any frame counts share the batch, where transformers' [videos, frames, C, H, W] takes one count.
+        Each video goes through the video processor on its own (without sampling: the frames are the samples)."""
+        rows = []
+        for number, frames in enumerate(videos):
+            pixels = self.video_processor(videos=[frames], return_tensors="pt",
+                                          do_sample_frames=False)["pixel_values_videos"]
+            if tuple(pixels.shape[:2]) != (1, len(frames)):
+                raise UsageError(f"The video processor made {tuple(pixels.shape[:2])} (videos, frames) of the batch's "
+                                 f"video {number}, of {len(frames)} frames; prepack counted each frame once.")
+            rows.append(pixels[0])
+        return torch.cat(rows)[None]
 
     def _video_runs(self, batch: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         """Per run of video placeholders its grid (a Qwen3-VL step a one-step video, as get_rope_index splits
@@ -530,6 +562,25 @@ def _check_image_tokens(packs: list[_VisionPack], per_image: list[int], image_to
                 f"({settings})."
             )
         first += len(pack.images)
+
+
+def _check_frame_tokens(packs: list[_VisionPack], per_frame: int, video_token_id: int) -> None:
+    """Every sample's video placeholders end where one of its pack's videos ends (`per_frame` a frame): the model
+    scatters the batch's frame features over the placeholders in order, so a count that only adds up per pack
+    would hand one sample's frames to its neighbour."""
+    for number, pack in enumerate(packs):
+        ends = np.cumsum([0, *(len(frames) * per_frame for frames in pack.videos)])
+        is_video = pack.input_ids == video_token_id
+        counted = np.cumsum([int(is_video[start:end].sum()) for start, end in zip(pack.cu_seqlens[:-1],
+                                                                                   pack.cu_seqlens[1:])])
+        astray = np.flatnonzero(~np.isin(counted, ends))
+        if astray.size or counted[-1] != ends[-1]:
+            sample = int(astray[0]) if astray.size else len(counted) - 1
+            raise InputError(
+                f"Pack {number}'s sample {sample} ends after {int(counted[sample])} video placeholders, where none of "
+                f"its videos ends ({per_frame} placeholders a frame: videos end at {ends[1:].tolist()}): its "
+                "placeholders and videos disagree."
+            )
 
 
 def _opened(image: bytes, name: str, read):

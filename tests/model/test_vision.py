@@ -37,8 +37,8 @@ from tests.flash_reference import enable_flash_attention, use_flash_reference, u
 from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3",
-            "internvl", "mistral3", "glm4v", "glm4v_moe", "paligemma", "llava_next", "llava_onevision", "idefics3",
-            "smolvlm")
+            "internvl", "mistral3", "glm4v", "glm4v_moe", "paligemma", "llava_next", "llava_next_video", "llava_onevision",
+            "idefics3", "smolvlm")
 ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
