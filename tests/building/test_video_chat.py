@@ -14,19 +14,20 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 from tokenizers import Tokenizer
 
 from prepack import enable_packing
 from prepack.errors import FormatError, InputError
 from prepack.formats.images import IMAGE_SET_MANIFEST, VIDEOS_FILE, read_image_set
 from prepack.model.tiny_vision_models import tiny_vision_model
-from prepack.sources.images import prepare_image_chat, video_processor_rule
+from prepack.sources.images import prepare_image_chat, processor_rule, video_processor_rule
 from prepack.training.video_frames import FrameVideoProcessor
 from prepack.training.vision_collate import VisionCollator, VisionSpec
 from prepack.training.vision_dataset import ImagePackedDataset
 from tests.cli import WIDE, failure, run_prepack
 from tests.model.test_vision import LOSS_TOLERANCE, TOLERANCE, run, targets
-from tests.video_inputs import QWEN_VIDEO_TOKEN, VIDEOS, video_bytes, video_processor_directory
+from tests.video_inputs import QWEN_VIDEO_TOKEN, VIDEOS, video_bytes, video_frames, video_processor_directory
 from tests.vision_inputs import PHOTOS, QWEN_IMAGE_TOKENS, SAMPLE_DATA
 
 MAX_LEN = 200
@@ -362,3 +363,56 @@ def test_the_image_cap_counts_a_videos_frames(processor, tmp_path):
     manifest_file.write_text(json.dumps(manifest))
     with pytest.raises(FormatError, match=f"row 3, column 'images': holds {cap} images .*more than the limit {cap - 1}"):
         read_image_set(summary.image_set)
+
+
+# LLaVA-NeXT-Video at llava-hf/LLaVA-NeXT-Video-7B-hf's sizes: 336-pixel crops in patches of 14 (144 placeholders a
+# frame), and at the tiny tower's (56 in 14: 4).
+LLAVA_NEXT_VIDEO_SIZES = (
+    pytest.param({"side": 336, "pinpoints": [[336, 672], [672, 336], [672, 672]]}, id="checkpoint",
+                 marks=pytest.mark.slow),
+    pytest.param({"side": 56}, id="tiny"),
+)
+
+
+@pytest.mark.parametrize("sizes", LLAVA_NEXT_VIDEO_SIZES)
+def test_llava_next_video_counts_are_its_processors_own(tmp_path, sizes):
+    """A video of any frame count and frame size, and an image, expand as transformers' LlavaNextVideoProcessor
+    expands `<video>` and `<image>` (its own replace_video_token on the frames' pixels): the same tokens."""
+    from tests.video_inputs import llava_next_video_directory, llava_next_video_processor
+
+    directory, tokenizer = llava_next_video_directory(tmp_path / "processor", **sizes)
+    rule, video_id = video_processor_rule(directory)
+    reference = llava_next_video_processor(directory, tokenizer)
+    assert rule.kind == "pooled" and video_id == reference.video_token_id
+    assert rule.tokens == (sizes["side"] // 14) ** 2 // 4
+    for frames, (width, height) in ((1, (120, 90)), (3, (90, 120)), (4, (7, 300)), (6, (400, 400))):
+        video = [frame.resize((width, height)) for frame in video_frames(0)[:1]] * frames
+        expected = reference(text="a<video>b", videos=[video])["input_ids"][0].tolist()
+        assert tokenizer("a" + rule.text(frames, width, height, 2.0) + "b")["input_ids"] == expected, (frames, width)
+        assert rule.placeholders(frames, width, height) == expected.count(video_id)
+    image, _ = processor_rule(directory)
+    photo = Image.open(SAMPLE_DATA / PHOTOS[0]).convert("RGB")
+    expected = reference(text="a<image>b", images=[photo])["input_ids"][0].tolist()
+    assert tokenizer("a" + image.text(*photo.size) + "b")["input_ids"] == expected
+
+
+def test_llava_next_video_configs(tmp_path):
+    """A config naming only its processor takes the class default crop (transformers' source); one without the crop
+    (frames of their own shapes, which the model's pooling does not take), or a processor without patch_size, is
+    refused by file and field."""
+    from tests.video_inputs import llava_next_video_directory, transformers_source
+
+    directory, _ = llava_next_video_directory(tmp_path / "processor",
+                                              video_config={"video_processor_type": "LlavaNextVideoVideoProcessor"})
+    defaults = transformers_source("transformers.models.llava_next_video.video_processing_llava_next_video",
+                                   "LlavaNextVideoVideoProcessor").defaults
+    rule, _ = video_processor_rule(directory)
+    assert defaults.do_center_crop and rule.tokens == (defaults.crop_size["height"] // 14) ** 2 // 4
+    config = directory / "video_preprocessor_config.json"
+    config.write_text(json.dumps({"video_processor_type": "LlavaNextVideoVideoProcessor", "do_center_crop": False}))
+    with pytest.raises(InputError, match="video_preprocessor_config.json: do_center_crop is off"):
+        video_processor_rule(directory)
+    config.write_text(json.dumps({"video_processor_type": "LlavaNextVideoVideoProcessor"}))
+    (directory / "processor_config.json").write_text(json.dumps({"vision_feature_select_strategy": "default"}))
+    with pytest.raises(InputError, match="processor_config.json: a LLaVA-NeXT-Video processor needs patch_size"):
+        video_processor_rule(directory)
