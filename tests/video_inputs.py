@@ -114,7 +114,7 @@ def video_processor_directory(directory, kind: str = "qwen2", size: dict[str, in
 def llava_next_video_directory(directory, side: int = 56, patch: int = 14, pinpoints=None, video_config=None):
     """A local LLaVA-NeXT-Video processor directory: the demo's GPT-2 tokenizer with `<image>` and `<video>` added,
     LLaVA-NeXT's image processor (tiles of `side`, by `pinpoints`: by default the tiny tower's), processor_config.json
-    (`patch` and the default feature strategy, as llava-hf/LLaVA-NeXT-Video-7B-hf's) and a
+    (`patch`, the default feature strategy and CLIP's CLS token, as llava-hf/LLaVA-NeXT-Video-7B-hf's) and a
     `video_preprocessor_config.json` of LlavaNextVideoVideoProcessor cropping to `side`, in the fields transformers
     writes (`video_config` replaces it). Returns the directory and the transformers tokenizer."""
     import json
@@ -126,8 +126,8 @@ def llava_next_video_directory(directory, side: int = 56, patch: int = 14, pinpo
     pinpoints = pinpoints or [[side, side], [side, 2 * side], [2 * side, side]]
     images = LlavaNextImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
                                         image_grid_pinpoints=pinpoints)
-    processor = {"patch_size": patch, "vision_feature_select_strategy": "default", "video_token": "<video>",
-                 "image_token": "<image>"}
+    processor = {"patch_size": patch, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1,
+                 "video_token": "<video>", "image_token": "<image>"}
     directory, tokenizer = family_processor_directory(directory, {"image_token": "<image>", "video_token": "<video>"},
                                                       images, processor)
     config = video_config or {"video_processor_type": "LlavaNextVideoVideoProcessor", "size": {"shortest_edge": side},

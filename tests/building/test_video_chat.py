@@ -236,13 +236,39 @@ def test_a_tampered_video_count_is_caught(processor, tmp_path):
         read_image_set(summary.image_set)
 
 
+def built_batch_against_each_sample_alone(model, collator, dataset, image_set, batch) -> tuple[float, float, float]:
+    """(largest logit difference, loss difference, largest gradient difference over the largest gradient) of the
+    collated batch of every pack of `dataset` against each sample alone, read back from the corpus row it came from
+    (its images and videos from the image set) and run through transformers' own path (test_video's alone_batch)."""
+    from tests.model.test_video import alone_batch
+
+    logits, loss, grads = run(model, batch)
+    logit_diff, weighted, counted, alone_grads = 0.0, 0.0, 0, {}
+    for row in range(len(dataset)):
+        pack, rows = dataset[row], dataset.packs.source_rows(row)
+        for document, (start, end) in enumerate(zip(pack["cu_seqlens"][:-1], pack["cu_seqlens"][1:])):
+            corpus_row = int(rows[document])
+            videos = image_set.videos_of(corpus_row)
+            sample = {"input_ids": pack["input_ids"][start:end].astype(np.int64),
+                      "images": [image_set.data(int(n)) for n in image_set.images_of(corpus_row)],
+                      "videos": [[image_set.data(int(f)) for f in frames] for frames, _, _ in videos],
+                      "video_fps": [fps for _, fps, _ in videos]}
+            labels = batch["labels"][row, start:end]
+            alone_logits, alone_loss, sample_grads = run(model, alone_batch(collator, sample, labels))
+            logit_diff = max(logit_diff, float((logits[row, start:end] - alone_logits[0]).abs().max()))
+            weighted, counted = weighted + float(alone_loss) * targets(labels), counted + targets(labels)
+            for name, grad in sample_grads.items():
+                alone_grads[name] = alone_grads.get(name, 0) + grad
+    largest = max(float(grad.abs().max()) for grad in grads.values())
+    grad_diff = max(float((grads[name] - alone_grads[name]).abs().max()) for name in grads) / largest
+    return logit_diff, abs(float(loss) - weighted / counted), grad_diff
+
+
 @pytest.mark.slow
 def test_a_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(processor, tmp_path):
     """prepare-images, `prepack build`, ImagePackedDataset serving videos and their rates, VisionCollator with
     FrameVideoProcessor, a tiny Qwen2.5-VL with the tokenizer's ids: each pack's samples equal alone."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from tests.model.test_video import alone_batch
 
     paths = write_videos(tmp_path)
     corpus = corpus_file(tmp_path, video_records(paths))
@@ -275,27 +301,9 @@ def test_a_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(proce
     assert any(len(pack["cu_seqlens"]) > 2 for pack in packs)  # samples packed together
     batch = collator(packs)
     assert batch["second_per_grid_ts"].tolist() == [2 / rate for pack in packs for rate in pack["video_fps"]]
-    logits, loss, grads = run(model, batch)
-    logit_diff, weighted, counted, alone_grads = 0.0, 0.0, 0, {}
-    for row, pack in enumerate(packs):
-        rows = dataset.packs.source_rows(row)
-        for document, (start_, end_) in enumerate(zip(pack["cu_seqlens"][:-1], pack["cu_seqlens"][1:])):
-            corpus_row = int(rows[document])
-            videos = image_set.videos_of(corpus_row)
-            sample = {"input_ids": pack["input_ids"][start_:end_].astype(np.int64),
-                      "images": [image_set.data(int(n)) for n in image_set.images_of(corpus_row)],
-                      "videos": [[image_set.data(int(f)) for f in frames] for frames, _, _ in videos],
-                      "video_fps": [fps for _, fps, _ in videos]}
-            labels = batch["labels"][row, start_:end_]
-            alone_logits, alone_loss, sample_grads = run(model, alone_batch(collator, sample, labels))
-            logit_diff = max(logit_diff, float((logits[row, start_:end_] - alone_logits[0]).abs().max()))
-            weighted, counted = weighted + float(alone_loss) * targets(labels), counted + targets(labels)
-            for name, grad in sample_grads.items():
-                alone_grads[name] = alone_grads.get(name, 0) + grad
-    largest = max(float(grad.abs().max()) for grad in grads.values())
-    grad_diff = max(float((grads[name] - alone_grads[name]).abs().max()) for name in grads) / largest
+    logit_diff, loss_diff, grad_diff = built_batch_against_each_sample_alone(model, collator, dataset, image_set, batch)
     assert logit_diff < TOLERANCE
-    assert abs(float(loss) - weighted / counted) < LOSS_TOLERANCE and grad_diff < LOSS_TOLERANCE
+    assert loss_diff < LOSS_TOLERANCE and grad_diff < LOSS_TOLERANCE
     # verify --images: clean, and a set whose video placeholder is another token fails pack by pack
     from prepack.check.images import verify_images
 
@@ -416,3 +424,46 @@ def test_llava_next_video_configs(tmp_path):
     (directory / "processor_config.json").write_text(json.dumps({"vision_feature_select_strategy": "default"}))
     with pytest.raises(InputError, match="processor_config.json: a LLaVA-NeXT-Video processor needs patch_size"):
         video_processor_rule(directory)
+
+
+@pytest.mark.slow
+def test_a_llava_next_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(tmp_path):
+    """LLaVA-NeXT-Video end to end: a corpus with frame lists and directories (videos of 4, 3 and 5 frames, one video
+    twice in a record), an image and a text-only chat -> `prepack prepare-images` -> `prepack build --chat` -> every
+    sample in exactly one pack -> ImagePackedDataset, VisionCollator (every frame of the batch in one row of
+    pixel_values_videos, each video's frames counted at its processor's rule) -> a tiny LLaVA-NeXT-Video with the
+    tokenizer's ids: logits, loss and gradients equal each sample alone."""
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    from prepack.training.video_frames import CroppedFrameVideoProcessor
+    from tests.video_inputs import llava_next_video_directory
+
+    processor, tokenizer = llava_next_video_directory(tmp_path / "processor")
+    paths = write_videos(tmp_path)
+    records = video_records(paths)
+    records[3]["videos"] = [paths[0], paths[0]]  # transformers takes a sample's videos at one frame count
+    done = run_prepack("prepare-images", corpus_file(tmp_path, records), "--processor", processor, "--out",
+                       tmp_path / "prepared", env=WIDE)
+    assert done.returncode == 0 and ", 4 videos (their frames among the images)" in done.stdout, done.stderr
+    image_set = read_image_set(tmp_path / "prepared" / "images", verify=True)
+    assert image_set.manifest.video_rule.kind == "pooled" and image_set.manifest.images == 1 + 4 + 3  # frames once
+    build = tmp_path / "build"
+    result = run_prepack("build", tmp_path / "prepared" / "corpus.parquet", "--tokenizer", processor, "--chat",
+                         "--max-len", MAX_LEN, "--overflow", "error", "--out", build)
+    assert result.returncode == 0, result.stderr
+    ids = {"image_token_index": tokenizer.convert_tokens_to_ids("<image>"),
+           "video_token_index": tokenizer.convert_tokens_to_ids("<video>")}
+    model = enable_packing(tiny_vision_model("llava_next_video", vocab_size=len(tokenizer), tokens=ids))
+    collator = VisionCollator(VisionSpec.of(model.config), LlavaNextImageProcessorPil.from_pretrained(processor),
+                              max_len=MAX_LEN, pad_token_id=50256,
+                              video_processor=CroppedFrameVideoProcessor.from_pretrained(processor))
+    dataset = ImagePackedDataset(build, image_set.directory)
+    packs = [dataset[index] for index in range(len(dataset))]
+    rows = sorted(int(row) for index in range(len(dataset)) for row in dataset.packs.source_rows(index))
+    assert rows == [0, 1, 2, 3] and any(len(pack["cu_seqlens"]) > 2 for pack in packs)  # each once, some together
+    batch = collator(packs)
+    frames = sum(len(frames) for row in rows for frames, _, _ in image_set.videos_of(row))
+    assert batch["pixel_values_videos"].shape[:2] == (1, frames) == (1, 4 + 3 + 4 + 4)
+    logit_diff, loss_diff, grad_diff = built_batch_against_each_sample_alone(model, collator, dataset, image_set, batch)
+    assert logit_diff < TOLERANCE
+    assert loss_diff < LOSS_TOLERANCE and grad_diff < LOSS_TOLERANCE
