@@ -17,6 +17,9 @@ model's image processor (in DataLoader workers) and emits, by the family's style
                                  pixel_values, each pack's placeholders checked against its images' cells (and,
                                  InternVL tiled, against the views the image processor made of its images)
     pixel_values_videos, video_grid_thw  (3-D rotary, packs with `videos`) what the video processor gives
+    pixel_values_videos [1, F, C, H, W]  (LLaVA-NeXT-Video, packs with `videos`) every frame of the batch's videos in
+                                 token order in one row, each video through the video processor on its own: its
+                                 model runs and pools each frame alone, so videos of any frame counts share a batch
     second_per_grid_ts [V] float32 (Qwen2.5-VL, packs with `videos`) temporal_patch_size / each video's fps
     pixel_attention_mask         (split, Idefics3, SmolVLM) the image processor's mask of real pixels beside
                                  pixel_values [1, tiles, C, H, W], every tile of the batch's images in token order
@@ -219,11 +222,12 @@ class VisionCollator:
       forward would be handed a field it does not take. Refused (UsageError) for towers whose images are not one
       run of placeholders each: LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's and SmolVLM's tiles, Mistral 3's rows.
       Images only: a video's placeholders have no spans (find them as `input_ids == spec.video_token_id`).
-    - `video_processor`: for packs with `videos` (Qwen-VL families, `VIDEO_RULES`), called on the batch's videos
-      (each a list of decoded RGB frames) as transformers' video processors are, giving `pixel_values_videos`
-      and `video_grid_thw`: transformers' own Qwen2VLVideoProcessor/Qwen3VLVideoProcessor (with
-      `do_sample_frames=False`: the frames are the samples) where torchvision is installed, or
-      `prepack.training.video_frames.FrameVideoProcessor` (the image processor per frame, no torchvision).
+    - `video_processor`: for packs with `videos` (Qwen-VL families and LLaVA-NeXT-Video, `VIDEO_RULES`), called on
+      the batch's videos (each a list of decoded RGB frames) as transformers' video processors are, giving
+      `pixel_values_videos` (and Qwen-VL's `video_grid_thw`): transformers' own Qwen2VLVideoProcessor/
+      Qwen3VLVideoProcessor/LlavaNextVideoVideoProcessor (with `do_sample_frames=False`: the frames are the samples)
+      where torchvision is installed, or `prepack.training.video_frames.FrameVideoProcessor` (Qwen-VL: the image
+      processor per frame, no torchvision) or `CroppedFrameVideoProcessor` (LLaVA-NeXT-Video: CLIP's per frame).
     - `video_fps`: the frame rate of a video whose pack gives none in `video_fps` (default 2.0, qwen-vl-utils');
       Qwen2.5-VL's `second_per_grid_ts` is temporal_patch_size / fps, as its processor computes it.
 
