@@ -390,11 +390,11 @@ class ImageRule(StrictModel):
 
 
 # The VideoRule fields of each kind: a rule of one kind carrying another's is refused (`_complete`), and each is
-# written without the other kinds' fields, so that a Qwen-VL rule keeps the bytes it had before `pooled` existed.
+# written without the other kinds' fields, so that a Qwen-VL rule keeps the bytes it had before `frames` existed.
 _VIDEO_KIND_FIELDS = {
     "qwen2": ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels"),
     "qwen3": ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels"),
-    "pooled": ("tokens",),
+    "frames": ("tokens",),
 }
 _VIDEO_FIELDS = sorted({name for fields in _VIDEO_KIND_FIELDS.values() for name in fields})
 
@@ -410,11 +410,12 @@ class VideoRule(StrictModel):
     `Qwen3VLVideoProcessor`): the bounds hold for the whole video; each temporal step is its own
     `<{seconds:.1f} seconds>` + start + placeholders + end, its time the mean of its first and last frame's
     (frame i at i / fps), as `Qwen3VLProcessor` writes it. Both as transformers 5.24 counts them with
-    `cap_pixels_per_frame` unset (its default there). `pooled` (LLaVA-NeXT-Video's `LlavaNextVideoProcessor`):
-    every frame center-cropped to one size, `tokens` placeholders a frame (its patches pooled 2×2), whatever the
+    `cap_pixels_per_frame` unset (its default there). `frames` (LLaVA-NeXT-Video's
+    `LlavaNextVideoProcessor`, Video-LLaVA's `VideoLlavaProcessor`): every frame center-cropped to one size, `tokens`
+    placeholders a frame (LLaVA-NeXT-Video's patches pooled 2×2, Video-LLaVA's patches and CLS), whatever the
     frame's own size; the text is `start + placeholder × frames·tokens + end`."""
 
-    kind: Literal["qwen2", "qwen3", "pooled"]
+    kind: Literal["qwen2", "qwen3", "frames"]
     placeholder: str = Field(default="<|video_pad|>", min_length=1)
     start: str = "<|vision_start|>"
     end: str = "<|vision_end|>"
@@ -423,7 +424,7 @@ class VideoRule(StrictModel):
     temporal_patch_size: int | None = Field(default=None, ge=1, le=64)
     min_pixels: int | None = Field(default=None, ge=1, le=2**40)
     max_pixels: int | None = Field(default=None, ge=1, le=2**40)
-    tokens: int | None = Field(default=None, ge=1, le=65_536, description="pooled: the placeholders of a frame.")
+    tokens: int | None = Field(default=None, ge=1, le=65_536, description="frames: the placeholders of a frame.")
 
     @model_validator(mode="after")
     def _complete(self) -> VideoRule:
@@ -449,8 +450,8 @@ class VideoRule(StrictModel):
         """(t, h, w): a Qwen-VL video's patch grid, `video_grid_thw` of the processor. ValueError if none."""
         if frames < 1:
             raise ValueError("a video without frames")
-        if self.kind == "pooled":
-            raise ValueError("a pooled video rule has no patch grid: each frame is `tokens` placeholders")
+        if self.kind == "frames":
+            raise ValueError("a frames video rule has no patch grid: each frame is `tokens` placeholders")
         factor = self.patch_size * self.merge_size
         if self.kind == "qwen2":
             resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
@@ -461,7 +462,7 @@ class VideoRule(StrictModel):
         return steps, resized_h // self.patch_size, resized_w // self.patch_size
 
     def placeholders(self, frames: int, width: int, height: int) -> int:
-        if self.kind == "pooled":
+        if self.kind == "frames":
             if frames < 1:
                 raise ValueError("a video without frames")
             return frames * self.tokens

@@ -221,7 +221,7 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
 
         return LlavaOnevisionImageProcessorPil(size={"height": side, "width": side},
                                                image_grid_pinpoints=config.image_grid_pinpoints)
-    if config.model_type == "llava":
+    if config.model_type in ("llava", "video_llava"):
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
         return CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})

@@ -17,8 +17,8 @@ step) are laid into one temporal patch as `Qwen2VLVideoProcessor.patchify` lays 
 processor's (Qwen's image and video processors share theirs), and Pillow resizes where torchvision would: the
 pixels are close to the torchvision processor's, not equal; the placeholder count and layout are equal.
 
-`CroppedFrameVideoProcessor` does the same for LLaVA-NeXT-Video, whose video processor is CLIP's image steps per
-frame (resize to size.shortest_edge, center crop to crop_size, rescale, normalise):
+`CroppedFrameVideoProcessor` does the same for LLaVA-NeXT-Video and Video-LLaVA, whose video processors are CLIP's
+image steps per frame (resize to size.shortest_edge, center crop to crop_size, rescale, normalise):
 
     video_processor = CroppedFrameVideoProcessor.from_pretrained(processor_directory)  # its video config
     video_processor(videos=[[frame0, frame1, ...]])["pixel_values_videos"]             # [1, frames, C, H, W]
@@ -40,7 +40,8 @@ with optional_imports("FrameVideoProcessor"):
 
 __all__ = ["CroppedFrameVideoProcessor", "FrameVideoProcessor"]
 
-# The settings of LLaVA-NeXT-Video's video processor that CLIP's image processor takes under the same names.
+# The settings of LLaVA-NeXT-Video's and Video-LLaVA's video processors that CLIP's image processor takes under the
+# same names.
 _CLIP_SETTINGS = ("do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale", "rescale_factor",
                   "do_normalize", "image_mean", "image_std", "do_convert_rgb")
 
@@ -51,7 +52,7 @@ class FrameVideoProcessor:
     def __init__(self, image_processor, rule: VideoRule):
         if rule.kind not in ("qwen2", "qwen3"):
             raise UsageError(f"FrameVideoProcessor lays out Qwen-VL videos; a {rule.kind} video rule is "
-                             "CroppedFrameVideoProcessor's (LLaVA-NeXT-Video).")
+                             "CroppedFrameVideoProcessor's (LLaVA-NeXT-Video, Video-LLaVA).")
         self.image_processor, self.rule = image_processor, rule
         self.temporal_patch_size = rule.temporal_patch_size  # as transformers' video processors name it
 
@@ -102,9 +103,10 @@ class FrameVideoProcessor:
 
 
 class CroppedFrameVideoProcessor:
-    """LLaVA-NeXT-Video's `pixel_values_videos` [videos, frames, C, H, W] from videos given as decoded frames: each
-    frame through `image_processor` (CLIP's, with the video processor's settings: `from_pretrained`), as
-    transformers' LlavaNextVideoVideoProcessor takes each frame through CLIP's steps. A call's videos share a frame
+    """LLaVA-NeXT-Video's and Video-LLaVA's `pixel_values_videos` [videos, frames, C, H, W] from videos given as
+    decoded frames: each frame through `image_processor` (CLIP's, with the video processor's settings:
+    `from_pretrained`), as transformers' LlavaNextVideoVideoProcessor and VideoLlavaVideoProcessor take each frame
+    through CLIP's steps. A call's videos share a frame
     count (they are one tensor); VisionCollator calls it one video at a time."""
 
     def __init__(self, image_processor):
@@ -113,7 +115,7 @@ class CroppedFrameVideoProcessor:
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike) -> CroppedFrameVideoProcessor:
         """CLIP's PIL image processor with the settings of the directory's `video_preprocessor_config.json`
-        (LlavaNextVideoVideoProcessor's class defaults, which are CLIP's, where it leaves one out)."""
+        (the video processors' class defaults, which are CLIP's, where it leaves one out)."""
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
         config = json.loads((Path(directory) / "video_preprocessor_config.json").read_text())

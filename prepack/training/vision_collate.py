@@ -17,8 +17,8 @@ model's image processor (in DataLoader workers) and emits, by the family's style
                                  pixel_values, each pack's placeholders checked against its images' cells (and,
                                  InternVL tiled, against the views the image processor made of its images)
     pixel_values_videos, video_grid_thw  (3-D rotary, packs with `videos`) what the video processor gives
-    pixel_values_videos [1, F, C, H, W]  (LLaVA-NeXT-Video, packs with `videos`) every frame of the batch's videos in
-                                 token order in one row, each video through the video processor on its own: its
+    pixel_values_videos [1, F, C, H, W]  (LLaVA-NeXT-Video, Video-LLaVA, packs with `videos`) every frame of the
+                                 batch's videos in token order in one row, each video through the video processor on its own: its
                                  model runs and pools each frame alone, so videos of any frame counts share a batch
     second_per_grid_ts [V] float32 (Qwen2.5-VL, packs with `videos`) temporal_patch_size / each video's fps
     pixel_attention_mask         (split, Idefics3, SmolVLM) the image processor's mask of real pixels beside
@@ -103,7 +103,7 @@ class VisionSpec:
     video_token_id: int | None = None
     video_steps_apart: bool = False
     tokens_per_second: float | None = None
-    # LLaVA-NeXT-Video (VIDEO_RULES' pooled): the placeholders of a frame, the tower's patches pooled per frame.
+    # LLaVA-NeXT-Video, Video-LLaVA (VIDEO_RULES' frames): the placeholders of a frame, by the tower's patches.
     tokens_per_frame: int | None = None
 
     @classmethod
@@ -122,7 +122,7 @@ class VisionSpec:
         if style == "image blocks":
             return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
         if getattr(config, "image_grid_pinpoints", None) or config.model_type in SPLITTING_FAMILIES:
-            return cls(style, image_token_id, **_pooled_video(config))  # tiled: the count follows the image's size
+            return cls(style, image_token_id, **_frame_video(config))  # tiled: the count follows the image's size
         vision = config.vision_config
         if style == "prefix blocks":  # PaliGemma: SigLIP's patches, one token each
             return cls(style, image_token_id, tokens_per_image=config.text_config.num_image_tokens)
@@ -134,16 +134,20 @@ class VisionSpec:
         patches = (vision.image_size // vision.patch_size) ** 2
         # "default" drops the CLS token of CLIP's output, "full" keeps it.
         with_cls = config.vision_feature_select_strategy == "full"
-        return cls(style, image_token_id, tokens_per_image=patches + with_cls)
+        return cls(style, image_token_id, tokens_per_image=patches + with_cls, **_frame_video(config))
 
 
-def _pooled_video(config) -> dict[str, int]:
-    """LLaVA-NeXT-Video's video fields: its placeholder and a frame's features, the tower's patches per side pooled
-    by spatial_pool_stride (its pooler's kernel and stride, floored); none for other families."""
-    if VIDEO_RULES.get(config.model_type) != "pooled":
+def _frame_video(config) -> dict[str, int]:
+    """The video fields of a family whose frames each take a fixed count (VIDEO_RULES' frames): its placeholder and
+    a frame's features. LLaVA-NeXT-Video's: the tower's patches per side pooled by spatial_pool_stride (its pooler's
+    kernel and stride, floored); Video-LLaVA's: its video tower's patches and CLS token (its video features keep
+    every token). None for other families."""
+    if VIDEO_RULES.get(config.model_type) != "frames":
         return {}
-    side = config.vision_config.image_size // config.vision_config.patch_size // config.spatial_pool_stride
-    return {"video_token_id": config.video_token_id, "tokens_per_frame": side**2}
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    if config.model_type == "video_llava":
+        return {"video_token_id": config.video_token_id, "tokens_per_frame": side**2 + 1}
+    return {"video_token_id": config.video_token_id, "tokens_per_frame": (side // config.spatial_pool_stride) ** 2}
 
 
 def rotary_3d_positions(
@@ -225,9 +229,10 @@ class VisionCollator:
     - `video_processor`: for packs with `videos` (Qwen-VL families and LLaVA-NeXT-Video, `VIDEO_RULES`), called on
       the batch's videos (each a list of decoded RGB frames) as transformers' video processors are, giving
       `pixel_values_videos` (and Qwen-VL's `video_grid_thw`): transformers' own Qwen2VLVideoProcessor/
-      Qwen3VLVideoProcessor/LlavaNextVideoVideoProcessor (with `do_sample_frames=False`: the frames are the samples)
-      where torchvision is installed, or `prepack.training.video_frames.FrameVideoProcessor` (Qwen-VL: the image
-      processor per frame, no torchvision) or `CroppedFrameVideoProcessor` (LLaVA-NeXT-Video: CLIP's per frame).
+      Qwen3VLVideoProcessor/LlavaNextVideoVideoProcessor/VideoLlavaVideoProcessor (with `do_sample_frames=False`: the
+      frames are the samples) where torchvision is installed, or `prepack.training.video_frames.FrameVideoProcessor`
+      (Qwen-VL: the image processor per frame, no torchvision) or `CroppedFrameVideoProcessor` (LLaVA-NeXT-Video,
+      Video-LLaVA: CLIP's steps per frame).
     - `video_fps`: the frame rate of a video whose pack gives none in `video_fps` (default 2.0, qwen-vl-utils');
       Qwen2.5-VL's `second_per_grid_ts` is temporal_patch_size / fps, as its processor computes it.
 
@@ -356,7 +361,7 @@ class VisionCollator:
         if self.video_processor is None:
             raise UsageError("Packs with videos need VisionCollator(video_processor=...): transformers' video "
                              "processor of the family, or prepack.training.video_frames' FrameVideoProcessor (Qwen-VL) "
-                             "or CroppedFrameVideoProcessor (LLaVA-NeXT-Video).")
+                             "or CroppedFrameVideoProcessor (LLaVA-NeXT-Video, Video-LLaVA).")
         if self.spec.tokens_per_frame is not None:
             _check_frame_tokens(packs, self.spec.tokens_per_frame, self.spec.video_token_id)
         videos = [

@@ -391,7 +391,7 @@ def test_llava_next_video_counts_are_its_processors_own(tmp_path, sizes):
     directory, tokenizer = llava_next_video_directory(tmp_path / "processor", **sizes)
     rule, video_id = video_processor_rule(directory)
     reference = llava_next_video_processor(directory, tokenizer)
-    assert rule.kind == "pooled" and video_id == reference.video_token_id
+    assert rule.kind == "frames" and video_id == reference.video_token_id
     assert rule.tokens == (sizes["side"] // 14) ** 2 // 4
     for frames, (width, height) in ((1, (120, 90)), (3, (90, 120)), (4, (7, 300)), (6, (400, 400))):
         video = [frame.resize((width, height)) for frame in video_frames(0)[:1]] * frames
@@ -446,7 +446,7 @@ def test_a_llava_next_video_corpus_builds_and_a_packed_batch_equals_each_sample_
                        tmp_path / "prepared", env=WIDE)
     assert done.returncode == 0 and ", 4 videos (their frames among the images)" in done.stdout, done.stderr
     image_set = read_image_set(tmp_path / "prepared" / "images", verify=True)
-    assert image_set.manifest.video_rule.kind == "pooled" and image_set.manifest.images == 1 + 4 + 3  # frames once
+    assert image_set.manifest.video_rule.kind == "frames" and image_set.manifest.images == 1 + 4 + 3  # frames once
     build = tmp_path / "build"
     result = run_prepack("build", tmp_path / "prepared" / "corpus.parquet", "--tokenizer", processor, "--chat",
                          "--max-len", MAX_LEN, "--overflow", "error", "--out", build)

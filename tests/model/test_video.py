@@ -57,12 +57,13 @@ QWEN2_VIDEO_SIZE = {"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 4}
 MODALITY = {"text": 0, "image": 1, "video": 2}  # transformers' mm_token_type_ids
 
 
-QWEN_VIDEO_FAMILIES = tuple(name for name, kind in VIDEO_RULES.items() if kind != "pooled")
+QWEN_VIDEO_FAMILIES = tuple(name for name, kind in VIDEO_RULES.items() if kind != "frames")
+FRAME_FAMILIES = tuple(name for name, kind in VIDEO_RULES.items() if kind == "frames")
 
 
 def video_processor(model_type: str, processor) -> FrameVideoProcessor | CroppedFrameVideoProcessor:
     kind = VIDEO_RULES[model_type]
-    if kind == "pooled":  # LLaVA-NeXT-Video: CLIP's steps per frame, cropped to the tower's side
+    if kind == "frames":  # LLaVA-NeXT-Video, Video-LLaVA: CLIP's steps per frame, cropped to the tower's side
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
         side = tiny_vision_config(model_type).vision_config.image_size
@@ -207,12 +208,13 @@ def test_packed_video_batch_equals_each_sample_alone(model_type, rows):
     ("model_type", "attn"),
     [("qwen3_vl_moe", "sdpa"), ("qwen3_5", "sdpa"), ("qwen3_5_moe", "sdpa"), ("qwen4_exp", "sdpa"),
      ("qwen2_5_vl", "eager"), ("qwen2_5_vl", "flash_attention_2"), ("qwen3_vl", "flash_attention_4"),
-     ("llava_next_video", "eager"), ("llava_next_video", "flash_attention_2"), ("llava_next_video", "flash_attention_4")],
+     *((model_type, attn) for model_type in FRAME_FAMILIES
+       for attn in ("eager", "flash_attention_2", "flash_attention_4"))],
 )
 def test_packed_video_batch_on_other_backends_and_families(model_type, attn, request):
     """Qwen3-VL-MoE (VIDEO_RULES' fourth family) on sdpa, and videos on eager and on flash through
     tests/flash_reference.py's stand-ins (the text's offsets derived by enable_packing, kept from the tower);
-    LLaVA-NeXT-Video's on eager and flash (its sdpa run is `test_llava_next_video_packed_batch_equals_each_alone`)."""
+    LLaVA-NeXT-Video's and Video-LLaVA's on eager and flash (their sdpa run: `test_frame_video_packed_batch_...`)."""
     if attn.startswith("flash"):
         request.getfixturevalue("use_flash_reference")
     model, collator, made = setup(model_type, attn=attn)
@@ -255,7 +257,7 @@ def test_a_batch_of_videos_without_images_equals_each_sample_alone(attn, request
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", [*FAMILIES, "qwen3_5", "llava_next_video"])
+@pytest.mark.parametrize("model_type", [*FAMILIES, "qwen3_5", *FRAME_FAMILIES])
 def test_video_positions_not_restarted_leak(model_type):
     """The control: positions counting on over each row let the samples see each other."""
     model, collator, made = setup(model_type)
@@ -310,8 +312,8 @@ def test_the_video_families_are_those_whose_positions_transformers_splits_by_ste
 
     with open(importlib.util.find_spec("transformers.models.auto.video_processing_auto").origin) as file:
         mapped = dict(re.findall(r'\("(\w+)", \{"torchvision": "(\w+)"\}\)', file.read()))
-    processors = {"qwen2": "Qwen2VLVideoProcessor", "qwen3": "Qwen3VLVideoProcessor",
-                  "pooled": "LlavaNextVideoVideoProcessor"}
+    kinds = {"Qwen2VLVideoProcessor": "qwen2", "Qwen3VLVideoProcessor": "qwen3", "LlavaNextVideoVideoProcessor": "frames",
+             "VideoLlavaVideoProcessor": "frames"}
     for model_type, kind in VIDEO_RULES.items():
         with open(importlib.util.find_spec(f"transformers.models.{model_type}.modeling_{model_type}").origin) as file:
             splits = "torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)" in file.read()
@@ -320,7 +322,7 @@ def test_the_video_families_are_those_whose_positions_transformers_splits_by_ste
             own = importlib.util.find_spec(f"transformers.models.{model_type}.video_processing_{model_type}").origin
             with open(own) as file:
                 mapped[model_type] = re.search(r"class (\w+)\(BaseVideoProcessor\)", file.read()).group(1)
-        assert mapped[model_type] == processors[kind], model_type
+        assert kinds[mapped[model_type]] == kind, model_type
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
@@ -438,22 +440,24 @@ def test_a_batch_over_its_pixels_with_frames_is_refused_before_any_image_is_deco
         VisionCollator(collator.spec, collator.image_processor, **options)([broken])
 
 
-def test_llava_next_video_packed_batch_equals_each_alone():
-    """LLaVA-NeXT-Video (the must-isolate video family of the fast lane): videos of 4, 3 and 5 frames, an image
-    (LLaVA-NeXT's tiles) and a text-only sample, packed two to a row on sdpa, give the logits, loss and every
-    gradient (language model, projector, vision tower) of each sample alone, where transformers takes each sample's
-    videos as [videos, frames, C, H, W]; the batch's frames share one row of pixel_values_videos."""
-    model, collator, made = setup("llava_next_video")
+@pytest.mark.parametrize("model_type", FRAME_FAMILIES)
+def test_frame_video_packed_batch_equals_each_alone(model_type):
+    """LLaVA-NeXT-Video and Video-LLaVA (their must-isolate video test, in the fast lane): videos of 4, 3 and 5
+    frames, an image (LLaVA-NeXT's tiles; Video-LLaVA's CLIP image) and a text-only sample, packed two to a row on
+    sdpa, give the logits, loss and every gradient (language model, projector, vision tower) of each sample alone,
+    where transformers takes each sample's videos as [videos, frames, C, H, W]; the batch's frames share one row of
+    pixel_values_videos."""
+    model, collator, made = setup(model_type)
     packs = packs_of(made, ROWS[2])
     batch = collator(packs)
     frames = sum(VIDEOS[video][1] for _, videos in SAMPLES for video in videos)
-    assert batch["pixel_values_videos"].shape[:2] == (1, frames) and "image_sizes" in batch
+    assert batch["pixel_values_videos"].shape[:2] == (1, frames) and len(batch["pixel_values"]) == 1
     assert int((batch["input_ids"] == collator.spec.video_token_id).sum()) == frames * collator.spec.tokens_per_frame
     enable_packing(model)
     logit_diff, loss_diff, groups = compare(model, collator, made, packs, batch)
     report = f"logits {logit_diff:.1e}, loss {loss_diff:.1e}, gradients " + ", ".join(
         f"{group} {value:.1e}" for group, value in sorted(groups.items()))
-    print(f"llava_next_video videos: {report}")
+    print(f"{model_type} videos: {report}")
     assert groups.keys() == {PROJECTOR, VISION_TOWER, LANGUAGE_MODEL}, report
     assert logit_diff < TOLERANCE and loss_diff < LOSS_TOLERANCE, report
     assert all(value < LOSS_TOLERANCE for value in groups.values()), report
