@@ -344,6 +344,9 @@ class VisionCollator:
         if self.spec.image_cell is not None:
             options = {"patch_size": {"height": self.spec.image_cell, "width": self.spec.image_cell}} | options
         out = self.image_processor(images=decoded, return_tensors="pt", **options)
+        if "pixel_values_images" in out and "pixel_values" not in out:
+            # Video-LLaVA's image processor's old name by default; its model takes them as pixel_values.
+            out["pixel_values"] = out.pop("pixel_values_images")
         fields = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
         kept = {key: out[key] for key in fields if key in out}
         if self.tiled:  # views per image, for the check of each pack's placeholders (not a model input)

@@ -373,26 +373,28 @@ def test_the_image_cap_counts_a_videos_frames(processor, tmp_path):
         read_image_set(summary.image_set)
 
 
-# LLaVA-NeXT-Video at llava-hf/LLaVA-NeXT-Video-7B-hf's sizes: 336-pixel crops in patches of 14 (144 placeholders a
-# frame), and at the tiny tower's (56 in 14: 4).
-LLAVA_NEXT_VIDEO_SIZES = (
-    pytest.param({"side": 336, "pinpoints": [[336, 672], [672, 336], [672, 672]]}, id="checkpoint",
-                 marks=pytest.mark.slow),
-    pytest.param({"side": 56}, id="tiny"),
+# At the checkpoints' sizes (llava-hf/LLaVA-NeXT-Video-7B-hf: 336-pixel crops in patches of 14, 144 placeholders a
+# frame; LanguageBind/Video-LLaVA-7B-hf: 224, 257), and at the tiny towers' (56 in 14: 4 and 17).
+FRAME_VIDEO_SIZES = (
+    pytest.param("llava_next_video", {"side": 336, "pinpoints": [[336, 672], [672, 336], [672, 672]]}, 144,
+                 id="llava_next_video-checkpoint", marks=pytest.mark.slow),
+    pytest.param("llava_next_video", {"side": 56}, 4, id="llava_next_video-tiny"),
+    pytest.param("video_llava", {"side": 224}, 257, id="video_llava-checkpoint", marks=pytest.mark.slow),
+    pytest.param("video_llava", {"side": 56}, 17, id="video_llava-tiny"),
 )
 
 
-@pytest.mark.parametrize("sizes", LLAVA_NEXT_VIDEO_SIZES)
-def test_llava_next_video_counts_are_its_processors_own(tmp_path, sizes):
-    """A video of any frame count and frame size, and an image, expand as transformers' LlavaNextVideoProcessor
-    expands `<video>` and `<image>` (its own replace_video_token on the frames' pixels): the same tokens."""
-    from tests.video_inputs import llava_next_video_directory, llava_next_video_processor
+@pytest.mark.parametrize(("model_type", "sizes", "per_frame"), FRAME_VIDEO_SIZES)
+def test_frame_video_counts_are_the_processors_own(tmp_path, model_type, sizes, per_frame):
+    """A video of any frame count and frame size, and an image, expand as transformers' LlavaNextVideoProcessor (or
+    VideoLlavaProcessor) expands `<video>` and `<image>` (its own replace_video_token on the frames' pixels): the
+    same tokens."""
+    from tests.video_inputs import frame_video_directory, frame_video_processor
 
-    directory, tokenizer = llava_next_video_directory(tmp_path / "processor", **sizes)
+    directory, tokenizer = frame_video_directory(tmp_path / "processor", model_type, **sizes)
     rule, video_id = video_processor_rule(directory)
-    reference = llava_next_video_processor(directory, tokenizer)
-    assert rule.kind == "frames" and video_id == reference.video_token_id
-    assert rule.tokens == (sizes["side"] // 14) ** 2 // 4
+    reference = frame_video_processor(directory, tokenizer, model_type)
+    assert rule.kind == "frames" and rule.tokens == per_frame and video_id == reference.video_token_id
     for frames, (width, height) in ((1, (120, 90)), (3, (90, 120)), (4, (7, 300)), (6, (400, 400))):
         video = [frame.resize((width, height)) for frame in video_frames(0)[:1]] * frames
         expected = reference(text="a<video>b", videos=[video])["input_ids"][0].tolist()
@@ -404,18 +406,21 @@ def test_llava_next_video_counts_are_its_processors_own(tmp_path, sizes):
     assert tokenizer("a" + image.text(*photo.size) + "b")["input_ids"] == expected
 
 
-def test_llava_next_video_configs(tmp_path):
-    """A config naming only its processor takes the class default crop (transformers' source); one without the crop
-    (frames of their own shapes, which the model's pooling does not take), or a processor without patch_size, is
-    refused by file and field."""
-    from tests.video_inputs import llava_next_video_directory, transformers_source
+def test_frame_video_configs(tmp_path):
+    """A config naming only its processor takes the class default crop (transformers' source of each); one without
+    the crop (frames of their own shapes, which the towers do not take), or a LLaVA-NeXT-Video processor without
+    patch_size, is refused by file and field."""
+    from tests.video_inputs import frame_video_directory, transformers_source
 
-    directory, _ = llava_next_video_directory(tmp_path / "processor",
-                                              video_config={"video_processor_type": "LlavaNextVideoVideoProcessor"})
-    defaults = transformers_source("transformers.models.llava_next_video.video_processing_llava_next_video",
-                                   "LlavaNextVideoVideoProcessor").defaults
-    rule, _ = video_processor_rule(directory)
-    assert defaults.do_center_crop and rule.tokens == (defaults.crop_size["height"] // 14) ** 2 // 4
+    for model_type, named in (("video_llava", "VideoLlavaVideoProcessor"),
+                              ("llava_next_video", "LlavaNextVideoVideoProcessor")):
+        directory, _ = frame_video_directory(tmp_path / model_type, model_type,
+                                             video_config={"video_processor_type": named})
+        defaults = transformers_source(f"transformers.models.{model_type}.video_processing_{model_type}", named).defaults
+        rule, _ = video_processor_rule(directory)
+        patches = (defaults.crop_size["height"] // 14) * (defaults.crop_size["width"] // 14)
+        assert defaults.do_center_crop
+        assert rule.tokens == (patches // 4 if model_type == "llava_next_video" else patches + 1)
     config = directory / "video_preprocessor_config.json"
     config.write_text(json.dumps({"video_processor_type": "LlavaNextVideoVideoProcessor", "do_center_crop": False}))
     with pytest.raises(InputError, match="video_preprocessor_config.json: do_center_crop is off"):
@@ -427,18 +432,20 @@ def test_llava_next_video_configs(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_llava_next_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(tmp_path):
-    """LLaVA-NeXT-Video end to end: a corpus with frame lists and directories (videos of 4, 3 and 5 frames, one video
-    twice in a record), an image and a text-only chat -> `prepack prepare-images` -> `prepack build --chat` -> every
-    sample in exactly one pack -> ImagePackedDataset, VisionCollator (every frame of the batch in one row of
-    pixel_values_videos, each video's frames counted at its processor's rule) -> a tiny LLaVA-NeXT-Video with the
-    tokenizer's ids: logits, loss and gradients equal each sample alone."""
-    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+@pytest.mark.parametrize("model_type", ["llava_next_video", "video_llava"])
+def test_a_frame_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(tmp_path, model_type):
+    """LLaVA-NeXT-Video and Video-LLaVA end to end: a corpus with frame lists and directories (videos of 4, 3 and 5
+    frames, one video twice in a record), an image and a text-only chat -> `prepack prepare-images` -> `prepack build
+    --chat` -> every sample in exactly one pack -> ImagePackedDataset, VisionCollator (the family's own image
+    processor; every frame of the batch in one row of pixel_values_videos, each video's frames counted at its
+    processor's rule) -> a tiny model with the tokenizer's ids: logits, loss and gradients equal each sample alone."""
+    from transformers import AutoImageProcessor
 
+    from prepack.check.images import verify_images
     from prepack.training.video_frames import CroppedFrameVideoProcessor
-    from tests.video_inputs import llava_next_video_directory
+    from tests.video_inputs import frame_video_directory
 
-    processor, tokenizer = llava_next_video_directory(tmp_path / "processor")
+    processor, tokenizer = frame_video_directory(tmp_path / "processor", model_type)
     paths = write_videos(tmp_path)
     records = video_records(paths)
     records[3]["videos"] = [paths[0], paths[0]]  # transformers takes a sample's videos at one frame count
@@ -451,10 +458,11 @@ def test_a_llava_next_video_corpus_builds_and_a_packed_batch_equals_each_sample_
     result = run_prepack("build", tmp_path / "prepared" / "corpus.parquet", "--tokenizer", processor, "--chat",
                          "--max-len", MAX_LEN, "--overflow", "error", "--out", build)
     assert result.returncode == 0, result.stderr
+    assert verify_images(build, image_set.directory) == []
     ids = {"image_token_index": tokenizer.convert_tokens_to_ids("<image>"),
            "video_token_index": tokenizer.convert_tokens_to_ids("<video>")}
-    model = enable_packing(tiny_vision_model("llava_next_video", vocab_size=len(tokenizer), tokens=ids))
-    collator = VisionCollator(VisionSpec.of(model.config), LlavaNextImageProcessorPil.from_pretrained(processor),
+    model = enable_packing(tiny_vision_model(model_type, vocab_size=len(tokenizer), tokens=ids))
+    collator = VisionCollator(VisionSpec.of(model.config), AutoImageProcessor.from_pretrained(processor),
                               max_len=MAX_LEN, pad_token_id=50256,
                               video_processor=CroppedFrameVideoProcessor.from_pretrained(processor))
     dataset = ImagePackedDataset(build, image_set.directory)
