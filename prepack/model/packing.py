@@ -48,11 +48,12 @@ so their guard sits on the causal LM.
 
 An image batch (one with `pixel_values`, or `pixel_values_videos`) is held to the vision table
 (`prepack.model.vision_families`, docs/vision-support.md) and checked by `prepack.model.vision_packing`: families
-never measured with images are refused by name, fields that override a vision tower's per-image segments are refused, Qwen's 3-D rotary
-positions need their text row, and Gemma 3's layer masks are built by prepack. On flash attention the text's
-`cu_seq_lens_*` are derived as for text (for Qwen from the text row of its [4, B, L] positions), and a second
-pre-hook on the vision tower drops them from its call: the vision-language models hand their keyword arguments
-to the tower too, whose attention would run over the text's segments (LLaVA's CLIP, measured) instead of its own.
+never measured with images are refused by name, fields that override a vision tower's per-image segments are
+refused, Qwen's 3-D rotary positions need their text row, and Gemma 3's layer masks are built by prepack. On flash
+attention the text's `cu_seq_lens_*` are derived as for text (for Qwen from the text row of its [4, B, L]
+positions), and a second pre-hook on the vision tower drops them from its call: the vision-language models hand
+their keyword arguments to the tower too, whose attention would run over the text's segments (LLaVA's CLIP,
+measured) instead of its own.
 
 `prepack.model.isolation` proves it: it runs a packed batch and each of its documents alone, and compares.
 """

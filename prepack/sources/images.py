@@ -34,8 +34,8 @@ true length. The images go into an image set (`schemas/image-set.md`): each dist
 encoded bytes with its sha256, and per corpus row the numbers of its images. Images are written out as
 they are read, so memory holds one image (and a few rows of a Parquet or Arrow corpus), not all of them.
 
-Videos (Qwen-VL, LLaVA-NeXT-Video: `video_processor_rule`) are read as their frames, never decoded from a video
-file: a record's `videos` column (each a list of frames, or a directory of frame images) placed by `<video>`
+Videos (Qwen-VL, LLaVA-NeXT-Video, Video-LLaVA: `video_processor_rule`) are read as their frames, never decoded from
+a video file: a record's `videos` column (each a list of frames, or a directory of frame images) placed by `<video>`
 markers, or `{"type": "video", ...}` items; `video_fps` their rates. The frames are the video's samples, taken as
 given, whatever their count (sample them before, as the model cards do; a video processor's own sampling is not
 applied). Every frame is an image of the set (stored once by sha256); a video becomes its `VideoRule` text, and
@@ -183,10 +183,10 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     """The resize rule of a local processor directory and its placeholder's token id.
 
     `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's or GLM-4V's, Gemma 3's,
-    CLIP's as LLaVA uses (or Video-LLaVA's), LLaVA-NeXT's or LLaVA-OneVision's tiling ones, Idefics3's or SmolVLM's, GOT-OCR2's as
-    InternVL uses it, tiled or not, Pixtral's as Mistral 3 uses it, SigLIP's as PaliGemma uses it) and its sizes;
-    `processor_config.json` (optional) may name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for
-    fixed-size and tiled towers, the count (`image_seq_length`, or LLaVA's `patch_size` and
+    CLIP's as LLaVA uses (or Video-LLaVA's), LLaVA-NeXT's or LLaVA-OneVision's tiling ones, Idefics3's or SmolVLM's,
+    GOT-OCR2's as InternVL uses it, tiled or not, Pixtral's as Mistral 3 uses it, SigLIP's as PaliGemma uses it) and
+    its sizes; `processor_config.json` (optional) may name the tokens (`image_token`, `boi_token`, `eoi_token`) and,
+    for fixed-size and tiled towers, the count (`image_seq_length`, or LLaVA's `patch_size` and
     `vision_feature_select_strategy`, LLaVA-NeXT's `num_additional_image_tokens`, LLaVA-OneVision's
     `num_image_tokens` and `vision_aspect_ratio`). The placeholder must be one token of the directory's
     `tokenizer.json`. A size that is not a positive integer, or sizes that give no placeholder, are refused by file
@@ -859,8 +859,8 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
         side = video_side()
         if side is None:
             raise InputError(f"{at}: a video, and the processor directory has no video processor "
-                             "(video_preprocessor_config.json of a Qwen2-VL, Qwen3-VL or LLaVA-NeXT-Video video "
-                             "processor).")
+                             "(video_preprocessor_config.json of a Qwen2-VL, Qwen3-VL, LLaVA-NeXT-Video or "
+                             "Video-LLaVA video processor).")
         video_rule = side[0]
         frames = _video_frames(source, at, root)
         # Counted before any frame is read, as an image is; then each frame is read and stored in turn.

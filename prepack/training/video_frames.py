@@ -118,7 +118,11 @@ class CroppedFrameVideoProcessor:
         (the video processors' class defaults, which are CLIP's, where it leaves one out)."""
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-        config = json.loads((Path(directory) / "video_preprocessor_config.json").read_text())
+        path = Path(directory) / "video_preprocessor_config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{path}: cannot be read as a video processor config ({exc}).") from None
         return cls(CLIPImageProcessorPil(**{key: config[key] for key in _CLIP_SETTINGS if key in config}))
 
     def __call__(self, videos: Sequence[Sequence], return_tensors: str = "pt",

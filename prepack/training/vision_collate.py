@@ -18,8 +18,9 @@ model's image processor (in DataLoader workers) and emits, by the family's style
                                  InternVL tiled, against the views the image processor made of its images)
     pixel_values_videos, video_grid_thw  (3-D rotary, packs with `videos`) what the video processor gives
     pixel_values_videos [1, F, C, H, W]  (LLaVA-NeXT-Video, Video-LLaVA, packs with `videos`) every frame of the
-                                 batch's videos in token order in one row, each video through the video processor on its own: its
-                                 model runs and pools each frame alone, so videos of any frame counts share a batch
+                                 batch's videos in token order in one row, each video through the video processor
+                                 on its own: the models run (and pool) each frame alone, so videos of any frame
+                                 counts share a batch
     second_per_grid_ts [V] float32 (Qwen2.5-VL, packs with `videos`) temporal_patch_size / each video's fps
     pixel_attention_mask         (split, Idefics3, SmolVLM) the image processor's mask of real pixels beside
                                  pixel_values [1, tiles, C, H, W], every tile of the batch's images in token order
