@@ -478,3 +478,17 @@ def test_llava_next_video_placeholders_that_end_between_a_videos_frames_are_refu
     with pytest.raises(InputError, match="Pack 0's sample 0 ends after 12 video placeholders, where none of its "
                                          r"videos ends \(4 placeholders a frame: videos end at \[16, 28\]\)"):
         collator([{**pack, "input_ids": ids}])
+
+
+def test_the_frame_video_processors_take_the_frames_as_given():
+    """CroppedFrameVideoProcessor refuses to sample and to stack videos of two frame counts in one call (VisionCollator
+    calls it a video at a time); FrameVideoProcessor refuses a frames rule (it lays out Qwen-VL's temporal patches)."""
+    cropped = video_processor("llava_next_video", None)
+    assert cropped(videos=[video_frames(0)])["pixel_values_videos"].shape[:2] == (1, 4)
+    with pytest.raises(UsageError, match="do_sample_frames=True"):
+        cropped(videos=[video_frames(0)], do_sample_frames=True)
+    with pytest.raises(InputError, match=r"Videos of \[3, 4\] frames in one call"):
+        cropped(videos=[video_frames(0), video_frames(1)])
+    frames = VideoRule(kind="frames", placeholder="<video>", start="", end="", tokens=4)
+    with pytest.raises(UsageError, match="a frames video rule is CroppedFrameVideoProcessor's"):
+        FrameVideoProcessor(image_processor("qwen2_vl"), frames)
