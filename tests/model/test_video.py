@@ -180,6 +180,18 @@ def compare(model, collator, made, packs, batch) -> tuple[float, float, dict[str
     return logit_diff, abs(float(loss) - weighted), group_differences(grads, alone_grads)
 
 
+def assert_exact(label: str, logit_diff: float, loss_diff: float, groups: dict[str, float],
+                 tolerance: float = TOLERANCE) -> None:
+    """Logits within `tolerance`, the loss and every parameter group's gradient (language model, projector and
+    vision tower, each compared) within LOSS_TOLERANCE of each sample alone; the worst per group printed."""
+    report = f"logits {logit_diff:.1e}, loss {loss_diff:.1e}, gradients " + ", ".join(
+        f"{group} {value:.1e}" for group, value in sorted(groups.items()))
+    print(f"{label}: {report}")
+    assert groups.keys() == {PROJECTOR, VISION_TOWER, LANGUAGE_MODEL}, report
+    assert logit_diff < tolerance and loss_diff < LOSS_TOLERANCE, report
+    assert all(value < LOSS_TOLERANCE for value in groups.values()), report
+
+
 # How the four samples go into rows: two rows of two (video + mixed, text + video), or one row of all four.
 ROWS = {2: ((0, 1), (2, 3)), 1: ((0, 1, 2, 3),)}
 
@@ -194,13 +206,7 @@ def test_packed_video_batch_equals_each_sample_alone(model_type, rows):
     assert int((batch["input_ids"] == collator.spec.video_token_id).sum()) > 0
     assert len(batch["video_grid_thw"]) == 3 and len(batch["image_grid_thw"]) == 1
     enable_packing(model)
-    logit_diff, loss_diff, groups = compare(model, collator, made, packs, batch)
-    report = f"logits {logit_diff:.1e}, loss {loss_diff:.1e}, gradients " + ", ".join(
-        f"{group} {value:.1e}" for group, value in sorted(groups.items()))
-    print(f"{model_type} videos, {rows} rows: {report}")
-    assert groups.keys() == {PROJECTOR, VISION_TOWER, LANGUAGE_MODEL}, report
-    assert logit_diff < TOLERANCE and loss_diff < LOSS_TOLERANCE, report
-    assert all(value < LOSS_TOLERANCE for value in groups.values()), report
+    assert_exact(f"{model_type} videos, {rows} rows", *compare(model, collator, made, packs, batch))
 
 
 @pytest.mark.slow
@@ -224,14 +230,8 @@ def test_packed_video_batch_on_other_backends_and_families(model_type, attn, req
         logit_diff, _, _ = compare(model, collator, made, packs, batch)
         assert logit_diff > 1e-3, f"the leak control did not leak ({logit_diff}), so the test could not fail"
     enable_packing(model)
-    logit_diff, loss_diff, groups = compare(model, collator, made, packs, batch)
-    report = f"logits {logit_diff:.1e}, loss {loss_diff:.1e}, gradients " + ", ".join(
-        f"{group} {value:.1e}" for group, value in sorted(groups.items()))
-    print(f"{model_type} videos on {attn}: {report}")
-    tolerance = EAGER_TOLERANCE if attn == "eager" else TOLERANCE
-    assert groups.keys() == {PROJECTOR, VISION_TOWER, LANGUAGE_MODEL}, report
-    assert logit_diff < tolerance and loss_diff < LOSS_TOLERANCE, report
-    assert all(value < LOSS_TOLERANCE for value in groups.values()), report
+    assert_exact(f"{model_type} videos on {attn}", *compare(model, collator, made, packs, batch),
+                 tolerance=EAGER_TOLERANCE if attn == "eager" else TOLERANCE)
 
 
 # Videos and text, no image: a batch without pixel_values.
@@ -251,9 +251,7 @@ def test_a_batch_of_videos_without_images_equals_each_sample_alone(attn, request
     batch = collator(packs)
     assert "pixel_values" not in batch and len(batch["video_grid_thw"]) == 3
     enable_packing(model)
-    logit_diff, loss_diff, groups = compare(model, collator, made, packs, batch)
-    assert logit_diff < TOLERANCE and loss_diff < LOSS_TOLERANCE, (logit_diff, loss_diff)
-    assert all(value < LOSS_TOLERANCE for value in groups.values()), groups
+    assert_exact(f"qwen2_5_vl videos without images on {attn}", *compare(model, collator, made, packs, batch))
 
 
 @pytest.mark.slow
@@ -454,13 +452,7 @@ def test_frame_video_packed_batch_equals_each_alone(model_type):
     assert batch["pixel_values_videos"].shape[:2] == (1, frames) and len(batch["pixel_values"]) == 1
     assert int((batch["input_ids"] == collator.spec.video_token_id).sum()) == frames * collator.spec.tokens_per_frame
     enable_packing(model)
-    logit_diff, loss_diff, groups = compare(model, collator, made, packs, batch)
-    report = f"logits {logit_diff:.1e}, loss {loss_diff:.1e}, gradients " + ", ".join(
-        f"{group} {value:.1e}" for group, value in sorted(groups.items()))
-    print(f"{model_type} videos: {report}")
-    assert groups.keys() == {PROJECTOR, VISION_TOWER, LANGUAGE_MODEL}, report
-    assert logit_diff < TOLERANCE and loss_diff < LOSS_TOLERANCE, report
-    assert all(value < LOSS_TOLERANCE for value in groups.values()), report
+    assert_exact(f"{model_type} videos", *compare(model, collator, made, packs, batch))
 
 
 def test_llava_next_video_placeholders_that_end_between_a_videos_frames_are_refused():
