@@ -22,7 +22,8 @@ from PIL import Image
 
 from tests.vision_inputs import photo_bytes
 
-__all__ = ["QWEN_VIDEO_TOKEN", "VIDEOS", "transformers_source", "video_bytes", "video_frames", "video_processor_directory"]
+__all__ = ["QWEN_VIDEO_TOKEN", "VIDEOS", "frame_video_directory", "frame_video_processor", "transformers_source",
+           "video_bytes", "video_frames", "video_processor_directory"]
 
 # (photograph, frames, crop width, crop height, shift per frame in pixels): an even and two odd frame counts
 # (the last temporal step filled by repeating the last frame), frames of three sizes.
@@ -108,3 +109,57 @@ def video_processor_directory(directory, kind: str = "qwen2", size: dict[str, in
               "do_sample_frames": False}
     (processor / "video_preprocessor_config.json").write_text(json.dumps(config, indent=2))
     return processor
+
+
+def frame_video_directory(directory, model_type: str, side: int = 56, patch: int = 14, pinpoints=None,
+                          video_config=None):
+    """A local processor directory of LLaVA-NeXT-Video (`model_type` llava_next_video) or Video-LLaVA (video_llava):
+    the demo's GPT-2 tokenizer with `<image>` and `<video>` added, the family's image processor (LLaVA-NeXT's tiles
+    of `side` by `pinpoints`, by default the tiny tower's; Video-LLaVA's CLIP crop of `side`), processor_config.json
+    (`patch`, the default feature strategy and CLIP's CLS token, as the llava-hf and LanguageBind checkpoints') and a
+    `video_preprocessor_config.json` of the family's video processor cropping to `side`, in the fields transformers
+    writes (`video_config` replaces it). Returns the directory and the transformers tokenizer."""
+    import json
+
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+    from transformers.models.video_llava.image_processing_video_llava import VideoLlavaImageProcessor
+
+    from tests.vision_inputs import family_processor_directory
+
+    sizes = {"size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}
+    if model_type == "llava_next_video":
+        pinpoints = pinpoints or [[side, side], [side, 2 * side], [2 * side, side]]
+        images, kind = LlavaNextImageProcessorPil(**sizes, image_grid_pinpoints=pinpoints), "LlavaNextVideoVideoProcessor"
+    else:
+        images, kind = VideoLlavaImageProcessor(**sizes), "VideoLlavaVideoProcessor"
+    processor = {"patch_size": patch, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1,
+                 "video_token": "<video>", "image_token": "<image>"}
+    directory, tokenizer = family_processor_directory(directory, {"image_token": "<image>", "video_token": "<video>"},
+                                                      images, processor)
+    config = video_config or {"video_processor_type": kind, **sizes, "do_center_crop": True, "do_sample_frames": False}
+    (directory / "video_preprocessor_config.json").write_text(json.dumps(config, indent=2))
+    return directory, tokenizer
+
+
+def frame_video_processor(directory, tokenizer, model_type: str):
+    """transformers' own LlavaNextVideoProcessor (or VideoLlavaProcessor) over the directory's image processor,
+    tokenizer and processor_config.json, its video processor prepack's CroppedFrameVideoProcessor of the directory's
+    video config (transformers' needs torchvision; its class check is skipped for that argument only): its own
+    counting and expansion of `<image>` and `<video>`."""
+    import json
+
+    from transformers import AutoImageProcessor, LlavaNextVideoProcessor, VideoLlavaProcessor
+
+    from prepack.training.video_frames import CroppedFrameVideoProcessor
+
+    family = LlavaNextVideoProcessor if model_type == "llava_next_video" else VideoLlavaProcessor
+
+    class WithFrames(family):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name != "video_processor":
+                return super().check_argument_for_proper_class(argument_name, argument)
+            return None
+
+    settings = json.loads((directory / "processor_config.json").read_text())
+    return WithFrames(video_processor=CroppedFrameVideoProcessor.from_pretrained(directory),
+                      image_processor=AutoImageProcessor.from_pretrained(directory), tokenizer=tokenizer, **settings)

@@ -514,33 +514,69 @@ class ImageRule(StrictModel):
         return 0, 0
 
 
-class VideoRule(StrictModel):
-    """How many placeholder tokens a video of `frames` frames of one size becomes, as the Qwen-VL video
-    processors count them, and its text before tokenizing.
+# The VideoRule fields of each kind: a rule of one kind carrying another's is refused (`_complete`), and each is
+# written without the other kinds' fields, so that a Qwen-VL rule keeps the bytes it had before `frames` existed.
+_VIDEO_KIND_FIELDS = {
+    "qwen2": ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels"),
+    "qwen3": ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels"),
+    "frames": ("tokens",),
+}
+_VIDEO_FIELDS = sorted({name for fields in _VIDEO_KIND_FIELDS.values() for name in fields})
 
-    The frames are taken as given (already sampled; no decoder here): `temporal_patch_size` frames make one
-    temporal grid step (the last frame repeated to fill the last step), and each step holds h·w/merge² tokens.
+
+class VideoRule(StrictModel):
+    """How many placeholder tokens a video of `frames` frames of one size becomes, as the video processors count
+    them, and its text before tokenizing.
+
+    The frames are taken as given (already sampled; no decoder here). Qwen-VL: `temporal_patch_size` frames make
+    one temporal grid step (the last frame repeated to fill the last step), and each step holds h·w/merge² tokens.
     `qwen2` (Qwen2-VL's and Qwen2.5-VL's `Qwen2VLVideoProcessor`): each frame resized by `smart_resize`
     within [min_pixels, max_pixels]; the text is `start + placeholder × N + end`. `qwen3` (Qwen3-VL's
     `Qwen3VLVideoProcessor`): the bounds hold for the whole video; each temporal step is its own
     `<{seconds:.1f} seconds>` + start + placeholders + end, its time the mean of its first and last frame's
     (frame i at i / fps), as `Qwen3VLProcessor` writes it. Both as transformers 5.24 counts them with
-    `cap_pixels_per_frame` unset (its default there)."""
+    `cap_pixels_per_frame` unset (its default there). `frames` (LLaVA-NeXT-Video's
+    `LlavaNextVideoProcessor`, Video-LLaVA's `VideoLlavaProcessor`): every frame center-cropped to one size, `tokens`
+    placeholders a frame (LLaVA-NeXT-Video's patches pooled 2×2, Video-LLaVA's patches and CLS), whatever the
+    frame's own size; the text is `start + placeholder × frames·tokens + end`."""
 
-    kind: Literal["qwen2", "qwen3"]
+    kind: Literal["qwen2", "qwen3", "frames"]
     placeholder: str = Field(default="<|video_pad|>", min_length=1)
     start: str = "<|vision_start|>"
     end: str = "<|vision_end|>"
-    patch_size: int = Field(ge=1, le=4096)
-    merge_size: int = Field(ge=1, le=64)
-    temporal_patch_size: int = Field(ge=1, le=64)
-    min_pixels: int = Field(ge=1, le=2**40)
-    max_pixels: int = Field(ge=1, le=2**40)
+    patch_size: int | None = Field(default=None, ge=1, le=4096)
+    merge_size: int | None = Field(default=None, ge=1, le=64)
+    temporal_patch_size: int | None = Field(default=None, ge=1, le=64)
+    min_pixels: int | None = Field(default=None, ge=1, le=2**40)
+    max_pixels: int | None = Field(default=None, ge=1, le=2**40)
+    tokens: int | None = Field(default=None, ge=1, le=65_536, description="frames: the placeholders of a frame.")
+
+    @model_validator(mode="after")
+    def _complete(self) -> VideoRule:
+        """The fields its kind counts with are there, and no other kind's."""
+        needed = _VIDEO_KIND_FIELDS[self.kind]
+        missing = [name for name in needed if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"a {self.kind} video rule needs {', '.join(missing)}")
+        foreign = [name for name in _VIDEO_FIELDS if name not in needed and getattr(self, name) is not None]
+        if foreign:
+            raise ValueError(f"a {self.kind} video rule has no {', '.join(foreign)}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_other_kinds_fields(self, handler):
+        data = handler(self)
+        for name in _VIDEO_FIELDS:
+            if name not in _VIDEO_KIND_FIELDS[self.kind]:
+                data.pop(name, None)
+        return data
 
     def grid(self, frames: int, width: int, height: int) -> tuple[int, int, int]:
-        """(t, h, w): the video's patch grid, `video_grid_thw` of the processor. ValueError if none."""
+        """(t, h, w): a Qwen-VL video's patch grid, `video_grid_thw` of the processor. ValueError if none."""
         if frames < 1:
             raise ValueError("a video without frames")
+        if self.kind == "frames":
+            raise ValueError("a frames video rule has no patch grid: each frame is `tokens` placeholders")
         factor = self.patch_size * self.merge_size
         if self.kind == "qwen2":
             resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
@@ -551,6 +587,10 @@ class VideoRule(StrictModel):
         return steps, resized_h // self.patch_size, resized_w // self.patch_size
 
     def placeholders(self, frames: int, width: int, height: int) -> int:
+        if self.kind == "frames":
+            if frames < 1:
+                raise ValueError("a video without frames")
+            return frames * self.tokens
         t, h, w = self.grid(frames, width, height)
         return t * h * w // self.merge_size**2
 
@@ -562,9 +602,9 @@ class VideoRule(StrictModel):
         return [(indices[i] / fps + indices[i + step - 1] / fps) / 2 for i in range(0, len(indices), step)]
 
     def text(self, frames: int, width: int, height: int, fps: float) -> str:
+        if self.kind != "qwen3":
+            return self.start + self.placeholder * self.placeholders(frames, width, height) + self.end
         t, h, w = self.grid(frames, width, height)
-        if self.kind == "qwen2":
-            return self.start + self.placeholder * (t * h * w // self.merge_size**2) + self.end
         per_step = self.start + self.placeholder * (h * w // self.merge_size**2) + self.end
         return "".join(f"<{seconds:.1f} seconds>" + per_step for seconds in self.step_seconds(frames, fps))
 

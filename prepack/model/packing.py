@@ -49,13 +49,14 @@ per row. There `seq_idx` is dropped (not needed; transformers' torch fallbacks r
 refused on every backend. Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep position_ids from their backbone,
 so their guard sits on the causal LM.
 
-An image batch (one with `pixel_values`) is held to the vision table (`prepack.model.vision_families`,
-docs/vision-support.md) and checked by `prepack.model.vision_packing`: families never measured with images
-are refused by name, fields that override a vision tower's per-image segments are refused, Qwen's 3-D rotary
-positions need their text row, and Gemma 3's layer masks are built by prepack. On flash attention the text's
-`cu_seq_lens_*` are derived as for text (for Qwen from the text row of its [4, B, L] positions), and a second
-pre-hook on the vision tower drops them from its call: the vision-language models hand their keyword arguments
-to the tower too, whose attention would run over the text's segments (LLaVA's CLIP, measured) instead of its own.
+An image batch (one with `pixel_values`, or `pixel_values_videos`) is held to the vision table
+(`prepack.model.vision_families`, docs/vision-support.md) and checked by `prepack.model.vision_packing`: families
+never measured with images are refused by name, fields that override a vision tower's per-image segments are
+refused, Qwen's 3-D rotary positions need their text row, and Gemma 3's layer masks are built by prepack. On flash
+attention the text's `cu_seq_lens_*` are derived as for text (for Qwen from the text row of its [4, B, L]
+positions), and a second pre-hook on the vision tower drops them from its call: the vision-language models hand
+their keyword arguments to the tower too, whose attention would run over the text's segments (LLaVA's CLIP,
+measured) instead of its own.
 
 `prepack.model.isolation` proves it: it runs a packed batch and each of its documents alone, and compares.
 """
@@ -264,8 +265,10 @@ class _PackedBatchGuard:
             how = None if verdict is None or verdict.label == "native" else verdict.label
             how = "per-document sequence-state layers" if self.per_document is not None else how
             return (), _without_cache(shared_prompt_kwargs(kwargs, config, attn, how, module.dtype), flash)
-        if kwargs.get("pixel_values") is not None and self.family.checked:
-            # Images: the vision table's verdict, the towers' own segments, the family's positions and masks.
+        pixels = kwargs.get("pixel_values") is not None or kwargs.get("pixel_values_videos") is not None
+        if pixels and self.family.checked:
+            # Images or videos (a batch of videos alone has no pixel_values): the vision table's verdict, the
+            # towers' own segments, the family's positions and masks.
             family = self.family
             kwargs = checked_image_batch(module, kwargs, family.model_type, family.model_class, attn)
             style = VISION_FAMILIES[family.model_type].style

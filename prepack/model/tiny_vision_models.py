@@ -241,7 +241,7 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
         from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
         return SiglipImageProcessorPil(size={"height": side, "width": side})
-    if config.model_type == "llava_next":  # its tiles: the whole image, then the image tiled by the pinpoints
+    if config.model_type in ("llava_next", "llava_next_video"):  # its tiles: the whole image, then its pinpoint tiles
         from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
         return LlavaNextImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
@@ -259,7 +259,7 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
 
         return LlavaOnevisionImageProcessorPil(size={"height": side, "width": side},
                                                image_grid_pinpoints=config.image_grid_pinpoints)
-    if config.model_type == "llava":
+    if config.model_type in ("llava", "video_llava"):
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
         return CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})

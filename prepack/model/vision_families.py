@@ -15,9 +15,10 @@ and reach the decoder only, never the vision tower (`prepack.model.packing`). No
 Styles:
 - 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V, GLM-4V-MoE): `position_ids` [4, B, L], text positions restarting per sample (from
   which transformers builds the per-sample mask) over the three rotary rows, restarting per sample too;
-- restart (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Mistral 3, LFM2-VL): `position_ids` [B, L]
-  restarting per sample, as for text (LLaVA-NeXT's and -OneVision's tiles with each image's `image_sizes`, Idefics3's
-  and SmolVLM's with `pixel_attention_mask`, Mistral 3's `image_sizes` beside its padded `pixel_values`, LFM2-VL's
+- restart (LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video, Video-LLaVA, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Mistral 3,
+  LFM2-VL): `position_ids` [B, L] restarting per sample, as for text (LLaVA-NeXT's and -OneVision's tiles with each
+  image's `image_sizes`, Idefics3's and SmolVLM's with `pixel_attention_mask`, Mistral 3's `image_sizes` beside its
+  padded `pixel_values`, LLaVA-NeXT-Video's and Video-LLaVA's frames in one row of `pixel_values_videos`, LFM2-VL's
   NaFlex patch rows with `pixel_attention_mask` and `spatial_shapes`; LFM2's short convolutions run per sample);
 - image blocks (Gemma 3, Gemma 4): restarting `position_ids` and `token_type_ids` (Gemma 4: `mm_token_type_ids`)
   marking image placeholders, from which prepack builds the layer masks (`prepack.model.vision_packing`:
@@ -295,7 +296,6 @@ VISION_FAMILIES |= {
     # Llama4ForConditionalGeneration call returns. The logits it computes before failing are isolated natively for
     # packed image samples (tests/model/test_vision_sweep.py); a data side waits for a forward that returns.
     'llama4': _swept(fails_alone("AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'")),
-    'llava_next_video': _swept(NO_DATA_SIDE),
     'minicpm_ocr': _swept(
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
     ),
@@ -349,7 +349,6 @@ VISION_FAMILIES |= {
     'video_llama_3': _swept(
         not_run("TypeError: VideoLlama3Model.get_image_features() missing 1 required positional argument: 'image_merge_sizes'"),
     ),
-    'video_llava': _swept(NO_DATA_SIDE),
     'vipllava': _swept(not_run('IndexError: tuple index out of range')),
     'vision-encoder-decoder': _swept(
         not_run('ValueError: its config names no image placeholder (image_token_id or image_token_index)'),
@@ -373,6 +372,18 @@ VISION_FAMILIES |= {
     "glm4v": VisionFamily("3-D rotary", _GRID_TOWER, _MEASURED_NO_FLEX),
     # GLM-4V's tower, processor and rotary positions before a decoder of MoE layers.
     "glm4v_moe": VisionFamily("3-D rotary", _GRID_TOWER, _MEASURED),
+    # LLaVA-NeXT's tiles for images; a video's frames each a pass of the tower, pooled per frame (VIDEO_RULES).
+    "llava_next_video": VisionFamily(
+        "restart",
+        "each image's tiles on a row of pixel_values (CLIP, a tile per pass), cut to its own by image_sizes; each "
+        "video frame one pass, pooled on its own",
+        _MEASURED,
+    ),
+    # LLaVA's CLIP images (its image tower); a video's frames each a pass of its video tower (VIDEO_RULES).
+    "video_llava": VisionFamily(
+        "restart", "one image per row of pixel_values (CLIP); each video frame one pass of its own CLIP tower",
+        _MEASURED_NO_FLEX,
+    ),
     # Its prefix blocks (block_sequence_ids) span every sample's prefix in a row; transformers' per-sample mask from
     # the restarting positions cuts them at each sample (measured).
     "paligemma": VisionFamily(
@@ -404,12 +415,15 @@ VISION_FAMILIES["lfm2_vl"] = VisionFamily(
 # The families whose video inputs VisionCollator batches, and the video processor's rule they count placeholders
 # by (`prepack.formats.images.VideoRule`): qwen2, one run of placeholders a video (Qwen2VLVideoProcessor);
 # qwen3, one run a temporal step, each after its time as text, which transformers' `get_rope_index` positions as
-# that many one-step videos (Qwen3VLVideoProcessor). tests/model/test_video.py measures each against each
-# video sample alone, and holds every family's kind to transformers' source (the video processor its auto
-# mapping names, and whether its get_rope_index splits videos by step).
-VIDEO_RULES: dict[str, Literal["qwen2", "qwen3"]] = {
+# that many one-step videos (Qwen3VLVideoProcessor); frames, one run a video of a count per frame
+# (LlavaNextVideoVideoProcessor: every frame through the CLIP tower on its own, pooled per frame;
+# VideoLlavaVideoProcessor: every frame through its video tower on its own, its patches and CLS).
+# tests/model/test_video.py measures each against each video sample alone, and holds every family's kind to
+# transformers' source (the video processor its auto mapping names, and whether its get_rope_index splits videos
+# by step).
+VIDEO_RULES: dict[str, Literal["qwen2", "qwen3", "frames"]] = {
     "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3", "qwen3_5": "qwen3",
-    "qwen3_5_moe": "qwen3", "qwen4_exp": "qwen3",
+    "qwen3_5_moe": "qwen3", "qwen4_exp": "qwen3", "llava_next_video": "frames", "video_llava": "frames",
 }
 
 

@@ -1,4 +1,5 @@
-"""What `enable_packing`'s guard does with a packed image+text batch (one that carries `pixel_values`).
+"""What `enable_packing`'s guard does with a packed image+text batch (one that carries `pixel_values` or
+`pixel_values_videos`).
 
 - The family must be isolated for images on the backend (`prepack.model.vision_families`), else IsolationError
   naming it.

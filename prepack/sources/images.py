@@ -34,11 +34,13 @@ true length. The images go into an image set (`schemas/image-set.md`): each dist
 encoded bytes with its sha256, and per corpus row the numbers of its images. Images are written out as
 they are read, so memory holds one image (and a few rows of a Parquet or Arrow corpus), not all of them.
 
-Videos (Qwen-VL, `video_processor_rule`) are read as their frames, never decoded from a video file: a record's
-`videos` column (each a list of frames, or a directory of frame images) placed by `<video>` markers, or
-`{"type": "video", ...}` items; `video_fps` their rates. Every frame is an image of the set (stored once by
-sha256); a video becomes its `VideoRule` text, and `videos.arrow` records per row its videos' frames, rates and
-placeholder counts (`schemas/image-set.md`). A corpus without videos gives the image set of before, byte for byte.
+Videos (Qwen-VL, LLaVA-NeXT-Video, Video-LLaVA: `video_processor_rule`) are read as their frames, never decoded from
+a video file: a record's `videos` column (each a list of frames, or a directory of frame images) placed by `<video>`
+markers, or `{"type": "video", ...}` items; `video_fps` their rates. The frames are the video's samples, taken as
+given, whatever their count (sample them before, as the model cards do; a video processor's own sampling is not
+applied). Every frame is an image of the set (stored once by sha256); a video becomes its `VideoRule` text, and
+`videos.arrow` records per row its videos' frames, rates and placeholder counts (`schemas/image-set.md`). A corpus
+without videos gives the image set of before, byte for byte.
 
 Limits (`ImageLimits`): encoded size, pixels, images per record (a video's frames counted); an image over one is refused (InputError
 naming file, row and column), as is an unreadable or unsupported one. Nothing is downloaded: a URI that is
@@ -102,12 +104,17 @@ __all__ = ["ImageCorpusSummary", "decode_failure", "image_header", "prepare_imag
 
 LLAVA_MARKER = "<image>"
 VIDEO_MARKER = "<video>"  # LlamaFactory's, in a record with a `videos` column
-# transformers' Qwen-VL video processors, by `video_processor_type`: prepack's rule kind and the class defaults
-# (patch size, size.shortest_edge, size.longest_edge) a config may leave out.
+# transformers' video processors, by `video_processor_type`: prepack's rule kind and, for Qwen-VL's, the class
+# defaults (patch size, size.shortest_edge, size.longest_edge) a config may leave out.
 _VIDEO_PROCESSORS = {
     "Qwen2VLVideoProcessor": ("qwen2", 14, 128 * 28 * 28, 28 * 28 * 768),
     "Qwen3VLVideoProcessor": ("qwen3", 16, 128 * 32 * 32, 32 * 32 * 768),
+    "LlavaNextVideoVideoProcessor": ("frames", None, None, None),
+    "VideoLlavaVideoProcessor": ("frames", None, None, None),
 }
+# LlavaNextVideoVideoProcessor's and VideoLlavaVideoProcessor's class default crop (transformers' video processing
+# modules of both).
+_FRAME_CROP = 224
 _FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff")
 _VIDEO_AS_FRAMES = ("prepack reads a video as its frames (it has no video decoder): a list of image paths or encoded "
                     "images, or a directory of frame images taken in name order")
@@ -117,6 +124,7 @@ _PLACEHOLDERS = {
     "Qwen2VLImageProcessor": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
     "Gemma3ImageProcessor": ("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
     "CLIPImageProcessor": ("", "<image>", ""),
+    "VideoLlavaImageProcessor": ("", "<image>", ""),  # CLIP's steps, counted as LLaVA's
     "GotOcr2ImageProcessor": ("<img>", "<IMG_CONTEXT>", "</img>"),  # as InternVLProcessor uses it
     "PixtralImageProcessor": ("", "[IMG]", "[IMG_END]"),  # as PixtralProcessor (Mistral 3's) uses it
     "Glm4vImageProcessor": ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>"),  # as GLM-4V's chat template writes
@@ -181,10 +189,10 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     """The resize rule of a local processor directory and its placeholder's token id.
 
     `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's or GLM-4V's, Gemma 3's,
-    CLIP's as LLaVA uses, LLaVA-NeXT's or LLaVA-OneVision's tiling ones, Idefics3's or SmolVLM's, GOT-OCR2's as
-    InternVL uses it, tiled or not, Pixtral's as Mistral 3 uses it, SigLIP's as PaliGemma uses it, LFM2-VL's, Gemma
-    4's, whose placeholder texts come from `tokenizer_config.json` as Gemma4Processor takes them from its tokenizer)
-    and its sizes;
+    CLIP's as LLaVA uses (or Video-LLaVA's), LLaVA-NeXT's or LLaVA-OneVision's tiling ones, Idefics3's or SmolVLM's,
+    GOT-OCR2's as InternVL uses it, tiled or not, Pixtral's as Mistral 3 uses it, SigLIP's as PaliGemma uses it,
+    LFM2-VL's, Gemma 4's, whose placeholder texts come from `tokenizer_config.json` as Gemma4Processor takes them from
+    its tokenizer) and its sizes;
     `processor_config.json` (optional) may name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for
     fixed-size and tiled towers, the count (`image_seq_length`, or LLaVA's `patch_size` and
     `vision_feature_select_strategy`, LLaVA-NeXT's `num_additional_image_tokens`, LLaVA-OneVision's
@@ -299,8 +307,9 @@ def _placeholder_id(directory: Path, placeholder: str, kind: str) -> int:
 def video_processor_rule(directory: str | os.PathLike) -> tuple[VideoRule, int] | None:
     """The video rule of a local processor directory and its video placeholder's id, from its
     `video_preprocessor_config.json` (transformers' Qwen2-VL or Qwen3-VL video processor: `size`, `patch_size`,
-    `merge_size`, `temporal_patch_size`; the class defaults where absent) and `processor_config.json`'s
-    `video_token` (default `<|video_pad|>`); None when the directory has no video processor."""
+    `merge_size`, `temporal_patch_size`; the class defaults where absent; or LLaVA-NeXT-Video's or Video-LLaVA's,
+    `_frame_tokens`) and `processor_config.json`'s `video_token` (default `<|video_pad|>`, `<video>` for the latter
+    two); None when the directory has no video processor."""
     directory = Path(directory)
     config_file, processor_file = directory / "video_preprocessor_config.json", directory / "processor_config.json"
     if not config_file.exists():
@@ -316,6 +325,14 @@ def video_processor_rule(directory: str | os.PathLike) -> tuple[VideoRule, int] 
         raise InputError(f"{config_file}: cap_pixels_per_frame is set; prepack counts a video's placeholders as "
                          "transformers does without it (its default), so a capped count would not match.")
     kind, patch, min_default, max_default = found
+    if kind == "frames":
+        placeholder = _text(processor, processor_file, "video_token", "<video>")
+        try:
+            rule = VideoRule(kind=kind, placeholder=placeholder, start="", end="",
+                             tokens=_frame_tokens(config, config_file, processor, processor_file, named))
+        except ValueError as exc:  # pydantic's bounds
+            raise InputError(f"{config_file}: the video processor's sizes are out of range ({exc}).") from None
+        return rule, _placeholder_id(directory, placeholder, "video")
     size = _mapping(config, config_file, "size")
     min_pixels = _positive(size, config_file, "shortest_edge", min_default, "size.")
     max_pixels = _positive(size, config_file, "longest_edge", max_default, "size.")
@@ -332,6 +349,35 @@ def video_processor_rule(directory: str | os.PathLike) -> tuple[VideoRule, int] 
     except ValueError as exc:  # pydantic's bounds
         raise InputError(f"{config_file}: the video processor's sizes are out of range ({exc}).") from None
     return rule, _placeholder_id(directory, rule.placeholder, "video")
+
+
+def _frame_tokens(config: dict, config_file: Path, processor: dict, processor_file: Path, named: str) -> int:
+    """A frame's placeholders as the processor counts them from the cropped frame's patches (crop over
+    processor_config.json's patch_size): LLaVA-NeXT-Video's over 4, its pooling (`LlavaNextVideoProcessor.
+    replace_video_token`; patch_size required, as there); Video-LLaVA's with `num_additional_image_tokens` (its CLS,
+    1 by default; `VideoLlavaProcessor.replace_video_token`, patch_size 14 by default). The crop makes every frame
+    one size whatever its own; without it a frame's count would follow its shape, which the towers (square
+    frames) do not take."""
+    if not config.get("do_center_crop", True):
+        raise InputError(f"{config_file}: do_center_crop is off; prepack counts a video's frames center-cropped to "
+                         "crop_size, the square frames its model's tower takes.")
+    crop = _mapping(config, config_file, "crop_size")
+    height, width = (_positive(crop, config_file, side, _FRAME_CROP, "crop_size.") for side in ("height", "width"))
+    pooled = named.startswith("LlavaNextVideo")
+    patch = _positive(processor, processor_file, "patch_size", None if pooled else 14)
+    if patch is None:
+        raise InputError(f"{processor_file}: a LLaVA-NeXT-Video processor needs patch_size.")
+    if pooled:
+        tokens = (height // patch) * (width // patch) // 4
+    else:
+        extra = processor.get("num_additional_image_tokens", 1)
+        if type(extra) is not int or extra < 0:
+            raise InputError(f"{processor_file}: num_additional_image_tokens is {extra!r}; expected a count.")
+        tokens = (height // patch) * (width // patch) + extra
+    if tokens < 1:
+        raise InputError(f"{config_file.parent}: a frame of {width}x{height} in patches of {patch} gives no video "
+                         "tokens.")
+    return tokens
 
 
 def _anyres_fields(config: dict, config_file: Path, processor: dict, processor_file: Path, onevision: bool) -> dict:
@@ -891,7 +937,8 @@ def _expanded(kind: str, turns: list, record: dict, where: str, root: _ImageRoot
         side = video_side()
         if side is None:
             raise InputError(f"{at}: a video, and the processor directory has no video processor "
-                             "(video_preprocessor_config.json of a Qwen2-VL or Qwen3-VL video processor).")
+                             "(video_preprocessor_config.json of a Qwen2-VL, Qwen3-VL, LLaVA-NeXT-Video or "
+                             "Video-LLaVA video processor).")
         video_rule = side[0]
         frames = _video_frames(source, at, root)
         # Counted before any frame is read, as an image is; then each frame is read and stored in turn.

@@ -17,6 +17,10 @@ model's image processor (in DataLoader workers) and emits, by the family's style
                                  pixel_values, each pack's placeholders checked against its images' cells (and,
                                  InternVL tiled, against the views the image processor made of its images)
     pixel_values_videos, video_grid_thw  (3-D rotary, packs with `videos`) what the video processor gives
+    pixel_values_videos [1, F, C, H, W]  (LLaVA-NeXT-Video, Video-LLaVA, packs with `videos`) every frame of the
+                                 batch's videos in token order in one row, each video through the video processor
+                                 on its own: the models run (and pool) each frame alone, so videos of any frame
+                                 counts share a batch
     second_per_grid_ts [V] float32 (Qwen2.5-VL, packs with `videos`) temporal_patch_size / each video's fps
     pixel_attention_mask         (split, Idefics3, SmolVLM) the image processor's mask of real pixels beside
                                  pixel_values [1, tiles, C, H, W], every tile of the batch's images in token order
@@ -109,6 +113,8 @@ class VisionSpec:
     # The image processor's output that gives each image's placeholders (Gemma 4's num_soft_tokens_per_image, by
     # its size), checked per pack and kept out of the batch.
     image_counts: str | None = None
+    # LLaVA-NeXT-Video, Video-LLaVA (VIDEO_RULES' frames): the placeholders of a frame, by the tower's patches.
+    tokens_per_frame: int | None = None
 
     @classmethod
     def of(cls, config) -> VisionSpec:
@@ -129,7 +135,8 @@ class VisionSpec:
         if style == "image blocks":
             return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
         if getattr(config, "image_grid_pinpoints", None) or config.model_type in (*SPLITTING_FAMILIES, "lfm2_vl"):
-            return cls(style, image_token_id)  # tiled (LFM2-VL's NaFlex tiles too): the count follows the image's size
+            # tiled (LFM2-VL's NaFlex tiles too): the count follows the image's size
+            return cls(style, image_token_id, **_frame_video(config))
         vision = config.vision_config
         if style == "prefix blocks":  # PaliGemma: SigLIP's patches, one token each
             return cls(style, image_token_id, tokens_per_image=config.text_config.num_image_tokens)
@@ -141,7 +148,20 @@ class VisionSpec:
         patches = (vision.image_size // vision.patch_size) ** 2
         # "default" drops the CLS token of CLIP's output, "full" keeps it.
         with_cls = config.vision_feature_select_strategy == "full"
-        return cls(style, image_token_id, tokens_per_image=patches + with_cls)
+        return cls(style, image_token_id, tokens_per_image=patches + with_cls, **_frame_video(config))
+
+
+def _frame_video(config) -> dict[str, int]:
+    """The video fields of a family whose frames each take a fixed count (VIDEO_RULES' frames): its placeholder and
+    a frame's features. LLaVA-NeXT-Video's: the tower's patches per side pooled by spatial_pool_stride (its pooler's
+    kernel and stride, floored); Video-LLaVA's: its video tower's patches and CLS token (its video features keep
+    every token). None for other families."""
+    if VIDEO_RULES.get(config.model_type) != "frames":
+        return {}
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    if config.model_type == "video_llava":
+        return {"video_token_id": config.video_token_id, "tokens_per_frame": side**2 + 1}
+    return {"video_token_id": config.video_token_id, "tokens_per_frame": (side // config.spatial_pool_stride) ** 2}
 
 
 def rotary_3d_positions(
@@ -220,11 +240,13 @@ class VisionCollator:
       forward would be handed a field it does not take. Refused (UsageError) for towers whose images are not one
       run of placeholders each: LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's and SmolVLM's tiles, Mistral 3's rows.
       Images only: a video's placeholders have no spans (find them as `input_ids == spec.video_token_id`).
-    - `video_processor`: for packs with `videos` (Qwen-VL families, `VIDEO_RULES`), called on the batch's videos
-      (each a list of decoded RGB frames) as transformers' video processors are, giving `pixel_values_videos`
-      and `video_grid_thw`: transformers' own Qwen2VLVideoProcessor/Qwen3VLVideoProcessor (with
-      `do_sample_frames=False`: the frames are the samples) where torchvision is installed, or
-      `prepack.training.video_frames.FrameVideoProcessor` (the image processor per frame, no torchvision).
+    - `video_processor`: for packs with `videos` (Qwen-VL families and LLaVA-NeXT-Video, `VIDEO_RULES`), called on
+      the batch's videos (each a list of decoded RGB frames) as transformers' video processors are, giving
+      `pixel_values_videos` (and Qwen-VL's `video_grid_thw`): transformers' own Qwen2VLVideoProcessor/
+      Qwen3VLVideoProcessor/LlavaNextVideoVideoProcessor/VideoLlavaVideoProcessor (with `do_sample_frames=False`: the
+      frames are the samples) where torchvision is installed, or `prepack.training.video_frames.FrameVideoProcessor`
+      (Qwen-VL: the image processor per frame, no torchvision) or `CroppedFrameVideoProcessor` (LLaVA-NeXT-Video,
+      Video-LLaVA: CLIP's steps per frame).
     - `video_fps`: the frame rate of a video whose pack gives none in `video_fps` (default 2.0, qwen-vl-utils');
       Qwen2.5-VL's `second_per_grid_ts` is temporal_patch_size / fps, as its processor computes it.
 
@@ -341,6 +363,9 @@ class VisionCollator:
         if self.spec.image_cell is not None:
             options = {"patch_size": {"height": self.spec.image_cell, "width": self.spec.image_cell}} | options
         out = self.image_processor(images=decoded, return_tensors="pt", **options)
+        if "pixel_values_images" in out and "pixel_values" not in out:
+            # Video-LLaVA's image processor's old name by default; its model takes them as pixel_values.
+            out["pixel_values"] = out.pop("pixel_values_images")
         fields = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "spatial_shapes",
                   "image_position_ids")
         kept = {key: out[key] for key in fields if key in out}
@@ -359,14 +384,19 @@ class VisionCollator:
         """What the video processor makes of the packs' videos (their frames' pixels checked already with the
         batch's images), and Qwen2.5-VL's `second_per_grid_ts`."""
         if self.video_processor is None:
-            raise UsageError("Packs with videos need VisionCollator(video_processor=...): transformers' Qwen-VL video "
-                             "processor, or prepack.training.video_frames.FrameVideoProcessor.")
+            raise UsageError("Packs with videos need VisionCollator(video_processor=...): transformers' video "
+                             "processor of the family, or prepack.training.video_frames' FrameVideoProcessor (Qwen-VL) "
+                             "or CroppedFrameVideoProcessor (LLaVA-NeXT-Video, Video-LLaVA).")
+        if self.spec.tokens_per_frame is not None:
+            _check_frame_tokens(packs, self.spec.tokens_per_frame, self.spec.video_token_id)
         videos = [
             [_opened(frame, f"Pack {number}'s video {video}, frame {index}", lambda opened: opened.convert("RGB"))
              for index, frame in enumerate(frames)]
             for number, pack in enumerate(packs)
             for video, frames in enumerate(pack.videos)
         ]
+        if self.spec.tokens_per_frame is not None:
+            return {"pixel_values_videos": self._frames_in_one_row(videos)}
         # The frames are the samples, each counted at the rule's size: transformers' Qwen3-VL processor would
         # sample them by default, and its announced default caps a frame's pixels.
         out = self.video_processor(videos=videos, return_tensors="pt", do_sample_frames=False,
@@ -380,6 +410,22 @@ class VisionCollator:
             size = self.video_processor.temporal_patch_size
             kept["second_per_grid_ts"] = torch.tensor([size / rate for rate in fps])
         return kept
+
+    def _frames_in_one_row(self, videos: list[list]) -> torch.Tensor:
+        """LLaVA-NeXT-Video's `pixel_values_videos` [1, frames, C, H, W]: every frame of the batch's videos in token
+        order, as one video of them all. Its model runs each frame through the tower alone, pools it alone and
+        scatters the features over the video placeholders in order, so the features are each video's own; and
+        videos of any frame counts share the batch, where transformers' [videos, frames, C, H, W] takes one count.
+        Each video goes through the video processor on its own (without sampling: the frames are the samples)."""
+        rows = []
+        for number, frames in enumerate(videos):
+            pixels = self.video_processor(videos=[frames], return_tensors="pt",
+                                          do_sample_frames=False)["pixel_values_videos"]
+            if tuple(pixels.shape[:2]) != (1, len(frames)):
+                raise UsageError(f"The video processor made {tuple(pixels.shape[:2])} (videos, frames) of the batch's "
+                                 f"video {number}, of {len(frames)} frames; prepack counted each frame once.")
+            rows.append(pixels[0])
+        return torch.cat(rows)[None]
 
     def _video_runs(self, batch: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         """Per run of video placeholders its grid (a Qwen3-VL step a one-step video, as get_rope_index splits
@@ -550,6 +596,25 @@ def _check_image_tokens(packs: list[_VisionPack], per_image: list[int], image_to
                 f"({settings})."
             )
         first += len(pack.images)
+
+
+def _check_frame_tokens(packs: list[_VisionPack], per_frame: int, video_token_id: int) -> None:
+    """Every sample's video placeholders end where one of its pack's videos ends (`per_frame` a frame): the model
+    scatters the batch's frame features over the placeholders in order, so a count that only adds up per pack
+    would hand one sample's frames to its neighbour."""
+    for number, pack in enumerate(packs):
+        ends = np.cumsum([0, *(len(frames) * per_frame for frames in pack.videos)])
+        is_video = pack.input_ids == video_token_id
+        counted = np.cumsum([int(is_video[start:end].sum()) for start, end in zip(pack.cu_seqlens[:-1],
+                                                                                   pack.cu_seqlens[1:])])
+        astray = np.flatnonzero(~np.isin(counted, ends))
+        if astray.size or counted[-1] != ends[-1]:
+            sample = int(astray[0]) if astray.size else len(counted) - 1
+            raise InputError(
+                f"Pack {number}'s sample {sample} ends after {int(counted[sample])} video placeholders, where none of "
+                f"its videos ends ({per_frame} placeholders a frame: videos end at {ends[1:].tolist()}): its "
+                "placeholders and videos disagree."
+            )
 
 
 def _opened(image: bytes, name: str, read):

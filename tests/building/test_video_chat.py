@@ -14,19 +14,20 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 from tokenizers import Tokenizer
 
 from prepack import enable_packing
 from prepack.errors import FormatError, InputError
 from prepack.formats.images import IMAGE_SET_MANIFEST, VIDEOS_FILE, read_image_set
 from prepack.model.tiny_vision_models import tiny_vision_model
-from prepack.sources.images import prepare_image_chat, video_processor_rule
+from prepack.sources.images import prepare_image_chat, processor_rule, video_processor_rule
 from prepack.training.video_frames import FrameVideoProcessor
 from prepack.training.vision_collate import VisionCollator, VisionSpec
 from prepack.training.vision_dataset import ImagePackedDataset
 from tests.cli import WIDE, failure, run_prepack
 from tests.model.test_vision import LOSS_TOLERANCE, TOLERANCE, run, targets
-from tests.video_inputs import QWEN_VIDEO_TOKEN, VIDEOS, video_bytes, video_processor_directory
+from tests.video_inputs import QWEN_VIDEO_TOKEN, VIDEOS, video_bytes, video_frames, video_processor_directory
 from tests.vision_inputs import PHOTOS, QWEN_IMAGE_TOKENS, SAMPLE_DATA
 
 MAX_LEN = 200
@@ -235,13 +236,39 @@ def test_a_tampered_video_count_is_caught(processor, tmp_path):
         read_image_set(summary.image_set)
 
 
+def built_batch_against_each_sample_alone(model, collator, dataset, image_set, batch) -> tuple[float, float, float]:
+    """(largest logit difference, loss difference, largest gradient difference over the largest gradient) of the
+    collated batch of every pack of `dataset` against each sample alone, read back from the corpus row it came from
+    (its images and videos from the image set) and run through transformers' own path (test_video's alone_batch)."""
+    from tests.model.test_video import alone_batch
+
+    logits, loss, grads = run(model, batch)
+    logit_diff, weighted, counted, alone_grads = 0.0, 0.0, 0, {}
+    for row in range(len(dataset)):
+        pack, rows = dataset[row], dataset.packs.source_rows(row)
+        for document, (start, end) in enumerate(zip(pack["cu_seqlens"][:-1], pack["cu_seqlens"][1:])):
+            corpus_row = int(rows[document])
+            videos = image_set.videos_of(corpus_row)
+            sample = {"input_ids": pack["input_ids"][start:end].astype(np.int64),
+                      "images": [image_set.data(int(n)) for n in image_set.images_of(corpus_row)],
+                      "videos": [[image_set.data(int(f)) for f in frames] for frames, _, _ in videos],
+                      "video_fps": [fps for _, fps, _ in videos]}
+            labels = batch["labels"][row, start:end]
+            alone_logits, alone_loss, sample_grads = run(model, alone_batch(collator, sample, labels))
+            logit_diff = max(logit_diff, float((logits[row, start:end] - alone_logits[0]).abs().max()))
+            weighted, counted = weighted + float(alone_loss) * targets(labels), counted + targets(labels)
+            for name, grad in sample_grads.items():
+                alone_grads[name] = alone_grads.get(name, 0) + grad
+    largest = max(float(grad.abs().max()) for grad in grads.values())
+    grad_diff = max(float((grads[name] - alone_grads[name]).abs().max()) for name in grads) / largest
+    return logit_diff, abs(float(loss) - weighted / counted), grad_diff
+
+
 @pytest.mark.slow
 def test_a_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(processor, tmp_path):
     """prepare-images, `prepack build`, ImagePackedDataset serving videos and their rates, VisionCollator with
     FrameVideoProcessor, a tiny Qwen2.5-VL with the tokenizer's ids: each pack's samples equal alone."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from tests.model.test_video import alone_batch
 
     paths = write_videos(tmp_path)
     corpus = corpus_file(tmp_path, video_records(paths))
@@ -274,27 +301,9 @@ def test_a_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(proce
     assert any(len(pack["cu_seqlens"]) > 2 for pack in packs)  # samples packed together
     batch = collator(packs)
     assert batch["second_per_grid_ts"].tolist() == [2 / rate for pack in packs for rate in pack["video_fps"]]
-    logits, loss, grads = run(model, batch)
-    logit_diff, weighted, counted, alone_grads = 0.0, 0.0, 0, {}
-    for row, pack in enumerate(packs):
-        rows = dataset.packs.source_rows(row)
-        for document, (start_, end_) in enumerate(zip(pack["cu_seqlens"][:-1], pack["cu_seqlens"][1:])):
-            corpus_row = int(rows[document])
-            videos = image_set.videos_of(corpus_row)
-            sample = {"input_ids": pack["input_ids"][start_:end_].astype(np.int64),
-                      "images": [image_set.data(int(n)) for n in image_set.images_of(corpus_row)],
-                      "videos": [[image_set.data(int(f)) for f in frames] for frames, _, _ in videos],
-                      "video_fps": [fps for _, fps, _ in videos]}
-            labels = batch["labels"][row, start_:end_]
-            alone_logits, alone_loss, sample_grads = run(model, alone_batch(collator, sample, labels))
-            logit_diff = max(logit_diff, float((logits[row, start_:end_] - alone_logits[0]).abs().max()))
-            weighted, counted = weighted + float(alone_loss) * targets(labels), counted + targets(labels)
-            for name, grad in sample_grads.items():
-                alone_grads[name] = alone_grads.get(name, 0) + grad
-    largest = max(float(grad.abs().max()) for grad in grads.values())
-    grad_diff = max(float((grads[name] - alone_grads[name]).abs().max()) for name in grads) / largest
+    logit_diff, loss_diff, grad_diff = built_batch_against_each_sample_alone(model, collator, dataset, image_set, batch)
     assert logit_diff < TOLERANCE
-    assert abs(float(loss) - weighted / counted) < LOSS_TOLERANCE and grad_diff < LOSS_TOLERANCE
+    assert loss_diff < LOSS_TOLERANCE and grad_diff < LOSS_TOLERANCE
     # verify --images: clean, and a set whose video placeholder is another token fails pack by pack
     from prepack.check.images import verify_images
 
@@ -362,3 +371,107 @@ def test_the_image_cap_counts_a_videos_frames(processor, tmp_path):
     manifest_file.write_text(json.dumps(manifest))
     with pytest.raises(FormatError, match=f"row 3, column 'images': holds {cap} images .*more than the limit {cap - 1}"):
         read_image_set(summary.image_set)
+
+
+# At the checkpoints' sizes (llava-hf/LLaVA-NeXT-Video-7B-hf: 336-pixel crops in patches of 14, 144 placeholders a
+# frame; LanguageBind/Video-LLaVA-7B-hf: 224, 257), and at the tiny towers' (56 in 14: 4 and 17).
+FRAME_VIDEO_SIZES = (
+    pytest.param("llava_next_video", {"side": 336, "pinpoints": [[336, 672], [672, 336], [672, 672]]}, 144,
+                 id="llava_next_video-checkpoint", marks=pytest.mark.slow),
+    pytest.param("llava_next_video", {"side": 56}, 4, id="llava_next_video-tiny"),
+    pytest.param("video_llava", {"side": 224}, 257, id="video_llava-checkpoint", marks=pytest.mark.slow),
+    pytest.param("video_llava", {"side": 56}, 17, id="video_llava-tiny"),
+)
+
+
+@pytest.mark.parametrize(("model_type", "sizes", "per_frame"), FRAME_VIDEO_SIZES)
+def test_frame_video_counts_are_the_processors_own(tmp_path, model_type, sizes, per_frame):
+    """A video of any frame count and frame size, and an image, expand as transformers' LlavaNextVideoProcessor (or
+    VideoLlavaProcessor) expands `<video>` and `<image>` (its own replace_video_token on the frames' pixels): the
+    same tokens."""
+    from tests.video_inputs import frame_video_directory, frame_video_processor
+
+    directory, tokenizer = frame_video_directory(tmp_path / "processor", model_type, **sizes)
+    rule, video_id = video_processor_rule(directory)
+    reference = frame_video_processor(directory, tokenizer, model_type)
+    assert rule.kind == "frames" and rule.tokens == per_frame and video_id == reference.video_token_id
+    for frames, (width, height) in ((1, (120, 90)), (3, (90, 120)), (4, (7, 300)), (6, (400, 400))):
+        video = [frame.resize((width, height)) for frame in video_frames(0)[:1]] * frames
+        expected = reference(text="a<video>b", videos=[video])["input_ids"][0].tolist()
+        assert tokenizer("a" + rule.text(frames, width, height, 2.0) + "b")["input_ids"] == expected, (frames, width)
+        assert rule.placeholders(frames, width, height) == expected.count(video_id)
+    image, _ = processor_rule(directory)
+    photo = Image.open(SAMPLE_DATA / PHOTOS[0]).convert("RGB")
+    expected = reference(text="a<image>b", images=[photo])["input_ids"][0].tolist()
+    assert tokenizer("a" + image.text(*photo.size) + "b")["input_ids"] == expected
+
+
+def test_frame_video_configs(tmp_path):
+    """A config naming only its processor takes the class default crop (transformers' source of each); one without
+    the crop (frames of their own shapes, which the towers do not take), or a LLaVA-NeXT-Video processor without
+    patch_size, is refused by file and field."""
+    from tests.video_inputs import frame_video_directory, transformers_source
+
+    for model_type, named in (("video_llava", "VideoLlavaVideoProcessor"),
+                              ("llava_next_video", "LlavaNextVideoVideoProcessor")):
+        directory, _ = frame_video_directory(tmp_path / model_type, model_type,
+                                             video_config={"video_processor_type": named})
+        defaults = transformers_source(f"transformers.models.{model_type}.video_processing_{model_type}", named).defaults
+        rule, _ = video_processor_rule(directory)
+        patches = (defaults.crop_size["height"] // 14) * (defaults.crop_size["width"] // 14)
+        assert defaults.do_center_crop
+        assert rule.tokens == (patches // 4 if model_type == "llava_next_video" else patches + 1)
+    config = directory / "video_preprocessor_config.json"
+    config.write_text(json.dumps({"video_processor_type": "LlavaNextVideoVideoProcessor", "do_center_crop": False}))
+    with pytest.raises(InputError, match="video_preprocessor_config.json: do_center_crop is off"):
+        video_processor_rule(directory)
+    config.write_text(json.dumps({"video_processor_type": "LlavaNextVideoVideoProcessor"}))
+    (directory / "processor_config.json").write_text(json.dumps({"vision_feature_select_strategy": "default"}))
+    with pytest.raises(InputError, match="processor_config.json: a LLaVA-NeXT-Video processor needs patch_size"):
+        video_processor_rule(directory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["llava_next_video", "video_llava"])
+def test_a_frame_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone(tmp_path, model_type):
+    """LLaVA-NeXT-Video and Video-LLaVA end to end: a corpus with frame lists and directories (videos of 4, 3 and 5
+    frames, one video twice in a record), an image and a text-only chat -> `prepack prepare-images` -> `prepack build
+    --chat` -> every sample in exactly one pack -> ImagePackedDataset, VisionCollator (the family's own image
+    processor; every frame of the batch in one row of pixel_values_videos, each video's frames counted at its
+    processor's rule) -> a tiny model with the tokenizer's ids: logits, loss and gradients equal each sample alone."""
+    from transformers import AutoImageProcessor
+
+    from prepack.check.images import verify_images
+    from prepack.training.video_frames import CroppedFrameVideoProcessor
+    from tests.video_inputs import frame_video_directory
+
+    processor, tokenizer = frame_video_directory(tmp_path / "processor", model_type)
+    paths = write_videos(tmp_path)
+    records = video_records(paths)
+    records[3]["videos"] = [paths[0], paths[0]]  # transformers takes a sample's videos at one frame count
+    done = run_prepack("prepare-images", corpus_file(tmp_path, records), "--processor", processor, "--out",
+                       tmp_path / "prepared", env=WIDE)
+    assert done.returncode == 0 and ", 4 videos (their frames among the images)" in done.stdout, done.stderr
+    image_set = read_image_set(tmp_path / "prepared" / "images", verify=True)
+    assert image_set.manifest.video_rule.kind == "frames" and image_set.manifest.images == 1 + 4 + 3  # frames once
+    build = tmp_path / "build"
+    result = run_prepack("build", tmp_path / "prepared" / "corpus.parquet", "--tokenizer", processor, "--chat",
+                         "--max-len", MAX_LEN, "--overflow", "error", "--out", build)
+    assert result.returncode == 0, result.stderr
+    assert verify_images(build, image_set.directory) == []
+    ids = {"image_token_index": tokenizer.convert_tokens_to_ids("<image>"),
+           "video_token_index": tokenizer.convert_tokens_to_ids("<video>")}
+    model = enable_packing(tiny_vision_model(model_type, vocab_size=len(tokenizer), tokens=ids))
+    collator = VisionCollator(VisionSpec.of(model.config), AutoImageProcessor.from_pretrained(processor),
+                              max_len=MAX_LEN, pad_token_id=50256,
+                              video_processor=CroppedFrameVideoProcessor.from_pretrained(processor))
+    dataset = ImagePackedDataset(build, image_set.directory)
+    packs = [dataset[index] for index in range(len(dataset))]
+    rows = sorted(int(row) for index in range(len(dataset)) for row in dataset.packs.source_rows(index))
+    assert rows == [0, 1, 2, 3] and any(len(pack["cu_seqlens"]) > 2 for pack in packs)  # each once, some together
+    batch = collator(packs)
+    frames = sum(len(frames) for row in rows for frames, _, _ in image_set.videos_of(row))
+    assert batch["pixel_values_videos"].shape[:2] == (1, frames) == (1, 4 + 3 + 4 + 4)
+    logit_diff, loss_diff, grad_diff = built_batch_against_each_sample_alone(model, collator, dataset, image_set, batch)
+    assert logit_diff < TOLERANCE
+    assert loss_diff < LOSS_TOLERANCE and grad_diff < LOSS_TOLERANCE

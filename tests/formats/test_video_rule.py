@@ -82,3 +82,30 @@ def test_the_texts_of_a_video():
     step = "<|vision_start|>" + "<|video_pad|>" * (qwen3.grid(5, 56, 84)[1] * qwen3.grid(5, 56, 84)[2] // 4)
     assert qwen3.text(5, 56, 84, fps=2.0) == "".join(
         f"<{seconds} seconds>{step}<|vision_end|>" for seconds in ("0.2", "1.2", "2.0"))
+
+
+def test_a_frames_rule_holds_its_own_fields_and_is_written_without_the_others():
+    """LLaVA-NeXT-Video's rule: `tokens` a frame, whatever the frame's size; it holds no Qwen-VL field and a Qwen-VL
+    rule no `tokens` (each refused), and each is written with its own fields only: a Qwen-VL rule's JSON is that of
+    before the frames kind."""
+    frames = VideoRule(kind="frames", placeholder="<video>", start="", end="", tokens=144)
+    assert frames.placeholders(8, 640, 480) == frames.placeholders(8, 7, 3000) == 8 * 144
+    assert frames.text(3, 90, 120, fps=2.0) == "<video>" * 432
+    assert frames.model_dump() == {"kind": "frames", "placeholder": "<video>", "start": "", "end": "", "tokens": 144}
+    with pytest.raises(ValueError, match="a video without frames"):
+        frames.placeholders(0, 90, 120)
+    with pytest.raises(ValueError, match="no patch grid"):
+        frames.grid(3, 90, 120)
+    sizes = dict(patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=1, max_pixels=2**20)
+    qwen2 = VideoRule(kind="qwen2", **sizes)
+    assert qwen2.model_dump_json() == (
+        '{"kind":"qwen2","placeholder":"<|video_pad|>","start":"<|vision_start|>","end":"<|vision_end|>",'
+        '"patch_size":14,"merge_size":2,"temporal_patch_size":2,"min_pixels":1,"max_pixels":1048576}')
+    with pytest.raises(ValueError, match="a frames video rule has no patch_size"):
+        VideoRule(kind="frames", tokens=4, patch_size=14)
+    with pytest.raises(ValueError, match="a frames video rule needs tokens"):
+        VideoRule(kind="frames")
+    with pytest.raises(ValueError, match="a qwen2 video rule has no tokens"):
+        VideoRule(kind="qwen2", tokens=4, **sizes)
+    with pytest.raises(ValueError, match="a qwen3 video rule needs merge_size"):
+        VideoRule(kind="qwen3", **{**sizes, "merge_size": None})

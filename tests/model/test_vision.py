@@ -44,8 +44,8 @@ from tests.flash_reference import enable_flash_attention, use_flash_reference, u
 from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3",
-            "internvl", "mistral3", "glm4v", "glm4v_moe", "paligemma", "llava_next", "llava_onevision", "idefics3",
-            "smolvlm", "lfm2_vl", "gemma4")
+            "internvl", "mistral3", "glm4v", "glm4v_moe", "paligemma", "llava_next", "llava_next_video", "llava_onevision",
+            "idefics3", "smolvlm", "lfm2_vl", "gemma4", "video_llava")
 ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
@@ -215,7 +215,8 @@ def parameter_group(name: str) -> str:
     # Idefics3's projector: connector; Gemma 4's: embed_vision
     if "multi_modal_projector" in name or "merger" in name or ".connector." in name or ".embed_vision." in name:
         return PROJECTOR
-    return VISION_TOWER if any(tower in name for tower in (".visual.", ".vision_tower.", ".vision_model.")) else LANGUAGE_MODEL
+    towers = (".visual.", ".vision_tower.", ".vision_model.", ".image_tower.", ".video_tower.")  # Video-LLaVA's two
+    return VISION_TOWER if any(tower in name for tower in towers) else LANGUAGE_MODEL
 
 
 def group_differences(grads: dict, alone_grads: dict) -> dict[str, float]:
@@ -478,7 +479,8 @@ def test_gemma_images_run_causally_on_flash_and_are_refused(model_type, attn, re
     "model_type", [model_type for model_type, attn in verdict_pairs(isolated=False) if attn == "flex_attention"]
 )
 def test_qwen_vl_has_no_flex_attention(model_type):
-    """The table's flex refusals for Qwen-VL, GLM-4V and LFM2-VL: transformers has no flex path to switch them to."""
+    """The table's flex refusals for Qwen-VL, GLM-4V, LFM2-VL and Video-LLaVA: transformers has no flex path to
+    switch them to."""
     model = tiny_vision_model(model_type)
     with pytest.raises(ValueError, match="does not support an attention implementation through torch's flex"):
         model.set_attn_implementation("flex_attention")
@@ -490,7 +492,8 @@ def test_every_refusal_of_the_vision_table_is_run():
     gemma3_on_flash = {("gemma3", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
     qwen_on_flex = {
         (model_type, "flex_attention")
-        for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "glm4v", "lfm2_vl")
+        for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "glm4v", "lfm2_vl",
+                           "video_llava")
     }
     qwen4_exp_on_flash = {("qwen4_exp", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
     paligemma_on_flash = {("paligemma", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
