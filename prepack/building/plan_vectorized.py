@@ -21,8 +21,8 @@ from prepack.building import kernels
 from prepack.formats.shards import IGNORE_INDEX
 
 __all__ = [
-    "assign_ffd", "assign_suits", "count_ffd", "counts_in_numpy", "pack_cap", "pack_contents", "pieces_of", "resolve", "scans", "scatter",
-    "segment_histogram", "slots_of", "suits", "tally", "untrained",
+    "assign_ffd", "assign_suits", "count_ffd", "counts_in_numpy", "pack_cap", "pack_contents", "pieces_of", "resolve", "scans",
+    "scatter", "segment_histogram", "slots_of", "suits", "tally", "untrained",
 ]
 
 # Documents up to which the per-document steps run here (each a few numpy passes over the documents,
@@ -173,14 +173,14 @@ def assign_ffd(histogram: np.ndarray, max_len: int, cap: int, bound: int) -> tup
 
 
 def count_ffd(histogram: np.ndarray, max_len: int, max_documents: int | None = None) -> int:
-    """The pack count of `assign_ffd` (at most `max_documents` segments a pack when given), placing no segment: O(distinct lengths x
-    groups), whatever the number of segments. Packs that are alike (room left, segments held) and next to each
-    other in pack order take alike from every run, so they are kept as one group of several: a run fills the
-    groups with room in order, each of its packs taking as many as fit, and splits the group where it ends into
-    the packs that took as many, the one that took the rest, and the packs that took none; the packs it opens are
-    two groups more. A run longer than any pack's room searches nothing (the longest half of the lengths, at
-    least, only open packs). A group whose packs no later run fits (room below the shortest segment, or `cap`
-    held) is dropped now and then, as it only lengthens the search."""
+    """The pack count of `assign_ffd` (at most `max_documents` segments a pack when given), placing no segment:
+    O(distinct lengths x groups), whatever the number of segments. Packs that are alike (room left, segments
+    held) and next to each other in pack order take alike from every run, so they are kept as one group of
+    several: a run fills the groups with room in order, each of its packs taking as many as fit, and splits the
+    group where it ends into the packs that took as many, the one that took the rest, and the packs that took
+    none; the packs it opens are two groups more. A run longer than any pack's room searches nothing (the longest
+    half of the lengths, at least, only open packs). A group whose packs no later run fits (room below the
+    shortest segment, or `max_documents` held) is dropped now and then, as it only lengthens the search."""
     needs = np.flatnonzero(histogram[1:])[::-1] + 1
     if not len(needs):
         return 0

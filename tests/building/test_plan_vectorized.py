@@ -70,7 +70,9 @@ def _histogram(parts, max_len, options):
 def _assert_counted(histogram, max_len, options, packs):
     """`pack_count` (kernel or numpy, as it chooses; and as it counts before numba has started) and, for
     first-fit, `count_ffd` itself count `packs`."""
-    count = lambda: pack_count(histogram, max_len, algorithm=options["algorithm"], max_documents=options["max_documents"])  # noqa: E731
+    def count():
+        return pack_count(histogram, max_len, algorithm=options["algorithm"], max_documents=options["max_documents"])
+
     assert count() == packs
     with mock.patch.object(kernels, "started", lambda: False):
         assert count() == packs
