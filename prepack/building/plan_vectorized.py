@@ -39,10 +39,11 @@ _WINDOW = 2**24
 _TRUNCATE, _DROP = 1, 2
 _BLOCK = 32
 # Runs of equal length after which `count_ffd` drops the groups no later run fits; the segments a distinct
-# length above which it counts faster than the kernel places them once numba has started (the kernel about 10 ns
-# a segment, `count_ffd` 15-25 us a distinct length, more the more lengths there are); and the distinct lengths
-# up to which it counts faster than numba starts (0.5-0.7 CPU s; 16,384 lengths take about 0.3 s): `python
-# benchmarks/bench_append.py` prints the kernel's and count_ffd's costs, `python benchmarks/bench_startup.py` numba's.
+# length above which it counts faster than the kernel places them once numba has started (the kernel 6-43 ns a
+# segment, `count_ffd` 12-16 us a distinct length, more the more lengths there are); and the distinct lengths up
+# to which it counts faster than numba starts (0.5-0.7 CPU s; all 32,768 lengths of max-len 32768 took 0.52 s, so
+# half of them about 0.25 s): `python benchmarks/bench_append.py` prints the kernel's and count_ffd's costs,
+# `python benchmarks/bench_startup.py` numba's.
 _TIDY = 64
 _KERNEL_SEGMENTS = 1000
 _COUNT_LENGTHS = 16_384
