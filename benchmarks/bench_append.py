@@ -23,7 +23,7 @@ Each step's CPU seconds (all its threads', `time.process_time`) are printed besi
 machine shared with other work the wall time moves with the load, the CPU time much less. Several --docs
 make one table each, in one run; --kinds picks the outputs (the store is grown for the builds either way,
 untimed when "store" is not picked), as a store of 1,000,000 documents and its full builds take minutes
-and gigabytes (3 GB a store copy at that size).
+and gigabytes (the script prints a store copy's size: about 8 bytes a token).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ from prepack.sources.store import open_store
 MAX_LEN = 4096
 
 
-def _corpus(path: Path, docs: int, seed: int) -> None:
+def _corpus(path: Path, docs: int, seed: int) -> int:
+    """Write the corpus; return its tokens."""
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(np.log(350), 1.0, docs).astype(np.int64), 1, 8192)
     offsets = np.zeros(docs + 1, np.int32)
@@ -63,6 +64,7 @@ def _corpus(path: Path, docs: int, seed: int) -> None:
         "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)),
         "labels": pa.ListArray.from_arrays(pa.array(offsets), pa.array(labels)),
     }), path)
+    return int(offsets[-1])
 
 
 def _median_seconds(repeat: int, prepare, step) -> tuple[float, float]:
@@ -109,36 +111,50 @@ def _checked_fills(first: Path, grown_out: Path, rebuilt_out: Path) -> tuple[flo
     return grown.totals.tokens / (grown.totals.packs * MAX_LEN), rebuilt.totals.tokens / (rebuilt.totals.packs * MAX_LEN)
 
 
-def _count_costs(store: Path) -> str:
-    """What counting a rebuild's packs costs each way, on the grown store's segments (`prepack.building.plan.pack_count`
-    chooses by these): the kernel's first-fit per segment, and `count_ffd`'s per distinct length (CPU, best of 5)."""
+def _count_costs(store: Path) -> list[str]:
+    """What counting a rebuild's packs costs each way (`prepack.building.plan.pack_count` chooses by these): the
+    kernel's first-fit per segment, and `count_ffd`'s per distinct length and in all (CPU, best of 5), on the grown
+    store's segments at max-len 4096, and at max-len 32768 on its documents whole with one more segment of every
+    length 1..32768 (every length present: `count_ffd`'s cost grows with the distinct lengths)."""
     opened = open_store(store)
-    histogram = np.zeros(MAX_LEN + 1, np.int64)
-    for shard in opened.manifest.shards:
-        part = plan.segment_histogram(opened.shard_document_lengths(shard), MAX_LEN)
-        histogram[: len(part)] += part
-    segments, lengths = int(histogram.sum()), int(np.count_nonzero(histogram))
+    lengths = [opened.shard_document_lengths(shard) for shard in opened.manifest.shards]
+    every_length = np.zeros(32768 + 1, np.int64)
+    every_length[1:] = 1
+    lines = []
+    for max_len, extra in ((MAX_LEN, None), (32768, every_length)):
+        histogram = np.zeros(max_len + 1, np.int64)
+        for part in lengths:
+            part = plan.segment_histogram(part, max_len)
+            histogram[: len(part)] += part
+        if extra is not None:
+            histogram += extra
+        segments, distinct = int(histogram.sum()), int(np.count_nonzero(histogram))
 
-    def best(step) -> float:
-        times = []
-        for _ in range(5):
-            start = time.process_time()
-            step()
-            times.append(time.process_time() - start)
-        return min(times)
+        def best(step) -> float:
+            times = []
+            for _ in range(5):
+                start = time.process_time()
+                step()
+                times.append(time.process_time() - start)
+            return min(times)
 
-    kernel = best(lambda: plan._assign_sorted(histogram, MAX_LEN, "ffd"))  # the kernel's placement (warm)
-    runs = best(lambda: plan_vectorized.count_ffd(histogram, MAX_LEN, segments))
-    return (f"rebuild pack count: the kernel {kernel / segments * 1e9:.0f} ns a segment ({segments:,}), runs of equal "
-            f"packs in numpy {runs / lengths * 1e6:.1f} us a distinct length ({lengths:,})")
+        kernel = best(lambda: plan._assign_sorted(histogram, max_len, "ffd"))  # the kernel's placement (warm)
+        runs = best(lambda: plan_vectorized.count_ffd(histogram, max_len))
+        lines.append(f"rebuild pack count, max-len {max_len}: the kernel {kernel / segments * 1e9:.0f} ns a segment "
+                     f"({segments:,}), runs of equal packs in numpy {runs / distinct * 1e6:.1f} us a distinct length "
+                     f"({distinct:,}), {runs:.3f} s in all")
+    return lines
 
 
 def _measure(root: Path, docs: int, added: float, repeat: int, kinds: set[str]) -> tuple[list[tuple], list[str]]:
     """The table's rows for a corpus of `docs` documents grown by `added` of them, written under `root`, and notes."""
     _corpus(root / "old" / "old.parquet", docs, 0)
-    _corpus(root / "new" / "new.parquet", int(docs * added), 1)
+    added_tokens = _corpus(root / "new" / "new.parquet", int(docs * added), 1)
     prepack.build_store(root / "old", root / "store-0")
-    rows, notes = [], []
+    tokens = open_store(root / "store-0").manifest.tokens
+    size = sum(p.stat().st_size for p in (root / "store-0").rglob("*") if p.is_file())
+    rows, notes = [], [f"the store copy: {tokens:,} tokens, {size / 1e9:.2f} GB ({size / tokens:.2f} bytes a token); "
+                       f"the appended documents: {added_tokens:,} tokens"]
     if "store" in kinds:
         (root / "all").mkdir()  # the whole corpus, for the store tokenized at once (links: the same files)
         for name in ("old", "new"):
@@ -174,7 +190,7 @@ def _measure(root: Path, docs: int, added: float, repeat: int, kinds: set[str]) 
         )
         rows.append((kind, *seconds, *rebuild, *_checked_fills(first, grown_out, rebuilt_out)))
         if index_only:
-            notes.append(_count_costs(store))
+            notes.extend(_count_costs(store))
             call = f"prepack.build({str(store)!r}, {{!r}}, max_len={MAX_LEN}, index_only=True{{}})"
             seconds = _own_process_seconds(repeat, lambda: _copy(first, grown_out), call.format(str(grown_out), ", append=True"))
             rebuild = _own_process_seconds(

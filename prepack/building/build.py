@@ -391,7 +391,8 @@ def build_packs(
                     f"longer than --max-len {max_len} (choose --overflow split, truncate or drop)."
                 )
             # An index build plans as its first pass read (`plans_in_numpy`, on the tokens of the documents it
-            # reads: an append's, the new ones'; it counts a rebuild's packs in numpy whatever the store's size).
+            # reads: an append's, the new ones'; its count of a rebuild's packs chooses apart: `pack_count`,
+            # `plan_vectorized.counts_in_numpy`).
             without_numba = index_only and plan_vectorized.plans_in_numpy(documents.store.manifest.tokens, has_labels)
             planning = bar.add_task("plan", total=None)
             if documents.pairs is not None:
@@ -503,7 +504,6 @@ def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packin
     store.json entry (`check_store_offsets`). Not store.json's `length_counts`, which nothing ties to the
     shards (verify holds them to the offsets)."""
     old = store.manifest.at_generation(planned)
-    without_numba = plan_vectorized.plans_in_numpy(old.tokens, old.has_labels)
     histogram = np.zeros(1, np.int64)  # as long as the longest segment yet: not max_len, which may be 2**31 - 1
 
     def add(lengths: np.ndarray, untrained: np.ndarray | None) -> None:
@@ -514,10 +514,12 @@ def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packin
             histogram = np.concatenate([histogram, np.zeros(len(part) - len(histogram), np.int64)])
         histogram[: len(part)] += part
 
-    for shard in old.shards:
-        if packing.drop_untrained:
+    if packing.drop_untrained:
+        without_numba = plan_vectorized.plans_in_numpy(old.tokens, old.has_labels)
+        for shard in old.shards:
             add(*store.shard_lengths(shard, without_numba))
-        else:
+    else:
+        for shard in old.shards:
             add(store.shard_document_lengths(shard), None)
     add(first.lengths, first.untrained)
     return pack_count(histogram, packing.max_len, algorithm=packing.algorithm, max_documents=packing.max_docs_per_pack)

@@ -230,7 +230,7 @@ def _assign_sorted(
     `max_images` images a pack; in numpy when `vectorized` (ffd without images only), else by the kernels."""
     segments = int(histogram.sum())
     tokens = int(np.dot(histogram, np.arange(len(histogram), dtype=np.int64)))
-    cap = min(segments, max_documents or segments, 2**31 - 1)  # no cap: as many as there are segments
+    cap = plan_vectorized.pack_cap(segments, max_documents)
     bound = _pack_bound(segments, tokens, max_len, cap)
     if len(images):
         # Of the packs under `cap` segments, at most one holds at most half max_len and half max_images (a
@@ -843,8 +843,9 @@ def pack_count(histogram: np.ndarray, max_len: int, *, algorithm: str = "ffd", m
     """The packs `plan_packs` makes of documents whose segments `histogram` counts (`segment_histogram`), without
     laying them out: what a build appended to reports its packs against (a rebuild of the same documents at
     once). First-fit-decreasing counts runs of equal packs in numpy (`plan_vectorized.count_ffd`: no kernel, and
-    as long whatever the number of documents) unless the kernel places the segments faster, numba started
-    (`plan_vectorized.counts_in_numpy`); best-fit runs its kernel."""
+    as long whatever the number of documents) unless the kernel counts faster (`plan_vectorized.counts_in_numpy`:
+    past so many distinct lengths before numba has started, and where the segments are few for their lengths
+    after); best-fit runs its kernel."""
     max_len = _check_options(max_len, algorithm)
     max_documents = checked_cap(max_documents)
     histogram = np.asarray(histogram)
@@ -859,7 +860,7 @@ def pack_count(histogram: np.ndarray, max_len: int, *, algorithm: str = "ffd", m
         return 0
     if algorithm == "bfd" or not plan_vectorized.counts_in_numpy(histogram, segments):
         return _assign_sorted(histogram, max_len, algorithm, max_documents)[1]
-    return plan_vectorized.count_ffd(histogram, max_len, min(segments, max_documents or segments, 2**31 - 1))
+    return plan_vectorized.count_ffd(histogram, max_len, max_documents)
 
 
 class _Assigned(NamedTuple):

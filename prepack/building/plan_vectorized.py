@@ -21,8 +21,8 @@ from prepack.building import kernels
 from prepack.formats.shards import IGNORE_INDEX
 
 __all__ = [
-    "assign_ffd", "assign_suits", "count_ffd", "counts_in_numpy", "pack_contents", "pieces_of", "resolve", "scans", "scatter",
-    "segment_histogram", "slots_of", "suits", "tally", "untrained",
+    "assign_ffd", "assign_suits", "count_ffd", "counts_in_numpy", "pack_cap", "pack_contents", "pieces_of", "resolve", "scans",
+    "scatter", "segment_histogram", "slots_of", "suits", "tally", "untrained",
 ]
 
 # Documents up to which the per-document steps run here (each a few numpy passes over the documents,
@@ -38,11 +38,15 @@ _WINDOW = 2**24
 # `prepack.building.plan`'s overflow codes and bookmark spacing (a test keeps them equal).
 _TRUNCATE, _DROP = 1, 2
 _BLOCK = 32
-# Runs of equal length after which `count_ffd` drops the groups no later run fits; and the segments a
-# distinct length above which it counts faster than the kernel places them (about 10 ns a segment against
-# 10 us a length: `python benchmarks/bench_append.py` prints both).
+# Runs of equal length after which `count_ffd` drops the groups no later run fits; the segments a distinct
+# length above which it counts faster than the kernel places them once numba has started (the kernel 6-43 ns a
+# segment, `count_ffd` 12-16 us a distinct length, more the more lengths there are); and the distinct lengths up
+# to which it counts faster than numba starts (0.5-0.7 CPU s; all 32,768 lengths of max-len 32768 took 0.52 s, so
+# half of them about 0.25 s): `python benchmarks/bench_append.py` prints the kernel's and count_ffd's costs,
+# `python benchmarks/bench_startup.py` numba's.
 _TIDY = 64
 _KERNEL_SEGMENTS = 1000
+_COUNT_LENGTHS = 16_384
 
 
 def suits(documents: int, algorithm: str) -> bool:
@@ -66,9 +70,17 @@ def plans_in_numpy(tokens: int, has_labels: bool) -> bool:
 
 def counts_in_numpy(histogram: np.ndarray, segments: int) -> bool:
     """Whether `count_ffd` counts the packs of `histogram`'s `segments` segments faster than the kernel would
-    place them: always before numba has started, and after, where the segments are more than
-    `_KERNEL_SEGMENTS` for each distinct length (the kernel's cost follows the segments, `count_ffd`'s the lengths)."""
-    return not kernels.started() or segments > _KERNEL_SEGMENTS * np.count_nonzero(histogram)
+    place them (the kernel's cost follows the segments, `count_ffd`'s the distinct lengths): before numba has
+    started, where they are at most `_COUNT_LENGTHS` distinct lengths, and after, where the segments are more
+    than `_KERNEL_SEGMENTS` for each distinct length."""
+    lengths = np.count_nonzero(histogram)
+    return lengths <= _COUNT_LENGTHS if not kernels.started() else segments > _KERNEL_SEGMENTS * lengths
+
+
+def pack_cap(segments: int, max_documents: int | None) -> int:
+    """The most segments a pack of a plan of `segments` segments holds: `max_documents` when given, else as
+    many as there are (an int32 at most, as the kernels take it)."""
+    return min(segments, max_documents or segments, 2**31 - 1)
 
 
 def assign_suits(histogram: np.ndarray, max_len: int, max_documents: int | None = None) -> bool:
@@ -119,7 +131,8 @@ def segment_histogram(lengths: np.ndarray, left_out: np.ndarray, max_len: int, o
             histogram[max_len] += len(longer)
         else:  # split: whole pieces of max_len, then what is left (an exact multiple leaves none)
             histogram[max_len] += (longer // max_len).sum()
-            histogram[:max_len] += np.bincount(longer % max_len, minlength=max_len)
+            rest = np.bincount(longer % max_len)  # as long as the longest rest, not max_len
+            histogram[: len(rest)] += rest
     histogram[0] = 0  # empty documents (and exact multiples' nothing left) make no segment
     return histogram.astype(np.int64, copy=False)
 
@@ -160,19 +173,21 @@ def assign_ffd(histogram: np.ndarray, max_len: int, cap: int, bound: int) -> tup
     return out, packs
 
 
-def count_ffd(histogram: np.ndarray, max_len: int, cap: int) -> int:
-    """The pack count of `assign_ffd` (at most `cap` segments a pack), placing no segment: O(distinct lengths x
-    groups), whatever the number of segments. Packs that are alike (room left, segments held) and next to each
-    other in pack order take alike from every run, so they are kept as one group of several: a run fills the
-    groups with room in order, each of its packs taking as many as fit, and splits the group where it ends into
-    the packs that took as many, the one that took the rest, and the packs that took none; the packs it opens are
-    two groups more. A run longer than any pack's room searches nothing (the longest half of the lengths, at
-    least, only open packs). A group whose packs no later run fits (room below the shortest segment, or `cap`
-    held) is dropped now and then, as it only lengthens the search."""
+def count_ffd(histogram: np.ndarray, max_len: int, max_documents: int | None = None) -> int:
+    """The pack count of `assign_ffd` (at most `max_documents` segments a pack when given), placing no segment:
+    O(distinct lengths x groups), whatever the number of segments. Packs that are alike (room left, segments
+    held) and next to each other in pack order take alike from every run, so they are kept as one group of
+    several: a run fills the groups with room in order, each of its packs taking as many as fit, and splits the
+    group where it ends into the packs that took as many, the one that took the rest, and the packs that took
+    none; the packs it opens are two groups more. A run longer than any pack's room searches nothing (the longest
+    half of the lengths, at least, only open packs). A group whose packs no later run fits (room below the
+    shortest segment, or `max_documents` held) is dropped now and then, as it only lengthens the search."""
     needs = np.flatnonzero(histogram[1:])[::-1] + 1
     if not len(needs):
         return 0
-    shortest, capped = int(needs[-1]), cap < int(histogram.sum())
+    segments = int(histogram[1:].sum())
+    cap = pack_cap(segments, max_documents)
+    shortest, capped = int(needs[-1]), cap < segments
     groups = np.empty((3, 0), np.int64)  # rows: room left in each pack, segments each holds, packs in the group
     opened_since = []  # the groups opened after `groups`, each (room, held, packs): joined to it before a search
     packs = 0

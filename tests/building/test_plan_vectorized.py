@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prepack import build_store
-from prepack.building import plan_vectorized
+from prepack.building import kernels, plan_vectorized
 from prepack.formats.shards import read_manifest
 from prepack.building.plan import pack_count, plan_packs, segment_histogram, untrained_documents
 from tests.building.test_plan_compact import plans
@@ -67,11 +68,16 @@ def _histogram(parts, max_len, options):
 
 
 def _assert_counted(histogram, max_len, options, packs):
-    """`pack_count` (kernel or numpy, as it chooses) and, for first-fit, `count_ffd` itself count `packs`."""
-    assert pack_count(histogram, max_len, algorithm=options["algorithm"], max_documents=options["max_documents"]) == packs
+    """`pack_count` (kernel or numpy, as it chooses; and as it counts before numba has started) and, for
+    first-fit, `count_ffd` itself count `packs`."""
+    def count():
+        return pack_count(histogram, max_len, algorithm=options["algorithm"], max_documents=options["max_documents"])
+
+    assert count() == packs
+    with mock.patch.object(kernels, "started", lambda: False):
+        assert count() == packs
     if options["algorithm"] == "ffd":
-        segments = int(histogram[1:].sum())
-        assert plan_vectorized.count_ffd(histogram, max_len, min(segments, options["max_documents"] or segments)) == packs
+        assert plan_vectorized.count_ffd(histogram, max_len, options["max_documents"]) == packs
 
 
 @settings(max_examples=100, deadline=None)
@@ -99,17 +105,27 @@ def test_first_fit_counted_by_runs_of_equal_packs_is_the_kernels(max_len, cap, d
 
 
 def test_a_pack_count_runs_no_kernel_before_numba_started_and_the_kernel_where_it_is_faster(monkeypatch):
-    from prepack.building import kernels
-
-    histogram = np.zeros(65, np.int64)
-    histogram[[3, 40]] = 1000, 500  # 1,500 segments of 2 lengths: fewer than the kernel places faster
+    lengths = np.repeat([3, 40], [1000, 500])  # 1,500 segments of 2 lengths: fewer than the kernel places faster
+    histogram = segment_histogram(lengths, 64)
     assert 1500 <= 2 * plan_vectorized._KERNEL_SEGMENTS
-    packs = pack_count(histogram, 64)
+    packs = plan_packs(lengths, 64).packs
     monkeypatch.setattr(plan_vectorized, "count_ffd", lambda *args: -1)
     for started, counted in ((True, packs), (False, -1)):
         monkeypatch.setattr(kernels, "started", lambda: started)
         assert plan_vectorized.counts_in_numpy(histogram, 1500) == (not started)
         assert pack_count(histogram, 64) == counted and pack_count(histogram, 64, algorithm="bfd") > 0
+
+
+def test_a_pack_count_of_many_distinct_lengths_runs_the_kernel_even_before_numba_started(monkeypatch):
+    # count_ffd's cost follows the distinct lengths (and the groups of packs they leave): past
+    # _COUNT_LENGTHS of them, numba's start-up costs less.
+    bound = plan_vectorized._COUNT_LENGTHS
+    lengths = np.arange(1, bound + 2)
+    histogram = segment_histogram(lengths, bound + 1)
+    monkeypatch.setattr(kernels, "started", lambda: False)
+    assert plan_vectorized.counts_in_numpy(histogram[:-1], bound) and not plan_vectorized.counts_in_numpy(histogram, bound + 1)
+    monkeypatch.setattr(plan_vectorized, "count_ffd", lambda *args: -1)
+    assert pack_count(histogram, bound + 1) == plan_packs(lengths, bound + 1).packs
 
 
 def test_packs_past_65536_sort_by_every_digit():
