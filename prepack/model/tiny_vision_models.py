@@ -22,6 +22,7 @@ read for a Qwen-VL model: a text tokenizer's directory with the image tokens add
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
@@ -44,7 +45,7 @@ __all__ = [
 
 # The rotary halves of the 8-wide heads split over time, height and width (the defaults give all to time).
 MROPE = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [1, 1, 2]}
-IMAGE_SIZE = {"llava": 28, "gemma3": 32, "internvl": 56, "mistral3": 112}  # fixed-size towers: the side of the square image they take
+IMAGE_SIZE = {"llava": 28, "gemma3": 32, "internvl": 56, "mistral3": 112, "gemma3n": 64}  # fixed-size towers: the side of the square image they take
 # Qwen's image processor for the tiny towers: between 2 and 8 merged tokens (28x28 pixels each) per image.
 QWEN_PIXELS = {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}
 # The special tokens of a Qwen-VL processor (start, placeholder, end), as `prepack prepare-images` writes them.
@@ -157,12 +158,14 @@ def tiny_vision_model(
     # MoE expert kernels other than the eager loop (grouped_mm) have no float64 on a CPU.
     options = dict(attn_implementation=attn, experts_implementation="eager", dtype=dtype)
     with torch.device("meta"):
-        parameters = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config, **options).parameters())
+        # Copies: timm pops the block types out of the config's MobileNetV5 blocks as it builds them (Gemma 3n).
+        counted = AutoModelForImageTextToText.from_config(copy.deepcopy(config), **options)
+        parameters = sum(p.numel() for p in counted.parameters())
     limit = MAX_PARAMETERS + 64 * (vocab_size or VOCAB) * HIDDEN  # a real tokenizer's embeddings come on top
     if parameters > limit:
         raise AssertionError(f"{model_type}: the tiny model has {parameters:,} parameters; a size was not shrunk.")
     torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, **options).eval()
+    model = AutoModelForImageTextToText.from_config(copy.deepcopy(config), **options).eval()
     with torch.no_grad():
         for parameter in model.parameters():
             # A matrix initialised to zeros (Gemma 3's image projection) would cut the images off: no image
@@ -189,7 +192,7 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
         return Qwen2VLImageProcessorPil(size=qwen_pixels, patch_size=vision.patch_size,
                                         merge_size=vision.spatial_merge_size,
                                         temporal_patch_size=vision.temporal_patch_size)
-    side = vision.image_size
+    side = IMAGE_SIZE["gemma3n"] if config.model_type == "gemma3n" else vision.image_size  # timm's config has none
     if config.model_type == "internvl":  # GOT-OCR2's image processor, untiled (as prepare-images counts it)
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
@@ -199,7 +202,7 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
 
         patch = {"height": vision.patch_size, "width": vision.patch_size}
         return PixtralImageProcessorPil(size={"longest_edge": side}, patch_size=patch)
-    if config.model_type == "paligemma":
+    if config.model_type in ("paligemma", "gemma3n"):  # SigLIP's, as PaliGemmaProcessor and Gemma3nProcessor use it
         from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
         return SiglipImageProcessorPil(size={"height": side, "width": side})

@@ -15,7 +15,7 @@ and reach the decoder only, never the vision tower (`prepack.model.packing`). No
 Styles:
 - 3-D rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V, GLM-4V-MoE): `position_ids` [4, B, L], text positions restarting per sample (from
   which transformers builds the per-sample mask) over the three rotary rows, restarting per sample too;
-- restart (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Mistral 3): `position_ids` [B, L]
+- restart (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Mistral 3, Gemma 3n): `position_ids` [B, L]
   restarting per sample, as for text (LLaVA-NeXT's and -OneVision's tiles with each image's `image_sizes`, Idefics3's
   and SmolVLM's with `pixel_attention_mask`, Mistral 3's `image_sizes` beside its padded `pixel_values`);
 - image blocks (Gemma 3): restarting `position_ids` and `token_type_ids` marking image placeholders,
@@ -211,7 +211,6 @@ VISION_FAMILIES |= {
         not_built('AssertionError: florence2: the tiny model has 90,587,200 parameters; a size was not shrunk.'),
     ),
     'fuyu': _swept(not_run("AttributeError: 'FuyuConfig' object has no attribute 'vision_config'")),
-    'gemma3n': _swept(needs("timm")),
     'gemma4': _swept(not_run('ValueError: its vision config (NoneType) has no image_size')),
     'gemma4_unified': _swept(not_run('ValueError: its vision config (NoneType) has no image_size')),
     'git': _swept(
@@ -353,6 +352,15 @@ VISION_FAMILIES |= {
         "prefix blocks",
         "one image per row of pixel_values (SigLIP)",
         (NATIVE, NATIVE, PALIGEMMA_ON_FLASH, PALIGEMMA_ON_FLASH, NATIVE),
+    ),
+    # Its image placeholders attend causally (transformers builds Gemma 3n's masks from the positions alone, no token
+    # types), so plain restarts keep its samples apart (measured). Its tower needs timm; it has no batch statistics
+    # (RMS norms throughout: each image's features are the same in a batch as alone, in training mode too, measured).
+    "gemma3n": VisionFamily(
+        "restart",
+        "one image per row of pixel_values (MobileNetV5 through timm: convolutions, multi-query attention and RMS "
+        "norms within each image)",
+        _MEASURED_NO_FLEX,
     ),
 }
 

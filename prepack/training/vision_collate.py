@@ -123,6 +123,8 @@ class VisionSpec:
             return cls(style, image_token_id, tokens_per_image=config.text_config.num_image_tokens)
         if config.model_type == "mistral3":
             return cls(style, image_token_id, image_cell=vision.patch_size * config.spatial_merge_size)
+        if config.model_type == "gemma3n":  # MobileNetV5's fused feature map, a fixed grid per image
+            return cls(style, image_token_id, tokens_per_image=config.vision_soft_tokens_per_image)
         if config.model_type == "internvl":  # InternViT's patches less its CLS token, pixel-shuffled
             side = vision.image_size[0] // vision.patch_size[0]
             return cls(style, image_token_id, tokens_per_image=int(side * config.downsample_ratio) ** 2)

@@ -28,8 +28,8 @@ from prepack.model.vision_sweep import IMAGE_TEXT_TYPES, check_family, measure_f
 from tests.flash_reference import enable_flash_attention, use_flash_reference, use_flex_reference  # noqa: F401
 
 # The fast lane: isolated families (restart; 3-D rotary with deepstack and MoE; 3-D rotary before gated delta rule
-# layers; tiled: LLaVA-OneVision's tiles, SmolVLM's split images), one transformers has no sdpa for, one whose tiny
-# model needs timm (skipped where timm is installed).
+# layers; tiled: LLaVA-OneVision's tiles, SmolVLM's split images; Gemma 3n's timm tower), one transformers has no sdpa
+# for.
 FAST = ("llava", "qwen3_vl_moe", "qwen3_5", "blip", "gemma3n", "llava_onevision", "smolvlm")
 STYLED = tuple(sorted(name for name, family in VISION_FAMILIES.items() if family.style is not None))
 MEASURED_RELEASE = transformers.__version__ == families.MEASURED_VERSION
@@ -159,8 +159,8 @@ def test_a_family_the_table_does_not_know_is_refused_by_name(monkeypatch):
 
 def test_a_measured_refusal_is_raised_for_an_image_batch():
     """A family without a style: enable_packing raises the table's measured reason for its image batches."""
-    reason = VISION_FAMILIES["gemma3n"].verdicts[0].reason
-    message = vision_families.image_refusal("gemma3n", "Gemma3nForConditionalGeneration", "sdpa")
+    reason = VISION_FAMILIES["fast_vlm"].verdicts[0].reason
+    message = vision_families.image_refusal("fast_vlm", "FastVlmForConditionalGeneration", "sdpa")
     assert reason == vision_families.needs("timm").reason and reason in message
     assert "without packing" in message
 
