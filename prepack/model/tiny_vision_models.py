@@ -6,7 +6,9 @@ shrinks the vision tower so that a real photograph becomes a handful of patches:
 and Qwen3-VL's towers to 2-4 blocks with 14-pixel patches merged 2x2 (Qwen2.5-VL keeps windowed and
 full-attention blocks, so both of its vision attentions are exercised; Qwen3-VL a deepstack layer),
 LLaVA's CLIP tower to 28x28 images (4 patches), Gemma 3's SigLIP tower to 32x32 images pooled to 4
-tokens. `vocab_size` may be raised to a real tokenizer's. Weights are seeded; nothing is downloaded.
+tokens, Gemma 3n's timm MobileNetV5 to one block of each kind on 64x64 images, 4 tokens (its blocks are
+`prepack.model.tiny_models.MOBILENET_V5_BLOCKS`, which the text sweep builds too; building it needs timm).
+`vocab_size` may be raised to a real tokenizer's. Weights are seeded; nothing is downloaded.
 
 `image_processor_for(config)` is transformers' PIL image processor (no torchvision) sized for a config's
 tower, and `qwen_processor_directory` writes what `prepack prepare-images` and `prepack build --tokenizer`

@@ -47,8 +47,8 @@ model's image processor (in DataLoader workers) and emits, by the family's style
 There is no attention mask and no `cu_seq_lens_*`: transformers builds the block-diagonal mask from
 `position_ids` on sdpa and eager (the backends `prepack.model.vision_families` measured; Gemma 3's image
 batches get theirs from `enable_packing`). The vision towers keep
-patches inside their image by themselves: Qwen's from `image_grid_thw`, CLIP's and SigLIP's one image per
-row of `pixel_values`. A batch field that would override that (`cu_seqlens`, which Qwen's tower takes as
+patches inside their image by themselves: Qwen's from `image_grid_thw`, CLIP's, SigLIP's and Gemma 3n's
+MobileNetV5 one image per row of `pixel_values`. A batch field that would override that (`cu_seqlens`, which Qwen's tower takes as
 given) is what `enable_packing` refuses (`prepack.model.vision_packing`).
 """
 
