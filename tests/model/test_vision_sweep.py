@@ -159,9 +159,9 @@ def test_a_family_the_table_does_not_know_is_refused_by_name(monkeypatch):
 
 def test_a_measured_refusal_is_raised_for_an_image_batch():
     """A family without a style: enable_packing raises the table's measured reason for its image batches."""
-    reason = VISION_FAMILIES["fast_vlm"].verdicts[0].reason
-    message = vision_families.image_refusal("fast_vlm", "FastVlmForConditionalGeneration", "sdpa")
-    assert reason == vision_families.needs("timm").reason and reason in message
+    reason = VISION_FAMILIES["inkling_mm_model"].verdicts[0].reason
+    message = vision_families.image_refusal("inkling_mm_model", "InklingMmForConditionalGeneration", "sdpa")
+    assert reason == vision_families.needs("scipy").reason and reason in message
     assert "without packing" in message
 
 
