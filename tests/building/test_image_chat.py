@@ -228,8 +228,9 @@ def test_a_text_corpus_with_an_images_column_builds_and_serves_its_images(proces
         ("llava", {"patch_size": 14, "vision_feature_select_strategy": "default"}, ("<image>",)),
         ("internvl", {"image_seq_length": 4, "processor_class": "InternVLProcessor"},
          ("<img>", "<IMG_CONTEXT>", "</img>")),
-        ("gemma3n", {"image_seq_length": 4, "processor_class": "Gemma3nProcessor"},
-         ("<start_of_image>", "<image_soft_token>", "<end_of_image>")),
+        pytest.param("gemma3n", {"image_seq_length": 4, "processor_class": "Gemma3nProcessor"},
+                     ("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
+                     marks=pytest.mark.slow),  # its config imports timm, seconds
     ],
 )
 def test_fixed_size_processors_count_what_the_tiny_towers_take(tmp_path, model_type, processor_config, tokens):
@@ -767,7 +768,7 @@ def gemma3n_directory(directory, image_seq_length: int = 4):
                                        tokenizer=tokenizer, image_seq_length=image_seq_length)
 
 
-@pytest.mark.parametrize("image_seq_length", [4, 256])
+@pytest.mark.parametrize("image_seq_length", [4, pytest.param(256, marks=pytest.mark.slow)])  # 256: its processor's default
 def test_gemma3n_placeholders_and_text_are_the_processors_own(tmp_path, image_seq_length):
     """Gemma 3n (SigLIP's image processor, as Gemma3nProcessor uses it): image_seq_length `<image_soft_token>` per
     image whatever its size, between `<start_of_image>` and `<end_of_image>` with a blank line each side (the

@@ -430,7 +430,9 @@ def test_gemma3_images_run_causally_on_flash_and_are_refused(attn, request):
 
 
 @pytest.mark.parametrize(
-    "model_type", [model_type for model_type, attn in verdict_pairs(isolated=False) if attn == "flex_attention"]
+    "model_type",
+    [pytest.param(model_type, marks=[pytest.mark.slow] if model_type == "gemma3n" else [])  # gemma3n imports timm
+     for model_type, attn in verdict_pairs(isolated=False) if attn == "flex_attention"],
 )
 def test_qwen_vl_has_no_flex_attention(model_type):
     """The table's flex refusals for Qwen-VL, GLM-4V and Gemma 3n (its timm tower): transformers has no flex path to
