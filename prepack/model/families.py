@@ -252,7 +252,7 @@ FAMILIES: dict[str, tuple[Verdict, Verdict, Verdict, Verdict, Verdict]] = {
     'gemma2': (NO_SDPA, NATIVE, NATIVE, NATIVE, NATIVE),
     'gemma3': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'gemma3_text': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
-    'gemma3n': (_unmeasured('its vision tower needs the timm package'),) * 5,
+    'gemma3n': (NATIVE, NATIVE, NATIVE, NATIVE, NO_FLEX),
     'gemma3n_text': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'gemma4': (NATIVE, NATIVE, NATIVE, NATIVE, NATIVE),
     'gemma4_assistant': (

@@ -17,6 +17,7 @@ Special token ids (images, audio, ...) are moved to the top of the vocabulary, a
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -90,6 +91,17 @@ _SIZES: dict[str, int] = {
     "encoder_layers": 2, "num_decoder_layers": 2, "num_encoder_layers": 2,
 }
 
+# Gemma 3n's vision tower, timm's MobileNetV5 (`mobilenetv5_300m_enc`), cut to one block of each kind its arch strings
+# name, in its four stages: an edge residual, universal inverted residuals (depthwise start and middle kernels, and
+# none) and multi-query attention (keys and values downsampled 2x, and not). A 64-pixel image leaves 4x4 and 2x2
+# feature maps to its fusion adapter (MSFA), which upsamples the smaller, fuses both and pools them to 2x2: 4 tokens.
+MOBILENET_V5_BLOCKS = [
+    ["er_r1_k3_s2_e2_c8"],
+    ["uir_r1_a3_k5_s2_e2_c16", "uir_r1_a5_k0_s1_e2_c16"],
+    ["uir_r1_a5_k5_s2_e2_c16", "mqa_r1_k3_h2_v2_s1_d8_c16", "uir_r1_a0_k0_s1_e2_c16"],
+    ["uir_r1_a5_k5_s2_e2_c16", "mqa_r1_k3_h2_s1_d8_c16", "uir_r1_a0_k0_s1_e2_c16"],
+]
+
 # Families whose defaults need more than the generic shrinking: sizes that must agree with each other.
 _FAMILIES: dict[str, dict[str, Any]] = {
     "mamba2": {"num_heads": 4, "head_dim": 16},
@@ -115,7 +127,13 @@ _FAMILIES: dict[str, dict[str, Any]] = {
         "num_kv_shared_layers": 2,
         "layer_types": ["sliding_attention", "full_attention"] * 2,
         "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+        "intermediate_size": [64] * 4,  # a list per layer, which the generic shrinking (of integers) leaves at 16384
     },
+    # MobileNetV5's fusion adapter emits 2048 channels whatever its blocks (timm fixes the width): the tower's
+    # hidden_size, which Gemma 3n's image embedder projects to the text width. `tiny_config` decodes the blocks.
+    "gemma3n_vision": {"hidden_size": 2048, "model_args": {"block_args": MOBILENET_V5_BLOCKS, "stem_size": 8,
+                                                            "msfa_output_resolution": 2}},
+    "gemma3n": {"vision_soft_tokens_per_image": 4},
     # its sliding layers' head_dim must be qk_nope_head_dim + qk_rope_head_dim
     "dots3_note_text": {"head_dim": 16, "swa_head_dim": 16},
     # two hybrid layers: the first holds the shared attention block, the second ties its weights to it
@@ -135,6 +153,11 @@ def tiny_config(model_type: str) -> transformers.PreTrainedConfig:
     """The family's default config, shrunk (see the module docstring)."""
     config_class = CONFIG_MAPPING[model_type]
     overrides = _shrunk(config_class()) | _FAMILIES.get(model_type, {})
+    if model_type == "gemma3n":  # timm builds MobileNetV5 from decoded blocks (without timm: ModuleNotFoundError)
+        from timm.models._efficientnet_builder import decode_arch_def
+
+        model_args = overrides["vision_config"]["model_args"]
+        overrides["vision_config"]["model_args"] = {**model_args, "block_args": decode_arch_def(model_args["block_args"])}
     return config_class(**overrides)
 
 
@@ -145,11 +168,13 @@ def tiny_model(model_type: str, attn: str, dtype: torch.dtype = torch.float64) -
     # MoE expert kernels other than the eager loop (grouped_mm) have no float64 on CPU.
     options = dict(attn_implementation=built_on, experts_implementation="eager", dtype=dtype)
     with torch.device("meta"):  # a size the shrinking missed would fill the memory of the machine
-        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config, **options).parameters())
+        # Copies: timm pops the block types out of the config's MobileNetV5 blocks as it builds them (Gemma 3n).
+        counted = AutoModelForCausalLM.from_config(copy.deepcopy(config), **options)
+        parameters = sum(p.numel() for p in counted.parameters())
     if parameters > MAX_PARAMETERS:
         raise AssertionError(f"{model_type}: the tiny model has {parameters:,} parameters; a size was not shrunk.")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, **options)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **options)
     return model.eval()
 
 

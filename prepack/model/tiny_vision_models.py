@@ -6,8 +6,10 @@ shrinks the vision tower so that a real photograph becomes a handful of patches:
 and Qwen3-VL's towers to 2-4 blocks with 14-pixel patches merged 2x2 (Qwen2.5-VL keeps windowed and
 full-attention blocks, so both of its vision attentions are exercised; Qwen3-VL a deepstack layer),
 LLaVA's CLIP tower to 28x28 images (4 patches), Gemma 3's SigLIP tower to 32x32 images pooled to 4
-tokens, Gemma 4 given a tower (it has none by default) of 4-pixel patches pooled 2x2. `vocab_size` may be
-raised to a real tokenizer's. Weights are seeded; nothing is downloaded.
+tokens, Gemma 4 given a tower (it has none by default) of 4-pixel patches pooled 2x2, Gemma 3n's timm MobileNetV5
+to one block of each kind on 64x64 images, 4 tokens (its blocks are `prepack.model.tiny_models.MOBILENET_V5_BLOCKS`,
+which the text sweep builds too; building it needs timm). `vocab_size` may be raised to a real tokenizer's. Weights
+are seeded; nothing is downloaded.
 
 `image_processor_for(config)` is transformers' PIL image processor (no torchvision) sized for a config's
 tower, and `qwen_processor_directory` writes what `prepack prepare-images` and `prepack build --tokenizer`
@@ -23,6 +25,7 @@ read for a Qwen-VL model: a text tokenizer's directory with the image tokens add
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
@@ -45,7 +48,7 @@ __all__ = [
 
 # The rotary halves of the 8-wide heads split over time, height and width (the defaults give all to time).
 MROPE = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [1, 1, 2]}
-IMAGE_SIZE = {"llava": 28, "gemma3": 32, "internvl": 56, "mistral3": 112}  # fixed-size towers: the side of the square image they take
+IMAGE_SIZE = {"llava": 28, "gemma3": 32, "internvl": 56, "mistral3": 112, "gemma3n": 64}  # fixed-size towers: the side of the square image they take
 # The most patches of an image SigLIP2's NaFlex processor makes for LFM2-VL's tiny tower (8x8 of 16 pixels: up to
 # 16 placeholders after its 2x2 pixel unshuffle).
 LFM2_VL_PATCHES = 64
@@ -180,12 +183,14 @@ def tiny_vision_model(
     # MoE expert kernels other than the eager loop (grouped_mm) have no float64 on a CPU.
     options = dict(attn_implementation=attn, experts_implementation="eager", dtype=dtype)
     with torch.device("meta"):
-        parameters = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config, **options).parameters())
+        # Copies: timm pops the block types out of the config's MobileNetV5 blocks as it builds them (Gemma 3n).
+        counted = AutoModelForImageTextToText.from_config(copy.deepcopy(config), **options)
+        parameters = sum(p.numel() for p in counted.parameters())
     limit = MAX_PARAMETERS + 64 * (vocab_size or VOCAB) * HIDDEN  # a real tokenizer's embeddings come on top
     if parameters > limit:
         raise AssertionError(f"{model_type}: the tiny model has {parameters:,} parameters; a size was not shrunk.")
     torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, **options).eval()
+    model = AutoModelForImageTextToText.from_config(copy.deepcopy(config), **options).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             # A matrix initialised to zeros (Gemma 3's image projection) would cut the images off: no image
@@ -227,7 +232,7 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
         from transformers.models.siglip2.image_processing_pil_siglip2 import Siglip2ImageProcessorPil
 
         return Siglip2ImageProcessorPil(patch_size=vision.patch_size, max_num_patches=LFM2_VL_PATCHES)
-    side = vision.image_size
+    side = IMAGE_SIZE["gemma3n"] if config.model_type == "gemma3n" else vision.image_size  # timm's config has none
     if config.model_type == "internvl":  # GOT-OCR2's image processor, untiled (as prepare-images counts it)
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
@@ -237,7 +242,7 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
 
         patch = {"height": vision.patch_size, "width": vision.patch_size}
         return PixtralImageProcessorPil(size={"longest_edge": side}, patch_size=patch)
-    if config.model_type == "paligemma":
+    if config.model_type in ("paligemma", "gemma3n"):  # SigLIP's, as PaliGemmaProcessor and Gemma3nProcessor use it
         from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
         return SiglipImageProcessorPil(size={"height": side, "width": side})

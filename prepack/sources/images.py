@@ -140,6 +140,8 @@ _PLACEHOLDERS = {
 _TOKENIZER_PLACEHOLDERS = {"Gemma4ImageProcessor": ("boi_token", "image_token", "eoi_token")}
 # The budgets Gemma 4's image processor takes (its _SUPPORTED_SOFT_TOKENS).
 _GEMMA4_SOFT_TOKENS = (70, 140, 280, 560, 1120)
+# SigLIP's image processor serves two processors, told apart by the processor_class a processor directory records.
+_SIGLIP_PROCESSORS = ("PaliGemmaProcessor", "Gemma3nProcessor")
 # Idefics3's and SmolVLM's mark of the whole image after its tiles (their processors' `global_image_tag`).
 _GLOBAL_IMAGE = "<global-img>"
 # LlamaFactory's ShareGPT speakers (its default `tags`), as chat roles.
@@ -190,9 +192,9 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
 
     `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's or GLM-4V's, Gemma 3's,
     CLIP's as LLaVA uses (or Video-LLaVA's), LLaVA-NeXT's or LLaVA-OneVision's tiling ones, Idefics3's or SmolVLM's,
-    GOT-OCR2's as InternVL uses it, tiled or not, Pixtral's as Mistral 3 uses it, SigLIP's as PaliGemma uses it,
-    LFM2-VL's, Gemma 4's, whose placeholder texts come from `tokenizer_config.json` as Gemma4Processor takes them from
-    its tokenizer) and its sizes;
+    GOT-OCR2's as InternVL uses it, tiled or not, Pixtral's as Mistral 3 uses it, SigLIP's as PaliGemma or Gemma 3n
+    uses it, by the `processor_class` recorded, LFM2-VL's, Gemma 4's, whose placeholder texts come from
+    `tokenizer_config.json` as Gemma4Processor takes them from its tokenizer) and its sizes;
     `processor_config.json` (optional) may name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for
     fixed-size and tiled towers, the count (`image_seq_length`, or LLaVA's `patch_size` and
     `vision_feature_select_strategy`, LLaVA-NeXT's `num_additional_image_tokens`, LLaVA-OneVision's
@@ -211,13 +213,18 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
             f"{config_file}: image_processor_type {named!r} "
             f"is not one prepack counts placeholders for ({', '.join([*_PLACEHOLDERS, *_TOKENIZER_PLACEHOLDERS])})."
         )
+    siglip_for = _siglip_processor(config, processor, processor_file) if kind == "SiglipImageProcessor" else None
+    gemma = kind == "Gemma3ImageProcessor" or siglip_for == "Gemma3nProcessor"
     if kind in _TOKENIZER_PLACEHOLDERS:
         start, placeholder, end = _tokenizer_tokens(directory / "tokenizer_config.json", _TOKENIZER_PLACEHOLDERS[kind])
     else:
-        start, placeholder, end = _PLACEHOLDERS[kind]
-        if kind == "Gemma3ImageProcessor":
+        # Gemma 3n: Gemma 3's image tokens (Gemma 3n's tokenizer has the same)
+        start, placeholder, end = _PLACEHOLDERS["Gemma3ImageProcessor" if siglip_for == "Gemma3nProcessor" else kind]
+        if gemma:
             start = _text(processor, processor_file, "boi_token", start)
             end = _text(processor, processor_file, "eoi_token", end)
+        if siglip_for == "Gemma3nProcessor":  # its full_image_sequence: a blank line each side of the image
+            start, end = f"\n\n{start}", f"{end}\n\n"
         placeholder = _text(processor, processor_file, "image_token", placeholder)
     if kind in ("Qwen2VLImageProcessor", "Glm4vImageProcessor"):
         size = _mapping(config, config_file, "size")
@@ -239,14 +246,14 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         }
         if kind == "Glm4vImageProcessor":  # an image counts as temporal_patch_size frames
             fields |= {"kind": "glm4v_grid", "frames": _positive(config, config_file, "temporal_patch_size", 2)}
-    elif kind == "Gemma3ImageProcessor":
+    elif gemma:
         fields = {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
     elif kind == "Gemma4ImageProcessor":
         fields = _gemma4_fields(config, config_file)
     elif kind == "GotOcr2ImageProcessor":
         fields = _internvl_fields(config, config_file, processor, processor_file)
     elif kind == "SiglipImageProcessor":
-        fields = _paligemma_fields(config, config_file, processor, processor_file)
+        fields = _paligemma_fields(config, config_file)
     elif kind == "Lfm2VlImageProcessor":
         fields = _lfm2_fields(config, config_file, processor, processor_file)
     elif kind == "PixtralImageProcessor":
@@ -495,13 +502,19 @@ def _pixtral_fields(config: dict, config_file: Path, processor: dict, processor_
             "row_end": _text(processor, processor_file, "image_break_token", "[IMG_BREAK]")}
 
 
-def _paligemma_fields(config: dict, config_file: Path, processor: dict, processor_file: Path) -> dict:
-    """PaliGemma's count: the image_seq_length its image processor's config records (what PaliGemmaProcessor
-    reads), per image. SigLIP's image processor serves other processors: only PaliGemma's is counted."""
+def _siglip_processor(config: dict, processor: dict, processor_file: Path) -> str:
+    """The processor a SigLIP image processor serves, by the processor_class its directory records (PaliGemma's when
+    none is recorded); another than `_SIGLIP_PROCESSORS` is refused."""
     named = processor.get("processor_class", config.get("processor_class", "PaliGemmaProcessor"))
-    if named != "PaliGemmaProcessor":
+    if named not in _SIGLIP_PROCESSORS:
         raise InputError(f"{processor_file}: processor_class {named!r}; prepack counts SigLIP's image processor as "
-                         "PaliGemmaProcessor uses it.")
+                         f"{' or '.join(_SIGLIP_PROCESSORS)} uses it.")
+    return named
+
+
+def _paligemma_fields(config: dict, config_file: Path) -> dict:
+    """PaliGemma's count: the image_seq_length its image processor's config records (what PaliGemmaProcessor
+    reads), per image."""
     tokens = _positive(config, config_file, "image_seq_length", None)
     if tokens is None:
         raise InputError(f"{config_file}: image_seq_length is missing; PaliGemma's processor reads its count there.")

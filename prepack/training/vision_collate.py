@@ -55,8 +55,8 @@ model's image processor (in DataLoader workers) and emits, by the family's style
 There is no attention mask and no `cu_seq_lens_*`: transformers builds the block-diagonal mask from
 `position_ids` on sdpa and eager (the backends `prepack.model.vision_families` measured; Gemma 3's image
 batches get theirs from `enable_packing`). The vision towers keep
-patches inside their image by themselves: Qwen's from `image_grid_thw`, CLIP's and SigLIP's one image per
-row of `pixel_values`. A batch field that would override that (`cu_seqlens`, which Qwen's tower takes as
+patches inside their image by themselves: Qwen's from `image_grid_thw`, CLIP's, SigLIP's and Gemma 3n's
+MobileNetV5 one image per row of `pixel_values`. A batch field that would override that (`cu_seqlens`, which Qwen's tower takes as
 given) is what `enable_packing` refuses (`prepack.model.vision_packing`).
 """
 
@@ -142,6 +142,8 @@ class VisionSpec:
             return cls(style, image_token_id, tokens_per_image=config.text_config.num_image_tokens)
         if config.model_type == "mistral3":
             return cls(style, image_token_id, image_cell=vision.patch_size * config.spatial_merge_size)
+        if config.model_type == "gemma3n":  # MobileNetV5's fused feature map, a fixed grid per image
+            return cls(style, image_token_id, tokens_per_image=config.vision_soft_tokens_per_image)
         if config.model_type == "internvl":  # InternViT's patches less its CLS token, pixel-shuffled
             side = vision.image_size[0] // vision.patch_size[0]
             return cls(style, image_token_id, tokens_per_image=int(side * config.downsample_ratio) ** 2)

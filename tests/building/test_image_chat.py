@@ -228,10 +228,13 @@ def test_a_text_corpus_with_an_images_column_builds_and_serves_its_images(proces
         ("llava", {"patch_size": 14, "vision_feature_select_strategy": "default"}, ("<image>",)),
         ("internvl", {"image_seq_length": 4, "processor_class": "InternVLProcessor"},
          ("<img>", "<IMG_CONTEXT>", "</img>")),
+        pytest.param("gemma3n", {"image_seq_length": 4, "processor_class": "Gemma3nProcessor"},
+                     ("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
+                     marks=pytest.mark.slow),  # its config imports timm, seconds
     ],
 )
 def test_fixed_size_processors_count_what_the_tiny_towers_take(tmp_path, model_type, processor_config, tokens):
-    """Gemma 3's, LLaVA's and InternVL's processor directories give the placeholder count their towers make
+    """Gemma 3's, LLaVA's, InternVL's and Gemma 3n's processor directories give the placeholder count their towers make
     (`VisionSpec.of` on the tiny model's config), whatever the image's size."""
     from tokenizers import Tokenizer
 
@@ -744,6 +747,56 @@ def test_paligemma_placeholders_text_and_token_types_are_the_processors_own(tmp_
         pack = {"input_ids": out["input_ids"][0], "cu_seqlens": np.array([0, len(expected)]),
                 "labels": out["labels"][0], "images": [data]}
         assert collator([pack])["token_type_ids"][0].tolist() == out["token_type_ids"][0].tolist()
+
+
+def gemma3n_directory(directory, image_seq_length: int = 4):
+    """A Gemma 3n processor directory (the image and audio tokens Gemma3nProcessor reads from its tokenizer; SigLIP's
+    image processor at 64 pixels, the tiny tower's side) and transformers' own Gemma3nProcessor over the same parts,
+    its audio feature extractor built from its defaults."""
+    from transformers.models.gemma3n.feature_extraction_gemma3n import Gemma3nAudioFeatureExtractor
+    from transformers.models.gemma3n.processing_gemma3n import Gemma3nProcessor
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    from tests.vision_inputs import family_processor_directory
+
+    parts = SiglipImageProcessorPil(size={"height": 64, "width": 64})
+    tokens = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+              "audio_token": "<audio_soft_token>", "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>"}
+    directory, tokenizer = family_processor_directory(
+        directory, tokens, parts, {"image_seq_length": image_seq_length, "processor_class": "Gemma3nProcessor"})
+    return directory, Gemma3nProcessor(feature_extractor=Gemma3nAudioFeatureExtractor(), image_processor=parts,
+                                       tokenizer=tokenizer, image_seq_length=image_seq_length)
+
+
+@pytest.mark.parametrize("image_seq_length", [4, pytest.param(256, marks=pytest.mark.slow)])  # 256: its processor's default
+def test_gemma3n_placeholders_and_text_are_the_processors_own(tmp_path, image_seq_length):
+    """Gemma 3n (SigLIP's image processor, as Gemma3nProcessor uses it): image_seq_length `<image_soft_token>` per
+    image whatever its size, between `<start_of_image>` and `<end_of_image>` with a blank line each side (the
+    processor's `full_image_sequence`); the expanded text tokenizes to the ids Gemma3nProcessor gives the same prompt."""
+    from tests.vision_inputs import images_of_many_sizes
+
+    directory, processor = gemma3n_directory(tmp_path / "proc", image_seq_length)
+    rule, placeholder_id = processor_rule(directory)
+    assert placeholder_id == processor.image_token_id
+    for data in images_of_many_sizes():
+        with Image.open(io.BytesIO(data)) as image:
+            picture, size = image.convert("RGB"), image.size
+        out = processor(images=[picture], text=["a <image_soft_token> b"], return_tensors="np")
+        expected = out["input_ids"][0].tolist()
+        assert processor.tokenizer.decode(expected) == "a " + rule.text(*size) + " b"
+        assert processor.tokenizer("a " + rule.text(*size) + " b")["input_ids"] == expected
+        assert rule.placeholders(*size) == expected.count(placeholder_id) == image_seq_length
+        assert len(out["pixel_values"]) == 1
+
+
+def test_siglip_for_another_processor_is_refused_by_its_class(tmp_path):
+    """SigLIP's image processor serves PaliGemma's and Gemma 3n's processors, counted each by its own rule; under
+    another processor class it is refused by name."""
+    directory, _ = gemma3n_directory(tmp_path / "proc")
+    config = json.loads((directory / "processor_config.json").read_text())
+    (directory / "processor_config.json").write_text(json.dumps(config | {"processor_class": "SiglipProcessor"}))
+    with pytest.raises(InputError, match="processor_class 'SiglipProcessor'.*PaliGemmaProcessor or Gemma3nProcessor"):
+        processor_rule(directory)
 
 
 @settings(max_examples=200, deadline=None)

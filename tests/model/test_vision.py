@@ -45,7 +45,7 @@ from tests.vision_inputs import image_processor, photo_bytes
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llava", "gemma3",
             "internvl", "mistral3", "glm4v", "glm4v_moe", "paligemma", "llava_next", "llava_next_video", "llava_onevision",
-            "idefics3", "smolvlm", "lfm2_vl", "gemma4", "video_llava")
+            "idefics3", "smolvlm", "lfm2_vl", "gemma4", "video_llava", "gemma3n")
 ROTARY_3D = tuple(name for name in FAMILIES if VISION_FAMILIES[name].style == "3-D rotary")
 # Which photographs each sample holds (indices into photo_bytes()); the third is text only.
 SAMPLE_IMAGES = ((0,), (1, 2), (), (2,))
@@ -82,6 +82,8 @@ def image_tokens(model, processor, image: bytes) -> list[int]:
         return [config.boi_token_id, *[spec.image_token_id] * count, config.eoi_token_id]
     if spec.style == "image blocks":
         return [config.boi_token_index, *[spec.image_token_id] * spec.tokens_per_image, config.eoi_token_index]
+    if config.model_type == "gemma3n":  # Gemma3nProcessor's image: its begin and end tokens around its soft tokens
+        return [config.boi_token_id, *[spec.image_token_id] * spec.tokens_per_image, config.eoi_token_id]
     if spec.image_cell is not None:  # Mistral 3: rows of placeholders, each closed by a break, the last by the end
         from PIL import Image
         import io
@@ -212,7 +214,7 @@ PROJECTOR, VISION_TOWER, LANGUAGE_MODEL = "projector", "vision tower", "language
 
 
 def parameter_group(name: str) -> str:
-    # Idefics3's projector: connector; Gemma 4's: embed_vision
+    # Idefics3's projector: connector; Gemma 4's and Gemma 3n's: embed_vision (the image embedder into the text width)
     if "multi_modal_projector" in name or "merger" in name or ".connector." in name or ".embed_vision." in name:
         return PROJECTOR
     towers = (".visual.", ".vision_tower.", ".vision_model.", ".image_tower.", ".video_tower.")  # Video-LLaVA's two
@@ -433,6 +435,20 @@ def test_rotary_positions_equal_transformers_get_rope_index(model_type):
         np.testing.assert_array_equal(got, expected[:, 0].numpy())
 
 
+@pytest.mark.slow
+def test_gemma3n_tower_has_no_batch_statistics():
+    """Gemma 3n's MobileNetV5 (timm) normalises each image by itself (RMS norms, no BatchNorm): in training mode too,
+    a batch of images gives each image the features it gets alone, so packing images into one pixel_values couples
+    none of them."""
+    tower = tiny_vision_model("gemma3n").model.vision_tower.train()
+    assert not [module for module in tower.modules() if isinstance(module, torch.nn.modules.batchnorm._NormBase)]
+    pixels = torch.rand(3, 3, 64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    together = tower(pixel_values=pixels, do_pooling=False).last_hidden_state
+    alone = torch.cat([tower(pixel_values=image[None], do_pooling=False).last_hidden_state for image in pixels])
+    assert float((together - alone).abs().max()) < TOLERANCE
+    assert float((together[1:] - together[:-1]).abs().max()) > 1e-3  # the images' features differ
+
+
 def test_a_pack_with_placeholders_and_images_that_disagree_is_refused():
     model, _, made, collator = setup("llava")
     pack = packs_of(made)[0]
@@ -476,10 +492,13 @@ def test_gemma_images_run_causally_on_flash_and_are_refused(model_type, attn, re
 
 
 @pytest.mark.parametrize(
-    "model_type", [model_type for model_type, attn in verdict_pairs(isolated=False) if attn == "flex_attention"]
+    "model_type",
+    [pytest.param(model_type, marks=[pytest.mark.slow] if model_type == "gemma3n" else [])  # gemma3n imports timm
+     for model_type, attn in verdict_pairs(isolated=False) if attn == "flex_attention"],
 )
 def test_qwen_vl_has_no_flex_attention(model_type):
-    """The table's flex refusals for Qwen-VL, GLM-4V, LFM2-VL and Video-LLaVA: transformers has no flex path to
+    """The table's flex refusals for Qwen-VL, GLM-4V, LFM2-VL, Video-LLaVA and Gemma 3n (its timm tower): transformers
+    has no flex path to
     switch them to."""
     model = tiny_vision_model(model_type)
     with pytest.raises(ValueError, match="does not support an attention implementation through torch's flex"):
@@ -493,7 +512,7 @@ def test_every_refusal_of_the_vision_table_is_run():
     qwen_on_flex = {
         (model_type, "flex_attention")
         for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "glm4v", "lfm2_vl",
-                           "video_llava")
+                           "video_llava", "gemma3n")
     }
     qwen4_exp_on_flash = {("qwen4_exp", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}
     paligemma_on_flash = {("paligemma", attn) for attn in FLASH_ATTENTION if attn != "flash_attention_3"}

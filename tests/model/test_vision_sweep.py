@@ -30,8 +30,7 @@ from tests.flash_reference import enable_flash_attention, use_flash_reference, u
 
 # The fast lane: isolated families (restart; 3-D rotary with deepstack and MoE; 3-D rotary before gated delta rule
 # layers; tiled: LLaVA-OneVision's tiles, SmolVLM's split images; NaFlex before short convolutions: LFM2-VL; Gemma
-# 4's pooled patches and sliding image blocks), one transformers has no sdpa for, one whose tiny model needs timm
-# (skipped where timm is installed).
+# 4's pooled patches and sliding image blocks; Gemma 3n's timm tower), one transformers has no sdpa for.
 FAST = ("llava", "qwen3_vl_moe", "qwen3_5", "blip", "gemma3n", "llava_onevision", "smolvlm", "lfm2_vl", "gemma4")
 STYLED = tuple(sorted(name for name, family in VISION_FAMILIES.items() if family.style is not None))
 MEASURED_RELEASE = transformers.__version__ == families.MEASURED_VERSION
@@ -232,9 +231,9 @@ def test_a_family_the_table_does_not_know_is_refused_by_name(monkeypatch):
 
 def test_a_measured_refusal_is_raised_for_an_image_batch():
     """A family without a style: enable_packing raises the table's measured reason for its image batches."""
-    reason = VISION_FAMILIES["gemma3n"].verdicts[0].reason
-    message = vision_families.image_refusal("gemma3n", "Gemma3nForConditionalGeneration", "sdpa")
-    assert reason == vision_families.needs("timm").reason and reason in message
+    reason = VISION_FAMILIES["inkling_mm_model"].verdicts[0].reason
+    message = vision_families.image_refusal("inkling_mm_model", "InklingMmForConditionalGeneration", "sdpa")
+    assert reason == vision_families.needs("scipy").reason and reason in message
     assert "without packing" in message
 
 

@@ -1,5 +1,5 @@
 """Image-chat corpora of the families given a data side after Qwen-VL (Mistral 3's rows of cells, InternVL's tiles,
-Gemma 4's soft tokens by each image's size):
+Gemma 4's soft tokens by each image's size, Gemma 3n's timm tower):
 prepared by `prepare_image_chat` from a processor directory that transformers' own processor reads, built by the
 CLI, served by ImagePackedDataset, collated by VisionCollator with the directory's image processor, and each pack's
 logits equal to its samples run alone in a tiny model with the tokenizer's vocabulary. Every sample lands in exactly
@@ -18,7 +18,7 @@ from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.sources.images import prepare_image_chat, processor_rule
 from prepack.training.vision_collate import VisionCollator, VisionSpec
 from prepack.training.vision_dataset import ImagePackedDataset
-from tests.building.test_image_chat import gemma4_directory, internvl_directory, mistral3_directory
+from tests.building.test_image_chat import gemma3n_directory, gemma4_directory, internvl_directory, mistral3_directory
 from tests.cli import run_prepack
 from tests.model.test_vision import TOLERANCE, run
 from tests.train.test_vision_end_to_end import image_chat_corpus
@@ -52,9 +52,16 @@ def gemma4_parts(directory):
 OTHER_TOKENS = {"gemma4": {"video_token_id": "<|video|>", "audio_token_id": "<audio_soft_token>"}}
 
 
+def gemma3n_parts(directory):
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    processor, _ = gemma3n_directory(directory)
+    return processor, SiglipImageProcessorPil.from_pretrained(processor), "<image_soft_token>"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("model_type", "parts"), [("mistral3", mistral3_parts), ("internvl", internvl_tiled_parts),
-                                                   ("gemma4", gemma4_parts)])
+                                                   ("gemma4", gemma4_parts), ("gemma3n", gemma3n_parts)])
 def test_a_prepared_corpus_packs_every_sample_once_and_each_equals_itself_alone(tmp_path, model_type, parts):
     processor, image_processor, placeholder = parts(tmp_path / "processor")
     corpus = image_chat_corpus(tmp_path / "corpus", rows=10)
