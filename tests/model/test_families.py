@@ -24,6 +24,7 @@ from prepack.model import families
 from prepack.model.packing import disable_packing, enable_packing
 from prepack.training.collate import PackedCollator
 from prepack.model.isolation import default_tolerances, measure_isolation
+from tests.flash_reference import enable_flash_attention
 from tests.flash_reference import use_flash_reference, use_flex_reference  # noqa: F401 (fixtures)
 from tests.model.test_family_sweep import MAX_LEN, packs
 from tests.tiny_models import tiny_config, tiny_model
@@ -185,9 +186,21 @@ def test_rows_longer_than_an_attention_chunk_are_refused_on_flash():
     model = enable_packing(tiny_model("llama4_text", "flash_attention_2"))
     chunk = model.config.get_text_config().attention_chunk_size
     assert chunk < MAX_LEN
-    refusal = rf"Rows of {MAX_LEN} tokens .*attention_chunk_size={chunk}.*max_len at most"
+    refusal = rf"Rows of {MAX_LEN} tokens .*attention_chunk_size={chunk}.*rows of at most {chunk} tokens \(max_len;"
     with pytest.raises(IsolationError, match=refusal):
         model(**PackedCollator(MAX_LEN)(packs()))
+
+
+@pytest.mark.usefixtures("use_flash_reference")
+def test_the_chunk_refusal_counts_a_padding_free_row_as_the_whole_batch():
+    """layout="padding_free" lays every pack of the batch in one row: its width is B·max_len, not max_len."""
+    model = enable_packing(tiny_model("llama4_text", "flash_attention_2"))
+    chunk = model.config.get_text_config().attention_chunk_size
+    sample = packs()
+    width = sum(len(pack["input_ids"]) for pack in sample)
+    refusal = rf"Rows of {width} tokens .*rows of at most {chunk} tokens \(max_len; B·max_len with layout='padding_free'\)"
+    with pytest.raises(IsolationError, match=refusal):
+        model(**PackedCollator(MAX_LEN, layout="padding_free")(sample))
 
 
 def temperature_tuned_llama4(attn: str, floor_scale: int) -> transformers.PreTrainedModel:
@@ -197,12 +210,14 @@ def temperature_tuned_llama4(attn: str, floor_scale: int) -> transformers.PreTra
     cannot apply shorter ones (`test_rows_longer_than_an_attention_chunk_are_refused_on_flash`)."""
     config = tiny_config("llama4_text")
     config.floor_scale, config.attn_scale = floor_scale, 1.0
-    if attn in packing.FLASH_ATTENTION:
+    flash = attn in packing.FLASH_ATTENTION
+    if flash:
         config.attention_chunk_size = MAX_LEN
     assert config.attn_temperature_tuning and 0 in config.no_rope_layers
-    torch.manual_seed(0)
-    options = dict(attn_implementation=attn, experts_implementation="eager", dtype=torch.float64)
-    return transformers.AutoModelForCausalLM.from_config(config, **options).eval()
+    torch.manual_seed(0)  # flash: built on eager and switched, as tests/tiny_models.py builds it
+    options = dict(attn_implementation="eager" if flash else attn, experts_implementation="eager", dtype=torch.float64)
+    model = transformers.AutoModelForCausalLM.from_config(config, **options).eval()
+    return enable_flash_attention(model, attn) if flash else model
 
 
 @pytest.mark.slow
