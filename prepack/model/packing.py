@@ -459,7 +459,8 @@ def _require_rows_within_a_chunk(config, attn: str, width: int) -> None:
         raise IsolationError(
             f"Rows of {width} tokens on {attn} for a model with chunked attention layers (attention_chunk_size="
             f"{chunk}, Llama 4): transformers' flash-attention path cannot apply the chunks, and raises for a row "
-            f"longer than one. Pack with max_len at most {chunk}, or use sdpa or eager, which apply them."
+            f"longer than one. Pack into rows of at most {chunk} tokens (max_len; B·max_len with "
+            "layout='padding_free'), or use sdpa or eager, which apply them."
         )
 
 
