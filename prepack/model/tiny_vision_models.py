@@ -34,7 +34,7 @@ from transformers import AutoModelForImageTextToText
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from prepack.errors import OutputError, UsageError
-from prepack.model.tiny_models import HEAD_DIM, HIDDEN, MAX_PARAMETERS, VOCAB, tiny_config
+from prepack.model.tiny_models import HEAD_DIM, HIDDEN, MAX_PARAMETERS, VOCAB, WINDOW, tiny_config
 from prepack.model.vision_families import image_style
 
 __all__ = [
@@ -90,6 +90,8 @@ VISION_SIZES: dict[str, dict[str, Any]] = {
                                  "intermediate_layers_indices": [0], "vision_output_dim": 2 * HIDDEN}},
     # SigLIP at 4x4 patches; its projection to the text width is set at the top (PaliGemma copies it down).
     "paligemma": {"vision_config": {"image_size": 56, "patch_size": 14}, "projection_dim": HIDDEN},
+    # Step3p7's default text config leaves sliding_window None, with which its forward raises; its checkpoints set one.
+    "step3p7": {"vision_config": {"image_size": 56}, "text_config": {"sliding_window": WINDOW}},
 }
 
 

@@ -26,7 +26,7 @@ The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` m
   measured apart;
 - any other family is refused, with the reason measured here: no tiny model could be built (or it needs a
   package that is not installed, such as timm), transformers has no such attention for it, transformers' own
-  forward fails on every sample alone (a text-only one as the image ones: nothing of it trains, packed or not),
+  forward fails on text alone with the error the image samples alone raise,
   the sweep could not run an image sample alone (the family takes image inputs the sweep does not form), transformers' own code
   fails on the packed batch, the packed samples see each other, or they are isolated natively but prepack has
   no data side (placeholder rule, collator style) for the family yet. A family whose decoder runs per document
