@@ -22,6 +22,7 @@ from prepack.model import packing
 
 from prepack.model import families
 from prepack.model.packing import disable_packing, enable_packing
+from prepack.model.shared_prompt import shared_prompt_mask
 from prepack.training.collate import PackedCollator
 from prepack.model.isolation import default_tolerances, measure_isolation
 from tests.flash_reference import enable_flash_attention
@@ -198,7 +199,8 @@ def test_the_chunk_refusal_counts_a_padding_free_row_as_the_whole_batch():
     chunk = model.config.get_text_config().attention_chunk_size
     sample = packs()
     width = sum(len(pack["input_ids"]) for pack in sample)
-    refusal = rf"Rows of {width} tokens .*rows of at most {chunk} tokens \(max_len; B·max_len with layout='padding_free'\)"
+    advice = rf"rows of at most {chunk} tokens \(max_len; B·max_len with layout='padding_free'\)"
+    refusal = rf"Rows of {width} tokens .*{advice}"
     with pytest.raises(IsolationError, match=refusal):
         model(**PackedCollator(MAX_LEN, layout="padding_free")(sample))
 
@@ -259,6 +261,33 @@ def test_llama4s_unpacked_batches_keep_transformers_own_temperature():
         assert torch.equal(logits_in_two_steps(model), own_in_steps)
     disable_packing(model)
     assert all(layer.self_attn.attn_temperature_tuning for layer in model.model.layers)
+
+
+def test_llama4s_shared_prompt_completions_get_their_own_temperature():
+    """The shared-prompt layout goes through the same hand-off: a completion after its sibling is scaled by its
+    position after the prompt, not its index in the row. A Llama 4 config without chunked layers (they refuse the
+    layout); the control: the same mask let through (no enable_packing) scales that completion as it is not alone."""
+    tiny = tiny_config("llama4_text")
+    settings = {key: value for key, value in tiny.to_dict().items() if key != "layer_types"}
+    config = type(tiny)(**settings | {"attention_chunk_size": None, "floor_scale": 4, "attn_scale": 1.0})
+    assert set(config.layer_types) == {"full_attention"} and 0 in config.no_rope_layers
+    torch.manual_seed(0)
+    options = dict(attn_implementation="sdpa", experts_implementation="eager", dtype=torch.float64)
+    model = transformers.AutoModelForCausalLM.from_config(config, **options).eval()
+    prompt, first, second = torch.arange(2, 7), torch.arange(7, 11), torch.arange(11, 17)
+    input_ids = torch.cat([prompt, first, second])[None]
+    position_ids = torch.cat([torch.arange(5), torch.arange(5, 9), torch.arange(5, 11)])[None]
+    shared_prompt_ids = torch.tensor([0] * 5 + [1] * 4 + [2] * 6)[None]
+    mask = shared_prompt_mask(shared_prompt_ids, torch.float64, parts=3)
+    with torch.no_grad():
+        alone = model(torch.cat([prompt, second])[None]).logits[0, 5:]
+        leaking = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask).logits[0, 9:]
+        packed = enable_packing(model)(
+            input_ids=input_ids, position_ids=position_ids, shared_prompt_ids=shared_prompt_ids, shared_prompt_parts=3
+        ).logits[0, 9:]
+    tolerance, _ = default_tolerances(torch.float64, "sdpa")
+    assert (leaking - alone).abs().max() > 10 * tolerance
+    assert (packed - alone).abs().max() <= tolerance
 
 
 # The families the GPU measurement named (docs/model-support.md): sliding windows (gemma3, mistral) and sinks
