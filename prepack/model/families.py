@@ -14,7 +14,8 @@ a failing test.
 
 A verdict is one of:
 - native: transformers keeps documents apart itself, from `position_ids` (sdpa, eager) or
-  `cu_seq_lens_*` (flash), as `PackedCollator` emits them;
+  `cu_seq_lens_*` (flash), as `PackedCollator` emits them (Llama 4 from its attention temperature floor on,
+  which tiny rows do not reach: with the per-document query temperature `enable_packing` adds);
 - layer masks: the model builds its masks without `position_ids`; prepack passes the per-layer-type
   masks (`{"full_attention": ..., "sliding_attention": ...}`) that transformers' public
   `create_causal_mask` / `create_sliding_window_causal_mask` build from them, which the model takes as given;
@@ -501,7 +502,10 @@ def markdown() -> str:
             "passes the per-layer-type masks that transformers' `create_causal_mask` and",
             "`create_sliding_window_causal_mask` build from `position_ids`; *block mask*: the same as one 4-D mask;",
             "*per document*: the layers that carry state along the sequence (listed below) run one document per",
-            "row, and attention is isolated natively (or by the masks named beside it).",
+            "row, and attention is isolated natively (or by the masks named beside it). Llama 4 (llama4,",
+            "llama4_text) is native as measured, on tiny rows; from its attention temperature floor (`floor_scale`,",
+            "8192 in its checkpoints) on, prepack scales its NoPE layers' queries by a token's position in its",
+            "document, where transformers takes the index in the row (tests/model/test_families.py measures it).",
             "",
             *table,
             "",

@@ -28,9 +28,11 @@ transformers isolates natively or raises `IsolationError`:
   `create_sliding_window_causal_mask` build from them are passed in, which those models take as given;
 - on flash attention (flash_attention_2/3/4), rows longer than `attention_chunk_size` (Llama 4's chunked
   layers) are refused: transformers' flash path cannot apply the chunks and raises for them;
-- rows reaching Llama 4's attention temperature floor (`floor_scale`, 8192 in its checkpoints) are refused on
-  every backend: transformers scales its NoPE layers' queries by a token's index in the row, not by
-  `position_ids`, so a document packed from there on would be scaled as it is not alone;
+- Llama 4's attention temperature (its NoPE layers' queries scaled from index `floor_scale` - 1 on, 8192 in its
+  checkpoints) is taken from each token's `position_ids`, the index in its document: transformers takes the
+  index in the row, and a document packed from there on would be scaled as it is not alone. enable_packing
+  turns the layers' own tuning off and scales their `q_proj` output as transformers scales the query
+  (`_DocumentTemperature`); a batch that is not packed keeps the index in the row;
 - a cache is refused for packed rows: sdpa, eager and flex_attention only build the per-document mask
   (flex's BlockMask) from `position_ids` when no cache
   exists, so an explicit `use_cache=True` there raises, in train and eval mode alike, and `use_cache`
@@ -104,6 +106,7 @@ _OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 _HOOK_ATTRIBUTE = "_prepack_packing_hook"
 _TOWER_HOOK_ATTRIBUTE = "_prepack_vision_tower_hook"
 _PER_DOCUMENT_ATTRIBUTE = "_prepack_per_document_layers"
+_TEMPERATURE_ATTRIBUTE = "_prepack_document_temperature"
 # Causal LMs that hand their backbone neither position_ids nor the flash offsets (transformers 5.24: they keep
 # them in **kwargs), so the guard that finds the documents sits on the causal LM itself.
 _BOUNDARIES_STOP_ABOVE_THE_BACKBONE = ("falcon_mamba", "mamba", "mamba2")
@@ -146,13 +149,16 @@ def enable_packing(
     disable_packing(model)
     decoder = _module_that_sees_the_documents(model)
     per_document = _per_document_layers(model, family, verdict)
-    guard = _PackedBatchGuard(_positional_parameters(decoder), family, per_document)
+    temperature = _DocumentTemperature.install(model)
+    guard = _PackedBatchGuard(_positional_parameters(decoder), family, per_document, temperature)
     setattr(model, _HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(guard, with_kwargs=True))
     tower_hook = _keep_text_offsets_from_the_tower(model)
     if tower_hook is not None:
         setattr(model, _TOWER_HOOK_ATTRIBUTE, tower_hook)
     if per_document is not None:
         setattr(model, _PER_DOCUMENT_ATTRIBUTE, per_document)
+    if temperature is not None:
+        setattr(model, _TEMPERATURE_ATTRIBUTE, temperature)
     return model
 
 
@@ -162,9 +168,10 @@ def disable_packing(model: transformers.PreTrainedModel) -> transformers.PreTrai
         handle = model.__dict__.pop(attribute, None)
         if handle is not None:
             handle.remove()
-    per_document = model.__dict__.pop(_PER_DOCUMENT_ATTRIBUTE, None)
-    if per_document is not None:
-        per_document.remove()
+    for attribute in (_PER_DOCUMENT_ATTRIBUTE, _TEMPERATURE_ATTRIBUTE):
+        layers = model.__dict__.pop(attribute, None)
+        if layers is not None:
+            layers.remove()
     return model
 
 
@@ -238,15 +245,22 @@ class _PackedBatchGuard:
     """The forward pre-hook: returns the call's keyword arguments converted, or raises IsolationError."""
 
     def __init__(
-        self, positional_parameters: tuple[str, ...], family: _Family, per_document: PerDocumentLayers | None
+        self,
+        positional_parameters: tuple[str, ...],
+        family: _Family,
+        per_document: PerDocumentLayers | None,
+        temperature: _DocumentTemperature | None,
     ):
         self.positional_parameters = positional_parameters
         self.family = family
         self.per_document = per_document  # the model's sequence-state layers, told each batch's segments
+        self.temperature = temperature  # Llama 4's tuned NoPE layers, told each packed batch's position_ids
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         if self.per_document is not None:
             self.per_document.segments = None
+        if self.temperature is not None:
+            self.temperature.position_ids = None
         if len(args) > len(self.positional_parameters):
             return None  # not a call the forward accepts: let it raise its own error
         kwargs = {**dict(zip(self.positional_parameters, args)), **kwargs}
@@ -264,7 +278,9 @@ class _PackedBatchGuard:
         if kwargs.get("shared_prompt_ids") is not None:  # PackedCollator(shared_prompt=True): a mask of its own
             how = None if verdict is None or verdict.label == "native" else verdict.label
             how = "per-document sequence-state layers" if self.per_document is not None else how
-            return (), _without_cache(shared_prompt_kwargs(kwargs, config, attn, how, module.dtype), flash)
+            kwargs = shared_prompt_kwargs(kwargs, config, attn, how, module.dtype)
+            self._position_the_temperature(kwargs)
+            return (), _without_cache(kwargs, flash)
         pixels = kwargs.get("pixel_values") is not None or kwargs.get("pixel_values_videos") is not None
         if pixels and self.family.checked:
             # Images or videos (a batch of videos alone has no pixel_values): the vision table's verdict, the
@@ -288,13 +304,17 @@ class _PackedBatchGuard:
         kwargs = _with_offsets(kwargs, tokens, flash)
         if flash:
             _require_rows_within_a_chunk(config, attn, tokens.shape[1])
-        _require_rows_below_the_temperature_floor(config, attn, tokens.shape[1])
+        self._position_the_temperature(kwargs)
         if self.per_document is not None:
             self._segment_the_sequence_state(kwargs, tokens)
         if verdict is not None and verdict.how in ("layer masks", "block mask"):
             masks = _masks_from_positions(module, config, kwargs["position_ids"], tokens.shape[:2])
             kwargs["attention_mask"] = masks["full_attention"] if verdict.how == "block mask" else masks
         return (), _without_cache(kwargs, flash)
+
+    def _position_the_temperature(self, kwargs: dict[str, Any]) -> None:
+        if self.temperature is not None:
+            self.temperature.position_ids = kwargs["position_ids"]
 
     def _segment_the_sequence_state(self, kwargs: dict[str, Any], tokens: torch.Tensor) -> None:
         """Tell the per-document layers the batch's documents (from its offsets or its 2-D position_ids)."""
@@ -347,6 +367,62 @@ def _keep_text_offsets_from_the_tower(model: transformers.PreTrainedModel):
     return tower.register_forward_pre_hook(drop_text_offsets, with_kwargs=True)
 
 
+class _DocumentTemperature:
+    """Llama 4's attention temperature tuning by each token's position in its document.
+
+    transformers scales a NoPE layer's (no_rope_layers 0) queries by log1p(floor((i + 1) / floor_scale)) *
+    attn_scale + 1, i the token's index in the row (torch.arange, plus the cached tokens): in a packed row, the
+    index from the first document's start. `install` turns that off on the layers and hooks their `q_proj`
+    instead, which scales the query the same way before it is split into heads (a NoPE layer has no rotary and
+    no qk_norm in between) with i from `position_ids`, set by the decoder's guard for each packed batch (None
+    otherwise: transformers' index). A recomputation under gradient checkpointing reads the same.
+    """
+
+    def __init__(self, layers: list[torch.nn.Module]):
+        self.layers = layers
+        self.position_ids: torch.Tensor | None = None
+        self.scales: dict[torch.nn.Module, torch.Tensor] = {}
+        self.handles = []
+        for layer in layers:
+            layer.attn_temperature_tuning = False
+            self.handles.append(layer.register_forward_pre_hook(self._before_attention, with_kwargs=True))
+            self.handles.append(layer.q_proj.register_forward_hook(self._scale_the_query))
+
+    @classmethod
+    def install(cls, model: torch.nn.Module) -> _DocumentTemperature | None:
+        """Hooks on the tuned NoPE attention layers of `model`; None where it has none."""
+        tuned = [
+            module
+            for module in model.modules()
+            if getattr(module, "attn_temperature_tuning", False) is True
+            and getattr(module, "use_rope", None) == 0
+            and isinstance(getattr(module, "q_proj", None), torch.nn.Module)
+        ]
+        return cls(tuned) if tuned else None
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        for layer in self.layers:
+            layer.attn_temperature_tuning = True
+        self.scales.clear()
+
+    def _before_attention(self, layer: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        hidden_states = args[0] if args else kwargs["hidden_states"]
+        positions = self.position_ids
+        if positions is None:  # transformers' own: the index in the row, after the cached tokens
+            cache = kwargs.get("cache")
+            past_seen_tokens = cache.get_seq_length(layer.layer_idx) if cache is not None else 0
+            positions = torch.arange(hidden_states.shape[1], device=hidden_states.device)[None] + past_seen_tokens
+        positions = positions.to(hidden_states.device)
+        scales = torch.log1p(torch.floor((positions.float() + 1.0) / layer.floor_scale)) * layer.attn_scale + 1.0
+        self.scales[layer.q_proj] = scales[..., None]
+
+    def _scale_the_query(self, q_proj: torch.nn.Module, args: tuple, query: torch.Tensor) -> torch.Tensor:
+        return (query * self.scales.pop(q_proj)).to(query.dtype)
+
+
 def _per_document_layers(
     model: transformers.PreTrainedModel, family: _Family, verdict: families.Verdict | None
 ) -> PerDocumentLayers | None:
@@ -386,21 +462,8 @@ def _require_rows_within_a_chunk(config, attn: str, width: int) -> None:
         raise IsolationError(
             f"Rows of {width} tokens on {attn} for a model with chunked attention layers (attention_chunk_size="
             f"{chunk}, Llama 4): transformers' flash-attention path cannot apply the chunks, and raises for a row "
-            f"longer than one. Pack with max_len at most {chunk}, or use sdpa or eager, which apply them."
-        )
-
-
-def _require_rows_below_the_temperature_floor(config, attn: str, width: int) -> None:
-    # Llama 4's NoPE layers (no_rope_layers 0) scale their queries by each token's index in the row (transformers
-    # takes torch.arange, not position_ids), by 1 below index floor_scale - 1 and more from there on.
-    floor = getattr(config, "floor_scale", None)
-    no_rope = 0 in (getattr(config, "no_rope_layers", None) or ())
-    if getattr(config, "attn_temperature_tuning", False) and no_rope and floor and width >= floor:
-        raise IsolationError(
-            f"Rows of {width} tokens on {attn} for a model with attention temperature tuning (Llama 4, "
-            f"floor_scale={floor}): transformers scales its NoPE layers' queries by a token's index in the row, not "
-            f"its position in its document, from index {floor - 1} on, so a document packed there is scaled as it "
-            f"is not alone. Pack with max_len at most {floor - 1}."
+            f"longer than one. Pack into rows of at most {chunk} tokens (max_len; B·max_len with "
+            "layout='padding_free'), or use sdpa or eager, which apply them."
         )
 
 

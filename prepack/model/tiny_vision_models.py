@@ -38,7 +38,7 @@ from transformers import AutoModelForImageTextToText
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from prepack.errors import OutputError, UsageError
-from prepack.model.tiny_models import HEAD_DIM, HIDDEN, MAX_PARAMETERS, VOCAB, tiny_config
+from prepack.model.tiny_models import HEAD_DIM, HIDDEN, MAX_PARAMETERS, VOCAB, WINDOW, tiny_config
 from prepack.model.vision_families import image_style
 
 __all__ = [
@@ -107,6 +107,8 @@ VISION_SIZES: dict[str, dict[str, Any]] = {
         "vision_config": {"patch_size": 4, "pooling_kernel_size": 2, "mm_embed_dim": HIDDEN, "mm_posemb_size": 80,
                           "output_proj_dims": HIDDEN},
     },
+    # Step3p7's default text config leaves sliding_window None, with which its forward raises; its checkpoints set one.
+    "step3p7": {"vision_config": {"image_size": 56}, "text_config": {"sliding_window": WINDOW}},
 }
 
 

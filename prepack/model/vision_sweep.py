@@ -26,7 +26,7 @@ The verdict it returns is what `prepack.model.vision_families.VISION_FAMILIES` m
   measured apart;
 - any other family is refused, with the reason measured here: no tiny model could be built (or it needs a
   package that is not installed, such as timm), transformers has no such attention for it, transformers' own
-  forward fails on every sample alone (a text-only one as the image ones: nothing of it trains, packed or not),
+  forward fails on text alone with the error the image samples alone raise,
   the sweep could not run an image sample alone (the family takes image inputs the sweep does not form), transformers' own code
   fails on the packed batch, the packed samples see each other, or they are isolated natively but prepack has
   no data side (placeholder rule, collator style) for the family yet. A family whose decoder runs per document
@@ -132,7 +132,7 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
             return NO_DATA_SIDE_PER_DOCUMENT if _isolated_per_document(model, packed, alone, tolerance) else LEAKS
         if native:
             return NO_DATA_SIDE
-        return CROSS_ATTENTION_LEAKS if "cross_attention_mask" in packed else LEAKS
+        return CROSS_ATTENTION_LEAKS if _cross_attends(model) else LEAKS
     expected = VISION_FAMILIES[model_type].verdicts[BACKENDS.index(backend_of(attn))]
     try:
         enable_packing(model)
@@ -192,7 +192,7 @@ def _samples(model) -> list[_Sample]:
         tokens = list(rng.integers(2, DOCUMENT_VOCAB, 4))
         for count in per_image:
             tokens += [image_token] * count + list(rng.integers(2, DOCUMENT_VOCAB, 3))
-        if images and _takes(model, "cross_attention_mask"):
+        if images and _cross_attends(model):
             pixels["cross_attention_mask"] = _cross_attention_mask(model, tokens, images)
         made.append(_Sample(torch.tensor(tokens), pixels))
     return made
@@ -213,6 +213,11 @@ def _inner(model):
 
 def _takes(model, name: str) -> bool:
     return name in inspect.signature(model.forward).parameters
+
+
+def _cross_attends(model) -> bool:
+    """A cross-attention family (Mllama): its text attends to the images' features through cross_attention_mask."""
+    return _takes(model, "cross_attention_mask")
 
 
 def _requires(function, name: str) -> bool:
@@ -248,7 +253,7 @@ def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
     if side is None:
         raise ValueError(f"its vision config ({type(vision).__name__}) has no image_size")
     side = side if isinstance(side, int) else side[0]
-    if _takes(model, "aspect_ratio_ids"):  # Mllama's: [1, images, tiles, C, H, W], each image one tile (ratio 1:1)
+    if _cross_attends(model):  # Mllama's: [1, images, tiles, C, H, W], each image one tile (ratio 1:1)
         tiles = vision.max_num_tiles
         pixel_values = torch.rand(1, images, tiles, channels, side, side, generator=generator, dtype=torch.float64)
         one_tile = torch.zeros(1, images, tiles, dtype=torch.long)
@@ -302,7 +307,7 @@ def _naflex_pixels(model, images: int, generator: torch.Generator, channels: int
 def _features_per_image(model, pixels: dict[str, torch.Tensor], images: int) -> list[int]:
     """How many placeholders each image takes: the tower's features per image, by the model's get_image_features
     (a cross-attention family's, one: its text attends to the image's features instead of holding them)."""
-    if _takes(model, "cross_attention_mask"):
+    if _cross_attends(model):
         return [1] * images
     with torch.no_grad():
         features = _inner(model).get_image_features(**pixels)
@@ -370,7 +375,7 @@ def _packed(model, samples: list[_Sample]) -> dict:
     with_images = [sample.pixels for sample in samples if sample.pixels]
     # Idefics-style pixel_values hold a row's images on their second axis (NaFlex's one image a row), as all
     # Mllama's image inputs do.
-    if _takes(model, "aspect_ratio_ids"):
+    if _cross_attends(model):
         on_images_axis = set(with_images[0])
     elif _takes(model, "pixel_attention_mask") and not _takes(model, "spatial_shapes"):
         on_images_axis = {"pixel_values"}
@@ -378,7 +383,7 @@ def _packed(model, samples: list[_Sample]) -> dict:
         on_images_axis = set()
     pixels = {key: torch.cat([part[key] for part in with_images], dim=1 if key in on_images_axis else 0)
               for key in with_images[0] if key != "cross_attention_mask"}
-    if "cross_attention_mask" in with_images[0]:  # each sample's own, over its own images
+    if _cross_attends(model):  # each sample's own, over its own images
         pixels["cross_attention_mask"] = torch.block_diag(*(
             sample.pixels["cross_attention_mask"][0].flatten(1) if sample.pixels else
             torch.zeros(len(sample.input_ids), 0, dtype=torch.long) for sample in samples

@@ -21,9 +21,11 @@ from prepack import IsolationError
 from prepack.model import packing
 
 from prepack.model import families
-from prepack.model.packing import enable_packing
+from prepack.model.packing import disable_packing, enable_packing
+from prepack.model.shared_prompt import shared_prompt_mask
 from prepack.training.collate import PackedCollator
 from prepack.model.isolation import default_tolerances, measure_isolation
+from tests.flash_reference import enable_flash_attention
 from tests.flash_reference import use_flash_reference, use_flex_reference  # noqa: F401 (fixtures)
 from tests.model.test_family_sweep import MAX_LEN, packs
 from tests.tiny_models import tiny_config, tiny_model
@@ -185,49 +187,107 @@ def test_rows_longer_than_an_attention_chunk_are_refused_on_flash():
     model = enable_packing(tiny_model("llama4_text", "flash_attention_2"))
     chunk = model.config.get_text_config().attention_chunk_size
     assert chunk < MAX_LEN
-    refusal = rf"Rows of {MAX_LEN} tokens .*attention_chunk_size={chunk}.*max_len at most"
+    refusal = rf"Rows of {MAX_LEN} tokens .*attention_chunk_size={chunk}.*rows of at most {chunk} tokens \(max_len;"
     with pytest.raises(IsolationError, match=refusal):
         model(**PackedCollator(MAX_LEN)(packs()))
+
+
+@pytest.mark.usefixtures("use_flash_reference")
+def test_the_chunk_refusal_counts_a_padding_free_row_as_the_whole_batch():
+    """layout="padding_free" lays every pack of the batch in one row: its width is B·max_len, not max_len."""
+    model = enable_packing(tiny_model("llama4_text", "flash_attention_2"))
+    chunk = model.config.get_text_config().attention_chunk_size
+    sample = packs()
+    width = sum(len(pack["input_ids"]) for pack in sample)
+    advice = rf"rows of at most {chunk} tokens \(max_len; B·max_len with layout='padding_free'\)"
+    refusal = rf"Rows of {width} tokens .*{advice}"
+    with pytest.raises(IsolationError, match=refusal):
+        model(**PackedCollator(MAX_LEN, layout="padding_free")(sample))
 
 
 def temperature_tuned_llama4(attn: str, floor_scale: int) -> transformers.PreTrainedModel:
     """Llama 4's text model with its attention temperature tuning starting within a tiny row (real checkpoints:
     floor_scale 8192) and strong enough to show through tiny random weights (attn_scale 1, real ones 0.1); its
-    tiny config has NoPE layers and the tuning on."""
+    tiny config has NoPE layers and the tuning on. On flash, chunks as long as a row: transformers' flash path
+    cannot apply shorter ones (`test_rows_longer_than_an_attention_chunk_are_refused_on_flash`)."""
     config = tiny_config("llama4_text")
     config.floor_scale, config.attn_scale = floor_scale, 1.0
+    flash = attn in packing.FLASH_ATTENTION
+    if flash:
+        config.attention_chunk_size = MAX_LEN
     assert config.attn_temperature_tuning and 0 in config.no_rope_layers
-    torch.manual_seed(0)
-    options = dict(attn_implementation=attn, experts_implementation="eager", dtype=torch.float64)
-    return transformers.AutoModelForCausalLM.from_config(config, **options).eval()
-
-
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_rows_reaching_llama4s_temperature_floor_are_refused(attn):
-    """Llama 4 scales its NoPE layers' queries by each token's index in the row (not its position_ids) from index
-    floor_scale - 1 on: enable_packing refuses packed rows that reach it."""
-    model = enable_packing(temperature_tuned_llama4(attn, floor_scale=MAX_LEN))
-    refusal = rf"Rows of {MAX_LEN} tokens on {attn} .*floor_scale={MAX_LEN}.*max_len at most {MAX_LEN - 1}"
-    with pytest.raises(IsolationError, match=refusal):
-        model(**PackedCollator(MAX_LEN)(packs()))
+    torch.manual_seed(0)  # flash: built on eager and switched, as tests/tiny_models.py builds it
+    options = dict(attn_implementation="eager" if flash else attn, experts_implementation="eager", dtype=torch.float64)
+    model = transformers.AutoModelForCausalLM.from_config(config, **options).eval()
+    return enable_flash_attention(model, attn) if flash else model
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_llama4s_temperature_floor_is_where_packed_documents_stop_being_exact(attn):
-    """The control: let through (no enable_packing), a row reaching floor_scale scales a later document's queries
-    as they are not alone; rows below it are exact with enable_packing."""
-    floor_scale = 8
-    model = temperature_tuned_llama4(attn, floor_scale)
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "flash_attention_2"])
+def test_llama4s_attention_temperature_follows_each_document(attn, request):
+    """Llama 4 scales its NoPE layers' queries by each token's index in the row (transformers takes torch.arange,
+    not position_ids), from index floor_scale - 1 on. The control: let through (no enable_packing), a packed row
+    beyond the floor scales a later document's queries as they are not alone; enable_packing scales them by their
+    position in their document, and every document is exact (logits, loss, gradients)."""
+    if attn in packing.FLASH_ATTENTION:
+        request.getfixturevalue("use_flash_reference")
+    model = temperature_tuned_llama4(attn, floor_scale=8)
     sample = packs()
     tolerance, loss_tolerance = default_tolerances(torch.float64, attn)
-    leaking = measure_isolation(model, sample, PackedCollator(MAX_LEN)(sample), tolerance=tolerance,
-                                loss_tolerance=loss_tolerance, gradients=False)
+    batch = PackedCollator(MAX_LEN)(sample)
+    leaking = measure_isolation(model, sample, batch, tolerance=tolerance, loss_tolerance=loss_tolerance,
+                                gradients=False)
     assert leaking.max_logit_diff > LEAK, leaking
-    below = packs(([3, 4], [7], [2, 5]))
-    batch = PackedCollator(floor_scale - 1)(below)
-    exact = measure_isolation(enable_packing(model), below, batch, tolerance=tolerance, loss_tolerance=loss_tolerance)
-    assert exact.passed, exact
+    exact = measure_isolation(enable_packing(model), sample, batch, tolerance=tolerance, loss_tolerance=loss_tolerance)
+    assert exact.passed and exact.max_grad_diff is not None, exact
+
+
+def test_llama4s_unpacked_batches_keep_transformers_own_temperature():
+    """A batch that is not packed (one document per row, or decoding with a cache) keeps the index in the row (plus
+    the cached tokens) that transformers scales by; disable_packing gives the layers their own tuning back."""
+    model = temperature_tuned_llama4("sdpa", floor_scale=8)
+    tokens = torch.from_numpy(packs()[0]["input_ids"][None, :MAX_LEN])
+
+    def logits_in_two_steps(model):
+        first = model(tokens[:, :20], use_cache=True)
+        return torch.cat([first.logits, model(tokens[:, 20:], cache=first.cache).logits], dim=1)
+
+    with torch.no_grad():
+        own, own_in_steps = model(tokens).logits, logits_in_two_steps(model)
+        enable_packing(model)
+        tuned = [layer.self_attn.attn_temperature_tuning for layer in model.model.layers]
+        assert tuned == [bool(rope) for rope in model.config.no_rope_layers]  # off where prepack scales the queries
+        assert torch.equal(model(tokens).logits, own)
+        assert torch.equal(logits_in_two_steps(model), own_in_steps)
+    disable_packing(model)
+    assert all(layer.self_attn.attn_temperature_tuning for layer in model.model.layers)
+
+
+def test_llama4s_shared_prompt_completions_get_their_own_temperature():
+    """The shared-prompt layout goes through the same hand-off: a completion after its sibling is scaled by its
+    position after the prompt, not its index in the row. A Llama 4 config without chunked layers (they refuse the
+    layout); the control: the same mask let through (no enable_packing) scales that completion as it is not alone."""
+    tiny = tiny_config("llama4_text")
+    settings = {key: value for key, value in tiny.to_dict().items() if key != "layer_types"}
+    config = type(tiny)(**settings | {"attention_chunk_size": None, "floor_scale": 4, "attn_scale": 1.0})
+    assert set(config.layer_types) == {"full_attention"} and 0 in config.no_rope_layers
+    torch.manual_seed(0)
+    options = dict(attn_implementation="sdpa", experts_implementation="eager", dtype=torch.float64)
+    model = transformers.AutoModelForCausalLM.from_config(config, **options).eval()
+    prompt, first, second = torch.arange(2, 7), torch.arange(7, 11), torch.arange(11, 17)
+    input_ids = torch.cat([prompt, first, second])[None]
+    position_ids = torch.cat([torch.arange(5), torch.arange(5, 9), torch.arange(5, 11)])[None]
+    shared_prompt_ids = torch.tensor([0] * 5 + [1] * 4 + [2] * 6)[None]
+    mask = shared_prompt_mask(shared_prompt_ids, torch.float64, parts=3)
+    with torch.no_grad():
+        alone = model(torch.cat([prompt, second])[None]).logits[0, 5:]
+        leaking = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask).logits[0, 9:]
+        packed = enable_packing(model)(
+            input_ids=input_ids, position_ids=position_ids, shared_prompt_ids=shared_prompt_ids, shared_prompt_parts=3
+        ).logits[0, 9:]
+    tolerance, _ = default_tolerances(torch.float64, "sdpa")
+    assert (leaking - alone).abs().max() > 10 * tolerance
+    assert (packed - alone).abs().max() <= tolerance
 
 
 # The families the GPU measurement named (docs/model-support.md): sliding windows (gemma3, mistral) and sinks
