@@ -38,7 +38,9 @@ def run_prepack(
 WIDE = {"COLUMNS": "1000"}  # rich wraps long paths at the terminal's width; this keeps a message on one line
 
 
-def invoke_prepack(*args, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+def invoke_prepack(
+    *args, env: dict[str, str | None] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """`run_prepack` in this process (typer's CliRunner): the same exit code, standard output and error, without
     the seconds a new Python spends importing (more for commands that import pyarrow, matplotlib, torch). For the
     calls a process proves nothing more by: each command family keeps tests that run the console script. An
@@ -47,7 +49,8 @@ def invoke_prepack(*args, env: dict[str, str | None] | None = None) -> subproces
 
     from prepack.cli import app
 
-    result = CliRunner().invoke(app, list(map(str, args)), env={**WIDE, **(env or {})})
+    with contextlib.chdir(cwd or Path.cwd()):
+        result = CliRunner().invoke(app, list(map(str, args)), env={**WIDE, **(env or {})})
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return subprocess.CompletedProcess(["prepack", *map(str, args)], result.exit_code, result.stdout, result.stderr)
