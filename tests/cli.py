@@ -1,5 +1,6 @@
 """The `prepack` command as a user runs it: the console script installed beside this Python, in a
-subprocess, the message of a command it refuses, and a command stopped by SIGTERM."""
+subprocess (or the same command in this process), the message of a command it refuses, and a command stopped by
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -35,6 +36,24 @@ def run_prepack(
 
 
 WIDE = {"COLUMNS": "1000"}  # rich wraps long paths at the terminal's width; this keeps a message on one line
+
+
+def invoke_prepack(
+    *args, env: dict[str, str | None] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """`run_prepack` in this process (typer's CliRunner): the same exit code, standard output and error, without
+    the seconds a new Python spends importing (more for commands that import pyarrow, matplotlib, torch). For the
+    calls a process proves nothing more by: each command family keeps tests that run the console script. An
+    exception the command lets through (a traceback in a process) is raised here, failing the test with it."""
+    from typer.testing import CliRunner
+
+    from prepack.cli import app
+
+    with contextlib.chdir(cwd or Path.cwd()):
+        result = CliRunner().invoke(app, list(map(str, args)), env={**WIDE, **(env or {})})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(["prepack", *map(str, args)], result.exit_code, result.stdout, result.stderr)
 
 
 def failure(result: subprocess.CompletedProcess) -> str:

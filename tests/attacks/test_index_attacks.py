@@ -21,7 +21,7 @@ from prepack.errors import FormatError, InputError
 from prepack.formats.shards import store_location_problem
 from prepack.training.dataset import PackedDataset, open_hf_dataset
 from prepack.check.verify import verify_build
-from tests.cli import run_prepack
+from tests.cli import invoke_prepack, run_prepack
 from tests.corpus import corpus_table, edit_json, write_corpus
 
 
@@ -73,7 +73,7 @@ def test_a_store_path_outside_the_builds_parent_is_refused_before_any_open(pair,
         return
     result = run_prepack("verify", str(index))
     assert result.returncode == 1 and "store.path" in result.stdout and "Traceback" not in result.stderr
-    result = run_prepack("inspect", str(index))
+    result = invoke_prepack("inspect", str(index))
     assert result.returncode == 2 and "Traceback" not in result.stderr
 
 
@@ -95,7 +95,7 @@ def test_a_moved_store_is_named_at_load_time(pair, tmp_path):
         PackedDataset(index)
     assert [PackedDataset(index, store=moved)[i]["input_ids"].tolist() for i in range(3)] == rows
     assert verify_build(index, store=moved) == []
-    assert run_prepack("verify", str(index), "--store", str(moved)).returncode == 0
+    assert invoke_prepack("verify", str(index), "--store", str(moved)).returncode == 0
     with pytest.raises(FormatError, match="planned from"):  # the named store must still be the build's own
         PackedDataset(index, store=tmp_path / "other")
     with pytest.raises(InputError, match="not a prepack document store"):
@@ -132,7 +132,7 @@ def test_path_fields_no_file_system_holds_are_named_errors(pair, field, value):
     assert verify_build(index)[0].file == "manifest.json"
     if "\0" not in value:  # the CLI's exit code for the NUL cases only, for the fast lane's time
         return
-    result = run_prepack("inspect", str(index))
+    result = invoke_prepack("inspect", str(index))
     assert result.returncode == 2 and "Traceback" not in result.stderr and "manifest.json" in result.stderr.replace("\n", "")
 
 

@@ -16,7 +16,7 @@ from prepack import PackedDataset, build, build_store
 from prepack.errors import FormatError, InputError, OutputError
 from prepack.formats.common import MANIFEST_MAX_BYTES
 from prepack.check.verify import verify_build
-from tests.cli import PREPACK, run_prepack
+from tests.cli import PREPACK, invoke_prepack
 from tests.corpus import corpus_table, files, write_corpus
 
 s3fs = pytest.importorskip("s3fs")
@@ -48,7 +48,7 @@ def _key(uri: str) -> str:
 def test_verify_and_the_loader_with_a_warm_cache_see_a_deleted_or_rewritten_shard(tmp_path, fs, s3_bucket):
     uri, cache = f"{s3_bucket}/rp", tmp_path / "cache"
     build(_corpus(tmp_path / "c.parquet"), uri, max_len=64, shard_size=1_000)
-    assert run_prepack("verify", uri, "--cache-dir", str(cache)).returncode == 0  # the cache is warm
+    assert invoke_prepack("verify", uri, "--cache-dir", str(cache)).returncode == 0  # the cache is warm
     PackedDataset(uri, cache_dir=cache).check_all()
     first, second = (s.name for s in PackedDataset(uri, cache_dir=cache).manifest.shards[:2])
     data = bytearray(fs.cat_file(f"{_key(uri)}/{second}"))
@@ -56,7 +56,7 @@ def test_verify_and_the_loader_with_a_warm_cache_see_a_deleted_or_rewritten_shar
     fs.pipe_file(f"{_key(uri)}/{second}", bytes(data))
     fs.rm_file(f"{_key(uri)}/{first}")
 
-    result = run_prepack("verify", uri, "--cache-dir", str(cache), "--all")
+    result = invoke_prepack("verify", uri, "--cache-dir", str(cache), "--all")
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"{uri}/{first}" in result.stdout and "missing" in result.stdout
     assert f"{uri}/{second}" in result.stdout and "sha256" in result.stdout
@@ -87,7 +87,7 @@ def test_uris_without_a_bucket_or_prefix_are_refused_by_name(args, message, tmp_
     corpus = _corpus(tmp_path / "c.parquet")
     bucket = s3_bucket.removeprefix("s3://")
     args = [a.replace("CORPUS", str(corpus)).replace("BUCKET", bucket).replace("OUT", str(tmp_path / "out")) for a in args]
-    result = run_prepack(*args)
+    result = invoke_prepack(*args)
     stderr = " ".join(result.stderr.split())  # as rich wraps it
     assert result.returncode == 2 and message in stderr and "Traceback" not in stderr, result.stderr
     assert _objects(fs, s3_bucket) == {} and not (tmp_path / "out").exists()
@@ -207,7 +207,7 @@ def test_of_two_builds_to_one_prefix_at_once_one_fails_and_the_other_is_intact(t
     assert sorted(code for code, _ in results) == [0, 2], results
     loser = next(err for code, err in results if code == 2)
     assert "another prepack build" in loser or "already exists" in loser, loser
-    assert run_prepack("verify", uri, "--source", str(corpora[[code for code, _ in results].index(0)])).returncode == 0
+    assert invoke_prepack("verify", uri, "--source", str(corpora[[code for code, _ in results].index(0)])).returncode == 0
     assert not any(name.startswith(".rp.") for name in _objects(fs, s3_bucket))
 
 
@@ -220,7 +220,7 @@ def test_an_oversized_manifest_is_refused_by_its_size_without_being_downloaded(f
     fs.pipe_file(f"{_key(uri)}/manifest.json", b" " * (MANIFEST_MAX_BYTES + 1))
     with pytest.raises(FormatError, match=f"^{uri}/manifest.json: is larger than {MANIFEST_MAX_BYTES} bytes"):
         PackedDataset(uri, cache_dir="unused")
-    result = run_prepack("verify", uri)
+    result = invoke_prepack("verify", uri)
     assert result.returncode == 1 and f"{uri}/manifest.json" in result.stdout and "is larger than" in result.stdout
     assert s3_server.requests("GET", f"/{_key(uri)}/manifest.json") == []
 

@@ -18,7 +18,7 @@ from prepack.formats.shards import IndexOf, read_manifest, shard_schema
 from prepack.training.dataset import PackedDataset
 from prepack.check.report import inspect_build
 from prepack.check.verify import verify_build
-from tests.cli import failure, run_prepack
+from tests.cli import failure, invoke_prepack, run_prepack
 from tests.corpus import corpus_table, record_shard, write_corpus
 
 
@@ -325,17 +325,17 @@ def test_the_cli_verifies_and_inspects_an_index_build(store, tmp_path):
     build(copy, index, max_len=32, index_only=True)
 
     for extra in ([], ["--source", str(store.parent / "corpus")], ["--source", str(copy)]):
-        result = run_prepack("verify", str(index), *extra)
+        result = invoke_prepack("verify", str(index), *extra)
         assert result.returncode == 0 and "no problems" in result.stdout, result.stdout + result.stderr
-    result = run_prepack("inspect", str(index), "--json")
+    result = invoke_prepack("inspect", str(index), "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["packs"] == read_manifest(index).totals.packs
-    result = run_prepack("verify", str(index), "--source", str(copy), "--tokenizer", str(tmp_path))
+    result = invoke_prepack("verify", str(index), "--source", str(copy), "--tokenizer", str(tmp_path))
     assert result.returncode == 2 and "tokenized already" in result.stderr and "Traceback" not in result.stderr
     data = bytearray((copy / "documents-00000.arrow").read_bytes())
     data[-40] ^= 1
     (copy / "documents-00000.arrow").write_bytes(bytes(data))
-    result = run_prepack("verify", str(index))
+    result = invoke_prepack("verify", str(index))
     assert result.returncode == 1
     assert result.stdout.splitlines() == [f"problem: {verify_build(index)[0]}"]
     assert result.stdout.startswith("problem: ../store/documents-00000.arrow: its sha256")

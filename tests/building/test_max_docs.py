@@ -13,7 +13,7 @@ import prepack
 from prepack import build, build_store
 from prepack.check.verify import verify_build
 from prepack.formats.shards import read_manifest
-from tests.cli import WIDE, failure, run_prepack
+from tests.cli import WIDE, failure, invoke_prepack, run_prepack
 from tests.corpus import corpus_table, edit_json, read_build, write_corpus, write_mixture, mixture_sources
 from tests.demo_inputs import gpt2_directory
 
@@ -83,7 +83,7 @@ def test_a_pair_counts_as_two_documents(tmp_path):
     for cap in (5, 4):  # 5 holds two pairs, as 4 does: never half a pair
         build(corpus, tmp_path / f"k{cap}", max_len=MAX_LEN, tokenizer=gpt2, pairs=True, overflow="drop", max_docs_per_pack=cap)
         assert max(documents_per_pack(tmp_path / f"k{cap}")) == 4
-    result = run_prepack(
+    result = invoke_prepack(
         "build", corpus, "--tokenizer", gpt2, "--pairs", "--overflow", "drop", "--max-docs-per-pack", "1",
         "--out", tmp_path / "k1", env=WIDE,
     )
@@ -99,7 +99,7 @@ def test_verify_finds_a_pack_over_the_recorded_cap(corpus, tmp_path):
 
 @pytest.mark.parametrize("cap", ["0", "-3", "2147483648"])
 def test_the_cli_refuses_a_cap_below_one_or_past_int32(corpus, tmp_path, cap):
-    result = run_prepack("build", corpus, "--max-len", "64", "--max-docs-per-pack", cap, "--out", tmp_path / "out", env=WIDE)
+    result = invoke_prepack("build", corpus, "--max-len", "64", "--max-docs-per-pack", cap, "--out", tmp_path / "out", env=WIDE)
     assert result.returncode == 2 and "max_docs_per_pack" in failure(result) and not (tmp_path / "out").exists()
 
 
@@ -122,9 +122,9 @@ def test_inspect_prices_a_cap_as_the_capped_build_packs(corpus, tmp_path):
         assert priced.fill == pytest.approx(capped.totals.tokens / (capped.totals.packs * MAX_LEN))
     fullest = report.documents_per_pack.max
     assert [c.max_docs_per_pack for c in inspect_build(tmp_path / "plain").caps] == [k for k in (2, 4, 8, 16, 32, 64, 128) if k < fullest]
-    shown = run_prepack("inspect", tmp_path / "plain", "--caps", "3,8", env=WIDE)
+    shown = invoke_prepack("inspect", tmp_path / "plain", "--caps", "3,8", env=WIDE)
     assert shown.returncode == 0 and "--max-docs-per-pack K" in shown.stdout, shown.stderr
-    assert "give comma-separated integers" in failure(run_prepack("inspect", tmp_path / "plain", "--caps", "8,x", env=WIDE))
+    assert "give comma-separated integers" in failure(invoke_prepack("inspect", tmp_path / "plain", "--caps", "8,x", env=WIDE))
 
 
 def test_inspect_prices_a_pair_build_in_whole_pairs(tmp_path):

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.cli import failure, run_prepack
+from tests.cli import failure, invoke_prepack, run_prepack
 from tests.corpus import corpus_table, write_corpus
 from tests.demo_inputs import as_chat, gpt2_directory
 
@@ -38,7 +38,7 @@ def test_a_text_corpus_without_a_tokenizer_is_told_to_use_one(tmp_path, suffix):
 @pytest.mark.parametrize(("column", "fix"), [("messages", "--chat"), ("conversations", "--chat --messages-column conversations")])
 def test_a_chat_corpus_without_a_tokenizer_is_told_to_tokenize_it_as_chat(tmp_path, column, fix):
     corpus = write_records(tmp_path / "c.jsonl", [{column: c} for c in CONVERSATIONS])
-    message = failure(run_prepack("build", str(corpus), "--out", str(tmp_path / "p")))
+    message = failure(invoke_prepack("build", str(corpus), "--out", str(tmp_path / "p")))
     assert f"it holds conversations: tokenize them with --tokenizer DIR {fix} " in message
 
 
@@ -47,7 +47,7 @@ def test_a_chat_corpus_without_a_tokenizer_is_told_to_tokenize_it_as_chat(tmp_pa
 def test_a_chat_corpus_tokenized_as_text_is_told_to_add_chat(tmp_path, suffix, column, fix):
     corpus = write_records(tmp_path / f"c{suffix}", [{column: c} for c in CONVERSATIONS])
     tokenizer = gpt2_directory(tmp_path / "gpt2")
-    message = failure(run_prepack("build", str(corpus), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "p")))
+    message = failure(invoke_prepack("build", str(corpus), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "p")))
     assert "'text'" in message and f"it holds conversations: add {fix}" in message
     assert not (tmp_path / "p").exists()
 
@@ -55,13 +55,13 @@ def test_a_chat_corpus_tokenized_as_text_is_told_to_add_chat(tmp_path, suffix, c
 def test_a_text_corpus_tokenized_as_chat_is_told_to_leave_chat_out(tmp_path):
     corpus = write_records(tmp_path / "c.parquet", [{"text": "one document"}])
     tokenizer = gpt2_directory(tmp_path / "gpt2", "{{ messages }}")
-    message = failure(run_prepack("build", str(corpus), "--tokenizer", str(tokenizer), "--chat", "--out", str(tmp_path / "p")))
+    message = failure(invoke_prepack("build", str(corpus), "--tokenizer", str(tokenizer), "--chat", "--out", str(tmp_path / "p")))
     assert "no column 'messages' (columns: text); it holds text: leave out --chat, or choose it with --messages-column." in message
 
 
 def test_a_missing_token_column_still_names_the_column_option(tmp_path):
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
-    message = failure(run_prepack("build", str(corpus), "--column", "tokens", "--out", str(tmp_path / "p")))
+    message = failure(invoke_prepack("build", str(corpus), "--column", "tokens", "--out", str(tmp_path / "p")))
     # A file with a text column besides the tokens: the likely fix first, then the column option.
     assert "no column 'tokens' (columns: input_ids, text); it holds text: tokenize it with --tokenizer DIR" in message
     assert message.endswith(", or choose the token column with --column.")
@@ -76,13 +76,13 @@ def test_tokenize_and_verify_say_what_they_did(tmp_path):
     assert tokenized.returncode == 0, tokenized.stderr
     assert f"stored 4 documents, 29 tokens in 1 shard under {store} " in " ".join(tokenized.stdout.split())
     for out, extra in ((full, []), (index, ["--index-only"])):
-        built = run_prepack("build", str(store), "--max-len", "16", "--out", str(out), "--quiet", *extra)
+        built = invoke_prepack("build", str(store), "--max-len", "16", "--out", str(out), "--quiet", *extra)
         assert built.returncode == 0, built.stderr
-    assert run_prepack("verify", str(full)).stdout == f"{full}: no problems (shards and manifest checked).\n"
-    assert run_prepack("verify", str(index)).stdout == (
+    assert invoke_prepack("verify", str(full)).stdout == f"{full}: no problems (shards and manifest checked).\n"
+    assert invoke_prepack("verify", str(index)).stdout == (
         f"{index}: no problems (index shards, manifest and the store's shards and documents checked).\n"
     )
-    assert run_prepack("verify", str(index), "--source", str(corpus)).stdout == (
+    assert invoke_prepack("verify", str(index), "--source", str(corpus)).stdout == (
         f"{index}: no problems (index shards, manifest, the store's shards and documents"
         " and every token of the source checked).\n"
     )

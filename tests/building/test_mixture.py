@@ -18,7 +18,7 @@ import prepack
 from prepack.building.mixture import load_mixture, mixture_flags, requested_tokens, select_source
 from prepack.errors import InputError
 from prepack.training.dataset import PackedDataset
-from tests.cli import WIDE, failure, run_prepack
+from tests.cli import WIDE, failure, invoke_prepack, run_prepack
 from tests.corpus import MIXTURE, edit_json, mixture_sources, read_build, write_mixture
 
 @pytest.fixture(scope="module")
@@ -274,8 +274,8 @@ def test_the_flags_build_the_files_bytes(sources, tmp_path, text, flags):
     mixture = _mixture(root, "mix.yaml") if text is None else root / "epochs.yaml"
     if text is not None:
         mixture.write_text(text)
-    from_file = run_prepack("build", mixture.name, "--max-len", "256", "--out", tmp_path / "a", cwd=root, env=WIDE)
-    from_flags = run_prepack("build", *flags, "--max-len", "256", "--out", tmp_path / "b", cwd=root, env=WIDE)
+    from_file = invoke_prepack("build", mixture.name, "--max-len", "256", "--out", tmp_path / "a", cwd=root, env=WIDE)
+    from_flags = invoke_prepack("build", *flags, "--max-len", "256", "--out", tmp_path / "b", cwd=root, env=WIDE)
     assert from_file.returncode == 0 and from_flags.returncode == 0, (from_file.stderr, from_flags.stderr)
     files = sorted(path.name for path in (tmp_path / "a").iterdir())
     assert files == sorted(path.name for path in (tmp_path / "b").iterdir()) and "manifest.json" in files
@@ -289,7 +289,7 @@ def test_the_flags_build_the_files_index_build(stores):
     root = stores.parent
     flags = [flag.replace("web.parquet", "web-store").replace("code.jsonl", "code-store") for flag in MIXTURE_FLAGS]
     for name, args in (("index-of-file", [stores.name]), ("index-of-flags", flags)):
-        built = run_prepack("build", *args, "--index-only", "--max-len", "128", "--out", name, "--overwrite", cwd=root, env=WIDE)
+        built = invoke_prepack("build", *args, "--index-only", "--max-len", "128", "--out", name, "--overwrite", cwd=root, env=WIDE)
         assert built.returncode == 0, built.stderr
     names = sorted(path.name for path in (root / "index-of-file").iterdir())
     assert names == sorted(path.name for path in (root / "index-of-flags").iterdir()) and "manifest.json" in names
@@ -364,7 +364,7 @@ def test_bad_mixture_flags_are_refused_naming_the_flag(corpus, flags, tokens, se
 def test_the_cli_refuses_bad_mixture_flags(sources, tmp_path, args, message):
     root, _, _ = sources
     _mixture(root, "mix.yaml")
-    assert message in failure(run_prepack("build", *args, "--max-len", "256", "--out", tmp_path / "out", cwd=root, env=WIDE))
+    assert message in failure(invoke_prepack("build", *args, "--max-len", "256", "--out", tmp_path / "out", cwd=root, env=WIDE))
     assert not (tmp_path / "out").exists()
 
 
@@ -720,7 +720,7 @@ def test_inspect_shows_a_trained_count_mixtures_trained_tokens(plays, tmp_path):
     manifest = prepack.build(_plays_mixture(plays, "trained"), tmp_path / "out", max_len=256)
     report = inspect_build(tmp_path / "out")
     assert [s.trained_tokens for s in report.sources] == [s.trained_tokens for s in manifest.mixture.sources]
-    shown = run_prepack("inspect", tmp_path / "out", env=WIDE)
+    shown = invoke_prepack("inspect", tmp_path / "out", env=WIDE)
     assert shown.returncode == 0, shown.stderr
     assert "requested trained tokens" in shown.stdout and f"{manifest.mixture.sources[1].trained_tokens:,}" in shown.stdout
 

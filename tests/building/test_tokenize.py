@@ -31,7 +31,7 @@ from prepack.sources.corpus import find_corpus
 from prepack.check.report import inspect_build
 from prepack.sources.tokenize import load_tokenizer, tokenize_corpus
 from prepack.check.verify import verify_build
-from tests.cli import run_prepack
+from tests.cli import invoke_prepack, run_prepack
 from tests.corpus import read_build
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory
 
@@ -446,9 +446,9 @@ def test_cli_tokenizes_text_and_refuses_chat_without_a_template(tmp_path, gpt2):
     assert "tokenized" in result.stdout
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["options"]["tokenize"]["eos"] and manifest["totals"]["documents"] == 50
-    checked = run_prepack("verify", out, "--source", corpus, "--tokenizer", gpt2)
+    checked = invoke_prepack("verify", out, "--source", corpus, "--tokenizer", gpt2)
     assert checked.returncode == 0 and "every token of the source" in checked.stdout, checked.stderr
-    refused = run_prepack(*command[:-1], tmp_path / "chat", "--chat")
+    refused = invoke_prepack(*command[:-1], tmp_path / "chat", "--chat")
     assert refused.returncode == 2
     assert "no chat template" in refused.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["packed", "text.jsonl"]  # nothing half-written

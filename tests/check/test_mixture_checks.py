@@ -14,7 +14,7 @@ import prepack
 from prepack.check.report import inspect_build
 from prepack.check.verify import verify_build
 from prepack.errors import FormatError, InputError
-from tests.cli import WIDE, run_prepack
+from tests.cli import WIDE, invoke_prepack, run_prepack
 from tests.corpus import edit_json, mixture_sources, record_shard, write_mixture
 
 
@@ -53,7 +53,7 @@ def test_the_cli_shows_and_checks_the_sources(clean):
         strict=True,
     ):
         assert line.split()[:3] == [source["name"], f"{source['requested_tokens']:,}", f"{source['tokens']:,}"]
-    checked = run_prepack("verify", clean)
+    checked = invoke_prepack("verify", clean)
     assert checked.returncode == 0, checked.stderr
     assert "the counts of 3 sources" in checked.stdout
 
@@ -128,7 +128,7 @@ def indexed(tmp_path_factory) -> Path:
 
 def test_verify_and_inspect_read_a_mixtures_index_build(indexed):
     assert verify_build(indexed / "index", all_problems=True) == []
-    checked = run_prepack("verify", indexed / "index")
+    checked = invoke_prepack("verify", indexed / "index")
     assert checked.returncode == 0 and "the counts of 3 sources and the stores' shards and documents checked" in checked.stdout
     manifest = json.loads((indexed / "index" / "manifest.json").read_text())
     shown = inspect_build(indexed / "index").sources
@@ -220,7 +220,7 @@ def test_every_mixture_claim_is_recomputed(packed, forged):
     edit_json(packed / "manifest.json", edit)
     problems = verify_build(packed, all_problems=True)
     assert column in [p.column for p in problems], problems
-    checked = run_prepack("verify", packed) if forged == "packs mix sources" else None
+    checked = invoke_prepack("verify", packed) if forged == "packs mix sources" else None
     if checked is not None:
         assert checked.returncode == 1 and "mixture.pack_within_source" in checked.stdout + checked.stderr
 

@@ -17,7 +17,7 @@ from rich.console import Console
 from prepack import build
 from prepack.errors import FormatError, InputError, MissingExtraError
 from prepack.check.report import InspectReport, _figure, inspect_build, plot, render
-from tests.cli import failure, run_prepack
+from tests.cli import failure, invoke_prepack, run_prepack
 from tests.corpus import corpus_table, edit_json, read_build, write_corpus
 
 MAX_LEN = 64
@@ -267,13 +267,13 @@ def test_cli_json_text_and_plot(builds, tmp_path):
     numbers = json.loads(result.stdout)
     assert numbers == inspect_build(builds["split"], batch_size=4, seed=2).model_dump(mode="json")
 
-    result = run_prepack("inspect", str(builds["split"]), "--shards", "--plot", str(tmp_path / "r.png"))
+    result = invoke_prepack("inspect", str(builds["split"]), "--shards", "--plot", str(tmp_path / "r.png"))
     assert result.returncode == 0, result.stderr
     assert "shard-00000.arrow" in result.stdout and f"{numbers['packs']:,}" in result.stdout
     assert (tmp_path / "r.png").stat().st_size > 20_000
     assert result.stdout.endswith(f"plot written to {tmp_path / 'r.png'}\n")
 
-    result = run_prepack("inspect", str(builds["split"]), "--json", "--plot", str(tmp_path / "j.png"))
+    result = invoke_prepack("inspect", str(builds["split"]), "--json", "--plot", str(tmp_path / "j.png"))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["packs"] == numbers["packs"]  # stdout stays JSON
     assert f"plot written to {tmp_path / 'j.png'}" in result.stderr and (tmp_path / "j.png").is_file()
@@ -281,10 +281,10 @@ def test_cli_json_text_and_plot(builds, tmp_path):
 
 @pytest.mark.slow
 def test_cli_errors_exit_2(builds, tmp_path):
-    result = run_prepack("inspect", str(tmp_path / "nothing"))
+    result = invoke_prepack("inspect", str(tmp_path / "nothing"))
     assert result.returncode == 2 and result.stdout == ""
     assert "not a finished prepack build" in " ".join(result.stderr.split())
-    result = run_prepack("inspect", str(builds["split"]), "--plot", str(tmp_path / "report.xyz"))
+    result = invoke_prepack("inspect", str(builds["split"]), "--plot", str(tmp_path / "report.xyz"))
     assert "cannot draw a plot as .xyz" in failure(result)
 
 

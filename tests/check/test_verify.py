@@ -15,7 +15,7 @@ import pytest
 from prepack import build
 from prepack.errors import FormatError, InputError
 from prepack.check.verify import Problem, verify_build
-from tests.cli import run_prepack
+from tests.cli import invoke_prepack, run_prepack
 from tests.corpus import corpus_table, edit_json, record_shard, write_corpus
 
 MAX_LEN = 32
@@ -344,14 +344,14 @@ def test_cli_exit_codes(clean, packed, tmp_path):
 
     (packed / "shard-00002.arrow").unlink()
     (packed / "shard-00001.arrow").write_bytes(b"garbage")
-    result = run_prepack("verify", str(packed))
+    result = invoke_prepack("verify", str(packed))
     assert result.returncode == 1
     assert result.stdout.splitlines() == [f"problem: {verify_build(packed)[0]}"]
-    result = run_prepack("verify", str(packed), "--all")
+    result = invoke_prepack("verify", str(packed), "--all")
     assert result.returncode == 1
     assert result.stdout.splitlines() == [f"problem: {p}" for p in verify_build(packed, all_problems=True)]
     assert len(result.stdout.splitlines()) >= 3
 
-    result = run_prepack("verify", str(clean["builds"]["split"]), "--source", str(tmp_path / "nothing"))
+    result = invoke_prepack("verify", str(clean["builds"]["split"]), "--source", str(tmp_path / "nothing"))
     assert result.returncode == 2 and result.stdout == ""
     assert "no such file or directory" in " ".join(result.stderr.split())

@@ -16,7 +16,7 @@ import pytest
 from prepack.errors import InputError
 from prepack.exports import export_build, megatron, verify_export
 from prepack.exports.common import open_export_build, pack_batches
-from tests.cli import run_prepack
+from tests.cli import invoke_prepack
 from tests.corpus import preference_pairs
 from tests.exports.rows import Expected
 from tests.exports.trainer_builds import KINDS, files, labelled_corpus_build, targets_from_next_token_mask
@@ -185,21 +185,21 @@ def test_a_preference_pair_build_is_refused_by_name(tmp_path):
 @pytest.mark.slow
 def test_the_command_line_exports_and_verifies(builds, tmp_path):
     build_dir, out = builds["chat-index"], tmp_path / "export"
-    result = run_prepack("export", str(build_dir), "--to", "megatron", "--out", str(out))
+    result = invoke_prepack("export", str(build_dir), "--to", "megatron", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert indexed_dataset_mismatches(out, Expected(build_dir)) == []
     record = json.loads((out / "export.json").read_text())
     assert record["format"] == "megatron" and record["build"]["kind"] == "index"
     assert [f["path"] for f in record["files"]] == [
         "loss_mask.bin", "loss_mask.idx", "packed.idx.parquet", "packed_metadata.json", "tokens.bin", "tokens.idx"]
-    checked = run_prepack("verify", str(build_dir), "--export", str(out))
+    checked = invoke_prepack("verify", str(build_dir), "--export", str(out))
     assert checked.returncode == 0 and "the export's files and build checked" in checked.stdout
     data = bytearray((out / "loss_mask.bin").read_bytes())
     data[data.index(1)] = 0
     (out / "loss_mask.bin").write_bytes(bytes(data))
     (problem,) = verify_export(out, build_dir)
     assert problem.startswith(f"{out / 'loss_mask.bin'}: sha256 ") and problem.endswith("the file changed.")
-    tampered = run_prepack("verify", str(build_dir), "--export", str(out))
+    tampered = invoke_prepack("verify", str(build_dir), "--export", str(out))
     assert tampered.returncode == 1 and "loss_mask.bin" in tampered.stdout and "the file changed" in tampered.stdout
 
 

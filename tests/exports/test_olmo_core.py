@@ -17,7 +17,7 @@ import torch
 
 from prepack.errors import InputError
 from prepack.exports import export_build, olmo_core, verify_export
-from tests.cli import run_prepack
+from tests.cli import invoke_prepack
 from tests.corpus import preference_pairs
 from tests.exports.rows import Expected
 from tests.exports.trainer_builds import GPT2_EOS, KINDS, files, labelled_corpus_build
@@ -182,18 +182,18 @@ def test_a_preference_pair_build_is_refused_by_name(tmp_path):
 @pytest.mark.slow
 def test_the_command_line_exports_and_verifies(builds, tmp_path):
     build_dir, out = builds["mixture"], tmp_path / "export"
-    result = run_prepack("export", str(build_dir), "--to", "olmo-core", "--out", str(out))
+    result = invoke_prepack("export", str(build_dir), "--to", "olmo-core", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert fsl_mismatches(out, Expected(build_dir)) == []
     record = json.loads((out / "export.json").read_text())
     assert record["format"] == "olmo-core" and record["build"]["kind"] == "mixture full"
     assert [f["path"] for f in record["files"]] == [olmo_core.LABEL_MASK, olmo_core.DOCUMENTS, olmo_core.TOKENS]
-    checked = run_prepack("verify", str(build_dir), "--export", str(out))
+    checked = invoke_prepack("verify", str(build_dir), "--export", str(out))
     assert checked.returncode == 0 and "the export's files and build checked" in checked.stdout
     tokens = np.fromfile(out / olmo_core.TOKENS, np.uint32)
     tokens[0] += 1
     tokens.tofile(out / olmo_core.TOKENS)
     (problem,) = verify_export(out, build_dir)
     assert problem.startswith(f"{out / olmo_core.TOKENS}: sha256 ") and problem.endswith("the file changed.")
-    tampered = run_prepack("verify", str(build_dir), "--export", str(out))
+    tampered = invoke_prepack("verify", str(build_dir), "--export", str(out))
     assert tampered.returncode == 1 and olmo_core.TOKENS in tampered.stdout and "the file changed" in tampered.stdout

@@ -16,7 +16,7 @@ import yaml
 
 from prepack import OutputError, InputError, inspect_build
 from prepack.exports import FORMATS, ExportFormat, export_build, verify_export
-from tests.cli import run_prepack
+from tests.cli import invoke_prepack, run_prepack
 from tests.exports.rows import first_difference
 
 pytestmark = pytest.mark.slow  # every test here exports a build (and the session's builds take seconds)
@@ -162,15 +162,15 @@ def test_verify_reports_a_changed_build_a_missing_file_and_a_stray_one(builds, t
 
 def test_the_command_line_exports_and_verifies(builds, tmp_path):
     out = tmp_path / "export"
-    result = run_prepack("export", str(builds["chat"]), "--to", "parquet", "--out", str(out))
+    result = run_prepack("export", str(builds["chat"]), "--to", "parquet", "--out", str(out))  # the console script
     assert result.returncode == 0, result.stderr
     assert f"into {out}" in result.stdout
-    again = run_prepack("export", str(builds["chat"]), "--to", "parquet", "--out", str(out))
+    again = invoke_prepack("export", str(builds["chat"]), "--to", "parquet", "--out", str(out))
     assert again.returncode == 2 and "already exists" in again.stderr
-    checked = run_prepack("verify", str(builds["chat"]), "--export", str(out))
+    checked = invoke_prepack("verify", str(builds["chat"]), "--export", str(out))
     assert checked.returncode == 0 and "the export's files and build checked" in checked.stdout
     _retokened(out)
-    tampered = run_prepack("verify", str(builds["chat"]), "--export", str(out))
+    tampered = invoke_prepack("verify", str(builds["chat"]), "--export", str(out))
     assert tampered.returncode == 1 and tampered.stdout.startswith("problem: ") and "the file changed" in tampered.stdout
 
 

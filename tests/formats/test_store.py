@@ -28,7 +28,7 @@ from prepack.formats.store import (
 from prepack.sources.store import open_store
 from prepack.check.verify import verify_build
 from prepack.storage.files import write_record_batch
-from tests.cli import WIDE, run_prepack
+from tests.cli import WIDE, invoke_prepack, run_prepack
 from tests.corpus import corpus_table, edit_json, files, write_corpus
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory
 
@@ -177,7 +177,7 @@ def test_the_cli_tokenizes_then_builds(tmp_path, gpt2):
     tokenized = run_prepack("tokenize", tmp_path / "c.parquet", "--out", tmp_path / "store", "--tokenizer", gpt2, "--no-eos")
     assert tokenized.returncode == 0, tokenized.stderr
     assert "stored 100 documents" in " ".join(tokenized.stdout.split())
-    built = run_prepack("build", tmp_path / "store", "--out", tmp_path / "packed", "--max-len", "128", "-q")
+    built = invoke_prepack("build", tmp_path / "store", "--out", tmp_path / "packed", "--max-len", "128", "-q")
     assert built.returncode == 0, built.stderr
     assert read_manifest(tmp_path / "packed").options.tokenize.eos is False
 
@@ -316,7 +316,7 @@ def test_the_cli_exits_2_naming_the_problem(store, tmp_path, command, message):
     path = store / "documents-00001.arrow"
     path.write_bytes(path.read_bytes()[:-1] + b"\x01")
     args = [a.format(store=store, tmp=tmp_path) for a in command]
-    result = run_prepack(*args, env=WIDE)
+    result = invoke_prepack(*args, env=WIDE)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert "Traceback" not in result.stderr

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -49,23 +45,3 @@ def test_errors_exit_2_with_a_message_and_no_output(tmp_path, args, message):
     assert result.returncode == 2
     assert message in " ".join(result.stderr.split())
     assert not (tmp_path / "p").exists()
-
-
-@pytest.mark.slow
-def test_readme_demo_packs_the_chitchat_conversations(tmp_path):
-    """The README's first command: chat corpus + local GPT-2 tokenizer → a build with assistant labels."""
-    script = Path(__file__).resolve().parents[2] / "examples" / "chitchat.py"
-    out = tmp_path / "packed"
-    result = subprocess.run(
-        [sys.executable, str(script), "--out", str(out), "--max-len", "2048"],
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    manifest, packs = read_build(out)
-    assert manifest["totals"]["documents"] == 7168  # every conversation of chitchat-dataset
-    assert manifest["options"]["tokenize"]["mode"] == "chat" and manifest["has_labels"]
-    assert sum(len(p["input_ids"]) for p in packs) == manifest["totals"]["tokens"]
-    trained = sum(label != -100 for p in packs for label in p["labels"])
-    assert 0 < trained < manifest["totals"]["tokens"]  # assistant turns only
-    assert "packed into" in result.stdout

@@ -1,8 +1,8 @@
 """README.md's walk-through runs as written: its ```bash walkthrough``` and ```python walkthrough``` blocks,
 in README order, each command in a shell (the Python blocks as scripts), in one fresh directory that
 holds the checkout's examples/, with this venv's `python` and `prepack` first on PATH. Every command
-must exit 0, and what they leave must be right: the demo's build of every conversation, a clean
-verify, and an index build whose rows, as the README's Python loads them, are those of a full build
+must exit 0, and what they leave must be right: the demo's build of every conversation (chat, assistant turns
+trained), a clean verify, and an index build whose rows, as the README's Python loads them, are those of a full build
 of the same store."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from prepack import build, read_manifest
+from tests.corpus import read_build
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"^```(bash|python) walkthrough\n(.*?)^```$", re.MULTILINE | re.DOTALL)
@@ -58,6 +59,13 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path):
 
     demo = read_manifest(tmp_path / "packed")
     assert demo.totals.documents == 7168 and demo.options.max_len == 2048 and demo.has_labels
+    # The README's first command (examples/chitchat.py): every conversation as chat, assistant turns trained.
+    manifest, packs = read_build(tmp_path / "packed")
+    assert manifest["options"]["tokenize"]["mode"] == "chat"
+    assert sum(len(p["input_ids"]) for p in packs) == manifest["totals"]["tokens"]
+    trained = sum(label != -100 for p in packs for label in p["labels"])
+    assert 0 < trained < manifest["totals"]["tokens"]  # assistant turns only
+    assert "packed into" in next(out for text, out in outputs if text.startswith("python examples/chitchat.py"))
     verified = [out for text, out in outputs if text.startswith("prepack verify")]
     assert verified and all(": no problems (" in out for out in verified)
 

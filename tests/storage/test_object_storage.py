@@ -25,7 +25,7 @@ from prepack import PackedDataset, build, build_store
 from prepack.errors import FormatError, InputError, OutputError
 from prepack.check.report import inspect_build
 from prepack.check.verify import verify_build
-from tests.cli import failure, run_prepack
+from tests.cli import failure, invoke_prepack, run_prepack
 from tests.corpus import corpus_table, write_corpus
 from tests.demo_inputs import chitchat, gpt2_directory
 
@@ -238,7 +238,7 @@ def test_an_empty_cache_dir_is_refused_not_taken_for_the_current_directory(remot
         with pytest.raises(InputError, match=f"^cache_dir {re.escape(repr(cache_dir))} is empty"):
             read(uri, cache_dir=cache_dir)
     for command in ("verify", "inspect"):
-        assert f"cache_dir {cache_dir!r} is empty" in failure(run_prepack(command, uri, "--cache-dir", cache_dir, cwd=work))
+        assert f"cache_dir {cache_dir!r} is empty" in failure(invoke_prepack(command, uri, "--cache-dir", cache_dir, cwd=work))
     assert list(work.iterdir()) == []
 
 
@@ -360,10 +360,10 @@ def test_the_cli_tokenizes_a_text_corpus_from_s3_into_s3(tmp_path, fs, s3_bucket
     pq.write_table(pa.table({"text": ["\n".join(t) for t in chitchat()[:200]]}), tmp_path / "text" / "0.parquet")
     corpus = _upload(fs, tmp_path / "text", f"{s3_bucket}/corpus")
     arguments = ["--tokenizer", str(gpt2), "--max-len", "8192", "--num-proc", "1"]
-    result = run_prepack("build", f"{corpus}/", *arguments, "--out", f"{s3_bucket}/packed")
+    result = invoke_prepack("build", f"{corpus}/", *arguments, "--out", f"{s3_bucket}/packed")
     assert result.returncode == 0, result.stderr
     assert f"packed into {s3_bucket}/packed" in result.stdout
-    assert run_prepack("build", str(tmp_path / "text"), *arguments, "--out", str(tmp_path / "packed"), "-q").returncode == 0
+    assert invoke_prepack("build", str(tmp_path / "text"), *arguments, "--out", str(tmp_path / "packed"), "-q").returncode == 0
     assert _files(fs, f"{s3_bucket}/packed") == _local_files(tmp_path / "packed")
 
 
@@ -386,7 +386,7 @@ def test_a_missing_client_asks_for_the_extra(tmp_path):
 
 
 def _inspect_json(build: str) -> dict:
-    result = run_prepack("inspect", build, "--json", "--world-size", "2")
+    result = invoke_prepack("inspect", build, "--json", "--world-size", "2")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -406,7 +406,7 @@ def test_verify_and_inspect_a_build_in_s3_as_the_local_build(remote_build, tmp_p
     assert remote == here and remote["shards"] > 3
     # With --cache-dir the shards stay, checked, for the next command (or a PackedDataset).
     cache = tmp_path / "cache"
-    assert run_prepack("verify", uri, "--cache-dir", str(cache)).returncode == 0
+    assert invoke_prepack("verify", uri, "--cache-dir", str(cache)).returncode == 0
     shards = prepack.read_manifest(local).shards
     assert sorted(p.name for p in cache.glob("*.arrow")) == sorted(f"{s.sha256}.arrow" for s in shards)
     gets = len(s3_server.requests("GET", f"/{uri.removeprefix('s3://')}/shard-"))
@@ -425,7 +425,7 @@ def test_verify_and_inspect_an_index_build_in_s3_with_its_store(tmp_path, fs, s3
     build_store(corpus, f"{s3_bucket}/data/store", shard_size=30_000)
     uri = f"{s3_bucket}/index"
     build(f"{s3_bucket}/data/store", uri, max_len=512, index_only=True)
-    result = run_prepack("verify", uri, "--all")
+    result = invoke_prepack("verify", uri, "--all")
     checked = "index shards, manifest and the store's shards and documents checked"
     assert (result.returncode, result.stdout) == (0, f"{uri}: no problems ({checked}).\n"), result.stderr
     assert verify_build(uri, f"{s3_bucket}/data/store", all_problems=True) == []  # a source store at a URI
@@ -442,7 +442,7 @@ def test_verify_and_inspect_an_index_build_in_s3_with_its_store(tmp_path, fs, s3
     data = bytearray((tmp_path / "data" / "store" / name).read_bytes())
     data[-100] ^= 0xFF
     fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/data/store/{name}", bytes(data))
-    result = run_prepack("verify", uri, "--all")
+    result = invoke_prepack("verify", uri, "--all")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     first = result.stdout.splitlines()[0]
     assert first.startswith(f"problem: {s3_bucket}/data/store/{name}: sha256 "), result.stdout
@@ -457,7 +457,7 @@ def test_verify_names_a_damaged_shard_in_s3_by_its_uri(remote_build, tmp_path, f
     data = bytearray((local / name).read_bytes())
     data[-100] ^= 0xFF  # same size, other bytes
     fs.pipe_file(f"{uri.removeprefix('s3://')}/{name}", bytes(data))
-    result = run_prepack("verify", uri, "--all")
+    result = invoke_prepack("verify", uri, "--all")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"problem: {uri}/{name}: sha256 ") and "does not match the manifest's" in lines[0]
@@ -491,7 +491,7 @@ def test_a_bad_row_in_s3_is_named_by_the_uri_in_verify_inspect_and_the_loader(re
     [there] = verify_build(uri)
     assert (there.file, there.row, there.column, there.message) == (here.file, here.row, here.column, here.message)
     assert str(there) == f"{uri}/{here}" and str(there).startswith(f"{uri}/{name}, row {r}, column 'cu_seqlens': ")
-    result = run_prepack("verify", uri)
+    result = invoke_prepack("verify", uri)
     assert (result.returncode, result.stdout) == (1, f"problem: {there}\n")
     cache = tmp_path / "cache"
     with pytest.raises(FormatError, match=f"^{uri}/{name}: row {r}, column 'cu_seqlens': ") as loading:
@@ -523,7 +523,7 @@ def test_an_invalid_manifest_in_s3_is_a_finding_of_verify(remote_build, fs):
     [here] = verify_build(local)
     [there] = verify_build(uri)
     assert there == here.model_copy(update={"location": uri}) and "cannot be read as JSON" in there.message
-    result = run_prepack("verify", uri)
+    result = invoke_prepack("verify", uri)
     assert (result.returncode, result.stdout) == (1, f"problem: {uri}/manifest.json: {here.message}\n"), result.stderr
 
 

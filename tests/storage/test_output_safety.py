@@ -401,21 +401,19 @@ def file_size_limit(limit):
     return apply
 
 
-LIMIT = 2**15
-
-
 @pytest.mark.parametrize(
-    ("failing", "documents", "options"),
+    ("failing", "documents", "options", "limit"),
     [
-        ("ids.bin", [list(range(1000))] * 10, ["--max-len", "1000"]),  # 40 kB of scratch
-        ("shard-00000.arrow", [list(range(1000))] * 6, ["--max-len", "1000"]),  # 24 kB of scratch, 36 kB of shard
-        (MANIFEST_NAME, [[1, 2]] * 250, ["--max-len", "2", "--shard-size", "1"]),  # 250 shards: a 47 kB manifest
+        ("ids.bin", [list(range(1000))] * 10, ["--max-len", "1000"], 2**15),  # 40 kB of scratch
+        ("shard-00000.arrow", [list(range(1000))] * 6, ["--max-len", "1000"], 2**15),  # 24 kB of scratch, 36 kB of shard
+        # 60 shards of 1.5 kB: a 12 kB manifest (a lower limit than the others', so that few shards are written)
+        (MANIFEST_NAME, [[1, 2]] * 60, ["--max-len", "2", "--shard-size", "1"], 2**13),
     ],
 )
 @pytest.mark.slow
-def test_a_file_too_large_for_the_file_system_is_an_output_error_and_leaves_nothing(tmp_path, failing, documents, options):
+def test_a_file_too_large_for_the_file_system_is_an_output_error_and_leaves_nothing(tmp_path, failing, documents, options, limit):
     data, out = corpus(tmp_path, documents), tmp_path / "out"
-    result = run_prepack("build", data, "--out", out, *options, preexec_fn=file_size_limit(LIMIT), env=WIDE)
+    result = run_prepack("build", data, "--out", out, *options, preexec_fn=file_size_limit(limit), env=WIDE)
     assert result.returncode == 2, result.stderr
     message = " ".join(result.stderr.split())
     assert "Traceback" not in message and "File too large" in message and failing in message, message

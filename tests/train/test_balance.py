@@ -20,7 +20,7 @@ from prepack.training.dataset import PackedDataset
 from prepack.check.report import inspect_build
 from prepack.building.plan import assign_packs
 from prepack.training.sampler import PackedSampler
-from tests.cli import run_prepack
+from tests.cli import invoke_prepack, run_prepack
 from tests.corpus import corpus_table, write_corpus
 
 
@@ -125,9 +125,9 @@ def test_inspect_reports_the_steps_the_sampler_deals(packed):
     result = run_prepack(*args, "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["steps"] == report.steps.model_dump(mode="json")
-    text = run_prepack(*args).stdout
+    text = invoke_prepack(*args).stdout
     assert 'balance="attention"' in text and f"{report.steps.balanced_max_over_mean:.3f}" in text
-    result = run_prepack(*args[:2], "--world-size", "0")
+    result = invoke_prepack(*args[:2], "--world-size", "0")
     assert result.returncode == 2
 
 
@@ -150,7 +150,7 @@ def test_a_token_cost_that_is_not_a_finite_number_is_refused_where_it_enters(pac
 @pytest.mark.slow
 def test_inspect_json_is_strict_json(packed):
     for cost in ("nan", "inf", "1e300"):
-        result = run_prepack("inspect", packed, "--world-size", "2", "--token-cost", cost, "--json")
+        result = invoke_prepack("inspect", packed, "--world-size", "2", "--token-cost", cost, "--json")
         assert result.returncode == 2 and "token" in result.stderr and result.stdout == "", (cost, result)
         assert "Traceback" not in result.stderr
 

@@ -36,7 +36,7 @@ from prepack.training.collate import PackedCollator
 from prepack.training.dataset import open_hf_dataset
 from prepack.training.preference import dpo_loss, ipo_loss, model_inputs, pair_logps
 from prepack.training.reference import stored_reference, write_reference_logps
-from tests.cli import WIDE, failure, run_prepack
+from tests.cli import WIDE, failure, invoke_prepack, run_prepack
 from tests.train.test_preference import BETA, PAIRS, pair_build, pairs_of
 from tests.train.test_preference import tiny_llama as preference_tiny_llama
 
@@ -370,12 +370,12 @@ def test_verify_reference_finds_every_tampering(build, reference, tmp_path, tamp
 
 
 def test_verify_command_checks_the_reference(build, reference, tmp_path):
-    clean = run_prepack("verify", build, "--reference", reference)
+    clean = invoke_prepack("verify", build, "--reference", reference)
     assert clean.returncode == 0 and "reference log-probabilities checked" in clean.stdout, clean.stderr
     out = tmp_path / "values"
     shutil.copytree(reference, out)
     _nan(out, "reference-00000.arrow")
-    found = run_prepack("verify", build, "--reference", out)
+    found = invoke_prepack("verify", build, "--reference", out)
     assert found.returncode == 1 and "is not a log-probability" in found.stdout, (found.stdout, found.stderr)
 
 
@@ -394,9 +394,9 @@ def test_reference_logps_command_writes_the_library_s_values(build, reference, t
     assert verify_reference(build, out) == []
     # The same model from another directory is the same model: the run checks every file and computes none.
     shutil.copytree(tmp_path / "ref-model", tmp_path / "moved")
-    again = run_prepack("reference-logps", build, "--model", tmp_path / "moved", "--out", out, "--device", "cpu", env=WIDE)
+    again = invoke_prepack("reference-logps", build, "--model", tmp_path / "moved", "--out", out, "--device", "cpu", env=WIDE)
     assert again.returncode == 0, again.stderr
-    message = failure(run_prepack("reference-logps", build, "--model", tmp_path / "nowhere", "--out", out, env=WIDE))
+    message = failure(invoke_prepack("reference-logps", build, "--model", tmp_path / "nowhere", "--out", out, env=WIDE))
     assert "nowhere: no such model directory." in message
 
 
