@@ -193,8 +193,8 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's or GLM-4V's, Gemma 3's,
     CLIP's as LLaVA uses (or Video-LLaVA's), LLaVA-NeXT's or LLaVA-OneVision's tiling ones, Idefics3's or SmolVLM's,
     GOT-OCR2's as InternVL uses it, tiled or not, Pixtral's as Mistral 3 uses it, SigLIP's as PaliGemma or Gemma 3n
-    uses it, by the `processor_class` recorded, LFM2-VL's, Gemma 4's, whose placeholder texts come from
-    `tokenizer_config.json` as Gemma4Processor takes them from its tokenizer) and its sizes;
+    uses it, by the `processor_class` recorded, LFM2-VL's, Gemma 4's, whose placeholder texts are the
+    tokenizer's named special tokens, as Gemma4Processor takes them, `load_tokenizer`'s reading) and its sizes;
     `processor_config.json` (optional) may name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for
     fixed-size and tiled towers, the count (`image_seq_length`, or LLaVA's `patch_size` and
     `vision_feature_select_strategy`, LLaVA-NeXT's `num_additional_image_tokens`, LLaVA-OneVision's

@@ -418,6 +418,7 @@ def test_image_blocks_of_precomputed_features_equal_each_sample_alone(model_type
     assert logit_diff < TOLERANCE and loss_diff < LOSS_TOLERANCE, (logit_diff, loss_diff)
 
 
+@pytest.mark.slow
 def test_gemma3_text_batch_with_its_token_types_all_zero_is_accepted_on_flash(request):
     """VisionCollator gives a text-only batch an all-zero token_type_ids: no image there, so it stays a text batch,
     isolated on flash (Gemma 3's image batches are refused there), each document as alone."""
