@@ -51,7 +51,10 @@ per row. There `seq_idx` is dropped (not needed; transformers' torch fallbacks r
 refused on every backend. Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep position_ids from their backbone,
 so their guard sits on the causal LM.
 
-An image batch (one with `pixel_values`, or `pixel_values_videos`) is held to the vision table
+An image batch (one with `pixel_values`, `pixel_values_videos` or precomputed `mm_encoder_outputs`, or, for Gemma 3
+and Gemma 4, whose token types mark an image block: transformers builds their blocks from the types alone, so
+precomputed `inputs_embeds` with them are an image batch too; reading the types costs one break under
+`torch.compile`) is held to the vision table
 (`prepack.model.vision_families`, docs/vision-support.md) and checked by `prepack.model.vision_packing`: families
 never measured with images are refused by name, fields that override a vision tower's per-image segments are
 refused, Qwen's 3-D rotary positions need their text row, and Gemma 3's layer masks are built by prepack. On flash
@@ -86,8 +89,8 @@ with optional_imports("enable_packing"):
 from prepack.training.collate import segment_fields
 from prepack.model.shared_prompt import shared_prompt_kwargs
 from prepack.model.stateful import STATEFUL_LAYERS, DocumentSegments, PerDocumentLayers, install_per_document_layers
-from prepack.model.vision_families import VISION_FAMILIES, image_refusal
-from prepack.model.vision_packing import checked_image_batch
+from prepack.model.vision_families import IMAGE_BLOCKS, VISION_FAMILIES, image_refusal
+from prepack.model.vision_packing import checked_image_batch, image_block_tokens
 
 __all__ = ["FLASH_ATTENTION", "SUPPORTED_ATTENTION", "disable_packing", "enable_packing"]
 
@@ -281,10 +284,9 @@ class _PackedBatchGuard:
             kwargs = shared_prompt_kwargs(kwargs, config, attn, how, module.dtype)
             self._position_the_temperature(kwargs)
             return (), _without_cache(kwargs, flash)
-        pixels = kwargs.get("pixel_values") is not None or kwargs.get("pixel_values_videos") is not None
-        if pixels and self.family.checked:
-            # Images or videos (a batch of videos alone has no pixel_values): the vision table's verdict, the
-            # towers' own segments, the family's positions and masks.
+        if self.family.checked and _is_image_batch(kwargs, self.family.model_type):
+            # Images or videos: the vision table's verdict, the towers' own segments, the family's positions and
+            # masks.
             family = self.family
             kwargs = checked_image_batch(module, kwargs, family.model_type, family.model_class, attn)
             style = VISION_FAMILIES[family.model_type].style
@@ -325,6 +327,23 @@ class _PackedBatchGuard:
                 "trace as one graph: with fullgraph=False the model's forward runs uncompiled (isolated), as without torch.compile."
             )
         self.per_document.segments = _document_segments(kwargs, tokens)
+
+
+_IMAGE_INPUTS = ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")  # a batch of videos has no pixel_values
+
+
+def _is_image_batch(kwargs: dict[str, Any], model_type: str) -> bool:
+    """Whether the batch carries images: pixels, videos or precomputed features, or (an image-blocks family) token
+    types that mark a block, from which transformers builds its blocks whatever else is given. The values count, not
+    the field: VisionCollator gives a text-only batch the field all zero, a text batch (Gemma 3's isolated on flash)."""
+    if any(kwargs.get(key) is not None for key in _IMAGE_INPUTS):
+        return True
+    family = VISION_FAMILIES.get(model_type)
+    if family is None or family.style != "image blocks":
+        return False
+    blocks = IMAGE_BLOCKS[model_type]
+    token_types = kwargs.get(blocks.token_types)
+    return token_types is not None and bool(image_block_tokens(token_types, blocks).any())
 
 
 def _with_offsets(kwargs: dict[str, Any], tokens: torch.Tensor, flash: bool) -> dict[str, Any]:

@@ -60,8 +60,8 @@ from prepack.model.families import (
     verdict_table,
 )
 
-__all__ = ["IMAGE_BLOCK_TOKEN_TYPES", "VISION_FAMILIES", "ImageStyle", "VisionFamily", "fails_alone", "fails_packed",
-           "image_refusal", "image_style", "markdown", "needs", "not_built", "not_run", "VIDEO_RULES"]
+__all__ = ["IMAGE_BLOCKS", "VISION_FAMILIES", "ImageBlocks", "ImageStyle", "VisionFamily", "fails_alone",
+           "fails_packed", "image_refusal", "image_style", "markdown", "needs", "not_built", "not_run", "VIDEO_RULES"]
 
 ImageStyle = Literal["3-D rotary", "restart", "image blocks", "prefix blocks"]
 
@@ -436,9 +436,29 @@ VIDEO_RULES: dict[str, Literal["qwen2", "qwen3", "frames"]] = {
 }
 
 
-# The image blocks' token types by family, and the types that make a block: Gemma 3's token_type_ids (1 at image
-# placeholders), Gemma 4's mm_token_type_ids (1 at image, 2 at video placeholders: get_block_sequence_ids_for_mask).
-IMAGE_BLOCK_TOKEN_TYPES = {"gemma3": ("token_type_ids", (1,)), "gemma4": ("mm_token_type_ids", (1, 2))}
+@dataclass(frozen=True)
+class ImageBlocks:
+    """What an "image blocks" family's batches and masks need: the field that types its tokens, the types that make a
+    block, the layer types whose blocks attend both ways, and the image processor's output that counts each image's
+    placeholders (None: a fixed count, the config's mm_tokens_per_image)."""
+
+    token_types: str
+    block_types: tuple[int, ...]
+    layers: tuple[str, ...]
+    # Gemma 4: blocks only with use_bidirectional_attention="vision" (without it transformers' masks are causal)
+    needs_bidirectional_vision: bool = False
+    image_counts: str | None = None
+
+
+# Every "image blocks" family of VISION_FAMILIES has its entry. Gemma 3: token_type_ids, 1 at image placeholders,
+# blocks on every layer. Gemma 4: mm_token_type_ids, 1 at image and 2 at video placeholders
+# (get_block_sequence_ids_for_mask), blocks on its sliding layers only (its create_masks_for_vision_model keeps the
+# full layers causal), each image's placeholders by its size (Gemma4ImageProcessor's num_soft_tokens_per_image).
+IMAGE_BLOCKS = {
+    "gemma3": ImageBlocks("token_type_ids", (1,), ("full_attention", "sliding_attention")),
+    "gemma4": ImageBlocks("mm_token_type_ids", (1, 2), ("sliding_attention",), needs_bidirectional_vision=True,
+                          image_counts="num_soft_tokens_per_image"),
+}
 
 
 def image_style(model_type: str) -> ImageStyle:

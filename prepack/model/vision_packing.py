@@ -1,5 +1,6 @@
-"""What `enable_packing`'s guard does with a packed image+text batch (one that carries `pixel_values` or
-`pixel_values_videos`).
+"""What `enable_packing`'s guard does with a packed image+text batch: one that carries `pixel_values`,
+`pixel_values_videos` or precomputed image features (`mm_encoder_outputs`), or, for an image-blocks family, whose
+token types mark an image block (transformers builds Gemma 3's and Gemma 4's blocks from the types alone).
 
 - The family must be isolated for images on the backend (`prepack.model.vision_families`), else IsolationError
   naming it.
@@ -17,8 +18,9 @@
   image block) AND same sample (AND within the window, counted in positions, on sliding layers). On
   flex_attention the same function builds them as BlockMasks. Gemma 4 (`mm_token_type_ids`) likewise, its
   image blocks on the sliding layers only and only with `use_bidirectional_attention="vision"`, as its
-  `create_masks_for_vision_model` has them (its own sliding mask misplaces them as Gemma 3's does: measured 0.37 on
-  logits, tests/model/test_vision.py); "all" is refused.
+  `create_masks_for_vision_model` has them (its own sliding mask misplaces them as Gemma 3's does: tests/model/
+  test_vision.py asserts the leak, and that blocks on every layer or on none leak too); "all" is refused. Each
+  family's field, block types and layers: `prepack.model.vision_families.IMAGE_BLOCKS`.
 - Prefix blocks (PaliGemma): transformers ORs one block over every token typed 0 in the row (each sample's prefix)
   into the causal mask and ANDs the per-sample mask it builds from the restarting positions, which keeps each
   prefix inside its sample (measured); with an attention_mask it builds no per-sample mask (measured: the samples
@@ -31,13 +33,13 @@ from __future__ import annotations
 from typing import Any
 
 from prepack.errors import IsolationError, optional_imports
-from prepack.model.vision_families import IMAGE_BLOCK_TOKEN_TYPES, VISION_FAMILIES, image_refusal
+from prepack.model.vision_families import IMAGE_BLOCKS, VISION_FAMILIES, ImageBlocks, image_refusal
 
 with optional_imports("enable_packing"):
     import torch
     from transformers.masking_utils import create_causal_mask
 
-__all__ = ["VISION_TOWER_OVERRIDES", "checked_image_batch"]
+__all__ = ["VISION_TOWER_OVERRIDES", "checked_image_batch", "image_block_tokens"]
 
 # transformers.vision_utils / utils.generic pop these from the forward's kwargs and use them as given, under
 # their own names or prefixed with a modality (`image_cu_seqlens`: `accepts_precomputed_kwargs` strips it).
@@ -73,32 +75,39 @@ def checked_image_batch(
     position_ids = kwargs.get("position_ids")
     if style == "3-D rotary" and position_ids is not None:
         _require_text_positions(position_ids)
-    token_types, block_types = IMAGE_BLOCK_TOKEN_TYPES.get(model_type, (None, ()))
-    if style == "image blocks" and position_ids is not None and kwargs.get(token_types) is not None:
+    if style != "image blocks":
+        return kwargs
+    blocks = IMAGE_BLOCKS[model_type]
+    if position_ids is not None and kwargs.get(blocks.token_types) is not None:
         if kwargs.get("attention_mask") is not None:
             raise IsolationError(
-                f"A packed {model_type} image batch with an attention_mask: pass position_ids and {token_types} only "
-                "(VisionCollator's batch); prepack builds the masks from them."
+                f"A packed {model_type} image batch with an attention_mask: pass position_ids and "
+                f"{blocks.token_types} only (VisionCollator's batch); prepack builds the masks from them."
             )
-        blocks = _image_block_layers(module.config.get_text_config(), model_type)
-        is_block = torch.isin(kwargs[token_types], torch.tensor(block_types, device=position_ids.device))
-        kwargs = {**kwargs, "attention_mask": _image_block_masks(module, position_ids, is_block, blocks)}
+        layers = _image_block_layers(module.config.get_text_config(), model_type, blocks)
+        is_block = image_block_tokens(kwargs[blocks.token_types], blocks)
+        kwargs = {**kwargs, "attention_mask": _image_block_masks(module, position_ids, is_block, layers)}
     return kwargs
 
 
-def _image_block_layers(config, model_type: str) -> tuple[str, ...]:
-    """The layer types whose image blocks attend both ways: Gemma 3's every layer; Gemma 4's sliding layers only,
-    and only with `use_bidirectional_attention="vision"` (its `create_masks_for_vision_model` keeps the full layers
-    causal; without the setting transformers' masks are causal throughout)."""
-    if model_type != "gemma4":
-        return ("full_attention", "sliding_attention")
+def image_block_tokens(token_types: torch.Tensor, blocks: ImageBlocks) -> torch.Tensor:
+    """Where `token_types` marks a token of an image block, as transformers' get_block_sequence_ids_for_mask reads
+    them."""
+    return torch.isin(token_types, torch.tensor(blocks.block_types, device=token_types.device))
+
+
+def _image_block_layers(config, model_type: str, blocks: ImageBlocks) -> tuple[str, ...]:
+    """The layer types whose image blocks attend both ways: the family's (`IMAGE_BLOCKS`), for Gemma 4 only with
+    `use_bidirectional_attention="vision"` (without the setting transformers' masks are causal throughout)."""
+    if not blocks.needs_bidirectional_vision:
+        return blocks.layers
     bidirectional = config.use_bidirectional_attention
     if bidirectional == "all":
         raise IsolationError(
-            "A packed gemma4 image batch with use_bidirectional_attention='all': every token attends both ways, which "
-            "prepack has not measured with images. Train it without packing (one sample per row)."
+            f"A packed {model_type} image batch with use_bidirectional_attention='all': every token attends both "
+            "ways, which prepack has not measured with images. Train it without packing (one sample per row)."
         )
-    return ("sliding_attention",) if bidirectional == "vision" else ()
+    return blocks.layers if bidirectional == "vision" else ()
 
 
 def _require_text_positions(position_ids: torch.Tensor) -> None:

@@ -193,8 +193,8 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
     `preprocessor_config.json` names the image processor (`image_processor_type`: Qwen2-VL's or GLM-4V's, Gemma 3's,
     CLIP's as LLaVA uses (or Video-LLaVA's), LLaVA-NeXT's or LLaVA-OneVision's tiling ones, Idefics3's or SmolVLM's,
     GOT-OCR2's as InternVL uses it, tiled or not, Pixtral's as Mistral 3 uses it, SigLIP's as PaliGemma or Gemma 3n
-    uses it, by the `processor_class` recorded, LFM2-VL's, Gemma 4's, whose placeholder texts come from
-    `tokenizer_config.json` as Gemma4Processor takes them from its tokenizer) and its sizes;
+    uses it, by the `processor_class` recorded, LFM2-VL's, Gemma 4's, whose placeholder texts are the
+    tokenizer's named special tokens, as Gemma4Processor takes them, `load_tokenizer`'s reading) and its sizes;
     `processor_config.json` (optional) may name the tokens (`image_token`, `boi_token`, `eoi_token`) and, for
     fixed-size and tiled towers, the count (`image_seq_length`, or LLaVA's `patch_size` and
     `vision_feature_select_strategy`, LLaVA-NeXT's `num_additional_image_tokens`, LLaVA-OneVision's
@@ -215,8 +215,10 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         )
     siglip_for = _siglip_processor(config, processor, processor_file) if kind == "SiglipImageProcessor" else None
     gemma = kind == "Gemma3ImageProcessor" or siglip_for == "Gemma3nProcessor"
+    tokenizer = None
     if kind in _TOKENIZER_PLACEHOLDERS:
-        start, placeholder, end = _tokenizer_tokens(directory / "tokenizer_config.json", _TOKENIZER_PLACEHOLDERS[kind])
+        tokenizer = _load_tokenizer(directory)
+        start, placeholder, end = _tokenizer_tokens(tokenizer, directory, _TOKENIZER_PLACEHOLDERS[kind])
     else:
         # Gemma 3n: Gemma 3's image tokens (Gemma 3n's tokenizer has the same)
         start, placeholder, end = _PLACEHOLDERS["Gemma3ImageProcessor" if siglip_for == "Gemma3nProcessor" else kind]
@@ -293,14 +295,19 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         rule = ImageRule(placeholder=placeholder, start=start, end=end, **fields)
     except ValueError as exc:  # pydantic's upper bounds
         raise InputError(f"{config_file}: the processor's sizes are out of range ({exc}).") from None
-    return rule, _placeholder_id(directory, placeholder, "image")
+    return rule, _placeholder_id(directory, placeholder, "image", tokenizer)
 
 
-def _placeholder_id(directory: Path, placeholder: str, kind: str) -> int:
-    """The id of `placeholder`, which must be one special token of the directory's tokenizer."""
+def _load_tokenizer(directory: Path):
     from prepack.sources.tokenize import load_tokenizer  # here: `verify --images` reads images, no tokenizer
 
-    tokenizer = load_tokenizer(directory).tokenizer
+    return load_tokenizer(directory)
+
+
+def _placeholder_id(directory: Path, placeholder: str, kind: str, tokenizer=None) -> int:
+    """The id of `placeholder`, which must be one special token of the directory's tokenizer (`tokenizer`, that
+    directory's `LocalTokenizer` when already read)."""
+    tokenizer = (tokenizer or _load_tokenizer(directory)).tokenizer
     placeholder_id = tokenizer.token_to_id(placeholder)
     encoded = tokenizer.encode(placeholder * 2, add_special_tokens=False).ids
     if placeholder_id is None or encoded != [placeholder_id, placeholder_id]:
@@ -534,20 +541,15 @@ def _gemma4_fields(config: dict, config_file: Path) -> dict:
             "merge_size": _positive(config, config_file, "pooling_kernel_size", 3)}
 
 
-def _tokenizer_tokens(file: Path, names: tuple[str, ...]) -> tuple[str, ...]:
-    """The tokenizer's special token texts of `names`, as transformers' tokenizer sets them from tokenizer_config.json:
-    `model_specific_special_tokens`, then the top-level `*_token` keys, then an `extra_special_tokens` mapping."""
-    config = _json(file) if file.exists() else {}
-    sources = [_mapping(config, file, "model_specific_special_tokens"), config]
-    if isinstance(config.get("extra_special_tokens"), dict):
-        sources.append(config["extra_special_tokens"])
-    found = []
-    for name in names:
-        value = next((source[name] for source in sources if source.get(name) is not None), None)
-        if not isinstance(value, str) or not value:
-            raise InputError(f"{file}: {name} is {value!r}; the processor takes its image tokens from the tokenizer, "
-                             "which needs each as a string.")
-        found.append(value)
+def _tokenizer_tokens(tokenizer, directory: Path, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The texts of the tokenizer's named special tokens `names` (`LocalTokenizer.special_tokens`, read as
+    transformers' tokenizer reads them)."""
+    found = [tokenizer.special_tokens.get(name) for name in names]
+    missing = [name for name, value in zip(names, found) if not value]
+    if missing:
+        raise InputError(f"{directory / 'tokenizer_config.json'}: no {', '.join(missing)} (a string, or "
+                         "{\"content\": ...}); the processor takes its image tokens from the tokenizer's named special "
+                         "tokens.")
     return tuple(found)
 
 

@@ -112,13 +112,16 @@ def _read_json(path: Path, contents: bytes) -> dict:
 
 
 def _special_tokens(config: dict) -> dict[str, str]:
-    """`*_token` entries, written as a string or as a serialized AddedToken {"content": …}."""
+    """`*_token` entries, written as a string or as a serialized AddedToken {"content": …}: the top-level keys, then
+    those of an `extra_special_tokens` mapping over them, as transformers' tokenizer takes its named tokens."""
     tokens = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            value = value.get("content")
-        if key.endswith("_token") and isinstance(value, str):
-            tokens[key] = value
+    extra = config.get("extra_special_tokens")
+    for source in (config, extra if isinstance(extra, dict) else {}):
+        for key, value in source.items():
+            if isinstance(value, dict):
+                value = value.get("content")
+            if key.endswith("_token") and isinstance(value, str):
+                tokens[key] = value
     return tokens
 
 

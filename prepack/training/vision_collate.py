@@ -73,7 +73,7 @@ from prepack.training.collate import PackedCollator
 from prepack.errors import InputError, UsageError, optional_imports
 from prepack.formats.images import DEFAULT_VIDEO_FPS, MAX_IMAGE_PIXELS
 from prepack.formats.shards import IGNORE_INDEX
-from prepack.model.vision_families import IMAGE_BLOCK_TOKEN_TYPES, VIDEO_RULES, ImageStyle, image_style
+from prepack.model.vision_families import IMAGE_BLOCKS, VIDEO_RULES, ImageStyle, image_style
 
 with optional_imports("VisionCollator"):
     import torch
@@ -108,8 +108,9 @@ class VisionSpec:
     video_token_id: int | None = None
     video_steps_apart: bool = False
     tokens_per_second: float | None = None
-    # Image blocks: the field that marks the placeholders (Gemma 3's token_type_ids, Gemma 4's mm_token_type_ids).
-    token_types: str = "token_type_ids"
+    # Image blocks: the field that marks the placeholders (IMAGE_BLOCKS': Gemma 3's token_type_ids, Gemma 4's
+    # mm_token_type_ids).
+    token_types: str | None = None
     # The image processor's output that gives each image's placeholders (Gemma 4's num_soft_tokens_per_image, by
     # its size), checked per pack and kept out of the batch.
     image_counts: str | None = None
@@ -129,11 +130,11 @@ class VisionSpec:
                              video_steps_apart=VIDEO_RULES[config.model_type] == "qwen3",
                              tokens_per_second=getattr(config.vision_config, "tokens_per_second", None))
             return cls(style, image_token_id, merge_size=config.vision_config.spatial_merge_size, **video)
-        if style == "image blocks" and config.model_type == "gemma4":
-            return cls(style, image_token_id, token_types=IMAGE_BLOCK_TOKEN_TYPES["gemma4"][0],
-                       image_counts="num_soft_tokens_per_image")
         if style == "image blocks":
-            return cls(style, image_token_id, tokens_per_image=config.mm_tokens_per_image)
+            blocks = IMAGE_BLOCKS[config.model_type]
+            count = {"image_counts": blocks.image_counts} if blocks.image_counts else {
+                "tokens_per_image": config.mm_tokens_per_image}
+            return cls(style, image_token_id, token_types=blocks.token_types, **count)
         if getattr(config, "image_grid_pinpoints", None) or config.model_type in (*SPLITTING_FAMILIES, "lfm2_vl"):
             # tiled (LFM2-VL's NaFlex tiles too): the count follows the image's size
             return cls(style, image_token_id, **_frame_video(config))
@@ -273,6 +274,9 @@ class VisionCollator:
     ):
         if pad_token_id == spec.image_token_id:
             raise UsageError(f"pad_token_id {pad_token_id} is the image placeholder; pick another id.")
+        if spec.style == "image blocks" and spec.token_types is None:
+            raise UsageError("An image-blocks VisionSpec needs token_types, the field that marks its placeholders "
+                             "(VisionSpec.of gives each family's).")
         if not 1 <= max_image_pixels <= max_batch_pixels:
             raise UsageError(
                 f"max_image_pixels ({max_image_pixels}) must be at least 1 and at most max_batch_pixels "

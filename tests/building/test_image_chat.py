@@ -1235,8 +1235,8 @@ def test_gemma4_budgets_are_its_image_processors():
          "max_soft_tokens is 100; Gemma 4's image processor takes"),
         ("preprocessor_config.json", {"do_resize": False}, "do_resize is False"),
         ("preprocessor_config.json", {"pooling_kernel_size": 0}, "pooling_kernel_size is 0"),
-        ("tokenizer_config.json", {"boi_token": None}, "boi_token is None"),
-        ("tokenizer_config.json", {"image_token": 7}, "image_token is 7"),
+        ("tokenizer_config.json", {"boi_token": None}, "no boi_token (a string, or"),
+        ("tokenizer_config.json", {"image_token": 7, "eoi_token": ""}, "no image_token, eoi_token (a string, or"),
     ],
 )
 def test_a_gemma4_processor_that_cannot_count_is_a_named_error(gemma4_processor, tmp_path, file, edit, message):
@@ -1247,6 +1247,31 @@ def test_a_gemma4_processor_that_cannot_count_is_a_named_error(gemma4_processor,
     (directory / file).write_text(json.dumps(config))
     with pytest.raises(InputError, match=re.escape(f"{directory / file}: {message}")):
         processor_rule(directory)
+
+
+@pytest.mark.parametrize("form", ["content", "extra_special_tokens", "special_tokens_map"])
+def test_gemma4_image_tokens_are_read_in_each_form_transformers_tokenizer_takes(gemma4_processor, tmp_path, form):
+    """Gemma 4's image token written as an AddedToken ({"content": ...}), in an extra_special_tokens mapping (which
+    wins over a top-level key) or in special_tokens_map.json: the tokenizer transformers loads has that image token,
+    and prepack counts the same rule and placeholder id from it."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    directory = shutil.copytree(gemma4_processor[0], tmp_path / "proc")
+    file = directory / "tokenizer_config.json"
+    config = json.loads(file.read_text())
+    image = config["image_token"]
+    if form == "content":
+        config["image_token"] = {"__type": "AddedToken", "content": image, "special": True}
+    elif form == "extra_special_tokens":
+        config |= {"image_token": config["boi_token"], "extra_special_tokens": {"image_token": image}}
+    else:
+        del config["image_token"]
+        (directory / "special_tokens_map.json").write_text(json.dumps({"image_token": image}))
+    file.write_text(json.dumps(config))
+    assert AutoTokenizer.from_pretrained(directory).image_token == image
+    assert processor_rule(directory) == processor_rule(gemma4_processor[0])
 
 
 # LFM2-VL's tokens (LiquidAI's tokenizer has them as special tokens): its image's, its thumbnail's, its tiles'.

@@ -36,7 +36,7 @@ from prepack.model.isolation import default_tolerances
 from prepack.model import packing
 from prepack.model.packing import FLASH_ATTENTION
 from prepack.model.tiny_vision_models import tiny_vision_config, tiny_vision_model
-from prepack.model.vision_families import VISION_FAMILIES
+from prepack.model.vision_families import IMAGE_BLOCKS, VISION_FAMILIES
 from prepack.model.vision_sweep import _features_per_image
 from prepack.training.collate import segment_fields
 from prepack.training.vision_collate import VisionCollator, VisionSpec, rotary_3d_positions
@@ -380,19 +380,58 @@ def test_gemma3_image_blocks_are_needed():
 
 
 @pytest.mark.slow
-def test_gemma4_own_sliding_mask_leaks_packed_image_blocks_and_layer_masks_are_needed():
+def test_gemma4_own_sliding_mask_leaks_packed_image_blocks_and_only_prepacks_layer_choice_is_exact(monkeypatch):
     """The leak controls of Gemma 4's layer masks: without enable_packing transformers' own sliding mask reads each
     image block at the positions remapped within each sample, so packed samples differ from each alone (if
-    transformers mends it, this fails and the family may be isolated natively); without mm_token_type_ids its
-    images attend causally only, not as the sample alone gets them."""
+    transformers mends it, this fails and the family may be isolated natively). With enable_packing, image blocks on
+    every layer (Gemma 3's choice) or on none leak too: only its sliding layers, prepack's choice, give each sample
+    as alone."""
+    from prepack.model import vision_packing
+
     model, _, made, collator = setup("gemma4")
     batch = collator(packs_of(made))
     logit_diff, _, groups = compare_groups(model, collator, made, batch)
     assert logit_diff > 1e-3 and groups[VISION_TOWER] > 1e-3, (logit_diff, groups)
     enable_packing(model)
-    del batch["mm_token_type_ids"]
     logit_diff, _, _ = compare(model, collator, made, batch, gradients=False)
-    assert logit_diff > 1e-3
+    assert logit_diff < TOLERANCE, logit_diff
+    for layers in (("full_attention", "sliding_attention"), ()):
+        monkeypatch.setattr(vision_packing, "_image_block_layers", lambda *_, layers=layers: layers)
+        logit_diff, _, _ = compare(model, collator, made, batch, gradients=False)
+        assert logit_diff > 1e-3, (layers, logit_diff)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma4"])
+def test_image_blocks_of_precomputed_features_equal_each_sample_alone(model_type):
+    """transformers builds Gemma 3's and Gemma 4's image blocks from the token types alone, pixels or not: a packed
+    batch whose image features come precomputed (mm_encoder_outputs) gets prepack's layer masks as one with
+    pixel_values does, not transformers' misplaced blocks."""
+    model, _, made, collator = setup(model_type)
+    batch = collator(packs_of(made))
+    pixels = {key: batch.pop(key) for key in ("pixel_values", "image_position_ids") if key in batch}
+    with torch.no_grad():
+        features = model.model.get_image_features(**pixels, return_dict=True)
+    enable_packing(model)
+    batch["mm_encoder_outputs"] = {"image": features}
+    logit_diff, loss_diff, _ = compare(model, collator, made, batch, gradients=False)
+    assert logit_diff < TOLERANCE and loss_diff < LOSS_TOLERANCE, (logit_diff, loss_diff)
+
+
+@pytest.mark.slow
+def test_gemma3_text_batch_with_its_token_types_all_zero_is_accepted_on_flash(request):
+    """VisionCollator gives a text-only batch an all-zero token_type_ids: no image there, so it stays a text batch,
+    isolated on flash (Gemma 3's image batches are refused there), each document as alone."""
+    stand_in(request, "flash_attention_2")
+    model = enable_packing(enable_flash_attention(tiny_vision_model("gemma3", "sdpa"), "flash_attention_2"))
+    ids = torch.randint(3, 60, (1, 12))
+    types = torch.zeros_like(ids)
+    with torch.no_grad():
+        logits = model(ids, position_ids=torch.tensor([[*range(5), *range(7)]]), token_type_ids=types,
+                       use_cache=False).logits
+        for start, end in ((0, 5), (5, 12)):
+            alone = model(ids[:, start:end], token_type_ids=types[:, start:end], use_cache=False).logits
+            assert float((logits[:, start:end] - alone).abs().max()) < TOLERANCE
 
 
 def test_gemma4_image_blocks_follow_its_bidirectional_setting():
@@ -401,13 +440,13 @@ def test_gemma4_image_blocks_follow_its_bidirectional_setting():
     from prepack.model.vision_packing import _image_block_layers
 
     config = tiny_vision_config("gemma4").get_text_config()
-    assert _image_block_layers(config, "gemma4") == ("sliding_attention",)
-    assert _image_block_layers(config, "gemma3") == ("full_attention", "sliding_attention")
+    assert _image_block_layers(config, "gemma4", IMAGE_BLOCKS["gemma4"]) == ("sliding_attention",)
+    assert _image_block_layers(config, "gemma3", IMAGE_BLOCKS["gemma3"]) == ("full_attention", "sliding_attention")
     config.use_bidirectional_attention = None
-    assert _image_block_layers(config, "gemma4") == ()
+    assert _image_block_layers(config, "gemma4", IMAGE_BLOCKS["gemma4"]) == ()
     config.use_bidirectional_attention = "all"
-    with pytest.raises(IsolationError, match="use_bidirectional_attention='all'"):
-        _image_block_layers(config, "gemma4")
+    with pytest.raises(IsolationError, match="gemma4 image batch with use_bidirectional_attention='all'"):
+        _image_block_layers(config, "gemma4", IMAGE_BLOCKS["gemma4"])
 
 
 @pytest.mark.parametrize("model_type", ROTARY_3D)

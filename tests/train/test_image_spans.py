@@ -112,7 +112,9 @@ def test_fixed_count_spans_split_adjacent_images(style, model_type, separated, b
     lengths = max(len(ids) for ids, _, _ in packs)
     if max_len is not None and lengths > max_len:
         max_len = None
-    collator = VisionCollator(VisionSpec(style, IMAGE_ID, tokens_per_image=FIXED_TOKENS), image_processor(model_type),
+    token_types = "token_type_ids" if style == "image blocks" else None
+    spec = VisionSpec(style, IMAGE_ID, tokens_per_image=FIXED_TOKENS, token_types=token_types)
+    collator = VisionCollator(spec, image_processor(model_type),
                               pad_token_id=PAD_ID, max_len=max_len, image_spans=True)
     images = [png(w, h, 40 * n) for n, (w, h) in enumerate(SIZES)]
     out = collator([{"input_ids": ids, "cu_seqlens": cu, "images": [images[n] for n in numbers]}

@@ -68,7 +68,7 @@ def test_vision_batches_count_their_samples_whatever_the_shape_of_their_position
     [B, L] ones of the other styles: the real tokens are the packs' (text-only packs: no image processor)."""
     packs = random_packs(3, MAX_LEN, DOCUMENT_VOCAB, seed=2, labels=True)
     for spec in (VisionSpec("3-D rotary", DOCUMENT_VOCAB, merge_size=2),
-                 VisionSpec("image blocks", DOCUMENT_VOCAB, tokens_per_image=4),
+                 VisionSpec("image blocks", DOCUMENT_VOCAB, tokens_per_image=4, token_types="token_type_ids"),
                  VisionSpec("restart", DOCUMENT_VOCAB, tokens_per_image=4)):
         batch = VisionCollator(spec, None, max_len=MAX_LEN, pad_token_id=DOCUMENT_VOCAB + 1)(packs)
         counts = batch_tokens(batch)

@@ -94,3 +94,9 @@ def test_the_limits_are_options_and_images_within_them_are_decoded(decoded):
 def test_limits_that_cannot_hold_an_image_are_refused(limits):
     with pytest.raises(UsageError, match="max_image_pixels"):
         collator(**limits)
+
+
+def test_an_image_blocks_spec_without_its_token_type_field_is_refused():
+    """The field that marks an image-blocks family's placeholders has no default (Gemma 3's and Gemma 4's differ)."""
+    with pytest.raises(UsageError, match="needs token_types"):
+        VisionCollator(VisionSpec("image blocks", IMAGE_ID, tokens_per_image=TOKENS_PER_IMAGE), None)
