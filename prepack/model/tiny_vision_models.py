@@ -94,6 +94,8 @@ VISION_SIZES: dict[str, dict[str, Any]] = {
                                  "intermediate_layers_indices": [0], "vision_output_dim": 2 * HIDDEN}},
     # SigLIP at 4x4 patches; its projection to the text width is set at the top (PaliGemma copies it down).
     "paligemma": {"vision_config": {"image_size": 56, "patch_size": 14}, "projection_dim": HIDDEN},
+    # MobileNetV5 (timm) reads only model_args; the side its image processor resizes to is recorded beside them.
+    "gemma3n": {"vision_config": {"image_size": IMAGE_SIZE["gemma3n"]}},
     # Gemma 4 has no tower by default: one of 4-pixel patches pooled 2x2 (its processor's smallest budget, 70 tokens,
     # is then 280 patches an image, at most 140 a side), and the image blocks on as the larger checkpoints have them.
     "gemma4": {
@@ -234,7 +236,7 @@ def image_processor_for(config: transformers.PreTrainedConfig, qwen_pixels: dict
         from transformers.models.siglip2.image_processing_pil_siglip2 import Siglip2ImageProcessorPil
 
         return Siglip2ImageProcessorPil(patch_size=vision.patch_size, max_num_patches=LFM2_VL_PATCHES)
-    side = IMAGE_SIZE["gemma3n"] if config.model_type == "gemma3n" else vision.image_size  # timm's config has none
+    side = vision.image_size
     if config.model_type == "internvl":  # GOT-OCR2's image processor, untiled (as prepare-images counts it)
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 

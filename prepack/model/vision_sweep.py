@@ -246,10 +246,6 @@ def _pixels(model, images: int, seed: int) -> dict[str, torch.Tensor]:
     if _takes(model, "spatial_shapes"):  # NaFlex (SigLIP2): patch rows padded to one length, each image's grid
         return _naflex_pixels(model, images, generator, channels)
     side = getattr(vision, "image_size", None)
-    if side is None:  # a tower whose config names no side (Gemma 3n's timm MobileNetV5): its tiny model's
-        from prepack.model.tiny_vision_models import IMAGE_SIZE
-
-        side = IMAGE_SIZE.get(model.config.model_type)
     if side is None:
         raise ValueError(f"its vision config ({type(vision).__name__}) has no image_size")
     side = side if isinstance(side, int) else side[0]

@@ -214,19 +214,17 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
             f"is not one prepack counts placeholders for ({', '.join([*_PLACEHOLDERS, *_TOKENIZER_PLACEHOLDERS])})."
         )
     siglip_for = _siglip_processor(config, processor, processor_file) if kind == "SiglipImageProcessor" else None
-    gemma = kind == "Gemma3ImageProcessor" or siglip_for == "Gemma3nProcessor"
+    if siglip_for == "Gemma3nProcessor":  # Gemma 3's image tokens, text and count (Gemma 3n's tokenizer has the same)
+        kind = "Gemma3ImageProcessor"
     tokenizer = None
     if kind in _TOKENIZER_PLACEHOLDERS:
         tokenizer = _load_tokenizer(directory)
         start, placeholder, end = _tokenizer_tokens(tokenizer, directory, _TOKENIZER_PLACEHOLDERS[kind])
     else:
-        # Gemma 3n: Gemma 3's image tokens (Gemma 3n's tokenizer has the same)
-        start, placeholder, end = _PLACEHOLDERS["Gemma3ImageProcessor" if siglip_for == "Gemma3nProcessor" else kind]
-        if gemma:
-            start = _text(processor, processor_file, "boi_token", start)
-            end = _text(processor, processor_file, "eoi_token", end)
-        if siglip_for == "Gemma3nProcessor":  # its full_image_sequence: a blank line each side of the image
-            start, end = f"\n\n{start}", f"{end}\n\n"
+        start, placeholder, end = _PLACEHOLDERS[kind]
+        if kind == "Gemma3ImageProcessor":  # its processor's full_image_sequence: a blank line each side of the image
+            start = "\n\n" + _text(processor, processor_file, "boi_token", start)
+            end = _text(processor, processor_file, "eoi_token", end) + "\n\n"
         placeholder = _text(processor, processor_file, "image_token", placeholder)
     if kind in ("Qwen2VLImageProcessor", "Glm4vImageProcessor"):
         size = _mapping(config, config_file, "size")
@@ -248,7 +246,7 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
         }
         if kind == "Glm4vImageProcessor":  # an image counts as temporal_patch_size frames
             fields |= {"kind": "glm4v_grid", "frames": _positive(config, config_file, "temporal_patch_size", 2)}
-    elif gemma:
+    elif kind == "Gemma3ImageProcessor":
         fields = {"kind": "fixed", "tokens": _positive(processor, processor_file, "image_seq_length", 256)}
     elif kind == "Gemma4ImageProcessor":
         fields = _gemma4_fields(config, config_file)

@@ -760,7 +760,7 @@ def gemma3n_directory(directory, image_seq_length: int = 4):
     from tests.vision_inputs import family_processor_directory
 
     parts = SiglipImageProcessorPil(size={"height": 64, "width": 64})
-    tokens = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+    tokens = {**GEMMA_IMAGE_TOKENS,
               "audio_token": "<audio_soft_token>", "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>"}
     directory, tokenizer = family_processor_directory(
         directory, tokens, parts, {"image_seq_length": image_seq_length, "processor_class": "Gemma3nProcessor"})
@@ -768,20 +768,40 @@ def gemma3n_directory(directory, image_seq_length: int = 4):
                                        tokenizer=tokenizer, image_seq_length=image_seq_length)
 
 
+def gemma3_directory(directory, image_seq_length: int = 4):
+    """A Gemma 3 processor directory (Gemma 3's image processor at 64 pixels, the image tokens Gemma3Processor reads
+    from its tokenizer) and transformers' own Gemma3Processor over the same parts."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+    from tests.vision_inputs import family_processor_directory
+
+    parts = Gemma3ImageProcessorPil(size={"height": 64, "width": 64})
+    directory, tokenizer = family_processor_directory(directory, GEMMA_IMAGE_TOKENS, parts,
+                                                      {"image_seq_length": image_seq_length})
+    return directory, Gemma3Processor(image_processor=parts, tokenizer=tokenizer, image_seq_length=image_seq_length)
+
+
+# The image tokens Gemma 3's and Gemma 3n's processors read from their tokenizers.
+GEMMA_IMAGE_TOKENS = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
+
+
 @pytest.mark.parametrize("image_seq_length", [4, pytest.param(256, marks=pytest.mark.slow)])  # 256: its processor's default
-def test_gemma3n_placeholders_and_text_are_the_processors_own(tmp_path, image_seq_length):
-    """Gemma 3n (SigLIP's image processor, as Gemma3nProcessor uses it): image_seq_length `<image_soft_token>` per
-    image whatever its size, between `<start_of_image>` and `<end_of_image>` with a blank line each side (the
-    processor's `full_image_sequence`); the expanded text tokenizes to the ids Gemma3nProcessor gives the same prompt."""
+@pytest.mark.parametrize("made", [gemma3_directory, gemma3n_directory], ids=["gemma3", "gemma3n"])
+def test_gemma_placeholders_and_text_are_the_processors_own(tmp_path, made, image_seq_length):
+    """Gemma 3 (its own image processor, as Gemma3Processor uses it) and Gemma 3n (SigLIP's, as Gemma3nProcessor uses
+    it): image_seq_length `<image_soft_token>` per image whatever its size, between `<start_of_image>` and
+    `<end_of_image>` with a blank line each side (the processor's `full_image_sequence`); the expanded text tokenizes
+    to the ids the processor gives the same prompt."""
     from tests.vision_inputs import images_of_many_sizes
 
-    directory, processor = gemma3n_directory(tmp_path / "proc", image_seq_length)
+    directory, processor = made(tmp_path / "proc", image_seq_length)
     rule, placeholder_id = processor_rule(directory)
-    assert placeholder_id == processor.image_token_id
+    assert placeholder_id == processor.tokenizer.image_token_id
     for data in images_of_many_sizes():
         with Image.open(io.BytesIO(data)) as image:
             picture, size = image.convert("RGB"), image.size
-        out = processor(images=[picture], text=["a <image_soft_token> b"], return_tensors="np")
+        out = processor(images=[picture], text=[f"a {processor.image_token} b"], return_tensors="np")
         expected = out["input_ids"][0].tolist()
         assert processor.tokenizer.decode(expected) == "a " + rule.text(*size) + " b"
         assert processor.tokenizer("a " + rule.text(*size) + " b")["input_ids"] == expected
