@@ -4,9 +4,10 @@ source, for the video tests. Nothing downloaded, no video decoder.
 A video here is a list of frames of one size, each a crop of a photograph shifted a few pixels further, so that
 frames differ as a camera pan's do (`video_frames`), encoded as PNG (`video_bytes`), as prepack stores frames.
 
-transformers' Qwen-VL video processors import torchvision at module level, which this environment lacks;
-`transformers_source` runs the pieces the tests compare with (the module's `smart_resize`, a class's plain
-defaults and named methods) from the installed file's own text, without importing the module.
+transformers' Qwen-VL video processors import torchvision at module level, which prepack's Qwen-VL video path
+(`prepack.training.video_frames.FrameVideoProcessor`) does not need; `transformers_source` runs the pieces the tests
+compare with (the module's `smart_resize`, a class's plain defaults and named methods) from the installed file's own
+text, without importing the module.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def video_processor_directory(directory, kind: str = "qwen2", size: dict[str, in
     """`tests.vision_inputs.processor_directory` with `QWEN_VIDEO_TOKEN` added to its tokenizer and a
     `video_preprocessor_config.json` of transformers' Qwen2-VL (`kind` qwen2) or Qwen3-VL video processor, with
     the tiny towers' patch, merge and temporal sizes and `size` (by default the tiny towers' image bounds), in
-    the fields transformers writes. (transformers cannot write it here: its video processors need torchvision.)"""
+    the fields transformers writes (written here, so that the Qwen-VL tests need no torchvision)."""
     import json
 
     from tokenizers import Tokenizer
@@ -141,25 +142,10 @@ def frame_video_directory(directory, model_type: str, side: int = 56, patch: int
     return directory, tokenizer
 
 
-def frame_video_processor(directory, tokenizer, model_type: str):
-    """transformers' own LlavaNextVideoProcessor (or VideoLlavaProcessor) over the directory's image processor,
-    tokenizer and processor_config.json, its video processor prepack's CroppedFrameVideoProcessor of the directory's
-    video config (transformers' needs torchvision; its class check is skipped for that argument only): its own
-    counting and expansion of `<image>` and `<video>`."""
-    import json
-
-    from transformers import AutoImageProcessor, LlavaNextVideoProcessor, VideoLlavaProcessor
-
-    from prepack.training.video_frames import CroppedFrameVideoProcessor
+def frame_video_processor(directory, model_type: str):
+    """transformers' own LlavaNextVideoProcessor (or VideoLlavaProcessor) of the directory (its tokenizer, image and
+    video processors and processor_config.json): its own counting and expansion of `<image>` and `<video>`."""
+    from transformers import LlavaNextVideoProcessor, VideoLlavaProcessor
 
     family = LlavaNextVideoProcessor if model_type == "llava_next_video" else VideoLlavaProcessor
-
-    class WithFrames(family):
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name != "video_processor":
-                return super().check_argument_for_proper_class(argument_name, argument)
-            return None
-
-    settings = json.loads((directory / "processor_config.json").read_text())
-    return WithFrames(video_processor=CroppedFrameVideoProcessor.from_pretrained(directory),
-                      image_processor=AutoImageProcessor.from_pretrained(directory), tokenizer=tokenizer, **settings)
+    return family.from_pretrained(directory)

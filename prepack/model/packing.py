@@ -107,7 +107,7 @@ SUPPORTED_ATTENTION = (
 FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 _OFFSET_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _HOOK_ATTRIBUTE = "_prepack_packing_hook"
-_TOWER_HOOK_ATTRIBUTE = "_prepack_vision_tower_hook"
+_TOWER_HOOK_ATTRIBUTE = "_prepack_vision_tower_hooks"
 _PER_DOCUMENT_ATTRIBUTE = "_prepack_per_document_layers"
 _TEMPERATURE_ATTRIBUTE = "_prepack_document_temperature"
 # Causal LMs that hand their backbone neither position_ids nor the flash offsets (transformers 5.24: they keep
@@ -155,9 +155,9 @@ def enable_packing(
     temperature = _DocumentTemperature.install(model)
     guard = _PackedBatchGuard(_positional_parameters(decoder), family, per_document, temperature)
     setattr(model, _HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(guard, with_kwargs=True))
-    tower_hook = _keep_text_offsets_from_the_tower(model)
-    if tower_hook is not None:
-        setattr(model, _TOWER_HOOK_ATTRIBUTE, tower_hook)
+    tower_hooks = _keep_text_offsets_from_the_towers(model)
+    if tower_hooks:
+        setattr(model, _TOWER_HOOK_ATTRIBUTE, tower_hooks)
     if per_document is not None:
         setattr(model, _PER_DOCUMENT_ATTRIBUTE, per_document)
     if temperature is not None:
@@ -167,10 +167,11 @@ def enable_packing(
 
 def disable_packing(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
     """Remove what `enable_packing` installed (nothing happens if it was not)."""
-    for attribute in (_HOOK_ATTRIBUTE, _TOWER_HOOK_ATTRIBUTE):
-        handle = model.__dict__.pop(attribute, None)
-        if handle is not None:
-            handle.remove()
+    handle = model.__dict__.pop(_HOOK_ATTRIBUTE, None)
+    if handle is not None:
+        handle.remove()
+    for handle in model.__dict__.pop(_TOWER_HOOK_ATTRIBUTE, ()):
+        handle.remove()
     for attribute in (_PER_DOCUMENT_ATTRIBUTE, _TEMPERATURE_ATTRIBUTE):
         layers = model.__dict__.pop(attribute, None)
         if layers is not None:
@@ -356,7 +357,7 @@ def _with_offsets(kwargs: dict[str, Any], tokens: torch.Tensor, flash: bool) -> 
 
 def _with_text_offsets(kwargs: dict[str, Any], tokens: torch.Tensor) -> dict[str, Any]:
     """Packed 3-D rotary rows on flash attention: the offsets of their text row (the first of [4, B, L]), as a
-    text batch gets them (`_with_offsets`). The vision tower never sees them (`_keep_text_offsets_from_the_tower`)."""
+    text batch gets them (`_with_offsets`). The vision towers never see them (`_keep_text_offsets_from_the_towers`)."""
     position_ids = kwargs.get("position_ids")
     if position_ids is None or position_ids.ndim != 3:
         return kwargs
@@ -366,8 +367,10 @@ def _with_text_offsets(kwargs: dict[str, Any], tokens: torch.Tensor) -> dict[str
     return {**_with_offsets(text, tokens, flash=True), "position_ids": position_ids}
 
 
-def _keep_text_offsets_from_the_tower(model: transformers.PreTrainedModel):
-    """A pre-hook on the vision tower that drops the text's `cu_seq_lens_*`/`max_length_*`, or None.
+def _keep_text_offsets_from_the_towers(model: transformers.PreTrainedModel) -> list[torch.utils.hooks.RemovableHandle]:
+    """Pre-hooks on the vision towers that drop the text's `cu_seq_lens_*`/`max_length_*` (none for a text model):
+    the image tower's, and Video-LLaVA's `video_tower` beside it (its `get_encoder(modality="video")` answers the
+    image tower; its `get_video_features` hands its keyword arguments on to the video tower).
 
     The vision-language models hand their forward's keyword arguments on to the tower as well as to the
     decoder: on flash attention the text's offsets make LLaVA's CLIP tower attend over the text's segments
@@ -375,15 +378,17 @@ def _keep_text_offsets_from_the_tower(model: transformers.PreTrainedModel):
     (`accepts_precomputed_kwargs`); the hook does not rely on that.
     """
     if model.config.model_type not in VISION_FAMILIES:
-        return None
+        return []
     tower = model.get_encoder(modality="image")
     if tower is None or tower is model or tower is model.base_model:  # a text-only model of a vision family's type
-        return None
+        return []
+    video_tower = getattr(model.base_model, "video_tower", None)
 
     def drop_text_offsets(module, args, kwargs):
         return args, {key: value for key, value in kwargs.items() if key not in _OFFSET_KEYS}
 
-    return tower.register_forward_pre_hook(drop_text_offsets, with_kwargs=True)
+    return [each.register_forward_pre_hook(drop_text_offsets, with_kwargs=True)
+            for each in (tower, video_tower) if isinstance(each, torch.nn.Module)]
 
 
 class _DocumentTemperature:

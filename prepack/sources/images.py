@@ -282,9 +282,7 @@ def processor_rule(directory: str | os.PathLike) -> tuple[ImageRule, int]:
                 f"{directory}: a CLIP (LLaVA) processor needs crop_size and processor_config.json's patch_size."
             )
         with_cls = processor.get("vision_feature_select_strategy") == "full"  # "default" drops the CLS token
-        extra = processor.get("num_additional_image_tokens", 1) if with_cls else 0
-        if type(extra) is not int or extra < 0:
-            raise InputError(f"{processor_file}: num_additional_image_tokens is {extra!r}; expected a count.")
+        extra = _additional_image_tokens(processor, processor_file, 1) if with_cls else 0
         tokens = (side // patch) ** 2 + extra
         if tokens < 1:
             raise InputError(f"{directory}: an image side of {side} in patches of {patch} gives no image tokens.")
@@ -363,6 +361,15 @@ def video_processor_rule(directory: str | os.PathLike) -> tuple[VideoRule, int] 
     return rule, _placeholder_id(directory, rule.placeholder, "video")
 
 
+def _additional_image_tokens(processor: dict, processor_file: Path, default: int) -> int:
+    """processor_config.json's `num_additional_image_tokens` (the tower's tokens beside its patches, CLIP's CLS;
+    `default`, the family's processor's, where it is left out): a count, or InputError naming the file."""
+    extra = processor.get("num_additional_image_tokens", default)
+    if type(extra) is not int or extra < 0:
+        raise InputError(f"{processor_file}: num_additional_image_tokens is {extra!r}; expected a count.")
+    return extra
+
+
 def _frame_tokens(config: dict, config_file: Path, processor: dict, processor_file: Path, named: str) -> int:
     """A frame's placeholders as the processor counts them from the cropped frame's patches (crop over
     processor_config.json's patch_size): LLaVA-NeXT-Video's over 4, its pooling (`LlavaNextVideoProcessor.
@@ -382,10 +389,7 @@ def _frame_tokens(config: dict, config_file: Path, processor: dict, processor_fi
     if pooled:
         tokens = (height // patch) * (width // patch) // 4
     else:
-        extra = processor.get("num_additional_image_tokens", 1)
-        if type(extra) is not int or extra < 0:
-            raise InputError(f"{processor_file}: num_additional_image_tokens is {extra!r}; expected a count.")
-        tokens = (height // patch) * (width // patch) + extra
+        tokens = (height // patch) * (width // patch) + _additional_image_tokens(processor, processor_file, 1)
     if tokens < 1:
         raise InputError(f"{config_file.parent}: a frame of {width}x{height} in patches of {patch} gives no video "
                          "tokens.")
@@ -429,9 +433,7 @@ def _anyres_fields(config: dict, config_file: Path, processor: dict, processor_f
     patch = _positive(processor, processor_file, "patch_size", None)
     if patch is None:
         raise InputError(f"{processor_file}: a LLaVA-NeXT processor needs patch_size.")
-    extra = processor.get("num_additional_image_tokens", 0)
-    if type(extra) is not int or extra < 0:
-        raise InputError(f"{processor_file}: num_additional_image_tokens is {extra!r}; expected a count.")
+    extra = _additional_image_tokens(processor, processor_file, 0)
     rows, columns = tile[0] // patch, tile[1] // patch
     if not rows or not columns:
         raise InputError(f"{config_file.parent}: a tile of {tile[1]}x{tile[0]} in patches of {patch} has no features.")

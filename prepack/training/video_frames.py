@@ -17,19 +17,13 @@ step) are laid into one temporal patch as `Qwen2VLVideoProcessor.patchify` lays 
 processor's (Qwen's image and video processors share theirs), and Pillow resizes where torchvision would: the
 pixels are close to the torchvision processor's, not equal; the placeholder count and layout are equal.
 
-`CroppedFrameVideoProcessor` does the same for LLaVA-NeXT-Video and Video-LLaVA, whose video processors are CLIP's
-image steps per frame (resize to size.shortest_edge, center crop to crop_size, rescale, normalise):
-
-    video_processor = CroppedFrameVideoProcessor.from_pretrained(processor_directory)  # its video config
-    video_processor(videos=[[frame0, frame1, ...]])["pixel_values_videos"]             # [1, frames, C, H, W]
+LLaVA-NeXT-Video's and Video-LLaVA's videos go through transformers' own LlavaNextVideoVideoProcessor and
+VideoLlavaVideoProcessor, which need torchvision.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Literal
 
 from prepack.errors import InputError, UsageError, optional_imports
@@ -38,12 +32,7 @@ from prepack.formats.images import VideoRule
 with optional_imports("FrameVideoProcessor"):
     import torch
 
-__all__ = ["CroppedFrameVideoProcessor", "FrameVideoProcessor"]
-
-# The settings of LLaVA-NeXT-Video's and Video-LLaVA's video processors that CLIP's image processor takes under the
-# same names.
-_CLIP_SETTINGS = ("do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale", "rescale_factor",
-                  "do_normalize", "image_mean", "image_std", "do_convert_rgb")
+__all__ = ["FrameVideoProcessor"]
 
 
 class FrameVideoProcessor:
@@ -52,7 +41,7 @@ class FrameVideoProcessor:
     def __init__(self, image_processor, rule: VideoRule):
         if rule.kind not in ("qwen2", "qwen3"):
             raise UsageError(f"FrameVideoProcessor lays out Qwen-VL videos; a {rule.kind} video rule is "
-                             "CroppedFrameVideoProcessor's (LLaVA-NeXT-Video, Video-LLaVA).")
+                             "transformers' LlavaNextVideoVideoProcessor's or VideoLlavaVideoProcessor's.")
         self.image_processor, self.rule = image_processor, rule
         self.temporal_patch_size = rule.temporal_patch_size  # as transformers' video processors name it
 
@@ -101,38 +90,3 @@ class FrameVideoProcessor:
         steps = single[order].view(t, step, h * w, -1, patch * patch).permute(0, 2, 3, 1, 4)
         return steps.reshape(t * h * w, -1), (t, h, w)
 
-
-class CroppedFrameVideoProcessor:
-    """LLaVA-NeXT-Video's and Video-LLaVA's `pixel_values_videos` [videos, frames, C, H, W] from videos given as
-    decoded frames: each frame through `image_processor` (CLIP's, with the video processor's settings:
-    `from_pretrained`), as transformers' LlavaNextVideoVideoProcessor and VideoLlavaVideoProcessor take each frame
-    through CLIP's steps. A call's videos share a frame
-    count (they are one tensor); VisionCollator calls it one video at a time."""
-
-    def __init__(self, image_processor):
-        self.image_processor = image_processor
-
-    @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike) -> CroppedFrameVideoProcessor:
-        """CLIP's PIL image processor with the settings of the directory's `video_preprocessor_config.json`
-        (the video processors' class defaults, which are CLIP's, where it leaves one out)."""
-        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-        path = Path(directory) / "video_preprocessor_config.json"
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"{path}: cannot be read as a video processor config ({exc}).") from None
-        return cls(CLIPImageProcessorPil(**{key: config[key] for key in _CLIP_SETTINGS if key in config}))
-
-    def __call__(self, videos: Sequence[Sequence], return_tensors: str = "pt",
-                 do_sample_frames: bool = False) -> dict[str, torch.Tensor]:
-        if do_sample_frames:
-            raise UsageError("CroppedFrameVideoProcessor was given do_sample_frames=True; it takes every frame given "
-                             "(the image set counted every frame).")
-        counts = sorted({len(frames) for frames in videos})
-        if len(counts) > 1:
-            raise InputError(f"Videos of {counts} frames in one call; one call's videos are one tensor of a frame "
-                             "count (VisionCollator calls it one video at a time).")
-        pixels = [self.image_processor(images=list(frames), return_tensors="pt")["pixel_values"] for frames in videos]
-        return {"pixel_values_videos": torch.stack(pixels)}

@@ -18,8 +18,8 @@ model's image processor (in DataLoader workers) and emits, by the family's style
                                  InternVL tiled, against the views the image processor made of its images)
     pixel_values_videos, video_grid_thw  (3-D rotary, packs with `videos`) what the video processor gives
     pixel_values_videos [1, F, C, H, W]  (LLaVA-NeXT-Video, Video-LLaVA, packs with `videos`) every frame of the
-                                 batch's videos in token order in one row, each video through the video processor
-                                 on its own: the models run (and pool) each frame alone, so videos of any frame
+                                 batch's videos in token order in one row (the video processor's per-video frames
+                                 joined): the models run (and pool) each frame alone, so videos of any frame
                                  counts share a batch
     second_per_grid_ts [V] float32 (Qwen2.5-VL, packs with `videos`) temporal_patch_size / each video's fps
     pixel_attention_mask         (split, Idefics3, SmolVLM) the image processor's mask of real pixels beside
@@ -243,13 +243,13 @@ class VisionCollator:
       forward would be handed a field it does not take. Refused (UsageError) for towers whose images are not one
       run of placeholders each: LLaVA-NeXT's, LLaVA-OneVision's, Idefics3's and SmolVLM's tiles, Mistral 3's rows.
       Images only: a video's placeholders have no spans (find them as `input_ids == spec.video_token_id`).
-    - `video_processor`: for packs with `videos` (Qwen-VL families and LLaVA-NeXT-Video, `VIDEO_RULES`), called on
-      the batch's videos (each a list of decoded RGB frames) as transformers' video processors are, giving
+    - `video_processor`: for packs with `videos` (Qwen-VL families, LLaVA-NeXT-Video and Video-LLaVA: `VIDEO_RULES`),
+      called on the batch's videos (each a list of decoded RGB frames) as transformers' video processors are, giving
       `pixel_values_videos` (and Qwen-VL's `video_grid_thw`): transformers' own Qwen2VLVideoProcessor/
       Qwen3VLVideoProcessor/LlavaNextVideoVideoProcessor/VideoLlavaVideoProcessor (with `do_sample_frames=False`: the
-      frames are the samples) where torchvision is installed, or `prepack.training.video_frames.FrameVideoProcessor`
-      (Qwen-VL: the image processor per frame, no torchvision) or `CroppedFrameVideoProcessor` (LLaVA-NeXT-Video,
-      Video-LLaVA: CLIP's steps per frame).
+      frames are the samples) where torchvision is installed (LLaVA-NeXT-Video's and Video-LLaVA's videos need it),
+      or `prepack.training.video_frames.FrameVideoProcessor` (Qwen-VL: the image processor per frame, no
+      torchvision).
     - `video_fps`: the frame rate of a video whose pack gives none in `video_fps` (default 2.0, qwen-vl-utils');
       Qwen2.5-VL's `second_per_grid_ts` is temporal_patch_size / fps, as its processor computes it.
 
@@ -391,8 +391,8 @@ class VisionCollator:
         batch's images), and Qwen2.5-VL's `second_per_grid_ts`."""
         if self.video_processor is None:
             raise UsageError("Packs with videos need VisionCollator(video_processor=...): transformers' video "
-                             "processor of the family, or prepack.training.video_frames' FrameVideoProcessor (Qwen-VL) "
-                             "or CroppedFrameVideoProcessor (LLaVA-NeXT-Video, Video-LLaVA).")
+                             "processor of the family (LLaVA-NeXT-Video's and Video-LLaVA's need torchvision), or "
+                             "prepack.training.video_frames' FrameVideoProcessor (Qwen-VL, without torchvision).")
         if self.spec.tokens_per_frame is not None:
             _check_frame_tokens(packs, self.spec.tokens_per_frame, self.spec.video_token_id)
         videos = [
@@ -422,16 +422,14 @@ class VisionCollator:
         order, as one video of them all. Its model runs each frame through the tower alone, pools it alone and
         scatters the features over the video placeholders in order, so the features are each video's own; and
         videos of any frame counts share the batch, where transformers' [videos, frames, C, H, W] takes one count.
-        Each video goes through the video processor on its own (without sampling: the frames are the samples)."""
-        rows = []
-        for number, frames in enumerate(videos):
-            pixels = self.video_processor(videos=[frames], return_tensors="pt",
-                                          do_sample_frames=False)["pixel_values_videos"]
-            if tuple(pixels.shape[:2]) != (1, len(frames)):
-                raise UsageError(f"The video processor made {tuple(pixels.shape[:2])} (videos, frames) of the batch's "
-                                 f"video {number}, of {len(frames)} frames; prepack counted each frame once.")
-            rows.append(pixels[0])
-        return torch.cat(rows)[None]
+        The video processor takes them in one call, unstacked (`return_tensors=None`: a [frames, C, H, W] per video,
+        of any frame counts), without sampling (the frames are the samples)."""
+        pixels = self.video_processor(videos=videos, return_tensors=None, do_sample_frames=False)["pixel_values_videos"]
+        made = [len(frames) for frames in pixels]
+        if made != [len(frames) for frames in videos]:
+            raise UsageError(f"The video processor made {made} frames of the batch's videos of "
+                             f"{[len(frames) for frames in videos]}; prepack counted each frame once.")
+        return torch.cat(list(pixels))[None]
 
     def _video_runs(self, batch: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         """Per run of video placeholders its grid (a Qwen3-VL step a one-step video, as get_rope_index splits
@@ -613,9 +611,14 @@ def _check_frame_tokens(packs: list[_VisionPack], per_frame: int, video_token_id
         is_video = pack.input_ids == video_token_id
         counted = np.cumsum([int(is_video[start:end].sum()) for start, end in zip(pack.cu_seqlens[:-1],
                                                                                    pack.cu_seqlens[1:])])
+        if counted[-1] != ends[-1]:
+            raise InputError(
+                f"Pack {number} has {int(counted[-1])} video placeholders for videos totalling {int(ends[-1])} "
+                f"({int(ends[-1]) // per_frame} frames, {per_frame} placeholders a frame)."
+            )
         astray = np.flatnonzero(~np.isin(counted, ends))
-        if astray.size or counted[-1] != ends[-1]:
-            sample = int(astray[0]) if astray.size else len(counted) - 1
+        if astray.size:
+            sample = int(astray[0])
             raise InputError(
                 f"Pack {number}'s sample {sample} ends after {int(counted[sample])} video placeholders, where none of "
                 f"its videos ends ({per_frame} placeholders a frame: videos end at {ends[1:].tolist()}): its "

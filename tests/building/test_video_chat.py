@@ -393,7 +393,7 @@ def test_frame_video_counts_are_the_processors_own(tmp_path, model_type, sizes, 
 
     directory, tokenizer = frame_video_directory(tmp_path / "processor", model_type, **sizes)
     rule, video_id = video_processor_rule(directory)
-    reference = frame_video_processor(directory, tokenizer, model_type)
+    reference = frame_video_processor(directory, model_type)
     assert rule.kind == "frames" and rule.tokens == per_frame and video_id == reference.video_token_id
     for frames, (width, height) in ((1, (120, 90)), (3, (90, 120)), (4, (7, 300)), (6, (400, 400))):
         video = [frame.resize((width, height)) for frame in video_frames(0)[:1]] * frames
@@ -439,10 +439,9 @@ def test_a_frame_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone
     --chat` -> every sample in exactly one pack -> ImagePackedDataset, VisionCollator (the family's own image
     processor; every frame of the batch in one row of pixel_values_videos, each video's frames counted at its
     processor's rule) -> a tiny model with the tokenizer's ids: logits, loss and gradients equal each sample alone."""
-    from transformers import AutoImageProcessor
+    from transformers import AutoImageProcessor, AutoVideoProcessor
 
     from prepack.check.images import verify_images
-    from prepack.training.video_frames import CroppedFrameVideoProcessor
     from tests.video_inputs import frame_video_directory
 
     processor, tokenizer = frame_video_directory(tmp_path / "processor", model_type)
@@ -464,7 +463,7 @@ def test_a_frame_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone
     model = enable_packing(tiny_vision_model(model_type, vocab_size=len(tokenizer), tokens=ids))
     collator = VisionCollator(VisionSpec.of(model.config), AutoImageProcessor.from_pretrained(processor),
                               max_len=MAX_LEN, pad_token_id=50256,
-                              video_processor=CroppedFrameVideoProcessor.from_pretrained(processor))
+                              video_processor=AutoVideoProcessor.from_pretrained(processor))
     dataset = ImagePackedDataset(build, image_set.directory)
     packs = [dataset[index] for index in range(len(dataset))]
     rows = sorted(int(row) for index in range(len(dataset)) for row in dataset.packs.source_rows(index))

@@ -2,8 +2,8 @@
 
 Tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL (`prepack.model.tiny_vision_models`), short videos made from the
 sample photographs (tests/video_inputs.py: crops panning over a photograph, 3 to 5 frames of three sizes), their
-pixels from `FrameVideoProcessor` (the image processor per frame; transformers' video processors need
-torchvision, which is not installed), `VisionCollator` packing four samples (a video; an image and a video; text
+pixels from `FrameVideoProcessor` (the image processor per frame, prepack's torchvision-free Qwen-VL video
+processor; LLaVA-NeXT-Video's and Video-LLaVA's from transformers' own video processors), `VisionCollator` packing four samples (a video; an image and a video; text
 only; a video) into two rows, and `enable_packing` on. The reference is each sample alone through transformers'
 own path: its positions from `get_rope_index` (with Qwen2.5-VL's `second_per_grid_ts` at each video's frame rate),
 its own mask. Logits, loss and every gradient per parameter group (language model, projector, vision tower) must
@@ -26,9 +26,9 @@ from prepack.formats.images import VideoRule
 from prepack.model.tiny_models import DOCUMENT_VOCAB
 from prepack.model.tiny_vision_models import tiny_vision_config, tiny_vision_model
 from prepack.model.vision_families import VIDEO_RULES
-from prepack.training.video_frames import CroppedFrameVideoProcessor, FrameVideoProcessor
+from prepack.training.video_frames import FrameVideoProcessor
 from prepack.training.vision_collate import VisionCollator, VisionSpec, rotary_3d_positions
-from tests.flash_reference import enable_flash_attention, use_flash_reference  # noqa: F401 (a fixture)
+from tests.flash_reference import enable_flash_attention, use_flash_reference, use_flex_reference  # noqa: F401 (fixtures)
 from tests.model.test_vision import (
     EAGER_TOLERANCE,
     LANGUAGE_MODEL,
@@ -61,14 +61,14 @@ QWEN_VIDEO_FAMILIES = tuple(name for name, kind in VIDEO_RULES.items() if kind !
 FRAME_FAMILIES = tuple(name for name, kind in VIDEO_RULES.items() if kind == "frames")
 
 
-def video_processor(model_type: str, processor) -> FrameVideoProcessor | CroppedFrameVideoProcessor:
+def video_processor(model_type: str, processor):
     kind = VIDEO_RULES[model_type]
-    if kind == "frames":  # LLaVA-NeXT-Video, Video-LLaVA: CLIP's steps per frame, cropped to the tower's side
-        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    if kind == "frames":  # LLaVA-NeXT-Video, Video-LLaVA: transformers' own, cropping to the tower's side
+        from transformers import LlavaNextVideoVideoProcessor, VideoLlavaVideoProcessor
 
         side = tiny_vision_config(model_type).vision_config.image_size
-        return CroppedFrameVideoProcessor(CLIPImageProcessorPil(size={"shortest_edge": side},
-                                                                crop_size={"height": side, "width": side}))
+        family = LlavaNextVideoVideoProcessor if model_type == "llava_next_video" else VideoLlavaVideoProcessor
+        return family(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
     return FrameVideoProcessor.of(processor, kind, QWEN3_VIDEO_SIZE if kind == "qwen3" else QWEN2_VIDEO_SIZE)
 
 
@@ -125,6 +125,8 @@ def setup(model_type: str, layout=SAMPLES, attn: str = "sdpa"):
     model = tiny_vision_model(model_type, "eager" if attn == "eager" else "sdpa")
     if attn.startswith("flash"):
         enable_flash_attention(model, attn)
+    elif attn == "flex_attention":
+        model.set_attn_implementation(attn)
     processor = image_processor(model_type)
     frames = video_processor(model_type, processor)
     made = samples(model, processor, frames, layout)
@@ -142,7 +144,8 @@ def alone_batch(collator: VisionCollator, sample: dict, labels: torch.Tensor) ->
     if sample["images"]:
         batch |= collator._preprocessed([sample["images"]])
     if sample["videos"]:
-        batch |= collator.video_processor(videos=[video_frames_of(video) for video in sample["videos"]])
+        batch |= collator.video_processor(videos=[video_frames_of(video) for video in sample["videos"]],
+                                          return_tensors="pt")
         if collator.spec.tokens_per_second is not None:  # as Qwen2_5_VLProcessor computes it
             size = collator.video_processor.temporal_patch_size
             batch["second_per_grid_ts"] = torch.tensor([size / rate for rate in sample["video_fps"]])
@@ -161,16 +164,17 @@ def video_frames_of(encoded: list[bytes]):
     return [Image.open(io.BytesIO(frame)).convert("RGB") for frame in encoded]
 
 
-def compare(model, collator, made, packs, batch) -> tuple[float, float, dict[str, float]]:
-    """(largest logit difference, loss difference, per parameter group the relative gradient difference)."""
-    logits, loss, grads = run(model, batch)
+def compare(model, collator, made, packs, batch, gradients: bool = True) -> tuple[float, float, dict[str, float]]:
+    """(largest logit difference, loss difference, per parameter group the relative gradient difference; none
+    without `gradients`: flex_attention has no backward on a CPU)."""
+    logits, loss, grads = run(model, batch, gradients)
     logit_diff, alone_losses, alone_grads = 0.0, [], {}
     spans = [(row, int(start), int(end)) for row, pack in enumerate(packs)
              for start, end in zip(pack["cu_seqlens"][:-1], pack["cu_seqlens"][1:])]
     order = [index for row in ROWS[len(packs)] for index in row]
     for index, (row, start, end) in zip(order, spans):
         labels = batch["labels"][row, start:end]
-        alone_logits, alone_loss, sample_grads = run(model, alone_batch(collator, made[index], labels))
+        alone_logits, alone_loss, sample_grads = run(model, alone_batch(collator, made[index], labels), gradients)
         logit_diff = max(logit_diff, float((logits[row, start:end] - alone_logits[0]).abs().max()))
         alone_losses.append((float(alone_loss), targets(labels)))
         for name, grad in sample_grads.items():
@@ -215,14 +219,18 @@ def test_packed_video_batch_equals_each_sample_alone(model_type, rows):
     [("qwen3_vl_moe", "sdpa"), ("qwen3_5", "sdpa"), ("qwen3_5_moe", "sdpa"), ("qwen4_exp", "sdpa"),
      ("qwen2_5_vl", "eager"), ("qwen2_5_vl", "flash_attention_2"), ("qwen3_vl", "flash_attention_4"),
      *((model_type, attn) for model_type in FRAME_FAMILIES
-       for attn in ("eager", "flash_attention_2", "flash_attention_4"))],
+       for attn in ("eager", "flash_attention_2", "flash_attention_4")),
+     ("llava_next_video", "flex_attention")],
 )
 def test_packed_video_batch_on_other_backends_and_families(model_type, attn, request):
     """Qwen3-VL-MoE (VIDEO_RULES' fourth family) on sdpa, and videos on eager and on flash through
     tests/flash_reference.py's stand-ins (the text's offsets derived by enable_packing, kept from the tower);
-    LLaVA-NeXT-Video's and Video-LLaVA's on eager and flash (their sdpa run: `test_frame_video_packed_batch_...`)."""
+    LLaVA-NeXT-Video's and Video-LLaVA's on eager and flash (their sdpa run: `test_frame_video_packed_batch_...`),
+    and LLaVA-NeXT-Video's on flex_attention (logits and loss: flex has no backward on a CPU)."""
     if attn.startswith("flash"):
         request.getfixturevalue("use_flash_reference")
+    elif attn == "flex_attention":
+        request.getfixturevalue("use_flex_reference")
     model, collator, made = setup(model_type, attn=attn)
     packs = packs_of(made, ROWS[2])
     batch = collator(packs)
@@ -230,8 +238,12 @@ def test_packed_video_batch_on_other_backends_and_families(model_type, attn, req
         logit_diff, _, _ = compare(model, collator, made, packs, batch)
         assert logit_diff > 1e-3, f"the leak control did not leak ({logit_diff}), so the test could not fail"
     enable_packing(model)
-    assert_exact(f"{model_type} videos on {attn}", *compare(model, collator, made, packs, batch),
-                 tolerance=EAGER_TOLERANCE if attn == "eager" else TOLERANCE)
+    if attn == "flex_attention":
+        logit_diff, loss_diff, _ = compare(model, collator, made, packs, batch, gradients=False)
+        assert logit_diff < TOLERANCE and loss_diff < LOSS_TOLERANCE, (logit_diff, loss_diff)
+    else:
+        assert_exact(f"{model_type} videos on {attn}", *compare(model, collator, made, packs, batch),
+                     tolerance=EAGER_TOLERANCE if attn == "eager" else TOLERANCE)
 
 
 # Videos and text, no image: a batch without pixel_values.
@@ -472,15 +484,42 @@ def test_llava_next_video_placeholders_that_end_between_a_videos_frames_are_refu
         collator([{**pack, "input_ids": ids}])
 
 
-def test_the_frame_video_processors_take_the_frames_as_given():
-    """CroppedFrameVideoProcessor refuses to sample and to stack videos of two frame counts in one call (VisionCollator
-    calls it a video at a time); FrameVideoProcessor refuses a frames rule (it lays out Qwen-VL's temporal patches)."""
-    cropped = video_processor("llava_next_video", None)
-    assert cropped(videos=[video_frames(0)])["pixel_values_videos"].shape[:2] == (1, 4)
-    with pytest.raises(UsageError, match="do_sample_frames=True"):
-        cropped(videos=[video_frames(0)], do_sample_frames=True)
-    with pytest.raises(InputError, match=r"Videos of \[3, 4\] frames in one call"):
-        cropped(videos=[video_frames(0), video_frames(1)])
+def test_frame_video_placeholders_too_few_in_total_are_refused_as_such():
+    """A pack whose video placeholders stop at a video's end but fall short of its videos' frames is refused for
+    its total (not for where a sample ends, which is at a video's end)."""
+    model, collator, made = setup("llava_next_video")
+    pack = packs_of(made, ROWS[2])[0]  # sample 0: a video of 4 frames; sample 1: an image and a video of 3
+    ids, start = pack["input_ids"].copy(), pack["cu_seqlens"][1]
+    ids[start:][ids[start:] == collator.spec.video_token_id] = 2  # sample 1's video placeholders become text
+    with pytest.raises(InputError, match=r"Pack 0 has 16 video placeholders for videos totalling 28 \(7 frames, 4 "
+                                         r"placeholders a frame\)"):
+        collator([{**pack, "input_ids": ids}])
+
+
+@pytest.mark.usefixtures("use_flash_reference")
+def test_text_offsets_handed_to_video_llavas_video_tower_are_dropped():
+    """Video-LLaVA runs videos through a tower of their own (`video_tower`, beside `image_tower`). Its
+    `get_video_features` hands its keyword arguments on to that tower (as LLaVA's forward does to its one tower);
+    on flash, the text's offsets there make the tower attend across the frames: enable_packing keeps them out."""
+    model = tiny_vision_model("video_llava", "sdpa")
+    enable_flash_attention(model, "flash_attention_2")
+    frames = video_processor("video_llava", None)(videos=[video_frames(0)], return_tensors="pt",
+                                                  do_sample_frames=False)["pixel_values_videos"]
+    features = model.model.get_video_features
+    with torch.no_grad():
+        alone = features(pixel_values_videos=frames).pooler_output
+        count, length = alone.shape[:2]  # frames, and the tower's tokens a frame (CLS and the patches)
+        cu_seq_lens = torch.tensor([0, length + 2, count * length])  # a text's segments, across two frames
+        offsets = dict(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=count * length - length - 2,
+                       max_length_k=count * length - length - 2)
+        assert float((features(pixel_values_videos=frames, **offsets).pooler_output - alone).abs().max()) > 1e-3
+        enable_packing(model)
+        assert float((features(pixel_values_videos=frames, **offsets).pooler_output - alone).abs().max()) < TOLERANCE
+
+
+def test_the_qwen_frame_video_processor_refuses_a_frames_rule():
+    """FrameVideoProcessor lays out Qwen-VL's temporal patches: a frames rule (LLaVA-NeXT-Video's, Video-LLaVA's) is
+    transformers' own video processors' to take."""
     frames = VideoRule(kind="frames", placeholder="<video>", start="", end="", tokens=4)
-    with pytest.raises(UsageError, match="a frames video rule is CroppedFrameVideoProcessor's"):
+    with pytest.raises(UsageError, match="a frames video rule is transformers' LlavaNextVideoVideoProcessor's"):
         FrameVideoProcessor(image_processor("qwen2_vl"), frames)
