@@ -23,7 +23,11 @@ transformers' flex path call torch's `flex_attention` and `create_block_mask` un
 `integrations.flex_attention.compile_friendly_flex_attention` and `masking_utils.create_block_mask`): the
 same function, BlockMask and mask_mod, run by torch's unfused implementation, which takes float64 and
 costs no compilation per shape (compiled on CPU, flex rejects float64 and compiles for seconds per
-model). torch's flex has no backward on CPU, compiled or not: flex is measured on logits and loss.
+model). Uncompiled, torch still traces each call with dynamo (its "eager" backend, traced again whenever
+what it guards on changes) only to run the same operator eagerly; `_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`
+(a PRIVATE flag of torch) runs that operator directly, to the same bits (tests/model/test_family_sweep.py
+checks it) in much less CPU time. torch's flex has no backward on CPU, compiled or not: flex is measured on
+logits and loss.
 All of this belongs in tests only: prepack itself never patches transformers.
 """
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.attention.flex_attention as flex_module
 import torch.nn.functional as F
 import transformers.integrations.flex_attention as flex_integration
 import transformers.masking_utils as masking_utils
@@ -202,7 +207,7 @@ def use_flash_reference(monkeypatch):
 
 @pytest.fixture
 def use_flex_reference(monkeypatch):
-    """Make transformers' flex path run torch's flex_attention and create_block_mask uncompiled."""
+    """Make transformers' flex path run torch's flex_attention and create_block_mask uncompiled, untraced."""
 
     def uncompiled_flex_attention(query, key, value, training=False, **options):
         return flex_attention(query, key, value, **options)
@@ -212,6 +217,7 @@ def use_flex_reference(monkeypatch):
 
     monkeypatch.setattr(flex_integration, "compile_friendly_flex_attention", uncompiled_flex_attention)
     monkeypatch.setattr(masking_utils, "create_block_mask", uncompiled_block_mask)
+    monkeypatch.setattr(flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
 
 
 def enable_flash_attention(model, implementation: str = "flash_attention_2"):

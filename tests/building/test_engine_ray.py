@@ -60,7 +60,11 @@ def gpt2(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def local_ray(request):
+    """One Ray instance for the module's tests, the object-storage ones too: started after the session's S3
+    server where there is one, so that its workers inherit the AWS variables that point clients at it."""
+    with contextlib.suppress(pytest.skip.Exception):  # without moto or s3fs the S3 tests skip, the rest run
+        request.getfixturevalue("s3_server")
     ray.init(num_cpus=2, **QUIET_RAY)
     yield
     ray.shutdown()
@@ -396,16 +400,8 @@ def test_the_cli_builds_on_a_local_ray_instance_and_exits_2_on_a_bad_row(tmp_pat
 
 
 # Object storage: corpora, stores and builds at s3:// URIs (the moto server of tests/s3server.py), read
-# and written by the workers themselves; a Ray instance started after the server, so that its workers
-# inherit the AWS variables that point clients at it, as any deployment configures them.
-
-
-@pytest.fixture
-def s3_ray(local_ray, s3_server):
-    ray.shutdown()
-    ray.init(num_cpus=2, **QUIET_RAY)
-    yield s3_server
-    ray.shutdown()
+# and written by the workers themselves; the module's Ray instance is started after the server (`local_ray`),
+# so that its workers inherit the AWS variables that point clients at it, as any deployment configures them.
 
 
 @pytest.fixture
@@ -476,7 +472,7 @@ def test_the_cli_builds_text_in_s3_into_s3_as_the_local_engine_and_the_loader_tr
 
 
 @pytest.mark.slow
-def test_a_store_tokenized_into_s3_and_builds_from_it_equal_the_local_engine(tmp_path, s3_ray, fs, s3_bucket, gpt2):
+def test_a_store_tokenized_into_s3_and_builds_from_it_equal_the_local_engine(tmp_path, local_ray, fs, s3_bucket, gpt2):
     text = _text_corpus(tmp_path / "text")
     corpus = _put(fs, text, f"{s3_bucket}/corpus")
     build_store(text, tmp_path / "store", tokenizer=gpt2, shard_size=40_000)
@@ -504,7 +500,7 @@ def test_a_store_tokenized_into_s3_and_builds_from_it_equal_the_local_engine(tmp
 
 
 @pytest.mark.slow
-def test_labelled_tokens_with_empty_documents_and_files_in_s3_build_and_store_the_local_bytes(tmp_path, s3_ray, fs, s3_bucket):
+def test_labelled_tokens_with_empty_documents_and_files_in_s3_build_and_store_the_local_bytes(tmp_path, local_ray, fs, s3_bucket):
     corpus = _token_corpus(tmp_path / "c")
     remote = _put(fs, corpus, f"{s3_bucket}/corpus")
     options = dict(max_len=256, shard_size=30_000, seed=2, algorithm="bfd")
@@ -519,7 +515,7 @@ def test_labelled_tokens_with_empty_documents_and_files_in_s3_build_and_store_th
 
 
 @pytest.mark.slow
-def test_a_mixture_of_sources_in_s3_builds_into_s3_the_local_bytes(tmp_path, s3_ray, fs, s3_bucket):
+def test_a_mixture_of_sources_in_s3_builds_into_s3_the_local_bytes(tmp_path, local_ray, fs, s3_bucket):
     """Its scratch objects (each file's first read deleted once hashed, then the selected documents') under the
     build's scratch prefix, which is gone when the build is."""
     corpus = _token_corpus(tmp_path / "c")
@@ -542,7 +538,7 @@ def test_a_mixture_of_sources_in_s3_builds_into_s3_the_local_bytes(tmp_path, s3_
 
 
 @pytest.mark.slow
-def test_a_bad_row_in_a_later_object_is_the_local_error_and_leaves_no_object(tmp_path, s3_ray, fs, s3_bucket):
+def test_a_bad_row_in_a_later_object_is_the_local_error_and_leaves_no_object(tmp_path, local_ray, fs, s3_bucket):
     corpus = _token_corpus(tmp_path / "c")
     write_corpus(corpus / "6.jsonl", corpus_table([[1, 2], [3, -4]], [[-100, 2], [-100, 4]]))
     remote = _put(fs, corpus, f"{s3_bucket}/corpus")
@@ -556,7 +552,7 @@ def test_a_bad_row_in_a_later_object_is_the_local_error_and_leaves_no_object(tmp
 
 
 @pytest.mark.slow
-def test_a_damaged_store_shard_in_s3_is_named_by_its_uri_on_a_worker(tmp_path, s3_ray, fs, s3_bucket):
+def test_a_damaged_store_shard_in_s3_is_named_by_its_uri_on_a_worker(tmp_path, local_ray, fs, s3_bucket):
     build_store(_token_corpus(tmp_path / "c"), tmp_path / "store", shard_size=40_000)
     name = json.loads((tmp_path / "store" / "store.json").read_text())["shards"][2]["name"]
     data = bytearray((tmp_path / "store" / name).read_bytes())
@@ -643,7 +639,7 @@ def test_appends_to_a_store_and_to_its_builds_write_the_local_bytes(tmp_path, lo
 
 
 @pytest.mark.slow
-def test_appends_in_s3_on_the_ray_engine_write_the_local_bytes(tmp_path, s3_ray, fs, s3_bucket):
+def test_appends_in_s3_on_the_ray_engine_write_the_local_bytes(tmp_path, local_ray, fs, s3_bucket):
     """The object-storage append (new shard objects first, the manifest last on its ETag) on Ray tasks:
     a store and its full build grown in S3, object for object the local engine's appends."""
     rng = np.random.default_rng(8)
@@ -659,6 +655,33 @@ def test_appends_in_s3_on_the_ray_engine_write_the_local_bytes(tmp_path, s3_ray,
     for output in ("store", "full"):
         expected = files(tmp_path / "local" / output)
         assert len(expected) >= 3 and _objects(fs, f"{s3_bucket}/grown/{output}") == expected, output
+
+
+@pytest.mark.slow
+def test_a_task_that_fails_or_whose_worker_dies_is_an_engine_error_of_one_line(local_ray):
+    from prepack.building.engines.ray import _result
+
+    @ray.remote
+    def raises():
+        raise ValueError("not prepack's\nsecond line")
+
+    @ray.remote(max_retries=0)
+    def dies():
+        os._exit(1)
+
+    with pytest.raises(EngineError) as failed:
+        _result(raises.remote())
+    assert str(failed.value) == "a Ray task of this build failed: ValueError: not prepack's"
+    with pytest.raises(EngineError, match=r"^the Ray cluster lost a task of this build: \w+Error") as lost:
+        _result(dies.remote())
+    assert "\n" not in str(lost.value)
+
+
+@pytest.fixture
+def no_ray_instance():
+    """This process connected to no Ray instance (the module's is shut down): a build checks the address it is
+    given and joins the cluster there, as a process of its own would."""
+    ray.shutdown()
 
 
 def _closed_port() -> int:
@@ -688,7 +711,7 @@ def test_an_address_that_cannot_parse_exits_2_from_the_option_and_from_ray_addre
 
 
 @pytest.mark.slow
-def test_an_address_where_something_but_not_ray_listens_is_an_engine_error_in_seconds(tmp_path):
+def test_an_address_where_something_but_not_ray_listens_is_an_engine_error_in_seconds(tmp_path, no_ray_instance):
     """An HTTP server where the cluster should be: Ray would retry for minutes, prepack asks it the
     HTTP/2 preface that Ray's gRPC servers answer, and gives up at once."""
     import http.server
@@ -708,7 +731,7 @@ def test_an_address_where_something_but_not_ray_listens_is_an_engine_error_in_se
 
 
 @pytest.mark.slow
-def test_a_ray_clusters_gcs_passes_the_address_check():
+def test_a_ray_clusters_gcs_passes_the_address_check(no_ray_instance):
     from prepack.building.engines.ray import _check_listening
 
     ray.init(num_cpus=1, **QUIET_RAY)
@@ -719,7 +742,7 @@ def test_a_ray_clusters_gcs_passes_the_address_check():
 
 
 @pytest.mark.slow
-def test_an_address_where_nothing_listens_is_an_engine_error_and_exit_2(tmp_path):
+def test_an_address_where_nothing_listens_is_an_engine_error_and_exit_2(tmp_path, no_ray_instance):
     port = _closed_port()
     corpus = write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
     with pytest.raises(EngineError, match=f"--ray-address 127.0.0.1:{port}: no Ray cluster answers there"):
@@ -818,26 +841,6 @@ def test_a_library_build_on_its_own_ray_instance_leaves_the_callers_sigterm_hand
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "False"]
-
-
-@pytest.mark.slow
-def test_a_task_that_fails_or_whose_worker_dies_is_an_engine_error_of_one_line(local_ray):
-    from prepack.building.engines.ray import _result
-
-    @ray.remote
-    def raises():
-        raise ValueError("not prepack's\nsecond line")
-
-    @ray.remote(max_retries=0)
-    def dies():
-        os._exit(1)
-
-    with pytest.raises(EngineError) as failed:
-        _result(raises.remote())
-    assert str(failed.value) == "a Ray task of this build failed: ValueError: not prepack's"
-    with pytest.raises(EngineError, match=r"^the Ray cluster lost a task of this build: \w+Error") as lost:
-        _result(dies.remote())
-    assert "\n" not in str(lost.value)
 
 
 # Ray instances of another shape: each test below starts its own, after the module's is shut down.

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from torch.nn.attention import flex_attention as flex_module
 
 from prepack import IsolationError
 
@@ -147,3 +148,25 @@ def test_check_isolation_gives_the_tables_verdict(model_type, backend, attn):
     assert check.agrees, check
     if check.measured.startswith("no tiny model"):
         assert families.verdict(model_type, attn).reason.startswith("not measured")
+
+
+def test_flex_run_untraced_gives_the_traced_runs_logits_bit_for_bit(use_flex_reference, monkeypatch):
+    """`use_flex_reference`, on which the flex column measures, runs torch's flex operator without the dynamo
+    trace ("eager" backend) that torch puts around it uncompiled: the logits are exactly the traced call's."""
+    model = enable_packing(tiny_model("gemma2", "flex_attention"))  # sliding windows and a softcap score_mod
+    batch = PackedCollator(MAX_LEN)(packs())
+    compile_, compiled, logits = torch.compile, [], {}
+
+    def compile_counted(function, **options):
+        compiled.append(function)
+        return compile_(function, **options)
+
+    monkeypatch.setattr(torch, "compile", compile_counted)
+    for untraced in (True, False):
+        monkeypatch.setattr(flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", untraced)
+        with torch.no_grad():
+            logits[untraced] = model(**batch).logits
+        if untraced:
+            assert compiled == []  # no trace
+    assert compiled  # the traced run traced
+    assert torch.equal(logits[True], logits[False])
