@@ -129,7 +129,13 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
         if native is False and text_verdict is not None and text_verdict.per_document:
             # A decoder whose sequence-state layers enable_packing runs one sample per row (LFM3-VL's short
             # convolutions) leaks through them natively: measured with them so, the leak left is the images'.
-            return NO_DATA_SIDE_PER_DOCUMENT if _isolated_per_document(model, packed, alone, tolerance) else LEAKS
+            try:
+                per_document = _isolated_per_document(model, packed, alone, tolerance)
+            except IsolationError as exc:  # prepack's hooks refused: measured as refused, with prepack's reason
+                return fails_packed(_described(exc))
+            if isinstance(per_document, Exception):
+                return fails_packed(_described(per_document))
+            return NO_DATA_SIDE_PER_DOCUMENT if per_document is True else LEAKS
         if native:
             return NO_DATA_SIDE
         return CROSS_ATTENTION_LEAKS if "cross_attention_mask" in packed else LEAKS
