@@ -104,7 +104,7 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
     try:
         model = tiny_vision_model(model_type, "sdpa" if switch else attn, dtype=torch.float64)
     except Exception as exc:  # noqa: BLE001 (a family that does not build is a finding the table states)
-        return _not_built_on(attn, exc)
+        return _not_built_on(model_type, attn, exc)
     tolerance, _ = default_tolerances(torch.float64, attn)
     try:
         samples = _samples(model)
@@ -119,7 +119,7 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
         try:
             switch(model, attn)
         except Exception as exc:  # noqa: BLE001
-            return _not_built_on(attn, exc)
+            return _not_built_on(model_type, attn, exc)
     styled = model_type in VISION_FAMILIES and VISION_FAMILIES[model_type].style is not None
     native = _isolated(model, packed, alone, tolerance)
     text_verdict = _decoder_verdict(model, attn)
@@ -420,9 +420,13 @@ def _isolated(model, packed: dict, alone: list[torch.Tensor], tolerance: float):
     return bool((logits - expected).abs().max() <= tolerance)
 
 
-def _not_built_on(attn: str, exc: Exception) -> Verdict:
-    """The refusal of a family whose model could not be built on (or switched to) `attn`."""
+def _not_built_on(model_type: str, attn: str, exc: Exception) -> Verdict:
+    """The refusal of a family whose model could not be built on (or switched to) `attn`: transformers names the
+    class without that attention, the family's own (no such attention for it) or its tower's (`tower_without`)."""
     if "does not support an attention implementation" in str(exc):
+        lacking = str(exc).split(" does not support", 1)[0]
+        if lacking != MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type] and backend_of(attn) in _UNSUPPORTED:
+            return vision_families.tower_without(backend_of(attn), lacking)
         return _UNSUPPORTED.get(backend_of(attn), not_built(_described(exc)))
     if (package := _missing_package(exc)) is not None:
         return vision_families.needs(package)

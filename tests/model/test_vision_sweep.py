@@ -273,3 +273,11 @@ def test_a_measured_refusal_is_raised_for_an_image_batch():
 def test_vision_support_document_is_current():
     document = Path(__file__).parents[2] / "docs" / "vision-support.md"
     assert document.read_text() == vision_families.markdown()
+
+
+def test_a_tower_without_flex_is_refused_as_the_towers_not_the_decoders():
+    """LFM2-VL's decoder has flex attention in transformers, its SigLIP2 tower has none: the refusal on flex names
+    the tower, as the sweep measures it (the model does not build on flex), not the whole family."""
+    measured = measure_family("lfm2_vl", "flex_attention")
+    assert measured == vision_families.tower_without("flex", "Siglip2VisionModel")
+    assert "Siglip2VisionModel" in measured.reason and VISION_FAMILIES["lfm2_vl"].verdicts[-1] == measured
