@@ -1256,7 +1256,7 @@ LFM2_VL_SETUPS = {
     "defaults": {},
     "no thumbnail": {"use_thumbnail": False},
     "not split": {"do_image_splitting": False},
-    "small tiles": {"tile_size": 256, "min_tiles": 1, "max_tiles": 4, "min_image_tokens": 16, "max_image_tokens": 64},
+    "small tiles": {"tile_size": 256, "min_tiles": 2, "max_tiles": 4, "min_image_tokens": 16, "max_image_tokens": 64},
     "patch 14": {"encoder_patch_size": 14, "downsample_factor": 3, "max_pixels_tolerance": 1.0, "max_tiles": 6},
 }
 
@@ -1304,6 +1304,10 @@ def test_lfm2_vl_placeholders_and_text_are_the_processors_own(tmp_path, setup):
     ("options", "processor_config", "message"),
     [
         ({"min_tiles": 5, "max_tiles": 3}, None, "preprocessor_config.json: min_tiles 5 is more than max_tiles 3"),
+        # Lfm2VlProcessor counts a large image split into one tile as its thumbnail (56 placeholders at 374x350
+        # here) while its image processor makes the tile (64 features): training's placeholder check would fail.
+        ({"min_tiles": 1, "tile_size": 256, "max_image_tokens": 64}, None,
+         "preprocessor_config.json: min_tiles 1 with do_image_splitting"),
         ({"max_pixels_tolerance": "2"}, None, "preprocessor_config.json: max_pixels_tolerance is '2'"),
         ({"use_thumbnail": 1}, None, "preprocessor_config.json: use_thumbnail is 1"),
         ({"tile_size": 0}, None, "preprocessor_config.json: tile_size is 0"),
