@@ -136,64 +136,18 @@ def pixtral_processor(image_processor, tokenizer, patch_size: int, spatial_merge
                             spatial_merge_size=spatial_merge_size)
 
 
-def lfm2_vl_image_text(options: dict):
-    """`text(width, height)`: the text transformers' Lfm2VlProcessor gives one image of that size (its
-    `replace_image_token`, run as it is), from the rows, columns and size transformers' Lfm2VlImageProcessor decides
-    for it, with its defaults overridden by `options` (a preprocessor_config.json's fields).
+def lfm2_vl_image_text(directory):
+    """`text(width, height)`: the text transformers' Lfm2VlProcessor, loaded from the processor `directory` (its
+    files only), gives one image of that size: its Lfm2VlImageProcessor run on a blank image of that size decides
+    the tiles and the resized size, and the processor's `replace_image_token` writes the text from them."""
+    from PIL import Image
+    from transformers import AutoProcessor
 
-    The image processor needs torchvision, which is not installed here: its module is imported with empty stand-ins
-    of torchvision's modules (for that import only), and its class, a placeholder that refuses any use without
-    torchvision, is read for the methods that decide an image's layout (`_is_image_too_large`, `smart_resize`,
-    `_get_grid_layout`, `_target_ratios`), taken from its `__dict__` and run as they are. What runs between them is
-    `resize_and_split`'s choice (split when too large and splitting), written here as there; the pixels are not
-    made (they decide no count)."""
-    import importlib
-    import sys
-    import types
-
-    from transformers.models.lfm2_vl.processing_lfm2_vl import Lfm2VlProcessor
-
-    module_name = "transformers.models.lfm2_vl.image_processing_lfm2_vl"
-    stand_ins = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
-                 "torchvision.transforms.v2.functional")
-    standing_in = importlib.util.find_spec("torchvision") is None and module_name not in sys.modules
-    if standing_in:
-        sys.modules.update({name: types.ModuleType(name) for name in stand_ins})
-    try:
-        image_processing = importlib.import_module(module_name)
-    finally:
-        if standing_in:
-            for name in stand_ins:
-                del sys.modules[name]
-    methods = vars(image_processing.Lfm2VlImageProcessor)
-    defaults = {key: value for key, value in methods.items() if not key.startswith("_") and not callable(value)}
-    settings = defaults | options
-    if not settings["do_image_splitting"]:
-        settings["min_tiles"] = settings["max_tiles"] = 1
-
-    class Layout:  # the image processor's own methods that decide an image's tiles and size
-        _is_image_too_large, smart_resize = methods["_is_image_too_large"], methods["smart_resize"]
-        _get_grid_layout, _target_ratios = methods["_get_grid_layout"], methods["_target_ratios"]
-
-    layout = Layout()
-    processor = Lfm2VlProcessor.__new__(Lfm2VlProcessor)  # its text methods, without a tokenizer
-    processor.image_processor = types.SimpleNamespace(**settings)
-    processor.image_token, processor.image_start_token = "<image>", "<|image_start|>"
-    processor.image_end_token, processor.image_thumbnail_token = "<|image_end|>", "<|img_thumbnail|>"
-    sizes = {key: settings[key] for key in ("downsample_factor", "max_image_tokens", "encoder_patch_size")}
+    processor = AutoProcessor.from_pretrained(directory)
 
     def text(width: int, height: int) -> str:
-        large = layout._is_image_too_large(height, width, max_pixels_tolerance=settings["max_pixels_tolerance"],
-                                           **sizes)
-        new_width, new_height = layout.smart_resize(height, width, min_image_tokens=settings["min_image_tokens"],
-                                                    **sizes)
-        rows = columns = 1
-        if large and not settings["min_tiles"] == settings["max_tiles"] == 1:
-            columns, rows, *_ = layout._get_grid_layout(height, width, settings["min_tiles"], settings["max_tiles"],
-                                                        settings["tile_size"])
-        inputs = {"image_rows": [rows], "image_cols": [columns], "image_sizes": [[new_height, new_width]]}
-        return processor.replace_image_token(inputs, 0, use_thumbnail=settings["use_thumbnail"],
-                                             use_image_special_tokens=True)
+        processed = processor.image_processor([Image.new("RGB", (width, height))], return_row_col_info=True)
+        return processor.replace_image_token(processed, image_idx=0, use_image_special_tokens=True)
 
     return text
 

@@ -51,7 +51,6 @@ __all__ = [
     "VideoRule",
     "glm4v_resize",
     "lfm2_grid",
-    "lfm2_resize",
     "pixtral_grid",
     "pooled_resize",
     "read_image_set",
@@ -92,22 +91,26 @@ DEFAULT_VIDEO_FPS = 2.0
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, *, frames: int = 1,
-                 temporal: int = 1, upscale: bool = False) -> tuple[int, int]:
+                 temporal: int = 1, upscale: bool = False, lfm2: bool = False) -> tuple[int, int]:
     """Qwen2-VL's resize rule (transformers' `smart_resize`): sides rounded to multiples of `factor`,
     the area brought within [min_pixels, max_pixels] keeping the aspect ratio. Python's round() (half to
     even), floor and ceil, as there; `tests/building/test_image_chat.py` compares it with transformers'.
     With `frames`, `temporal` and `upscale`, Qwen3-VL's video rule (transformers'
     `qwen3_vl.video_processing_qwen3_vl.smart_resize`, run by `tests/formats/test_video_rule.py`): the bounds
     hold for all frames together (their count rounded to a multiple of `temporal`), and a frame narrower than
-    `factor` is first scaled up. The defaults (one frame, no upscaling) are the image rule."""
+    `factor` is first scaled up. With `lfm2`, LFM2-VL's (transformers' `Lfm2VlImageProcessor.smart_resize`): each
+    side at least `factor` before the area is checked, and no aspect ratio refused. The defaults (one frame, no
+    upscaling) are the image rule."""
     if frames < temporal:
         raise ValueError(f"{frames} frames, fewer than the temporal patch of {temporal}")
     if upscale and (height < factor or width < factor):
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
+    if not lfm2 and max(height, width) / min(height, width) > 200:
         raise ValueError(f"an aspect ratio of more than 200 ({width}x{height})")
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if lfm2:
+        h_bar, w_bar = max(factor, h_bar), max(factor, w_bar)
     t_bar = round(frames / temporal) * temporal
     if t_bar * h_bar * w_bar > max_pixels:
         beta = math.sqrt((frames * height * width) / max_pixels)
@@ -197,21 +200,6 @@ def lfm2_grid(height: int, width: int, tile: int, min_tiles: int, max_tiles: int
         key=lambda grid: grid[0] * grid[1],
     )
     return _nearest_arrangement(height, width, tile, arrangements)
-
-
-def lfm2_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """(height, width) LFM2-VL's image processor resizes an image (or its thumbnail) to (transformers'
-    `Lfm2VlImageProcessor.smart_resize`): Qwen2-VL's rule (`smart_resize`) but each side at least `factor` before
-    the area is checked, and no aspect ratio refused."""
-    h_bar, w_bar = max(factor, round(height / factor) * factor), max(factor, round(width / factor) * factor)
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 def select_best_resolution(height: int, width: int, resolutions) -> tuple[int, int]:
@@ -371,15 +359,9 @@ class ImageRule(StrictModel):
             raise ValueError(f"max_tiles {self.max_tiles} is more than {_MAX_CANVAS_TILES}")
         if self.kind in ("tiles", "lfm2") and self.min_tiles > self.max_tiles:
             raise ValueError(f"min_tiles {self.min_tiles} is more than max_tiles {self.max_tiles}")
-        if self.kind == "lfm2":
-            # Its tiles' placeholders, and the resized image's: at most its larger pixel bound over a token's
-            # pixels, four times over for the sides rounded up (an extreme aspect ratio's upscaled thin side).
-            factor = self.patch_size * self.merge_size
-            most = ((self.max_tiles + 1) * self._lfm2_tile_tokens()
-                    + 4 * max(self.min_pixels, self.max_pixels) // factor**2 + 4)
-            if most > MAX_IMAGE_TOKENS:
-                raise ValueError(f"its tiles and pixel bounds give up to {most} placeholders an image, more than the "
-                                 f"{MAX_IMAGE_TOKENS} prepack lets one image stand for")
+        if self.kind == "lfm2" and self.splitting and self.min_tiles == 1:
+            # (prepack.sources.images refuses such a processor config: transformers' text and pixels disagree.)
+            raise ValueError("min_tiles 1 with splitting: LFM2-VL's processor counts and makes such an image apart")
         if self.kind in ("grid", "glm4v_grid") and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels {self.min_pixels} is more than max_pixels {self.max_pixels}")
         if self.kind == "anyres":
@@ -472,13 +454,12 @@ class ImageRule(StrictModel):
         resized (alone, or as the thumbnail after its tiles): transformers' `Lfm2VlImageProcessor.resize_and_split`
         and `Lfm2VlProcessor._compute_tokens_for_image`, int() and ceil as there."""
         factor = self.patch_size * self.merge_size
-        resized_h, resized_w = lfm2_resize(height, width, factor, self.min_pixels, self.max_pixels)
+        resized_h, resized_w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels, lfm2=True)
         resized = (math.ceil((resized_h // self.patch_size) / self.merge_size)
                    * math.ceil((resized_w // self.patch_size) / self.merge_size))
-        splits = self.splitting and not self.min_tiles == self.max_tiles == 1
         rounded_h = max(self.patch_size, round(height / factor) * factor)  # `_is_image_too_large`'s rounding
         rounded_w = max(self.patch_size, round(width / factor) * factor)
-        if not splits or not rounded_h * rounded_w > self.max_pixels * self.tolerance:
+        if not self.splitting or not rounded_h * rounded_w > self.max_pixels * self.tolerance:
             return 1, 1, resized
         columns, rows = lfm2_grid(height, width, self.tile_height, self.min_tiles, self.max_tiles)
         return rows, columns, resized

@@ -460,7 +460,9 @@ def _per_document_layers(
     if verdict is not None:
         return _install_per_document_layers(model, family.model_type) if verdict.per_document else None
     model_type = model.config.model_type
-    return install_per_document_layers(model, model_type) if model_type in STATEFUL_LAYERS else None
+    if model_type in STATEFUL_LAYERS or model.config.get_text_config().model_type in STATEFUL_LAYERS:
+        return _install_per_document_layers(model, model_type)
+    return None
 
 
 def _install_per_document_layers(model: transformers.PreTrainedModel, model_type: str) -> PerDocumentLayers:
@@ -468,7 +470,15 @@ def _install_per_document_layers(model: transformers.PreTrainedModel, model_type
     `STATEFUL_LAYERS` (LFM2-VL's LFM2) gets its decoder's, whose modeling file defines the layers."""
     if model_type in STATEFUL_LAYERS:
         return install_per_document_layers(model, model_type)
-    return install_per_document_layers(model.get_decoder(), model.config.get_text_config().model_type)
+    text_type = model.config.get_text_config().model_type
+    if text_type not in STATEFUL_LAYERS:
+        raise IsolationError(
+            f"{type(model).__name__} ({model_type}): its decoder ({text_type}) has no sequence-state layers prepack "
+            f"knows to run per document in this transformers ({transformers.__version__}), where prepack's table "
+            "runs them so. Its documents would leak through them: use a transformers version prepack supports, or "
+            "train without packing."
+        )
+    return install_per_document_layers(model.get_decoder(), text_type)
 
 
 def _module_that_sees_the_documents(model: transformers.PreTrainedModel) -> torch.nn.Module:

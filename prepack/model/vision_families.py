@@ -61,7 +61,8 @@ from prepack.model.families import (
 )
 
 __all__ = ["IMAGE_BLOCKS", "VISION_FAMILIES", "ImageBlocks", "ImageStyle", "VisionFamily", "fails_alone",
-           "fails_packed", "image_refusal", "image_style", "markdown", "needs", "not_built", "not_run", "VIDEO_RULES"]
+           "fails_packed", "image_refusal", "image_style", "markdown", "needs", "not_built", "not_run", "tower_without",
+           "VIDEO_RULES"]
 
 ImageStyle = Literal["3-D rotary", "restart", "image blocks", "prefix blocks"]
 
@@ -107,6 +108,13 @@ def fails_alone(detail: str) -> Verdict:
 
 def fails_packed(detail: str) -> Verdict:
     return Verdict("refused", f"transformers' own code fails on a packed image batch ({detail})")
+
+
+def tower_without(backend: str, tower: str) -> Verdict:
+    """A family whose decoder has `backend`'s attention in transformers but whose vision tower (class `tower`) has
+    none: the model does not build on it (measured); a decoder on it beside a tower on sdpa is not measured."""
+    return Verdict("refused", f"its vision tower ({tower}) has no {backend} attention in transformers; the decoder on "
+                              f"{backend} with the tower on sdpa is not measured")
 
 
 def needs(package: str) -> Verdict:
@@ -405,7 +413,7 @@ VISION_FAMILIES |= {
         "restart",
         "one image per row of pixel_values (MobileNetV5 through timm: convolutions, multi-query attention and RMS "
         "norms within each image)",
-        _MEASURED_NO_FLEX,
+        (NATIVE,) * 4 + (tower_without("flex", "TimmWrapperModel"),),
     ),
 }
 
@@ -417,7 +425,7 @@ VISION_FAMILIES["lfm2_vl"] = VisionFamily(
     "restart",
     "one image or tile per row of pixel_values (SigLIP2 NaFlex), its padding masked by pixel_attention_mask and its "
     "positions resized to its spatial_shapes, pixel-unshuffled 2x2",
-    (SHORT_CONVOLUTIONS,) * 4 + (NO_FLEX,),
+    (SHORT_CONVOLUTIONS,) * 4 + (tower_without("flex", "Siglip2VisionModel"),),
 )
 
 

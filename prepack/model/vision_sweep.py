@@ -104,7 +104,7 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
     try:
         model = tiny_vision_model(model_type, "sdpa" if switch else attn, dtype=torch.float64)
     except Exception as exc:  # noqa: BLE001 (a family that does not build is a finding the table states)
-        return _not_built_on(attn, exc)
+        return _not_built_on(model_type, attn, exc)
     tolerance, _ = default_tolerances(torch.float64, attn)
     try:
         samples = _samples(model)
@@ -119,7 +119,7 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
         try:
             switch(model, attn)
         except Exception as exc:  # noqa: BLE001
-            return _not_built_on(attn, exc)
+            return _not_built_on(model_type, attn, exc)
     styled = model_type in VISION_FAMILIES and VISION_FAMILIES[model_type].style is not None
     native = _isolated(model, packed, alone, tolerance)
     text_verdict = _decoder_verdict(model, attn)
@@ -129,7 +129,13 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
         if native is False and text_verdict is not None and text_verdict.per_document:
             # A decoder whose sequence-state layers enable_packing runs one sample per row (LFM3-VL's short
             # convolutions) leaks through them natively: measured with them so, the leak left is the images'.
-            return NO_DATA_SIDE_PER_DOCUMENT if _isolated_per_document(model, packed, alone, tolerance) else LEAKS
+            try:
+                per_document = _isolated_per_document(model, packed, alone, tolerance)
+            except IsolationError as exc:  # prepack's hooks refused: measured as refused, with prepack's reason
+                return fails_packed(_described(exc))
+            if isinstance(per_document, Exception):
+                return fails_packed(_described(per_document))
+            return NO_DATA_SIDE_PER_DOCUMENT if per_document is True else LEAKS
         if native:
             return NO_DATA_SIDE
         return CROSS_ATTENTION_LEAKS if _cross_attends(model) else LEAKS
@@ -415,9 +421,13 @@ def _isolated(model, packed: dict, alone: list[torch.Tensor], tolerance: float):
     return bool((logits - expected).abs().max() <= tolerance)
 
 
-def _not_built_on(attn: str, exc: Exception) -> Verdict:
-    """The refusal of a family whose model could not be built on (or switched to) `attn`."""
+def _not_built_on(model_type: str, attn: str, exc: Exception) -> Verdict:
+    """The refusal of a family whose model could not be built on (or switched to) `attn`: transformers names the
+    class without that attention, the family's own (no such attention for it) or its tower's (`tower_without`)."""
     if "does not support an attention implementation" in str(exc):
+        lacking = str(exc).split(" does not support", 1)[0]
+        if lacking != MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type] and backend_of(attn) in _UNSUPPORTED:
+            return vision_families.tower_without(backend_of(attn), lacking)
         return _UNSUPPORTED.get(backend_of(attn), not_built(_described(exc)))
     if (package := _missing_package(exc)) is not None:
         return vision_families.needs(package)

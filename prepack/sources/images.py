@@ -480,15 +480,23 @@ def _lfm2_fields(config: dict, config_file: Path, processor: dict, processor_fil
     tolerance = config.get("max_pixels_tolerance", 2.0)
     if type(tolerance) not in (int, float) or not 0 < tolerance < math.inf:
         raise InputError(f"{config_file}: max_pixels_tolerance is {tolerance!r}; expected a positive number.")
-    patch = _positive(config, config_file, "encoder_patch_size", 16)
-    token_pixels = (patch * _positive(config, config_file, "downsample_factor", 2)) ** 2
+    patch, merge = (_positive(config, config_file, key, default) for key, default in (("encoder_patch_size", 16),
+                                                                                     ("downsample_factor", 2)))
+    token_pixels = (patch * merge) ** 2
     min_tiles, max_tiles = (_positive(config, config_file, key, default) for key, default in (("min_tiles", 2),
                                                                                              ("max_tiles", 10)))
     if not flags["do_image_splitting"]:
         min_tiles = max_tiles = 1
     elif min_tiles > max_tiles:
         raise InputError(f"{config_file}: min_tiles {min_tiles} is more than max_tiles {max_tiles}.")
-    return {"kind": "lfm2", "patch_size": patch, "merge_size": _positive(config, config_file, "downsample_factor", 2),
+    elif min_tiles == 1:
+        # transformers' own two halves disagree there: a large image split into one tile is counted in the text as
+        # its thumbnail (Lfm2VlProcessor) but made a whole tile (Lfm2VlImageProcessor), so training would fail.
+        raise InputError(f"{config_file}: min_tiles 1 with do_image_splitting: transformers' Lfm2VlProcessor counts "
+                         "a large image split into one tile as its thumbnail, while its image processor makes the "
+                         "whole tile, so the placeholders would not match the image's features in training; set "
+                         "min_tiles to 2 or more, or do_image_splitting to false.")
+    return {"kind": "lfm2", "patch_size": patch, "merge_size": merge,
             "min_pixels": _positive(config, config_file, "min_image_tokens", 64) * token_pixels,
             "max_pixels": _positive(config, config_file, "max_image_tokens", 256) * token_pixels,
             "tile_height": _positive(config, config_file, "tile_size", 512), "min_tiles": min_tiles,

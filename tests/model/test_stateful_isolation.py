@@ -203,3 +203,25 @@ def test_a_per_token_argument_the_layer_would_get_unsplit_is_refused(packs):
     batch = padded(packs)
     with pytest.raises(IsolationError, match="token_scale besides its hidden states"):
         model(**batch, token_scale=torch.ones(*batch["input_ids"].shape, 1))
+
+
+def test_a_checked_subclass_of_a_vision_family_keeps_its_decoders_per_document_layers():
+    """LFM2-VL is not a text family, but its decoder (LFM2) is: a subclass of it in a file of its own, allowed
+    after a check, gets the hooks on LFM2's short convolutions, as the listed family does."""
+    from prepack.model.tiny_vision_models import tiny_vision_model
+
+    model = tiny_vision_model("lfm2_vl", "sdpa")
+    model.__class__ = type("MySubclass", (type(model),), {"__module__": __name__})
+    enable_packing(model, allow_unlisted=True)
+    convolutions = [module for module in model.modules() if type(module).__name__ == "Lfm2ShortConv"]
+    assert convolutions and all(len(module._forward_pre_hooks) == 1 for module in convolutions)
+
+
+def test_a_vision_family_whose_decoder_has_no_per_document_layers_is_refused_by_name(monkeypatch):
+    """A vision family the table runs per document whose decoder's type names no layers (another transformers may
+    rename it) is refused by name, not with a bare KeyError."""
+    from prepack.model.tiny_vision_models import tiny_vision_model
+
+    monkeypatch.delitem(stateful.STATEFUL_LAYERS, "lfm2")
+    with pytest.raises(IsolationError, match="lfm2_vl.*decoder .*lfm2.* no sequence-state layers"):
+        enable_packing(tiny_vision_model("lfm2_vl", "sdpa"))

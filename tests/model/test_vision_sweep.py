@@ -129,13 +129,46 @@ def test_the_sweep_measures_the_sequence_state_segments(model_type, monkeypatch)
 
 
 @pytest.mark.slow
-def test_lfm3_vl_leaks_through_its_decoders_short_convolutions_only(monkeypatch):
-    """LFM3-VL's row (isolated with its decoder's short convolutions run per sample, no data side) is measured
-    both ways: the bare model's packed samples leak (through those layers), and with them per sample they do not
-    (the table's row agrees with a fresh measurement, test_the_table_agrees_with_a_fresh_measurement)."""
+def test_lfm3_vl_is_measured_again_with_its_decoders_short_convolutions_per_sample(monkeypatch):
+    """LFM3-VL's packed samples leak natively (through its decoder's short convolutions): the sweep measures them
+    again with those layers run one sample per row, and its verdict is that second measurement's."""
     assert VISION_FAMILIES["lfm3_vl"].verdicts[0] == vision_families.NO_DATA_SIDE_PER_DOCUMENT
-    monkeypatch.setattr(vision_sweep, "_isolated_per_document", lambda model, packed, alone, tolerance: False)
-    assert measure_family("lfm3_vl", "sdpa") == vision_families.LEAKS
+    measuring = vision_sweep._isolated_per_document
+    calls = []
+
+    def spied(*args):
+        calls.append(measuring(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(vision_sweep, "_isolated_per_document", spied)
+    assert measure_family("lfm3_vl", "sdpa") == vision_families.NO_DATA_SIDE_PER_DOCUMENT
+    assert calls == [True]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failure", [RuntimeError("the convolution failed"), IsolationError("no such layers")])
+def test_a_per_document_measurement_that_fails_is_reported_as_the_failure(monkeypatch, failure):
+    """LFM3-VL's measurement with its short convolutions per sample: a packed forward that fails there (a
+    convolution made to raise), or hooks refused (IsolationError), is a failure on the packed batch, not isolation."""
+    from transformers.models.lfm3.modeling_lfm3 import Lfm3ShortConv
+
+    installing = vision_sweep._install_per_document_layers
+
+    def failing(model, model_type):
+        if isinstance(failure, IsolationError):
+            raise failure
+        layers = installing(model, model_type)
+
+        def raising(module, args, kwargs):
+            raise failure
+
+        layers.handles += [module.register_forward_pre_hook(raising, with_kwargs=True)
+                           for module in model.modules() if isinstance(module, Lfm3ShortConv)]
+        return layers
+
+    monkeypatch.setattr(vision_sweep, "_install_per_document_layers", failing)
+    assert measure_family("lfm3_vl", "sdpa") == vision_families.fails_packed(
+        f"{type(failure).__name__}: {failure}")
 
 
 def test_the_sweep_catches_a_wrongly_refused_family(monkeypatch):
@@ -243,3 +276,11 @@ def test_a_measured_refusal_is_raised_for_an_image_batch():
 def test_vision_support_document_is_current():
     document = Path(__file__).parents[2] / "docs" / "vision-support.md"
     assert document.read_text() == vision_families.markdown()
+
+
+def test_a_tower_without_flex_is_refused_as_the_towers_not_the_decoders():
+    """LFM2-VL's decoder has flex attention in transformers, its SigLIP2 tower has none: the refusal on flex names
+    the tower, as the sweep measures it (the model does not build on flex), not the whole family."""
+    measured = measure_family("lfm2_vl", "flex_attention")
+    assert measured == vision_families.tower_without("flex", "Siglip2VisionModel")
+    assert "Siglip2VisionModel" in measured.reason and VISION_FAMILIES["lfm2_vl"].verdicts[-1] == measured
