@@ -12,8 +12,8 @@ tower) must not. Every verdict of `prepack.model.vision_families` is run: the is
 (flash attention 2 and 4 through tests/flash_reference.py's stand-ins of the kernels, flex_attention uncompiled
 on logits and loss: torch's flex has no backward on a CPU), the refused ones to their refusal.
 
-LFM2-VL's own image processor needs torchvision, which is not installed here: its photographs go through SigLIP2's
-PIL image processor (`prepack.model.tiny_vision_models.image_processor_for`), which makes the same NaFlex input for
+LFM2-VL's photographs go through SigLIP2's PIL image processor here (its own processor, counted against
+transformers' in tests/building/test_image_chat.py, needs torchvision) (`prepack.model.tiny_vision_models.image_processor_for`), which makes the same NaFlex input for
 its SigLIP2 tower (patch rows padded to one length, `pixel_attention_mask`, `spatial_shapes`; one row per image,
 where LFM2-VL's processor adds a row per tile, each a row the tower runs alone).
 """
