@@ -30,9 +30,10 @@ transformers isolates natively or raises `IsolationError`:
   layers) are refused: transformers' flash path cannot apply the chunks and raises for them;
 - Llama 4's attention temperature (its NoPE layers' queries scaled from index `floor_scale` - 1 on, 8192 in its
   checkpoints) is taken from each token's `position_ids`, the index in its document: transformers takes the
-  index in the row, and a document packed from there on would be scaled as it is not alone. enable_packing
-  turns the layers' own tuning off and scales their `q_proj` output as transformers scales the query
-  (`_DocumentTemperature`); a batch that is not packed keeps the index in the row;
+  index in the row, and a document packed from there on would be scaled as it is not alone. For a packed batch
+  the guard hands the layers their scales in their keyword arguments (kept by gradient checkpointing), and they
+  scale their current `q_proj` output, as transformers scales the query, in place of their own tuning
+  (`_DocumentTemperature`); a batch that is not packed runs transformers' own tuning;
 - a cache is refused for packed rows: sdpa, eager and flex_attention only build the per-document mask
   (flex's BlockMask) from `position_ids` when no cache
   exists, so an explicit `use_cache=True` there raises, in train and eval mode alike, and `use_cache`
@@ -393,9 +394,12 @@ class _DocumentTemperature:
     @classmethod
     def install(cls, model: torch.nn.Module) -> _DocumentTemperature | None:
         """Hooks on the attention layers of `model` where some are tuned NoPE layers; None where none is."""
-        layers = [module for module in model.modules() if isinstance(getattr(module, "q_proj", None), torch.nn.Module)
-                  and hasattr(module, "attn_temperature_tuning")]
-        tuned = [layer for layer in layers if layer.attn_temperature_tuning is True and getattr(layer, "use_rope", None) == 0]
+        layers = [
+            module
+            for module in model.modules()
+            if hasattr(module, "attn_temperature_tuning") and isinstance(getattr(module, "q_proj", None), torch.nn.Module)
+        ]
+        tuned = [layer for layer in layers if layer.attn_temperature_tuning is True and getattr(layer, "use_rope", 1) == 0]
         return cls(layers, tuned) if tuned else None
 
     def scales_of(self, position_ids: torch.Tensor) -> torch.Tensor:
