@@ -269,6 +269,7 @@ def gradients_of(model) -> list[torch.Tensor]:
     return [parameter.grad.clone() for parameter in model.parameters() if parameter.grad is not None]
 
 
+@pytest.mark.slow
 def test_llama4s_temperature_under_gradient_checkpointing_follows_the_batch_it_recomputes():
     """Under gradient checkpointing the decoder layers rerun at backward: the temperature of batch A, recomputed
     after batch B's forward (or after a forward that raised midway), is still A's (the scales travel in the
@@ -301,6 +302,7 @@ class _LowRankWrapper(torch.nn.Module):
         return self.base_layer(hidden_states) + self.delta(hidden_states)
 
 
+@pytest.mark.slow
 def test_llama4s_temperature_scales_a_query_projection_wrapped_after_enable_packing():
     """TRL's SFTTrainer(peft_config=...) wraps q_proj after the user's enable_packing: the whole wrapped output
     (base and delta) is scaled, as transformers scales it, and every document is exact."""
