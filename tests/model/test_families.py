@@ -318,7 +318,7 @@ def test_llama4s_temperature_scales_a_query_projection_wrapped_after_enable_pack
     assert report.passed, report
 
 
-def test_a_failed_enable_packing_can_be_undone_by_disable_packing(monkeypatch):
+def test_a_failed_enable_packing_leaves_llama4s_temperature_for_disable_packing_to_undo(monkeypatch):
     """enable_packing raising after it hooked Llama 4's attention layers leaves them for disable_packing to undo."""
     model = temperature_tuned_llama4("sdpa", floor_scale=8)
 
