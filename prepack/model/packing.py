@@ -30,9 +30,10 @@ transformers isolates natively or raises `IsolationError`:
   layers) are refused: transformers' flash path cannot apply the chunks and raises for them;
 - Llama 4's attention temperature (its NoPE layers' queries scaled from index `floor_scale` - 1 on, 8192 in its
   checkpoints) is taken from each token's `position_ids`, the index in its document: transformers takes the
-  index in the row, and a document packed from there on would be scaled as it is not alone. enable_packing
-  turns the layers' own tuning off and scales their `q_proj` output as transformers scales the query
-  (`_DocumentTemperature`); a batch that is not packed keeps the index in the row;
+  index in the row, and a document packed from there on would be scaled as it is not alone. For a packed batch
+  the guard hands the layers their scales in their keyword arguments (kept by gradient checkpointing), and they
+  scale their current `q_proj` output, as transformers scales the query, in place of their own tuning
+  (`_DocumentTemperature`); a batch that is not packed runs transformers' own tuning;
 - a cache is refused for packed rows: sdpa, eager and flex_attention only build the per-document mask
   (flex's BlockMask) from `position_ids` when no cache
   exists, so an explicit `use_cache=True` there raises, in train and eval mode alike, and `use_cache`
@@ -70,7 +71,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from prepack.model import families
@@ -152,16 +153,16 @@ def enable_packing(
     disable_packing(model)
     decoder = _module_that_sees_the_documents(model)
     per_document = _per_document_layers(model, family, verdict)
+    if per_document is not None:  # set as soon as installed, so that disable_packing undoes a failed enable_packing
+        setattr(model, _PER_DOCUMENT_ATTRIBUTE, per_document)
     temperature = _DocumentTemperature.install(model)
+    if temperature is not None:
+        setattr(model, _TEMPERATURE_ATTRIBUTE, temperature)
     guard = _PackedBatchGuard(_positional_parameters(decoder), family, per_document, temperature)
     setattr(model, _HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(guard, with_kwargs=True))
     tower_hooks = _keep_text_offsets_from_the_towers(model)
     if tower_hooks:
         setattr(model, _TOWER_HOOK_ATTRIBUTE, tower_hooks)
-    if per_document is not None:
-        setattr(model, _PER_DOCUMENT_ATTRIBUTE, per_document)
-    if temperature is not None:
-        setattr(model, _TEMPERATURE_ATTRIBUTE, temperature)
     return model
 
 
@@ -258,13 +259,11 @@ class _PackedBatchGuard:
         self.positional_parameters = positional_parameters
         self.family = family
         self.per_document = per_document  # the model's sequence-state layers, told each batch's segments
-        self.temperature = temperature  # Llama 4's tuned NoPE layers, told each packed batch's position_ids
+        self.temperature = temperature  # Llama 4's tuned NoPE layers, handed each packed batch's query scales
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         if self.per_document is not None:
             self.per_document.segments = None
-        if self.temperature is not None:
-            self.temperature.position_ids = None
         if len(args) > len(self.positional_parameters):
             return None  # not a call the forward accepts: let it raise its own error
         kwargs = {**dict(zip(self.positional_parameters, args)), **kwargs}
@@ -317,7 +316,7 @@ class _PackedBatchGuard:
 
     def _position_the_temperature(self, kwargs: dict[str, Any]) -> None:
         if self.temperature is not None:
-            self.temperature.position_ids = kwargs["position_ids"]
+            kwargs[_DocumentTemperature.SCALES_KEY] = self.temperature.scales_of(kwargs["position_ids"])
 
     def _segment_the_sequence_state(self, kwargs: dict[str, Any], tokens: torch.Tensor) -> None:
         """Tell the per-document layers the batch's documents (from its offsets or its 2-D position_ids)."""
@@ -396,55 +395,67 @@ class _DocumentTemperature:
 
     transformers scales a NoPE layer's (no_rope_layers 0) queries by log1p(floor((i + 1) / floor_scale)) *
     attn_scale + 1, i the token's index in the row (torch.arange, plus the cached tokens): in a packed row, the
-    index from the first document's start. `install` turns that off on the layers and hooks their `q_proj`
-    instead, which scales the query the same way before it is split into heads (a NoPE layer has no rotary and
-    no qk_norm in between) with i from `position_ids`, set by the decoder's guard for each packed batch (None
-    otherwise: transformers' index). A recomputation under gradient checkpointing reads the same.
+    index from the first document's start. For a packed batch the decoder's guard computes the scales from
+    `position_ids` (`scales_of`) and hands them down in the layers' keyword arguments (`SCALES_KEY`), which gradient
+    checkpointing keeps for its recomputation. A pre-hook on every attention layer takes them out (a rotary
+    layer's kernel would get them); on a tuned NoPE layer it turns transformers' own tuning off for that call and
+    has the layer's current `q_proj` (a wrapper put there after `enable_packing`, as PEFT's LoRA is, included)
+    scale its whole output: the query before it is split into heads, with no rotary or qk_norm in between. A
+    call without scales (a batch that is not packed) runs transformers' own tuning.
     """
 
-    def __init__(self, layers: list[torch.nn.Module]):
-        self.layers = layers
-        self.position_ids: torch.Tensor | None = None
-        self.scales: dict[torch.nn.Module, torch.Tensor] = {}
-        self.handles = []
-        for layer in layers:
+    SCALES_KEY = "_prepack_attn_scales"
+
+    def __init__(self, layers: list[torch.nn.Module], tuned: list[torch.nn.Module]):
+        self.layers, self.tuned = layers, tuned
+        self.floor_scale, self.attn_scale = tuned[0].floor_scale, tuned[0].attn_scale
+        self.pending: dict[torch.nn.Module, torch.Tensor | None] = {}  # per tuned layer, its call's scales
+        self.query_hooks: dict[torch.nn.Module, tuple[torch.nn.Module, Any]] = {}  # per tuned layer: q_proj, handle
+        self.handles = [layer.register_forward_pre_hook(self._before_attention, with_kwargs=True) for layer in layers]
+        for layer in tuned:
             layer.attn_temperature_tuning = False
-            self.handles.append(layer.register_forward_pre_hook(self._before_attention, with_kwargs=True))
-            self.handles.append(layer.q_proj.register_forward_hook(self._scale_the_query))
 
     @classmethod
     def install(cls, model: torch.nn.Module) -> _DocumentTemperature | None:
-        """Hooks on the tuned NoPE attention layers of `model`; None where it has none."""
-        tuned = [
+        """Hooks on the attention layers of `model` where some are tuned NoPE layers; None where none is."""
+        layers = [
             module
             for module in model.modules()
-            if getattr(module, "attn_temperature_tuning", False) is True
-            and getattr(module, "use_rope", None) == 0
-            and isinstance(getattr(module, "q_proj", None), torch.nn.Module)
+            if hasattr(module, "attn_temperature_tuning") and isinstance(getattr(module, "q_proj", None), torch.nn.Module)
         ]
-        return cls(tuned) if tuned else None
+        tuned = [layer for layer in layers if layer.attn_temperature_tuning is True and getattr(layer, "use_rope", 1) == 0]
+        return cls(layers, tuned) if tuned else None
+
+    def scales_of(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's query scale, [B, L, 1], from its index in its document."""
+        positions = position_ids.float() + 1.0
+        return (torch.log1p(torch.floor(positions / self.floor_scale)) * self.attn_scale + 1.0)[..., None]
 
     def remove(self) -> None:
-        for handle in self.handles:
+        for handle in [*self.handles, *(handle for _, handle in self.query_hooks.values())]:
             handle.remove()
         self.handles.clear()
-        for layer in self.layers:
+        self.query_hooks.clear()
+        for layer in self.tuned:
             layer.attn_temperature_tuning = True
-        self.scales.clear()
+        self.pending.clear()
 
-    def _before_attention(self, layer: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        hidden_states = args[0] if args else kwargs["hidden_states"]
-        positions = self.position_ids
-        if positions is None:  # transformers' own: the index in the row, after the cached tokens
-            cache = kwargs.get("cache")
-            past_seen_tokens = cache.get_seq_length(layer.layer_idx) if cache is not None else 0
-            positions = torch.arange(hidden_states.shape[1], device=hidden_states.device)[None] + past_seen_tokens
-        positions = positions.to(hidden_states.device)
-        scales = torch.log1p(torch.floor((positions.float() + 1.0) / layer.floor_scale)) * layer.attn_scale + 1.0
-        self.scales[layer.q_proj] = scales[..., None]
+    def _before_attention(self, layer: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
+        scales = kwargs.pop(self.SCALES_KEY, None)
+        if layer in self.tuned:
+            layer.attn_temperature_tuning = scales is None
+            self.pending[layer] = scales
+            hooked = self.query_hooks.get(layer)
+            if hooked is None or hooked[0] is not layer.q_proj:  # first call, or q_proj wrapped since
+                if hooked is not None:
+                    hooked[1].remove()
+                handle = layer.q_proj.register_forward_hook(partial(self._scale_the_query, layer))
+                self.query_hooks[layer] = (layer.q_proj, handle)
+        return args, kwargs
 
-    def _scale_the_query(self, q_proj: torch.nn.Module, args: tuple, query: torch.Tensor) -> torch.Tensor:
-        return (query * self.scales.pop(q_proj)).to(query.dtype)
+    def _scale_the_query(self, layer: torch.nn.Module, q_proj: torch.nn.Module, args: tuple, query: torch.Tensor):
+        scales = self.pending.pop(layer, None)
+        return None if scales is None else (query * scales.to(query.device)).to(query.dtype)
 
 
 def _per_document_layers(

@@ -261,6 +261,76 @@ def test_llama4s_unpacked_batches_keep_transformers_own_temperature():
         assert torch.equal(logits_in_two_steps(model), own_in_steps)
     disable_packing(model)
     assert all(layer.self_attn.attn_temperature_tuning for layer in model.model.layers)
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, own)
+
+
+def gradients_of(model) -> list[torch.Tensor]:
+    return [parameter.grad.clone() for parameter in model.parameters() if parameter.grad is not None]
+
+
+@pytest.mark.slow
+def test_llama4s_temperature_under_gradient_checkpointing_follows_the_batch_it_recomputes():
+    """Under gradient checkpointing the decoder layers rerun at backward: the temperature of batch A, recomputed
+    after batch B's forward (or after a forward that raised midway), is still A's (the scales travel in the
+    layers' keyword arguments, which checkpointing keeps)."""
+    model = enable_packing(temperature_tuned_llama4("sdpa", floor_scale=8)).train()
+    model.activation_checkpointing_enable()
+    sample = packs()
+    first, second = PackedCollator(MAX_LEN)(sample), PackedCollator(MAX_LEN)(sample[::-1])
+    assert not torch.equal(first["position_ids"], second["position_ids"])
+    model(**first).loss.backward()
+    reference = gradients_of(model)
+    model.zero_grad()
+    loss = model(**first).loss
+    model(**second)
+    with pytest.raises(IsolationError):  # a forward that raises after the guard has seen its batch
+        model(**second, cache=transformers.DynamicCache(config=model.config))
+    loss.backward()
+    assert all(torch.equal(got, want) for got, want in zip(gradients_of(model), reference, strict=True))
+
+
+class _LowRankWrapper(torch.nn.Module):
+    """What PEFT's LoRA does to a projection: the original kept as base_layer, a trainable delta added."""
+
+    def __init__(self, base_layer: torch.nn.Linear):
+        super().__init__()
+        self.base_layer = base_layer
+        self.delta = torch.nn.Linear(base_layer.in_features, base_layer.out_features, bias=False, dtype=torch.float64)
+
+    def forward(self, hidden_states):
+        return self.base_layer(hidden_states) + self.delta(hidden_states)
+
+
+@pytest.mark.slow
+def test_llama4s_temperature_scales_a_query_projection_wrapped_after_enable_packing():
+    """TRL's SFTTrainer(peft_config=...) wraps q_proj after the user's enable_packing: the whole wrapped output
+    (base and delta) is scaled, as transformers scales it, and every document is exact."""
+    model = temperature_tuned_llama4("sdpa", floor_scale=8)
+    enable_packing(model)
+    torch.manual_seed(1)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = _LowRankWrapper(layer.self_attn.q_proj)
+    sample = packs()
+    tolerance, loss_tolerance = default_tolerances(torch.float64, "sdpa")
+    report = measure_isolation(model, sample, PackedCollator(MAX_LEN)(sample), tolerance=tolerance,
+                               loss_tolerance=loss_tolerance, gradients=False)
+    assert report.passed, report
+
+
+def test_a_failed_enable_packing_leaves_llama4s_temperature_for_disable_packing_to_undo(monkeypatch):
+    """enable_packing raising after it hooked Llama 4's attention layers leaves them for disable_packing to undo."""
+    model = temperature_tuned_llama4("sdpa", floor_scale=8)
+
+    def fail(model):
+        raise RuntimeError("the tower hook failed")
+
+    monkeypatch.setattr(packing, "_keep_text_offsets_from_the_towers", fail)
+    with pytest.raises(RuntimeError, match="the tower hook failed"):
+        enable_packing(model)
+    disable_packing(model)
+    assert all(layer.self_attn.attn_temperature_tuning for layer in model.model.layers)
+    assert not any(layer.self_attn._forward_pre_hooks for layer in model.model.layers)
 
 
 def test_llama4s_shared_prompt_completions_get_their_own_temperature():
