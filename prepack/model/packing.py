@@ -326,7 +326,7 @@ class _PackedBatchGuard:
                 "(docs/model-support.md), in shapes that follow the batch's documents, which torch.compile cannot "
                 "trace as one graph: with fullgraph=False the model's forward runs uncompiled (isolated), as without torch.compile."
             )
-        self.per_document.segments = _document_segments(kwargs, tokens)
+        self.per_document.segments = batch_document_segments(kwargs, tokens)
 
 
 _IMAGE_INPUTS = ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")  # a batch of videos has no pixel_values
@@ -469,14 +469,14 @@ def _per_document_layers(
     model type it has: `prepack check-isolation` measured it with them.
     """
     if verdict is not None:
-        return _install_per_document_layers(model, family.model_type) if verdict.per_document else None
+        return install_decoders_per_document_layers(model, family.model_type) if verdict.per_document else None
     model_type = model.config.model_type
     if model_type in STATEFUL_LAYERS or model.config.get_text_config().model_type in STATEFUL_LAYERS:
-        return _install_per_document_layers(model, model_type)
+        return install_decoders_per_document_layers(model, model_type)
     return None
 
 
-def _install_per_document_layers(model: transformers.PreTrainedModel, model_type: str) -> PerDocumentLayers:
+def install_decoders_per_document_layers(model: transformers.PreTrainedModel, model_type: str) -> PerDocumentLayers:
     """The model's per-document hooks; a vision-language family whose decoder is a text family of
     `STATEFUL_LAYERS` (LFM2-VL's LFM2) gets its decoder's, whose modeling file defines the layers."""
     if model_type in STATEFUL_LAYERS:
@@ -531,7 +531,7 @@ def _masks_from_positions(module, config, position_ids: torch.Tensor, shape: tor
     return masks
 
 
-def _document_segments(kwargs: dict[str, Any], tokens: torch.Tensor) -> DocumentSegments:
+def batch_document_segments(kwargs: dict[str, Any], tokens: torch.Tensor) -> DocumentSegments:
     """The checked offsets of the batch, or (sdpa/eager given position_ids only) offsets derived from them."""
     given = kwargs.get("cu_seq_lens_q") is not None
     offsets = kwargs if given else _offsets_from_positions(kwargs["position_ids"], tokens)

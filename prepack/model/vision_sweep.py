@@ -53,7 +53,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 from prepack.errors import IsolationError
 from prepack.model.families import NO_FLASH, NO_FLEX, NO_SDPA, BACKENDS, Verdict, backend_of
 from prepack.model.isolation import default_tolerances
-from prepack.model.packing import _document_segments, _install_per_document_layers, enable_packing
+from prepack.model.packing import batch_document_segments, install_decoders_per_document_layers, enable_packing
 from prepack.model.tiny_models import DOCUMENT_VOCAB
 from prepack.model import families, vision_families
 from prepack.model.vision_families import (
@@ -172,9 +172,9 @@ def _isolated_per_document(model, packed: dict, alone: list[torch.Tensor], toler
     """`_isolated` with the decoder's sequence-state layers run one sample per row, as `enable_packing` runs them
     (its hooks, told the samples from the packed text positions), and removed afterwards."""
     text_positions = packed["position_ids"][0] if packed["position_ids"].ndim == 3 else packed["position_ids"]
-    layers = _install_per_document_layers(model, model.config.model_type)
+    layers = install_decoders_per_document_layers(model, model.config.model_type)
     try:
-        layers.segments = _document_segments({"position_ids": text_positions}, packed["input_ids"])
+        layers.segments = batch_document_segments({"position_ids": text_positions}, packed["input_ids"])
         return _isolated(model, packed, alone, tolerance)
     finally:
         layers.remove()

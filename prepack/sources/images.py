@@ -496,10 +496,15 @@ def _lfm2_fields(config: dict, config_file: Path, processor: dict, processor_fil
                          "a large image split into one tile as its thumbnail, while its image processor makes the "
                          "whole tile, so the placeholders would not match the image's features in training; set "
                          "min_tiles to 2 or more, or do_image_splitting to false.")
+    tile = _positive(config, config_file, "tile_size", 512)
+    if flags["do_image_splitting"] and tile % patch:
+        # transformers' Lfm2VlImageProcessor reshapes each tile into whole patches and fails on any other tile.
+        raise InputError(f"{config_file}: tile_size {tile} is not a multiple of encoder_patch_size {patch}; "
+                         "LFM2-VL's image processor cuts every tile into whole patches and fails on such a tile.")
     return {"kind": "lfm2", "patch_size": patch, "merge_size": merge,
             "min_pixels": _positive(config, config_file, "min_image_tokens", 64) * token_pixels,
             "max_pixels": _positive(config, config_file, "max_image_tokens", 256) * token_pixels,
-            "tile_height": _positive(config, config_file, "tile_size", 512), "min_tiles": min_tiles,
+            "tile_height": tile, "min_tiles": min_tiles,
             "max_tiles": max_tiles, "splitting": flags["do_image_splitting"], "tolerance": float(tolerance),
             "global_token": "<|img_thumbnail|>" if flags["use_thumbnail"] else None}
 

@@ -1302,7 +1302,8 @@ LFM2_VL_SETUPS = {
     "no thumbnail": {"use_thumbnail": False},
     "not split": {"do_image_splitting": False},
     "small tiles": {"tile_size": 256, "min_tiles": 2, "max_tiles": 4, "min_image_tokens": 16, "max_image_tokens": 64},
-    "patch 14": {"encoder_patch_size": 14, "downsample_factor": 3, "max_pixels_tolerance": 1.0, "max_tiles": 6},
+    "patch 14": {"encoder_patch_size": 14, "downsample_factor": 3, "max_pixels_tolerance": 1.0, "max_tiles": 6,
+                 "tile_size": 504},
 }
 
 
@@ -1376,6 +1377,8 @@ def test_lfm2_vl_counts_where_its_rule_departs_from_the_others_are_the_processor
         ({"max_pixels_tolerance": "2"}, None, "preprocessor_config.json: max_pixels_tolerance is '2'"),
         ({"use_thumbnail": 1}, None, "preprocessor_config.json: use_thumbnail is 1"),
         ({"tile_size": 0}, None, "preprocessor_config.json: tile_size is 0"),
+        # transformers' Lfm2VlImageProcessor fails reshaping a tile of 512 pixels into patches of 14.
+        ({"encoder_patch_size": 14}, None, "tile_size 512 is not a multiple of encoder_patch_size 14"),
         ({"max_tiles": 65}, None, "max_tiles 65 is more than 64"),
         ({}, {"use_image_special_tokens": False}, "processor_config.json: use_image_special_tokens is False"),
     ],

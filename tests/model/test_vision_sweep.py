@@ -152,7 +152,7 @@ def test_a_per_document_measurement_that_fails_is_reported_as_the_failure(monkey
     convolution made to raise), or hooks refused (IsolationError), is a failure on the packed batch, not isolation."""
     from transformers.models.lfm3.modeling_lfm3 import Lfm3ShortConv
 
-    installing = vision_sweep._install_per_document_layers
+    installing = vision_sweep.install_decoders_per_document_layers
 
     def failing(model, model_type):
         if isinstance(failure, IsolationError):
@@ -166,7 +166,7 @@ def test_a_per_document_measurement_that_fails_is_reported_as_the_failure(monkey
                            for module in model.modules() if isinstance(module, Lfm3ShortConv)]
         return layers
 
-    monkeypatch.setattr(vision_sweep, "_install_per_document_layers", failing)
+    monkeypatch.setattr(vision_sweep, "install_decoders_per_document_layers", failing)
     assert measure_family("lfm3_vl", "sdpa") == vision_families.fails_packed(
         f"{type(failure).__name__}: {failure}")
 
