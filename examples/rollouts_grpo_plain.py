@@ -151,6 +151,9 @@ def main() -> None:
     if rank == 0:
         print(f"final loss {float(total):.6f}")
     if distributed:
+        # Every rank reaches the end before any tears its group down: a rank that shut gloo down and exited while
+        # another was still printing once left that one waiting in destroy_process_group (the suite's two-rank run).
+        dist.barrier()
         dist.destroy_process_group()
 
 
