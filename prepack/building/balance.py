@@ -6,12 +6,13 @@ cost different amounts: attention grows with the square of each document's lengt
     cost = Σ over its documents of l²  +  token_cost × its tokens
 
 in units of one attention token pair (up to a constant). Training FLOPs of a decoder with N
-(non-embedding) parameters, L layers and hidden size d: the linear layers cost 6·N per token; causal
-attention scores and values cost 4·d FLOPs per token pair per layer forward, ×3 with the backward
-pass, over l²/2 pairs: 6·L·d·l². Dividing by 6·L·d, `token_cost = N / (L·d)`, which is about 12·d for
-the usual N ≈ 12·L·d². `DEFAULT_TOKEN_COST` is 12 × 4096 = 49,152, a 7–8B model (Llama-3-8B:
-N ≈ 7.0e9, L = 32, d = 4096 gives 53,000); 0 balances attention alone. Pass your model's value:
-`model_token_cost(config)` reads it from a transformers config.
+(non-embedding) parameters, L layers and attention width w (heads × head_dim, which is the hidden size
+d in most models): the linear layers cost 6·N per token; causal attention scores and values cost 4·w
+FLOPs per token pair per layer forward, ×3 with the backward pass, over l²/2 pairs: 6·L·w·l². Dividing
+by 6·L·w, `token_cost = N / (L·w)`, which is about 12·d for the usual N ≈ 12·L·d² and w = d.
+`DEFAULT_TOKEN_COST` is 12 × 4096 = 49,152, a 7–8B model (Llama-3-8B: N ≈ 7.0e9, L = 32, w = d = 4096
+gives 53,000); 0 balances attention alone. Pass your model's value: `model_token_cost(config)` reads it
+from a transformers config.
 `token_cost` must be finite and at most `MAX_TOKEN_COST` (1e15, far above any model's N / (L·d), and
 low enough that every sum of costs stays finite in float64): a NaN or infinite cost would order
 nothing and turn every figure of `prepack inspect` into NaN.
@@ -68,25 +69,43 @@ def validated_token_cost(token_cost: object) -> float:
 
 
 def model_token_cost(config: object) -> float:
-    """`token_cost` = N / (L·d) of a decoder from its transformers config (or its `text_config`): per layer,
-    the attention projections (q and o of heads × head_dim, k and v of key-value heads × head_dim, each by d)
-    and a gated MLP of three d × intermediate matrices, divided by d. In a mixture of experts a token goes
-    through `num_experts_per_tok` routed experts, each `moe_intermediate_size` wide (Qwen-MoE) or, without it,
-    `intermediate_size` (Mixtral), and a shared expert of `shared_expert_intermediate_size` where there is one
-    (Qwen2-MoE). Reads attributes only, so needs no torch."""
+    """`token_cost` = N / (L·w) of a decoder from its transformers config (or its `text_config`), averaged
+    over its layers. Per layer, the attention projections: q and o of heads × head_dim, k and v of key-value
+    heads × head_dim, each by the hidden size d; with multi-head latent attention (DeepSeek-V2/V3: a
+    `kv_lora_rank`), q through its low rank `q_lora_rank` where there is one, k and v through `kv_lora_rank`
+    (+ the shared rotary key), o from heads × `v_head_dim`. Then a gated MLP of three d × width matrices: in a
+    mixture of experts a token goes through `num_experts_per_tok` routed experts, each `moe_intermediate_size`
+    wide (Qwen-MoE, DeepSeek) or, without it, `intermediate_size` (Mixtral), and shared experts of
+    `shared_expert_intermediate_size` (Qwen2-MoE) or `n_shared_experts` × `moe_intermediate_size` (DeepSeek);
+    DeepSeek's first `first_k_dense_replace` layers are dense, `intermediate_size` wide. w is heads × head_dim
+    (DeepSeek: heads × the mean of the query-key and value head dims). Reads attributes only, so needs no torch."""
     config = getattr(config, "text_config", None) or config
     try:
         d, heads = int(config.hidden_size), int(config.num_attention_heads)
-        head_dim = int(getattr(config, "head_dim", None) or d // heads)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        if getattr(config, "kv_lora_rank", None):  # multi-head latent attention
+            nope, rope, v = int(config.qk_nope_head_dim), int(config.qk_rope_head_dim), int(config.v_head_dim)
+            kv_rank, q_rank = int(config.kv_lora_rank), int(getattr(config, "q_lora_rank", None) or 0)
+            query = d * q_rank + q_rank * heads * (nope + rope) if q_rank else d * heads * (nope + rope)
+            # k and v down to the latent (+ the shared rotary key), up per head; o from the values
+            attention = query + d * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * d
+            width_of_attention = heads * (nope + rope + v) / 2
+        else:
+            head_dim = int(getattr(config, "head_dim", None) or d // heads)
+            kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+            attention = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim
+            width_of_attention = heads * head_dim
         experts = getattr(config, "num_experts_per_tok", None)
         expert = getattr(config, "moe_intermediate_size", None) if experts else None
         width = int(expert or config.intermediate_size) * int(experts or 1)
         width += int(getattr(config, "shared_expert_intermediate_size", None) or 0)
+        width += int(getattr(config, "n_shared_experts", None) or 0) * int(expert or 0)
+        dense = int(getattr(config, "first_k_dense_replace", None) or 0) if experts else 0
+        if dense:  # the mean MLP width over the layers, the first `dense` of them dense
+            layers = int(config.num_hidden_layers)
+            width = (dense * int(config.intermediate_size) + (layers - dense) * width) / layers
     except AttributeError as exc:
         raise UsageError(f"model_token_cost reads a decoder's config, and this one has no {exc.name!r}") from None
-    per_layer = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim + 3 * d * width
-    return validated_token_cost(per_layer / d)
+    return validated_token_cost((attention + 3 * d * width) / width_of_attention)
 
 
 def epoch_order(size: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:

@@ -193,7 +193,8 @@ def test_model_token_cost_reads_a_decoders_config():
     assert model_token_cost(SimpleNamespace(text_config=llama)) == 53248
     moe = SimpleNamespace(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,  # Qwen3-30B-A3B
                           moe_intermediate_size=768, num_experts_per_tok=8, intermediate_size=6144)
-    assert model_token_cost(moe) == (2 * 2048 * 32 * 128 + 2 * 2048 * 4 * 128 + 3 * 2048 * 768 * 8) / 2048
+    # its attention is 32 heads x 128 = 4096 wide, twice its hidden size: the token pair costs that width
+    assert model_token_cost(moe) == (2 * 2048 * 32 * 128 + 2 * 2048 * 4 * 128 + 3 * 2048 * 768 * 8) / 4096
     with pytest.raises(UsageError, match="has no 'hidden_size'"):
         model_token_cost(object())
 
@@ -211,6 +212,20 @@ def test_model_token_cost_reads_mixture_of_experts_configs_of_transformers():
     qwen = transformers.Qwen2MoeConfig(**shape, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                                        num_experts_per_tok=3, shared_expert_intermediate_size=80)
     assert model_token_cost(qwen) == (attention + 3 * 64 * (32 * 3 + 80)) / 64
+
+
+def test_model_token_cost_reads_deepseeks_latent_attention_shared_experts_and_dense_layers():
+    transformers = pytest.importorskip("transformers")
+    # DeepSeek-V3's config.json: 128 heads of query-key 128 + 64 (rotary) and value 128, latent ranks 1536 (q) and
+    # 512 (kv); 8 routed experts of 2048 a token and 1 shared; its first 3 of 61 layers dense, 18432 wide
+    v3 = transformers.DeepseekV3Config()
+    assert (v3.hidden_size, v3.num_hidden_layers, v3.first_k_dense_replace, v3.n_shared_experts) == (7168, 61, 3, 1)
+    d = 7168
+    attention = (d * 1536 + 1536 * 128 * 192) + d * (512 + 64) + 512 * 128 * (128 + 128) + 128 * 128 * d
+    width = (3 * 18432 + 58 * 2048 * (8 + 1)) / 61
+    assert model_token_cost(v3) == pytest.approx((attention + 3 * d * width) / (128 * (192 + 128) / 2), rel=1e-12)
+    # ~37B parameters a token go through, over 61 layers of attention 20,480 wide (not 7168): about 30,000
+    assert 25_000 < model_token_cost(v3) < 35_000
 
 
 def test_the_planner_imports_neither_torch_nor_pyarrow_nor_numba():
