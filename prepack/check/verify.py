@@ -38,6 +38,10 @@ A build in object storage (a URI) is checked the same way, its shards (and its s
 sha256 of step 3); its problems name the objects by their URIs (`Problem.location`). A source at a URI is
 copied locally first (`prepack.storage.remote.local_input`) and its files named by their URIs.
 
+A document store is checked on its own by `verify_store`: step 2b for the store alone (its `store.json`, every
+shard's sha256 and contents, the fingerprint of its documents and each generation's, `length_counts`), the
+`.arrow` files it does not list, and a pair or group store's prompts; its problems name its files inside it.
+
 A shard that cannot be read or has malformed rows is left out of steps 4 and 5, and so are the checks
 there that need every pack (a document missing from the packs might be in that shard): one problem says
 so, instead of a cascade of follow-on reports.
@@ -103,7 +107,8 @@ _RESUME_BLOCK = 1024  # rows checked per call after a failing row, so --all stay
 
 class Problem(StrictModel):
     """One thing wrong with a build. `file` is a shard's name or `manifest.json` (None for the build as
-    a whole), or an index build's store file, its path from the build (`../store/documents-00000.arrow`);
+    a whole), or an index build's store file, its path from the build (`../store/documents-00000.arrow`),
+    or a file of a store verified on its own, by its name there (`store.json`, `documents-00000.arrow`);
     `row` the pack's row inside that shard (the document's inside a store shard), `column` the shard
     column (or the manifest field);
     `source_file`/`source_row` locate the corpus document concerned, when there is one;
