@@ -62,6 +62,7 @@ _LAZY = {
     "check_isolation": "prepack.model.isolation",
     "inspect_build": "prepack.check.report",
     "verify_build": "prepack.check.verify",
+    "verify_store": "prepack.check.verify",
     "export_build": "prepack.exports",
     "verify_export": "prepack.exports",
     "plan_rollouts": "prepack.building.rollouts",

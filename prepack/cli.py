@@ -443,7 +443,7 @@ def inspect_command(
 
 @app.command("verify", cls=_Command)
 def verify_command(
-    path: _BuildArgument,
+    path: Annotated[str, typer.Argument(help="A build directory (holding manifest.json) or document store (store.json), or a URI such as s3://bucket/packed (needs prepack-llm[s3]).")],
     source: Annotated[str | None, typer.Option("--source", help="The corpus it was built from, or a store of it: check every token.")] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="With --source, for a build that tokenized text or chat: its tokenizer.")] = None,
     chat_template: Annotated[Path | None, typer.Option("--chat-template", help="With --source: the chat template file the build was given, if any.")] = None,
@@ -455,11 +455,16 @@ def verify_command(
     reference: Annotated[Path | None, typer.Option("--reference", help="A pair build's stored reference log-probabilities: check them against their manifest and the build.")] = None,
     export: Annotated[Path | None, typer.Option("--export", help="An export of this build (prepack export): check that its files are intact and the build is still the one it was written from.")] = None,
 ) -> None:
-    """Check shards against the manifest and the format (and every token against --source).
-    Exit 0: sound; 1: problems found (printed); 2: not a build, or an unreadable --source."""
-    from prepack.check.verify import checked_summary, verify_build
+    """Check shards against the manifest and the format (and every token against --source); a document
+    store on its own: its shards against store.json, its documents against their fingerprints and counts.
+    Exit 0: sound; 1: problems found (printed); 2: not a build or store, or an unreadable --source."""
+    from prepack.check.verify import checked_summary, holds_store, verify_build
 
     try:
+        if holds_store(path):
+            build_options = {"--source": source, "--tokenizer": tokenizer, "--chat-template": chat_template, "--cache-dir": cache_dir,
+                             "--store": store, "--images": images, "--decode": decode or None, "--reference": reference, "--export": export}
+            return _verify_store(path, all_problems, next((name for name, value in build_options.items() if value is not None), None))
         problems = verify_build(
             path, source, tokenizer=tokenizer, chat_template=chat_template, all_problems=all_problems,
             cache_dir=cache_dir, store=store,
@@ -484,16 +489,37 @@ def verify_command(
             problems = [*problems, *verify_export(export, path, check_build=False)]  # verify_build checked the build
     except PrepackError as exc:
         _fail(exc)
-    for problem in problems:
-        typer.echo(f"problem: {problem}")
-    if problems:
-        raise typer.Exit(1)
+    _report_problems(problems)
     checked = f" {reference}: the reference log-probabilities checked." if reference is not None else ""
     if images is not None:
         checked += " " + images_line
     if export is not None:
         checked += f" {export}: the export's files and build checked."
     typer.echo(checked_summary(path, source) + checked)
+
+
+def _report_problems(problems: list) -> None:
+    """Print verify's findings, one `problem:` line each, and exit 1 when there is one."""
+    for problem in problems:
+        typer.echo(f"problem: {problem}")
+    if problems:
+        raise typer.Exit(1)
+
+
+def _verify_store(path: str, all_problems: bool, build_option: str | None) -> None:
+    """`prepack verify STORE`: the store checked on its own (`verify_store`), reported as a build's check is;
+    `build_option`, an option given that checks a build only, refused by name."""
+    from prepack.check.verify import store_checked_summary, verify_store
+
+    try:
+        if build_option is not None:
+            raise InputError(f"{path} is a document store, verified on its own: {build_option} applies to a build only.")
+        problems = verify_store(path, all_problems=all_problems)
+        summary = None if problems else store_checked_summary(path)
+    except PrepackError as exc:
+        _fail(exc)
+    _report_problems(problems)
+    typer.echo(summary)
 
 
 @app.command("export", cls=_Command)

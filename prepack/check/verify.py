@@ -38,6 +38,10 @@ A build in object storage (a URI) is checked the same way, its shards (and its s
 sha256 of step 3); its problems name the objects by their URIs (`Problem.location`). A source at a URI is
 copied locally first (`prepack.storage.remote.local_input`) and its files named by their URIs.
 
+A document store is checked on its own by `verify_store`: step 2b for the store alone (its `store.json`, every
+shard's sha256 and contents, the fingerprint of its documents and each generation's, `length_counts`), the
+`.arrow` files it does not list, and a pair or group store's prompts; its problems name its files inside it.
+
 A shard that cannot be read or has malformed rows is left out of steps 4 and 5, and so are the checks
 there that need every pack (a document missing from the packs might be in that shard): one problem says
 so, instead of a cascade of follow-on reports.
@@ -86,14 +90,16 @@ from prepack.building.pair_plan import pair_pieces
 from prepack.building.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.sources.documents import Documents, Reading, open_documents, store_documents
 from prepack.sources.corpus import Corpus, DocumentBatch
-from prepack.storage.remote import LocalInput, is_uri, join, list_input, local_input, read_output_manifest
-from prepack.sources.store import ShardColumns, Store, is_store, open_build_store
+from prepack.storage.remote import (
+    LocalInput, filesystem, is_uri, join, list_input, local_input, read_output_manifest, storage_errors,
+)
+from prepack.sources.store import ShardColumns, Store, group_prompt_lengths, is_store, open_build_store
 
 if TYPE_CHECKING:  # tokenizers and jinja2 load only when a source is tokenized again
     from prepack.sources.pairs import GroupValues
-from prepack.formats.store import StoreFingerprint, StoreManifest
+from prepack.formats.store import StoreFingerprint, StoreManifest, read_store_manifest
 
-__all__ = ["Problem", "checked_summary", "verify_build"]
+__all__ = ["Problem", "checked_summary", "holds_store", "store_checked_summary", "verify_build", "verify_store"]
 
 _COMPARE_TOKENS = 2**22  # tokens compared per step against the source
 _RESUME_BLOCK = 1024  # rows checked per call after a failing row, so --all stays linear in the rows
@@ -101,7 +107,8 @@ _RESUME_BLOCK = 1024  # rows checked per call after a failing row, so --all stay
 
 class Problem(StrictModel):
     """One thing wrong with a build. `file` is a shard's name or `manifest.json` (None for the build as
-    a whole), or an index build's store file, its path from the build (`../store/documents-00000.arrow`);
+    a whole), or an index build's store file, its path from the build (`../store/documents-00000.arrow`),
+    or a file of a store verified on its own, by its name there (`store.json`, `documents-00000.arrow`);
     `row` the pack's row inside that shard (the document's inside a store shard), `column` the shard
     column (or the manifest field);
     `source_file`/`source_row` locate the corpus document concerned, when there is one;
@@ -215,6 +222,60 @@ def checked_summary(path: str | os.PathLike, source: str | os.PathLike | None) -
     if source is not None:
         checked.append("every token of the source")
     return f"{path}: no problems ({', '.join(checked[:-1])} and {checked[-1]} checked)."
+
+
+def holds_store(path: str | os.PathLike) -> bool:
+    """Whether `path` is a document store, as `verify` tells one from a build: a local directory holding
+    store.json (`is_store`), or a prefix in object storage holding that object. Raises InputError when object
+    storage cannot be asked."""
+    if not is_uri(path):
+        return is_store(path)
+    fs, prefix = filesystem(str(path))
+    try:
+        return fs.isfile(f"{prefix.rstrip('/')}/{STORE_MANIFEST_NAME}")
+    except storage_errors() as exc:
+        raise InputError(f"{path}: cannot be read ({exc}).") from None
+
+
+def verify_store(path: str | os.PathLike, *, all_problems: bool = False) -> list[Problem]:
+    """Check the document store at `path` on its own, as a build of it would read it (schemas/store-format.md):
+    store.json valid (else one problem naming it and, where one is to blame, its field); no `.arrow` file it does
+    not list; every shard's sha256 and contents, as the loader checks them; then, every shard sound, the
+    fingerprint of the documents (of a grown store, chained over its generations) and each generation's, and
+    `length_counts` against the shards' documents (documents and tokens: store.json's own checks, with the
+    shards' row and token counts); a store of pairs or groups, each group's prompt as a build reads it.
+
+    Problems name the store's files inside it (`documents-00001.arrow`, `store.json`); `path` may be a URI
+    (`s3://bucket/store`, needs `prepack-llm[s3]`): its objects are then copied into a temporary directory
+    (`TMPDIR`) while they are checked, and its problems carry its URI (`Problem.location`).
+
+    Returns the problems found: none for a sound store, the first one only unless `all_problems`. Raises
+    FormatError when `path` is no store at all (no store.json), InputError when it cannot be read."""
+    with ExitStack() as stack:
+        root, location = Path(path), None
+        if is_uri(path):
+            copy = stack.enter_context(local_input(str(path)))
+            root, location = Path(copy.spec), copy.location
+            if not is_store(root):
+                raise FormatError(f"{join(str(path), STORE_MANIFEST_NAME)} does not exist: {path} is not a finished prepack document store.")
+        try:
+            manifest = read_store_manifest(root)
+        except FormatError as exc:
+            if exc.problem is None:  # no store.json: not a store
+                raise
+            found = [Problem(file=STORE_MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message)]
+        else:
+            problems = _standalone_store_problems(Store(root, manifest, location))
+            found = list(problems) if all_problems else list(islice(problems, 1))
+    return found if location is None else [problem.model_copy(update={"location": location}) for problem in found]
+
+
+def store_checked_summary(path: str | os.PathLike) -> str:
+    """The line a clean `verify` of a store ends with: what it checked."""
+    m = read_output_manifest(str(path), STORE_MANIFEST_NAME) if is_uri(path) else read_store_manifest(path)
+    generations = len(m.generations or [m])
+    return (f"{path}: no problems (store.json and {len(m.shards)} shards checked: {m.documents:,} documents, "
+            f"{m.tokens:,} tokens, {generations} generation{'s' * (generations != 1)}).")
 
 
 @dataclass
@@ -523,12 +584,14 @@ def _pair_problems(shard: _Shard, manifest: Manifest, counts: PairCounts):
 
 
 _SHARD_FILES = "shard-*.arrow"  # what a file the manifest does not list is taken for a shard by
+_STORE_FILES = "*.arrow"  # and in a store, which holds its shards and store.json, nothing else
 
 
-def _unlisted_problems(names: list[str], manifest: Manifest) -> Iterator[Problem]:
-    """The shard files among `names` (the files at the top of the build) that the manifest does not list."""
+def _unlisted_problems(names: list[str], manifest: Manifest | StoreManifest, shard_files: str = _SHARD_FILES) -> Iterator[Problem]:
+    """The shard files (by the pattern `shard_files`) among `names` (the files at the top of the build, or of a
+    store) that the manifest does not list."""
     listed = {info.name for info in manifest.shards}
-    for extra in sorted(n for n in names if fnmatchcase(n, _SHARD_FILES) and n not in listed):
+    for extra in sorted(n for n in names if fnmatchcase(n, shard_files) and n not in listed):
         yield Problem(file=extra, message="a shard file the manifest does not list.")
 
 
@@ -583,6 +646,30 @@ def _store_problems(store: Store, manifest: Manifest):
         )
     if [(f.path, f.rows) for f in m.inputs] != [(f.path, f.rows) for f in manifest.inputs]:
         yield Problem(file=MANIFEST_NAME, column="inputs", message=f"are not the corpus files of its store {where!r}.")
+    columns = yield from _store_document_problems(store, where, manifest)
+    if len(columns) < len(m.shards):
+        yield Problem(
+            message=f"{len(m.shards) - len(columns)} shard(s) of the store {where!r} could not be read or are "
+            "damaged (above): the packs were not checked against the store's documents, and no token was "
+            "read from those shards."
+        )
+    return columns
+
+
+def _store_file(where: str | None, name: str) -> str:
+    """What problems name a store's file `name` by: its path from the build (`where`, the store's path from it),
+    or, for a store verified on its own (`where` None), its name inside the store."""
+    return name if where is None else f"{where}/{name}"
+
+
+def _store_document_problems(store: Store, where: str | None, manifest: Manifest | None = None):
+    """Yield the problems of a store's shards and of what its `store.json` says of their documents: each shard's
+    sha256 and contents, as the loader checks them (`Store.shard_columns`), and, when every shard is sound, the
+    fingerprint of its documents (every token) against its manifest's, each generation's fingerprint (and those
+    its grown index build's `manifest` records) and its `length_counts`. Files are named from `where`
+    (`_store_file`). Return {store shard index: its columns} of the sound shards; the caller says what the
+    others left unchecked."""
+    m = store.manifest
     columns: _Columns = {}
     fingerprint = StoreFingerprint(m)  # of a grown store: chained over its generations
     length_counts = []  # each shard's (lengths, how many documents have each)
@@ -591,19 +678,15 @@ def _store_problems(store: Store, manifest: Manifest):
             offsets, ids, labels = columns[index] = store.shard_columns(shard)
         except FormatError as exc:
             found = exc.problem
-            yield Problem(file=f"{where}/{shard.name}", row=found.row, column=found.column, message=found.message)
+            yield Problem(file=_store_file(where, shard.name), row=found.row, column=found.column, message=found.message)
         else:
             fingerprint.update(lengths := np.diff(offsets), ids, labels)
             length_counts.append(np.unique(lengths, return_counts=True))
     if len(columns) < len(m.shards):
+        return columns
+    if (digest := fingerprint.hexdigest()) != m.fingerprint:
         yield Problem(
-            message=f"{len(m.shards) - len(columns)} shard(s) of the store {where!r} could not be read or are "
-            "damaged (above): the packs were not checked against the store's documents, and no token was "
-            "read from those shards."
-        )
-    elif (digest := fingerprint.hexdigest()) != m.fingerprint:
-        yield Problem(
-            file=f"{where}/{STORE_MANIFEST_NAME}",
+            file=_store_file(where, STORE_MANIFEST_NAME),
             column="fingerprint",
             message=f"is {m.fingerprint}, but the store's documents give {digest}: they changed after the store "
             "was written.",
@@ -614,7 +697,28 @@ def _store_problems(store: Store, manifest: Manifest):
     return columns
 
 
-def _length_counts_problems(shard_counts: list[tuple[np.ndarray, np.ndarray]], m: StoreManifest, where: str):
+def _standalone_store_problems(store: Store) -> Iterator[Problem]:
+    """The problems of a store verified on its own (`verify_store`), its files named inside it: `.arrow` files its
+    store.json does not list, then its shards and what store.json says of their documents
+    (`_store_document_problems`), and of a store of pairs or groups, each group's prompt in its labels as a
+    build reads it (`group_prompt_lengths`)."""
+    m = store.manifest
+    yield from _unlisted_problems([p.name for p in store.root.glob(_STORE_FILES)], m, _STORE_FILES)
+    columns = yield from _store_document_problems(store, None)
+    if len(columns) < len(m.shards):
+        yield Problem(
+            message=f"{len(m.shards) - len(columns)} shard(s) could not be read or are damaged (above): the "
+            f"store's fingerprint, generations and length_counts were not checked against its documents."
+        )
+    for index, (offsets, _, labels) in columns.items() if m.pairs is not None else ():
+        try:
+            group_prompt_lengths(offsets, labels, m.pairs.size, m.shards[index].name)
+        except FormatError as exc:
+            found = exc.problem
+            yield Problem(file=m.shards[index].name, row=found.row, column=found.column, message=found.message)
+
+
+def _length_counts_problems(shard_counts: list[tuple[np.ndarray, np.ndarray]], m: StoreManifest, where: str | None):
     """Yield a problem when a grown store's `store.json` (`m`) records other `length_counts` than its
     shards' documents give (`shard_counts`: each shard's lengths and their counts): its model holds them to
     the store's documents and tokens only, and the next store append summarises its lengths from them."""
@@ -625,25 +729,25 @@ def _length_counts_problems(shard_counts: list[tuple[np.ndarray, np.ndarray]], m
     np.add.at(counts, where_in, np.concatenate([c for _, c in shard_counts]))
     if np.column_stack([lengths, counts]).tolist() != m.length_counts:
         yield Problem(
-            file=f"{where}/{STORE_MANIFEST_NAME}",
+            file=_store_file(where, STORE_MANIFEST_NAME),
             column="length_counts",
             message="are not the lengths of the store's documents (how many documents have each, by rising length).",
         )
 
 
-def _generation_fingerprint_problems(found: list[str], m: StoreManifest, manifest: Manifest, where: str):
+def _generation_fingerprint_problems(found: list[str], m: StoreManifest, manifest: Manifest | None, where: str | None):
     """Yield each generation fingerprint that a grown store's `store.json` (`m`) or its grown build
-    (`manifest`) records and the store's documents (`found`: each generation's, recomputed) do not give:
-    the chained last one checks none of those before it."""
+    (`manifest`, None for a store verified on its own) records and the store's documents (`found`: each
+    generation's, recomputed) do not give: the chained last one checks none of those before it."""
     for number, generation in enumerate((m.generations or [])[:-1]):
         if generation.fingerprint != found[number]:
             yield Problem(
-                file=f"{where}/{STORE_MANIFEST_NAME}",
+                file=_store_file(where, STORE_MANIFEST_NAME),
                 column=f"generations[{number}].fingerprint",
                 message=f"is {generation.fingerprint}, but the documents of generation {number} give {found[number]}.",
             )
     ends = [g.documents for g in m.generations] if m.generations is not None else [m.documents]
-    for number, generation in enumerate(manifest.generations or []):
+    for number, generation in enumerate((manifest.generations if manifest is not None else None) or []):
         given = found[ends.index(generation.documents)] if generation.documents in ends else None
         if generation.fingerprint != given:
             yield Problem(

@@ -211,6 +211,10 @@ def test_a_pair_store_whose_labels_split_a_groups_prompt_is_refused(stored, tmp_
     (copy / "store.json").write_text(json.dumps(raw))
     with pytest.raises(FormatError, match=r"documents-00000.arrow.*row 1"):
         prepack.build(copy, tmp_path / "out", index_only=True, **BUILD)
+    # verify of the store on its own names the group too, beside the fingerprint its labels no longer give.
+    assert prepack.verify_store(store) == []
+    found = [(p.file, p.row, p.column) for p in prepack.verify_store(copy, all_problems=True)]
+    assert found == [("store.json", None, "fingerprint"), ("documents-00000.arrow", 1, "labels")]
     with pytest.raises(FormatError, match=r"documents-00000.arrow.*row 1"):  # its batches' prompts, read in a full build
         prepack.build(copy, tmp_path / "full", **BUILD)
 
