@@ -19,9 +19,7 @@ from prepack.formats.common import FormatProblem
 from prepack.formats.reference import (
     REFERENCE_MANIFEST,
     build_shard_documents,
-    check_against_build,
-    check_reference_file,
-    open_reference_file,
+    read_reference_file,
     read_reference_manifest,
     unfinished,
 )
@@ -38,8 +36,7 @@ def verify_reference(build: str | os.PathLike, directory: str | os.PathLike) -> 
     build, directory = Path(build), Path(directory)
     manifest = read_manifest(build)
     try:
-        reference = read_reference_manifest(directory)
-        check_against_build(reference, manifest, directory / REFERENCE_MANIFEST)
+        reference = read_reference_manifest(directory, manifest)
     except FormatError as exc:
         return [_problem(exc.problem)]
     problems = []
@@ -48,9 +45,8 @@ def verify_reference(build: str | os.PathLike, directory: str | os.PathLike) -> 
     for index, file in enumerate(reference.files):
         info = manifest.shards[index]
         try:
-            batch = open_reference_file(directory, file, check_sha256=True)
             documents = build_shard_documents(manifest, shard_path(build, index, info), info)
-            check_reference_file(batch, documents, str(directory / file.name))
+            read_reference_file(directory, file, documents, check_sha256=True)
         except FormatError as exc:
             problems.append(_problem(exc.problem))
     return problems

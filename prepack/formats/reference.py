@@ -6,7 +6,8 @@ A reference directory holds `reference.json` (`ReferenceManifest`: the build's f
 description, one entry per finished file) and, per build shard i, `reference-{i:05d}.arrow`: an Arrow IPC
 stream of one record batch, a row per pack of shard i, one column `logps` (list<float64>), each pack's
 documents' values in the pack's document order. Read here, without torch; checked against the build by
-`check_reference_file` (the loader, `verify --reference`).
+`read_reference_manifest` and `read_reference_file`, the one check of the loader, `verify --reference` and a
+rerun of the writer.
 """
 
 from __future__ import annotations
@@ -41,9 +42,7 @@ __all__ = [
     "ReferenceManifest",
     "ReferenceModel",
     "build_shard_documents",
-    "check_against_build",
-    "check_reference_file",
-    "open_reference_file",
+    "read_reference_file",
     "read_reference_manifest",
     "reference_file_name",
     "unfinished",
@@ -102,9 +101,10 @@ def unfinished(manifest: ReferenceManifest) -> str:
             "(write_reference_logps publishes one only when every value is computed)")
 
 
-def read_reference_manifest(directory: str | os.PathLike) -> ReferenceManifest:
+def read_reference_manifest(directory: str | os.PathLike, build: Manifest | None = None) -> ReferenceManifest:
     """Read `reference.json` of `directory` strictly (FormatError naming it); files named otherwise
-    than `reference_file_name` gives, or out of shard order, are refused."""
+    than `reference_file_name` gives, or out of shard order, are refused, and so, given `build`, are the
+    values of another build (`_check_against_build`)."""
     directory = Path(directory)
     try:
         where, value = load_manifest_json(directory, REFERENCE_MANIFEST, REFERENCE_MANIFEST)
@@ -122,10 +122,12 @@ def read_reference_manifest(directory: str | os.PathLike) -> ReferenceManifest:
             refuse(where, f"files[{index}] is named {file.name!r}; it must be {reference_file_name(index)!r}.", column="files")
     if len(manifest.files) > manifest.shards:
         refuse(where, f"lists {len(manifest.files)} files for {manifest.shards} shards.", column="files")
+    if build is not None:
+        _check_against_build(manifest, build, directory / REFERENCE_MANIFEST)
     return manifest
 
 
-def check_against_build(manifest: ReferenceManifest, build: Manifest, where: str | os.PathLike) -> None:
+def _check_against_build(manifest: ReferenceManifest, build: Manifest, where: str | os.PathLike) -> None:
     """Refuse (FormatError naming `where`) reference values of another build: fingerprint, shard count,
     and each listed file's build shard sha256 and rows against the build manifest's."""
     if manifest.build_fingerprint != build.fingerprint or manifest.shards != len(build.shards):
@@ -138,7 +140,17 @@ def check_against_build(manifest: ReferenceManifest, build: Manifest, where: str
                    f"{file.rows} rows; the build's has {shard.sha256} and {shard.rows}.", column="files")
 
 
-def open_reference_file(directory: Path, file: ReferenceFile, *, check_sha256: bool) -> pa.RecordBatch:
+def read_reference_file(
+    directory: Path, file: ReferenceFile, documents: np.ndarray, *, check_sha256: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, values) of one file `reference.json` of `directory` lists, mapped and checked against its entry
+    (`_open_reference_file`) and against `documents`, its build shard's documents per pack
+    (`_check_reference_file`). FormatError names the file."""
+    batch = _open_reference_file(directory, file, check_sha256=check_sha256)
+    return _check_reference_file(batch, documents, str(directory / file.name))
+
+
+def _open_reference_file(directory: Path, file: ReferenceFile, *, check_sha256: bool) -> pa.RecordBatch:
     """Memory-map one listed file and read its one record batch (schema checked; size, and with
     `check_sha256` the sha256, against its entry). FormatError names the file."""
     path = directory / file.name
@@ -160,7 +172,7 @@ def open_reference_file(directory: Path, file: ReferenceFile, *, check_sha256: b
     return batch
 
 
-def check_reference_file(batch: pa.RecordBatch, documents: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray]:
+def _check_reference_file(batch: pa.RecordBatch, documents: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, values) of a reference file's `logps`, checked against `documents`, the build shard's
     documents per pack: a row per pack, a value per document, every value finite and at most 0."""
     if batch.num_rows != len(documents):
@@ -184,17 +196,13 @@ def build_shard_documents(build: Manifest, path: Path, info: ShardInfo) -> np.nd
 
 class ReferenceLogps:
     """A complete reference directory of a build, as a loader reads it: `shard` maps and checks one file
-    (`open_reference_file`, `check_reference_file`) and gives its (offsets, values)."""
+    (`read_reference_file`) and gives its (offsets, values)."""
 
     def __init__(self, directory: str | os.PathLike, build: Manifest):
         self.directory = Path(directory)
-        self.manifest = read_reference_manifest(self.directory)
-        where = self.directory / REFERENCE_MANIFEST
-        check_against_build(self.manifest, build, where)
+        self.manifest = read_reference_manifest(self.directory, build)
         if not self.manifest.complete:
-            refuse(where, f"{unfinished(self.manifest)}.", column="files")
+            refuse(self.directory / REFERENCE_MANIFEST, f"{unfinished(self.manifest)}.", column="files")
 
     def shard(self, index: int, documents: np.ndarray, *, check_sha256: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        file = self.manifest.files[index]
-        batch = open_reference_file(self.directory, file, check_sha256=check_sha256)
-        return check_reference_file(batch, documents, str(self.directory / file.name))
+        return read_reference_file(self.directory, self.manifest.files[index], documents, check_sha256=check_sha256)

@@ -89,7 +89,12 @@ with optional_imports("enable_packing"):
 
 from prepack.training.collate import segment_fields
 from prepack.model.shared_prompt import shared_prompt_kwargs
-from prepack.model.stateful import STATEFUL_LAYERS, DocumentSegments, PerDocumentLayers, install_per_document_layers
+from prepack.model.stateful import (
+    STATEFUL_LAYERS,
+    DocumentSegments,
+    PerDocumentLayers,
+    install_decoders_per_document_layers,
+)
 from prepack.model.vision_families import IMAGE_BLOCKS, VISION_FAMILIES, image_refusal
 from prepack.model.vision_packing import checked_image_batch, image_block_tokens
 
@@ -474,22 +479,6 @@ def _per_document_layers(
     if model_type in STATEFUL_LAYERS or model.config.get_text_config().model_type in STATEFUL_LAYERS:
         return install_decoders_per_document_layers(model, model_type)
     return None
-
-
-def install_decoders_per_document_layers(model: transformers.PreTrainedModel, model_type: str) -> PerDocumentLayers:
-    """The model's per-document hooks; a vision-language family whose decoder is a text family of
-    `STATEFUL_LAYERS` (LFM2-VL's LFM2) gets its decoder's, whose modeling file defines the layers."""
-    if model_type in STATEFUL_LAYERS:
-        return install_per_document_layers(model, model_type)
-    text_type = model.config.get_text_config().model_type
-    if text_type not in STATEFUL_LAYERS:
-        raise IsolationError(
-            f"{type(model).__name__} ({model_type}): its decoder ({text_type}) has no sequence-state layers prepack "
-            f"knows to run per document in this transformers ({transformers.__version__}), where prepack's table "
-            "runs them so. Its documents would leak through them: use a transformers version prepack supports, or "
-            "train without packing."
-        )
-    return install_per_document_layers(model.get_decoder(), text_type)
 
 
 def _module_that_sees_the_documents(model: transformers.PreTrainedModel) -> torch.nn.Module:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from prepack.errors import OutputError, UsageError
 from prepack.model.tiny_models import HEAD_DIM, HIDDEN, MAX_PARAMETERS, VOCAB, WINDOW, tiny_config
 from prepack.model.vision_families import image_style
+from prepack.storage.output import staged_directory
 
 __all__ = [
     "IMAGE_SIZE", "QWEN_IMAGE_TOKENS", "QWEN_PIXELS", "VISION_SIZES", "image_processor_for", "qwen_processor_directory",
@@ -293,15 +293,10 @@ def qwen_processor_directory(
     directory = Path(directory)
     if directory.exists():
         raise OutputError(f"{directory} exists; prepack writes a new directory and never replaces one.")
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
-        shutil.copytree(tokenizer, staging, dirs_exist_ok=True)
-        text = Tokenizer.from_file(str(staging / "tokenizer.json"))
+    with staged_directory(directory, overwrite=False) as staging:
+        shutil.copytree(tokenizer, staging.build, dirs_exist_ok=True)
+        text = Tokenizer.from_file(str(staging.build / "tokenizer.json"))
         text.add_special_tokens(list(QWEN_IMAGE_TOKENS))
-        text.save(str(staging / "tokenizer.json"))
-        image_processor_for(config, qwen_pixels).save_pretrained(staging)
-        os.rename(staging, directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        text.save(str(staging.build / "tokenizer.json"))
+        image_processor_for(config, qwen_pixels).save_pretrained(staging.build)
     return directory

@@ -53,7 +53,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 from prepack.errors import IsolationError
 from prepack.model.families import NO_FLASH, NO_FLEX, NO_SDPA, BACKENDS, Verdict, backend_of
 from prepack.model.isolation import default_tolerances
-from prepack.model.packing import batch_document_segments, install_decoders_per_document_layers, enable_packing
+from prepack.model.packing import batch_document_segments, enable_packing
+from prepack.model.stateful import install_decoders_per_document_layers
 from prepack.model.tiny_models import DOCUMENT_VOCAB
 from prepack.model import families, vision_families
 from prepack.model.vision_families import (

@@ -205,14 +205,10 @@ def staged_directory(out: str | os.PathLike, overwrite: bool, kind: str = MANIFE
 def _new_staging(out: Path) -> Iterator[Path]:
     """A new staging directory beside `out` (its mark, `build/` and `scratch/` in it), deleted when the
     block ends, whatever happens. The caller holds `out`'s lock."""
-    staging = out.parent / f".{out.name}{_STAGING_SUFFIX}{uuid.uuid4().hex[:8]}"
-    with output_errors(staging, "create"):
-        staging.mkdir()
+    staging = _make_staging(out)
     try:
-        with output_errors(staging, "create"):
-            (staging / STAGING_MARK).write_text(f"A build to {out.name} writes here; deleted by the next build to it.\n")
-            (staging / "build").mkdir()
-            (staging / "scratch").mkdir()
+        _mark_staging(staging, f"A build to {out.name} writes here; deleted by the next build to it.\n",
+                      ("build", "scratch"))
         yield staging
     finally:
         _put_back_replaced(staging, out)
@@ -320,6 +316,24 @@ def output_lock(out: Path) -> Iterator[None]:
 _STAGING_SUFFIX = ".tmp-"  # a staging directory is `.NAME.tmp-` and 8 hex digits (`staged_directory`)
 
 
+def _make_staging(out: Path) -> Path:
+    """A new, empty staging directory beside `out`, named as `is_staging` knows them; the caller marks it
+    (`_mark_staging`) within its own clean-up of the directory."""
+    staging = out.parent / f".{out.name}{_STAGING_SUFFIX}{uuid.uuid4().hex[:8]}"
+    with output_errors(staging, "create"):
+        staging.mkdir()
+    return staging
+
+
+def _mark_staging(staging: Path, note: str, parts: tuple[str, ...]) -> None:
+    """Write prepack's mark into a new staging directory (`note`, its text, says who writes there and what
+    becomes of it) and make the empty directories `parts` in it."""
+    with output_errors(staging, "create"):
+        (staging / STAGING_MARK).write_text(note)
+        for part in parts:
+            (staging / part).mkdir()
+
+
 def is_staging(directory: Path, out_name: str | None = None) -> bool:
     """Whether `directory` is the staging directory of a build, running or killed, to an output named
     `out_name` (to any: None): named as `staged_directory` names them and holding prepack's mark, so
@@ -378,11 +392,9 @@ def resumable_staging(out: Path, take_up: Callable[[Path], _TakenUp | None]) -> 
         else:
             _remove_staging(stale)
     if staging is None:
-        staging = out.parent / f".{out.name}{_STAGING_SUFFIX}{uuid.uuid4().hex[:8]}"
-        with output_errors(staging, "create"):
-            staging.mkdir()
-            (staging / STAGING_MARK).write_text(f"A run writing {out.name} writes here; the next run to it goes on with it.\n")
-            (staging / "build").mkdir()
+        staging = _make_staging(out)
+        _mark_staging(staging, f"A run writing {out.name} writes here; the next run to it goes on with it.\n",
+                      ("build",))
     try:
         yield staging / "build", found
     except BaseException:

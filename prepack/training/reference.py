@@ -46,9 +46,7 @@ from prepack.formats.reference import (
     ReferenceManifest,
     ReferenceModel,
     build_shard_documents,
-    check_against_build,
-    check_reference_file,
-    open_reference_file,
+    read_reference_file,
     read_reference_manifest,
     reference_file_name,
     unfinished,
@@ -246,8 +244,7 @@ def _held(directory: Path, build: Manifest, model: ReferenceModel) -> ReferenceM
         what = f"it holds {', '.join(foreign)}" if foreign else f"it holds files but no {REFERENCE_MANIFEST}"
         raise OutputError(f"{refusal}: {what}, which prepack did not write; choose another directory.")
     try:
-        found = read_reference_manifest(directory)
-        check_against_build(found, build, directory / REFERENCE_MANIFEST)
+        found = read_reference_manifest(directory, build)
     except FormatError as exc:
         raise OutputError(f"{refusal}: {exc}") from None
     if (found.model.config_sha256, found.model.weights_sha256) != (model.config_sha256, model.weights_sha256):
@@ -261,8 +258,7 @@ def _check_listed(directory: Path, reference: ReferenceManifest, dataset: Packed
     manifest = dataset.manifest
     for index, listed in enumerate(reference.files):
         documents = build_shard_documents(manifest, dataset.shard_paths[index], manifest.shards[index])
-        batch = open_reference_file(directory, listed, check_sha256=True)
-        check_reference_file(batch, documents, str(directory / listed.name))
+        read_reference_file(directory, listed, documents, check_sha256=True)
 
 
 def _stopped_run(directory: Path, dataset: PackedDataset, model: ReferenceModel) -> ReferenceManifest | None:

@@ -491,6 +491,23 @@ def test_prepare_images_refuses_by_name_from_the_command_line(processor, tmp_pat
         assert not (tmp_path / "out").exists()
 
 
+def expanded_by_the_processor(processor, rule, image_prompt: str, **options):
+    """Each of many images, of awkward sizes, through `processor` with the prompt "a {image_prompt} b": yields the
+    image's bytes, its (width, height), the processor's output and its ids, once the rule's text for that image, set
+    in the prompt, has been asserted to be the text the processor expands it to and to tokenize to those ids."""
+    from tests.vision_inputs import images_of_many_sizes
+
+    for data in images_of_many_sizes():
+        with Image.open(io.BytesIO(data)) as image:
+            picture, size = image.convert("RGB"), image.size
+        out = processor(images=[picture], text=[f"a {image_prompt} b"], return_tensors="np", **options)
+        expected = out["input_ids"][0].tolist()
+        text = "a " + rule.text(*size) + " b"
+        assert processor.tokenizer.decode(expected) == text
+        assert processor.tokenizer(text)["input_ids"] == expected
+        yield data, size, out, expected
+
+
 def internvl_directory(directory, image_seq_length: int = 4, **image_options):
     """An InternVL processor directory (InternVLProcessor's tokens, GOT-OCR2's image processor at 56 pixels) and
     transformers' own InternVLProcessor over the same parts."""
@@ -510,19 +527,11 @@ def test_internvl_placeholders_and_text_are_the_processors_own(tmp_path):
     """InternVL untiled (crop_to_patches false, as its image processor's config says): `<img>`, image_seq_length
     `<IMG_CONTEXT>`, `</img>` per image, whatever its size; the expanded text tokenizes to the ids
     InternVLProcessor gives the same prompt."""
-    from tests.vision_inputs import images_of_many_sizes
-
     directory, processor = internvl_directory(tmp_path / "proc", crop_to_patches=False)
     rule, placeholder_id = processor_rule(directory)
     assert placeholder_id == processor.image_token_id
-    for data in images_of_many_sizes():
-        with Image.open(io.BytesIO(data)) as image:
-            picture, size = image.convert("RGB"), image.size
-        out = processor(images=[picture], text=["a <IMG_CONTEXT> b"], crop_to_patches=False, return_tensors="np")
-        expected = out["input_ids"][0].tolist()
-        assert processor.tokenizer.decode(expected) == "a " + rule.text(*size) + " b"
-        assert processor.tokenizer("a " + rule.text(*size) + " b")["input_ids"] == expected
-        assert rule.placeholders(*size) == expected.count(placeholder_id) == 4
+    for _, size, out, ids in expanded_by_the_processor(processor, rule, "<IMG_CONTEXT>", crop_to_patches=False):
+        assert rule.placeholders(*size) == ids.count(placeholder_id) == 4
         assert len(out["pixel_values"]) == 1
 
 
@@ -531,20 +540,13 @@ def test_internvl_tiled_placeholders_and_text_are_the_processors_own(tmp_path, p
     """InternVL tiled (crop_to_patches true, InternVLProcessor's default): image_seq_length placeholders per view, the
     views being the tiles of the canvas nearest the image's shape (min_patches to max_patches tiles) and, when there
     is more than one tile, a thumbnail; the expanded text tokenizes to InternVLProcessor's ids."""
-    from tests.vision_inputs import images_of_many_sizes
-
     min_patches, max_patches = patches
     directory, processor = internvl_directory(tmp_path / "proc", crop_to_patches=True, min_patches=min_patches,
                                               max_patches=max_patches)
     rule, placeholder_id = processor_rule(directory)
     views = set()
-    for data in images_of_many_sizes():
-        with Image.open(io.BytesIO(data)) as image:
-            picture, size = image.convert("RGB"), image.size
-        out = processor(images=[picture], text=["a <IMG_CONTEXT> b"], return_tensors="np")
-        expected = out["input_ids"][0].tolist()
-        assert processor.tokenizer("a " + rule.text(*size) + " b")["input_ids"] == expected
-        assert rule.placeholders(*size) == expected.count(placeholder_id) == 4 * len(out["pixel_values"])
+    for _, size, out, ids in expanded_by_the_processor(processor, rule, "<IMG_CONTEXT>"):
+        assert rule.placeholders(*size) == ids.count(placeholder_id) == 4 * len(out["pixel_values"])
         views.add(len(out["pixel_values"]))
     assert len(views) > 1  # the sizes exercise several canvases
 
@@ -595,21 +597,13 @@ def test_mistral3_placeholders_and_text_are_the_processors_own(tmp_path, longest
     row of `[IMG]` per cell row, each row but the last closed by `[IMG_BREAK]`, the last by `[IMG_END]`; the count
     is the `[IMG]` tokens, which the tower fills. The expanded text and its ids are PixtralProcessor's own, and the
     count is what its image processor's image_sizes give."""
-    from tests.vision_inputs import images_of_many_sizes
-
     directory, processor = mistral3_directory(tmp_path / "proc", longest_edge)
     rule, placeholder_id = processor_rule(directory)
     assert placeholder_id == processor.image_token_id
     counts = set()
-    for data in images_of_many_sizes():
-        with Image.open(io.BytesIO(data)) as image:
-            picture, size = image.convert("RGB"), image.size
-        out = processor(images=[picture], text=["a [IMG] b"], return_tensors="np")
-        expected = out["input_ids"][0].tolist()
-        assert processor.tokenizer.decode(expected) == "a " + rule.text(*size) + " b"
-        assert processor.tokenizer("a " + rule.text(*size) + " b")["input_ids"] == expected
+    for _, size, out, ids in expanded_by_the_processor(processor, rule, "[IMG]"):
         height, width = out["image_sizes"][0]
-        assert rule.placeholders(*size) == expected.count(placeholder_id) == (height // 28) * (width // 28)
+        assert rule.placeholders(*size) == ids.count(placeholder_id) == (height // 28) * (width // 28)
         counts.add(rule.placeholders(*size))
     assert len(counts) > 2  # the sizes exercise more than one grid
 
@@ -669,24 +663,16 @@ def test_glm4v_placeholders_and_text_are_the_processors_own(tmp_path, size):
     processor is the same."""
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-    from tests.vision_inputs import images_of_many_sizes
-
     assert PROCESSOR_MAPPING_NAMES["glm4v_moe"] == "Glm4vProcessor"
 
     directory, processor = glm4v_directory(tmp_path / "proc", size)
     rule, placeholder_id = processor_rule(directory)
     assert placeholder_id == processor.image_token_id
     counts = set()
-    for data in images_of_many_sizes():
-        with Image.open(io.BytesIO(data)) as image:
-            picture, image_size = image.convert("RGB"), image.size
-        out = processor(images=[picture], text=["a <|begin_of_image|><|image|><|end_of_image|> b"],
-                        return_tensors="np")
-        expected = out["input_ids"][0].tolist()
-        assert processor.tokenizer.decode(expected) == "a " + rule.text(*image_size) + " b"
-        assert processor.tokenizer("a " + rule.text(*image_size) + " b")["input_ids"] == expected
+    image_prompt = "<|begin_of_image|><|image|><|end_of_image|>"
+    for _, image_size, out, ids in expanded_by_the_processor(processor, rule, image_prompt):
         grid = out["image_grid_thw"][0]
-        assert rule.placeholders(*image_size) == expected.count(placeholder_id) == int(np.prod(grid)) // 4
+        assert rule.placeholders(*image_size) == ids.count(placeholder_id) == int(np.prod(grid)) // 4
         counts.add(rule.placeholders(*image_size))
     assert len(counts) > 2  # the sizes exercise more than one grid
 
@@ -793,19 +779,11 @@ def test_gemma_placeholders_and_text_are_the_processors_own(tmp_path, made, imag
     it): image_seq_length `<image_soft_token>` per image whatever its size, between `<start_of_image>` and
     `<end_of_image>` with a blank line each side (the processor's `full_image_sequence`); the expanded text tokenizes
     to the ids the processor gives the same prompt."""
-    from tests.vision_inputs import images_of_many_sizes
-
     directory, processor = made(tmp_path / "proc", image_seq_length)
     rule, placeholder_id = processor_rule(directory)
     assert placeholder_id == processor.tokenizer.image_token_id
-    for data in images_of_many_sizes():
-        with Image.open(io.BytesIO(data)) as image:
-            picture, size = image.convert("RGB"), image.size
-        out = processor(images=[picture], text=[f"a {processor.image_token} b"], return_tensors="np")
-        expected = out["input_ids"][0].tolist()
-        assert processor.tokenizer.decode(expected) == "a " + rule.text(*size) + " b"
-        assert processor.tokenizer("a " + rule.text(*size) + " b")["input_ids"] == expected
-        assert rule.placeholders(*size) == expected.count(placeholder_id) == image_seq_length
+    for _, size, out, ids in expanded_by_the_processor(processor, rule, processor.image_token):
+        assert rule.placeholders(*size) == ids.count(placeholder_id) == image_seq_length
         assert len(out["pixel_values"]) == 1
 
 
@@ -1200,7 +1178,6 @@ def test_gemma4_placeholders_text_and_token_types_are_the_processors_own(gemma4_
     tokens, as Gemma4Processor reads them); the expanded text, its ids and the count are Gemma4Processor's own, and
     VisionCollator's mm_token_type_ids are the processor's."""
     from prepack.training.vision_collate import VisionCollator, VisionSpec
-    from tests.vision_inputs import images_of_many_sizes
 
     directory, processor = gemma4_processor if max_soft_tokens == 70 else gemma4_directory(tmp_path / "proc",
                                                                                            max_soft_tokens)
@@ -1209,15 +1186,9 @@ def test_gemma4_placeholders_text_and_token_types_are_the_processors_own(gemma4_
     collator = VisionCollator(VisionSpec("image blocks", placeholder_id, token_types="mm_token_type_ids",
                                          image_counts="num_soft_tokens_per_image"), processor.image_processor)
     counts = set()
-    for data in images_of_many_sizes():
-        with Image.open(io.BytesIO(data)) as image:
-            picture, size = image.convert("RGB"), image.size
-        out = processor(images=[picture], text=["a <image_soft_token> b"], return_tensors="np")
-        expected = out["input_ids"][0].tolist()
-        assert processor.tokenizer.decode(expected) == "a " + rule.text(*size) + " b"
-        assert processor.tokenizer("a " + rule.text(*size) + " b")["input_ids"] == expected
-        assert rule.placeholders(*size) == expected.count(placeholder_id)
-        pack = {"input_ids": out["input_ids"][0], "cu_seqlens": np.array([0, len(expected)]), "images": [data]}
+    for data, size, out, ids in expanded_by_the_processor(processor, rule, "<image_soft_token>"):
+        assert rule.placeholders(*size) == ids.count(placeholder_id)
+        pack = {"input_ids": out["input_ids"][0], "cu_seqlens": np.array([0, len(ids)]), "images": [data]}
         assert collator([pack])["mm_token_type_ids"][0].tolist() == out["mm_token_type_ids"][0].tolist()
         counts.add(rule.placeholders(*size))
     assert len(counts) > 2  # the sizes exercise more than one grid
