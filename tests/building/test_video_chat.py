@@ -19,7 +19,7 @@ from PIL import Image
 from tokenizers import Tokenizer
 
 from prepack import enable_packing
-from prepack.errors import FormatError, InputError
+from prepack.errors import FormatError, InputError, UsageError
 from prepack.formats.images import IMAGE_SET_MANIFEST, VIDEOS_FILE, VIDEOS_SCHEMA, read_image_set
 from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.sources.images import prepare_image_chat, processor_rule, video_processor_rule
@@ -568,3 +568,41 @@ def test_a_video_that_only_the_recount_catches_is_refused_by_row_and_column(vide
     (problem,) = verify_images(video_build, image_set)
     assert (problem.file, f"row {problem.row}, column {problem.column!r}") == (str(image_set / VIDEOS_FILE), where)
     assert problem.message.startswith(message)
+
+
+def sampling(processor_class):
+    """A user's subclass of transformers' video processor `processor_class` that samples its own frames whatever
+    the caller asks (its num_frames uniformly over each video, transformers' own sampling)."""
+
+    class Sampling(processor_class):
+        def preprocess(self, videos, **options):
+            return super().preprocess(videos, **{**options, "do_sample_frames": True})
+
+    return Sampling
+
+
+@pytest.mark.parametrize("model_type", [pytest.param("llava_next_video", marks=pytest.mark.slow), "qwen2_vl"])
+def test_a_video_processor_that_drops_frames_is_refused(model_type):
+    """The set counted every frame of a video: a video processor that samples 2 of video 0's 4 frames (LLaVA-NeXT-
+    Video's: 2 frames; Qwen2-VL's: 1 temporal step of 2 frames, not 2) is refused by what it made, not passed on to
+    misplace the features."""
+    from transformers import LlavaNextVideoVideoProcessor, Qwen2VLVideoProcessor
+
+    from tests.model.test_video import QWEN2_VIDEO_SIZE, packs_of, setup
+
+    model, collator, made = setup(model_type)
+    pack = packs_of(made, ((0,),))[0]  # one video: 4 frames of 120x90
+    if model_type == "llava_next_video":
+        given = collator.video_processor
+        processor = sampling(LlavaNextVideoVideoProcessor)(num_frames=2, size=given.size, crop_size=given.crop_size)
+        message = "The video processor made [2] frames of the batch's videos of [4]; prepack counted each frame once."
+    else:
+        rule = collator.video_processor.rule
+        processor = sampling(Qwen2VLVideoProcessor)(num_frames=2, size=QWEN2_VIDEO_SIZE, patch_size=rule.patch_size,
+                                                    merge_size=rule.merge_size,
+                                                    temporal_patch_size=rule.temporal_patch_size)
+        message = ("The video processor made [1] temporal steps of the batch's videos of [4] frames (2 frames a "
+                   "step, the last repeated: [2]); prepack counted each frame once.")
+    with pytest.raises(UsageError) as refused:
+        VisionCollator(collator.spec, collator.image_processor, pad_token_id=1, video_processor=processor)([pack])
+    assert str(refused.value) == message
