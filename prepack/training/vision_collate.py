@@ -410,11 +410,17 @@ class VisionCollator:
         kept = {key: out[key] for key in ("pixel_values_videos", "video_grid_thw")}
         if len(kept["video_grid_thw"]) != len(videos):
             raise UsageError(f"The video processor made {len(kept['video_grid_thw'])} grids of {len(videos)} videos.")
+        # A processor that samples frames whatever it is told makes fewer steps than the placeholders were counted
+        # for: named here, not later as placeholders without a video.
+        step = self.video_processor.temporal_patch_size
+        made, counts = kept["video_grid_thw"][:, 0].tolist(), [len(frames) for frames in videos]
+        if made != (steps := [-(-count // step) for count in counts]):
+            raise UsageError(f"The video processor made {made} temporal steps of the batch's videos of {counts} frames "
+                             f"({step} frames a step, the last repeated: {steps}); prepack counted each frame once.")
         if self.spec.tokens_per_second is not None:
             fps = [rate for pack in packs for rate in pack.video_fps or [self.video_fps] * len(pack.videos)]
             # temporal_patch_size / fps, as Qwen2_5_VLProcessor computes it (a float32 tensor there too)
-            size = self.video_processor.temporal_patch_size
-            kept["second_per_grid_ts"] = torch.tensor([size / rate for rate in fps])
+            kept["second_per_grid_ts"] = torch.tensor([step / rate for rate in fps])
         return kept
 
     def _frames_in_one_row(self, videos: list[list]) -> torch.Tensor:

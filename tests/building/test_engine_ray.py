@@ -285,25 +285,32 @@ def test_a_mixture_builds_the_same_bytes(tmp_path, local_ray):
         assert not (tmp_path / f"changed-{number}").exists() and _leftovers(tmp_path) == []
 
 
-@pytest.mark.slow
-def test_an_image_chat_corpus_builds_the_same_bytes_and_serves_its_images(tmp_path, local_ray):
-    """An image-chat corpus prepared here (`prepare_image_chat`: its image set written once, locally), then
-    built by tasks, tokenized with the processor's placeholders as on the local engine."""
+def _image_chat(directory: Path, images_of_row=lambda row: [row % 3]):
+    """A processor and an image-chat corpus of 40 rows prepared here (`prepare_image_chat`: its image set written
+    once, locally): row r shows the photographs `images_of_row(r)` (numbers into PHOTOS)."""
     from prepack.sources.images import prepare_image_chat
-    from prepack.training.vision_dataset import ImagePackedDataset
     from tests.vision_inputs import PHOTOS, SAMPLE_DATA, processor_directory
 
-    processor = processor_directory(tmp_path / "processor")
-    (tmp_path / "p").mkdir()
+    processor = processor_directory(directory / "processor")
+    (directory / "p").mkdir()
     for name in PHOTOS:
-        (tmp_path / "p" / name).write_bytes((SAMPLE_DATA / name).read_bytes())
+        (directory / "p" / name).write_bytes((SAMPLE_DATA / name).read_bytes())
     records = [
-        {"messages": [{"role": "user", "content": [{"type": "image", "image": f"p/{PHOTOS[row % 3]}"}, {"type": "text", "text": f"what is {row}?"}]},
+        {"messages": [{"role": "user", "content": [*({"type": "image", "image": f"p/{PHOTOS[photo]}"} for photo in images_of_row(row)),
+                                                   {"type": "text", "text": f"what is {row}?"}]},
                       {"role": "assistant", "content": "a photo " * (row % 5 + 1)}]}
         for row in range(40)
     ]
-    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
-    prepared = prepare_image_chat(tmp_path / "chats.jsonl", processor, tmp_path / "prepared")
+    (directory / "chats.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return processor, prepare_image_chat(directory / "chats.jsonl", processor, directory / "prepared")
+
+
+@pytest.mark.slow
+def test_an_image_chat_corpus_builds_the_same_bytes_and_serves_its_images(tmp_path, local_ray):
+    """An image-chat corpus built by tasks, tokenized with the processor's placeholders as on the local engine."""
+    from prepack.training.vision_dataset import ImagePackedDataset
+
+    processor, prepared = _image_chat(tmp_path)
     options = {"tokenizer": processor, "chat": True, "max_len": 4096, "shard_size": 40_000}
     local = build(prepared.corpus, tmp_path / "local", num_proc=1, **options)
     on_ray = build(prepared.corpus, tmp_path / "ray", engine="ray", **options)
@@ -311,6 +318,32 @@ def test_an_image_chat_corpus_builds_the_same_bytes_and_serves_its_images(tmp_pa
     _same(tmp_path / "local", tmp_path / "ray")
     served = ImagePackedDataset(tmp_path / "ray", prepared.image_set)
     assert sum(len(served[i]["images"]) for i in range(len(served))) == 40
+
+
+@pytest.mark.slow
+def test_an_image_capped_build_is_the_local_engines_and_a_row_over_the_cap_is_refused(tmp_path, local_ray):
+    """--max-images-per-pack on Ray: the driver plans with the image set's counts as the local engine does (the
+    same bytes, the cap binding), and a row with more images than the cap is the local engine's refusal by file
+    and row, with nothing published."""
+    from prepack.formats.images import read_image_set
+    from prepack.training.dataset import PackedDataset
+
+    processor, prepared = _image_chat(tmp_path, lambda row: [row % 3] * (1 + (row % 4 == 0)) + [2] * (row % 7 == 0))
+    per_row = read_image_set(prepared.image_set).row_images()
+    assert per_row.max() == 3
+    options = {"tokenizer": processor, "chat": True, "max_len": 4096, "shard_size": 40_000, "images": prepared.image_set}
+    local = build(prepared.corpus, tmp_path / "local", num_proc=1, max_images_per_pack=4, **options)
+    on_ray = build(prepared.corpus, tmp_path / "ray", engine="ray", max_images_per_pack=4, **options)
+    assert on_ray == local
+    _same(tmp_path / "local", tmp_path / "ray")
+    packs = PackedDataset(tmp_path / "ray")
+    assert max(int(per_row[packs.source_rows(i)].sum()) for i in range(len(packs))) == 4  # the cap binds
+    with pytest.raises(InputError, match="row 0: 3 images") as local_error:
+        build(prepared.corpus, tmp_path / "local-refused", num_proc=1, max_images_per_pack=2, **options)
+    with pytest.raises(InputError, match="row 0: 3 images") as ray_error:
+        build(prepared.corpus, tmp_path / "ray-refused", engine="ray", max_images_per_pack=2, **options)
+    assert str(ray_error.value) == str(local_error.value) and "more than --max-images-per-pack 2" in str(ray_error.value)
+    assert not (tmp_path / "ray-refused").exists() and _leftovers(tmp_path) == []
 
 
 @pytest.mark.slow

@@ -222,3 +222,28 @@ def test_the_cli_refuses_an_image_cap_it_cannot_plan(tmp_path, flags, message):
     flags = [str(tmp_path / "images") if flag == "IMAGES" else flag for flag in flags]
     result = run_prepack("build", corpus, "--max-len", "8", *flags, "--out", tmp_path / "out", env=WIDE)
     assert message in failure(result) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_an_index_build_holds_the_capped_full_builds_packs(prepared, tmp_path):
+    """`--index-only` from the corpus's store plans as the full build does (the cap counts the same rows): the same
+    documents in the same packs, each pack's tokens read from the store equal to the full build's."""
+    from prepack import build, build_store
+    from prepack.check.images import verify_images
+    from prepack.training.dataset import PackedDataset
+
+    processor, summary = prepared
+    full = build_of(prepared, tmp_path / "full", max_images_per_pack=3, images=summary.image_set)
+    build_store(summary.corpus, tmp_path / "store", tokenizer=processor, chat=True, num_proc=1)
+    index = build(tmp_path / "store", tmp_path / "index", max_len=MAX_LEN, overflow="error", index_only=True,
+                  max_images_per_pack=3, images=summary.image_set)
+    assert index.store is not None and (index.options.max_images_per_pack, index.options.image_set) == (
+        full.options.max_images_per_pack, full.options.image_set)
+    assert max(images_per_pack(tmp_path / "index", summary.image_set)) == 3  # the cap binds (the plain build's > 3)
+    full_packs, index_packs = PackedDataset(tmp_path / "full"), PackedDataset(tmp_path / "index")
+    assert len(index_packs) == len(full_packs)
+    for number in range(len(full_packs)):
+        assert index_packs.source_rows(number).tolist() == full_packs.source_rows(number).tolist()
+        expected, got = full_packs[number], index_packs[number]
+        assert sorted(got) == sorted(expected) and all(np.array_equal(got[key], expected[key]) for key in expected)
+    assert verify_images(tmp_path / "index", summary.image_set) == []

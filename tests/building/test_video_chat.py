@@ -9,6 +9,7 @@ or a directory of frames. A video file (mp4) is refused by name: prepack has no 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,8 +19,8 @@ from PIL import Image
 from tokenizers import Tokenizer
 
 from prepack import enable_packing
-from prepack.errors import FormatError, InputError
-from prepack.formats.images import IMAGE_SET_MANIFEST, VIDEOS_FILE, read_image_set
+from prepack.errors import FormatError, InputError, UsageError
+from prepack.formats.images import IMAGE_SET_MANIFEST, VIDEOS_FILE, VIDEOS_SCHEMA, read_image_set
 from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.sources.images import prepare_image_chat, processor_rule, video_processor_rule
 from prepack.training.video_frames import FrameVideoProcessor
@@ -474,3 +475,134 @@ def test_a_frame_video_corpus_builds_and_a_packed_batch_equals_each_sample_alone
     logit_diff, loss_diff, grad_diff = built_batch_against_each_sample_alone(model, collator, dataset, image_set, batch)
     assert logit_diff < TOLERANCE
     assert loss_diff < LOSS_TOLERANCE and grad_diff < LOSS_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def video_set(processor, tmp_path_factory):
+    """The image set of video_records, prepared once: each test below tampers a copy."""
+    directory = tmp_path_factory.mktemp("videos")
+    summary = prepare_image_chat(corpus_file(directory, video_records(write_videos(directory))), processor,
+                                 directory / "prepared")
+    return summary.image_set
+
+
+@pytest.fixture(scope="module")
+def video_build(processor, video_set):
+    """The build of video_set's corpus (what `prepack verify BUILD --images DIR` checks the set against)."""
+    from prepack import build
+
+    out = video_set.parent.parent / "build"
+    build(video_set.parent / "corpus.parquet", out, max_len=MAX_LEN, tokenizer=processor, chat=True, overflow="error",
+          num_proc=1)
+    return out
+
+
+def edited_manifest(image_set, change) -> None:
+    manifest = json.loads((image_set / IMAGE_SET_MANIFEST).read_text())
+    change(manifest)
+    (image_set / IMAGE_SET_MANIFEST).write_text(json.dumps(manifest))
+
+
+def rewritten_videos(image_set, change) -> None:
+    """`change` (a function of videos.arrow's columns, as Python lists) applied to the file, and the manifest's size
+    and sha256 of it made to match, as a careful forger would: only the recount of `_verify_videos` is left."""
+    import pyarrow as pa
+
+    from prepack.storage.files import write_record_batch
+
+    columns = pa.ipc.open_stream((image_set / VIDEOS_FILE).read_bytes()).read_next_batch().to_pydict()
+    change(columns)
+    size, sha256 = write_record_batch(image_set / VIDEOS_FILE, pa.RecordBatch.from_pydict(columns, schema=VIDEOS_SCHEMA))
+    edited_manifest(image_set, lambda manifest: manifest["files"][2].update(bytes=size, sha256=sha256))
+
+
+def a_frame_of_another_size(image_set) -> None:
+    """Row 0's video (4 frames of 120x90) with its second frame one of video 1's (96x72), an image of the set."""
+    other = int(read_image_set(image_set).videos_of(1)[0][0][0])
+
+    def replaced(columns):
+        columns["frames"][0][1] = other
+
+    rewritten_videos(image_set, replaced)
+
+
+def a_count_off_by_one(image_set) -> None:
+    """Row 3's second video one placeholder more, and the manifest's video_tokens with it."""
+    def one_more(columns):
+        columns["tokens"][3][1] += 1
+
+    rewritten_videos(image_set, one_more)
+    edited_manifest(image_set, lambda manifest: manifest.update(video_tokens=manifest["video_tokens"] + 1))
+
+
+def a_rule_of_no_count(image_set) -> None:
+    """The video rule made Qwen3-VL's with a temporal patch of 8 frames: it counts no video of fewer (transformers'
+    qwen3_vl smart_resize raises there), and these have 3 to 5."""
+    edited_manifest(image_set, lambda manifest: manifest["video_rule"].update(kind="qwen3", temporal_patch_size=8))
+
+
+@pytest.mark.slow  # the set prepared and built once: seconds
+@pytest.mark.parametrize(("tamper", "where", "message"), [
+    (a_frame_of_another_size, "row 0, column 'frames'", "a video's frames are of 2 sizes; a video's frames are of one size"),
+    (a_count_off_by_one, "row 3, column 'tokens'",
+     "records {more} placeholder tokens for a video; the rule gives {count} for 4 frames of 120x90"),
+    (a_rule_of_no_count, "row 0, column 'frames'", "no placeholder count for a video: 4 frames, fewer than the temporal "
+                                                   "patch of 8"),
+], ids=["two sizes", "count", "no count"])
+def test_a_video_that_only_the_recount_catches_is_refused_by_row_and_column(video_set, video_build, tmp_path, tamper,
+                                                                            where, message):
+    """A set consistent in every other way (files' sizes and sha256, the counts' sums, the images' own counts): the
+    read passes, and `verify` (read_image_set's, and `prepack verify --images`'s) refuses the video by row and column."""
+    import re
+    import shutil
+
+    from prepack.check.images import verify_images
+
+    image_set = Path(shutil.copytree(video_set, tmp_path / "images"))
+    count = read_image_set(image_set).manifest.video_rule.placeholders(*VIDEOS[0][1:4])  # video 0's, before
+    message = message.format(count=count, more=count + 1)
+    tamper(image_set)
+    read_image_set(image_set)  # the cheaper checks pass
+    with pytest.raises(FormatError, match=re.escape(f"{image_set / VIDEOS_FILE}: {where}: {message}")):
+        read_image_set(image_set, verify=True)
+    (problem,) = verify_images(video_build, image_set)
+    assert (problem.file, f"row {problem.row}, column {problem.column!r}") == (str(image_set / VIDEOS_FILE), where)
+    assert problem.message.startswith(message)
+
+
+def sampling(processor_class):
+    """A user's subclass of transformers' video processor `processor_class` that samples its own frames whatever
+    the caller asks (its num_frames uniformly over each video, transformers' own sampling)."""
+
+    class Sampling(processor_class):
+        def preprocess(self, videos, **options):
+            return super().preprocess(videos, **{**options, "do_sample_frames": True})
+
+    return Sampling
+
+
+@pytest.mark.parametrize("model_type", [pytest.param("llava_next_video", marks=pytest.mark.slow), "qwen2_vl"])
+def test_a_video_processor_that_drops_frames_is_refused(model_type):
+    """The set counted every frame of a video: a video processor that samples 2 of video 0's 4 frames (LLaVA-NeXT-
+    Video's: 2 frames; Qwen2-VL's: 1 temporal step of 2 frames, not 2) is refused by what it made, not passed on to
+    misplace the features."""
+    from transformers import LlavaNextVideoVideoProcessor, Qwen2VLVideoProcessor
+
+    from tests.model.test_video import QWEN2_VIDEO_SIZE, packs_of, setup
+
+    model, collator, made = setup(model_type)
+    pack = packs_of(made, ((0,),))[0]  # one video: 4 frames of 120x90
+    if model_type == "llava_next_video":
+        given = collator.video_processor
+        processor = sampling(LlavaNextVideoVideoProcessor)(num_frames=2, size=given.size, crop_size=given.crop_size)
+        message = "The video processor made [2] frames of the batch's videos of [4]; prepack counted each frame once."
+    else:
+        rule = collator.video_processor.rule
+        processor = sampling(Qwen2VLVideoProcessor)(num_frames=2, size=QWEN2_VIDEO_SIZE, patch_size=rule.patch_size,
+                                                    merge_size=rule.merge_size,
+                                                    temporal_patch_size=rule.temporal_patch_size)
+        message = ("The video processor made [1] temporal steps of the batch's videos of [4] frames (2 frames a "
+                   "step, the last repeated: [2]); prepack counted each frame once.")
+    with pytest.raises(UsageError) as refused:
+        VisionCollator(collator.spec, collator.image_processor, pad_token_id=1, video_processor=processor)([pack])
+    assert str(refused.value) == message
