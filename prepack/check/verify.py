@@ -246,28 +246,22 @@ def verify_store(path: str | os.PathLike, *, all_problems: bool = False) -> list
     shards' row and token counts); a store of pairs or groups, each group's prompt as a build reads it.
 
     Problems name the store's files inside it (`documents-00001.arrow`, `store.json`); `path` may be a URI
-    (`s3://bucket/store`, needs `prepack-llm[s3]`): its objects are then copied into a temporary directory
-    (`TMPDIR`) while they are checked, and its problems carry its URI (`Problem.location`).
+    (`s3://bucket/store`, needs `prepack-llm[s3]`): its store.json is read first, then its other objects are copied into a
+    temporary directory (`TMPDIR`) while they are checked, and its problems carry its URI (`Problem.location`).
 
     Returns the problems found: none for a sound store, the first one only unless `all_problems`. Raises
     FormatError when `path` is no store at all (no store.json), InputError when it cannot be read."""
-    with ExitStack() as stack:
-        root, location = Path(path), None
-        if is_uri(path):
-            copy = stack.enter_context(local_input(str(path)))
-            root, location = Path(copy.spec), copy.location
-            if not is_store(root):
-                raise FormatError(f"{join(str(path), STORE_MANIFEST_NAME)} does not exist: {path} is not a finished prepack document store.")
-        try:
-            manifest = read_store_manifest(root)
-        except FormatError as exc:
-            if exc.problem is None:  # no store.json: not a store
-                raise
-            found = [Problem(file=STORE_MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message)]
-        else:
-            problems = _standalone_store_problems(Store(root, manifest, location))
-            found = list(problems) if all_problems else list(islice(problems, 1))
-    return found if location is None else [problem.model_copy(update={"location": location}) for problem in found]
+    uri = str(path) if is_uri(path) else None
+    try:  # first, so that a prefix that is no store is refused before any of its objects is copied
+        manifest = read_output_manifest(uri, STORE_MANIFEST_NAME) if uri is not None else read_store_manifest(path)
+    except FormatError as exc:
+        if exc.problem is None:  # no store.json: not a store
+            raise
+        return [Problem(file=STORE_MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message, location=uri)]
+    with local_input(path) as copy:
+        problems = _standalone_store_problems(Store(Path(copy.spec), manifest, copy.location))
+        found = list(problems) if all_problems else list(islice(problems, 1))
+    return found if copy.location is None else [problem.model_copy(update={"location": copy.location}) for problem in found]
 
 
 def store_checked_summary(path: str | os.PathLike) -> str:

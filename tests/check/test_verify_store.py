@@ -159,6 +159,23 @@ def test_a_store_in_object_storage_verifies_and_its_problems_name_its_objects(tm
     problems = verify_store(uri, all_problems=True)
     assert [(p.file, p.location) for p in problems[:2]] == [("documents-00099.arrow", uri), ("documents-00001.arrow", uri)]
     assert str(problems[1]).startswith(f"{uri}/documents-00001.arrow: its sha256")
-    fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/half/documents-00000.arrow", bytes(data))  # no store.json
+
+
+def test_a_prefix_in_object_storage_is_refused_as_no_store_before_any_object_is_copied(s3_bucket, monkeypatch):
+    """Its store.json is read first: a prefix without one, empty or not, is no store (FormatError), and an invalid one
+    is its one problem, named by the store's URI, with nothing downloaded (`local_input` copies a store's objects)."""
+    s3fs = pytest.importorskip("s3fs")
+
+    def copies(spec):
+        raise AssertionError(f"{spec} was copied")
+
+    monkeypatch.setattr("prepack.check.verify.local_input", copies)
+    fs, bucket = s3fs.S3FileSystem(), s3_bucket.removeprefix("s3://")
+    with pytest.raises(FormatError, match=f"{s3_bucket}/empty/store.json does not exist: .* not a finished prepack document store"):
+        verify_store(f"{s3_bucket}/empty")
+    fs.pipe_file(f"{bucket}/half/documents-00000.arrow", b"a shard a killed store left")  # no store.json
     with pytest.raises(FormatError, match=f"{s3_bucket}/half/store.json does not exist: .* not a finished prepack document store"):
         verify_store(f"{s3_bucket}/half")
+    fs.pipe_file(f"{bucket}/half/store.json", b"{}")
+    [problem] = verify_store(f"{s3_bucket}/half", all_problems=True)
+    assert (problem.file, problem.column, problem.location) == ("store.json", "store_version", f"{s3_bucket}/half")
