@@ -509,13 +509,12 @@ def _report_problems(problems: list) -> None:
 def _verify_store(path: str, all_problems: bool, build_option: str | None) -> None:
     """`prepack verify STORE`: the store checked on its own (`verify_store`), reported as a build's check is;
     `build_option`, an option given that checks a build only, refused by name."""
-    from prepack.check.verify import store_checked_summary, verify_store
+    from prepack.check.verify import verify_store_with_summary
 
     try:
         if build_option is not None:
             raise InputError(f"{path} is a document store, verified on its own: {build_option} applies to a build only.")
-        problems = verify_store(path, all_problems=all_problems)
-        summary = None if problems else store_checked_summary(path)
+        problems, summary = verify_store_with_summary(path, all_problems=all_problems)
     except PrepackError as exc:
         _fail(exc)
     _report_problems(problems)

@@ -99,7 +99,7 @@ if TYPE_CHECKING:  # tokenizers and jinja2 load only when a source is tokenized 
     from prepack.sources.pairs import GroupValues
 from prepack.formats.store import StoreFingerprint, StoreManifest, read_store_manifest
 
-__all__ = ["Problem", "checked_summary", "holds_store", "store_checked_summary", "verify_build", "verify_store"]
+__all__ = ["Problem", "checked_summary", "holds_store", "verify_build", "verify_store", "verify_store_with_summary"]
 
 _COMPARE_TOKENS = 2**22  # tokens compared per step against the source
 _RESUME_BLOCK = 1024  # rows checked per call after a failing row, so --all stays linear in the rows
@@ -251,25 +251,34 @@ def verify_store(path: str | os.PathLike, *, all_problems: bool = False) -> list
 
     Returns the problems found: none for a sound store, the first one only unless `all_problems`. Raises
     FormatError when `path` is no store at all (no store.json), InputError when it cannot be read."""
+    return _check_store(path, all_problems)[1]
+
+
+def verify_store_with_summary(path: str | os.PathLike, *, all_problems: bool = False) -> tuple[list[Problem], str | None]:
+    """`verify_store`'s problems and, when there are none, the line a clean `verify` of the store ends with: what it
+    checked, from the store.json it checked the store against (read once: a store appended to meanwhile is described
+    as it was checked)."""
+    manifest, problems = _check_store(path, all_problems)
+    if problems:
+        return problems, None
+    generations = len(manifest.generations or [manifest])
+    return [], (f"{path}: no problems (store.json and {len(manifest.shards)} shards checked: {manifest.documents:,} "
+                f"documents, {manifest.tokens:,} tokens, {generations} generation{'s' * (generations != 1)}).")
+
+
+def _check_store(path: str | os.PathLike, all_problems: bool) -> tuple[StoreManifest | None, list[Problem]]:
+    """(the store.json the store at `path` was checked against, None when it is invalid; `verify_store`'s problems)."""
     uri = str(path) if is_uri(path) else None
     try:  # first, so that a prefix that is no store is refused before any of its objects is copied
         manifest = read_output_manifest(uri, STORE_MANIFEST_NAME) if uri is not None else read_store_manifest(path)
     except FormatError as exc:
         if exc.problem is None:  # no store.json: not a store
             raise
-        return [Problem(file=STORE_MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message, location=uri)]
+        return None, [Problem(file=STORE_MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message, location=uri)]
     with local_input(path) as copy:
         problems = _standalone_store_problems(Store(Path(copy.spec), manifest, copy.location))
         found = list(problems) if all_problems else list(islice(problems, 1))
-    return found if copy.location is None else [problem.model_copy(update={"location": copy.location}) for problem in found]
-
-
-def store_checked_summary(path: str | os.PathLike) -> str:
-    """The line a clean `verify` of a store ends with: what it checked."""
-    m = read_output_manifest(str(path), STORE_MANIFEST_NAME) if is_uri(path) else read_store_manifest(path)
-    generations = len(m.generations or [m])
-    return (f"{path}: no problems (store.json and {len(m.shards)} shards checked: {m.documents:,} documents, "
-            f"{m.tokens:,} tokens, {generations} generation{'s' * (generations != 1)}).")
+    return manifest, found if copy.location is None else [p.model_copy(update={"location": copy.location}) for p in found]
 
 
 @dataclass

@@ -61,6 +61,28 @@ def test_a_fresh_store_verifies_and_the_command_says_what_it_checked(stores):
     ]
 
 
+def test_the_command_summarises_the_store_json_it_checked_not_one_appended_meanwhile(grown, monkeypatch, tmp_path):
+    """store.json is read once: a store appended to while it is checked (here, once its shards are) is described as
+    it was checked, not as the append left it."""
+    import prepack.check.verify as verify
+
+    checked = read_store_manifest(grown)
+    check = verify._standalone_store_problems
+
+    def appended_meanwhile(store):
+        yield from check(store)
+        build_store(_batch(tmp_path, "e", 3, 12), grown, shard_size=1_000, append=True)
+
+    monkeypatch.setattr(verify, "_standalone_store_problems", appended_meanwhile)
+    result = invoke_prepack("verify", grown)
+    assert read_store_manifest(grown).documents > checked.documents
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [
+        f"{grown}: no problems (store.json and {len(checked.shards)} shards checked: {checked.documents:,} documents, "
+        f"{checked.tokens:,} tokens, 3 generations)."
+    ]
+
+
 def test_a_store_grown_by_two_appends_verifies(stores):
     m = read_store_manifest(stores["grown"])
     assert len(m.generations) == 3 and m.length_counts is not None
