@@ -20,7 +20,7 @@ import pyarrow as pa
 from pydantic import Field, ValidationError, model_validator
 
 from prepack.errors import FormatError
-from prepack.formats.common import INT32_MAX, Fingerprint, FormatProblem, StrictModel, format_error, load_manifest_json, numpy_view
+from prepack.formats.common import INT32_MAX, Fingerprint, FormatProblem, StrictModel, field_path, format_error, load_manifest_json, numpy_view
 from prepack.formats.shards import (
     IGNORE_INDEX,
     MANIFEST_NAME,
@@ -327,7 +327,8 @@ def read_store_manifest(directory: str | os.PathLike | bytes, name: str = STORE_
     try:
         manifest = StoreManifest.model_validate(raw, strict=True)
     except ValidationError as exc:
-        raise _manifest_error(path, f"is not a valid prepack store manifest:\n{exc}", _field(exc.errors()[0]["loc"])) from None
+        field = field_path(exc.errors()[0]["loc"])  # "(top level)": the manifest as a whole (`StoreManifest._consistent`)
+        raise _manifest_error(path, f"is not a valid prepack store manifest:\n{exc}", None if field == "(top level)" else field) from None
     return manifest
 
 
@@ -335,13 +336,6 @@ def _manifest_error(path: str | os.PathLike, message: str, column: str | None) -
     """The FormatError for an invalid `store.json` at `path`: "PATH MESSAGE", and as fields (`FormatError.problem`,
     which `verify` reports) the file, the message and the field (`column`) where one is to blame."""
     return FormatError(f"{path} {message}", FormatProblem(str(path), message, None, column))
-
-
-def _field(loc: tuple[int | str, ...]) -> str | None:
-    """A pydantic error location as verify names a manifest field (`shards[1].sha256`); None for the manifest as
-    a whole (its own checks, `StoreManifest._consistent`)."""
-    named = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
-    return named or None
 
 
 def check_store_files(directory: Path, manifest: StoreManifest) -> None:
