@@ -86,6 +86,7 @@ from prepack.formats.shards import (
     unit_name,
 )
 from prepack.building.mixture import PieceCounts, packable_tokens, piece_counts, segment_trained_tokens, trained_segments
+from prepack.building import plan_vectorized
 from prepack.building.pair_plan import pair_pieces
 from prepack.building.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.sources.documents import Documents, Reading, open_documents, store_documents
@@ -713,12 +714,14 @@ def _standalone_store_problems(store: Store) -> Iterator[Problem]:
             message=f"{len(m.shards) - len(columns)} shard(s) could not be read or are damaged (above): the "
             f"store's fingerprint, generations and length_counts were not checked against its documents."
         )
-    for index, (offsets, _, labels) in columns.items() if m.pairs is not None else ():
-        try:
-            group_prompt_lengths(offsets, labels, m.pairs.size, m.shards[index].name)
-        except FormatError as exc:
-            found = exc.problem
-            yield Problem(file=m.shards[index].name, row=found.row, column=found.column, message=found.message)
+    if m.pairs is not None:
+        without_numba = plan_vectorized.labels_in_numpy(m.tokens)
+        for index, (offsets, _, labels) in columns.items():
+            try:
+                group_prompt_lengths(offsets, labels, m.pairs.size, m.shards[index].name, without_numba=without_numba)
+            except FormatError as exc:
+                found = exc.problem
+                yield Problem(file=m.shards[index].name, row=found.row, column=found.column, message=found.message)
 
 
 def _length_counts_problems(shard_counts: list[tuple[np.ndarray, np.ndarray]], m: StoreManifest, where: str | None):
