@@ -156,7 +156,8 @@ def test_an_invalid_store_json_is_a_problem_naming_its_field(grown):
 
 
 @pytest.mark.parametrize("option", [["--source", "corpus"], ["--images", "images"], ["--reference", "ref"],
-                                    ["--export", "out"], ["--store", "other"], ["--tokenizer", "tok"]])
+                                    ["--export", "out"], ["--store", "other"], ["--tokenizer", "tok"], ["--decode"],
+                                    ["--chat-template", "t"], ["--cache-dir", "c"]])
 def test_a_build_only_option_with_a_store_is_refused_by_name(stores, option):
     result = invoke_prepack("verify", stores["fresh"], *option)
     assert result.returncode == 2
