@@ -247,7 +247,7 @@ def verify_store(path: str | os.PathLike, *, all_problems: bool = False) -> list
     shards' row and token counts); a store of pairs or groups, each group's prompt as a build reads it.
 
     Problems name the store's files inside it (`documents-00001.arrow`, `store.json`); `path` may be a URI
-    (`s3://bucket/store`, needs `prepack-llm[s3]`): its store.json is read first, then its other objects are copied into a
+    (`s3://bucket/store`, needs `prepack-llm[s3]`): its store.json is read first, then its objects are copied into a
     temporary directory (`TMPDIR`) while they are checked, and its problems carry its URI (`Problem.location`).
 
     Returns the problems found: none for a sound store, the first one only unless `all_problems`. Raises
