@@ -458,17 +458,21 @@ def verify_command(
     """Check shards against the manifest and the format (and every token against --source); a document
     store on its own: its shards against store.json, its documents against their fingerprints and counts.
     Exit 0: sound; 1: problems found (printed); 2: not a build or store, or an unreadable --source."""
-    from prepack.check.verify import checked_summary, holds_store, verify_build
+    from prepack.check.verify import checked_summary, holds_store, verify_build, verify_store_with_summary
 
+    store_summary = None  # a store's, checked on its own: the options below, a build's, were refused with it
     try:
         if holds_store(path):
             build_options = {"--source": source, "--tokenizer": tokenizer, "--chat-template": chat_template, "--cache-dir": cache_dir,
                              "--store": store, "--images": images, "--decode": decode or None, "--reference": reference, "--export": export}
-            return _verify_store(path, all_problems, next((name for name, value in build_options.items() if value is not None), None))
-        problems = verify_build(
-            path, source, tokenizer=tokenizer, chat_template=chat_template, all_problems=all_problems,
-            cache_dir=cache_dir, store=store,
-        )
+            if (given := next((name for name, value in build_options.items() if value is not None), None)) is not None:
+                raise InputError(f"{path} is a document store, verified on its own: {given} applies to a build only.")
+            problems, store_summary = verify_store_with_summary(path, all_problems=all_problems)
+        else:
+            problems = verify_build(
+                path, source, tokenizer=tokenizer, chat_template=chat_template, all_problems=all_problems,
+                cache_dir=cache_dir, store=store,
+            )
         if decode and images is None:
             raise UsageError("--decode decodes the images of an image set: give it with --images.")
         if images is not None:
@@ -490,6 +494,9 @@ def verify_command(
     except PrepackError as exc:
         _fail(exc)
     _report_problems(problems)
+    if store_summary is not None:
+        typer.echo(store_summary)
+        return
     checked = f" {reference}: the reference log-probabilities checked." if reference is not None else ""
     if images is not None:
         checked += " " + images_line
@@ -504,22 +511,6 @@ def _report_problems(problems: list) -> None:
         typer.echo(f"problem: {problem}")
     if problems:
         raise typer.Exit(1)
-
-
-def _verify_store(path: str, all_problems: bool, build_option: str | None) -> None:
-    """`prepack verify STORE`: the store checked on its own (`verify_store`), reported as a build's check is;
-    `build_option`, an option given that checks a build only, refused by name."""
-    from prepack.check.verify import store_checked_summary, verify_store
-
-    try:
-        if build_option is not None:
-            raise InputError(f"{path} is a document store, verified on its own: {build_option} applies to a build only.")
-        problems = verify_store(path, all_problems=all_problems)
-        summary = None if problems else store_checked_summary(path)
-    except PrepackError as exc:
-        _fail(exc)
-    _report_problems(problems)
-    typer.echo(summary)
 
 
 @app.command("export", cls=_Command)

@@ -63,6 +63,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from prepack.errors import InputError
+from prepack.formats.common import field_path
 from prepack.formats.shards import IGNORE_INDEX
 
 __all__ = [
@@ -74,7 +75,6 @@ __all__ = [
     "PieceCounts",
     "SourceSelection",
     "check_memory",
-    "field_path",
     "is_mixture_file",
     "load_mixture",
     "mixture_flags",
@@ -177,17 +177,6 @@ class MixtureSpec(_Spec):
 def is_mixture_file(spec: str | os.PathLike) -> bool:
     """Whether `spec` names a mixture file (by its suffix: no corpus file has these)."""
     return str(spec).lower().endswith(MIXTURE_SUFFIXES) and not Path(spec).is_dir()
-
-
-def field_path(location: tuple) -> str:
-    """A pydantic error location as a field path: `sources[1].weight`."""
-    out = ""
-    for part in location:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not str(part).startswith(("function-", "literal[", "constrained-")) and part not in ("int", "str"):
-            out += f".{part}" if out else str(part)
-    return out or "(top level)"
 
 
 @dataclass(frozen=True)

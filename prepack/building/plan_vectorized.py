@@ -60,6 +60,12 @@ def scans(tokens: int) -> bool:
     return tokens <= _LABELS
 
 
+def labels_in_numpy(tokens: int) -> bool:
+    """Whether `tokens` labels are read in numpy, no numba kernel (`without_numba`): when numpy scans them faster
+    than numba would start, and no kernel ran in this process before (then numba's start-up is paid anyway)."""
+    return scans(tokens) and not kernels.started()
+
+
 def plans_in_numpy(tokens: int, has_labels: bool) -> bool:
     """Whether an index build whose documents hold `tokens` tokens (an append's: the new documents') reads
     their labels and plans in numpy, no numba kernel: when it has no labels or numpy scans them faster than

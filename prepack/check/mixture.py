@@ -27,8 +27,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from pydantic import ValidationError
 
-from prepack.building.mixture import MAX_COPIES, MixtureSpec, PieceCounts, field_path, requested_tokens, select_source, selection_pieces
+from prepack.building.mixture import MAX_COPIES, MixtureSpec, PieceCounts, requested_tokens, select_source, selection_pieces
 from prepack.errors import InputError
+from prepack.formats.common import field_path
 from prepack.formats.mixture import mixture_fingerprint
 from prepack.formats.shards import MANIFEST_NAME, Manifest
 

@@ -86,6 +86,7 @@ from prepack.formats.shards import (
     unit_name,
 )
 from prepack.building.mixture import PieceCounts, packable_tokens, piece_counts, segment_trained_tokens, trained_segments
+from prepack.building import plan_vectorized
 from prepack.building.pair_plan import pair_pieces
 from prepack.building.plan import DocumentPieces, document_pieces, untrained_documents
 from prepack.sources.documents import Documents, Reading, open_documents, store_documents
@@ -99,7 +100,7 @@ if TYPE_CHECKING:  # tokenizers and jinja2 load only when a source is tokenized 
     from prepack.sources.pairs import GroupValues
 from prepack.formats.store import StoreFingerprint, StoreManifest, read_store_manifest
 
-__all__ = ["Problem", "checked_summary", "holds_store", "store_checked_summary", "verify_build", "verify_store"]
+__all__ = ["Problem", "checked_summary", "holds_store", "verify_build", "verify_store", "verify_store_with_summary"]
 
 _COMPARE_TOKENS = 2**22  # tokens compared per step against the source
 _RESUME_BLOCK = 1024  # rows checked per call after a failing row, so --all stays linear in the rows
@@ -246,36 +247,39 @@ def verify_store(path: str | os.PathLike, *, all_problems: bool = False) -> list
     shards' row and token counts); a store of pairs or groups, each group's prompt as a build reads it.
 
     Problems name the store's files inside it (`documents-00001.arrow`, `store.json`); `path` may be a URI
-    (`s3://bucket/store`, needs `prepack-llm[s3]`): its objects are then copied into a temporary directory
-    (`TMPDIR`) while they are checked, and its problems carry its URI (`Problem.location`).
+    (`s3://bucket/store`, needs `prepack-llm[s3]`): its store.json is read first, then its objects are copied into a
+    temporary directory (`TMPDIR`) while they are checked, and its problems carry its URI (`Problem.location`).
 
     Returns the problems found: none for a sound store, the first one only unless `all_problems`. Raises
     FormatError when `path` is no store at all (no store.json), InputError when it cannot be read."""
-    with ExitStack() as stack:
-        root, location = Path(path), None
-        if is_uri(path):
-            copy = stack.enter_context(local_input(str(path)))
-            root, location = Path(copy.spec), copy.location
-            if not is_store(root):
-                raise FormatError(f"{join(str(path), STORE_MANIFEST_NAME)} does not exist: {path} is not a finished prepack document store.")
-        try:
-            manifest = read_store_manifest(root)
-        except FormatError as exc:
-            if exc.problem is None:  # no store.json: not a store
-                raise
-            found = [Problem(file=STORE_MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message)]
-        else:
-            problems = _standalone_store_problems(Store(root, manifest, location))
-            found = list(problems) if all_problems else list(islice(problems, 1))
-    return found if location is None else [problem.model_copy(update={"location": location}) for problem in found]
+    return _check_store(path, all_problems)[1]
 
 
-def store_checked_summary(path: str | os.PathLike) -> str:
-    """The line a clean `verify` of a store ends with: what it checked."""
-    m = read_output_manifest(str(path), STORE_MANIFEST_NAME) if is_uri(path) else read_store_manifest(path)
-    generations = len(m.generations or [m])
-    return (f"{path}: no problems (store.json and {len(m.shards)} shards checked: {m.documents:,} documents, "
-            f"{m.tokens:,} tokens, {generations} generation{'s' * (generations != 1)}).")
+def verify_store_with_summary(path: str | os.PathLike, *, all_problems: bool = False) -> tuple[list[Problem], str | None]:
+    """`verify_store`'s problems and, when there are none, the line a clean `verify` of the store ends with: what it
+    checked, from the store.json it checked the store against (read once: a store appended to meanwhile is described
+    as it was checked)."""
+    manifest, problems = _check_store(path, all_problems)
+    if problems:
+        return problems, None
+    generations = len(manifest.generations or [manifest])
+    return [], (f"{path}: no problems (store.json and {len(manifest.shards)} shards checked: {manifest.documents:,} "
+                f"documents, {manifest.tokens:,} tokens, {generations} generation{'s' * (generations != 1)}).")
+
+
+def _check_store(path: str | os.PathLike, all_problems: bool) -> tuple[StoreManifest | None, list[Problem]]:
+    """(the store.json the store at `path` was checked against, None when it is invalid; `verify_store`'s problems)."""
+    uri = str(path) if is_uri(path) else None
+    try:  # first, so that a prefix that is no store is refused before any of its objects is copied
+        manifest = read_output_manifest(uri, STORE_MANIFEST_NAME) if uri is not None else read_store_manifest(path)
+    except FormatError as exc:
+        if exc.problem is None:  # no store.json: not a store
+            raise
+        return None, [Problem(file=STORE_MANIFEST_NAME, column=exc.problem.column, message=exc.problem.message, location=uri)]
+    with local_input(path) as copy:
+        problems = _standalone_store_problems(Store(Path(copy.spec), manifest, copy.location))
+        found = list(problems) if all_problems else list(islice(problems, 1))
+    return manifest, found if copy.location is None else [p.model_copy(update={"location": copy.location}) for p in found]
 
 
 @dataclass
@@ -710,12 +714,14 @@ def _standalone_store_problems(store: Store) -> Iterator[Problem]:
             message=f"{len(m.shards) - len(columns)} shard(s) could not be read or are damaged (above): the "
             f"store's fingerprint, generations and length_counts were not checked against its documents."
         )
-    for index, (offsets, _, labels) in columns.items() if m.pairs is not None else ():
-        try:
-            group_prompt_lengths(offsets, labels, m.pairs.size, m.shards[index].name)
-        except FormatError as exc:
-            found = exc.problem
-            yield Problem(file=m.shards[index].name, row=found.row, column=found.column, message=found.message)
+    if m.pairs is not None:
+        without_numba = plan_vectorized.labels_in_numpy(m.tokens)
+        for index, (offsets, _, labels) in columns.items():
+            try:
+                group_prompt_lengths(offsets, labels, m.pairs.size, m.shards[index].name, without_numba=without_numba)
+            except FormatError as exc:
+                found = exc.problem
+                yield Problem(file=m.shards[index].name, row=found.row, column=found.column, message=found.message)
 
 
 def _length_counts_problems(shard_counts: list[tuple[np.ndarray, np.ndarray]], m: StoreManifest, where: str | None):

@@ -95,6 +95,18 @@ def format_error(
     return FormatError(str(problem), problem)
 
 
+def field_path(location: tuple) -> str:
+    """A pydantic error location as a field path, as messages and `verify` name a field (`sources[1].weight`,
+    `shards[1].sha256`); "(top level)" for the model as a whole (its own checks)."""
+    out = ""
+    for part in location:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).startswith(("function-", "literal[", "constrained-")) and part not in ("int", "str"):
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
 def refuse(file: str | os.PathLike, message: str, row: int | None = None, column: str | None = None) -> NoReturn:
     raise format_error(file, message, row, column)
 

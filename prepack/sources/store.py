@@ -24,7 +24,7 @@ import pyarrow as pa
 from prepack.errors import FormatError, InputError
 from prepack.formats.common import map_regular, numpy_view, read_one_batch
 from prepack.formats.shards import MANIFEST_NAME, Manifest, store_location_problem
-from prepack.building import kernels, plan_vectorized
+from prepack.building import plan_vectorized
 from prepack.building.plan import first_trained_labels, untrained_documents
 from prepack.sources.corpus import Corpus, DocumentBatch
 from prepack.storage.remote import join
@@ -133,7 +133,7 @@ class Store:
         """`group_prompt_lengths` of every shard of a store of pairs or groups (`StoreManifest.pairs`; a shard holds
         whole groups), in order, each read for them (`shard_labels`): for a store whose labels are not in hand.
         A small store's labels are read in numpy, as an index build reads them (`_index_documents`)."""
-        without_numba = plan_vectorized.scans(self.manifest.tokens) and not kernels.started()
+        without_numba = plan_vectorized.labels_in_numpy(self.manifest.tokens)
         return np.concatenate([
             group_prompt_lengths(*self.shard_labels(shard), self.manifest.pairs.size, self.shard_where(shard),
                                  without_numba=without_numba)

@@ -219,6 +219,20 @@ def test_a_pair_store_whose_labels_split_a_groups_prompt_is_refused(stored, tmp_
         prepack.build(copy, tmp_path / "full", **BUILD)
 
 
+def test_a_small_pair_stores_prompts_are_read_without_starting_numba(stored, monkeypatch):
+    """Its labels are read in numpy, faster than numba would start, when verified on its own or read for its prompts,
+    as long as no kernel ran in the process before (`kernels.started`: pretended here, pytest's process having run some)."""
+    _, _, store, _, size = stored
+    monkeypatch.setattr("prepack.building.kernels.started", lambda: False)
+
+    def kernel(offsets, labels):
+        raise AssertionError("numba's kernel ran")
+
+    monkeypatch.setattr("prepack.building.plan._first_trained", kernel)
+    assert prepack.verify_store(store, all_problems=True) == []
+    assert len(prepack.sources.store.open_store(store).prompt_lengths()) == read_store_manifest(store).documents // size
+
+
 @pytest.mark.slow  # a store, and three commands in processes
 def test_a_pair_store_refuses_another_kind_appended_and_works_from_the_command_line(tmp_path, gpt2):  # noqa: F811
     corpus = write_jsonl(tmp_path / "pairs.jsonl", short_pairs(6))

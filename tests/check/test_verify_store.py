@@ -61,6 +61,28 @@ def test_a_fresh_store_verifies_and_the_command_says_what_it_checked(stores):
     ]
 
 
+def test_the_command_summarises_the_store_json_it_checked_not_one_appended_meanwhile(grown, monkeypatch, tmp_path):
+    """store.json is read once: a store appended to while it is checked (here, once its shards are) is described as
+    it was checked, not as the append left it."""
+    import prepack.check.verify as verify
+
+    checked = read_store_manifest(grown)
+    check = verify._standalone_store_problems
+
+    def appended_meanwhile(store):
+        yield from check(store)
+        build_store(_batch(tmp_path, "e", 3, 12), grown, shard_size=1_000, append=True)
+
+    monkeypatch.setattr(verify, "_standalone_store_problems", appended_meanwhile)
+    result = invoke_prepack("verify", grown)
+    assert read_store_manifest(grown).documents > checked.documents
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [
+        f"{grown}: no problems (store.json and {len(checked.shards)} shards checked: {checked.documents:,} documents, "
+        f"{checked.tokens:,} tokens, 3 generations)."
+    ]
+
+
 def test_a_store_grown_by_two_appends_verifies(stores):
     m = read_store_manifest(stores["grown"])
     assert len(m.generations) == 3 and m.length_counts is not None
@@ -134,7 +156,8 @@ def test_an_invalid_store_json_is_a_problem_naming_its_field(grown):
 
 
 @pytest.mark.parametrize("option", [["--source", "corpus"], ["--images", "images"], ["--reference", "ref"],
-                                    ["--export", "out"], ["--store", "other"], ["--tokenizer", "tok"]])
+                                    ["--export", "out"], ["--store", "other"], ["--tokenizer", "tok"], ["--decode"],
+                                    ["--chat-template", "t"], ["--cache-dir", "c"]])
 def test_a_build_only_option_with_a_store_is_refused_by_name(stores, option):
     result = invoke_prepack("verify", stores["fresh"], *option)
     assert result.returncode == 2
@@ -159,6 +182,23 @@ def test_a_store_in_object_storage_verifies_and_its_problems_name_its_objects(tm
     problems = verify_store(uri, all_problems=True)
     assert [(p.file, p.location) for p in problems[:2]] == [("documents-00099.arrow", uri), ("documents-00001.arrow", uri)]
     assert str(problems[1]).startswith(f"{uri}/documents-00001.arrow: its sha256")
-    fs.pipe_file(f"{s3_bucket.removeprefix('s3://')}/half/documents-00000.arrow", bytes(data))  # no store.json
+
+
+def test_a_prefix_in_object_storage_is_refused_as_no_store_before_any_object_is_copied(s3_bucket, monkeypatch):
+    """Its store.json is read first: a prefix without one, empty or not, is no store (FormatError), and an invalid one
+    is its one problem, named by the store's URI, with nothing downloaded (`local_input` copies a store's objects)."""
+    s3fs = pytest.importorskip("s3fs")
+
+    def copies(spec):
+        raise AssertionError(f"{spec} was copied")
+
+    monkeypatch.setattr("prepack.check.verify.local_input", copies)
+    fs, bucket = s3fs.S3FileSystem(), s3_bucket.removeprefix("s3://")
+    with pytest.raises(FormatError, match=f"{s3_bucket}/empty/store.json does not exist: .* not a finished prepack document store"):
+        verify_store(f"{s3_bucket}/empty")
+    fs.pipe_file(f"{bucket}/half/documents-00000.arrow", b"a shard a killed store left")  # no store.json
     with pytest.raises(FormatError, match=f"{s3_bucket}/half/store.json does not exist: .* not a finished prepack document store"):
         verify_store(f"{s3_bucket}/half")
+    fs.pipe_file(f"{bucket}/half/store.json", b"{}")
+    [problem] = verify_store(f"{s3_bucket}/half", all_problems=True)
+    assert (problem.file, problem.column, problem.location) == ("store.json", "store_version", f"{s3_bucket}/half")

@@ -216,7 +216,7 @@ def test_a_store_manifest_is_read_from_its_bytes_and_named_as_its_caller_says(st
     assert read_store_manifest(data, "s3://bucket/store/store.json") == read_store_manifest(store)
     raw = json.loads(data)
     raw["store_version"] = PAIR_STORE_VERSION + 1
-    with pytest.raises(FormatError, match=rf"^s3://bucket/store/store.json has store_version {PAIR_STORE_VERSION + 1};"):
+    with pytest.raises(FormatError, match=rf"^s3://bucket/store/store.json: column 'store_version': has store_version {PAIR_STORE_VERSION + 1};"):
         read_store_manifest(json.dumps(raw).encode(), "s3://bucket/store/store.json")
 
 

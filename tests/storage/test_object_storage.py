@@ -568,7 +568,7 @@ def test_a_store_in_s3_is_named_by_its_uri_in_refusals_of_its_manifest_and_of_re
     fs.pipe_file(f"{store.removeprefix('s3://')}/store.json", json.dumps({**raw, "store_version": 4}).encode())
     with pytest.raises(FormatError) as refused:
         prepack.storage.remote.read_output_manifest(store, "store.json")
-    assert str(refused.value).startswith(f"{store}/store.json has store_version 4; this prepack reads versions 1 to 3.")
+    assert str(refused.value).startswith(f"{store}/store.json: column 'store_version': has store_version 4; this prepack reads versions 1 to 3.")
 
 
 def test_missing_credentials_are_a_named_error_not_a_traceback(tmp_path, s3_server):
