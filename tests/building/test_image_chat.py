@@ -1366,6 +1366,78 @@ def test_lfm2_vl_counts_where_its_rule_departs_from_the_others_are_the_processor
     assert rule.text(*size) == lfm2_vl_image_text(directory)(*size)
 
 
+def lfm2_vl_outcome(directory):
+    """`outcome(width, height)`: what transformers' Lfm2VlImageProcessor, loaded from the processor `directory`, makes
+    of an image of that size beside an ordinary one (64x64, as a collator's batch holds a pack's images): the image's
+    placeholders in Lfm2VlProcessor's text, or None where the image processor fails."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(directory)
+
+    def outcome(width: int, height: int) -> int | None:
+        try:
+            processed = processor.image_processor([Image.new("RGB", (width, height)), Image.new("RGB", (64, 64))],
+                                                  return_row_col_info=True)
+        except RuntimeError:  # torch's stack or cat of views of more patches than the others are padded to
+            return None
+        return processor.replace_image_token(processed, image_idx=0, use_image_special_tokens=True).count("<image>")
+
+    return outcome
+
+
+# Sizes where the image processor's resized view (the image alone, or its thumbnail after its tiles) keeps a side at
+# one patch row and so outgrows the patches it pads each view to, with the default setup or without splitting.
+LFM2_VL_EXTREMES = [(65536, 1), (1, 65536), (1, 20000), (20000, 1), (40000, 1), (33000, 16), (16, 33000), (1, 8000),
+                    (8200, 1), (1, 1), (3, 65536), (65536, 64)]
+
+
+@pytest.mark.slow  # transformers' image processor on images up to 65536 pixels wide, each resized several times
+@pytest.mark.parametrize("setup", ["defaults", "not split", "no thumbnail"])
+def test_lfm2_vl_counts_what_the_processor_makes_and_refuses_what_it_fails_on(tmp_path, setup):
+    """At extreme and random sizes: where transformers' Lfm2VlImageProcessor makes an image (beside another, as a
+    batch holds them) the rule counts its placeholders as Lfm2VlProcessor does; where it fails (a view of more
+    patches than it pads each view to: torch cannot stack it with the image's tiles or cat it with another image),
+    the rule refuses the image, naming its size, its view's patches and the processor's limit."""
+    directory = lfm2_vl_directory(tmp_path / "processor", LFM2_VL_SETUPS[setup])
+    rule, _ = processor_rule(directory)
+    outcome = lfm2_vl_outcome(directory)
+    failed = set()
+
+    @settings(max_examples=15, deadline=None)
+    @given(st.tuples(st.integers(1, 40), st.integers(1000, 65536)).flatmap(
+        lambda sides: st.sampled_from([sides, sides[::-1]])))
+    def agree(size):
+        width, height = size
+        made = outcome(width, height)
+        if made is None:
+            failed.add(size)
+            with pytest.raises(ValueError, match=rf"{width}x{height} image .* patches of 16, more than the \d+ "):
+                rule.placeholders(width, height)
+        else:
+            assert rule.placeholders(width, height) == made
+
+    for size in LFM2_VL_EXTREMES:
+        agree = example(size)(agree)
+    agree()
+    if setup != "no thumbnail":
+        assert failed  # the sizes reach the processor's failures
+
+
+def test_prepare_images_refuses_an_image_lfm2_vls_processor_fails_on_by_name(tmp_path):
+    """A 65536x1 image under LFM2-VL's default processor: its thumbnail would be 131072x32 pixels, 16384 patches, more
+    than the 1024 Lfm2VlImageProcessor pads each view to; refused naming the file, row, column, size and limit."""
+    directory = lfm2_vl_directory(tmp_path / "processor", LFM2_VL_SETUPS["defaults"])
+    (tmp_path / "p").mkdir()
+    Image.new("RGB", (65536, 1)).save(tmp_path / "p" / "thin.png")
+    corpus = chats(tmp_path / "p", [with_image("thin.png")])
+    with pytest.raises(InputError) as caught:
+        prepare_image_chat(corpus, directory, tmp_path / "out")
+    message = str(caught.value)
+    assert f"{corpus}, row 0, column " in message
+    assert "65536x1 image" in message and "131072x32" in message and "16384 patches of 16, more than the 1024" in message
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("options", "processor_config", "message"),
     [
