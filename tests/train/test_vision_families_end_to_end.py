@@ -20,7 +20,7 @@ from prepack.training.vision_collate import VisionCollator, VisionSpec
 from prepack.training.vision_dataset import ImagePackedDataset
 from tests.building.test_image_chat import gemma3n_directory, gemma4_directory, internvl_directory, mistral3_directory
 from tests.cli import run_prepack
-from tests.model.test_vision import TOLERANCE, run
+from tests.model.test_vision import TOLERANCE, alone_pixels, run
 from tests.train.test_vision_end_to_end import image_chat_corpus
 
 MAX_LEN = 256
@@ -94,9 +94,7 @@ def test_a_prepared_corpus_packs_every_sample_once_and_each_equals_itself_alone(
                 if collator.spec.style == "image blocks":  # as the processor marks them: its placeholders
                     alone[collator.spec.token_types] = (ids == placeholder_id).long()[None]
                 if len(numbers):
-                    alone |= {key: value for key, value in collator._preprocessed(
-                        [[image_set.data(int(n)) for n in numbers]]).items()
-                        if key not in ("num_patches", collator.spec.image_counts)}
+                    alone |= alone_pixels(collator, [image_set.data(int(n)) for n in numbers])
                 alone_logits, _, _ = run(model, alone, gradients=False)
                 worst = max(worst, float((logits[row, start:end] - alone_logits[0]).abs().max()))
     assert summary.references > 0 and worst < TOLERANCE, worst
