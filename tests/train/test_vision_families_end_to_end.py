@@ -84,7 +84,7 @@ def test_an_lfm2_vl_corpus_trains_each_sample_as_if_alone(tmp_path):
     """LFM2-VL, its images tiled by transformers' own image processor (photographs split into tiles and a thumbnail,
     a small one resized whole): every pack's logits equal its samples alone; the first two packs' loss and every
     parameter's gradients equal the samples' alone (each image's views preprocessed alone); the same batch through the
-    model without enable_packing (its short convolutions and attention over the whole row) does not."""
+    model without enable_packing (its short convolutions over the whole row) does not."""
     model, collator, dataset, image_set = every_pack_equals_its_samples_alone(tmp_path, "lfm2_vl", lfm2_vl_parts)
     batch = collator([dataset[0], dataset[1]])
     images = sum(len(dataset[row]["images"]) for row in range(2))
@@ -94,8 +94,9 @@ def test_an_lfm2_vl_corpus_trains_each_sample_as_if_alone(tmp_path):
     unpacked = tiny_vision_model("lfm2_vl", vocab_size=model.config.get_text_config().vocab_size,
                                  tokens={"image_token_id": model.config.image_token_id})
     unpacked_logits, _, _ = run(unpacked, batch, gradients=False)
-    real = batch["labels"] != -100
-    assert float((packed_logits - unpacked_logits)[real].abs().max()) > 1e-3
+    # transformers keeps attention within each sample by the restarting positions itself; LFM2's short convolutions
+    # run over the whole row, each sample's first tokens reading the last of the one before it (1.7e-5 here).
+    assert float((packed_logits - unpacked_logits).abs().max()) > 1000 * TOLERANCE
 
 
 def every_pack_equals_its_samples_alone(tmp_path, model_type, parts):
