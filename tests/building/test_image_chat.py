@@ -1352,13 +1352,12 @@ def test_lfm2_vl_placeholders_and_text_are_the_processors_own(tmp_path, setup):
     [
         ({"min_tiles": 5, "max_tiles": 5}, (2600, 1000)),  # a grid of 5 tiles: its arrangements' order decides
         ({}, (20000, 8)),  # a side below a patch, kept at one before the area is checked
-        ({"tile_size": 528}, (3000, 2000)),  # tiles of an odd number of patches: their token count rounded up
     ],
-    ids=["five tiles", "thin", "tile 528"],
+    ids=["five tiles", "thin"],
 )
 def test_lfm2_vl_counts_where_its_rule_departs_from_the_others_are_the_processors(tmp_path, options, size):
-    """The sizes and setups where LFM2-VL's rule differs from GOT-OCR2's canvas, from Qwen2-VL's resize and from
-    a floor of tile tokens: the rule's text is Lfm2VlProcessor's, its image processor run on an image of that size."""
+    """The sizes and setups where LFM2-VL's rule differs from GOT-OCR2's canvas and from Qwen2-VL's resize: the
+    rule's text is Lfm2VlProcessor's, its image processor run on an image of that size."""
     from tests.vision_inputs import lfm2_vl_image_text
 
     directory = lfm2_vl_directory(tmp_path / "processor", options)
@@ -1451,6 +1450,8 @@ def test_prepare_images_refuses_an_image_lfm2_vls_processor_fails_on_by_name(tmp
         ({"tile_size": 0}, None, "preprocessor_config.json: tile_size is 0"),
         # transformers' Lfm2VlImageProcessor fails reshaping a tile of 512 pixels into patches of 14.
         ({"encoder_patch_size": 14}, None, "tile_size 512 is not a multiple of encoder_patch_size 14"),
+        # a tile of 33 patches: Lfm2VlProcessor counts ceil(33/2)² = 289 placeholders, its model makes 16² features.
+        ({"tile_size": 528}, None, "tile_size 528 is 33 patches of 16 a side, not a multiple of downsample_factor 2"),
         ({"max_tiles": 65}, None, "max_tiles 65 is more than 64"),
         ({}, {"use_image_special_tokens": False}, "processor_config.json: use_image_special_tokens is False"),
     ],
