@@ -1351,7 +1351,7 @@ def test_lfm2_vl_placeholders_and_text_are_the_processors_own(tmp_path, setup):
     ("options", "size"),
     [
         ({"min_tiles": 5, "max_tiles": 5}, (2600, 1000)),  # a grid of 5 tiles: its arrangements' order decides
-        ({}, (20000, 8)),  # a side below a patch, kept at one before the area is checked
+        ({}, (4000, 8)),  # a side below a patch, kept at one before the area is checked
     ],
     ids=["five tiles", "thin"],
 )
