@@ -416,9 +416,6 @@ class VisionCollator:
             thumbnail = self.image_processor_options.get("use_thumbnail", self.image_processor.use_thumbnail)
             tiles = [int(rows) * int(columns) for rows, columns in zip(out["image_rows"], out["image_cols"])]
             views = [count + (thumbnail and count > 1) for count in tiles]
-        if sum(views) != len(features):
-            raise UsageError(f"The image processor made {len(features)} views of {images} images; prepack counted "
-                             f"{sum(views)} (each image's tiles, and its thumbnail after several).")
         ends = np.cumsum([0, *views])
         return [sum(features[start:end]) for start, end in zip(ends[:-1], ends[1:])]
 
@@ -623,8 +620,9 @@ def _suffixes(packs: list[_VisionPack], labels: torch.Tensor) -> torch.Tensor:
 def _check_image_tokens(packs: list[_VisionPack], per_image: list[int], image_token_id: int, unit: str,
                         settings: str) -> None:
     """Each pack holds as many placeholders as its images take by what the image processor made of them (`per_image`,
-    in the batch's order: Mistral 3's cells, InternVL's tiled views): transformers checks the batch's total only,
-    so a pack counted for other sizes would pass its image features to another pack's placeholders."""
+    in the batch's order: Mistral 3's cells, InternVL's tiled views, LFM2-VL's features): transformers checks the
+    batch's total only, so a pack counted for other sizes would pass its image features to another pack's
+    placeholders."""
     first = 0
     for number, pack in enumerate(packs):
         placeholders = int((pack.input_ids == image_token_id).sum())
