@@ -1315,12 +1315,22 @@ def lfm2_vl_directory(directory, options: dict, processor_config: dict | None = 
                                             LFM2_VL_TOKENS)
 
 
-@pytest.mark.slow  # the image processor on images of up to 3000x3000: about a second each
+# Sizes where the image processor's resized view (the image alone, or its thumbnail after its tiles) keeps a side at
+# one token's pixels and so outgrows the patches it pads each view to (with the setups that reach them).
+LFM2_VL_EXTREMES = [(65536, 1), (1, 65536), (1, 20000), (20000, 1), (40000, 1), (33000, 16), (16, 33000), (1, 1025),
+                    (8200, 1), (1, 1), (3, 65536), (65536, 64)]
+THIN = st.tuples(st.integers(1, 40), st.integers(1000, 65536)).flatmap(lambda sides: st.sampled_from([sides, sides[::-1]]))
+
+
+@pytest.mark.slow  # the image processor on images of up to 3000x3000 (or 65536 wide and thin): about a second each
 @pytest.mark.parametrize("setup", LFM2_VL_SETUPS)
 def test_lfm2_vl_placeholders_and_text_are_the_processors_own(tmp_path, setup):
     """At sizes drawn at random, photographs' and extreme ones: the rule read from an LFM2-VL processor directory
     writes each image's text as transformers' Lfm2VlProcessor does (tiles with their rows and columns, thumbnail,
-    image start and end), its Lfm2VlImageProcessor run on an image of that size (`lfm2_vl_image_text`)."""
+    image start and end), its Lfm2VlImageProcessor run on an image of that size beside another
+    (`lfm2_vl_image_text`); where that processor fails (a view of more patches than it pads each view to: torch
+    cannot stack it with the image's tiles or cat it with another image), the rule refuses the image, naming its
+    size, its view's patches and the processor's limit."""
     from tests.vision_inputs import lfm2_vl_image_text
 
     directory = lfm2_vl_directory(tmp_path / "processor", LFM2_VL_SETUPS[setup])
@@ -1329,22 +1339,30 @@ def test_lfm2_vl_placeholders_and_text_are_the_processors_own(tmp_path, setup):
     from tokenizers import Tokenizer
 
     assert placeholder_id == Tokenizer.from_file(str(tmp_path / "processor" / "tokenizer.json")).token_to_id("<image>")
-    split = set()
+    split, refused = set(), set()
 
     @settings(max_examples=25, deadline=None)
-    @given(st.one_of(st.tuples(st.integers(1, 3000), st.integers(1, 3000)), EXTREME,
+    @given(st.one_of(st.tuples(st.integers(1, 3000), st.integers(1, 3000)), EXTREME, THIN,
                      st.sampled_from([(640, 480), (1300, 1200), (1024, 1024), (512, 512), (4000, 3000)])))
     @example((4000, 3000))
     @example((640, 480))
     def texts_agree(size):
         width, height = size
         expected = processor_text(width, height)
-        assert rule.text(width, height) == expected
-        assert rule.placeholders(width, height) == expected.count("<image>")
-        split.add("<|img_row_1_col_1|>" in expected)
+        if expected is None:
+            refused.add(size)
+            with pytest.raises(ValueError, match=rf"the {width}x{height} image .* patches of \d+, more than the \d+ "):
+                rule.placeholders(width, height)
+        else:
+            assert rule.text(width, height) == expected
+            assert rule.placeholders(width, height) == expected.count("<image>")
+            split.add("<|img_row_1_col_1|>" in expected)
 
+    for size in LFM2_VL_EXTREMES:
+        texts_agree = example(size)(texts_agree)
     texts_agree()
     assert split == ({False} if setup == "not split" else {True, False})  # the sizes exercise both layouts
+    assert refused  # and the processor's failures
 
 
 @pytest.mark.parametrize(
@@ -1363,63 +1381,6 @@ def test_lfm2_vl_counts_where_its_rule_departs_from_the_others_are_the_processor
     directory = lfm2_vl_directory(tmp_path / "processor", options)
     rule, _ = processor_rule(directory)
     assert rule.text(*size) == lfm2_vl_image_text(directory)(*size)
-
-
-def lfm2_vl_outcome(directory):
-    """`outcome(width, height)`: what transformers' Lfm2VlImageProcessor, loaded from the processor `directory`, makes
-    of an image of that size beside an ordinary one (64x64, as a collator's batch holds a pack's images): the image's
-    placeholders in Lfm2VlProcessor's text, or None where the image processor fails."""
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(directory)
-
-    def outcome(width: int, height: int) -> int | None:
-        try:
-            processed = processor.image_processor([Image.new("RGB", (width, height)), Image.new("RGB", (64, 64))],
-                                                  return_row_col_info=True)
-        except RuntimeError:  # torch's stack or cat of views of more patches than the others are padded to
-            return None
-        return processor.replace_image_token(processed, image_idx=0, use_image_special_tokens=True).count("<image>")
-
-    return outcome
-
-
-# Sizes where the image processor's resized view (the image alone, or its thumbnail after its tiles) keeps a side at
-# one patch row and so outgrows the patches it pads each view to, with the default setup or without splitting.
-LFM2_VL_EXTREMES = [(65536, 1), (1, 65536), (1, 20000), (20000, 1), (40000, 1), (33000, 16), (16, 33000), (1, 8000),
-                    (8200, 1), (1, 1), (3, 65536), (65536, 64)]
-
-
-@pytest.mark.slow  # transformers' image processor on images up to 65536 pixels wide, each resized several times
-@pytest.mark.parametrize("setup", ["defaults", "not split", "no thumbnail"])
-def test_lfm2_vl_counts_what_the_processor_makes_and_refuses_what_it_fails_on(tmp_path, setup):
-    """At extreme and random sizes: where transformers' Lfm2VlImageProcessor makes an image (beside another, as a
-    batch holds them) the rule counts its placeholders as Lfm2VlProcessor does; where it fails (a view of more
-    patches than it pads each view to: torch cannot stack it with the image's tiles or cat it with another image),
-    the rule refuses the image, naming its size, its view's patches and the processor's limit."""
-    directory = lfm2_vl_directory(tmp_path / "processor", LFM2_VL_SETUPS[setup])
-    rule, _ = processor_rule(directory)
-    outcome = lfm2_vl_outcome(directory)
-    failed = set()
-
-    @settings(max_examples=15, deadline=None)
-    @given(st.tuples(st.integers(1, 40), st.integers(1000, 65536)).flatmap(
-        lambda sides: st.sampled_from([sides, sides[::-1]])))
-    def agree(size):
-        width, height = size
-        made = outcome(width, height)
-        if made is None:
-            failed.add(size)
-            with pytest.raises(ValueError, match=rf"{width}x{height} image .* patches of 16, more than the \d+ "):
-                rule.placeholders(width, height)
-        else:
-            assert rule.placeholders(width, height) == made
-
-    for size in LFM2_VL_EXTREMES:
-        agree = example(size)(agree)
-    agree()
-    if setup != "no thumbnail":
-        assert failed  # the sizes reach the processor's failures
 
 
 def test_prepare_images_refuses_an_image_lfm2_vls_processor_fails_on_by_name(tmp_path):
