@@ -138,15 +138,20 @@ def pixtral_processor(image_processor, tokenizer, patch_size: int, spatial_merge
 
 def lfm2_vl_image_text(directory):
     """`text(width, height)`: the text transformers' Lfm2VlProcessor, loaded from the processor `directory` (its
-    files only), gives one image of that size: its Lfm2VlImageProcessor run on a blank image of that size decides
-    the tiles and the resized size, and the processor's `replace_image_token` writes the text from them."""
+    files only), gives one image of that size: its Lfm2VlImageProcessor run on a blank image of that size beside an
+    ordinary one (64x64, as a collator's batch holds a pack's images) decides the tiles and the resized size, and the
+    processor's `replace_image_token` writes the text from them; None where the image processor fails."""
     from PIL import Image
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(directory)
 
-    def text(width: int, height: int) -> str:
-        processed = processor.image_processor([Image.new("RGB", (width, height))], return_row_col_info=True)
+    def text(width: int, height: int) -> str | None:
+        try:
+            processed = processor.image_processor([Image.new("RGB", (width, height)), Image.new("RGB", (64, 64))],
+                                                  return_row_col_info=True)
+        except RuntimeError:  # torch's stack or cat of a view of more patches than the others are padded to
+            return None
         return processor.replace_image_token(processed, image_idx=0, use_image_special_tokens=True)
 
     return text

@@ -459,10 +459,28 @@ class ImageRule(StrictModel):
                    * math.ceil((resized_w // self.patch_size) / self.merge_size))
         rounded_h = max(self.patch_size, round(height / factor) * factor)  # `_is_image_too_large`'s rounding
         rounded_w = max(self.patch_size, round(width / factor) * factor)
-        if not self.splitting or not rounded_h * rounded_w > self.max_pixels * self.tolerance:
+        split = self.splitting and rounded_h * rounded_w > self.max_pixels * self.tolerance
+        if not split or self.global_token is not None:  # the resized image is a view: alone, or the thumbnail
+            self._lfm2_check_view(width, height, resized_w, resized_h)
+        if not split:
             return 1, 1, resized
         columns, rows = lfm2_grid(height, width, self.tile_height, self.min_tiles, self.max_tiles)
         return rows, columns, resized
+
+    def _lfm2_check_view(self, width: int, height: int, view_w: int, view_h: int) -> None:
+        """ValueError where LFM2-VL's image processor fails on the image's resized view: it pads every view's patch
+        rows to max_image_tokens x downsample_factor² (or a tile's, if more: `Lfm2VlImageProcessor.max_num_patches`)
+        and cannot stack a longer one with the image's tiles or cat it with a batch's other images. Its resize keeps
+        a side of at least one token's pixels, so an image of an extreme aspect ratio outgrows that bound."""
+        patches = (view_h // self.patch_size) * (view_w // self.patch_size)
+        most = max(self.max_pixels // self.patch_size**2,
+                   (self.tile_height // self.patch_size) ** 2 if self.splitting else 0)
+        if patches > most:
+            raise ValueError(
+                f"LFM2-VL's image processor would make the {width}x{height} image a view of {view_w}x{view_h} pixels, "
+                f"{patches} patches of {self.patch_size}, more than the {most} it pads every view to (max_image_tokens "
+                "x downsample_factor², or a tile's patches), and it cannot stack such a view with the image's tiles "
+                "or a batch's other images")
 
     def _lfm2_text(self, width: int, height: int) -> str:
         """`Lfm2VlProcessor._build_image_tokens` with its image special tokens: each tile after its row and column

@@ -501,6 +501,13 @@ def _lfm2_fields(config: dict, config_file: Path, processor: dict, processor_fil
         # transformers' Lfm2VlImageProcessor reshapes each tile into whole patches and fails on any other tile.
         raise InputError(f"{config_file}: tile_size {tile} is not a multiple of encoder_patch_size {patch}; "
                          "LFM2-VL's image processor cuts every tile into whole patches and fails on such a tile.")
+    if flags["do_image_splitting"] and tile // patch % merge:
+        # Lfm2VlProcessor rounds a tile's features per side up, its model (downsample_factor² patches a feature) down.
+        raise InputError(f"{config_file}: tile_size {tile} is {tile // patch} patches of {patch} a side, not a multiple "
+                         f"of downsample_factor {merge}; LFM2-VL's processor counts such a tile "
+                         f"{math.ceil(tile // patch / merge) ** 2} placeholders while its model makes "
+                         f"{(tile // patch // merge) ** 2} features of it, so the placeholders would not match the "
+                         "image's features in training.")
     return {"kind": "lfm2", "patch_size": patch, "merge_size": merge,
             "min_pixels": _positive(config, config_file, "min_image_tokens", 64) * token_pixels,
             "max_pixels": _positive(config, config_file, "max_image_tokens", 256) * token_pixels,

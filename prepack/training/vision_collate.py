@@ -24,6 +24,9 @@ model's image processor (in DataLoader workers) and emits, by the family's style
     second_per_grid_ts [V] float32 (Qwen2.5-VL, packs with `videos`) temporal_patch_size / each video's fps
     pixel_attention_mask         (split, Idefics3, SmolVLM) the image processor's mask of real pixels beside
                                  pixel_values [1, tiles, C, H, W], every tile of the batch's images in token order
+    pixel_attention_mask, spatial_shapes (LFM2-VL) the image processor's: each view (tile, thumbnail, or the
+                                 resized image) one row of patches in pixel_values; each pack's placeholders checked
+                                 against the features its images' views make
     position_ids  [B, L] int64   (restart, image blocks) 0, 1, ... restarting at every sample
                   [4, B, L] int64 (3-D rotary) row 0 the text positions restarting at every sample (what
                                  transformers builds the per-sample mask from), rows 1-3 the temporal,
@@ -116,6 +119,9 @@ class VisionSpec:
     image_counts: str | None = None
     # LLaVA-NeXT-Video, Video-LLaVA (VIDEO_RULES' frames): the placeholders of a frame, by the tower's patches.
     tokens_per_frame: int | None = None
+    # LFM2-VL: the patches merged per side into one feature (its downsample_factor): a view's features are its
+    # spatial_shapes over it per side, an image's its views' (tiles and thumbnail), checked per pack.
+    downsample_factor: int | None = None
 
     @classmethod
     def of(cls, config) -> VisionSpec:
@@ -135,8 +141,10 @@ class VisionSpec:
             count = {"image_counts": blocks.image_counts} if blocks.image_counts else {
                 "tokens_per_image": config.mm_tokens_per_image}
             return cls(style, image_token_id, token_types=blocks.token_types, **count)
-        if getattr(config, "image_grid_pinpoints", None) or config.model_type in (*SPLITTING_FAMILIES, "lfm2_vl"):
-            # tiled (LFM2-VL's NaFlex tiles too): the count follows the image's size
+        if config.model_type == "lfm2_vl":  # NaFlex tiles: the count follows the image's size
+            return cls(style, image_token_id, downsample_factor=config.downsample_factor)
+        if getattr(config, "image_grid_pinpoints", None) or config.model_type in SPLITTING_FAMILIES:
+            # tiled: the count follows the image's size
             return cls(style, image_token_id, **_frame_video(config))
         vision = config.vision_config
         if style == "prefix blocks":  # PaliGemma: SigLIP's patches, one token each
@@ -333,6 +341,10 @@ class VisionCollator:
                 _check_image_tokens(checked, image_tokens, self.spec.image_token_id,
                                     f"placeholders, {self.spec.tokens_per_image} per view",
                                     "its crop_to_patches, min_patches, max_patches and size")
+            if self.spec.downsample_factor is not None:
+                _check_image_tokens(checked, batch.pop("features_per_image"), self.spec.image_token_id, "features",
+                                    "its tile_size, min_tiles, max_tiles, use_thumbnail, min_image_tokens, "
+                                    "max_image_tokens, encoder_patch_size and downsample_factor")
         videos = [pack.videos for pack in checked]
         if any(videos):
             batch |= self._preprocessed_videos(checked)
@@ -368,6 +380,10 @@ class VisionCollator:
         options = self.image_processor_options
         if self.spec.image_cell is not None:
             options = {"patch_size": {"height": self.spec.image_cell, "width": self.spec.image_cell}} | options
+        # LFM2-VL's own image processor says each image's tiles when asked (SigLIP2's makes one view an image)
+        tiles_told = self.spec.downsample_factor is not None and hasattr(self.image_processor, "return_row_col_info")
+        if tiles_told:
+            options = options | {"return_row_col_info": True}
         out = self.image_processor(images=decoded, return_tensors="pt", **options)
         if "pixel_values_images" in out and "pixel_values" not in out:
             # Video-LLaVA's image processor's old name by default; its model takes them as pixel_values.
@@ -384,7 +400,24 @@ class VisionCollator:
                 f"The image processor made {len(kept['pixel_values'])} crops of {len(decoded)} images; prepack "
                 "counted one per image (turn off crops such as Gemma 3's pan-and-scan)."
             )
+        if self.spec.downsample_factor is not None:  # for the check of each pack's placeholders (not a model input)
+            kept["features_per_image"] = self._features_per_image(out, len(decoded), tiles_told)
+            kept.pop("image_sizes", None)  # the resized sizes it told with the tiles: Lfm2VlProcessor drops them too
         return kept
+
+    def _features_per_image(self, out: Mapping[str, Any], images: int, tiles_told: bool) -> list[int]:
+        """LFM2-VL: each image's features as its model makes them (a view's: its patch rows and columns each over
+        downsample_factor, floored), its views in order: its tiles, then its thumbnail where it has several tiles and
+        the processor makes thumbnails (Lfm2VlImageProcessor's crop_image_to_patches); one view an image otherwise."""
+        factor = self.spec.downsample_factor
+        features = [int(rows // factor) * int(columns // factor) for rows, columns in out["spatial_shapes"].tolist()]
+        views = [1] * images
+        if tiles_told:
+            thumbnail = self.image_processor_options.get("use_thumbnail", self.image_processor.use_thumbnail)
+            tiles = [int(rows) * int(columns) for rows, columns in zip(out["image_rows"], out["image_cols"])]
+            views = [count + (thumbnail and count > 1) for count in tiles]
+        ends = np.cumsum([0, *views])
+        return [sum(features[start:end]) for start, end in zip(ends[:-1], ends[1:])]
 
     def _preprocessed_videos(self, packs: list[_VisionPack]) -> dict[str, Any]:
         """What the video processor makes of the packs' videos (their frames' pixels checked already with the
@@ -593,8 +626,9 @@ def _suffixes(packs: list[_VisionPack], labels: torch.Tensor) -> torch.Tensor:
 def _check_image_tokens(packs: list[_VisionPack], per_image: list[int], image_token_id: int, unit: str,
                         settings: str) -> None:
     """Each pack holds as many placeholders as its images take by what the image processor made of them (`per_image`,
-    in the batch's order: Mistral 3's cells, InternVL's tiled views): transformers checks the batch's total only,
-    so a pack counted for other sizes would pass its image features to another pack's placeholders."""
+    in the batch's order: Mistral 3's cells, InternVL's tiled views, LFM2-VL's features): transformers checks the
+    batch's total only, so a pack counted for other sizes would pass its image features to another pack's
+    placeholders."""
     first = 0
     for number, pack in enumerate(packs):
         placeholders = int((pack.input_ids == image_token_id).sum())

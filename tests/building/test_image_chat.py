@@ -1286,12 +1286,22 @@ def lfm2_vl_directory(directory, options: dict, processor_config: dict | None = 
                                             LFM2_VL_TOKENS)
 
 
-@pytest.mark.slow  # the image processor on images of up to 3000x3000: about a second each
+# Sizes where the image processor's resized view (the image alone, or its thumbnail after its tiles) keeps a side at
+# one token's pixels and so outgrows the patches it pads each view to (with the setups that reach them).
+LFM2_VL_EXTREMES = [(65536, 1), (1, 65536), (1, 20000), (20000, 1), (40000, 1), (33000, 16), (16, 33000), (1, 1025),
+                    (8200, 1), (1, 1), (3, 65536), (65536, 64)]
+THIN = st.tuples(st.integers(1, 40), st.integers(1000, 65536)).flatmap(lambda sides: st.sampled_from([sides, sides[::-1]]))
+
+
+@pytest.mark.slow  # the image processor on images of up to 3000x3000 (or 65536 wide and thin): about a second each
 @pytest.mark.parametrize("setup", LFM2_VL_SETUPS)
 def test_lfm2_vl_placeholders_and_text_are_the_processors_own(tmp_path, setup):
     """At sizes drawn at random, photographs' and extreme ones: the rule read from an LFM2-VL processor directory
     writes each image's text as transformers' Lfm2VlProcessor does (tiles with their rows and columns, thumbnail,
-    image start and end), its Lfm2VlImageProcessor run on an image of that size (`lfm2_vl_image_text`)."""
+    image start and end), its Lfm2VlImageProcessor run on an image of that size beside another
+    (`lfm2_vl_image_text`); where that processor fails (a view of more patches than it pads each view to: torch
+    cannot stack it with the image's tiles or cat it with another image), the rule refuses the image, naming its
+    size, its view's patches and the processor's limit."""
     from tests.vision_inputs import lfm2_vl_image_text
 
     directory = lfm2_vl_directory(tmp_path / "processor", LFM2_VL_SETUPS[setup])
@@ -1300,41 +1310,63 @@ def test_lfm2_vl_placeholders_and_text_are_the_processors_own(tmp_path, setup):
     from tokenizers import Tokenizer
 
     assert placeholder_id == Tokenizer.from_file(str(tmp_path / "processor" / "tokenizer.json")).token_to_id("<image>")
-    split = set()
+    split, refused = set(), set()
 
     @settings(max_examples=25, deadline=None)
-    @given(st.one_of(st.tuples(st.integers(1, 3000), st.integers(1, 3000)), EXTREME,
+    @given(st.one_of(st.tuples(st.integers(1, 3000), st.integers(1, 3000)), EXTREME, THIN,
                      st.sampled_from([(640, 480), (1300, 1200), (1024, 1024), (512, 512), (4000, 3000)])))
     @example((4000, 3000))
     @example((640, 480))
     def texts_agree(size):
         width, height = size
         expected = processor_text(width, height)
-        assert rule.text(width, height) == expected
-        assert rule.placeholders(width, height) == expected.count("<image>")
-        split.add("<|img_row_1_col_1|>" in expected)
+        if expected is None:
+            refused.add(size)
+            with pytest.raises(ValueError, match=rf"the {width}x{height} image .* patches of \d+, more than the \d+ "):
+                rule.placeholders(width, height)
+        else:
+            assert rule.text(width, height) == expected
+            assert rule.placeholders(width, height) == expected.count("<image>")
+            split.add("<|img_row_1_col_1|>" in expected)
 
+    for size in LFM2_VL_EXTREMES:
+        texts_agree = example(size)(texts_agree)
     texts_agree()
     assert split == ({False} if setup == "not split" else {True, False})  # the sizes exercise both layouts
+    assert refused  # and the processor's failures
 
 
 @pytest.mark.parametrize(
     ("options", "size"),
     [
         ({"min_tiles": 5, "max_tiles": 5}, (2600, 1000)),  # a grid of 5 tiles: its arrangements' order decides
-        ({}, (20000, 8)),  # a side below a patch, kept at one before the area is checked
-        ({"tile_size": 528}, (3000, 2000)),  # tiles of an odd number of patches: their token count rounded up
+        ({}, (4000, 8)),  # a side below a patch, kept at one before the area is checked
     ],
-    ids=["five tiles", "thin", "tile 528"],
+    ids=["five tiles", "thin"],
 )
 def test_lfm2_vl_counts_where_its_rule_departs_from_the_others_are_the_processors(tmp_path, options, size):
-    """The sizes and setups where LFM2-VL's rule differs from GOT-OCR2's canvas, from Qwen2-VL's resize and from
-    a floor of tile tokens: the rule's text is Lfm2VlProcessor's, its image processor run on an image of that size."""
+    """The sizes and setups where LFM2-VL's rule differs from GOT-OCR2's canvas and from Qwen2-VL's resize: the
+    rule's text is Lfm2VlProcessor's, its image processor run on an image of that size."""
     from tests.vision_inputs import lfm2_vl_image_text
 
     directory = lfm2_vl_directory(tmp_path / "processor", options)
     rule, _ = processor_rule(directory)
     assert rule.text(*size) == lfm2_vl_image_text(directory)(*size)
+
+
+def test_prepare_images_refuses_an_image_lfm2_vls_processor_fails_on_by_name(tmp_path):
+    """A 65536x1 image under LFM2-VL's default processor: its thumbnail would be 131072x32 pixels, 16384 patches, more
+    than the 1024 Lfm2VlImageProcessor pads each view to; refused naming the file, row, column, size and limit."""
+    directory = lfm2_vl_directory(tmp_path / "processor", LFM2_VL_SETUPS["defaults"])
+    (tmp_path / "p").mkdir()
+    Image.new("RGB", (65536, 1)).save(tmp_path / "p" / "thin.png")
+    corpus = chats(tmp_path / "p", [with_image("thin.png")])
+    with pytest.raises(InputError) as caught:
+        prepare_image_chat(corpus, directory, tmp_path / "out")
+    message = str(caught.value)
+    assert f"{corpus}, row 0, column " in message
+    assert "65536x1 image" in message and "131072x32" in message and "16384 patches of 16, more than the 1024" in message
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(
@@ -1350,6 +1382,8 @@ def test_lfm2_vl_counts_where_its_rule_departs_from_the_others_are_the_processor
         ({"tile_size": 0}, None, "preprocessor_config.json: tile_size is 0"),
         # transformers' Lfm2VlImageProcessor fails reshaping a tile of 512 pixels into patches of 14.
         ({"encoder_patch_size": 14}, None, "tile_size 512 is not a multiple of encoder_patch_size 14"),
+        # a tile of 33 patches: Lfm2VlProcessor counts ceil(33/2)² = 289 placeholders, its model makes 16² features.
+        ({"tile_size": 528}, None, "tile_size 528 is 33 patches of 16 a side, not a multiple of downsample_factor 2"),
         ({"max_tiles": 65}, None, "max_tiles 65 is more than 64"),
         ({}, {"use_image_special_tokens": False}, "processor_config.json: use_image_special_tokens is False"),
     ],

@@ -167,13 +167,19 @@ def setup(model_type: str, attn: str = "sdpa"):
     return model, processor, made, collator
 
 
+def alone_pixels(collator: VisionCollator, images: list[bytes]) -> dict:
+    """What the model takes of one sample's images, made by the collator's image processor: less the fields the
+    collator keeps for its per-pack checks only (InternVL's views, Gemma 4's and LFM2-VL's counts)."""
+    return {key: value for key, value in collator._preprocessed([images]).items()
+            if key not in ("num_patches", "features_per_image", collator.spec.image_counts)}
+
+
 def alone_batch(model, collator: VisionCollator, sample: dict, labels: torch.Tensor) -> dict:
     """One sample as transformers takes it unpacked: no position_ids, its own grids and token types."""
     ids = torch.from_numpy(sample["input_ids"])[None]
     batch = {"input_ids": ids, "labels": labels[None], "use_cache": False}
     if sample["images"]:
-        batch |= {key: value for key, value in collator._preprocessed([sample["images"]]).items()
-                  if key not in ("num_patches", collator.spec.image_counts)}
+        batch |= alone_pixels(collator, sample["images"])
     is_image = (ids == collator.spec.image_token_id).long()
     if collator.spec.style == "3-D rotary":
         batch["mm_token_type_ids"] = is_image

@@ -28,7 +28,7 @@ from prepack.training.vision_collate import VisionCollator, VisionSpec
 from prepack.training.dataset import PackedDataset
 from prepack.training.vision_dataset import ImagePackedDataset
 from tests.cli import WIDE, failure, run_prepack
-from tests.model.test_vision import LOSS_TOLERANCE, TOLERANCE, run, targets
+from tests.model.test_vision import LOSS_TOLERANCE, TOLERANCE, alone_pixels, run, targets
 from tests.vision_inputs import PHOTOS, QWEN_IMAGE_TOKENS, SAMPLE_DATA, processor_directory
 
 MAX_LEN = 160
@@ -116,7 +116,7 @@ def assert_equals_each_sample_alone(model, collator, dataset, image_set, batch) 
             if collator.spec.style == "3-D rotary":
                 alone["mm_token_type_ids"] = (ids == collator.spec.image_token_id).int()
             if len(numbers):
-                alone |= collator._preprocessed([[image_set.data(int(n)) for n in numbers]])
+                alone |= alone_pixels(collator, [image_set.data(int(n)) for n in numbers])
             alone_logits, alone_loss, sample_grads = run(model, alone)
             alone_logits_diff = max(alone_logits_diff, float((logits[row, start:end] - alone_logits[0]).abs().max()))
             count = targets(alone["labels"])

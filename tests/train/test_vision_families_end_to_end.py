@@ -1,9 +1,10 @@
 """Image-chat corpora of the families given a data side after Qwen-VL (Mistral 3's rows of cells, InternVL's tiles,
-Gemma 4's soft tokens by each image's size, Gemma 3n's timm tower):
+Gemma 4's soft tokens by each image's size, Gemma 3n's timm tower, LFM2-VL's NaFlex tiles and thumbnails):
 prepared by `prepare_image_chat` from a processor directory that transformers' own processor reads, built by the
 CLI, served by ImagePackedDataset, collated by VisionCollator with the directory's image processor, and each pack's
 logits equal to its samples run alone in a tiny model with the tokenizer's vocabulary. Every sample lands in exactly
-one pack, and its placeholders are the count the processor gives."""
+one pack, and its placeholders are the count the processor gives. LFM2-VL's batch also gives each sample's loss and
+gradients alone, and without enable_packing it does not (its leak control)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from prepack.model.tiny_vision_models import tiny_vision_model
 from prepack.sources.images import prepare_image_chat, processor_rule
 from prepack.training.vision_collate import VisionCollator, VisionSpec
 from prepack.training.vision_dataset import ImagePackedDataset
-from tests.building.test_image_chat import gemma3n_directory, gemma4_directory, internvl_directory, mistral3_directory
+from tests.building.test_image_chat import (
+    gemma3n_directory, gemma4_directory, internvl_directory, lfm2_vl_directory, mistral3_directory,
+)
 from tests.cli import run_prepack
-from tests.model.test_vision import TOLERANCE, run
-from tests.train.test_vision_end_to_end import image_chat_corpus
+from tests.model.test_vision import TOLERANCE, alone_pixels, run
+from tests.train.test_vision_end_to_end import assert_equals_each_sample_alone, image_chat_corpus
 
 MAX_LEN = 256
 
@@ -59,10 +62,47 @@ def gemma3n_parts(directory):
     return processor, SiglipImageProcessorPil.from_pretrained(processor), "<image_soft_token>"
 
 
+def lfm2_vl_parts(directory):
+    """transformers' own Lfm2VlImageProcessor (torchvision) sized for the tiny tower (patches of 16, 2x2 per feature):
+    tiles of 4 features, at most 4 of them, and the thumbnail or a small image resized to 4 to 16 features."""
+    from transformers.models.lfm2_vl.image_processing_lfm2_vl import Lfm2VlImageProcessor
+
+    processor = lfm2_vl_directory(directory, {"encoder_patch_size": 16, "downsample_factor": 2, "tile_size": 64,
+                                              "max_tiles": 4, "min_image_tokens": 4, "max_image_tokens": 16})
+    return processor, Lfm2VlImageProcessor.from_pretrained(processor), "<image>"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("model_type", "parts"), [("mistral3", mistral3_parts), ("internvl", internvl_tiled_parts),
                                                    ("gemma4", gemma4_parts), ("gemma3n", gemma3n_parts)])
 def test_a_prepared_corpus_packs_every_sample_once_and_each_equals_itself_alone(tmp_path, model_type, parts):
+    every_pack_equals_its_samples_alone(tmp_path, model_type, parts)
+
+
+@pytest.mark.slow
+def test_an_lfm2_vl_corpus_trains_each_sample_as_if_alone(tmp_path):
+    """LFM2-VL, its images tiled by transformers' own image processor (photographs split into tiles and a thumbnail,
+    a small one resized whole): every pack's logits equal its samples alone; the first two packs' loss and every
+    parameter's gradients equal the samples' alone (each image's views preprocessed alone); the same batch through the
+    model without enable_packing (its short convolutions over the whole row) does not."""
+    model, collator, dataset, image_set = every_pack_equals_its_samples_alone(tmp_path, "lfm2_vl", lfm2_vl_parts)
+    batch = collator([dataset[0], dataset[1]])
+    images = sum(len(dataset[row]["images"]) for row in range(2))
+    assert len(batch["pixel_values"]) > images  # tiles and thumbnails, not one view an image
+    assert_equals_each_sample_alone(model, collator, dataset, image_set, batch)
+    packed_logits, _, _ = run(model, batch, gradients=False)
+    unpacked = tiny_vision_model("lfm2_vl", vocab_size=model.config.get_text_config().vocab_size,
+                                 tokens={"image_token_id": model.config.image_token_id})
+    unpacked_logits, _, _ = run(unpacked, batch, gradients=False)
+    # transformers keeps attention within each sample by the restarting positions itself; LFM2's short convolutions
+    # run over the whole row, each sample's first tokens reading the last of the one before it (1.7e-5 here).
+    assert float((packed_logits - unpacked_logits).abs().max()) > 1000 * TOLERANCE
+
+
+def every_pack_equals_its_samples_alone(tmp_path, model_type, parts):
+    """The family's processor directory and image processor (`parts`), a corpus prepared and built by the CLI: every
+    sample in exactly one pack with its rule's placeholders, and each pack's logits its samples' alone. Returns the
+    packing model, the collator, the dataset and the image set."""
     processor, image_processor, placeholder = parts(tmp_path / "processor")
     corpus = image_chat_corpus(tmp_path / "corpus", rows=10)
     summary = prepare_image_chat(corpus, processor, tmp_path / "prepared")
@@ -94,9 +134,8 @@ def test_a_prepared_corpus_packs_every_sample_once_and_each_equals_itself_alone(
                 if collator.spec.style == "image blocks":  # as the processor marks them: its placeholders
                     alone[collator.spec.token_types] = (ids == placeholder_id).long()[None]
                 if len(numbers):
-                    alone |= {key: value for key, value in collator._preprocessed(
-                        [[image_set.data(int(n)) for n in numbers]]).items()
-                        if key not in ("num_patches", collator.spec.image_counts)}
+                    alone |= alone_pixels(collator, [image_set.data(int(n)) for n in numbers])
                 alone_logits, _, _ = run(model, alone, gradients=False)
                 worst = max(worst, float((logits[row, start:end] - alone_logits[0]).abs().max()))
     assert summary.references > 0 and worst < TOLERANCE, worst
+    return model, collator, dataset, image_set
