@@ -212,6 +212,9 @@ def test_a_row_with_more_images_than_the_cap_is_refused_by_file_and_row(prepared
         (["--max-images-per-pack", "0", "--images", "IMAGES"], "--max-images-per-pack 0: give an integer in [1, 2**31)"),
         (["--max-images-per-pack", "2", "--images", "IMAGES", "--algorithm", "bfd"], "leave out --algorithm bfd"),
         (["--max-images-per-pack", "2", "--images", "IMAGES", "--unpaired"], "leave out --unpaired"),
+        (["--max-images-per-pack", "2", "--images", "IMAGES", "--pairs"], "leave out --pairs"),
+        (["--max-images-per-pack", "2", "--images", "IMAGES", "--groups"], "leave out --groups"),
+        (["--max-images-per-pack", "2", "--images", "IMAGES", "--append"], "leave out --append"),
     ],
 )
 def test_the_cli_refuses_an_image_cap_it_cannot_plan(tmp_path, flags, message):
@@ -247,3 +250,14 @@ def test_an_index_build_holds_the_capped_full_builds_packs(prepared, tmp_path):
         expected, got = full_packs[number], index_packs[number]
         assert sorted(got) == sorted(expected) and all(np.array_equal(got[key], expected[key]) for key in expected)
     assert verify_images(tmp_path / "index", summary.image_set) == []
+
+
+def test_the_cli_refuses_an_image_cap_on_a_mixture(tmp_path):
+    from tests.cli import failure, run_prepack, WIDE
+    from tests.corpus import corpus_table, write_corpus
+
+    write_corpus(tmp_path / "c.parquet", corpus_table([[1, 2, 3]]))
+    (tmp_path / "mixture.yaml").write_text("tokens: 3\nseed: 0\nsources:\n  - {name: c, path: c.parquet, weight: 1}\n")
+    result = run_prepack("build", tmp_path / "mixture.yaml", "--max-len", "8", "--max-images-per-pack", "2",
+                         "--images", tmp_path / "images", "--out", tmp_path / "out", env=WIDE)
+    assert "leave out a mixture" in failure(result) and not (tmp_path / "out").exists()

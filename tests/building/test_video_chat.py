@@ -513,7 +513,8 @@ def rewritten_videos(image_set, change) -> None:
     columns = pa.ipc.open_stream((image_set / VIDEOS_FILE).read_bytes()).read_next_batch().to_pydict()
     change(columns)
     size, sha256 = write_record_batch(image_set / VIDEOS_FILE, pa.RecordBatch.from_pydict(columns, schema=VIDEOS_SCHEMA))
-    edited_manifest(image_set, lambda manifest: manifest["files"][2].update(bytes=size, sha256=sha256))
+    edited_manifest(image_set, lambda manifest: next(entry for entry in manifest["files"] if entry["name"] == VIDEOS_FILE)
+                    .update(bytes=size, sha256=sha256))
 
 
 def a_frame_of_another_size(image_set) -> None:
