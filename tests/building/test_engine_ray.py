@@ -472,11 +472,11 @@ def test_the_cli_builds_text_in_s3_into_s3_as_the_local_engine_and_the_loader_tr
 def test_a_store_tokenized_into_s3_and_builds_from_it_equal_the_local_engine(tmp_path, local_ray, fs, s3_bucket, gpt2):
     text = _text_corpus(tmp_path / "text")
     corpus = _put(fs, text, f"{s3_bucket}/corpus")
-    build_store(text, tmp_path / "store", tokenizer=gpt2, shard_size=40_000)
-    build_store(corpus, f"{s3_bucket}/store", tokenizer=gpt2, shard_size=40_000, engine="ray")
+    build_store(text, tmp_path / "store", tokenizer=gpt2, shard_size=150_000)
+    build_store(corpus, f"{s3_bucket}/store", tokenizer=gpt2, shard_size=150_000, engine="ray")
     stored = _objects(fs, f"{s3_bucket}/store")
     assert len(stored) > 3 and stored == files(tmp_path / "store")
-    options = dict(max_len=1024, shard_size=50_000, seed=1)
+    options = dict(max_len=1024, shard_size=200_000, seed=1)
     local = build(tmp_path / "store", tmp_path / "packed", **options)
     assert build(f"{s3_bucket}/store", f"{s3_bucket}/packed", engine="ray", **options) == local
     # One side in object storage, the other local: the same bytes too.
@@ -488,7 +488,7 @@ def test_a_store_tokenized_into_s3_and_builds_from_it_equal_the_local_engine(tmp
     # Overwritten only with overwrite, as locally.
     with pytest.raises(OutputError, match="already exists"):
         build(f"{s3_bucket}/store", f"{s3_bucket}/packed", engine="ray", **options)
-    fewer = {**options, "shard_size": 200_000}  # fewer shards: the replaced build's others are deleted
+    fewer = {**options, "shard_size": 600_000}  # fewer shards: the replaced build's others are deleted
     build(tmp_path / "store", tmp_path / "fewer", **fewer)
     build(f"{s3_bucket}/store", f"{s3_bucket}/packed", engine="ray", overwrite=True, **fewer)
     assert _objects(fs, f"{s3_bucket}/packed") == files(tmp_path / "fewer")
@@ -500,11 +500,11 @@ def test_a_store_tokenized_into_s3_and_builds_from_it_equal_the_local_engine(tmp
 def test_labelled_tokens_with_empty_documents_and_files_in_s3_build_and_store_the_local_bytes(tmp_path, local_ray, fs, s3_bucket):
     corpus = _token_corpus(tmp_path / "c")
     remote = _put(fs, corpus, f"{s3_bucket}/corpus")
-    options = dict(max_len=256, shard_size=30_000, seed=2, algorithm="bfd")
+    options = dict(max_len=256, shard_size=300_000, seed=2, algorithm="bfd")
     build(corpus, tmp_path / "packed", **options)
     build(remote, f"{s3_bucket}/packed", engine="ray", **options)
-    build_store(corpus, tmp_path / "store", shard_size=20_000)
-    build_store(remote, f"{s3_bucket}/store", shard_size=20_000, engine="ray")
+    build_store(corpus, tmp_path / "store", shard_size=300_000)
+    build_store(remote, f"{s3_bucket}/store", shard_size=300_000, engine="ray")
     for name in ("packed", "store"):
         expected = files(tmp_path / name)
         assert len(expected) > 3 and _objects(fs, f"{s3_bucket}/{name}") == expected, name
@@ -517,12 +517,12 @@ def test_a_mixture_of_sources_in_s3_builds_into_s3_the_local_bytes(tmp_path, loc
     build's scratch prefix, which is gone when the build is."""
     corpus = _token_corpus(tmp_path / "c")
     _put(fs, corpus, f"{s3_bucket}/corpus")
-    build_store(corpus, tmp_path / "store", shard_size=40_000)
+    build_store(corpus, tmp_path / "store", shard_size=300_000)
     _put(fs, tmp_path / "store", f"{s3_bucket}/store")
     text = "tokens: 120000\nseed: 1\nsources:\n  - {{name: a, path: {a}, weight: 0.7}}\n  - {{name: b, path: {b}, weight: 0.3}}\n"
     (tmp_path / "local.yaml").write_text(text.format(a="c", b="store"))
     (tmp_path / "remote.yaml").write_text(text.format(a=f"{s3_bucket}/corpus", b=f"{s3_bucket}/store"))
-    options = dict(max_len=256, shard_size=30_000, seed=2)
+    options = dict(max_len=256, shard_size=150_000, seed=2)
     local = build(tmp_path / "local.yaml", tmp_path / "packed", **options)
     on_ray = build(tmp_path / "remote.yaml", f"{s3_bucket}/packed", engine="ray", **options)
     assert [s.tokens for s in on_ray.mixture.sources] == [s.tokens for s in local.mixture.sources]
@@ -550,7 +550,7 @@ def test_a_bad_row_in_a_later_object_is_the_local_error_and_leaves_no_object(tmp
 
 @pytest.mark.slow
 def test_a_damaged_store_shard_in_s3_is_named_by_its_uri_on_a_worker(tmp_path, local_ray, fs, s3_bucket):
-    build_store(_token_corpus(tmp_path / "c"), tmp_path / "store", shard_size=40_000)
+    build_store(_token_corpus(tmp_path / "c"), tmp_path / "store", shard_size=300_000)
     name = json.loads((tmp_path / "store" / "store.json").read_text())["shards"][2]["name"]
     data = bytearray((tmp_path / "store" / name).read_bytes())
     data[-100] ^= 0xFF
@@ -645,10 +645,10 @@ def test_appends_in_s3_on_the_ray_engine_write_the_local_bytes(tmp_path, local_r
         (tmp_path / part).mkdir()
         write_corpus(tmp_path / part / f"{part}.parquet", corpus_table(documents, [[-100, *d[1:]] if d else [] for d in documents]))
     for root, engine in ((tmp_path / "local", "local"), (f"{s3_bucket}/grown", "ray")):
-        build_store(tmp_path / "old", f"{root}/store", shard_size=30_000, engine=engine)
-        build(f"{root}/store", f"{root}/full", max_len=512, shard_size=40_000, engine=engine)
-        build_store(tmp_path / "new", f"{root}/store", shard_size=30_000, append=True, engine=engine)
-        build(f"{root}/store", f"{root}/full", max_len=512, shard_size=40_000, append=True, engine=engine)
+        build_store(tmp_path / "old", f"{root}/store", shard_size=120_000, engine=engine)
+        build(f"{root}/store", f"{root}/full", max_len=512, shard_size=160_000, engine=engine)
+        build_store(tmp_path / "new", f"{root}/store", shard_size=120_000, append=True, engine=engine)
+        build(f"{root}/store", f"{root}/full", max_len=512, shard_size=160_000, append=True, engine=engine)
     for output in ("store", "full"):
         expected = files(tmp_path / "local" / output)
         assert len(expected) >= 3 and _objects(fs, f"{s3_bucket}/grown/{output}") == expected, output
