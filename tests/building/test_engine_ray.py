@@ -913,7 +913,7 @@ def _watched_build(corpus: Path, out: Path, kill: str | None = None, **options) 
 @pytest.mark.slow
 def test_a_two_node_cluster_writes_the_same_bytes_with_a_worker_killed(tmp_path, two_nodes, gpt2):
     assert len([node for node in ray.nodes() if node["Alive"]]) == 2
-    corpus = _conversations(tmp_path / "c", "text", parts=4, per_part=1500)
+    corpus = _conversations(tmp_path / "c", "text", parts=4, per_part=500)
     options = {"tokenizer": gpt2, "max_len": 2048, "shard_size": 2**18}
     build(corpus, tmp_path / "local", **options)
     raylets, _ = _watched_build(corpus, tmp_path / "ray", **options)
