@@ -29,7 +29,7 @@ psutil = pytest.importorskip("psutil")
 
 from prepack import build, build_store  # noqa: E402
 from prepack.errors import EngineError, FormatError, InputError, MissingExtraError, OutputError  # noqa: E402
-from tests.cli import WIDE, failure, run_prepack, running, stopped_by_sigterm  # noqa: E402
+from tests.cli import WIDE, failure, invoke_prepack, run_prepack, running, stopped_by_sigterm  # noqa: E402
 from tests.corpus import corpus_table, files, random_token_corpus, write_corpus  # noqa: E402
 from tests.demo_inputs import CHATML, as_chat, chitchat, gpt2_directory  # noqa: E402
 
@@ -384,7 +384,7 @@ def test_without_ray_the_engine_says_what_to_install(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_the_cli_builds_on_a_local_ray_instance_and_exits_2_on_a_bad_row(tmp_path):
     corpus = _token_corpus(tmp_path / "c")
-    local = run_prepack("tokenize", corpus, "--out", tmp_path / "local", "--shard-size", "40kB", "-q")
+    local = invoke_prepack("tokenize", corpus, "--out", tmp_path / "local", "--shard-size", "40kB", "-q")  # the reference
     assert local.returncode == 0, local.stderr
     # No --ray-address: a Ray instance of its own, started and shut down by the command.
     on_ray = run_prepack("tokenize", corpus, "--out", tmp_path / "ray", "--shard-size", "40kB", "--engine", "ray")
@@ -442,7 +442,7 @@ def test_the_cli_builds_text_in_s3_into_s3_as_the_local_engine_and_the_loader_tr
 
     corpus = _put(fs, _text_corpus(tmp_path / "text"), f"{s3_bucket}/corpus")
     options = ["--tokenizer", str(gpt2), "--max-len", "8192", "--shard-size", "100kB", "-q"]
-    local = run_prepack("build", tmp_path / "text", *options, "--out", tmp_path / "packed")
+    local = invoke_prepack("build", tmp_path / "text", *options, "--out", tmp_path / "packed")  # the reference
     assert local.returncode == 0, local.stderr
     # The command of issue 14's "done when": its own Ray instance, which inherits this environment.
     on_ray = run_prepack("build", f"{corpus}/", *options, "--out", f"{s3_bucket}/packed", "--engine", "ray")
