@@ -24,6 +24,10 @@ from tests.corpus import training_build
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RUNNER = Path(__file__).resolve().parents[1] / "run_examples.py"
 
+# pytest-timeout counts a test's setup: the first test here runs every example (490 s on 2 cores at a load of 13,
+# `pytest tests/project/test_examples.py -n 0 --durations=5`), where pyproject.toml's 600 s was each example's own.
+pytestmark = pytest.mark.timeout(1800)
+
 
 @dataclass(frozen=True)
 class ExampleRun:
