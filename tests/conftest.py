@@ -13,6 +13,23 @@ if (workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT")) is not None:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(workers))))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """`--dist loadgroup` (addopts) sends the tests of one `xdist_group` to one worker by the "@NAME" that
+    pytest-xdist's worker appends to their node ids. pytest-xdist 3.8 writes it to `item._nodeid`, which pytest 9
+    no longer reads (a node's id is `item._id`), so each group's tests were spread over the workers: here the
+    worker appends it as xdist does, where xdist's did not take."""
+    if not getattr(config.option, "loadgroup", False):  # set on xdist's workers under --dist loadgroup only
+        return
+    for item in items:
+        names = {str(mark.args[0] if mark.args else mark.kwargs.get("name", "default")) for mark in item.iter_markers("xdist_group")}
+        suffix = "@" + "_".join(sorted(names))
+        if names and not item.nodeid.endswith(suffix):  # under pytest 8, xdist's own took
+            from _pytest.nodeid import NodeId  # pytest 9's
+
+            item._id = NodeId.parse(item.nodeid + suffix)
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A real S3-compatible server on loopback (`tests.s3server`), started once for the session, with

@@ -1,0 +1,64 @@
+"""Run examples/ scripts one after another in this one process, each as `python SCRIPT ARGS...` runs it: as
+`__main__`, its directory first on sys.path, `sys.argv` its command line, in a working directory of its own, and
+its file descriptors 1 and 2 (print, logging, warnings and C libraries alike) written to files of its own.
+torch, transformers and TRL are imported once for all of them instead of once a script
+(`tests/project/test_examples.py` reads what each left).
+
+    python tests/run_examples.py PLAN.json
+
+PLAN.json is a list of {"argv": [SCRIPT, ARGS...], "cwd": DIR, "stdout": FILE, "stderr": FILE, "status": FILE};
+each script's exit status is written to its "status" file as Python's own would be: 0, SystemExit's code, or 1
+(SystemExit with a message, which goes to stderr as Python writes it, or an exception, whose traceback does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+
+
+def run_script(argv: list[str]) -> int:
+    """Run argv[0] as `python argv[0] argv[1:]` would; its exit status."""
+    script = Path(argv[0]).resolve()
+    sys.argv = [str(script), *argv[1:]]
+    sys.path.insert(0, str(script.parent))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - Python's own last resort: the traceback on stderr, exit status 1
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.path.remove(str(script.parent))
+    return 0
+
+
+def main() -> None:
+    saved = os.dup(1), os.dup(2)
+    start = os.getcwd()
+    for run in json.loads(Path(sys.argv[1]).read_text(encoding="utf-8")):
+        with open(run["stdout"], "wb") as stdout, open(run["stderr"], "wb") as stderr:
+            os.dup2(stdout.fileno(), 1)
+            os.dup2(stderr.fileno(), 2)
+            os.chdir(run["cwd"])
+            try:
+                status = run_script(run["argv"])
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.chdir(start)
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+        Path(run["status"]).write_text(str(status), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
