@@ -205,10 +205,9 @@ def staged_directory(out: str | os.PathLike, overwrite: bool, kind: str = MANIFE
 def _new_staging(out: Path) -> Iterator[Path]:
     """A new staging directory beside `out` (its mark, `build/` and `scratch/` in it), deleted when the
     block ends, whatever happens. The caller holds `out`'s lock."""
-    staging = _make_staging(out)
+    staging = _make_staging(out, f"A build to {out.name} writes here; deleted by the next build to it.\n",
+                            ("build", "scratch"))
     try:
-        _mark_staging(staging, f"A build to {out.name} writes here; deleted by the next build to it.\n",
-                      ("build", "scratch"))
         yield staging
     finally:
         _put_back_replaced(staging, out)
@@ -316,22 +315,22 @@ def output_lock(out: Path) -> Iterator[None]:
 _STAGING_SUFFIX = ".tmp-"  # a staging directory is `.NAME.tmp-` and 8 hex digits (`staged_directory`)
 
 
-def _make_staging(out: Path) -> Path:
-    """A new, empty staging directory beside `out`, named as `is_staging` knows them; the caller marks it
-    (`_mark_staging`) within its own clean-up of the directory."""
+def _make_staging(out: Path, note: str, parts: tuple[str, ...]) -> Path:
+    """A new staging directory beside `out`, named as `is_staging` knows them, holding prepack's mark
+    (`note`, its text, says who writes there and what becomes of it) and the empty directories `parts`.
+    Where any of that fails, what was made is deleted: unmarked, no later run would know it for its own."""
     staging = out.parent / f".{out.name}{_STAGING_SUFFIX}{uuid.uuid4().hex[:8]}"
     with output_errors(staging, "create"):
         staging.mkdir()
+    try:
+        with output_errors(staging, "create"):
+            (staging / STAGING_MARK).write_text(note)
+            for part in parts:
+                (staging / part).mkdir()
+    except BaseException:
+        _remove_staging(staging)
+        raise
     return staging
-
-
-def _mark_staging(staging: Path, note: str, parts: tuple[str, ...]) -> None:
-    """Write prepack's mark into a new staging directory (`note`, its text, says who writes there and what
-    becomes of it) and make the empty directories `parts` in it."""
-    with output_errors(staging, "create"):
-        (staging / STAGING_MARK).write_text(note)
-        for part in parts:
-            (staging / part).mkdir()
 
 
 def is_staging(directory: Path, out_name: str | None = None) -> bool:
@@ -392,9 +391,8 @@ def resumable_staging(out: Path, take_up: Callable[[Path], _TakenUp | None]) -> 
         else:
             _remove_staging(stale)
     if staging is None:
-        staging = _make_staging(out)
-        _mark_staging(staging, f"A run writing {out.name} writes here; the next run to it goes on with it.\n",
-                      ("build",))
+        staging = _make_staging(out, f"A run writing {out.name} writes here; the next run to it goes on with it.\n",
+                                ("build",))
     try:
         yield staging / "build", found
     except BaseException:
@@ -420,7 +418,7 @@ def _remove_staging(staging: Path) -> None:
                 _delete_build(part)
             else:
                 shutil.rmtree(part)
-        (staging / STAGING_MARK).unlink()
+        (staging / STAGING_MARK).unlink(missing_ok=True)
         staging.rmdir()
 
 

@@ -14,6 +14,7 @@ import resource
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pyarrow as pa
@@ -453,6 +454,29 @@ def test_out_under_a_regular_file_is_an_output_error(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and str(tmp_path / "file") in " ".join(result.stderr.split())
     assert (tmp_path / "file").read_text() == "not a directory"
+
+
+
+@pytest.mark.parametrize("staging", ["staged_directory", "resumable_staging"])
+def test_a_staging_directory_whose_mark_cannot_be_written_is_removed(tmp_path, monkeypatch, staging):
+    """A staging directory without prepack's mark is one no later run deletes (`is_staging` needs the
+    mark), so a failure writing the mark must take the new directory away with it."""
+    real = Path.write_text
+
+    def write_text(path, *args, **kwargs):
+        if path.name == output_module.STAGING_MARK:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    out = tmp_path / "out"
+    opened = (output_module.staged_directory(out, overwrite=False) if staging == "staged_directory"
+              else output_module.resumable_staging(out, lambda build: None))
+    with output_module.output_lock(out) if staging == "resumable_staging" else contextlib.nullcontext():
+        with pytest.raises(OutputError, match=f"cannot create .*{os.strerror(errno.ENOSPC)}"):
+            with opened:
+                pass
+    assert list(tmp_path.iterdir()) == []
 
 
 # The command line: every failure a message and exit 2, never a traceback
