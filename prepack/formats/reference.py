@@ -123,7 +123,7 @@ def read_reference_manifest(directory: str | os.PathLike, build: Manifest | None
     if len(manifest.files) > manifest.shards:
         refuse(where, f"lists {len(manifest.files)} files for {manifest.shards} shards.", column="files")
     if build is not None:
-        _check_against_build(manifest, build, directory / REFERENCE_MANIFEST)
+        _check_against_build(manifest, build, where)
     return manifest
 
 
