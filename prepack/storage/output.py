@@ -179,23 +179,30 @@ def _output_path(out: str | os.PathLike) -> Path:
 
 
 @contextmanager
-def staged_directory(out: str | os.PathLike, overwrite: bool, kind: str = MANIFEST_NAME) -> Iterator[Staging]:
+def staged_directory(
+    out: str | os.PathLike, overwrite: bool, kind: str = MANIFEST_NAME, overwrite_option: str | None = "--overwrite"
+) -> Iterator[Staging]:
     """Hold the lock of `out`, yield a new staging directory beside it, and publish its `build` as
     `out` when the block ends without an error; whatever happens, the staging directory is deleted.
 
     Raises OutputError, before anything is written, when `out` is a symbolic link, when another build
-    to `out` runs, or when `out` exists and `overwrite` is off or it is not a prepack output of `kind`
-    (see `replaceable_build`); and, with
+    to `out` runs, or when `out` exists and `overwrite` is off (the refusal tells to pass
+    `overwrite_option`) or it is not a prepack output of `kind` (see `replaceable_build`); and, with
     the build discarded and `out` left as it is, when `out` appeared or changed while the block ran.
+    `overwrite_option` None is an output that never replaces anything (`overwrite` off): whatever is at
+    `out` is refused as being there, unread.
     """
     out = _output_path(out)
     with output_errors(out.parent, "create"):
         out.parent.mkdir(parents=True, exist_ok=True)
     with output_lock(out):
         _remove_stale_staging(out)
+        if overwrite_option is None and os.path.lexists(out):
+            raise OutputError(f"{out} already exists; prepack writes a new directory there and never replaces one: "
+                              "remove it or choose another path.")
         replacing = _found(out, kind)
         if replacing is not None and not overwrite:
-            raise OutputError(f"{out} already exists; pass --overwrite to replace it.")
+            raise OutputError(f"{out} already exists; pass {overwrite_option} to replace it.")
         with _new_staging(out) as staging:
             yield Staging(staging / "build", staging / "scratch")
             _publish(staging / "build", out, replacing, kind)

@@ -211,6 +211,27 @@ def test_overwrite_replaces_only_a_directory_that_is_a_prepack_build(tmp_path, c
     assert siblings(out) == []
 
 
+@pytest.mark.parametrize("there", ["a user's directory", "a file", "a prepack build"])
+def test_an_output_that_never_replaces_refuses_what_is_at_out_without_a_flag_to_pass(tmp_path, there):
+    """`overwrite_option=None`: the caller has no way to replace `out`, so the refusal says it exists, whatever is
+    there, and suggests no --overwrite."""
+    out = tmp_path / "out"
+    if there == "a prepack build":
+        build(corpus(tmp_path), out, max_len=4)
+    elif there == "a file":
+        out.write_text("mine")
+    else:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    around = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(OutputError, match="already exists") as info:
+        with output_module.staged_directory(out, overwrite=False, overwrite_option=None):
+            pytest.fail("the block ran")
+    assert "--overwrite" not in str(info.value) and "never replaces" in str(info.value)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == around
+    assert siblings(out) == []
+
+
 def test_replaceable_build_accepts_a_build_with_missing_shards_and_an_empty_directory(tmp_path):
     out = tmp_path / "out"
     manifest = build(corpus(tmp_path), out, max_len=4, shard_size=1)
