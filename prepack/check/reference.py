@@ -10,6 +10,7 @@ per pack of its build shard, as many values per row as the pack holds documents 
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def verify_reference(build: str | os.PathLike, directory: str | os.PathLike) -> 
     for index, file in enumerate(reference.files):
         info = manifest.shards[index]
         try:
-            documents = build_shard_documents(manifest, shard_path(build, index, info), info)
+            documents = functools.partial(build_shard_documents, manifest, shard_path(build, index, info), info)
             read_reference_file(directory, file, documents, check_sha256=True)
         except FormatError as exc:
             problems.append(_problem(exc.problem))

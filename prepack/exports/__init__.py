@@ -23,7 +23,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import Field, ValidationError
 
-from prepack.errors import DISTRIBUTION, FormatError, InputError, OutputError
+from prepack.errors import DISTRIBUTION, FormatError, InputError
 from prepack.exports.common import ExportBuild, open_export_build, pack_batches
 from prepack.formats.common import StrictModel, load_manifest_json
 from prepack.formats.shards import check_shard_sha256, shard_file_problems, shard_sha256
@@ -94,14 +94,12 @@ def export_build(build: str | os.PathLike, to: str, out: str | os.PathLike) -> E
     if to not in FORMATS:
         raise InputError(f"--to {to!r}: prepack exports to {', '.join(sorted(FORMATS))}.")
     out = Path(out)
-    if os.path.lexists(out):
-        raise OutputError(f"{out} already exists; an export writes a new directory: remove it or choose another --out.")
     source = open_export_build(build)
     if out.resolve().is_relative_to(source.path.resolve()):
         raise InputError(f"--out {out} lies inside the build {build}, which holds prepack's files alone; choose a directory beside it.")
     chosen = FORMATS[to]
     writer = import_module(chosen.module)
-    with staged_directory(out, overwrite=False) as staging:
+    with staged_directory(out, overwrite=False, overwrite_option=None) as staging:
         writer.write(pack_batches(source), staging.build, source, staging.scratch)
         manifest = ExportManifest(
             prepack_version=version(DISTRIBUTION),

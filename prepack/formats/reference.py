@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -123,7 +124,7 @@ def read_reference_manifest(directory: str | os.PathLike, build: Manifest | None
     if len(manifest.files) > manifest.shards:
         refuse(where, f"lists {len(manifest.files)} files for {manifest.shards} shards.", column="files")
     if build is not None:
-        _check_against_build(manifest, build, directory / REFERENCE_MANIFEST)
+        _check_against_build(manifest, build, where)
     return manifest
 
 
@@ -141,13 +142,14 @@ def _check_against_build(manifest: ReferenceManifest, build: Manifest, where: st
 
 
 def read_reference_file(
-    directory: Path, file: ReferenceFile, documents: np.ndarray, *, check_sha256: bool
+    directory: Path, file: ReferenceFile, documents: Callable[[], np.ndarray], *, check_sha256: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, values) of one file `reference.json` of `directory` lists, mapped and checked against its entry
-    (`_open_reference_file`) and against `documents`, its build shard's documents per pack
-    (`_check_reference_file`). FormatError names the file."""
+    (`_open_reference_file`) and then against `documents()`, its build shard's documents per pack
+    (`_check_reference_file`). FormatError names the file. `documents` is called only once the file has passed
+    its own checks, so that a missing or damaged file is reported before its build shard is read."""
     batch = _open_reference_file(directory, file, check_sha256=check_sha256)
-    return _check_reference_file(batch, documents, str(directory / file.name))
+    return _check_reference_file(batch, documents(), str(directory / file.name))
 
 
 def _open_reference_file(directory: Path, file: ReferenceFile, *, check_sha256: bool) -> pa.RecordBatch:
@@ -205,4 +207,4 @@ class ReferenceLogps:
             refuse(self.directory / REFERENCE_MANIFEST, f"{unfinished(self.manifest)}.", column="files")
 
     def shard(self, index: int, documents: np.ndarray, *, check_sha256: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        return read_reference_file(self.directory, self.manifest.files[index], documents, check_sha256=check_sha256)
+        return read_reference_file(self.directory, self.manifest.files[index], lambda: documents, check_sha256=check_sha256)

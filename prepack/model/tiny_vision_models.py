@@ -36,7 +36,7 @@ import transformers
 from transformers import AutoModelForImageTextToText
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from prepack.errors import OutputError, UsageError
+from prepack.errors import UsageError
 from prepack.model.tiny_models import HEAD_DIM, HIDDEN, MAX_PARAMETERS, VOCAB, WINDOW, tiny_config
 from prepack.model.vision_families import image_style
 from prepack.storage.output import staged_directory
@@ -291,9 +291,7 @@ def qwen_processor_directory(
     if image_style(config.model_type) != "3-D rotary":
         raise UsageError(f"qwen_processor_directory takes a Qwen-VL config, not {config.model_type!r}.")
     directory = Path(directory)
-    if directory.exists():
-        raise OutputError(f"{directory} exists; prepack writes a new directory and never replaces one.")
-    with staged_directory(directory, overwrite=False) as staging:
+    with staged_directory(directory, overwrite=False, overwrite_option=None) as staging:
         shutil.copytree(tokenizer, staging.build, dirs_exist_ok=True)
         text = Tokenizer.from_file(str(staging.build / "tokenizer.json"))
         text.add_special_tokens(list(QWEN_IMAGE_TOKENS))

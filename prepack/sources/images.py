@@ -65,7 +65,7 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from prepack.errors import InputError, OutputError, optional_imports
+from prepack.errors import InputError, optional_imports
 from prepack.formats.common import file_type_name
 from prepack.formats.images import (
     DEFAULT_VIDEO_FPS,
@@ -643,12 +643,10 @@ def prepare_image_chat(
     # Read at the first video only: an image corpus prepares whatever video processor the folder carries.
     video_side = functools.cache(functools.partial(video_processor_rule, processor))
     explicit = None if images_root is None else _ImageRoot(_real_directory(images_root), explicit=True)
-    if os.path.lexists(out):
-        raise OutputError(f"{out} exists; prepack writes a new directory and never replaces one.")
     references: list[list[int]] = []
     row_videos: list[list[tuple[list[int], float, int]]] = []  # per row: (frame numbers, fps, placeholders)
     roots: dict[str, _ImageRoot] = {}
-    with staged_directory(out, overwrite=False) as staging:
+    with staged_directory(out, overwrite=False, overwrite_option=None) as staging:
         image_dir = staging.build / "images"
         with output_errors(image_dir, "create"):
             image_dir.mkdir()

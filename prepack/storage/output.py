@@ -179,23 +179,30 @@ def _output_path(out: str | os.PathLike) -> Path:
 
 
 @contextmanager
-def staged_directory(out: str | os.PathLike, overwrite: bool, kind: str = MANIFEST_NAME) -> Iterator[Staging]:
+def staged_directory(
+    out: str | os.PathLike, overwrite: bool, kind: str = MANIFEST_NAME, overwrite_option: str | None = "--overwrite"
+) -> Iterator[Staging]:
     """Hold the lock of `out`, yield a new staging directory beside it, and publish its `build` as
     `out` when the block ends without an error; whatever happens, the staging directory is deleted.
 
     Raises OutputError, before anything is written, when `out` is a symbolic link, when another build
-    to `out` runs, or when `out` exists and `overwrite` is off or it is not a prepack output of `kind`
-    (see `replaceable_build`); and, with
+    to `out` runs, or when `out` exists and `overwrite` is off (the refusal tells to pass
+    `overwrite_option`) or it is not a prepack output of `kind` (see `replaceable_build`); and, with
     the build discarded and `out` left as it is, when `out` appeared or changed while the block ran.
+    `overwrite_option` None is an output that never replaces anything (`overwrite` off): whatever is at
+    `out` is refused as being there, unread.
     """
     out = _output_path(out)
     with output_errors(out.parent, "create"):
         out.parent.mkdir(parents=True, exist_ok=True)
     with output_lock(out):
         _remove_stale_staging(out)
+        if overwrite_option is None and os.path.lexists(out):
+            raise OutputError(f"{out} already exists; prepack writes a new directory there and never replaces one: "
+                              "remove it or choose another path.")
         replacing = _found(out, kind)
         if replacing is not None and not overwrite:
-            raise OutputError(f"{out} already exists; pass --overwrite to replace it.")
+            raise OutputError(f"{out} already exists; pass {overwrite_option} to replace it.")
         with _new_staging(out) as staging:
             yield Staging(staging / "build", staging / "scratch")
             _publish(staging / "build", out, replacing, kind)
@@ -205,10 +212,9 @@ def staged_directory(out: str | os.PathLike, overwrite: bool, kind: str = MANIFE
 def _new_staging(out: Path) -> Iterator[Path]:
     """A new staging directory beside `out` (its mark, `build/` and `scratch/` in it), deleted when the
     block ends, whatever happens. The caller holds `out`'s lock."""
-    staging = _make_staging(out)
+    staging = _make_staging(out, f"A build to {out.name} writes here; deleted by the next build to it.\n",
+                            ("build", "scratch"))
     try:
-        _mark_staging(staging, f"A build to {out.name} writes here; deleted by the next build to it.\n",
-                      ("build", "scratch"))
         yield staging
     finally:
         _put_back_replaced(staging, out)
@@ -316,22 +322,22 @@ def output_lock(out: Path) -> Iterator[None]:
 _STAGING_SUFFIX = ".tmp-"  # a staging directory is `.NAME.tmp-` and 8 hex digits (`staged_directory`)
 
 
-def _make_staging(out: Path) -> Path:
-    """A new, empty staging directory beside `out`, named as `is_staging` knows them; the caller marks it
-    (`_mark_staging`) within its own clean-up of the directory."""
+def _make_staging(out: Path, note: str, parts: tuple[str, ...]) -> Path:
+    """A new staging directory beside `out`, named as `is_staging` knows them, holding prepack's mark
+    (`note`, its text, says who writes there and what becomes of it) and the empty directories `parts`.
+    Where any of that fails, what was made is deleted: unmarked, no later run would know it for its own."""
     staging = out.parent / f".{out.name}{_STAGING_SUFFIX}{uuid.uuid4().hex[:8]}"
     with output_errors(staging, "create"):
         staging.mkdir()
+    try:
+        with output_errors(staging, "create"):
+            (staging / STAGING_MARK).write_text(note)
+            for part in parts:
+                (staging / part).mkdir()
+    except BaseException:
+        _remove_staging(staging)
+        raise
     return staging
-
-
-def _mark_staging(staging: Path, note: str, parts: tuple[str, ...]) -> None:
-    """Write prepack's mark into a new staging directory (`note`, its text, says who writes there and what
-    becomes of it) and make the empty directories `parts` in it."""
-    with output_errors(staging, "create"):
-        (staging / STAGING_MARK).write_text(note)
-        for part in parts:
-            (staging / part).mkdir()
 
 
 def is_staging(directory: Path, out_name: str | None = None) -> bool:
@@ -392,9 +398,8 @@ def resumable_staging(out: Path, take_up: Callable[[Path], _TakenUp | None]) -> 
         else:
             _remove_staging(stale)
     if staging is None:
-        staging = _make_staging(out)
-        _mark_staging(staging, f"A run writing {out.name} writes here; the next run to it goes on with it.\n",
-                      ("build",))
+        staging = _make_staging(out, f"A run writing {out.name} writes here; the next run to it goes on with it.\n",
+                                ("build",))
     try:
         yield staging / "build", found
     except BaseException:
@@ -420,7 +425,7 @@ def _remove_staging(staging: Path) -> None:
                 _delete_build(part)
             else:
                 shutil.rmtree(part)
-        (staging / STAGING_MARK).unlink()
+        (staging / STAGING_MARK).unlink(missing_ok=True)
         staging.rmdir()
 
 

@@ -24,6 +24,7 @@ This module imports torch; `import prepack` does not load it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -257,7 +258,7 @@ def _check_listed(directory: Path, reference: ReferenceManifest, dataset: Packed
     """Check each file `reference` lists (sha256, and as the loader does) against the build: FormatError."""
     manifest = dataset.manifest
     for index, listed in enumerate(reference.files):
-        documents = build_shard_documents(manifest, dataset.shard_paths[index], manifest.shards[index])
+        documents = functools.partial(build_shard_documents, manifest, dataset.shard_paths[index], manifest.shards[index])
         read_reference_file(directory, listed, documents, check_sha256=True)
 
 

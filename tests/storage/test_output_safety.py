@@ -14,6 +14,7 @@ import resource
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pyarrow as pa
@@ -206,6 +207,27 @@ def test_overwrite_replaces_only_a_directory_that_is_a_prepack_build(tmp_path, c
     with pytest.raises(OutputError, match="not a prepack build") as info:
         build(data, out, max_len=4, overwrite=True)
     assert message in str(info.value) and str(out) in str(info.value)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == around
+    assert siblings(out) == []
+
+
+@pytest.mark.parametrize("there", ["a user's directory", "a file", "a prepack build"])
+def test_an_output_that_never_replaces_refuses_what_is_at_out_without_a_flag_to_pass(tmp_path, there):
+    """`overwrite_option=None`: the caller has no way to replace `out`, so the refusal says it exists, whatever is
+    there, and suggests no --overwrite."""
+    out = tmp_path / "out"
+    if there == "a prepack build":
+        build(corpus(tmp_path), out, max_len=4)
+    elif there == "a file":
+        out.write_text("mine")
+    else:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    around = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(OutputError, match="already exists") as info:
+        with output_module.staged_directory(out, overwrite=False, overwrite_option=None):
+            pytest.fail("the block ran")
+    assert "--overwrite" not in str(info.value) and "never replaces" in str(info.value)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == around
     assert siblings(out) == []
 
@@ -453,6 +475,29 @@ def test_out_under_a_regular_file_is_an_output_error(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and str(tmp_path / "file") in " ".join(result.stderr.split())
     assert (tmp_path / "file").read_text() == "not a directory"
+
+
+
+@pytest.mark.parametrize("staging", ["staged_directory", "resumable_staging"])
+def test_a_staging_directory_whose_mark_cannot_be_written_is_removed(tmp_path, monkeypatch, staging):
+    """A staging directory without prepack's mark is one no later run deletes (`is_staging` needs the
+    mark), so a failure writing the mark must take the new directory away with it."""
+    real = Path.write_text
+
+    def write_text(path, *args, **kwargs):
+        if path.name == output_module.STAGING_MARK:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    out = tmp_path / "out"
+    opened = (output_module.staged_directory(out, overwrite=False) if staging == "staged_directory"
+              else output_module.resumable_staging(out, lambda build: None))
+    with output_module.output_lock(out) if staging == "resumable_staging" else contextlib.nullcontext():
+        with pytest.raises(OutputError, match=f"cannot create .*{os.strerror(errno.ENOSPC)}"):
+            with opened:
+                pass
+    assert list(tmp_path.iterdir()) == []
 
 
 # The command line: every failure a message and exit 2, never a traceback

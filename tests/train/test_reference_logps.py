@@ -369,6 +369,18 @@ def test_verify_reference_finds_every_tampering(build, reference, tmp_path, tamp
             [dataset[i] for i in range(len(dataset))]
 
 
+def test_verify_reference_reports_a_missing_file_before_reading_its_damaged_build_shard(build, reference, tmp_path):
+    """The reference file is opened first: its problem is the one reported, with no build shard read for it."""
+    damaged = tmp_path / "build"
+    shutil.copytree(build, damaged)
+    out = _tampered(build, reference, tmp_path / "values", "missing")
+    files = read_reference_manifest(out).files
+    index = next(index for index, file in enumerate(files) if not (out / file.name).exists())
+    (damaged / prepack.formats.shards.read_manifest(damaged).shards[index].name).write_bytes(b"not a shard")
+    problems = verify_reference(damaged, out)
+    assert [(problem.file, "missing" in problem.message) for problem in problems] == [(str(out / files[index].name), True)], problems
+
+
 def test_verify_command_checks_the_reference(build, reference, tmp_path):
     clean = invoke_prepack("verify", build, "--reference", reference)
     assert clean.returncode == 0 and "reference log-probabilities checked" in clean.stdout, clean.stderr
