@@ -1366,6 +1366,7 @@ def test_prepare_images_refuses_an_image_lfm2_vls_processor_fails_on_by_name(tmp
     message = str(caught.value)
     assert f"{corpus}, row 0, column " in message
     assert "65536x1 image" in message and "131072x32" in message and "16384 patches of 16, more than the 1024" in message
+    assert "with the image's tiles, and fails on it in a batch with any other image of another patch count" in message
     assert not (tmp_path / "out").exists()
 
 
