@@ -468,10 +468,12 @@ class ImageRule(StrictModel):
         return rows, columns, resized
 
     def _lfm2_check_view(self, width: int, height: int, view_w: int, view_h: int) -> None:
-        """ValueError where LFM2-VL's image processor fails on the image's resized view: it pads every view's patch
-        rows to max_image_tokens x downsample_factor² (or a tile's, if more: `Lfm2VlImageProcessor.max_num_patches`)
-        and cannot stack a longer one with the image's tiles or cat it with a batch's other images. Its resize keeps
-        a side of at least one token's pixels, so an image of an extreme aspect ratio outgrows that bound."""
+        """ValueError where LFM2-VL's image processor would make the image's resized view longer than it pads every
+        view's patch rows to: max_image_tokens x downsample_factor² (or a tile's, if more:
+        `Lfm2VlImageProcessor.max_num_patches`). It cannot stack such a view with the image's tiles; an image not split
+        goes through alone, but fails in a batch with any other image of another patch count, and prepare time cannot
+        know the batches. Its resize keeps a side of at least one token's pixels, so an image of an extreme aspect
+        ratio outgrows that bound."""
         patches = (view_h // self.patch_size) * (view_w // self.patch_size)
         most = max(self.max_pixels // self.patch_size**2,
                    (self.tile_height // self.patch_size) ** 2 if self.splitting else 0)
@@ -479,8 +481,8 @@ class ImageRule(StrictModel):
             raise ValueError(
                 f"LFM2-VL's image processor would make the {width}x{height} image a view of {view_w}x{view_h} pixels, "
                 f"{patches} patches of {self.patch_size}, more than the {most} it pads every view to (max_image_tokens "
-                "x downsample_factor², or a tile's patches), and it cannot stack such a view with the image's tiles "
-                "or a batch's other images")
+                "x downsample_factor², or a tile's patches): it cannot stack such a view with the image's tiles, and "
+                "fails on it in a batch with any other image of another patch count")
 
     def _lfm2_text(self, width: int, height: int) -> str:
         """`Lfm2VlProcessor._build_image_tokens` with its image special tokens: each tile after its row and column

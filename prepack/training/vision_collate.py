@@ -307,6 +307,8 @@ class VisionCollator:
         # its shape, checked per pack against the views the image processor makes.
         self.tiled = spec.tokens_per_image is not None and bool(
             self.image_processor_options.get("crop_to_patches", getattr(image_processor, "crop_to_patches", False)))
+        # LFM2-VL's own image processor says each image's tiles when asked (SigLIP2's makes one view an image)
+        self.tiles_told = spec.downsample_factor is not None and hasattr(image_processor, "return_row_col_info")
         if not video_fps > 0:
             raise UsageError(f"video_fps is {video_fps!r}; a frame rate is a positive number of frames a second.")
         self.video_processor, self.video_fps = video_processor, float(video_fps)
@@ -380,9 +382,7 @@ class VisionCollator:
         options = self.image_processor_options
         if self.spec.image_cell is not None:
             options = {"patch_size": {"height": self.spec.image_cell, "width": self.spec.image_cell}} | options
-        # LFM2-VL's own image processor says each image's tiles when asked (SigLIP2's makes one view an image)
-        tiles_told = self.spec.downsample_factor is not None and hasattr(self.image_processor, "return_row_col_info")
-        if tiles_told:
+        if self.tiles_told:
             options = options | {"return_row_col_info": True}
         out = self.image_processor(images=decoded, return_tensors="pt", **options)
         if "pixel_values_images" in out and "pixel_values" not in out:
@@ -401,18 +401,18 @@ class VisionCollator:
                 "counted one per image (turn off crops such as Gemma 3's pan-and-scan)."
             )
         if self.spec.downsample_factor is not None:  # for the check of each pack's placeholders (not a model input)
-            kept["features_per_image"] = self._features_per_image(out, len(decoded), tiles_told)
+            kept["features_per_image"] = self._features_per_image(out, len(decoded))
             kept.pop("image_sizes", None)  # the resized sizes it told with the tiles: Lfm2VlProcessor drops them too
         return kept
 
-    def _features_per_image(self, out: Mapping[str, Any], images: int, tiles_told: bool) -> list[int]:
+    def _features_per_image(self, out: Mapping[str, Any], images: int) -> list[int]:
         """LFM2-VL: each image's features as its model makes them (a view's: its patch rows and columns each over
         downsample_factor, floored), its views in order: its tiles, then its thumbnail where it has several tiles and
         the processor makes thumbnails (Lfm2VlImageProcessor's crop_image_to_patches); one view an image otherwise."""
         factor = self.spec.downsample_factor
         features = [int(rows // factor) * int(columns // factor) for rows, columns in out["spatial_shapes"].tolist()]
         views = [1] * images
-        if tiles_told:
+        if self.tiles_told:
             thumbnail = self.image_processor_options.get("use_thumbnail", self.image_processor.use_thumbnail)
             tiles = [int(rows) * int(columns) for rows, columns in zip(out["image_rows"], out["image_cols"])]
             views = [count + (thumbnail and count > 1) for count in tiles]

@@ -1286,10 +1286,14 @@ def lfm2_vl_directory(directory, options: dict, processor_config: dict | None = 
                                             LFM2_VL_TOKENS)
 
 
-# Sizes where the image processor's resized view (the image alone, or its thumbnail after its tiles) keeps a side at
-# one token's pixels and so outgrows the patches it pads each view to (with the setups that reach them).
-LFM2_VL_EXTREMES = [(65536, 1), (1, 65536), (1, 20000), (20000, 1), (40000, 1), (33000, 16), (16, 33000), (1, 1025),
-                    (8200, 1), (1, 1), (3, 65536), (65536, 64)]
+# The sharp sizes THIN and EXTREME need not draw: the image processor's resized view (the image alone, or its thumbnail
+# after its tiles) keeps a side at one token's pixels and so can outgrow the patches it pads each view to.
+LFM2_VL_EXTREMES = [
+    (1, 1025),  # refused with the defaults: a view of 1028 patches, 4 over the 1024 it pads each view to
+    (8200, 1),  # accepted with the defaults: a view of exactly 1024 patches
+    (1, 1),  # upscaled to the least tokens, and kept
+    (20000, 32),  # split into tiles: refused for its thumbnail's 1600 patches with the defaults, kept without one
+]
 THIN = st.tuples(st.integers(1, 40), st.integers(1000, 65536)).flatmap(lambda sides: st.sampled_from([sides, sides[::-1]]))
 
 
@@ -1366,6 +1370,7 @@ def test_prepare_images_refuses_an_image_lfm2_vls_processor_fails_on_by_name(tmp
     message = str(caught.value)
     assert f"{corpus}, row 0, column " in message
     assert "65536x1 image" in message and "131072x32" in message and "16384 patches of 16, more than the 1024" in message
+    assert "with the image's tiles, and fails on it in a batch with any other image of another patch count" in message
     assert not (tmp_path / "out").exists()
 
 

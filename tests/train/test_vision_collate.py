@@ -102,22 +102,22 @@ def test_an_image_blocks_spec_without_its_token_type_field_is_refused():
         VisionCollator(VisionSpec("image blocks", IMAGE_ID, tokens_per_image=TOKENS_PER_IMAGE), None)
 
 
-def test_an_lfm2_vl_pack_counted_for_other_sizes_is_refused_by_pack():
+def test_an_lfm2_vl_pack_counted_for_other_sizes_is_refused_by_pack(tmp_path):
     """LFM2-VL: each pack's placeholders are its images' features by what Lfm2VlImageProcessor made of them (tiles
     and thumbnail of a large image, the resized image of a small one). Two packs whose images' counts add up over the
     batch but not per pack are refused naming the first: transformers checks the total only, and would hand one
     pack's image features to the other's placeholders. Counted as prepare-images counts, they collate."""
     from transformers.models.lfm2_vl.image_processing_lfm2_vl import Lfm2VlImageProcessor
 
-    from prepack.formats.images import ImageRule
     from prepack.model.tiny_vision_models import tiny_vision_config
+    from prepack.sources.images import processor_rule
+    from tests.building.test_image_chat import lfm2_vl_directory
 
     spec = VisionSpec.of(tiny_vision_config("lfm2_vl"))
     options = {"encoder_patch_size": 16, "downsample_factor": 2, "tile_size": 64, "min_image_tokens": 4,
                "max_image_tokens": 16, "max_tiles": 4}
-    rule = ImageRule(kind="lfm2", placeholder="<image>", start="", end="", patch_size=16, merge_size=2,
-                     min_pixels=4 * 32**2, max_pixels=16 * 32**2, tile_height=64, min_tiles=2, max_tiles=4,
-                     splitting=True, tolerance=2.0, global_token="<|img_thumbnail|>")
+    directory = lfm2_vl_directory(tmp_path / "processor", options)
+    rule, _ = processor_rule(directory)
     images = [blank_png(40, 30), photo_bytes()[0]]
     counts = [rule.placeholders(*Image.open(io.BytesIO(image)).size) for image in images]
     assert counts[0] != counts[1]
@@ -126,7 +126,7 @@ def test_an_lfm2_vl_pack_counted_for_other_sizes_is_refused_by_pack():
         return [{"input_ids": np.array([1, *[spec.image_token_id] * count, 2]), "cu_seqlens": np.array([0, count + 2]),
                  "images": [image]} for count, image in zip(placeholders, images)]
 
-    collate = VisionCollator(spec, Lfm2VlImageProcessor(**options), pad_token_id=0)
+    collate = VisionCollator(spec, Lfm2VlImageProcessor.from_pretrained(directory), pad_token_id=0)
     batch = collate(packs(counts))
     assert len(batch["pixel_values"]) > len(images)  # the photograph's tiles and thumbnail
     assert set(batch) >= {"pixel_values", "pixel_attention_mask", "spatial_shapes"}

@@ -3,8 +3,8 @@ Gemma 4's soft tokens by each image's size, Gemma 3n's timm tower, LFM2-VL's NaF
 prepared by `prepare_image_chat` from a processor directory that transformers' own processor reads, built by the
 CLI, served by ImagePackedDataset, collated by VisionCollator with the directory's image processor, and each pack's
 logits equal to its samples run alone in a tiny model with the tokenizer's vocabulary. Every sample lands in exactly
-one pack, and its placeholders are the count the processor gives. LFM2-VL's batch also gives each sample's loss and
-gradients alone, and without enable_packing it does not (its leak control)."""
+one pack, and its placeholders are the count the processor gives. (Loss, gradients and leak controls are
+tests/model/test_vision.py's.)"""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tests.building.test_image_chat import (
 )
 from tests.cli import run_prepack
 from tests.model.test_vision import TOLERANCE, alone_pixels, run
-from tests.train.test_vision_end_to_end import assert_equals_each_sample_alone, image_chat_corpus
+from tests.train.test_vision_end_to_end import image_chat_corpus
 
 MAX_LEN = 256
 
@@ -74,35 +74,15 @@ def lfm2_vl_parts(directory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("model_type", "parts"), [("mistral3", mistral3_parts), ("internvl", internvl_tiled_parts),
-                                                   ("gemma4", gemma4_parts), ("gemma3n", gemma3n_parts)])
+                                                   ("gemma4", gemma4_parts), ("gemma3n", gemma3n_parts),
+                                                   ("lfm2_vl", lfm2_vl_parts)])
 def test_a_prepared_corpus_packs_every_sample_once_and_each_equals_itself_alone(tmp_path, model_type, parts):
     every_pack_equals_its_samples_alone(tmp_path, model_type, parts)
 
 
-@pytest.mark.slow
-def test_an_lfm2_vl_corpus_trains_each_sample_as_if_alone(tmp_path):
-    """LFM2-VL, its images tiled by transformers' own image processor (photographs split into tiles and a thumbnail,
-    a small one resized whole): every pack's logits equal its samples alone; the first two packs' loss and every
-    parameter's gradients equal the samples' alone (each image's views preprocessed alone); the same batch through the
-    model without enable_packing (its short convolutions over the whole row) does not."""
-    model, collator, dataset, image_set = every_pack_equals_its_samples_alone(tmp_path, "lfm2_vl", lfm2_vl_parts)
-    batch = collator([dataset[0], dataset[1]])
-    images = sum(len(dataset[row]["images"]) for row in range(2))
-    assert len(batch["pixel_values"]) > images  # tiles and thumbnails, not one view an image
-    assert_equals_each_sample_alone(model, collator, dataset, image_set, batch)
-    packed_logits, _, _ = run(model, batch, gradients=False)
-    unpacked = tiny_vision_model("lfm2_vl", vocab_size=model.config.get_text_config().vocab_size,
-                                 tokens={"image_token_id": model.config.image_token_id})
-    unpacked_logits, _, _ = run(unpacked, batch, gradients=False)
-    # transformers keeps attention within each sample by the restarting positions itself; LFM2's short convolutions
-    # run over the whole row, each sample's first tokens reading the last of the one before it (1.7e-5 here).
-    assert float((packed_logits - unpacked_logits).abs().max()) > 1000 * TOLERANCE
-
-
 def every_pack_equals_its_samples_alone(tmp_path, model_type, parts):
     """The family's processor directory and image processor (`parts`), a corpus prepared and built by the CLI: every
-    sample in exactly one pack with its rule's placeholders, and each pack's logits its samples' alone. Returns the
-    packing model, the collator, the dataset and the image set."""
+    sample in exactly one pack with its rule's placeholders, and each pack's logits its samples' alone."""
     processor, image_processor, placeholder = parts(tmp_path / "processor")
     corpus = image_chat_corpus(tmp_path / "corpus", rows=10)
     summary = prepare_image_chat(corpus, processor, tmp_path / "prepared")
@@ -138,4 +118,3 @@ def every_pack_equals_its_samples_alone(tmp_path, model_type, parts):
                 alone_logits, _, _ = run(model, alone, gradients=False)
                 worst = max(worst, float((logits[row, start:end] - alone_logits[0]).abs().max()))
     assert summary.references > 0 and worst < TOLERANCE, worst
-    return model, collator, dataset, image_set
