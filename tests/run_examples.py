@@ -1,14 +1,16 @@
-"""Run examples/ scripts one after another in this one process, each as `python SCRIPT ARGS...` runs it: as
+"""Run examples/ scripts one after another from this one process, each as `python SCRIPT ARGS...` runs it: as
 `__main__`, its directory first on sys.path, `sys.argv` its command line, in a working directory of its own, and
-its file descriptors 1 and 2 (print, logging, warnings and C libraries alike) written to files of its own.
-torch, transformers and TRL are imported once for all of them instead of once a script
-(`tests/project/test_examples.py` reads what each left).
+its file descriptors 1 and 2 (print, logging, warnings and C libraries alike) written to files of its own. torch,
+transformers, TRL and prepack's training wing are imported once, here; each script then runs in a child forked from
+this process (before any of them ran), so it starts from those imports alone and never from what an earlier script
+left (`tests/project/test_examples.py` reads what each left).
 
     python tests/run_examples.py PLAN.json
 
 PLAN.json is a list of {"argv": [SCRIPT, ARGS...], "cwd": DIR, "stdout": FILE, "stderr": FILE, "status": FILE};
 each script's exit status is written to its "status" file as Python's own would be: 0, SystemExit's code, or 1
-(SystemExit with a message, which goes to stderr as Python writes it, or an exception, whose traceback does).
+(SystemExit with a message, which goes to stderr as Python writes it, or an exception, whose traceback does), or
+-N where a signal N ended it.
 """
 
 from __future__ import annotations
@@ -41,23 +43,46 @@ def run_script(argv: list[str]) -> int:
     return 0
 
 
-def main() -> None:
-    saved = os.dup(1), os.dup(2)
-    start = os.getcwd()
-    for run in json.loads(Path(sys.argv[1]).read_text(encoding="utf-8")):
-        with open(run["stdout"], "wb") as stdout, open(run["stderr"], "wb") as stderr:
-            os.dup2(stdout.fileno(), 1)
-            os.dup2(stderr.fileno(), 2)
-            os.chdir(run["cwd"])
-            try:
+def _imported_once() -> None:
+    """What the examples import, and what takes seconds to import: done before the first fork, shared by every child."""
+    import torch  # noqa: F401
+    import transformers
+    import trl  # noqa: F401
+
+    import prepack.training.dataset  # noqa: F401
+    import prepack.training.preference  # noqa: F401
+    import prepack.training.reference  # noqa: F401
+
+    for name in ("AutoModelForCausalLM", "AutoTokenizer", "Trainer", "TrainingArguments"):  # lazy until first use
+        getattr(transformers, name)
+    for name in ("SFTTrainer", "DPOTrainer", "KTOTrainer"):
+        getattr(trl, name)
+
+
+def _run_in_child(run: dict) -> int:
+    """Fork; the child runs the script with its own cwd, stdout and stderr and exits with its status."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        status = 1
+        try:
+            with open(run["stdout"], "wb") as stdout, open(run["stderr"], "wb") as stderr:
+                os.dup2(stdout.fileno(), 1)
+                os.dup2(stderr.fileno(), 2)
+                os.chdir(run["cwd"])
                 status = run_script(run["argv"])
-            finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
-                os.chdir(start)
-                os.dup2(saved[0], 1)
-                os.dup2(saved[1], 2)
-        Path(run["status"]).write_text(str(status), encoding="utf-8")
+        finally:
+            os._exit(status)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def main() -> None:
+    _imported_once()
+    for run in json.loads(Path(sys.argv[1]).read_text(encoding="utf-8")):
+        Path(run["status"]).write_text(str(_run_in_child(run)), encoding="utf-8")
 
 
 if __name__ == "__main__":
