@@ -264,6 +264,7 @@ class _PackedBatchGuard:
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         if self.per_document is not None:
             self.per_document.segments = None
+            self.per_document.keep_segments_through_checkpointing()  # checkpointing may be enabled at any time
         if len(args) > len(self.positional_parameters):
             return None  # not a call the forward accepts: let it raise its own error
         kwargs = {**dict(zip(self.positional_parameters, args)), **kwargs}
