@@ -48,7 +48,7 @@ costs one break at the top of the forward.
 On the hybrid and linear-attention families (the table's verdicts with `per_document`) it also hooks the
 layers that carry state along the sequence (Mamba scans, short convolutions, the gated delta rule, linear
 attention; `prepack.model.stateful`), and the guard hands them each packed batch's segments: they run one document
-per row. There `seq_idx` is dropped (not needed; transformers' torch fallbacks raise on it), and a cache is
+per row (a recomputation under gradient checkpointing with the segments of the forward it repeats). There `seq_idx` is dropped (not needed; transformers' torch fallbacks raise on it), and a cache is
 refused on every backend. Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep position_ids from their backbone,
 so their guard sits on the causal LM.
 

@@ -169,14 +169,15 @@ class PerDocumentLayers:
     (None for a batch that is not packed).
 
     Under gradient checkpointing the decoder layers recompute in backward, when another forward may have set other
-    segments (forward(A), forward(B), backward(A): before this, Qwen3.5's gradients were off by 2.9e-3, LFM2's by
-    8.3e-6). So the guard also calls `keep_segments_through_checkpointing`, which wraps the checkpointing function
-    that transformers' `activation_checkpointing_enable` (before or after `enable_packing`) gives each module
-    enclosing a hooked layer: the function checkpointed is then a closure that sets the segments of the forward
-    that called it, for the call and for its recomputation. Reentrant and non-reentrant checkpointing alike; in
-    transformers 5.24 every family of `STATEFUL_LAYERS` checkpoints its hooked layers through such modules
-    (tests/model/test_stateful_isolation.py checks each). The segments cannot ride in the checkpointed keyword
-    arguments, as Llama 4's temperature scales do: several families' decoder layers get no keyword arguments."""
+    segments (forward(A), forward(B), backward(A): A's gradients came out wrong, or torch refused a non-reentrant
+    recomputation of other shapes). So the guard also calls `keep_segments_through_checkpointing`, which wraps
+    the checkpointing function that transformers' `activation_checkpointing_enable` (before or after
+    `enable_packing`) gives each module enclosing a hooked layer: the function checkpointed is then a closure that
+    sets the segments of the forward that called it, for the call and for its recomputation. Reentrant and
+    non-reentrant checkpointing alike; in transformers 5.24 every family of `STATEFUL_LAYERS` checkpoints its
+    hooked layers through such modules (tests/model/test_stateful_isolation.py checks each). The segments cannot
+    ride in the checkpointed keyword arguments, as Llama 4's temperature scales do: several families' decoder
+    layers get no keyword arguments."""
 
     handles: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
     # The modules transformers hands a checkpointing function (those with a `gradient_checkpointing` flag) that
