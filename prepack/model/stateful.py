@@ -175,9 +175,11 @@ class PerDocumentLayers:
     `enable_packing`) gives each module enclosing a hooked layer: the function checkpointed is then a closure that
     sets the segments of the forward that called it, for the call and for its recomputation. Reentrant and
     non-reentrant checkpointing alike; in transformers 5.24 every family of `STATEFUL_LAYERS` checkpoints its
-    hooked layers through such modules (tests/model/test_stateful_isolation.py checks each). The segments cannot
-    ride in the checkpointed keyword arguments, as Llama 4's temperature scales do: several families' decoder
-    layers get no keyword arguments."""
+    hooked layers through such modules (tests/model/test_stateful_isolation.py checks each). Checkpointing that
+    does not go through them (torch's `checkpoint_wrapper`, FSDP's activation checkpointing) recomputes with the
+    latest forward's segments (measured on LFM2): right only when each forward's backward comes before the next
+    forward. The segments cannot ride in the checkpointed keyword arguments, as Llama 4's temperature scales do:
+    several families' decoder layers get no keyword arguments."""
 
     handles: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
     # The modules transformers hands a checkpointing function (those with a `gradient_checkpointing` flag) that
