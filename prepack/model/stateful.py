@@ -250,7 +250,7 @@ def install_per_document_layers(model: torch.nn.Module, model_type: str) -> PerD
             "prepack supports, or train without packing."
         )
     layers = PerDocumentLayers()
-    hooked = [module for module in model.modules() if type(module).__name__ in class_names]
+    hooked = {module for module in model.modules() if type(module).__name__ in class_names}
     for module in hooked:
         hook = _RegroupHook(layers)
         layers.handles.append(module.register_forward_pre_hook(hook.before, with_kwargs=True))
@@ -258,7 +258,7 @@ def install_per_document_layers(model: torch.nn.Module, model_type: str) -> PerD
     layers.checkpointing = [
         module
         for module in model.modules()
-        if hasattr(module, "gradient_checkpointing") and not set(hooked).isdisjoint(module.modules())
+        if hasattr(module, "gradient_checkpointing") and not hooked.isdisjoint(module.modules())
     ]
     return layers
 
