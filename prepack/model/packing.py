@@ -48,9 +48,10 @@ costs one break at the top of the forward.
 On the hybrid and linear-attention families (the table's verdicts with `per_document`) it also hooks the
 layers that carry state along the sequence (Mamba scans, short convolutions, the gated delta rule, linear
 attention; `prepack.model.stateful`), and the guard hands them each packed batch's segments: they run one document
-per row. There `seq_idx` is dropped (not needed; transformers' torch fallbacks raise on it), and a cache is
-refused on every backend. Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep position_ids from their backbone,
-so their guard sits on the causal LM.
+per row (recomputed under gradient checkpointing with the segments of the forward they repeat). There `seq_idx`
+is dropped (not needed; transformers' torch fallbacks raise on it), and a cache is refused on every backend.
+Mamba, Mamba-2 and Falcon-Mamba's causal LMs keep position_ids from their backbone, so their guard sits on the
+causal LM.
 
 An image batch (one with `pixel_values`, `pixel_values_videos` or precomputed `mm_encoder_outputs`, or, for Gemma 3
 and Gemma 4, whose token types mark an image block: transformers builds their blocks from the types alone, so
@@ -269,6 +270,7 @@ class _PackedBatchGuard:
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         if self.per_document is not None:
             self.per_document.segments = None
+            self.per_document.keep_segments_through_checkpointing()  # checkpointing may be enabled at any time
         if len(args) > len(self.positional_parameters):
             return None  # not a call the forward accepts: let it raise its own error
         kwargs = {**dict(zip(self.positional_parameters, args)), **kwargs}

@@ -21,6 +21,8 @@ one segment per row), and a forward hook runs the other bands and scatters the o
 where a layer takes them, are regrouped: each segment's own positions). The segments (`DocumentSegments`) are
 handed over by the guard that `enable_packing` puts on the decoder, once per forward; a batch that is not
 packed leaves the layers alone. Gradients flow through the gather and the scatter, which are index copies.
+Under gradient checkpointing a layer recomputed in backward runs with the segments of the forward it repeats
+(`PerDocumentLayers`), whatever forward ran since.
 
 Which families run which layers per document is `prepack.model.families`' table (a verdict's `per_document`);
 `STATEFUL_LAYERS` holds what installing the hooks needs: the layer classes of each such family, by name in its
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -164,19 +166,69 @@ def _length_bands(sorted_lengths: np.ndarray) -> list[slice]:
 @dataclass
 class PerDocumentLayers:
     """The hooks on a model's stateful layers. `segments` is set by the decoder's guard at every forward
-    (None for a batch that is not packed). A recomputation under gradient checkpointing reads the segments of the
-    latest forward: right when each forward's backward comes before the next forward (HF Trainer's, TRL's and the
-    plain loops' order), wrong when a second packed forward runs before the first's backward (measured: Qwen3.5's
-    gradients off by 2.9e-3, LFM2's by 8.3e-6). Handing them through the checkpointed keyword arguments, as Llama
-    4's temperature is, fits only some families: several decoder layers get neither the keyword nor positions."""
+    (None for a batch that is not packed).
+
+    Under gradient checkpointing the decoder layers recompute in backward, when another forward may have set other
+    segments (forward(A), forward(B), backward(A): A's gradients came out wrong, or torch refused a non-reentrant
+    recomputation of other shapes). So the guard also calls `keep_segments_through_checkpointing`, which wraps
+    the checkpointing function that transformers' `activation_checkpointing_enable` (before or after
+    `enable_packing`) gives each module enclosing a hooked layer: the function checkpointed is then a closure that
+    sets the segments of the forward that called it, for the call and for its recomputation. Reentrant and
+    non-reentrant checkpointing alike; in transformers 5.24 every family of `STATEFUL_LAYERS` checkpoints its
+    hooked layers through such modules (tests/model/test_stateful_isolation.py checks each). Checkpointing that
+    does not go through them (torch's `checkpoint_wrapper`, FSDP's activation checkpointing) recomputes with the
+    latest forward's segments (measured on LFM2): right only when each forward's backward comes before the next
+    forward. The segments cannot ride in the checkpointed keyword arguments, as Llama 4's temperature scales do:
+    several families' decoder layers get no keyword arguments."""
 
     handles: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
+    # The modules transformers hands a checkpointing function (those with a `gradient_checkpointing` flag) that
+    # enclose a hooked layer: their checkpoints recompute it.
+    checkpointing: list[torch.nn.Module] = field(default_factory=list)
     segments: DocumentSegments | None = None
+
+    def keep_segments_through_checkpointing(self) -> None:
+        """Wrap, once, the checkpointing function of each module of `checkpointing` that has one."""
+        for module in self.checkpointing:
+            function = module.__dict__.get(_CHECKPOINTING_FUNCTION)
+            if function is not None and not self._wraps(function):
+                setattr(module, _CHECKPOINTING_FUNCTION, _CheckpointWithSegments(self, function))
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        for module in self.checkpointing:
+            function = module.__dict__.get(_CHECKPOINTING_FUNCTION)
+            if self._wraps(function):
+                setattr(module, _CHECKPOINTING_FUNCTION, function.checkpoint)
+        self.checkpointing.clear()
+
+    def _wraps(self, function) -> bool:
+        return isinstance(function, _CheckpointWithSegments) and function.layers is self
+
+
+# Set by transformers' `_set_gradient_checkpointing` on every module with a `gradient_checkpointing` flag, and
+# called by `GradientCheckpointingLayer` with the function to checkpoint and its positional arguments.
+_CHECKPOINTING_FUNCTION = "_gradient_checkpointing_func"
+
+
+class _CheckpointWithSegments:
+    """A module's checkpointing function, wrapped: what it checkpoints runs with the segments of the forward that
+    called it, and so does the recomputation in backward (the same closure, run again)."""
+
+    def __init__(self, layers: PerDocumentLayers, checkpoint):
+        self.layers, self.checkpoint = layers, checkpoint
+
+    def __call__(self, function, *args, **kwargs):
+        return self.checkpoint(partial(self._with_segments, self.layers.segments, function), *args, **kwargs)
+
+    def _with_segments(self, segments: DocumentSegments | None, function, *args, **kwargs):
+        previous, self.layers.segments = self.layers.segments, segments
+        try:
+            return function(*args, **kwargs)
+        finally:
+            self.layers.segments = previous
 
 
 def install_per_document_layers(model: torch.nn.Module, model_type: str) -> PerDocumentLayers:
@@ -198,11 +250,16 @@ def install_per_document_layers(model: torch.nn.Module, model_type: str) -> PerD
             "prepack supports, or train without packing."
         )
     layers = PerDocumentLayers()
-    for module in model.modules():
-        if type(module).__name__ in class_names:
-            hook = _RegroupHook(layers)
-            layers.handles.append(module.register_forward_pre_hook(hook.before, with_kwargs=True))
-            layers.handles.append(module.register_forward_hook(hook.after))
+    hooked = {module for module in model.modules() if type(module).__name__ in class_names}
+    for module in hooked:
+        hook = _RegroupHook(layers)
+        layers.handles.append(module.register_forward_pre_hook(hook.before, with_kwargs=True))
+        layers.handles.append(module.register_forward_hook(hook.after))
+    layers.checkpointing = [
+        module
+        for module in model.modules()
+        if hasattr(module, "gradient_checkpointing") and not hooked.isdisjoint(module.modules())
+    ]
     return layers
 
 

@@ -12,6 +12,8 @@ and convolution kernels shorter than most documents.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -99,14 +101,18 @@ def test_granite_hybrid_attention_leaks_without_masks_from_position_ids(attn, pa
     assert measure_isolation(model, packs, padded(packs), tolerance=LEAK, gradients=False).max_logit_diff > LEAK
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-@pytest.mark.slow
-def test_qwen3_5_multimodal_used_text_only_is_isolated(family, packs):
+def _multimodal_model(family: str):
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(tiny_config(family), experts_implementation="eager")
     model = model.to(torch.float64)
     model.set_attn_implementation("sdpa")
-    result = measure_isolation(enable_packing(model), packs, padded(packs), tolerance=1e-10)
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.slow
+def test_qwen3_5_multimodal_used_text_only_is_isolated(family, packs):
+    result = measure_isolation(enable_packing(_multimodal_model(family)), packs, padded(packs), tolerance=1e-10)
     assert result.passed, result
 
 
@@ -130,25 +136,62 @@ def test_position_ids_alone_are_enough_on_sdpa(packs):
     assert result.passed, result
 
 
-@pytest.mark.parametrize("family", ["falcon_h1", "qwen3_5_text"])
+def _checkpointing_case(family: str) -> str:
+    """The first of sdpa and eager on which the table runs the family per document."""
+    verdicts = dict(zip(families.BACKENDS, families.FAMILIES[family]))
+    return next(attn for attn in ("sdpa", "eager") if verdicts[attn].per_document)
+
+
+def _gradients(model, loss) -> list[torch.Tensor]:
+    model.zero_grad()
+    loss.backward()
+    return [parameter.grad.clone() for parameter in model.parameters() if parameter.grad is not None]
+
+
+@pytest.mark.parametrize("family", sorted(stateful.STATEFUL_LAYERS))
 @pytest.mark.slow
-def test_gradient_checkpointing_recomputes_the_layers_per_document(family, packs):
-    """A recomputation in backward reads the segments of the forward it repeats (reentrant checkpoints run it
-    inside backward, after the forward has returned)."""
-    model = enable_packing(tiny_model(family, "sdpa")).train()
-    batch = padded(packs)
+def test_gradient_checkpointing_keeps_each_forwards_documents_when_forwards_interleave(family, packs):
+    """forward(A), forward(B), backward(A), backward(B), reentrant and not: each recomputation reads the segments
+    of the forward it repeats, not the latest forward's (which gave A wrong gradients, or made torch refuse a
+    non-reentrant recomputation of other shapes, in every family but xLSTM: its hooks sit on the checkpointed
+    block itself, outside the checkpoint). The multimodal families are built whole, used text-only."""
+    model = tiny_model(family, _checkpointing_case(family)) if family in FAMILIES else _multimodal_model(family)
+    model = enable_packing(model).train()
+    batch_a, batch_b = padded(packs), padded(packs[::-1])  # the same shape, other documents in each row
+    expected_a = _gradients(model, model(**batch_a).loss)
+    expected_b = _gradients(model, model(**batch_b).loss)
+    for use_reentrant in (True, False):
+        model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+        loss_a, loss_b = model(**batch_a).loss, model(**batch_b).loss
+        for expected, loss in ((expected_a, loss_a), (expected_b, loss_b)):
+            for expected_grad, got_grad in zip(expected, _gradients(model, loss), strict=True):
+                torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=1e-12)
 
-    def gradients():
-        model.zero_grad()
-        model(**batch).loss.backward()
-        return [parameter.grad.clone() for parameter in model.parameters() if parameter.grad is not None]
 
-    expected = gradients()
+@pytest.mark.slow
+def test_checkpointing_enabled_before_packing_or_switched_after_it_keeps_each_forwards_documents(packs):
+    """HF Trainer enables checkpointing after the model is built (and packing enabled); a user may do it before.
+    The guard wraps each layer's checkpointing function once, whenever it was set, and disable_packing restores it."""
+    model = tiny_model("qwen3_5_text", "sdpa").train()
+    batch_a, batch_b = padded(packs), padded(packs[::-1])
+    expected = _gradients(enable_packing(model), model(**batch_a).loss)
+    disable_packing(model)
     model.activation_checkpointing_enable({"use_reentrant": True})
-    got = gradients()
-    assert len(got) == len(expected)
-    for expected_grad, got_grad in zip(expected, got):
-        torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=1e-12)
+    enable_packing(model)
+
+    def backward_a_after_forward_b():
+        loss_a, loss_b = model(**batch_a).loss, model(**batch_b).loss
+        for expected_grad, got_grad in zip(expected, _gradients(model, loss_a), strict=True):
+            torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=1e-12)
+
+    backward_a_after_forward_b()
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    backward_a_after_forward_b()
+    layer = next(layer for layer in model.model.layers if hasattr(layer, "linear_attn"))  # a gated delta rule's
+    transformers_own = layer._gradient_checkpointing_func.checkpoint  # wrapped once, after two forwards
+    assert isinstance(transformers_own, partial) and transformers_own.func is torch.utils.checkpoint.checkpoint
+    disable_packing(model)
+    assert layer._gradient_checkpointing_func is transformers_own
 
 
 def test_a_batch_that_is_not_packed_is_left_alone():
