@@ -28,6 +28,7 @@ from prepack.formats.common import (
     StrictModel,
     file_type_name,
     first_index,
+    length_count_sums,
     list_column,
     load_manifest_json,
     map_regular,
@@ -512,6 +513,33 @@ class Manifest(StrictModel):
         description="Only in a build grown by appends: the build after its first build and after each append, "
         "in order. Absent from every other build's manifest.",
     )
+    segment_lengths: list[list[int]] | None = Field(
+        default=None,
+        description="Only in a build of a document store (full or index, first built or grown by appends): how "
+        "many segments of each length a build of all its documents at once plans, as [length, count] pairs by "
+        "rising length (lengths 1..options.max_len; the counts sum to totals.segments, length x count to "
+        "totals.tokens), from which an append counts a rebuild's packs without reading the store's older shards. "
+        "Absent from builds of a corpus, mixtures and preference-pair builds, and from builds written before it.",
+    )
+
+    @model_validator(mode="after")
+    def _segment_lengths_are_the_segments(self) -> Manifest:
+        """The recorded segment lengths: pairs by rising length within max_len whose counts and tokens are the
+        totals', before a count of a rebuild's packs takes them (a forged length or count allocates nothing)."""
+        if self.segment_lengths is None:
+            return self
+        if self.mixture is not None or self.pairs is not None:
+            raise ValueError("segment_lengths: a mixture or preference-pair build records none")
+        try:
+            sums = length_count_sums(self.segment_lengths, 1, self.options.max_len)
+        except ValueError as exc:
+            raise ValueError(f"segment_lengths {exc}") from None
+        if sums != (self.totals.segments, self.totals.tokens):
+            raise ValueError(
+                f"segment_lengths hold {sums[0]} segments of {sums[1]} tokens, not totals.segments "
+                f"({self.totals.segments}) and totals.tokens ({self.totals.tokens})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _mixture_stores_beside_the_build(self) -> Manifest:
@@ -582,7 +610,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write `manifest.json` atomically (temporary file + rename), keys sorted."""
     # A full build's manifest has no `store` key at all, so its bytes are those of before index builds;
     # likewise no `mixture` key outside a mixture, and no `pairs` keys outside a preference-pair build.
-    exclude: dict = {name: True for name in ("store", "mixture", "pairs", "generations") if getattr(manifest, name) is None}
+    exclude: dict = {name: True for name in ("store", "mixture", "pairs", "generations", "segment_lengths") if getattr(manifest, name) is None}
     if manifest.mixture is not None and manifest.mixture.count is None:  # a mixture counting every token: as before
         exclude["mixture"] = {"count": True, "sources": {"__all__": {"trained_tokens": True}}}
     # Likewise no `options.max_docs_per_pack` key in a build without a cap, nor image cap keys without one.

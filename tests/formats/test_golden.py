@@ -86,9 +86,10 @@ GOLDEN = {
         ],
     },
     # The labelled corpus's store, built with the labelled build's options and --index-only. Changed
-    # deliberately when index shards began to carry their store's fingerprint (shard-format.md changelog).
+    # deliberately when index shards began to carry their store's fingerprint, and its manifest when builds
+    # of a store began to record their segment lengths (shard-format.md changelog).
     "index": {
-        "manifest": "5e66fb2164fb44d4fac78f5567ab5b2ff55a9aec56142c6186e651e9a6a47f4f",
+        "manifest": "c5c28a83baa4bc3332c2dcc026697c9568f6d8b6d79180b4e07231090fef4cbf",
         "shards": [
             "6c41f542b187571a16dc014fe7da1c8065789d9c751aa2d0725d4f7b1f3d52b0",
             "af3ba9a0578135036641eecd2799816acb400396241cb0776c2fdc4343e336d1",
