@@ -89,7 +89,7 @@ GOLDEN = {
     # deliberately when index shards began to carry their store's fingerprint, and its manifest when builds
     # of a store began to record their segment lengths (shard-format.md changelog).
     "index": {
-        "manifest": "c5c28a83baa4bc3332c2dcc026697c9568f6d8b6d79180b4e07231090fef4cbf",
+        "manifest": "1e5ecc84b41ee79985de32abf7f743a63b0253f889b97609aa61e1545601b009",
         "shards": [
             "6c41f542b187571a16dc014fe7da1c8065789d9c751aa2d0725d4f7b1f3d52b0",
             "af3ba9a0578135036641eecd2799816acb400396241cb0776c2fdc4343e336d1",
