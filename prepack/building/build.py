@@ -441,8 +441,9 @@ def build_packs(
                 shards=shards,
                 store=StoreReference(path=store_path, fingerprint=first.fingerprint) if index_only else None,
                 pairs=PairTotals(**plan.pair_counts) if documents.pairs is not None else None,
-                # What an append counts a rebuild's packs from; only a build of a store is appended to.
-                segment_lengths=histogram_pairs(plan.histogram) if store is not None and documents.pairs is None else None,
+                # What an append counts a rebuild's packs from. Not in a full build (until appended to), which stays
+                # byte for byte the build of the store's corpus: its first append reads the old shards' offsets.
+                segment_lengths=histogram_pairs(plan.histogram) if index_only and documents.pairs is None else None,
             )
             if appending is not None:
                 rebuild = _rebuild_histogram(appending, store, planned, plan.histogram, packing, out)

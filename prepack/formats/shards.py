@@ -515,11 +515,12 @@ class Manifest(StrictModel):
     )
     segment_lengths: list[list[int]] | None = Field(
         default=None,
-        description="Only in a build of a document store (full or index, first built or grown by appends): how "
-        "many segments of each length a build of all its documents at once plans, as [length, count] pairs by "
-        "rising length (lengths 1..options.max_len; the counts sum to totals.segments, length x count to "
-        "totals.tokens), from which an append counts a rebuild's packs without reading the store's older shards. "
-        "Absent from builds of a corpus, mixtures and preference-pair builds, and from builds written before it.",
+        description="Only in an index build of a document store and in a build grown by appends: how many segments "
+        "of each length a build of all its documents at once plans, as [length, count] pairs by rising length "
+        "(lengths 1..options.max_len; the counts sum to totals.segments, length x count to totals.tokens), from "
+        "which an append counts a rebuild's packs without reading the store's older shards. Absent from a full "
+        "build never appended to (so that a full build of a store is byte for byte the build of its corpus), "
+        "from mixtures and preference-pair builds, and from builds written before it.",
     )
 
     @model_validator(mode="after")

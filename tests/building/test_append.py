@@ -711,14 +711,18 @@ def test_an_append_counts_a_rebuild_from_the_old_shards_offsets_not_the_unchecke
 @pytest.mark.parametrize("index_only", [False, True])
 def test_an_append_refuses_a_shard_whose_tokens_store_json_inflated_before_it_allocates(tmp_path, index_only, recorded):
     """A shard entry and the store's totals grown by 1e9 tokens, with length_counts to match: a build that
-    records no segment lengths has the old shard's offsets read against its entry and refused (FormatError),
-    no rebuild of 1e9 tokens counted; one that records them reads no old shard, and counts a rebuild of the
-    documents the store holds."""
+    records no segment lengths (a full build before its first append) has the old shard's offsets read against
+    its entry and refused (FormatError), no rebuild of 1e9 tokens counted; one that records them reads no old
+    shard, and counts a rebuild of the documents the store holds."""
     store, out = tmp_path / "store", tmp_path / "packed"
     build_store(_batch(tmp_path, "a", _documents(0, 60)), store, shard_size=600)
     build(store, out, max_len=MAX_LEN, index_only=index_only)
-    if not recorded:
+    if recorded and not index_only:  # recorded from the first append on
+        build_store(_batch(tmp_path, "first", _documents(2, 5)), store, shard_size=600, append=True)
+        build(store, out, max_len=MAX_LEN, append=True)
+    if index_only and not recorded:
         _without_record(out)
+    assert (read_manifest(out).segment_lengths is not None) == recorded
     build_store(_batch(tmp_path, "b", _documents(1, 15)), store, shard_size=600, append=True)
     rebuilt = build(store, tmp_path / "rebuilt", max_len=MAX_LEN, index_only=index_only)
     extra = 10**9
@@ -972,8 +976,9 @@ def _without_record(out: Path) -> None:
     index_only=st.booleans(),
 )
 def test_a_build_of_a_store_records_the_lengths_of_the_segments_its_packs_hold(sizes, overflow, drop_untrained, max_documents, index_only):
-    """Every overflow mode, untrained documents left out or not, a cap on documents a pack, first built and
-    appended to: `segment_lengths` are the lengths of the segments in the packs, and sum to the totals."""
+    """Every overflow mode, untrained documents left out or not, a cap on documents a pack, an index build first
+    built and any build appended to: `segment_lengths` are the lengths of the segments in the packs, and sum to
+    the totals. A full build records none until appended to."""
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
         documents = _documents(len(sizes) + 7, sum(sizes), longest=40)
@@ -990,47 +995,56 @@ def test_a_build_of_a_store_records_the_lengths_of_the_segments_its_packs_hold(s
             except InputError as exc:  # a first build of nothing to pack is refused
                 assume("no document is left to pack" not in str(exc))
                 raise
+            if number == 0 and not index_only:  # a full build is the build of its store's corpus until appended to
+                assert manifest.segment_lengths is None
+                continue
             assert manifest.segment_lengths == _segment_lengths(root / "packed")
             assert sum(c for _, c in manifest.segment_lengths) == manifest.totals.segments
             assert sum(length * c for length, c in manifest.segment_lengths) == manifest.totals.tokens
             assert read_manifest(root / "packed") == manifest
 
 
-def test_a_build_of_a_corpus_records_no_segment_lengths(tmp_path):
+def test_a_full_build_of_a_store_records_no_segment_lengths_and_stays_the_build_of_its_corpus(tmp_path):
     corpus = _batch(tmp_path, "a", _documents(0, 20))
-    assert build(corpus, tmp_path / "packed", max_len=MAX_LEN).segment_lengths is None
-    assert "segment_lengths" not in (tmp_path / "packed" / "manifest.json").read_text()
+    build_store(corpus, tmp_path / "store")
+    assert build(corpus, tmp_path / "of-corpus", max_len=MAX_LEN).segment_lengths is None
+    assert build(tmp_path / "store", tmp_path / "of-store", max_len=MAX_LEN).segment_lengths is None
+    assert (tmp_path / "of-store" / "manifest.json").read_bytes() == (tmp_path / "of-corpus" / "manifest.json").read_bytes()
 
 
 @pytest.mark.parametrize("index_only", [False, True])
 def test_an_append_counts_a_rebuild_from_the_record_reading_no_old_store_shard(tmp_path, index_only):
-    """The old store shards' bytes overwritten after the build: an append of a build that records its segment
-    lengths still succeeds (it reads none of them), its rebuild count that of a build from scratch, after one
-    append and after two; the same append of a build without the record reads them, and is refused."""
+    """The old store shards' bytes overwritten before an append: an append of a build that records its segment
+    lengths still succeeds (it reads none of them), its rebuild count and record those of a build from scratch,
+    append after append; the same append of the build without the record reads them, and is refused. A full
+    build records them from its first append on (that append reads the old shards' offsets)."""
     store, out, options = tmp_path / "store", tmp_path / "packed", dict(max_len=MAX_LEN, index_only=index_only)
     build_store(_batch(tmp_path, "a", _documents(0, 80)), store, shard_size=600)
-    build(store, out, **options)
-    for number in (1, 2):
+    assert (build(store, out, **options).segment_lengths is None) == (not index_only)
+    for number in (1, 2, 3):
         old_shards = [store / s.name for s in read_store_manifest(store).shards]
         assert len(old_shards) > 1
         build_store(_batch(tmp_path, f"b{number}", _documents(number, 12)), store, shard_size=600, append=True)
         rebuilt = build(store, tmp_path / f"rebuilt{number}", **options)
-        without = tmp_path / f"without{number}"
-        shutil.copytree(out, without)
-        _without_record(without)
-        kept = {path: path.read_bytes() for path in old_shards}
-        for path in old_shards:
-            path.write_bytes(bytes(len(kept[path])))
-        try:
+        if read_manifest(out).segment_lengths is None:
             grown = build(store, out, **options, append=True)
-            with pytest.raises(FormatError, match=r"documents-00000\.arrow"):
-                build(store, without, **options, append=True)
-        finally:
-            for path, data in kept.items():
-                path.write_bytes(data)
+        else:
+            without = tmp_path / f"without{number}"
+            shutil.copytree(out, without)
+            _without_record(without)
+            kept = {path: path.read_bytes() for path in old_shards}
+            for path in old_shards:
+                path.write_bytes(bytes(len(kept[path])))
+            try:
+                grown = build(store, out, **options, append=True)
+                with pytest.raises(FormatError, match=r"documents-00000\.arrow"):
+                    build(store, without, **options, append=True)
+            finally:
+                for path, data in kept.items():
+                    path.write_bytes(data)
         assert grown.generations[-1].rebuild_packs == rebuilt.totals.packs
-        assert grown.segment_lengths == rebuilt.segment_lengths == _segment_lengths(tmp_path / f"rebuilt{number}")
-    assert len(grown.generations) == 3 and verify_build(out) == []
+        assert grown.segment_lengths == _segment_lengths(tmp_path / f"rebuilt{number}")
+    assert len(grown.generations) == 4 and verify_build(out) == []
 
 
 @pytest.mark.parametrize("index_only", [False, True])
@@ -1038,13 +1052,14 @@ def test_a_build_without_the_record_still_appends_counting_from_the_old_shards(t
     store, out, options = tmp_path / "store", tmp_path / "packed", dict(max_len=MAX_LEN, index_only=index_only)
     build_store(_batch(tmp_path, "a", _documents(0, 60)), store, shard_size=600)
     build(store, out, **options)
-    _without_record(out)
+    if index_only:
+        _without_record(out)
     assert read_manifest(out).segment_lengths is None
     build_store(_batch(tmp_path, "b", _documents(1, 15)), store, shard_size=600, append=True)
     grown = build(store, out, **options, append=True)
     rebuilt = build(store, tmp_path / "rebuilt", **options)
     assert grown.generations[-1].rebuild_packs == rebuilt.totals.packs
-    assert grown.segment_lengths == rebuilt.segment_lengths  # recorded from the append on
+    assert grown.segment_lengths == _segment_lengths(tmp_path / "rebuilt")  # recorded from the append on
     assert verify_build(out) == []
 
 
