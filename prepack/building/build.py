@@ -505,8 +505,9 @@ def _rebuild_histogram(
     generation `planned` and before, then those just planned (`added`, their plan's histogram). The build's
     `segment_lengths` record the first part (validated by the Manifest model: lengths within max_len, counts
     and tokens the totals'), and it is held to the store: its segments are pieces of the store's documents
-    of generation `planned`, so no more tokens than store.json gives them (else InputError). A build made
-    before builds recorded them has the old store shards' offsets read instead (`_stored_histogram`)."""
+    of generation `planned`, so no more tokens than store.json gives them (else InputError). A build without
+    them (a full build before its first append, or one made before builds recorded them) has the old store
+    shards' offsets read instead (`_stored_histogram`)."""
     if build.segment_lengths is None:
         old = _stored_histogram(store, planned, packing)
     else:

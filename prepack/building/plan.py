@@ -699,8 +699,8 @@ class PackingPlan:
     tokens_per_pack: np.ndarray  # int32 [packs]
     order: np.ndarray  # uint32 (int64 from 2**32 segments) [segments]
     documents: _Documents
-    # int64: histogram[x] segments of x tokens (`segment_histogram`'s, as long as the longest segment): what a
-    # build of a store records (`Manifest.segment_lengths`) for its appends to count a rebuild's packs from.
+    # int64: histogram[x] segments of x tokens (`segment_histogram`'s, as long as the longest segment): what an
+    # index build records (`Manifest.segment_lengths`) for its appends to count a rebuild's packs from.
     histogram: np.ndarray
     counts: dict[str, int] = field(default_factory=dict)  # what overflow did; see `Totals`
 
