@@ -3,9 +3,10 @@ STORE --out DIR --append`) against building the grown store again, in time and i
 
     python benchmarks/bench_append.py                       # 100,000 + 10,000 documents, about a minute
     python benchmarks/bench_append.py --docs 100000 1000000 --kinds index   # the index build at two sizes
+    python benchmarks/bench_append.py --docs 1000000 10000000 --kinds index --median-tokens 30 --repeat 3
 
-The corpus is synthetic token ids with labels (lognormal lengths, median ~350, at most 8192; 20 % of
-labels -100; seed 0) in two Parquet files: the first --docs documents and --added times as many more.
+The corpus is synthetic token ids with labels (lognormal lengths, median ~350 or --median-tokens, at most
+8192; 20 % of labels -100; seed 0) in two Parquet files: the first --docs documents and --added times as many more.
 Untimed: the store of the first file, and a full and an index build of it at max-len 4096. Timed, in
 one process, each the median of --repeat runs on copies: the store append of the second file and, for
 the full and the index build, the build append and a build of the grown store from nothing (the
@@ -51,20 +52,32 @@ from prepack.sources.store import open_store
 MAX_LEN = 4096
 
 
-def _corpus(path: Path, docs: int, seed: int) -> int:
-    """Write the corpus; return its tokens."""
+_CHUNK_TOKENS = 1 << 24  # the corpus is drawn and written this many tokens at a time (a row group each), at most
+
+
+def _corpus(path: Path, docs: int, seed: int, median: int) -> int:
+    """Write the corpus (lengths lognormal around `median`); return its tokens. The lengths are drawn first, all
+    at once, then the tokens and labels of a chunk of documents at a time: memory follows the chunk, not the
+    corpus (10,000,000 documents of median 30 are about 500,000,000 tokens)."""
     rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(np.log(350), 1.0, docs).astype(np.int64), 1, 8192)
-    offsets = np.zeros(docs + 1, np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    ids = rng.integers(0, 50_000, int(offsets[-1]), dtype=np.int32)
-    labels = np.where(rng.random(len(ids)) < 0.2, -100, ids).astype(np.int32)
+    lengths = np.clip(rng.lognormal(np.log(median), 1.0, docs).astype(np.int64), 1, 8192)
+    ends = np.cumsum(lengths)
     path.parent.mkdir(parents=True)
-    pq.write_table(pa.table({
-        "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)),
-        "labels": pa.ListArray.from_arrays(pa.array(offsets), pa.array(labels)),
-    }), path)
-    return int(offsets[-1])
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
+    with pq.ParquetWriter(path, schema) as writer:
+        first = 0
+        while first < docs:
+            end = max(first + 1, int(np.searchsorted(ends, (ends[first - 1] if first else 0) + _CHUNK_TOKENS, "right")))
+            offsets = np.zeros(end - first + 1, np.int32)
+            np.cumsum(lengths[first:end], out=offsets[1:])
+            ids = rng.integers(0, 50_000, int(offsets[-1]), dtype=np.int32)
+            labels = np.where(rng.random(len(ids)) < 0.2, np.int32(-100), ids)
+            writer.write_table(pa.table({
+                "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)),
+                "labels": pa.ListArray.from_arrays(pa.array(offsets), pa.array(labels)),
+            }, schema=schema))
+            first = end
+    return int(ends[-1])
 
 
 def _median_seconds(repeat: int, prepare, step) -> tuple[float, float]:
@@ -91,9 +104,11 @@ def _own_process_seconds(repeat: int, prepare, call: str) -> tuple[float, float]
     return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
-def _copy(source: Path, target: Path) -> None:
+def _copy(source: Path, target: Path, link: bool = False) -> None:
+    """A copy of the directory `source` at `target`; with `link`, of hard links to its files (for a store that only
+    appends grow: they write new files and rename store.json over its link, never into an old file)."""
     shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(source, target)
+    shutil.copytree(source, target, copy_function=os.link if link else shutil.copy2)
 
 
 def _shards(directory: Path) -> dict[str, bytes]:
@@ -146,11 +161,14 @@ def _count_costs(store: Path) -> list[str]:
     return lines
 
 
-def _measure(root: Path, docs: int, added: float, repeat: int, kinds: set[str]) -> tuple[list[tuple], list[str]]:
-    """The table's rows for a corpus of `docs` documents grown by `added` of them, written under `root`, and notes."""
-    _corpus(root / "old" / "old.parquet", docs, 0)
-    added_tokens = _corpus(root / "new" / "new.parquet", int(docs * added), 1)
+def _measure(root: Path, docs: int, added: float, repeat: int, kinds: set[str], median: int) -> tuple[list[tuple], list[str]]:
+    """The table's rows for a corpus of `docs` documents of median length `median` grown by `added` of them,
+    written under `root`, and notes."""
+    _corpus(root / "old" / "old.parquet", docs, 0, median)
+    added_tokens = _corpus(root / "new" / "new.parquet", int(docs * added), 1, median)
     prepack.build_store(root / "old", root / "store-0")
+    if "store" not in kinds:  # only the store's rebuild reads the first file again
+        (root / "old" / "old.parquet").unlink()
     tokens = open_store(root / "store-0").manifest.tokens
     size = sum(p.stat().st_size for p in (root / "store-0").rglob("*") if p.is_file())
     rows, notes = [], [f"the store copy: {tokens:,} tokens, {size / 1e9:.2f} GB ({size / tokens:.2f} bytes a token); "
@@ -177,7 +195,7 @@ def _measure(root: Path, docs: int, added: float, repeat: int, kinds: set[str]) 
             continue
         # Each kind's own copy of the store, grown (untimed) after its first build (an index build lies beside it).
         store, first, grown_out, rebuilt_out = (root / f"{kind} {name}" for name in ("store", "0", "grown", "rebuilt"))
-        _copy(root / "store-0", store)
+        _copy(root / "store-0", store, link=True)
         prepack.build(store, first, max_len=MAX_LEN, index_only=index_only)
         prepack.build_store(root / "new", store, append=True)
         seconds = _median_seconds(
@@ -209,15 +227,20 @@ def main() -> None:
     parser.add_argument("--added", type=float, default=0.1, help="The append's documents, as a share of --docs.")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--kinds", default="store,full,index", help="What is grown and timed: of store, full, index.")
+    parser.add_argument("--median-tokens", type=int, default=350,
+                        help="The documents' median length (lognormal, sigma 1, 1..8192 tokens): 30 fits 10,000,000 documents "
+                        "in about 4 GB of store.")
     args = parser.parse_args()
+    if not 1 <= args.median_tokens <= 8192:
+        parser.error(f"--median-tokens {args.median_tokens}: give a length in 1..8192")
     kinds = set(args.kinds.split(","))
     if not kinds or kinds - {"store", "full", "index"}:
         parser.error(f"--kinds {args.kinds!r}: give some of store, full, index, separated by commas")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         # numba's kernels and the readers' first-call costs paid, untimed, by every kind of step timed below
-        _corpus(root / "warm" / "warm.parquet", 2000, 9)
-        _corpus(root / "warm-more" / "warm-more.parquet", 200, 8)
+        _corpus(root / "warm" / "warm.parquet", 2000, 9, args.median_tokens)
+        _corpus(root / "warm-more" / "warm-more.parquet", 200, 8, args.median_tokens)
         prepack.build_store(root / "warm", root / "warm-store")
         for index_only in (False, True):
             prepack.build(root / "warm-store", root / f"warm-{index_only}", max_len=MAX_LEN, index_only=index_only)
@@ -225,10 +248,11 @@ def main() -> None:
         for index_only in (False, True):
             prepack.build(root / "warm-store", root / f"warm-{index_only}", max_len=MAX_LEN, index_only=index_only, append=True)
         for docs in args.docs:
-            rows, notes = _measure(root / f"docs-{docs}", docs, args.added, args.repeat, kinds)
+            rows, notes = _measure(root / f"docs-{docs}", docs, args.added, args.repeat, kinds, args.median_tokens)
             shutil.rmtree(root / f"docs-{docs}")
             added = int(docs * args.added)
-            print(f"{docs:,} documents + {added:,} appended ({args.added:.0%}), max-len {MAX_LEN}; {platform.machine()}, "
+            print(f"{docs:,} documents + {added:,} appended ({args.added:.0%}), median length {args.median_tokens}, "
+                  f"max-len {MAX_LEN}; {platform.machine()}, "
                   f"median of {args.repeat}, load {os.getloadavg()[0]:.1f}\n")
             print("| output | append s | rebuild s | append / rebuild | append CPU s | rebuild CPU s | CPU append / rebuild "
                   "| fill appended | fill rebuilt | gap (points) |")

@@ -50,7 +50,7 @@ from prepack.formats.shards import (
 from prepack.storage.output import Staging, output_errors, staged_append, staged_directory
 from prepack.building.pair_plan import PairPlan, first_overlong_pair, overlong_prompts, plan_pairs
 from prepack.building import plan_vectorized
-from prepack.building.plan import pack_count, plan_packs, segment_histogram
+from prepack.building.plan import histogram_pairs, pack_count, pairs_histogram, plan_packs, segment_histogram
 from prepack.storage.remote import fetch, is_uri, local_input, relative_location, staged_prefix
 from prepack.formats.store import StoreManifest
 from prepack.sources.store import Store, is_store
@@ -441,9 +441,13 @@ def build_packs(
                 shards=shards,
                 store=StoreReference(path=store_path, fingerprint=first.fingerprint) if index_only else None,
                 pairs=PairTotals(**plan.pair_counts) if documents.pairs is not None else None,
+                # What an append counts a rebuild's packs from. Not in a full build (until appended to), which stays
+                # byte for byte the build of the store's corpus: its first append reads the old shards' offsets.
+                segment_lengths=histogram_pairs(plan.histogram) if index_only and documents.pairs is None else None,
             )
             if appending is not None:
-                manifest = _grown_manifest(appending, manifest, _rebuild_packs(store, planned, first, packing))
+                rebuild = _rebuild_histogram(appending, store, planned, plan.histogram, packing, out)
+                manifest = _grown_manifest(appending, manifest, rebuild, packing)
             with output_errors(staging.build / MANIFEST_NAME):
                 write_manifest(staging.build, manifest)
     return manifest
@@ -494,15 +498,39 @@ def _check_store_fingerprints(store: Store, first: FirstPass) -> None:
             )
 
 
-def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packing) -> int:
-    """The packs a build of the whole grown store at once would take: the store's documents of
-    generation `planned` and before, then those of `first`. They depend on the documents' segment
-    lengths alone, so they are counted from the segments' histogram (`segment_histogram`, `pack_count`),
-    added up shard by shard: one shard's lengths held at a time. The old shards' offsets give their lengths
-    (no token read; their labels only when untrained documents are left out, as only then do they change
-    the packs, read as an index build of them would: `plans_in_numpy`), each shard's checked against its
-    store.json entry (`check_store_offsets`). Not store.json's `length_counts`, which nothing ties to the
-    shards (verify holds them to the offsets)."""
+def _rebuild_histogram(
+    build: Manifest, store: Store, planned: int, added: np.ndarray, packing: Packing, out: str | os.PathLike
+) -> np.ndarray:
+    """The segment histogram of a build of the whole grown store at once: the store's documents of
+    generation `planned` and before, then those just planned (`added`, their plan's histogram). The build's
+    `segment_lengths` record the first part (validated by the Manifest model: lengths within max_len, counts
+    and tokens the totals'), and it is held to the store: its segments are pieces of the store's documents
+    of generation `planned`, so no more tokens than store.json gives them (else InputError). A build without
+    them (a full build before its first append, or one made before builds recorded them) has the old store
+    shards' offsets read instead (`_stored_histogram`)."""
+    if build.segment_lengths is None:
+        old = _stored_histogram(store, planned, packing)
+    else:
+        tokens = int(build.totals.tokens)
+        if tokens > (held := store.manifest.at_generation(planned).tokens):
+            raise InputError(
+                f"{out}/{MANIFEST_NAME}: segment_lengths (and totals.tokens) hold {tokens} tokens, more than the "
+                f"{held} of the store's documents it was built from: the manifest was changed after the build."
+            )
+        old = pairs_histogram(build.segment_lengths)
+    histogram = np.zeros(max(len(old), len(added)), np.int64)
+    histogram[: len(old)] += old
+    histogram[: len(added)] += added
+    return histogram
+
+
+def _stored_histogram(store: Store, planned: int, packing: Packing) -> np.ndarray:
+    """The segment histogram of a build of the store's documents of generation `planned` and before, from
+    their shards (for a build that records no `segment_lengths`), added up shard by shard: one shard's
+    lengths held at a time. The offsets give the lengths (no token read; the labels only when untrained
+    documents are left out, as only then do they change the segments, read as an index build of them would:
+    `plans_in_numpy`), each shard's checked against its store.json entry (`check_store_offsets`). Not
+    store.json's `length_counts`, which nothing ties to the shards (verify holds them to the offsets)."""
     old = store.manifest.at_generation(planned)
     histogram = np.zeros(1, np.int64)  # as long as the longest segment yet: not max_len, which may be 2**31 - 1
 
@@ -521,13 +549,15 @@ def _rebuild_packs(store: Store, planned: int, first: FirstPass, packing: Packin
     else:
         for shard in old.shards:
             add(store.shard_document_lengths(shard), None)
-    add(first.lengths, first.untrained)
-    return pack_count(histogram, packing.max_len, algorithm=packing.algorithm, max_documents=packing.max_docs_per_pack)
+    return histogram
 
 
-def _grown_manifest(build: Manifest, added: Manifest, rebuild_packs: int) -> Manifest:
+def _grown_manifest(build: Manifest, added: Manifest, rebuild: np.ndarray, packing: Packing) -> Manifest:
     """The manifest of the build `build` grown by `added` (the manifest of the new shards alone): its
-    inputs, shards and totals after the build's, the fingerprint and store of `added`, one more generation."""
+    inputs, shards and totals after the build's, the fingerprint and store of `added`, one more generation,
+    whose `rebuild_packs` a build of all the documents at once would take: the packs that plan of the segments
+    `rebuild` counts (`pack_count`, no segment placed), which the manifest records as `segment_lengths`."""
+    rebuild_packs = pack_count(rebuild, packing.max_len, algorithm=packing.algorithm, max_documents=packing.max_docs_per_pack)
     totals = {name: getattr(build.totals, name) + getattr(added.totals, name) for name in Totals.model_fields}
     totals["lower_bound"] = -(-totals["tokens"] // build.options.max_len)
     inputs, shards = [*build.inputs, *added.inputs], [*build.shards, *added.shards]
@@ -540,7 +570,8 @@ def _grown_manifest(build: Manifest, added: Manifest, rebuild_packs: int) -> Man
         tokens=totals["tokens"], rebuild_packs=rebuild_packs, fingerprint=added.fingerprint,
     )
     generations = [*(build.generations or [first]), grown]
-    return Manifest(**{**dict(added), "inputs": inputs, "shards": shards, "totals": Totals(**totals), "generations": generations})
+    return Manifest(**{**dict(added), "inputs": inputs, "shards": shards, "totals": Totals(**totals), "generations": generations,
+                       "segment_lengths": histogram_pairs(rebuild)})
 
 
 def _image_cap(corpus, reading: Reading, packing: Packing, output: Output) -> tuple[np.ndarray | None, str | None]:

@@ -79,6 +79,8 @@ __all__ = [
     "pack_count",
     "plan_packs",
     "segment_histogram",
+    "histogram_pairs",
+    "pairs_histogram",
     "untrained_documents",
 ]
 
@@ -697,6 +699,9 @@ class PackingPlan:
     tokens_per_pack: np.ndarray  # int32 [packs]
     order: np.ndarray  # uint32 (int64 from 2**32 segments) [segments]
     documents: _Documents
+    # int64: histogram[x] segments of x tokens (`segment_histogram`'s, as long as the longest segment): what an
+    # index build records (`Manifest.segment_lengths`) for its appends to count a rebuild's packs from.
+    histogram: np.ndarray
     counts: dict[str, int] = field(default_factory=dict)  # what overflow did; see `Totals`
 
     @property
@@ -839,6 +844,22 @@ def segment_histogram(
     return plan_vectorized.segment_histogram(lengths, untrained if drop_untrained else _NONE_LEFT_OUT, max_len, code)
 
 
+def histogram_pairs(histogram: np.ndarray) -> list[list[int]]:
+    """The segments of a histogram (`segment_histogram`'s) as [length, count] pairs by rising length, its empty
+    entries and length 0 left out: what a build records as `Manifest.segment_lengths`."""
+    lengths = np.flatnonzero(histogram[1:]) + 1
+    return np.stack([lengths, histogram[lengths]], axis=1).tolist()
+
+
+def pairs_histogram(pairs: list[list[int]]) -> np.ndarray:
+    """`histogram_pairs` undone: the histogram (int64, as long as the longest length) of [length, count] pairs
+    by rising length, as the Manifest model holds `segment_lengths` (lengths in 1..max_len, counts int64)."""
+    pairs = np.array(pairs, np.int64).reshape(-1, 2)
+    histogram = np.zeros(int(pairs[-1, 0]) + 1 if len(pairs) else 1, np.int64)
+    histogram[pairs[:, 0]] = pairs[:, 1]
+    return histogram
+
+
 def pack_count(histogram: np.ndarray, max_len: int, *, algorithm: str = "ffd", max_documents: int | None = None) -> int:
     """The packs `plan_packs` makes of documents whose segments `histogram` counts (`segment_histogram`), without
     laying them out: what a build appended to reports its packs against (a rebuild of the same documents at
@@ -948,5 +969,6 @@ def plan_packs(
         tokens_per_pack=tokens_per_pack,
         order=order,
         documents=_Documents(lengths, left_out, bookmarks, code, vectorized),
+        histogram=histogram,
         counts=dict(zip(_COUNTS, map(int, counts))),
     )

@@ -1104,6 +1104,18 @@ def _provenance_problems(packs: _Packs) -> Iterator[Problem]:
                 column=f"totals.{name}" if " " not in name else "totals",
                 message=f"{name} is {said[name]}, but the packs hold {value}.",
             )
+    if manifest.segment_lengths is None:
+        return
+    # By np.unique, not a bincount: an index shard's segment may claim up to max_len tokens it does not hold.
+    held = np.stack(np.unique(seg.lengths, return_counts=True), axis=1).tolist()
+    if manifest.segment_lengths != held:
+        differ = next((a, b) for a, b in zip(manifest.segment_lengths + [None], held + [None]) if a != b)
+        yield Problem(
+            file=MANIFEST_NAME,
+            column="segment_lengths",
+            message=f"records {differ[0] or 'no more'} ([length, count]) where the packs hold {differ[1] or 'no more'}: "
+            "an append would count a rebuild's packs from segments the build does not have.",
+        )
 
 
 # 5. Against the source ----------------------------------------------------------------------------

@@ -171,6 +171,21 @@ def _integer(text: str) -> int:
     return int(text)
 
 
+def length_count_sums(pairs: list[list[int]], least: int, most: int | None = None) -> tuple[int, int]:
+    """(the count, the tokens) of `pairs`, [length, count] pairs by rising length as a grown store's
+    `length_counts` and a build's `segment_lengths` record them, after refusing (ValueError) any other
+    shape: a pair that is not two numbers, lengths that do not rise or lie outside `least`..`most`, a count
+    below 1. The sums are Python's integers: a forged count cannot overflow them."""
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError("are not [length, count] pairs")
+    lengths = [length for length, _ in pairs]
+    outside = bool(lengths) and (lengths[0] < least or (most is not None and lengths[-1] > most))
+    if outside or any(b <= a for a, b in zip(lengths, lengths[1:])) or any(count < 1 for _, count in pairs):
+        within = f"{least}..{most}" if most is not None else f"{least} and up"
+        raise ValueError(f"are not [length, count] pairs by rising length in {within}, each count at least 1")
+    return sum(count for _, count in pairs), sum(length * count for length, count in pairs)
+
+
 def check_manifest_size(size: int, where: str | os.PathLike) -> None:
     """Refuse (FormatError naming `where`) a manifest of more than MANIFEST_MAX_BYTES bytes: every
     reader, local or of object storage, before it parses one."""

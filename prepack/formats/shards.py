@@ -28,6 +28,7 @@ from prepack.formats.common import (
     StrictModel,
     file_type_name,
     first_index,
+    length_count_sums,
     list_column,
     load_manifest_json,
     map_regular,
@@ -512,6 +513,34 @@ class Manifest(StrictModel):
         description="Only in a build grown by appends: the build after its first build and after each append, "
         "in order. Absent from every other build's manifest.",
     )
+    segment_lengths: list[list[int]] | None = Field(
+        default=None,
+        description="Only in an index build of a document store and in a build grown by appends: how many segments "
+        "of each length a build of all its documents at once plans, as [length, count] pairs by rising length "
+        "(lengths 1..options.max_len; the counts sum to totals.segments, length x count to totals.tokens), from "
+        "which an append counts a rebuild's packs without reading the store's older shards. Absent from a full "
+        "build never appended to (so that a full build of a store is byte for byte the build of its corpus), "
+        "from mixtures and preference-pair builds, and from builds written before it.",
+    )
+
+    @model_validator(mode="after")
+    def _segment_lengths_are_the_segments(self) -> Manifest:
+        """The recorded segment lengths: pairs by rising length within max_len whose counts and tokens are the
+        totals', before a count of a rebuild's packs takes them (a forged length or count allocates nothing)."""
+        if self.segment_lengths is None:
+            return self
+        if self.mixture is not None or self.pairs is not None:
+            raise ValueError("segment_lengths: a mixture or preference-pair build records none")
+        try:
+            sums = length_count_sums(self.segment_lengths, 1, self.options.max_len)
+        except ValueError as exc:
+            raise ValueError(f"segment_lengths {exc}") from None
+        if sums != (self.totals.segments, self.totals.tokens):
+            raise ValueError(
+                f"segment_lengths hold {sums[0]} segments of {sums[1]} tokens, not totals.segments "
+                f"({self.totals.segments}) and totals.tokens ({self.totals.tokens})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _mixture_stores_beside_the_build(self) -> Manifest:
@@ -582,7 +611,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write `manifest.json` atomically (temporary file + rename), keys sorted."""
     # A full build's manifest has no `store` key at all, so its bytes are those of before index builds;
     # likewise no `mixture` key outside a mixture, and no `pairs` keys outside a preference-pair build.
-    exclude: dict = {name: True for name in ("store", "mixture", "pairs", "generations") if getattr(manifest, name) is None}
+    exclude: dict = {name: True for name in ("store", "mixture", "pairs", "generations", "segment_lengths") if getattr(manifest, name) is None}
     if manifest.mixture is not None and manifest.mixture.count is None:  # a mixture counting every token: as before
         exclude["mixture"] = {"count": True, "sources": {"__all__": {"trained_tokens": True}}}
     # Likewise no `options.max_docs_per_pack` key in a build without a cap, nor image cap keys without one.
@@ -598,7 +627,15 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     if manifest.pairs is not None and manifest.pairs.desirable is None:  # a pair or group build's: as before
         exclude["pairs"] = {"desirable": True, "undesirable": True}
     fields = manifest.model_dump(mode="json", exclude=exclude or None)
+    # One [length, count] pair a line, not a line for each number and bracket: half the bytes to read again, and
+    # written by json's C encoder (its indenting one is Python's, a call a number). A string holds no bare '"',
+    # so the placeholder's key and value are found once.
+    if pairs := fields.get("segment_lengths"):
+        fields["segment_lengths"] = None
     text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
+    if pairs:
+        lines = json.dumps(pairs)[1:-1].replace("], [", "],\n    [")
+        text = text.replace('"segment_lengths": null', f'"segment_lengths": [\n    {lines}\n  ]', 1)
     if len(text.encode()) > MANIFEST_MAX_BYTES:  # readers would refuse it
         raise OutputError(
             f"the manifest would take {len(text.encode())} bytes, more than the {MANIFEST_MAX_BYTES} readers "

@@ -20,7 +20,9 @@ import pyarrow as pa
 from pydantic import Field, ValidationError, model_validator
 
 from prepack.errors import FormatError
-from prepack.formats.common import INT32_MAX, Fingerprint, StrictModel, field_path, format_error, load_manifest_json, numpy_view
+from prepack.formats.common import (
+    INT32_MAX, Fingerprint, StrictModel, field_path, format_error, length_count_sums, load_manifest_json, numpy_view,
+)
 from prepack.formats.shards import (
     IGNORE_INDEX,
     MANIFEST_NAME,
@@ -191,13 +193,13 @@ class StoreManifest(StrictModel):
                 )
             before = (g.documents, g.inputs, g.shards)
         if self.length_counts is not None:
-            if self.generations is None or not self.length_counts or any(len(pair) != 2 for pair in self.length_counts):
-                raise ValueError("length_counts are not [length, count] pairs in a grown store")
-            lengths = [length for length, _ in self.length_counts]
-            if lengths[0] < 0 or any(b <= a for a, b in zip(lengths, lengths[1:])) or any(c < 1 for _, c in self.length_counts):
-                raise ValueError("length_counts are not [length, count] pairs by rising length in a grown store")
-            # Python's integers: a forged count cannot overflow the sums.
-            if (sum(c for _, c in self.length_counts), sum(l * c for l, c in self.length_counts)) != (self.documents, self.tokens):
+            if self.generations is None or not self.length_counts:
+                raise ValueError("length_counts are recorded in a grown store only, and never empty")
+            try:
+                sums = length_count_sums(self.length_counts, 0)
+            except ValueError as exc:
+                raise ValueError(f"length_counts {exc}") from None
+            if sums != (self.documents, self.tokens):
                 raise ValueError("its length_counts are not its documents and tokens")
         if self.generations is not None and len({f.path for f in self.inputs}) < len(self.inputs):
             raise ValueError("two inputs of a grown store have one name: a document's file would be ambiguous")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,8 @@ from hypothesis import strategies as st
 from prepack import build, build_store
 from prepack.check.report import REBUILD_GAIN_PP, inspect_build
 from prepack.check.verify import verify_build
-from prepack.errors import InputError, OutputError
+from prepack.building.plan import histogram_pairs, pairs_histogram
+from prepack.errors import FormatError, InputError, OutputError
 from prepack.formats.shards import SHARD_STORE_KEY, read_manifest
 from prepack.formats.store import read_store_manifest
 from prepack.sources.store import open_store
@@ -705,16 +707,24 @@ def test_an_append_counts_a_rebuild_from_the_old_shards_offsets_not_the_unchecke
         assert [(p.file, p.column) for p in problems] == [("../store/store.json", "length_counts")], problems
 
 
+@pytest.mark.parametrize("recorded", [False, True])
 @pytest.mark.parametrize("index_only", [False, True])
-def test_an_append_refuses_a_shard_whose_tokens_store_json_inflated_before_it_allocates(tmp_path, index_only):
-    """A shard entry and the store's totals grown by 1e9 tokens, with length_counts to match: the old
-    shard's offsets are read against its entry and refused (FormatError), no rebuild of 1e9 tokens counted."""
-    from prepack.errors import FormatError
-
+def test_an_append_refuses_a_shard_whose_tokens_store_json_inflated_before_it_allocates(tmp_path, index_only, recorded):
+    """A shard entry and the store's totals grown by 1e9 tokens, with length_counts to match: a build that
+    records no segment lengths (a full build before its first append) has the old shard's offsets read against
+    its entry and refused (FormatError), no rebuild of 1e9 tokens counted; one that records them reads no old
+    shard, and counts a rebuild of the documents the store holds."""
     store, out = tmp_path / "store", tmp_path / "packed"
     build_store(_batch(tmp_path, "a", _documents(0, 60)), store, shard_size=600)
     build(store, out, max_len=MAX_LEN, index_only=index_only)
+    if recorded and not index_only:  # recorded from the first append on
+        build_store(_batch(tmp_path, "first", _documents(2, 5)), store, shard_size=600, append=True)
+        build(store, out, max_len=MAX_LEN, append=True)
+    if index_only and not recorded:
+        _without_record(out)
+    assert (read_manifest(out).segment_lengths is not None) == recorded
     build_store(_batch(tmp_path, "b", _documents(1, 15)), store, shard_size=600, append=True)
+    rebuilt = build(store, tmp_path / "rebuilt", max_len=MAX_LEN, index_only=index_only)
     extra = 10**9
 
     def inflate(recorded):
@@ -725,30 +735,37 @@ def test_an_append_refuses_a_shard_whose_tokens_store_json_inflated_before_it_al
 
     _tamper_store_json(store, inflate)
     read_store_manifest(store)  # store.json itself still parses
+    if recorded:
+        grown = build(store, out, max_len=MAX_LEN, index_only=index_only, append=True)
+        assert grown.generations[-1].rebuild_packs == rebuilt.totals.packs
+        return
     with pytest.raises(FormatError, match=r"documents-00000\.arrow: .* tokens, but the store manifest says"):
         build(store, out, max_len=MAX_LEN, index_only=index_only, append=True)
 
 
 def test_an_append_counts_a_rebuild_from_one_shards_lengths_at_a_time(tmp_path, monkeypatch):
-    """The rebuild count adds up the segment histograms of the old store shards, each read alone, and of the
-    new documents: it never holds every store document's length at once."""
+    """Of a build that records no segment lengths, the rebuild count adds up the segment histograms of the old
+    store shards, each read alone: it never holds every store document's length at once."""
     from prepack.building import build as build_module
 
     store, out = tmp_path / "store", tmp_path / "packed"
     build_store(_batch(tmp_path, "a", _documents(0, 30)), store, shard_size=300)
     build(store, out, max_len=MAX_LEN, index_only=True)
+    _without_record(out)
     build_store(_batch(tmp_path, "b", _documents(1, 10)), store, shard_size=300, append=True)
     m = read_store_manifest(store)
     counted, histogram = [], build_module.segment_histogram
     monkeypatch.setattr(build_module, "segment_histogram", lambda lengths, *a, **k: counted.append(len(lengths)) or histogram(lengths, *a, **k))
     build(store, out, max_len=MAX_LEN, index_only=True, append=True)
     old = m.shards[: m.generations[0].shards]
-    assert len(old) > 1 and counted == [s.documents for s in old] + [m.documents - m.generations[0].documents]
+    assert len(old) > 1 and counted == [s.documents for s in old]
 
 
-def test_an_append_counts_a_rebuild_in_memory_that_follows_the_documents_not_max_len(tmp_path, monkeypatch):
-    """A max-len of 2**24 tokens over documents of at most 90: the rebuild count's histogram is as long as the
-    longest segment (a histogram of max_len + 1 counts would be 128 MiB, and its copy as much again)."""
+@pytest.mark.parametrize("recorded", [False, True])
+def test_an_append_counts_a_rebuild_in_memory_that_follows_the_documents_not_max_len(tmp_path, monkeypatch, recorded):
+    """A max-len of 2**24 tokens over documents of at most 90: the rebuild count's histogram (from the record or
+    from the old shards) is as long as the longest segment (a histogram of max_len + 1 counts would be 128 MiB,
+    and its copy as much again)."""
     import tracemalloc
 
     from prepack.building import build as build_module
@@ -756,22 +773,30 @@ def test_an_append_counts_a_rebuild_in_memory_that_follows_the_documents_not_max
     store, out = tmp_path / "store", tmp_path / "packed"
     build_store(_batch(tmp_path, "a", _documents(0, 30)), store)
     build(store, out, max_len=2**24, index_only=True)
+    if not recorded:
+        _without_record(out)
     build_store(_batch(tmp_path, "b", _documents(1, 10)), store, append=True)
-    peaks, count = [], build_module._rebuild_packs
+    peaks = []
 
-    def measured(*args):
-        tracemalloc.reset_peak()
-        packs = count(*args)
-        peaks.append(tracemalloc.get_traced_memory()[1])
-        return packs
+    def measured(name):
+        count = getattr(build_module, name)
 
-    monkeypatch.setattr(build_module, "_rebuild_packs", measured)
+        def call(*args):
+            tracemalloc.reset_peak()
+            result = count(*args)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            return result
+
+        monkeypatch.setattr(build_module, name, call)
+
+    measured("_rebuild_histogram")  # the histogram of every segment a rebuild plans
+    measured("_grown_manifest")  # its pack count
     tracemalloc.start()
     try:
         grown = build(store, out, max_len=2**24, index_only=True, append=True)
     finally:
         tracemalloc.stop()
-    assert len(peaks) == 1 and peaks[0] < 2**20 and grown.generations[-1].rebuild_packs == 1
+    assert len(peaks) == 2 and max(peaks) < 2**20 and grown.generations[-1].rebuild_packs == 1
 
 
 @pytest.mark.parametrize("drop_untrained", [False, True])
@@ -890,8 +915,8 @@ def test_an_append_to_a_grown_store_summarises_its_lengths_without_reading_its_s
 def test_an_index_append_reads_labels_as_it_plans_by_its_new_documents_tokens(tmp_path, monkeypatch, drop_untrained):
     """An index append's first pass (its new documents' labels) decides numpy or kernels as its planning
     does, on the new documents' tokens: numpy both here, the old documents over the numpy bound and the new
-    under it. Its count of a rebuild's packs reads the old shards' labels only with --drop-untrained, and
-    decides on theirs: the kernels here."""
+    under it. Of a build that records no segment lengths, its count of a rebuild's packs reads the old shards'
+    labels only with --drop-untrained, and decides on theirs: the kernels here."""
     from prepack.building import build as build_module, kernels, plan_vectorized
     from prepack.building.engines import local
     from prepack.sources.store import Store
@@ -899,6 +924,7 @@ def test_an_index_append_reads_labels_as_it_plans_by_its_new_documents_tokens(tm
     store, out = tmp_path / "store", tmp_path / "index"
     build_store(_batch(tmp_path, "a", _documents(0, 60), labels=True), store)
     old = build(store, out, max_len=MAX_LEN, index_only=True, drop_untrained=drop_untrained)
+    _without_record(out)
     grown = build_store(_batch(tmp_path, "b", _documents(1, 9), labels=True), store, append=True)
     monkeypatch.setattr(plan_vectorized, "_LABELS", old.totals.input_tokens - 1)
     assert grown.tokens - old.totals.input_tokens <= plan_vectorized._LABELS
@@ -911,3 +937,184 @@ def test_an_index_append_reads_labels_as_it_plans_by_its_new_documents_tokens(tm
     build(store, out, max_len=MAX_LEN, index_only=True, append=True, drop_untrained=drop_untrained)
     assert planned == [True] and set(read) == {True}
     assert old_read == ([False] * grown.generations[0].shards if drop_untrained else [])
+
+
+# The segment lengths a build records, which an append counts a rebuild's packs from ---------------
+
+
+def _segment_lengths(build_dir: Path) -> list[list[int]]:
+    """[length, count] by rising length of every segment the build's shards hold (their cu_seqlens)."""
+    lengths = []
+    for shard in read_manifest(build_dir).shards:
+        with pa.ipc.open_stream(build_dir / shard.name) as reader:
+            table = reader.read_all()
+        lengths += [b - a for bounds in table["cu_seqlens"].to_pylist() for a, b in zip(bounds, bounds[1:])]
+    found, counts = np.unique(np.array(lengths, np.int64), return_counts=True)
+    return [[int(length), int(count)] for length, count in zip(found, counts)]
+
+
+def _edit_manifest(out: Path, change) -> None:
+    """Rewrite a build's manifest.json after `change(recorded)` edits its parsed fields."""
+    import json
+
+    recorded = json.loads((out / "manifest.json").read_text())
+    change(recorded)
+    (out / "manifest.json").write_text(json.dumps(recorded))
+
+
+def _without_record(out: Path) -> None:
+    """The build as prepack wrote it before builds recorded their segment lengths."""
+    _edit_manifest(out, lambda recorded: recorded.pop("segment_lengths"))
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 25), min_size=1, max_size=2),
+    overflow=st.sampled_from(["split", "truncate", "drop"]),
+    drop_untrained=st.booleans(),
+    max_documents=st.sampled_from([None, 2]),
+    index_only=st.booleans(),
+)
+def test_a_build_of_a_store_records_the_lengths_of_the_segments_its_packs_hold(sizes, overflow, drop_untrained, max_documents, index_only):
+    """Every overflow mode, untrained documents left out or not, a cap on documents a pack, an index build first
+    built and any build appended to: `segment_lengths` are the lengths of the segments in the packs, and sum to
+    the totals. A full build records none until appended to."""
+    with tempfile.TemporaryDirectory() as directory:
+        root = Path(directory)
+        documents = _documents(len(sizes) + 7, sum(sizes), longest=40)
+        labels = [[-100] * len(d) if row % 3 == 0 else [-100, *d[1:]] for row, d in enumerate(documents)]
+        options = dict(max_len=16, overflow=overflow, drop_untrained=drop_untrained, max_docs_per_pack=max_documents, index_only=index_only)
+        start = 0
+        for number, size in enumerate(sizes):
+            (root / f"p{number}").mkdir()
+            write_corpus(root / f"p{number}" / f"p{number}.parquet", corpus_table(documents[start : start + size], labels[start : start + size]))
+            build_store(root / f"p{number}", root / "store", append=number > 0)
+            start += size
+            try:
+                manifest = build(root / "store", root / "packed", **options, append=number > 0)
+            except InputError as exc:  # a first build of nothing to pack is refused
+                assume("no document is left to pack" not in str(exc))
+                raise
+            if number == 0 and not index_only:  # a full build is the build of its store's corpus until appended to
+                assert manifest.segment_lengths is None
+                continue
+            assert manifest.segment_lengths == _segment_lengths(root / "packed")
+            assert sum(c for _, c in manifest.segment_lengths) == manifest.totals.segments
+            assert sum(length * c for length, c in manifest.segment_lengths) == manifest.totals.tokens
+            assert read_manifest(root / "packed") == manifest
+
+
+def test_a_full_build_of_a_store_records_no_segment_lengths_and_stays_the_build_of_its_corpus(tmp_path):
+    corpus = _batch(tmp_path, "a", _documents(0, 20))
+    build_store(corpus, tmp_path / "store")
+    assert build(corpus, tmp_path / "of-corpus", max_len=MAX_LEN).segment_lengths is None
+    assert build(tmp_path / "store", tmp_path / "of-store", max_len=MAX_LEN).segment_lengths is None
+    assert (tmp_path / "of-store" / "manifest.json").read_bytes() == (tmp_path / "of-corpus" / "manifest.json").read_bytes()
+
+
+@pytest.mark.parametrize("index_only", [False, True])
+def test_an_append_counts_a_rebuild_from_the_record_reading_no_old_store_shard(tmp_path, index_only):
+    """The old store shards' bytes overwritten before an append: an append of a build that records its segment
+    lengths still succeeds (it reads none of them), its rebuild count and record those of a build from scratch,
+    append after append; the same append of the build without the record reads them, and is refused. A full
+    build records them from its first append on (that append reads the old shards' offsets)."""
+    store, out, options = tmp_path / "store", tmp_path / "packed", dict(max_len=MAX_LEN, index_only=index_only)
+    build_store(_batch(tmp_path, "a", _documents(0, 80)), store, shard_size=600)
+    assert (build(store, out, **options).segment_lengths is None) == (not index_only)
+    for number in (1, 2, 3):
+        old_shards = [store / s.name for s in read_store_manifest(store).shards]
+        assert len(old_shards) > 1
+        build_store(_batch(tmp_path, f"b{number}", _documents(number, 12)), store, shard_size=600, append=True)
+        rebuilt = build(store, tmp_path / f"rebuilt{number}", **options)
+        if read_manifest(out).segment_lengths is None:
+            grown = build(store, out, **options, append=True)
+        else:
+            without = tmp_path / f"without{number}"
+            shutil.copytree(out, without)
+            _without_record(without)
+            kept = {path: path.read_bytes() for path in old_shards}
+            for path in old_shards:
+                path.write_bytes(bytes(len(kept[path])))
+            try:
+                grown = build(store, out, **options, append=True)
+                with pytest.raises(FormatError, match=r"documents-00000\.arrow"):
+                    build(store, without, **options, append=True)
+            finally:
+                for path, data in kept.items():
+                    path.write_bytes(data)
+        assert grown.generations[-1].rebuild_packs == rebuilt.totals.packs
+        assert grown.segment_lengths == _segment_lengths(tmp_path / f"rebuilt{number}")
+    assert len(grown.generations) == 4 and verify_build(out) == []
+
+
+@pytest.mark.parametrize("index_only", [False, True])
+def test_a_build_without_the_record_still_appends_counting_from_the_old_shards(tmp_path, index_only):
+    store, out, options = tmp_path / "store", tmp_path / "packed", dict(max_len=MAX_LEN, index_only=index_only)
+    build_store(_batch(tmp_path, "a", _documents(0, 60)), store, shard_size=600)
+    build(store, out, **options)
+    if index_only:
+        _without_record(out)
+    assert read_manifest(out).segment_lengths is None
+    build_store(_batch(tmp_path, "b", _documents(1, 15)), store, shard_size=600, append=True)
+    grown = build(store, out, **options, append=True)
+    rebuilt = build(store, tmp_path / "rebuilt", **options)
+    assert grown.generations[-1].rebuild_packs == rebuilt.totals.packs
+    assert grown.segment_lengths == _segment_lengths(tmp_path / "rebuilt")  # recorded from the append on
+    assert verify_build(out) == []
+
+
+@pytest.mark.parametrize(
+    "forge, why",
+    [
+        (lambda pairs: pairs[::-1], "by rising length"),
+        (lambda pairs: [[0, 1], *pairs], "by rising length"),
+        (lambda pairs: [*pairs[:-1], [MAX_LEN + 1, pairs[-1][1]]], "by rising length"),
+        (lambda pairs: [[pairs[0][0], 0], *pairs[1:]], "each count at least 1"),
+        (lambda pairs: [[pairs[0][0], pairs[0][1], 1], *pairs[1:]], "are not \\[length, count\\] pairs"),
+        (lambda pairs: [[pairs[0][0], pairs[0][1] + 10**30], *pairs[1:]], "not totals.segments"),
+        (lambda pairs: [[pairs[0][0], 2**40], *pairs[1:]], "not totals.segments"),
+    ],
+)
+def test_a_forged_segment_lengths_record_is_refused_by_name_before_it_is_counted(tmp_path, forge, why):
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 30)), store)
+    build(store, out, max_len=MAX_LEN, index_only=True)
+    _edit_manifest(out, lambda recorded: recorded.update(segment_lengths=forge(recorded["segment_lengths"])))
+    with pytest.raises(FormatError, match=f"(?s)segment_lengths.*{why}"):
+        read_manifest(out)
+    build_store(_batch(tmp_path, "b", _documents(1, 5)), store, append=True)
+    with pytest.raises(OutputError, match=f"(?s)is not a prepack build.*segment_lengths.*{why}"):  # as for any broken manifest
+        build(store, out, max_len=MAX_LEN, index_only=True, append=True)
+
+
+def test_verify_names_a_consistent_but_wrong_record_and_an_append_refuses_one_of_more_tokens_than_its_store(tmp_path):
+    """One segment moved to a length one shorter and another to one longer keeps both sums: the model takes it,
+    verify finds it against the packs. Segments of more tokens than the store's documents hold are refused by
+    the append before they are counted."""
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 40)), store)
+    manifest = build(store, out, max_len=MAX_LEN, index_only=True)
+    histogram = pairs_histogram(manifest.segment_lengths)
+    short, long = manifest.segment_lengths[0][0], manifest.segment_lengths[-1][0]
+    assert long - short >= 2
+    histogram[[short, long]] -= 1
+    histogram[[short + 1, long - 1]] += 1
+    _edit_manifest(out, lambda recorded: recorded.update(segment_lengths=histogram_pairs(histogram)))
+    problems = verify_build(out, all_problems=True)
+    assert [(p.file, p.column) for p in problems] == [("manifest.json", "segment_lengths")], problems
+    build_store(_batch(tmp_path, "b", _documents(1, 5)), store, append=True)
+    # Segments of max_len tokens, more than the store's documents give, with totals to match.
+    extra = read_store_manifest(store).at_generation(0).tokens // MAX_LEN + 1
+
+    def inflate(recorded):
+        inflated = np.zeros(MAX_LEN + 1, np.int64)
+        inflated[: len(histogram)] = pairs_histogram(manifest.segment_lengths)
+        inflated[MAX_LEN] += extra
+        recorded["segment_lengths"] = histogram_pairs(inflated)
+        recorded["totals"]["tokens"] += extra * MAX_LEN
+        recorded["totals"]["segments"] += extra
+
+    _edit_manifest(out, inflate)
+    read_manifest(out)  # the model takes it: its sums are its totals'
+    with pytest.raises(InputError, match=r"manifest.json: segment_lengths \(and totals.tokens\) hold \d+ tokens, more than the \d+ of the store's documents"):
+        build(store, out, max_len=MAX_LEN, index_only=True, append=True)

@@ -86,9 +86,10 @@ GOLDEN = {
         ],
     },
     # The labelled corpus's store, built with the labelled build's options and --index-only. Changed
-    # deliberately when index shards began to carry their store's fingerprint (shard-format.md changelog).
+    # deliberately when index shards began to carry their store's fingerprint, and its manifest when builds
+    # of a store began to record their segment lengths (shard-format.md changelog).
     "index": {
-        "manifest": "5e66fb2164fb44d4fac78f5567ab5b2ff55a9aec56142c6186e651e9a6a47f4f",
+        "manifest": "1e5ecc84b41ee79985de32abf7f743a63b0253f889b97609aa61e1545601b009",
         "shards": [
             "6c41f542b187571a16dc014fe7da1c8065789d9c751aa2d0725d4f7b1f3d52b0",
             "af3ba9a0578135036641eecd2799816acb400396241cb0776c2fdc4343e336d1",
