@@ -47,7 +47,10 @@ with optional_imports("enable_packing"):
     import torch
     import transformers
 
-__all__ = ["STATEFUL_LAYERS", "DocumentSegments", "PerDocumentLayers", "install_per_document_layers"]
+__all__ = [
+    "STATEFUL_LAYERS", "DocumentSegments", "PerDocumentLayers", "install_decoders_per_document_layers",
+    "install_per_document_layers",
+]
 
 # model_type → the classes of its modeling file that carry state along the sequence, for every family that
 # prepack.model.families marks per document. xLSTM: the whole block (norms, mLSTM layer, feed-forward), since its
@@ -263,6 +266,22 @@ def install_per_document_layers(model: torch.nn.Module, model_type: str) -> PerD
     return layers
 
 
+def install_decoders_per_document_layers(model: transformers.PreTrainedModel, model_type: str) -> PerDocumentLayers:
+    """The model's per-document hooks; a vision-language family whose decoder is a text family of
+    `STATEFUL_LAYERS` (LFM2-VL's LFM2) gets its decoder's, whose modeling file defines the layers."""
+    if model_type in STATEFUL_LAYERS:
+        return install_per_document_layers(model, model_type)
+    text_type = model.config.get_text_config().model_type
+    if text_type not in STATEFUL_LAYERS:
+        raise IsolationError(
+            f"{type(model).__name__} ({model_type}): its decoder ({text_type}) has no sequence-state layers prepack "
+            f"knows to run per document in this transformers ({transformers.__version__}), where prepack's table "
+            "runs them so. Its documents would leak through them: use a transformers version prepack supports, or "
+            "train without packing."
+        )
+    return install_per_document_layers(model.get_decoder(), text_type)
+
+
 class _RegroupHook:
     """Runs one layer per length band of the segments: the pre-hook hands the layer's forward the first band,
     the forward hook runs the others (`module.forward`, so this hook does not see them) and scatters back."""
@@ -327,19 +346,3 @@ def _hidden(output) -> torch.Tensor:
 
 def _is_per_token(value: Any, shape: tuple[int, int]) -> bool:
     return isinstance(value, torch.Tensor) and value.ndim >= 2 and tuple(value.shape[:2]) == shape
-
-
-def install_decoders_per_document_layers(model: transformers.PreTrainedModel, model_type: str) -> PerDocumentLayers:
-    """The model's per-document hooks; a vision-language family whose decoder is a text family of
-    `STATEFUL_LAYERS` (LFM2-VL's LFM2) gets its decoder's, whose modeling file defines the layers."""
-    if model_type in STATEFUL_LAYERS:
-        return install_per_document_layers(model, model_type)
-    text_type = model.config.get_text_config().model_type
-    if text_type not in STATEFUL_LAYERS:
-        raise IsolationError(
-            f"{type(model).__name__} ({model_type}): its decoder ({text_type}) has no sequence-state layers prepack "
-            f"knows to run per document in this transformers ({transformers.__version__}), where prepack's table "
-            "runs them so. Its documents would leak through them: use a transformers version prepack supports, or "
-            "train without packing."
-        )
-    return install_per_document_layers(model.get_decoder(), text_type)
