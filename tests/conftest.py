@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 
@@ -19,7 +20,8 @@ def pytest_collection_modifyitems(config, items):
     pytest-xdist's worker appends to their node ids. pytest-xdist 3.8 writes it to `item._nodeid`, which pytest 9
     no longer reads (a node's id is `item._id`), so each group's tests were spread over the workers
     (pytest-dev/pytest-xdist#1386, its fix #1388 open): here the worker appends it as xdist does, where xdist's did
-    not take. A pytest without `_pytest.nodeid` (private) leaves the groups as xdist made them rather than fail."""
+    not take. A pytest where that fails (`_pytest.nodeid` is private) leaves the groups as xdist made them, with a
+    warning, rather than fail."""
     if not getattr(config.option, "loadgroup", False):  # set on xdist's workers under --dist loadgroup only
         return
     for item in items:
@@ -28,9 +30,14 @@ def pytest_collection_modifyitems(config, items):
         if names and not item.nodeid.endswith(suffix):  # under pytest 8, xdist's own took
             try:
                 from _pytest.nodeid import NodeId  # pytest 9's
-            except ImportError:
+
+                item._id = NodeId.parse(item.nodeid + suffix)
+            except (ImportError, AttributeError):
+                pass
+            if not item.nodeid.endswith(suffix):
+                warnings.warn(f"xdist_group {suffix[1:]!r} is not applied under this pytest: its tests may run on "
+                              "several workers", stacklevel=1)
                 return
-            item._id = NodeId.parse(item.nodeid + suffix)
 
 
 @pytest.fixture(scope="session")

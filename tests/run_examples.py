@@ -10,7 +10,8 @@ left (`tests/project/test_examples.py` reads what each left).
 PLAN.json is a list of {"argv": [SCRIPT, ARGS...], "cwd": DIR, "stdout": FILE, "stderr": FILE, "status": FILE};
 each script's exit status is written to its "status" file as Python's own would be: 0, SystemExit's code, or 1
 (SystemExit with a message, which goes to stderr as Python writes it, or an exception, whose traceback does), or
--N where a signal N ended it.
+-N where a signal N ended it (-9: killed after RUN_SECONDS). The runs share the environment the runner started with
+(one HF_HOME: huggingface_hub reads it when imported, before the first fork).
 """
 
 from __future__ import annotations
@@ -18,16 +19,20 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
+import time
 import traceback
 from pathlib import Path
+
+RUN_SECONDS = 600  # each run's limit, as each example's own process had (pyproject.toml's pytest-timeout)
 
 
 def run_script(argv: list[str]) -> int:
     """Run argv[0] as `python argv[0] argv[1:]` would; its exit status."""
     script = Path(argv[0]).resolve()
     sys.argv = [str(script), *argv[1:]]
-    sys.path.insert(0, str(script.parent))
+    sys.path[0] = str(script.parent)  # where Python puts the script's directory (not this runner's, tests/)
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as stop:
@@ -38,8 +43,6 @@ def run_script(argv: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - Python's own last resort: the traceback on stderr, exit status 1
         traceback.print_exc()
         return 1
-    finally:
-        sys.path.remove(str(script.parent))
     return 0
 
 
@@ -60,23 +63,28 @@ def _imported_once() -> None:
 
 
 def _run_in_child(run: dict) -> int:
-    """Fork; the child runs the script with its own cwd, stdout and stderr and exits with its status."""
+    """Fork; the child runs the script with its own cwd, stdout and stderr and exits as Python does after a script
+    (atexit handlers, non-daemon threads joined, its status); one that runs past `RUN_SECONDS` is killed (-9)."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
-    if pid == 0:  # the child: never returns
-        status = 1
+    if pid == 0:  # the child: leaves main() by SystemExit, or by os._exit where it could not start the script
         try:
-            with open(run["stdout"], "wb") as stdout, open(run["stderr"], "wb") as stderr:
-                os.dup2(stdout.fileno(), 1)
-                os.dup2(stderr.fileno(), 2)
-                os.chdir(run["cwd"])
-                status = run_script(run["argv"])
-                sys.stdout.flush()
-                sys.stderr.flush()
-        finally:
-            os._exit(status)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            stdout, stderr = open(run["stdout"], "wb"), open(run["stderr"], "wb")
+            os.dup2(stdout.fileno(), 1)
+            os.dup2(stderr.fileno(), 2)
+            os.chdir(run["cwd"])
+        except BaseException:  # noqa: BLE001
+            os._exit(1)
+        raise SystemExit(run_script(run["argv"]))
+    deadline = time.monotonic() + RUN_SECONDS
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            done = os.waitpid(pid, 0)
+            break
+        time.sleep(0.2)
+    return os.waitstatus_to_exitcode(done[1])
 
 
 def main() -> None:

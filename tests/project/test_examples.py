@@ -24,8 +24,8 @@ from tests.corpus import training_build
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RUNNER = Path(__file__).resolve().parents[1] / "run_examples.py"
 
-# pytest-timeout counts a test's setup: the first test here runs every example (490 s on 2 cores at a load of 13,
-# `pytest tests/project/test_examples.py -n 0 --durations=5`), where pyproject.toml's 600 s was each example's own.
+# pytest-timeout counts a test's setup: the first test here runs every example (each limited to RUN_SECONDS by the
+# runner; what they take, `pytest tests/project/test_examples.py -n 0 --durations=5` prints).
 pytestmark = pytest.mark.timeout(1800)
 
 
@@ -57,8 +57,8 @@ COMMANDS = {
 
 @pytest.fixture(scope="module")
 def example_runs(request, tmp_path_factory) -> dict[str, ExampleRun]:
-    """Every selected test's example run, by the test's name, all in one process (`tests/run_examples.py`),
-    offline and with a private cache: an example that tried to download anything fails."""
+    """Every selected test's example run, by the test's name, all from one runner process (`tests/run_examples.py`),
+    offline and with a cache of their own: an example that tried to download anything fails."""
     root = tmp_path_factory.mktemp("runs")
     tests = [item for item in request.session.items
              if item.module is request.module and item.originalname in COMMANDS]
@@ -76,21 +76,23 @@ def example_runs(request, tmp_path_factory) -> dict[str, ExampleRun]:
         names.append(item.name)
     (root / "plan.json").write_text(json.dumps(plan))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(root / "hf"), "TOKENIZERS_PARALLELISM": "false"}
-    runner = subprocess.run([sys.executable, str(RUNNER), str(root / "plan.json")],
-                            capture_output=True, text=True, timeout=1800, env=env, cwd=root)
+    runner = subprocess.run([sys.executable, str(RUNNER), str(root / "plan.json")], capture_output=True, text=True,
+                            env=env, cwd=root)
     runs = {}
     for name, run in zip(names, plan):
         status = Path(run["status"])
-        assert status.exists(), f"{name}: the runner stopped before it ({runner.returncode}):\n{runner.stderr[-4000:]}"
-        runs[name] = ExampleRun(int(status.read_text()), Path(run["stdout"]).read_text(), Path(run["stderr"]).read_text(),
-                                Path(run["cwd"]))
+        runs[name] = (ExampleRun(int(status.read_text()), Path(run["stdout"]).read_text(),
+                                 Path(run["stderr"]).read_text(), Path(run["cwd"])) if status.exists() else
+                      f"the runner stopped before this run ({runner.returncode}):\n{runner.stderr[-4000:]}")
     return runs
 
 
 @pytest.fixture
 def example_run(request, example_runs) -> ExampleRun:
-    """This test's example run."""
-    return example_runs[request.node.name]
+    """This test's example run (a test whose run the runner never reached fails, naming why)."""
+    run = example_runs[request.node.name]
+    assert isinstance(run, ExampleRun), run
+    return run
 
 
 @pytest.fixture(scope="module")
