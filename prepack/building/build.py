@@ -443,7 +443,8 @@ def build_packs(
                 pairs=PairTotals(**plan.pair_counts) if documents.pairs is not None else None,
                 # What an append counts a rebuild's packs from. Not in a full build (until appended to), which stays
                 # byte for byte the build of the store's corpus: its first append reads the old shards' offsets.
-                segment_lengths=histogram_pairs(plan.histogram) if index_only and documents.pairs is None else None,
+                # An append's are its rebuild's (`_grown_manifest`).
+                segment_lengths=histogram_pairs(plan.histogram) if index_only and documents.pairs is None and appending is None else None,
             )
             if appending is not None:
                 rebuild = _rebuild_histogram(appending, store, planned, plan.histogram, packing, out)
@@ -505,10 +506,15 @@ def _rebuild_histogram(
     generation `planned` and before, then those just planned (`added`, their plan's histogram). The build's
     `segment_lengths` record the first part (validated by the Manifest model: lengths within max_len, counts
     and tokens the totals'), and it is held to the store: its segments are pieces of the store's documents
-    of generation `planned`, so no more tokens than store.json gives them (else InputError). A build without
-    them (a full build before its first append, or one made before builds recorded them) has the old store
-    shards' offsets read instead (`_stored_histogram`)."""
-    if build.segment_lengths is None:
+    of generation `planned`, so no more tokens than store.json gives them, and none longer than its longest
+    document (else InputError): the histogram is as long as its longest segment, which max_len (up to 2**31 - 1)
+    and the totals alone would let a forged record make as long as the store's tokens. store.json records the
+    longest of a grown store's documents in `length_counts` (of the whole store: stores only grow, so no
+    shorter than those of generation `planned`); a build without them, or without the record (a full build
+    before its first append, one made before builds recorded them, one of a store grown before stores recorded
+    its lengths), has the old store shards' offsets read instead (`_stored_histogram`)."""
+    length_counts = store.manifest.length_counts
+    if build.segment_lengths is None or length_counts is None:
         old = _stored_histogram(store, planned, packing)
     else:
         tokens = int(build.totals.tokens)
@@ -517,10 +523,20 @@ def _rebuild_histogram(
                 f"{out}/{MANIFEST_NAME}: segment_lengths (and totals.tokens) hold {tokens} tokens, more than the "
                 f"{held} of the store's documents it was built from: the manifest was changed after the build."
             )
+        if build.segment_lengths and (longest := build.segment_lengths[-1][0]) > (document := length_counts[-1][0]):
+            raise InputError(
+                f"{out}/{MANIFEST_NAME}: segment_lengths record a segment of {longest} tokens, longer than the longest "
+                f"document of its store ({document} tokens, store.json's length_counts): the manifest was changed after the build."
+            )
         old = pairs_histogram(build.segment_lengths)
-    histogram = np.zeros(max(len(old), len(added)), np.int64)
-    histogram[: len(old)] += old
-    histogram[: len(added)] += added
+    return _added_histograms(old, added)
+
+
+def _added_histograms(histogram: np.ndarray, part: np.ndarray) -> np.ndarray:
+    """The sum of two segment histograms (int64), as long as the longer: `histogram` itself where it is the longer."""
+    if len(part) > len(histogram):
+        histogram = np.concatenate([histogram, np.zeros(len(part) - len(histogram), np.int64)])
+    histogram[: len(part)] += part
     return histogram
 
 
@@ -536,11 +552,8 @@ def _stored_histogram(store: Store, planned: int, packing: Packing) -> np.ndarra
 
     def add(lengths: np.ndarray, untrained: np.ndarray | None) -> None:
         nonlocal histogram
-        part = segment_histogram(lengths, packing.max_len, overflow=packing.overflow, untrained=untrained,
-                                 drop_untrained=packing.drop_untrained)
-        if len(part) > len(histogram):
-            histogram = np.concatenate([histogram, np.zeros(len(part) - len(histogram), np.int64)])
-        histogram[: len(part)] += part
+        histogram = _added_histograms(histogram, segment_histogram(
+            lengths, packing.max_len, overflow=packing.overflow, untrained=untrained, drop_untrained=packing.drop_untrained))
 
     if packing.drop_untrained:
         without_numba = plan_vectorized.plans_in_numpy(old.tokens, old.has_labels)

@@ -526,7 +526,9 @@ class Manifest(StrictModel):
     @model_validator(mode="after")
     def _segment_lengths_are_the_segments(self) -> Manifest:
         """The recorded segment lengths: pairs by rising length within max_len whose counts and tokens are the
-        totals', before a count of a rebuild's packs takes them (a forged length or count allocates nothing)."""
+        totals', before a count of a rebuild's packs takes them. Checking them allocates nothing whatever a forged
+        length or count (Python's integers); the histogram counted from them is as long as their longest length,
+        which an append holds to its store's longest document before it allocates one (`_rebuild_histogram`)."""
         if self.segment_lengths is None:
             return self
         if self.mixture is not None or self.pairs is not None:

@@ -799,6 +799,49 @@ def test_an_append_counts_a_rebuild_in_memory_that_follows_the_documents_not_max
     assert len(peaks) == 2 and max(peaks) < 2**20 and grown.generations[-1].rebuild_packs == 1
 
 
+def test_an_append_refuses_a_record_longer_than_the_stores_longest_document_before_it_allocates(tmp_path, monkeypatch):
+    """A record of one segment of all but S - 1 of the build's T tokens and S - 1 of one token keeps totals.segments
+    (S) and totals.tokens (T) and lies within a max-len of 2**24: the model takes it. No segment is longer than the
+    store's longest document (store.json's length_counts): the append refuses it by name before its histogram (as
+    long as the store's tokens, three times over) is allocated, and publishes nothing. Of a store that records no
+    length_counts, it counts from the old shards instead."""
+    import tracemalloc
+
+    from prepack.building import build as build_module
+
+    store, out = tmp_path / "store", tmp_path / "packed"
+    build_store(_batch(tmp_path, "a", _documents(0, 2000)), store)
+    manifest = build(store, out, max_len=2**24, index_only=True)
+    segments, tokens = manifest.totals.segments, manifest.totals.tokens
+    assert tokens - segments + 1 > 50_000
+    _edit_manifest(out, lambda recorded: recorded.update(segment_lengths=[[1, segments - 1], [tokens - segments + 1, 1]]))
+    read_manifest(out)  # the model takes it: its sums are its totals'
+    build_store(_batch(tmp_path, "b", _documents(1, 10)), store, append=True)
+    assert read_store_manifest(store).length_counts[-1][0] <= 90
+    before, listed = (out / "manifest.json").read_bytes(), sorted(os.listdir(tmp_path))
+    peaks, count = [], build_module._rebuild_histogram
+
+    def measured(*args):
+        tracemalloc.reset_peak()
+        try:
+            return count(*args)
+        finally:
+            peaks.append(tracemalloc.get_traced_memory()[1])
+
+    monkeypatch.setattr(build_module, "_rebuild_histogram", measured)
+    tracemalloc.start()
+    try:
+        with pytest.raises(InputError, match=rf"manifest\.json: segment_lengths record a segment of {tokens - segments + 1} tokens, longer than the longest document"):
+            build(store, out, max_len=2**24, index_only=True, append=True)
+    finally:
+        tracemalloc.stop()
+    assert len(peaks) == 1 and peaks[0] < 2**17, peaks
+    assert (out / "manifest.json").read_bytes() == before and sorted(os.listdir(tmp_path)) == listed
+    # A store grown before stores recorded length_counts gives no longest document: the old shards' offsets are read.
+    _tamper_store_json(store, lambda recorded: recorded.pop("length_counts"))
+    assert build(store, out, max_len=2**24, index_only=True, append=True).segment_lengths[-1][0] <= 90
+
+
 @pytest.mark.parametrize("drop_untrained", [False, True])
 def test_an_index_append_of_a_small_store_loads_no_kernel_as_its_rebuild_loads_none(tmp_path, drop_untrained):
     """numba's start-up (0.5-0.7 CPU s) is what an index build of a small store saves by planning in
