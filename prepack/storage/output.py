@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple, TypeVar
 
 from prepack.errors import FormatError, OutputError
+from prepack.formats.common import read_manifest_bytes
 from prepack.formats.shards import MANIFEST_NAME, OUTPUT_KINDS, Manifest, read_manifest, shard_name
 from prepack.formats.store import StoreManifest, read_store_manifest, store_shard_name
 
@@ -86,21 +87,49 @@ def replaceable_build(directory: str | os.PathLike, kind: str = MANIFEST_NAME) -
     names under the names the format gives them, and nothing else: no other file, directory or
     symbolic link. Shards may be missing. A build never replaces a store, nor a store a build.
     """
-    directory = Path(directory)
+    return _replaceable(Path(directory), kind).manifest
+
+
+class _Replaceable(NamedTuple):
+    """`replaceable_build`'s manifest, with the bytes of the manifest file it was read from (None: an empty directory)."""
+
+    manifest: Manifest | StoreManifest | None
+    data: bytes | None
+
+
+def _replaceable(directory: Path, kind: str, held: _Replaceable | None = None,
+                 known: Manifest | StoreManifest | None = None) -> _Replaceable:
+    """`replaceable_build`, with the manifest file's bytes. Its manifest is not parsed again where the caller has it:
+    `held`, a reading of `directory` before, whose manifest is taken where the file still holds the same bytes;
+    `known`, the manifest the caller knows is there (a build it has just swapped out), taken unread. The
+    directory's entries are always read and checked against the manifest (`check_replaceable`)."""
     refusal = f"{directory} is not a prepack {OUTPUT_KINDS[kind]}, so prepack will not replace or delete it"
     if directory.is_symlink() or not directory.is_dir():
         raise OutputError(f"{refusal}: it is not a directory.")
     with output_errors(directory, "read"), os.scandir(directory) as entries:
         regular_files = {entry.name: entry.is_file(follow_symlinks=False) for entry in entries}
     if not regular_files:
-        return None
+        return _Replaceable(None, None)
     read = read_manifest if kind == MANIFEST_NAME else read_store_manifest
+    data = None
     try:
-        manifest = read(directory)
+        if known is not None:
+            manifest = known
+        else:
+            try:
+                data = read_manifest_bytes(directory / kind)
+            except FileNotFoundError:
+                pass  # refused by `read` as it refuses a missing manifest (or one of the other kind)
+            if data is None:
+                manifest = read(directory)
+            elif held is not None and data == held.data:
+                manifest = held.manifest
+            else:
+                manifest = read(data, str(directory / kind))
     except FormatError as exc:
         raise OutputError(f"{refusal}: {exc}") from None
     check_replaceable(manifest, kind, regular_files, refusal)
-    return manifest
+    return _Replaceable(manifest, data)
 
 
 def check_replaceable(manifest: Manifest | StoreManifest, kind: str, entries: dict[str, bool], refusal: str) -> None:
@@ -118,11 +147,13 @@ def check_replaceable(manifest: Manifest | StoreManifest, kind: str, entries: di
         raise OutputError(f"{refusal}: it holds {', '.join(foreign)}, which prepack did not write.")
 
 
-def _delete_build(directory: Path) -> None:
+def _delete_build(directory: Path, manifest: Manifest | StoreManifest | None = None) -> None:
     """Delete an output `replaceable_build` accepts: the files its manifest names, the manifest last,
-    then the directory (which fails, keeping it, if anything else has appeared in it)."""
+    then the directory (which fails, keeping it, if anything else has appeared in it). `manifest`: the
+    output's manifest where the caller holds it (a build just swapped out for its successor), not read again;
+    the directory's entries are still checked against it."""
     kind = _kind(directory)
-    manifest = replaceable_build(directory, kind)
+    manifest = _replaceable(directory, kind, known=manifest).manifest
     with output_errors(directory, "delete"):
         for shard in manifest.shards if manifest else []:
             (directory / shard.name).unlink(missing_ok=True)
@@ -153,15 +184,25 @@ class _Found(NamedTuple):
 
     device: int
     inode: int
-    manifest: Manifest | None
+    read: _Replaceable  # its manifest, and the manifest file's bytes
+
+    @property
+    def manifest(self) -> Manifest | StoreManifest | None:
+        return self.read.manifest
+
+    def same(self, other: _Found | None) -> bool:
+        """Whether `other` is the same output: the same directory, holding the same manifest."""
+        return other is not None and (self.device, self.inode, self.manifest) == (other.device, other.inode, other.manifest)
 
 
-def _found(out: Path, kind: str) -> _Found | None:
+def _found(out: Path, kind: str, held: _Found | None = None) -> _Found | None:
+    """What is at `out` (None: nothing), refused as `replaceable_build` refuses; the manifest of `held` (what was
+    found there before) taken again, unparsed, where the manifest file holds the same bytes."""
     try:
         stat = os.lstat(out)
     except FileNotFoundError:
         return None
-    return _Found(stat.st_dev, stat.st_ino, replaceable_build(out, kind))
+    return _Found(stat.st_dev, stat.st_ino, _replaceable(out, kind, held.read if held is not None else None))
 
 
 def _output_path(out: str | os.PathLike) -> Path:
@@ -262,14 +303,16 @@ def _publish(built: Path, out: Path, replacing: _Found | None, kind: str) -> Non
     if replacing is not None:
         changed = f"{out} changed while this build ran; it was left as it is, and this build discarded"
         try:
-            now = _found(out, kind)
+            now = _found(out, kind, replacing)
         except OutputError as exc:  # something prepack did not write is in it now
             raise OutputError(f"{changed}: {exc}") from None
-        if now != replacing:
+        if not replacing.same(now):
             raise OutputError(f"{changed}: it is no longer the build this one was to replace.")
         with output_errors(out, "replace"):
             _exchange(built, out)
-        return  # `built` now holds the replaced build, deleted with the staging directory
+        if now.manifest is not None:  # `built` now holds the replaced build, whose manifest is `now`'s
+            _delete_build(built, now.manifest)
+        return  # an empty directory replaced is deleted with the staging directory
     _publish_new(built, out, f"{out} appeared while this build ran; it was left as it is, and this build discarded.")
 
 

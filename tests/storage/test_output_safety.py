@@ -108,6 +108,31 @@ def test_with_overwrite_a_build_swapped_for_another_while_the_build_runs_is_neve
     assert siblings(out) == []
 
 
+def test_with_overwrite_a_build_whose_manifest_is_rewritten_in_place_while_the_build_runs_is_never_replaced(tmp_path, monkeypatch, renames):
+    """The same directory (device and inode), its manifest.json rewritten in place with another build's: publishing
+    tells it from the build found at the start, though it parses a manifest only where the file's bytes changed."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    build(corpus(tmp_path), out, max_len=4)
+    build(corpus(tmp_path), other, max_len=4, seed=7)  # a valid build of shards of the same names
+    during_the_build(monkeypatch, lambda: (out / MANIFEST_NAME).write_bytes((other / MANIFEST_NAME).read_bytes()))
+    with pytest.raises(OutputError, match="changed while this build ran.*no longer the build"):
+        build(corpus(tmp_path), out, max_len=4, overwrite=True, seed=1)
+    assert json.loads((out / MANIFEST_NAME).read_text())["options"]["seed"] == 7
+    assert siblings(out) == []
+
+
+def test_a_build_that_replaces_another_parses_the_replaced_manifest_once(tmp_path, monkeypatch):
+    """Found under the lock (parsed), found again at publishing (the same bytes: not parsed again), deleted after the
+    exchange by the manifest it was found with (its files still checked against it): one parse, not three."""
+    out = tmp_path / "out"
+    build(corpus(tmp_path), out, max_len=4)
+    parsed, read = [], output_module.read_manifest
+    monkeypatch.setattr(output_module, "read_manifest", lambda *args, **kwargs: parsed.append(args) or read(*args, **kwargs))
+    build(corpus(tmp_path), out, max_len=4, overwrite=True, seed=1)
+    assert len(parsed) == 1 and json.loads((out / MANIFEST_NAME).read_text())["options"]["seed"] == 1
+    assert siblings(out) == []
+
+
 def test_a_second_build_to_the_same_out_fails_while_the_first_runs(tmp_path, monkeypatch):
     out = tmp_path / "out"
     second = []
