@@ -147,12 +147,12 @@ def check_replaceable(manifest: Manifest | StoreManifest, kind: str, entries: di
         raise OutputError(f"{refusal}: it holds {', '.join(foreign)}, which prepack did not write.")
 
 
-def _delete_build(directory: Path, manifest: Manifest | StoreManifest | None = None) -> None:
+def _delete_build(directory: Path, known: tuple[str, Manifest | StoreManifest] | None = None) -> None:
     """Delete an output `replaceable_build` accepts: the files its manifest names, the manifest last,
-    then the directory (which fails, keeping it, if anything else has appeared in it). `manifest`: the
-    output's manifest where the caller holds it (a build just swapped out for its successor), not read again;
-    the directory's entries are still checked against it."""
-    kind = _kind(directory)
+    then the directory (which fails, keeping it, if anything else has appeared in it). `known`: the output's
+    kind and manifest where the caller holds them (a build just swapped out for its successor), not read
+    again; the directory's entries are still checked against that manifest."""
+    kind, manifest = known if known is not None else (_kind(directory), None)
     manifest = _replaceable(directory, kind, known=manifest).manifest
     with output_errors(directory, "delete"):
         for shard in manifest.shards if manifest else []:
@@ -184,11 +184,11 @@ class _Found(NamedTuple):
 
     device: int
     inode: int
-    read: _Replaceable  # its manifest, and the manifest file's bytes
+    reading: _Replaceable  # its manifest, and the manifest file's bytes
 
     @property
     def manifest(self) -> Manifest | StoreManifest | None:
-        return self.read.manifest
+        return self.reading.manifest
 
     def same(self, other: _Found | None) -> bool:
         """Whether `other` is the same output: the same directory, holding the same manifest."""
@@ -202,7 +202,7 @@ def _found(out: Path, kind: str, held: _Found | None = None) -> _Found | None:
         stat = os.lstat(out)
     except FileNotFoundError:
         return None
-    return _Found(stat.st_dev, stat.st_ino, _replaceable(out, kind, held.read if held is not None else None))
+    return _Found(stat.st_dev, stat.st_ino, _replaceable(out, kind, held.reading if held is not None else None))
 
 
 def _output_path(out: str | os.PathLike) -> Path:
@@ -311,7 +311,7 @@ def _publish(built: Path, out: Path, replacing: _Found | None, kind: str) -> Non
         with output_errors(out, "replace"):
             _exchange(built, out)
         if now.manifest is not None:  # `built` now holds the replaced build, whose manifest is `now`'s
-            _delete_build(built, now.manifest)
+            _delete_build(built, (kind, now.manifest))
         return  # an empty directory replaced is deleted with the staging directory
     _publish_new(built, out, f"{out} appeared while this build ran; it was left as it is, and this build discarded.")
 
