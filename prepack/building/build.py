@@ -508,11 +508,11 @@ def _rebuild_histogram(
     and tokens the totals'), and it is held to the store: its segments are pieces of the store's documents
     of generation `planned`, so no more tokens than store.json gives them, and none longer than its longest
     document (else InputError): the histogram is as long as its longest segment, which max_len (up to 2**31 - 1)
-    and the totals alone would let a forged record make as long as the store's tokens. store.json records the
-    longest of a grown store's documents in `length_counts` (of the whole store: stores only grow, so no
-    shorter than those of generation `planned`); a build without them, or without the record (a full build
-    before its first append, one made before builds recorded them, one of a store grown before stores recorded
-    its lengths), has the old store shards' offsets read instead (`_stored_histogram`)."""
+    and the totals alone would let a forged record make as long as the store's tokens. The longest document is
+    the last of store.json's `length_counts` (the whole store's: stores only grow, so none shorter than the
+    longest of generation `planned`). A build without the record (a full build before its first append, or one
+    made before builds recorded it), or of a store that records no `length_counts` (one grown before stores
+    recorded them), has the old store shards' offsets read instead (`_stored_histogram`)."""
     length_counts = store.manifest.length_counts
     if build.segment_lengths is None or length_counts is None:
         old = _stored_histogram(store, planned, packing)
@@ -533,7 +533,8 @@ def _rebuild_histogram(
 
 
 def _added_histograms(histogram: np.ndarray, part: np.ndarray) -> np.ndarray:
-    """The sum of two segment histograms (int64), as long as the longer: `histogram` itself where it is the longer."""
+    """The sum of two segment histograms (int64), as long as the longer: `histogram` itself, added to in place,
+    where it is the longer (the callers' own)."""
     if len(part) > len(histogram):
         histogram = np.concatenate([histogram, np.zeros(len(part) - len(histogram), np.int64)])
     histogram[: len(part)] += part
