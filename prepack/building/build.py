@@ -526,7 +526,8 @@ def _rebuild_histogram(
         if build.segment_lengths and (longest := build.segment_lengths[-1][0]) > (document := length_counts[-1][0]):
             raise InputError(
                 f"{out}/{MANIFEST_NAME}: segment_lengths record a segment of {longest} tokens, longer than the longest "
-                f"document of its store ({document} tokens, store.json's length_counts): the manifest was changed after the build."
+                f"document of its store ({document} tokens, store.json's length_counts): manifest.json or store.json "
+                "changed after they were written."
             )
         old = pairs_histogram(build.segment_lengths)
     return _added_histograms(old, added)

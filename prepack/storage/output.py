@@ -97,12 +97,10 @@ class _Replaceable(NamedTuple):
     data: bytes | None
 
 
-def _replaceable(directory: Path, kind: str, held: _Replaceable | None = None,
-                 known: Manifest | StoreManifest | None = None) -> _Replaceable:
-    """`replaceable_build`, with the manifest file's bytes. Its manifest is not parsed again where the caller has it:
-    `held`, a reading of `directory` before, whose manifest is taken where the file still holds the same bytes;
-    `known`, the manifest the caller knows is there (a build it has just swapped out), taken unread. The
-    directory's entries are always read and checked against the manifest (`check_replaceable`)."""
+def _replaceable(directory: Path, kind: str, held: _Replaceable | None = None) -> _Replaceable:
+    """`replaceable_build`, with the manifest file's bytes. The file is always read, and its manifest not parsed
+    again where `held`, a reading of `directory` before, found the same bytes; the directory's entries are always
+    read and checked against the manifest (`check_replaceable`)."""
     refusal = f"{directory} is not a prepack {OUTPUT_KINDS[kind]}, so prepack will not replace or delete it"
     if directory.is_symlink() or not directory.is_dir():
         raise OutputError(f"{refusal}: it is not a directory.")
@@ -113,19 +111,16 @@ def _replaceable(directory: Path, kind: str, held: _Replaceable | None = None,
     read = read_manifest if kind == MANIFEST_NAME else read_store_manifest
     data = None
     try:
-        if known is not None:
-            manifest = known
+        try:
+            data = read_manifest_bytes(directory / kind)
+        except FileNotFoundError:
+            pass  # refused by `read` as it refuses a missing manifest (or one of the other kind)
+        if data is None:
+            manifest = read(directory)
+        elif held is not None and data == held.data:
+            manifest = held.manifest
         else:
-            try:
-                data = read_manifest_bytes(directory / kind)
-            except FileNotFoundError:
-                pass  # refused by `read` as it refuses a missing manifest (or one of the other kind)
-            if data is None:
-                manifest = read(directory)
-            elif held is not None and data == held.data:
-                manifest = held.manifest
-            else:
-                manifest = read(data, str(directory / kind))
+            manifest = read(data, str(directory / kind))
     except FormatError as exc:
         raise OutputError(f"{refusal}: {exc}") from None
     check_replaceable(manifest, kind, regular_files, refusal)
@@ -147,13 +142,12 @@ def check_replaceable(manifest: Manifest | StoreManifest, kind: str, entries: di
         raise OutputError(f"{refusal}: it holds {', '.join(foreign)}, which prepack did not write.")
 
 
-def _delete_build(directory: Path, known: tuple[str, Manifest | StoreManifest] | None = None) -> None:
+def _delete_build(directory: Path, kind: str, held: _Replaceable | None = None) -> None:
     """Delete an output `replaceable_build` accepts: the files its manifest names, the manifest last,
-    then the directory (which fails, keeping it, if anything else has appeared in it). `known`: the output's
-    kind and manifest where the caller holds them (a build just swapped out for its successor), not read
-    again; the directory's entries are still checked against that manifest."""
-    kind, manifest = known if known is not None else (_kind(directory), None)
-    manifest = _replaceable(directory, kind, known=manifest).manifest
+    then the directory (which fails, keeping it, if anything else has appeared in it). `held`: a reading of
+    it before (a build just swapped out for its successor), whose manifest is not parsed again where the file
+    still holds its bytes; the file and the directory's entries are read and checked either way."""
+    manifest = _replaceable(directory, kind, held).manifest
     with output_errors(directory, "delete"):
         for shard in manifest.shards if manifest else []:
             (directory / shard.name).unlink(missing_ok=True)
@@ -189,10 +183,6 @@ class _Found(NamedTuple):
     @property
     def manifest(self) -> Manifest | StoreManifest | None:
         return self.reading.manifest
-
-    def same(self, other: _Found | None) -> bool:
-        """Whether `other` is the same output: the same directory, holding the same manifest."""
-        return other is not None and (self.device, self.inode, self.manifest) == (other.device, other.inode, other.manifest)
 
 
 def _found(out: Path, kind: str, held: _Found | None = None) -> _Found | None:
@@ -306,12 +296,12 @@ def _publish(built: Path, out: Path, replacing: _Found | None, kind: str) -> Non
             now = _found(out, kind, replacing)
         except OutputError as exc:  # something prepack did not write is in it now
             raise OutputError(f"{changed}: {exc}") from None
-        if not replacing.same(now):
+        if now != replacing:
             raise OutputError(f"{changed}: it is no longer the build this one was to replace.")
         with output_errors(out, "replace"):
             _exchange(built, out)
-        if now.manifest is not None:  # `built` now holds the replaced build, whose manifest is `now`'s
-            _delete_build(built, (kind, now.manifest))
+        if now.manifest is not None:  # `built` now holds the replaced build, read again before it is deleted
+            _delete_build(built, kind, now.reading)
         return  # an empty directory replaced is deleted with the staging directory
     _publish_new(built, out, f"{out} appeared while this build ran; it was left as it is, and this build discarded.")
 
@@ -464,8 +454,8 @@ def _remove_staging(staging: Path) -> None:
         for part in staging.iterdir():
             if part.name == STAGING_MARK:
                 continue
-            if _kind(part) is not None:
-                _delete_build(part)
+            if (kind := _kind(part)) is not None:
+                _delete_build(part, kind)
             else:
                 shutil.rmtree(part)
         (staging / STAGING_MARK).unlink(missing_ok=True)

@@ -122,8 +122,8 @@ def test_with_overwrite_a_build_whose_manifest_is_rewritten_in_place_while_the_b
 
 
 def test_a_build_that_replaces_another_parses_the_replaced_manifest_once(tmp_path, monkeypatch):
-    """Found under the lock (parsed), found again at publishing (the same bytes: not parsed again), deleted after the
-    exchange by the manifest it was found with (its files still checked against it): one parse, not three."""
+    """Found under the lock (parsed), found again at publishing and again before it is deleted after the exchange
+    (the same bytes each time: not parsed again; its files still checked against it): one parse, not three."""
     out = tmp_path / "out"
     build(corpus(tmp_path), out, max_len=4)
     parsed, read = [], output_module.read_manifest
@@ -131,6 +131,25 @@ def test_a_build_that_replaces_another_parses_the_replaced_manifest_once(tmp_pat
     build(corpus(tmp_path), out, max_len=4, overwrite=True, seed=1)
     assert len(parsed) == 1 and json.loads((out / MANIFEST_NAME).read_text())["options"]["seed"] == 1
     assert siblings(out) == []
+
+
+def test_a_replaced_build_whose_manifest_changed_just_before_the_exchange_is_kept_not_deleted(tmp_path, monkeypatch):
+    """Between the check at publishing and the exchange, the manifest file of `out` is overwritten with something
+    that is not a manifest: the build swapped out is read again before anything of it is deleted, so those bytes,
+    which prepack did not write, are kept (beside `out`, in the staging directory, which the error names)."""
+    out = tmp_path / "out"
+    build(corpus(tmp_path), out, max_len=4)
+    exchange = output_module._exchange
+
+    def overwritten_then_exchanged(built, target):
+        (target / MANIFEST_NAME).write_bytes(b"not a manifest of prepack's")
+        exchange(built, target)
+
+    monkeypatch.setattr(output_module, "_exchange", overwritten_then_exchanged)
+    with pytest.raises(OutputError, match="not a prepack build"):
+        build(corpus(tmp_path), out, max_len=4, overwrite=True, seed=1)
+    kept = [path for path in tmp_path.rglob(MANIFEST_NAME) if path.read_bytes() == b"not a manifest of prepack's"]
+    assert len(kept) == 1 and kept[0].parent != out
 
 
 def test_a_second_build_to_the_same_out_fails_while_the_first_runs(tmp_path, monkeypatch):
