@@ -177,6 +177,37 @@ def test_gradient_checkpointing_keeps_each_forwards_documents_when_forwards_inte
                 torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("family", ["bamba", "lfm2"])
+@pytest.mark.slow
+def test_torchs_activation_checkpointing_keeps_each_forwards_documents_when_forwards_interleave(family, packs):
+    """torch's `apply_activation_checkpointing` (FSDP's and Accelerate's), applied after enable_packing, reentrant
+    and not: forward(A), forward(B), backward(A), backward(B) give each batch's own gradients (A's came out wrong
+    before: its recomputation read B's segments), and disable_packing restores the wrappers' functions."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper,
+    )
+
+    batch_a, batch_b = padded(packs), padded(packs[::-1])  # the same shape, other documents in each row
+    for impl in (CheckpointImpl.REENTRANT, CheckpointImpl.NO_REENTRANT):
+        model = enable_packing(tiny_model(family, _checkpointing_case(family))).train()
+        expected_a = _gradients(model, model(**batch_a).loss)
+        expected_b = _gradients(model, model(**batch_b).loss)
+        decoder_layers = tuple({type(layer) for layer in model.model.layers})
+        apply_activation_checkpointing(
+            model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=impl),
+            check_fn=lambda module: isinstance(module, decoder_layers),
+        )
+        wrappers = [module for module in model.modules() if type(module).__name__ == "CheckpointWrapper"]
+        originals = [wrapper.checkpoint_fn for wrapper in wrappers]
+        assert wrappers
+        loss_a, loss_b = model(**batch_a).loss, model(**batch_b).loss
+        for expected, loss in ((expected_a, loss_a), (expected_b, loss_b)):
+            for expected_grad, got_grad in zip(expected, _gradients(model, loss), strict=True):
+                torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=1e-12)
+        disable_packing(model)
+        assert [wrapper.checkpoint_fn for wrapper in wrappers] == originals
+
+
 @pytest.mark.parametrize("family", sorted(stateful.STATEFUL_LAYERS))
 @pytest.mark.slow
 def test_every_stateful_layer_is_recomputed_by_a_wrapped_checkpoint(family, packs):
