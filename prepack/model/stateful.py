@@ -46,6 +46,7 @@ from prepack.errors import IsolationError, optional_imports
 with optional_imports("enable_packing"):
     import torch
     import transformers
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 __all__ = [
     "STATEFUL_LAYERS", "DocumentSegments", "PerDocumentLayers", "install_decoders_per_document_layers",
@@ -189,13 +190,28 @@ class PerDocumentLayers:
     # enclose a hooked layer: their checkpoints recompute it.
     checkpointing: list[torch.nn.Module] = field(default_factory=list)
     segments: DocumentSegments | None = None
+    # The module the hooks were installed under and its hooked layers: torch's checkpoint wrappers replace modules
+    # under it whenever the trainer applies them, so each forward looks for those that enclose a hooked layer.
+    root: torch.nn.Module | None = None
+    hooked: set[torch.nn.Module] = field(default_factory=set)
+    # The checkpoint wrappers whose function is wrapped, for `remove`.
+    wrappers: list[CheckpointWrapper] = field(default_factory=list)
 
     def keep_segments_through_checkpointing(self) -> None:
-        """Wrap, once, the checkpointing function of each module of `checkpointing` that has one."""
+        """Wrap, once, the checkpointing function of each module of `checkpointing` that has one, and of each
+        torch `CheckpointWrapper` under `root` that encloses a hooked layer (it calls its `checkpoint_fn` as
+        transformers' layers call theirs: the function to checkpoint, then its arguments)."""
         for module in self.checkpointing:
             function = module.__dict__.get(_CHECKPOINTING_FUNCTION)
             if function is not None and not self._wraps(function):
                 setattr(module, _CHECKPOINTING_FUNCTION, _CheckpointWithSegments(self, function))
+        if self.root is None:
+            return
+        for module in self.root.modules():
+            if (isinstance(module, CheckpointWrapper) and not self._wraps(module.checkpoint_fn)
+                    and not self.hooked.isdisjoint(module.modules())):
+                module.checkpoint_fn = _CheckpointWithSegments(self, module.checkpoint_fn)
+                self.wrappers.append(module)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -206,6 +222,11 @@ class PerDocumentLayers:
             if self._wraps(function):
                 setattr(module, _CHECKPOINTING_FUNCTION, function.checkpoint)
         self.checkpointing.clear()
+        for wrapper in self.wrappers:
+            if self._wraps(wrapper.checkpoint_fn):
+                wrapper.checkpoint_fn = wrapper.checkpoint_fn.checkpoint
+        self.wrappers.clear()
+        self.root, self.hooked = None, set()
 
     def _wraps(self, function) -> bool:
         return isinstance(function, _CheckpointWithSegments) and function.layers is self
@@ -252,8 +273,8 @@ def install_per_document_layers(model: torch.nn.Module, model_type: str) -> PerD
             "would leak through the layers that carry state along the sequence: use a transformers version "
             "prepack supports, or train without packing."
         )
-    layers = PerDocumentLayers()
     hooked = {module for module in model.modules() if type(module).__name__ in class_names}
+    layers = PerDocumentLayers(root=model, hooked=hooked)
     for module in hooked:
         hook = _RegroupHook(layers)
         layers.handles.append(module.register_forward_pre_hook(hook.before, with_kwargs=True))
