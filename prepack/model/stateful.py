@@ -179,11 +179,15 @@ class PerDocumentLayers:
     `enable_packing`) gives each module enclosing a hooked layer: the function checkpointed is then a closure that
     sets the segments of the forward that called it, for the call and for its recomputation. Reentrant and
     non-reentrant checkpointing alike; in transformers 5.24 every family of `STATEFUL_LAYERS` checkpoints its
-    hooked layers through such modules (tests/model/test_stateful_isolation.py checks each). Checkpointing that
-    does not go through them (torch's `checkpoint_wrapper`, FSDP's activation checkpointing) recomputes with the
-    latest forward's segments (measured on LFM2): right only when each forward's backward comes before the next
-    forward. The segments cannot ride in the checkpointed keyword arguments, as Llama 4's temperature scales do:
-    several families' decoder layers get no keyword arguments."""
+    hooked layers through such modules (tests/model/test_stateful_isolation.py checks each). torch's
+    `checkpoint_wrapper` (`apply_activation_checkpointing`: FSDP's and Accelerate's activation checkpointing),
+    usually applied after `enable_packing`, is covered the same way: each forward wraps the `checkpoint_fn` of
+    every `CheckpointWrapper` under `root` that encloses a hooked layer (one walk of `root`'s modules per forward;
+    the wrappers replace modules at any time, and nothing cheaper tells when). torch's `offload_wrapper` recomputes
+    nothing. Any other checkpoint around a hooked layer recomputes with the latest forward's segments: right only
+    when each forward's backward comes before the next forward. The segments cannot ride in the checkpointed
+    keyword arguments, as Llama 4's temperature scales do: several families' decoder layers get no keyword
+    arguments."""
 
     handles: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
     # The modules transformers hands a checkpointing function (those with a `gradient_checkpointing` flag) that

@@ -180,23 +180,29 @@ def test_gradient_checkpointing_keeps_each_forwards_documents_when_forwards_inte
 @pytest.mark.parametrize("family", ["bamba", "lfm2"])
 @pytest.mark.slow
 def test_torchs_activation_checkpointing_keeps_each_forwards_documents_when_forwards_interleave(family, packs):
-    """torch's `apply_activation_checkpointing` (FSDP's and Accelerate's), applied after enable_packing, reentrant
-    and not: forward(A), forward(B), backward(A), backward(B) give each batch's own gradients (A's came out wrong
-    before: its recomputation read B's segments), and disable_packing restores the wrappers' functions."""
+    """torch's `apply_activation_checkpointing` (FSDP's and Accelerate's), applied after enable_packing (reentrant
+    and not) or before it: forward(A), forward(B), backward(A), backward(B) give each batch's own gradients (A's
+    came out wrong before: its recomputation read B's segments), and disable_packing restores the wrappers'
+    functions."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper,
     )
 
     batch_a, batch_b = padded(packs), padded(packs[::-1])  # the same shape, other documents in each row
-    for impl in (CheckpointImpl.REENTRANT, CheckpointImpl.NO_REENTRANT):
+    cases = ((CheckpointImpl.REENTRANT, False), (CheckpointImpl.NO_REENTRANT, False), (CheckpointImpl.NO_REENTRANT, True))
+    for impl, before_packing in cases:
         model = enable_packing(tiny_model(family, _checkpointing_case(family))).train()
         expected_a = _gradients(model, model(**batch_a).loss)
         expected_b = _gradients(model, model(**batch_b).loss)
+        if before_packing:
+            disable_packing(model)
         decoder_layers = tuple({type(layer) for layer in model.model.layers})
         apply_activation_checkpointing(
             model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=impl),
             check_fn=lambda module: isinstance(module, decoder_layers),
         )
+        if before_packing:
+            enable_packing(model)
         wrappers = [module for module in model.modules() if type(module).__name__ == "CheckpointWrapper"]
         originals = [wrapper.checkpoint_fn for wrapper in wrappers]
         assert wrappers
