@@ -46,7 +46,10 @@ from prepack.errors import IsolationError, optional_imports
 with optional_imports("enable_packing"):
     import torch
     import transformers
+try:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+except ImportError:  # a torch built without torch.distributed, or one that moved this private module: none to find
+    CheckpointWrapper = None
 
 __all__ = [
     "STATEFUL_LAYERS", "DocumentSegments", "PerDocumentLayers", "install_decoders_per_document_layers",
@@ -209,7 +212,7 @@ class PerDocumentLayers:
             function = module.__dict__.get(_CHECKPOINTING_FUNCTION)
             if function is not None and not self._wraps(function):
                 setattr(module, _CHECKPOINTING_FUNCTION, _CheckpointWithSegments(self, function))
-        if self.root is None:
+        if self.root is None or CheckpointWrapper is None:
             return
         for module in self.root.modules():
             if (isinstance(module, CheckpointWrapper) and not self._wraps(module.checkpoint_fn)
