@@ -35,6 +35,7 @@ forward and backward against the plain packed forward, which leaks).
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any, NamedTuple
@@ -170,6 +171,17 @@ def _length_bands(sorted_lengths: np.ndarray) -> list[slice]:
     return [*bands, slice(first, len(sorted_lengths))]
 
 
+class _PerThread(threading.local):
+    """Values each thread sets and reads apart (threading.local), which a copy or a pickle of the model (a reference
+    model made by `copy.deepcopy`, `torch.save`) starts without: they belong to forwards in progress."""
+
+    def __deepcopy__(self, memo: dict) -> _PerThread:
+        return type(self)()
+
+    def __reduce__(self):
+        return type(self), ()
+
+
 @dataclass
 class PerDocumentLayers:
     """The hooks on a model's stateful layers. `segments` is set by the decoder's guard at every forward
@@ -185,8 +197,9 @@ class PerDocumentLayers:
     hooked layers through such modules (tests/model/test_stateful_isolation.py checks each). torch's
     `checkpoint_wrapper` (`apply_activation_checkpointing`: FSDP's and Accelerate's activation checkpointing),
     usually applied after `enable_packing`, is covered the same way: each forward wraps the `checkpoint_fn` of
-    every `CheckpointWrapper` under `root` that encloses a hooked layer (one walk of `root`'s modules per forward;
-    the wrappers replace modules at any time, and nothing cheaper tells when). torch's `offload_wrapper` recomputes
+    every `CheckpointWrapper` under `root` that encloses a hooked layer (one walk of `root`'s modules per forward with
+    grad on; the wrappers replace modules at any time, and only a process-wide module-registration hook would tell
+    when). torch's `offload_wrapper` recomputes
     nothing. Any other checkpoint around a hooked layer recomputes with the latest forward's segments: right only
     when each forward's backward comes before the next forward. The segments cannot ride in the checkpointed
     keyword arguments, as Llama 4's temperature scales do: several families' decoder layers get no keyword
@@ -196,18 +209,31 @@ class PerDocumentLayers:
     # The modules transformers hands a checkpointing function (those with a `gradient_checkpointing` flag) that
     # enclose a hooked layer: their checkpoints recompute it.
     checkpointing: list[torch.nn.Module] = field(default_factory=list)
-    segments: DocumentSegments | None = None
     # The module the hooks were installed under and its hooked layers: torch's checkpoint wrappers replace modules
     # under it whenever the trainer applies them, so each forward looks for those that enclose a hooked layer.
     root: torch.nn.Module | None = None
     hooked: set[torch.nn.Module] = field(default_factory=set)
     # The checkpoint wrappers whose function is wrapped, for `remove`.
     wrappers: list[CheckpointWrapper] = field(default_factory=list)
+    # `segments`, one per thread: nn.DataParallel (HF Trainer's on several GPUs without torchrun) runs its replicas'
+    # forwards in threads at once, sharing these hooks, and each must read the segments its own guard set.
+    _per_thread: _PerThread = field(default_factory=_PerThread, repr=False)
+
+    @property
+    def segments(self) -> DocumentSegments | None:
+        return getattr(self._per_thread, "segments", None)
+
+    @segments.setter
+    def segments(self, segments: DocumentSegments | None) -> None:
+        self._per_thread.segments = segments
 
     def keep_segments_through_checkpointing(self) -> None:
         """Wrap, once, the checkpointing function of each module of `checkpointing` that has one, and of each
         torch `CheckpointWrapper` under `root` that encloses a hooked layer (it calls its `checkpoint_fn` as
-        transformers' layers call theirs: the function to checkpoint, then its arguments)."""
+        transformers' layers call theirs: the function to checkpoint, then its arguments). Not where grad is off
+        (generation, evaluation): no backward recomputes such a forward, and the next forward with grad wraps in time."""
+        if not torch.is_grad_enabled():
+            return
         for module in self.checkpointing:
             function = module.__dict__.get(_CHECKPOINTING_FUNCTION)
             if function is not None and not self._wraps(function):
@@ -251,10 +277,10 @@ class _CheckpointWithSegments:
     def __init__(self, layers: PerDocumentLayers, checkpoint):
         self.layers, self.checkpoint = layers, checkpoint
 
-    def __call__(self, function, *args, **kwargs):
+    def __call__(self, function, /, *args, **kwargs):  # positional-only: a layer's keyword may be named anything
         return self.checkpoint(partial(self._with_segments, self.layers.segments, function), *args, **kwargs)
 
-    def _with_segments(self, segments: DocumentSegments | None, function, *args, **kwargs):
+    def _with_segments(self, segments: DocumentSegments | None, function, /, *args, **kwargs):
         previous, self.layers.segments = self.layers.segments, segments
         try:
             return function(*args, **kwargs)
@@ -307,7 +333,9 @@ def install_decoders_per_document_layers(model: transformers.PreTrainedModel, mo
             "runs them so. Its documents would leak through them: use a transformers version prepack supports, or "
             "train without packing."
         )
-    return install_per_document_layers(model.get_decoder(), text_type)
+    layers = install_per_document_layers(model.get_decoder(), text_type)
+    layers.root = model  # a checkpoint wrapper around the whole language model is outside the decoder
+    return layers
 
 
 class _RegroupHook:
@@ -316,7 +344,14 @@ class _RegroupHook:
 
     def __init__(self, layers: PerDocumentLayers):
         self.layers = layers
-        self.in_flight: list[_RegroupedCall | None] = []  # one entry per call in progress (re-entrant safe)
+        self._per_thread = _PerThread()  # as the segments: DataParallel's replicas share this hook
+
+    @property
+    def in_flight(self) -> list[_RegroupedCall | None]:
+        """One entry per call in progress in this thread (re-entrant safe)."""
+        if not hasattr(self._per_thread, "calls"):
+            self._per_thread.calls = []
+        return self._per_thread.calls
 
     def before(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         segments = self.layers.segments

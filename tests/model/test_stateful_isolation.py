@@ -189,7 +189,7 @@ def test_torchs_activation_checkpointing_keeps_each_forwards_documents_when_forw
     )
 
     batch_a, batch_b = padded(packs), padded(packs[::-1])  # the same shape, other documents in each row
-    cases = ((CheckpointImpl.REENTRANT, False), (CheckpointImpl.NO_REENTRANT, False), (CheckpointImpl.NO_REENTRANT, True))
+    cases = [(impl, before) for impl in (CheckpointImpl.REENTRANT, CheckpointImpl.NO_REENTRANT) for before in (False, True)]
     for impl, before_packing in cases:
         model = enable_packing(tiny_model(family, _checkpointing_case(family))).train()
         expected_a = _gradients(model, model(**batch_a).loss)
@@ -212,6 +212,55 @@ def test_torchs_activation_checkpointing_keeps_each_forwards_documents_when_forw
                 torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=1e-12)
         disable_packing(model)
         assert [wrapper.checkpoint_fn for wrapper in wrappers] == originals
+
+
+def test_forwards_in_two_threads_at_once_each_run_their_own_documents(packs):
+    """nn.DataParallel runs its replicas' forwards in threads at once, sharing prepack's hooks: each stateful layer
+    reads the segments its own thread's guard set. Both threads' guards have set theirs before either's first short
+    convolution runs (a barrier there), so one shared value would hand a thread the other's documents."""
+    import threading
+
+    model = enable_packing(tiny_model("lfm2", "sdpa")).eval()
+    batches = [padded(packs), padded(packs[::-1])]  # the same shape, other documents in each row
+    with torch.no_grad():
+        expected = [model(**batch).logits for batch in batches]
+    barrier = threading.Barrier(2, timeout=60)
+    first = next(module for module in model.modules() if type(module).__name__ in stateful.STATEFUL_LAYERS["lfm2"])
+    def meet(module, args):
+        barrier.wait()
+
+    handle = first.register_forward_pre_hook(meet, prepend=True)
+    got, errors = [None, None], []
+
+    def run(index):
+        try:
+            with torch.no_grad():
+                got[index] = model(**batches[index]).logits
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    handle.remove()
+    assert not errors, errors
+    for index in (0, 1):
+        torch.testing.assert_close(got[index], expected[index], rtol=0, atol=1e-12)
+
+
+def test_a_packed_model_deep_copied_is_packed_alike(packs):
+    """A reference model made by copy.deepcopy of a packed one (the DPO and KTO examples' way) carries the hooks and
+    runs each document alone as the original does."""
+    import copy
+
+    model = enable_packing(tiny_model("lfm2", "sdpa")).eval()
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.testing.assert_close(copied(**padded(packs)).logits, model(**padded(packs)).logits, rtol=0, atol=0)
+    result = measure_isolation(copied, packs, padded(packs), tolerance=1e-10)
+    assert result.passed, result
 
 
 @pytest.mark.parametrize("family", sorted(stateful.STATEFUL_LAYERS))
