@@ -275,8 +275,7 @@ def test_every_stateful_layer_is_recomputed_by_a_wrapped_checkpoint(family, pack
     model = tiny_model(family, _checkpointing_case(family)) if family in FAMILIES else _multimodal_model(family)
     model.activation_checkpointing_enable({"use_reentrant": False})
     enable_packing(model).train()
-    with torch.no_grad():
-        model(**padded(packs))
+    model(**padded(packs))  # with grad: a forward without has no backward to recompute it, and wraps nothing
     hooked = [module for module in model.modules() if type(module).__name__ in stateful.STATEFUL_LAYERS[family]]
     assert hooked
     for layer in hooked:
