@@ -71,7 +71,7 @@ def plans_in_numpy(tokens: int, has_labels: bool) -> bool:
     their labels and plans in numpy, no numba kernel: when it has no labels or numpy scans them faster than
     numba would start, and no kernel ran in this process before (then numba's start-up is paid anyway). Its
     first pass and its planning ask this alike."""
-    return not kernels.started() and (not has_labels or scans(tokens))
+    return labels_in_numpy(tokens) if has_labels else not kernels.started()
 
 
 def counts_in_numpy(histogram: np.ndarray, segments: int) -> bool:
