@@ -13,7 +13,7 @@ by 6·L·w, `token_cost = N / (L·w)`, which is about 12·d for the usual N ≈ 
 `DEFAULT_TOKEN_COST` is 12 × 4096 = 49,152, a 7–8B model (Llama-3-8B: N ≈ 7.0e9, L = 32, w = d = 4096
 gives 53,000); 0 balances attention alone. Pass your model's value: `model_token_cost(config)` reads it
 from a transformers config.
-`token_cost` must be finite and at most `MAX_TOKEN_COST` (1e15, far above any model's N / (L·d), and
+`token_cost` must be finite and at most `MAX_TOKEN_COST` (1e15, far above any model's N / (L·w), and
 low enough that every sum of costs stays finite in float64): a NaN or infinite cost would order
 nothing and turn every figure of `prepack inspect` into NaN.
 
@@ -53,7 +53,7 @@ __all__ = [
     "validated_token_cost",
 ]
 
-DEFAULT_TOKEN_COST = 12 * 4096  # N / (L·d) of a 7-8B decoder (module docstring)
+DEFAULT_TOKEN_COST = 12 * 4096  # N / (L·w) of a 7-8B decoder, w = d there (module docstring)
 MAX_TOKEN_COST = 1e15  # costs of packs up to 2**31 tokens, summed over any epoch, stay finite (docstring)
 WINDOW_STEPS = 64  # packs move only within this many consecutive steps
 

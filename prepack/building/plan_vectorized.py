@@ -68,9 +68,8 @@ def labels_in_numpy(tokens: int) -> bool:
 
 def plans_in_numpy(tokens: int, has_labels: bool) -> bool:
     """Whether an index build whose documents hold `tokens` tokens (an append's: the new documents') reads
-    their labels and plans in numpy, no numba kernel: when it has no labels or numpy scans them faster than
-    numba would start, and no kernel ran in this process before (then numba's start-up is paid anyway). Its
-    first pass and its planning ask this alike."""
+    their labels and plans in numpy, no numba kernel: `labels_in_numpy(tokens)` where it has labels, else where
+    no kernel ran in this process yet. Its first pass and its planning ask this alike."""
     return labels_in_numpy(tokens) if has_labels else not kernels.started()
 
 

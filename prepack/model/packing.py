@@ -414,7 +414,7 @@ class _DocumentTemperature:
     SCALES_KEY = "_prepack_attn_scales"
 
     def __init__(self, layers: list[torch.nn.Module], tuned: list[torch.nn.Module]):
-        self.layers, self.tuned = layers, tuned
+        self.tuned = tuned
         self.floor_scale, self.attn_scale = tuned[0].floor_scale, tuned[0].attn_scale
         self.pending: dict[torch.nn.Module, torch.Tensor | None] = {}  # per tuned layer, its call's scales
         self.query_hooks: dict[torch.nn.Module, tuple[torch.nn.Module, Any]] = {}  # per tuned layer: q_proj, handle

@@ -52,10 +52,7 @@ try:
 except ImportError:  # a torch built without torch.distributed, or one that moved this private module: none to find
     CheckpointWrapper = None
 
-__all__ = [
-    "STATEFUL_LAYERS", "DocumentSegments", "PerDocumentLayers", "install_decoders_per_document_layers",
-    "install_per_document_layers",
-]
+__all__ = ["STATEFUL_LAYERS", "DocumentSegments", "PerDocumentLayers", "install_decoders_per_document_layers"]
 
 # model_type → the classes of its modeling file that carry state along the sequence, for every family that
 # prepack.model.families marks per document. xLSTM: the whole block (norms, mLSTM layer, feed-forward), since its

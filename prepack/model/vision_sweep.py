@@ -133,7 +133,7 @@ def measure_family(model_type: str, attn: str, switch: Callable | None = None) -
             try:
                 per_document = _isolated_per_document(model, packed, alone, tolerance)
             except IsolationError as exc:  # prepack's hooks refused: measured as refused, with prepack's reason
-                return fails_packed(_described(exc))
+                per_document = exc
             if isinstance(per_document, Exception):
                 return fails_packed(_described(per_document))
             return NO_DATA_SIDE_PER_DOCUMENT if per_document is True else LEAKS

@@ -464,10 +464,10 @@ class VisionCollator:
         The video processor takes them in one call, unstacked (`return_tensors=None`: a [frames, C, H, W] per video,
         of any frame counts), without sampling (the frames are the samples)."""
         pixels = self.video_processor(videos=videos, return_tensors=None, do_sample_frames=False)["pixel_values_videos"]
-        made = [len(frames) for frames in pixels]
-        if made != [len(frames) for frames in videos]:
-            raise UsageError(f"The video processor made {made} frames of the batch's videos of "
-                             f"{[len(frames) for frames in videos]}; prepack counted each frame once.")
+        made, counts = [len(frames) for frames in pixels], [len(frames) for frames in videos]
+        if made != counts:
+            raise UsageError(f"The video processor made {made} frames of the batch's videos of {counts}; prepack "
+                             "counted each frame once.")
         return torch.cat(list(pixels))[None]
 
     def _video_runs(self, batch: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:

@@ -224,7 +224,7 @@ def test_model_token_cost_reads_deepseeks_latent_attention_shared_experts_and_de
     attention = (d * 1536 + 1536 * 128 * 192) + d * (512 + 64) + 512 * 128 * (128 + 128) + 128 * 128 * d
     width = (3 * 18432 + 58 * 2048 * (8 + 1)) / 61
     assert model_token_cost(v3) == pytest.approx((attention + 3 * d * width) / (128 * (192 + 128) / 2), rel=1e-12)
-    # ~37B parameters a token go through, over 61 layers of attention 20,480 wide (not 7168): about 30,000
+    # about 30,000 by the formula above: its attention is 20,480 wide (not its hidden size, 7168)
     assert 25_000 < model_token_cost(v3) < 35_000
 
 

@@ -44,10 +44,6 @@ def grown(stores, tmp_path) -> Path:
     return shutil.copytree(stores["grown"], tmp_path / "store")
 
 
-def _found(store: Path) -> list[tuple[str | None, str | None]]:
-    return [(p.file, p.column) for p in verify_store(store, all_problems=True)]
-
-
 def test_a_fresh_store_verifies_and_the_command_says_what_it_checked(stores):
     store = stores["fresh"]
     m = read_store_manifest(store)
@@ -122,7 +118,7 @@ def test_forged_length_counts_with_consistent_totals_are_named(grown):
     # Every document of 1 token but one: they add up to the store's documents and tokens, which its model checks.
     edit_json(grown / "store.json", lambda raw: raw.update(length_counts=[[1, m.documents - 1], [m.tokens - m.documents + 1, 1]]))
     read_store_manifest(grown)
-    assert _found(grown) == [("store.json", "length_counts")]
+    assert [(p.file, p.column) for p in verify_store(grown, all_problems=True)] == [("store.json", "length_counts")]
 
 
 def test_a_forged_generation_fingerprint_is_named(grown):
